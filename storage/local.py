@@ -1,0 +1,223 @@
+"""A local folder as an object store: the embedded default, and a shared filesystem on clusters.
+
+Objects are files under the root. Every write goes to a hidden temporary file in the target's
+folder and is published with one atomic filesystem call, so readers never see a partial object:
+`os.replace` for put, `os.link` (which fails if the name exists) for create-if-absent.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+from storage.store import (
+    InvalidKey,
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectWriter,
+    PendingUpload,
+    StoreError,
+    check_key,
+)
+
+_PART_SUFFIX = ".part"
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(_PART_SUFFIX)
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str):
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.uri = self.root
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StoreError(f"local store root {self.root!r} exists and is not a folder")
+
+    def _path(self, key: str) -> str:
+        path = os.path.join(self.root, *check_key(key).split("/"))
+        if os.path.commonpath([self.root, os.path.abspath(path)]) != self.root:
+            raise InvalidKey(f"invalid object key {key!r}: resolves outside {self.root}")
+        return path
+
+    def _temp_path(self, path: str) -> str:
+        folder, name = os.path.split(path)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise _os_error(e, folder) from e
+        return os.path.join(folder, f".{name}.{uuid.uuid4().hex}{_PART_SUFFIX}")
+
+    def _write_temp(self, path: str, data: bytes) -> str:
+        tmp = self._temp_path(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            _remove_quietly(tmp)
+            raise _os_error(e, path) from e
+        return tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        os.replace(tmp, path)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        if os.path.exists(path):
+            return False
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise _os_error(e, path) from e
+        finally:
+            _remove_quietly(tmp)
+        return True
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
+        except OSError as e:
+            raise _os_error(e, path) from e
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range [{start}, {end}) for {key!r}")
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # Walk only the folder that can hold the prefix, not the whole root.
+        folder = prefix.rpartition("/")[0]
+        start = os.path.join(self.root, *folder.split("/")) if folder else self.root
+        found = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, self.root)
+            base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for name in filenames:
+                key = base + name
+                if _is_temp(name) or not key.startswith(prefix):
+                    continue
+                try:
+                    found.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
+                except FileNotFoundError:  # deleted while listing
+                    continue
+        yield from sorted(found, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        _remove_quietly(self._path(key))
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        return LocalWriter(self, key)
+
+    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        pending = []
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if not _is_temp(name):
+                    continue
+                final = name[1:].rsplit(".", 2)[0]
+                rel = os.path.relpath(os.path.join(dirpath, final), self.root).replace(os.sep, "/")
+                if rel.startswith(prefix):
+                    path = os.path.join(dirpath, name)
+                    pending.append(PendingUpload(rel, path, os.stat(path).st_mtime))
+        return pending
+
+    def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
+        now, aborted = time.time(), 0
+        for up in self.list_pending_uploads(prefix):
+            if now - up.initiated >= older_than_s:
+                _remove_quietly(up.upload_id)
+                aborted += 1
+        return aborted
+
+
+class LocalWriter(ObjectWriter):
+    """Streams into a hidden temporary file; `close()` renames it into place."""
+
+    def __init__(self, store: LocalStore, key: str):
+        self.key = key
+        self._path = store._path(key)
+        self._tmp = store._temp_path(self._path)
+        try:
+            self._file = open(self._tmp, "wb")
+        except OSError as e:
+            raise _os_error(e, self._path) from e
+        self._written = 0
+        self._done = False
+
+    def write(self, data: bytes | memoryview) -> int:
+        if self._done:
+            raise StoreError(f"writer for {self.key!r} is already closed")
+        try:
+            n = self._file.write(data)
+        except OSError as e:
+            self.abort()
+            raise _os_error(e, self._path) from e
+        self._written += n
+        return n
+
+    def close(self) -> None:
+        if self._done:
+            return
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self._path)
+        except OSError as e:
+            self.abort()
+            raise _os_error(e, self._path) from e
+        self._done = True
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._file.close()
+        _remove_quietly(self._tmp)
+
+    @property
+    def bytes_written(self) -> int:
+        return self._written
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _os_error(e: OSError, path: str) -> StoreError:
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StoreError(f"cannot write {path}: permission denied; choose a writable output folder")
+    if e.errno == errno.ENOSPC:
+        return StoreError(f"cannot write {path}: no space left on device")
+    return StoreError(f"cannot access {path}: {e.strerror or e}")

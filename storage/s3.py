@@ -1,0 +1,398 @@
+"""S3 and S3-compatible stores (Ceph radosgw, MinIO, moto) through boto3.
+
+Endpoints, credentials and region come from boto3's standard chain (`AWS_ENDPOINT_URL`,
+`AWS_ACCESS_KEY_ID`, `~/.aws/config`, instance roles...); `S3Options` adds the knobs that
+S3-compatible servers need: path-style addressing and the request-checksum mode (boto3 >= 1.36
+sends checksums some servers reject). Transient errors (5xx, throttling, resets) are retried by
+botocore's retry modes; the body of a GET, which botocore does not retry once streaming, is
+retried here.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import boto3
+import botocore.exceptions as bexc
+from botocore.config import Config
+
+from storage.store import (
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectWriter,
+    PendingUpload,
+    StoreError,
+    check_key,
+    join_key,
+)
+
+MiB = 1 << 20
+MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
+MAX_PARTS = 10_000
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class S3Options:
+    """Connection and upload settings; None means "boto3's standard resolution"."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    checksum_mode: Literal["when_supported", "when_required"] | None = None
+    threads: int = 8
+    part_size: int = 16 * MiB
+    max_parts_in_memory: int = 4
+    max_attempts: int = 8
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size {self.part_size} is below S3's minimum of {MIN_PART_SIZE} bytes (5 MiB)")
+        if self.max_parts_in_memory < 1:
+            raise ValueError("max_parts_in_memory must be >= 1")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ValueError(f"addressing_style must be auto, path or virtual, not {self.addressing_style!r}")
+        if self.checksum_mode not in (None, "when_supported", "when_required"):
+            raise ValueError(f"checksum_mode must be when_supported or when_required, not {self.checksum_mode!r}")
+
+
+class S3Store(ObjectStore):
+    def __init__(self, uri: str, options: S3Options | None = None):
+        if not uri.startswith("s3://"):
+            raise StoreError(f"not an S3 URI: {uri!r}")
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
+        if not bucket:
+            raise StoreError(f"S3 URI {uri!r} has no bucket; use s3://bucket/prefix")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.options = options or S3Options()
+        o = self.options
+        config = Config(
+            retries={"mode": "standard", "max_attempts": o.max_attempts},
+            max_pool_connections=o.threads + 4,
+            s3={"addressing_style": o.addressing_style},
+            connect_timeout=o.connect_timeout_s,
+            read_timeout=o.read_timeout_s,
+            **({"request_checksum_calculation": o.checksum_mode} if o.checksum_mode else {}),
+        )
+        session = boto3.session.Session()
+        region = o.region or session.region_name or "us-east-1"
+        self.client = session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=config)
+        self.endpoint = self.client.meta.endpoint_url
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return join_key(self.prefix, check_key(key))
+
+    def _rel(self, full_key: str) -> str:
+        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="layertap-s3")
+            return self._pool
+
+    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except bexc.ClientError as e:
+            raise self._translate(e, what, key) from None
+        except bexc.NoCredentialsError:
+            raise StoreError(
+                f"no S3 credentials found for {self.uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or AWS_PROFILE, or an instance role)"
+            ) from None
+        except (bexc.EndpointConnectionError, bexc.ConnectTimeoutError) as e:
+            raise StoreError(
+                f"cannot reach the S3 endpoint {self.endpoint} for {what} of {key!r}: {type(e).__name__}; "
+                "check AWS_ENDPOINT_URL and that the server is up"
+            ) from None
+
+    def _translate(self, e: bexc.ClientError, what: str, key: str) -> StoreError:
+        code = e.response.get("Error", {}).get("Code", "")
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        where = f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
+        if code == "NoSuchBucket":
+            return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it or fix the URI")
+        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+            return ObjectNotFound(f"no object at {where}")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403") or status == 403:
+            return StoreError(
+                f"access denied for {what} of {where} ({code}): check the credentials and their permissions"
+            )
+        return StoreError(f"{what} of {where} failed: {code or status} {e.response.get('Error', {}).get('Message', '')}")
+
+    def _read_body(self, what: str, key: str, **kwargs) -> bytes:
+        """GET and read the body, retrying failures that happen while the body streams in."""
+        attempt = 0
+        while True:
+            try:
+                resp = self._call(what, key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs))
+                return resp["Body"].read()
+            except (bexc.ResponseStreamingError, bexc.ReadTimeoutError, bexc.IncompleteReadError,
+                    bexc.ConnectionClosedError) as e:
+                attempt += 1
+                if attempt >= self.options.max_attempts:
+                    raise StoreError(f"{what} of {key!r} failed after {attempt} attempts: {type(e).__name__}") from None
+                _backoff(attempt)
+
+    # -- interface -------------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call("put", key, lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """`If-None-Match: *`. A 412 whose existing body equals `data` counts as ours: a retried PUT
+        whose first attempt landed sees its own object. Racers must therefore write distinct
+        payloads (commits and leases carry an owner token)."""
+        for attempt in range(1, self.options.max_attempts + 1):
+            created = self._call("create", key, lambda: self._try_create(key, data))
+            if created is not None:
+                return created
+            _backoff(attempt)
+        raise StoreError(f"create of {key!r} kept conflicting after {self.options.max_attempts} attempts")
+
+    def _try_create(self, key: str, data: bytes) -> bool | None:
+        """True if created, False if another writer's object is there, None to try again."""
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+            return True
+        except bexc.ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 409 or code == "ConditionalRequestConflict":  # a concurrent create in flight
+                return None
+            if not (status == 412 or code == "PreconditionFailed"):
+                raise
+        try:
+            return self.get(key) == data
+        except ObjectNotFound:  # deleted in between
+            return None
+
+    def get(self, key: str) -> bytes:
+        return self._read_body("get", key)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range [{start}, {end}) for {key!r}")
+        if end == start:
+            return b""
+        try:
+            return self._read_body("ranged get", key, Range=f"bytes={start}-{end - 1}")
+        except StoreError as e:
+            if "InvalidRange" in str(e):  # start at or past the end
+                return b""
+            raise
+
+    def size(self, key: str) -> int:
+        resp = self._call("head", key, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
+        return int(resp["ContentLength"])
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        full = join_key(self.prefix, prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        if prefix.endswith("/") and not full.endswith("/"):
+            full += "/"
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full)
+        it = iter(pages)
+        while True:
+            page = self._call("list", prefix, lambda: next(it, None))
+            if page is None:
+                return
+            for obj in page.get("Contents", []):
+                yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        return S3Writer(self, key, self.options.part_size, self.options.max_parts_in_memory)
+
+    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        full = join_key(self.prefix, prefix) if prefix else self.prefix
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full)
+        out = []
+        for page in self._call("list uploads", prefix, lambda: list(pages)):
+            for up in page.get("Uploads", []):
+                out.append(PendingUpload(self._rel(up["Key"]), up["UploadId"], up["Initiated"].timestamp()))
+        return out
+
+    def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
+        now, aborted = time.time(), 0
+        for up in self.list_pending_uploads(prefix):
+            if now - up.initiated >= older_than_s:
+                self._abort_upload(up.key, up.upload_id)
+                aborted += 1
+        return aborted
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
+        except bexc.ClientError as e:
+            if e.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                raise self._translate(e, "abort upload", key) from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class S3Writer(ObjectWriter):
+    """Multipart upload that runs while the caller writes.
+
+    At most `max_parts` buffers of `part_size` bytes live at once (the one being filled included):
+    when all are in flight, `write` blocks until a part finishes uploading, which is the
+    backpressure that keeps memory bounded. Parts upload concurrently on the store's pool. An
+    object smaller than one part goes up in a single PUT. Any failure aborts the upload, so no
+    orphaned parts are left behind.
+    """
+
+    def __init__(self, store: S3Store, key: str, part_size: int, max_parts: int):
+        self.key = key
+        self._store = store
+        self._full_key = store._key(key)
+        self._part_size = part_size
+        self._slots = threading.BoundedSemaphore(max_parts)
+        self._buf: bytearray | None = None
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._written = 0
+        self._buffered = 0
+        self._peak = 0
+        self._lock = threading.Lock()
+        self._done = False
+
+    def _account(self, delta: int) -> None:
+        with self._lock:
+            self._buffered += delta
+            self._peak = max(self._peak, self._buffered)
+
+    def write(self, data: bytes | memoryview) -> int:
+        if self._done:
+            raise StoreError(f"writer for {self.key!r} is already closed")
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        try:
+            while view.nbytes:
+                if self._buf is None:
+                    self._slots.acquire()
+                    self._buf = bytearray()
+                take = view[: self._part_size - len(self._buf)]
+                self._buf += take
+                self._account(take.nbytes)
+                view = view[take.nbytes :]
+                if len(self._buf) == self._part_size:
+                    self._ship()
+        except BaseException:
+            self.abort()
+            raise
+        self._written += size
+        return size
+
+    def _ship(self) -> None:
+        self._raise_failed_part()
+        if self._upload_id is None:
+            resp = self._store._call(
+                "create multipart upload", self.key,
+                lambda: self._store.client.create_multipart_upload(Bucket=self._store.bucket, Key=self._full_key),
+            )
+            self._upload_id = resp["UploadId"]
+        number = len(self._parts) + 1
+        if number > MAX_PARTS:
+            raise StoreError(f"{self.key!r} needs more than {MAX_PARTS} parts: raise part_size")
+        body, self._buf = self._buf, None
+        self._parts.append(self._store.pool.submit(self._upload_part, number, body))
+
+    def _upload_part(self, number: int, body: bytearray) -> dict:
+        try:
+            resp = self._store._call(
+                "upload part", self.key,
+                lambda: self._store.client.upload_part(
+                    Bucket=self._store.bucket, Key=self._full_key, UploadId=self._upload_id,
+                    PartNumber=number, Body=body,
+                ),
+            )
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+        finally:
+            self._account(-len(body))
+            self._slots.release()
+
+    def _raise_failed_part(self) -> None:
+        for f in self._parts:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
+    def close(self) -> None:
+        if self._done:
+            return
+        try:
+            if self._upload_id is None:
+                body = bytes(self._buf or b"")
+                self._store.put(self.key, body)
+                self._release_buffer()
+            else:
+                if self._buf:
+                    self._ship()
+                parts = [f.result() for f in self._parts]
+                self._store._call(
+                    "complete multipart upload", self.key,
+                    lambda: self._store.client.complete_multipart_upload(
+                        Bucket=self._store.bucket, Key=self._full_key, UploadId=self._upload_id,
+                        MultipartUpload={"Parts": parts},
+                    ),
+                )
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+
+    def _release_buffer(self) -> None:
+        if self._buf is not None:
+            self._account(-len(self._buf))
+            self._buf = None
+            self._slots.release()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        for f in self._parts:
+            f.cancel()
+        for f in self._parts:  # a part still uploading would survive an abort issued before it ends
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:
+                    pass
+        self._release_buffer()
+        if self._upload_id is not None:
+            self._store._abort_upload(self.key, self._upload_id)
+
+    @property
+    def bytes_written(self) -> int:
+        return self._written
+
+    @property
+    def peak_buffered_bytes(self) -> int:
+        return self._peak
+
+
+def _backoff(attempt: int, base: float = 0.1, cap: float = 10.0) -> None:
+    time.sleep(random.uniform(0, min(cap, base * 2**attempt)))

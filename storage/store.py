@@ -1,0 +1,237 @@
+"""The object-store interface every layer of layertap reads and writes through.
+
+Two backends implement it: a local folder (`storage.local`) and S3 or any S3-compatible server
+(`storage.s3`). The interface is deliberately the common denominator of both, so a run prefix can
+move between them without code changes. Keys are always relative to the store's root (the URI the
+store was opened with) and use "/" as separator.
+"""
+
+from __future__ import annotations
+
+import abc
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+
+class StoreError(Exception):
+    """A store operation failed; the message names the key and, where known, the fix."""
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist."""
+
+
+class InvalidKey(StoreError, ValueError):
+    """A key that could escape the store root or is otherwise malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingUpload:
+    """An upload that was started and neither completed nor aborted (a crashed writer)."""
+
+    key: str
+    upload_id: str
+    initiated: float  # unix time
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could leave the root: sample ids and shard names never become stray paths."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKey(f"invalid object key {key!r}: must be a non-empty string")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise InvalidKey(f"invalid object key {key!r}: must be relative and use '/' separators")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise InvalidKey(f"invalid object key {key!r}: empty, '.' or '..' path components are not allowed")
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key components with '/', ignoring empty ones."""
+    return posixpath.join(*[p.strip("/") for p in parts if p and p.strip("/")])
+
+
+class ObjectWriter(abc.ABC):
+    """A streaming writer: bytes go out while the caller is still producing them.
+
+    The object becomes visible only when `close()` succeeds. Leaving the `with` block through an
+    exception (or calling `abort()`) discards everything written so far; nothing half-written is
+    ever visible under the key.
+    """
+
+    key: str
+
+    @abc.abstractmethod
+    def write(self, data: bytes | memoryview) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish the object and make it visible under its key."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard the object; safe to call more than once and after a failed close."""
+
+    @property
+    @abc.abstractmethod
+    def bytes_written(self) -> int: ...
+
+    @property
+    def peak_buffered_bytes(self) -> int:
+        """Largest number of bytes this writer held in memory at once."""
+        return 0
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ObjectStore(abc.ABC):
+    """put / create-if-absent / get / ranged get / list / delete / streaming writer."""
+
+    uri: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Write (or overwrite) a whole object atomically."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create the object only if the key does not exist; True if this call created it.
+
+        Atomic against concurrent callers on any host: exactly one of them gets True.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object; `end` past the object's size is clipped."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int: ...
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """All objects whose key starts with `prefix`, in key order (pages fetched lazily)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    def open_writer(self, key: str) -> ObjectWriter: ...
+
+    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        """Uploads left behind by writers that died before finishing (e.g. SIGKILL)."""
+        return []
+
+    def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
+        """Abort uploads left behind by dead writers; returns how many were aborted."""
+        return 0
+
+    def open_stream(self, key: str, chunk_size: int = 8 << 20) -> BinaryIO:
+        """A read-only file object over the object, for front-to-back parsing."""
+        return _RangeStream(self, key, chunk_size)
+
+    def close(self) -> None:
+        """Release connections and thread pools."""
+
+
+class _RangeStream:
+    """Sequential reads served by ranged GETs of `chunk_size`; never touches local disk."""
+
+    def __init__(self, store: ObjectStore, key: str, chunk_size: int):
+        self._store, self._key, self._chunk = store, key, chunk_size
+        self._size = store.size(key)
+        self._pos = 0
+        self._buf = b""
+        self._buf_start = 0
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self._size - self._pos
+        out = bytearray()
+        while n > 0 and self._pos < self._size:
+            offset = self._pos - self._buf_start
+            if not (0 <= offset < len(self._buf)):
+                want = max(self._chunk, n)
+                self._buf = self._store.get_range(self._key, self._pos, self._pos + want)
+                self._buf_start, offset = self._pos, 0
+                if not self._buf:
+                    break
+            take = self._buf[offset : offset + n]
+            out += take
+            self._pos += len(take)
+            n -= len(take)
+        return bytes(out)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._buf = b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_store(uri: str, **options) -> ObjectStore:
+    """Open `s3://bucket/prefix`, `file:///path` or a plain local path.
+
+    Options are passed to the backend (see `storage.s3.S3Options` for the S3 ones).
+    """
+    if uri.startswith("s3://"):
+        from storage.s3 import S3Options, S3Store
+
+        return S3Store(uri, S3Options(**options))
+    if "://" in uri and not uri.startswith("file://"):
+        scheme = uri.split("://", 1)[0]
+        raise StoreError(f"unsupported store URI {uri!r}: scheme {scheme!r}; use s3://bucket/prefix or a local path")
+    from storage.local import LocalStore
+
+    if options:
+        raise StoreError(f"the local store takes no options, got {sorted(options)}")
+    return LocalStore(uri.removeprefix("file://"))
+
+
+def split_object_uri(uri: str) -> tuple[str, str]:
+    """Split the URI of one object into (store root URI, key) for `open_store`."""
+    uri = uri.rstrip("/")
+    if uri.startswith("s3://"):
+        bucket_and_key = uri[len("s3://") :]
+        bucket, _, key = bucket_and_key.partition("/")
+        if not key:
+            raise StoreError(f"{uri!r} names a bucket, not an object")
+        root, _, name = key.rpartition("/")
+        return (f"s3://{bucket}/{root}" if root else f"s3://{bucket}"), name
+    path = uri.removeprefix("file://")
+    root, name = posixpath.split(path)
+    return root or ".", name

@@ -1,0 +1,219 @@
+"""The object store on both backends: a local folder and a moto S3 server over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import boto3
+import pytest
+
+from storage.s3 import MiB
+from storage.store import InvalidKey, ObjectNotFound, StoreError, open_store, split_object_uri
+
+
+def test_put_get_range_size_delete(store):
+    store.put("a/b.bin", b"0123456789")
+    assert store.get("a/b.bin") == b"0123456789"
+    assert store.get_range("a/b.bin", 2, 5) == b"234"
+    assert store.get_range("a/b.bin", 8, 100) == b"89"
+    assert store.size("a/b.bin") == 10
+    store.put("a/b.bin", b"new")  # overwrite
+    assert store.get("a/b.bin") == b"new"
+    store.delete("a/b.bin")
+    assert not store.exists("a/b.bin")
+    store.delete("a/b.bin")  # deleting twice is fine
+    with pytest.raises(ObjectNotFound):
+        store.get("a/b.bin")
+    with pytest.raises(ObjectNotFound):
+        store.size("missing")
+
+
+def test_put_if_absent(store):
+    assert store.put_if_absent("commit/1.json", b"first") is True
+    assert store.put_if_absent("commit/1.json", b"second") is False
+    assert store.get("commit/1.json") == b"first"
+
+
+def test_list_by_prefix_is_sorted_and_scoped(store):
+    keys = [f"shards/{i:05d}.lts" for i in range(30)] + ["commits/00001.json", "shardsx"]
+    for k in keys:
+        store.put(k, k.encode())
+    listed = list(store.list("shards/"))
+    assert [o.key for o in listed] == sorted(k for k in keys if k.startswith("shards/"))
+    assert all(o.size == len(o.key) for o in listed)
+    assert {o.key for o in store.list("shards")} == {k for k in keys if k.startswith("shards")}
+    assert {o.key for o in store.list()} == set(keys)
+
+
+def test_s3_list_paginates_past_one_page(s3_bucket):
+    store = open_store(f"s3://{s3_bucket}/p")
+    keys = [f"k/{i:05d}" for i in range(1105)]  # S3 pages hold 1,000 keys
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: store.put(k, b"x"), keys))
+    assert [o.key for o in store.list("k/")] == keys
+
+
+@pytest.mark.parametrize("bad", ["", "/abs", "../escape", "a/../../b", "a//b", "a\\b", "./a"])
+def test_keys_cannot_escape_the_root(store, bad):
+    with pytest.raises(InvalidKey):
+        store.put(bad, b"x")
+
+
+def test_put_if_absent_race_between_processes_has_one_winner(store_uri):
+    """Eight real processes race to create one key; exactly one wins, and its payload is stored."""
+    code = textwrap.dedent(f"""
+        import sys
+        from storage.store import open_store
+        s = open_store({store_uri!r})
+        print(s.put_if_absent("race/marker", ("worker-" + sys.argv[1]).encode()))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stdout=subprocess.PIPE, text=True)
+             for i in range(8)]
+    results = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert sorted(results) == ["False"] * 7 + ["True"]
+    winner = results.index("True")
+    assert open_store(store_uri).get("race/marker") == f"worker-{winner}".encode()
+
+
+def test_small_object_goes_up_in_one_put(s3_bucket):
+    store = open_store(f"s3://{s3_bucket}/p")
+    with store.open_writer("small") as w:
+        w.write(b"abc")
+        w.write(b"def")
+    assert store.get("small") == b"abcdef"
+    assert store.list_pending_uploads() == []
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_multipart_writer_bounds_memory_and_round_trips(s3_bucket, k):
+    p = 5 * MiB
+    store = open_store(f"s3://{s3_bucket}/p", part_size=p, max_parts_in_memory=k, threads=4)
+    data = os.urandom(3 * MiB) * 8  # 24 MiB -> 5 parts
+    w = store.open_writer("big.bin")
+    for i in range(0, len(data), 777_777):  # odd chunk sizes straddle part boundaries
+        w.write(data[i : i + 777_777])
+    assert not store.exists("big.bin"), "object must not be visible before close"
+    w.close()
+    assert store.get("big.bin") == data
+    assert 0 < w.peak_buffered_bytes <= k * p
+    assert w.bytes_written == len(data)
+    assert store.list_pending_uploads() == []
+
+
+def test_failure_inside_writer_leaves_nothing(store_uri):
+    options = {"part_size": 5 * MiB, "max_parts_in_memory": 2} if store_uri.startswith("s3://") else {}
+    store = open_store(store_uri, **options)
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.open_writer("shards/x.lts") as w:
+            w.write(os.urandom(12 * MiB))  # at least two parts uploaded on S3
+            raise RuntimeError("boom")
+    assert not store.exists("shards/x.lts")
+    assert list(store.list()) == []
+    assert store.list_pending_uploads() == []
+
+
+def test_killed_writer_leaves_no_visible_object_and_pending_upload_is_aborted(store_uri):
+    """SIGKILL mid-upload: the key never appears; the leftover upload is listed, then aborted."""
+    options = {"part_size": 5 * MiB, "max_parts_in_memory": 2} if store_uri.startswith("s3://") else {}
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from storage.store import open_store
+        s = open_store({store_uri!r}, **{options!r})
+        w = s.open_writer("shards/killed.lts")
+        w.write(os.urandom(16 << 20))
+        print("written", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "written"
+    time.sleep(1.0)  # let in-flight parts land
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    store = open_store(store_uri)
+    assert not store.exists("shards/killed.lts")
+    assert [o.key for o in store.list()] == []
+    pending = store.list_pending_uploads("shards/")
+    assert [p.key for p in pending] == ["shards/killed.lts"]
+    assert store.abort_pending_uploads("shards/") == 1
+    assert store.list_pending_uploads() == []
+
+
+def test_missing_bucket_is_a_clear_error(s3_endpoint):
+    store = open_store("s3://no-such-bucket-layertap/p")
+    with pytest.raises(StoreError, match="bucket 'no-such-bucket-layertap' does not exist"):
+        store.put("x", b"y")
+
+
+def test_wrong_endpoint_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    store = open_store("s3://b/p", max_attempts=1, connect_timeout_s=1)
+    with pytest.raises(StoreError, match="cannot reach the S3 endpoint http://127.0.0.1:9") as e:
+        store.get("x")
+    assert "AWS_ENDPOINT_URL" in str(e.value)
+
+
+def test_no_credentials_is_a_clear_error(monkeypatch, tmp_path):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    store = open_store("s3://b/p")
+    with pytest.raises(StoreError, match="no S3 credentials found"):
+        store.get("x")
+
+
+def test_store_errors_do_not_leak_the_secret_key(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SUPERSECRET-DO-NOT-PRINT")
+    store = open_store("s3://no-such-bucket-layertap/p")
+    with pytest.raises(StoreError) as e:
+        store.get("x")
+    assert "SUPERSECRET" not in str(e.value)
+
+
+def test_s3_options_validation():
+    with pytest.raises(ValueError, match="below S3's minimum"):
+        open_store("s3://b/p", part_size=1 << 20)
+    with pytest.raises(ValueError, match="addressing_style"):
+        open_store("s3://b/p", addressing_style="sideways")
+
+
+def test_path_style_and_checksum_mode_reach_the_server(s3_bucket):
+    store = open_store(f"s3://{s3_bucket}/p", addressing_style="path", checksum_mode="when_required")
+    store.put("k", b"v")
+    assert store.get("k") == b"v"
+    assert boto3.client("s3").get_object(Bucket=s3_bucket, Key="p/k")["Body"].read() == b"v"
+
+
+def test_unwritable_local_output_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    store = open_store(str(tmp_path / "file" / "sub"))
+    with pytest.raises(StoreError, match="cannot"):
+        store.put("x", b"y")
+
+
+def test_unsupported_scheme():
+    with pytest.raises(StoreError, match="unsupported store URI"):
+        open_store("gs://bucket/prefix")
+
+
+def test_split_object_uri():
+    assert split_object_uri("s3://b/run/shards/00001.lts") == ("s3://b/run/shards", "00001.lts")
+    assert split_object_uri("s3://b/x.lts") == ("s3://b", "x.lts")
+    assert split_object_uri("/tmp/run/x.lts") == ("/tmp/run", "x.lts")
+    assert split_object_uri("file:///tmp/run/x.lts") == ("/tmp/run", "x.lts")
+
+
+def test_open_stream_reads_front_to_back(store):
+    data = os.urandom(100_000)
+    store.put("obj", data)
+    with store.open_stream("obj", chunk_size=7_000) as f:
+        got = b"".join(iter(lambda: f.read(3_333), b""))
+    assert got == data
