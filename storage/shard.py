@@ -1,0 +1,509 @@
+"""The shard format: many samples' activations in one self-describing, checksummed object.
+
+Layout (docs/FORMAT.md is the normative description)::
+
+    preamble   16 B   magic "LTSHARD\\0", u32 format version, u32 flags (0)
+    frame      HEAD   JSON: run, shard, model, layers and their convention, codec, ...
+    frame*     RECD   one sample: a safetensors blob (codec-encoded tensors + string metadata)
+    frame      FOOT   JSON: index of records (offset, length, hash, sample id, tokens), totals,
+                      the xxh3-128 of every byte before this frame
+    trailer    16 B   u64 offset of the FOOT frame, magic "LTSEND\\0\\0"
+
+Every frame is `kind (4 B) | payload length (u64) | xxh3-64 of payload (u64) | payload`, all
+little-endian. The frames make the object parseable front to back while it is still being
+uploaded; the trailer and footer give random access to any record with one ranged GET.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, BinaryIO, Literal
+
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from storage.codecs import get_codec
+from storage.store import ObjectStore, ObjectWriter
+
+FORMAT_NAME = "layertap-shard"
+FORMAT_VERSION = 1
+MAGIC = b"LTSHARD\x00"
+TRAILER_MAGIC = b"LTSEND\x00\x00"
+PREAMBLE = struct.Struct("<8sII")
+FRAME = struct.Struct("<4sQQ")
+TRAILER = struct.Struct("<Q8s")
+HEAD, RECD, FOOT = b"HEAD", b"RECD", b"FOOT"
+LAYER_CONVENTION = "decoder_output"  # layer k = output of decoder layer k = HF hidden_states[k + 1]
+FINAL_STATES = ("none", "prenorm", "postnorm")
+
+
+class ShardError(Exception):
+    """A shard is corrupt, truncated or not understood; the message names the object."""
+
+
+class UnsupportedShardVersion(ShardError):
+    pass
+
+
+@dataclass(kw_only=True)
+class ShardMeta:
+    """What a reader needs to interpret the records, written once in the HEAD frame."""
+
+    run_id: str
+    shard_id: int
+    model: str
+    model_revision: str | None = None
+    layers: list[int]
+    layer_convention: str = LAYER_CONVENTION
+    final_state: Literal["none", "prenorm", "postnorm"] = "none"
+    hidden_size: int
+    dtype: str = "bfloat16"
+    codec: str
+    tokenizer: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        get_codec(self.codec)  # unknown codec -> ValueError naming it
+        if not self.layers or any(not isinstance(k, int) or k < 0 for k in self.layers):
+            raise ValueError(f"layers must be a non-empty list of non-negative ints, got {self.layers!r}")
+        if self.final_state not in FINAL_STATES:
+            raise ValueError(f"final_state must be one of {FINAL_STATES}, got {self.final_state!r}")
+        if self.hidden_size <= 0:
+            raise ValueError(f"hidden_size must be positive, got {self.hidden_size}")
+        if self.dtype != "bfloat16":
+            raise ValueError(f"only bfloat16 activations are supported, got {self.dtype!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ShardMeta:
+        fields = {k: v for k, v in obj.items() if k not in ("format", "format_version", "created_at")}
+        return cls(**fields)
+
+
+@dataclass(slots=True)
+class Sample:
+    """One sample's tokens and activations, unpadded."""
+
+    sample_id: str
+    input_ids: torch.Tensor  # int [S]
+    loss_mask: torch.Tensor  # 0/1 [S]
+    hidden_states: torch.Tensor  # bf16 [S, len(layers), hidden]
+    final_state: torch.Tensor | None = None  # bf16 [S, hidden]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    """A sample turned into its RECD payload, ready to append (encoding runs in worker threads)."""
+
+    sample_id: str
+    num_tokens: int
+    payload: bytes
+    raw_bytes: int  # activation bytes before the codec
+    sq_err: float = 0.0  # codec reconstruction error, summed (lossy codecs)
+    sq_norm: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEntry:
+    """One line of the footer index."""
+
+    sample_id: str
+    offset: int  # of the frame, from the start of the object
+    length: int  # of the whole frame
+    num_tokens: int
+    xxh3_64: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """What the writer reports once the object is complete: the facts a commit record needs."""
+
+    key: str
+    bytes: int
+    xxh3_128: str  # of the whole object
+    num_records: int
+    num_tokens: int
+    raw_bytes: int
+    sample_ids: list[str]
+    relative_error: float | None
+
+
+def _frame(kind: bytes, payload: bytes) -> bytes:
+    return FRAME.pack(kind, len(payload), xxhash.xxh3_64_intdigest(payload))
+
+
+def encode_record(sample: Sample, meta: ShardMeta) -> EncodedRecord:
+    """Validate a sample against the shard's metadata and encode it with the shard's codec."""
+    sid = sample.sample_id
+    if not isinstance(sid, str) or not sid:
+        raise ValueError(f"sample_id must be a non-empty string, got {sid!r}")
+    s = sample.input_ids.shape[0] if sample.input_ids.dim() == 1 else -1
+    if s < 0:
+        raise ValueError(f"sample {sid}: input_ids must be 1-D, got shape {tuple(sample.input_ids.shape)}")
+    if tuple(sample.loss_mask.shape) != (s,):
+        raise ValueError(f"sample {sid}: loss_mask shape {tuple(sample.loss_mask.shape)} != ({s},)")
+    want = (s, len(meta.layers), meta.hidden_size)
+    if tuple(sample.hidden_states.shape) != want:
+        raise ValueError(f"sample {sid}: hidden_states shape {tuple(sample.hidden_states.shape)} != {want}")
+    has_final = sample.final_state is not None
+    if has_final != (meta.final_state != "none"):
+        raise ValueError(f"sample {sid}: final_state is {'present' if has_final else 'missing'} "
+                         f"but the shard says final_state={meta.final_state!r}")
+    if has_final and tuple(sample.final_state.shape) != (s, meta.hidden_size):
+        raise ValueError(f"sample {sid}: final_state shape {tuple(sample.final_state.shape)} != {(s, meta.hidden_size)}")
+    ids = sample.input_ids
+    if s and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
+        raise ValueError(f"sample {sid}: token ids must lie in [0, 2^31)")
+
+    codec = get_codec(meta.codec)
+    tensors: dict[str, torch.Tensor] = {
+        "input_ids": ids.to(torch.int32).contiguous(),
+        "loss_mask": sample.loss_mask.to(torch.uint8).contiguous(),
+    }
+    md = {"sample_id": sid, "num_tokens": str(s), "codec": meta.codec}
+    raw, sq_err, sq_norm = 0, 0.0, 0.0
+    for name in ("hidden_states", "final_state"):
+        x = getattr(sample, name)
+        if x is None:
+            continue
+        enc, enc_meta = codec.encode(x.contiguous())
+        raw += x.numel() * x.element_size()
+        tensors.update({f"{name}.{k}": v for k, v in enc.items()})
+        md.update({f"{name}.{k}": v for k, v in enc_meta.items()})
+        sq_err += float(enc_meta.get("sq_err", 0.0))
+        sq_norm += float(enc_meta.get("sq_norm", 0.0))
+    return EncodedRecord(sid, s, st_save(tensors, metadata=md), raw, sq_err, sq_norm)
+
+
+def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
+    """The inverse of `encode_record` (payload hash already checked by the caller)."""
+    try:
+        tensors = st_load(bytes(payload))
+        md = _safetensors_metadata(payload)
+        codec = get_codec(md.get("codec", meta.codec))
+        decoded = {}
+        for name in ("hidden_states", "final_state"):
+            parts = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
+            if parts:
+                sub_meta = {k[len(name) + 1 :]: v for k, v in md.items() if k.startswith(name + ".")}
+                decoded[name] = codec.decode(parts, sub_meta)
+    except Exception as e:  # safetensors, zstd and codec errors all mean the same: bad record
+        raise ShardError(f"record does not decode: {type(e).__name__}: {e}") from None
+    if "hidden_states" not in decoded or "input_ids" not in tensors or "loss_mask" not in tensors:
+        raise ShardError(f"record {md.get('sample_id')!r} lacks input_ids, loss_mask or hidden_states")
+    return Sample(
+        sample_id=md["sample_id"],
+        input_ids=tensors["input_ids"].to(torch.int64),
+        loss_mask=tensors["loss_mask"],
+        hidden_states=decoded["hidden_states"],
+        final_state=decoded.get("final_state"),
+    )
+
+
+def _safetensors_metadata(payload: bytes | memoryview) -> dict[str, str]:
+    (n,) = struct.unpack_from("<Q", payload, 0)
+    return json.loads(bytes(payload[8 : 8 + n])).get("__metadata__", {})
+
+
+class ShardWriter:
+    """Streams a shard into an `ObjectWriter`: records go out as they are appended.
+
+    Use as a context manager; an exception inside the block aborts the object so nothing
+    half-written becomes visible.
+    """
+
+    def __init__(self, writer: ObjectWriter, meta: ShardMeta):
+        self.meta = meta
+        self._out = writer
+        self._hash = xxhash.xxh3_128()
+        self._offset = 0
+        self._entries: list[RecordEntry] = []
+        self._ids: set[str] = set()
+        self._tokens = self._raw = 0
+        self._sq_err = self._sq_norm = 0.0
+        header = dict(meta.to_json(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        head = json.dumps(header, sort_keys=True).encode()
+        self._emit(PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
+        self._emit(_frame(HEAD, head), head)
+
+    def _emit(self, *chunks: bytes) -> None:
+        for c in chunks:
+            self._hash.update(c)
+            self._out.write(c)
+            self._offset += len(c)
+
+    @property
+    def bytes_written(self) -> int:
+        return self._offset
+
+    @property
+    def num_records(self) -> int:
+        return len(self._entries)
+
+    def add(self, sample: Sample) -> RecordEntry:
+        return self.append(encode_record(sample, self.meta))
+
+    def append(self, rec: EncodedRecord) -> RecordEntry:
+        if rec.sample_id in self._ids:
+            raise ValueError(f"sample {rec.sample_id!r} is already in shard {self.meta.shard_id}")
+        header = _frame(RECD, rec.payload)
+        entry = RecordEntry(rec.sample_id, self._offset, len(header) + len(rec.payload), rec.num_tokens,
+                            f"{xxhash.xxh3_64_intdigest(rec.payload):016x}")
+        self._emit(header, rec.payload)
+        self._entries.append(entry)
+        self._ids.add(rec.sample_id)
+        self._tokens += rec.num_tokens
+        self._raw += rec.raw_bytes
+        self._sq_err += rec.sq_err
+        self._sq_norm += rec.sq_norm
+        return entry
+
+    def close(self) -> ShardInfo:
+        footer_offset = self._offset
+        rel_err = (self._sq_err / self._sq_norm) ** 0.5 if self._sq_norm > 0 else (None if not self._lossy() else 0.0)
+        footer = {
+            "num_records": len(self._entries),
+            "num_tokens": self._tokens,
+            "raw_bytes": self._raw,
+            "records": [asdict(e) for e in self._entries],
+            "content_xxh3_128": self._hash.hexdigest(),
+            "relative_error": rel_err,
+        }
+        body = json.dumps(footer, separators=(",", ":")).encode()
+        self._emit(_frame(FOOT, body), body, TRAILER.pack(footer_offset, TRAILER_MAGIC))
+        self._out.close()
+        return ShardInfo(
+            key=self._out.key, bytes=self._offset, xxh3_128=self._hash.hexdigest(),
+            num_records=len(self._entries), num_tokens=self._tokens, raw_bytes=self._raw,
+            sample_ids=[e.sample_id for e in self._entries], relative_error=rel_err,
+        )
+
+    def _lossy(self) -> bool:
+        return not get_codec(self.meta.codec).lossless
+
+    def abort(self) -> None:
+        self._out.abort()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def write_shard(store: ObjectStore, key: str, meta: ShardMeta, samples: Sequence[Sample]) -> ShardInfo:
+    """Convenience: write a whole shard from samples already in memory."""
+    with ShardWriter(store.open_writer(key), meta) as w:
+        for s in samples:
+            w.add(s)
+        return w.close()
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def parse_frame(buf: bytes | memoryview, pos: int, where: str, verify: bool = True) -> tuple[bytes, memoryview, int]:
+    """(kind, payload, next position) of the frame at `pos` of `buf`, hash checked."""
+    if len(buf) - pos < FRAME.size:
+        raise ShardError(f"{where}: truncated frame header at byte {pos}")
+    kind, n, digest = FRAME.unpack_from(buf, pos)
+    start = pos + FRAME.size
+    if kind not in (HEAD, RECD, FOOT):
+        raise ShardError(f"{where}: unknown frame kind {kind!r} at byte {pos}; the object is corrupt")
+    if len(buf) - start < n:
+        raise ShardError(f"{where}: truncated {kind.decode()} frame at byte {pos} "
+                         f"(needs {n} payload bytes, {len(buf) - start} present)")
+    payload = memoryview(buf)[start : start + n]
+    if verify and xxhash.xxh3_64_intdigest(payload) != digest:
+        raise ShardError(f"{where}: checksum mismatch in {kind.decode()} frame at byte {pos}; the object is corrupt")
+    return kind, payload, start + n
+
+
+def _check_preamble(buf: bytes, where: str) -> None:
+    if len(buf) < PREAMBLE.size:
+        raise ShardError(f"{where}: too short to be a layertap shard ({len(buf)} bytes)")
+    magic, version, _ = PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ShardError(f"{where}: not a layertap shard (bad magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise UnsupportedShardVersion(
+            f"{where}: shard format version {version} is not supported by this layertap "
+            f"(it reads version {FORMAT_VERSION}); upgrade layertap to read it"
+        )
+
+
+def _parse_head(payload: memoryview, where: str) -> ShardMeta:
+    try:
+        obj = json.loads(bytes(payload))
+        if obj.get("format") != FORMAT_NAME:
+            raise ShardError(f"{where}: header format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
+        return ShardMeta.from_json(obj)
+    except (ValueError, TypeError) as e:
+        raise ShardError(f"{where}: unreadable shard header: {e}") from None
+
+
+class ShardReader:
+    """Random access to one shard through its footer: a few small ranged GETs to open it, then one
+    ranged GET per record (or per run of adjacent records)."""
+
+    TAIL_GUESS = 256 << 10  # one GET usually brings trailer and footer together
+
+    def __init__(self, store: ObjectStore, key: str, size: int | None = None):
+        self.store, self.key = store, key
+        self.where = f"{store.uri.rstrip('/')}/{key}"
+        self.size = store.size(key) if size is None else size
+        if self.size < PREAMBLE.size + TRAILER.size:
+            raise ShardError(f"{self.where}: too short to be a layertap shard ({self.size} bytes)")
+        head = store.get_range(key, 0, min(self.size, 64 << 10))
+        _check_preamble(head, self.where)
+        n = FRAME.unpack_from(head, PREAMBLE.size)[1] if len(head) >= PREAMBLE.size + FRAME.size else 0
+        if len(head) < PREAMBLE.size + FRAME.size + n:
+            head = store.get_range(key, 0, PREAMBLE.size + FRAME.size + n)
+        kind, payload, self.records_start = parse_frame(head, PREAMBLE.size, self.where)
+        if kind != HEAD:
+            raise ShardError(f"{self.where}: first frame is {kind!r}, expected HEAD")
+        self.meta = _parse_head(payload, self.where)
+        self.footer = self._read_footer()
+        self.entries = [RecordEntry(**e) for e in self.footer["records"]]
+
+    def _read_footer(self) -> dict:
+        tail_start = max(0, self.size - self.TAIL_GUESS)
+        tail = self.store.get_range(self.key, tail_start, self.size)
+        if len(tail) != self.size - tail_start:
+            raise ShardError(f"{self.where}: object changed size while reading")
+        footer_offset, magic = TRAILER.unpack_from(tail, len(tail) - TRAILER.size)
+        if magic != TRAILER_MAGIC or not (self.records_start <= footer_offset < self.size - TRAILER.size):
+            raise ShardError(f"{self.where}: no valid trailer; the shard is truncated or corrupt")
+        if footer_offset < tail_start:
+            tail_start, tail = footer_offset, self.store.get_range(self.key, footer_offset, self.size)
+        kind, payload, end = parse_frame(tail, footer_offset - tail_start, self.where)
+        if kind != FOOT or end != len(tail) - TRAILER.size:
+            raise ShardError(f"{self.where}: trailer does not point at the footer; the shard is corrupt")
+        self.footer_offset = footer_offset
+        return json.loads(bytes(payload))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [e.sample_id for e in self.entries]
+
+    def read(self, index: int) -> Sample:
+        e = self.entries[index]
+        buf = self.store.get_range(self.key, e.offset, e.offset + e.length)
+        kind, payload, _ = parse_frame(buf, 0, f"{self.where} record {index} ({e.sample_id})")
+        return decode_record(payload, self.meta)
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self.entries)):
+            yield self.read(i)
+
+
+@dataclass
+class VerifyReport:
+    key: str
+    ok: bool
+    num_records: int
+    num_tokens: int
+    bytes: int
+    xxh3_128: str
+    error: str | None = None
+
+
+def iter_frames(stream: BinaryIO, where: str, verify: bool = True,
+                content_hash=None) -> Iterator[tuple[bytes, int, bytes]]:
+    """Parse a shard front to back without its footer, as bytes arrive: (kind, offset, payload).
+
+    Raises ShardError on a bad hash or a truncated object (the stream ends before the footer).
+    `content_hash`, an xxh3 hasher, is fed every byte before the footer frame.
+    """
+    feed = content_hash.update if content_hash is not None else (lambda b: None)
+    pre = stream.read(PREAMBLE.size)
+    _check_preamble(pre, where)
+    feed(pre)
+    pos = PREAMBLE.size
+    while True:
+        head = stream.read(FRAME.size)
+        if len(head) < FRAME.size:
+            raise ShardError(f"{where}: truncated at byte {pos + len(head)} before the footer")
+        kind, n, digest = FRAME.unpack(head)
+        if kind not in (HEAD, RECD, FOOT):
+            raise ShardError(f"{where}: unknown frame kind {kind!r} at byte {pos}; the object is corrupt")
+        payload = stream.read(n)
+        if len(payload) < n:
+            raise ShardError(f"{where}: truncated inside the {kind.decode()} frame at byte {pos}")
+        if verify and xxhash.xxh3_64_intdigest(payload) != digest:
+            raise ShardError(f"{where}: checksum mismatch in {kind.decode()} frame at byte {pos}; the object is corrupt")
+        if kind != FOOT:
+            feed(head)
+            feed(payload)
+        yield kind, pos, payload
+        pos += FRAME.size + n
+        if kind == FOOT:
+            return
+
+
+def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = None,
+                 decode: bool = False) -> VerifyReport:
+    """Re-read the whole object and check every hash: each frame, the footer's content hash, the
+    trailer, the whole-object hash (against `expected_xxh3_128`, e.g. from a commit record) and,
+    with `decode`, that every record decodes."""
+    where = f"{store.uri.rstrip('/')}/{key}"
+    whole, content = xxhash.xxh3_128(), xxhash.xxh3_128()
+    records = size = 0
+    try:
+        size = store.size(key)
+        with store.open_stream(key) as raw:
+            stream = _HashingStream(raw, whole)
+            meta, footer, footer_offset = None, None, -1
+            for kind, pos, payload in iter_frames(stream, where, content_hash=content):
+                if kind == HEAD:
+                    meta = _parse_head(memoryview(payload), where)
+                elif kind == RECD:
+                    if meta is None:
+                        raise ShardError(f"{where}: record before header")
+                    records += 1
+                    if decode:
+                        decode_record(payload, meta)
+                else:
+                    footer, footer_offset = json.loads(payload), pos
+            if footer["content_xxh3_128"] != content.hexdigest():
+                raise ShardError(f"{where}: content hash mismatch; the object is corrupt")
+            trailer = stream.read(TRAILER.size)
+            if len(trailer) != TRAILER.size or TRAILER.unpack(trailer) != (footer_offset, TRAILER_MAGIC):
+                raise ShardError(f"{where}: bad or missing trailer; the shard is truncated or corrupt")
+            if stream.read(1):
+                raise ShardError(f"{where}: unexpected bytes after the trailer")
+            if footer["num_records"] != records:
+                raise ShardError(f"{where}: footer lists {footer['num_records']} records, found {records}")
+        digest = whole.hexdigest()
+        if expected_xxh3_128 is not None and digest != expected_xxh3_128:
+            raise ShardError(f"{where}: object hash {digest} differs from the committed {expected_xxh3_128}")
+        return VerifyReport(key, True, records, footer["num_tokens"], size, digest)
+    except (ShardError, ValueError, KeyError) as e:
+        msg = str(e) if isinstance(e, ShardError) else f"{where}: undecodable content ({type(e).__name__}: {e})"
+        return VerifyReport(key, False, records, 0, size, whole.hexdigest(), msg)
+
+
+class _HashingStream:
+    def __init__(self, raw: BinaryIO, hasher):
+        self._raw, self._h = raw, hasher
+
+    def read(self, n: int = -1) -> bytes:
+        b = self._raw.read(n)
+        self._h.update(b)
+        return b
