@@ -1,0 +1,45 @@
+"""The `layertap` command: a thin dispatcher over each package's own subcommands.
+
+Subcommand modules are imported only when used, so `layertap status` starts without torch or
+transformers, and lower layers never import upper ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module defining `add_arguments(parser)` and `run(args) -> int`, one-line help).
+# Those modules import heavy dependencies inside `run`, so building the parser stays cheap.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("storage.cli", "print a shard's metadata and records and verify every hash"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layertap", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
