@@ -11,10 +11,12 @@ import importlib
 import logging
 import sys
 
-# name -> (module defining `add_arguments(parser)` and `run(args) -> int`, one-line help).
-# Those modules import heavy dependencies inside `run`, so building the parser stays cheap.
+# name -> (module defining `add_<name>(parser)` and `run_<name>(args) -> exit code`, one-line help).
+# Those modules import heavy dependencies inside `run_<name>`, so building the parser stays cheap.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("storage.cli", "print a shard's metadata and records and verify every hash"),
+    "status": ("manifests.cli", "show what is done, running, failed and pending in a run"),
+    "verify": ("manifests.cli", "re-read committed shards, check every hash, withdraw bad ones"),
 }
 
 
@@ -25,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        getattr(importlib.import_module(module), f"add_{name}")(p)
     return parser
 
 
@@ -35,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
     try:
-        return int(module.run(args) or 0)
+        return int(getattr(module, f"run_{args.command}")(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

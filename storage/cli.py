@@ -9,13 +9,13 @@ from dataclasses import asdict
 
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("uri", help="a shard object: s3://bucket/prefix/shards/00001.lts or a local path")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--records", type=int, default=20, metavar="N", help="list at most N records (default 20; -1 all)")
 
 
-def run(args: argparse.Namespace) -> int:
+def run_inspect(args: argparse.Namespace) -> int:
     from storage.shard import ShardError, ShardReader, verify_shard
     from storage.store import StoreError, open_store, split_object_uri
 

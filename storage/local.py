@@ -125,9 +125,10 @@ class LocalStore(ObjectStore):
                 if _is_temp(name) or not key.startswith(prefix):
                     continue
                 try:
-                    found.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
+                    st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # deleted while listing
                     continue
+                found.append(ObjectInfo(key, st.st_size, st.st_mtime))
         yield from sorted(found, key=lambda o: o.key)
 
     def delete(self, key: str) -> None:

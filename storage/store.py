@@ -31,6 +31,7 @@ class InvalidKey(StoreError, ValueError):
 class ObjectInfo:
     key: str
     size: int
+    modified: float = 0.0  # unix time of the last write, by the store's clock
 
 
 @dataclass(frozen=True, slots=True)

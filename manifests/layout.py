@@ -1,0 +1,70 @@
+"""Where each record of a run lives under its prefix, and how to read facts back out of key names.
+
+    manifest.json                          the immutable plan
+    shards/{shard:06d}-{token}.lts         data objects; only the one a commit names counts
+    commits/{shard:06d}.json               commit records, created if absent: the truth of "done"
+    tally/{shard:06d}.r{records}.t{tokens}.b{bytes}.x{raw}.s{skipped}
+                                           empty markers carrying a commit's numbers in the name,
+                                           so `status` needs listings only, never a GET per shard
+    leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim; alive while LastModified + ttl > now
+    failures/{shard:06d}/{ms:013d}-{token}.json
+                                           one record per failed attempt
+
+Every record type sits under its own prefix, so one paginated listing per type tells the state
+of the whole run.
+"""
+
+from __future__ import annotations
+
+import re
+
+MANIFEST = "manifest.json"
+SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
+
+_TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
+_LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")
+_SHARD_ID = re.compile(r"^(\d+)")
+
+
+def data_key(shard: int, token: str) -> str:
+    return f"{SHARDS}{shard:06d}-{token}.lts"
+
+
+def commit_key(shard: int) -> str:
+    return f"{COMMITS}{shard:06d}.json"
+
+
+def tally_key(shard: int, records: int, tokens: int, nbytes: int, raw: int, skipped: int) -> str:
+    return f"{TALLY}{shard:06d}.r{records}.t{tokens}.b{nbytes}.x{raw}.s{skipped}"
+
+
+def lease_prefix(shard: int) -> str:
+    return f"{LEASES}{shard:06d}/"
+
+
+def lease_key(shard: int, generation: int, ttl_s: float) -> str:
+    return f"{lease_prefix(shard)}{generation:06d}.ttl{ttl_s:g}"
+
+
+def failure_key(shard: int, millis: int, token: str) -> str:
+    return f"{FAILURES}{shard:06d}/{millis:013d}-{token}.json"
+
+
+def shard_of(key: str, prefix: str) -> int | None:
+    """The shard id a record key under `prefix` belongs to (None for foreign keys)."""
+    m = _SHARD_ID.match(key[len(prefix) :])
+    return int(m.group(1)) if m else None
+
+
+def parse_tally(key: str) -> tuple[int, dict[str, int]] | None:
+    m = _TALLY.match(key[len(TALLY) :])
+    if not m:
+        return None
+    shard, r, t, b, x, s = map(int, m.groups())
+    return shard, {"records": r, "tokens": t, "bytes": b, "raw_bytes": x, "skipped": s}
+
+
+def parse_lease(key: str) -> tuple[int, int, float] | None:
+    """(shard, generation, ttl seconds) of a lease key."""
+    m = _LEASE.match(key[len(LEASES) :])
+    return (int(m.group(1)), int(m.group(2)), float(m.group(3))) if m else None

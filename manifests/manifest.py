@@ -1,0 +1,195 @@
+"""The run manifest: an immutable plan written once at the run prefix.
+
+It pins everything that determines the run's output (model, layers, codec, max length, dataset
+fingerprint, ...) so that a rerun either resumes the very same run or is refused with the list of
+differences, and it fixes each shard's sample range so that any worker on any node computes the
+same shard from the same samples.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from manifests.layout import MANIFEST
+from storage.store import ObjectNotFound, ObjectStore
+
+MANIFEST_FORMAT = "layertap-manifest"
+MANIFEST_VERSION = 1
+DEFAULT_SHARD_BYTES = 1_000_000_000
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+class ManifestError(Exception):
+    """The manifest or a run record is missing, corrupt, or from an incompatible version."""
+
+
+class NoRun(ManifestError):
+    """There is no manifest at the prefix."""
+
+
+class ConfigMismatch(ManifestError):
+    """A rerun's configuration differs from the run already on the store."""
+
+
+def parse_size(text: str | int) -> int:
+    """'64MB' -> 64_000_000, '1GiB' -> 2**30, 4096 -> 4096."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").lower().removesuffix("b") if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"invalid size {text!r}: must be positive")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    id: int
+    start: int  # first sample index (into the dataset's order)
+    end: int  # one past the last
+    est_tokens: int
+
+    @property
+    def num_samples(self) -> int:
+        return self.end - self.start
+
+
+def plan_shards(token_counts: Sequence[int], bytes_per_token: float, shard_bytes: int) -> list[ShardPlan]:
+    """Cut consecutive samples into shards of about `shard_bytes` stored bytes each.
+
+    Sizing by estimated bytes rather than sample count keeps shard objects even when sample
+    lengths vary by 100x, which keeps uploads, retries and loader prefetch predictable.
+    """
+    if bytes_per_token <= 0 or shard_bytes <= 0:
+        raise ValueError("bytes_per_token and shard_bytes must be positive")
+    shards: list[ShardPlan] = []
+    start, tokens, acc = 0, 0, 0.0
+    for i, n in enumerate(token_counts):
+        tokens += n
+        acc += n * bytes_per_token
+        if acc >= shard_bytes:
+            shards.append(ShardPlan(len(shards), start, i + 1, tokens))
+            start, tokens, acc = i + 1, 0, 0.0
+    if start < len(token_counts):
+        shards.append(ShardPlan(len(shards), start, len(token_counts), tokens))
+    return shards
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    run_id: str
+    created_at: str
+    config: dict[str, Any]  # what determines the output; compared on resume
+    dataset: dict[str, Any]  # at least "fingerprint" and "num_samples"
+    shard_bytes: int
+    bytes_per_token: float
+    shards: list[ShardPlan] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return self.shards[-1].end if self.shards else 0
+
+    @property
+    def est_tokens(self) -> int:
+        return sum(s.est_tokens for s in self.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_VERSION,
+            "run_id": self.run_id,
+            "created_at": self.created_at,
+            "config": self.config,
+            "dataset": self.dataset,
+            "shard_bytes": self.shard_bytes,
+            "bytes_per_token": self.bytes_per_token,
+            "shards": [[s.start, s.end, s.est_tokens] for s in self.shards],  # compact: 35k shards
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], where: str) -> Manifest:
+        if not isinstance(obj, Mapping) or obj.get("format") != MANIFEST_FORMAT:
+            raise ManifestError(f"{where} is not a layertap manifest")
+        version = obj.get("format_version")
+        if version != MANIFEST_VERSION:
+            raise ManifestError(f"{where} has manifest version {version}; this layertap reads version "
+                                f"{MANIFEST_VERSION}: use a matching layertap release")
+        try:
+            shards = [ShardPlan(i, int(a), int(b), int(t)) for i, (a, b, t) in enumerate(obj["shards"])]
+            return cls(run_id=str(obj["run_id"]), created_at=str(obj["created_at"]), config=dict(obj["config"]),
+                       dataset=dict(obj["dataset"]), shard_bytes=int(obj["shard_bytes"]),
+                       bytes_per_token=float(obj["bytes_per_token"]), shards=shards)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{where} is corrupt ({type(e).__name__}: {e}); "
+                                "restore it or start a new run under another prefix") from None
+
+    def differences(self, config: Mapping[str, Any], dataset_fingerprint: str | None) -> list[str]:
+        """Human-readable differences between this run and a rerun's configuration."""
+        diffs = [f"{k}: run has {self.config.get(k)!r}, now {config.get(k)!r}"
+                 for k in sorted(set(self.config) | set(config)) if self.config.get(k) != config.get(k)]
+        if dataset_fingerprint is not None and dataset_fingerprint != self.dataset.get("fingerprint"):
+            diffs.append(f"dataset fingerprint: run has {self.dataset.get('fingerprint')!r}, now {dataset_fingerprint!r}")
+        return diffs
+
+
+def load_manifest(store: ObjectStore) -> Manifest:
+    where = f"{store.uri.rstrip('/')}/{MANIFEST}"
+    try:
+        raw = store.get(MANIFEST)
+    except ObjectNotFound:
+        raise NoRun(f"no run at {store.uri}: {MANIFEST} is missing (run `layertap extract` to start one)") from None
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise ManifestError(f"{where} is corrupt (not JSON: {e}); restore it or start a new run under another prefix") from None
+    return Manifest.from_json(obj, where)
+
+
+def create_or_resume(store: ObjectStore, *, config: Mapping[str, Any], dataset: Mapping[str, Any],
+                     token_counts: Sequence[int] | None, bytes_per_token: float,
+                     shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[Manifest, bool]:
+    """The run's manifest and whether this call created it.
+
+    An existing run is resumed only if its configuration and dataset match; otherwise
+    `ConfigMismatch` names every difference. Concurrent creators race on create-if-absent and all
+    but one adopt the winner's plan.
+    """
+    fingerprint = dataset.get("fingerprint")
+    try:
+        existing = load_manifest(store)
+    except NoRun:
+        existing = None
+    if existing is None:
+        if token_counts is None:
+            raise ManifestError(f"no run at {store.uri} and no token counts to plan one")
+        manifest = Manifest(
+            run_id=uuid.uuid4().hex[:12],
+            created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            config=dict(config),
+            dataset=dict(dataset, num_samples=len(token_counts), num_tokens=int(sum(token_counts))),
+            shard_bytes=shard_bytes,
+            bytes_per_token=bytes_per_token,
+            shards=plan_shards(token_counts, bytes_per_token, shard_bytes),
+        )
+        if store.put_if_absent(MANIFEST, json.dumps(manifest.to_json(), indent=1).encode()):
+            return manifest, True
+        existing = load_manifest(store)
+    diffs = existing.differences(config, fingerprint)
+    if diffs:
+        raise ConfigMismatch(
+            f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)
+            + "\nuse the run's settings to resume it, or write the new run to another prefix"
+        )
+    return existing, False

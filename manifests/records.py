@@ -1,0 +1,96 @@
+"""Commit and failure records: small JSON objects, versioned, one per event."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from manifests.manifest import ManifestError
+
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Producer:
+    """Who did the work: enough to find the log of the process that wrote or failed a shard."""
+
+    host: str
+    pid: int
+    rank: int
+    job_id: str | None
+    token: str  # unique per worker process; makes racing payloads distinct
+
+    @classmethod
+    def current(cls, rank: int = 0) -> Producer:
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
+            job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+        return cls(socket.gethostname(), os.getpid(), rank, job, uuid.uuid4().hex[:12])
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    shard: int
+    data_key: str
+    bytes: int
+    xxh3_128: str
+    num_records: int
+    num_tokens: int
+    raw_bytes: int
+    sample_ids: list[str]
+    skipped: list[dict[str, str]] = field(default_factory=list)  # [{"sample_id", "reason"}]
+    truncated: int = 0
+    relative_error: float | None = None
+    producer: dict[str, Any]
+    attempt: int
+    started_at: float
+    committed_at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureRecord:
+    shard: int
+    error_type: str
+    error: str
+    producer: dict[str, Any]
+    attempt: int
+    time: float
+    preempted: bool = False
+
+
+def encode(record: CommitRecord | FailureRecord) -> bytes:
+    kind = "commit" if isinstance(record, CommitRecord) else "failure"
+    return json.dumps({"kind": kind, "version": RECORD_VERSION, **asdict(record)}, separators=(",", ":")).encode()
+
+
+def decode_commit(raw: bytes, where: str) -> CommitRecord:
+    return _decode(raw, where, "commit", CommitRecord)
+
+
+def decode_failure(raw: bytes, where: str) -> FailureRecord:
+    return _decode(raw, where, "failure", FailureRecord)
+
+
+def _decode(raw: bytes, where: str, kind: str, cls):
+    try:
+        obj = json.loads(raw)
+        if obj.get("kind") != kind:
+            raise ValueError(f"expected a {kind} record, found {obj.get('kind')!r}")
+        if obj.get("version") != RECORD_VERSION:
+            raise ManifestError(f"{where}: {kind} record version {obj.get('version')} is not supported "
+                                f"(this layertap reads {RECORD_VERSION}); use a matching layertap release")
+        del obj["kind"], obj["version"]
+        return cls(**obj)
+    except ManifestError:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise ManifestError(f"{where}: corrupt {kind} record ({e}); run `layertap verify` to withdraw it") from None
+
+
+def now() -> float:
+    return time.time()

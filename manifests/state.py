@@ -1,0 +1,98 @@
+"""The state of every shard of a run, from one listing per record type."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from manifests import layout
+from manifests.manifest import Manifest
+from storage.store import ObjectStore
+
+ShardState = Literal["done", "running", "failed", "pending"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    key: str
+    shard: int
+    generation: int
+    ttl_s: float
+    modified: float
+
+    def alive(self, now: float) -> bool:
+        return self.modified + self.ttl_s > now
+
+
+@dataclass
+class RunState:
+    manifest: Manifest
+    now: float
+    committed: set[int] = field(default_factory=set)
+    tallies: dict[int, dict[str, int]] = field(default_factory=dict)
+    tally_times: dict[int, float] = field(default_factory=dict)
+    leases: dict[int, list[Lease]] = field(default_factory=lambda: defaultdict(list))
+    failures: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # keys, oldest first
+    data_objects: dict[int, list[str]] | None = None
+
+    def live_lease(self, shard: int) -> Lease | None:
+        alive = [l for l in self.leases.get(shard, []) if l.alive(self.now)]
+        return max(alive, key=lambda l: l.generation) if alive else None
+
+    def next_generation(self, shard: int) -> int:
+        return 1 + max((l.generation for l in self.leases.get(shard, [])), default=0)
+
+    def failures_since(self, shard: int, since: float) -> int:
+        """Failure records written at or after `since` (their key starts with the time in ms)."""
+        return sum(1 for k in self.failures.get(shard, []) if _failure_millis(k) >= since * 1000)
+
+    def state(self, shard: int) -> ShardState:
+        if shard in self.committed:
+            return "done"
+        if self.live_lease(shard):
+            return "running"
+        if self.failures.get(shard):
+            return "failed"
+        return "pending"
+
+
+def _failure_millis(key: str) -> int:
+    try:
+        return int(key.rsplit("/", 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return 0
+
+
+def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> RunState:
+    """List commits, tallies, leases and failures (and with `with_data`, data objects)."""
+    st = RunState(manifest, time.time())
+    for o in store.list(layout.COMMITS):
+        shard = layout.shard_of(o.key, layout.COMMITS)
+        if shard is not None:
+            st.committed.add(shard)
+    for o in store.list(layout.TALLY):
+        parsed = layout.parse_tally(o.key)
+        if parsed:
+            st.tallies[parsed[0]] = parsed[1]
+            st.tally_times[parsed[0]] = o.modified
+    for o in store.list(layout.LEASES):
+        parsed = layout.parse_lease(o.key)
+        if parsed:
+            st.leases[parsed[0]].append(Lease(o.key, parsed[0], parsed[1], parsed[2], o.modified))
+    for o in store.list(layout.FAILURES):
+        shard = layout.shard_of(o.key, layout.FAILURES)
+        if shard is not None:
+            st.failures[shard].append(o.key)
+    if with_data:
+        st.data_objects = defaultdict(list)
+        for o in store.list(layout.SHARDS):
+            shard = layout.shard_of(o.key, layout.SHARDS)
+            if shard is not None:
+                st.data_objects[shard].append(o.key)
+    # With a store whose clock runs ahead of ours, a fresh lease could look older than it is;
+    # never let "now" fall behind the newest record the store has stamped.
+    newest = max((l.modified for ls in st.leases.values() for l in ls), default=0.0)
+    st.now = max(st.now, newest)
+    return st

@@ -1,0 +1,160 @@
+"""What is done, running, failed and pending in a run; and re-verification of committed shards."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from manifests import layout
+from manifests.manifest import Manifest, load_manifest
+from manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
+from manifests.state import RunState, scan
+from storage.shard import verify_shard
+from storage.store import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 600.0  # throughput is measured over the commits of the last ten minutes
+
+
+def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str, Any]:
+    """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
+    the reason each failed shard failed. Costs four listings plus a GET per failed shard."""
+    manifest = manifest or load_manifest(store)
+    st = scan(store, manifest)
+    counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
+    failed_ids = []
+    for plan in manifest.shards:
+        state = st.state(plan.id)
+        counts[state] += 1
+        if state == "failed":
+            failed_ids.append(plan.id)
+    tallies = _tallies(store, st)
+    samples = sum(t["records"] for t in tallies.values())
+    tokens = sum(t["tokens"] for t in tallies.values())
+    stored = sum(t["bytes"] for t in tallies.values())
+    raw = sum(t["raw_bytes"] for t in tallies.values())
+    skipped = sum(t["skipped"] for t in tallies.values())
+    recent = [s for s, t in st.tally_times.items() if t >= st.now - RATE_WINDOW_S]
+    rate = None
+    if len(recent) >= 2:
+        span = st.now - min(st.tally_times[s] for s in recent)
+        rate = sum(tallies[s]["tokens"] for s in recent if s in tallies) / max(span, 1.0)
+    remaining = sum(p.est_tokens for p in manifest.shards if p.id not in st.committed)
+    return {
+        "prefix": store.uri,
+        "run_id": manifest.run_id,
+        "created_at": manifest.created_at,
+        "model": manifest.config.get("model"),
+        "codec": manifest.config.get("codec"),
+        "shards_total": len(manifest.shards),
+        "shards_done": counts["done"],
+        "shards_running": counts["running"],
+        "shards_failed": counts["failed"],
+        "shards_pending": counts["pending"],
+        "samples_total": manifest.num_samples,
+        "samples_done": samples,
+        "samples_skipped": skipped,
+        "tokens_total_est": manifest.est_tokens,
+        "tokens_done": tokens,
+        "bytes_stored": stored,
+        "bytes_raw": raw,
+        "compression_ratio": round(raw / stored, 4) if stored else None,
+        "tokens_per_s": round(rate, 1) if rate else None,
+        "eta_s": round(remaining / rate) if rate and remaining else (0 if not remaining else None),
+        "complete": counts["done"] == len(manifest.shards),
+        "failed": [_failure_summary(store, st, s) for s in failed_ids],
+    }
+
+
+def _tallies(store: ObjectStore, st: RunState) -> dict[int, dict[str, int]]:
+    """Numbers of each committed shard; a commit whose tally marker is missing (its writer died
+    between the two writes) is read directly, then its marker is restored."""
+    tallies = {s: t for s, t in st.tallies.items() if s in st.committed}
+    for s in sorted(st.committed - set(tallies)):
+        try:
+            c = decode_commit(store.get(layout.commit_key(s)), layout.commit_key(s))
+        except ObjectNotFound:  # withdrawn while we looked
+            continue
+        tallies[s] = {"records": c.num_records, "tokens": c.num_tokens, "bytes": c.bytes,
+                      "raw_bytes": c.raw_bytes, "skipped": len(c.skipped)}
+        store.put(layout.tally_key(s, c.num_records, c.num_tokens, c.bytes, c.raw_bytes, len(c.skipped)), b"")
+    return tallies
+
+
+def _failure_summary(store: ObjectStore, st: RunState, shard: int) -> dict[str, Any]:
+    key = st.failures[shard][-1]
+    out: dict[str, Any] = {"shard": shard, "attempts": len(st.failures[shard])}
+    try:
+        f = decode_failure(store.get(key), key)
+        out.update(error=f"{f.error_type}: {f.error}", preempted=f.preempted, host=f.producer.get("host"),
+                   rank=f.producer.get("rank"), job_id=f.producer.get("job_id"), time=f.time)
+    except Exception as e:  # a status report must not die on one bad record
+        out.update(error=f"unreadable failure record {key}: {e}")
+    return out
+
+
+@dataclass
+class VerifyResult:
+    checked: int = 0
+    ok: int = 0
+    bad: list[dict[str, Any]] = field(default_factory=list)  # {"shard", "error"}
+    orphans_deleted: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "withdrawn": len(self.bad),
+                "orphans_deleted": self.orphans_deleted}
+
+
+def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyResult:
+    """Re-read every committed shard and check every hash. A bad shard's commit is withdrawn
+    (commit and tally deleted, a failure record written) so the next extraction redoes it.
+    Data objects that no commit names, left by crashed attempts of committed shards, are deleted."""
+    manifest = load_manifest(store)
+    st = scan(store, manifest, with_data=True)
+    result = VerifyResult()
+
+    def check(shard: int) -> tuple[int, str | None, str | None]:
+        ckey = layout.commit_key(shard)
+        try:
+            commit = decode_commit(store.get(ckey), ckey)
+        except Exception as e:
+            return shard, f"unreadable commit record: {e}", None
+        report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True) \
+            if store.exists(commit.data_key) else None
+        if report is None:
+            return shard, f"data object {commit.data_key} is missing", commit.data_key
+        if report.ok and report.num_records != commit.num_records:
+            return shard, f"{report.num_records} records, commit says {commit.num_records}", commit.data_key
+        return shard, report.error, commit.data_key
+
+    with ThreadPoolExecutor(threads) as pool:
+        for shard, error, data_key in pool.map(check, sorted(st.committed)):
+            result.checked += 1
+            if progress:
+                progress(1)
+            if error is None:
+                result.ok += 1
+                for key in st.data_objects.get(shard, []):
+                    if key != data_key:
+                        store.delete(key)
+                        result.orphans_deleted += 1
+                continue
+            log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
+            result.bad.append({"shard": shard, "error": error})
+            _withdraw(store, st, shard, error, data_key)
+    return result
+
+
+def _withdraw(store: ObjectStore, st: RunState, shard: int, error: str, data_key: str | None) -> None:
+    me = Producer.current()
+    record = FailureRecord(shard=shard, error_type="VerifyFailed", error=error, producer=asdict(me),
+                           attempt=0, time=st.now)
+    store.put(layout.failure_key(shard, int(st.now * 1000), me.token), encode(record))
+    store.delete(layout.commit_key(shard))
+    for o in store.list(f"{layout.TALLY}{shard:06d}."):
+        store.delete(o.key)
+    if data_key:
+        store.delete(data_key)

@@ -1,0 +1,194 @@
+"""Work assignment through leases on the store, and the commit protocol.
+
+A worker claims a shard by creating the next lease generation for it (create-if-absent, so
+exactly one claimant wins each generation); while it works, a heartbeat rewrites its lease so
+the lease's LastModified stays fresh. A dead worker's lease goes stale after `ttl_s`, and any
+worker may then claim the next generation. Finishing a shard means: data object complete, then
+the commit record created if absent. Two workers that both finish one shard (a takeover of a
+worker that was only slow) therefore yield exactly one commit; the loser deletes its data.
+
+Each attempt writes its data under a key of its own (`shards/{id}-{token}.lts`), so a
+crashed or zombie attempt can never overwrite the bytes that a commit points at.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+
+from manifests import layout
+from manifests.manifest import Manifest, ShardPlan
+from manifests.records import CommitRecord, FailureRecord, Producer, encode
+from manifests.state import RunState, scan
+from storage.shard import ShardInfo
+from storage.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL_S = 60.0
+
+
+class Claim:
+    """A leased shard. Use as a context manager around the work; see `WorkQueue`."""
+
+    def __init__(self, queue: WorkQueue, plan: ShardPlan, generation: int, token: str):
+        self.queue, self.plan, self.generation = queue, plan, generation
+        self.shard = plan.id
+        self.lease_key = layout.lease_key(plan.id, generation, queue.ttl_s)
+        self.data_key = layout.data_key(plan.id, token)
+        self.started_at = time.time()
+        self.lost = threading.Event()  # set when another worker took the lease over
+        self.committed = False
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name=f"lease-{plan.id}", daemon=True)
+
+    @property
+    def attempt(self) -> int:
+        return self.generation
+
+    def __enter__(self) -> Claim:
+        self._heartbeat.start()
+        return self
+
+    def _beat(self) -> None:
+        store, period = self.queue.store, self.queue.ttl_s / 4
+        while not self._stop.wait(period):
+            try:
+                store.put(self.lease_key, self.queue.lease_payload(self.generation))
+                newer = [o.key for o in store.list(layout.lease_prefix(self.shard))
+                         if (p := layout.parse_lease(o.key)) and p[1] > self.generation]
+                if newer and not self.lost.is_set():
+                    log.warning("shard %d: lease taken over by %s; abandoning this attempt", self.shard, newer[-1])
+                    self.lost.set()
+            except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
+                log.warning("shard %d: lease heartbeat failed: %s", self.shard, e)
+
+    def commit(self, info: ShardInfo, *, skipped: Sequence[dict[str, str]] = (), truncated: int = 0) -> bool:
+        """Publish the finished data object; False if another attempt committed this shard first."""
+        store = self.queue.store
+        record = CommitRecord(
+            shard=self.shard, data_key=self.data_key, bytes=info.bytes, xxh3_128=info.xxh3_128,
+            num_records=info.num_records, num_tokens=info.num_tokens, raw_bytes=info.raw_bytes,
+            sample_ids=info.sample_ids, skipped=list(skipped), truncated=truncated,
+            relative_error=info.relative_error, producer=asdict(self.queue.producer), attempt=self.attempt,
+            started_at=self.started_at, committed_at=time.time(),
+        )
+        if not store.put_if_absent(layout.commit_key(self.shard), encode(record)):
+            log.info("shard %d was committed by another attempt; dropping ours", self.shard)
+            store.delete(self.data_key)
+            return False
+        self.committed = True
+        store.put(layout.tally_key(self.shard, info.num_records, info.num_tokens, info.bytes, info.raw_bytes,
+                                   len(skipped)), b"")
+        for o in store.list(f"{layout.SHARDS}{self.shard:06d}-"):  # leftovers of crashed attempts
+            if o.key != self.data_key:
+                store.delete(o.key)
+        return True
+
+    def fail(self, error: BaseException, preempted: bool = False) -> None:
+        record = FailureRecord(
+            shard=self.shard, error_type=type(error).__name__, error=str(error)[:2000] or type(error).__name__,
+            producer=asdict(self.queue.producer), attempt=self.attempt, time=time.time(), preempted=preempted,
+        )
+        key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token)
+        try:
+            self.queue.store.put(key, encode(record))
+        except StoreError as e:
+            log.error("shard %d: could not write the failure record: %s", self.shard, e)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join()
+        try:
+            self.queue.store.delete(self.lease_key)
+        except StoreError as e:  # it will simply go stale
+            log.warning("shard %d: could not release the lease: %s", self.shard, e)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc is not None and not self.committed:
+                preempted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+                self.fail(exc, preempted=preempted)
+        finally:
+            self.release()
+
+
+class WorkQueue:
+    """Yields claims on unfinished shards until none is left.
+
+    Dynamic by default: any worker takes any shard. With `shards`, a static assignment (e.g. a
+    Slurm array task's range) is worked through the same leases. A worker that finds no free
+    shard while others hold leases on unfinished ones waits for those to finish or go stale
+    rather than exit with work undone. A shard that failed `retries + 1` times since this queue
+    started is left failed (its failure records say why) so a bad input cannot loop forever.
+    """
+
+    def __init__(self, store: ObjectStore, manifest: Manifest, producer: Producer, *,
+                 ttl_s: float = DEFAULT_LEASE_TTL_S, shards: Sequence[int] | None = None,
+                 retries: int = 1, world_size: int = 1, poll_s: float | None = None):
+        self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
+        ids = range(len(manifest.shards)) if shards is None else shards
+        bad = [s for s in ids if not 0 <= s < len(manifest.shards)]
+        if bad:
+            raise ValueError(f"shards {bad[:5]} are not in the run (it has {len(manifest.shards)})")
+        self.candidates = list(ids)
+        self.retries, self.world_size = retries, max(1, world_size)
+        self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)
+        self.started = time.time()
+        self.given_up: set[int] = set()
+
+    def lease_payload(self, generation: int) -> bytes:
+        return json.dumps({"holder": asdict(self.producer), "generation": generation,
+                           "ttl_s": self.ttl_s, "renewed_at": time.time()}).encode()
+
+    def _order(self, todo: list[int]) -> list[int]:
+        """Each rank starts at its own fraction of the list, so ranks rarely collide."""
+        k = (self.producer.rank % self.world_size) * len(todo) // self.world_size
+        return todo[k:] + todo[:k]
+
+    def __iter__(self) -> Iterator[Claim]:
+        while True:
+            st = scan(self.store, self.manifest)
+            todo = [s for s in self.candidates if s not in st.committed]
+            if not todo:
+                return
+            waiting_on: list[float] = []
+            claim = None
+            for s in self._order(todo):
+                lease = st.live_lease(s)
+                if lease:
+                    waiting_on.append(lease.modified + lease.ttl_s)
+                    continue
+                if st.failures_since(s, self.started) > self.retries:
+                    self.given_up.add(s)
+                    continue
+                claim = self._try_claim(s, st)
+                if claim:
+                    break
+            if claim:
+                yield claim
+                continue
+            if not waiting_on:
+                return  # what is left failed too often in this run; status tells why
+            wait = min(self.poll_s, max(0.0, min(waiting_on) - st.now)) + random.uniform(0, self.poll_s / 4)
+            log.debug("no free shard; waiting %.1fs on %d leases held elsewhere", wait, len(waiting_on))
+            time.sleep(wait)
+
+    def _try_claim(self, shard: int, st: RunState) -> Claim | None:
+        gen = st.next_generation(shard)
+        key = layout.lease_key(shard, gen, self.ttl_s)
+        if not self.store.put_if_absent(key, self.lease_payload(gen)):
+            return None
+        if self.store.exists(layout.commit_key(shard)):  # committed between our scan and our lease
+            self.store.delete(key)
+            return None
+        for old in st.leases.get(shard, []):  # stale generations of dead workers
+            self.store.delete(old.key)
+        self.given_up.discard(shard)
+        return Claim(self, self.manifest.shards[shard], gen, self.producer.token)

@@ -1,0 +1,85 @@
+"""A stand-in extraction worker for manifest tests: real leases, shards and commits, synthetic
+activations (deterministic per sample index), run as a real process.
+
+    python tests/fake_worker.py PREFIX --rank R [--ttl S] [--fail-shard N] [--hang-shard N] [--slow S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from manifests.manifest import create_or_resume
+from manifests.records import Producer
+from manifests.work import WorkQueue
+from storage.shard import Sample, ShardMeta, ShardWriter
+from storage.store import open_store
+
+LAYERS, HIDDEN = [0, 2], 32
+CONFIG = {"model": "synthetic", "layers": LAYERS, "codec": "bf16-zstd", "max_length": 64}
+DATASET = {"fingerprint": "synthetic-v1", "path": "synthetic"}
+
+
+def token_counts(n: int) -> list[int]:
+    return [5 + i % 7 for i in range(n)]
+
+
+def make_sample(i: int) -> Sample:
+    n = token_counts(i + 1)[i]
+    g = torch.Generator().manual_seed(i)
+    return Sample(f"s{i:05d}", torch.arange(n) + i, torch.ones(n, dtype=torch.uint8),
+                  torch.randn(n, len(LAYERS), HIDDEN, generator=g).to(torch.bfloat16))
+
+
+def plan(store, samples: int = 40, shard_bytes: int = 4000):
+    return create_or_resume(store, config=CONFIG, dataset=DATASET, token_counts=token_counts(samples),
+                            bytes_per_token=len(LAYERS) * HIDDEN * 2 / 1.3, shard_bytes=shard_bytes)[0]
+
+
+def work(prefix: str, rank: int = 0, world: int = 1, ttl: float = 60.0, fail_shard: int = -1,
+         hang_shard: int = -1, slow: float = 0.0, shards: list[int] | None = None) -> list[int]:
+    """Extract every shard this worker can claim; returns the ids it committed."""
+    store = open_store(prefix)
+    manifest = plan(store)
+    done = []
+    queue = WorkQueue(store, manifest, Producer.current(rank), ttl_s=ttl, world_size=world, shards=shards,
+                      poll_s=0.2)
+    for claim in queue:
+        try:
+            with claim:
+                meta = ShardMeta(run_id=manifest.run_id, shard_id=claim.shard, model="synthetic",
+                                 layers=LAYERS, hidden_size=HIDDEN, codec="bf16-zstd")
+                with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+                    for i in range(claim.plan.start, claim.plan.end):
+                        if claim.shard == fail_shard:
+                            raise RuntimeError(f"injected failure in shard {claim.shard}")
+                        if claim.shard == hang_shard:
+                            print(f"hanging in shard {claim.shard}", flush=True)
+                            time.sleep(3600)
+                        w.add(make_sample(i))
+                        time.sleep(slow)
+                    info = w.close()
+                if claim.commit(info):
+                    done.append(claim.shard)
+        except RuntimeError:
+            continue  # recorded as a failure by the claim; go on with other shards
+    return done
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("prefix")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--ttl", type=float, default=60.0)
+    p.add_argument("--fail-shard", type=int, default=-1)
+    p.add_argument("--hang-shard", type=int, default=-1)
+    p.add_argument("--slow", type=float, default=0.0)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    committed = work(a.prefix, a.rank, a.world, a.ttl, a.fail_shard, a.hang_shard, a.slow)
+    print("committed", " ".join(map(str, committed)), flush=True)

@@ -1,0 +1,286 @@
+"""The run manifest: planning, resume, leases, the commit protocol, status and verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import fake_worker
+from extract.cli import main as cli
+from manifests import layout
+from manifests.manifest import ConfigMismatch, ManifestError, create_or_resume, load_manifest, parse_size, plan_shards
+from manifests.records import Producer, decode_commit
+from manifests.status import run_status, verify_run
+from manifests.work import WorkQueue
+from storage.shard import ShardMeta, ShardReader, ShardWriter, verify_shard
+from storage.store import open_store
+
+WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
+
+
+def child_env() -> dict[str, str]:
+    """The test's environment (S3 endpoint and keys included) with the repo and tests importable."""
+    here = Path(__file__).parent
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
+
+
+def spawn(prefix: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(WORKER + [prefix, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env())
+
+
+def all_sample_ids(store) -> Counter:
+    ids = Counter()
+    for o in store.list(layout.COMMITS):
+        c = decode_commit(store.get(o.key), o.key)
+        reader = ShardReader(store, c.data_key)
+        assert reader.sample_ids == c.sample_ids
+        assert verify_shard(store, c.data_key, c.xxh3_128).ok
+        ids.update(c.sample_ids)
+    return ids
+
+
+def test_parse_size():
+    assert parse_size("64MB") == 64_000_000
+    assert parse_size("1GiB") == 2**30
+    assert parse_size("1.5g") == 1_500_000_000
+    assert parse_size(4096) == 4096
+    for bad in ("lots", "-1MB", "0", "12XB"):
+        with pytest.raises(ValueError, match="invalid size"):
+            parse_size(bad)
+
+
+def test_plan_sizes_shards_by_estimated_bytes():
+    counts = [800] * 1000 + [8000] * 100  # long samples at the end
+    shards = plan_shards(counts, bytes_per_token=100.0, shard_bytes=8_000_000)
+    assert shards[0].start == 0 and shards[-1].end == len(counts)
+    assert all(a.end == b.start for a, b in zip(shards, shards[1:]))
+    assert sum(s.est_tokens for s in shards) == sum(counts)
+    full = [s.est_tokens * 100 for s in shards[:-1]]
+    assert all(8_000_000 <= b < 8_000_000 + 8000 * 100 for b in full)  # each just past the target
+    assert shards[0].num_samples == 100 and shards[-2].num_samples == 10  # same bytes, fewer samples
+
+
+def test_plan_913k_samples_is_fast_enough_to_be_routine():
+    counts = [800] * 913_786
+    shards = plan_shards(counts, bytes_per_token=51_200 / 1.45, shard_bytes=1_000_000_000)
+    assert sum(s.num_samples for s in shards) == 913_786
+    assert 24_000 < len(shards) < 26_000  # 35 TB raw / 1.45 / 1 GB
+
+
+def test_resume_and_config_mismatch(store):
+    m1, created = create_or_resume(store, config={"model": "a", "layers": [1, 2], "codec": "bf16"},
+                                   dataset={"fingerprint": "f1"}, token_counts=[10] * 50,
+                                   bytes_per_token=10, shard_bytes=1000)
+    assert created and len(m1.shards) == 5
+    m2, created = create_or_resume(store, config={"model": "a", "layers": [1, 2], "codec": "bf16"},
+                                   dataset={"fingerprint": "f1"}, token_counts=None, bytes_per_token=10)
+    assert not created and m2.run_id == m1.run_id and m2.shards == m1.shards
+    with pytest.raises(ConfigMismatch) as e:
+        create_or_resume(store, config={"model": "b", "layers": [1, 3], "codec": "bf16"},
+                         dataset={"fingerprint": "f2"}, token_counts=[10] * 50, bytes_per_token=10)
+    msg = str(e.value)
+    assert "model: run has 'a', now 'b'" in msg and "layers: run has [1, 2], now [1, 3]" in msg
+    assert "dataset fingerprint" in msg and "codec" not in msg
+    assert load_manifest(store).to_json() == m1.to_json()  # untouched
+
+
+def test_corrupt_or_foreign_manifest_is_a_clear_error(store):
+    with pytest.raises(ManifestError, match="no run at .*manifest.json is missing"):
+        load_manifest(store)
+    store.put("manifest.json", b"{not json")
+    with pytest.raises(ManifestError, match="manifest.json is corrupt"):
+        load_manifest(store)
+    store.put("manifest.json", json.dumps({"format": "layertap-manifest", "format_version": 99}).encode())
+    with pytest.raises(ManifestError, match="manifest version 99"):
+        load_manifest(store)
+    store.put("manifest.json", json.dumps({"format": "layertap-manifest", "format_version": 1}).encode())
+    with pytest.raises(ManifestError, match="corrupt"):
+        load_manifest(store)
+
+
+def test_single_worker_completes_run_and_rerun_does_nothing(store_uri):
+    done = fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    manifest = load_manifest(store)
+    assert sorted(done) == list(range(len(manifest.shards))) and len(done) >= 5
+    assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+    s = run_status(store)
+    assert (s["shards_done"], s["shards_failed"], s["shards_pending"], s["shards_running"]) == (len(done), 0, 0, 0)
+    assert s["samples_done"] == 40 and s["tokens_done"] == sum(fake_worker.token_counts(40))
+    assert s["complete"] and s["compression_ratio"] == round(s["bytes_raw"] / s["bytes_stored"], 4)
+    assert fake_worker.work(store_uri) == []  # a rerun finds nothing to do
+    assert len(list(store.list(layout.SHARDS))) == len(done)
+
+
+def test_concurrent_processes_store_every_sample_exactly_once(store_uri):
+    procs = [spawn(store_uri, "--rank", str(r), "--world", "3", "--slow", "0.01") for r in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    committed = [int(x) for out, _ in outs for x in out.split()[1:]]
+    store = open_store(store_uri)
+    assert sorted(committed) == list(range(len(load_manifest(store).shards)))  # each shard by one worker
+    assert len({tuple(o[0].split()[1:]) for o in outs}) > 1 or len(procs) == 1
+    assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+
+
+def test_racing_commits_of_one_shard_yield_exactly_one(store_uri):
+    """Several real processes finish the same shard at once (a takeover of a slow worker):
+    exactly one commit wins, the losers' data objects are deleted, the winner's verifies."""
+    code = f"""
+import sys, fake_worker
+from manifests.records import Producer
+from manifests.work import Claim, WorkQueue
+from storage.shard import ShardMeta, ShardWriter
+from storage.store import open_store
+store = open_store({store_uri!r})
+m = fake_worker.plan(store)
+q = WorkQueue(store, m, Producer.current(int(sys.argv[1])))
+claim = Claim(q, m.shards[0], generation=int(sys.argv[1]) + 1, token=q.producer.token)
+meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                 hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+    for i in range(m.shards[0].start, m.shards[0].end):
+        w.add(fake_worker.make_sample(i))
+    info = w.close()
+print(claim.commit(info))
+"""
+    fake_worker.plan(open_store(store_uri))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stdout=subprocess.PIPE, text=True,
+                              env=child_env())
+             for i in range(4)]
+    results = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert sorted(results) == ["False"] * 3 + ["True"]
+    store = open_store(store_uri)
+    commit = decode_commit(store.get(layout.commit_key(0)), "c")
+    assert [o.key for o in store.list(layout.SHARDS)] == [commit.data_key]
+    assert verify_shard(store, commit.data_key, commit.xxh3_128).ok
+
+
+def test_sigkilled_lease_holder_is_taken_over_after_expiry(store_uri):
+    hung = spawn(store_uri, "--hang-shard", "0", "--ttl", "2")
+    assert hung.stdout.readline().startswith("hanging in shard 0")
+    store = open_store(store_uri)
+    status = run_status(store)
+    assert status["shards_running"] == 1
+    hung.send_signal(signal.SIGKILL)
+    hung.wait()
+    t0 = time.time()
+    helper = spawn(store_uri, "--ttl", "2")
+    out, err = helper.communicate(timeout=120)
+    assert helper.returncode == 0, err[-2000:]
+    assert "0" in out.split()[1:]  # the survivor did shard 0 too
+    s = run_status(store)
+    assert s["complete"] and s["shards_running"] == 0
+    assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+    assert time.time() - t0 < 60
+    store.abort_pending_uploads()  # the killed writer's parts (S3) or temp file (local)
+    assert store.list_pending_uploads() == []
+
+
+def test_idle_worker_waits_for_a_live_lease_instead_of_exiting(store_uri):
+    """One slow worker holds the only shard; a second worker must not exit before it commits."""
+    store = open_store(store_uri)
+    fake_worker.plan(store)
+    slow = spawn(store_uri, "--slow", "0.25", "--ttl", "3")  # several seconds per shard
+    deadline = time.time() + 30
+    while not list(store.list(layout.LEASES)) and time.time() < deadline:
+        time.sleep(0.05)
+    waiter = spawn(store_uri, "--ttl", "3")
+    waiter.communicate(timeout=180)
+    slow.communicate(timeout=180)
+    assert waiter.returncode == 0 and slow.returncode == 0
+    assert run_status(store)["complete"]  # the waiter exited only when nothing was left
+
+
+def test_failure_is_recorded_shown_and_resumed(store_uri, capsys):
+    done = fake_worker.work(store_uri, fail_shard=2)
+    store = open_store(store_uri)
+    assert 2 not in done
+    s = run_status(store)
+    assert s["shards_failed"] == 1 and s["failed"][0]["shard"] == 2
+    assert "RuntimeError: injected failure in shard 2" in s["failed"][0]["error"]
+    assert s["failed"][0]["attempts"] == 2  # tried twice (retries=1), then left failed
+    assert not s["complete"]
+    assert not list(store.list(f"{layout.SHARDS}000002-")), "a failed attempt leaves no data object"
+
+    assert cli(["status", store_uri]) == 0
+    out = capsys.readouterr().out
+    assert "1 failed" in out and "FAILED shard 2" in out and "injected failure" in out
+    assert cli(["status", store_uri, "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    for key in ("shards_total", "shards_done", "shards_failed", "shards_pending", "shards_running",
+                "samples_done", "tokens_done", "bytes_stored", "failed"):
+        assert key in js
+    assert js["failed"][0]["shard"] == 2 and "injected" in js["failed"][0]["error"]
+
+    assert fake_worker.work(store_uri) == [2]  # the rerun does only the failed shard
+    assert run_status(store)["complete"]
+    assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+
+
+def test_verify_withdraws_a_corrupted_shard_and_rerun_redoes_it(store_uri, capsys):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    assert cli(["verify", store_uri]) == 0
+    commit = decode_commit(store.get(layout.commit_key(3)), "c")
+    data = bytearray(store.get(commit.data_key))
+    data[len(data) // 2] ^= 0xFF
+    store.put(commit.data_key, bytes(data))
+    capsys.readouterr()
+
+    assert cli(["verify", store_uri, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["withdrawn"] == 1 and report["bad"][0]["shard"] == 3
+    assert "checksum mismatch" in report["bad"][0]["error"] or "hash" in report["bad"][0]["error"]
+    s = run_status(store)
+    assert s["shards_failed"] == 1 and "VerifyFailed" in s["failed"][0]["error"]
+    assert fake_worker.work(store_uri) == [3]
+    assert cli(["verify", store_uri]) == 0
+    assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+
+
+def test_corrupt_commit_record_is_a_clear_error_and_withdrawn(store_uri, capsys):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    store.put(layout.commit_key(1), b"{garbage")
+    with pytest.raises(ManifestError, match="corrupt commit record"):
+        decode_commit(store.get(layout.commit_key(1)), layout.commit_key(1))
+    assert cli(["verify", store_uri]) == 1
+    assert "unreadable commit record" in capsys.readouterr().out
+    assert fake_worker.work(store_uri) == [1]
+
+
+def test_static_assignment_works_only_its_shards(store_uri):
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    mine = [s.id for s in m.shards if s.id % 2 == 0]
+    assert sorted(fake_worker.work(store_uri, shards=mine)) == mine
+    s = run_status(store)
+    assert s["shards_done"] == len(mine) and s["shards_pending"] == len(m.shards) - len(mine)
+    with pytest.raises(ValueError, match="not in the run"):
+        WorkQueue(store, m, Producer.current(), shards=[len(m.shards)])
+
+
+def test_status_survives_a_missing_tally(store_uri):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    before = run_status(store)
+    for o in list(store.list(layout.TALLY))[:2]:
+        store.delete(o.key)
+    after = run_status(store)
+    assert {k: after[k] for k in ("samples_done", "tokens_done", "bytes_stored")} == \
+           {k: before[k] for k in ("samples_done", "tokens_done", "bytes_stored")}
+
+
+def test_status_of_a_missing_run_is_a_clear_error(store_uri, capsys):
+    assert cli(["status", store_uri]) == 2
+    assert "no run at" in capsys.readouterr().err
