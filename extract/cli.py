@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # name -> (module defining `add_<name>(parser)` and `run_<name>(args) -> exit code`, one-line help).
 # Those modules import heavy dependencies inside `run_<name>`, so building the parser stays cheap.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "extract": ("extract.command", "capture a target model's hidden states into shards on the store"),
     "inspect": ("storage.cli", "print a shard's metadata and records and verify every hash"),
     "status": ("manifests.cli", "show what is done, running, failed and pending in a run"),
     "verify": ("manifests.cli", "re-read committed shards, check every hash, withdraw bad ones"),
@@ -35,14 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     module = importlib.import_module(args._module)
     try:
         return int(getattr(module, f"run_{args.command}")(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # e.g. piped into `head`
-        sys.stderr.close()
+    except BrokenPipeError:  # e.g. piped into `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

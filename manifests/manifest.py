@@ -173,7 +173,7 @@ def create_or_resume(store: ObjectStore, *, config: Mapping[str, Any], dataset: 
         existing = None
     if existing is None:
         if token_counts is None:
-            raise ManifestError(f"no run at {store.uri} and no token counts to plan one")
+            raise NoRun(f"no run at {store.uri} yet, and no token counts were given to plan one")
         manifest = Manifest(
             run_id=uuid.uuid4().hex[:12],
             created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -19,9 +19,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     from storage.shard import ShardError, ShardReader, verify_shard
     from storage.store import StoreError, open_store, split_object_uri
 
-    root, key = split_object_uri(args.uri)
     try:
+        root, key = split_object_uri(args.uri)
         store = open_store(root)
+        store.size(key)  # a missing object or a bad key is a usage error, not a corrupt shard
         report = verify_shard(store, key, decode=True)
         reader = ShardReader(store, key) if report.ok else None
     except (StoreError, ShardError) as e:

@@ -106,10 +106,14 @@ class LocalStore(ObjectStore):
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
 
     def size(self, key: str) -> int:
+        path = self._path(key)
         try:
-            return os.stat(self._path(key)).st_size
-        except FileNotFoundError:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
+        if not os.path.isfile(path):
+            raise ObjectNotFound(f"{path} is a folder, not an object")
+        return st.st_size
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Walk only the folder that can hold the prefix, not the whole root.

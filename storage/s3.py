@@ -50,7 +50,8 @@ class S3Options:
     checksum_mode: Literal["when_supported", "when_required"] | None = None
     threads: int = 8
     part_size: int = 16 * MiB
-    max_parts_in_memory: int = 4
+    # Buffers per writer, the one being filled included: up to K-1 parts upload at once.
+    max_parts_in_memory: int = 9
     max_attempts: int = 8
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
@@ -278,6 +279,12 @@ class S3Writer(ObjectWriter):
         self._peak = 0
         self._lock = threading.Lock()
         self._done = False
+        # Declare the checksum botocore already computes for every part (CRC32 under the default
+        # `when_supported`), as boto3's transfer manager does: the parts' checksums then go into
+        # CompleteMultipartUpload and the server derives a composite checksum from them instead of
+        # re-reading the whole object (moto and S3 otherwise default to a full-object CRC64NVME).
+        config = store.client.meta.config
+        self._checksum_algo = "CRC32" if config.request_checksum_calculation == "when_supported" else None
 
     def _account(self, delta: int) -> None:
         with self._lock:
@@ -311,7 +318,10 @@ class S3Writer(ObjectWriter):
         if self._upload_id is None:
             resp = self._store._call(
                 "create multipart upload", self.key,
-                lambda: self._store.client.create_multipart_upload(Bucket=self._store.bucket, Key=self._full_key),
+                lambda: self._store.client.create_multipart_upload(
+                    Bucket=self._store.bucket, Key=self._full_key,
+                    **({"ChecksumAlgorithm": self._checksum_algo} if self._checksum_algo else {}),
+                ),
             )
             self._upload_id = resp["UploadId"]
         number = len(self._parts) + 1
@@ -327,9 +337,14 @@ class S3Writer(ObjectWriter):
                 lambda: self._store.client.upload_part(
                     Bucket=self._store.bucket, Key=self._full_key, UploadId=self._upload_id,
                     PartNumber=number, Body=body,
+                    **({"ChecksumAlgorithm": self._checksum_algo} if self._checksum_algo else {}),
                 ),
             )
-            return {"PartNumber": number, "ETag": resp["ETag"]}
+            part = {"PartNumber": number, "ETag": resp["ETag"]}
+            member = f"Checksum{self._checksum_algo}" if self._checksum_algo else None
+            if member and member in resp:
+                part[member] = resp[member]
+            return part
         finally:
             self._account(-len(body))
             self._slots.release()

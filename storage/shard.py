@@ -404,9 +404,15 @@ class ShardReader:
 
     def read(self, index: int) -> Sample:
         e = self.entries[index]
+        where = f"{self.where} record {index} ({e.sample_id})"
         buf = self.store.get_range(self.key, e.offset, e.offset + e.length)
-        kind, payload, _ = parse_frame(buf, 0, f"{self.where} record {index} ({e.sample_id})")
-        return decode_record(payload, self.meta)
+        kind, payload, end = parse_frame(buf, 0, where)
+        if kind != RECD or end != e.length or f"{xxhash.xxh3_64_intdigest(payload):016x}" != e.xxh3_64:
+            raise ShardError(f"{where}: the frame at byte {e.offset} does not match the footer index; the shard is corrupt")
+        sample = decode_record(payload, self.meta)
+        if sample.sample_id != e.sample_id:
+            raise ShardError(f"{where}: holds sample {sample.sample_id!r}, the index says {e.sample_id!r}")
+        return sample
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self.entries)):
@@ -470,13 +476,20 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
         with store.open_stream(key) as raw:
             stream = _HashingStream(raw, whole)
             meta, footer, footer_offset = None, None, -1
+            found: list[dict] = []
             for kind, pos, payload in iter_frames(stream, where, content_hash=content):
                 if kind == HEAD:
+                    if meta is not None or pos != PREAMBLE.size:
+                        raise ShardError(f"{where}: unexpected HEAD frame at byte {pos}; the object is corrupt")
                     meta = _parse_head(memoryview(payload), where)
+                elif meta is None:
+                    raise ShardError(f"{where}: the first frame is not HEAD; the object is corrupt")
                 elif kind == RECD:
-                    if meta is None:
-                        raise ShardError(f"{where}: record before header")
                     records += 1
+                    md = _safetensors_metadata(payload)
+                    found.append({"sample_id": md.get("sample_id"), "offset": pos, "length": FRAME.size + len(payload),
+                                  "num_tokens": int(md.get("num_tokens", -1)),
+                                  "xxh3_64": f"{xxhash.xxh3_64_intdigest(payload):016x}"})
                     if decode:
                         decode_record(payload, meta)
                 else:
@@ -488,8 +501,9 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
                 raise ShardError(f"{where}: bad or missing trailer; the shard is truncated or corrupt")
             if stream.read(1):
                 raise ShardError(f"{where}: unexpected bytes after the trailer")
-            if footer["num_records"] != records:
-                raise ShardError(f"{where}: footer lists {footer['num_records']} records, found {records}")
+            if footer["num_records"] != records or footer["records"] != found:
+                raise ShardError(f"{where}: the footer index does not match the records found "
+                                 f"({footer['num_records']} listed, {records} found); the object is corrupt")
         digest = whole.hexdigest()
         if expected_xxh3_128 is not None and digest != expected_xxh3_128:
             raise ShardError(f"{where}: object hash {digest} differs from the committed {expected_xxh3_128}")

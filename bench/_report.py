@@ -1,0 +1,40 @@
+"""Shared helpers for benches: machine description and the docs/benchmarks.md section writer."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+
+def machine() -> str:
+    """'N cores, CPU model' from /proc/cpuinfo (falls back to platform.processor())."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores, {model}"
+
+
+def write_section(name: str, markdown: str, path: str | os.PathLike = "docs/benchmarks.md") -> None:
+    """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``.
+
+    Creates the file (with a "# Benchmarks" heading) or appends the section if absent; the rest
+    of the file is left alone, so several benches can share it.
+    """
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    p = Path(path)
+    text = p.read_text() if p.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)

