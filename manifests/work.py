@@ -113,8 +113,8 @@ class Claim:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc is not None and not self.committed:
-                preempted = isinstance(exc, (KeyboardInterrupt, SystemExit))
-                self.fail(exc, preempted=preempted)
+                # Not an Exception: a signal, Ctrl-C or exit stopped the work, the shard is fine.
+                self.fail(exc, preempted=not isinstance(exc, Exception))
         finally:
             self.release()
 

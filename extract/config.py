@@ -1,0 +1,112 @@
+"""The extraction job's settings: one keyword-only dataclass, filled from a JSON config file and
+command-line flags (flags win), validated before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from manifests.manifest import DEFAULT_SHARD_BYTES, parse_size
+from storage.codecs import CODEC_NAMES, DEFAULT_CODEC
+
+QUICKSTART_LIMIT = 300  # conversations taken from the embedded ShareGPT when no dataset is given
+
+
+@dataclass(kw_only=True)
+class ExtractConfig:
+    out: str
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    gguf_file: str | None = None
+    dataset: str | None = None  # None: the embedded ShareGPT conversations
+    layers: list[int] | None = None  # None: DFlash's spacing for the model's depth
+    codec: str = DEFAULT_CODEC
+    max_length: int = 4096
+    limit: int | None = None
+    final_state: Literal["none", "prenorm", "postnorm"] = "none"
+    # The forward's dtype; states are always stored as bf16. float32 is for CPUs without native
+    # bf16 (most x86 without AVX512-BF16/AMX), where a bf16 forward is several times slower.
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    attn_implementation: str = "sdpa"
+    batch_tokens: int = 16384  # padded tokens per forward batch
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    encode_threads: int = 2
+    lease_ttl_s: float = 60.0
+    retries: int = 1
+    shards: list[int] | None = None  # a static assignment; None takes any free shard
+    log_dir: str = "layertap-logs"
+    s3: dict[str, Any] = field(default_factory=dict)  # storage.s3.S3Options fields
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+        if self.final_state not in ("none", "prenorm", "postnorm"):
+            raise ValueError(f"--final-state must be none, prenorm or postnorm, not {self.final_state!r}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16 or float32, not {self.dtype!r}")
+        if self.max_length < 2:
+            raise ValueError(f"--max-length must be at least 2, got {self.max_length}")
+        if self.limit is not None and self.limit <= 0:
+            raise ValueError(f"--limit must be positive, got {self.limit}")
+        if self.batch_tokens < self.max_length:
+            raise ValueError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length ({self.max_length})")
+        self.shard_bytes = parse_size(self.shard_bytes)
+        if self.encode_threads < 1:
+            raise ValueError("--encode-threads must be at least 1")
+        if self.dataset is None and self.limit is None:
+            self.limit = QUICKSTART_LIMIT
+
+    def identity(self, model_info: dict[str, Any], layers: list[int]) -> dict[str, Any]:
+        """What determines the stored output: a rerun must match it to resume the run."""
+        return {
+            "model": model_info["model"],
+            "gguf_file": self.gguf_file,
+            "model_revision": model_info.get("revision"),
+            "model_type": model_info.get("model_type"),
+            "tokenizer": model_info.get("tokenizer"),
+            "layers": layers,
+            "layer_convention": "decoder_output",
+            "final_state": self.final_state,
+            "hidden_size": model_info["hidden_size"],
+            "codec": self.codec,
+            "dtype": self.dtype,
+            "max_length": self.max_length,
+        }
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
+    """Settings from a JSON file, then the given command-line values on top."""
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
+        known = {f.name for f in dataclasses.fields(ExtractConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"config file {path!r} has unknown settings {unknown}; known: {sorted(known)}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "out" not in values:
+        raise ValueError("no output prefix: give --out s3://bucket/prefix or a local folder")
+    return ExtractConfig(**values)
+
+
+def parse_ids(text: str) -> list[int]:
+    """'1,16,31' or '0-9,12' -> a list of ints."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part[1:]:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise ValueError(f"invalid id list {text!r}: use comma-separated integers or ranges, e.g. 1,16,31 or 0-9") from None
+    return out

@@ -1,0 +1,248 @@
+"""`layertap extract`: plan the run (or resume it), then extract shards until none is left.
+
+One process per GPU (`accelerate launch`), or one process on CPU. Rank 0 plans: it tokenizes
+the dataset once for token counts and writes the manifest; the other ranks wait for it. Every
+rank then claims shards through leases, so ranks, nodes and Slurm array tasks can come and go.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from extract.config import ExtractConfig
+from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
+from extract.model import Capture, default_layers, load_target
+from extract.pipeline import PipelineStats, extract_shard
+from manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
+from manifests.records import Producer
+from manifests.status import run_status
+from manifests.work import WorkQueue
+from storage.codecs import get_codec
+from storage.shard import ShardMeta
+from storage.store import ObjectStore, open_store
+
+log = logging.getLogger("layertap.extract")
+
+# Expected stored/raw ratio per codec, for sizing shards before any is written (BRIEF section 3).
+EXPECTED_RATIO = {"bf16": 1.0, "bf16-zstd": 1.45, "fp8": 2.3}
+
+
+class Preempted(BaseException):
+    """SIGTERM/SIGUSR1 from Slurm or a user: stop now, abort the open shard, release its lease."""
+
+
+def _on_signal(signum, frame) -> None:
+    raise Preempted(f"received {signal.Signals(signum).name}")
+
+
+def extract(cfg: ExtractConfig) -> int:
+    """Run extraction on this process's share of the run; 0 when the run is complete."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    rank, world = state.process_index, state.num_processes
+    _setup_logging(cfg.log_dir, rank)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return _extract(cfg, state)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _extract(cfg: ExtractConfig, state) -> int:
+    rank, world = state.process_index, state.num_processes
+    store = open_store(cfg.out, **cfg.s3) if cfg.out.startswith("s3://") else open_store(cfg.out)
+
+    rows, fingerprint = _rows(cfg)  # a bad dataset fails before the model loads
+    model_path, gguf_file = cfg.model, cfg.gguf_file
+    if model_path is None:
+        from extract.embedded import smollm2_gguf
+
+        model_path, gguf_file = smollm2_gguf()
+        log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
+    target = load_target(model_path, gguf_file, dtype=getattr(torch, cfg.dtype),
+                         attn_implementation=cfg.attn_implementation, device=state.device)
+    layers = cfg.layers if cfg.layers is not None else default_layers(target.info["num_layers"])
+    capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
+    cfg.gguf_file = gguf_file
+    identity = cfg.identity(dict(target.info, model=cfg.model or f"embedded:{gguf_file}"), capture.layers)
+
+    manifest = _plan(store, cfg, identity, rows, fingerprint, target, rank)
+    log.info("rank %d/%d: run %s at %s, %d shards", rank, world, manifest.run_id, store.uri, len(manifest.shards))
+
+    producer = Producer.current(rank)
+    queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
+                      world_size=world)
+    totals = PipelineStats()
+    progress = Progress(rank, store, manifest)
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    committed = 0
+    try:
+        for claim in queue:
+            plan = claim.plan
+            try:
+                with claim:
+                    samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
+                    meta = ShardMeta(run_id=manifest.run_id, shard_id=plan.id, model=identity["model"],
+                                     model_revision=identity["model_revision"], layers=capture.layers,
+                                     final_state=cfg.final_state, hidden_size=capture.hidden_size,
+                                     codec=cfg.codec, tokenizer=identity["tokenizer"],
+                                     extra={"gguf_file": gguf_file, "max_length": cfg.max_length})
+                    info = extract_shard(
+                        capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
+                        pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
+                        should_stop=claim.lost.is_set, on_record=progress.record,
+                    )
+                    if claim.commit(info, skipped=skipped, truncated=truncated):
+                        committed += 1
+                        progress.skipped(len(skipped))
+                        log.info("shard %d committed: %d samples, %d tokens, %.1f MB (%d skipped, %d truncated)",
+                                 plan.id, info.num_records, info.num_tokens, info.bytes / 1e6, len(skipped), truncated)
+            except Preempted:
+                log.warning("preempted: shard %d aborted, its lease released", plan.id)
+                raise
+            except Exception as e:  # recorded by the claim; go on with the next shard
+                log.error("shard %d failed: %s: %s", plan.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+    except Preempted:
+        progress.close()
+        return 143
+    progress.close()
+    log.info("rank %d done: %d shards committed; %s", rank, committed, totals.to_json())
+    if rank != 0:
+        return 0
+    return _summary(store, cfg)
+
+
+def _setup_logging(log_dir: str, rank: int) -> None:
+    """Full logs per rank in files; only rank 0 talks to the console (warnings from others)."""
+    os.makedirs(log_dir, exist_ok=True)
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if getattr(h, "_layertap", False)]:
+        root.removeHandler(h)
+        h.close()
+    fh = logging.FileHandler(os.path.join(log_dir, f"extract-rank{rank}.log"))
+    fh._layertap = True
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    fh.setLevel(logging.DEBUG)
+    root.addHandler(fh)
+    root.setLevel(logging.INFO)
+    if rank != 0:
+        for h in root.handlers:
+            if h is not fh:
+                h.setLevel(logging.WARNING)
+
+
+def _rows(cfg: ExtractConfig):
+    if cfg.dataset is not None:
+        return load_rows(cfg.dataset, cfg.limit), dataset_fingerprint(cfg.dataset, cfg.limit)
+    import datasets
+
+    from extract.embedded import sharegpt_conversations
+
+    log.info("no --dataset given: using the first %d embedded ShareGPT conversations", cfg.limit)
+    rows = datasets.Dataset.from_list(list(sharegpt_conversations(cfg.limit)))
+    return rows, f"embedded:sharegpt_v3:limit={cfg.limit}"
+
+
+def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int):
+    """The samples of rows [start, end), plus the skipped ones with reasons."""
+    stats = TokenizeStats()
+    samples: list[TokenizedSample] = []
+    skipped: list[dict[str, str]] = []
+    for out in tokenize_rows(rows.select(range(start, end)), target.tokenizer, cfg.max_length, start=start,
+                             vocab_size=target.info["vocab_size"], stats=stats):
+        if isinstance(out, Skipped):
+            skipped.append({"sample_id": out.sample_id, "reason": out.reason, "detail": out.detail})
+        else:
+            samples.append(out)
+    return samples, skipped, stats.truncated
+
+
+def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows, fingerprint: str, target,
+          rank: int) -> Manifest:
+    """Rank 0 creates the manifest (or checks the existing one); other ranks wait for it."""
+    bytes_per_token = (len(identity["layers"]) + (cfg.final_state != "none")) * identity["hidden_size"] * 2
+    bytes_per_token /= EXPECTED_RATIO[get_codec(cfg.codec).name]
+    if rank == 0:
+        try:
+            return create_or_resume(store, config=identity, dataset={"fingerprint": fingerprint}, token_counts=None,
+                                    bytes_per_token=bytes_per_token, shard_bytes=cfg.shard_bytes)[0]
+        except NoRun:
+            pass
+        log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
+        counts = [len(s) if isinstance(s, TokenizedSample) else 0
+                  for s in tokenize_rows(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"])]
+        manifest, created = create_or_resume(store, config=identity,
+                                             dataset={"fingerprint": fingerprint, "path": cfg.dataset or "embedded"},
+                                             token_counts=counts, bytes_per_token=bytes_per_token,
+                                             shard_bytes=cfg.shard_bytes)
+        return manifest
+    deadline = time.time() + 6 * 3600
+    while True:
+        try:
+            return create_or_resume(store, config=identity, dataset={"fingerprint": fingerprint}, token_counts=None,
+                                    bytes_per_token=bytes_per_token, shard_bytes=cfg.shard_bytes)[0]
+        except NoRun:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+class Progress:
+    """A bar on rank 0 over the run's samples: samples/s, tokens/s, MB/s stored, ratio, ETA."""
+
+    def __init__(self, rank: int, store: ObjectStore, manifest: Manifest):
+        from tqdm import tqdm
+
+        self.bar = None
+        self.t0 = time.time()
+        self.tokens = self.stored = self.raw = 0
+        if rank == 0:
+            try:
+                already = run_status(store, manifest)
+                done = already["samples_done"] + already["samples_skipped"]
+            except Exception:
+                done = 0
+            self.bar = tqdm(total=manifest.num_samples, initial=done, unit="sample", desc="extract",
+                            file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+
+    def record(self, rec) -> None:
+        if self.bar is None:
+            return
+        self.tokens += rec.num_tokens
+        self.stored += len(rec.payload)
+        self.raw += rec.raw_bytes
+        dt = max(time.time() - self.t0, 1e-6)
+        self.bar.set_postfix_str(f"{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 1e6:.1f} MB/s, "
+                                 f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
+        self.bar.update(1)
+
+    def skipped(self, n: int) -> None:
+        if self.bar is not None and n:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
+    from manifests.cli import format_status
+
+    status = run_status(store)
+    print(f"\nshards are in {store.uri}/shards/ (committed ones listed under {store.uri}/commits/)")
+    print(format_status(status))
+    if not status["complete"]:
+        print("\nthe run is not complete: run the same command again to retry failed and pending shards")
+        return 1
+    model = f" --model {cfg.model}" + (f" --gguf-file {cfg.gguf_file}" if cfg.gguf_file else "") if cfg.model else ""
+    print(f"\ntrain a drafter on it:\n  layertap train --data {cfg.out}{model} --out drafter/")
+    return 0

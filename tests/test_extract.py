@@ -1,0 +1,223 @@
+"""The extractor end to end: real (tiny, random-init) HF models, real datasets files, real stores."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from extract.cli import main as cli
+from extract.config import ExtractConfig
+from extract.inputs import TokenizedSample, load_rows, tokenize_rows
+from extract.pipeline import make_batches, pad_batch
+from extract.run import extract
+from manifests import layout
+from manifests.records import decode_commit, decode_failure
+from manifests.status import run_status, verify_run
+from storage.shard import ShardReader, verify_shard
+from storage.store import open_store
+from tiny_models import tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over the lazy dog speculative decoding drafts tokens".split()
+
+
+def write_chats(path: Path, n: int, seed: int = 0) -> str:
+    """OpenAI-style chats of varied lengths, plus one row with no assistant turn (to be skipped)."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            k = int(torch.randint(3, 40, (1,), generator=g))
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (k,), generator=g)]
+            msgs = [{"role": "user", "content": f"question {i}?"},
+                    {"role": "assistant", "content": " ".join(words)}]
+            f.write(json.dumps({"id": f"chat-{i}", "messages": msgs}) + "\n")
+        f.write(json.dumps({"id": "no-answer", "messages": [{"role": "user", "content": "hello?"}]}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {t: tiny_model_dir(root, t) for t in ("llama", "qwen3", "qwen3_5_text")}
+
+
+def committed(store) -> list:
+    out = []
+    for o in store.list(layout.COMMITS):
+        c = decode_commit(store.get(o.key), o.key)
+        assert verify_shard(store, c.data_key, c.xxh3_128, decode=True).ok
+        out.append(c)
+    return out
+
+
+def stored_samples(store) -> dict:
+    samples = {}
+    for c in committed(store):
+        for s in ShardReader(store, c.data_key):
+            assert s.sample_id not in samples
+            samples[s.sample_id] = s
+    return samples
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_5_text"])
+def test_stored_states_equal_a_plain_hf_forward(models, model_type, tmp_path):
+    """Bit-exact under the lossless codec: the same padded batches through the full, uncut model
+    with output_hidden_states=True give exactly the stored states."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = write_chats(tmp_path / "chats.jsonl", 14)
+    layers = [0, 2, 4]
+    cfg = ExtractConfig(out=str(tmp_path / "run"), model=models[model_type], dataset=data, layers=layers,
+                        max_length=48, batch_tokens=160, shard_bytes="40KB", log_dir=str(tmp_path / "logs"),
+                        final_state="postnorm")
+    assert extract(cfg) == 0
+    store = open_store(cfg.out)
+    got = stored_samples(store)
+    status = run_status(store)
+    assert status["complete"] and status["samples_done"] == 14 and status["samples_skipped"] == 1
+    assert status["shards_total"] >= 3
+
+    tok = AutoTokenizer.from_pretrained(models[model_type])
+    model = AutoModelForCausalLM.from_pretrained(models[model_type], dtype=torch.bfloat16).eval()
+    rows = load_rows(data)
+    samples = [s for s in tokenize_rows(rows, tok, cfg.max_length) if isinstance(s, TokenizedSample)]
+    manifest_shards = json.loads(store.get("manifest.json"))["shards"]
+    for start, end, _ in manifest_shards:  # batches are formed per shard, as the extractor does
+        shard_samples = [s for s in samples if start <= int(s.sample_id.split("-")[0]) < end]
+        for batch in make_batches(shard_samples, cfg.batch_tokens):
+            ids, mask = pad_batch(batch, tok.pad_token_id)
+            with torch.inference_mode():
+                out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            for i, s in enumerate(batch):
+                n, mine = len(s), got[s.sample_id]
+                assert torch.equal(mine.input_ids, s.input_ids)
+                assert torch.equal(mine.loss_mask.bool(), s.loss_mask.bool())
+                for j, k in enumerate(layers):
+                    want = out.hidden_states[k + 1][i, :n]
+                    assert torch.equal(mine.hidden_states[:, j].view(torch.int16), want.view(torch.int16)), (s.sample_id, k)
+                assert torch.equal(mine.final_state.view(torch.int16), out.hidden_states[-1][i, :n].view(torch.int16))
+
+
+def test_rerun_resumes_and_a_changed_config_is_refused(models, tmp_path, capsys):
+    data = write_chats(tmp_path / "chats.jsonl", 10)
+    args = ["extract", "--model", models["llama"], "--dataset", data, "--out", str(tmp_path / "run"),
+            "--layers", "1,3", "--max-length", "32", "--shard-bytes", "20KB", "--log-dir", str(tmp_path / "logs")]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert "COMPLETE" in out and "layertap train --data" in out
+    store = open_store(str(tmp_path / "run"))
+    before = {o.key for o in store.list()}
+    assert cli(args) == 0  # nothing left to do
+    assert {o.key for o in store.list()} == before
+
+    changed = [a if a != "1,3" else "1,2" for a in args] + ["--codec", "fp8"]
+    assert cli(changed) == 2
+    err = capsys.readouterr().err
+    assert "layers: run has [1, 3], now [1, 2]" in err and "codec: run has 'bf16-zstd', now 'fp8'" in err
+
+
+def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):
+    data = write_chats(tmp_path / "chats.jsonl", 4)
+    out = tmp_path / "run"
+    base = ["extract", "--model", models["llama"], "--dataset", data, "--out", str(out), "--log-dir", str(tmp_path)]
+    assert cli(base + ["--layers", "1,99"]) == 2
+    assert "capture layer 99 is out of range" in capsys.readouterr().err
+    assert cli(["extract", "--model", str(tmp_path / "nope"), "--dataset", data, "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli(base[:4] + [str(tmp_path / "missing.jsonl")] + base[5:]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert cli(base + ["--shard-bytes", "lots"]) == 2
+    assert "invalid size 'lots'" in capsys.readouterr().err
+    assert not out.exists() or not (out / "manifest.json").exists()
+
+
+def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
+    """Two processes over gloo through `accelerate launch`, as on a multi-GPU node."""
+    data = write_chats(tmp_path / "chats.jsonl", 24)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "extract.cli", "extract", "--model", models["qwen3"], "--dataset", data, "--out", store_uri,
+           "--layers", "1,4", "--max-length", "40", "--shard-bytes", "10KB", "--log-dir", str(tmp_path / "logs")]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    store = open_store(store_uri)
+    commits = committed(store)
+    ids = Counter(i for c in commits for i in c.sample_ids)
+    assert sorted(ids) == sorted(f"{i}-chat-{i}" for i in range(24)) and set(ids.values()) == {1}
+    assert sorted((tmp_path / "logs").iterdir()) == [tmp_path / "logs" / "extract-rank0.log",
+                                                     tmp_path / "logs" / "extract-rank1.log"]
+    # Both ranks joined the same run (which rank commits what depends on timing).
+    run_id = json.loads(store.get("manifest.json"))["run_id"]
+    for r in (0, 1):
+        assert f"rank {r}/2: run {run_id}" in (tmp_path / "logs" / f"extract-rank{r}.log").read_text()
+
+
+def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path):
+    data = write_chats(tmp_path / "chats.jsonl", 120)
+    args = [sys.executable, "-m", "extract.cli", "extract", "--model", models["llama"], "--dataset", data,
+            "--out", store_uri, "--layers", "1,3", "--max-length", "48", "--batch-tokens", "64",
+            "--shard-bytes", "8KB", "--log-dir", str(tmp_path / "logs")]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    store = open_store(store_uri)
+    deadline = time.time() + 300
+    while not list(store.list(layout.COMMITS)) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+
+    status = run_status(store)
+    assert 0 < status["shards_done"] < status["shards_total"]
+    assert status["shards_running"] == 0  # the lease was released, not left to expire
+    assert not list(store.list(layout.LEASES))
+    assert store.list_pending_uploads() == []  # the open shard's upload was aborted
+    for o in store.list(layout.FAILURES):
+        assert decode_failure(store.get(o.key), o.key).preempted
+    assert len(list(store.list(layout.SHARDS))) == status["shards_done"]  # no half-written data
+
+    assert subprocess.run(args, capture_output=True, env=env, timeout=600).returncode == 0
+    ids = Counter(i for c in committed(store) for i in c.sample_ids)
+    assert len(ids) == 120 and set(ids.values()) == {1}
+    assert verify_run(store).bad == []
+
+
+@pytest.mark.slow
+def test_smollm2_extraction_equals_hf_forward(tmp_path):
+    """The real SmolLM2-135M-Instruct (GGUF) on real ShareGPT conversations, bit-exact."""
+    from extract.embedded import sharegpt_conversations, smollm2_gguf
+    from extract.model import default_layers, load_target
+
+    rows = list(sharegpt_conversations(6))
+    data = tmp_path / "sharegpt.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder, name = smollm2_gguf()
+    cfg = ExtractConfig(out=str(tmp_path / "run"), model=folder, gguf_file=name, dataset=str(data),
+                        max_length=96, batch_tokens=400, dtype="float32", log_dir=str(tmp_path / "logs"))
+    assert extract(cfg) == 0
+    store = open_store(cfg.out)
+    got = stored_samples(store)
+    assert len(got) >= 5
+    layers = json.loads(store.get("manifest.json"))["config"]["layers"]
+    assert layers == default_layers(30)  # DFlash's spacing for SmolLM2's 30 layers
+
+    target = load_target(folder, name, dtype=torch.float32)
+    samples = [s for s in tokenize_rows(load_rows(str(data)), target.tokenizer, cfg.max_length)
+               if isinstance(s, TokenizedSample)]
+    for batch in make_batches(samples, cfg.batch_tokens):
+        ids, mask = pad_batch(batch, target.tokenizer.pad_token_id or 0)
+        with torch.inference_mode():
+            out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        for i, s in enumerate(batch):
+            want = torch.stack([out.hidden_states[k + 1][i, : len(s)] for k in layers], dim=1).to(torch.bfloat16)
+            assert torch.equal(got[s.sample_id].hidden_states.view(torch.int16), want.view(torch.int16))
