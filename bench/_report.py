@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def machine() -> str:
-    """'N cores, CPU model' from /proc/cpuinfo (falls back to platform.processor())."""
+    """'nproc N, CPU model, OS release'; the model from /proc/cpuinfo where there is one."""
     model = platform.processor() or "unknown CPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -18,7 +18,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} cores, {model}"
+    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"nproc {nproc}, {model}, {platform.system()} {platform.release()}"
 
 
 def write_section(name: str, markdown: str, path: str | os.PathLike = "docs/benchmarks.md") -> None:

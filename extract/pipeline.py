@@ -98,7 +98,7 @@ class _Writer(threading.Thread):
                 rec = fut.result()
                 t0 = time.perf_counter()
                 self.shard.append(rec)
-                self.stats.add(write_s=time.perf_counter() - t0, stored_bytes=len(rec.payload))
+                self.stats.add(write_s=time.perf_counter() - t0, stored_bytes=rec.size)
                 self.on_record(rec)
             except BaseException as e:
                 self.error = e

@@ -218,7 +218,7 @@ class Progress:
         if self.bar is None:
             return
         self.tokens += rec.num_tokens
-        self.stored += len(rec.payload)
+        self.stored += rec.size
         self.raw += rec.raw_bytes
         dt = max(time.time() - self.t0, 1e-6)
         self.bar.set_postfix_str(f"{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 1e6:.1f} MB/s, "

@@ -26,7 +26,6 @@ from typing import Any, BinaryIO, Literal
 import torch
 import xxhash
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from storage.codecs import get_codec
 from storage.store import ObjectStore, ObjectWriter
@@ -105,14 +104,24 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class EncodedRecord:
-    """A sample turned into its RECD payload, ready to append (encoding runs in worker threads)."""
+    """A sample turned into its RECD payload, ready to append (encoding runs in worker threads).
+
+    The payload is kept as the list of buffers that make it up (safetensors header, then each
+    tensor's bytes), hashed where it was built: appending it copies nothing and hashes nothing.
+    """
 
     sample_id: str
     num_tokens: int
-    payload: bytes
+    parts: tuple[bytes | memoryview, ...]
+    size: int
+    xxh3_64: int
     raw_bytes: int  # activation bytes before the codec
     sq_err: float = 0.0  # codec reconstruction error, summed (lossy codecs)
     sq_norm: float = 0.0
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +151,31 @@ class ShardInfo:
 
 def _frame(kind: bytes, payload: bytes) -> bytes:
     return FRAME.pack(kind, len(payload), xxhash.xxh3_64_intdigest(payload))
+
+
+_ST_DTYPES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bfloat16: "BF16",
+              torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def _safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[bytes | memoryview]:
+    """A safetensors blob as [header, tensor bytes...], without copying the tensors.
+
+    Byte-compatible with `safetensors.torch.save` readers: a u64 header length, the JSON header
+    (offsets of contiguous tensors, no holes) padded with spaces to 8 bytes, then the data.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    parts: list[bytes | memoryview] = [b""]
+    offset = 0
+    for name, t in tensors.items():
+        t = t.contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        parts.append(data)
+        offset += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    parts[0] = struct.pack("<Q", len(head)) + head
+    return parts
 
 
 def encode_record(sample: Sample, meta: ShardMeta) -> EncodedRecord:
@@ -184,7 +218,11 @@ def encode_record(sample: Sample, meta: ShardMeta) -> EncodedRecord:
         md.update({f"{name}.{k}": v for k, v in enc_meta.items()})
         sq_err += float(enc_meta.get("sq_err", 0.0))
         sq_norm += float(enc_meta.get("sq_norm", 0.0))
-    return EncodedRecord(sid, s, st_save(tensors, metadata=md), raw, sq_err, sq_norm)
+    parts = _safetensors_parts(tensors, md)
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return EncodedRecord(sid, s, tuple(parts), sum(len(p) for p in parts), h.intdigest(), raw, sq_err, sq_norm)
 
 
 def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
@@ -258,10 +296,9 @@ class ShardWriter:
     def append(self, rec: EncodedRecord) -> RecordEntry:
         if rec.sample_id in self._ids:
             raise ValueError(f"sample {rec.sample_id!r} is already in shard {self.meta.shard_id}")
-        header = _frame(RECD, rec.payload)
-        entry = RecordEntry(rec.sample_id, self._offset, len(header) + len(rec.payload), rec.num_tokens,
-                            f"{xxhash.xxh3_64_intdigest(rec.payload):016x}")
-        self._emit(header, rec.payload)
+        header = FRAME.pack(RECD, rec.size, rec.xxh3_64)
+        entry = RecordEntry(rec.sample_id, self._offset, FRAME.size + rec.size, rec.num_tokens, f"{rec.xxh3_64:016x}")
+        self._emit(header, *rec.parts)
         self._entries.append(entry)
         self._ids.add(rec.sample_id)
         self._tokens += rec.num_tokens

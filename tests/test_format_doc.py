@@ -156,6 +156,8 @@ def decode_codec(codec: str, name: str, tensors: dict[str, np.ndarray], md: dict
         lo = tensors[f"{name}.lo"]
         hi = unzstd(tensors[f"{name}.hi.zst"], n)
         assert lo.dtype == np.uint8 and lo.shape == (n,)
+        if len(shape) >= 3:  # the high plane is layer-major: [L, S, ...]
+            hi = hi.reshape((shape[1], shape[0], *shape[2:])).swapaxes(0, 1).reshape(-1)
         return (lo.astype(np.uint16) | (hi.astype(np.uint16) << 8)).reshape(shape)
     if codec == "fp8":
         scale = tensors[f"{name}.scale"]

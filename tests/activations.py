@@ -1,0 +1,77 @@
+"""Real hidden states for tests and benchmarks: SmolLM2-135M-Instruct on ShareGPT conversations.
+
+Loading the model takes ~18 s on 2 CPU cores, so results are cached as a safetensors file
+(never pickle) under ``$LAYERTAP_TEST_CACHE`` (default ``~/.cache/layertap-tests``), keyed by
+the arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script or from bench/
+from extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
+
+HIDDEN = 576
+_ROLES = {"human": "user", "user": "user", "system": "system"}  # everything else: assistant
+_CACHE_VERSION = 1  # bump when the rendering or the capture changes
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LAYERTAP_TEST_CACHE", Path.home() / ".cache" / "layertap-tests"))
+
+
+def _compute(n_samples: int, max_tokens: int, layers: tuple[int, ...]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
+    out = []
+    for record in sharegpt_conversations(None):
+        messages = [{"role": _ROLES.get(m["from"], "assistant"), "content": m["value"]}
+                    for m in record["conversations"] if m.get("value")]
+        if not messages:
+            continue
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_tokens,
+                        return_tensors="pt").input_ids
+        with torch.inference_mode():
+            # The base model only: the 49k-vocab LM head is not needed for hidden states.
+            hs = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        out.append(torch.stack([hs[k + 1][0] for k in layers], dim=1).contiguous())  # [S, L, H]
+        if len(out) == n_samples:
+            break
+    return out
+
+
+def smollm2_activations(n_samples: int = 16, max_tokens: int = 256,
+                        layers: tuple[int, ...] = (1, 8, 15, 22, 27)) -> list[torch.Tensor]:
+    """Per conversation, a bf16 ``[S, len(layers), 576]`` of decoder-layer outputs (HF index k+1).
+
+    The first ``n_samples`` non-empty ShareGPT conversations, rendered with the chat template
+    and truncated to ``max_tokens`` tokens.
+    """
+    layers = tuple(int(k) for k in layers)
+    key = f"smollm2-v{_CACHE_VERSION}-n{n_samples}-t{max_tokens}-l{'_'.join(map(str, layers))}"
+    path = _cache_dir() / f"{key}.safetensors"
+    if path.exists():
+        data = load_file(path)
+        return [data[str(i)] for i in range(len(data))]
+    samples = _compute(n_samples, max_tokens, layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    save_file({str(i): t for i, t in enumerate(samples)}, str(tmp))
+    os.replace(tmp, path)  # atomic: concurrent test processes never read a half-written cache
+    return samples
+
+
+def smollm2_activations_cat(n_samples: int = 16, max_tokens: int = 256,
+                            layers: tuple[int, ...] = (1, 8, 15, 22, 27)) -> torch.Tensor:
+    """All samples concatenated along tokens: one bf16 ``[sum S, len(layers), 576]``, for benches."""
+    return torch.cat(smollm2_activations(n_samples, max_tokens, layers), dim=0)
