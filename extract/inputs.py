@@ -1,0 +1,453 @@
+"""Dataset rows -> tokenized training samples: ``input_ids`` plus the loss mask a drafter trains on.
+
+Three row shapes are accepted, detected once per dataset from its columns:
+
+- pre-tokenized: ``input_ids`` with ``loss_mask`` (0/1) or ``labels`` (-100 = unsupervised);
+- ShareGPT: ``conversations`` = ``[{"from", "value"}, ...]``;
+- OpenAI chat: ``messages`` = ``[{"role", "content"}, ...]``.
+
+Chats are rendered with the target tokenizer's own chat template, so the drafter sees exactly
+the text the target serves. The loss mask covers what the target would generate in each
+assistant turn: the content and the end-of-turn token that closes it, never the role header
+nor the whitespace a template writes after the end-of-turn token. See :func:`_assistant_spans`
+for how the spans are found without per-template configuration.
+
+Every row ends as exactly one record, a :class:`TokenizedSample` or a :class:`Skipped` with a
+reason, so a run can account for all of its input.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+import xxhash
+
+USER_ROLES = {"human": "user", "user": "user"}
+ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                   "bard": "assistant", "bing": "assistant"}
+SYSTEM_ROLES = {"system": "system", "developer": "system"}  # OpenAI renamed system to developer
+_ROLES = {**USER_ROLES, **ASSISTANT_ROLES, **SYSTEM_ROLES}
+
+_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_MAX_ID_CHARS = 40
+# A string no chat template or dataset produces, standing in for assistant content in the probe.
+_SENTINEL = "\uE000layertap-probe\uE001"
+
+
+class RowShape(str, enum.Enum):
+    PRETOKENIZED = "pretokenized"
+    SHAREGPT = "sharegpt"
+    MESSAGES = "messages"
+
+
+ACCEPTED_SHAPES = (
+    "pre-tokenized: 'input_ids' with 'loss_mask' or 'labels'; "
+    "ShareGPT: 'conversations' of {from, value}; "
+    "OpenAI chat: 'messages' of {role, content}"
+)
+
+
+# Skip reasons: short stable codes, counted in TokenizeStats.skipped.
+EMPTY = "empty"
+NO_SUPERVISED_PAIR = "no_supervised_pair"
+BAD_MESSAGE = "bad_message"
+TEMPLATE_ERROR = "template_error"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedSample:
+    """One training sample. ``loss_mask[i]`` says whether token ``i`` is supervised."""
+
+    sample_id: str
+    input_ids: torch.Tensor  # int64 [S]
+    loss_mask: torch.Tensor  # bool [S]
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A row that produced no sample. ``reason`` is one of the codes above; ``detail`` is for humans."""
+
+    sample_id: str
+    reason: str
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class TokenizeStats:
+    """Counters updated while :func:`tokenize_rows` runs; ``rows == samples + sum(skipped)``."""
+
+    rows: int = 0
+    samples: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+    truncated: int = 0
+    dropped_turns: int = 0  # assistant turns before the first user turn, see _normalize_chat
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_rows(path: str, limit: int | None = None):
+    """Open ``path`` as a ``datasets.Dataset``: a ``save_to_disk`` folder, or a .jsonl/.json/.parquet file.
+
+    ``limit`` keeps the first ``limit`` rows, so a small run sees the same rows as the start of
+    a big one.
+    """
+    import datasets
+
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit must be a positive number of rows, got {limit}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"dataset {path!r} does not exist")
+    if os.path.isdir(path):
+        ds = _load_saved(path)
+    else:
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in _FILE_FORMATS:
+            raise ValueError(f"dataset {path!r}: unsupported file type {ext or '(none)'!r}; "
+                             f"use a .jsonl, .json or .parquet file or a datasets save_to_disk folder")
+        if _file_has_no_rows(path, ext):
+            raise ValueError(f"dataset {path!r} has no rows")
+        try:
+            ds = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train")
+        except Exception as e:  # datasets wraps parse errors in its own, path-less, exceptions
+            cause = e.__cause__ or e
+            raise ValueError(f"dataset {path!r} could not be read as {ext}: "
+                             f"{type(cause).__name__}: {cause}") from e
+    if len(ds) == 0:
+        raise ValueError(f"dataset {path!r} has no rows")
+    if limit is not None and limit < len(ds):
+        ds = ds.select(range(limit))
+    return ds
+
+
+def _file_has_no_rows(path: str, ext: str) -> bool:
+    """Empty inputs make ``datasets`` fail with misleading errors, so spot them first."""
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        except Exception:  # not parquet after all: let datasets report it
+            return False
+    with open(path, "rb") as f:
+        head = f.read(64)
+    return len(head) < 64 and head.strip() in (b"", b"[]")
+
+
+def _load_saved(path: str):
+    import datasets
+
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            if json.load(f).get("_data_files") == []:
+                raise ValueError(f"dataset {path!r} has no rows")
+    except (OSError, json.JSONDecodeError):
+        pass  # a DatasetDict folder, or not a dataset at all: load_from_disk says which
+    try:
+        ds = datasets.load_from_disk(path)
+    except FileNotFoundError as e:
+        raise ValueError(f"dataset {path!r} is a folder but not a datasets save_to_disk folder "
+                         f"(no dataset_info.json / state.json): {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" in ds:
+            return ds["train"]
+        if len(ds) == 1:
+            return next(iter(ds.values()))
+        raise ValueError(f"dataset {path!r} holds splits {sorted(ds)}; save the one to extract "
+                         f"on its own, or name it 'train'")
+    return ds
+
+
+def dataset_fingerprint(path: str, limit: int | None = None) -> str:
+    """A hex id of the rows :func:`load_rows` would return, for a manifest to pin its input.
+
+    Files are hashed in full (xxh3-128 runs at disk speed): a size+mtime shortcut would miss
+    an edited file of the same size. A saved dataset folder already carries a content
+    fingerprint that ``datasets`` maintains through every transform.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"dataset {path!r} does not exist")
+    if os.path.isdir(path):
+        ds = _load_saved(path)
+        content = f"saved:{ds._fingerprint}:{len(ds)}"
+    else:
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 23):
+                h.update(chunk)
+        content = f"file:{os.path.getsize(path)}:{h.hexdigest()}"
+    return xxhash.xxh3_128(f"v1|{content}|limit={limit}".encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Row shapes
+
+
+def detect_row_shape(columns: Iterable[str]) -> RowShape:
+    """The row shape a dataset's columns match; pre-tokenized wins, as its tokens are explicit."""
+    cols = set(columns)
+    if "input_ids" in cols:
+        if "loss_mask" in cols or "labels" in cols:
+            return RowShape.PRETOKENIZED
+        raise ValueError(f"rows have 'input_ids' but neither 'loss_mask' nor 'labels' (columns: "
+                         f"{sorted(cols)}); add one so the drafter knows which tokens to learn")
+    if "messages" in cols:
+        return RowShape.MESSAGES
+    if "conversations" in cols:
+        return RowShape.SHAREGPT
+    raise ValueError(f"rows match no accepted shape; columns found: {sorted(cols)}. "
+                     f"Accepted: {ACCEPTED_SHAPES}")
+
+
+def sample_id(row: Mapping[str, Any], index: int) -> str:
+    """A short id that is unique within the dataset and safe as a key or file name.
+
+    It always starts with the row index: ids in real data repeat (ShareGPT V3 has 123 ids
+    used by two different conversations), and a repeated key would overwrite or falsely
+    "resume" a sample. The row's own id follows, cleaned to ``[A-Za-z0-9._-]``, for tracing.
+    """
+    raw = row.get("id")
+    if raw is None or str(raw) == "":
+        return str(index)
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "_", str(raw))[:_MAX_ID_CHARS]
+    return f"{index}-{clean}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+def tokenize_rows(rows: Iterable[Mapping[str, Any]], tokenizer, max_length: int, *,
+                  start: int = 0, vocab_size: int | None = None,
+                  chat_template_kwargs: Mapping[str, Any] | None = None,
+                  stats: TokenizeStats | None = None) -> Iterator[TokenizedSample | Skipped]:
+    """Lazily, one :class:`TokenizedSample` or :class:`Skipped` per row, in order.
+
+    ``start`` is the index of the first row in the whole dataset, so a worker that tokenizes a
+    slice produces the same sample ids as a single pass. ``vocab_size`` bounds pre-tokenized ids
+    (default ``len(tokenizer)``). Samples longer than ``max_length`` are cut and flagged.
+    A sample with no two consecutive supervised tokens has nothing to train a drafter on
+    (every training block starts at such a pair), so it is skipped with a reason.
+    """
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2, got {max_length}")
+    vocab = int(vocab_size if vocab_size is not None else len(tokenizer))
+    columns = getattr(rows, "column_names", None)
+    shape = detect_row_shape(columns) if columns is not None else None
+    # A Dataset's columns are known now: fail on a bad shape or template before the first row.
+    chat = None
+    if shape in (RowShape.SHAREGPT, RowShape.MESSAGES):
+        chat = _ChatRenderer(tokenizer, chat_template_kwargs)
+    return _tokenize(rows, tokenizer, max_length, shape, chat, start, vocab, chat_template_kwargs,
+                     stats if stats is not None else TokenizeStats())
+
+
+def _tokenize(rows, tokenizer, max_length, shape, chat, start, vocab, template_kwargs,
+              stats: TokenizeStats) -> Iterator[TokenizedSample | Skipped]:
+    for index, row in enumerate(rows, start):
+        if shape is None:  # a plain iterable: the first row's keys decide
+            shape = detect_row_shape(row.keys())
+        sid = sample_id(row, index)
+        stats.rows += 1
+        if shape is RowShape.PRETOKENIZED:
+            out = _pretokenized(row, sid, index, vocab)
+        else:
+            chat = chat or _ChatRenderer(tokenizer, template_kwargs)
+            out = chat.tokenize(row, sid, shape, stats)
+        if isinstance(out, TokenizedSample):
+            out = _finish(out, max_length)
+        if isinstance(out, Skipped):
+            stats.skipped[out.reason] += 1
+        else:
+            stats.samples += 1
+            stats.tokens += len(out)
+            stats.supervised_tokens += int(out.loss_mask.sum())
+            stats.truncated += out.truncated
+        yield out
+
+
+def _finish(sample: TokenizedSample, max_length: int) -> TokenizedSample | Skipped:
+    """Truncate, then drop what a drafter cannot learn from."""
+    ids, mask = sample.input_ids, sample.loss_mask
+    if ids.numel() == 0:
+        return Skipped(sample.sample_id, EMPTY, "no tokens")
+    truncated = ids.numel() > max_length
+    if truncated:
+        ids, mask = ids[:max_length].clone(), mask[:max_length].clone()  # clone: free the rest
+    if not bool((mask[:-1] & mask[1:]).any()):
+        where = f" within max_length={max_length}" if truncated else ""
+        return Skipped(sample.sample_id, NO_SUPERVISED_PAIR, f"no two consecutive supervised tokens{where}")
+    return TokenizedSample(sample.sample_id, ids, mask, truncated)
+
+
+def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> TokenizedSample | Skipped:
+    ids_raw = row["input_ids"]
+    if ids_raw is None or len(ids_raw) == 0:
+        return Skipped(sid, EMPTY, "input_ids is empty")
+    ids = torch.as_tensor(ids_raw).reshape(-1)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"row {index} ({sid}): input_ids must be integers, got {ids.dtype}")
+    ids = ids.to(torch.int64)
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0])
+        raise ValueError(f"row {index} ({sid}): token id {int(ids[pos])} at position {pos} is outside "
+                         f"the vocabulary [0, {vocab}); were these rows tokenized for another model?")
+    if row.get("loss_mask") is not None:
+        mask = torch.as_tensor(row["loss_mask"]).reshape(-1)
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"row {index} ({sid}): loss_mask must hold only 0 and 1")
+        mask, name = mask.bool(), "loss_mask"
+    elif row.get("labels") is not None:
+        mask, name = torch.as_tensor(row["labels"]).reshape(-1) != -100, "labels"
+    else:
+        raise ValueError(f"row {index} ({sid}): both loss_mask and labels are null")
+    if mask.numel() != ids.numel():
+        raise ValueError(f"row {index} ({sid}): {name} has {mask.numel()} entries for "
+                         f"{ids.numel()} input_ids")
+    return TokenizedSample(sid, ids, mask)
+
+
+class _ChatRenderer:
+    """Renders chats with the tokenizer's template and finds the assistant spans in the text."""
+
+    def __init__(self, tokenizer, template_kwargs: Mapping[str, Any] | None):
+        if not getattr(tokenizer, "is_fast", True):
+            raise ValueError("chat rows need a fast tokenizer: the loss mask is built from the "
+                             "tokenizer's character offsets")
+        if not tokenizer.chat_template:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; give "
+                             f"pre-tokenized rows or a tokenizer with a chat template")
+        self.tokenizer = tokenizer
+        self.kwargs = dict(template_kwargs or {})
+        self.end_of_turn = self._probe_end_of_turn()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **self.kwargs)
+
+    def _probe_end_of_turn(self) -> str:
+        """What the template writes right after an assistant's content, minus trailing whitespace.
+
+        For ChatML (SmolLM2, Qwen) that is ``<|im_end|>``, for Llama 3 ``<|eot_id|>``; the
+        newline ChatML adds after it is not something the model generates.
+        """
+        try:
+            text = self.render([{"role": "user", "content": "ping"},
+                                {"role": "assistant", "content": _SENTINEL}])
+            tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].rstrip()
+        except Exception:  # a template that refuses the probe: fall back to EOS
+            tail = ""
+        return tail or (self.tokenizer.eos_token or "")
+
+    def tokenize(self, row: Mapping[str, Any], sid: str, shape: RowShape,
+                 stats: TokenizeStats) -> TokenizedSample | Skipped:
+        raw = row["messages"] if shape is RowShape.MESSAGES else row["conversations"]
+        messages = _normalize_chat(raw, sid, stats)
+        if isinstance(messages, Skipped):
+            return messages
+        try:
+            text = self.render(messages)
+            spans = _assistant_spans(self, messages, text)
+        except _TemplateMismatch as e:
+            return Skipped(sid, TEMPLATE_ERROR, str(e))
+        except Exception as e:  # jinja's raise_exception, e.g. "roles must alternate"
+            return Skipped(sid, TEMPLATE_ERROR, f"{type(e).__name__}: {e}")
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
+        starts = torch.tensor([s for s, _ in enc["offset_mapping"]], dtype=torch.int64)
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        for a, b in spans:
+            mask |= (starts >= a) & (starts < b)
+        return TokenizedSample(sid, ids, mask)
+
+
+class _TemplateMismatch(ValueError):
+    pass
+
+
+def _normalize_chat(raw: Any, sid: str, stats: TokenizeStats) -> list[dict] | Skipped:
+    """ShareGPT or OpenAI messages -> ``[{"role", "content", ...}]`` with canonical roles.
+
+    Assistant turns before the first user turn are dropped and counted: they answer a prompt
+    the row does not contain (ShareGPT splits long chats into parts, and 36% of ShareGPT V3
+    rows open with a ``gpt`` turn), and strict templates refuse a chat that opens with one.
+    """
+    if not raw:
+        return Skipped(sid, EMPTY, "no messages")
+    messages: list[dict] = []
+    seen_user = False
+    for i, m in enumerate(raw):
+        if not isinstance(m, Mapping):
+            return Skipped(sid, BAD_MESSAGE, f"message {i} is a {type(m).__name__}, not a mapping")
+        role = m.get("from") if m.get("from") is not None else m.get("role")
+        content = m.get("value") if m.get("value") is not None else m.get("content")
+        canonical = _ROLES.get(str(role).lower()) if role is not None else None
+        if canonical is None:
+            return Skipped(sid, BAD_MESSAGE, f"message {i} has unknown role {role!r}; accepted: "
+                                             f"{sorted(_ROLES)}")
+        if not isinstance(content, str):
+            return Skipped(sid, BAD_MESSAGE, f"message {i} content is {type(content).__name__}, not text")
+        if canonical == "assistant" and not seen_user:
+            stats.dropped_turns += 1
+            continue
+        seen_user = seen_user or canonical == "user"
+        # Keep extra fields a template may use (reasoning_content, ...), minus nulls that
+        # datasets adds when it unifies message structs.
+        extra = {k: v for k, v in m.items() if v is not None and k not in ("from", "value", "role", "content")}
+        messages.append({**extra, "role": canonical, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        return Skipped(sid, NO_SUPERVISED_PAIR, "no assistant turn")
+    return messages
+
+
+def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Character spans ``[a, b)`` of ``text`` (the whole chat, rendered once) that the model generates.
+
+    A span starts where the template's generation prompt for that turn ends:
+    ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of ``text``, which holds
+    for SmolLM2, ChatML, Llama 3 and Qwen3 templates alike (Qwen3 renders an earlier assistant
+    turn differently once it is no longer the last one, which is why the end is not taken from
+    a prefix rendering of ``messages[:i+1]``). The span ends after the first end-of-turn marker
+    that follows the turn's content, found with the probe in ``_probe_end_of_turn``. Text a
+    template inserts between header and content (Qwen3's empty ``<think></think>`` block on
+    the last turns) is inside the span: the model generates it.
+    """
+    spans = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = chat.render(messages[:i], add_generation_prompt=True)
+        if not text.startswith(prompt) or len(prompt) < cursor:
+            raise _TemplateMismatch(
+                f"the chat template renders turn {i}'s prompt differently from the whole chat, so "
+                f"the assistant span cannot be located; use pre-tokenized rows for this template")
+        a = len(prompt)
+        body = m["content"].strip()
+        # Look for the content just after the header, leaving room for what a template may put
+        # first (a think block, the message's reasoning), but not as far as a later turn.
+        room = 256 + sum(len(v) for k, v in m.items() if isinstance(v, str) and k != "content")
+        found = text.find(body, a, a + room + len(body)) if body else -1
+        after = found + len(body) if found >= 0 else a
+        eot = chat.end_of_turn
+        e = text.find(eot, after) if eot else -1
+        b = e + len(eot) if e >= 0 else after
+        spans.append((a, b))
+        cursor = b
+    return spans

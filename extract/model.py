@@ -1,0 +1,241 @@
+"""The target model, cut down to the layers a drafter needs, with hooks that capture them.
+
+Layer convention (recorded in every shard): layer ``k`` is the OUTPUT of decoder layer ``k``,
+which is HF ``outputs.hidden_states[k + 1]`` (index 0 is the embedding output), with one
+exception: HF's last entry ``hidden_states[N]`` is taken AFTER the final norm, while our layer
+``N - 1`` is the decoder layer's own output (pre-norm); ask for ``final_state="postnorm"`` to get
+HF's. vLLM and SGLang count "before layer i", so their ids are ours + 1.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+LAYER_CONVENTION = "decoder_output: layer k = HF hidden_states[k+1]"
+FinalState = Literal["none", "prenorm", "postnorm"]
+FINAL_STATES = ("none", "prenorm", "postnorm")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def default_layers(num_layers: int, n: int = 5) -> list[int]:
+    """DFlash's default capture layers (``build_target_layer_ids``): ``n`` ids spread from 1 to N-3.
+
+    Python's ``round`` (half to even) on purpose: it is what DFlash trains with, and an id off by
+    one would give the drafter features it was not trained on.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one capture layer, got n={n}")
+    if num_layers < 4:
+        raise ValueError(f"DFlash's layer spacing needs at least 4 layers, the model has {num_layers}")
+    if n == 1:
+        return [num_layers // 2]
+    first, last = 1, num_layers - 3
+    return [int(round(first + i * (last - first) / (n - 1))) for i in range(n)]
+
+
+@dataclass(slots=True)
+class Target:
+    """A loaded target: the model, its tokenizer, and what a shard header records about them."""
+
+    model: nn.Module
+    tokenizer: Any
+    info: dict[str, Any]
+
+
+def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                attn_implementation: str = "sdpa", device: str | torch.device = "cpu") -> Target:
+    """Load a causal LM and its tokenizer from a local folder (optionally a GGUF file in it).
+
+    A ``org/name`` hub id is accepted too and resolved by ``transformers`` (its cache, or the
+    hub unless ``HF_HUB_OFFLINE=1``).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = os.path.exists(path)
+    if not local and not _HUB_ID.match(path):
+        raise FileNotFoundError(f"target model {path!r} does not exist; give a model folder or an org/name hub id")
+    if gguf_file is not None and local and not os.path.isfile(os.path.join(path, gguf_file)):
+        raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path!r}")
+    kw: dict[str, Any] = {}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+        try:  # transformers >= 5.2x may keep GGUF blocks packed and compute in float32 where a
+            # kernel exists; unpack instead, so the states are the same dense model's everywhere.
+            from transformers import GgufConfig
+
+            kw["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:  # older versions always unpack
+            pass
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **kw)
+    except OSError as e:
+        raise OSError(f"could not load target model {path!r}: {e}") from e
+    model.to(device).eval()
+    model.requires_grad_(False)
+    config = _decoder(model).config
+    info = {
+        "model": path,
+        "gguf_file": gguf_file,
+        "revision": _revision(path, model.config),
+        "model_type": config.model_type,
+        "hidden_size": int(config.hidden_size),
+        "num_layers": int(config.num_hidden_layers),
+        "vocab_size": int(config.vocab_size),
+        "tokenizer": tokenizer.name_or_path,
+        "tokenizer_vocab_size": len(tokenizer),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    return Target(model, tokenizer, info)
+
+
+def _revision(path: str, config) -> str | None:
+    """The commit a checkpoint came from: a hub snapshot folder is named by it, a git checkout has HEAD."""
+    commit = getattr(config, "_commit_hash", None)
+    if commit:
+        return commit
+    real = os.path.realpath(path)
+    name = os.path.basename(real.rstrip(os.sep))
+    if re.fullmatch(r"[0-9a-f]{40}", name) and os.path.basename(os.path.dirname(real)) == "snapshots":
+        return name
+    head = os.path.join(real, ".git", "HEAD")
+    try:
+        with open(head) as f:
+            ref = f.read().strip()
+        if ref.startswith("ref: "):
+            with open(os.path.join(real, ".git", ref[5:])) as f:
+                ref = f.read().strip()
+        return ref if re.fullmatch(r"[0-9a-f]{40}", ref) else None
+    except OSError:
+        return None
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The base transformer (embeddings, ``layers``, ``norm``) under a ``*ForCausalLM`` head."""
+    for candidate in (getattr(model, "model", None), model.get_decoder() if hasattr(model, "get_decoder") else None):
+        if candidate is not None and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+    raise ValueError(f"{type(model).__name__} has no decoder with a 'layers' list; this architecture "
+                     f"is not supported")
+
+
+class Capture:
+    """Runs the base model on a batch and returns the chosen layers' outputs at every position.
+
+    The model is cut IN PLACE, once: decoder layers after the last one needed are deleted, and
+    so is the LM head (a 27B model's head is 5120 x 151k: its logits for a 4k-token batch would
+    dwarf the states we keep). The final norm is kept only for ``final_state="postnorm"``.
+    Keep the uncut model elsewhere if you still need it.
+    """
+
+    def __init__(self, model: nn.Module, layers: list[int], final_state: FinalState = "none"):
+        if getattr(model, "_layertap_cut", False):
+            raise ValueError("this model was already cut by a Capture; load it again")
+        decoder = _decoder(model)
+        config = decoder.config
+        num_layers = int(config.num_hidden_layers)
+        self.layers = _check_layers(layers, num_layers)
+        if final_state not in FINAL_STATES:
+            raise ValueError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
+        self.final_state = final_state
+        self.num_layers = num_layers
+        self.hidden_size = int(config.hidden_size)
+        keep = num_layers if final_state != "none" else max(self.layers) + 1
+        self._cut(model, decoder, keep, final_state)
+        self.model, self.decoder, self.kept_layers = model, decoder, keep
+        self._buffer: torch.Tensor | None = None
+        self._final: torch.Tensor | None = None
+        for j, k in enumerate(self.layers):
+            decoder.layers[k].register_forward_hook(self._store(j))
+        if final_state == "prenorm":
+            decoder.layers[num_layers - 1].register_forward_hook(self._store_final)
+
+    @staticmethod
+    def _cut(model: nn.Module, decoder: nn.Module, keep: int, final_state: str) -> None:
+        config = decoder.config
+        decoder.layers = nn.ModuleList(list(decoder.layers)[:keep])
+        # The decoder loops over layers[:num_hidden_layers] and picks each layer's attention mask
+        # by layer_types[i] (full vs linear attention in qwen3_5_text): both must match the cut.
+        config.num_hidden_layers = keep
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:keep]
+        if final_state != "postnorm" and isinstance(getattr(decoder, "norm", None), nn.Module):
+            decoder.norm = nn.Identity()
+        if isinstance(getattr(model, "lm_head", None), nn.Module):
+            model.lm_head = None
+        model._layertap_cut = True
+
+    def _store(self, j: int):
+        def hook(module, args, output):
+            h = output[0] if isinstance(output, (tuple, list)) else output
+            self._buffer[:, :, j].copy_(h)  # one copy into the batch's output; robust to later in-place ops
+        return hook
+
+    def _store_final(self, module, args, output):
+        h = output[0] if isinstance(output, (tuple, list)) else output
+        self._final = h.clone()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden [B, T, L, H]`` in the model's dtype, and ``final [B, T, H]`` or None.
+
+        Pad on the RIGHT: positions are counted from each row's start, so a sample's real tokens
+        are computed as if it were alone; rows at padded positions hold garbage to be sliced off.
+        """
+        weight = self.decoder.get_input_embeddings().weight
+        device = weight.device
+        input_ids = input_ids.to(device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device)
+            if bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any()):
+                raise ValueError("attention_mask has padding before real tokens; pad on the right")
+        b, t = input_ids.shape
+        self._buffer = torch.empty(b, t, len(self.layers), self.hidden_size, dtype=weight.dtype,
+                                   device=device)
+        self._final = None
+        try:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            hidden = self._buffer
+            final = {"none": None, "prenorm": self._final, "postnorm": out.last_hidden_state}[self.final_state]
+        finally:
+            self._buffer, self._final = None, None
+        return hidden, final
+
+    __call__ = forward
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What a shard header records about the capture."""
+        return {"layers": list(self.layers), "layer_convention": LAYER_CONVENTION,
+                "final_state": self.final_state, "num_layers": self.num_layers,
+                "kept_layers": self.kept_layers, "hidden_size": self.hidden_size,
+                "dtype": str(self.decoder.get_input_embeddings().weight.dtype).removeprefix("torch.")}
+
+
+def _check_layers(layers: list[int], num_layers: int) -> list[int]:
+    if not layers:
+        raise ValueError("no capture layers given")
+    out = []
+    for k in layers:
+        try:
+            if isinstance(k, bool):
+                raise TypeError
+            k = operator.index(k)  # ints, numpy and torch integers; not floats or strings
+        except TypeError:
+            raise ValueError(f"capture layer {k!r} is not an integer") from None
+        if not 0 <= k < num_layers:
+            raise ValueError(f"capture layer {k} is out of range: the model has {num_layers} decoder "
+                             f"layers, ids 0..{num_layers - 1} (layer k = output of decoder layer k)")
+        out.append(int(k))
+    if len(set(out)) != len(out):
+        raise ValueError(f"capture layers repeat: {layers}")
+    return out

@@ -1,0 +1,123 @@
+"""Real, tiny parts for the extractor's tests: a trained byte-level BPE tokenizer with chat
+templates, random-init HF models of the target architectures, and SmolLM2's GGUF tokenizer.
+
+Everything is built in-process in well under a second (no hub access), except SmolLM2's
+tokenizer: converting it from the GGUF takes ~16 s, so it is saved once under
+``$LAYERTAP_TEST_CACHE`` (default ``~/.cache/layertap-tests``) and reused.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from extract.embedded import smollm2_gguf  # noqa: E402
+
+# Qwen2.5-style ChatML: every turn rendered the same wherever it sits in the chat.
+CHATML_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+# Qwen3-style: assistant turns after the last user turn get a think block and trimmed content,
+# so an assistant turn renders differently once a later user turn follows it.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{- '<think>\n' + (m.get('reasoning_content') or '') + '\n</think>\n\n' -}}"
+    "{%- endif -%}"
+    "{{- m['content'] | trim -}}{{- '<|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+_CORPUS = [
+    "Hello there! How are you today? I am fine, thanks for asking.",
+    "The quick brown fox jumps over the lazy dog. def main(): return 42",
+    "Speculative decoding drafts tokens that the target model verifies in one step.",
+    "user assistant system: you are a helpful assistant.\n\n  1. 2. 3.",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_bpe():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer(chat_template: str = CHATML_TEMPLATE):
+    """A byte-level BPE tokenizer (a few hundred tokens, ChatML specials) with ``chat_template``."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_trained_bpe()),
+                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = chat_template
+    return tok
+
+
+def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int = 0) -> str:
+    """Save a random-init ``model_type`` (qwen3, qwen3_5_text, llama) and its tokenizer to a folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+              tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if model_type == "qwen3_5_text":
+        # Default pattern: three gated-deltanet layers, then one full-attention layer.
+        kw.update(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4)
+    config = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    folder = root / f"{model_type}-{num_layers}L"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LAYERTAP_TEST_CACHE", Path.home() / ".cache" / "layertap-tests"))
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (and chat template), converted from its GGUF once."""
+    from transformers import AutoTokenizer
+
+    path = _cache_dir() / "smollm2-tokenizer-v1"
+    if (path / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(path)
+    folder, name = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)  # atomic: a concurrent test process never sees half a folder
+    except OSError:
+        pass  # another process won the race; its copy is identical
+    return tok
