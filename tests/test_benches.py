@@ -1,0 +1,26 @@
+"""The benchmark scripts stay runnable: bench/gpu_extract.py is run on a tiny config on CPU, so it
+is ready for the day an H200 is available."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
+    out = tmp_path / "gx.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_extract.py"), "--tiny", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["kept_layers"] == 6 and r["tokens"] > 0  # layers after the last capture layer are dropped
+    for way in ("local", "s3_moto_in_process"):
+        assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0
+        assert {"forward_s", "copy_s", "encode_s_summed", "write_s"} <= set(r[way])
