@@ -37,7 +37,8 @@ def default_layers(num_layers: int, n: int = 5) -> list[int]:
     if n == 1:
         return [num_layers // 2]
     first, last = 1, num_layers - 3
-    return [int(round(first + i * (last - first) / (n - 1))) for i in range(n)]
+    ids = [int(round(first + i * (last - first) / (n - 1))) for i in range(n)]
+    return sorted(set(ids))  # shallow models have fewer distinct layers than n
 
 
 @dataclass(slots=True)

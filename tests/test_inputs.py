@@ -1,0 +1,323 @@
+"""Rows -> tokenized samples: loading, row shapes, loss masks on real chat templates, skips."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from extract.embedded import sharegpt_conversations
+from extract.inputs import (
+    BAD_MESSAGE, EMPTY, NO_SUPERVISED_PAIR, TEMPLATE_ERROR, RowShape, Skipped, TokenizedSample,
+    TokenizeStats, dataset_fingerprint, detect_row_shape, load_rows, sample_id, tokenize_rows,
+)
+from tiny_models import CHATML_TEMPLATE, QWEN3_TEMPLATE, smollm2_tokenizer, tiny_tokenizer
+
+CHAT = [
+    {"from": "system", "value": "You are a helpful assistant."},
+    {"from": "human", "value": "Hello there!"},
+    {"from": "gpt", "value": "  Hi! How are you today?\n"},
+    {"from": "human", "value": "Fine, thanks. 1. 2. 3."},
+    {"from": "gpt", "value": "def main(): return 42"},
+]
+
+
+def _runs(sample: TokenizedSample, tokenizer) -> list[str]:
+    """The supervised tokens, decoded one contiguous run at a time."""
+    runs, cur = [], []
+    for tok, m in zip(sample.input_ids.tolist(), sample.loss_mask.tolist()):
+        if m:
+            cur.append(tok)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tokenizer.decode(r) for r in runs]
+
+
+def _one(rows, tokenizer, max_length=4096, **kw):
+    out = list(tokenize_rows(rows, tokenizer, max_length, **kw))
+    assert len(out) == len(rows)
+    return out
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+ROWS = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                     {"role": "assistant", "content": f"answer {i}"}]} for i in range(5)]
+
+
+def _write(tmp_path, kind):
+    if kind == "jsonl":
+        p = tmp_path / "rows.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif kind == "json":
+        p = tmp_path / "rows.json"
+        p.write_text(json.dumps(ROWS))
+    elif kind == "parquet":
+        p = tmp_path / "rows.parquet"
+        pq.write_table(pa.Table.from_pylist(ROWS), p)
+    else:
+        p = tmp_path / "saved"
+        datasets.Dataset.from_list(ROWS).save_to_disk(str(p))
+    return str(p)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "saved"])
+def test_load_rows_each_format_and_limit(tmp_path, kind):
+    path = _write(tmp_path, kind)
+    ds = load_rows(path, None)
+    assert len(ds) == 5 and ds[0]["id"] == "r0" and ds[4]["messages"][1]["content"] == "answer 4"
+    head = load_rows(path, 2)
+    assert [r["id"] for r in head] == ["r0", "r1"]
+    assert len(load_rows(path, 99)) == 5
+    fp = dataset_fingerprint(path, None)
+    assert fp == dataset_fingerprint(path, None)
+    assert fp != dataset_fingerprint(path, 2)
+
+
+def test_load_rows_saved_dataset_dict(tmp_path):
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dd"))
+    assert len(load_rows(str(tmp_path / "dd"))) == 5
+
+
+def test_load_rows_errors_name_the_path(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_rows(missing)
+    csv = tmp_path / "rows.csv"
+    csv.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match=r"rows\.csv.*unsupported file type '\.csv'"):
+        load_rows(str(csv))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl.*no rows"):
+        load_rows(str(empty))
+    datasets.Dataset.from_dict({"messages": []}).save_to_disk(str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="none.*no rows"):
+        load_rows(str(tmp_path / "none"))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="plain.*save_to_disk"):
+        load_rows(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="limit"):
+        load_rows(_write(tmp_path, "jsonl"), 0)
+
+
+def test_fingerprint_follows_file_bytes(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"a": 1}\n')
+    before = dataset_fingerprint(str(p), None)
+    p.write_text('{"a": 2}\n')  # same size, different content
+    assert dataset_fingerprint(str(p), None) != before
+    saved = _write(tmp_path, "saved")
+    assert dataset_fingerprint(saved, None) == dataset_fingerprint(saved, None)
+    with pytest.raises(FileNotFoundError):
+        dataset_fingerprint(str(tmp_path / "missing.json"), None)
+
+
+# --- row shapes ---------------------------------------------------------------------------------
+
+
+def test_detect_row_shape():
+    assert detect_row_shape(["input_ids", "loss_mask"]) is RowShape.PRETOKENIZED
+    assert detect_row_shape(["input_ids", "labels", "messages"]) is RowShape.PRETOKENIZED
+    assert detect_row_shape(["id", "conversations"]) is RowShape.SHAREGPT
+    assert detect_row_shape(["messages", "source"]) is RowShape.MESSAGES
+    with pytest.raises(ValueError, match=r"neither 'loss_mask' nor 'labels'.*'input_ids'"):
+        detect_row_shape(["input_ids", "text"])
+    with pytest.raises(ValueError) as e:
+        detect_row_shape(["text", "prompt"])
+    msg = str(e.value)
+    assert "'prompt'" in msg and "'text'" in msg
+    assert "input_ids" in msg and "conversations" in msg and "messages" in msg
+
+
+def test_unknown_row_shape_errors_from_tokenize_rows():
+    with pytest.raises(ValueError, match="columns found"):
+        list(tokenize_rows(datasets.Dataset.from_list([{"text": "hi"}]), tiny_tokenizer(), 64))
+    with pytest.raises(ValueError, match="columns found"):
+        list(tokenize_rows([{"text": "hi"}], tiny_tokenizer(), 64))  # plain iterables: first row's keys
+
+
+def test_sample_ids_are_unique_short_and_not_paths():
+    assert sample_id({}, 7) == "7"
+    assert sample_id({"id": None}, 7) == "7"
+    assert sample_id({"id": "QWJhYvA_0"}, 3) == "3-QWJhYvA_0"
+    for raw in ["../../etc/passwd", "a/b\\c", "..", "x" * 500, "é 😀\x00"]:
+        sid = sample_id({"id": raw}, 12)
+        assert "/" not in sid and "\\" not in sid and "\x00" not in sid
+        assert not sid.startswith(".") and len(sid) <= 48
+    # Repeated ids in the data (ShareGPT V3 has 123) still give distinct sample ids.
+    assert sample_id({"id": "dup"}, 1) != sample_id({"id": "dup"}, 2)
+
+
+# --- chat loss masks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["sharegpt", "messages"])
+def test_chatml_mask_is_exactly_assistant_content_and_end_of_turn(shape):
+    tok = tiny_tokenizer(CHATML_TEMPLATE)
+    if shape == "sharegpt":
+        rows = datasets.Dataset.from_list([{"id": "a", "conversations": CHAT}])
+    else:
+        roles = {"system": "system", "human": "user", "gpt": "assistant"}
+        rows = datasets.Dataset.from_list(
+            [{"id": "a", "messages": [{"role": roles[m["from"]], "content": m["value"]} for m in CHAT]}])
+    (s,) = _one(rows, tok)
+    assert isinstance(s, TokenizedSample) and s.sample_id == "0-a" and not s.truncated
+    assert s.input_ids.dtype == torch.int64 and s.loss_mask.dtype == torch.bool
+    assert _runs(s, tok) == ["  Hi! How are you today?\n<|im_end|>", "def main(): return 42<|im_end|>"]
+    # The whole text is the template's rendering, untouched.
+    msgs = [{"role": {"system": "system", "human": "user", "gpt": "assistant"}[m["from"]], "content": m["value"]}
+            for m in CHAT]
+    assert tok.decode(s.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_qwen3_style_template_that_rerenders_earlier_turns():
+    """Qwen3 templates add a think block only to assistant turns after the last user turn, so
+    rendering a prefix of the chat does not give a prefix of the whole rendering."""
+    tok = tiny_tokenizer(QWEN3_TEMPLATE)
+    rows = [{"conversations": CHAT + [{"from": "gpt", "value": "And a second reply."}]}]
+    (s,) = _one(rows, tok)
+    assert _runs(s, tok) == [
+        "Hi! How are you today?<|im_end|>",  # the template trims content
+        "<think>\n\n</think>\n\ndef main(): return 42<|im_end|>",
+        # adjacent to the previous turn in the text; the header between them is unsupervised
+        "<think>\n\n</think>\n\nAnd a second reply.<|im_end|>",
+    ]
+
+
+def test_reasoning_content_is_supervised_with_its_turn():
+    tok = tiny_tokenizer(QWEN3_TEMPLATE)
+    rows = [{"messages": [{"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4", "reasoning_content": "two and two"}]}]
+    (s,) = _one(rows, tok)
+    assert _runs(s, tok) == ["<think>\ntwo and two\n</think>\n\n4<|im_end|>"]
+
+
+def test_leading_assistant_turns_are_dropped_and_counted():
+    tok = tiny_tokenizer()
+    stats = TokenizeStats()
+    rows = [{"conversations": [{"from": "gpt", "value": "orphan answer"}] + CHAT[1:3]}]
+    (s,) = _one(rows, tok, stats=stats)
+    assert "orphan" not in tok.decode(s.input_ids)
+    assert _runs(s, tok) == ["  Hi! How are you today?\n<|im_end|>"]
+    assert stats.dropped_turns == 1 and stats.samples == 1
+
+
+@pytest.mark.slow
+def test_smollm2_template_masks_on_real_sharegpt():
+    """SmolLM2's own template (it inserts a default system prompt) on the first real ShareGPT
+    conversations: every supervised run decodes to one assistant message + <|im_end|>."""
+    tok = smollm2_tokenizer()
+    rows = list(sharegpt_conversations(60))
+    stats = TokenizeStats()
+    out = _one(rows, tok, 10**6, stats=stats)
+    checked = 0
+    for row, s in zip(rows, out):
+        if isinstance(s, Skipped):
+            assert s.reason in (EMPTY, NO_SUPERVISED_PAIR)
+            continue
+        turns = row["conversations"]
+        while turns and turns[0]["from"] == "gpt":
+            turns = turns[1:]
+        expected = [m["value"] + "<|im_end|>" for m in turns if m["from"] == "gpt"]
+        assert _runs(s, tok) == expected, s.sample_id
+        assert tok.decode(s.input_ids).startswith("<|im_start|>system\n")
+        checked += 1
+    assert checked >= 50 and stats.rows == 60 and stats.samples == checked
+
+
+# --- pre-tokenized rows -------------------------------------------------------------------------
+
+
+def test_pretokenized_loss_mask_and_labels():
+    tok = tiny_tokenizer()
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]},
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, -100]},
+    ]
+    a, b = _one(rows, tok)
+    assert a.input_ids.tolist() == [5, 6, 7, 8, 9] and a.loss_mask.tolist() == [0, 0, 1, 1, 1]
+    assert b.loss_mask.tolist() == [0, 0, 1, 1, 0]
+    assert (a.sample_id, b.sample_id) == ("0", "1")
+
+
+def test_pretokenized_bad_rows_error_with_the_row():
+    tok = tiny_tokenizer()
+    ok = {"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}
+    with pytest.raises(ValueError, match=r"row 1 \(1-bad\).*token id 99999 at position 1.*vocabulary"):
+        _one([ok, {"id": "bad", "input_ids": [1, 99999, 3], "loss_mask": [1, 1, 1]}], tok)
+    with pytest.raises(ValueError, match=r"row 0.*-1"):
+        _one([{"input_ids": [1, -1], "labels": [1, 1]}], tok)
+    with pytest.raises(ValueError, match=r"row 0.*loss_mask has 2 entries for 3"):
+        _one([{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}], tok)
+    with pytest.raises(ValueError, match=r"row 0.*only 0 and 1"):
+        _one([{"input_ids": [1, 2, 3], "loss_mask": [1, 2, 1]}], tok)
+    # vocab_size overrides len(tokenizer), e.g. for a model with a padded embedding
+    assert isinstance(_one([{"input_ids": [1, 450], "loss_mask": [1, 1]}], tok, vocab_size=512)[0],
+                      TokenizedSample)
+
+
+# --- truncation and skips -----------------------------------------------------------------------
+
+
+def test_truncation_is_flagged_and_counted():
+    tok = tiny_tokenizer()
+    stats = TokenizeStats()
+    rows = [{"input_ids": list(range(1, 21)), "loss_mask": [1] * 20},
+            {"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}]
+    a, b = _one(rows, tok, 8, stats=stats)
+    assert a.truncated and len(a) == 8 and a.input_ids.tolist() == list(range(1, 9))
+    assert not b.truncated
+    assert (stats.rows, stats.samples, stats.truncated, stats.tokens) == (2, 2, 1, 11)
+
+
+def test_skips_have_reasons_and_counts():
+    tok = tiny_tokenizer()
+
+    rows = [
+        {"conversations": []},                                                         # empty
+        {"conversations": [{"from": "human", "value": "only a question"}]},            # no assistant
+        {"conversations": [{"from": "robot", "value": "?"}]},                          # unknown role
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},  # only <|im_end|>
+        {"conversations": CHAT},                                                       # fine
+    ]
+    stats = TokenizeStats()
+    out = _one(rows, tok, stats=stats)
+    reasons = [o.reason if isinstance(o, Skipped) else "ok" for o in out]
+    assert reasons == [EMPTY, NO_SUPERVISED_PAIR, BAD_MESSAGE, NO_SUPERVISED_PAIR, "ok"]
+    assert "robot" in out[2].detail
+    assert stats.rows == 5 and stats.samples + sum(stats.skipped.values()) == 5
+    assert stats.skipped == {EMPTY: 1, NO_SUPERVISED_PAIR: 2, BAD_MESSAGE: 1}
+
+    # A mask with supervised tokens but no two in a row; truncation that cuts every pair away.
+    pre = [{"input_ids": [1, 2, 3, 4], "loss_mask": [1, 0, 1, 0]},
+           {"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 0, 1, 1]},
+           {"input_ids": [], "loss_mask": []}]
+    stats = TokenizeStats()
+    a, b, c = _one(pre, tok, 4, stats=stats)
+    assert (a.reason, b.reason, c.reason) == (NO_SUPERVISED_PAIR, NO_SUPERVISED_PAIR, EMPTY)
+    assert "max_length=4" in b.detail
+    assert stats.samples == 0 and stats.skipped == {NO_SUPERVISED_PAIR: 2, EMPTY: 1}
+
+    (t,) = _one([{"conversations": CHAT}], tiny_tokenizer("{{ raise_exception('roles must alternate') }}"))
+    assert t.reason == TEMPLATE_ERROR and "roles must alternate" in t.detail
+
+
+def test_start_offsets_sample_ids_for_a_slice():
+    tok = tiny_tokenizer()
+    rows = [{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}] * 3
+    assert [s.sample_id for s in tokenize_rows(rows, tok, 16, start=100)] == ["100", "101", "102"]
+
+
+def test_tokenizer_without_chat_template_is_an_error():
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        _one([{"conversations": CHAT}], tok)
