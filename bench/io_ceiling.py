@@ -15,12 +15,9 @@ import argparse
 import io
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +33,7 @@ from bench._report import machine, write_section  # noqa: E402
 from storage.shard import Sample, ShardMeta, ShardWriter, encode_record  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
+from tests.s3server import start_moto_server, stop  # noqa: E402
 
 H200_RAW_MB_S = 370.0  # per GPU, Qwen3.6-27B at 5 capture layers (issue 4)
 
@@ -60,22 +58,6 @@ def replay(store, samples, meta) -> tuple[float, int, int]:
             w.append(encode_record(s, meta))
         info = w.close()
     return time.perf_counter() - t0, info.raw_bytes, info.bytes
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1)
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("moto did not start")
 
 
 def main() -> None:
@@ -105,7 +87,7 @@ def main() -> None:
     else:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        proc, endpoint = start_moto()
+        proc, endpoint = start_moto_server()
     try:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -121,8 +103,7 @@ def main() -> None:
         rows.append((f"S3 ({'moto on loopback' if proc else endpoint})", dt, raw, stored, len(blob) / plain))
     finally:
         if proc:
-            proc.terminate()
-            proc.wait(10)
+            stop(proc)
 
     lines = [
         "## I/O path ceiling: replayed activations through pack, compress, hash and write",

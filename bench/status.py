@@ -10,6 +10,7 @@ cost a few paginated listings and no GET per shard. Target (issue 3): <= 5 s.
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 import os
 import random
 import sys
@@ -24,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 import boto3  # noqa: E402
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.io_ceiling import start_moto  # noqa: E402
 from manifests import layout  # noqa: E402
 from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import CommitRecord, Producer, encode  # noqa: E402
 from manifests.status import run_status  # noqa: E402
 from storage.store import open_store  # noqa: E402
+from tests.s3server import start_moto_server, stop  # noqa: E402
 
 
 class CountingStore:
@@ -57,7 +58,7 @@ def main() -> None:
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    proc, endpoint = start_moto()
+    proc, endpoint = start_moto_server()
     try:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="bench")
@@ -78,7 +79,7 @@ def main() -> None:
             rec = CommitRecord(shard=plan.id, data_key=layout.data_key(plan.id, "bench"), bytes=int(raw / 1.45),
                                xxh3_128="0" * 32, num_records=plan.num_samples, num_tokens=plan.est_tokens,
                                raw_bytes=raw, sample_ids=[str(i) for i in range(plan.start, plan.end)],
-                               producer=vars(producer), attempt=1, started_at=0.0, committed_at=time.time())
+                               producer=asdict(producer), attempt=1, started_at=0.0, committed_at=time.time())
             store.put_if_absent(layout.commit_key(plan.id), encode(rec))
             store.put(layout.tally_key(plan.id, rec.num_records, rec.num_tokens, rec.bytes, raw, 0), b"")
 
@@ -95,8 +96,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         assert status["shards_done"] == len(shards)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
 
     best = min(times)
     text = "\n".join([
@@ -110,8 +110,8 @@ def main() -> None:
         f"-> {len(manifest.shards):,} shards, planned and written in {plan_s:.2f} s; {len(shards):,} synthetic commits "
         f"(+ tallies) written in {write_s:.1f} s with 32 threads.",
         "",
-        f"| status calls | best s | all runs s | listings per call | GETs per call |",
-        f"|---|---:|---|---:|---:|",
+        "| status calls | best s | all runs s | listings per call | GETs per call |",
+        "|---|---:|---|---:|---:|",
         f"| 3 | **{best:.2f}** | {', '.join(f'{t:.2f}' for t in times)} | {counting.calls['list'] // 3} "
         f"| {counting.calls['get'] // 3} |",
         "",

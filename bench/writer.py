@@ -32,14 +32,11 @@ import os
 import platform
 import resource
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +52,7 @@ from boto3.s3.transfer import TransferConfig  # noqa: E402
 
 from storage.s3 import S3Store  # noqa: E402
 from storage.store import join_key, open_store  # noqa: E402
+from tests.s3server import start_moto_server, stop  # noqa: E402
 
 MiB = 1 << 20
 WRITE_CHUNK = 1 * MiB  # what the shard writer hands the object writer per record, roughly
@@ -67,32 +65,6 @@ LABELS = {
 
 
 # -- the server --------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """`python -m moto.server` on a free loopback port, as tests/conftest.py starts it."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1)
-            return proc, url
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise SystemExit("moto server did not start; is moto[server] installed? (pip install 'moto[server]')")
-            time.sleep(0.1)
 
 
 def proc_cpu_s(pid: int | None) -> float:
@@ -352,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["AWS_SECRET_ACCESS_KEY"] = "bench-secret"
         os.environ.pop("AWS_SESSION_TOKEN", None)
         os.environ.pop("AWS_PROFILE", None)
-        proc, endpoint = start_moto()
+        proc, endpoint = start_moto_server()
         import moto
 
         server_pid = proc.pid
@@ -408,11 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"cleanup: {type(e).__name__}: {e}", file=sys.stderr)
             store.close()
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 if __name__ == "__main__":

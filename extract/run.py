@@ -20,7 +20,7 @@ from extract.config import ExtractConfig
 from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from extract.model import Capture, default_layers, load_target
 from extract.pipeline import PipelineStats, extract_shard
-from manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
+from manifests.manifest import Manifest, NoRun, create_or_resume
 from manifests.records import Producer
 from manifests.status import run_status
 from manifests.work import WorkQueue
@@ -47,8 +47,7 @@ def extract(cfg: ExtractConfig) -> int:
     from accelerate import PartialState
 
     state = PartialState(cpu=not torch.cuda.is_available())
-    rank, world = state.process_index, state.num_processes
-    _setup_logging(cfg.log_dir, rank)
+    _setup_logging(cfg.log_dir, state.process_index)
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         return _extract(cfg, state)

@@ -7,23 +7,13 @@ tests against another S3 server, e.g. Ceph radosgw started by ../shared/recipes/
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
-import urllib.request
 
 import boto3
 import pytest
 
+from s3server import start_moto_server, stop
 from storage.store import open_store
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -33,25 +23,9 @@ def s3_endpoint():
     if given:
         yield given
         return
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError("moto server did not start; is moto[server] installed?")
-            time.sleep(0.1)
+    proc, url = start_moto_server()
     yield url
-    proc.terminate()
-    proc.wait(10)
+    stop(proc)
 
 
 @pytest.fixture(scope="session", autouse=True)

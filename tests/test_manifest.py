@@ -18,9 +18,9 @@ from extract.cli import main as cli
 from manifests import layout
 from manifests.manifest import ConfigMismatch, ManifestError, create_or_resume, load_manifest, parse_size, plan_shards
 from manifests.records import Producer, decode_commit
-from manifests.status import run_status, verify_run
+from manifests.status import run_status
 from manifests.work import WorkQueue
-from storage.shard import ShardMeta, ShardReader, ShardWriter, verify_shard
+from storage.shard import ShardReader, verify_shard
 from storage.store import open_store
 
 WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
