@@ -420,10 +420,11 @@ def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str) -> li
     """Character spans ``[a, b)`` of ``text`` (the whole chat, rendered once) that the model generates.
 
     A span starts where the template's generation prompt for that turn ends:
-    ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of ``text``, which holds
-    for SmolLM2, ChatML, Llama 3 and Qwen3 templates alike (Qwen3 renders an earlier assistant
+    ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of ``text`` (tested on
+    SmolLM2's, a ChatML and a Qwen3-style template; a row where it fails is skipped with
+    ``template_error``, never mis-masked). Qwen3 renders an earlier assistant
     turn differently once it is no longer the last one, which is why the end is not taken from
-    a prefix rendering of ``messages[:i+1]``). The span ends after the first end-of-turn marker
+    a prefix rendering of ``messages[:i+1]``. The span ends after the first end-of-turn marker
     that follows the turn's content, found with the probe in ``_probe_end_of_turn``. Text a
     template inserts between header and content (Qwen3's empty ``<think></think>`` block on
     the last turns) is inside the span: the model generates it.
