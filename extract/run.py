@@ -20,6 +20,7 @@ from extract.config import ExtractConfig
 from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from extract.model import Capture, default_layers, load_target
 from extract.pipeline import PipelineStats, extract_shard
+from manifests import layout
 from manifests.manifest import Manifest, NoRun, create_or_resume
 from manifests.records import Producer
 from manifests.status import run_status
@@ -81,7 +82,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
                       world_size=world)
     totals = PipelineStats()
-    progress = Progress(rank, store, manifest)
+    progress = Progress(rank, world, store, manifest)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     committed = 0
     try:
@@ -102,13 +103,16 @@ def _extract(cfg: ExtractConfig, state) -> int:
                     )
                     if claim.commit(info, skipped=skipped, truncated=truncated):
                         committed += 1
-                        progress.skipped(len(skipped))
+                        progress.committed(len(skipped))
                         log.info("shard %d committed: %d samples, %d tokens, %.1f MB (%d skipped, %d truncated)",
                                  plan.id, info.num_records, info.num_tokens, info.bytes / 1e6, len(skipped), truncated)
+                    else:
+                        progress.abandoned()  # another attempt's commit counts these samples
             except Preempted:
                 log.warning("preempted: shard %d aborted, its lease released", plan.id)
                 raise
             except Exception as e:  # recorded by the claim; go on with the next shard
+                progress.abandoned()
                 log.error("shard %d failed: %s: %s", plan.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
     except Preempted:
         progress.close()
@@ -196,22 +200,32 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows
 
 
 class Progress:
-    """A bar on rank 0 over the run's samples: samples/s, tokens/s, MB/s stored, ratio, ETA."""
+    """A bar on rank 0 over the run's samples: samples/s, tokens/s, MB/s stored, ratio, ETA.
 
-    def __init__(self, rank: int, store: ObjectStore, manifest: Manifest):
+    With several ranks, rank 0 counts its own records as they are written and, every
+    `SYNC_S` seconds, everyone's committed samples from one listing of the tally markers.
+    """
+
+    SYNC_S = 30.0
+
+    def __init__(self, rank: int, world: int, store: ObjectStore, manifest: Manifest):
         from tqdm import tqdm
 
-        self.bar = None
-        self.t0 = time.time()
-        self.tokens = self.stored = self.raw = 0
+        self.bar, self.world, self.store = None, world, store
+        self.t0 = self.synced = time.time()
+        self.tokens = self.stored = self.raw = self.in_shard = 0
         if rank == 0:
-            try:
-                already = run_status(store, manifest)
-                done = already["samples_done"] + already["samples_skipped"]
-            except Exception:
-                done = 0
-            self.bar = tqdm(total=manifest.num_samples, initial=done, unit="sample", desc="extract",
+            self.bar = tqdm(total=manifest.num_samples, initial=self._committed(), unit="sample", desc="extract",
                             file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+
+    def _committed(self) -> int:
+        """Samples stored or skipped by committed shards, from the tally listing (no GETs)."""
+        total = 0
+        for o in self.store.list(layout.TALLY):
+            parsed = layout.parse_tally(o.key)
+            if parsed:
+                total += parsed[1]["records"] + parsed[1]["skipped"]
+        return total
 
     def record(self, rec) -> None:
         if self.bar is None:
@@ -219,14 +233,28 @@ class Progress:
         self.tokens += rec.num_tokens
         self.stored += rec.size
         self.raw += rec.raw_bytes
+        self.in_shard += 1
         dt = max(time.time() - self.t0, 1e-6)
-        self.bar.set_postfix_str(f"{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 1e6:.1f} MB/s, "
+        who = "rank 0: " if self.world > 1 else ""
+        self.bar.set_postfix_str(f"{who}{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 1e6:.1f} MB/s, "
                                  f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
         self.bar.update(1)
+        if self.world > 1 and time.time() - self.synced > self.SYNC_S:
+            self.synced = time.time()
+            self.bar.n = max(self.bar.n, self._committed() + self.in_shard)
+            self.bar.refresh()
 
-    def skipped(self, n: int) -> None:
-        if self.bar is not None and n:
-            self.bar.update(n)
+    def committed(self, skipped: int) -> None:
+        if self.bar is not None:
+            self.in_shard = 0
+            self.bar.update(skipped)
+
+    def abandoned(self) -> None:
+        """The current shard failed: its records will be written again."""
+        if self.bar is not None:
+            self.bar.n -= self.in_shard
+            self.in_shard = 0
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -66,28 +67,32 @@ def _failure_millis(key: str) -> int:
 
 
 def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> RunState:
-    """List commits, tallies, leases and failures (and with `with_data`, data objects)."""
+    """List commits, tallies, leases and failures (and with `with_data`, data objects), the
+    listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well."""
     st = RunState(manifest, time.time())
-    for o in store.list(layout.COMMITS):
+    prefixes = [layout.COMMITS, layout.TALLY, layout.LEASES, layout.FAILURES] + ([layout.SHARDS] if with_data else [])
+    with ThreadPoolExecutor(len(prefixes)) as pool:
+        commits, tallies, leases, failures, *data = pool.map(lambda p: list(store.list(p)), prefixes)
+    for o in commits:
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None:
             st.committed.add(shard)
-    for o in store.list(layout.TALLY):
+    for o in tallies:
         parsed = layout.parse_tally(o.key)
         if parsed:
             st.tallies[parsed[0]] = parsed[1]
             st.tally_times[parsed[0]] = o.modified
-    for o in store.list(layout.LEASES):
+    for o in leases:
         parsed = layout.parse_lease(o.key)
         if parsed:
             st.leases[parsed[0]].append(Lease(o.key, parsed[0], parsed[1], parsed[2], o.modified))
-    for o in store.list(layout.FAILURES):
+    for o in failures:
         shard = layout.shard_of(o.key, layout.FAILURES)
         if shard is not None:
             st.failures[shard].append(o.key)
     if with_data:
         st.data_objects = defaultdict(list)
-        for o in store.list(layout.SHARDS):
+        for o in data[0]:
             shard = layout.shard_of(o.key, layout.SHARDS)
             if shard is not None:
                 st.data_objects[shard].append(o.key)

@@ -16,11 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal, TypeVar
 
 import boto3
 import botocore.exceptions as bexc
 from botocore.config import Config
+from botocore.utils import parse_timestamp
 
 from storage.store import (
     ObjectInfo,
@@ -89,6 +91,10 @@ class S3Store(ObjectStore):
             **({"request_checksum_calculation": o.checksum_mode} if o.checksum_mode else {}),
         )
         session = boto3.session.Session()
+        # botocore parses every LastModified of a listing with dateutil: a third of the client's
+        # time on a 1,000-key page. S3 sends ISO 8601 there, which fromisoformat reads ~50x faster.
+        session._session.get_component("response_parser_factory").set_parser_defaults(
+            timestamp_parser=_parse_timestamp)
         region = o.region or session.region_name or "us-east-1"
         self.client = session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=config)
         self.endpoint = self.client.meta.endpoint_url
@@ -407,6 +413,13 @@ class S3Writer(ObjectWriter):
     @property
     def peak_buffered_bytes(self) -> int:
         return self._peak
+
+
+def _parse_timestamp(value: str) -> datetime:
+    try:
+        return datetime.fromisoformat(value)  # 2026-11-29T14:46:15.000Z (listings)
+    except ValueError:
+        return parse_timestamp(value)  # RFC 1123 (HEAD), epoch seconds...
 
 
 def _backoff(attempt: int, base: float = 0.1, cap: float = 10.0) -> None:
