@@ -119,7 +119,12 @@ def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Sh
     t_start = time.perf_counter()
     on_cuda = next(capture.decoder.parameters()).device.type == "cuda"
     depth = 4 * encode_threads + 8
-    with ShardWriter(out, meta) as shard, ThreadPoolExecutor(encode_threads, thread_name_prefix="encode") as pool:
+    try:
+        shard = ShardWriter(out, meta)
+    except BaseException:
+        out.abort()
+        raise
+    with shard, ThreadPoolExecutor(encode_threads, thread_name_prefix="encode") as pool:
         writer = _Writer(shard, depth, stats, on_record)
         writer.start()
         try:

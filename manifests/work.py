@@ -115,8 +115,16 @@ class Claim:
             if exc is not None and not self.committed:
                 # Not an Exception: a signal, Ctrl-C or exit stopped the work, the shard is fine.
                 self.fail(exc, preempted=not isinstance(exc, Exception))
+                self._abort_own_upload()
         finally:
             self.release()
+
+    def _abort_own_upload(self) -> None:
+        """Whatever point the work was interrupted at, leave no upload of this attempt pending."""
+        try:
+            self.queue.store.abort_pending_uploads(self.data_key)
+        except StoreError as e:
+            log.warning("shard %d: could not abort the attempt's upload: %s", self.shard, e)
 
 
 class WorkQueue:

@@ -117,10 +117,8 @@ class LocalStore(ObjectStore):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Walk only the folder that can hold the prefix, not the whole root.
-        folder = prefix.rpartition("/")[0]
-        start = os.path.join(self.root, *folder.split("/")) if folder else self.root
         found = []
-        for dirpath, dirnames, filenames in os.walk(start):
+        for dirpath, dirnames, filenames in os.walk(self._folder_of(prefix)):
             dirnames.sort()
             rel = os.path.relpath(dirpath, self.root)
             base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
@@ -143,7 +141,7 @@ class LocalStore(ObjectStore):
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         pending = []
-        for dirpath, _, filenames in os.walk(self.root):
+        for dirpath, _, filenames in os.walk(self._folder_of(prefix)):
             for name in filenames:
                 if not _is_temp(name):
                     continue
@@ -151,8 +149,16 @@ class LocalStore(ObjectStore):
                 rel = os.path.relpath(os.path.join(dirpath, final), self.root).replace(os.sep, "/")
                 if rel.startswith(prefix):
                     path = os.path.join(dirpath, name)
-                    pending.append(PendingUpload(rel, path, os.stat(path).st_mtime))
+                    try:
+                        pending.append(PendingUpload(rel, path, os.stat(path).st_mtime))
+                    except FileNotFoundError:  # finished or aborted while we looked
+                        continue
         return pending
+
+    def _folder_of(self, prefix: str) -> str:
+        """The deepest folder that holds every key starting with `prefix`."""
+        folder = prefix.rpartition("/")[0]
+        return os.path.join(self.root, *folder.split("/")) if folder else self.root
 
     def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
         now, aborted = time.time(), 0
