@@ -1,0 +1,386 @@
+"""The streaming loader against real runs on both backends (local folder, moto S3 over HTTP):
+coverage across ranks x workers, determinism, exact resume, the memory budget, no local writes,
+corruption, refused states, codecs, retries, batching."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import fake_worker
+from manifests import layout
+from manifests.manifest import create_or_resume
+from manifests.records import Producer, decode_commit
+from manifests.work import WorkQueue
+from storage.local import LocalStore
+from storage.shard import Sample, ShardError, ShardMeta, ShardReader, ShardWriter
+from storage.store import StoreError, open_store
+from train import ShardStream, StreamLoader, collate, pack
+
+ROOT = Path(__file__).resolve().parent.parent
+N = 43  # samples in the default test run: not a multiple of 2 ranks x 2 workers
+
+
+def make_sample(i: int, final: bool = False) -> Sample:
+    s = fake_worker.make_sample(i)
+    if final:
+        s.final_state = (s.hidden_states[:, -1] * 0.5).contiguous()
+    return s
+
+
+def make_run(uri: str, samples: int = N, shard_bytes: int = 3000, codec: str = "bf16-zstd",
+             final: bool = False) -> list[int]:
+    """A complete run through the real manifest/lease/commit path: `samples` synthetic samples in
+    shards of uneven record counts. Returns the records per committed shard."""
+    store = open_store(uri)
+    manifest, _ = create_or_resume(
+        store, config=dict(fake_worker.CONFIG, codec=codec, final=final), dataset=fake_worker.DATASET,
+        token_counts=fake_worker.token_counts(samples), shard_bytes=shard_bytes,
+        bytes_per_token=len(fake_worker.LAYERS) * fake_worker.HIDDEN * 2 / 1.3)
+    for claim in WorkQueue(store, manifest, Producer.current(), ttl_s=60, poll_s=0.2):
+        with claim:
+            meta = ShardMeta(run_id=manifest.run_id, shard_id=claim.shard, model="synthetic",
+                             layers=fake_worker.LAYERS, hidden_size=fake_worker.HIDDEN, codec=codec,
+                             final_state="prenorm" if final else "none")
+            with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+                for i in range(claim.plan.start, claim.plan.end):
+                    w.add(make_sample(i, final))
+                claim.commit(w.close())
+    store.close()
+    return [p.num_samples for p in manifest.shards]
+
+
+def ids_of(batches) -> list[str]:
+    return [sid for b in batches for sid in b["sample_id"]]
+
+
+def check_content(batch: dict) -> None:
+    for row, (sid, pad) in enumerate(zip(batch["sample_id"], batch["padding"].tolist())):
+        want = make_sample(int(sid[1:]))
+        n = want.num_tokens
+        assert int(batch["lengths"][row]) == n
+        assert torch.equal(batch["input_ids"][row, :n], want.input_ids)
+        assert torch.equal(batch["hidden_states"][row, :n], want.hidden_states)
+        assert batch["loss_mask"][row].sum() == (0 if pad else n)
+
+
+@pytest.fixture
+def run(store_uri):
+    per_shard = make_run(store_uri)
+    assert len(set(per_shard)) > 1 and len(per_shard) % 4  # uneven: counts differ, shards do not divide
+    return store_uri
+
+
+# -- coverage, determinism, resume -------------------------------------------------------------
+
+
+def test_every_sample_once_per_epoch_across_2_ranks_x_2_workers(run):
+    real, pads, batches = Counter(), [], []
+    for rank in range(2):
+        stream = ShardStream(run, rank=rank, world_size=2, seed=3, shuffle_buffer=4)
+        loader = StreamLoader(stream, batch_size=3, num_workers=2)
+        got = list(loader)
+        assert len(got) == len(loader) == stream.num_batches(3, 2)
+        batches.append(len(got))
+        for b in got:
+            check_content(b)
+            for sid, pad in zip(b["sample_id"], b["padding"].tolist()):
+                (pads.append(sid) if pad else real.update([sid]))
+        assert loader.metrics()["samples"] == stream.num_samples == 22
+    assert batches[0] == batches[1]
+    assert real == Counter(f"s{i:05d}" for i in range(N))  # each exactly once in the loss
+    assert len(pads) == 2 * 22 - N  # one zero-weighted repeat evens the ranks out
+
+
+def test_uneven_drop_gives_equal_ranks_and_no_repeats(tmp_path):
+    make_run(str(tmp_path))
+    seen = [[s["sample_id"] for s in ShardStream(str(tmp_path), rank=r, world_size=2, uneven="drop")]
+            for r in range(2)]
+    assert len(seen[0]) == len(seen[1]) == N // 2
+    assert len(set(seen[0]) | set(seen[1])) == 2 * (N // 2)
+
+
+def test_order_is_a_function_of_seed_and_epoch(run):
+    def order(**kw):
+        return [s["sample_id"] for s in ShardStream(run, shuffle_buffer=8, **kw)]
+
+    a = order(seed=5, epoch=0)
+    assert a == order(seed=5, epoch=0)
+    assert sorted(a) == [f"s{i:05d}" for i in range(N)]
+    assert order(seed=5, epoch=1) != a and sorted(order(seed=5, epoch=1)) == sorted(a)
+    assert order(seed=6, epoch=0) != a
+    # Fetch settings change how bytes arrive, never the order.
+    assert a == [s["sample_id"] for s in ShardStream(run, seed=5, shuffle_buffer=8, range_bytes=1500,
+                                                     memory_budget=5000, decode_threads=0)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_equals_the_uninterrupted_order(run, num_workers):
+    def loader():
+        return StreamLoader(ShardStream(run, seed=7, shuffle_buffer=8), batch_size=4, num_workers=num_workers)
+
+    full = ids_of(loader())
+    first = loader()
+    it = iter(first)
+    head = [next(it) for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del it
+    assert state["version"] == 1 and sum(state["consumed"]) == 12
+
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert ids_of(head) + ids_of(rest) == full
+    check_content(rest[0])
+    if num_workers:
+        return
+    m = resumed.metrics()  # consumed records are neither verified nor decoded again
+    assert m["records_decoded"] == m["records_verified"] == N - 12
+
+    # A finished epoch saves as the start of the next one, and the next pass is that epoch.
+    done = resumed.state_dict()
+    assert (done["epoch"], done["consumed"]) == (1, [])
+    again = loader()
+    again.load_state_dict(done)
+    assert again.epoch == 1
+    nxt = ids_of(again)
+    assert again.epoch == 2 and sorted(nxt) == sorted(full) and nxt != full
+    assert nxt == ids_of(StreamLoader(ShardStream(run, seed=7, shuffle_buffer=8, epoch=1), batch_size=4,
+                                      num_workers=num_workers))
+
+
+def test_training_loop_with_a_checkpoint_every_step(tmp_path):
+    """The README idiom: `while loader.epoch < E`, state saved after every batch, resumed mid-epoch 1."""
+    make_run(str(tmp_path))
+
+    def loader():
+        return StreamLoader(ShardStream(str(tmp_path), seed=1, shuffle_buffer=8), batch_size=5, num_workers=2)
+
+    seen, states, first = [], [], loader()
+    while first.epoch < 2:
+        epoch = first.epoch
+        for batch in first:
+            seen.append((epoch, batch["sample_id"]))
+            states.append(first.state_dict())
+    epochs = [[sid for e, ids in seen if e == k for sid in ids] for k in (0, 1)]
+    assert [len(e) for e in epochs] == [N, N] and sorted(epochs[0]) == sorted(epochs[1]) != epochs[0]
+    assert states[-1]["epoch"] == 2 and first.epoch == 2
+
+    k = sum(1 for e, _ in seen if e == 0) + 3  # three batches into epoch 1
+    resumed = loader()
+    resumed.load_state_dict(json.loads(json.dumps(states[k - 1])))
+    rest = []
+    while resumed.epoch < 2:
+        rest += ids_of(resumed)
+    assert rest == [sid for _, ids in seen[k:] for sid in ids]
+
+
+def test_stream_state_is_exact_in_process(tmp_path):
+    make_run(str(tmp_path))
+    full = [s["sample_id"] for s in ShardStream(str(tmp_path), seed=2, shuffle_buffer=16)]
+    stream = ShardStream(str(tmp_path), seed=2, shuffle_buffer=16)
+    it = iter(stream)
+    head = [next(it)["sample_id"] for _ in range(17)]
+    state = stream.state_dict()
+    it.close()
+    again = ShardStream(str(tmp_path), seed=2, shuffle_buffer=16)
+    again.load_state_dict(state)
+    assert head + [s["sample_id"] for s in again] == full
+
+
+# -- memory, disk --------------------------------------------------------------------------------
+
+
+def test_memory_budget_holds(store_uri):
+    make_run(store_uri, shard_bytes=8000)
+    budget, rng = 6000, 2000
+    stream = ShardStream(store_uri, seed=1, shuffle_buffer=3, memory_budget=budget, range_bytes=rng)
+    ids = [s["sample_id"] for s in stream]
+    m = stream.metrics()
+    assert sorted(ids) == [f"s{i:05d}" for i in range(N)]
+    assert budget / 2 < m["peak_buffered_bytes"] <= budget + rng
+    assert m["buffered_bytes"] == 0
+    assert m["get_requests"] > 2 * len(stream.shards)  # ranged reads, not whole objects
+
+
+def test_streaming_writes_nothing_to_local_disk(s3_bucket, tmp_path):
+    """A fresh process streams a whole epoch from S3 and reads its own /proc/self/io: not one
+    byte written, in-process or in DataLoader workers (their I/O joins ours when they are reaped),
+    and nothing appears in TMPDIR, HOME or the working directory. The worker case passes batches
+    as plain objects: torch's tensor IPC goes through /dev/shm, which is RAM, but this kernel
+    counts a few KiB of it as written."""
+    uri = f"s3://{s3_bucket}/runs/nodisk"
+    make_run(uri)
+    dirs = {name: tmp_path / name for name in ("tmp", "home", "cwd")}
+    for d in dirs.values():
+        d.mkdir()
+    script = r"""
+import json, sys
+from train import ShardStream, StreamLoader
+
+def written():
+    for line in open("/proc/self/io"):
+        if line.startswith("write_bytes"):
+            return int(line.split()[1])
+
+def plain(samples):  # batches cross the worker pipe pickled, not through torch's /dev/shm tensors
+    return {"sample_id": [s["sample_id"] for s in samples],
+            "bytes": sum(s["hidden_states"].numel() * 2 for s in samples)}
+
+out = {}
+for workers in (0, 2):
+    loader = StreamLoader(ShardStream(sys.argv[1], seed=1), batch_size=4, num_workers=workers,
+                          **({"collate_fn": plain} if workers else {}))
+    before = written()
+    n = sum(len(b["sample_id"]) for b in loader)
+    out[workers] = {"samples": n, "write_bytes": written() - before}  # reaped workers' I/O included
+print(json.dumps(out))
+"""
+    env = dict(os.environ, TMPDIR=str(dirs["tmp"]), HOME=str(dirs["home"]), PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script, uri], cwd=dirs["cwd"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"0": {"samples": N, "write_bytes": 0}, "2": {"samples": N, "write_bytes": 0}}
+    assert all(not any(d.iterdir()) for d in dirs.values())
+
+
+# -- integrity -----------------------------------------------------------------------------------
+
+
+def corrupt_one_record(uri: str) -> tuple[str, list[str]]:
+    """Flip a byte inside a record of a committed shard; returns its key and its sample ids."""
+    store = open_store(uri)
+    commit = decode_commit(store.get(layout.commit_key(2)), "commit")
+    entry = ShardReader(store, commit.data_key).entries[1]
+    data = bytearray(store.get(commit.data_key))
+    data[entry.offset + entry.length - 5] ^= 0xFF
+    store.put(commit.data_key, bytes(data))
+    store.close()
+    return commit.data_key, commit.sample_ids
+
+
+@pytest.mark.parametrize("range_bytes", [1 << 20, 1500], ids=["whole-object", "ranged"])
+def test_corrupt_record_raises_naming_the_shard(run, range_bytes):
+    key, _ = corrupt_one_record(run)
+    with pytest.raises(ShardError, match=key.replace(".", r"\.")) as err:
+        for _ in ShardStream(run, range_bytes=range_bytes):
+            pass
+    assert "shard 2 " in str(err.value) and "on_corrupt='skip'" in str(err.value)
+
+
+@pytest.mark.parametrize("range_bytes", [1 << 20, 1500], ids=["whole-object", "ranged"])
+def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
+    key, bad_ids = corrupt_one_record(run)
+    stream = ShardStream(run, on_corrupt="skip", seed=4, range_bytes=range_bytes)
+    with caplog.at_level(logging.WARNING, logger="train.fetch"):
+        got = list(stream)
+    real = [s["sample_id"] for s in got if not s["padding"]]
+    assert len(got) == N  # the count per rank is kept, so ranks stay in lockstep
+    assert len(set(real)) == len(real) and bad_ids[1] not in real  # the damaged record never comes out
+    assert all(s["loss_mask"].sum() == 0 for s in got if s["padding"])
+    m = stream.metrics()
+    assert m["corrupt_shards"] == 1 and m["skipped_samples"] == m["padding_samples"] == N - len(real)
+    assert key in caplog.text
+    if range_bytes > 1500:  # one GET: the object hash fails, so none of the shard's samples is used
+        assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - set(bad_ids))
+
+
+def test_transient_errors_are_retried_per_range(tmp_path):
+    make_run(str(tmp_path))
+
+    class Flaky(LocalStore):
+        failed: set = set()
+
+        def get_range(self, key, start, end):
+            if key.startswith("shards/") and (key, start) not in self.failed:
+                self.failed.add((key, start))
+                raise StoreError(f"ranged get of {key} failed: 503 Slow Down")
+            return super().get_range(key, start, end)
+
+    stream = ShardStream(Flaky(str(tmp_path)), retries=2)
+    assert len([s for s in stream]) == N
+    m = stream.metrics()
+    assert m["retries"] == m["get_requests"] > 0  # every range failed once, then succeeded
+
+    class Denied(LocalStore):
+        def get_range(self, key, start, end):
+            raise StoreError(f"access denied for ranged get of {key} (AccessDenied): check the credentials")
+
+    with pytest.raises(StoreError, match="access denied"):
+        list(ShardStream(Denied(str(tmp_path)), retries=5))
+
+
+def test_state_from_another_world_seed_or_run_is_refused(run, tmp_path):
+    stream = ShardStream(run, rank=0, world_size=2, seed=1)
+    it = iter(stream)
+    next(it)
+    state = stream.state_dict()
+    it.close()
+    with pytest.raises(ValueError, match="world_size: state has 2, this stream has 1"):
+        ShardStream(run, rank=0, world_size=1, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed: state has 1"):
+        ShardStream(run, rank=0, world_size=2, seed=2).load_state_dict(state)
+    other = str(tmp_path / "other")
+    make_run(other)
+    with pytest.raises(ValueError, match="run_id"):
+        ShardStream(other, rank=0, world_size=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="version 99"):
+        ShardStream(run, rank=0, world_size=2, seed=1).load_state_dict(dict(state, version=99))
+    ShardStream(run, rank=1, world_size=2, seed=1).load_state_dict(state)  # same step on every rank
+    with pytest.raises(ValueError, match="num_workers=0"):
+        StreamLoader(ShardStream(run, rank=0, world_size=2, seed=1), batch_size=2,
+                     num_workers=2).load_state_dict(state)
+
+
+def test_rank_and_world_come_from_the_environment(tmp_path, monkeypatch):
+    make_run(str(tmp_path), samples=8, shard_bytes=2000)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    s = ShardStream(str(tmp_path))
+    assert (s.rank, s.world_size, s.num_samples) == (1, 2, 4)
+    assert ShardStream(str(tmp_path), rank=0, world_size=1).num_samples == 8
+
+
+# -- codecs and batches --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd", "fp8"])
+def test_every_codec_decodes_with_final_state(tmp_path, codec):
+    make_run(str(tmp_path), samples=6, shard_bytes=2000, codec=codec, final=True)
+    for s in ShardStream(str(tmp_path)):
+        want = make_sample(int(s["sample_id"][1:]), final=True)
+        assert s["hidden_states"].dtype == torch.bfloat16 and s["hidden_states"].shape == want.hidden_states.shape
+        for name, ref in (("hidden_states", want.hidden_states), ("final_state", want.final_state)):
+            err = (s[name].float() - ref.float()).norm() / ref.float().norm()
+            assert err == 0 if codec != "fp8" else err < 0.05  # e4m3 on gaussian data: ~0.03
+
+
+def _fake(sid: str, n: int, pad: bool = False) -> dict:
+    return {"sample_id": sid, "input_ids": torch.arange(1, n + 1), "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "hidden_states": torch.full((n, 2, 3), float(n), dtype=torch.bfloat16), "padding": pad}
+
+
+def test_collate_pads_and_pack_packs():
+    batch = collate([_fake("a", 3), _fake("b", 5, pad=True)], pad_to_multiple_of=4)
+    assert batch["input_ids"].shape == (2, 8) and batch["hidden_states"].shape == (2, 8, 2, 3)
+    assert batch["attention_mask"].sum(1).tolist() == [3, 5] and batch["lengths"].tolist() == [3, 5]
+    assert batch["padding"].tolist() == [False, True] and batch["sample_id"] == ["a", "b"]
+
+    packed = pack([_fake("a", 3), _fake("b", 5), _fake("c", 2), _fake("d", 9)], max_tokens=8)
+    assert packed["input_ids"].shape == (3, 8)
+    assert packed["sequence_ids"][0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert packed["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert packed["sequence_ids"][1].tolist() == [2, 2, -1, -1, -1, -1, -1, -1]
+    assert packed["sequence_ids"][2].tolist() == [3] * 8 and packed["truncated_tokens"] == 1
+    assert packed["loss_mask"].sum() == 3 + 5 + 2 + 8
+    assert torch.equal(packed["hidden_states"][0, 3:8], torch.full((5, 2, 3), 5.0, dtype=torch.bfloat16))

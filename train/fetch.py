@@ -1,0 +1,423 @@
+"""Ranged GETs straight into RAM under a byte budget, every record verified before it is handed on.
+
+One `Fetcher` serves one consumer (the stream in-process, or one DataLoader worker). A scheduler
+thread walks the consumer's records in ascending input order, shard by shard: it opens shards
+ahead (footer index through `ShardReader`: two small GETs), coalesces adjacent records into ranges
+of up to `range_bytes`, reserves each range's bytes from the budget, and hands the GET to a thread
+pool. A shard no larger than one range that the consumer needs at least half of is fetched whole
+in one GET instead (no separate footer reads, and its whole-object hash is checked against the
+commit too). Every record's frame hash is checked, and must equal the footer index entry, before
+its payload is copied out of the range buffer and made available; nothing is written anywhere
+but memory.
+
+The budget counts bytes fetched and not yet consumed (ranges in flight, verified records waiting
+for their turn, the shuffle buffer's records). A range waits for budget unless the consumer is
+blocked on a record only that range can bring (then it goes ahead, so a shuffle buffer larger
+than the budget cannot deadlock): buffered bytes stay within the budget plus one range whenever
+the shuffle buffer's records fit in the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import xxhash
+
+from storage.shard import FRAME, RECD, RecordEntry, ShardError, ShardMeta, ShardReader, parse_frame
+from storage.store import ObjectNotFound, ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+# storage/s3.py's messages for errors worth another try: 5xx and throttling codes, a body that
+# kept failing while streaming, an endpoint that did not answer.
+_TRANSIENT = re.compile(
+    r"failed: (5\d\d|InternalError|ServiceUnavailable|SlowDown|RequestTimeout|Throttl\w*)"
+    r"|failed after \d+ attempts|cannot reach the S3 endpoint"
+)
+
+
+def is_transient(e: StoreError) -> bool:
+    return not isinstance(e, ObjectNotFound) and bool(_TRANSIENT.search(str(e)))
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedShard:
+    """What a commit record says about one shard; the loader checks the object against it."""
+
+    shard: int
+    key: str
+    bytes: int
+    xxh3_128: str
+    sample_ids: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class Record:
+    """A verified RECD payload waiting for its turn."""
+
+    payload: bytes
+    meta: ShardMeta
+    sample_id: str
+    shard: int  # index into the committed-shard list
+
+
+SKIP = object()  # marks a position whose shard failed under on_corrupt="skip"
+
+
+@dataclass(slots=True)
+class _Segment:
+    """Consecutive input positions of one consumer that fall in the same shard."""
+
+    shard: int
+    positions: list[int]
+    records: list[int]
+
+
+@dataclass(slots=True)
+class _Range:
+    start: int
+    end: int
+    items: list[tuple[int, int]]  # (position, record index)
+    whole: bool = False
+
+
+class Metrics:
+    """Counters of one consumer; `snapshot()` is what the trainer logs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_fetched = self.get_requests = self.retries = 0
+        self.records_verified = self.records_decoded = self.decoded_bytes = 0
+        self.samples = self.padding_samples = self.skipped_samples = 0
+        self.corrupt_shards: list[str] = []
+        self.wait_s = 0.0
+        self.buffered_bytes = self.peak_buffered_bytes = 0
+        self.started: float | None = None
+        self.finished: float | None = None
+
+    def add(self, **kw: float) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            end = self.finished if self.finished is not None else time.perf_counter()
+            elapsed = end - self.started if self.started is not None else 0.0
+            rate = (lambda x: x / elapsed if elapsed > 0 else 0.0)
+            return {
+                "samples": self.samples, "padding_samples": self.padding_samples,
+                "skipped_samples": self.skipped_samples, "corrupt_shards": len(self.corrupt_shards),
+                "records_verified": self.records_verified, "records_decoded": self.records_decoded,
+                "bytes_fetched": self.bytes_fetched, "get_requests": self.get_requests, "retries": self.retries,
+                "decoded_bytes": self.decoded_bytes, "elapsed_s": elapsed, "wait_s": self.wait_s,
+                "samples_per_s": rate(self.samples), "decoded_mb_per_s": rate(self.decoded_bytes) / 1e6,
+                "fetched_mb_per_s": rate(self.bytes_fetched) / 1e6,
+                "buffered_bytes": self.buffered_bytes, "peak_buffered_bytes": self.peak_buffered_bytes,
+            }
+
+
+def merge_snapshots(snaps: list[dict]) -> dict:
+    """Several consumers' counters as one: sums, except peaks and elapsed (max) and rates (recomputed)."""
+    if not snaps:
+        return Metrics().snapshot()
+    out = {k: sum(s[k] for s in snaps) for k in snaps[0]}
+    out["elapsed_s"] = max(s["elapsed_s"] for s in snaps)
+    out["wait_s"] = max(s["wait_s"] for s in snaps)
+    e = out["elapsed_s"]
+    out["samples_per_s"] = out["samples"] / e if e > 0 else 0.0
+    out["decoded_mb_per_s"] = out["decoded_bytes"] / e / 1e6 if e > 0 else 0.0
+    out["fetched_mb_per_s"] = out["bytes_fetched"] / e / 1e6 if e > 0 else 0.0
+    return out
+
+
+class _InMemory:
+    """One fetched object served as a store, so `ShardReader` validates its head and footer."""
+
+    def __init__(self, uri: str, data: bytes):
+        self.uri, self._view = uri, memoryview(data)
+
+    def get_range(self, key: str, start: int, end: int) -> memoryview:
+        return self._view[start:end]
+
+
+class Fetcher:
+    def __init__(self, store: ObjectStore, shards: list[CommittedShard], run_id: str, *,
+                 positions: list[tuple[int, int, int]], budget: int, range_bytes: int, prefetch_shards: int,
+                 threads: int, retries: int, on_corrupt: str, metrics: Metrics):
+        """`positions`: (input position, shard index, record index) of every record to deliver,
+        in ascending position order."""
+        self.store, self.shards, self.run_id = store, shards, run_id
+        self.budget, self.range_bytes, self.prefetch_shards = budget, range_bytes, prefetch_shards
+        self.retries, self.on_corrupt, self.metrics = retries, on_corrupt, metrics
+        self._segments: list[_Segment] = []
+        self._positions_of: dict[int, list[int]] = defaultdict(list)
+        for pos, shard, rec in positions:
+            if not self._segments or self._segments[-1].shard != shard:
+                self._segments.append(_Segment(shard, [], []))
+            self._segments[-1].positions.append(pos)
+            self._segments[-1].records.append(rec)
+            self._positions_of[shard].append(pos)
+        self._cond = threading.Condition()
+        self._ready: dict[int, Record | object] = {}
+        self._in_use = 0
+        self._waiting: int | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._bad: set[int] = set()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="layertap-fetch")
+        self._thread = threading.Thread(target=self._schedule, name="layertap-fetch-plan", daemon=True)
+        self._thread.start()
+
+    # -- consumer side -------------------------------------------------------------------------
+
+    def get(self, pos: int, pop: bool = True) -> Record | object:
+        """The verified record at `pos` (or SKIP); blocks until it has arrived."""
+        with self._cond:
+            if pos not in self._ready and self._error is None:
+                t0 = time.perf_counter()
+                self._waiting = pos
+                self._cond.notify_all()  # a range held back by the budget may now go ahead
+                while pos not in self._ready and self._error is None:
+                    self._cond.wait()
+                self._waiting = None
+                self.metrics.add(wait_s=time.perf_counter() - t0)
+            if pos not in self._ready:
+                raise self._error
+            return self._ready.pop(pos) if pop else self._ready[pos]
+
+    def take(self, pos: int) -> Record | None:
+        """The verified record at `pos` if it has arrived (for decoding ahead), else None."""
+        with self._cond:
+            item = self._ready.get(pos)
+            if isinstance(item, Record):
+                del self._ready[pos]
+                return item
+            return None
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._in_use -= nbytes
+            self.metrics.buffered_bytes = self._in_use
+            self._cond.notify_all()
+
+    def shard_failed(self, shard: int, error: BaseException) -> ShardError | None:
+        """A shard turned out bad (e.g. a record that does not decode): the error to raise, or
+        None once its undelivered positions are marked SKIP (on_corrupt="skip")."""
+        entry = self.shards[shard]
+        where = f"{self.store.uri.rstrip('/')}/{entry.key}"
+        detail = str(error)
+        msg = f"shard {entry.shard} ({where}) is corrupt or unreadable: {detail}"
+        with self._cond:
+            if self.on_corrupt == "raise":
+                if self._error is None:
+                    self._error = ShardError(
+                        f"{msg}; run `layertap verify` on the run to withdraw bad shards so extraction "
+                        "redoes them, or construct the stream with on_corrupt='skip'")
+                self._cond.notify_all()
+                return self._error
+            if shard in self._bad:
+                return None
+            self._bad.add(shard)
+            self.metrics.corrupt_shards.append(where)
+            freed = 0
+            for pos in self._positions_of[shard]:
+                cur = self._ready.get(pos)
+                if isinstance(cur, Record):
+                    freed += len(cur.payload)
+                self._ready[pos] = SKIP
+            self._in_use -= freed
+            self._cond.notify_all()
+        log.warning("skipping %s (on_corrupt='skip'): its undelivered samples are replaced by padding", msg)
+        return None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._ready.clear()
+            self._cond.notify_all()
+        self._thread.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- budget ----------------------------------------------------------------------------------
+
+    def _acquire(self, nbytes: int, first_pos: int) -> bool:
+        with self._cond:
+            while not self._closed and self._error is None and self._in_use > 0 \
+                    and self._in_use + nbytes > self.budget \
+                    and not (self._waiting is not None and self._waiting >= first_pos):
+                self._cond.wait()
+            if self._closed or self._error is not None:
+                return False
+            self._in_use += nbytes
+            self.metrics.buffered_bytes = self._in_use
+            self.metrics.peak_buffered_bytes = max(self.metrics.peak_buffered_bytes, self._in_use)
+            return True
+
+    # -- fetching --------------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        try:
+            opened: list = []  # (segment, future of its reader or None for a whole-object fetch)
+            segments = iter(self._segments)
+
+            def fill() -> None:
+                while len(opened) < self.prefetch_shards:
+                    seg = next(segments, None)
+                    if seg is None:
+                        return
+                    whole = self._whole(seg)
+                    opened.append((seg, None if whole else self._pool.submit(self._open, seg.shard)))
+
+            fill()
+            while opened:
+                seg, fut = opened.pop(0)
+                fill()
+                if self._closed:
+                    return
+                reader = None
+                if fut is not None:
+                    try:
+                        reader = fut.result()
+                    except Exception as e:
+                        self._failed(seg.shard, e)
+                        continue
+                for rng in self._ranges(seg, reader):
+                    if seg.shard in self._bad:
+                        break
+                    if not self._acquire(rng.end - rng.start, rng.items[0][0]):
+                        return
+                    self._pool.submit(self._fetch, seg.shard, reader, rng)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, never lost
+            with self._cond:
+                self._error = self._error or e
+                self._cond.notify_all()
+
+    def _whole(self, seg: _Segment) -> bool:
+        entry = self.shards[seg.shard]
+        return entry.bytes <= self.range_bytes and 2 * len(seg.records) >= len(entry.sample_ids)
+
+    def _ranges(self, seg: _Segment, reader: ShardReader | None):
+        if reader is None:
+            yield _Range(0, self.shards[seg.shard].bytes, list(zip(seg.positions, seg.records)), whole=True)
+            return
+        cur: _Range | None = None
+        for pos, rec in zip(seg.positions, seg.records):
+            e = reader.entries[rec]
+            if cur is not None and e.offset == cur.end and e.offset + e.length - cur.start <= self.range_bytes:
+                cur.end = e.offset + e.length
+                cur.items.append((pos, rec))
+                continue
+            if cur is not None:
+                yield cur
+            cur = _Range(e.offset, e.offset + e.length, [(pos, rec)])
+        if cur is not None:
+            yield cur
+
+    def _get(self, key: str, start: int, end: int) -> bytes:
+        """A ranged GET, retried on errors that look transient, with backoff and jitter."""
+        for attempt in range(self.retries + 1):
+            try:
+                data = self.store.get_range(key, start, end)
+            except StoreError as e:
+                if not is_transient(e) or attempt == self.retries:
+                    raise
+                log.info("retrying ranged get of %s [%d, %d) after %s", key, start, end, e)
+            else:
+                self.metrics.add(get_requests=1, bytes_fetched=len(data))
+                if len(data) != end - start:  # S3 bodies are length-checked: the object is short
+                    raise ShardError(f"{key}: got {len(data)} bytes of [{start}, {end}); "
+                                     "the object is shorter than its commit says")
+                return data
+            self.metrics.add(retries=1)
+            time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+        raise AssertionError("unreachable")
+
+    def _open(self, shard: int, data: bytes | None = None) -> ShardReader:
+        entry = self.shards[shard]
+        if data is None:
+            reader = ShardReader(_Retrying(self), entry.key, size=entry.bytes)
+        else:
+            reader = ShardReader(_InMemory(self.store.uri, data), entry.key, size=entry.bytes)
+        if reader.meta.run_id != self.run_id or reader.meta.shard_id != entry.shard:
+            raise ShardError(f"the object says run {reader.meta.run_id!r} shard {reader.meta.shard_id}, "
+                             f"the commit says run {self.run_id!r} shard {entry.shard}")
+        if tuple(reader.sample_ids) != entry.sample_ids:
+            raise ShardError("the footer index lists other samples than the commit record")
+        return reader
+
+    def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range) -> None:
+        reserved = rng.end - rng.start
+        try:
+            entry = self.shards[shard]
+            data = self._get(entry.key, rng.start, rng.end)
+            if rng.whole:
+                digest = xxhash.xxh3_128_hexdigest(data)
+                if digest != entry.xxh3_128:
+                    raise ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
+                reader = self._open(shard, data)
+            where = f"{self.store.uri.rstrip('/')}/{entry.key}"
+            records = []
+            for pos, rec in rng.items:
+                records.append((pos, _verified(data, rng.start, reader.entries[rec], rec, where, reader.meta, shard)))
+            del data
+            self.metrics.add(records_verified=len(records))
+        except (ShardError, ObjectNotFound) as e:
+            self.release(reserved)
+            self._failed(shard, e)
+            return
+        except BaseException as e:  # noqa: BLE001
+            self.release(reserved)
+            with self._cond:
+                self._error = self._error or e
+                self._cond.notify_all()
+            return
+        with self._cond:
+            kept = 0
+            for pos, record in records:
+                if self._closed or shard in self._bad:
+                    continue
+                self._ready[pos] = record
+                kept += len(record.payload)
+            self._in_use -= reserved - kept
+            self.metrics.buffered_bytes = self._in_use
+            self._cond.notify_all()
+
+    def _failed(self, shard: int, e: BaseException) -> None:
+        if isinstance(e, (ShardError, ObjectNotFound)):
+            self.shard_failed(shard, e)
+            return
+        with self._cond:
+            self._error = self._error or e
+            self._cond.notify_all()
+
+
+def _verified(data: bytes, base: int, e: RecordEntry, index: int, where: str, meta: ShardMeta, shard: int) -> Record:
+    """The record's payload, copied out of the range buffer once its hash equals both the frame
+    header's and the footer index entry's."""
+    what = f"{where} record {index} ({e.sample_id})"
+    kind, payload, end = parse_frame(data, e.offset - base, what, verify=False)
+    digest = xxhash.xxh3_64_intdigest(payload)
+    if digest != FRAME.unpack_from(data, e.offset - base)[2]:
+        raise ShardError(f"{what}: checksum mismatch in RECD frame at byte {e.offset}; the object is corrupt")
+    if kind != RECD or end != e.offset - base + e.length or f"{digest:016x}" != e.xxh3_64:
+        raise ShardError(f"{what}: the frame at byte {e.offset} does not match the footer index")
+    return Record(bytes(payload), meta, e.sample_id, shard)
+
+
+class _Retrying:
+    """The store as `ShardReader` sees it when opening a shard: ranged GETs with our retries."""
+
+    def __init__(self, fetcher: Fetcher):
+        self._f = fetcher
+        self.uri = fetcher.store.uri
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self._f._get(key, start, end)

@@ -1,0 +1,392 @@
+"""`ShardStream`: the committed shards of a run, streamed from the store into training samples.
+
+    stream = ShardStream("s3://acts/qwen27b/run1", seed=0, shuffle_buffer=64)
+    for sample in stream: ...          # dicts of tensors; or batches through `StreamLoader`
+
+Reading the run costs one listing of `commits/` and one GET per commit (in parallel); only
+shards a commit names are read, and each is checked against its commit (run, shard id, sample
+ids, and for whole-object reads the object hash). The order of an epoch is computed from indices
+alone (`train.order`), records arrive through `train.fetch` (ranged GETs into RAM under a byte
+budget, every record's hashes checked) and are decoded a few samples ahead of the consumer.
+
+Resume: the position is the number of samples each consumer has yielded. `state_dict()` is
+exact when the stream is iterated in this process (directly or by a DataLoader with
+num_workers=0); with DataLoader workers use `StreamLoader`, which counts what each worker has
+delivered to the trainer. On `load_state_dict`, every consumer recomputes its order and skips
+what was consumed without fetching it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import torch
+import xxhash
+from torch.utils.data import IterableDataset, get_worker_info
+
+from manifests import layout
+from manifests.manifest import load_manifest, parse_size
+from manifests.records import decode_commit
+from storage.shard import Sample, ShardError, decode_record
+from storage.store import ObjectNotFound, ObjectStore, open_store
+from train.fetch import SKIP, CommittedShard, Fetcher, Metrics, Record
+from train.order import plan_consumer, rank_count, worker_span
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "layertap-stream-state"
+STATE_VERSION = 1
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamConfig:
+    """What determines the order (seed, shuffle, shuffle_buffer, uneven) and how data is fetched."""
+
+    seed: int = 0
+    shuffle: bool = True
+    shuffle_buffer: int = 64  # samples; a DFlash sample at 4K tokens is ~100 MB raw
+    uneven: Literal["pad", "drop"] = "pad"
+    memory_budget: int = 4 * GiB  # per rank, split evenly between DataLoader workers
+    range_bytes: int = 64 * MiB
+    prefetch_shards: int = 2  # shards whose footers are read ahead of their records
+    fetch_threads: int = 4
+    decode_threads: int = 2  # 0: decode on the consumer's thread
+    retries: int = 3  # per ranged GET, on transient store errors, with backoff
+    on_corrupt: Literal["raise", "skip"] = "raise"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1 sample, got {self.shuffle_buffer}")
+        if self.uneven not in ("pad", "drop"):
+            raise ValueError(f"uneven must be 'pad' (repeat a few, zero-weighted) or 'drop', not {self.uneven!r}")
+        if self.on_corrupt not in ("raise", "skip"):
+            raise ValueError(f"on_corrupt must be 'raise' or 'skip', not {self.on_corrupt!r}")
+        for name in ("memory_budget", "range_bytes", "prefetch_shards", "fetch_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_threads < 0 or self.retries < 0:
+            raise ValueError("decode_threads and retries must be >= 0")
+
+
+def load_index(store: ObjectStore, threads: int = 16) -> tuple[str, list[CommittedShard], int]:
+    """(run id, committed shards sorted by id, shards planned): one listing + a GET per commit."""
+    manifest = load_manifest(store)
+    keys = []
+    for o in store.list(layout.COMMITS):
+        shard = layout.shard_of(o.key, layout.COMMITS)
+        if shard is not None and o.key == layout.commit_key(shard):
+            keys.append(o.key)
+    root = store.uri.rstrip("/")
+
+    def get(key: str):
+        try:
+            return decode_commit(store.get(key), f"{root}/{key}")
+        except ObjectNotFound:  # withdrawn by `verify` since the listing
+            return None
+
+    with ThreadPoolExecutor(max(1, min(threads, len(keys)))) as pool:
+        commits = [c for c in pool.map(get, keys) if c is not None]
+    shards = []
+    for c in commits:
+        if not 0 <= c.shard < len(manifest.shards) or len(c.sample_ids) != c.num_records:
+            raise ShardError(f"{root}/{layout.commit_key(c.shard)} does not fit the run's manifest; "
+                             "run `layertap verify` on the run")
+        if c.num_records:
+            shards.append(CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids)))
+    if not shards:
+        raise ValueError(f"no committed shards with samples at {store.uri} yet: run `layertap extract` "
+                         "(see `layertap status`)")
+    return manifest.run_id, sorted(shards, key=lambda s: s.shard), len(manifest.shards)
+
+
+def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
+    if rank is None or world is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        else:
+            r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank, world = (r if rank is None else rank), (w if world is None else world)
+    if not (world >= 1 and 0 <= rank < world):
+        raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world}")
+    return rank, world
+
+
+class ShardStream(IterableDataset):
+    """Samples of a run's committed shards, once each per epoch across all ranks and workers.
+
+    Yields dicts: `sample_id` (str), `input_ids` (int64 [S]), `loss_mask` (uint8 [S]),
+    `hidden_states` (bf16 [S, L, H]), `final_state` (bf16 [S, H], only if the run stored it) and
+    `padding` (bool: a zero-weighted repeat; its loss_mask is all zeros).
+    """
+
+    def __init__(self, prefix: str | ObjectStore, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
+                 shuffle_buffer: int = 64, rank: int | None = None, world_size: int | None = None,
+                 uneven: Literal["pad", "drop"] = "pad", memory_budget: int | str = 4 * GiB,
+                 range_bytes: int | str = 64 * MiB, prefetch_shards: int = 2, fetch_threads: int = 4,
+                 decode_threads: int = 2, retries: int = 3, on_corrupt: Literal["raise", "skip"] = "raise",
+                 store_options: dict[str, Any] | None = None):
+        super().__init__()
+        self.config = StreamConfig(
+            seed=seed, shuffle=shuffle, shuffle_buffer=shuffle_buffer, uneven=uneven,
+            memory_budget=parse_size(memory_budget), range_bytes=parse_size(range_bytes),
+            prefetch_shards=prefetch_shards, fetch_threads=fetch_threads, decode_threads=decode_threads,
+            retries=retries, on_corrupt=on_corrupt)
+        self.rank, self.world_size = _rank_world(rank, world_size)
+        if isinstance(prefix, ObjectStore):
+            self._given: ObjectStore | None = prefix
+            self.uri = prefix.uri
+        else:
+            self._given, self.uri = None, prefix
+        self._store_options = dict(store_options or {})
+        if self.uri.startswith("s3://"):
+            # botocore's connection pool: the commit GETs of load_index run on 16 threads
+            self._store_options.setdefault("threads", max(16, fetch_threads + prefetch_shards))
+        self._store_cache: tuple[int, ObjectStore] | None = None
+        self.run_id, self.shards, self.planned_shards = load_index(self._store())
+        self.total_samples = sum(len(s.sample_ids) for s in self.shards)
+        self._epoch = epoch
+        self._position: list[int] | None = None  # samples yielded per worker in this epoch
+        self._next_worker = 0  # the worker whose batch comes next in the DataLoader's round-robin
+        self._metrics: Metrics | None = None
+        if len(self.shards) < self.planned_shards:
+            log.info("%s: %d of %d planned shards are committed; streaming those", self.uri, len(self.shards),
+                     self.planned_shards)
+
+    # -- facts -----------------------------------------------------------------------------------
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank yields per epoch (padding included); the same on every rank."""
+        return rank_count(self.total_samples, self.world_size, self.config.uneven)
+
+    def num_batches(self, batch_size: int, num_workers: int = 0, drop_last: bool = False) -> int:
+        """Batches a DataLoader over this stream yields per epoch (each worker batches its own share)."""
+        return sum(c // batch_size if drop_last else -(-c // batch_size) for c in self._counts(max(1, num_workers)))
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the set of committed shards (ids and object hashes)."""
+        text = "\n".join(f"{s.shard}:{s.xxh3_128}" for s in self.shards)
+        return xxhash.xxh3_64_hexdigest(text.encode())
+
+    def metrics(self) -> dict:
+        """Counters of the current (or last) iteration in this process: bytes fetched, records
+        verified and decoded, samples, samples/s, decoded MB/s, peak buffered bytes, wait time."""
+        return (self._metrics or Metrics()).snapshot()
+
+    # -- epochs and resume -----------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration runs: a finished epoch counts as the start of the next."""
+        self._normalize()
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order. The current epoch continues where it is; another epoch starts
+        from its beginning. Optional: a finished epoch moves on to the next by itself."""
+        if epoch != self.epoch:
+            self._epoch, self._position, self._next_worker = epoch, None, 0
+
+    def _normalize(self) -> None:
+        if self._epoch_done():
+            self._epoch, self._position, self._next_worker = self._epoch + 1, None, 0
+
+    def _counts(self, workers: int) -> list[int]:
+        return [worker_span(self.num_samples, workers, w)[1] for w in range(workers)]
+
+    def _epoch_done(self) -> bool:
+        pos = self._position
+        return pos is not None and all(p >= c for p, c in zip(pos, self._counts(len(pos))))
+
+    def _identity(self) -> dict[str, Any]:
+        c = self.config
+        return {"run_id": self.run_id, "shards": self.fingerprint, "num_shards": len(self.shards),
+                "num_samples": self.total_samples, "seed": c.seed, "shuffle": c.shuffle,
+                "shuffle_buffer": c.shuffle_buffer, "uneven": c.uneven, "world_size": self.world_size}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready position in the epoch. Ranks run in lockstep and every rank's workers get
+        the same counts, so at a step boundary the state is the same on every rank."""
+        epoch, pos = self.epoch, self._position
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "rank": self.rank,
+                "epoch": epoch, "num_workers": len(pos) if pos else None, "consumed": list(pos or []),
+                "next_worker": self._next_worker}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state` left off; refuse a state that would give another order."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError("not a ShardStream state (missing format 'layertap-stream-state')")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"ShardStream state version {state.get('version')} is not supported by this "
+                             f"layertap (it reads version {STATE_VERSION}); use the release that saved it")
+        mine = self._identity()
+        diffs = [f"{k}: state has {state.get(k)!r}, this stream has {v!r}" for k, v in mine.items()
+                 if state.get(k) != v]
+        if diffs:
+            raise ValueError(
+                "cannot resume this ShardStream from the saved state, the order would differ:\n  "
+                + "\n  ".join(diffs)
+                + "\nconstruct the stream with the saved settings (same run and committed shards, seed, "
+                  "world size, shuffle settings), or start the epoch over without load_state_dict")
+        consumed = [int(x) for x in state.get("consumed") or []]
+        next_worker = int(state.get("next_worker", 0))
+        if not 0 <= next_worker < max(1, len(consumed)):
+            raise ValueError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
+        self._epoch, self._position, self._next_worker = int(state["epoch"]), consumed or None, next_worker
+        self._normalize()
+
+    # -- iteration -------------------------------------------------------------------------------
+
+    def _store(self) -> ObjectStore:
+        """A store for this process: boto3 clients and thread pools do not survive a fork."""
+        if self._given is not None:
+            return self._given
+        pid = os.getpid()
+        if self._store_cache is None or self._store_cache[0] != pid:
+            self._store_cache = (pid, open_store(self.uri, **self._store_options))
+        return self._store_cache[1]
+
+    def _logical_worker(self, info) -> int:
+        """The share a DataLoader worker serves. A resumed loader's first worker takes the share
+        whose batch was due next, so the round-robin continues exactly where it stopped."""
+        return 0 if info is None else (info.id + self._next_worker) % info.num_workers
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_store_cache"] = None
+        state["_metrics"] = None
+        return state
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, workers = self._logical_worker(info), (info.num_workers if info is not None else 1)
+        if info is None:
+            self._normalize()
+        if self._position is None:
+            self._position = [0] * workers
+        elif len(self._position) != workers:
+            raise ValueError(
+                f"the stream's position was saved with {len(self._position)} DataLoader worker(s) and this "
+                f"iteration runs {workers}: resume with num_workers={len(self._position)} "
+                "(or start the epoch over)")
+        c = self.config
+        plan = plan_consumer([len(s.sample_ids) for s in self.shards], seed=c.seed, epoch=self._epoch,
+                             shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer, rank=self.rank,
+                             world=self.world_size, worker=worker, workers=workers, uneven=c.uneven)
+        self._metrics = Metrics()
+        avg = sum(s.bytes for s in self.shards) / max(1, self.total_samples)
+        budget = max(1, c.memory_budget // workers)
+        if worker == 0 and c.shuffle and c.shuffle_buffer * avg > budget:
+            log.warning("the shuffle buffer (%d samples of ~%.1f MB) exceeds the memory budget per worker "
+                        "(%.1f MB); buffered bytes will exceed the budget", c.shuffle_buffer, avg / 1e6, budget / 1e6)
+        return self._generate(plan, worker, budget)
+
+    def _generate(self, plan, worker: int, budget: int) -> Iterator[dict[str, Any]]:
+        c, metrics, position = self.config, self._metrics, self._position
+        start, m = position[worker], len(plan)
+        metrics.started = time.perf_counter()
+        if start >= m:
+            return
+        order = plan.order
+        needed = np.sort(order[start:])
+        fetcher = Fetcher(
+            self._store(), self.shards, self.run_id,
+            positions=list(zip(needed.tolist(), plan.shard[needed].tolist(), plan.record[needed].tolist())),
+            budget=budget, range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
+            retries=c.retries, on_corrupt=c.on_corrupt, metrics=metrics)
+        decoder = ThreadPoolExecutor(c.decode_threads, thread_name_prefix="layertap-decode") \
+            if c.decode_threads else None
+        ahead = 2 * c.decode_threads
+        pending: dict[int, tuple[Record, Future]] = {}
+        last_good: dict[str, Any] | None = None
+
+        def decode(rec: Record) -> dict[str, Any]:
+            s = decode_record(rec.payload, rec.meta)
+            if s.sample_id != rec.sample_id:
+                raise ShardError(f"record holds sample {s.sample_id!r}, the index says {rec.sample_id!r}")
+            metrics.add(records_decoded=1, decoded_bytes=_activation_bytes(s))
+            return _as_dict(s)
+
+        def resolve(rec: Record, fut: Future | None) -> dict[str, Any] | None:
+            """The decoded sample, or None if its shard failed (skip policy)."""
+            try:
+                return fut.result() if fut is not None else decode(rec)
+            except ShardError as e:
+                err = fetcher.shard_failed(rec.shard, e)
+                if err is not None:
+                    raise err from None
+                return None
+
+        def good_ahead(t: int) -> dict[str, Any]:
+            """A sample to stand in for a skipped one when none has been yielded yet."""
+            for u in range(t + 1, m):
+                if u in pending:
+                    got = resolve(*pending[u])
+                else:
+                    item = fetcher.get(int(order[u]), pop=False)
+                    got = None if item is SKIP else resolve(item, None)
+                if got is not None:
+                    return got
+            raise ShardError(f"every sample left to worker {worker} of rank {self.rank} is in a failed shard")
+
+        try:
+            for t in range(start, m):
+                if decoder is not None:
+                    for u in range(t + 1, min(m, t + 1 + ahead)):
+                        if u not in pending:
+                            rec = fetcher.take(int(order[u]))
+                            if rec is not None:
+                                pending[u] = (rec, decoder.submit(decode, rec))
+                pos = int(order[t])
+                rec, fut = pending.pop(t) if t in pending else (fetcher.get(pos), None)
+                sample = None
+                if isinstance(rec, Record):
+                    sample = resolve(rec, fut)
+                    fetcher.release(len(rec.payload))
+                pad = bool(plan.padding[pos])
+                if sample is None:  # its shard failed and on_corrupt="skip": a zero-weighted stand-in
+                    metrics.add(skipped_samples=1)
+                    sample = dict(last_good if last_good is not None else good_ahead(t))
+                    pad = True
+                else:
+                    last_good = sample
+                if pad:
+                    sample = dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]), padding=True)
+                    metrics.add(padding_samples=1)
+                position[worker] = t + 1
+                metrics.add(samples=1)
+                yield sample
+        finally:
+            metrics.finished = time.perf_counter()
+            if decoder is not None:
+                decoder.shutdown(wait=True, cancel_futures=True)
+            for rec, _ in pending.values():
+                fetcher.release(len(rec.payload))
+            fetcher.close()
+
+
+def _activation_bytes(s: Sample) -> int:
+    n = s.hidden_states.numel() * s.hidden_states.element_size()
+    if s.final_state is not None:
+        n += s.final_state.numel() * s.final_state.element_size()
+    return n
+
+
+def _as_dict(s: Sample) -> dict[str, Any]:
+    d = {"sample_id": s.sample_id, "input_ids": s.input_ids, "loss_mask": s.loss_mask,
+         "hidden_states": s.hidden_states, "padding": False}
+    if s.final_state is not None:
+        d["final_state"] = s.final_state
+    return d
