@@ -31,6 +31,7 @@ from storage.store import (
     ObjectWriter,
     PendingUpload,
     StoreError,
+    TransientStoreError,
     check_key,
     join_key,
 )
@@ -40,6 +41,8 @@ MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000
 
 T = TypeVar("T")
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                    "ThrottlingException"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,7 +130,7 @@ class S3Store(ObjectStore):
                 "(or AWS_PROFILE, or an instance role)"
             ) from None
         except (bexc.EndpointConnectionError, bexc.ConnectTimeoutError) as e:
-            raise StoreError(
+            raise TransientStoreError(
                 f"cannot reach the S3 endpoint {self.endpoint} for {what} of {key!r}: {type(e).__name__}; "
                 "check AWS_ENDPOINT_URL and that the server is up"
             ) from None
@@ -144,7 +147,10 @@ class S3Store(ObjectStore):
             return StoreError(
                 f"access denied for {what} of {where} ({code}): check the credentials and their permissions"
             )
-        return StoreError(f"{what} of {where} failed: {code or status} {e.response.get('Error', {}).get('Message', '')}")
+        message = f"{what} of {where} failed: {code or status} {e.response.get('Error', {}).get('Message', '')}"
+        if (status or 0) >= 500 or code in _TRANSIENT_CODES:
+            return TransientStoreError(message)
+        return StoreError(message)
 
     def _read_body(self, what: str, key: str, **kwargs) -> bytes:
         """GET and read the body, retrying failures that happen while the body streams in."""
@@ -157,7 +163,7 @@ class S3Store(ObjectStore):
                     bexc.ConnectionClosedError) as e:
                 attempt += 1
                 if attempt >= self.options.max_attempts:
-                    raise StoreError(f"{what} of {key!r} failed after {attempt} attempts: {type(e).__name__}") from None
+                    raise TransientStoreError(f"{what} of {key!r} failed after {attempt} attempts: {type(e).__name__}") from None
                 _backoff(attempt)
 
     # -- interface -------------------------------------------------------------------------------

@@ -19,6 +19,10 @@ class StoreError(Exception):
     """A store operation failed; the message names the key and, where known, the fix."""
 
 
+class TransientStoreError(StoreError):
+    """Worth another try: a 5xx, throttling, a connection or a body that failed."""
+
+
 class ObjectNotFound(StoreError):
     """The key does not exist."""
 

@@ -22,7 +22,7 @@ from manifests.records import Producer, decode_commit
 from manifests.work import WorkQueue
 from storage.local import LocalStore
 from storage.shard import Sample, ShardError, ShardMeta, ShardReader, ShardWriter
-from storage.store import StoreError, open_store
+from storage.store import StoreError, TransientStoreError, open_store
 from train import ShardStream, StreamLoader, collate, pack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,7 +304,7 @@ def test_transient_errors_are_retried_per_range(tmp_path):
         def get_range(self, key, start, end):
             if key.startswith("shards/") and (key, start) not in self.failed:
                 self.failed.add((key, start))
-                raise StoreError(f"ranged get of {key} failed: 503 Slow Down")
+                raise TransientStoreError(f"ranged get of {key} failed: 503 Slow Down")
             return super().get_range(key, start, end)
 
     stream = ShardStream(Flaky(str(tmp_path)), retries=2)

@@ -217,3 +217,21 @@ def test_open_stream_reads_front_to_back(store):
     with store.open_stream("obj", chunk_size=7_000) as f:
         got = b"".join(iter(lambda: f.read(3_333), b""))
     assert got == data
+
+
+def test_transient_failures_are_typed(monkeypatch):
+    """Callers (the loader's per-range retry) tell transient failures apart by type, not text."""
+    from storage.store import TransientStoreError
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: retry later
+    store = open_store("s3://b/p", max_attempts=1, connect_timeout_s=1)
+    with pytest.raises(TransientStoreError):
+        store.get("x")
+
+
+def test_permanent_failures_are_not_transient(s3_endpoint):
+    from storage.store import TransientStoreError
+
+    with pytest.raises(StoreError) as e:
+        open_store("s3://no-such-bucket-layertap/p").get("x")
+    assert not isinstance(e.value, TransientStoreError)

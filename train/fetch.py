@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import threading
 import time
 from collections import defaultdict
@@ -31,20 +30,12 @@ from dataclasses import dataclass
 import xxhash
 
 from storage.shard import FRAME, RECD, RecordEntry, ShardError, ShardMeta, ShardReader, parse_frame
-from storage.store import ObjectNotFound, ObjectStore, StoreError
+from storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
 
-# storage/s3.py's messages for errors worth another try: 5xx and throttling codes, a body that
-# kept failing while streaming, an endpoint that did not answer.
-_TRANSIENT = re.compile(
-    r"failed: (5\d\d|InternalError|ServiceUnavailable|SlowDown|RequestTimeout|Throttl\w*)"
-    r"|failed after \d+ attempts|cannot reach the S3 endpoint"
-)
-
-
 def is_transient(e: StoreError) -> bool:
-    return not isinstance(e, ObjectNotFound) and bool(_TRANSIENT.search(str(e)))
+    return isinstance(e, TransientStoreError)
 
 
 @dataclass(frozen=True, slots=True)
