@@ -49,7 +49,8 @@ def format_status(s: dict) -> str:
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
         f"{s['shards_failed']} failed, {s['shards_pending']} pending",
         f"  samples  {s['samples_done']}/{s['samples_total']} stored"
-        + (f", {s['samples_skipped']} skipped (no supervised token pairs)" if s["samples_skipped"] else ""),
+        + (f", {s['samples_skipped']} skipped (nothing to train on, e.g. no assistant token within "
+           "max length; each reason is in the commit records)" if s["samples_skipped"] else ""),
         f"  tokens   {s['tokens_done']:,} of ~{s['tokens_total_est']:,}",
         f"  bytes    {s['bytes_stored'] / gb:.3f} GB stored, {s['bytes_raw'] / gb:.3f} GB raw"
         + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else ""),
