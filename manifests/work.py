@@ -179,6 +179,7 @@ class WorkQueue:
                 claim = self._try_claim(s, st)
                 if claim:
                     break
+                waiting_on.append(st.now)  # lost the race for it: another worker holds it now
             if claim:
                 yield claim
                 continue

@@ -284,3 +284,22 @@ def test_status_survives_a_missing_tally(store_uri):
 def test_status_of_a_missing_run_is_a_clear_error(store_uri, capsys):
     assert cli(["status", store_uri]) == 2
     assert "no run at" in capsys.readouterr().err
+
+
+def test_a_lost_claim_race_is_waited_on_not_taken_for_the_end(store_uri):
+    """Between a worker's listing and its claim another worker may lease the shard: the queue
+    must wait for that lease (here it goes stale), not end with the shard unfinished."""
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    queue = WorkQueue(store, m, Producer.current(), ttl_s=1.0, shards=[0], poll_s=0.2)
+    real_try_claim = queue._try_claim
+
+    def competitor_first(shard, st):
+        if not getattr(competitor_first, "done", False):
+            competitor_first.done = True  # a rival creates this very generation just before us
+            store.put_if_absent(layout.lease_key(shard, st.next_generation(shard), 1.0), b'{"rival": true}')
+        return real_try_claim(shard, st)
+
+    queue._try_claim = competitor_first
+    claim = next(iter(queue), None)  # the rival never renews: its lease goes stale, then it is ours
+    assert claim is not None and claim.shard == 0 and claim.generation == 2
