@@ -33,7 +33,7 @@ from bench._report import machine, write_section  # noqa: E402
 from storage.shard import Sample, ShardMeta, ShardWriter, encode_record  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
-from tests.s3server import start_moto_server, stop  # noqa: E402
+from tests.s3server import start_bench_server, stop  # noqa: E402
 
 H200_RAW_MB_S = 370.0  # per GPU, Qwen3.6-27B at 5 capture layers (issue 4)
 
@@ -89,9 +89,7 @@ def main() -> None:
     if args.endpoint:
         endpoint = args.endpoint
     else:
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        proc, endpoint = start_moto_server()
+        proc, endpoint = start_bench_server()
     try:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         bucket = f"bench-{uuid.uuid4().hex[:8]}"

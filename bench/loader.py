@@ -52,7 +52,7 @@ from manifests.work import WorkQueue  # noqa: E402
 from storage.shard import Sample, ShardMeta, ShardReader, ShardWriter, decode_record, encode_record  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
-from tests.s3server import start_moto_server, stop  # noqa: E402
+from tests.s3server import start_bench_server, stop  # noqa: E402
 from train import ShardStream, StreamLoader  # noqa: E402
 from train.stream import load_index  # noqa: E402
 
@@ -254,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.endpoint:
         endpoint, server_pid, server = args.endpoint, None, f"`{args.endpoint}`"
     else:
-        os.environ["AWS_ACCESS_KEY_ID"] = "bench-key-id"
-        os.environ["AWS_SECRET_ACCESS_KEY"] = "bench-secret"
-        os.environ.pop("AWS_PROFILE", None)
-        proc, endpoint = start_moto_server()
+        proc, endpoint = start_bench_server()
         server_pid = proc.pid
         import moto
 

@@ -30,7 +30,7 @@ from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import CommitRecord, Producer, encode  # noqa: E402
 from manifests.status import run_status  # noqa: E402
 from storage.store import open_store  # noqa: E402
-from tests.s3server import start_moto_server, stop  # noqa: E402
+from tests.s3server import start_bench_server, stop  # noqa: E402
 
 
 class CountingStore:
@@ -56,9 +56,7 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
 
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    proc, endpoint = start_moto_server()
+    proc, endpoint = start_bench_server()
     try:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="bench")

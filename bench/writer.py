@@ -52,7 +52,7 @@ from boto3.s3.transfer import TransferConfig  # noqa: E402
 
 from storage.s3 import S3Store  # noqa: E402
 from storage.store import join_key, open_store  # noqa: E402
-from tests.s3server import start_moto_server, stop  # noqa: E402
+from tests.s3server import start_bench_server, stop  # noqa: E402
 
 MiB = 1 << 20
 WRITE_CHUNK = 1 * MiB  # what the shard writer hands the object writer per record, roughly
@@ -320,11 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.endpoint:
         endpoint, server_pid, server_desc = args.endpoint, None, f"`{args.endpoint}` (given with --endpoint)"
     else:
-        os.environ["AWS_ACCESS_KEY_ID"] = "bench-key-id"
-        os.environ["AWS_SECRET_ACCESS_KEY"] = "bench-secret"
-        os.environ.pop("AWS_SESSION_TOKEN", None)
-        os.environ.pop("AWS_PROFILE", None)
-        proc, endpoint = start_moto_server()
+        proc, endpoint = start_bench_server()
         import moto
 
         server_pid = proc.pid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -27,6 +28,14 @@ def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
                 proc.kill()
                 raise RuntimeError("moto server did not start; is moto[server] installed? (pip install 'moto[server]')")
             time.sleep(0.1)
+
+
+def start_bench_server() -> tuple[subprocess.Popen, str]:
+    """moto for a benchmark, with fake credentials set: a user's real keys never reach it."""
+    os.environ.update(AWS_ACCESS_KEY_ID="bench-key-id", AWS_SECRET_ACCESS_KEY="bench-secret")
+    for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        os.environ.pop(var, None)
+    return start_moto_server()
 
 
 def stop(proc: subprocess.Popen) -> None:
