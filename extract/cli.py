@@ -16,6 +16,8 @@ import sys
 # Those modules import heavy dependencies inside `run_<name>`, so building the parser stays cheap.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "extract": ("extract.command", "capture a target model's hidden states into shards on the store"),
+    "estimate": ("extract.estimate_command", "bytes, upload bandwidth, GPU-hours and cost of a run, before it runs"),
+    "plan": ("extract.estimate_command", "cut a run's shard plan and write its manifest only (--dry-run: just show it)"),
     "inspect": ("storage.cli", "print a shard's metadata and records and verify every hash"),
     "status": ("manifests.cli", "show what is done, running, failed and pending in a run"),
     "verify": ("manifests.cli", "re-read committed shards, check every hash, withdraw bad ones"),

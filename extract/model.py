@@ -51,13 +51,16 @@ class Target:
 
 
 def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                attn_implementation: str = "sdpa", device: str | torch.device = "cpu") -> Target:
+                attn_implementation: str = "sdpa", device: str | torch.device = "cpu",
+                weights: bool = True) -> Target:
     """Load a causal LM and its tokenizer from a local folder (optionally a GGUF file in it).
 
     A ``org/name`` hub id is accepted too and resolved by ``transformers`` (its cache, or the
-    hub unless ``HF_HUB_OFFLINE=1``).
+    hub unless ``HF_HUB_OFFLINE=1``). ``weights=False`` builds the model on the meta device from
+    its config alone: enough to plan a run (same ``info``, same layer checks) in a second, where
+    a 27B checkpoint would take minutes and 54 GB of memory to load.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     local = os.path.exists(path)
     if not local and not _HUB_ID.match(path):
@@ -76,11 +79,16 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
             pass
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                     **kw)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                         **kw)
+        else:
+            config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as e:
         raise OSError(f"could not load target model {path!r}: {e}") from e
-    model.to(device).eval()
+    model.to(device if weights else "meta").eval()
     model.requires_grad_(False)
     config = _decoder(model).config
     info = {

@@ -17,22 +17,19 @@ from typing import Any
 import torch
 
 from extract.config import ExtractConfig
+from extract.estimate import planned_bytes_per_token
 from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
-from extract.model import Capture, default_layers, load_target
+from extract.model import Capture, Target, default_layers, load_target
 from extract.pipeline import PipelineStats, extract_shard
 from manifests import layout
 from manifests.manifest import Manifest, NoRun, create_or_resume
 from manifests.records import Producer
 from manifests.status import run_status
 from manifests.work import WorkQueue
-from storage.codecs import get_codec
 from storage.shard import ShardMeta
 from storage.store import ObjectStore, open_store
 
 log = logging.getLogger("layertap.extract")
-
-# Expected stored/raw ratio per codec, for sizing shards before any is written (BRIEF section 3).
-EXPECTED_RATIO = {"bf16": 1.0, "bf16-zstd": 1.45, "fp8": 2.3}
 
 
 class Preempted(BaseException):
@@ -61,19 +58,8 @@ def _extract(cfg: ExtractConfig, state) -> int:
     rank, world = state.process_index, state.num_processes
     store = open_store(cfg.out, **cfg.s3) if cfg.out.startswith("s3://") else open_store(cfg.out)
 
-    rows, fingerprint = _rows(cfg)  # a bad dataset fails before the model loads
-    model_path, gguf_file = cfg.model, cfg.gguf_file
-    if model_path is None:
-        from extract.embedded import smollm2_gguf
-
-        model_path, gguf_file = smollm2_gguf()
-        log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
-    target = load_target(model_path, gguf_file, dtype=getattr(torch, cfg.dtype),
-                         attn_implementation=cfg.attn_implementation, device=state.device)
-    layers = cfg.layers if cfg.layers is not None else default_layers(target.info["num_layers"])
-    capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
-    cfg.gguf_file = gguf_file
-    identity = cfg.identity(dict(target.info, model=cfg.model or f"embedded:{gguf_file}"), capture.layers)
+    rows, fingerprint = dataset_rows(cfg)  # a bad dataset fails before the model loads
+    target, capture, identity = prepare_target(cfg, state.device)
 
     manifest = _plan(store, cfg, identity, rows, fingerprint, target, rank)
     log.info("rank %d/%d: run %s at %s, %d shards", rank, world, manifest.run_id, store.uri, len(manifest.shards))
@@ -91,11 +77,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
             try:
                 with claim:
                     samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
-                    meta = ShardMeta(run_id=manifest.run_id, shard_id=plan.id, model=identity["model"],
-                                     model_revision=identity["model_revision"], layers=capture.layers,
-                                     final_state=cfg.final_state, hidden_size=capture.hidden_size,
-                                     codec=cfg.codec, tokenizer=identity["tokenizer"],
-                                     extra={"gguf_file": gguf_file, "max_length": cfg.max_length})
+                    meta = shard_meta(cfg, identity, manifest.run_id, plan.id)
                     info = extract_shard(
                         capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
                         pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
@@ -143,7 +125,40 @@ def _setup_logging(log_dir: str, rank: int) -> None:
                 h.setLevel(logging.WARNING)
 
 
-def _rows(cfg: ExtractConfig):
+def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
+                   weights: bool = True) -> tuple[Target, Capture, dict[str, Any]]:
+    """The target (cut, with capture hooks), and the run identity its manifest pins.
+
+    The one place that resolves the embedded default model and the default layers, so that
+    `layertap plan` (``weights=False``: a meta-device model) writes the very manifest that
+    `layertap extract` resumes. Sets ``cfg.gguf_file`` when the embedded model is used.
+    """
+    model_path, gguf_file = cfg.model, cfg.gguf_file
+    if model_path is None:
+        from extract.embedded import smollm2_gguf
+
+        model_path, gguf_file = smollm2_gguf()
+        log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
+    target = load_target(model_path, gguf_file, dtype=getattr(torch, cfg.dtype),
+                         attn_implementation=cfg.attn_implementation, device=device, weights=weights)
+    layers = cfg.layers if cfg.layers is not None else default_layers(target.info["num_layers"])
+    capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
+    cfg.gguf_file = gguf_file
+    identity = cfg.identity(dict(target.info, model=cfg.model or f"embedded:{gguf_file}"), capture.layers)
+    return target, capture, identity
+
+
+def shard_meta(cfg: ExtractConfig, identity: dict[str, Any], run_id: str, shard_id: int) -> ShardMeta:
+    """The HEAD metadata of one of the run's shards."""
+    return ShardMeta(run_id=run_id, shard_id=shard_id, model=identity["model"],
+                     model_revision=identity["model_revision"], layers=identity["layers"],
+                     final_state=cfg.final_state, hidden_size=identity["hidden_size"],
+                     codec=cfg.codec, tokenizer=identity["tokenizer"],
+                     extra={"gguf_file": cfg.gguf_file, "max_length": cfg.max_length})
+
+
+def dataset_rows(cfg: ExtractConfig):
+    """The run's rows (a ``datasets.Dataset``) and the fingerprint its manifest pins."""
     if cfg.dataset is not None:
         return load_rows(cfg.dataset, cfg.limit), dataset_fingerprint(cfg.dataset, cfg.limit)
     import datasets
@@ -169,30 +184,37 @@ def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int):
     return samples, skipped, stats.truncated
 
 
+def plan_bytes_per_token(cfg: ExtractConfig, identity: dict[str, Any]) -> float:
+    """Stored bytes per token the planner sizes shards with (the codec's expected ratio)."""
+    return planned_bytes_per_token(capture_layers=len(identity["layers"]), final_state=cfg.final_state != "none",
+                                   hidden_size=identity["hidden_size"], codec=cfg.codec)
+
+
+def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], fingerprint: str,
+               counts: list[int] | None) -> tuple[Manifest, bool]:
+    """The run's manifest, created from `counts` if there is none yet (see `create_or_resume`)."""
+    dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
+                                                                    "path": cfg.dataset or "embedded"}
+    return create_or_resume(store, config=identity, dataset=dataset, token_counts=counts,
+                            bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes)
+
+
 def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows, fingerprint: str, target,
           rank: int) -> Manifest:
     """Rank 0 creates the manifest (or checks the existing one); other ranks wait for it."""
-    bytes_per_token = (len(identity["layers"]) + (cfg.final_state != "none")) * identity["hidden_size"] * 2
-    bytes_per_token /= EXPECTED_RATIO[get_codec(cfg.codec).name]
     if rank == 0:
         try:
-            return create_or_resume(store, config=identity, dataset={"fingerprint": fingerprint}, token_counts=None,
-                                    bytes_per_token=bytes_per_token, shard_bytes=cfg.shard_bytes)[0]
+            return write_plan(store, cfg, identity, fingerprint, None)[0]
         except NoRun:
             pass
         log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
         counts = [len(s) if isinstance(s, TokenizedSample) else 0
                   for s in tokenize_rows(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"])]
-        manifest, created = create_or_resume(store, config=identity,
-                                             dataset={"fingerprint": fingerprint, "path": cfg.dataset or "embedded"},
-                                             token_counts=counts, bytes_per_token=bytes_per_token,
-                                             shard_bytes=cfg.shard_bytes)
-        return manifest
+        return write_plan(store, cfg, identity, fingerprint, counts)[0]
     deadline = time.time() + 6 * 3600
     while True:
         try:
-            return create_or_resume(store, config=identity, dataset={"fingerprint": fingerprint}, token_counts=None,
-                                    bytes_per_token=bytes_per_token, shard_bytes=cfg.shard_bytes)[0]
+            return write_plan(store, cfg, identity, fingerprint, None)[0]
         except NoRun:
             if time.time() > deadline:
                 raise

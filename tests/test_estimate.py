@@ -1,0 +1,212 @@
+"""`layertap estimate` and `layertap plan`: the reference numbers exactly, the arithmetic by hand, and
+measured-mode estimates against a real (tiny, random-init) extraction's stored bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from extract.cli import main as cli
+from extract.estimate import (GiB, MiB, Prices, Storage, Throughput, Workload, alternatives, estimate, fmt_bytes,
+                              fmt_duration, fmt_rate, fmt_usd)
+from manifests.manifest import load_manifest
+from storage.store import open_store
+from test_extract import write_chats
+from tiny_models import tiny_model_dir
+
+# The BRIEF's reference case: Qwen3.6-27B (64 layers, hidden 5120), DFlash's 5 capture layers.
+REF_SAMPLES, REF_TOKENS = 913_786, 800
+REF = ["estimate", "--hidden-size", "5120", "--num-layers", "64", "--samples", str(REF_SAMPLES),
+       "--mean-tokens", str(REF_TOKENS)]
+
+
+def run_json(capsys, args: list[str]) -> dict:
+    assert cli(args + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_reference_numbers_from_the_pure_functions():
+    work = Workload(hidden_size=5120, capture_layers=5, samples=REF_SAMPLES, tokens=REF_SAMPLES * REF_TOKENS)
+    est = estimate(work, Storage(codec="bf16-zstd", ratio=1.45))
+    assert est.bytes_per_token_raw == 51_200
+    assert est.bytes_per_sample_raw == 40_960_000 and fmt_bytes(est.bytes_per_sample_raw, "MiB") == "39.06 MiB"
+    assert est.total_bytes_raw == 913_786 * 800 * 51_200 == 37_428_674_560_000
+    assert fmt_bytes(est.total_bytes_raw, "GiB", 1) == "34,858.2 GiB"
+    assert est.bytes_per_token_stored == pytest.approx(51_200 / 1.45 + 5)
+    with_final = estimate(Workload(hidden_size=5120, capture_layers=5, final_state=True, samples=1, tokens=1),
+                          Storage(codec="bf16", ratio=1.0))
+    assert with_final.bytes_per_token_raw == 61_440 == 51_200 + 10_240
+
+
+def test_reference_numbers_from_the_command(capsys):
+    out = run_json(capsys, REF + ["--tokens-per-s", "7200", "--gpus", "64"])
+    assert out["bytes_per_token_raw"] == 51_200
+    assert out["bytes_per_sample_raw"] == 40_960_000 and round(out["bytes_per_sample_raw_mib"], 2) == 39.06
+    assert out["total_bytes_raw"] == 37_428_674_560_000 and round(out["total_gib_raw"], 1) == 34_858.2
+    assert out["inputs"]["workload"]["capture_layers"] == 5  # DFlash's spacing over 64 layers
+    final = next(a for a in out["alternatives"] if a["label"] == "with the final-layer state")
+    assert final["bytes_per_token_raw"] == 61_440
+    assert out["bytes_per_token_stored"] == pytest.approx(51_200 / 1.45 + 5)
+    stored_per_token = out["total_bytes_stored"] / out["tokens"]
+    assert out["upload_bytes_per_s_per_node"] == pytest.approx(7200 * 8 * stored_per_token)
+    assert out["upload_bytes_per_s_total"] == pytest.approx(7200 * 64 * stored_per_token)
+    assert out["gpu_hours"] == pytest.approx(913_786 * 800 / 7200 / 3600)
+    for key in ("bytes_per_token_stored", "total_bytes_stored", "put_requests", "get_requests_per_epoch",
+                "storage_usd_per_month"):
+        assert out[key] > 0, key
+
+    assert cli(REF + ["--final-state", "prenorm"]) == 0
+    text = capsys.readouterr().out
+    assert "61,440 B" in text and "51,200 B" in text  # the run with, the alternative without
+    assert cli(REF) == 0
+    text = capsys.readouterr().out
+    for figure in ("51,200 B", "39.06 MiB", "34,858.2 GiB", "37,428,674,560,000 B", "61,440 B", "GPU-hours",
+                   "$0.023 per GiB-month", "layers [1, 16, 31, 46, 61]"):
+        assert figure in text, figure
+
+
+def test_arithmetic_by_hand():
+    """Every derived number of a small case, computed here independently."""
+    work = Workload(hidden_size=100, capture_layers=2, samples=10, tokens=1000, num_layers=8, kept_layers=5)
+    storage = Storage(codec="bf16", ratio=1.0, record_overhead=20, shard_overhead=50, shard_bytes=100_000,
+                      part_bytes=5 * MiB, range_bytes=64 * MiB)
+    tp = Throughput(tokens_per_s_per_gpu=100, gpus=4, gpus_per_node=2, lease_ttl_s=8)
+    prices = Prices(usd_per_gib_month=2.0, usd_per_1000_put=1.0, usd_per_1000_get=0.5, epochs=3)
+    est = estimate(work, storage, tp, prices)
+    assert est.bytes_per_token_raw == 400 and est.bytes_per_token_stored == 405
+    assert est.shards == 4  # 400,000 planned bytes in shards of 100,000
+    assert est.total_bytes_stored == 1000 * 405 + 10 * 20 + 4 * 50 == 405_400
+    assert est.bytes_per_sample_stored == (405_000 + 200) / 10
+    assert est.wall_s == 1000 / 100 / 4 and est.gpu_hours == 10 / 3600
+    assert est.upload_bytes_per_s_per_gpu == pytest.approx(100 * 405.4)
+    assert est.upload_bytes_per_s_per_node == pytest.approx(2 * 100 * 405.4)
+    assert est.upload_bytes_per_s_total == pytest.approx(4 * 100 * 405.4) and est.nodes == 2
+    # 4 shards x (1 PUT + commit + tally + lease) + 5 heartbeats (10 GPU-s / 2 s) + the manifest
+    assert est.put_requests == 4 * 4 + 5 + 1
+    assert est.get_requests_per_epoch == 4 * 2  # commit + one whole-object GET per shard
+    assert est.storage_usd_per_month == pytest.approx(405_400 / GiB * 2.0)
+    assert est.put_usd == pytest.approx(22 / 1000) and est.get_usd_per_epoch == pytest.approx(8 / 2000)
+
+    big = estimate(work, Storage(codec="bf16", ratio=1.0, shards=1, part_bytes=5 * MiB, range_bytes=64 * MiB),
+                   prices=prices)
+    assert big.shards == 1 and big.wall_s is None and big.gpu_hours is None
+    huge = estimate(Workload(hidden_size=5120, capture_layers=5, samples=1000, tokens=800_000),
+                    Storage(codec="bf16", ratio=1.0, shards=1))  # one 41 GB shard
+    parts = math.ceil(huge.total_bytes_stored / (16 * MiB))
+    assert huge.put_requests == 2 + parts + 3 + 1
+    assert huge.get_requests_per_epoch == 1 + 2 + math.ceil(huge.total_bytes_stored / (64 * MiB))
+
+    alts = {a.label: a for a in alternatives(work, storage, tp, prices, ratios={"fp8": 2.0})}
+    assert set(alts) == {"codec bf16-zstd", "codec fp8", "with the final-layer state", "1 capture layer"}
+    assert alts["codec fp8"].estimate.bytes_per_token_stored == 400 / 2.0 + 5
+    assert alts["codec bf16-zstd"].estimate.bytes_per_token_stored == pytest.approx(400 / 1.45 + 5)
+    final = alts["with the final-layer state"].estimate
+    assert final.bytes_per_token_raw == 600 and final.gpu_hours == pytest.approx(10 / 3600 * 8 / 5)  # all 8 layers run
+    assert alts["1 capture layer"].estimate.bytes_per_token_raw == 200
+
+
+def test_units():
+    assert fmt_bytes(51_200, "B") == "51,200 B"
+    assert fmt_bytes(3 * MiB) == "3.00 MiB" and fmt_bytes(512) == "512 B"
+    assert fmt_rate(1.25 * GiB) == "1.25 GiB/s (10.74 Gbit/s)" and fmt_rate(None) == "n/a"
+    assert fmt_duration(3 * 86400 + 4 * 3600 + 12 * 60 + 5) == "3 d 4 h 12 min"
+    assert fmt_duration(725) == "12 min 5 s" and fmt_duration(0) == "0 s"
+    assert fmt_usd(553.014) == "$553.01" and fmt_usd(0.0004) == "$0.0004" and fmt_usd(1e-6) == "<$0.0001"
+    with pytest.raises(ValueError, match="unknown unit 'GB'"):
+        fmt_bytes(1, "GB")
+
+
+def test_bad_inputs_name_the_input(capsys, tmp_path):
+    cases = [
+        (REF + ["--model", str(tmp_path)], "either --model or --hidden-size"),
+        (["estimate", "--num-layers", "64", "--samples", "1", "--mean-tokens", "1"], "--num-layers needs --hidden-size"),
+        (["estimate", "--hidden-size", "5120", "--samples", "1", "--mean-tokens", "1"], "give --num-layers"),
+        (REF + ["--layers", "1,64"], "out of range for --num-layers 64"),
+        (REF + ["--ratio", "-1"], "--ratio must be positive"),
+        (REF + ["--gpus", "0"], "--gpus must be at least 1"),
+        (REF + ["--measure"], "--measure runs the model"),
+        (["estimate", "--hidden-size", "5120", "--num-layers", "64", "--samples", "10"],
+         "token statistics need the model's tokenizer"),
+        (REF + ["--shard-bytes", "lots"], "invalid size 'lots'"),
+        (["plan", "--model", str(tmp_path)], "plan writes the run's manifest: give --out"),
+    ]
+    for args, message in cases:
+        assert cli(args) == 2, args
+        assert message in capsys.readouterr().err, (args, message)
+    with pytest.raises(ValueError, match="hidden size must be a positive number"):
+        Workload(hidden_size=0, capture_layers=5, samples=1, tokens=1)
+    with pytest.raises(ValueError, match="codec ratio"):
+        Storage(codec="bf16", ratio=0)
+    with pytest.raises(ValueError, match="unknown codec 'zip'"):
+        Storage(codec="zip", ratio=1)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny model and 60 chats, planned with `plan --dry-run`, then `plan`, then extracted."""
+    root = tmp_path_factory.mktemp("estimate")
+    model = tiny_model_dir(root, "llama")
+    data = write_chats(root / "chats.jsonl", 60)
+    args = ["--model", model, "--dataset", data, "--layers", "1,3", "--max-length", "48", "--shard-bytes", "64KB",
+            "--batch-tokens", "256"]
+    return {"root": root, "args": args, "out": str(root / "run")}
+
+
+def test_plan_dry_run_writes_nothing_and_plan_writes_the_manifest_extract_resumes(run, capsys):
+    out, args = run["out"], run["args"] + ["--out", run["out"]]
+    dry = run_json(capsys, ["plan", *args, "--dry-run"])
+    assert dry["dry_run"] and not dry["written"] and not dry["existing_run"]
+    assert dry["estimate"]["samples"] == 60 and dry["estimate"]["shards"] == dry["shards"] >= 3
+    assert not (run["root"] / "run").exists()
+
+    assert cli(["plan", *args, "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "dry run: nothing written" in text and f"{dry['shards']} shards cut at 64,000 B" in text
+
+    wrote = run_json(capsys, ["plan", *args])
+    assert wrote["written"] and wrote["shards"] == dry["shards"]
+    store = open_store(out)
+    manifest = load_manifest(store)
+    assert manifest.run_id == wrote["run_id"] and len(manifest.shards) == dry["shards"]
+    assert [o.key for o in store.list()] == ["manifest.json"]  # the manifest only
+
+    again = run_json(capsys, ["plan", *args])
+    assert again["existing_run"] and not again["written"] and again["run_id"] == manifest.run_id
+
+    assert cli(["extract", *args, "--log-dir", str(run["root"] / "logs")]) == 0  # resumes the planned run
+    assert load_manifest(store).run_id == manifest.run_id
+    capsys.readouterr()
+
+    changed = [a if a != "1,3" else "1,2" for a in args]
+    assert cli(["plan", *changed, "--dry-run"]) == 2
+    assert "layers: run has [1, 3], now [1, 2]" in capsys.readouterr().err
+
+
+def test_measured_estimate_is_within_5_percent_of_the_extraction(run, capsys):
+    if not (run["root"] / "run" / "manifest.json").exists():  # run alone: extract first
+        assert cli(["extract", *run["args"], "--out", run["out"], "--log-dir", str(run["root"] / "logs")]) == 0
+    capsys.readouterr()
+    status = run_json(capsys, ["status", run["out"]])
+    assert status["complete"]
+
+    est = run_json(capsys, ["estimate", *run["args"], "--measure", "--measure-samples", "8"])
+    m = est["measured"]
+    assert 0 < m["samples"] <= 8 and m["tokens"] > 0 and m["tokens_per_s"] > 0
+    assert est["samples"] == status["samples_done"] and est["tokens"] == status["tokens_done"]
+    assert est["shards"] == status["shards_total"]
+    assert est["total_bytes_raw"] == status["bytes_raw"]
+    assert abs(est["total_bytes_stored"] / status["bytes_stored"] - 1) < 0.05, (est["total_bytes_stored"],
+                                                                              status["bytes_stored"])
+    assert est["inputs"]["sources"]["codec"].startswith("measured on")
+    assert est["gpu_hours"] == pytest.approx(est["tokens"] / m["tokens_per_s"] / 3600)
+    fp8 = next(a for a in est["alternatives"] if a["codec"] == "fp8")
+    assert fp8["bytes_per_token_stored"] == pytest.approx(256 / m["codecs"]["fp8"]["ratio"] + 5)
+
+    # Stated values win over measured ones; a token sample is extrapolated and says so.
+    stated = run_json(capsys, ["estimate", *run["args"], "--ratio", "2", "--tokens-per-s", "50",
+                               "--token-sample", "20"])
+    assert stated["inputs"]["storage"]["ratio"] == 2 and stated["inputs"]["throughput"]["tokens_per_s_per_gpu"] == 50
+    assert "20 evenly spaced of 61 rows" in stated["inputs"]["sources"]["data"]
+    assert abs(stated["samples"] - 60) <= 3
