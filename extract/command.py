@@ -32,10 +32,7 @@ def add_extract(p: argparse.ArgumentParser) -> None:
 
 
 def run_extract(args: argparse.Namespace) -> int:
-    from extract.config import load_config, parse_ids
-    from manifests.manifest import ManifestError
-    from storage.shard import ShardError
-    from storage.store import StoreError
+    from extract.config import USER_ERRORS, load_config, parse_ids
 
     overrides = {k: getattr(args, k) for k in (
         "out", "model", "gguf_file", "dataset", "codec", "dtype", "max_length", "limit", "final_state", "attn_implementation",
@@ -47,6 +44,6 @@ def run_extract(args: argparse.Namespace) -> int:
         from extract.run import extract
 
         return extract(cfg)
-    except (ValueError, FileNotFoundError, OSError, StoreError, ManifestError, ShardError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

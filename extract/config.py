@@ -8,8 +8,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from manifests.manifest import DEFAULT_SHARD_BYTES, parse_size
+from manifests.manifest import DEFAULT_SHARD_BYTES, ManifestError, parse_size
 from storage.codecs import CODEC_NAMES, DEFAULT_CODEC
+from storage.shard import ShardError
+from storage.store import StoreError
+
+# Failures that are the user's to fix (bad flags, missing files, store or run problems): the
+# commands print them as one `error:` line and exit with 2, without a traceback.
+USER_ERRORS = (ValueError, OSError, StoreError, ManifestError, ShardError)
 
 QUICKSTART_LIMIT = 300  # conversations taken from the embedded ShareGPT when no dataset is given
 
@@ -77,23 +83,31 @@ class ExtractConfig:
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
     """Settings from a JSON file, then the given command-line values on top."""
-    values: dict[str, Any] = {}
-    if path:
-        try:
-            with open(path) as f:
-                values = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
-        known = {f.name for f in dataclasses.fields(ExtractConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config file {path!r} has unknown settings {unknown}; known: {sorted(known)}")
+    values = read_config_file(path, ExtractConfig)
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "out" not in values:
         raise ValueError("no output prefix: give --out s3://bucket/prefix or a local folder")
     return ExtractConfig(**values)
+
+
+def read_config_file(path: str | None, cls: type) -> dict[str, Any]:
+    """The settings in a JSON config file, refused if it names a field `cls` does not have."""
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r} must hold a JSON object of settings")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config file {path!r} has unknown settings {unknown}; known: {sorted(known)}")
+    return values
 
 
 def parse_ids(text: str) -> list[int]:

@@ -92,7 +92,7 @@ class TokenizeStats:
     tokens: int = 0
     supervised_tokens: int = 0
     truncated: int = 0
-    dropped_turns: int = 0  # assistant turns before the first user turn, see _normalize_chat
+    dropped_turns: int = 0  # assistant turns before the first user turn, see normalize_chat
     skipped: Counter[str] = field(default_factory=Counter)
 
 
@@ -358,7 +358,7 @@ class _ChatRenderer:
     def tokenize(self, row: Mapping[str, Any], sid: str, shape: RowShape,
                  stats: TokenizeStats) -> TokenizedSample | Skipped:
         raw = row["messages"] if shape is RowShape.MESSAGES else row["conversations"]
-        messages = _normalize_chat(raw, sid, stats)
+        messages = normalize_chat(raw, sid, stats)
         if isinstance(messages, Skipped):
             return messages
         try:
@@ -381,7 +381,7 @@ class _TemplateMismatch(ValueError):
     pass
 
 
-def _normalize_chat(raw: Any, sid: str, stats: TokenizeStats) -> list[dict] | Skipped:
+def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: bool = True) -> list[dict] | Skipped:
     """ShareGPT or OpenAI messages -> ``[{"role", "content", ...}]`` with canonical roles.
 
     Assistant turns before the first user turn are dropped and counted: they answer a prompt
@@ -411,7 +411,7 @@ def _normalize_chat(raw: Any, sid: str, stats: TokenizeStats) -> list[dict] | Sk
         # datasets adds when it unifies message structs.
         extra = {k: v for k, v in m.items() if v is not None and k not in ("from", "value", "role", "content")}
         messages.append({**extra, "role": canonical, "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         return Skipped(sid, NO_SUPERVISED_PAIR, "no assistant turn")
     return messages
 

@@ -1,0 +1,288 @@
+"""The DFlash trainer and `layertap eval`: real tiny extractions on a moto S3 server, real processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+
+from extract.cli import main as cli
+from storage.store import open_store
+from test_extract import write_chats
+from tiny_models import tiny_model_dir, tiny_tokenizer
+from train.checkpoint import LATEST, load_drafter_files
+from train.drafter import DFlashDrafter, default_config
+from train.objective import block_targets, dflash_loss, sample_anchors
+from train.speculative import Decoded, TargetRunner, greedy_decode, speculative_decode
+from train.target_head import TargetHead, load_target_head
+
+REPO = Path(__file__).resolve().parents[1]
+# Small and fast: a 20 ms step, so a run of 100 steps is a couple of seconds.
+FAST = ["--batch-size", "4", "--block-size", "4", "--max-anchors", "8", "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def run(target, tmp_path_factory, s3_endpoint) -> str:
+    """A finished extraction of 40 chats on the moto S3 server: the trainer's input."""
+    bucket = f"train-{os.getpid()}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    tmp = tmp_path_factory.mktemp("run")
+    data = write_chats(tmp / "chats.jsonl", 40)
+    uri = f"s3://{bucket}/runs/tiny"
+    assert cli(["extract", "--model", target, "--dataset", data, "--out", uri, "--layers", "1,3",
+                "--max-length", "64", "--shard-bytes", "20KB", "--log-dir", str(tmp / "logs")]) == 0
+    return uri
+
+
+def train_cli(*args: str) -> int:
+    return cli(["train", *args])
+
+
+def metrics(out: str) -> list[dict]:
+    return [json.loads(line) for line in open_store(out).get("metrics.jsonl").decode().splitlines()]
+
+
+# -- the drafter and its objective -------------------------------------------------------------
+
+def toy_head(vocab: int = 50, hidden: int = 32, tied: bool = False) -> TargetHead:
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(vocab, hidden, generator=g)
+    head = embed if tied else torch.randn(vocab, hidden, generator=g)
+    return TargetHead(embed, head, tied, {"num_layers": 24, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+                                          "intermediate_size": 64})
+
+
+def test_a_block_sees_only_earlier_context_and_itself():
+    head = toy_head()
+    torch.manual_seed(0)
+    d = DFlashDrafter(default_config(head, [1, 2], mask_token_id=49, block_size=4), head)
+    assert d.config.num_layers == 2 and d.mask_embedding is None  # 24 target layers; id 49 is inside the vocab
+    states = torch.randn(1, 20, 2, 32)
+    anchors, tokens = torch.tensor([[5, 12]]), torch.tensor([[3, 4]])
+    base = d(states, anchors, tokens)
+
+    def changed(new_states, new_tokens):
+        return (d(new_states, anchors, new_tokens) - base).abs().amax(dim=(0, 2, 3)) > 1e-6
+
+    later = states.clone()
+    later[:, 12:] += 5  # at or after both anchors: invisible to both blocks
+    assert changed(later, tokens).tolist() == [False, False]
+    mid = states.clone()
+    mid[:, 8] += 5  # after anchor 5, before anchor 12
+    assert changed(mid, tokens).tolist() == [False, True]
+    assert changed(states, torch.tensor([[3, 9]])).tolist() == [False, True]  # blocks do not see each other
+
+
+def test_anchors_weights_and_learned_mask_token():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.uint8)
+    lengths = torch.tensor([10, 6])
+    anchors, valid = sample_anchors(loss_mask, lengths, max_anchors=3, generator=torch.Generator().manual_seed(0))
+    row0 = anchors[0][valid[0]].tolist()
+    assert set(row0) <= {2, 3, 4, 7} and len(row0) == 3 and row0 == sorted(row0)
+    assert set(anchors[1][valid[1]].tolist()) <= {0, 1, 2, 3, 4}  # a+1 must be inside the sample
+    again, _ = sample_anchors(loss_mask, lengths, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(anchors, again)
+    ids = torch.arange(20).view(2, 10)
+    blocks = block_targets(ids, loss_mask, lengths, torch.tensor([[4, 0], [3, 0]]),
+                           torch.tensor([[True, False], [True, False]]), block_size=4, gamma=7.0)
+    w = blocks.weights
+    assert w[0, 0].tolist() == pytest.approx([0, 1.0, 0.0, math.exp(-2 / 7)])  # pos 6 unmasked, pos 7 masked in
+    assert w[1, 0].tolist() == pytest.approx([0, 1.0, math.exp(-1 / 7), 0.0])  # pos 6 is past length 6
+    assert blocks.labels[0, 0].tolist() == [4, 5, 6, 7] and float(w[:, 1].sum()) == 0.0
+
+    head = toy_head(tied=True)
+    torch.manual_seed(0)
+    d = DFlashDrafter(default_config(head, [1], mask_token_id=50, block_size=4, max_anchors=4), head)
+    assert d.mask_embedding is not None and "mask_embedding" in d.trainable_state()
+    assert "embed" not in d.trainable_state() and d.lm_head is d.embed
+    batch = {"input_ids": torch.randint(0, 50, (2, 12)), "loss_mask": torch.ones(2, 12, dtype=torch.uint8),
+             "lengths": torch.tensor([12, 7]), "hidden_states": torch.randn(2, 12, 1, 32)}
+    result = dflash_loss(d, batch, torch.Generator().manual_seed(0))
+    result.loss.backward()
+    assert d.mask_embedding.grad is not None and d.embed.grad is None
+    assert result.counted[0] == 0 and result.counted[1:].sum() > 0
+
+
+def test_target_head_reads_only_the_embeddings(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    for tied in (False, True):
+        config = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=tied)
+        model = AutoModelForCausalLM.from_config(config)
+        folder = tmp_path / f"tied-{tied}"
+        model.save_pretrained(folder, max_shard_size="40KB")  # several files and an index
+        assert (folder / "model.safetensors.index.json").exists()
+        head = load_target_head(str(folder))
+        assert head.tied is tied
+        assert torch.equal(head.embed, model.get_input_embeddings().weight.detach())
+        assert torch.equal(head.lm_head, model.get_output_embeddings().weight.detach())
+        assert head.facts["num_layers"] == 2 and head.facts["num_kv_heads"] == 2
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_target_head(str(tmp_path / "nope"))
+
+
+@pytest.mark.slow
+def test_target_head_from_the_smollm2_gguf():
+    """The GGUF path dequantizes the same embedding transformers loads (tied: no output tensor)."""
+    from extract.embedded import smollm2_gguf
+    from extract.model import load_target
+
+    folder, name = smollm2_gguf()
+    head = load_target_head(folder, name)
+    assert head.tied and head.embed.shape == (49152, 576) and head.facts["num_layers"] == 30
+    model = load_target(folder, name, dtype=torch.float32).model
+    assert torch.equal(head.embed, model.get_input_embeddings().weight)
+
+
+# -- speculative decoding ----------------------------------------------------------------------
+
+class OracleDrafter(torch.nn.Module):
+    """Drafts the target's true greedy continuation for `hits` slots, then a wrong token: the
+    verify/accept/crop logic must then produce exactly `hits + 1` tokens per step."""
+
+    def __init__(self, greedy: list[int], prompt_len: int, hits: int, block_size: int, vocab: int):
+        super().__init__()
+        self.config = type("C", (), {"block_size": block_size})()
+        self.greedy, self.prompt_len, self.hits, self.vocab = greedy, prompt_len, hits, vocab
+
+    def forward(self, context, anchors, anchor_tokens):
+        a = int(anchors[0, 0])
+        start = a - self.prompt_len + 1  # greedy[i] sits at position prompt_len + i
+        out = []
+        for k in range(self.config.block_size):
+            i = start + k - 1
+            right = self.greedy[i] if 0 <= i < len(self.greedy) else 0
+            tok = right if k <= self.hits else (right + 1) % self.vocab
+            out.append(torch.nn.functional.one_hot(torch.tensor(tok), self.vocab).float())
+        return torch.stack(out)[None, None]
+
+    def logits(self, hidden):
+        return hidden
+
+
+def test_speculative_decoding_equals_greedy_and_counts_acceptance(target):
+    from extract.model import load_target
+
+    t = load_target(target, dtype=torch.float32)
+    runner = TargetRunner(t.model, [1, 3])
+    prompt = t.tokenizer("the quick brown fox")["input_ids"]
+    greedy = greedy_decode(runner, prompt, 40, eos=set())
+    assert len(greedy) == 40
+    for hits in (0, 2, 5):
+        oracle = OracleDrafter(greedy + [0] * 16, len(prompt), hits, block_size=6, vocab=t.model.config.vocab_size)
+        spec = speculative_decode(runner, oracle, prompt, 40, eos=set())
+        assert spec.tokens == greedy
+        assert spec.accepted[:-1] == [hits + 1] * (len(spec.accepted) - 1)
+    # A real (untrained) drafter: whatever it drafts, the output is the target's.
+    head = TargetHead(t.model.get_input_embeddings().weight.detach(), t.model.lm_head.weight.detach(), False,
+                      {"num_layers": 6, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 128})
+    drafter = DFlashDrafter(default_config(head, [1, 3], mask_token_id=len(t.tokenizer), block_size=4), head).eval()
+    assert speculative_decode(runner, drafter, prompt, 40, eos=set()).tokens == greedy
+    assert isinstance(spec, Decoded)
+
+
+# -- training ----------------------------------------------------------------------------------
+
+def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "120", "--save-every", "50", *FAST) == 0
+    m = metrics(out)
+    assert [r["step"] for r in m] == list(range(1, 121))
+    first, last = sum(r["loss"] for r in m[:10]) / 10, sum(r["loss"] for r in m[-10:]) / 10
+    assert last < first - 0.3, (first, last)
+    assert all(0 <= r["data_wait_fraction"] <= 1 and r["tokens_per_s"] > 0 for r in m)
+    assert len(m[0]["acc_per_position"]) == 3
+    config, weights = load_drafter_files(open_store(out))
+    assert config.capture_layers == [1, 3] and config.block_size == 4
+    assert config.mask_token_id == len(tiny_tokenizer()) and config.learned_mask  # the tiny vocab has no free slot
+    assert "mask_embedding" in weights and not any(k.startswith(("embed", "lm_head")) for k in weights)
+    store = open_store(out)
+    assert sorted(o.key.split("/")[1] for o in store.list("checkpoints/step-")
+                  if o.key.endswith("state.json")) == ["step-00000100", "step-00000120"]  # keep 2
+    assert json.loads(store.get(LATEST))["step"] == 120
+    # An output that already holds a run is not silently overwritten.
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "5", *FAST) == 2
+    assert "pass --resume" in capsys.readouterr().err
+
+
+def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, tmp_path):
+    args = ["--data", run, "--model", target, "--steps", "60", "--save-every", "4", *FAST]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    whole = str(tmp_path / "whole")
+    subprocess.run([sys.executable, "-m", "extract.cli", "train", *args, "--out", whole], check=True, env=env,
+                   capture_output=True, timeout=600)
+    killed = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "-m", "extract.cli", "train", *args, "--out", str(killed)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if latest.exists() and json.loads(latest.read_text() or "{}").get("step", 0) >= 8:
+            break
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    stopped_at = json.loads(latest.read_text())["step"]
+    assert stopped_at < 60, "the run finished before it could be killed"
+    p = subprocess.run([sys.executable, "-m", "extract.cli", "train", *args, "--out", str(killed), "--resume"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    a, b = metrics(whole), metrics(str(killed))
+    assert [r["step"] for r in b] == list(range(1, 61))
+    for x, y in zip(a, b):
+        assert (x["step"], x["samples_digest"], x["loss"], x["lr"]) == (y["step"], y["samples_digest"], y["loss"], y["lr"])
+    wa, wb = load_drafter_files(open_store(whole))[1], load_drafter_files(open_store(str(killed)))[1]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_refuses_other_settings(run, target, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "4", "--save-every", "2", *FAST) == 0
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "8", "--resume", *FAST,
+                     "--seed", "3") == 2
+    assert "seed: checkpoint 0, now 3" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_clear_errors(run, target, tmp_path, capsys):
+    assert train_cli("--model", target, "--out", str(tmp_path / "o")) == 2
+    assert "missing --data" in capsys.readouterr().err
+    assert train_cli("--data", str(tmp_path / "no-run"), "--model", target, "--out", str(tmp_path / "o")) == 2
+    assert "no-run" in capsys.readouterr().err
+    assert train_cli("--data", run, "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_ranks_train_together_over_gloo(run, target, tmp_path):
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "extract.cli", "train", "--data", run, "--model", target, "--out", out, "--steps", "12",
+           "--save-every", "6", *FAST]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    state = json.loads(open_store(out).get("checkpoints/step-00000012/state.json"))
+    assert state["world_size"] == 2 and [s["rank"] for s in state["loader"]] == [0, 1]
+    m = metrics(out)
+    assert len(m) == 12
+    # 40 samples, 2 ranks x batch 4: each step sums the tokens of 8 samples from both ranks.
+    single = str(tmp_path / "single")
+    assert train_cli("--data", run, "--model", target, "--out", single, "--steps", "1", *FAST) == 0
+    assert m[0]["tokens"] > metrics(single)[0]["tokens"]

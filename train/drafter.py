@@ -1,0 +1,226 @@
+"""The DFlash drafter: a few transformer layers that draft a block of tokens in one pass.
+
+The target's stored capture layers are concatenated, projected to the hidden size and normed:
+that is the *context feature*, one vector per target position. Each drafter layer attends with
+Q from the block only and K/V = [proj(context), proj(block)], so every layer reads the target's
+states directly. A block is ``[anchor token, MASK x (block_size-1)]`` at positions
+``a .. a+block_size-1``; it sees context positions ``< a`` only, sees its own slots in both
+directions, and never another block. The target's `embed_tokens` and `lm_head` are borrowed
+frozen (`train.target_head`); only the layers, the context projection and the norms train.
+
+When the tokenizer fills the whole embedding (no unused slot for the mask token), the mask
+token gets a learned embedding of its own, saved with the drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.target_head import TargetHead
+
+CONFIG_FORMAT = "layertap-dflash-drafter"
+CONFIG_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Everything that shapes the drafter; saved as its config.json."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    capture_layers: list[int]  # the target layers the context is built from, in stored order
+    mask_token_id: int  # the first id the tokenizer does not use
+    block_size: int = 16
+    max_anchors: int = 512
+    gamma: float = 7.0  # loss weight of block slot k is exp(-(k-1)/gamma)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+    target: dict[str, Any] = dataclasses.field(default_factory=dict)  # model, gguf_file, model_type
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"drafter num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (the anchor and at least one drafted token), "
+                             f"got {self.block_size}")
+        if self.max_anchors < 1 or self.gamma <= 0:
+            raise ValueError("max_anchors must be >= 1 and gamma > 0")
+        if not self.capture_layers:
+            raise ValueError("the drafter needs at least one capture layer")
+
+    @property
+    def learned_mask(self) -> bool:
+        return self.mask_token_id >= self.vocab_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": CONFIG_FORMAT, "version": CONFIG_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "DrafterConfig":
+        if d.get("format") != CONFIG_FORMAT:
+            raise ValueError(f"not a layertap drafter config (format {d.get('format')!r})")
+        if d.get("version") != CONFIG_VERSION:
+            raise ValueError(f"drafter config version {d.get('version')} is not supported (this layertap reads "
+                             f"{CONFIG_VERSION})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def default_config(head: TargetHead, capture_layers: list[int], mask_token_id: int, **overrides: Any) -> DrafterConfig:
+    """Sized from the target: its width, heads and MLP; one drafter layer per ~12 target layers
+    (DFlash's recipe: 5 layers for a 64-layer target)."""
+    f = head.facts
+    values: dict[str, Any] = {
+        "hidden_size": head.hidden_size,
+        "num_layers": max(1, round(f.get("num_layers", 12) / 12)),
+        "num_heads": f.get("num_heads", max(1, head.hidden_size // 64)),
+        "num_kv_heads": f.get("num_kv_heads", f.get("num_heads", max(1, head.hidden_size // 64))),
+        "head_dim": f.get("head_dim", 64),
+        "intermediate_size": f.get("intermediate_size", 4 * head.hidden_size),
+        "vocab_size": head.vocab_size,
+        "capture_layers": list(capture_layers),
+        "mask_token_id": mask_token_id,
+        "rms_norm_eps": f.get("rms_norm_eps", 1e-6),
+        "rope_theta": f.get("rope_theta", 10000.0),
+    }
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return DrafterConfig(**values)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [B, heads, N, D] at positions [B, N] (rotate-half convention)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[:, None, :, None] * inv  # [B, 1, N, D/2]
+    cos, sin = angles.cos().repeat(1, 1, 1, 2).to(x.dtype), angles.sin().repeat(1, 1, 1, 2).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm attention (Q from the block; K/V from context and block) and a SwiGLU MLP."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        h, hd = c.hidden_size, c.head_dim
+        self.input_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
+        self.q_proj = nn.Linear(h, c.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * hd, h, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)  # per-head q/k norms, as in Qwen3
+        self.k_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)
+        self.post_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.c.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        h = self.input_norm(x)
+        kv_in = torch.cat((context, h), dim=1)
+        q = _rope(self.q_norm(self._heads(self.q_proj(h), c.num_heads)), q_pos, c.rope_theta)
+        k = _rope(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), kv_pos, c.rope_theta)
+        v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=c.num_heads != c.num_kv_heads)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashDrafter(nn.Module):
+    """`forward(states, anchors, anchor_tokens)` -> block hidden states [B, A, block, H] (normed);
+    `logits(hidden)` applies the target's frozen head."""
+
+    def __init__(self, config: DrafterConfig, head: TargetHead):
+        super().__init__()
+        c = self.config = config
+        if head.vocab_size != c.vocab_size or head.hidden_size != c.hidden_size:
+            raise ValueError(f"the target's embeddings are {head.vocab_size} x {head.hidden_size}, the drafter "
+                             f"was built for {c.vocab_size} x {c.hidden_size}: is this the same target model?")
+        self.embed = nn.Parameter(head.embed.detach().float(), requires_grad=False)
+        self.lm_head = self.embed if head.tied else nn.Parameter(head.lm_head.detach().float(), requires_grad=False)
+        n_ctx = len(c.capture_layers) * c.hidden_size
+        self.fc = nn.Linear(n_ctx, c.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.learned_mask else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.config.initializer_range)
+        if self.mask_embedding is not None:
+            with torch.no_grad():
+                self.mask_embedding.copy_(self.embed.mean(0))
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: every weight except the target's borrowed ones."""
+        return {k: v for k, v in self.named_parameters() if v.requires_grad}
+
+    def context(self, states: torch.Tensor) -> torch.Tensor:
+        """Stored states [B, T, L, H] -> context features [B, T, H]."""
+        b, t = states.shape[:2]
+        x = states.reshape(b, t, -1).to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x))
+
+    def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, A] anchor tokens -> [B, A * block, H] embeddings: the anchor, then mask tokens."""
+        c = self.config
+        b, a = anchor_tokens.shape
+        first = F.embedding(anchor_tokens, self.embed)  # [B, A, H]
+        mask = self.mask_embedding if self.mask_embedding is not None else self.embed[c.mask_token_id]
+        rest = mask.to(first.dtype).expand(b, a, c.block_size - 1, c.hidden_size)
+        return torch.cat((first[:, :, None], rest), dim=2).reshape(b, a * c.block_size, c.hidden_size)
+
+    def forward(self, states: torch.Tensor, anchors: torch.Tensor, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        b, t = states.shape[:2]
+        a, bs = anchors.shape[1], c.block_size
+        device = anchors.device
+        context = self.context(states)
+        offsets = torch.arange(bs, device=device)
+        q_pos = (anchors[:, :, None] + offsets).reshape(b, a * bs)
+        kv_pos = torch.cat((torch.arange(t, device=device).expand(b, t), q_pos), dim=1)
+        # Context key j is visible to block i iff j < anchor_i; block keys only within their block.
+        sees_ctx = torch.arange(t, device=device)[None, None, :] < anchors[:, :, None]  # [B, A, T]
+        sees_ctx = sees_ctx[:, :, None, :].expand(b, a, bs, t).reshape(b, a * bs, t)
+        block_id = torch.arange(a, device=device).repeat_interleave(bs)
+        sees_block = (block_id[:, None] == block_id[None, :]).expand(b, a * bs, a * bs)
+        mask = torch.cat((sees_ctx, sees_block), dim=2)
+        x = self.block_inputs(anchor_tokens).to(context.dtype)
+        for layer in self.layers:
+            x = layer(x, context, q_pos, kv_pos, mask)
+        return self.norm(x).view(b, a, bs, c.hidden_size)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head.to(hidden.dtype).t()
+
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,246 @@
+"""`layertap eval`: greedy speculative decoding with the target and a DFlash drafter.
+
+One round: the drafter reads the target's states at every position before the anchor (the last
+token the target produced) and drafts ``block_size - 1`` tokens in one pass; the target
+verifies anchor + draft in one forward, the longest prefix of the draft that equals the
+target's own greedy choices is accepted, and the target's next choice is appended as the bonus
+token. tau, the mean acceptance length, is the tokens produced per verification step (bonus
+included): 1.0 for a drafter that never hits, ``block_size`` at best. The output must equal
+plain greedy decoding token for token; that is checked on every prompt.
+
+The target's states are captured with hooks (layer k = output of decoder layer k, as stored)
+and rounded to bf16 like the stored ones, so the drafter sees what it was trained on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from extract.inputs import Skipped, TokenizeStats, normalize_chat
+from extract.model import _decoder, load_target
+from storage.store import open_store
+from train.checkpoint import load_drafter_files
+from train.drafter import DFlashDrafter
+from train.target_head import TargetHead
+
+log = logging.getLogger(__name__)
+
+
+class TargetRunner:
+    """The target with a KV cache: `step(ids)` -> greedy choices and capture-layer states."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[int]):
+        from transformers import DynamicCache
+
+        self.model, self.layers = model, layers
+        decoder = _decoder(model)
+        n = int(decoder.config.num_hidden_layers)
+        bad = [k for k in layers if not 0 <= k < n]
+        if bad:
+            raise ValueError(f"the drafter reads target layers {bad}, but the target has layers 0..{n - 1}: "
+                             "is --model the target the drafter was trained for?")
+        self._captured: dict[int, torch.Tensor] = {}
+        for k in layers:
+            decoder.layers[k].register_forward_hook(self._hook(k))
+        self._new_cache = DynamicCache
+        self.cache = DynamicCache()
+        self.length = 0
+        # transformers renamed `past_key_values` to `cache` (5.2x); take whichever this one has
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _hook(self, k: int):
+        def hook(module, args, output):
+            self._captured[k] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    def reset(self) -> None:
+        self.cache, self.length = self._new_cache(), 0
+
+    @torch.inference_mode()
+    def step(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `ids` at the next positions: greedy next-token choices [n] and states [n, L, H] (bf16-rounded)."""
+        device = self.model.get_input_embeddings().weight.device
+        x = torch.tensor([ids], device=device)
+        out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: self.cache})
+        self.length += len(ids)
+        states = torch.stack([self._captured[k][0] for k in self.layers], dim=1)
+        return out.logits[0].argmax(-1).cpu(), states.to(torch.bfloat16).float().cpu()
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions. A negative count removes from the end in every
+        transformers version (a positive one meant "keep" before 5.2x and is refused after)."""
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.length = length
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # tokens produced per verification step
+
+
+def greedy_decode(target: TargetRunner, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    target.reset()
+    choice, _ = target.step(prompt)
+    out = [int(choice[-1])]
+    while len(out) < max_new and out[-1] not in eos:
+        choice, _ = target.step([out[-1]])
+        out.append(int(choice[-1]))
+    return out
+
+
+@torch.inference_mode()
+def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: list[int], max_new: int,
+                       eos: set[int]) -> Decoded:
+    bs = drafter.config.block_size
+    target.reset()
+    choice, context = target.step(prompt)
+    result = Decoded([int(choice[-1])])
+    while len(result.tokens) < max_new and result.tokens[-1] not in eos:
+        anchor = result.tokens[-1]
+        a = context.shape[0]  # the anchor's position: every earlier position has target states
+        hidden = drafter(context[None], torch.tensor([[a]]), torch.tensor([[anchor]]))
+        draft = drafter.logits(hidden[0, 0, 1:]).argmax(-1).tolist()
+        choice, states = target.step([anchor, *draft])
+        m = 0
+        while m < len(draft) and draft[m] == int(choice[m]):
+            m += 1
+        new = [*draft[:m], int(choice[m])]
+        target.crop(a + m + 1)  # anchor and accepted drafts stay; the rejected tail leaves the cache
+        context = torch.cat((context, states[: m + 1]))
+        result.tokens.extend(new)
+        result.accepted.append(m + 1)
+    return Decoded(_cut(result.tokens, max_new, eos), result.accepted)
+
+
+def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+    tokens = tokens[:max_new]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int) -> tuple[list[list[int]], int]:
+    """Token ids of each prompt (chats rendered with the chat template), and how many were skipped
+    for length. A row that is neither a chat nor a prompt is an error naming its line."""
+    prompts, skipped = [], 0
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(prompts) >= limit:
+                break
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no} is not JSON: {e}") from None
+            ids = _prompt_ids(row, tokenizer, f"{path}:{line_no}")
+            if len(ids) > max_prompt_tokens:
+                skipped += 1
+                continue
+            prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{path} has no usable prompts (skipped {skipped} over {max_prompt_tokens} tokens)")
+    return prompts, skipped
+
+
+def _prompt_ids(row: Any, tokenizer, where: str) -> list[int]:
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        return tokenizer(row["prompt"])["input_ids"]
+    raw = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
+    if raw is None:
+        raise ValueError(f"{where}: expected {{\"prompt\": text}}, ShareGPT \"conversations\" or OpenAI \"messages\"")
+    messages = normalize_chat(raw, where, TokenizeStats(), require_assistant=False)
+    if isinstance(messages, Skipped):
+        raise ValueError(f"{where}: {messages.detail}")
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError(f"{where}: the chat has no user turn to answer")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    eos = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
+def _tau(runs: list[Decoded], block_size: int) -> tuple[float, list[float]]:
+    steps = [m for r in runs for m in r.accepted]
+    if not steps:
+        return float("nan"), []
+    per_position = [sum(m > k for m in steps) / len(steps) for k in range(1, block_size)]
+    return sum(steps) / len(steps), per_position
+
+
+def evaluate(drafter_uri: str, model: str, prompts_path: str, *, gguf_file: str | None = None, limit: int | None = None,
+             max_new_tokens: int = 64, dtype: str = "float32", baseline: bool = True,
+             max_prompt_tokens: int = 1024) -> dict[str, Any]:
+    """tau of the drafter (and of an untrained one) on held-out prompts, and the greedy check."""
+    t0 = time.time()
+    config, weights = load_drafter_files(open_store(drafter_uri))
+    target = load_target(model, gguf_file, dtype=getattr(torch, dtype))
+    embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
+    head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())
+    drafter = DFlashDrafter(config, head)
+    missing = sorted(set(drafter.trainable_state()) - set(weights))
+    if missing:
+        raise ValueError(f"{drafter_uri}: the drafter weights lack {missing}")
+    with torch.no_grad():
+        for name, p in drafter.trainable_state().items():
+            p.copy_(weights[name])
+    drafter.eval()
+    runner = TargetRunner(target.model, config.capture_layers)
+    prompts, skipped = load_prompts(prompts_path, target.tokenizer, limit, max_prompt_tokens)
+    eos = _eos_ids(target.model, target.tokenizer)
+
+    from tqdm import tqdm
+
+    trained, mismatches = [], []
+    for i, p in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=None)):
+        spec = speculative_decode(runner, drafter, p, max_new_tokens, eos)
+        if spec.tokens != greedy_decode(runner, p, max_new_tokens, eos):
+            mismatches.append(i)
+        trained.append(spec)
+    tau, per_position = _tau(trained, config.block_size)
+    report: dict[str, Any] = {
+        "tau": tau, "acceptance_per_position": per_position, "matches_greedy": not mismatches,
+        "mismatched_prompts": mismatches, "prompts": len(prompts), "prompts_skipped_too_long": skipped,
+        "tokens_generated": sum(len(r.tokens) for r in trained),
+        "verify_steps": sum(len(r.accepted) for r in trained), "block_size": config.block_size,
+        "max_new_tokens": max_new_tokens,
+    }
+    if baseline:
+        torch.manual_seed(0)  # the same initial weights `layertap train` starts from
+        fresh = DFlashDrafter(config, head).eval()
+        report["tau_untrained"] = _tau([speculative_decode(runner, fresh, p, max_new_tokens, eos) for p in prompts],
+                                       config.block_size)[0]
+    report["wall_s"] = round(time.time() - t0, 1)
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"tau (mean acceptance length): {r['tau']:.3f} over {r['verify_steps']} verification steps, "
+             f"{r['prompts']} prompts, block {r['block_size']}"]
+    if "tau_untrained" in r:
+        lines.append(f"tau of an untrained drafter:  {r['tau_untrained']:.3f}")
+    rates = " ".join(f"{x:.2f}" for x in r["acceptance_per_position"])
+    lines.append(f"acceptance by draft position:  {rates}")
+    lines.append("output equals plain greedy decoding: " + ("yes" if r["matches_greedy"] else
+                                                           f"NO (prompts {r['mismatched_prompts']})"))
+    if r["prompts_skipped_too_long"]:
+        lines.append(f"skipped {r['prompts_skipped_too_long']} prompt(s) over the prompt length limit")
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""The two frozen tensors a DFlash drafter borrows from its target: `embed_tokens` and `lm_head`.
+
+Loading a 27B target to train a 1B drafter would cost the whole checkpoint's memory and read
+time, so only these tensors are read: from a safetensors checkpoint folder through its index
+(only the files that hold them are opened, and only those tensors are read from them), or
+from a GGUF file (dequantized). Tied embeddings (no separate head) are handled: the head is the
+embedding matrix. The model's shape facts (hidden size, heads, rope) come along, to size the
+drafter's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight",
+               "transformer.wte.weight")
+_HEAD_KEYS = ("lm_head.weight",)
+
+
+@dataclass
+class TargetHead:
+    """`embed` [V, H] and `lm_head` [V, H] (the same tensor when tied), plus the target's shape."""
+
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    tied: bool
+    facts: dict[str, Any] = field(default_factory=dict)  # hidden_size, num_layers, heads, rope, ...
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed.shape[1])
+
+
+def load_target_head(path: str, gguf_file: str | None = None) -> TargetHead:
+    """`embed_tokens` and `lm_head` of the target at `path` (a folder; `gguf_file` inside it)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"target model folder {path!r} does not exist; give the folder the "
+                                "extraction used (--model), with --gguf-file for a GGUF checkpoint")
+    if gguf_file:
+        file = os.path.join(path, gguf_file)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path!r}")
+        return _from_gguf(file)
+    return _from_safetensors(path)
+
+
+def _from_safetensors(folder: str) -> TargetHead:
+    from safetensors import safe_open
+
+    config = _read_json(os.path.join(folder, "config.json"), "the target's config.json")
+    text = config.get("text_config") or config  # multimodal wrappers keep the LM's config inside
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        weight_map: dict[str, str] = _read_json(index_path, "the checkpoint index")["weight_map"]
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise FileNotFoundError(f"{folder!r} has neither model.safetensors nor model.safetensors.index.json; "
+                                "layertap reads the target's embeddings from safetensors or GGUF checkpoints")
+    embed_key = next((k for k in _EMBED_KEYS if k in weight_map), None)
+    if embed_key is None:
+        raise ValueError(f"no embedding tensor in {folder!r} (looked for {', '.join(_EMBED_KEYS)})")
+    head_key = next((k for k in _HEAD_KEYS if k in weight_map), None)
+    tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))) or head_key is None
+    wanted = {"embed": embed_key} if tied else {"embed": embed_key, "head": head_key}
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted({weight_map[k] for k in wanted.values()}):
+        with safe_open(os.path.join(folder, file), "pt") as f:
+            for name, key in wanted.items():
+                if weight_map[key] == file:
+                    tensors[name] = f.get_tensor(key)
+    log.info("read %s from %s (%s)", ", ".join(wanted.values()), folder, "tied" if tied else "untied")
+    embed = tensors["embed"]
+    return TargetHead(embed, embed if tied else tensors["head"], tied, _facts_from_config(text, embed))
+
+
+def _facts_from_config(c: dict[str, Any], embed: torch.Tensor) -> dict[str, Any]:
+    hidden = int(c.get("hidden_size", embed.shape[1]))
+    heads = int(c.get("num_attention_heads", max(1, hidden // 64)))
+    return {
+        "model_type": c.get("model_type"),
+        "hidden_size": hidden,
+        "num_layers": int(c.get("num_hidden_layers", 0)),
+        "num_heads": heads,
+        "num_kv_heads": int(c.get("num_key_value_heads") or heads),
+        "head_dim": int(c.get("head_dim") or hidden // heads),
+        "intermediate_size": int(c.get("intermediate_size", 4 * hidden)),
+        "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+    }
+
+
+def _from_gguf(file: str) -> TargetHead:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(file)
+    arch = _field(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors if t.name in ("token_embd.weight", "output.weight")}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{file!r} has no token_embd.weight tensor")
+
+    def load(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=False).copy())
+
+    embed = load("token_embd.weight")
+    tied = "output.weight" not in tensors
+    head = embed if tied else load("output.weight")
+    hidden = int(_field(reader, f"{arch}.embedding_length", embed.shape[1]))
+    heads = int(_field(reader, f"{arch}.attention.head_count", max(1, hidden // 64)))
+    facts = {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "num_layers": int(_field(reader, f"{arch}.block_count", 0)),
+        "num_heads": heads,
+        "num_kv_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", 4 * hidden)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+    }
+    log.info("read token_embd%s from %s", "" if tied else " and output", file)
+    return TargetHead(embed, head, tied, facts)
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} is missing: {path!r}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None

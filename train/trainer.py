@@ -1,0 +1,301 @@
+"""`layertap train`: a DFlash drafter trained on a run prefix, through accelerate.
+
+Every rank streams its own share of the run (`train.ShardStream`, partitioned by rank) and
+holds a full drafter replica (DDP; gloo on CPU, NCCL on GPU). The order of everything that
+varies is fixed by (seed, step): the loader's shuffle, and the anchors drawn per micro-batch
+from a generator seeded with (seed, step, micro-batch, rank). A checkpoint stores the step,
+weights, AdamW moments, RNG and every rank's loader position, so `--resume` continues with the
+same batches and the same loss curve as a run that never stopped. The learning rate is a pure
+function of the step (linear warmup, cosine decay), so it needs no saved state.
+
+SIGTERM or SIGUSR1 (Slurm's preemption and time-limit warnings) make every rank stop at the
+next step boundary; rank 0 saves a checkpoint and the job exits with 143 for a requeue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import xxhash
+
+from manifests.manifest import load_manifest
+from storage.store import open_store
+from train.checkpoint import export_drafter, load_latest, restore, save_checkpoint
+from train.config import TrainConfig
+from train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
+from train.loader import StreamLoader
+from train.objective import dflash_loss
+from train.stream import ShardStream
+from train.target_head import load_target_head
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+_stop_requested = False
+
+
+def _on_signal(signum, frame) -> None:
+    global _stop_requested
+    _stop_requested = True
+    log.warning("received %s: stopping at the next step boundary with a checkpoint", signal.Signals(signum).name)
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup over `warmup_ratio` of the steps, then cosine decay to `lr * min_lr_ratio`."""
+    warm = int(total * cfg.warmup_ratio)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
+    key = xxhash.xxh64_intdigest(f"{seed}/{step}/{micro}/{rank}".encode()) & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(key)
+
+
+def mask_token_id(model: str, gguf_file: str | None) -> int:
+    """len(tokenizer): the first id no text maps to (DFlash's mask token)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model, **({"gguf_file": gguf_file} if gguf_file else {}))
+    return len(tok)
+
+
+def build_drafter(cfg: TrainConfig, run_config: dict[str, Any], saved: dict[str, Any] | None) -> DFlashDrafter:
+    """The drafter for this run's target; a resumed run takes the checkpoint's config as is."""
+    head = load_target_head(cfg.model, cfg.gguf_file)
+    stored_h = run_config.get("hidden_size")
+    if stored_h is not None and stored_h != head.hidden_size:
+        raise ValueError(f"{cfg.model} has hidden size {head.hidden_size}, but the run at {cfg.data} stored "
+                         f"states of width {stored_h}: train with the target the extraction used")
+    if saved is not None:
+        dconf = DrafterConfig.from_json(saved)
+    else:
+        mask = cfg.mask_token_id if cfg.mask_token_id is not None else mask_token_id(cfg.model, cfg.gguf_file)
+        dconf = default_config(head, run_config["layers"], mask, num_layers=cfg.drafter_layers,
+                               block_size=cfg.block_size, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
+                               target={"model": run_config.get("model"), "gguf_file": run_config.get("gguf_file"),
+                                       "model_type": run_config.get("model_type"),
+                                       "final_state": run_config.get("final_state")})
+    torch.manual_seed(0)  # initial weights: the same on every rank and every run
+    return DFlashDrafter(dconf, head)
+
+
+class _Metrics:
+    """Rank 0's per-step records: logged, kept as JSON lines, mirrored to TensorBoard if installed."""
+
+    def __init__(self, lines: list[str], log_dir: str):
+        self.lines = lines
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(f"{log_dir}/tensorboard")
+        except ImportError:
+            pass
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.lines.append(json.dumps(record))
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "data_wait_fraction", "acc_first"):
+                self.tb.add_scalar(f"train/{k}", record[k], record["step"])
+
+
+def train(cfg: TrainConfig) -> int:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, gather_object
+
+    cuda = torch.cuda.is_available()
+    precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
+    acc = Accelerator(mixed_precision=precision, cpu=not cuda,
+                      kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+    rank, world = acc.process_index, acc.num_processes
+    out = open_store(cfg.out, **cfg.s3)
+    run = load_manifest(open_store(cfg.data, **cfg.s3))
+
+    ckpt = load_latest(out)
+    if ckpt is not None and not cfg.resume:
+        raise ValueError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
+                         "that run, or choose another --out")
+    if ckpt is not None:
+        _check_resumable(ckpt.state, cfg, world)
+    model = build_drafter(cfg, run.config, ckpt.state["drafter"] if ckpt else None).to(acc.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ddp_model, optimizer = acc.prepare(model, optimizer)
+
+    stream = ShardStream(cfg.data, seed=cfg.seed, rank=rank, world_size=world, shuffle_buffer=cfg.shuffle_buffer,
+                         memory_budget=cfg.memory_budget, store_options=cfg.s3)
+    loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
+    total = cfg.steps or cfg.epochs * steps_per_epoch
+    lines: list[str] = []
+    start = 0
+    if ckpt is not None:
+        restore(ckpt, model, optimizer)
+        loader.load_state_dict(ckpt.state["loader"][rank])
+        start = ckpt.step
+        if rank == 0:
+            lines = _metrics_until(out, start)
+        log.info("resumed from %s/checkpoints step %d", cfg.out, start)
+    if rank == 0:
+        log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
+                 "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
+                 model.config.block_size, stream.total_samples, world, total, steps_per_epoch)
+    metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGUSR1, _on_signal)
+    batches = _Batches(loader)
+    progress = _progress(rank, start, total)
+    step = start
+    while step < total:
+        t0 = time.perf_counter()
+        lr = lr_at(step, total, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums = torch.zeros(3 + 2 * model.config.block_size, dtype=torch.float64)
+        seen = xxhash.xxh64()
+        for micro in range(cfg.grad_accum):
+            batch = batches.next()
+            seen.update("\n".join(batch["sample_id"]).encode() + b"\n")
+            sync = nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(ddp_model)
+            with sync:
+                with acc.autocast():
+                    result = dflash_loss(ddp_model, batch, anchor_generator(cfg.seed, step, micro, rank))
+                acc.backward(result.loss / cfg.grad_accum)
+            bs = model.config.block_size
+            sums[0] += float(result.loss.detach()) * result.weight
+            sums[1] += result.weight
+            sums[2] += int(batch["lengths"].sum())
+            sums[3:3 + bs] += result.correct
+            sums[3 + bs:] += result.counted
+        grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        flag = torch.tensor([float(_stop_requested)], dtype=torch.float64)
+        totals = acc.reduce(torch.cat((sums, flag)).to(acc.device), reduction="sum").cpu()
+        stop = bool(totals[-1] > 0)
+        elapsed = time.perf_counter() - t0
+        if metrics is not None:
+            record = _record(step, loader.epoch, totals[:-1], model.config.block_size, lr, float(grad_norm),
+                             elapsed, batches.take_wait())
+            record["samples_digest"] = seen.hexdigest()  # rank 0's samples this step, to compare runs
+            metrics.add(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc_first']:.2f}",
+                                 tok_s=f"{record['tokens_per_s']:,.0f}")
+            if step % cfg.log_every == 0 or step == total:
+                log.info("step %d/%d  loss %.4f  acc@1 %.3f  lr %.2e  %.0f tok/s  data wait %.0f%%", step, total,
+                         record["loss"], record["acc_first"], lr, record["tokens_per_s"],
+                         100 * record["data_wait_fraction"])
+        else:
+            batches.take_wait()
+        if step % cfg.save_every == 0 or step == total or stop:
+            _save(acc, gather_object, out, step, model, optimizer, loader, cfg, world, metrics)
+        if stop:
+            log.warning("stopped at step %d by a signal; `layertap train ... --resume` continues", step)
+            progress.close()
+            return 143
+    progress.close()
+    if rank == 0:
+        export_drafter(out, model)
+        last = json.loads(metrics.lines[-1]) if metrics.lines else {}
+        print(f"trained {total} steps; final loss {last.get('loss', float('nan')):.4f}; drafter at "
+              f"{out.uri}/drafter/ (evaluate with `layertap eval --drafter {out.uri} --model {cfg.model} ...`)")
+    acc.wait_for_everyone()
+    acc.end_training()
+    return 0
+
+
+class _Batches:
+    """Micro-batches across epoch boundaries, timing the wait for data."""
+
+    def __init__(self, loader: StreamLoader):
+        self.loader, self.it, self.wait = loader, None, 0.0
+
+    def next(self) -> dict:
+        t = time.perf_counter()
+        if self.it is None:
+            self.it = iter(self.loader)
+        try:
+            batch = next(self.it)
+        except StopIteration:  # the loader has moved on to the next epoch by itself
+            self.it = iter(self.loader)
+            batch = next(self.it)
+        self.wait += time.perf_counter() - t
+        return batch
+
+    def take_wait(self) -> float:
+        w, self.wait = self.wait, 0.0
+        return w
+
+
+def _record(step: int, epoch: int, t: torch.Tensor, bs: int, lr: float, grad_norm: float, elapsed: float,
+            wait: float) -> dict[str, Any]:
+    loss = float(t[0] / t[1]) if t[1] > 0 else float("nan")
+    correct, counted = t[3:3 + bs], t[3 + bs:]
+    per_slot = [float(c / n) if n > 0 else None for c, n in zip(correct[1:], counted[1:])]
+    return {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "acc_first": per_slot[0] if per_slot[0] is not None else 0.0, "acc_per_position": per_slot,
+            "tokens": int(t[2]), "tokens_per_s": float(t[2]) / elapsed if elapsed > 0 else 0.0,
+            "step_s": elapsed, "data_wait_fraction": min(1.0, wait / elapsed) if elapsed > 0 else 0.0,
+            "time": time.time()}
+
+
+def _save(acc, gather_object, out, step, model, optimizer, loader, cfg, world, metrics) -> None:
+    # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
+    # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
+    total = torch.tensor([sum(float(p.detach().double().sum()) for p in model.trainable_state().values())],
+                         dtype=torch.float64, device=acc.device)
+    sums = acc.gather(total).cpu().tolist()
+    if len(set(sums)) > 1:
+        raise RuntimeError(f"drafter replicas differ across ranks at step {step} (weight sums {sums}); "
+                           "not saving a checkpoint from diverged ranks")
+    states = gather_object([loader.state_dict()])
+    if acc.is_main_process:
+        state = {"config": cfg.identity(), "world_size": world, "loader": states}
+        # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
+        # metrics up to its step, so they must never lag behind it
+        out.put(METRICS, ("\n".join(metrics.lines) + "\n").encode())
+        prefix = save_checkpoint(out, step, model, optimizer, state, cfg.keep_checkpoints)
+        log.info("checkpoint %s/%s", out.uri, prefix)
+    acc.wait_for_everyone()
+
+
+def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> None:
+    if state.get("world_size") != world:
+        raise ValueError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
+                         "resume with the same number of processes (the data order depends on it)")
+    saved, now = state.get("config", {}), cfg.identity()
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in now
+             if k not in ("steps", "epochs") and saved.get(k) != now[k]]
+    if diffs:
+        raise ValueError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs))
+
+
+def _metrics_until(out, step: int) -> list[str]:
+    from storage.store import ObjectNotFound
+
+    try:
+        text = out.get(METRICS).decode()
+    except ObjectNotFound:
+        return []
+    return [line for line in text.splitlines() if line and json.loads(line)["step"] <= step]
+
+
+def _progress(rank: int, start: int, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", disable=rank != 0 or None,
+                file=sys.stderr, dynamic_ncols=True)
