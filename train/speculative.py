@@ -46,6 +46,11 @@ class TargetRunner:
         if bad:
             raise ValueError(f"the drafter reads target layers {bad}, but the target has layers 0..{n - 1}: "
                              "is --model the target the drafter was trained for?")
+        kinds = set(getattr(decoder.config, "layer_types", None) or [])
+        if kinds - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"the target has {sorted(kinds - {'full_attention', 'sliding_attention'})} layers, whose "
+                             "state cannot be rolled back past rejected drafts: `layertap eval` needs an "
+                             "attention-only target")
         self._captured: dict[int, torch.Tensor] = {}
         for k in layers:
             decoder.layers[k].register_forward_hook(self._hook(k))
@@ -100,7 +105,6 @@ def greedy_decode(target: TargetRunner, prompt: list[int], max_new: int, eos: se
 @torch.inference_mode()
 def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: list[int], max_new: int,
                        eos: set[int]) -> Decoded:
-    bs = drafter.config.block_size
     target.reset()
     choice, context = target.step(prompt)
     result = Decoded([int(choice[-1])])
