@@ -24,3 +24,12 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     for way in ("local", "s3_moto_in_process"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0
         assert {"forward_s", "copy_s", "encode_s_summed", "write_s"} <= set(r[way])
+
+
+def test_gpu_train_runs_on_a_tiny_config(tmp_path):
+    out = tmp_path / "gt.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train.py"), "--tiny", "--steps", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tokens_per_s"] > 0 and r["drafter_params"] > 0 and r["loss"] > 0

@@ -87,6 +87,20 @@ def test_a_block_sees_only_earlier_context_and_itself():
     assert changed(states, torch.tensor([[3, 9]])).tolist() == [False, True]  # blocks do not see each other
 
 
+@torch.no_grad()  # flex-attention has no CPU backward: bench/gpu_train.py compares gradients on a GPU
+def test_flex_attention_block_mask_equals_the_dense_mask():
+    """The GPU path (flex-attention BlockMask, run eagerly here) computes what the dense mask does."""
+    head = toy_head()
+    torch.manual_seed(0)
+    d = DFlashDrafter(default_config(head, [1, 2], mask_token_id=49, block_size=4), head)
+    states = torch.randn(2, 20, 2, 32)
+    anchors, tokens = torch.tensor([[5, 12, 0], [3, 9, 17]]), torch.tensor([[3, 4, 5], [6, 7, 8]])
+    d.attention = "sdpa"
+    dense = d(states, anchors, tokens)
+    d.attention = "flex"
+    assert torch.allclose(d(states, anchors, tokens), dense, atol=1e-5)
+
+
 def test_anchors_weights_and_learned_mask_token():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.uint8)
     lengths = torch.tensor([10, 6])

@@ -15,6 +15,7 @@ token gets a learned embedding of its own, saved with the drafter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,14 +138,18 @@ class DrafterLayer(nn.Module):
         return x.view(b, t, n, self.c.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: Any) -> torch.Tensor:
         c = self.c
         h = self.input_norm(x)
         kv_in = torch.cat((context, h), dim=1)
         q = _rope(self.q_norm(self._heads(self.q_proj(h), c.num_heads)), q_pos, c.rope_theta)
         k = _rope(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), kv_pos, c.rope_theta)
         v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=c.num_heads != c.num_kv_heads)
+        gqa = c.num_heads != c.num_kv_heads
+        if isinstance(mask, torch.Tensor):
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+        else:
+            att = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
         x = x + self.o_proj(att.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
         h = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -168,6 +173,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.learned_mask else None
+        # "sdpa": a dense boolean mask (CPU, small shapes); "flex": flex-attention block masks,
+        # compiled on GPU, where the dense mask of a 4K-token, 512-anchor sample would not fit.
+        self.attention = "flex" if torch.cuda.is_available() else "sdpa"
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -206,20 +214,48 @@ class DFlashDrafter(nn.Module):
         offsets = torch.arange(bs, device=device)
         q_pos = (anchors[:, :, None] + offsets).reshape(b, a * bs)
         kv_pos = torch.cat((torch.arange(t, device=device).expand(b, t), q_pos), dim=1)
-        # Context key j is visible to block i iff j < anchor_i; block keys only within their block.
-        sees_ctx = torch.arange(t, device=device)[None, None, :] < anchors[:, :, None]  # [B, A, T]
-        sees_ctx = sees_ctx[:, :, None, :].expand(b, a, bs, t).reshape(b, a * bs, t)
-        block_id = torch.arange(a, device=device).repeat_interleave(bs)
-        sees_block = (block_id[:, None] == block_id[None, :]).expand(b, a * bs, a * bs)
-        mask = torch.cat((sees_ctx, sees_block), dim=2)
+        mask = (self._block_mask if self.attention == "flex" else self._dense_mask)(anchors, t)
         x = self.block_inputs(anchor_tokens).to(context.dtype)
         for layer in self.layers:
             x = layer(x, context, q_pos, kv_pos, mask)
         return self.norm(x).view(b, a, bs, c.hidden_size)
 
+    def _dense_mask(self, anchors: torch.Tensor, t: int) -> torch.Tensor:
+        """[B, A*block, T + A*block] bool: context key j is visible to block i iff j < anchor_i;
+        block keys only within their own block."""
+        b, a = anchors.shape
+        bs, device = self.config.block_size, anchors.device
+        sees_ctx = torch.arange(t, device=device)[None, None, :] < anchors[:, :, None]  # [B, A, T]
+        sees_ctx = sees_ctx[:, :, None, :].expand(b, a, bs, t).reshape(b, a * bs, t)
+        block_id = torch.arange(a, device=device).repeat_interleave(bs)
+        sees_block = (block_id[:, None] == block_id[None, :]).expand(b, a * bs, a * bs)
+        return torch.cat((sees_ctx, sees_block), dim=2)
+
+    def _block_mask(self, anchors: torch.Tensor, t: int):
+        """The same mask as a flex-attention BlockMask: computed per 128x128 tile and never
+        materialised, which is what makes the full recipe (4K tokens, 512 anchors) fit on a GPU."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        b, a = anchors.shape
+        bs = self.config.block_size
+
+        def visible(bi, h, q_idx, kv_idx):
+            block = q_idx // bs
+            return torch.where(kv_idx < t, kv_idx < anchors[bi, block], (kv_idx - t) // bs == block)
+
+        return create_block_mask(visible, b, None, a * bs, t + a * bs, device=anchors.device)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head.to(hidden.dtype).t()
 
+
+
+@functools.cache
+def _flex_attention(device: torch.device):
+    """flex_attention, compiled where it runs fused (CUDA); eager elsewhere (correct, slow: tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -1,0 +1,112 @@
+"""DFlash drafter training step on one GPU at the full recipe's shapes, random weights and states
+(speed does not depend on the values); and the flex-attention path's gradients against the
+dense-mask path's (flex-attention has no CPU backward, so only a GPU can check them).
+
+    python bench/gpu_train.py [--seq 4096] [--anchors 512] [--steps 6] [--json OUT]
+    python bench/gpu_train.py --tiny        # a tiny config on CPU (dense path): keeps the script tested
+
+Target shapes are Qwen3.6-27B's (hidden 5120, vocab 248,320, 5 capture layers); the drafter is
+DFlash's recipe (5 layers, block 16). Reports step time, input tokens/s, peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from train.drafter import DFlashDrafter, default_config  # noqa: E402
+from train.objective import dflash_loss  # noqa: E402
+from train.target_head import TargetHead  # noqa: E402
+
+QWEN27B = dict(hidden=5120, vocab=248320, heads=24, kv=4, head_dim=256, inter=17408, layers=64)
+TINY = dict(hidden=64, vocab=512, heads=4, kv=2, head_dim=16, inter=128, layers=12)
+
+
+def drafter(sizes: dict, device: str, block: int, anchors: int) -> DFlashDrafter:
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(sizes["vocab"], sizes["hidden"], generator=g) * 0.02
+    head = TargetHead(embed, torch.randn(sizes["vocab"], sizes["hidden"], generator=g) * 0.02, False,
+                      {"num_layers": sizes["layers"], "num_heads": sizes["heads"], "num_kv_heads": sizes["kv"],
+                       "head_dim": sizes["head_dim"], "intermediate_size": sizes["inter"]})
+    torch.manual_seed(0)
+    config = default_config(head, [1, 16, 31, 46, 61][: max(1, min(5, sizes["layers"] // 12))],
+                            mask_token_id=sizes["vocab"] - 1, block_size=block, max_anchors=anchors)
+    return DFlashDrafter(config, head).to(device)
+
+
+def batch(sizes: dict, layers: int, seq: int, n: int, device: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, sizes["vocab"], (n, seq), generator=g),
+            "loss_mask": torch.ones(n, seq, dtype=torch.uint8), "lengths": torch.full((n,), seq),
+            "hidden_states": torch.randn(n, seq, layers, sizes["hidden"], generator=g).to(torch.bfloat16).to(device)}
+
+
+def grads_match(device: str) -> float:
+    """Max relative difference between flex and dense gradients at a small shape."""
+    sizes = dict(TINY, hidden=256, head_dim=64)
+    d = drafter(sizes, device, block=16, anchors=24)
+    b = batch(sizes, len(d.config.capture_layers), 256, 2, device)
+    out = {}
+    for mode in ("sdpa", "flex"):
+        d.attention = mode
+        d.zero_grad()
+        dflash_loss(d, b, torch.Generator().manual_seed(0)).loss.backward()
+        out[mode] = {k: p.grad.float().clone() for k, p in d.trainable_state().items()}
+    return max(float((out["flex"][k] - g).norm() / g.norm().clamp_min(1e-12)) for k, g in out["sdpa"].items())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    sizes = TINY if args.tiny else QWEN27B
+    seq, anchors = (64, 8) if args.tiny else (args.seq, args.anchors)
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "seq": seq,
+                    "anchors": anchors, "batch": args.batch}
+    if device == "cuda":
+        result["flex_vs_dense_grad_rel_diff"] = grads_match(device)
+    d = drafter(sizes, device, block=16, anchors=anchors)
+    d.attention = "sdpa" if args.tiny else "flex"
+    params = [p for p in d.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    b = batch(sizes, len(d.config.capture_layers), seq, args.batch, device)
+    times = []
+    for step in range(args.steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = dflash_loss(d, b, torch.Generator().manual_seed(step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    result.update(first_step_s=round(times[0], 3), step_s=round(steady, 4),
+                  tokens_per_s=round(args.batch * seq / steady), drafter_params=sum(p.numel() for p in params),
+                  loss=float(loss.detach()))
+    if device == "cuda":
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
