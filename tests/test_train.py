@@ -266,6 +266,27 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, t
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp_path):
+    """Slurm's preemption signal: stop at the next step with a checkpoint, exit 143, resume to the end."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "extract.cli", "train", "--data", run, "--model", target, "--out", str(out),
+            "--steps", "150", "--save-every", "1000", *FAST]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None and not (out / "checkpoints").exists():
+        line = p.stderr.readline()
+        if "step 10/150" in line:  # training is under way
+            p.send_signal(signal.SIGTERM)
+            break
+    assert p.wait(timeout=300) == 143
+    stopped = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
+    assert 10 <= stopped < 150 and len(metrics(str(out))) == stopped
+    p = subprocess.run(args + ["--resume"], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [r["step"] for r in metrics(str(out))] == list(range(1, 151))
+
+
 def test_resume_refuses_other_settings(run, target, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "4", "--save-every", "2", *FAST) == 0
