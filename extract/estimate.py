@@ -344,6 +344,10 @@ def fmt_size(n: float, unit: str, decimals: int) -> str:
     return fmt_bytes(n, unit, decimals) if abs(n) >= _BINARY[unit] else fmt_bytes(n)
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n:,} {what}{'s' * (n != 1)}"
+
+
 def fmt_usd(usd: float) -> str:
     """'$553.01', '$0.0004', '<$0.0001'."""
     if 0 < usd < 1e-4:
@@ -371,8 +375,8 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
         f"  data         {work.samples:,} samples, {work.tokens:,} tokens, mean {work.mean_tokens:,.1f} tokens/sample"
         f"{src.get('data', '')}",
         f"  codec        {storage.codec}, ratio {storage.ratio:.3f}x{src.get('codec', '')}",
-        f"  throughput   " + (f"{tps:,.0f} tokens/s per GPU{src.get('throughput', '')}; {throughput.gpus:,} GPUs, "
-                              f"{throughput.gpus_per_node} per node = {throughput.nodes:,} node(s)" if tps else
+        f"  throughput   " + (f"{tps:,.0f} tokens/s per GPU{src.get('throughput', '')}; {_count(throughput.gpus, 'GPU')}, "
+                              f"{throughput.gpus_per_node} per node = {_count(throughput.nodes, 'node')}" if tps else
                               "not given: add --tokens-per-s N or --measure for time, bandwidth and GPU-hours"),
         f"  layout       shards of ~{storage.shard_bytes:,} B stored, upload parts of {fmt_bytes(storage.part_bytes)}, "
         f"loader ranges of {fmt_bytes(storage.range_bytes)}; format overhead {storage.record_overhead:,.0f} B "
