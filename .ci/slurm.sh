@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# A single-node Slurm cluster on localhost for the tests: munge, slurmctld and slurmd, no
+# accounting database (scontrol keeps finished jobs for MinJobAge, which is all the tests read).
+#
+#   .ci/slurm.sh install          apt-get the Debian packages if missing (root; ~15 s)
+#   .ci/slurm.sh start DIR        start a cluster whose state, logs and slurm.conf live in DIR;
+#                                 prints `export SLURM_CONF=DIR/slurm.conf` (~3 s)
+#   .ci/slurm.sh stop DIR         stop the daemons that `start DIR` started (by their pid files)
+set -euo pipefail
+
+install() {
+  command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+    && command -v munged >/dev/null && return 0
+  [ "$(id -u)" = 0 ] || { echo "installing Slurm needs root: apt-get install slurmctld slurmd slurm-client munge" >&2; exit 1; }
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
+    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
+}
+
+start() {
+  local S HOST CPUS MEM
+  S=$(realpath -m "$1"); HOST=$(hostname -s)
+  mkdir -p "$S"/{state,spool,log}
+  # munge: the Debian package generated /etc/munge/munge.key; a daemon already running is reused.
+  if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    mkdir -p /run/munge && chown munge:munge /run/munge
+    runuser -u munge -- /usr/sbin/munged --pid-file="$S/munged.pid"
+    for _ in $(seq 1 40); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+  fi
+  CPUS=$(nproc); MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 2048 ))
+  cat > "$S/slurm.conf" <<EOF
+ClusterName=layertapci
+SlurmctldHost=$HOST(127.0.0.1)
+AuthType=auth/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=$S/state
+SlurmdSpoolDir=$S/spool
+SlurmctldPidFile=$S/slurmctld.pid
+SlurmdPidFile=$S/slurmd.pid
+SlurmctldLogFile=$S/log/slurmctld.log
+SlurmdLogFile=$S/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobRequeue=1
+KillWait=30
+MinJobAge=600
+SchedulerParameters=defer_batch
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+  export SLURM_CONF=$S/slurm.conf
+  /usr/sbin/slurmctld
+  /usr/sbin/slurmd
+  for _ in $(seq 1 100); do sinfo -h -o %T 2>/dev/null | grep -qx idle && break; sleep 0.1; done
+  sinfo -h -o %T | grep -qx idle || { echo "slurm did not come up; logs in $S/log" >&2; exit 1; }
+  echo "export SLURM_CONF=$SLURM_CONF"
+}
+
+stop() {
+  local S pid
+  S=$(realpath -m "$1")
+  for d in slurmd slurmctld munged; do
+    [ -f "$S/$d.pid" ] || continue
+    pid=$(cat "$S/$d.pid")
+    kill "$pid" 2>/dev/null || continue
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  done
+}
+
+case "${1:-}" in
+  install) install ;;
+  start) start "${2:?usage: $0 start DIR}" ;;
+  stop) stop "${2:?usage: $0 stop DIR}" ;;
+  *) echo "usage: $0 install | start DIR | stop DIR" >&2; exit 2 ;;
+esac

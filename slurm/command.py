@@ -1,0 +1,289 @@
+"""`layertap submit extract|train [Slurm options] <the arguments of extract|train>`.
+
+The tool's own options are added to the submit parser as they are, so a command line that runs
+locally becomes a Slurm submission by putting `submit` in front of it, and its mistakes are
+caught here rather than in the queue an hour later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import shlex
+import sys
+from typing import Any, Callable
+
+ToolParser = Callable[[Any], None]
+
+
+class _Forwarded:
+    """Stands in for a parser while a tool's `add_<tool>` adds its options, and keeps them, so the
+    job's command line can be rebuilt from the parsed values."""
+
+    def __init__(self, group: Any, skip: frozenset[str] = frozenset()):
+        self.group, self.skip, self.actions = group, skip, []
+
+    def add_argument(self, *names: str, **kw: Any) -> argparse.Action | None:
+        longest = max(names, key=len)
+        if kw.get("dest", longest.lstrip("-").replace("-", "_")) in self.skip:
+            return None
+        action = self.group.add_argument(*names, **kw)
+        self.actions.append(action)
+        return action
+
+
+def tool_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The tool's command line for the values the user gave (options left at None are omitted)."""
+    out: list[str] = []
+    for a in actions:
+        value = getattr(args, a.dest, None)
+        if value is None or value is False or value == a.default:
+            continue
+        flag = max(a.option_strings, key=len) if a.option_strings else None
+        values = [str(v) for v in value] if isinstance(value, list) else [] if a.nargs == 0 else [str(value)]
+        out += ([flag] if flag else []) + values
+    return out
+
+
+def _train_parser() -> ToolParser | None:
+    """`layertap train`'s option builder, or None where this installation has no trainer."""
+    try:
+        return importlib.import_module("train.command").add_train
+    except (ImportError, AttributeError):
+        return None
+
+
+def add_submit(p: argparse.ArgumentParser) -> None:
+    from extract.command import add_extract
+
+    sub = p.add_subparsers(dest="submit_kind", required=True, metavar="JOB")
+    e = sub.add_parser("extract", help="an extraction array sized to the run's unfinished shards",
+                       description="Submit `layertap extract` as a Slurm job array: one task per node, its GPUs "
+                                   "through accelerate, only as many tasks as the unfinished shards need. Rerun "
+                                   "the same command after failures or preemptions: it submits only what is left.")
+    _add_slurm_options(e, "layertap-extract")
+    g = e.add_argument_group("the array")
+    g.add_argument("--nodes", type=int, help="at most N nodes (array tasks) at once. Dynamic: N tasks, or fewer if "
+                                             "the remaining shards cannot keep them busy; with --shards-per-task: "
+                                             "the array's %%N cap (default: one task per remaining GPU's worth of "
+                                             "shards; required when the run has no manifest yet)")
+    g.add_argument("--shards-per-task", type=int, metavar="K",
+                   help="static ranges: task i does shards [i*K, (i+1)*K) of the run, and only tasks with unfinished "
+                        "shards are started (default: dynamic, every task takes any free shard through leases)")
+    g.add_argument("--then-train", metavar="ARGS",
+                   help="then submit `layertap train ARGS` (one quoted string), started only if every array task "
+                        "succeeds (afterok); it takes this command's Slurm options, and --train-nodes")
+    g.add_argument("--train-nodes", type=int, default=1, help="nodes for --then-train (default 1)")
+    fwd = _Forwarded(e.add_argument_group("layertap extract arguments (--log-dir is set per task under --logs)"),
+                     frozenset({"log_dir"}))
+    add_extract(fwd)
+    e.set_defaults(_tool_actions=fwd.actions)
+
+    t = sub.add_parser("train", help="a multi-node training job",
+                       description="Submit `layertap train` on N nodes: srun starts one accelerate launcher per "
+                                   "node, rendezvous from the Slurm environment; a requeued job resumes.")
+    _add_slurm_options(t, "layertap-train")
+    g = t.add_argument_group("the job")
+    g.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    g.add_argument("--after", action="append", metavar="JOBID", default=[],
+                   help="start only once this job (every task of an array) succeeded; repeatable")
+    add_train = _train_parser()
+    fwd = _Forwarded(t.add_argument_group("layertap train arguments"))
+    if add_train is not None:
+        add_train(fwd)
+    t.set_defaults(_tool_actions=fwd.actions)
+
+
+def _add_slurm_options(p: argparse.ArgumentParser, job_name: str) -> None:
+    g = p.add_argument_group("Slurm")
+    g.add_argument("--partition", help="sbatch --partition")
+    g.add_argument("--account", help="sbatch --account")
+    g.add_argument("--qos", help="sbatch --qos")
+    g.add_argument("--time", help="time limit per job or array task, e.g. 4:00:00 (a task stopped by it is "
+                                  "requeued and resumes)")
+    g.add_argument("--mem", help="sbatch --mem, e.g. 200G")
+    g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0: CPU)")
+    g.add_argument("--procs-per-node", type=int, help="worker processes per node (default: one per GPU, else 1)")
+    g.add_argument("--cpus-per-task", type=int, help="sbatch --cpus-per-task")
+    g.add_argument("--job-name", default=job_name, help=f"(default {job_name})")
+    g.add_argument("--logs", default="layertap-logs",
+                   help="folder for Slurm's output files, per-task logs and the submitted scripts "
+                        "(default ./layertap-logs)")
+    g.add_argument("--setup", action="append", metavar="LINE",
+                   help="a shell line run before the workers, e.g. 'module load cuda/12.4'; repeatable "
+                        "(default: activate the virtual environment layertap runs in, if any)")
+    g.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="any other sbatch option, e.g. --sbatch=--exclusive; repeatable")
+    g.add_argument("--grace", type=int, default=120, metavar="SECONDS",
+                   help="warn the workers (USR1, passed on as SIGTERM) this long before the time limit (default 120)")
+    g.add_argument("--dry-run", action="store_true", help="print the scripts and what would be submitted; submit nothing")
+    g.add_argument("--parsable", action="store_true", help="print only the job ids, one a line (for scripts)")
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from manifests.manifest import ManifestError
+    from slurm.submit import SlurmError
+    from storage.store import StoreError
+
+    try:
+        if args.submit_kind == "extract":
+            return _submit_extract(args)
+        return _submit_train(args)
+    except (ValueError, OSError, StoreError, ManifestError, SlurmError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _job_options(args: argparse.Namespace, **changes: Any):
+    from slurm.scripts import JobOptions, default_setup
+
+    opts = JobOptions(job_name=args.job_name, logs=args.logs, partition=args.partition, account=args.account,
+                      qos=args.qos, time=args.time, mem=args.mem, gpus_per_node=args.gpus_per_node,
+                      procs_per_node=args.procs_per_node, cpus_per_task=args.cpus_per_task,
+                      setup=args.setup if args.setup is not None else default_setup(), sbatch=args.sbatch,
+                      grace_s=args.grace)
+    return dataclasses.replace(opts, **changes) if changes else opts
+
+
+def _extract_config(args: argparse.Namespace):
+    """The extraction's settings exactly as each task will read them (config file, then flags)."""
+    from extract.config import ExtractConfig, load_config, parse_ids
+
+    fields = {f.name for f in dataclasses.fields(ExtractConfig)} - {"layers", "shards"}
+    overrides = {a.dest: getattr(args, a.dest) for a in args._tool_actions if a.dest in fields}
+    overrides["layers"] = parse_ids(args.layers) if args.layers else None
+    overrides["shards"] = parse_ids(args.shards) if args.shards else None
+    return load_config(args.config, overrides)
+
+
+def _submit_extract(args: argparse.Namespace) -> int:
+    from manifests.manifest import NoRun
+    from slurm import submit
+    from slurm.scripts import extract_script
+    from slurm.work import dynamic_plan, remaining_work, static_plan
+    from storage.store import open_store
+
+    opts = _job_options(args)
+    cfg = _extract_config(args)
+    if args.shards_per_task is not None and cfg.shards is not None:
+        raise ValueError("give either --shards (the shards dynamic tasks may take) or --shards-per-task "
+                         "(static ranges over the unfinished shards), not both")
+    train = _then_train(args, opts) if args.then_train is not None else None
+    store = open_store(cfg.out, **cfg.s3)
+    try:
+        remaining = remaining_work(store, cfg.shards)
+        _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
+    except NoRun:
+        remaining = None
+        _say(args, f"no run at {store.uri} yet: the first task to start plans it")
+    if args.shards_per_task is not None:
+        if remaining is None:
+            raise ValueError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: submit "
+                             "without --shards-per-task first (the tasks plan it and share shards through leases)")
+        plan = static_plan(remaining, args.shards_per_task, args.nodes, submit.max_array_size())
+    else:
+        plan = dynamic_plan(remaining, args.nodes, opts.procs)
+    if not plan.indices:
+        return _nothing_left(args, remaining, train)
+    script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
+    what = f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}"
+    if args.dry_run:
+        _show(f"{opts.job_name}.sbatch: {what}", "", script)
+        if train:
+            _show(f"{train[0].job_name}.sbatch", submit.dependency_options(["<the array's job id>"]), train[1])
+        return 0
+    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
+    _say(args, f"submitted {what}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
+    if train:
+        _sbatch_train(args, *train, after=[job])
+    return 0
+
+
+def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
+    if remaining.running:
+        _say(args, f"nothing to submit: shards {_ids(remaining.running)} are running under live leases, "
+                   "every other one is done")
+        if train:
+            raise ValueError("the extraction is still running, so training cannot be chained to this submission: "
+                             "submit it with `layertap submit train --after <the extraction's job id> ...`")
+        return 0
+    _say(args, "nothing to submit: every shard is done")
+    if train:
+        if args.dry_run:
+            _show(f"{train[0].job_name}.sbatch", "", train[1])
+        else:
+            _sbatch_train(args, *train, after=[])
+    return 0
+
+
+def _then_train(args: argparse.Namespace, opts) -> tuple[Any, str]:
+    """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser."""
+    from slurm.scripts import train_script
+
+    add_train = _train_parser()
+    if add_train is None:
+        raise ValueError("--then-train: `layertap train` is not available in this installation (no train.command)")
+    parser = argparse.ArgumentParser(prog="layertap train", exit_on_error=False)
+    fwd = _Forwarded(parser)
+    add_train(fwd)
+    try:
+        targs, extra = parser.parse_known_args(shlex.split(args.then_train))
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--then-train {args.then_train!r}: {e}") from None
+    if extra:
+        raise ValueError(f"--then-train {args.then_train!r}: `layertap train` does not take {' '.join(extra)}")
+    topts = _job_options(args, job_name="layertap-train")
+    return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
+
+
+def _submit_train(args: argparse.Namespace) -> int:
+    from slurm.scripts import train_script
+    from slurm.submit import dependency_options
+
+    if _train_parser() is None:
+        raise ValueError("`layertap train` is not available in this installation (no train.command)")
+    opts = _job_options(args)
+    script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions))
+    if args.dry_run:
+        _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)
+        return 0
+    _sbatch_train(args, opts, script, after=args.after)
+    return 0
+
+
+def _sbatch_train(args: argparse.Namespace, opts, script: str, after: list[str]) -> None:
+    from slurm import submit
+
+    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script), after)
+    when = f" after job(s) {', '.join(after)} succeed" if after else ""
+    _say(args, f"submitted training job {job}{when}; log {opts.logs}/{opts.job_name}-{job}.out", job)
+
+
+def _resume_flag(actions: list[argparse.Action]) -> str | None:
+    """The trainer's flag to continue from its latest checkpoint, which a requeued job passes."""
+    for a in actions:
+        if a.dest == "resume" and a.nargs == 0:
+            return max(a.option_strings, key=len)
+    return None
+
+
+def _say(args: argparse.Namespace, text: str, job: str | None = None) -> None:
+    """Human lines normally; with --parsable only the job ids."""
+    if args.parsable:
+        if job:
+            print(job)
+    else:
+        print(text)
+
+
+def _show(title: str, options: str, script: str) -> None:
+    print(f"\n----- {title} (dry run: not submitted; sbatch --parsable{' ' + options if options else ''} <script>)")
+    print(script)
+
+
+def _ids(ids: list[int]) -> str:
+    from slurm.scripts import compress
+
+    return compress(ids)

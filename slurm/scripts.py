@@ -1,0 +1,205 @@
+"""The sbatch scripts `layertap submit` writes: an extraction array and a multi-node training job.
+
+Both are plain bash that a user can read, keep and resubmit by hand. They share one body
+(`templates/body.sh`): the workers run in the background while the batch shell waits for them,
+so a signal never ends the job before the workers have cleaned up, and the time-limit warning
+(USR1, which Slurm sends to the batch shell only) is passed on to them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+
+EXTRACT_MODULE = "extract.cli"  # `python -m extract.cli` is the `layertap` command
+
+
+@dataclass(kw_only=True)
+class JobOptions:
+    """What a job asks of Slurm and how its shell is set up, common to extraction and training."""
+
+    job_name: str
+    logs: str  # Slurm's output files and the per-task log folders go here
+    chdir: str = field(default_factory=os.getcwd)  # relative paths in the arguments resolve here
+    python: str = sys.executable  # the interpreter layertap runs in, by absolute path
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    mem: str | None = None
+    gpus_per_node: int = 0
+    procs_per_node: int | None = None  # worker processes per node; default one per GPU, else 1
+    cpus_per_task: int | None = None
+    setup: list[str] = field(default_factory=list)  # shell lines run before the workers start
+    sbatch: list[str] = field(default_factory=list)  # further sbatch options, e.g. --exclusive
+    grace_s: int = 120  # USR1 this many seconds before the time limit
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 0:
+            raise ValueError(f"--gpus-per-node must be 0 or more, got {self.gpus_per_node}")
+        if self.procs_per_node is not None and self.procs_per_node < 1:
+            raise ValueError(f"--procs-per-node must be at least 1, got {self.procs_per_node}")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ValueError(f"--cpus-per-task must be at least 1, got {self.cpus_per_task}")
+        if self.grace_s < 0:
+            raise ValueError(f"--grace must be 0 or more seconds, got {self.grace_s}")
+        for opt in self.sbatch:
+            if not opt.startswith("-") or "\n" in opt:
+                raise ValueError(f"--sbatch {opt!r} is not an sbatch option: give it as --sbatch=--exclusive "
+                                 "or --sbatch=--constraint=a100")
+        for line in self.setup:
+            if "\n" in line:
+                raise ValueError(f"--setup {line!r} holds a newline: give each line as its own --setup")
+        self.logs = os.path.abspath(self.logs)
+        self.chdir = os.path.abspath(self.chdir)
+
+    @property
+    def procs(self) -> int:
+        return self.procs_per_node or max(self.gpus_per_node, 1)
+
+
+def default_setup() -> list[str]:
+    """Activate the virtual environment layertap runs in, so the job finds the same packages."""
+    if sys.prefix != sys.base_prefix and os.path.exists(os.path.join(sys.prefix, "bin", "activate")):
+        return [f"source {shlex.quote(os.path.join(sys.prefix, 'bin', 'activate'))}"]
+    return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArrayPlan:
+    """Which array tasks to start. Dynamic: tasks 0..n-1 take free shards through leases until none
+    is left. Static: task i works shards [i*k, (i+1)*k) of the run, and only tasks with
+    unfinished shards are started."""
+
+    indices: list[int]
+    max_parallel: int | None = None  # the `%N` cap on tasks running at once
+    shards_per_task: int | None = None  # None: dynamic leases
+    num_shards: int | None = None  # the run's shard count (static only: clips the last range)
+
+    @property
+    def spec(self) -> str:
+        """`--array` value, e.g. `1-3,7%2`."""
+        return compress(self.indices) + (f"%{self.max_parallel}" if self.max_parallel else "")
+
+
+def compress(ids: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3,7'."""
+    ids = sorted(set(ids))
+    parts: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -> str:
+    """One array task per node; its workers (one per GPU, through accelerate) share the task's
+    shards, or any free shard, through leases. Each task logs into its own folder."""
+    header = _header(opts, [f"--array={plan.spec}", "--nodes=1", "--ntasks-per-node=1",
+                            f"--output={opts.logs}/%x-%A_%a.out"])
+    lines = ['TASK="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+             f'LOG_DIR={shlex.quote(opts.logs)}/"${{SLURM_JOB_NAME}}-${{TASK}}"']
+    args = [*map(shlex.quote, extract_args), '--log-dir "$LOG_DIR"']
+    if plan.shards_per_task == 1:
+        args.append('--shards "$SLURM_ARRAY_TASK_ID"')
+    elif plan.shards_per_task:
+        k, last = plan.shards_per_task, plan.num_shards - 1
+        lines += [f"FIRST=$((SLURM_ARRAY_TASK_ID * {k})); LAST=$((FIRST + {k - 1}))",
+                  f"if [ \"$LAST\" -gt {last} ]; then LAST={last}; fi"]
+        args.append('--shards "$FIRST-$LAST"')
+    if opts.procs > 1:
+        lines.append("PORT=$((20000 + SLURM_JOB_ID % 20000))  # array tasks may share a node")
+        launch = [shlex.quote(opts.python), "-m", "accelerate.commands.launch", "--multi_gpu",
+                  "--num_processes", str(opts.procs), "--num_machines", "1", "--main_process_port", '"$PORT"',
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE, "extract"]
+    else:
+        launch = [shlex.quote(opts.python), "-m", EXTRACT_MODULE, "extract"]
+    lines.append(_command(launch + args))
+    mode = (f"{plan.shards_per_task} shard(s) per task" if plan.shards_per_task else "any free shard, through leases")
+    about = [f"# layertap extraction: one array task per node, {opts.procs} worker process(es) each ({mode}).",
+             "# Resubmit with the same `layertap submit extract` command: it starts tasks only for unfinished shards."]
+    return _script(about, header, opts, lines, requeue_on_timeout=True)
+
+
+def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_flag: str | None) -> str:
+    """`layertap train` on `nodes` nodes: srun starts one accelerate launcher per node, with the
+    rendezvous (first node's address, a port from the job id) taken from the Slurm environment.
+    With `resume_flag`, a requeued job continues from its latest checkpoint."""
+    if nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, got {nodes}")
+    header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={opts.logs}/%x-%j.out"])
+    total = '"$((SLURM_NNODES * ' + str(opts.procs) + '))"'
+    lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             "PORT=$((20000 + SLURM_JOB_ID % 20000))",
+             "RESUME=()"]
+    if resume_flag:
+        lines.append(f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then RESUME=({resume_flag}); fi  # requeued')
+    node = "'exec \"$0\" -m accelerate.commands.launch --machine_rank \"$SLURM_NODEID\" \"$@\"'"
+    launch = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", node,
+              shlex.quote(opts.python), "--num_machines", '"$SLURM_NNODES"', "--num_processes", total,
+              "--main_process_ip", '"$MASTER_ADDR"', "--main_process_port", '"$PORT"']
+    if nodes * opts.procs > 1:
+        launch.append("--multi_gpu")
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE, "train",
+               *map(shlex.quote, train_args), '${RESUME[@]+"${RESUME[@]}"}']  # bash 4.2-safe under set -u
+    lines.append(_command(launch))
+    about = [f"# layertap training: {nodes} node(s) x {opts.procs} process(es), one accelerate launcher per node."]
+    return _script(about, header, opts, lines, requeue_on_timeout=bool(resume_flag))
+
+
+def _header(opts: JobOptions, job_lines: list[str]) -> list[str]:
+    opt = [f"--job-name={opts.job_name}", *job_lines]
+    if opts.gpus_per_node:
+        opt.append(f"--gpus-per-node={opts.gpus_per_node}")
+    for name in ("cpus_per_task", "mem", "time", "partition", "account", "qos"):
+        value = getattr(opts, name)
+        if value is not None:
+            opt.append(f"--{name.replace('_', '-')}={value}")
+    # append: a requeued task continues its log; requeue: Slurm may restart it after preemption
+    opt += ["--open-mode=append", "--requeue", f"--signal=B:USR1@{opts.grace_s}", f"--chdir={opts.chdir}",
+            *opts.sbatch]
+    return [f"#SBATCH {o}" for o in opt]
+
+
+def _command(words: list[str], width: int = 100) -> str:
+    """`cmd=( ... )`, an option and its value kept on one line, lines of about `width` characters."""
+    groups: list[str] = []
+    for w in words:
+        if groups and groups[-1].startswith("-") and " " not in groups[-1] and not w.startswith("-"):
+            groups[-1] += f" {w}"
+        else:
+            groups.append(w)
+    lines: list[str] = []
+    for g in groups:
+        if lines and len(lines[-1]) + 1 + len(g) <= width:
+            lines[-1] += f" {g}"
+        else:
+            lines.append(g)
+    return "cmd=(\n  " + "\n  ".join(lines) + "\n)"
+
+
+# Work that resumes (extraction; training with --resume) goes back in the queue when the time
+# limit stopped it; Slurm's MaxBatchRequeue bounds the loop for a job that never progresses.
+_REQUEUE = """if [ "$warned" = 1 ] && [ "$rc" != 0 ]; then
+  echo "layertap: stopped before the time limit; requeueing ${SLURM_JOB_ID} to resume"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+"""
+
+
+def _script(about: list[str], header: list[str], opts: JobOptions, lines: list[str], *, requeue_on_timeout: bool) -> str:
+    body = resources.files("slurm").joinpath("templates/body.sh").read_text()
+    on_timeout = _REQUEUE if requeue_on_timeout else ""
+    body = body.replace("{{grace}}", str(opts.grace_s)).replace("{{on_timeout}}", on_timeout)
+    setup = opts.setup or ["# (no environment setup: the job runs the interpreter above by its absolute path)"]
+    parts = ["#!/bin/bash", *about, *header, "set -uo pipefail", "", *setup,
+             'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"; fi',
+             "", *lines, "", body]
+    return "\n".join(parts)

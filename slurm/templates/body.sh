@@ -1,0 +1,17 @@
+echo "layertap: Slurm job ${SLURM_JOB_ID} on $(hostname), restart ${SLURM_RESTART_COUNT:-0}: ${cmd[*]}"
+
+# Slurm sends SIGTERM to every process of the job (scancel, preemption, the time limit, a
+# requeue), so the workers get it themselves and clean up: this shell only waits for them,
+# up to KillWait. The early warning, USR1 from --signal=B:USR1@{{grace}}, reaches this shell
+# alone: it is passed on to the workers as SIGTERM.
+warned=0
+child=
+trap 'warned=1; kill -TERM "$child" 2>/dev/null' USR1
+trap ':' TERM INT
+"${cmd[@]}" &
+child=$!
+rc=0
+while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
+wait "$child" 2>/dev/null; last=$?; [ "$last" -ne 127 ] && rc=$last
+echo "layertap: exit ${rc}"
+{{on_timeout}}exit "$rc"

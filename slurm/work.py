@@ -1,0 +1,77 @@
+"""What is left of a run, and the array that does it: sized from the manifest and one scan.
+
+Remaining work is every shard without a commit that no live lease holds: pending, failed, and
+those whose worker died (its lease went stale). Shards under a live lease belong to a task that
+is still running, so a resubmission while a first array is still going does not double it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from manifests.manifest import load_manifest
+from manifests.state import scan
+from slurm.scripts import ArrayPlan
+from storage.store import ObjectStore
+
+DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: array indices go up to 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Remaining:
+    run_id: str
+    total: int
+    done: int
+    running: list[int]  # held by live leases
+    failed: list[int]  # failure records and no commit; part of `todo`
+    todo: list[int]  # to be (re)done: not committed, not held
+
+    def summary(self) -> str:
+        return (f"{self.total} shards: {self.done} done, {len(self.running)} running, {len(self.failed)} failed, "
+                f"{len(self.todo) - len(self.failed)} pending")
+
+
+def remaining_work(store: ObjectStore, only: Sequence[int] | None = None) -> Remaining:
+    """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run."""
+    manifest = load_manifest(store)
+    total = len(manifest.shards)
+    ids = range(total) if only is None else sorted(set(only))
+    bad = [s for s in ids if not 0 <= s < total]
+    if bad:
+        raise ValueError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
+    st = scan(store, manifest)
+    states = {s: st.state(s) for s in ids}
+    return Remaining(run_id=manifest.run_id, total=total, done=sum(1 for v in states.values() if v == "done"),
+                     running=[s for s, v in states.items() if v == "running"],
+                     failed=[s for s, v in states.items() if v == "failed"],
+                     todo=[s for s, v in states.items() if v in ("failed", "pending")])
+
+
+def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int) -> ArrayPlan:
+    """Tasks that each take free shards until none is left: as many as `nodes`, but no more than
+    the remaining shards can keep busy (a task with no shard to take would load the model for
+    nothing). Without a run yet, `nodes` decides: the first task to plan wins, the rest adopt it."""
+    if remaining is None:
+        if not nodes:
+            raise ValueError("there is no run at --out yet, so its work cannot be sized: give --nodes N "
+                             "(array tasks to start; the first to plan the run wins, the others adopt its plan)")
+        return ArrayPlan(indices=list(range(nodes)))
+    useful = math.ceil(len(remaining.todo) / procs_per_node)
+    return ArrayPlan(indices=list(range(min(nodes or useful, useful))))
+
+
+def static_plan(remaining: Remaining, shards_per_task: int, max_parallel: int | None,
+                max_array_size: int = DEFAULT_MAX_ARRAY_SIZE) -> ArrayPlan:
+    """Task i owns shards [i*k, (i+1)*k): only the tasks owning unfinished shards are started,
+    at most `max_parallel` at once."""
+    if shards_per_task < 1:
+        raise ValueError(f"--shards-per-task must be at least 1, got {shards_per_task}")
+    indices = sorted({s // shards_per_task for s in remaining.todo})
+    if indices and indices[-1] >= max_array_size:
+        need = math.ceil(remaining.total / max_array_size)
+        raise ValueError(f"with --shards-per-task {shards_per_task} the array needs index {indices[-1]}, above this "
+                         f"cluster's MaxArraySize of {max_array_size}: use --shards-per-task {need} or more")
+    return ArrayPlan(indices=indices, max_parallel=max_parallel, shards_per_task=shards_per_task,
+                     num_shards=remaining.total)

@@ -1,0 +1,381 @@
+"""`layertap submit`: the generated scripts, the sizing of arrays from a run, and a real
+single-node Slurm cluster (.ci/slurm.sh) running extraction arrays and a chained training job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from extract.cli import main as cli
+from manifests import layout
+from manifests.manifest import create_or_resume
+from manifests.records import decode_commit, decode_failure
+from manifests.status import run_status, verify_run
+from slurm.scripts import ArrayPlan, JobOptions, compress, extract_script, train_script
+from slurm.work import Remaining, dynamic_plan, remaining_work, static_plan
+from storage.store import open_store
+from test_extract import write_chats
+from tiny_models import tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_SH = REPO / ".ci" / "slurm.sh"
+
+
+# -- sizing ------------------------------------------------------------------------------------
+
+def planned_run(prefix: str, shards: int) -> None:
+    """A manifest of `shards` shards of 10 samples (what `extract` writes after tokenizing)."""
+    create_or_resume(open_store(prefix), config={"model": "m", "codec": "bf16"}, dataset={"fingerprint": "f"},
+                     token_counts=[10] * (10 * shards), bytes_per_token=10.0, shard_bytes=1000)
+
+
+def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds(tmp_path):
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 6)
+    store = open_store(prefix)
+    store.put(layout.commit_key(0), b"{}")
+    store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker
+    store.put(layout.lease_key(2, 1, 0.001), b"{}")  # a dead one: stale at once
+    store.put(layout.failure_key(3, 1, "tok"), b"{}")
+    time.sleep(0.01)
+    rem = remaining_work(store)
+    assert (rem.total, rem.done, rem.running, rem.failed, rem.todo) == (6, 1, [1], [3], [2, 3, 4, 5])
+    assert rem.summary() == "6 shards: 1 done, 1 running, 1 failed, 3 pending"
+    assert remaining_work(store, only=[0, 3, 4]).todo == [3, 4]
+    with pytest.raises(ValueError, match=r"does not have \(it has shards 0-5\)"):
+        remaining_work(store, only=[2, 9])
+
+
+def test_array_plans():
+    rem = Remaining(run_id="r", total=30, done=20, running=[0], failed=[5], todo=[5, 6, 7, 12, 29])
+    assert dynamic_plan(rem, None, 1).indices == [0, 1, 2, 3, 4]  # one task per remaining shard
+    assert dynamic_plan(rem, 2, 1).spec == "0-1"  # --nodes caps it
+    assert dynamic_plan(rem, 8, 4).spec == "0-1"  # 5 shards keep two 4-GPU nodes busy
+    assert dynamic_plan(None, 3, 8).spec == "0-2"  # no run yet: --nodes decides
+    with pytest.raises(ValueError, match="give --nodes N"):
+        dynamic_plan(None, None, 1)
+    one = static_plan(rem, 1, 2)
+    assert (one.spec, one.shards_per_task) == ("5-7,12,29%2", 1)  # array index = shard id
+    assert static_plan(rem, 4, None).spec == "1,3,7"  # tasks owning 4-7, 12-15, 28-29
+    with pytest.raises(ValueError, match="above this cluster's MaxArraySize of 10: use --shards-per-task 3 or more"):
+        static_plan(rem, 1, None, max_array_size=10)
+    assert static_plan(rem, 3, None, max_array_size=10).indices == [1, 2, 4, 9]
+    assert compress([]) == "" and compress([4, 1, 2, 2]) == "1-2,4"
+
+
+# -- the scripts -------------------------------------------------------------------------------
+
+def bash_syntax_ok(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+def sbatch_options(script: str) -> list[str]:
+    return [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_extract_script_dynamic_on_gpu_nodes(tmp_path):
+    opts = JobOptions(job_name="x", logs=str(tmp_path / "logs"), chdir=str(tmp_path), gpus_per_node=8,
+                      time="4:00:00", partition="gpu", setup=["module load cuda/12.4"], sbatch=["--exclusive"],
+                      grace_s=300)
+    script = extract_script(opts, ArrayPlan(indices=[0, 1, 2]), ["--out", "s3://b/run 1", "--model", "/m"])
+    bash_syntax_ok(script, tmp_path)
+    assert sbatch_options(script) == [
+        "--job-name=x", "--array=0-2", "--nodes=1", "--ntasks-per-node=1", f"--output={tmp_path}/logs/%x-%A_%a.out",
+        "--gpus-per-node=8", "--time=4:00:00", "--partition=gpu", "--open-mode=append", "--requeue",
+        "--signal=B:USR1@300", f"--chdir={tmp_path}", "--exclusive"]
+    flat = " ".join(script.split())
+    assert f"{sys.executable} -m accelerate.commands.launch --multi_gpu --num_processes 8 --num_machines 1" in flat
+    assert '--main_process_port "$PORT"' in flat and "PORT=$((20000 + SLURM_JOB_ID % 20000))" in script
+    assert "-m extract.cli extract --out 's3://b/run 1' --model /m --log-dir \"$LOG_DIR\"" in flat
+    assert f'LOG_DIR={tmp_path}/logs/"${{SLURM_JOB_NAME}}-${{TASK}}"' in script  # one log folder per task
+    assert "--shards" not in flat  # dynamic: any free shard
+    assert script.index("module load cuda/12.4") < script.index('"${cmd[@]}" &')
+    assert "trap 'warned=1; kill -TERM \"$child\" 2>/dev/null' USR1" in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script  # stopped by the time limit: back in the queue
+
+
+def test_extract_script_static_ranges_on_cpu(tmp_path):
+    opts = JobOptions(job_name="x", logs=str(tmp_path), cpus_per_task=4)
+    one = extract_script(opts, ArrayPlan(indices=[3, 9], max_parallel=2, shards_per_task=1, num_shards=10), ["--out", "r"])
+    bash_syntax_ok(one, tmp_path)
+    assert "--array=3,9%2" in sbatch_options(one) and "--cpus-per-task=4" in sbatch_options(one)
+    flat = " ".join(one.split())
+    assert f"{sys.executable} -m extract.cli extract --out r --log-dir \"$LOG_DIR\" --shards \"$SLURM_ARRAY_TASK_ID\"" in flat
+    assert "accelerate" not in flat  # one process: no launcher between the shell and the worker
+    four = extract_script(opts, ArrayPlan(indices=[0, 2], shards_per_task=4, num_shards=10), ["--out", "r"])
+    bash_syntax_ok(four, tmp_path)
+    ranges = []
+    for task in (0, 2):  # the script's own arithmetic, run by bash: task 2's range is clipped at shard 9
+        lines = [l for l in four.splitlines() if l.startswith(("FIRST=", "if [ \"$LAST\""))]
+        p = subprocess.run(["bash", "-c", "\n".join(lines) + '\necho "$FIRST-$LAST"'], capture_output=True,
+                           text=True, env={"SLURM_ARRAY_TASK_ID": str(task)})
+        ranges.append(p.stdout.strip())
+    assert ranges == ["0-3", "8-9"]
+
+
+def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
+    opts = JobOptions(job_name="t", logs=str(tmp_path), gpus_per_node=4)
+    script = train_script(opts, 3, ["--data", "s3://b/r", "--out", "d"], "--resume")
+    bash_syntax_ok(script, tmp_path)
+    assert "--nodes=3" in sbatch_options(script) and "--gpus-per-node=4" in sbatch_options(script)
+    flat = " ".join(script.split())
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert "srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 bash" in flat
+    assert '--machine_rank "$SLURM_NODEID"' in flat and '--num_machines "$SLURM_NNODES"' in flat
+    assert '--num_processes "$((SLURM_NNODES * 4))" --main_process_ip "$MASTER_ADDR"' in flat
+    assert "--multi_gpu" in flat and "-m extract.cli train --data s3://b/r --out d" in flat
+    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in script
+    assert 'scontrol requeue' in script  # it resumes, so the time limit requeues it
+    single = train_script(JobOptions(job_name="t", logs=str(tmp_path)), 1, ["--data", "r"], None)
+    assert "--multi_gpu" not in single and "RESUME=(--resume)" not in single and "scontrol requeue" not in single
+    # The node command line bash builds, with the rank from each node's environment:
+    lines = [l for l in single.splitlines() if not l.startswith("#")]
+    cmd_block = "\n".join(lines[lines.index("cmd=("):lines.index(")") + 1])
+    p = subprocess.run(["bash", "-c", f'RESUME=(); MASTER_ADDR=h0; PORT=1; {cmd_block}\nprintf "%s\\n" "${{cmd[@]}}"'],
+                       capture_output=True, text=True, env={"SLURM_NNODES": "1", "PATH": os.environ["PATH"]})
+    words = p.stdout.splitlines()
+    assert words[:6] == ["srun", "--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c"]
+    assert words[7:9] == [sys.executable, "--num_machines"]
+
+
+def test_job_options_are_checked():
+    with pytest.raises(ValueError, match="--sbatch 'exclusive' is not an sbatch option"):
+        JobOptions(job_name="x", logs="l", sbatch=["exclusive"])
+    with pytest.raises(ValueError, match="--procs-per-node must be at least 1"):
+        JobOptions(job_name="x", logs="l", procs_per_node=0)
+
+
+# -- the command line, without a cluster ---------------------------------------------------------
+
+def submit(*args: str) -> int:
+    return cli(["submit", *args])
+
+
+def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))  # a dry run needs no Slurm command
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 12)
+    store = open_store(prefix)
+    for s in range(10):
+        store.put(layout.commit_key(s), b"{}")
+    store.put(layout.failure_key(10, 1, "t"), b"{}")
+    assert submit("extract", "--dry-run", "--shards-per-task", "1", "--nodes", "4", "--out", prefix,
+                  "--max-length", "64", "--then-train", "--data run --model m --out d --steps 3") == 0
+    out = capsys.readouterr().out
+    assert "12 shards: 10 done, 0 running, 1 failed, 1 pending" in out
+    assert "#SBATCH --array=10-11%4" in out and "--shards \"$SLURM_ARRAY_TASK_ID\"" in out
+    assert "--max-length 64" in out and f"--log-dir \"$LOG_DIR\"" in out
+    assert "sbatch --parsable --dependency=afterok:<the array's job id> --kill-on-invalid-dep=yes" in out
+    assert "-m extract.cli train --data run --model m --out d --steps 3" in " ".join(out.split())
+    assert not (tmp_path / "layertap-logs").exists()  # nothing written
+
+    assert submit("extract", "--dry-run", "--out", prefix) == 0  # dynamic: one task per remaining shard
+    assert "#SBATCH --array=0-1\n" in capsys.readouterr().out
+    for s in (10, 11):
+        store.put(layout.commit_key(s), b"{}")
+    assert submit("extract", "--dry-run", "--out", prefix) == 0
+    assert "nothing to submit: every shard is done" in capsys.readouterr().out
+
+
+def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fresh = str(tmp_path / "fresh")
+    assert submit("extract", "--dry-run", "--out", fresh) == 2
+    assert "no run at --out yet, so its work cannot be sized: give --nodes N" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--shards-per-task", "2", "--nodes", "2", "--out", fresh) == 2
+    assert "static ranges need the run's plan" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--shards", "0-3", "--shards-per-task", "2", "--out", fresh) == 2
+    assert "not both" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh, "--codec", "bf16",
+                  "--then-train", "--steps many") == 2
+    assert "--then-train '--steps many': argument --steps: invalid int value: 'many'" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh, "--max-length", "1") == 2
+    assert "--max-length must be at least 2" in capsys.readouterr().err  # the extractor's own checks
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert submit("extract", "--nodes", "1", "--out", fresh) == 2
+    assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+# -- a real cluster ------------------------------------------------------------------------------
+
+def _have_slurm() -> bool:
+    return all(shutil.which(b) or os.path.exists(f"/usr/sbin/{b}") for b in ("sbatch", "slurmctld", "slurmd", "munged"))
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A single-node cluster on localhost, started for these tests and stopped after them."""
+    if not _have_slurm() and os.geteuid() == 0:
+        subprocess.run(["bash", str(SLURM_SH), "install"], check=False)
+    if not _have_slurm():
+        pytest.skip("Slurm is not installed and cannot be here (needs root and apt: `.ci/slurm.sh install`)")
+    folder = tmp_path_factory.mktemp("slurm")
+    p = subprocess.run(["bash", str(SLURM_SH), "start", str(folder)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(folder / "slurm.conf")
+    yield folder
+    subprocess.run(["bash", str(SLURM_SH), "stop", str(folder)], check=False)
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+
+
+def scontrol_jobs(job: str) -> list[dict[str, str]]:
+    """Every job (array task) of `job`, as scontrol's key=value fields."""
+    p = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, check=True)
+    return [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in p.stdout.splitlines()]
+
+
+def wait_for(cond, what: str, timeout: float = 240.0, every: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_done(job: str) -> bool:
+    p = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
+    return p.returncode == 0 and not p.stdout.strip()
+
+
+def submitted(out: str) -> list[str]:
+    return re.findall(r"job (\d+)", out)
+
+
+def holds_lease(store, shard: int) -> bool:
+    return any(store.list(layout.lease_prefix(shard)))
+
+
+def shard_open(store, shard: int) -> bool:
+    """A worker is writing the shard's data: well inside its claim (local stores only)."""
+    return bool(store.list_pending_uploads(f"{layout.SHARDS}{shard:06d}"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("models"), "llama", num_layers=4)
+
+
+def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster, tiny_llama, tmp_path, capsys,
+                                                                  monkeypatch):
+    """The issue's whole story on a real cluster: a fresh run planned by its first task; a static
+    array in which one task gets the time-limit warning (it requeues itself and resumes) and one
+    is scancel'd (its shard fails, the reason shows in `status`); a resubmission of only that
+    shard; then training, started by Slurm once the resubmission succeeded (afterok)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # exported to the jobs: two of them share two cores
+    data = write_chats(tmp_path / "chats.jsonl", 760)
+    run = str(tmp_path / "run")
+    # One forward per sample keeps a shard busy for seconds: the signals below land mid-shard.
+    extract_args = ["--model", tiny_llama, "--dataset", data, "--out", run, "--layers", "1,3", "--max-length", "48",
+                    "--batch-tokens", "48", "--shard-bytes", "2MB"]
+    store = open_store(run)
+    logs = tmp_path / "layertap-logs"
+
+    # 1. A fresh prefix: one dynamic task plans the run and does shard 0.
+    assert submit("extract", "--nodes", "1", *extract_args, "--shards", "0") == 0
+    out = capsys.readouterr().out
+    assert "no run at" in out and "array of 1 task(s), --array=0:" in out
+    first = submitted(out)[0]
+    wait_for(lambda: job_done(first), "the planning task")
+    assert [j["JobState"] for j in scontrol_jobs(first)] == ["COMPLETED"]
+    assert (run_status(store)["shards_total"], run_status(store)["shards_done"]) == (3, 1)
+
+    # 2. Static ranges, one shard per task, at most two at a time: only shards 1 and 2 are left.
+    assert submit("extract", "--shards-per-task", "1", "--nodes", "2", *extract_args) == 0
+    out = capsys.readouterr().out
+    assert "3 shards: 1 done, 0 running, 0 failed, 2 pending" in out and "--array=1-2%2" in out
+    array = submitted(out)[0]
+    # Task 1 gets the time-limit warning: USR1 to the batch shell, as --signal=B:USR1@grace sends it.
+    wait_for(lambda: shard_open(store, 1), "task 1 to start writing its shard", every=0.05)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", f"{array}_1"], check=True)
+    # Task 2 is cancelled: SIGTERM to every process of the job.
+    wait_for(lambda: shard_open(store, 2), "task 2 to start writing its shard", every=0.05)
+    t0 = time.time()
+    subprocess.run(["scancel", f"{array}_2"], check=True)
+    wait_for(lambda: job_done(f"{array}_2"), "the cancelled task to end", timeout=60)
+    stopped_in = time.time() - t0
+    # It left the store consistent: of its attempt, only a failure record.
+    assert not holds_lease(store, 2) and not shard_open(store, 2)
+    assert not any(store.list(f"{layout.SHARDS}000002")) and not store.exists(layout.commit_key(2))
+    [f2] = [decode_failure(store.get(o.key), o.key) for o in store.list(f"{layout.FAILURES}000002/")]
+    assert f2.preempted and f2.error == "received SIGTERM" and f2.producer["job_id"] == f"{array}_2"
+
+    # The warned task requeued itself; Slurm holds a requeued job back two minutes: release it now.
+    warned = wait_for(lambda: [j for j in scontrol_jobs(f"{array}_1") if j.get("Restarts") == "1"
+                               and j["JobState"] == "PENDING"], "task 1 to requeue itself")
+    subprocess.run(["scontrol", "update", f"JobId={warned[0]['JobId']}", "StartTime=now"], check=True)
+    wait_for(lambda: job_done(array), "the array")
+    assert {j["ArrayTaskId"]: j["JobState"] for j in scontrol_jobs(array)} == {"1": "COMPLETED", "2": "CANCELLED"}
+    [f1] = [decode_failure(store.get(o.key), o.key) for o in store.list(f"{layout.FAILURES}000001/")]
+    assert f1.preempted and f1.error == "received SIGTERM"  # the warning, passed on as SIGTERM
+    commit1 = decode_commit(store.get(layout.commit_key(1)), layout.commit_key(1))
+    assert commit1.producer["job_id"] == f"{array}_1"  # done by the same task, after its requeue
+    log1 = (logs / f"layertap-extract-{array}_1.out").read_text()
+    assert "requeueing" in log1 and "restart 1" in log1 and log1.count("layertap: exit 143") == 1
+
+    # 3. `layertap status` says which shard failed and why.
+    assert cli(["status", run]) == 0
+    status_out = capsys.readouterr().out
+    assert "2/3 done, 0 running, 1 failed, 0 pending" in status_out
+    assert "FAILED shard 2 (1 attempts, last on host" in status_out
+    assert f"job {array}_2): Preempted: received SIGTERM" in status_out
+
+    # 4. Resubmitting submits only shard 2, and training follows it (afterok).
+    drafter = str(tmp_path / "drafter")
+    train_args = f"--data {run} --model {tiny_llama} --out {drafter} --steps 3 --batch-size 4 --block-size 4 --max-anchors 8"
+    assert submit("extract", "--shards-per-task", "1", *extract_args, "--then-train", train_args) == 0
+    out = capsys.readouterr().out
+    assert "array of 1 task(s), --array=2:" in out
+    again, trainer = submitted(out)
+    assert [j["ArrayTaskId"] for j in scontrol_jobs(again)] == ["2"]
+    wait_for(lambda: job_done(again) and job_done(trainer), "the resubmission and the training", timeout=300)
+    assert run_status(store)["complete"] and verify_run(store).bad == []
+    train_log = (logs / f"layertap-train-{trainer}.out").read_text()
+    assert [j["JobState"] for j in scontrol_jobs(trainer)] == ["COMPLETED"], train_log[-3000:]
+    assert scontrol_jobs(trainer)[0]["StartTime"] >= scontrol_jobs(again)[0]["EndTime"]
+    assert len(open_store(drafter).get("metrics.jsonl").decode().splitlines()) == 3
+    print(f"\n[slurm] a cancelled task ended {stopped_in:.1f} s after scancel")
+
+
+def test_two_signals_at_once_leave_the_store_consistent(tiny_llama, tmp_path):
+    """Slurm signals every process of a job and a launcher passes signals on too: a worker may get
+    SIGTERM twice or more. The first stops it; the others must not break off its cleanup."""
+    data = write_chats(tmp_path / "chats.jsonl", 300)
+    run = str(tmp_path / "run")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "extract.cli", "extract", "--model", tiny_llama, "--dataset", data,
+                             "--out", run, "--layers", "1,3", "--max-length", "48", "--batch-tokens", "48",
+                             "--shard-bytes", "1500KB", "--log-dir", str(tmp_path / "logs")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    store = open_store(run)
+    wait_for(lambda: shard_open(store, 0) or proc.poll() is not None, "the first shard", every=0.02)
+    while proc.poll() is None:  # a stream of signals until it has exited
+        proc.send_signal(signal.SIGTERM if time.monotonic_ns() % 2 else signal.SIGUSR1)
+        time.sleep(0.002)
+    err = proc.stderr.read()
+    # 143 from the extractor; or, once it has cleaned up and restored the default handlers, a
+    # later signal of the stream ended the exiting interpreter.
+    assert proc.returncode in (143, -signal.SIGTERM, -signal.SIGUSR1), err[-3000:]
+    assert "preempted: shard 0 aborted" in (tmp_path / "logs" / "extract-rank0.log").read_text()
+    assert not any(store.list(layout.LEASES)) and store.list_pending_uploads() == []
+    [f] = [decode_failure(store.get(o.key), o.key) for o in store.list(layout.FAILURES)]
+    assert f.preempted and f.shard == 0
