@@ -173,16 +173,20 @@ def _submit_extract(args: argparse.Namespace) -> int:
     train = _then_train(args, opts) if args.then_train is not None else None
     store = open_store(cfg.out, **cfg.s3)
     try:
-        remaining = remaining_work(store, cfg.shards)
+        remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
         _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
     except NoRun:
         remaining = None
         _say(args, f"no run at {store.uri} yet: the first task to start plans it")
     if args.shards_per_task is not None:
         if remaining is None:
-            raise ValueError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: submit "
-                             "without --shards-per-task first (the tasks plan it and share shards through leases)")
+            raise ValueError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
+                             "with `layertap plan <these extract arguments>`, or submit without --shards-per-task "
+                             "(the tasks plan it and share shards through leases)")
         plan = static_plan(remaining, args.shards_per_task, args.nodes, submit.max_array_size())
+        if args.shards_per_task < opts.procs:
+            _say(args, f"note: {args.shards_per_task} shard(s) per task keep at most that many of a node's "
+                       f"{opts.procs} workers busy")
     else:
         plan = dynamic_plan(remaining, args.nodes, opts.procs)
     if not plan.indices:
@@ -190,7 +194,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
     what = f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}"
     if args.dry_run:
-        _show(f"{opts.job_name}.sbatch: {what}", "", script)
+        _show(f"{opts.job_name}.sbatch: {what}", [], script)
         if train:
             _show(f"{train[0].job_name}.sbatch", submit.dependency_options(["<the array's job id>"]), train[1])
         return 0
@@ -202,8 +206,10 @@ def _submit_extract(args: argparse.Namespace) -> int:
 
 
 def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
+    from slurm.scripts import compress
+
     if remaining.running:
-        _say(args, f"nothing to submit: shards {_ids(remaining.running)} are running under live leases, "
+        _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
                    "every other one is done")
         if train:
             raise ValueError("the extraction is still running, so training cannot be chained to this submission: "
@@ -212,7 +218,7 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     _say(args, "nothing to submit: every shard is done")
     if train:
         if args.dry_run:
-            _show(f"{train[0].job_name}.sbatch", "", train[1])
+            _show(f"{train[0].job_name}.sbatch", [], train[1])
         else:
             _sbatch_train(args, *train, after=[])
     return 0
@@ -278,12 +284,13 @@ def _say(args: argparse.Namespace, text: str, job: str | None = None) -> None:
         print(text)
 
 
-def _show(title: str, options: str, script: str) -> None:
-    print(f"\n----- {title} (dry run: not submitted; sbatch --parsable{' ' + options if options else ''} <script>)")
+def _show(title: str, options: list[str], script: str) -> None:
+    print(f"\n----- {title} (dry run: not submitted; {' '.join(['sbatch --parsable', *options])} <script>)")
     print(script)
 
 
-def _ids(ids: list[int]) -> str:
-    from slurm.scripts import compress
-
-    return compress(ids)
+def _pinned_settings(cfg) -> dict[str, Any]:
+    """The settings the run's manifest pins that are known without loading the model."""
+    pinned = {k: getattr(cfg, k) for k in ("codec", "dtype", "max_length", "final_state")}
+    pinned.update({k: getattr(cfg, k) for k in ("model", "gguf_file", "layers") if getattr(cfg, k) is not None})
+    return pinned

@@ -147,7 +147,8 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
               "--main_process_ip", '"$MASTER_ADDR"', "--main_process_port", '"$PORT"']
     if nodes * opts.procs > 1:
         launch.append("--multi_gpu")
-    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE, "train",
+    # No --mixed_precision: the trainer chooses its own (bf16 on GPUs).
+    launch += ["--dynamo_backend", "no", "-m", EXTRACT_MODULE, "train",
                *map(shlex.quote, train_args), '${RESUME[@]+"${RESUME[@]}"}']  # bash 4.2-safe under set -u
     lines.append(_command(launch))
     about = [f"# layertap training: {nodes} node(s) x {opts.procs} process(es), one accelerate launcher per node."]

@@ -52,16 +52,13 @@ def sbatch(script: str, after_ok: list[str] | None = None) -> str:
     """Submit `script`; its job id. With `after_ok`, it starts once all those jobs (every task of
     an array) succeeded, and Slurm cancels it if one of them fails, rather than leave it pending
     forever."""
-    cmd = ["sbatch", "--parsable"]
-    if after_ok:
-        cmd += [f"--dependency=afterok:{':'.join(after_ok)}", "--kill-on-invalid-dep=yes"]
-    out = _run(cmd + [script]).strip()
+    out = _run(["sbatch", "--parsable", *dependency_options(after_ok or []), script]).strip()
     job = out.split(";", 1)[0]  # "id" or "id;cluster"
     if not job.isdigit():
         raise SlurmError(f"sbatch printed {out!r}, not a job id")
     return job
 
 
-def dependency_options(after_ok: list[str]) -> str:
-    """The sbatch options `sbatch(after_ok=...)` adds, for --dry-run to print."""
-    return f"--dependency=afterok:{':'.join(after_ok)} --kill-on-invalid-dep=yes" if after_ok else ""
+def dependency_options(after_ok: list[str]) -> list[str]:
+    """sbatch options to start only once every job of `after_ok` succeeded."""
+    return [f"--dependency=afterok:{':'.join(after_ok)}", "--kill-on-invalid-dep=yes"] if after_ok else []

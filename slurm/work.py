@@ -8,10 +8,11 @@ is still running, so a resubmission while a first array is still going does not 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from manifests.manifest import load_manifest
+from manifests.manifest import ConfigMismatch, load_manifest
 from manifests.state import scan
 from slurm.scripts import ArrayPlan
 from storage.store import ObjectStore
@@ -33,9 +34,17 @@ class Remaining:
                 f"{len(self.todo) - len(self.failed)} pending")
 
 
-def remaining_work(store: ObjectStore, only: Sequence[int] | None = None) -> Remaining:
-    """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run."""
+def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
+                   settings: Mapping[str, Any] | None = None) -> Remaining:
+    """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run,
+    and `ConfigMismatch` if `settings` (a subset of the manifest's config) differ from the run's:
+    every task would be refused, so better now than in the queue."""
     manifest = load_manifest(store)
+    diffs = [f"{k}: run has {manifest.config.get(k)!r}, now {v!r}" for k, v in (settings or {}).items()
+             if manifest.config.get(k) != v]
+    if diffs:
+        raise ConfigMismatch(f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)
+                             + "\nuse the run's settings to resume it, or write the new run to another prefix")
     total = len(manifest.shards)
     ids = range(total) if only is None else sorted(set(only))
     bad = [s for s in ids if not 0 <= s < total]

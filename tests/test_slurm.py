@@ -34,14 +34,14 @@ SLURM_SH = REPO / ".ci" / "slurm.sh"
 
 def planned_run(prefix: str, shards: int) -> None:
     """A manifest of `shards` shards of 10 samples (what `extract` writes after tokenizing)."""
-    create_or_resume(open_store(prefix), config={"model": "m", "codec": "bf16"}, dataset={"fingerprint": "f"},
+    config = {"model": "m", "codec": "bf16-zstd", "dtype": "bfloat16", "max_length": 64, "final_state": "none"}
+    create_or_resume(open_store(prefix), config=config, dataset={"fingerprint": "f"},
                      token_counts=[10] * (10 * shards), bytes_per_token=10.0, shard_bytes=1000)
 
 
-def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds(tmp_path):
-    prefix = str(tmp_path / "run")
-    planned_run(prefix, 6)
-    store = open_store(prefix)
+def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds(store_uri):
+    planned_run(store_uri, 6)
+    store = open_store(store_uri)
     store.put(layout.commit_key(0), b"{}")
     store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker
     store.put(layout.lease_key(2, 1, 0.001), b"{}")  # a dead one: stale at once
@@ -182,12 +182,26 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     assert "-m extract.cli train --data run --model m --out d --steps 3" in " ".join(out.split())
     assert not (tmp_path / "layertap-logs").exists()  # nothing written
 
-    assert submit("extract", "--dry-run", "--out", prefix) == 0  # dynamic: one task per remaining shard
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0  # dynamic: a task a shard
     assert "#SBATCH --array=0-1\n" in capsys.readouterr().out
+    # Settings the run pins are checked now, not by every task in the queue.
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--codec", "fp8") == 2
+    assert "codec: run has 'bf16-zstd', now 'fp8'" in capsys.readouterr().err
     for s in (10, 11):
         store.put(layout.commit_key(s), b"{}")
-    assert submit("extract", "--dry-run", "--out", prefix) == 0
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0
     assert "nothing to submit: every shard is done" in capsys.readouterr().out
+
+
+def test_submit_train_dry_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert submit("train", "--dry-run", "--after", "41", "--after", "42", "--nodes", "2", "--gpus-per-node", "4",
+                  "--time", "1-00:00:00", "--data", "s3://b/run", "--model", "/m", "--out", "s3://b/drafter") == 0
+    out = capsys.readouterr().out
+    assert "sbatch --parsable --dependency=afterok:41:42 --kill-on-invalid-dep=yes <script>" in out
+    assert "#SBATCH --nodes=2" in out and "#SBATCH --time=1-00:00:00" in out
+    assert "-m extract.cli train --data s3://b/run --model /m --out s3://b/drafter" in " ".join(out.split())
+    assert "RESUME=(--resume)" in out  # a requeued job continues from its checkpoint
 
 
 def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
