@@ -28,9 +28,16 @@ start() {
     for _ in $(seq 1 40); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
   fi
   CPUS=$(nproc); MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 2048 ))
+  # Ports of our own, so a cluster already on this host (or one a crashed run left) is no obstacle.
+  read -r CTLD_PORT SLURMD_PORT < <(python3 -c 'import socket
+s = [socket.socket() for _ in range(2)]
+[x.bind(("127.0.0.1", 0)) for x in s]
+print(*[x.getsockname()[1] for x in s])')
   cat > "$S/slurm.conf" <<EOF
 ClusterName=layertapci
 SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
 AuthType=auth/munge
 SlurmUser=root
 SlurmdUser=root
