@@ -306,7 +306,6 @@ def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
             return 0
         print("\nthe run is not complete: run the same command again to retry failed and pending shards")
         return 1
-    model = f" --model {cfg.model}" + (f" --gguf-file {cfg.gguf_file}" if cfg.gguf_file else "") if cfg.model else ""
-    print(f"\ntrain a drafter on it (the `train` subcommand is not built yet; train.ShardStream reads it now):"
-          f"\n  layertap train --data {cfg.out}{model} --out drafter/")
+    print(f"\ntrain a drafter on it (the target is the one this run's manifest records):"
+          f"\n  layertap train --data {cfg.out} --out {cfg.out.rstrip('/')}-drafter")
     return 0

@@ -287,9 +287,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp_path)
     assert [r["step"] for r in metrics(str(out))] == list(range(1, 151))
 
 
-def test_resume_refuses_other_settings(run, target, tmp_path, capsys):
+def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     out = str(tmp_path / "out")
-    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "4", "--save-every", "2", *FAST) == 0
+    # no --model: the target folder the run's manifest records
+    assert train_cli("--data", run, "--out", out, "--steps", "4", "--save-every", "2", *FAST) == 0
+    assert f"target model from the run's manifest: {target}" in caplog.text
     assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "8", "--resume", *FAST,
                      "--seed", "3") == 2
     assert "seed: checkpoint 0, now 3" in capsys.readouterr().err

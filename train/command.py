@@ -10,7 +10,7 @@ import sys
 def add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="the extraction's run prefix: s3://bucket/prefix or a local folder (required)")
     p.add_argument("--model", help="the target model folder the extraction used; only its embed_tokens and "
-                                   "lm_head are read (required)")
+                                   "lm_head are read (default: the folder the run's manifest records)")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument("--out", help="checkpoints, metrics.jsonl and the exported drafter: s3://... or a folder (required)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs passes over the data)")

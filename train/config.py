@@ -13,8 +13,9 @@ from manifests.manifest import parse_size
 @dataclass(kw_only=True)
 class TrainConfig:
     data: str  # the extraction's run prefix
-    model: str  # the target model folder (only its embeddings and head are read)
     out: str  # checkpoints, metrics and the exported drafter: an S3 prefix or a local folder
+    model: str | None = None  # the target model folder (only its embeddings and head are read);
+    # None: the one the run's manifest records, when that folder exists on this machine
     gguf_file: str | None = None
     steps: int | None = None  # optimizer steps; None: `epochs` passes over the data
     epochs: int = 1
@@ -66,7 +67,7 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
     """Settings from a JSON file, then the given command-line values on top."""
     values = read_config_file(path, TrainConfig)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    for required, flag in (("data", "--data"), ("model", "--model"), ("out", "--out")):
+    for required, flag in (("data", "--data"), ("out", "--out")):
         if not values.get(required):
-            raise ValueError(f"missing {flag}: layertap train --data RUN_PREFIX --model TARGET --out PREFIX_OR_DIR")
+            raise ValueError(f"missing {flag}: layertap train --data RUN_PREFIX --out PREFIX_OR_DIR [--model TARGET]")
     return TrainConfig(**values)

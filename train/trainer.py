@@ -121,6 +121,8 @@ def train(cfg: TrainConfig) -> int:
     rank, world = acc.process_index, acc.num_processes
     out = open_store(cfg.out, **cfg.s3)
     run = load_manifest(open_store(cfg.data, **cfg.s3))
+    if cfg.model is None:
+        cfg.model, cfg.gguf_file = _recorded_target(run.config, cfg.data)
 
     ckpt = load_latest(out)
     if ckpt is not None and not cfg.resume:
@@ -271,6 +273,22 @@ def _save(acc, gather_object, out, step, model, optimizer, loader, cfg, world, m
         prefix = save_checkpoint(out, step, model, optimizer, state, cfg.keep_checkpoints)
         log.info("checkpoint %s/%s", out.uri, prefix)
     acc.wait_for_everyone()
+
+
+def _recorded_target(run_config: dict[str, Any], data: str) -> tuple[str, str | None]:
+    """The target the extraction used, as its manifest records it, if it is on this machine."""
+    import os
+
+    model, gguf = run_config.get("model"), run_config.get("gguf_file")
+    if isinstance(model, str) and model.startswith("embedded:"):  # the Quickstart's packaged SmolLM2
+        from extract.embedded import smollm2_gguf
+
+        model, gguf = smollm2_gguf()
+    if not model or not os.path.isdir(model) or (gguf and not os.path.isfile(os.path.join(model, gguf))):
+        raise ValueError(f"the run at {data} was extracted from {model!r}" + (f" ({gguf})" if gguf else "") +
+                         ", which is not on this machine: pass --model (and --gguf-file) with the same target")
+    log.info("target model from the run's manifest: %s%s", model, f" ({gguf})" if gguf else "")
+    return model, gguf
 
 
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> None:
