@@ -128,6 +128,10 @@ def run_submit(args: argparse.Namespace) -> int:
     from storage.store import StoreError
 
     try:
+        if not args.dry_run:
+            from slurm.submit import require
+
+            require("sbatch")
         if args.submit_kind == "extract":
             return _submit_extract(args)
         return _submit_train(args)

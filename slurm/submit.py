@@ -18,10 +18,15 @@ class SlurmError(Exception):
     """sbatch or scontrol is missing or refused the request."""
 
 
-def _run(cmd: list[str]) -> str:
-    if shutil.which(cmd[0]) is None:
-        raise SlurmError(f"{cmd[0]} is not on PATH: run `layertap submit` where Slurm's commands are "
+def require(command: str = "sbatch") -> None:
+    """Fail before anything is written when Slurm's commands are not here."""
+    if shutil.which(command) is None:
+        raise SlurmError(f"{command} is not on PATH: run `layertap submit` where Slurm's commands are "
                          "(a login node), or add --dry-run to print the scripts")
+
+
+def _run(cmd: list[str]) -> str:
+    require(cmd[0])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SlurmError(f"`{' '.join(cmd)}` failed: {(p.stderr or p.stdout).strip() or f'exit {p.returncode}'}")

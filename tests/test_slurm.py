@@ -221,6 +221,7 @@ def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert submit("extract", "--nodes", "1", "--out", fresh) == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "layertap-logs").exists()  # refused before anything was written
 
 
 # -- a real cluster ------------------------------------------------------------------------------
