@@ -123,24 +123,12 @@ def boto3_gets(client, bucket: str, keys: list[str], threads: int) -> dict:
     return {"bytes": got, "gets": len(keys)}
 
 
-class _InMemory:
-    """A fetched object as the store `ShardReader` reads its head and footer from."""
-
-    uri = "memory"
-
-    def __init__(self, data: bytes):
-        self.view = memoryview(data)
-
-    def get_range(self, key: str, start: int, end: int) -> memoryview:
-        return self.view[start:end]
-
-
 def get_and_decode(client, bucket: str, prefix: str, keys: list[str]) -> dict:
     """The naive in-RAM reader: whole GETs, then every record decoded, all on one thread."""
     samples = decoded = 0
     for key in keys:
         data = client.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
-        reader = ShardReader(_InMemory(data), key, size=len(data))
+        reader = ShardReader.from_bytes(data, key)
         for e in reader.entries:
             s = decode_record(memoryview(data)[e.offset + 20 : e.offset + e.length], reader.meta)
             samples += 1

@@ -98,7 +98,11 @@ def _unzstd_chunks(t: torch.Tensor, n: int, what: str, chunk: int) -> Iterator[t
             yield offset, np.frombuffer(buf[:want], dtype=np.uint8)
 
 
-def _u8(t: torch.Tensor, what: str) -> np.ndarray:
+def _u8(t: torch.Tensor | np.ndarray, what: str) -> np.ndarray:
+    if isinstance(t, np.ndarray):  # a read-only view into a record (see Codec.decode)
+        if t.dtype != np.uint8:
+            raise ValueError(f"{what!r} must be uint8, got {t.dtype}")
+        return t.reshape(-1)
     if t.dtype != torch.uint8:
         raise ValueError(f"{what!r} must be uint8, got {t.dtype}")
     return t.contiguous().view(-1).numpy()
@@ -142,8 +146,12 @@ class Codec(abc.ABC):
         """``x``: bf16 ``[S, ...]``. Returns (tensors keyed by short suffix, metadata)."""
 
     @abc.abstractmethod
-    def decode(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> torch.Tensor:
-        """Inverse of ``encode``: a bf16 tensor of the original shape; ValueError if corrupt."""
+    def decode(self, tensors: Mapping[str, torch.Tensor | np.ndarray], meta: Mapping[str, str]) -> torch.Tensor:
+        """Inverse of ``encode``: a bf16 tensor of the original shape; ValueError if corrupt.
+
+        uint8 tensors may be given as numpy arrays, e.g. read-only views into a record's bytes:
+        decoding reads them in place and never writes to them or returns memory they share.
+        """
 
 
 class Bf16(Codec):

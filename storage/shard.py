@@ -17,15 +17,16 @@ uploaded; the trailer and footer give random access to any record with one range
 from __future__ import annotations
 
 import json
+import math
 import struct
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Literal
 
+import numpy as np
 import torch
 import xxhash
-from safetensors.torch import load as st_load
 
 from storage.codecs import get_codec
 from storage.store import ObjectStore, ObjectWriter
@@ -155,6 +156,7 @@ def _frame(kind: bytes, payload: bytes) -> bytes:
 
 _ST_DTYPES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bfloat16: "BF16",
               torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+_ST_TORCH = {code: dtype for dtype, code in _ST_DTYPES.items()}
 
 
 def _safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[bytes | memoryview]:
@@ -226,10 +228,14 @@ def encode_record(sample: Sample, meta: ShardMeta) -> EncodedRecord:
 
 
 def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
-    """The inverse of `encode_record` (payload hash already checked by the caller)."""
+    """The inverse of `encode_record` (payload hash already checked by the caller).
+
+    Reads the payload in place: the codecs decompress and reassemble straight from it into the
+    output tensors, which share no memory with it (the payload can be freed once this returns).
+    """
+    md: dict[str, str] = {}
     try:
-        tensors = st_load(bytes(payload))
-        md = _safetensors_metadata(payload)
+        md, tensors = _read_safetensors(payload)
         codec = get_codec(md.get("codec", meta.codec))
         decoded = {}
         for name in ("hidden_states", "final_state"):
@@ -237,17 +243,79 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
             if parts:
                 sub_meta = {k[len(name) + 1 :]: v for k, v in md.items() if k.startswith(name + ".")}
                 decoded[name] = codec.decode(parts, sub_meta)
+        ids, mask = tensors.get("input_ids"), tensors.get("loss_mask")
+        if isinstance(mask, np.ndarray):  # a view into the payload: the sample gets its own copy
+            mask = torch.from_numpy(mask.copy())
+        if isinstance(ids, np.ndarray):
+            ids = torch.from_numpy(ids.copy())
     except Exception as e:  # safetensors, zstd and codec errors all mean the same: bad record
         raise ShardError(f"record does not decode: {type(e).__name__}: {e}") from None
-    if "hidden_states" not in decoded or "input_ids" not in tensors or "loss_mask" not in tensors:
+    if "hidden_states" not in decoded or ids is None or mask is None:
         raise ShardError(f"record {md.get('sample_id')!r} lacks input_ids, loss_mask or hidden_states")
     return Sample(
         sample_id=md["sample_id"],
-        input_ids=tensors["input_ids"].to(torch.int64),
-        loss_mask=tensors["loss_mask"],
+        input_ids=ids.to(torch.int64),
+        loss_mask=mask,
         hidden_states=decoded["hidden_states"],
         final_state=decoded.get("final_state"),
     )
+
+
+_ST_ITEMSIZE = {"U8": 1, "I32": 4, "I64": 8, "BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def _read_safetensors(payload: bytes | memoryview) -> tuple[dict[str, str], dict[str, np.ndarray | torch.Tensor]]:
+    """(metadata, tensors) of a safetensors blob, checked as strictly as the library checks it.
+
+    Nothing large is copied: U8 tensors (the codecs' byte planes and zstd frames) come back as
+    read-only numpy views into `payload`. The others (small ones, or raw bf16 that the caller would
+    copy anyway) are copied into torch tensors: in a shard they are unaligned. ValueError if the
+    blob is malformed.
+    """
+    buf = memoryview(payload)
+    if len(buf) < 8:
+        raise ValueError(f"a safetensors blob needs at least 8 bytes, got {len(buf)}")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > len(buf) - 8:
+        raise ValueError(f"header length {n} exceeds the {len(buf)}-byte blob")
+    header = json.loads(bytes(buf[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    md = header.pop("__metadata__", None) or {}
+    if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
+        raise ValueError("__metadata__ must map strings to strings")
+    data = buf[8 + n :]
+    tensors: dict[str, np.ndarray | torch.Tensor] = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"tensor {name!r}: malformed header entry {info!r}") from None
+        if dtype not in _ST_ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
+        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= len(data)):
+            raise ValueError(f"tensor {name!r}: data_offsets {[begin, end]} outside the {len(data)}-byte data")
+        if end - begin != math.prod(shape) * _ST_ITEMSIZE[dtype]:
+            raise ValueError(f"tensor {name!r}: {end - begin} bytes cannot hold {dtype} {shape}")
+        spans.append((begin, end))
+        view = data[begin:end]
+        if dtype == "U8":
+            tensors[name] = np.frombuffer(view, dtype=np.uint8).reshape(shape)
+        elif begin == end:
+            tensors[name] = torch.empty(shape, dtype=_ST_TORCH[dtype])
+        else:
+            tensors[name] = torch.frombuffer(bytearray(view), dtype=_ST_TORCH[dtype]).reshape(shape)
+    pos = 0
+    for begin, end in sorted(spans):
+        if begin != pos:
+            raise ValueError(f"tensor data overlaps or leaves a hole at byte {pos} of the data section")
+        pos = end
+    if pos != len(data):
+        raise ValueError(f"the tensors cover {pos} of the {len(data)} data bytes")
+    return md, tensors
 
 
 def _safetensors_metadata(payload: bytes | memoryview) -> dict[str, str]:
@@ -392,6 +460,34 @@ def _parse_head(payload: memoryview, where: str) -> ShardMeta:
         raise ShardError(f"{where}: unreadable shard header: {e}") from None
 
 
+def record_payload(buf: bytes | memoryview, base: int, entry: RecordEntry, where: str) -> memoryview:
+    """The payload of the RECD frame that `entry` indexes, as a view into `buf` (object bytes from
+    offset `base` on), once its xxh3-64 equals both the frame header's and the index entry's."""
+    pos = entry.offset - base
+    if pos < 0 or len(buf) - pos < entry.length:
+        raise ShardError(f"{where}: the frame at byte {entry.offset} lies outside the bytes read")
+    kind, n, digest = FRAME.unpack_from(buf, pos)
+    if kind != RECD or FRAME.size + n != entry.length:
+        raise ShardError(f"{where}: the frame at byte {entry.offset} does not match the footer index; the shard is corrupt")
+    payload = memoryview(buf)[pos + FRAME.size : pos + entry.length]
+    actual = xxhash.xxh3_64(payload).intdigest()  # the hasher object releases the GIL; the one-shot call does not
+    if actual != digest:
+        raise ShardError(f"{where}: checksum mismatch in RECD frame at byte {entry.offset}; the object is corrupt")
+    if f"{actual:016x}" != entry.xxh3_64:
+        raise ShardError(f"{where}: the frame at byte {entry.offset} does not match the footer index; the shard is corrupt")
+    return payload
+
+
+class _InMemory:
+    """A whole object held in memory, served as the store `ShardReader` reads it through."""
+
+    def __init__(self, uri: str, data: bytes | memoryview):
+        self.uri, self._view = uri, memoryview(data)
+
+    def get_range(self, key: str, start: int, end: int) -> memoryview:
+        return self._view[start:end]
+
+
 class ShardReader:
     """Random access to one shard through its footer: a few small ranged GETs to open it, then one
     ranged GET per record (or per run of adjacent records)."""
@@ -439,14 +535,17 @@ class ShardReader:
     def sample_ids(self) -> list[str]:
         return [e.sample_id for e in self.entries]
 
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, key: str, *, uri: str = "memory:") -> ShardReader:
+        """A reader over a whole object already in memory (one GET): no further reads, and
+        `read` decodes records in place. `uri` and `key` name the object in error messages."""
+        return cls(_InMemory(uri, data), key, size=len(data))
+
     def read(self, index: int) -> Sample:
         e = self.entries[index]
         where = f"{self.where} record {index} ({e.sample_id})"
         buf = self.store.get_range(self.key, e.offset, e.offset + e.length)
-        kind, payload, end = parse_frame(buf, 0, where)
-        if kind != RECD or end != e.length or f"{xxhash.xxh3_64_intdigest(payload):016x}" != e.xxh3_64:
-            raise ShardError(f"{where}: the frame at byte {e.offset} does not match the footer index; the shard is corrupt")
-        sample = decode_record(payload, self.meta)
+        sample = decode_record(record_payload(buf, e.offset, e, where), self.meta)
         if sample.sample_id != e.sample_id:
             raise ShardError(f"{where}: holds sample {sample.sample_id!r}, the index says {e.sample_id!r}")
         return sample

@@ -233,3 +233,70 @@ def test_writer_memory_stays_within_k_parts(s3_bucket):
     assert 0 < writer.peak_buffered_bytes <= 2 * 5 * MiB
     assert verify_shard(store, "big.lts", info.xxh3_128).ok
     assert store.list_pending_uploads() == []
+
+
+def test_reader_from_bytes_decodes_in_place_and_names_the_object(tmp_path):
+    samples = make_samples(final=True)
+    store = open_store(str(tmp_path))
+    write_shard(store, "s.lts", make_meta(final_state="prenorm"), samples)
+    data = store.get("s.lts")
+    reader = ShardReader.from_bytes(data, "shards/00007.lts", uri="s3://bucket/run")
+    assert reader.meta.shard_id == 7 and reader.sample_ids == [s.sample_id for s in samples]
+    for want, got in zip(samples, reader):
+        assert_same(want, got, exact=True)
+    got = reader.read(2)
+    # The decoded tensors own their memory: nothing keeps the object's bytes alive or aliases them.
+    for t in (got.input_ids, got.loss_mask, got.hidden_states, got.final_state):
+        assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+    e = reader.entries[1]
+    bad = ShardReader.from_bytes(_flip(data, e.offset + e.length - 1), "shards/00007.lts", uri="s3://bucket/run")
+    with pytest.raises(ShardError, match=r"s3://bucket/run/shards/00007\.lts record 1 \(conv-1\): checksum mismatch"):
+        bad.read(1)
+
+
+def _blob(header: dict, data: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(8, "little") + head + data
+
+
+@pytest.mark.parametrize("damage", ["hole", "overlap", "size", "dtype", "shape", "past the end", "header length",
+                                    "metadata", "not an object"])
+def test_malformed_safetensors_in_a_record_is_refused(damage):
+    """Records are parsed in place, without the safetensors library: its checks are ours to keep."""
+    from storage.shard import decode_record
+
+    ok = {"__metadata__": {"sample_id": "s", "num_tokens": "2", "codec": "bf16", "hidden_states.shape": "2,1,2"},
+          "input_ids": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]},
+          "hidden_states.raw": {"dtype": "BF16", "shape": [2, 1, 2], "data_offsets": [8, 16]},
+          "loss_mask": {"dtype": "U8", "shape": [2], "data_offsets": [16, 18]}}
+    data = bytes(range(8)) + torch.ones(4, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes() + b"\x01\x00"
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[1], hidden_size=2, codec="bf16")
+    s = decode_record(_blob(ok, data), meta)
+    assert s.input_ids.tolist() == [0x03020100, 0x07060504] and s.loss_mask.tolist() == [1, 0]
+    assert s.hidden_states.tolist() == [[[1.0, 1.0]], [[1.0, 1.0]]]
+
+    bad, blob = json.loads(json.dumps(ok)), None
+    if damage == "hole":
+        bad["loss_mask"]["data_offsets"] = [17, 19]
+        bad["loss_mask"]["shape"] = [2]
+        data += b"\x00"
+    elif damage == "overlap":
+        bad["loss_mask"]["data_offsets"] = [14, 16]
+    elif damage == "size":
+        bad["input_ids"]["shape"] = [3]
+    elif damage == "dtype":
+        bad["input_ids"]["dtype"] = "X9"
+    elif damage == "shape":
+        bad["input_ids"]["shape"] = [-2]
+    elif damage == "past the end":
+        bad["loss_mask"]["data_offsets"] = [16, 20]
+        bad["loss_mask"]["shape"] = [4]
+    elif damage == "header length":
+        blob = (10**6).to_bytes(8, "little") + _blob(ok, data)[8:]
+    elif damage == "metadata":
+        bad["__metadata__"]["num_tokens"] = 2
+    else:
+        blob = len(b"[1, 2]").to_bytes(8, "little") + b"[1, 2]" + data
+    with pytest.raises(ShardError, match="does not decode"):
+        decode_record(blob if blob is not None else _blob(bad, data), meta)

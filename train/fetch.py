@@ -7,11 +7,12 @@ of up to `range_bytes`, reserves each range's bytes from the budget, and hands t
 pool. A shard no larger than one range that the consumer needs at least half of is fetched whole
 in one GET instead (no separate footer reads, and its whole-object hash is checked against the
 commit too). Every record's frame hash is checked, and must equal the footer index entry, before
-its payload is copied out of the range buffer and made available; nothing is written anywhere
-but memory.
+the record is made available; nothing is written anywhere but memory.
 
-The budget counts bytes fetched and not yet consumed (ranges in flight, verified records waiting
-for their turn, the shuffle buffer's records). A range waits for budget unless the consumer is
+Records are not copied out of the bytes a GET brought: each is a view into them, decoded in place.
+A range's bytes therefore stay in memory, and counted, until the last of its records is released.
+The budget counts bytes fetched and not yet released (ranges in flight, ranges holding verified
+records that wait for their turn or sit in the shuffle buffer). A range waits for budget unless the consumer is
 blocked on a record only that range can bring (then it goes ahead, so a shuffle buffer larger
 than the budget cannot deadlock): buffered bytes stay within the budget plus one range whenever
 the shuffle buffer's records fit in the budget.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from storage.shard import FRAME, RECD, RecordEntry, ShardError, ShardMeta, ShardReader, parse_frame
+from storage.shard import ShardError, ShardMeta, ShardReader, record_payload
 from storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,22 @@ class CommittedShard:
 
 
 @dataclass(slots=True)
-class Record:
-    """A verified RECD payload waiting for its turn."""
+class _Buffer:
+    """The bytes of one GET, counted in the budget until the last record viewing them is released."""
 
-    payload: bytes
+    nbytes: int
+    records: int
+
+
+@dataclass(slots=True)
+class Record:
+    """A verified RECD payload waiting for its turn: a view into the bytes its GET brought."""
+
+    payload: memoryview
     meta: ShardMeta
     sample_id: str
     shard: int  # index into the committed-shard list
+    buffer: _Buffer
 
 
 SKIP = object()  # marks a position whose shard failed under on_corrupt="skip"
@@ -129,16 +139,6 @@ def merge_snapshots(snaps: list[dict]) -> dict:
     return out
 
 
-class _InMemory:
-    """One fetched object served as a store, so `ShardReader` validates its head and footer."""
-
-    def __init__(self, uri: str, data: bytes):
-        self.uri, self._view = uri, memoryview(data)
-
-    def get_range(self, key: str, start: int, end: int) -> memoryview:
-        return self._view[start:end]
-
-
 class Fetcher:
     def __init__(self, store: ObjectStore, shards: list[CommittedShard], run_id: str, *,
                  positions: list[tuple[int, int, int]], budget: int, range_bytes: int, prefetch_shards: int,
@@ -193,11 +193,18 @@ class Fetcher:
                 return item
             return None
 
-    def release(self, nbytes: int) -> None:
+    def release(self, record: Record) -> None:
+        """The consumer is done with `record` (decoded, or abandoned)."""
         with self._cond:
-            self._in_use -= nbytes
-            self.metrics.buffered_bytes = self._in_use
+            self._drop(record)
             self._cond.notify_all()
+
+    def _drop(self, record: Record) -> None:
+        buf = record.buffer
+        buf.records -= 1
+        if buf.records == 0:
+            self._in_use -= buf.nbytes
+            self.metrics.buffered_bytes = self._in_use
 
     def shard_failed(self, shard: int, error: BaseException) -> ShardError | None:
         """A shard turned out bad (e.g. a record that does not decode): the error to raise, or
@@ -218,13 +225,11 @@ class Fetcher:
                 return None
             self._bad.add(shard)
             self.metrics.corrupt_shards.append(where)
-            freed = 0
             for pos in self._positions_of[shard]:
                 cur = self._ready.get(pos)
                 if isinstance(cur, Record):
-                    freed += len(cur.payload)
+                    self._drop(cur)
                 self._ready[pos] = SKIP
-            self._in_use -= freed
             self._cond.notify_all()
         log.warning("skipping %s (on_corrupt='skip'): its undelivered samples are replaced by padding", msg)
         return None
@@ -336,7 +341,7 @@ class Fetcher:
         if data is None:
             reader = ShardReader(_Retrying(self), entry.key, size=entry.bytes)
         else:
-            reader = ShardReader(_InMemory(self.store.uri, data), entry.key, size=entry.bytes)
+            reader = ShardReader.from_bytes(data, entry.key, uri=self.store.uri)
         if reader.meta.run_id != self.run_id or reader.meta.shard_id != entry.shard:
             raise ShardError(f"the object says run {reader.meta.run_id!r} shard {reader.meta.shard_id}, "
                              f"the commit says run {self.run_id!r} shard {entry.shard}")
@@ -350,34 +355,38 @@ class Fetcher:
             entry = self.shards[shard]
             data = self._get(entry.key, rng.start, rng.end)
             if rng.whole:
-                digest = xxhash.xxh3_128_hexdigest(data)
+                digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
                 if digest != entry.xxh3_128:
                     raise ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
                 reader = self._open(shard, data)
             where = f"{self.store.uri.rstrip('/')}/{entry.key}"
+            buffer = _Buffer(reserved, len(rng.items))
             records = []
             for pos, rec in rng.items:
-                records.append((pos, _verified(data, rng.start, reader.entries[rec], rec, where, reader.meta, shard)))
-            del data
+                e = reader.entries[rec]
+                payload = record_payload(data, rng.start, e, f"{where} record {rec} ({e.sample_id})")
+                records.append((pos, Record(payload, reader.meta, e.sample_id, shard, buffer)))
             self.metrics.add(records_verified=len(records))
         except (ShardError, ObjectNotFound) as e:
-            self.release(reserved)
+            self._unreserve(reserved)
             self._failed(shard, e)
             return
         except BaseException as e:  # noqa: BLE001
-            self.release(reserved)
+            self._unreserve(reserved)
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
             return
         with self._cond:
-            kept = 0
-            for pos, record in records:
-                if self._closed or shard in self._bad:
-                    continue
-                self._ready[pos] = record
-                kept += len(record.payload)
-            self._in_use -= reserved - kept
+            if not (self._closed or shard in self._bad):
+                self._ready.update(records)
+                self._cond.notify_all()
+                return
+        self._unreserve(reserved)
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._cond:
+            self._in_use -= nbytes
             self.metrics.buffered_bytes = self._in_use
             self._cond.notify_all()
 
@@ -388,19 +397,6 @@ class Fetcher:
         with self._cond:
             self._error = self._error or e
             self._cond.notify_all()
-
-
-def _verified(data: bytes, base: int, e: RecordEntry, index: int, where: str, meta: ShardMeta, shard: int) -> Record:
-    """The record's payload, copied out of the range buffer once its hash equals both the frame
-    header's and the footer index entry's."""
-    what = f"{where} record {index} ({e.sample_id})"
-    kind, payload, end = parse_frame(data, e.offset - base, what, verify=False)
-    digest = xxhash.xxh3_64_intdigest(payload)
-    if digest != FRAME.unpack_from(data, e.offset - base)[2]:
-        raise ShardError(f"{what}: checksum mismatch in RECD frame at byte {e.offset}; the object is corrupt")
-    if kind != RECD or end != e.offset - base + e.length or f"{digest:016x}" != e.xxh3_64:
-        raise ShardError(f"{what}: the frame at byte {e.offset} does not match the footer index")
-    return Record(bytes(payload), meta, e.sample_id, shard)
 
 
 class _Retrying:

@@ -354,7 +354,7 @@ class ShardStream(IterableDataset):
                 sample = None
                 if isinstance(rec, Record):
                     sample = resolve(rec, fut)
-                    fetcher.release(len(rec.payload))
+                    fetcher.release(rec)
                 pad = bool(plan.padding[pos])
                 if sample is None:  # its shard failed and on_corrupt="skip": a zero-weighted stand-in
                     metrics.add(skipped_samples=1)
@@ -373,7 +373,7 @@ class ShardStream(IterableDataset):
             if decoder is not None:
                 decoder.shutdown(wait=True, cancel_futures=True)
             for rec, _ in pending.values():
-                fetcher.release(len(rec.payload))
+                fetcher.release(rec)
             fetcher.close()
 
 
