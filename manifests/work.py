@@ -22,8 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 
 from manifests import layout
-from manifests.manifest import Manifest, ShardPlan
-from manifests.records import CommitRecord, FailureRecord, Producer, encode
+from manifests.manifest import Manifest, ManifestError, ShardPlan
+from manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
 from manifests.state import RunState, scan
 from storage.shard import ShardInfo
 from storage.store import ObjectStore, StoreError
@@ -85,9 +85,13 @@ class Claim:
         self.committed = True
         store.put(layout.tally_key(self.shard, info.num_records, info.num_tokens, info.bytes, info.raw_bytes,
                                    len(skipped)), b"")
-        for o in store.list(f"{layout.SHARDS}{self.shard:06d}-"):  # leftovers of crashed attempts
+        # Leftovers of crashed attempts: their data objects, and the uploads a SIGKILL left open
+        # (billed until aborted; ours is complete, so it is not among them).
+        leftovers = f"{layout.SHARDS}{self.shard:06d}-"
+        for o in store.list(leftovers):
             if o.key != self.data_key:
                 store.delete(o.key)
+        store.abort_pending_uploads(leftovers)
         return True
 
     def fail(self, error: BaseException, preempted: bool = False) -> None:
@@ -165,6 +169,7 @@ class WorkQueue:
             st = scan(self.store, self.manifest)
             todo = [s for s in self.candidates if s not in st.committed]
             if not todo:
+                self._sweep(st)
                 return
             waiting_on: list[float] = []
             claim = None
@@ -188,6 +193,38 @@ class WorkQueue:
             wait = min(self.poll_s, max(0.0, min(waiting_on) - st.now)) + random.uniform(0, self.poll_s / 4)
             log.debug("no free shard; waiting %.1fs on %d leases held elsewhere", wait, len(waiting_on))
             time.sleep(wait)
+
+    def _sweep(self, st: RunState) -> None:
+        """Once this queue's shards are all committed, remove what killed attempts left behind
+        that no later commit cleaned up: leases, uploads and data objects of committed shards (an
+        attempt SIGKILLed after its commit, before its own cleanup), and temp files of small
+        records on a local folder (a killed put) once older than the lease TTL: a live put takes
+        milliseconds. A committed shard's lease can only belong to an attempt that lost."""
+        mine = set(self.candidates) & st.committed
+        try:
+            for shard in sorted(mine & set(st.leases)):
+                for lease in st.leases[shard]:
+                    self.store.delete(lease.key)
+            now = time.time()
+            for up in self.store.list_pending_uploads():
+                shard = layout.shard_of(up.key, layout.SHARDS) if up.key.startswith(layout.SHARDS) else None
+                if shard in mine:
+                    self.store.abort_pending_uploads(up.key)
+                elif shard is None and now - up.initiated >= self.ttl_s:
+                    self.store.abort_pending_uploads(up.key, older_than_s=self.ttl_s)
+            objects: dict[int, list[str]] = {}
+            for o in self.store.list(layout.SHARDS):
+                shard = layout.shard_of(o.key, layout.SHARDS)
+                if shard in mine:
+                    objects.setdefault(shard, []).append(o.key)
+            for shard, keys in objects.items():
+                if len(keys) > 1:
+                    kept = decode_commit(self.store.get(layout.commit_key(shard)), layout.commit_key(shard)).data_key
+                    for key in keys:
+                        if key != kept:
+                            self.store.delete(key)
+        except (StoreError, ManifestError) as e:  # leftovers cost space, not correctness
+            log.warning("could not remove what crashed attempts left behind: %s", e)
 
     def _try_claim(self, shard: int, st: RunState) -> Claim | None:
         gen = st.next_generation(shard)

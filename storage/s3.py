@@ -285,6 +285,7 @@ class S3Writer(ObjectWriter):
         self._slots = threading.BoundedSemaphore(max_parts)
         self._buf: bytearray | None = None
         self._upload_id: str | None = None
+        self._create_retried = False
         self._parts: list[Future] = []
         self._written = 0
         self._buffered = 0
@@ -336,6 +337,7 @@ class S3Writer(ObjectWriter):
                 ),
             )
             self._upload_id = resp["UploadId"]
+            self._create_retried = resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise StoreError(f"{self.key!r} needs more than {MAX_PARTS} parts: raise part_size")
@@ -389,6 +391,15 @@ class S3Writer(ObjectWriter):
             self.abort()
             raise
         self._done = True
+        if self._create_retried:
+            self._abort_lost_uploads()
+
+    def _abort_lost_uploads(self) -> None:
+        """A CreateMultipartUpload whose answer was lost (a reset, a timeout) and was retried
+        started an upload nobody knows the id of: it would stay pending, and billed, forever."""
+        for up in self._store.list_pending_uploads(self.key):
+            if up.key == self.key and up.upload_id != self._upload_id:
+                self._store._abort_upload(up.key, up.upload_id)
 
     def _release_buffer(self) -> None:
         if self._buf is not None:

@@ -79,12 +79,15 @@ def tiny_tokenizer(chat_template: str = CHATML_TEMPLATE):
     return tok
 
 
-def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int = 0) -> str:
-    """Save a random-init ``model_type`` (qwen3, qwen3_5_text, llama) and its tokenizer to a folder."""
+def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int = 0, hidden_size: int = 64) -> str:
+    """Save a random-init ``model_type`` (qwen3, qwen3_5_text, llama) and its tokenizer to a folder.
+
+    A wider ``hidden_size`` makes more bytes per token at almost no extra compute (the MLP and
+    attention stay narrow): shards of several S3 parts from a few thousand tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = tiny_tokenizer()
-    kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+    kw = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=num_layers,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
               tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if model_type == "qwen3_5_text":
@@ -94,7 +97,7 @@ def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int =
     config = AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    folder = root / f"{model_type}-{num_layers}L"
+    folder = root / (f"{model_type}-{num_layers}L" + (f"-h{hidden_size}" if hidden_size != 64 else ""))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
