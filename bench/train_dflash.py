@@ -52,7 +52,7 @@ def held_out_prompts(path: Path, n: int) -> None:
         kept = 0
         for row in rows:
             turns = row["conversations"]
-            if len(turns) >= 2 and turns[0]["from"] == "human" and len(turns[0]["value"]) < 1500:
+            if len(turns) >= 2 and turns[0]["from"] == "human" and len(turns[0]["value"]) < 600:
                 f.write(json.dumps({"conversations": turns[:2]}) + "\n")
                 kept += 1
             if kept == n:

@@ -231,6 +231,22 @@ def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, t
     assert sorted(o.key.split("/")[1] for o in store.list("checkpoints/step-")
                   if o.key.endswith("state.json")) == ["step-00000100", "step-00000120"]  # keep 2
     assert json.loads(store.get(LATEST))["step"] == 120
+    # layertap eval on held-out chats (the assistant turn is dropped) and a raw prompt
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "question 99?"},
+                                                {"role": "assistant", "content": "dropped"}]}) + "\n"
+                       + json.dumps({"prompt": "the quick brown fox"}) + "\n")
+    capsys.readouterr()
+    assert cli(["eval", "--drafter", out, "--model", target, "--prompts", str(prompts), "--max-new-tokens", "12",
+                "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["matches_greedy"] is True and report["prompts"] == 2
+    assert 1.0 <= report["tau"] <= 4 and 1.0 <= report["tau_untrained"] <= 4
+    assert report["verify_steps"] >= 2 and len(report["acceptance_per_position"]) == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no prompt here"}) + "\n")
+    assert cli(["eval", "--drafter", out, "--model", target, "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:1: expected" in capsys.readouterr().err
     # An output that already holds a run is not silently overwritten.
     assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "5", *FAST) == 2
     assert "pass --resume" in capsys.readouterr().err
