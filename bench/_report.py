@@ -39,3 +39,12 @@ def write_section(name: str, markdown: str, path: str | os.PathLike = "docs/benc
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)
+
+
+def publish(name: str, markdown: str, write: bool, path: str | os.PathLike = "docs/benchmarks.md") -> None:
+    """Print a bench's section and, if `write`, put it in its place in `path` (see `write_section`)."""
+    print()
+    print(markdown)
+    if write:
+        write_section(name, markdown, path)
+        print(f"\nwrote section {name!r} of {path}")
