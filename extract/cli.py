@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request
+    # headers, the access key id and a session token among them, into consoles and log files.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
     module = importlib.import_module(args._module)
     try:
         return int(getattr(module, f"run_{args.command}")(args) or 0)
