@@ -120,7 +120,7 @@ def load_rows(path: str, limit: int | None = None):
             raise ValueError(f"dataset {path!r}: unsupported file type {ext or '(none)'!r}; "
                              f"use a .jsonl, .json or .parquet file or a datasets save_to_disk folder")
         if _file_has_no_rows(path, ext):
-            raise ValueError(f"dataset {path!r} has no rows")
+            raise ValueError(f"dataset {path!r} has no rows; give a dataset with at least one row")
         try:
             ds = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train")
         except Exception as e:  # datasets wraps parse errors in its own, path-less, exceptions
@@ -128,7 +128,7 @@ def load_rows(path: str, limit: int | None = None):
             raise ValueError(f"dataset {path!r} could not be read as {ext}: "
                              f"{type(cause).__name__}: {cause}") from e
     if len(ds) == 0:
-        raise ValueError(f"dataset {path!r} has no rows")
+        raise ValueError(f"dataset {path!r} has no rows; give a dataset with at least one row")
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     return ds
@@ -154,7 +154,7 @@ def _load_saved(path: str):
     try:
         with open(os.path.join(path, "state.json")) as f:
             if json.load(f).get("_data_files") == []:
-                raise ValueError(f"dataset {path!r} has no rows")
+                raise ValueError(f"dataset {path!r} has no rows; give a dataset with at least one row")
     except (OSError, json.JSONDecodeError):
         pass  # a DatasetDict folder, or not a dataset at all: load_from_disk says which
     try:
@@ -306,7 +306,8 @@ def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> T
     if bool(bad.any()):
         pos = int(bad.nonzero()[0])
         raise ValueError(f"row {index} ({sid}): token id {int(ids[pos])} at position {pos} is outside "
-                         f"the vocabulary [0, {vocab}); were these rows tokenized for another model?")
+                         f"the vocabulary [0, {vocab}); were these rows tokenized for another model? Tokenize "
+                         f"them with this model's tokenizer, or give the --model they were made for")
     if row.get("loss_mask") is not None:
         mask = torch.as_tensor(row["loss_mask"]).reshape(-1)
         if bool(((mask != 0) & (mask != 1)).any()):

@@ -230,5 +230,8 @@ def _os_error(e: OSError, path: str) -> StoreError:
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return StoreError(f"cannot write {path}: permission denied; choose a writable output folder")
     if e.errno == errno.ENOSPC:
-        return StoreError(f"cannot write {path}: no space left on device")
-    return StoreError(f"cannot access {path}: {e.strerror or e}")
+        return StoreError(f"cannot write {path}: no space left on device; free some or choose another output folder")
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        return StoreError(f"cannot use {path}: a part of that path is a file, not a folder; "
+                          "choose another output folder")
+    return StoreError(f"cannot access {path}: {e.strerror or e}; choose a writable output folder")
