@@ -21,9 +21,10 @@ def add_verify(p: argparse.ArgumentParser) -> None:
 
 def _errors():
     from manifests.manifest import ManifestError
+    from storage.shard import ShardError
     from storage.store import StoreError
 
-    return (ManifestError, StoreError)
+    return (ManifestError, StoreError, ShardError)
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -24,10 +24,17 @@ SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "lea
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")
 _SHARD_ID = re.compile(r"^(\d+)")
+_DATA_KEY = re.compile(r"^shards/(\d{6,})-([A-Za-z0-9]+)\.lts$")
 
 
 def data_key(shard: int, token: str) -> str:
     return f"{SHARDS}{shard:06d}-{token}.lts"
+
+
+def is_data_key(key: str, shard: int) -> bool:
+    """Whether `key` names a data object of `shard`: what a commit record may point at."""
+    m = _DATA_KEY.match(key) if isinstance(key, str) else None
+    return bool(m) and int(m.group(1)) == shard
 
 
 def commit_key(shard: int) -> str:

@@ -32,6 +32,10 @@ class ManifestError(Exception):
     """The manifest or a run record is missing, corrupt, or from an incompatible version."""
 
 
+class UnsupportedVersion(ManifestError):
+    """A manifest or record written by a newer layertap: intact, so never withdrawn as corrupt."""
+
+
 class NoRun(ManifestError):
     """There is no manifest at the prefix."""
 
@@ -124,7 +128,7 @@ class Manifest:
             raise ManifestError(f"{where} is not a layertap manifest")
         version = obj.get("format_version")
         if version != MANIFEST_VERSION:
-            raise ManifestError(f"{where} has manifest version {version}; this layertap reads version "
+            raise UnsupportedVersion(f"{where} has manifest version {version}; this layertap reads version "
                                 f"{MANIFEST_VERSION}: use a matching layertap release")
         try:
             shards = [ShardPlan(i, int(a), int(b), int(t)) for i, (a, b, t) in enumerate(obj["shards"])]

@@ -10,7 +10,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from manifests.manifest import ManifestError
+from manifests import layout
+from manifests.manifest import ManifestError, UnsupportedVersion
 
 RECORD_VERSION = 1
 
@@ -69,7 +70,12 @@ def encode(record: CommitRecord | FailureRecord) -> bytes:
 
 
 def decode_commit(raw: bytes, where: str) -> CommitRecord:
-    return _decode(raw, where, "commit", CommitRecord)
+    record = _decode(raw, where, "commit", CommitRecord)
+    if not layout.is_data_key(record.data_key, record.shard):
+        # Never follow it: a key such as "../../x" must not become a path outside the run.
+        raise ManifestError(f"{where}: corrupt commit record (data_key {record.data_key!r} is not a data object "
+                            f"of shard {record.shard}); run `layertap verify` to withdraw it")
+    return record
 
 
 def decode_failure(raw: bytes, where: str) -> FailureRecord:
@@ -82,7 +88,7 @@ def _decode(raw: bytes, where: str, kind: str, cls):
         if obj.get("kind") != kind:
             raise ValueError(f"expected a {kind} record, found {obj.get('kind')!r}")
         if obj.get("version") != RECORD_VERSION:
-            raise ManifestError(f"{where}: {kind} record version {obj.get('version')} is not supported "
+            raise UnsupportedVersion(f"{where}: {kind} record version {obj.get('version')} is not supported "
                                 f"(this layertap reads {RECORD_VERSION}); use a matching layertap release")
         del obj["kind"], obj["version"]
         return cls(**obj)

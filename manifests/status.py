@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from manifests import layout
-from manifests.manifest import Manifest, load_manifest
+from manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
 from manifests.state import RunState, scan
 from storage.shard import verify_shard
@@ -111,7 +111,9 @@ class VerifyResult:
 def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyResult:
     """Re-read every committed shard and check every hash. A bad shard's commit is withdrawn
     (commit and tally deleted, a failure record written) so the next extraction redoes it.
-    Data objects that no commit names, left by crashed attempts of committed shards, are deleted."""
+    Data objects that no commit names, left by crashed attempts of committed shards, are deleted.
+    A shard or record of a newer layertap (`UnsupportedShard`, `UnsupportedVersion`) stops the
+    verification instead: it is intact, and withdrawing it would delete good data."""
     manifest = load_manifest(store)
     st = scan(store, manifest, with_data=True)
     result = VerifyResult()
@@ -120,6 +122,8 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
         ckey = layout.commit_key(shard)
         try:
             commit = decode_commit(store.get(ckey), ckey)
+        except UnsupportedVersion:
+            raise  # a newer layertap's record: intact, not to be withdrawn
         except Exception as e:
             return shard, f"unreadable commit record: {e}", None
         report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True) \
@@ -128,6 +132,12 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             return shard, f"data object {commit.data_key} is missing", commit.data_key
         if report.ok and report.num_records != commit.num_records:
             return shard, f"{report.num_records} records, commit says {commit.num_records}", commit.data_key
+        if report.ok and (report.meta.run_id, report.meta.shard_id) != (manifest.run_id, shard):
+            raise ManifestError(
+                f"committed shard {shard} at {store.uri}/{commit.data_key} was written by run "
+                f"{report.meta.run_id!r} as its shard {report.meta.shard_id}, but the manifest is run "
+                f"{manifest.run_id!r}: the manifest was replaced, or two runs share this prefix. Nothing was "
+                "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
         return shard, report.error, commit.data_key
 
     with ThreadPoolExecutor(threads) as pool:

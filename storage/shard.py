@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-from storage.codecs import get_codec
+from storage.codecs import CODEC_NAMES, get_codec
 from storage.store import ObjectStore, ObjectWriter
 
 FORMAT_NAME = "layertap-shard"
@@ -47,7 +47,12 @@ class ShardError(Exception):
     """A shard is corrupt, truncated or not understood; the message names the object."""
 
 
-class UnsupportedShardVersion(ShardError):
+class UnsupportedShard(ShardError):
+    """Written by a layertap this one does not understand (a newer format version or codec): not
+    corrupt, so never withdrawn or skipped as if it were; upgrade layertap to read it."""
+
+
+class UnsupportedShardVersion(UnsupportedShard):
     pass
 
 
@@ -455,6 +460,9 @@ def _parse_head(payload: memoryview, where: str) -> ShardMeta:
         obj = json.loads(bytes(payload))
         if obj.get("format") != FORMAT_NAME:
             raise ShardError(f"{where}: header format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
+        if obj.get("codec") not in CODEC_NAMES:
+            raise UnsupportedShard(f"{where}: codec {obj.get('codec')!r} is not known to this layertap (it reads "
+                                   f"{', '.join(CODEC_NAMES)}); upgrade layertap to read it")
         return ShardMeta.from_json(obj)
     except (ValueError, TypeError) as e:
         raise ShardError(f"{where}: unreadable shard header: {e}") from None
@@ -564,6 +572,7 @@ class VerifyReport:
     bytes: int
     xxh3_128: str
     error: str | None = None
+    meta: ShardMeta | None = None  # the HEAD metadata, when it could be read
 
 
 def iter_frames(stream: BinaryIO, where: str, verify: bool = True,
@@ -603,7 +612,8 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
                  decode: bool = False) -> VerifyReport:
     """Re-read the whole object and check every hash: each frame, the footer's content hash, the
     trailer, the whole-object hash (against `expected_xxh3_128`, e.g. from a commit record) and,
-    with `decode`, that every record decodes."""
+    with `decode`, that every record decodes. Raises `UnsupportedShard` for an intact object of a
+    newer format version or codec, which a report of "bad" would get withdrawn and deleted."""
     where = f"{store.uri.rstrip('/')}/{key}"
     whole, content = xxhash.xxh3_128(), xxhash.xxh3_128()
     records = size = 0
@@ -643,10 +653,24 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
         digest = whole.hexdigest()
         if expected_xxh3_128 is not None and digest != expected_xxh3_128:
             raise ShardError(f"{where}: object hash {digest} differs from the committed {expected_xxh3_128}")
-        return VerifyReport(key, True, records, footer["num_tokens"], size, digest)
+        return VerifyReport(key, True, records, footer["num_tokens"], size, digest, meta=meta)
+    except UnsupportedShard as e:
+        # Newer than this reader, or a corrupted version or codec field: the object's hash tells.
+        if expected_xxh3_128 is None or _object_xxh3_128(store, key) == expected_xxh3_128:
+            raise
+        return VerifyReport(key, False, records, 0, size, "", f"{e}; but the object's hash differs from its "
+                            "commit's: it is corrupt, not newer")
     except (ShardError, ValueError, KeyError) as e:
         msg = str(e) if isinstance(e, ShardError) else f"{where}: undecodable content ({type(e).__name__}: {e})"
         return VerifyReport(key, False, records, 0, size, whole.hexdigest(), msg)
+
+
+def _object_xxh3_128(store: ObjectStore, key: str) -> str:
+    h = xxhash.xxh3_128()
+    with store.open_stream(key) as raw:
+        while chunk := raw.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class _HashingStream:

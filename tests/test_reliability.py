@@ -4,25 +4,34 @@ the fault-injecting proxy of tests/faultproxy.py where faults are wanted)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
 import random
+import re
+import shutil
+import struct
 import time
+import tracemalloc
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import boto3
 import pytest
 import torch
 import xxhash
 
+import fake_worker
 import forked_cli
+from extract.cli import main as cli
 from faultproxy import FAULTS, FaultProxy
 from manifests import layout
+from manifests.manifest import ManifestError
 from manifests.records import decode_commit
 from manifests.status import run_status
-from storage.shard import ShardReader, verify_shard
+from storage.shard import FRAME, PREAMBLE, TRAILER, ShardError, ShardReader, UnsupportedShard, verify_shard
 from storage.store import open_store
 from tiny_models import tiny_model_dir
 from train import ShardStream
@@ -176,31 +185,69 @@ def test_sigkill_at_random_points_then_a_rerun_completes_exactly_once(job, s3_bu
     assert outcomes["mid-run"] >= 6 and outcomes["s3 upload pending"] >= 2, outcomes
 
 
+def test_the_end_of_a_run_sweeps_what_killed_attempts_left(tmp_path):
+    """What a SIGKILL leaves at the wrong moment, planted by hand: the next worker to find every
+    shard committed removes the stale ones and leaves anything that may still be in use."""
+    prefix = str(tmp_path / "run")
+    fake_worker.work(prefix)
+    store = open_store(prefix)
+    commit = decode_commit(store.get(layout.commit_key(1)), "commit")
+    root = Path(prefix)
+    old = time.time() - 3600
+    planted = {
+        "orphan": root / "shards" / "000001-0123456789ab.lts",  # completed, then killed before its commit
+        "upload": root / "shards" / ".000002-0123456789ab.lts.0f0f.part",  # killed mid-write
+        "lease": root / "leases" / "000003" / "000007.ttl60",  # killed after its commit, before release
+        "stale put": root / "leases" / "000004" / ".000008.ttl60.0f0f.part",
+        "fresh put": root / "tally" / ".000005.r1.t1.b1.x1.s0.0f0f.part",  # a put in flight elsewhere
+    }
+    for path in planted.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    for name in ("orphan", "upload", "lease", "stale put"):
+        os.utime(planted[name], (old, old))
+    assert fake_worker.work(prefix) == []  # nothing to do but the sweep
+    assert [name for name, path in planted.items() if path.exists()] == ["fresh put"]
+    assert store.exists(commit.data_key) and run_status(store)["complete"]
+
+
 # -- S3 faults -------------------------------------------------------------------------------------
 
 
 def stream_digests(uri: str, **options) -> list[tuple[str, str]]:
-    """(sample id, xxh3-64 of every tensor's bytes) in the order a ShardStream yields them."""
+    """(sample id, xxh3-64 of every tensor's bytes) in the order a ShardStream yields them; the
+    stream's buffers stay within its 4 MiB budget plus one 1 MiB range."""
     out = []
-    for s in ShardStream(uri, seed=3, shuffle_buffer=4, range_bytes=MiB, memory_budget=4 * MiB, **options):
+    stream = ShardStream(uri, seed=3, shuffle_buffer=2, range_bytes=MiB, memory_budget=4 * MiB, **options)
+    for s in stream:
         h = xxhash.xxh3_64()
         for name in ("input_ids", "loss_mask", "hidden_states", "final_state"):
             h.update(s[name].contiguous().view(torch.uint8).numpy().tobytes())
         out.append((s["sample_id"], h.hexdigest()))
+    assert 0 < stream.metrics()["peak_buffered_bytes"] <= 5 * MiB
     return out
 
 
-def test_extraction_and_loading_at_a_10_percent_fault_rate_equal_a_fault_free_run(job, s3_endpoint, s3_bucket,
-                                                                                      tmp_path):
+@pytest.fixture(scope="module")
+def clean_run(job, s3_endpoint):
+    """The job extracted on S3 without faults: 24 samples in 4 shards, each a multipart upload."""
+    bucket = f"t-clean-{os.getpid()}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    forked_cli.warm()
+    logfile = job["root"] / "clean.log"
+    proc = forked_cli.start(job["args"](f"s3://{bucket}/clean"), logfile)
+    proc.join(300)
+    assert proc.exitcode == 0, logfile.read_text()[-3000:]
+    return f"s3://{bucket}/clean"
+
+
+def test_extraction_and_loading_at_a_10_percent_fault_rate_equal_a_fault_free_run(job, clean_run, s3_endpoint,
+                                                                                      s3_bucket, tmp_path):
     """Every kind of fault (500, 503 SlowDown, resets before and after the server applied the
     request, bodies cut short, stalls) on 10% of requests: the extraction completes with the same
     records, byte for byte, as without faults; streaming it back through the same faults yields
-    the same samples in the same order; no upload is left pending."""
-    forked_cli.warm()
-    clean, faulty = f"s3://{s3_bucket}/clean", f"s3://{s3_bucket}/faulty"
-    proc = forked_cli.start(job["args"](clean), tmp_path / "clean.log")
-    proc.join(300)
-    assert proc.exitcode == 0, (tmp_path / "clean.log").read_text()[-3000:]
+    the same samples in the same order, within the memory budget; no upload is left pending."""
+    clean, faulty = clean_run, f"s3://{s3_bucket}/faulty"
 
     with FaultProxy(s3_endpoint, rate=0.1, seed=5, stall_s=0.3) as proxy:
         proc = forked_cli.start(job["args"](faulty), tmp_path / "faulty.log", env={"AWS_ENDPOINT_URL": proxy.url})
@@ -242,3 +289,421 @@ def test_stalls_longer_than_the_read_timeout_are_retried(s3_endpoint, s3_bucket)
         assert [store.get_range(f"k{i}", 10, 20) for i in range(6)] == [bytes([i]) * 10 for i in range(6)]
         assert [o.key for o in store.list()] == [f"k{i}" for i in range(6)]
         assert proxy.counts["stall"] >= 3
+
+
+# -- memory budgets --------------------------------------------------------------------------------
+
+
+def test_writer_memory_stays_within_k_parts_while_the_producer_outruns_the_upload(s3_bucket):
+    """64 MiB handed over as fast as memory allows, K=2 buffers of 5 MiB: every byte Python holds
+    for the writer (tracemalloc, botocore's included) stays within K x P, not the object's size."""
+    store = open_store(f"s3://{s3_bucket}/p", part_size=5 * MiB, max_parts_in_memory=2)
+    chunk = os.urandom(MiB)
+    store.put("warm-up", b"")  # the client's own first-use allocations are not the writer's
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        with store.open_writer("big") as w:
+            for _ in range(64):
+                w.write(chunk)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert w.peak_buffered_bytes <= 10 * MiB
+    assert peak <= 10 * MiB + MiB, f"{peak / MiB:.1f} MiB held for a 2 x 5 MiB writer"
+    assert store.size("big") == 64 * MiB
+
+
+@pytest.mark.parametrize("decode_threads", [0, 2])
+def test_loader_memory_stays_within_its_budget_behind_a_slow_consumer(clean_run, decode_threads):
+    """A consumer slower than the store, a 4 MiB budget over a 20 MB run: bytes fetched and held
+    (counted by the stream) stay within budget + one range, and everything Python holds for the
+    stream (tracemalloc: GET buffers, decoded samples) within that plus the samples being decoded:
+    the one the consumer holds and 2 x decode_threads decoded ahead."""
+    stream = ShardStream(clean_run, seed=1, shuffle_buffer=2, memory_budget=4 * MiB, range_bytes=MiB,
+                         fetch_threads=4, decode_threads=decode_threads)
+    store = open_store(clean_run)
+    record = max(e.length for s in stream.shards for e in ShardReader(store, s.key, size=s.bytes).entries)
+    run_bytes = sum(s.bytes for s in stream.shards)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        n = 0
+        for _ in stream:
+            n += 1
+            time.sleep(0.02)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    m = stream.metrics()
+    assert n == 24 and run_bytes > 4 * 4 * MiB
+    assert 2 * MiB < m["peak_buffered_bytes"] <= 5 * MiB
+    bound = 5 * MiB + (2 * decode_threads + 2) * record + MiB  # + footers, headers, Python objects
+    log.info("loader: %.1f MiB traced at peak (bound %.1f), %.1f MiB counted, run %.1f MiB", peak / MiB,
+             bound / MiB, m["peak_buffered_bytes"] / MiB, run_bytes / MiB)
+    assert peak <= bound, f"{peak / MiB:.1f} MiB held by a loader with a 4 MiB budget"
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def objects(uri: str) -> list:
+    """Everything stored under `uri`, uploads left open included (with this test's credentials)."""
+    store = open_store(uri)
+    return sorted((o.key, o.size) for o in store.list()) + sorted(u.key for u in store.list_pending_uploads())
+
+
+def jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def local_run(job):
+    """The job extracted into a local folder, 4 shards; tests copy it before changing anything."""
+    out = str(job["root"] / "local-run")
+    assert cli(job["args"](out, "--shard-bytes", "4MB")) == 0
+    return out
+
+
+def _unwritable(tmp_path: Path) -> str:
+    if os.geteuid() == 0:  # root writes through permission bits; sysfs refuses even root
+        return "/sys/layertap-test/run"
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return str(locked / "run")
+
+
+BAD_EXTRACT = [  # name, (problem, fix) fragments the error must hold
+    ("empty dataset", ("has no rows", "give a dataset with at least one row")),
+    ("token id outside the vocabulary", ("token id 700 at position 1 is outside the vocabulary [0,",
+                                         "Tokenize them with this model's tokenizer")),
+    ("missing column", ("neither 'loss_mask' nor 'labels'", "add one so the drafter knows")),
+    ("unknown row shape", ("rows match no accepted shape; columns found: ['id', 'text']", "Accepted: pre-tokenized")),
+    ("unknown model path", ("target model", "does not exist", "give a model folder")),
+    ("layer id out of range", ("capture layer 2 is out of range", "ids 0..1")),
+    ("layer id not a number", ("invalid id list '0,x'", "use comma-separated integers")),
+    ("unknown codec", ("unknown codec 'zip'", "choose one of bf16, bf16-zstd, fp8")),
+    ("bucket missing", ("bucket 'layertap-no-such-bucket' does not exist", "create it or fix the URI")),
+    ("no credentials", ("no S3 credentials found", "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")),
+    ("wrong endpoint", ("cannot reach the S3 endpoint http://127.0.0.1:9", "check AWS_ENDPOINT_URL")),
+    ("another run at the prefix", ("made with a different configuration", "layers: run has [0, 1], now [1]",
+                                   "write the new run to another prefix")),
+    ("output path under a file", ("a part of that path is a file, not a folder", "choose another output folder")),
+    ("unwritable output", ("permission denied", "choose a writable output folder")),
+]
+
+
+@pytest.mark.parametrize("name,fragments", BAD_EXTRACT, ids=[c[0] for c in BAD_EXTRACT])
+def test_bad_input_to_extract_is_a_clear_error_and_leaves_the_store_as_it_was(
+        name, fragments, job, local_run, s3_bucket, tmp_path, monkeypatch, capsys):
+    """Exit code 2, one `error:` line naming the problem and the fix, no traceback, and nothing
+    written: a new output stays empty, an existing run is unchanged (and still complete)."""
+    out, extra, env = f"s3://{s3_bucket}/run", [], {}
+    ok_rows = [{"id": "a", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}]
+    if name == "empty dataset":
+        extra = ["--dataset", jsonl(tmp_path / "empty.jsonl", [])]
+    elif name == "token id outside the vocabulary":
+        extra = ["--dataset", jsonl(tmp_path / "ids.jsonl", ok_rows + [{"id": "b", "input_ids": [1, 700],
+                                                                        "loss_mask": [1, 1]}])]
+    elif name == "missing column":
+        extra = ["--dataset", jsonl(tmp_path / "nomask.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}])]
+    elif name == "unknown row shape":
+        extra = ["--dataset", jsonl(tmp_path / "text.jsonl", [{"id": "a", "text": "hello"}])]
+    elif name == "unknown model path":
+        extra = ["--model", str(tmp_path / "no-such-model")]
+    elif name == "layer id out of range":
+        extra = ["--layers", "0,2"]
+    elif name == "layer id not a number":
+        extra = ["--layers", "0,x"]
+    elif name == "unknown codec":  # a config file's value (the --codec flag is checked by argparse, below)
+        (tmp_path / "codec.json").write_text(json.dumps({"codec": "zip"}))
+        extra = ["--config", str(tmp_path / "codec.json")]
+    elif name == "bucket missing":
+        out = "s3://layertap-no-such-bucket/run"
+    elif name == "no credentials":
+        for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            env[var] = None
+        env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+                   AWS_EC2_METADATA_DISABLED="true")
+    elif name == "wrong endpoint":
+        (tmp_path / "s3.json").write_text(json.dumps({"s3": {"max_attempts": 2, "connect_timeout_s": 1}}))
+        extra, env = ["--config", str(tmp_path / "s3.json")], {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    elif name == "another run at the prefix":
+        out, extra = local_run, ["--layers", "1", "--shard-bytes", "4MB"]
+    elif name == "output path under a file":
+        (tmp_path / "file").write_text("not a folder")
+        out = str(tmp_path / "file" / "run")
+    elif name == "unwritable output":
+        out = _unwritable(tmp_path)
+    before = objects(out) if name not in ("bucket missing", "output path under a file", "unwritable output") else []
+    with monkeypatch.context() as m:
+        for k, v in env.items():
+            m.delenv(k, raising=False) if v is None else m.setenv(k, v)
+        argv = job["args"](out, *extra)
+        if name == "unknown codec":
+            del argv[argv.index("--codec"): argv.index("--codec") + 2]  # flags win over the config file
+        code = cli(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "error: " in err and "Traceback" not in err, err
+    message = err[err.rindex("error: "):]  # the last thing printed: progress bars come before it
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    if name == "bucket missing":
+        assert "layertap-no-such-bucket" not in [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]]
+    elif name in ("output path under a file", "unwritable output"):
+        assert not Path(out).exists()
+    else:
+        assert objects(out) == before
+    if out == local_run:
+        assert run_status(open_store(local_run))["complete"]
+
+
+def test_argparse_refuses_an_unknown_codec_before_anything_runs(job, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(job["args"]("/nonexistent/run", "--codec", "zip"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --codec: invalid choice: 'zip'" in err and "bf16-zstd" in err
+
+
+def test_empty_and_overlong_samples_are_skipped_or_cut_with_reasons_not_fatal(job, tmp_path, capsys):
+    """Per-sample problems must not stop a run over a million conversations: an empty sample and
+    one with nothing to learn within --max-length are skipped with their reason in the commit; an
+    overlong sample is cut to --max-length and counted; status shows the skips; exit code 0."""
+    rows = [{"id": "ok", "input_ids": list(range(1, 41)), "loss_mask": [0] * 8 + [1] * 32},
+            {"id": "empty", "input_ids": [], "loss_mask": []},
+            {"id": "long", "input_ids": [5] * 300, "loss_mask": [1] * 300},
+            {"id": "late", "input_ids": [5] * 300, "loss_mask": [0] * 280 + [1] * 20}]
+    out = str(tmp_path / "run")
+    assert cli(job["args"](out, "--dataset", jsonl(tmp_path / "rows.jsonl", rows), "--max-length", "256",
+                           "--batch-tokens", "1024")) == 0
+    printed = capsys.readouterr().out
+    store = open_store(out)
+    commits = [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
+    skipped = {s["sample_id"]: s for c in commits for s in c.skipped}
+    assert {k: v["reason"] for k, v in skipped.items()} == {"1-empty": "empty", "3-late": "no_supervised_pair"}
+    assert "within max_length=256" in skipped["3-late"]["detail"]
+    assert sorted(i for c in commits for i in c.sample_ids) == ["0-ok", "2-long"]
+    assert sum(c.truncated for c in commits) == 1
+    assert ShardStream(out, shuffle=False).__iter__().__next__()["input_ids"].numel() in (40, 256)
+    status = run_status(store)
+    assert status["complete"] and (status["samples_done"], status["samples_skipped"]) == (2, 2)
+    assert "2/4 stored, 2 skipped" in printed
+
+
+def rewrite_shard(store, shard: int, *, version: int | None = None, head: tuple[bytes, bytes] | None = None) -> str:
+    """Change a committed shard as a newer layertap could have written it (another format version,
+    another codec in the header) with every hash made consistent again: intact, not corrupt."""
+    ckey = layout.commit_key(shard)
+    commit = json.loads(store.get(ckey))
+    data = bytearray(store.get(commit["data_key"]))
+
+    def rehash_frame(offset: int, edit=lambda payload: payload) -> None:
+        n = FRAME.unpack_from(data, offset)[1]
+        start = offset + FRAME.size
+        payload = edit(bytes(data[start : start + n]))
+        assert len(payload) == n
+        data[start : start + n] = payload
+        struct.pack_into("<Q", data, offset + 12, xxhash.xxh3_64_intdigest(payload))
+
+    if version is not None:
+        struct.pack_into("<I", data, 8, version)
+    if head is not None:
+        rehash_frame(PREAMBLE.size, lambda payload: payload.replace(*head))
+    footer = TRAILER.unpack_from(data, len(data) - TRAILER.size)[0]
+    old = json.loads(data[footer + FRAME.size : len(data) - TRAILER.size])["content_xxh3_128"]
+    new = xxhash.xxh3_128_hexdigest(bytes(data[:footer]))
+    rehash_frame(footer, lambda payload: payload.replace(old.encode(), new.encode()))
+    store.put(commit["data_key"], bytes(data))
+    store.put(ckey, json.dumps(dict(commit, xxh3_128=xxhash.xxh3_128_hexdigest(bytes(data)))).encode())
+    return commit["data_key"]
+
+
+BAD_STORE = [  # name, what the loader raises (type, fragments), `layertap verify`: exit code, fragments
+    ("corrupted shard", (ShardError, "shard 1 ", "checksum mismatch", "run `layertap verify`"),
+     (1, "WITHDRAWN shard 1", "checksum mismatch", "the next `layertap extract` redoes it")),
+    ("truncated shard", (ShardError, "shard 1 ", "shorter than its commit says", "run `layertap verify`"),
+     (1, "WITHDRAWN shard 1", "truncated", "the next `layertap extract` redoes it")),
+    ("shard of a newer format version", (UnsupportedShard, "format version 9 is not supported", "upgrade layertap"),
+     (2, "format version 9 is not supported", "upgrade layertap")),
+    ("shard with an unknown codec", (UnsupportedShard, "codec 'zf16' is not known", "upgrade layertap"),
+     (2, "codec 'zf16' is not known", "upgrade layertap")),
+    ("manifest from another run", (ShardError, "the object says run", "the commit says run 'f00000000000'"),
+     (2, "but the manifest is run 'f00000000000'", "restore the run's own manifest.json")),
+    ("manifest of a newer version", (ManifestError, "manifest version 2", "use a matching layertap release"),
+     (2, "manifest version 2", "use a matching layertap release")),
+    ("commit record of a newer version", (ManifestError, "commit record version 2", "use a matching layertap release"),
+     (2, "commit record version 2", "use a matching layertap release")),
+]
+
+
+@pytest.mark.parametrize("name,loader,verify", BAD_STORE, ids=[c[0] for c in BAD_STORE])
+def test_bad_stored_objects_are_refused_with_the_fix_and_never_lost(name, loader, verify, job, local_run, tmp_path,
+                                                                    capsys):
+    """Damage is refused by the loader, withdrawn by `layertap verify` (status then shows the
+    shard failed, and a rerun of the extraction redoes it); what a newer layertap wrote, or a run
+    whose manifest is not its own, is refused by both with the fix, and nothing is changed."""
+    run = str(tmp_path / "run")
+    shutil.copytree(local_run, run)
+    store = open_store(run)
+    want = record_hashes(store)
+    commit = decode_commit(store.get(layout.commit_key(1)), "commit")
+    data = store.get(commit.data_key)
+    if name == "corrupted shard":
+        entry = ShardReader(store, commit.data_key).entries[0]
+        store.put(commit.data_key, data[: entry.offset + 40] + bytes([data[entry.offset + 40] ^ 1])
+                  + data[entry.offset + 41 :])
+    elif name == "truncated shard":
+        store.put(commit.data_key, data[:-100])
+    elif name == "shard of a newer format version":
+        rewrite_shard(store, 1, version=9)
+    elif name == "shard with an unknown codec":
+        rewrite_shard(store, 1, head=(b'"codec": "bf16"', b'"codec": "zf16"'))
+    elif name == "manifest from another run":
+        manifest = json.loads(store.get(layout.MANIFEST))
+        store.put(layout.MANIFEST, json.dumps(dict(manifest, run_id="f00000000000")).encode())
+    elif name == "manifest of a newer version":
+        manifest = json.loads(store.get(layout.MANIFEST))
+        store.put(layout.MANIFEST, json.dumps(dict(manifest, format_version=2)).encode())
+    elif name == "commit record of a newer version":
+        store.put(layout.commit_key(1), json.dumps(dict(json.loads(store.get(layout.commit_key(1))),
+                                                        version=2)).encode())
+    before = objects(run)
+
+    error, *fragments = loader
+    with pytest.raises(error) as e:
+        for _ in ShardStream(run, range_bytes=MiB):
+            pass
+    for fragment in fragments:
+        assert fragment in str(e.value), str(e.value)
+
+    code, *fragments = verify
+    assert cli(["verify", run]) == code
+    printed = capsys.readouterr()
+    for fragment in fragments:
+        assert fragment in (printed.out if code == 1 else printed.err), printed
+    if code == 2:  # refused: not one object changed, not one shard withdrawn
+        assert objects(run) == before and "Traceback" not in printed.err
+        return
+    status = run_status(store)
+    assert status["shards_failed"] == 1 and status["failed"][0]["shard"] == 1
+    assert "VerifyFailed" in status["failed"][0]["error"] and not status["complete"]
+    assert cli(job["args"](run, "--shard-bytes", "4MB")) == 0
+    assert_complete_and_clean(store, want)
+
+
+# -- security --------------------------------------------------------------------------------------
+
+DATA_PATH = ("storage", "manifests", "extract", "train")
+PICKLING_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve"}
+
+
+def pickle_uses(source: str, filename: str = "<source>") -> list[str]:
+    """Where `source` imports a pickling module, calls torch.load without weights_only=True, or
+    loads numpy arrays with allow_pickle=True."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        where = f"{filename}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Import):
+            found += [f"{where}: import {a.name}" for a in node.names if a.name.split(".")[0] in PICKLING_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PICKLING_MODULES:
+            found.append(f"{where}: from {node.module} import ...")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "load" for a in node.names):
+            found.append(f"{where}: from torch import load")
+        elif isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            kw = {k.arg: k.value for k in node.keywords}
+            safe = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
+            if name in ("torch.load", "torch.serialization.load") and not safe:
+                found.append(f"{where}: {name} without weights_only=True")
+            allow = kw.get("allow_pickle")
+            if allow is not None and not (isinstance(allow, ast.Constant) and allow.value is False):
+                found.append(f"{where}: {name}(allow_pickle=...)")
+    return found
+
+
+def test_no_pickle_on_the_data_path():
+    """Activations, records, manifests and checkpoints are read without ever unpickling: a file
+    from the store can carry data, never code."""
+    for bad in ("import pickle", "import dill as d", "from cloudpickle import loads", "torch.load(f)",
+                "torch.load(f, weights_only=False)", "from torch import load", "np.load(f, allow_pickle=True)"):
+        assert pickle_uses(bad), f"the check misses {bad!r}"
+    assert pickle_uses("torch.load(f, weights_only=True)\nnp.load(f)") == []
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(p for package in DATA_PATH for p in (root / package).rglob("*.py"))
+    assert len(files) > 20
+    found = [hit for p in files for hit in pickle_uses(p.read_text(), str(p.relative_to(root)))]
+    assert found == [], "pickle on the data path:\n" + "\n".join(found)
+
+
+FAKE_KEYS = {"AWS_ACCESS_KEY_ID": "AKIALAYERTAPFAKE0001", "AWS_SECRET_ACCESS_KEY": "layertapFakeSecret/DoNotLeak+1",
+             "AWS_SESSION_TOKEN": "layertapFakeSessionToken0123456789"}
+
+
+def test_credentials_appear_in_no_output_log_record_or_error(job, s3_bucket, tmp_path):
+    """Recognisable fake keys, debug logging on: the extraction's console and log files, status
+    (text and JSON), verify, inspect, an error message, and every object written to the store
+    (manifest, commits, tallies, shard headers) hold none of them."""
+    forked_cli.warm()
+    run, logs = f"s3://{s3_bucket}/secrets", tmp_path / "logs"
+    commands = [
+        ["-v", *job["args"](run, "--limit", "6", "--log-dir", str(logs))],
+        ["-v", "status", run], ["status", run, "--json"], ["verify", run],
+        ["-v", "extract", "--out", "s3://layertap-no-such-bucket/run", "--model", job["model"],
+         "--dataset", job["data"], "--layers", "0,1", "--log-dir", str(logs)],
+    ]
+    codes = []
+    for i, argv in enumerate(commands):
+        proc = forked_cli.start(argv, tmp_path / f"out-{i}.txt", env=FAKE_KEYS)
+        proc.join(300)
+        codes.append(proc.exitcode)
+    store = open_store(run)
+    shard = next(o.key for o in store.list(layout.SHARDS))
+    proc = forked_cli.start(["inspect", f"{run}/{shard}"], tmp_path / "out-inspect.txt", env=FAKE_KEYS)
+    proc.join(120)
+    assert codes == [0, 0, 0, 0, 2] and proc.exitcode == 0, codes
+    assert "bucket 'layertap-no-such-bucket' does not exist" in (tmp_path / "out-4.txt").read_text()
+    outputs = {str(p): p.read_bytes() for p in [*tmp_path.glob("out-*.txt"), *logs.iterdir()]}
+    outputs.update({f"{run}/{o.key}": o.key.encode() + store.get(o.key) for o in store.list()})
+    assert len(outputs) >= 10
+    assert b"INFO botocore.credentials: Found credentials in environment variables" in outputs[str(tmp_path / "out-0.txt")]
+    for where, text in outputs.items():
+        for name, secret in FAKE_KEYS.items():
+            assert secret.encode() not in text, f"{name} appears in {where}"
+
+
+def test_sample_ids_and_shard_names_never_become_paths_outside_the_output(job, local_run, tmp_path, capsys):
+    """Row ids shaped like paths are stored as clean ids and create nothing anywhere; a commit
+    record pointing outside the run is refused as corrupt by the loader, withdrawn by verify
+    (the file it names is neither read nor deleted) and redone by the next extraction."""
+    nasty = ["../../../../tmp/evil", "/etc/passwd", "a/../../b", "..", "C:\\\\x\\\\y", "nul\x00byte", "~/x", "x" * 300]
+    rows = [{"id": sid, "input_ids": [1 + i, 2, 3, 4], "loss_mask": [0, 1, 1, 1]} for i, sid in enumerate(nasty)]
+    watched = tmp_path / "watched"
+    (watched / "out").mkdir(parents=True)
+    data = jsonl(tmp_path / "nasty.jsonl", rows)
+    before = {p for p in tmp_path.rglob("*")}
+    assert cli(job["args"](str(watched / "out"), "--dataset", data, "--log-dir", str(watched / "out" / "logs"))) == 0
+    created = {p for p in tmp_path.rglob("*")} - before
+    assert created and all(watched / "out" in p.parents for p in created)
+    store = open_store(str(watched / "out"))
+    ids = [i for o in store.list(layout.COMMITS) for i in decode_commit(store.get(o.key), o.key).sample_ids]
+    assert len(ids) == len(nasty)
+    assert all(re.fullmatch(r"\d+-[A-Za-z0-9._-]{1,40}", i) for i in ids), ids
+
+    run = str(tmp_path / "run")
+    shutil.copytree(local_run, run)
+    victim = tmp_path / "outside.lts"
+    victim.write_bytes(b"not layertap's to read or delete")
+    store = open_store(run)
+    want = record_hashes(store)
+    record = json.loads(store.get(layout.commit_key(2)))
+    store.put(layout.commit_key(2), json.dumps(dict(record, data_key="../outside.lts")).encode())
+    with pytest.raises(ManifestError, match=r"corrupt commit record \(data_key '../outside.lts'.*layertap verify"):
+        ShardStream(run)
+    assert cli(["verify", run]) == 1
+    assert "WITHDRAWN shard 2" in capsys.readouterr().out
+    assert victim.read_bytes() == b"not layertap's to read or delete"
+    assert cli(job["args"](run, "--shard-bytes", "4MB")) == 0
+    assert_complete_and_clean(store, want)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from storage.shard import ShardError, ShardMeta, ShardReader, record_payload
+from storage.shard import ShardError, ShardMeta, ShardReader, UnsupportedShard, record_payload
 from storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
@@ -214,6 +214,11 @@ class Fetcher:
         detail = str(error)
         msg = f"shard {entry.shard} ({where}) is corrupt or unreadable: {detail}"
         with self._cond:
+            if isinstance(error, UnsupportedShard):  # newer, not corrupt: skipping it would lose it silently
+                self._error = self._error or UnsupportedShard(
+                    f"shard {entry.shard}: {detail} (if this layertap wrote it, it is corrupt: run `layertap verify`)")
+                self._cond.notify_all()
+                return self._error
             if self.on_corrupt == "raise":
                 if self._error is None:
                     self._error = ShardError(
