@@ -62,6 +62,9 @@ def extract(cfg: ExtractConfig) -> int:
 def _extract(cfg: ExtractConfig, state) -> int:
     rank, world = state.process_index, state.num_processes
     store = open_store(cfg.out, **cfg.s3) if cfg.out.startswith("s3://") else open_store(cfg.out)
+    # A missing bucket, a wrong endpoint or no credentials fail here, not after minutes of loading
+    # the model (a listing: a HEAD's 404 does not say whether the bucket exists).
+    next(store.list(layout.MANIFEST), None)
 
     rows, fingerprint = dataset_rows(cfg)  # a bad dataset fails before the model loads
     target, capture, identity = prepare_target(cfg, state.device)
