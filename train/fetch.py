@@ -12,10 +12,10 @@ the record is made available; nothing is written anywhere but memory.
 Records are not copied out of the bytes a GET brought: each is a view into them, decoded in place.
 A range's bytes therefore stay in memory, and counted, until the last of its records is released.
 The budget counts bytes fetched and not yet released (ranges in flight, ranges holding verified
-records that wait for their turn or sit in the shuffle buffer). A range waits for budget unless the consumer is
-blocked on a record only that range can bring (then it goes ahead, so a shuffle buffer larger
-than the budget cannot deadlock): buffered bytes stay within the budget plus one range whenever
-the shuffle buffer's records fit in the budget.
+records that wait for their turn or sit in the shuffle buffer). A range waits for budget unless
+the consumer is blocked on a record only that range can bring (then it goes ahead, so a shuffle
+buffer larger than the budget cannot deadlock): buffered bytes stay within the budget plus one
+range whenever the ranges holding the shuffle buffer's records fit in the budget.
 """
 
 from __future__ import annotations
