@@ -57,7 +57,7 @@ def write_rows(path: Path, n: int, seed: int = 0) -> str:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """A 2-layer llama 1024 wide (6 KiB stored per token at little compute), 24 rows, and the
-    settings that make each shard on S3 a multipart upload of two 5 MiB parts' worth."""
+    settings that make each shard on S3 a multipart upload (5 MiB parts, shards of 6-7 MB)."""
     root = tmp_path_factory.mktemp("job")
     model = tiny_model_dir(root, "llama", num_layers=2, hidden_size=1024)
     data = write_rows(root / "rows.jsonl", 24)
@@ -95,7 +95,7 @@ def assert_complete_and_clean(store, want: dict[str, str]) -> None:
     assert record_hashes(store) == want
     # S3: no multipart upload pending. A local folder: no shard writer's temp file; a SIGKILLed
     # small put (a lease, a tally) may leave a hidden temp file of a few bytes, which the run's
-    # next end removes once it is older than the lease TTL (test_stale_temp_files_are_swept).
+    # next end removes once it is older than the lease TTL (test_the_end_of_a_run_sweeps_...).
     pending = store.list_pending_uploads()
     assert [u for u in pending if u.key.startswith(layout.SHARDS) or store.uri.startswith("s3://")] == []
     assert list(store.list(layout.LEASES)) == []
