@@ -81,17 +81,18 @@ def main() -> None:
     for codec in ("bf16-zstd", "fp8"):
         run, out = work / f"run-{codec}", work / f"drafter-{codec}"
         r = results[codec] = {}
-        r["extract_s"] = layertap("extract", *model, "--out", str(run), "--codec", codec, "--dtype", "float32",
+        layertap("extract", *model, "--out", str(run), "--codec", codec, "--dtype", "float32",
                                   "--max-length", "256", "--limit", str(args.limit), "--shard-bytes", "32MB",
                                   "--log-dir", str(work / "logs"), log=log)
         resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
-        r["train_s"] = layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(args.steps),
+        layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(args.steps),
                                 *TRAIN_ARGS, *resume, log=log)
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         r["loss_first10"] = sum(m["loss"] for m in metrics[:10]) / 10
         r["loss_last10"] = sum(m["loss"] for m in metrics[-10:]) / 10
         r["acc1_last10"] = sum(m["acc_first"] for m in metrics[-10:]) / 10
-        r["tok_s"] = sum(m["tokens"] for m in metrics) / sum(m["step_s"] for m in metrics)
+        r["train_s"] = sum(m["step_s"] for m in metrics)  # from the run's own metrics: a resumed run counts too
+        r["tok_s"] = sum(m["tokens"] for m in metrics) / r["train_s"]
         r["data_wait"] = sum(m["data_wait_fraction"] * m["step_s"] for m in metrics) / sum(m["step_s"] for m in metrics)
         report = work / f"eval-{codec}-{args.prompts}p-{args.max_new_tokens}t.json"
         baseline = [] if codec == "bf16-zstd" else ["--no-baseline"]
@@ -117,8 +118,7 @@ dropped), {args.max_new_tokens} new tokens each, greedy.
 
 | | lossless (bf16-zstd) | fp8 |
 |---|---|---|
-| extraction wall time | {lossless['extract_s']:.0f} s | {fp8['extract_s']:.0f} s |
-| training wall time ({args.steps} steps) | {lossless['train_s']:.0f} s | {fp8['train_s']:.0f} s |
+| training time, sum of {args.steps} step times | {lossless['train_s']:.0f} s | {fp8['train_s']:.0f} s |
 | loss, mean of first 10 steps | {lossless['loss_first10']:.3f} | {fp8['loss_first10']:.3f} |
 | loss, mean of last 10 steps | {lossless['loss_last10']:.3f} | {fp8['loss_last10']:.3f} |
 | slot-1 accuracy, last 10 steps | {lossless['acc1_last10']:.3f} | {fp8['acc1_last10']:.3f} |
@@ -128,6 +128,13 @@ dropped), {args.max_new_tokens} new tokens each, greedy.
 | tau of the untrained drafter | {ev['tau_untrained']:.3f} | – |
 | acceptance by draft position 1..3 | {' / '.join(f'{x:.2f}' for x in ev['acceptance_per_position'][:3])} | {' / '.join(f'{x:.2f}' for x in ev8['acceptance_per_position'][:3])} |
 | speculative output == greedy | {ev['matches_greedy']} | {ev8['matches_greedy']} |
+
+Times are from a machine shared with other jobs (load 5-7 on 2 cores), with
+`OMP_NUM_THREADS=1` for the fp8 training and both evals and 2 threads for the lossless training:
+compare the loss and tau columns, not the speeds. The eval took {ev['wall_s']:.0f} s (lossless,
+with the untrained baseline) and {ev8['wall_s']:.0f} s (fp8). tau is low in absolute terms: 200 CPU
+steps of a 2-layer drafter with blocks of 4 (the recipe trains 6 epochs of 800K samples with
+blocks of 16); what this shows is the whole path working and the learning signal, lossless and fp8 alike.
 
 Targets: loss well below its start; tau clearly above untrained; fp8 tau within 3% of lossless
 ({'met' if abs(1 - ratio) <= 0.03 else 'MISSED'}: {100 * (ratio - 1):+.1f}%); output equal to greedy.
