@@ -375,7 +375,7 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
         f"  data         {work.samples:,} samples, {work.tokens:,} tokens, mean {work.mean_tokens:,.1f} tokens/sample"
         f"{src.get('data', '')}",
         f"  codec        {storage.codec}, ratio {storage.ratio:.3f}x{src.get('codec', '')}",
-        f"  throughput   " + (f"{tps:,.0f} tokens/s per GPU{src.get('throughput', '')}; {_count(throughput.gpus, 'GPU')}, "
+        "  throughput   " + (f"{tps:,.0f} tokens/s per GPU{src.get('throughput', '')}; {_count(throughput.gpus, 'GPU')}, "
                               f"{throughput.gpus_per_node} per node = {_count(throughput.nodes, 'node')}" if tps else
                               "not given: add --tokens-per-s N or --measure for time, bandwidth and GPU-hours"),
         f"  layout       shards of ~{storage.shard_bytes:,} B stored, upload parts of {fmt_bytes(storage.part_bytes)}, "

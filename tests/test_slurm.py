@@ -3,7 +3,6 @@ single-node Slurm cluster (.ci/slurm.sh) running extraction arrays and a chained
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -177,7 +176,7 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     out = capsys.readouterr().out
     assert "12 shards: 10 done, 0 running, 1 failed, 1 pending" in out
     assert "#SBATCH --array=10-11%4" in out and "--shards \"$SLURM_ARRAY_TASK_ID\"" in out
-    assert "--max-length 64" in out and f"--log-dir \"$LOG_DIR\"" in out
+    assert "--max-length 64" in out and "--log-dir \"$LOG_DIR\"" in out
     assert "sbatch --parsable --dependency=afterok:<the array's job id> --kill-on-invalid-dep=yes" in out
     assert "-m extract.cli train --data run --model m --out d --steps 3" in " ".join(out.split())
     assert not (tmp_path / "layertap-logs").exists()  # nothing written
