@@ -49,15 +49,16 @@ def save_checkpoint(store: ObjectStore, step: int, model: DFlashDrafter, optimiz
                     state: dict[str, Any], keep: int) -> str:
     """Write a checkpoint, point `latest.json` at it, then drop all but the newest `keep`."""
     prefix = step_prefix(step)
-    names = {id(p): n for n, p in model.trainable_state().items()}
+    trainable = model.trainable_state()
+    names = {id(p): n for n, p in trainable.items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
-    opt_state = optimizer.state_dict()["state"]
+    opt = optimizer.state_dict()
     for i, p in enumerate(params):
-        for key, value in opt_state.get(i, {}).items():
+        for key, value in opt["state"].get(i, {}).items():
             tensors[f"{names[id(p)]}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.trainable_state().items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
+    weights = {k: v.detach().cpu().contiguous() for k, v in trainable.items()}
     store.put(f"{prefix}/drafter.safetensors", st_save(weights))
     store.put(f"{prefix}/optimizer.safetensors", st_save(tensors))
     full = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, "param_groups": groups,
@@ -97,22 +98,17 @@ def load_latest(store: ObjectStore) -> Checkpoint | None:
 
 def restore(ckpt: Checkpoint, model: DFlashDrafter, optimizer: torch.optim.Optimizer) -> None:
     """Load weights, optimizer moments and RNG state saved by `save_checkpoint`."""
+    model.load_trainable(ckpt.weights, "the checkpoint")
     trainable = model.trainable_state()
-    missing = sorted(set(trainable) - set(ckpt.weights))
-    if missing:
-        raise ValueError(f"the checkpoint lacks weights {missing}: it was saved by a different drafter")
-    with torch.no_grad():
-        for name, p in trainable.items():
-            if p.shape != ckpt.weights[name].shape:
-                raise ValueError(f"checkpoint weight {name} is {tuple(ckpt.weights[name].shape)}, the drafter's is "
-                                 f"{tuple(p.shape)}")
-            p.copy_(ckpt.weights[name])
     names = {id(p): n for n, p in trainable.items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in ckpt.optimizer.items():  # "<weight name>.<moment>", e.g. "fc.weight.exp_avg"
+        name, field = key.rsplit(".", 1)
+        by_name.setdefault(name, {})[field] = t
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, p in enumerate(params):
-        entry = {key.removeprefix(names[id(p)] + "."): t for key, t in ckpt.optimizer.items()
-                 if key.startswith(names[id(p)] + ".") and "." not in key.removeprefix(names[id(p)] + ".")}
+        entry = by_name.get(names[id(p)])
         if entry:
             state[i] = {k: (v if k == "step" else v.to(p.device)) for k, v in entry.items()}
     groups = ckpt.state["param_groups"]

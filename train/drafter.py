@@ -190,6 +190,19 @@ class DFlashDrafter(nn.Module):
         """What a checkpoint holds: every weight except the target's borrowed ones."""
         return {k: v for k, v in self.named_parameters() if v.requires_grad}
 
+    def load_trainable(self, weights: dict[str, torch.Tensor], source: str) -> None:
+        """Copy saved trainable weights in (checkpoint or export), refusing missing or misshapen ones."""
+        trainable = self.trainable_state()
+        missing = sorted(set(trainable) - set(weights))
+        if missing:
+            raise ValueError(f"{source} lacks weights {missing}: it was saved by a different drafter")
+        with torch.no_grad():
+            for name, p in trainable.items():
+                if p.shape != weights[name].shape:
+                    raise ValueError(f"{source}: weight {name} is {tuple(weights[name].shape)}, the drafter's is "
+                                     f"{tuple(p.shape)}")
+                p.copy_(weights[name])
+
     def context(self, states: torch.Tensor) -> torch.Tensor:
         """Stored states [B, T, L, H] -> context features [B, T, H]."""
         b, t = states.shape[:2]

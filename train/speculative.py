@@ -209,12 +209,7 @@ def evaluate(drafter_uri: str, model: str, prompts_path: str, *, gguf_file: str 
     embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())
     drafter = DFlashDrafter(config, head)
-    missing = sorted(set(drafter.trainable_state()) - set(weights))
-    if missing:
-        raise ValueError(f"{drafter_uri}: the drafter weights lack {missing}")
-    with torch.no_grad():
-        for name, p in drafter.trainable_state().items():
-            p.copy_(weights[name])
+    drafter.load_trainable(weights, drafter_uri)
     drafter.eval()
     runner = TargetRunner(target.model, config.capture_layers)
     prompts, skipped = load_prompts(prompts_path, target.tokenizer, limit, max_prompt_tokens)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -277,8 +278,6 @@ def _save(acc, gather_object, out, step, model, optimizer, loader, cfg, world, m
 
 def _recorded_target(run_config: dict[str, Any], data: str) -> tuple[str, str | None]:
     """The target the extraction used, as its manifest records it, if it is on this machine."""
-    import os
-
     model, gguf = run_config.get("model"), run_config.get("gguf_file")
     if isinstance(model, str) and model.startswith("embedded:"):  # the Quickstart's packaged SmolLM2
         from extract.embedded import smollm2_gguf
