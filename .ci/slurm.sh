@@ -24,8 +24,11 @@ start() {
   # munge: the Debian package generated /etc/munge/munge.key; a daemon already running is reused.
   if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     mkdir -p /run/munge && chown munge:munge /run/munge
-    runuser -u munge -- /usr/sbin/munged --pid-file="$S/munged.pid"
+    # munged runs as munge, which cannot reach a 0700 folder such as pytest's: its pid file goes
+    # in /run/munge and a copy in $S tells `stop` which daemon this cluster started.
+    runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/layertap-munged.pid
     for _ in $(seq 1 40); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+    cp /run/munge/layertap-munged.pid "$S/munged.pid"
   fi
   CPUS=$(nproc); MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 2048 ))
   # Ports of our own, so a cluster already on this host (or one a crashed run left) is no obstacle.

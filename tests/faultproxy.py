@@ -5,7 +5,10 @@
     ...
     proxy.counts      # Counter of the faults injected, by kind, and of the requests seen
 
-Each request is, with probability `rate` (a seeded RNG), answered by one of these faults:
+A `rate` share of requests is answered by one of the faults below. The share is exact, not a
+coin toss per request, so a test can count on it however many requests the client's threads
+happen to send: requests are taken in windows of 1/rate, and in each window one request, at a
+position drawn from a seeded RNG, gets a fault (of a kind drawn from the same RNG):
 
 - ``500``: an InternalError XML body, the request never reaches the server;
 - ``503``: a SlowDown XML body (S3's throttling answer), never reaches the server;
@@ -24,6 +27,7 @@ and content checksums still verify upstream. Hop-by-hop headers are not forwarde
 from __future__ import annotations
 
 import http.client
+import math
 import random
 import socket
 import struct
@@ -62,6 +66,9 @@ class FaultProxy:
         self.match, self.limit = match, limit
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
+        self._seen = 0  # requests that `match`
+        self._window = 0
+        self._next_fault = self._fault_position(0)
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self.url = ""
@@ -98,14 +105,24 @@ class FaultProxy:
     def _injected(self) -> int:
         return sum(n for k, n in self.counts.items() if k in FAULTS)
 
+    def _fault_position(self, window: int) -> int | None:
+        """The index, among matching requests, of the one that fails in `window`."""
+        if self.rate == 0.0:
+            return None
+        start, end = math.ceil(window / self.rate), math.ceil((window + 1) / self.rate)
+        return self._rng.randrange(start, max(end, start + 1))
+
     def _draw(self, method: str, path: str) -> str | None:
         with self._lock:
             self.counts["requests"] += 1
             if self.match is not None and not self.match(method, path):
                 return None
-            if self.limit is not None and self._injected() >= self.limit:
+            index, self._seen = self._seen, self._seen + 1
+            if index != self._next_fault:
                 return None
-            if self._rng.random() >= self.rate:
+            self._window += 1
+            self._next_fault = self._fault_position(self._window)
+            if self.limit is not None and self._injected() >= self.limit:
                 return None
             fault = self._rng.choice(self.faults)
             self.counts[fault] += 1

@@ -253,12 +253,14 @@ def test_extraction_and_loading_at_a_10_percent_fault_rate_equal_a_fault_free_ru
         proc = forked_cli.start(job["args"](faulty), tmp_path / "faulty.log", env={"AWS_ENDPOINT_URL": proxy.url})
         proc.join(600)
         assert proc.exitcode == 0, (tmp_path / "faulty.log").read_text()[-3000:]
-        extract_faults = dict(proxy.counts)
+        extract_faults = proxy.counts
+    with FaultProxy(s3_endpoint, rate=0.1, seed=6, stall_s=0.3) as proxy:
         got = stream_digests(faulty, store_options={"endpoint_url": proxy.url})
-        load_faults = dict(proxy.counts)
-    log.info("faults injected: extraction %s, extraction + loading %s", extract_faults, load_faults)
-    assert sum(extract_faults.get(f, 0) for f in FAULTS) >= 8, extract_faults
-    assert sum(load_faults.get(f, 0) for f in FAULTS) - sum(extract_faults.get(f, 0) for f in FAULTS) >= 4
+        load_faults = proxy.counts
+    log.info("faults injected: extraction %s, loading %s", dict(extract_faults), dict(load_faults))
+    # one request in ten fails, so ~100 extraction requests and ~40 loading ones see at least:
+    assert sum(extract_faults[f] for f in FAULTS) >= 8, extract_faults
+    assert sum(load_faults[f] for f in FAULTS) >= 3, load_faults
 
     want_store, got_store = open_store(clean), open_store(faulty)
     assert run_status(got_store)["complete"]
