@@ -1,10 +1,12 @@
-"""Shared helpers for benches: machine description and the docs/benchmarks.md section writer."""
+"""Shared helpers for benches: machine description, CPU time of a process, and the
+docs/benchmarks.md section writer."""
 
 from __future__ import annotations
 
 import os
 import platform
 import re
+import resource
 from pathlib import Path
 
 
@@ -48,3 +50,16 @@ def publish(name: str, markdown: str, write: bool, path: str | os.PathLike = "do
     if write:
         write_section(name, markdown, path)
         print(f"\nwrote section {name!r} of {path}")
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process, or of process `pid` of this machine (Linux
+    /proc); NaN where that process cannot be read."""
+    if pid is None:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import shlex
 import statistics
 import sys
@@ -45,14 +44,14 @@ import boto3  # noqa: E402
 import torch  # noqa: E402
 from botocore.config import Config  # noqa: E402
 
-from bench._report import machine, publish  # noqa: E402
+from bench._report import cpu_s, machine, publish  # noqa: E402
 from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import Producer  # noqa: E402
 from manifests.work import WorkQueue  # noqa: E402
 from storage.shard import Sample, ShardMeta, ShardReader, ShardWriter, decode_record, encode_record  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
-from tests.s3server import start_bench_server, stop  # noqa: E402
+from tests.s3server import bench_server  # noqa: E402
 from train import ShardStream, StreamLoader  # noqa: E402
 from train.stream import load_index  # noqa: E402
 
@@ -68,17 +67,6 @@ def written_bytes() -> int:
     except OSError:
         pass
     return -1
-
-
-def cpu_s(pid: int | None = None) -> float:
-    if pid is None:
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        return ru.ru_utime + ru.ru_stime
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
 
 
 def bench_samples(mb: float) -> list[torch.Tensor]:
@@ -250,20 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "bench/loader.py", *(sys.argv[1:] if argv is None else argv)])
     torch.set_num_threads(1)
 
-    proc = None
-    if args.endpoint:
-        endpoint, server_pid, server = args.endpoint, None, f"`{args.endpoint}`"
-    else:
-        proc, endpoint = start_bench_server()
-        server_pid = proc.pid
-        import moto
-
-        server = f"moto {moto.__version__} (`python -m moto.server`) on loopback, started by the benchmark"
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    sections = []
-    load_before = os.getloadavg()[0]
-    try:
+    with bench_server(args.endpoint) as srv:
+        endpoint, server_pid, server = srv.endpoint, srv.pid, srv.description
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        sections = []
+        load_before = os.getloadavg()[0]
         bucket = f"bench-loader-{uuid.uuid4().hex[:8]}"
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
         for codec in args.codecs.split(","):
@@ -281,12 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"(checks, decoding, buffering); with the server on the same 2 cores, the ratio of their "
                          f"client + server CPU-s, {k['cpu_ratio']:.2f}x, is what the loader can reach when both "
                          "keep the cores busy", ""]
-    finally:
-        if proc is not None:
-            stop(proc)
 
     md = "\n".join([
-        "## Streaming loader vs raw boto3 GETs",
+        f"## Streaming loader vs raw boto3 GETs{srv.heading}",
         "",
         f"Command: `{command}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  ",
@@ -309,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "whole object on the server, which real S3 does not do. MosaicML `streaming` is compared in "
         "bench/loader_vs_mds.py (its own section).",
     ])
-    publish("loader", md, args.write_docs, ROOT / "docs" / "benchmarks.md")
+    publish(srv.section("loader"), md, args.write_docs, ROOT / "docs" / "benchmarks.md")
     return 0
 
 

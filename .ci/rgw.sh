@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# A single-node Ceph radosgw on localhost: a real S3 implementation (not a Python emulation) for
+# the S3 conformance tests and the benchmarks. One monitor, one memstore OSD (objects live in RAM),
+# radosgw with the beast frontend; no auth between the daemons, a fixed test-only S3 key.
+#
+#   .ci/rgw.sh install          apt-get the Debian packages if missing (root; ~90 s)
+#   .ci/rgw.sh start DIR        start one whose state and logs live in DIR (~15 s); prints the
+#                               `export` lines for LAYERTAP_TEST_S3_ENDPOINT and the credentials
+#   .ci/rgw.sh stop DIR         stop the daemons that `start DIR` started
+#
+# RGW_MEMSTORE_MB (default 4096) caps what the OSD holds in RAM.
+set -euo pipefail
+
+install() {
+  command -v radosgw >/dev/null && command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && return 0
+  [ "$(id -u)" = 0 ] || { echo "installing radosgw needs root: apt-get install radosgw ceph-mon ceph-osd" >&2; exit 1; }
+  export DEBIAN_FRONTEND=noninteractive
+  local pkgs="radosgw ceph-mon ceph-osd ceph-common uuid-runtime curl"
+  apt-get install -y -q --no-install-recommends $pkgs >/dev/null \
+    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $pkgs >/dev/null; }
+}
+
+free_ports() {
+  python3 -c 'import socket
+s = [socket.socket() for _ in range(2)]
+[x.bind(("127.0.0.1", 0)) for x in s]
+print(*[x.getsockname()[1] for x in s])'
+}
+
+start() {
+  local C FSID OUUID MON_PORT RGW_PORT CEPH
+  C=$(realpath -m "$1")
+  rm -rf "$C"; mkdir -p "$C"/{mon,osd0,rgw,run,log}
+  FSID=$(uuidgen); OUUID=$(uuidgen)
+  read -r MON_PORT RGW_PORT < <(free_ports)
+  cat > "$C/ceph.conf" <<EOF
+[global]
+fsid = $FSID
+mon_host = v1:127.0.0.1:$MON_PORT
+ms_bind_msgr2 = false
+auth_cluster_required = none
+auth_service_required = none
+auth_client_required = none
+osd_pool_default_size = 1
+osd_pool_default_min_size = 1
+osd_pool_default_pg_num = 8
+osd_pool_default_pgp_num = 8
+mon_allow_pool_size_one = true
+mon_warn_on_pool_no_redundancy = false
+osd_crush_chooseleaf_type = 0
+run_dir = $C/run
+log_file = $C/log/\$name.log
+admin_socket = $C/run/\$name.asok
+pid_file = $C/run/\$name.pid
+[mon.a]
+mon_data = $C/mon
+[osd.0]
+osd_data = $C/osd0
+osd_objectstore = memstore
+memstore_device_bytes = $(( ${RGW_MEMSTORE_MB:-4096} * 1024 * 1024 ))
+[client.rgw.a]
+rgw_frontends = beast endpoint=127.0.0.1:$RGW_PORT
+rgw_data = $C/rgw
+EOF
+  CEPH="ceph -c $C/ceph.conf"
+  monmaptool --create --addv a "[v1:127.0.0.1:$MON_PORT]" --fsid "$FSID" "$C/monmap" >/dev/null
+  ceph-mon -c "$C/ceph.conf" --mkfs -i a --monmap "$C/monmap"
+  ceph-mon -c "$C/ceph.conf" -i a
+  for _ in $(seq 1 60); do timeout 5 $CEPH mon stat >/dev/null 2>&1 && break; sleep 0.5; done
+  timeout 5 $CEPH mon stat >/dev/null 2>&1 || { echo "the monitor did not come up; logs in $C/log" >&2; exit 1; }
+  $CEPH osd new "$OUUID" 0 >/dev/null
+  ceph-osd -c "$C/ceph.conf" -i 0 --mkfs --osd-uuid "$OUUID" >/dev/null 2>&1
+  ceph-osd -c "$C/ceph.conf" -i 0 >/dev/null 2>&1
+  for _ in $(seq 1 120); do $CEPH osd stat 2>/dev/null | grep -q "1 up" && break; sleep 0.5; done
+  $CEPH osd stat 2>/dev/null | grep -q "1 up" || { echo "the OSD did not come up; logs in $C/log" >&2; exit 1; }
+  radosgw -c "$C/ceph.conf" -n client.rgw.a
+  for _ in $(seq 1 120); do curl -sf -o /dev/null "http://127.0.0.1:$RGW_PORT/" && break; sleep 0.5; done
+  curl -sf -o /dev/null "http://127.0.0.1:$RGW_PORT/" || { echo "radosgw did not come up; logs in $C/log" >&2; exit 1; }
+  radosgw-admin -c "$C/ceph.conf" user create --uid=ci --display-name=ci --access-key=CIKEY \
+    --secret-key=CISECRET >/dev/null
+  echo "export LAYERTAP_TEST_S3_ENDPOINT=http://127.0.0.1:$RGW_PORT AWS_ACCESS_KEY_ID=CIKEY AWS_SECRET_ACCESS_KEY=CISECRET"
+}
+
+stop() {
+  local C pid f
+  C=$(realpath -m "$1")
+  for f in client.rgw.a osd.0 mon.a; do
+    [ -f "$C/run/$f.pid" ] || continue
+    pid=$(cat "$C/run/$f.pid")
+    kill "$pid" 2>/dev/null || continue
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  done
+}
+
+case "${1:-}" in
+  install) install ;;
+  start) start "${2:?usage: $0 start DIR}" ;;
+  stop) stop "${2:?usage: $0 stop DIR}" ;;
+  *) echo "usage: $0 install | start DIR | stop DIR" >&2; exit 2 ;;
+esac
