@@ -155,7 +155,7 @@ def run_loader(stream: ShardStream, workers: int) -> dict:
 
 def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) -> tuple[dict, dict]:
     store = open_store(uri)
-    _, shards, _ = load_index(store)
+    _, shards = load_index(store)
     prefix = store.prefix
     stored = sum(s.bytes for s in shards)
     store.close()
@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {machine()}; torch {torch.__version__}, boto3 {boto3.__version__}; "
         f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after  ",
         f"Server: {server}  ",
-        f"Loader: in-process ShardStream, {args.threads} fetch threads, 2 decode threads, shuffle buffer 64, "
+        f"Loader: in-process ShardStream, {args.threads} fetch threads, decode threads by codec (bf16 on the "
+        "consumer's thread, compressed codecs on 2), shuffle buffer 64, "
         f"memory budget {args.budget_mb} MiB, default 64 MiB ranges (shards this size are read in one GET); "
         f"{args.rounds} rounds in alternating order, medians.",
         "",

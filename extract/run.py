@@ -126,7 +126,7 @@ def _setup_logging(log_dir: str, rank: int) -> None:
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     fh.setLevel(logging.DEBUG)
     root.addHandler(fh)
-    root.setLevel(logging.INFO)
+    root.setLevel(min(root.getEffectiveLevel(), logging.INFO))  # INFO at least; DEBUG stays with -v
     if rank != 0:
         for h in root.handlers:
             if h is not fh:

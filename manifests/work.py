@@ -237,4 +237,5 @@ class WorkQueue:
         for old in st.leases.get(shard, []):  # stale generations of dead workers
             self.store.delete(old.key)
         self.given_up.discard(shard)
+        log.debug("shard %d: leased, generation %d, ttl %gs", shard, gen, self.ttl_s)
         return Claim(self, self.manifest.shards[shard], gen, self.producer.token)

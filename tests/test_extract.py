@@ -141,11 +141,11 @@ def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):
 
 
 def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
-    """Two processes over gloo through `accelerate launch`, as on a multi-GPU node."""
+    """Two processes over gloo through `accelerate launch`, as on a multi-GPU node; with -v."""
     data = write_chats(tmp_path / "chats.jsonl", 24)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "extract.cli", "extract", "--model", models["qwen3"], "--dataset", data, "--out", store_uri,
+           "-m", "extract.cli", "-v", "extract", "--model", models["qwen3"], "--dataset", data, "--out", store_uri,
            "--layers", "1,4", "--max-length", "40", "--shard-bytes", "10KB", "--log-dir", str(tmp_path / "logs")]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -158,8 +158,12 @@ def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
                                                      tmp_path / "logs" / "extract-rank1.log"]
     # Both ranks joined the same run (which rank commits what depends on timing).
     run_id = json.loads(store.get("manifest.json"))["run_id"]
+    logs = [(tmp_path / "logs" / f"extract-rank{r}.log").read_text() for r in (0, 1)]
     for r in (0, 1):
-        assert f"rank {r}/2: run {run_id}" in (tmp_path / "logs" / f"extract-rank{r}.log").read_text()
+        assert f"rank {r}/2: run {run_id}" in logs[r]
+    # -v: layertap's DEBUG records reach the rank logs; botocore's, which carry credentials, never do.
+    assert "DEBUG manifests.work: shard" in "".join(logs)
+    assert "DEBUG botocore" not in "".join(logs) and "DEBUG urllib3" not in "".join(logs)
 
 
 def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path):
