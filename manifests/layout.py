@@ -53,8 +53,12 @@ def lease_key(shard: int, generation: int, ttl_s: float) -> str:
     return f"{lease_prefix(shard)}{generation:06d}.ttl{ttl_s:g}"
 
 
+def failure_prefix(shard: int) -> str:
+    return f"{FAILURES}{shard:06d}/"
+
+
 def failure_key(shard: int, millis: int, token: str) -> str:
-    return f"{FAILURES}{shard:06d}/{millis:013d}-{token}.json"
+    return f"{failure_prefix(shard)}{millis:013d}-{token}.json"
 
 
 def shard_of(key: str, prefix: str) -> int | None:

@@ -82,6 +82,30 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> Run
         if parsed:
             st.tallies[parsed[0]] = parsed[1]
             st.tally_times[parsed[0]] = o.modified
+    _add_leases_and_failures(st, leases, failures)
+    if with_data:
+        st.data_objects = defaultdict(list)
+        for o in data[0]:
+            shard = layout.shard_of(o.key, layout.SHARDS)
+            if shard is not None:
+                st.data_objects[shard].append(o.key)
+    return st
+
+
+def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
+    """The state of one shard, fresh: a HEAD of its commit record, then (if none) listings of its
+    leases and failures. What a worker checks before claiming a shard, at a cost that does not
+    grow with the run (`scan` lists every shard's records)."""
+    st = RunState(manifest, time.time())
+    if store.exists(layout.commit_key(shard)):
+        st.committed.add(shard)
+        return st
+    _add_leases_and_failures(st, store.list(layout.lease_prefix(shard)),
+                             store.list(layout.failure_prefix(shard)))
+    return st
+
+
+def _add_leases_and_failures(st: RunState, leases, failures) -> None:
     for o in leases:
         parsed = layout.parse_lease(o.key)
         if parsed:
@@ -90,14 +114,7 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> Run
         shard = layout.shard_of(o.key, layout.FAILURES)
         if shard is not None:
             st.failures[shard].append(o.key)
-    if with_data:
-        st.data_objects = defaultdict(list)
-        for o in data[0]:
-            shard = layout.shard_of(o.key, layout.SHARDS)
-            if shard is not None:
-                st.data_objects[shard].append(o.key)
     # With a store whose clock runs ahead of ours, a fresh lease could look older than it is;
     # never let "now" fall behind the newest record the store has stamped.
     newest = max((l.modified for ls in st.leases.values() for l in ls), default=0.0)
     st.now = max(st.now, newest)
-    return st

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from manifests import layout
 from manifests.manifest import Manifest, ManifestError, ShardPlan
 from manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
-from manifests.state import RunState, scan
+from manifests.state import RunState, scan, scan_shard
 from storage.shard import ShardInfo
 from storage.store import ObjectStore, StoreError
 
@@ -165,32 +165,48 @@ class WorkQueue:
         return todo[k:] + todo[:k]
 
     def __iter__(self) -> Iterator[Claim]:
+        """Passes over the unfinished shards. A pass starts from one `scan` of the whole run and
+        walks its shards in this rank's order, checking each against the store afresh
+        (`scan_shard`: a HEAD and two small listings) before claiming it, and goes on after each
+        claim: a claim costs requests in proportion to the shards it walks past, not to the size
+        of the run. When the walk keeps meeting shards that others finished since the scan, or
+        after a pass that claimed something, the next pass takes a fresh scan."""
         while True:
             st = scan(self.store, self.manifest)
             todo = [s for s in self.candidates if s not in st.committed]
             if not todo:
                 self._sweep(st)
                 return
+            # Past this many shards found finished that the scan thought open, a fresh scan is cheaper.
+            rescan_after = 2 * (len(st.committed) // 1000 + 1) + 2
             waiting_on: list[float] = []
-            claim = None
+            claimed = stale = 0
             for s in self._order(todo):
-                lease = st.live_lease(s)
-                if lease:
-                    waiting_on.append(lease.modified + lease.ttl_s)
+                if stale > rescan_after:
+                    break
+                fresh = scan_shard(self.store, self.manifest, s)
+                if s in fresh.committed:
+                    stale += 1
                     continue
-                if st.failures_since(s, self.started) > self.retries:
+                lease = fresh.live_lease(s)
+                if lease:
+                    waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
+                    continue
+                if fresh.failures_since(s, self.started) > self.retries:
                     self.given_up.add(s)
                     continue
-                claim = self._try_claim(s, st)
-                if claim:
-                    break
-                waiting_on.append(st.now)  # lost the race for it: another worker holds it now
-            if claim:
+                claim = self._try_claim(s, fresh)
+                if claim is None:
+                    waiting_on.append(time.time())  # lost the race for it: another worker holds it now
+                    continue
+                claimed, stale = claimed + 1, 0
                 yield claim
+            if claimed or stale > rescan_after:
                 continue
             if not waiting_on:
                 return  # what is left failed too often in this run; status tells why
-            wait = min(self.poll_s, max(0.0, min(waiting_on) - st.now)) + random.uniform(0, self.poll_s / 4)
+            now = time.time()
+            wait = min(self.poll_s, max(0.0, min(waiting_on) - now)) + random.uniform(0, self.poll_s / 4)
             log.debug("no free shard; waiting %.1fs on %d leases held elsewhere", wait, len(waiting_on))
             time.sleep(wait)
 

@@ -121,6 +121,20 @@ def test_single_worker_completes_run_and_rerun_does_nothing(store_uri):
     assert len(list(store.list(layout.SHARDS))) == len(done)
 
 
+def test_a_worker_lists_the_run_once_per_pass_not_once_per_claim(store_uri, monkeypatch):
+    """Each claim checks its own shard afresh (a HEAD and two small listings); the listings of
+    every shard's records come once per pass: for a lone worker, one to start and one to find
+    the run done, however many shards it claims in between."""
+    import manifests.work
+
+    scans = []
+    real_scan = manifests.work.scan
+    monkeypatch.setattr(manifests.work, "scan", lambda *a, **kw: scans.append(1) or real_scan(*a, **kw))
+    done = fake_worker.work(store_uri)
+    assert len(done) >= 5 and len(scans) == 2
+    assert all_sample_ids(open_store(store_uri)) == Counter(f"s{i:05d}" for i in range(40))
+
+
 def test_concurrent_processes_store_every_sample_exactly_once(store_uri):
     procs = [spawn(store_uri, "--rank", str(r), "--world", "3", "--slow", "0.01") for r in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
