@@ -81,8 +81,8 @@ def _extract(cfg: ExtractConfig, state) -> int:
     committed = 0
     try:
         for claim in queue:
-            plan = claim.plan
             try:
+                plan = claim.plan
                 with claim:
                     samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
                     meta = shard_meta(cfg, identity, manifest.run_id, plan.id)
@@ -99,11 +99,12 @@ def _extract(cfg: ExtractConfig, state) -> int:
                     else:
                         progress.abandoned()  # another attempt's commit counts these samples
             except Preempted:
-                log.warning("preempted: shard %d aborted, its lease released", plan.id)
+                claim.release()  # again: the signal may have cut the claim's own release short
+                log.warning("preempted: shard %d aborted, its lease released", claim.shard)
                 raise
             except Exception as e:  # recorded by the claim; go on with the next shard
                 progress.abandoned()
-                log.error("shard %d failed: %s: %s", plan.id, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+                log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
     except Preempted:
         progress.close()
         return 143

@@ -106,13 +106,17 @@ class Claim:
             log.error("shard %d: could not write the failure record: %s", self.shard, e)
 
     def release(self) -> None:
-        self._stop.set()
-        if self._heartbeat.is_alive():
-            self._heartbeat.join()
+        """Stop the heartbeat and delete the lease. Idempotent: a worker stopped by a signal in
+        the middle of this calls it again (its handler ignores further signals by then)."""
         try:
-            self.queue.store.delete(self.lease_key)
-        except StoreError as e:  # it will simply go stale
-            log.warning("shard %d: could not release the lease: %s", self.shard, e)
+            self._stop.set()
+            if self._heartbeat.is_alive():
+                self._heartbeat.join()
+        finally:  # even if a signal's exception cut the join short
+            try:
+                self.queue.store.delete(self.lease_key)
+            except StoreError as e:  # it will simply go stale
+                log.warning("shard %d: could not release the lease: %s", self.shard, e)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -247,11 +251,15 @@ class WorkQueue:
         key = layout.lease_key(shard, gen, self.ttl_s)
         if not self.store.put_if_absent(key, self.lease_payload(gen)):
             return None
-        if self.store.exists(layout.commit_key(shard)):  # committed between our scan and our lease
+        try:
+            if self.store.exists(layout.commit_key(shard)):  # committed between our scan and our lease
+                self.store.delete(key)
+                return None
+            for old in st.leases.get(shard, []):  # stale generations of dead workers
+                self.store.delete(old.key)
+            self.given_up.discard(shard)
+            log.debug("shard %d: leased, generation %d, ttl %gs", shard, gen, self.ttl_s)
+            return Claim(self, self.manifest.shards[shard], gen, self.producer.token)
+        except BaseException:  # e.g. a stop signal before the claim reached its holder: no lease left behind
             self.store.delete(key)
-            return None
-        for old in st.leases.get(shard, []):  # stale generations of dead workers
-            self.store.delete(old.key)
-        self.given_up.discard(shard)
-        log.debug("shard %d: leased, generation %d, ttl %gs", shard, gen, self.ttl_s)
-        return Claim(self, self.manifest.shards[shard], gen, self.producer.token)
+            raise

@@ -135,6 +135,35 @@ def test_a_worker_lists_the_run_once_per_pass_not_once_per_claim(store_uri, monk
     assert all_sample_ids(open_store(store_uri)) == Counter(f"s{i:05d}" for i in range(40))
 
 
+class Stop(BaseException):
+    """What a worker's SIGTERM handler raises (extract's Preempted), at any bytecode."""
+
+
+def test_a_stop_signal_mid_claim_or_mid_release_leaves_no_lease(tmp_path, monkeypatch):
+    store = open_store(str(tmp_path / "run"))
+    manifest = fake_worker.plan(store)
+    queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.2)
+
+    def stop(*a, **kw):
+        raise Stop()
+
+    # Between the lease's creation and the claim reaching its holder.
+    with monkeypatch.context() as m:
+        m.setattr(store, "exists", stop)
+        with pytest.raises(Stop):
+            next(iter(queue))
+    assert list(store.list(layout.LEASES)) == []
+
+    # In the release, while the heartbeat thread is joined.
+    claim = next(iter(queue))
+    with claim:
+        assert len(list(store.list(layout.LEASES))) == 1
+        monkeypatch.setattr(claim._heartbeat, "join", stop)
+        with pytest.raises(Stop):
+            claim.release()
+    assert list(store.list(layout.LEASES)) == []
+
+
 def test_concurrent_processes_store_every_sample_exactly_once(store_uri):
     procs = [spawn(store_uri, "--rank", str(r), "--world", "3", "--slow", "0.01") for r in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
