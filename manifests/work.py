@@ -26,7 +26,7 @@ from manifests.manifest import Manifest, ManifestError, ShardPlan
 from manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
 from manifests.state import RunState, scan, scan_shard
 from storage.shard import ShardInfo
-from storage.store import ObjectStore, StoreError
+from storage.store import ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +123,26 @@ class Claim:
             if exc is not None and not self.committed:
                 # Not an Exception: a signal, Ctrl-C or exit stopped the work, the shard is fine.
                 self.fail(exc, preempted=not isinstance(exc, Exception))
-                self._abort_own_upload()
+                self._discard_own_data()
         finally:
             self.release()
 
-    def _abort_own_upload(self) -> None:
-        """Whatever point the work was interrupted at, leave no upload of this attempt pending."""
+    def _discard_own_data(self) -> None:
+        """Whatever point the work was interrupted at, leave nothing of this attempt: no pending
+        upload, and no data object, which is complete if the stop came between the writer's close
+        and the commit. Kept only if a commit names it: a stop inside the commit's own create may
+        have come after the record landed."""
+        store = self.queue.store
         try:
-            self.queue.store.abort_pending_uploads(self.data_key)
-        except StoreError as e:
-            log.warning("shard %d: could not abort the attempt's upload: %s", self.shard, e)
+            store.abort_pending_uploads(self.data_key)
+            try:
+                named = decode_commit(store.get(layout.commit_key(self.shard)), layout.commit_key(self.shard)).data_key
+            except ObjectNotFound:
+                named = None
+            if named != self.data_key:
+                store.delete(self.data_key)
+        except (StoreError, ManifestError) as e:  # an orphan costs space; the next commit's sweep removes it
+            log.warning("shard %d: could not remove the attempt's data: %s", self.shard, e)
 
 
 class WorkQueue:

@@ -17,10 +17,10 @@ import fake_worker
 from extract.cli import main as cli
 from manifests import layout
 from manifests.manifest import ConfigMismatch, ManifestError, create_or_resume, load_manifest, parse_size, plan_shards
-from manifests.records import Producer, decode_commit
-from manifests.status import run_status
+from manifests.records import Producer, decode_commit, decode_failure
+from manifests.status import run_status, verify_run
 from manifests.work import WorkQueue
-from storage.shard import ShardReader, verify_shard
+from storage.shard import ShardMeta, ShardReader, ShardWriter, verify_shard
 from storage.store import open_store
 
 WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
@@ -162,6 +162,48 @@ def test_a_stop_signal_mid_claim_or_mid_release_leaves_no_lease(tmp_path, monkey
         with pytest.raises(Stop):
             claim.release()
     assert list(store.list(layout.LEASES)) == []
+
+
+def test_a_stop_between_close_and_commit_leaves_no_data_and_one_inside_the_commit_keeps_it(store_uri):
+    """The data object is complete once the writer closes. A stop before the commit deletes it
+    (no orphan); a stop that lands after the commit record was created keeps it (the commit names
+    it), though the claim never learnt that its commit succeeded."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store)
+    queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.2)
+
+    def write(claim):
+        meta = ShardMeta(run_id=manifest.run_id, shard_id=claim.shard, model="synthetic",
+                         layers=fake_worker.LAYERS, hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+            for i in range(claim.plan.start, claim.plan.end):
+                w.add(fake_worker.make_sample(i))
+            return w.close()
+
+    claims = iter(queue)
+    first = next(claims)
+    with pytest.raises(Stop), first:
+        write(first)
+        raise Stop()
+    assert list(store.list(layout.SHARDS)) == [] and not store.exists(layout.commit_key(first.shard))
+    assert [decode_failure(store.get(o.key), o.key).preempted for o in store.list(layout.FAILURES)] == [True]
+
+    second = next(claims)
+    real = store.put_if_absent
+
+    def create_then_stop(key, data):
+        real(key, data)
+        if key.startswith(layout.COMMITS):
+            raise Stop()
+        return True
+
+    with pytest.raises(Stop), second:
+        info = write(second)
+        store.put_if_absent = create_then_stop
+        second.commit(info)
+    store.put_if_absent = real
+    assert [o.key for o in store.list(layout.SHARDS)] == [second.data_key]
+    assert verify_run(store).bad == [] and list(store.list(layout.LEASES)) == []
 
 
 def test_concurrent_processes_store_every_sample_exactly_once(store_uri):
