@@ -10,6 +10,7 @@
 #
 # RGW_MEMSTORE_MB (default 4096) caps what the OSD holds in RAM.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 install() {
   command -v radosgw >/dev/null && command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && return 0
@@ -20,19 +21,12 @@ install() {
     || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $pkgs >/dev/null; }
 }
 
-free_ports() {
-  python3 -c 'import socket
-s = [socket.socket() for _ in range(2)]
-[x.bind(("127.0.0.1", 0)) for x in s]
-print(*[x.getsockname()[1] for x in s])'
-}
-
 start() {
   local C FSID OUUID MON_PORT RGW_PORT CEPH
   C=$(realpath -m "$1")
   rm -rf "$C"; mkdir -p "$C"/{mon,osd0,rgw,run,log}
   FSID=$(uuidgen); OUUID=$(uuidgen)
-  read -r MON_PORT RGW_PORT < <(free_ports)
+  read -r MON_PORT RGW_PORT < <(free_ports 2)
   cat > "$C/ceph.conf" <<EOF
 [global]
 fsid = $FSID
@@ -82,20 +76,9 @@ EOF
 }
 
 stop() {
-  local C pid f
+  local C
   C=$(realpath -m "$1")
-  for f in client.rgw.a osd.0 mon.a; do
-    [ -f "$C/run/$f.pid" ] || continue
-    pid=$(cat "$C/run/$f.pid")
-    kill "$pid" 2>/dev/null || continue
-    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -9 "$pid" 2>/dev/null || true
-  done
+  stop_pidfiles "$C/run/client.rgw.a.pid" "$C/run/osd.0.pid" "$C/run/mon.a.pid"
 }
 
-case "${1:-}" in
-  install) install ;;
-  start) start "${2:?usage: $0 start DIR}" ;;
-  stop) stop "${2:?usage: $0 stop DIR}" ;;
-  *) echo "usage: $0 install | start DIR | stop DIR" >&2; exit 2 ;;
-esac
+dispatch "$@"

@@ -7,6 +7,7 @@
 #                                 prints `export SLURM_CONF=DIR/slurm.conf` (~3 s)
 #   .ci/slurm.sh stop DIR         stop the daemons that `start DIR` started (by their pid files)
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 install() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
@@ -32,10 +33,7 @@ start() {
   fi
   CPUS=$(nproc); MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 2048 ))
   # Ports of our own, so a cluster already on this host (or one a crashed run left) is no obstacle.
-  read -r CTLD_PORT SLURMD_PORT < <(python3 -c 'import socket
-s = [socket.socket() for _ in range(2)]
-[x.bind(("127.0.0.1", 0)) for x in s]
-print(*[x.getsockname()[1] for x in s])')
+  read -r CTLD_PORT SLURMD_PORT < <(free_ports 2)
   cat > "$S/slurm.conf" <<EOF
 ClusterName=layertapci
 SlurmctldHost=$HOST(127.0.0.1)
@@ -75,19 +73,9 @@ EOF
 }
 
 stop() {
-  local S pid
+  local S
   S=$(realpath -m "$1")
-  for d in slurmd slurmctld munged; do
-    [ -f "$S/$d.pid" ] || continue
-    pid=$(cat "$S/$d.pid")
-    kill "$pid" 2>/dev/null || continue
-    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  done
+  stop_pidfiles "$S/slurmd.pid" "$S/slurmctld.pid" "$S/munged.pid"
 }
 
-case "${1:-}" in
-  install) install ;;
-  start) start "${2:?usage: $0 start DIR}" ;;
-  stop) stop "${2:?usage: $0 stop DIR}" ;;
-  *) echo "usage: $0 install | start DIR | stop DIR" >&2; exit 2 ;;
-esac
+dispatch "$@"

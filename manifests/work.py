@@ -132,11 +132,11 @@ class Claim:
         upload, and no data object, which is complete if the stop came between the writer's close
         and the commit. Kept only if a commit names it: a stop inside the commit's own create may
         have come after the record landed."""
-        store = self.queue.store
+        store, commit_key = self.queue.store, layout.commit_key(self.shard)
         try:
             store.abort_pending_uploads(self.data_key)
             try:
-                named = decode_commit(store.get(layout.commit_key(self.shard)), layout.commit_key(self.shard)).data_key
+                named = decode_commit(store.get(commit_key), commit_key).data_key
             except ObjectNotFound:
                 named = None
             if named != self.data_key:

@@ -75,14 +75,7 @@ def bench_server(endpoint: str | None = None) -> Iterator[BenchServer]:
     if endpoint:
         pid = listening_pid(urllib.parse.urlsplit(endpoint).port or 80)
         name = _process_name(pid)
-        if name == "radosgw":
-            name_version = subprocess.run(["radosgw", "--version"], capture_output=True, text=True).stdout.split()
-            version = f", Ceph {name_version[2]}" if len(name_version) > 2 else ""
-            yield BenchServer(endpoint, pid, f"Ceph radosgw at `{endpoint}` (`.ci/rgw.sh`: one monitor, one memstore "
-                                             f"OSD{version})", kind=name)
-            return
-        yield BenchServer(endpoint, pid, f"`{endpoint}` (given with --endpoint{'; server process: ' + name if name else ''})",
-                          kind=name or "endpoint")
+        yield BenchServer(endpoint, pid, _describe(endpoint, name), kind=name or "endpoint")
         return
     import moto
 
@@ -113,6 +106,14 @@ def listening_pid(port: int) -> int | None:
         except OSError:
             continue
     return None
+
+
+def _describe(endpoint: str, process: str) -> str:
+    if process == "radosgw":
+        words = subprocess.run(["radosgw", "--version"], capture_output=True, text=True).stdout.split()
+        version = f", Ceph {words[2]}" if len(words) > 2 else ""
+        return f"Ceph radosgw at `{endpoint}` (`.ci/rgw.sh`: one monitor, one memstore OSD{version})"
+    return f"`{endpoint}` (given with --endpoint{'; server process: ' + process if process else ''})"
 
 
 def _process_name(pid: int | None) -> str:
