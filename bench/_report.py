@@ -20,8 +20,12 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    nproc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"nproc {nproc}, {model}, {platform.system()} {platform.release()}"
+    return f"nproc {cores()}, {model}, {platform.system()} {platform.release()}"
+
+
+def cores() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def write_section(name: str, markdown: str, path: str | os.PathLike = "docs/benchmarks.md") -> None:

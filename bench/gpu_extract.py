@@ -5,8 +5,9 @@
     python bench/gpu_extract.py --tiny        # a tiny config on CPU: keeps the script tested
 
 Reports tokens/s and MFU of the bare truncated forward, then the whole pipeline (forward ->
-pinned host copy -> encode pool -> streaming shard writer) into a local folder and into an
-in-process moto S3 server, with the time split between forward, copy, encode and upload.
+pinned host copy -> encode pool -> streaming shard writer) into a local folder and into an S3
+server (moto in its own process, or --endpoint), with the time split between forward, copy,
+encode and upload.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from extract.model import Capture  # noqa: E402
 from extract.pipeline import PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
 from storage.shard import ShardMeta  # noqa: E402
 from storage.store import open_store  # noqa: E402
+from tests.s3server import bench_server  # noqa: E402
 
 # Qwen3.6-27B's text stack (gated-deltanet hybrid: 3 linear-attention layers, then 1 full).
 QWEN27B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--layers", default="1,16,31,46,61")
     ap.add_argument("--codec", default="bf16-zstd")
     ap.add_argument("--encode-threads", type=int, default=max(2, (os.cpu_count() or 4) - 2))
+    ap.add_argument("--endpoint", help="an S3 server to write to instead of starting moto (credentials from env)")
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args()
 
@@ -123,25 +126,12 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
+    with bench_server(args.endpoint) as srv:
+        os.environ["AWS_ENDPOINT_URL"] = srv.endpoint
         import boto3
 
         boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="bench")
-        results["s3_moto_in_process"] = pipeline(open_store("s3://bench/run"), "shard.lts")
-    finally:
-        server.stop()
+        results["s3"] = dict(pipeline(open_store("s3://bench/run"), "shard.lts"), server=srv.description)
 
     print(json.dumps(results, indent=2))
     if args.json:

@@ -44,7 +44,7 @@ import boto3  # noqa: E402
 import torch  # noqa: E402
 from botocore.config import Config  # noqa: E402
 
-from bench._report import cpu_s, machine, publish  # noqa: E402
+from bench._report import cores, cpu_s, machine, publish  # noqa: E402
 from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import Producer  # noqa: E402
 from manifests.work import WorkQueue  # noqa: E402
@@ -233,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=0, help="also run StreamLoader(num_workers=W)")
     p.add_argument("--endpoint", help="an S3 server to use instead of starting moto (credentials from env)")
+    p.add_argument("--label", help="a name for this machine: the docs section becomes 'loader-LABEL' and the "
+                                   "heading says it, so runs on other machines keep their own sections")
     p.add_argument("--write-docs", action="store_true", help="write the 'loader' section of docs/benchmarks.md")
     args = p.parse_args(argv)
     command = shlex.join(["python", "bench/loader.py", *(sys.argv[1:] if argv is None else argv)])
     torch.set_num_threads(1)
+    n_cores = cores()
 
     with bench_server(args.endpoint) as srv:
         endpoint, server_pid, server = srv.endpoint, srv.pid, srv.description
@@ -258,12 +261,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"(target >= 0.8x: {'met' if k['ratio'] >= 0.8 else 'MISSED'}); loader / serial GET + "
                          f"decode: {k['vs_naive']:.2f}x",
                          f"- CPU: the loader spends {k['extra_cpu']:.2f} client CPU-s per pass more than those GETs "
-                         f"(checks, decoding, buffering); with the server on the same 2 cores, the ratio of their "
-                         f"client + server CPU-s, {k['cpu_ratio']:.2f}x, is what the loader can reach when both "
+                         f"(checks, decoding, buffering); with the server on the same {n_cores} cores, the ratio "
+                         f"of their client + server CPU-s, {k['cpu_ratio']:.2f}x, is what the loader can reach when both "
                          "keep the cores busy", ""]
 
     md = "\n".join([
-        f"## Streaming loader vs raw boto3 GETs{srv.heading}",
+        f"## Streaming loader vs raw boto3 GETs{srv.heading}{f' ({args.label})' if args.label else ''}",
         "",
         f"Command: `{command}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  ",
@@ -282,12 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         "Bytes written to disk: this process's /proc/self/io write_bytes over the pass.",
         "",
         *sections,
-        "Caveat: moto is a single Python process on the same 2 CPUs as the client, so every row shares the CPUs "
-        "with the server; the loader also decodes (zstd) on them. On moto a ranged GET costs a copy of the "
+        f"Caveat: the server runs on the same {n_cores} cores as the client, so every row shares the CPUs with it; "
+        "the loader also decodes (zstd) on them. On moto a ranged GET costs a copy of the "
         "whole object on the server, which real S3 does not do. MosaicML `streaming` is compared in "
         "bench/loader_vs_mds.py (its own section).",
     ])
-    publish(srv.section("loader"), md, args.write_docs, ROOT / "docs" / "benchmarks.md")
+    section = srv.section("loader") + (f"-{args.label}" if args.label else "")
+    publish(section, md, args.write_docs, ROOT / "docs" / "benchmarks.md")
     return 0
 
 

@@ -22,7 +22,7 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["kept_layers"] == 6 and r["tokens"] > 0  # layers after the last capture layer are dropped
-    for way in ("local", "s3_moto_in_process"):
+    for way in ("local", "s3"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0
         assert {"forward_s", "copy_s", "encode_s_summed", "write_s"} <= set(r[way])
 
