@@ -3,18 +3,22 @@
 # each machine start costs one or two of them. Each step has its own time limit and log, so one
 # failing step still leaves the others' numbers.
 #
-#   bash bench/device_checks.sh OUTDIR
+#   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: all steps)
 #
 # What it needs beside the repo (prepared on the dev machine, carried as ignored folders):
 #   .whl/       wheels the GPU image lacks (boto3, moto[server], zstandard, ...) for its Python
 #   .devcache/  tests/activations.py's cached SmolLM2 activations (the loader bench's samples),
 #               since the model is not on that machine
 # Steps:
-#   loader   bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs (issue 5)
+#   loader   bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs (issue 5),
+#            with 2, 4 and 8 decode threads beside the default
+#   writer   bench/writer.py: streaming writer vs boto3 upload_file, and moto's ingest ceiling there
 #   train    bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
 #   extract  bench/gpu_extract.py: 27B-sized random-init target, bare forward vs the pipeline
 set -u
-out=${1:?usage: bench/device_checks.sh OUTDIR}
+out=${1:?usage: bench/device_checks.sh OUTDIR [STEP ...]}
+shift
+steps=${*:-loader writer train extract}
 mkdir -p "$out"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -32,12 +36,14 @@ transformers.__version__, 'boto3', boto3.__version__, 'moto', moto.__version__)"
 step() {
     local name=$1 limit=$2
     shift 2
+    [[ " $steps " == *" $name "* ]] || return 0
     local t0=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     echo "step $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$out/env.txt"
 }
 
-step loader 220 python3 bench/loader.py --rounds 5 --mb 1024 --label gpu-host --write-docs
+step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
+step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
 cp docs/benchmarks.md "$out/benchmarks.md"
 step train 150 python3 bench/gpu_train.py --json "$out/gpu_train.json"
 step extract 200 python3 bench/gpu_extract.py --batches 6 --json "$out/gpu_extract.json"

@@ -53,7 +53,7 @@ from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 from train import ShardStream, StreamLoader  # noqa: E402
-from train.stream import load_index  # noqa: E402
+from train.stream import auto_decode_threads, load_index  # noqa: E402
 
 LAYERS = [1, 8, 15, 22, 27]
 MiB = 1 << 20
@@ -132,9 +132,11 @@ def get_and_decode(client, bucket: str, prefix: str, keys: list[str]) -> dict:
     return {"samples": samples, "decoded": decoded, "gets": len(keys)}
 
 
-def open_loader(uri: str, seed: int, threads: int, range_mb: int | None, budget: int) -> ShardStream:
+def open_loader(uri: str, seed: int, threads: int, range_mb: int | None, budget: int,
+                decode_threads: int | None = None) -> ShardStream:
     kw = {"range_bytes": range_mb * MiB} if range_mb else {}
-    return ShardStream(uri, seed=seed, shuffle_buffer=64, fetch_threads=threads, memory_budget=budget, **kw)
+    return ShardStream(uri, seed=seed, shuffle_buffer=64, fetch_threads=threads, memory_budget=budget,
+                       decode_threads=decode_threads, **kw)
 
 
 def run_loader(stream: ShardStream, workers: int) -> dict:
@@ -164,8 +166,9 @@ def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) 
                           config=Config(max_pool_connections=args.threads + 4))
     budget = args.budget_mb * MiB
 
-    def loader(range_mb=None, workers=0):  # (open, untimed and reported apart; run, timed)
-        return (lambda r: open_loader(uri, r, args.threads, range_mb, budget), lambda st: run_loader(st, workers))
+    def loader(range_mb=None, workers=0, decode_threads=None):  # (open, untimed and reported apart; run, timed)
+        return (lambda r: open_loader(uri, r, args.threads, range_mb, budget, decode_threads),
+                lambda st: run_loader(st, workers))
 
     methods = {
         "boto3 GET x1": (None, lambda _: boto3_gets(client, bucket, keys, 1)),
@@ -176,6 +179,8 @@ def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) 
     }
     if args.workers:
         methods[f"loader, {args.workers} DataLoader workers"] = loader(workers=args.workers)
+    for n in args.decode_threads:
+        methods[f"loader, {n} decode threads"] = loader(decode_threads=n)
     boto3_gets(client, bucket, keys[:1], 1)  # warm-up: connections, lazy imports
     run_loader(open_loader(uri, 99, args.threads, None, budget), 0)
     results: dict[str, list[dict]] = {m: [] for m in methods}
@@ -232,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-mb", type=int, default=1024, help="loader memory budget in MiB (default 1024)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=0, help="also run StreamLoader(num_workers=W)")
+    p.add_argument("--decode-threads", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="also run the loader with these decode thread counts, e.g. 2,4,8 (default: by codec and cores)")
     p.add_argument("--endpoint", help="an S3 server to use instead of starting moto (credentials from env)")
-    p.add_argument("--label", help="a name for this machine: the docs section becomes 'loader-LABEL' and the "
-                                   "heading says it, so runs on other machines keep their own sections")
+    p.add_argument("--label", help="a name for this machine, e.g. gpu-host: its own docs section 'loader-LABEL'")
     p.add_argument("--write-docs", action="store_true", help="write the 'loader' section of docs/benchmarks.md")
     args = p.parse_args(argv)
     command = shlex.join(["python", "bench/loader.py", *(sys.argv[1:] if argv is None else argv)])
@@ -266,15 +272,15 @@ def main(argv: list[str] | None = None) -> int:
                          "keep the cores busy", ""]
 
     md = "\n".join([
-        f"## Streaming loader vs raw boto3 GETs{srv.heading}{f' ({args.label})' if args.label else ''}",
+        f"## Streaming loader vs raw boto3 GETs{srv.heading(args.label)}",
         "",
         f"Command: `{command}`  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  ",
         f"Machine: {machine()}; torch {torch.__version__}, boto3 {boto3.__version__}; "
         f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after  ",
         f"Server: {server}  ",
-        f"Loader: in-process ShardStream, {args.threads} fetch threads, decode threads by codec (bf16 on the "
-        "consumer's thread, compressed codecs on 2), shuffle buffer 64, "
+        f"Loader: in-process ShardStream, {args.threads} fetch threads, decode threads by codec and cores "
+        f"(bf16 on the consumer's thread, compressed codecs on {auto_decode_threads('bf16-zstd')}), shuffle buffer 64, "
         f"memory budget {args.budget_mb} MiB, default 64 MiB ranges (shards this size are read in one GET); "
         f"{args.rounds} rounds in alternating order, medians.",
         "",
@@ -290,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "whole object on the server, which real S3 does not do. MosaicML `streaming` is compared in "
         "bench/loader_vs_mds.py (its own section).",
     ])
-    section = srv.section("loader") + (f"-{args.label}" if args.label else "")
-    publish(section, md, args.write_docs, ROOT / "docs" / "benchmarks.md")
+    publish(srv.section("loader", args.label), md, args.write_docs, ROOT / "docs" / "benchmarks.md")
     return 0
 
 

@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket", help="existing bucket to use (default: create a fresh one, deleted after)")
     p.add_argument("--addressing-style", default="auto", choices=("auto", "path", "virtual"))
     p.add_argument("--checksum-mode", choices=("when_supported", "when_required"))
+    p.add_argument("--label", help="a name for this machine, e.g. gpu-host: its own docs section 'writer-LABEL'")
     p.add_argument("--write-docs", action="store_true", help="write the results into docs/benchmarks.md")
     args = p.parse_args(argv)
     command = shlex.join(["python", *(sys.argv if argv is None else ["bench/writer.py", *argv])])
@@ -334,9 +335,10 @@ def measure_and_report(args, command: str, srv: BenchServer) -> int:
             print(f"\nERROR: {len(pending)} multipart uploads left pending", file=sys.stderr)
             return 1
         if args.write_docs:
-            write_section(srv.section("writer"), f"## Streaming writer vs boto3 transfer manager{srv.heading}\n\n"
+            section = srv.section("writer", args.label)
+            write_section(section, f"## Streaming writer vs boto3 transfer manager{srv.heading(args.label)}\n\n"
                           + md + "\n", path=str(ROOT / "docs" / "benchmarks.md"))
-            print(f"\nwrote section {srv.section('writer')!r} of {ROOT / 'docs' / 'benchmarks.md'}")
+            print(f"\nwrote section {section!r} of {ROOT / 'docs' / 'benchmarks.md'}")
         return 0
     finally:
         if store is not None:

@@ -59,13 +59,15 @@ class BenchServer:
     description: str  # for the report
     kind: str = "moto"  # "moto", or the given server's process name ("radosgw"), or "endpoint"
 
-    def section(self, name: str) -> str:
-        """The docs/benchmarks.md section of bench `name` on this kind of server: one per kind."""
-        return name if self.kind == "moto" else f"{name}-{self.kind}"
+    def section(self, name: str, label: str | None = None) -> str:
+        """The docs/benchmarks.md section of bench `name` on this kind of server (and the machine
+        `label` names, e.g. "gpu-host"): one per kind and machine."""
+        return "-".join(x for x in (name, None if self.kind == "moto" else self.kind, label) if x)
 
-    @property
-    def heading(self) -> str:
-        return "" if self.kind == "moto" else f" ({self.kind})"
+    def heading(self, label: str | None = None) -> str:
+        """What to append to the section's title: " (radosgw, gpu-host)", or "" for moto here."""
+        words = [x for x in (None if self.kind == "moto" else self.kind, label) if x]
+        return f" ({', '.join(words)})" if words else ""
 
 
 @contextmanager

@@ -57,7 +57,7 @@ class StreamConfig:
     range_bytes: int = 64 * MiB
     prefetch_shards: int = 2  # shards whose footers are read ahead of their records
     fetch_threads: int = 4
-    decode_threads: int | None = None  # 0: decode on the consumer's thread; None: by codec (auto_decode_threads)
+    decode_threads: int | None = None  # 0: on the consumer's thread; None: by codec and cores (auto_decode_threads)
     retries: int = 3  # per ranged GET, on transient store errors, with backoff
     on_corrupt: Literal["raise", "skip"] = "raise"
 
@@ -77,11 +77,24 @@ class StreamConfig:
             raise ValueError("decode_threads and retries must be >= 0")
 
 
-def auto_decode_threads(codec: str | None) -> int:
-    """Decode threads by codec. Raw bf16 decodes by a copy under the GIL: threads only add
-    hand-offs (12% slower, measured); zstd releases the GIL, so compressed codecs decode ahead
-    on 2 threads (~20% faster). Both measured on radosgw, docs/LOADER.md."""
-    return 0 if codec == "bf16" else 2
+def auto_decode_threads(codec: str | None, consumers: int = 1) -> int:
+    """Decode threads by codec and cores. Raw bf16 decodes by a copy under the GIL: threads only
+    add hand-offs (12% slower, measured), so it decodes on the consumer's thread. zstd and the
+    byte-plane merge release the GIL, so compressed codecs decode ahead on threads: 2 on a small
+    machine (the best on 2 cores), one per 4 cores this consumer may use on a larger one, at most
+    8. `consumers`: this process's DataLoader workers, which share its cores. Measurements in
+    docs/LOADER.md."""
+    if codec == "bf16":
+        return 0
+    return max(2, min(8, _cores() // (4 * max(1, consumers))))
+
+
+def _cores() -> int:
+    """CPUs this process may run on, shared with the other ranks on the node unless the launcher
+    bound each rank to its own (then the affinity mask already holds only that rank's)."""
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return mine // local_ranks if mine == os.cpu_count() and local_ranks > 1 else mine
 
 
 def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[CommittedShard]]:
@@ -300,9 +313,10 @@ class ShardStream(IterableDataset):
         if worker == 0 and c.shuffle and c.shuffle_buffer * avg > budget:
             log.warning("the shuffle buffer (%d samples of ~%.1f MB) exceeds the memory budget per worker "
                         "(%.1f MB); buffered bytes will exceed the budget", c.shuffle_buffer, avg / 1e6, budget / 1e6)
-        return self._generate(plan, worker, budget)
+        threads = c.decode_threads if c.decode_threads is not None else auto_decode_threads(self.codec, workers)
+        return self._generate(plan, worker, budget, threads)
 
-    def _generate(self, plan, worker: int, budget: int) -> Iterator[dict[str, Any]]:
+    def _generate(self, plan, worker: int, budget: int, threads: int) -> Iterator[dict[str, Any]]:
         c, metrics, position = self.config, self._metrics, self._position
         start, m = position[worker], len(plan)
         metrics.started = time.perf_counter()
@@ -315,7 +329,6 @@ class ShardStream(IterableDataset):
             positions=list(zip(needed.tolist(), plan.shard[needed].tolist(), plan.record[needed].tolist())),
             budget=budget, range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
             retries=c.retries, on_corrupt=c.on_corrupt, metrics=metrics)
-        threads = c.decode_threads if c.decode_threads is not None else auto_decode_threads(self.codec)
         decoder = ThreadPoolExecutor(threads, thread_name_prefix="layertap-decode") if threads else None
         ahead = 2 * threads
         pending: dict[int, tuple[Record, Future]] = {}
