@@ -12,6 +12,8 @@
 # Steps:
 #   loader   bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs (issue 5),
 #            with 2, 4 and 8 decode threads beside the default
+#   stages   (only when named) the loader's stages: fetch and checks alone, a 0.5 ms GIL switch
+#            interval, 2 DataLoader workers: where a pass's time goes
 #   writer   bench/writer.py: streaming writer vs boto3 upload_file, and moto's ingest ceiling there
 #   train    bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
 #   extract  bench/gpu_extract.py: 27B-sized random-init target, bare forward vs the pipeline
@@ -43,7 +45,9 @@ step() {
 }
 
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
+step stages 230 python3 bench/loader.py --rounds 3 --mb 1024 --stages --workers 2 --label gpu-host-stages --write-docs
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
 cp docs/benchmarks.md "$out/benchmarks.md"
 step train 150 python3 bench/gpu_train.py --json "$out/gpu_train.json"
 step extract 200 python3 bench/gpu_extract.py --batches 6 --json "$out/gpu_extract.json"
+cp docs/benchmarks.md "$out/benchmarks.md"

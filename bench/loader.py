@@ -36,6 +36,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -53,6 +54,7 @@ from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 from train import ShardStream, StreamLoader  # noqa: E402
+from train.fetch import Fetcher, Metrics  # noqa: E402
 from train.stream import auto_decode_threads, load_index  # noqa: E402
 
 LAYERS = [1, 8, 15, 22, 27]
@@ -152,7 +154,43 @@ def run_loader(stream: ShardStream, workers: int) -> dict:
             samples += len(b["sample_id"])
             decoded += int(b["lengths"].sum()) * b["hidden_states"].shape[2] * b["hidden_states"].shape[3] * 2
         m = loader.metrics()
-    return {"samples": samples, "decoded": decoded, "peak": m["peak_buffered_bytes"], "gets": m["get_requests"]}
+    return {"samples": samples, "decoded": decoded, "peak": m["peak_buffered_bytes"], "gets": m["get_requests"],
+            "wait": m["wait_s"]}
+
+
+def open_fetcher(uri: str, threads: int, budget: int) -> Callable[[], tuple[Fetcher, int]]:
+    """The loader's fetch stage alone, over every record in shard order: (opened) a function that
+    starts it. What a pass costs without decoding: GETs, object and record hashes, hand-off."""
+    store = open_store(uri)
+    manifest, shards = load_index(store)
+    where = [(s, r) for s, shard in enumerate(shards) for r in range(len(shard.sample_ids))]
+    return lambda: (Fetcher(store, shards, manifest.run_id, positions=[(p, s, r) for p, (s, r) in enumerate(where)],
+                            budget=budget, range_bytes=64 * MiB, prefetch_shards=2, threads=threads, retries=3,
+                            on_corrupt="raise", metrics=Metrics()), len(where))
+
+
+def run_fetcher(start: Callable[[], tuple[Fetcher, int]]) -> dict:
+    fetcher, n = start()
+    try:
+        for pos in range(n):
+            fetcher.release(fetcher.get(pos))
+        m = fetcher.metrics
+        return {"samples": n, "gets": m.get_requests, "peak": m.peak_buffered_bytes, "wait": m.wait_s}
+    finally:
+        fetcher.close()
+
+
+def with_switch_interval(seconds: float, run: Callable[[Any], dict]) -> Callable[[Any], dict]:
+    """`run` with the interpreter's GIL switch interval set to `seconds` (default 5 ms): a shorter
+    one hands the GIL back sooner to threads returning from socket reads."""
+    def timed(arg):
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(seconds)
+        try:
+            return run(arg)
+        finally:
+            sys.setswitchinterval(old)
+    return timed
 
 
 def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) -> tuple[dict, dict]:
@@ -181,6 +219,10 @@ def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) 
         methods[f"loader, {args.workers} DataLoader workers"] = loader(workers=args.workers)
     for n in args.decode_threads:
         methods[f"loader, {n} decode threads"] = loader(decode_threads=n)
+    if args.stages:
+        methods["fetch and checks only"] = (lambda _: open_fetcher(uri, args.threads, budget), run_fetcher)
+        opened, run = loader()
+        methods["loader, GIL switch 0.5 ms"] = (opened, with_switch_interval(0.0005, run))
     boto3_gets(client, bucket, keys[:1], 1)  # warm-up: connections, lazy imports
     run_loader(open_loader(uri, 99, args.threads, None, budget), 0)
     results: dict[str, list[dict]] = {m: [] for m in methods}
@@ -204,7 +246,8 @@ def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) 
 
 def table(results: dict, stored: int) -> tuple[list[str], dict]:
     rows = ["| method | stored MB/s | decoded MB/s | samples/s | client CPU s | server CPU s | peak buffered MB "
-            "| GET requests | open s | bytes written to disk |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| GET requests | open s | consumer wait s | bytes written to disk |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     med = {}
 
     def cell(rs, key, fmt):
@@ -219,6 +262,7 @@ def table(results: dict, stored: int) -> tuple[list[str], dict]:
             f"{statistics.median(r['cpu'] for r in rs):.2f}", f"{statistics.median(r['server_cpu'] for r in rs):.2f}",
             cell(rs, "peak", lambda rs: f"{max(r['peak'] for r in rs) / 1e6:,.0f}"), str(rs[0]["gets"]),
             cell(rs, "open", lambda rs: f"{statistics.median(r['open'] for r in rs):.2f}"),
+            cell(rs, "wait", lambda rs: f"{statistics.median(r['wait'] for r in rs):.2f}"),
             f"{max(r['written'] for r in rs)} |"]))
     best = max((k for k in med if k.startswith("boto3")), key=med.get)
     cpu = {k: statistics.median(r["cpu"] + r["server_cpu"] for r in rs) for k, rs in results.items()}
@@ -239,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=0, help="also run StreamLoader(num_workers=W)")
     p.add_argument("--decode-threads", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also run the loader with these decode thread counts, e.g. 2,4,8 (default: by codec and cores)")
+    p.add_argument("--stages", action="store_true",
+                   help="also time the fetch stage alone (no decoding) and the loader with a 0.5 ms GIL switch "
+                        "interval: where a pass's time goes")
     p.add_argument("--endpoint", help="an S3 server to use instead of starting moto (credentials from env)")
     p.add_argument("--label", help="a name for this machine, e.g. gpu-host: its own docs section 'loader-LABEL'")
     p.add_argument("--write-docs", action="store_true", help="write the 'loader' section of docs/benchmarks.md")
