@@ -5,7 +5,7 @@
 #
 #   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: all steps)
 #
-# What it needs beside the repo (prepared on the dev machine, carried as ignored folders):
+# What it needs beside the repo (made by bench/device_prep.sh here; carry both folders):
 #   .whl/       wheels the GPU image lacks (boto3, moto[server], zstandard, ...) for its Python
 #   .devcache/  tests/activations.py's cached SmolLM2 activations (the loader bench's samples),
 #               since the model is not on that machine

@@ -118,7 +118,7 @@ def main() -> None:
         wall = time.perf_counter() - t
         return {"s": wall, "tokens_per_s": tokens / wall, "vs_bare": wall / bare_s, "bytes": info.bytes,
                 "ratio": info.raw_bytes / info.bytes, "forward_s": stats.forward_s, "copy_s": stats.copy_s,
-                "encode_s_summed": stats.encode_s, "write_s": stats.write_s}
+                "encode_s_summed": stats.encode_s, "write_s": stats.write_s, "close_s": stats.close_s}
 
     tmp = tempfile.mkdtemp(prefix="gpu-extract-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:

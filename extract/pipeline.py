@@ -69,6 +69,7 @@ class PipelineStats:
     copy_s: float = 0.0
     encode_s: float = 0.0  # summed over encode threads
     write_s: float = 0.0  # writer thread: appends incl. waiting for upload backpressure
+    close_s: float = 0.0  # the shard's close: the last parts' uploads and the object's completion
     wall_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -150,7 +151,9 @@ def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Sh
             writer.join()
         if writer.error is not None:
             raise writer.error
+        t_close = time.perf_counter()
         info = shard.close()
+        stats.add(close_s=time.perf_counter() - t_close)
     stats.add(wall_s=time.perf_counter() - t_start, raw_bytes=info.raw_bytes)
     return info
 

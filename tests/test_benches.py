@@ -24,7 +24,7 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     assert r["kept_layers"] == 6 and r["tokens"] > 0  # layers after the last capture layer are dropped
     for way in ("local", "s3"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0
-        assert {"forward_s", "copy_s", "encode_s_summed", "write_s"} <= set(r[way])
+        assert {"forward_s", "copy_s", "encode_s_summed", "write_s", "close_s"} <= set(r[way])
 
 
 def test_gpu_train_runs_on_a_tiny_config(tmp_path):
