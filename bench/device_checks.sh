@@ -12,7 +12,8 @@
 # Steps:
 #   loader   bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs (issue 5),
 #            with 2, 4 and 8 decode threads beside the default
-#   stages   (only when named) the loader's stages: fetch and checks alone, a 0.5 ms GIL switch
+#   stages   (only when named) the loader's stages on bf16-zstd at 4 GB (passes of ~5 s, so the
+#            first object's latency weighs less): fetch and checks alone, a 0.5 ms GIL switch
 #            interval, 2 DataLoader workers: where a pass's time goes
 #   writer   bench/writer.py: streaming writer vs boto3 upload_file, and moto's ingest ceiling there
 #   train    bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
@@ -45,7 +46,8 @@ step() {
 }
 
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
-step stages 230 python3 bench/loader.py --rounds 3 --mb 1024 --stages --workers 2 --label gpu-host-stages --write-docs
+step stages 300 python3 bench/loader.py --rounds 3 --mb 4096 --codecs bf16-zstd --stages --workers 2 \
+    --label gpu-host-stages --write-docs
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
 cp docs/benchmarks.md "$out/benchmarks.md"
 step train 150 python3 bench/gpu_train.py --json "$out/gpu_train.json"
