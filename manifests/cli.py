@@ -38,8 +38,11 @@ def run_status(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps(s, indent=2))
-        return 0
-    print(format_status(s))
+    else:
+        print(format_status(s))
+    if s["problem"]:
+        print(f"error: {s['problem']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from manifests import layout
-from manifests.manifest import Manifest
-from storage.store import ObjectStore
+from manifests.manifest import Manifest, ManifestError
+from storage.store import ObjectInfo, ObjectStore
 
 ShardState = Literal["done", "running", "failed", "pending"]
 
@@ -37,6 +37,7 @@ class RunState:
     leases: dict[int, list[Lease]] = field(default_factory=lambda: defaultdict(list))
     failures: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # keys, oldest first
     data_objects: dict[int, list[str]] | None = None
+    stale_commits: list[int] = field(default_factory=list)  # committed before manifest.json was written
 
     def live_lease(self, shard: int) -> Lease | None:
         alive = [l for l in self.leases.get(shard, []) if l.alive(self.now)]
@@ -70,13 +71,15 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> Run
     """List commits, tallies, leases and failures (and with `with_data`, data objects), the
     listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well."""
     st = RunState(manifest, time.time())
-    prefixes = [layout.COMMITS, layout.TALLY, layout.LEASES, layout.FAILURES] + ([layout.SHARDS] if with_data else [])
+    prefixes = [layout.MANIFEST, layout.COMMITS, layout.TALLY, layout.LEASES, layout.FAILURES] \
+        + ([layout.SHARDS] if with_data else [])
     with ThreadPoolExecutor(len(prefixes)) as pool:
-        commits, tallies, leases, failures, *data = pool.map(lambda p: list(store.list(p)), prefixes)
+        head, commits, tallies, leases, failures, *data = pool.map(lambda p: list(store.list(p)), prefixes)
     for o in commits:
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None:
             st.committed.add(shard)
+    st.stale_commits = stale_commits(head, commits)
     for o in tallies:
         parsed = layout.parse_tally(o.key)
         if parsed:
@@ -90,6 +93,26 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> Run
             if shard is not None:
                 st.data_objects[shard].append(o.key)
     return st
+
+
+def stale_commits(manifest_listing: list[ObjectInfo], commits: list[ObjectInfo]) -> list[int]:
+    """Shards whose commit record is older than manifest.json. A commit is only ever written
+    after its run's manifest, so an older one was made under a manifest that has since been
+    replaced: its shard was cut by another plan. Both times are the store's own clock."""
+    written = next((o.modified for o in manifest_listing if o.key == layout.MANIFEST), None)
+    if written is None:
+        return []
+    return sorted(s for o in commits if o.modified < written
+                  and (s := layout.shard_of(o.key, layout.COMMITS)) is not None)
+
+
+def replaced_manifest_error(uri: str, shards: list[int]) -> ManifestError:
+    shown = ", ".join(map(str, shards[:10])) + (f" and {len(shards) - 10} more" if len(shards) > 10 else "")
+    return ManifestError(
+        f"{len(shards)} commit record(s) under {uri.rstrip('/')}/{layout.COMMITS} are older than its "
+        f"{layout.MANIFEST} (shards {shown}): the manifest was replaced after a run had committed shards "
+        "here, so their data follows another plan. Restore that run's manifest, or delete the prefix's "
+        "objects (or write the new run under another prefix) and extract again")
 
 
 def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:

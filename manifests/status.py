@@ -10,7 +10,7 @@ from typing import Any
 from manifests import layout
 from manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
-from manifests.state import RunState, scan
+from manifests.state import RunState, replaced_manifest_error, scan
 from storage.shard import verify_shard
 from storage.store import ObjectNotFound, ObjectStore
 
@@ -64,8 +64,10 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str
         "compression_ratio": round(raw / stored, 4) if stored else None,
         "tokens_per_s": round(rate, 1) if rate else None,
         "eta_s": round(remaining / rate) if rate and remaining else (0 if not remaining else None),
-        "complete": counts["done"] == len(manifest.shards),
+        "complete": counts["done"] == len(manifest.shards) and not st.stale_commits,
         "failed": [_failure_summary(store, st, s) for s in failed_ids],
+        "stale_commits": st.stale_commits,
+        "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
     }
 
 

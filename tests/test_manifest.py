@@ -20,8 +20,10 @@ from manifests.manifest import ConfigMismatch, ManifestError, create_or_resume, 
 from manifests.records import Producer, decode_commit, decode_failure
 from manifests.status import run_status, verify_run
 from manifests.work import WorkQueue
+from slurm.work import remaining_work
 from storage.shard import ShardMeta, ShardReader, ShardWriter, verify_shard
 from storage.store import open_store
+from train import ShardStream
 
 WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
 
@@ -342,6 +344,28 @@ def test_corrupt_commit_record_is_a_clear_error_and_withdrawn(store_uri, capsys)
     assert cli(["verify", store_uri]) == 1
     assert "unreadable commit record" in capsys.readouterr().out
     assert fake_worker.work(store_uri) == [1]
+
+
+def test_a_replaced_manifest_is_refused_not_resumed(store_uri, capsys):
+    """Commits made under a manifest that was then deleted and planned again follow another plan:
+    extraction, status, Slurm resubmission and the loader stop and say so instead of counting
+    those shards as done."""
+    assert fake_worker.work(store_uri, shards=[0, 1]) == [0, 1]
+    store = open_store(store_uri)
+    store.delete(layout.MANIFEST)
+    time.sleep(1.1)  # S3 stamps objects to the second
+    fake_worker.plan(store, shard_bytes=8000)  # other shard boundaries
+    with pytest.raises(ManifestError, match=r"2 commit record\(s\) .* older than its manifest.json \(shards 0, 1\)"):
+        fake_worker.work(store_uri)
+    assert list(store.list(layout.LEASES)) == [], "nothing was claimed"
+    s = run_status(store)
+    assert s["stale_commits"] == [0, 1] and not s["complete"] and "manifest was replaced" in s["problem"]
+    assert cli(["status", store_uri]) == 1
+    assert "manifest was replaced" in capsys.readouterr().err
+    with pytest.raises(ManifestError, match="manifest was replaced"):
+        ShardStream(store_uri)
+    with pytest.raises(ManifestError, match="manifest was replaced"):
+        remaining_work(store)
 
 
 def test_static_assignment_works_only_its_shards(store_uri):

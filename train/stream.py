@@ -33,6 +33,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from manifests import layout
 from manifests.manifest import Manifest, load_manifest, parse_size
 from manifests.records import decode_commit
+from manifests.state import replaced_manifest_error, stale_commits
 from storage.shard import Sample, ShardError, decode_record
 from storage.store import ObjectNotFound, ObjectStore, open_store
 from train.fetch import SKIP, CommittedShard, Fetcher, Metrics, Record
@@ -100,8 +101,12 @@ def _cores() -> int:
 def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[CommittedShard]]:
     """(the run's manifest, its committed shards sorted by id): one listing + a GET per commit."""
     manifest = load_manifest(store)
+    listing = list(store.list(layout.COMMITS))
+    stale = stale_commits(list(store.list(layout.MANIFEST)), listing)
+    if stale:
+        raise replaced_manifest_error(store.uri, stale)
     keys = []
-    for o in store.list(layout.COMMITS):
+    for o in listing:
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None and o.key == layout.commit_key(shard):
             keys.append(o.key)
