@@ -9,6 +9,7 @@ same shard from the same samples.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
@@ -18,6 +19,8 @@ from typing import Any
 
 from manifests.layout import MANIFEST
 from storage.store import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "layertap-manifest"
 MANIFEST_VERSION = 1
@@ -196,4 +199,8 @@ def create_or_resume(store: ObjectStore, *, config: Mapping[str, Any], dataset: 
             f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)
             + "\nuse the run's settings to resume it, or write the new run to another prefix"
         )
+    if shard_bytes != existing.shard_bytes:  # the plan is fixed at creation: say so rather than ignore the flag
+        log.warning("the run at %s keeps its plan of %d shards cut at %s bytes; a shard size of %s bytes "
+                    "applies only to a new run", store.uri, len(existing.shards), f"{existing.shard_bytes:,}",
+                    f"{shard_bytes:,}")
     return existing, False

@@ -78,7 +78,7 @@ def test_plan_913k_samples_is_fast_enough_to_be_routine():
     assert 24_000 < len(shards) < 26_000  # 35 TB raw / 1.45 / 1 GB
 
 
-def test_resume_and_config_mismatch(store):
+def test_resume_and_config_mismatch(store, caplog):
     m1, created = create_or_resume(store, config={"model": "a", "layers": [1, 2], "codec": "bf16"},
                                    dataset={"fingerprint": "f1"}, token_counts=[10] * 50,
                                    bytes_per_token=10, shard_bytes=1000)
@@ -86,6 +86,11 @@ def test_resume_and_config_mismatch(store):
     m2, created = create_or_resume(store, config={"model": "a", "layers": [1, 2], "codec": "bf16"},
                                    dataset={"fingerprint": "f1"}, token_counts=None, bytes_per_token=10)
     assert not created and m2.run_id == m1.run_id and m2.shards == m1.shards
+    assert "keeps its plan of 5 shards cut at 1,000 bytes" in caplog.text  # the default size differs: said
+    caplog.clear()
+    m3, _ = create_or_resume(store, config={"model": "a", "layers": [1, 2], "codec": "bf16"},
+                             dataset={"fingerprint": "f1"}, token_counts=None, bytes_per_token=10, shard_bytes=1000)
+    assert m3.shards == m1.shards and "keeps its plan" not in caplog.text
     with pytest.raises(ConfigMismatch) as e:
         create_or_resume(store, config={"model": "b", "layers": [1, 3], "codec": "bf16"},
                          dataset={"fingerprint": "f2"}, token_counts=[10] * 50, bytes_per_token=10)
