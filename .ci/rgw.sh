@@ -64,8 +64,12 @@ EOF
   timeout 5 $CEPH mon stat >/dev/null 2>&1 || { echo "the monitor did not come up; logs in $C/log" >&2; exit 1; }
   $CEPH osd new "$OUUID" 0 >/dev/null
   ceph-osd -c "$C/ceph.conf" -i 0 --mkfs --osd-uuid "$OUUID" >/dev/null 2>&1
-  ceph-osd -c "$C/ceph.conf" -i 0 >/dev/null 2>&1
-  for _ in $(seq 1 120); do $CEPH osd stat 2>/dev/null | grep -q "1 up" && break; sleep 0.5; done
+  # A fresh OSD can ask the monitor before its client has the monitor map ("wrong fsid": it sends
+  # fsid 0) and exit; a second start gets past it.
+  for _ in 1 2 3; do
+    ceph-osd -c "$C/ceph.conf" -i 0 >/dev/null 2>&1 || { sleep 1; continue; }
+    for _ in $(seq 1 120); do $CEPH osd stat 2>/dev/null | grep -q "1 up" && break 2; sleep 0.5; done
+  done
   $CEPH osd stat 2>/dev/null | grep -q "1 up" || { echo "the OSD did not come up; logs in $C/log" >&2; exit 1; }
   radosgw -c "$C/ceph.conf" -n client.rgw.a
   for _ in $(seq 1 120); do curl -sf -o /dev/null "http://127.0.0.1:$RGW_PORT/" && break; sleep 0.5; done
