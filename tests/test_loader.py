@@ -384,3 +384,26 @@ def test_collate_pads_and_pack_packs():
     assert packed["sequence_ids"][2].tolist() == [3] * 8 and packed["truncated_tokens"] == 1
     assert packed["loss_mask"].sum() == 3 + 5 + 2 + 8
     assert torch.equal(packed["hidden_states"][0, 3:8], torch.full((5, 2, 3), 5.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("cores,workers,local_ranks,bound,want", [
+    (2, 1, None, True, 2),     # a small machine: 2, the best measured there
+    (16, 1, None, True, 4),    # one per 4 cores
+    (16, 2, None, True, 2),    # DataLoader workers share the rank's cores
+    (128, 1, None, True, 8),   # at most 8
+    (128, 1, "8", False, 4),   # 8 unbound ranks on a 128-core node: 16 cores each
+    (16, 1, "8", True, 4),     # bound by the launcher: the mask already holds this rank's cores
+])
+def test_compressed_codecs_decode_on_threads_by_cores_and_bf16_on_the_consumer(monkeypatch, cores, workers,
+                                                                                local_ranks, bound, want):
+    import train.stream as stream
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "cpu_count", lambda: cores * (2 if bound else 1))
+    if local_ranks:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    else:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert stream.auto_decode_threads("bf16-zstd", workers) == want
+    assert stream.auto_decode_threads("fp8", workers) == want
+    assert stream.auto_decode_threads("bf16", workers) == 0
