@@ -10,7 +10,8 @@ from typing import Literal
 
 from manifests import layout
 from manifests.manifest import Manifest, ManifestError
-from storage.store import ObjectInfo, ObjectStore
+from manifests.records import CommitRecord, decode_commit
+from storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
 ShardState = Literal["done", "running", "failed", "pending"]
 
@@ -37,7 +38,7 @@ class RunState:
     leases: dict[int, list[Lease]] = field(default_factory=lambda: defaultdict(list))
     failures: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # keys, oldest first
     data_objects: dict[int, list[str]] | None = None
-    stale_commits: list[int] = field(default_factory=list)  # committed before manifest.json was written
+    stale_commits: list[int] = field(default_factory=list)  # committed under a replaced manifest
 
     def live_lease(self, shard: int) -> Lease | None:
         alive = [l for l in self.leases.get(shard, []) if l.alive(self.now)]
@@ -79,7 +80,7 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> Run
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None:
             st.committed.add(shard)
-    st.stale_commits = stale_commits(head, commits)
+    st.stale_commits = stale_commits(store, manifest, head, commits)
     for o in tallies:
         parsed = layout.parse_tally(o.key)
         if parsed:
@@ -95,24 +96,42 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> Run
     return st
 
 
-def stale_commits(manifest_listing: list[ObjectInfo], commits: list[ObjectInfo]) -> list[int]:
-    """Shards whose commit record is older than manifest.json. A commit is only ever written
-    after its run's manifest, so an older one was made under a manifest that has since been
-    replaced: its shard was cut by another plan. Both times are the store's own clock."""
+def stale_commits(store: ObjectStore, manifest: Manifest, manifest_listing: list[ObjectInfo],
+                  commits: list[ObjectInfo]) -> list[int]:
+    """Shards committed under a manifest that has since been replaced. A commit is only ever
+    written after its run's manifest, so candidates are commit records older than manifest.json
+    (the store's own clock). Age alone proves nothing: copying a run (`aws s3 sync`, `cp -r`)
+    stamps its objects anew in any order. So up to 3 candidates are read, and the run is stale
+    only if one of them does not fit this manifest's plan."""
     written = next((o.modified for o in manifest_listing if o.key == layout.MANIFEST), None)
     if written is None:
         return []
-    return sorted(s for o in commits if o.modified < written
-                  and (s := layout.shard_of(o.key, layout.COMMITS)) is not None)
+    older = sorted(s for o in commits if o.modified < written
+                   and (s := layout.shard_of(o.key, layout.COMMITS)) is not None)
+    for shard in older[:3]:
+        key = layout.commit_key(shard)
+        try:
+            commit = decode_commit(store.get(key), key)
+        except (ObjectNotFound, ManifestError):  # withdrawn meanwhile, or corrupt: `verify` deals with it
+            continue
+        if not fits_plan(commit, manifest):
+            return older
+    return []
+
+
+def fits_plan(commit: CommitRecord, manifest: Manifest) -> bool:
+    """Whether a commit covers exactly the samples the manifest planned for its shard."""
+    return 0 <= commit.shard < len(manifest.shards) \
+        and commit.num_records + len(commit.skipped) == manifest.shards[commit.shard].num_samples
 
 
 def replaced_manifest_error(uri: str, shards: list[int]) -> ManifestError:
     shown = ", ".join(map(str, shards[:10])) + (f" and {len(shards) - 10} more" if len(shards) > 10 else "")
     return ManifestError(
-        f"{len(shards)} commit record(s) under {uri.rstrip('/')}/{layout.COMMITS} are older than its "
-        f"{layout.MANIFEST} (shards {shown}): the manifest was replaced after a run had committed shards "
-        "here, so their data follows another plan. Restore that run's manifest, or delete the prefix's "
-        "objects (or write the new run under another prefix) and extract again")
+        f"{len(shards)} commit record(s) under {uri.rstrip('/')}/{layout.COMMITS} were made for another "
+        f"plan than its {layout.MANIFEST}'s (shards {shown}): the manifest was replaced after a run had "
+        "committed shards here. Restore that run's manifest, or delete the prefix's objects (or write "
+        "the new run under another prefix) and extract again")
 
 
 def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:

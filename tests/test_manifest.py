@@ -360,7 +360,7 @@ def test_a_replaced_manifest_is_refused_not_resumed(store_uri, capsys):
     store.delete(layout.MANIFEST)
     time.sleep(1.1)  # S3 stamps objects to the second
     fake_worker.plan(store, shard_bytes=8000)  # other shard boundaries
-    with pytest.raises(ManifestError, match=r"2 commit record\(s\) .* older than its manifest.json \(shards 0, 1\)"):
+    with pytest.raises(ManifestError, match=r"2 commit record\(s\) .* another plan than its manifest.json's \(shards 0, 1\)"):
         fake_worker.work(store_uri)
     assert list(store.list(layout.LEASES)) == [], "nothing was claimed"
     s = run_status(store)
@@ -371,6 +371,23 @@ def test_a_replaced_manifest_is_refused_not_resumed(store_uri, capsys):
         ShardStream(store_uri)
     with pytest.raises(ManifestError, match="manifest was replaced"):
         remaining_work(store)
+
+
+def test_a_copied_run_is_not_taken_for_a_replaced_manifest(store_uri):
+    """Copying a run (`aws s3 sync`, `cp -r`) stamps its objects anew in any order: commit records
+    older than the manifest are then read and found to fit its plan, and the copy is used as is."""
+    fake_worker.work(store_uri)
+    src = open_store(store_uri)
+    dst = open_store(store_uri.rstrip("/") + "-copy")
+    keys = sorted(o.key for o in src.list() if o.key != layout.MANIFEST)
+    for key in keys:
+        dst.put(key, src.get(key))
+    time.sleep(1.1)  # S3 stamps objects to the second
+    dst.put(layout.MANIFEST, src.get(layout.MANIFEST))  # last, as a sync in key order does it
+    s = run_status(dst)
+    assert s["problem"] is None and s["complete"] and s["samples_done"] == 40
+    assert fake_worker.work(dst.uri) == []  # nothing to redo
+    assert sum(1 for _ in ShardStream(dst.uri, shuffle=False)) == 40
 
 
 def test_static_assignment_works_only_its_shards(store_uri):

@@ -534,7 +534,7 @@ BAD_STORE = [  # name, what the loader raises (type, fragments), `layertap verif
      (2, "format version 9 is not supported", "upgrade layertap")),
     ("shard with an unknown codec", (UnsupportedShard, "codec 'zf16' is not known", "upgrade layertap"),
      (2, "codec 'zf16' is not known", "upgrade layertap")),
-    ("manifest from another run", (ManifestError, "older than its manifest.json", "the manifest was replaced"),
+    ("manifest from another run", (ShardError, "the object says run", "the commit says run 'f00000000000'"),
      (2, "but the manifest is run 'f00000000000'", "restore the run's own manifest.json")),
     ("manifest of a newer version", (ManifestError, "manifest version 2", "use a matching layertap release"),
      (2, "manifest version 2", "use a matching layertap release")),

@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from manifests import layout
 from manifests.manifest import Manifest, load_manifest, parse_size
 from manifests.records import decode_commit
-from manifests.state import replaced_manifest_error, stale_commits
+from manifests.state import fits_plan, replaced_manifest_error
 from storage.shard import Sample, ShardError, decode_record
 from storage.store import ObjectNotFound, ObjectStore, open_store
 from train.fetch import SKIP, CommittedShard, Fetcher, Metrics, Record
@@ -101,12 +101,8 @@ def _cores() -> int:
 def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[CommittedShard]]:
     """(the run's manifest, its committed shards sorted by id): one listing + a GET per commit."""
     manifest = load_manifest(store)
-    listing = list(store.list(layout.COMMITS))
-    stale = stale_commits(list(store.list(layout.MANIFEST)), listing)
-    if stale:
-        raise replaced_manifest_error(store.uri, stale)
     keys = []
-    for o in listing:
+    for o in store.list(layout.COMMITS):
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None and o.key == layout.commit_key(shard):
             keys.append(o.key)
@@ -120,11 +116,14 @@ def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[Co
 
     with ThreadPoolExecutor(max(1, min(threads, len(keys)))) as pool:
         commits = [c for c in pool.map(get, keys) if c is not None]
+    foreign = sorted(c.shard for c in commits if not fits_plan(c, manifest))
+    if foreign:
+        raise replaced_manifest_error(store.uri, foreign)
     shards = []
     for c in commits:
-        if not 0 <= c.shard < len(manifest.shards) or len(c.sample_ids) != c.num_records:
-            raise ShardError(f"{root}/{layout.commit_key(c.shard)} does not fit the run's manifest; "
-                             "run `layertap verify` on the run")
+        if len(c.sample_ids) != c.num_records:
+            raise ShardError(f"{root}/{layout.commit_key(c.shard)} is inconsistent ({len(c.sample_ids)} sample ids "
+                             f"for {c.num_records} records); run `layertap verify` on the run")
         if c.num_records:
             shards.append(CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids)))
     if not shards:
