@@ -49,7 +49,6 @@ step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,
 step stages 300 python3 bench/loader.py --rounds 3 --mb 4096 --codecs bf16-zstd --stages --workers 2 \
     --label gpu-host-stages --write-docs
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
-cp docs/benchmarks.md "$out/benchmarks.md"
 step train 150 python3 bench/gpu_train.py --json "$out/gpu_train.json"
 step extract 200 python3 bench/gpu_extract.py --batches 6 --json "$out/gpu_extract.json"
 cp docs/benchmarks.md "$out/benchmarks.md"

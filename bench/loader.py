@@ -55,7 +55,7 @@ from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 from train import ShardStream, StreamLoader  # noqa: E402
 from train.fetch import Fetcher, Metrics  # noqa: E402
-from train.stream import auto_decode_threads, load_index  # noqa: E402
+from train.stream import StreamConfig, auto_decode_threads, load_index  # noqa: E402
 
 LAYERS = [1, 8, 15, 22, 27]
 MiB = 1 << 20
@@ -164,9 +164,11 @@ def open_fetcher(uri: str, threads: int, budget: int) -> Callable[[], tuple[Fetc
     store = open_store(uri)
     manifest, shards = load_index(store)
     where = [(s, r) for s, shard in enumerate(shards) for r in range(len(shard.sample_ids))]
+    c = StreamConfig(fetch_threads=threads, memory_budget=budget)  # the loader rows' settings
     return lambda: (Fetcher(store, shards, manifest.run_id, positions=[(p, s, r) for p, (s, r) in enumerate(where)],
-                            budget=budget, range_bytes=64 * MiB, prefetch_shards=2, threads=threads, retries=3,
-                            on_corrupt="raise", metrics=Metrics()), len(where))
+                            budget=c.memory_budget, range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards,
+                            threads=c.fetch_threads, retries=c.retries, on_corrupt=c.on_corrupt, metrics=Metrics()),
+                    len(where))
 
 
 def run_fetcher(start: Callable[[], tuple[Fetcher, int]]) -> dict:
