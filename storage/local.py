@@ -7,6 +7,7 @@ folder and is published with one atomic filesystem call, so readers never see a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -54,20 +55,18 @@ class LocalStore(ObjectStore):
 
     def _write_temp(self, path: str, data: bytes) -> str:
         tmp = self._temp_path(path)
-        try:
+        with _removed_on_error(tmp, path):
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        except OSError as e:
-            _remove_quietly(tmp)
-            raise _os_error(e, path) from e
         return tmp
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         tmp = self._write_temp(path, data)
-        os.replace(tmp, path)
+        with _removed_on_error(tmp, path):
+            os.replace(tmp, path)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -202,9 +201,11 @@ class LocalWriter(ObjectWriter):
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._tmp, self._path)
-        except OSError as e:
+        except BaseException as e:  # a signal's exception included: leave no temp file behind
             self.abort()
-            raise _os_error(e, self._path) from e
+            if isinstance(e, OSError):
+                raise _os_error(e, self._path) from e
+            raise
         self._done = True
 
     def abort(self) -> None:
@@ -217,6 +218,19 @@ class LocalWriter(ObjectWriter):
     @property
     def bytes_written(self) -> int:
         return self._written
+
+
+@contextlib.contextmanager
+def _removed_on_error(tmp: str, path: str) -> Iterator[None]:
+    """Remove the temp file on any exception, a signal handler's included (a SIGTERM raises
+    wherever the worker is), so no cut-short put is left to read as a pending upload."""
+    try:
+        yield
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if isinstance(e, OSError):
+            raise _os_error(e, path) from e
+        raise
 
 
 def _remove_quietly(path: str) -> None:

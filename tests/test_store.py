@@ -118,6 +118,31 @@ def test_failure_inside_writer_leaves_nothing(store_uri):
     assert store.list_pending_uploads() == []
 
 
+@pytest.mark.parametrize("where", ["fsync", "replace"])
+def test_a_signal_during_a_local_put_leaves_no_pending_upload(tmp_path, monkeypatch, where):
+    """A SIGTERM handler raises wherever the worker is; a put it cuts short (e.g. a tally marker
+    after the commit) must not leave a temp file that reads as an upload left open."""
+    import storage.local
+
+    class Stop(BaseException):
+        pass
+
+    def interrupted(*args, **kwargs):
+        raise Stop()
+
+    store = open_store(str(tmp_path / "store"))
+    store.put("tally/keep", b"")
+    monkeypatch.setattr(storage.local.os, where, interrupted)
+    with pytest.raises(Stop):
+        store.put("tally/cut", b"x")
+    with pytest.raises(Stop):
+        with store.open_writer("shards/cut.lts") as w:
+            w.write(b"y" * 100)
+    monkeypatch.undo()
+    assert [o.key for o in store.list()] == ["tally/keep"]
+    assert store.list_pending_uploads() == []
+
+
 def test_killed_writer_leaves_no_visible_object_and_pending_upload_is_aborted(store_uri):
     """SIGKILL mid-upload: the key never appears; the leftover upload is listed, then aborted."""
     options = {"part_size": 5 * MiB, "max_parts_in_memory": 2} if store_uri.startswith("s3://") else {}
