@@ -1,13 +1,16 @@
-"""Real hidden states for tests and benchmarks: SmolLM2-135M-Instruct on ShareGPT conversations.
+"""The real SmolLM2-135M-Instruct for tests and benchmarks, and its hidden states on ShareGPT.
 
-Loading the model takes ~18 s on 2 CPU cores, so results are cached as a safetensors file
-(never pickle) under ``$LAYERTAP_TEST_CACHE`` (default ``~/.cache/layertap-tests``), keyed by
-the arguments.
+Loading the model from its GGUF takes ~40 s on 2 CPU cores (transformers parses the whole file
+for the config, the tokenizer and the weights), so it is converted once into a plain HF folder,
+and hidden states are cached as safetensors files (never pickle), keyed by the arguments; both
+under ``$LAYERTAP_TEST_CACHE`` (default ``~/.cache/layertap-tests``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -22,16 +25,37 @@ _ROLES = {"human": "user", "user": "user", "system": "system"}  # everything els
 _CACHE_VERSION = 1  # bump when the rendering or the capture changes
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     return Path(os.environ.get("LAYERTAP_TEST_CACHE", Path.home() / ".cache" / "layertap-tests"))
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_folder() -> str:
+    """SmolLM2-135M-Instruct as a plain HF folder (fp32 safetensors, tokenizer, chat template),
+    converted from the GGUF by `load_target` once: the same weights, loaded in ~1 s. Tests of
+    the GGUF path itself load the GGUF."""
+    from extract.model import load_target
+
+    path = cache_dir() / "smollm2-hf-v1"
+    if (path / "model.safetensors").exists():
+        return str(path)
+    target = load_target(*smollm2_gguf(), dtype=torch.float32)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    target.model.save_pretrained(tmp)
+    target.tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)  # atomic: a concurrent test process never sees half a folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; its copy is identical
+    return str(path)
 
 
 def _compute(n_samples: int, max_tokens: int, layers: tuple[int, ...]) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
+    folder = smollm2_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     out = []
     for record in sharegpt_conversations(None):
         messages = [{"role": _ROLES.get(m["from"], "assistant"), "content": m["value"]}
@@ -59,7 +83,7 @@ def smollm2_activations(n_samples: int = 16, max_tokens: int = 256,
     """
     layers = tuple(int(k) for k in layers)
     key = f"smollm2-v{_CACHE_VERSION}-n{n_samples}-t{max_tokens}-l{'_'.join(map(str, layers))}"
-    path = _cache_dir() / f"{key}.safetensors"
+    path = cache_dir() / f"{key}.safetensors"
     if path.exists():
         data = load_file(path)
         return [data[str(i)] for i in range(len(data))]

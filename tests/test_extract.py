@@ -167,7 +167,7 @@ def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
 
 
 def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path):
-    data = write_chats(tmp_path / "chats.jsonl", 120)
+    data = write_chats(tmp_path / "chats.jsonl", 60)
     args = [sys.executable, "-m", "extract.cli", "extract", "--model", models["llama"], "--dataset", data,
             "--out", store_uri, "--layers", "1,3", "--max-length", "48", "--batch-tokens", "64",
             "--shard-bytes", "8KB", "--log-dir", str(tmp_path / "logs")]
@@ -192,13 +192,14 @@ def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path
 
     assert subprocess.run(args, capture_output=True, env=env, timeout=600).returncode == 0
     ids = Counter(i for c in committed(store) for i in c.sample_ids)
-    assert len(ids) == 120 and set(ids.values()) == {1}
+    assert len(ids) == 60 and set(ids.values()) == {1}
     assert verify_run(store).bad == []
 
 
 @pytest.mark.slow
 def test_smollm2_extraction_equals_hf_forward(tmp_path):
     """The real SmolLM2-135M-Instruct (GGUF) on real ShareGPT conversations, bit-exact."""
+    from activations import smollm2_folder
     from extract.embedded import sharegpt_conversations, smollm2_gguf
     from extract.model import default_layers, load_target
 
@@ -215,7 +216,7 @@ def test_smollm2_extraction_equals_hf_forward(tmp_path):
     layers = json.loads(store.get("manifest.json"))["config"]["layers"]
     assert layers == default_layers(30)  # DFlash's spacing for SmolLM2's 30 layers
 
-    target = load_target(folder, name, dtype=torch.float32)
+    target = load_target(smollm2_folder(), dtype=torch.float32)  # the same weights, without the GGUF parse
     samples = [s for s in tokenize_rows(load_rows(str(data)), target.tokenizer, cfg.max_length)
                if isinstance(s, TokenizedSample)]
     for batch in make_batches(samples, cfg.batch_tokens):

@@ -114,6 +114,7 @@ def test_corrupt_or_foreign_manifest_is_a_clear_error(store):
         load_manifest(store)
 
 
+@pytest.mark.moto_only
 def test_single_worker_completes_run_and_rerun_does_nothing(store_uri):
     done = fake_worker.work(store_uri)
     store = open_store(store_uri)
@@ -128,6 +129,7 @@ def test_single_worker_completes_run_and_rerun_does_nothing(store_uri):
     assert len(list(store.list(layout.SHARDS))) == len(done)
 
 
+@pytest.mark.moto_only
 def test_a_worker_lists_the_run_once_per_pass_not_once_per_claim(store_uri, monkeypatch):
     """Each claim checks its own shard afresh (a HEAD and two small listings); the listings of
     every shard's records come once per pass: for a lone worker, one to start and one to find
@@ -293,6 +295,7 @@ def test_idle_worker_waits_for_a_live_lease_instead_of_exiting(store_uri):
     assert run_status(store)["complete"]  # the waiter exited only when nothing was left
 
 
+@pytest.mark.moto_only
 def test_failure_is_recorded_shown_and_resumed(store_uri, capsys):
     done = fake_worker.work(store_uri, fail_shard=2)
     store = open_store(store_uri)
@@ -319,6 +322,7 @@ def test_failure_is_recorded_shown_and_resumed(store_uri, capsys):
     assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
 
 
+@pytest.mark.moto_only
 def test_verify_withdraws_a_corrupted_shard_and_rerun_redoes_it(store_uri, capsys):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
@@ -340,6 +344,7 @@ def test_verify_withdraws_a_corrupted_shard_and_rerun_redoes_it(store_uri, capsy
     assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
 
 
+@pytest.mark.moto_only
 def test_corrupt_commit_record_is_a_clear_error_and_withdrawn(store_uri, capsys):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
@@ -401,6 +406,7 @@ def test_static_assignment_works_only_its_shards(store_uri):
         WorkQueue(store, m, Producer.current(), shards=[len(m.shards)])
 
 
+@pytest.mark.moto_only
 def test_status_survives_a_missing_tally(store_uri):
     fake_worker.work(store_uri)
     store = open_store(store_uri)

@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from extract.embedded import sharegpt_conversations, smollm2_gguf
+from activations import smollm2_folder
+from extract.embedded import sharegpt_conversations
 from extract.inputs import TokenizedSample, tokenize_rows
 from extract.model import LAYER_CONVENTION, Capture, default_layers, load_target
 from tiny_models import tiny_model_dir
@@ -219,10 +220,11 @@ def test_load_target_info_and_errors(model_dirs, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_capture(tmp_path):
-    """The real model: capture == HF forward of the whole model, and batch-mate invariance."""
-    folder, name = smollm2_gguf()
-    target = load_target(folder, gguf_file=name)
+def test_smollm2_capture(tmp_path):
+    """The real model: capture == HF forward of the whole model, and batch-mate invariance.
+    (Its weights from the HF folder converted once from the GGUF; test_extract's SmolLM2 case
+    loads the GGUF itself.)"""
+    target = load_target(smollm2_folder())
     info = target.info
     assert (info["model_type"], info["hidden_size"], info["num_layers"], info["vocab_size"]) == (
         "llama", 576, 30, 49152)

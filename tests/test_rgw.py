@@ -46,11 +46,12 @@ def rgw_env(tmp_path_factory) -> dict[str, str]:
 
 def test_store_shard_and_manifest_suites_pass_against_radosgw(rgw_env):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | rgw_env
-    # Their local-folder cases ran in the main suite already; every other case talks S3.
+    # Their local-folder cases ran in the main suite already; every other case talks S3. Cases
+    # marked moto_only add manifest logic, not S3 calls these do not make (~35 s of radosgw).
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "not local",
-                        *MODULES],
+                        "-m", "not moto_only", *MODULES],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     summary = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", summary)) else 0
-    assert passed >= 70 and "skipped" not in summary, summary  # every S3 case ran, none skipped
+    assert passed >= 65 and "skipped" not in summary, summary  # every S3 case ran, none skipped

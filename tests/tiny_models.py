@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from activations import cache_dir  # noqa: E402
 from extract.embedded import smollm2_gguf  # noqa: E402
 
 # Qwen2.5-style ChatML: every turn rendered the same wherever it sits in the chat.
@@ -103,16 +104,12 @@ def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int =
     return str(folder)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("LAYERTAP_TEST_CACHE", Path.home() / ".cache" / "layertap-tests"))
-
-
 @functools.lru_cache(maxsize=None)
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (and chat template), converted from its GGUF once."""
     from transformers import AutoTokenizer
 
-    path = _cache_dir() / "smollm2-tokenizer-v1"
+    path = cache_dir() / "smollm2-tokenizer-v1"
     if (path / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(path)
     folder, name = smollm2_gguf()
