@@ -28,6 +28,12 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def allocator() -> str:
+    """The glibc malloc settings this process started with (MALLOC_* variables), or its defaults."""
+    set_ = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MALLOC_"))
+    return " ".join(set_) if set_ else "glibc defaults"
+
+
 def write_section(name: str, markdown: str, path: str | os.PathLike = "docs/benchmarks.md") -> None:
     """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``.
 

@@ -15,6 +15,9 @@
 #   stages   (only when named) the loader's stages on bf16-zstd at 4 GB (passes of ~5 s, so the
 #            first object's latency weighs less): fetch and checks alone, a 0.5 ms GIL switch
 #            interval, 2 DataLoader workers: where a pass's time goes
+#   malloc   (only when named) bench/page_faults.py, then bench/loader.py --stages at 1 GB under
+#            the glibc settings the Slurm training jobs export (docs/LOADER.md, "Memory
+#            allocator"), beside the same at defaults
 #   writer   bench/writer.py: streaming writer vs boto3 upload_file, and moto's ingest ceiling there
 #   train    bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
 #   extract  bench/gpu_extract.py: 27B-sized random-init target, bare forward vs the pipeline
@@ -48,6 +51,9 @@ step() {
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
 step stages 300 python3 bench/loader.py --rounds 3 --mb 4096 --codecs bf16-zstd --stages --workers 2 \
     --label gpu-host-stages --write-docs
+step malloc 300 bash -c 'python3 bench/page_faults.py --label gpu-host --write-docs && python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-defaults \
+    --write-docs && env MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824 \
+    python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-tuned --write-docs'
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
 step train 150 python3 bench/gpu_train.py --json "$out/gpu_train.json"
 step extract 200 python3 bench/gpu_extract.py --batches 6 --json "$out/gpu_extract.json"

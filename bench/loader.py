@@ -17,6 +17,9 @@ several rounds in alternating order, the same committed objects are read:
   loader, 8 MiB     the same with 8 MiB ranges (ranged mode: moto copies the whole object for every
                     ranged GET, real S3 does not, so this row is a floor on moto)
   loader, W workers StreamLoader(num_workers=W) with the padding collate (only with --workers W)
+  --stages rows     store GET xT (whole-object ranged GETs through layertap's S3 store on T threads),
+                    fetch and checks only (the loader's fetch stage: GETs, hashes, hand-off, no
+                    decoding), the loader with a 0.5 ms GIL switch interval
 
 Reported: stored MB/s (object bytes over wall time; the loader's clock starts once the stream is
 open: creating its S3 client and reading manifest and commits is the "open" column), decoded MB/s (bf16 activation bytes out), samples/s, CPU of this process and of the server,
@@ -45,7 +48,7 @@ import boto3  # noqa: E402
 import torch  # noqa: E402
 from botocore.config import Config  # noqa: E402
 
-from bench._report import cores, cpu_s, machine, publish  # noqa: E402
+from bench._report import allocator, cores, cpu_s, machine, publish  # noqa: E402
 from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import Producer  # noqa: E402
 from manifests.work import WorkQueue  # noqa: E402
@@ -119,6 +122,14 @@ def boto3_gets(client, bucket: str, keys: list[str], threads: int) -> dict:
         with ThreadPoolExecutor(threads) as pool:
             got = sum(pool.map(get, keys))
     return {"bytes": got, "gets": len(keys)}
+
+
+def store_gets(store, shards, threads: int) -> dict:
+    """Whole-object ranged GETs through layertap's S3 store (its client, config and retry path) on
+    `threads` threads, nothing else: the fetch stage's GETs without its scheduling and hashing."""
+    with ThreadPoolExecutor(threads) as pool:
+        got = sum(pool.map(lambda s: len(store.get_range(s.key, 0, s.bytes)), shards))
+    return {"bytes": got, "gets": len(shards)}
 
 
 def get_and_decode(client, bucket: str, prefix: str, keys: list[str]) -> dict:
@@ -222,6 +233,8 @@ def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) 
     for n in args.decode_threads:
         methods[f"loader, {n} decode threads"] = loader(decode_threads=n)
     if args.stages:
+        methods[f"store GET x{args.threads}"] = (lambda _: open_store(uri),
+                                                lambda st: store_gets(st, shards, args.threads))
         methods["fetch and checks only"] = (lambda _: open_fetcher(uri, args.threads, budget), run_fetcher)
         opened, run = loader()
         methods["loader, GIL switch 0.5 ms"] = (opened, with_switch_interval(0.0005, run))
@@ -286,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-threads", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also run the loader with these decode thread counts, e.g. 2,4,8 (default: by codec and cores)")
     p.add_argument("--stages", action="store_true",
-                   help="also time the fetch stage alone (no decoding) and the loader with a 0.5 ms GIL switch "
-                        "interval: where a pass's time goes")
+                   help="also time GETs through layertap's store, the fetch stage alone (no decoding) and the "
+                        "loader with a 0.5 ms GIL switch interval: where a pass's time goes")
     p.add_argument("--endpoint", help="an S3 server to use instead of starting moto (credentials from env)")
     p.add_argument("--label", help="a name for this machine, e.g. gpu-host: its own docs section 'loader-LABEL'")
     p.add_argument("--write-docs", action="store_true", help="write the 'loader' section of docs/benchmarks.md")
@@ -328,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {machine()}; torch {torch.__version__}, boto3 {boto3.__version__}; "
         f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after  ",
         f"Server: {server}  ",
+        f"Client allocator: {allocator()} (the server keeps glibc's defaults)  ",
         f"Loader: in-process ShardStream, {args.threads} fetch threads, decode threads by codec and cores "
         f"(bf16 on the consumer's thread, compressed codecs on {auto_decode_threads('bf16-zstd')}), shuffle buffer 64, "
         f"memory budget {args.budget_mb} MiB, default 64 MiB ranges (shards this size are read in one GET); "

@@ -51,6 +51,11 @@ class RunState:
         """Failure records written at or after `since` (their key starts with the time in ms)."""
         return sum(1 for k in self.failures.get(shard, []) if _failure_millis(k) >= since * 1000)
 
+    def raise_if_replaced(self, uri: str) -> None:
+        """Refuse to work on a run whose manifest was replaced: its commits are another plan's."""
+        if self.stale_commits:
+            raise replaced_manifest_error(uri, self.stale_commits)
+
     def state(self, shard: int) -> ShardState:
         if shard in self.committed:
             return "done"

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from manifests import layout
 from manifests.manifest import Manifest, ManifestError, ShardPlan
 from manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
-from manifests.state import RunState, replaced_manifest_error, scan, scan_shard
+from manifests.state import RunState, scan, scan_shard
 from storage.shard import ShardInfo
 from storage.store import ObjectNotFound, ObjectStore, StoreError
 
@@ -187,8 +187,7 @@ class WorkQueue:
         after a pass that claimed something, the next pass takes a fresh scan."""
         while True:
             st = scan(self.store, self.manifest)
-            if st.stale_commits:
-                raise replaced_manifest_error(self.store.uri, st.stale_commits)
+            st.raise_if_replaced(self.store.uri)
             todo = [s for s in self.candidates if s not in st.committed]
             if not todo:
                 self._sweep(st)

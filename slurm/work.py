@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from manifests.manifest import ConfigMismatch, load_manifest
-from manifests.state import replaced_manifest_error, scan
+from manifests.state import scan
 from slurm.scripts import ArrayPlan
 from storage.store import ObjectStore
 
@@ -51,8 +51,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     if bad:
         raise ValueError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
     st = scan(store, manifest)
-    if st.stale_commits:  # submitting would only start tasks that stop on the same error
-        raise replaced_manifest_error(store.uri, st.stale_commits)
+    st.raise_if_replaced(store.uri)  # submitting would only start tasks that stop on the same error
     states = {s: st.state(s) for s in ids}
     return Remaining(run_id=manifest.run_id, total=total, done=sum(1 for v in states.values() if v == "done"),
                      running=[s for s, v in states.items() if v == "running"],

@@ -22,8 +22,11 @@ def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    # glibc's defaults for the server whatever the client runs under, so that a bench run with
+    # MALLOC_* settings (docs/LOADER.md, "Memory allocator") measures the client's change alone.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + timeout_s
     while True:
         try:

@@ -45,3 +45,19 @@ def test_loader_vs_mds_runs_and_says_when_mds_is_missing(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "MDS rows are skipped" in p.stdout and "| layertap loader |" in p.stdout
     assert "| 0 MB | 0 MB |" in p.stdout  # nothing written locally, no cache
+
+
+def test_page_faults_bench_shows_the_malloc_settings_keep_big_buffers_mapped():
+    """docs/LOADER.md's claim on this machine's glibc: under the MALLOC_* settings a freed 47 MiB
+    buffer is reused, not mapped and page-faulted in again."""
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "page_faults.py"), "--rounds", "4"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    faults = {}
+    for line in p.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[1].startswith("47 MiB"):
+            faults[cells[0]] = float(cells[4].replace(",", ""))
+    pages = (47 << 20) // 4096
+    assert faults["glibc defaults"] > 0.9 * pages  # every buffer faulted in afresh
+    assert faults["MALLOC_* settings"] < 0.5 * pages  # the first one only, spread over the rounds

@@ -393,3 +393,16 @@ def test_two_signals_at_once_leave_the_store_consistent(tiny_llama, tmp_path):
     assert not any(store.list(layout.LEASES)) and store.list_pending_uploads() == []
     [f] = [decode_failure(store.get(o.key), o.key) for o in store.list(layout.FAILURES)]
     assert f.preempted and f.shard == 0
+
+
+def test_train_jobs_keep_freed_memory_unless_the_submitter_chose_otherwise(tmp_path):
+    """The trainer's processes get glibc settings that keep freed buffers mapped (docs/LOADER.md);
+    a value exported before submitting (sbatch passes the environment on) is left as it is."""
+    script = train_script(JobOptions(job_name="t", logs=str(tmp_path)), 1, ["--data", "r"], None)
+    exports = [l for l in script.splitlines() if l.startswith("export MALLOC_")]
+    assert len(exports) == 3
+    show = '\nprintf "%s\\n" "$MALLOC_ARENA_MAX" "$MALLOC_MMAP_THRESHOLD_" "$MALLOC_TRIM_THRESHOLD_"'
+    run = lambda env: subprocess.run(["bash", "-c", "\n".join(exports) + show], capture_output=True, text=True,
+                                     env=env).stdout.split()
+    assert run({}) == ["1", "1073741824", "1073741824"]
+    assert run({"MALLOC_ARENA_MAX": "4"}) == ["4", "1073741824", "1073741824"]
