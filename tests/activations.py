@@ -25,7 +25,7 @@ _ROLES = {"human": "user", "user": "user", "system": "system"}  # everything els
 _CACHE_VERSION = 1  # bump when the rendering or the capture changes
 
 
-def cache_dir() -> Path:
+def _cache_dir() -> Path:
     return Path(os.environ.get("LAYERTAP_TEST_CACHE", Path.home() / ".cache" / "layertap-tests"))
 
 
@@ -36,7 +36,7 @@ def smollm2_folder() -> str:
     the GGUF path itself load the GGUF."""
     from extract.model import load_target
 
-    path = cache_dir() / "smollm2-hf-v1"
+    path = _cache_dir() / "smollm2-hf-v1"
     if (path / "model.safetensors").exists():
         return str(path)
     target = load_target(*smollm2_gguf(), dtype=torch.float32)
@@ -83,7 +83,7 @@ def smollm2_activations(n_samples: int = 16, max_tokens: int = 256,
     """
     layers = tuple(int(k) for k in layers)
     key = f"smollm2-v{_CACHE_VERSION}-n{n_samples}-t{max_tokens}-l{'_'.join(map(str, layers))}"
-    path = cache_dir() / f"{key}.safetensors"
+    path = _cache_dir() / f"{key}.safetensors"
     if path.exists():
         data = load_file(path)
         return [data[str(i)] for i in range(len(data))]

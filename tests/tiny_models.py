@@ -2,22 +2,19 @@
 templates, random-init HF models of the target architectures, and SmolLM2's GGUF tokenizer.
 
 Everything is built in-process in well under a second (no hub access), except SmolLM2's
-tokenizer: converting it from the GGUF takes ~16 s, so it is saved once under
-``$LAYERTAP_TEST_CACHE`` (default ``~/.cache/layertap-tests``) and reused.
+tokenizer: it comes from the HF folder converted once from the GGUF (tests/activations.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from activations import cache_dir  # noqa: E402
-from extract.embedded import smollm2_gguf  # noqa: E402
+from activations import smollm2_folder  # noqa: E402
 
 # Qwen2.5-style ChatML: every turn rendered the same wherever it sits in the chat.
 CHATML_TEMPLATE = (
@@ -106,18 +103,8 @@ def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int =
 
 @functools.lru_cache(maxsize=None)
 def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer (and chat template), converted from its GGUF once."""
+    """SmolLM2-135M-Instruct's tokenizer (and chat template), as `load_target` converted it from
+    the GGUF into the cached HF folder."""
     from transformers import AutoTokenizer
 
-    path = cache_dir() / "smollm2-tokenizer-v1"
-    if (path / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(path)
-    folder, name = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, path)  # atomic: a concurrent test process never sees half a folder
-    except OSError:
-        pass  # another process won the race; its copy is identical
-    return tok
+    return AutoTokenizer.from_pretrained(smollm2_folder())
