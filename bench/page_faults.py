@@ -14,21 +14,20 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
-import shlex
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._report import machine, publish  # noqa: E402
+from slurm.scripts import MALLOC_SETTINGS  # noqa: E402
 
 SIZES = {"1.5 MB (a decoded sample)": 1_500_000, "47 MiB (a one-GET shard)": 47 << 20,
          "200 MiB (a 4K-token 27B sample)": 200 << 20}
-SETTINGS = {"glibc defaults": {},
-            "MALLOC_* settings": {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-                                  "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}}
+SETTINGS = {"glibc defaults": {}, "MALLOC_* settings": MALLOC_SETTINGS}  # the latter: what training jobs export
 
 
 def fill(size: int, rounds: int) -> None:

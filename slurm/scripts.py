@@ -130,12 +130,11 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -
 
 # The loader's buffers (GET bodies, decoded samples) come from one glibc heap that keeps what is
 # freed, instead of a fresh mapping, page-faulted in, per buffer: 14-47% less loader CPU
-# (docs/LOADER.md, "Memory allocator"). Values set before submitting win (sbatch exports them).
-MALLOC_SETTINGS = [
-    'export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-1}"  # one heap: a thread arena maps anything over 64 MiB',
-    'export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1073741824}"  # buffers < 1 GiB from the heap',
-    'export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1073741824}"  # keep up to 1 GiB freed',
-]
+# (docs/LOADER.md, "Memory allocator"; bench/page_faults.py measures these same values). One
+# arena, because a thread's own arena maps anything over 64 MiB; buffers under 1 GiB from the
+# heap; up to 1 GiB of freed memory kept. Values set before submitting win (sbatch exports them).
+MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                   "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_flag: str | None) -> str:
@@ -148,7 +147,7 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     total = '"$((SLURM_NNODES * ' + str(opts.procs) + '))"'
     lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              "PORT=$((20000 + SLURM_JOB_ID % 20000))",
-             "RESUME=()", *MALLOC_SETTINGS]
+             "RESUME=()", *(f'export {k}="${{{k}:-{v}}}"' for k, v in MALLOC_SETTINGS.items())]
     if resume_flag:
         lines.append(f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then RESUME=({resume_flag}); fi  # requeued')
     node = "'exec \"$0\" -m accelerate.commands.launch --machine_rank \"$SLURM_NODEID\" \"$@\"'"
