@@ -291,7 +291,6 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
     assert all(s["loss_mask"].sum() == 0 for s in got if s["padding"])
     m = stream.metrics()
     assert m["corrupt_shards"] == 1 and m["skipped_samples"] == m["padding_samples"] == N - len(real)
-    assert m["buffered_bytes"] == 0  # every byte fetched, the failed shard's included, was released
     assert key in caplog.text
     if range_bytes > 1500:  # one GET, parsed as it arrives: only the record before the damage can come out
         assert set(real) & set(bad_ids) <= {bad_ids[0]}
@@ -389,7 +388,6 @@ def test_a_get_that_fails_mid_body_resumes_from_the_last_good_byte(store_uri):
             first[key] = (start, n)
     m = stream.metrics()
     assert m["retries"] == m["get_requests"] == len(first) == len(calls) / 2
-    assert m["buffered_bytes"] == 0
 
 
 @pytest.mark.parametrize("codec", ["bf16", "bf16-zstd"])

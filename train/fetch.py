@@ -369,16 +369,8 @@ class Fetcher:
         view = memoryview(buffer.data)[:size]
         arrived = _ObjectArrival(self, shard, rng, view, buffer, where) if rng.whole else \
             _RangeArrival(shard, reader, rng, view, buffer, where)
-        published = 0
-
-        def hand_on(filled: int) -> None:
-            nonlocal published
-            records = arrived.advance(filled)
-            self._publish(shard, records)
-            published += len(records)
-
         try:
-            self._read(entry.key, rng.start, view, hand_on)
+            self._read(entry.key, rng.start, view, lambda filled: self._publish(shard, arrived.advance(filled)))
             arrived.finish()
         except _Abandoned:
             pass
@@ -389,7 +381,7 @@ class Fetcher:
                 self._error = self._error or e
                 self._cond.notify_all()
         with self._cond:  # records that were never handed on
-            self._forget(buffer, len(rng.items) - published)
+            self._forget(buffer, len(rng.items) - arrived.published)
             self._cond.notify_all()
 
     def _read(self, key: str, start: int, out: memoryview, progress: Callable[[int], None]) -> None:
@@ -451,17 +443,17 @@ class _RangeArrival:
 
     def __init__(self, shard: int, reader: ShardReader, rng: _Range, view: memoryview, buffer: _Buffer, where: str):
         self.shard, self.reader, self.rng, self.view, self.buffer, self.where = shard, reader, rng, view, buffer, where
-        self.next = 0  # the first item not yet arrived
+        self.published = 0
 
     def advance(self, filled: int) -> list[tuple[int, Record]]:
         out = []
-        for pos, rec in self.rng.items[self.next :]:
+        for pos, rec in self.rng.items[self.published :]:
             e = self.reader.entries[rec]
             if e.offset + e.length > self.rng.start + filled:
                 break
             payload = record_payload(self.view[:filled], self.rng.start, e, f"{self.where} record {rec} ({e.sample_id})")
             out.append((pos, Record(payload, self.reader.meta, e.sample_id, self.shard, self.buffer)))
-        self.next += len(out)
+        self.published += len(out)
         return out
 
     def finish(self) -> None:
@@ -479,6 +471,7 @@ class _ObjectArrival:
         self.entry = fetcher.shards[shard]
         self.wanted = {rec: pos for pos, rec in rng.items}
         self.scan = ArrivingShard(view, where)
+        self.published = 0
 
     def advance(self, filled: int) -> list[tuple[int, Record]]:
         had_meta = self.scan.meta is not None
@@ -495,6 +488,7 @@ class _ObjectArrival:
                                  f"{ids[index] if index < len(ids) else 'no such record'!r}")
             if index in self.wanted:
                 out.append((self.wanted[index], Record(payload, meta, sid, self.shard, self.buffer)))
+        self.published += len(out)
         return out
 
     def finish(self) -> None:
