@@ -12,7 +12,7 @@ import errno
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from storage.store import (
     InvalidKey,
@@ -20,7 +20,6 @@ from storage.store import (
     ObjectNotFound,
     ObjectStore,
     ObjectWriter,
-    READ_CHUNK,
     PendingUpload,
     StoreError,
     check_key,
@@ -104,26 +103,6 @@ class LocalStore(ObjectStore):
                 return f.read(end - start)
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
-
-    def read_range_into(self, key: str, start: int, out: memoryview,
-                        progress: Callable[[int], None] | None = None) -> int:
-        path = self._path(key)
-        got = 0
-        try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                while got < len(out):
-                    n = f.readinto(out[got : got + READ_CHUNK])
-                    if not n:
-                        break
-                    got += n
-                    if progress is not None:
-                        progress(got)
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
-        except OSError as e:
-            raise _os_error(e, path) from e
-        return got
 
     def size(self, key: str) -> int:
         path = self._path(key)

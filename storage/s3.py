@@ -29,7 +29,6 @@ from storage.store import (
     ObjectNotFound,
     ObjectStore,
     ObjectWriter,
-    READ_CHUNK,
     PendingUpload,
     StoreError,
     TransientStoreError,
@@ -214,40 +213,6 @@ class S3Store(ObjectStore):
             if "InvalidRange" in str(e):  # start at or past the end
                 return b""
             raise
-
-    def read_range_into(self, key: str, start: int, out: memoryview,
-                        progress: Callable[[int], None] | None = None) -> int:
-        """One ranged GET whose body is read into `out` a chunk at a time. A body that fails while
-        streaming raises `TransientStoreError` (not retried here: `progress` has told the caller
-        how many bytes are good, so it can resume from there instead of starting over)."""
-        n = len(out)
-        if n == 0:
-            return 0
-        try:
-            resp = self._call("ranged get", key, lambda: self.client.get_object(
-                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + n - 1}"))
-        except StoreError as e:
-            if "InvalidRange" in str(e):  # start at or past the end
-                return 0
-            raise
-        body, got = resp["Body"], 0
-        try:
-            while got < n:
-                chunk = body.read(min(READ_CHUNK, n - got))
-                if not chunk:
-                    break
-                out[got : got + len(chunk)] = chunk
-                got += len(chunk)
-                del chunk  # before the next read allocates another
-                if progress is not None:
-                    progress(got)
-        except (bexc.ResponseStreamingError, bexc.ReadTimeoutError, bexc.IncompleteReadError,
-                bexc.ConnectionClosedError) as e:
-            raise TransientStoreError(f"ranged get of {key!r} failed after {got} of {n} bytes: "
-                                      f"{type(e).__name__}") from None
-        finally:
-            body.close()
-        return got
 
     def size(self, key: str) -> int:
         resp = self._call("head", key, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)))

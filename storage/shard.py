@@ -563,64 +563,6 @@ class ShardReader:
             yield self.read(i)
 
 
-class ArrivingShard:
-    """A whole shard parsed front to back while its bytes arrive in one buffer (one GET read in
-    chunks): each record is handed on as soon as its frame is complete and its hash checked, long
-    before the footer at the end has come. `advance(filled)` after each chunk; once every byte is
-    in, `object_xxh3_128()` is the whole-object hash (fed as the bytes came) and `records` lists
-    what was found, for the caller to hold against the footer and the commit."""
-
-    def __init__(self, buf: memoryview, where: str):
-        self.buf, self.where = buf, where
-        self.meta: ShardMeta | None = None
-        self.records: list[RecordEntry] = []  # every RECD frame so far, as the footer should index it
-        self.footer_reached = False
-        self._pos = 0  # the next unparsed byte
-        self._hash, self._hashed = xxhash.xxh3_128(), 0
-
-    def advance(self, filled: int) -> list[tuple[int, memoryview]]:
-        """(record index, payload) of the records completed by the first `filled` bytes since the
-        last call, each payload's xxh3-64 equal to its frame header's. ShardError if corrupt."""
-        buf = self.buf[:filled]
-        self._hash.update(buf[self._hashed :])  # the hasher object releases the GIL
-        self._hashed = filled
-        done: list[tuple[int, memoryview]] = []
-        if self._pos == 0:
-            if filled < PREAMBLE.size:
-                return done
-            _check_preamble(buf, self.where)
-            self._pos = PREAMBLE.size
-        while not self.footer_reached and filled - self._pos >= FRAME.size:
-            pos = self._pos
-            _, n, digest = FRAME.unpack_from(buf, pos)
-            if filled - pos - FRAME.size < n:
-                break
-            kind, payload, self._pos = parse_frame(buf, pos, self.where, verify=False)
-            if xxhash.xxh3_64(payload).intdigest() != digest:  # the hasher object releases the GIL
-                raise ShardError(f"{self.where}: checksum mismatch in {kind.decode()} frame at byte {pos}; "
-                                 "the object is corrupt")
-            if (kind == HEAD) != (self.meta is None):
-                what = "a second HEAD frame" if kind == HEAD else f"the first frame is {kind.decode()}, not HEAD"
-                raise ShardError(f"{self.where}: {what} (byte {pos}); the object is corrupt")
-            if kind == HEAD:
-                self.meta = _parse_head(payload, self.where)
-            elif kind == RECD:
-                try:
-                    md = _safetensors_metadata(payload)
-                    entry = RecordEntry(sample_id=md["sample_id"], offset=pos, length=FRAME.size + n,
-                                        num_tokens=int(md["num_tokens"]), xxh3_64=f"{digest:016x}")
-                except (ValueError, KeyError, TypeError, struct.error) as e:
-                    raise ShardError(f"{self.where}: record at byte {pos} has no readable sample id: {e}") from None
-                done.append((len(self.records), payload))
-                self.records.append(entry)
-            else:
-                self.footer_reached = True
-        return done
-
-    def object_xxh3_128(self) -> str:
-        return self._hash.hexdigest()
-
-
 @dataclass
 class VerifyReport:
     key: str

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import abc
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
-
-READ_CHUNK = 1 << 20  # bytes per read of a streamed range: how often `read_range_into` reports progress
 
 
 class StoreError(Exception):
@@ -128,18 +126,6 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object; `end` past the object's size is clipped."""
-
-    def read_range_into(self, key: str, start: int, out: memoryview,
-                        progress: Callable[[int], None] | None = None) -> int:
-        """Fill `out` with the object's bytes from `start` on, as they arrive; the number filled
-        (fewer than `len(out)` if the object ends first). `progress(filled)` is called after each
-        chunk, so a reader can use the first bytes before the last have come. A failure after some
-        bytes arrived raises, with `progress` having reported how far the bytes are good."""
-        data = self.get_range(key, start, start + len(out))
-        out[: len(data)] = data
-        if progress is not None and data:
-            progress(len(data))
-        return len(data)
 
     @abc.abstractmethod
     def size(self, key: str) -> int: ...

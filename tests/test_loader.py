@@ -9,7 +9,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -292,9 +291,8 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
     m = stream.metrics()
     assert m["corrupt_shards"] == 1 and m["skipped_samples"] == m["padding_samples"] == N - len(real)
     assert key in caplog.text
-    if range_bytes > 1500:  # one GET, parsed as it arrives: only the record before the damage can come out
-        assert set(real) & set(bad_ids) <= {bad_ids[0]}
-        assert set(real) >= set(f"s{i:05d}" for i in range(N)) - set(bad_ids)
+    if range_bytes > 1500:  # one GET: the object hash fails, so none of the shard's samples is used
+        assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - set(bad_ids))
 
 
 def test_transient_errors_are_retried_per_range(tmp_path):
@@ -303,11 +301,11 @@ def test_transient_errors_are_retried_per_range(tmp_path):
     class Flaky(LocalStore):
         failed: set = set()
 
-        def read_range_into(self, key, start, out, progress=None):
+        def get_range(self, key, start, end):
             if key.startswith("shards/") and (key, start) not in self.failed:
                 self.failed.add((key, start))
                 raise TransientStoreError(f"ranged get of {key} failed: 503 Slow Down")
-            return super().read_range_into(key, start, out, progress)
+            return super().get_range(key, start, end)
 
     stream = ShardStream(Flaky(str(tmp_path)), retries=2)
     assert len([s for s in stream]) == N
@@ -315,105 +313,11 @@ def test_transient_errors_are_retried_per_range(tmp_path):
     assert m["retries"] == m["get_requests"] > 0  # every range failed once, then succeeded
 
     class Denied(LocalStore):
-        def read_range_into(self, key, start, out, progress=None):
+        def get_range(self, key, start, end):
             raise StoreError(f"access denied for ranged get of {key} (AccessDenied): check the credentials")
 
     with pytest.raises(StoreError, match="access denied"):
         list(ShardStream(Denied(str(tmp_path)), retries=5))
-
-
-def _wrap_reads(store, read_shard):
-    """`store` with its shard GETs going through `read_shard(read, key, start, out, progress)`."""
-    read = store.read_range_into
-
-    def wrapped(key, start, out, progress=None):
-        if not key.startswith("shards/"):
-            return read(key, start, out, progress)
-        return read_shard(read, key, start, out, progress or (lambda n: None))
-    store.read_range_into = wrapped
-    return store
-
-
-@pytest.mark.parametrize("range_bytes", [64 << 20, 3000], ids=["whole-object", "ranged"])
-def test_records_are_handed_on_while_their_get_still_streams(store_uri, range_bytes):
-    make_run(store_uri, samples=24, shard_bytes=12000)
-    store = open_store(store_uri)
-    sizes = {o.key: o.size for o in store.list("shards/")}
-    consumer_has_one = threading.Event()
-
-    def all_but_the_last_byte_then_wait(read, key, start, out, progress):
-        whole, inner = (start, len(out)) == (0, sizes[key]), 0 < start and start + len(out) < sizes[key]
-        if range_bytes < 12000 and not inner:  # a ranged pass's reads of header and footer go ahead
-            return read(key, start, out, progress)
-        assert whole or inner
-        got = read(key, start, out[:-1], progress)
-        assert consumer_has_one.wait(60), "no record was handed on before its GET's last byte"
-        return got + read(key, start + got, out[-1:], lambda n: progress(got + n))
-
-    stream = ShardStream(_wrap_reads(store, all_but_the_last_byte_then_wait), shuffle=False,
-                         range_bytes=range_bytes)
-    it = iter(stream)
-    first = next(it)  # every GET is held back at its last byte until this returns
-    consumer_has_one.set()
-    got = [first, *it]
-    assert [s["sample_id"] for s in got] == [f"s{i:05d}" for i in range(24)]
-    for s in got:
-        assert torch.equal(s["hidden_states"], make_sample(int(s["sample_id"][1:])).hidden_states)
-    gets, shards = stream.metrics()["get_requests"], len(stream.shards)
-    assert gets == shards if range_bytes > 12000 else gets > 2 * shards  # one GET per shard, or ranges plus footers
-
-
-def test_a_get_that_fails_mid_body_resumes_from_the_last_good_byte(store_uri):
-    make_run(store_uri)
-    calls: list[tuple[str, int, int]] = []
-
-    def break_after_half(read, key, start, out, progress):
-        calls.append((key, start, len(out)))
-        if sum(k == key for k, _, _ in calls) > 1:
-            return read(key, start, out, progress)
-        got = read(key, start, out[: len(out) // 2], progress)
-        raise TransientStoreError(f"ranged get of {key!r} failed after {got} of {len(out)} bytes: "
-                                  "ResponseStreamingError")
-
-    stream = ShardStream(_wrap_reads(open_store(store_uri), break_after_half), retries=1, seed=3)
-    got = list(stream)
-    assert sorted(s["sample_id"] for s in got) == [f"s{i:05d}" for i in range(N)]
-    for s in got:
-        assert torch.equal(s["hidden_states"], make_sample(int(s["sample_id"][1:])).hidden_states)
-    first = {}
-    for key, start, n in calls:
-        if key in first:  # the retry asks for the second half only
-            assert (start, n) == (first[key][0] + first[key][1] // 2, first[key][1] - first[key][1] // 2)
-        else:
-            first[key] = (start, n)
-    m = stream.metrics()
-    assert m["retries"] == m["get_requests"] == len(first) == len(calls) / 2
-
-
-@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd"])
-def test_reused_get_buffers_never_show_through_in_yielded_samples(tmp_path, monkeypatch, codec):
-    import train.buffers
-    import train.fetch
-
-    lent: list[int] = []
-
-    class Watched(train.buffers.BufferPool):
-        def take(self, nbytes):
-            buf = super().take(nbytes)
-            lent.append(id(buf))
-            return buf
-
-    monkeypatch.setattr(train.buffers, "POOLED_MIN", 1)  # pool the test's small GETs too
-    monkeypatch.setattr(train.fetch, "BufferPool", Watched)
-    make_run(str(tmp_path), codec=codec)
-    stream = ShardStream(str(tmp_path), seed=2, shuffle_buffer=4, memory_budget=16000, prefetch_shards=1,
-                         fetch_threads=1)
-    got = list(stream)  # every sample kept until the pass is over, while later GETs reuse the buffers
-    assert len(set(lent)) < len(lent)  # buffers were reused
-    assert sorted(s["sample_id"] for s in got) == [f"s{i:05d}" for i in range(N)]
-    for s in got:
-        want = make_sample(int(s["sample_id"][1:]))
-        assert torch.equal(s["hidden_states"], want.hidden_states) and torch.equal(s["input_ids"], want.input_ids)
 
 
 def test_state_from_another_world_seed_or_run_is_refused(run, tmp_path):

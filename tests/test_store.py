@@ -14,7 +14,7 @@ import boto3
 import pytest
 
 from storage.s3 import MiB
-from storage.store import READ_CHUNK, InvalidKey, ObjectNotFound, StoreError, open_store, split_object_uri
+from storage.store import InvalidKey, ObjectNotFound, StoreError, open_store, split_object_uri
 
 
 def test_put_get_range_size_delete(store):
@@ -32,22 +32,6 @@ def test_put_get_range_size_delete(store):
         store.get("a/b.bin")
     with pytest.raises(ObjectNotFound):
         store.size("missing")
-
-
-def test_a_range_is_read_into_a_buffer_with_progress_as_it_arrives(store):
-    data = os.urandom(3 * READ_CHUNK + 12345)
-    store.put("big.bin", data)
-    out = bytearray(len(data) - 100)
-    seen: list[int] = []
-    assert store.read_range_into("big.bin", 100, memoryview(out), seen.append) == len(out)
-    assert out == data[100:]
-    assert len(seen) >= 3 and seen == sorted(seen) and seen[-1] == len(out)  # a chunk at a time, in order
-    short = bytearray(50)
-    assert store.read_range_into("big.bin", len(data) - 20, memoryview(short)) == 20  # the object ends first
-    assert short[:20] == data[-20:]
-    assert store.read_range_into("big.bin", len(data) + 5, memoryview(short)) == 0
-    with pytest.raises(ObjectNotFound):
-        store.read_range_into("missing.bin", 0, memoryview(short))
 
 
 def test_put_if_absent(store):

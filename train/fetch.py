@@ -6,17 +6,11 @@ ahead (footer index through `ShardReader`: two small GETs), coalesces adjacent r
 of up to `range_bytes`, reserves each range's bytes from the budget, and hands the GET to a thread
 pool. A shard no larger than one range that the consumer needs at least half of is fetched whole
 in one GET instead (no separate footer reads, and its whole-object hash is checked against the
-commit too). Nothing is written anywhere but memory.
-
-A GET's body is read a chunk at a time, and each record is handed on as soon as its bytes are in
-and checked: its frame hash, and its identity (the footer index entry for a ranged GET; the sample
-id the commit lists at its index for a whole-object GET, whose footer comes last). Decoding thus
-starts while the GET still streams, instead of after its last byte. A GET that fails mid-body is
-resumed from the last good byte.
+commit too). Every record's frame hash is checked, and must equal the footer index entry, before
+the record is made available; nothing is written anywhere but memory.
 
 Records are not copied out of the bytes a GET brought: each is a view into them, decoded in place.
-A range's bytes therefore stay in memory, and counted, until the last of its records is released;
-then the buffer goes back to a pool (`train.buffers`) for the next GET.
+A range's bytes therefore stay in memory, and counted, until the last of its records is released.
 The budget counts bytes fetched and not yet released (ranges in flight, ranges holding verified
 records that wait for their turn or sit in the shuffle buffer). A range waits for budget unless
 the consumer is blocked on a record only that range can bring (then it goes ahead, so a shuffle
@@ -31,15 +25,13 @@ import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
+import xxhash
 
-from storage.shard import ArrivingShard, ShardError, ShardMeta, ShardReader, UnsupportedShard, record_payload
+from storage.shard import ShardError, ShardMeta, ShardReader, UnsupportedShard, record_payload
 from storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
-from train.buffers import BufferPool
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +52,10 @@ class CommittedShard:
 
 @dataclass(slots=True)
 class _Buffer:
-    """The bytes of one GET, counted in the budget until the last record viewing them is released
-    (then `data` goes back to the pool)."""
+    """The bytes of one GET, counted in the budget until the last record viewing them is released."""
 
     nbytes: int
     records: int
-    data: np.ndarray
 
 
 @dataclass(slots=True)
@@ -173,7 +163,6 @@ class Fetcher:
         self._error: BaseException | None = None
         self._closed = False
         self._bad: set[int] = set()
-        self._buffers = BufferPool(budget)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="layertap-fetch")
         self._thread = threading.Thread(target=self._schedule, name="layertap-fetch-plan", daemon=True)
         self._thread.start()
@@ -211,17 +200,11 @@ class Fetcher:
             self._cond.notify_all()
 
     def _drop(self, record: Record) -> None:
-        self._forget(record.buffer, 1)
-
-    def _forget(self, buf: _Buffer, records: int) -> None:
-        """`records` of `buf`'s records are done with (caller holds the lock); the last frees it."""
-        if records == 0:
-            return
-        buf.records -= records
+        buf = record.buffer
+        buf.records -= 1
         if buf.records == 0:
             self._in_use -= buf.nbytes
             self.metrics.buffered_bytes = self._in_use
-            self._buffers.give(buf.data)
 
     def shard_failed(self, shard: int, error: BaseException) -> ShardError | None:
         """A shard turned out bad (e.g. a record that does not decode): the error to raise, or
@@ -339,90 +322,78 @@ class Fetcher:
         if cur is not None:
             yield cur
 
-    def _get(self, key: str, start: int, end: int) -> bytearray:
-        out = bytearray(end - start)
-        self._read(key, start, memoryview(out), lambda filled: None)
-        return out
+    def _get(self, key: str, start: int, end: int) -> bytes:
+        """A ranged GET, retried on errors that look transient, with backoff and jitter."""
+        for attempt in range(self.retries + 1):
+            try:
+                data = self.store.get_range(key, start, end)
+            except StoreError as e:
+                if not is_transient(e) or attempt == self.retries:
+                    raise
+                log.info("retrying ranged get of %s [%d, %d) after %s", key, start, end, e)
+            else:
+                self.metrics.add(get_requests=1, bytes_fetched=len(data))
+                if len(data) != end - start:  # S3 bodies are length-checked: the object is short
+                    raise ShardError(f"{key}: got {len(data)} bytes of [{start}, {end}); "
+                                     "the object is shorter than its commit says")
+                return data
+            self.metrics.add(retries=1)
+            time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+        raise AssertionError("unreachable")
 
-    def _open(self, shard: int, data: memoryview | None = None) -> ShardReader:
+    def _open(self, shard: int, data: bytes | None = None) -> ShardReader:
         entry = self.shards[shard]
         if data is None:
             reader = ShardReader(_Retrying(self), entry.key, size=entry.bytes)
         else:
             reader = ShardReader.from_bytes(data, entry.key, uri=self.store.uri)
-        self._check_identity(reader.meta, entry)
+        if reader.meta.run_id != self.run_id or reader.meta.shard_id != entry.shard:
+            raise ShardError(f"the object says run {reader.meta.run_id!r} shard {reader.meta.shard_id}, "
+                             f"the commit says run {self.run_id!r} shard {entry.shard}")
         if tuple(reader.sample_ids) != entry.sample_ids:
             raise ShardError("the footer index lists other samples than the commit record")
         return reader
 
-    def _check_identity(self, meta: ShardMeta, entry: CommittedShard) -> None:
-        if meta.run_id != self.run_id or meta.shard_id != entry.shard:
-            raise ShardError(f"the object says run {meta.run_id!r} shard {meta.shard_id}, "
-                             f"the commit says run {self.run_id!r} shard {entry.shard}")
-
     def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range) -> None:
-        """One GET read into a pooled buffer; its records are handed on as their bytes arrive."""
-        entry = self.shards[shard]
-        where = f"{self.store.uri.rstrip('/')}/{entry.key}"
-        size = rng.end - rng.start
-        buffer = _Buffer(size, len(rng.items), self._buffers.take(size))
-        view = memoryview(buffer.data)[:size]
-        arrived = _ObjectArrival(self, shard, rng, view, buffer, where) if rng.whole else \
-            _RangeArrival(shard, reader, rng, view, buffer, where)
+        reserved = rng.end - rng.start
         try:
-            self._read(entry.key, rng.start, view, lambda filled: self._publish(shard, arrived.advance(filled)))
-            arrived.finish()
-        except _Abandoned:
-            pass
+            entry = self.shards[shard]
+            data = self._get(entry.key, rng.start, rng.end)
+            if rng.whole:
+                digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
+                if digest != entry.xxh3_128:
+                    raise ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
+                reader = self._open(shard, data)
+            where = f"{self.store.uri.rstrip('/')}/{entry.key}"
+            buffer = _Buffer(reserved, len(rng.items))
+            records = []
+            for pos, rec in rng.items:
+                e = reader.entries[rec]
+                payload = record_payload(data, rng.start, e, f"{where} record {rec} ({e.sample_id})")
+                records.append((pos, Record(payload, reader.meta, e.sample_id, shard, buffer)))
+            self.metrics.add(records_verified=len(records))
         except (ShardError, ObjectNotFound) as e:
+            self._unreserve(reserved)
             self._failed(shard, e)
+            return
         except BaseException as e:  # noqa: BLE001
+            self._unreserve(reserved)
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
-        with self._cond:  # records that were never handed on
-            self._forget(buffer, len(rng.items) - arrived.published)
-            self._cond.notify_all()
-
-    def _read(self, key: str, start: int, out: memoryview, progress: Callable[[int], None]) -> None:
-        """`out` filled from the object's byte `start` on, retried on errors that look transient
-        (with backoff and jitter). A GET that fails while its body streams in is resumed from the
-        last good byte: the bytes before it may already be in use."""
-        filled = 0
-        for attempt in range(self.retries + 1):
-            base = filled
-
-            def moved(n: int) -> None:
-                nonlocal filled
-                filled = base + n
-                progress(filled)
-
-            try:
-                got = self.store.read_range_into(key, start + base, out[base:], moved)
-            except StoreError as e:
-                self.metrics.add(bytes_fetched=filled - base)
-                if not is_transient(e) or attempt == self.retries:
-                    raise
-                log.info("retrying ranged get of %s from byte %d after %s", key, start + filled, e)
-            else:
-                self.metrics.add(get_requests=1, bytes_fetched=got)
-                if base + got != len(out):  # S3 bodies are length-checked: the object is short
-                    raise ShardError(f"{key}: got {base + got} bytes of [{start}, {start + len(out)}); "
-                                     "the object is shorter than its commit says")
-                return
-            self.metrics.add(retries=1)
-            time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
-        raise AssertionError("unreachable")
-
-    def _publish(self, shard: int, records: list[tuple[int, Record]]) -> None:
-        if not records:
             return
         with self._cond:
-            if self._closed or shard in self._bad or self._error is not None:
-                raise _Abandoned
-            self._ready.update(records)
+            if not (self._closed or shard in self._bad):
+                self._ready.update(records)
+                self._cond.notify_all()
+                return
+        self._unreserve(reserved)
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._cond:
+            self._in_use -= nbytes
+            self.metrics.buffered_bytes = self._in_use
             self._cond.notify_all()
-        self.metrics.add(records_verified=len(records))
 
     def _failed(self, shard: int, e: BaseException) -> None:
         if isinstance(e, (ShardError, ObjectNotFound)):
@@ -431,73 +402,6 @@ class Fetcher:
         with self._cond:
             self._error = self._error or e
             self._cond.notify_all()
-
-
-class _Abandoned(Exception):
-    """The fetcher closed, failed, or gave up on the shard while a GET was still arriving."""
-
-
-class _RangeArrival:
-    """A ranged GET of records the footer index located: each is handed on once its bytes are in,
-    its xxh3-64 equal to both its frame header's and the index entry's."""
-
-    def __init__(self, shard: int, reader: ShardReader, rng: _Range, view: memoryview, buffer: _Buffer, where: str):
-        self.shard, self.reader, self.rng, self.view, self.buffer, self.where = shard, reader, rng, view, buffer, where
-        self.published = 0
-
-    def advance(self, filled: int) -> list[tuple[int, Record]]:
-        out = []
-        for pos, rec in self.rng.items[self.published :]:
-            e = self.reader.entries[rec]
-            if e.offset + e.length > self.rng.start + filled:
-                break
-            payload = record_payload(self.view[:filled], self.rng.start, e, f"{self.where} record {rec} ({e.sample_id})")
-            out.append((pos, Record(payload, self.reader.meta, e.sample_id, self.shard, self.buffer)))
-        self.published += len(out)
-        return out
-
-    def finish(self) -> None:
-        pass
-
-
-class _ObjectArrival:
-    """A whole shard in one GET, parsed front to back as it arrives (`ArrivingShard`): a record is
-    handed on once its frame hash checks and its sample id is the one the commit lists at its
-    index. When the last byte is in, the object hash must equal the commit's and the footer must
-    index exactly the records found; otherwise the shard fails like one with a corrupt record."""
-
-    def __init__(self, fetcher: Fetcher, shard: int, rng: _Range, view: memoryview, buffer: _Buffer, where: str):
-        self.fetcher, self.shard, self.view, self.buffer = fetcher, shard, view, buffer
-        self.entry = fetcher.shards[shard]
-        self.wanted = {rec: pos for pos, rec in rng.items}
-        self.scan = ArrivingShard(view, where)
-        self.published = 0
-
-    def advance(self, filled: int) -> list[tuple[int, Record]]:
-        had_meta = self.scan.meta is not None
-        found = self.scan.advance(filled)
-        meta = self.scan.meta
-        if meta is not None and not had_meta:
-            self.fetcher._check_identity(meta, self.entry)
-        ids = self.entry.sample_ids
-        out = []
-        for index, payload in found:
-            sid = self.scan.records[index].sample_id
-            if index >= len(ids) or sid != ids[index]:
-                raise ShardError(f"record {index} holds sample {sid!r}; the commit lists "
-                                 f"{ids[index] if index < len(ids) else 'no such record'!r}")
-            if index in self.wanted:
-                out.append((self.wanted[index], Record(payload, meta, sid, self.shard, self.buffer)))
-        self.published += len(out)
-        return out
-
-    def finish(self) -> None:
-        digest = self.scan.object_xxh3_128()
-        if digest != self.entry.xxh3_128:
-            raise ShardError(f"object hash {digest} differs from the committed {self.entry.xxh3_128}")
-        reader = self.fetcher._open(self.shard, self.view)
-        if reader.entries != self.scan.records:
-            raise ShardError("the footer index does not match the records found")
 
 
 class _Retrying:
