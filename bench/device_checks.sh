@@ -51,9 +51,11 @@ step() {
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
 step stages 300 python3 bench/loader.py --rounds 3 --mb 4096 --codecs bf16-zstd --stages --workers 2 \
     --label gpu-host-stages --write-docs
+# what the Slurm training jobs export: one source, slurm.scripts.MALLOC_SETTINGS
+malloc_env=$(python3 -c 'from slurm.scripts import MALLOC_SETTINGS as m; print(*(f"{k}={v}" for k, v in m.items()))') \
+    || exit 1
 step malloc 300 bash -c 'python3 bench/page_faults.py --label gpu-host --write-docs && python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-defaults \
-    --write-docs && env MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824 \
-    python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-tuned --write-docs'
+    --write-docs && env '"$malloc_env"' python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-tuned --write-docs'
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
 step train 150 python3 bench/gpu_train.py --json "$out/gpu_train.json"
 step extract 200 python3 bench/gpu_extract.py --batches 6 --json "$out/gpu_extract.json"

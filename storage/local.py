@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from storage.store import (
     InvalidKey,
@@ -55,7 +56,7 @@ class LocalStore(ObjectStore):
 
     def _write_temp(self, path: str, data: bytes) -> str:
         tmp = self._temp_path(path)
-        with _removed_on_error(tmp, path):
+        with _undone_on_error(functools.partial(_remove_quietly, tmp), path):
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -65,7 +66,7 @@ class LocalStore(ObjectStore):
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         tmp = self._write_temp(path, data)
-        with _removed_on_error(tmp, path):
+        with _undone_on_error(functools.partial(_remove_quietly, tmp), path):
             os.replace(tmp, path)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
@@ -196,16 +197,11 @@ class LocalWriter(ObjectWriter):
     def close(self) -> None:
         if self._done:
             return
-        try:
+        with _undone_on_error(self.abort, self._path):
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._tmp, self._path)
-        except BaseException as e:  # a signal's exception included: leave no temp file behind
-            self.abort()
-            if isinstance(e, OSError):
-                raise _os_error(e, self._path) from e
-            raise
         self._done = True
 
     def abort(self) -> None:
@@ -221,13 +217,14 @@ class LocalWriter(ObjectWriter):
 
 
 @contextlib.contextmanager
-def _removed_on_error(tmp: str, path: str) -> Iterator[None]:
-    """Remove the temp file on any exception, a signal handler's included (a SIGTERM raises
-    wherever the worker is), so no cut-short put is left to read as a pending upload."""
+def _undone_on_error(undo: Callable[[], None], path: str) -> Iterator[None]:
+    """Run `undo` (remove the temp file) on any exception, a signal handler's included (a SIGTERM
+    raises wherever the worker is), so no cut-short write is left to read as a pending upload;
+    an OSError is raised as the store's error naming `path`."""
     try:
         yield
     except BaseException as e:
-        _remove_quietly(tmp)
+        undo()
         if isinstance(e, OSError):
             raise _os_error(e, path) from e
         raise
