@@ -105,6 +105,23 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
 
+    def read_range_into(self, key: str, start: int, out: memoryview) -> int:
+        path = self._path(key)
+        got = 0
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                while got < len(out):
+                    n = f.readinto(out[got:])
+                    if not n:
+                        break
+                    got += n
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
+        except OSError as e:
+            raise _os_error(e, path) from e
+        return got
+
     def size(self, key: str) -> int:
         path = self._path(key)
         try:

@@ -6,10 +6,16 @@ S3-compatible servers need: path-style addressing and the request-checksum mode 
 sends checksums some servers reject). Transient errors (5xx, throttling, resets) are retried by
 botocore's retry modes; the body of a GET, which botocore does not retry once streaming, is
 retried here.
+
+Response checksums: botocore's default validates a GET's CRC32 when the server sends one (moto
+does for a whole object) at ~2 GB/s of client CPU. `get` keeps that for the small objects it
+reads (manifests, commits, checkpoints); ranged reads, which only ever bring shard bytes, skip it:
+every frame of a shard carries its own xxh3 that readers check (docs/FORMAT.md).
 """
 
 from __future__ import annotations
 
+import http.client
 import random
 import threading
 import time
@@ -22,6 +28,7 @@ from typing import Literal, TypeVar
 import boto3
 import botocore.exceptions as bexc
 from botocore.config import Config
+from botocore.response import StreamingBody
 from botocore.utils import parse_timestamp
 
 from storage.store import (
@@ -41,6 +48,9 @@ MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000
 
 T = TypeVar("T")
+READ_SLICE = 1 << 20  # bytes per read of a body into a caller's buffer: the bytes in between stay in cache
+_STREAM_ERRORS = (bexc.ResponseStreamingError, bexc.ReadTimeoutError, bexc.IncompleteReadError,
+                  bexc.ConnectionClosedError)
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
                     "ThrottlingException"}
 
@@ -91,6 +101,7 @@ class S3Store(ObjectStore):
             s3={"addressing_style": o.addressing_style},
             connect_timeout=o.connect_timeout_s,
             read_timeout=o.read_timeout_s,
+            response_checksum_validation="when_required",  # `get` asks for it per request
             **({"request_checksum_calculation": o.checksum_mode} if o.checksum_mode else {}),
         )
         session = boto3.session.Session()
@@ -159,8 +170,7 @@ class S3Store(ObjectStore):
             try:
                 resp = self._call(what, key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs))
                 return resp["Body"].read()
-            except (bexc.ResponseStreamingError, bexc.ReadTimeoutError, bexc.IncompleteReadError,
-                    bexc.ConnectionClosedError) as e:
+            except _STREAM_ERRORS as e:
                 attempt += 1
                 if attempt >= self.options.max_attempts:
                     raise TransientStoreError(f"{what} of {key!r} failed after {attempt} attempts: {type(e).__name__}") from None
@@ -200,7 +210,7 @@ class S3Store(ObjectStore):
             return None
 
     def get(self, key: str) -> bytes:
-        return self._read_body("get", key)
+        return self._read_body("get", key, ChecksumMode="ENABLED")
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         if start < 0 or end < start:
@@ -213,6 +223,47 @@ class S3Store(ObjectStore):
             if "InvalidRange" in str(e):  # start at or past the end
                 return b""
             raise
+
+    def read_range_into(self, key: str, start: int, out: memoryview) -> int:
+        """One ranged GET read into `out` a slice at a time, so no body-sized buffer is allocated
+        (and page-faulted in) on the way; a body that fails while streaming is resumed from its
+        last good byte."""
+        n, got, attempt = len(out), 0, 0
+        while got < n:
+            try:
+                resp = self._call("ranged get", key, lambda: self.client.get_object(
+                    Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start + got}-{start + n - 1}"))
+            except StoreError as e:
+                if "InvalidRange" in str(e):  # start at or past the end
+                    break
+                raise
+            body = resp["Body"]
+            end = got + min(int(resp["ContentLength"]), n - got)
+            direct = _socket_readinto(body)
+            try:
+                if direct is not None:
+                    while got < end:
+                        k = direct(out[got:end])
+                        if not k:
+                            raise bexc.IncompleteReadError(actual_bytes=got, expected_bytes=end)
+                        got += k
+                    body._raw_stream.release_conn()
+                while got < end:
+                    k = body.readinto(out[got : min(end, got + READ_SLICE)])
+                    if not k:  # botocore raises IncompleteReadError first if the body was cut short
+                        break
+                    got += k
+            except (*_STREAM_ERRORS, OSError, http.client.HTTPException) as e:
+                body.close()
+                attempt += 1
+                if attempt >= self.options.max_attempts:
+                    raise TransientStoreError(f"ranged get of {key!r} failed after {attempt} attempts, "
+                                              f"{got} of {n} bytes read: {type(e).__name__}") from None
+                _backoff(attempt)
+                continue
+            if got < n:  # the object ends before `out` does
+                break
+        return got
 
     def size(self, key: str) -> int:
         resp = self._call("head", key, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
@@ -437,6 +488,18 @@ def _parse_timestamp(value: str) -> datetime:
         return datetime.fromisoformat(value)  # 2026-11-29T14:46:15.000Z (listings)
     except ValueError:
         return parse_timestamp(value)  # RFC 1123 (HEAD), epoch seconds...
+
+
+def _socket_readinto(body) -> Callable[[memoryview], int] | None:
+    """http.client's readinto under botocore's and urllib3's wrappers, which reads from the socket
+    straight into the caller's buffer (theirs reads into a new bytes object, then copies); None
+    unless the body is the plain, undecoded stream botocore returns for a ranged GET."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if type(body) is StreamingBody and isinstance(fp, http.client.HTTPResponse) \
+            and not raw.headers.get("content-encoding") and hasattr(raw, "release_conn"):
+        return fp.readinto
+    return None
 
 
 def _backoff(attempt: int, base: float = 0.1, cap: float = 10.0) -> None:

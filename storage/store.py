@@ -127,6 +127,14 @@ class ObjectStore(abc.ABC):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object; `end` past the object's size is clipped."""
 
+    def read_range_into(self, key: str, start: int, out: memoryview) -> int:
+        """Fill `out` with the object's bytes from `start` on; the number filled, fewer than
+        `len(out)` if the object ends first. A reader that reuses its buffers this way skips the
+        page faults of a fresh one per GET (docs/LOADER.md); this default copies a `get_range`."""
+        data = self.get_range(key, start, start + len(out))
+        out[: len(data)] = data
+        return len(data)
+
     @abc.abstractmethod
     def size(self, key: str) -> int: ...
 

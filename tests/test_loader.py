@@ -298,14 +298,21 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
 def test_transient_errors_are_retried_per_range(tmp_path):
     make_run(str(tmp_path))
 
-    class Flaky(LocalStore):
+    class Flaky(LocalStore):  # footers come by get_range, records by read_range_into
         failed: set = set()
 
-        def get_range(self, key, start, end):
+        def fail_once(self, key, start):
             if key.startswith("shards/") and (key, start) not in self.failed:
                 self.failed.add((key, start))
                 raise TransientStoreError(f"ranged get of {key} failed: 503 Slow Down")
+
+        def get_range(self, key, start, end):
+            self.fail_once(key, start)
             return super().get_range(key, start, end)
+
+        def read_range_into(self, key, start, out):
+            self.fail_once(key, start)
+            return super().read_range_into(key, start, out)
 
     stream = ShardStream(Flaky(str(tmp_path)), retries=2)
     assert len([s for s in stream]) == N
@@ -316,8 +323,42 @@ def test_transient_errors_are_retried_per_range(tmp_path):
         def get_range(self, key, start, end):
             raise StoreError(f"access denied for ranged get of {key} (AccessDenied): check the credentials")
 
+        def read_range_into(self, key, start, out):
+            return self.get_range(key, start, start + len(out))
+
     with pytest.raises(StoreError, match="access denied"):
         list(ShardStream(Denied(str(tmp_path)), retries=5))
+
+
+@pytest.mark.parametrize("codec", ["bf16", "bf16-zstd"])
+def test_reused_get_buffers_never_show_through_in_yielded_samples(tmp_path, monkeypatch, codec):
+    import train.buffers
+    import train.stream
+
+    lent: list = []  # every buffer lent, kept alive so that equal ids mean the same buffer
+
+    class Watched(train.buffers.BufferPool):
+        def take(self, size, up_to):
+            buf = super().take(size, up_to)
+            lent.append(buf)
+            return buf
+
+    monkeypatch.setattr(train.buffers, "POOLED_MIN", 1)  # pool the test's small GETs too
+    monkeypatch.setattr(train.stream, "BufferPool", Watched)
+    make_run(str(tmp_path), codec=codec)
+    stream = ShardStream(str(tmp_path), seed=2, shuffle_buffer=4, memory_budget=16000, prefetch_shards=1,
+                         fetch_threads=1)
+    for epoch in range(2):
+        first = len(lent)
+        got = list(stream)  # every sample kept until the pass is over, while later GETs reuse the buffers
+        assert len({id(b) for b in lent[first:]}) < len(lent) - first  # buffers were reused within the epoch
+        assert sorted(s["sample_id"] for s in got) == [f"s{i:05d}" for i in range(N)]
+        for s in got:
+            want = make_sample(int(s["sample_id"][1:]))
+            assert torch.equal(s["hidden_states"], want.hidden_states) and torch.equal(s["input_ids"], want.input_ids)
+            assert torch.equal(s["loss_mask"], want.loss_mask)
+        assert stream.metrics()["buffered_bytes"] == 0
+    assert {id(b) for b in lent[first:]} & {id(b) for b in lent[:first]}  # the second epoch reused the first's
 
 
 def test_state_from_another_world_seed_or_run_is_refused(run, tmp_path):

@@ -11,7 +11,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import boto3
+import botocore.exceptions as bexc
 import pytest
+from faultproxy import FaultProxy
 
 from storage.s3 import MiB
 from storage.store import InvalidKey, ObjectNotFound, StoreError, open_store, split_object_uri
@@ -32,6 +34,67 @@ def test_put_get_range_size_delete(store):
         store.get("a/b.bin")
     with pytest.raises(ObjectNotFound):
         store.size("missing")
+
+
+def test_a_range_is_read_into_a_callers_buffer(store):
+    data = os.urandom(3 * MiB + 12345)
+    store.put("big.bin", data)
+    out = bytearray(len(data) - 100)
+    assert store.read_range_into("big.bin", 100, memoryview(out)) == len(out)
+    assert out == data[100:]
+    short = bytearray(50)
+    assert store.read_range_into("big.bin", len(data) - 20, memoryview(short)) == 20  # the object ends first
+    assert short[:20] == data[-20:]
+    assert store.read_range_into("big.bin", len(data) + 5, memoryview(short)) == 0
+    with pytest.raises(ObjectNotFound):
+        store.read_range_into("missing.bin", 0, memoryview(short))
+
+
+def test_a_ranged_read_survives_a_connection_reset_mid_body(s3_bucket, s3_endpoint):
+    data = os.urandom(4 * MiB)
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("cut",), limit=1,
+                    match=lambda method, path: method == "GET" and path.endswith("/big.bin")) as proxy:
+        store = open_store(f"s3://{s3_bucket}/r", endpoint_url=proxy.url)
+        store.put("big.bin", data)
+        out = bytearray(len(data) - 10)
+        assert store.read_range_into("big.bin", 10, memoryview(out)) == len(out)
+        assert proxy.counts["cut"] == 1
+    assert out == data[10:]
+
+
+def test_a_ranged_read_cut_mid_body_resumes_from_its_last_good_byte(s3_bucket):
+    data = os.urandom(3 * MiB)
+    store = open_store(f"s3://{s3_bucket}/r")
+    store.put("big.bin", data)
+    ranges: list[str] = []
+
+    class CutAfter:  # the first body fails once `left` bytes have come, as a reset stream does
+        left = MiB + 5
+
+        def __init__(self, body):
+            self.body = body
+
+        def readinto(self, b):
+            if CutAfter.left <= 0:
+                raise bexc.ResponseStreamingError(error="connection reset")
+            n = self.body.readinto(memoryview(b)[: CutAfter.left])
+            CutAfter.left -= n
+            return n
+
+        def close(self):
+            self.body.close()
+
+    def on_response(parsed, **_):
+        ranges.append(parsed["ContentRange"])
+        if len(ranges) == 1:
+            parsed["Body"] = CutAfter(parsed["Body"])
+
+    store.client.meta.events.register("after-call.s3.GetObject", on_response)
+    out = bytearray(len(data) - 10)
+    assert store.read_range_into("big.bin", 10, memoryview(out)) == len(out)
+    assert out == data[10:]
+    end = len(data) - 1
+    assert ranges == [f"bytes 10-{end}/{len(data)}", f"bytes {10 + MiB + 5}-{end}/{len(data)}"]
 
 
 def test_put_if_absent(store):

@@ -10,9 +10,11 @@ commit too). Every record's frame hash is checked, and must equal the footer ind
 the record is made available; nothing is written anywhere but memory.
 
 Records are not copied out of the bytes a GET brought: each is a view into them, decoded in place.
-A range's bytes therefore stay in memory, and counted, until the last of its records is released.
-The budget counts bytes fetched and not yet released (ranges in flight, ranges holding verified
-records that wait for their turn or sit in the shuffle buffer). A range waits for budget unless
+A range's bytes therefore stay in memory, and counted, until the last of its records is released;
+its buffer then goes back to a pool for later GETs (`train.buffers`: a fresh large buffer costs
+page faults). The budget counts bytes fetched and not yet released (ranges in flight, ranges
+holding verified records that wait for their turn or sit in the shuffle buffer); idle pooled
+buffers are kept only within what the budget leaves. A range waits for budget unless
 the consumer is blocked on a record only that range can bring (then it goes ahead, so a shuffle
 buffer larger than the budget cannot deadlock): buffered bytes stay within the budget plus one
 range whenever the ranges holding the shuffle buffer's records fit in the budget.
@@ -28,10 +30,12 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from storage.shard import ShardError, ShardMeta, ShardReader, UnsupportedShard, record_payload
 from storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
+from train.buffers import BufferPool, size_class
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ class _Buffer:
 
     nbytes: int
     records: int
+    array: np.ndarray
 
 
 @dataclass(slots=True)
@@ -142,9 +147,9 @@ def merge_snapshots(snaps: list[dict]) -> dict:
 class Fetcher:
     def __init__(self, store: ObjectStore, shards: list[CommittedShard], run_id: str, *,
                  positions: list[tuple[int, int, int]], budget: int, range_bytes: int, prefetch_shards: int,
-                 threads: int, retries: int, on_corrupt: str, metrics: Metrics):
+                 threads: int, retries: int, on_corrupt: str, metrics: Metrics, pool: BufferPool | None = None):
         """`positions`: (input position, shard index, record index) of every record to deliver,
-        in ascending position order."""
+        in ascending position order. `pool`: GET buffers to reuse, e.g. the previous epoch's."""
         self.store, self.shards, self.run_id = store, shards, run_id
         self.budget, self.range_bytes, self.prefetch_shards = budget, range_bytes, prefetch_shards
         self.retries, self.on_corrupt, self.metrics = retries, on_corrupt, metrics
@@ -159,11 +164,12 @@ class Fetcher:
         self._cond = threading.Condition()
         self._ready: dict[int, Record | object] = {}
         self._in_use = 0
+        self._pool = pool if pool is not None else BufferPool()
         self._waiting: int | None = None
         self._error: BaseException | None = None
         self._closed = False
         self._bad: set[int] = set()
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="layertap-fetch")
+        self._threads = ThreadPoolExecutor(max(1, threads), thread_name_prefix="layertap-fetch")
         self._thread = threading.Thread(target=self._schedule, name="layertap-fetch-plan", daemon=True)
         self._thread.start()
 
@@ -203,8 +209,14 @@ class Fetcher:
         buf = record.buffer
         buf.records -= 1
         if buf.records == 0:
-            self._in_use -= buf.nbytes
-            self.metrics.buffered_bytes = self._in_use
+            self._free(buf.nbytes, buf.array)
+
+    def _free(self, nbytes: int, array: np.ndarray) -> None:
+        """Un-count a GET's bytes (caller holds the lock) and keep its buffer if the budget has room."""
+        self._in_use -= nbytes
+        self.metrics.buffered_bytes = self._in_use
+        if self._in_use + self._pool.idle_bytes + array.size <= self.budget:
+            self._pool.give(array)
 
     def shard_failed(self, shard: int, error: BaseException) -> ShardError | None:
         """A shard turned out bad (e.g. a record that does not decode): the error to raise, or
@@ -245,22 +257,25 @@ class Fetcher:
             self._ready.clear()
             self._cond.notify_all()
         self._thread.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._threads.shutdown(wait=True, cancel_futures=True)
 
     # -- budget ----------------------------------------------------------------------------------
 
-    def _acquire(self, nbytes: int, first_pos: int) -> bool:
+    def _acquire(self, nbytes: int, first_pos: int) -> np.ndarray | None:
+        """A buffer of `nbytes` (a size class) once the budget allows it; None if closed or failed."""
         with self._cond:
             while not self._closed and self._error is None and self._in_use > 0 \
                     and self._in_use + nbytes > self.budget \
                     and not (self._waiting is not None and self._waiting >= first_pos):
                 self._cond.wait()
             if self._closed or self._error is not None:
-                return False
-            self._in_use += nbytes
+                return None
+            array = self._pool.take(nbytes, up_to=self.budget - self._in_use)  # a larger idle one is held anyway
+            self._in_use += array.size
             self.metrics.buffered_bytes = self._in_use
             self.metrics.peak_buffered_bytes = max(self.metrics.peak_buffered_bytes, self._in_use)
-            return True
+            self._pool.trim(max(0, self.budget - self._in_use))
+            return array
 
     # -- fetching --------------------------------------------------------------------------------
 
@@ -275,7 +290,7 @@ class Fetcher:
                     if seg is None:
                         return
                     whole = self._whole(seg)
-                    opened.append((seg, None if whole else self._pool.submit(self._open, seg.shard)))
+                    opened.append((seg, None if whole else self._threads.submit(self._open, seg.shard)))
 
             fill()
             while opened:
@@ -293,9 +308,10 @@ class Fetcher:
                 for rng in self._ranges(seg, reader):
                     if seg.shard in self._bad:
                         break
-                    if not self._acquire(rng.end - rng.start, rng.items[0][0]):
+                    array = self._acquire(size_class(rng.end - rng.start), rng.items[0][0])
+                    if array is None:
                         return
-                    self._pool.submit(self._fetch, seg.shard, reader, rng)
+                    self._threads.submit(self._fetch, seg.shard, reader, rng, array)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, never lost
             with self._cond:
                 self._error = self._error or e
@@ -322,26 +338,31 @@ class Fetcher:
         if cur is not None:
             yield cur
 
-    def _get(self, key: str, start: int, end: int) -> bytes:
-        """A ranged GET, retried on errors that look transient, with backoff and jitter."""
+    def _get(self, key: str, start: int, end: int, out: memoryview | None = None) -> bytes | memoryview:
+        """Bytes [start, end) by a ranged GET (read into `out`, of that length, if given), retried on
+        errors that look transient, with backoff and jitter."""
         for attempt in range(self.retries + 1):
             try:
-                data = self.store.get_range(key, start, end)
+                if out is None:
+                    data = self.store.get_range(key, start, end)
+                    got = len(data)
+                else:
+                    data, got = out, self.store.read_range_into(key, start, out)
             except StoreError as e:
                 if not is_transient(e) or attempt == self.retries:
                     raise
                 log.info("retrying ranged get of %s [%d, %d) after %s", key, start, end, e)
             else:
-                self.metrics.add(get_requests=1, bytes_fetched=len(data))
-                if len(data) != end - start:  # S3 bodies are length-checked: the object is short
-                    raise ShardError(f"{key}: got {len(data)} bytes of [{start}, {end}); "
+                self.metrics.add(get_requests=1, bytes_fetched=got)
+                if got != end - start:  # S3 bodies are length-checked: the object is short
+                    raise ShardError(f"{key}: got {got} bytes of [{start}, {end}); "
                                      "the object is shorter than its commit says")
                 return data
             self.metrics.add(retries=1)
             time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
         raise AssertionError("unreachable")
 
-    def _open(self, shard: int, data: bytes | None = None) -> ShardReader:
+    def _open(self, shard: int, data: memoryview | None = None) -> ShardReader:
         entry = self.shards[shard]
         if data is None:
             reader = ShardReader(_Retrying(self), entry.key, size=entry.bytes)
@@ -354,18 +375,17 @@ class Fetcher:
             raise ShardError("the footer index lists other samples than the commit record")
         return reader
 
-    def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range) -> None:
-        reserved = rng.end - rng.start
+    def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range, array: np.ndarray) -> None:
         try:
             entry = self.shards[shard]
-            data = self._get(entry.key, rng.start, rng.end)
+            data = self._get(entry.key, rng.start, rng.end, memoryview(array)[: rng.end - rng.start])
             if rng.whole:
                 digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
                 if digest != entry.xxh3_128:
                     raise ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
                 reader = self._open(shard, data)
             where = f"{self.store.uri.rstrip('/')}/{entry.key}"
-            buffer = _Buffer(reserved, len(rng.items))
+            buffer = _Buffer(array.size, len(rng.items), array)
             records = []
             for pos, rec in rng.items:
                 e = reader.entries[rec]
@@ -373,11 +393,11 @@ class Fetcher:
                 records.append((pos, Record(payload, reader.meta, e.sample_id, shard, buffer)))
             self.metrics.add(records_verified=len(records))
         except (ShardError, ObjectNotFound) as e:
-            self._unreserve(reserved)
+            self._unreserve(array)
             self._failed(shard, e)
             return
         except BaseException as e:  # noqa: BLE001
-            self._unreserve(reserved)
+            self._unreserve(array)
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
@@ -387,12 +407,11 @@ class Fetcher:
                 self._ready.update(records)
                 self._cond.notify_all()
                 return
-        self._unreserve(reserved)
+        self._unreserve(array)
 
-    def _unreserve(self, nbytes: int) -> None:
+    def _unreserve(self, array: np.ndarray) -> None:
         with self._cond:
-            self._in_use -= nbytes
-            self.metrics.buffered_bytes = self._in_use
+            self._free(array.size, array)
             self._cond.notify_all()
 
     def _failed(self, shard: int, e: BaseException) -> None:

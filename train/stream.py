@@ -36,6 +36,7 @@ from manifests.records import decode_commit
 from manifests.state import fits_plan, replaced_manifest_error
 from storage.shard import Sample, ShardError, decode_record
 from storage.store import ObjectNotFound, ObjectStore, open_store
+from train.buffers import BufferPool
 from train.fetch import SKIP, CommittedShard, Fetcher, Metrics, Record
 from train.order import plan_consumer, rank_count, worker_span
 
@@ -177,6 +178,7 @@ class ShardStream(IterableDataset):
             # botocore's connection pool: the commit GETs of load_index run on 16 threads
             self._store_options.setdefault("threads", max(16, fetch_threads + prefetch_shards))
         self._store_cache: tuple[int, ObjectStore] | None = None
+        self._pool_cache: tuple[int, BufferPool] | None = None  # GET buffers, kept from epoch to epoch
         manifest, self.shards = load_index(self._store())
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
         self.codec = manifest.config.get("codec")
@@ -284,6 +286,13 @@ class ShardStream(IterableDataset):
             self._store_cache = (pid, open_store(self.uri, **self._store_options))
         return self._store_cache[1]
 
+    def _buffers(self) -> BufferPool:
+        """This process's pool of GET buffers (a forked worker gets its own, not copy-on-write pages)."""
+        pid = os.getpid()
+        if self._pool_cache is None or self._pool_cache[0] != pid:
+            self._pool_cache = (pid, BufferPool())
+        return self._pool_cache[1]
+
     def _logical_worker(self, info) -> int:
         """The share a DataLoader worker serves. A resumed loader's first worker takes the share
         whose batch was due next, so the round-robin continues exactly where it stopped."""
@@ -292,6 +301,7 @@ class ShardStream(IterableDataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_store_cache"] = None
+        state["_pool_cache"] = None
         state["_metrics"] = None
         return state
 
@@ -332,7 +342,7 @@ class ShardStream(IterableDataset):
             self._store(), self.shards, self.run_id,
             positions=list(zip(needed.tolist(), plan.shard[needed].tolist(), plan.record[needed].tolist())),
             budget=budget, range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
-            retries=c.retries, on_corrupt=c.on_corrupt, metrics=metrics)
+            retries=c.retries, on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers())
         decoder = ThreadPoolExecutor(threads, thread_name_prefix="layertap-decode") if threads else None
         ahead = 2 * threads
         pending: dict[int, tuple[Record, Future]] = {}
