@@ -48,7 +48,7 @@ MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000
 
 T = TypeVar("T")
-READ_SLICE = 1 << 20  # bytes per read of a body into a caller's buffer: the bytes in between stay in cache
+READ_SLICE = 1 << 20  # per read through botocore's readinto, whose temporary bytes then stay in cache
 _STREAM_ERRORS = (bexc.ResponseStreamingError, bexc.ReadTimeoutError, bexc.IncompleteReadError,
                   bexc.ConnectionClosedError)
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
@@ -225,9 +225,9 @@ class S3Store(ObjectStore):
             raise
 
     def read_range_into(self, key: str, start: int, out: memoryview) -> int:
-        """One ranged GET read into `out` a slice at a time, so no body-sized buffer is allocated
-        (and page-faulted in) on the way; a body that fails while streaming is resumed from its
-        last good byte."""
+        """One ranged GET read into `out` with no body-sized buffer on the way (straight from the
+        socket where the stream allows, else a slice at a time); a body that fails while
+        streaming is resumed from its last good byte."""
         n, got, attempt = len(out), 0, 0
         while got < n:
             try:
@@ -239,15 +239,15 @@ class S3Store(ObjectStore):
                 raise
             body = resp["Body"]
             end = got + min(int(resp["ContentLength"]), n - got)
-            direct = _socket_readinto(body)
+            direct = _plain_http_response(body)
             try:
                 if direct is not None:
                     while got < end:
-                        k = direct(out[got:end])
+                        k = direct.readinto(out[got:end])
                         if not k:
                             raise bexc.IncompleteReadError(actual_bytes=got, expected_bytes=end)
                         got += k
-                    body._raw_stream.release_conn()
+                    body._raw_stream.release_conn()  # what urllib3 does once it has read a body to its end
                 while got < end:
                     k = body.readinto(out[got : min(end, got + READ_SLICE)])
                     if not k:  # botocore raises IncompleteReadError first if the body was cut short
@@ -490,15 +490,15 @@ def _parse_timestamp(value: str) -> datetime:
         return parse_timestamp(value)  # RFC 1123 (HEAD), epoch seconds...
 
 
-def _socket_readinto(body) -> Callable[[memoryview], int] | None:
-    """http.client's readinto under botocore's and urllib3's wrappers, which reads from the socket
-    straight into the caller's buffer (theirs reads into a new bytes object, then copies); None
-    unless the body is the plain, undecoded stream botocore returns for a ranged GET."""
+def _plain_http_response(body) -> http.client.HTTPResponse | None:
+    """The http.client response under botocore's and urllib3's wrappers: its readinto reads from
+    the socket straight into the caller's buffer (theirs read into a new bytes object, then copy).
+    None unless the body is the plain, undecoded stream botocore returns for a ranged GET."""
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     if type(body) is StreamingBody and isinstance(fp, http.client.HTTPResponse) \
             and not raw.headers.get("content-encoding") and hasattr(raw, "release_conn"):
-        return fp.readinto
+        return fp
     return None
 
 

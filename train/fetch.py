@@ -56,11 +56,10 @@ class CommittedShard:
 
 @dataclass(slots=True)
 class _Buffer:
-    """The bytes of one GET, counted in the budget until the last record viewing them is released."""
+    """The buffer of one GET, counted in the budget until the last record viewing it is released."""
 
-    nbytes: int
-    records: int
     array: np.ndarray
+    records: int
 
 
 @dataclass(slots=True)
@@ -209,11 +208,11 @@ class Fetcher:
         buf = record.buffer
         buf.records -= 1
         if buf.records == 0:
-            self._free(buf.nbytes, buf.array)
+            self._free(buf.array)
 
-    def _free(self, nbytes: int, array: np.ndarray) -> None:
-        """Un-count a GET's bytes (caller holds the lock) and keep its buffer if the budget has room."""
-        self._in_use -= nbytes
+    def _free(self, array: np.ndarray) -> None:
+        """Un-count a GET's buffer (caller holds the lock) and keep it for reuse if the budget has room."""
+        self._in_use -= array.size
         self.metrics.buffered_bytes = self._in_use
         if self._in_use + self._pool.idle_bytes + array.size <= self.budget:
             self._pool.give(array)
@@ -385,7 +384,7 @@ class Fetcher:
                     raise ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
                 reader = self._open(shard, data)
             where = f"{self.store.uri.rstrip('/')}/{entry.key}"
-            buffer = _Buffer(array.size, len(rng.items), array)
+            buffer = _Buffer(array, len(rng.items))
             records = []
             for pos, rec in rng.items:
                 e = reader.entries[rec]
@@ -411,7 +410,7 @@ class Fetcher:
 
     def _unreserve(self, array: np.ndarray) -> None:
         with self._cond:
-            self._free(array.size, array)
+            self._free(array)
             self._cond.notify_all()
 
     def _failed(self, shard: int, e: BaseException) -> None:
