@@ -237,8 +237,13 @@ class S3Store(ObjectStore):
                 if "InvalidRange" in str(e):  # start at or past the end
                     break
                 raise
-            body = resp["Body"]
-            end = got + min(int(resp["ContentLength"]), n - got)
+            body, length = resp["Body"], int(resp["ContentLength"])
+            if _range_start(resp.get("ContentRange")) != start + got or length > n - got:
+                body.close()  # its bytes are not the ones asked for: the connection must not be reused
+                raise StoreError(f"ranged get of {key!r}: asked for bytes {start + got}-{start + n - 1}, the server "
+                                 f"answered {resp.get('ContentRange') or 'without a Content-Range'} ({length} "
+                                 "bytes); it does not serve HTTP Range requests as S3 does")
+            end = got + length
             direct = _plain_http_response(body)
             try:
                 if direct is not None:
@@ -488,6 +493,14 @@ def _parse_timestamp(value: str) -> datetime:
         return datetime.fromisoformat(value)  # 2026-11-29T14:46:15.000Z (listings)
     except ValueError:
         return parse_timestamp(value)  # RFC 1123 (HEAD), epoch seconds...
+
+
+def _range_start(content_range: str | None) -> int | None:
+    """The first byte of a `Content-Range: bytes A-B/N` answer; None if there is none."""
+    try:
+        return int(content_range.split()[1].split("-")[0])
+    except (AttributeError, IndexError, ValueError):
+        return None
 
 
 def _plain_http_response(body) -> http.client.HTTPResponse | None:

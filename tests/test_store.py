@@ -62,6 +62,18 @@ def test_a_ranged_body_is_read_from_the_socket_straight_into_the_buffer(s3_bucke
     assert fp.readinto(memoryview(out)) == 4 and out == b"2345"
 
 
+def test_a_server_that_ignores_range_requests_is_a_clear_error(s3_bucket):
+    store = open_store(f"s3://{s3_bucket}/r")
+    store.put("x.bin", b"0123456789")
+
+    def as_whole_object(parsed, **_):  # what a server that ignores Range sends: 200, no Content-Range
+        parsed.pop("ContentRange", None)
+
+    store.client.meta.events.register("after-call.s3.GetObject", as_whole_object)
+    with pytest.raises(StoreError, match="does not serve HTTP Range requests"):
+        store.read_range_into("x.bin", 2, memoryview(bytearray(4)))
+
+
 def test_a_ranged_read_survives_a_connection_reset_mid_body(s3_bucket, s3_endpoint):
     data = os.urandom(4 * MiB)
     with FaultProxy(s3_endpoint, rate=1.0, faults=("cut",), limit=1,
