@@ -367,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         "Stored MB/s = object bytes / wall time (10^6 B/s). The loader's time covers every check (commit vs "
         "footer, frame and index hashes of every record, the whole-object hash of one-GET shards), decoding and "
         "the shuffle buffer; opening the stream (S3 client, manifest, commit listing, one GET per commit) is "
-        "the open column, paid once per stream: each loader row opens its stream once and reads it every round, an epoch a round as a trainer does, so from the second round on the stream reuses its GET buffers. Decoded MB/s = bf16 activation bytes yielded per second. "
+        "the open column, paid once per stream: each loader row opens its stream once and reads it every "
+        "round, an epoch a round as a trainer does, so from the second round on the stream reuses its GET "
+        "buffers. Decoded MB/s = bf16 activation bytes yielded per second. "
         "Bytes written to disk: this process's /proc/self/io write_bytes over the pass.",
         "",
         *sections,

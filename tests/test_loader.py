@@ -330,6 +330,16 @@ def test_transient_errors_are_retried_per_range(tmp_path):
         list(ShardStream(Denied(str(tmp_path)), retries=5))
 
 
+def test_get_buffer_size_classes_waste_at_most_an_eighth():
+    from train.buffers import POOLED_MIN, size_class
+
+    assert size_class(1000) == 1000 and size_class(64 << 20) == 64 << 20  # small: as asked; powers of 2: exact
+    for n in (POOLED_MIN, POOLED_MIN + 1, 47_123_456, (64 << 20) + 1, 10**9 + 7):
+        assert n <= size_class(n) <= n + n // 8
+    classes = {size_class(n) for n in range(32 << 20, (64 << 20) + 1, 1 << 16)}
+    assert classes == {(32 + 4 * k) << 20 for k in range(9)}  # 8 steps per power of 2
+
+
 @pytest.mark.parametrize("codec", ["bf16", "bf16-zstd"])
 def test_reused_get_buffers_never_show_through_in_yielded_samples(tmp_path, monkeypatch, codec):
     import train.buffers
