@@ -174,7 +174,7 @@ class Fetcher:
 
     # -- consumer side -------------------------------------------------------------------------
 
-    def get(self, pos: int, pop: bool = True) -> Record | object:
+    def get(self, pos: int) -> Record | object:
         """The verified record at `pos` (or SKIP); blocks until it has arrived."""
         with self._cond:
             if pos not in self._ready and self._error is None:
@@ -187,7 +187,7 @@ class Fetcher:
                 self.metrics.add(wait_s=time.perf_counter() - t0)
             if pos not in self._ready:
                 raise self._error
-            return self._ready.pop(pos) if pop else self._ready[pos]
+            return self._ready.pop(pos)
 
     def take(self, pos: int) -> Record | None:
         """The verified record at `pos` if it has arrived (for decoding ahead), else None."""

@@ -37,7 +37,7 @@ from manifests.state import fits_plan, replaced_manifest_error
 from storage.shard import Sample, ShardError, decode_record
 from storage.store import ObjectNotFound, ObjectStore, open_store
 from train.buffers import BufferPool
-from train.fetch import SKIP, CommittedShard, Fetcher, Metrics, Record
+from train.fetch import CommittedShard, Fetcher, Metrics, Record
 from train.order import plan_consumer, rank_count, worker_span
 
 log = logging.getLogger(__name__)
@@ -366,13 +366,21 @@ class ShardStream(IterableDataset):
                 return None
 
         def good_ahead(t: int) -> dict[str, Any]:
-            """A sample to stand in for a skipped one when none has been yielded yet."""
+            """A sample to stand in for a skipped one when none has been yielded yet. Records it
+            decodes are taken from the fetcher (so a failing shard cannot release their buffers
+            while they are read) and kept in `pending`, decoded, for their turn."""
             for u in range(t + 1, m):
-                if u in pending:
-                    got = resolve(*pending[u])
-                else:
-                    item = fetcher.get(int(order[u]), pop=False)
-                    got = None if item is SKIP else resolve(item, None)
+                if u not in pending:
+                    item, fut = fetcher.get(int(order[u])), None
+                    if isinstance(item, Record):
+                        fut = Future()
+                        try:
+                            fut.set_result(decode(item))
+                        except ShardError as e:
+                            fut.set_exception(e)
+                    pending[u] = (item, fut)
+                item, fut = pending[u]
+                got = resolve(item, fut) if isinstance(item, Record) else None
                 if got is not None:
                     return got
             raise ShardError(f"every sample left to worker {worker} of rank {self.rank} is in a failed shard")
@@ -409,7 +417,8 @@ class ShardStream(IterableDataset):
             if decoder is not None:
                 decoder.shutdown(wait=True, cancel_futures=True)
             for rec, _ in pending.values():
-                fetcher.release(rec)
+                if isinstance(rec, Record):
+                    fetcher.release(rec)
             fetcher.close()
 
 
