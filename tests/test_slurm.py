@@ -344,6 +344,9 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     # The warned task requeued itself; Slurm holds a requeued job back two minutes: release it now.
     warned = wait_for(lambda: [j for j in scontrol_jobs(f"{array}_1") if j.get("Restarts") == "1"
                                and j["JobState"] == "PENDING"], "task 1 to requeue itself")
+    # slurmd revokes the first run's credential at one-second resolution: a relaunch within the same
+    # second is killed ("Job credential revoked"), so the release waits past it.
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={warned[0]['JobId']}", "StartTime=now"], check=True)
     wait_for(lambda: job_done(array), "the array")
     assert {j["ArrayTaskId"]: j["JobState"] for j in scontrol_jobs(array)} == {"1": "COMPLETED", "2": "CANCELLED"}
