@@ -2,7 +2,7 @@
 """The streaming loader against raw boto3 GETs of the same shard objects, from one S3 server.
 
     python bench/loader.py [--mb 384] [--codecs bf16-zstd,bf16] [--shard-mb 48] [--threads 4]
-                           [--rounds 3] [--workers 0] [--endpoint URL] [--write-docs]
+                           [--rounds 3] [--workers 0] [--endpoint URL | --conn-mbps 90] [--write-docs]
 
 For each codec a run of real SmolLM2 activations ([S, 5, 576] bf16, repeated to --mb MB raw) is
 extracted into shards on the server through the real manifest / lease / commit path. Then, over
@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time GETs through layertap's store, the fetch stage alone (no decoding) and the "
                         "loader with a 0.5 ms GIL switch interval: where a pass's time goes")
     p.add_argument("--endpoint", help="an S3 server to use instead of starting moto (credentials from env)")
+    p.add_argument("--conn-mbps", type=float,
+                   help="cap each connection of the moto server at this many MB/s (kernel pacing), as S3 "
+                        "serves one connection at ~85-90 MB/s: the network, not this machine's CPU, sets the pace")
     p.add_argument("--label", help="a name for this machine, e.g. gpu-host: its own docs section 'loader-LABEL'")
     p.add_argument("--write-docs", action="store_true", help="write the 'loader' section of docs/benchmarks.md")
     args = p.parse_args(argv)
@@ -326,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     n_cores = cores()
 
-    with bench_server(args.endpoint) as srv:
+    if args.conn_mbps is not None and args.endpoint:
+        p.error("--conn-mbps paces the moto server this benchmark starts; it does not apply to --endpoint")
+    with bench_server(args.endpoint, args.conn_mbps) as srv:
         endpoint, server_pid, server = srv.endpoint, srv.pid, srv.description
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """`python -m moto.server` on a free 127.0.0.1 port; returns (process, endpoint URL)."""
+def start_moto_server(timeout_s: float = 30.0, conn_mbps: float | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m moto.server` on a free 127.0.0.1 port; returns (process, endpoint URL).
+
+    `conn_mbps`: each connection the server accepts sends at most that many MB/s (tests/paced_moto.py).
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -25,7 +28,8 @@ def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
     # glibc's defaults for the server whatever the client runs under, so that a bench run with
     # MALLOC_* settings (docs/LOADER.md, "Memory allocator") measures the client's change alone.
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    server = ["-m", "moto.server"] if conn_mbps is None else [str(Path(__file__).with_name("paced_moto.py")), str(conn_mbps)]
+    proc = subprocess.Popen([sys.executable, *server, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + timeout_s
     while True:
@@ -39,12 +43,12 @@ def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
             time.sleep(0.1)
 
 
-def start_bench_server() -> tuple[subprocess.Popen, str]:
+def start_bench_server(conn_mbps: float | None = None) -> tuple[subprocess.Popen, str]:
     """moto for a benchmark, with fake credentials set: a user's real keys never reach it."""
     os.environ.update(AWS_ACCESS_KEY_ID="bench-key-id", AWS_SECRET_ACCESS_KEY="bench-secret")
     for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
         os.environ.pop(var, None)
-    return start_moto_server()
+    return start_moto_server(conn_mbps=conn_mbps)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -74,9 +78,12 @@ class BenchServer:
 
 
 @contextmanager
-def bench_server(endpoint: str | None = None) -> Iterator[BenchServer]:
+def bench_server(endpoint: str | None = None, conn_mbps: float | None = None) -> Iterator[BenchServer]:
     """The S3 server a benchmark measures. With `endpoint`, that server, credentials from the
-    environment; otherwise a moto server started here with fake credentials and stopped after."""
+    environment; otherwise a moto server started here with fake credentials and stopped after,
+    sending at most `conn_mbps` MB/s per connection if given."""
+    if endpoint and conn_mbps is not None:
+        raise ValueError("a per-connection rate applies to the moto server started here, not to --endpoint")
     if endpoint:
         pid = listening_pid(urllib.parse.urlsplit(endpoint).port or 80)
         name = _process_name(pid)
@@ -84,10 +91,12 @@ def bench_server(endpoint: str | None = None) -> Iterator[BenchServer]:
         return
     import moto
 
-    proc, url = start_bench_server()
+    proc, url = start_bench_server(conn_mbps)
+    paced = "" if conn_mbps is None else (f", each connection paced at {conn_mbps:g} MB/s by the kernel "
+                                          "(SO_MAX_PACING_RATE, tests/paced_moto.py)")
     try:
         yield BenchServer(url, proc.pid, f"moto {moto.__version__} (`python -m moto.server`) on loopback, "
-                                         "started by the benchmark")
+                                         f"started by the benchmark{paced}")
     finally:
         stop(proc)
 

@@ -61,3 +61,28 @@ def test_page_faults_bench_shows_the_malloc_settings_keep_big_buffers_mapped():
     pages = (47 << 20) // 4096
     assert faults["glibc defaults"] > 0.9 * pages  # every buffer faulted in afresh
     assert faults["MALLOC_* settings"] < 0.5 * pages  # the first one only, spread over the rounds
+
+
+def test_paced_moto_caps_each_connection():
+    """bench/loader.py --conn-mbps models S3's per-connection rate with a paced moto server: a
+    2 MB GET at 4 MB/s cannot take less than ~0.5 s, and the bytes still arrive whole."""
+    import time
+
+    import boto3
+
+    from tests.s3server import start_moto_server, stop
+
+    proc, url = start_moto_server(conn_mbps=4)
+    try:
+        s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                          aws_access_key_id="k", aws_secret_access_key="s")
+        s3.create_bucket(Bucket="paced")
+        body = os.urandom(2_000_000)
+        s3.put_object(Bucket="paced", Key="k", Body=body)
+        t = time.perf_counter()
+        got = s3.get_object(Bucket="paced", Key="k")["Body"].read()
+        elapsed = time.perf_counter() - t
+    finally:
+        stop(proc)
+    assert got == body
+    assert elapsed >= 0.4, f"a 2 MB GET at 4 MB/s took {elapsed:.2f} s: the connection was not paced"
