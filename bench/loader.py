@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The streaming loader against raw boto3 GETs of the same shard objects, from one S3 server.
 
-    python bench/loader.py [--mb 384] [--codecs bf16-zstd,bf16] [--shard-mb 48] [--threads 4]
+    python bench/loader.py [--mb 384] [--codecs bf16-zstd,bf16] [--shard-mb 48] [--threads 8]
                            [--rounds 3] [--workers 0] [--endpoint URL | --conn-mbps 90] [--write-docs]
 
 For each codec a run of real SmolLM2 activations ([S, 5, 576] bf16, repeated to --mb MB raw) is
@@ -17,6 +17,7 @@ several rounds in alternating order, the same committed objects are read:
   loader, 8 MiB     the same with 8 MiB ranges (ranged mode: moto copies the whole object for every
                     ranged GET, real S3 does not, so this row is a floor on moto)
   loader, W workers StreamLoader(num_workers=W) with the padding collate (only with --workers W)
+  loader, N decode / fetch threads   the loader with other thread counts (--decode-threads, --fetch-threads)
   --stages rows     store GET xT (whole-object ranged GETs through layertap's S3 store on T threads),
                     fetch and checks only (the loader's fetch stage: GETs, hashes, hand-off, no
                     decoding), the loader with a 0.5 ms GIL switch interval
@@ -148,6 +149,7 @@ def get_and_decode(client, bucket: str, prefix: str, keys: list[str]) -> dict:
 
 def open_loader(uri: str, seed: int, threads: int, range_mb: int | None, budget: int,
                 decode_threads: int | None = None) -> ShardStream:
+    """`threads`: the stream's fetch threads (concurrent ranged GETs)."""
     kw = {"range_bytes": range_mb * MiB} if range_mb else {}
     return ShardStream(uri, seed=seed, shuffle_buffer=64, fetch_threads=threads, memory_budget=budget,
                        decode_threads=decode_threads, **kw)
@@ -232,8 +234,9 @@ def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) 
                           config=Config(max_pool_connections=args.threads + 4))
     budget = args.budget_mb * MiB
 
-    def loader(range_mb=None, workers=0, decode_threads=None):  # (open, untimed and reported apart; run, timed)
-        return (once(lambda r: open_loader(uri, r, args.threads, range_mb, budget, decode_threads)),
+    def loader(range_mb=None, workers=0, decode_threads=None, threads=args.threads):
+        # (open: untimed, reported apart; run: timed)
+        return (once(lambda r: open_loader(uri, r, threads, range_mb, budget, decode_threads)),
                 lambda st: run_loader(st, workers))
 
     methods = {
@@ -247,6 +250,8 @@ def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) 
         methods[f"loader, {args.workers} DataLoader workers"] = loader(workers=args.workers)
     for n in args.decode_threads:
         methods[f"loader, {n} decode threads"] = loader(decode_threads=n)
+    for n in args.fetch_threads:
+        methods[f"loader, {n} fetch threads"] = loader(threads=n)
     if args.stages:
         methods[f"store GET x{args.threads}"] = (lambda _: open_store(uri),
                                                 lambda st: store_gets(st, shards, args.threads))
@@ -309,12 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=float, default=384, help="raw bf16 MB per run (default 384)")
     p.add_argument("--codecs", default="bf16-zstd,bf16", help="comma-separated (default bf16-zstd,bf16)")
     p.add_argument("--shard-mb", type=float, default=48, help="planned shard size in MB (default 48)")
-    p.add_argument("--threads", type=int, default=4, help="fetch threads of the loader and the boto3 pool")
+    p.add_argument("--threads", type=int, default=StreamConfig().fetch_threads,
+                   help="fetch threads of the loader and the boto3 pool (default: the loader's, %(default)s)")
     p.add_argument("--budget-mb", type=int, default=1024, help="loader memory budget in MiB (default 1024)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", type=int, default=0, help="also run StreamLoader(num_workers=W)")
     p.add_argument("--decode-threads", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="also run the loader with these decode thread counts, e.g. 2,4,8 (default: by codec and cores)")
+    p.add_argument("--fetch-threads", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="also run the loader with these fetch thread counts, e.g. 4,16 (default: --threads only)")
     p.add_argument("--stages", action="store_true",
                    help="also time GETs through layertap's store, the fetch stage alone (no decoding) and the "
                         "loader with a 0.5 ms GIL switch interval: where a pass's time goes")

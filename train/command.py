@@ -24,6 +24,9 @@ def add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per drafted block, the anchor included (default 16)")
     p.add_argument("--max-anchors", type=int, help="blocks sampled per sequence (default 512)")
     p.add_argument("--num-workers", type=int, help="DataLoader worker processes per rank (default 0)")
+    p.add_argument("--fetch-threads", type=int,
+                   help="concurrent ranged GETs per rank, or per worker with --num-workers (default 8; S3 "
+                        "serves one connection at ~90 MB/s)")
     p.add_argument("--resume", action="store_true", default=None,
                    help="continue from the latest checkpoint in --out (same batches, same loss curve)")
     p.add_argument("--log-dir", help="TensorBoard logs, when tensorboard is installed (default ./layertap-logs)")
@@ -36,7 +39,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in (
         "data", "model", "gguf_file", "out", "steps", "epochs", "batch_size", "grad_accum", "lr", "seed",
-        "save_every", "drafter_layers", "block_size", "max_anchors", "num_workers", "resume", "log_dir")}
+        "save_every", "drafter_layers", "block_size", "max_anchors", "num_workers", "fetch_threads", "resume",
+        "log_dir")}
     try:
         cfg = load_train_config(args.config, overrides)
         from train.trainer import train

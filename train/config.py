@@ -33,6 +33,7 @@ class TrainConfig:
     num_workers: int = 0  # DataLoader worker processes per rank
     shuffle_buffer: int = 64
     memory_budget: int = 4 << 30  # bytes of fetched shard data per rank
+    fetch_threads: int = 8  # concurrent ranged GETs per rank (per DataLoader worker with num_workers)
     # The drafter; None takes the default sized from the target (train.drafter.default_config).
     drafter_layers: int | None = None
     block_size: int = 16
@@ -47,7 +48,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        for name in ("epochs", "batch_size", "grad_accum", "save_every", "log_every", "block_size", "max_anchors"):
+        for name in ("epochs", "batch_size", "grad_accum", "save_every", "log_every", "block_size", "max_anchors",
+                     "fetch_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.warmup_ratio < 1:

@@ -58,7 +58,7 @@ class StreamConfig:
     memory_budget: int = 4 * GiB  # per rank, split evenly between DataLoader workers
     range_bytes: int = 64 * MiB
     prefetch_shards: int = 2  # shards whose footers are read ahead of their records
-    fetch_threads: int = 4
+    fetch_threads: int = 8  # ranged GETs in flight: S3 serves one connection at ~85-90 MB/s (docs/LOADER.md)
     decode_threads: int | None = None  # 0: on the consumer's thread; None: by codec and cores (auto_decode_threads)
     retries: int = 3  # per ranged GET, on transient store errors, with backoff
     on_corrupt: Literal["raise", "skip"] = "raise"
@@ -158,7 +158,7 @@ class ShardStream(IterableDataset):
     def __init__(self, prefix: str | ObjectStore, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
                  shuffle_buffer: int = 64, rank: int | None = None, world_size: int | None = None,
                  uneven: Literal["pad", "drop"] = "pad", memory_budget: int | str = 4 * GiB,
-                 range_bytes: int | str = 64 * MiB, prefetch_shards: int = 2, fetch_threads: int = 4,
+                 range_bytes: int | str = 64 * MiB, prefetch_shards: int = 2, fetch_threads: int = 8,
                  decode_threads: int | None = None, retries: int = 3, on_corrupt: Literal["raise", "skip"] = "raise",
                  store_options: dict[str, Any] | None = None):
         super().__init__()
