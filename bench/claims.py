@@ -46,6 +46,22 @@ def count_requests(store) -> Counter:
     return calls
 
 
+def plan_large_run(endpoint: str, samples: int, bucket_prefix: str):
+    """(store, manifest) of a new run in a new bucket of `endpoint`: `samples` of ~800 tokens (a
+    ShareGPT-like spread) planned as shards of 1 GB of a 27B target's states."""
+    rng = random.Random(0)
+    counts = [max(16, int(rng.gauss(800, 300))) for _ in range(samples)]
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    bucket = f"{bucket_prefix}-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", region_name="us-east-1").create_bucket(Bucket=bucket)
+    store = open_store(f"s3://{bucket}/run", threads=32)
+    manifest, _ = create_or_resume(store, config={"model": "synthetic-27b", "layers": [1, 16, 31, 46, 61],
+                                                  "codec": "bf16-zstd"},
+                                   dataset={"fingerprint": "synthetic"}, token_counts=counts,
+                                   bytes_per_token=51_200 / 1.45, shard_bytes=1_000_000_000)
+    return store, manifest
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=913_786)
@@ -56,17 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     command = shlex.join(["python", "bench/claims.py", *sys.argv[1:]])
 
-    rng = random.Random(0)
-    counts = [max(16, int(rng.gauss(800, 300))) for _ in range(args.samples)]
     with bench_server(args.endpoint) as server:
-        os.environ["AWS_ENDPOINT_URL"] = server.endpoint
-        bucket = f"bench-claims-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket=bucket)
-        store = open_store(f"s3://{bucket}/run", threads=32)
-        manifest, _ = create_or_resume(store, config={"model": "synthetic-27b", "layers": [1, 16, 31, 46, 61],
-                                                      "codec": "bf16-zstd"},
-                                       dataset={"fingerprint": "synthetic"}, token_counts=counts,
-                                       bytes_per_token=51_200 / 1.45, shard_bytes=1_000_000_000)
+        store, manifest = plan_large_run(server.endpoint, args.samples, "bench-claims")
         producer = Producer.current()
 
         def info(plan) -> ShardInfo:

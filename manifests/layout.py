@@ -9,6 +9,8 @@
     leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim; alive while LastModified + ttl > now
     failures/{shard:06d}/{ms:013d}-{token}.json
                                            one record per failed attempt
+    index/commits.json.zst                 a snapshot of the commit records, derived: a reader uses an
+                                           entry only while `commits/` lists it unchanged
 
 Every record type sits under its own prefix, so one paginated listing per type tells the state
 of the whole run.
@@ -20,6 +22,7 @@ import re
 
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
+COMMIT_INDEX = "index/commits.json.zst"
 
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")

@@ -69,7 +69,8 @@ def encode(record: CommitRecord | FailureRecord) -> bytes:
     return json.dumps({"kind": kind, "version": RECORD_VERSION, **asdict(record)}, separators=(",", ":")).encode()
 
 
-def decode_commit(raw: bytes, where: str) -> CommitRecord:
+def decode_commit(raw: bytes | dict, where: str) -> CommitRecord:
+    """A commit record from its stored bytes, or from their parsed JSON object (the commit index)."""
     record = _decode(raw, where, "commit", CommitRecord)
     if not layout.is_data_key(record.data_key, record.shard):
         # Never follow it: a key such as "../../x" must not become a path outside the run.
@@ -82,9 +83,9 @@ def decode_failure(raw: bytes, where: str) -> FailureRecord:
     return _decode(raw, where, "failure", FailureRecord)
 
 
-def _decode(raw: bytes, where: str, kind: str, cls):
+def _decode(raw: bytes | dict, where: str, kind: str, cls):
     try:
-        obj = json.loads(raw)
+        obj = dict(raw) if isinstance(raw, dict) else json.loads(raw)
         if obj.get("kind") != kind:
             raise ValueError(f"expected a {kind} record, found {obj.get('kind')!r}")
         if obj.get("version") != RECORD_VERSION:

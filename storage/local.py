@@ -147,7 +147,8 @@ class LocalStore(ObjectStore):
                     st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # deleted while listing
                     continue
-                found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+                # Objects are replaced by renaming a new file over them: a new inode, a new mtime.
+                found.append(ObjectInfo(key, st.st_size, st.st_mtime, f"{st.st_ino}.{st.st_mtime_ns}"))
         yield from sorted(found, key=lambda o: o.key)
 
     def delete(self, key: str) -> None:

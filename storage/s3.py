@@ -285,7 +285,8 @@ class S3Store(ObjectStore):
             if page is None:
                 return
             for obj in page.get("Contents", []):
-                yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), obj["LastModified"].timestamp())
+                yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), obj["LastModified"].timestamp(),
+                                 obj.get("ETag", ""))
 
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))

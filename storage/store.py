@@ -36,6 +36,7 @@ class ObjectInfo:
     key: str
     size: int
     modified: float = 0.0  # unix time of the last write, by the store's clock
+    version: str = ""  # changes whenever the object is written again (S3's ETag); "" if unknown
 
 
 @dataclass(frozen=True, slots=True)

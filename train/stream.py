@@ -3,8 +3,8 @@
     stream = ShardStream("s3://acts/qwen27b/run1", seed=0, shuffle_buffer=64)
     for sample in stream: ...          # dicts of tensors; or batches through `StreamLoader`
 
-Reading the run costs one listing of `commits/` and one GET per commit (in parallel); only
-shards a commit names are read, and each is checked against its commit (run, shard id, sample
+Reading the run costs one listing of `commits/` and one GET of the commit index (a GET per
+commit it lacks; rank 0 then rewrites it: `manifests.commit_index`); only shards a commit names are read, and each is checked against its commit (run, shard id, sample
 ids, and for whole-object reads the object hash). The order of an epoch is computed from indices
 alone (`train.order`), records arrive through `train.fetch` (ranged GETs into RAM under a byte
 budget, every record's hashes checked) and are decoded a few samples ahead of the consumer.
@@ -31,11 +31,11 @@ import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
 from manifests import layout
+from manifests.commit_index import read_commits
 from manifests.manifest import Manifest, load_manifest, parse_size
-from manifests.records import decode_commit
 from manifests.state import fits_plan, replaced_manifest_error
 from storage.shard import Sample, ShardError, decode_record
-from storage.store import ObjectNotFound, ObjectStore, open_store
+from storage.store import ObjectStore, open_store
 from train.buffers import BufferPool
 from train.fetch import CommittedShard, Fetcher, Metrics, Record
 from train.order import plan_consumer, rank_count, worker_span
@@ -99,24 +99,13 @@ def _cores() -> int:
     return mine // local_ranks if mine == os.cpu_count() and local_ranks > 1 else mine
 
 
-def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[CommittedShard]]:
-    """(the run's manifest, its committed shards sorted by id): one listing + a GET per commit."""
+def load_index(store: ObjectStore, threads: int = 16, update_index: bool = False) -> tuple[Manifest, list[CommittedShard]]:
+    """(the run's manifest, its committed shards sorted by id): one listing of `commits/` and the
+    commit index, plus a GET per commit the index lacks (`manifests.commit_index`; `update_index`:
+    this reader rewrites the index then)."""
     manifest = load_manifest(store)
-    keys = []
-    for o in store.list(layout.COMMITS):
-        shard = layout.shard_of(o.key, layout.COMMITS)
-        if shard is not None and o.key == layout.commit_key(shard):
-            keys.append(o.key)
+    commits = read_commits(store, threads, update_index)
     root = store.uri.rstrip("/")
-
-    def get(key: str):
-        try:
-            return decode_commit(store.get(key), f"{root}/{key}")
-        except ObjectNotFound:  # withdrawn by `verify` since the listing
-            return None
-
-    with ThreadPoolExecutor(max(1, min(threads, len(keys)))) as pool:
-        commits = [c for c in pool.map(get, keys) if c is not None]
     foreign = sorted(c.shard for c in commits if not fits_plan(c, manifest))
     if foreign:
         raise replaced_manifest_error(store.uri, foreign)
@@ -175,11 +164,11 @@ class ShardStream(IterableDataset):
             self._given, self.uri = None, prefix
         self._store_options = dict(store_options or {})
         if self.uri.startswith("s3://"):
-            # botocore's connection pool: the commit GETs of load_index run on 16 threads
+            # botocore's connection pool: load_index reads commits the index lacks on 16 threads
             self._store_options.setdefault("threads", max(16, fetch_threads + prefetch_shards))
         self._store_cache: tuple[int, ObjectStore] | None = None
         self._pool_cache: tuple[int, BufferPool] | None = None  # GET buffers, kept from epoch to epoch
-        manifest, self.shards = load_index(self._store())
+        manifest, self.shards = load_index(self._store(), update_index=self.rank == 0)
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
         self.codec = manifest.config.get("codec")
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)

@@ -136,8 +136,9 @@ def train(cfg: TrainConfig) -> int:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     ddp_model, optimizer = acc.prepare(model, optimizer)
 
-    stream = ShardStream(cfg.data, seed=cfg.seed, rank=rank, world_size=world, shuffle_buffer=cfg.shuffle_buffer,
-                         memory_budget=cfg.memory_budget, fetch_threads=cfg.fetch_threads, store_options=cfg.s3)
+    with acc.main_process_first():  # rank 0 refreshes the run's commit index; the others then read it
+        stream = ShardStream(cfg.data, seed=cfg.seed, rank=rank, world_size=world, shuffle_buffer=cfg.shuffle_buffer,
+                             memory_budget=cfg.memory_budget, fetch_threads=cfg.fetch_threads, store_options=cfg.s3)
     loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
     total = cfg.steps or cfg.epochs * steps_per_epoch

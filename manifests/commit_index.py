@@ -1,0 +1,111 @@
+"""Every commit record of a run in one object, so that a reader starts with a listing and one GET
+instead of a GET per shard.
+
+Why: docs/ESTIMATE.md's 27B run has 25,813 shards. Read one by one on each of 1,000 training
+ranks, that is 26 M GETs per start; S3 serves ~5,500 GETs/s per prefix, so over an hour of
+throttling before the first step, again at every restart.
+
+`index/commits.json.zst` (JSON in one zstd frame) holds, per commit key, the size and version
+(S3's ETag) its listing showed and the record itself. It is derived data, rewritten whole: a
+reader still lists `commits/` (the truth of "done") and takes an entry only while the listing
+shows that commit with the same size and version; every other commit it reads on its own. A
+commit that `layertap verify` withdrew is no longer listed, and a redone one is a new object with
+a new version (S3's LastModified, at one-second resolution, could not tell), so a stale snapshot
+never stands in for either. An index that is missing, unreadable or of another
+version is ignored (and rewritten by the next reader allowed to write it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import zstandard
+
+from manifests import layout
+from manifests.manifest import ManifestError
+from manifests.records import CommitRecord, decode_commit
+from storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = "layertap-commit-index"
+INDEX_VERSION = 1
+
+
+def read_commits(store: ObjectStore, threads: int = 16, update_index: bool = False) -> list[CommitRecord]:
+    """The run's commit records, in shard order: one listing of `commits/`, the index, and a GET
+    for each listed commit the index does not hold unchanged. `update_index`: rewrite the index
+    when it lacked any of them (one writer, e.g. rank 0; failures to write are only logged)."""
+    listing = [o for o in store.list(layout.COMMITS) if _is_commit(o.key)]
+    snapshot = _load(store)
+    root = store.uri.rstrip("/")
+    parsed: dict[str, dict] = {}  # listed commits the snapshot holds unchanged, as JSON objects
+    for o in listing:
+        entry = snapshot.get(o.key)
+        if entry is not None and o.version and (entry[0], entry[1]) == (o.size, o.version):
+            parsed[o.key] = entry[2]
+    records: dict[str, CommitRecord] = {}
+    for key, obj in parsed.items():
+        try:
+            records[key] = decode_commit(obj, f"{root}/{key}")
+        except ManifestError:  # read the commit itself: its own error, if any, names it
+            pass
+    todo = [o for o in listing if o.key not in records]
+
+    def get(o: ObjectInfo) -> tuple[ObjectInfo, bytes | None]:
+        try:
+            return o, store.get(o.key)
+        except ObjectNotFound:  # withdrawn by `verify` since the listing
+            return o, None
+
+    fresh: list[tuple[ObjectInfo, bytes]] = []
+    if todo:
+        with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
+            for o, raw in pool.map(get, todo):
+                if raw is not None:
+                    records[o.key] = decode_commit(raw, f"{root}/{o.key}")
+                    fresh.append((o, raw))
+    if update_index and fresh:
+        kept = {o.key: (o.size, o.version, parsed[o.key]) for o in listing if o.key in parsed and o.key in records}
+        kept.update({o.key: (o.size, o.version, json.loads(raw)) for o, raw in fresh if o.version})
+        _save(store, kept)
+    log.debug("%s: %d commits, %d from %s", root, len(records), len(records) - len(fresh), layout.COMMIT_INDEX)
+    return [records[o.key] for o in listing if o.key in records]
+
+
+def _is_commit(key: str) -> bool:
+    shard = layout.shard_of(key, layout.COMMITS)
+    return shard is not None and key == layout.commit_key(shard)
+
+
+def _load(store: ObjectStore) -> dict[str, tuple[int, str, dict]]:
+    """{commit key: (size, version, record's JSON object)} from the index; {} when there is none to use."""
+    where = f"{store.uri.rstrip('/')}/{layout.COMMIT_INDEX}"
+    try:
+        data = store.get(layout.COMMIT_INDEX)
+    except ObjectNotFound:
+        return {}
+    except StoreError as e:
+        log.warning("could not read %s (%s): reading every commit instead", where, e)
+        return {}
+    try:
+        obj = json.loads(zstandard.ZstdDecompressor().decompress(data))
+        if obj.get("format") != INDEX_FORMAT or obj.get("version") != INDEX_VERSION:
+            raise ValueError(f"format {obj.get('format')!r} version {obj.get('version')!r}, "
+                             f"this layertap reads {INDEX_FORMAT!r} version {INDEX_VERSION}")
+        return {key: (int(size), str(version), record) for key, (size, version, record) in obj["commits"].items()}
+    except (zstandard.ZstdError, ValueError, TypeError, AttributeError, KeyError) as e:
+        log.warning("ignoring %s (%s): reading every commit instead", where, e)
+        return {}
+
+
+def _save(store: ObjectStore, entries: dict[str, tuple[int, str, dict]]) -> None:
+    obj = {"format": INDEX_FORMAT, "version": INDEX_VERSION,
+           "commits": {key: [size, version, record] for key, (size, version, record) in sorted(entries.items())}}
+    data = zstandard.ZstdCompressor(level=3).compress(json.dumps(obj, separators=(",", ":")).encode())
+    try:
+        store.put(layout.COMMIT_INDEX, data)
+    except StoreError as e:  # e.g. read-only credentials for training: correct, only slower to start
+        log.warning("could not write %s (%s): each start reads every commit", layout.COMMIT_INDEX, e)

@@ -1,0 +1,142 @@
+"""The commit index: a reader's start costs a listing and one GET, and never trusts a stale entry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import zstandard
+
+import fake_worker
+from manifests import layout
+from manifests.commit_index import read_commits
+from manifests.records import decode_commit
+from storage.store import ObjectNotFound, StoreError, open_store
+from train import ShardStream
+
+
+class CountingStore:
+    """The store, with the keys of its GETs and PUTs recorded."""
+
+    def __init__(self, store, deny_put: bool = False):
+        self.store, self.deny_put = store, deny_put
+        self.gets: list[str] = []
+        self.puts: list[str] = []
+
+    def get(self, key):
+        self.gets.append(key)
+        return self.store.get(key)
+
+    def put(self, key, data):
+        self.puts.append(key)
+        if self.deny_put:
+            raise StoreError(f"access denied writing {key!r}")
+        return self.store.put(key, data)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def one_by_one(store) -> list:
+    return [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
+
+
+def test_one_get_replaces_a_get_per_commit_and_follows_withdrawals_and_redos(store_uri):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    truth = one_by_one(store)
+    keys = [layout.commit_key(c.shard) for c in truth]
+    assert len(truth) >= 5
+
+    first = CountingStore(store)
+    assert read_commits(first, update_index=True) == truth
+    assert first.gets == [layout.COMMIT_INDEX, *keys] and first.puts == [layout.COMMIT_INDEX]
+
+    again = CountingStore(store)
+    assert read_commits(again) == truth
+    assert again.gets == [layout.COMMIT_INDEX] and again.puts == []  # nothing new to write
+
+    # `verify` withdraws shard 2 (its commit goes), the extractor redoes it (a new commit record).
+    old = decode_commit(store.get(layout.commit_key(2)), "c")
+    store.delete(layout.commit_key(2))
+    after_withdrawal = CountingStore(store)
+    assert [c.shard for c in read_commits(after_withdrawal)] == [c.shard for c in truth if c.shard != 2]
+    assert after_withdrawal.gets == [layout.COMMIT_INDEX]
+    assert fake_worker.work(store_uri) == [2]
+    redone = CountingStore(store)
+    records = read_commits(redone, update_index=True)
+    assert records == one_by_one(store)
+    assert records[2].data_key != old.data_key  # the new record, not the snapshot's
+    assert redone.gets == [layout.COMMIT_INDEX, layout.commit_key(2)]
+    assert read_commits(CountingStore(store)) == records
+
+
+def test_a_rewritten_commit_of_the_same_size_is_read_again(store_uri):
+    """Even within the second of its listing time (S3's LastModified resolution), a commit written
+    again is not taken from the snapshot: entries are matched on the object's version (S3's ETag)."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    read_commits(store, update_index=True)
+    raw = store.get(layout.commit_key(1))
+    obj = json.loads(raw)
+    obj["data_key"] = obj["data_key"][:-5] + ("b" if obj["data_key"][-5] != "b" else "c") + ".lts"
+    changed = json.dumps(obj, separators=(",", ":")).encode()
+    assert len(changed) == len(raw)
+    store.put(layout.commit_key(1), changed)
+    counting = CountingStore(store)
+    assert read_commits(counting)[1].data_key == obj["data_key"]
+    assert counting.gets == [layout.COMMIT_INDEX, layout.commit_key(1)]
+
+
+def test_a_bad_or_foreign_index_is_ignored_and_rewritten(store_uri, caplog):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    truth = one_by_one(store)
+    foreign = {"format": "layertap-commit-index", "version": 99, "commits": {}}
+    for junk in (b"not zstd", zstandard.ZstdCompressor().compress(b"{not json"),
+                 zstandard.ZstdCompressor().compress(json.dumps(foreign).encode())):
+        store.put(layout.COMMIT_INDEX, junk)
+        caplog.clear()
+        counting = CountingStore(store)
+        assert read_commits(counting, update_index=True) == truth
+        assert len(counting.gets) == 1 + len(truth) and counting.puts == [layout.COMMIT_INDEX]
+        assert f"ignoring {store.uri.rstrip('/')}/{layout.COMMIT_INDEX}" in caplog.text
+        assert read_commits(CountingStore(store)) == truth
+
+
+def test_an_index_entry_that_does_not_decode_falls_back_to_the_commit(store_uri):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    truth = one_by_one(store)
+    read_commits(store, update_index=True)
+    obj = json.loads(zstandard.ZstdDecompressor().decompress(store.get(layout.COMMIT_INDEX)))
+    obj["commits"][layout.commit_key(3)][2] = {"kind": "commit", "version": 1, "data_key": "../../etc/passwd"}
+    store.put(layout.COMMIT_INDEX, zstandard.ZstdCompressor().compress(json.dumps(obj).encode()))
+    counting = CountingStore(store)
+    assert read_commits(counting) == truth
+    assert counting.gets == [layout.COMMIT_INDEX, layout.commit_key(3)]
+
+
+def test_read_only_credentials_still_read_the_run(store_uri, caplog):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    denied = CountingStore(store, deny_put=True)
+    assert read_commits(denied, update_index=True) == one_by_one(store)
+    assert denied.puts == [layout.COMMIT_INDEX] and "could not write index/commits.json.zst" in caplog.text
+    with pytest.raises(ObjectNotFound):
+        store.get(layout.COMMIT_INDEX)
+
+
+def test_rank_0_writes_the_index_and_other_ranks_only_read_it(store_uri):
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    ShardStream(store_uri, rank=1, world_size=2)
+    with pytest.raises(ObjectNotFound):
+        store.get(layout.COMMIT_INDEX)
+    a = ShardStream(store_uri, rank=0, world_size=2)
+    assert store.get(layout.COMMIT_INDEX)
+    gets, get = [], store.get
+    store.get = lambda key: (gets.append(key), get(key))[1]
+    b = ShardStream(store, rank=1, world_size=2)
+    assert [g for g in gets if g.startswith(layout.COMMITS)] == [] and layout.COMMIT_INDEX in gets
+    assert b.shards == a.shards
