@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RGW_SH = ROOT / ".ci" / "rgw.sh"
-MODULES = ["tests/test_store.py", "tests/test_shard.py", "tests/test_manifest.py"]
+MODULES = ["tests/test_store.py", "tests/test_shard.py", "tests/test_manifest.py", "tests/test_commit_index.py"]
 
 
 def _have_rgw() -> bool:
