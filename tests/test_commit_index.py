@@ -88,6 +88,7 @@ def test_a_rewritten_commit_of_the_same_size_is_read_again(store_uri):
     assert counting.gets == [layout.COMMIT_INDEX, layout.commit_key(1)]
 
 
+@pytest.mark.moto_only  # index logic: no S3 call the first two tests do not make
 def test_a_bad_or_foreign_index_is_ignored_and_rewritten(store_uri, caplog):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
@@ -104,6 +105,7 @@ def test_a_bad_or_foreign_index_is_ignored_and_rewritten(store_uri, caplog):
         assert read_commits(CountingStore(store)) == truth
 
 
+@pytest.mark.moto_only  # index logic: no S3 call the first two tests do not make
 def test_an_index_entry_that_does_not_decode_falls_back_to_the_commit(store_uri):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
@@ -117,6 +119,7 @@ def test_an_index_entry_that_does_not_decode_falls_back_to_the_commit(store_uri)
     assert counting.gets == [layout.COMMIT_INDEX, layout.commit_key(3)]
 
 
+@pytest.mark.moto_only  # index logic: no S3 call the first two tests do not make
 def test_read_only_credentials_still_read_the_run(store_uri, caplog):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
@@ -127,6 +130,7 @@ def test_read_only_credentials_still_read_the_run(store_uri, caplog):
         store.get(layout.COMMIT_INDEX)
 
 
+@pytest.mark.moto_only  # index logic: no S3 call the first two tests do not make
 def test_rank_0_writes_the_index_and_other_ranks_only_read_it(store_uri):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
