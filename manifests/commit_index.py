@@ -41,17 +41,16 @@ def read_commits(store: ObjectStore, threads: int = 16, update_index: bool = Fal
     listing = [o for o in store.list(layout.COMMITS) if _is_commit(o.key)]
     snapshot = _load(store)
     root = store.uri.rstrip("/")
-    parsed: dict[str, dict] = {}  # listed commits the snapshot holds unchanged, as JSON objects
+    records: dict[str, CommitRecord] = {}
+    indexed: dict[str, dict] = {}  # listed commits the snapshot holds unchanged, as JSON objects
     for o in listing:
         entry = snapshot.get(o.key)
         if entry is not None and o.version and (entry[0], entry[1]) == (o.size, o.version):
-            parsed[o.key] = entry[2]
-    records: dict[str, CommitRecord] = {}
-    for key, obj in parsed.items():
-        try:
-            records[key] = decode_commit(obj, f"{root}/{key}")
-        except ManifestError:  # read the commit itself: its own error, if any, names it
-            pass
+            try:
+                records[o.key] = decode_commit(entry[2], f"{root}/{o.key}")
+                indexed[o.key] = entry[2]
+            except ManifestError:  # read the commit itself: its own error, if any, names it
+                pass
     todo = [o for o in listing if o.key not in records]
 
     def get(o: ObjectInfo) -> tuple[ObjectInfo, bytes | None]:
@@ -67,8 +66,8 @@ def read_commits(store: ObjectStore, threads: int = 16, update_index: bool = Fal
                 if raw is not None:
                     records[o.key] = decode_commit(raw, f"{root}/{o.key}")
                     fresh.append((o, raw))
-    if update_index and fresh:
-        kept = {o.key: (o.size, o.version, parsed[o.key]) for o in listing if o.key in parsed and o.key in records}
+    if update_index and any(o.version for o, _ in fresh):  # a store without versions gets no index
+        kept = {o.key: (o.size, o.version, indexed[o.key]) for o in listing if o.key in indexed}
         kept.update({o.key: (o.size, o.version, json.loads(raw)) for o, raw in fresh if o.version})
         _save(store, kept)
     log.debug("%s: %d commits, %d from %s", root, len(records), len(records) - len(fresh), layout.COMMIT_INDEX)

@@ -4,8 +4,9 @@
     for sample in stream: ...          # dicts of tensors; or batches through `StreamLoader`
 
 Reading the run costs one listing of `commits/` and one GET of the commit index (a GET per
-commit it lacks; rank 0 then rewrites it: `manifests.commit_index`); only shards a commit names are read, and each is checked against its commit (run, shard id, sample
-ids, and for whole-object reads the object hash). The order of an epoch is computed from indices
+commit it lacks; rank 0 then rewrites it: `manifests.commit_index`); only shards a commit names
+are read, and each is checked against its commit (run, shard id, sample ids, and for
+whole-object reads the object hash). The order of an epoch is computed from indices
 alone (`train.order`), records arrive through `train.fetch` (ranged GETs into RAM under a byte
 budget, every record's hashes checked) and are decoded a few samples ahead of the consumer.
 
