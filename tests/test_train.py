@@ -342,3 +342,45 @@ def test_two_ranks_train_together_over_gloo(run, target, tmp_path):
     single = str(tmp_path / "single")
     assert train_cli("--data", run, "--model", target, "--out", single, "--steps", "1", *FAST) == 0
     assert m[0]["tokens"] > metrics(single)[0]["tokens"]
+
+
+def test_prefetched_batches_are_not_counted_until_taken(run):
+    """The trainer's Prefetcher reads ahead on a thread; its state counts only the batches the
+    trainer took, so a resume from it repeats none and skips none, across an epoch boundary too."""
+    from train import ShardStream, StreamLoader
+    from train.loader import Prefetcher
+
+    def loader() -> StreamLoader:
+        return StreamLoader(ShardStream(run, seed=5, shuffle_buffer=8), batch_size=4)
+
+    whole = loader()
+    with Prefetcher(whole, depth=3) as p:
+        plain = [p.next()["sample_id"] for _ in range(16)]  # 40 samples: 10 batches per epoch
+    assert sorted(sum(plain[:10], [])) == sorted(set(sum(plain[:10], []))) and plain[10] != plain[0]
+    for taken in (3, 11):
+        ahead = loader()
+        with Prefetcher(ahead, depth=3) as p:
+            got = [p.next()["sample_id"] for _ in range(taken)]
+            deadline = time.time() + 60
+            while ahead.state_dict() == p.state_dict() and time.time() < deadline:
+                time.sleep(0.01)  # the thread has read past what was taken
+            state = p.state_dict()
+        assert ahead.state_dict() != state and state["epoch"] == taken // 10
+        assert got == plain[:taken]
+        resumed = loader()
+        resumed.load_state_dict(state)
+        with Prefetcher(resumed) as p:
+            assert [p.next()["sample_id"] for _ in range(16 - taken)] == plain[taken:]
+
+
+def test_a_loader_error_reaches_the_training_thread(run):
+    from train import ShardStream, StreamLoader
+    from train.loader import Prefetcher
+
+    def broken(samples):
+        raise ValueError("collate failed on purpose")
+
+    with Prefetcher(StreamLoader(ShardStream(run), batch_size=4, collate_fn=broken)) as p:
+        for _ in range(2):  # and again on a later call
+            with pytest.raises(ValueError, match="on purpose"):
+                p.next()

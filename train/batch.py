@@ -21,10 +21,14 @@ def _final_states(samples: Sequence[dict[str, Any]]) -> bool:
 
 
 def collate(samples: Sequence[dict[str, Any]], *, pad_token_id: int = 0,
-            pad_to_multiple_of: int | None = None) -> dict[str, Any]:
+            pad_to_multiple_of: int | None = None, pin_memory: bool = False) -> dict[str, Any]:
     """Right-pad to the longest sample: input_ids [B, T], loss_mask [B, T], attention_mask [B, T]
     (bool), hidden_states [B, T, L, H], final_state [B, T, H] if present, lengths [B], padding [B]
-    (zero-weighted repeats) and sample_id (list of str). Padded positions have loss_mask 0."""
+    (zero-weighted repeats) and sample_id (list of str). Padded positions have loss_mask 0.
+
+    `pin_memory`: the states are written straight into page-locked memory, from which a copy to
+    the GPU runs asynchronously, instead of being copied once more to pin them (in the process
+    that owns the GPU only: not in a DataLoader worker)."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
@@ -37,18 +41,20 @@ def collate(samples: Sequence[dict[str, Any]], *, pad_token_id: int = 0,
         "input_ids": torch.full((b, t), pad_token_id, dtype=torch.int64),
         "loss_mask": torch.zeros((b, t), dtype=torch.uint8),
         "attention_mask": torch.zeros((b, t), dtype=torch.bool),
-        "hidden_states": torch.zeros((b, t, *hs.shape[1:]), dtype=hs.dtype),
+        "hidden_states": torch.empty((b, t, *hs.shape[1:]), dtype=hs.dtype, pin_memory=pin_memory),
     }
     final = _final_states(samples)
     if final:
-        out["final_state"] = torch.zeros((b, t, samples[0]["final_state"].shape[-1]), dtype=hs.dtype)
+        out["final_state"] = torch.empty((b, t, samples[0]["final_state"].shape[-1]), dtype=hs.dtype,
+                                         pin_memory=pin_memory)
+    states = ("hidden_states", "final_state") if final else ("hidden_states",)
     for i, (s, n) in enumerate(zip(samples, lengths)):
         out["input_ids"][i, :n] = s["input_ids"]
         out["loss_mask"][i, :n] = s["loss_mask"]
         out["attention_mask"][i, :n] = True
-        out["hidden_states"][i, :n] = s["hidden_states"]
-        if final:
-            out["final_state"][i, :n] = s["final_state"]
+        for key in states:  # written once: the sample, then zeros on the padding only
+            out[key][i, :n] = s[key]
+            out[key][i, n:] = 0
     out["lengths"] = torch.tensor(lengths, dtype=torch.int64)
     out["padding"] = torch.tensor([bool(s.get("padding", False)) for s in samples])
     out["sample_id"] = [s["sample_id"] for s in samples]

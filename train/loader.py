@@ -8,12 +8,20 @@ worker's counters; the trainer's side adds up what it actually received, and rem
 batch is due next in the DataLoader's round-robin (which skips exhausted workers). A resumed
 loader rotates the shares so its first worker is that one: the batch order continues exactly.
 The state is exact at any batch boundary, whatever the DataLoader prefetched.
+
+`Prefetcher` takes batches from a `StreamLoader` on a thread, ahead of the trainer, and moves
+their states to the GPU there; its `state_dict()` is the loader's state as of the last batch the
+trainer took, so batches prefetched but never taken are read again after a resume.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from typing import Any, Callable, Iterator
 
+import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from train.batch import collate
@@ -103,3 +111,106 @@ class StreamLoader:
         if stream._epoch == epoch and stream._position is position:
             stream._position = stream._counts(workers)
             stream._normalize()
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Prefetcher:
+    """Batches of `loader` across epochs, prepared `depth` ahead on a thread of their own.
+
+    The thread runs the loader (with num_workers=0 that includes decoding handoffs and collate),
+    pins the states unless collate already wrote them pinned, and copies the `device_keys` to
+    `device` on a side stream, so the training thread neither collates nor waits for a host to
+    device copy: it takes a batch whose states are already on the GPU. `wait` adds up the time
+    the training thread spent blocked in `next()`: the real data wait. At most `depth` batches
+    are ahead of the one being trained on.
+    """
+
+    def __init__(self, loader: StreamLoader, device: torch.device | str = "cpu", depth: int = 2,
+                 device_keys: tuple[str, ...] = ("hidden_states", "final_state")):
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.loader, self.device, self.device_keys = loader, torch.device(device), device_keys
+        self._state = loader.state_dict()  # as of the last batch taken: none yet
+        self.wait = 0.0
+        self._ready: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(depth)
+        self._stop = threading.Event()
+        cuda = self.device.type == "cuda"
+        self._consumer_stream = torch.cuda.current_stream(self.device) if cuda else None
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._thread = threading.Thread(target=self._run, name="layertap-prefetch", daemon=True)
+        self._thread.start()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state after the last batch `next()` returned (exact for a resume)."""
+        return self._state
+
+    @property
+    def epoch(self) -> int:
+        return int(self._state["epoch"])
+
+    def next(self) -> dict[str, Any]:
+        t = time.perf_counter()
+        item = self._ready.get()
+        self.wait += time.perf_counter() - t
+        if isinstance(item, _Failed):
+            self._ready.put(item)  # every later call fails the same way
+            raise item.error
+        batch, self._state = item
+        self._slots.release()
+        return batch
+
+    def take_wait(self) -> float:
+        w, self.wait = self.wait, 0.0
+        return w
+
+    def close(self) -> None:
+        self._stop.set()
+        self._slots.release()  # a thread waiting for a slot sees the stop
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batches, n = iter(self.loader), 0  # a finished epoch moves on to the next by itself
+                try:
+                    while True:
+                        self._slots.acquire()
+                        if self._stop.is_set():
+                            return
+                        batch = next(batches, None)
+                        if batch is None:
+                            self._slots.release()
+                            if n == 0:
+                                raise RuntimeError("the loader yielded no batch in a whole epoch")
+                            break
+                        n += 1
+                        state = self.loader.state_dict()  # counts this batch and those before it
+                        self._ready.put((self._to_device(batch), state))
+                finally:
+                    batches.close()
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread, raised there
+            self._ready.put(_Failed(e))
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if self._copy_stream is None:
+            return batch
+        with torch.cuda.stream(self._copy_stream):
+            for key in self.device_keys:
+                t = batch.get(key)
+                if isinstance(t, torch.Tensor):
+                    t = (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
+                    t.record_stream(self._consumer_stream)  # freed after the training stream's use
+                    batch[key] = t
+        self._copy_stream.synchronize()  # this thread waits for the copy; the training thread never does
+        return batch

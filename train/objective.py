@@ -5,7 +5,9 @@ the first drafted token are both assistant output); up to `max_anchors` per sequ
 without replacement from a generator the caller seeds per step, so a resumed run draws the same
 anchors. Block slot ``k >= 1`` predicts ``input_ids[a+k]`` with weight
 ``loss_mask[a+k] * exp(-(k-1)/gamma)``: early slots matter most, since a draft is accepted only
-up to its first miss. The head is applied only where the weight is non-zero.
+up to its first miss. The head is applied only where the weight is non-zero, and a chunk of rows
+at a time: at a 27B target's vocabulary (248,320) the logits of 512 anchors x 15 slots would
+take 7.1 GiB in fp32, several times over with their softmax and gradients.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class Blocks:
 class StepLoss:
     loss: torch.Tensor  # scalar, weighted mean over this batch
     weight: float  # the sum of weights behind it
-    correct: torch.Tensor  # [block] greedy hits per slot (loss-masked targets only)
-    counted: torch.Tensor  # [block] loss-masked targets per slot
+    correct: torch.Tensor  # [block] greedy hits per slot (loss-masked targets only), on the model's device
+    counted: torch.Tensor  # [block] loss-masked targets per slot, on the CPU
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, max_anchors: int,
@@ -71,8 +73,16 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     return Blocks(anchors, valid, labels, mask * decay)
 
 
-def dflash_loss(model: DFlashDrafter, batch: dict, generator: torch.Generator) -> StepLoss:
-    """The weighted CE of one padded batch (`train.batch.collate`'s keys)."""
+def dflash_loss(model: DFlashDrafter, batch: dict, generator: torch.Generator,
+                chunk_rows: int | None = None) -> StepLoss:
+    """The weighted CE of one padded batch (`train.batch.collate`'s keys).
+
+    Anchors, labels and weights are made on the CPU from the batch's CPU tensors, so which rows
+    the head sees is known without asking the GPU: nothing here waits for the device, and the
+    host can queue the next step while this one runs. `chunk_rows`: rows of the frozen head's
+    logits computed at once (`head_cross_entropy`); None sizes it from the vocabulary, 0 runs
+    the unchunked reference.
+    """
     inner: DFlashDrafter = getattr(model, "module", model)  # under DDP, the wrapped drafter
     c = inner.config
     anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], c.max_anchors, generator)
@@ -80,19 +90,85 @@ def dflash_loss(model: DFlashDrafter, batch: dict, generator: torch.Generator) -
                            c.block_size, c.gamma)
     device = next(p for p in model.parameters() if p.requires_grad).device
     anchor_tokens = torch.gather(batch["input_ids"], 1, anchors)
-    hidden = model(batch["hidden_states"].to(device), anchors.to(device), anchor_tokens.to(device))
-    weights = blocks.weights.to(device)
-    keep = weights > 0
-    slots = torch.arange(c.block_size, device=device).expand_as(weights)[keep]
-    counted = torch.bincount(slots, minlength=c.block_size).cpu()
-    if not bool(keep.any()):  # nothing supervised here: a zero loss that still reaches every weight (DDP)
-        zero = hidden.sum() * 0.0
-        return StepLoss(zero, 0.0, torch.zeros(c.block_size, dtype=torch.int64), counted)
-    logits = inner.logits(hidden[keep]).float()
-    labels = blocks.labels.to(device)[keep]
-    w = weights[keep]
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    loss = (ce * w).sum() / w.sum()
-    hits = (logits.argmax(-1) == labels).long()
-    correct = torch.zeros(c.block_size, dtype=torch.int64, device=device).scatter_add_(0, slots, hits).cpu()
-    return StepLoss(loss, float(w.sum()), correct, counted)
+    hidden = model(to_device(batch["hidden_states"], device), to_device(anchors, device),
+                   to_device(anchor_tokens, device))
+    weights = blocks.weights.flatten()
+    rows = (weights > 0).nonzero().flatten()  # the order of a boolean mask over [B, A, block]
+    slots = rows % c.block_size
+    counted = torch.bincount(slots, minlength=c.block_size)
+    if rows.numel() == 0:  # nothing supervised here: a zero loss that still reaches every weight (DDP)
+        return StepLoss(hidden.sum() * 0.0, 0.0, torch.zeros(c.block_size, dtype=torch.int64, device=device),
+                        counted)
+    w = weights[rows]
+    total = float(w.sum())
+    picked = hidden.reshape(-1, c.hidden_size).index_select(0, to_device(rows, device))
+    loss, hits = head_cross_entropy(picked, inner.lm_head, to_device(blocks.labels.flatten()[rows], device),
+                                    to_device(w / total, device), chunk_rows)
+    correct = torch.zeros(c.block_size, dtype=torch.int64, device=device)
+    correct.index_add_(0, to_device(slots, device), hits.long())
+    return StepLoss(loss, total, correct, counted)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a stream sync (a blocking copy to CUDA synchronizes the
+    whole stream); a no-op for one already there."""
+    return t.to(device, non_blocking=True)
+
+
+def default_chunk_rows(vocab: int) -> int:
+    """Rows whose fp32 logits take ~1 GiB: large enough for a full-speed matmul, small enough that
+    the head's logits never dominate the step's memory (7,680 rows x 248,320 would take 7.1 GiB)."""
+    return max(1, (1 << 28) // vocab)
+
+
+def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                       chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of weights * CE of `hidden @ head.T` against labels, greedy hits [N] bool), for rows
+    `hidden` [N, H] and a frozen `head` [V, H]. The logits are made `chunk_rows` rows at a time
+    and the gradient w.r.t. `hidden` in the same pass, so full-vocabulary logits never exist for
+    all rows at once; `chunk_rows=0` is the plain unchunked computation, kept as the reference."""
+    if chunk_rows == 0:
+        logits = (hidden @ head.to(hidden.dtype).t()).float()
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        return (ce * weights).sum(), logits.argmax(-1) == labels
+    return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk_rows or default_chunk_rows(head.shape[0]))
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Forward computes, per chunk of rows, logits -> weighted CE, argmax hits and d(loss)/d(hidden)
+    (softmax minus one-hot, times the row's weight, back through the head); backward only scales
+    the saved gradient. The head is frozen: it gets no gradient. Under autocast the matmuls run in
+    the autocast dtype and the softmax in fp32, as the unchunked path's do."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kind = hidden.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+        n = hidden.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        with torch.autocast(kind, enabled=False):
+            w = head.to(dtype)
+            for s in range(0, n, chunk_rows):
+                e = min(n, s + chunk_rows)
+                logits = (hidden[s:e].to(dtype) @ w.t()).float()
+                y = labels[s:e]
+                lse = torch.logsumexp(logits, dim=-1)
+                loss += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * weights[s:e]).sum()
+                hits[s:e] = logits.argmax(-1) == y
+                if grad is not None:
+                    p = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                    p.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
+                    p.mul_(weights[s:e, None].float())
+                    grad[s:e] = p.to(dtype) @ w
+                del logits
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_hits: torch.Tensor | None):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ from storage.store import open_store
 from train.checkpoint import export_drafter, load_latest, restore, save_checkpoint
 from train.config import TrainConfig
 from train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
-from train.loader import StreamLoader
+from train.batch import collate
+from train.loader import Prefetcher, StreamLoader
 from train.objective import dflash_loss
 from train.stream import ShardStream
 from train.target_head import load_target_head
@@ -131,15 +133,21 @@ def train(cfg: TrainConfig) -> int:
                          "that run, or choose another --out")
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
-    model = build_drafter(cfg, run.config, ckpt.state["drafter"] if ckpt else None).to(acc.device)
+    model = build_drafter(cfg, run.config, ckpt.state["drafter"] if ckpt else None)
+    if precision == "bf16":
+        model.borrowed_to(torch.bfloat16)
+    model.to(acc.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused on CUDA: one kernel, and none of the foreach path's temporaries the size of all weights
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda)
     ddp_model, optimizer = acc.prepare(model, optimizer)
 
     with acc.main_process_first():  # rank 0 refreshes the run's commit index; the others then read it
         stream = ShardStream(cfg.data, seed=cfg.seed, rank=rank, world_size=world, shuffle_buffer=cfg.shuffle_buffer,
                              memory_budget=cfg.memory_budget, fetch_threads=cfg.fetch_threads, store_options=cfg.s3)
-    loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    # collate writes the states into pinned memory where it runs in this process (no workers)
+    loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                          collate_fn=partial(collate, pin_memory=cuda and cfg.num_workers == 0))
     steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
     total = cfg.steps or cfg.epochs * steps_per_epoch
     lines: list[str] = []
@@ -159,7 +167,16 @@ def train(cfg: TrainConfig) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGUSR1, _on_signal)
-    batches = _Batches(loader)
+    with Prefetcher(loader, acc.device) as batches:
+        return _loop(cfg, acc, gather_object, ddp_model, model, params, optimizer, batches, out, metrics,
+                     start, total, world, rank)
+
+
+def _loop(cfg, acc, gather_object, ddp_model, model, params, optimizer, batches: Prefetcher, out, metrics,
+          start: int, total: int, world: int, rank: int) -> int:
+    """The steps. Nothing in a step waits for the GPU but the one reduce at its end: the step's
+    numbers are summed on the device (host-known ones on the host) and read back together."""
+    bs, device = model.config.block_size, acc.device
     progress = _progress(rank, start, total)
     step = start
     while step < total:
@@ -167,7 +184,9 @@ def train(cfg: TrainConfig) -> int:
         lr = lr_at(step, total, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sums = torch.zeros(3 + 2 * model.config.block_size, dtype=torch.float64)
+        # [loss x weight, weight, tokens, hits per slot, counted per slot, grad norm, stop]
+        on_device = torch.zeros(5 + 2 * bs, dtype=torch.float64, device=device)
+        on_host = torch.zeros(5 + 2 * bs, dtype=torch.float64)
         seen = xxhash.xxh64()
         for micro in range(cfg.grad_accum):
             batch = batches.next()
@@ -177,23 +196,26 @@ def train(cfg: TrainConfig) -> int:
                 with acc.autocast():
                     result = dflash_loss(ddp_model, batch, anchor_generator(cfg.seed, step, micro, rank))
                 acc.backward(result.loss / cfg.grad_accum)
-            bs = model.config.block_size
-            sums[0] += float(result.loss.detach()) * result.weight
-            sums[1] += result.weight
-            sums[2] += int(batch["lengths"].sum())
-            sums[3:3 + bs] += result.correct
-            sums[3 + bs:] += result.counted
+            on_device[0] += result.loss.detach().double() * result.weight
+            on_device[3:3 + bs] += result.correct
+            on_host[1] += result.weight
+            on_host[2] += int(batch["lengths"].sum())
+            on_host[3 + bs:3 + 2 * bs] += result.counted
+            del batch, result  # the states on the GPU go back to the allocator before the next batch
         grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        flag = torch.tensor([float(_stop_requested)], dtype=torch.float64)
-        totals = acc.reduce(torch.cat((sums, flag)).to(acc.device), reduction="sum").cpu()
+        on_device[-2] = grad_norm / world  # the same on every rank (DDP): each adds its share
+        on_host[-1] = float(_stop_requested)
+        totals = acc.reduce(on_device + on_host.to(device, non_blocking=True), reduction="sum").cpu()
         stop = bool(totals[-1] > 0)
         elapsed = time.perf_counter() - t0
         if metrics is not None:
-            record = _record(step, loader.epoch, totals[:-1], model.config.block_size, lr, float(grad_norm),
-                             elapsed, batches.take_wait())
+            record = _record(step, batches.epoch, totals[:-2], bs, lr, float(totals[-2]), elapsed,
+                             batches.take_wait())
+            if device.type == "cuda":
+                record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
             record["samples_digest"] = seen.hexdigest()  # rank 0's samples this step, to compare runs
             metrics.add(record)
             progress.update(1)
@@ -206,7 +228,7 @@ def train(cfg: TrainConfig) -> int:
         else:
             batches.take_wait()
         if step % cfg.save_every == 0 or step == total or stop:
-            _save(acc, gather_object, out, step, model, optimizer, loader, cfg, world, metrics)
+            _save(acc, gather_object, out, step, model, optimizer, batches, cfg, world, metrics)
         if stop:
             log.warning("stopped at step %d by a signal; `layertap train ... --resume` continues", step)
             progress.close()
@@ -222,29 +244,6 @@ def train(cfg: TrainConfig) -> int:
     return 0
 
 
-class _Batches:
-    """Micro-batches across epoch boundaries, timing the wait for data."""
-
-    def __init__(self, loader: StreamLoader):
-        self.loader, self.it, self.wait = loader, None, 0.0
-
-    def next(self) -> dict:
-        t = time.perf_counter()
-        if self.it is None:
-            self.it = iter(self.loader)
-        try:
-            batch = next(self.it)
-        except StopIteration:  # the loader has moved on to the next epoch by itself
-            self.it = iter(self.loader)
-            batch = next(self.it)
-        self.wait += time.perf_counter() - t
-        return batch
-
-    def take_wait(self) -> float:
-        w, self.wait = self.wait, 0.0
-        return w
-
-
 def _record(step: int, epoch: int, t: torch.Tensor, bs: int, lr: float, grad_norm: float, elapsed: float,
             wait: float) -> dict[str, Any]:
     loss = float(t[0] / t[1]) if t[1] > 0 else float("nan")
@@ -257,7 +256,7 @@ def _record(step: int, epoch: int, t: torch.Tensor, bs: int, lr: float, grad_nor
             "time": time.time()}
 
 
-def _save(acc, gather_object, out, step, model, optimizer, loader, cfg, world, metrics) -> None:
+def _save(acc, gather_object, out, step, model, optimizer, batches, cfg, world, metrics) -> None:
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
     total = torch.tensor([sum(float(p.detach().double().sum()) for p in model.trainable_state().values())],
@@ -266,7 +265,7 @@ def _save(acc, gather_object, out, step, model, optimizer, loader, cfg, world, m
     if len(set(sums)) > 1:
         raise RuntimeError(f"drafter replicas differ across ranks at step {step} (weight sums {sums}); "
                            "not saving a checkpoint from diverged ranks")
-    states = gather_object([loader.state_dict()])
+    states = gather_object([batches.state_dict()])  # what this rank trained on, not what it prefetched
     if acc.is_main_process:
         state = {"config": cfg.identity(), "world_size": world, "loader": states}
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
