@@ -6,10 +6,21 @@
 #   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: all steps)
 #
 # What it needs beside the repo (made by bench/device_prep.sh here; carry both folders):
-#   .whl/       wheels the GPU image lacks (boto3, moto[server], zstandard, ...) for its Python
-#   .devcache/  tests/activations.py's cached SmolLM2 activations (the loader bench's samples),
-#               since the model is not on that machine
-# Steps:
+#   .whl/       wheels the GPU image lacks (boto3, moto[server], zstandard, transformers, ...) for its
+#               Python; .whl/fla/ holds flash-linear-attention, installed apart (/tmp/fla) so that
+#               the reference step runs on transformers' torch fallback
+#   .devcache/  tests/activations.py's cached SmolLM2 activations (the loader bench's samples), and
+#               e2e/ (bench/cli_e2e.py's target and rows), since SmolLM2 is not on that machine
+# Steps (default: e2e ref extract train compile; e2e runs in the background beside ref):
+#   e2e      bench/cli_e2e.py: the real CLI (extract -> status -> verify -> train -> eval) on a small
+#            random qwen3_5_text target into moto on this host
+#   ref      bench/gpu_extract.py without fla: the torch-fallback forward's speed and the fp32
+#            reference states the fast kernels are compared with
+#   extract  bench/gpu_extract.py with fla: eager, + fla's short convolution, 32k-token batches,
+#            errors vs the reference, the top kernels, the pipeline into tmpfs and into moto
+#   train    bench/gpu_train_cli.py: the real `layertap train` from moto at Qwen3.6-27B's shapes
+#            and with a small drafter (data wait, tokens/s, peak memory)
+#   compile  bench/gpu_extract.py on 16 layers: eager vs torch.compile of each decoder layer
 #   loader   bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs (issue 5),
 #            with 2, 4 and 8 decode threads beside the default
 #   stages   (only when named) the loader's stages on bf16-zstd at 4 GB (passes of ~5 s, so the
@@ -19,24 +30,30 @@
 #            the glibc settings the Slurm training jobs export (docs/LOADER.md, "Memory
 #            allocator"), beside the same at defaults
 #   writer   bench/writer.py: streaming writer vs boto3 upload_file, and moto's ingest ceiling there
-#   train    bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
-#   extract  bench/gpu_extract.py: 27B-sized random-init target, bare forward vs the pipeline
+#   step     bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
 set -u
 out=${1:?usage: bench/device_checks.sh OUTDIR [STEP ...]}
 shift
-steps=${*:-loader writer train extract}
+steps=${*:-e2e ref extract train compile}
 mkdir -p "$out"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
     export PYTHONPATH=/tmp/site
 fi
+if [ -d .whl/fla ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla .whl/fla/*.whl \
+        || exit 1
+fi
+with_fla="env PYTHONPATH=/tmp/fla:${PYTHONPATH:-}"
+export TRITON_CACHE_DIR=/tmp/triton-cache  # fla's kernels compile once for all the steps
 export PYTHONUNBUFFERED=1 LAYERTAP_TEST_CACHE=$PWD/.devcache TOKENIZERS_PARALLELISM=false
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     nproc; free -g | head -2
     python3 -c "import torch, transformers, boto3, moto; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'boto3', boto3.__version__, 'moto', moto.__version__)"
+    $with_fla python3 -c "import fla; print('fla', fla.__version__)"
 } >"$out/env.txt" 2>&1
 
 step() {
@@ -48,6 +65,19 @@ step() {
     echo "step $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$out/env.txt"
 }
 
+# e2e beside ref: it is functional (a tiny model), ref's speed is only the known fallback's
+if [[ " $steps " == *" e2e "* ]]; then
+    step e2e 200 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e2e.json" &
+    e2e_pid=$!
+fi
+step ref 150 python3 bench/gpu_extract.py --variants eager --batches 2 --reference-out /tmp/ref.safetensors \
+    --json "$out/gpu_extract_fallback.json"
+[ -n "${e2e_pid:-}" ] && wait "$e2e_pid"
+step extract 240 $with_fla python3 bench/gpu_extract.py --variants eager,conv,tokens32k --profile --pipeline \
+    --reference-in /tmp/ref.safetensors --json "$out/gpu_extract.json"
+step train 170 $with_fla python3 bench/gpu_train_cli.py --json "$out/gpu_train.json"
+step compile 150 $with_fla python3 bench/gpu_extract.py --layers 1,15 --variants eager,conv,compile --batches 3 \
+    --json "$out/gpu_extract_compile.json"
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
 step stages 300 python3 bench/loader.py --rounds 3 --mb 4096 --codecs bf16-zstd --stages --workers 2 \
     --label gpu-host-stages --write-docs
@@ -57,6 +87,5 @@ malloc_env=$(python3 -c 'from slurm.scripts import MALLOC_SETTINGS as m; print(*
 step malloc 300 bash -c 'python3 bench/page_faults.py --label gpu-host --write-docs && python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-defaults \
     --write-docs && env '"$malloc_env"' python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-tuned --write-docs'
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
-step train 150 python3 bench/gpu_train.py --json "$out/gpu_train.json"
-step extract 200 python3 bench/gpu_extract.py --batches 6 --json "$out/gpu_extract.json"
+step step 150 python3 bench/gpu_train.py --json "$out/gpu_train_step.json"
 cp docs/benchmarks.md "$out/benchmarks.md"

@@ -3,7 +3,9 @@
 # no package index and no SmolLM2: run once from the repo root, then carry .whl and .devcache.
 #   .whl/       wheels its image lacks, for its Python 3.12 (its torch, transformers, numpy,
 #               xxhash, safetensors, werkzeug, click... are already there)
-#   .devcache/  tests/activations.py's cached SmolLM2 activations (computed here if missing)
+#   .whl/fla/   flash-linear-attention and fla-core (installed apart, so one step can run without them)
+#   .devcache/  tests/activations.py's cached SmolLM2 activations (computed here if missing), and
+#               e2e/: the small qwen3_5_text target and ShareGPT rows of bench/cli_e2e.py
 set -euo pipefail
 grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >>.git/info/exclude
 grep -qx '/.devcache/' .git/info/exclude || echo /.devcache/ >>.git/info/exclude
@@ -12,13 +14,18 @@ for p in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux20
     platforms+=(--platform "${p}_x86_64")
 done
 rm -rf .whl  # one version of each wheel: two stop the install there
+# the same versions as here; transformers too (the image's 5.17 differs in the hybrid caches), and
+# datasets with the two packages of its own that the image lacks
 pins=$(python -m pip show boto3 botocore s3transfer jmespath moto responses xmltodict cryptography cffi pycparser \
-    flask flask-cors blinker itsdangerous zstandard 2>/dev/null | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')
+    flask flask-cors blinker itsdangerous zstandard transformers regex datasets dill multiprocess 2>/dev/null \
+    | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl $pins
+python -m pip download -q --no-deps --only-binary=:all: -d .whl/fla flash-linear-attention==0.6.0 fla-core==0.6.0
 python -c "
 import sys; sys.path.insert(0, '.')
 from tests.activations import smollm2_activations; smollm2_activations(16, 256)"
 mkdir -p .devcache
 cp "${LAYERTAP_TEST_CACHE:-$HOME/.cache/layertap-tests}"/smollm2-v1-n16-t256-l1_8_15_22_27.safetensors .devcache/
+[ -d .devcache/e2e ] || python bench/cli_e2e.py --prepare .devcache/e2e
 du -sh .whl .devcache

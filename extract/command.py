@@ -24,7 +24,7 @@ def add_extract(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-implementation", help="sdpa (default), eager, flash_attention_2 ...")
     p.add_argument("--batch-tokens", type=int, help="padded tokens per forward batch (default 16384)")
     p.add_argument("--shard-bytes", help="target stored bytes per shard, e.g. 64MB, 1GB (default 1GB)")
-    p.add_argument("--encode-threads", type=int, help="threads compressing records (default 2)")
+    p.add_argument("--encode-threads", type=int, help="threads compressing records (default: this process's share of its CPUs, 2 to 8)")
     p.add_argument("--shards", help="static assignment: only these shard ids, e.g. 0-99 (default: any free shard)")
     p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds before a dead worker's lease expires (default 60)")
     p.add_argument("--log-dir", help="per-rank log files (default ./layertap-logs)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +19,19 @@ from storage.store import StoreError
 USER_ERRORS = (ValueError, OSError, StoreError, ManifestError, ShardError)
 
 QUICKSTART_LIMIT = 300  # conversations taken from the embedded ShareGPT when no dataset is given
+
+
+def default_encode_threads() -> int:
+    """Encoder threads for one extraction process: its share of the CPUs it may run on, 2 to 8.
+
+    An H200 forward of a 27B target produces ~0.5 GB/s of states and one thread encodes
+    bf16-zstd at ~0.5 GB/s, so 2 keep up in steady state and 8 absorb bursts (a batch arrives at
+    once); more only compete with the writer and the S3 client. The CPUs are those of this
+    process's affinity mask (Slurm's cgroup), split between the ranks started on this node.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(2, min(8, cpus // local_ranks - 1))
 
 
 @dataclass(kw_only=True)
@@ -37,7 +51,7 @@ class ExtractConfig:
     attn_implementation: str = "sdpa"
     batch_tokens: int = 16384  # padded tokens per forward batch
     shard_bytes: int = DEFAULT_SHARD_BYTES
-    encode_threads: int = 2
+    encode_threads: int | None = None  # None: sized to this process's CPUs (default_encode_threads)
     lease_ttl_s: float = 60.0
     retries: int = 1
     shards: list[int] | None = None  # a static assignment; None takes any free shard
@@ -58,6 +72,8 @@ class ExtractConfig:
         if self.batch_tokens < self.max_length:
             raise ValueError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length ({self.max_length})")
         self.shard_bytes = parse_size(self.shard_bytes)
+        if self.encode_threads is None:
+            self.encode_threads = default_encode_threads()
         if self.encode_threads < 1:
             raise ValueError("--encode-threads must be at least 1")
         if self.dataset is None and self.limit is None:

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from extract.kernels import log_kernel_paths, use_fla_short_conv
+
 LAYER_CONVENTION = "decoder_output: layer k = HF hidden_states[k+1]"
 FinalState = Literal["none", "prenorm", "postnorm"]
 FINAL_STATES = ("none", "prenorm", "postnorm")
@@ -90,6 +92,10 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         raise OSError(f"could not load target model {path!r}: {e}") from e
     model.to(device if weights else "meta").eval()
     model.requires_grad_(False)
+    if weights:
+        if str(device).startswith("cuda"):
+            use_fla_short_conv(model)
+        log_kernel_paths(model, str(device))
     config = _decoder(model).config
     info = {
         "model": path,

@@ -113,12 +113,17 @@ class _Writer(threading.Thread):
 def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: ShardMeta, out: ObjectWriter, *,
                   batch_tokens: int, pad_id: int, encode_threads: int = 2, stats: PipelineStats | None = None,
                   should_stop: Callable[[], bool] = lambda: False,
-                  on_record: Callable[[EncodedRecord], None] = lambda rec: None) -> ShardInfo:
+                  on_record: Callable[[EncodedRecord], None] = lambda rec: None,
+                  staging: HostStaging | None = None) -> ShardInfo:
     """Run `samples` through the model and stream their records into `out`; returns the shard's
-    facts for its commit. Any exception aborts the object (nothing becomes visible)."""
+    facts for its commit. Any exception aborts the object (nothing becomes visible).
+
+    `staging` keeps the pinned host buffers from shard to shard (a worker extracting many shards
+    passes one); without it each shard makes its own."""
     stats = stats or PipelineStats()
     t_start = time.perf_counter()
     on_cuda = next(capture.decoder.parameters()).device.type == "cuda"
+    staging = staging if staging is not None or not on_cuda else HostStaging()
     depth = 4 * encode_threads + 8
     try:
         shard = ShardWriter(out, meta)
@@ -138,14 +143,17 @@ def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Sh
                 hidden = hidden.to(torch.bfloat16)  # stored as bf16 whatever the forward's dtype
                 final = None if final is None else final.to(torch.bfloat16)
                 t1 = time.perf_counter()
-                hidden_host, final_host, ready = _to_host(hidden, final, on_cuda)
+                if staging is not None:
+                    hidden_host, final_host, ready, release = staging.copy(hidden, final, len(batch))
+                else:
+                    hidden_host, final_host, ready, release = hidden, final, None, None
                 stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1,
                           padded_tokens=ids.numel(), samples=len(batch), tokens=int(mask.sum()))
                 for i, s in enumerate(batch):
                     n = len(s)
                     sample = Sample(s.sample_id, s.input_ids, s.loss_mask.to(torch.uint8), hidden_host[i, :n],
                                     None if final_host is None else final_host[i, :n])
-                    writer.put(pool.submit(_encode, sample, meta, ready, stats))
+                    writer.put(pool.submit(_encode, sample, meta, ready, release, stats))
         finally:
             writer.q.put(None)
             writer.join()
@@ -158,29 +166,65 @@ def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Sh
     return info
 
 
-def _to_host(hidden: torch.Tensor, final: torch.Tensor | None, on_cuda: bool):
-    """Copy states off the device without stalling it: pinned buffers, non-blocking copies, and
-    an event the encoders wait on."""
-    if not on_cuda:
-        return hidden, final, None
-    h = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-    h.copy_(hidden, non_blocking=True)
-    f = None
-    if final is not None:
-        f = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
-        f.copy_(final, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return h, f, ready
+class HostStaging:
+    """Pinned host buffers, reused batch after batch, filled by copies on a stream of their own.
+
+    The forward of batch n+1 runs while batch n's states travel to the host, and no buffer is
+    pinned afresh per batch (pinning ~1 GB costs more than copying it). A buffer goes back to the
+    free list once every sample of its batch is encoded; when all `slots` are in use the device
+    thread waits for one, so slow encoders slow the forward down instead of filling memory.
+    """
+
+    def __init__(self, slots: int = 3):
+        self.stream = torch.cuda.Stream()
+        self._free: queue.Queue[torch.Tensor | None] = queue.Queue()
+        for _ in range(slots):
+            self._free.put(None)  # allocated on first use, at the size the batches need
+
+    def copy(self, hidden: torch.Tensor, final: torch.Tensor | None, users: int):
+        """Start the copy of a batch's states; returns host views, an event that marks them
+        complete, and the release callback each of the batch's `users` calls once done."""
+        need = hidden.numel() + (final.numel() if final is not None else 0)
+        buf = self._free.get()
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=torch.bfloat16, pin_memory=True)
+        h = buf[: hidden.numel()].view(hidden.shape)
+        f = None if final is None else buf[hidden.numel(): need].view(final.shape)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            h.copy_(hidden, non_blocking=True)
+            hidden.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+            if final is not None:
+                f.copy_(final, non_blocking=True)
+                final.record_stream(self.stream)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return h, f, ready, _Countdown(users, lambda: self._free.put(buf))
 
 
-def _encode(sample: Sample, meta: ShardMeta, ready, stats: PipelineStats) -> EncodedRecord:
-    if ready is not None:
-        ready.synchronize()
-    t0 = time.perf_counter()
-    sample.hidden_states = sample.hidden_states.contiguous()
-    if sample.final_state is not None:
-        sample.final_state = sample.final_state.contiguous()
-    rec = encode_record(sample, meta)
-    stats.add(encode_s=time.perf_counter() - t0)
-    return rec
+class _Countdown:
+    """Calls `done` once `n` users have called it."""
+
+    def __init__(self, n: int, done: Callable[[], None]):
+        self._n, self._done, self._lock = n, done, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._n -= 1
+            last = self._n == 0
+        if last:
+            self._done()
+
+
+def _encode(sample: Sample, meta: ShardMeta, ready, release, stats: PipelineStats) -> EncodedRecord:
+    try:
+        if ready is not None:
+            ready.synchronize()
+        t0 = time.perf_counter()
+        rec = encode_record(sample, meta)  # every codec copies out of the states: the buffer may go back
+        stats.add(encode_s=time.perf_counter() - t0)
+        return rec
+    finally:
+        sample.hidden_states = sample.final_state = None
+        if release is not None:
+            release()

@@ -20,7 +20,7 @@ from extract.config import ExtractConfig
 from extract.estimate import planned_bytes_per_token
 from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from extract.model import Capture, Target, default_layers, load_target
-from extract.pipeline import PipelineStats, extract_shard
+from extract.pipeline import HostStaging, PipelineStats, extract_shard
 from manifests import layout
 from manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
 from manifests.records import Producer
@@ -79,6 +79,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
     progress = Progress(rank, world, store, manifest)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     committed = 0
+    staging = HostStaging() if next(capture.decoder.parameters()).is_cuda else None  # pinned once, reused
     try:
         for claim in queue:
             try:
@@ -89,7 +90,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
                     info = extract_shard(
                         capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
                         pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
-                        should_stop=claim.lost.is_set, on_record=progress.record,
+                        should_stop=claim.lost.is_set, on_record=progress.record, staging=staging,
                     )
                     if claim.commit(info, skipped=skipped, truncated=truncated):
                         committed += 1

@@ -247,3 +247,41 @@ def test_smollm2_capture(tmp_path):
     found = _batch_mate_check(cap, ids, mask)
     print(f"smollm2: batch-mates {found}")
     assert found["max_ratio"] <= BATCH_MATE_RATIO
+
+
+def test_loading_a_hybrid_names_its_kernel_path_and_a_gpu_on_the_fallback_warns(model_dirs, caplog):
+    """`extract`, `eval` and `estimate --measure` load through load_target: one line names the
+    kernels each layer type runs, and on CUDA the reference fallback is a warning with the fix."""
+    from extract.kernels import describe, log_kernel_paths
+
+    with caplog.at_level("INFO", logger="extract.kernels"):
+        target = load_target(model_dirs["qwen3_5_text"], dtype=torch.float32)
+    lines = [r for r in caplog.records if r.name == "extract.kernels"]
+    assert len(lines) == 1 and lines[0].levelname == "INFO", [r.getMessage() for r in lines]
+    msg = lines[0].getMessage()
+    # 6 layers: 3 gated deltanet, 1 full attention, 2 gated deltanet
+    assert "linear_attention x5" in msg and "full_attention x1" in msg and "attention=sdpa" in msg
+    paths = describe(target.model)
+    linear = {c.function: c for c in paths["linear_attention"]}
+    assert {"chunk_gated_delta_rule", "causal_conv1d_fn"} <= set(linear)
+    try:
+        import fla  # noqa: F401
+        has_fla = True
+    except Exception:
+        has_fla = False
+    assert linear["chunk_gated_delta_rule"].fast is has_fla
+    assert f"chunk_gated_delta_rule={'fast' if has_fla else 'fallback'}" in msg
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="extract.kernels"):
+        log_kernel_paths(target.model, "cuda:0")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if not has_fla:
+        assert len(warnings) == 1 and "chunk_gated_delta_rule" in warnings[0] and "layertap[gpu]" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="extract.kernels"):
+        log_kernel_paths(target.model, "cpu")  # a CPU run is not told to install GPU kernels
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+    plain = load_target(model_dirs["qwen3"], dtype=torch.float32)
+    assert {k: [str(c) for c in v] for k, v in describe(plain.model).items()} == {"full_attention": ["attention=sdpa"]}
