@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,16 @@ log = logging.getLogger(__name__)
 
 
 class TargetRunner:
-    """The target with a KV cache: `step(ids)` -> greedy choices and capture-layer states."""
+    """The target with a KV cache: `step(ids)` -> greedy choices and capture-layer states, and
+    `verify(ids)` + `keep(n)` to check a drafted block and keep its first `n` tokens.
+
+    Attention layers roll back by cropping their KV cache. Linear-attention layers (the gated
+    deltanets of `qwen3_5_text` and `qwen3_next`) hold a recurrent state and a conv window that
+    every forward overwrites in place, so they cannot be cropped: `verify` snapshots them first,
+    and when part of the block is rejected `keep` restores the snapshot, crops the attention
+    layers and runs the accepted tokens again, leaving exactly the states of the accepted tokens.
+    `seconds` adds up the time that rollback costs (snapshot, restore, re-forward).
+    """
 
     def __init__(self, model: torch.nn.Module, layers: list[int]):
         from transformers import DynamicCache
@@ -47,17 +57,24 @@ class TargetRunner:
             raise ValueError(f"the drafter reads target layers {bad}, but the target has layers 0..{n - 1}: "
                              "is --model the target the drafter was trained for?")
         kinds = set(getattr(decoder.config, "layer_types", None) or [])
-        if kinds - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"the target has {sorted(kinds - {'full_attention', 'sliding_attention'})} layers, whose "
-                             "state cannot be rolled back past rejected drafts: `layertap eval` needs an "
-                             "attention-only target")
+        # Attention-only targets keep today's plain cache (every layer croppable); others get the
+        # cache their config describes, whose linear-attention layers are rolled back by snapshot.
+        self.hybrid = bool(kinds - {"full_attention", "sliding_attention"})
+        self._new_cache = (lambda: DynamicCache(config=model.config)) if self.hybrid else DynamicCache
         self._captured: dict[int, torch.Tensor] = {}
         for k in layers:
             decoder.layers[k].register_forward_hook(self._hook(k))
-        self._new_cache = DynamicCache
+        if self.hybrid:
+            _check_rollback(model.config, kinds)
         self.reset()
+        self._decoder = decoder
+        self._device = model.get_input_embeddings().weight.device
+        self._verified: tuple[int, list[int], list | None] | None = None
+        self.seconds = dict.fromkeys(("snapshot", "restore", "reforward"), 0.0)
         # transformers renamed `past_key_values` to `cache` (5.2x); take whichever this one has
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._decoder_cache_arg = ("cache" if "cache" in inspect.signature(decoder.forward).parameters
+                                   else "past_key_values")
 
     def _hook(self, k: int):
         def hook(module, args, output):
@@ -67,34 +84,118 @@ class TargetRunner:
     def reset(self) -> None:
         self.cache, self.length, self._prefilled = self._new_cache(), 0, None
 
+    @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """`step(prompt)` from an empty cache. The same prompt again (the greedy check, the
-        untrained baseline) crops the cache back to it instead: the prompt's cache entries never
+        untrained baseline) rolls the cache back to it instead: the prompt's cache entries never
         change, and its forward is most of a short decode's cost."""
         if self._prefilled is not None and self._prefilled[0] == prompt and self.length >= len(prompt):
+            if self._prefilled[2] is not None:
+                _restore(self._prefilled[2])
             self.crop(len(prompt))
             return self._prefilled[1]
         self.reset()
         result = self.step(prompt)
-        self._prefilled = (list(prompt), result)
+        self._prefilled = (list(prompt), result, _snapshot(self.cache) if self.hybrid else None)
         return result
 
     @torch.inference_mode()
     def step(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `ids` at the next positions: greedy next-token choices [n] and states [n, L, H] (bf16-rounded)."""
-        device = self.model.get_input_embeddings().weight.device
-        x = torch.tensor([ids], device=device)
+        x = torch.tensor([ids], device=self._device)
         out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: self.cache})
         self.length += len(ids)
         states = torch.stack([self._captured[k][0] for k in self.layers], dim=1)
         return out.logits[0].argmax(-1).cpu(), states.to(torch.bfloat16).float().cpu()
 
+    def verify(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step(ids)` that `keep` can take back to any prefix of `ids`."""
+        snapshot = None
+        if self.hybrid:
+            with self._timed("snapshot"):
+                snapshot = _snapshot(self.cache)
+        self._verified = (self.length, list(ids), snapshot)
+        return self.step(ids)
+
+    @torch.inference_mode()
+    def keep(self, n: int) -> None:
+        """Keep the first `n` tokens of the last `verify` in the cache, as if only they had been run."""
+        assert self._verified is not None, "keep() follows verify()"
+        base, ids, snapshot = self._verified
+        self._verified = None
+        if n == len(ids):
+            return
+        if snapshot is None:
+            self.crop(base + n)
+            return
+        with self._timed("restore"):
+            _restore(snapshot)
+            self.crop(base)
+        with self._timed("reforward"):  # no head: only the cache matters, the choices are known
+            x = torch.tensor([ids[:n]], device=self._device)
+            self._decoder(input_ids=x, use_cache=True, **{self._decoder_cache_arg: self.cache})
+            self.length += n
+
     def crop(self, length: int) -> None:
-        """Keep the first `length` positions. A negative count removes from the end in every
-        transformers version (a positive one meant "keep" before 5.2x and is refused after)."""
+        """Drop the attention layers' entries past `length` (linear-attention layers are restored
+        from a snapshot instead). A negative count removes from the end in every transformers
+        version (a positive one meant "keep" before 5.2x and is refused after)."""
         if length < self.length:
-            self.cache.crop(length - self.length)
+            if self.hybrid:
+                from transformers.cache_utils import DynamicLayer
+
+                for layer in self.cache.layers:
+                    if isinstance(layer, DynamicLayer):
+                        DynamicLayer.crop(layer, length - self.length)
+            else:
+                self.cache.crop(length - self.length)
             self.length = length
+
+    @contextmanager
+    def _timed(self, what: str):
+        t0 = time.perf_counter()
+        yield
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self.seconds[what] += time.perf_counter() - t0
+
+
+def _check_rollback(config, kinds: set[str]) -> None:
+    """Refuse a target whose cache has a layer kind `keep` cannot roll back (sliding windows that
+    drop old entries, compressed or indexed attention, ...), naming the kinds."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
+
+    try:
+        names = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    except (KeyError, ValueError, TypeError) as e:  # a layer kind transformers' cache does not know
+        names = {f"unknown ({e})"}
+    rollable = (DynamicLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer)
+    odd = sorted(names - {c.__name__ for c in rollable})
+    if odd or not names:
+        raise ValueError(f"the target's layers ({sorted(kinds)}) use cache layers {odd or 'none'} that `layertap "
+                         "eval` cannot roll back past rejected drafts: it supports full and sliding attention, "
+                         "and full attention mixed with linear attention (qwen3_5_text, qwen3_next)")
+
+
+def _snapshot(cache) -> list[tuple[Any, dict, dict, dict]]:
+    """Copies of every linear-attention layer's conv and recurrent states."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return [(layer, {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
+             {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None},
+             dict(layer.has_previous_state))
+            for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def _restore(snapshot: list[tuple[Any, dict, dict, dict]]) -> None:
+    """Put a `_snapshot` back, in place: the layers' tensors keep their identity (and address)."""
+    for layer, conv, recurrent, previous in snapshot:
+        for i, s in conv.items():
+            layer.conv_states[i].copy_(s)
+        for i, s in recurrent.items():
+            layer.recurrent_states[i].copy_(s)
+        layer.has_previous_state.update(previous)
 
 
 @dataclass
@@ -122,12 +223,12 @@ def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: lis
         a = context.shape[0]  # the anchor's position: every earlier position has target states
         hidden = drafter(context[None], torch.tensor([[a]]), torch.tensor([[anchor]]))
         draft = drafter.logits(hidden[0, 0, 1:]).argmax(-1).tolist()
-        choice, states = target.step([anchor, *draft])
+        choice, states = target.verify([anchor, *draft])
         m = 0
         while m < len(draft) and draft[m] == int(choice[m]):
             m += 1
         new = [*draft[:m], int(choice[m])]
-        target.crop(a + m + 1)  # anchor and accepted drafts stay; the rejected tail leaves the cache
+        target.keep(m + 1)  # anchor and accepted drafts stay; the rejected tail leaves the cache
         context = torch.cat((context, states[: m + 1]))
         result.tokens.extend(new)
         result.accepted.append(m + 1)
@@ -222,14 +323,22 @@ def evaluate(drafter_uri: str, model: str, prompts_path: str, *, gguf_file: str 
         fresh = DFlashDrafter(config, head).eval()
 
     trained, mismatches, untrained = [], [], []
-    for i, p in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=None)):
+    spec_s, rollback_s = 0.0, dict.fromkeys(runner.seconds, 0.0)  # the trained drafter's decoding only
+    bar = tqdm(prompts, desc="eval", unit="prompt", disable=None)
+    for i, p in enumerate(bar):
+        t, before = time.perf_counter(), dict(runner.seconds)
         spec = speculative_decode(runner, drafter, p, max_new_tokens, eos)
+        spec_s += time.perf_counter() - t
+        for k in rollback_s:
+            rollback_s[k] += runner.seconds[k] - before[k]
         if spec.tokens != greedy_decode(runner, p, max_new_tokens, eos):
             mismatches.append(i)
         trained.append(spec)
         if baseline:
             untrained.append(speculative_decode(runner, fresh, p, max_new_tokens, eos))
-        log.info("prompt %d/%d: tau so far %.3f%s", i + 1, len(prompts), _tau(trained, config.block_size)[0],
+        tau = _tau(trained, config.block_size)[0]
+        bar.set_postfix(tau=f"{tau:.2f}", tok_s=f"{sum(len(r.tokens) for r in trained) / spec_s:.1f}")
+        log.info("prompt %d/%d: tau so far %.3f%s", i + 1, len(prompts), tau,
                  f" (untrained {_tau(untrained, config.block_size)[0]:.3f})" if baseline else "")
     tau, per_position = _tau(trained, config.block_size)
     report: dict[str, Any] = {
@@ -237,7 +346,8 @@ def evaluate(drafter_uri: str, model: str, prompts_path: str, *, gguf_file: str 
         "mismatched_prompts": mismatches, "prompts": len(prompts), "prompts_skipped_too_long": skipped,
         "tokens_generated": sum(len(r.tokens) for r in trained),
         "verify_steps": sum(len(r.accepted) for r in trained), "block_size": config.block_size,
-        "max_new_tokens": max_new_tokens,
+        "max_new_tokens": max_new_tokens, "speculative_s": round(spec_s, 3),
+        "rollback_s": {k: round(v, 3) for k, v in rollback_s.items()} if runner.hybrid else None,
     }
     if baseline:
         report["tau_untrained"] = _tau(untrained, config.block_size)[0]
