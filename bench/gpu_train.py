@@ -6,7 +6,11 @@ dense-mask path's (flex-attention has no CPU backward, so only a GPU can check t
     python bench/gpu_train.py --tiny        # a tiny config on CPU (dense path): keeps the script tested
 
 Target shapes are Qwen3.6-27B's (hidden 5120, vocab 248,320, 5 capture layers); the drafter is
-DFlash's recipe (5 layers, block 16). Reports step time, input tokens/s, peak memory.
+DFlash's recipe (5 layers, block 16), set up as `layertap train` sets it up on a GPU (bf16
+autocast, the borrowed embed/lm_head in bf16, fused AdamW). Reports step time, input tokens/s and
+peak memory of the loss over the head in chunks of rows (the trainer's), then, after a reset of
+the peak, the same for the unchunked loss (full-vocabulary logits for every row at once) over
+`--unchunked-steps` steps (0: skip).
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ def drafter(sizes: dict, device: str, block: int, anchors: int) -> DFlashDrafter
     torch.manual_seed(0)
     config = default_config(head, [1, 16, 31, 46, 61][: max(1, min(5, sizes["layers"] // 12))],
                             mask_token_id=sizes["vocab"] - 1, block_size=block, max_anchors=anchors)
-    return DFlashDrafter(config, head).to(device)
+    d = DFlashDrafter(config, head)
+    if device == "cuda":
+        d.borrowed_to(torch.bfloat16)  # as `layertap train` does under bf16 autocast
+    return d.to(device)
 
 
 def batch(sizes: dict, layers: int, seq: int, n: int, device: str) -> dict:
@@ -63,12 +70,31 @@ def grads_match(device: str) -> float:
     return max(float((out["flex"][k] - g).norm() / g.norm().clamp_min(1e-12)) for k, g in out["sdpa"].items())
 
 
+def timed_steps(d: DFlashDrafter, opt, b: dict, steps: int, device: str, chunk_rows: int | None):
+    """Step times and the last loss of `steps` optimizer steps."""
+    times, loss = [], None
+    for step in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = dflash_loss(d, b, torch.Generator().manual_seed(step), chunk_rows=chunk_rows).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, float(loss.detach())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--unchunked-steps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -82,27 +108,23 @@ def main() -> None:
     d = drafter(sizes, device, block=16, anchors=anchors)
     d.attention = "sdpa" if args.tiny else "flex"
     params = [p for p in d.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
     b = batch(sizes, len(d.config.capture_layers), seq, args.batch, device)
-    times = []
-    for step in range(args.steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            loss = dflash_loss(d, b, torch.Generator().manual_seed(step)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times, loss = timed_steps(d, opt, b, args.steps, device, chunk_rows=None)
     steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     result.update(first_step_s=round(times[0], 3), step_s=round(steady, 4),
                   tokens_per_s=round(args.batch * seq / steady), drafter_params=sum(p.numel() for p in params),
-                  loss=float(loss.detach()))
+                  loss=loss)
     if device == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if args.unchunked_steps > 0:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times, loss_unchunked = timed_steps(d, opt, b, args.unchunked_steps, device, chunk_rows=0)
+        result.update(unchunked_step_s=round(min(times), 4), unchunked_tokens_per_s=round(args.batch * seq / min(times)),
+                      unchunked_loss=loss_unchunked)
+        if device == "cuda":
+            result["unchunked_peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

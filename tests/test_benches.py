@@ -102,3 +102,21 @@ def test_paced_moto_caps_each_connection():
         stop(proc)
     assert got == body
     assert elapsed >= 0.4, f"a 2 MB GET at 4 MB/s took {elapsed:.2f} s: the connection was not paced"
+
+
+def test_gpu_train_cli_bench_runs_the_real_command_on_a_tiny_config(tmp_path):
+    """bench/gpu_train_cli.py: two `layertap train` runs streaming synthetic runs from its own moto
+    server, summarised from the trainer's metrics into the JSON the GPU run commits."""
+    out = tmp_path / "gtc.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train_cli.py"), "--tiny", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert {"device", "date", "tokens_per_s", "data_wait_median", "peak_gib", "step_s_median"} <= set(r)
+    for run in (r["qwen27b"], r["small"]):
+        assert run["rc"] == 0 and run["steps"] == 6 and run["tokens_per_s"] > 0
+        assert 0 <= run["data_wait_median"] <= 1 and run["step_s_median"] > 0
+        assert run["run"]["samples"] == 8 and 0 < run["run"]["stored_bytes"] < run["run"]["raw_bytes"]  # bf16-zstd
+    assert r["tokens_per_s"] == r["qwen27b"]["tokens_per_s"] and r["small"]["drafter_layers"] == 1
+    assert r["qwen27b"]["capture_layers"] == [1, 3, 5] and len(r["small"]["capture_layers"]) == 4
+    assert "27b | " in p.stdout and "small | " in p.stdout  # the trainer's own lines, with the bench's clock

@@ -128,23 +128,29 @@ def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.T
     and the gradient w.r.t. `hidden` in the same pass, so full-vocabulary logits never exist for
     all rows at once; `chunk_rows=0` is the plain unchunked computation, kept as the reference."""
     if chunk_rows == 0:
-        logits = (hidden @ head.to(hidden.dtype).t()).float()
+        dtype = _compute_dtype(hidden)
+        logits = (hidden.to(dtype) @ head.to(dtype).t()).float()
         ce = F.cross_entropy(logits, labels, reduction="none")
         return (ce * weights).sum(), logits.argmax(-1) == labels
     return _ChunkedHeadCE.apply(hidden, head, labels, weights, chunk_rows or default_chunk_rows(head.shape[0]))
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of `t` runs in: autocast's where it is on, else t's own."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
     """Forward computes, per chunk of rows, logits -> weighted CE, argmax hits and d(loss)/d(hidden)
     (softmax minus one-hot, times the row's weight, back through the head); backward only scales
     the saved gradient. The head is frozen: it gets no gradient. Under autocast the matmuls run in
-    the autocast dtype and the softmax in fp32, as the unchunked path's do."""
+    the autocast dtype and the log-softmax in fp32, as the unchunked path's do."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                 chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = hidden.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+        kind, dtype = hidden.device.type, _compute_dtype(hidden)
         n = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
@@ -153,17 +159,18 @@ class _ChunkedHeadCE(torch.autograd.Function):
             w = head.to(dtype)
             for s in range(0, n, chunk_rows):
                 e = min(n, s + chunk_rows)
-                logits = (hidden[s:e].to(dtype) @ w.t()).float()
+                logits = hidden[s:e].to(dtype) @ w.t()
                 y = labels[s:e]
-                lse = torch.logsumexp(logits, dim=-1)
-                loss += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * weights[s:e]).sum()
                 hits[s:e] = logits.argmax(-1) == y
+                logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+                del logits
+                loss -= (logp.gather(1, y[:, None]).squeeze(1) * weights[s:e]).sum()
                 if grad is not None:
-                    p = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                    p.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
+                    p = logp.exp_()  # softmax, in place
+                    p.scatter_add_(1, y[:, None], torch.full((e - s, 1), -1.0, device=p.device))
                     p.mul_(weights[s:e, None].float())
                     grad[s:e] = p.to(dtype) @ w
-                del logits
+                del logp
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
         return loss, hits

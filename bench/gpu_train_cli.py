@@ -1,0 +1,264 @@
+"""`layertap train` end to end on one GPU, streaming a run from an S3 server on the same host.
+
+    python bench/gpu_train_cli.py [--samples 48] [--steps 60] [--batch-size 2] [--endpoint URL] [--json OUT]
+    python bench/gpu_train_cli.py --tiny        # tiny shapes on CPU: keeps the script tested
+
+Two runs of the real command line (`python -m extract.cli train`, a subprocess), each on its own
+synthetic run written through the real manifest, lease and commit path (codec bf16-zstd, samples
+of 800-4,096 tokens with activation-like bf16 states) into an S3 server here (moto started by the
+bench, or --endpoint), and a target folder holding only what training reads (embed_tokens and
+lm_head as safetensors, config.json, a tokenizer):
+  - at Qwen3.6-27B's shapes (hidden 5,120, vocab 248,320, 5 capture layers [1,16,31,46,61]), the
+    default drafter for that target (5 layers);
+  - a small target (hidden 512, 4 capture layers) with a 1-layer drafter, where the data path
+    weighs most against the step.
+Reported per run, from the trainer's own metrics.jsonl, over the steps after `--warmup` (the
+first compiles flex-attention): tokens_per_s, data_wait_median, step_s_median, peak_gib, steps.
+Few samples, several epochs: the loader still streams every epoch from the server. Progress
+lines carry the seconds since start, so a run cut short by a timeout still says where it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.gpu_extract import QWEN27B, TINY  # noqa: E402
+from manifests.manifest import create_or_resume  # noqa: E402
+from manifests.records import Producer  # noqa: E402
+from manifests.work import WorkQueue  # noqa: E402
+from storage.shard import Sample, ShardMeta, ShardWriter, encode_record  # noqa: E402
+from storage.store import open_store  # noqa: E402
+from tests.s3server import bench_server  # noqa: E402
+
+SMALL = dict(QWEN27B, hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, vocab_size=49152, linear_num_key_heads=4,
+             linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)
+TINY_SMALL = dict(TINY, hidden_size=32, head_dim=8)
+T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def make_target(folder: Path, sizes: dict) -> None:
+    """config.json (qwen3_5_text), embed_tokens and lm_head (random bf16) and a tokenizer: all that
+    `layertap train` reads of a target. The GPU host has no hub access: the tiny test tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import tiny_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    AutoConfig.for_model("qwen3_5_text", **sizes).to_json_file(str(folder / "config.json"))
+    shape = (sizes["vocab_size"], sizes["hidden_size"])
+    g = torch.Generator().manual_seed(0)
+    weights = {k: torch.empty(shape, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+               for k in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(weights, str(folder / "model.safetensors"))
+    tiny_tokenizer().save_pretrained(str(folder))
+
+
+def sample_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+def activation_pool(tokens: int, layers: int, hidden: int, seed: int) -> torch.Tensor:
+    """[tokens, layers, hidden] bf16 shaped like a transformer's residual stream: per-channel
+    scales spread over two decades, a few outlier channels, magnitude growing with depth.
+    Samples are slices of it at different offsets (each record is compressed on its own)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(layers, hidden, generator=g) * 0.8)
+    scale[:, torch.randint(0, hidden, (max(1, hidden // 512),), generator=g)] *= 30.0
+    scale *= torch.linspace(0.5, 4.0, layers)[:, None]
+    pool = torch.empty(tokens, layers, hidden, dtype=torch.bfloat16)
+    for i in range(0, tokens, 1024):  # in slices: the float32 draw of the whole pool would double its size
+        block = torch.randn(min(1024, tokens - i), layers, hidden, generator=g)
+        pool[i:i + block.shape[0]] = (block * scale).to(torch.bfloat16)
+    return pool
+
+
+def make_run(uri: str, target: str, sizes: dict, layers: list[int], lengths: list[int], seed: int,
+             shard_bytes: int, writers: int = 4) -> dict:
+    """A complete run of len(lengths) samples through the real manifest/lease/commit path, written by
+    `writers` workers at once (as several extraction workers would)."""
+    hidden, vocab = sizes["hidden_size"], sizes["vocab_size"]
+    store = open_store(uri)
+    config = {"model": target, "model_type": "qwen3_5_text", "layers": layers, "codec": "bf16-zstd",
+              "hidden_size": hidden, "final_state": "none"}
+    bpt = len(layers) * hidden * 2 / 1.4
+    manifest, _ = create_or_resume(store, config=config, dataset={"fingerprint": f"synthetic-{seed}-{len(lengths)}"},
+                                   token_counts=lengths, bytes_per_token=bpt, shard_bytes=shard_bytes)
+    pool = activation_pool(max(lengths) + 512, len(layers), hidden, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    offsets = torch.randint(0, 512, (len(lengths),), generator=g).tolist()
+    prompts = [int(n * f) for n, f in zip(lengths, (torch.rand(len(lengths), generator=g) * 0.3).tolist())]
+
+    def sample(i: int, meta: ShardMeta):
+        n = lengths[i]
+        mask = torch.ones(n, dtype=torch.uint8)
+        mask[:prompts[i]] = 0  # a prompt first: the loss is on the answer only
+        ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed * 100003 + i))
+        return encode_record(Sample(f"s{i:06d}", ids, mask, pool[offsets[i]:offsets[i] + n].contiguous()), meta)
+
+    stored = []
+
+    def worker(_: int) -> None:
+        for claim in WorkQueue(store, manifest, Producer.current(), ttl_s=600, poll_s=0.2):
+            with claim:
+                meta = ShardMeta(run_id=manifest.run_id, shard_id=claim.shard, model=target, layers=layers,
+                                 hidden_size=hidden, codec="bf16-zstd")
+                with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+                    for i in range(claim.plan.start, claim.plan.end):
+                        w.append(sample(i, meta))
+                    info = w.close()
+                claim.commit(info)
+                stored.append(info.bytes)
+
+    writers = max(1, min(writers, len(manifest.shards)))
+    with ThreadPoolExecutor(writers) as ex:
+        list(ex.map(worker, range(writers)))
+    store.close()
+    raw = sum(lengths) * len(layers) * hidden * 2
+    return {"samples": len(lengths), "tokens": sum(lengths), "raw_bytes": raw, "stored_bytes": sum(stored),
+            "shards": len(stored)}
+
+
+def train(data: str, target: str, out: Path, args: argparse.Namespace, extra: list[str], env: dict,
+          label: str) -> tuple[int, float]:
+    """The real command line; its log lines are echoed with this bench's clock."""
+    cmd = [sys.executable, "-m", "extract.cli", "train", "--data", data, "--model", target, "--out", str(out),
+           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--save-every", str(10 * args.steps),
+           "--log-dir", str(out.parent / f"{out.name}-logs"), *extra]
+    say(f"{label}: {' '.join(cmd[1:])}")
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:
+        say(f"{label} | {line.rstrip()}")
+    try:
+        rc = p.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    return rc, time.perf_counter() - t
+
+
+def summarize(out: Path, warmup: int) -> dict:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    steady = records[warmup:] if len(records) > warmup else records
+    step_s = [r["step_s"] for r in steady]
+    result = {
+        "steps": len(records),
+        "tokens_per_s": round(sum(r["tokens"] for r in steady) / sum(step_s)),
+        "data_wait_median": round(statistics.median(r["data_wait_fraction"] for r in steady), 4),
+        "data_wait_max": round(max(r["data_wait_fraction"] for r in steady), 4),
+        "step_s_median": round(statistics.median(step_s), 4),
+        "first_step_s": round(records[0]["step_s"], 2),
+        "tokens_per_step": round(statistics.mean(r["tokens"] for r in steady)),
+        "loss_first": round(records[0]["loss"], 4),
+        "loss_last": round(records[-1]["loss"], 4),
+    }
+    peaks = [r["peak_gib"] for r in records if "peak_gib" in r]
+    result["peak_gib"] = max(peaks) if peaks else None
+    return result
+
+
+def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpoint: str, work: Path,
+        seed: int) -> dict:
+    bucket = f"bench-train-{os.getpid()}-{name}"
+    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1", PYTHONPATH=str(ROOT),
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1")
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    target = work / f"target-{name}"
+    make_target(target, sizes)
+    say(f"{name}: target folder written (vocab {sizes['vocab_size']:,}, hidden {sizes['hidden_size']:,})")
+    lengths = sample_lengths(args.samples, args.min_tokens, args.max_tokens, seed)
+    uri = f"s3://{bucket}/run"
+    t = time.perf_counter()
+    run = make_run(uri, str(target), sizes, layers, lengths, seed, args.shard_mb << 20)
+    run["write_s"] = round(time.perf_counter() - t, 1)
+    say(f"{name}: run written: {run}")
+    out = work / f"out-{name}"
+    rc, wall = train(uri, str(target), out, args, extra, env, name)
+    result = {"rc": rc, "wall_s": round(wall, 1), "run": run, "batch_size": args.batch_size,
+              "capture_layers": layers, "hidden": sizes["hidden_size"], "vocab": sizes["vocab_size"]}
+    if (out / "metrics.jsonl").exists():
+        result.update(summarize(out, args.warmup))
+        drafter = json.loads((out / "drafter" / "config.json").read_text()) if (out / "drafter").exists() else {}
+        result["drafter_layers"] = drafter.get("num_layers")
+    say(f"{name}: {json.dumps(result)}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=48, help="samples per synthetic run (default 48)")
+    ap.add_argument("--min-tokens", type=int, default=800)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=60, help="steps per training run (default 60)")
+    ap.add_argument("--batch-size", type=int, default=2, help="samples per step (default 2)")
+    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the medians (default 5)")
+    ap.add_argument("--shard-mb", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
+    ap.add_argument("--only", choices=["27b", "small"], help="one of the two runs")
+    ap.add_argument("--endpoint", help="an S3 server to use instead of a moto server started here")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, in seconds")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.samples, args.min_tokens, args.max_tokens = min(args.samples, 8), 16, 48
+        args.steps, args.warmup = min(args.steps, 6), min(args.warmup, 1)
+        big, small = (TINY, [1, 3, 5]), (TINY_SMALL, [1, 2, 3, 5])
+        extra = ["--block-size", "4", "--max-anchors", "8"]
+    else:
+        big, small, extra = (QWEN27B, [1, 16, 31, 46, 61]), (SMALL, [1, 4, 7, 10]), []
+    cuda = torch.cuda.is_available()
+    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "command": "python bench/gpu_train_cli.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "torch": torch.__version__, "samples": args.samples, "steps": args.steps}
+    say(f"device {result['device']}; {args.samples} samples of {args.min_tokens}-{args.max_tokens} tokens, "
+        f"{args.steps} steps of {args.batch_size}")
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+    with bench_server(args.endpoint) as server, tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        result["server"] = server.description
+        work = Path(tmp)
+        if args.only in (None, "27b"):
+            r = one("27b", big[0], big[1], extra, args, server.endpoint, work, seed=1)
+            result.update({k: r.get(k) for k in ("tokens_per_s", "data_wait_median", "peak_gib", "step_s_median")})
+            result["qwen27b"] = r
+            save()
+        if args.only in (None, "small"):
+            result["small"] = one("small", small[0], small[1], [*extra, "--drafter-layers", "1"], args,
+                                  server.endpoint, work, seed=2)
+            save()
+    ok = all(r.get("rc") == 0 for r in (result.get("qwen27b", {"rc": 0}), result.get("small", {"rc": 0})))
+    say("done" if ok else "a training run failed: see its lines above")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
