@@ -66,10 +66,13 @@ def make_target(folder: Path, sizes: dict) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     AutoConfig.for_model("qwen3_5_text", **sizes).to_json_file(str(folder / "config.json"))
-    shape = (sizes["vocab_size"], sizes["hidden_size"])
+    vocab, hidden = sizes["vocab_size"], sizes["hidden_size"]
     g = torch.Generator().manual_seed(0)
-    weights = {k: torch.empty(shape, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
-               for k in ("model.embed_tokens.weight", "lm_head.weight")}
+    weights = {}
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        # 16,384 random rows tiled: drawing 1.3 G values would take longer than the training run
+        rows = torch.empty(min(vocab, 16384), hidden, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+        weights[key] = rows.repeat(-(-vocab // rows.shape[0]), 1)[:vocab].contiguous()
     save_file(weights, str(folder / "model.safetensors"))
     tiny_tokenizer().save_pretrained(str(folder))
 
@@ -182,7 +185,8 @@ def summarize(out: Path, warmup: int) -> dict:
 def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpoint: str, work: Path,
         seed: int) -> dict:
     bucket = f"bench-train-{os.getpid()}-{name}"
-    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1", PYTHONPATH=str(ROOT),
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
+    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1", PYTHONPATH=path,
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1")
     import boto3
@@ -209,6 +213,59 @@ def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpo
     return result
 
 
+def markdown(r: dict, step: dict | None = None) -> str:
+    """The docs/benchmarks.md section of a result (and of bench/gpu_train.py's, when given)."""
+    runs = [(k, r[k]) for k in ("qwen27b", "small") if k in r]
+
+    def row(label: str, fmt) -> str:
+        return f"| {label} | " + " | ".join(fmt(x) for _, x in runs) + " |"
+
+    def num(key: str, spec: str, unit: str = ""):
+        return lambda x: "-" if x.get(key) is None else f"{x[key]:{spec}}{unit}"
+
+    names = {"qwen27b": "Qwen3.6-27B shapes, default drafter", "small": "hidden-512 target, 1-layer drafter"}
+    first = runs[0][1]
+    lines = [
+        "## `layertap train` streaming from S3 on one GPU (issue 18)", "",
+        f"Command: `{r['command']}`  ",
+        f"Date: {r['date']}; device: {r['device']}; torch {r['torch']}  ",
+        f"Server: {r.get('server', '?')}  ",
+        f"Each run: the real command line on its own synthetic run of {r['samples']} samples of "
+        f"{first['run']['tokens'] // max(1, first['run']['samples']):,} tokens on average "
+        f"({r['min_tokens']:,}-{r['max_tokens']:,}; bf16-zstd; "
+        "activation-like bf16 states), several epochs; medians over the steps after the first "
+        f"{r.get('warmup', 5)} (the first compiles flex-attention), from the trainer's metrics.jsonl.", "",
+        "| | " + " | ".join(names[k] for k, _ in runs) + " |",
+        "|---|" + "---:|" * len(runs),
+        row("capture layers x hidden, vocab", lambda x: f"{len(x['capture_layers'])} x {x['hidden']:,}, {x['vocab']:,}"),
+        row("drafter layers / batch size / steps", lambda x: f"{x.get('drafter_layers')} / {x['batch_size']} / "
+                                                           f"{x.get('steps')}"),
+        row("run stored, GB", lambda x: f"{x['run']['stored_bytes'] / 1e9:.2f}"),
+        row("input tokens/s", num("tokens_per_s", ",.0f")),
+        row("step s, median", num("step_s_median", ".3f")),
+        row("**data wait, median** (max)", lambda x: "-" if x.get("data_wait_median") is None else
+            f"**{100 * x['data_wait_median']:.1f}%** ({100 * x['data_wait_max']:.1f}%)"),
+        row("peak GPU memory", num("peak_gib", ".1f", " GiB")),
+        row("first step s", num("first_step_s", ".1f")),
+        row("command wall s (start, steps, final checkpoint)", num("wall_s", ".0f")),
+        "| target: median data wait | " + " | ".join("<= 5%" if k == "qwen27b" else "<= 10%" for k, _ in runs) + " |",
+    ]
+    if step:
+        def gib(key: str) -> str:
+            return "-" if step.get(key) is None else f"{step[key]} GiB"
+
+        lines += ["", f"The step alone (`python bench/gpu_train.py`: {step['batch']} x {step['seq']:,} tokens, "
+                      f"{step['anchors']} anchors, 27B shapes, set up as the trainer sets it up):", "",
+                  "| head loss | peak GPU memory | step s | input tokens/s |", "|---|---:|---:|---:|",
+                  f"| in chunks of rows (the trainer's) | {gib('peak_memory_gib')} | {step['step_s']} | "
+                  f"{step['tokens_per_s']:,} |"]
+        if "unchunked_step_s" in step:
+            lines.append(f"| unchunked (full-vocabulary logits of every row) | {gib('unchunked_peak_memory_gib')} | "
+                         f"{step['unchunked_step_s']} | {step['unchunked_tokens_per_s']:,} |")
+        lines.append("\nTarget: <= 40 GiB at that shape, tokens/s no lower than the unchunked path's.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=48, help="samples per synthetic run (default 48)")
@@ -223,7 +280,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", help="an S3 server to use instead of a moto server started here")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, in seconds")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--report", metavar="JSON", help="no run: print (with --write-docs, write) the docs section of "
+                                                     "results written before, e.g. on the GPU host")
+    ap.add_argument("--step-report", metavar="JSON", help="with --report: bench/gpu_train.py's JSON, for the "
+                                                          "chunked vs unchunked loss rows")
+    ap.add_argument("--write-docs", action="store_true", help="put the section into docs/benchmarks.md")
     args = ap.parse_args(argv)
+    if args.report:
+        from bench._report import publish
+
+        step = json.loads(Path(args.step_report).read_text()) if args.step_report else None
+        publish("gpu-train-cli", markdown(json.loads(Path(args.report).read_text()), step), args.write_docs,
+                ROOT / "docs" / "benchmarks.md")
+        return 0
     if args.tiny:
         args.samples, args.min_tokens, args.max_tokens = min(args.samples, 8), 16, 48
         args.steps, args.warmup = min(args.steps, 6), min(args.warmup, 1)
@@ -235,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "command": "python bench/gpu_train_cli.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "torch": torch.__version__, "samples": args.samples, "steps": args.steps}
+                    "torch": torch.__version__, "samples": args.samples, "min_tokens": args.min_tokens, "max_tokens": args.max_tokens,
+                    "steps": args.steps, "warmup": args.warmup}
     say(f"device {result['device']}; {args.samples} samples of {args.min_tokens}-{args.max_tokens} tokens, "
         f"{args.steps} steps of {args.batch_size}")
 

@@ -120,3 +120,6 @@ def test_gpu_train_cli_bench_runs_the_real_command_on_a_tiny_config(tmp_path):
     assert r["tokens_per_s"] == r["qwen27b"]["tokens_per_s"] and r["small"]["drafter_layers"] == 1
     assert r["qwen27b"]["capture_layers"] == [1, 3, 5] and len(r["small"]["capture_layers"]) == 4
     assert "27b | " in p.stdout and "small | " in p.stdout  # the trainer's own lines, with the bench's clock
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train_cli.py"), "--report", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "| **data wait, median** (max) |" in p.stdout, p.stderr[-2000:]
