@@ -1,6 +1,6 @@
 """`layertap train` end to end on one GPU, streaming a run from an S3 server on the same host.
 
-    python bench/gpu_train_cli.py [--samples 48] [--steps 60] [--batch-size 2] [--endpoint URL] [--json OUT]
+    python bench/gpu_train_cli.py [--samples 40] [--steps 55] [--batch-size 2] [--endpoint URL] [--json OUT]
     python bench/gpu_train_cli.py --tiny        # tiny shapes on CPU: keeps the script tested
 
 Two runs of the real command line (`python -m extract.cli train`, a subprocess), each on its own
@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -152,13 +153,20 @@ def train(data: str, target: str, out: Path, args: argparse.Namespace, extra: li
     say(f"{label}: {' '.join(cmd[1:])}")
     t = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in p.stdout:
-        say(f"{label} | {line.rstrip()}")
+
+    def echo() -> None:
+        for line in p.stdout:
+            say(f"{label} | {line.rstrip()}")
+
+    reader = threading.Thread(target=echo, daemon=True)
+    reader.start()
     try:
         rc = p.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
+        say(f"{label}: still running after {args.timeout:.0f} s: killed")
         p.kill()
         rc = p.wait()
+    reader.join(timeout=5)
     return rc, time.perf_counter() - t
 
 
@@ -268,10 +276,10 @@ def markdown(r: dict, step: dict | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=48, help="samples per synthetic run (default 48)")
+    ap.add_argument("--samples", type=int, default=40, help="samples per synthetic run (default 40)")
     ap.add_argument("--min-tokens", type=int, default=800)
     ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=60, help="steps per training run (default 60)")
+    ap.add_argument("--steps", type=int, default=55, help="steps per training run (default 55)")
     ap.add_argument("--batch-size", type=int, default=2, help="samples per step (default 2)")
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the medians (default 5)")
     ap.add_argument("--shard-mb", type=int, default=256)
