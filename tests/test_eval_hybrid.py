@@ -145,6 +145,10 @@ def test_eval_cli_on_a_trained_drafter_beats_the_untrained_one(hybrid, tmp_path,
     assert r["tau_untrained"] < r["tau"] < 4, r  # tau counts the bonus token: 1 at worst, block_size at best
     assert 0 < r["acceptance_per_position"][0] < 1  # some drafts were rejected, so rollback ran
     assert r["rollback_s"]["reforward"] > 0 and r["speculative_s"] > 0
+    assert cli(["eval", "--drafter", out, "--model", hybrid, "--prompts", str(prompts), "--limit", "1",
+                "--max-new-tokens", "8", "--no-baseline"]) == 0
+    text = capsys.readouterr().out
+    assert "output equals plain greedy decoding: yes" in text and "hybrid target rollback:" in text
 
 
 def test_eval_rollback_bench_runs_in_tiny_mode(tmp_path):

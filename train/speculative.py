@@ -364,6 +364,11 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"acceptance by draft position:  {rates}")
     lines.append("output equals plain greedy decoding: " + ("yes" if r["matches_greedy"] else
                                                            f"NO (prompts {r['mismatched_prompts']})"))
+    if r.get("rollback_s"):
+        rb = r["rollback_s"]
+        lines.append(f"hybrid target rollback: {sum(rb.values()):.1f} s of {r['speculative_s']:.1f} s of speculative "
+                     f"decoding (snapshot {rb['snapshot']:.1f}, restore {rb['restore']:.1f}, "
+                     f"re-forward {rb['reforward']:.1f})")
     if r["prompts_skipped_too_long"]:
         lines.append(f"skipped {r['prompts_skipped_too_long']} prompt(s) over the prompt length limit")
     return "\n".join(lines)
