@@ -31,12 +31,14 @@
 #            allocator"), beside the same at defaults
 #   writer   bench/writer.py: streaming writer vs boto3 upload_file, and moto's ingest ceiling there
 #   step     bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
+# DEVICE_CHECKS_TINY=1 runs the default steps' benches on tiny configs: a CPU rehearsal of this script.
 set -u
+tiny=${DEVICE_CHECKS_TINY:+--tiny}
 out=${1:?usage: bench/device_checks.sh OUTDIR [STEP ...]}
 shift
 steps=${*:-e2e ref extract train compile}
 mkdir -p "$out"
-if [ -d .whl ]; then
+if [ -d .whl ] && [ -z "$tiny" ]; then  # wheels for the GPU host's Python (3.12)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
     export PYTHONPATH=/tmp/site
@@ -70,13 +72,13 @@ if [[ " $steps " == *" e2e "* ]]; then
     step e2e 200 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e2e.json" &
     e2e_pid=$!
 fi
-step ref 150 python3 bench/gpu_extract.py --variants eager --batches 2 --reference-out /tmp/ref.safetensors \
+step ref 150 python3 bench/gpu_extract.py $tiny --variants eager --batches 2 --reference-out /tmp/ref.safetensors \
     --json "$out/gpu_extract_fallback.json"
 [ -n "${e2e_pid:-}" ] && wait "$e2e_pid"
-step extract 240 $with_fla python3 bench/gpu_extract.py --variants eager,conv,tokens32k --profile --pipeline \
+step extract 240 $with_fla python3 bench/gpu_extract.py $tiny --variants eager,conv,tokens32k --profile --pipeline \
     --reference-in /tmp/ref.safetensors --json "$out/gpu_extract.json"
-step train 170 $with_fla python3 bench/gpu_train_cli.py --json "$out/gpu_train.json"
-step compile 150 $with_fla python3 bench/gpu_extract.py --layers 1,15 --variants eager,conv,compile --batches 3 \
+step train 170 $with_fla python3 bench/gpu_train_cli.py $tiny --json "$out/gpu_train.json"
+step compile 150 $with_fla python3 bench/gpu_extract.py $tiny --layers 1,15 --variants eager,conv,compile --batches 3 \
     --json "$out/gpu_extract_compile.json"
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
 step stages 300 python3 bench/loader.py --rounds 3 --mb 4096 --codecs bf16-zstd --stages --workers 2 \

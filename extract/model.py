@@ -208,11 +208,13 @@ class Capture:
         """
         weight = self.decoder.get_input_embeddings().weight
         device = weight.device
-        input_ids = input_ids.to(device)
         if attention_mask is not None:
-            attention_mask = attention_mask.to(device)
+            # checked where it was made (the host, usually): a check on the GPU would wait there
+            # for the previous batch's forward to finish
             if bool((attention_mask[:, :-1] < attention_mask[:, 1:]).any()):
                 raise ValueError("attention_mask has padding before real tokens; pad on the right")
+            attention_mask = attention_mask.to(device, non_blocking=True)
+        input_ids = input_ids.to(device, non_blocking=True)
         b, t = input_ids.shape
         self._buffer = torch.empty(b, t, len(self.layers), self.hidden_size, dtype=weight.dtype,
                                    device=device)
