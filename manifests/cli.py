@@ -5,11 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+
+
+# `layertap status` exit codes, for scripts (documented in its help and in README.md).
+EXIT_COMPLETE, EXIT_PROBLEM, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 2, 3, 4
+STATUS_EXIT_CODES = (
+    "exit codes: 0 complete (a training output: its drafter is exported); 3 not complete, no failed shard "
+    "(pending or running; a training output still training or stopped); 4 failed shards; 1 the run is "
+    "inconsistent (a replaced manifest); 2 no run or training output there, or a bad prefix")
 
 
 def add_status(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prefix", help="the run prefix: s3://bucket/prefix or a local folder")
+    p.description = (p.description or "") + (". Also a `layertap train` output: steps, last loss, latest "
+                                               "checkpoint. Reads only: it writes nothing to the store.")
+    p.epilog = STATUS_EXIT_CODES
+    p.add_argument("prefix", help="the run prefix (or a training output): s3://bucket/prefix or a local folder")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
 
 
@@ -28,26 +38,55 @@ def _errors():
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from manifests.manifest import NoRun
     from manifests.status import run_status as status
     from storage.store import open_store
 
     try:
-        s = status(open_store(args.prefix))
-    except _errors() as e:
+        store = open_store(args.prefix)
+        try:
+            s = status(store)
+        except NoRun as e:
+            from manifests.train_output import training_status
+
+            t = training_status(store)
+            if t is None:
+                raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
+                            "checkpoints/latest.json)") from None
+            print(json.dumps(t, indent=2) if args.json else format_training(t))
+            return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
+    except (*_errors(), ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(s, indent=2))
-    else:
-        print(format_status(s))
+        return EXIT_USAGE
+    print(json.dumps(s, indent=2) if args.json else format_status(s))
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_PROBLEM
+    return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] else EXIT_INCOMPLETE
+
+
+def size(n: float) -> str:
+    """Binary units, as everywhere layertap shows a size: '0 B', '812 KiB', '12.3 MiB', '1.50 GiB'."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def duration(seconds: float) -> str:
+    """'45 s', '12 min', '3 h 05 min', '2 d 4 h'."""
+    s = int(round(seconds))
+    if s < 90:
+        return f"{s} s"
+    if s < 5400:
+        return f"{round(s / 60)} min"
+    if s < 2 * 86400:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"
 
 
 def format_status(s: dict) -> str:
-    gb = 1e9
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
@@ -56,17 +95,59 @@ def format_status(s: dict) -> str:
         + (f", {s['samples_skipped']} skipped (nothing to train on, e.g. no assistant token within "
            "max length; each reason is in the commit records)" if s["samples_skipped"] else ""),
         f"  tokens   {s['tokens_done']:,} of ~{s['tokens_total_est']:,}",
-        f"  bytes    {s['bytes_stored'] / gb:.3f} GB stored, {s['bytes_raw'] / gb:.3f} GB raw"
+        f"  bytes    {size(s['bytes_stored'])} stored, {size(s['bytes_raw'])} raw"
         + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else ""),
+        "  rate     " + _rate_line(s),
     ]
-    if s["tokens_per_s"]:
-        eta = time.strftime("%H:%M:%S", time.gmtime(s["eta_s"])) if s["eta_s"] is not None else "?"
-        lines.append(f"  rate     {s['tokens_per_s']:,.0f} tokens/s over the last 10 min, ETA {eta}")
-    lines.append("  COMPLETE" if s["complete"] else "")
+    if s["complete"]:
+        lines.append("  COMPLETE")
+    elif not s["shards_running"] and not s["problem"]:
+        lines.append("  nothing is running: the same `layertap extract` (or `layertap submit extract`) command "
+                     "finishes the failed and pending shards")
     for f in s["failed"]:
         where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
         lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {where}): {f['error']}")
-    return "\n".join(l for l in lines if l)
+    return "\n".join(lines)
+
+
+def _rate_line(s: dict) -> str:
+    """The recent rate (and, while shards run, the ETA it gives); else the run's average."""
+    if s["last_commit_age_s"] is None:
+        return "no shard committed yet"
+    ago = f"last commit {duration(s['last_commit_age_s'])} ago"
+    if s["tokens_per_s"] and s["rate_until"] == "now":
+        text = f"{s['tokens_per_s']:,.0f} tokens/s over the last 10 min"
+        return text + (f", ETA {duration(s['eta_s'])}" if s["eta_s"] else "")
+    if s["tokens_per_s"]:
+        return f"{s['tokens_per_s']:,.0f} tokens/s over the 10 min before the last commit ({ago})"
+    text = f"no rate yet (it needs two commits within 10 min; {ago})"
+    if s["tokens_per_s_average"]:
+        text += f"; {s['tokens_per_s_average']:,.0f} tokens/s on average from the run's start to its last commit"
+    return text
+
+
+def format_training(t: dict) -> str:
+    of = f" of {t['steps_total']:,}" if t["steps_total"] else (f" ({t['epochs']} epoch(s) planned)" if t["epochs"] else "")
+    lines = [f"training output at {t['prefix']}" + (f"  (data {t['data']})" if t["data"] else "")]
+    if t["step"] is not None:
+        lines.append(f"  steps       {t['step']:,}{of}, epoch {t['epoch']}")
+        lines.append(f"  last loss   {t['loss']:.4f} at step {t['step']:,}"
+                     + (f", acc@1 {t['acc_first']:.3f}" if t["acc_first"] is not None else "")
+                     + (f", {t['tokens_per_s']:,.0f} tokens/s" if t["tokens_per_s"] else "")
+                     + " (metrics.jsonl is written with each checkpoint)")
+    if t["checkpoint"]:
+        age = f", written {duration(t['checkpoint_age_s'])} ago" if t["checkpoint_age_s"] is not None else ""
+        lines.append(f"  checkpoint  step {t['checkpoint_step']:,}: {t['checkpoint']}{age}")
+    else:
+        lines.append("  checkpoint  none yet")
+    if t["drafter_exported"]:
+        lines.append(f"  drafter     exported: {t['prefix'].rstrip('/')}/drafter/ "
+                     f"(`layertap eval --drafter {t['prefix']} ...` measures it)")
+        lines.append("  COMPLETE")
+    else:
+        lines.append("  drafter     not exported yet: training is running, or stopped (the same `layertap train` "
+                     "command with --resume continues from the checkpoint)")
+    return "\n".join(lines)
 
 
 def run_verify(args: argparse.Namespace) -> int:

@@ -33,8 +33,8 @@ class RunState:
     manifest: Manifest
     now: float
     committed: set[int] = field(default_factory=set)
+    commit_times: dict[int, float] = field(default_factory=dict)  # when each commit was written (store's clock)
     tallies: dict[int, dict[str, int]] = field(default_factory=dict)
-    tally_times: dict[int, float] = field(default_factory=dict)
     leases: dict[int, list[Lease]] = field(default_factory=lambda: defaultdict(list))
     failures: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # keys, oldest first
     data_objects: dict[int, list[str]] | None = None
@@ -85,12 +85,12 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> Run
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None:
             st.committed.add(shard)
+            st.commit_times[shard] = o.modified
     st.stale_commits = stale_commits(store, manifest, head, commits)
     for o in tallies:
         parsed = layout.parse_tally(o.key)
         if parsed:
             st.tallies[parsed[0]] = parsed[1]
-            st.tally_times[parsed[0]] = o.modified
     _add_leases_and_failures(st, leases, failures)
     if with_data:
         st.data_objects = defaultdict(list)

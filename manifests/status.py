@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from manifests import layout
@@ -16,12 +17,13 @@ from storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 600.0  # throughput is measured over the commits of the last ten minutes
+RATE_WINDOW_S = 600.0  # the recent rate is measured over the commits of the last ten minutes
 
 
 def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str, Any]:
     """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
-    the reason each failed shard failed. Costs four listings plus a GET per failed shard."""
+    the reason each failed shard failed. Read-only. Costs five listings plus a GET per failed
+    shard (and per commit whose tally marker is missing)."""
     manifest = manifest or load_manifest(store)
     st = scan(store, manifest)
     counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
@@ -37,12 +39,13 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str
     stored = sum(t["bytes"] for t in tallies.values())
     raw = sum(t["raw_bytes"] for t in tallies.values())
     skipped = sum(t["skipped"] for t in tallies.values())
-    recent = [s for s, t in st.tally_times.items() if t >= st.now - RATE_WINDOW_S]
-    rate = None
-    if len(recent) >= 2:
-        span = st.now - min(st.tally_times[s] for s in recent)
-        rate = sum(tallies[s]["tokens"] for s in recent if s in tallies) / max(span, 1.0)
     remaining = sum(p.est_tokens for p in manifest.shards if p.id not in st.committed)
+    last = max(st.commit_times.values(), default=None)
+    # While shards run, the rate is up to now (a stall shows as a falling rate); otherwise it is
+    # the rate of the run's last ten minutes of commits, which stays true after the run stopped.
+    end = st.now if counts["running"] or last is None else last
+    rate = recent_rate(st.commit_times, {s: t["tokens"] for s, t in tallies.items()}, end)
+    complete = counts["done"] == len(manifest.shards) and not st.stale_commits
     return {
         "prefix": store.uri,
         "run_id": manifest.run_id,
@@ -63,26 +66,62 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str
         "bytes_raw": raw,
         "compression_ratio": round(raw / stored, 4) if stored else None,
         "tokens_per_s": round(rate, 1) if rate else None,
-        "eta_s": round(remaining / rate) if rate and remaining else (0 if not remaining else None),
-        "complete": counts["done"] == len(manifest.shards) and not st.stale_commits,
+        "rate_until": None if rate is None else "now" if counts["running"] else "last commit",
+        "tokens_per_s_average": _average_rate(manifest.created_at, last, tokens),
+        "last_commit_age_s": round(st.now - last, 1) if last is not None else None,
+        # Only while workers hold shards, at the rate they are going at now: a remaining time
+        # from an old rate, or for work nobody is doing, would promise what will not happen.
+        "eta_s": round(remaining / rate) if rate and remaining and counts["running"] else None,
+        "complete": complete,
         "failed": [_failure_summary(store, st, s) for s in failed_ids],
         "stale_commits": st.stale_commits,
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
     }
 
 
+def recent_rate(commit_times: dict[int, float], tokens: dict[int, int], end: float,
+                window_s: float = RATE_WINDOW_S) -> float | None:
+    """Tokens/s over the commits in the `window_s` before `end`: the tokens committed after the
+    oldest of them, over the time from it to `end` (the oldest one's tokens were made before it,
+    so they are left out). None below two commits in the window."""
+    recent = sorted((t, s) for s, t in commit_times.items() if end - window_s <= t <= end and s in tokens)
+    if len(recent) < 2:
+        return None
+    first = recent[0][0]
+    return sum(tokens[s] for _, s in recent[1:]) / max(end - first, 1.0)
+
+
+def _average_rate(created_at: str, last_commit: float | None, tokens: int) -> float | None:
+    """Tokens/s from the run's planning to its last commit (pauses included): the rate to quote
+    when no recent one exists."""
+    try:
+        start = datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+    if last_commit is None or last_commit <= start or not tokens:
+        return None
+    return round(tokens / max(last_commit - start, 1.0), 1)
+
+
 def _tallies(store: ObjectStore, st: RunState) -> dict[int, dict[str, int]]:
-    """Numbers of each committed shard; a commit whose tally marker is missing (its writer died
-    between the two writes) is read directly, then its marker is restored."""
+    """Numbers of each committed shard, from the tally markers' names. A commit whose marker is
+    missing (its writer died between the two writes) is read directly, in memory only: `status`
+    writes nothing (`layertap verify` is the command that repairs)."""
     tallies = {s: t for s, t in st.tallies.items() if s in st.committed}
-    for s in sorted(st.committed - set(tallies)):
+    missing = sorted(st.committed - set(tallies))
+
+    def read(shard: int) -> tuple[int, dict[str, int] | None]:
+        key = layout.commit_key(shard)
         try:
-            c = decode_commit(store.get(layout.commit_key(s)), layout.commit_key(s))
+            c = decode_commit(store.get(key), key)
         except ObjectNotFound:  # withdrawn while we looked
-            continue
-        tallies[s] = {"records": c.num_records, "tokens": c.num_tokens, "bytes": c.bytes,
-                      "raw_bytes": c.raw_bytes, "skipped": len(c.skipped)}
-        store.put(layout.tally_key(s, c.num_records, c.num_tokens, c.bytes, c.raw_bytes, len(c.skipped)), b"")
+            return shard, None
+        return shard, {"records": c.num_records, "tokens": c.num_tokens, "bytes": c.bytes,
+                       "raw_bytes": c.raw_bytes, "skipped": len(c.skipped)}
+
+    if missing:
+        with ThreadPoolExecutor(min(16, len(missing))) as pool:
+            tallies.update({s: t for s, t in pool.map(read, missing) if t is not None})
     return tallies
 
 
@@ -112,7 +151,8 @@ class VerifyResult:
 
 def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyResult:
     """Re-read every committed shard and check every hash. A bad shard's commit is withdrawn
-    (commit and tally deleted, a failure record written) so the next extraction redoes it.
+    (commit and tally deleted, a failure record written) so the next extraction redoes it; a good
+    one whose tally marker is missing gets it back (`status` only reads the commit instead).
     Data objects that no commit names, left by crashed attempts of committed shards, are deleted.
     A shard or record of a newer layertap (`UnsupportedShard`, `UnsupportedVersion`) stops the
     verification instead: it is intact, and withdrawing it would delete good data."""
@@ -140,6 +180,9 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                 f"{report.meta.run_id!r} as its shard {report.meta.shard_id}, but the manifest is run "
                 f"{manifest.run_id!r}: the manifest was replaced, or two runs share this prefix. Nothing was "
                 "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
+        if report.ok and shard not in st.tallies:  # its writer died between commit and tally: restore it
+            store.put(layout.tally_key(shard, commit.num_records, commit.num_tokens, commit.bytes, commit.raw_bytes,
+                                       len(commit.skipped)), b"")
         return shard, report.error, commit.data_key
 
     with ThreadPoolExecutor(threads) as pool:

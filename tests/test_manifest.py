@@ -307,10 +307,11 @@ def test_failure_is_recorded_shown_and_resumed(store_uri, capsys):
     assert not s["complete"]
     assert not list(store.list(f"{layout.SHARDS}000002-")), "a failed attempt leaves no data object"
 
-    assert cli(["status", store_uri]) == 0
+    assert cli(["status", store_uri]) == 4  # failed shards: exit 4, for scripts
     out = capsys.readouterr().out
     assert "1 failed" in out and "FAILED shard 2" in out and "injected failure" in out
-    assert cli(["status", store_uri, "--json"]) == 0
+    assert "nothing is running" in out and "ETA" not in out
+    assert cli(["status", store_uri, "--json"]) == 4
     js = json.loads(capsys.readouterr().out)
     for key in ("shards_total", "shards_done", "shards_failed", "shards_pending", "shards_running",
                 "samples_done", "tokens_done", "bytes_stored", "failed"):
@@ -413,9 +414,13 @@ def test_status_survives_a_missing_tally(store_uri):
     before = run_status(store)
     for o in list(store.list(layout.TALLY))[:2]:
         store.delete(o.key)
+    listing = [(o.key, o.version) for o in store.list()]
     after = run_status(store)
     assert {k: after[k] for k in ("samples_done", "tokens_done", "bytes_stored")} == \
            {k: before[k] for k in ("samples_done", "tokens_done", "bytes_stored")}
+    assert [(o.key, o.version) for o in store.list()] == listing  # status read the commits, wrote nothing
+    assert verify_run(store).bad == []  # verify is the command that repairs: the markers are back
+    assert len(list(store.list(layout.TALLY))) == len(list(store.list(layout.COMMITS)))
 
 
 def test_status_of_a_missing_run_is_a_clear_error(store_uri, capsys):

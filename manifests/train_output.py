@@ -1,0 +1,78 @@
+"""What `layertap status` says of a `layertap train` output: steps, the last loss, the latest
+checkpoint and whether the drafter was exported.
+
+Read-only, and without torch: `manifests/` does not import `train/`, so the few key names the
+trainer writes (train/trainer.py, train/checkpoint.py) are repeated here; tests/test_status_cli.py
+checks them against the trainer's own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from storage.store import ObjectNotFound, ObjectStore
+
+METRICS = "metrics.jsonl"  # one JSON line per step, rewritten whole with each checkpoint
+LATEST = "checkpoints/latest.json"  # {"step", "prefix"}: the checkpoint that counts
+EXPORT_CONFIG = "drafter/config.json"  # written with the weights once training finished
+TAIL_BYTES = 64 << 10  # the last metrics line is in the file's last 64 KiB (a line is ~0.5 KiB)
+
+
+def training_status(store: ObjectStore) -> dict[str, Any] | None:
+    """A JSON-ready summary of the training output at `store`, or None when it holds none."""
+    latest = _json(store, LATEST)
+    last = _last_metrics(store)
+    if latest is None and last is None:
+        return None
+    state = _json(store, f"{latest['prefix']}/state.json") if latest and latest.get("prefix") else None
+    config = (state or {}).get("config") or {}
+    exported = store.exists(EXPORT_CONFIG)
+    written = next((o.modified for o in store.list(LATEST)), None)
+    return {
+        "kind": "training",
+        "prefix": store.uri,
+        "data": config.get("data"),
+        "step": last.get("step") if last else None,
+        "steps_total": config.get("steps"),
+        "epochs": config.get("epochs") if config.get("steps") is None else None,
+        "epoch": last.get("epoch") if last else None,
+        "loss": last.get("loss") if last else None,
+        "acc_first": last.get("acc_first") if last else None,
+        "tokens_per_s": last.get("tokens_per_s") if last else None,
+        "checkpoint_step": latest.get("step") if latest else None,
+        "checkpoint": f"{store.uri.rstrip('/')}/{latest['prefix']}" if latest and latest.get("prefix") else None,
+        "checkpoint_age_s": round(time.time() - written, 1) if written is not None else None,
+        "drafter_exported": exported,
+        "complete": exported,
+    }
+
+
+def _json(store: ObjectStore, key: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(store.get(key))
+    except ObjectNotFound:
+        return None
+    except ValueError as e:
+        raise ValueError(f"{store.uri.rstrip('/')}/{key} is corrupt (not JSON: {e})") from None
+    return obj if isinstance(obj, dict) else None
+
+
+def _last_metrics(store: ObjectStore) -> dict[str, Any] | None:
+    """The last complete line of metrics.jsonl, read from the file's tail (it grows with steps)."""
+    try:
+        size = store.size(METRICS)
+        if not size:
+            return None
+        tail = bytes(store.get_range(METRICS, max(0, size - TAIL_BYTES), size))
+    except ObjectNotFound:
+        return None
+    for line in reversed(tail.decode(errors="replace").splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # the first line of the tail may be cut
+            continue
+        if isinstance(record, dict) and "step" in record:
+            return record
+    return None

@@ -1,0 +1,156 @@
+"""`layertap status`: exit codes for scripts, the rate and ETA lines, binary units, that it writes
+nothing, and the status of a `layertap train` output. Real runs (fake_worker's real leases,
+shards and commits; a real tiny extraction and training), local and on the moto S3 server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fake_worker
+from extract.cli import main as cli
+from manifests import layout
+from manifests.cli import size
+from manifests.status import recent_rate
+from storage.store import open_store
+
+
+def status(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = cli(["status", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def snapshot(store) -> list[tuple[str, str, int]]:
+    return [(o.key, o.version, o.size) for o in store.list()]
+
+
+@pytest.mark.moto_only
+def test_exit_codes_rate_and_eta(store_uri, capsys):
+    store = open_store(store_uri)
+    done = fake_worker.work(store_uri, shards=[0, 1, 2])
+    assert done == [0, 1, 2]
+    total = len(fake_worker.plan(store).shards)
+
+    # Pending shards, nobody working: exit 3, a rate (of the run's last commits), no ETA.
+    rc, out, _ = status(capsys, store_uri)
+    assert rc == 3, out
+    assert "rate     " in out and "tokens/s over the 10 min before the last commit (last commit" in out
+    assert "ETA" not in out and "nothing is running" in out
+    js = json.loads(status(capsys, store_uri, "--json")[1])
+    assert js["eta_s"] is None and js["tokens_per_s"] > 0 and js["rate_until"] == "last commit"
+
+    # A live worker holds shard 3: now the rate runs to now and gives an ETA.
+    store.put(layout.lease_key(3, 1, 600), b"{}")
+    rc, out, _ = status(capsys, store_uri)
+    assert rc == 3 and "tokens/s over the last 10 min, ETA " in out and "nothing is running" not in out
+    js = json.loads(status(capsys, store_uri, "--json")[1])
+    assert js["shards_running"] == 1 and js["eta_s"] > 0 and js["rate_until"] == "now"
+    store.delete(layout.lease_key(3, 1, 600))
+
+    # A failed shard: exit 4, whatever else is pending.
+    fake_worker.work(store_uri, fail_shard=3)
+    rc, out, _ = status(capsys, store_uri)
+    assert rc == 4 and "FAILED shard 3" in out
+    assert status(capsys, store_uri, "--json")[0] == 4
+
+    # Complete: exit 0, no ETA; sizes in binary units, as `estimate` prints them.
+    assert fake_worker.work(store_uri) == [3]
+    rc, out, _ = status(capsys, store_uri)
+    js = json.loads(status(capsys, store_uri, "--json")[1])
+    assert rc == 0 and "COMPLETE" in out and "ETA" not in out and js["shards_done"] == total
+    assert f"bytes    {size(js['bytes_stored'])} stored, {size(js['bytes_raw'])} raw" in out
+    assert " KiB stored" in out and " GB" not in out and " MB" not in out
+
+
+def test_recent_rate_leaves_out_the_first_commits_tokens():
+    # Shards committed at t=100, 110, 120 with 50 tokens each: 100 tokens made in 20 s.
+    times, tokens = {0: 100.0, 1: 110.0, 2: 120.0}, {0: 50, 1: 50, 2: 50}
+    assert recent_rate(times, tokens, end=120.0) == 5.0
+    assert recent_rate(times, tokens, end=140.0) == 2.5  # nothing since: the rate falls
+    assert recent_rate(times, tokens, end=120.0 + 700) is None  # all older than the window
+    assert recent_rate({0: 100.0}, {0: 50}, end=100.0) is None  # one commit is no rate
+
+
+def test_sizes_are_binary():
+    assert [size(n) for n in (0, 1023, 1024, 5 * 2**20, 1.5 * 2**30, 123 * 2**30, 3 * 2**40)] == [
+        "0 B", "1023 B", "1.00 KiB", "5.00 MiB", "1.50 GiB", "123 GiB", "3.00 TiB"]
+
+
+def test_status_writes_nothing(store_uri, capsys):
+    """Every state at once (committed, failed, leased, a commit without its tally marker): the
+    store's listing, versions included, is the same after text and JSON status."""
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])
+    fake_worker.work(store_uri, shards=[3], fail_shard=3)
+    store.put(layout.lease_key(4, 1, 600), b"{}")
+    tally = next(o.key for o in store.list(layout.TALLY))
+    store.delete(tally)
+    before = snapshot(store)
+    assert status(capsys, store_uri)[0] == 4
+    rc, out, _ = status(capsys, store_uri, "--json")
+    assert rc == 4 and json.loads(out)["samples_done"] == sum(
+        json.loads(store.get(o.key))["num_records"] for o in store.list(layout.COMMITS))
+    assert snapshot(store) == before
+
+
+# -- a training output ---------------------------------------------------------------------------
+
+
+def test_trainer_key_names_match():
+    """manifests/ repeats the trainer's key names (it must not import torch): they must agree."""
+    from manifests import train_output
+    from train import checkpoint, trainer
+
+    assert train_output.METRICS == trainer.METRICS
+    assert train_output.LATEST == checkpoint.LATEST
+    assert train_output.EXPORT_CONFIG == checkpoint.EXPORT_CONFIG
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """A real tiny extraction (local folder) and 6 steps of `layertap train` on it."""
+    from test_extract import write_chats
+    from tiny_models import tiny_model_dir
+
+    tmp = tmp_path_factory.mktemp("trained")
+    target = tiny_model_dir(tmp / "models", "qwen3")
+    data, out = str(tmp / "run"), str(tmp / "drafter")
+    assert cli(["extract", "--model", target, "--dataset", write_chats(tmp / "chats.jsonl", 24), "--out", data,
+                "--layers", "1,3", "--max-length", "64", "--shard-bytes", "20KB", "--log-dir", str(tmp / "logs")]) == 0
+    assert cli(["train", "--data", data, "--model", target, "--out", out, "--steps", "6", "--save-every", "4",
+                "--batch-size", "4", "--block-size", "4", "--max-anchors", "8", "--log-dir", str(tmp / "logs")]) == 0
+    return {"data": data, "out": out}
+
+
+def test_status_of_a_training_output(trained, capsys):
+    out_uri = trained["out"]
+    store = open_store(out_uri)
+    last = json.loads(store.get("metrics.jsonl").decode().splitlines()[-1])
+    before = snapshot(store)
+    rc, out, err = status(capsys, out_uri)
+    assert rc == 0, err
+    assert f"training output at {out_uri}  (data {trained['data']})" in out
+    assert "steps       6 of 6, epoch" in out
+    assert f"last loss   {last['loss']:.4f} at step 6" in out
+    assert f"checkpoint  step 6: {out_uri}/checkpoints/step-00000006" in out
+    assert "drafter     exported" in out and "COMPLETE" in out
+    js = json.loads(status(capsys, out_uri, "--json")[1])
+    assert (js["kind"], js["step"], js["checkpoint_step"], js["loss"], js["complete"]) == ("training", 6, 6,
+                                                                                           last["loss"], True)
+    assert snapshot(store) == before
+
+    # As a run killed after its checkpoint leaves it: no exported drafter. Not complete: exit 3.
+    for o in list(store.list("drafter/")):
+        store.delete(o.key)
+    rc, out, _ = status(capsys, out_uri)
+    assert rc == 3 and "not exported yet" in out and "--resume" in out and "COMPLETE" not in out
+
+
+def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
+    (tmp_path / "x.txt").write_text("hello")
+    rc, out, err = status(capsys, str(tmp_path))
+    assert rc == 2 and out == ""
+    assert "manifest.json is missing" in err and "nor is it a `layertap train` output" in err
