@@ -295,12 +295,24 @@ def _finish(sample: TokenizedSample, max_length: int) -> TokenizedSample | Skipp
 
 
 def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> TokenizedSample | Skipped:
-    ids_raw = row["input_ids"]
-    if ids_raw is None or len(ids_raw) == 0:
+    ids_raw = row.get("input_ids")
+    if ids_raw is None:  # a row of another shape, in a file whose other rows are pre-tokenized
+        keys = sorted(k for k, v in row.items() if v is not None)
+        raise ValueError(f"row {index} ({sid}) has no input_ids (its fields: {keys}), so it matches no accepted "
+                         f"row shape ({ACCEPTED_SHAPES}); fix the row or remove it")
+    if len(ids_raw) == 0:
         return Skipped(sid, EMPTY, "input_ids is empty")
     ids = torch.as_tensor(ids_raw).reshape(-1)
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"row {index} ({sid}): input_ids must be integers, got {ids.dtype}")
+    if ids.dtype == torch.bool:
+        raise ValueError(f"row {index} ({sid}): input_ids must be integers, got booleans")
+    if ids.dtype.is_floating_point:
+        # A JSON reader makes the whole column float when one row holds a float, so whole numbers
+        # are token ids as written; a fraction is refused in the row that holds it.
+        bad = ~torch.isfinite(ids) | (ids != ids.trunc())
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0])
+            raise ValueError(f"row {index} ({sid}): input_ids must be integers, got {ids[pos].item()} at "
+                             f"position {pos}")
     ids = ids.to(torch.int64)
     bad = (ids < 0) | (ids >= vocab)
     if bool(bad.any()):

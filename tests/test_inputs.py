@@ -264,6 +264,43 @@ def test_pretokenized_bad_rows_error_with_the_row():
                       TokenizedSample)
 
 
+def _jsonl(tmp_path, rows) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_row_of_no_shape_among_pretokenized_rows_is_refused_by_its_number(tmp_path):
+    """The file's columns say pre-tokenized; the row's input_ids come back null: not an empty sample."""
+    rows = load_rows(_jsonl(tmp_path, [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"foo": 1, "text": "hi"}]))
+    with pytest.raises(ValueError, match=r"row 1 \(1\) has no input_ids \(its fields: \['foo', 'text'\]\), so it "
+                                         r"matches no accepted row shape \(pre-tokenized:"):
+        _one(rows, tiny_tokenizer())
+    with pytest.raises(ValueError, match=r"row 1 \(1\) has no input_ids"):  # rows as plain dicts too
+        _one([{"input_ids": [1, 2], "labels": [1, 2]}, {"text": "hi"}], tiny_tokenizer())
+    # an empty list stays what it is: an empty sample, skipped with its reason
+    [s] = _one([{"input_ids": [], "loss_mask": []}], tiny_tokenizer())
+    assert isinstance(s, Skipped) and s.reason == EMPTY
+
+
+def test_float_token_ids_are_reported_in_the_row_that_holds_them(tmp_path):
+    """One float in row 1 makes the JSON reader widen the whole column, row 0's ids included."""
+    rows = load_rows(_jsonl(tmp_path, [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+                                       {"input_ids": [4, 5.5, 6], "loss_mask": [0, 1, 1]}]))
+    assert isinstance(rows[0]["input_ids"][0], float)
+    with pytest.raises(ValueError, match=r"row 1 \(1\): input_ids must be integers, got 5.5 at position 1"):
+        _one(rows, tiny_tokenizer())
+    # whole numbers written as floats are the token ids they say
+    a, b = _one(load_rows(_jsonl(tmp_path, [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+                                            {"input_ids": [4.0, 5.0], "loss_mask": [1, 1]}])), tiny_tokenizer())
+    assert a.input_ids.tolist() == [1, 2, 3] and b.input_ids.tolist() == [4, 5] and b.input_ids.dtype == torch.int64
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"row 0 \(0\): input_ids must be integers"):
+            _one([{"input_ids": [1.0, bad], "loss_mask": [1, 1]}], tiny_tokenizer())
+    with pytest.raises(ValueError, match=r"row 0 \(0\): input_ids must be integers, got booleans"):
+        _one([{"input_ids": [True, False], "loss_mask": [1, 1]}], tiny_tokenizer())
+
+
 # --- truncation and skips -----------------------------------------------------------------------
 
 
