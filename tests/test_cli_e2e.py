@@ -35,12 +35,20 @@ def test_cli_end_to_end_on_a_hybrid_target(tmp_path, s3_endpoint):
     assert list(steps) == ["extract", "status", "status_json", "verify", "train", "eval"], p.stdout[-3000:]
     assert report["target"]["layer_types"] == ["full_attention", "linear_attention"]
     for name in ("extract", "status", "status_json", "verify", "train"):
-        assert steps[name]["ok"] and steps[name]["rc"] == 0, (name, steps[name], p.stdout[-3000:])
+        assert steps[name]["ok"] and steps[name]["rc"] == 0, (name, steps[name].get("problems"),
+                                                              steps[name].get("stderr_tail"))
     assert steps["status_json"]["complete"] and steps["status_json"]["shards_done"] > 1
     assert steps["extract"]["shards"] == f"{steps['status_json']['shards_done']}/{steps['status_json']['shards_total']}"
     assert steps["verify"]["checked"] == steps["status_json"]["shards_done"] and steps["verify"]["bad"] == 0
     assert steps["train"]["steps"] == 8 and steps["train"]["loss_final"] < steps["train"]["loss_first"]
     assert (out.parent / "e2e-logs" / "train.err").exists()
+    assert "$TARGET" in steps["train"]["cmd"] and str(tmp_path) not in json.dumps(report["steps"])  # portable commands
+
+    doc = subprocess.run([sys.executable, str(SCRIPT), "--report", str(out)], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)  # the docs section, printed only (no --write-docs)
+    assert doc.returncode == 0, doc.stderr
+    assert all(f"| {name} | `layertap" in doc.stdout for name in steps)
+    assert ("Every step passed" if report["ok"] else "Failed: eval") in doc.stdout
 
     ev = steps["eval"]
     if ev["ok"]:
