@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import re
 import shlex
 import sys
 from typing import Any, Callable
@@ -103,17 +104,28 @@ def _add_slurm_options(p: argparse.ArgumentParser, job_name: str) -> None:
     g.add_argument("--qos", help="sbatch --qos")
     g.add_argument("--time", help="time limit per job or array task, e.g. 4:00:00 (a task stopped by it is "
                                   "requeued and resumes)")
-    g.add_argument("--mem", help="sbatch --mem, e.g. 200G")
-    g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0: CPU)")
+    g.add_argument("--gpus-per-node", type=int,
+                   help="GPUs per node; 0 runs on CPU. Required when the partition has GPUs (sinfo tells); "
+                        "elsewhere the default is 0")
     g.add_argument("--procs-per-node", type=int, help="worker processes per node (default: one per GPU, else 1)")
-    g.add_argument("--cpus-per-task", type=int, help="sbatch --cpus-per-task")
+    g.add_argument("--cpus-per-task", type=int,
+                   help="CPUs of each node's task (default: sized from the job: extract, per worker, its encode "
+                        "threads (8 at most) + 2; train, per worker, 4 + 4 per DataLoader worker; at most a node's)")
+    g.add_argument("--mem", help="memory per node, Slurm's units (G = GiB), e.g. 200G; 0 = all of the node's; "
+                                 "none = ask for none (the site's default). Default: sized from the job (docs/SLURM.md)")
     g.add_argument("--job-name", default=job_name, help=f"(default {job_name})")
     g.add_argument("--logs", default="layertap-logs",
                    help="folder for Slurm's output files, per-task logs and the submitted scripts "
                         "(default ./layertap-logs)")
-    g.add_argument("--setup", action="append", metavar="LINE",
-                   help="a shell line run before the workers, e.g. 'module load cuda/12.4'; repeatable "
-                        "(default: activate the virtual environment layertap runs in, if any)")
+    g.add_argument("--setup", action="append", default=[], metavar="LINE",
+                   help="a shell line run before the environment is activated, e.g. 'module load cuda/12.4'; "
+                        "repeatable")
+    g.add_argument("--env-activate", metavar="LINE",
+                   help="the shell line that activates layertap's environment on the nodes (default: `source "
+                        "<the virtual environment layertap runs in>/bin/activate`, if it runs in one; none: no line). "
+                        "The job uses this host's paths: a filesystem shared with the nodes is assumed")
+    g.add_argument("--python", metavar="PATH",
+                   help=f"the interpreter on the nodes (default: this one, {sys.executable})")
     g.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                    help="any other sbatch option, e.g. --sbatch=--exclusive; repeatable")
     g.add_argument("--grace", type=int, default=120, metavar="SECONDS",
@@ -140,15 +152,45 @@ def run_submit(args: argparse.Namespace) -> int:
         return 2
 
 
-def _job_options(args: argparse.Namespace, **changes: Any):
-    from slurm.scripts import JobOptions, default_setup
+_MEM = re.compile(r"^\d+[KMGT]?$")
 
+
+def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: Any):
+    """The job's options: the user's, and CPUs and memory `sized` from the job where not given
+    (clipped to a node of the partition, when sinfo describes it)."""
+    from slurm.resources import fit
+    from slurm.scripts import JobOptions, default_activation
+
+    mem = args.mem
+    if mem is not None and mem.lower() != "none" and not _MEM.match(mem):
+        raise ValueError(f"--mem {mem!r}: give Slurm's form, a number with an optional K, M, G or T "
+                         "(binary units: 200G is 200 GiB), 0 for all of a node's memory, or none")
+    procs = args.procs_per_node or max(gpus, 1)
+    fitted, notes = fit(sized(procs), node)
+    for note in notes:
+        _note(note)
+    env = args.env_activate if args.env_activate is not None else default_activation()
     opts = JobOptions(job_name=args.job_name, logs=args.logs, partition=args.partition, account=args.account,
-                      qos=args.qos, time=args.time, mem=args.mem, gpus_per_node=args.gpus_per_node,
-                      procs_per_node=args.procs_per_node, cpus_per_task=args.cpus_per_task,
-                      setup=args.setup if args.setup is not None else default_setup(), sbatch=args.sbatch,
-                      grace_s=args.grace)
+                      qos=args.qos, time=args.time, gpus_per_node=gpus, procs_per_node=args.procs_per_node,
+                      cpus_per_task=args.cpus_per_task or fitted.cpus_per_task,
+                      mem=fitted.mem if mem is None else None if mem.lower() == "none" else mem,
+                      python=args.python or sys.executable, env_activate=None if env in (None, "none") else env,
+                      setup=args.setup, sbatch=args.sbatch, grace_s=args.grace)
     return dataclasses.replace(opts, **changes) if changes else opts
+
+
+def _gpus_per_node(args: argparse.Namespace, node) -> int:
+    """--gpus-per-node, or 0 with a note; refused when the partition has GPUs (sinfo says so):
+    a GPU partition's nodes running on CPU by omission would waste the allocation."""
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    if node is not None and node.gpus:
+        raise ValueError(f"partition {node.partition} has GPUs ({node.gres}) but --gpus-per-node is not given, so "
+                         f"the job would run on CPU: give --gpus-per-node {node.gpus} to use them, or "
+                         "--gpus-per-node 0 to run on CPU")
+    _note("no --gpus-per-node: the job runs on CPU" +
+          ("" if node else " (sinfo could not tell whether the partition has GPUs)"))
+    return 0
 
 
 def _extract_config(args: argparse.Namespace):
@@ -169,12 +211,18 @@ def _submit_extract(args: argparse.Namespace) -> int:
     from slurm.work import dynamic_plan, remaining_work, static_plan
     from storage.store import open_store
 
-    opts = _job_options(args)
+    from slurm.resources import extract_resources
+    from slurm.submit import partition_shape
+
+    node = partition_shape(args.partition)
+    gpus = _gpus_per_node(args, node)
     cfg = _extract_config(args)
+    opts = _job_options(args, gpus, lambda procs: extract_resources(procs, args.encode_threads, cfg.model,
+                                                                    cfg.gguf_file), node)
     if args.shards_per_task is not None and cfg.shards is not None:
         raise ValueError("give either --shards (the shards dynamic tasks may take) or --shards-per-task "
                          "(static ranges over the unfinished shards), not both")
-    train = _then_train(args, opts) if args.then_train is not None else None
+    train = _then_train(args, gpus, node) if args.then_train is not None else None
     store = open_store(cfg.out, **cfg.s3)
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
@@ -228,7 +276,7 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     return 0
 
 
-def _then_train(args: argparse.Namespace, opts) -> tuple[Any, str]:
+def _then_train(args: argparse.Namespace, gpus: int, node) -> tuple[Any, str]:
     """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser."""
     from slurm.scripts import train_script
 
@@ -244,7 +292,10 @@ def _then_train(args: argparse.Namespace, opts) -> tuple[Any, str]:
         raise ValueError(f"--then-train {args.then_train!r}: {e}") from None
     if extra:
         raise ValueError(f"--then-train {args.then_train!r}: `layertap train` does not take {' '.join(extra)}")
-    topts = _job_options(args, job_name="layertap-train")
+    from slurm.resources import train_resources
+
+    topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
+                         job_name="layertap-train")
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
 
 
@@ -252,9 +303,14 @@ def _submit_train(args: argparse.Namespace) -> int:
     from slurm.scripts import train_script
     from slurm.submit import dependency_options
 
+    from slurm.resources import train_resources
+    from slurm.submit import partition_shape
+
     if _train_parser() is None:
         raise ValueError("`layertap train` is not available in this installation (no train.command)")
-    opts = _job_options(args)
+    node = partition_shape(args.partition)
+    opts = _job_options(args, _gpus_per_node(args, node),
+                        lambda procs: train_resources(procs, getattr(args, "num_workers", None)), node)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions))
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)
@@ -286,6 +342,11 @@ def _say(args: argparse.Namespace, text: str, job: str | None = None) -> None:
             print(job)
     else:
         print(text)
+
+
+def _note(text: str) -> None:
+    """A remark on how the job was sized, on stderr: stdout stays the scripts or job ids."""
+    print(f"note: {text}", file=sys.stderr)
 
 
 def _show(title: str, options: list[str], script: str) -> None:

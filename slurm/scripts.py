@@ -1,9 +1,14 @@
 """The sbatch scripts `layertap submit` writes: an extraction array and a multi-node training job.
 
-Both are plain bash that a user can read, keep and resubmit by hand. They share one body
-(`templates/body.sh`): the workers run in the background while the batch shell waits for them,
-so a signal never ends the job before the workers have cleaned up, and the time-limit warning
-(USR1, which Slurm sends to the batch shell only) is passed on to them.
+Both are plain bash that a user can read, keep and resubmit by hand. Both start their workers
+with `srun --kill-on-bad-exit=1` (a job step: Slurm accounts for it, places it, and signals it)
+and share one body (`templates/body.sh`): the step runs in the background while the batch shell
+waits for it, so a signal never ends the job before the workers have cleaned up, and the
+time-limit warning (USR1, which Slurm sends to the batch shell only) is passed on to them.
+
+The scripts run on the compute nodes with the submit host's paths (the working directory, the
+interpreter, the logs folder, the virtual environment): a filesystem shared between them is
+assumed, as on most clusters. `--python` and `--env-activate` name what to use where it is not.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ class JobOptions:
     job_name: str
     logs: str  # Slurm's output files and the per-task log folders go here
     chdir: str = field(default_factory=os.getcwd)  # relative paths in the arguments resolve here
-    python: str = sys.executable  # the interpreter layertap runs in, by absolute path
+    python: str = sys.executable  # the interpreter on the nodes (default: this one, by its absolute path)
+    env_activate: str | None = field(default_factory=lambda: default_activation())  # a shell line; None: none
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -33,7 +39,7 @@ class JobOptions:
     gpus_per_node: int = 0
     procs_per_node: int | None = None  # worker processes per node; default one per GPU, else 1
     cpus_per_task: int | None = None
-    setup: list[str] = field(default_factory=list)  # shell lines run before the workers start
+    setup: list[str] = field(default_factory=list)  # shell lines run before the activation, e.g. module load
     sbatch: list[str] = field(default_factory=list)  # further sbatch options, e.g. --exclusive
     grace_s: int = 120  # USR1 this many seconds before the time limit
 
@@ -53,6 +59,10 @@ class JobOptions:
         for line in self.setup:
             if "\n" in line:
                 raise ValueError(f"--setup {line!r} holds a newline: give each line as its own --setup")
+        if self.env_activate is not None and "\n" in self.env_activate:
+            raise ValueError(f"--env-activate {self.env_activate!r} holds a newline: give one shell line")
+        if not self.python.strip():
+            raise ValueError("--python must name an interpreter")
         self.logs = os.path.abspath(self.logs)
         self.chdir = os.path.abspath(self.chdir)
 
@@ -61,11 +71,11 @@ class JobOptions:
         return self.procs_per_node or max(self.gpus_per_node, 1)
 
 
-def default_setup() -> list[str]:
+def default_activation() -> str | None:
     """Activate the virtual environment layertap runs in, so the job finds the same packages."""
     if sys.prefix != sys.base_prefix and os.path.exists(os.path.join(sys.prefix, "bin", "activate")):
-        return [f"source {shlex.quote(os.path.join(sys.prefix, 'bin', 'activate'))}"]
-    return []
+        return f"source {shlex.quote(os.path.join(sys.prefix, 'bin', 'activate'))}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,13 +124,14 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -
         lines += [f"FIRST=$((SLURM_ARRAY_TASK_ID * {k})); LAST=$((FIRST + {k - 1}))",
                   f"if [ \"$LAST\" -gt {last} ]; then LAST={last}; fi"]
         args.append('--shards "$FIRST-$LAST"')
+    step = _srun(opts, "--nodes=1", "--ntasks=1")
     if opts.procs > 1:
         lines.append("PORT=$((20000 + SLURM_JOB_ID % 20000))  # array tasks may share a node")
-        launch = [shlex.quote(opts.python), "-m", "accelerate.commands.launch", "--multi_gpu",
+        launch = [*step, shlex.quote(opts.python), "-m", "accelerate.commands.launch", "--multi_gpu",
                   "--num_processes", str(opts.procs), "--num_machines", "1", "--main_process_port", '"$PORT"',
                   "--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE, "extract"]
     else:
-        launch = [shlex.quote(opts.python), "-m", EXTRACT_MODULE, "extract"]
+        launch = [*step, shlex.quote(opts.python), "-m", EXTRACT_MODULE, "extract"]
     lines.append(_command(launch + args))
     mode = (f"{plan.shards_per_task} shard(s) per task" if plan.shards_per_task else "any free shard, through leases")
     about = [f"# layertap extraction: one array task per node, {opts.procs} worker process(es) each ({mode}).",
@@ -151,7 +162,7 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     if resume_flag:
         lines.append(f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then RESUME=({resume_flag}); fi  # requeued')
     node = "'exec \"$0\" -m accelerate.commands.launch --machine_rank \"$SLURM_NODEID\" \"$@\"'"
-    launch = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c", node,
+    launch = [*_srun(opts, f"--nodes={nodes}", "--ntasks-per-node=1"), "bash", "-c", node,
               shlex.quote(opts.python), "--num_machines", '"$SLURM_NNODES"', "--num_processes", total,
               "--main_process_ip", '"$MASTER_ADDR"', "--main_process_port", '"$PORT"']
     if nodes * opts.procs > 1:
@@ -162,6 +173,13 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     lines.append(_command(launch))
     about = [f"# layertap training: {nodes} node(s) x {opts.procs} process(es), one accelerate launcher per node."]
     return _script(about, header, opts, lines, requeue_on_timeout=bool(resume_flag))
+
+
+def _srun(opts: JobOptions, *placement: str) -> list[str]:
+    """The job step that runs the workers. Its CPUs are stated: srun does not take the job's
+    --cpus-per-task from the environment on every Slurm version (22.05 does not)."""
+    cpus = [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
+    return ["srun", *placement, *cpus, "--kill-on-bad-exit=1"]
 
 
 def _header(opts: JobOptions, job_lines: list[str]) -> list[str]:
@@ -182,7 +200,7 @@ def _command(words: list[str], width: int = 100) -> str:
     """`cmd=( ... )`, an option and its value kept on one line, lines of about `width` characters."""
     groups: list[str] = []
     for w in words:
-        if groups and groups[-1].startswith("-") and " " not in groups[-1] and not w.startswith("-"):
+        if groups and groups[-1].startswith("-") and not any(c in groups[-1] for c in " =") and not w.startswith("-"):
             groups[-1] += f" {w}"
         else:
             groups.append(w)
@@ -208,8 +226,22 @@ def _script(about: list[str], header: list[str], opts: JobOptions, lines: list[s
     body = resources.files("slurm").joinpath("templates/body.sh").read_text()
     on_timeout = _REQUEUE if requeue_on_timeout else ""
     body = body.replace("{{grace}}", str(opts.grace_s)).replace("{{on_timeout}}", on_timeout)
-    setup = opts.setup or ["# (no environment setup: the job runs the interpreter above by its absolute path)"]
-    parts = ["#!/bin/bash", *about, *header, "set -uo pipefail", "", *setup,
-             'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"; fi',
-             "", *lines, "", body]
+    python = shlex.quote(opts.python)
+    env = ["# The environment: --setup lines, then --env-activate (before `set -u`: module systems and",
+           "# activation scripts may read unset variables). This runs on the compute node with the submit",
+           "# host's paths: a filesystem shared with it is assumed.",
+           *opts.setup, opts.env_activate or "# (no --env-activate: the interpreter below is run by its path)"]
+    check = (f'command -v {python} >/dev/null || {{ echo "layertap: {_squote(opts.python)} is not on $(hostname): '
+             'the job uses the submit host\'s paths (a shared filesystem); see --python and --env-activate" >&2; '
+             "exit 2; }")
+    # OpenMP threads per worker process: the task's CPUs shared among the node's workers.
+    share = "$SLURM_CPUS_PER_TASK" if opts.procs == 1 else \
+        f"$(( SLURM_CPUS_PER_TASK > {opts.procs} ? SLURM_CPUS_PER_TASK / {opts.procs} : 1 ))"
+    omp = f'if [ -n "${{SLURM_CPUS_PER_TASK:-}}" ]; then export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{share}}}"; fi'
+    parts = ["#!/bin/bash", *about, *header, "", *env, "set -uo pipefail", check, omp, "", *lines, "", body]
     return "\n".join(parts)
+
+
+def _squote(text: str) -> str:
+    """`text` inside a double-quoted shell string, printed as it is."""
+    return "".join("\\" + c if c in '"$`\\' else c for c in text)

@@ -1,4 +1,4 @@
-"""Talking to Slurm: sbatch a script, read the cluster's array limit."""
+"""Talking to Slurm: sbatch a script, read the cluster's array limit and a partition's nodes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 
+from slurm.resources import NodeShape
 from slurm.work import DEFAULT_MAX_ARRAY_SIZE
 
 log = logging.getLogger(__name__)
@@ -67,3 +68,43 @@ def sbatch(script: str, after_ok: list[str] | None = None) -> str:
 def dependency_options(after_ok: list[str]) -> list[str]:
     """sbatch options to start only once every job of `after_ok` succeeded."""
     return [f"--dependency=afterok:{':'.join(after_ok)}", "--kill-on-invalid-dep=yes"] if after_ok else []
+
+
+_GPUS = re.compile(r"(?:^|,)gpu(?::[^:,()]+)?:(\d+)")
+
+
+def partition_shape(partition: str | None) -> NodeShape | None:
+    """The smallest node of `partition` (the default partition when None) and its largest GPU
+    count, from `sinfo`; None where sinfo is not here or does not know the partition."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        out = _run(["sinfo", "-h", "-o", "%P|%c|%m|%G"])
+    except SlurmError as e:
+        log.debug("sinfo failed (%s); sizing without the partition's nodes", e)
+        return None
+    return parse_sinfo(out, partition)
+
+
+def parse_sinfo(out: str, partition: str | None) -> NodeShape | None:
+    """`sinfo -h -o '%P|%c|%m|%G'` lines, e.g. `gpu*|96|1000000|gpu:h100:8(S:0-1)` (`*` marks the
+    default partition; `48+` a partition of mixed nodes, at least 48)."""
+    rows = []
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4:
+            continue
+        name, cpus, mem, gres = parts
+        if (partition is None and name.endswith("*")) or name.rstrip("*") == partition:
+            gpus = [int(n) for n in _GPUS.findall(gres)]
+            rows.append((name.rstrip("*"), _leading_int(cpus), _leading_int(mem), max(gpus, default=0), gres))
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: r[3])
+    return NodeShape(partition=rows[0][0], cpus=min(r[1] for r in rows), mem_mb=min(r[2] for r in rows),
+                     gpus=best[3], gres=best[4] if best[3] else "")
+
+
+def _leading_int(text: str) -> int:
+    m = re.match(r"\d+", text.strip())
+    return int(m.group(0)) if m else 0

@@ -3,6 +3,8 @@ single-node Slurm cluster (.ci/slurm.sh) running extraction arrays and a chained
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import shutil
@@ -19,7 +21,9 @@ from manifests import layout
 from manifests.manifest import create_or_resume
 from manifests.records import decode_commit, decode_failure
 from manifests.status import run_status, verify_run
+from slurm.resources import NodeShape, Resources, extract_resources, fit, weight_bytes
 from slurm.scripts import ArrayPlan, JobOptions, compress, extract_script, train_script
+from slurm.submit import parse_sinfo
 from slurm.work import Remaining, dynamic_plan, remaining_work, static_plan
 from storage.store import open_store
 from test_extract import write_chats
@@ -87,21 +91,27 @@ def sbatch_options(script: str) -> list[str]:
 def test_extract_script_dynamic_on_gpu_nodes(tmp_path):
     opts = JobOptions(job_name="x", logs=str(tmp_path / "logs"), chdir=str(tmp_path), gpus_per_node=8,
                       time="4:00:00", partition="gpu", setup=["module load cuda/12.4"], sbatch=["--exclusive"],
-                      grace_s=300)
+                      grace_s=300, cpus_per_task=80, mem="129G", env_activate="source /shared/venv/bin/activate")
     script = extract_script(opts, ArrayPlan(indices=[0, 1, 2]), ["--out", "s3://b/run 1", "--model", "/m"])
     bash_syntax_ok(script, tmp_path)
     assert sbatch_options(script) == [
         "--job-name=x", "--array=0-2", "--nodes=1", "--ntasks-per-node=1", f"--output={tmp_path}/logs/%x-%A_%a.out",
-        "--gpus-per-node=8", "--time=4:00:00", "--partition=gpu", "--open-mode=append", "--requeue",
-        "--signal=B:USR1@300", f"--chdir={tmp_path}", "--exclusive"]
+        "--gpus-per-node=8", "--cpus-per-task=80", "--mem=129G", "--time=4:00:00", "--partition=gpu",
+        "--open-mode=append", "--requeue", "--signal=B:USR1@300", f"--chdir={tmp_path}", "--exclusive"]
     flat = " ".join(script.split())
-    assert f"{sys.executable} -m accelerate.commands.launch --multi_gpu --num_processes 8 --num_machines 1" in flat
+    # A job step, as training's: Slurm accounts for it, places it and signals it.
+    assert (f"srun --nodes=1 --ntasks=1 --cpus-per-task=80 --kill-on-bad-exit=1 {sys.executable} -m "
+            "accelerate.commands.launch --multi_gpu --num_processes 8 --num_machines 1") in flat
+    # --setup adds to the environment's activation (before it), and the interpreter is checked on the node.
+    assert script.index("module load cuda/12.4") < script.index("source /shared/venv/bin/activate") \
+        < script.index("set -uo pipefail") < script.index(f"command -v {sys.executable} ")
+    assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( SLURM_CPUS_PER_TASK > 8 ? SLURM_CPUS_PER_TASK / 8 : 1 ))}"' in script
     assert '--main_process_port "$PORT"' in flat and "PORT=$((20000 + SLURM_JOB_ID % 20000))" in script
     assert "-m extract.cli extract --out 's3://b/run 1' --model /m --log-dir \"$LOG_DIR\"" in flat
     assert f'LOG_DIR={tmp_path}/logs/"${{SLURM_JOB_NAME}}-${{TASK}}"' in script  # one log folder per task
     assert "--shards" not in flat  # dynamic: any free shard
     assert script.index("module load cuda/12.4") < script.index('"${cmd[@]}" &')
-    assert "trap 'warned=1; kill -TERM \"$child\" 2>/dev/null' USR1" in script
+    assert "trap 'warned=1; scancel --signal=TERM \"$SLURM_JOB_ID\"" in script  # to the steps, not srun
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script  # stopped by the time limit: back in the queue
 
 
@@ -131,7 +141,7 @@ def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
     assert "--nodes=3" in sbatch_options(script) and "--gpus-per-node=4" in sbatch_options(script)
     flat = " ".join(script.split())
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
-    assert "srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 bash" in flat
+    assert "srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 bash" in flat  # no --cpus-per-task given
     assert '--machine_rank "$SLURM_NODEID"' in flat and '--num_machines "$SLURM_NNODES"' in flat
     assert '--num_processes "$((SLURM_NNODES * 4))" --main_process_ip "$MASTER_ADDR"' in flat
     assert "--multi_gpu" in flat and "-m extract.cli train --data s3://b/r --out d" in flat
@@ -147,6 +157,29 @@ def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
     words = p.stdout.splitlines()
     assert words[:6] == ["srun", "--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c"]
     assert words[7:9] == [sys.executable, "--num_machines"]
+
+
+def test_the_environment_is_activated_on_the_node_and_checked(tmp_path):
+    """By default a job activates the virtual environment `layertap submit` runs in (a real venv
+    here); --setup lines come first; a missing interpreter stops the job with the reason."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    code = "from slurm.scripts import default_activation; print(default_activation())"
+    p = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, check=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.stdout.strip() == f"source {venv}/bin/activate"
+    opts = JobOptions(job_name="x", logs=str(tmp_path), python=str(tmp_path / "elsewhere" / "python"),
+                      env_activate=p.stdout.strip(), setup=["export MARK=from-setup"])
+    script = extract_script(opts, ArrayPlan(indices=[0]), ["--out", "r"])
+    # The script's preamble (environment, check), run by bash as the job would run it.
+    preamble = script[script.index("export MARK"):script.index("if [ -n \"${SLURM_CPUS_PER_TASK")]
+    run = subprocess.run(["bash", "-c", preamble + '\necho "$MARK $VIRTUAL_ENV"'], capture_output=True, text=True)
+    assert run.returncode == 2 and f"{tmp_path}/elsewhere/python is not on" in run.stderr
+    assert "a shared filesystem" in run.stderr and "--python" in run.stderr
+    ok = extract_script(dataclasses.replace(opts, python=sys.executable), ArrayPlan(indices=[0]), ["--out", "r"])
+    preamble = ok[ok.index("export MARK"):ok.index("if [ -n \"${SLURM_CPUS_PER_TASK")]
+    run = subprocess.run(["bash", "-c", preamble + '\necho "$MARK $VIRTUAL_ENV"'], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == ["from-setup", str(venv)]
 
 
 def test_job_options_are_checked():
@@ -221,6 +254,82 @@ def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
     assert submit("extract", "--nodes", "1", "--out", fresh) == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
     assert not (tmp_path / "layertap-logs").exists()  # refused before anything was written
+
+
+def dry_run_scripts(out: str) -> dict[str, str]:
+    """The scripts a --dry-run printed, by job name."""
+    scripts = {}
+    for block in out.split("\n----- ")[1:]:
+        title, _, body = block.partition("\n")
+        scripts[title.split(".sbatch")[0]] = body
+    return scripts
+
+
+def test_cpus_and_memory_are_sized_from_the_job(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))  # no sinfo: nothing to clip to
+    model = tiny_model_dir(tmp_path / "models", "llama", num_layers=2)
+    weights, gguf = weight_bytes(model, None)
+    assert weights > 0 and not gguf
+    fresh = str(tmp_path / "fresh")
+    assert submit("extract", "--dry-run", "--nodes", "2", "--gpus-per-node", "8", "--model", model, "--out", fresh,
+                  "--then-train", "--data x --out d --num-workers 2") == 0
+    scripts = dry_run_scripts(capsys.readouterr().out)
+    extract, train = sbatch_options(scripts["layertap-extract"]), sbatch_options(scripts["layertap-train"])
+    # Extraction: 8 workers x (8 encode threads + 2); 8 x 16 GiB + the safetensors once (page cache).
+    assert "--cpus-per-task=80" in extract and f"--mem={math.ceil((8 * 16 * 2**30 + weights) / 2**30)}G" in extract
+    # Training: 8 ranks x (4 + 4 per DataLoader worker); 8 x (24 GiB + 4 GiB per DataLoader worker).
+    assert "--cpus-per-task=96" in train and "--mem=256G" in train
+    assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", "--encode-threads", "3",
+                  "--out", fresh) == 0
+    assert "--cpus-per-task=10" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"])
+    # Given values win; --mem none asks for none, 0 for all of a node's memory; a wrong unit is refused.
+    assert submit("extract", "--dry-run", "--nodes", "1", "--cpus-per-task", "6", "--mem", "0", "--out", fresh) == 0
+    opts = sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"])
+    assert "--cpus-per-task=6" in opts and "--mem=0" in opts
+    assert submit("extract", "--dry-run", "--nodes", "1", "--mem", "none", "--out", fresh) == 0
+    assert not any(o.startswith("--mem") for o in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"]))
+    assert submit("extract", "--dry-run", "--nodes", "1", "--mem", "200GB", "--out", fresh) == 2
+    assert "--mem '200GB': give Slurm's form" in capsys.readouterr().err
+
+
+def test_gguf_targets_are_dequantized_in_each_workers_memory(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"\0" * (1 << 20))
+    assert weight_bytes(str(tmp_path), "m.gguf") == (1 << 20, True)
+    res = extract_resources(2, None, str(tmp_path), "m.gguf")
+    assert (res.cpus_per_task, res.mem) == (20, f"{math.ceil(2 * (16 * 2**30 + 8 * 2**20) / 2**30)}G")
+    assert extract_resources(1, None, "HuggingFaceTB/SmolLM2-135M", None).mem == "16G"  # a hub id: not sized
+
+
+def test_sinfo_is_read_for_gpus_and_node_sizes():
+    out = "cpu|64|256000|(null)\ngpu*|96+|1000000|gpu:h100:8(S:0-1)\ngpu*|128|2000000|gpu:h100:4,mps:400\n"
+    assert parse_sinfo(out, None) == NodeShape("gpu", cpus=96, mem_mb=1000000, gpus=8, gres="gpu:h100:8(S:0-1)")
+    assert parse_sinfo(out, "cpu") == NodeShape("cpu", cpus=64, mem_mb=256000, gpus=0, gres="")
+    assert parse_sinfo(out, "nope") is None
+    fitted, notes = fit(Resources(200, 2000), parse_sinfo(out, "cpu"))
+    assert fitted == Resources(64, 250) and len(notes) == 2 and "asking 64" in notes[0]
+
+
+def test_a_gpu_partition_needs_gpus_per_node(tmp_path, capsys, monkeypatch):
+    """A stand-in `sinfo` reports a GPU partition (the CI cluster has no GPUs): leaving
+    --gpus-per-node out would run the job on CPU there, so it is refused with the fix."""
+    monkeypatch.chdir(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text("#!/bin/sh\necho 'gpu*|96|1000000|gpu:h100:8(S:0-1)'\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    fresh = str(tmp_path / "fresh")
+    assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh) == 2
+    err = capsys.readouterr().err
+    assert "partition gpu has GPUs (gpu:h100:8(S:0-1)) but --gpus-per-node is not given" in err
+    assert "give --gpus-per-node 8 to use them, or --gpus-per-node 0 to run on CPU" in err
+    assert submit("train", "--dry-run", "--data", "x", "--out", "d") == 2
+    assert "--gpus-per-node is not given" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "0", "--out", fresh) == 0
+    assert "runs on CPU" not in capsys.readouterr().err  # chosen, not defaulted
+    assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "8", "--out", fresh) == 0
+    assert "--gpus-per-node=8" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"])
 
 
 # -- a real cluster ------------------------------------------------------------------------------
@@ -305,7 +414,9 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     logs = tmp_path / "layertap-logs"
 
     # 1. A fresh prefix: one dynamic task plans the run and does shard 0.
-    assert submit("extract", "--nodes", "1", *extract_args, "--shards", "0") == 0
+    # Two tasks share the cluster's one 2-core node: each asks for one CPU and 4 GiB.
+    slurm_opts = ["--gpus-per-node", "0", "--cpus-per-task", "1", "--mem", "4G"]
+    assert submit("extract", "--nodes", "1", *slurm_opts, *extract_args, "--shards", "0") == 0
     out = capsys.readouterr().out
     assert "no run at" in out and "array of 1 task(s), --array=0:" in out
     first = submitted(out)[0]
@@ -314,7 +425,7 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     assert (run_status(store)["shards_total"], run_status(store)["shards_done"]) == (3, 1)
 
     # 2. Static ranges, one shard per task, at most two at a time: only shards 1 and 2 are left.
-    assert submit("extract", "--shards-per-task", "1", "--nodes", "2", *extract_args) == 0
+    assert submit("extract", "--shards-per-task", "1", "--nodes", "2", *slurm_opts, *extract_args) == 0
     out = capsys.readouterr().out
     assert "3 shards: 1 done, 0 running, 0 failed, 2 pending" in out and "--array=1-2%2" in out
     array = submitted(out)[0]
@@ -358,7 +469,7 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     assert "requeueing" in log1 and "restart 1" in log1 and log1.count("layertap: exit 143") == 1
 
     # 3. `layertap status` says which shard failed and why.
-    assert cli(["status", run]) == 0
+    assert cli(["status", run]) == 4  # failed shards
     status_out = capsys.readouterr().out
     assert "2/3 done, 0 running, 1 failed, 0 pending" in status_out
     assert "FAILED shard 2 (1 attempts, last on host" in status_out
@@ -367,7 +478,7 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     # 4. Resubmitting submits only shard 2, and training follows it (afterok).
     drafter = str(tmp_path / "drafter")
     train_args = f"--data {run} --model {tiny_llama} --out {drafter} --steps 3 --batch-size 4 --block-size 4 --max-anchors 8"
-    assert submit("extract", "--shards-per-task", "1", *extract_args, "--then-train", train_args) == 0
+    assert submit("extract", "--shards-per-task", "1", *slurm_opts, *extract_args, "--then-train", train_args) == 0
     out = capsys.readouterr().out
     assert "array of 1 task(s), --array=2:" in out
     again, trainer = submitted(out)
@@ -379,6 +490,30 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     assert scontrol_jobs(trainer)[0]["StartTime"] >= scontrol_jobs(again)[0]["EndTime"]
     assert len(open_store(drafter).get("metrics.jsonl").decode().splitlines()) == 3
     print(f"\n[slurm] a cancelled task ended {stopped_in:.1f} s after scancel")
+
+
+def test_sbatch_accepts_the_scripts_and_their_resources(slurm_cluster, tmp_path, capsys, monkeypatch):
+    """The real Slurm takes both scripts with every option they carry (sbatch --test-only): the
+    CPUs and memory sized from the job, clipped to the cluster's node as sinfo describes it."""
+    monkeypatch.chdir(tmp_path)
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 2)
+    assert submit("extract", "--dry-run", "--nodes", "1", "--partition", "debug", "--time", "1:00:00",
+                  "--out", prefix, "--max-length", "64", "--then-train", "--data run --out d --num-workers 1") == 0
+    out, err = capsys.readouterr()
+    assert "note: no --gpus-per-node: the job runs on CPU\n" in err  # sinfo answered: no GPUs there
+    node = parse_sinfo(subprocess.run(["sinfo", "-h", "-o", "%P|%c|%m|%G"], capture_output=True, text=True,
+                                      check=True).stdout, "debug")
+    assert f"--cpus-per-task 10 is more than a node of partition debug has: asking {node.cpus}" in err
+    scripts = dry_run_scripts(out)
+    assert f"--cpus-per-task={node.cpus}" in sbatch_options(scripts["layertap-extract"])
+    assert f"--mem={min(16, node.mem_mb // 1024)}G" in sbatch_options(scripts["layertap-extract"])
+    assert f"--mem={min(28, node.mem_mb // 1024)}G" in sbatch_options(scripts["layertap-train"])
+    for name, script in scripts.items():
+        path = tmp_path / f"{name}.sbatch"
+        path.write_text(script)
+        p = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True)
+        assert p.returncode == 0 and "to start at" in p.stderr, (name, p.stderr)
 
 
 def test_two_signals_at_once_leave_the_store_consistent(tiny_llama, tmp_path):

@@ -3,10 +3,11 @@ echo "layertap: Slurm job ${SLURM_JOB_ID} on $(hostname), restart ${SLURM_RESTAR
 # Slurm sends SIGTERM to every process of the job (scancel, preemption, the time limit, a
 # requeue), so the workers get it themselves and clean up: this shell only waits for them,
 # up to KillWait. The early warning, USR1 from --signal=B:USR1@{{grace}}, reaches this shell
-# alone: it is passed on to the workers as SIGTERM.
+# alone: it is passed on to the workers as SIGTERM through Slurm, to the job's steps (a SIGTERM
+# to srun itself would make it SIGKILL its step at once, with no time to clean up).
 warned=0
 child=
-trap 'warned=1; kill -TERM "$child" 2>/dev/null' USR1
+trap 'warned=1; scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM "$child" 2>/dev/null' USR1
 trap ':' TERM INT
 "${cmd[@]}" &
 child=$!

@@ -1,0 +1,92 @@
+"""The CPUs and memory a job asks for, sized from what its workers run, unless given.
+
+Per worker process (one per GPU, or one on CPU):
+- extraction: its encode threads (`--encode-threads`, default 8 at most) + 2 (the forward's
+  thread, the writer and S3 client); 16 GiB (the CUDA context, pinned staging, the encode queue,
+  upload parts), plus for a GGUF target 8x the file (dequantized in host memory, fp32 on the
+  way), and once per node the safetensors weights (read through the page cache, which Slurm's
+  memory limit counts);
+- training: 4 + 4 per DataLoader worker (the step, the prefetcher, decode threads; GETs wait on
+  the network); 24 GiB (the shuffle buffer of decoded samples, the CUDA context, the target's
+  head) + the loader's memory budget (4 GiB) per DataLoader process.
+
+Then clipped to what one node of the partition has, when `sinfo` can tell.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+GiB = 1 << 30
+EXTRACT_BASE_THREADS, EXTRACT_MAX_ENCODE = 2, 8
+EXTRACT_GIB_PER_WORKER, GGUF_EXPANSION = 16, 8
+TRAIN_BASE_THREADS, TRAIN_THREADS_PER_LOADER = 4, 4
+TRAIN_GIB_PER_WORKER, LOADER_BUDGET_GIB = 24, 4
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpus_per_task: int
+    mem_gib: int
+
+    @property
+    def mem(self) -> str:
+        return f"{self.mem_gib}G"  # Slurm's G is 2^30 bytes
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """The smallest node of a partition, as `sinfo` reports it, and its largest GPU count."""
+
+    partition: str
+    cpus: int
+    mem_mb: int  # Slurm's MB: 2^20 bytes
+    gpus: int
+    gres: str
+
+
+def weight_bytes(model: str | None, gguf_file: str | None) -> tuple[int, bool]:
+    """Bytes of the target's weight files when it is a folder on this (shared) filesystem, and
+    whether they are GGUF; (0, False) for a hub id or the embedded model."""
+    if not model or not os.path.isdir(model):
+        return 0, False
+    if gguf_file:
+        path = os.path.join(model, gguf_file)
+        return (os.path.getsize(path), True) if os.path.isfile(path) else (0, True)
+    total = 0
+    for name in os.listdir(model):
+        if name.endswith((".safetensors", ".bin")):
+            total += os.path.getsize(os.path.join(model, name))
+    return total, False
+
+
+def extract_resources(procs: int, encode_threads: int | None, model: str | None, gguf_file: str | None) -> Resources:
+    threads = encode_threads or EXTRACT_MAX_ENCODE
+    weights, gguf = weight_bytes(model, gguf_file)
+    mem = procs * (EXTRACT_GIB_PER_WORKER * GiB + (GGUF_EXPANSION * weights if gguf else 0)) \
+        + (0 if gguf else weights)
+    return Resources(procs * (threads + EXTRACT_BASE_THREADS), math.ceil(mem / GiB))
+
+
+def train_resources(procs: int, num_workers: int | None) -> Resources:
+    loaders = max(1, num_workers or 0)
+    return Resources(procs * (TRAIN_BASE_THREADS + TRAIN_THREADS_PER_LOADER * loaders),
+                     procs * (TRAIN_GIB_PER_WORKER + LOADER_BUDGET_GIB * loaders))
+
+
+def fit(res: Resources, node: NodeShape | None) -> tuple[Resources, list[str]]:
+    """`res` clipped to one node of the partition; notes on what was clipped."""
+    if node is None:
+        return res, []
+    notes = []
+    cpus, mem = res.cpus_per_task, res.mem_gib
+    if node.cpus and cpus > node.cpus:
+        notes.append(f"--cpus-per-task {cpus} is more than a node of partition {node.partition} has: asking {node.cpus}")
+        cpus = node.cpus
+    node_gib = node.mem_mb // 1024
+    if node_gib and mem > node_gib:
+        notes.append(f"--mem {mem}G is more than a node of partition {node.partition} has: asking {node_gib}G")
+        mem = node_gib
+    return Resources(cpus, mem), notes
