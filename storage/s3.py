@@ -3,9 +3,9 @@
 Endpoints, credentials and region come from boto3's standard chain (`AWS_ENDPOINT_URL`,
 `AWS_ACCESS_KEY_ID`, `~/.aws/config`, instance roles...); `S3Options` adds the knobs that
 S3-compatible servers need: path-style addressing and the request-checksum mode (boto3 >= 1.36
-sends checksums some servers reject). Transient errors (5xx, throttling, resets) are retried by
-botocore's retry modes; the body of a GET, which botocore does not retry once streaming, is
-retried here.
+sends checksums some servers reject). Every request, its body included, is retried here and only
+here (`storage.retry`): botocore is told to make one try, so an endpoint that refuses connections
+is reported in about a second, not after botocore's, then our, rounds of backoff.
 
 Response checksums: botocore's default validates a GET's CRC32 when the server sends one (moto
 does for a whole object) at ~2 GB/s of client CPU. `get` keeps that for the small objects it
@@ -15,8 +15,9 @@ every frame of a shard carries its own xxh3 that readers check (docs/FORMAT.md).
 
 from __future__ import annotations
 
+import functools
 import http.client
-import random
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,33 +27,45 @@ from datetime import datetime
 from typing import Literal, TypeVar
 
 import boto3
+import botocore
 import botocore.exceptions as bexc
+import urllib3
 from botocore.config import Config
 from botocore.response import StreamingBody
 from botocore.utils import parse_timestamp
 
+from storage.retry import RetryPolicy
 from storage.store import (
+    EndpointUnreachable,
     ObjectInfo,
     ObjectNotFound,
     ObjectStore,
     ObjectWriter,
     PendingUpload,
+    RangeNotSatisfiable,
     StoreError,
     TransientStoreError,
     check_key,
     join_key,
 )
 
+log = logging.getLogger(__name__)
+
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000
 
 T = TypeVar("T")
-READ_SLICE = 1 << 20  # per read through botocore's readinto, whose temporary bytes then stay in cache
-_STREAM_ERRORS = (bexc.ResponseStreamingError, bexc.ReadTimeoutError, bexc.IncompleteReadError,
-                  bexc.ConnectionClosedError)
-_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-                    "ThrottlingException"}
+READ_SLICE = 1 << 20  # per read through botocore's stream: a slice's bytes, copied out, then stay in cache
+# Failures of a request or of its body on the way in: another try may well succeed.
+_TRANSIENT = (bexc.ConnectionError, bexc.HTTPClientError, bexc.IncompleteReadError, bexc.FlexibleChecksumError,
+              OSError, http.client.HTTPException)
+# No connection at all: a server that is down, an endpoint URL that is wrong, a proxy or TLS setup that fails.
+_UNREACHABLE = (bexc.EndpointConnectionError, bexc.ProxyConnectionError, bexc.SSLError)
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
+                    "PriorRequestNotComplete", "Throttling", "ThrottlingException", "ThrottledException",
+                    "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
+                    "RequestLimitExceeded", "BandwidthLimitExceeded", "SlowDownRead", "SlowDownWrite"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,7 +80,8 @@ class S3Options:
     part_size: int = 16 * MiB
     # Buffers per writer, the one being filled included: up to K-1 parts upload at once.
     max_parts_in_memory: int = 9
-    max_attempts: int = 8
+    max_attempts: int = 8  # tries of a request that fails transiently (5xx, throttling, timeouts, resets)
+    unreachable_attempts: int = 3  # tries while the endpoint refuses connections or does not resolve
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
 
@@ -78,6 +92,8 @@ class S3Options:
             raise ValueError("max_parts_in_memory must be >= 1")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.max_attempts < 1 or self.unreachable_attempts < 1:
+            raise ValueError("max_attempts and unreachable_attempts must be >= 1")
         if self.addressing_style not in ("auto", "path", "virtual"):
             raise ValueError(f"addressing_style must be auto, path or virtual, not {self.addressing_style!r}")
         if self.checksum_mode not in (None, "when_supported", "when_required"):
@@ -95,8 +111,11 @@ class S3Store(ObjectStore):
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.options = options or S3Options()
         o = self.options
+        self._retry = RetryPolicy(attempts=o.max_attempts, unreachable_attempts=o.unreachable_attempts)
+        self.retries = 0
+        self._retries_lock = threading.Lock()
         config = Config(
-            retries={"mode": "standard", "max_attempts": o.max_attempts},
+            retries={"mode": "standard", "total_max_attempts": 1},  # retried in `_call`, once for all
             max_pool_connections=o.threads + 4,
             s3={"addressing_style": o.addressing_style},
             connect_timeout=o.connect_timeout_s,
@@ -131,25 +150,43 @@ class S3Store(ObjectStore):
             return self._pool
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except bexc.ClientError as e:
-            raise self._translate(e, what, key) from None
-        except bexc.NoCredentialsError:
-            raise StoreError(
-                f"no S3 credentials found for {self.uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                "(or AWS_PROFILE, or an instance role)"
-            ) from None
-        except (bexc.EndpointConnectionError, bexc.ConnectTimeoutError) as e:
-            raise TransientStoreError(
-                f"cannot reach the S3 endpoint {self.endpoint} for {what} of {key!r}: {type(e).__name__}; "
-                "check AWS_ENDPOINT_URL and that the server is up"
-            ) from None
+        """`fn()` (requests, and reading their bodies) under the store's retry policy; botocore's
+        exceptions come out as `StoreError`s that name the key and the fix."""
+        return self._retry.call(fn, lambda e: self._error(e, what, key), self._count_retry)
+
+    def _count_retry(self) -> None:
+        with self._retries_lock:
+            self.retries += 1
+
+    def _error(self, e: Exception, what: str, key: str) -> StoreError | None:
+        """The store's error for `e`; its type says whether another try is worth it. None: not a
+        store failure (a bug, a bad argument), raised as it is."""
+        if isinstance(e, bexc.ClientError):
+            return self._translate(e, what, key)
+        if isinstance(e, bexc.NoCredentialsError):
+            return StoreError(f"no S3 credentials found for {self.uri}: set AWS_ACCESS_KEY_ID and "
+                              "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance role)")
+        if isinstance(e, (*_UNREACHABLE, bexc.ConnectTimeoutError)):
+            cause = getattr(e, "kwargs", {}).get("error") or e
+            while cause.__cause__ is not None or cause.__context__ is not None:  # down to the socket's error
+                cause = cause.__cause__ or cause.__context__
+            reason = f"{type(e).__name__}: {cause}"
+            kind = TransientStoreError if isinstance(e, bexc.ConnectTimeoutError) else EndpointUnreachable
+            return kind(f"cannot reach the S3 endpoint {self.endpoint} for {what} of {key!r} ({reason}); "
+                        "check AWS_ENDPOINT_URL and that the server is up")
+        if isinstance(e, _TRANSIENT):
+            return TransientStoreError(f"{what} of {self._where(key)} failed: {type(e).__name__}: {e}")
+        return None
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
 
     def _translate(self, e: bexc.ClientError, what: str, key: str) -> StoreError:
         code = e.response.get("Error", {}).get("Code", "")
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        where = f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
+        where = self._where(key)
+        if code == "InvalidRange" or status == 416:
+            return RangeNotSatisfiable(f"{what} of {where}: the range starts at or past the object's end")
         if code == "NoSuchBucket":
             return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it or fix the URI")
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
@@ -159,22 +196,14 @@ class S3Store(ObjectStore):
                 f"access denied for {what} of {where} ({code}): check the credentials and their permissions"
             )
         message = f"{what} of {where} failed: {code or status} {e.response.get('Error', {}).get('Message', '')}"
-        if (status or 0) >= 500 or code in _TRANSIENT_CODES:
+        if (status or 0) >= 500 or status == 429 or code in _TRANSIENT_CODES:
             return TransientStoreError(message)
         return StoreError(message)
 
     def _read_body(self, what: str, key: str, **kwargs) -> bytes:
-        """GET and read the body, retrying failures that happen while the body streams in."""
-        attempt = 0
-        while True:
-            try:
-                resp = self._call(what, key, lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs))
-                return resp["Body"].read()
-            except _STREAM_ERRORS as e:
-                attempt += 1
-                if attempt >= self.options.max_attempts:
-                    raise TransientStoreError(f"{what} of {key!r} failed after {attempt} attempts: {type(e).__name__}") from None
-                _backoff(attempt)
+        """GET and read the body; a body that fails while it streams in is a failed try too."""
+        return self._call(what, key, lambda: self.client.get_object(
+            Bucket=self.bucket, Key=self._key(key), **kwargs)["Body"].read())
 
     # -- interface -------------------------------------------------------------------------------
 
@@ -185,29 +214,27 @@ class S3Store(ObjectStore):
         """`If-None-Match: *`. A 412 whose existing body equals `data` counts as ours: a retried PUT
         whose first attempt landed sees its own object. Racers must therefore write distinct
         payloads (commits and leases carry an owner token)."""
-        for attempt in range(1, self.options.max_attempts + 1):
-            created = self._call("create", key, lambda: self._try_create(key, data))
-            if created is not None:
-                return created
-            _backoff(attempt)
-        raise StoreError(f"create of {key!r} kept conflicting after {self.options.max_attempts} attempts")
+        return self._call("create", key, lambda: self._try_create(key, data))
 
-    def _try_create(self, key: str, data: bytes) -> bool | None:
-        """True if created, False if another writer's object is there, None to try again."""
+    def _try_create(self, key: str, data: bytes) -> bool:
+        """True if created, False if another writer's object is there."""
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
             return True
         except bexc.ClientError as e:
             code = e.response.get("Error", {}).get("Code", "")
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status == 409 or code == "ConditionalRequestConflict":  # a concurrent create in flight
-                return None
+            if status == 409 or code == "ConditionalRequestConflict":
+                raise TransientStoreError(f"create of {self._where(key)} met a concurrent create") from None
             if not (status == 412 or code == "PreconditionFailed"):
                 raise
-        try:
-            return self.get(key) == data
-        except ObjectNotFound:  # deleted in between
-            return None
+        try:  # the client itself, not `get`: retries stay in one loop, `_call`'s
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+            return resp["Body"].read() == data
+        except bexc.ClientError as e:
+            if isinstance(self._translate(e, "create", key), ObjectNotFound):  # deleted in between: try again
+                raise TransientStoreError(f"create of {self._where(key)} met an object deleted since") from None
+            raise
 
     def get(self, key: str) -> bytes:
         return self._read_body("get", key, ChecksumMode="ENABLED")
@@ -219,24 +246,19 @@ class S3Store(ObjectStore):
             return b""
         try:
             return self._read_body("ranged get", key, Range=f"bytes={start}-{end - 1}")
-        except StoreError as e:
-            if "InvalidRange" in str(e):  # start at or past the end
-                return b""
-            raise
+        except RangeNotSatisfiable:  # start at or past the end
+            return b""
 
     def read_range_into(self, key: str, start: int, out: memoryview) -> int:
         """One ranged GET read into `out` with no body-sized buffer on the way (straight from the
-        socket where the stream allows, else a slice at a time); a body that fails while
-        streaming is resumed from its last good byte."""
-        n, got, attempt = len(out), 0, 0
-        while got < n:
-            try:
-                resp = self._call("ranged get", key, lambda: self.client.get_object(
-                    Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start + got}-{start + n - 1}"))
-            except StoreError as e:
-                if "InvalidRange" in str(e):  # start at or past the end
-                    break
-                raise
+        socket where the stream allows, else a slice at a time); a try that fails while the body
+        streams in is resumed, by the next, from its last good byte."""
+        n, got = len(out), 0
+
+        def read() -> None:
+            nonlocal got
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                          Range=f"bytes={start + got}-{start + n - 1}")
             body, length = resp["Body"], int(resp["ContentLength"])
             if _range_start(resp.get("ContentRange")) != start + got or length > n - got:
                 body.close()  # its bytes are not the ones asked for: the connection must not be reused
@@ -244,8 +266,8 @@ class S3Store(ObjectStore):
                                  f"answered {resp.get('ContentRange') or 'without a Content-Range'} ({length} "
                                  "bytes); it does not serve HTTP Range requests as S3 does")
             end = got + length
-            direct = _plain_http_response(body)
             try:
+                direct = _plain_http_response(body)
                 if direct is not None:
                     while got < end:
                         k = direct.readinto(out[got:end])
@@ -253,21 +275,21 @@ class S3Store(ObjectStore):
                             raise bexc.IncompleteReadError(actual_bytes=got, expected_bytes=end)
                         got += k
                     body._raw_stream.release_conn()  # what urllib3 does once it has read a body to its end
-                while got < end:
-                    k = body.readinto(out[got : min(end, got + READ_SLICE)])
-                    if not k:  # botocore raises IncompleteReadError first if the body was cut short
+                while got < end:  # `read`, not `readinto`: botocore < 1.39 has no readinto (urllib3's copies anyway)
+                    chunk = body.read(min(end - got, READ_SLICE))
+                    if not chunk:  # botocore raises IncompleteReadError first if the body was cut short
                         break
-                    got += k
-            except (*_STREAM_ERRORS, OSError, http.client.HTTPException) as e:
+                    out[got : got + len(chunk)] = chunk
+                    got += len(chunk)
+            except BaseException:
                 body.close()
-                attempt += 1
-                if attempt >= self.options.max_attempts:
-                    raise TransientStoreError(f"ranged get of {key!r} failed after {attempt} attempts, "
-                                              f"{got} of {n} bytes read: {type(e).__name__}") from None
-                _backoff(attempt)
-                continue
-            if got < n:  # the object ends before `out` does
-                break
+                raise
+
+        if n:
+            try:
+                self._call("ranged get", key, read)  # fewer than n bytes: the object ends before `out` does
+            except RangeNotSatisfiable:  # start at or past the end
+                pass
         return got
 
     def size(self, key: str) -> int:
@@ -278,15 +300,16 @@ class S3Store(ObjectStore):
         full = join_key(self.prefix, prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         if prefix.endswith("/") and not full.endswith("/"):
             full += "/"
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full)
-        it = iter(pages)
-        while True:
-            page = self._call("list", prefix, lambda: next(it, None))
-            if page is None:
-                return
+        token: dict[str, str] = {}
+        while True:  # by hand, not botocore's paginator, so that each page is retried on its own
+            page = self._call("list", prefix, lambda: self.client.list_objects_v2(
+                Bucket=self.bucket, Prefix=full, **token))
             for obj in page.get("Contents", []):
                 yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), obj["LastModified"].timestamp(),
                                  obj.get("ETag", ""))
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
@@ -296,12 +319,16 @@ class S3Store(ObjectStore):
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         full = join_key(self.prefix, prefix) if prefix else self.prefix
-        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full)
-        out = []
-        for page in self._call("list uploads", prefix, lambda: list(pages)):
+        out: list[PendingUpload] = []
+        marker: dict[str, str] = {}
+        while True:
+            page = self._call("list uploads", prefix, lambda: self.client.list_multipart_uploads(
+                Bucket=self.bucket, Prefix=full, **marker))
             for up in page.get("Uploads", []):
                 out.append(PendingUpload(self._rel(up["Key"]), up["UploadId"], up["Initiated"].timestamp()))
-        return out
+            if not page.get("IsTruncated"):
+                return out
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
         now, aborted = time.time(), 0
@@ -312,11 +339,14 @@ class S3Store(ObjectStore):
         return aborted
 
     def _abort_upload(self, key: str, upload_id: str) -> None:
-        try:
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
-        except bexc.ClientError as e:
-            if e.response.get("Error", {}).get("Code") != "NoSuchUpload":
-                raise self._translate(e, "abort upload", key) from None
+        def abort() -> None:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
+            except bexc.ClientError as e:
+                if e.response.get("Error", {}).get("Code") != "NoSuchUpload":  # gone already (a retried abort)
+                    raise
+
+        self._call("abort upload", key, abort)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -386,15 +416,17 @@ class S3Writer(ObjectWriter):
     def _ship(self) -> None:
         self._raise_failed_part()
         if self._upload_id is None:
-            resp = self._store._call(
-                "create multipart upload", self.key,
-                lambda: self._store.client.create_multipart_upload(
+            tries = 0
+
+            def create() -> dict:
+                nonlocal tries
+                tries += 1
+                return self._store.client.create_multipart_upload(
                     Bucket=self._store.bucket, Key=self._full_key,
-                    **({"ChecksumAlgorithm": self._checksum_algo} if self._checksum_algo else {}),
-                ),
-            )
-            self._upload_id = resp["UploadId"]
-            self._create_retried = resp.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
+                    **({"ChecksumAlgorithm": self._checksum_algo} if self._checksum_algo else {}))
+
+            self._upload_id = self._store._call("create multipart upload", self.key, create)["UploadId"]
+            self._create_retried = tries > 1
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise StoreError(f"{self.key!r} needs more than {MAX_PARTS} parts: raise part_size")
@@ -504,17 +536,48 @@ def _range_start(content_range: str | None) -> int | None:
         return None
 
 
+# The versions `_plain_http_response` was tested with (tests/test_store.py; CI installs the newest
+# boto3 that pyproject.toml allows, whose bound moves with this one after a test run).
+DIRECT_READ_VERSIONS = {"botocore": ((1, 36), (1, 44)), "urllib3": ((2, 0), (3, 0))}
+
+
+@functools.cache
+def direct_reads() -> bool:
+    """Whether ranged bodies may be read from the socket straight into the caller's buffer. That
+    reaches under botocore's and urllib3's wrappers (their private `_raw_stream` and `_fp`), so
+    it is done only on the versions it was tested with; others read through botocore's public
+    `read`, a slice at a time (one copy more, the same bytes)."""
+    untested = untested_versions({"botocore": botocore.__version__, "urllib3": urllib3.__version__})
+    if untested:
+        log.info("%s: not among the versions layertap's direct body reads were tested with; reading ranged "
+                 "bodies through botocore's read instead", ", ".join(untested))
+    return not untested
+
+
+def untested_versions(found: dict[str, str]) -> list[str]:
+    """"name version" of each package in `found` outside `DIRECT_READ_VERSIONS`."""
+    return [f"{name} {v}" for name, v in found.items()
+            if not DIRECT_READ_VERSIONS[name][0] <= _major_minor(v) < DIRECT_READ_VERSIONS[name][1]]
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    try:
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
 def _plain_http_response(body) -> http.client.HTTPResponse | None:
     """The http.client response under botocore's and urllib3's wrappers: its readinto reads from
     the socket straight into the caller's buffer (theirs read into a new bytes object, then copy).
-    None unless the body is the plain, undecoded stream botocore returns for a ranged GET."""
+    None unless the versions are known (`direct_reads`) and the body is the plain, undecoded
+    stream botocore returns for a ranged GET."""
+    if not direct_reads():
+        return None
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     if type(body) is StreamingBody and isinstance(fp, http.client.HTTPResponse) \
             and not raw.headers.get("content-encoding") and hasattr(raw, "release_conn"):
         return fp
     return None
-
-
-def _backoff(attempt: int, base: float = 0.1, cap: float = 10.0) -> None:
-    time.sleep(random.uniform(0, min(cap, base * 2**attempt)))

@@ -20,7 +20,17 @@ class StoreError(Exception):
 
 
 class TransientStoreError(StoreError):
-    """Worth another try: a 5xx, throttling, a connection or a body that failed."""
+    """Worth another try: a 5xx, throttling, a timeout, a connection or a body that failed. The
+    store retries these itself (`storage.retry`): raised to a caller, it persisted."""
+
+
+class EndpointUnreachable(TransientStoreError):
+    """No connection could be made (refused, unknown host): the server is down or the endpoint is
+    wrong, so the store gives up after a few quick tries."""
+
+
+class RangeNotSatisfiable(StoreError):
+    """A ranged read that starts at or past the object's end (HTTP 416)."""
 
 
 class ObjectNotFound(StoreError):
@@ -106,9 +116,12 @@ class ObjectWriter(abc.ABC):
 
 
 class ObjectStore(abc.ABC):
-    """put / create-if-absent / get / ranged get / list / delete / streaming writer."""
+    """put / create-if-absent / get / ranged get / list / delete / streaming writer.
+
+    A backend retries its own transient failures (`storage.retry`); callers do not retry."""
 
     uri: str
+    retries: int = 0  # requests this store has retried so far, all threads together
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:

@@ -11,12 +11,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import boto3
+import botocore
 import botocore.exceptions as bexc
+import urllib3
 import pytest
 from faultproxy import FaultProxy
 
-from storage.s3 import MiB, _plain_http_response
-from storage.store import InvalidKey, ObjectNotFound, StoreError, open_store, split_object_uri
+import storage.s3
+from storage.s3 import MiB, _plain_http_response, direct_reads, untested_versions
+from storage.store import (
+    EndpointUnreachable,
+    InvalidKey,
+    ObjectNotFound,
+    RangeNotSatisfiable,
+    StoreError,
+    TransientStoreError,
+    open_store,
+    split_object_uri,
+)
 
 
 def test_put_get_range_size_delete(store):
@@ -24,6 +36,7 @@ def test_put_get_range_size_delete(store):
     assert store.get("a/b.bin") == b"0123456789"
     assert store.get_range("a/b.bin", 2, 5) == b"234"
     assert store.get_range("a/b.bin", 8, 100) == b"89"
+    assert store.get_range("a/b.bin", 10, 20) == b""  # at the end: nothing, not an error
     assert store.size("a/b.bin") == 10
     store.put("a/b.bin", b"new")  # overwrite
     assert store.get("a/b.bin") == b"new"
@@ -52,7 +65,9 @@ def test_a_range_is_read_into_a_callers_buffer(store):
 
 def test_a_ranged_body_is_read_from_the_socket_straight_into_the_buffer(s3_bucket):
     """The fast path of S3Store.read_range_into still finds http.client's response under
-    botocore's and urllib3's wrappers (a change in either would silently fall back to a copy)."""
+    botocore's and urllib3's wrappers on the versions installed, which pyproject.toml's boto3
+    bound keeps among those it was tested with (a change in either would fall back to a copy)."""
+    assert direct_reads(), f"untested: {untested_versions({'botocore': botocore.__version__, 'urllib3': urllib3.__version__})}"
     store = open_store(f"s3://{s3_bucket}/r")
     store.put("x.bin", b"0123456789")
     resp = store.client.get_object(Bucket=s3_bucket, Key="r/x.bin", Range="bytes=2-5")
@@ -60,6 +75,20 @@ def test_a_ranged_body_is_read_from_the_socket_straight_into_the_buffer(s3_bucke
     assert fp is not None
     out = bytearray(4)
     assert fp.readinto(memoryview(out)) == 4 and out == b"2345"
+
+
+def test_direct_reads_are_used_only_on_tested_versions():
+    assert untested_versions({"botocore": botocore.__version__, "urllib3": urllib3.__version__}) == []
+    assert untested_versions({"botocore": "1.44.0", "urllib3": "2.7.0"}) == ["botocore 1.44.0"]
+    assert untested_versions({"botocore": "1.43.11", "urllib3": "1.26.20"}) == ["urllib3 1.26.20"]
+
+
+def test_a_ranged_get_past_the_end_is_typed_not_matched_by_text(s3_bucket):
+    store = open_store(f"s3://{s3_bucket}/r")
+    store.put("x.bin", b"0123456789")
+    with pytest.raises(RangeNotSatisfiable):
+        store._read_body("ranged get", "x.bin", Range="bytes=10-19")
+    assert store.get_range("x.bin", 10, 20) == b"" and store.read_range_into("x.bin", 12, memoryview(bytearray(4))) == 0
 
 
 def test_a_server_that_ignores_range_requests_is_a_clear_error(s3_bucket):
@@ -74,7 +103,18 @@ def test_a_server_that_ignores_range_requests_is_a_clear_error(s3_bucket):
         store.read_range_into("x.bin", 2, memoryview(bytearray(4)))
 
 
-def test_a_ranged_read_survives_a_connection_reset_mid_body(s3_bucket, s3_endpoint):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "fallback"])
+def test_a_ranged_read_survives_a_connection_reset_mid_body(s3_bucket, s3_endpoint, monkeypatch, direct):
+    """On both read paths: from the socket into the buffer, and botocore's readinto (versions
+    the direct path was not tested with)."""
+    used = []
+
+    def watched(body):
+        fp = _plain_http_response(body) if direct else None
+        used.append(fp is not None)
+        return fp
+
+    monkeypatch.setattr(storage.s3, "_plain_http_response", watched)
     data = os.urandom(4 * MiB)
     with FaultProxy(s3_endpoint, rate=1.0, faults=("cut",), limit=1,
                     match=lambda method, path: method == "GET" and path.endswith("/big.bin")) as proxy:
@@ -82,8 +122,9 @@ def test_a_ranged_read_survives_a_connection_reset_mid_body(s3_bucket, s3_endpoi
         store.put("big.bin", data)
         out = bytearray(len(data) - 10)
         assert store.read_range_into("big.bin", 10, memoryview(out)) == len(out)
-        assert proxy.counts["cut"] == 1
+        assert proxy.counts["cut"] == 1 and store.retries == 1
     assert out == data[10:]
+    assert used == [direct, direct]  # the cut body and its resumption
 
 
 def test_a_ranged_read_cut_mid_body_resumes_from_its_last_good_byte(s3_bucket):
@@ -98,12 +139,12 @@ def test_a_ranged_read_cut_mid_body_resumes_from_its_last_good_byte(s3_bucket):
         def __init__(self, body):
             self.body = body
 
-        def readinto(self, b):
+        def read(self, amt):
             if CutAfter.left <= 0:
                 raise bexc.ResponseStreamingError(error="connection reset")
-            n = self.body.readinto(memoryview(b)[: CutAfter.left])
-            CutAfter.left -= n
-            return n
+            chunk = self.body.read(min(amt, CutAfter.left))
+            CutAfter.left -= len(chunk)
+            return chunk
 
         def close(self):
             self.body.close()
@@ -262,12 +303,32 @@ def test_missing_bucket_is_a_clear_error(s3_endpoint):
         store.put("x", b"y")
 
 
-def test_wrong_endpoint_is_a_clear_error(monkeypatch):
+def test_wrong_endpoint_is_a_clear_error_after_a_few_quick_tries(monkeypatch):
+    """A refused connection is not worth the 8 tries a throttled request gets: the user hears
+    about it within a second or so (3 tries), from one retry layer (botocore makes one try each)."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
-    store = open_store("s3://b/p", max_attempts=1, connect_timeout_s=1)
-    with pytest.raises(StoreError, match="cannot reach the S3 endpoint http://127.0.0.1:9") as e:
+    store = open_store("s3://b/p", connect_timeout_s=1)
+    with pytest.raises(EndpointUnreachable, match="cannot reach the S3 endpoint http://127.0.0.1:9") as e:
         store.get("x")
-    assert "AWS_ENDPOINT_URL" in str(e.value)
+    assert "AWS_ENDPOINT_URL" in str(e.value) and "Connection refused" in str(e.value)
+    assert "tried 3 times" in str(e.value) and store.retries == 2
+    assert store.options.max_attempts == 8
+
+
+@pytest.mark.parametrize("faults", [("503",), ("500",), ("reset",)])
+def test_transient_failures_are_retried_in_the_store_alone(s3_bucket, s3_endpoint, faults):
+    """Throttling, server errors and resets: the store's retry loop tries `max_attempts` times in
+    all, and botocore adds none (the proxy sees exactly that many requests)."""
+    failing = lambda method, path: method == "GET" and path.endswith("/k")  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=faults, match=failing, limit=2) as proxy:
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url, max_attempts=3)
+        store.put("k", b"v")
+        assert store.get("k") == b"v" and store.retries == 2
+    with FaultProxy(s3_endpoint, rate=1.0, faults=faults, match=failing) as proxy:
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url, max_attempts=3)
+        with pytest.raises(TransientStoreError, match="tried 3 times"):
+            store.get("k")
+        assert proxy.counts[faults[0]] == 3
 
 
 def test_no_credentials_is_a_clear_error(monkeypatch, tmp_path):
@@ -332,18 +393,15 @@ def test_open_stream_reads_front_to_back(store):
 
 
 def test_transient_failures_are_typed(monkeypatch):
-    """Callers (the loader's per-range retry) tell transient failures apart by type, not text."""
-    from storage.store import TransientStoreError
-
+    """What the store gave up retrying says so by its type, not its text."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: retry later
-    store = open_store("s3://b/p", max_attempts=1, connect_timeout_s=1)
+    store = open_store("s3://b/p", unreachable_attempts=1, connect_timeout_s=1)
     with pytest.raises(TransientStoreError):
         store.get("x")
+    assert store.retries == 0
 
 
 def test_permanent_failures_are_not_transient(s3_endpoint):
-    from storage.store import TransientStoreError
-
     with pytest.raises(StoreError) as e:
         open_store("s3://no-such-bucket-layertap/p").get("x")
     assert not isinstance(e.value, TransientStoreError)

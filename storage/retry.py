@@ -1,0 +1,70 @@
+"""The one retry policy of layertap's store requests.
+
+Retries live in one layer, the store, so their cost adds up in one place: a backend turns each
+failure into a `StoreError` whose type says whether another try is worth it, and `RetryPolicy.call`
+retries the whole request (a body read included) with full-jitter exponential backoff. Nothing
+above the store retries: a caller that gets a `TransientStoreError` has seen it persist.
+
+- Transient (`TransientStoreError`): 5xx, throttling, timeouts, connections reset, bodies cut
+  short. A busy or briefly failing server: up to `attempts` tries.
+- Unreachable (`EndpointUnreachable`): no connection could be made at all (refused, unknown host).
+  A server that is down or an endpoint URL that is wrong: `unreachable_attempts` quick tries, so
+  the user hears about it within a few seconds instead of after half a minute of backoff.
+- Anything else (missing object, access denied, a bad request): raised at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from storage.store import EndpointUnreachable, StoreError, TransientStoreError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RetryPolicy:
+    attempts: int = 8  # tries of a request that fails transiently, the first included
+    unreachable_attempts: int = 3  # tries while no connection can be made at all
+    base_s: float = 0.1  # the n-th wait is uniform in [0, min(cap_s, base_s * 2**n)]
+    cap_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.unreachable_attempts < 1:
+            raise ValueError(f"attempts and unreachable_attempts must be >= 1, got {self.attempts} and "
+                             f"{self.unreachable_attempts}")
+
+    def limit(self, error: StoreError) -> int:
+        """How many tries `error` is worth in all."""
+        if isinstance(error, EndpointUnreachable):
+            return self.unreachable_attempts
+        return self.attempts if isinstance(error, TransientStoreError) else 1
+
+    def call(self, fn: Callable[[], T], translate: Callable[[Exception], StoreError | None],
+             on_retry: Callable[[], None] | None = None) -> T:
+        """`fn()`, tried again while the `StoreError` it raises (or `translate` makes of what it
+        raises) is worth it. `translate` returns None for exceptions that are not store failures
+        (bugs): they propagate unchanged. The error raised at the end says how many tries it took."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - sorted by translate; the rest re-raised as is
+                error = e if isinstance(e, StoreError) else translate(e)
+                if error is None:
+                    raise
+                if attempt >= self.limit(error):
+                    if attempt > 1:
+                        error = type(error)(f"{error} (tried {attempt} times)")
+                    raise error from None
+            log.debug("retrying after %s (try %d of %d)", error, attempt, self.limit(error))
+            if on_retry is not None:
+                on_retry()
+            time.sleep(random.uniform(0, min(self.cap_s, self.base_s * 2**attempt)))
