@@ -35,7 +35,7 @@ from manifests import layout  # noqa: E402
 from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import CommitRecord, Producer, encode  # noqa: E402
 from manifests.work import WorkQueue  # noqa: E402
-from storage.shard import ShardInfo  # noqa: E402
+from storage.writer import ShardInfo  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 

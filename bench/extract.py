@@ -33,7 +33,7 @@ from extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
 from extract.inputs import TokenizedSample, tokenize_rows  # noqa: E402
 from extract.model import Capture, default_layers, load_target  # noqa: E402
 from extract.pipeline import PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
-from storage.shard import ShardMeta  # noqa: E402
+from storage.format import ShardMeta  # noqa: E402
 from storage.store import open_store  # noqa: E402
 
 

@@ -40,7 +40,7 @@ from extract.inputs import TokenizedSample  # noqa: E402
 from extract.kernels import describe, use_fla_short_conv  # noqa: E402
 from extract.model import Capture  # noqa: E402
 from extract.pipeline import HostStaging, PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
-from storage.shard import ShardMeta  # noqa: E402
+from storage.format import ShardMeta  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 

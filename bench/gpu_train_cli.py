@@ -41,7 +41,9 @@ from bench.gpu_extract import QWEN27B, TINY  # noqa: E402
 from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import Producer  # noqa: E402
 from manifests.work import WorkQueue  # noqa: E402
-from storage.shard import Sample, ShardMeta, ShardWriter, encode_record  # noqa: E402
+from storage.format import ShardMeta  # noqa: E402
+from storage.records import Sample, encode_record  # noqa: E402
+from storage.writer import ShardWriter  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 
@@ -130,7 +132,7 @@ def make_run(uri: str, target: str, sizes: dict, layers: list[int], lengths: lis
                                  hidden_size=hidden, codec="bf16-zstd")
                 with ShardWriter(store.open_writer(claim.data_key), meta) as w:
                     for i in range(claim.plan.start, claim.plan.end):
-                        w.append(sample(i, meta))
+                        w.append_encoded(sample(i, meta))
                     info = w.close()
                 claim.commit(info)
                 stored.append(info.bytes)

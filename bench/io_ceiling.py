@@ -30,7 +30,9 @@ import torch  # noqa: E402
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
 from bench._report import machine, write_section  # noqa: E402
-from storage.shard import Sample, ShardMeta, ShardWriter, encode_record  # noqa: E402
+from storage.format import ShardMeta  # noqa: E402
+from storage.records import Sample, encode_record  # noqa: E402
+from storage.writer import ShardWriter  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import start_bench_server, stop  # noqa: E402
@@ -59,7 +61,7 @@ def replay(store, samples, meta) -> tuple[float, float, int, int]:
     t0, c0 = time.perf_counter(), time.process_time()
     with ShardWriter(store.open_writer(f"replay-{uuid.uuid4().hex[:8]}.lts"), meta) as w:
         for s in samples:
-            w.append(encode_record(s, meta))
+            w.append_encoded(encode_record(s, meta))
         info = w.close()
     return time.perf_counter() - t0, time.process_time() - c0, info.raw_bytes, info.bytes
 

@@ -4,7 +4,7 @@ format overheads and throughput from a small extraction run in memory.
 The extraction goes through the extractor's own path (`extract.pipeline.extract_shard`: length
 buckets, the cut model's forward, the encode pool, the shard writer) into a writer that only
 counts bytes, so nothing reaches a store. It runs once, with the raw ``bf16`` codec; each codec
-then re-encodes the very same bf16 states with `storage.shard.encode_record`, which is exactly
+then re-encodes the very same bf16 states with `storage.records.encode_record`, which is exactly
 what the pipeline would have written with that codec (encoding is a pure function of the states).
 """
 
@@ -22,7 +22,9 @@ from extract.inputs import Skipped, TokenizedSample, TokenizeStats, sample_id, t
 from extract.model import Capture
 from extract.pipeline import PipelineStats, extract_shard, pad_batch
 from storage.codecs import CODEC_NAMES
-from storage.shard import EncodedRecord, ShardMeta, ShardWriter, decode_record, encode_record
+from storage.format import ShardMeta
+from storage.records import EncodedRecord, decode_record, encode_record
+from storage.writer import ShardWriter
 from storage.store import ObjectWriter
 
 log = logging.getLogger("layertap.estimate")
@@ -201,7 +203,7 @@ def _measure_codec(states, meta: ShardMeta) -> CodecMeasure:
         activations += rec.size - len(rec.parts[0]) - TOKEN_BYTES * rec.num_tokens
         raw += rec.raw_bytes
         tokens += rec.num_tokens
-        shard.append(rec)
+        shard.append_encoded(rec)
     total = shard.close().bytes
     per_record = (total - empty - activations - TOKEN_BYTES * tokens) / len(states)
     return CodecMeasure(codec=meta.codec, ratio=raw / activations, record_overhead=per_record,

@@ -19,7 +19,9 @@ import torch
 
 from extract.inputs import TokenizedSample
 from extract.model import Capture
-from storage.shard import EncodedRecord, Sample, ShardInfo, ShardMeta, ShardWriter, encode_record
+from storage.format import ShardMeta
+from storage.records import EncodedRecord, Sample, encode_record
+from storage.writer import ShardInfo, ShardWriter
 from storage.store import ObjectWriter
 
 
@@ -98,7 +100,7 @@ class _Writer(threading.Thread):
             try:
                 rec = fut.result()
                 t0 = time.perf_counter()
-                self.shard.append(rec)
+                self.shard.append_encoded(rec)
                 self.stats.add(write_s=time.perf_counter() - t0, stored_bytes=rec.size)
                 self.on_record(rec)
             except BaseException as e:

@@ -16,7 +16,9 @@ import torch
 from manifests.manifest import create_or_resume
 from manifests.records import Producer
 from manifests.work import WorkQueue
-from storage.shard import Sample, ShardMeta, ShardWriter
+from storage.format import ShardMeta
+from storage.records import Sample
+from storage.writer import ShardWriter
 from storage.store import open_store
 
 LAYERS, HIDDEN = [0, 2], 32
@@ -60,7 +62,7 @@ def work(prefix: str, rank: int = 0, world: int = 1, ttl: float = 60.0, fail_sha
                         if claim.shard == hang_shard:
                             print(f"hanging in shard {claim.shard}", flush=True)
                             time.sleep(3600)
-                        w.add(make_sample(i))
+                        w.write_sample(make_sample(i))
                         time.sleep(slow)
                     info = w.close()
                 if claim.commit(info):

@@ -1,10 +1,11 @@
 """docs/FORMAT.md is enough to read a shard: an independent reader, written from the document alone.
 
 The reader below (everything above the tests) uses only struct, json, xxhash, zstandard and
-numpy, as another team would in another language; it never imports storage.shard or
-storage.codecs. The tests write shards with the reference writer on both backends and check
-that this reader gets exactly the same tensors (bit for bit for the lossless codecs; bit for
-bit against the reference reader for fp8) and verifies every hash the document defines.
+numpy, as another team would in another language; it never imports the storage package (the
+reference format modules and codecs). The tests write shards with the reference writer on both
+backends and check that this reader gets exactly the same tensors (bit for bit for the lossless
+codecs; bit for bit against the reference reader for fp8) and verifies every hash the document
+defines.
 """
 
 from __future__ import annotations
@@ -354,7 +355,10 @@ class Trickle(io.RawIOBase):
 # Tests: shards from the reference writer, read with the reader above
 # ---------------------------------------------------------------------------------------------
 
-from storage.shard import Sample, ShardMeta, ShardReader, verify_shard, write_shard  # noqa: E402  (writer side)
+from storage.format import ShardMeta  # noqa: E402  (writer side)
+from storage.reader import ShardReader, verify_shard  # noqa: E402
+from storage.records import Sample  # noqa: E402
+from storage.writer import write_shard  # noqa: E402
 
 LAYERS, HIDDEN = [0, 4, 11], 48
 KEY = "shards/00003.lts"
@@ -551,7 +555,7 @@ def test_doc_reader_detects_damage(store):
 
 
 def test_unknown_version_is_refused_by_both_readers(store):
-    from storage.shard import UnsupportedShardVersion
+    from storage.format import UnsupportedShardVersion
 
     write_shard(store, KEY, make_meta("bf16", "none"), make_samples(False, False)[:1])
     data = bytearray(store.get(KEY))

@@ -32,7 +32,8 @@ from manifests.manifest import ManifestError
 from manifests.records import decode_commit
 from manifests.status import run_status
 from storage.s3 import READ_SLICE
-from storage.shard import FRAME, PREAMBLE, TRAILER, ShardError, ShardReader, UnsupportedShard, verify_shard
+from storage.format import FRAME, PREAMBLE, TRAILER, ShardError, UnsupportedShard
+from storage.reader import ShardReader, verify_shard
 from storage.store import open_store
 from tiny_models import tiny_model_dir
 from train import ShardStream

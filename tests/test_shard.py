@@ -9,22 +9,12 @@ import pytest
 import torch
 
 from storage.codecs import CODEC_NAMES
+from storage.format import FOOT, HEAD, RECD, ShardError, ShardMeta, UnsupportedShardVersion
+from storage.reader import ShardReader, iter_frames, verify_shard
+from storage.records import Sample
 from storage.s3 import MiB
-from storage.shard import (
-    FOOT,
-    HEAD,
-    RECD,
-    ShardError,
-    ShardMeta,
-    ShardReader,
-    ShardWriter,
-    UnsupportedShardVersion,
-    Sample,
-    iter_frames,
-    verify_shard,
-    write_shard,
-)
 from storage.store import open_store
+from storage.writer import ShardWriter, write_shard
 
 LAYERS, HIDDEN = [1, 3, 5], 64
 
@@ -227,7 +217,7 @@ def test_writer_memory_stays_within_k_parts(s3_bucket):
     writer = store.open_writer("big.lts")
     with ShardWriter(writer, meta) as w:
         for s in samples:
-            w.add(s)
+            w.write_sample(s)
         info = w.close()
     assert info.bytes > 5 * 5 * MiB  # six parts
     assert 0 < writer.peak_buffered_bytes <= 2 * 5 * MiB
@@ -264,7 +254,7 @@ def _blob(header: dict, data: bytes) -> bytes:
                                     "metadata", "not an object"])
 def test_malformed_safetensors_in_a_record_is_refused(damage):
     """Records are parsed in place, without the safetensors library: its checks are ours to keep."""
-    from storage.shard import decode_record
+    from storage.records import decode_record
 
     ok = {"__metadata__": {"sample_id": "s", "num_tokens": "2", "codec": "bf16", "hidden_states.shape": "2,1,2"},
           "input_ids": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]},
@@ -300,3 +290,32 @@ def test_malformed_safetensors_in_a_record_is_refused(damage):
         blob = len(b"[1, 2]").to_bytes(8, "little") + b"[1, 2]" + data
     with pytest.raises(ShardError, match="does not decode"):
         decode_record(blob if blob is not None else _blob(bad, data), meta)
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+def test_record_blobs_agree_with_the_safetensors_library(tmp_path, codec):
+    """The hand-written blob writer and parser against the library both ways: the library reads
+    our record (tensors and metadata), and our parser decodes the library's blob of the same
+    tensors (its own order and alignment) to the same sample."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from storage.records import decode_record, encode_record, read_safetensors, record_metadata
+
+    meta = make_meta(codec, final_state="prenorm")
+    sample = make_samples(3, final=True)[2]
+    rec = encode_record(sample, meta)
+    (tmp_path / "r.safetensors").write_bytes(rec.payload)
+    md, ours = read_safetensors(rec.payload)
+    with safe_open(str(tmp_path / "r.safetensors"), "pt") as f:
+        assert f.metadata() == md == record_metadata(rec.payload)
+        assert sorted(f.keys()) == sorted(ours)
+        lib = {k: f.get_tensor(k) for k in f.keys()}
+    for k, t in ours.items():
+        t = torch.from_numpy(t.copy()) if not isinstance(t, torch.Tensor) else t
+        assert t.dtype == lib[k].dtype and torch.equal(t.view(torch.uint8), lib[k].view(torch.uint8)), k
+
+    theirs = save(dict(reversed(lib.items())), metadata=md)
+    assert theirs != rec.payload
+    assert_same(decode_record(rec.payload, meta), decode_record(theirs, meta), exact=True)
+    assert_same(sample, decode_record(theirs, meta), exact=codec != "fp8")

@@ -1,0 +1,151 @@
+"""The shard format's framing: constants, the HEAD metadata, the footer index line, frame parsing.
+
+Layout (docs/FORMAT.md is the normative description)::
+
+    preamble   16 B   magic "LTSHARD\\0", u32 format version, u32 flags (0)
+    frame      HEAD   JSON: run, shard, model, layers and their convention, codec, ...
+    frame*     RECD   one sample: a safetensors blob (codec-encoded tensors + string metadata),
+                      see storage/records.py
+    frame      FOOT   JSON: index of records (offset, length, hash, sample id, tokens), totals,
+                      the xxh3-128 of every byte before this frame
+    trailer    16 B   u64 offset of the FOOT frame, magic "LTSEND\\0\\0"
+
+Every frame is `kind (4 B) | payload length (u64) | xxh3-64 of payload (u64) | payload`, all
+little-endian. The frames make the object parseable front to back while it is still being
+uploaded; the trailer and footer give random access to any record with one ranged GET.
+The writer is storage/writer.py, the readers and verify storage/reader.py.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import xxhash
+
+from storage.codecs import CODEC_NAMES, get_codec
+
+FORMAT_NAME = "layertap-shard"
+FORMAT_VERSION = 1
+MAGIC = b"LTSHARD\x00"
+TRAILER_MAGIC = b"LTSEND\x00\x00"
+PREAMBLE = struct.Struct("<8sII")
+FRAME = struct.Struct("<4sQQ")
+TRAILER = struct.Struct("<Q8s")
+HEAD, RECD, FOOT = b"HEAD", b"RECD", b"FOOT"
+LAYER_CONVENTION = "decoder_output"  # layer k = output of decoder layer k = HF hidden_states[k + 1]
+FINAL_STATES = ("none", "prenorm", "postnorm")
+
+
+class ShardError(Exception):
+    """A shard is corrupt, truncated or not understood; the message names the object."""
+
+
+class UnsupportedShard(ShardError):
+    """Written by a layertap this one does not understand (a newer format version or codec): not
+    corrupt, so never withdrawn or skipped as if it were; upgrade layertap to read it."""
+
+
+class UnsupportedShardVersion(UnsupportedShard):
+    pass
+
+
+@dataclass(kw_only=True)
+class ShardMeta:
+    """What a reader needs to interpret the records, written once in the HEAD frame."""
+
+    run_id: str
+    shard_id: int
+    model: str
+    model_revision: str | None = None
+    layers: list[int]
+    layer_convention: str = LAYER_CONVENTION
+    final_state: Literal["none", "prenorm", "postnorm"] = "none"
+    hidden_size: int
+    dtype: str = "bfloat16"
+    codec: str
+    tokenizer: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        get_codec(self.codec)  # unknown codec -> ValueError naming it
+        if not self.layers or any(not isinstance(k, int) or k < 0 for k in self.layers):
+            raise ValueError(f"layers must be a non-empty list of non-negative ints, got {self.layers!r}")
+        if self.final_state not in FINAL_STATES:
+            raise ValueError(f"final_state must be one of {FINAL_STATES}, got {self.final_state!r}")
+        if self.hidden_size <= 0:
+            raise ValueError(f"hidden_size must be positive, got {self.hidden_size}")
+        if self.dtype != "bfloat16":
+            raise ValueError(f"only bfloat16 activations are supported, got {self.dtype!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ShardMeta:
+        fields = {k: v for k, v in obj.items() if k not in ("format", "format_version", "created_at")}
+        return cls(**fields)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEntry:
+    """One line of the footer index."""
+
+    sample_id: str
+    offset: int  # of the frame, from the start of the object
+    length: int  # of the whole frame
+    num_tokens: int
+    xxh3_64: str
+
+
+def frame_header(kind: bytes, payload: bytes) -> bytes:
+    """The 20-byte header of a frame holding `payload`."""
+    return FRAME.pack(kind, len(payload), xxhash.xxh3_64_intdigest(payload))
+
+
+def parse_frame(buf: bytes | memoryview, pos: int, where: str, verify: bool = True) -> tuple[bytes, memoryview, int]:
+    """(kind, payload, next position) of the frame at `pos` of `buf`, hash checked."""
+    if len(buf) - pos < FRAME.size:
+        raise ShardError(f"{where}: truncated frame header at byte {pos}")
+    kind, n, digest = FRAME.unpack_from(buf, pos)
+    start = pos + FRAME.size
+    if kind not in (HEAD, RECD, FOOT):
+        raise ShardError(f"{where}: unknown frame kind {kind!r} at byte {pos}; the object is corrupt")
+    if len(buf) - start < n:
+        raise ShardError(f"{where}: truncated {kind.decode()} frame at byte {pos} "
+                         f"(needs {n} payload bytes, {len(buf) - start} present)")
+    payload = memoryview(buf)[start : start + n]
+    if verify and xxhash.xxh3_64_intdigest(payload) != digest:
+        raise ShardError(f"{where}: checksum mismatch in {kind.decode()} frame at byte {pos}; the object is corrupt")
+    return kind, payload, start + n
+
+
+def check_preamble(buf: bytes | memoryview, where: str) -> None:
+    """ShardError unless `buf` starts with a layertap preamble of the version this code reads."""
+    if len(buf) < PREAMBLE.size:
+        raise ShardError(f"{where}: too short to be a layertap shard ({len(buf)} bytes)")
+    magic, version, _ = PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ShardError(f"{where}: not a layertap shard (bad magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise UnsupportedShardVersion(
+            f"{where}: shard format version {version} is not supported by this layertap "
+            f"(it reads version {FORMAT_VERSION}); upgrade layertap to read it"
+        )
+
+
+def parse_head(payload: bytes | memoryview, where: str) -> ShardMeta:
+    """The metadata of a HEAD payload; `UnsupportedShard` for a codec this layertap lacks."""
+    try:
+        obj = json.loads(bytes(payload))
+        if obj.get("format") != FORMAT_NAME:
+            raise ShardError(f"{where}: header format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
+        if obj.get("codec") not in CODEC_NAMES:
+            raise UnsupportedShard(f"{where}: codec {obj.get('codec')!r} is not known to this layertap (it reads "
+                                   f"{', '.join(CODEC_NAMES)}); upgrade layertap to read it")
+        return ShardMeta.from_json(obj)
+    except (ValueError, TypeError) as e:
+        raise ShardError(f"{where}: unreadable shard header: {e}") from None

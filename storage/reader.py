@@ -1,0 +1,231 @@
+"""Reading a shard: random access through the footer (`ShardReader`), a front-to-back parse as the
+bytes arrive (`iter_frames`), and `verify_shard`, which re-reads and checks every hash."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import xxhash
+
+from storage.format import (FOOT, FRAME, HEAD, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC, RecordEntry, ShardError,
+                            ShardMeta, UnsupportedShard, check_preamble, parse_frame, parse_head)
+from storage.records import Sample, decode_record, record_metadata
+from storage.store import ObjectStore
+
+
+def record_payload(buf: bytes | memoryview, base: int, entry: RecordEntry, where: str) -> memoryview:
+    """The payload of the RECD frame that `entry` indexes, as a view into `buf` (object bytes from
+    offset `base` on), once its xxh3-64 equals both the frame header's and the index entry's."""
+    pos = entry.offset - base
+    if pos < 0 or len(buf) - pos < entry.length:
+        raise ShardError(f"{where}: the frame at byte {entry.offset} lies outside the bytes read")
+    kind, n, digest = FRAME.unpack_from(buf, pos)
+    if kind != RECD or FRAME.size + n != entry.length:
+        raise ShardError(f"{where}: the frame at byte {entry.offset} does not match the footer index; the shard is corrupt")
+    payload = memoryview(buf)[pos + FRAME.size : pos + entry.length]
+    actual = xxhash.xxh3_64(payload).intdigest()  # the hasher object releases the GIL; the one-shot call does not
+    if actual != digest:
+        raise ShardError(f"{where}: checksum mismatch in RECD frame at byte {entry.offset}; the object is corrupt")
+    if f"{actual:016x}" != entry.xxh3_64:
+        raise ShardError(f"{where}: the frame at byte {entry.offset} does not match the footer index; the shard is corrupt")
+    return payload
+
+
+class _InMemory:
+    """A whole object held in memory, served as the store `ShardReader` reads it through."""
+
+    def __init__(self, uri: str, data: bytes | memoryview):
+        self.uri, self._view = uri, memoryview(data)
+
+    def get_range(self, key: str, start: int, end: int) -> memoryview:
+        return self._view[start:end]
+
+
+class ShardReader:
+    """Random access to one shard through its footer: a few small ranged GETs to open it, then one
+    ranged GET per record (or per run of adjacent records)."""
+
+    TAIL_GUESS = 256 << 10  # one GET usually brings trailer and footer together
+
+    def __init__(self, store: ObjectStore, key: str, size: int | None = None):
+        self.store, self.key = store, key
+        self.where = f"{store.uri.rstrip('/')}/{key}"
+        self.size = store.size(key) if size is None else size
+        if self.size < PREAMBLE.size + TRAILER.size:
+            raise ShardError(f"{self.where}: too short to be a layertap shard ({self.size} bytes)")
+        head = store.get_range(key, 0, min(self.size, 64 << 10))
+        check_preamble(head, self.where)
+        n = FRAME.unpack_from(head, PREAMBLE.size)[1] if len(head) >= PREAMBLE.size + FRAME.size else 0
+        if len(head) < PREAMBLE.size + FRAME.size + n:
+            head = store.get_range(key, 0, PREAMBLE.size + FRAME.size + n)
+        kind, payload, self.records_start = parse_frame(head, PREAMBLE.size, self.where)
+        if kind != HEAD:
+            raise ShardError(f"{self.where}: first frame is {kind!r}, expected HEAD")
+        self.meta = parse_head(payload, self.where)
+        self.footer = self._read_footer()
+        self.entries = [RecordEntry(**e) for e in self.footer["records"]]
+
+    def _read_footer(self) -> dict:
+        tail_start = max(0, self.size - self.TAIL_GUESS)
+        tail = self.store.get_range(self.key, tail_start, self.size)
+        if len(tail) != self.size - tail_start:
+            raise ShardError(f"{self.where}: object changed size while reading")
+        footer_offset, magic = TRAILER.unpack_from(tail, len(tail) - TRAILER.size)
+        if magic != TRAILER_MAGIC or not (self.records_start <= footer_offset < self.size - TRAILER.size):
+            raise ShardError(f"{self.where}: no valid trailer; the shard is truncated or corrupt")
+        if footer_offset < tail_start:
+            tail_start, tail = footer_offset, self.store.get_range(self.key, footer_offset, self.size)
+        kind, payload, end = parse_frame(tail, footer_offset - tail_start, self.where)
+        if kind != FOOT or end != len(tail) - TRAILER.size:
+            raise ShardError(f"{self.where}: trailer does not point at the footer; the shard is corrupt")
+        self.footer_offset = footer_offset
+        return json.loads(bytes(payload))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [e.sample_id for e in self.entries]
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, key: str, *, uri: str = "memory:") -> ShardReader:
+        """A reader over a whole object already in memory (one GET): no further reads, and
+        `read` decodes records in place. `uri` and `key` name the object in error messages."""
+        return cls(_InMemory(uri, data), key, size=len(data))
+
+    def read(self, index: int) -> Sample:
+        e = self.entries[index]
+        where = f"{self.where} record {index} ({e.sample_id})"
+        buf = self.store.get_range(self.key, e.offset, e.offset + e.length)
+        sample = decode_record(record_payload(buf, e.offset, e, where), self.meta)
+        if sample.sample_id != e.sample_id:
+            raise ShardError(f"{where}: holds sample {sample.sample_id!r}, the index says {e.sample_id!r}")
+        return sample
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self.entries)):
+            yield self.read(i)
+
+
+@dataclass
+class VerifyReport:
+    key: str
+    ok: bool
+    num_records: int
+    num_tokens: int
+    bytes: int
+    xxh3_128: str
+    error: str | None = None
+    meta: ShardMeta | None = None  # the HEAD metadata, when it could be read
+
+
+def iter_frames(stream: BinaryIO, where: str, verify: bool = True,
+                content_hash=None) -> Iterator[tuple[bytes, int, bytes]]:
+    """Parse a shard front to back without its footer, as bytes arrive: (kind, offset, payload).
+
+    Raises ShardError on a bad hash or a truncated object (the stream ends before the footer).
+    `content_hash`, an xxh3 hasher, is fed every byte before the footer frame.
+    """
+    feed = content_hash.update if content_hash is not None else (lambda b: None)
+    pre = stream.read(PREAMBLE.size)
+    check_preamble(pre, where)
+    feed(pre)
+    pos = PREAMBLE.size
+    while True:
+        head = stream.read(FRAME.size)
+        if len(head) < FRAME.size:
+            raise ShardError(f"{where}: truncated at byte {pos + len(head)} before the footer")
+        kind, n, digest = FRAME.unpack(head)
+        if kind not in (HEAD, RECD, FOOT):
+            raise ShardError(f"{where}: unknown frame kind {kind!r} at byte {pos}; the object is corrupt")
+        payload = stream.read(n)
+        if len(payload) < n:
+            raise ShardError(f"{where}: truncated inside the {kind.decode()} frame at byte {pos}")
+        if verify and xxhash.xxh3_64_intdigest(payload) != digest:
+            raise ShardError(f"{where}: checksum mismatch in {kind.decode()} frame at byte {pos}; the object is corrupt")
+        if kind != FOOT:
+            feed(head)
+            feed(payload)
+        yield kind, pos, payload
+        pos += FRAME.size + n
+        if kind == FOOT:
+            return
+
+
+def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = None,
+                 decode: bool = False) -> VerifyReport:
+    """Re-read the whole object and check every hash: each frame, the footer's content hash, the
+    trailer, the whole-object hash (against `expected_xxh3_128`, e.g. from a commit record) and,
+    with `decode`, that every record decodes. Raises `UnsupportedShard` for an intact object of a
+    newer format version or codec, which a report of "bad" would get withdrawn and deleted."""
+    where = f"{store.uri.rstrip('/')}/{key}"
+    whole, content = xxhash.xxh3_128(), xxhash.xxh3_128()
+    records = size = 0
+    try:
+        size = store.size(key)
+        with store.open_stream(key) as raw:
+            stream = _HashingStream(raw, whole)
+            meta, footer, footer_offset = None, None, -1
+            found: list[dict] = []
+            for kind, pos, payload in iter_frames(stream, where, content_hash=content):
+                if kind == HEAD:
+                    if meta is not None or pos != PREAMBLE.size:
+                        raise ShardError(f"{where}: unexpected HEAD frame at byte {pos}; the object is corrupt")
+                    meta = parse_head(memoryview(payload), where)
+                elif meta is None:
+                    raise ShardError(f"{where}: the first frame is not HEAD; the object is corrupt")
+                elif kind == RECD:
+                    records += 1
+                    md = record_metadata(payload)
+                    found.append({"sample_id": md.get("sample_id"), "offset": pos, "length": FRAME.size + len(payload),
+                                  "num_tokens": int(md.get("num_tokens", -1)),
+                                  "xxh3_64": f"{xxhash.xxh3_64_intdigest(payload):016x}"})
+                    if decode:
+                        decode_record(payload, meta)
+                else:
+                    footer, footer_offset = json.loads(payload), pos
+            if footer["content_xxh3_128"] != content.hexdigest():
+                raise ShardError(f"{where}: content hash mismatch; the object is corrupt")
+            trailer = stream.read(TRAILER.size)
+            if len(trailer) != TRAILER.size or TRAILER.unpack(trailer) != (footer_offset, TRAILER_MAGIC):
+                raise ShardError(f"{where}: bad or missing trailer; the shard is truncated or corrupt")
+            if stream.read(1):
+                raise ShardError(f"{where}: unexpected bytes after the trailer")
+            if footer["num_records"] != records or footer["records"] != found:
+                raise ShardError(f"{where}: the footer index does not match the records found "
+                                 f"({footer['num_records']} listed, {records} found); the object is corrupt")
+        digest = whole.hexdigest()
+        if expected_xxh3_128 is not None and digest != expected_xxh3_128:
+            raise ShardError(f"{where}: object hash {digest} differs from the committed {expected_xxh3_128}")
+        return VerifyReport(key, True, records, footer["num_tokens"], size, digest, meta=meta)
+    except UnsupportedShard as e:
+        # Newer than this reader, or a corrupted version or codec field: the object's hash tells.
+        if expected_xxh3_128 is None or _object_xxh3_128(store, key) == expected_xxh3_128:
+            raise
+        return VerifyReport(key, False, records, 0, size, "", f"{e}; but the object's hash differs from its "
+                            "commit's: it is corrupt, not newer")
+    except (ShardError, ValueError, KeyError) as e:
+        msg = str(e) if isinstance(e, ShardError) else f"{where}: undecodable content ({type(e).__name__}: {e})"
+        return VerifyReport(key, False, records, 0, size, whole.hexdigest(), msg)
+
+
+def _object_xxh3_128(store: ObjectStore, key: str) -> str:
+    h = xxhash.xxh3_128()
+    with store.open_stream(key) as raw:
+        while chunk := raw.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _HashingStream:
+    def __init__(self, raw: BinaryIO, hasher):
+        self._raw, self._h = raw, hasher
+
+    def read(self, n: int = -1) -> bytes:
+        b = self._raw.read(n)
+        self._h.update(b)
+        return b

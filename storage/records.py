@@ -1,0 +1,237 @@
+"""One sample as a RECD payload: a safetensors blob of codec-encoded tensors (docs/FORMAT.md §4).
+
+The blob is written and parsed here by hand, not by the safetensors library, because the library
+copies: `serialize`/`save` return one new `bytes` holding every tensor, and `deserialize`/`load`
+take only `bytes` (a copy of the fetched range), copy every tensor out again and drop the
+metadata; `safe_open` reads only files. On 48 MB records that costs up to 2x the CPU of decoding
+and 3x of encoding (`python bench/record_codec.py --record-mb 48`). Written this way a record
+goes out as the tensors' own buffers and is read as views into the fetched range.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from storage.codecs import get_codec
+from storage.format import ShardError, ShardMeta
+
+
+@dataclass(slots=True)
+class Sample:
+    """One sample's tokens and activations, unpadded."""
+
+    sample_id: str
+    input_ids: torch.Tensor  # int [S]
+    loss_mask: torch.Tensor  # 0/1 [S]
+    hidden_states: torch.Tensor  # bf16 [S, len(layers), hidden]
+    final_state: torch.Tensor | None = None  # bf16 [S, hidden]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    """A sample turned into its RECD payload, ready to append (encoding runs in worker threads).
+
+    The payload is kept as the list of buffers that make it up (safetensors header, then each
+    tensor's bytes), hashed where it was built: appending it copies nothing and hashes nothing.
+    """
+
+    sample_id: str
+    num_tokens: int
+    parts: tuple[bytes | memoryview, ...]
+    size: int
+    xxh3_64: int
+    raw_bytes: int  # activation bytes before the codec
+    sq_err: float = 0.0  # codec reconstruction error, summed (lossy codecs)
+    sq_norm: float = 0.0
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def encode_record(sample: Sample, meta: ShardMeta) -> EncodedRecord:
+    """Validate a sample against the shard's metadata and encode it with the shard's codec."""
+    sid = sample.sample_id
+    if not isinstance(sid, str) or not sid:
+        raise ValueError(f"sample_id must be a non-empty string, got {sid!r}")
+    s = sample.input_ids.shape[0] if sample.input_ids.dim() == 1 else -1
+    if s < 0:
+        raise ValueError(f"sample {sid}: input_ids must be 1-D, got shape {tuple(sample.input_ids.shape)}")
+    if tuple(sample.loss_mask.shape) != (s,):
+        raise ValueError(f"sample {sid}: loss_mask shape {tuple(sample.loss_mask.shape)} != ({s},)")
+    want = (s, len(meta.layers), meta.hidden_size)
+    if tuple(sample.hidden_states.shape) != want:
+        raise ValueError(f"sample {sid}: hidden_states shape {tuple(sample.hidden_states.shape)} != {want}")
+    has_final = sample.final_state is not None
+    if has_final != (meta.final_state != "none"):
+        raise ValueError(f"sample {sid}: final_state is {'present' if has_final else 'missing'} "
+                         f"but the shard says final_state={meta.final_state!r}")
+    if has_final and tuple(sample.final_state.shape) != (s, meta.hidden_size):
+        raise ValueError(f"sample {sid}: final_state shape {tuple(sample.final_state.shape)} != {(s, meta.hidden_size)}")
+    ids = sample.input_ids
+    if s and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
+        raise ValueError(f"sample {sid}: token ids must lie in [0, 2^31)")
+
+    codec = get_codec(meta.codec)
+    tensors: dict[str, torch.Tensor] = {
+        "input_ids": ids.to(torch.int32).contiguous(),
+        "loss_mask": sample.loss_mask.to(torch.uint8).contiguous(),
+    }
+    md = {"sample_id": sid, "num_tokens": str(s), "codec": meta.codec}
+    raw, sq_err, sq_norm = 0, 0.0, 0.0
+    for name in ("hidden_states", "final_state"):
+        x = getattr(sample, name)
+        if x is None:
+            continue
+        enc, enc_meta = codec.encode(x.contiguous())
+        raw += x.numel() * x.element_size()
+        tensors.update({f"{name}.{k}": v for k, v in enc.items()})
+        md.update({f"{name}.{k}": v for k, v in enc_meta.items()})
+        sq_err += float(enc_meta.get("sq_err", 0.0))
+        sq_norm += float(enc_meta.get("sq_norm", 0.0))
+    parts = safetensors_parts(tensors, md)
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return EncodedRecord(sid, s, tuple(parts), sum(len(p) for p in parts), h.intdigest(), raw, sq_err, sq_norm)
+
+
+def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
+    """The inverse of `encode_record` (payload hash already checked by the caller).
+
+    Reads the payload in place: the codecs decompress and reassemble straight from it into the
+    output tensors, which share no memory with it (the payload can be freed once this returns).
+    """
+    md: dict[str, str] = {}
+    try:
+        md, tensors = read_safetensors(payload)
+        codec = get_codec(md.get("codec", meta.codec))
+        decoded = {}
+        for name in ("hidden_states", "final_state"):
+            parts = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
+            if parts:
+                sub_meta = {k[len(name) + 1 :]: v for k, v in md.items() if k.startswith(name + ".")}
+                decoded[name] = codec.decode(parts, sub_meta)
+        ids, mask = tensors.get("input_ids"), tensors.get("loss_mask")
+        if isinstance(mask, np.ndarray):  # a view into the payload: the sample gets its own copy
+            mask = torch.from_numpy(mask.copy())
+        if isinstance(ids, np.ndarray):
+            ids = torch.from_numpy(ids.copy())
+    except Exception as e:  # safetensors, zstd and codec errors all mean the same: bad record
+        raise ShardError(f"record does not decode: {type(e).__name__}: {e}") from None
+    if "hidden_states" not in decoded or ids is None or mask is None:
+        raise ShardError(f"record {md.get('sample_id')!r} lacks input_ids, loss_mask or hidden_states")
+    return Sample(
+        sample_id=md["sample_id"],
+        input_ids=ids.to(torch.int64),
+        loss_mask=mask,
+        hidden_states=decoded["hidden_states"],
+        final_state=decoded.get("final_state"),
+    )
+
+
+def record_metadata(payload: bytes | memoryview) -> dict[str, str]:
+    """The string metadata of a record (sample id, tokens, codec parameters), without its tensors.
+
+    By hand: the safetensors library reads a header alone only from a file (`safe_open`).
+    """
+    (n,) = struct.unpack_from("<Q", payload, 0)
+    return json.loads(bytes(payload[8 : 8 + n])).get("__metadata__", {})
+
+
+# -- the safetensors blob -----------------------------------------------------------------------
+
+_ST_DTYPES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bfloat16: "BF16",
+              torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+_ST_TORCH = {code: dtype for dtype, code in _ST_DTYPES.items()}
+_ST_ITEMSIZE = {"U8": 1, "I32": 4, "I64": 8, "BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[bytes | memoryview]:
+    """A safetensors blob as [header, tensor bytes...], without copying the tensors.
+
+    Byte-compatible with `safetensors.torch.save` readers: a u64 header length, the JSON header
+    (offsets of contiguous tensors, no holes) padded with spaces to 8 bytes, then the data. Not
+    `safetensors.serialize`: it copies every tensor into one new `bytes` (module docstring).
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    parts: list[bytes | memoryview] = [b""]
+    offset = 0
+    for name, t in tensors.items():
+        t = t.contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        parts.append(data)
+        offset += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    parts[0] = struct.pack("<Q", len(head)) + head
+    return parts
+
+
+def read_safetensors(payload: bytes | memoryview) -> tuple[dict[str, str], dict[str, np.ndarray | torch.Tensor]]:
+    """(metadata, tensors) of a safetensors blob, checked as strictly as the library checks it.
+
+    Nothing large is copied: U8 tensors (the codecs' byte planes and zstd frames) come back as
+    read-only numpy views into `payload`. The others (small ones, or raw bf16 that the caller would
+    copy anyway) are copied into torch tensors: in a shard they are unaligned. ValueError if the
+    blob is malformed. Not `safetensors.deserialize`: it takes only `bytes` and copies every tensor
+    out (module docstring).
+    """
+    buf = memoryview(payload)
+    if len(buf) < 8:
+        raise ValueError(f"a safetensors blob needs at least 8 bytes, got {len(buf)}")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > len(buf) - 8:
+        raise ValueError(f"header length {n} exceeds the {len(buf)}-byte blob")
+    header = json.loads(bytes(buf[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    md = header.pop("__metadata__", None) or {}
+    if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
+        raise ValueError("__metadata__ must map strings to strings")
+    data = buf[8 + n :]
+    tensors: dict[str, np.ndarray | torch.Tensor] = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"tensor {name!r}: malformed header entry {info!r}") from None
+        if dtype not in _ST_ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
+        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= len(data)):
+            raise ValueError(f"tensor {name!r}: data_offsets {[begin, end]} outside the {len(data)}-byte data")
+        if end - begin != math.prod(shape) * _ST_ITEMSIZE[dtype]:
+            raise ValueError(f"tensor {name!r}: {end - begin} bytes cannot hold {dtype} {shape}")
+        spans.append((begin, end))
+        view = data[begin:end]
+        if dtype == "U8":
+            tensors[name] = np.frombuffer(view, dtype=np.uint8).reshape(shape)
+        elif begin == end:
+            tensors[name] = torch.empty(shape, dtype=_ST_TORCH[dtype])
+        else:
+            tensors[name] = torch.frombuffer(bytearray(view), dtype=_ST_TORCH[dtype]).reshape(shape)
+    pos = 0
+    for begin, end in sorted(spans):
+        if begin != pos:
+            raise ValueError(f"tensor data overlaps or leaves a hole at byte {pos} of the data section")
+        pos = end
+    if pos != len(data):
+        raise ValueError(f"the tensors cover {pos} of the {len(data)} data bytes")
+    return md, tensors
