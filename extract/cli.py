@@ -19,17 +19,30 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("extract.estimate_command", "bytes, upload bandwidth, GPU-hours and cost of a run, before it runs"),
     "plan": ("extract.estimate_command", "cut a run's shard plan and write its manifest only (--dry-run: just show it)"),
     "inspect": ("storage.cli", "print a shard's metadata and records and verify every hash"),
-    "status": ("manifests.cli", "show what is done, running, failed and pending in a run"),
+    "status": ("manifests.cli", "show what is done, running, failed and pending in a run (or a training output)"),
     "verify": ("manifests.cli", "re-read committed shards, check every hash, withdraw bad ones"),
+    "delete": ("manifests.delete", "delete a run or training output: every object under its prefix (asks first)"),
     "submit": ("slurm.command", "submit extraction arrays and training jobs to Slurm, only what is unfinished"),
     "train": ("train.command", "train a DFlash drafter on a run's stored states, streamed from the store"),
     "eval": ("train.command", "speculative decoding with target and drafter: acceptance length tau"),
 }
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, for an editable install)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("layertap")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layertap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"layertap {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -21,6 +21,9 @@ def add_status(p: argparse.ArgumentParser) -> None:
     p.epilog = STATUS_EXIT_CODES
     p.add_argument("prefix", help="the run prefix (or a training output): s3://bucket/prefix or a local folder")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
+    p.add_argument("--shards", action="store_true",
+                   help="also list every shard: its state and, once committed, its object (the name "
+                        "`layertap inspect` takes), records, tokens and bytes")
 
 
 def add_verify(p: argparse.ArgumentParser) -> None:
@@ -31,7 +34,7 @@ def add_verify(p: argparse.ArgumentParser) -> None:
 
 def _errors():
     from manifests.manifest import ManifestError
-    from storage.shard import ShardError
+    from storage.format import ShardError
     from storage.store import StoreError
 
     return (ManifestError, StoreError, ShardError)
@@ -45,7 +48,7 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.prefix)
         try:
-            s = status(store)
+            s = status(store, shards=args.shards)
         except NoRun as e:
             from manifests.train_output import training_status
 
@@ -107,6 +110,12 @@ def format_status(s: dict) -> str:
     for f in s["failed"]:
         where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
         lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {where}): {f['error']}")
+    if "shards" in s:
+        lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  object")
+        for e in s["shards"]:
+            numbers = (f"{e['records']:>8,} {e['tokens']:>11,} {size(e['bytes']):>10}" if "records" in e
+                       else f"{'':>8} {'':>11} {'':>10}")
+            lines.append(f"  {e['shard']:06d}  {e['state']:<8} {numbers}  {e['object'] or ''}".rstrip())
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ from manifests import layout
 from manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
 from manifests.state import RunState, replaced_manifest_error, scan
-from storage.shard import verify_shard
+from storage.reader import verify_shard
 from storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -20,12 +20,13 @@ log = logging.getLogger(__name__)
 RATE_WINDOW_S = 600.0  # the recent rate is measured over the commits of the last ten minutes
 
 
-def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str, Any]:
+def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: bool = False) -> dict[str, Any]:
     """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
-    the reason each failed shard failed. Read-only. Costs five listings plus a GET per failed
-    shard (and per commit whose tally marker is missing)."""
+    the reason each failed shard failed; with `shards`, every shard's state and data object.
+    Read-only. Costs five listings (six with `shards`) plus a GET per failed shard (and per
+    commit whose tally marker is missing, or whose data object the listing leaves ambiguous)."""
     manifest = manifest or load_manifest(store)
-    st = scan(store, manifest)
+    st = scan(store, manifest, with_data=shards)
     counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
     failed_ids = []
     for plan in manifest.shards:
@@ -46,6 +47,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str
     end = st.now if counts["running"] or last is None else last
     rate = recent_rate(st.commit_times, {s: t["tokens"] for s, t in tallies.items()}, end)
     complete = counts["done"] == len(manifest.shards) and not st.stale_commits
+    failed = [_failure_summary(store, st, s) for s in failed_ids]
+    listed = {"shards": _shard_list(store, st, tallies, failed)} if shards else {}
     return {
         "prefix": store.uri,
         "run_id": manifest.run_id,
@@ -73,10 +76,38 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None) -> dict[str
         # from an old rate, or for work nobody is doing, would promise what will not happen.
         "eta_s": round(remaining / rate) if rate and remaining and counts["running"] else None,
         "complete": complete,
-        "failed": [_failure_summary(store, st, s) for s in failed_ids],
+        "failed": failed,
         "stale_commits": st.stale_commits,
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
+        **listed,
     }
+
+
+def _shard_list(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, int]],
+                failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every shard: its state and, when committed, its data object and numbers. The object is the
+    listing's only one for the shard, or (crashed attempts left others) the one its commit names."""
+    errors = {f["shard"]: f["error"] for f in failed}
+    out = []
+    for plan in st.manifest.shards:
+        entry: dict[str, Any] = {"shard": plan.id, "state": st.state(plan.id), "object": None}
+        if plan.id in st.committed:
+            keys = st.data_objects.get(plan.id, [])
+            key = keys[0] if len(keys) == 1 else _committed_key(store, plan.id)
+            entry["object"] = f"{store.uri.rstrip('/')}/{key}" if key else None
+            entry.update(tallies.get(plan.id, {}))
+        if plan.id in errors:
+            entry["error"] = errors[plan.id]
+        out.append(entry)
+    return out
+
+
+def _committed_key(store: ObjectStore, shard: int) -> str | None:
+    key = layout.commit_key(shard)
+    try:
+        return decode_commit(store.get(key), key).data_key
+    except ObjectNotFound:  # withdrawn while we looked
+        return None
 
 
 def recent_rate(commit_times: dict[int, float], tokens: dict[int, int], end: float,

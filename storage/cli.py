@@ -1,30 +1,45 @@
-"""`layertap inspect URI`: look inside one shard object and check every hash."""
+"""`layertap inspect URI`: look inside one shard object, check every hash, and (--stats) the
+statistics of its states per capture layer."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
-
+from typing import Any
 
 
 def add_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("uri", help="a shard object: s3://bucket/prefix/shards/00001.lts or a local path")
+    p.add_argument("uri", help="a shard object, e.g. s3://bucket/run1/shards/000001-81511212108e.lts or "
+                               "runs/quickstart/shards/000001-81511212108e.lts (`layertap status RUN --shards` "
+                               "lists a run's shard objects)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--records", type=int, default=20, metavar="N", help="list at most N records (default 20; -1 all)")
+    p.add_argument("--stats", action="store_true",
+                   help="mean, std, max |x| and non-finite values per capture layer (and of the final state) "
+                        "over every record: a sanity check of what was captured")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from storage.shard import ShardError, ShardReader, verify_shard
-    from storage.store import StoreError, open_store, split_object_uri
+    from storage.format import ShardError
+    from storage.reader import ShardReader, verify_shard
+    from storage.store import ObjectNotFound, StoreError, open_store, split_object_uri
 
     try:
         root, key = split_object_uri(args.uri)
         store = open_store(root)
-        store.size(key)  # a missing object or a bad key is a usage error, not a corrupt shard
+        try:
+            store.size(key)  # a missing object or a bad key is a usage error, not a corrupt shard
+        except ObjectNotFound:
+            if open_store(args.uri).exists("manifest.json"):
+                raise StoreError(f"{args.uri} is a run, not a shard object: `layertap status {args.uri} --shards` "
+                                 "lists its shards' objects, one of which `layertap inspect` takes") from None
+            raise
         report = verify_shard(store, key, decode=True)
         reader = ShardReader(store, key) if report.ok else None
+        stats = layer_stats(reader) if reader is not None and args.stats else None
     except (StoreError, ShardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -34,7 +49,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         if reader:
             out.update(meta=reader.meta.to_json(), num_records=len(reader), num_tokens=reader.footer["num_tokens"],
                        raw_bytes=reader.footer["raw_bytes"], relative_error=reader.footer["relative_error"],
-                       records=[asdict(e) for e in reader.entries])
+                       records=[asdict(e) for e in _shown(reader.entries, args.records)])
+            if stats is not None:
+                out["stats"] = stats
         print(json.dumps(out, indent=2))
         return 0 if report.ok else 1
     if reader is None:
@@ -49,9 +66,77 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"  codec {m.codec}  ratio {ratio:.3f}x"
           + (f"  relative error {f['relative_error']:.4%}" if f["relative_error"] is not None else ""))
     print(f"  {len(reader)} records  {f['num_tokens']} tokens  {report.bytes} bytes  xxh3-128 {report.xxh3_128}")
-    shown = reader.entries if args.records < 0 else reader.entries[: args.records]
+    shown = _shown(reader.entries, args.records)
     for i, e in enumerate(shown):
         print(f"  [{i:5d}] {e.sample_id:<32} tokens {e.num_tokens:6d}  bytes {e.length:10d}  @ {e.offset}")
     if len(shown) < len(reader):
         print(f"  ... {len(reader) - len(shown)} more (--records -1 lists all)")
+    if stats is not None:
+        print(f"  statistics over {len(reader)} records ({stats['tokens']:,} tokens x {m.hidden_size} values a layer):")
+        print(f"    {'layer':<18}{'mean':>12}{'std':>12}{'max |x|':>12}{'non-finite':>12}")
+        rows = [(str(r["layer"]), r) for r in stats["layers"]]
+        if stats["final_state"]:
+            rows.append((f"final ({m.final_state})", stats["final_state"]))
+        for name, r in rows:
+            print(f"    {name:<18}{_num(r['mean']):>12}{_num(r['std']):>12}{_num(r['max_abs']):>12}{r['nonfinite']:>12,}")
     return 0
+
+
+def _shown(entries: list, n: int) -> list:
+    return entries if n < 0 else entries[:n]
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def layer_stats(reader) -> dict[str, Any]:
+    """Mean, std, max |x| and the count of non-finite values of the stored states, per capture
+    layer (and of the final state), over every record; the moments over the finite values only.
+    Accumulated in float64 from the decoded bf16."""
+    n_layers = len(reader.meta.layers)
+    acc = {"layers": _Moments(n_layers), "final": _Moments(1)}
+    tokens = 0
+    for sample in reader:
+        tokens += sample.num_tokens
+        acc["layers"].add(sample.hidden_states.transpose(0, 1).reshape(n_layers, -1))
+        if sample.final_state is not None:
+            acc["final"].add(sample.final_state.reshape(1, -1))
+    layers = [{"layer": layer, **row} for layer, row in zip(reader.meta.layers, acc["layers"].rows())]
+    final = acc["final"].rows()[0] if acc["final"].count.sum() or acc["final"].nonfinite.sum() else None
+    return {"tokens": tokens, "layers": layers, "final_state": final}
+
+
+class _Moments:
+    """Running sums per row of [rows, values] chunks."""
+
+    def __init__(self, rows: int):
+        import torch
+
+        self.count = torch.zeros(rows, dtype=torch.float64)
+        self.sum = torch.zeros(rows, dtype=torch.float64)
+        self.sumsq = torch.zeros(rows, dtype=torch.float64)
+        self.max_abs = torch.zeros(rows, dtype=torch.float64)
+        self.nonfinite = torch.zeros(rows, dtype=torch.int64)
+
+    def add(self, x) -> None:
+        import torch
+
+        x = x.double()
+        finite = torch.isfinite(x)
+        self.nonfinite += (~finite).sum(dim=1)
+        x = torch.where(finite, x, torch.zeros((), dtype=x.dtype))
+        self.count += finite.sum(dim=1)
+        self.sum += x.sum(dim=1)
+        self.sumsq += (x * x).sum(dim=1)
+        if x.shape[1]:
+            self.max_abs = torch.maximum(self.max_abs, x.abs().amax(dim=1))
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for c, s, q, m, bad in zip(self.count.tolist(), self.sum.tolist(), self.sumsq.tolist(),
+                                   self.max_abs.tolist(), self.nonfinite.tolist()):
+            mean = s / c if c else None
+            std = math.sqrt(max(q / c - mean * mean, 0.0)) if c else None
+            out.append({"mean": mean, "std": std, "max_abs": m if c else None, "nonfinite": int(bad)})
+        return out

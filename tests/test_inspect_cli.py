@@ -17,7 +17,10 @@ import pytest
 import torch
 
 from extract.cli import main
-from storage.shard import Sample, ShardMeta, ShardReader, write_shard
+from storage.format import ShardMeta
+from storage.reader import ShardReader
+from storage.records import Sample
+from storage.writer import write_shard
 from storage.store import open_store
 
 KEY = "shards/00007.lts"
@@ -243,3 +246,66 @@ def test_s3_stderr_has_only_the_error(s3_bucket, layertap_script):
     p = subprocess.run([layertap_script, "inspect", f"s3://{s3_bucket}/runs/nope.lts"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stderr == f"error: no object at s3://{s3_bucket}/runs/nope.lts\n"
+
+
+# -- listing fewer records, statistics per layer, and what the help shows -------------------------
+
+
+def test_records_limit_applies_to_json(store, store_uri, capsys):
+    write_shard(store, KEY, make_meta("bf16"), make_samples())
+    rc, out, _ = inspect(capsys, uri(store_uri), "--json", "--records", "2")
+    doc = json.loads(out)
+    assert rc == 0 and [r["sample_id"] for r in doc["records"]] == ["conv-0", "conv-1"] and doc["num_records"] == 5
+    rc, out, _ = inspect(capsys, uri(store_uri), "--json", "--records", "-1")
+    assert len(json.loads(out)["records"]) == 5
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp8"])
+def test_stats_per_capture_layer(store, store_uri, capsys, codec):
+    samples = make_samples()
+    if codec == "bf16":  # fp8 refuses non-finite values when writing
+        samples[1].hidden_states[2, 1, 5] = float("inf")  # one non-finite value in layer 3
+    write_shard(store, KEY, make_meta(codec), samples)
+    stored = list(ShardReader(store, KEY))  # what the shard holds (fp8 is lossy): the reference
+    rc, out, err = inspect(capsys, uri(store_uri), "--json", "--stats")
+    assert rc == 0, err
+    stats = json.loads(out)["stats"]
+    assert stats["tokens"] == sum(s.num_tokens for s in samples)
+    for j, (layer, row) in enumerate(zip(LAYERS, stats["layers"])):
+        x = torch.cat([s.hidden_states[:, j].double().flatten() for s in stored])
+        finite = x[torch.isfinite(x)]
+        assert row["layer"] == layer and row["nonfinite"] == int((~torch.isfinite(x)).sum())
+        assert row["mean"] == pytest.approx(finite.mean().item(), rel=1e-9, abs=1e-12)
+        assert row["std"] == pytest.approx(finite.std(unbiased=False).item(), rel=1e-9)
+        assert row["max_abs"] == finite.abs().max().item()
+    assert [r["nonfinite"] for r in stats["layers"]] == ([0, 1, 0] if codec == "bf16" else [0, 0, 0])
+    f = torch.cat([s.final_state.double().flatten() for s in stored])
+    assert stats["final_state"]["mean"] == pytest.approx(f.mean().item(), rel=1e-9, abs=1e-12)
+    rc, out, _ = inspect(capsys, uri(store_uri), "--stats", "--records", "0")
+    assert rc == 0 and "statistics over 5 records" in out and "[    0]" not in out
+    bad = "1" if codec == "bf16" else "0"
+    assert re.search(rf"^\s+3\s+\S+\s+\S+\s+\S+\s+{bad}$", out, re.M), out  # layer 3's non-finite count
+    assert "final (postnorm)" in out
+
+
+def test_help_example_is_a_real_shard_name(capsys):
+    from manifests import layout
+
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    names = re.findall(r"shards/(\S+?\.lts)", " ".join(capsys.readouterr().out.split()))
+    assert names and all(layout.is_data_key(f"shards/{n}", int(n.split("-")[0])) for n in names)
+
+
+def test_a_run_prefix_is_pointed_at_status_shards(store, store_uri, capsys):
+    store.put("manifest.json", b"{}")
+    rc, out, err = inspect(capsys, store_uri)
+    assert rc == 2 and out == ""
+    assert f"{store_uri} is a run, not a shard object: `layertap status {store_uri} --shards`" in err
+
+
+def test_version(layertap_script):
+    from importlib.metadata import version
+
+    p = subprocess.run([layertap_script, "--version"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == f"layertap {version('layertap')}\n"

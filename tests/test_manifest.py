@@ -21,9 +21,11 @@ from manifests.records import Producer, decode_commit, decode_failure
 from manifests.status import run_status, verify_run
 from manifests.work import WorkQueue
 from slurm.work import remaining_work
-from storage.shard import ShardMeta, ShardReader, ShardWriter, verify_shard
+from storage.format import ShardMeta
+from storage.reader import ShardReader, verify_shard
+from storage.writer import ShardWriter
 from storage.store import open_store
-from train import ShardStream
+from train import ShardStream, StreamConfig
 
 WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
 
@@ -186,7 +188,7 @@ def test_a_stop_between_close_and_commit_leaves_no_data_and_one_inside_the_commi
                          layers=fake_worker.LAYERS, hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
         with ShardWriter(store.open_writer(claim.data_key), meta) as w:
             for i in range(claim.plan.start, claim.plan.end):
-                w.add(fake_worker.make_sample(i))
+                w.write_sample(fake_worker.make_sample(i))
             return w.close()
 
     claims = iter(queue)
@@ -233,7 +235,8 @@ def test_racing_commits_of_one_shard_yield_exactly_one(store_uri):
 import sys, fake_worker
 from manifests.records import Producer
 from manifests.work import Claim, WorkQueue
-from storage.shard import ShardMeta, ShardWriter
+from storage.format import ShardMeta
+from storage.writer import ShardWriter
 from storage.store import open_store
 store = open_store({store_uri!r})
 m = fake_worker.plan(store)
@@ -243,7 +246,7 @@ meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_wor
                  hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
 with ShardWriter(store.open_writer(claim.data_key), meta) as w:
     for i in range(m.shards[0].start, m.shards[0].end):
-        w.add(fake_worker.make_sample(i))
+        w.write_sample(fake_worker.make_sample(i))
     info = w.close()
 print(claim.commit(info))
 """
@@ -393,7 +396,7 @@ def test_a_copied_run_is_not_taken_for_a_replaced_manifest(store_uri):
     s = run_status(dst)
     assert s["problem"] is None and s["complete"] and s["samples_done"] == 40
     assert fake_worker.work(dst.uri) == []  # nothing to redo
-    assert sum(1 for _ in ShardStream(dst.uri, shuffle=False)) == 40
+    assert sum(1 for _ in ShardStream(dst.uri, config=StreamConfig(shuffle=False))) == 40
 
 
 def test_static_assignment_works_only_its_shards(store_uri):
@@ -445,3 +448,84 @@ def test_a_lost_claim_race_is_waited_on_not_taken_for_the_end(store_uri):
     queue._try_claim = competitor_first
     claim = next(iter(queue), None)  # the rival never renews: its lease goes stale, then it is ours
     assert claim is not None and claim.shard == 0 and claim.generation == 2
+
+
+# -- deleting a run ------------------------------------------------------------------------------
+
+
+def sibling(store_uri: str) -> str:
+    """A prefix that starts like `store_uri` (runs/test-2 beside runs/test): must survive its delete."""
+    return store_uri + "-2"
+
+
+def test_delete_removes_every_object_of_the_run_and_nothing_else(store_uri, capsys):
+    fake_worker.work(store_uri, fail_shard=1)
+    fake_worker.work(sibling(store_uri))
+    store, other = open_store(store_uri), open_store(sibling(store_uri))
+    kept = [(o.key, o.version) for o in other.list()]
+    n = len(list(store.list()))
+    # Without a terminal and without --yes: refused, nothing deleted.
+    assert cli(["delete", store_uri]) == 2
+    assert "standard input is not a terminal; pass --yes" in capsys.readouterr().err
+    assert len(list(store.list())) == n
+    assert cli(["delete", store_uri, "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert f"run {load_manifest(other).run_id}" not in out and f"{n:,} object(s)" in out
+    assert list(store.list()) == [] and not store.exists(layout.MANIFEST)
+    assert [(o.key, o.version) for o in other.list()] == kept
+    if not store_uri.startswith("s3://"):
+        assert not os.path.exists(store_uri)  # no empty folders left
+    assert cli(["delete", store_uri, "--yes"]) == 0 and "nothing to delete" in capsys.readouterr().out
+    assert cli(["status", store_uri]) == 2
+
+
+def test_delete_refuses_what_is_not_a_run_and_a_run_being_written(store_uri, capsys):
+    store = open_store(store_uri)
+    store.put("notes/readme.txt", b"not a run")
+    assert cli(["delete", store_uri, "--yes"]) == 2
+    assert "holds no run (no manifest.json) and no training output" in capsys.readouterr().err
+    assert store.exists("notes/readme.txt")
+    assert cli(["delete", store_uri, "--yes", "--force"]) == 0 and not store.exists("notes/readme.txt")
+
+    fake_worker.work(store_uri, shards=[0])
+    store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker holds shard 1
+    assert cli(["delete", store_uri, "--yes"]) == 2
+    assert "shards [1] of run" in capsys.readouterr().err and store.exists(layout.MANIFEST)
+    assert cli(["delete", store_uri, "--yes", "--force"]) == 0 and list(store.list()) == []
+
+    store.put("metrics.jsonl", b'{"step": 1}\n')  # a training output is deleted like a run
+    store.put("checkpoints/step-00000001/state.json", b"{}")
+    assert cli(["delete", store_uri, "--yes"]) == 0
+    assert f"training output at {store.uri}" in capsys.readouterr().out and list(store.list()) == []
+
+
+def test_delete_asks_on_a_terminal(tmp_path):
+    """The prompt, answered on a real pseudo-terminal: anything but `yes` keeps the run."""
+    import pty
+
+    prefix = str(tmp_path / "run")
+    fake_worker.work(prefix)
+
+    def answer(text: str) -> tuple[int, str]:
+        master, slave = pty.openpty()
+        proc = subprocess.Popen([sys.executable, "-m", "extract.cli", "delete", prefix], stdin=slave, stdout=slave,
+                                stderr=slave, env=child_env(), close_fds=True)
+        os.close(slave)
+        seen = b""
+        while b"type yes to confirm" not in seen:
+            seen += os.read(master, 4096)
+        os.write(master, text.encode() + b"\n")
+        rc = proc.wait(timeout=60)
+        try:
+            while chunk := os.read(master, 4096):
+                seen += chunk
+        except OSError:  # the terminal closed with the process
+            pass
+        os.close(master)
+        return rc, seen.decode()
+
+    rc, shown = answer("no")
+    assert rc == 1 and "not deleted" in shown and os.path.exists(os.path.join(prefix, layout.MANIFEST))
+    assert f"delete everything under {prefix}?" in shown
+    rc, shown = answer("yes")
+    assert rc == 0 and "deleted" in shown and not os.path.exists(prefix)

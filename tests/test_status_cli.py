@@ -5,6 +5,7 @@ shards and commits; a real tiny extraction and training), local and on the moto 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -154,3 +155,25 @@ def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
     rc, out, err = status(capsys, str(tmp_path))
     assert rc == 2 and out == ""
     assert "manifest.json is missing" in err and "nor is it a `layertap train` output" in err
+
+
+@pytest.mark.moto_only
+def test_status_shards_lists_each_shards_object_for_inspect(store_uri, capsys):
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, fail_shard=2)
+    store.put(f"{layout.SHARDS}000001-deadbeef0000.lts", b"left by a crashed attempt")  # two objects for shard 1
+    rc, out, _ = status(capsys, store_uri, "--shards", "--json")
+    shards = json.loads(out)["shards"]
+    assert rc == 4 and [e["shard"] for e in shards] == list(range(len(fake_worker.plan(store).shards)))
+    for e in shards:
+        if e["state"] == "done":
+            commit = json.loads(store.get(layout.commit_key(e["shard"])))
+            assert e["object"] == f"{store.uri.rstrip('/')}/{commit['data_key']}"  # the committed one, even for 1
+            assert e["records"] == commit["num_records"] and e["bytes"] == commit["bytes"]
+            capsys.readouterr()
+            assert cli(["inspect", e["object"]]) == 0  # the name `inspect` takes
+        else:
+            assert (e["state"], e["object"], e["shard"]) == ("failed", None, 2) and "injected" in e["error"]
+    rc, out, _ = status(capsys, store_uri, "--shards")
+    assert "  shard   state     records      tokens     stored  object" in out
+    assert re.search(r"^  000002  failed\s*$", out, re.M) and out.count(f"{store.uri.rstrip('/')}/shards/") == len(shards) - 1

@@ -1,0 +1,116 @@
+"""`layertap delete PREFIX`: delete a run, or a training output, with every object under its prefix.
+
+It asks first (or takes `--yes`), refuses a prefix that is neither a run nor a training output
+unless `--force` (a typo must not empty a bucket), and refuses a run whose shards are being
+written under live leases. The manifest goes last, so an interrupted delete is still a run and
+the same command finishes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+TRAINING_KEYS = ("checkpoints/latest.json", "metrics.jsonl")  # what `layertap train` writes (train_output.py)
+
+
+def add_delete(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prefix", help="the run (or training output) prefix: s3://bucket/prefix or a local folder")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation (for scripts)")
+    p.add_argument("--force", action="store_true",
+                   help="delete even a prefix that is not a run or a training output, or a run with live leases")
+    p.add_argument("--threads", type=int, default=16, help="deletes in flight on S3 (default 16)")
+
+
+def run_delete(args: argparse.Namespace) -> int:
+    from manifests.cli import size
+    from manifests.manifest import ManifestError
+    from storage.store import StoreError, open_store
+
+    try:
+        store = open_store(args.prefix)
+        objects = list(store.list())
+        pending = store.list_pending_uploads()
+        if not objects and not pending:
+            print(f"nothing to delete: no object under {store.uri}")
+            return 0
+        what = describe(store, args.force)
+        total = sum(o.size for o in objects)
+        print(f"{what}: {len(objects):,} object(s), {size(total)}"
+              + (f", and {len(pending)} unfinished upload(s)" if pending else ""))
+        if not args.yes and not _confirmed(store.uri):
+            print("not deleted", file=sys.stderr)
+            return 1
+        deleted = delete_all(store, [o.key for o in objects], args.threads)
+        aborted = store.abort_pending_uploads() if pending else 0
+        _remove_empty_folders(store)
+    except (StoreError, ManifestError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"deleted {deleted:,} object(s)" + (f" and aborted {aborted} upload(s)" if aborted else "")
+          + f" under {store.uri}")
+    return 0
+
+
+def describe(store, force: bool) -> str:
+    """What the prefix holds, in words; raises ValueError for what must not be deleted unforced."""
+    from manifests import layout
+    from manifests.manifest import ManifestError, NoRun, load_manifest
+    from manifests.state import scan
+
+    try:
+        manifest = load_manifest(store)
+    except NoRun:
+        manifest = None
+    except ManifestError as e:  # corrupt, or a newer layertap's: still a run to delete
+        return f"run at {store.uri} (its manifest.json is not readable here: {e})"
+    if manifest is not None:
+        st = scan(store, manifest)
+        running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
+        if running and not force:
+            raise ValueError(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "
+                             "under live leases: stop the workers first (or pass --force)")
+        return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
+    if any(store.exists(k) for k in TRAINING_KEYS):
+        return f"training output at {store.uri}"
+    if not force:
+        raise ValueError(f"{store.uri} holds no run (no manifest.json) and no training output (no metrics.jsonl or "
+                         "checkpoints/latest.json): not deleting it. Check the prefix, or pass --force to delete "
+                         "every object under it")
+    return f"every object under {store.uri} (--force: not a run)"
+
+
+def delete_all(store, keys: list[str], threads: int = 16) -> int:
+    """Delete `keys`, the manifest and the training pointer last (see the module's docstring)."""
+    last = {"manifest.json", *TRAINING_KEYS}
+    first = [k for k in keys if k not in last]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(store.delete, first))
+    for k in keys:
+        if k in last:
+            store.delete(k)
+    return len(keys)
+
+
+def _confirmed(uri: str) -> bool:
+    if not sys.stdin.isatty():
+        raise ValueError("not deleting without confirmation: standard input is not a terminal; pass --yes")
+    answer = input(f"delete everything under {uri}? type yes to confirm: ")
+    return answer.strip().lower() == "yes"
+
+
+def _remove_empty_folders(store) -> None:
+    """A local prefix leaves no empty folders behind (its root included); S3 has none."""
+    root = getattr(store, "root", None)
+    if not root or not os.path.isdir(root):
+        return
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:  # not empty: something else lives there
+            pass
