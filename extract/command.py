@@ -18,9 +18,9 @@ def add_extract(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, help="truncate samples to N tokens (default 4096)")
     p.add_argument("--limit", type=int, help="take the first N samples (default: all; 300 for the embedded data)")
     p.add_argument("--final-state", choices=["none", "prenorm", "postnorm"], help="also store the last layer's state")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"],
-                   help="forward dtype (default bfloat16; float32 is faster on CPUs without native bf16); "
-                        "states are stored as bf16 either way")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
+                   help="forward dtype (default auto: bfloat16 on CUDA and on CPUs with native bf16, float32 on "
+                        "other CPUs, where it is faster); states are stored as bf16 either way")
     p.add_argument("--attn-implementation", help="sdpa (default), eager, flash_attention_2 ...")
     p.add_argument("--batch-tokens", type=int, help="padded tokens per forward batch (default 16384)")
     p.add_argument("--shard-bytes", help="target stored bytes per shard, e.g. 64MB, 1GB (default 1GB)")
@@ -29,6 +29,22 @@ def add_extract(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", type=float, dest="lease_ttl_s", help="seconds before a dead worker's lease expires (default 60)")
     p.add_argument("--log-dir", help="per-rank log files (default ./layertap-logs)")
     p.add_argument("--config", help="JSON file with any of these settings (flags override it)")
+    if isinstance(p, argparse.ArgumentParser):  # not when another command forwards these options
+        _hint_attached_values(p)
+
+
+def _hint_attached_values(p: argparse.ArgumentParser) -> None:
+    """argparse reads `--layers -1,3` as two options and says only "expected one argument":
+    say how to give a value that starts with '-'."""
+    error = p.error
+
+    def error_with_hint(message: str) -> None:
+        if message.endswith("expected one argument") and message.startswith("argument --"):
+            option = message.split()[1].rstrip(":").split("/")[-1]
+            message += f" (a value that starts with '-' must be attached with '=': {option}=VALUE)"
+        error(message)
+
+    p.error = error_with_hint
 
 
 def run_extract(args: argparse.Namespace) -> int:
@@ -38,8 +54,8 @@ def run_extract(args: argparse.Namespace) -> int:
         "out", "model", "gguf_file", "dataset", "codec", "dtype", "max_length", "limit", "final_state", "attn_implementation",
         "batch_tokens", "shard_bytes", "encode_threads", "lease_ttl_s", "log_dir")}
     try:
-        overrides["layers"] = parse_ids(args.layers) if args.layers else None
-        overrides["shards"] = parse_ids(args.shards) if args.shards else None
+        overrides["layers"] = parse_ids(args.layers) if args.layers is not None else None
+        overrides["shards"] = parse_ids(args.shards) if args.shards is not None else None
         cfg = load_config(args.config, overrides)
         from extract.run import extract
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from manifests.manifest import DEFAULT_SHARD_BYTES, ManifestError, parse_size
 from storage.codecs import CODEC_NAMES, DEFAULT_CODEC
-from storage.shard import ShardError
+from storage.format import ShardError
 from storage.store import StoreError
 
 # Failures that are the user's to fix (bad flags, missing files, store or run problems): the
@@ -19,6 +21,9 @@ from storage.store import StoreError
 USER_ERRORS = (ValueError, OSError, StoreError, ManifestError, ShardError)
 
 QUICKSTART_LIMIT = 300  # conversations taken from the embedded ShareGPT when no dataset is given
+DTYPES = ("auto", "bfloat16", "float32")
+
+log = logging.getLogger(__name__)
 
 
 def default_encode_threads() -> int:
@@ -45,9 +50,8 @@ class ExtractConfig:
     max_length: int = 4096
     limit: int | None = None
     final_state: Literal["none", "prenorm", "postnorm"] = "none"
-    # The forward's dtype; states are always stored as bf16. float32 is for CPUs without native
-    # bf16 (most x86 without AVX512-BF16/AMX), where a bf16 forward is several times slower.
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # The forward's dtype; states are always stored as bf16. "auto": see `resolve_dtype`.
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     attn_implementation: str = "sdpa"
     batch_tokens: int = 16384  # padded tokens per forward batch
     shard_bytes: int = DEFAULT_SHARD_BYTES
@@ -63,8 +67,13 @@ class ExtractConfig:
             raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
         if self.final_state not in ("none", "prenorm", "postnorm"):
             raise ValueError(f"--final-state must be none, prenorm or postnorm, not {self.final_state!r}")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"--dtype must be bfloat16 or float32, not {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.layers is not None and not self.layers:
+            raise ValueError("no capture layers given: name at least one with --layers (e.g. 1,16,31), or leave "
+                             "it out for DFlash's spacing")
+        if self.shards is not None and not self.shards:
+            raise ValueError("--shards names no shard: give ids such as 0-99, or leave it out to take any free shard")
         if self.max_length < 2:
             raise ValueError(f"--max-length must be at least 2, got {self.max_length}")
         if self.limit is not None and self.limit <= 0:
@@ -95,6 +104,71 @@ class ExtractConfig:
             "dtype": self.dtype,
             "max_length": self.max_length,
         }
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matrix products in hardware: AVX512-BF16 or AMX on x86
+    (Sapphire Rapids, Zen 4 and later), the BF16 extension on Arm (Graviton 3, Grace).
+
+    Without it, torch converts every bf16 operand to float32 and back, and a bf16 forward runs
+    several times slower than a float32 one. torch's own CPU probes answer on x86 (the ones its
+    oneDNN kernels dispatch on); /proc/cpuinfo's flags answer on Linux elsewhere.
+    """
+    import torch
+
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(probe() for probe in probes if probe is not None):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {w for line in f if line.lower().startswith(("flags", "features")) for w in line.split()}
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(dtype: str, device: Any) -> tuple[str, str]:
+    """The forward dtype for `--dtype` on `device`, and why: "auto" is bfloat16 on CUDA and on CPUs
+    that compute bf16 natively (`cpu_has_native_bf16`), float32 on other CPUs, where it is the
+    faster of the two. States are stored as bf16 either way."""
+    if dtype != "auto":
+        return dtype, "--dtype"
+    if str(device).startswith("cuda"):
+        return "bfloat16", "auto: CUDA"
+    if cpu_has_native_bf16():
+        return "bfloat16", "auto: this CPU computes bf16 natively (AVX512-BF16, AMX or Arm BF16)"
+    return "float32", "auto: this CPU has no native bf16 (AVX512-BF16, AMX or Arm BF16), where float32 is faster"
+
+
+def as_run_recorded(run_config: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` with each value that names what the run recorded, in another form, put in the
+    run's form, so that comparing the two finds only real differences:
+
+    - a local model folder (and its tokenizer's) named another way: relative or absolute, through
+      a symlink, from another working directory (a Slurm job's);
+    - the embedded model's tokenizer, whose recorded path is where its package was installed;
+    - `dtype` "auto" in a rerun of a run that pinned bfloat16 or float32 (its workers keep it),
+      and any dtype in a rerun of an "auto" run (each worker chooses for its device).
+    """
+    out = dict(settings)
+    for key in ("model", "tokenizer"):
+        if _same_folder(run_config.get(key), out.get(key)):
+            out[key] = run_config[key]
+    model = run_config.get("model")
+    if isinstance(model, str) and model.startswith("embedded:") and out.get("model") == model and "tokenizer" in out:
+        out["tokenizer"] = run_config.get("tokenizer")
+    if "dtype" in out and (out["dtype"] == "auto" or run_config.get("dtype") == "auto"):
+        out["dtype"] = run_config.get("dtype")
+    return out
+
+
+def _same_folder(a: Any, b: Any) -> bool:
+    if not (isinstance(a, str) and isinstance(b, str)) or a == b:
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist here (a hub id, another machine's path)
+        return False
 
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:

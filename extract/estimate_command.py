@@ -73,7 +73,7 @@ def add_plan(p: argparse.ArgumentParser) -> None:
 
 def _errors() -> tuple[type[BaseException], ...]:
     from manifests.manifest import ManifestError
-    from storage.shard import ShardError
+    from storage.format import ShardError
     from storage.store import StoreError
 
     return (ValueError, OSError, ModuleNotFoundError, StoreError, ManifestError, ShardError)
@@ -175,9 +175,10 @@ def _estimate(args: argparse.Namespace) -> _Report:
         from extract.run import prepare_target
 
         target, capture, identity = prepare_target(cfg, _device(), weights=args.measure)
+        sources = {"dtype": target.info["dtype"]}  # the forward's: --dtype auto chose it for this device
         shape = dict(hidden_size=identity["hidden_size"], layers=identity["layers"],
                      num_layers=target.info["num_layers"], kept_layers=capture.kept_layers)
-        sources = {"model": identity["model"]}
+        sources["model"] = identity["model"]
     sources["layers_list"] = f"layers {shape['layers']}"
 
     stats = None
@@ -271,8 +272,8 @@ def _report(args: argparse.Namespace, cfg, work: Workload, shards: int | None, m
         sources["throughput"] = "stated"
     elif measured is not None:
         tps = measured.tokens_per_s
-        sources["throughput"] = (f"measured on this machine's {measured.device}, {cfg.dtype}, whole pipeline; "
-                                 f"forward alone {measured.forward_tokens_per_s:,.0f} tokens/s")
+        sources["throughput"] = (f"measured on this machine's {measured.device}, {sources['dtype']} forward, "
+                                 f"whole pipeline; forward alone {measured.forward_tokens_per_s:,.0f} tokens/s")
     throughput = Throughput(tokens_per_s_per_gpu=tps, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                             lease_ttl_s=cfg.lease_ttl_s)
     prices = Prices(usd_per_gib_month=args.price_per_gb_month, usd_per_1000_put=args.put_price_per_1000,
@@ -301,7 +302,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
                          "(or --dry-run to only look)")
     cfg = _config(args, args.out or "")
     from extract.measure import token_statistics
-    from extract.run import dataset_rows, plan_bytes_per_token, prepare_target, write_plan
+    from extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
     from manifests.manifest import NoRun, plan_shards
     from storage.store import open_store
 
@@ -312,8 +313,8 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     target, capture, identity = prepare_target(cfg, _device(), weights=args.measure)
     existing = None
     if store is not None:
-        try:  # no token counts: this only reads, and refuses a run made with other settings
-            existing = write_plan(store, cfg, identity, fingerprint, None)[0]
+        try:  # this only reads, and refuses a run made with other settings
+            existing, identity = resume_run(store, cfg, identity, fingerprint)
         except NoRun:
             pass
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
@@ -326,7 +327,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
                     final_state=cfg.final_state != "none", samples=stats.samples, tokens=stats.tokens,
                     num_layers=target.info["num_layers"], kept_layers=capture.kept_layers)
     sources = {"model": identity["model"], "layers_list": f"layers {identity['layers']}",
-               "data": stats.describe(cfg.dataset or "the embedded ShareGPT conversations")}
+               "dtype": target.info["dtype"], "data": stats.describe(cfg.dataset or "the embedded ShareGPT conversations")}
     report = _report(args, cfg, work, len(plan), measured, sources)
 
     est, storage = report.estimate, report.storage

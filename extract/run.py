@@ -3,12 +3,15 @@
 One process per GPU (`accelerate launch`), or one process on CPU. Rank 0 plans: it tokenizes
 the dataset once for token counts and writes the manifest; the other ranks wait for it. Every
 rank then claims shards through leases, so ranks, nodes and Slurm array tasks can come and go.
+The weights load only once there is work: the model's config and tokenizer are enough to plan,
+to check a rerun against the run, and to find that every shard is already committed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -16,8 +19,9 @@ from typing import Any
 
 import torch
 
-from extract.config import ExtractConfig
-from extract.estimate import planned_bytes_per_token
+from extract.config import ExtractConfig, as_run_recorded, resolve_dtype
+from extract.console import duration, progress, quiet_library_bars
+from extract.estimate import fmt_bytes, planned_bytes_per_token
 from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from extract.model import Capture, Target, default_layers, load_target
 from extract.pipeline import HostStaging, PipelineStats, extract_shard
@@ -27,7 +31,7 @@ from manifests.records import Producer
 from manifests.state import scan
 from manifests.status import run_status
 from manifests.work import WorkQueue
-from storage.shard import ShardMeta
+from storage.format import ShardMeta
 from storage.store import ObjectStore, open_store
 
 log = logging.getLogger("layertap.extract")
@@ -36,12 +40,26 @@ log = logging.getLogger("layertap.extract")
 class Preempted(BaseException):
     """SIGTERM/SIGUSR1 from Slurm or a user: stop now, abort the open shard, release its lease."""
 
+    exit_code = 143
+
+
+class Interrupted(Preempted):
+    """Ctrl-C: stopped as a preemption is, not a failure of the shard; the same command resumes."""
+
+    exit_code = 130
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
 
 def _on_signal(signum, frame) -> None:
     # One stop is enough. Under Slurm the signal can come twice (to every process of the job, and
-    # again through a launcher such as torchrun): a second one must not break off the cleanup.
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    # again through a launcher such as torchrun), and Ctrl-C reaches a launcher and its workers
+    # alike: a second one must not break off the cleanup, which takes seconds.
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise Interrupted("Ctrl-C (SIGINT)")
     raise Preempted(f"received {signal.Signals(signum).name}")
 
 
@@ -51,12 +69,29 @@ def extract(cfg: ExtractConfig) -> int:
 
     state = PartialState(cpu=not torch.cuda.is_available())
     _setup_logging(cfg.log_dir, state.process_index)
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    quiet_library_bars()
+    # (a SIGINT that the shell told us to ignore, as for `nohup` or a background job, stays ignored)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS
+                if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN)}
     try:
         return _extract(cfg, state)
+    except Preempted as e:
+        _stopped(e, state.process_index)
+        return e.exit_code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stopped(e: Preempted, rank: int) -> None:
+    """Say how the run goes on: committed shards stay, the open one was released for any worker."""
+    log.warning("stopped (%s: %s); committed shards are kept, the shard in progress (if any) was released",
+                type(e).__name__, e)
+    if rank == 0 and isinstance(e, Interrupted):
+        argv = sys.argv[1:]
+        again = f":\n  layertap {shlex.join(argv)}" if "extract" in argv else ""
+        print(f"\ninterrupted: committed shards are kept and the shard in progress was released; run the "
+              f"same command again to resume{again}", file=sys.stderr)
 
 
 def _extract(cfg: ExtractConfig, state) -> int:
@@ -67,26 +102,39 @@ def _extract(cfg: ExtractConfig, state) -> int:
     next(store.list(layout.MANIFEST), None)
 
     rows, fingerprint = dataset_rows(cfg)  # a bad dataset fails before the model loads
-    target, capture, identity = prepare_target(cfg, state.device)
-
-    manifest = _plan(store, cfg, identity, rows, fingerprint, target, rank)
+    # The model's config and tokenizer fix the run's identity and its plan; the weights load only
+    # once there is work, so that a rerun of a finished run answers in seconds.
+    light, _, identity = prepare_target(cfg, weights=False)
+    loaded: tuple[Target, Capture] | None = None
+    if rank == 0:
+        manifest, identity = _plan(store, cfg, identity, rows, fingerprint, light)
+    else:
+        try:
+            manifest, identity = resume_run(store, cfg, identity, fingerprint)
+        except NoRun:  # rank 0 is planning the run: load the weights meanwhile
+            loaded = prepare_target(cfg, state.device)[:2]
+            manifest, identity = _wait_for_plan(store, cfg, identity, fingerprint)
     log.info("rank %d/%d: run %s at %s, %d shards", rank, world, manifest.run_id, store.uri, len(manifest.shards))
 
     producer = Producer.current(rank)
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
                       world_size=world)
+    if _all_committed(store, manifest, queue.candidates):
+        log.info("nothing to do: %s committed", "every shard of the run is" if cfg.shards is None
+                 else f"each of the {len(queue.candidates)} shard(s) of --shards is")
+        return _summary(store, cfg) if rank == 0 else 0
+    target, capture = loaded or prepare_target(cfg, state.device)[:2]
     totals = PipelineStats()
-    progress = Progress(rank, world, store, manifest)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     committed = 0
     staging = HostStaging() if next(capture.decoder.parameters()).is_cuda else None  # pinned once, reused
-    try:
+    with Progress(rank, world, store, manifest) as progress:
         for claim in queue:
             try:
                 plan = claim.plan
                 with claim:
                     samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
-                    meta = shard_meta(cfg, identity, manifest.run_id, plan.id)
+                    meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"])
                     info = extract_shard(
                         capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
                         pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
@@ -95,25 +143,41 @@ def _extract(cfg: ExtractConfig, state) -> int:
                     if claim.commit(info, skipped=skipped, truncated=truncated):
                         committed += 1
                         progress.committed(len(skipped))
-                        log.info("shard %d committed: %d samples, %d tokens, %.1f MB (%d skipped, %d truncated)",
-                                 plan.id, info.num_records, info.num_tokens, info.bytes / 1e6, len(skipped), truncated)
+                        log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)",
+                                 plan.id, info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(skipped),
+                                 truncated)
                     else:
                         progress.abandoned()  # another attempt's commit counts these samples
-            except Preempted:
+            except Preempted as e:
                 claim.release()  # again: the signal may have cut the claim's own release short
-                log.warning("preempted: shard %d aborted, its lease released", claim.shard)
+                log.warning("%s: shard %d aborted, its lease released",
+                            "interrupted" if isinstance(e, Interrupted) else "preempted", claim.shard)
                 raise
             except Exception as e:  # recorded by the claim; go on with the next shard
                 progress.abandoned()
                 log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
-    except Preempted:
-        progress.close()
-        return 143
-    progress.close()
-    log.info("rank %d done: %d shards committed; %s", rank, committed, totals.to_json())
+    log.info("rank %d done: %d shard(s) committed", rank, committed)
+    for line in summary_lines(totals):
+        log.info("  %s", line)
     if rank != 0:
         return 0
     return _summary(store, cfg)
+
+
+def summary_lines(stats: PipelineStats) -> list[str]:
+    """What a worker extracted and where its time went, with units, for the log."""
+    if not stats.samples:
+        return []
+    wall = max(stats.wall_s, 1e-9)
+    pad = stats.padded_tokens / max(stats.tokens, 1) - 1
+    return [
+        f"{stats.samples:,} samples, {stats.tokens:,} tokens (+{100 * pad:.0f}% padding in batches), "
+        f"{fmt_bytes(stats.raw_bytes)} of states stored as {fmt_bytes(stats.stored_bytes)} "
+        f"({stats.raw_bytes / max(stats.stored_bytes, 1):.2f}x)",
+        f"{duration(wall)} in shards, {stats.tokens / wall:,.0f} tokens/s, {stats.stored_bytes / wall / 2**20:.1f} MiB/s "
+        f"stored: forward {stats.forward_s:.1f} s, host copy {stats.copy_s:.1f} s, encode {stats.encode_s:.1f} s "
+        f"(CPU, summed over threads), write {stats.write_s:.1f} s, shard close {stats.close_s:.1f} s",
+    ]
 
 
 def _setup_logging(log_dir: str, rank: int) -> None:
@@ -139,9 +203,10 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
                    weights: bool = True) -> tuple[Target, Capture, dict[str, Any]]:
     """The target (cut, with capture hooks), and the run identity its manifest pins.
 
-    The one place that resolves the embedded default model and the default layers, so that
-    `layertap plan` (``weights=False``: a meta-device model) writes the very manifest that
-    `layertap extract` resumes. Sets ``cfg.gguf_file`` when the embedded model is used.
+    The one place that resolves the embedded default model, a local model folder (to its real
+    path: the same folder however it is named) and the default layers, so that `layertap plan`
+    (``weights=False``: a meta-device model, from the config and tokenizer alone) writes the very
+    manifest that `layertap extract` resumes. Sets ``cfg.gguf_file`` when the embedded model is used.
     """
     model_path, gguf_file = cfg.model, cfg.gguf_file
     if model_path is None:
@@ -149,22 +214,31 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
 
         model_path, gguf_file = smollm2_gguf()
         log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
-    target = load_target(model_path, gguf_file, dtype=getattr(torch, cfg.dtype),
+    elif os.path.exists(model_path):
+        model_path = os.path.realpath(model_path)
+    dtype, why = resolve_dtype(cfg.dtype, device)
+    if weights:
+        log.info("forward dtype %s (%s); states are stored as bf16", dtype, why)
+    target = load_target(model_path, gguf_file, dtype=getattr(torch, dtype),
                          attn_implementation=cfg.attn_implementation, device=device, weights=weights)
     layers = cfg.layers if cfg.layers is not None else default_layers(target.info["num_layers"])
     capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
     cfg.gguf_file = gguf_file
-    identity = cfg.identity(dict(target.info, model=cfg.model or f"embedded:{gguf_file}"), capture.layers)
+    identity = cfg.identity(dict(target.info, model=model_path if cfg.model else f"embedded:{gguf_file}"),
+                            capture.layers)
     return target, capture, identity
 
 
-def shard_meta(cfg: ExtractConfig, identity: dict[str, Any], run_id: str, shard_id: int) -> ShardMeta:
-    """The HEAD metadata of one of the run's shards."""
+def shard_meta(cfg: ExtractConfig, identity: dict[str, Any], run_id: str, shard_id: int,
+               forward_dtype: str | None = None) -> ShardMeta:
+    """The HEAD metadata of one of the run's shards (`extra.forward_dtype`: the dtype its states
+    were computed in, which an "auto" run chooses per worker)."""
     return ShardMeta(run_id=run_id, shard_id=shard_id, model=identity["model"],
                      model_revision=identity["model_revision"], layers=identity["layers"],
                      final_state=cfg.final_state, hidden_size=identity["hidden_size"],
                      codec=cfg.codec, tokenizer=identity["tokenizer"],
-                     extra={"gguf_file": cfg.gguf_file, "max_length": cfg.max_length})
+                     extra={"gguf_file": cfg.gguf_file, "max_length": cfg.max_length,
+                            "forward_dtype": forward_dtype})
 
 
 def dataset_rows(cfg: ExtractConfig):
@@ -203,36 +277,65 @@ def plan_bytes_per_token(cfg: ExtractConfig, identity: dict[str, Any]) -> float:
 def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], fingerprint: str,
                counts: list[int] | None) -> tuple[Manifest, bool]:
     """The run's manifest, created from `counts` if there is none yet (see `create_or_resume`)."""
+    path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
     dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
-                                                                    "path": cfg.dataset or "embedded"}
+                                                                    "path": path or "embedded"}
     return create_or_resume(store, config=identity, dataset=dataset, token_counts=counts,
                             bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes)
 
 
-def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows, fingerprint: str, target,
-          rank: int) -> Manifest:
-    """Rank 0 creates the manifest (or checks the existing one); other ranks wait for it."""
-    if rank == 0:
-        try:
-            return write_plan(store, cfg, identity, fingerprint, None)[0]
-        except NoRun:
-            pass
-        log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
-        counts = [len(s) if isinstance(s, TokenizedSample) else 0
-                  for s in tokenize_rows(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"])]
-        return write_plan(store, cfg, identity, fingerprint, counts)[0]
+def resume_run(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any],
+            fingerprint: str) -> tuple[Manifest, dict[str, Any]]:
+    """The run at the prefix, if this configuration is its (`ConfigMismatch` if not, `NoRun` if
+    there is none), and the identity in the run's own terms (`as_run_recorded`): with
+    `--dtype auto`, a run that pinned a dtype keeps it."""
+    run = load_manifest(store)
+    identity = as_run_recorded(run.config, identity)
+    if cfg.dtype == "auto" and identity.get("dtype") in ("bfloat16", "float32"):
+        log.info("forward dtype %s: the run at %s was made with --dtype %s", identity["dtype"], store.uri,
+                 identity["dtype"])
+        cfg.dtype = identity["dtype"]
+    return write_plan(store, cfg, identity, fingerprint, None)[0], identity
+
+
+def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows, fingerprint: str,
+          target: Target) -> tuple[Manifest, dict[str, Any]]:
+    """Rank 0's: the run's manifest, planned now (the dataset tokenized for its token counts) if
+    there is none yet."""
+    try:
+        return resume_run(store, cfg, identity, fingerprint)
+    except NoRun:
+        pass
+    log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
+    counts = [len(s) if isinstance(s, TokenizedSample) else 0
+              for s in tokenize_rows(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"])]
+    return write_plan(store, cfg, identity, fingerprint, counts)[0], identity
+
+
+def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any],
+                   fingerprint: str) -> tuple[Manifest, dict[str, Any]]:
+    """The other ranks': the manifest rank 0 is writing."""
     deadline = time.time() + 6 * 3600
     while True:
         try:
-            return write_plan(store, cfg, identity, fingerprint, None)[0]
+            return resume_run(store, cfg, identity, fingerprint)
         except NoRun:
             if time.time() > deadline:
                 raise
             time.sleep(0.5)
 
 
+def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) -> bool:
+    """Whether every one of `shards` is committed: one scan of the run, which also refuses a run
+    whose manifest was replaced."""
+    st = scan(store, manifest)
+    st.raise_if_replaced(store.uri)
+    return all(s in st.committed for s in shards)
+
+
 class Progress:
-    """A bar on rank 0 over the run's samples: samples/s, tokens/s, MB/s stored, ratio, ETA.
+    """Rank 0's progress over the run's samples: samples/s, tokens/s, MB/s stored, ratio, ETA
+    (a bar on a terminal, a log line every 30 s otherwise; see `extract.console`).
 
     With several ranks, rank 0 counts its own records as they are written and, every
     `SYNC_S` seconds, everyone's committed samples from one listing of the tally markers.
@@ -241,14 +344,11 @@ class Progress:
     SYNC_S = 30.0
 
     def __init__(self, rank: int, world: int, store: ObjectStore, manifest: Manifest):
-        from tqdm import tqdm
-
-        self.bar, self.world, self.store = None, world, store
+        self.on, self.world, self.store = rank == 0, world, store
         self.t0 = self.synced = time.time()
         self.tokens = self.stored = self.raw = self.in_shard = 0
-        if rank == 0:
-            self.bar = tqdm(total=manifest.num_samples, initial=self._committed(), unit="sample", desc="extract",
-                            file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+        self.bar = progress(manifest.num_samples, initial=self._committed() if self.on else 0, desc="extract",
+                            unit="sample", enabled=self.on)
 
     def _committed(self) -> int:
         """Samples stored or skipped by committed shards, from the tally listing (no GETs)."""
@@ -260,7 +360,7 @@ class Progress:
         return total
 
     def record(self, rec) -> None:
-        if self.bar is None:
+        if not self.on:
             return
         self.tokens += rec.num_tokens
         self.stored += rec.size
@@ -277,25 +377,25 @@ class Progress:
             self.bar.refresh()
 
     def committed(self, skipped: int) -> None:
-        if self.bar is not None:
+        if self.on:
             self.in_shard = 0
             self.bar.update(skipped)
 
     def abandoned(self) -> None:
         """The current shard failed: its records will be written again."""
-        if self.bar is not None:
+        if self.on:
             self.bar.n -= self.in_shard
             self.in_shard = 0
             self.bar.refresh()
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
+    def __enter__(self) -> Progress:
+        return self
 
-def _unfinished(store: ObjectStore, shards: list[int]) -> list[int]:
-    committed = scan(store, load_manifest(store)).committed
-    return [s for s in shards if s not in committed]
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
@@ -305,7 +405,7 @@ def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
     print(f"\nshards are in {store.uri}/shards/ (committed ones listed under {store.uri}/commits/)")
     print(format_status(status))
     if not status["complete"]:
-        if cfg.shards is not None and not _unfinished(store, cfg.shards):
+        if cfg.shards is not None and _all_committed(store, load_manifest(store), cfg.shards):
             # A static assignment (one Slurm array task's range) answers for its own shards only.
             print(f"\nthe {len(cfg.shards)} shard(s) of --shards are done; the rest of the run is other workers' part")
             return 0

@@ -25,7 +25,7 @@ from manifests import layout
 from manifests.manifest import Manifest, ManifestError, ShardPlan
 from manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
 from manifests.state import RunState, scan, scan_shard
-from storage.shard import ShardInfo
+from storage.writer import ShardInfo
 from storage.store import ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,10 @@ class Claim:
         return True
 
     def fail(self, error: BaseException, preempted: bool = False) -> None:
+        # A stop without a message (a bare KeyboardInterrupt) says what it was, not its name twice.
+        text = str(error)[:2000] or ("stopped before the shard was finished" if preempted else type(error).__name__)
         record = FailureRecord(
-            shard=self.shard, error_type=type(error).__name__, error=str(error)[:2000] or type(error).__name__,
+            shard=self.shard, error_type=type(error).__name__, error=text,
             producer=asdict(self.queue.producer), attempt=self.attempt, time=time.time(), preempted=preempted,
         )
         key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token)

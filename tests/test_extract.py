@@ -22,7 +22,7 @@ from extract.run import extract
 from manifests import layout
 from manifests.records import decode_commit, decode_failure
 from manifests.status import run_status, verify_run
-from storage.shard import ShardReader, verify_shard
+from storage.reader import ShardReader, verify_shard
 from storage.store import open_store
 from tiny_models import tiny_model_dir
 
@@ -78,7 +78,7 @@ def test_stored_states_equal_a_plain_hf_forward(models, model_type, tmp_path):
     layers = [0, 2, 4]
     cfg = ExtractConfig(out=str(tmp_path / "run"), model=models[model_type], dataset=data, layers=layers,
                         max_length=48, batch_tokens=160, shard_bytes="40KB", log_dir=str(tmp_path / "logs"),
-                        final_state="postnorm")
+                        final_state="postnorm", dtype="bfloat16")  # the reference below runs in bf16
     assert extract(cfg) == 0
     store = open_store(cfg.out)
     got = stored_samples(store)
@@ -131,6 +131,17 @@ def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):
     base = ["extract", "--model", models["llama"], "--dataset", data, "--out", str(out), "--log-dir", str(tmp_path)]
     assert cli(base + ["--layers", "1,99"]) == 2
     assert "capture layer 99 is out of range" in capsys.readouterr().err
+    assert cli(base + ["--layers", ""]) == 2  # not the default layers in silence
+    assert "no capture layers given: name at least one with --layers" in capsys.readouterr().err
+    assert cli(base + ["--shards", " "]) == 2
+    assert "--shards names no shard" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli(base + ["--layers", "-1,3"])  # argparse takes "-1,3" for an option
+    assert exit_.value.code == 2
+    assert "argument --layers: expected one argument (a value that starts with '-' must be attached with '=': " \
+           "--layers=VALUE)" in capsys.readouterr().err
+    assert cli(base + ["--layers=-1,3"]) == 2
+    assert "capture layer -1 is out of range" in capsys.readouterr().err
     assert cli(["extract", "--model", str(tmp_path / "nope"), "--dataset", data, "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert cli(base[:4] + [str(tmp_path / "missing.jsonl")] + base[5:]) == 2
@@ -168,15 +179,18 @@ def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
 
 def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 60)
+    # one forward per sample, ~15 samples per shard: a shard is open long enough to be stopped
     args = [sys.executable, "-m", "extract.cli", "extract", "--model", models["llama"], "--dataset", data,
-            "--out", store_uri, "--layers", "1,3", "--max-length", "48", "--batch-tokens", "64",
-            "--shard-bytes", "8KB", "--log-dir", str(tmp_path / "logs")]
+            "--out", store_uri, "--layers", "1,3", "--max-length", "48", "--batch-tokens", "48",
+            "--shard-bytes", "150KB", "--log-dir", str(tmp_path / "logs")]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     store = open_store(store_uri)
     deadline = time.time() + 300
-    while not list(store.list(layout.COMMITS)) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
+    # shard 0 committed and shard 1 claimed: the signal lands inside a claim
+    while not (store.exists(layout.commit_key(0)) and any(store.list(layout.lease_prefix(1)))) \
+            and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
