@@ -11,7 +11,7 @@ several rounds in alternating order, the same committed objects are read:
   boto3 GET x1      whole-object get_object().read(), one thread: the bytes and nothing else
   boto3 GET xT      the same on T threads (T = --threads)
   GET + decode      the naive in-RAM reader: whole GETs on one thread, then every record decoded
-                    (storage.shard.decode_record) on the same thread: no checks, no overlap
+                    (storage.records.decode_record) on the same thread: no checks, no overlap
   loader            ShardStream in this process: commits, footers, ranged GETs into RAM under the
                     memory budget, every record's hashes checked, decoded to bf16 tensors, shuffled
   loader, 8 MiB     the same with 8 MiB ranges (ranged mode: moto copies the whole object for every
@@ -53,7 +53,10 @@ from bench._report import allocator, cores, cpu_s, machine, publish  # noqa: E40
 from manifests.manifest import create_or_resume  # noqa: E402
 from manifests.records import Producer  # noqa: E402
 from manifests.work import WorkQueue  # noqa: E402
-from storage.shard import Sample, ShardMeta, ShardReader, ShardWriter, decode_record, encode_record  # noqa: E402
+from storage.format import ShardMeta  # noqa: E402
+from storage.reader import ShardReader  # noqa: E402
+from storage.records import Sample, decode_record, encode_record  # noqa: E402
+from storage.writer import ShardWriter  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
@@ -105,7 +108,7 @@ def make_run(uri: str, codec: str, mb: float, shard_mb: float) -> tuple[int, int
             with ShardWriter(store.open_writer(claim.data_key), meta) as w:
                 for i in range(claim.plan.start, claim.plan.end):
                     x = acts[i]
-                    w.append(encode_record(Sample(f"s{i:06d}", torch.arange(x.shape[0]),
+                    w.append_encoded(encode_record(Sample(f"s{i:06d}", torch.arange(x.shape[0]),
                                                   torch.ones(x.shape[0], dtype=torch.uint8), x), meta))
                 info = w.close()
             claim.commit(info)
@@ -151,8 +154,8 @@ def open_loader(uri: str, seed: int, threads: int, range_mb: int | None, budget:
                 decode_threads: int | None = None) -> ShardStream:
     """`threads`: the stream's fetch threads (concurrent ranged GETs)."""
     kw = {"range_bytes": range_mb * MiB} if range_mb else {}
-    return ShardStream(uri, seed=seed, shuffle_buffer=64, fetch_threads=threads, memory_budget=budget,
-                       decode_threads=decode_threads, **kw)
+    return ShardStream(uri, config=StreamConfig(seed=seed, shuffle_buffer=64, fetch_threads=threads,
+                                                memory_budget=budget, decode_threads=decode_threads, **kw))
 
 
 def run_loader(stream: ShardStream, workers: int) -> dict:
@@ -176,13 +179,13 @@ def open_fetcher(uri: str, threads: int, budget: int) -> Callable[[], tuple[Fetc
     """The loader's fetch stage alone, over every record in shard order: (opened) a function that
     starts it. What a pass costs without decoding: GETs, object and record hashes, hand-off."""
     store = open_store(uri)
-    manifest, shards = load_index(store)
+    manifest, shards, _ = load_index(store)
     where = [(s, r) for s, shard in enumerate(shards) for r in range(len(shard.sample_ids))]
     c = StreamConfig(fetch_threads=threads, memory_budget=budget)  # the loader rows' settings
     pool = BufferPool()  # kept from pass to pass, as a stream keeps it from epoch to epoch
     return lambda: (Fetcher(store, shards, manifest.run_id, positions=[(p, s, r) for p, (s, r) in enumerate(where)],
                             budget=c.memory_budget, range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards,
-                            threads=c.fetch_threads, retries=c.retries, on_corrupt=c.on_corrupt, metrics=Metrics(),
+                            threads=c.fetch_threads, on_corrupt=c.on_corrupt, metrics=Metrics(),
                             pool=pool),
                     len(where))
 
@@ -191,7 +194,7 @@ def run_fetcher(start: Callable[[], tuple[Fetcher, int]]) -> dict:
     fetcher, n = start()
     try:
         for pos in range(n):
-            fetcher.release(fetcher.get(pos))
+            fetcher.release(fetcher.wait_for(pos))
         m = fetcher.metrics
         return {"samples": n, "gets": m.get_requests, "peak": m.peak_buffered_bytes, "wait": m.wait_s}
     finally:
@@ -225,7 +228,7 @@ def with_switch_interval(seconds: float, run: Callable[[Any], dict]) -> Callable
 
 def measure(args, endpoint: str, bucket: str, uri: str, server_pid: int | None) -> tuple[dict, dict]:
     store = open_store(uri)
-    _, shards = load_index(store)
+    _, shards, _ = load_index(store)
     prefix = store.prefix
     stored = sum(s.bytes for s in shards)
     store.close()

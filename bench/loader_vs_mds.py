@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"writing {args.mb:g} MB raw of SmolLM2 activations as a layertap run (bf16-zstd) ...", flush=True)
         n, raw, stored = make_run(uri, "bf16-zstd", args.mb, args.shard_mb)
         store = open_store(uri)
-        _, shards = load_index(store)
+        _, shards, _ = load_index(store)
         keys = {"layertap": [f"{store.prefix}/{s.key}" for s in shards]}
         objects["layertap"] = (len(shards), stored)
         store.close()

@@ -6,8 +6,8 @@ the commit index (manifests/commit_index.py).
 Plans the 913,786-sample run (25,412 shards of 1 GB) and writes a synthetic commit record for
 every shard, as a finished extraction leaves them. Then, in alternating rounds, reads the run's
 commits as `ShardStream` does when it opens (`train.stream.load_index`): once with the index
-removed first (a GET per commit, then the index is written: what the first start of rank 0
-pays), once with the index in place (what every other rank and every later start pays), and
+removed first (a GET per commit, then the index is written as `refresh_index()` does: what
+the first start of rank 0 pays), once with the index in place (what every other rank and every later start pays), and
 lists `commits/` alone (the part of a start the index cannot save).
 Without --endpoint a moto server is started; with it, that server (e.g. radosgw from .ci/rgw.sh).
 """
@@ -35,6 +35,7 @@ from manifests import layout  # noqa: E402
 from manifests.records import CommitRecord, Producer, encode  # noqa: E402
 from storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
+from manifests.commit_index import write_index  # noqa: E402
 from train.stream import load_index  # noqa: E402
 
 
@@ -82,7 +83,9 @@ def main() -> None:
                 if name.startswith("the listing"):
                     shards = [o for o in reader.list(layout.COMMITS)]
                 else:
-                    _, shards = load_index(reader, update_index=first)
+                    _, shards, new_index = load_index(reader)
+                    if first and new_index is not None:  # what rank 0's ShardStream.refresh_index() does
+                        write_index(reader, new_index)
                 rows[name].append({"s": time.perf_counter() - t0, "client": cpu_s() - c0, "server": cpu_s(server.pid) - s0,
                                    "calls": dict(calls), "shards": len(shards)})
                 print(f"  round {r + 1}/{args.rounds} {name:<42} {rows[name][-1]['s']:7.2f} s  "

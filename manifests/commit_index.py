@@ -12,7 +12,9 @@ shows that commit with the same size and version; every other commit it reads on
 commit that `layertap verify` withdrew is no longer listed, and a redone one is a new object with
 a new version (S3's LastModified, at one-second resolution, could not tell), so a stale snapshot
 never stands in for either. An index that is missing, unreadable or of another
-version is ignored (and rewritten by the next reader allowed to write it).
+version is ignored. Reading never writes: a reader that found the index lacking hands back the
+index it would write, and one reader (the trainer's rank 0, before the others start) stores it
+with `write_index`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import zstandard
 
@@ -34,10 +37,18 @@ INDEX_FORMAT = "layertap-commit-index"
 INDEX_VERSION = 1
 
 
-def read_commits(store: ObjectStore, threads: int = 16, update_index: bool = False) -> list[CommitRecord]:
-    """The run's commit records, in shard order: one listing of `commits/`, the index, and a GET
-    for each listed commit the index does not hold unchanged. `update_index`: rewrite the index
-    when it lacked any of them (one writer, e.g. rank 0; failures to write are only logged)."""
+@dataclass(frozen=True, slots=True)
+class Commits:
+    """A run's commit records in shard order, and the index that holds all of them when the
+    stored one lacked some (None: it lacked none, or the store keeps no versions to key it by)."""
+
+    records: list[CommitRecord]
+    new_index: bytes | None
+
+
+def read_commits(store: ObjectStore, threads: int = 16) -> Commits:
+    """The run's commit records: one listing of `commits/`, the index, and a GET for each listed
+    commit the index does not hold unchanged. Writes nothing (see `write_index`)."""
     listing = [o for o in store.list(layout.COMMITS) if _is_commit(o.key)]
     snapshot = _load(store)
     root = store.uri.rstrip("/")
@@ -66,12 +77,26 @@ def read_commits(store: ObjectStore, threads: int = 16, update_index: bool = Fal
                 if raw is not None:
                     records[o.key] = decode_commit(raw, f"{root}/{o.key}")
                     fresh.append((o, raw))
-    if update_index and any(o.version for o, _ in fresh):  # a store without versions gets no index
+    new_index = None
+    if any(o.version for o, _ in fresh):  # a store without versions gets no index
         kept = {o.key: (o.size, o.version, indexed[o.key]) for o in listing if o.key in indexed}
         kept.update({o.key: (o.size, o.version, json.loads(raw)) for o, raw in fresh if o.version})
-        _save(store, kept)
+        new_index = _encode(kept)
     log.debug("%s: %d commits, %d from %s", root, len(records), len(records) - len(fresh), layout.COMMIT_INDEX)
-    return [records[o.key] for o in listing if o.key in records]
+    return Commits([records[o.key] for o in listing if o.key in records], new_index)
+
+
+def write_index(store: ObjectStore, new_index: bytes) -> bool:
+    """Store the index `read_commits` built (`Commits.new_index`), so later readers get every
+    commit it holds from one GET. Meant for one writer (the trainer's rank 0) before the others
+    read; best effort: a failure (e.g. read-only credentials) is logged, and only makes later
+    starts slower. True if written."""
+    try:
+        store.put(layout.COMMIT_INDEX, new_index)
+    except StoreError as e:
+        log.warning("could not write %s (%s): each start reads every commit", layout.COMMIT_INDEX, e)
+        return False
+    return True
 
 
 def _is_commit(key: str) -> bool:
@@ -100,11 +125,7 @@ def _load(store: ObjectStore) -> dict[str, tuple[int, str, dict]]:
         return {}
 
 
-def _save(store: ObjectStore, entries: dict[str, tuple[int, str, dict]]) -> None:
+def _encode(entries: dict[str, tuple[int, str, dict]]) -> bytes:
     obj = {"format": INDEX_FORMAT, "version": INDEX_VERSION,
            "commits": {key: [size, version, record] for key, (size, version, record) in sorted(entries.items())}}
-    data = zstandard.ZstdCompressor(level=3).compress(json.dumps(obj, separators=(",", ":")).encode())
-    try:
-        store.put(layout.COMMIT_INDEX, data)
-    except StoreError as e:  # e.g. read-only credentials for training: correct, only slower to start
-        log.warning("could not write %s (%s): each start reads every commit", layout.COMMIT_INDEX, e)
+    return zstandard.ZstdCompressor(level=3).compress(json.dumps(obj, separators=(",", ":")).encode())

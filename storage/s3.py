@@ -179,7 +179,8 @@ class S3Store(ObjectStore):
         return None
 
     def _where(self, key: str) -> str:
-        return f"s3://{self.bucket}/{self._key(key) if key else self.prefix}"
+        """The URI of a key or listing prefix, for messages (not checked: a prefix may end in "/")."""
+        return f"s3://{self.bucket}/{join_key(self.prefix, key)}"
 
     def _translate(self, e: bexc.ClientError, what: str, key: str) -> StoreError:
         code = e.response.get("Error", {}).get("Code", "")

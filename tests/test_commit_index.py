@@ -9,7 +9,7 @@ import zstandard
 
 import fake_worker
 from manifests import layout
-from manifests.commit_index import read_commits
+from manifests.commit_index import read_commits, write_index
 from manifests.records import decode_commit
 from storage.store import ObjectNotFound, StoreError, open_store
 from train import ShardStream
@@ -41,6 +41,14 @@ def one_by_one(store) -> list:
     return [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
 
 
+def refresh(store) -> list:
+    """What rank 0 does: read the commits, then store the index if it lacked any."""
+    commits = read_commits(store)
+    if commits.new_index is not None:
+        write_index(store, commits.new_index)
+    return commits.records
+
+
 def test_one_get_replaces_a_get_per_commit_and_follows_withdrawals_and_redos(store_uri):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
@@ -49,26 +57,29 @@ def test_one_get_replaces_a_get_per_commit_and_follows_withdrawals_and_redos(sto
     assert len(truth) >= 5
 
     first = CountingStore(store)
-    assert read_commits(first, update_index=True) == truth
-    assert first.gets == [layout.COMMIT_INDEX, *keys] and first.puts == [layout.COMMIT_INDEX]
+    commits = read_commits(first)
+    assert commits.records == truth and first.puts == []  # reading writes nothing
+    assert first.gets == [layout.COMMIT_INDEX, *keys]
+    assert write_index(first, commits.new_index) and first.puts == [layout.COMMIT_INDEX]
 
     again = CountingStore(store)
-    assert read_commits(again) == truth
-    assert again.gets == [layout.COMMIT_INDEX] and again.puts == []  # nothing new to write
+    commits = read_commits(again)
+    assert commits.records == truth and commits.new_index is None  # nothing new to write
+    assert again.gets == [layout.COMMIT_INDEX]
 
     # `verify` withdraws shard 2 (its commit goes), the extractor redoes it (a new commit record).
     old = decode_commit(store.get(layout.commit_key(2)), "c")
     store.delete(layout.commit_key(2))
     after_withdrawal = CountingStore(store)
-    assert [c.shard for c in read_commits(after_withdrawal)] == [c.shard for c in truth if c.shard != 2]
+    assert [c.shard for c in read_commits(after_withdrawal).records] == [c.shard for c in truth if c.shard != 2]
     assert after_withdrawal.gets == [layout.COMMIT_INDEX]
     assert fake_worker.work(store_uri) == [2]
     redone = CountingStore(store)
-    records = read_commits(redone, update_index=True)
+    records = refresh(redone)
     assert records == one_by_one(store)
     assert records[2].data_key != old.data_key  # the new record, not the snapshot's
     assert redone.gets == [layout.COMMIT_INDEX, layout.commit_key(2)]
-    assert read_commits(CountingStore(store)) == records
+    assert read_commits(CountingStore(store)).records == records
 
 
 def test_a_rewritten_commit_of_the_same_size_is_read_again(store_uri):
@@ -76,7 +87,7 @@ def test_a_rewritten_commit_of_the_same_size_is_read_again(store_uri):
     again is not taken from the snapshot: entries are matched on the object's version (S3's ETag)."""
     fake_worker.work(store_uri)
     store = open_store(store_uri)
-    read_commits(store, update_index=True)
+    refresh(store)
     raw = store.get(layout.commit_key(1))
     obj = json.loads(raw)
     obj["data_key"] = obj["data_key"][:-5] + ("b" if obj["data_key"][-5] != "b" else "c") + ".lts"
@@ -84,7 +95,7 @@ def test_a_rewritten_commit_of_the_same_size_is_read_again(store_uri):
     assert len(changed) == len(raw)
     store.put(layout.commit_key(1), changed)
     counting = CountingStore(store)
-    assert read_commits(counting)[1].data_key == obj["data_key"]
+    assert read_commits(counting).records[1].data_key == obj["data_key"]
     assert counting.gets == [layout.COMMIT_INDEX, layout.commit_key(1)]
 
 
@@ -99,10 +110,10 @@ def test_a_bad_or_foreign_index_is_ignored_and_rewritten(store_uri, caplog):
         store.put(layout.COMMIT_INDEX, junk)
         caplog.clear()
         counting = CountingStore(store)
-        assert read_commits(counting, update_index=True) == truth
+        assert refresh(counting) == truth
         assert len(counting.gets) == 1 + len(truth) and counting.puts == [layout.COMMIT_INDEX]
         assert f"ignoring {store.uri.rstrip('/')}/{layout.COMMIT_INDEX}" in caplog.text
-        assert read_commits(CountingStore(store)) == truth
+        assert read_commits(CountingStore(store)).records == truth
 
 
 @pytest.mark.moto_only  # index logic: no S3 call the first two tests do not make
@@ -110,12 +121,12 @@ def test_an_index_entry_that_does_not_decode_falls_back_to_the_commit(store_uri)
     fake_worker.work(store_uri)
     store = open_store(store_uri)
     truth = one_by_one(store)
-    read_commits(store, update_index=True)
+    refresh(store)
     obj = json.loads(zstandard.ZstdDecompressor().decompress(store.get(layout.COMMIT_INDEX)))
     obj["commits"][layout.commit_key(3)][2] = {"kind": "commit", "version": 1, "data_key": "../../etc/passwd"}
     store.put(layout.COMMIT_INDEX, zstandard.ZstdCompressor().compress(json.dumps(obj).encode()))
     counting = CountingStore(store)
-    assert read_commits(counting) == truth
+    assert read_commits(counting).records == truth
     assert counting.gets == [layout.COMMIT_INDEX, layout.commit_key(3)]
 
 
@@ -124,23 +135,26 @@ def test_read_only_credentials_still_read_the_run(store_uri, caplog):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
     denied = CountingStore(store, deny_put=True)
-    assert read_commits(denied, update_index=True) == one_by_one(store)
+    commits = read_commits(denied)
+    assert commits.records == one_by_one(store)
+    assert not write_index(denied, commits.new_index)
     assert denied.puts == [layout.COMMIT_INDEX] and "could not write index/commits.json.zst" in caplog.text
     with pytest.raises(ObjectNotFound):
         store.get(layout.COMMIT_INDEX)
 
 
 @pytest.mark.moto_only  # index logic: no S3 call the first two tests do not make
-def test_rank_0_writes_the_index_and_other_ranks_only_read_it(store_uri):
+def test_opening_a_stream_writes_nothing_and_rank_0_refreshes_the_index_explicitly(store_uri):
     fake_worker.work(store_uri)
     store = open_store(store_uri)
     ShardStream(store_uri, rank=1, world_size=2)
-    with pytest.raises(ObjectNotFound):
-        store.get(layout.COMMIT_INDEX)
     a = ShardStream(store_uri, rank=0, world_size=2)
-    assert store.get(layout.COMMIT_INDEX)
+    with pytest.raises(ObjectNotFound):  # opening reads, whatever the rank
+        store.get(layout.COMMIT_INDEX)
+    assert a.refresh_index() and store.get(layout.COMMIT_INDEX)  # what the trainer's rank 0 calls
+    assert not a.refresh_index()  # written once
     gets, get = [], store.get
     store.get = lambda key: (gets.append(key), get(key))[1]
     b = ShardStream(store, rank=1, world_size=2)
     assert [g for g in gets if g.startswith(layout.COMMITS)] == [] and layout.COMMIT_INDEX in gets
-    assert b.shards == a.shards
+    assert b.shards == a.shards and not b.refresh_index()  # the index lacked nothing: nothing to write

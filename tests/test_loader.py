@@ -16,14 +16,18 @@ import pytest
 import torch
 
 import fake_worker
+from faultproxy import FaultProxy
 from manifests import layout
 from manifests.manifest import create_or_resume
 from manifests.records import Producer, decode_commit
 from manifests.work import WorkQueue
 from storage.local import LocalStore
-from storage.shard import Sample, ShardError, ShardMeta, ShardReader, ShardWriter
+from storage.format import ShardError, ShardMeta
+from storage.reader import ShardReader
+from storage.records import Sample
+from storage.writer import ShardWriter
 from storage.store import StoreError, TransientStoreError, open_store
-from train import ShardStream, StreamLoader, collate, pack
+from train import ShardStream, StreamConfig, StreamLoader, collate, pack
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 43  # samples in the default test run: not a multiple of 2 ranks x 2 workers
@@ -52,7 +56,7 @@ def make_run(uri: str, samples: int = N, shard_bytes: int = 3000, codec: str = "
                              final_state="prenorm" if final else "none")
             with ShardWriter(store.open_writer(claim.data_key), meta) as w:
                 for i in range(claim.plan.start, claim.plan.end):
-                    w.add(make_sample(i, final))
+                    w.write_sample(make_sample(i, final))
                 claim.commit(w.close())
     store.close()
     return [p.num_samples for p in manifest.shards]
@@ -85,7 +89,7 @@ def run(store_uri):
 def test_every_sample_once_per_epoch_across_2_ranks_x_2_workers(run):
     real, pads, batches = Counter(), [], []
     for rank in range(2):
-        stream = ShardStream(run, rank=rank, world_size=2, seed=3, shuffle_buffer=4)
+        stream = ShardStream(run, config=StreamConfig(seed=3, shuffle_buffer=4), rank=rank, world_size=2)
         loader = StreamLoader(stream, batch_size=3, num_workers=2)
         got = list(loader)
         assert len(got) == len(loader) == stream.num_batches(3, 2)
@@ -102,15 +106,17 @@ def test_every_sample_once_per_epoch_across_2_ranks_x_2_workers(run):
 
 def test_uneven_drop_gives_equal_ranks_and_no_repeats(tmp_path):
     make_run(str(tmp_path))
-    seen = [[s["sample_id"] for s in ShardStream(str(tmp_path), rank=r, world_size=2, uneven="drop")]
-            for r in range(2)]
+    drop = StreamConfig(uneven="drop")
+    seen = [[s["sample_id"] for s in ShardStream(str(tmp_path), config=drop, rank=r, world_size=2)] for r in range(2)]
     assert len(seen[0]) == len(seen[1]) == N // 2
     assert len(set(seen[0]) | set(seen[1])) == 2 * (N // 2)
 
 
 def test_order_is_a_function_of_seed_and_epoch(run):
-    def order(**kw):
-        return [s["sample_id"] for s in ShardStream(run, shuffle_buffer=8, **kw)]
+    def order(seed: int, epoch: int, **fetching):
+        stream = ShardStream(run, config=StreamConfig(seed=seed, shuffle_buffer=8, **fetching))
+        stream.set_epoch(epoch)
+        return [s["sample_id"] for s in stream]
 
     a = order(seed=5, epoch=0)
     assert a == order(seed=5, epoch=0)
@@ -118,14 +124,14 @@ def test_order_is_a_function_of_seed_and_epoch(run):
     assert order(seed=5, epoch=1) != a and sorted(order(seed=5, epoch=1)) == sorted(a)
     assert order(seed=6, epoch=0) != a
     # Fetch settings change how bytes arrive, never the order.
-    assert a == [s["sample_id"] for s in ShardStream(run, seed=5, shuffle_buffer=8, range_bytes=1500,
-                                                     memory_budget=5000, decode_threads=0)]
+    assert a == order(seed=5, epoch=0, range_bytes=1500, memory_budget=5000, decode_threads=0)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_mid_epoch_equals_the_uninterrupted_order(run, num_workers):
     def loader():
-        return StreamLoader(ShardStream(run, seed=7, shuffle_buffer=8), batch_size=4, num_workers=num_workers)
+        stream = ShardStream(run, config=StreamConfig(seed=7, shuffle_buffer=8))
+        return StreamLoader(stream, batch_size=4, num_workers=num_workers)
 
     full = ids_of(loader())
     first = loader()
@@ -153,8 +159,9 @@ def test_resume_mid_epoch_equals_the_uninterrupted_order(run, num_workers):
     assert again.epoch == 1
     nxt = ids_of(again)
     assert again.epoch == 2 and sorted(nxt) == sorted(full) and nxt != full
-    assert nxt == ids_of(StreamLoader(ShardStream(run, seed=7, shuffle_buffer=8, epoch=1), batch_size=4,
-                                      num_workers=num_workers))
+    epoch_1 = loader()
+    epoch_1.set_epoch(1)
+    assert nxt == ids_of(epoch_1)
 
 
 def test_training_loop_with_a_checkpoint_every_step(tmp_path):
@@ -162,7 +169,8 @@ def test_training_loop_with_a_checkpoint_every_step(tmp_path):
     make_run(str(tmp_path))
 
     def loader():
-        return StreamLoader(ShardStream(str(tmp_path), seed=1, shuffle_buffer=8), batch_size=5, num_workers=2)
+        stream = ShardStream(str(tmp_path), config=StreamConfig(seed=1, shuffle_buffer=8))
+        return StreamLoader(stream, batch_size=5, num_workers=2)
 
     seen, states, first = [], [], loader()
     while first.epoch < 2:
@@ -185,13 +193,13 @@ def test_training_loop_with_a_checkpoint_every_step(tmp_path):
 
 def test_stream_state_is_exact_in_process(tmp_path):
     make_run(str(tmp_path))
-    full = [s["sample_id"] for s in ShardStream(str(tmp_path), seed=2, shuffle_buffer=16)]
-    stream = ShardStream(str(tmp_path), seed=2, shuffle_buffer=16)
+    full = [s["sample_id"] for s in ShardStream(str(tmp_path), config=StreamConfig(seed=2, shuffle_buffer=16))]
+    stream = ShardStream(str(tmp_path), config=StreamConfig(seed=2, shuffle_buffer=16))
     it = iter(stream)
     head = [next(it)["sample_id"] for _ in range(17)]
     state = stream.state_dict()
     it.close()
-    again = ShardStream(str(tmp_path), seed=2, shuffle_buffer=16)
+    again = ShardStream(str(tmp_path), config=StreamConfig(seed=2, shuffle_buffer=16))
     again.load_state_dict(state)
     assert head + [s["sample_id"] for s in again] == full
 
@@ -202,7 +210,8 @@ def test_stream_state_is_exact_in_process(tmp_path):
 def test_memory_budget_holds(store_uri):
     make_run(store_uri, shard_bytes=8000)
     budget, rng = 6000, 2000
-    stream = ShardStream(store_uri, seed=1, shuffle_buffer=3, memory_budget=budget, range_bytes=rng)
+    stream = ShardStream(store_uri,
+                         config=StreamConfig(seed=1, shuffle_buffer=3, memory_budget=budget, range_bytes=rng))
     ids = [s["sample_id"] for s in stream]
     m = stream.metrics()
     assert sorted(ids) == [f"s{i:05d}" for i in range(N)]
@@ -224,7 +233,7 @@ def test_streaming_writes_nothing_to_local_disk(s3_bucket, tmp_path):
         d.mkdir()
     script = r"""
 import json, sys
-from train import ShardStream, StreamLoader
+from train import ShardStream, StreamConfig, StreamLoader
 
 def written():
     for line in open("/proc/self/io"):
@@ -237,7 +246,7 @@ def plain(samples):  # batches cross the worker pipe pickled, not through torch'
 
 out = {}
 for workers in (0, 2):
-    loader = StreamLoader(ShardStream(sys.argv[1], seed=1), batch_size=4, num_workers=workers,
+    loader = StreamLoader(ShardStream(sys.argv[1], config=StreamConfig(seed=1)), batch_size=4, num_workers=workers,
                           **({"collate_fn": plain} if workers else {}))
     before = written()
     n = sum(len(b["sample_id"]) for b in loader)
@@ -273,7 +282,7 @@ def corrupt_one_record(uri: str) -> tuple[str, list[str]]:
 def test_corrupt_record_raises_naming_the_shard(run, range_bytes):
     key, _ = corrupt_one_record(run)
     with pytest.raises(ShardError, match=key.replace(".", r"\.")) as err:
-        for _ in ShardStream(run, range_bytes=range_bytes):
+        for _ in ShardStream(run, config=StreamConfig(range_bytes=range_bytes)):
             pass
     assert "shard 2 " in str(err.value) and "on_corrupt='skip'" in str(err.value)
 
@@ -281,7 +290,7 @@ def test_corrupt_record_raises_naming_the_shard(run, range_bytes):
 @pytest.mark.parametrize("range_bytes", [1 << 20, 1500], ids=["whole-object", "ranged"])
 def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
     key, bad_ids = corrupt_one_record(run)
-    stream = ShardStream(run, on_corrupt="skip", seed=4, range_bytes=range_bytes)
+    stream = ShardStream(run, config=StreamConfig(on_corrupt="skip", seed=4, range_bytes=range_bytes))
     with caplog.at_level(logging.WARNING, logger="train.fetch"):
         got = list(stream)
     real = [s["sample_id"] for s in got if not s["padding"]]
@@ -295,29 +304,30 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
         assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - set(bad_ids))
 
 
-def test_transient_errors_are_retried_per_range(tmp_path):
+def test_the_store_retries_and_the_loader_counts_its_retries(s3_bucket, s3_endpoint, tmp_path):
+    """Retries live in one layer, the store: ranged GETs of shards that fail (503 SlowDown, bodies
+    cut short) are retried there, and the loader's metrics count them; what the store gave up
+    on reaches the consumer as it is, not tried again."""
+    uri = f"s3://{s3_bucket}/runs/flaky"
+    make_run(uri)
+    shard_gets = lambda method, path: method == "GET" and "/shards/" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=0.5, seed=1, faults=("503", "cut"), match=shard_gets) as proxy:
+        stream = ShardStream(uri, config=StreamConfig(range_bytes=1500), store_options={"endpoint_url": proxy.url})
+        assert sorted(s["sample_id"] for s in stream) == [f"s{i:05d}" for i in range(N)]
+        m = stream.metrics()
+        assert m["retries"] == proxy.injected > 5 and m["get_requests"] > len(stream.shards)
+
     make_run(str(tmp_path))
+    calls = []
 
-    class Flaky(LocalStore):  # footers come by get_range, records by read_range_into
-        failed: set = set()
-
-        def fail_once(self, key, start):
-            if key.startswith("shards/") and (key, start) not in self.failed:
-                self.failed.add((key, start))
-                raise TransientStoreError(f"ranged get of {key} failed: 503 Slow Down")
-
-        def get_range(self, key, start, end):
-            self.fail_once(key, start)
-            return super().get_range(key, start, end)
-
+    class GaveUp(LocalStore):
         def read_range_into(self, key, start, out):
-            self.fail_once(key, start)
-            return super().read_range_into(key, start, out)
+            calls.append(key)
+            raise TransientStoreError(f"ranged get of {key} failed: SlowDown (tried 8 times)")
 
-    stream = ShardStream(Flaky(str(tmp_path)), retries=2)
-    assert len([s for s in stream]) == N
-    m = stream.metrics()
-    assert m["retries"] == m["get_requests"] > 0  # every range failed once, then succeeded
+    with pytest.raises(TransientStoreError, match="tried 8 times"):
+        list(ShardStream(GaveUp(str(tmp_path)), config=StreamConfig(fetch_threads=1, prefetch_shards=1)))
+    assert len(calls) == 1
 
     class Denied(LocalStore):
         def get_range(self, key, start, end):
@@ -327,7 +337,7 @@ def test_transient_errors_are_retried_per_range(tmp_path):
             return self.get_range(key, start, start + len(out))
 
     with pytest.raises(StoreError, match="access denied"):
-        list(ShardStream(Denied(str(tmp_path)), retries=5))
+        list(ShardStream(Denied(str(tmp_path))))
 
 
 def test_get_buffer_size_classes_waste_at_most_an_eighth():
@@ -356,8 +366,8 @@ def test_reused_get_buffers_never_show_through_in_yielded_samples(tmp_path, monk
     monkeypatch.setattr(train.buffers, "POOLED_MIN", 1)  # pool the test's small GETs too
     monkeypatch.setattr(train.stream, "BufferPool", Watched)
     make_run(str(tmp_path), codec=codec)
-    stream = ShardStream(str(tmp_path), seed=2, shuffle_buffer=4, memory_budget=16000, prefetch_shards=1,
-                         fetch_threads=1)
+    stream = ShardStream(str(tmp_path), config=StreamConfig(seed=2, shuffle_buffer=4, memory_budget=16000,
+                                                            prefetch_shards=1, fetch_threads=1))
     for epoch in range(2):
         first = len(lent)
         got = list(stream)  # every sample kept until the pass is over, while later GETs reuse the buffers
@@ -372,24 +382,24 @@ def test_reused_get_buffers_never_show_through_in_yielded_samples(tmp_path, monk
 
 
 def test_state_from_another_world_seed_or_run_is_refused(run, tmp_path):
-    stream = ShardStream(run, rank=0, world_size=2, seed=1)
+    stream = ShardStream(run, config=StreamConfig(seed=1), rank=0, world_size=2)
     it = iter(stream)
     next(it)
     state = stream.state_dict()
     it.close()
     with pytest.raises(ValueError, match="world_size: state has 2, this stream has 1"):
-        ShardStream(run, rank=0, world_size=1, seed=1).load_state_dict(state)
+        ShardStream(run, config=StreamConfig(seed=1), rank=0, world_size=1).load_state_dict(state)
     with pytest.raises(ValueError, match="seed: state has 1"):
-        ShardStream(run, rank=0, world_size=2, seed=2).load_state_dict(state)
+        ShardStream(run, config=StreamConfig(seed=2), rank=0, world_size=2).load_state_dict(state)
     other = str(tmp_path / "other")
     make_run(other)
     with pytest.raises(ValueError, match="run_id"):
-        ShardStream(other, rank=0, world_size=2, seed=1).load_state_dict(state)
+        ShardStream(other, config=StreamConfig(seed=1), rank=0, world_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match="version 99"):
-        ShardStream(run, rank=0, world_size=2, seed=1).load_state_dict(dict(state, version=99))
-    ShardStream(run, rank=1, world_size=2, seed=1).load_state_dict(state)  # same step on every rank
+        ShardStream(run, config=StreamConfig(seed=1), rank=0, world_size=2).load_state_dict(dict(state, version=99))
+    ShardStream(run, config=StreamConfig(seed=1), rank=1, world_size=2).load_state_dict(state)  # the same on every rank
     with pytest.raises(ValueError, match="num_workers=0"):
-        StreamLoader(ShardStream(run, rank=0, world_size=2, seed=1), batch_size=2,
+        StreamLoader(ShardStream(run, config=StreamConfig(seed=1), rank=0, world_size=2), batch_size=2,
                      num_workers=2).load_state_dict(state)
 
 
@@ -458,3 +468,23 @@ def test_compressed_codecs_decode_on_threads_by_cores_and_bf16_on_the_consumer(m
     assert stream.auto_decode_threads("bf16-zstd", workers) == want
     assert stream.auto_decode_threads("fp8", workers) == want
     assert stream.auto_decode_threads("bf16", workers) == 0
+
+
+def test_a_position_counts_per_consumer_and_a_finished_epoch_starts_the_next():
+    from train.position import Position
+
+    p = Position(per_rank=10)
+    started = p.start(2)  # two consumers of 5 samples each
+    p.batch_received(1, 3)
+    assert p.state_dict() == {"epoch": 0, "num_workers": 2, "consumed": [0, 3], "next_worker": 0}
+    p.batch_received(0, 5)
+    assert p.consumer(0, 2) == 1 and p.consumed(0) == 5  # worker 1's batch is due next
+    with pytest.raises(ValueError, match="saved with 2 DataLoader worker.*num_workers=2"):
+        p.start(3)
+    p.finish(started)  # a drop_last pass left 2 samples out: the epoch is complete all the same
+    assert p.state_dict() == {"epoch": 1, "num_workers": None, "consumed": [], "next_worker": 0}
+
+    overtaken = p.start(2)
+    p.load_state_dict({"epoch": 4, "consumed": [1, 1], "next_worker": 1})
+    p.finish(overtaken)  # the pass was overtaken by the loaded state, which stands
+    assert (p.epoch, p.consumed(0), p.consumed(1)) == (4, 1, 1)

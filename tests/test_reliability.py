@@ -36,7 +36,7 @@ from storage.format import FRAME, PREAMBLE, TRAILER, ShardError, UnsupportedShar
 from storage.reader import ShardReader, verify_shard
 from storage.store import open_store
 from tiny_models import tiny_model_dir
-from train import ShardStream
+from train import ShardStream, StreamConfig
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -220,7 +220,8 @@ def stream_digests(uri: str, **options) -> list[tuple[str, str]]:
     """(sample id, xxh3-64 of every tensor's bytes) in the order a ShardStream yields them; the
     stream's buffers stay within its 4 MiB budget plus one 1 MiB range."""
     out = []
-    stream = ShardStream(uri, seed=3, shuffle_buffer=2, range_bytes=MiB, memory_budget=4 * MiB, **options)
+    stream = ShardStream(uri, config=StreamConfig(seed=3, shuffle_buffer=2, range_bytes=MiB, memory_budget=4 * MiB),
+                         **options)
     for s in stream:
         h = xxhash.xxh3_64()
         for name in ("input_ids", "loss_mask", "hidden_states", "final_state"):
@@ -325,8 +326,8 @@ def test_loader_memory_stays_within_its_budget_behind_a_slow_consumer(clean_run,
     stream (tracemalloc: GET buffers, decoded samples) within that plus the samples being decoded
     (the one the consumer holds and 2 x decode_threads decoded ahead) and the slice each fetch
     thread's GET body passes through on its way into the range's buffer."""
-    stream = ShardStream(clean_run, seed=1, shuffle_buffer=2, memory_budget=4 * MiB, range_bytes=MiB,
-                         fetch_threads=4, decode_threads=decode_threads)
+    stream = ShardStream(clean_run, config=StreamConfig(seed=1, shuffle_buffer=2, memory_budget=4 * MiB, range_bytes=MiB,
+                                                        fetch_threads=4, decode_threads=decode_threads))
     store = open_store(clean_run)
     record = max(e.length for s in stream.shards for e in ShardReader(store, s.key, size=s.bytes).entries)
     run_bytes = sum(s.bytes for s in stream.shards)
@@ -494,7 +495,7 @@ def test_empty_and_overlong_samples_are_skipped_or_cut_with_reasons_not_fatal(jo
     assert "within max_length=256" in skipped["3-late"]["detail"]
     assert sorted(i for c in commits for i in c.sample_ids) == ["0-ok", "2-long"]
     assert sum(c.truncated for c in commits) == 1
-    assert ShardStream(out, shuffle=False).__iter__().__next__()["input_ids"].numel() in (40, 256)
+    assert ShardStream(out, config=StreamConfig(shuffle=False)).__iter__().__next__()["input_ids"].numel() in (40, 256)
     status = run_status(store)
     assert status["complete"] and (status["samples_done"], status["samples_skipped"]) == (2, 2)
     assert "2/4 stored, 2 skipped" in printed
@@ -581,7 +582,7 @@ def test_bad_stored_objects_are_refused_with_the_fix_and_never_lost(name, loader
 
     error, *fragments = loader
     with pytest.raises(error) as e:
-        for _ in ShardStream(run, range_bytes=MiB):
+        for _ in ShardStream(run, config=StreamConfig(range_bytes=MiB)):
             pass
     for fragment in fragments:
         assert fragment in str(e.value), str(e.value)

@@ -187,6 +187,18 @@ def test_s3_list_paginates_past_one_page(s3_bucket):
     assert [o.key for o in store.list("k/")] == keys
 
 
+def test_a_listing_retries_each_failed_page_on_its_own(s3_bucket, s3_endpoint):
+    store = open_store(f"s3://{s3_bucket}/p")
+    keys = [f"k/{i:05d}" for i in range(1003)]  # two pages
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: store.put(k, b"x"), keys))
+    is_list = lambda method, path: method == "GET" and "list-type=2" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=0.5, seed=3, faults=("503", "reset"), match=is_list) as proxy:
+        flaky = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url)
+        assert [o.key for o in flaky.list("k/")] == keys
+        assert flaky.retries == proxy.injected >= 2  # one request in two failed, and was tried again alone
+
+
 @pytest.mark.parametrize("bad", ["", "/abs", "../escape", "a/../../b", "a//b", "a\\b", "./a"])
 def test_keys_cannot_escape_the_root(store, bad):
     with pytest.raises(InvalidKey):

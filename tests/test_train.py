@@ -347,11 +347,11 @@ def test_two_ranks_train_together_over_gloo(run, target, tmp_path):
 def test_prefetched_batches_are_not_counted_until_taken(run):
     """The trainer's Prefetcher reads ahead on a thread; its state counts only the batches the
     trainer took, so a resume from it repeats none and skips none, across an epoch boundary too."""
-    from train import ShardStream, StreamLoader
+    from train import ShardStream, StreamConfig, StreamLoader
     from train.loader import Prefetcher
 
     def loader() -> StreamLoader:
-        return StreamLoader(ShardStream(run, seed=5, shuffle_buffer=8), batch_size=4)
+        return StreamLoader(ShardStream(run, config=StreamConfig(seed=5, shuffle_buffer=8)), batch_size=4)
 
     whole = loader()
     with Prefetcher(whole, depth=3) as p:

@@ -23,7 +23,6 @@ range whenever the ranges holding the shuffle buffer's records fit in the budget
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import defaultdict
@@ -33,14 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from storage.shard import ShardError, ShardMeta, ShardReader, UnsupportedShard, record_payload
-from storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
+from storage.format import ShardError, ShardMeta, UnsupportedShard
+
+from storage.reader import ShardReader, record_payload
+from storage.store import ObjectNotFound, ObjectStore
 from train.buffers import BufferPool, size_class
 
 log = logging.getLogger(__name__)
-
-def is_transient(e: StoreError) -> bool:
-    return isinstance(e, TransientStoreError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,14 +142,19 @@ def merge_snapshots(snaps: list[dict]) -> dict:
 
 
 class Fetcher:
+    """Verified records of one consumer, fetched ahead on threads. Failed GETs are not retried
+    here: the store retries its own (`storage.retry`), and `metrics` counts those retries."""
+
     def __init__(self, store: ObjectStore, shards: list[CommittedShard], run_id: str, *,
                  positions: list[tuple[int, int, int]], budget: int, range_bytes: int, prefetch_shards: int,
-                 threads: int, retries: int, on_corrupt: str, metrics: Metrics, pool: BufferPool | None = None):
+                 threads: int, on_corrupt: str, metrics: Metrics, pool: BufferPool | None = None):
         """`positions`: (input position, shard index, record index) of every record to deliver,
         in ascending position order. `pool`: GET buffers to reuse, e.g. the previous epoch's."""
         self.store, self.shards, self.run_id = store, shards, run_id
         self.budget, self.range_bytes, self.prefetch_shards = budget, range_bytes, prefetch_shards
-        self.retries, self.on_corrupt, self.metrics = retries, on_corrupt, metrics
+        self.on_corrupt, self.metrics = on_corrupt, metrics
+        self._retries_seen = store.retries  # the store's counter is shared by everything that uses it
+        self._retries_lock = threading.Lock()
         self._segments: list[_Segment] = []
         self._positions_of: dict[int, list[int]] = defaultdict(list)
         for pos, shard, rec in positions:
@@ -174,8 +177,8 @@ class Fetcher:
 
     # -- consumer side -------------------------------------------------------------------------
 
-    def get(self, pos: int) -> Record | object:
-        """The verified record at `pos` (or SKIP); blocks until it has arrived."""
+    def wait_for(self, pos: int) -> Record | object:
+        """The verified record at `pos` (or SKIP), taken; blocks until it has arrived."""
         with self._cond:
             if pos not in self._ready and self._error is None:
                 t0 = time.perf_counter()
@@ -189,8 +192,8 @@ class Fetcher:
                 raise self._error
             return self._ready.pop(pos)
 
-    def take(self, pos: int) -> Record | None:
-        """The verified record at `pos` if it has arrived (for decoding ahead), else None."""
+    def take_if_ready(self, pos: int) -> Record | None:
+        """The verified record at `pos` if it has arrived (for decoding ahead), else None; never blocks."""
         with self._cond:
             item = self._ready.get(pos)
             if isinstance(item, Record):
@@ -337,34 +340,25 @@ class Fetcher:
         if cur is not None:
             yield cur
 
-    def _get(self, key: str, start: int, end: int, out: memoryview | None = None) -> bytes | memoryview:
-        """Bytes [start, end) by a ranged GET (read into `out`, of that length, if given), retried on
-        errors that look transient, with backoff and jitter."""
-        for attempt in range(self.retries + 1):
-            try:
-                if out is None:
-                    data = self.store.get_range(key, start, end)
-                    got = len(data)
-                else:
-                    data, got = out, self.store.read_range_into(key, start, out)
-            except StoreError as e:
-                if not is_transient(e) or attempt == self.retries:
-                    raise
-                log.info("retrying ranged get of %s [%d, %d) after %s", key, start, end, e)
-            else:
-                self.metrics.add(get_requests=1, bytes_fetched=got)
-                if got != end - start:  # S3 bodies are length-checked: the object is short
-                    raise ShardError(f"{key}: got {got} bytes of [{start}, {end}); "
-                                     "the object is shorter than its commit says")
-                return data
-            self.metrics.add(retries=1)
-            time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
-        raise AssertionError("unreachable")
+    def _read_range(self, key: str, start: int, end: int, out: memoryview | None = None) -> bytes | memoryview:
+        """Bytes [start, end) by a ranged GET (read into `out`, of that length, if given): I/O on
+        the calling thread, counted in the metrics with the retries the store made meanwhile."""
+        if out is None:
+            data = self.store.get_range(key, start, end)
+            got = len(data)
+        else:
+            data, got = out, self.store.read_range_into(key, start, out)
+        with self._retries_lock:
+            retries, self._retries_seen = self.store.retries - self._retries_seen, self.store.retries
+        self.metrics.add(get_requests=1, bytes_fetched=got, retries=retries)
+        if got != end - start:  # S3 bodies are length-checked: the object is short
+            raise ShardError(f"{key}: got {got} bytes of [{start}, {end}); the object is shorter than its commit says")
+        return data
 
     def _open(self, shard: int, data: memoryview | None = None) -> ShardReader:
         entry = self.shards[shard]
         if data is None:
-            reader = ShardReader(_Retrying(self), entry.key, size=entry.bytes)
+            reader = ShardReader(_Counted(self), entry.key, size=entry.bytes)
         else:
             reader = ShardReader.from_bytes(data, entry.key, uri=self.store.uri)
         if reader.meta.run_id != self.run_id or reader.meta.shard_id != entry.shard:
@@ -377,7 +371,7 @@ class Fetcher:
     def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range, array: np.ndarray) -> None:
         try:
             entry = self.shards[shard]
-            data = self._get(entry.key, rng.start, rng.end, memoryview(array)[: rng.end - rng.start])
+            data = self._read_range(entry.key, rng.start, rng.end, memoryview(array)[: rng.end - rng.start])
             if rng.whole:
                 digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
                 if digest != entry.xxh3_128:
@@ -422,12 +416,12 @@ class Fetcher:
             self._cond.notify_all()
 
 
-class _Retrying:
-    """The store as `ShardReader` sees it when opening a shard: ranged GETs with our retries."""
+class _Counted:
+    """The store as `ShardReader` sees it when opening a shard: ranged GETs counted in the metrics."""
 
     def __init__(self, fetcher: Fetcher):
         self._f = fetcher
         self.uri = fetcher.store.uri
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self._f._get(key, start, end)
+        return self._f._read_range(key, start, end)

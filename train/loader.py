@@ -30,7 +30,7 @@ from train.stream import ShardStream
 
 
 class _Tagged:
-    """Runs in the worker: (worker id, samples, worker counters, batch)."""
+    """Runs in the worker: (the share it serves, samples, worker counters, batch)."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -39,7 +39,8 @@ class _Tagged:
         info = get_worker_info()
         if info is None:
             return 0, len(samples), None, self.fn(samples)
-        return info.dataset._logical_worker(info), len(samples), info.dataset.metrics(), self.fn(samples)
+        stream = info.dataset
+        return stream.position.consumer(info.id, info.num_workers), len(samples), stream.metrics(), self.fn(samples)
 
 
 class StreamLoader:
@@ -89,28 +90,19 @@ class StreamLoader:
         return merge_snapshots(list(self._snapshots.values()))
 
     def __iter__(self) -> Iterator[Any]:
-        stream, workers = self.stream, max(1, self.num_workers)
-        stream._normalize()
-        if stream._position is None:
-            stream._position = [0] * workers
-        elif len(stream._position) != workers:
-            raise ValueError(f"the stream's position is for {len(stream._position)} worker(s), this loader has "
-                             f"{workers}: resume with the same num_workers (or start the epoch over)")
-        epoch, position = stream._epoch, stream._position
-        loader = DataLoader(stream, batch_size=self.batch_size, num_workers=self.num_workers,
+        position = self.stream.position
+        started = position.start(max(1, self.num_workers))
+        loader = DataLoader(self.stream, batch_size=self.batch_size, num_workers=self.num_workers,
                             collate_fn=_Tagged(self.collate_fn), drop_last=self.drop_last, **self.dataloader_kwargs)
         self._snapshots = {}
         for worker, n, snapshot, batch in loader:
             if self.num_workers > 0:  # in-process, the stream counts its own samples
-                position[worker] += n
-                stream._next_worker = (worker + 1) % workers
+                position.batch_received(worker, n)
                 self._snapshots[worker] = snapshot
             yield batch
-        # A whole pass. Unless a state_dict() call already moved on to the next epoch, mark this
-        # one complete: samples of a partial last batch that drop_last discarded count as consumed.
-        if stream._epoch == epoch and stream._position is position:
-            stream._position = stream._counts(workers)
-            stream._normalize()
+        # A whole pass: unless a state_dict() call already moved on to the next epoch, this one is
+        # complete (samples of a partial last batch that drop_last discarded count as consumed).
+        position.finish(started)
 
 
 class _Failed:

@@ -1,20 +1,21 @@
 """`ShardStream`: the committed shards of a run, streamed from the store into training samples.
 
-    stream = ShardStream("s3://acts/qwen27b/run1", seed=0, shuffle_buffer=64)
+    stream = ShardStream("s3://acts/qwen27b/run1", config=StreamConfig(seed=0, shuffle_buffer=64))
     for sample in stream: ...          # dicts of tensors; or batches through `StreamLoader`
 
 Reading the run costs one listing of `commits/` and one GET of the commit index (a GET per
-commit it lacks; rank 0 then rewrites it: `manifests.commit_index`); only shards a commit names
-are read, and each is checked against its commit (run, shard id, sample ids, and for
-whole-object reads the object hash). The order of an epoch is computed from indices
-alone (`train.order`), records arrive through `train.fetch` (ranged GETs into RAM under a byte
-budget, every record's hashes checked) and are decoded a few samples ahead of the consumer.
+commit it lacks: `manifests.commit_index`; `refresh_index()` then stores the fuller index, on
+one rank); only shards a commit names are read, and each is checked against its commit (run,
+shard id, sample ids, and for whole-object reads the object hash). The order of an epoch is
+computed from indices alone (`train.order`), records arrive through `train.fetch` (ranged GETs
+into RAM under a byte budget, every record's hashes checked) and are decoded a few samples ahead
+of the consumer.
 
-Resume: the position is the number of samples each consumer has yielded. `state_dict()` is
-exact when the stream is iterated in this process (directly or by a DataLoader with
-num_workers=0); with DataLoader workers use `StreamLoader`, which counts what each worker has
-delivered to the trainer. On `load_state_dict`, every consumer recomputes its order and skips
-what was consumed without fetching it.
+Resume: the stream's `position` (`train.position`) is the number of samples each consumer has
+yielded. `state_dict()` is exact when the stream is iterated in this process (directly or by a
+DataLoader with num_workers=0); with DataLoader workers use `StreamLoader`, which counts what
+each worker has delivered to the trainer. On `load_state_dict`, every consumer recomputes its
+order and skips what was consumed without fetching it.
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
 from manifests import layout
-from manifests.commit_index import read_commits
+from manifests.commit_index import read_commits, write_index
 from manifests.manifest import Manifest, load_manifest, parse_size
 from manifests.state import fits_plan, replaced_manifest_error
-from storage.shard import Sample, ShardError, decode_record
+from storage.format import ShardError
+from storage.records import Sample, decode_record
 from storage.store import ObjectStore, open_store
 from train.buffers import BufferPool
 from train.fetch import CommittedShard, Fetcher, Metrics, Record
-from train.order import plan_consumer, rank_count, worker_span
+from train.order import plan_consumer, rank_count
+from train.position import Position
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +59,16 @@ class StreamConfig:
     shuffle: bool = True
     shuffle_buffer: int = 64  # samples; a DFlash sample at 4K tokens is ~100 MB raw
     uneven: Literal["pad", "drop"] = "pad"
-    memory_budget: int = 4 * GiB  # per rank, split evenly between DataLoader workers
-    range_bytes: int = 64 * MiB
+    memory_budget: int | str = 4 * GiB  # per rank, split evenly between DataLoader workers; "4GiB" works too
+    range_bytes: int | str = 64 * MiB
     prefetch_shards: int = 2  # shards whose footers are read ahead of their records
     fetch_threads: int = 8  # ranged GETs in flight: S3 serves one connection at ~85-90 MB/s (docs/LOADER.md)
     decode_threads: int | None = None  # 0: on the consumer's thread; None: by codec and cores (auto_decode_threads)
-    retries: int = 3  # per ranged GET, on transient store errors, with backoff
     on_corrupt: Literal["raise", "skip"] = "raise"
 
     def __post_init__(self) -> None:
+        for name in ("memory_budget", "range_bytes"):  # sizes as text ("4GiB") become bytes
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         if self.shuffle_buffer < 1:
@@ -76,8 +80,8 @@ class StreamConfig:
         for name in ("memory_budget", "range_bytes", "prefetch_shards", "fetch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if (self.decode_threads is not None and self.decode_threads < 0) or self.retries < 0:
-            raise ValueError("decode_threads and retries must be >= 0")
+        if self.decode_threads is not None and self.decode_threads < 0:
+            raise ValueError(f"decode_threads must be >= 0 (or None: by codec and cores), got {self.decode_threads}")
 
 
 def auto_decode_threads(codec: str | None, consumers: int = 1) -> int:
@@ -100,12 +104,13 @@ def _cores() -> int:
     return mine // local_ranks if mine == os.cpu_count() and local_ranks > 1 else mine
 
 
-def load_index(store: ObjectStore, threads: int = 16, update_index: bool = False) -> tuple[Manifest, list[CommittedShard]]:
-    """(the run's manifest, its committed shards sorted by id): one listing of `commits/` and the
-    commit index, plus a GET per commit the index lacks (`manifests.commit_index`; `update_index`:
-    this reader rewrites the index then)."""
+def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[CommittedShard], bytes | None]:
+    """(the run's manifest, its committed shards sorted by id, the commit index to store when the
+    stored one lacked some: `manifests.commit_index.Commits.new_index`): one listing of
+    `commits/` and the commit index, plus a GET per commit the index lacks."""
     manifest = load_manifest(store)
-    commits = read_commits(store, threads, update_index)
+    read = read_commits(store, threads)
+    commits = read.records
     root = store.uri.rstrip("/")
     foreign = sorted(c.shard for c in commits if not fits_plan(c, manifest))
     if foreign:
@@ -120,7 +125,7 @@ def load_index(store: ObjectStore, threads: int = 16, update_index: bool = False
     if not shards:
         raise ValueError(f"no committed shards with samples at {store.uri} yet: run `layertap extract` "
                          "(see `layertap status`)")
-    return manifest, sorted(shards, key=lambda s: s.shard)
+    return manifest, sorted(shards, key=lambda s: s.shard), read.new_index
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -143,20 +148,16 @@ class ShardStream(IterableDataset):
     Yields dicts: `sample_id` (str), `input_ids` (int64 [S]), `loss_mask` (uint8 [S]),
     `hidden_states` (bf16 [S, L, H]), `final_state` (bf16 [S, H], only if the run stored it) and
     `padding` (bool: a zero-weighted repeat; its loss_mask is all zeros).
+
+    `prefix`: the run (a URI, or an open store); `config`: order and fetching; `rank` and
+    `world_size`: from torch.distributed or RANK / WORLD_SIZE when not given; `store_options`:
+    for `open_store` (S3 settings). Opening reads the run and writes nothing.
     """
 
-    def __init__(self, prefix: str | ObjectStore, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
-                 shuffle_buffer: int = 64, rank: int | None = None, world_size: int | None = None,
-                 uneven: Literal["pad", "drop"] = "pad", memory_budget: int | str = 4 * GiB,
-                 range_bytes: int | str = 64 * MiB, prefetch_shards: int = 2, fetch_threads: int = 8,
-                 decode_threads: int | None = None, retries: int = 3, on_corrupt: Literal["raise", "skip"] = "raise",
-                 store_options: dict[str, Any] | None = None):
+    def __init__(self, prefix: str | ObjectStore, *, config: StreamConfig | None = None, rank: int | None = None,
+                 world_size: int | None = None, store_options: dict[str, Any] | None = None):
         super().__init__()
-        self.config = StreamConfig(
-            seed=seed, shuffle=shuffle, shuffle_buffer=shuffle_buffer, uneven=uneven,
-            memory_budget=parse_size(memory_budget), range_bytes=parse_size(range_bytes),
-            prefetch_shards=prefetch_shards, fetch_threads=fetch_threads, decode_threads=decode_threads,
-            retries=retries, on_corrupt=on_corrupt)
+        self.config = c = config or StreamConfig()
         self.rank, self.world_size = _rank_world(rank, world_size)
         if isinstance(prefix, ObjectStore):
             self._given: ObjectStore | None = prefix
@@ -166,31 +167,41 @@ class ShardStream(IterableDataset):
         self._store_options = dict(store_options or {})
         if self.uri.startswith("s3://"):
             # botocore's connection pool: load_index reads commits the index lacks on 16 threads
-            self._store_options.setdefault("threads", max(16, fetch_threads + prefetch_shards))
+            self._store_options.setdefault("threads", max(16, c.fetch_threads + c.prefetch_shards))
         self._store_cache: tuple[int, ObjectStore] | None = None
         self._pool_cache: tuple[int, BufferPool] | None = None  # GET buffers, kept from epoch to epoch
-        manifest, self.shards = load_index(self._store(), update_index=self.rank == 0)
+        manifest, self.shards, self._new_index = load_index(self._store())
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
         self.codec = manifest.config.get("codec")
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
-        self._epoch = epoch
-        self._position: list[int] | None = None  # samples yielded per worker in this epoch
-        self._next_worker = 0  # the worker whose batch comes next in the DataLoader's round-robin
+        self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven))
         self._metrics: Metrics | None = None
         if len(self.shards) < self.planned_shards:
             log.info("%s: %d of %d planned shards are committed; streaming those", self.uri, len(self.shards),
                      self.planned_shards)
+
+    def refresh_index(self) -> bool:
+        """Store the run's commit index if this stream had to read commits it lacked, so that
+        later starts (the other ranks', the next restart's) read one listing and one GET. For one
+        rank: `layertap train` calls it on rank 0 before the other ranks open the run. Best
+        effort: without write access later starts are only slower. True if written."""
+        if self._new_index is None:
+            return False
+        written = write_index(self._store(), self._new_index)
+        self._new_index = None
+        return written
 
     # -- facts -----------------------------------------------------------------------------------
 
     @property
     def num_samples(self) -> int:
         """Samples this rank yields per epoch (padding included); the same on every rank."""
-        return rank_count(self.total_samples, self.world_size, self.config.uneven)
+        return self.position.per_rank
 
     def num_batches(self, batch_size: int, num_workers: int = 0, drop_last: bool = False) -> int:
         """Batches a DataLoader over this stream yields per epoch (each worker batches its own share)."""
-        return sum(c // batch_size if drop_last else -(-c // batch_size) for c in self._counts(max(1, num_workers)))
+        counts = self.position.counts(max(1, num_workers))
+        return sum(c // batch_size if drop_last else -(-c // batch_size) for c in counts)
 
     @property
     def fingerprint(self) -> str:
@@ -208,25 +219,12 @@ class ShardStream(IterableDataset):
     @property
     def epoch(self) -> int:
         """The epoch the next iteration runs: a finished epoch counts as the start of the next."""
-        self._normalize()
-        return self._epoch
+        return self.position.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order. The current epoch continues where it is; another epoch starts
         from its beginning. Optional: a finished epoch moves on to the next by itself."""
-        if epoch != self.epoch:
-            self._epoch, self._position, self._next_worker = epoch, None, 0
-
-    def _normalize(self) -> None:
-        if self._epoch_done():
-            self._epoch, self._position, self._next_worker = self._epoch + 1, None, 0
-
-    def _counts(self, workers: int) -> list[int]:
-        return [worker_span(self.num_samples, workers, w)[1] for w in range(workers)]
-
-    def _epoch_done(self) -> bool:
-        pos = self._position
-        return pos is not None and all(p >= c for p, c in zip(pos, self._counts(len(pos))))
+        self.position.set_epoch(epoch)
 
     def _identity(self) -> dict[str, Any]:
         c = self.config
@@ -237,10 +235,8 @@ class ShardStream(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready position in the epoch. Ranks run in lockstep and every rank's workers get
         the same counts, so at a step boundary the state is the same on every rank."""
-        epoch, pos = self.epoch, self._position
         return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "rank": self.rank,
-                "epoch": epoch, "num_workers": len(pos) if pos else None, "consumed": list(pos or []),
-                "next_worker": self._next_worker}
+                **self.position.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` left off; refuse a state that would give another order."""
@@ -258,12 +254,7 @@ class ShardStream(IterableDataset):
                 + "\n  ".join(diffs)
                 + "\nconstruct the stream with the saved settings (same run and committed shards, seed, "
                   "world size, shuffle settings), or start the epoch over without load_state_dict")
-        consumed = [int(x) for x in state.get("consumed") or []]
-        next_worker = int(state.get("next_worker", 0))
-        if not 0 <= next_worker < max(1, len(consumed)):
-            raise ValueError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
-        self._epoch, self._position, self._next_worker = int(state["epoch"]), consumed or None, next_worker
-        self._normalize()
+        self.position.load_state_dict(state)
 
     # -- iteration -------------------------------------------------------------------------------
 
@@ -283,32 +274,21 @@ class ShardStream(IterableDataset):
             self._pool_cache = (pid, BufferPool())
         return self._pool_cache[1]
 
-    def _logical_worker(self, info) -> int:
-        """The share a DataLoader worker serves. A resumed loader's first worker takes the share
-        whose batch was due next, so the round-robin continues exactly where it stopped."""
-        return 0 if info is None else (info.id + self._next_worker) % info.num_workers
-
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_store_cache"] = None
         state["_pool_cache"] = None
         state["_metrics"] = None
+        state["_new_index"] = None  # one writer, in the process that opened the stream
         return state
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        worker, workers = self._logical_worker(info), (info.num_workers if info is not None else 1)
-        if info is None:
-            self._normalize()
-        if self._position is None:
-            self._position = [0] * workers
-        elif len(self._position) != workers:
-            raise ValueError(
-                f"the stream's position was saved with {len(self._position)} DataLoader worker(s) and this "
-                f"iteration runs {workers}: resume with num_workers={len(self._position)} "
-                "(or start the epoch over)")
+        workers = info.num_workers if info is not None else 1
+        worker = self.position.consumer(info.id, workers) if info is not None else 0
+        self.position.start(workers)
         c = self.config
-        plan = plan_consumer([len(s.sample_ids) for s in self.shards], seed=c.seed, epoch=self._epoch,
+        plan = plan_consumer([len(s.sample_ids) for s in self.shards], seed=c.seed, epoch=self.position.epoch,
                              shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer, rank=self.rank,
                              world=self.world_size, worker=worker, workers=workers, uneven=c.uneven)
         self._metrics = Metrics()
@@ -321,8 +301,8 @@ class ShardStream(IterableDataset):
         return self._generate(plan, worker, budget, threads)
 
     def _generate(self, plan, worker: int, budget: int, threads: int) -> Iterator[dict[str, Any]]:
-        c, metrics, position = self.config, self._metrics, self._position
-        start, m = position[worker], len(plan)
+        c, metrics, position = self.config, self._metrics, self.position
+        start, m = position.consumed(worker), len(plan)
         metrics.started = time.perf_counter()
         if start >= m:
             return
@@ -332,7 +312,7 @@ class ShardStream(IterableDataset):
             self._store(), self.shards, self.run_id,
             positions=list(zip(needed.tolist(), plan.shard[needed].tolist(), plan.record[needed].tolist())),
             budget=budget, range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
-            retries=c.retries, on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers())
+            on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers())
         decoder = ThreadPoolExecutor(threads, thread_name_prefix="layertap-decode") if threads else None
         ahead = 2 * threads
         pending: dict[int, tuple[Record, Future]] = {}
@@ -361,7 +341,7 @@ class ShardStream(IterableDataset):
             while they are read) and kept in `pending`, decoded, for their turn."""
             for u in range(t + 1, m):
                 if u not in pending:
-                    item, fut = fetcher.get(int(order[u])), None
+                    item, fut = fetcher.wait_for(int(order[u])), None
                     if isinstance(item, Record):
                         fut = Future()
                         try:
@@ -380,11 +360,11 @@ class ShardStream(IterableDataset):
                 if decoder is not None:
                     for u in range(t + 1, min(m, t + 1 + ahead)):
                         if u not in pending:
-                            rec = fetcher.take(int(order[u]))
+                            rec = fetcher.take_if_ready(int(order[u]))
                             if rec is not None:
                                 pending[u] = (rec, decoder.submit(decode, rec))
                 pos = int(order[t])
-                rec, fut = pending.pop(t) if t in pending else (fetcher.get(pos), None)
+                rec, fut = pending.pop(t) if t in pending else (fetcher.wait_for(pos), None)
                 sample = None
                 if isinstance(rec, Record):
                     sample = resolve(rec, fut)
@@ -399,7 +379,7 @@ class ShardStream(IterableDataset):
                 if pad:
                     sample = dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]), padding=True)
                     metrics.add(padding_samples=1)
-                position[worker] = t + 1
+                position.advance(worker)
                 metrics.add(samples=1)
                 yield sample
         finally:

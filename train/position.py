@@ -1,0 +1,105 @@
+"""`Position`: how far an epoch of a `ShardStream` has come, the one place its resume state lives.
+
+A stream's consumers (the stream itself when iterated in-process, or each DataLoader worker)
+yield their share of the epoch in an order computed from indices alone (`train.order`), so the
+position is the epoch, the number of samples each consumer has yielded, and whose batch the
+DataLoader's round-robin takes next. The stream counts what it yields in-process; with worker
+processes the `StreamLoader` counts, in the trainer's process, the batches it actually received
+(a worker's own copy of the stream never reports back). A finished epoch counts as the start of
+the next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from train.order import worker_span
+
+
+class Position:
+    """The epoch, samples yielded per consumer, and the consumer whose batch is due next."""
+
+    def __init__(self, per_rank: int, epoch: int = 0):
+        self.per_rank = per_rank  # samples the rank yields per epoch: each consumer's share follows
+        self._epoch = epoch
+        self._consumed: list[int] | None = None  # per consumer, this epoch; None until a pass starts
+        self._next = 0
+        self._moves = 0  # counts jumps (another epoch, a loaded state), so a pass knows it was overtaken
+
+    def counts(self, workers: int) -> list[int]:
+        """Samples each of `workers` consumers yields per epoch."""
+        return [worker_span(self.per_rank, workers, w)[1] for w in range(workers)]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass reads."""
+        self._roll()
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The current epoch continues where it is; another epoch starts from its beginning."""
+        if epoch != self.epoch:
+            self._jump(epoch, None, 0)
+
+    def start(self, workers: int) -> int:
+        """Begin or continue a pass over the current epoch with `workers` consumers; returns the
+        token `finish` takes. A position saved with another number of consumers is refused: their
+        shares, and so the order, would differ."""
+        self._roll()
+        if self._consumed is None:
+            self._consumed = [0] * workers
+        elif len(self._consumed) != workers:
+            saved = len(self._consumed)
+            raise ValueError(f"the stream's position was saved with {saved} DataLoader worker(s) and this pass runs "
+                             f"{workers}: resume with num_workers={saved if saved > 1 else 0} (or start the epoch over)")
+        return self._moves
+
+    def consumed(self, worker: int) -> int:
+        """Samples consumer `worker` has yielded in the current epoch."""
+        return self._consumed[worker] if self._consumed is not None else 0
+
+    def advance(self, worker: int, n: int = 1) -> None:
+        """Consumer `worker` yielded `n` more samples."""
+        self._consumed[worker] += n
+
+    def batch_received(self, worker: int, n: int) -> None:
+        """The trainer received a batch of `n` samples from worker `worker` (the DataLoader's
+        round-robin skips exhausted workers, so the next batch is due from the one after it)."""
+        self.advance(worker, n)
+        self._next = (worker + 1) % len(self._consumed)
+
+    def consumer(self, worker_id: int, workers: int) -> int:
+        """The share DataLoader worker `worker_id` serves: a resumed loader's first worker takes
+        the share whose batch was due next, so the round-robin continues where it stopped."""
+        return (worker_id + self._next) % workers
+
+    def finish(self, token: int) -> None:
+        """A pass that `start` began read to its end: its epoch is complete (samples a
+        `drop_last` DataLoader left out count as consumed), unless the position moved since."""
+        if token == self._moves and self._consumed is not None:
+            self._consumed = self.counts(len(self._consumed))
+            self._roll()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._roll()
+        consumed = self._consumed
+        return {"epoch": self._epoch, "num_workers": len(consumed) if consumed else None,
+                "consumed": list(consumed or []), "next_worker": self._next}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        consumed = [int(x) for x in state.get("consumed") or []]
+        next_worker = int(state.get("next_worker", 0))
+        if not 0 <= next_worker < max(1, len(consumed)):
+            raise ValueError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
+        self._jump(int(state["epoch"]), consumed or None, next_worker)
+        self._roll()
+
+    def _roll(self) -> None:
+        """A finished epoch becomes the start of the next."""
+        c = self._consumed
+        if c is not None and all(p >= n for p, n in zip(c, self.counts(len(c)))):
+            self._jump(self._epoch + 1, None, 0)
+
+    def _jump(self, epoch: int, consumed: list[int] | None, next_worker: int) -> None:
+        self._epoch, self._consumed, self._next = epoch, consumed, next_worker
+        self._moves += 1
