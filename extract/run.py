@@ -99,21 +99,20 @@ def _extract(cfg: ExtractConfig, state) -> int:
     store = open_store(cfg.out, **cfg.s3) if cfg.out.startswith("s3://") else open_store(cfg.out)
     # A missing bucket, a wrong endpoint or no credentials fail here, not after minutes of loading
     # the model (a listing: a HEAD's 404 does not say whether the bucket exists).
-    next(store.list(layout.MANIFEST), None)
+    rerun = any(o.key == layout.MANIFEST for o in store.list(layout.MANIFEST))
 
     rows, fingerprint = dataset_rows(cfg)  # a bad dataset fails before the model loads
-    # The model's config and tokenizer fix the run's identity and its plan; the weights load only
-    # once there is work, so that a rerun of a finished run answers in seconds.
-    light, _, identity = prepare_target(cfg, weights=False)
-    loaded: tuple[Target, Capture] | None = None
-    if rank == 0:
-        manifest, identity = _plan(store, cfg, identity, rows, fingerprint, light)
+    target: Target | None = None
+    if rerun:
+        # The model's config and tokenizer are enough to check this configuration against the run
+        # and to find its shards committed: the weights load only if there is work left, so that
+        # a rerun of a finished run answers in seconds.
+        _, _, identity = prepare_target(cfg, weights=False)
+        manifest, identity = resume_run(store, cfg, identity, fingerprint)
     else:
-        try:
-            manifest, identity = resume_run(store, cfg, identity, fingerprint)
-        except NoRun:  # rank 0 is planning the run: load the weights meanwhile
-            loaded = prepare_target(cfg, state.device)[:2]
-            manifest, identity = _wait_for_plan(store, cfg, identity, fingerprint)
+        target, capture, identity = prepare_target(cfg, state.device)
+        manifest, identity = _plan(store, cfg, identity, rows, fingerprint, target) if rank == 0 \
+            else _wait_for_plan(store, cfg, identity, fingerprint)
     log.info("rank %d/%d: run %s at %s, %d shards", rank, world, manifest.run_id, store.uri, len(manifest.shards))
 
     producer = Producer.current(rank)
@@ -123,7 +122,8 @@ def _extract(cfg: ExtractConfig, state) -> int:
         log.info("nothing to do: %s committed", "every shard of the run is" if cfg.shards is None
                  else f"each of the {len(queue.candidates)} shard(s) of --shards is")
         return _summary(store, cfg) if rank == 0 else 0
-    target, capture = loaded or prepare_target(cfg, state.device)[:2]
+    if target is None:
+        target, capture, _ = prepare_target(cfg, state.device)
     totals = PipelineStats()
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     committed = 0
@@ -213,7 +213,8 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
         from extract.embedded import smollm2_gguf
 
         model_path, gguf_file = smollm2_gguf()
-        log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
+        if cfg.gguf_file != gguf_file:  # said once, not again when the weights follow
+            log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
     elif os.path.exists(model_path):
         model_path = os.path.realpath(model_path)
     dtype, why = resolve_dtype(cfg.dtype, device)
@@ -300,8 +301,8 @@ def resume_run(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any],
 
 def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows, fingerprint: str,
           target: Target) -> tuple[Manifest, dict[str, Any]]:
-    """Rank 0's: the run's manifest, planned now (the dataset tokenized for its token counts) if
-    there is none yet."""
+    """Rank 0's: the run's manifest, planned now (the dataset tokenized for its token counts)
+    unless another job planned it meanwhile."""
     try:
         return resume_run(store, cfg, identity, fingerprint)
     except NoRun:

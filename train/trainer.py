@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -36,7 +35,7 @@ from train.drafter import DFlashDrafter, DrafterConfig, default_config, num_para
 from train.batch import collate
 from train.loader import Prefetcher, StreamLoader
 from train.objective import dflash_loss
-from train.stream import ShardStream
+from train.stream import ShardStream, StreamConfig
 from train.target_head import load_target_head
 
 log = logging.getLogger(__name__)
@@ -133,6 +132,15 @@ def train(cfg: TrainConfig) -> int:
                          "that run, or choose another --out")
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
+    # The run's committed shards before the target: a run with none fails in seconds, not after
+    # the target head has loaded.
+    with acc.main_process_first():  # rank 0 refreshes the run's commit index; the others then read it
+        stream = ShardStream(cfg.data, config=StreamConfig(seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer,
+                                                           memory_budget=cfg.memory_budget,
+                                                           fetch_threads=cfg.fetch_threads),
+                             rank=rank, world_size=world, store_options=cfg.s3)
+        if rank == 0:
+            stream.refresh_index()
     model = build_drafter(cfg, run.config, ckpt.state["drafter"] if ckpt else None)
     if precision == "bf16":
         model.borrowed_to(torch.bfloat16)
@@ -142,9 +150,6 @@ def train(cfg: TrainConfig) -> int:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda)
     ddp_model, optimizer = acc.prepare(model, optimizer)
 
-    with acc.main_process_first():  # rank 0 refreshes the run's commit index; the others then read it
-        stream = ShardStream(cfg.data, seed=cfg.seed, rank=rank, world_size=world, shuffle_buffer=cfg.shuffle_buffer,
-                             memory_budget=cfg.memory_budget, fetch_threads=cfg.fetch_threads, store_options=cfg.s3)
     # collate writes the states into pinned memory where it runs in this process (no workers)
     loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                           collate_fn=partial(collate, pin_memory=cuda and cfg.num_workers == 0))
@@ -312,7 +317,7 @@ def _metrics_until(out, step: int) -> list[str]:
 
 
 def _progress(rank: int, start: int, total: int):
-    from tqdm import tqdm
+    """Rank 0's bar (logging above it), or a log line every 30 s when stderr is not a terminal."""
+    from extract.console import progress
 
-    return tqdm(total=total, initial=start, desc="train", unit="step", disable=rank != 0 or None,
-                file=sys.stderr, dynamic_ncols=True)
+    return progress(total, initial=start, desc="train", unit="step", enabled=rank == 0)
