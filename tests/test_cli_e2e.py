@@ -19,7 +19,7 @@ SCRIPT = REPO / "bench" / "cli_e2e.py"
 def test_cli_end_to_end_on_a_hybrid_target(tmp_path, s3_endpoint):
     prepared = tmp_path / "e2e"
     p = subprocess.run([sys.executable, str(SCRIPT), "--prepare", str(prepared), "--hidden", "64",
-                        "--conversations", "16", "--held-out", "2"], capture_output=True, text=True, timeout=300)
+                        "--conversations", "16", "--held-out", "1"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     size = sum(f.stat().st_size for f in prepared.rglob("*") if f.is_file())
     assert size < 8e6  # it is carried to the GPU host
@@ -28,7 +28,7 @@ def test_cli_end_to_end_on_a_hybrid_target(tmp_path, s3_endpoint):
     out = tmp_path / "out" / "e2e.json"
     p = subprocess.run([sys.executable, str(SCRIPT), str(prepared), "--json", str(out), "--endpoint", s3_endpoint,
                         "--max-length", "256", "--shard-bytes", "256KB", "--steps", "8", "--batch-size", "2",
-                        "--max-anchors", "16", "--prompts", "2", "--max-new-tokens", "16"],
+                        "--max-anchors", "16", "--prompts", "1", "--max-new-tokens", "8"],
                        capture_output=True, text=True, timeout=600)
     report = json.loads(out.read_text())
     steps = {s["name"]: s for s in report["steps"]}
