@@ -39,8 +39,11 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run,
     and `ConfigMismatch` if `settings` (a subset of the manifest's config) differ from the run's:
     every task would be refused, so better now than in the queue."""
+    from extract.config import as_run_recorded  # the same tolerance as the extractor's own check
+
     manifest = load_manifest(store)
-    diffs = [f"{k}: run has {manifest.config.get(k)!r}, now {v!r}" for k, v in (settings or {}).items()
+    settings = as_run_recorded(manifest.config, settings or {})
+    diffs = [f"{k}: run has {manifest.config.get(k)!r}, now {v!r}" for k, v in settings.items()
              if manifest.config.get(k) != v]
     if diffs:
         raise ConfigMismatch(f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)
