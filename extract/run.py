@@ -90,8 +90,8 @@ def _stopped(e: Preempted, rank: int) -> None:
     if rank == 0 and isinstance(e, Interrupted):
         argv = sys.argv[1:]
         again = f":\n  layertap {shlex.join(argv)}" if "extract" in argv else ""
-        print(f"\ninterrupted: committed shards are kept and the shard in progress was released; run the "
-              f"same command again to resume{again}", file=sys.stderr)
+        print(f"\ninterrupted: committed shards are kept, a shard in progress was released; run the same "
+              f"command again to resume{again}", file=sys.stderr)
 
 
 def _extract(cfg: ExtractConfig, state) -> int:

@@ -117,8 +117,8 @@ def test_ctrl_c_releases_the_shard_as_interrupted_and_says_how_to_resume(model, 
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert "interrupted: committed shards are kept and the shard in progress was released; run the same " \
-           "command again to resume:\n  layertap extract --model " in err
+    assert "interrupted: committed shards are kept, a shard in progress was released; run the same command " \
+           "again to resume:\n  layertap extract --model " in err
 
     failures = [decode_failure(store.get(o.key), o.key) for o in store.list(layout.FAILURES)]
     assert [f.shard for f in failures] == [1]
