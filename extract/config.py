@@ -89,7 +89,9 @@ class ExtractConfig:
             self.limit = QUICKSTART_LIMIT
 
     def identity(self, model_info: dict[str, Any], layers: list[int]) -> dict[str, Any]:
-        """What determines the stored output: a rerun must match it to resume the run."""
+        """What determines the stored output: a rerun must match it (`as_run_recorded`) to resume
+        the run. `model` is a local folder's real path; `dtype` the one asked for: "auto" lets each
+        worker choose for its device, and its shards' HEADs say which (`extra.forward_dtype`)."""
         return {
             "model": model_info["model"],
             "gguf_file": self.gguf_file,
