@@ -3,9 +3,17 @@
 # each machine start costs one or two of them. Each step has its own time limit and log, so one
 # failing step still leaves the others' numbers.
 #
-#   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: all steps)
+#   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: e2e ref extract train compile)
 #
-# What it needs beside the repo (made by bench/device_prep.sh here; carry both folders):
+# As the device tool's command (carry [".whl", ".devcache/e2e"], timeout_s 600; the default steps
+# take ~8 min on an H200, compiles included; a call brings back at most 8 files, hence the archive):
+#   DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc
+# (the archive of every log and JSON is rewritten after each step, so a run cut at the call's
+# limit still brings back what finished); then here: tar xzf dc.tgz, and record the JSONs (docs/bench/gpu_extract.json, gpu_train.json) and
+# numbers (docs/benchmarks.md; bench/gpu_train_cli.py and bench/cli_e2e.py --report --write-docs).
+#
+# What it needs beside the repo (made by bench/device_prep.sh here; carry ".whl" and ".devcache/e2e",
+# or ".devcache" whole for the loader steps: the 64 MiB a call carries fit the first pair, not all):
 #   .whl/       wheels the GPU image lacks (boto3, moto[server], zstandard, transformers, ...) for its
 #               Python; .whl/fla/ holds flash-linear-attention, installed apart (/tmp/fla) so that
 #               the reference step runs on transformers' torch fallback
@@ -65,6 +73,13 @@ step() {
     local t0=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     echo "step $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$out/env.txt"
+    archive
+}
+
+archive() {
+    [ -n "${DEVICE_CHECKS_ARCHIVE:-}" ] || return 0
+    local tmp="$DEVICE_CHECKS_ARCHIVE.$BASHPID"
+    tar czf "$tmp" -C "$(dirname "$out")" "$(basename "$out")" && mv -f "$tmp" "$DEVICE_CHECKS_ARCHIVE"
 }
 
 # e2e beside ref: it is functional (a tiny model), ref's speed is only the known fallback's
@@ -91,3 +106,4 @@ step malloc 300 bash -c 'python3 bench/page_faults.py --label gpu-host --write-d
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
 step step 150 python3 bench/gpu_train.py --json "$out/gpu_train_step.json"
 cp docs/benchmarks.md "$out/benchmarks.md"
+archive

@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     # headers, the access key id and a session token among them, into consoles and log files.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "httpx"):
         logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from extract.console import quiet_library_bars
+
+    quiet_library_bars()  # off a terminal (a Slurm log), no library bars in any command
     module = importlib.import_module(args._module)
     try:
         return int(getattr(module, f"run_{args.command}")(args) or 0)

@@ -134,8 +134,8 @@ def _config(args: argparse.Namespace, out: str):
     from extract.config import ExtractConfig, load_config, parse_ids
 
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ExtractConfig)}
-    overrides.update(out=out, layers=parse_ids(args.layers) if args.layers else None,
-                     shards=parse_ids(args.shards) if args.shards else None)
+    overrides.update(out=out, layers=parse_ids(args.layers) if args.layers is not None else None,
+                     shards=parse_ids(args.shards) if args.shards is not None else None)
     return load_config(args.config, overrides)
 
 
@@ -218,7 +218,7 @@ def _stated_shape(args: argparse.Namespace, final_state: str) -> dict[str, Any]:
         raise ValueError("--num-layers needs --hidden-size too (or give --model)")
     from extract.config import parse_ids
 
-    layers = parse_ids(args.layers) if args.layers else None
+    layers = parse_ids(args.layers) if args.layers is not None else None
     n = args.num_layers
     if layers is None:
         if n is None:

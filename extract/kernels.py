@@ -17,6 +17,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,51 @@ def use_fla_short_conv(model: nn.Module) -> list[str]:
         log.info("kernels: causal_conv1d_fn routed to flash-linear-attention's Triton kernel in %s",
                  ", ".join(patched))
     return patched
+
+
+def keep_cpu_on_reference(model: nn.Module) -> list[str]:
+    """Send CPU tensors to transformers' reference code where it chose a GPU-only kernel.
+
+    transformers picks a layer's kernel once, at import, whatever device the model is later put
+    on: on a GPU machine with flash-linear-attention installed, a hybrid target on the CPU (an
+    `estimate --measure` there, a test) would call Triton kernels with CPU tensors and fail. Each
+    such function is replaced by one that takes the reference for CPU tensors and the fast kernel
+    otherwise. Returns the functions rerouted."""
+    done = []
+    for layer in _layers(model):
+        for module in layer.modules():
+            mod = sys.modules.get(type(module).__module__)
+            try:
+                referenced = inspect.getclosurevars(inspect.unwrap(type(module).forward)).globals
+            except (AttributeError, TypeError, ValueError):
+                continue
+            for name, value in referenced.items():
+                if mod is None or getattr(mod, name, None) is not value or not inspect.isfunction(value):
+                    continue
+                try:
+                    names = inspect.getclosurevars(value).nonlocals
+                except (TypeError, ValueError):
+                    continue
+                if not names.get("is_new_implementation") or not callable(names.get("torch_function")):
+                    continue
+                setattr(mod, name, _by_device(value, names["torch_function"], KernelChoice(
+                    "", str(names["func_name"]), str(names.get("package", "?")), True,
+                    f"{getattr(names.get('implementation'), '__module__', '?')}; torch reference on CPU")))
+                done.append(f"{mod.__name__}.{name}")
+    return done
+
+
+def _by_device(fast, reference, choice: KernelChoice):
+    accepted = set(inspect.signature(reference).parameters)
+
+    def dispatch(*args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and not first.is_cuda:
+            return reference(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+        return fast(*args, **kwargs)
+
+    dispatch._layertap_kernel = (choice.function, choice.package, choice.source)
+    return dispatch
 
 
 def _fla_conv_adapter(fla_conv, fallback):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from extract.kernels import log_kernel_paths, use_fla_short_conv
+from extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
 
 LAYER_CONVENTION = "decoder_output: layer k = HF hidden_states[k+1]"
 FinalState = Literal["none", "prenorm", "postnorm"]
@@ -93,6 +93,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
     model.to(device if weights else "meta").eval()
     model.requires_grad_(False)
     if weights:
+        keep_cpu_on_reference(model)
         if str(device).startswith("cuda"):
             use_fla_short_conv(model)
         log_kernel_paths(model, str(device))

@@ -335,7 +335,7 @@ def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) ->
 
 
 class Progress:
-    """Rank 0's progress over the run's samples: samples/s, tokens/s, MB/s stored, ratio, ETA
+    """Rank 0's progress over the run's samples: samples/s, tokens/s, MiB/s stored, ratio, ETA
     (a bar on a terminal, a log line every 30 s otherwise; see `extract.console`).
 
     With several ranks, rank 0 counts its own records as they are written and, every
@@ -369,7 +369,7 @@ class Progress:
         self.in_shard += 1
         dt = max(time.time() - self.t0, 1e-6)
         who = "rank 0: " if self.world > 1 else ""
-        self.bar.set_postfix_str(f"{who}{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 1e6:.1f} MB/s, "
+        self.bar.set_postfix_str(f"{who}{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 2**20:.1f} MiB/s, "
                                  f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
         self.bar.update(1)
         if self.world > 1 and time.time() - self.synced > self.SYNC_S:

@@ -93,7 +93,8 @@ def format_status(s: dict) -> str:
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
-        f"{s['shards_failed']} failed, {s['shards_pending']} pending",
+        f"{s['shards_failed']} failed, {s['shards_pending']} pending"
+        + (f", {s['shards_interrupted']} interrupted" if s.get("shards_interrupted") else ""),
         f"  samples  {s['samples_done']}/{s['samples_total']} stored"
         + (f", {s['samples_skipped']} skipped (nothing to train on, e.g. no assistant token within "
            "max length; each reason is in the commit records)" if s["samples_skipped"] else ""),
@@ -110,6 +111,9 @@ def format_status(s: dict) -> str:
     for f in s["failed"]:
         where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
         lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {where}): {f['error']}")
+    for f in s.get("interrupted", []):
+        lines.append(f"  INTERRUPTED shard {f['shard']} (stopped on host {f.get('host')}: {f['error']}); a rerun "
+                     "finishes it")
     if "shards" in s:
         lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  object")
         for e in s["shards"]:

@@ -47,8 +47,12 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     end = st.now if counts["running"] or last is None else last
     rate = recent_rate(st.commit_times, {s: t["tokens"] for s, t in tallies.items()}, end)
     complete = counts["done"] == len(manifest.shards) and not st.stale_commits
-    failed = [_failure_summary(store, st, s) for s in failed_ids]
-    listed = {"shards": _shard_list(store, st, tallies, failed)} if shards else {}
+    summaries = [_failure_summary(store, st, s) for s in failed_ids]
+    # A shard whose last attempt was stopped (preemption, Ctrl-C) did not fail: it waits for a rerun.
+    failed = [f for f in summaries if not f.get("preempted")]
+    interrupted = [f for f in summaries if f.get("preempted")]
+    counts["failed"] -= len(interrupted)
+    listed = {"shards": _shard_list(store, st, tallies, summaries)} if shards else {}
     return {
         "prefix": store.uri,
         "run_id": manifest.run_id,
@@ -59,6 +63,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "shards_done": counts["done"],
         "shards_running": counts["running"],
         "shards_failed": counts["failed"],
+        "shards_interrupted": len(interrupted),
         "shards_pending": counts["pending"],
         "samples_total": manifest.num_samples,
         "samples_done": samples,
@@ -77,6 +82,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "eta_s": round(remaining / rate) if rate and remaining and counts["running"] else None,
         "complete": complete,
         "failed": failed,
+        "interrupted": interrupted,
         "stale_commits": st.stale_commits,
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
         **listed,
@@ -88,9 +94,11 @@ def _shard_list(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, i
     """Every shard: its state and, when committed, its data object and numbers. The object is the
     listing's only one for the shard, or (crashed attempts left others) the one its commit names."""
     errors = {f["shard"]: f["error"] for f in failed}
+    stopped = {f["shard"] for f in failed if f.get("preempted")}
     out = []
     for plan in st.manifest.shards:
-        entry: dict[str, Any] = {"shard": plan.id, "state": st.state(plan.id), "object": None}
+        state = "stopped" if plan.id in stopped and st.state(plan.id) == "failed" else st.state(plan.id)
+        entry: dict[str, Any] = {"shard": plan.id, "state": state, "object": None}
         if plan.id in st.committed:
             keys = st.data_objects.get(plan.id, [])
             key = keys[0] if len(keys) == 1 else _committed_key(store, plan.id)

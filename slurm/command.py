@@ -199,8 +199,8 @@ def _extract_config(args: argparse.Namespace):
 
     fields = {f.name for f in dataclasses.fields(ExtractConfig)} - {"layers", "shards"}
     overrides = {a.dest: getattr(args, a.dest) for a in args._tool_actions if a.dest in fields}
-    overrides["layers"] = parse_ids(args.layers) if args.layers else None
-    overrides["shards"] = parse_ids(args.shards) if args.shards else None
+    overrides["layers"] = parse_ids(args.layers) if args.layers is not None else None
+    overrides["shards"] = parse_ids(args.shards) if args.shards is not None else None
     return load_config(args.config, overrides)
 
 

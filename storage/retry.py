@@ -8,8 +8,10 @@ above the store retries: a caller that gets a `TransientStoreError` has seen it 
 - Transient (`TransientStoreError`): 5xx, throttling, timeouts, connections reset, bodies cut
   short. A busy or briefly failing server: up to `attempts` tries.
 - Unreachable (`EndpointUnreachable`): no connection could be made at all (refused, unknown host).
-  A server that is down or an endpoint URL that is wrong: `unreachable_attempts` quick tries, so
-  the user hears about it within a few seconds instead of after half a minute of backoff.
+  Before the endpoint ever answered, a wrong URL or a server that is down: `unreachable_attempts`
+  quick tries, so the user hears about it within a few seconds instead of after half a minute of
+  backoff. Once it has answered (`reached`), a refusal is a gateway restarting under a running
+  job: as many tries as a transient failure, so a long extraction or training rides it out.
 - Anything else (missing object, access denied, a bad request): raised at once.
 """
 
@@ -40,14 +42,14 @@ class RetryPolicy:
             raise ValueError(f"attempts and unreachable_attempts must be >= 1, got {self.attempts} and "
                              f"{self.unreachable_attempts}")
 
-    def limit(self, error: StoreError) -> int:
-        """How many tries `error` is worth in all."""
-        if isinstance(error, EndpointUnreachable):
+    def limit(self, error: StoreError, reached: bool = False) -> int:
+        """How many tries `error` is worth in all; `reached`: the endpoint has answered before."""
+        if isinstance(error, EndpointUnreachable) and not reached:
             return self.unreachable_attempts
         return self.attempts if isinstance(error, TransientStoreError) else 1
 
     def call(self, fn: Callable[[], T], translate: Callable[[Exception], StoreError | None],
-             on_retry: Callable[[], None] | None = None) -> T:
+             on_retry: Callable[[], None] | None = None, reached: bool = False) -> T:
         """`fn()`, tried again while the `StoreError` it raises (or `translate` makes of what it
         raises) is worth it. `translate` returns None for exceptions that are not store failures
         (bugs): they propagate unchanged. The error raised at the end says how many tries it took."""
@@ -60,11 +62,11 @@ class RetryPolicy:
                 error = e if isinstance(e, StoreError) else translate(e)
                 if error is None:
                     raise
-                if attempt >= self.limit(error):
+                if attempt >= self.limit(error, reached):
                     if attempt > 1:
                         error = type(error)(f"{error} (tried {attempt} times)")
                     raise error from None
-            log.debug("retrying after %s (try %d of %d)", error, attempt, self.limit(error))
+            log.debug("retrying after %s (try %d of %d)", error, attempt, self.limit(error, reached))
             if on_retry is not None:
                 on_retry()
             time.sleep(random.uniform(0, min(self.cap_s, self.base_s * 2**attempt)))

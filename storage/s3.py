@@ -81,7 +81,7 @@ class S3Options:
     # Buffers per writer, the one being filled included: up to K-1 parts upload at once.
     max_parts_in_memory: int = 9
     max_attempts: int = 8  # tries of a request that fails transiently (5xx, throttling, timeouts, resets)
-    unreachable_attempts: int = 3  # tries while the endpoint refuses connections or does not resolve
+    unreachable_attempts: int = 3  # tries while the endpoint refuses connections or does not resolve, until it first answers
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
 
@@ -112,6 +112,7 @@ class S3Store(ObjectStore):
         self.options = options or S3Options()
         o = self.options
         self._retry = RetryPolicy(attempts=o.max_attempts, unreachable_attempts=o.unreachable_attempts)
+        self._reached = False  # has the endpoint answered yet (see storage.retry)
         self.retries = 0
         self._retries_lock = threading.Lock()
         config = Config(
@@ -152,7 +153,9 @@ class S3Store(ObjectStore):
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
         """`fn()` (requests, and reading their bodies) under the store's retry policy; botocore's
         exceptions come out as `StoreError`s that name the key and the fix."""
-        return self._retry.call(fn, lambda e: self._error(e, what, key), self._count_retry)
+        result = self._retry.call(fn, lambda e: self._error(e, what, key), self._count_retry, self._reached)
+        self._reached = True  # from now on a refused connection is a restart to ride out, not a wrong URL
+        return result
 
     def _count_retry(self) -> None:
         with self._retries_lock:

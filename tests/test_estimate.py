@@ -210,3 +210,10 @@ def test_measured_estimate_is_within_5_percent_of_the_extraction(run, capsys):
     assert stated["inputs"]["storage"]["ratio"] == 2 and stated["inputs"]["throughput"]["tokens_per_s_per_gpu"] == 50
     assert "20 evenly spaced of 61 rows" in stated["inputs"]["sources"]["data"]
     assert abs(stated["samples"] - 60) <= 3
+
+
+def test_empty_id_lists_are_refused_not_defaulted(capsys):
+    """`--layers ""` (a shell variable left empty) must not quietly become the default layers, in
+    `estimate` as in `extract` and `submit`."""
+    assert cli(["estimate", "--layers", "", "--limit", "5"]) == 2
+    assert "no capture layers given" in capsys.readouterr().err

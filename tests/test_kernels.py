@@ -30,3 +30,54 @@ def test_extract_on_a_hybrid_target_logs_its_kernel_path(tmp_path):
     assert "linear_attention x3: " in lines[0] and "chunk_gated_delta_rule=" in lines[0]
     assert "full_attention x1: attention=sdpa" in lines[0]
     assert p.stderr.index("kernels:") < p.stderr.index("committed")
+
+
+def _fla_site() -> Path:
+    """flash-linear-attention and Triton installed apart (as `layertap[gpu]` brings them on a GPU
+    machine), cached between runs: with them importable transformers picks fla's Triton kernels."""
+    site = Path(os.environ.get("LAYERTAP_TEST_CACHE", Path.home() / ".cache" / "layertap-tests")) / "fla-triton-site"
+    if not all((site / name).is_dir() for name in ("fla", "triton", "einops")):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                        "flash-linear-attention==0.6.0", "fla-core==0.6.0", "triton==3.6.0", "einops==0.8.2"], check=True, timeout=600)
+    return site
+
+
+FORWARD = """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO)
+from extract.model import load_target, Capture
+from transformers import AutoModelForCausalLM
+folder, out, how = sys.argv[1:]
+if how == "plain":  # transformers alone: the kernels it picked at import, on CPU tensors
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+else:
+    model = load_target(folder, dtype=torch.float32).model
+capture = Capture(model, [1, 3])
+ids = torch.arange(1, 41).reshape(2, 20) % 97
+hidden, _ = capture(ids, torch.ones_like(ids))
+torch.save(hidden, out)
+"""
+
+
+def test_a_cpu_forward_on_a_machine_with_fla_takes_the_reference_kernels(tmp_path):
+    """On a GPU machine with the fast kernels installed, transformers sends every hybrid forward
+    to Triton, CPU tensors too (which fails). load_target routes CPU tensors to the reference:
+    the same states as on a machine without fla."""
+    model = tiny_model_dir(tmp_path, "qwen3_5_text", 4)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def forward(how: str, with_fla: bool) -> subprocess.CompletedProcess:
+        path = str(REPO) + (os.pathsep + str(_fla_site()) if with_fla else "")
+        return subprocess.run([sys.executable, "-c", FORWARD, model, str(tmp_path / f"{how}-{with_fla}.pt"), how],
+                              capture_output=True, text=True, timeout=600, env=dict(env, PYTHONPATH=path))
+
+    plain = forward("plain", with_fla=True)
+    assert plain.returncode != 0, "transformers ran fla on CPU tensors: this test no longer exercises the fix"
+    ours = forward("layertap", with_fla=True)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert "chunk_gated_delta_rule=fast (fla" in ours.stderr and "torch reference on CPU" in ours.stderr
+    reference = forward("layertap", with_fla=False)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    import torch
+
+    assert torch.equal(torch.load(tmp_path / "layertap-True.pt"), torch.load(tmp_path / "layertap-False.pt"))

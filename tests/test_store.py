@@ -327,6 +327,31 @@ def test_wrong_endpoint_is_a_clear_error_after_a_few_quick_tries(monkeypatch):
     assert store.options.max_attempts == 8
 
 
+def test_an_endpoint_that_answered_before_is_given_the_full_retries_when_it_refuses():
+    """A gateway restarting under a running job refuses connections for a while: once the store
+    has reached the endpoint, refusals get the transient budget, not the 3 quick tries that tell a
+    user their URL is wrong."""
+    import boto3
+
+    from s3server import start_moto_server
+
+    proc, endpoint = start_moto_server()
+    try:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="layertap-restart")
+        store = open_store("s3://layertap-restart/p", endpoint_url=endpoint, max_attempts=5, connect_timeout_s=1)
+        store.put("k", b"v")
+        assert store.get("k") == b"v"
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(EndpointUnreachable, match="tried 5 times"):  # the server is gone: refused
+        store.get("k")
+    assert store.retries == 4
+    fresh = open_store("s3://layertap-restart/p", endpoint_url=endpoint, max_attempts=5, connect_timeout_s=1)
+    with pytest.raises(EndpointUnreachable, match="tried 3 times"):  # never answered: a wrong URL
+        fresh.get("k")
+
+
 @pytest.mark.parametrize("faults", [("503",), ("500",), ("reset",)])
 def test_transient_failures_are_retried_in_the_store_alone(s3_bucket, s3_endpoint, faults):
     """Throttling, server errors and resets: the store's retry loop tries `max_attempts` times in

@@ -125,6 +125,12 @@ def test_ctrl_c_releases_the_shard_as_interrupted_and_says_how_to_resume(model, 
     for f in failures:
         assert f.preempted and (f.error_type, f.error) == ("Interrupted", "Ctrl-C (SIGINT)")
     assert not list(store.list(layout.LEASES)) and store.list_pending_uploads() == []
+    # `status` tells an interrupted shard from a failed one: not a failure (exit 3, not 4)
+    status = subprocess.run([sys.executable, "-m", "extract.cli", "status", str(out)], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert "0 failed" in status.stdout and "1 interrupted" in status.stdout and "FAILED" not in status.stdout
+    assert "INTERRUPTED shard 1" in status.stdout
 
     assert subprocess.run(cmd, capture_output=True, env=env, timeout=600).returncode == 0
     ids = committed_ids(store)

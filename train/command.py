@@ -60,7 +60,10 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="evaluate the first N prompts (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
-                   help="the target's dtype (default float32)")
+                   help="the target's dtype (default float32, unlike extract's: the check against plain greedy "
+                        "decoding compares exact choices, and in bfloat16 a near-tie between two tokens can come "
+                        "out differently in a multi-token verify forward than in one-token decoding)")
+    p.add_argument("--device", help="where the target and drafter run (default: cuda when there is one, else cpu)")
     p.add_argument("--no-baseline", action="store_true", help="skip the untrained drafter's tau")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -71,7 +74,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     try:
         report = evaluate(args.drafter, args.model, args.prompts, gguf_file=args.gguf_file, limit=args.limit,
-                          max_new_tokens=args.max_new_tokens, dtype=args.dtype, baseline=not args.no_baseline)
+                          max_new_tokens=args.max_new_tokens, dtype=args.dtype, baseline=not args.no_baseline,
+                          device=args.device)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

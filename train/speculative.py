@@ -101,12 +101,13 @@ class TargetRunner:
 
     @torch.inference_mode()
     def step(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `ids` at the next positions: greedy next-token choices [n] and states [n, L, H] (bf16-rounded)."""
+        """Run `ids` at the next positions: greedy next-token choices [n] (on the host) and states
+        [n, L, H] (bf16-rounded, fp32, on the model's device, where the drafter reads them)."""
         x = torch.tensor([ids], device=self._device)
         out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: self.cache})
         self.length += len(ids)
         states = torch.stack([self._captured[k][0] for k in self.layers], dim=1)
-        return out.logits[0].argmax(-1).cpu(), states.to(torch.bfloat16).float().cpu()
+        return out.logits[0].argmax(-1).cpu(), states.to(torch.bfloat16).float()
 
     def verify(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """`step(ids)` that `keep` can take back to any prefix of `ids`."""
@@ -221,7 +222,8 @@ def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: lis
     while len(result.tokens) < max_new and result.tokens[-1] not in eos:
         anchor = result.tokens[-1]
         a = context.shape[0]  # the anchor's position: every earlier position has target states
-        hidden = drafter(context[None], torch.tensor([[a]]), torch.tensor([[anchor]]))
+        hidden = drafter(context[None], torch.tensor([[a]], device=context.device),
+                         torch.tensor([[anchor]], device=context.device))
         draft = drafter.logits(hidden[0, 0, 1:]).argmax(-1).tolist()
         choice, states = target.verify([anchor, *draft])
         m = 0
@@ -302,16 +304,18 @@ def _tau(runs: list[Decoded], block_size: int) -> tuple[float, list[float]]:
 
 def evaluate(drafter_uri: str, model: str, prompts_path: str, *, gguf_file: str | None = None, limit: int | None = None,
              max_new_tokens: int = 64, dtype: str = "float32", baseline: bool = True,
-             max_prompt_tokens: int = 1024) -> dict[str, Any]:
-    """tau of the drafter (and of an untrained one) on held-out prompts, and the greedy check."""
+             max_prompt_tokens: int = 1024, device: str | None = None) -> dict[str, Any]:
+    """tau of the drafter (and of an untrained one) on held-out prompts, and the greedy check.
+    `device`: where both models run; None takes the GPU when there is one."""
     t0 = time.time()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config, weights = load_drafter_files(open_store(drafter_uri))
-    target = load_target(model, gguf_file, dtype=getattr(torch, dtype))
+    target = load_target(model, gguf_file, dtype=getattr(torch, dtype), device=device)
     embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())
     drafter = DFlashDrafter(config, head)
     drafter.load_trainable(weights, drafter_uri)
-    drafter.eval()
+    drafter.to(device).eval()
     runner = TargetRunner(target.model, config.capture_layers)
     prompts, skipped = load_prompts(prompts_path, target.tokenizer, limit, max_prompt_tokens)
     eos = _eos_ids(target.model, target.tokenizer)
@@ -320,7 +324,7 @@ def evaluate(drafter_uri: str, model: str, prompts_path: str, *, gguf_file: str 
 
     if baseline:
         torch.manual_seed(0)  # the same initial weights `layertap train` starts from
-        fresh = DFlashDrafter(config, head).eval()
+        fresh = DFlashDrafter(config, head).to(device).eval()
 
     trained, mismatches, untrained = [], [], []
     spec_s, rollback_s = 0.0, dict.fromkeys(runner.seconds, 0.0)  # the trained drafter's decoding only
