@@ -15,6 +15,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from storage.units import duration
+
 log = logging.getLogger("layertap.progress")
 
 PLAIN_EVERY_S = 30.0
@@ -61,20 +63,10 @@ def quiet_library_bars() -> None:
     std.tqdm._layertap_quiet = True
 
 
-def duration(seconds: float) -> str:
-    """'42s', '3m05s', '2h07m'."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
 class PlainProgress:
     """Progress as a log line every `every_s` seconds and one at the end, for logs that are files.
 
-    'extract: 1,200/5,000 samples (24%), 41.3 samples/s, ETA 1m32s; 3,100 tok/s, 12.0 MB/s'
+    'extract: 1,200/5,000 samples (24%), 41.3 samples/s, ETA 92 s; 3,100 tok/s, 12.0 MiB/s'
     """
 
     def __init__(self, total: int, *, desc: str, unit: str, initial: int = 0, every_s: float = PLAIN_EVERY_S):

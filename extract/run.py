@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from extract.config import ExtractConfig, as_run_recorded, resolve_dtype
-from extract.console import duration, progress, quiet_library_bars
+from extract.console import progress, quiet_library_bars
+from storage.units import duration
 from extract.estimate import fmt_bytes, planned_bytes_per_token
 from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from extract.model import Capture, Target, default_layers, load_target

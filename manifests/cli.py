@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from storage.units import duration, size
+
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
 EXIT_COMPLETE, EXIT_PROBLEM, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 2, 3, 4
@@ -66,27 +68,6 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"error: {s['problem']}", file=sys.stderr)
         return EXIT_PROBLEM
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] else EXIT_INCOMPLETE
-
-
-def size(n: float) -> str:
-    """Binary units, as everywhere layertap shows a size: '0 B', '812 KiB', '12.3 MiB', '1.50 GiB'."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            value = n / scale
-            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
-    return f"{n:.0f} B"
-
-
-def duration(seconds: float) -> str:
-    """'45 s', '12 min', '3 h 05 min', '2 d 4 h'."""
-    s = int(round(seconds))
-    if s < 90:
-        return f"{s} s"
-    if s < 5400:
-        return f"{round(s / 60)} min"
-    if s < 2 * 86400:
-        return f"{s // 3600} h {s % 3600 // 60:02d} min"
-    return f"{s // 86400} d {s % 86400 // 3600} h"
 
 
 def format_status(s: dict) -> str:

@@ -28,7 +28,7 @@ def add_delete(p: argparse.ArgumentParser) -> None:
 
 
 def run_delete(args: argparse.Namespace) -> int:
-    from manifests.cli import size
+    from storage.units import size
     from manifests.manifest import ManifestError
     from storage.store import StoreError, open_store
 

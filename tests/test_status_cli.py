@@ -12,7 +12,7 @@ import pytest
 import fake_worker
 from extract.cli import main as cli
 from manifests import layout
-from manifests.cli import size
+from storage.units import size
 from manifests.status import recent_rate
 from storage.store import open_store
 

@@ -1,0 +1,29 @@
+"""How layertap shows sizes and durations to people: one rule for every command.
+
+Sizes are binary (KiB, MiB, GiB, TiB = 2^10, 2^20, 2^30, 2^40 bytes); durations read as speech.
+Here, in the lowest room, so that `status` (manifests/), the progress lines (extract/) and
+anything above them say "12.3 MiB" and "3 h 05 min" the same way.
+"""
+
+from __future__ import annotations
+
+
+def size(n: float) -> str:
+    """Binary units, as everywhere layertap shows a size: '0 B', '812 KiB', '12.3 MiB', '1.50 GiB'."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def duration(seconds: float) -> str:
+    """'45 s', '12 min', '3 h 05 min', '2 d 4 h'."""
+    s = int(round(seconds))
+    if s < 90:
+        return f"{s} s"
+    if s < 5400:
+        return f"{round(s / 60)} min"
+    if s < 2 * 86400:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"
