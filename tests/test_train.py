@@ -218,6 +218,8 @@ def test_speculative_decoding_equals_greedy_and_counts_acceptance(target):
 def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "120", "--save-every", "50", *FAST) == 0
+    hint = capsys.readouterr().out  # the next command, whole: eval finds the target the drafter records
+    assert f"layertap eval --drafter {out} --prompts HELD_OUT.jsonl" in hint
     m = metrics(out)
     assert [r["step"] for r in m] == list(range(1, 121))
     first, last = sum(r["loss"] for r in m[:10]) / 10, sum(r["loss"] for r in m[-10:]) / 10
@@ -238,8 +240,8 @@ def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, t
                                                 {"role": "assistant", "content": "dropped"}]}) + "\n"
                        + json.dumps({"prompt": "the quick brown fox"}) + "\n")
     capsys.readouterr()
-    assert cli(["eval", "--drafter", out, "--model", target, "--prompts", str(prompts), "--max-new-tokens", "12",
-                "--json"]) == 0
+    assert cli(["eval", "--drafter", out, "--prompts", str(prompts), "--max-new-tokens", "12",
+                "--json"]) == 0  # no --model: the one the drafter records
     report = json.loads(capsys.readouterr().out)
     assert report["matches_greedy"] is True and report["prompts"] == 2
     assert 1.0 <= report["tau"] <= 4 and 1.0 <= report["tau_untrained"] <= 4

@@ -53,7 +53,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="a `layertap train` output (or its drafter/ folder)")
-    p.add_argument("--model", required=True, help="the target model folder")
+    p.add_argument("--model", help="the target model folder (default: the one the drafter records, as "
+                                    "`layertap train` takes the run's)")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument("--prompts", required=True,
                    help="JSON lines: ShareGPT or OpenAI chats (the last assistant turn is dropped) or {\"prompt\": ...}")

@@ -29,7 +29,7 @@ from extract.model import _decoder, load_target
 from storage.store import open_store
 from train.checkpoint import load_drafter_files
 from train.drafter import DFlashDrafter
-from train.target_head import TargetHead
+from train.target_head import TargetHead, recorded_target
 
 log = logging.getLogger(__name__)
 
@@ -302,14 +302,17 @@ def _tau(runs: list[Decoded], block_size: int) -> tuple[float, list[float]]:
     return sum(steps) / len(steps), per_position
 
 
-def evaluate(drafter_uri: str, model: str, prompts_path: str, *, gguf_file: str | None = None, limit: int | None = None,
+def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_file: str | None = None, limit: int | None = None,
              max_new_tokens: int = 64, dtype: str = "float32", baseline: bool = True,
              max_prompt_tokens: int = 1024, device: str | None = None) -> dict[str, Any]:
     """tau of the drafter (and of an untrained one) on held-out prompts, and the greedy check.
-    `device`: where both models run; None takes the GPU when there is one."""
+    `model` None: the target the drafter records. `device`: where both models run; None takes
+    the GPU when there is one."""
     t0 = time.time()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config, weights = load_drafter_files(open_store(drafter_uri))
+    if model is None:
+        model, gguf_file = recorded_target(config.target, f"the drafter at {drafter_uri} was trained for")
     target = load_target(model, gguf_file, dtype=getattr(torch, dtype), device=device)
     embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())

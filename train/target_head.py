@@ -150,3 +150,19 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
         raise FileNotFoundError(f"{what} is missing: {path!r}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
+
+
+def recorded_target(recorded: dict[str, Any], what: str) -> tuple[str, str | None]:
+    """The target (folder, GGUF file) a run's manifest or a drafter's config records, if it is on
+    this machine; `what` starts the error that says it is not (e.g. "the run at s3://... was
+    extracted from")."""
+    model, gguf = recorded.get("model"), recorded.get("gguf_file")
+    if isinstance(model, str) and model.startswith("embedded:"):  # the Quickstart's packaged SmolLM2
+        from extract.embedded import smollm2_gguf
+
+        model, gguf = smollm2_gguf()
+    if not model or not os.path.isdir(model) or (gguf and not os.path.isfile(os.path.join(model, gguf))):
+        raise ValueError(f"{what} {model!r}" + (f" ({gguf})" if gguf else "") +
+                         ", which is not on this machine: pass --model (and --gguf-file) with the same target")
+    log.info("target model as recorded: %s%s", model, f" ({gguf})" if gguf else "")
+    return model, gguf

@@ -36,7 +36,7 @@ from train.batch import collate
 from train.loader import Prefetcher, StreamLoader
 from train.objective import dflash_loss
 from train.stream import ShardStream, StreamConfig
-from train.target_head import load_target_head
+from train.target_head import load_target_head, recorded_target
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def train(cfg: TrainConfig) -> int:
     out = open_store(cfg.out, **cfg.s3)
     run = load_manifest(open_store(cfg.data, **cfg.s3))
     if cfg.model is None:
-        cfg.model, cfg.gguf_file = _recorded_target(run.config, cfg.data)
+        cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from")
 
     ckpt = load_latest(out)
     if ckpt is not None and not cfg.resume:
@@ -242,8 +242,10 @@ def _loop(cfg, acc, gather_object, ddp_model, model, params, optimizer, batches:
     if rank == 0:
         export_drafter(out, model)
         last = json.loads(metrics.lines[-1]) if metrics.lines else {}
-        print(f"trained {total} steps; final loss {last.get('loss', float('nan')):.4f}; drafter at "
-              f"{out.uri}/drafter/ (evaluate with `layertap eval --drafter {out.uri} --model {cfg.model} ...`)")
+        print(f"trained {total} steps; final loss {last.get('loss', float('nan')):.4f}; drafter at {out.uri}/drafter/\n"
+              f"evaluate it on held-out prompts (JSON lines of chats; the target is the one the drafter records, "
+              f"{cfg.model}{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
+              f"  layertap eval --drafter {out.uri} --prompts HELD_OUT.jsonl")
     acc.wait_for_everyone()
     acc.end_training()
     return 0
@@ -279,20 +281,6 @@ def _save(acc, gather_object, out, step, model, optimizer, batches, cfg, world, 
         prefix = save_checkpoint(out, step, model, optimizer, state, cfg.keep_checkpoints)
         log.info("checkpoint %s/%s", out.uri, prefix)
     acc.wait_for_everyone()
-
-
-def _recorded_target(run_config: dict[str, Any], data: str) -> tuple[str, str | None]:
-    """The target the extraction used, as its manifest records it, if it is on this machine."""
-    model, gguf = run_config.get("model"), run_config.get("gguf_file")
-    if isinstance(model, str) and model.startswith("embedded:"):  # the Quickstart's packaged SmolLM2
-        from extract.embedded import smollm2_gguf
-
-        model, gguf = smollm2_gguf()
-    if not model or not os.path.isdir(model) or (gguf and not os.path.isfile(os.path.join(model, gguf))):
-        raise ValueError(f"the run at {data} was extracted from {model!r}" + (f" ({gguf})" if gguf else "") +
-                         ", which is not on this machine: pass --model (and --gguf-file) with the same target")
-    log.info("target model from the run's manifest: %s%s", model, f" ({gguf})" if gguf else "")
-    return model, gguf
 
 
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> None:
