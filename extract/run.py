@@ -119,7 +119,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
     producer = Producer.current(rank)
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
                       world_size=world)
-    if _all_committed(store, manifest, queue.candidates):
+    if queue.finished():
         log.info("nothing to do: %s committed", "every shard of the run is" if cfg.shards is None
                  else f"each of the {len(queue.candidates)} shard(s) of --shards is")
         return _summary(store, cfg) if rank == 0 else 0

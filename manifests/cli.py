@@ -93,8 +93,8 @@ def format_status(s: dict) -> str:
         where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
         lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {where}): {f['error']}")
     for f in s.get("interrupted", []):
-        lines.append(f"  INTERRUPTED shard {f['shard']} (stopped on host {f.get('host')}: {f['error']}); a rerun "
-                     "finishes it")
+        where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
+        lines.append(f"  INTERRUPTED shard {f['shard']} (stopped on {where}): {f['error']}; a rerun finishes it")
     if "shards" in s:
         lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  object")
         for e in s["shards"]:

@@ -180,6 +180,17 @@ class WorkQueue:
         k = (self.producer.rank % self.world_size) * len(todo) // self.world_size
         return todo[k:] + todo[:k]
 
+    def finished(self) -> bool:
+        """Whether every shard of this queue is committed already (one scan), as a rerun asks
+        before loading a model; if so, what killed attempts left behind is removed, as at the end
+        of a pass (a rerun that answers "nothing to do" is often the one that follows a crash)."""
+        st = scan(self.store, self.manifest)
+        st.raise_if_replaced(self.store.uri)
+        if any(s not in st.committed for s in self.candidates):
+            return False
+        self._sweep(st)
+        return True
+
     def __iter__(self) -> Iterator[Claim]:
         """Passes over the unfinished shards. A pass starts from one `scan` of the whole run and
         walks its shards in this rank's order, checking each against the store afresh

@@ -145,8 +145,9 @@ def crash_lane(name: str, base: str, extra: list[str], trials: list[int], args, 
         if aim == "delay":
             victim.join(rng.uniform(0.1, 0.9) * duration)
         elif aim == "upload open":
-            wait_for(lambda: store.list_pending_uploads() or not victim.is_alive(), 60)
-            victim.join(rng.uniform(0, 0.05))
+            # the window is one shard's parts in flight: the kill must land within milliseconds
+            wait_for(lambda: store.list_pending_uploads() or not victim.is_alive(), 60, period=0.005)
+            victim.join(rng.uniform(0, 0.005))
         else:
             wait_for(lambda: any(store.list(layout.COMMITS)) or not victim.is_alive(), 60, period=0.005)
             victim.join(rng.uniform(0, 0.05))

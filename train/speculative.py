@@ -312,7 +312,8 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config, weights = load_drafter_files(open_store(drafter_uri))
     if model is None:
-        model, gguf_file = recorded_target(config.target, f"the drafter at {drafter_uri} was trained for")
+        model, gguf_file = recorded_target(config.target, f"the drafter at {drafter_uri} was trained for",
+                                           "the drafter's config")
     target = load_target(model, gguf_file, dtype=getattr(torch, dtype), device=device)
     embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())

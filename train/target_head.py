@@ -152,10 +152,10 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
         raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
 
 
-def recorded_target(recorded: dict[str, Any], what: str) -> tuple[str, str | None]:
+def recorded_target(recorded: dict[str, Any], what: str, source: str) -> tuple[str, str | None]:
     """The target (folder, GGUF file) a run's manifest or a drafter's config records, if it is on
     this machine; `what` starts the error that says it is not (e.g. "the run at s3://... was
-    extracted from")."""
+    extracted from"), `source` names the record in the log (e.g. "the run's manifest")."""
     model, gguf = recorded.get("model"), recorded.get("gguf_file")
     if isinstance(model, str) and model.startswith("embedded:"):  # the Quickstart's packaged SmolLM2
         from extract.embedded import smollm2_gguf
@@ -164,5 +164,5 @@ def recorded_target(recorded: dict[str, Any], what: str) -> tuple[str, str | Non
     if not model or not os.path.isdir(model) or (gguf and not os.path.isfile(os.path.join(model, gguf))):
         raise ValueError(f"{what} {model!r}" + (f" ({gguf})" if gguf else "") +
                          ", which is not on this machine: pass --model (and --gguf-file) with the same target")
-    log.info("target model as recorded: %s%s", model, f" ({gguf})" if gguf else "")
+    log.info("target model from %s: %s%s", source, model, f" ({gguf})" if gguf else "")
     return model, gguf

@@ -124,7 +124,8 @@ def train(cfg: TrainConfig) -> int:
     out = open_store(cfg.out, **cfg.s3)
     run = load_manifest(open_store(cfg.data, **cfg.s3))
     if cfg.model is None:
-        cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from")
+        cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
+                                                   "the run's manifest")
 
     ckpt = load_latest(out)
     if ckpt is not None and not cfg.resume:
