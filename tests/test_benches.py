@@ -43,6 +43,7 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     assert other.returncode != 0  # a reference of other inputs or weights is refused, not compared
 
 
+@pytest.mark.slow
 def test_gpu_train_runs_on_a_tiny_config(tmp_path):
     out = tmp_path / "gt.json"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train.py"), "--tiny", "--steps", "2",
@@ -104,6 +105,7 @@ def test_paced_moto_caps_each_connection():
     assert elapsed >= 0.4, f"a 2 MB GET at 4 MB/s took {elapsed:.2f} s: the connection was not paced"
 
 
+@pytest.mark.slow
 def test_gpu_train_cli_bench_runs_the_real_command_on_a_tiny_config(tmp_path):
     """bench/gpu_train_cli.py: two `layertap train` runs streaming synthetic runs from its own moto
     server, summarised from the trainer's metrics into the JSON the GPU run commits."""

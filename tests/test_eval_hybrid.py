@@ -127,6 +127,7 @@ def self_distilled_rows(target: str, path: Path, n: int, new_tokens: int) -> str
     return str(path)
 
 
+@pytest.mark.slow
 def test_eval_cli_on_a_trained_drafter_beats_the_untrained_one(hybrid, tmp_path, capsys):
     data = self_distilled_rows(hybrid, tmp_path / "rows.jsonl", 40, 40)
     run, out = str(tmp_path / "run"), str(tmp_path / "drafter")

@@ -151,6 +151,7 @@ def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):
     assert not out.exists() or not (out / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
     """Two processes over gloo through `accelerate launch`, as on a multi-GPU node; with -v."""
     data = write_chats(tmp_path / "chats.jsonl", 24)
@@ -177,6 +178,7 @@ def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
     assert "DEBUG botocore" not in "".join(logs) and "DEBUG urllib3" not in "".join(logs)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 60)
     # one forward per sample, ~15 samples per shard: a shard is open long enough to be stopped

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +61,7 @@ torch.save(hidden, out)
 """
 
 
+@pytest.mark.slow  # installs flash-linear-attention and Triton (a 188 MB wheel) once, into the test cache
 def test_a_cpu_forward_on_a_machine_with_fla_takes_the_reference_kernels(tmp_path):
     """On a GPU machine with the fast kernels installed, transformers sends every hybrid forward
     to Triton, CPU tensors too (which fails). load_target routes CPU tensors to the reference:

@@ -38,6 +38,8 @@ from storage.store import open_store
 from tiny_models import tiny_model_dir
 from train import ShardStream, StreamConfig
 
+pytestmark = pytest.mark.slow  # SIGKILL and fault-injection trials over many real processes
+
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts Ceph radosgw and reruns the S3 suites against it
+
 ROOT = Path(__file__).resolve().parents[1]
 RGW_SH = ROOT / ".ci" / "rgw.sh"
 MODULES = ["tests/test_store.py", "tests/test_shard.py", "tests/test_manifest.py", "tests/test_commit_index.py"]

@@ -29,6 +29,8 @@ from storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir
 
+pytestmark = pytest.mark.slow  # starts a single-node Slurm cluster and submits real jobs
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM_SH = REPO / ".ci" / "slurm.sh"
 

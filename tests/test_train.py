@@ -255,6 +255,7 @@ def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, t
     assert "pass --resume" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, tmp_path):
     args = ["--data", run, "--model", target, "--steps", "60", "--save-every", "4", *FAST]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -285,6 +286,7 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, t
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp_path):
     """Slurm's preemption signal: stop at the next step with a checkpoint, exit 143, resume to the end."""
     out = tmp_path / "out"

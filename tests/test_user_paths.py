@@ -96,6 +96,7 @@ def test_training_a_run_without_commits_fails_before_the_target_loads(model, tmp
 # -- Ctrl-C ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ctrl_c_releases_the_shard_as_interrupted_and_says_how_to_resume(model, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 60)
     out = tmp_path / "run"
