@@ -12,9 +12,11 @@ it, and `log_kernel_paths` warns on CUDA with the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -46,21 +48,17 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
     """Per layer type of `model` (its decoder's ``layer_types``), the kernels with a fast/fallback
     choice; attention layers are named by the attention implementation. Empty for models whose
     layers have no such choice (plain attention-only models report only their attention)."""
-    config = getattr(model, "config", None)
-    layers = _layers(model)
-    types = list(getattr(getattr(_text_config(config), "layer_types", None), "__iter__", lambda: [])())
-    attn = getattr(config, "_attn_implementation", None) or "eager"
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
     out: dict[str, list[KernelChoice]] = {}
     seen: set[tuple[str, type]] = set()
-    for i, layer in enumerate(layers):
-        kind = types[i] if i < len(types) else "attention"
+    for kind, layer in zip(_layer_types(model), _layers(model)):
         choices = out.setdefault(kind, [])
         for module in layer.modules():
-            cls = type(module)
-            if (kind, cls) in seen:
+            if (kind, type(module)) in seen:
                 continue
-            seen.add((kind, cls))
-            choices.extend(c for c in _choices(kind, cls) if c not in choices)
+            seen.add((kind, type(module)))
+            found = (_wrapper_choice(kind, value) for _, value in _called_functions(type(module)))
+            choices.extend(sorted((c for c in found if c is not None and c not in choices), key=lambda c: c.function))
     for kind in out:
         if "attention" in kind and kind != "linear_attention" and not out[kind]:
             out[kind].append(KernelChoice(kind, "attention", attn, True, attn))
@@ -70,8 +68,8 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
 def log_kernel_paths(model: nn.Module, device: str) -> dict[str, list[KernelChoice]]:
     """One INFO line naming each layer type's kernel path; a WARNING on CUDA where one falls back."""
     paths = describe(model)
-    counts = _counts(model)
-    parts = [f"{kind} x{counts.get(kind, 0)}: " + ", ".join(str(c) for c in choices)
+    counts = Counter(_layer_types(model))
+    parts = [f"{kind} x{counts[kind]}: " + ", ".join(str(c) for c in choices)
              for kind, choices in paths.items() if choices]
     if parts:
         log.info("kernels: %s", "; ".join(parts))
@@ -100,16 +98,10 @@ def use_fla_short_conv(model: nn.Module) -> list[str]:
     except Exception:  # not installed, or no Triton/GPU build: keep transformers' choice
         return []
     patched = []
-    for layer in _layers(model):
-        for module in layer.modules():
-            mod = sys.modules.get(type(module).__module__)
-            current = getattr(mod, "causal_conv1d_fn", None)
-            if mod is None or current is None or mod.__name__ in patched:
-                continue
-            choice = _wrapper_choice("linear_attention", current)
-            if choice is None or choice.fast is not False:
-                continue
-            mod.causal_conv1d_fn = _fla_conv_adapter(fla_conv, current)
+    for mod, name, value in _module_functions(model):
+        choice = _wrapper_choice("linear_attention", value) if name == "causal_conv1d_fn" else None
+        if choice is not None and choice.fast is False:
+            setattr(mod, name, _fla_conv_adapter(fla_conv, value))
             patched.append(mod.__name__)
     if patched:
         log.info("kernels: causal_conv1d_fn routed to flash-linear-attention's Triton kernel in %s",
@@ -126,26 +118,14 @@ def keep_cpu_on_reference(model: nn.Module) -> list[str]:
     such function is replaced by one that takes the reference for CPU tensors and the fast kernel
     otherwise. Returns the functions rerouted."""
     done = []
-    for layer in _layers(model):
-        for module in layer.modules():
-            mod = sys.modules.get(type(module).__module__)
-            try:
-                referenced = inspect.getclosurevars(inspect.unwrap(type(module).forward)).globals
-            except (AttributeError, TypeError, ValueError):
-                continue
-            for name, value in referenced.items():
-                if mod is None or getattr(mod, name, None) is not value or not inspect.isfunction(value):
-                    continue
-                try:
-                    names = inspect.getclosurevars(value).nonlocals
-                except (TypeError, ValueError):
-                    continue
-                if not names.get("is_new_implementation") or not callable(names.get("torch_function")):
-                    continue
-                setattr(mod, name, _by_device(value, names["torch_function"], KernelChoice(
-                    "", str(names["func_name"]), str(names.get("package", "?")), True,
-                    f"{getattr(names.get('implementation'), '__module__', '?')}; torch reference on CPU")))
-                done.append(f"{mod.__name__}.{name}")
+    for mod, name, value in _module_functions(model):
+        names = _wrapper_closure(value)
+        if names is None or not names["is_new_implementation"] or not callable(names.get("torch_function")):
+            continue
+        choice = _wrapper_choice("", value)
+        setattr(mod, name, _by_device(value, names["torch_function"],
+                                      dataclasses.replace(choice, source=f"{choice.source}; torch reference on CPU")))
+        done.append(f"{mod.__name__}.{name}")
     return done
 
 
@@ -175,50 +155,61 @@ def _fla_conv_adapter(fla_conv, fallback):
     return causal_conv1d_fn
 
 
-def _wrapper_choice(kind: str, value) -> KernelChoice | None:
-    """What a transformers fast/fallback wrapper (or layertap's adapter) will run, else None."""
-    tagged = getattr(value, "_layertap_kernel", None)
-    if tagged is not None:
-        return KernelChoice(kind, tagged[0], tagged[1], True, tagged[2])
+def _wrapper_closure(value) -> dict | None:
+    """The closure of a transformers fast/fallback wrapper (`implementation`, `torch_function`,
+    `is_new_implementation`, `func_name`, `package`), or None for any other function."""
     if not inspect.isfunction(value):
         return None
     try:
         names = inspect.getclosurevars(value).nonlocals
     except (TypeError, ValueError):
         return None
-    if "is_new_implementation" not in names or "func_name" not in names:
+    return names if "is_new_implementation" in names and "func_name" in names else None
+
+
+def _wrapper_choice(kind: str, value) -> KernelChoice | None:
+    """What a transformers fast/fallback wrapper (or layertap's adapter) will run, else None."""
+    tagged = getattr(value, "_layertap_kernel", None)
+    if tagged is not None:
+        return KernelChoice(kind, tagged[0], tagged[1], True, tagged[2])
+    names = _wrapper_closure(value)
+    if names is None:
         return None
     impl = names.get("implementation")
     return KernelChoice(kind, str(names["func_name"]), str(names.get("package", "?")),
                         bool(names["is_new_implementation"]), getattr(impl, "__module__", None) or "?")
 
 
-def _choices(kind: str, cls: type) -> list[KernelChoice]:
-    """The fast/fallback wrappers of transformers that `cls.forward` calls."""
+def _called_functions(cls: type) -> list[tuple[str, object]]:
+    """(name, value) of the module-level names `cls.forward` refers to."""
     try:
-        referenced = inspect.getclosurevars(inspect.unwrap(cls.forward)).globals
+        return list(inspect.getclosurevars(inspect.unwrap(cls.forward)).globals.items())
     except (AttributeError, TypeError, ValueError):
         return []
-    found = [c for c in (_wrapper_choice(kind, v) for v in referenced.values()) if c is not None]
-    return sorted(found, key=lambda c: c.function)
+
+
+def _module_functions(model: nn.Module) -> list[tuple[object, str, object]]:
+    """(modeling module, name, function) of each module-level function the layers' forwards
+    call, once each: the globals a reroute replaces."""
+    out, seen = [], set()
+    for layer in _layers(model):
+        for cls in {type(m) for m in layer.modules()}:
+            mod = sys.modules.get(cls.__module__)
+            for name, value in _called_functions(cls):
+                if mod is not None and getattr(mod, name, None) is value and (mod.__name__, name) not in seen:
+                    seen.add((mod.__name__, name))
+                    out.append((mod, name, value))
+    return out
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    for candidate in (getattr(model, "model", None), model):
-        layers = getattr(candidate, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return list(layers)
-    return []
+    from extract.model import _decoder  # that module imports this one
+
+    return list(_decoder(model).layers)
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _counts(model: nn.Module) -> dict[str, int]:
-    types = getattr(_text_config(getattr(model, "config", None)), "layer_types", None) or []
+def _layer_types(model: nn.Module) -> list[str]:
+    """Each decoder layer's type: the config's ``layer_types``, or "attention" for models without."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n = len(_layers(model))
-    counts: dict[str, int] = {}
-    for kind in list(types)[:n] or ["attention"] * n:
-        counts[kind] = counts.get(kind, 0) + 1
-    return counts
+    return list(getattr(config, "layer_types", None) or [])[:n] or ["attention"] * n
