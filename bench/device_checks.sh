@@ -3,10 +3,10 @@
 # each machine start costs one or two of them. Each step has its own time limit and log, so one
 # failing step still leaves the others' numbers.
 #
-#   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: e2e ref extract train compile)
+#   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: e2e ref extract train)
 #
 # As the device tool's command (carry [".whl", ".devcache/e2e"], timeout_s 600; the default steps
-# take ~8 min on an H200, compiles included; a call brings back at most 8 files, hence the archive):
+# take ~8 min on an H200 (2026-11-30: ref 31 s, extract 144 s, train > 170 s); a call brings back at most 8 files, hence the archive):
 #   DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc
 # (the archive of every log and JSON is rewritten after each step, so a run cut at the call's
 # limit still brings back what finished); then here: tar xzf dc.tgz, and record the JSONs (docs/bench/gpu_extract.json, gpu_train.json) and
@@ -19,7 +19,7 @@
 #               the reference step runs on transformers' torch fallback
 #   .devcache/  tests/activations.py's cached SmolLM2 activations (the loader bench's samples), and
 #               e2e/ (bench/cli_e2e.py's target and rows), since SmolLM2 is not on that machine
-# Steps (default: e2e ref extract train compile; e2e runs in the background beside ref):
+# Steps (default: e2e ref extract train; e2e runs in the background beside ref):
 #   e2e      bench/cli_e2e.py: the real CLI (extract -> status -> verify -> train -> eval) on a small
 #            random qwen3_5_text target into moto on this host
 #   ref      bench/gpu_extract.py without fla: the torch-fallback forward's speed and the fp32
@@ -28,7 +28,8 @@
 #            errors vs the reference, the top kernels, the pipeline into tmpfs and into moto
 #   train    bench/gpu_train_cli.py: the real `layertap train` from moto at Qwen3.6-27B's shapes
 #            and with a small drafter (data wait, tokens/s, peak memory)
-#   compile  bench/gpu_extract.py on 16 layers: eager vs torch.compile of each decoder layer
+#   compile  (only when named; answered 2026-11-30: compile loses to the fla short conv, 0.42 vs
+#            0.50 MFU) bench/gpu_extract.py on 16 layers: eager vs torch.compile of each layer
 #   loader   bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs (issue 5),
 #            with 2, 4 and 8 decode threads beside the default
 #   stages   (only when named) the loader's stages on bf16-zstd at 4 GB (passes of ~5 s, so the
@@ -44,7 +45,7 @@ set -u
 tiny=${DEVICE_CHECKS_TINY:+--tiny}
 out=${1:?usage: bench/device_checks.sh OUTDIR [STEP ...]}
 shift
-steps=${*:-e2e ref extract train compile}
+steps=${*:-e2e ref extract train}
 mkdir -p "$out"
 if [ -d .whl ] && [ -z "$tiny" ]; then  # wheels for the GPU host's Python (3.12)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -84,7 +85,7 @@ archive() {
 
 # e2e beside ref: it is functional (a tiny model), ref's speed is only the known fallback's
 if [[ " $steps " == *" e2e "* ]]; then
-    step e2e 200 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e2e.json" &
+    step e2e 300 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e2e.json" &
     e2e_pid=$!
 fi
 step ref 150 python3 bench/gpu_extract.py $tiny --variants eager --batches 2 --reference-out /tmp/ref.safetensors \
@@ -92,7 +93,7 @@ step ref 150 python3 bench/gpu_extract.py $tiny --variants eager --batches 2 --r
 [ -n "${e2e_pid:-}" ] && wait "$e2e_pid"
 step extract 240 $with_fla python3 bench/gpu_extract.py $tiny --variants eager,conv,tokens32k --profile --pipeline \
     --reference-in /tmp/ref.safetensors --json "$out/gpu_extract.json"
-step train 170 $with_fla python3 bench/gpu_train_cli.py $tiny --json "$out/gpu_train.json"
+step train 300 $with_fla python3 bench/gpu_train_cli.py $tiny --json "$out/gpu_train.json"
 step compile 150 $with_fla python3 bench/gpu_extract.py $tiny --layers 1,15 --variants eager,conv,compile --batches 3 \
     --json "$out/gpu_extract_compile.json"
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs
