@@ -31,12 +31,12 @@ sys.path.insert(0, str(ROOT))
 import boto3  # noqa: E402
 
 from bench._report import cpu_s, machine, write_section  # noqa: E402
-from manifests import layout  # noqa: E402
-from manifests.manifest import create_or_resume  # noqa: E402
-from manifests.records import CommitRecord, Producer, encode  # noqa: E402
-from manifests.work import WorkQueue  # noqa: E402
-from storage.writer import ShardInfo  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.manifests import layout  # noqa: E402
+from layertap.manifests.manifest import create_or_resume  # noqa: E402
+from layertap.manifests.records import CommitRecord, Producer, encode  # noqa: E402
+from layertap.manifests.work import WorkQueue  # noqa: E402
+from layertap.storage.writer import ShardInfo  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 
 def count_requests(store) -> Counter:

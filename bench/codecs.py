@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import zstandard  # noqa: E402
 
 from bench._report import machine, write_section  # noqa: E402
-from storage.codecs import CODEC_NAMES, get_codec  # noqa: E402
+from layertap.storage.codecs import CODEC_NAMES, get_codec  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 
 TARGETS = {  # from the issue: (min ratio, min compress MB/s, min decompress MB/s, max rel error)

@@ -100,7 +100,7 @@ step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,
 step stages 300 python3 bench/loader.py --rounds 3 --mb 4096 --codecs bf16-zstd --stages --workers 2 \
     --label gpu-host-stages --write-docs
 # what the Slurm training jobs export: one source, slurm.scripts.MALLOC_SETTINGS
-malloc_env=$(python3 -c 'from slurm.scripts import MALLOC_SETTINGS as m; print(*(f"{k}={v}" for k, v in m.items()))') \
+malloc_env=$(python3 -c 'from layertap.slurm.scripts import MALLOC_SETTINGS as m; print(*(f"{k}={v}" for k, v in m.items()))') \
     || exit 1
 step malloc 300 bash -c 'python3 bench/page_faults.py --label gpu-host --write-docs && python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-defaults \
     --write-docs && env '"$malloc_env"' python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-tuned --write-docs'

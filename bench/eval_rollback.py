@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench._report import machine, publish  # noqa: E402
-from train.speculative import TargetRunner, greedy_decode, speculative_decode  # noqa: E402
+from layertap.train.speculative import TargetRunner, greedy_decode, speculative_decode  # noqa: E402
 
 TARGETS = ("qwen3", "qwen3_5_text")
 

@@ -29,12 +29,12 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from bench._report import machine, write_section  # noqa: E402
-from extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
-from extract.inputs import TokenizedSample, tokenize_rows  # noqa: E402
-from extract.model import Capture, default_layers, load_target  # noqa: E402
-from extract.pipeline import PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
-from storage.format import ShardMeta  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
+from layertap.extract.inputs import TokenizedSample, tokenize_rows  # noqa: E402
+from layertap.extract.model import Capture, default_layers, load_target  # noqa: E402
+from layertap.extract.pipeline import PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
+from layertap.storage.format import ShardMeta  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 
 
 def bare(capture, batches, pad_id) -> float:

@@ -36,12 +36,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from extract.inputs import TokenizedSample  # noqa: E402
-from extract.kernels import describe, use_fla_short_conv  # noqa: E402
-from extract.model import Capture  # noqa: E402
-from extract.pipeline import HostStaging, PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
-from storage.format import ShardMeta  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.extract.inputs import TokenizedSample  # noqa: E402
+from layertap.extract.kernels import describe, use_fla_short_conv  # noqa: E402
+from layertap.extract.model import Capture  # noqa: E402
+from layertap.extract.pipeline import HostStaging, PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
+from layertap.storage.format import ShardMeta  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 
 # Qwen3.6-27B's text stack (gated-deltanet hybrid: 3 linear-attention layers, then 1 full).
@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here as JSON (rewritten after every step)")
     args = ap.parse_args()
 
-    from extract.config import default_encode_threads
+    from layertap.extract.config import default_encode_threads
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     sizes = TINY if args.tiny else QWEN27B

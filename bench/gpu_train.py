@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from train.drafter import DFlashDrafter, default_config  # noqa: E402
-from train.objective import dflash_loss  # noqa: E402
-from train.target_head import TargetHead  # noqa: E402
+from layertap.train.drafter import DFlashDrafter, default_config  # noqa: E402
+from layertap.train.objective import dflash_loss  # noqa: E402
+from layertap.train.target_head import TargetHead  # noqa: E402
 
 QWEN27B = dict(hidden=5120, vocab=248320, heads=24, kv=4, head_dim=256, inter=17408, layers=64)
 TINY = dict(hidden=64, vocab=512, heads=4, kv=2, head_dim=16, inter=128, layers=12)

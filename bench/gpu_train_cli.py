@@ -3,7 +3,7 @@
     python bench/gpu_train_cli.py [--samples 40] [--steps 55] [--batch-size 2] [--endpoint URL] [--json OUT]
     python bench/gpu_train_cli.py --tiny        # tiny shapes on CPU: keeps the script tested
 
-Two runs of the real command line (`python -m extract.cli train`, a subprocess), each on its own
+Two runs of the real command line (`python -m layertap train`, a subprocess), each on its own
 synthetic run written through the real manifest, lease and commit path (codec bf16-zstd, samples
 of 800-4,096 tokens with activation-like bf16 states) into an S3 server here (moto started by the
 bench, or --endpoint), and a target folder holding only what training reads (embed_tokens and
@@ -38,13 +38,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.gpu_extract import QWEN27B, TINY  # noqa: E402
-from manifests.manifest import create_or_resume  # noqa: E402
-from manifests.records import Producer  # noqa: E402
-from manifests.work import WorkQueue  # noqa: E402
-from storage.format import ShardMeta  # noqa: E402
-from storage.records import Sample, encode_record  # noqa: E402
-from storage.writer import ShardWriter  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.manifests.manifest import create_or_resume  # noqa: E402
+from layertap.manifests.records import Producer  # noqa: E402
+from layertap.manifests.work import WorkQueue  # noqa: E402
+from layertap.storage.format import ShardMeta  # noqa: E402
+from layertap.storage.records import Sample, encode_record  # noqa: E402
+from layertap.storage.writer import ShardWriter  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 
 SMALL = dict(QWEN27B, hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
@@ -149,7 +149,7 @@ def make_run(uri: str, target: str, sizes: dict, layers: list[int], lengths: lis
 def train(data: str, target: str, out: Path, args: argparse.Namespace, extra: list[str], env: dict,
           label: str) -> tuple[int, float]:
     """The real command line; its log lines are echoed with this bench's clock."""
-    cmd = [sys.executable, "-m", "extract.cli", "train", "--data", data, "--model", target, "--out", str(out),
+    cmd = [sys.executable, "-m", "layertap", "train", "--data", data, "--model", target, "--out", str(out),
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--save-every", str(10 * args.steps),
            "--log-dir", str(out.parent / f"{out.name}-logs"), *extra]
     say(f"{label}: {' '.join(cmd[1:])}")

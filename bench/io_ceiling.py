@@ -30,10 +30,10 @@ import torch  # noqa: E402
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
 from bench._report import machine, write_section  # noqa: E402
-from storage.format import ShardMeta  # noqa: E402
-from storage.records import Sample, encode_record  # noqa: E402
-from storage.writer import ShardWriter  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.storage.format import ShardMeta  # noqa: E402
+from layertap.storage.records import Sample, encode_record  # noqa: E402
+from layertap.storage.writer import ShardWriter  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import start_bench_server, stop  # noqa: E402
 

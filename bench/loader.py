@@ -50,20 +50,20 @@ import torch  # noqa: E402
 from botocore.config import Config  # noqa: E402
 
 from bench._report import allocator, cores, cpu_s, machine, publish  # noqa: E402
-from manifests.manifest import create_or_resume  # noqa: E402
-from manifests.records import Producer  # noqa: E402
-from manifests.work import WorkQueue  # noqa: E402
-from storage.format import ShardMeta  # noqa: E402
-from storage.reader import ShardReader  # noqa: E402
-from storage.records import Sample, decode_record, encode_record  # noqa: E402
-from storage.writer import ShardWriter  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.manifests.manifest import create_or_resume  # noqa: E402
+from layertap.manifests.records import Producer  # noqa: E402
+from layertap.manifests.work import WorkQueue  # noqa: E402
+from layertap.storage.format import ShardMeta  # noqa: E402
+from layertap.storage.reader import ShardReader  # noqa: E402
+from layertap.storage.records import Sample, decode_record, encode_record  # noqa: E402
+from layertap.storage.writer import ShardWriter  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
-from train import ShardStream, StreamLoader  # noqa: E402
-from train.buffers import BufferPool  # noqa: E402
-from train.fetch import Fetcher, Metrics  # noqa: E402
-from train.stream import StreamConfig, auto_decode_threads, load_index  # noqa: E402
+from layertap.train import ShardStream, StreamLoader  # noqa: E402
+from layertap.train.buffers import BufferPool  # noqa: E402
+from layertap.train.fetch import Fetcher, Metrics  # noqa: E402
+from layertap.train.stream import StreamConfig, auto_decode_threads, load_index  # noqa: E402
 
 LAYERS = [1, 8, 15, 22, 27]
 MiB = 1 << 20

@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench._report import machine, publish
     from bench.loader import boto3_gets, cpu_s, make_run, open_loader, run_loader, written_bytes
-    from storage.store import open_store
+    from layertap.storage.store import open_store
     from tests.s3server import start_bench_server, stop
-    from train.stream import load_index
+    from layertap.train.stream import load_index
 
     torch.set_num_threads(1)
     why_not = mds_available(args.mds_python)

@@ -31,12 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench._report import cpu_s, machine, publish  # noqa: E402
 from bench.claims import count_requests, plan_large_run  # noqa: E402
-from manifests import layout  # noqa: E402
-from manifests.records import CommitRecord, Producer, encode  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.manifests import layout  # noqa: E402
+from layertap.manifests.records import CommitRecord, Producer, encode  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
-from manifests.commit_index import write_index  # noqa: E402
-from train.stream import load_index  # noqa: E402
+from layertap.manifests.commit_index import write_index  # noqa: E402
+from layertap.train.stream import load_index  # noqa: E402
 
 
 def write_commits(store, manifest) -> float:

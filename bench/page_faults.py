@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._report import machine, publish  # noqa: E402
-from slurm.scripts import MALLOC_SETTINGS  # noqa: E402
+from layertap.slurm.scripts import MALLOC_SETTINGS  # noqa: E402
 
 SIZES = {"1.5 MB (a decoded sample)": 1_500_000, "47 MiB (a one-GET shard)": 47 << 20,
          "200 MiB (a 4K-token 27B sample)": 200 << 20}

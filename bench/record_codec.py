@@ -38,9 +38,9 @@ import xxhash  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
 
 from bench._report import machine, write_section  # noqa: E402
-from storage.codecs import CODEC_NAMES, get_codec  # noqa: E402
-from storage.format import ShardMeta  # noqa: E402
-from storage.records import Sample, decode_record, encode_record  # noqa: E402
+from layertap.storage.codecs import CODEC_NAMES, get_codec  # noqa: E402
+from layertap.storage.format import ShardMeta  # noqa: E402
+from layertap.storage.records import Sample, decode_record, encode_record  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 
 _TORCH = {"I32": torch.int32, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,

@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 import boto3  # noqa: E402
 
 from bench._report import cpu_s, machine, write_section  # noqa: E402
-from manifests import layout  # noqa: E402
-from manifests.manifest import create_or_resume  # noqa: E402
-from manifests.records import CommitRecord, Producer, encode  # noqa: E402
-from manifests.status import run_status  # noqa: E402
-from storage.store import open_store  # noqa: E402
+from layertap.manifests import layout  # noqa: E402
+from layertap.manifests.manifest import create_or_resume  # noqa: E402
+from layertap.manifests.records import CommitRecord, Producer, encode  # noqa: E402
+from layertap.manifests.status import run_status  # noqa: E402
+from layertap.storage.store import open_store  # noqa: E402
 from tests.s3server import BenchServer, bench_server  # noqa: E402
 
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._report import machine, write_section  # noqa: E402
-from extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
+from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
 
 # The drafter and schedule for a CPU budget: blocks of 4 and 24 anchors per sample keep the
 # 49k-token head's share of a step small; the full recipe is block 16 and 512 anchors.
@@ -41,7 +41,7 @@ def layertap(*args: str, log: Path) -> float:
     with open(log, "a") as f:
         f.write(f"\n$ layertap {' '.join(args)}\n")
         f.flush()
-        p = subprocess.run([sys.executable, "-m", "extract.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+        p = subprocess.run([sys.executable, "-m", "layertap", *args], stdout=f, stderr=subprocess.STDOUT,
                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if p.returncode not in (0, 1):
         raise SystemExit(f"layertap {args[0]} failed ({p.returncode}); see {log}")
@@ -98,7 +98,7 @@ def main() -> None:
         baseline = [] if codec == "bf16-zstd" else ["--no-baseline"]
         if not report.exists() or not report.read_text().strip():  # a finished eval is kept, like the rest
             with open(report, "w") as f:
-                subprocess.run([sys.executable, "-m", "extract.cli", "eval", "--drafter", str(out), *model,
+                subprocess.run([sys.executable, "-m", "layertap", "eval", "--drafter", str(out), *model,
                                 "--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--json",
                                 *baseline], stdout=f, stderr=open(log, "a"), env=dict(os.environ, PYTHONPATH=str(ROOT)))
         r["eval"] = json.loads(report.read_text())

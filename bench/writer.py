@@ -50,8 +50,8 @@ import xxhash  # noqa: E402
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
 from bench._report import cpu_s, write_section  # noqa: E402
-from storage.s3 import S3Store  # noqa: E402
-from storage.store import join_key, open_store  # noqa: E402
+from layertap.storage.s3 import S3Store  # noqa: E402
+from layertap.storage.store import join_key, open_store  # noqa: E402
 from tests.s3server import BenchServer, bench_server  # noqa: E402
 
 MiB = 1 << 20

@@ -48,7 +48,7 @@ def _hint_attached_values(p: argparse.ArgumentParser) -> None:
 
 
 def run_extract(args: argparse.Namespace) -> int:
-    from extract.config import USER_ERRORS, load_config, parse_ids
+    from layertap.extract.config import USER_ERRORS, load_config, parse_ids
 
     overrides = {k: getattr(args, k) for k in (
         "out", "model", "gguf_file", "dataset", "codec", "dtype", "max_length", "limit", "final_state", "attn_implementation",
@@ -57,7 +57,7 @@ def run_extract(args: argparse.Namespace) -> int:
         overrides["layers"] = parse_ids(args.layers) if args.layers is not None else None
         overrides["shards"] = parse_ids(args.shards) if args.shards is not None else None
         cfg = load_config(args.config, overrides)
-        from extract.run import extract
+        from layertap.extract.run import extract
 
         return extract(cfg)
     except USER_ERRORS as e:

@@ -11,10 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from manifests.manifest import DEFAULT_SHARD_BYTES, ManifestError, parse_size
-from storage.codecs import CODEC_NAMES, DEFAULT_CODEC
-from storage.format import ShardError
-from storage.store import StoreError
+from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, ManifestError
+from layertap.storage.units import parse_size
+from layertap.storage.codecs import CODEC_NAMES, DEFAULT_CODEC
+from layertap.storage.format import ShardError
+from layertap.storage.store import StoreError
 
 # Failures that are the user's to fix (bad flags, missing files, store or run problems): the
 # commands print them as one `error:` line and exit with 2, without a traceback.

@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from storage.units import duration
+from layertap.storage.units import duration
 
 log = logging.getLogger("layertap.progress")
 

@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from extract.command import add_extract
-from extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
+from layertap.extract.command import add_extract
+from layertap.extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
                               DEFAULT_USD_PER_GIB_MONTH, Prices, Storage, Throughput, Workload, alternatives,
                               estimate, fmt_bytes, format_report, report_json)
 
@@ -72,9 +72,9 @@ def add_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _errors() -> tuple[type[BaseException], ...]:
-    from manifests.manifest import ManifestError
-    from storage.format import ShardError
-    from storage.store import StoreError
+    from layertap.manifests.manifest import ManifestError
+    from layertap.storage.format import ShardError
+    from layertap.storage.store import StoreError
 
     return (ValueError, OSError, ModuleNotFoundError, StoreError, ManifestError, ShardError)
 
@@ -131,7 +131,7 @@ def _config(args: argparse.Namespace, out: str):
     """The ExtractConfig the same flags would give `layertap extract` (flags over --config)."""
     import dataclasses
 
-    from extract.config import ExtractConfig, load_config, parse_ids
+    from layertap.extract.config import ExtractConfig, load_config, parse_ids
 
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ExtractConfig)}
     overrides.update(out=out, layers=parse_ids(args.layers) if args.layers is not None else None,
@@ -172,7 +172,7 @@ def _estimate(args: argparse.Namespace) -> _Report:
         shape = _stated_shape(args, cfg.final_state)
         sources = {"model": "stated"}
     else:
-        from extract.run import prepare_target
+        from layertap.extract.run import prepare_target
 
         target, capture, identity = prepare_target(cfg, _device(), weights=args.measure)
         sources = {"dtype": target.info["dtype"]}  # the forward's: --dtype auto chose it for this device
@@ -186,8 +186,8 @@ def _estimate(args: argparse.Namespace) -> _Report:
         if target is None:
             raise ValueError("token statistics need the model's tokenizer: give --model, or state both "
                              "--samples and --mean-tokens")
-        from extract.measure import token_statistics
-        from extract.run import dataset_rows
+        from layertap.extract.measure import token_statistics
+        from layertap.extract.run import dataset_rows
 
         rows, _ = dataset_rows(cfg)
         stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
@@ -216,7 +216,7 @@ def _stated_shape(args: argparse.Namespace, final_state: str) -> dict[str, Any]:
     """Model shape from --hidden-size, --num-layers and --layers, checked as the extractor would."""
     if args.hidden_size is None:
         raise ValueError("--num-layers needs --hidden-size too (or give --model)")
-    from extract.config import parse_ids
+    from layertap.extract.config import parse_ids
 
     layers = parse_ids(args.layers) if args.layers is not None else None
     n = args.num_layers
@@ -224,7 +224,7 @@ def _stated_shape(args: argparse.Namespace, final_state: str) -> dict[str, Any]:
         if n is None:
             raise ValueError("give --num-layers (DFlash's 5 layers are spaced over it) or --layers with "
                              "--hidden-size")
-        from extract.model import default_layers
+        from layertap.extract.model import default_layers
 
         layers = default_layers(n)
     if n is not None and any(not 0 <= k < n for k in layers):
@@ -236,8 +236,8 @@ def _stated_shape(args: argparse.Namespace, final_state: str) -> dict[str, Any]:
 
 
 def _shard_count(counts: list[int], shape: dict[str, Any], cfg) -> int:
-    from extract.estimate import planned_bytes_per_token
-    from manifests.manifest import plan_shards
+    from layertap.extract.estimate import planned_bytes_per_token
+    from layertap.manifests.manifest import plan_shards
 
     bpt = planned_bytes_per_token(capture_layers=len(shape["layers"]), hidden_size=shape["hidden_size"],
                                   final_state=cfg.final_state != "none", codec=cfg.codec)
@@ -245,8 +245,8 @@ def _shard_count(counts: list[int], shape: dict[str, Any], cfg) -> int:
 
 
 def _measure(cfg, target, capture, identity, stats):
-    from extract.measure import measure_extraction
-    from extract.run import shard_meta
+    from layertap.extract.measure import measure_extraction
+    from layertap.extract.run import shard_meta
 
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     meta = shard_meta(cfg, identity, run_id="0" * 12, shard_id=0)
@@ -301,10 +301,10 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
         raise ValueError("plan writes the run's manifest: give --out s3://bucket/prefix or a local folder "
                          "(or --dry-run to only look)")
     cfg = _config(args, args.out or "")
-    from extract.measure import token_statistics
-    from extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
-    from manifests.manifest import NoRun, plan_shards
-    from storage.store import open_store
+    from layertap.extract.measure import token_statistics
+    from layertap.extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
+    from layertap.manifests.manifest import NoRun, plan_shards
+    from layertap.storage.store import open_store
 
     store = None
     if cfg.out:

@@ -203,9 +203,9 @@ def _module_functions(model: nn.Module) -> list[tuple[object, str, object]]:
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    from extract.model import _decoder  # that module imports this one
+    from layertap.extract.model import decoder_of  # that module imports this one
 
-    return list(_decoder(model).layers)
+    return list(decoder_of(model).layers)
 
 
 def _layer_types(model: nn.Module) -> list[str]:

@@ -17,15 +17,15 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from extract.estimate import TOKEN_BYTES
-from extract.inputs import Skipped, TokenizedSample, TokenizeStats, sample_id, tokenize_rows
-from extract.model import Capture
-from extract.pipeline import PipelineStats, extract_shard, pad_batch
-from storage.codecs import CODEC_NAMES
-from storage.format import ShardMeta
-from storage.records import EncodedRecord, decode_record, encode_record
-from storage.writer import ShardWriter
-from storage.store import ObjectWriter
+from layertap.extract.estimate import TOKEN_BYTES
+from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, sample_id, tokenize_rows
+from layertap.extract.model import Capture
+from layertap.extract.pipeline import PipelineStats, extract_shard, pad_batch
+from layertap.storage.codecs import CODEC_NAMES
+from layertap.storage.format import ShardMeta
+from layertap.storage.records import EncodedRecord, decode_record, encode_record
+from layertap.storage.writer import ShardWriter
+from layertap.storage.store import ObjectWriter
 
 log = logging.getLogger("layertap.estimate")
 

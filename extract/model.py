@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
+from layertap.extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
 
 LAYER_CONVENTION = "decoder_output: layer k = HF hidden_states[k+1]"
 FinalState = Literal["none", "prenorm", "postnorm"]
@@ -97,7 +97,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         if str(device).startswith("cuda"):
             use_fla_short_conv(model)
         log_kernel_paths(model, str(device))
-    config = _decoder(model).config
+    config = decoder_of(model).config
     info = {
         "model": path,
         "gguf_file": gguf_file,
@@ -134,7 +134,7 @@ def _revision(path: str, config) -> str | None:
         return None
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def decoder_of(model: nn.Module) -> nn.Module:
     """The base transformer (embeddings, ``layers``, ``norm``) under a ``*ForCausalLM`` head."""
     for candidate in (getattr(model, "model", None), model.get_decoder() if hasattr(model, "get_decoder") else None):
         if candidate is not None and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
@@ -155,7 +155,7 @@ class Capture:
     def __init__(self, model: nn.Module, layers: list[int], final_state: FinalState = "none"):
         if getattr(model, "_layertap_cut", False):
             raise ValueError("this model was already cut by a Capture; load it again")
-        decoder = _decoder(model)
+        decoder = decoder_of(model)
         config = decoder.config
         num_layers = int(config.num_hidden_layers)
         self.layers = _check_layers(layers, num_layers)

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from extract.inputs import TokenizedSample
-from extract.model import Capture
-from storage.format import ShardMeta
-from storage.records import EncodedRecord, Sample, encode_record
-from storage.writer import ShardInfo, ShardWriter
-from storage.store import ObjectWriter
+from layertap.extract.inputs import TokenizedSample
+from layertap.extract.model import Capture
+from layertap.storage.format import ShardMeta
+from layertap.storage.records import EncodedRecord, Sample, encode_record
+from layertap.storage.writer import ShardInfo, ShardWriter
+from layertap.storage.store import ObjectWriter
 
 
 class LeaseLost(RuntimeError):

@@ -19,21 +19,21 @@ from typing import Any
 
 import torch
 
-from extract.config import ExtractConfig, as_run_recorded, resolve_dtype
-from extract.console import progress, quiet_library_bars
-from storage.units import duration
-from extract.estimate import fmt_bytes, planned_bytes_per_token
-from extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
-from extract.model import Capture, Target, default_layers, load_target
-from extract.pipeline import HostStaging, PipelineStats, extract_shard
-from manifests import layout
-from manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
-from manifests.records import Producer
-from manifests.state import scan
-from manifests.status import run_status
-from manifests.work import WorkQueue
-from storage.format import ShardMeta
-from storage.store import ObjectStore, open_store
+from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtype
+from layertap.extract.console import progress, quiet_library_bars
+from layertap.storage.units import duration
+from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
+from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
+from layertap.extract.model import Capture, Target, default_layers, load_target
+from layertap.extract.pipeline import HostStaging, PipelineStats, extract_shard
+from layertap.manifests import layout
+from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
+from layertap.manifests.records import Producer
+from layertap.manifests.state import scan
+from layertap.manifests.status import run_status
+from layertap.manifests.work import WorkQueue
+from layertap.storage.format import ShardMeta
+from layertap.storage.store import ObjectStore, open_store
 
 log = logging.getLogger("layertap.extract")
 
@@ -211,7 +211,7 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
     """
     model_path, gguf_file = cfg.model, cfg.gguf_file
     if model_path is None:
-        from extract.embedded import smollm2_gguf
+        from layertap.extract.embedded import smollm2_gguf
 
         model_path, gguf_file = smollm2_gguf()
         if cfg.gguf_file != gguf_file:  # said once, not again when the weights follow
@@ -249,7 +249,7 @@ def dataset_rows(cfg: ExtractConfig):
         return load_rows(cfg.dataset, cfg.limit), dataset_fingerprint(cfg.dataset, cfg.limit)
     import datasets
 
-    from extract.embedded import sharegpt_conversations
+    from layertap.extract.embedded import sharegpt_conversations
 
     log.info("no --dataset given: using the first %d embedded ShareGPT conversations", cfg.limit)
     rows = datasets.Dataset.from_list(list(sharegpt_conversations(cfg.limit)))
@@ -401,7 +401,7 @@ class Progress:
 
 
 def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
-    from manifests.cli import format_status
+    from layertap.manifests.cli import format_status
 
     status = run_status(store)
     print(f"\nshards are in {store.uri}/shards/ (committed ones listed under {store.uri}/commits/)")

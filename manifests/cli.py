@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from storage.units import duration, size
+from layertap.storage.units import duration, size
 
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
@@ -35,24 +35,24 @@ def add_verify(p: argparse.ArgumentParser) -> None:
 
 
 def _errors():
-    from manifests.manifest import ManifestError
-    from storage.format import ShardError
-    from storage.store import StoreError
+    from layertap.manifests.manifest import ManifestError
+    from layertap.storage.format import ShardError
+    from layertap.storage.store import StoreError
 
     return (ManifestError, StoreError, ShardError)
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from manifests.manifest import NoRun
-    from manifests.status import run_status as status
-    from storage.store import open_store
+    from layertap.manifests.manifest import NoRun
+    from layertap.manifests.status import run_status as status
+    from layertap.storage.store import open_store
 
     try:
         store = open_store(args.prefix)
         try:
             s = status(store, shards=args.shards)
         except NoRun as e:
-            from manifests.train_output import training_status
+            from layertap.manifests.train_output import training_status
 
             t = training_status(store)
             if t is None:
@@ -147,8 +147,8 @@ def format_training(t: dict) -> str:
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from manifests.status import verify_run
-    from storage.store import open_store
+    from layertap.manifests.status import verify_run
+    from layertap.storage.store import open_store
 
     try:
         store = open_store(args.prefix)

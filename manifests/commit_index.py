@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import zstandard
 
-from manifests import layout
-from manifests.manifest import ManifestError
-from manifests.records import CommitRecord, decode_commit
-from storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+from layertap.manifests import layout
+from layertap.manifests.manifest import ManifestError
+from layertap.manifests.records import CommitRecord, decode_commit
+from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ def add_delete(p: argparse.ArgumentParser) -> None:
 
 
 def run_delete(args: argparse.Namespace) -> int:
-    from storage.units import size
-    from manifests.manifest import ManifestError
-    from storage.store import StoreError, open_store
+    from layertap.storage.units import size
+    from layertap.manifests.manifest import ManifestError
+    from layertap.storage.store import StoreError, open_store
 
     try:
         store = open_store(args.prefix)
@@ -59,9 +59,9 @@ def run_delete(args: argparse.Namespace) -> int:
 
 def describe(store, force: bool) -> str:
     """What the prefix holds, in words; raises ValueError for what must not be deleted unforced."""
-    from manifests import layout
-    from manifests.manifest import ManifestError, NoRun, load_manifest
-    from manifests.state import scan
+    from layertap.manifests import layout
+    from layertap.manifests.manifest import ManifestError, NoRun, load_manifest
+    from layertap.manifests.state import scan
 
     try:
         manifest = load_manifest(store)

@@ -17,19 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from manifests.layout import MANIFEST
-from storage.store import ObjectNotFound, ObjectStore
+from layertap.manifests.layout import MANIFEST
+from layertap.storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "layertap-manifest"
 MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 1_000_000_000
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
 
 class ManifestError(Exception):
     """The manifest or a run record is missing, corrupt, or from an incompatible version."""
@@ -45,20 +40,6 @@ class NoRun(ManifestError):
 
 class ConfigMismatch(ManifestError):
     """A rerun's configuration differs from the run already on the store."""
-
-
-def parse_size(text: str | int) -> int:
-    """'64MB' -> 64_000_000, '1GiB' -> 2**30, 4096 -> 4096."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    unit = (m.group(2) or "").lower().removesuffix("b") if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"invalid size {text!r}: must be positive")
-    return size
 
 
 @dataclass(frozen=True, slots=True)

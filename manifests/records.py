@@ -10,8 +10,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from manifests import layout
-from manifests.manifest import ManifestError, UnsupportedVersion
+from layertap.manifests import layout
+from layertap.manifests.manifest import ManifestError, UnsupportedVersion
 
 RECORD_VERSION = 1
 

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from manifests import layout
-from manifests.manifest import Manifest, ManifestError
-from manifests.records import CommitRecord, decode_commit
-from storage.store import ObjectInfo, ObjectNotFound, ObjectStore
+from layertap.manifests import layout
+from layertap.manifests.manifest import Manifest, ManifestError
+from layertap.manifests.records import CommitRecord, decode_commit
+from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
 ShardState = Literal["done", "running", "failed", "pending"]
 

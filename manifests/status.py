@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from manifests import layout
-from manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
-from manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
-from manifests.state import RunState, replaced_manifest_error, scan
-from storage.reader import verify_shard
-from storage.store import ObjectNotFound, ObjectStore
+from layertap.manifests import layout
+from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
+from layertap.manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
+from layertap.manifests.state import RunState, replaced_manifest_error, scan
+from layertap.storage.reader import verify_shard
+from layertap.storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 

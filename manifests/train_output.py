@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any
 
-from storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectNotFound, ObjectStore
 
 METRICS = "metrics.jsonl"  # one JSON line per step, rewritten whole with each checkpoint
 LATEST = "checkpoints/latest.json"  # {"step", "prefix"}: the checkpoint that counts

@@ -21,12 +21,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 
-from manifests import layout
-from manifests.manifest import Manifest, ManifestError, ShardPlan
-from manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
-from manifests.state import RunState, scan, scan_shard
-from storage.writer import ShardInfo
-from storage.store import ObjectNotFound, ObjectStore, StoreError
+from layertap.manifests import layout
+from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
+from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
+from layertap.manifests.state import RunState, scan, scan_shard
+from layertap.storage.writer import ShardInfo
+from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 

@@ -51,13 +51,13 @@ def tool_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[
 def _train_parser() -> ToolParser | None:
     """`layertap train`'s option builder, or None where this installation has no trainer."""
     try:
-        return importlib.import_module("train.command").add_train
+        return importlib.import_module("layertap.train.command").add_train
     except (ImportError, AttributeError):
         return None
 
 
 def add_submit(p: argparse.ArgumentParser) -> None:
-    from extract.command import add_extract
+    from layertap.extract.command import add_extract
 
     sub = p.add_subparsers(dest="submit_kind", required=True, metavar="JOB")
     e = sub.add_parser("extract", help="an extraction array sized to the run's unfinished shards",
@@ -135,13 +135,13 @@ def _add_slurm_options(p: argparse.ArgumentParser, job_name: str) -> None:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    from manifests.manifest import ManifestError
-    from slurm.submit import SlurmError
-    from storage.store import StoreError
+    from layertap.manifests.manifest import ManifestError
+    from layertap.slurm.submit import SlurmError
+    from layertap.storage.store import StoreError
 
     try:
         if not args.dry_run:
-            from slurm.submit import require
+            from layertap.slurm.submit import require
 
             require("sbatch")
         if args.submit_kind == "extract":
@@ -158,8 +158,8 @@ _MEM = re.compile(r"^\d+[KMGT]?$")
 def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: Any):
     """The job's options: the user's, and CPUs and memory `sized` from the job where not given
     (clipped to a node of the partition, when sinfo describes it)."""
-    from slurm.resources import fit
-    from slurm.scripts import JobOptions, default_activation
+    from layertap.slurm.resources import fit
+    from layertap.slurm.scripts import JobOptions, default_activation
 
     mem = args.mem
     if mem is not None and mem.lower() != "none" and not _MEM.match(mem):
@@ -195,7 +195,7 @@ def _gpus_per_node(args: argparse.Namespace, node) -> int:
 
 def _extract_config(args: argparse.Namespace):
     """The extraction's settings exactly as each task will read them (config file, then flags)."""
-    from extract.config import ExtractConfig, load_config, parse_ids
+    from layertap.extract.config import ExtractConfig, load_config, parse_ids
 
     fields = {f.name for f in dataclasses.fields(ExtractConfig)} - {"layers", "shards"}
     overrides = {a.dest: getattr(args, a.dest) for a in args._tool_actions if a.dest in fields}
@@ -205,14 +205,14 @@ def _extract_config(args: argparse.Namespace):
 
 
 def _submit_extract(args: argparse.Namespace) -> int:
-    from manifests.manifest import NoRun
-    from slurm import submit
-    from slurm.scripts import extract_script
-    from slurm.work import dynamic_plan, remaining_work, static_plan
-    from storage.store import open_store
+    from layertap.manifests.manifest import NoRun
+    from layertap.slurm import submit
+    from layertap.slurm.scripts import extract_script
+    from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
+    from layertap.storage.store import open_store
 
-    from slurm.resources import extract_resources
-    from slurm.submit import partition_shape
+    from layertap.slurm.resources import extract_resources
+    from layertap.slurm.submit import partition_shape
 
     node = partition_shape(args.partition)
     gpus = _gpus_per_node(args, node)
@@ -258,7 +258,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
 
 
 def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
-    from slurm.scripts import compress
+    from layertap.slurm.scripts import compress
 
     if remaining.running:
         _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
@@ -278,7 +278,7 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
 
 def _then_train(args: argparse.Namespace, gpus: int, node) -> tuple[Any, str]:
     """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser."""
-    from slurm.scripts import train_script
+    from layertap.slurm.scripts import train_script
 
     add_train = _train_parser()
     if add_train is None:
@@ -292,7 +292,7 @@ def _then_train(args: argparse.Namespace, gpus: int, node) -> tuple[Any, str]:
         raise ValueError(f"--then-train {args.then_train!r}: {e}") from None
     if extra:
         raise ValueError(f"--then-train {args.then_train!r}: `layertap train` does not take {' '.join(extra)}")
-    from slurm.resources import train_resources
+    from layertap.slurm.resources import train_resources
 
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
                          job_name="layertap-train")
@@ -300,11 +300,11 @@ def _then_train(args: argparse.Namespace, gpus: int, node) -> tuple[Any, str]:
 
 
 def _submit_train(args: argparse.Namespace) -> int:
-    from slurm.scripts import train_script
-    from slurm.submit import dependency_options
+    from layertap.slurm.scripts import train_script
+    from layertap.slurm.submit import dependency_options
 
-    from slurm.resources import train_resources
-    from slurm.submit import partition_shape
+    from layertap.slurm.resources import train_resources
+    from layertap.slurm.submit import partition_shape
 
     if _train_parser() is None:
         raise ValueError("`layertap train` is not available in this installation (no train.command)")
@@ -320,7 +320,7 @@ def _submit_train(args: argparse.Namespace) -> int:
 
 
 def _sbatch_train(args: argparse.Namespace, opts, script: str, after: list[str]) -> None:
-    from slurm import submit
+    from layertap.slurm import submit
 
     job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script), after)
     when = f" after job(s) {', '.join(after)} succeed" if after else ""

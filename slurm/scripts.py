@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from importlib import resources
 
-EXTRACT_MODULE = "extract.cli"  # `python -m extract.cli` is the `layertap` command
+# each package's own command: `python -m layertap.extract ARGS` is `layertap extract ARGS`
+EXTRACT_MODULE, TRAIN_MODULE = "layertap.extract", "layertap.train"
 
 
 @dataclass(kw_only=True)
@@ -129,9 +130,9 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -
         lines.append("PORT=$((20000 + SLURM_JOB_ID % 20000))  # array tasks may share a node")
         launch = [*step, shlex.quote(opts.python), "-m", "accelerate.commands.launch", "--multi_gpu",
                   "--num_processes", str(opts.procs), "--num_machines", "1", "--main_process_port", '"$PORT"',
-                  "--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE, "extract"]
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE]
     else:
-        launch = [*step, shlex.quote(opts.python), "-m", EXTRACT_MODULE, "extract"]
+        launch = [*step, shlex.quote(opts.python), "-m", EXTRACT_MODULE]
     lines.append(_command(launch + args))
     mode = (f"{plan.shards_per_task} shard(s) per task" if plan.shards_per_task else "any free shard, through leases")
     about = [f"# layertap extraction: one array task per node, {opts.procs} worker process(es) each ({mode}).",
@@ -168,7 +169,7 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     if nodes * opts.procs > 1:
         launch.append("--multi_gpu")
     # No --mixed_precision: the trainer chooses its own (bf16 on GPUs).
-    launch += ["--dynamo_backend", "no", "-m", EXTRACT_MODULE, "train",
+    launch += ["--dynamo_backend", "no", "-m", TRAIN_MODULE,
                *map(shlex.quote, train_args), '${RESUME[@]+"${RESUME[@]}"}']  # bash 4.2-safe under set -u
     lines.append(_command(launch))
     about = [f"# layertap training: {nodes} node(s) x {opts.procs} process(es), one accelerate launcher per node."]

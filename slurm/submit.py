@@ -9,8 +9,8 @@ import shutil
 import subprocess
 import time
 
-from slurm.resources import NodeShape
-from slurm.work import DEFAULT_MAX_ARRAY_SIZE
+from layertap.slurm.resources import NodeShape
+from layertap.slurm.work import DEFAULT_MAX_ARRAY_SIZE
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from manifests.manifest import ConfigMismatch, load_manifest
-from manifests.state import scan
-from slurm.scripts import ArrayPlan
-from storage.store import ObjectStore
+from layertap.manifests.manifest import ConfigMismatch, load_manifest
+from layertap.manifests.state import scan
+from layertap.slurm.scripts import ArrayPlan
+from layertap.storage.store import ObjectStore
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: array indices go up to 1000
 
@@ -39,7 +39,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run,
     and `ConfigMismatch` if `settings` (a subset of the manifest's config) differ from the run's:
     every task would be refused, so better now than in the queue."""
-    from extract.config import as_run_recorded  # the same tolerance as the extractor's own check
+    from layertap.extract.config import as_run_recorded  # the same tolerance as the extractor's own check
 
     manifest = load_manifest(store)
     settings = as_run_recorded(manifest.config, settings or {})

@@ -23,9 +23,9 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from storage.format import ShardError
-    from storage.reader import ShardReader, verify_shard
-    from storage.store import ObjectNotFound, StoreError, open_store, split_object_uri
+    from layertap.storage.format import ShardError
+    from layertap.storage.reader import ShardReader, verify_shard
+    from layertap.storage.store import ObjectNotFound, StoreError, open_store, split_object_uri
 
     try:
         root, key = split_object_uri(args.uri)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import xxhash
 
-from storage.codecs import CODEC_NAMES, get_codec
+from layertap.storage.codecs import CODEC_NAMES, get_codec
 
 FORMAT_NAME = "layertap-shard"
 FORMAT_VERSION = 1

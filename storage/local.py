@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from storage.store import (
+from layertap.storage.store import (
     InvalidKey,
     ObjectInfo,
     ObjectNotFound,

@@ -10,10 +10,10 @@ from typing import BinaryIO
 
 import xxhash
 
-from storage.format import (FOOT, FRAME, HEAD, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC, RecordEntry, ShardError,
+from layertap.storage.format import (FOOT, FRAME, HEAD, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC, RecordEntry, ShardError,
                             ShardMeta, UnsupportedShard, check_preamble, parse_frame, parse_head)
-from storage.records import Sample, decode_record, record_metadata
-from storage.store import ObjectStore
+from layertap.storage.records import Sample, decode_record, record_metadata
+from layertap.storage.store import ObjectStore
 
 
 def record_payload(buf: bytes | memoryview, base: int, entry: RecordEntry, where: str) -> memoryview:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import xxhash
 
-from storage.codecs import get_codec
-from storage.format import ShardError, ShardMeta
+from layertap.storage.codecs import get_codec
+from layertap.storage.format import ShardError, ShardMeta
 
 
 @dataclass(slots=True)

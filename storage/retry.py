@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from storage.store import EndpointUnreachable, StoreError, TransientStoreError
+from layertap.storage.store import EndpointUnreachable, StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

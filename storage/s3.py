@@ -34,8 +34,8 @@ from botocore.config import Config
 from botocore.response import StreamingBody
 from botocore.utils import parse_timestamp
 
-from storage.retry import RetryPolicy
-from storage.store import (
+from layertap.storage.retry import RetryPolicy
+from layertap.storage.store import (
     EndpointUnreachable,
     ObjectInfo,
     ObjectNotFound,

@@ -236,13 +236,13 @@ def open_store(uri: str, **options) -> ObjectStore:
     Options are passed to the backend (see `storage.s3.S3Options` for the S3 ones).
     """
     if uri.startswith("s3://"):
-        from storage.s3 import S3Options, S3Store
+        from layertap.storage.s3 import S3Options, S3Store
 
         return S3Store(uri, S3Options(**options))
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
         raise StoreError(f"unsupported store URI {uri!r}: scheme {scheme!r}; use s3://bucket/prefix or a local path")
-    from storage.local import LocalStore
+    from layertap.storage.local import LocalStore
 
     if options:
         raise StoreError(f"the local store takes no options, got {sorted(options)}")

@@ -1,11 +1,18 @@
 """How layertap shows sizes and durations to people: one rule for every command.
 
 Sizes are binary (KiB, MiB, GiB, TiB = 2^10, 2^20, 2^30, 2^40 bytes); durations read as speech.
+And how people write sizes to layertap (`parse_size`: --shard-bytes 64MB, --memory-budget 4GiB).
 Here, in the lowest room, so that `status` (manifests/), the progress lines (extract/) and
 anything above them say "12.3 MiB" and "3 h 05 min" the same way.
 """
 
 from __future__ import annotations
+
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 def size(n: float) -> str:
@@ -27,3 +34,17 @@ def duration(seconds: float) -> str:
     if s < 2 * 86400:
         return f"{s // 3600} h {s % 3600 // 60:02d} min"
     return f"{s // 86400} d {s % 86400 // 3600} h"
+
+
+def parse_size(text: str | int) -> int:
+    """'64MB' -> 64_000_000, '1GiB' -> 2**30, 4096 -> 4096."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    unit = (m.group(2) or "").lower().removesuffix("b") if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"invalid size {text!r}: must be positive")
+    return size

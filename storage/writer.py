@@ -9,11 +9,11 @@ from dataclasses import asdict, dataclass
 
 import xxhash
 
-from storage.codecs import get_codec
-from storage.format import (FOOT, FORMAT_VERSION, FRAME, HEAD, MAGIC, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC,
+from layertap.storage.codecs import get_codec
+from layertap.storage.format import (FOOT, FORMAT_VERSION, FRAME, HEAD, MAGIC, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC,
                             RecordEntry, ShardMeta, frame_header)
-from storage.records import EncodedRecord, Sample, encode_record
-from storage.store import ObjectStore, ObjectWriter
+from layertap.storage.records import EncodedRecord, Sample, encode_record
+from layertap.storage.store import ObjectStore, ObjectWriter
 
 
 @dataclass(frozen=True, slots=True)

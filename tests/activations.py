@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script or from bench/
-from extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
+from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
 
 HIDDEN = 576
 _ROLES = {"human": "user", "user": "user", "system": "system"}  # everything else: assistant
@@ -34,7 +34,7 @@ def smollm2_folder() -> str:
     """SmolLM2-135M-Instruct as a plain HF folder (fp32 safetensors, tokenizer, chat template),
     converted from the GGUF by `load_target` once: the same weights, loaded in ~1 s. Tests of
     the GGUF path itself load the GGUF."""
-    from extract.model import load_target
+    from layertap.extract.model import load_target
 
     path = _cache_dir() / "smollm2-hf-v1"
     if (path / "model.safetensors").exists():

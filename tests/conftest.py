@@ -13,7 +13,7 @@ import boto3
 import pytest
 
 from s3server import start_moto_server, stop
-from storage.store import open_store
+from layertap.storage.store import open_store
 
 
 @pytest.fixture(scope="session")

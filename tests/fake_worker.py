@@ -13,13 +13,13 @@ import time
 
 import torch
 
-from manifests.manifest import create_or_resume
-from manifests.records import Producer
-from manifests.work import WorkQueue
-from storage.format import ShardMeta
-from storage.records import Sample
-from storage.writer import ShardWriter
-from storage.store import open_store
+from layertap.manifests.manifest import create_or_resume
+from layertap.manifests.records import Producer
+from layertap.manifests.work import WorkQueue
+from layertap.storage.format import ShardMeta
+from layertap.storage.records import Sample
+from layertap.storage.writer import ShardWriter
+from layertap.storage.store import open_store
 
 LAYERS, HIDDEN = [0, 2], 32
 CONFIG = {"model": "synthetic", "layers": LAYERS, "codec": "bf16-zstd", "max_length": 64}

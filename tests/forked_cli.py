@@ -1,6 +1,6 @@
 """Real `layertap` processes that start in a fraction of a second, to be killed many times over.
 
-Starting `python -m extract.cli` costs seconds of imports (torch, transformers, datasets) on a
+Starting `python -m layertap` costs seconds of imports (torch, transformers, datasets) on a
 small machine. A multiprocessing forkserver pays them once: it imports this module, and with it
 everything the extractor imports, then forks one child per `start()`. Each child is a real
 process with its own pid, store connections and threads, and dies of SIGKILL like any other.
@@ -21,15 +21,15 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 from transformers.models.llama import modeling_llama  # noqa: F401 - transformers imports it lazily
 
-from extract import run  # noqa: F401
-from extract.cli import main as cli_main
+from layertap.extract import run  # noqa: F401
+from layertap.cli import main as cli_main
 
 _CTX = multiprocessing.get_context("forkserver")
 # Names importable from anywhere: Python 3.11's forkserver ignores the parent's sys.path (this
 # module's folder is not on it); each child imports this module again, cheaply, through spawn's
 # preparation data.
 _CTX.set_forkserver_preload(["accelerate", "datasets", "torch", "transformers",
-                             "transformers.models.llama.modeling_llama", "extract.run", "extract.cli"])
+                             "transformers.models.llama.modeling_llama", "layertap.extract.run", "layertap.cli"])
 
 
 def _child(argv: list[str], env: dict[str, str], log_path: str) -> None:

@@ -10,7 +10,7 @@ import torch
 import zstandard
 from safetensors.torch import load, save
 
-from storage.codecs import CODEC_NAMES, DEFAULT_CODEC, get_codec
+from layertap.storage.codecs import CODEC_NAMES, DEFAULT_CODEC, get_codec
 
 LOSSLESS = ("bf16", "bf16-zstd")
 

@@ -8,11 +8,11 @@ import pytest
 import zstandard
 
 import fake_worker
-from manifests import layout
-from manifests.commit_index import read_commits, write_index
-from manifests.records import decode_commit
-from storage.store import ObjectNotFound, StoreError, open_store
-from train import ShardStream
+from layertap.manifests import layout
+from layertap.manifests.commit_index import read_commits, write_index
+from layertap.manifests.records import decode_commit
+from layertap.storage.store import ObjectNotFound, StoreError, open_store
+from layertap.train import ShardStream
 
 
 class CountingStore:

@@ -7,8 +7,8 @@
 - ```bash preceded by `<!-- snippet: run ... -->`: executed the same way with `bash -e`: every
   command exits 0.
 - every other ```bash: `bash -n` (shell syntax), then each command by what it runs.
-  `layertap ...` (also through `accelerate launch ... -m extract.cli` or `python -m
-  extract.cli`) is parsed by layertap's own argument parser: a complete command line must parse;
+  `layertap ...` (also through `accelerate launch ... -m layertap.extract` or `-m layertap.train`, or
+  `python -m layertap`) is parsed by layertap's own argument parser: a complete command line must parse;
   one that elides arguments with `...` must name only options its subcommand has; a
   `--then-train "..."` value is parsed as `layertap train`'s arguments; accelerate's own flags
   by accelerate's parser. `python script.py --flag`: the script exists and defines each flag.
@@ -37,7 +37,7 @@ import boto3
 import pytest
 
 import fake_worker
-from extract.cli import build_parser
+from layertap.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -185,8 +185,9 @@ def check_accelerate(words: list[str], where: str) -> None:
             launch_command_parser().parse_args(words[2:module_at + 1])
         except SystemExit:
             pytest.fail(f"{where}: accelerate refuses {' '.join(words[2:module_at])}: {err.getvalue().strip()}")
-    assert words[module_at] == "extract.cli", f"{where}: accelerate launches {words[module_at]}"
-    check_layertap(words[module_at + 1:], where)
+    module, rest = words[module_at], words[module_at + 1:]
+    assert module in ("layertap", "layertap.extract", "layertap.train"), f"{where}: accelerate launches {module}"
+    check_layertap(rest if module == "layertap" else [module.split(".")[1], *rest], where)
 
 
 def check_script(words: list[str], where: str) -> None:
@@ -226,7 +227,7 @@ def test_bash_snippet_is_accepted(snippet: Snippet):
             check_layertap(words[1:], snippet.id)
         elif name == "accelerate":
             check_accelerate(words, snippet.id)
-        elif name in ("python", "python3") and words[1:3] == ["-m", "extract.cli"]:
+        elif name in ("python", "python3") and words[1:3] == ["-m", "layertap"]:
             check_layertap(words[3:], snippet.id)
         elif name in ("python", "python3"):
             check_script(words, snippet.id)
@@ -247,7 +248,7 @@ def test_a_wrong_option_in_a_snippet_is_caught(doc_env):
         check_layertap(["train", "...", "--no-such-flag"], "here")
     with pytest.raises(AssertionError, match="is refused"):
         check_layertap(["submit", "extract", "--nodes", "1", "--then-train", "--steps many"], "here")
-    code = ("from train import ShardStream, StreamLoader, packer\n"
+    code = ("from layertap.train import ShardStream, StreamLoader, packer\n"
             f"next(iter(StreamLoader(ShardStream('s3://{doc_env['bucket']}/qwen27b/run1'), batch_size=8, "
             "collate=packer(4096))))")  # LOADER.md's former `collate=packer(4096)`
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=doc_env["env"])

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from extract.cli import main as cli
-from extract.estimate import (GiB, MiB, Prices, Storage, Throughput, Workload, alternatives, estimate, fmt_bytes,
+from layertap.cli import main as cli
+from layertap.extract.estimate import (GiB, MiB, Prices, Storage, Throughput, Workload, alternatives, estimate, fmt_bytes,
                               fmt_duration, fmt_rate, fmt_usd)
-from manifests.manifest import load_manifest
-from storage.store import open_store
+from layertap.manifests.manifest import load_manifest
+from layertap.storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir
 

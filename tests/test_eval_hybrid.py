@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract.cli import main as cli
-from extract.model import load_target
+from layertap.cli import main as cli
+from layertap.extract.model import load_target
 from test_train import OracleDrafter
 from tiny_models import tiny_model_dir, tiny_tokenizer
-from train.drafter import DFlashDrafter, default_config
-from train.speculative import TargetRunner, greedy_decode, speculative_decode
-from train.target_head import TargetHead
+from layertap.train.drafter import DFlashDrafter, default_config
+from layertap.train.speculative import TargetRunner, greedy_decode, speculative_decode
+from layertap.train.target_head import TargetHead
 
 REPO = Path(__file__).resolve().parents[1]
 HYBRIDS = ["qwen3_5_text", "qwen3_next"]

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract.cli import main as cli
-from extract.config import ExtractConfig
-from extract.inputs import TokenizedSample, load_rows, tokenize_rows
-from extract.pipeline import make_batches, pad_batch
-from extract.run import extract
-from manifests import layout
-from manifests.records import decode_commit, decode_failure
-from manifests.status import run_status, verify_run
-from storage.reader import ShardReader, verify_shard
-from storage.store import open_store
+from layertap.cli import main as cli
+from layertap.extract.config import ExtractConfig
+from layertap.extract.inputs import TokenizedSample, load_rows, tokenize_rows
+from layertap.extract.pipeline import make_batches, pad_batch
+from layertap.extract.run import extract
+from layertap.manifests import layout
+from layertap.manifests.records import decode_commit, decode_failure
+from layertap.manifests.status import run_status, verify_run
+from layertap.storage.reader import ShardReader, verify_shard
+from layertap.storage.store import open_store
 from tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +157,7 @@ def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 24)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "extract.cli", "-v", "extract", "--model", models["qwen3"], "--dataset", data, "--out", store_uri,
+           "-m", "layertap", "-v", "extract", "--model", models["qwen3"], "--dataset", data, "--out", store_uri,
            "--layers", "1,4", "--max-length", "40", "--shard-bytes", "10KB", "--log-dir", str(tmp_path / "logs")]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -182,7 +182,7 @@ def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
 def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 60)
     # one forward per sample, ~15 samples per shard: a shard is open long enough to be stopped
-    args = [sys.executable, "-m", "extract.cli", "extract", "--model", models["llama"], "--dataset", data,
+    args = [sys.executable, "-m", "layertap", "extract", "--model", models["llama"], "--dataset", data,
             "--out", store_uri, "--layers", "1,3", "--max-length", "48", "--batch-tokens", "48",
             "--shard-bytes", "150KB", "--log-dir", str(tmp_path / "logs")]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -216,8 +216,8 @@ def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path
 def test_smollm2_extraction_equals_hf_forward(tmp_path):
     """The real SmolLM2-135M-Instruct (GGUF) on real ShareGPT conversations, bit-exact."""
     from activations import smollm2_folder
-    from extract.embedded import sharegpt_conversations, smollm2_gguf
-    from extract.model import default_layers, load_target
+    from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf
+    from layertap.extract.model import default_layers, load_target
 
     rows = list(sharegpt_conversations(6))
     data = tmp_path / "sharegpt.jsonl"

@@ -355,10 +355,10 @@ class Trickle(io.RawIOBase):
 # Tests: shards from the reference writer, read with the reader above
 # ---------------------------------------------------------------------------------------------
 
-from storage.format import ShardMeta  # noqa: E402  (writer side)
-from storage.reader import ShardReader, verify_shard  # noqa: E402
-from storage.records import Sample  # noqa: E402
-from storage.writer import write_shard  # noqa: E402
+from layertap.storage.format import ShardMeta  # noqa: E402  (writer side)
+from layertap.storage.reader import ShardReader, verify_shard  # noqa: E402
+from layertap.storage.records import Sample  # noqa: E402
+from layertap.storage.writer import write_shard  # noqa: E402
 
 LAYERS, HIDDEN = [0, 4, 11], 48
 KEY = "shards/00003.lts"
@@ -555,7 +555,7 @@ def test_doc_reader_detects_damage(store):
 
 
 def test_unknown_version_is_refused_by_both_readers(store):
-    from storage.format import UnsupportedShardVersion
+    from layertap.storage.format import UnsupportedShardVersion
 
     write_shard(store, KEY, make_meta("bf16", "none"), make_samples(False, False)[:1])
     data = bytearray(store.get(KEY))

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from extract.embedded import sharegpt_conversations
-from extract.inputs import (
+from layertap.extract.embedded import sharegpt_conversations
+from layertap.extract.inputs import (
     BAD_MESSAGE, EMPTY, NO_SUPERVISED_PAIR, TEMPLATE_ERROR, RowShape, Skipped, TokenizedSample,
     TokenizeStats, dataset_fingerprint, detect_row_shape, load_rows, sample_id, tokenize_rows,
 )

@@ -1,6 +1,6 @@
 """`layertap inspect URI [--json]`: good, corrupted, truncated and missing shards, local and on S3.
 
-Most tests call `extract.cli.main` in-process; a few run the installed `layertap` console
+Most tests call `layertap.cli.main` in-process; a few run the installed `layertap` console
 script in a subprocess (on S3 it reaches the moto server through AWS_ENDPOINT_URL, which the
 conftest's autouse fixture exports).
 """
@@ -16,12 +16,12 @@ import subprocess
 import pytest
 import torch
 
-from extract.cli import main
-from storage.format import ShardMeta
-from storage.reader import ShardReader
-from storage.records import Sample
-from storage.writer import write_shard
-from storage.store import open_store
+from layertap.cli import main
+from layertap.storage.format import ShardMeta
+from layertap.storage.reader import ShardReader
+from layertap.storage.records import Sample
+from layertap.storage.writer import write_shard
+from layertap.storage.store import open_store
 
 KEY = "shards/00007.lts"
 LAYERS, HIDDEN = [1, 3, 5], 64
@@ -289,7 +289,7 @@ def test_stats_per_capture_layer(store, store_uri, capsys, codec):
 
 
 def test_help_example_is_a_real_shard_name(capsys):
-    from manifests import layout
+    from layertap.manifests import layout
 
     with pytest.raises(SystemExit):
         main(["inspect", "--help"])

@@ -22,7 +22,7 @@ def test_extract_on_a_hybrid_target_logs_its_kernel_path(tmp_path):
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}?"},
                                                      {"role": "assistant", "content": "an answer " * (i + 1)}]}) + "\n"
                             for i in range(3)))
-    p = subprocess.run([sys.executable, "-m", "extract.cli", "extract", "--model", model, "--dataset", str(data),
+    p = subprocess.run([sys.executable, "-m", "layertap", "extract", "--model", model, "--dataset", str(data),
                         "--out", str(tmp_path / "run"), "--layers", "1,3", "--dtype", "float32",
                         "--max-length", "64", "--log-dir", str(tmp_path / "logs")],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path,
@@ -49,7 +49,7 @@ def _fla_site() -> Path:
 FORWARD = """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO)
-from extract.model import load_target, Capture
+from layertap.extract.model import load_target, Capture
 from transformers import AutoModelForCausalLM
 folder, out, how = sys.argv[1:]
 if how == "plain":  # transformers alone: the kernels it picked at import, on CPU tensors

@@ -17,17 +17,17 @@ import torch
 
 import fake_worker
 from faultproxy import FaultProxy
-from manifests import layout
-from manifests.manifest import create_or_resume
-from manifests.records import Producer, decode_commit
-from manifests.work import WorkQueue
-from storage.local import LocalStore
-from storage.format import ShardError, ShardMeta
-from storage.reader import ShardReader
-from storage.records import Sample
-from storage.writer import ShardWriter
-from storage.store import StoreError, TransientStoreError, open_store
-from train import ShardStream, StreamConfig, StreamLoader, collate, pack
+from layertap.manifests import layout
+from layertap.manifests.manifest import create_or_resume
+from layertap.manifests.records import Producer, decode_commit
+from layertap.manifests.work import WorkQueue
+from layertap.storage.local import LocalStore
+from layertap.storage.format import ShardError, ShardMeta
+from layertap.storage.reader import ShardReader
+from layertap.storage.records import Sample
+from layertap.storage.writer import ShardWriter
+from layertap.storage.store import StoreError, TransientStoreError, open_store
+from layertap.train import ShardStream, StreamConfig, StreamLoader, collate, pack
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 43  # samples in the default test run: not a multiple of 2 ranks x 2 workers
@@ -233,7 +233,7 @@ def test_streaming_writes_nothing_to_local_disk(s3_bucket, tmp_path):
         d.mkdir()
     script = r"""
 import json, sys
-from train import ShardStream, StreamConfig, StreamLoader
+from layertap.train import ShardStream, StreamConfig, StreamLoader
 
 def written():
     for line in open("/proc/self/io"):
@@ -291,7 +291,7 @@ def test_corrupt_record_raises_naming_the_shard(run, range_bytes):
 def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
     key, bad_ids = corrupt_one_record(run)
     stream = ShardStream(run, config=StreamConfig(on_corrupt="skip", seed=4, range_bytes=range_bytes))
-    with caplog.at_level(logging.WARNING, logger="train.fetch"):
+    with caplog.at_level(logging.WARNING, logger="layertap.train.fetch"):
         got = list(stream)
     real = [s["sample_id"] for s in got if not s["padding"]]
     assert len(got) == N  # the count per rank is kept, so ranks stay in lockstep
@@ -341,7 +341,7 @@ def test_the_store_retries_and_the_loader_counts_its_retries(s3_bucket, s3_endpo
 
 
 def test_get_buffer_size_classes_waste_at_most_an_eighth():
-    from train.buffers import POOLED_MIN, size_class
+    from layertap.train.buffers import POOLED_MIN, size_class
 
     assert size_class(1000) == 1000 and size_class(64 << 20) == 64 << 20  # small: as asked; powers of 2: exact
     for n in (POOLED_MIN, POOLED_MIN + 1, 47_123_456, (64 << 20) + 1, 10**9 + 7):
@@ -352,8 +352,8 @@ def test_get_buffer_size_classes_waste_at_most_an_eighth():
 
 @pytest.mark.parametrize("codec", ["bf16", "bf16-zstd"])
 def test_reused_get_buffers_never_show_through_in_yielded_samples(tmp_path, monkeypatch, codec):
-    import train.buffers
-    import train.stream
+    from layertap import train
+    from layertap.train import stream
 
     lent: list = []  # every buffer lent, kept alive so that equal ids mean the same buffer
 
@@ -457,7 +457,7 @@ def test_collate_pads_and_pack_packs():
 ])
 def test_compressed_codecs_decode_on_threads_by_cores_and_bf16_on_the_consumer(monkeypatch, cores, workers,
                                                                                 local_ranks, bound, want):
-    import train.stream as stream
+    import layertap.train.stream as stream
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setattr(os, "cpu_count", lambda: cores * (2 if bound else 1))
@@ -471,7 +471,7 @@ def test_compressed_codecs_decode_on_threads_by_cores_and_bf16_on_the_consumer(m
 
 
 def test_a_position_counts_per_consumer_and_a_finished_epoch_starts_the_next():
-    from train.position import Position
+    from layertap.train.position import Position
 
     p = Position(per_rank=10)
     started = p.start(2)  # two consumers of 5 samples each

@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 
 import fake_worker
-from extract.cli import main as cli
-from manifests import layout
-from manifests.manifest import ConfigMismatch, ManifestError, create_or_resume, load_manifest, parse_size, plan_shards
-from manifests.records import Producer, decode_commit, decode_failure
-from manifests.status import run_status, verify_run
-from manifests.work import WorkQueue
-from slurm.work import remaining_work
-from storage.format import ShardMeta
-from storage.reader import ShardReader, verify_shard
-from storage.writer import ShardWriter
-from storage.store import open_store
-from train import ShardStream, StreamConfig
+from layertap.cli import main as cli
+from layertap.manifests import layout
+from layertap.manifests.manifest import ConfigMismatch, ManifestError, create_or_resume, load_manifest, plan_shards
+from layertap.storage.units import parse_size
+from layertap.manifests.records import Producer, decode_commit, decode_failure
+from layertap.manifests.status import run_status, verify_run
+from layertap.manifests.work import WorkQueue
+from layertap.slurm.work import remaining_work
+from layertap.storage.format import ShardMeta
+from layertap.storage.reader import ShardReader, verify_shard
+from layertap.storage.writer import ShardWriter
+from layertap.storage.store import open_store
+from layertap.train import ShardStream, StreamConfig
 
 WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
 
@@ -136,7 +137,8 @@ def test_a_worker_lists_the_run_once_per_pass_not_once_per_claim(store_uri, monk
     """Each claim checks its own shard afresh (a HEAD and two small listings); the listings of
     every shard's records come once per pass: for a lone worker, one to start and one to find
     the run done, however many shards it claims in between."""
-    import manifests.work
+    from layertap import manifests
+    import layertap.manifests.work  # noqa: F401
 
     scans = []
     real_scan = manifests.work.scan
@@ -233,11 +235,11 @@ def test_racing_commits_of_one_shard_yield_exactly_one(store_uri):
     exactly one commit wins, the losers' data objects are deleted, the winner's verifies."""
     code = f"""
 import sys, fake_worker
-from manifests.records import Producer
-from manifests.work import Claim, WorkQueue
-from storage.format import ShardMeta
-from storage.writer import ShardWriter
-from storage.store import open_store
+from layertap.manifests.records import Producer
+from layertap.manifests.work import Claim, WorkQueue
+from layertap.storage.format import ShardMeta
+from layertap.storage.writer import ShardWriter
+from layertap.storage.store import open_store
 store = open_store({store_uri!r})
 m = fake_worker.plan(store)
 q = WorkQueue(store, m, Producer.current(int(sys.argv[1])))
@@ -508,7 +510,7 @@ def test_delete_asks_on_a_terminal(tmp_path):
 
     def answer(text: str) -> tuple[int, str]:
         master, slave = pty.openpty()
-        proc = subprocess.Popen([sys.executable, "-m", "extract.cli", "delete", prefix], stdin=slave, stdout=slave,
+        proc = subprocess.Popen([sys.executable, "-m", "layertap", "delete", prefix], stdin=slave, stdout=slave,
                                 stderr=slave, env=child_env(), close_fds=True)
         os.close(slave)
         seen = b""

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from activations import smollm2_folder
-from extract.embedded import sharegpt_conversations
-from extract.inputs import TokenizedSample, tokenize_rows
-from extract.model import LAYER_CONVENTION, Capture, default_layers, load_target
+from layertap.extract.embedded import sharegpt_conversations
+from layertap.extract.inputs import TokenizedSample, tokenize_rows
+from layertap.extract.model import LAYER_CONVENTION, Capture, default_layers, load_target
 from tiny_models import tiny_model_dir
 
 ARCHS = ["qwen3", "qwen3_5_text", "llama"]
@@ -252,11 +252,11 @@ def test_smollm2_capture(tmp_path):
 def test_loading_a_hybrid_names_its_kernel_path_and_a_gpu_on_the_fallback_warns(model_dirs, caplog):
     """`extract`, `eval` and `estimate --measure` load through load_target: one line names the
     kernels each layer type runs, and on CUDA the reference fallback is a warning with the fix."""
-    from extract.kernels import describe, log_kernel_paths
+    from layertap.extract.kernels import describe, log_kernel_paths
 
-    with caplog.at_level("INFO", logger="extract.kernels"):
+    with caplog.at_level("INFO", logger="layertap.extract.kernels"):
         target = load_target(model_dirs["qwen3_5_text"], dtype=torch.float32)
-    lines = [r for r in caplog.records if r.name == "extract.kernels"]
+    lines = [r for r in caplog.records if r.name == "layertap.extract.kernels"]
     assert len(lines) == 1 and lines[0].levelname == "INFO", [r.getMessage() for r in lines]
     msg = lines[0].getMessage()
     # 6 layers: 3 gated deltanet, 1 full attention, 2 gated deltanet
@@ -273,13 +273,13 @@ def test_loading_a_hybrid_names_its_kernel_path_and_a_gpu_on_the_fallback_warns(
     assert f"chunk_gated_delta_rule={'fast' if has_fla else 'fallback'}" in msg
 
     caplog.clear()
-    with caplog.at_level("INFO", logger="extract.kernels"):
+    with caplog.at_level("INFO", logger="layertap.extract.kernels"):
         log_kernel_paths(target.model, "cuda:0")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     if not has_fla:
         assert len(warnings) == 1 and "chunk_gated_delta_rule" in warnings[0] and "layertap[gpu]" in warnings[0]
     caplog.clear()
-    with caplog.at_level("INFO", logger="extract.kernels"):
+    with caplog.at_level("INFO", logger="layertap.extract.kernels"):
         log_kernel_paths(target.model, "cpu")  # a CPU run is not told to install GPU kernels
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.drafter import DFlashDrafter, default_config
-from train.objective import default_chunk_rows, dflash_loss, head_cross_entropy
-from train.target_head import TargetHead
+from layertap.train.drafter import DFlashDrafter, default_config
+from layertap.train.objective import default_chunk_rows, dflash_loss, head_cross_entropy
+from layertap.train.target_head import TargetHead
 
 
 def toy_drafter(vocab: int, hidden: int = 32) -> DFlashDrafter:

@@ -25,18 +25,18 @@ import xxhash
 
 import fake_worker
 import forked_cli
-from extract.cli import main as cli
+from layertap.cli import main as cli
 from faultproxy import FAULTS, FaultProxy
-from manifests import layout
-from manifests.manifest import ManifestError
-from manifests.records import decode_commit
-from manifests.status import run_status
-from storage.s3 import READ_SLICE
-from storage.format import FRAME, PREAMBLE, TRAILER, ShardError, UnsupportedShard
-from storage.reader import ShardReader, verify_shard
-from storage.store import open_store
+from layertap.manifests import layout
+from layertap.manifests.manifest import ManifestError
+from layertap.manifests.records import decode_commit
+from layertap.manifests.status import run_status
+from layertap.storage.s3 import READ_SLICE
+from layertap.storage.format import FRAME, PREAMBLE, TRAILER, ShardError, UnsupportedShard
+from layertap.storage.reader import ShardReader, verify_shard
+from layertap.storage.store import open_store
 from tiny_models import tiny_model_dir
-from train import ShardStream, StreamConfig
+from layertap.train import ShardStream, StreamConfig
 
 pytestmark = pytest.mark.slow  # SIGKILL and fault-injection trials over many real processes
 

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from storage.codecs import CODEC_NAMES
-from storage.format import FOOT, HEAD, RECD, ShardError, ShardMeta, UnsupportedShardVersion
-from storage.reader import ShardReader, iter_frames, verify_shard
-from storage.records import Sample
-from storage.s3 import MiB
-from storage.store import open_store
-from storage.writer import ShardWriter, write_shard
+from layertap.storage.codecs import CODEC_NAMES
+from layertap.storage.format import FOOT, HEAD, RECD, ShardError, ShardMeta, UnsupportedShardVersion
+from layertap.storage.reader import ShardReader, iter_frames, verify_shard
+from layertap.storage.records import Sample
+from layertap.storage.s3 import MiB
+from layertap.storage.store import open_store
+from layertap.storage.writer import ShardWriter, write_shard
 
 LAYERS, HIDDEN = [1, 3, 5], 64
 
@@ -254,7 +254,7 @@ def _blob(header: dict, data: bytes) -> bytes:
                                     "metadata", "not an object"])
 def test_malformed_safetensors_in_a_record_is_refused(damage):
     """Records are parsed in place, without the safetensors library: its checks are ours to keep."""
-    from storage.records import decode_record
+    from layertap.storage.records import decode_record
 
     ok = {"__metadata__": {"sample_id": "s", "num_tokens": "2", "codec": "bf16", "hidden_states.shape": "2,1,2"},
           "input_ids": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]},
@@ -300,7 +300,7 @@ def test_record_blobs_agree_with_the_safetensors_library(tmp_path, codec):
     from safetensors import safe_open
     from safetensors.torch import save
 
-    from storage.records import decode_record, encode_record, read_safetensors, record_metadata
+    from layertap.storage.records import decode_record, encode_record, read_safetensors, record_metadata
 
     meta = make_meta(codec, final_state="prenorm")
     sample = make_samples(3, final=True)[2]

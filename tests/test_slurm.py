@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from extract.cli import main as cli
-from manifests import layout
-from manifests.manifest import create_or_resume
-from manifests.records import decode_commit, decode_failure
-from manifests.status import run_status, verify_run
-from slurm.resources import NodeShape, Resources, extract_resources, fit, weight_bytes
-from slurm.scripts import ArrayPlan, JobOptions, compress, extract_script, train_script
-from slurm.submit import parse_sinfo
-from slurm.work import Remaining, dynamic_plan, remaining_work, static_plan
-from storage.store import open_store
+from layertap.cli import main as cli
+from layertap.manifests import layout
+from layertap.manifests.manifest import create_or_resume
+from layertap.manifests.records import decode_commit, decode_failure
+from layertap.manifests.status import run_status, verify_run
+from layertap.slurm.resources import NodeShape, Resources, extract_resources, fit, weight_bytes
+from layertap.slurm.scripts import ArrayPlan, JobOptions, compress, extract_script, train_script
+from layertap.slurm.submit import parse_sinfo
+from layertap.slurm.work import Remaining, dynamic_plan, remaining_work, static_plan
+from layertap.storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir
 
@@ -109,7 +109,7 @@ def test_extract_script_dynamic_on_gpu_nodes(tmp_path):
         < script.index("set -uo pipefail") < script.index(f"command -v {sys.executable} ")
     assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( SLURM_CPUS_PER_TASK > 8 ? SLURM_CPUS_PER_TASK / 8 : 1 ))}"' in script
     assert '--main_process_port "$PORT"' in flat and "PORT=$((20000 + SLURM_JOB_ID % 20000))" in script
-    assert "-m extract.cli extract --out 's3://b/run 1' --model /m --log-dir \"$LOG_DIR\"" in flat
+    assert "-m layertap extract --out 's3://b/run 1' --model /m --log-dir \"$LOG_DIR\"" in flat
     assert f'LOG_DIR={tmp_path}/logs/"${{SLURM_JOB_NAME}}-${{TASK}}"' in script  # one log folder per task
     assert "--shards" not in flat  # dynamic: any free shard
     assert script.index("module load cuda/12.4") < script.index('"${cmd[@]}" &')
@@ -123,7 +123,7 @@ def test_extract_script_static_ranges_on_cpu(tmp_path):
     bash_syntax_ok(one, tmp_path)
     assert "--array=3,9%2" in sbatch_options(one) and "--cpus-per-task=4" in sbatch_options(one)
     flat = " ".join(one.split())
-    assert f"{sys.executable} -m extract.cli extract --out r --log-dir \"$LOG_DIR\" --shards \"$SLURM_ARRAY_TASK_ID\"" in flat
+    assert f"{sys.executable} -m layertap extract --out r --log-dir \"$LOG_DIR\" --shards \"$SLURM_ARRAY_TASK_ID\"" in flat
     assert "accelerate" not in flat  # one process: no launcher between the shell and the worker
     four = extract_script(opts, ArrayPlan(indices=[0, 2], shards_per_task=4, num_shards=10), ["--out", "r"])
     bash_syntax_ok(four, tmp_path)
@@ -146,7 +146,7 @@ def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
     assert "srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 bash" in flat  # no --cpus-per-task given
     assert '--machine_rank "$SLURM_NODEID"' in flat and '--num_machines "$SLURM_NNODES"' in flat
     assert '--num_processes "$((SLURM_NNODES * 4))" --main_process_ip "$MASTER_ADDR"' in flat
-    assert "--multi_gpu" in flat and "-m extract.cli train --data s3://b/r --out d" in flat
+    assert "--multi_gpu" in flat and "-m layertap train --data s3://b/r --out d" in flat
     assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in script
     assert 'scontrol requeue' in script  # it resumes, so the time limit requeues it
     single = train_script(JobOptions(job_name="t", logs=str(tmp_path)), 1, ["--data", "r"], None)
@@ -166,7 +166,7 @@ def test_the_environment_is_activated_on_the_node_and_checked(tmp_path):
     here); --setup lines come first; a missing interpreter stops the job with the reason."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    code = "from slurm.scripts import default_activation; print(default_activation())"
+    code = "from layertap.slurm.scripts import default_activation; print(default_activation())"
     p = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, check=True,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert p.stdout.strip() == f"source {venv}/bin/activate"
@@ -213,7 +213,7 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     assert "#SBATCH --array=10-11%4" in out and "--shards \"$SLURM_ARRAY_TASK_ID\"" in out
     assert "--max-length 64" in out and "--log-dir \"$LOG_DIR\"" in out
     assert "sbatch --parsable --dependency=afterok:<the array's job id> --kill-on-invalid-dep=yes" in out
-    assert "-m extract.cli train --data run --model m --out d --steps 3" in " ".join(out.split())
+    assert "-m layertap train --data run --model m --out d --steps 3" in " ".join(out.split())
     assert not (tmp_path / "layertap-logs").exists()  # nothing written
 
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0  # dynamic: a task a shard
@@ -234,7 +234,7 @@ def test_submit_train_dry_run(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "sbatch --parsable --dependency=afterok:41:42 --kill-on-invalid-dep=yes <script>" in out
     assert "#SBATCH --nodes=2" in out and "#SBATCH --time=1-00:00:00" in out
-    assert "-m extract.cli train --data s3://b/run --model /m --out s3://b/drafter" in " ".join(out.split())
+    assert "-m layertap train --data s3://b/run --model /m --out s3://b/drafter" in " ".join(out.split())
     assert "RESUME=(--resume)" in out  # a requeued job continues from its checkpoint
 
 
@@ -524,7 +524,7 @@ def test_two_signals_at_once_leave_the_store_consistent(tiny_llama, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 300)
     run = str(tmp_path / "run")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "extract.cli", "extract", "--model", tiny_llama, "--dataset", data,
+    proc = subprocess.Popen([sys.executable, "-m", "layertap", "extract", "--model", tiny_llama, "--dataset", data,
                              "--out", run, "--layers", "1,3", "--max-length", "48", "--batch-tokens", "48",
                              "--shard-bytes", "1500KB", "--log-dir", str(tmp_path / "logs")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)

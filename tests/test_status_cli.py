@@ -10,11 +10,11 @@ import re
 import pytest
 
 import fake_worker
-from extract.cli import main as cli
-from manifests import layout
-from storage.units import size
-from manifests.status import recent_rate
-from storage.store import open_store
+from layertap.cli import main as cli
+from layertap.manifests import layout
+from layertap.storage.units import size
+from layertap.manifests.status import recent_rate
+from layertap.storage.store import open_store
 
 
 def status(capsys, *argv: str) -> tuple[int, str, str]:
@@ -102,8 +102,8 @@ def test_status_writes_nothing(store_uri, capsys):
 
 def test_trainer_key_names_match():
     """manifests/ repeats the trainer's key names (it must not import torch): they must agree."""
-    from manifests import train_output
-    from train import checkpoint, trainer
+    from layertap.manifests import train_output
+    from layertap.train import checkpoint, trainer
 
     assert train_output.METRICS == trainer.METRICS
     assert train_output.LATEST == checkpoint.LATEST

@@ -17,9 +17,10 @@ import urllib3
 import pytest
 from faultproxy import FaultProxy
 
-import storage.s3
-from storage.s3 import MiB, _plain_http_response, direct_reads, untested_versions
-from storage.store import (
+import layertap.storage.s3
+from layertap import storage
+from layertap.storage.s3 import MiB, _plain_http_response, direct_reads, untested_versions
+from layertap.storage.store import (
     EndpointUnreachable,
     InvalidKey,
     ObjectNotFound,
@@ -209,7 +210,7 @@ def test_put_if_absent_race_between_processes_has_one_winner(store_uri):
     """Eight real processes race to create one key; exactly one wins, and its payload is stored."""
     code = textwrap.dedent(f"""
         import sys
-        from storage.store import open_store
+        from layertap.storage.store import open_store
         s = open_store({store_uri!r})
         print(s.put_if_absent("race/marker", ("worker-" + sys.argv[1]).encode()))
     """)
@@ -262,7 +263,7 @@ def test_failure_inside_writer_leaves_nothing(store_uri):
 def test_a_signal_during_a_local_put_leaves_no_pending_upload(tmp_path, monkeypatch, where):
     """A SIGTERM handler raises wherever the worker is; a put it cuts short (e.g. a tally marker
     after the commit) must not leave a temp file that reads as an upload left open."""
-    import storage.local
+    import layertap.storage.local  # noqa: F401 (storage.local below)
 
     class Stop(BaseException):
         pass
@@ -288,7 +289,7 @@ def test_killed_writer_leaves_no_visible_object_and_pending_upload_is_aborted(st
     options = {"part_size": 5 * MiB, "max_parts_in_memory": 2} if store_uri.startswith("s3://") else {}
     code = textwrap.dedent(f"""
         import os, sys, time
-        from storage.store import open_store
+        from layertap.storage.store import open_store
         s = open_store({store_uri!r}, **{options!r})
         w = s.open_writer("shards/killed.lts")
         w.write(os.urandom(16 << 20))

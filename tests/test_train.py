@@ -15,15 +15,15 @@ import boto3
 import pytest
 import torch
 
-from extract.cli import main as cli
-from storage.store import open_store
+from layertap.cli import main as cli
+from layertap.storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir, tiny_tokenizer
-from train.checkpoint import LATEST, load_drafter_files
-from train.drafter import DFlashDrafter, default_config
-from train.objective import block_targets, dflash_loss, sample_anchors
-from train.speculative import Decoded, TargetRunner, greedy_decode, speculative_decode
-from train.target_head import TargetHead, load_target_head
+from layertap.train.checkpoint import LATEST, load_drafter_files
+from layertap.train.drafter import DFlashDrafter, default_config
+from layertap.train.objective import block_targets, dflash_loss, sample_anchors
+from layertap.train.speculative import Decoded, TargetRunner, greedy_decode, speculative_decode
+from layertap.train.target_head import TargetHead, load_target_head
 
 REPO = Path(__file__).resolve().parents[1]
 # Small and fast: a 20 ms step, so a run of 100 steps is a couple of seconds.
@@ -156,8 +156,8 @@ def test_target_head_reads_only_the_embeddings(tmp_path):
 def test_target_head_from_the_smollm2_gguf():
     """The GGUF path dequantizes the same embedding transformers loads (tied: no output tensor)."""
     from activations import smollm2_folder
-    from extract.embedded import smollm2_gguf
-    from extract.model import load_target
+    from layertap.extract.embedded import smollm2_gguf
+    from layertap.extract.model import load_target
 
     folder, name = smollm2_gguf()
     head = load_target_head(folder, name)
@@ -193,7 +193,7 @@ class OracleDrafter(torch.nn.Module):
 
 
 def test_speculative_decoding_equals_greedy_and_counts_acceptance(target):
-    from extract.model import load_target
+    from layertap.extract.model import load_target
 
     t = load_target(target, dtype=torch.float32)
     runner = TargetRunner(t.model, [1, 3])
@@ -260,10 +260,10 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, t
     args = ["--data", run, "--model", target, "--steps", "60", "--save-every", "4", *FAST]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     whole = str(tmp_path / "whole")
-    subprocess.run([sys.executable, "-m", "extract.cli", "train", *args, "--out", whole], check=True, env=env,
+    subprocess.run([sys.executable, "-m", "layertap", "train", *args, "--out", whole], check=True, env=env,
                    capture_output=True, timeout=600)
     killed = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, "-m", "extract.cli", "train", *args, "--out", str(killed)], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "layertap", "train", *args, "--out", str(killed)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = killed / "checkpoints" / "latest.json"
     deadline = time.time() + 300
@@ -275,7 +275,7 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, t
     p.wait()
     stopped_at = json.loads(latest.read_text())["step"]
     assert stopped_at < 60, "the run finished before it could be killed"
-    p = subprocess.run([sys.executable, "-m", "extract.cli", "train", *args, "--out", str(killed), "--resume"],
+    p = subprocess.run([sys.executable, "-m", "layertap", "train", *args, "--out", str(killed), "--resume"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     a, b = metrics(whole), metrics(str(killed))
@@ -290,7 +290,7 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, t
 def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp_path):
     """Slurm's preemption signal: stop at the next step with a checkpoint, exit 143, resume to the end."""
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "extract.cli", "train", "--data", run, "--model", target, "--out", str(out),
+    args = [sys.executable, "-m", "layertap", "train", "--data", run, "--model", target, "--out", str(out),
             "--steps", "150", "--save-every", "1000", *FAST]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -333,7 +333,7 @@ def test_bad_arguments_are_clear_errors(run, target, tmp_path, capsys):
 def test_two_ranks_train_together_over_gloo(run, target, tmp_path):
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "extract.cli", "train", "--data", run, "--model", target, "--out", out, "--steps", "12",
+           "-m", "layertap", "train", "--data", run, "--model", target, "--out", out, "--steps", "12",
            "--save-every", "6", *FAST]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -351,8 +351,8 @@ def test_two_ranks_train_together_over_gloo(run, target, tmp_path):
 def test_prefetched_batches_are_not_counted_until_taken(run):
     """The trainer's Prefetcher reads ahead on a thread; its state counts only the batches the
     trainer took, so a resume from it repeats none and skips none, across an epoch boundary too."""
-    from train import ShardStream, StreamConfig, StreamLoader
-    from train.loader import Prefetcher
+    from layertap.train import ShardStream, StreamConfig, StreamLoader
+    from layertap.train.loader import Prefetcher
 
     def loader() -> StreamLoader:
         return StreamLoader(ShardStream(run, config=StreamConfig(seed=5, shuffle_buffer=8)), batch_size=4)
@@ -378,8 +378,8 @@ def test_prefetched_batches_are_not_counted_until_taken(run):
 
 
 def test_a_loader_error_reaches_the_training_thread(run):
-    from train import ShardStream, StreamLoader
-    from train.loader import Prefetcher
+    from layertap.train import ShardStream, StreamLoader
+    from layertap.train.loader import Prefetcher
 
     def broken(samples):
         raise ValueError("collate failed on purpose")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from extract.cli import main as cli
-from extract.config import cpu_has_native_bf16, resolve_dtype
-from manifests import layout
-from manifests.records import decode_commit, decode_failure
-from storage.reader import ShardReader
-from storage.store import open_store
+from layertap.cli import main as cli
+from layertap.extract.config import cpu_has_native_bf16, resolve_dtype
+from layertap.manifests import layout
+from layertap.manifests.records import decode_commit, decode_failure
+from layertap.storage.reader import ShardReader
+from layertap.storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir
 
@@ -103,7 +103,7 @@ def test_ctrl_c_releases_the_shard_as_interrupted_and_says_how_to_resume(model, 
     # one forward per sample, ~15 samples per shard: a shard is open long enough to be interrupted
     argv = extract_args(model, data, out, tmp_path / "logs", "--max-length", "48", "--batch-tokens", "48",
                         "--shard-bytes", "150KB")
-    cmd = [sys.executable, "-m", "extract.cli", *argv]
+    cmd = [sys.executable, "-m", "layertap", *argv]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     # as at a terminal: SIGINT not ignored, whatever the shell that started the tests did with it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -127,7 +127,7 @@ def test_ctrl_c_releases_the_shard_as_interrupted_and_says_how_to_resume(model, 
         assert f.preempted and (f.error_type, f.error) == ("Interrupted", "Ctrl-C (SIGINT)")
     assert not list(store.list(layout.LEASES)) and store.list_pending_uploads() == []
     # `status` tells an interrupted shard from a failed one: not a failure (exit 3, not 4)
-    status = subprocess.run([sys.executable, "-m", "extract.cli", "status", str(out)], capture_output=True,
+    status = subprocess.run([sys.executable, "-m", "layertap", "status", str(out)], capture_output=True,
                             text=True, env=env, timeout=120)
     assert status.returncode == 3, status.stdout + status.stderr
     assert "0 failed" in status.stdout and "1 interrupted" in status.stdout and "FAILED" not in status.stdout
@@ -240,7 +240,7 @@ def test_off_a_terminal_progress_is_plain_lines_and_the_summary_has_units(model,
 
 
 def test_on_a_terminal_log_lines_are_written_above_the_bar(monkeypatch):
-    from extract.console import progress
+    from layertap.extract.console import progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -270,7 +270,7 @@ def test_on_a_terminal_log_lines_are_written_above_the_bar(monkeypatch):
 
 def test_off_a_terminal_library_bars_are_turned_off():
     """transformers' GGUF conversion draws a tqdm bar of its own: into a Slurm log, not at all."""
-    code = ("import sys; from extract.console import quiet_library_bars; {} from tqdm.auto import tqdm; "
+    code = ("import sys; from layertap.extract.console import quiet_library_bars; {} from tqdm.auto import tqdm; "
             "list(tqdm(range(3), desc='Converting')); print('bars:', tqdm(total=1, disable=False).disable)")
     for call, shown in (("", True), ("quiet_library_bars();", False)):
         p = subprocess.run([sys.executable, "-c", code.format(call)], capture_output=True, text=True, timeout=120,

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from storage.store import ObjectNotFound, ObjectStore
-from train.drafter import DFlashDrafter, DrafterConfig
+from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.train.drafter import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ def add_train(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from extract.config import USER_ERRORS
-    from train.config import load_train_config
+    from layertap.extract.config import USER_ERRORS
+    from layertap.train.config import load_train_config
 
     overrides = {k: getattr(args, k) for k in (
         "data", "model", "gguf_file", "out", "steps", "epochs", "batch_size", "grad_accum", "lr", "seed",
@@ -43,7 +43,7 @@ def run_train(args: argparse.Namespace) -> int:
         "log_dir")}
     try:
         cfg = load_train_config(args.config, overrides)
-        from train.trainer import train
+        from layertap.train.trainer import train
 
         return train(cfg)
     except USER_ERRORS as e:
@@ -70,8 +70,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from extract.config import USER_ERRORS
-    from train.speculative import evaluate, format_report
+    from layertap.extract.config import USER_ERRORS
+    from layertap.train.speculative import evaluate, format_report
 
     try:
         report = evaluate(args.drafter, args.model, args.prompts, gguf_file=args.gguf_file, limit=args.limit,

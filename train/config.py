@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from extract.config import read_config_file
-from manifests.manifest import parse_size
+from layertap.extract.config import read_config_file
+from layertap.storage.units import parse_size
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.target_head import TargetHead
+from layertap.train.target_head import TargetHead
 
 CONFIG_FORMAT = "layertap-dflash-drafter"
 CONFIG_VERSION = 1

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from storage.format import ShardError, ShardMeta, UnsupportedShard
+from layertap.storage.format import ShardError, ShardMeta, UnsupportedShard
 
-from storage.reader import ShardReader, record_payload
-from storage.store import ObjectNotFound, ObjectStore
-from train.buffers import BufferPool, size_class
+from layertap.storage.reader import ShardReader, record_payload
+from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.train.buffers import BufferPool, size_class
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from train.batch import collate
-from train.fetch import merge_snapshots
-from train.stream import ShardStream
+from layertap.train.batch import collate
+from layertap.train.fetch import merge_snapshots
+from layertap.train.stream import ShardStream
 
 
 class _Tagged:

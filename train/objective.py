@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from train.drafter import DFlashDrafter
+from layertap.train.drafter import DFlashDrafter
 
 
 @dataclass

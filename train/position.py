@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from train.order import worker_span
+from layertap.train.order import worker_span
 
 
 class Position:

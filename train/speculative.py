@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from extract.inputs import Skipped, TokenizeStats, normalize_chat
-from extract.model import _decoder, load_target
-from storage.store import open_store
-from train.checkpoint import load_drafter_files
-from train.drafter import DFlashDrafter
-from train.target_head import TargetHead, recorded_target
+from layertap.extract.inputs import Skipped, TokenizeStats, normalize_chat
+from layertap.extract.model import decoder_of, load_target
+from layertap.storage.store import open_store
+from layertap.train.checkpoint import load_drafter_files
+from layertap.train.drafter import DFlashDrafter
+from layertap.train.target_head import TargetHead, recorded_target
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class TargetRunner:
         from transformers import DynamicCache
 
         self.model, self.layers = model, layers
-        decoder = _decoder(model)
+        decoder = decoder_of(model)
         n = int(decoder.config.num_hidden_layers)
         bad = [k for k in layers if not 0 <= k < n]
         if bad:

@@ -32,17 +32,18 @@ import torch
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
-from manifests import layout
-from manifests.commit_index import read_commits, write_index
-from manifests.manifest import Manifest, load_manifest, parse_size
-from manifests.state import fits_plan, replaced_manifest_error
-from storage.format import ShardError
-from storage.records import Sample, decode_record
-from storage.store import ObjectStore, open_store
-from train.buffers import BufferPool
-from train.fetch import CommittedShard, Fetcher, Metrics, Record
-from train.order import plan_consumer, rank_count
-from train.position import Position
+from layertap.manifests import layout
+from layertap.manifests.commit_index import read_commits, write_index
+from layertap.manifests.manifest import Manifest, load_manifest
+from layertap.storage.units import parse_size
+from layertap.manifests.state import fits_plan, replaced_manifest_error
+from layertap.storage.format import ShardError
+from layertap.storage.records import Sample, decode_record
+from layertap.storage.store import ObjectStore, open_store
+from layertap.train.buffers import BufferPool
+from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
+from layertap.train.order import plan_consumer, rank_count
+from layertap.train.position import Position
 
 log = logging.getLogger(__name__)
 

@@ -158,7 +158,7 @@ def recorded_target(recorded: dict[str, Any], what: str, source: str) -> tuple[s
     extracted from"), `source` names the record in the log (e.g. "the run's manifest")."""
     model, gguf = recorded.get("model"), recorded.get("gguf_file")
     if isinstance(model, str) and model.startswith("embedded:"):  # the Quickstart's packaged SmolLM2
-        from extract.embedded import smollm2_gguf
+        from layertap.extract.embedded import smollm2_gguf
 
         model, gguf = smollm2_gguf()
     if not model or not os.path.isdir(model) or (gguf and not os.path.isfile(os.path.join(model, gguf))):

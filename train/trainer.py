@@ -27,16 +27,16 @@ from typing import Any
 import torch
 import xxhash
 
-from manifests.manifest import load_manifest
-from storage.store import open_store
-from train.checkpoint import export_drafter, load_latest, restore, save_checkpoint
-from train.config import TrainConfig
-from train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
-from train.batch import collate
-from train.loader import Prefetcher, StreamLoader
-from train.objective import dflash_loss
-from train.stream import ShardStream, StreamConfig
-from train.target_head import load_target_head, recorded_target
+from layertap.manifests.manifest import load_manifest
+from layertap.storage.store import open_store
+from layertap.train.checkpoint import export_drafter, load_latest, restore, save_checkpoint
+from layertap.train.config import TrainConfig
+from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
+from layertap.train.batch import collate
+from layertap.train.loader import Prefetcher, StreamLoader
+from layertap.train.objective import dflash_loss
+from layertap.train.stream import ShardStream, StreamConfig
+from layertap.train.target_head import load_target_head, recorded_target
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
 
 
 def _metrics_until(out, step: int) -> list[str]:
-    from storage.store import ObjectNotFound
+    from layertap.storage.store import ObjectNotFound
 
     try:
         text = out.get(METRICS).decode()
@@ -307,6 +307,6 @@ def _metrics_until(out, step: int) -> list[str]:
 
 def _progress(rank: int, start: int, total: int):
     """Rank 0's bar (logging above it), or a log line every 30 s when stderr is not a terminal."""
-    from extract.console import progress
+    from layertap.extract.console import progress
 
     return progress(total, initial=start, desc="train", unit="step", enabled=rank == 0)

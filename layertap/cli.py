@@ -15,16 +15,16 @@ import sys
 # name -> (module defining `add_<name>(parser)` and `run_<name>(args) -> exit code`, one-line help).
 # Those modules import heavy dependencies inside `run_<name>`, so building the parser stays cheap.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "extract": ("extract.command", "capture a target model's hidden states into shards on the store"),
-    "estimate": ("extract.estimate_command", "bytes, upload bandwidth, GPU-hours and cost of a run, before it runs"),
-    "plan": ("extract.estimate_command", "cut a run's shard plan and write its manifest only (--dry-run: just show it)"),
-    "inspect": ("storage.cli", "print a shard's metadata and records and verify every hash"),
-    "status": ("manifests.cli", "show what is done, running, failed and pending in a run (or a training output)"),
-    "verify": ("manifests.cli", "re-read committed shards, check every hash, withdraw bad ones"),
-    "delete": ("manifests.delete", "delete a run or training output: every object under its prefix (asks first)"),
-    "submit": ("slurm.command", "submit extraction arrays and training jobs to Slurm, only what is unfinished"),
-    "train": ("train.command", "train a DFlash drafter on a run's stored states, streamed from the store"),
-    "eval": ("train.command", "speculative decoding with target and drafter: acceptance length tau"),
+    "extract": ("layertap.extract.command", "capture a target model's hidden states into shards on the store"),
+    "estimate": ("layertap.extract.estimate_command", "bytes, upload bandwidth, GPU-hours and cost of a run, before it runs"),
+    "plan": ("layertap.extract.estimate_command", "cut a run's shard plan and write its manifest only (--dry-run: just show it)"),
+    "inspect": ("layertap.storage.cli", "print a shard's metadata and records and verify every hash"),
+    "status": ("layertap.manifests.cli", "show what is done, running, failed and pending in a run (or a training output)"),
+    "verify": ("layertap.manifests.cli", "re-read committed shards, check every hash, withdraw bad ones"),
+    "delete": ("layertap.manifests.delete", "delete a run or training output: every object under its prefix (asks first)"),
+    "submit": ("layertap.slurm.command", "submit extraction arrays and training jobs to Slurm, only what is unfinished"),
+    "train": ("layertap.train.command", "train a DFlash drafter on a run's stored states, streamed from the store"),
+    "eval": ("layertap.train.command", "speculative decoding with target and drafter: acceptance length tau"),
 }
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     # headers, the access key id and a session token among them, into consoles and log files.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "httpx"):
         logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
-    from extract.console import quiet_library_bars
+    from layertap.extract.console import quiet_library_bars
 
     quiet_library_bars()  # off a terminal (a Slurm log), no library bars in any command
     module = importlib.import_module(args._module)
