@@ -7,6 +7,11 @@ drafter and training config, every rank's loader position). It counts only once
 ``checkpoints/latest.json`` names it, and that pointer is written last, so a run killed while
 saving resumes from the previous checkpoint. No pickle: safetensors and JSON only.
 
+The safetensors files are streamed into the store's writer one tensor at a time
+(`write_safetensors`), not built in memory first: at a 27B target's shapes a checkpoint holds
+~22 GB (weights and AdamW moments), which the library's `save()` would copy into one `bytes`
+object before the upload could start.
+
 The exported drafter is ``drafter/model.safetensors`` + ``drafter/config.json``
 (docs/TRAINING.md describes the layout).
 """
@@ -15,12 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.train.drafter import DFlashDrafter, DrafterConfig
@@ -45,28 +51,69 @@ class Checkpoint:
     optimizer: dict[str, torch.Tensor]
 
 
-def save_checkpoint(store: ObjectStore, step: int, model: DFlashDrafter, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], keep: int) -> str:
+@dataclass
+class Snapshot:
+    """What a checkpoint saves: the live drafter and optimizer (read tensor by tensor while
+    writing) and the JSON state the trainer adds (config, world size, loader positions)."""
+
+    step: int
+    model: DFlashDrafter
+    optimizer: torch.optim.Optimizer
+    state: dict[str, Any]
+
+
+def save_checkpoint(store: ObjectStore, snap: Snapshot, keep: int) -> str:
     """Write a checkpoint, point `latest.json` at it, then drop all but the newest `keep`."""
-    prefix = step_prefix(step)
-    trainable = model.trainable_state()
+    prefix = step_prefix(snap.step)
+    trainable = snap.model.trainable_state()
     names = {id(p): n for n, p in trainable.items()}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
-    opt = optimizer.state_dict()
+    params = [p for g in snap.optimizer.param_groups for p in g["params"]]
+    moments: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    opt = snap.optimizer.state_dict()  # references to the live moments, not copies
     for i, p in enumerate(params):
         for key, value in opt["state"].get(i, {}).items():
-            tensors[f"{names[id(p)]}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+            moments[f"{names[id(p)]}.{key}"] = torch.as_tensor(value)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
-    weights = {k: v.detach().cpu().contiguous() for k, v in trainable.items()}
-    store.put(f"{prefix}/drafter.safetensors", st_save(weights))
-    store.put(f"{prefix}/optimizer.safetensors", st_save(tensors))
-    full = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, "param_groups": groups,
-            "drafter": model.config.to_json(), **state}
+    write_safetensors(store, f"{prefix}/drafter.safetensors", trainable)
+    write_safetensors(store, f"{prefix}/optimizer.safetensors", moments)
+    full = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": snap.step, "param_groups": groups,
+            "drafter": snap.model.config.to_json(), **snap.state}
     store.put(f"{prefix}/state.json", json.dumps(full, indent=1).encode())
-    store.put(LATEST, json.dumps({"step": step, "prefix": prefix}).encode())
+    store.put(LATEST, json.dumps({"step": snap.step, "prefix": prefix}).encode())
     _prune(store, keep)
     return prefix
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def write_safetensors(store: ObjectStore, key: str, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str] | None = None, dtype: torch.dtype | None = None) -> None:
+    """A safetensors file streamed into the store's writer, one tensor at a time.
+
+    The header (u64 length, JSON padded with spaces to 8 bytes) needs only shapes and dtypes, so it
+    goes first; then each tensor is copied to the host (a no-op for a contiguous CPU tensor) and
+    written as its own bytes. Host memory stays at one tensor plus the writer's buffers, and the
+    upload runs while later tensors are still on the GPU. Tensors are cast to `dtype` when given.
+    The object appears only once complete (the writer publishes on close, discards on error).
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        dt = dtype or t.dtype
+        end = offset + t.numel() * dt.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with store.open_writer(key) as w:
+        w.write(struct.pack("<Q", len(head)) + head)
+        for t in tensors.values():
+            host = t.detach().to("cpu", dtype or t.dtype).contiguous()
+            if host.numel():
+                w.write(host.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _prune(store: ObjectStore, keep: int) -> None:
@@ -122,8 +169,8 @@ def restore(ckpt: Checkpoint, model: DFlashDrafter, optimizer: torch.optim.Optim
 
 def export_drafter(store: ObjectStore, model: DFlashDrafter) -> None:
     """The trained drafter: its weights and config.json (which names the target it drafts for)."""
-    weights = {k: v.detach().cpu().float().contiguous() for k, v in model.trainable_state().items()}
-    store.put(EXPORT_WEIGHTS, st_save(weights, metadata={"format": "layertap-dflash-drafter"}))
+    write_safetensors(store, EXPORT_WEIGHTS, model.trainable_state(), {"format": "layertap-dflash-drafter"},
+                      dtype=torch.float32)
     store.put(EXPORT_CONFIG, json.dumps(model.config.to_json(), indent=1).encode())
 
 

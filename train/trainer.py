@@ -29,7 +29,7 @@ import xxhash
 
 from layertap.manifests.manifest import load_manifest
 from layertap.storage.store import open_store
-from layertap.train.checkpoint import export_drafter, load_latest, restore, save_checkpoint
+from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
 from layertap.train.config import TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
 from layertap.train.batch import collate
@@ -279,7 +279,7 @@ def _save(acc, gather_object, out, step, model, optimizer, batches, cfg, world, 
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
         # metrics up to its step, so they must never lag behind it
         out.put(METRICS, ("\n".join(metrics.lines) + "\n").encode())
-        prefix = save_checkpoint(out, step, model, optimizer, state, cfg.keep_checkpoints)
+        prefix = save_checkpoint(out, Snapshot(step, model, optimizer, state), cfg.keep_checkpoints)
         log.info("checkpoint %s/%s", out.uri, prefix)
     acc.wait_for_everyone()
 

@@ -1,0 +1,145 @@
+"""Checkpoints stream into the store: valid safetensors, bounded host memory, committed last."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+
+from layertap.storage.store import open_store
+from layertap.train.checkpoint import (
+    LATEST,
+    Snapshot,
+    export_drafter,
+    load_drafter_files,
+    load_latest,
+    restore,
+    save_checkpoint,
+    write_safetensors,
+)
+from layertap.train.drafter import DFlashDrafter, default_config
+from layertap.train.target_head import TargetHead
+
+
+def drafter() -> DFlashDrafter:
+    g = torch.Generator().manual_seed(1)
+    head = TargetHead(torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g), False,
+                      {"num_layers": 24, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "intermediate_size": 64})
+    torch.manual_seed(0)
+    return DFlashDrafter(default_config(head, [1, 2], mask_token_id=49, block_size=4), head)
+
+
+def trained(steps: int = 2) -> tuple[DFlashDrafter, torch.optim.AdamW]:
+    model = drafter()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        loss = sum((p.float() ** 2).sum() for p in model.trainable_state().values())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_a_streamed_file_reads_back_with_the_safetensors_library(store, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(7, 5, generator=g),
+        "half": torch.randn(3, 4, generator=g).bfloat16(),
+        "ids": torch.arange(11, dtype=torch.int64),
+        "bytes": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.empty(0, 4),
+        "strided": torch.randn(6, 4, generator=g).t(),  # not contiguous
+    }
+    write_safetensors(store, "a/x.safetensors", tensors, {"format": "test"})
+    blob = store.get("a/x.safetensors")
+    back = st_load(blob)
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(blob)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "test"}
+
+    write_safetensors(store, "a/f.safetensors", {"half": tensors["half"]}, dtype=torch.float32)
+    assert torch.equal(st_load(store.get("a/f.safetensors"))["half"], tensors["half"].float())
+
+
+def test_streaming_holds_about_one_writer_buffer_not_the_whole_file(tmp_path, s3_bucket):
+    """64 MiB of tensors: saving them must never hold a serialized copy of the file in memory."""
+    tensors = {f"t{i}": torch.full((2 << 20,), float(i)) for i in range(8)}  # 8 x 8 MiB
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for store in (open_store(str(tmp_path / "out")),
+                  open_store(f"s3://{s3_bucket}/out", part_size=5 << 20, max_parts_in_memory=2)):
+        tracemalloc.start()
+        try:
+            write_safetensors(store, "big.safetensors", tensors)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < total / 4, (store.uri, peak, total)
+        back = st_load(store.get("big.safetensors"))
+        assert all(torch.equal(back[k], t) for k, t in tensors.items())
+        store.close()
+
+
+def test_a_checkpoint_saves_and_restores_every_tensor(store):
+    model, opt = trained()
+    state = {"config": {"seed": 0}, "world_size": 1, "loader": [{"epoch": 0}]}
+    prefix = save_checkpoint(store, Snapshot(2, model, opt, state), keep=2)
+    assert prefix == "checkpoints/step-00000002"
+    assert json.loads(store.get(LATEST)) == {"step": 2, "prefix": prefix}
+
+    weights = st_load(store.get(f"{prefix}/drafter.safetensors"))
+    assert weights.keys() == model.trainable_state().keys()
+    assert all(torch.equal(weights[k], p.detach()) for k, p in model.trainable_state().items())
+    moments = st_load(store.get(f"{prefix}/optimizer.safetensors"))
+    names = {id(p): n for n, p in model.trainable_state().items()}
+    for p, s in opt.state.items():
+        for field, value in s.items():
+            assert torch.equal(moments[f"{names[id(p)]}.{field}"], value), (names[id(p)], field)
+    assert torch.equal(moments["rng.torch"], torch.get_rng_state())
+
+    ckpt = load_latest(store)
+    assert ckpt.step == 2 and ckpt.state["loader"] == [{"epoch": 0}]
+    fresh, fresh_opt = trained(steps=0)
+    restore(ckpt, fresh, fresh_opt)
+    assert all(torch.equal(p, fresh.trainable_state()[k]) for k, p in model.trainable_state().items())
+    fresh_names = {id(p): n for n, p in fresh.trainable_state().items()}
+    restored = {fresh_names[id(p)]: s for p, s in fresh_opt.state.items()}
+    for p, s in opt.state.items():
+        assert all(torch.equal(v, restored[names[id(p)]][k]) for k, v in s.items())
+
+    export_drafter(store, model)
+    config, exported = load_drafter_files(store)
+    assert config == model.config
+    assert all(torch.equal(exported[k], p.detach().float()) for k, p in model.trainable_state().items())
+
+
+def test_a_save_cut_short_leaves_the_previous_checkpoint_latest(tmp_path):
+    store = open_store(str(tmp_path / "out"))
+    model, opt = trained()
+    save_checkpoint(store, Snapshot(1, model, opt, {}), keep=2)
+    real = store.open_writer
+
+    def failing_writer(key):
+        w = real(key)
+        if key.endswith("optimizer.safetensors"):
+            def write(data, _write=w.write):
+                if w.bytes_written:  # the header went out; the first tensor fails
+                    raise OSError("disk gone")
+                return _write(data)
+            w.write = write
+        return w
+
+    store.open_writer = failing_writer
+    with pytest.raises(OSError):
+        save_checkpoint(store, Snapshot(2, model, opt, {}), keep=2)
+    assert not store.exists("checkpoints/step-00000002/optimizer.safetensors")
+    assert store.list_pending_uploads() == []
+    assert load_latest(store).step == 1
