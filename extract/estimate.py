@@ -1,6 +1,6 @@
 """Capacity arithmetic for a run: bytes, bandwidth, GPU time, requests and money, before any work.
 
-Pure functions over small dataclasses (no torch, no I/O), so the same numbers serve
+Pure functions over small dataclasses (no I/O), so the same numbers serve
 `layertap estimate`, `layertap plan --dry-run` and tests that pin the reference case.
 
 The size model is the shard format's own layout (docs/FORMAT.md), term by term:
@@ -23,14 +23,16 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
+from layertap.storage.codecs import CODEC_NAMES, get_codec
+
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BF16_BYTES = 2
 TOKEN_BYTES = 5  # per token beside the activations: input_ids as int32 + loss_mask as uint8
 
-# raw/stored ratio of the activations per codec when nothing is measured: SmolLM2 states (BRIEF
-# section 3, docs/benchmarks.md "Codecs": 1.461 and 2.320, rounded down). The planner sizes
-# shards with these too, so a plan never depends on a measurement.
-DEFAULT_RATIOS: dict[str, float] = {"bf16": 1.0, "bf16-zstd": 1.45, "fp8": 2.3}
+# raw/stored ratio of the activations per codec when nothing is measured: each codec's own `ratio`,
+# from SmolLM2 states (BRIEF section 3, docs/benchmarks.md "Codecs": 1.461 and 2.320, rounded
+# down). The planner sizes shards with these too, so a plan never depends on a measurement.
+DEFAULT_RATIOS: dict[str, float] = {name: get_codec(name).ratio for name in CODEC_NAMES}
 
 # Format overheads when nothing is measured (a 27B-shaped record measured 490-680 B with a
 # 16-character sample id; an empty shard ~640 B). Noise at 1 GB shards; not for tiny models.
@@ -55,10 +57,9 @@ def bytes_per_token_raw(*, capture_layers: int, hidden_size: int, final_state: b
 
 def planned_bytes_per_token(*, capture_layers: int, hidden_size: int, final_state: bool, codec: str) -> float:
     """Stored bytes per token the shard planner cuts shards with: raw over the codec's default ratio."""
-    if codec not in DEFAULT_RATIOS:
-        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(DEFAULT_RATIOS)}")
+    ratio = get_codec(codec).ratio  # unknown codec -> ValueError naming the valid ones
     raw = bytes_per_token_raw(capture_layers=capture_layers, hidden_size=hidden_size, final_state=final_state)
-    return raw / DEFAULT_RATIOS[codec]
+    return raw / ratio
 
 
 def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
@@ -107,8 +108,7 @@ class Storage:
     range_bytes: int = DEFAULT_RANGE_BYTES
 
     def __post_init__(self) -> None:
-        if self.codec not in DEFAULT_RATIOS:
-            raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(DEFAULT_RATIOS)}")
+        get_codec(self.codec)  # unknown codec -> ValueError naming the valid ones
         _positive("codec ratio", self.ratio)
         _positive("shard size", self.shard_bytes)
         _positive("number of shards", self.shards, allow_none=True)

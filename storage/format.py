@@ -22,11 +22,13 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import xxhash
 
-from layertap.storage.codecs import CODEC_NAMES, get_codec
+from layertap.storage.codecs import CODEC_NAMES
+from layertap.storage.identity import RunIdentity
+from layertap.storage.errors import UserError
 
 FORMAT_NAME = "layertap-shard"
 FORMAT_VERSION = 1
@@ -36,11 +38,9 @@ PREAMBLE = struct.Struct("<8sII")
 FRAME = struct.Struct("<4sQQ")
 TRAILER = struct.Struct("<Q8s")
 HEAD, RECD, FOOT = b"HEAD", b"RECD", b"FOOT"
-LAYER_CONVENTION = "decoder_output"  # layer k = output of decoder layer k = HF hidden_states[k + 1]
-FINAL_STATES = ("none", "prenorm", "postnorm")
 
 
-class ShardError(Exception):
+class ShardError(UserError):
     """A shard is corrupt, truncated or not understood; the message names the object."""
 
 
@@ -53,31 +53,21 @@ class UnsupportedShardVersion(UnsupportedShard):
     pass
 
 
-@dataclass(kw_only=True)
-class ShardMeta:
-    """What a reader needs to interpret the records, written once in the HEAD frame."""
+@dataclass(frozen=True, kw_only=True)
+class ShardMeta(RunIdentity):
+    """What a reader needs to interpret the records, written once in the HEAD frame: the run's
+    identity, under the same keys as in its manifest, plus the shard's own fields."""
 
     run_id: str
     shard_id: int
-    model: str
-    model_revision: str | None = None
-    layers: list[int]
-    layer_convention: str = LAYER_CONVENTION
-    final_state: Literal["none", "prenorm", "postnorm"] = "none"
-    hidden_size: int
-    dtype: str = "bfloat16"
-    codec: str
-    tokenizer: str | None = None
+    hidden_size: int  # required here, unlike in a manifest
+    dtype: str = "bfloat16"  # of the decoded activations (the manifest's `dtype` is the forward's)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        get_codec(self.codec)  # unknown codec -> ValueError naming it
-        if not self.layers or any(not isinstance(k, int) or k < 0 for k in self.layers):
-            raise ValueError(f"layers must be a non-empty list of non-negative ints, got {self.layers!r}")
-        if self.final_state not in FINAL_STATES:
-            raise ValueError(f"final_state must be one of {FINAL_STATES}, got {self.final_state!r}")
-        if self.hidden_size <= 0:
-            raise ValueError(f"hidden_size must be positive, got {self.hidden_size}")
+        super().__post_init__()
+        if self.hidden_size is None:
+            raise ValueError("hidden_size is required in a shard header")
         if self.dtype != "bfloat16":
             raise ValueError(f"only bfloat16 activations are supported, got {self.dtype!r}")
 
