@@ -89,24 +89,16 @@ class ExtractConfig:
         if self.dataset is None and self.limit is None:
             self.limit = QUICKSTART_LIMIT
 
-    def identity(self, model_info: dict[str, Any], layers: list[int]) -> dict[str, Any]:
+    def identity(self, model_info: dict[str, Any], layers: list[int]) -> RunConfig:
         """What determines the stored output: a rerun must match it (`as_run_recorded`) to resume
         the run. `model` is a local folder's real path; `dtype` the one asked for: "auto" lets each
         worker choose for its device, and its shards' HEADs say which (`extra.forward_dtype`)."""
-        return {
-            "model": model_info["model"],
-            "gguf_file": self.gguf_file,
-            "model_revision": model_info.get("revision"),
-            "model_type": model_info.get("model_type"),
-            "tokenizer": model_info.get("tokenizer"),
-            "layers": layers,
-            "layer_convention": "decoder_output",
-            "final_state": self.final_state,
-            "hidden_size": model_info["hidden_size"],
-            "codec": self.codec,
-            "dtype": self.dtype,
-            "max_length": self.max_length,
-        }
+        from layertap.storage.identity import RunConfig
+
+        return RunConfig(model=model_info["model"], gguf_file=self.gguf_file, model_revision=model_info.get("revision"),
+                         model_type=model_info.get("model_type"), tokenizer=model_info.get("tokenizer"),
+                         layers=layers, final_state=self.final_state, hidden_size=model_info["hidden_size"],
+                         codec=self.codec, dtype=self.dtype, max_length=self.max_length)
 
 
 def cpu_has_native_bf16() -> bool:

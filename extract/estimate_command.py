@@ -176,9 +176,9 @@ def _estimate(args: argparse.Namespace) -> _Report:
 
         target, capture, identity = prepare_target(cfg, _device(), weights=args.measure)
         sources = {"dtype": target.info["dtype"]}  # the forward's: --dtype auto chose it for this device
-        shape = dict(hidden_size=identity["hidden_size"], layers=identity["layers"],
+        shape = dict(hidden_size=identity.hidden_size, layers=identity.layers,
                      num_layers=target.info["num_layers"], kept_layers=capture.kept_layers)
-        sources["model"] = identity["model"]
+        sources["model"] = identity.model
     sources["layers_list"] = f"layers {shape['layers']}"
 
     stats = None
@@ -323,10 +323,10 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
         raise ValueError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
     plan = plan_shards(stats.counts, plan_bytes_per_token(cfg, identity), cfg.shard_bytes)
     measured = _measure(cfg, target, capture, identity, stats) if args.measure else None
-    work = Workload(hidden_size=identity["hidden_size"], capture_layers=len(identity["layers"]),
+    work = Workload(hidden_size=identity.hidden_size, capture_layers=len(identity.layers),
                     final_state=cfg.final_state != "none", samples=stats.samples, tokens=stats.tokens,
                     num_layers=target.info["num_layers"], kept_layers=capture.kept_layers)
-    sources = {"model": identity["model"], "layers_list": f"layers {identity['layers']}",
+    sources = {"model": identity.model, "layers_list": f"layers {identity.layers}",
                "dtype": target.info["dtype"], "data": stats.describe(cfg.dataset or "the embedded ShareGPT conversations")}
     report = _report(args, cfg, work, len(plan), measured, sources)
 

@@ -1,6 +1,7 @@
 """The target model, cut down to the layers a drafter needs, with hooks that capture them.
 
-Layer convention (recorded in every shard): layer ``k`` is the OUTPUT of decoder layer ``k``,
+Layer convention (``decoder_output``, storage/identity.py's LAYER_CONVENTION, recorded in every
+shard and manifest): layer ``k`` is the OUTPUT of decoder layer ``k``,
 which is HF ``outputs.hidden_states[k + 1]`` (index 0 is the embedding output), with one
 exception: HF's last entry ``hidden_states[N]`` is taken AFTER the final norm, while our layer
 ``N - 1`` is the decoder layer's own output (pre-norm); ask for ``final_state="postnorm"`` to get
@@ -13,16 +14,14 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from layertap.extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
+from layertap.storage.identity import FINAL_STATES, FinalState
 
-LAYER_CONVENTION = "decoder_output: layer k = HF hidden_states[k+1]"
-FinalState = Literal["none", "prenorm", "postnorm"]
-FINAL_STATES = ("none", "prenorm", "postnorm")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -229,14 +228,6 @@ class Capture:
         return hidden, final
 
     __call__ = forward
-
-    @property
-    def info(self) -> dict[str, Any]:
-        """What a shard header records about the capture."""
-        return {"layers": list(self.layers), "layer_convention": LAYER_CONVENTION,
-                "final_state": self.final_state, "num_layers": self.num_layers,
-                "kept_layers": self.kept_layers, "hidden_size": self.hidden_size,
-                "dtype": str(self.decoder.get_input_embeddings().weight.dtype).removeprefix("torch.")}
 
 
 def _check_layers(layers: list[int], num_layers: int) -> list[int]:

@@ -15,7 +15,6 @@ import shlex
 import signal
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -33,6 +32,7 @@ from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
 from layertap.manifests.work import WorkQueue
 from layertap.storage.format import ShardMeta
+from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
 
 log = logging.getLogger("layertap.extract")
@@ -201,7 +201,7 @@ def _setup_logging(log_dir: str, rank: int) -> None:
 
 
 def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
-                   weights: bool = True) -> tuple[Target, Capture, dict[str, Any]]:
+                   weights: bool = True) -> tuple[Target, Capture, RunConfig]:
     """The target (cut, with capture hooks), and the run identity its manifest pins.
 
     The one place that resolves the embedded default model, a local model folder (to its real
@@ -231,16 +231,12 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
     return target, capture, identity
 
 
-def shard_meta(cfg: ExtractConfig, identity: dict[str, Any], run_id: str, shard_id: int,
+def shard_meta(cfg: ExtractConfig, identity: RunConfig, run_id: str, shard_id: int,
                forward_dtype: str | None = None) -> ShardMeta:
     """The HEAD metadata of one of the run's shards (`extra.forward_dtype`: the dtype its states
     were computed in, which an "auto" run chooses per worker)."""
-    return ShardMeta(run_id=run_id, shard_id=shard_id, model=identity["model"],
-                     model_revision=identity["model_revision"], layers=identity["layers"],
-                     final_state=cfg.final_state, hidden_size=identity["hidden_size"],
-                     codec=cfg.codec, tokenizer=identity["tokenizer"],
-                     extra={"gguf_file": cfg.gguf_file, "max_length": cfg.max_length,
-                            "forward_dtype": forward_dtype})
+    return ShardMeta.of(identity, run_id=run_id, shard_id=shard_id,
+                        extra={"gguf_file": cfg.gguf_file, "max_length": cfg.max_length, "forward_dtype": forward_dtype})
 
 
 def dataset_rows(cfg: ExtractConfig):
@@ -270,13 +266,13 @@ def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int):
     return samples, skipped, stats.truncated
 
 
-def plan_bytes_per_token(cfg: ExtractConfig, identity: dict[str, Any]) -> float:
+def plan_bytes_per_token(cfg: ExtractConfig, identity: RunConfig) -> float:
     """Stored bytes per token the planner sizes shards with (the codec's expected ratio)."""
-    return planned_bytes_per_token(capture_layers=len(identity["layers"]), final_state=cfg.final_state != "none",
-                                   hidden_size=identity["hidden_size"], codec=cfg.codec)
+    return planned_bytes_per_token(capture_layers=len(identity.layers), final_state=identity.final_state != "none",
+                                   hidden_size=identity.hidden_size, codec=identity.codec)
 
 
-def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], fingerprint: str,
+def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, fingerprint: str,
                counts: list[int] | None) -> tuple[Manifest, bool]:
     """The run's manifest, created from `counts` if there is none yet (see `create_or_resume`)."""
     path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
@@ -286,22 +282,21 @@ def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any],
                             bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes)
 
 
-def resume_run(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any],
-            fingerprint: str) -> tuple[Manifest, dict[str, Any]]:
+def resume_run(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
+            fingerprint: str) -> tuple[Manifest, RunConfig]:
     """The run at the prefix, if this configuration is its (`ConfigMismatch` if not, `NoRun` if
     there is none), and the identity in the run's own terms (`as_run_recorded`): with
     `--dtype auto`, a run that pinned a dtype keeps it."""
     run = load_manifest(store)
-    identity = as_run_recorded(run.config, identity)
-    if cfg.dtype == "auto" and identity.get("dtype") in ("bfloat16", "float32"):
-        log.info("forward dtype %s: the run at %s was made with --dtype %s", identity["dtype"], store.uri,
-                 identity["dtype"])
-        cfg.dtype = identity["dtype"]
+    identity = RunConfig.from_json(as_run_recorded(run.config, identity.to_json()))
+    if cfg.dtype == "auto" and identity.dtype in ("bfloat16", "float32"):
+        log.info("forward dtype %s: the run at %s was made with --dtype %s", identity.dtype, store.uri, identity.dtype)
+        cfg.dtype = identity.dtype
     return write_plan(store, cfg, identity, fingerprint, None)[0], identity
 
 
-def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows, fingerprint: str,
-          target: Target) -> tuple[Manifest, dict[str, Any]]:
+def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fingerprint: str,
+          target: Target) -> tuple[Manifest, RunConfig]:
     """Rank 0's: the run's manifest, planned now (the dataset tokenized for its token counts)
     unless another job planned it meanwhile."""
     try:
@@ -314,8 +309,8 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any], rows
     return write_plan(store, cfg, identity, fingerprint, counts)[0], identity
 
 
-def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: dict[str, Any],
-                   fingerprint: str) -> tuple[Manifest, dict[str, Any]]:
+def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
+                   fingerprint: str) -> tuple[Manifest, RunConfig]:
     """The other ranks': the manifest rank 0 is writing."""
     deadline = time.time() + 6 * 3600
     while True:

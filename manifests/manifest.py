@@ -15,9 +15,12 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from layertap.manifests.layout import MANIFEST
+from layertap.storage.codecs import CODEC_NAMES
+from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +82,7 @@ def plan_shards(token_counts: Sequence[int], bytes_per_token: float, shard_bytes
 class Manifest:
     run_id: str
     created_at: str
-    config: dict[str, Any]  # what determines the output; compared on resume
+    config: dict[str, Any]  # what determines the output, as stored (compared on resume); typed: `identity`
     dataset: dict[str, Any]  # at least "fingerprint" and "num_samples"
     shard_bytes: int
     bytes_per_token: float
@@ -92,6 +95,21 @@ class Manifest:
     @property
     def est_tokens(self) -> int:
         return sum(s.est_tokens for s in self.shards)
+
+    @cached_property
+    def identity(self) -> RunConfig:
+        """`config`, typed: what the run's states are, for readers. ManifestError if it lacks a fact
+        (model, layers, codec) or holds a bad one; `UnsupportedVersion` for a codec this layertap
+        does not know. `config` stays the stored JSON, so that a rerun is compared key by key."""
+        codec = self.config.get("codec")
+        if isinstance(codec, str) and codec not in CODEC_NAMES:
+            raise UnsupportedVersion(f"run {self.run_id}'s manifest names codec {codec!r}, which this layertap "
+                                     f"does not know (it reads {', '.join(CODEC_NAMES)}); upgrade layertap")
+        try:
+            return RunConfig.from_json(self.config)
+        except (TypeError, ValueError) as e:
+            raise ManifestError(f"run {self.run_id}'s manifest has an unreadable config ({e}); restore it "
+                                "or start a new run under another prefix") from None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,7 +163,7 @@ def load_manifest(store: ObjectStore) -> Manifest:
     return Manifest.from_json(obj, where)
 
 
-def create_or_resume(store: ObjectStore, *, config: Mapping[str, Any], dataset: Mapping[str, Any],
+def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any], dataset: Mapping[str, Any],
                      token_counts: Sequence[int] | None, bytes_per_token: float,
                      shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[Manifest, bool]:
     """The run's manifest and whether this call created it.
@@ -154,6 +172,8 @@ def create_or_resume(store: ObjectStore, *, config: Mapping[str, Any], dataset: 
     `ConfigMismatch` names every difference. Concurrent creators race on create-if-absent and all
     but one adopt the winner's plan.
     """
+    if isinstance(config, RunConfig):
+        config = config.to_json()
     fingerprint = dataset.get("fingerprint")
     try:
         existing = load_manifest(store)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import xxhash
@@ -70,6 +70,13 @@ class ShardMeta(RunIdentity):
             raise ValueError("hidden_size is required in a shard header")
         if self.dtype != "bfloat16":
             raise ValueError(f"only bfloat16 activations are supported, got {self.dtype!r}")
+
+    @classmethod
+    def of(cls, identity: RunIdentity, *, run_id: str, shard_id: int, extra: Mapping[str, Any]) -> ShardMeta:
+        """The HEAD of one of a run's shards: the run's identity (a manifest's `RunConfig` keeps
+        only these facts), the shard's ids and the writer's `extra`."""
+        facts = {f.name: getattr(identity, f.name) for f in fields(RunIdentity)}
+        return cls(run_id=run_id, shard_id=shard_id, extra=dict(extra), **facts)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **asdict(self)}

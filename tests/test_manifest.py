@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,15 @@ import pytest
 import fake_worker
 from layertap.cli import main as cli
 from layertap.manifests import layout
-from layertap.manifests.manifest import ConfigMismatch, ManifestError, create_or_resume, load_manifest, plan_shards
+from layertap.manifests.manifest import (ConfigMismatch, ManifestError, UnsupportedVersion, create_or_resume,
+                                        load_manifest, plan_shards)
 from layertap.storage.units import parse_size
 from layertap.manifests.records import Producer, decode_commit, decode_failure
 from layertap.manifests.status import run_status, verify_run
 from layertap.manifests.work import WorkQueue
 from layertap.slurm.work import remaining_work
 from layertap.storage.format import ShardMeta
+from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader, verify_shard
 from layertap.storage.writer import ShardWriter
 from layertap.storage.store import open_store
@@ -101,6 +104,37 @@ def test_resume_and_config_mismatch(store, caplog):
     assert "model: run has 'a', now 'b'" in msg and "layers: run has [1, 2], now [1, 3]" in msg
     assert "dataset fingerprint" in msg and "codec" not in msg
     assert load_manifest(store).to_json() == m1.to_json()  # untouched
+
+
+# A manifest's config exactly as `layertap extract` has always written it.
+EXTRACTED_CONFIG = {"model": "/models/Qwen3-8B", "gguf_file": None, "model_revision": "0" * 40, "model_type": "qwen3",
+                    "tokenizer": "/models/Qwen3-8B", "layers": [1, 9, 17, 25, 33], "layer_convention": "decoder_output",
+                    "final_state": "postnorm", "hidden_size": 4096, "codec": "bf16-zstd", "dtype": "auto",
+                    "max_length": 4096}
+
+
+def test_a_manifest_config_round_trips_through_its_type(store):
+    identity = RunConfig.from_json(EXTRACTED_CONFIG)
+    assert json.dumps(identity.to_json()) == json.dumps(EXTRACTED_CONFIG)  # same keys, same order, same values
+    assert (identity.layers, identity.hidden_size, identity.final_state) == ([1, 9, 17, 25, 33], 4096, "postnorm")
+    m, _ = create_or_resume(store, config=identity, dataset={"fingerprint": "f"}, token_counts=[10] * 5,
+                            bytes_per_token=10)
+    stored = json.loads(store.get("manifest.json"))["config"]
+    assert json.dumps(stored) == json.dumps(EXTRACTED_CONFIG) and load_manifest(store).identity == identity
+    with pytest.raises(ConfigMismatch, match="hidden_size: run has 4096, now 2048"):  # names the field
+        create_or_resume(store, config=replace(identity, hidden_size=2048), dataset={"fingerprint": "f"},
+                         token_counts=None, bytes_per_token=10)
+
+
+def test_a_manifest_config_missing_a_fact_or_naming_an_unknown_codec_is_refused(store):
+    create_or_resume(store, config={"model": "m", "codec": "bf16"}, dataset={"fingerprint": "f"},
+                     token_counts=[10], bytes_per_token=10)
+    with pytest.raises(ManifestError, match="layers"):
+        load_manifest(store).identity
+    obj = json.loads(store.get("manifest.json"))
+    store.put("manifest.json", json.dumps(dict(obj, config=dict(EXTRACTED_CONFIG, codec="zf16"))).encode())
+    with pytest.raises(UnsupportedVersion, match="codec 'zf16'.*upgrade layertap"):
+        load_manifest(store).identity
 
 
 def test_corrupt_or_foreign_manifest_is_a_clear_error(store):

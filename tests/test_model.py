@@ -10,7 +10,7 @@ import torch
 from activations import smollm2_folder
 from layertap.extract.embedded import sharegpt_conversations
 from layertap.extract.inputs import TokenizedSample, tokenize_rows
-from layertap.extract.model import LAYER_CONVENTION, Capture, default_layers, load_target
+from layertap.extract.model import Capture, default_layers, load_target
 from tiny_models import tiny_model_dir
 
 ARCHS = ["qwen3", "qwen3_5_text", "llama"]
@@ -117,8 +117,8 @@ def test_cut_model_has_fewer_layers_and_no_lm_head(model_dirs, arch):
     hidden, final = cap(ids, mask)
     assert hidden.shape == (2, 12, 2, 64) and final is None
     assert head_calls == [] and norm_calls == []  # neither the head nor the final norm ran
-    assert cap.info == {"layers": [1, 3], "layer_convention": LAYER_CONVENTION, "final_state": "none",
-                        "num_layers": NUM_LAYERS, "kept_layers": 4, "hidden_size": 64, "dtype": "bfloat16"}
+    assert (cap.layers, cap.final_state, cap.num_layers, cap.kept_layers, cap.hidden_size) == ([1, 3], "none",
+                                                                                              NUM_LAYERS, 4, 64)
     with pytest.raises(ValueError, match="already cut"):
         Capture(model, [0], "none")
 

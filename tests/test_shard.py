@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from layertap.storage.codecs import CODEC_NAMES
-from layertap.storage.format import FOOT, HEAD, RECD, ShardError, ShardMeta, UnsupportedShardVersion
+from layertap.storage.format import FOOT, HEAD, RECD, ShardError, ShardMeta, UnsupportedShardVersion, parse_head
+from layertap.storage.identity import RunConfig, RunIdentity
 from layertap.storage.reader import ShardReader, iter_frames, verify_shard
 from layertap.storage.records import Sample
 from layertap.storage.s3 import MiB
@@ -204,6 +205,25 @@ def test_metadata_is_validated():
         make_meta(final_state="sometimes")
     with pytest.raises(ValueError, match="layers"):
         ShardMeta(run_id="r", shard_id=0, model="m", layers=[], hidden_size=8, codec="bf16")
+
+
+# A HEAD exactly as `layertap extract` has always written it (created_at aside).
+EXTRACTED_HEAD = {"codec": "fp8", "dtype": "bfloat16", "extra": {"forward_dtype": "bfloat16", "gguf_file": None,
+                                                                 "max_length": 4096},
+                  "final_state": "prenorm", "format": "layertap-shard", "format_version": 1, "hidden_size": 4096,
+                  "layer_convention": "decoder_output", "layers": [1, 9, 17], "model": "/models/Qwen3-8B",
+                  "model_revision": None, "run_id": "0123456789ab", "shard_id": 3, "tokenizer": "/models/Qwen3-8B"}
+
+
+def test_a_head_round_trips_and_shares_the_manifest_identity():
+    meta = ShardMeta.from_json(dict(EXTRACTED_HEAD, created_at="2025-01-01T00:00:00Z"))
+    assert json.dumps(meta.to_json(), sort_keys=True) == json.dumps(EXTRACTED_HEAD, sort_keys=True)
+    run = RunConfig(model="/models/Qwen3-8B", tokenizer="/models/Qwen3-8B", layers=[1, 9, 17],
+                    final_state="prenorm", hidden_size=4096, codec="fp8", gguf_file=None, dtype="auto", max_length=4096)
+    assert ShardMeta.of(run, run_id="0123456789ab", shard_id=3, extra=EXTRACTED_HEAD["extra"]) == meta
+    assert RunIdentity.from_json(meta.to_json()) == RunIdentity.from_json(run.to_json())  # the same facts
+    with pytest.raises(ShardError, match="unreadable shard header"):  # a HEAD must carry its width
+        parse_head(json.dumps({k: v for k, v in EXTRACTED_HEAD.items() if k != "hidden_size"}).encode(), "s.lts")
 
 
 def test_writer_memory_stays_within_k_parts(s3_bucket):

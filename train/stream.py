@@ -173,7 +173,7 @@ class ShardStream(IterableDataset):
         self._pool_cache: tuple[int, BufferPool] | None = None  # GET buffers, kept from epoch to epoch
         manifest, self.shards, self._new_index = load_index(self._store())
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
-        self.codec = manifest.config.get("codec")
+        self.codec = manifest.identity.codec
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven))
         self._metrics: Metrics | None = None
