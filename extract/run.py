@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import signal
 import sys
 import time
 
@@ -27,6 +26,7 @@ from layertap.extract.model import Capture, Target, default_layers, load_target
 from layertap.extract.pipeline import HostStaging, PipelineStats, extract_shard
 from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
+from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
@@ -38,32 +38,6 @@ from layertap.storage.store import ObjectStore, open_store
 log = logging.getLogger("layertap.extract")
 
 
-class Preempted(BaseException):
-    """SIGTERM/SIGUSR1 from Slurm or a user: stop now, abort the open shard, release its lease."""
-
-    exit_code = 143
-
-
-class Interrupted(Preempted):
-    """Ctrl-C: stopped as a preemption is, not a failure of the shard; the same command resumes."""
-
-    exit_code = 130
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-def _on_signal(signum, frame) -> None:
-    # One stop is enough. Under Slurm the signal can come twice (to every process of the job, and
-    # again through a launcher such as torchrun), and Ctrl-C reaches a launcher and its workers
-    # alike: a second one must not break off the cleanup, which takes seconds.
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    if signum == signal.SIGINT:
-        raise Interrupted("Ctrl-C (SIGINT)")
-    raise Preempted(f"received {signal.Signals(signum).name}")
-
-
 def extract(cfg: ExtractConfig) -> int:
     """Run extraction on this process's share of the run; 0 when the run is complete."""
     from accelerate import PartialState
@@ -71,17 +45,12 @@ def extract(cfg: ExtractConfig) -> int:
     state = PartialState(cpu=not torch.cuda.is_available())
     _setup_logging(cfg.log_dir, state.process_index)
     quiet_library_bars()
-    # (a SIGINT that the shell told us to ignore, as for `nohup` or a background job, stays ignored)
-    previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS
-                if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN)}
-    try:
-        return _extract(cfg, state)
-    except Preempted as e:
-        _stopped(e, state.process_index)
-        return e.exit_code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with StopSignals(at_once=True):
+        try:
+            return _extract(cfg, state)
+        except Preempted as e:
+            _stopped(e, state.process_index)
+            return e.exit_code
 
 
 def _stopped(e: Preempted, rank: int) -> None:

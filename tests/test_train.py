@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from layertap.cli import main as cli
+from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir, tiny_tokenizer
@@ -286,6 +287,28 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, t
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_stop_signals_are_recorded_or_raised_and_the_old_handlers_come_back():
+    """The one stop helper: training reads a recorded stop at its step boundary, extraction
+    stops where it is; a second signal changes nothing, and the handlers before come back."""
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)
+
+    def deliver(sig: int) -> None:
+        os.kill(os.getpid(), sig)
+        time.sleep(0.05)  # the handler runs in this thread at the next bytecode
+
+    with StopSignals(at_once=False, signals=(signal.SIGUSR1,)) as stop:
+        assert stop.requested is None
+        deliver(signal.SIGUSR1)
+        deliver(signal.SIGUSR1)
+        assert type(stop.requested) is Preempted and str(stop.requested) == "received SIGUSR1"
+        assert stop.requested.exit_code == 143
+    with pytest.raises(Interrupted) as caught:
+        with StopSignals(at_once=True):
+            deliver(signal.SIGINT)
+    assert caught.value.exit_code == 130 and str(caught.value) == "Ctrl-C (SIGINT)"
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)) == before
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp_path):
     """Slurm's preemption signal: stop at the next step with a checkpoint, exit 143, resume to the end."""
@@ -359,12 +382,12 @@ def test_prefetched_batches_are_not_counted_until_taken(run):
 
     whole = loader()
     with Prefetcher(whole, depth=3) as p:
-        plain = [p.next()["sample_id"] for _ in range(16)]  # 40 samples: 10 batches per epoch
+        plain = [p.wait_for_batch()["sample_id"] for _ in range(16)]  # 40 samples: 10 batches per epoch
     assert sorted(sum(plain[:10], [])) == sorted(set(sum(plain[:10], []))) and plain[10] != plain[0]
     for taken in (3, 11):
         ahead = loader()
         with Prefetcher(ahead, depth=3) as p:
-            got = [p.next()["sample_id"] for _ in range(taken)]
+            got = [p.wait_for_batch()["sample_id"] for _ in range(taken)]
             deadline = time.time() + 60
             while ahead.state_dict() == p.state_dict() and time.time() < deadline:
                 time.sleep(0.01)  # the thread has read past what was taken
@@ -374,7 +397,7 @@ def test_prefetched_batches_are_not_counted_until_taken(run):
         resumed = loader()
         resumed.load_state_dict(state)
         with Prefetcher(resumed) as p:
-            assert [p.next()["sample_id"] for _ in range(16 - taken)] == plain[taken:]
+            assert [p.wait_for_batch()["sample_id"] for _ in range(16 - taken)] == plain[taken:]
 
 
 def test_a_loader_error_reaches_the_training_thread(run):
@@ -387,4 +410,4 @@ def test_a_loader_error_reaches_the_training_thread(run):
     with Prefetcher(StreamLoader(ShardStream(run), batch_size=4, collate_fn=broken)) as p:
         for _ in range(2):  # and again on a later call
             with pytest.raises(ValueError, match="on purpose"):
-                p.next()
+                p.wait_for_batch()

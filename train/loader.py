@@ -117,7 +117,7 @@ class Prefetcher:
     pins the states unless collate already wrote them pinned, and copies the `device_keys` to
     `device` on a side stream, so the training thread neither collates nor waits for a host to
     device copy: it takes a batch whose states are already on the GPU. `wait` adds up the time
-    the training thread spent blocked in `next()`: the real data wait. At most `depth` batches
+    the training thread spent blocked in `wait_for_batch()`: the real data wait. At most `depth` batches
     are ahead of the one being trained on.
     """
 
@@ -138,14 +138,15 @@ class Prefetcher:
         self._thread.start()
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader's state after the last batch `next()` returned (exact for a resume)."""
+        """The loader's state after the last batch `wait_for_batch()` returned (exact for a resume)."""
         return self._state
 
     @property
     def epoch(self) -> int:
         return int(self._state["epoch"])
 
-    def next(self) -> dict[str, Any]:
+    def wait_for_batch(self) -> dict[str, Any]:
+        """The next batch, blocking until the thread has it ready (the time goes into `wait`)."""
         t = time.perf_counter()
         item = self._ready.get()
         self.wait += time.perf_counter() - t
@@ -156,7 +157,8 @@ class Prefetcher:
         self._slots.release()
         return batch
 
-    def take_wait(self) -> float:
+    def pop_wait_s(self) -> float:
+        """Seconds spent blocked in `wait_for_batch` since the last call (non-blocking)."""
         w, self.wait = self.wait, 0.0
         return w
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,7 +28,8 @@ import torch
 import xxhash
 
 from layertap.manifests.manifest import load_manifest
-from layertap.storage.store import open_store
+from layertap.manifests.preemption import StopSignals
+from layertap.storage.store import ObjectStore, open_store
 from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
 from layertap.train.config import TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
@@ -41,13 +42,6 @@ from layertap.train.target_head import load_target_head, recorded_target
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
-_stop_requested = False
-
-
-def _on_signal(signum, frame) -> None:
-    global _stop_requested
-    _stop_requested = True
-    log.warning("received %s: stopping at the next step boundary with a checkpoint", signal.Signals(signum).name)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -114,7 +108,7 @@ class _Metrics:
 
 def train(cfg: TrainConfig) -> int:
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, gather_object
+    from accelerate.utils import DistributedDataParallelKwargs
 
     cuda = torch.cuda.is_available()
     precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
@@ -171,116 +165,159 @@ def train(cfg: TrainConfig) -> int:
                  model.config.block_size, stream.total_samples, world, total, steps_per_epoch)
     metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGUSR1, _on_signal)
-    with Prefetcher(loader, acc.device) as batches:
-        return _loop(cfg, acc, gather_object, ddp_model, model, params, optimizer, batches, out, metrics,
-                     start, total, world, rank)
+    with StopSignals(at_once=False, signals=(signal.SIGTERM, signal.SIGUSR1)) as stop, \
+            Prefetcher(loader, acc.device) as batches:
+        return _loop(_Run(cfg, acc, ddp_model, model, params, optimizer, batches, out, metrics, stop, total), start)
 
 
-def _loop(cfg, acc, gather_object, ddp_model, model, params, optimizer, batches: Prefetcher, out, metrics,
-          start: int, total: int, world: int, rank: int) -> int:
-    """The steps. Nothing in a step waits for the GPU but the one reduce at its end: the step's
-    numbers are summed on the device (host-known ones on the host) and read back together."""
-    bs, device = model.config.block_size, acc.device
-    progress = _progress(rank, start, total)
+@dataclass
+class _Run:
+    """What the steps and checkpoints of one training process work on."""
+
+    cfg: TrainConfig
+    acc: Any  # accelerate.Accelerator
+    ddp_model: torch.nn.Module
+    model: DFlashDrafter
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    batches: Prefetcher
+    out: ObjectStore
+    metrics: _Metrics | None  # rank 0 only
+    stop: StopSignals
+    total: int  # the last step
+
+
+@dataclass
+class StepStats:
+    """One step's numbers, summed over the ranks."""
+
+    step: int  # the step just taken (1-based)
+    totals: torch.Tensor  # [loss x weight, weight, tokens, hits per slot, counted per slot]
+    lr: float
+    grad_norm: float
+    seconds: float
+    samples_digest: str  # this rank's sample ids
+    stop: bool  # some rank was told to stop
+
+
+def train_step(run: _Run, step: int) -> StepStats:
+    """Step `step` (0-based): `grad_accum` micro-batches, clip, AdamW. Nothing in it waits for the
+    GPU but the one reduce at its end: its numbers are summed on the device (host-known ones on
+    the host) and read back together."""
+    cfg, acc, device = run.cfg, run.acc, run.acc.device
+    bs = run.model.config.block_size
+    t0 = time.perf_counter()
+    lr = lr_at(step, run.total, cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    # [loss x weight, weight, tokens, hits per slot, counted per slot, grad norm, stop]
+    on_device = torch.zeros(5 + 2 * bs, dtype=torch.float64, device=device)
+    on_host = torch.zeros(5 + 2 * bs, dtype=torch.float64)
+    seen = xxhash.xxh64()
+    for micro in range(cfg.grad_accum):
+        batch = run.batches.wait_for_batch()
+        seen.update("\n".join(batch["sample_id"]).encode() + b"\n")
+        sync = nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(run.ddp_model)
+        with sync:
+            with acc.autocast():
+                result = dflash_loss(run.ddp_model, batch, anchor_generator(cfg.seed, step, micro, acc.process_index))
+            acc.backward(result.loss / cfg.grad_accum)
+        on_device[0] += result.loss.detach().double() * result.weight
+        on_device[3:3 + bs] += result.correct
+        on_host[1] += result.weight
+        on_host[2] += int(batch["lengths"].sum())
+        on_host[3 + bs:3 + 2 * bs] += result.counted
+        del batch, result  # the states on the GPU go back to the allocator before the next batch
+    grad_norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    on_device[-2] = grad_norm / acc.num_processes  # the same on every rank (DDP): each adds its share
+    on_host[-1] = float(run.stop.requested is not None)
+    totals = acc.reduce(on_device + on_host.to(device, non_blocking=True), reduction="sum").cpu()
+    return StepStats(step + 1, totals[:-2], lr, float(totals[-2]), time.perf_counter() - t0, seen.hexdigest(),
+                     bool(totals[-1] > 0))
+
+
+def _loop(run: _Run, start: int) -> int:
+    """The steps, with rank 0's metrics, the checkpoints and a stop at a step boundary."""
+    cfg, acc = run.cfg, run.acc
+    progress = _progress(acc.process_index, start, run.total)
     step = start
-    while step < total:
-        t0 = time.perf_counter()
-        lr = lr_at(step, total, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # [loss x weight, weight, tokens, hits per slot, counted per slot, grad norm, stop]
-        on_device = torch.zeros(5 + 2 * bs, dtype=torch.float64, device=device)
-        on_host = torch.zeros(5 + 2 * bs, dtype=torch.float64)
-        seen = xxhash.xxh64()
-        for micro in range(cfg.grad_accum):
-            batch = batches.next()
-            seen.update("\n".join(batch["sample_id"]).encode() + b"\n")
-            sync = nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(ddp_model)
-            with sync:
-                with acc.autocast():
-                    result = dflash_loss(ddp_model, batch, anchor_generator(cfg.seed, step, micro, rank))
-                acc.backward(result.loss / cfg.grad_accum)
-            on_device[0] += result.loss.detach().double() * result.weight
-            on_device[3:3 + bs] += result.correct
-            on_host[1] += result.weight
-            on_host[2] += int(batch["lengths"].sum())
-            on_host[3 + bs:3 + 2 * bs] += result.counted
-            del batch, result  # the states on the GPU go back to the allocator before the next batch
-        grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        on_device[-2] = grad_norm / world  # the same on every rank (DDP): each adds its share
-        on_host[-1] = float(_stop_requested)
-        totals = acc.reduce(on_device + on_host.to(device, non_blocking=True), reduction="sum").cpu()
-        stop = bool(totals[-1] > 0)
-        elapsed = time.perf_counter() - t0
-        if metrics is not None:
-            record = _record(step, batches.epoch, totals[:-2], bs, lr, float(totals[-2]), elapsed,
-                             batches.take_wait())
-            if device.type == "cuda":
-                record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
-            record["samples_digest"] = seen.hexdigest()  # rank 0's samples this step, to compare runs
-            metrics.add(record)
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc_first']:.2f}",
-                                 tok_s=f"{record['tokens_per_s']:,.0f}")
-            if step % cfg.log_every == 0 or step == total:
-                log.info("step %d/%d  loss %.4f  acc@1 %.3f  lr %.2e  %.0f tok/s  data wait %.0f%%", step, total,
-                         record["loss"], record["acc_first"], lr, record["tokens_per_s"],
-                         100 * record["data_wait_fraction"])
-        else:
-            batches.take_wait()
-        if step % cfg.save_every == 0 or step == total or stop:
-            _save(acc, gather_object, out, step, model, optimizer, batches, cfg, world, metrics)
-        if stop:
+    while step < run.total:
+        stats = train_step(run, step)
+        step = stats.step
+        wait = run.batches.pop_wait_s()
+        if run.metrics is not None:
+            _report(run, stats, wait, progress)
+        if step % cfg.save_every == 0 or step == run.total or stats.stop:
+            _save(run, step)
+        if stats.stop:
             log.warning("stopped at step %d by a signal; `layertap train ... --resume` continues", step)
             progress.close()
             return 143
     progress.close()
-    if rank == 0:
-        export_drafter(out, model)
-        last = json.loads(metrics.lines[-1]) if metrics.lines else {}
-        print(f"trained {total} steps; final loss {last.get('loss', float('nan')):.4f}; drafter at {out.uri}/drafter/\n"
+    if acc.is_main_process:
+        export_drafter(run.out, run.model)
+        last = json.loads(run.metrics.lines[-1]) if run.metrics.lines else {}
+        print(f"trained {run.total} steps; final loss {last.get('loss', float('nan')):.4f}; drafter at "
+              f"{run.out.uri}/drafter/\n"
               f"evaluate it on held-out prompts (JSON lines of chats; the target is the one the drafter records, "
               f"{cfg.model}{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
-              f"  layertap eval --drafter {out.uri} --prompts HELD_OUT.jsonl")
+              f"  layertap eval --drafter {run.out.uri} --prompts HELD_OUT.jsonl")
     acc.wait_for_everyone()
     acc.end_training()
     return 0
 
 
-def _record(step: int, epoch: int, t: torch.Tensor, bs: int, lr: float, grad_norm: float, elapsed: float,
-            wait: float) -> dict[str, Any]:
+def _report(run: _Run, stats: StepStats, wait: float, progress) -> None:
+    """Rank 0: the step's record into metrics.jsonl, the bar, and a log line every `log_every`."""
+    record = _record(stats, run.batches.epoch, run.model.config.block_size, wait)
+    device = run.acc.device
+    if device.type == "cuda":
+        record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+    record["samples_digest"] = stats.samples_digest  # rank 0's samples this step, to compare runs
+    run.metrics.add(record)
+    progress.update(1)
+    progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc_first']:.2f}",
+                         tok_s=f"{record['tokens_per_s']:,.0f}")
+    if stats.step % run.cfg.log_every == 0 or stats.step == run.total:
+        log.info("step %d/%d  loss %.4f  acc@1 %.3f  lr %.2e  %.0f tok/s  data wait %.0f%%", stats.step, run.total,
+                 record["loss"], record["acc_first"], stats.lr, record["tokens_per_s"],
+                 100 * record["data_wait_fraction"])
+
+
+def _record(stats: StepStats, epoch: int, bs: int, wait: float) -> dict[str, Any]:
+    t, elapsed = stats.totals, stats.seconds
     loss = float(t[0] / t[1]) if t[1] > 0 else float("nan")
     correct, counted = t[3:3 + bs], t[3 + bs:]
     per_slot = [float(c / n) if n > 0 else None for c, n in zip(correct[1:], counted[1:])]
-    return {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+    return {"step": stats.step, "epoch": epoch, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
             "acc_first": per_slot[0] if per_slot[0] is not None else 0.0, "acc_per_position": per_slot,
             "tokens": int(t[2]), "tokens_per_s": float(t[2]) / elapsed if elapsed > 0 else 0.0,
             "step_s": elapsed, "data_wait_fraction": min(1.0, wait / elapsed) if elapsed > 0 else 0.0,
             "time": time.time()}
 
 
-def _save(acc, gather_object, out, step, model, optimizer, batches, cfg, world, metrics) -> None:
+def _save(run: _Run, step: int) -> None:
+    from accelerate.utils import gather_object
+
+    acc = run.acc
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
-    total = torch.tensor([sum(float(p.detach().double().sum()) for p in model.trainable_state().values())],
+    total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values())],
                          dtype=torch.float64, device=acc.device)
     sums = acc.gather(total).cpu().tolist()
     if len(set(sums)) > 1:
         raise RuntimeError(f"drafter replicas differ across ranks at step {step} (weight sums {sums}); "
                            "not saving a checkpoint from diverged ranks")
-    states = gather_object([batches.state_dict()])  # what this rank trained on, not what it prefetched
+    states = gather_object([run.batches.state_dict()])  # what this rank trained on, not what it prefetched
     if acc.is_main_process:
-        state = {"config": cfg.identity(), "world_size": world, "loader": states}
+        state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader": states}
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
         # metrics up to its step, so they must never lag behind it
-        out.put(METRICS, ("\n".join(metrics.lines) + "\n").encode())
-        prefix = save_checkpoint(out, Snapshot(step, model, optimizer, state), cfg.keep_checkpoints)
-        log.info("checkpoint %s/%s", out.uri, prefix)
+        run.out.put(METRICS, ("\n".join(run.metrics.lines) + "\n").encode())
+        prefix = save_checkpoint(run.out, Snapshot(step, run.model, run.optimizer, state), run.cfg.keep_checkpoints)
+        log.info("checkpoint %s/%s", run.out.uri, prefix)
     acc.wait_for_everyone()
 
 

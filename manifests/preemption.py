@@ -1,0 +1,80 @@
+"""Stop signals (Slurm's preemption and time-limit warnings, a user's kill or Ctrl-C), one helper
+for extraction and training.
+
+It lives in `manifests/`, the lowest package both `extract/` and `train/` import that knows
+about jobs: `storage/` is the byte layer and has no notion of a job being stopped, while a
+stopped attempt is part of a run's record (a failure record's `preempted`, which `WorkQueue`
+sets for any stop that is not an `Exception`, as `Preempted` is not).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(BaseException):
+    """SIGTERM/SIGUSR1 from Slurm or a user: the job stops and is rerun (or requeued) later.
+
+    A BaseException, so that no `except Exception` on the way up records it as a failure."""
+
+    exit_code = 143
+
+
+class Interrupted(Preempted):
+    """Ctrl-C: stopped as a preemption is, not a failure; the same command resumes."""
+
+    exit_code = 130
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def _stop_for(signum: int) -> Preempted:
+    if signum == signal.SIGINT:
+        return Interrupted("Ctrl-C (SIGINT)")
+    return Preempted(f"received {signal.Signals(signum).name}")
+
+
+class StopSignals:
+    """Handlers for `signals` while in the `with` block; the previous handlers come back after it.
+
+    `at_once=True` (extraction): the handler raises `Preempted` (or `Interrupted`) wherever the
+    main thread is, so the open shard is aborted and its lease released right away. It ignores
+    every later stop signal: under Slurm the signal can come twice (to every process of the job,
+    and again through a launcher), and Ctrl-C reaches a launcher and its workers alike; a second
+    one must not break off the cleanup, which takes seconds.
+
+    `at_once=False` (training): the handler only records the stop in `requested`, which the loop
+    reads at its next step boundary, where a checkpoint can be saved.
+
+    A SIGINT the shell told the process to ignore (`nohup`, a background job) stays ignored.
+    """
+
+    def __init__(self, *, at_once: bool, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+        self.at_once, self.signals = at_once, signals
+        self.requested: Preempted | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in self.signals:
+            if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        stop = _stop_for(signum)
+        if self.at_once:
+            for sig in self._previous:
+                signal.signal(sig, signal.SIG_IGN)
+            raise stop
+        if self.requested is None:
+            self.requested = stop
+            log.warning("%s: stopping at the next step boundary", stop)
