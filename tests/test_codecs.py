@@ -10,6 +10,7 @@ import torch
 import zstandard
 from safetensors.torch import load, save
 
+from layertap.extract.estimate import DEFAULT_RATIOS
 from layertap.storage.codecs import CODEC_NAMES, DEFAULT_CODEC, get_codec
 
 LOSSLESS = ("bf16", "bf16-zstd")
@@ -57,6 +58,8 @@ def test_registry():
     for name in CODEC_NAMES:
         assert get_codec(name).name == name
     assert not get_codec("fp8").lossless
+    # each codec's planning ratio, declared once on its class, is what the planner and estimator assume
+    assert {n: get_codec(n).ratio for n in CODEC_NAMES} == DEFAULT_RATIOS == {"bf16": 1.0, "bf16-zstd": 1.45, "fp8": 2.3}
 
 
 def test_unknown_codec_names_valid_ones():
