@@ -1,25 +1,20 @@
 """The extraction job's settings: one keyword-only dataclass, filled from a JSON config file and
-command-line flags (flags win), validated before any work starts."""
+command-line flags (flags win), validated before any work starts. Each field is its own flag
+(`storage.flags`): its help and default are written once, here."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, ManifestError
-from layertap.storage.units import parse_size
+from layertap.manifests.manifest import DEFAULT_SHARD_BYTES
 from layertap.storage.codecs import CODEC_NAMES, DEFAULT_CODEC
-from layertap.storage.format import ShardError
-from layertap.storage.store import StoreError
-
-# Failures that are the user's to fix (bad flags, missing files, store or run problems): the
-# commands print them as one `error:` line and exit with 2, without a traceback.
-USER_ERRORS = (ValueError, OSError, StoreError, ManifestError, ShardError)
+from layertap.storage.errors import ConfigError
+from layertap.storage.flags import setting, settings
+from layertap.storage.units import parse_size
 
 QUICKSTART_LIMIT = 300  # conversations taken from the embedded ShareGPT when no dataset is given
 DTYPES = ("auto", "bfloat16", "float32")
@@ -40,52 +35,84 @@ def default_encode_threads() -> int:
     return max(2, min(8, cpus // local_ranks - 1))
 
 
+def parse_ids(text: str) -> list[int]:
+    """'1,16,31' or '0-9,12' -> a list of ints."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part[1:]:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise ConfigError(f"invalid id list {text!r}: use comma-separated integers or ranges, e.g. 1,16,31 or "
+                          "0-9") from None
+    return out
+
+
 @dataclass(kw_only=True)
 class ExtractConfig:
-    out: str
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    gguf_file: str | None = None
-    dataset: str | None = None  # None: the embedded ShareGPT conversations
-    layers: list[int] | None = None  # None: DFlash's spacing for the model's depth
-    codec: str = DEFAULT_CODEC
-    max_length: int = 4096
-    limit: int | None = None
-    final_state: Literal["none", "prenorm", "postnorm"] = "none"
-    # The forward's dtype; states are always stored as bf16. "auto": see `resolve_dtype`.
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    attn_implementation: str = "sdpa"
-    batch_tokens: int = 16384  # padded tokens per forward batch
-    shard_bytes: int = DEFAULT_SHARD_BYTES
-    encode_threads: int | None = None  # None: sized to this process's CPUs (default_encode_threads)
-    lease_ttl_s: float = 60.0
-    retries: int = 1
-    shards: list[int] | None = None  # a static assignment; None takes any free shard
-    log_dir: str = "layertap-logs"
-    s3: dict[str, Any] = field(default_factory=dict)  # storage.s3.S3Options fields
+    out: str = setting(help="run prefix: s3://bucket/prefix or a local folder (required)")
+    model: str | None = setting(None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    gguf_file: str | None = setting(None, help="GGUF file inside --model to load")
+    dataset: str | None = setting(None, help="saved dataset folder or .jsonl/.json/.parquet file (default: the "
+                                             "embedded ShareGPT conversations)")
+    layers: list[int] | None = setting(None, parse=parse_ids, help="capture layers, e.g. 1,16,31,46,61 (default: "
+                                       "DFlash's spacing); layer k = output of decoder layer k")
+    codec: str = setting(DEFAULT_CODEC, choices=CODEC_NAMES, help="hidden-state codec")
+    max_length: int = setting(4096, help="truncate samples to N tokens")
+    limit: int | None = setting(None, help=f"take the first N samples (default: all; {QUICKSTART_LIMIT} for the "
+                                           "embedded data)")
+    final_state: Literal["none", "prenorm", "postnorm"] = setting("none", help="also store the last layer's state")
+    dtype: Literal["auto", "bfloat16", "float32"] = setting(
+        "auto", help="forward dtype (default {default}: bfloat16 on CUDA and on CPUs with native bf16, float32 on "
+                     "other CPUs, where it is faster); states are stored as bf16 either way")
+    attn_implementation: str = setting("sdpa", help="attention implementation: sdpa, eager, flash_attention_2 ...")
+    batch_tokens: int = setting(16384, help="padded tokens per forward batch")
+    shard_bytes: int = setting(DEFAULT_SHARD_BYTES, parse=parse_size,
+                               help="target stored bytes per shard, e.g. 64MB, 1GB")
+    encode_threads: int | None = setting(None, help="threads compressing records (default: this process's share "
+                                                    "of its CPUs, 2 to 8)")
+    lease_ttl_s: float = setting(60.0, flag="--lease-ttl", help="seconds before a dead worker's lease expires")
+    retries: int = setting(1, help="retries of a failed shard in one run: a shard failed more often is left to "
+                                   "a rerun")
+    shards: list[int] | None = setting(None, parse=parse_ids, help="static assignment: only these shard ids, e.g. "
+                                                                   "0-99 (default: any free shard)")
+    log_dir: str = setting("layertap-logs", help="per-rank log files")
+    s3: dict[str, Any] = setting(default_factory=dict, config_only=True, help="storage.s3.S3Options fields")
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
-            raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+            raise ConfigError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
         if self.final_state not in ("none", "prenorm", "postnorm"):
-            raise ValueError(f"--final-state must be none, prenorm or postnorm, not {self.final_state!r}")
+            raise ConfigError(f"--final-state must be none, prenorm or postnorm, not {self.final_state!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.layers is not None and not self.layers:
-            raise ValueError("no capture layers given: name at least one with --layers (e.g. 1,16,31), or leave "
-                             "it out for DFlash's spacing")
+            raise ConfigError("no capture layers given: name at least one with --layers (e.g. 1,16,31), or leave "
+                              "it out for DFlash's spacing")
         if self.shards is not None and not self.shards:
-            raise ValueError("--shards names no shard: give ids such as 0-99, or leave it out to take any free shard")
+            raise ConfigError("--shards names no shard: give ids such as 0-99, or leave it out to take any free "
+                              "shard")
         if self.max_length < 2:
-            raise ValueError(f"--max-length must be at least 2, got {self.max_length}")
+            raise ConfigError(f"--max-length must be at least 2, got {self.max_length}")
         if self.limit is not None and self.limit <= 0:
-            raise ValueError(f"--limit must be positive, got {self.limit}")
+            raise ConfigError(f"--limit must be positive, got {self.limit}")
+        if self.batch_tokens < 1:
+            raise ConfigError(f"--batch-tokens must be positive, got {self.batch_tokens}")
         if self.batch_tokens < self.max_length:
-            raise ValueError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length ({self.max_length})")
-        self.shard_bytes = parse_size(self.shard_bytes)
+            raise ConfigError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length "
+                              f"({self.max_length})")
+        try:
+            self.shard_bytes = parse_size(self.shard_bytes)
+        except ValueError as e:
+            raise ConfigError(f"--shard-bytes: {e}") from None
         if self.encode_threads is None:
             self.encode_threads = default_encode_threads()
         if self.encode_threads < 1:
-            raise ValueError("--encode-threads must be at least 1")
+            raise ConfigError(f"--encode-threads must be at least 1, got {self.encode_threads}")
         if self.dataset is None and self.limit is None:
             self.limit = QUICKSTART_LIMIT
 
@@ -166,46 +193,9 @@ def _same_folder(a: Any, b: Any) -> bool:
         return False
 
 
-def load_config(path: str | None, overrides: dict[str, Any]) -> ExtractConfig:
-    """Settings from a JSON file, then the given command-line values on top."""
-    values = read_config_file(path, ExtractConfig)
-    values.update({k: v for k, v in overrides.items() if v is not None})
+def load_config(args: Any, **given: Any) -> ExtractConfig:
+    """The settings of a parsed command line: its --config file, then its flags, then `given`."""
+    values = {**settings(ExtractConfig, args), **given}
     if "out" not in values:
-        raise ValueError("no output prefix: give --out s3://bucket/prefix or a local folder")
+        raise ConfigError("no output prefix: give --out s3://bucket/prefix or a local folder")
     return ExtractConfig(**values)
-
-
-def read_config_file(path: str | None, cls: type) -> dict[str, Any]:
-    """The settings in a JSON config file, refused if it names a field `cls` does not have."""
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"config file {path!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config file {path!r} is not valid JSON: {e}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"config file {path!r} must hold a JSON object of settings")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"config file {path!r} has unknown settings {unknown}; known: {sorted(known)}")
-    return values
-
-
-def parse_ids(text: str) -> list[int]:
-    """'1,16,31' or '0-9,12' -> a list of ints."""
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                a, b = part.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
-            elif part:
-                out.append(int(part))
-    except ValueError:
-        raise ValueError(f"invalid id list {text!r}: use comma-separated integers or ranges, e.g. 1,16,31 or 0-9") from None
-    return out

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from layertap.extract.command import add_extract
+from layertap.storage.errors import ConfigError, InputError
 from layertap.extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
                               DEFAULT_USD_PER_GIB_MONTH, Prices, Storage, Throughput, Workload, alternatives,
                               estimate, fmt_bytes, format_report, report_json)
@@ -71,14 +71,6 @@ def add_plan(p: argparse.ArgumentParser) -> None:
     _add_cost_options(p)
 
 
-def _errors() -> tuple[type[BaseException], ...]:
-    from layertap.manifests.manifest import ManifestError
-    from layertap.storage.format import ShardError
-    from layertap.storage.store import StoreError
-
-    return (ValueError, OSError, ModuleNotFoundError, StoreError, ManifestError, ShardError)
-
-
 def run_estimate(args: argparse.Namespace) -> int:
     return _print(_estimate, args)
 
@@ -88,12 +80,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _print(build, args: argparse.Namespace) -> int:
-    """Build the report; print it as text or JSON, or one `error:` line and exit 2 on bad input."""
-    try:
-        report = build(args)
-    except _errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """Build the report; print it as text or JSON."""
+    report = build(args)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.text())
     return 0
 
@@ -129,14 +117,9 @@ class _Report:
 
 def _config(args: argparse.Namespace, out: str):
     """The ExtractConfig the same flags would give `layertap extract` (flags over --config)."""
-    import dataclasses
+    from layertap.extract.config import load_config
 
-    from layertap.extract.config import ExtractConfig, load_config, parse_ids
-
-    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ExtractConfig)}
-    overrides.update(out=out, layers=parse_ids(args.layers) if args.layers is not None else None,
-                     shards=parse_ids(args.shards) if args.shards is not None else None)
-    return load_config(args.config, overrides)
+    return load_config(args, out=out)
 
 
 def _device() -> str:
@@ -148,13 +131,13 @@ def _device() -> str:
 def _check_options(args: argparse.Namespace) -> None:
     for name in ("measure_samples", "measure_tokens", "gpus", "gpus_per_node"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("ratio", "tokens_per_s", "samples", "mean_tokens", "hidden_size", "num_layers"):
         value = getattr(args, name, None)
         if value is not None and not value > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if getattr(args, "token_sample", 0) < 0:
-        raise ValueError(f"--token-sample must be 0 (every row) or positive, got {args.token_sample}")
+        raise ConfigError(f"--token-sample must be 0 (every row) or positive, got {args.token_sample}")
 
 
 def _estimate(args: argparse.Namespace) -> _Report:
@@ -162,14 +145,14 @@ def _estimate(args: argparse.Namespace) -> _Report:
     cfg = _config(args, args.out or "")
     stated_model = args.hidden_size is not None or args.num_layers is not None
     if stated_model and args.model:
-        raise ValueError("give either --model or --hidden-size/--num-layers, not both")
+        raise ConfigError("give either --model or --hidden-size/--num-layers, not both")
     if stated_model and args.measure:
-        raise ValueError("--measure runs the model: give --model (or neither, for the embedded SmolLM2) "
+        raise ConfigError("--measure runs the model: give --model (or neither, for the embedded SmolLM2) "
                          "instead of --hidden-size/--num-layers")
     stated_data = args.samples is not None and args.mean_tokens is not None
     target = capture = identity = None
     if stated_model:
-        shape = _stated_shape(args, cfg.final_state)
+        shape = _stated_shape(args, cfg)
         sources = {"model": "stated"}
     else:
         from layertap.extract.run import prepare_target
@@ -184,7 +167,7 @@ def _estimate(args: argparse.Namespace) -> _Report:
     stats = None
     if not stated_data or args.measure:
         if target is None:
-            raise ValueError("token statistics need the model's tokenizer: give --model, or state both "
+            raise ConfigError("token statistics need the model's tokenizer: give --model, or state both "
                              "--samples and --mean-tokens")
         from layertap.extract.measure import token_statistics
         from layertap.extract.run import dataset_rows
@@ -194,7 +177,7 @@ def _estimate(args: argparse.Namespace) -> _Report:
                                  sample_rows=args.token_sample or None,
                                  picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens)
         if stats.samples_read == 0:
-            raise ValueError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
+            raise InputError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
     samples = args.samples if args.samples is not None else stats.samples
     mean = args.mean_tokens if args.mean_tokens is not None else stats.tokens_read / stats.samples_read
     tokens = stats.tokens if args.samples is None and args.mean_tokens is None else round(samples * mean)
@@ -212,25 +195,23 @@ def _estimate(args: argparse.Namespace) -> _Report:
     return _report(args, cfg, work, shards, measured, sources)
 
 
-def _stated_shape(args: argparse.Namespace, final_state: str) -> dict[str, Any]:
+def _stated_shape(args: argparse.Namespace, cfg) -> dict[str, Any]:
     """Model shape from --hidden-size, --num-layers and --layers, checked as the extractor would."""
     if args.hidden_size is None:
-        raise ValueError("--num-layers needs --hidden-size too (or give --model)")
-    from layertap.extract.config import parse_ids
-
-    layers = parse_ids(args.layers) if args.layers is not None else None
+        raise ConfigError("--num-layers needs --hidden-size too (or give --model)")
+    layers, final_state = cfg.layers, cfg.final_state
     n = args.num_layers
     if layers is None:
         if n is None:
-            raise ValueError("give --num-layers (DFlash's 5 layers are spaced over it) or --layers with "
+            raise ConfigError("give --num-layers (DFlash's 5 layers are spaced over it) or --layers with "
                              "--hidden-size")
         from layertap.extract.model import default_layers
 
         layers = default_layers(n)
     if n is not None and any(not 0 <= k < n for k in layers):
-        raise ValueError(f"capture layers {layers} are out of range for --num-layers {n} (ids 0..{n - 1})")
+        raise ConfigError(f"capture layers {layers} are out of range for --num-layers {n} (ids 0..{n - 1})")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"capture layers repeat: {layers}")
+        raise ConfigError(f"capture layers repeat: {layers}")
     kept = n if final_state != "none" else max(layers) + 1
     return dict(hidden_size=args.hidden_size, layers=layers, num_layers=n, kept_layers=kept)
 
@@ -298,7 +279,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     """The concrete run's plan and estimate; writes the manifest unless --dry-run."""
     _check_options(args)
     if not args.out and not args.dry_run:
-        raise ValueError("plan writes the run's manifest: give --out s3://bucket/prefix or a local folder "
+        raise ConfigError("plan writes the run's manifest: give --out s3://bucket/prefix or a local folder "
                          "(or --dry-run to only look)")
     cfg = _config(args, args.out or "")
     from layertap.extract.measure import token_statistics
@@ -320,7 +301,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
                              picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens)
     if stats.samples_read == 0:
-        raise ValueError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
+        raise InputError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
     plan = plan_shards(stats.counts, plan_bytes_per_token(cfg, identity), cfg.shard_bytes)
     measured = _measure(cfg, target, capture, identity, stats) if args.measure else None
     work = Workload(hidden_size=identity.hidden_size, capture_layers=len(identity.layers),

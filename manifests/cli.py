@@ -10,7 +10,7 @@ from layertap.storage.units import duration, size
 
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
-EXIT_COMPLETE, EXIT_PROBLEM, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 2, 3, 4
+EXIT_COMPLETE, EXIT_PROBLEM, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 3, 4  # 2: a user error (layertap/cli.py)
 STATUS_EXIT_CODES = (
     "exit codes: 0 complete (a training output: its drafter is exported); 3 not complete, no failed shard "
     "(pending or running; a training output still training or stopped); 4 failed shards; 1 the run is "
@@ -34,35 +34,23 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=4, help="shards verified in parallel (default 4)")
 
 
-def _errors():
-    from layertap.manifests.manifest import ManifestError
-    from layertap.storage.format import ShardError
-    from layertap.storage.store import StoreError
-
-    return (ManifestError, StoreError, ShardError)
-
-
 def run_status(args: argparse.Namespace) -> int:
     from layertap.manifests.manifest import NoRun
     from layertap.manifests.status import run_status as status
     from layertap.storage.store import open_store
 
+    store = open_store(args.prefix)
     try:
-        store = open_store(args.prefix)
-        try:
-            s = status(store, shards=args.shards)
-        except NoRun as e:
-            from layertap.manifests.train_output import training_status
+        s = status(store, shards=args.shards)
+    except NoRun as e:
+        from layertap.manifests.train_output import training_status
 
-            t = training_status(store)
-            if t is None:
-                raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
-                            "checkpoints/latest.json)") from None
-            print(json.dumps(t, indent=2) if args.json else format_training(t))
-            return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
-    except (*_errors(), ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        t = training_status(store)
+        if t is None:
+            raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
+                        "checkpoints/latest.json)") from None
+        print(json.dumps(t, indent=2) if args.json else format_training(t))
+        return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
     print(json.dumps(s, indent=2) if args.json else format_status(s))
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
@@ -150,13 +138,9 @@ def run_verify(args: argparse.Namespace) -> int:
     from layertap.manifests.status import verify_run
     from layertap.storage.store import open_store
 
-    try:
-        store = open_store(args.prefix)
-        with tqdm(desc="verify", unit="shard", disable=args.json or None, file=sys.stderr) as bar:
-            result = verify_run(store, threads=args.threads, progress=bar.update)
-    except _errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    store = open_store(args.prefix)
+    with tqdm(desc="verify", unit="shard", disable=args.json or None, file=sys.stderr) as bar:
+        result = verify_run(store, threads=args.threads, progress=bar.update)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

@@ -14,7 +14,13 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from layertap.storage.errors import UserError
+
 log = logging.getLogger(__name__)
+
+class Refused(UserError):
+    """The prefix must not be deleted as asked: the message says why and how to proceed."""
+
 
 TRAINING_KEYS = ("checkpoints/latest.json", "metrics.jsonl")  # what `layertap train` writes (train_output.py)
 
@@ -28,37 +34,32 @@ def add_delete(p: argparse.ArgumentParser) -> None:
 
 
 def run_delete(args: argparse.Namespace) -> int:
+    from layertap.storage.store import open_store
     from layertap.storage.units import size
-    from layertap.manifests.manifest import ManifestError
-    from layertap.storage.store import StoreError, open_store
 
-    try:
-        store = open_store(args.prefix)
-        objects = list(store.list())
-        pending = store.list_pending_uploads()
-        if not objects and not pending:
-            print(f"nothing to delete: no object under {store.uri}")
-            return 0
-        what = describe(store, args.force)
-        total = sum(o.size for o in objects)
-        print(f"{what}: {len(objects):,} object(s), {size(total)}"
-              + (f", and {len(pending)} unfinished upload(s)" if pending else ""))
-        if not args.yes and not _confirmed(store.uri):
-            print("not deleted", file=sys.stderr)
-            return 1
-        deleted = delete_all(store, [o.key for o in objects], args.threads)
-        aborted = store.abort_pending_uploads() if pending else 0
-        _remove_empty_folders(store)
-    except (StoreError, ManifestError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    store = open_store(args.prefix)
+    objects = list(store.list())
+    pending = store.list_pending_uploads()
+    if not objects and not pending:
+        print(f"nothing to delete: no object under {store.uri}")
+        return 0
+    what = describe(store, args.force)
+    total = sum(o.size for o in objects)
+    print(f"{what}: {len(objects):,} object(s), {size(total)}"
+          + (f", and {len(pending)} unfinished upload(s)" if pending else ""))
+    if not args.yes and not _confirmed(store.uri):
+        print("not deleted", file=sys.stderr)
+        return 1
+    deleted = delete_all(store, [o.key for o in objects], args.threads)
+    aborted = store.abort_pending_uploads() if pending else 0
+    _remove_empty_folders(store)
     print(f"deleted {deleted:,} object(s)" + (f" and aborted {aborted} upload(s)" if aborted else "")
           + f" under {store.uri}")
     return 0
 
 
 def describe(store, force: bool) -> str:
-    """What the prefix holds, in words; raises ValueError for what must not be deleted unforced."""
+    """What the prefix holds, in words; raises `Refused` for what must not be deleted unforced."""
     from layertap.manifests import layout
     from layertap.manifests.manifest import ManifestError, NoRun, load_manifest
     from layertap.manifests.state import scan
@@ -73,13 +74,13 @@ def describe(store, force: bool) -> str:
         st = scan(store, manifest)
         running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
         if running and not force:
-            raise ValueError(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "
+            raise Refused(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "
                              "under live leases: stop the workers first (or pass --force)")
         return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
     if any(store.exists(k) for k in TRAINING_KEYS):
         return f"training output at {store.uri}"
     if not force:
-        raise ValueError(f"{store.uri} holds no run (no manifest.json) and no training output (no metrics.jsonl or "
+        raise Refused(f"{store.uri} holds no run (no manifest.json) and no training output (no metrics.jsonl or "
                          "checkpoints/latest.json): not deleting it. Check the prefix, or pass --force to delete "
                          "every object under it")
     return f"every object under {store.uri} (--force: not a run)"
@@ -99,7 +100,7 @@ def delete_all(store, keys: list[str], threads: int = 16) -> int:
 
 def _confirmed(uri: str) -> bool:
     if not sys.stdin.isatty():
-        raise ValueError("not deleting without confirmation: standard input is not a terminal; pass --yes")
+        raise Refused("not deleting without confirmation: standard input is not a terminal; pass --yes")
     answer = input(f"delete everything under {uri}? type yes to confirm: ")
     return answer.strip().lower() == "yes"
 

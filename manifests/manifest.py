@@ -22,6 +22,7 @@ from layertap.manifests.layout import MANIFEST
 from layertap.storage.codecs import CODEC_NAMES
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ MANIFEST_FORMAT = "layertap-manifest"
 MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 1_000_000_000
 
-class ManifestError(Exception):
+class ManifestError(UserError):
     """The manifest or a run record is missing, corrupt, or from an incompatible version."""
 
 

@@ -16,6 +16,8 @@ import shlex
 import sys
 from typing import Any, Callable
 
+from layertap.storage.errors import ConfigError
+
 ToolParser = Callable[[Any], None]
 
 
@@ -135,21 +137,13 @@ def _add_slurm_options(p: argparse.ArgumentParser, job_name: str) -> None:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    from layertap.manifests.manifest import ManifestError
-    from layertap.slurm.submit import SlurmError
-    from layertap.storage.store import StoreError
+    if not args.dry_run:
+        from layertap.slurm.submit import require
 
-    try:
-        if not args.dry_run:
-            from layertap.slurm.submit import require
-
-            require("sbatch")
-        if args.submit_kind == "extract":
-            return _submit_extract(args)
-        return _submit_train(args)
-    except (ValueError, OSError, StoreError, ManifestError, SlurmError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        require("sbatch")
+    if args.submit_kind == "extract":
+        return _submit_extract(args)
+    return _submit_train(args)
 
 
 _MEM = re.compile(r"^\d+[KMGT]?$")
@@ -163,7 +157,7 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: An
 
     mem = args.mem
     if mem is not None and mem.lower() != "none" and not _MEM.match(mem):
-        raise ValueError(f"--mem {mem!r}: give Slurm's form, a number with an optional K, M, G or T "
+        raise ConfigError(f"--mem {mem!r}: give Slurm's form, a number with an optional K, M, G or T "
                          "(binary units: 200G is 200 GiB), 0 for all of a node's memory, or none")
     procs = args.procs_per_node or max(gpus, 1)
     fitted, notes = fit(sized(procs), node)
@@ -185,7 +179,7 @@ def _gpus_per_node(args: argparse.Namespace, node) -> int:
     if args.gpus_per_node is not None:
         return args.gpus_per_node
     if node is not None and node.gpus:
-        raise ValueError(f"partition {node.partition} has GPUs ({node.gres}) but --gpus-per-node is not given, so "
+        raise ConfigError(f"partition {node.partition} has GPUs ({node.gres}) but --gpus-per-node is not given, so "
                          f"the job would run on CPU: give --gpus-per-node {node.gpus} to use them, or "
                          "--gpus-per-node 0 to run on CPU")
     _note("no --gpus-per-node: the job runs on CPU" +
@@ -195,13 +189,9 @@ def _gpus_per_node(args: argparse.Namespace, node) -> int:
 
 def _extract_config(args: argparse.Namespace):
     """The extraction's settings exactly as each task will read them (config file, then flags)."""
-    from layertap.extract.config import ExtractConfig, load_config, parse_ids
+    from layertap.extract.config import load_config
 
-    fields = {f.name for f in dataclasses.fields(ExtractConfig)} - {"layers", "shards"}
-    overrides = {a.dest: getattr(args, a.dest) for a in args._tool_actions if a.dest in fields}
-    overrides["layers"] = parse_ids(args.layers) if args.layers is not None else None
-    overrides["shards"] = parse_ids(args.shards) if args.shards is not None else None
-    return load_config(args.config, overrides)
+    return load_config(args)
 
 
 def _submit_extract(args: argparse.Namespace) -> int:
@@ -220,7 +210,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     opts = _job_options(args, gpus, lambda procs: extract_resources(procs, args.encode_threads, cfg.model,
                                                                     cfg.gguf_file), node)
     if args.shards_per_task is not None and cfg.shards is not None:
-        raise ValueError("give either --shards (the shards dynamic tasks may take) or --shards-per-task "
+        raise ConfigError("give either --shards (the shards dynamic tasks may take) or --shards-per-task "
                          "(static ranges over the unfinished shards), not both")
     train = _then_train(args, gpus, node) if args.then_train is not None else None
     store = open_store(cfg.out, **cfg.s3)
@@ -232,7 +222,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
         _say(args, f"no run at {store.uri} yet: the first task to start plans it")
     if args.shards_per_task is not None:
         if remaining is None:
-            raise ValueError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
+            raise ConfigError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
                              "with `layertap plan <these extract arguments>`, or submit without --shards-per-task "
                              "(the tasks plan it and share shards through leases)")
         plan = static_plan(remaining, args.shards_per_task, args.nodes, submit.max_array_size())
@@ -264,7 +254,7 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
         _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
                    "every other one is done")
         if train:
-            raise ValueError("the extraction is still running, so training cannot be chained to this submission: "
+            raise ConfigError("the extraction is still running, so training cannot be chained to this submission: "
                              "submit it with `layertap submit train --after <the extraction's job id> ...`")
         return 0
     _say(args, "nothing to submit: every shard is done")
@@ -282,16 +272,16 @@ def _then_train(args: argparse.Namespace, gpus: int, node) -> tuple[Any, str]:
 
     add_train = _train_parser()
     if add_train is None:
-        raise ValueError("--then-train: `layertap train` is not available in this installation (no train.command)")
+        raise ConfigError("--then-train: `layertap train` is not available in this installation (no train.command)")
     parser = argparse.ArgumentParser(prog="layertap train", exit_on_error=False)
     fwd = _Forwarded(parser)
     add_train(fwd)
     try:
         targs, extra = parser.parse_known_args(shlex.split(args.then_train))
     except argparse.ArgumentError as e:
-        raise ValueError(f"--then-train {args.then_train!r}: {e}") from None
+        raise ConfigError(f"--then-train {args.then_train!r}: {e}") from None
     if extra:
-        raise ValueError(f"--then-train {args.then_train!r}: `layertap train` does not take {' '.join(extra)}")
+        raise ConfigError(f"--then-train {args.then_train!r}: `layertap train` does not take {' '.join(extra)}")
     from layertap.slurm.resources import train_resources
 
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
@@ -307,7 +297,7 @@ def _submit_train(args: argparse.Namespace) -> int:
     from layertap.slurm.submit import partition_shape
 
     if _train_parser() is None:
-        raise ValueError("`layertap train` is not available in this installation (no train.command)")
+        raise ConfigError("`layertap train` is not available in this installation (no train.command)")
     node = partition_shape(args.partition)
     opts = _job_options(args, _gpus_per_node(args, node),
                         lambda procs: train_resources(procs, getattr(args, "num_workers", None)), node)

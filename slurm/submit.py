@@ -11,11 +11,12 @@ import time
 
 from layertap.slurm.resources import NodeShape
 from layertap.slurm.work import DEFAULT_MAX_ARRAY_SIZE
+from layertap.storage.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class SlurmError(Exception):
+class SlurmError(UserError):
     """sbatch or scontrol is missing or refused the request."""
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -23,26 +22,21 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from layertap.storage.format import ShardError
     from layertap.storage.reader import ShardReader, verify_shard
     from layertap.storage.store import ObjectNotFound, StoreError, open_store, split_object_uri
 
+    root, key = split_object_uri(args.uri)
+    store = open_store(root)
     try:
-        root, key = split_object_uri(args.uri)
-        store = open_store(root)
-        try:
-            store.size(key)  # a missing object or a bad key is a usage error, not a corrupt shard
-        except ObjectNotFound:
-            if open_store(args.uri).exists("manifest.json"):
-                raise StoreError(f"{args.uri} is a run, not a shard object: `layertap status {args.uri} --shards` "
-                                 "lists its shards' objects, one of which `layertap inspect` takes") from None
-            raise
-        report = verify_shard(store, key, decode=True)
-        reader = ShardReader(store, key) if report.ok else None
-        stats = layer_stats(reader) if reader is not None and args.stats else None
-    except (StoreError, ShardError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        store.size(key)  # a missing object or a bad key is a usage error, not a corrupt shard
+    except ObjectNotFound:
+        if open_store(args.uri).exists("manifest.json"):
+            raise StoreError(f"{args.uri} is a run, not a shard object: `layertap status {args.uri} --shards` "
+                             "lists its shards' objects, one of which `layertap inspect` takes") from None
+        raise
+    report = verify_shard(store, key, decode=True)  # a corrupt shard is a report (exit 1), not an error
+    reader = ShardReader(store, key) if report.ok else None
+    stats = layer_stats(reader) if reader is not None and args.stats else None
     if args.json:
         out = {"uri": args.uri, "ok": report.ok, "error": report.error, "bytes": report.bytes,
                "xxh3_128": report.xxh3_128}

@@ -13,9 +13,10 @@ import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
+from layertap.storage.errors import UserError
 
 
-class StoreError(Exception):
+class StoreError(UserError):
     """A store operation failed; the message names the key and, where known, the fix."""
 
 

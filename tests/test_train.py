@@ -349,7 +349,7 @@ def test_bad_arguments_are_clear_errors(run, target, tmp_path, capsys):
     assert train_cli("--data", run, "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")) == 2
     assert "does not exist" in capsys.readouterr().err
     assert train_cli("--data", run, "--model", target, "--out", str(tmp_path / "o"), "--fetch-threads", "0") == 2
-    assert "fetch_threads must be >= 1, got 0" in capsys.readouterr().err
+    assert "error: --fetch-threads must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow

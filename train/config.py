@@ -1,62 +1,73 @@
-"""The trainer's settings: one keyword-only dataclass, from a JSON config file and flags (flags win)."""
+"""The trainer's settings: one keyword-only dataclass, from a JSON config file and flags (flags win).
+Each field is its own flag (`storage.flags`): its help and default are written once, here."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from layertap.extract.config import read_config_file
+from layertap.storage.errors import ConfigError
+from layertap.storage.flags import setting, settings
 from layertap.storage.units import parse_size
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    data: str  # the extraction's run prefix
-    out: str  # checkpoints, metrics and the exported drafter: an S3 prefix or a local folder
-    model: str | None = None  # the target model folder (only its embeddings and head are read);
-    # None: the one the run's manifest records, when that folder exists on this machine
-    gguf_file: str | None = None
-    steps: int | None = None  # optimizer steps; None: `epochs` passes over the data
-    epochs: int = 1
-    batch_size: int = 4  # samples per micro-batch per rank
-    grad_accum: int = 1
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    save_every: int = 500  # steps between checkpoints (and one at the end)
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    num_workers: int = 0  # DataLoader worker processes per rank
-    shuffle_buffer: int = 64
-    memory_budget: int = 4 << 30  # bytes of fetched shard data per rank
-    fetch_threads: int = 8  # concurrent ranged GETs per rank (per DataLoader worker with num_workers)
-    # The drafter; None takes the default sized from the target (train.drafter.default_config).
-    drafter_layers: int | None = None
-    block_size: int = 16
-    max_anchors: int = 512
-    gamma: float = 7.0
-    mask_token_id: int | None = None  # None: len(tokenizer), the first id the tokenizer does not use
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    resume: bool = False
-    log_dir: str = "layertap-logs"
-    s3: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: str = setting(help="the extraction's run prefix: s3://bucket/prefix or a local folder (required)")
+    out: str = setting(help="checkpoints, metrics.jsonl and the exported drafter: s3://... or a folder (required)")
+    model: str | None = setting(None, help="the target model folder the extraction used; only its embed_tokens "
+                                           "and lm_head are read (default: the folder the run's manifest records)")
+    gguf_file: str | None = setting(None, help="GGUF file inside --model")
+    steps: int | None = setting(None, help="optimizer steps (default: --epochs passes over the data)")
+    epochs: int = setting(1, help="passes over the data when --steps is not given")
+    batch_size: int = setting(4, help="samples per micro-batch per rank")
+    grad_accum: int = setting(1, help="micro-batches per optimizer step")
+    lr: float = setting(6e-4, help="peak learning rate")
+    min_lr_ratio: float = setting(0.1, help="the cosine schedule decays the learning rate to lr x this")
+    warmup_ratio: float = setting(0.04, help="share of the steps that warm the learning rate up")
+    weight_decay: float = setting(0.0, help="AdamW's weight decay")
+    max_grad_norm: float = setting(1.0, help="gradients are clipped to this norm")
+    seed: int = setting(0, help="data order, anchors and initial weights")
+    save_every: int = setting(500, help="steps between checkpoints, and one at the end")
+    keep_checkpoints: int = setting(2, help="newest checkpoints kept in --out")
+    log_every: int = setting(10, help="steps between logged metrics")
+    num_workers: int = setting(0, help="DataLoader worker processes per rank")
+    shuffle_buffer: int = setting(64, help="samples in the loader's shuffle buffer")
+    memory_budget: int = setting(4 << 30, parse=parse_size, help="bytes of fetched shard data per rank, e.g. 4GiB")
+    fetch_threads: int = setting(8, help="concurrent ranged GETs per rank, or per worker with --num-workers "
+                                         "(default {default}; S3 serves one connection at ~90 MB/s)")
+    drafter_layers: int | None = setting(None, help="drafter depth (default: one per ~12 target layers)")
+    block_size: int = setting(16, help="tokens per drafted block, the anchor included")
+    max_anchors: int = setting(512, help="blocks sampled per sequence")
+    gamma: float = setting(7.0, help="decay of the loss weight along a block: exp(-(k-1)/gamma) at position k")
+    mask_token_id: int | None = setting(None, help="the drafter's mask token (default: len(tokenizer), the first "
+                                                   "id the tokenizer does not use)")
+    mixed_precision: Literal["auto", "no", "bf16"] = setting(
+        "auto", help="the forward's precision (default {default}: bf16 autocast on GPU, fp32 on CPU)")
+    resume: bool = setting(False, help="continue from the latest checkpoint in --out (same batches, same loss "
+                                       "curve)")
+    log_dir: str = setting("layertap-logs", help="TensorBoard logs, when tensorboard is installed")
+    s3: dict[str, Any] = setting(default_factory=dict, config_only=True, help="storage.s3.S3Options fields")
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         for name in ("epochs", "batch_size", "grad_accum", "save_every", "log_every", "block_size", "max_anchors",
                      "fetch_threads"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.warmup_ratio < 1:
-            raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1 and 0 <= warmup_ratio < 1")
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"--warmup-ratio must be within [0, 1), got {self.warmup_ratio}")
         if self.mixed_precision not in ("auto", "no", "bf16"):
-            raise ValueError(f"mixed_precision must be auto, no or bf16, not {self.mixed_precision!r}")
-        self.memory_budget = parse_size(self.memory_budget)
+            raise ConfigError(f"--mixed-precision must be auto, no or bf16, not {self.mixed_precision!r}")
+        try:
+            self.memory_budget = parse_size(self.memory_budget)
+        except ValueError as e:
+            raise ConfigError(f"--memory-budget: {e}") from None
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint it continues (order and objective)."""
@@ -65,11 +76,11 @@ class TrainConfig:
         return {k: getattr(self, k) for k in keys}
 
 
-def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
-    """Settings from a JSON file, then the given command-line values on top."""
-    values = read_config_file(path, TrainConfig)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for required, flag in (("data", "--data"), ("out", "--out")):
+def load_train_config(args: Any) -> TrainConfig:
+    """The settings of a parsed command line: its --config file, then its flags."""
+    values = settings(TrainConfig, args)
+    for required in ("data", "out"):
         if not values.get(required):
-            raise ValueError(f"missing {flag}: layertap train --data RUN_PREFIX --out PREFIX_OR_DIR [--model TARGET]")
+            raise ConfigError(f"missing --{required}: layertap train --data RUN_PREFIX --out PREFIX_OR_DIR "
+                              "[--model TARGET]")
     return TrainConfig(**values)
