@@ -167,7 +167,8 @@ def train(cfg: TrainConfig) -> int:
 
     with StopSignals(at_once=False, signals=(signal.SIGTERM, signal.SIGUSR1)) as stop, \
             Prefetcher(loader, acc.device) as batches:
-        return _loop(_Run(cfg, acc, ddp_model, model, params, optimizer, batches, out, metrics, stop, total), start)
+        return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
+                          batches=batches, out=out, metrics=metrics, stop=stop, total=total), start)
 
 
 @dataclass
