@@ -1,0 +1,120 @@
+"""Flags derived from the settings dataclasses (storage/flags.py) and the one error policy
+(storage/errors.py, caught in layertap/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from layertap.cli import build_parser, main
+from layertap.extract.config import ExtractConfig
+from layertap.storage.errors import ConfigError, UserError
+from layertap.storage.flags import _help, flag_fields, flag_name
+from layertap.train.config import TrainConfig
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command,cls", [("extract", ExtractConfig), ("train", TrainConfig)])
+def test_every_field_is_one_flag_whose_help_shows_the_fields_default(command, cls):
+    parser = _subparser(command)
+    by_dest: dict[str, list[argparse.Action]] = {}
+    for a in parser._actions:
+        by_dest.setdefault(a.dest, []).append(a)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("config_only"):
+            assert f.name not in by_dest, f.name
+            continue
+        (action,) = by_dest[f.name]
+        assert action.option_strings == [flag_name(f)] and action.default is None  # never overrides --config
+        if f.default is not dataclasses.MISSING and f.default is not None and not isinstance(f.default, bool):
+            assert "(default " in action.help, f.name
+    assert set(by_dest) - {f.name for f in dataclasses.fields(cls)} == {"help", "config"}
+
+
+def test_help_renders_the_field_default():
+    helps = {f.name: _help(f) for f in flag_fields(ExtractConfig)}
+    assert helps["batch_tokens"].endswith("(default 16384)")
+    assert helps["shard_bytes"].endswith("(default 1GB)")
+    assert helps["dtype"].startswith("forward dtype (default auto: ")
+    assert "default" not in helps["gguf_file"]
+    assert {f.name: _help(f) for f in flag_fields(TrainConfig)}["memory_budget"].endswith("(default 4GiB)")
+    out = subprocess.run([sys.executable, "-m", "layertap", "extract", "--help"], capture_output=True, text=True)
+    assert "padded tokens per forward batch (default 16384)" in " ".join(out.stdout.split())
+
+
+def test_config_file_keys_flags_override_and_unknown_keys_are_named(tmp_path):
+    from layertap.extract.config import load_config
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"out": "o", "batch_tokens": 8192, "max_length": 1024, "layers": [1, 2]}))
+    parser = _subparser("extract")
+    cfg = load_config(parser.parse_args(["--config", str(path), "--batch-tokens", "4096", "--shards", "0-2"]))
+    assert (cfg.out, cfg.batch_tokens, cfg.max_length, cfg.layers, cfg.shards) == ("o", 4096, 1024, [1, 2], [0, 1, 2])
+    path.write_text(json.dumps({"out": "o", "batch_tokenz": 1}))
+    with pytest.raises(ConfigError, match=r"unknown settings \['batch_tokenz'\]"):
+        load_config(parser.parse_args(["--config", str(path)]))
+
+
+def test_a_bad_flag_is_one_error_line_naming_it_and_no_traceback(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "layertap", "extract", "--out", str(tmp_path / "r"),
+                        "--batch-tokens", "0"], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert p.stderr == "error: --batch-tokens must be positive, got 0\n"
+    assert not (tmp_path / "r").exists()
+
+
+def test_train_config_errors_name_the_flag():
+    with pytest.raises(ConfigError, match="^--grad-accum must be >= 1, got 0$"):
+        TrainConfig(data="d", out="o", grad_accum=0)
+    with pytest.raises(ConfigError, match="^--memory-budget: invalid size 'lots'"):
+        TrainConfig(data="d", out="o", memory_budget="lots")
+
+
+def test_user_errors_are_caught_once_at_the_top(monkeypatch, capsys):
+    import layertap.extract.run as run
+
+    def refuse(cfg):
+        raise UserError("the thing is wrong: fix it")
+
+    monkeypatch.setattr(run, "extract", refuse)
+    assert main(["extract", "--out", "x"]) == 2
+    assert capsys.readouterr().err == "error: the thing is wrong: fix it\n"
+
+
+@pytest.mark.parametrize("bug", [RuntimeError("a bug"), KeyError("a bug")])
+def test_a_bug_keeps_its_traceback(bug, monkeypatch):
+    import layertap.extract.run as run
+
+    def broken(cfg):
+        raise bug
+
+    monkeypatch.setattr(run, "extract", broken)
+    with pytest.raises(type(bug)):
+        main(["extract", "--out", "x"])
+
+
+def test_a_libraries_value_error_keeps_its_traceback(monkeypatch):
+    import layertap.extract.run as run
+
+    monkeypatch.setattr(run, "extract", lambda cfg: json.loads("{"))  # raised inside json, not layertap
+    with pytest.raises(json.JSONDecodeError):
+        main(["extract", "--out", "x"])
+
+
+def test_user_facing_errors_share_the_root():
+    from layertap.manifests.manifest import ConfigMismatch, ManifestError
+    from layertap.slurm.submit import SlurmError
+    from layertap.storage.format import ShardError
+    from layertap.storage.store import StoreError
+
+    for cls in (StoreError, ShardError, ManifestError, ConfigMismatch, SlurmError, ConfigError):
+        assert issubclass(cls, UserError), cls
