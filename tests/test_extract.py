@@ -174,7 +174,7 @@ def test_two_ranks_store_every_sample_exactly_once(models, store_uri, tmp_path):
     for r in (0, 1):
         assert f"rank {r}/2: run {run_id}" in logs[r]
     # -v: layertap's DEBUG records reach the rank logs; botocore's, which carry credentials, never do.
-    assert "DEBUG manifests.work: shard" in "".join(logs)
+    assert "DEBUG layertap.manifests.work: shard" in "".join(logs)
     assert "DEBUG botocore" not in "".join(logs) and "DEBUG urllib3" not in "".join(logs)
 
 

@@ -109,7 +109,7 @@ def test_extract_script_dynamic_on_gpu_nodes(tmp_path):
         < script.index("set -uo pipefail") < script.index(f"command -v {sys.executable} ")
     assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( SLURM_CPUS_PER_TASK > 8 ? SLURM_CPUS_PER_TASK / 8 : 1 ))}"' in script
     assert '--main_process_port "$PORT"' in flat and "PORT=$((20000 + SLURM_JOB_ID % 20000))" in script
-    assert "-m layertap extract --out 's3://b/run 1' --model /m --log-dir \"$LOG_DIR\"" in flat
+    assert "-m layertap.extract --out 's3://b/run 1' --model /m --log-dir \"$LOG_DIR\"" in flat
     assert f'LOG_DIR={tmp_path}/logs/"${{SLURM_JOB_NAME}}-${{TASK}}"' in script  # one log folder per task
     assert "--shards" not in flat  # dynamic: any free shard
     assert script.index("module load cuda/12.4") < script.index('"${cmd[@]}" &')
@@ -123,7 +123,7 @@ def test_extract_script_static_ranges_on_cpu(tmp_path):
     bash_syntax_ok(one, tmp_path)
     assert "--array=3,9%2" in sbatch_options(one) and "--cpus-per-task=4" in sbatch_options(one)
     flat = " ".join(one.split())
-    assert f"{sys.executable} -m layertap extract --out r --log-dir \"$LOG_DIR\" --shards \"$SLURM_ARRAY_TASK_ID\"" in flat
+    assert f"{sys.executable} -m layertap.extract --out r --log-dir \"$LOG_DIR\" --shards \"$SLURM_ARRAY_TASK_ID\"" in flat
     assert "accelerate" not in flat  # one process: no launcher between the shell and the worker
     four = extract_script(opts, ArrayPlan(indices=[0, 2], shards_per_task=4, num_shards=10), ["--out", "r"])
     bash_syntax_ok(four, tmp_path)
@@ -146,7 +146,7 @@ def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
     assert "srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 bash" in flat  # no --cpus-per-task given
     assert '--machine_rank "$SLURM_NODEID"' in flat and '--num_machines "$SLURM_NNODES"' in flat
     assert '--num_processes "$((SLURM_NNODES * 4))" --main_process_ip "$MASTER_ADDR"' in flat
-    assert "--multi_gpu" in flat and "-m layertap train --data s3://b/r --out d" in flat
+    assert "--multi_gpu" in flat and "-m layertap.train --data s3://b/r --out d" in flat
     assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in script
     assert 'scontrol requeue' in script  # it resumes, so the time limit requeues it
     single = train_script(JobOptions(job_name="t", logs=str(tmp_path)), 1, ["--data", "r"], None)
@@ -213,7 +213,7 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     assert "#SBATCH --array=10-11%4" in out and "--shards \"$SLURM_ARRAY_TASK_ID\"" in out
     assert "--max-length 64" in out and "--log-dir \"$LOG_DIR\"" in out
     assert "sbatch --parsable --dependency=afterok:<the array's job id> --kill-on-invalid-dep=yes" in out
-    assert "-m layertap train --data run --model m --out d --steps 3" in " ".join(out.split())
+    assert "-m layertap.train --data run --model m --out d --steps 3" in " ".join(out.split())
     assert not (tmp_path / "layertap-logs").exists()  # nothing written
 
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0  # dynamic: a task a shard
@@ -234,7 +234,7 @@ def test_submit_train_dry_run(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "sbatch --parsable --dependency=afterok:41:42 --kill-on-invalid-dep=yes <script>" in out
     assert "#SBATCH --nodes=2" in out and "#SBATCH --time=1-00:00:00" in out
-    assert "-m layertap train --data s3://b/run --model /m --out s3://b/drafter" in " ".join(out.split())
+    assert "-m layertap.train --data s3://b/run --model /m --out s3://b/drafter" in " ".join(out.split())
     assert "RESUME=(--resume)" in out  # a requeued job continues from its checkpoint
 
 
