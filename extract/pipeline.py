@@ -106,7 +106,8 @@ class _Writer(threading.Thread):
             except BaseException as e:
                 self.error = e
 
-    def put(self, fut: Future) -> None:
+    def wait_and_queue(self, fut: Future) -> None:
+        """Queue a record being encoded; blocks while `depth` are queued (the encoders' backpressure)."""
         if self.error is not None:
             raise self.error
         self.q.put(fut)
@@ -146,7 +147,7 @@ def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Sh
                 final = None if final is None else final.to(torch.bfloat16)
                 t1 = time.perf_counter()
                 if staging is not None:
-                    hidden_host, final_host, ready, release = staging.copy(hidden, final, len(batch))
+                    hidden_host, final_host, ready, release = staging.wait_and_copy(hidden, final, len(batch))
                 else:
                     hidden_host, final_host, ready, release = hidden, final, None, None
                 stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1,
@@ -155,7 +156,7 @@ def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Sh
                     n = len(s)
                     sample = Sample(s.sample_id, s.input_ids, s.loss_mask.to(torch.uint8), hidden_host[i, :n],
                                     None if final_host is None else final_host[i, :n])
-                    writer.put(pool.submit(_encode, sample, meta, ready, release, stats))
+                    writer.wait_and_queue(pool.submit(_encode, sample, meta, ready, release, stats))
         finally:
             writer.q.put(None)
             writer.join()
@@ -183,9 +184,10 @@ class HostStaging:
         for _ in range(slots):
             self._free.put(None)  # allocated on first use, at the size the batches need
 
-    def copy(self, hidden: torch.Tensor, final: torch.Tensor | None, users: int):
-        """Start the copy of a batch's states; returns host views, an event that marks them
-        complete, and the release callback each of the batch's `users` calls once done."""
+    def wait_and_copy(self, hidden: torch.Tensor, final: torch.Tensor | None, users: int):
+        """Start the copy of a batch's states, once a buffer is free (blocks until then); returns
+        host views, an event that marks them complete, and the release callback each of the
+        batch's `users` calls once done."""
         need = hidden.numel() + (final.numel() if final is not None else 0)
         buf = self._free.get()
         if buf is None or buf.numel() < need:

@@ -263,8 +263,8 @@ class Fetcher:
 
     # -- budget ----------------------------------------------------------------------------------
 
-    def _acquire(self, nbytes: int, first_pos: int) -> np.ndarray | None:
-        """A buffer of `nbytes` (a size class) once the budget allows it; None if closed or failed."""
+    def _wait_for_budget(self, nbytes: int, first_pos: int) -> np.ndarray | None:
+        """A buffer of `nbytes` (a size class), blocking until the budget allows it; None if closed or failed."""
         with self._cond:
             while not self._closed and self._error is None and self._in_use > 0 \
                     and self._in_use + nbytes > self.budget \
@@ -310,7 +310,7 @@ class Fetcher:
                 for rng in self._ranges(seg, reader):
                     if seg.shard in self._bad:
                         break
-                    array = self._acquire(size_class(rng.end - rng.start), rng.items[0][0])
+                    array = self._wait_for_budget(size_class(rng.end - rng.start), rng.items[0][0])
                     if array is None:
                         return
                     self._threads.submit(self._fetch, seg.shard, reader, rng, array)
