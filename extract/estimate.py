@@ -10,7 +10,7 @@ The size model is the shard format's own layout (docs/FORMAT.md), term by term:
            + shards x shard overhead (preamble, HEAD frame, fixed footer, trailer)
 
 ``raw`` counts activation bytes only (layers x hidden x 2 B of bf16 per token), the figure
-the public trainers' file-per-sample layout stores and the BRIEF's reference numbers use.
+the public trainers' file-per-sample layout stores (the 27B reference: 800 tokens x 51,200 B per sample).
 
 Units: byte counts are exact integers; human units are binary (KiB, MiB, GiB, TiB = 2^10 ..
 2^40 B), as in the reference "34,858.2 GB" (which is 913,786 x 800 x 51,200 / 2^30) and as S3
@@ -24,13 +24,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 from layertap.storage.codecs import CODEC_NAMES, get_codec
+from layertap.storage.errors import ConfigError
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BF16_BYTES = 2
 TOKEN_BYTES = 5  # per token beside the activations: input_ids as int32 + loss_mask as uint8
 
 # raw/stored ratio of the activations per codec when nothing is measured: each codec's own `ratio`,
-# from SmolLM2 states (BRIEF section 3, docs/benchmarks.md "Codecs": 1.461 and 2.320, rounded
+# from SmolLM2 states (docs/benchmarks.md "Codecs": 1.461 and 2.320, rounded
 # down). The planner sizes shards with these too, so a plan never depends on a measurement.
 DEFAULT_RATIOS: dict[str, float] = {name: get_codec(name).ratio for name in CODEC_NAMES}
 
@@ -66,7 +67,7 @@ def _positive(name: str, value: float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if value is None or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,7 +114,7 @@ class Storage:
         _positive("shard size", self.shard_bytes)
         _positive("number of shards", self.shards, allow_none=True)
         if self.record_overhead < 0 or self.shard_overhead < 0:
-            raise ValueError("format overheads cannot be negative")
+            raise ConfigError("format overheads cannot be negative")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,9 +150,9 @@ class Prices:
         for name in ("usd_per_gib_month", "usd_per_1000_put", "usd_per_1000_get"):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
-                raise ValueError(f"{name.replace('_', ' ')} must be a non-negative number, got {value!r}")
+                raise ConfigError(f"{name.replace('_', ' ')} must be a non-negative number, got {value!r}")
         if self.epochs < 0:
-            raise ValueError(f"epochs must be non-negative, got {self.epochs}")
+            raise ConfigError(f"epochs must be non-negative, got {self.epochs}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -312,7 +313,7 @@ def fmt_bytes(n: float, unit: str | None = None, decimals: int | None = None) ->
     if unit is None:
         unit = next((u for u in ("TiB", "GiB", "MiB", "KiB") if abs(n) >= _BINARY[u]), "B")
     if unit not in _BINARY:
-        raise ValueError(f"unknown unit {unit!r}; use one of {', '.join(_BINARY)}")
+        raise ConfigError(f"unknown unit {unit!r}; use one of {', '.join(_BINARY)}")
     if decimals is None:
         decimals = 0 if unit == "B" else 2
     return f"{n / _BINARY[unit]:,.{decimals}f} {unit}"

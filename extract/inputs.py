@@ -29,6 +29,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 import xxhash
 
+from layertap.storage.errors import ConfigError, InputError, MissingInput
+
 USER_ROLES = {"human": "user", "user": "user"}
 ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                    "bard": "assistant", "bing": "assistant"}
@@ -109,26 +111,26 @@ def load_rows(path: str, limit: int | None = None):
     import datasets
 
     if limit is not None and limit <= 0:
-        raise ValueError(f"limit must be a positive number of rows, got {limit}")
+        raise ConfigError(f"limit must be a positive number of rows, got {limit}")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"dataset {path!r} does not exist")
+        raise MissingInput(f"dataset {path!r} does not exist")
     if os.path.isdir(path):
         ds = _load_saved(path)
     else:
         ext = os.path.splitext(path)[1].lower()
         if ext not in _FILE_FORMATS:
-            raise ValueError(f"dataset {path!r}: unsupported file type {ext or '(none)'!r}; "
+            raise InputError(f"dataset {path!r}: unsupported file type {ext or '(none)'!r}; "
                              f"use a .jsonl, .json or .parquet file or a datasets save_to_disk folder")
         if _file_has_no_rows(path, ext):
-            raise ValueError(f"dataset {path!r} has no rows; give a dataset with at least one row")
+            raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
         try:
             ds = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train")
         except Exception as e:  # datasets wraps parse errors in its own, path-less, exceptions
             cause = e.__cause__ or e
-            raise ValueError(f"dataset {path!r} could not be read as {ext}: "
+            raise InputError(f"dataset {path!r} could not be read as {ext}: "
                              f"{type(cause).__name__}: {cause}") from e
     if len(ds) == 0:
-        raise ValueError(f"dataset {path!r} has no rows; give a dataset with at least one row")
+        raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     return ds
@@ -154,20 +156,20 @@ def _load_saved(path: str):
     try:
         with open(os.path.join(path, "state.json")) as f:
             if json.load(f).get("_data_files") == []:
-                raise ValueError(f"dataset {path!r} has no rows; give a dataset with at least one row")
+                raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
     except (OSError, json.JSONDecodeError):
         pass  # a DatasetDict folder, or not a dataset at all: load_from_disk says which
     try:
         ds = datasets.load_from_disk(path)
     except FileNotFoundError as e:
-        raise ValueError(f"dataset {path!r} is a folder but not a datasets save_to_disk folder "
+        raise InputError(f"dataset {path!r} is a folder but not a datasets save_to_disk folder "
                          f"(no dataset_info.json / state.json): {e}") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" in ds:
             return ds["train"]
         if len(ds) == 1:
             return next(iter(ds.values()))
-        raise ValueError(f"dataset {path!r} holds splits {sorted(ds)}; save the one to extract "
+        raise InputError(f"dataset {path!r} holds splits {sorted(ds)}; save the one to extract "
                          f"on its own, or name it 'train'")
     return ds
 
@@ -180,7 +182,7 @@ def dataset_fingerprint(path: str, limit: int | None = None) -> str:
     fingerprint that ``datasets`` maintains through every transform.
     """
     if not os.path.exists(path):
-        raise FileNotFoundError(f"dataset {path!r} does not exist")
+        raise MissingInput(f"dataset {path!r} does not exist")
     if os.path.isdir(path):
         ds = _load_saved(path)
         content = f"saved:{ds._fingerprint}:{len(ds)}"
@@ -203,13 +205,13 @@ def detect_row_shape(columns: Iterable[str]) -> RowShape:
     if "input_ids" in cols:
         if "loss_mask" in cols or "labels" in cols:
             return RowShape.PRETOKENIZED
-        raise ValueError(f"rows have 'input_ids' but neither 'loss_mask' nor 'labels' (columns: "
+        raise InputError(f"rows have 'input_ids' but neither 'loss_mask' nor 'labels' (columns: "
                          f"{sorted(cols)}); add one so the drafter knows which tokens to learn")
     if "messages" in cols:
         return RowShape.MESSAGES
     if "conversations" in cols:
         return RowShape.SHAREGPT
-    raise ValueError(f"rows match no accepted shape; columns found: {sorted(cols)}. "
+    raise InputError(f"rows match no accepted shape; columns found: {sorted(cols)}. "
                      f"Accepted: {ACCEPTED_SHAPES}")
 
 
@@ -244,7 +246,7 @@ def tokenize_rows(rows: Iterable[Mapping[str, Any]], tokenizer, max_length: int,
     (every training block starts at such a pair), so it is skipped with a reason.
     """
     if max_length < 2:
-        raise ValueError(f"max_length must be at least 2, got {max_length}")
+        raise ConfigError(f"max_length must be at least 2, got {max_length}")
     vocab = int(vocab_size if vocab_size is not None else len(tokenizer))
     columns = getattr(rows, "column_names", None)
     shape = detect_row_shape(columns) if columns is not None else None
@@ -298,39 +300,39 @@ def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> T
     ids_raw = row.get("input_ids")
     if ids_raw is None:  # a row of another shape, in a file whose other rows are pre-tokenized
         keys = sorted(k for k, v in row.items() if v is not None)
-        raise ValueError(f"row {index} ({sid}) has no input_ids (its fields: {keys}), so it matches no accepted "
+        raise InputError(f"row {index} ({sid}) has no input_ids (its fields: {keys}), so it matches no accepted "
                          f"row shape ({ACCEPTED_SHAPES}); fix the row or remove it")
     if len(ids_raw) == 0:
         return Skipped(sid, EMPTY, "input_ids is empty")
     ids = torch.as_tensor(ids_raw).reshape(-1)
     if ids.dtype == torch.bool:
-        raise ValueError(f"row {index} ({sid}): input_ids must be integers, got booleans")
+        raise InputError(f"row {index} ({sid}): input_ids must be integers, got booleans")
     if ids.dtype.is_floating_point:
         # A JSON reader makes the whole column float when one row holds a float, so whole numbers
         # are token ids as written; a fraction is refused in the row that holds it.
         bad = ~torch.isfinite(ids) | (ids != ids.trunc())
         if bool(bad.any()):
             pos = int(bad.nonzero()[0])
-            raise ValueError(f"row {index} ({sid}): input_ids must be integers, got {ids[pos].item()} at "
+            raise InputError(f"row {index} ({sid}): input_ids must be integers, got {ids[pos].item()} at "
                              f"position {pos}")
     ids = ids.to(torch.int64)
     bad = (ids < 0) | (ids >= vocab)
     if bool(bad.any()):
         pos = int(bad.nonzero()[0])
-        raise ValueError(f"row {index} ({sid}): token id {int(ids[pos])} at position {pos} is outside "
+        raise InputError(f"row {index} ({sid}): token id {int(ids[pos])} at position {pos} is outside "
                          f"the vocabulary [0, {vocab}); were these rows tokenized for another model? Tokenize "
                          f"them with this model's tokenizer, or give the --model they were made for")
     if row.get("loss_mask") is not None:
         mask = torch.as_tensor(row["loss_mask"]).reshape(-1)
         if bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError(f"row {index} ({sid}): loss_mask must hold only 0 and 1")
+            raise InputError(f"row {index} ({sid}): loss_mask must hold only 0 and 1")
         mask, name = mask.bool(), "loss_mask"
     elif row.get("labels") is not None:
         mask, name = torch.as_tensor(row["labels"]).reshape(-1) != -100, "labels"
     else:
-        raise ValueError(f"row {index} ({sid}): both loss_mask and labels are null")
+        raise InputError(f"row {index} ({sid}): both loss_mask and labels are null")
     if mask.numel() != ids.numel():
-        raise ValueError(f"row {index} ({sid}): {name} has {mask.numel()} entries for "
+        raise InputError(f"row {index} ({sid}): {name} has {mask.numel()} entries for "
                          f"{ids.numel()} input_ids")
     return TokenizedSample(sid, ids, mask)
 
@@ -340,10 +342,10 @@ class _ChatRenderer:
 
     def __init__(self, tokenizer, template_kwargs: Mapping[str, Any] | None):
         if not getattr(tokenizer, "is_fast", True):
-            raise ValueError("chat rows need a fast tokenizer: the loss mask is built from the "
+            raise InputError("chat rows need a fast tokenizer: the loss mask is built from the "
                              "tokenizer's character offsets")
         if not tokenizer.chat_template:
-            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; give "
+            raise InputError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; give "
                              f"pre-tokenized rows or a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.kwargs = dict(template_kwargs or {})

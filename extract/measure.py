@@ -22,6 +22,7 @@ from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, sam
 from layertap.extract.model import Capture
 from layertap.extract.pipeline import PipelineStats, extract_shard, pad_batch
 from layertap.storage.codecs import CODEC_NAMES
+from layertap.storage.errors import InputError
 from layertap.storage.format import ShardMeta
 from layertap.storage.records import EncodedRecord, decode_record, encode_record
 from layertap.storage.writer import ShardWriter
@@ -77,7 +78,7 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
 
     n = len(rows)
     if n == 0:
-        raise ValueError("the dataset has no rows")
+        raise InputError("the dataset has no rows")
     indices = None
     if sample_rows is not None and 0 < sample_rows < n:
         indices = [i * n // sample_rows for i in range(sample_rows)]
@@ -164,7 +165,7 @@ def measure_extraction(capture: Capture, samples: list[TokenizedSample], meta: S
     from tqdm import tqdm
 
     if not samples:
-        raise ValueError("no samples to measure: the dataset sample yielded none")
+        raise InputError("no samples to measure: the dataset sample yielded none")
     warm = min(samples, key=len)
     capture(*pad_batch([warm], pad_id))
     raw_meta = replace(meta, codec="bf16")

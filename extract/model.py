@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from layertap.extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
+from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.identity import FINAL_STATES, FinalState
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -32,9 +33,9 @@ def default_layers(num_layers: int, n: int = 5) -> list[int]:
     one would give the drafter features it was not trained on.
     """
     if n < 1:
-        raise ValueError(f"need at least one capture layer, got n={n}")
+        raise ConfigError(f"need at least one capture layer, got n={n}")
     if num_layers < 4:
-        raise ValueError(f"DFlash's layer spacing needs at least 4 layers, the model has {num_layers}")
+        raise InputError(f"DFlash's layer spacing needs at least 4 layers, the model has {num_layers}")
     if n == 1:
         return [num_layers // 2]
     first, last = 1, num_layers - 3
@@ -65,9 +66,9 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
 
     local = os.path.exists(path)
     if not local and not _HUB_ID.match(path):
-        raise FileNotFoundError(f"target model {path!r} does not exist; give a model folder or an org/name hub id")
+        raise MissingInput(f"target model {path!r} does not exist; give a model folder or an org/name hub id")
     if gguf_file is not None and local and not os.path.isfile(os.path.join(path, gguf_file)):
-        raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path!r}")
+        raise MissingInput(f"GGUF file {gguf_file!r} not found in {path!r}")
     kw: dict[str, Any] = {}
     if gguf_file:
         kw["gguf_file"] = gguf_file
@@ -88,7 +89,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as e:
-        raise OSError(f"could not load target model {path!r}: {e}") from e
+        raise InputError(f"could not load target model {path!r}: {e}") from e
     model.to(device if weights else "meta").eval()
     model.requires_grad_(False)
     if weights:
@@ -138,7 +139,7 @@ def decoder_of(model: nn.Module) -> nn.Module:
     for candidate in (getattr(model, "model", None), model.get_decoder() if hasattr(model, "get_decoder") else None):
         if candidate is not None and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
             return candidate
-    raise ValueError(f"{type(model).__name__} has no decoder with a 'layers' list; this architecture "
+    raise InputError(f"{type(model).__name__} has no decoder with a 'layers' list; this architecture "
                      f"is not supported")
 
 
@@ -159,7 +160,7 @@ class Capture:
         num_layers = int(config.num_hidden_layers)
         self.layers = _check_layers(layers, num_layers)
         if final_state not in FINAL_STATES:
-            raise ValueError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
+            raise ConfigError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
         self.final_state = final_state
         self.num_layers = num_layers
         self.hidden_size = int(config.hidden_size)
@@ -232,7 +233,7 @@ class Capture:
 
 def _check_layers(layers: list[int], num_layers: int) -> list[int]:
     if not layers:
-        raise ValueError("no capture layers given")
+        raise ConfigError("no capture layers given")
     out = []
     for k in layers:
         try:
@@ -240,11 +241,11 @@ def _check_layers(layers: list[int], num_layers: int) -> list[int]:
                 raise TypeError
             k = operator.index(k)  # ints, numpy and torch integers; not floats or strings
         except TypeError:
-            raise ValueError(f"capture layer {k!r} is not an integer") from None
+            raise ConfigError(f"capture layer {k!r} is not an integer") from None
         if not 0 <= k < num_layers:
-            raise ValueError(f"capture layer {k} is out of range: the model has {num_layers} decoder "
+            raise ConfigError(f"capture layer {k} is out of range: the model has {num_layers} decoder "
                              f"layers, ids 0..{num_layers - 1} (layer k = output of decoder layer k)")
         out.append(int(k))
     if len(set(out)) != len(out):
-        raise ValueError(f"capture layers repeat: {layers}")
+        raise ConfigError(f"capture layers repeat: {layers}")
     return out

@@ -39,20 +39,6 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def raised_by_layertap(e: BaseException) -> bool:
-    """Whether `e` was raised by layertap's own code, not inside a library (torch, transformers).
-
-    Transitional: some modules still raise a plain ValueError or OSError for input a user can fix
-    (extract.model, extract.inputs, train.trainer, train.stream, train.target_head,
-    train.speculative, slurm.scripts, ...). Until each raises a `UserError`, such an error raised
-    in a layertap frame is reported like one; the same error from a library keeps its traceback.
-    """
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("layertap.")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layertap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -87,11 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ValueError, OSError) as e:
-        if not raised_by_layertap(e):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -21,8 +21,8 @@ from typing import Any
 from layertap.manifests.layout import MANIFEST
 from layertap.storage.codecs import CODEC_NAMES
 from layertap.storage.identity import RunConfig
+from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.store import ObjectNotFound, ObjectStore
-from layertap.storage.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def plan_shards(token_counts: Sequence[int], bytes_per_token: float, shard_bytes
     lengths vary by 100x, which keeps uploads, retries and loader prefetch predictable.
     """
     if bytes_per_token <= 0 or shard_bytes <= 0:
-        raise ValueError("bytes_per_token and shard_bytes must be positive")
+        raise ConfigError("bytes_per_token and shard_bytes must be positive")
     shards: list[ShardPlan] = []
     start, tokens, acc = 0, 0, 0.0
     for i, n in enumerate(token_counts):

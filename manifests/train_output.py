@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+from layertap.storage.errors import InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
 METRICS = "metrics.jsonl"  # one JSON line per step, rewritten whole with each checkpoint
@@ -55,7 +56,7 @@ def _json(store: ObjectStore, key: str) -> dict[str, Any] | None:
     except ObjectNotFound:
         return None
     except ValueError as e:
-        raise ValueError(f"{store.uri.rstrip('/')}/{key} is corrupt (not JSON: {e})") from None
+        raise InputError(f"{store.uri.rstrip('/')}/{key} is corrupt (not JSON: {e})") from None
     return obj if isinstance(obj, dict) else None
 
 

@@ -25,6 +25,7 @@ from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
 from layertap.manifests.state import RunState, scan, scan_shard
+from layertap.storage.errors import ConfigError
 from layertap.storage.writer import ShardInfo
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 
@@ -164,7 +165,7 @@ class WorkQueue:
         ids = range(len(manifest.shards)) if shards is None else shards
         bad = [s for s in ids if not 0 <= s < len(manifest.shards)]
         if bad:
-            raise ValueError(f"shards {bad[:5]} are not in the run (it has {len(manifest.shards)})")
+            raise ConfigError(f"shards {bad[:5]} are not in the run (it has {len(manifest.shards)})")
         self.candidates = list(ids)
         self.retries, self.world_size = retries, max(1, world_size)
         self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)

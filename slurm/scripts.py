@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from importlib import resources
 
+from layertap.storage.errors import ConfigError
+
 # each package's own command: `python -m layertap.extract ARGS` is `layertap extract ARGS`
 EXTRACT_MODULE, TRAIN_MODULE = "layertap.extract", "layertap.train"
 
@@ -46,24 +48,24 @@ class JobOptions:
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 0:
-            raise ValueError(f"--gpus-per-node must be 0 or more, got {self.gpus_per_node}")
+            raise ConfigError(f"--gpus-per-node must be 0 or more, got {self.gpus_per_node}")
         if self.procs_per_node is not None and self.procs_per_node < 1:
-            raise ValueError(f"--procs-per-node must be at least 1, got {self.procs_per_node}")
+            raise ConfigError(f"--procs-per-node must be at least 1, got {self.procs_per_node}")
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
-            raise ValueError(f"--cpus-per-task must be at least 1, got {self.cpus_per_task}")
+            raise ConfigError(f"--cpus-per-task must be at least 1, got {self.cpus_per_task}")
         if self.grace_s < 0:
-            raise ValueError(f"--grace must be 0 or more seconds, got {self.grace_s}")
+            raise ConfigError(f"--grace must be 0 or more seconds, got {self.grace_s}")
         for opt in self.sbatch:
             if not opt.startswith("-") or "\n" in opt:
-                raise ValueError(f"--sbatch {opt!r} is not an sbatch option: give it as --sbatch=--exclusive "
+                raise ConfigError(f"--sbatch {opt!r} is not an sbatch option: give it as --sbatch=--exclusive "
                                  "or --sbatch=--constraint=a100")
         for line in self.setup:
             if "\n" in line:
-                raise ValueError(f"--setup {line!r} holds a newline: give each line as its own --setup")
+                raise ConfigError(f"--setup {line!r} holds a newline: give each line as its own --setup")
         if self.env_activate is not None and "\n" in self.env_activate:
-            raise ValueError(f"--env-activate {self.env_activate!r} holds a newline: give one shell line")
+            raise ConfigError(f"--env-activate {self.env_activate!r} holds a newline: give one shell line")
         if not self.python.strip():
-            raise ValueError("--python must name an interpreter")
+            raise ConfigError("--python must name an interpreter")
         self.logs = os.path.abspath(self.logs)
         self.chdir = os.path.abspath(self.chdir)
 
@@ -154,7 +156,7 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     rendezvous (first node's address, a port from the job id) taken from the Slurm environment.
     With `resume_flag`, a requeued job continues from its latest checkpoint."""
     if nodes < 1:
-        raise ValueError(f"--nodes must be at least 1, got {nodes}")
+        raise ConfigError(f"--nodes must be at least 1, got {nodes}")
     header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={opts.logs}/%x-%j.out"])
     total = '"$((SLURM_NNODES * ' + str(opts.procs) + '))"'
     lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',

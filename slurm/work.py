@@ -15,6 +15,7 @@ from typing import Any
 from layertap.manifests.manifest import ConfigMismatch, load_manifest
 from layertap.manifests.state import scan
 from layertap.slurm.scripts import ArrayPlan
+from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectStore
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: array indices go up to 1000
@@ -52,7 +53,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     ids = range(total) if only is None else sorted(set(only))
     bad = [s for s in ids if not 0 <= s < total]
     if bad:
-        raise ValueError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
+        raise ConfigError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
     st = scan(store, manifest)
     st.raise_if_replaced(store.uri)  # submitting would only start tasks that stop on the same error
     states = {s: st.state(s) for s in ids}
@@ -68,7 +69,7 @@ def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node:
     nothing). Without a run yet, `nodes` decides: the first task to plan wins, the rest adopt it."""
     if remaining is None:
         if not nodes:
-            raise ValueError("there is no run at --out yet, so its work cannot be sized: give --nodes N "
+            raise ConfigError("there is no run at --out yet, so its work cannot be sized: give --nodes N "
                              "(array tasks to start; the first to plan the run wins, the others adopt its plan)")
         return ArrayPlan(indices=list(range(nodes)))
     useful = math.ceil(len(remaining.todo) / procs_per_node)
@@ -80,11 +81,11 @@ def static_plan(remaining: Remaining, shards_per_task: int, max_parallel: int | 
     """Task i owns shards [i*k, (i+1)*k): only the tasks owning unfinished shards are started,
     at most `max_parallel` at once."""
     if shards_per_task < 1:
-        raise ValueError(f"--shards-per-task must be at least 1, got {shards_per_task}")
+        raise ConfigError(f"--shards-per-task must be at least 1, got {shards_per_task}")
     indices = sorted({s // shards_per_task for s in remaining.todo})
     if indices and indices[-1] >= max_array_size:
         need = math.ceil(remaining.total / max_array_size)
-        raise ValueError(f"with --shards-per-task {shards_per_task} the array needs index {indices[-1]}, above this "
+        raise ConfigError(f"with --shards-per-task {shards_per_task} the array needs index {indices[-1]}, above this "
                          f"cluster's MaxArraySize of {max_array_size}: use --shards-per-task {need} or more")
     return ArrayPlan(indices=indices, max_parallel=max_parallel, shards_per_task=shards_per_task,
                      num_shards=remaining.total)

@@ -21,3 +21,8 @@ class ConfigError(UserError, ValueError):
 
 class InputError(UserError, ValueError):
     """A user-given file, dataset or model cannot be used as it is; the message names it."""
+
+
+class MissingInput(UserError, FileNotFoundError):
+    """A user-given path (a model folder, a dataset, a prompts file) does not exist; the message
+    names it. Also a FileNotFoundError, for callers that catch that."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from layertap.storage.errors import ConfigError
 from layertap.storage.store import EndpointUnreachable, StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.unreachable_attempts < 1:
-            raise ValueError(f"attempts and unreachable_attempts must be >= 1, got {self.attempts} and "
+            raise ConfigError(f"attempts and unreachable_attempts must be >= 1, got {self.attempts} and "
                              f"{self.unreachable_attempts}")
 
     def limit(self, error: StoreError, reached: bool = False) -> int:

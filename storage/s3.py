@@ -34,6 +34,7 @@ from botocore.config import Config
 from botocore.response import StreamingBody
 from botocore.utils import parse_timestamp
 
+from layertap.storage.errors import ConfigError
 from layertap.storage.retry import RetryPolicy
 from layertap.storage.store import (
     EndpointUnreachable,
@@ -87,17 +88,17 @@ class S3Options:
 
     def __post_init__(self) -> None:
         if self.part_size < MIN_PART_SIZE:
-            raise ValueError(f"part_size {self.part_size} is below S3's minimum of {MIN_PART_SIZE} bytes (5 MiB)")
+            raise ConfigError(f"part_size {self.part_size} is below S3's minimum of {MIN_PART_SIZE} bytes (5 MiB)")
         if self.max_parts_in_memory < 1:
-            raise ValueError("max_parts_in_memory must be >= 1")
+            raise ConfigError("max_parts_in_memory must be >= 1")
         if self.threads < 1:
-            raise ValueError("threads must be >= 1")
+            raise ConfigError("threads must be >= 1")
         if self.max_attempts < 1 or self.unreachable_attempts < 1:
-            raise ValueError("max_attempts and unreachable_attempts must be >= 1")
+            raise ConfigError("max_attempts and unreachable_attempts must be >= 1")
         if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ValueError(f"addressing_style must be auto, path or virtual, not {self.addressing_style!r}")
+            raise ConfigError(f"addressing_style must be auto, path or virtual, not {self.addressing_style!r}")
         if self.checksum_mode not in (None, "when_supported", "when_required"):
-            raise ValueError(f"checksum_mode must be when_supported or when_required, not {self.checksum_mode!r}")
+            raise ConfigError(f"checksum_mode must be when_supported or when_required, not {self.checksum_mode!r}")
 
 
 class S3Store(ObjectStore):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from layertap.storage.errors import ConfigError
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -43,8 +45,8 @@ def parse_size(text: str | int) -> int:
     m = _SIZE.match(str(text))
     unit = (m.group(2) or "").lower().removesuffix("b") if m else None
     if not m or unit not in _UNITS:
-        raise ValueError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
+        raise ConfigError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
     size = int(float(m.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise ValueError(f"invalid size {text!r}: must be positive")
+        raise ConfigError(f"invalid size {text!r}: must be positive")
     return size

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 
+from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.train.drafter import DFlashDrafter, DrafterConfig
 
@@ -130,16 +131,16 @@ def load_latest(store: ObjectStore) -> Checkpoint | None:
     except ObjectNotFound:
         return None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{store.uri}/{LATEST} is corrupt ({e}); delete it to resume from scratch") from None
+        raise InputError(f"{store.uri}/{LATEST} is corrupt ({e}); delete it to resume from scratch") from None
     prefix = latest["prefix"]
     try:
         state = json.loads(store.get(f"{prefix}/state.json"))
         weights = st_load(store.get(f"{prefix}/drafter.safetensors"))
         optimizer = st_load(store.get(f"{prefix}/optimizer.safetensors"))
     except ObjectNotFound as e:
-        raise ValueError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}") from None
+        raise InputError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}") from None
     if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
-        raise ValueError(f"{store.uri}/{prefix}/state.json is not a layertap v{STATE_VERSION} training state")
+        raise InputError(f"{store.uri}/{prefix}/state.json is not a layertap v{STATE_VERSION} training state")
     return Checkpoint(int(state["step"]), state, weights, optimizer)
 
 
@@ -161,7 +162,7 @@ def restore(ckpt: Checkpoint, model: DFlashDrafter, optimizer: torch.optim.Optim
     groups = ckpt.state["param_groups"]
     current = optimizer.state_dict()["param_groups"]
     if len(groups) != len(current):
-        raise ValueError("the checkpoint's optimizer has a different number of parameter groups")
+        raise InputError("the checkpoint's optimizer has a different number of parameter groups")
     optimizer.load_state_dict({"state": state, "param_groups": [{**g, "params": c["params"]}
                                                                 for g, c in zip(groups, current)]})
     torch.set_rng_state(ckpt.optimizer["rng.torch"])
@@ -183,5 +184,5 @@ def load_drafter_files(store: ObjectStore) -> tuple[DrafterConfig, dict[str, tor
             return DrafterConfig.from_json(config), weights
         except ObjectNotFound:
             continue
-    raise FileNotFoundError(f"no drafter at {store.uri}: expected config.json and model.safetensors "
+    raise MissingInput(f"no drafter at {store.uri}: expected config.json and model.safetensors "
                             f"(or drafter/ holding them), as `layertap train` exports")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layertap.storage.errors import ConfigError, InputError
 from layertap.train.target_head import TargetHead
 
 CONFIG_FORMAT = "layertap-dflash-drafter"
@@ -53,17 +54,17 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"drafter num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+            raise ConfigError(f"drafter num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
         if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (the anchor and at least one drafted token), "
+            raise ConfigError(f"block_size must be >= 2 (the anchor and at least one drafted token), "
                              f"got {self.block_size}")
         if self.max_anchors < 1 or self.gamma <= 0:
-            raise ValueError("max_anchors must be >= 1 and gamma > 0")
+            raise ConfigError("max_anchors must be >= 1 and gamma > 0")
         if not self.capture_layers:
-            raise ValueError("the drafter needs at least one capture layer")
+            raise ConfigError("the drafter needs at least one capture layer")
 
     @property
     def learned_mask(self) -> bool:
@@ -75,9 +76,9 @@ class DrafterConfig:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DrafterConfig":
         if d.get("format") != CONFIG_FORMAT:
-            raise ValueError(f"not a layertap drafter config (format {d.get('format')!r})")
+            raise InputError(f"not a layertap drafter config (format {d.get('format')!r})")
         if d.get("version") != CONFIG_VERSION:
-            raise ValueError(f"drafter config version {d.get('version')} is not supported (this layertap reads "
+            raise InputError(f"drafter config version {d.get('version')} is not supported (this layertap reads "
                              f"{CONFIG_VERSION})")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
@@ -163,7 +164,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         c = self.config = config
         if head.vocab_size != c.vocab_size or head.hidden_size != c.hidden_size:
-            raise ValueError(f"the target's embeddings are {head.vocab_size} x {head.hidden_size}, the drafter "
+            raise InputError(f"the target's embeddings are {head.vocab_size} x {head.hidden_size}, the drafter "
                              f"was built for {c.vocab_size} x {c.hidden_size}: is this the same target model?")
         self.embed = nn.Parameter(head.embed.detach().float(), requires_grad=False)
         self.lm_head = self.embed if head.tied else nn.Parameter(head.lm_head.detach().float(), requires_grad=False)
@@ -206,11 +207,11 @@ class DFlashDrafter(nn.Module):
         trainable = self.trainable_state()
         missing = sorted(set(trainable) - set(weights))
         if missing:
-            raise ValueError(f"{source} lacks weights {missing}: it was saved by a different drafter")
+            raise InputError(f"{source} lacks weights {missing}: it was saved by a different drafter")
         with torch.no_grad():
             for name, p in trainable.items():
                 if p.shape != weights[name].shape:
-                    raise ValueError(f"{source}: weight {name} is {tuple(weights[name].shape)}, the drafter's is "
+                    raise InputError(f"{source}: weight {name} is {tuple(weights[name].shape)}, the drafter's is "
                                      f"{tuple(p.shape)}")
                 p.copy_(weights[name])
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+from layertap.storage.errors import ConfigError
 from layertap.train.batch import collate
 from layertap.train.fetch import merge_snapshots
 from layertap.train.stream import ShardStream
@@ -54,10 +55,10 @@ class StreamLoader:
     def __init__(self, stream: ShardStream, *, batch_size: int, num_workers: int = 0,
                  collate_fn: Callable = collate, drop_last: bool = False, **dataloader_kwargs: Any):
         if dataloader_kwargs.get("persistent_workers"):
-            raise ValueError("persistent_workers=True is not supported: a new epoch or a resumed position "
+            raise ConfigError("persistent_workers=True is not supported: a new epoch or a resumed position "
                              "must reach the workers, which only happens when they start")
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         self.stream, self.batch_size, self.num_workers = stream, batch_size, num_workers
         self.collate_fn, self.drop_last, self.dataloader_kwargs = collate_fn, drop_last, dataloader_kwargs
         self._snapshots: dict[int, dict] = {}
@@ -79,7 +80,7 @@ class StreamLoader:
         saved = state.get("num_workers") if isinstance(state, dict) else None
         workers = max(1, self.num_workers)
         if saved not in (None, workers):
-            raise ValueError(f"the state was saved with {saved} DataLoader worker(s), this loader has {workers}: "
+            raise ConfigError(f"the state was saved with {saved} DataLoader worker(s), this loader has {workers}: "
                              f"resume with num_workers={saved if saved > 1 else 0} (or start the epoch over)")
         self.stream.load_state_dict(state)
 

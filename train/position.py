@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from layertap.storage.errors import ConfigError, InputError
 from layertap.train.order import worker_span
 
 
@@ -50,7 +51,7 @@ class Position:
             self._consumed = [0] * workers
         elif len(self._consumed) != workers:
             saved = len(self._consumed)
-            raise ValueError(f"the stream's position was saved with {saved} DataLoader worker(s) and this pass runs "
+            raise ConfigError(f"the stream's position was saved with {saved} DataLoader worker(s) and this pass runs "
                              f"{workers}: resume with num_workers={saved if saved > 1 else 0} (or start the epoch over)")
         return self._moves
 
@@ -90,7 +91,7 @@ class Position:
         consumed = [int(x) for x in state.get("consumed") or []]
         next_worker = int(state.get("next_worker", 0))
         if not 0 <= next_worker < max(1, len(consumed)):
-            raise ValueError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
+            raise InputError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
         self._jump(int(state["epoch"]), consumed or None, next_worker)
         self._roll()
 

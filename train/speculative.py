@@ -26,6 +26,7 @@ import torch
 
 from layertap.extract.inputs import Skipped, TokenizeStats, normalize_chat
 from layertap.extract.model import decoder_of, load_target
+from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
 from layertap.train.checkpoint import load_drafter_files
 from layertap.train.drafter import DFlashDrafter
@@ -54,7 +55,7 @@ class TargetRunner:
         n = int(decoder.config.num_hidden_layers)
         bad = [k for k in layers if not 0 <= k < n]
         if bad:
-            raise ValueError(f"the drafter reads target layers {bad}, but the target has layers 0..{n - 1}: "
+            raise InputError(f"the drafter reads target layers {bad}, but the target has layers 0..{n - 1}: "
                              "is --model the target the drafter was trained for?")
         kinds = set(getattr(decoder.config, "layer_types", None) or [])
         # Attention-only targets keep today's plain cache (every layer croppable); others get the
@@ -174,7 +175,7 @@ def _check_rollback(config, kinds: set[str]) -> None:
     rollable = (DynamicLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer)
     odd = sorted(names - {c.__name__ for c in rollable})
     if odd or not names:
-        raise ValueError(f"the target's layers ({sorted(kinds)}) use cache layers {odd or 'none'} that `layertap "
+        raise InputError(f"the target's layers ({sorted(kinds)}) use cache layers {odd or 'none'} that `layertap "
                          "eval` cannot roll back past rejected drafts: it supports full and sliding attention, "
                          "and full attention mixed with linear attention (qwen3_5_text, qwen3_next)")
 
@@ -258,14 +259,14 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no} is not JSON: {e}") from None
+                raise InputError(f"{path}:{line_no} is not JSON: {e}") from None
             ids = _prompt_ids(row, tokenizer, f"{path}:{line_no}")
             if len(ids) > max_prompt_tokens:
                 skipped += 1
                 continue
             prompts.append(ids)
     if not prompts:
-        raise ValueError(f"{path} has no usable prompts (skipped {skipped} over {max_prompt_tokens} tokens)")
+        raise InputError(f"{path} has no usable prompts (skipped {skipped} over {max_prompt_tokens} tokens)")
     return prompts, skipped
 
 
@@ -274,14 +275,14 @@ def _prompt_ids(row: Any, tokenizer, where: str) -> list[int]:
         return tokenizer(row["prompt"])["input_ids"]
     raw = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
     if raw is None:
-        raise ValueError(f"{where}: expected {{\"prompt\": text}}, ShareGPT \"conversations\" or OpenAI \"messages\"")
+        raise InputError(f"{where}: expected {{\"prompt\": text}}, ShareGPT \"conversations\" or OpenAI \"messages\"")
     messages = normalize_chat(raw, where, TokenizeStats(), require_assistant=False)
     if isinstance(messages, Skipped):
-        raise ValueError(f"{where}: {messages.detail}")
+        raise InputError(f"{where}: {messages.detail}")
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
     if not any(m["role"] == "user" for m in messages):
-        raise ValueError(f"{where}: the chat has no user turn to answer")
+        raise InputError(f"{where}: the chat has no user turn to answer")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

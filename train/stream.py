@@ -35,6 +35,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits, write_index
 from layertap.manifests.manifest import Manifest, load_manifest
+from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.units import parse_size
 from layertap.manifests.state import fits_plan, replaced_manifest_error
 from layertap.storage.format import ShardError
@@ -71,18 +72,18 @@ class StreamConfig:
         for name in ("memory_budget", "range_bytes"):  # sizes as text ("4GiB") become bytes
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+            raise ConfigError(f"seed must be a non-negative int, got {self.seed!r}")
         if self.shuffle_buffer < 1:
-            raise ValueError(f"shuffle_buffer must be >= 1 sample, got {self.shuffle_buffer}")
+            raise ConfigError(f"shuffle_buffer must be >= 1 sample, got {self.shuffle_buffer}")
         if self.uneven not in ("pad", "drop"):
-            raise ValueError(f"uneven must be 'pad' (repeat a few, zero-weighted) or 'drop', not {self.uneven!r}")
+            raise ConfigError(f"uneven must be 'pad' (repeat a few, zero-weighted) or 'drop', not {self.uneven!r}")
         if self.on_corrupt not in ("raise", "skip"):
-            raise ValueError(f"on_corrupt must be 'raise' or 'skip', not {self.on_corrupt!r}")
+            raise ConfigError(f"on_corrupt must be 'raise' or 'skip', not {self.on_corrupt!r}")
         for name in ("memory_budget", "range_bytes", "prefetch_shards", "fetch_threads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_threads is not None and self.decode_threads < 0:
-            raise ValueError(f"decode_threads must be >= 0 (or None: by codec and cores), got {self.decode_threads}")
+            raise ConfigError(f"decode_threads must be >= 0 (or None: by codec and cores), got {self.decode_threads}")
 
 
 def auto_decode_threads(codec: str | None, consumers: int = 1) -> int:
@@ -124,7 +125,7 @@ def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[Co
         if c.num_records:
             shards.append(CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids)))
     if not shards:
-        raise ValueError(f"no committed shards with samples at {store.uri} yet: run `layertap extract` "
+        raise InputError(f"no committed shards with samples at {store.uri} yet: run `layertap extract` "
                          "(see `layertap status`)")
     return manifest, sorted(shards, key=lambda s: s.shard), read.new_index
 
@@ -139,7 +140,7 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
             r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         rank, world = (r if rank is None else rank), (w if world is None else world)
     if not (world >= 1 and 0 <= rank < world):
-        raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world}")
+        raise ConfigError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world}")
     return rank, world
 
 
@@ -242,15 +243,15 @@ class ShardStream(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` left off; refuse a state that would give another order."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError("not a ShardStream state (missing format 'layertap-stream-state')")
+            raise InputError("not a ShardStream state (missing format 'layertap-stream-state')")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"ShardStream state version {state.get('version')} is not supported by this "
+            raise InputError(f"ShardStream state version {state.get('version')} is not supported by this "
                              f"layertap (it reads version {STATE_VERSION}); use the release that saved it")
         mine = self._identity()
         diffs = [f"{k}: state has {state.get(k)!r}, this stream has {v!r}" for k, v in mine.items()
                  if state.get(k) != v]
         if diffs:
-            raise ValueError(
+            raise InputError(
                 "cannot resume this ShardStream from the saved state, the order would differ:\n  "
                 + "\n  ".join(diffs)
                 + "\nconstruct the stream with the saved settings (same run and committed shards, seed, "

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from layertap.storage.errors import InputError, MissingInput
+
 log = logging.getLogger(__name__)
 
 _EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight",
@@ -46,12 +48,12 @@ class TargetHead:
 def load_target_head(path: str, gguf_file: str | None = None) -> TargetHead:
     """`embed_tokens` and `lm_head` of the target at `path` (a folder; `gguf_file` inside it)."""
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"target model folder {path!r} does not exist; give the folder the "
+        raise MissingInput(f"target model folder {path!r} does not exist; give the folder the "
                                 "extraction used (--model), with --gguf-file for a GGUF checkpoint")
     if gguf_file:
         file = os.path.join(path, gguf_file)
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path!r}")
+            raise MissingInput(f"GGUF file {gguf_file!r} not found in {path!r}")
         return _from_gguf(file)
     return _from_safetensors(path)
 
@@ -68,11 +70,11 @@ def _from_safetensors(folder: str) -> TargetHead:
         with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
-        raise FileNotFoundError(f"{folder!r} has neither model.safetensors nor model.safetensors.index.json; "
+        raise MissingInput(f"{folder!r} has neither model.safetensors nor model.safetensors.index.json; "
                                 "layertap reads the target's embeddings from safetensors or GGUF checkpoints")
     embed_key = next((k for k in _EMBED_KEYS if k in weight_map), None)
     if embed_key is None:
-        raise ValueError(f"no embedding tensor in {folder!r} (looked for {', '.join(_EMBED_KEYS)})")
+        raise InputError(f"no embedding tensor in {folder!r} (looked for {', '.join(_EMBED_KEYS)})")
     head_key = next((k for k in _HEAD_KEYS if k in weight_map), None)
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))) or head_key is None
     wanted = {"embed": embed_key} if tied else {"embed": embed_key, "head": head_key}
@@ -111,7 +113,7 @@ def _from_gguf(file: str) -> TargetHead:
     arch = _field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors if t.name in ("token_embd.weight", "output.weight")}
     if "token_embd.weight" not in tensors:
-        raise ValueError(f"{file!r} has no token_embd.weight tensor")
+        raise InputError(f"{file!r} has no token_embd.weight tensor")
 
     def load(name: str) -> torch.Tensor:
         t = tensors[name]
@@ -147,9 +149,9 @@ def _read_json(path: str, what: str) -> dict[str, Any]:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} is missing: {path!r}") from None
+        raise MissingInput(f"{what} is missing: {path!r}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
+        raise InputError(f"{what} {path!r} is not valid JSON: {e}") from None
 
 
 def recorded_target(recorded: dict[str, Any], what: str, source: str) -> tuple[str, str | None]:
@@ -162,7 +164,7 @@ def recorded_target(recorded: dict[str, Any], what: str, source: str) -> tuple[s
 
         model, gguf = smollm2_gguf()
     if not model or not os.path.isdir(model) or (gguf and not os.path.isfile(os.path.join(model, gguf))):
-        raise ValueError(f"{what} {model!r}" + (f" ({gguf})" if gguf else "") +
+        raise InputError(f"{what} {model!r}" + (f" ({gguf})" if gguf else "") +
                          ", which is not on this machine: pass --model (and --gguf-file) with the same target")
     log.info("target model from %s: %s%s", source, model, f" ({gguf})" if gguf else "")
     return model, gguf

@@ -29,6 +29,7 @@ import xxhash
 
 from layertap.manifests.manifest import load_manifest
 from layertap.manifests.preemption import StopSignals
+from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.store import ObjectStore, open_store
 from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
 from layertap.train.config import TrainConfig
@@ -71,7 +72,7 @@ def build_drafter(cfg: TrainConfig, run_config: dict[str, Any], saved: dict[str,
     head = load_target_head(cfg.model, cfg.gguf_file)
     stored_h = run_config.get("hidden_size")
     if stored_h is not None and stored_h != head.hidden_size:
-        raise ValueError(f"{cfg.model} has hidden size {head.hidden_size}, but the run at {cfg.data} stored "
+        raise InputError(f"{cfg.model} has hidden size {head.hidden_size}, but the run at {cfg.data} stored "
                          f"states of width {stored_h}: train with the target the extraction used")
     if saved is not None:
         dconf = DrafterConfig.from_json(saved)
@@ -123,7 +124,7 @@ def train(cfg: TrainConfig) -> int:
 
     ckpt = load_latest(out)
     if ckpt is not None and not cfg.resume:
-        raise ValueError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
+        raise ConfigError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
                          "that run, or choose another --out")
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
@@ -324,13 +325,13 @@ def _save(run: _Run, step: int) -> None:
 
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> None:
     if state.get("world_size") != world:
-        raise ValueError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
+        raise ConfigError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
                          "resume with the same number of processes (the data order depends on it)")
     saved, now = state.get("config", {}), cfg.identity()
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in now
              if k not in ("steps", "epochs") and saved.get(k) != now[k]]
     if diffs:
-        raise ValueError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs))
+        raise ConfigError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs))
 
 
 def _metrics_until(out, step: int) -> list[str]:
