@@ -9,6 +9,8 @@
     leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim; alive while LastModified + ttl > now
     failures/{shard:06d}/{ms:013d}-{token}.json
                                            one record per failed attempt
+    consumed/ranks/{rank:05d}.json         a training rank's watermark: shards it read for the last time
+    consumed/shards/{shard:06d}            empty marker: the shard was consumed, its data deleted
     index/commits.json.zst                 a snapshot of the commit records, derived: a reader uses an
                                            entry only while `commits/` lists it unchanged
 
@@ -23,6 +25,7 @@ import re
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 COMMIT_INDEX = "index/commits.json.zst"
+CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")
@@ -46,6 +49,14 @@ def commit_key(shard: int) -> str:
 
 def tally_key(shard: int, records: int, tokens: int, nbytes: int, raw: int, skipped: int) -> str:
     return f"{TALLY}{shard:06d}.r{records}.t{tokens}.b{nbytes}.x{raw}.s{skipped}"
+
+
+def consumed_rank_key(rank: int) -> str:
+    return f"{CONSUMED_RANKS}{rank:05d}.json"
+
+
+def consumed_marker_key(shard: int) -> str:
+    return f"{CONSUMED_SHARDS}{shard:06d}"
 
 
 def lease_prefix(shard: int) -> str:

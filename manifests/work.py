@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 
 from layertap.manifests import layout
@@ -156,11 +156,16 @@ class WorkQueue:
     shard while others hold leases on unfinished ones waits for those to finish or go stale
     rather than exit with work undone. A shard that failed `retries + 1` times since this queue
     started is left failed (its failure records say why) so a bad input cannot loop forever.
+
+    `before_claim`, if given, is called right before each claim and may block (the storage
+    window, `consumption.WindowGate`); it returns whether it waited, and if it did, the shard is
+    checked afresh, since others may have taken or finished it meanwhile.
     """
 
     def __init__(self, store: ObjectStore, manifest: Manifest, producer: Producer, *,
                  ttl_s: float = DEFAULT_LEASE_TTL_S, shards: Sequence[int] | None = None,
-                 retries: int = 1, world_size: int = 1, poll_s: float | None = None):
+                 retries: int = 1, world_size: int = 1, poll_s: float | None = None,
+                 before_claim: Callable[[], bool] | None = None):
         self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
         ids = range(len(manifest.shards)) if shards is None else shards
         bad = [s for s in ids if not 0 <= s < len(manifest.shards)]
@@ -171,6 +176,7 @@ class WorkQueue:
         self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)
         self.started = time.time()
         self.given_up: set[int] = set()
+        self.before_claim = before_claim
 
     def lease_payload(self, generation: int) -> bytes:
         return json.dumps({"holder": asdict(self.producer), "generation": generation,
@@ -224,6 +230,14 @@ class WorkQueue:
                 if fresh.failures_since(s, self.started) > self.retries:
                     self.given_up.add(s)
                     continue
+                if self.before_claim and self.before_claim():
+                    fresh = scan_shard(self.store, self.manifest, s)  # others went on while we waited
+                    if s in fresh.committed:
+                        stale += 1
+                        continue
+                    if lease := fresh.live_lease(s):
+                        waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
+                        continue
                 claim = self._try_claim(s, fresh)
                 if claim is None:
                     waiting_on.append(time.time())  # lost the race for it: another worker holds it now

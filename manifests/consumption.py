@@ -1,0 +1,191 @@
+"""What training has consumed, and the storage window it opens for extraction (issue 20).
+
+A trainer that reads a run while it is being extracted writes, after each committed checkpoint,
+one watermark per rank: the shards that rank has read for the last time
+(`consumed/ranks/{rank}.json`). A shard every rank of the latest world has consumed can go: its
+marker `consumed/shards/{id}` is written first, then its data object is deleted, so a crash in
+between leaves a marker that the next `delete_consumed` finishes. The commit record and tally
+stay: `status`, resume and a rerun of `layertap extract` still see the shard as done, and never
+redo it. Watermarks are only written once a checkpoint covers them, so a trainer that restarts
+from its checkpoint never needs a deleted shard.
+
+`backlog` is what is at rest: committed shards not consumed yet. `WindowGate` holds a worker
+back from its next claim while the backlog is at or above `--window`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from layertap.manifests import layout
+from layertap.manifests.records import decode_commit
+from layertap.manifests.manifest import ManifestError
+from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
+from layertap.storage.units import size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """Committed shards not consumed yet: their count, samples and stored bytes."""
+
+    shards: int
+    samples: int
+    bytes: int
+
+
+def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: list[int], step: int) -> None:
+    """Rank `rank`'s watermark: the shards it has fully consumed for the last time, as of the
+    training checkpoint at `step`. Call it only after that checkpoint is committed: the shards it
+    names may be deleted at once, and a restart resumes from the checkpoint."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    body = {"world_size": world_size, "step": step, "shards": sorted(set(shards)), "time": time.time()}
+    store.put(layout.consumed_rank_key(rank), json.dumps(body).encode())
+
+
+def consumed_shards(store: ObjectStore) -> set[int]:
+    """Shards marked consumed (their data deleted, or about to be): one listing. What a reader
+    checks before taking a missing data object for a lost one."""
+    return _marked(store.list(layout.CONSUMED_SHARDS))
+
+
+def consumed_everywhere(store: ObjectStore) -> set[int]:
+    """Shards every rank of the latest world has consumed, plus those already marked. The latest
+    world is the one of the newest watermark; its ranks' watermarks must all be there and agree
+    on it (during a restart with another world size, only the marked shards count)."""
+    return _marked(store.list(layout.CONSUMED_SHARDS)) | _agreed(store)
+
+
+def delete_consumed(store: ObjectStore) -> list[int]:
+    """Delete the data of each shard consumed everywhere: marker first, then the data object its
+    commit names (and any a crashed attempt left). Idempotent, and crash-safe: a marker whose
+    data is still listed is finished here. Returns the ids whose data this call deleted."""
+    marked = _marked(store.list(layout.CONSUMED_SHARDS))
+    fresh = _agreed(store) - marked
+    listed: dict[int, list[str]] = {}
+    for o in store.list(layout.SHARDS):
+        shard = layout.shard_of(o.key, layout.SHARDS)
+        if shard in fresh or shard in marked:
+            listed.setdefault(shard, []).append(o.key)
+    deleted = []
+    for shard in sorted(fresh | (marked & set(listed))):
+        keys = set(listed.get(shard, []))
+        if shard in fresh:
+            key = layout.commit_key(shard)
+            try:
+                keys.add(decode_commit(store.get(key), key).data_key)
+            except ObjectNotFound:  # not committed (any more): its data, if any, is not consumed data
+                continue
+            except ManifestError as e:  # a corrupt commit record: `verify` withdraws it
+                log.warning("shard %d: consumed, but its commit record is unreadable (%s); its data is kept",
+                            shard, e)
+                continue
+            store.put(layout.consumed_marker_key(shard), b"")
+        for key in sorted(keys):
+            store.delete(key)
+        deleted.append(shard)
+    if deleted:
+        log.info("deleted the data of %d consumed shard(s): %s", len(deleted), _ids(deleted))
+    return deleted
+
+
+def backlog(store: ObjectStore) -> Backlog:
+    """Committed shards not consumed everywhere, and their samples and bytes from the tally
+    markers' names: listings and one GET per rank's watermark, never a GET per shard. A commit
+    whose tally marker is missing (its writer died between the two) counts as a shard of 0 bytes."""
+    committed = {s for o in store.list(layout.COMMITS) if (s := layout.shard_of(o.key, layout.COMMITS)) is not None}
+    open_ = committed - consumed_everywhere(store)
+    samples = nbytes = 0
+    for o in store.list(layout.TALLY):
+        parsed = layout.parse_tally(o.key)
+        if parsed and parsed[0] in open_:
+            samples += parsed[1]["records"]
+            nbytes += parsed[1]["bytes"]
+    return Backlog(len(open_), samples, nbytes)
+
+
+def _marked(listing) -> set[int]:
+    return {s for o in listing if (s := layout.shard_of(o.key, layout.CONSUMED_SHARDS)) is not None}
+
+
+def watermarks(store: ObjectStore) -> dict[int, dict]:
+    """Every rank's watermark by rank (unreadable ones left out, with a warning)."""
+    out = {}
+    for o in store.list(layout.CONSUMED_RANKS):
+        rank = layout.shard_of(o.key, layout.CONSUMED_RANKS)
+        if rank is None:
+            continue
+        try:
+            body = json.loads(store.get(o.key))
+            out[rank] = {"world_size": int(body["world_size"]), "step": int(body["step"]),
+                         "shards": [int(s) for s in body["shards"]], "time": float(body["time"])}
+        except ObjectNotFound:
+            continue
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("%s: unreadable consumption watermark (%s); ignored", o.key, e)
+    return out
+
+
+def _agreed(store: ObjectStore) -> set[int]:
+    marks = watermarks(store)
+    if not marks:
+        return set()
+    world = max(marks.values(), key=lambda m: m["time"])["world_size"]
+    ranks = [marks.get(r) for r in range(world)]
+    if any(m is None or m["world_size"] != world for m in ranks):
+        return set()
+    return set.intersection(*(set(m["shards"]) for m in ranks))
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+
+
+class WindowGate:
+    """Holds a worker back from claiming its next shard while `window` bytes or more of committed
+    data wait for training. Each check first deletes what the trainers' watermarks allow.
+
+    Called with no arguments before a claim; returns whether it waited. While waiting it lists
+    the run with a backoff (`poll_s` doubling to `max_poll_s`), logs why at most every
+    `log_every_s`, and tells `on_wait` (a progress line) the backlog, then None once it goes on.
+    A stop signal raises in the main thread wherever it is, so a waiting worker ends at once.
+
+    The bound: a worker checks before each claim, not during its shard, so the data at rest stays
+    under `window` plus one shard per worker (each may have passed the gate just below it).
+    """
+
+    def __init__(self, store: ObjectStore, window: int, *, poll_s: float = 2.0, max_poll_s: float = 30.0,
+                 log_every_s: float = 30.0, on_wait: Callable[[Backlog | None], None] | None = None,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.store, self.window = store, window
+        self.poll_s, self.max_poll_s, self.log_every_s = poll_s, max_poll_s, log_every_s
+        self.on_wait, self.sleep = on_wait, sleep
+
+    def check(self) -> Backlog:
+        delete_consumed(self.store)
+        return backlog(self.store)
+
+    def __call__(self) -> bool:
+        waited, pause, logged = False, self.poll_s, 0.0
+        while (b := self.check()).bytes >= self.window:
+            if time.monotonic() - logged >= self.log_every_s:
+                logged = time.monotonic()
+                log.info("window full: %s of committed data not yet consumed (%d shards; window %s); waiting "
+                         "for training", size(b.bytes), b.shards, size(self.window))
+            if self.on_wait:
+                self.on_wait(b)
+            waited = True
+            self.sleep(pause)
+            pause = min(2 * pause, self.max_poll_s)
+        if waited:
+            log.info("window open: %s of committed data not yet consumed (window %s); claiming again",
+                     size(b.bytes), size(self.window))
+            if self.on_wait:
+                self.on_wait(None)
+        return waited

@@ -1,0 +1,142 @@
+"""The storage window (issue 20): consumption watermarks, deletion of consumed shards, the backlog
+and `layertap extract --window`. Real runs: fake_worker's real leases, shards and commits, and a
+real tiny extraction, local and on the moto S3 server."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+import fake_worker
+from layertap.cli import main as cli
+from layertap.manifests import layout
+from layertap.manifests.consumption import (Backlog, WindowGate, backlog, consumed_everywhere, consumed_shards,
+                                            delete_consumed, record_consumed)
+from layertap.manifests.records import Producer
+from layertap.manifests.status import run_status
+from layertap.manifests.work import WorkQueue
+from layertap.storage.format import ShardMeta
+from layertap.storage.store import open_store
+from layertap.storage.writer import ShardWriter
+
+
+def keys(store, prefix: str) -> list[tuple[str, str]]:
+    return [(o.key, o.version) for o in store.list(prefix)]
+
+
+def data_shards(store) -> set[int]:
+    return {layout.shard_of(o.key, layout.SHARDS) for o in store.list(layout.SHARDS)}
+
+
+def test_record_consume_delete_round_trip(store_uri):
+    store = open_store(store_uri)
+    assert fake_worker.work(store_uri) == list(range(7))
+    commits, tallies = keys(store, layout.COMMITS), keys(store, layout.TALLY)
+    assert consumed_everywhere(store) == set() and delete_consumed(store) == []
+
+    # Two ranks: a shard goes only once both have consumed it.
+    record_consumed(store, rank=0, world_size=2, shards=[2, 0, 1], step=10)
+    assert consumed_everywhere(store) == set() and delete_consumed(store) == []  # rank 1 has said nothing
+    record_consumed(store, rank=1, world_size=2, shards=[1, 2, 3], step=10)
+    assert json.loads(store.get("consumed/ranks/00000.json"))["shards"] == [0, 1, 2]
+    assert consumed_everywhere(store) == {1, 2}
+    assert delete_consumed(store) == [1, 2]
+    assert data_shards(store) == {0, 3, 4, 5, 6}
+    assert consumed_shards(store) == {1, 2}
+    assert {o.key for o in store.list(layout.CONSUMED_SHARDS)} == {"consumed/shards/000001", "consumed/shards/000002"}
+    assert keys(store, layout.COMMITS) == commits and keys(store, layout.TALLY) == tallies
+    assert delete_consumed(store) == []  # idempotent
+
+    # A crash between marker and delete: the next call finishes it.
+    record_consumed(store, rank=0, world_size=2, shards=[0, 1, 2, 4], step=20)
+    record_consumed(store, rank=1, world_size=2, shards=[1, 2, 3, 4], step=20)
+    store.put(layout.consumed_marker_key(4), b"")
+    assert 4 in data_shards(store) and 4 in consumed_everywhere(store)
+    assert delete_consumed(store) == [4]
+    assert data_shards(store) == {0, 3, 5, 6} and delete_consumed(store) == []
+
+    # The run stays done: status counts every shard, a rerun redoes nothing.
+    assert run_status(store)["complete"]
+    assert fake_worker.work(store_uri) == []
+    assert data_shards(store) == {0, 3, 5, 6}
+
+    # A restart with another world: until every rank of the new world has written, only marked shards count.
+    record_consumed(store, rank=0, world_size=1, shards=[0, 3], step=30)
+    assert consumed_everywhere(store) == {0, 1, 2, 3, 4}
+    record_consumed(store, rank=0, world_size=3, shards=[5], step=40)
+    assert consumed_everywhere(store) == {1, 2, 4}
+    assert delete_consumed(store) == [] and data_shards(store) == {0, 3, 5, 6}
+
+
+def test_a_watermark_names_a_rank_of_its_world(store):
+    with pytest.raises(ValueError):
+        record_consumed(store, rank=2, world_size=2, shards=[], step=0)
+
+
+def test_backlog_is_the_tallies_of_unconsumed_shards(store_uri):
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2, 3, 4])
+    tallies = dict(layout.parse_tally(o.key) for o in store.list(layout.TALLY))
+
+    def expected(consumed: set[int]) -> Backlog:
+        left = [t for s, t in tallies.items() if s not in consumed]
+        return Backlog(len(left), sum(t["records"] for t in left), sum(t["bytes"] for t in left))
+
+    assert backlog(store) == expected(set()) and backlog(store).bytes > 0
+    record_consumed(store, rank=0, world_size=1, shards=[1, 3], step=5)
+    assert backlog(store) == expected({1, 3})  # consumed, not yet deleted: no longer waiting for training
+    delete_consumed(store)
+    assert backlog(store) == expected({1, 3})
+    assert backlog(store).bytes == sum(o.size for o in store.list(layout.SHARDS))  # what is at rest
+
+
+def window_worker(store_uri: str, rank: int, gate: WindowGate, done: list[int]) -> None:
+    """fake_worker's loop, with the window gate before each claim."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store)
+    queue = WorkQueue(store, manifest, Producer.current(rank), world_size=2, poll_s=0.05, before_claim=gate)
+    for claim in queue:
+        with claim:
+            meta = ShardMeta(run_id=manifest.run_id, shard_id=claim.shard, model="synthetic",
+                             layers=fake_worker.LAYERS, hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+            with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+                for i in range(claim.plan.start, claim.plan.end):
+                    w.write_sample(fake_worker.make_sample(i))
+                info = w.close()
+            if claim.commit(info):
+                done.append(claim.shard)
+
+
+def test_workers_wait_while_the_window_is_full_and_go_on_once_training_consumed(store_uri):
+    """Two workers, a window of two shards: they stop claiming once it is full and go on only as
+    a trainer (this thread) consumes. The data at rest never exceeds window + one shard per worker."""
+    store = open_store(store_uri)
+    fake_worker.plan(store)
+    window, largest, workers = 14_000, 8_200, 2  # fake_worker's shards are 7.0-8.1 kB
+    waits: list[Backlog | None] = []
+    gates = [WindowGate(store, window, poll_s=0.02, max_poll_s=0.1, on_wait=waits.append) for _ in range(workers)]
+    done: list[int] = []
+    threads = [threading.Thread(target=window_worker, args=(store_uri, r, gates[r], done), daemon=True) for r in range(workers)]
+    for t in threads:
+        t.start()
+    consumed: list[int] = []
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, sum(o.size for o in store.list(layout.SHARDS)))
+        assert peak < window + workers * largest
+        if any(w is not None for w in waits[-2:]):  # the workers wait: read one committed shard
+            committed = sorted(layout.shard_of(o.key, layout.COMMITS) for o in store.list(layout.COMMITS))
+            left = [s for s in committed if s not in consumed]
+            if left:
+                consumed.append(left[0])
+                record_consumed(store, rank=0, world_size=1, shards=consumed, step=len(consumed))
+                delete_consumed(store)
+        threads[0].join(0.02)
+    for t in threads:
+        t.join()
+    assert sorted(done) == list(range(7))
+    assert any(w is not None for w in waits) and consumed  # it did wait, and went on after consumption
+    assert run_status(store)["complete"]
+    assert backlog(store).bytes < window + workers * largest
