@@ -80,6 +80,10 @@ class ExtractConfig:
                                    "a rerun")
     shards: list[int] | None = setting(None, parse=parse_ids, help="static assignment: only these shard ids, e.g. "
                                                                    "0-99 (default: any free shard)")
+    window: int | None = setting(None, parse=parse_size, metavar="BYTES", help=(
+        "storage window for training while extracting, e.g. 200GB: no new shard is claimed while this much "
+        "committed data waits for training to consume it (consumed shards' data is deleted); each worker may "
+        "finish one shard past it. Default: no window, keep everything"))
     log_dir: str = setting("layertap-logs", help="per-rank log files")
     s3: dict[str, Any] = setting(default_factory=dict, config_only=True, help="storage.s3.S3Options fields")
 
@@ -109,6 +113,11 @@ class ExtractConfig:
             self.shard_bytes = parse_size(self.shard_bytes)
         except ValueError as e:
             raise ConfigError(f"--shard-bytes: {e}") from None
+        if self.window is not None:
+            try:
+                self.window = parse_size(self.window)
+            except ValueError as e:
+                raise ConfigError(f"--window: {e}") from None
         if self.encode_threads is None:
             self.encode_threads = default_encode_threads()
         if self.encode_threads < 1:

@@ -19,12 +19,13 @@ import torch
 
 from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtype
 from layertap.extract.console import progress, quiet_library_bars
-from layertap.storage.units import duration
+from layertap.storage.units import duration, size
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
 from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from layertap.extract.model import Capture, Target, default_layers, load_target
 from layertap.extract.pipeline import HostStaging, PipelineStats, extract_shard
 from layertap.manifests import layout
+from layertap.manifests.consumption import Backlog, WindowGate
 from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
@@ -86,8 +87,10 @@ def _extract(cfg: ExtractConfig, state) -> int:
     log.info("rank %d/%d: run %s at %s, %d shards", rank, world, manifest.run_id, store.uri, len(manifest.shards))
 
     producer = Producer.current(rank)
+    # The storage window: before each claim, wait while too much committed data awaits training.
+    gate = WindowGate(store, cfg.window) if cfg.window is not None else None
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
-                      world_size=world)
+                      world_size=world, before_claim=gate)
     if queue.finished():
         log.info("nothing to do: %s committed", "every shard of the run is" if cfg.shards is None
                  else f"each of the {len(queue.candidates)} shard(s) of --shards is")
@@ -99,6 +102,8 @@ def _extract(cfg: ExtractConfig, state) -> int:
     committed = 0
     staging = HostStaging() if next(capture.decoder.parameters()).is_cuda else None  # pinned once, reused
     with Progress(rank, world, store, manifest) as progress:
+        if gate:
+            gate.on_wait = progress.waiting
         for claim in queue:
             try:
                 plan = claim.plan
@@ -340,6 +345,13 @@ class Progress:
         if self.world > 1 and time.time() - self.synced > self.SYNC_S:
             self.synced = time.time()
             self.bar.n = max(self.bar.n, self._committed() + self.in_shard)
+            self.bar.refresh()
+
+    def waiting(self, backlog: Backlog | None) -> None:
+        """The storage window is full (`backlog`), or open again (None): shown on the progress line."""
+        if self.on:
+            self.bar.set_postfix_str(f"waiting: window full, {size(backlog.bytes)} not yet consumed by training"
+                                     if backlog else "", refresh=False)
             self.bar.refresh()
 
     def committed(self, skipped: int) -> None:
