@@ -147,9 +147,11 @@ class Fetcher:
 
     def __init__(self, store: ObjectStore, shards: list[CommittedShard], run_id: str, *,
                  positions: list[tuple[int, int, int]], budget: int, range_bytes: int, prefetch_shards: int,
-                 threads: int, on_corrupt: str, metrics: Metrics, pool: BufferPool | None = None):
+                 threads: int, on_corrupt: str, metrics: Metrics, pool: BufferPool | None = None,
+                 open_ended: bool = False):
         """`positions`: (input position, shard index, record index) of every record to deliver,
-        in ascending position order. `pool`: GET buffers to reuse, e.g. the previous epoch's."""
+        in ascending position order. `pool`: GET buffers to reuse, e.g. the previous epoch's.
+        `open_ended` (follow mode): more positions come through `extend` until `seal()`."""
         self.store, self.shards, self.run_id = store, shards, run_id
         self.budget, self.range_bytes, self.prefetch_shards = budget, range_bytes, prefetch_shards
         self.on_corrupt, self.metrics = on_corrupt, metrics
@@ -157,12 +159,8 @@ class Fetcher:
         self._retries_lock = threading.Lock()
         self._segments: list[_Segment] = []
         self._positions_of: dict[int, list[int]] = defaultdict(list)
-        for pos, shard, rec in positions:
-            if not self._segments or self._segments[-1].shard != shard:
-                self._segments.append(_Segment(shard, [], []))
-            self._segments[-1].positions.append(pos)
-            self._segments[-1].records.append(rec)
-            self._positions_of[shard].append(pos)
+        self._add(positions)
+        self._sealed = not open_ended
         self._cond = threading.Condition()
         self._ready: dict[int, Record | object] = {}
         self._in_use = 0
@@ -174,6 +172,29 @@ class Fetcher:
         self._threads = ThreadPoolExecutor(max(1, threads), thread_name_prefix="layertap-fetch")
         self._thread = threading.Thread(target=self._schedule, name="layertap-fetch-plan", daemon=True)
         self._thread.start()
+
+    def _add(self, positions: list[tuple[int, int, int]]) -> None:
+        first = len(self._segments)
+        for pos, shard, rec in positions:
+            if len(self._segments) == first or self._segments[-1].shard != shard:
+                self._segments.append(_Segment(shard, [], []))
+            self._segments[-1].positions.append(pos)
+            self._segments[-1].records.append(rec)
+            self._positions_of[shard].append(pos)
+
+    def extend(self, positions: list[tuple[int, int, int]]) -> None:
+        """More records to deliver (open-ended fetcher), at positions after all earlier ones."""
+        with self._cond:
+            if self._sealed:
+                raise RuntimeError("extend() after seal()")
+            self._add(positions)
+            self._cond.notify_all()
+
+    def seal(self) -> None:
+        """No more `extend` calls: the scheduler ends once it has scheduled everything."""
+        with self._cond:
+            self._sealed = True
+            self._cond.notify_all()
 
     # -- consumer side -------------------------------------------------------------------------
 
@@ -284,18 +305,32 @@ class Fetcher:
     def _schedule(self) -> None:
         try:
             opened: list = []  # (segment, future of its reader or None for a whole-object fetch)
-            segments = iter(self._segments)
+            scheduled = 0  # segments taken from self._segments (an open-ended fetcher's list grows)
 
             def fill() -> None:
+                nonlocal scheduled
                 while len(opened) < self.prefetch_shards:
-                    seg = next(segments, None)
-                    if seg is None:
-                        return
+                    with self._cond:
+                        if scheduled >= len(self._segments):
+                            return
+                        seg = self._segments[scheduled]
+                    scheduled += 1
                     whole = self._whole(seg)
                     opened.append((seg, None if whole else self._threads.submit(self._open, seg.shard)))
 
-            fill()
-            while opened:
+            def more() -> bool:
+                """Wait until segments are added or the fetcher is sealed or closed."""
+                with self._cond:
+                    while scheduled >= len(self._segments) and not (self._sealed or self._closed or self._error):
+                        self._cond.wait()
+                    return scheduled < len(self._segments) and not self._closed
+
+            while True:
+                fill()
+                if not opened:
+                    if more():
+                        continue
+                    return
                 seg, fut = opened.pop(0)
                 fill()
                 if self._closed:

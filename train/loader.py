@@ -31,7 +31,8 @@ from layertap.train.stream import ShardStream
 
 
 class _Tagged:
-    """Runs in the worker: (the share it serves, samples, worker counters, batch)."""
+    """Runs in the worker: (the share it serves, samples, worker counters, shards it took since
+    its last batch (follow epoch), batch)."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -39,9 +40,11 @@ class _Tagged:
     def __call__(self, samples):
         info = get_worker_info()
         if info is None:
-            return 0, len(samples), None, self.fn(samples)
+            return 0, len(samples), None, None, self.fn(samples)
         stream = info.dataset
-        return stream.position.consumer(info.id, info.num_workers), len(samples), stream.metrics(), self.fn(samples)
+        share = stream.position.consumer(info.id, info.num_workers)
+        taken = stream.position.taken_since_reported(share) if stream.position.in_follow_epoch else None
+        return share, len(samples), stream.metrics(), taken, self.fn(samples)
 
 
 class StreamLoader:
@@ -92,13 +95,15 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Any]:
         position = self.stream.position
+        if not position.in_follow_epoch:
+            self.stream._settle()  # follow mode's later epochs: workers inherit the complete shard list
         started = position.start(max(1, self.num_workers))
         loader = DataLoader(self.stream, batch_size=self.batch_size, num_workers=self.num_workers,
                             collate_fn=_Tagged(self.collate_fn), drop_last=self.drop_last, **self.dataloader_kwargs)
         self._snapshots = {}
-        for worker, n, snapshot, batch in loader:
+        for worker, n, snapshot, taken, batch in loader:
             if self.num_workers > 0:  # in-process, the stream counts its own samples
-                position.batch_received(worker, n)
+                position.batch_received(worker, n, taken)
                 self._snapshots[worker] = snapshot
             yield batch
         # A whole pass: unless a state_dict() call already moved on to the next epoch, this one is

@@ -111,3 +111,99 @@ def plan_consumer(records_per_shard: list[int], *, seed: int, epoch: int, shuffl
     order = buffer_shuffle(m, shuffle_buffer if shuffle else 1, words)
     return ConsumerPlan(shard=perm[k] if m else k, record=real - starts[k] if m else real, padding=padding,
                         order=order)
+
+
+# -- follow mode: the first epoch of a run that is still being extracted ----------------------------
+
+def follow_share(n: int, shard: int, consumers: int, consumer: int) -> tuple[int, int]:
+    """(offset, count) of `consumer`'s contiguous part of shard `shard`'s `n` records in a follow
+    epoch: `consumers` near-equal parts, in consumer order; the n mod C parts one record larger
+    are those of consumers shard mod C, shard mod C + 1, ... (cyclic), so which consumers get an
+    extra record rotates with the shard and the totals stay close."""
+    base, extra = divmod(n, consumers)
+    a = shard % consumers
+
+    def extras_below(c: int) -> int:  # consumers < c among the cyclic interval [a, a + extra)
+        if a + extra <= consumers:
+            return min(max(c - a, 0), extra)
+        return min(max(c - a, 0), consumers - a) + min(c, a + extra - consumers)
+
+    below = extras_below(consumer)
+    return consumer * base + below, base + extras_below(consumer + 1) - below
+
+
+def follow_target(records_per_shard: list[int], consumers: int) -> int:
+    """Samples every consumer yields in the follow epoch: the largest consumer's total over the
+    PLANNED records of every shard. Known from the manifest before any shard exists (so is the
+    epoch's batch count), and at least any consumer's real total (a share never grows when a
+    shard commits fewer records than planned), so padding always fills up to it."""
+    counts = np.asarray(records_per_shard, dtype=np.int64)
+    if consumers < 1 or counts.size == 0:
+        return 0
+    base, extra = np.divmod(counts, consumers)
+    starts = np.arange(counts.size, dtype=np.int64) % consumers
+    diff = np.zeros(consumers + 1, dtype=np.int64)
+    ends = starts + extra
+    np.add.at(diff, starts, 1)
+    np.add.at(diff, np.minimum(ends, consumers), -1)
+    wrap = ends > consumers
+    diff[0] += int(wrap.sum())
+    np.add.at(diff, ends[wrap] - consumers, -1)
+    return int(base.sum() + np.cumsum(diff[:-1]).max())
+
+
+class StreamingShuffle:
+    """`buffer_shuffle` computed while its inputs are still arriving (follow mode).
+
+    Emits only when the K slots are full, or once `end()` said no input follows: the slot an emit
+    frees is filled by the next input, or, if input ends first, by the last slot (the drain step).
+    So the t-th emit equals buffer_shuffle(n, K, words)[t] for the final input count n, and the
+    first n_known - K + 1 emits are fixed as soon as n_known inputs are known."""
+
+    def __init__(self, k: int, words: tuple[int, ...]):
+        self.k, self.words = max(1, k), words
+        self.slots: list[int] = []
+        self.hole: int | None = None
+        self.emitted = 0
+        self.ended = False
+        self._draws: list[int] = []
+
+    def _draw(self) -> int:
+        if self.emitted >= len(self._draws):  # a prefix of the same counter-based stream, regrown
+            self._draws = _raw((*self.words, _BUFFER_STREAM), max(1024, 2 * len(self._draws))).tolist()
+        return self._draws[self.emitted]
+
+    def wants_input(self) -> bool:
+        return not self.ended and (self.hole is not None or len(self.slots) < self.k)
+
+    def ready(self) -> bool:
+        return self.hole is None and bool(self.slots) and (self.ended or len(self.slots) == self.k)
+
+    def add(self, i: int) -> None:
+        if self.hole is not None:
+            self.slots[self.hole], self.hole = i, None
+        else:
+            self.slots.append(i)
+
+    def end(self) -> None:
+        self.ended = True
+        if self.hole is not None:
+            self.slots[self.hole] = self.slots[-1]
+            self.slots.pop()
+            self.hole = None
+
+    def emit(self) -> int:
+        """The next input index out (call only when `ready()`)."""
+        j = self._draw() % (len(self.slots) if self.ended else self.k)
+        out = self.slots[j]
+        if self.ended:
+            self.slots[j] = self.slots[-1]
+            self.slots.pop()
+        else:
+            self.hole = j
+        self.emitted += 1
+        return out
+
+    def held(self) -> list[int]:
+        """Input indices in the slots, not emitted yet."""
+        return [x for j, x in enumerate(self.slots) if j != self.hole]

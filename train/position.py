@@ -14,22 +14,58 @@ from __future__ import annotations
 from typing import Any
 
 from layertap.storage.errors import ConfigError, InputError
-from layertap.train.order import worker_span
+from layertap.train.order import follow_target, worker_span
 
 
 class Position:
-    """The epoch, samples yielded per consumer, and the consumer whose batch is due next."""
+    """The epoch, samples yielded per consumer, and the consumer whose batch is due next.
 
-    def __init__(self, per_rank: int, epoch: int = 0):
+    Follow mode (`follow`: the planned records per shard and the world size) makes epoch 0 the
+    follow epoch: every consumer yields `follow_target` samples, and the position also holds
+    each consumer's list of shards taken, in the order it found them (`taken`)."""
+
+    def __init__(self, per_rank: int, epoch: int = 0, follow: tuple[list[int], int] | None = None):
         self.per_rank = per_rank  # samples the rank yields per epoch: each consumer's share follows
+        self.follow = follow
+        self._targets: dict[int, int] = {}
         self._epoch = epoch
         self._consumed: list[int] | None = None  # per consumer, this epoch; None until a pass starts
+        self._taken: list[list[int]] | None = None  # per consumer, in the follow epoch
+        self._reported: list[int] = []  # per consumer: how much of `_taken` the loader has been told
         self._next = 0
         self._moves = 0  # counts jumps (another epoch, a loaded state), so a pass knows it was overtaken
 
+    @property
+    def in_follow_epoch(self) -> bool:
+        """Whether the current epoch (a finished one counts as the start of the next) is the follow epoch."""
+        self._roll()
+        return self._follow_epoch()
+
+    def _follow_epoch(self) -> bool:
+        return self.follow is not None and self._epoch == 0
+
     def counts(self, workers: int) -> list[int]:
         """Samples each of `workers` consumers yields per epoch."""
+        if self._follow_epoch():
+            if workers not in self._targets:
+                planned, world = self.follow
+                self._targets[workers] = follow_target(planned, world * workers)
+            return [self._targets[workers]] * workers
         return [worker_span(self.per_rank, workers, w)[1] for w in range(workers)]
+
+    def taken(self, worker: int) -> list[int]:
+        """Shards consumer `worker` has taken in the follow epoch, in order."""
+        return self._taken[worker] if self._taken is not None else []
+
+    def take(self, worker: int, shard: int) -> None:
+        self._taken[worker].append(shard)
+
+    def taken_since_reported(self, worker: int) -> tuple[int, list[int]]:
+        """(offset, shards taken since the last call): what a DataLoader worker sends with a batch."""
+        done = self._reported[worker]
+        new = self._taken[worker][done:] if self._taken is not None else []
+        self._reported[worker] = done + len(new)
+        return done, new
 
     @property
     def epoch(self) -> int:
@@ -49,10 +85,14 @@ class Position:
         self._roll()
         if self._consumed is None:
             self._consumed = [0] * workers
+            self._taken = [[] for _ in range(workers)] if self._follow_epoch() else None
         elif len(self._consumed) != workers:
             saved = len(self._consumed)
             raise ConfigError(f"the stream's position was saved with {saved} DataLoader worker(s) and this pass runs "
                              f"{workers}: resume with num_workers={saved if saved > 1 else 0} (or start the epoch over)")
+        if self._follow_epoch() and self._taken is None:
+            self._taken = [[] for _ in range(workers)]
+        self._reported = [len(t) for t in self._taken] if self._taken is not None else []
         return self._moves
 
     def consumed(self, worker: int) -> int:
@@ -63,10 +103,15 @@ class Position:
         """Consumer `worker` yielded `n` more samples."""
         self._consumed[worker] += n
 
-    def batch_received(self, worker: int, n: int) -> None:
+    def batch_received(self, worker: int, n: int, taken: tuple[int, list[int]] | None = None) -> None:
         """The trainer received a batch of `n` samples from worker `worker` (the DataLoader's
-        round-robin skips exhausted workers, so the next batch is due from the one after it)."""
+        round-robin skips exhausted workers, so the next batch is due from the one after it);
+        `taken`: the worker's `taken_since_reported` in the follow epoch."""
         self.advance(worker, n)
+        if taken is not None and taken[1] and self._taken is not None:
+            offset, new = taken
+            del self._taken[worker][offset:]
+            self._taken[worker].extend(new)
         self._next = (worker + 1) % len(self._consumed)
 
     def consumer(self, worker_id: int, workers: int) -> int:
@@ -84,15 +129,23 @@ class Position:
     def state_dict(self) -> dict[str, Any]:
         self._roll()
         consumed = self._consumed
-        return {"epoch": self._epoch, "num_workers": len(consumed) if consumed else None,
-                "consumed": list(consumed or []), "next_worker": self._next}
+        state = {"epoch": self._epoch, "num_workers": len(consumed) if consumed else None,
+                 "consumed": list(consumed or []), "next_worker": self._next}
+        if self._follow_epoch():
+            state["taken"] = [list(t) for t in self._taken or []]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         consumed = [int(x) for x in state.get("consumed") or []]
         next_worker = int(state.get("next_worker", 0))
         if not 0 <= next_worker < max(1, len(consumed)):
             raise InputError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
+        taken = state.get("taken")
+        if taken is not None and (len(taken) != len(consumed) or self.follow is None):
+            raise InputError("corrupt ShardStream state: 'taken' needs follow mode and one list per worker")
         self._jump(int(state["epoch"]), consumed or None, next_worker)
+        if self._follow_epoch() and consumed:
+            self._taken = [[int(s) for s in t] for t in taken or [[] for _ in consumed]]
         self._roll()
 
     def _roll(self) -> None:
@@ -103,4 +156,5 @@ class Position:
 
     def _jump(self, epoch: int, consumed: list[int] | None, next_worker: int) -> None:
         self._epoch, self._consumed, self._next = epoch, consumed, next_worker
+        self._taken = None
         self._moves += 1

@@ -43,7 +43,8 @@ from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_store
 from layertap.train.buffers import BufferPool
 from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
-from layertap.train.order import plan_consumer, rank_count
+from layertap.train.follow import CommitWatcher, wait_for_manifest
+from layertap.train.order import StreamingShuffle, buffer_shuffle, follow_share, plan_consumer, rank_count
 from layertap.train.position import Position
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class StreamConfig:
     fetch_threads: int = 8  # ranged GETs in flight: S3 serves one connection at ~85-90 MB/s (docs/LOADER.md)
     decode_threads: int | None = None  # 0: on the consumer's thread; None: by codec and cores (auto_decode_threads)
     on_corrupt: Literal["raise", "skip"] = "raise"
+    follow: bool = False  # epoch 0 follows a run being extracted (docs/LOADER.md, "Follow mode")
+    follow_poll_s: float = 30.0  # longest wait between looks for new commits (backoff from 0.5 s)
 
     def __post_init__(self) -> None:
         for name in ("memory_budget", "range_bytes"):  # sizes as text ("4GiB") become bytes
@@ -82,6 +85,10 @@ class StreamConfig:
         for name in ("memory_budget", "range_bytes", "prefetch_shards", "fetch_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.follow_poll_s <= 0:
+            raise ConfigError(f"follow_poll_s must be > 0 seconds, got {self.follow_poll_s}")
+        if self.follow and self.uneven != "pad":
+            raise ConfigError("follow mode pads every consumer to the same count: it needs uneven='pad'")
         if self.decode_threads is not None and self.decode_threads < 0:
             raise ConfigError(f"decode_threads must be >= 0 (or None: by codec and cores), got {self.decode_threads}")
 
@@ -172,13 +179,21 @@ class ShardStream(IterableDataset):
             self._store_options.setdefault("threads", max(16, c.fetch_threads + c.prefetch_shards))
         self._store_cache: tuple[int, ObjectStore] | None = None
         self._pool_cache: tuple[int, BufferPool] | None = None  # GET buffers, kept from epoch to epoch
-        manifest, self.shards, self._new_index = load_index(self._store())
+        self._metrics: Metrics | None = None
+        self._records: dict[int, int] = {}  # records per committed shard, for consumed_shards
+        if c.follow:  # the run may not exist yet; its shards are found while iterating
+            manifest = wait_for_manifest(self._store(), c.follow_poll_s)
+            self.shards, self._new_index, self._settled = [], None, False
+            follow = ([p.num_samples for p in manifest.shards], self.world_size)
+        else:
+            manifest, self.shards, self._new_index = load_index(self._store())
+            self._settled, follow = True, None
+        self._manifest = manifest
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
         self.codec = manifest.identity.codec
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
-        self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven))
-        self._metrics: Metrics | None = None
-        if len(self.shards) < self.planned_shards:
+        self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow)
+        if not c.follow and len(self.shards) < self.planned_shards:
             log.info("%s: %d of %d planned shards are committed; streaming those", self.uri, len(self.shards),
                      self.planned_shards)
 
@@ -197,11 +212,17 @@ class ShardStream(IterableDataset):
 
     @property
     def num_samples(self) -> int:
-        """Samples this rank yields per epoch (padding included); the same on every rank."""
+        """Samples this rank yields per epoch (padding included); the same on every rank. In the
+        follow epoch: with one consumer (the count per consumer depends on the workers)."""
+        if self.position.in_follow_epoch:
+            return self.position.counts(1)[0]
+        self._settle()
         return self.position.per_rank
 
     def num_batches(self, batch_size: int, num_workers: int = 0, drop_last: bool = False) -> int:
         """Batches a DataLoader over this stream yields per epoch (each worker batches its own share)."""
+        if not (self.position.in_follow_epoch):
+            self._settle()
         counts = self.position.counts(max(1, num_workers))
         return sum(c // batch_size if drop_last else -(-c // batch_size) for c in counts)
 
@@ -228,17 +249,36 @@ class ShardStream(IterableDataset):
         from its beginning. Optional: a finished epoch moves on to the next by itself."""
         self.position.set_epoch(epoch)
 
-    def _identity(self) -> dict[str, Any]:
+    def _settle(self, force: bool = False) -> None:
+        """Follow mode after the follow epoch: read the committed shards once more (the run is
+        complete by then), so later epochs are today's order over all of them."""
+        if self._settled or (not force and (self.position.in_follow_epoch)):
+            return
+        _, self.shards, _ = load_index(self._store())
+        self.total_samples = sum(len(s.sample_ids) for s in self.shards)
+        self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
+        self._settled = True
+
+    def _identity(self, follow_epoch: bool = False) -> dict[str, Any]:
         c = self.config
-        return {"run_id": self.run_id, "shards": self.fingerprint, "num_shards": len(self.shards),
-                "num_samples": self.total_samples, "seed": c.seed, "shuffle": c.shuffle,
-                "shuffle_buffer": c.shuffle_buffer, "uneven": c.uneven, "world_size": self.world_size}
+        ident = {"run_id": self.run_id, "seed": c.seed, "shuffle": c.shuffle, "shuffle_buffer": c.shuffle_buffer,
+                 "uneven": c.uneven, "world_size": self.world_size}
+        if c.follow:
+            ident["follow"] = True
+        if not follow_epoch:  # the follow epoch's shards are in the state itself ("taken")
+            ident.update(shards=self.fingerprint, num_shards=len(self.shards), num_samples=self.total_samples)
+        return ident
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready position in the epoch. Ranks run in lockstep and every rank's workers get
-        the same counts, so at a step boundary the state is the same on every rank."""
-        return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(), "rank": self.rank,
-                **self.position.state_dict()}
+        the same counts, so at a step boundary the state is the same on every rank (except in the
+        follow epoch: each rank records the shards it found, in its own order)."""
+        pos = self.position.state_dict()
+        follow_epoch = self.position.in_follow_epoch
+        if not follow_epoch:
+            self._settle()
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, **self._identity(follow_epoch), "rank": self.rank,
+                **pos}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` left off; refuse a state that would give another order."""
@@ -247,9 +287,14 @@ class ShardStream(IterableDataset):
         if state.get("version") != STATE_VERSION:
             raise InputError(f"ShardStream state version {state.get('version')} is not supported by this "
                              f"layertap (it reads version {STATE_VERSION}); use the release that saved it")
-        mine = self._identity()
-        diffs = [f"{k}: state has {state.get(k)!r}, this stream has {v!r}" for k, v in mine.items()
-                 if state.get(k) != v]
+        follow_epoch = self.config.follow and int(state.get("epoch", 0)) == 0
+        if self.config.follow and not follow_epoch:
+            self._settle(force=True)
+        mine = self._identity(follow_epoch)
+        mine.setdefault("follow", False)
+        saved = dict(state, follow=bool(state.get("follow")))
+        diffs = [f"{k}: state has {saved.get(k)!r}, this stream has {v!r}" for k, v in mine.items()
+                 if saved.get(k) != v]
         if diffs:
             raise InputError(
                 "cannot resume this ShardStream from the saved state, the order would differ:\n  "
@@ -290,6 +335,10 @@ class ShardStream(IterableDataset):
         worker = self.position.consumer(info.id, workers) if info is not None else 0
         self.position.start(workers)
         c = self.config
+        if self.position.in_follow_epoch:
+            self._metrics = Metrics()
+            return self._follow(worker, workers, max(1, c.memory_budget // workers))
+        self._settle()
         plan = plan_consumer([len(s.sample_ids) for s in self.shards], seed=c.seed, epoch=self.position.epoch,
                              shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer, rank=self.rank,
                              world=self.world_size, worker=worker, workers=workers, uneven=c.uneven)
@@ -321,11 +370,7 @@ class ShardStream(IterableDataset):
         last_good: dict[str, Any] | None = None
 
         def decode(rec: Record) -> dict[str, Any]:
-            s = decode_record(rec.payload, rec.meta)
-            if s.sample_id != rec.sample_id:
-                raise ShardError(f"record holds sample {s.sample_id!r}, the index says {rec.sample_id!r}")
-            metrics.add(records_decoded=1, decoded_bytes=_activation_bytes(s))
-            return _as_dict(s)
+            return _decode(rec, metrics)
 
         def resolve(rec: Record, fut: Future | None) -> dict[str, Any] | None:
             """The decoded sample, or None if its shard failed (skip policy)."""
@@ -392,6 +437,179 @@ class ShardStream(IterableDataset):
                 if isinstance(rec, Record):
                     fetcher.release(rec)
             fetcher.close()
+
+
+    # -- follow mode -----------------------------------------------------------------------------
+
+    def _follow(self, worker: int, workers: int, budget: int) -> Iterator[dict[str, Any]]:
+        """The follow epoch of consumer `worker`: its part of every committed shard, in the order
+        it finds them, recorded in the position (`taken`). A resumed consumer first replays the
+        recorded order, without fetching what it had yielded, then goes on looking."""
+        c, position, metrics = self.config, self.position, self._metrics
+        consumers, me = self.world_size * workers, self.rank * workers + worker
+        target = position.counts(workers)[worker]
+        who = f"rank {self.rank}" + (f" worker {worker}" if workers > 1 else "")
+        watcher = CommitWatcher(self._store(), self._manifest, c.follow_poll_s, who)
+        mine: list[CommittedShard] = []  # shards taken, in order: the fetcher's shard indices
+        inputs: list[tuple[int, int]] = []  # this consumer's input sequence: (index into mine, record)
+        shuffle = StreamingShuffle(c.shuffle_buffer if c.shuffle else 1,
+                                   (c.seed, 0, self.rank, self.world_size, worker, workers))
+
+        def take(commit) -> list[tuple[int, int, int]]:
+            offset, k = follow_share(commit.num_records, commit.shard, consumers, me)
+            mine.append(CommittedShard(commit.shard, commit.data_key, commit.bytes, commit.xxh3_128,
+                                       tuple(commit.sample_ids)))
+            first = len(inputs)
+            inputs.extend((len(mine) - 1, offset + j) for j in range(k))
+            return [(first + j, len(mine) - 1, offset + j) for j in range(k)]
+
+        recorded, yielded = list(position.taken(worker)), position.consumed(worker)
+        found = watcher.poll()
+        missing = [s for s in recorded if s not in watcher.known]
+        if missing:
+            raise InputError(f"{self.uri}: shards {missing[:10]} that the saved position took in the follow epoch "
+                             "are no longer committed (withdrawn by `layertap verify`?): start the epoch over")
+        for shard in recorded:
+            take(watcher.known[shard])
+        fed = 0
+        while shuffle.emitted < yielded:  # the shuffle as it stood at the saved position
+            if shuffle.ready():
+                shuffle.emit()
+            elif shuffle.wants_input() and fed < len(inputs):
+                shuffle.add(fed)
+                fed += 1
+            elif not shuffle.ended:
+                shuffle.end()  # the saved consumer was draining: extraction was over
+            else:
+                break
+        todo = sorted(shuffle.held()) + list(range(fed, len(inputs)))
+        fetcher = Fetcher(self._store(), mine, self.run_id, positions=[(i, *inputs[i]) for i in todo], budget=budget,
+                          range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
+                          on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers(), open_ended=not shuffle.ended)
+        taken = set(recorded)
+
+        def discover(new) -> None:
+            for commit in new:
+                if commit.shard not in taken and not shuffle.ended:
+                    taken.add(commit.shard)
+                    fetcher.extend(take(commit))
+                    position.take(worker, commit.shard)
+
+        metrics.started = time.perf_counter()
+        last_good: dict[str, Any] | None = None
+        try:
+            discover(found)
+            while True:
+                if shuffle.ready():
+                    discover(watcher.poll_if_due())  # look ahead, so the fetcher has work
+                    sample = self._follow_sample(fetcher, shuffle.emit())
+                    if sample is None:  # its shard failed and on_corrupt="skip"
+                        metrics.add(skipped_samples=1)
+                        sample = self._pad(last_good or self._stand_in(mine))
+                    else:
+                        last_good = sample
+                    position.advance(worker)
+                    yielded += 1
+                    metrics.add(samples=1)
+                    yield sample
+                elif shuffle.wants_input() and fed < len(inputs):
+                    shuffle.add(fed)
+                    fed += 1
+                elif shuffle.ended:
+                    break
+                elif not watcher.complete:
+                    discover(watcher.wait())
+                else:  # extraction is over and every input is in the buffer: drain it
+                    shuffle.end()
+                    fetcher.seal()
+            while yielded < target:  # zero-weighted repeats up to the count every consumer reaches
+                last_good = last_good or self._stand_in(mine)
+                position.advance(worker)
+                yielded += 1
+                metrics.add(samples=1, padding_samples=1)
+                yield self._pad(last_good)
+        finally:
+            metrics.finished = time.perf_counter()
+            fetcher.close()
+
+    @staticmethod
+    def _pad(sample: dict[str, Any]) -> dict[str, Any]:
+        return dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]), padding=True)
+
+    def _follow_sample(self, fetcher: Fetcher, pos: int) -> dict[str, Any] | None:
+        rec = fetcher.wait_for(pos)
+        if not isinstance(rec, Record):
+            return None
+        try:
+            return _decode(rec, self._metrics)
+        except ShardError as e:
+            err = fetcher.shard_failed(rec.shard, e)
+            if err is not None:
+                raise err from None
+            return None
+        finally:
+            fetcher.release(rec)
+
+    def _stand_in(self, mine: list[CommittedShard]) -> dict[str, Any]:
+        """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own."""
+        c = self.config
+        for i, shard in enumerate(mine):
+            if not shard.sample_ids:
+                continue
+            fetcher = Fetcher(self._store(), mine, self.run_id, positions=[(0, i, 0)], budget=c.memory_budget,
+                              range_bytes=c.range_bytes, prefetch_shards=1, threads=1, on_corrupt=c.on_corrupt,
+                              metrics=self._metrics, pool=self._buffers())
+            try:
+                sample = self._follow_sample(fetcher, 0)
+            finally:
+                fetcher.close()
+            if sample is not None:
+                return sample
+        raise ShardError(f"{self.uri}: no readable committed sample to pad the follow epoch with")
+
+    def consumed_shards(self, state: dict[str, Any] | None = None) -> list[int]:
+        """Ids of the shards every consumer of this rank has entirely yielded in the follow epoch,
+        according to `state` (default: the current position); after the follow epoch, every
+        committed shard; [] when not following. What `layertap train --delete-consumed` records
+        once a checkpoint holds `state`."""
+        c = self.config
+        if not c.follow:
+            return []
+        state = self.state_dict() if state is None else state
+        if int(state["epoch"]) > 0:
+            self._settle(force=True)
+            return [s.shard for s in self.shards]
+        taken, consumed = state.get("taken") or [], state.get("consumed") or []
+        if any(s not in self._records for t in taken for s in t):
+            self._records.update((r.shard, r.num_records) for r in read_commits(self._store()).records)
+        workers = len(consumed)
+        result: set[int] | None = None
+        for w, (shards, t) in enumerate(zip(taken, consumed)):
+            me = self.rank * workers + w
+            spans = []
+            for shard in shards:
+                if shard not in self._records:  # withdrawn since: this and later offsets are unknown
+                    break
+                spans.append((shard, follow_share(self._records[shard], shard, self.world_size * workers, me)[1]))
+            n = sum(k for _, k in spans)
+            done = np.zeros(n, dtype=bool)
+            words = (c.seed, 0, self.rank, self.world_size, w, workers)
+            done[buffer_shuffle(n, c.shuffle_buffer if c.shuffle else 1, words)[:min(t, n)]] = True
+            mine, start = set(), 0
+            for shard, k in spans:
+                if done[start:start + k].all():
+                    mine.add(shard)
+                start += k
+            result = mine if result is None else result & mine
+        return sorted(result or [])
+
+
+def _decode(rec: Record, metrics: Metrics) -> dict[str, Any]:
+    s = decode_record(rec.payload, rec.meta)
+    if s.sample_id != rec.sample_id:
+        raise ShardError(f"record holds sample {s.sample_id!r}, the index says {rec.sample_id!r}")
+    metrics.add(records_decoded=1, decoded_bytes=_activation_bytes(s))
+    return _as_dict(s)
 
 
 def _activation_bytes(s: Sample) -> int:

@@ -1,0 +1,180 @@
+"""Follow mode (issue 20): a ShardStream that starts before or during extraction, against real
+extraction worker processes (tests/fake_worker.py) on a local folder and the moto S3 server.
+
+Also runnable as a rank: python tests/test_follow.py consume URI RANK WORLD WORKERS OUT.JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def env() -> dict[str, str]:
+    """The test's environment (S3 endpoint, credentials); children import this checkout's layertap."""
+    return dict(os.environ, PYTHONPATH=str(HERE.parent))
+
+import fake_worker  # noqa: E402
+from layertap.train import ShardStream, StreamConfig, StreamLoader  # noqa: E402
+from layertap.train.order import StreamingShuffle, buffer_shuffle, follow_share, follow_target  # noqa: E402
+
+SAMPLES = 40  # fake_worker.plan: 40 samples in 7 shards
+ALL = {f"s{i:05d}" for i in range(SAMPLES)}
+CFG = dict(follow=True, follow_poll_s=0.5, shuffle_buffer=4, seed=3)
+
+
+def start_workers(uri: str, n: int = 2, slow: float = 0.02) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, str(HERE / "fake_worker.py"), uri, "--rank", str(r), "--world", str(n),
+                              "--slow", str(slow)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+            for r in range(n)]
+
+
+def finish(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+
+
+# -- pure parts ----------------------------------------------------------------------------------
+
+def test_each_shard_splits_into_contiguous_parts_whose_extras_rotate():
+    for consumers in (1, 2, 3, 4, 7):
+        for n in range(0, 20):
+            for shard in range(9):
+                parts = [follow_share(n, shard, consumers, c) for c in range(consumers)]
+                assert [o for o, _ in parts] == [sum(k for _, k in parts[:c]) for c in range(consumers)]
+                assert sum(k for _, k in parts) == n and max(k for _, k in parts) - min(k for _, k in parts) <= 1
+        counts = [5, 7, 3, 9, 1, 0, 4, 6]
+        totals = [sum(follow_share(n, s, consumers, c)[1] for s, n in enumerate(counts)) for c in range(consumers)]
+        assert follow_target(counts, consumers) == max(totals)
+        unrotated = [sum(follow_share(n, 0, consumers, c)[1] for n in counts) for c in range(consumers)]
+        assert max(totals) - min(totals) <= max(unrotated) - min(unrotated)  # rotating spreads the extras
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 64])
+def test_streaming_shuffle_emits_what_buffer_shuffle_computes(k):
+    for n in (0, 1, 2, 5, 64, 300):
+        shuffle, out, fed = StreamingShuffle(k, (1, 2, 3)), [], 0
+        while True:
+            if shuffle.ready():
+                out.append(shuffle.emit())
+            elif shuffle.wants_input() and fed < n:
+                shuffle.add(fed)
+                fed += 1
+            elif shuffle.ended:
+                break
+            else:
+                shuffle.end()
+        assert out == buffer_shuffle(n, k, (1, 2, 3)).tolist()
+
+
+# -- one consumer, in-process --------------------------------------------------------------------
+
+def test_follow_starts_before_the_manifest_and_resumes_exactly(tmp_path, caplog):
+    """A stream opened before extraction starts waits for the manifest, yields every sample once;
+    a stream stopped mid-epoch and resumed from its state yields exactly the rest, in the order
+    an uninterrupted stream with the same discovery order yields."""
+    uri = str(tmp_path / "run")
+    caplog.set_level("INFO", logger="layertap.train.follow")
+    procs = []
+    import threading
+    threading.Timer(1.0, lambda: procs.extend(start_workers(uri, n=1, slow=0.03))).start()
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    assert "waiting for extraction: no run at" in caplog.text
+    it = iter(stream)
+    first = [next(it) for _ in range(9)]
+    state = json.loads(json.dumps(stream.state_dict()))  # JSON round trip, as a checkpoint keeps it
+    assert state["epoch"] == 0 and state["consumed"] == [9] and state["taken"][0]
+    it.close()
+    assert stream.consumed_shards(state) == sorted(stream.consumed_shards(state))
+
+    resumed = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    resumed.load_state_dict(state)
+    rest, taken = [], None
+    for x in resumed:
+        rest.append(x)
+        taken = list(resumed.position.taken(0))  # the full discovery order, before the epoch rolls over
+    finish(procs)
+    ids = [x["sample_id"] for x in first + rest if not x["padding"]]
+    assert Counter(ids) == Counter(ALL) and len(first + rest) == SAMPLES  # one consumer: no padding
+    assert taken[:len(state["taken"][0])] == state["taken"][0]
+    assert resumed.epoch == 1
+
+    replay = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    replay.load_state_dict(dict(state, consumed=[0], taken=[taken]))
+    assert [x["sample_id"] for x in replay] == [x["sample_id"] for x in first + rest]
+    # every shard is consumed once the epoch is over
+    assert replay.consumed_shards() == list(range(7))
+
+
+def test_consumed_shards_are_those_every_sample_of_which_was_yielded(tmp_path):
+    uri = str(tmp_path / "run")
+    finish(start_workers(uri, n=1, slow=0))
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    seen: set[str] = set()
+    ids_of = {}
+    for shard in stream._manifest.shards:
+        ids_of[shard.id] = {f"s{i:05d}" for i in range(shard.start, shard.end)}
+    it = iter(stream)
+    for n in range(1, SAMPLES):
+        seen.add(next(it)["sample_id"])
+        done = stream.consumed_shards()
+        assert done == sorted(s for s, ids in ids_of.items() if ids <= seen)
+    it.close()
+
+
+# -- ranks x workers, real processes -------------------------------------------------------------
+
+def consume(uri: str, rank: int, world: int, workers: int, out: str) -> None:
+    """One rank: the follow epoch, then the next, through a StreamLoader with worker processes."""
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=rank, world_size=world)
+    loader = StreamLoader(stream, batch_size=3, num_workers=workers)
+    epochs = []
+    for _ in range(2):
+        epochs.append([[list(b["sample_id"]), [bool(p) for p in b["padding"]]] for b in loader])
+    Path(out).write_text(json.dumps(epochs))
+
+
+@pytest.mark.slow
+def test_two_ranks_x_two_workers_follow_extraction_on_s3(s3_bucket, tmp_path):
+    uri = f"s3://{s3_bucket}/runs/follow"
+    ranks = [subprocess.Popen([sys.executable, __file__, "consume", uri, str(r), "2", "2", str(tmp_path / f"{r}.json")],
+                              env=env())
+             for r in range(2)]
+    time.sleep(2)  # the ranks start before the run exists
+    finish(start_workers(uri, n=2, slow=0.05))
+    for p in ranks:
+        assert p.wait(timeout=600) == 0
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    follow = [[(i, p) for ids, pads in epochs[0] for i, p in zip(ids, pads)] for epochs in got]
+    real = [i for rank in follow for i, p in rank if not p]
+    assert Counter(real) == Counter(ALL)  # every sample exactly once across 2 ranks x 2 workers
+    assert len(got[0][0]) == len(got[1][0]) and len(follow[0]) == len(follow[1])  # equal batches per rank
+    target = follow_target([p.num_samples for p in fake_worker.plan(_store(uri)).shards], 4)
+    assert len(follow[0]) == 2 * target  # every consumer pads to the same count
+
+    # the second epoch is today's order over the complete run
+    for r in range(2):
+        plain = ShardStream(uri, config=StreamConfig(**dict(CFG, follow=False)), rank=r, world_size=2)
+        plain.set_epoch(1)
+        expected = [list(b["sample_id"]) for b in StreamLoader(plain, batch_size=3, num_workers=2)]
+        assert [ids for ids, _ in got[r][1]] == expected
+
+
+def _store(uri):
+    from layertap.storage.store import open_store
+
+    return open_store(uri)
+
+
+if __name__ == "__main__" and sys.argv[1] == "consume":
+    consume(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])

@@ -1,0 +1,160 @@
+"""Follow mode's view of a run that is still being extracted: wait for its manifest, find commits
+as they land, and decide when extraction is over (docs/LOADER.md, "Follow mode").
+
+Looking costs listings, so every wait backs off: 0.5 s, doubling up to `poll_s`, back to 0.5 s
+when something new appeared. The first look reads the commit index with the listing
+(`manifests.commit_index.read_commits`: a restarted trainer gets every commit it knew in one GET);
+later looks list `commits/` and GET only commits not seen before. A waiting consumer says why at
+most every 30 s.
+
+Extraction is over when every planned shard is committed, or when nothing is left that anyone is
+working on: no live lease in the run and every uncommitted shard has failure records, on two
+looks in a row. A shard whose every attempt failed therefore ends the epoch (with a warning naming
+it) instead of hanging the trainer; a shard merely waiting for a worker (pending, or a lease that
+is still alive) keeps it waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from layertap.manifests import layout
+from layertap.manifests.commit_index import read_commits
+from layertap.manifests.manifest import Manifest, NoRun, load_manifest
+from layertap.manifests.records import CommitRecord, decode_commit
+from layertap.manifests.state import fits_plan, replaced_manifest_error, scan
+from layertap.storage.store import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 30.0
+FIRST_DELAY_S = 0.5
+
+
+class Backoff:
+    """Sleeps of 0.5 s doubling up to `limit`; `reset()` after progress."""
+
+    def __init__(self, limit: float):
+        self.limit = max(FIRST_DELAY_S, limit)
+        self.delay = FIRST_DELAY_S
+
+    def sleep(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(self.limit, 2 * self.delay)
+
+    def reset(self) -> None:
+        self.delay = FIRST_DELAY_S
+
+
+def wait_for_manifest(store: ObjectStore, poll_s: float) -> Manifest:
+    """The run's manifest, waiting while extraction has not written it yet (`layertap extract`
+    writes it when it starts)."""
+    backoff, logged = Backoff(poll_s), 0.0
+    while True:
+        try:
+            return load_manifest(store)
+        except NoRun:
+            if time.monotonic() - logged >= LOG_EVERY_S:
+                log.info("waiting for extraction: no run at %s yet (%s appears when `layertap extract` starts)",
+                         store.uri, layout.MANIFEST)
+                logged = time.monotonic()
+            backoff.sleep()
+
+
+class CommitWatcher:
+    """The commits of a run being extracted, as they appear. `complete` turns True once
+    extraction is over (see the module's docstring)."""
+
+    def __init__(self, store: ObjectStore, manifest: Manifest, poll_s: float, who: str = "ShardStream"):
+        self.store, self.manifest, self.who = store, manifest, who
+        self.known: dict[int, CommitRecord] = {}
+        self.complete = False
+        self._backoff = Backoff(poll_s)
+        self._listed = False
+        self._last_look = 0.0
+        self._logged = 0.0
+        self._given_up_once = False
+
+    def poll(self) -> list[CommitRecord]:
+        """One look: the commits not returned before, in shard order."""
+        self._last_look = time.monotonic()
+        if not self._listed:
+            records = read_commits(self.store).records
+            self._listed = True
+        else:
+            keys = [o.key for o in self.store.list(layout.COMMITS)
+                    if (s := layout.shard_of(o.key, layout.COMMITS)) is not None and o.key == layout.commit_key(s)
+                    and s not in self.known]
+            records = [r for r in _get_commits(self.store, keys) if r is not None]
+        foreign = sorted(r.shard for r in records if not fits_plan(r, self.manifest))
+        if foreign:
+            raise replaced_manifest_error(self.store.uri, foreign)
+        new = sorted((r for r in records if r.shard not in self.known), key=lambda r: r.shard)
+        self.known.update((r.shard, r) for r in new)
+        if len(self.known) >= len(self.manifest.shards):
+            self.complete = True
+        return new
+
+    def poll_if_due(self) -> list[CommitRecord]:
+        """`poll()` when the current backoff delay has passed since the last look, else nothing:
+        lets a consumer with data to work on look ahead without polling hard."""
+        if self.complete or time.monotonic() - self._last_look < self._backoff.delay:
+            return []
+        new = self.poll()
+        if new:
+            self._backoff.reset()
+        return new
+
+    def wait(self) -> list[CommitRecord]:
+        """New commits, blocking (with backoff) until some appear or extraction is over."""
+        while True:
+            new = self.poll()
+            if new or self.complete:
+                self._backoff.reset()
+                return new
+            if self._extraction_over():
+                return []
+            self._backoff.sleep()
+
+    def _extraction_over(self) -> bool:
+        """Nothing left to wait for: no live lease and every uncommitted shard failed (two looks in
+        a row). Logs what is still pending, at most every 30 s."""
+        st = scan(self.store, self.manifest)
+        left = [p.id for p in self.manifest.shards if p.id not in self.known and p.id not in st.committed]
+        states = {s: st.state(s) for s in left}
+        running = sum(1 for v in states.values() if v == "running")
+        failed = sorted(s for s, v in states.items() if v == "failed")
+        live = any(st.live_lease(s) for s in st.leases)
+        if left and not live and len(failed) == len(left) and not (st.committed - set(self.known)):
+            if self._given_up_once:
+                log.warning("%s: extraction is over with %d shard(s) failed (%s): ending the follow epoch without "
+                            "them (`layertap status %s` says why they failed)", self.who, len(failed),
+                            ", ".join(map(str, failed[:10])) + (" ..." if len(failed) > 10 else ""), self.store.uri)
+                self.complete = True
+                return True
+            self._given_up_once = True
+        else:
+            self._given_up_once = False
+        if time.monotonic() - self._logged >= LOG_EVERY_S:
+            log.info("%s waiting for extraction: %d of %d shards committed (%d running, %d failed, %d pending)",
+                     self.who, len(self.known), len(self.manifest.shards), running, len(failed),
+                     len(left) - running - len(failed))
+            self._logged = time.monotonic()
+        return False
+
+
+def _get_commits(store: ObjectStore, keys: list[str]) -> list[CommitRecord | None]:
+    root = store.uri.rstrip("/")
+
+    def get(key: str) -> CommitRecord | None:
+        try:
+            return decode_commit(store.get(key), f"{root}/{key}")
+        except ObjectNotFound:  # withdrawn by `verify` since the listing
+            return None
+
+    if len(keys) <= 1:
+        return [get(k) for k in keys]
+    with ThreadPoolExecutor(min(16, len(keys))) as pool:
+        return list(pool.map(get, keys))
