@@ -71,6 +71,7 @@ def format_status(s: dict) -> str:
         f"  bytes    {size(s['bytes_stored'])} stored, {size(s['bytes_raw'])} raw"
         + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else ""),
         "  rate     " + _rate_line(s),
+        *_consumption_lines(s.get("consumption")),
     ]
     if s["complete"]:
         lines.append("  COMPLETE")
@@ -90,6 +91,25 @@ def format_status(s: dict) -> str:
                        else f"{'':>8} {'':>11} {'':>10}")
             lines.append(f"  {e['shard']:06d}  {e['state']:<8} {numbers}  {e['object'] or ''}".rstrip())
     return "\n".join(lines)
+
+
+def _consumption_lines(c: dict | None) -> list[str]:
+    """A run trained while extracted: consumed, backlog at rest, and both rates per hour."""
+    if not c:
+        return []
+
+    def rate(r: dict) -> str:
+        if r["samples_per_h"] is None:
+            return "no rate yet"
+        return f"{r['samples_per_h']:,} samples/h ({size(r['bytes_per_h'])}/h)"
+
+    return [
+        f"  consumed {c['shards']} shards, {c['samples']:,} samples by training ({c['shards_deleted']} shards' "
+        "data deleted)",
+        f"  backlog  {c['backlog_shards']} shards, {c['backlog_samples']:,} samples, {size(c['backlog_bytes'])} "
+        "at rest, not yet consumed",
+        f"  flow     extraction {rate(c['extraction'])}, training {rate(c['training'])} (over the last hour of each)",
+    ]
 
 
 def _rate_line(s: dict) -> str:
@@ -144,7 +164,9 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print(f"verified {result.checked} committed shards: {result.ok} ok, {len(result.bad)} bad")
+        print(f"verified {result.checked} committed shards: {result.ok} ok, {len(result.bad)} bad"
+              + (f"; {result.consumed} more consumed by training (data deleted, as intended; not read)"
+                 if result.consumed else ""))
         for b in result.bad:
             print(f"  WITHDRAWN shard {b['shard']}: {b['error']} (the next `layertap extract` redoes it)")
         if result.orphans_deleted:

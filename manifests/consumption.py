@@ -55,6 +55,13 @@ def consumed_shards(store: ObjectStore) -> set[int]:
     return _marked(store.list(layout.CONSUMED_SHARDS))
 
 
+def marker_times(store: ObjectStore) -> dict[int, float]:
+    """When each shard was marked consumed (the store's clock): what `status` measures training's
+    rate of consumption by, as watermarks keep no history."""
+    return {s: o.modified for o in store.list(layout.CONSUMED_SHARDS)
+            if (s := layout.shard_of(o.key, layout.CONSUMED_SHARDS)) is not None}
+
+
 def consumed_everywhere(store: ObjectStore) -> set[int]:
     """Shards every rank of the latest world has consumed, plus those already marked. The latest
     world is the one of the newest watermark; its ranks' watermarks must all be there and agree

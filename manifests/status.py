@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from layertap.manifests import layout
+from layertap.manifests.consumption import consumed_everywhere, consumed_shards, marker_times
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from layertap.manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
@@ -17,14 +18,16 @@ from layertap.storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 600.0  # the recent rate is measured over the commits of the last ten minutes
+RATE_WINDOW_S = 600.0
+CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked  # the recent rate is measured over the commits of the last ten minutes
 
 
 def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: bool = False) -> dict[str, Any]:
     """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
     the reason each failed shard failed; with `shards`, every shard's state and data object.
     Read-only. Costs five listings (six with `shards`) plus a GET per failed shard (and per
-    commit whose tally marker is missing, or whose data object the listing leaves ambiguous)."""
+    commit whose tally marker is missing, or whose data object the listing leaves ambiguous);
+    a run trained while extracted adds listings of `consumed/` and a GET per training rank."""
     manifest = manifest or load_manifest(store)
     st = scan(store, manifest, with_data=shards)
     counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
@@ -52,7 +55,9 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     failed = [f for f in summaries if not f.get("preempted")]
     interrupted = [f for f in summaries if f.get("preempted")]
     counts["failed"] -= len(interrupted)
-    listed = {"shards": _shard_list(store, st, tallies, summaries)} if shards else {}
+    marks = marker_times(store)
+    consumption = _consumption(store, st, tallies, marks)
+    listed = {"shards": _shard_list(store, st, tallies, summaries, set(marks))} if shards else {}
     return {
         "prefix": store.uri,
         "run_id": manifest.run_id,
@@ -85,21 +90,69 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "interrupted": interrupted,
         "stale_commits": st.stale_commits,
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
+        "consumption": consumption,
         **listed,
     }
 
 
+def _consumption(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, int]],
+                 marks: dict[int, float]) -> dict[str, Any] | None:
+    """For a run trained while extracted (`consumption.py`): what training consumed, what waits
+    for it (the backlog, at rest), and both rates per hour (extraction from the commits' times,
+    training from the consumed markers'). None for a run without such records."""
+    if not marks and not any(store.list(layout.CONSUMED_RANKS)):
+        return None
+    consumed = consumed_everywhere(store) & st.committed
+    waiting = st.committed - consumed
+
+    def total(ids: set[int], what: str) -> int:
+        return sum(tallies[s][what] for s in ids if s in tallies)
+
+    def per_hour(times: dict[int, float]) -> dict[str, int | None]:
+        return {f"{what}_per_h": round(r * 3600) if (r := burst_rate(times, {s: t[key] for s, t in tallies.items()}))
+                is not None else None for what, key in (("samples", "records"), ("bytes", "bytes"))}
+
+    return {
+        "shards": len(consumed), "samples": total(consumed, "records"), "shards_deleted": len(marks),
+        "backlog_shards": len(waiting), "backlog_samples": total(waiting, "records"),
+        "backlog_bytes": total(waiting, "bytes"),
+        "extraction": per_hour(st.commit_times), "training": per_hour(marks),
+    }
+
+
+def burst_rate(times: dict[int, float], values: dict[int, int], window_s: float = 3600.0,
+               burst_s: float = 10.0) -> float | None:
+    """Per second, over the events of the `window_s` before the newest: the values of those after
+    the oldest, over the time since it. Events come in bursts (markers are written together after
+    a training checkpoint), so the oldest's whole burst (within `burst_s` of it) is left out, as
+    what it counts was done before it. None without two bursts in the window."""
+    events = sorted((t, s) for s, t in times.items() if s in values)
+    if not events:
+        return None
+    newest = events[-1][0]
+    recent = [(t, s) for t, s in events if t >= newest - window_s]
+    first = recent[0][0]
+    later = [(t, s) for t, s in recent if t > first + burst_s]
+    if not later:
+        return None
+    return sum(values[s] for _, s in later) / (newest - first)
+
+
 def _shard_list(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, int]],
-                failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                failed: list[dict[str, Any]], consumed: set[int]) -> list[dict[str, Any]]:
     """Every shard: its state and, when committed, its data object and numbers. The object is the
-    listing's only one for the shard, or (crashed attempts left others) the one its commit names."""
+    listing's only one for the shard, or (crashed attempts left others) the one its commit names;
+    a consumed shard's data is deleted (state "consumed")."""
     errors = {f["shard"]: f["error"] for f in failed}
     stopped = {f["shard"] for f in failed if f.get("preempted")}
     out = []
     for plan in st.manifest.shards:
         state = "stopped" if plan.id in stopped and st.state(plan.id) == "failed" else st.state(plan.id)
         entry: dict[str, Any] = {"shard": plan.id, "state": state, "object": None}
-        if plan.id in st.committed:
+        if plan.id in consumed and plan.id in st.committed:
+            entry["state"] = "consumed"
+            entry.update(tallies.get(plan.id, {}))
+        elif plan.id in st.committed:
             keys = st.data_objects.get(plan.id, [])
             key = keys[0] if len(keys) == 1 else _committed_key(store, plan.id)
             entry["object"] = f"{store.uri.rstrip('/')}/{key}" if key else None
@@ -182,10 +235,11 @@ class VerifyResult:
     ok: int = 0
     bad: list[dict[str, Any]] = field(default_factory=list)  # {"shard", "error"}
     orphans_deleted: int = 0
+    consumed: int = 0  # committed shards whose data training consumed and deleted: not read, not missing
 
     def to_json(self) -> dict[str, Any]:
         return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "withdrawn": len(self.bad),
-                "orphans_deleted": self.orphans_deleted}
+                "orphans_deleted": self.orphans_deleted, "consumed": self.consumed}
 
 
 def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyResult:
@@ -194,10 +248,12 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
     one whose tally marker is missing gets it back (`status` only reads the commit instead).
     Data objects that no commit names, left by crashed attempts of committed shards, are deleted.
     A shard or record of a newer layertap (`UnsupportedShard`, `UnsupportedVersion`) stops the
-    verification instead: it is intact, and withdrawing it would delete good data."""
+    verification instead: it is intact, and withdrawing it would delete good data. A consumed
+    shard (`consumption.py`: marker written, then data deleted) is counted as such, not read."""
     manifest = load_manifest(store)
     st = scan(store, manifest, with_data=True)
     result = VerifyResult()
+    consumed = consumed_shards(store)
 
     def check(shard: int) -> tuple[int, str | None, str | None]:
         ckey = layout.commit_key(shard)
@@ -210,6 +266,8 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
         report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True) \
             if store.exists(commit.data_key) else None
         if report is None:
+            if store.exists(layout.consumed_marker_key(shard)):  # consumed while we looked
+                return shard, CONSUMED, commit.data_key
             return shard, f"data object {commit.data_key} is missing", commit.data_key
         if report.ok and report.num_records != commit.num_records:
             return shard, f"{report.num_records} records, commit says {commit.num_records}", commit.data_key
@@ -224,11 +282,15 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                                        len(commit.skipped)), b"")
         return shard, report.error, commit.data_key
 
+    result.consumed = len(st.committed & consumed)
     with ThreadPoolExecutor(threads) as pool:
-        for shard, error, data_key in pool.map(check, sorted(st.committed)):
-            result.checked += 1
+        for shard, error, data_key in pool.map(check, sorted(st.committed - consumed)):
             if progress:
                 progress(1)
+            if error == CONSUMED:
+                result.consumed += 1
+                continue
+            result.checked += 1
             if error is None:
                 result.ok += 1
                 for key in st.data_objects.get(shard, []):

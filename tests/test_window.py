@@ -5,7 +5,11 @@ real tiny extraction, local and on the moto S3 server."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -15,7 +19,7 @@ from layertap.manifests import layout
 from layertap.manifests.consumption import (Backlog, WindowGate, backlog, consumed_everywhere, consumed_shards,
                                             delete_consumed, record_consumed)
 from layertap.manifests.records import Producer
-from layertap.manifests.status import run_status
+from layertap.manifests.status import burst_rate, run_status
 from layertap.manifests.work import WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.store import open_store
@@ -140,3 +144,92 @@ def test_workers_wait_while_the_window_is_full_and_go_on_once_training_consumed(
     assert any(w is not None for w in waits) and consumed  # it did wait, and went on after consumption
     assert run_status(store)["complete"]
     assert backlog(store).bytes < window + workers * largest
+
+
+@pytest.mark.slow
+def test_extract_with_a_window_waits_for_training(tmp_path, store_uri):
+    """A real `python -m layertap extract --window`: it stops claiming once the window is full and
+    goes on as this thread, the trainer, consumes a shard each time it waits. The bytes at rest
+    stay under window + one shard (one worker); the run completes, with its consumed shards."""
+    from test_extract import REPO, write_chats
+    from tiny_models import tiny_model_dir
+
+    data = write_chats(tmp_path / "chats.jsonl", 40)
+    window = 40_000
+    logs = tmp_path / "logs"
+    args = [sys.executable, "-m", "layertap", "extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
+            data, "--out", store_uri, "--layers", "1,3", "--max-length", "32", "--shard-bytes", "20KB",
+            "--window", str(window), "--log-dir", str(logs)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    store = open_store(store_uri)
+    consumed: list[int] = []
+    waits = peak = largest = 0
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        listed = [o.size for o in store.list(layout.SHARDS)]
+        peak, largest = max([peak, sum(listed)]), max([largest, *listed])
+        log_file = logs / "extract-rank0.log"
+        seen = log_file.read_text().count("window full:") if log_file.exists() else 0
+        if seen > waits:  # the worker waits: train on (consume) the oldest shards until the window opens
+            waits = seen
+            committed = sorted(layout.shard_of(o.key, layout.COMMITS) for o in store.list(layout.COMMITS))
+            while backlog(store).bytes >= window:
+                consumed.append(next(s for s in committed if s not in consumed))
+                record_consumed(store, rank=0, world_size=1, shards=consumed, step=len(consumed))
+                delete_consumed(store)
+        time.sleep(0.1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert waits >= 2 and consumed
+    assert peak < window + largest
+    status = run_status(store)
+    assert status["complete"] and status["shards_done"] == status["shards_total"] > len(consumed) + 1
+    assert status["consumption"]["shards"] == len(consumed)
+
+
+def test_status_and_verify_of_a_run_with_consumed_shards(store_uri, capsys):
+    store = open_store(store_uri)
+    fake_worker.work(store_uri)
+    tallies = dict(layout.parse_tally(o.key) for o in store.list(layout.TALLY))
+    assert json.loads(cli_out(capsys, "status", store_uri, "--json")[1])["consumption"] is None
+
+    record_consumed(store, rank=0, world_size=1, shards=[0, 1, 2], step=3)
+    assert delete_consumed(store) == [0, 1, 2]
+    rc, out, _ = cli_out(capsys, "status", store_uri, "--json")
+    c = json.loads(out)["consumption"]
+    assert rc == 0 and json.loads(out)["complete"]
+    left = [tallies[s] for s in range(3, 7)]
+    assert c["shards"] == 3 and c["samples"] == sum(tallies[s]["records"] for s in range(3))
+    assert (c["backlog_shards"], c["backlog_samples"], c["backlog_bytes"]) == \
+        (4, sum(t["records"] for t in left), sum(t["bytes"] for t in left))
+    assert c["training"] == {"samples_per_h": None, "bytes_per_h": None}  # one burst of markers: no rate yet
+    rc, out, _ = cli_out(capsys, "status", store_uri, "--shards")
+    assert "consumed 3 shards" in out and "backlog  4 shards" in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("  00000")] == \
+        ["consumed"] * 3 + ["done"] * 4
+
+    rc, out, _ = cli_out(capsys, "verify", store_uri, "--json")
+    assert rc == 0 and json.loads(out) | {"bad": []} == {"checked": 4, "ok": 4, "bad": [], "withdrawn": 0,
+                                                        "orphans_deleted": 0, "consumed": 3}
+    rc, out, _ = cli_out(capsys, "verify", store_uri)
+    assert rc == 0 and "3 more consumed by training" in out
+    assert len(list(store.list(layout.COMMITS))) == 7  # nothing withdrawn
+
+
+def test_rates_leave_out_the_oldest_burst():
+    """Markers come in bursts (one per training checkpoint): what the oldest burst counts was done
+    before it, so the rate is of the later ones over the time since the oldest."""
+    times = {0: 1000.0, 1: 1003.0, 2: 1100.0, 3: 1200.0, 9: 1500.0}
+    values = {0: 10, 1: 10, 2: 30, 3: 50}  # shard 9 has no numbers (no tally): left out
+    assert burst_rate(times, values) == pytest.approx(80 / 200)
+    assert burst_rate({0: 1000.0, 1: 1005.0}, {0: 10, 1: 10}) is None
+    assert burst_rate(times, values, window_s=150) == pytest.approx(50 / 100)  # the last 150 s: 2 and 3
+    assert burst_rate({}, {}) is None
+
+
+def cli_out(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = cli(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
