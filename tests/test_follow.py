@@ -170,6 +170,29 @@ def test_two_ranks_x_two_workers_follow_extraction_on_s3(s3_bucket, tmp_path):
         assert [ids for ids, _ in got[r][1]] == expected
 
 
+@pytest.mark.slow
+def test_train_follow_reaches_its_steps_while_workers_extract(s3_bucket, tmp_path):
+    """`layertap train --follow --delete-consumed` started before the run exists: it waits, trains
+    on shards as they land, runs the steps the manifest's plan gives, and deletes consumed data."""
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = f"s3://{s3_bucket}/runs/train", str(tmp_path / "out")
+    train = subprocess.Popen(
+        [sys.executable, "-m", "layertap", "train", "--data", uri, "--model", target, "--out", out, "--follow",
+         "--follow-poll-s", "0.5", "--delete-consumed", "--batch-size", "4", "--block-size", "4", "--max-anchors", "8",
+         "--save-every", "4"], env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    finish(start_workers(uri, n=2, slow=0.05))
+    stdout, stderr = train.communicate(timeout=600)
+    assert train.returncode == 0, stderr[-3000:]
+    assert "waiting for extraction" in stderr
+    lines = _store(out).get("metrics.jsonl").decode().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, SAMPLES // 4 + 1))  # from the plan: 40 samples
+    assert not list(_store(uri).list("shards/"))  # every shard was consumed by the last checkpoint
+
+
 def _store(uri):
     from layertap.storage.store import open_store
 

@@ -44,6 +44,16 @@ class TrainConfig:
                                                    "id the tokenizer does not use)")
     mixed_precision: Literal["auto", "no", "bf16"] = setting(
         "auto", help="the forward's precision (default {default}: bf16 autocast on GPU, fp32 on CPU)")
+    follow: bool = setting(False, help="train while the run is extracted: start before or during `layertap extract` "
+                                       "(even before its manifest exists); the first epoch takes shards as they are "
+                                       "committed and ends once extraction is over. Its step count comes from the "
+                                       "manifest's planned samples (--steps overrides); later epochs read the "
+                                       "complete run as usual")
+    follow_poll_s: float = setting(30.0, help="with --follow: the longest wait in seconds between looks for new "
+                                              "commits (backoff from 0.5 s)")
+    delete_consumed: bool = setting(False, help="with --follow and --epochs 1: after each checkpoint, record the "
+                                                "shards every rank has consumed and delete their data "
+                                                "(a restart resumes from that checkpoint and never needs them)")
     resume: bool = setting(False, help="continue from the latest checkpoint in --out (same batches, same loss "
                                        "curve)")
     log_dir: str = setting("layertap-logs", help="TensorBoard logs, when tensorboard is installed")
@@ -64,6 +74,11 @@ class TrainConfig:
             raise ConfigError(f"--warmup-ratio must be within [0, 1), got {self.warmup_ratio}")
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise ConfigError(f"--mixed-precision must be auto, no or bf16, not {self.mixed_precision!r}")
+        if self.follow_poll_s <= 0:
+            raise ConfigError(f"--follow-poll-s must be > 0, got {self.follow_poll_s}")
+        if self.delete_consumed and not (self.follow and self.epochs == 1):
+            raise ConfigError("--delete-consumed needs --follow and --epochs 1: it deletes the data of shards "
+                              "training has read for the last time")
         try:
             self.memory_budget = parse_size(self.memory_budget)
         except ValueError as e:
@@ -73,7 +88,10 @@ class TrainConfig:
         """What a resumed run must share with the checkpoint it continues (order and objective)."""
         keys = ("data", "seed", "batch_size", "grad_accum", "epochs", "steps", "lr", "min_lr_ratio", "warmup_ratio",
                 "weight_decay", "max_grad_norm", "block_size", "max_anchors", "gamma", "shuffle_buffer")
-        return {k: getattr(self, k) for k in keys}
+        ident = {k: getattr(self, k) for k in keys}
+        if self.follow:  # only when set: checkpoints written before follow mode existed still compare equal
+            ident["follow"] = True
+        return ident
 
 
 def load_train_config(args: Any) -> TrainConfig:

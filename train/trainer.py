@@ -31,6 +31,7 @@ from layertap.manifests.manifest import load_manifest
 from layertap.manifests.preemption import StopSignals
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.store import ObjectStore, open_store
+from layertap.train.follow import wait_for_manifest
 from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
 from layertap.train.config import TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
@@ -117,7 +118,8 @@ def train(cfg: TrainConfig) -> int:
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     rank, world = acc.process_index, acc.num_processes
     out = open_store(cfg.out, **cfg.s3)
-    run = load_manifest(open_store(cfg.data, **cfg.s3))
+    data = open_store(cfg.data, **cfg.s3)
+    run = wait_for_manifest(data, cfg.follow_poll_s) if cfg.follow else load_manifest(data)
     if cfg.model is None:
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
                                                    "the run's manifest")
@@ -133,7 +135,8 @@ def train(cfg: TrainConfig) -> int:
     with acc.main_process_first():  # rank 0 refreshes the run's commit index; the others then read it
         stream = ShardStream(cfg.data, config=StreamConfig(seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer,
                                                            memory_budget=cfg.memory_budget,
-                                                           fetch_threads=cfg.fetch_threads),
+                                                           fetch_threads=cfg.fetch_threads, follow=cfg.follow,
+                                                           follow_poll_s=cfg.follow_poll_s),
                              rank=rank, world_size=world, store_options=cfg.s3)
         if rank == 0:
             stream.refresh_index()
@@ -149,8 +152,13 @@ def train(cfg: TrainConfig) -> int:
     # collate writes the states into pinned memory where it runs in this process (no workers)
     loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                           collate_fn=partial(collate, pin_memory=cuda and cfg.num_workers == 0))
+    # with --follow: the follow epoch's batches, computed from the manifest's planned samples
     steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
     total = cfg.steps or cfg.epochs * steps_per_epoch
+    if cfg.delete_consumed and total > steps_per_epoch:
+        raise ConfigError(f"--delete-consumed with --steps {total}: the follow epoch has {steps_per_epoch} steps, "
+                          "and later steps would need the deleted data; give --steps <= "
+                          f"{steps_per_epoch} or leave out --delete-consumed")
     lines: list[str] = []
     start = 0
     if ckpt is not None:
@@ -163,13 +171,15 @@ def train(cfg: TrainConfig) -> int:
     if rank == 0:
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
                  "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
-                 model.config.block_size, stream.total_samples, world, total, steps_per_epoch)
+                 model.config.block_size, run.num_samples if cfg.follow else stream.total_samples, world, total,
+                 steps_per_epoch)
     metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
 
     with StopSignals(at_once=False, signals=(signal.SIGTERM, signal.SIGUSR1)) as stop, \
             Prefetcher(loader, acc.device) as batches:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
-                          batches=batches, out=out, metrics=metrics, stop=stop, total=total), start)
+                          batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
+                          data=data), start)
 
 
 @dataclass
@@ -187,6 +197,8 @@ class _Run:
     metrics: _Metrics | None  # rank 0 only
     stop: StopSignals
     total: int  # the last step
+    stream: ShardStream
+    data: ObjectStore  # the run being trained on
 
 
 @dataclass
@@ -321,6 +333,26 @@ def _save(run: _Run, step: int) -> None:
         prefix = save_checkpoint(run.out, Snapshot(step, run.model, run.optimizer, state), run.cfg.keep_checkpoints)
         log.info("checkpoint %s/%s", run.out.uri, prefix)
     acc.wait_for_everyone()
+    if run.cfg.delete_consumed:
+        _delete_consumed(run, step)
+
+
+def _delete_consumed(run: _Run, step: int) -> None:
+    """--delete-consumed, once the checkpoint at `step` is committed: every rank records the shards
+    it has read for the last time as of that checkpoint; then rank 0 deletes the data of those
+    every rank has. Never loses data: a restart resumes from that checkpoint, which never needs
+    them again."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+
+    acc = run.acc
+    shards = run.stream.consumed_shards(run.batches.state_dict())
+    record_consumed(run.data, rank=acc.process_index, world_size=acc.num_processes, shards=shards, step=step)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        deleted = delete_consumed(run.data)
+        if deleted:
+            log.info("deleted the data of %d consumed shard(s) at %s", len(deleted), run.data.uri)
+    acc.wait_for_everyone()
 
 
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> None:
@@ -328,8 +360,8 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
         raise ConfigError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
                          "resume with the same number of processes (the data order depends on it)")
     saved, now = state.get("config", {}), cfg.identity()
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in now
-             if k not in ("steps", "epochs") and saved.get(k) != now[k]]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in {**saved, **now}
+             if k not in ("steps", "epochs") and saved.get(k) != now.get(k)]
     if diffs:
         raise ConfigError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs))
 
