@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -233,3 +234,28 @@ def cli_out(capsys, *argv: str) -> tuple[int, str, str]:
     rc = cli(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_on_the_window_is_a_preemption(tmp_path):
+    """A worker waiting for training is stopped at once by SIGTERM (exit 143), holding no lease."""
+    from test_extract import REPO, write_chats
+    from tiny_models import tiny_model_dir
+
+    out, logs = str(tmp_path / "run"), tmp_path / "logs"
+    args = [sys.executable, "-m", "layertap", "extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
+            write_chats(tmp_path / "chats.jsonl", 20), "--out", out, "--layers", "1,3", "--max-length", "32",
+            "--shard-bytes", "20KB", "--window", "1", "--log-dir", str(logs)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log_file, deadline = logs / "extract-rank0.log", time.time() + 300
+    while proc.poll() is None and time.time() < deadline and \
+            not (log_file.exists() and "window full:" in log_file.read_text()):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    store = open_store(out)
+    status = run_status(store)
+    assert status["shards_done"] == 1 < status["shards_total"] and status["shards_running"] == 0
+    assert not list(store.list(layout.LEASES))
