@@ -226,7 +226,7 @@ fi
 
 
 def _script(about: list[str], header: list[str], opts: JobOptions, lines: list[str], *, requeue_on_timeout: bool) -> str:
-    body = resources.files("slurm").joinpath("templates/body.sh").read_text()
+    body = resources.files(__package__).joinpath("templates/body.sh").read_text()
     on_timeout = _REQUEUE if requeue_on_timeout else ""
     body = body.replace("{{grace}}", str(opts.grace_s)).replace("{{on_timeout}}", on_timeout)
     python = shlex.quote(opts.python)
