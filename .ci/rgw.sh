@@ -62,6 +62,9 @@ EOF
   ceph-mon -c "$C/ceph.conf" -i a
   for _ in $(seq 1 60); do timeout 5 $CEPH mon stat >/dev/null 2>&1 && break; sleep 0.5; done
   timeout 5 $CEPH mon stat >/dev/null 2>&1 || { echo "the monitor did not come up; logs in $C/log" >&2; exit 1; }
+  # Under load a monitor that answers `mon stat` may still refuse commands for a moment ("EPERM:
+  # problem getting command descriptions from mon"); `osd new` with the same uuid is idempotent.
+  for _ in $(seq 1 20); do $CEPH osd new "$OUUID" 0 >/dev/null 2>&1 && break; sleep 1; done
   $CEPH osd new "$OUUID" 0 >/dev/null
   ceph-osd -c "$C/ceph.conf" -i 0 --mkfs --osd-uuid "$OUUID" >/dev/null 2>&1
   # A fresh OSD can ask the monitor before its client has the monitor map ("wrong fsid": it sends
