@@ -77,6 +77,17 @@ def test_streaming_shuffle_emits_what_buffer_shuffle_computes(k):
         assert out == buffer_shuffle(n, k, (1, 2, 3)).tolist()
 
 
+def test_delete_consumed_needs_follow_and_one_epoch():
+    from layertap.storage.errors import ConfigError
+    from layertap.train.config import TrainConfig
+
+    for kw in (dict(delete_consumed=True), dict(delete_consumed=True, follow=True, epochs=2)):
+        with pytest.raises(ConfigError, match="--delete-consumed needs --follow and --epochs 1"):
+            TrainConfig(data="d", out="o", **kw)
+    assert TrainConfig(data="d", out="o", follow=True, delete_consumed=True).identity()["follow"] is True
+    assert "follow" not in TrainConfig(data="d", out="o").identity()  # older checkpoints still compare equal
+
+
 # -- one consumer, in-process --------------------------------------------------------------------
 
 def test_follow_starts_before_the_manifest_and_resumes_exactly(tmp_path, caplog):
