@@ -259,3 +259,13 @@ def test_sigterm_while_waiting_on_the_window_is_a_preemption(tmp_path):
     status = run_status(store)
     assert status["shards_done"] == 1 < status["shards_total"] and status["shards_running"] == 0
     assert not list(store.list(layout.LEASES))
+
+
+def test_window_setting_takes_a_size():
+    from layertap.extract.config import ExtractConfig
+    from layertap.storage.errors import ConfigError
+
+    assert ExtractConfig(out="o").window is None
+    assert ExtractConfig(out="o", window="200GB").window == 200 * 10**9  # as a --config file gives it
+    with pytest.raises(ConfigError, match="--window: invalid size 'lots'"):
+        ExtractConfig(out="o", window="lots")
