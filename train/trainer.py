@@ -30,6 +30,7 @@ import xxhash
 from layertap.manifests.manifest import load_manifest
 from layertap.manifests.preemption import StopSignals
 from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
 from layertap.train.follow import wait_for_manifest
 from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
@@ -68,22 +69,20 @@ def mask_token_id(model: str, gguf_file: str | None) -> int:
     return len(tok)
 
 
-def build_drafter(cfg: TrainConfig, run_config: dict[str, Any], saved: dict[str, Any] | None) -> DFlashDrafter:
+def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None) -> DFlashDrafter:
     """The drafter for this run's target; a resumed run takes the checkpoint's config as is."""
     head = load_target_head(cfg.model, cfg.gguf_file)
-    stored_h = run_config.get("hidden_size")
-    if stored_h is not None and stored_h != head.hidden_size:
+    if run.hidden_size is not None and run.hidden_size != head.hidden_size:
         raise InputError(f"{cfg.model} has hidden size {head.hidden_size}, but the run at {cfg.data} stored "
-                         f"states of width {stored_h}: train with the target the extraction used")
+                         f"states of width {run.hidden_size}: train with the target the extraction used")
     if saved is not None:
         dconf = DrafterConfig.from_json(saved)
     else:
         mask = cfg.mask_token_id if cfg.mask_token_id is not None else mask_token_id(cfg.model, cfg.gguf_file)
-        dconf = default_config(head, run_config["layers"], mask, num_layers=cfg.drafter_layers,
+        dconf = default_config(head, run.layers, mask, num_layers=cfg.drafter_layers,
                                block_size=cfg.block_size, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
-                               target={"model": run_config.get("model"), "gguf_file": run_config.get("gguf_file"),
-                                       "model_type": run_config.get("model_type"),
-                                       "final_state": run_config.get("final_state")})
+                               target={"model": run.model, "gguf_file": run.gguf_file, "model_type": run.model_type,
+                                       "final_state": run.final_state})
     torch.manual_seed(0)  # initial weights: the same on every rank and every run
     return DFlashDrafter(dconf, head)
 
@@ -140,7 +139,7 @@ def train(cfg: TrainConfig) -> int:
                              rank=rank, world_size=world, store_options=cfg.s3)
         if rank == 0:
             stream.refresh_index()
-    model = build_drafter(cfg, run.config, ckpt.state["drafter"] if ckpt else None)
+    model = build_drafter(cfg, run.identity, ckpt.state["drafter"] if ckpt else None)
     if precision == "bf16":
         model.borrowed_to(torch.bfloat16)
     model.to(acc.device)
