@@ -69,7 +69,10 @@ def format_status(s: dict) -> str:
            "max length; each reason is in the commit records)" if s["samples_skipped"] else ""),
         f"  tokens   {s['tokens_done']:,} of ~{s['tokens_total_est']:,}",
         f"  bytes    {size(s['bytes_stored'])} stored, {size(s['bytes_raw'])} raw"
-        + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else ""),
+        + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else "")
+        + (f"; {size(s['bytes_at_rest'])} at rest now ({size(s['bytes_stored'] - s['bytes_at_rest'])} deleted "
+           "with the shards training consumed)"
+           if s.get("bytes_at_rest", s["bytes_stored"]) != s["bytes_stored"] else ""),
         "  rate     " + _rate_line(s),
         *_consumption_lines(s.get("consumption")),
     ]

@@ -56,6 +56,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     interrupted = [f for f in summaries if f.get("preempted")]
     counts["failed"] -= len(interrupted)
     marks = marker_times(store)
+    # a consumed shard's marker is written before its data is deleted: its bytes are no longer at rest
+    deleted = sum(t["bytes"] for s, t in tallies.items() if s in marks)
     consumption = _consumption(store, st, tallies, marks)
     listed = {"shards": _shard_list(store, st, tallies, summaries, set(marks))} if shards else {}
     return {
@@ -75,7 +77,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "samples_skipped": skipped,
         "tokens_total_est": manifest.est_tokens,
         "tokens_done": tokens,
-        "bytes_stored": stored,
+        "bytes_stored": stored,  # ever: every committed shard's data object, consumed ones included
+        "bytes_at_rest": stored - deleted,  # now: less the data training consumed and deleted
         "bytes_raw": raw,
         "compression_ratio": round(raw / stored, 4) if stored else None,
         "tokens_per_s": round(rate, 1) if rate else None,

@@ -66,6 +66,31 @@ def test_exit_codes_rate_and_eta(store_uri, capsys):
     assert " KiB stored" in out and " GB" not in out and " MB" not in out
 
 
+def test_bytes_at_rest_leave_out_the_data_training_consumed(store_uri, capsys):
+    """`bytes_stored` is every committed shard's data, ever; `bytes_at_rest` what is still there
+    once a window run's training consumed and deleted some (the text line says both)."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri)
+    stored = {s: t["bytes"] for s, t in (layout.parse_tally(o.key) for o in store.list(layout.TALLY))}
+    rc, out, _ = status(capsys, store_uri, "--json")
+    js = json.loads(out)
+    assert js["bytes_stored"] == js["bytes_at_rest"] == sum(stored.values())
+    assert "at rest" not in status(capsys, store_uri)[1]
+
+    record_consumed(store, rank=0, world_size=1, shards=[1, 4], step=5)
+    assert delete_consumed(store) == [1, 4]
+    js = json.loads(status(capsys, store_uri, "--json")[1])
+    at_rest = sum(b for s, b in stored.items() if s not in (1, 4))
+    assert js["bytes_stored"] == sum(stored.values()) and js["bytes_at_rest"] == at_rest
+    assert at_rest == sum(o.size for o in store.list(layout.SHARDS))  # what the bucket holds
+    rc, out, _ = status(capsys, store_uri)
+    assert rc == 0 and f"bytes    {size(js['bytes_stored'])} stored, {size(js['bytes_raw'])} raw" in out
+    assert f"; {size(at_rest)} at rest now ({size(stored[1] + stored[4])} deleted with the shards training " \
+           "consumed)" in out
+
+
 def test_recent_rate_leaves_out_the_first_commits_tokens():
     # Shards committed at t=100, 110, 120 with 50 tokens each: 100 tokens made in 20 s.
     times, tokens = {0: 100.0, 1: 110.0, 2: 120.0}, {0: 50, 1: 50, 2: 50}

@@ -269,3 +269,30 @@ def test_window_setting_takes_a_size():
     assert ExtractConfig(out="o", window="200GB").window == 200 * 10**9  # as a --config file gives it
     with pytest.raises(ConfigError, match="--window: invalid size 'lots'"):
         ExtractConfig(out="o", window="lots")
+
+
+def test_a_stream_leaves_out_consumed_shards_with_one_warning(store_uri, caplog):
+    """A plain (not follow) ShardStream over a run a window run consumed: the deleted shards are
+    left out, named once in a warning; when every shard is gone it says so instead of fetching."""
+    from layertap.storage.errors import InputError
+    from layertap.train import ShardStream
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri)
+    records = {s: t["records"] for s, t in (layout.parse_tally(o.key) for o in store.list(layout.TALLY))}
+    record_consumed(store, rank=0, world_size=1, shards=[0, 2], step=1)
+    assert delete_consumed(store) == [0, 2]
+    with caplog.at_level("WARNING", logger="layertap.train.stream"):
+        stream = ShardStream(store_uri, rank=0, world_size=1)
+        samples = list(stream)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert f"2 committed shard(s) ({records[0] + records[2]} samples)" in warnings[0]
+    assert "cannot be trained on again" in warnings[0]
+    assert [s.shard for s in stream.shards] == [1, 3, 4, 5, 6]
+    assert len(samples) == sum(records[s] for s in (1, 3, 4, 5, 6)) == stream.total_samples
+
+    record_consumed(store, rank=0, world_size=1, shards=list(range(7)), step=2)
+    delete_consumed(store)
+    with pytest.raises(InputError, match=r"every committed shard with samples is gone: 7 committed shard\(s\)"):
+        ShardStream(store_uri, rank=0, world_size=1)

@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits, write_index
+from layertap.manifests.consumption import consumed_shards
 from layertap.manifests.manifest import Manifest, load_manifest
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.units import parse_size
@@ -113,10 +114,18 @@ def _cores() -> int:
     return mine // local_ranks if mine == os.cpu_count() and local_ranks > 1 else mine
 
 
-def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[CommittedShard], bytes | None]:
+def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leave out", "keep"] = "leave out",
+               ) -> tuple[Manifest, list[CommittedShard], bytes | None]:
     """(the run's manifest, its committed shards sorted by id, the commit index to store when the
     stored one lacked some: `manifests.commit_index.Commits.new_index`): one listing of
-    `commits/` and the commit index, plus a GET per commit the index lacks."""
+    `commits/` and the commit index, plus a GET per commit the index lacks, and one listing of
+    `consumed/shards/`.
+
+    A shard a training run consumed and deleted (`layertap train --follow --delete-consumed`:
+    `manifests.consumption`) keeps its commit but has no data: it is left out, with one warning
+    saying how many shards and samples that is; a run whose every committed shard was consumed is
+    an InputError. `consumed="keep"` lists them anyway, for a caller that never reads them (the
+    end of a follow epoch that deleted them: its shard list must stay the one it checkpointed)."""
     manifest = load_manifest(store)
     read = read_commits(store, threads)
     commits = read.records
@@ -124,13 +133,26 @@ def load_index(store: ObjectStore, threads: int = 16) -> tuple[Manifest, list[Co
     foreign = sorted(c.shard for c in commits if not fits_plan(c, manifest))
     if foreign:
         raise replaced_manifest_error(store.uri, foreign)
-    shards = []
+    gone = consumed_shards(store) if consumed == "leave out" else set()
+    shards, left_out = [], []
     for c in commits:
         if len(c.sample_ids) != c.num_records:
             raise ShardError(f"{root}/{layout.commit_key(c.shard)} is inconsistent ({len(c.sample_ids)} sample ids "
                              f"for {c.num_records} records); run `layertap verify` on the run")
-        if c.num_records:
+        if c.shard in gone:
+            left_out.append(c)
+        elif c.num_records:
             shards.append(CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids)))
+    if left_out:
+        samples = sum(c.num_records for c in left_out)
+        what = (f"{len(left_out)} committed shard(s) ({samples} samples) of {store.uri} were consumed and deleted "
+                "by a training run that read it while it was extracted (`layertap train --delete-consumed`, "
+                "extraction's --window)")
+        if not shards:
+            raise InputError(f"every committed shard with samples is gone: {what}; they cannot be trained on "
+                             "again: extract the run again (to a new --out) to train on it once more")
+        log.warning("%s: leaving them out; they cannot be trained on again (streaming the other %d shard(s))",
+                    what, len(shards))
     if not shards:
         raise InputError(f"no committed shards with samples at {store.uri} yet: run `layertap extract` "
                          "(see `layertap status`)")
@@ -254,7 +276,9 @@ class ShardStream(IterableDataset):
         complete by then), so later epochs are today's order over all of them."""
         if self._settled or (not force and (self.position.in_follow_epoch)):
             return
-        _, self.shards, _ = load_index(self._store())
+        # keep consumed shards: after a follow epoch that deleted them, this list names the shards
+        # the epoch's checkpoint was taken over (its fingerprint), and nothing reads them again
+        _, self.shards, _ = load_index(self._store(), consumed="keep")
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
         self._settled = True
