@@ -78,7 +78,13 @@ def add_submit(p: argparse.ArgumentParser) -> None:
     g.add_argument("--then-train", metavar="ARGS",
                    help="then submit `layertap train ARGS` (one quoted string), started only if every array task "
                         "succeeds (afterok); it takes this command's Slurm options, and --train-nodes")
-    g.add_argument("--train-nodes", type=int, default=1, help="nodes for --then-train (default 1)")
+    g.add_argument("--train-while-extracting", metavar="ARGS",
+                   help="also submit `layertap train --follow ARGS` (one quoted string; its --data is this --out), "
+                        "with no dependency: it trains on shards as they are committed, starting before or during "
+                        "the extraction. With --window, ARGS must hold --delete-consumed. It takes this command's "
+                        "Slurm options, and --train-nodes (docs/SLURM.md)")
+    g.add_argument("--train-nodes", type=int, default=1,
+                   help="nodes for --then-train or --train-while-extracting (default 1)")
     fwd = _Forwarded(e.add_argument_group("layertap extract arguments (--log-dir is set per task under --logs)"),
                      frozenset({"log_dir"}))
     add_extract(fwd)
@@ -212,7 +218,11 @@ def _submit_extract(args: argparse.Namespace) -> int:
     if args.shards_per_task is not None and cfg.shards is not None:
         raise ConfigError("give either --shards (the shards dynamic tasks may take) or --shards-per-task "
                          "(static ranges over the unfinished shards), not both")
-    train = _then_train(args, gpus, node) if args.then_train is not None else None
+    if args.then_train is not None and args.train_while_extracting is not None:
+        raise ConfigError("give either --then-train (training after the array succeeded) or --train-while-extracting "
+                          "(training alongside it), not both")
+    train = _then_train(args, gpus, node) if args.then_train is not None else \
+        _then_train(args, gpus, node, follow=cfg) if args.train_while_extracting is not None else None
     store = open_store(cfg.out, **cfg.s3)
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
@@ -238,12 +248,13 @@ def _submit_extract(args: argparse.Namespace) -> int:
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch: {what}", [], script)
         if train:
-            _show(f"{train[0].job_name}.sbatch", submit.dependency_options(["<the array's job id>"]), train[1])
+            after = [] if args.train_while_extracting is not None else ["<the array's job id>"]
+            _show(f"{train[0].job_name}.sbatch", submit.dependency_options(after), train[1])
         return 0
     job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
     _say(args, f"submitted {what}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
     if train:
-        _sbatch_train(args, *train, after=[job])
+        _sbatch_train(args, *train, after=[] if args.train_while_extracting is not None else [job])
     return 0
 
 
@@ -253,12 +264,12 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     if remaining.running:
         _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
                    "every other one is done")
-        if train:
+        if train and args.train_while_extracting is None:
             raise ConfigError("the extraction is still running, so training cannot be chained to this submission: "
                              "submit it with `layertap submit train --after <the extraction's job id> ...`")
-        return 0
-    _say(args, "nothing to submit: every shard is done")
-    if train:
+    else:
+        _say(args, "nothing to submit: every shard is done")
+    if train:  # after a complete run, or alongside the running one (--train-while-extracting)
         if args.dry_run:
             _show(f"{train[0].job_name}.sbatch", [], train[1])
         else:
@@ -266,27 +277,54 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     return 0
 
 
-def _then_train(args: argparse.Namespace, gpus: int, node) -> tuple[Any, str]:
-    """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser."""
+def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple[Any, str]:
+    """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser;
+    with `follow` (the extraction's settings), `--train-while-extracting`'s, made a follow trainer of
+    the extraction's --out."""
     from layertap.slurm.scripts import train_script
 
+    flag = "--then-train" if follow is None else "--train-while-extracting"
+    given = args.then_train if follow is None else args.train_while_extracting
     add_train = _train_parser()
     if add_train is None:
-        raise ConfigError("--then-train: `layertap train` is not available in this installation (no train.command)")
+        raise ConfigError(f"{flag}: `layertap train` is not available in this installation (no train.command)")
     parser = argparse.ArgumentParser(prog="layertap train", exit_on_error=False)
     fwd = _Forwarded(parser)
     add_train(fwd)
     try:
-        targs, extra = parser.parse_known_args(shlex.split(args.then_train))
+        targs, extra = parser.parse_known_args(shlex.split(given))
     except argparse.ArgumentError as e:
-        raise ConfigError(f"--then-train {args.then_train!r}: {e}") from None
+        raise ConfigError(f"{flag} {given!r}: {e}") from None
     if extra:
-        raise ConfigError(f"--then-train {args.then_train!r}: `layertap train` does not take {' '.join(extra)}")
+        raise ConfigError(f"{flag} {given!r}: `layertap train` does not take {' '.join(extra)}")
+    if follow is not None:
+        _follow_the_extraction(targs, follow, given)
     from layertap.slurm.resources import train_resources
 
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
                          job_name="layertap-train")
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
+
+
+def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str) -> None:
+    """`--train-while-extracting`'s trainer: --follow, its --data the extraction's --out, and, when
+    the extraction holds to a --window, --delete-consumed (else the window never opens again and
+    the extraction waits forever). Checked as `layertap train` will check it."""
+    from layertap.train.config import load_train_config
+
+    out = cfg.out.rstrip("/")
+    if targs.data is not None and targs.data.rstrip("/") != out:
+        raise ConfigError(f"--train-while-extracting {given!r}: its --data {targs.data} is not the extraction's "
+                          f"--out {cfg.out}: leave --data out (it is set to --out)")
+    targs.data, targs.follow = cfg.out, True
+    try:
+        train_cfg = load_train_config(targs)
+    except ConfigError as e:
+        raise ConfigError(f"--train-while-extracting {given!r}: {e}") from None
+    if cfg.window is not None and not train_cfg.delete_consumed:
+        raise ConfigError(f"--window with --train-while-extracting {given!r}: the trainer must delete what it has "
+                          "consumed, or the window never opens again and the extraction waits forever; add "
+                          "--delete-consumed to --train-while-extracting (or leave out --window)")
 
 
 def _submit_train(args: argparse.Namespace) -> int:

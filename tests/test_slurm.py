@@ -213,7 +213,7 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     assert "#SBATCH --array=10-11%4" in out and "--shards \"$SLURM_ARRAY_TASK_ID\"" in out
     assert "--max-length 64" in out and "--log-dir \"$LOG_DIR\"" in out
     assert "sbatch --parsable --dependency=afterok:<the array's job id> --kill-on-invalid-dep=yes" in out
-    assert "-m layertap.train --data run --model m --out d --steps 3" in " ".join(out.split())
+    assert "-m layertap.train --data run --out d --model m --steps 3" in " ".join(out.split())
     assert not (tmp_path / "layertap-logs").exists()  # nothing written
 
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0  # dynamic: a task a shard
@@ -234,7 +234,7 @@ def test_submit_train_dry_run(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "sbatch --parsable --dependency=afterok:41:42 --kill-on-invalid-dep=yes <script>" in out
     assert "#SBATCH --nodes=2" in out and "#SBATCH --time=1-00:00:00" in out
-    assert "-m layertap.train --data s3://b/run --model /m --out s3://b/drafter" in " ".join(out.split())
+    assert "-m layertap.train --data s3://b/run --out s3://b/drafter --model /m" in " ".join(out.split())
     assert "RESUME=(--resume)" in out  # a requeued job continues from its checkpoint
 
 
@@ -256,6 +256,43 @@ def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
     assert submit("extract", "--nodes", "1", "--out", fresh) == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
     assert not (tmp_path / "layertap-logs").exists()  # refused before anything was written
+
+
+def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    fresh = str(tmp_path / "fresh")
+    base = ("extract", "--dry-run", "--nodes", "2", "--gpus-per-node", "4", "--out", fresh, "--train-nodes", "3")
+    assert submit(*base, "--window", "200GB",
+                  "--train-while-extracting", "--model m --out d --delete-consumed --save-every 50") == 0
+    out = capsys.readouterr().out
+    scripts = dry_run_scripts(out)
+    assert set(scripts) == {"layertap-extract", "layertap-train"}
+    assert "--window 200GB" in " ".join(scripts["layertap-extract"].split())
+    train = " ".join(scripts["layertap-train"].split())
+    assert f"-m layertap.train --data {fresh} --out d --model m --save-every 50 --follow --delete-consumed" in train
+    assert "#SBATCH --nodes=3" in train and "#SBATCH --gpus-per-node=4" in train
+    assert "sbatch --parsable <script>" in out and "--dependency" not in out  # it may start before the array
+    assert "RESUME=(--resume)" in train  # a requeued trainer continues its follow epoch
+
+    # With --window the trainer must delete what it consumed, or the extraction would wait forever.
+    assert submit(*base, "--window", "200GB", "--train-while-extracting", "--model m --out d") == 2
+    assert "add --delete-consumed to --train-while-extracting (or leave out --window)" in capsys.readouterr().err
+    assert submit(*base, "--train-while-extracting", "--data elsewhere --out d") == 2
+    assert f"its --data elsewhere is not the extraction's --out {fresh}" in capsys.readouterr().err
+    assert submit(*base, "--train-while-extracting", "--out d --delete-consumed --epochs 2") == 2
+    assert "--delete-consumed needs --follow and --epochs 1" in capsys.readouterr().err  # the trainer's own checks
+    assert submit(*base, "--train-while-extracting", "--out d", "--then-train", "--out d") == 2
+    assert "not both" in capsys.readouterr().err
+    # Without --window, consumed data may stay; and the trainer joins an extraction that is already running.
+    assert submit(*base, "--train-while-extracting", "--out d") == 0
+    assert "--follow" in dry_run_scripts(capsys.readouterr().out)["layertap-train"]
+    planned_run(fresh, 1)
+    open_store(fresh).put(layout.lease_key(0, 1, 600), b"{}")  # a live worker holds the only shard
+    assert submit(*base, "--max-length", "64", "--train-while-extracting", "--out d") == 0
+    out = capsys.readouterr().out
+    assert "nothing to submit: shards 0 are running" in out and "--follow" in dry_run_scripts(out)["layertap-train"]
+    assert not (tmp_path / "layertap-logs").exists()
 
 
 def dry_run_scripts(out: str) -> dict[str, str]:
@@ -516,6 +553,28 @@ def test_sbatch_accepts_the_scripts_and_their_resources(slurm_cluster, tmp_path,
         path.write_text(script)
         p = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True)
         assert p.returncode == 0 and "to start at" in p.stderr, (name, p.stderr)
+
+
+def test_the_follow_trainer_is_queued_with_no_dependency(slurm_cluster, tmp_path, capsys, monkeypatch):
+    """--train-while-extracting on the real Slurm: two jobs, the trainer depending on nothing, so it
+    may start before or during the array (both are cancelled at once: the run is not the point)."""
+    monkeypatch.chdir(tmp_path)
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 2)
+    assert submit("extract", "--parsable", "--nodes", "1", "--partition", "debug", "--cpus-per-task", "1",
+                  "--mem", "none", "--out", prefix, "--max-length", "64", "--window", "1MB",
+                  "--train-while-extracting", "--out d --delete-consumed") == 0
+    jobs = capsys.readouterr().out.split()
+    try:
+        assert len(jobs) == 2
+        array, train = scontrol_jobs(jobs[0]), scontrol_jobs(jobs[1])
+        assert train[0]["JobName"] == "layertap-train" and train[0].get("Dependency") == "(null)"
+        assert "--follow" in (tmp_path / "layertap-logs" / "scripts").joinpath(
+            next(n for n in os.listdir(tmp_path / "layertap-logs" / "scripts") if n.startswith("layertap-train"))
+        ).read_text()
+        assert array[0]["JobName"] == "layertap-extract"
+    finally:
+        subprocess.run(["scancel", *jobs], check=False)
 
 
 def test_two_signals_at_once_leave_the_store_consistent(tiny_llama, tmp_path):
