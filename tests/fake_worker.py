@@ -2,6 +2,10 @@
 activations (deterministic per sample index), run as a real process.
 
     python tests/fake_worker.py PREFIX --rank R [--ttl S] [--fail-shard N] [--hang-shard N] [--slow S]
+                                [--samples N] [--window BYTES]
+
+`--window`: the storage window, as `layertap extract --window` applies it (manifests.consumption.
+WindowGate before each claim, polling faster than the real worker's 2 s so tests stay short).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 
 import torch
 
+from layertap.manifests.consumption import WindowGate
 from layertap.manifests.manifest import create_or_resume
 from layertap.manifests.records import Producer
 from layertap.manifests.work import WorkQueue
@@ -43,13 +48,15 @@ def plan(store, samples: int = 40, shard_bytes: int = 4000):
 
 
 def work(prefix: str, rank: int = 0, world: int = 1, ttl: float = 60.0, fail_shard: int = -1,
-         hang_shard: int = -1, slow: float = 0.0, shards: list[int] | None = None) -> list[int]:
+         hang_shard: int = -1, slow: float = 0.0, shards: list[int] | None = None, samples: int = 40,
+         window: int | None = None) -> list[int]:
     """Extract every shard this worker can claim; returns the ids it committed."""
     store = open_store(prefix)
-    manifest = plan(store)
+    manifest = plan(store, samples)
     done = []
+    gate = WindowGate(store, window, poll_s=0.05, max_poll_s=0.2) if window is not None else None
     queue = WorkQueue(store, manifest, Producer.current(rank), ttl_s=ttl, world_size=world, shards=shards,
-                      poll_s=0.2)
+                      poll_s=0.2, before_claim=gate)
     for claim in queue:
         try:
             with claim:
@@ -81,7 +88,10 @@ if __name__ == "__main__":
     p.add_argument("--fail-shard", type=int, default=-1)
     p.add_argument("--hang-shard", type=int, default=-1)
     p.add_argument("--slow", type=float, default=0.0)
+    p.add_argument("--samples", type=int, default=40)
+    p.add_argument("--window", type=int, default=None)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    committed = work(a.prefix, a.rank, a.world, a.ttl, a.fail_shard, a.hang_shard, a.slow)
+    committed = work(a.prefix, a.rank, a.world, a.ttl, a.fail_shard, a.hang_shard, a.slow, samples=a.samples,
+                     window=a.window)
     print("committed", " ".join(map(str, committed)), flush=True)
