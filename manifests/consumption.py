@@ -46,7 +46,7 @@ def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: l
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
     body = {"world_size": world_size, "step": step, "shards": sorted(set(shards)), "time": time.time()}
-    store.put(layout.consumed_rank_key(rank), json.dumps(body).encode())
+    store_json(store, layout.consumed_rank_key(rank), body)
 
 
 def consumed_shards(store: ObjectStore) -> set[int]:
@@ -173,12 +173,21 @@ class WindowGate:
         self.store, self.window = store, window
         self.poll_s, self.max_poll_s, self.log_every_s = poll_s, max_poll_s, log_every_s
         self.on_wait, self.sleep = on_wait, sleep
+        self._recorded = False
+
+    def record(self) -> None:
+        """Tell training what window extraction runs with (`recorded_window`): a follow trainer
+        that waits for data while the window is full knows it is stalled, and says so."""
+        store_json(self.store, layout.CONSUMED_WINDOW, {"window": self.window, "time": time.time()})
 
     def check(self) -> Backlog:
         delete_consumed(self.store)
         return backlog(self.store)
 
     def __call__(self) -> bool:
+        if not self._recorded:
+            self.record()
+            self._recorded = True
         waited, pause, logged = False, self.poll_s, 0.0
         while (b := self.check()).bytes >= self.window:
             if time.monotonic() - logged >= self.log_every_s:
@@ -196,3 +205,29 @@ class WindowGate:
             if self.on_wait:
                 self.on_wait(None)
         return waited
+
+
+def store_json(store: ObjectStore, key: str, body: dict) -> None:
+    store.put(key, json.dumps(body).encode())
+
+
+def recorded_window(store: ObjectStore) -> int | None:
+    """The --window the run's extraction workers run with, once one has started (else None)."""
+    try:
+        return int(json.loads(store.get(layout.CONSUMED_WINDOW))["window"])
+    except ObjectNotFound:
+        return None
+    except (ValueError, KeyError, TypeError):  # unreadable: no stall check rather than a failed trainer
+        log.warning("%s/%s is unreadable; the stall check is off", store.uri.rstrip("/"), layout.CONSUMED_WINDOW)
+        return None
+
+
+def stalled(store: ObjectStore) -> tuple[Backlog, int] | None:
+    """(backlog, window) when extraction is held back by its window, which training waiting for
+    data then cannot open: a stall. None when there is no window or it is open."""
+    window = recorded_window(store)
+    if window is None:
+        return None
+    b = backlog(store)
+    return (b, window) if b.bytes >= window else None
+

@@ -11,6 +11,7 @@
                                            one record per failed attempt
     consumed/ranks/{rank:05d}.json         a training rank's watermark: shards it read for the last time
     consumed/shards/{shard:06d}            empty marker: the shard was consumed, its data deleted
+    consumed/window.json                   the --window extraction runs with (the trainer's stall check)
     index/commits.json.zst                 a snapshot of the commit records, derived: a reader uses an
                                            entry only while `commits/` lists it unchanged
 
@@ -26,6 +27,7 @@ MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
+CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
 
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")

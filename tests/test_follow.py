@@ -143,6 +143,42 @@ def test_consumed_shards_are_those_every_sample_of_which_was_yielded(tmp_path):
     it.close()
 
 
+def test_a_restart_in_the_padding_needs_no_deleted_data(tmp_path, monkeypatch):
+    """A rank restarted at the end of the follow epoch, after every shard was consumed and
+    deleted (a window run), still yields its zero-weighted padding: one token of zeros in the
+    run's shapes, not a fetched sample (whose data is gone)."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+    from layertap.storage.store import open_store
+
+    monkeypatch.setattr(fake_worker, "CONFIG", dict(fake_worker.CONFIG, hidden_size=fake_worker.HIDDEN))
+    uri, world = str(tmp_path / "run"), 3  # 40 samples over 3 ranks: padding on some
+    fake_worker.work(uri)
+    cfg = StreamConfig(**CFG)
+    states, padded = [], []
+    for r in range(world):
+        whole = list(ShardStream(uri, config=cfg, rank=r, world_size=world))
+        real = sum(not x["padding"] for x in whole)
+        assert all(x["padding"] for x in whole[real:])
+        stream = ShardStream(uri, config=cfg, rank=r, world_size=world)
+        it = iter(stream)
+        for _ in range(real):
+            next(it)
+        states.append(json.loads(json.dumps(stream.state_dict())))
+        it.close()
+        if len(whole) > real:
+            padded.append((r, len(whole) - real))
+        record_consumed(open_store(uri), rank=r, world_size=world, shards=stream.consumed_shards(states[r]), step=1)
+    assert padded, "no rank pads: the test needs one that does"
+    assert sorted(delete_consumed(open_store(uri))) == list(range(7))
+    assert list(open_store(uri).list("shards/")) == []
+    for r, pads in padded:
+        resumed = ShardStream(uri, config=cfg, rank=r, world_size=world)
+        resumed.load_state_dict(states[r])
+        rest = list(resumed)
+        assert len(rest) == pads and all(x["padding"] and not x["loss_mask"].any() for x in rest)
+        assert rest[0]["hidden_states"].shape == (1, len(fake_worker.LAYERS), fake_worker.HIDDEN)
+
+
 # -- ranks x workers, real processes -------------------------------------------------------------
 
 def consume(uri: str, rank: int, world: int, workers: int, out: str) -> None:

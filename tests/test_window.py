@@ -296,3 +296,29 @@ def test_a_stream_leaves_out_consumed_shards_with_one_warning(store_uri, caplog)
     delete_consumed(store)
     with pytest.raises(InputError, match=r"every committed shard with samples is gone: 7 committed shard\(s\)"):
         ShardStream(store_uri, rank=0, world_size=1)
+
+
+def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri, caplog):
+    """Extraction waits for training (its window is full) while training waits for data: the
+    follow watcher's waiting line is joined by one naming the stall, the rule and the knobs."""
+    from layertap.manifests.consumption import WindowGate, recorded_window
+    from layertap.manifests.manifest import load_manifest
+    from layertap.train.follow import CommitWatcher
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])  # 3 of 7 committed; the rest pending
+    assert recorded_window(store) is None
+    WindowGate(store, 10_000).record()
+    assert recorded_window(store) == 10_000
+    watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1)
+    watcher.poll()
+    caplog.set_level("INFO", logger="layertap.train.follow")
+    assert watcher._extraction_over() is False
+    assert "waiting for extraction: 3 of 7 shards committed" in caplog.text
+    assert "STALLED" in caplog.text and "--window" in caplog.text and "--shuffle-buffer" in caplog.text
+
+    caplog.clear()  # a window the backlog does not fill: waiting, not stalled
+    WindowGate(store, 10**9).record()
+    watcher._logged = 0.0
+    assert watcher._extraction_over() is False
+    assert "waiting for extraction" in caplog.text and "STALLED" not in caplog.text

@@ -26,6 +26,7 @@ from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, decode_commit
 from layertap.manifests.state import fits_plan, replaced_manifest_error, scan
 from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.units import size
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,29 @@ class CommitWatcher:
             log.info("%s waiting for extraction: %d of %d shards committed (%d running, %d failed, %d pending)",
                      self.who, len(self.known), len(self.manifest.shards), running, len(failed),
                      len(left) - running - len(failed))
+            self._log_stall()
             self._logged = time.monotonic()
         return False
+
+    def _log_stall(self) -> None:
+        """Training waits for data while extraction waits for training (its --window is full):
+        nothing moves until one side changes. Samples in the consumers' shuffle buffers, or
+        trained since the last checkpoint, keep their shards from counting as consumed, so the
+        window must hold more than that."""
+        from layertap.manifests.consumption import stalled
+
+        found = stalled(self.store)
+        if found is None:
+            return
+        b, window = found
+        largest = max((r.bytes for r in self.known.values()), default=0)
+        log.error("%s: STALLED: extraction waits for training to consume (%s at rest in %d shards, window %s) "
+                  "while training waits for data. Shards count as consumed only once every sample of them "
+                  "left the consumers' shuffle buffers and a checkpoint covers it, so the window must exceed "
+                  "consumers x (shuffle buffer + samples per checkpoint) x the largest shard (%s here). "
+                  "Restart extraction with a larger --window, or train with a smaller --shuffle-buffer or "
+                  "--save-every; both resume where they are.", self.who, size(b.bytes), b.shards, size(window),
+                  size(largest))
 
 
 def _get_commits(store: ObjectStore, keys: list[str]) -> list[CommitRecord | None]:

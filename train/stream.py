@@ -212,7 +212,7 @@ class ShardStream(IterableDataset):
             self._settled, follow = True, None
         self._manifest = manifest
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
-        self.codec = manifest.identity.codec
+        self.codec, self._run = manifest.identity.codec, manifest.identity
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow)
         if not c.follow and len(self.shards) < self.planned_shards:
@@ -575,7 +575,19 @@ class ShardStream(IterableDataset):
             fetcher.release(rec)
 
     def _stand_in(self, mine: list[CommittedShard]) -> dict[str, Any]:
-        """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own."""
+        """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own: one
+        token of zeros in the run's shapes. Not a fetched sample: after a restart at the end of
+        the follow epoch the shards may be consumed and deleted (a window run). Only a manifest
+        without hidden_size (synthetic runs) makes it read the first readable committed sample."""
+        run = self._run
+        if run.hidden_size is not None:
+            pad = {"sample_id": "padding", "input_ids": torch.zeros(1, dtype=torch.int64),
+                   "loss_mask": torch.zeros(1, dtype=torch.uint8),
+                   "hidden_states": torch.zeros(1, len(run.layers), run.hidden_size, dtype=torch.bfloat16),
+                   "padding": False}
+            if run.final_state != "none":
+                pad["final_state"] = torch.zeros(1, run.hidden_size, dtype=torch.bfloat16)
+            return pad
         c = self.config
         for i, shard in enumerate(mine):
             if not shard.sample_ids:
