@@ -25,8 +25,8 @@ from layertap.storage.codecs import CODEC_NAMES
 from layertap.storage.errors import InputError
 from layertap.storage.format import ShardMeta
 from layertap.storage.records import EncodedRecord, decode_record, encode_record
-from layertap.storage.writer import ShardWriter
 from layertap.storage.store import ObjectWriter
+from layertap.storage.writer import ShardWriter
 
 log = logging.getLogger("layertap.estimate")
 

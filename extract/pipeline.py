@@ -21,8 +21,8 @@ from layertap.extract.inputs import TokenizedSample
 from layertap.extract.model import Capture
 from layertap.storage.format import ShardMeta
 from layertap.storage.records import EncodedRecord, Sample, encode_record
-from layertap.storage.writer import ShardInfo, ShardWriter
 from layertap.storage.store import ObjectWriter
+from layertap.storage.writer import ShardInfo, ShardWriter
 
 
 class LeaseLost(RuntimeError):

@@ -19,7 +19,6 @@ import torch
 
 from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtype
 from layertap.extract.console import progress, quiet_library_bars
-from layertap.storage.units import duration, size
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
 from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from layertap.extract.model import Capture, Target, default_layers, load_target
@@ -35,6 +34,7 @@ from layertap.manifests.work import WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
+from layertap.storage.units import duration, size
 
 log = logging.getLogger("layertap.extract")
 

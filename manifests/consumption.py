@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from layertap.manifests import layout
-from layertap.manifests.records import decode_commit
 from layertap.manifests.manifest import ManifestError
+from layertap.manifests.records import decode_commit
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 from layertap.storage.units import size
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from layertap.manifests.layout import MANIFEST
 from layertap.storage.codecs import CODEC_NAMES
-from layertap.storage.identity import RunConfig
 from layertap.storage.errors import ConfigError, UserError
+from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)

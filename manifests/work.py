@@ -26,8 +26,8 @@ from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
 from layertap.manifests.state import RunState, scan, scan_shard
 from layertap.storage.errors import ConfigError
-from layertap.storage.writer import ShardInfo
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
+from layertap.storage.writer import ShardInfo
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import Any
 import xxhash
 
 from layertap.storage.codecs import CODEC_NAMES
-from layertap.storage.identity import RunIdentity
 from layertap.storage.errors import UserError
+from layertap.storage.identity import RunIdentity
 
 FORMAT_NAME = "layertap-shard"
 FORMAT_VERSION = 1

@@ -36,12 +36,12 @@ from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits, write_index
 from layertap.manifests.consumption import consumed_shards
 from layertap.manifests.manifest import Manifest, load_manifest
-from layertap.storage.errors import ConfigError, InputError
-from layertap.storage.units import parse_size
 from layertap.manifests.state import fits_plan, replaced_manifest_error
+from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.format import ShardError
 from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_store
+from layertap.storage.units import parse_size
 from layertap.train.buffers import BufferPool
 from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
 from layertap.train.follow import CommitWatcher, wait_for_manifest

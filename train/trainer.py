@@ -32,11 +32,11 @@ from layertap.manifests.preemption import StopSignals
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
-from layertap.train.follow import wait_for_manifest
+from layertap.train.batch import collate
 from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
 from layertap.train.config import TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
-from layertap.train.batch import collate
+from layertap.train.follow import wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
 from layertap.train.objective import dflash_loss
 from layertap.train.stream import ShardStream, StreamConfig
