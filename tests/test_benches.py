@@ -125,3 +125,25 @@ def test_gpu_train_cli_bench_runs_the_real_command_on_a_tiny_config(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train_cli.py"), "--report", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "| **data wait, median** (max) |" in p.stdout, p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_follow_bench_runs_the_three_modes_on_a_tiny_run(tmp_path):
+    """bench/follow.py --tiny: real paced `layertap extract` and `layertap train` processes on its own
+    moto server, extract-then-train, follow and follow + window, the same steps in each."""
+    out = tmp_path / "follow.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow.py"), "--tiny", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["ok"] and r["same_steps"] and r["window_peak_under_bound"]
+    modes = r["modes"]
+    assert {m["steps"] for m in modes.values()} == {24} and all(m["train_rc"] == m["extract_rc"] == 0
+                                                                  for m in modes.values())
+    whole = modes["extract_then_train"]["peak_bytes_at_rest"]
+    assert whole == r["run"]["bytes"] == modes["follow"]["peak_bytes_at_rest"]  # nothing deleted without a window
+    assert modes["follow_window"]["peak_bytes_at_rest"] < whole and modes["follow_window"]["final_bytes_at_rest"] == 0
+    assert modes["follow"]["vs_extract_then_train"] > 0 and 0 <= modes["follow"]["data_wait_fraction"] <= 1
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow.py"), "--report", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "| train --follow |" in p.stdout, p.stderr[-2000:]
