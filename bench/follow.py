@@ -435,7 +435,7 @@ def reading(r: dict[str, Any]) -> str:
             "while the trainer works through the window. The window must also hold more than training keeps "
             "from deletion (the shuffle buffer, the loader's prefetch, the samples since the last checkpoint, and an "
             "oldest shard a lingering sample pins): below that, extraction waits for a deletion and training for a "
-            "shard, for ever and without an error (seen here with a window of 3 shards of 16 samples, a 16-sample "
+            "shard, until one side changes; the trainer logs STALLED with the sizing rule (docs/ARCHITECTURE.md, \"The storage window\") (seen here with a window of 3 shards of 16 samples, a 16-sample "
             "buffer and a checkpoint every 4 steps of 4); the bench refuses such a window.")
     if r.get("load_avg_start", [0])[0] > r.get("nproc", 1):
         parts.append(f"The machine was busy (load {r['load_avg_start'][0]} on {r['nproc']} cores at the start): "
