@@ -1,0 +1,81 @@
+"""A fresh drafter's first loss is that of a guess, not of a confident mistake (issue 24).
+
+SmolLM2 with the default drafter logged loss ~59 and grad norm ~590 at step 1, against
+ln(vocab) = 10.8 for a uniform guess: the final norm's unit output scale met the frozen head's
+rows, and the mask slots started from the mean embedding, the direction every token shares.
+Here a tiny target built like SmolLM2's embeddings (tied, rows of norm ~3.2 of which a shared
+component of norm ~2.2) and states at SmolLM2's per-layer scales (RMS 3 to 70)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from layertap.train.drafter import DFlashDrafter, default_config
+from layertap.train.objective import dflash_loss
+from layertap.train.target_head import TargetHead
+
+VOCAB, HIDDEN = 2000, 64
+
+
+def smollm2_like_head() -> TargetHead:
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(HIDDEN, generator=g)
+    shared *= 2.2 / shared.norm()
+    rows = torch.randn(VOCAB, HIDDEN, generator=g)
+    rows *= 2.4 / rows.norm(dim=1, keepdim=True)
+    embed = shared + rows  # row norm ~3.2, like SmolLM2's
+    return TargetHead(embed, embed, True, {"num_layers": 24, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                                           "intermediate_size": 128, "rms_norm_eps": 1e-5})
+
+
+def realistic_batch(seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([3.0, 6.0, 66.0])  # SmolLM2's stored layers: RMS 3, 6, then ~66
+    states = torch.randn(2, 48, 3, HIDDEN, generator=g) * scales[:, None]
+    return {"input_ids": torch.randint(0, VOCAB, (2, 48), generator=g), "loss_mask": torch.ones(2, 48, dtype=torch.uint8),
+            "lengths": torch.tensor([48, 40]), "hidden_states": states}
+
+
+def fresh_drafter(head: TargetHead, mask_token_id: int) -> DFlashDrafter:
+    torch.manual_seed(0)  # as train.trainer.build_drafter
+    return DFlashDrafter(default_config(head, [1, 2, 3], mask_token_id, block_size=8, max_anchors=16), head)
+
+
+def initial_loss_and_grad_norm(d: DFlashDrafter) -> tuple[float, float]:
+    result = dflash_loss(d, realistic_batch(), torch.Generator().manual_seed(0))
+    result.loss.backward()
+    params = [p for p in d.parameters() if p.requires_grad]
+    return float(result.loss.detach()), float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
+
+
+def test_a_fresh_drafter_starts_near_a_uniform_guess():
+    head = smollm2_like_head()
+    uniform = math.log(VOCAB)  # 7.6
+    # the learned mask embedding (no free vocabulary slot, as SmolLM2) and a vocabulary row as the mask
+    for mask_id in (VOCAB, 7):
+        d = fresh_drafter(head, mask_id)
+        assert d.config.learned_mask == (mask_id == VOCAB)
+        loss, grad_norm = initial_loss_and_grad_norm(d)
+        # before the fix: 10.5 (learned mask) / 13.5 (a row as mask), grad norms 2.6 / 7.0;
+        # after: 7.85 both, grad norms ~0.6 (SmolLM2's width, 576, makes the old excess far larger)
+        assert loss < uniform + 1.0, (mask_id, loss)
+        assert grad_norm < 1.5, (mask_id, grad_norm)
+
+
+def test_the_initial_output_scale_is_set_from_the_head_and_saved_weights_still_load():
+    head = smollm2_like_head()
+    d = fresh_drafter(head, VOCAB)
+    rms_row = float(head.lm_head.pow(2).sum(1).mean().sqrt())
+    assert torch.allclose(d.norm.weight, torch.full((HIDDEN,), 1 / rms_row))
+    mask = d.mask_embedding.detach()
+    assert abs(float(mask.pow(2).mean().sqrt()) / float(head.embed.pow(2).mean().sqrt()) - 1) < 0.3
+    # not the shared direction: the mean embedding's cosine with the mask is that of a random vector
+    assert abs(float(torch.cosine_similarity(mask, head.embed.mean(0), dim=0))) < 0.5
+    # initial values only: a checkpoint's weights load as saved, the format is unchanged
+    saved = {k: torch.randn_like(v) for k, v in d.trainable_state().items()}
+    again = fresh_drafter(head, VOCAB)
+    again.load_trainable(saved, "a checkpoint")
+    assert all(torch.equal(again.trainable_state()[k], v) for k, v in saved.items())
+    assert set(saved) == set(again.trainable_state())
