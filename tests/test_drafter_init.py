@@ -79,3 +79,32 @@ def test_the_initial_output_scale_is_set_from_the_head_and_saved_weights_still_l
     again.load_trainable(saved, "a checkpoint")
     assert all(torch.equal(again.trainable_state()[k], v) for k, v in saved.items())
     assert set(saved) == set(again.trainable_state())
+
+
+def test_a_step_with_nothing_to_learn_leaves_the_weights_alone():
+    """A batch of zero-weighted pads only (the end of a follow epoch sized from the plan when
+    extraction skipped rows) gives zero gradients; AdamW with weight decay would still move the
+    weights, so `train_step` skips the optimizer for it, and takes the next real step as usual."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from layertap.train.config import TrainConfig
+    from layertap.train.trainer import train_step
+
+    d = fresh_drafter(smollm2_like_head(), mask_token_id=7)
+    params = [p for p in d.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    batch = dict(realistic_batch(), sample_id=["a", "b"])
+    pads = dict(batch, loss_mask=torch.zeros_like(batch["loss_mask"]))
+    queue = [pads, batch]
+    run = SimpleNamespace(cfg=TrainConfig(data="unused", out="unused", grad_accum=1, weight_decay=0.1),
+                          acc=Accelerator(cpu=True), ddp_model=d, model=d, params=params, optimizer=optimizer,
+                          batches=SimpleNamespace(wait_for_batch=lambda: queue.pop(0)),
+                          stop=SimpleNamespace(requested=None), total=10)
+    before = [p.detach().clone() for p in params]
+    stats = train_step(run, 0)
+    assert stats.grad_norm == 0 and float(stats.totals[1]) == 0  # no weight, no gradient
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    stats = train_step(run, 1)
+    assert stats.grad_norm > 0 and not all(torch.equal(a, p) for a, p in zip(before, params))

@@ -242,7 +242,12 @@ def train_step(run: _Run, step: int) -> StepStats:
         on_host[3 + bs:3 + 2 * bs] += result.counted
         del batch, result  # the states on the GPU go back to the allocator before the next batch
     grad_norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm)
-    run.optimizer.step()
+    # Nothing to learn (every sample a zero-weighted pad, e.g. the end of a follow epoch sized
+    # from the plan when extraction skipped rows): the gradients are zero, but AdamW would still
+    # move the weights (decay, momentum), so the step is skipped. Every rank decides alike: the
+    # norm is of the gradients DDP has already averaged. Reading it waits for the backward.
+    if float(grad_norm) > 0:
+        run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     on_device[-2] = grad_norm / acc.num_processes  # the same on every rank (DDP): each adds its share
     on_host[-1] = float(run.stop.requested is not None)
