@@ -46,13 +46,14 @@ def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: l
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
     body = {"world_size": world_size, "step": step, "shards": sorted(set(shards)), "time": time.time()}
-    store_json(store, layout.consumed_rank_key(rank), body)
+    _put_json(store, layout.consumed_rank_key(rank), body)
 
 
 def consumed_shards(store: ObjectStore) -> set[int]:
     """Shards marked consumed (their data deleted, or about to be): one listing. What a reader
     checks before taking a missing data object for a lost one."""
-    return _marked(store.list(layout.CONSUMED_SHARDS))
+    return {s for o in store.list(layout.CONSUMED_SHARDS)
+            if (s := layout.shard_of(o.key, layout.CONSUMED_SHARDS)) is not None}
 
 
 def marker_times(store: ObjectStore) -> dict[int, float]:
@@ -62,19 +63,24 @@ def marker_times(store: ObjectStore) -> dict[int, float]:
             if (s := layout.shard_of(o.key, layout.CONSUMED_SHARDS)) is not None}
 
 
-def consumed_everywhere(store: ObjectStore) -> set[int]:
-    """Shards every rank of the latest world has consumed, plus those already marked. The latest
-    world is the one of the newest watermark; its ranks' watermarks must all be there and agree
-    on it (during a restart with another world size, only the marked shards count)."""
-    return _marked(store.list(layout.CONSUMED_SHARDS)) | _agreed(store)
+def consumed_everywhere(store: ObjectStore, marked: set[int] | None = None) -> set[int]:
+    """Shards every rank of the latest world has consumed, plus those already marked (`marked`:
+    `consumed_shards`, when the caller listed them already). The latest world is the one of the
+    newest watermark; its ranks' watermarks must all be there and agree on it (during a restart
+    with another world size, only the marked shards count)."""
+    return (consumed_shards(store) if marked is None else marked) | _agreed(store)
 
 
 def delete_consumed(store: ObjectStore) -> list[int]:
     """Delete the data of each shard consumed everywhere: marker first, then the data object its
     commit names (and any a crashed attempt left). Idempotent, and crash-safe: a marker whose
     data is still listed is finished here. Returns the ids whose data this call deleted."""
-    marked = _marked(store.list(layout.CONSUMED_SHARDS))
-    fresh = _agreed(store) - marked
+    return _delete(store, consumed_shards(store), _agreed(store))
+
+
+def _delete(store: ObjectStore, marked: set[int], agreed: set[int]) -> list[int]:
+    """`delete_consumed`, given the marked shards and those every rank's watermark names."""
+    fresh = agreed - marked
     listed: dict[int, list[str]] = {}
     for o in store.list(layout.SHARDS):
         shard = layout.shard_of(o.key, layout.SHARDS)
@@ -102,12 +108,13 @@ def delete_consumed(store: ObjectStore) -> list[int]:
     return deleted
 
 
-def backlog(store: ObjectStore) -> Backlog:
-    """Committed shards not consumed everywhere, and their samples and bytes from the tally
-    markers' names: listings and one GET per rank's watermark, never a GET per shard. A commit
-    whose tally marker is missing (its writer died between the two) counts as a shard of 0 bytes."""
+def backlog(store: ObjectStore, consumed: set[int] | None = None) -> Backlog:
+    """Committed shards not consumed everywhere (`consumed`: `consumed_everywhere`, when the
+    caller has it), and their samples and bytes from the tally markers' names: listings and one
+    GET per rank's watermark, never a GET per shard. A commit whose tally marker is missing (its
+    writer died between the two) counts as a shard of 0 bytes."""
     committed = {s for o in store.list(layout.COMMITS) if (s := layout.shard_of(o.key, layout.COMMITS)) is not None}
-    open_ = committed - consumed_everywhere(store)
+    open_ = committed - (consumed_everywhere(store) if consumed is None else consumed)
     samples = nbytes = 0
     for o in store.list(layout.TALLY):
         parsed = layout.parse_tally(o.key)
@@ -115,10 +122,6 @@ def backlog(store: ObjectStore) -> Backlog:
             samples += parsed[1]["records"]
             nbytes += parsed[1]["bytes"]
     return Backlog(len(open_), samples, nbytes)
-
-
-def _marked(listing) -> set[int]:
-    return {s for o in listing if (s := layout.shard_of(o.key, layout.CONSUMED_SHARDS)) is not None}
 
 
 def watermarks(store: ObjectStore) -> dict[int, dict]:
@@ -178,11 +181,14 @@ class WindowGate:
     def record(self) -> None:
         """Tell training what window extraction runs with (`recorded_window`): a follow trainer
         that waits for data while the window is full knows it is stalled, and says so."""
-        store_json(self.store, layout.CONSUMED_WINDOW, {"window": self.window, "time": time.time()})
+        _put_json(self.store, layout.CONSUMED_WINDOW, {"window": self.window, "time": time.time()})
 
     def check(self) -> Backlog:
-        delete_consumed(self.store)
-        return backlog(self.store)
+        """Delete what the watermarks allow, then measure the backlog: one listing of the markers
+        and one read of the watermarks serve both."""
+        marked, agreed = consumed_shards(self.store), _agreed(self.store)
+        _delete(self.store, marked, agreed)
+        return backlog(self.store, marked | agreed)
 
     def __call__(self) -> bool:
         if not self._recorded:
@@ -207,7 +213,7 @@ class WindowGate:
         return waited
 
 
-def store_json(store: ObjectStore, key: str, body: dict) -> None:
+def _put_json(store: ObjectStore, key: str, body: dict) -> None:
     store.put(key, json.dumps(body).encode())
 
 

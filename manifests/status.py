@@ -105,7 +105,7 @@ def _consumption(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, 
     training from the consumed markers'). None for a run without such records."""
     if not marks and not any(store.list(layout.CONSUMED_RANKS)):
         return None
-    consumed = consumed_everywhere(store) & st.committed
+    consumed = consumed_everywhere(store, set(marks)) & st.committed
     waiting = st.committed - consumed
 
     def total(ids: set[int], what: str) -> int:
