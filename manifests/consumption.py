@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from layertap.manifests import layout
 from layertap.manifests.manifest import ManifestError
 from layertap.manifests.records import decode_commit
+from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 from layertap.storage.units import size
 
@@ -194,7 +195,7 @@ class WindowGate:
         if not self._recorded:
             self.record()
             self._recorded = True
-        waited, pause, logged = False, self.poll_s, 0.0
+        waited, backoff, logged = False, Backoff(self.poll_s, self.max_poll_s, self.sleep), 0.0
         while (b := self.check()).bytes >= self.window:
             if time.monotonic() - logged >= self.log_every_s:
                 logged = time.monotonic()
@@ -203,8 +204,7 @@ class WindowGate:
             if self.on_wait:
                 self.on_wait(b)
             waited = True
-            self.sleep(pause)
-            pause = min(2 * pause, self.max_poll_s)
+            backoff.sleep()
         if waited:
             log.info("window open: %s of committed data not yet consumed (window %s); claiming again",
                      size(b.bytes), size(self.window))

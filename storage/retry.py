@@ -28,6 +28,23 @@ from layertap.storage.errors import ConfigError
 from layertap.storage.store import EndpointUnreachable, StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
+
+
+class Backoff:
+    """Waits for what another process makes (a commit to appear, room in a storage window):
+    `first` seconds, doubling up to `limit`; `reset()` after progress. Polling, not retrying:
+    no jitter and no limit on the tries."""
+
+    def __init__(self, first: float, limit: float, sleep: Callable[[float], None] = time.sleep):
+        self.first, self.limit, self._sleep = first, limit, sleep
+        self.delay = first
+
+    def sleep(self) -> None:
+        self._sleep(self.delay)
+        self.delay = min(self.limit, 2 * self.delay)
+
+    def reset(self) -> None:
+        self.delay = self.first
 T = TypeVar("T")
 
 

@@ -25,6 +25,7 @@ from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, decode_commit
 from layertap.manifests.state import fits_plan, replaced_manifest_error, scan
+from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import size
 
@@ -34,25 +35,15 @@ LOG_EVERY_S = 30.0
 FIRST_DELAY_S = 0.5
 
 
-class Backoff:
-    """Sleeps of 0.5 s doubling up to `limit`; `reset()` after progress."""
-
-    def __init__(self, limit: float):
-        self.limit = max(FIRST_DELAY_S, limit)
-        self.delay = FIRST_DELAY_S
-
-    def sleep(self) -> None:
-        time.sleep(self.delay)
-        self.delay = min(self.limit, 2 * self.delay)
-
-    def reset(self) -> None:
-        self.delay = FIRST_DELAY_S
+def _looks(poll_s: float) -> Backoff:
+    """The wait between looks at the run: 0.5 s, doubling up to `poll_s`."""
+    return Backoff(FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s))
 
 
 def wait_for_manifest(store: ObjectStore, poll_s: float) -> Manifest:
     """The run's manifest, waiting while extraction has not written it yet (`layertap extract`
     writes it when it starts)."""
-    backoff, logged = Backoff(poll_s), 0.0
+    backoff, logged = _looks(poll_s), 0.0
     while True:
         try:
             return load_manifest(store)
@@ -72,7 +63,7 @@ class CommitWatcher:
         self.store, self.manifest, self.who = store, manifest, who
         self.known: dict[int, CommitRecord] = {}
         self.complete = False
-        self._backoff = Backoff(poll_s)
+        self._backoff = _looks(poll_s)
         self._listed = False
         self._last_look = 0.0
         self._logged = 0.0
