@@ -167,19 +167,28 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     (offsets of contiguous tensors, no holes) padded with spaces to 8 bytes, then the data. Not
     `safetensors.serialize`: it copies every tensor into one new `bytes` (module docstring).
     """
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    parts: list[bytes | memoryview] = [b""]
-    offset = 0
+    layout, parts = {}, []
     for name, t in tensors.items():
         t = t.contiguous()
         data = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        layout[name] = (_ST_DTYPES[t.dtype], list(t.shape), len(data))
         parts.append(data)
-        offset += len(data)
+    return [safetensors_header(layout, metadata), *parts]
+
+
+def safetensors_header(layout: Mapping[str, tuple[str, list[int], int]], metadata: Mapping[str, str] | None) -> bytes:
+    """The start of a safetensors file: a u64 length, then the JSON header padded with spaces to 8
+    bytes. `layout`: name -> (dtype code, shape, bytes), in the order the data follows, no holes;
+    `metadata`: `__metadata__`, left out when None. Shared by the shard records and the trainer's
+    streamed checkpoints, which write the data themselves."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata is not None else {}
+    offset = 0
+    for name, (code, shape, nbytes) in layout.items():
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    parts[0] = struct.pack("<Q", len(head)) + head
-    return parts
+    return struct.pack("<Q", len(head)) + head
 
 
 def read_safetensors(payload: bytes | memoryview) -> tuple[dict[str, str], dict[str, np.ndarray | torch.Tensor]]:

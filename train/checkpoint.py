@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from layertap.storage.errors import InputError, MissingInput
+from layertap.storage.records import safetensors_header
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.train.drafter import DFlashDrafter, DrafterConfig
 
@@ -100,17 +100,10 @@ def write_safetensors(store: ObjectStore, key: str, tensors: Mapping[str, torch.
     upload runs while later tensors are still on the GPU. Tensors are cast to `dtype` when given.
     The object appears only once complete (the writer publishes on close, discards on error).
     """
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, t in tensors.items():
-        dt = dtype or t.dtype
-        end = offset + t.numel() * dt.itemsize
-        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape), "data_offsets": [offset, end]}
-        offset = end
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    layout = {name: (_ST_DTYPES[dtype or t.dtype], list(t.shape), t.numel() * (dtype or t.dtype).itemsize)
+              for name, t in tensors.items()}
     with store.open_writer(key) as w:
-        w.write(struct.pack("<Q", len(head)) + head)
+        w.write(safetensors_header(layout, metadata or None))
         for t in tensors.values():
             host = t.detach().to("cpu", dtype or t.dtype).contiguous()
             if host.numel():
