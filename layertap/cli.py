@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from layertap.storage.errors import UserError
+
 # name -> (module defining `add_<name>(parser)` and `run_<name>(args) -> exit code`, one-line help).
 # Those modules import heavy dependencies inside `run_<name>`, so building the parser stays cheap.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -63,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_library_bars()  # off a terminal (a Slurm log), no library bars in any command
     module = importlib.import_module(args._module)
-    from layertap.storage.errors import UserError
-
     try:
         return int(getattr(module, f"run_{args.command}")(args) or 0)
     except UserError as e:  # the one place user errors are reported (storage/errors.py); bugs keep a traceback

@@ -448,7 +448,7 @@ class ShardStream(IterableDataset):
                 else:
                     last_good = sample
                 if pad:
-                    sample = dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]), padding=True)
+                    sample = self._pad(sample)
                     metrics.add(padding_samples=1)
                 position.advance(worker)
                 metrics.add(samples=1)
