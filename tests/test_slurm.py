@@ -444,11 +444,13 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     shard; then training, started by Slurm once the resubmission succeeded (afterok)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # exported to the jobs: two of them share two cores
-    data = write_chats(tmp_path / "chats.jsonl", 760)
+    data = write_chats(tmp_path / "chats.jsonl", 2280)
     run = str(tmp_path / "run")
-    # One forward per sample keeps a shard busy for seconds: the signals below land mid-shard.
+    # One forward per sample keeps a shard busy for ~6 s on an idle machine: the signals below land
+    # mid-shard even when Slurm takes seconds to pass them on (the warning goes through the batch
+    # shell's trap and a second scancel; at ~2 s per shard a loaded CI host saw a shard commit first).
     extract_args = ["--model", tiny_llama, "--dataset", data, "--out", run, "--layers", "1,3", "--max-length", "48",
-                    "--batch-tokens", "48", "--shard-bytes", "2MB"]
+                    "--batch-tokens", "48", "--shard-bytes", "6MB"]
     store = open_store(run)
     logs = tmp_path / "layertap-logs"
 
@@ -470,7 +472,7 @@ def test_array_fails_a_task_resubmits_only_it_and_chains_training(slurm_cluster,
     array = submitted(out)[0]
     # Task 1 gets the time-limit warning: USR1 to the batch shell, as --signal=B:USR1@grace sends it.
     # Task 2 is cancelled: SIGTERM to every process of the job. The two run at once and a shard
-    # takes ~2 s when the machine is idle, so both are watched together and each is signalled the
+    # takes ~6 s when the machine is idle, so both are watched together and each is signalled the
     # moment its shard is open (one after the other, task 2 could finish while task 1 is handled).
     signals = {1: ["scancel", "--batch", "--signal=USR1", f"{array}_1"], 2: ["scancel", f"{array}_2"]}
     sent: dict[int, float] = {}
