@@ -14,9 +14,12 @@ import sys
 
 from layertap.storage.errors import UserError
 
-# name -> (module defining `add_<name>(parser)` and `run_<name>(args) -> exit code`, one-line help).
+# name -> (module defining `add_<name>(parser)` and `run_<name>(args) -> exit code`, one-line help;
+# a dash in the name is an underscore in the functions': export-drafter -> add_export_drafter).
 # Those modules import heavy dependencies inside `run_<name>`, so building the parser stays cheap.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "regenerate": ("layertap.extract.regenerate_command", "replace a dataset's assistant turns with the target's own "
+                   "answers, from an OpenAI-compatible server"),
     "extract": ("layertap.extract.command", "capture a target model's hidden states into shards on the store"),
     "estimate": ("layertap.extract.estimate_command", "bytes, upload bandwidth, GPU-hours and cost of a run, before it runs"),
     "plan": ("layertap.extract.estimate_command", "cut a run's shard plan and write its manifest only (--dry-run: just show it)"),
@@ -27,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("layertap.slurm.command", "submit extraction arrays and training jobs to Slurm, only what is unfinished"),
     "train": ("layertap.train.command", "train a DFlash drafter on a run's stored states, streamed from the store"),
     "eval": ("layertap.train.command", "speculative decoding with target and drafter: acceptance length tau"),
+    "export-drafter": ("layertap.train.export_command", "write a trained drafter in speculators' DFlash format (vLLM serves it)"),
 }
 
 
@@ -49,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        getattr(importlib.import_module(module), f"add_{name}")(p)
+        getattr(importlib.import_module(module), f"add_{name.replace('-', '_')}")(p)
     return parser
 
 
@@ -59,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request
     # headers, the access key id and a session token among them, into consoles and log files.
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "httpx"):
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
     from layertap.extract.console import quiet_library_bars
 
     quiet_library_bars()  # off a terminal (a Slurm log), no library bars in any command
     module = importlib.import_module(args._module)
     try:
-        return int(getattr(module, f"run_{args.command}")(args) or 0)
+        return int(getattr(module, f"run_{args.command.replace('-', '_')}")(args) or 0)
     except UserError as e:  # the one place user errors are reported (storage/errors.py); bugs keep a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

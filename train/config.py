@@ -41,7 +41,10 @@ class TrainConfig:
     max_anchors: int = setting(512, help="blocks sampled per sequence")
     gamma: float = setting(7.0, help="decay of the loss weight along a block: exp(-(k-1)/gamma) at position k")
     mask_token_id: int | None = setting(None, help="the drafter's mask token (default: len(tokenizer), the first "
-                                                   "id the tokenizer does not use)")
+                                                   "id the tokenizer does not use; when that is outside the "
+                                                   "embedding the drafter learns a mask embedding, which "
+                                                   "`layertap export-drafter --to speculators` refuses: give a "
+                                                   "reserved or unused id below the vocabulary size instead)")
     mixed_precision: Literal["auto", "no", "bf16"] = setting(
         "auto", help="the forward's precision (default {default}: bf16 autocast on GPU, fp32 on CPU)")
     follow: bool = setting(False, help="train while the run is extracted: start before or during `layertap extract` "
@@ -66,6 +69,8 @@ class TrainConfig:
                      "fetch_threads"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ConfigError(f"--mask-token-id must be >= 0, got {self.mask_token_id}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

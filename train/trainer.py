@@ -62,10 +62,18 @@ def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Gener
 
 
 def mask_token_id(model: str, gguf_file: str | None) -> int:
-    """len(tokenizer): the first id no text maps to (DFlash's mask token)."""
+    """len(tokenizer): the first id no text maps to (DFlash's mask token).
+
+    A folder without tokenizer files loads as an empty tokenizer of length 1 (transformers does
+    not fail), which would make a real token, id 1, the mask: refused instead."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model, **({"gguf_file": gguf_file} if gguf_file else {}))
+    if len(tok) < 2:
+        raise InputError(f"the target {model!r} has no usable tokenizer (it loads as an empty tokenizer of "
+                         f"{len(tok)} token(s)), so the mask token id cannot be chosen from it: add the tokenizer "
+                         "files to the folder, or pass --mask-token-id ID (a reserved or unused token id; below the "
+                         "vocabulary size so that `layertap export-drafter --to speculators` can export the drafter)")
     return len(tok)
 
 

@@ -1,0 +1,175 @@
+"""`layertap export-drafter --to speculators`: the exported drafter loads in speculators' own
+`DFlashDraftModel` (the real package, 0.9.0) and gives layertap's logits on the same inputs.
+
+The drafter is trained by the real trainer on a real tiny extraction, with an in-vocabulary mask
+token (`--mask-token-id`); a drafter with a learned mask embedding is refused, and so is a target
+folder without tokenizer files when no mask id is given."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from layertap.cli import main as cli
+from layertap.manifests import layout
+from layertap.manifests.records import decode_commit
+from layertap.storage.reader import ShardReader
+from layertap.storage.store import open_store
+from layertap.train.checkpoint import load_drafter_files
+from layertap.train.drafter import DFlashDrafter
+from layertap.train.export import speculators_name
+from layertap.train.target_head import load_target_head
+from test_extract import write_chats
+from tiny_models import tiny_model_dir, tiny_tokenizer
+
+# Not skipped when missing: CI installs it (tests/run.sh), and a missing package is a failure here.
+import speculators  # noqa: E402,F401
+from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig  # noqa: E402
+
+FAST = ["--batch-size", "4", "--block-size", "4", "--max-anchors", "8", "--lr", "1e-2"]
+MASK_ID = tiny_tokenizer().convert_tokens_to_ids("<think>")  # a special token the ChatML chats never use
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def run(target, tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("run")
+    out = str(tmp / "run")
+    assert cli(["extract", "--model", target, "--dataset", write_chats(tmp / "chats.jsonl", 16), "--out", out,
+                "--layers", "1,3", "--max-length", "64", "--log-dir", str(tmp / "logs")]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(run, target, tmp_path_factory) -> str:
+    """A drafter trained a few steps with an in-vocabulary mask token."""
+    out = str(tmp_path_factory.mktemp("drafter") / "out")
+    assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "4",
+                "--mask-token-id", str(MASK_ID), *FAST]) == 0
+    return out
+
+
+def first_sample(run: str):
+    store = open_store(run)
+    commit = decode_commit(store.get(layout.commit_key(0)), "commit")
+    return next(iter(ShardReader(store, commit.data_key)))
+
+
+def layertap_logits(train_out: str, target: str, states: torch.Tensor, anchors: torch.Tensor,
+                    tokens: torch.Tensor) -> torch.Tensor:
+    config, weights = load_drafter_files(open_store(train_out))
+    drafter = DFlashDrafter(config, load_target_head(target))
+    drafter.load_trainable(weights, "the export")
+    drafter.attention = "sdpa"
+    with torch.no_grad():
+        hidden = drafter(states[None].float(), anchors[None], tokens[anchors][None])
+        return drafter.logits(hidden).reshape(1, -1, config.vocab_size)
+
+
+def speculators_logits(dest: str, attn: str, states: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor,
+                       loss_mask: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """speculators' own forward up to the draft logits, at our anchors (its anchor sampling is random)."""
+    import speculators.models.dflash.core as core
+
+    config = DFlashSpeculatorConfig.from_pretrained(dest)
+    config.transformer_layer_config._attn_implementation = attn
+    model = DFlashDraftModel.from_pretrained(dest, config=config).float().eval()
+    assert not model.embed_tokens.weight.isnan().any() and not model.lm_head.weight.isnan().any()
+    monkeypatch.setattr(core, "select_anchors", lambda mask, n, bs: (anchors, torch.ones(len(anchors), dtype=torch.bool)))
+    t = states.shape[0]
+    with torch.no_grad():
+        _, logits, *_ = model._backbone_forward(
+            states.reshape(1, t, -1).float(), tokens[None].long(), loss_mask[None].long(),
+            torch.zeros(1, t, states.shape[-1]), torch.zeros(1, t, dtype=torch.long), max_anchors=len(anchors))
+    return logits
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_exported_drafter_gives_layertap_logits_in_speculators(trained, run, target, tmp_path, attn, monkeypatch,
+                                                                capsys):
+    dest = str(tmp_path / "spec")
+    assert cli(["export-drafter", trained, "--to", "speculators", dest]) == 0
+    assert "aux_hidden_state_layer_ids [2, 4]" in capsys.readouterr().out
+    config = json.loads(Path(dest, "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+    assert config["aux_hidden_state_layer_ids"] == [2, 4]  # layertap's layers 1, 3 as HF hidden_states indices
+    assert config["mask_token_id"] == MASK_ID < config["draft_vocab_size"]
+    target_rope = json.loads(Path(target, "config.json").read_text())["rope_parameters"]
+    assert config["transformer_layer_config"]["rope_parameters"] == {"rope_type": "default",
+                                                                     "rope_theta": target_rope["rope_theta"]}
+    assert config["speculators_config"]["verifier"] == {"name_or_path": os.path.realpath(target),
+                                                        "architectures": ["Qwen3ForCausalLM"]}
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(dest, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert not any(n.startswith(("embed_tokens", "lm_head", "mask_embedding")) for n in names)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
+
+    sample = first_sample(run)
+    valid = torch.nonzero(sample.loss_mask[:-4]).flatten()
+    anchors = valid[torch.linspace(0, len(valid) - 1, 3).long()].unique()
+    ours = layertap_logits(trained, target, sample.hidden_states, anchors, sample.input_ids)
+    theirs = speculators_logits(dest, attn, sample.hidden_states, anchors, sample.input_ids, sample.loss_mask,
+                                monkeypatch)
+    assert ours.shape == theirs.shape == (1, len(anchors) * 4, config["draft_vocab_size"])
+    diff = float((ours - theirs).abs().max())
+    print(f"speculators {attn}: max |diff| {diff:.3g} over {ours.numel()} logits")
+    assert diff <= 1e-5
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_export_to_s3_writes_the_same_bytes(trained, tmp_path, s3_bucket):
+    local, remote = str(tmp_path / "spec"), f"s3://{s3_bucket}/drafters/spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", local]) == 0
+    assert cli(["export-drafter", trained, "--to", "speculators", remote]) == 0
+    store = open_store(remote)
+    for name in ("model.safetensors", "config.json"):
+        assert store.get(name) == Path(local, name).read_bytes()
+
+
+def test_learned_mask_embedding_is_refused_naming_the_option(run, target, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", *FAST]) == 0
+    config, weights = load_drafter_files(open_store(out))
+    assert config.learned_mask and "mask_embedding" in weights  # the tiny tokenizer fills its embedding
+    capsys.readouterr()
+    assert cli(["export-drafter", out, "--to", "speculators", str(tmp_path / "spec")]) == 2
+    err = capsys.readouterr().err
+    assert "--mask-token-id" in err and "mask embedding" in err and not (tmp_path / "spec").exists()
+
+
+def test_a_target_without_tokenizer_files_is_refused_not_mask_id_1(run, target, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(target, name), bare / name)
+    assert cli(["train", "--data", run, "--model", str(bare), "--out", str(tmp_path / "out"), "--steps", "2",
+                *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "no usable tokenizer" in err and "--mask-token-id" in err
+    # with an explicit id the tokenizer is not needed
+    assert cli(["train", "--data", run, "--model", str(bare), "--out", str(tmp_path / "out2"), "--steps", "2",
+                "--mask-token-id", str(MASK_ID), *FAST]) == 0
+
+
+def test_every_drafter_weight_has_a_speculators_name():
+    from layertap.train.drafter import DrafterConfig
+    from layertap.train.target_head import TargetHead
+
+    c = DrafterConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                      vocab_size=50, capture_layers=[1, 3], mask_token_id=3)
+    embed = torch.randn(50, 32)
+    names = DFlashDrafter(c, TargetHead(embed, embed, True)).trainable_state()
+    theirs = {speculators_name(n) for n in names}
+    assert len(theirs) == len(names) == 3 + 2 * 11

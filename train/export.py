@@ -1,0 +1,161 @@
+"""`layertap export-drafter`: a trained drafter in speculators' DFlash checkpoint format.
+
+speculators' `DFlashDraftModel` (the format vLLM serves) is the same network as layertap's
+`DFlashDrafter`, module for module: only the weight names differ, and the borrowed
+`embed_tokens` / `lm_head` are not shipped (the server takes them from the verifier). What does
+not carry over is a *learned* mask embedding: speculators embeds the mask token through the
+verifier's own embedding, so the mask id must lie inside the vocabulary. A drafter trained with
+an id outside it (layertap's default when the tokenizer fills the embedding) is refused with
+the fix: train with `--mask-token-id` set to a reserved, unused id.
+
+The checkpoint is `model.safetensors` + `config.json` under DEST (a folder or an S3 prefix):
+config keys as speculators 0.9 writes them, `rope_parameters` stated explicitly (vLLM's
+default differs) and `aux_hidden_state_layer_ids` in HF `hidden_states` indices (layertap's
+layer k is index k + 1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+
+from layertap.storage.errors import ConfigError, InputError, MissingInput
+from layertap.storage.store import ObjectStore
+from layertap.train.checkpoint import load_drafter_files, load_latest, write_safetensors
+from layertap.train.drafter import DrafterConfig
+
+log = logging.getLogger(__name__)
+
+SPECULATORS_VERSION = "0.9.0"  # the release whose DFlash config and names this writes (tests load it there)
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# layertap's name inside `layers.i.` -> speculators' (Qwen3 decoder layer names); fc,
+# hidden_norm and norm keep theirs.
+_LAYER_RENAMES = {
+    "input_norm": "input_layernorm",
+    "post_norm": "post_attention_layernorm",
+    **{f"{p}_proj": f"self_attn.{p}_proj" for p in "qkvo"},
+    **{f"{p}_norm": f"self_attn.{p}_norm" for p in "qk"},
+    **{f"{p}_proj": f"mlp.{p}_proj" for p in ("gate", "up", "down")},
+}
+_TOP_LEVEL = ("fc.weight", "hidden_norm.weight", "norm.weight")
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.([a-z_]+)\.weight$")
+
+
+def speculators_name(name: str) -> str:
+    """A layertap drafter weight's name in speculators' `DFlashDraftModel`."""
+    if name in _TOP_LEVEL:
+        return name
+    m = _LAYER_KEY.match(name)
+    if m is None or m.group(2) not in _LAYER_RENAMES:
+        raise InputError(f"drafter weight {name!r} has no counterpart in speculators' DFlashDraftModel")
+    return f"layers.{m.group(1)}.{_LAYER_RENAMES[m.group(2)]}.weight"
+
+
+def speculators_weights(config: DrafterConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The drafter's trainable weights under speculators' names, or `ConfigError` for a drafter
+    whose mask token has a learned embedding (no speculators form)."""
+    if config.learned_mask or "mask_embedding" in weights:
+        raise ConfigError(
+            f"this drafter's mask token id {config.mask_token_id} lies outside the target's vocabulary "
+            f"({config.vocab_size} ids), so it learned a mask embedding of its own, which speculators' DFlash "
+            "format (and vLLM) cannot hold: they embed the mask token with the target's embedding. Train again with "
+            "`layertap train --mask-token-id ID`, ID a reserved or unused token id below the vocabulary size "
+            "(e.g. an unused special token)")
+    return {speculators_name(k): v for k, v in sorted(weights.items())}
+
+
+def speculators_config(config: DrafterConfig, verifier: str, verifier_config: dict[str, Any] | None) -> dict[str, Any]:
+    """speculators' config.json for the drafter. `verifier_config` is the target's config.json
+    when it is at hand (its architectures and max_position_embeddings), else None."""
+    target = verifier_config or {}
+    text = target.get("text_config") or target
+    layer = {
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": int(text.get("max_position_embeddings") or 32768),
+        "tie_word_embeddings": False,
+    }
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.vocab_size,
+        "block_size": config.block_size,
+        "aux_hidden_state_layer_ids": [k + 1 for k in config.capture_layers],  # HF hidden_states indices
+        "mask_token_id": config.mask_token_id,
+        "target_hidden_size": config.hidden_size,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(target.get("architectures") or [])},
+        },
+    }
+
+
+def trained_drafter(store: ObjectStore) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The drafter a `layertap train` output holds: its export (`drafter/`), else its latest
+    checkpoint (a run still training, or stopped before its end)."""
+    try:
+        return load_drafter_files(store)
+    except MissingInput:
+        ckpt = load_latest(store)
+        if ckpt is None:
+            raise MissingInput(f"no trained drafter at {store.uri}: neither drafter/ (written when `layertap train` "
+                               "finishes) nor checkpoints/latest.json") from None
+        log.info("no exported drafter at %s: exporting its latest checkpoint, step %d", store.uri, ckpt.step)
+        return DrafterConfig.from_json(ckpt.state["drafter"]), ckpt.weights
+
+
+def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The verifier's name for the config (given, else the target the drafter records) and its
+    config.json when that is a local folder."""
+    name = verifier or config.target.get("model")
+    if not name:
+        raise ConfigError("the drafter records no target model: pass --verifier NAME_OR_PATH (the model vLLM serves)")
+    path = os.path.join(name, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return name, json.load(f)
+    if name == config.target.get("model"):
+        log.warning("the target %r is not a local folder: the config states no verifier architectures and "
+                    "max_position_embeddings 32768; pass --verifier with the model's folder or hub id", name)
+    return name, None
+
+
+def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str | None = None,
+                       dtype: str = "float32") -> dict[str, Any]:
+    """Write the drafter of the training output `source` to `dest` in speculators' DFlash format;
+    returns the config written."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    config, weights = trained_drafter(source)
+    renamed = speculators_weights(config, weights)
+    name, verifier_config = _verifier(config, verifier)
+    spec = speculators_config(config, name, verifier_config)
+    write_safetensors(dest, WEIGHTS, renamed, {"format": "pt"}, dtype=DTYPES[dtype])  # "pt": what transformers expects
+    dest.put(CONFIG, (json.dumps(spec, indent=2) + "\n").encode())
+    log.info("wrote %s and %s to %s (%d tensors, %s)", WEIGHTS, CONFIG, dest.uri, len(renamed), dtype)
+    return spec
