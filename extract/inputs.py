@@ -103,15 +103,20 @@ class TokenizeStats:
 
 
 def load_rows(path: str, limit: int | None = None):
-    """Open ``path`` as a ``datasets.Dataset``: a ``save_to_disk`` folder, or a .jsonl/.json/.parquet file.
+    """Open ``path`` as a ``datasets.Dataset``: a ``save_to_disk`` folder, a .jsonl/.json/.parquet file,
+    or the output of `layertap regenerate` (a local folder or an S3 prefix).
 
     ``limit`` keeps the first ``limit`` rows, so a small run sees the same rows as the start of
     a big one.
     """
     import datasets
 
+    from layertap.extract.regenerated import is_regenerated, load_regenerated
+
     if limit is not None and limit <= 0:
         raise ConfigError(f"limit must be a positive number of rows, got {limit}")
+    if is_regenerated(path):
+        return load_regenerated(path, limit)
     if not os.path.exists(path):
         raise MissingInput(f"dataset {path!r} does not exist")
     if os.path.isdir(path):
@@ -181,6 +186,10 @@ def dataset_fingerprint(path: str, limit: int | None = None) -> str:
     an edited file of the same size. A saved dataset folder already carries a content
     fingerprint that ``datasets`` maintains through every transform.
     """
+    from layertap.extract.regenerated import is_regenerated, regenerated_fingerprint
+
+    if is_regenerated(path):
+        return regenerated_fingerprint(path, limit)
     if not os.path.exists(path):
         raise MissingInput(f"dataset {path!r} does not exist")
     if os.path.isdir(path):

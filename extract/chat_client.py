@@ -1,0 +1,192 @@
+"""One chat completion from an OpenAI-compatible server (vLLM, SGLang, `transformers serve`),
+with the retry policy a days-long regeneration needs.
+
+The `openai` client makes one try per call (its own retries are off); this module decides:
+
+- the server is away (connection refused or reset, timeouts, 502/503/504, 429 throttling): wait
+  with backoff and try again, for up to `retry_for_s` of continuous failure, so a server that is
+  restarted or briefly overloaded under a running job is ridden out (`ServerGone` after that);
+  until the server has answered once, a refused connection is a wrong --endpoint: 3 quick tries;
+- the server failed on this request (500): a few tries, then the row is refused (`Refused`);
+- the server refuses the request (400, 413, 422: a prompt too long for its context, a message it
+  cannot template): the row is refused with the server's own reason;
+- the server refuses us (401, 403, 404: a key, a model, a URL that is wrong): `EndpointError`,
+  which stops the run, as every row would fail the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from layertap.storage.errors import ConfigError, UserError
+
+log = logging.getLogger(__name__)
+
+AWAY_STATUSES = {408, 409, 425, 429, 502, 503, 504}
+REFUSED_STATUSES = {400, 413, 422}
+SERVER_ERROR_TRIES = 4  # a 500 is retried this many times in all before the row is refused
+UNREACHABLE_TRIES = 3  # connection failures before the server ever answered: a wrong --endpoint, said at once
+
+
+class EndpointError(UserError):
+    """The endpoint refuses every request (wrong URL, model or key): the run stops."""
+
+
+class ServerGone(UserError):
+    """The server stayed unreachable or overloaded longer than the retry window."""
+
+
+@dataclass(frozen=True)
+class Refused(Exception):
+    """The server refused one request for good; the row is recorded with this reason."""
+
+    reason: str
+    status: int | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    content: str
+    reasoning_content: str | None
+    finish_reason: str
+    completion_tokens: int
+
+
+def api_base(endpoint: str) -> str:
+    """`http://host:8000` or `http://host:8000/v1` -> the `/v1` base the client needs."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"--endpoint {public_url(endpoint)!r} is not an http(s) URL, e.g. http://localhost:8000/v1")
+    path = parts.path.rstrip("/")
+    return urlunsplit((parts.scheme, parts.netloc, path if path.endswith("/v1") else path + "/v1", "", ""))
+
+
+def public_url(endpoint: str) -> str:
+    """The endpoint without user:password or query (which may carry tokens): safe to log and record."""
+    parts = urlsplit(endpoint)
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class ChatClient:
+    """Chat completions against one endpoint and model with one set of sampling settings."""
+
+    def __init__(self, endpoint: str, model: str, *, api_key: str | None, sampling: dict[str, Any],
+                 timeout_s: float, retry_for_s: float, concurrency: int):
+        import httpx
+        import openai
+
+        self.model, self.sampling, self.retry_for_s = model, sampling, retry_for_s
+        self.where = public_url(endpoint)
+        self._warned_at = -1e9
+        self.answered = False  # until the server first answers, a refused connection is a wrong --endpoint
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.client = openai.AsyncOpenAI(base_url=api_base(endpoint), api_key=api_key or "none", max_retries=0,
+                                         timeout=timeout_s,
+                                         http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def served_models(self) -> list[str]:
+        """The model names the server lists (empty where it serves on demand, as `transformers serve` can)."""
+        page = await self._call(lambda: self.client.models.list(), what="GET /models")
+        return [m.id for m in page.data]
+
+    async def check(self) -> None:
+        """Before any row: the endpoint answers, serves the model, and accepts a one-token request."""
+        served = await self.served_models()
+        if served and self.model not in served:
+            raise EndpointError(f"model {self.model!r} is not served at {self.where}; it serves {served}: "
+                                f"pass one of these as --model")
+        try:
+            await self.complete([{"role": "user", "content": "Hi"}], max_tokens=1)
+        except Refused as e:
+            raise EndpointError(f"{self.where} refused a one-token request for model {self.model!r}: {e}; "
+                                f"check --model and the server's log") from None
+
+    async def complete(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
+                       seed: int | None = None) -> Reply:
+        """The assistant's next turn after `messages`."""
+        body = {k: v for k, v in self.sampling.items() if k not in ("seed", "chat_template_kwargs")}
+        template_kwargs = self.sampling.get("chat_template_kwargs")
+        extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else None
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        if seed is not None:
+            body["seed"] = seed
+        r = await self._call(lambda: self.client.chat.completions.create(
+            model=self.model, messages=messages, extra_body=extra, **body), what="chat completion")
+        choice = r.choices[0]
+        usage = r.usage.completion_tokens if r.usage is not None else 0
+        reasoning = getattr(choice.message, "reasoning_content", None) or None
+        return Reply(choice.message.content or "", reasoning, choice.finish_reason or "stop", int(usage or 0))
+
+    async def _call(self, request, *, what: str):
+        """`request()` under the retry policy in the module docstring."""
+        import openai
+
+        away_since: float | None = None
+        server_errors = unreachable = 0
+        delay = 0.5
+        while True:
+            try:
+                reply = await request()
+                self.answered = True
+                return reply
+            except openai.APIStatusError as e:
+                self.answered = True
+                status, reason = e.status_code, _reason(e)
+                if status in REFUSED_STATUSES:
+                    raise Refused(f"{status}: {reason}", status) from None
+                if status in (401, 403, 404):
+                    raise EndpointError(f"{self.where} answered {status} to a {what} for model {self.model!r}: "
+                                        f"{reason}; check --endpoint, --model and the API key") from None
+                if status not in AWAY_STATUSES:  # 500 and other errors: the server failed on this request
+                    server_errors += 1
+                    if server_errors >= SERVER_ERROR_TRIES:
+                        raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
+                problem = f"{status}: {reason}"
+            except openai.APIConnectionError as e:  # timeouts included
+                problem = f"{type(e).__name__}: {e.__cause__ or e}"
+                unreachable += 1
+                if not self.answered and unreachable >= UNREACHABLE_TRIES:
+                    raise EndpointError(f"cannot reach {self.where} ({problem}); is the server up, and is --endpoint "
+                                        f"its address (e.g. http://localhost:8000/v1)?") from None
+            now = time.monotonic()
+            away_since = away_since if away_since is not None else now
+            if now - away_since > self.retry_for_s:
+                raise ServerGone(f"{self.where} has failed every {what} for {now - away_since:.0f} s (last: "
+                                 f"{problem}); the rows answered so far are kept: rerun the same command once the "
+                                 f"server is back") from None
+            if time.monotonic() - self._warned_at > 30:  # one line per outage, not one per request in flight
+                self._warned_at = time.monotonic()
+                log.warning("%s: %s failed (%s); retrying for up to %.0f s", self.where, what, problem,
+                            self.retry_for_s - (now - away_since))
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(30.0, delay * 2)
+
+
+def _reason(e: Any) -> str:
+    """The server's message in an error body (vLLM and OpenAI: {"error": {"message"}}, FastAPI: {"detail"})."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict):
+            for key in ("message", "detail"):
+                if inner.get(key):
+                    return str(inner[key])[:500]
+        elif isinstance(inner, str):
+            return inner[:500]
+    return str(getattr(e, "message", e))[:500]

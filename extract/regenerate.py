@@ -1,0 +1,313 @@
+"""`layertap regenerate`: the target writes the answers its drafter will learn to predict.
+
+A drafter predicts the target's own continuations, so each conversation's assistant turns are
+replaced by what the target answers, turn by turn, given the regenerated history (system and
+user turns are kept). The answers come from an OpenAI-compatible server (`chat_client.py`), many
+requests in flight. Source rows are grouped in parts of `rows_per_part`; a part is written to the
+store once all of its rows are answered or refused (`regenerated.py` has the layout), so a
+crashed, killed or preempted run loses only the parts it had open and a rerun of the same command
+redoes exactly those. `--task I/N` splits the parts between N processes (a Slurm array).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from layertap.extract.chat_client import ChatClient, Refused, public_url
+from layertap.extract.regenerated import (Recipe, done_parts, part_key, read_recipe, read_stats, stats_key,
+                                          RECIPE)
+from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.flags import setting, settings
+from layertap.storage.store import ObjectStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+def parse_task(text: str) -> tuple[int, int]:
+    """'3/8' -> (3, 8): this process takes parts p with p % 8 == 3."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not I/N, e.g. 0/4") from None
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"{text!r}: need 0 <= I < N")
+    return index, count
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    dataset: str = setting(help="input chats: a .jsonl/.json/.parquet file or a saved dataset folder (ShareGPT "
+                                "'conversations' or OpenAI 'messages' rows) (required)")
+    out: str = setting(help="output prefix: s3://bucket/prefix or a local folder; `layertap extract --dataset` "
+                            "reads it (required)")
+    endpoint: str = setting(help="OpenAI-compatible server, e.g. http://localhost:8000/v1 (vLLM, SGLang, "
+                                 "transformers serve) (required)")
+    model: str = setting(help="the model name the server serves: the target (required)")
+    concurrency: int = setting(64, help="requests in flight")
+    max_tokens: int = setting(2048, help="most new tokens per assistant turn (a longer answer is kept, cut, and "
+                                         "counted as truncated)")
+    temperature: float = setting(0.0, help="sampling temperature (default 0: greedy, what the target serves "
+                                           "under greedy speculative decoding)")
+    top_p: float = setting(1.0, help="nucleus sampling")
+    seed: int | None = setting(None, help="sampling seed (row i's requests use seed+i); recorded")
+    chat_template_kwargs: dict[str, Any] | None = setting(
+        None, parse=parse_json_object, metavar="JSON",
+        help="passed to the server's chat template, e.g. '{\"enable_thinking\": false}'")
+    rows_per_part: int = setting(256, help="source rows per output part (the unit written and resumed)")
+    limit: int | None = setting(None, help="take the first N rows of the dataset")
+    task: tuple[int, int] = setting((0, 1), parse=parse_task, metavar="I/N",
+                                    help="this process takes parts p with p % N == I (a Slurm array: "
+                                         "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT) (default 0/1)")
+    api_key_env: str = setting("OPENAI_API_KEY", help="environment variable holding the server's API key, if it "
+                                                      "wants one (never logged or recorded)")
+    request_timeout_s: float = setting(600.0, flag="--request-timeout", help="seconds one request may take")
+    retry_for_s: float = setting(900.0, flag="--retry-for",
+                                 help="seconds of a server failing every request (restarting, overloaded) before "
+                                      "the run stops; the parts done are kept")
+    progress: bool = setting(True, config_only=True, help="show progress")
+
+    def __post_init__(self) -> None:
+        for name in ("dataset", "out", "endpoint", "model"):
+            if not getattr(self, name):
+                raise ConfigError(f"--{name} is required")
+        for name in ("concurrency", "max_tokens", "rows_per_part"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {self.temperature} and "
+                              f"{self.top_p}")
+
+    def sampling(self) -> dict[str, Any]:
+        """The request settings recorded with the output (a rerun must use the same)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+                "seed": self.seed, "chat_template_kwargs": self.chat_template_kwargs}
+
+
+def load_regenerate_config(args: Any) -> RegenerateConfig:
+    values = settings(RegenerateConfig, args)
+    missing = [n for n in ("dataset", "out", "endpoint", "model") if not values.get(n)]
+    if missing:
+        raise ConfigError(f"{', '.join('--' + n for n in missing)} required")
+    return RegenerateConfig(**values)
+
+
+@dataclass
+class Totals:
+    """What one `regenerate` process did (its parts only)."""
+
+    parts: int = 0
+    rows: int = 0
+    regenerated: int = 0
+    refused: int = 0
+    turns: int = 0
+    truncated: int = 0
+    completion_tokens: int = 0
+    refused_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def regenerate(cfg: RegenerateConfig) -> Totals:
+    """Regenerate the parts of `cfg.task` not yet done at `cfg.out`; returns what was done now."""
+    from layertap.extract.inputs import RowShape, dataset_fingerprint, detect_row_shape, load_rows
+
+    rows = load_rows(cfg.dataset, cfg.limit)
+    if detect_row_shape(rows.column_names) == RowShape.PRETOKENIZED:
+        raise InputError(f"dataset {cfg.dataset!r} is pre-tokenized (input_ids): regeneration needs the chats' "
+                         f"text; give the ShareGPT or messages version")
+    store = open_store(cfg.out)
+    path = os.path.realpath(cfg.dataset)
+    recipe = Recipe(dataset={"path": path, "fingerprint": dataset_fingerprint(cfg.dataset, cfg.limit),
+                             "rows": len(rows), "limit": cfg.limit},
+                    model=cfg.model, sampling=cfg.sampling(), rows_per_part=cfg.rows_per_part,
+                    parts=-(-len(rows) // cfg.rows_per_part), endpoint=public_url(cfg.endpoint))
+    recipe = _create_or_check(store, recipe)
+    index, count = cfg.task
+    done = done_parts(store)
+    mine = [p for p in range(recipe.parts) if p % count == index]
+    todo = [p for p in mine if p not in done]
+    log.info("regenerate %s -> %s: %d rows in %d parts; task %d/%d has %d parts, %d done, %d to do",
+             cfg.dataset, store.uri, len(rows), recipe.parts, index, count, len(mine), len(mine) - len(todo), len(todo))
+    totals = Totals()
+    if todo:
+        api_key = os.environ.get(cfg.api_key_env) or None
+        totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key))
+    _log_summary(store, recipe, totals)
+    return totals
+
+
+def _create_or_check(store: ObjectStore, recipe: Recipe) -> Recipe:
+    """The output's recipe: this one if the output is new, else the recorded one if it matches."""
+    if store.put_if_absent(RECIPE, json.dumps(recipe.to_json(), indent=1).encode()):
+        return recipe
+    recorded = read_recipe(store)
+    diffs = recorded.differences(recipe)
+    if diffs:
+        raise ConfigError(f"{store.uri} already holds a regeneration made differently: {'; '.join(diffs)}. "
+                          f"Rerun with its settings to continue it, or choose another --out")
+    return recorded
+
+
+class _Part:
+    """One part's rows as they finish, out of order."""
+
+    def __init__(self, part: int, start: int, end: int):
+        self.part, self.start, self.end = part, start, end
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.refused: list[dict[str, Any]] = []
+
+    @property
+    def finished(self) -> bool:
+        return len(self.rows) + len(self.refused) == self.end - self.start
+
+
+async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: ObjectStore, todo: list[int],
+                            api_key: str | None) -> Totals:
+    from layertap.extract.console import progress
+
+    client = ChatClient(cfg.endpoint, recipe.model, api_key=api_key, sampling=recipe.sampling,
+                        timeout_s=cfg.request_timeout_s, retry_for_s=cfg.retry_for_s, concurrency=cfg.concurrency)
+    totals = Totals()
+    total_rows = sum(min(len(rows), (p + 1) * recipe.rows_per_part) - p * recipe.rows_per_part for p in todo)
+    bar = progress(total_rows, desc="regenerate", unit="row", enabled=cfg.progress)
+    t0 = time.monotonic()
+    queue: asyncio.Queue[tuple[_Part, int] | None] = asyncio.Queue(maxsize=cfg.concurrency)
+    writes: list[asyncio.Task] = []
+    try:
+        await client.check()
+
+        async def worker() -> None:
+            while (item := await queue.get()) is not None:
+                part, i = item
+                await _answer_row(client, recipe, rows[i], i, part, totals)
+                bar.update(1)
+                elapsed = max(1e-9, time.monotonic() - t0)
+                bar.set_postfix_str(f"{totals.completion_tokens / elapsed:,.0f} gen tok/s, {totals.refused} refused")
+                if part.finished:
+                    writes.append(asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals)))
+
+        workers = [asyncio.create_task(worker()) for _ in range(cfg.concurrency)]
+        feeding = asyncio.create_task(_feed(queue, todo, recipe, len(rows), cfg.concurrency))
+        await _first_failure(workers + [feeding])
+        await asyncio.gather(*writes)
+    finally:
+        for t in writes:
+            if not t.done():
+                await asyncio.shield(t)
+        bar.close()
+        await client.close()
+    return totals
+
+
+async def _first_failure(tasks: list[asyncio.Task]) -> None:
+    """Wait for all `tasks`; the first to fail cancels the others and its error is raised."""
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for t in done:
+        if t.exception() is not None:
+            raise t.exception()
+
+
+async def _feed(queue: asyncio.Queue, todo: list[int], recipe: Recipe, n_rows: int, workers: int) -> None:
+    """Rows in order, part after part: parts open and finish roughly in order, so few are held."""
+    for p in todo:
+        start = p * recipe.rows_per_part
+        part = _Part(p, start, min(n_rows, start + recipe.rows_per_part))
+        for i in range(part.start, part.end):
+            await queue.put((part, i))
+    for _ in range(workers):
+        await queue.put(None)
+
+
+async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any], index: int, part: _Part,
+                      totals: Totals) -> None:
+    """Regenerate one row's assistant turns in order, or record why the row was refused."""
+    from layertap.extract.inputs import Skipped, TokenizeStats, normalize_chat, sample_id
+
+    raw_id = row.get("id")
+    row_id = str(raw_id) if raw_id not in (None, "") else str(index)
+    raw = row.get("messages") if row.get("messages") is not None else row.get("conversations")
+    chat = normalize_chat(raw, sample_id(row, index), TokenizeStats(), require_assistant=False)
+    if isinstance(chat, Skipped):
+        return _refuse(part, totals, index, row_id, f"{chat.reason}: {chat.detail}", kind=chat.reason)
+    history: list[dict[str, Any]] = []
+    finish_reasons: list[str] = []
+    tokens = 0
+    seed = None if recipe.sampling.get("seed") is None else recipe.sampling["seed"] + index
+    for message in chat:
+        if message["role"] != "assistant":
+            history.append({k: message[k] for k in ("role", "content")})
+            continue
+        try:
+            reply = await client.complete(history, seed=seed)
+        except Refused as e:
+            return _refuse(part, totals, index, row_id, f"turn {len(finish_reasons) + 1}: {e}",
+                           kind=f"http_{e.status}" if e.status else "server")
+        answer = {"role": "assistant", "content": reply.content}
+        if reply.reasoning_content:
+            answer["reasoning_content"] = reply.reasoning_content
+        history.append(answer)
+        finish_reasons.append(reply.finish_reason)
+        tokens += reply.completion_tokens
+    part.rows[index] = {"id": row_id, "messages": history,
+                        "regenerated": {"row": index, "completion_tokens": tokens, "finish_reasons": finish_reasons}}
+    totals.regenerated += 1
+    totals.turns += len(finish_reasons)
+    totals.truncated += sum(r == "length" for r in finish_reasons)
+    totals.completion_tokens += tokens
+
+
+def _refuse(part: _Part, totals: Totals, index: int, row_id: str, reason: str, *, kind: str) -> None:
+    """Record a row that cannot be regenerated, with its reason: counted, never dropped silently."""
+    log.warning("row %d (%s) refused: %s", index, row_id, reason)
+    part.refused.append({"row": index, "id": row_id, "reason": reason, "kind": kind})
+    totals.refused += 1
+    totals.refused_reasons[kind] = totals.refused_reasons.get(kind, 0) + 1
+
+
+def _write_part(store: ObjectStore, part: _Part, totals: Totals) -> None:
+    """The part's stats, then the part itself: the part is the record that its rows are done."""
+    rows = [part.rows[i] for i in sorted(part.rows)]
+    stats = {"part": part.part, "rows": [part.start, part.end], "regenerated": len(rows),
+             "refused": sorted(part.refused, key=lambda r: r["row"]),
+             "completion_tokens": sum(r["regenerated"]["completion_tokens"] for r in rows),
+             "truncated_turns": sum(f == "length" for r in rows for f in r["regenerated"]["finish_reasons"])}
+    store.put(stats_key(part.part), json.dumps(stats).encode())
+    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    if not store.put_if_absent(part_key(part.part), body):
+        log.warning("part %d was written by another process meanwhile; kept that one", part.part)
+    totals.parts += 1
+    totals.rows += part.end - part.start
+
+
+def _log_summary(store: ObjectStore, recipe: Recipe, totals: Totals) -> None:
+    done = done_parts(store)
+    if totals.parts:
+        log.info("this run: %d parts, %d rows (%d regenerated, %d refused: %s), %d turns (%d cut at --max-tokens), "
+                 "%d tokens generated", totals.parts, totals.rows, totals.regenerated, totals.refused,
+                 totals.refused_reasons or "none", totals.turns, totals.truncated, totals.completion_tokens)
+    if len(done) < recipe.parts:
+        log.info("%s: %d of %d parts done; the rest belong to other tasks or a rerun", store.uri, len(done),
+                 recipe.parts)
+        return
+    stats = read_stats(store, sorted(done))
+    refused = sum(len(s["refused"]) for s in stats)
+    log.info("%s is complete: %d rows, %d regenerated, %d refused (reasons in stats/); `layertap extract --dataset "
+             "%s` reads it", store.uri, recipe.dataset["rows"], sum(s["regenerated"] for s in stats), refused,
+             store.uri)

@@ -1,0 +1,259 @@
+"""`layertap regenerate` against a real OpenAI-compatible server: `transformers serve` running a
+tiny random-init model on the CPU, fed real ShareGPT conversations.
+
+The served model's chat template raises on a user turn that starts with REFUSED (as strict
+templates raise on roles that do not alternate): the server answers 500 to such requests, which
+is how a row the server cannot take is met for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from layertap.cli import main as cli
+from layertap.extract.embedded import sharegpt_conversations
+from layertap.extract.inputs import load_rows, normalize_chat, TokenizeStats
+from layertap.extract.regenerated import RECIPE, done_parts, iter_rows, read_stats
+from layertap.storage.store import open_store
+from tiny_models import CHATML_TEMPLATE, tiny_model_dir
+
+REFUSE = "REFUSED"
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' and m['content'].startswith('" + REFUSE + "') %}"
+                   "{{ raise_exception('this template refuses the turn') }}{% endif %}{% endfor %}" + CHATML_TEMPLATE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`transformers serve MODEL` on the CPU, pinned to the model, on its own port."""
+
+    def __init__(self, model: str, log: Path, port: int | None = None):
+        self.model, self.log, self.port = model, log, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model, "--device", "cpu",
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(self.log.read_text()[-3000:])
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def strict_model(root: Path) -> str:
+    folder = Path(tiny_model_dir(root, "llama", num_layers=2))
+    (folder / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return strict_model(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = Server(model, tmp_path_factory.mktemp("serve") / "serve.log").start()
+    yield s
+    s.kill()
+
+
+def write_sharegpt(path: Path, n: int, refuse: tuple[int, ...] = ()) -> str:
+    """The first `n` real ShareGPT conversations, cut to two exchanges; rows in `refuse` get a user
+    turn the server's template refuses."""
+    with open(path, "w") as f:
+        for i, row in enumerate(sharegpt_conversations(n)):
+            turns = [t for t in row["conversations"] if t["from"] in ("human", "gpt")][:4]
+            turns = [{**t, "value": t["value"][:300]} for t in turns]
+            if i in refuse:
+                turns[0] = {"from": "human", "value": f"{REFUSE}: {turns[0]['value']}"}
+            f.write(json.dumps({"id": row["id"], "conversations": turns}) + "\n")
+    return str(path)
+
+
+def regenerate_args(data: str, out: str, server: Server, *extra: str) -> list[str]:
+    return ["regenerate", "--dataset", data, "--out", out, "--endpoint", server.url, "--model", server.model,
+            "--max-tokens", "8", "--rows-per-part", "4", "--concurrency", "4", *extra]
+
+
+def source_chats(data: str) -> list[list[dict]]:
+    return [normalize_chat(r["conversations"], str(i), TokenizeStats(), require_assistant=False)
+            for i, r in enumerate(load_rows(data))]
+
+
+def chat(server: Server, messages: list[dict], max_tokens: int = 8) -> str:
+    body = json.dumps({"model": server.model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server.url}/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def assert_every_row_once(out: str, n: int) -> list[dict]:
+    """Each source row is in exactly one part or refused exactly once, and the parts are complete."""
+    store = open_store(out)
+    rows = list(iter_rows(out))
+    refused = [r["row"] for s in read_stats(store, sorted(done_parts(store))) for r in s["refused"]]
+    regenerated = [r["regenerated"]["row"] for r in rows]
+    assert len(regenerated) == len(set(regenerated))
+    assert sorted(regenerated + refused) == list(range(n))
+    return rows
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_regenerates_sharegpt_turn_by_turn_and_extract_reads_it(where, server, model, tmp_path, s3_bucket, capsys):
+    data = write_sharegpt(tmp_path / "chats.jsonl", 24, refuse=(5,))
+    out = str(tmp_path / "regen") if where == "local" else f"s3://{s3_bucket}/regen"
+    assert cli(regenerate_args(data, out, server)) == 0
+    rows = assert_every_row_once(out, 24)
+    assert len(rows) == 23
+
+    # System and user turns are kept; every assistant turn is the server's answer to the
+    # regenerated history before it (greedy: the same request gives the same answer).
+    sources = source_chats(data)
+    multi_turn = 0
+    for row in rows:
+        source, messages = sources[row["regenerated"]["row"]], row["messages"]
+        assert [m["role"] for m in messages] == [m["role"] for m in source]
+        for k, (m, s) in enumerate(zip(messages, source)):
+            if m["role"] == "assistant":
+                assert m["content"] == chat(server, messages[:k])
+            else:
+                assert m["content"] == s["content"]
+        assert len(row["regenerated"]["finish_reasons"]) == sum(m["role"] == "assistant" for m in messages)
+        multi_turn += sum(m["role"] == "assistant" for m in messages) > 1
+    assert multi_turn >= 5
+
+    # The refused row is recorded with the server's answer as its reason, and counted.
+    store = open_store(out)
+    [refused] = [r for s in read_stats(store, sorted(done_parts(store))) for r in s["refused"]]
+    assert refused["row"] == 5 and refused["reason"].startswith("turn 1: 500 after 4 tries")
+    recipe = json.loads(store.get(RECIPE))
+    assert recipe["model"] == model and recipe["sampling"]["temperature"] == 0.0
+    assert recipe["sampling"]["max_tokens"] == 8 and recipe["dataset"]["rows"] == 24
+
+    # A rerun has nothing to do; the output reads as an extraction's dataset.
+    assert cli(regenerate_args(data, out, server)) == 0
+    assert cli(["extract", "--model", model, "--dataset", out, "--out", str(tmp_path / "run"), "--layers", "0,1",
+                "--dtype", "float32", "--max-length", "64"]) == 0
+    manifest = json.loads(open_store(str(tmp_path / "run")).get("manifest.json"))
+    assert manifest["dataset"]["num_samples"] == 23 and manifest["dataset"]["path"] == out
+    capsys.readouterr()
+
+
+def _wait_for_parts(out: str, at_least: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        n = len(done_parts(open_store(out))) if os.path.exists(os.path.join(out, RECIPE)) else 0
+        if n >= at_least:
+            return n
+        assert proc.poll() is None, "the regeneration ended before it was interrupted"
+        time.sleep(0.05)
+    raise TimeoutError(f"fewer than {at_least} parts after {timeout} s")
+
+
+def _layertap(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "layertap", *args], stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT)
+
+
+def test_kill_9_mid_run_then_rerun_gives_every_row_exactly_once(server, tmp_path):
+    data = write_sharegpt(tmp_path / "chats.jsonl", 40)
+    out = str(tmp_path / "regen")
+    args = regenerate_args(data, out, server, "--concurrency", "2", "--max-tokens", "16")
+    proc = _layertap(args, tmp_path / "first.log")
+    _wait_for_parts(out, 2, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    parts_before = len(done_parts(open_store(out)))
+    assert 2 <= parts_before < 10
+    assert cli(args) == 0
+    assert len(done_parts(open_store(out))) == 10
+    assert len(assert_every_row_once(out, 40)) == 40
+
+
+def test_a_server_killed_and_restarted_mid_run_is_ridden_out(model, tmp_path):
+    server = Server(model, tmp_path / "serve.log").start()
+    try:
+        data = write_sharegpt(tmp_path / "chats.jsonl", 32)
+        out = str(tmp_path / "regen")
+        proc = _layertap(regenerate_args(data, out, server, "--concurrency", "2", "--max-tokens", "16",
+                                         "--retry-for", "180"), tmp_path / "regen.log")
+        _wait_for_parts(out, 1, proc)
+        server.kill()
+        time.sleep(1)
+        assert proc.poll() is None  # still waiting for the server
+        server.start()
+        assert proc.wait(timeout=300) == 0, (tmp_path / "regen.log").read_text()[-3000:]
+        assert len(assert_every_row_once(out, 32)) == 32
+        assert "retrying for up to" in (tmp_path / "regen.log").read_text()
+    finally:
+        server.kill()
+
+
+def test_unreachable_endpoint_and_wrong_model_are_clear_errors(server, tmp_path, capsys):
+    data = write_sharegpt(tmp_path / "chats.jsonl", 4)
+    closed = f"http://127.0.0.1:{free_port()}"
+    t0 = time.time()
+    assert cli(["regenerate", "--dataset", data, "--out", str(tmp_path / "a"), "--endpoint", closed,
+                "--model", "m"]) == 2
+    assert time.time() - t0 < 30  # not the 15-minute outage window: the server never answered
+    err = capsys.readouterr().err
+    assert f"cannot reach {closed}" in err and "--endpoint" in err
+
+    assert cli(["regenerate", "--dataset", data, "--out", str(tmp_path / "b"), "--endpoint", server.url,
+                "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "model 'no-such-model' is not served" in err and server.model in err
+    assert not any(done_parts(open_store(str(tmp_path / "b"))))
+
+
+def test_a_rerun_with_other_settings_is_refused_and_bad_inputs_are_named(server, tmp_path, capsys):
+    data = write_sharegpt(tmp_path / "chats.jsonl", 4)
+    out = str(tmp_path / "regen")
+    assert cli(regenerate_args(data, out, server)) == 0
+    capsys.readouterr()
+    assert cli(regenerate_args(data, out, server, "--temperature", "0.7")) == 2
+    assert "temperature: output has 0.0, now 0.7" in capsys.readouterr().err
+
+    tokens = tmp_path / "tokens.jsonl"
+    tokens.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    assert cli(regenerate_args(str(tokens), str(tmp_path / "t"), server)) == 2
+    assert "pre-tokenized" in capsys.readouterr().err
+
+    # An unfinished regeneration is not an extraction's dataset.
+    unfinished = tmp_path / "unfinished"
+    assert cli(regenerate_args(write_sharegpt(tmp_path / "more.jsonl", 12), str(unfinished), server,
+                               "--task", "0/3")) == 0
+    capsys.readouterr()
+    with pytest.raises(Exception, match=r"unfinished regeneration: 1 of 3 parts done"):
+        load_rows(str(unfinished))
