@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("layertap.train.command", "train a DFlash drafter on a run's stored states, streamed from the store"),
     "eval": ("layertap.train.command", "speculative decoding with target and drafter: acceptance length tau"),
     "export-drafter": ("layertap.train.export_command", "write a trained drafter in speculators' DFlash format (vLLM serves it)"),
+    "export": ("layertap.extract.interop_command", "write a run's samples in speculators', SpecForge's or ModelOpt's layout"),
+    "import": ("layertap.extract.interop_command", "turn speculators', SpecForge's or ModelOpt's hidden-state files into a run"),
 }
 
 

@@ -1,0 +1,187 @@
+"""`layertap export` and `layertap import`: a run's samples to and from the public trainers'
+per-sample layouts (storage/foreign*.py).
+
+Export reads the run's committed shards in shard order (every record's hash checked) and writes
+one foreign file per sample; the layers keep their order, except for speculators, whose files
+hold them ascending. A format that carries a final state needs the run to hold that very state:
+speculators the last layer's pre-norm output, ModelOpt its post-norm one.
+
+Import makes an ordinary run: a manifest planned over the source's files, then shards claimed,
+written and committed through the same leases and commit records as an extraction, so a second
+`layertap import` with the same arguments resumes it (committed shards are skipped) and a
+different one is refused with the differences. A file that cannot be read as the format says
+is skipped with its reason in the shard's commit, as extraction skips a bad row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from typing import Any
+
+import xxhash
+
+from layertap.extract.console import progress
+from layertap.extract.estimate import planned_bytes_per_token
+from layertap.manifests.commit_index import read_commits
+from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, Manifest, create_or_resume, load_manifest
+from layertap.manifests.preemption import Preempted, StopSignals
+from layertap.manifests.records import Producer
+from layertap.manifests.work import Claim, WorkQueue
+from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.foreign import FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, reader, writer
+from layertap.storage.format import ShardMeta
+from layertap.storage.identity import RunConfig
+from layertap.storage.reader import ShardReader
+from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.writer import ShardWriter
+
+log = logging.getLogger(__name__)
+
+EXPORT_NOTE = "layertap-export.json"  # beside the foreign files: where they came from, layer ids in both conventions
+
+
+def foreign_layers(fmt: str, layers: list[int]) -> list[int]:
+    """layertap's layer ids in `fmt`'s convention."""
+    return [k + LAYER_OFFSET[fmt] for k in layers]
+
+
+def layertap_layers(fmt: str, layers: list[int]) -> list[int]:
+    """`fmt`'s layer ids as layertap's (the output of decoder layer k)."""
+    out = [k - LAYER_OFFSET[fmt] for k in layers]
+    if any(k < 0 for k in out):
+        raise ConfigError(f"--layers {','.join(map(str, layers))}: {fmt} counts layers from {LAYER_OFFSET[fmt]} "
+                          f"(its id {LAYER_OFFSET[fmt]} is the first decoder layer's output)")
+    return out
+
+
+def check_exportable(fmt: str, run: RunConfig, uri: str) -> None:
+    need = FINAL_STATE[fmt]
+    if need != "none" and run.final_state != need:
+        what = {"prenorm": "the last decoder layer's output before the final norm",
+                "postnorm": "the last layer's state after the final norm"}[need]
+        raise ConfigError(f"{fmt}'s files hold {what} beside the capture layers, but the run at {uri} stored "
+                          f"final_state={run.final_state!r}: extract the run with --final-state {need} to export it "
+                          f"to {fmt}")
+
+
+def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None = None) -> dict[str, Any]:
+    """Write the run's committed samples (the first `limit`) to `dest` in `fmt`'s layout."""
+    manifest = load_manifest(run)
+    ident = manifest.identity
+    check_exportable(fmt, ident, run.uri)
+    commits = read_commits(run).records
+    if len(commits) < len(manifest.shards):
+        log.warning("the run at %s has %d of %d shards committed: exporting those", run.uri, len(commits),
+                    len(manifest.shards))
+    order = sorted(range(len(ident.layers)), key=ident.layers.__getitem__) if fmt == "speculators" \
+        else list(range(len(ident.layers)))
+    layers = [ident.layers[j] for j in order]
+    total = sum(c.num_records for c in commits)
+    total = min(total, limit) if limit is not None else total
+    out = writer(fmt, dest)
+    written = 0
+    with progress(total, desc="export", unit="sample") as bar:
+        for c in commits:
+            if written >= total:
+                break
+            try:
+                records = ShardReader(run, c.data_key)
+            except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn
+                log.warning("shard %d's data (%s) is gone: its %d samples are not exported", c.shard, c.data_key,
+                            c.num_records)
+                continue
+            for sample in records:
+                if written >= total:
+                    break
+                states = sample.hidden_states[:, order] if order != list(range(len(order))) else sample.hidden_states
+                final = sample.final_state if FINAL_STATE[fmt] != "none" else None
+                out.write(written, replace(sample, hidden_states=states, final_state=final))
+                written += 1
+                bar.update(1)
+    out.close()
+    note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model, "samples": written,
+            "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],
+            "hidden_size": ident.hidden_size}
+    dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())
+    return note
+
+
+def _fingerprint(fmt: str, files: list[ForeignFile]) -> str:
+    h = xxhash.xxh3_64()
+    for f in files:
+        h.update(f"{f.key}\t{f.size}\n".encode())
+    return f"import:{fmt}:{len(files)}:{h.hexdigest()}"
+
+
+def _token_counts(files: list[ForeignFile], first_tokens: int) -> list[int]:
+    """Each file's tokens for the plan: exact where the layout lists them, else estimated from
+    its size at the first file's tokens per byte (opening every file twice would double the I/O)."""
+    per_byte = first_tokens / max(files[0].size, 1)
+    return [f.num_tokens if f.num_tokens is not None else max(1, round(f.size * per_byte)) for f in files]
+
+
+def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[int], model: str, codec: str,
+                shard_bytes: int = DEFAULT_SHARD_BYTES, limit: int | None = None
+                ) -> tuple[Manifest, ForeignReader, list[ForeignFile]]:
+    """The import's run at `out` (planned now, or the one there if it is this import) and the
+    source's reader and files."""
+    ours = layertap_layers(fmt, layers)
+    rd = reader(fmt, src, len(layers))
+    files = rd.files()[:limit] if limit is not None else rd.files()
+    if not files:
+        raise InputError(f"no samples in the {fmt} data at {src.uri}")
+    first = rd.read(files[0])
+    identity = RunConfig(model=model, layers=ours, final_state=rd.final_state,
+                         hidden_size=int(first.hidden_states.shape[-1]), codec=codec)
+    counts = _token_counts(files, first.num_tokens)
+    manifest, created = create_or_resume(
+        out, config=identity, dataset={"fingerprint": _fingerprint(fmt, files), "path": src.uri, "format": fmt},
+        token_counts=counts, shard_bytes=shard_bytes,
+        bytes_per_token=planned_bytes_per_token(capture_layers=len(ours), hidden_size=identity.hidden_size,
+                                                final_state=rd.final_state != "none", codec=codec))
+    log.info("%s run %s at %s: %d samples from %s in %d shards", "planned" if created else "resuming",
+             manifest.run_id, out.uri, len(files), src.uri, len(manifest.shards))
+    return manifest, rd, files
+
+
+def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> Manifest:
+    """Import the source into a run at `out`, shard by shard, until every shard is committed
+    (or left failed: `layertap status` says why)."""
+    manifest, rd, files = plan_import(src, fmt, out, **options)
+    queue = WorkQueue(out, manifest, Producer.current(0))
+    if queue.finished():
+        log.info("nothing to do: every shard of the run at %s is committed", out.uri)
+        return manifest
+    with StopSignals(at_once=True), progress(len(files), desc="import", unit="sample") as bar:
+        for claim in queue:
+            try:
+                with claim:
+                    _import_shard(claim, manifest, rd, files, fmt, src.uri, bar)
+            except Preempted:
+                claim.release()
+                raise
+            except Exception as e:  # recorded by the claim; go on with the next shard
+                log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e)
+    return manifest
+
+
+def _import_shard(claim: Claim, manifest: Manifest, rd: ForeignReader, files: list[ForeignFile], fmt: str,
+                  source: str, bar) -> None:
+    plan = claim.plan
+    meta = ShardMeta.of(manifest.identity, run_id=manifest.run_id, shard_id=plan.id,
+                        extra={"imported_from": fmt, "source": source})
+    skipped: list[dict[str, str]] = []
+    with ShardWriter(claim.queue.store.open_writer(claim.data_key), meta) as w:
+        for f in files[plan.start:plan.end]:
+            try:
+                w.write_sample(rd.read(f))
+            except (InputError, ValueError) as e:  # a bad file, or one of another shape than the run's
+                skipped.append({"sample_id": f.sample_id, "reason": "unreadable", "detail": str(e)[:500]})
+                log.warning("skipped %s: %s", f.key, e)
+            bar.update(1)
+        info = w.close()
+    if claim.commit(info, skipped=skipped):
+        log.info("shard %d committed: %d samples, %d tokens (%d skipped)", plan.id, info.num_records,
+                 info.num_tokens, len(skipped))

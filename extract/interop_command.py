@@ -1,0 +1,89 @@
+"""`layertap export` and `layertap import`: command lines over `extract.interop`.
+
+Built without torch (the parser of every command is built for `layertap --help`): the codec
+names and id lists are checked when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+FORMATS = ("speculators", "specforge", "modelopt")
+LAYER_HELP = ("capture layer ids in the SOURCE's own convention, in the order its files store them. "
+              "speculators: HF hidden_states indices (0 is the embedding output; layertap's layer k is k+1), the "
+              "capture layers only (its files' last slot is the final state, which is imported as a prenorm final "
+              "state); specforge (z-lab's DFlash ids) and modelopt: 0-based decoder layer ids, which equal layertap's. "
+              "e.g. speculators 2,17,32,47,62 = specforge/modelopt/layertap 1,16,31,46,61")
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN", help="the run prefix: s3://bucket/prefix or a folder")
+    p.add_argument("--to", required=True, choices=FORMATS, dest="format",
+                   help="speculators: Arrow dataset + hidden_states/hs_{i}.safetensors (needs a run extracted with "
+                        "--final-state prenorm); specforge: DFlash rows_*/data_{i}.ckpt; modelopt: {id}.pt with "
+                        "aux_hidden_states and the post-norm final state (needs --final-state postnorm)")
+    p.add_argument("dest", metavar="DEST", help="where to write the files: a folder or s3://bucket/prefix")
+    p.add_argument("--limit", type=int, help="export the first N samples (default all)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from layertap.extract.interop import export_run
+    from layertap.storage.errors import ConfigError
+    from layertap.storage.store import open_store
+
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    note = export_run(open_store(args.run), args.format, open_store(args.dest), limit=args.limit)
+    print(f"exported {note['samples']} samples of {args.run} to {args.dest} in {args.format}'s layout; "
+          f"layers {note['layers']} (layertap's ids) are {args.format}'s {note[f'{args.format}_layer_ids']}")
+    return 0
+
+
+def add_import(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="the foreign data: a folder or s3://bucket/prefix")
+    p.add_argument("--from", required=True, choices=FORMATS, dest="format",
+                   help="the layout SRC is in (specforge: DFlash files, or EAGLE-3 ones whose hidden_state is "
+                        "imported as a postnorm final state)")
+    p.add_argument("--out", required=True, help="the run prefix to create (or resume): s3://bucket/prefix or a folder")
+    p.add_argument("--layers", required=True, help=LAYER_HELP)
+    p.add_argument("--model", required=True,
+                   help="the target model the states came from (a folder or hub id), recorded in the manifest; "
+                        "`layertap train` reads its embeddings from there")
+    p.add_argument("--codec", default="bf16-zstd", help="hidden-state codec of the shards (default bf16-zstd)")
+    p.add_argument("--shard-bytes", default="1GB", help="planned stored bytes per shard (default 1GB)")
+    p.add_argument("--limit", type=int, help="import the first N samples (default all)")
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from layertap.extract.config import parse_ids
+    from layertap.extract.interop import import_run
+    from layertap.manifests.cli import format_status
+    from layertap.manifests.preemption import Preempted
+    from layertap.manifests.status import run_status
+    from layertap.storage.codecs import CODEC_NAMES
+    from layertap.storage.errors import ConfigError
+    from layertap.storage.store import open_store
+    from layertap.storage.units import parse_size
+
+    if args.codec not in CODEC_NAMES:
+        raise ConfigError(f"unknown codec {args.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    try:
+        shard_bytes = parse_size(args.shard_bytes)
+    except ValueError as e:
+        raise ConfigError(f"--shard-bytes: {e}") from None
+    out = open_store(args.out)
+    try:
+        import_run(open_store(args.src), args.format, out, layers=parse_ids(args.layers), model=args.model,
+                   codec=args.codec, shard_bytes=shard_bytes, limit=args.limit)
+    except Preempted as e:
+        print(f"stopped ({e}): committed shards are kept; run the same command again to resume")
+        return e.exit_code
+    status = run_status(out)
+    print(format_status(status))
+    if not status["complete"]:
+        print("\nthe import is not complete: run the same command again to retry failed and pending shards")
+        return 1
+    print(f"\ntrain a drafter on it:\n  layertap train --data {args.out} --out {args.out.rstrip('/')}-drafter")
+    return 0

@@ -1,0 +1,137 @@
+"""The public trainers' per-sample layouts, read and written on any store: what they share.
+
+speculators, SpecForge and ModelOpt each keep one file per sample and record no layer ids, so
+every reader and writer here moves one `Sample` (records.py) at a time and the layer ids are the
+caller's business (`layer_offset`: a format's id of layertap's layer k is k + offset). Each
+format lives in its own module (`foreign_speculators`, `foreign_specforge`, `foreign_modelopt`);
+`reader` and `writer` pick one by name.
+
+Foreign `torch.save` files are pickles: they are read only through `torch.load(...,
+weights_only=True)`, which unpickles tensors and plain containers and refuses anything else.
+Writing them (SpecForge's and ModelOpt's own format) uses `torch.save`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from layertap.storage.errors import InputError
+from layertap.storage.records import Sample
+from layertap.storage.store import ObjectStore
+
+FORMATS = ("speculators", "specforge", "modelopt")
+# A format's id for layertap's layer k (the output of decoder layer k) is k + offset:
+# speculators counts HF `hidden_states` indices (0 is the embedding output); SpecForge's DFlash
+# files (z-lab's ids) and ModelOpt count decoder layers from 0, as layertap does.
+LAYER_OFFSET = {"speculators": 1, "specforge": 0, "modelopt": 0}
+# The final state each format carries beside the capture layers ("none": it carries none).
+FINAL_STATE = {"speculators": "prenorm", "specforge": "none", "modelopt": "postnorm"}
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignFile:
+    """One sample's file in a foreign layout: where it is, and its length when the layout says
+    it without opening the file (speculators' Arrow column), else None."""
+
+    sample_id: str
+    key: str
+    size: int
+    num_tokens: int | None = None
+
+
+class ForeignReader(Protocol):
+    final_state: str
+
+    def files(self) -> list[ForeignFile]: ...
+
+    def read(self, f: ForeignFile) -> Sample: ...
+
+
+class ForeignWriter(Protocol):
+    def write(self, index: int, sample: Sample) -> None: ...
+
+    def close(self) -> list[str]: ...
+
+
+def reader(fmt: str, store: ObjectStore, num_layers: int) -> ForeignReader:
+    """The reader of `fmt` over `store`, for files holding `num_layers` capture layers."""
+    if fmt == "speculators":
+        from layertap.storage.foreign_speculators import SpeculatorsReader as cls
+    elif fmt == "specforge":
+        from layertap.storage.foreign_specforge import SpecForgeReader as cls
+    elif fmt == "modelopt":
+        from layertap.storage.foreign_modelopt import ModelOptReader as cls
+    else:
+        raise InputError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    return cls(store, num_layers)
+
+
+def writer(fmt: str, store: ObjectStore) -> ForeignWriter:
+    if fmt == "speculators":
+        from layertap.storage.foreign_speculators import SpeculatorsWriter as cls
+    elif fmt == "specforge":
+        from layertap.storage.foreign_specforge import SpecForgeWriter as cls
+    elif fmt == "modelopt":
+        from layertap.storage.foreign_modelopt import ModelOptWriter as cls
+    else:
+        raise InputError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    return cls(store)
+
+
+def load_torch(data: bytes | memoryview, where: str) -> dict[str, Any]:
+    """A foreign `torch.save` dict (gzip-compressed if it starts so), unpickled with
+    `weights_only=True`: tensors and plain containers only, no code."""
+    raw = bytes(data)
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    try:
+        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad or unsafe file
+        raise InputError(f"{where}: not a torch.save file of tensors ({type(e).__name__}: {str(e)[:300]})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: holds a {type(obj).__name__}, not a dict of tensors")
+    return obj
+
+
+def save_torch(obj: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def natural_key(text: str) -> list[Any]:
+    """Sort key that orders embedded numbers by value: data_2 before data_10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def split_layers(x: torch.Tensor, num_layers: int, where: str, name: str) -> torch.Tensor:
+    """[T, L*H] (or [1, T, L*H]) concatenated capture layers -> [T, L, H]."""
+    if x.dim() == 3 and x.shape[0] == 1:
+        x = x[0]
+    if x.dim() != 2 or x.shape[1] % num_layers:
+        raise InputError(f"{where}: {name} has shape {tuple(x.shape)}, not [tokens, {num_layers} x hidden] "
+                         f"for the {num_layers} layer(s) given by --layers")
+    return x.reshape(x.shape[0], num_layers, x.shape[1] // num_layers)
+
+
+def check_lengths(sample: Sample, where: str) -> Sample:
+    """Every tensor of a sample read from a foreign file covers the same tokens."""
+    t = sample.input_ids.shape[0]
+    shapes = {"loss_mask": sample.loss_mask.shape[0], "hidden states": sample.hidden_states.shape[0]}
+    if sample.final_state is not None:
+        shapes["final state"] = sample.final_state.shape[0]
+    bad = {k: v for k, v in shapes.items() if v != t}
+    if bad:
+        raise InputError(f"{where}: {t} token ids but " + ", ".join(f"{k} for {v}" for k, v in bad.items()))
+    return sample
+
+
+def as_bf16(x: torch.Tensor) -> torch.Tensor:
+    """layertap stores states as bf16 (what every public extractor produces)."""
+    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)

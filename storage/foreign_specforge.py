@@ -1,0 +1,88 @@
+"""SpecForge's offline data: one `torch.save` dict per sample, `rows_{g}-{g+2000}/data_{i}.ckpt`
+(`.ckpt.gz` when compressed). DFlash files hold `input_ids` [T], `loss_mask` [T] and
+`hidden_states` [1, T, k*H], the capture layers concatenated (z-lab's layer ids, which are
+layertap's). EAGLE-3 files hold `aux_hidden_state` [1, T, 3H] and `hidden_state` [1, T, H] (the
+post-norm last state, which SpecForge projects with the bare LM head) instead. Files may carry
+zero-padded tails past the tokens: they are cut to `input_ids`' length.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+import torch
+
+from layertap.storage.errors import InputError
+from layertap.storage.foreign import (ForeignFile, as_bf16, check_lengths, load_torch, natural_key, save_torch,
+                                      split_layers)
+from layertap.storage.records import Sample
+from layertap.storage.store import ObjectStore
+
+ROWS_PER_FOLDER = 2000
+SUFFIXES = (".ckpt", ".ckpt.gz")
+
+
+def data_key(index: int) -> str:
+    g = index // ROWS_PER_FOLDER * ROWS_PER_FOLDER
+    return f"rows_{g}-{g + ROWS_PER_FOLDER}/data_{index}.ckpt"
+
+
+class SpecForgeWriter:
+    """DFlash files (the capture layers only: SpecForge's DFlash trains on labels)."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+
+    def write(self, index: int, sample: Sample) -> None:
+        t = sample.num_tokens
+        self.store.put(data_key(index), save_torch({
+            "input_ids": sample.input_ids.to(torch.int64).contiguous(),
+            "loss_mask": sample.loss_mask.to(torch.int64).contiguous(),
+            "hidden_states": as_bf16(sample.hidden_states).reshape(1, t, -1).contiguous(),
+        }))
+
+    def close(self) -> list[str]:
+        return []
+
+
+class SpecForgeReader:
+    def __init__(self, store: ObjectStore, num_layers: int):
+        self.store, self.num_layers = store, num_layers
+        self._files = sorted((o for o in store.list("") if o.key.endswith(SUFFIXES)), key=lambda o: natural_key(o.key))
+        if not self._files:
+            raise InputError(f"no SpecForge files at {store.uri}: expected data_*.ckpt or .ckpt.gz files")
+        first = load_torch(store.get(self._files[0].key), self._where(self._files[0].key))
+        self.eagle3 = "aux_hidden_state" in first and "hidden_states" not in first
+        self.final_state = "postnorm" if self.eagle3 else "none"
+
+    def _where(self, key: str) -> str:
+        return f"{self.store.uri.rstrip('/')}/{key}"
+
+    def files(self) -> list[ForeignFile]:
+        return [ForeignFile(_stem(o.key), o.key, o.size) for o in self._files]
+
+    def read(self, f: ForeignFile) -> Sample:
+        where = self._where(f.key)
+        d = load_torch(self.store.get(f.key), where)
+        states_key = "aux_hidden_state" if self.eagle3 else "hidden_states"
+        missing = [k for k in ("input_ids", "loss_mask", states_key) + (("hidden_state",) if self.eagle3 else ())
+                   if k not in d]
+        if missing:
+            raise InputError(f"{where} lacks {missing} (a {'EAGLE-3' if self.eagle3 else 'DFlash'} file is expected, "
+                             "like the first file of the folder)")
+        ids = d["input_ids"].reshape(-1).to(torch.int64)
+        t = ids.shape[0]
+        states = split_layers(d[states_key], self.num_layers, where, states_key)[:t]
+        final = None
+        if self.eagle3:
+            final = d["hidden_state"]
+            final = as_bf16(final[0] if final.dim() == 3 else final)[:t].contiguous()
+        mask = d["loss_mask"].reshape(-1)[:t].to(torch.uint8)
+        return check_lengths(Sample(f.sample_id, ids, mask, as_bf16(states).contiguous(), final), where)
+
+
+def _stem(key: str) -> str:
+    for suffix in SUFFIXES[::-1]:
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return posixpath.splitext(key)[0]

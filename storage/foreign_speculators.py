@@ -1,0 +1,135 @@
+"""speculators' offline data: an Arrow dataset (`save_to_disk`; columns `input_ids`, `loss_mask`,
+`seq_len`, torch format) beside `hidden_states/hs_{i}.safetensors` for row i, holding
+`hidden_states` [T, k+1, H] (the k capture layers ascending, then the pre-norm output of the last
+decoder layer, which speculators' trainer splits off as the verifier's last state) and
+`token_ids` [T]. Files written by its FP8 connector add `hidden_states_scales` [T, 1, 1].
+
+The Arrow dataset is small (token ids and masks); it passes through a local temporary folder,
+since `datasets` reads and writes only local paths. The states go straight to and from the store.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from layertap.storage.errors import InputError, MissingInput
+from layertap.storage.foreign import ForeignFile, as_bf16, check_lengths
+from layertap.storage.records import Sample
+from layertap.storage.store import ObjectNotFound, ObjectStore
+
+HIDDEN = "hidden_states/"
+
+
+def hs_key(index: int) -> str:
+    return f"{HIDDEN}hs_{index}.safetensors"
+
+
+class SpeculatorsWriter:
+    """Rows in the order written (index 0, 1, ...); `close` writes the Arrow dataset."""
+
+    def __init__(self, store: ObjectStore):
+        import pyarrow as pa
+
+        self.store = store
+        self._tmp = tempfile.TemporaryDirectory(prefix="layertap-speculators-")
+        self._schema = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
+                                  ("seq_len", pa.int64())])
+        self._rows = os.path.join(self._tmp.name, "rows.arrow")
+        self._out = pa.ipc.new_stream(pa.OSFile(self._rows, "wb"), self._schema)  # streamed: no row list in RAM
+        self._next = 0
+
+    def write(self, index: int, sample: Sample) -> None:
+        import pyarrow as pa
+
+        if index != self._next:
+            raise ValueError(f"speculators rows are written in order: expected row {self._next}, got {index}")
+        if sample.final_state is None:
+            raise InputError(f"sample {sample.sample_id} has no final state; speculators' files need the pre-norm "
+                             "output of the last decoder layer")
+        ids = sample.input_ids.to(torch.int64)
+        states = torch.cat((as_bf16(sample.hidden_states), as_bf16(sample.final_state)[:, None]), dim=1)
+        self.store.put(hs_key(index), st_save({"hidden_states": states.contiguous(), "token_ids": ids.contiguous()}))
+        batch = pa.record_batch([pa.array([ids.tolist()], pa.list_(pa.int64())),
+                                 pa.array([sample.loss_mask.to(torch.int64).tolist()], pa.list_(pa.int64())),
+                                 pa.array([len(ids)], pa.int64())], schema=self._schema)
+        self._out.write_batch(batch)
+        self._next += 1
+
+    def close(self) -> list[str]:
+        """The Arrow dataset (`save_to_disk`, torch format) next to `hidden_states/`; the keys written."""
+        import datasets
+
+        self._out.close()
+        try:
+            ds = datasets.Dataset.from_file(self._rows)
+            ds.set_format("torch")
+            folder = os.path.join(self._tmp.name, "dataset")
+            ds.save_to_disk(folder)
+            keys = []
+            for name in sorted(os.listdir(folder)):
+                with open(os.path.join(folder, name), "rb") as f:
+                    self.store.put(name, f.read())
+                keys.append(name)
+            return keys
+        finally:
+            self._tmp.cleanup()
+
+
+class SpeculatorsReader:
+    final_state = "prenorm"
+
+    def __init__(self, store: ObjectStore, num_layers: int):
+        self.store, self.num_layers = store, num_layers
+        self._tmp = tempfile.TemporaryDirectory(prefix="layertap-speculators-")
+        self.rows = self._load_rows()
+
+    def _load_rows(self):
+        """The Arrow dataset at the store's root, copied into a temporary folder (it is small)."""
+        import datasets
+
+        names = [o.key for o in self.store.list("") if not o.key.startswith(HIDDEN) and "/" not in o.key]
+        if "state.json" not in names or "dataset_info.json" not in names:
+            raise MissingInput(f"no speculators dataset at {self.store.uri}: expected an Arrow dataset saved with "
+                               "`save_to_disk` (state.json, dataset_info.json, data-*.arrow) beside hidden_states/")
+        for name in names:
+            with open(os.path.join(self._tmp.name, name), "wb") as f:
+                f.write(self.store.get(name))
+        rows = datasets.load_from_disk(self._tmp.name)
+        missing = {"input_ids", "loss_mask"} - set(rows.column_names)
+        if missing:
+            raise InputError(f"the speculators dataset at {self.store.uri} lacks the columns {sorted(missing)}")
+        return rows.with_format("torch")
+
+    def files(self) -> list[ForeignFile]:
+        sizes = {o.key: o.size for o in self.store.list(HIDDEN)}
+        lengths = (self.rows["seq_len"] if "seq_len" in self.rows.column_names
+                   else [len(x) for x in self.rows["input_ids"]])
+        return [ForeignFile(str(i), hs_key(i), sizes.get(hs_key(i), 0), int(n)) for i, n in enumerate(lengths)]
+
+    def read(self, f: ForeignFile) -> Sample:
+        where = f"{self.store.uri.rstrip('/')}/{f.key}"
+        try:
+            data = st_load(bytes(self.store.get(f.key)))
+        except ObjectNotFound:
+            raise InputError(f"{where} is missing (row {f.sample_id} of the dataset has no hidden states)") from None
+        if "hidden_states" not in data or "token_ids" not in data:
+            raise InputError(f"{where} lacks hidden_states or token_ids")
+        states = data["hidden_states"]
+        if "hidden_states_scales" in data:  # speculators' FP8 connector: per-token scales
+            states = states.float() * data["hidden_states_scales"].float()
+        if states.dim() != 3 or states.shape[1] != self.num_layers + 1:
+            raise InputError(f"{where}: hidden_states has shape {tuple(states.shape)}, not [tokens, "
+                             f"{self.num_layers + 1}, hidden] for the {self.num_layers} layer(s) of --layers plus "
+                             "the final state")
+        row = self.rows[int(f.sample_id)]
+        ids = data["token_ids"].to(torch.int64)
+        if not torch.equal(ids, row["input_ids"].to(torch.int64)):
+            raise InputError(f"{where}: its token_ids differ from the dataset's input_ids of row {f.sample_id}")
+        states = as_bf16(states)
+        return check_lengths(Sample(f.sample_id, ids, row["loss_mask"].to(torch.uint8), states[:, :-1].contiguous(),
+                                    states[:, -1].contiguous()), where)

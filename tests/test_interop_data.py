@@ -1,0 +1,210 @@
+"""`layertap export` / `layertap import`: runs made by the real extractor (local folder and moto S3)
+written in speculators', SpecForge's and ModelOpt's layouts, read back by speculators' and
+SpecForge's own readers (the real packages; a reader written from ModelOpt's documented layout
+for ModelOpt, whose package is not installed), and imported back into runs that hold the same
+input_ids, loss masks and states, bit for bit."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from layertap.cli import main as cli
+from layertap.manifests import layout
+from layertap.manifests.manifest import load_manifest
+from layertap.manifests.records import decode_commit
+from layertap.storage.reader import ShardReader
+from layertap.storage.store import open_store
+from test_extract import write_chats
+from tiny_models import tiny_model_dir
+
+# Not skipped when missing: CI installs them (tests/run.sh), and a missing package is a failure here.
+from speculators.train.data import ArrowDataset  # noqa: E402
+from specforge.algorithms.common.dflash_family_data import normalize_offline_sample  # noqa: E402
+from specforge.runtime.data_plane.feature_store import load_feature_file  # noqa: E402
+from specforge.runtime.data_plane.offline_reader import OfflineManifestReader, list_feature_files  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3")
+
+
+def extract(target: str, out: str, tmp: Path, final_state: str, layers: str = "3,1") -> str:
+    assert cli(["extract", "--model", target, "--dataset", write_chats(tmp / "chats.jsonl", 12), "--out", out,
+                "--layers", layers, "--max-length", "64", "--final-state", final_state, "--shard-bytes", "40KB",
+                "--log-dir", str(tmp / "logs")]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def prenorm_run(target, tmp_path_factory) -> str:
+    """Layers stored as 3,1 (not ascending), with the pre-norm final state."""
+    tmp = tmp_path_factory.mktemp("prenorm")
+    return extract(target, str(tmp / "run"), tmp, "prenorm")
+
+
+@pytest.fixture(scope="module")
+def s3_postnorm_run(target, tmp_path_factory, s3_endpoint) -> str:
+    import boto3
+
+    bucket = f"interop-{os.getpid()}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    tmp = tmp_path_factory.mktemp("postnorm")
+    return extract(target, f"s3://{bucket}/runs/post", tmp, "postnorm", layers="1,3")
+
+
+def samples(uri: str) -> dict:
+    store = open_store(uri)
+    out = {}
+    for o in store.list(layout.COMMITS):
+        for s in ShardReader(store, decode_commit(store.get(o.key), o.key).data_key):
+            out[s.sample_id] = s
+    return out
+
+
+def in_order(uri: str) -> list:
+    """A run's samples in shard order (what export writes)."""
+    store = open_store(uri)
+    commits = [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
+    return [s for c in sorted(commits, key=lambda c: c.shard) for s in ShardReader(store, c.data_key)]
+
+
+def assert_same(a, b, final: bool = True) -> None:
+    assert torch.equal(a.input_ids.long(), b.input_ids.long())
+    assert torch.equal(a.loss_mask.bool(), b.loss_mask.bool())
+    assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16))
+    if final:
+        assert torch.equal(a.final_state.view(torch.int16), b.final_state.view(torch.int16))
+
+
+def test_speculators_reads_the_export_and_import_gives_the_run_back(prenorm_run, target, tmp_path, capsys):
+    dest, back = str(tmp_path / "spec"), str(tmp_path / "back")
+    assert cli(["export", prenorm_run, "--to", "speculators", dest]) == 0
+    assert "layers [1, 3] (layertap's ids) are speculators's [2, 4]" in capsys.readouterr().out
+    ours = in_order(prenorm_run)
+    # speculators' own dataset class: Arrow rows + hs_{i}.safetensors, nothing generated
+    ds = ArrowDataset(max_len=64, datapath=dest, on_missing="raise")
+    assert len(ds) == len(ours)
+    for i, s in enumerate(ours):
+        item = ds[i]
+        assert torch.equal(item["input_ids"], s.input_ids.long())
+        assert torch.equal(item["loss_mask"].bool(), s.loss_mask.bool())
+        ascending = s.hidden_states[:, [1, 0]]  # stored as layers 3,1; speculators' files hold them ascending
+        assert torch.equal(item["hidden_states"], ascending.flatten(1))
+        assert torch.equal(item["verifier_last_hidden_states"], s.final_state)
+    note = json.loads(Path(dest, "layertap-export.json").read_text())
+    assert note["speculators_layer_ids"] == [2, 4] and note["samples"] == len(ours)
+
+    capsys.readouterr()
+    assert cli(["import", dest, "--from", "speculators", "--out", back, "--layers", "2,4", "--model", target,
+                "--shard-bytes", "30KB"]) == 0
+    assert "COMPLETE" in capsys.readouterr().out
+    run = load_manifest(open_store(back)).identity
+    assert run.layers == [1, 3] and run.final_state == "prenorm" and run.model == target
+    got = samples(back)
+    assert len(got) == len(ours)
+    for i, s in enumerate(ours):
+        assert_same(got[str(i)], type(s)(s.sample_id, s.input_ids, s.loss_mask, s.hidden_states[:, [1, 0]],
+                                         s.final_state))
+
+
+def test_specforge_reads_the_export_and_import_gives_the_run_back(prenorm_run, target, tmp_path):
+    dest, back = str(tmp_path / "sf"), str(tmp_path / "back")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "7"]) == 0
+    ours = in_order(prenorm_run)[:7]
+    paths = list_feature_files(dest)
+    assert len(paths) == 7 and all("/rows_0-2000/data_" in p for p in paths)
+    refs = OfflineManifestReader(dest, feature_keys=("input_ids", "loss_mask", "hidden_states"),
+                                 strategy="dflash", validate_files=True).read()
+    assert sorted(r.num_tokens for r in refs) == sorted(s.num_tokens for s in ours)
+    by_name = {os.path.basename(p): p for p in paths}
+    for i, s in enumerate(ours):
+        raw = load_feature_file(by_name[f"data_{i}.ckpt"])  # SpecForge's own loader
+        item = normalize_offline_sample(raw, max_len=64)  # and its DFlash normalizer
+        assert torch.equal(item["input_ids"][0], s.input_ids.long())
+        assert torch.equal(item["loss_mask"][0].bool(), s.loss_mask.bool())
+        assert torch.equal(item["hidden_states"][0], s.hidden_states.flatten(1))  # layers 3,1 as stored
+    assert cli(["import", dest, "--from", "specforge", "--out", back, "--layers", "3,1", "--model", target]) == 0
+    run = load_manifest(open_store(back)).identity
+    assert run.layers == [3, 1] and run.final_state == "none"
+    got = samples(back)
+    for i, s in enumerate(ours):
+        assert_same(got[f"rows_0-2000/data_{i}"], s, final=False)
+
+
+def test_modelopt_on_s3_round_trip(s3_postnorm_run, target, s3_bucket, capsys):
+    dest, back = f"s3://{s3_bucket}/modelopt", f"s3://{s3_bucket}/back"
+    assert cli(["export", s3_postnorm_run, "--to", "modelopt", dest, "--limit", "5"]) == 0
+    ours = in_order(s3_postnorm_run)[:5]
+    store = open_store(dest)
+    files = sorted(o.key for o in store.list("") if o.key.endswith(".pt"))
+    assert len(files) == 5
+    for s in ours:  # ModelOpt's documented layout, read with the safe unpickler
+        d = torch.load(io.BytesIO(store.get(f"{s.sample_id}.pt")), weights_only=True)
+        assert d["conversation_id"] == s.sample_id
+        assert torch.equal(d["input_ids"], s.input_ids.long())
+        assert torch.equal(d["aux_hidden_states"], s.hidden_states.flatten(1))
+        assert torch.equal(d["hidden_states"], s.final_state) and d["hidden_states"].shape == (s.num_tokens, 64)
+        assert torch.equal(d["loss_mask"].bool(), s.loss_mask.bool())
+    assert cli(["import", dest, "--from", "modelopt", "--out", back, "--layers", "1,3", "--model", target]) == 0
+    run = load_manifest(open_store(back)).identity
+    assert run.layers == [1, 3] and run.final_state == "postnorm"
+    got = samples(back)
+    assert sorted(got) == sorted(s.sample_id for s in ours)
+    for s in ours:
+        assert_same(got[s.sample_id], s)
+
+
+def test_import_resumes_and_refuses_other_arguments(prenorm_run, target, tmp_path, capsys):
+    dest, back = str(tmp_path / "sf"), str(tmp_path / "back")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest]) == 0
+    args = ["import", dest, "--from", "specforge", "--out", back, "--layers", "3,1", "--model", target,
+            "--shard-bytes", "20KB"]
+    assert cli(args) == 0
+    store = open_store(back)
+    commits = {o.key: store.get(o.key) for o in store.list(layout.COMMITS)}
+    assert len(commits) >= 3
+    lost = sorted(commits)[1]  # a shard whose worker died before its commit
+    shard = layout.shard_of(lost, layout.COMMITS)
+    store.delete(lost)
+    for o in list(store.list(f"{layout.TALLY}{shard:06d}.")):
+        store.delete(o.key)
+    assert cli(args) == 0
+    again = {o.key: store.get(o.key) for o in store.list(layout.COMMITS)}
+    assert sorted(again) == sorted(commits)
+    assert all(again[k] == v for k, v in commits.items() if k != lost)  # the others were not redone
+    assert again[lost] != commits[lost]
+    capsys.readouterr()
+    assert cli([a if a != "3,1" else "1,3" for a in args]) == 2  # other layers: another run
+    assert "different configuration" in capsys.readouterr().err
+
+
+def test_export_refuses_a_run_without_the_final_state_the_format_holds(s3_postnorm_run, tmp_path, capsys):
+    assert cli(["export", s3_postnorm_run, "--to", "speculators", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--final-state prenorm" in err and "final_state='postnorm'" in err
+
+
+def test_import_refuses_wrong_layer_counts_and_unsafe_pickles(prenorm_run, target, tmp_path, capsys):
+    dest = str(tmp_path / "spec")
+    assert cli(["export", prenorm_run, "--to", "speculators", dest, "--limit", "2"]) == 0
+    capsys.readouterr()
+    assert cli(["import", dest, "--from", "speculators", "--out", str(tmp_path / "a"), "--layers", "2",
+                "--model", target]) == 2
+    assert "--layers" in capsys.readouterr().err
+    assert cli(["import", dest, "--from", "speculators", "--out", str(tmp_path / "a"), "--layers", "0,2",
+                "--model", target]) == 2
+    assert "counts layers from 1" in capsys.readouterr().err
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    torch.save({"input_ids": torch.arange(4), "payload": Path("/etc/passwd")}, evil / "data_0.ckpt")
+    assert cli(["import", str(evil), "--from", "specforge", "--out", str(tmp_path / "b"), "--layers", "1",
+                "--model", target]) == 2
+    assert "not a torch.save file of tensors" in capsys.readouterr().err
