@@ -251,6 +251,56 @@ def estimate(work: Workload, storage: Storage, throughput: Throughput = Throughp
     )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Regeneration:
+    """The step before extraction that `layertap regenerate` runs: the target writes every
+    sample's assistant turns. Its cost is generated tokens at a server's decode rate, which
+    batching many requests sets (one number per server, all requests in flight together)."""
+
+    samples: int
+    answer_tokens: float  # mean new tokens per sample, all its assistant turns together
+    tokens_per_s_per_server: float | None = None  # None: time is not estimated
+    servers: int = 1
+    gpus_per_server: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("number of samples", self.samples)
+        _positive("answer tokens per sample", self.answer_tokens)
+        _positive("generated tokens/s per server", self.tokens_per_s_per_server, allow_none=True)
+        _positive("number of servers", self.servers)
+        _positive("GPUs per server", self.gpus_per_server)
+
+    @property
+    def tokens(self) -> int:
+        return round(self.samples * self.answer_tokens)
+
+    @property
+    def wall_s(self) -> float | None:
+        rate = self.tokens_per_s_per_server
+        return None if rate is None else self.tokens / (rate * self.servers)
+
+    @property
+    def gpu_hours(self) -> float | None:
+        wall = self.wall_s
+        return None if wall is None else wall * self.servers * self.gpus_per_server / 3600
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens": self.tokens, "wall_s": self.wall_s, "gpu_hours": self.gpu_hours}
+
+    def lines(self, source: str = "") -> list[str]:
+        rate = self.tokens_per_s_per_server
+        return [
+            "regeneration (layertap regenerate, before extraction)",
+            f"  generated tokens         {self.tokens:,}  ({self.answer_tokens:,.1f} per sample{source})",
+            "  decode rate              " + (f"{rate:,.0f} tokens/s per server x {self.servers:,} server(s) of "
+                                             f"{self.gpus_per_server} GPU(s)" if rate else
+                                             "not given: add --generate-tokens-per-s N (one server's generated "
+                                             "tokens/s with many requests in flight)"),
+            f"  regeneration wall time   {fmt_duration(self.wall_s)}",
+            f"  GPU-hours                {'n/a' if self.gpu_hours is None else f'{self.gpu_hours:,.1f}'}",
+        ]
+
+
 @dataclass(frozen=True, slots=True)
 class Alternative:
     label: str

@@ -19,8 +19,8 @@ from typing import Any
 from layertap.extract.command import add_extract
 from layertap.storage.errors import ConfigError, InputError
 from layertap.extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
-                              DEFAULT_USD_PER_GIB_MONTH, Prices, Storage, Throughput, Workload, alternatives,
-                              estimate, fmt_bytes, format_report, report_json)
+                              DEFAULT_USD_PER_GIB_MONTH, Prices, Regeneration, Storage, Throughput, Workload,
+                              alternatives, estimate, fmt_bytes, format_report, report_json)
 
 
 def _add_cost_options(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,19 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
 
 
+def _add_regeneration_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("regeneration (layertap regenerate), when asked")
+    g.add_argument("--regenerate", action="store_true",
+                   help="also estimate regenerating every sample's answers with the target before extraction")
+    g.add_argument("--answer-tokens", type=float,
+                   help="mean new tokens per sample (default: the dataset's own assistant tokens per sample)")
+    g.add_argument("--generate-tokens-per-s", type=float,
+                   help="generated tokens/s of one server with many requests in flight (e.g. vLLM's reported "
+                        "generation throughput); without it, no time")
+    g.add_argument("--servers", type=int, help="servers generating at once (default: --gpus / --gpus-per-server)")
+    g.add_argument("--gpus-per-server", type=int, default=1, help="GPUs per server (tensor parallel; default 1)")
+
+
 def add_estimate(p: argparse.ArgumentParser) -> None:
     add_extract(p)
     for action in p._actions:  # extract's --out is required there; here it is not used
@@ -61,6 +74,7 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
                    help="rows tokenized for token statistics, evenly spaced, extrapolated to the dataset "
                         "(default 10000; 0: every row, which also gives the exact shard count)")
     _add_cost_options(p)
+    _add_regeneration_options(p)
 
 
 def add_plan(p: argparse.ArgumentParser) -> None:
@@ -96,6 +110,7 @@ class _Report:
     prices: Prices
     sources: dict[str, str]
     measured: Any = None  # extract.measure.Measurement
+    regeneration: Regeneration | None = None
 
     def __post_init__(self) -> None:
         ratios = {c: m.ratio for c, m in self.measured.codecs.items()} if self.measured else None
@@ -106,12 +121,18 @@ class _Report:
         return (self.estimate, self.alternatives, self.work, self.storage, self.throughput, self.prices, self.sources)
 
     def text(self) -> str:
-        return format_report(*self._args())
+        text = format_report(*self._args())
+        if self.regeneration is not None:
+            source = self.sources.get("answer_tokens", "")
+            text += "\n\n" + "\n".join(self.regeneration.lines(f"; {source}" if source else ""))
+        return text
 
     def to_json(self) -> dict[str, Any]:
         out = report_json(*self._args())
         if self.measured is not None:
             out["measured"] = self.measured.to_json()
+        if self.regeneration is not None:
+            out["regeneration"] = self.regeneration.to_json()
         return out
 
 
@@ -192,7 +213,31 @@ def _estimate(args: argparse.Namespace) -> _Report:
     work = Workload(hidden_size=shape["hidden_size"], capture_layers=len(shape["layers"]),
                     final_state=cfg.final_state != "none", samples=samples, tokens=tokens,
                     num_layers=shape["num_layers"], kept_layers=shape["kept_layers"])
-    return _report(args, cfg, work, shards, measured, sources)
+    report = _report(args, cfg, work, shards, measured, sources)
+    report.regeneration = _regeneration(args, samples, stats, sources)
+    return report
+
+
+def _regeneration(args: argparse.Namespace, samples: int, stats, sources: dict[str, str]) -> Regeneration | None:
+    """The regeneration step's numbers, when --regenerate asks for them."""
+    stated = [f"--{n}" for n in ("answer-tokens", "generate-tokens-per-s", "servers")
+              if getattr(args, n.replace("-", "_")) is not None]
+    if not args.regenerate:
+        if stated:
+            raise ConfigError(f"{', '.join(stated)} describe the regeneration step: add --regenerate")
+        return None
+    answer = args.answer_tokens
+    if answer is not None:
+        sources["answer_tokens"] = "stated"
+    elif stats is not None and stats.samples_read:
+        answer = stats.supervised_read / stats.samples_read
+        sources["answer_tokens"] = "the dataset's own answers, tokenized: the target's may be longer or shorter"
+    else:
+        raise ConfigError("--regenerate needs the answers' length: give --answer-tokens N (mean new tokens per "
+                          "sample) or let the dataset be tokenized (drop --samples/--mean-tokens)")
+    servers = args.servers if args.servers is not None else max(1, args.gpus // args.gpus_per_server)
+    return Regeneration(samples=samples, answer_tokens=answer, tokens_per_s_per_server=args.generate_tokens_per_s,
+                        servers=servers, gpus_per_server=args.gpus_per_server)
 
 
 def _stated_shape(args: argparse.Namespace, cfg) -> dict[str, Any]:

@@ -39,6 +39,7 @@ class TokenStats:
     rows_read: int  # tokenized
     samples_read: int
     tokens_read: int
+    supervised_read: int = 0  # tokens the loss mask covers: the assistant turns' tokens
     truncated: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     counts: list[int] | None = None  # every row's tokens (0 = skipped), only when all rows were read
@@ -99,7 +100,7 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
             chosen.append(replace(out, sample_id=sample_id(rows[i], index)))  # the id the run would give it
             chosen_tokens += len(out)
     return TokenStats(rows=n, rows_read=read, samples_read=stats.samples, tokens_read=stats.tokens,
-                      truncated=stats.truncated, skipped=dict(Counter(stats.skipped)),
+                      supervised_read=stats.supervised_tokens, truncated=stats.truncated, skipped=dict(Counter(stats.skipped)),
                       counts=counts if indices is None else None, picks=chosen)
 
 

@@ -217,3 +217,31 @@ def test_empty_id_lists_are_refused_not_defaulted(capsys):
     `estimate` as in `extract` and `submit`."""
     assert cli(["estimate", "--layers", "", "--limit", "5"]) == 2
     assert "no capture layers given" in capsys.readouterr().err
+
+
+def test_regeneration_step_when_asked(run, capsys):
+    """--regenerate adds the step before extraction: generated tokens from the stated answer length or
+    the dataset's own answers, wall time and GPU-hours from one server's decode rate."""
+    out = run_json(capsys, REF + ["--regenerate", "--answer-tokens", "500", "--generate-tokens-per-s", "5000",
+                                  "--gpus", "16", "--gpus-per-server", "2"])
+    regen = out["regeneration"]
+    assert regen["tokens"] == 913_786 * 500 and regen["servers"] == 8
+    assert regen["wall_s"] == pytest.approx(913_786 * 500 / (5000 * 8))
+    assert regen["gpu_hours"] == pytest.approx(913_786 * 500 / 5000 / 3600 * 2)
+    assert "regeneration" not in run_json(capsys, REF)
+
+    # Measured: the dataset's assistant tokens per sample, counted by the extractor's own tokenizer.
+    measured = run_json(capsys, ["estimate", *run["args"], "--regenerate", "--token-sample", "0"])["regeneration"]
+    from layertap.extract.inputs import TokenizeStats, load_rows, tokenize_rows
+    from transformers import AutoTokenizer
+
+    model, data = run["args"][1], run["args"][3]
+    stats = TokenizeStats()
+    list(tokenize_rows(load_rows(data), AutoTokenizer.from_pretrained(model), 48, stats=stats))
+    assert measured["answer_tokens"] == pytest.approx(stats.supervised_tokens / stats.samples)
+    assert measured["samples"] == stats.samples and measured["wall_s"] is None
+
+    assert cli(REF + ["--regenerate"]) == 2
+    assert "--answer-tokens" in capsys.readouterr().err
+    assert cli(REF + ["--generate-tokens-per-s", "10"]) == 2
+    assert "add --regenerate" in capsys.readouterr().err
