@@ -10,6 +10,7 @@ since `datasets` reads and writes only local paths. The states go straight to an
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -92,10 +93,15 @@ class SpeculatorsReader:
         """The Arrow dataset at the store's root, copied into a temporary folder (it is small)."""
         import datasets
 
-        names = [o.key for o in self.store.list("") if not o.key.startswith(HIDDEN) and "/" not in o.key]
-        if "state.json" not in names or "dataset_info.json" not in names:
+        try:  # state.json names the data files: no listing of hidden_states/, which holds a file per row
+            state = json.loads(self.store.get("state.json"))
+            names = ["state.json", "dataset_info.json", *(d["filename"] for d in state["_data_files"])]
+            for name in names[1:]:
+                self.store.size(name)
+        except (ObjectNotFound, ValueError, KeyError, TypeError):
             raise MissingInput(f"no speculators dataset at {self.store.uri}: expected an Arrow dataset saved with "
-                               "`save_to_disk` (state.json, dataset_info.json, data-*.arrow) beside hidden_states/")
+                               "`save_to_disk` (state.json, dataset_info.json, data-*.arrow) beside hidden_states/"
+                               ) from None
         for name in names:
             with open(os.path.join(self._tmp.name, name), "wb") as f:
                 f.write(self.store.get(name))
