@@ -64,6 +64,10 @@ class Reply:
 def api_base(endpoint: str) -> str:
     """`http://host:8000` or `http://host:8000/v1` -> the `/v1` base the client needs."""
     parts = urlsplit(endpoint)
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(f"--endpoint {public_url(endpoint)!r} has a port that is not a number") from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(f"--endpoint {public_url(endpoint)!r} is not an http(s) URL, e.g. http://localhost:8000/v1")
     path = parts.path.rstrip("/")
@@ -73,9 +77,7 @@ def api_base(endpoint: str) -> str:
 def public_url(endpoint: str) -> str:
     """The endpoint without user:password or query (which may carry tokens): safe to log and record."""
     parts = urlsplit(endpoint)
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
+    host = parts.netloc.rsplit("@", 1)[-1]  # no user:password
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 

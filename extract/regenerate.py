@@ -12,6 +12,7 @@ redoes exactly those. `--task I/N` splits the parts between N processes (a Slurm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from layertap.extract.chat_client import ChatClient, Refused, public_url
+from layertap.extract.served import serving
+from layertap.manifests.preemption import StopSignals
 from layertap.extract.regenerated import (Recipe, done_parts, part_key, read_recipe, read_stats, stats_key,
                                           RECIPE)
 from layertap.storage.errors import ConfigError, InputError
@@ -57,7 +60,8 @@ class RegenerateConfig:
     out: str = setting(help="output prefix: s3://bucket/prefix or a local folder; `layertap extract --dataset` "
                             "reads it (required)")
     endpoint: str = setting(help="OpenAI-compatible server, e.g. http://localhost:8000/v1 (vLLM, SGLang, "
-                                 "transformers serve) (required)")
+                                 "transformers serve); $VARIABLES are expanded when it runs, e.g. "
+                                 "'http://localhost:$LAYERTAP_TASK_PORT/v1' in a Slurm task (required)")
     model: str = setting(help="the model name the server serves: the target (required)")
     concurrency: int = setting(64, help="requests in flight")
     max_tokens: int = setting(2048, help="most new tokens per assistant turn (a longer answer is kept, cut, and "
@@ -80,6 +84,13 @@ class RegenerateConfig:
     retry_for_s: float = setting(900.0, flag="--retry-for",
                                  help="seconds of a server failing every request (restarting, overloaded) before "
                                       "the run stops; the parts done are kept")
+    serve: str | None = setting(None, metavar="COMMAND",
+                                help="start the server with this shell command first (e.g. 'vllm serve /models/target "
+                                     "--port 8000'), wait until it answers at --endpoint, stop it at the end: one "
+                                     "Slurm task runs its own server")
+    serve_timeout_s: float = setting(1800.0, flag="--serve-timeout", help="seconds --serve's server may take to "
+                                                                          "answer (loading a large target takes minutes)")
+    serve_log: str | None = setting(None, help="file for --serve's server output (default: this command's stderr)")
     progress: bool = setting(True, config_only=True, help="show progress")
 
     def __post_init__(self) -> None:
@@ -92,6 +103,13 @@ class RegenerateConfig:
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {self.temperature} and "
                               f"{self.top_p}")
+
+    def resolved_endpoint(self) -> str:
+        """--endpoint with its $VARIABLES expanded (a Slurm task's own port), checked."""
+        endpoint = os.path.expandvars(self.endpoint)
+        if "$" in endpoint:
+            raise ConfigError(f"--endpoint {self.endpoint!r} names a variable that is not set here")
+        return endpoint
 
     def sampling(self) -> dict[str, Any]:
         """The request settings recorded with the output (a rerun must use the same)."""
@@ -125,6 +143,7 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
     """Regenerate the parts of `cfg.task` not yet done at `cfg.out`; returns what was done now."""
     from layertap.extract.inputs import RowShape, dataset_fingerprint, detect_row_shape, load_rows
 
+    cfg.endpoint = cfg.resolved_endpoint()
     rows = load_rows(cfg.dataset, cfg.limit)
     if detect_row_shape(rows.column_names) == RowShape.PRETOKENIZED:
         raise InputError(f"dataset {cfg.dataset!r} is pre-tokenized (input_ids): regeneration needs the chats' "
@@ -145,7 +164,12 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
     totals = Totals()
     if todo:
         api_key = os.environ.get(cfg.api_key_env) or None
-        totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(StopSignals(at_once=True))  # a stop unwinds: the --serve server is stopped too
+            if cfg.serve:
+                stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
+                                            log_path=cfg.serve_log))
+            totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key))
     _log_summary(store, recipe, totals)
     return totals
 

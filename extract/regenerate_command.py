@@ -14,7 +14,16 @@ def add_regenerate(p: argparse.ArgumentParser) -> None:
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
-    from layertap.extract.regenerate import load_regenerate_config, regenerate
+    import logging
 
-    regenerate(load_regenerate_config(args))
+    from layertap.extract.regenerate import load_regenerate_config, regenerate
+    from layertap.manifests.preemption import Preempted
+
+    cfg = load_regenerate_config(args)
+    try:
+        regenerate(cfg)
+    except Preempted as e:  # the parts written are kept; the open ones are redone by a rerun
+        logging.getLogger("layertap.extract.regenerate").warning(
+            "stopped (%s): the parts written are kept; rerun the same command to continue", e)
+        return e.exit_code
     return 0

@@ -1,4 +1,4 @@
-"""`layertap submit extract|train [Slurm options] <the arguments of extract|train>`.
+"""`layertap submit extract|regenerate|train [Slurm options] <the arguments of that command>`.
 
 The tool's own options are added to the submit parser as they are, so a command line that runs
 locally becomes a Slurm submission by putting `submit` in front of it, and its mistakes are
@@ -90,6 +90,20 @@ def add_submit(p: argparse.ArgumentParser) -> None:
     add_extract(fwd)
     e.set_defaults(_tool_actions=fwd.actions)
 
+    r = sub.add_parser("regenerate", help="a regeneration array: each task its share of the output's parts",
+                       description="Submit `layertap regenerate` as a Slurm job array: task i of --tasks N takes the "
+                                   "parts p with p %% N == i, through its own server (--serve, started in the task "
+                                   "on the task's GPUs) or a shared --endpoint. Rerun the same command after failures "
+                                   "or preemptions: it submits only the tasks with unfinished parts.")
+    _add_slurm_options(r, "layertap-regenerate")
+    g = r.add_argument_group("the array")
+    g.add_argument("--tasks", type=int, default=1, help="array tasks sharing the parts (default 1); keep it the same "
+                                                        "on resubmission")
+    g.add_argument("--max-parallel", type=int, metavar="N", help="at most N tasks at once (the array's %%N)")
+    fwd = _Forwarded(r.add_argument_group("layertap regenerate arguments"), frozenset({"task"}))
+    importlib.import_module("layertap.extract.regenerate_command").add_regenerate(fwd)
+    r.set_defaults(_tool_actions=fwd.actions)
+
     t = sub.add_parser("train", help="a multi-node training job",
                        description="Submit `layertap train` on N nodes: srun starts one accelerate launcher per "
                                    "node, rendezvous from the Slurm environment; a requeued job resumes.")
@@ -149,6 +163,8 @@ def run_submit(args: argparse.Namespace) -> int:
         require("sbatch")
     if args.submit_kind == "extract":
         return _submit_extract(args)
+    if args.submit_kind == "regenerate":
+        return _submit_regenerate(args)
     return _submit_train(args)
 
 
@@ -255,6 +271,46 @@ def _submit_extract(args: argparse.Namespace) -> int:
     _say(args, f"submitted {what}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
     if train:
         _sbatch_train(args, *train, after=[] if args.train_while_extracting is not None else [job])
+    return 0
+
+
+def _submit_regenerate(args: argparse.Namespace) -> int:
+    """The array's tasks that still have parts to do (all of them for a new output)."""
+    from layertap.extract.regenerate import load_regenerate_config
+    from layertap.extract.regenerated import done_parts, read_recipe
+    from layertap.slurm import submit
+    from layertap.slurm.resources import regenerate_resources
+    from layertap.slurm.scripts import ArrayPlan, regenerate_script
+    from layertap.storage.store import open_store
+
+    if args.tasks < 1 or (args.max_parallel is not None and args.max_parallel < 1):
+        raise ConfigError(f"--tasks and --max-parallel must be at least 1, got {args.tasks} and {args.max_parallel}")
+    cfg = load_regenerate_config(args)  # checked here, not in the queue
+    node = submit.partition_shape(args.partition)
+    gpus = _gpus_per_node(args, node) if cfg.serve else (args.gpus_per_node or 0)
+    opts = _job_options(args, gpus, lambda procs: regenerate_resources(gpus, bool(cfg.serve)), node,
+                        procs_per_node=1)
+    store = open_store(cfg.out)
+    recipe = read_recipe(store)
+    if recipe is None:
+        indices = list(range(args.tasks))
+        _say(args, f"no regeneration at {store.uri} yet: the first task to start records its recipe")
+    else:
+        done = done_parts(store)
+        left = [p for p in range(recipe.parts) if p not in done]
+        indices = sorted({p % args.tasks for p in left})
+        _say(args, f"regeneration at {store.uri}: {len(done):,} of {recipe.parts:,} parts done")
+        if not indices:
+            _say(args, "nothing to submit: every part is done")
+            return 0
+    spec = ArrayPlan(indices=indices, max_parallel=args.max_parallel).spec
+    script = regenerate_script(opts, spec, args.tasks, tool_argv(args, args._tool_actions))
+    what = f"regeneration array of {len(indices)} task(s), --array={spec}"
+    if args.dry_run:
+        _show(f"{opts.job_name}.sbatch: {what}", [], script)
+        return 0
+    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
+    _say(args, f"submitted {what}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
     return 0
 
 

@@ -8,7 +8,10 @@ Per worker process (one per GPU, or one on CPU):
   memory limit counts);
 - training: 4 + 4 per DataLoader worker (the step, the prefetcher, decode threads; GETs wait on
   the network); 24 GiB (the shuffle buffer of decoded samples, the CUDA context, the target's
-  head) + the loader's memory budget (4 GiB) per DataLoader process.
+  head) + the loader's memory budget (4 GiB) per DataLoader process;
+- regeneration: the client (asyncio, JSON, uploads) 2 CPUs and 4 GiB; with `--serve`, the server
+  next to it 8 CPUs and 32 GiB per GPU (an inference server's tokenizer and scheduler processes,
+  and the weights read through the page cache on load).
 
 Then clipped to what one node of the partition has, when `sinfo` can tell.
 """
@@ -24,6 +27,8 @@ EXTRACT_BASE_THREADS, EXTRACT_MAX_ENCODE = 2, 8
 EXTRACT_GIB_PER_WORKER, GGUF_EXPANSION = 16, 8
 TRAIN_BASE_THREADS, TRAIN_THREADS_PER_LOADER = 4, 4
 TRAIN_GIB_PER_WORKER, LOADER_BUDGET_GIB = 24, 4
+REGEN_CLIENT_CPUS, REGEN_CLIENT_GIB = 2, 4
+SERVER_CPUS_PER_GPU, SERVER_GIB_PER_GPU = 8, 32
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,13 @@ def train_resources(procs: int, num_workers: int | None) -> Resources:
     loaders = max(1, num_workers or 0)
     return Resources(procs * (TRAIN_BASE_THREADS + TRAIN_THREADS_PER_LOADER * loaders),
                      procs * (TRAIN_GIB_PER_WORKER + LOADER_BUDGET_GIB * loaders))
+
+
+def regenerate_resources(gpus: int, serving: bool) -> Resources:
+    if not serving:
+        return Resources(REGEN_CLIENT_CPUS, REGEN_CLIENT_GIB)
+    n = max(gpus, 1)
+    return Resources(REGEN_CLIENT_CPUS + SERVER_CPUS_PER_GPU * n, REGEN_CLIENT_GIB + SERVER_GIB_PER_GPU * n)
 
 
 def fit(res: Resources, node: NodeShape | None) -> tuple[Resources, list[str]]:

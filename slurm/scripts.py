@@ -1,4 +1,5 @@
-"""The sbatch scripts `layertap submit` writes: an extraction array and a multi-node training job.
+"""The sbatch scripts `layertap submit` writes: an extraction array, a regeneration array and a
+multi-node training job.
 
 Both are plain bash that a user can read, keep and resubmit by hand. Both start their workers
 with `srun --kill-on-bad-exit=1` (a job step: Slurm accounts for it, places it, and signals it)
@@ -23,6 +24,7 @@ from layertap.storage.errors import ConfigError
 
 # each package's own command: `python -m layertap.extract ARGS` is `layertap extract ARGS`
 EXTRACT_MODULE, TRAIN_MODULE = "layertap.extract", "layertap.train"
+CLI_MODULE = "layertap"  # `python -m layertap regenerate ARGS`
 
 
 @dataclass(kw_only=True)
@@ -139,6 +141,21 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -
     mode = (f"{plan.shards_per_task} shard(s) per task" if plan.shards_per_task else "any free shard, through leases")
     about = [f"# layertap extraction: one array task per node, {opts.procs} worker process(es) each ({mode}).",
              "# Resubmit with the same `layertap submit extract` command: it starts tasks only for unfinished shards."]
+    return _script(about, header, opts, lines, requeue_on_timeout=True)
+
+
+def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: list[str]) -> str:
+    """One array task per server: task i of `tasks` regenerates the parts p with p % tasks == i,
+    through its own server (`--serve` in the arguments) or a shared endpoint. Tasks whose parts
+    are all done are left out of `spec`; a task stopped at the time limit is requeued and resumes."""
+    header = _header(opts, [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1",
+                            f"--output={opts.logs}/%x-%A_%a.out"])
+    launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
+              *map(shlex.quote, regenerate_args), "--task", f'"$SLURM_ARRAY_TASK_ID/{tasks}"']
+    # Array tasks may share a node: a port of the task's own for --serve and --endpoint to name.
+    lines = ["export LAYERTAP_TASK_PORT=$((20000 + SLURM_JOB_ID % 20000))", _command(launch)]
+    about = [f"# layertap regeneration: {tasks} array task(s), each its share of the output's parts.",
+             "# Resubmit with the same `layertap submit regenerate` command: it starts tasks only for unfinished parts."]
     return _script(about, header, opts, lines, requeue_on_timeout=True)
 
 

@@ -186,6 +186,7 @@ def _layertap(args: list[str], log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_rerun_gives_every_row_exactly_once(server, tmp_path):
     data = write_sharegpt(tmp_path / "chats.jsonl", 40)
     out = str(tmp_path / "regen")
@@ -201,6 +202,7 @@ def test_kill_9_mid_run_then_rerun_gives_every_row_exactly_once(server, tmp_path
     assert len(assert_every_row_once(out, 40)) == 40
 
 
+@pytest.mark.slow
 def test_a_server_killed_and_restarted_mid_run_is_ridden_out(model, tmp_path):
     server = Server(model, tmp_path / "serve.log").start()
     try:
@@ -257,3 +259,50 @@ def test_a_rerun_with_other_settings_is_refused_and_bad_inputs_are_named(server,
     capsys.readouterr()
     with pytest.raises(Exception, match=r"unfinished regeneration: 1 of 3 parts done"):
         load_rows(str(unfinished))
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_serve_starts_the_server_for_the_run_and_a_stop_takes_it_down(model, tmp_path):
+    """--serve: the server starts with the run, and goes with it, on success and on SIGTERM
+    (a Slurm preemption); the rerun continues where the stopped one left off."""
+    data = write_sharegpt(tmp_path / "chats.jsonl", 24)
+    out, port = str(tmp_path / "regen"), free_port()
+    serve = (f"{sys.executable} -m transformers.cli.transformers serve {model} --device cpu --dtype float32 "
+             f"--host 127.0.0.1 --port {port}")
+    args = ["regenerate", "--dataset", data, "--out", out, "--endpoint", f"http://127.0.0.1:{port}", "--model", model,
+            "--max-tokens", "16", "--rows-per-part", "4", "--concurrency", "2", "--serve", serve,
+            "--serve-log", str(tmp_path / "server.log")]
+    proc = _layertap(args, tmp_path / "first.log")
+    _wait_for_parts(out, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert not _port_open(port)  # the server went with it
+    log = (tmp_path / "first.log").read_text()
+    assert "rerun the same command to continue" in log and "the server stopped" in log
+    assert 1 <= len(done_parts(open_store(out))) < 6
+
+    assert cli(args) == 0
+    assert not _port_open(port)
+    assert len(assert_every_row_once(out, 24)) == 24
+    assert (tmp_path / "server.log").stat().st_size > 0  # the server wrote there, not into our log
+
+
+def test_serve_that_exits_is_a_clear_error(tmp_path, capsys):
+    data = write_sharegpt(tmp_path / "chats.jsonl", 4)
+    assert cli(["regenerate", "--dataset", data, "--out", str(tmp_path / "o"), "--endpoint", "http://127.0.0.1:9",
+                "--model", "m", "--serve", "exit 3"]) == 2
+    assert "the server exited with code 3 before it answered" in capsys.readouterr().err
+
+
+def test_the_recorded_endpoint_carries_no_credentials():
+    from layertap.extract.chat_client import api_base, public_url
+
+    assert public_url("http://user:s3cret@gpu7:8000/v1?token=abc") == "http://gpu7:8000/v1"
+    assert api_base("http://gpu7:8000") == "http://gpu7:8000/v1" == api_base("http://gpu7:8000/v1/")
+    with pytest.raises(Exception, match="not an http"):
+        api_base("gpu7:8000")

@@ -615,3 +615,48 @@ def test_train_jobs_keep_freed_memory_unless_the_submitter_chose_otherwise(tmp_p
                                      env=env).stdout.split()
     assert run({}) == ["1", "1073741824", "1073741824"]
     assert run({"MALLOC_ARENA_MAX": "4"}) == ["4", "1073741824", "1073741824"]
+
+
+def test_regeneration_array_serves_per_task_and_resubmits_only_unfinished_parts(slurm_cluster, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """`submit regenerate --tasks 2 --serve ...`: each array task starts its own `transformers serve`
+    on its own port, regenerates its share of the parts, and stops the server; a resubmission after
+    a part was lost starts only the task that owns it, and one after completion starts nothing."""
+    from layertap.extract.regenerated import done_parts, part_key
+    from test_regenerate import STRICT_TEMPLATE, assert_every_row_once, write_sharegpt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model = tiny_model_dir(tmp_path / "served", "llama", num_layers=2)
+    (Path(model) / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    data = write_sharegpt(tmp_path / "chats.jsonl", 16)
+    out = str(tmp_path / "regen")
+    serve = (f"{sys.executable} -m transformers.cli.transformers serve {model} --device cpu --dtype float32 "
+             "--host 127.0.0.1 --port $LAYERTAP_TASK_PORT")
+    args = ["regenerate", "--tasks", "2", "--gpus-per-node", "0", "--cpus-per-task", "1", "--mem", "3G",
+            "--dataset", data, "--out", out, "--endpoint", "http://127.0.0.1:$LAYERTAP_TASK_PORT/v1", "--model", model,
+            "--max-tokens", "8", "--rows-per-part", "4", "--concurrency", "2", "--serve", serve]
+    assert submit(*args) == 0
+    output = capsys.readouterr().out
+    assert "no regeneration at" in output and "array of 2 task(s), --array=0-1" in output
+    array = submitted(output)[0]
+    wait_for(lambda: job_done(array), "the regeneration array", timeout=300)
+    logs = {t: (tmp_path / "layertap-logs" / f"layertap-regenerate-{array}_{t}.out").read_text() for t in (0, 1)}
+    assert {j["ArrayTaskId"]: j["JobState"] for j in scontrol_jobs(array)} == {"0": "COMPLETED", "1": "COMPLETED"}, logs
+    for t in (0, 1):
+        assert f"--task {t}/2" in logs[t] and f"task {t}/2 has 2 parts, 0 done, 2 to do" in logs[t]
+        assert "the server answers at http://127.0.0.1:" in logs[t] and "the server stopped" in logs[t]
+    assert len(assert_every_row_once(out, 16)) == 16
+
+    # Part 3 (task 1's) lost: only task 1 is submitted again; then nothing is left to submit.
+    store = open_store(out)
+    store.delete(part_key(3))
+    assert submit(*args) == 0
+    output = capsys.readouterr().out
+    assert "3 of 4 parts done" in output and "array of 1 task(s), --array=1:" in output
+    again = submitted(output)[0]
+    wait_for(lambda: job_done(again), "the resubmitted task", timeout=300)
+    assert [j["ArrayTaskId"] for j in scontrol_jobs(again)] == ["1"]
+    assert sorted(done_parts(store)) == [0, 1, 2, 3]
+    assert submit(*args) == 0
+    assert "nothing to submit: every part is done" in capsys.readouterr().out
