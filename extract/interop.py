@@ -66,8 +66,16 @@ def check_exportable(fmt: str, run: RunConfig, uri: str) -> None:
                           f"to {fmt}")
 
 
-def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None = None) -> dict[str, Any]:
-    """Write the run's committed samples (the first `limit`) to `dest` in `fmt`'s layout."""
+def layer_order(fmt: str, layers: list[int]) -> list[int]:
+    """Which stored layer goes where in `fmt`'s files: ascending for speculators, else as stored."""
+    return sorted(range(len(layers)), key=layers.__getitem__) if fmt == "speculators" else list(range(len(layers)))
+
+
+def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None = None,
+               rows_only: bool = False) -> dict[str, Any]:
+    """Write the run's committed samples (the first `limit`) to `dest` in `fmt`'s layout
+    (`rows_only`: speculators' Arrow dataset alone, its states read from the run by
+    `extract.speculators_transfer`)."""
     manifest = load_manifest(run)
     ident = manifest.identity
     check_exportable(fmt, ident, run.uri)
@@ -75,12 +83,11 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     if len(commits) < len(manifest.shards):
         log.warning("the run at %s has %d of %d shards committed: exporting those", run.uri, len(commits),
                     len(manifest.shards))
-    order = sorted(range(len(ident.layers)), key=ident.layers.__getitem__) if fmt == "speculators" \
-        else list(range(len(ident.layers)))
+    order = layer_order(fmt, ident.layers)
     layers = [ident.layers[j] for j in order]
     total = sum(c.num_records for c in commits)
     total = min(total, limit) if limit is not None else total
-    out = writer(fmt, dest)
+    out = writer(fmt, dest, rows_only=rows_only)
     written = 0
     with progress(total, desc="export", unit="sample") as bar:
         for c in commits:

@@ -24,6 +24,9 @@ def add_export(p: argparse.ArgumentParser) -> None:
                         "aux_hidden_states and the post-norm final state (needs --final-state postnorm)")
     p.add_argument("dest", metavar="DEST", help="where to write the files: a folder or s3://bucket/prefix")
     p.add_argument("--limit", type=int, help="export the first N samples (default all)")
+    p.add_argument("--rows-only", action="store_true",
+                   help="speculators: write only the Arrow dataset; its trainer then reads the states from the run "
+                        "itself through layertap.extract.speculators_transfer.LayertapTransfer (docs/INTEROP.md)")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -33,7 +36,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
-    note = export_run(open_store(args.run), args.format, open_store(args.dest), limit=args.limit)
+    note = export_run(open_store(args.run), args.format, open_store(args.dest), limit=args.limit,
+                      rows_only=args.rows_only)
     print(f"exported {note['samples']} samples of {args.run} to {args.dest} in {args.format}'s layout; "
           f"layers {note['layers']} (layertap's ids) are {args.format}'s {note[f'{args.format}_layer_ids']}")
     return 0

@@ -72,10 +72,15 @@ def reader(fmt: str, store: ObjectStore, num_layers: int) -> ForeignReader:
     return cls(store, num_layers)
 
 
-def writer(fmt: str, store: ObjectStore) -> ForeignWriter:
+def writer(fmt: str, store: ObjectStore, rows_only: bool = False) -> ForeignWriter:
+    """The writer of `fmt` into `store`; `rows_only`: speculators' Arrow dataset without the states."""
+    if rows_only and fmt != "speculators":
+        raise InputError(f"--rows-only is for speculators' layout (its Arrow dataset), not {fmt}'s")
     if fmt == "speculators":
-        from layertap.storage.foreign_speculators import SpeculatorsWriter as cls
-    elif fmt == "specforge":
+        from layertap.storage.foreign_speculators import SpeculatorsWriter
+
+        return SpeculatorsWriter(store, states=not rows_only)
+    if fmt == "specforge":
         from layertap.storage.foreign_specforge import SpecForgeWriter as cls
     elif fmt == "modelopt":
         from layertap.storage.foreign_modelopt import ModelOptWriter as cls

@@ -30,13 +30,24 @@ def hs_key(index: int) -> str:
     return f"{HIDDEN}hs_{index}.safetensors"
 
 
-class SpeculatorsWriter:
-    """Rows in the order written (index 0, 1, ...); `close` writes the Arrow dataset."""
+def hs_tensors(sample: Sample) -> dict[str, torch.Tensor]:
+    """A sample as speculators' `hs_{i}.safetensors` holds it (layers already in the file's order)."""
+    if sample.final_state is None:
+        raise InputError(f"sample {sample.sample_id} has no final state; speculators' files need the pre-norm "
+                         "output of the last decoder layer")
+    states = torch.cat((as_bf16(sample.hidden_states), as_bf16(sample.final_state)[:, None]), dim=1)
+    return {"hidden_states": states.contiguous(), "token_ids": sample.input_ids.to(torch.int64).contiguous()}
 
-    def __init__(self, store: ObjectStore):
+
+class SpeculatorsWriter:
+    """Rows in the order written (index 0, 1, ...); `close` writes the Arrow dataset. With
+    `states=False` only the Arrow dataset is written, for speculators to read the states from the
+    run itself (`extract.speculators_transfer`)."""
+
+    def __init__(self, store: ObjectStore, states: bool = True):
         import pyarrow as pa
 
-        self.store = store
+        self.store, self.states = store, states
         self._tmp = tempfile.TemporaryDirectory(prefix="layertap-speculators-")
         self._schema = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
                                   ("seq_len", pa.int64())])
@@ -49,12 +60,10 @@ class SpeculatorsWriter:
 
         if index != self._next:
             raise ValueError(f"speculators rows are written in order: expected row {self._next}, got {index}")
-        if sample.final_state is None:
-            raise InputError(f"sample {sample.sample_id} has no final state; speculators' files need the pre-norm "
-                             "output of the last decoder layer")
-        ids = sample.input_ids.to(torch.int64)
-        states = torch.cat((as_bf16(sample.hidden_states), as_bf16(sample.final_state)[:, None]), dim=1)
-        self.store.put(hs_key(index), st_save({"hidden_states": states.contiguous(), "token_ids": ids.contiguous()}))
+        tensors = hs_tensors(sample)
+        ids = tensors["token_ids"]
+        if self.states:
+            self.store.put(hs_key(index), st_save(tensors))
         batch = pa.record_batch([pa.array([ids.tolist()], pa.list_(pa.int64())),
                                  pa.array([sample.loss_mask.to(torch.int64).tolist()], pa.list_(pa.int64())),
                                  pa.array([len(ids)], pa.int64())], schema=self._schema)

@@ -228,3 +228,22 @@ def test_speculators_layout_on_s3_round_trip(prenorm_run, target, s3_bucket):
     got = samples(back)
     for i, s in enumerate(in_order(prenorm_run)[:3]):
         assert_same(got[str(i)], ascending(s))
+
+
+def test_speculators_trains_from_the_run_itself_through_the_layertap_transfer(prenorm_run, tmp_path):
+    """`--rows-only` writes the Arrow dataset alone; speculators' ArrowDataset then reads each row's
+    states from the run's shards through LayertapTransfer, equal to the full export's files."""
+    from layertap.extract.speculators_transfer import LayertapTransfer
+
+    full, rows = str(tmp_path / "full"), str(tmp_path / "rows")
+    assert cli(["export", prenorm_run, "--to", "speculators", full]) == 0
+    assert cli(["export", prenorm_run, "--to", "speculators", rows, "--rows-only"]) == 0
+    assert not (tmp_path / "rows" / "hidden_states").exists()
+    files = ArrowDataset(max_len=64, datapath=full, on_missing="raise")
+    streamed = ArrowDataset(max_len=64, datapath=rows, on_missing="raise", transfer=LayertapTransfer(prenorm_run))
+    assert len(files) == len(streamed) == len(in_order(prenorm_run))
+    for i in range(len(files)):
+        a, b = files[i], streamed[i]
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert LayertapTransfer(prenorm_run).get_cached(len(files)) is None
