@@ -30,6 +30,9 @@ from tiny_models import tiny_model_dir, tiny_tokenizer
 # Not skipped when missing: CI installs it (tests/run.sh), and a missing package is a failure here.
 import speculators  # noqa: E402,F401
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig  # noqa: E402
+from loguru import logger  # noqa: E402
+
+logger.remove()  # speculators logs through loguru to the stderr it saw at import, which pytest's capture closes
 
 FAST = ["--batch-size", "4", "--block-size", "4", "--max-anchors", "8", "--lr", "1e-2"]
 MASK_ID = tiny_tokenizer().convert_tokens_to_ids("<think>")  # a special token the ChatML chats never use
