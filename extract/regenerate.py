@@ -23,8 +23,8 @@ from typing import Any, Mapping
 from layertap.extract.chat_client import ChatClient, Refused, public_url
 from layertap.extract.served import serving
 from layertap.manifests.preemption import StopSignals
-from layertap.extract.regenerated import (Recipe, done_parts, part_key, read_recipe, read_stats, stats_key,
-                                          RECIPE)
+from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, part_key, read_recipe, read_stats,
+                                             stats_key)
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.flags import setting, settings
 from layertap.storage.store import ObjectStore, open_store

@@ -1,107 +1,17 @@
-"""The layout of a regenerated dataset on a store, and reading it back as extraction input.
-
-`layertap regenerate` writes, under its output prefix (a local folder or an S3 prefix):
-
-- `regenerate.json`: the recipe (input dataset and its fingerprint, served model, sampling
-  settings, rows per part), written once; a rerun with another recipe is refused;
-- `parts/{p:06d}.jsonl`: the regenerated rows of source rows ``[p*K, (p+1)*K)``, in row order,
-  one OpenAI-style chat per line (``id``, ``messages``, ``regenerated``). A part is written once
-  all of its rows are answered or refused: it is the record that those rows are done, so a
-  rerun redoes only missing parts and no row is ever written twice;
-- `stats/{p:06d}.json`: the part's counts (tokens, truncated answers) and its refused rows with
-  their reasons, written just before the part.
-
-`layertap extract --dataset PREFIX` reads a complete output directly (`is_regenerated`,
-`load_regenerated`).
-"""
+"""A finished regeneration (`layertap regenerate`'s output, manifests/regeneration.py has its
+layout) read back as extraction input: `layertap extract --dataset PREFIX` takes a local folder or
+an S3 prefix (`is_regenerated`, `load_regenerated`), in source-row order."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import xxhash
 
+from layertap.manifests.regeneration import RECIPE, Recipe, done_parts, read_recipe
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.store import ObjectStore, open_store
-
-FORMAT = "layertap-regenerated/1"
-RECIPE = "regenerate.json"
-PARTS = "parts/"
-STATS = "stats/"
-
-
-def part_key(part: int) -> str:
-    return f"{PARTS}{part:06d}.jsonl"
-
-
-def stats_key(part: int) -> str:
-    return f"{STATS}{part:06d}.json"
-
-
-def part_of_key(key: str) -> int:
-    """`parts/000012.jsonl` -> 12."""
-    return int(key.rsplit("/", 1)[-1].split(".", 1)[0])
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recipe:
-    """What a regenerated dataset was made from and how: a rerun must match it to continue."""
-
-    dataset: dict[str, Any]  # path, fingerprint, rows (after --limit), limit
-    model: str  # the served model name the requests named
-    sampling: dict[str, Any]  # temperature, top_p, max_tokens, seed, chat_template_kwargs
-    rows_per_part: int
-    parts: int
-    endpoint: str = ""  # where it was first made (no credentials), for the record only
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "dataset": self.dataset, "model": self.model, "sampling": self.sampling,
-                "rows_per_part": self.rows_per_part, "parts": self.parts, "endpoint": self.endpoint}
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any], where: str) -> Recipe:
-        if raw.get("format") != FORMAT:
-            raise InputError(f"{where}: not a layertap regenerated dataset (format {raw.get('format')!r}, "
-                             f"expected {FORMAT!r})")
-        return cls(dataset=raw["dataset"], model=raw["model"], sampling=raw["sampling"],
-                   rows_per_part=int(raw["rows_per_part"]), parts=int(raw["parts"]),
-                   endpoint=raw.get("endpoint", ""))
-
-    def differences(self, other: Recipe) -> list[str]:
-        """What `other` (this command line's recipe) changes: each difference named, run's value first."""
-        diffs = []
-        for name in ("model", "rows_per_part"):
-            if getattr(self, name) != getattr(other, name):
-                diffs.append(f"{name}: output has {getattr(self, name)!r}, now {getattr(other, name)!r}")
-        for name in ("fingerprint", "rows", "limit"):
-            if self.dataset.get(name) != other.dataset.get(name):
-                diffs.append(f"dataset {name}: output has {self.dataset.get(name)!r}, now {other.dataset.get(name)!r}")
-        for name in sorted(set(self.sampling) | set(other.sampling)):
-            if self.sampling.get(name) != other.sampling.get(name):
-                diffs.append(f"{name}: output has {self.sampling.get(name)!r}, now {other.sampling.get(name)!r}")
-        return diffs
-
-
-def read_recipe(store: ObjectStore) -> Recipe | None:
-    """The recipe at the store's root, or None where nothing was regenerated yet."""
-    if not store.exists(RECIPE):
-        return None
-    try:
-        raw = json.loads(store.get(RECIPE))
-    except json.JSONDecodeError as e:
-        raise InputError(f"{store.uri}/{RECIPE} is not valid JSON: {e}") from None
-    return Recipe.from_json(raw, f"{store.uri}/{RECIPE}")
-
-
-def done_parts(store: ObjectStore) -> dict[int, Any]:
-    """The committed parts: part number -> its listing entry (size, version)."""
-    return {part_of_key(o.key): o for o in store.list(PARTS) if o.key.endswith(".jsonl")}
-
-
-def read_stats(store: ObjectStore, parts: list[int]) -> list[dict[str, Any]]:
-    return [json.loads(store.get(stats_key(p))) for p in parts if store.exists(stats_key(p))]
 
 
 def is_regenerated(path: str) -> bool:

@@ -12,14 +12,16 @@ from layertap.storage.units import duration, size
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
 EXIT_COMPLETE, EXIT_PROBLEM, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 3, 4  # 2: a user error (layertap/cli.py)
 STATUS_EXIT_CODES = (
-    "exit codes: 0 complete (a training output: its drafter is exported); 3 not complete, no failed shard "
-    "(pending or running; a training output still training or stopped); 4 failed shards; 1 the run is "
-    "inconsistent (a replaced manifest); 2 no run or training output there, or a bad prefix")
+    "exit codes: 0 complete (a training output: its drafter is exported; a regeneration: every part written); 3 "
+    "not complete, no failed shard (pending or running; a training output still training or stopped; a "
+    "regeneration with parts left); 4 failed shards; 1 the run is inconsistent (a replaced manifest); 2 no run, "
+    "training or regeneration output there, or a bad prefix")
 
 
 def add_status(p: argparse.ArgumentParser) -> None:
-    p.description = (p.description or "") + (". Also a `layertap train` output: steps, last loss, latest "
-                                               "checkpoint. Reads only: it writes nothing to the store.")
+    p.description = (p.description or "") + (". Also a `layertap train` output (steps, last loss, latest "
+                                               "checkpoint) or a `layertap regenerate` output (parts and rows done, "
+                                               "refused rows). Reads only: it writes nothing to the store.")
     p.epilog = STATUS_EXIT_CODES
     p.add_argument("prefix", help="the run prefix (or a training output): s3://bucket/prefix or a local folder")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
@@ -43,12 +45,17 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         s = status(store, shards=args.shards)
     except NoRun as e:
+        from layertap.manifests.regeneration import regeneration_status
         from layertap.manifests.train_output import training_status
 
         t = training_status(store)
-        if t is None:
+        r = regeneration_status(store) if t is None else None
+        if t is None and r is None:
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
-                        "checkpoints/latest.json)") from None
+                        "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)") from None
+        if r is not None:
+            print(json.dumps(r, indent=2) if args.json else format_regeneration(r))
+            return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
         print(json.dumps(t, indent=2) if args.json else format_training(t))
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
     print(json.dumps(s, indent=2) if args.json else format_status(s))
@@ -56,6 +63,24 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"error: {s['problem']}", file=sys.stderr)
         return EXIT_PROBLEM
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] else EXIT_INCOMPLETE
+
+
+def format_regeneration(r: dict) -> str:
+    refused = sum(r["rows_refused"].values())
+    lines = [
+        f"regeneration at {r['prefix']}  (model {r['model']}, temperature {r['sampling'].get('temperature')}, "
+        f"max tokens {r['sampling'].get('max_tokens')})",
+        f"  parts    {r['parts_done']:,}/{r['parts_total']:,} done",
+        f"  rows     {r['rows_done']:,}/{r['rows_total']:,} done: {r['rows_regenerated']:,} regenerated, {refused:,} "
+        "refused" + (f" ({', '.join(f'{k}: {v:,}' for k, v in sorted(r['rows_refused'].items()))}; reasons in "
+                     "stats/)" if refused else ""),
+        f"  tokens   {r['completion_tokens']:,} generated, {r['truncated_turns']:,} answers cut at max tokens",
+    ]
+    if r["complete"]:
+        lines += ["  COMPLETE", "", "extract over it:", f"  layertap extract --dataset {r['prefix']} --model ... --out ..."]
+    else:
+        lines.append("  the same `layertap regenerate` (or `layertap submit regenerate`) command finishes the rest")
+    return "\n".join(lines)
 
 
 def format_status(s: dict) -> str:

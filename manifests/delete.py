@@ -62,6 +62,7 @@ def describe(store, force: bool) -> str:
     """What the prefix holds, in words; raises `Refused` for what must not be deleted unforced."""
     from layertap.manifests import layout
     from layertap.manifests.manifest import ManifestError, NoRun, load_manifest
+    from layertap.manifests.regeneration import RECIPE
     from layertap.manifests.state import scan
 
     try:
@@ -79,6 +80,8 @@ def describe(store, force: bool) -> str:
         return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
     if any(store.exists(k) for k in TRAINING_KEYS):
         return f"training output at {store.uri}"
+    if store.exists(RECIPE):
+        return f"regeneration output at {store.uri}"
     if not force:
         raise Refused(f"{store.uri} holds no run (no manifest.json) and no training output (no metrics.jsonl or "
                          "checkpoints/latest.json): not deleting it. Check the prefix, or pass --force to delete "

@@ -277,7 +277,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
 def _submit_regenerate(args: argparse.Namespace) -> int:
     """The array's tasks that still have parts to do (all of them for a new output)."""
     from layertap.extract.regenerate import load_regenerate_config
-    from layertap.extract.regenerated import done_parts, read_recipe
+    from layertap.manifests.regeneration import done_parts, read_recipe
     from layertap.slurm import submit
     from layertap.slurm.resources import regenerate_resources
     from layertap.slurm.scripts import ArrayPlan, regenerate_script

@@ -23,7 +23,8 @@ import pytest
 from layertap.cli import main as cli
 from layertap.extract.embedded import sharegpt_conversations
 from layertap.extract.inputs import load_rows, normalize_chat, TokenizeStats
-from layertap.extract.regenerated import RECIPE, done_parts, iter_rows, read_stats
+from layertap.extract.regenerated import iter_rows
+from layertap.manifests.regeneration import RECIPE, done_parts, read_stats
 from layertap.storage.store import open_store
 from tiny_models import CHATML_TEMPLATE, tiny_model_dir
 
@@ -161,7 +162,11 @@ def test_regenerates_sharegpt_turn_by_turn_and_extract_reads_it(where, server, m
     assert recipe["model"] == model and recipe["sampling"]["temperature"] == 0.0
     assert recipe["sampling"]["max_tokens"] == 8 and recipe["dataset"]["rows"] == 24
 
-    # A rerun has nothing to do; the output reads as an extraction's dataset.
+    # status tells what was done; a rerun has nothing to do; the output reads as an extraction's dataset.
+    capsys.readouterr()
+    assert cli(["status", out]) == 0
+    text = capsys.readouterr().out
+    assert "parts    6/6 done" in text and "24/24 done: 23 regenerated, 1 refused (http_500: 1" in text
     assert cli(regenerate_args(data, out, server)) == 0
     assert cli(["extract", "--model", model, "--dataset", out, "--out", str(tmp_path / "run"), "--layers", "0,1",
                 "--dtype", "float32", "--max-length", "64"]) == 0
@@ -259,6 +264,10 @@ def test_a_rerun_with_other_settings_is_refused_and_bad_inputs_are_named(server,
     capsys.readouterr()
     with pytest.raises(Exception, match=r"unfinished regeneration: 1 of 3 parts done"):
         load_rows(str(unfinished))
+    assert cli(["status", str(unfinished)]) == 3
+    assert "parts    1/3 done" in capsys.readouterr().out
+    assert cli(["delete", str(unfinished), "--yes"]) == 0  # recognized as a regeneration: no --force needed
+    assert not unfinished.exists() or not any(unfinished.rglob("*.json*"))
 
 
 def _port_open(port: int) -> bool:

@@ -622,7 +622,7 @@ def test_regeneration_array_serves_per_task_and_resubmits_only_unfinished_parts(
     """`submit regenerate --tasks 2 --serve ...`: each array task starts its own `transformers serve`
     on its own port, regenerates its share of the parts, and stops the server; a resubmission after
     a part was lost starts only the task that owns it, and one after completion starts nothing."""
-    from layertap.extract.regenerated import done_parts, part_key
+    from layertap.manifests.regeneration import done_parts, part_key
     from test_regenerate import STRICT_TEMPLATE, assert_every_row_once, write_sharegpt
 
     monkeypatch.chdir(tmp_path)
