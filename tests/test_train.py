@@ -247,6 +247,14 @@ def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, t
     assert report["matches_greedy"] is True and report["prompts"] == 2
     assert 1.0 <= report["tau"] <= 4 and 1.0 <= report["tau_untrained"] <= 4
     assert report["verify_steps"] >= 2 and len(report["acceptance_per_position"]) == 3
+    # A kept checkpoint evaluates as a point of a learning curve: step 120's is the exported drafter.
+    assert cli(["eval", "--drafter", out, "--prompts", str(prompts), "--max-new-tokens", "12", "--json",
+                "--step", "120", "--no-baseline"]) == 0
+    at_120 = json.loads(capsys.readouterr().out)
+    assert at_120["checkpoint_step"] == 120 and at_120["tau"] == report["tau"]
+    assert cli(["eval", "--drafter", out, "--prompts", str(prompts), "--step", "50"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint of step 50" in err and "kept: [100, 120]" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "no prompt here"}) + "\n")
     assert cli(["eval", "--drafter", out, "--model", target, "--prompts", str(bad)]) == 2

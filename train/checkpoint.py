@@ -168,8 +168,19 @@ def export_drafter(store: ObjectStore, model: DFlashDrafter) -> None:
     store.put(EXPORT_CONFIG, json.dumps(model.config.to_json(), indent=1).encode())
 
 
-def load_drafter_files(store: ObjectStore) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
-    """Config and weights of an exported drafter (a folder or prefix holding `drafter/` or the files)."""
+def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """Config and weights of an exported drafter (a folder or prefix holding `drafter/` or the files),
+    or, with `step`, of the drafter in that checkpoint (a learning curve evaluates several)."""
+    if step is not None:
+        prefix = step_prefix(step)
+        try:
+            state = json.loads(store.get(f"{prefix}/state.json"))
+            return DrafterConfig.from_json(state["drafter"]), st_load(store.get(f"{prefix}/drafter.safetensors"))
+        except ObjectNotFound:
+            kept = sorted(int(o.key.split("/")[1].removeprefix("step-")) for o in store.list("checkpoints/step-")
+                          if o.key.endswith("/state.json"))
+            raise MissingInput(f"no checkpoint of step {step} at {store.uri} (kept: {kept or 'none'}; "
+                               f"--keep-checkpoints sets how many are kept)") from None
     for base in ("drafter/", ""):
         try:
             config = json.loads(store.get(base + "config.json"))

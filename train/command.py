@@ -35,6 +35,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                         "decoding compares exact choices, and in bfloat16 a near-tie between two tokens can come "
                         "out differently in a multi-token verify forward than in one-token decoding)")
     p.add_argument("--device", help="where the target and drafter run (default: cuda when there is one, else cpu)")
+    p.add_argument("--step", type=int, help="evaluate the drafter of the checkpoint at this step instead of the "
+                                            "exported one (a learning curve: train with --keep-checkpoints 0)")
     p.add_argument("--no-baseline", action="store_true", help="skip the untrained drafter's tau")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -44,6 +46,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
     report = evaluate(args.drafter, args.model, args.prompts, gguf_file=args.gguf_file, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, dtype=args.dtype, baseline=not args.no_baseline,
-                      device=args.device)
+                      device=args.device, step=args.step)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["matches_greedy"] else 1

@@ -305,13 +305,13 @@ def _tau(runs: list[Decoded], block_size: int) -> tuple[float, list[float]]:
 
 def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_file: str | None = None, limit: int | None = None,
              max_new_tokens: int = 64, dtype: str = "float32", baseline: bool = True,
-             max_prompt_tokens: int = 1024, device: str | None = None) -> dict[str, Any]:
+             max_prompt_tokens: int = 1024, device: str | None = None, step: int | None = None) -> dict[str, Any]:
     """tau of the drafter (and of an untrained one) on held-out prompts, and the greedy check.
     `model` None: the target the drafter records. `device`: where both models run; None takes
     the GPU when there is one."""
     t0 = time.time()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config, weights = load_drafter_files(open_store(drafter_uri))
+    config, weights = load_drafter_files(open_store(drafter_uri), step)
     if model is None:
         model, gguf_file = recorded_target(config.target, f"the drafter at {drafter_uri} was trained for",
                                            "the drafter's config")
@@ -357,6 +357,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         "verify_steps": sum(len(r.accepted) for r in trained), "block_size": config.block_size,
         "max_new_tokens": max_new_tokens, "speculative_s": round(spec_s, 3),
         "rollback_s": {k: round(v, 3) for k, v in rollback_s.items()} if runner.hybrid else None,
+        "checkpoint_step": step,
     }
     if baseline:
         report["tau_untrained"] = _tau(untrained, config.block_size)[0]

@@ -1,0 +1,143 @@
+"""A drafter's learning curve: loss and held-out tau against training steps, drawn to a PNG.
+
+    python bench/learning_curve.py [--work DIR] [--limit 300] [--steps 200] [--every 50] [--prompts 8]
+                                   [--write-docs] [-- extra `layertap train` arguments]
+
+Trains one drafter (bench/train_dflash.py's target, data and settings unless overridden after
+`--`), keeping every checkpoint (--save-every EVERY, --keep-checkpoints 0), then evaluates tau on
+the same held-out prompts at each kept checkpoint (`layertap eval --step N`), with an untrained
+drafter as the baseline. A recipe change then shows its effect along the run, not only at its end.
+Writes docs/train_curve.png (loss and tau against steps), docs/bench/learning_curve.json and, with
+--write-docs, the table in docs/benchmarks.md. A rerun keeps finished steps (extraction, training,
+each eval). Run it with OMP_NUM_THREADS=1 on a shared CPU (see bench/train_dflash.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._report import machine, write_section  # noqa: E402
+from bench.train_dflash import TRAIN_ARGS, held_out_prompts, layertap  # noqa: E402
+from layertap.extract.embedded import smollm2_gguf  # noqa: E402
+
+
+def eval_at(out: Path, step: int, model: list[str], prompts: Path, max_new_tokens: int, work: Path,
+            baseline: bool) -> dict:
+    report = work / f"eval-step{step:06d}.json"
+    if not report.exists() or not report.read_text().strip():
+        with open(report, "w") as f:
+            subprocess.run([sys.executable, "-m", "layertap", "eval", "--drafter", str(out), *model, "--prompts",
+                            str(prompts), "--max-new-tokens", str(max_new_tokens), "--step", str(step), "--json",
+                            *([] if baseline else ["--no-baseline"])], stdout=f, stderr=open(work / "log.txt", "a"),
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return json.loads(report.read_text())
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` steps: per-step losses of small batches are noisy."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(path: Path, steps: list[int], loss: list[float], points: list[dict], untrained: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.plot(steps, loss, lw=1, alpha=0.35, label="loss per step")
+    a.plot(steps, smoothed(loss, 10), lw=2, label="mean of 10 steps")
+    a.set_xlabel("step"), a.set_ylabel("training loss"), a.legend(), a.grid(alpha=0.3)
+    b.plot([p["step"] for p in points], [p["tau"] for p in points], "o-", lw=2, label="trained")
+    b.axhline(untrained, color="grey", ls="--", label=f"untrained ({untrained:.3f})")
+    b.set_xlabel("step"), b.set_ylabel("tau (held-out, greedy)"), b.legend(), b.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="/tmp/layertap-bench-curve")
+    ap.add_argument("--limit", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--png", default=str(ROOT / "docs" / "train_curve.png"))
+    ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "learning_curve.json"))
+    ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("train_args", nargs="*", help="after --: more `layertap train` arguments (they win)")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "log.txt"
+    folder, gguf = smollm2_gguf()
+    model = ["--model", folder, "--gguf-file", gguf]
+    prompts = work / "prompts.jsonl"
+    held_out_prompts(prompts, args.prompts)
+    run, out = work / "run", work / "drafter"
+    layertap("extract", *model, "--out", str(run), "--dtype", "float32", "--max-length", "256", "--limit",
+             str(args.limit), "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)
+    resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
+    train = [*TRAIN_ARGS, "--save-every", str(args.every), "--keep-checkpoints", "0", *args.train_args]
+    layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(args.steps), *train, *resume,
+             log=log)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kept = sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*"))
+    points = []
+    for i, step in enumerate(kept):
+        r = eval_at(out, step, model, prompts, args.max_new_tokens, work, baseline=i == 0)
+        points.append({"step": step, "tau": r["tau"], "acceptance_per_position": r["acceptance_per_position"],
+                       "matches_greedy": r["matches_greedy"], "tau_untrained": r.get("tau_untrained")})
+        print(f"step {step}: tau {r['tau']:.3f}", flush=True)
+    untrained = points[0]["tau_untrained"]
+    loss = [m["loss"] for m in metrics]
+    title = (f"SmolLM2-135M drafter, {args.limit} ShareGPT chats, {' '.join(train)}; "
+             f"tau on {args.prompts} held-out prompts x {args.max_new_tokens} tokens")
+    plot(Path(args.png), [m["step"] for m in metrics], loss, points, untrained, title)
+    result = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d}", "machine": machine(), "limit": args.limit,
+              "steps": args.steps, "train_args": train, "prompts": args.prompts,
+              "max_new_tokens": args.max_new_tokens, "tau_untrained": untrained, "points": points,
+              "loss_mean10": [{"step": m["step"], "loss": s} for m, s in zip(metrics, smoothed(loss, 10))
+                              if m["step"] in kept]}
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    rows = "\n".join(f"| {p['step']} | {next(x['loss'] for x in result['loss_mean10'] if x['step'] == p['step']):.3f} "
+                     f"| {p['tau']:.3f} | {' / '.join(f'{a:.2f}' for a in p['acceptance_per_position'][:3])} "
+                     f"| {p['matches_greedy']} |" for p in points)
+    png = os.path.relpath(args.png, ROOT / "docs")
+    md = f"""## Learning curve: loss and tau against steps (issue 24)
+
+`python bench/learning_curve.py --limit {args.limit} --steps {args.steps} --every {args.every} --prompts {args.prompts} --write-docs`
+({result['date']}, {machine()}; raw: docs/bench/learning_curve.json)
+
+![loss and tau against steps]({png})
+
+SmolLM2-135M-Instruct target, the first {args.limit} ShareGPT conversations (max length 256),
+`{' '.join(train)}`; tau on {args.prompts} held-out prompts, {args.max_new_tokens} new tokens each,
+greedy, at every kept checkpoint (`layertap eval --step N`). Untrained drafter: tau {untrained:.3f}.
+
+| step | loss (mean of last 10 steps) | tau | acceptance, draft positions 1..3 | output == greedy |
+|---:|---:|---:|---|---|
+{rows}
+"""
+    print(md)
+    if args.write_docs:
+        write_section("learning_curve", md)
+
+
+if __name__ == "__main__":
+    main()
