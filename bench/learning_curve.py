@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.train_dflash import TRAIN_ARGS, held_out_prompts, layertap  # noqa: E402
-from layertap.extract.embedded import smollm2_gguf  # noqa: E402
+from bench.train_dflash import TRAIN_ARGS, layertap, setup  # noqa: E402
 
 
 def eval_at(out: Path, step: int, model: list[str], prompts: Path, max_new_tokens: int, work: Path,
@@ -82,13 +81,7 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("train_args", nargs="*", help="after --: more `layertap train` arguments (they win)")
     args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "log.txt"
-    folder, gguf = smollm2_gguf()
-    model = ["--model", folder, "--gguf-file", gguf]
-    prompts = work / "prompts.jsonl"
-    held_out_prompts(prompts, args.prompts)
+    work, log, model, prompts = setup(args.work, args.prompts)
     run, out = work / "run", work / "drafter"
     layertap("extract", *model, "--out", str(run), "--dtype", "float32", "--max-length", "256", "--limit",
              str(args.limit), "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.train_dflash import TRAIN_ARGS, held_out_prompts, layertap  # noqa: E402
+from bench.train_dflash import TRAIN_ARGS, layertap, setup  # noqa: E402
 from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
 
 
@@ -78,15 +78,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "log.txt"
-    folder, gguf = smollm2_gguf()
-    model = ["--model", folder, "--gguf-file", gguf]
+    work, log, model, prompts = setup(args.work, args.prompts)
     original = work / "original.jsonl"
     rows = first_exchanges(original, args.limit)
-    prompts = work / "prompts.jsonl"
-    held_out_prompts(prompts, args.prompts)
 
     served, regenerated, port = served_model(work), work / "regenerated", free_port()
     serve = (f"{sys.executable} -m transformers.cli.transformers serve {served} --device cpu --dtype float32 "

@@ -61,6 +61,16 @@ def held_out_prompts(path: Path, n: int) -> None:
                 break
 
 
+def setup(work_dir: str, prompts: int) -> tuple[Path, Path, list[str], Path]:
+    """The work folder, its log, the target's `--model/--gguf-file` arguments and `prompts` held-out prompts."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    folder, gguf = smollm2_gguf()
+    held_out = work / "prompts.jsonl"
+    held_out_prompts(held_out, prompts)
+    return work, work / "log.txt", ["--model", folder, "--gguf-file", gguf], held_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/layertap-bench-train")
@@ -70,13 +80,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "log.txt"
-    folder, gguf = smollm2_gguf()
-    model = ["--model", folder, "--gguf-file", gguf]
-    prompts = work / "prompts.jsonl"
-    held_out_prompts(prompts, args.prompts)
+    work, log, model, prompts = setup(args.work, args.prompts)
     results: dict[str, dict] = {}
     for codec in ("bf16-zstd", "fp8"):
         run, out = work / f"run-{codec}", work / f"drafter-{codec}"
