@@ -17,6 +17,7 @@ from layertap.train.checkpoint import (
     export_drafter,
     load_drafter_files,
     load_latest,
+    read_safetensors,
     restore,
     save_checkpoint,
     write_safetensors,
@@ -85,6 +86,35 @@ def test_streaming_holds_about_one_writer_buffer_not_the_whole_file(tmp_path, s3
         assert peak < total / 4, (store.uri, peak, total)
         back = st_load(store.get("big.safetensors"))
         assert all(torch.equal(back[k], t) for k, t in tensors.items())
+        store.close()
+
+
+def test_reading_a_checkpoint_file_never_holds_its_bytes_beside_the_tensors(tmp_path, s3_bucket):
+    """64 MiB of tensors read back: one ranged read into each tensor, no serialized copy in memory;
+    every dtype a checkpoint holds (bf16 weights, fp32 moments, int64 RNG state, scalar steps)."""
+    tensors = {f"t{i}": torch.full((2 << 20,), float(i)) for i in range(8)}  # 8 x 8 MiB
+    tensors.update(bf16=torch.randn(3, 5).bfloat16(), step=torch.tensor(7.0), rng=torch.get_rng_state(),
+                   empty=torch.zeros(0, 4), flags=torch.tensor([True, False]))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for store in (open_store(str(tmp_path / "out")), open_store(f"s3://{s3_bucket}/out")):
+        write_safetensors(store, "big.safetensors", tensors, {"format": "x"})
+        tracemalloc.start()
+        try:
+            back = read_safetensors(store, "big.safetensors")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < total / 16, (store.uri, peak, total)
+        assert back.keys() == tensors.keys()
+        assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in tensors.items())
+        # A cut file is an error naming it, not tensors of garbage.
+        whole = store.get("big.safetensors")
+        store.put("cut.safetensors", whole[: len(whole) // 2])
+        with pytest.raises(Exception, match="cut short"):
+            read_safetensors(store, "cut.safetensors")
+        store.put("junk.safetensors", b"not a safetensors file at all")
+        with pytest.raises(Exception, match="not a safetensors file"):
+            read_safetensors(store, "junk.safetensors")
         store.close()
 
 
