@@ -51,7 +51,9 @@ def iter_rows(path: str) -> Iterator[dict[str, Any]]:
     """Every regenerated row of a finished regeneration, in source-row order."""
     store, _, parts = _complete(path)
     for o in parts:
-        for line in store.get(o.key).decode().splitlines():
+        # "\n" only: str.splitlines() also splits at U+2028, U+0085 ..., which real chats hold and
+        # json.dumps(ensure_ascii=False) leaves unescaped inside strings.
+        for line in store.get(o.key).decode().split("\n"):
             if line:
                 yield json.loads(line)
 

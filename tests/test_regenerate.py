@@ -96,6 +96,8 @@ def write_sharegpt(path: Path, n: int, refuse: tuple[int, ...] = ()) -> str:
             turns = [{**t, "value": t["value"][:300]} for t in turns]
             if i in refuse:
                 turns[0] = {"from": "human", "value": f"{REFUSE}: {turns[0]['value']}"}
+            if i == 1:  # line and paragraph separators that real chats hold: not line ends in a part
+                turns[0] = {**turns[0], "value": turns[0]["value"] + " \u2028 \u2029 \x85 \x1c end"}
             f.write(json.dumps({"id": row["id"], "conversations": turns}) + "\n")
     return str(path)
 
