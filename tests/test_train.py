@@ -49,6 +49,19 @@ def run(target, tmp_path_factory, s3_endpoint) -> str:
     return uri
 
 
+@pytest.fixture(scope="module")
+def prenorm_run(target, tmp_path_factory, s3_endpoint) -> str:
+    """The same chats extracted with the final state (prenorm): what distillation trains on."""
+    bucket = f"train-prenorm-{os.getpid()}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    tmp = tmp_path_factory.mktemp("prenorm-run")
+    uri = f"s3://{bucket}/runs/tiny"
+    assert cli(["extract", "--model", target, "--dataset", write_chats(tmp / "chats.jsonl", 40), "--out", uri,
+                "--layers", "1,3", "--final-state", "prenorm", "--max-length", "64", "--shard-bytes", "20KB",
+                "--log-dir", str(tmp / "logs")]) == 0
+    return uri
+
+
 def train_cli(*args: str) -> int:
     return cli(["train", *args])
 
@@ -265,8 +278,10 @@ def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, t
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, tmp_path):
-    args = ["--data", run, "--model", target, "--steps", "60", "--save-every", "4", *FAST]
+@pytest.mark.parametrize("objective", ["ce", "ce+kl"])
+def test_resume_after_sigkill_repeats_the_same_batches_and_losses(objective, target, tmp_path, request):
+    run = request.getfixturevalue("run" if objective == "ce" else "prenorm_run")
+    args = ["--data", run, "--model", target, "--steps", "60", "--save-every", "4", "--objective", objective, *FAST]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     whole = str(tmp_path / "whole")
     subprocess.run([sys.executable, "-m", "layertap", "train", *args, "--out", whole], check=True, env=env,
@@ -290,7 +305,8 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(run, target, t
     a, b = metrics(whole), metrics(str(killed))
     assert [r["step"] for r in b] == list(range(1, 61))
     for x, y in zip(a, b):
-        assert (x["step"], x["samples_digest"], x["loss"], x["lr"]) == (y["step"], y["samples_digest"], y["loss"], y["lr"])
+        assert (x["step"], x["samples_digest"], x["loss"], x.get("kl"), x["lr"]) == \
+            (y["step"], y["samples_digest"], y["loss"], y.get("kl"), y["lr"])
     wa, wb = load_drafter_files(open_store(whole))[1], load_drafter_files(open_store(str(killed)))[1]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 

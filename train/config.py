@@ -45,6 +45,12 @@ class TrainConfig:
                                                    "embedding the drafter learns a mask embedding, which "
                                                    "`layertap export-drafter --to speculators` refuses: give a "
                                                    "reserved or unused id below the vocabulary size instead)")
+    objective: Literal["ce", "kl", "ce+kl"] = setting(
+        "ce", help="what each draft slot learns: ce, the data's next token; kl, the target's next-token "
+                   "distribution (forward KL), computed through its frozen norm and head from the final-layer "
+                   "state the run stored (`layertap extract --final-state prenorm`); ce+kl, the sum")
+    distill_temperature: float = setting(1.0, help="with --objective kl or ce+kl: both distributions are "
+                                                   "softened by this temperature (the KL is scaled by its square)")
     mixed_precision: Literal["auto", "no", "bf16"] = setting(
         "auto", help="the forward's precision (default {default}: bf16 autocast on GPU, fp32 on CPU)")
     follow: bool = setting(False, help="train while the run is extracted: start before or during `layertap extract` "
@@ -77,6 +83,10 @@ class TrainConfig:
             raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"--warmup-ratio must be within [0, 1), got {self.warmup_ratio}")
+        if self.objective not in ("ce", "kl", "ce+kl"):
+            raise ConfigError(f"--objective must be ce, kl or ce+kl, not {self.objective!r}")
+        if self.distill_temperature <= 0:
+            raise ConfigError(f"--distill-temperature must be > 0, got {self.distill_temperature}")
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise ConfigError(f"--mixed-precision must be auto, no or bf16, not {self.mixed_precision!r}")
         if self.follow_poll_s <= 0:
@@ -94,9 +104,16 @@ class TrainConfig:
         keys = ("data", "seed", "batch_size", "grad_accum", "epochs", "steps", "lr", "min_lr_ratio", "warmup_ratio",
                 "weight_decay", "max_grad_norm", "block_size", "max_anchors", "gamma", "shuffle_buffer")
         ident = {k: getattr(self, k) for k in keys}
+        ident["objective"] = self.objective  # a checkpoint without it was trained with ce (`RESUME_DEFAULTS`)
+        if self.objective != "ce":
+            ident["distill_temperature"] = self.distill_temperature
         if self.follow:  # only when set: checkpoints written before follow mode existed still compare equal
             ident["follow"] = True
         return ident
+
+
+# What a checkpoint written before a setting existed trained with: compared as if it had recorded it.
+RESUME_DEFAULTS: dict[str, Any] = {"objective": "ce"}
 
 
 def load_train_config(args: Any) -> TrainConfig:

@@ -6,6 +6,11 @@ time, so only these tensors are read: from a safetensors checkpoint folder throu
 from a GGUF file (dequantized). Tied embeddings (no separate head) are handled: the head is the
 embedding matrix. The model's shape facts (hidden size, heads, rope) come along, to size the
 drafter's defaults.
+
+Distillation (`--objective kl` on a prenorm final state) also needs the target's final norm:
+`load_final_norm` reads its weight alone the same way, and applies it with the model's own norm
+code (built on the meta device from the config), so norms that scale by (1 + weight), as
+Qwen3.5/3.6, Qwen3-Next and Gemma do, are computed as the target computes them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from layertap.storage.errors import InputError, MissingInput
 
@@ -25,6 +31,7 @@ log = logging.getLogger(__name__)
 _EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight",
                "transformer.wte.weight")
 _HEAD_KEYS = ("lm_head.weight",)
+_NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")
 
 
 @dataclass
@@ -59,34 +66,93 @@ def load_target_head(path: str, gguf_file: str | None = None) -> TargetHead:
 
 
 def _from_safetensors(folder: str) -> TargetHead:
-    from safetensors import safe_open
-
     config = _read_json(os.path.join(folder, "config.json"), "the target's config.json")
     text = config.get("text_config") or config  # multimodal wrappers keep the LM's config inside
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        weight_map: dict[str, str] = _read_json(index_path, "the checkpoint index")["weight_map"]
-    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise MissingInput(f"{folder!r} has neither model.safetensors nor model.safetensors.index.json; "
-                                "layertap reads the target's embeddings from safetensors or GGUF checkpoints")
+    weight_map = _weight_map(folder)
     embed_key = next((k for k in _EMBED_KEYS if k in weight_map), None)
     if embed_key is None:
         raise InputError(f"no embedding tensor in {folder!r} (looked for {', '.join(_EMBED_KEYS)})")
     head_key = next((k for k in _HEAD_KEYS if k in weight_map), None)
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))) or head_key is None
     wanted = {"embed": embed_key} if tied else {"embed": embed_key, "head": head_key}
+    tensors = _read_tensors(folder, weight_map, wanted)
+    log.info("read %s from %s (%s)", ", ".join(wanted.values()), folder, "tied" if tied else "untied")
+    embed = tensors["embed"]
+    return TargetHead(embed, embed if tied else tensors["head"], tied, _facts_from_config(text, embed))
+
+
+def _weight_map(folder: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file in `folder` that holds it."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        return _read_json(index_path, "the checkpoint index")["weight_map"]
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    raise MissingInput(f"{folder!r} has neither model.safetensors nor model.safetensors.index.json; "
+                       "layertap reads the target's embeddings from safetensors or GGUF checkpoints")
+
+
+def _read_tensors(folder: str, weight_map: dict[str, str], wanted: dict[str, str]) -> dict[str, torch.Tensor]:
+    """{name: tensor} for `wanted` {name: checkpoint key}, opening only the files that hold them."""
+    from safetensors import safe_open
+
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted({weight_map[k] for k in wanted.values()}):
         with safe_open(os.path.join(folder, file), "pt") as f:
             for name, key in wanted.items():
                 if weight_map[key] == file:
                     tensors[name] = f.get_tensor(key)
-    log.info("read %s from %s (%s)", ", ".join(wanted.values()), folder, "tied" if tied else "untied")
-    embed = tensors["embed"]
-    return TargetHead(embed, embed if tied else tensors["head"], tied, _facts_from_config(text, embed))
+    return tensors
+
+
+def load_final_norm(path: str, gguf_file: str | None = None) -> nn.Module:
+    """The target's final norm (after its last decoder layer, before its head), frozen, in fp32:
+    what turns a prenorm final state into what the head reads."""
+    if not os.path.isdir(path):
+        raise MissingInput(f"target model folder {path!r} does not exist")
+    norm = _norm_from_gguf(os.path.join(path, gguf_file)) if gguf_file else _norm_from_safetensors(path)
+    return norm.float().requires_grad_(False).eval()
+
+
+def _norm_from_safetensors(folder: str) -> nn.Module:
+    """The model's own final-norm module (its class decides the formula) with the checkpoint's
+    weights: every tensor under the norm's prefix (a weight; a LayerNorm's bias too)."""
+    from layertap.extract.model import decoder_of, load_target
+
+    weight_map = _weight_map(folder)
+    key = next((k for k in _NORM_KEYS if k in weight_map), None)
+    if key is None:
+        raise InputError(f"no final norm in {folder!r} (looked for {', '.join(_NORM_KEYS)})")
+    prefix = key.removesuffix("weight")
+    state = _read_tensors(folder, weight_map, {k[len(prefix):]: k for k in weight_map if k.startswith(prefix)})
+    norm = getattr(decoder_of(load_target(folder, dtype=torch.float32, weights=False).model), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise InputError(f"the model in {folder!r} has no final norm module (decoder.norm)")
+    norm.to_empty(device="cpu")
+    norm.load_state_dict(state)
+    log.info("read %s from %s (%s)", key, folder, type(norm).__name__)
+    return norm
+
+
+def _norm_from_gguf(file: str) -> nn.Module:
+    """llama.cpp's final norm: a plain RMSNorm whose weight already holds any offset (its
+    converter adds the 1 of Gemma's and Qwen3-Next's (1 + weight) norms into the stored weight)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(file)
+    arch = _field(reader, "general.architecture")
+    t = next((t for t in reader.tensors if t.name == "output_norm.weight"), None)
+    if t is None:
+        raise InputError(f"{file!r} has no output_norm.weight tensor")
+    weight = _gguf_tensor(t)
+    norm = nn.RMSNorm(weight.shape[0], eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)))
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    log.info("read output_norm from %s", file)
+    return norm
 
 
 def _facts_from_config(c: dict[str, Any], embed: torch.Tensor) -> dict[str, Any]:
@@ -107,7 +173,6 @@ def _facts_from_config(c: dict[str, Any], embed: torch.Tensor) -> dict[str, Any]
 
 def _from_gguf(file: str) -> TargetHead:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(file)
     arch = _field(reader, "general.architecture")
@@ -115,13 +180,9 @@ def _from_gguf(file: str) -> TargetHead:
     if "token_embd.weight" not in tensors:
         raise InputError(f"{file!r} has no token_embd.weight tensor")
 
-    def load(name: str) -> torch.Tensor:
-        t = tensors[name]
-        return torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=False).copy())
-
-    embed = load("token_embd.weight")
+    embed = _gguf_tensor(tensors["token_embd.weight"])
     tied = "output.weight" not in tensors
-    head = embed if tied else load("output.weight")
+    head = embed if tied else _gguf_tensor(tensors["output.weight"])
     hidden = int(_field(reader, f"{arch}.embedding_length", embed.shape[1]))
     heads = int(_field(reader, f"{arch}.attention.head_count", max(1, hidden // 64)))
     facts = {
@@ -137,6 +198,13 @@ def _from_gguf(file: str) -> TargetHead:
     }
     log.info("read token_embd%s from %s", "" if tied else " and output", file)
     return TargetHead(embed, head, tied, facts)
+
+
+def _gguf_tensor(t) -> torch.Tensor:
+    """A GGUF tensor, dequantized to float32."""
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32", copy=False).copy())
 
 
 def _field(reader, key: str, default: Any = None) -> Any:

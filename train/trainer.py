@@ -34,13 +34,13 @@ from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
 from layertap.train.batch import collate
 from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
-from layertap.train.config import TrainConfig
+from layertap.train.config import RESUME_DEFAULTS, TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
 from layertap.train.follow import wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
-from layertap.train.objective import dflash_loss
+from layertap.train.objective import Distill, dflash_loss
 from layertap.train.stream import ShardStream, StreamConfig
-from layertap.train.target_head import load_target_head, recorded_target
+from layertap.train.target_head import load_final_norm, load_target_head, recorded_target
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,30 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
     return DFlashDrafter(dconf, head)
 
 
+def _check_objective(cfg: TrainConfig, final_state: str) -> None:
+    """Distillation needs the target's final-layer state, which only an extraction asked for it stores."""
+    if cfg.objective != "ce" and final_state == "none":
+        raise ConfigError(f"--objective {cfg.objective} learns the target's next-token distribution, computed from "
+                          f"its final-layer state, which the run at {cfg.data} did not store: extract with "
+                          "--final-state prenorm (or postnorm), or train with --objective ce")
+
+
+def build_distill(cfg: TrainConfig, final_state: str) -> Distill | None:
+    """The teacher side of the objective (None for ce); a prenorm state needs the target's final norm."""
+    if cfg.objective == "ce":
+        return None
+    norm = load_final_norm(cfg.model, cfg.gguf_file) if final_state == "prenorm" else None
+    return Distill.of(cfg.objective, cfg.distill_temperature, norm)
+
+
+def _objective_text(cfg: TrainConfig, final_state: str) -> str:
+    if cfg.objective == "ce":
+        return "ce (cross-entropy on the data's next tokens)"
+    return (f"{cfg.objective} (KL from the target's distribution through its frozen "
+            f"{'final norm and ' if final_state == 'prenorm' else ''}head, {final_state} final states, "
+            f"temperature {cfg.distill_temperature:g})")
+
+
 class _Metrics:
     """Rank 0's per-step records: logged, kept as JSON lines, mirrored to TensorBoard if installed."""
 
@@ -135,6 +159,7 @@ def train(cfg: TrainConfig) -> int:
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
                          "that run, or choose another --out")
+    _check_objective(cfg, run.identity.final_state)
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
     # The run's committed shards before the target: a run with none fails in seconds, not after
@@ -151,6 +176,8 @@ def train(cfg: TrainConfig) -> int:
     if precision == "bf16":
         model.borrowed_to(torch.bfloat16)
     model.to(acc.device)
+    distill = build_distill(cfg, run.identity.final_state)
+    distill = distill.to(acc.device) if distill is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
     # fused on CUDA: one kernel, and none of the foreach path's temporaries the size of all weights
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda)
@@ -180,13 +207,14 @@ def train(cfg: TrainConfig) -> int:
                  "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
                  model.config.block_size, run.num_samples if cfg.follow else stream.total_samples, world, total,
                  steps_per_epoch)
+        log.info("objective: %s", _objective_text(cfg, run.identity.final_state))
     metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
 
     with StopSignals(at_once=False, signals=(signal.SIGTERM, signal.SIGUSR1)) as stop, \
             Prefetcher(loader, acc.device) as batches:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
                           batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
-                          data=data), start)
+                          data=data, distill=distill), start)
 
 
 @dataclass
@@ -206,6 +234,7 @@ class _Run:
     total: int  # the last step
     stream: ShardStream
     data: ObjectStore  # the run being trained on
+    distill: Distill | None = None  # --objective kl|ce+kl: the teacher side
 
 
 @dataclass
@@ -213,7 +242,7 @@ class StepStats:
     """One step's numbers, summed over the ranks."""
 
     step: int  # the step just taken (1-based)
-    totals: torch.Tensor  # [loss x weight, weight, tokens, hits per slot, counted per slot]
+    totals: torch.Tensor  # [loss x weight, weight, tokens, hits per slot, counted per slot, kl x weight]
     lr: float
     grad_norm: float
     seconds: float
@@ -221,19 +250,19 @@ class StepStats:
     stop: bool  # some rank was told to stop
 
 
-def train_step(run: _Run, step: int) -> StepStats:
+def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStats:
     """Step `step` (0-based): `grad_accum` micro-batches, clip, AdamW. Nothing in it waits for the
     GPU but the one reduce at its end: its numbers are summed on the device (host-known ones on
-    the host) and read back together."""
+    the host) and read back together. `distill`: the KL objective's teacher (None: CE)."""
     cfg, acc, device = run.cfg, run.acc, run.acc.device
     bs = run.model.config.block_size
     t0 = time.perf_counter()
     lr = lr_at(step, run.total, cfg)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    # [loss x weight, weight, tokens, hits per slot, counted per slot, grad norm, stop]
-    on_device = torch.zeros(5 + 2 * bs, dtype=torch.float64, device=device)
-    on_host = torch.zeros(5 + 2 * bs, dtype=torch.float64)
+    # [loss x weight, weight, tokens, hits per slot, counted per slot, kl x weight, grad norm, stop]
+    on_device = torch.zeros(6 + 2 * bs, dtype=torch.float64, device=device)
+    on_host = torch.zeros(6 + 2 * bs, dtype=torch.float64)
     seen = xxhash.xxh64()
     for micro in range(cfg.grad_accum):
         batch = run.batches.wait_for_batch()
@@ -241,10 +270,13 @@ def train_step(run: _Run, step: int) -> StepStats:
         sync = nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(run.ddp_model)
         with sync:
             with acc.autocast():
-                result = dflash_loss(run.ddp_model, batch, anchor_generator(cfg.seed, step, micro, acc.process_index))
+                result = dflash_loss(run.ddp_model, batch, anchor_generator(cfg.seed, step, micro, acc.process_index),
+                                     distill=distill)
             acc.backward(result.loss / cfg.grad_accum)
         on_device[0] += result.loss.detach().double() * result.weight
         on_device[3:3 + bs] += result.correct
+        if result.kl is not None:
+            on_device[3 + 2 * bs] += result.kl.double() * result.weight
         on_host[1] += result.weight
         on_host[2] += int(batch["lengths"].sum())
         on_host[3 + bs:3 + 2 * bs] += result.counted
@@ -270,7 +302,7 @@ def _loop(run: _Run, start: int) -> int:
     progress = _progress(acc.process_index, start, run.total)
     step = start
     while step < run.total:
-        stats = train_step(run, step)
+        stats = train_step(run, step, run.distill)
         step = stats.step
         wait = run.batches.pop_wait_s()
         if run.metrics is not None:
@@ -297,7 +329,7 @@ def _loop(run: _Run, start: int) -> int:
 
 def _report(run: _Run, stats: StepStats, wait: float, progress) -> None:
     """Rank 0: the step's record into metrics.jsonl, the bar, and a log line every `log_every`."""
-    record = _record(stats, run.batches.epoch, run.model.config.block_size, wait)
+    record = _record(stats, run.batches.epoch, run.model.config.block_size, wait, kl=run.distill is not None)
     device = run.acc.device
     if device.type == "cuda":
         record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
@@ -312,12 +344,14 @@ def _report(run: _Run, stats: StepStats, wait: float, progress) -> None:
                  100 * record["data_wait_fraction"])
 
 
-def _record(stats: StepStats, epoch: int, bs: int, wait: float) -> dict[str, Any]:
+def _record(stats: StepStats, epoch: int, bs: int, wait: float, kl: bool = False) -> dict[str, Any]:
+    """The step's metrics.jsonl record; `kl`: with the KL part of the loss (distillation)."""
     t, elapsed = stats.totals, stats.seconds
     loss = float(t[0] / t[1]) if t[1] > 0 else float("nan")
-    correct, counted = t[3:3 + bs], t[3 + bs:]
+    correct, counted = t[3:3 + bs], t[3 + bs:3 + 2 * bs]
     per_slot = [float(c / n) if n > 0 else None for c, n in zip(correct[1:], counted[1:])]
-    return {"step": stats.step, "epoch": epoch, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+    extra = {"kl": float(t[3 + 2 * bs] / t[1]) if t[1] > 0 else float("nan")} if kl else {}
+    return {"step": stats.step, "epoch": epoch, "loss": loss, **extra, "lr": stats.lr, "grad_norm": stats.grad_norm,
             "acc_first": per_slot[0] if per_slot[0] is not None else 0.0, "acc_per_position": per_slot,
             "tokens": int(t[2]), "tokens_per_s": float(t[2]) / elapsed if elapsed > 0 else 0.0,
             "step_s": elapsed, "data_wait_fraction": min(1.0, wait / elapsed) if elapsed > 0 else 0.0,
@@ -371,7 +405,7 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
     if state.get("world_size") != world:
         raise ConfigError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
                          "resume with the same number of processes (the data order depends on it)")
-    saved, now = state.get("config", {}), cfg.identity()
+    saved, now = {**RESUME_DEFAULTS, **state.get("config", {})}, cfg.identity()
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in {**saved, **now}
              if k not in ("steps", "epochs") and saved.get(k) != now.get(k)]
     if diffs:
