@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def plot(path: Path, steps: list[int], loss: list[float], points: list[dict], un
     b.plot([p["step"] for p in points], [p["tau"] for p in points], "o-", lw=2, label="trained")
     b.axhline(untrained, color="grey", ls="--", label=f"untrained ({untrained:.3f})")
     b.set_xlabel("step"), b.set_ylabel("tau (held-out, greedy)"), b.legend(), b.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 120), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -86,7 +87,8 @@ def main() -> None:
     layertap("extract", *model, "--out", str(run), "--dtype", "float32", "--max-length", "256", "--limit",
              str(args.limit), "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)
     resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
-    train = [*TRAIN_ARGS, "--save-every", str(args.every), "--keep-checkpoints", "0", *args.train_args]
+    base = [a for i, a in enumerate(TRAIN_ARGS) if "--save-every" not in TRAIN_ARGS[max(0, i - 1):i + 1]]
+    train = [*base, "--save-every", str(args.every), "--keep-checkpoints", "0", *args.train_args]
     layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(args.steps), *train, *resume,
              log=log)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
