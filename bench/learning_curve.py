@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--png", default=str(ROOT / "docs" / "train_curve.png"))
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "learning_curve.json"))
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--section", default="learning_curve", help="docs/benchmarks.md section --write-docs replaces")
     ap.add_argument("train_args", nargs="*", help="after --: more `layertap train` arguments (they win)")
     args = ap.parse_args()
     work, log, model, prompts = setup(args.work, args.prompts)
@@ -114,10 +115,12 @@ def main() -> None:
                      f"| {p['tau']:.3f} | {' / '.join(f'{a:.2f}' for a in p['acceptance_per_position'][:3])} "
                      f"| {p['matches_greedy']} |" for p in points)
     png = os.path.relpath(args.png, ROOT / "docs")
-    md = f"""## Learning curve: loss and tau against steps (issue 24)
+    extra = "" if args.section == "learning_curve" else (f" --work {args.work} --png {args.png} --json {args.json} "
+                                                         f"--section {args.section}")
+    md = f"""## Learning curve: loss and tau against steps, {args.limit} conversations x {args.steps} steps (issue 24)
 
-`python bench/learning_curve.py --limit {args.limit} --steps {args.steps} --every {args.every} --prompts {args.prompts} --write-docs`
-({result['date']}, {machine()}; raw: docs/bench/learning_curve.json)
+`python bench/learning_curve.py --limit {args.limit} --steps {args.steps} --every {args.every} --prompts {args.prompts}{extra} --write-docs`
+({result['date']}, {machine()}; raw: {os.path.relpath(args.json, ROOT)})
 
 ![loss and tau against steps]({png})
 
@@ -131,7 +134,7 @@ greedy, at every kept checkpoint (`layertap eval --step N`). Untrained drafter: 
 """
     print(md)
     if args.write_docs:
-        write_section("learning_curve", md)
+        write_section(args.section, md)
 
 
 if __name__ == "__main__":
