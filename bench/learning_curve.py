@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--section", default="learning_curve", help="docs/benchmarks.md section --write-docs replaces")
     ap.add_argument("train_args", nargs="*", help="after --: more `layertap train` arguments (they win)")
     args = ap.parse_args()
-    work, log, model, prompts = setup(args.work, args.prompts)
+    work, log, model, prompts = setup(args.work, args.prompts, after=max(1000, args.limit))
     run, out = work / "run", work / "drafter"
     layertap("extract", *model, "--out", str(run), "--dtype", "float32", "--max-length", "256", "--limit",
              str(args.limit), "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)

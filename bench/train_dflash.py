@@ -48,8 +48,9 @@ def layertap(*args: str, log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def held_out_prompts(path: Path, n: int) -> None:
-    rows = list(sharegpt_conversations(1000 + 4 * n))[1000:]
+def held_out_prompts(path: Path, n: int, after: int = 1000) -> None:
+    """`n` first exchanges of ShareGPT conversations from row `after` on: past every training row."""
+    rows = list(sharegpt_conversations(after + 4 * n))[after:]
     with open(path, "w") as f:
         kept = 0
         for row in rows:
@@ -61,13 +62,14 @@ def held_out_prompts(path: Path, n: int) -> None:
                 break
 
 
-def setup(work_dir: str, prompts: int) -> tuple[Path, Path, list[str], Path]:
-    """The work folder, its log, the target's `--model/--gguf-file` arguments and `prompts` held-out prompts."""
+def setup(work_dir: str, prompts: int, after: int = 1000) -> tuple[Path, Path, list[str], Path]:
+    """The work folder, its log, the target's `--model/--gguf-file` arguments and `prompts` held-out
+    prompts taken after the first `after` conversations (the training rows)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     folder, gguf = smollm2_gguf()
     held_out = work / "prompts.jsonl"
-    held_out_prompts(held_out, prompts)
+    held_out_prompts(held_out, prompts, after)
     return work, work / "log.txt", ["--model", folder, "--gguf-file", gguf], held_out
 
 
