@@ -213,9 +213,9 @@ def test_kill_9_mid_run_then_rerun_gives_every_row_exactly_once(server, tmp_path
 def test_a_server_killed_and_restarted_mid_run_is_ridden_out(model, tmp_path):
     server = Server(model, tmp_path / "serve.log").start()
     try:
-        data = write_sharegpt(tmp_path / "chats.jsonl", 32)
+        data = write_sharegpt(tmp_path / "chats.jsonl", 48)  # one request at a time: seconds of work left
         out = str(tmp_path / "regen")
-        proc = _layertap(regenerate_args(data, out, server, "--concurrency", "2", "--max-tokens", "16",
+        proc = _layertap(regenerate_args(data, out, server, "--concurrency", "1", "--max-tokens", "16",
                                          "--retry-for", "180"), tmp_path / "regen.log")
         _wait_for_parts(out, 1, proc)
         server.kill()
@@ -223,7 +223,7 @@ def test_a_server_killed_and_restarted_mid_run_is_ridden_out(model, tmp_path):
         assert proc.poll() is None  # still waiting for the server
         server.start()
         assert proc.wait(timeout=300) == 0, (tmp_path / "regen.log").read_text()[-3000:]
-        assert len(assert_every_row_once(out, 32)) == 32
+        assert len(assert_every_row_once(out, 48)) == 48
         assert "retrying for up to" in (tmp_path / "regen.log").read_text()
     finally:
         server.kill()
@@ -281,12 +281,12 @@ def _port_open(port: int) -> bool:
 def test_serve_starts_the_server_for_the_run_and_a_stop_takes_it_down(model, tmp_path):
     """--serve: the server starts with the run, and goes with it, on success and on SIGTERM
     (a Slurm preemption); the rerun continues where the stopped one left off."""
-    data = write_sharegpt(tmp_path / "chats.jsonl", 24)
+    data = write_sharegpt(tmp_path / "chats.jsonl", 48)
     out, port = str(tmp_path / "regen"), free_port()
     serve = (f"{sys.executable} -m transformers.cli.transformers serve {model} --device cpu --dtype float32 "
              f"--host 127.0.0.1 --port {port}")
     args = ["regenerate", "--dataset", data, "--out", out, "--endpoint", f"http://127.0.0.1:{port}", "--model", model,
-            "--max-tokens", "16", "--rows-per-part", "4", "--concurrency", "2", "--serve", serve,
+            "--max-tokens", "16", "--rows-per-part", "4", "--concurrency", "1", "--serve", serve,
             "--serve-log", str(tmp_path / "server.log")]
     proc = _layertap(args, tmp_path / "first.log")
     _wait_for_parts(out, 1, proc)
@@ -295,11 +295,11 @@ def test_serve_starts_the_server_for_the_run_and_a_stop_takes_it_down(model, tmp
     assert not _port_open(port)  # the server went with it
     log = (tmp_path / "first.log").read_text()
     assert "rerun the same command to continue" in log and "the server stopped" in log
-    assert 1 <= len(done_parts(open_store(out))) < 6
+    assert 1 <= len(done_parts(open_store(out))) < 12
 
     assert cli(args) == 0
     assert not _port_open(port)
-    assert len(assert_every_row_once(out, 24)) == 24
+    assert len(assert_every_row_once(out, 48)) == 48
     assert (tmp_path / "server.log").stat().st_size > 0  # the server wrote there, not into our log
 
 
