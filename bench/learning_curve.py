@@ -81,12 +81,19 @@ def main() -> None:
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "learning_curve.json"))
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--section", default="learning_curve", help="docs/benchmarks.md section --write-docs replaces")
+    ap.add_argument("--model", help="target folder (default: the embedded SmolLM2), e.g. on a GPU host without it")
+    ap.add_argument("--gguf-file", help="GGUF file inside --model")
+    ap.add_argument("--dataset", help="JSON lines of ShareGPT rows (default: the embedded ShareGPT): the first "
+                                      "--limit train, held-out prompts come after them")
+    ap.add_argument("--max-length", type=int, default=256, help="extraction's max length (default 256)")
     ap.add_argument("train_args", nargs="*", help="after --: more `layertap train` arguments (they win)")
     args = ap.parse_args()
-    work, log, model, prompts = setup(args.work, args.prompts, after=max(1000, args.limit))
+    after = args.limit if args.dataset else max(1000, args.limit)
+    work, log, model, prompts = setup(args.work, args.prompts, after, args.model, args.gguf_file, args.dataset)
     run, out = work / "run", work / "drafter"
-    layertap("extract", *model, "--out", str(run), "--dtype", "float32", "--max-length", "256", "--limit",
-             str(args.limit), "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)
+    data = ["--dataset", args.dataset] if args.dataset else []
+    layertap("extract", *model, *data, "--out", str(run), "--dtype", "float32", "--max-length", str(args.max_length),
+             "--limit", str(args.limit), "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)
     resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
     base = [a for i, a in enumerate(TRAIN_ARGS) if "--save-every" not in TRAIN_ARGS[max(0, i - 1):i + 1]]
     train = [*base, "--save-every", str(args.every), "--keep-checkpoints", "0", *args.train_args]
@@ -102,7 +109,8 @@ def main() -> None:
         print(f"step {step}: tau {r['tau']:.3f}", flush=True)
     untrained = points[0]["tau_untrained"]
     loss = [m["loss"] for m in metrics]
-    title = (f"SmolLM2-135M drafter, {args.limit} ShareGPT chats, {' '.join(train)}; "
+    target = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    title = (f"{target} drafter, {args.limit} ShareGPT chats, {' '.join(train)}; "
              f"tau on {args.prompts} held-out prompts x {args.max_new_tokens} tokens")
     plot(Path(args.png), [m["step"] for m in metrics], loss, points, untrained, title)
     result = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d}", "machine": machine(), "limit": args.limit,
@@ -124,7 +132,7 @@ def main() -> None:
 
 ![loss and tau against steps]({png})
 
-SmolLM2-135M-Instruct target, the first {args.limit} ShareGPT conversations (max length 256),
+{target} target, the first {args.limit} ShareGPT conversations (max length {args.max_length}),
 `{' '.join(train)}`; tau on {args.prompts} held-out prompts, {args.max_new_tokens} new tokens each,
 greedy, at every kept checkpoint (`layertap eval --step N`). Untrained drafter: tau {untrained:.3f}.
 

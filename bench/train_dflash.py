@@ -48,9 +48,14 @@ def layertap(*args: str, log: Path) -> float:
     return time.perf_counter() - t0
 
 
-def held_out_prompts(path: Path, n: int, after: int = 1000) -> None:
-    """`n` first exchanges of ShareGPT conversations from row `after` on: past every training row."""
-    rows = list(sharegpt_conversations(after + 4 * n))[after:]
+def held_out_prompts(path: Path, n: int, after: int = 1000, source: str | None = None) -> None:
+    """`n` first exchanges of ShareGPT conversations from row `after` on: past every training row.
+    `source`: a JSON-lines file of ShareGPT rows instead of the embedded ones (a GPU host without them)."""
+    if source is None:
+        rows = list(sharegpt_conversations(after + 4 * n))[after:]
+    else:
+        with open(source) as f:
+            rows = [json.loads(line) for i, line in enumerate(f) if after <= i < after + 4 * n]
     with open(path, "w") as f:
         kept = 0
         for row in rows:
@@ -62,15 +67,17 @@ def held_out_prompts(path: Path, n: int, after: int = 1000) -> None:
                 break
 
 
-def setup(work_dir: str, prompts: int, after: int = 1000) -> tuple[Path, Path, list[str], Path]:
-    """The work folder, its log, the target's `--model/--gguf-file` arguments and `prompts` held-out
-    prompts taken after the first `after` conversations (the training rows)."""
+def setup(work_dir: str, prompts: int, after: int = 1000, model: str | None = None, gguf_file: str | None = None,
+          source: str | None = None) -> tuple[Path, Path, list[str], Path]:
+    """The work folder, its log, the target's `--model/--gguf-file` arguments (the embedded SmolLM2
+    unless `model` is given) and `prompts` held-out prompts taken after the first `after`
+    conversations (the training rows) of the embedded ShareGPT or of `source`."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    folder, gguf = smollm2_gguf()
+    folder, gguf = (model, gguf_file) if model else smollm2_gguf()
     held_out = work / "prompts.jsonl"
-    held_out_prompts(held_out, prompts, after)
-    return work, work / "log.txt", ["--model", folder, "--gguf-file", gguf], held_out
+    held_out_prompts(held_out, prompts, after, source)
+    return work, work / "log.txt", ["--model", folder, *(["--gguf-file", gguf] if gguf else [])], held_out
 
 
 def main() -> None:
