@@ -206,29 +206,10 @@ def read_safetensors(payload: bytes | memoryview) -> tuple[dict[str, str], dict[
     (n,) = struct.unpack_from("<Q", buf, 0)
     if n > len(buf) - 8:
         raise ValueError(f"header length {n} exceeds the {len(buf)}-byte blob")
-    header = json.loads(bytes(buf[8 : 8 + n]))
-    if not isinstance(header, dict):
-        raise ValueError("the safetensors header is not a JSON object")
-    md = header.pop("__metadata__", None) or {}
-    if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
-        raise ValueError("__metadata__ must map strings to strings")
     data = buf[8 + n :]
+    md, layout = safetensors_layout(bytes(buf[8 : 8 + n]), len(data), _ST_ITEMSIZE)
     tensors: dict[str, np.ndarray | torch.Tensor] = {}
-    spans = []
-    for name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise ValueError(f"tensor {name!r}: malformed header entry {info!r}") from None
-        if dtype not in _ST_ITEMSIZE:
-            raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
-        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= len(data)):
-            raise ValueError(f"tensor {name!r}: data_offsets {[begin, end]} outside the {len(data)}-byte data")
-        if end - begin != math.prod(shape) * _ST_ITEMSIZE[dtype]:
-            raise ValueError(f"tensor {name!r}: {end - begin} bytes cannot hold {dtype} {shape}")
-        spans.append((begin, end))
+    for name, (dtype, shape, begin, end) in layout.items():
         view = data[begin:end]
         if dtype == "U8":
             tensors[name] = np.frombuffer(view, dtype=np.uint8).reshape(shape)
@@ -236,11 +217,42 @@ def read_safetensors(payload: bytes | memoryview) -> tuple[dict[str, str], dict[
             tensors[name] = torch.empty(shape, dtype=_ST_TORCH[dtype])
         else:
             tensors[name] = torch.frombuffer(bytearray(view), dtype=_ST_TORCH[dtype]).reshape(shape)
+    return md, tensors
+
+
+def safetensors_layout(header: bytes, data_len: int, itemsize: Mapping[str, int]
+                       ) -> tuple[dict[str, str], dict[str, tuple[str, list[int], int, int]]]:
+    """A safetensors header checked as strictly as the library checks it: (metadata, name -> (dtype
+    code, shape, begin, end) within the `data_len` bytes after it), the tensors covering the data
+    with no overlap and no hole, each dtype one of `itemsize`'s. ValueError if it is malformed.
+    Shared by the shard records (a blob in memory) and the trainer's checkpoints (read tensor by
+    tensor from the store), each with its own dtype table."""
+    header = json.loads(header)
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    md = header.pop("__metadata__", None) or {}
+    if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
+        raise ValueError("__metadata__ must map strings to strings")
+    layout: dict[str, tuple[str, list[int], int, int]] = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"tensor {name!r}: malformed header entry {info!r}") from None
+        if dtype not in itemsize:
+            raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
+        if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= data_len):
+            raise ValueError(f"tensor {name!r}: data_offsets {[begin, end]} outside the {data_len}-byte data")
+        if end - begin != math.prod(shape) * itemsize[dtype]:
+            raise ValueError(f"tensor {name!r}: {end - begin} bytes cannot hold {dtype} {shape}")
+        layout[name] = (dtype, shape, begin, end)
     pos = 0
-    for begin, end in sorted(spans):
+    for _, _, begin, end in sorted(layout.values(), key=lambda e: (e[2], e[3])):
         if begin != pos:
             raise ValueError(f"tensor data overlaps or leaves a hole at byte {pos} of the data section")
         pos = end
-    if pos != len(data):
-        raise ValueError(f"the tensors cover {pos} of the {len(data)} data bytes")
-    return md, tensors
+    if pos != data_len:
+        raise ValueError(f"the tensors cover {pos} of the {data_len} data bytes")
+    return md, layout

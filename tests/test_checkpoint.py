@@ -17,7 +17,7 @@ from layertap.train.checkpoint import (
     export_drafter,
     load_drafter_files,
     load_latest,
-    read_safetensors,
+    load_safetensors,
     restore,
     save_checkpoint,
     write_safetensors,
@@ -100,7 +100,7 @@ def test_reading_a_checkpoint_file_never_holds_its_bytes_beside_the_tensors(tmp_
         write_safetensors(store, "big.safetensors", tensors, {"format": "x"})
         tracemalloc.start()
         try:
-            back = read_safetensors(store, "big.safetensors")
+            back = load_safetensors(store, "big.safetensors")
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -111,10 +111,10 @@ def test_reading_a_checkpoint_file_never_holds_its_bytes_beside_the_tensors(tmp_
         whole = store.get("big.safetensors")
         store.put("cut.safetensors", whole[: len(whole) // 2])
         with pytest.raises(Exception, match="cut short"):
-            read_safetensors(store, "cut.safetensors")
+            load_safetensors(store, "cut.safetensors")
         store.put("junk.safetensors", b"not a safetensors file at all")
         with pytest.raises(Exception, match="not a safetensors file"):
-            read_safetensors(store, "junk.safetensors")
+            load_safetensors(store, "junk.safetensors")
         store.close()
 
 

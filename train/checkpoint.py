@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from layertap.storage.errors import InputError, MissingInput
-from layertap.storage.records import safetensors_header
+from layertap.storage.records import safetensors_header, safetensors_layout
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.train.drafter import DFlashDrafter, DrafterConfig
 
@@ -110,31 +110,29 @@ def write_safetensors(store: ObjectStore, key: str, tensors: Mapping[str, torch.
 
 
 _ST_TORCH = {name: dtype for dtype, name in _ST_DTYPES.items()}
+_ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in _ST_DTYPES.items()}
 _ST_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 
-def read_safetensors(store: ObjectStore, key: str) -> dict[str, torch.Tensor]:
+def load_safetensors(store: ObjectStore, key: str) -> dict[str, torch.Tensor]:
     """A safetensors file read tensor by tensor into tensors of its own: host memory holds the
     tensors once, not the file's bytes beside them (`load(store.get(key))` holds both: 2x a 27B
-    run's ~22 GB of weights and moments on resume). One ranged read per tensor, straight into it."""
+    run's ~22 GB of weights and moments on resume). One ranged read per tensor, straight into it;
+    the header is checked as the shard records' is (`storage.records.safetensors_layout`)."""
     size = store.size(key)
     head = store.get_range(key, 0, 8)
     n = int.from_bytes(head, "little") if len(head) == 8 else -1
     if not 0 < n <= min(_ST_MAX_HEADER, size - 8):
         raise InputError(f"{store.uri}/{key} is not a safetensors file (header length {n}, file {size} B)")
     try:
-        header = json.loads(store.get_range(key, 8, 8 + n))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{store.uri}/{key}: unreadable safetensors header ({e})") from None
-    header.pop("__metadata__", None)
+        _, layout = safetensors_layout(store.get_range(key, 8, 8 + n), size - 8 - n, _ST_ITEMSIZE)
+    except (ValueError, UnicodeDecodeError) as e:  # json's errors are ValueErrors
+        raise InputError(f"{store.uri}/{key} is corrupt or cut short: {e}") from None
     out: dict[str, torch.Tensor] = {}
-    for name, entry in header.items():
-        start, end = entry["data_offsets"]
-        t = torch.empty(entry["shape"], dtype=_ST_TORCH[entry["dtype"]])
-        if t.numel() * t.element_size() != end - start:
-            raise InputError(f"{store.uri}/{key}: tensor {name} holds {end - start} B for shape {entry['shape']}")
-        if end > start and store.read_range_into(key, 8 + n + start, memoryview(t.view(-1).view(torch.uint8).numpy())) \
-                != end - start:
+    for name, (dtype, shape, begin, end) in layout.items():
+        t = torch.empty(shape, dtype=_ST_TORCH[dtype])
+        if end > begin and store.read_range_into(key, 8 + n + begin, memoryview(t.view(-1).view(torch.uint8).numpy())) \
+                != end - begin:
             raise InputError(f"{store.uri}/{key} ends inside tensor {name}: the file is cut short")
         out[name] = t
     return out
@@ -158,8 +156,8 @@ def load_latest(store: ObjectStore) -> Checkpoint | None:
     prefix = latest["prefix"]
     try:
         state = json.loads(store.get(f"{prefix}/state.json"))
-        weights = read_safetensors(store, f"{prefix}/drafter.safetensors")
-        optimizer = read_safetensors(store, f"{prefix}/optimizer.safetensors")
+        weights = load_safetensors(store, f"{prefix}/drafter.safetensors")
+        optimizer = load_safetensors(store, f"{prefix}/optimizer.safetensors")
     except ObjectNotFound as e:
         raise InputError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}") from None
     if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
@@ -205,7 +203,7 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
         prefix = step_prefix(step)
         try:
             state = json.loads(store.get(f"{prefix}/state.json"))
-            return DrafterConfig.from_json(state["drafter"]), read_safetensors(store, f"{prefix}/drafter.safetensors")
+            return DrafterConfig.from_json(state["drafter"]), load_safetensors(store, f"{prefix}/drafter.safetensors")
         except ObjectNotFound:
             kept = sorted(int(o.key.split("/")[1].removeprefix("step-")) for o in store.list("checkpoints/step-")
                           if o.key.endswith("/state.json"))
@@ -214,7 +212,7 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
     for base in ("drafter/", ""):
         try:
             config = json.loads(store.get(base + "config.json"))
-            weights = read_safetensors(store, base + "model.safetensors")
+            weights = load_safetensors(store, base + "model.safetensors")
             return DrafterConfig.from_json(config), weights
         except ObjectNotFound:
             continue
