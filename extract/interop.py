@@ -30,7 +30,8 @@ from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.errors import ConfigError, InputError
-from layertap.storage.foreign import FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, reader, writer
+from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, foreign_layers, reader,
+                                      writer)
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
@@ -40,11 +41,6 @@ from layertap.storage.writer import ShardWriter
 log = logging.getLogger(__name__)
 
 EXPORT_NOTE = "layertap-export.json"  # beside the foreign files: where they came from, layer ids in both conventions
-
-
-def foreign_layers(fmt: str, layers: list[int]) -> list[int]:
-    """layertap's layer ids in `fmt`'s convention."""
-    return [k + LAYER_OFFSET[fmt] for k in layers]
 
 
 def layertap_layers(fmt: str, layers: list[int]) -> list[int]:

@@ -23,8 +23,8 @@ from typing import Any, Mapping
 from layertap.extract.chat_client import ChatClient, Refused, public_url
 from layertap.extract.served import serving
 from layertap.manifests.preemption import StopSignals
-from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, part_key, read_recipe, read_stats,
-                                             stats_key)
+from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, part_key, read_recipe,
+                                             regeneration_status, stats_key)
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.flags import setting, settings
 from layertap.storage.store import ObjectStore, open_store
@@ -94,9 +94,6 @@ class RegenerateConfig:
     progress: bool = setting(True, config_only=True, help="show progress")
 
     def __post_init__(self) -> None:
-        for name in ("dataset", "out", "endpoint", "model"):
-            if not getattr(self, name):
-                raise ConfigError(f"--{name} is required")
         for name in ("concurrency", "max_tokens", "rows_per_part"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -132,11 +129,14 @@ class Totals:
     parts: int = 0
     rows: int = 0
     regenerated: int = 0
-    refused: int = 0
     turns: int = 0
     truncated: int = 0
     completion_tokens: int = 0
     refused_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def refused(self) -> int:
+        return sum(self.refused_reasons.values())
 
 
 def regenerate(cfg: RegenerateConfig) -> Totals:
@@ -153,7 +153,7 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
     recipe = Recipe(dataset={"path": path, "fingerprint": dataset_fingerprint(cfg.dataset, cfg.limit),
                              "rows": len(rows), "limit": cfg.limit},
                     model=cfg.model, sampling=cfg.sampling(), rows_per_part=cfg.rows_per_part,
-                    parts=-(-len(rows) // cfg.rows_per_part), endpoint=public_url(cfg.endpoint))
+                    endpoint=public_url(cfg.endpoint))
     recipe = _create_or_check(store, recipe)
     index, count = cfg.task
     done = done_parts(store)
@@ -170,7 +170,7 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
                 stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
                                             log_path=cfg.serve_log))
             totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key))
-    _log_summary(store, recipe, totals)
+    _log_summary(store, totals)
     return totals
 
 
@@ -189,14 +189,14 @@ def _create_or_check(store: ObjectStore, recipe: Recipe) -> Recipe:
 class _Part:
     """One part's rows as they finish, out of order."""
 
-    def __init__(self, part: int, start: int, end: int):
-        self.part, self.start, self.end = part, start, end
+    def __init__(self, part: int, rows: range):
+        self.part, self.source = part, rows
         self.rows: dict[int, dict[str, Any]] = {}
         self.refused: list[dict[str, Any]] = []
 
     @property
     def finished(self) -> bool:
-        return len(self.rows) + len(self.refused) == self.end - self.start
+        return len(self.rows) + len(self.refused) == len(self.source)
 
 
 async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: ObjectStore, todo: list[int],
@@ -206,7 +206,7 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
     client = ChatClient(cfg.endpoint, recipe.model, api_key=api_key, sampling=recipe.sampling,
                         timeout_s=cfg.request_timeout_s, retry_for_s=cfg.retry_for_s, concurrency=cfg.concurrency)
     totals = Totals()
-    total_rows = sum(min(len(rows), (p + 1) * recipe.rows_per_part) - p * recipe.rows_per_part for p in todo)
+    total_rows = sum(len(recipe.rows_of(p)) for p in todo)
     bar = progress(total_rows, desc="regenerate", unit="row", enabled=cfg.progress)
     t0 = time.monotonic()
     queue: asyncio.Queue[tuple[_Part, int] | None] = asyncio.Queue(maxsize=cfg.concurrency)
@@ -225,7 +225,7 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
                     writes.append(asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals)))
 
         workers = [asyncio.create_task(worker()) for _ in range(cfg.concurrency)]
-        feeding = asyncio.create_task(_feed(queue, todo, recipe, len(rows), cfg.concurrency))
+        feeding = asyncio.create_task(_feed(queue, todo, recipe, cfg.concurrency))
         await _first_failure(workers + [feeding])
         await asyncio.gather(*writes)
     finally:
@@ -248,12 +248,11 @@ async def _first_failure(tasks: list[asyncio.Task]) -> None:
             raise t.exception()
 
 
-async def _feed(queue: asyncio.Queue, todo: list[int], recipe: Recipe, n_rows: int, workers: int) -> None:
+async def _feed(queue: asyncio.Queue, todo: list[int], recipe: Recipe, workers: int) -> None:
     """Rows in order, part after part: parts open and finish roughly in order, so few are held."""
     for p in todo:
-        start = p * recipe.rows_per_part
-        part = _Part(p, start, min(n_rows, start + recipe.rows_per_part))
-        for i in range(part.start, part.end):
+        part = _Part(p, recipe.rows_of(p))
+        for i in part.source:
             await queue.put((part, i))
     for _ in range(workers):
         await queue.put(None)
@@ -301,14 +300,13 @@ def _refuse(part: _Part, totals: Totals, index: int, row_id: str, reason: str, *
     """Record a row that cannot be regenerated, with its reason: counted, never dropped silently."""
     log.warning("row %d (%s) refused: %s", index, row_id, reason)
     part.refused.append({"row": index, "id": row_id, "reason": reason, "kind": kind})
-    totals.refused += 1
     totals.refused_reasons[kind] = totals.refused_reasons.get(kind, 0) + 1
 
 
 def _write_part(store: ObjectStore, part: _Part, totals: Totals) -> None:
     """The part's stats, then the part itself: the part is the record that its rows are done."""
     rows = [part.rows[i] for i in sorted(part.rows)]
-    stats = {"part": part.part, "rows": [part.start, part.end], "regenerated": len(rows),
+    stats = {"part": part.part, "rows": [part.source.start, part.source.stop], "regenerated": len(rows),
              "refused": sorted(part.refused, key=lambda r: r["row"]),
              "completion_tokens": sum(r["regenerated"]["completion_tokens"] for r in rows),
              "truncated_turns": sum(f == "length" for r in rows for f in r["regenerated"]["finish_reasons"])}
@@ -317,21 +315,19 @@ def _write_part(store: ObjectStore, part: _Part, totals: Totals) -> None:
     if not store.put_if_absent(part_key(part.part), body):
         log.warning("part %d was written by another process meanwhile; kept that one", part.part)
     totals.parts += 1
-    totals.rows += part.end - part.start
+    totals.rows += len(part.source)
 
 
-def _log_summary(store: ObjectStore, recipe: Recipe, totals: Totals) -> None:
-    done = done_parts(store)
+def _log_summary(store: ObjectStore, totals: Totals) -> None:
     if totals.parts:
         log.info("this run: %d parts, %d rows (%d regenerated, %d refused: %s), %d turns (%d cut at --max-tokens), "
                  "%d tokens generated", totals.parts, totals.rows, totals.regenerated, totals.refused,
                  totals.refused_reasons or "none", totals.turns, totals.truncated, totals.completion_tokens)
-    if len(done) < recipe.parts:
-        log.info("%s: %d of %d parts done; the rest belong to other tasks or a rerun", store.uri, len(done),
-                 recipe.parts)
+    s = regeneration_status(store)
+    if not s["complete"]:
+        log.info("%s: %d of %d parts done; the rest belong to other tasks or a rerun", store.uri, s["parts_done"],
+                 s["parts_total"])
         return
-    stats = read_stats(store, sorted(done))
-    refused = sum(len(s["refused"]) for s in stats)
     log.info("%s is complete: %d rows, %d regenerated, %d refused (reasons in stats/); `layertap extract --dataset "
-             "%s` reads it", store.uri, recipe.dataset["rows"], sum(s["regenerated"] for s in stats), refused,
+             "%s` reads it", store.uri, s["rows_total"], s["rows_regenerated"], sum(s["rows_refused"].values()),
              store.uri)

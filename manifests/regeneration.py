@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from layertap.storage.errors import InputError
-from layertap.storage.store import ObjectStore
+from layertap.storage.store import ObjectNotFound, ObjectStore
 
 FORMAT = "layertap-regenerated/1"
 RECIPE = "regenerate.json"
@@ -51,8 +51,16 @@ class Recipe:
     model: str  # the served model name the requests named
     sampling: dict[str, Any]  # temperature, top_p, max_tokens, seed, chat_template_kwargs
     rows_per_part: int
-    parts: int
     endpoint: str = ""  # where it was first made (no credentials), for the record only
+
+    @property
+    def parts(self) -> int:
+        return -(-self.dataset["rows"] // self.rows_per_part)
+
+    def rows_of(self, part: int) -> range:
+        """The source rows part `part` holds."""
+        start = part * self.rows_per_part
+        return range(start, min(self.dataset["rows"], start + self.rows_per_part))
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "dataset": self.dataset, "model": self.model, "sampling": self.sampling,
@@ -64,8 +72,7 @@ class Recipe:
             raise InputError(f"{where}: not a layertap regenerated dataset (format {raw.get('format')!r}, "
                              f"expected {FORMAT!r})")
         return cls(dataset=raw["dataset"], model=raw["model"], sampling=raw["sampling"],
-                   rows_per_part=int(raw["rows_per_part"]), parts=int(raw["parts"]),
-                   endpoint=raw.get("endpoint", ""))
+                   rows_per_part=int(raw["rows_per_part"]), endpoint=raw.get("endpoint", ""))
 
     def differences(self, other: Recipe) -> list[str]:
         """What `other` (this command line's recipe) changes: each difference named, run's value first."""
@@ -99,7 +106,15 @@ def done_parts(store: ObjectStore) -> dict[int, Any]:
 
 
 def read_stats(store: ObjectStore, parts: list[int]) -> list[dict[str, Any]]:
-    return [json.loads(store.get(stats_key(p))) for p in parts if store.exists(stats_key(p))]
+    """The stats of those of `parts` that have them (every committed part, unless deleted since):
+    one GET each, not a HEAD and a GET."""
+    out = []
+    for p in parts:
+        try:
+            out.append(json.loads(store.get(stats_key(p))))
+        except ObjectNotFound:
+            continue
+    return out
 
 
 def regeneration_status(store: ObjectStore) -> dict[str, Any] | None:

@@ -30,6 +30,13 @@ FORMATS = ("speculators", "specforge", "modelopt")
 # speculators counts HF `hidden_states` indices (0 is the embedding output); SpecForge's DFlash
 # files (z-lab's ids) and ModelOpt count decoder layers from 0, as layertap does.
 LAYER_OFFSET = {"speculators": 1, "specforge": 0, "modelopt": 0}
+
+
+def foreign_layers(fmt: str, layers: list[int]) -> list[int]:
+    """layertap's layer ids in `fmt`'s convention."""
+    return [k + LAYER_OFFSET[fmt] for k in layers]
+
+
 # The final state each format carries beside the capture layers ("none": it carries none).
 FINAL_STATE = {"speculators": "prenorm", "specforge": "none", "modelopt": "postnorm"}
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from layertap.storage.errors import ConfigError, InputError, MissingInput
+from layertap.storage.foreign import foreign_layers
 from layertap.storage.store import ObjectStore
 from layertap.train.checkpoint import load_drafter_files, load_latest, write_safetensors
 from layertap.train.drafter import DrafterConfig
@@ -100,7 +101,7 @@ def speculators_config(config: DrafterConfig, verifier: str, verifier_config: di
         "transformer_layer_config": layer,
         "draft_vocab_size": config.vocab_size,
         "block_size": config.block_size,
-        "aux_hidden_state_layer_ids": [k + 1 for k in config.capture_layers],  # HF hidden_states indices
+        "aux_hidden_state_layer_ids": foreign_layers("speculators", config.capture_layers),  # HF indices
         "mask_token_id": config.mask_token_id,
         "target_hidden_size": config.hidden_size,
         "sample_from_anchor": False,
