@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from layertap.extract.chat_client import api_base, public_url
 from layertap.storage.errors import ConfigError, UserError
+from layertap.storage.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
 def _wait_until_ready(proc: subprocess.Popen, endpoint: str, timeout_s: float, command: str) -> None:
     url = f"{api_base(endpoint)}/models"
     t0 = time.monotonic()
-    delay = 0.5
+    wait = Backoff(0.5, 5.0)
     while True:
         if proc.poll() is not None:
             raise ServerFailed(f"the server exited with code {proc.returncode} before it answered at "
@@ -65,8 +66,7 @@ def _wait_until_ready(proc: subprocess.Popen, endpoint: str, timeout_s: float, c
         if time.monotonic() - t0 > timeout_s:
             raise ServerFailed(f"the server did not answer at {public_url(endpoint)} within {timeout_s:.0f} s "
                                f"(--serve-timeout); is --endpoint the address --serve listens on?")
-        time.sleep(delay)
-        delay = min(5.0, delay * 1.5)
+        wait.sleep()
 
 
 def _stop(proc: subprocess.Popen) -> None:
