@@ -260,18 +260,27 @@ def _submit_extract(args: argparse.Namespace) -> int:
     if not plan.indices:
         return _nothing_left(args, remaining, train)
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
-    what = f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}"
+    job = _submit_array(args, opts, script, f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}")
+    if train:
+        alongside = args.train_while_extracting is not None
+        if job is None:  # a dry run
+            after = [] if alongside else ["<the array's job id>"]
+            _show(f"{train[0].job_name}.sbatch", submit.dependency_options(after), train[1])
+        else:
+            _sbatch_train(args, *train, after=[] if alongside else [job])
+    return 0
+
+
+def _submit_array(args: argparse.Namespace, opts, script: str, what: str) -> str | None:
+    """Submit an array's script (its job id), or with --dry-run show it (None)."""
+    from layertap.slurm import submit
+
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch: {what}", [], script)
-        if train:
-            after = [] if args.train_while_extracting is not None else ["<the array's job id>"]
-            _show(f"{train[0].job_name}.sbatch", submit.dependency_options(after), train[1])
-        return 0
+        return None
     job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
     _say(args, f"submitted {what}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
-    if train:
-        _sbatch_train(args, *train, after=[] if args.train_while_extracting is not None else [job])
-    return 0
+    return job
 
 
 def _submit_regenerate(args: argparse.Namespace) -> int:
@@ -305,12 +314,7 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
             return 0
     spec = ArrayPlan(indices=indices, max_parallel=args.max_parallel).spec
     script = regenerate_script(opts, spec, args.tasks, tool_argv(args, args._tool_actions))
-    what = f"regeneration array of {len(indices)} task(s), --array={spec}"
-    if args.dry_run:
-        _show(f"{opts.job_name}.sbatch: {what}", [], script)
-        return 0
-    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
-    _say(args, f"submitted {what}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
+    _submit_array(args, opts, script, f"regeneration array of {len(indices)} task(s), --array={spec}")
     return 0
 
 
