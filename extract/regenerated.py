@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import xxhash
 
 from layertap.manifests.regeneration import RECIPE, Recipe, done_parts, read_recipe
-from layertap.storage.errors import ConfigError, InputError, MissingInput
+from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.store import ObjectStore, open_store
 
 
@@ -41,31 +41,41 @@ def _complete(path: str) -> tuple[ObjectStore, Recipe, list[Any]]:
 
 def regenerated_fingerprint(path: str, limit: int | None = None) -> str:
     """A hex id of a finished regeneration's rows: its recipe and every part's size and version."""
-    store, recipe, parts = _complete(path)
+    _, recipe, parts = _complete(path)
+    return _fingerprint(recipe, parts, limit)
+
+
+def _fingerprint(recipe: Recipe, parts: list[Any], limit: int | None) -> str:
     listing = "|".join(f"{o.key}:{o.size}:{o.version}" for o in parts)
     content = json.dumps(recipe.to_json(), sort_keys=True) + listing
     return xxhash.xxh3_128(f"v1|regenerated|{content}|limit={limit}".encode()).hexdigest()
 
 
-def iter_rows(path: str) -> Iterator[dict[str, Any]]:
-    """Every regenerated row of a finished regeneration, in source-row order."""
-    store, _, parts = _complete(path)
-    for o in parts:
+def iter_rows(path: str, keys: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Every regenerated row of a finished regeneration, in source-row order (of the parts `keys`,
+    when the caller has listed them)."""
+    if keys is None:
+        store, _, parts = _complete(path)
+        keys = [o.key for o in parts]
+    else:
+        store = open_store(path)
+    for key in keys:
         # "\n" only: str.splitlines() also splits at U+2028, U+0085 ..., which real chats hold and
         # json.dumps(ensure_ascii=False) leaves unescaped inside strings.
-        for line in store.get(o.key).decode().split("\n"):
+        for line in store.get(key).decode().split("\n"):
             if line:
                 yield json.loads(line)
 
 
 def load_regenerated(path: str, limit: int | None = None):
-    """A finished regeneration as a ``datasets.Dataset`` of OpenAI-style chats (``messages``)."""
+    """A finished regeneration as a ``datasets.Dataset`` of OpenAI-style chats (``messages``):
+    exactly the parts that were checked complete and fingerprinted (one listing). `limit` is
+    checked by the caller, `inputs.load_rows`."""
     import datasets
 
-    if limit is not None and limit <= 0:
-        raise ConfigError(f"limit must be a positive number of rows, got {limit}")
-    fingerprint = regenerated_fingerprint(path)
-    ds = datasets.Dataset.from_generator(_rows, features=_features(), gen_kwargs={"path": path, "fingerprint": fingerprint})
+    _, recipe, parts = _complete(path)
+    gen_kwargs = {"path": path, "keys": [o.key for o in parts], "fingerprint": _fingerprint(recipe, parts, None)}
+    ds = datasets.Dataset.from_generator(_rows, features=_features(), gen_kwargs=gen_kwargs)
     if len(ds) == 0:
         raise InputError(f"dataset {path!r} has no rows: every row of the regeneration was refused "
                          f"(see its stats/ for the reasons)")
@@ -74,9 +84,9 @@ def load_regenerated(path: str, limit: int | None = None):
     return ds
 
 
-def _rows(path: str, fingerprint: str) -> Iterator[dict[str, Any]]:
+def _rows(path: str, keys: list[str], fingerprint: str) -> Iterator[dict[str, Any]]:
     """`datasets`' generator; `fingerprint` keys its cache to this exact output."""
-    for row in iter_rows(path):
+    for row in iter_rows(path, keys):
         yield {"id": row["id"], "messages": [{k: m.get(k) for k in MESSAGE_KEYS} for m in row["messages"]],
                "regenerated": row["regenerated"]}
 
