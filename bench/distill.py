@@ -4,8 +4,8 @@
 
 1. `layertap extract` the first --limit ShareGPT conversations with `--final-state prenorm`;
 2. `layertap train` one drafter per `--objective` (ce, kl, ce+kl) and per step count, with the
-   same settings, seed and batches (bench/train_dflash.py's CPU recipe);
-3. `layertap eval` each on the same held-out prompts (bench/train_dflash.py's), the untrained
+   same settings, seed and batches (bench/_dflash.py's CPU settings);
+3. `layertap eval` each on the same held-out prompts (bench/_dflash.py's), the untrained
    drafter as the baseline once.
 Every step goes through the command line; re-running skips what is finished in --work. Writes
 docs/bench/distill.json (raw) and, with --write-docs, the "distill" section of docs/benchmarks.md.
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.train_dflash import TRAIN_ARGS, held_out_prompts, layertap  # noqa: E402
+from bench._dflash import CPU_TRAIN_ARGS, evaluate, held_out_prompts, layertap, tau_se  # noqa: E402
 from layertap.extract.embedded import smollm2_gguf  # noqa: E402
 
 OBJECTIVES = ("ce", "kl", "ce+kl")
@@ -42,26 +40,6 @@ def summarize(out: Path) -> dict:
     return {"steps": len(m), "loss_first10": mean("loss", m[:10]), "loss_last10": mean("loss", m[-10:]),
             "kl_last10": mean("kl", m[-10:]), "acc1_last10": mean("acc_first", m[-10:]),
             "train_s": sum(r["step_s"] for r in m)}
-
-
-def evaluate(out: Path, model: list[str], prompts: Path, max_new_tokens: int, baseline: bool, log: Path) -> dict:
-    report = out.with_name(f"{out.name}-eval-{prompts.stem}-{max_new_tokens}t.json")
-    if not report.exists() or not report.read_text().strip():
-        with open(report, "w") as f, open(log, "a") as err:
-            subprocess.run([sys.executable, "-m", "layertap", "eval", "--drafter", str(out), *model, "--prompts",
-                            str(prompts), "--max-new-tokens", str(max_new_tokens), "--json",
-                            *([] if baseline else ["--no-baseline"])],
-                           stdout=f, stderr=err, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    return json.loads(report.read_text())
-
-
-def tau_se(ev: dict) -> float:
-    """The standard error of tau: K, the drafts accepted per verify step, has P(K >= k) =
-    acceptance_per_position[k-1], so E[K] = sum a_k and E[K^2] = sum (2k - 1) a_k."""
-    a = ev["acceptance_per_position"]
-    mean = sum(a)
-    square = sum((2 * k + 1) * x for k, x in enumerate(a))
-    return max(0.0, square - mean * mean) ** 0.5 / max(1, ev["verify_steps"]) ** 0.5
 
 
 def table(results: dict[int, dict[str, dict]], untrained: float) -> str:
@@ -119,14 +97,15 @@ def main() -> None:
         out = work / f"drafter-{objective.replace('+', '-')}-{steps}"
         resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
         layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(steps),
-                 "--objective", objective, *TRAIN_ARGS, *resume, log=log)
+                 "--objective", objective, *CPU_TRAIN_ARGS, *resume, log=log)
         r = results.setdefault(steps, {})[objective] = summarize(out)
-        r["eval"] = evaluate(out, model, prompts, args.max_new_tokens, baseline=i == 0, log=log)
+        report = out.with_name(f"{out.name}-eval-{prompts.stem}-{args.max_new_tokens}t.json")
+        r["eval"] = evaluate(out, model, prompts, args.max_new_tokens, report, log, baseline=i == 0)
         print(steps, objective, json.dumps({k: v for k, v in r.items() if k != "eval"}), "tau", r["eval"]["tau"],
               flush=True)
     first = results[pairs[0][0]][pairs[0][1]]["eval"]
     raw = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d}", "machine": machine(), "limit": args.limit,
-           "steps": args.steps, "train_args": TRAIN_ARGS, "prompts": first["prompts"],
+           "steps": args.steps, "train_args": CPU_TRAIN_ARGS, "prompts": first["prompts"],
            "max_new_tokens": args.max_new_tokens, "tau_untrained": first["tau_untrained"], "objectives": results}
     (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
     (ROOT / "docs" / "bench" / "distill.json").write_text(json.dumps(raw, indent=1) + "\n")
@@ -138,7 +117,7 @@ docs/bench/distill.json)
 
 Extraction: the first {args.limit} ShareGPT conversations, max length 256, float32 forward,
 `--final-state prenorm`. Each drafter: the same defaults, batches and seed,
-`{' '.join(TRAIN_ARGS)}`, {args.steps.replace(',', ' or ')} steps; only `--objective` differs (temperature 1). Eval:
+`{' '.join(CPU_TRAIN_ARGS)}`, {args.steps.replace(',', ' or ')} steps; only `--objective` differs (temperature 1). Eval:
 {first['prompts']} held-out conversations (first exchange), {args.max_new_tokens} new tokens each,
 greedy. The `kl` loss is the KL divergence itself (0 at the teacher), not a cross-entropy: compare
 the loss column within a row, tau across rows.

@@ -3,13 +3,13 @@
     python bench/learning_curve.py [--work DIR] [--limit 300] [--steps 200] [--every 50] [--prompts 8]
                                    [--write-docs] [-- extra `layertap train` arguments]
 
-Trains one drafter (bench/train_dflash.py's target, data and settings unless overridden after
+Trains one drafter (bench/_dflash.py's CPU target, data and settings unless overridden after
 `--`), keeping every checkpoint (--save-every EVERY, --keep-checkpoints 0), then evaluates tau on
 the same held-out prompts at each kept checkpoint (`layertap eval --step N`), with an untrained
 drafter as the baseline. A recipe change then shows its effect along the run, not only at its end.
 Writes docs/train_curve.png (loss and tau against steps), docs/bench/learning_curve.json and, with
 --write-docs, the table in docs/benchmarks.md. A rerun keeps finished steps (extraction, training,
-each eval). Run it with OMP_NUM_THREADS=1 on a shared CPU (see bench/train_dflash.py).
+each eval). Run it with OMP_NUM_THREADS=1 on a shared CPU (see bench/_dflash.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import textwrap
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,46 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.train_dflash import TRAIN_ARGS, layertap, setup  # noqa: E402
-
-
-def eval_at(out: Path, step: int, model: list[str], prompts: Path, max_new_tokens: int, work: Path,
-            baseline: bool) -> dict:
-    report = work / f"eval-step{step:06d}.json"
-    if not report.exists() or not report.read_text().strip():
-        with open(report, "w") as f:
-            subprocess.run([sys.executable, "-m", "layertap", "eval", "--drafter", str(out), *model, "--prompts",
-                            str(prompts), "--max-new-tokens", str(max_new_tokens), "--step", str(step), "--json",
-                            *([] if baseline else ["--no-baseline"])], stdout=f, stderr=open(work / "log.txt", "a"),
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    return json.loads(report.read_text())
-
-
-def smoothed(values: list[float], window: int) -> list[float]:
-    """Trailing mean over `window` steps: per-step losses of small batches are noisy."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def plot(path: Path, steps: list[int], loss: list[float], points: list[dict], untrained: float, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a.plot(steps, loss, lw=1, alpha=0.35, label="loss per step")
-    a.plot(steps, smoothed(loss, 10), lw=2, label="mean of 10 steps")
-    a.set_xlabel("step"), a.set_ylabel("training loss"), a.legend(), a.grid(alpha=0.3)
-    b.plot([p["step"] for p in points], [p["tau"] for p in points], "o-", lw=2, label="trained")
-    b.axhline(untrained, color="grey", ls="--", label=f"untrained ({untrained:.3f})")
-    b.set_xlabel("step"), b.set_ylabel("tau (held-out, greedy)"), b.legend(), b.grid(alpha=0.3)
-    fig.suptitle(textwrap.fill(title, 120), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+from bench._dflash import CPU_TRAIN_ARGS, evaluate, kept_steps, layertap, plot, setup, smoothed  # noqa: E402
 
 
 def main() -> None:
@@ -95,15 +54,16 @@ def main() -> None:
     layertap("extract", *model, *data, "--out", str(run), "--dtype", "float32", "--max-length", str(args.max_length),
              "--limit", str(args.limit), "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)
     resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
-    base = [a for i, a in enumerate(TRAIN_ARGS) if "--save-every" not in TRAIN_ARGS[max(0, i - 1):i + 1]]
+    base = [a for i, a in enumerate(CPU_TRAIN_ARGS) if "--save-every" not in CPU_TRAIN_ARGS[max(0, i - 1):i + 1]]
     train = [*base, "--save-every", str(args.every), "--keep-checkpoints", "0", *args.train_args]
     layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(args.steps), *train, *resume,
              log=log)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    kept = sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*"))
+    kept = kept_steps(out)
     points = []
     for i, step in enumerate(kept):
-        r = eval_at(out, step, model, prompts, args.max_new_tokens, work, baseline=i == 0)
+        r = evaluate(out, model, prompts, args.max_new_tokens, work / f"eval-step{step:06d}.json", log, step=step,
+                     baseline=i == 0)
         points.append({"step": step, "tau": r["tau"], "acceptance_per_position": r["acceptance_per_position"],
                        "matches_greedy": r["matches_greedy"], "tau_untrained": r.get("tau_untrained")})
         print(f"step {step}: tau {r['tau']:.3f}", flush=True)

@@ -7,10 +7,10 @@ with the real SmolLM2-135M-Instruct and ShareGPT, against the same pipeline on t
 2. `layertap regenerate --serve 'transformers serve SmolLM2 ...'`: the target, served on this
    CPU, answers every prompt (greedy, at most --max-answer-tokens new tokens).
 3. `layertap extract` both datasets (original answers, regenerated answers) with the same settings.
-4. `layertap train` a drafter on each: same drafter, steps and seed (bench/train_dflash.py's settings).
+4. `layertap train` a drafter on each: same drafter, steps and seed (bench/_dflash.py's CPU settings).
 5. `layertap eval` both on the same held-out prompts (tau: mean accepted length per verify step).
 Every step goes through the command line; a rerun skips what is done in --work. Run it with
-OMP_NUM_THREADS=1 on a shared machine (see bench/train_dflash.py).
+OMP_NUM_THREADS=1 on a shared machine (see bench/_dflash.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.train_dflash import TRAIN_ARGS, layertap, setup  # noqa: E402
+from bench._dflash import CPU_TRAIN_ARGS, layertap, setup  # noqa: E402
 from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
 
 
@@ -106,7 +105,7 @@ def main() -> None:
         layertap("extract", *model, "--dataset", str(data), "--out", str(run), "--dtype", "float32",
                  "--max-length", "256", "--shard-bytes", "32MB", "--log-dir", str(work / "logs"), log=log)
         resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
-        layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(args.steps), *TRAIN_ARGS,
+        layertap("train", "--data", str(run), *model, "--out", str(out), "--steps", str(args.steps), *CPU_TRAIN_ARGS,
                  *resume, log=log)
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         r = results[name] = {"loss_first10": sum(m["loss"] for m in metrics[:10]) / 10,
@@ -134,7 +133,7 @@ itself (`layertap regenerate --serve 'transformers serve ...'` on this CPU, gree
 {args.max_answer_tokens} new tokens: {reg['generated_tokens']:,} tokens generated in {reg['wall_s']:.0f} s,
 {reg['generated_tokens'] / reg['wall_s']:.0f} tokens/s from a CPU server answering one request at a time, beside other
 jobs; {reg['truncated']} answers cut at the limit, {reg['refused']} rows refused). Both datasets were extracted
-and trained on with the same settings (max length 256; `{' '.join(TRAIN_ARGS)}`, {args.steps} steps, seed 0),
+and trained on with the same settings (max length 256; `{' '.join(CPU_TRAIN_ARGS)}`, {args.steps} steps, seed 0),
 and evaluated on the same {orig['eval']['prompts']} held-out prompts ({args.max_new_tokens} new tokens, greedy).
 
 | trained on | loss, first 10 steps | loss, last 10 steps | slot-1 accuracy, last 10 | **tau** (held-out) | speculative == greedy |

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.train_dflash import held_out_prompts  # noqa: E402
+from bench._dflash import held_out_prompts  # noqa: E402
 
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
@@ -198,7 +198,7 @@ def main() -> None:
     load_start = os.getloadavg()
     t_all = time.perf_counter()
     prompts = work / "prompts.jsonl"
-    # train_dflash's held-out prompts (first exchanges of conversations 1000..); it looks at only 4 rows
+    # the benches' held-out prompts (first exchanges of conversations 1000..); it looks at only 4 rows
     # per prompt asked and keeps fewer than asked for small counts: ask for 4x, keep the first --prompts
     held_out_prompts(prompts, 4 * args.prompts)
     prompts.write_text("".join(prompts.read_text().splitlines(keepends=True)[:args.prompts]))
