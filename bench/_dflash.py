@@ -22,14 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU_TRAIN_ARGS = ["--batch-size", "4", "--block-size", "4", "--max-anchors", "24", "--lr", "1e-3", "--save-every", "50"]
 
 
-def layertap(*args: str, log: Path) -> float:
-    """Run `layertap ARGS` with its output appended to `log`; the wall seconds it took."""
+def layertap(*args: str, log: Path, threads: int | None = None) -> float:
+    """Run `layertap ARGS` with its output appended to `log` (and OMP_NUM_THREADS=`threads` when
+    given); the wall seconds it took."""
     t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     with open(log, "a") as f:
         f.write(f"\n$ layertap {' '.join(args)}\n")
         f.flush()
-        p = subprocess.run([sys.executable, "-m", "layertap", *args], stdout=f, stderr=subprocess.STDOUT,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        p = subprocess.run([sys.executable, "-m", "layertap", *args], stdout=f, stderr=subprocess.STDOUT, env=env)
     if p.returncode not in (0, 1):
         raise SystemExit(f"layertap {args[0]} failed ({p.returncode}); see {log}")
     return time.perf_counter() - t0

