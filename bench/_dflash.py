@@ -7,6 +7,7 @@ slower when other processes hold the cores (a 4-token verify step: 5.3 s with 2 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -38,23 +39,24 @@ def layertap(*args: str, log: Path, threads: int | None = None) -> float:
 
 def held_out_prompts(path: Path, n: int, after: int = 1000, source: str | None = None) -> None:
     """`n` first exchanges of ShareGPT conversations from row `after` on: past every training row.
-    `source`: a JSON-lines file of ShareGPT rows instead of the embedded ones (a GPU host without them)."""
+    `source`: a JSON-lines file of ShareGPT rows instead of the embedded ones (a GPU host without them).
+    Rows whose first turn is not a short human message are passed over; too few rows is an error."""
     if source is None:
         from layertap.extract.embedded import sharegpt_conversations
 
-        rows = list(sharegpt_conversations(after + 4 * n))[after:]
+        rows = itertools.islice(sharegpt_conversations(), after, None)
     else:
-        with open(source) as f:
-            rows = [json.loads(line) for i, line in enumerate(f) if after <= i < after + 4 * n]
+        rows = (json.loads(line) for line in itertools.islice(open(source), after, None))
+    kept = 0
     with open(path, "w") as f:
-        kept = 0
         for row in rows:
             turns = row["conversations"]
             if len(turns) >= 2 and turns[0]["from"] == "human" and len(turns[0]["value"]) < 600:
                 f.write(json.dumps({"conversations": turns[:2]}) + "\n")
                 kept += 1
-            if kept == n:
-                break
+                if kept == n:
+                    return
+    raise SystemExit(f"only {kept} of {n} held-out prompts after row {after} of {source or 'the embedded ShareGPT'}")
 
 
 def setup(work_dir: str, prompts: int, after: int = 1000, model: str | None = None, gguf_file: str | None = None,

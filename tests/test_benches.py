@@ -147,3 +147,25 @@ def test_follow_bench_runs_the_three_modes_on_a_tiny_run(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "bench" / "follow.py"), "--report", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "| train --follow |" in p.stdout, p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_asks(tmp_path):
+    """bench/train_dflash.py (the device `recipe` step runs it): the real SmolLM2 and ShareGPT, a few
+    samples and steps; each codec extracted and trained at once, tau at every kept checkpoint of the
+    lossless drafter and at the last of the fp8 one, and the JSON the issue names."""
+    out, png = tmp_path / "train_dflash.json", tmp_path / "curve.png"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "train_dflash.py"), "--work", str(tmp_path / "work"),
+                        "--limit", "12", "--steps", "4", "--every", "2", "--prompts", "1", "--max-new-tokens", "6",
+                        "--side-by-side", "--json", str(out), "--png", str(png)],
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert {"tau", "tau_untrained", "matches_greedy", "steps", "samples", "recipe"} <= set(r)
+    assert r["steps"] == 4 and r["samples"] == r["codecs"]["bf16-zstd"]["samples"] > 0 and r["matches_greedy"] is True
+    assert "--steps" in r["recipe"]["train_args"] and r["recipe"]["final_state"] == "prenorm"
+    lossless, fp8 = r["codecs"]["bf16-zstd"], r["codecs"]["fp8"]
+    assert [c["step"] for c in lossless["curve"]] == [2, 4] and [c["step"] for c in fp8["curve"]] == [4]
+    assert fp8["bytes_stored"] < lossless["bytes_stored"] and fp8["samples"] == lossless["samples"]
+    assert fp8["tau_vs_lossless"] == pytest.approx(fp8["curve"][-1]["tau"] / r["tau"])
+    assert png.stat().st_size > 10_000
