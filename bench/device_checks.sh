@@ -47,7 +47,9 @@
 #              carry [".devcache/recipe-1"], command "true"; then [".devcache/recipe-2"], "true"; then
 #              [".devcache/recipe-3"], "DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc recipe"
 #            RECIPE_ARGS replaces the bench's arguments, RECIPE_LIMIT_S its time limit (540 s); a rerun
-#            on a warm machine continues the work in .devcache/recipe-work
+#            on a warm machine continues the work in .devcache/recipe-work. The default sizes are a first guess,
+#            not measured on a GPU (~6 M tokens, ~27 GB stored); the fp8 check is a second run with
+#            RECIPE_ARGS naming the same settings and --codecs bf16-zstd,fp8
 # DEVICE_CHECKS_TINY=1 runs the default steps' benches on tiny configs: a CPU rehearsal of this script.
 set -u
 tiny=${DEVICE_CHECKS_TINY:+--tiny}
@@ -128,7 +130,7 @@ if [[ " $steps " == *" recipe "* ]]; then  # SmolLM2 and ShareGPT from .devcache
         python3 -c "import sys, zstandard; sys.stdout.buffer.write(zstandard.decompress(open(sys.argv[1], 'rb').read(),
 max_output_size=1 << 31))" .devcache/recipe-3/sharegpt.jsonl.zst >/tmp/sharegpt.jsonl || exit 1
         recipe+=(--model /tmp/smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --dataset /tmp/sharegpt.jsonl
-                 ${RECIPE_ARGS:---limit 8000 --max-length 1024 --epochs 2 --every 400 --side-by-side -- --block-size 16 --max-anchors 256})
+                 ${RECIPE_ARGS:---limit 10000 --max-length 1024 --epochs 3 --every 600 --codecs bf16-zstd -- --batch-size 16 --block-size 16 --max-anchors 256})
     fi
     step recipe "${RECIPE_LIMIT_S:-540}" python3 bench/train_dflash.py "${recipe[@]}"
 fi
