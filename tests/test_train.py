@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -314,26 +313,34 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(objective, tar
 
 def test_stop_signals_are_recorded_or_raised_and_the_old_handlers_come_back():
     """The one stop helper: training reads a recorded stop at its step boundary, extraction
-    stops where it is; a second signal changes nothing, and the handlers before come back."""
-    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)
-
-    def deliver(sig: int) -> None:
-        # to this thread: os.kill may hand the signal to another thread of the process (the tests'
-        # servers), and on a loaded machine its handler then ran after the block had ended
-        signal.pthread_kill(threading.get_ident(), sig)
-        time.sleep(0.05)  # the handler runs in this thread at the next bytecode
-
-    with StopSignals(at_once=False, signals=(signal.SIGUSR1,)) as stop:
-        assert stop.requested is None
-        deliver(signal.SIGUSR1)
-        deliver(signal.SIGUSR1)
-        assert type(stop.requested) is Preempted and str(stop.requested) == "received SIGUSR1"
-        assert stop.requested.exit_code == 143
-    with pytest.raises(Interrupted) as caught:
+    stops where it is; a second signal changes nothing, and the handlers before come back.
+    A SIGINT the process was told to ignore (a background job, `nohup`) stays ignored."""
+    # SIGINT as a foreground shell leaves it: pytest started in the background inherits it ignored
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)
+        with StopSignals(at_once=False, signals=(signal.SIGUSR1,)) as stop:
+            assert stop.requested is None
+            _deliver(signal.SIGUSR1)
+            _deliver(signal.SIGUSR1)
+            assert type(stop.requested) is Preempted and str(stop.requested) == "received SIGUSR1"
+            assert stop.requested.exit_code == 143
+        with pytest.raises(Interrupted) as caught:
+            with StopSignals(at_once=True):
+                _deliver(signal.SIGINT)
+        assert caught.value.exit_code == 130 and str(caught.value) == "Ctrl-C (SIGINT)"
+        assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)) == before
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         with StopSignals(at_once=True):
-            deliver(signal.SIGINT)
-    assert caught.value.exit_code == 130 and str(caught.value) == "Ctrl-C (SIGINT)"
-    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGINT)) == before
+            _deliver(signal.SIGINT)  # nothing raised
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+def _deliver(sig: int) -> None:
+    os.kill(os.getpid(), sig)
+    time.sleep(0.05)  # the handler runs in this thread at the next bytecode
 
 
 @pytest.mark.slow
