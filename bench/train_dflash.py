@@ -1,7 +1,7 @@
 """The drafter recipe (issue 24): extract, train, tau along the run, and the fp8 check, through the CLI.
 
     python bench/train_dflash.py [--work DIR] [--limit 6000] [--max-length 512] [--dtype bfloat16]
-        [--epochs 3 | --steps N] [--every 500] [--prompts 32] [--max-new-tokens 64]
+        [--epochs 2 | --steps N] [--every 500] [--prompts 32] [--max-new-tokens 64]
         [--codecs bf16-zstd,fp8] [--json docs/bench/train_dflash.json] [--png docs/train_curve_recipe.png]
         [--write-docs] [-- more `layertap train` arguments, which win over RECIPE]
 
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=6000, help="ShareGPT conversations to extract (default 6000)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", help="the extraction's forward dtype (default bfloat16)")
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
     ap.add_argument("--every", type=int, default=500, help="steps between checkpoints, each evaluated")
     ap.add_argument("--prompts", type=int, default=32)
