@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,15 +42,9 @@ def held_out_prompts(path: Path, n: int, after: int = 1000, source: str | None =
     """`n` first exchanges of ShareGPT conversations from row `after` on: past every training row.
     `source`: a JSON-lines file of ShareGPT rows instead of the embedded ones (a GPU host without them).
     Rows whose first turn is not a short human message are passed over; too few rows is an error."""
-    if source is None:
-        from layertap.extract.embedded import sharegpt_conversations
-
-        rows = itertools.islice(sharegpt_conversations(), after, None)
-    else:
-        rows = (json.loads(line) for line in itertools.islice(open(source), after, None))
     kept = 0
     with open(path, "w") as f:
-        for row in rows:
+        for row in _rows_from(after, source):
             turns = row["conversations"]
             if len(turns) >= 2 and turns[0]["from"] == "human" and len(turns[0]["value"]) < 600:
                 f.write(json.dumps({"conversations": turns[:2]}) + "\n")
@@ -57,6 +52,18 @@ def held_out_prompts(path: Path, n: int, after: int = 1000, source: str | None =
                 if kept == n:
                     return
     raise SystemExit(f"only {kept} of {n} held-out prompts after row {after} of {source or 'the embedded ShareGPT'}")
+
+
+def _rows_from(after: int, source: str | None) -> Iterator[dict]:
+    """ShareGPT rows from row `after` on, of `source` (JSON lines) or of the embedded ShareGPT."""
+    if source is None:
+        from layertap.extract.embedded import sharegpt_conversations
+
+        yield from itertools.islice(sharegpt_conversations(), after, None)
+        return
+    with open(source) as f:
+        for line in itertools.islice(f, after, None):
+            yield json.loads(line)
 
 
 def setup(work_dir: str, prompts: int, after: int = 1000, model: str | None = None, gguf_file: str | None = None,
