@@ -25,7 +25,7 @@ from layertap.manifests import layout
 from layertap.manifests.manifest import ManifestError
 from layertap.manifests.records import decode_commit
 from layertap.storage.retry import Backoff
-from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import size
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,31 @@ def _delete(store: ObjectStore, marked: set[int], agreed: set[int]) -> list[int]
 def backlog(store: ObjectStore, consumed: set[int] | None = None) -> Backlog:
     """Committed shards not consumed everywhere (`consumed`: `consumed_everywhere`, when the
     caller has it), and their samples and bytes from the tally markers' names: listings and one
-    GET per rank's watermark, never a GET per shard. A commit whose tally marker is missing (its
-    writer died between the two) counts as a shard of 0 bytes."""
+    GET per rank's watermark. A commit whose tally marker is missing (its writer is between the
+    two, or died there) is read instead: counted as 0 bytes, a worker killed at that moment
+    left data at rest that no window saw, and the window overflowed by that shard."""
     committed = {s for o in store.list(layout.COMMITS) if (s := layout.shard_of(o.key, layout.COMMITS)) is not None}
     open_ = committed - (consumed_everywhere(store) if consumed is None else consumed)
     samples = nbytes = 0
+    tallied = set()
     for o in store.list(layout.TALLY):
         parsed = layout.parse_tally(o.key)
         if parsed and parsed[0] in open_:
+            tallied.add(parsed[0])
             samples += parsed[1]["records"]
             nbytes += parsed[1]["bytes"]
+    for shard in sorted(open_ - tallied):
+        key = layout.commit_key(shard)
+        try:
+            record = decode_commit(store.get(key), key)
+        except ObjectNotFound:  # withdrawn by `verify` since the listing: not committed any more
+            open_.discard(shard)
+            continue
+        except ManifestError as e:  # `verify` withdraws it; until then it holds no data we can size
+            log.warning("shard %d: unreadable commit record (%s); not counted in the backlog", shard, e)
+            continue
+        samples += record.num_records
+        nbytes += record.bytes
     return Backlog(len(open_), samples, nbytes)
 
 

@@ -240,6 +240,97 @@ def test_train_follow_reaches_its_steps_while_workers_extract(s3_bucket, tmp_pat
     assert not list(_store(uri).list("shards/"))  # every shard was consumed by the last checkpoint
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_trainer_waiting_on_a_full_window_checkpoints_so_extraction_goes_on(ranks, s3_bucket, tmp_path):
+    """A window that checkpoints every --save-every steps could never free: 3-4 shards' worth, while
+    the trainer checkpoints only at its last step. Training waits for data and extraction for the
+    window, until the trainer, seeing the stall, checkpoints where it is (with 2 ranks: together):
+    its shards are deleted, extraction goes on, and the run trains to its end. The data at rest
+    stays under the bound."""
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = f"s3://{s3_bucket}/runs/stall{ranks}", str(tmp_path / "out")
+    store = _store(uri)
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
+    train = subprocess.Popen(
+        [sys.executable, *launch, "-m", "layertap", "train", "--data", uri, "--model", target, "--out", out, "--follow",
+         "--follow-poll-s", "0.5", "--delete-consumed", "--batch-size", "2", "--shuffle-buffer", "2",
+         "--block-size", "4", "--max-anchors", "8", "--save-every", "1000", "--keep-checkpoints", "0"],
+        env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    time.sleep(3)
+    window, workers = 8_000 * (2 + ranks), 1  # fake_worker's shards are 7.0-8.1 kB: 3-4 of its 7
+    extract = subprocess.Popen([sys.executable, str(HERE / "fake_worker.py"), uri, "--window", str(window)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+    peak = largest = 0
+    deadline = time.time() + 240
+    while (extract.poll() is None or train.poll() is None) and time.time() < deadline:
+        sizes = [o.size for o in store.list("shards/")]
+        peak, largest = max(peak, sum(sizes)), max([largest, *sizes])
+        time.sleep(0.05)
+    for p in (extract, train):
+        if p.poll() is None:
+            p.kill()
+    assert time.time() < deadline, f"stalled for good: {train.communicate()[1][-3000:]}"
+    stdout, stderr = train.communicate(timeout=60)
+    assert train.returncode == 0, stderr[-3000:]
+    assert extract.wait() == 0, extract.stderr.read()[-3000:]
+    waits = stderr.count("extraction waits for its storage window to open while training waits for data")
+    assert waits >= 1, stderr[-3000:]
+    saved = sorted(int(o.key.split("/")[1].split("-")[1]) for o in _store(out).list("checkpoints/step-")
+                   if o.key.endswith("state.json"))
+    steps = SAMPLES // (2 * ranks)  # batches of 2 per rank
+    assert len(saved) == waits + 1 and saved[-1] == steps  # the stall checkpoints, then the last step
+    assert [json.loads(x)["step"] for x in _store(out).get("metrics.jsonl").decode().splitlines()] == \
+        list(range(1, steps + 1))
+    assert peak < window + workers * largest
+    assert not list(store.list("shards/"))  # every shard consumed by the last checkpoint
+    assert "STALLED" not in stderr
+
+
+
+@pytest.mark.slow
+def test_sigterm_while_training_waits_for_data_checkpoints_and_resumes(tmp_path):
+    """A follow trainer that has trained what is committed and waits for more gets SIGTERM (a
+    Slurm preemption): it checkpoints where it is and exits 143 at once, not when data comes. Its
+    --resume, once extraction finishes, trains the rest: the follow epoch's every step, once."""
+    import signal
+
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    fake_worker.work(uri, shards=[0, 1, 2])  # 3 of 7 committed; the rest pending
+    args = [sys.executable, "-m", "layertap", "train", "--data", uri, "--model", target, "--out", out, "--follow",
+            "--follow-poll-s", "0.5", "--batch-size", "2", "--shuffle-buffer", "2", "--block-size", "4",
+            "--max-anchors", "8", "--save-every", "1000"]
+    err = tmp_path / "train.err"
+    with err.open("w") as f:
+        train = subprocess.Popen(args, env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent,
+                                 stdout=subprocess.DEVNULL, stderr=f)
+    deadline = time.time() + 120
+    while time.time() < deadline and "waiting for extraction: 3 of 7" not in err.read_text():
+        time.sleep(0.2)
+    time.sleep(3)  # the trainer trains what is in flight, then waits too
+    sent = time.time()
+    train.send_signal(signal.SIGTERM)
+    assert train.wait(timeout=60) == 143, err.read_text()[-3000:]
+    assert time.time() - sent < 20  # within a few of the trainer's 5 s looks, not when data comes
+    metrics = Path(out) / "metrics.jsonl"
+    trained = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    latest = json.loads((Path(out) / "checkpoints" / "latest.json").read_text())
+    assert trained and latest["step"] == trained[-1] < SAMPLES // 2
+
+    fake_worker.work(uri)  # extraction finishes; the trainer resumes where it stopped
+    rc = subprocess.run(args + ["--resume"], env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent,
+                        capture_output=True, text=True, timeout=600)
+    assert rc.returncode == 0, rc.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, SAMPLES // 2 + 1))
+
+
 def _store(uri):
     from layertap.storage.store import open_store
 

@@ -96,6 +96,12 @@ def test_backlog_is_the_tallies_of_unconsumed_shards(store_uri):
     assert backlog(store) == expected({1, 3})
     assert backlog(store).bytes == sum(o.size for o in store.list(layout.SHARDS))  # what is at rest
 
+    # A worker killed between its commit and its tally marker: the shard's data is at rest all the
+    # same, and the window counts it (read from the commit record), or the window overflows by it.
+    store.delete(next(o.key for o in store.list(f"{layout.TALLY}000002.")))
+    assert backlog(store) == expected({1, 3})
+    assert backlog(store).bytes == sum(o.size for o in store.list(layout.SHARDS))
+
 
 def window_worker(store_uri: str, rank: int, gate: WindowGate, done: list[int]) -> None:
     """fake_worker's loop, with the window gate before each claim."""
@@ -299,8 +305,9 @@ def test_a_stream_leaves_out_consumed_shards_with_one_warning(store_uri, caplog)
 
 
 def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri, caplog):
-    """Extraction waits for training (its window is full) while training waits for data: the
-    follow watcher's waiting line is joined by one naming the stall, the rule and the knobs."""
+    """Extraction waits for training (its window is full) while training waits for data, on two
+    looks in a row: the follow watcher's waiting line is joined by one naming the stall, the rule
+    and the knobs. One look is not yet a stall: a waiting trainer checkpoints to open the window."""
     from layertap.manifests.consumption import WindowGate, recorded_window
     from layertap.manifests.manifest import load_manifest
     from layertap.train.follow import CommitWatcher
@@ -315,10 +322,21 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
     caplog.set_level("INFO", logger="layertap.train.follow")
     assert watcher._extraction_over() is False
     assert "waiting for extraction: 3 of 7 shards committed" in caplog.text
+    assert "STALLED" not in caplog.text  # the first sign: a waiting `layertap train` checkpoints here
+    watcher._logged = 0.0  # the next look, 30 s later: still stalled, for good
+    assert watcher._extraction_over() is False
     assert "STALLED" in caplog.text and "--window" in caplog.text and "--shuffle-buffer" in caplog.text
+
+    caplog.clear()  # extraction moved in between: the next stall starts counting again
+    fake_worker.work(store_uri, shards=[3])
+    assert [r.shard for r in watcher.poll()] == [3]
+    watcher._logged = 0.0
+    assert watcher._extraction_over() is False
+    assert "STALLED" not in caplog.text
 
     caplog.clear()  # a window the backlog does not fill: waiting, not stalled
     WindowGate(store, 10**9).record()
-    watcher._logged = 0.0
-    assert watcher._extraction_over() is False
+    for _ in range(2):
+        watcher._logged = 0.0
+        assert watcher._extraction_over() is False
     assert "waiting for extraction" in caplog.text and "STALLED" not in caplog.text

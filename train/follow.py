@@ -68,6 +68,7 @@ class CommitWatcher:
         self._last_look = 0.0
         self._logged = 0.0
         self._given_up_once = False
+        self._stalled_looks = 0  # looks in a row that found extraction held by its window
 
     def poll(self) -> list[CommitRecord]:
         """One look: the commits not returned before, in shard order."""
@@ -85,6 +86,8 @@ class CommitWatcher:
             raise replaced_manifest_error(self.store.uri, foreign)
         new = sorted((r for r in records if r.shard not in self.known), key=lambda r: r.shard)
         self.known.update((r.shard, r) for r in new)
+        if new:  # extraction moved: a stall seen before is over
+            self._stalled_looks = 0
         if len(self.known) >= len(self.manifest.shards):
             self.complete = True
         return new
@@ -138,24 +141,26 @@ class CommitWatcher:
         return False
 
     def _log_stall(self) -> None:
-        """Training waits for data while extraction waits for training (its --window is full):
-        nothing moves until one side changes. Samples in the consumers' shuffle buffers, or
-        trained since the last checkpoint, keep their shards from counting as consumed, so the
-        window must hold more than that."""
+        """Training waits for data while extraction waits for training (its --window is full).
+        `layertap train --delete-consumed` answers the first sign by a checkpoint, which frees
+        what it trained on; a stall still there a look later (30 s) is for good: samples in the
+        consumers' shuffle buffers and batches in flight keep their shards from counting as
+        consumed, so the window must hold more than that."""
         from layertap.manifests.consumption import stalled
 
         found = stalled(self.store)
-        if found is None:
+        self._stalled_looks = self._stalled_looks + 1 if found is not None else 0
+        if found is None or self._stalled_looks < 2:
             return
         b, window = found
         largest = max((r.bytes for r in self.known.values()), default=0)
         log.error("%s: STALLED: extraction waits for training to consume (%s at rest in %d shards, window %s) "
-                  "while training waits for data. Shards count as consumed only once every sample of them "
-                  "left the consumers' shuffle buffers and a checkpoint covers it, so the window must exceed "
-                  "consumers x (shuffle buffer + samples per checkpoint) x the largest shard (%s here). "
-                  "Restart extraction with a larger --window, or train with a smaller --shuffle-buffer or "
-                  "--save-every; both resume where they are.", self.who, size(b.bytes), b.shards, size(window),
-                  size(largest))
+                  "while training waits for data. A shard counts as consumed once every sample of it has left "
+                  "the consumers' shuffle buffers and is trained on, and a checkpoint covers it (a waiting "
+                  "`layertap train --delete-consumed` takes one), so the window must exceed consumers x "
+                  "(shuffle buffer + 3 batches) x the largest shard (%s here). Restart extraction with a larger "
+                  "--window, or train with a smaller --shuffle-buffer or --batch-size; both resume where they "
+                  "are.", self.who, size(b.bytes), b.shards, size(window), size(largest))
 
 
 def _get_commits(store: ObjectStore, keys: list[str]) -> list[CommitRecord | None]:

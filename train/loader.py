@@ -134,6 +134,8 @@ class Prefetcher:
         self.loader, self.device, self.device_keys = loader, torch.device(device), device_keys
         self._state = loader.state_dict()  # as of the last batch taken: none yet
         self.wait = 0.0
+        self._next: Any = None  # an item `ready()` took off the queue, for the next wait_for_batch()
+        self._in_loader = False  # the thread is inside the loader's next()
         self._ready: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(depth)
         self._stop = threading.Event()
@@ -151,13 +153,29 @@ class Prefetcher:
     def epoch(self) -> int:
         return int(self._state["epoch"])
 
+    def ready(self, timeout: float) -> bool:
+        """Whether the next batch (or the thread's failure) is there, waiting up to `timeout`
+        seconds for it (the time goes into `wait`): lets a trainer do something else while it waits."""
+        if self._next is None:
+            t = time.perf_counter()
+            try:
+                self._next = self._ready.get(timeout=timeout)
+            except queue.Empty:
+                return False
+            finally:
+                self.wait += time.perf_counter() - t
+        return True
+
     def wait_for_batch(self) -> dict[str, Any]:
         """The next batch, blocking until the thread has it ready (the time goes into `wait`)."""
-        t = time.perf_counter()
-        item = self._ready.get()
-        self.wait += time.perf_counter() - t
+        if self._next is not None:
+            item, self._next = self._next, None
+        else:
+            t = time.perf_counter()
+            item = self._ready.get()
+            self.wait += time.perf_counter() - t
         if isinstance(item, _Failed):
-            self._ready.put(item)  # every later call fails the same way
+            self._next = item  # every later call fails the same way
             raise item.error
         batch, self._state = item
         self._slots.release()
@@ -169,9 +187,13 @@ class Prefetcher:
         return w
 
     def close(self) -> None:
+        """Stop the thread. One blocked inside the loader (a follow stream waiting for commits)
+        cannot be interrupted: it is given a second, then left to end with the process (a daemon),
+        so a trainer stopped while it waits for data exits at once."""
         self._stop.set()
         self._slots.release()  # a thread waiting for a slot sees the stop
-        self._thread.join(timeout=30)
+        waiting = self._in_loader and self.loader.stream.position.in_follow_epoch
+        self._thread.join(timeout=1 if waiting else 30)
 
     def __enter__(self) -> "Prefetcher":
         return self
@@ -188,7 +210,9 @@ class Prefetcher:
                         self._slots.acquire()
                         if self._stop.is_set():
                             return
+                        self._in_loader = True
                         batch = next(batches, None)
+                        self._in_loader = False
                         if batch is None:
                             self._slots.release()
                             if n == 0:

@@ -45,6 +45,7 @@ from layertap.train.target_head import load_final_norm, load_target_head, record
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+STALL_CHECK_S = 5.0  # follow mode: seconds of waiting for data between looks for a stalled window
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -300,16 +301,19 @@ def _loop(run: _Run, start: int) -> int:
     """The steps, with rank 0's metrics, the checkpoints and a stop at a step boundary."""
     cfg, acc = run.cfg, run.acc
     progress = _progress(acc.process_index, start, run.total)
-    step = start
+    step = saved = start
     while step < run.total:
-        stats = train_step(run, step, run.distill)
-        step = stats.step
-        wait = run.batches.pop_wait_s()
-        if run.metrics is not None:
-            _report(run, stats, wait, progress)
-        if step % cfg.save_every == 0 or step == run.total or stats.stop:
+        stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
+        if not stopped:
+            stats = train_step(run, step, run.distill)
+            step, stopped = stats.step, stats.stop
+            wait = run.batches.pop_wait_s()
+            if run.metrics is not None:
+                _report(run, stats, wait, progress)
+        if (step % cfg.save_every == 0 or step == run.total or stopped) and step > saved:
             _save(run, step)
-        if stats.stop:
+            saved = step
+        if stopped:
             log.warning("stopped at step %d by a signal; `layertap train ... --resume` continues", step)
             progress.close()
             return 143
@@ -325,6 +329,37 @@ def _loop(run: _Run, start: int) -> int:
     acc.wait_for_everyone()
     acc.end_training()
     return 0
+
+
+def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
+    """Follow mode, before step `step`: wait until every rank has its next batch. Returns whether
+    a stop signal came first (the caller then exits as after a step) and the last checkpoint's step.
+
+    While a rank waits and extraction is held back by its storage window (`stalled`: the data at
+    rest fills `--window`), training would wait for shards that extraction waits for training to
+    free. With --delete-consumed the trainer then checkpoints at this step boundary (unless it
+    has since `saved`): the shards it trained on count as consumed, their data is deleted and the
+    window opens. Ranks decide together, by one small reduce per step and per `STALL_CHECK_S`
+    seconds of waiting (none on one rank while its batch is there)."""
+    from layertap.manifests.consumption import stalled
+
+    acc, world = run.acc, run.acc.num_processes
+    while True:
+        have = run.batches.ready(STALL_CHECK_S)
+        if world == 1 and have:
+            return False, saved
+        held = run.cfg.delete_consumed and acc.is_main_process and not have and stalled(run.data) is not None
+        flags = torch.tensor([float(not have), float(held), float(run.stop.requested is not None)],
+                             dtype=torch.float64, device=acc.device)
+        missing, held, stop = (float(x) > 0 for x in (acc.reduce(flags, reduction="sum") if world > 1 else flags))
+        if stop or not missing:
+            return stop, saved
+        if held and step > saved:
+            if acc.is_main_process:
+                log.info("extraction waits for its storage window to open while training waits for data: checkpoint "
+                         "at step %d, so the shards trained on count as consumed and their data is deleted", step)
+            _save(run, step)
+            saved = step
 
 
 def _report(run: _Run, stats: StepStats, wait: float, progress) -> None:
