@@ -17,10 +17,12 @@ The `openai` client makes one try per call (its own retries are off); this modul
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import random
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -81,19 +83,28 @@ def public_url(endpoint: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+def _http_library(client_class: type) -> ModuleType:
+    """The HTTP package an openai client class is built on: httpx up to openai 2, httpx2 from
+    openai 3. Its connection limits must be of that package's own type."""
+    for base in client_class.__mro__:
+        if base.__name__ == "AsyncClient":
+            return importlib.import_module(base.__module__.split(".")[0])
+    raise TypeError(f"{client_class.__qualname__} is not built on an httpx AsyncClient")
+
+
 class ChatClient:
     """Chat completions against one endpoint and model with one set of sampling settings."""
 
     def __init__(self, endpoint: str, model: str, *, api_key: str | None, sampling: dict[str, Any],
                  timeout_s: float, retry_for_s: float, concurrency: int):
-        import httpx
         import openai
 
         self.model, self.sampling, self.retry_for_s = model, sampling, retry_for_s
         self.where = public_url(endpoint)
         self._warned_at = -1e9
         self.answered = False  # until the server first answers, a refused connection is a wrong --endpoint
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        http = _http_library(openai.DefaultAsyncHttpxClient)
+        limits = http.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self.client = openai.AsyncOpenAI(base_url=api_base(endpoint), api_key=api_key or "none", max_retries=0,
                                          timeout=timeout_s,
                                          http_client=openai.DefaultAsyncHttpxClient(limits=limits))
