@@ -310,15 +310,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 window = int(args.window_shards * sum(sizes) / len(sizes))
                 report["run"] = {"shards": len(sizes), "bytes": sum(sizes), "largest_shard": max(sizes)}
-                # A shard is deleted once a checkpoint covers every one of its samples. Before training can
-                # take in more, the window must hold the samples still in the shuffle buffer and in the loader
-                # worker's prefetch (2 batches), those yielded since the last checkpoint, and the oldest shard,
-                # part of which may linger in the buffer: else extraction waits for a deletion and training for
-                # a shard, for ever (seen with a window of 3 shards of 16 samples, a 16-sample buffer and a
-                # checkpoint every 4 steps of 4). A rule of thumb, not a bound: a sample can linger longer.
+                # A shard is deleted once a checkpoint covers every one of its samples; a trainer that waits for
+                # data while the window is full checkpoints at once, so what it trained on is freed. What it
+                # cannot free: the samples still in the shuffle buffer and in the batches in flight (the partial
+                # one and the loader's prefetch, ~3), and the oldest shard, part of which may linger in the
+                # buffer: below that, extraction waits for a deletion and training for a shard, for ever (seen,
+                # before the trainer checkpointed when stalled, with a window of 3 shards of 16 samples, a
+                # 16-sample buffer and a checkpoint every 4 steps of 4). A rule of thumb: a sample can linger longer.
                 per_shard = args.samples / len(sizes)
                 held = args.window_shards * per_shard
-                needed = args.shuffle_buffer + (args.save_every + 2) * args.batch_size + per_shard
+                needed = args.shuffle_buffer + 3 * args.batch_size + per_shard
                 report["run"].update(window_samples=round(held, 1), window_samples_needed=round(needed, 1))
                 if held <= needed:
                     report["modes"][mode] = {"skipped": f"the window holds ~{held:.0f} samples, not more than the "
@@ -435,8 +436,10 @@ def reading(r: dict[str, Any]) -> str:
             "while the trainer works through the window. The window must also hold more than training keeps "
             "from deletion (the shuffle buffer, the loader's prefetch, the samples since the last checkpoint, and an "
             "oldest shard a lingering sample pins): below that, extraction waits for a deletion and training for a "
-            "shard, until one side changes; the trainer logs STALLED with the sizing rule (docs/ARCHITECTURE.md, \"The storage window\") (seen here with a window of 3 shards of 16 samples, a 16-sample "
-            "buffer and a checkpoint every 4 steps of 4); the bench refuses such a window.")
+            "shard, until one side changes. A trainer with `--delete-consumed` that waits for data while the window is "
+            "full checkpoints at that step boundary to free what it trained on; what the shuffle buffers and batches in flight hold it "
+            "cannot free, and it logs STALLED with the sizing rule (docs/ARCHITECTURE.md, \"The storage window\") "
+            "when that persists; the bench refuses a window below the rule.")
     if r.get("load_avg_start", [0])[0] > r.get("nproc", 1):
         parts.append(f"The machine was busy (load {r['load_avg_start'][0]} on {r['nproc']} cores at the start): "
                      "seconds are inflated and noisy; the ratios were measured side by side in one invocation.")
