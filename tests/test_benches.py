@@ -149,6 +149,24 @@ def test_follow_bench_runs_the_three_modes_on_a_tiny_run(tmp_path):
     assert p.returncode == 0 and "| train --follow |" in p.stdout, p.stderr[-2000:]
 
 
+def test_follow_decode_bench_reads_every_mode_over_a_finished_run(tmp_path):
+    """bench/follow_decode.py over a run of the fake worker (real shards and commits in a folder):
+    every mode reads the samples asked for, and the report gives each a rate and a ratio."""
+    from tests import fake_worker
+
+    fake_worker.work(str(tmp_path / "run"), samples=40)
+    out = tmp_path / "decode.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow_decode.py"), "--run", str(tmp_path / "run"),
+                        "--samples", "30", "--rounds", "2", "--shuffle-buffer", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["passes"]) == set(r["decoded_mb_per_s_median"]) and len(r["passes"]) == 3
+    assert all(len(v) == 2 and all(x["samples"] == 30 and x["decoded_mb_per_s"] > 0 for x in v)
+               for v in r["passes"].values())
+    assert r["vs_consumer_thread"]["follow, decode on the consumer's thread"] == 1.0
+
+
 @pytest.mark.slow
 def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_asks(tmp_path):
     """bench/train_dflash.py (the device `recipe` step runs it): the real SmolLM2 and ShareGPT, a few

@@ -77,6 +77,34 @@ def test_streaming_shuffle_emits_what_buffer_shuffle_computes(k):
         assert out == buffer_shuffle(n, k, (1, 2, 3)).tolist()
 
 
+@pytest.mark.parametrize("k", [1, 3, 16])
+def test_the_shuffles_look_ahead_is_what_it_then_emits(k):
+    """`upcoming` (what the decode threads work on) names exactly the next emits, as far as the
+    known inputs fix them, while inputs arrive in bursts and after the end; it changes nothing."""
+    import random
+
+    rng = random.Random(k)
+    n = 200
+    shuffle, out, fed, known = StreamingShuffle(k, (4, 5)), [], 0, 0
+    looks: list[tuple[int, list[int]]] = []  # (emits so far, the look)
+    while True:
+        if rng.random() < 0.3:  # some inputs become known (a shard committed)
+            known = min(n, known + rng.randint(1, 7))
+        looks.append((len(out), shuffle.upcoming(rng.randint(1, 9), fed, known)))
+        if shuffle.ready():
+            out.append(shuffle.emit())
+        elif shuffle.wants_input() and fed < known:
+            shuffle.add(fed)
+            fed += 1
+        elif shuffle.ended:
+            break
+        elif known == n:
+            shuffle.end()
+    assert out == buffer_shuffle(n, k, (4, 5)).tolist()  # looking ahead changed nothing
+    assert all(look == out[at:at + len(look)] for at, look in looks)
+    assert sum(len(look) for _, look in looks) > n  # and it did see ahead
+
+
 def test_delete_consumed_needs_follow_and_one_epoch():
     from layertap.storage.errors import ConfigError
     from layertap.train.config import TrainConfig
@@ -125,6 +153,28 @@ def test_follow_starts_before_the_manifest_and_resumes_exactly(tmp_path, caplog)
     assert [x["sample_id"] for x in replay] == [x["sample_id"] for x in first + rest]
     # every shard is consumed once the epoch is over
     assert replay.consumed_shards() == list(range(7))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_follow_decode_threads_yield_what_the_consumers_thread_decodes(tmp_path, threads):
+    """Decode threads in the follow epoch, while workers are still committing (so the look ahead
+    meets inputs not known yet): the same samples, in the same order, with the same tensors as
+    decoding on the consumer's thread over the same discovery order."""
+    import torch
+
+    uri = str(tmp_path / "run")
+    procs = start_workers(uri, n=2, slow=0.03)
+    stream = ShardStream(uri, config=StreamConfig(**CFG, decode_threads=threads), rank=0, world_size=1)
+    got, taken = [], None
+    for x in stream:
+        got.append(x)
+        taken = list(stream.position.taken(0))
+    finish(procs)
+    replay = ShardStream(uri, config=StreamConfig(**CFG, decode_threads=0), rank=0, world_size=1)
+    replay.load_state_dict(dict(stream.state_dict(), epoch=0, consumed=[0], taken=[taken]))
+    again = list(replay)
+    assert len(got) == SAMPLES and [x["sample_id"] for x in got] == [x["sample_id"] for x in again]
+    assert all(torch.equal(a["hidden_states"], b["hidden_states"]) for a, b in zip(got, again))
 
 
 def test_consumed_shards_are_those_every_sample_of_which_was_yielded(tmp_path):

@@ -204,6 +204,26 @@ class StreamingShuffle:
         self.emitted += 1
         return out
 
+    def upcoming(self, n: int, fed: int, known: int) -> list[int]:
+        """The next (up to) `n` emits, as far as they are fixed already: inputs `fed` .. `known`-1
+        are known and go in, in order, as the consumer's loop adds them; the look stops where it
+        would need an input not known yet (or the end, which is only known when it comes).
+        Changes nothing: lets a consumer decode the samples it will emit next."""
+        sim = StreamingShuffle(self.k, self.words)
+        sim.slots, sim.hole, sim.emitted, sim.ended, sim._draws = list(self.slots), self.hole, self.emitted, \
+            self.ended, self._draws
+        out: list[int] = []
+        while len(out) < n:
+            if sim.ready():
+                out.append(sim.emit())
+            elif sim.wants_input() and fed < known:
+                sim.add(fed)
+                fed += 1
+            else:
+                break
+        self._draws = sim._draws  # a longer prefix of the same stream, if the look drew past it
+        return out
+
     def held(self) -> list[int]:
         """Input indices in the slots, not emitted yet."""
         return [x for j, x in enumerate(self.slots) if j != self.hole]

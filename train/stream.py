@@ -519,6 +519,23 @@ class ShardStream(IterableDataset):
                     fetcher.extend(take(commit))
                     position.take(worker, commit.shard)
 
+        # decode threads work on the samples the shuffle emits next, as far as the inputs known fix them
+        threads = c.decode_threads if c.decode_threads is not None else auto_decode_threads(self.codec, workers)
+        decoder = ThreadPoolExecutor(threads, thread_name_prefix="layertap-decode") if threads else None
+        pending: dict[int, tuple[Record, Future]] = {}
+
+        def decode(rec: Record) -> dict[str, Any]:
+            return _decode(rec, metrics)
+
+        def next_sample() -> dict[str, Any] | None:
+            """The shuffle's next sample, decoded; None if its shard failed (skip policy)."""
+            if decoder is not None:
+                for u in shuffle.upcoming(2 * threads + 1, fed, len(inputs)):
+                    if u not in pending and (rec := fetcher.take_if_ready(u)) is not None:
+                        pending[u] = (rec, decoder.submit(decode, rec))
+            pos = shuffle.emit()
+            return self._follow_sample(fetcher, *(pending.pop(pos) if pos in pending else (fetcher.wait_for(pos),)))
+
         metrics.started = time.perf_counter()
         last_good: dict[str, Any] | None = None
         try:
@@ -526,7 +543,7 @@ class ShardStream(IterableDataset):
             while True:
                 if shuffle.ready():
                     discover(watcher.poll_if_due())  # look ahead, so the fetcher has work
-                    sample = self._follow_sample(fetcher, shuffle.emit())
+                    sample = next_sample()
                     if sample is None:  # its shard failed and on_corrupt="skip"
                         metrics.add(skipped_samples=1)
                         sample = self._pad(last_good or self._stand_in(mine))
@@ -554,18 +571,24 @@ class ShardStream(IterableDataset):
                 yield self._pad(last_good)
         finally:
             metrics.finished = time.perf_counter()
+            if decoder is not None:
+                decoder.shutdown(wait=True, cancel_futures=True)
+            for rec, _ in pending.values():
+                fetcher.release(rec)
             fetcher.close()
 
     @staticmethod
     def _pad(sample: dict[str, Any]) -> dict[str, Any]:
         return dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]), padding=True)
 
-    def _follow_sample(self, fetcher: Fetcher, pos: int) -> dict[str, Any] | None:
-        rec = fetcher.wait_for(pos)
+    def _follow_sample(self, fetcher: Fetcher, rec: Record | object, decoded: Future | None = None
+                       ) -> dict[str, Any] | None:
+        """`rec` (a fetched record, or SKIP) decoded, by `decoded` when a decode thread has it;
+        None if its shard failed (skip policy). The record goes back to the fetcher."""
         if not isinstance(rec, Record):
             return None
         try:
-            return _decode(rec, self._metrics)
+            return decoded.result() if decoded is not None else _decode(rec, self._metrics)
         except ShardError as e:
             err = fetcher.shard_failed(rec.shard, e)
             if err is not None:
@@ -596,7 +619,7 @@ class ShardStream(IterableDataset):
                               range_bytes=c.range_bytes, prefetch_shards=1, threads=1, on_corrupt=c.on_corrupt,
                               metrics=self._metrics, pool=self._buffers())
             try:
-                sample = self._follow_sample(fetcher, 0)
+                sample = self._follow_sample(fetcher, fetcher.wait_for(0))
             finally:
                 fetcher.close()
             if sample is not None:
