@@ -58,6 +58,17 @@ def train_stats(out: Path) -> dict:
             "loss_last10": sum(r["loss"] for r in m[-10:]) / min(10, len(m)), "metrics": m}
 
 
+def extract_run(work: Path, codec: str, model: list[str] | None, dataset: str | None, dtype: str, max_length: int,
+                limit: int, log: Path, threads: int | None = None) -> Path:
+    """`layertap extract` of the recipe's run in `codec` into work/run-CODEC (a rerun finds it done).
+    With `model` None the embedded target goes unnamed, as a user's first extraction runs it."""
+    run = work / f"run-{codec}"
+    layertap("extract", *(model or []), *(["--dataset", dataset] if dataset else []), "--out", str(run), "--codec",
+             codec, "--dtype", dtype, "--max-length", str(max_length), "--limit", str(limit), "--final-state",
+             "prenorm", "--shard-bytes", "128MB", "--log-dir", str(work / f"logs-{codec}"), log=log, threads=threads)
+    return run
+
+
 def point(step: int, ev: dict) -> dict:
     return {"step": step, "tau": ev["tau"], "tau_se": tau_se(ev), "acceptance_per_position": ev["acceptance_per_position"],
             "matches_greedy": ev["matches_greedy"], "eval_s": ev["wall_s"]}
@@ -103,12 +114,9 @@ def main() -> None:
 
     def prepare(codec: str) -> None:
         """Extract the run of `codec` and train its drafter (a rerun resumes both)."""
-        run, out, codec_log = work / f"run-{codec}", work / f"drafter-{codec}", work / f"log-{codec}.txt"
-        # the embedded target unnamed, as a user's first extraction runs it (the run records "embedded:...")
-        layertap("extract", *(model if args.model else []), *(["--dataset", args.dataset] if args.dataset else []),
-                 "--out", str(run), "--codec", codec, "--dtype", args.dtype, "--max-length", str(args.max_length),
-                 "--limit", str(args.limit), "--final-state", "prenorm", "--shard-bytes", "128MB", "--log-dir",
-                 str(work / f"logs-{codec}"), log=codec_log, threads=threads)
+        out, codec_log = work / f"drafter-{codec}", work / f"log-{codec}.txt"
+        run = extract_run(work, codec, model if args.model else None, args.dataset, args.dtype, args.max_length,
+                          args.limit, codec_log, threads)
         resume = ["--resume"] if (out / "checkpoints" / "latest.json").exists() else []
         layertap("train", "--data", str(run), *model, "--out", str(out), *train_args, *resume, log=codec_log,
                  threads=threads)
