@@ -118,6 +118,7 @@ class Claim:
         finally:  # even if a signal's exception cut the join short
             try:
                 self.queue.store.delete(self.lease_key)
+                self.queue._leases_written.discard(self.lease_key)
             except StoreError as e:  # it will simply go stale
                 log.warning("shard %d: could not release the lease: %s", self.shard, e)
 
@@ -177,6 +178,23 @@ class WorkQueue:
         self.started = time.time()
         self.given_up: set[int] = set()
         self.before_claim = before_claim
+        self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not released
+
+    def release_held(self) -> None:
+        """After a stop signal: delete each lease this queue wrote and still holds. A signal can land
+        where no claim reached its holder yet (inside the lease's PUT, after the server stored it;
+        between the claim and the caller's `with`): those leases would be left to go stale, and the
+        shard would look running for a TTL. Each is read first and deleted only if it is ours: a
+        PUT cut short may have lost its race to another worker."""
+        for key in sorted(self._leases_written):
+            try:
+                if json.loads(self.store.get(key))["holder"]["token"] == self.producer.token:
+                    self.store.delete(key)
+            except ObjectNotFound:
+                pass
+            except (StoreError, ValueError, KeyError, TypeError) as e:  # it will simply go stale
+                log.warning("could not release the lease %s: %s", key, e)
+            self._leases_written.discard(key)
 
     def lease_payload(self, generation: int) -> bytes:
         return json.dumps({"holder": asdict(self.producer), "generation": generation,
@@ -288,7 +306,9 @@ class WorkQueue:
     def _try_claim(self, shard: int, st: RunState) -> Claim | None:
         gen = st.next_generation(shard)
         key = layout.lease_key(shard, gen, self.ttl_s)
+        self._leases_written.add(key)  # before the PUT: a stop signal inside it must find the key (release_held)
         if not self.store.put_if_absent(key, self.lease_payload(gen)):
+            self._leases_written.discard(key)
             return None
         try:
             if self.store.exists(layout.commit_key(shard)):  # committed between our scan and our lease
@@ -301,4 +321,5 @@ class WorkQueue:
             return Claim(self, self.manifest.shards[shard], gen, self.producer.token)
         except BaseException:  # e.g. a stop signal before the claim reached its holder: no lease left behind
             self.store.delete(key)
+            self._leases_written.discard(key)
             raise

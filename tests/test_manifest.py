@@ -214,6 +214,42 @@ def test_a_stop_signal_mid_claim_or_mid_release_leaves_no_lease(tmp_path, monkey
     assert list(store.list(layout.LEASES)) == []
 
 
+def test_a_stop_signal_inside_the_leases_put_leaves_no_lease_of_ours_and_keeps_anothers(store_uri, monkeypatch):
+    """A signal during the lease's PUT, after the server stored it (the CI failure of
+    test_sigterm_stops_cleanly_and_a_rerun_completes[s3]: `status` counted the shard running), or
+    after another worker won the same key: `release_held` deletes our lease and only ours."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store)
+    queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.2, shards=[0])
+    real_put = store.put_if_absent
+
+    def put_then_stop(key, data):
+        real_put(key, data)  # the server has it; the reply never reaches the caller
+        raise Stop()
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "put_if_absent", put_then_stop)
+        with pytest.raises(Stop):
+            next(iter(queue))
+    assert len(list(store.list(layout.LEASES))) == 1  # what the CI run's status saw
+    queue.release_held()
+    assert list(store.list(layout.LEASES)) == []
+
+    other = WorkQueue(store, manifest, Producer.current(), poll_s=0.2, shards=[0])
+
+    def lose_then_stop(key, data):
+        real_put(key, other.lease_payload(1))  # another worker's PUT of the same key landed first
+        raise Stop()
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "put_if_absent", lose_then_stop)
+        with pytest.raises(Stop):
+            next(iter(queue))
+    queue.release_held()
+    [lease] = list(store.list(layout.LEASES))  # the other worker's lease stays
+    assert json.loads(store.get(lease.key))["holder"]["token"] == other.producer.token
+
+
 def test_a_stop_between_close_and_commit_leaves_no_data_and_one_inside_the_commit_keeps_it(store_uri):
     """The data object is complete once the writer closes. A stop before the commit deletes it
     (no orphan); a stop that lands after the commit record was created keeps it (the commit names
