@@ -158,19 +158,15 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
         log.info("nothing to do: every shard of the run at %s is committed", out.uri)
         return manifest
     with StopSignals(at_once=True), progress(len(files), desc="import", unit="sample") as bar:
-        try:
-            for claim in queue:
-                try:
-                    with claim:
-                        _import_shard(claim, manifest, rd, files, fmt, src.uri, bar)
-                except Preempted:
-                    claim.release()
-                    raise
-                except Exception as e:  # recorded by the claim; go on with the next shard
-                    log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e)
-        except Preempted:  # also one that came where no claim had reached this loop yet
-            queue.release_held()
-            raise
+        for claim in queue:
+            try:
+                with claim:
+                    _import_shard(claim, manifest, rd, files, fmt, src.uri, bar)
+            except Preempted:
+                claim.release()
+                raise
+            except Exception as e:  # recorded by the claim; go on with the next shard
+                log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e)
     return manifest
 
 

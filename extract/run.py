@@ -104,37 +104,33 @@ def _extract(cfg: ExtractConfig, state) -> int:
     with Progress(rank, world, store, manifest) as progress:
         if gate:
             gate.on_wait = progress.waiting
-        try:
-            for claim in queue:
-                try:
-                    plan = claim.plan
-                    with claim:
-                        samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
-                        meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"])
-                        info = extract_shard(
-                            capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
-                            pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
-                            should_stop=claim.lost.is_set, on_record=progress.record, staging=staging,
-                        )
-                        if claim.commit(info, skipped=skipped, truncated=truncated):
-                            committed += 1
-                            progress.committed(len(skipped))
-                            log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)",
-                                     plan.id, info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(skipped),
-                                     truncated)
-                        else:
-                            progress.abandoned()  # another attempt's commit counts these samples
-                except Preempted as e:
-                    claim.release()  # again: the signal may have cut the claim's own release short
-                    log.warning("%s: shard %d aborted, its lease released",
-                                "interrupted" if isinstance(e, Interrupted) else "preempted", claim.shard)
-                    raise
-                except Exception as e:  # recorded by the claim; go on with the next shard
-                    progress.abandoned()
-                    log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
-        except Preempted:  # also one that came where no claim had reached this loop yet
-            queue.release_held()
-            raise
+        for claim in queue:
+            try:
+                plan = claim.plan
+                with claim:
+                    samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
+                    meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"])
+                    info = extract_shard(
+                        capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
+                        pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
+                        should_stop=claim.lost.is_set, on_record=progress.record, staging=staging,
+                    )
+                    if claim.commit(info, skipped=skipped, truncated=truncated):
+                        committed += 1
+                        progress.committed(len(skipped))
+                        log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)",
+                                 plan.id, info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(skipped),
+                                 truncated)
+                    else:
+                        progress.abandoned()  # another attempt's commit counts these samples
+            except Preempted as e:
+                claim.release()  # again: the signal may have cut the claim's own release short
+                log.warning("%s: shard %d aborted, its lease released",
+                            "interrupted" if isinstance(e, Interrupted) else "preempted", claim.shard)
+                raise
+            except Exception as e:  # recorded by the claim; go on with the next shard
+                progress.abandoned()
+                log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
     log.info("rank %d done: %d shard(s) committed", rank, committed)
     for line in summary_lines(totals):
         log.info("  %s", line)

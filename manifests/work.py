@@ -180,12 +180,10 @@ class WorkQueue:
         self.before_claim = before_claim
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not released
 
-    def release_held(self) -> None:
-        """After a stop signal: delete each lease this queue wrote and still holds. A signal can land
-        where no claim reached its holder yet (inside the lease's PUT, after the server stored it;
-        between the claim and the caller's `with`): those leases would be left to go stale, and the
-        shard would look running for a TTL. Each is read first and deleted only if it is ours: a
-        PUT cut short may have lost its race to another worker."""
+    def _release_held(self) -> None:
+        """Delete each lease this queue wrote and still holds, else left to go stale: the shard
+        would look running for a TTL. Each is read first and deleted only if it is ours: a PUT
+        cut short may have lost its race to another worker."""
         for key in sorted(self._leases_written):
             try:
                 if json.loads(self.store.get(key))["holder"]["token"] == self.producer.token:
@@ -217,6 +215,18 @@ class WorkQueue:
         return True
 
     def __iter__(self) -> Iterator[Claim]:
+        """The claims, one at a time (see `_claims`). A stop signal that lands in here, where no
+        claim has reached its holder (inside a lease's PUT after the server stored it, or before
+        the claim is yielded), releases the leases this queue still holds on the way out. Not
+        GeneratorExit: a caller that drops the iterator keeps the claim it was handed."""
+        try:
+            yield from self._claims()
+        except BaseException as e:
+            if not isinstance(e, (Exception, GeneratorExit)):
+                self._release_held()
+            raise
+
+    def _claims(self) -> Iterator[Claim]:
         """Passes over the unfinished shards. A pass starts from one `scan` of the whole run and
         walks its shards in this rank's order, checking each against the store afresh
         (`scan_shard`: a HEAD and two small listings) before claiming it, and goes on after each
@@ -306,7 +316,7 @@ class WorkQueue:
     def _try_claim(self, shard: int, st: RunState) -> Claim | None:
         gen = st.next_generation(shard)
         key = layout.lease_key(shard, gen, self.ttl_s)
-        self._leases_written.add(key)  # before the PUT: a stop signal inside it must find the key (release_held)
+        self._leases_written.add(key)  # before the PUT: a stop signal inside it must find the key (_release_held)
         if not self.store.put_if_absent(key, self.lease_payload(gen)):
             self._leases_written.discard(key)
             return None
