@@ -393,19 +393,6 @@ class ShardStream(IterableDataset):
         pending: dict[int, tuple[Record, Future]] = {}
         last_good: dict[str, Any] | None = None
 
-        def decode(rec: Record) -> dict[str, Any]:
-            return _decode(rec, metrics)
-
-        def resolve(rec: Record, fut: Future | None) -> dict[str, Any] | None:
-            """The decoded sample, or None if its shard failed (skip policy)."""
-            try:
-                return fut.result() if fut is not None else decode(rec)
-            except ShardError as e:
-                err = fetcher.shard_failed(rec.shard, e)
-                if err is not None:
-                    raise err from None
-                return None
-
         def good_ahead(t: int) -> dict[str, Any]:
             """A sample to stand in for a skipped one when none has been yielded yet. Records it
             decodes are taken from the fetcher (so a failing shard cannot release their buffers
@@ -416,12 +403,12 @@ class ShardStream(IterableDataset):
                     if isinstance(item, Record):
                         fut = Future()
                         try:
-                            fut.set_result(decode(item))
+                            fut.set_result(_decode(item, metrics))
                         except ShardError as e:
                             fut.set_exception(e)
                     pending[u] = (item, fut)
                 item, fut = pending[u]
-                got = resolve(item, fut) if isinstance(item, Record) else None
+                got = self._resolve(fetcher, item, fut) if isinstance(item, Record) else None
                 if got is not None:
                     return got
             raise ShardError(f"every sample left to worker {worker} of rank {self.rank} is in a failed shard")
@@ -433,13 +420,10 @@ class ShardStream(IterableDataset):
                         if u not in pending:
                             rec = fetcher.take_if_ready(int(order[u]))
                             if rec is not None:
-                                pending[u] = (rec, decoder.submit(decode, rec))
+                                pending[u] = (rec, decoder.submit(_decode, rec, metrics))
                 pos = int(order[t])
                 rec, fut = pending.pop(t) if t in pending else (fetcher.wait_for(pos), None)
-                sample = None
-                if isinstance(rec, Record):
-                    sample = resolve(rec, fut)
-                    fetcher.release(rec)
+                sample = self._sample(fetcher, rec, fut)
                 pad = bool(plan.padding[pos])
                 if sample is None:  # its shard failed and on_corrupt="skip": a zero-weighted stand-in
                     metrics.add(skipped_samples=1)
@@ -524,17 +508,14 @@ class ShardStream(IterableDataset):
         decoder = ThreadPoolExecutor(threads, thread_name_prefix="layertap-decode") if threads else None
         pending: dict[int, tuple[Record, Future]] = {}
 
-        def decode(rec: Record) -> dict[str, Any]:
-            return _decode(rec, metrics)
-
         def next_sample() -> dict[str, Any] | None:
             """The shuffle's next sample, decoded; None if its shard failed (skip policy)."""
             if decoder is not None:
                 for u in shuffle.upcoming(2 * threads + 1, fed, len(inputs)):
                     if u not in pending and (rec := fetcher.take_if_ready(u)) is not None:
-                        pending[u] = (rec, decoder.submit(decode, rec))
+                        pending[u] = (rec, decoder.submit(_decode, rec, metrics))
             pos = shuffle.emit()
-            return self._follow_sample(fetcher, *(pending.pop(pos) if pos in pending else (fetcher.wait_for(pos),)))
+            return self._sample(fetcher, *(pending.pop(pos) if pos in pending else (fetcher.wait_for(pos),)))
 
         metrics.started = time.perf_counter()
         last_good: dict[str, Any] | None = None
@@ -581,12 +562,19 @@ class ShardStream(IterableDataset):
     def _pad(sample: dict[str, Any]) -> dict[str, Any]:
         return dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]), padding=True)
 
-    def _follow_sample(self, fetcher: Fetcher, rec: Record | object, decoded: Future | None = None
-                       ) -> dict[str, Any] | None:
-        """`rec` (a fetched record, or SKIP) decoded, by `decoded` when a decode thread has it;
-        None if its shard failed (skip policy). The record goes back to the fetcher."""
+    def _sample(self, fetcher: Fetcher, rec: Record | object, decoded: Future | None = None) -> dict[str, Any] | None:
+        """`rec` (a fetched record, or SKIP) decoded; None if its shard failed (skip policy). The
+        record goes back to the fetcher."""
         if not isinstance(rec, Record):
             return None
+        try:
+            return self._resolve(fetcher, rec, decoded)
+        finally:
+            fetcher.release(rec)
+
+    def _resolve(self, fetcher: Fetcher, rec: Record, decoded: Future | None = None) -> dict[str, Any] | None:
+        """`rec` decoded, by `decoded` when a decode thread has it; None if its shard failed and
+        the policy skips it (else the fetcher's error is raised). The record stays taken."""
         try:
             return decoded.result() if decoded is not None else _decode(rec, self._metrics)
         except ShardError as e:
@@ -594,8 +582,6 @@ class ShardStream(IterableDataset):
             if err is not None:
                 raise err from None
             return None
-        finally:
-            fetcher.release(rec)
 
     def _stand_in(self, mine: list[CommittedShard]) -> dict[str, Any]:
         """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own: one
@@ -619,7 +605,7 @@ class ShardStream(IterableDataset):
                               range_bytes=c.range_bytes, prefetch_shards=1, threads=1, on_corrupt=c.on_corrupt,
                               metrics=self._metrics, pool=self._buffers())
             try:
-                sample = self._follow_sample(fetcher, fetcher.wait_for(0))
+                sample = self._sample(fetcher, fetcher.wait_for(0))
             finally:
                 fetcher.close()
             if sample is not None:
