@@ -24,7 +24,7 @@
 #            random qwen3_5_text target into moto on this host
 #   ref      bench/gpu_extract.py without fla: the torch-fallback forward's speed and the fp32
 #            reference states the fast kernels are compared with
-#   extract  bench/gpu_extract.py with fla: eager, + fla's short convolution, 32k-token batches,
+#   extract  bench/gpu_extract.py with fla: eager, + fla's short convolution, + fused RMSNorms, 32k-token batches,
 #            errors vs the reference, the top kernels, the pipeline into tmpfs and into moto
 #   train    bench/gpu_train_cli.py: the real `layertap train` from moto at Qwen3.6-27B's shapes
 #            and with a small drafter (data wait, tokens/s, peak memory)
@@ -101,7 +101,7 @@ fi
 step ref 150 python3 bench/gpu_extract.py $tiny --variants eager --batches 2 --reference-out /tmp/ref.safetensors \
     --json "$out/gpu_extract_fallback.json"
 [ -n "${e2e_pid:-}" ] && wait "$e2e_pid"
-step extract 240 $with_fla python3 bench/gpu_extract.py $tiny --variants eager,conv,tokens32k --profile --pipeline \
+step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --variants eager,conv,norms,tokens32k --profile --pipeline \
     --reference-in /tmp/ref.safetensors --json "$out/gpu_extract.json"
 step train 300 $with_fla python3 bench/gpu_train_cli.py $tiny --json "$out/gpu_train.json"
 step compile 150 $with_fla python3 bench/gpu_extract.py $tiny --layers 1,15 --variants eager,conv,compile --batches 3 \

@@ -1,14 +1,15 @@
 """Extraction throughput and numerics of a Qwen3.6-27B-sized target on one GPU, with random-init
 weights (speed does not depend on the weights' values).
 
-    python bench/gpu_extract.py [--variants eager,conv,compile,tokens32k] [--pipeline] [--profile]
+    python bench/gpu_extract.py [--variants eager,conv,norms,compile,tokens32k] [--pipeline] [--profile]
                                 [--reference-out F | --reference-in F] [--json OUT]
     python bench/gpu_extract.py --tiny        # a tiny config on CPU: keeps the script tested
 
 Each variant of the bare truncated forward is timed on the same batches, one after the other in
 this process, each on top of the previous one's kernels: `eager` (the kernels transformers picked
 at import: fla's if installed, else its torch fallback), `conv` (+ the short convolution routed to
-fla's Triton kernel, extract.kernels.use_fla_short_conv), `compile` (+ torch.compile of each
+fla's Triton kernel, extract.kernels.use_fla_short_conv), `norms` (+ each RMSNorm one fused
+kernel, extract.fused_norms: layertap's default on CUDA), `compile` (+ torch.compile of each
 decoder layer), `tokens32k` (the best so far with twice the tokens per batch). Per variant:
 tokens/s, MFU (matmul FLOPs of the kept layers / 989 TFLOP/s), warm-up (compile) seconds, peak
 memory, and the relative error of the captured states on one 2,048-token sequence against an
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from layertap.extract.inputs import TokenizedSample  # noqa: E402
+from layertap.extract.fused_norms import fuse_norms  # noqa: E402
 from layertap.extract.kernels import describe, use_fla_short_conv  # noqa: E402
 from layertap.extract.model import Capture  # noqa: E402
 from layertap.extract.pipeline import HostStaging, PipelineStats, extract_shard, make_batches, pad_batch  # noqa: E402
@@ -53,7 +55,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
             num_key_value_heads=2, head_dim=16, vocab_size=512, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
-VARIANTS = ("eager", "conv", "compile", "tokens32k")
+VARIANTS = ("eager", "conv", "norms", "compile", "tokens32k")
 
 
 def build(sizes: dict, device: str, seed: int = 0):
@@ -263,6 +265,14 @@ def main() -> None:
                 patched = use_fla_short_conv(model)
                 if not patched:
                     results["variants"][name] = {"skipped": "fla's short convolution is not available here"}
+                    save()
+                    continue
+            if name == "norms":
+                # inductor on the GPU; on CPU (--tiny) dynamo's capture alone, which checks the routing
+                routed = fuse_norms(capture.decoder, list(capture.decoder.layers),
+                                    backend="inductor" if device == "cuda" else "eager")
+                if not routed:
+                    results["variants"][name] = {"skipped": "no RMSNorm class of this model could be fused"}
                     save()
                     continue
             if name == "compile":

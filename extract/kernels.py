@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from layertap.extract.fused_norms import norm_choice
+
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'layertap[gpu]' (flash-linear-attention; see README, 'Fast kernels')"
@@ -62,6 +64,10 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
     for kind in out:
         if "attention" in kind and kind != "linear_attention" and not out[kind]:
             out[kind].append(KernelChoice(kind, "attention", attn, True, attn))
+    for kind, layer in zip(_layer_types(model), _layers(model)):  # norms last: one entry per layer type
+        fused = sorted({source for m in layer.modules() if (source := norm_choice(m))})
+        if fused and not any(c.function == "rms_norm" for c in out[kind]):
+            out[kind].append(KernelChoice(kind, "rms_norm", "torch", True, "; ".join(fused)))
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layertap.extract.fused_norms import fuse_norms
 from layertap.extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.identity import FINAL_STATES, FinalState
@@ -96,6 +97,8 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         keep_cpu_on_reference(model)
         if str(device).startswith("cuda"):
             use_fla_short_conv(model)
+            if os.environ.get("LAYERTAP_FUSED_NORMS", "1") != "0":
+                fuse_norms(decoder_of(model), list(decoder_of(model).layers))
         log_kernel_paths(model, str(device))
     config = decoder_of(model).config
     info = {

@@ -23,7 +23,7 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     p = subprocess.run([sys.executable, bench, "--tiny", "--batches", "1", "--reference-out", str(ref),
                         "--json", str(tmp_path / "ref.json")], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = subprocess.run([sys.executable, bench, "--tiny", "--batches", "2", "--variants", "eager,conv,tokens32k",
+    p = subprocess.run([sys.executable, bench, "--tiny", "--batches", "2", "--variants", "eager,conv,norms,tokens32k",
                         "--reference-in", str(ref), "--pipeline", "--profile", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -31,10 +31,11 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     assert r["kept_layers"] == 6 and r["tokens"] > 0  # layers after the last capture layer are dropped
     assert "chunk_gated_delta_rule=fallback (torch reference)" in r["kernels"]["linear_attention"]
     assert r["variants"]["conv"] == {"skipped": "fla's short convolution is not available here"}
-    for name in ("eager", "tokens32k"):  # fp32 on CPU: the same numbers as the reference's forward
+    for name in ("eager", "norms", "tokens32k"):  # fp32 on CPU: the same numbers as the reference's forward
         assert max(r["variants"][name]["rel_error"]) < 1e-5
+    assert any(k.startswith("rms_norm=fast (torch.compile") for k in r["variants"]["norms"]["kernels"]["linear_attention"])
     assert r["variants"]["tokens32k"]["batch_tokens"] == 2 * r["batch_tokens"]
-    assert r["bare"]["variant"] == "eager" and r["profile_top"] and r["matmul_ceiling"]["kept_layers_s"] > 0
+    assert r["bare"]["variant"] in ("eager", "norms") and r["profile_top"] and r["matmul_ceiling"]["kept_layers_s"] > 0
     for way in ("local", "s3"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0 and r[way]["vs_bare"] > 0
         assert {"forward_s", "copy_s", "encode_s_summed", "write_s", "close_s"} <= set(r[way])
