@@ -14,7 +14,7 @@ training settings (batch, steps from the plan, a checkpoint every --save-every s
 
 The extraction rate is controlled: a tiny target extracts a shard in milliseconds, so each extract
 process runs through this script (`--paced-extract S -- extract ARGS`), which is the real command
-with `extract_shard` delayed by S seconds per shard: a slower GPU, nothing else changed. The
+with `start_shard` delayed by S seconds per shard: a slower GPU, nothing else changed. The
 window's waits (`WindowGate`: 2 s doubling to 30 s between looks) and the trainer's
 `--follow-poll-s` are scaled down with the shards (--gate-poll, --follow-poll-s), as their
 defaults are sized for shards of minutes, not of a second.
@@ -67,13 +67,13 @@ def paced_extract(delay_s: float, gate_poll_s: float | None, argv: list[str]) ->
     from layertap.extract import run as extract_run
     from layertap.manifests import consumption
 
-    real = extract_run.extract_shard
+    real = extract_run.start_shard
 
-    def slow_extract_shard(*args, **kwargs):
+    def slow_start_shard(*args, **kwargs):
         time.sleep(delay_s)
         return real(*args, **kwargs)
 
-    extract_run.extract_shard = slow_extract_shard
+    extract_run.start_shard = slow_start_shard
     if gate_poll_s is not None:
         gate = consumption.WindowGate
 

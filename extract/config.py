@@ -84,6 +84,9 @@ class ExtractConfig:
         "storage window for training while extracting, e.g. 200GB: no new shard is claimed while this much "
         "committed data waits for training to consume it (consumed shards' data is deleted); each worker may "
         "finish one shard past it. Default: no window, keep everything"))
+    serial_shards: bool = setting(False, help="finish each shard (last encodes, upload, commit) before the next "
+                                              "one's forward starts; default: the next shard's forward runs meanwhile "
+                                              "(always serial with --window)")
     log_dir: str = setting("layertap-logs", help="per-rank log files")
     s3: dict[str, Any] = setting(default_factory=dict, config_only=True, help="storage.s3.S3Options fields")
 

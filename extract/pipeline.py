@@ -3,7 +3,9 @@
 The device thread only runs forwards and hands each batch's states to a pool that encodes
 records (zstd and safetensors release the GIL); a writer thread appends the encoded records to
 the shard object in order while its parts upload. Queues between the stages are bounded, so a
-slow store slows the forward down instead of filling memory.
+slow store slows the forward down instead of filling memory. `start_shard` returns when the
+forwards are done and leaves the rest to `ShardTail.finish`, so a worker can overlap one shard's
+tail with the next shard's forwards (extract.worker).
 """
 
 from __future__ import annotations
@@ -120,53 +122,107 @@ def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Sh
                   staging: HostStaging | None = None) -> ShardInfo:
     """Run `samples` through the model and stream their records into `out`; returns the shard's
     facts for its commit. Any exception aborts the object (nothing becomes visible).
+    `start_shard`, then `ShardTail.finish` at once (see there)."""
+    stats = stats or PipelineStats()
+    t_start = time.perf_counter()
+    info = start_shard(capture, samples, meta, out, batch_tokens=batch_tokens, pad_id=pad_id,
+                       encode_threads=encode_threads, stats=stats, should_stop=should_stop, on_record=on_record,
+                       staging=staging).finish()
+    stats.add(wall_s=time.perf_counter() - t_start)
+    return info
+
+
+def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: ShardMeta, out: ObjectWriter, *,
+                batch_tokens: int, pad_id: int, encode_threads: int = 2, stats: PipelineStats | None = None,
+                should_stop: Callable[[], bool] = lambda: False,
+                on_record: Callable[[EncodedRecord], None] = lambda rec: None,
+                staging: HostStaging | None = None) -> ShardTail:
+    """Run the forward passes of `samples` and hand each batch's states to the encoders and the
+    writer; return once the last batch is on its way, with the shard still finishing. A worker
+    starts the next shard's forward meanwhile and calls `ShardTail.finish` later, so the device
+    does not wait for a shard's last encodes, its object's completion or its commit. Any
+    exception here aborts the object (nothing becomes visible).
 
     `staging` keeps the pinned host buffers from shard to shard (a worker extracting many shards
     passes one); without it each shard makes its own."""
     stats = stats or PipelineStats()
-    t_start = time.perf_counter()
     on_cuda = next(capture.decoder.parameters()).device.type == "cuda"
     staging = staging if staging is not None or not on_cuda else HostStaging()
-    depth = 4 * encode_threads + 8
     try:
         shard = ShardWriter(out, meta)
     except BaseException:
         out.abort()
         raise
-    with shard, ThreadPoolExecutor(encode_threads, thread_name_prefix="encode") as pool:
-        writer = _Writer(shard, depth, stats, on_record)
-        writer.start()
+    writer = _Writer(shard, 4 * encode_threads + 8, stats, on_record)
+    tail = ShardTail(shard, ThreadPoolExecutor(encode_threads, thread_name_prefix="encode"), writer, stats)
+    writer.start()
+    try:
+        for batch in make_batches(samples, batch_tokens):
+            if should_stop():
+                raise LeaseLost(f"shard {meta.shard_id}: lease lost to another worker")
+            ids, mask = pad_batch(batch, pad_id)
+            t0 = time.perf_counter()
+            hidden, final = capture(ids, mask)
+            hidden = hidden.to(torch.bfloat16)  # stored as bf16 whatever the forward's dtype
+            final = None if final is None else final.to(torch.bfloat16)
+            t1 = time.perf_counter()
+            if staging is not None:
+                hidden_host, final_host, ready, release = staging.wait_and_copy(hidden, final, len(batch))
+            else:
+                hidden_host, final_host, ready, release = hidden, final, None, None
+            stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1,
+                      padded_tokens=ids.numel(), samples=len(batch), tokens=int(mask.sum()))
+            for i, s in enumerate(batch):
+                n = len(s)
+                sample = Sample(s.sample_id, s.input_ids, s.loss_mask.to(torch.uint8), hidden_host[i, :n],
+                                None if final_host is None else final_host[i, :n])
+                writer.wait_and_queue(tail.pool.submit(_encode, sample, meta, ready, release, stats))
+    except BaseException:
+        tail.abort()
+        raise
+    return tail
+
+
+class ShardTail:
+    """A shard whose forward passes are done: its last records may still be encoding and
+    queued for the writer, and its object is open until `finish` (or `abort`), which any one
+    thread calls once."""
+
+    def __init__(self, shard: ShardWriter, pool: ThreadPoolExecutor, writer: _Writer, stats: PipelineStats):
+        self.shard, self.pool, self.writer, self.stats = shard, pool, writer, stats
+        self._stopped = False
+
+    def finish(self) -> ShardInfo:
+        """Wait for the encoders and the writer, then complete the object; its facts for the commit.
+        Any exception aborts the object."""
         try:
-            for batch in make_batches(samples, batch_tokens):
-                if should_stop():
-                    raise LeaseLost(f"shard {meta.shard_id}: lease lost to another worker")
-                ids, mask = pad_batch(batch, pad_id)
-                t0 = time.perf_counter()
-                hidden, final = capture(ids, mask)
-                hidden = hidden.to(torch.bfloat16)  # stored as bf16 whatever the forward's dtype
-                final = None if final is None else final.to(torch.bfloat16)
-                t1 = time.perf_counter()
-                if staging is not None:
-                    hidden_host, final_host, ready, release = staging.wait_and_copy(hidden, final, len(batch))
-                else:
-                    hidden_host, final_host, ready, release = hidden, final, None, None
-                stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1,
-                          padded_tokens=ids.numel(), samples=len(batch), tokens=int(mask.sum()))
-                for i, s in enumerate(batch):
-                    n = len(s)
-                    sample = Sample(s.sample_id, s.input_ids, s.loss_mask.to(torch.uint8), hidden_host[i, :n],
-                                    None if final_host is None else final_host[i, :n])
-                    writer.wait_and_queue(pool.submit(_encode, sample, meta, ready, release, stats))
+            self._drain()
+            if self.writer.error is not None:
+                raise self.writer.error
+            t_close = time.perf_counter()
+            info = self.shard.close()
+            self.stats.add(close_s=time.perf_counter() - t_close, raw_bytes=info.raw_bytes)
+            return info
+        except BaseException:
+            self.shard.abort()
+            raise
+
+    def abort(self) -> None:
+        """Stop the encoders and the writer and drop the object: nothing of it becomes visible."""
+        try:
+            self._drain()
         finally:
-            writer.q.put(None)
-            writer.join()
-        if writer.error is not None:
-            raise writer.error
-        t_close = time.perf_counter()
-        info = shard.close()
-        stats.add(close_s=time.perf_counter() - t_close)
-    stats.add(wall_s=time.perf_counter() - t_start, raw_bytes=info.raw_bytes)
-    return info
+            self.shard.abort()
+
+    def _drain(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.writer.q.put(None)  # the writer takes every queued record (or skips them after an error)
+            self.writer.join()
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 class HostStaging:

@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import sys
+import threading
 import time
 
 import torch
@@ -22,7 +23,8 @@ from layertap.extract.console import progress, quiet_library_bars
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
 from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from layertap.extract.model import Capture, Target, default_layers, load_target
-from layertap.extract.pipeline import HostStaging, PipelineStats, extract_shard
+from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
+from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
 from layertap.manifests.consumption import Backlog, WindowGate
 from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
@@ -30,7 +32,7 @@ from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
-from layertap.manifests.work import WorkQueue
+from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
@@ -99,38 +101,33 @@ def _extract(cfg: ExtractConfig, state) -> int:
         target, capture, _ = prepare_target(cfg, state.device)
     totals = PipelineStats()
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    committed = 0
     staging = HostStaging() if next(capture.decoder.parameters()).is_cuda else None  # pinned once, reused
+
+    def start(claim: Claim, counted) -> Started:
+        plan = claim.plan
+        samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
+        meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"])
+
+        def on_record(rec) -> None:
+            counted(rec)
+            progress.record(rec)
+
+        tail = start_shard(capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
+                           pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
+                           should_stop=claim.lost.is_set, on_record=on_record, staging=staging)
+        return Started(tail, skipped, truncated)
+
+    t_start = time.perf_counter()
     with Progress(rank, world, store, manifest) as progress:
         if gate:
             gate.on_wait = progress.waiting
-        for claim in queue:
-            try:
-                plan = claim.plan
-                with claim:
-                    samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
-                    meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"])
-                    info = extract_shard(
-                        capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
-                        pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
-                        should_stop=claim.lost.is_set, on_record=progress.record, staging=staging,
-                    )
-                    if claim.commit(info, skipped=skipped, truncated=truncated):
-                        committed += 1
-                        progress.committed(len(skipped))
-                        log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)",
-                                 plan.id, info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(skipped),
-                                 truncated)
-                    else:
-                        progress.abandoned()  # another attempt's commit counts these samples
-            except Preempted as e:
-                claim.release()  # again: the signal may have cut the claim's own release short
-                log.warning("%s: shard %d aborted, its lease released",
-                            "interrupted" if isinstance(e, Interrupted) else "preempted", claim.shard)
-                raise
-            except Exception as e:  # recorded by the claim; go on with the next shard
-                progress.abandoned()
-                log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        loop = ShardLoop(start, overlap=gate is None and not cfg.serial_shards,
+                         committed=lambda claim, info, skipped: progress.committed(info.num_records, skipped),
+                         abandoned=lambda claim, records: progress.abandoned(records))
+        try:
+            committed = loop.run(queue)
+        finally:
+            totals.add(wall_s=time.perf_counter() - t_start)
     log.info("rank %d done: %d shard(s) committed", rank, committed)
     for line in summary_lines(totals):
         log.info("  %s", line)
@@ -149,7 +146,7 @@ def summary_lines(stats: PipelineStats) -> list[str]:
         f"{stats.samples:,} samples, {stats.tokens:,} tokens (+{100 * pad:.0f}% padding in batches), "
         f"{fmt_bytes(stats.raw_bytes)} of states stored as {fmt_bytes(stats.stored_bytes)} "
         f"({stats.raw_bytes / max(stats.stored_bytes, 1):.2f}x)",
-        f"{duration(wall)} in shards, {stats.tokens / wall:,.0f} tokens/s, {stats.stored_bytes / wall / 2**20:.1f} MiB/s "
+        f"{duration(wall)} from the first claim to the last commit, {stats.tokens / wall:,.0f} tokens/s, {stats.stored_bytes / wall / 2**20:.1f} MiB/s "
         f"stored: forward {stats.forward_s:.1f} s, host copy {stats.copy_s:.1f} s, encode {stats.encode_s:.1f} s "
         f"(CPU, summed over threads), write {stats.write_s:.1f} s, shard close {stats.close_s:.1f} s",
     ]
@@ -317,7 +314,9 @@ class Progress:
     def __init__(self, rank: int, world: int, store: ObjectStore, manifest: Manifest):
         self.on, self.world, self.store = rank == 0, world, store
         self.t0 = self.synced = time.time()
-        self.tokens = self.stored = self.raw = self.in_shard = 0
+        self.tokens = self.stored = self.raw = 0
+        self.uncommitted = 0  # records written into shards not committed yet (two, while one finishes)
+        self._lock = threading.Lock()  # the writers of two shards report at once
         self.bar = progress(manifest.num_samples, initial=self._committed() if self.on else 0, desc="extract",
                             unit="sample", enabled=self.on)
 
@@ -333,19 +332,24 @@ class Progress:
     def record(self, rec) -> None:
         if not self.on:
             return
-        self.tokens += rec.num_tokens
-        self.stored += rec.size
-        self.raw += rec.raw_bytes
-        self.in_shard += 1
-        dt = max(time.time() - self.t0, 1e-6)
-        who = "rank 0: " if self.world > 1 else ""
-        self.bar.set_postfix_str(f"{who}{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 2**20:.1f} MiB/s, "
-                                 f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
-        self.bar.update(1)
-        if self.world > 1 and time.time() - self.synced > self.SYNC_S:
-            self.synced = time.time()
-            self.bar.n = max(self.bar.n, self._committed() + self.in_shard)
-            self.bar.refresh()
+        with self._lock:
+            self.tokens += rec.num_tokens
+            self.stored += rec.size
+            self.raw += rec.raw_bytes
+            self.uncommitted += 1
+            dt = max(time.time() - self.t0, 1e-6)
+            who = "rank 0: " if self.world > 1 else ""
+            self.bar.set_postfix_str(f"{who}{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 2**20:.1f} MiB/s, "
+                                     f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
+            self.bar.update(1)
+            sync = self.world > 1 and time.time() - self.synced > self.SYNC_S
+            if sync:
+                self.synced = time.time()
+        if sync:  # a listing: outside the lock
+            committed = self._committed()
+            with self._lock:
+                self.bar.n = max(self.bar.n, committed + self.uncommitted)
+                self.bar.refresh()
 
     def waiting(self, backlog: Backlog | None) -> None:
         """The storage window is full (`backlog`), or open again (None): shown on the progress line."""
@@ -354,17 +358,20 @@ class Progress:
                                      if backlog else "", refresh=False)
             self.bar.refresh()
 
-    def committed(self, skipped: int) -> None:
+    def committed(self, records: int, skipped: int) -> None:
+        """A shard of `records` committed; its `skipped` samples count as done too."""
         if self.on:
-            self.in_shard = 0
-            self.bar.update(skipped)
+            with self._lock:
+                self.uncommitted -= records
+                self.bar.update(skipped)
 
-    def abandoned(self) -> None:
-        """The current shard failed: its records will be written again."""
+    def abandoned(self, records: int) -> None:
+        """A shard failed after `records` were written: they will be written again."""
         if self.on:
-            self.bar.n -= self.in_shard
-            self.in_shard = 0
-            self.bar.refresh()
+            with self._lock:
+                self.uncommitted -= records
+                self.bar.n -= records
+                self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()

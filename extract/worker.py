@@ -1,0 +1,143 @@
+"""A worker's loop over the shards it claims: shard n finishes while shard n+1's forwards run.
+
+A shard's tail (its last batch's encodes, the object's completion, the commit record, the
+lease's release) and the next claim and tokenization are I/O and CPU work. Done in turn, the
+device idles through all of them once per shard: at Qwen3.6-27B's shapes a 1 GB shard is about
+two 16k-token batches (~3 s on an H200), so a tail of a fraction of a second costs a
+double-digit share of the GPU-hours. Here shard n's `ShardTail.finish`, its commit and its
+claim's exit run on a thread of their own while the loop claims, tokenizes and runs shard n+1;
+at most one shard finishes behind the one extracting. With a storage window the tail is
+awaited before the next claim, so the window's check sees every shard this worker produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from layertap.extract.estimate import fmt_bytes
+from layertap.extract.pipeline import ShardTail
+from layertap.manifests.preemption import Interrupted, Preempted
+from layertap.manifests.work import Claim
+from layertap.storage.writer import ShardInfo
+
+log = logging.getLogger("layertap.extract")
+
+
+@dataclass
+class Started:
+    """A shard whose forwards are done (`tail`), with what its commit records besides."""
+
+    tail: ShardTail
+    skipped: list[dict[str, str]]
+    truncated: int
+
+
+class Finishing(threading.Thread):
+    """Shard n's tail, commit and claim exit, on a thread of its own."""
+
+    def __init__(self, claim: Claim, started: Started, on_record_count: Callable[[], int]):
+        super().__init__(name=f"finish-shard-{claim.shard}", daemon=True)
+        self.claim, self.started, self.records = claim, started, on_record_count
+        self.info: ShardInfo | None = None
+        self.committed = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.info = self.started.tail.finish()
+            self.committed = self.claim.commit(self.info, skipped=self.started.skipped,
+                                               truncated=self.started.truncated)
+        except BaseException as e:  # recorded by the claim's exit, reported by the worker
+            self.error = e
+        finally:
+            e = self.error
+            try:
+                self.claim.__exit__(type(e) if e else None, e, e.__traceback__ if e else None)
+            except BaseException as exit_error:  # e.g. the store gone: the lease goes stale
+                self.error = self.error or exit_error
+
+
+class ShardLoop:
+    """Claims shards from `claims` and runs each: `start(claim, on_record)` runs the forwards and
+    returns a `Started`; the rest finishes behind the next shard (`overlap`) or at once.
+    `committed(claim, info, skipped)` and `abandoned(claim, records)` report each outcome."""
+
+    def __init__(self, start: Callable[[Claim, Callable], Started], *, overlap: bool,
+                 committed: Callable[[Claim, ShardInfo, int], None], abandoned: Callable[[Claim, int], None]):
+        self.start, self.overlap = start, overlap
+        self.on_committed, self.on_abandoned = committed, abandoned
+        self.committed = 0
+        self._pending: Finishing | None = None
+
+    def run(self, claims: Iterable[Claim]) -> int:
+        """Work through `claims`; the number of shards this worker committed."""
+        try:
+            for claim in claims:
+                self._one(claim)
+        finally:
+            self._settle()  # the last shard's tail, or the one behind a stop: its work is kept if it completes
+        return self.committed
+
+    def _one(self, claim: Claim) -> None:
+        count = _Counter()
+        started: Started | None = None
+        claim.__enter__()
+        try:
+            started = self.start(claim, count)
+            self._settle()  # shard n-1, normally finished during this shard's forwards
+        except BaseException as e:
+            try:
+                if started is not None:
+                    started.tail.abort()
+            finally:
+                claim.__exit__(type(e), e, e.__traceback__)
+            if isinstance(e, Preempted):
+                claim.release()  # again: the signal may have cut the claim's own release short
+                log.warning("%s: shard %d aborted, its lease released",
+                            "interrupted" if isinstance(e, Interrupted) else "preempted", claim.shard)
+            if not isinstance(e, Exception):
+                raise
+            self.on_abandoned(claim, count.n)
+            log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            return
+        self._pending = Finishing(claim, started, lambda: count.n)
+        self._pending.start()
+        if not self.overlap:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the shard finishing behind this one, and report how it ended."""
+        pending = self._pending
+        if pending is None:
+            return
+        pending.join()  # a stop signal here leaves it pending: the caller's `finally` waits for it again
+        self._pending = None
+        claim, records = pending.claim, pending.records()
+        if pending.error is not None:
+            self.on_abandoned(claim, records)
+            log.error("shard %d failed: %s: %s", claim.shard, type(pending.error).__name__, pending.error,
+                      exc_info=(type(pending.error), pending.error, pending.error.__traceback__)
+                      if log.isEnabledFor(logging.DEBUG) else None)
+        elif pending.committed:
+            self.committed += 1
+            info = pending.info
+            self.on_committed(claim, info, len(pending.started.skipped))
+            log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)", claim.shard,
+                     info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(pending.started.skipped),
+                     pending.started.truncated)
+        else:
+            self.on_abandoned(claim, records)  # another attempt's commit counts these samples
+
+
+class _Counter:
+    """Records written for one shard (the writer thread calls it)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, rec) -> None:
+        self.n += 1

@@ -1,0 +1,172 @@
+"""A worker's shard loop (extract.worker.ShardLoop): shard n finishes while shard n+1's forwards
+run, and a failure or a stop on either side loses nothing and leaves nothing behind. Real
+leases, commits and shards on a real store (a folder, and moto over HTTP), a tiny real model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import fake_worker
+from layertap.extract.inputs import TokenizedSample
+from layertap.extract.model import Capture
+from layertap.extract.pipeline import start_shard
+from layertap.extract.worker import ShardLoop, Started
+from layertap.manifests import layout
+from layertap.manifests.preemption import Interrupted
+from layertap.manifests.records import Producer, decode_failure
+from layertap.manifests.status import run_status, verify_run
+from layertap.manifests.work import WorkQueue
+from layertap.storage.format import ShardMeta
+from layertap.storage.store import StoreError, open_store
+
+
+@pytest.fixture(scope="module")
+def capture():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
+    torch.manual_seed(0)
+    return Capture(AutoModelForCausalLM.from_config(config).eval().requires_grad_(False), [1, 2])
+
+
+class Run:
+    """A planned run on `store_uri` and a shard loop over it, logging what happens in which order."""
+
+    def __init__(self, store_uri: str, capture, samples: int = 40):
+        self.store = open_store(store_uri)
+        self.manifest = fake_worker.plan(self.store, samples)
+        self.capture = capture
+        self.events: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        self.fail_close: set[int] = set()  # shards whose next object close fails (once each)
+        self.stop_at: int | None = None  # the shard whose start a stop signal interrupts
+        self.hold_finish = False  # each finish waits for the next shard's start (or 5 s)
+        self.abandoned: list[tuple[int, int]] = []
+
+    def log(self, what: str, shard: int) -> None:
+        with self.lock:
+            self.events.append((what, shard))
+
+    def start(self, claim, counted) -> Started:
+        self.log("start", claim.shard)
+        if claim.shard == self.stop_at:
+            raise Interrupted("a stop signal")
+        counts = fake_worker.token_counts(self.manifest.num_samples)
+        samples = [TokenizedSample(f"s{i:05d}", torch.arange(counts[i]) % 128, torch.ones(counts[i], dtype=torch.bool))
+                   for i in range(claim.plan.start, claim.plan.end)]
+        meta = ShardMeta(run_id=self.manifest.run_id, shard_id=claim.shard, model="tiny", layers=[1, 2],
+                         hidden_size=32, codec="bf16-zstd")
+        out = self.store.open_writer(claim.data_key)
+        if claim.shard in self.fail_close:
+            self.fail_close.discard(claim.shard)
+            out = FailingClose(out)
+        tail = start_shard(self.capture, samples, meta, out, batch_tokens=64, pad_id=0, encode_threads=2,
+                           on_record=counted)
+        real_finish = tail.finish
+
+        def finish():
+            self.log("finish", claim.shard)
+            if self.hold_finish:
+                deadline = time.time() + 5
+                while time.time() < deadline and not any(e == "start" and s != claim.shard and i > self.index(
+                        ("finish", claim.shard)) for i, (e, s) in enumerate(self.events)):
+                    time.sleep(0.01)
+            return real_finish()
+
+        tail.finish = finish
+        return Started(tail, [], 0)
+
+    def index(self, event: tuple[str, int]) -> int:
+        return self.events.index(event)
+
+    def loop(self, overlap: bool) -> ShardLoop:
+        return ShardLoop(self.start, overlap=overlap,
+                         committed=lambda claim, info, skipped: self.log("committed", claim.shard),
+                         abandoned=lambda claim, records: self.abandoned.append((claim.shard, records)))
+
+    def queue(self) -> WorkQueue:
+        return WorkQueue(self.store, self.manifest, Producer.current(0), poll_s=0.1)
+
+
+class FailingClose:
+    """An object writer whose completion fails: what a store that errs at the last moment does."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def close(self):
+        raise StoreError("injected: the object's completion failed")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _intact(run: Run) -> bool:
+    """Every shard committed and re-read whole, and no object that no commit names (an orphan)."""
+    result = verify_run(run.store)
+    return run_status(run.store)["complete"] and result.ok == len(run.manifest.shards) and not result.bad \
+        and result.orphans_deleted == 0
+
+
+def _commits_in_order(run: Run) -> list[int]:
+    return [s for e, s in run.events if e == "committed"]
+
+
+def test_the_next_shards_forwards_start_before_the_last_one_is_committed(store_uri, capture):
+    run = Run(store_uri, capture)
+    run.hold_finish = True  # a finish waits for the next start: a serial loop would stall 5 s per shard here
+    n = len(run.manifest.shards)
+    assert n >= 4
+    t0 = time.time()
+    assert run.loop(overlap=True).run(run.queue()) == n
+    assert time.time() - t0 < 5 * (n - 1) - 1  # the finishes did not wait out their 5 s
+    order = _commits_in_order(run)
+    assert sorted(order) == list(range(n))
+    for prev, nxt in zip(order, order[1:]):  # every shard's successor started before it was committed
+        assert run.index(("start", nxt)) < run.index(("committed", prev))
+    assert run_status(run.store)["samples_done"] == run.manifest.num_samples and _intact(run)
+    assert not list(run.store.list(layout.LEASES))
+
+
+def test_serial_shards_commit_before_the_next_start(store_uri, capture):
+    run = Run(store_uri, capture)
+    assert run.loop(overlap=False).run(run.queue()) == len(run.manifest.shards)
+    order = _commits_in_order(run)
+    for prev, nxt in zip(order, order[1:]):
+        assert run.index(("committed", prev)) < run.index(("start", nxt))
+
+
+def test_a_shard_whose_completion_fails_behind_the_next_is_recorded_and_redone(store_uri, capture):
+    run = Run(store_uri, capture)
+    run.fail_close = {1}
+    loop = run.loop(overlap=True)
+    assert loop.run(run.queue()) == len(run.manifest.shards)  # shard 1 again, in the queue's next pass
+    failures = [decode_failure(run.store.get(o.key), o.key) for o in run.store.list(layout.FAILURES)]
+    assert [(f.shard, f.preempted) for f in failures] == [(1, False)]
+    assert "completion failed" in failures[0].error
+    plan = run.manifest.shards[1]
+    assert run.abandoned == [(1, plan.end - plan.start)]  # its records, taken back from the progress count
+    assert _commits_in_order(run).count(1) == 1
+    assert len(list(run.store.list(f"{layout.SHARDS}000001-"))) == 1  # the failed attempt's object is gone
+    assert not run.store.list_pending_uploads(f"{layout.SHARDS}000001-") and _intact(run)
+
+
+def test_a_stop_during_the_next_shards_start_keeps_the_finishing_shard_and_releases_the_other(store_uri, capture):
+    run = Run(store_uri, capture)
+    run.stop_at = 2
+    with pytest.raises(Interrupted):
+        run.loop(overlap=True).run(run.queue())
+    status = run_status(run.store)
+    assert status["shards_done"] == 2  # shards 0 and 1 committed, 1 while the stop went up
+    assert not list(run.store.list(layout.LEASES))  # shard 2's lease released, no other left
+    failures = [decode_failure(run.store.get(o.key), o.key) for o in run.store.list(layout.FAILURES)]
+    assert [(f.shard, f.preempted) for f in failures] == [(2, True)]
+    assert not list(run.store.list(f"{layout.SHARDS}000002-")) and not run.store.list_pending_uploads()
+    run.stop_at = None
+    assert run.loop(overlap=True).run(run.queue()) == len(run.manifest.shards) - 2  # the rerun does the rest
+    assert _intact(run)
