@@ -146,7 +146,8 @@ def summary_lines(stats: PipelineStats) -> list[str]:
         f"{stats.samples:,} samples, {stats.tokens:,} tokens (+{100 * pad:.0f}% padding in batches), "
         f"{fmt_bytes(stats.raw_bytes)} of states stored as {fmt_bytes(stats.stored_bytes)} "
         f"({stats.raw_bytes / max(stats.stored_bytes, 1):.2f}x)",
-        f"{duration(wall)} from the first claim to the last commit, {stats.tokens / wall:,.0f} tokens/s, {stats.stored_bytes / wall / 2**20:.1f} MiB/s "
+        f"{wall:,.1f} s{f' ({duration(wall)})' if wall >= 90 else ''} from the first claim to the last commit, "
+        f"{stats.tokens / wall:,.0f} tokens/s, {stats.stored_bytes / wall / 2**20:.1f} MiB/s "
         f"stored: forward {stats.forward_s:.1f} s, host copy {stats.copy_s:.1f} s, encode {stats.encode_s:.1f} s "
         f"(CPU, summed over threads), write {stats.write_s:.1f} s, shard close {stats.close_s:.1f} s",
     ]

@@ -39,6 +39,8 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     for way in ("local", "s3"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0 and r[way]["vs_bare"] > 0
         assert {"forward_s", "copy_s", "encode_s_summed", "write_s", "close_s"} <= set(r[way])
+    for way in ("local_shards", "local_shards_serial", "s3_shards", "s3_shards_serial"):
+        assert r[way]["shards"] == 2 and r[way]["vs_bare"] > 0  # 2 batches, one per shard: each committed
     other = subprocess.run([sys.executable, bench, "--tiny", "--batches", "1", "--seq", "32", "--reference-in",
                             str(ref)], capture_output=True, text=True, timeout=600)
     assert other.returncode != 0  # a reference of other inputs or weights is refused, not compared
