@@ -130,10 +130,10 @@ def _match(module: nn.Module, backend: str) -> str | None:
         probe.weight.normal_(0.0, 0.5, generator=torch.Generator(probe.weight.device).manual_seed(0))
     dtype, device, dim = probe.weight.dtype, probe.weight.device, probe.weight.numel()
     gen = torch.Generator(device).manual_seed(1)
-    x = (torch.randn(2, 7, dim, generator=gen, device=device) * 3).to(dtype)
     gated = _takes_gate(module)
-    args = (x, (torch.randn(2, 7, dim, generator=gen, device=device) * 2).to(dtype)) if gated else (x,)
-    with torch.no_grad():
+    with torch.inference_mode():  # inputs and calls as in the forwards: the probe's compiled graph is theirs too
+        x = (torch.randn(2, 7, dim, generator=gen, device=device) * 3).to(dtype)
+        args = (x, (torch.randn(2, 7, dim, generator=gen, device=device) * 2).to(dtype)) if gated else (x,)
         want = probe(*args)
         for name, fn in (GATED if gated else PLAIN).items():
             if not torch.equal(fn(*args, probe.weight, _eps(probe)), want):
@@ -175,11 +175,17 @@ def _route(module: nn.Module, name: str, backend: str) -> None:
 def _plain_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     name, backend = self._layertap_norm
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    return _compiled(name, backend)(flat, self.weight, _eps(self)).view(hidden_states.shape)
+    return _compiled(name, backend)(flat, _plain(self.weight), _eps(self)).view(hidden_states.shape)
 
 
 def _gated_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     name, backend = self._layertap_norm
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    out = _compiled(name, backend)(flat, gate.reshape(flat.shape), self.weight, _eps(self))
+    out = _compiled(name, backend)(flat, gate.reshape(flat.shape), _plain(self.weight), _eps(self))
     return out.view(hidden_states.shape)
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as a plain tensor: dynamo keeps a Parameter's sizes static, which would pin the
+    states' width too (a graph per width: hidden size, head dim)."""
+    return weight.detach()

@@ -99,6 +99,12 @@ def test_every_norm_runs_its_compiled_formula_and_the_captured_states_stay_the_s
         after = capture(ids, mask)[0]
     assert torch.equal(after, before)  # the formulas are the classes' own, op for op
     assert backend.calls == calls > 0  # ... and every norm of the forward went through the compiled graph
+    with torch.no_grad():  # other batch sizes and lengths, one token included: no graph per shape
+        for b, t in ((1, 1), (1, 9), (3, 17), (2, 40)):
+            capture(torch.ones(b, t, dtype=torch.long), torch.ones(b, t, dtype=torch.long))
+    # per formula, whatever the batch, length or width: contiguous states, strided ones (q/k norms
+    # of a projection's chunk) and a single token; a graph per width or per shape would exceed it
+    assert backend.graphs <= 3 * len(set(routed.values()))
     assert unfuse_norms(model) == sum(1 for m in model.modules() if type(m).__name__ in routed)
     backend.calls = 0
     with torch.no_grad():
