@@ -1,4 +1,4 @@
-"""`layertap extract` with shards overlapped (the default) vs `--serial-shards`, side by side.
+"""`layertap extract --overlap-shards on` vs `off`, side by side.
 
     python bench/shard_overlap.py [--rounds 2] [--limit 64] [--shard-bytes 2MB] [--json OUT]
 
@@ -33,7 +33,7 @@ SHARDS = re.compile(r"(\d+) shard\(s\) committed")
 def run(prefix: str, serial: bool, args, log_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "layertap", "extract", "--out", prefix, "--limit", str(args.limit),
            "--max-length", str(args.max_length), "--shard-bytes", args.shard_bytes, "--dtype", args.dtype,
-           "--log-dir", str(log_dir)] + (["--serial-shards"] if serial else [])
+           "--log-dir", str(log_dir), "--overlap-shards", "off" if serial else "on"]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     total = time.perf_counter() - t

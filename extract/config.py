@@ -84,9 +84,9 @@ class ExtractConfig:
         "storage window for training while extracting, e.g. 200GB: no new shard is claimed while this much "
         "committed data waits for training to consume it (consumed shards' data is deleted); each worker may "
         "finish one shard past it. Default: no window, keep everything"))
-    serial_shards: bool = setting(False, help="finish each shard (last encodes, upload, commit) before the next "
-                                              "one's forward starts; default: the next shard's forward runs meanwhile "
-                                              "(always serial with --window)")
+    overlap_shards: Literal["auto", "on", "off"] = setting("auto", help=(
+        "run the next shard's forwards while the last one finishes (its last encodes, upload and commit) "
+        "(default {default}: on a GPU, off on CPU, where the two would share the cores; always off with --window)"))
     log_dir: str = setting("layertap-logs", help="per-rank log files")
     s3: dict[str, Any] = setting(default_factory=dict, config_only=True, help="storage.s3.S3Options fields")
 
@@ -121,6 +121,11 @@ class ExtractConfig:
                 self.window = parse_size(self.window)
             except ValueError as e:
                 raise ConfigError(f"--window: {e}") from None
+        if self.overlap_shards not in ("auto", "on", "off"):
+            raise ConfigError(f"--overlap-shards must be auto, on or off, not {self.overlap_shards!r}")
+        if self.overlap_shards == "on" and self.window is not None:
+            raise ConfigError("--overlap-shards on cannot be used with --window: the window's bound counts on "
+                              "each worker finishing a shard before it claims the next (leave it at auto)")
         if self.encode_threads is None:
             self.encode_threads = default_encode_threads()
         if self.encode_threads < 1:

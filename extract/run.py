@@ -121,7 +121,11 @@ def _extract(cfg: ExtractConfig, state) -> int:
     with Progress(rank, world, store, manifest) as progress:
         if gate:
             gate.on_wait = progress.waiting
-        loop = ShardLoop(start, overlap=gate is None and not cfg.serial_shards,
+        # auto: overlapped on a GPU, where the tail's CPU work and requests run beside the device's
+        # forward; in turn on CPU, where they would take the forward's cores (measured on 2 cores:
+        # 1.09x slower overlapped, docs/benchmarks.md "Shards in turn or overlapped").
+        overlap = gate is None and (cfg.overlap_shards == "on" or cfg.overlap_shards == "auto" and staging is not None)
+        loop = ShardLoop(start, overlap=overlap,
                          committed=lambda claim, info, skipped: progress.committed(info.num_records, skipped),
                          abandoned=lambda claim, records: progress.abandoned(records))
         try:

@@ -7,7 +7,8 @@ two 16k-token batches (~3 s on an H200), so a tail of a fraction of a second cos
 double-digit share of the GPU-hours. Here shard n's `ShardTail.finish`, its commit and its
 claim's exit run on a thread of their own while the loop claims, tokenizes and runs shard n+1;
 at most one shard finishes behind the one extracting. With a storage window the tail is
-awaited before the next claim, so the window's check sees every shard this worker produced.
+awaited before the next claim, so the window's check sees every shard this worker produced; on
+CPU too, where the tail's work would only take the forward's cores.
 """
 
 from __future__ import annotations

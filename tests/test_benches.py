@@ -178,7 +178,8 @@ def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_ask
     out, png = tmp_path / "train_dflash.json", tmp_path / "curve.png"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "train_dflash.py"), "--work", str(tmp_path / "work"),
                         "--limit", "12", "--steps", "4", "--every", "2", "--prompts", "1", "--max-new-tokens", "6",
-                        "--side-by-side", "--json", str(out), "--png", str(png)],
+                        # fp32: bf16 on a CPU without native bf16 (CI's 2-core Xeon) is ~5x slower, 10 min here
+                        "--dtype", "float32", "--max-length", "256", "--side-by-side", "--json", str(out), "--png", str(png)],
                        capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())

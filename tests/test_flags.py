@@ -72,6 +72,13 @@ def test_a_bad_flag_is_one_error_line_naming_it_and_no_traceback(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_forced_shard_overlap_is_refused_with_a_window():
+    """The window's bound counts on each worker finishing a shard before its next claim."""
+    with pytest.raises(ConfigError, match="^--overlap-shards on cannot be used with --window"):
+        ExtractConfig(out="o", overlap_shards="on", window="1GB")
+    assert ExtractConfig(out="o", window="1GB").overlap_shards == "auto"  # auto: serial under a window
+
+
 def test_train_config_errors_name_the_flag():
     with pytest.raises(ConfigError, match="^--grad-accum must be >= 1, got 0$"):
         TrainConfig(data="d", out="o", grad_accum=0)
