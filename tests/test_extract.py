@@ -68,17 +68,20 @@ def stored_samples(store) -> dict:
     return samples
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_5_text"])
-def test_stored_states_equal_a_plain_hf_forward(models, model_type, tmp_path):
+@pytest.mark.parametrize("model_type, overlap", [("llama", "auto"), ("llama", "on"), ("qwen3", "auto"),
+                                                 ("qwen3_5_text", "auto")])
+def test_stored_states_equal_a_plain_hf_forward(models, model_type, overlap, tmp_path):
     """Bit-exact under the lossless codec: the same padded batches through the full, uncut model
-    with output_hidden_states=True give exactly the stored states."""
+    with output_hidden_states=True give exactly the stored states; with shards overlapped too
+    (`on`: each shard finishing behind the next one's forwards, as on a GPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = write_chats(tmp_path / "chats.jsonl", 14)
     layers = [0, 2, 4]
     cfg = ExtractConfig(out=str(tmp_path / "run"), model=models[model_type], dataset=data, layers=layers,
                         max_length=48, batch_tokens=160, shard_bytes="40KB", log_dir=str(tmp_path / "logs"),
-                        final_state="postnorm", dtype="bfloat16")  # the reference below runs in bf16
+                        final_state="postnorm", dtype="bfloat16",  # the reference below runs in bf16
+                        overlap_shards=overlap)
     assert extract(cfg) == 0
     store = open_store(cfg.out)
     got = stored_samples(store)
