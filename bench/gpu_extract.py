@@ -384,7 +384,7 @@ def main() -> None:
             loop = ShardLoop(start, overlap=overlap, committed=lambda *a: None, abandoned=lambda *a: None)
             sync(device)
             t = time.perf_counter()
-            committed = loop.run(WorkQueue(store, manifest, Producer.current(0)))
+            committed = loop.run(WorkQueue(store, manifest, Producer.current(0), on_idle=loop.settle))
             wall = time.perf_counter() - t
             return {"s": wall, "tokens_per_s": tokens / wall, "vs_bare": wall / bare_s, "shards": committed,
                     "forward_s": stats.forward_s, "encode_s_summed": stats.encode_s, "write_s": stats.write_s,

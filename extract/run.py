@@ -128,6 +128,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
         loop = ShardLoop(start, overlap=overlap,
                          committed=lambda claim, info, skipped: progress.committed(info.num_records, skipped),
                          abandoned=lambda claim, records: progress.abandoned(records))
+        queue.on_idle = loop.settle
         try:
             committed = loop.run(queue)
         finally:

@@ -79,7 +79,7 @@ class ShardLoop:
             for claim in claims:
                 self._one(claim)
         finally:
-            self._settle()  # the last shard's tail, or the one behind a stop: its work is kept if it completes
+            self.settle()  # the last shard's tail, or the one behind a stop: its work is kept if it completes
         return self.committed
 
     def _one(self, claim: Claim) -> None:
@@ -88,7 +88,7 @@ class ShardLoop:
         claim.__enter__()
         try:
             started = self.start(claim, count)
-            self._settle()  # shard n-1, normally finished during this shard's forwards
+            self.settle()  # shard n-1, normally finished during this shard's forwards
         except BaseException as e:
             try:
                 if started is not None:
@@ -108,13 +108,15 @@ class ShardLoop:
         self._pending = Finishing(claim, started, lambda: count.n)
         self._pending.start()
         if not self.overlap:
-            self._settle()
+            self.settle()
 
-    def _settle(self) -> None:
-        """Wait for the shard finishing behind this one, and report how it ended."""
+    def settle(self) -> bool:
+        """Wait for the shard finishing behind this one, and report how it ended; False if none
+        was. The work queue calls it before it would wait for leases to free up (`on_idle`):
+        one of them may be this worker's own finishing shard."""
         pending = self._pending
         if pending is None:
-            return
+            return False
         pending.join()  # a stop signal here leaves it pending: the caller's `finally` waits for it again
         self._pending = None
         claim, records = pending.claim, pending.records()
@@ -132,6 +134,7 @@ class ShardLoop:
                      pending.started.truncated)
         else:
             self.on_abandoned(claim, records)  # another attempt's commit counts these samples
+        return True
 
 
 class _Counter:

@@ -160,13 +160,16 @@ class WorkQueue:
 
     `before_claim`, if given, is called right before each claim and may block (the storage
     window, `consumption.WindowGate`); it returns whether it waited, and if it did, the shard is
-    checked afresh, since others may have taken or finished it meanwhile.
+    checked afresh, since others may have taken or finished it meanwhile. `on_idle`, if given,
+    is called when no shard is free, before waiting on the leases; it returns whether it finished
+    one of the caller's own (a shard completing behind the next, `extract.worker`), and then the
+    queue looks again at once instead of waiting a poll for its own lease.
     """
 
     def __init__(self, store: ObjectStore, manifest: Manifest, producer: Producer, *,
                  ttl_s: float = DEFAULT_LEASE_TTL_S, shards: Sequence[int] | None = None,
                  retries: int = 1, world_size: int = 1, poll_s: float | None = None,
-                 before_claim: Callable[[], bool] | None = None):
+                 before_claim: Callable[[], bool] | None = None, on_idle: Callable[[], bool] | None = None):
         self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
         ids = range(len(manifest.shards)) if shards is None else shards
         bad = [s for s in ids if not 0 <= s < len(manifest.shards)]
@@ -177,7 +180,7 @@ class WorkQueue:
         self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)
         self.started = time.time()
         self.given_up: set[int] = set()
-        self.before_claim = before_claim
+        self.before_claim, self.on_idle = before_claim, on_idle
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not released
 
     def _release_held(self) -> None:
@@ -276,6 +279,8 @@ class WorkQueue:
                 continue
             if not waiting_on:
                 return  # what is left failed too often in this run; status tells why
+            if self.on_idle is not None and self.on_idle():
+                continue  # a shard of this worker's own finished meanwhile: look again at once
             now = time.time()
             wait = min(self.poll_s, max(0.0, min(waiting_on) - now)) + random.uniform(0, self.poll_s / 4)
             log.debug("no free shard; waiting %.1fs on %d leases held elsewhere", wait, len(waiting_on))

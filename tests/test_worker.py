@@ -89,8 +89,8 @@ class Run:
                          committed=lambda claim, info, skipped: self.log("committed", claim.shard),
                          abandoned=lambda claim, records: self.abandoned.append((claim.shard, records)))
 
-    def queue(self) -> WorkQueue:
-        return WorkQueue(self.store, self.manifest, Producer.current(0), poll_s=0.1)
+    def queue(self, loop: ShardLoop, poll_s: float = 0.1) -> WorkQueue:
+        return WorkQueue(self.store, self.manifest, Producer.current(0), poll_s=poll_s, on_idle=loop.settle)
 
 
 class FailingClose:
@@ -123,8 +123,9 @@ def test_the_next_shards_forwards_start_before_the_last_one_is_committed(store_u
     n = len(run.manifest.shards)
     assert n >= 4
     t0 = time.time()
-    assert run.loop(overlap=True).run(run.queue()) == n
-    assert time.time() - t0 < 5 * (n - 1) - 1  # the finishes did not wait out their 5 s
+    # a poll of a minute: the queue must not wait one out on the lease of its own last shard
+    assert (loop := run.loop(overlap=True)).run(run.queue(loop, poll_s=60)) == n
+    assert time.time() - t0 < 5 * (n - 1) - 1  # the finishes did not wait out their 5 s, nor the queue a poll
     order = _commits_in_order(run)
     assert sorted(order) == list(range(n))
     for prev, nxt in zip(order, order[1:]):  # every shard's successor started before it was committed
@@ -135,7 +136,7 @@ def test_the_next_shards_forwards_start_before_the_last_one_is_committed(store_u
 
 def test_serial_shards_commit_before_the_next_start(store_uri, capture):
     run = Run(store_uri, capture)
-    assert run.loop(overlap=False).run(run.queue()) == len(run.manifest.shards)
+    assert (loop := run.loop(overlap=False)).run(run.queue(loop)) == len(run.manifest.shards)
     order = _commits_in_order(run)
     for prev, nxt in zip(order, order[1:]):
         assert run.index(("committed", prev)) < run.index(("start", nxt))
@@ -145,7 +146,7 @@ def test_a_shard_whose_completion_fails_behind_the_next_is_recorded_and_redone(s
     run = Run(store_uri, capture)
     run.fail_close = {1}
     loop = run.loop(overlap=True)
-    assert loop.run(run.queue()) == len(run.manifest.shards)  # shard 1 again, in the queue's next pass
+    assert loop.run(run.queue(loop)) == len(run.manifest.shards)  # shard 1 again, in the queue's next pass
     failures = [decode_failure(run.store.get(o.key), o.key) for o in run.store.list(layout.FAILURES)]
     assert [(f.shard, f.preempted) for f in failures] == [(1, False)]
     assert "completion failed" in failures[0].error
@@ -160,7 +161,7 @@ def test_a_stop_during_the_next_shards_start_keeps_the_finishing_shard_and_relea
     run = Run(store_uri, capture)
     run.stop_at = 2
     with pytest.raises(Interrupted):
-        run.loop(overlap=True).run(run.queue())
+        (loop := run.loop(overlap=True)).run(run.queue(loop))
     status = run_status(run.store)
     assert status["shards_done"] == 2  # shards 0 and 1 committed, 1 while the stop went up
     assert not list(run.store.list(layout.LEASES))  # shard 2's lease released, no other left
@@ -168,5 +169,5 @@ def test_a_stop_during_the_next_shards_start_keeps_the_finishing_shard_and_relea
     assert [(f.shard, f.preempted) for f in failures] == [(2, True)]
     assert not list(run.store.list(f"{layout.SHARDS}000002-")) and not run.store.list_pending_uploads()
     run.stop_at = None
-    assert run.loop(overlap=True).run(run.queue()) == len(run.manifest.shards) - 2  # the rerun does the rest
+    assert (loop := run.loop(overlap=True)).run(run.queue(loop)) == len(run.manifest.shards) - 2  # the rerun does the rest
     assert _intact(run)
