@@ -5,7 +5,8 @@ records (zstd and safetensors release the GIL); a writer thread appends the enco
 the shard object in order while its parts upload. Queues between the stages are bounded, so a
 slow store slows the forward down instead of filling memory. `start_shard` returns when the
 forwards are done and leaves the rest to `ShardTail.finish`, so a worker can overlap one shard's
-tail with the next shard's forwards (extract.worker).
+tail with the next shard's forwards (extract.worker); the bounds are then per open shard (two
+encode pools, writer queues and upload buffers while one finishes), the pinned buffers shared.
 """
 
 from __future__ import annotations
@@ -94,11 +95,12 @@ class _Writer(threading.Thread):
         self.shard, self.stats, self.on_record = shard, stats, on_record
         self.q: queue.Queue[Future | None] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
+        self.cancelled = False  # set by an abort: what is still queued is not uploaded
 
     def run(self) -> None:
         while (fut := self.q.get()) is not None:
-            if self.error is not None:
-                continue  # drain so the producer never blocks on a dead writer
+            if self.error is not None or self.cancelled:
+                continue  # drain so the producer never blocks on a dead writer (or one being aborted)
             try:
                 rec = fut.result()
                 t0 = time.perf_counter()
@@ -172,11 +174,19 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
                 hidden_host, final_host, ready, release = hidden, final, None, None
             stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1,
                       padded_tokens=ids.numel(), samples=len(batch), tokens=int(mask.sum()))
-            for i, s in enumerate(batch):
-                n = len(s)
-                sample = Sample(s.sample_id, s.input_ids, s.loss_mask.to(torch.uint8), hidden_host[i, :n],
-                                None if final_host is None else final_host[i, :n])
-                writer.wait_and_queue(tail.pool.submit(_encode, sample, meta, ready, release, stats))
+            submitted = 0
+            try:
+                for i, s in enumerate(batch):
+                    n = len(s)
+                    sample = Sample(s.sample_id, s.input_ids, s.loss_mask.to(torch.uint8), hidden_host[i, :n],
+                                    None if final_host is None else final_host[i, :n])
+                    future = tail.pool.submit(_encode, sample, meta, ready, release, stats)
+                    submitted += 1  # its encode releases its share of the pinned buffer, whatever happens
+                    writer.wait_and_queue(future)
+            finally:
+                if release is not None:  # the batch's samples never submitted: their shares, or the
+                    for _ in range(len(batch) - submitted):  # buffer would never return (staging is shared)
+                        release()
     except BaseException:
         tail.abort()
         raise
@@ -209,6 +219,7 @@ class ShardTail:
 
     def abort(self) -> None:
         """Stop the encoders and the writer and drop the object: nothing of it becomes visible."""
+        self.writer.cancelled = True
         try:
             self._drain()
         finally:

@@ -37,11 +37,12 @@ class Started:
 
 
 class Finishing(threading.Thread):
-    """Shard n's tail, commit and claim exit, on a thread of its own."""
+    """Shard n's tail, commit and claim exit, on a thread of its own; then `report(self)`, from
+    this thread too, so the progress counts a commit as soon as its tally marker exists."""
 
-    def __init__(self, claim: Claim, started: Started, on_record_count: Callable[[], int]):
+    def __init__(self, claim: Claim, started: Started, records: _Counter, report: Callable[[Finishing], None]):
         super().__init__(name=f"finish-shard-{claim.shard}", daemon=True)
-        self.claim, self.started, self.records = claim, started, on_record_count
+        self.claim, self.started, self.records, self.report = claim, started, records, report
         self.info: ShardInfo | None = None
         self.committed = False
         self.error: BaseException | None = None
@@ -51,20 +52,27 @@ class Finishing(threading.Thread):
             self.info = self.started.tail.finish()
             self.committed = self.claim.commit(self.info, skipped=self.started.skipped,
                                                truncated=self.started.truncated)
-        except BaseException as e:  # recorded by the claim's exit, reported by the worker
+        except BaseException as e:  # recorded by the claim's exit, reported below
             self.error = e
         finally:
-            e = self.error
+            e = None if self.committed else self.error  # an error after the commit: the shard is done
             try:
                 self.claim.__exit__(type(e) if e else None, e, e.__traceback__ if e else None)
             except BaseException as exit_error:  # e.g. the store gone: the lease goes stale
                 self.error = self.error or exit_error
+            try:
+                self.report(self)
+            except Exception:
+                log.exception("shard %d: reporting its end failed", self.claim.shard)
 
 
 class ShardLoop:
     """Claims shards from `claims` and runs each: `start(claim, on_record)` runs the forwards and
     returns a `Started`; the rest finishes behind the next shard (`overlap`) or at once.
-    `committed(claim, info, skipped)` and `abandoned(claim, records)` report each outcome."""
+    `committed(claim, info, skipped)` and `abandoned(claim, records)` report each outcome (from
+    the finishing thread for a finished shard: they must be thread-safe)."""
+
+    STOP_WAIT_S = 30.0  # how long a stop waits for the shard finishing behind (within Slurm's usual KillWait)
 
     def __init__(self, start: Callable[[Claim, Callable], Started], *, overlap: bool,
                  committed: Callable[[Claim, ShardInfo, int], None], abandoned: Callable[[Claim, int], None]):
@@ -78,18 +86,30 @@ class ShardLoop:
         try:
             for claim in claims:
                 self._one(claim)
-        finally:
-            self.settle()  # the last shard's tail, or the one behind a stop: its work is kept if it completes
+        except BaseException as e:
+            if isinstance(e, Exception):
+                self.settle()
+            else:  # a stop: the shard finishing behind is kept if it completes soon, else left as a kill leaves it
+                self._settle_within(self.STOP_WAIT_S)
+            raise
+        self.settle()  # the last shard's tail
         return self.committed
 
     def _one(self, claim: Claim) -> None:
         count = _Counter()
         started: Started | None = None
-        claim.__enter__()
+        finishing: Finishing | None = None
         try:
+            claim.__enter__()
             started = self.start(claim, count)
             self.settle()  # shard n-1, normally finished during this shard's forwards
+            finishing = Finishing(claim, started, count, self._report)
+            finishing.start()
+            self._pending = finishing
         except BaseException as e:
+            if finishing is not None and finishing.ident is not None:  # started: it finishes the shard itself
+                self._pending = finishing
+                raise
             try:
                 if started is not None:
                     started.tail.abort()
@@ -105,36 +125,49 @@ class ShardLoop:
             log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e,
                       exc_info=log.isEnabledFor(logging.DEBUG))
             return
-        self._pending = Finishing(claim, started, lambda: count.n)
-        self._pending.start()
         if not self.overlap:
             self.settle()
 
     def settle(self) -> bool:
-        """Wait for the shard finishing behind this one, and report how it ended; False if none
-        was. The work queue calls it before it would wait for leases to free up (`on_idle`):
-        one of them may be this worker's own finishing shard."""
+        """Wait for the shard finishing behind this one; False if there was none. The work queue
+        calls it before it would wait for leases to free up (`on_idle`): one of them may be this
+        worker's own finishing shard."""
         pending = self._pending
         if pending is None:
             return False
-        pending.join()  # a stop signal here leaves it pending: the caller's `finally` waits for it again
+        pending.join()  # a stop signal here leaves it pending: `run` waits for it again
         self._pending = None
-        claim, records = pending.claim, pending.records()
-        if pending.error is not None:
-            self.on_abandoned(claim, records)
-            log.error("shard %d failed: %s: %s", claim.shard, type(pending.error).__name__, pending.error,
-                      exc_info=(type(pending.error), pending.error, pending.error.__traceback__)
-                      if log.isEnabledFor(logging.DEBUG) else None)
-        elif pending.committed:
-            self.committed += 1
-            info = pending.info
-            self.on_committed(claim, info, len(pending.started.skipped))
-            log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)", claim.shard,
-                     info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(pending.started.skipped),
-                     pending.started.truncated)
-        else:
-            self.on_abandoned(claim, records)  # another attempt's commit counts these samples
         return True
+
+    def _settle_within(self, seconds: float) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        pending.join(seconds)
+        if pending.is_alive():
+            log.warning("shard %d was still finishing %.0f s after the stop; leaving it: its lease goes stale and "
+                        "the shard is redone (or its commit, if it lands, counts)", pending.claim.shard, seconds)
+        self._pending = None
+
+    def _report(self, done: Finishing) -> None:
+        """How a shard that finished behind the next one ended (on its finishing thread)."""
+        claim = done.claim
+        if done.committed:
+            self.committed += 1  # one finishing thread at a time
+            info = done.info
+            self.on_committed(claim, info, len(done.started.skipped))
+            log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)", claim.shard,
+                     info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(done.started.skipped),
+                     done.started.truncated)
+            if done.error is not None:
+                log.warning("shard %d: after its commit: %s: %s", claim.shard, type(done.error).__name__, done.error)
+        elif done.error is not None:
+            self.on_abandoned(claim, done.records.n)
+            log.error("shard %d failed: %s: %s", claim.shard, type(done.error).__name__, done.error,
+                      exc_info=(type(done.error), done.error, done.error.__traceback__)
+                      if log.isEnabledFor(logging.DEBUG) else None)
+        else:
+            self.on_abandoned(claim, done.records.n)  # another attempt's commit counts these samples
 
 
 class _Counter:

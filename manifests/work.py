@@ -181,7 +181,7 @@ class WorkQueue:
         self.started = time.time()
         self.given_up: set[int] = set()
         self.before_claim, self.on_idle = before_claim, on_idle
-        self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not released
+        self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not yet handed over
 
     def _release_held(self) -> None:
         """Delete each lease this queue wrote and still holds, else left to go stale: the shard
@@ -275,6 +275,9 @@ class WorkQueue:
                     continue
                 claimed, stale = claimed + 1, 0
                 yield claim
+                # The holder has it now (`Claim.release` deletes it): a stop signal in here later (a
+                # scan, `on_idle`) must not delete the lease of a shard still finishing behind the next.
+                self._leases_written.discard(claim.lease_key)
             if claimed or stale > rescan_after:
                 continue
             if not waiting_on:

@@ -121,6 +121,30 @@ def test_the_kernel_line_names_the_fused_norms_beside_the_attention():
     assert paths["full_attention"] == ["attention=sdpa", "rms_norm=fast (torch.compile (via layertap), offset)"]
 
 
+class FailingOnFp32(CountingBackend):
+    """A compiler that cannot compile float32 graphs: what a later compile failing looks like."""
+
+    def __call__(self, gm, example_inputs):
+        if any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in example_inputs):
+            raise RuntimeError("injected: no float32 kernels here")
+        return super().__call__(gm, example_inputs)
+
+
+def test_a_compile_failing_after_routing_sends_the_norm_back_to_its_own_forward(caplog):
+    model = _model("llama")
+    capture = Capture(model, [1, 3])
+    ids = torch.randint(1, 300, (2, 11), generator=torch.Generator().manual_seed(5))
+    backend = FailingOnFp32()
+    assert fuse_norms(capture.decoder, list(capture.decoder.layers), backend=backend) == {"LlamaRMSNorm": "scaled"}
+    model.float()  # the next forward needs float32 graphs
+    with caplog.at_level(logging.WARNING, logger="layertap.extract.fused_norms"):
+        got = capture(ids, torch.ones_like(ids))[0]
+    assert "LlamaRMSNorm back to its eager forward: its compiled norm failed" in caplog.text
+    assert not any("_layertap_norm" in m.__dict__ for m in model.modules())  # all of them, each once
+    unfused = capture(ids, torch.ones_like(ids))[0]
+    assert torch.equal(got, unfused)
+
+
 class Fp32WeightRMSNorm(nn.Module):
     """An RMSNorm whose weight multiplies in fp32 before the cast: none of the formulas."""
 

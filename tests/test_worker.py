@@ -171,3 +171,43 @@ def test_a_stop_during_the_next_shards_start_keeps_the_finishing_shard_and_relea
     run.stop_at = None
     assert (loop := run.loop(overlap=True)).run(run.queue(loop)) == len(run.manifest.shards) - 2  # the rerun does the rest
     assert _intact(run)
+
+
+def test_a_stop_inside_the_queue_leaves_the_lease_of_the_shard_finishing_behind_to_it(store_uri, capture):
+    """A stop signal that lands in the work queue (here: its check before the next claim) while
+    shard 0 still finishes: the queue releases what it had not handed over, never shard 0's lease,
+    which goes only with shard 0's own end, after its commit."""
+    run = Run(store_uri, capture)
+    run.hold_finish = True  # shard 0's finish waits for the next start, which never comes (5 s)
+    delete = run.store.delete
+
+    def logged_delete(key):
+        if (lease := layout.parse_lease(key)) is not None:
+            run.log("lease deleted", lease[0])
+        return delete(key)
+
+    run.store.delete = logged_delete
+    put_if_absent = run.store.put_if_absent
+
+    def logged_put_if_absent(key, data):
+        done = put_if_absent(key, data)
+        if done and key.startswith(layout.COMMITS):
+            run.log("commit record", layout.shard_of(key, layout.COMMITS))
+        return done
+
+    run.store.put_if_absent = logged_put_if_absent
+    calls = []
+
+    def stop_before_the_second_claim() -> bool:
+        calls.append(1)
+        if len(calls) == 2:
+            raise Interrupted("a stop signal")
+        return False
+
+    loop = run.loop(overlap=True)
+    queue = WorkQueue(run.store, run.manifest, Producer.current(0), poll_s=0.1, on_idle=loop.settle,
+                      before_claim=stop_before_the_second_claim)
+    with pytest.raises(Interrupted):
+        loop.run(queue)
+    assert run.index(("commit record", 0)) < run.index(("lease deleted", 0))
+    assert run_status(run.store)["shards_done"] == 1 and not list(run.store.list(layout.LEASES))
