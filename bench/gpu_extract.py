@@ -18,8 +18,9 @@ this process's kernels, best run where the torch fallback is the kernel; `--refe
 it). `--pipeline` then runs the whole pipeline (forward -> pinned side-stream copy -> encode pool
 -> streaming shard writer) into a tmpfs folder and into an S3 server with the fastest eager-mode
 kernels, as one shard and as shards of `--shard-batches` batches through the worker's loop over a
-real manifest, overlapped (the default) and serial. `--profile` adds the top CUDA kernels of one batch, and the time the same batch's
-matmuls alone take (the MFU ceiling of this model on this GPU).
+real manifest, overlapped (a GPU worker's default) and in turn. `--profile` adds the top CUDA
+kernels of one batch, and the time the same batch's matmuls alone take (the MFU ceiling of this
+model on this GPU).
 """
 
 from __future__ import annotations

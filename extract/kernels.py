@@ -53,21 +53,22 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     out: dict[str, list[KernelChoice]] = {}
     seen: set[tuple[str, type]] = set()
+    fused: dict[str, set[str]] = {}  # per layer type, where its routed norms' kernels come from
     for kind, layer in zip(_layer_types(model), _layers(model)):
         choices = out.setdefault(kind, [])
         for module in layer.modules():
             if (kind, type(module)) in seen:
                 continue
             seen.add((kind, type(module)))
+            if source := norm_choice(module):
+                fused.setdefault(kind, set()).add(source)
             found = (_wrapper_choice(kind, value) for _, value in _called_functions(type(module)))
             choices.extend(sorted((c for c in found if c is not None and c not in choices), key=lambda c: c.function))
     for kind in out:
         if "attention" in kind and kind != "linear_attention" and not out[kind]:
             out[kind].append(KernelChoice(kind, "attention", attn, True, attn))
-    for kind, layer in zip(_layer_types(model), _layers(model)):  # norms last: one entry per layer type
-        fused = sorted({source for m in layer.modules() if (source := norm_choice(m))})
-        if fused and not any(c.function == "rms_norm" for c in out[kind]):
-            out[kind].append(KernelChoice(kind, "rms_norm", "torch", True, "; ".join(fused)))
+    for kind, sources in fused.items():  # norms last: one entry per layer type
+        out[kind].append(KernelChoice(kind, "rms_norm", "torch", True, "; ".join(sorted(sources))))
     return out
 
 
