@@ -13,11 +13,14 @@ it, and `log_kernel_paths` warns on CUDA with the fix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import sys
 from collections import Counter
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,6 +72,31 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
             out[kind].append(KernelChoice(kind, "attention", attn, True, attn))
     for kind, sources in fused.items():  # norms last: one entry per layer type
         out[kind].append(KernelChoice(kind, "rms_norm", "torch", True, "; ".join(sorted(sources))))
+    return out
+
+
+def provenance(model: nn.Module) -> dict[str, Any]:
+    """What computed `model`'s states beyond its run's identity, for a shard's HEAD
+    (`extra.produced_by`): the device, each layer type's kernels as the kernel line names them,
+    and the versions of the packages they come from. Workers of one run may differ here (a GPU
+    with the fast kernels, one on the fallbacks, fused or eager norms): their states then differ
+    by bf16 rounding, and each shard says which produced it. Read at each shard's start, so a norm
+    sent back to its eager forward (fused_norms) shows from the next shard on."""
+    param = next(model.parameters())
+    device = torch.cuda.get_device_name(param.device) if param.is_cuda else param.device.type
+    kernels = {kind: [str(c) for c in choices] for kind, choices in describe(model).items() if choices}
+    return {"device": device, "kernels": kernels, "software": software_versions()}
+
+
+@functools.cache
+def software_versions() -> dict[str, str]:
+    """The installed versions of layertap and of the packages that compute its states."""
+    out = {}
+    for dist in ("layertap", "torch", "transformers", "flash-linear-attention", "fla-core", "triton"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
     return out
 
 

@@ -15,12 +15,14 @@ import shlex
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
 from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtype
 from layertap.extract.console import progress, quiet_library_bars
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
+from layertap.extract.kernels import provenance
 from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from layertap.extract.model import Capture, Target, default_layers, load_target
 from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
@@ -106,7 +108,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
     def start(claim: Claim, counted) -> Started:
         plan = claim.plan
         samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
-        meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"])
+        meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"], provenance(target.model))
 
         def on_record(rec) -> None:
             counted(rec)
@@ -209,11 +211,14 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
 
 
 def shard_meta(cfg: ExtractConfig, identity: RunConfig, run_id: str, shard_id: int,
-               forward_dtype: str | None = None) -> ShardMeta:
+               forward_dtype: str | None = None, produced_by: dict[str, Any] | None = None) -> ShardMeta:
     """The HEAD metadata of one of the run's shards (`extra.forward_dtype`: the dtype its states
-    were computed in, which an "auto" run chooses per worker)."""
-    return ShardMeta.of(identity, run_id=run_id, shard_id=shard_id,
-                        extra={"gguf_file": cfg.gguf_file, "max_length": cfg.max_length, "forward_dtype": forward_dtype})
+    were computed in, which an "auto" run chooses per worker; `extra.produced_by`: the device,
+    kernels and package versions that computed them, extract/kernels.py's `provenance`)."""
+    extra = {"gguf_file": cfg.gguf_file, "max_length": cfg.max_length, "forward_dtype": forward_dtype}
+    if produced_by is not None:
+        extra["produced_by"] = produced_by
+    return ShardMeta.of(identity, run_id=run_id, shard_id=shard_id, extra=extra)
 
 
 def dataset_rows(cfg: ExtractConfig):

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from layertap.manifests import layout
+from layertap.manifests.records import decode_commit
+from layertap.storage.reader import ShardReader
+from layertap.storage.store import open_store
 from tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +38,19 @@ def test_extract_on_a_hybrid_target_logs_its_kernel_path(tmp_path):
     assert "linear_attention x3: " in lines[0] and "chunk_gated_delta_rule=" in lines[0]
     assert "full_attention x1: attention=sdpa" in lines[0]
     assert p.stderr.index(lines[0]) < p.stderr.index("committed")
+    # each shard's HEAD says what computed its states: the kernels of that line, the device, the versions
+    store = open_store(str(tmp_path / "run"))
+    keys = [o.key for o in store.list(layout.COMMITS)]
+    assert keys
+    for key in keys:
+        produced_by = ShardReader(store, decode_commit(store.get(key), key).data_key).meta.extra["produced_by"]
+        assert produced_by["device"] == "cpu"
+        assert set(produced_by["kernels"]) == {"linear_attention", "full_attention"}
+        for kind, choices in produced_by["kernels"].items():
+            assert f"{kind} x{3 if kind == 'linear_attention' else 1}: {', '.join(choices)}" in lines[0]
+        versions = subprocess.run([sys.executable, "-c", "import torch, transformers; print(torch.__version__, "
+                                   "transformers.__version__)"], capture_output=True, text=True, check=True).stdout.split()
+        assert [produced_by["software"]["torch"], produced_by["software"]["transformers"]] == versions
 
 
 def _fla_site() -> Path:
