@@ -263,6 +263,7 @@ def check_status_json(out: str, err: str, step: dict) -> list[str]:
     step.update(complete=s["complete"], shards_done=s["shards_done"], shards_total=s["shards_total"],
                 samples_done=s["samples_done"], samples_skipped=s["samples_skipped"], tokens_done=s["tokens_done"],
                 bytes_stored=s["bytes_stored"], compression_ratio=s["compression_ratio"])
+    step["object"] = next((x["object"] for x in s.get("shards", []) if x["object"]), None)  # one to inspect
     problems = [] if s["complete"] else ["not complete"]
     if not s["shards_done"] or s["shards_done"] != s["shards_total"]:
         problems.append(f"{s['shards_done']}/{s['shards_total']} shards done")
@@ -276,6 +277,25 @@ def check_verify(shards_expected):
         problems = [f"bad shards: {v['bad']}"] if v["bad"] else []
         if shards_expected() is not None and v["checked"] != shards_expected():
             problems.append(f"checked {v['checked']} shards, status says {shards_expected()} are committed")
+        return problems
+    return check
+
+
+def check_inspect(device: str, kernel_line: str | None):
+    """The shard's HEAD says what computed it: this machine's device, the kernels the extract
+    step logged (each layer type's entries as in the kernel line), the versions."""
+    def check(out: str, err: str, step: dict) -> list[str]:
+        r = json.loads(out)
+        produced = r["meta"]["extra"].get("produced_by") or {}
+        kernels = produced.get("kernels", {})
+        step.update(ok_hashes=r["ok"], produced_on=produced.get("device"), kernels_recorded=kernels,
+                    software=produced.get("software"))
+        problems = [] if r["ok"] else [f"inspect says the shard is not ok: {r['error']}"]
+        if produced.get("device") != device:
+            problems.append(f"produced_by.device {produced.get('device')!r}, this machine's is {device!r}")
+        if not kernels or (kernel_line is not None and not all(f"{kind} x" in kernel_line and ", ".join(c) in kernel_line
+                                                               for kind, c in kernels.items())):
+            problems.append(f"produced_by.kernels {kernels} do not match the kernel line {kernel_line!r}")
         return problems
     return check
 
@@ -390,10 +410,18 @@ def run_steps(r: Runner, args: argparse.Namespace, prepared: Path, model: Path, 
                "--max-length", str(args.max_length), "--shard-bytes", args.shard_bytes, "--log-dir", logdir]
     if not r.cuda:
         extract += ["--dtype", "float32"]  # CPUs without native bf16 run a bf16 forward several times slower
-    r.run("extract", extract, check_extract, gpu=True)
+    extracted = r.run("extract", extract, check_extract, gpu=True)
     r.run("status", ["status", data], check_status_text)
-    status = r.run("status_json", ["status", data, "--json"], check_status_json)
+    status = r.run("status_json", ["status", data, "--json", "--shards"], check_status_json)
     r.run("verify", ["verify", data, "--json"], check_verify(lambda: status.get("shards_done")))
+    if status.get("object"):
+        import torch
+
+        device = torch.cuda.get_device_name() if r.cuda else "cpu"
+        r.run("inspect", ["inspect", status["object"], "--json", "--records", "0"],
+              check_inspect(device, extracted.get("kernels")))
+    else:
+        r.skip("inspect", "no committed shard object")
     if not status.get("shards_done"):
         r.skip("train", "no committed shard to train on")
         r.skip("eval", "no drafter")

@@ -32,14 +32,15 @@ def test_cli_end_to_end_on_a_hybrid_target(tmp_path, s3_endpoint):
                        capture_output=True, text=True, timeout=600)
     report = json.loads(out.read_text())
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["extract", "status", "status_json", "verify", "train", "eval"], p.stdout[-3000:]
+    assert list(steps) == ["extract", "status", "status_json", "verify", "inspect", "train", "eval"], p.stdout[-3000:]
     assert report["target"]["layer_types"] == ["full_attention", "linear_attention"]
-    for name in ("extract", "status", "status_json", "verify", "train"):
+    for name in ("extract", "status", "status_json", "verify", "inspect", "train"):
         assert steps[name]["ok"] and steps[name]["rc"] == 0, (name, steps[name].get("problems"),
                                                               steps[name].get("stderr_tail"))
     assert steps["status_json"]["complete"] and steps["status_json"]["shards_done"] > 1
     assert steps["extract"]["shards"] == f"{steps['status_json']['shards_done']}/{steps['status_json']['shards_total']}"
     assert steps["verify"]["checked"] == steps["status_json"]["shards_done"] and steps["verify"]["bad"] == 0
+    assert steps["inspect"]["produced_on"] == "cpu" and "linear_attention" in steps["inspect"]["kernels_recorded"]
     assert steps["train"]["steps"] == 8 and steps["train"]["loss_final"] < steps["train"]["loss_first"]
     assert (out.parent / "e2e-logs" / "train.err").exists()
     assert "$TARGET" in steps["train"]["cmd"] and str(tmp_path) not in json.dumps(report["steps"])  # portable commands

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from layertap.cli import main as cli
 from layertap.manifests import layout
 from layertap.manifests.records import decode_commit
 from layertap.storage.reader import ShardReader
@@ -20,7 +21,7 @@ from tiny_models import tiny_model_dir
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_extract_on_a_hybrid_target_logs_its_kernel_path(tmp_path):
+def test_extract_on_a_hybrid_target_logs_its_kernel_path(tmp_path, capsys):
     model = tiny_model_dir(tmp_path, "qwen3_5_text", 4)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}?"},
@@ -51,6 +52,12 @@ def test_extract_on_a_hybrid_target_logs_its_kernel_path(tmp_path):
         versions = subprocess.run([sys.executable, "-c", "import torch, transformers; print(torch.__version__, "
                                    "transformers.__version__)"], capture_output=True, text=True, check=True).stdout.split()
         assert [produced_by["software"]["torch"], produced_by["software"]["transformers"]] == versions
+    # and `layertap inspect` shows it
+    data_key = decode_commit(store.get(keys[0]), keys[0]).data_key
+    assert cli(["inspect", f"{tmp_path / 'run'}/{data_key}"]) == 0
+    out = capsys.readouterr().out
+    assert "produced on cpu with layertap=" in out and f"torch={versions[0]}" in out
+    assert f"    linear_attention: {', '.join(produced_by['kernels']['linear_attention'])}" in out
 
 
 def _fla_site() -> Path:
