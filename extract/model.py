@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layertap.extract.embedded import checkpoint
 from layertap.extract.fused_norms import fuse_norms
 from layertap.extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
 from layertap.storage.errors import ConfigError, InputError, MissingInput
@@ -70,6 +71,8 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         raise MissingInput(f"target model {path!r} does not exist; give a model folder or an org/name hub id")
     if gguf_file is not None and local and not os.path.isfile(os.path.join(path, gguf_file)):
         raise MissingInput(f"GGUF file {gguf_file!r} not found in {path!r}")
+    source, given_gguf = path, gguf_file
+    path, gguf_file = checkpoint(path, gguf_file)  # the embedded SmolLM2: its converted folder
     kw: dict[str, Any] = {}
     if gguf_file:
         kw["gguf_file"] = gguf_file
@@ -90,7 +93,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as e:
-        raise InputError(f"could not load target model {path!r}: {e}") from e
+        raise InputError(f"could not load target model {source!r}: {e}") from e
     model.to(device if weights else "meta").eval()
     model.requires_grad_(False)
     if weights:
@@ -102,14 +105,14 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         log_kernel_paths(model, str(device))
     config = decoder_of(model).config
     info = {
-        "model": path,
-        "gguf_file": gguf_file,
-        "revision": _revision(path, model.config),
+        "model": source,
+        "gguf_file": given_gguf,
+        "revision": _revision(source, model.config),
         "model_type": config.model_type,
         "hidden_size": int(config.hidden_size),
         "num_layers": int(config.num_hidden_layers),
         "vocab_size": int(config.vocab_size),
-        "tokenizer": tokenizer.name_or_path,
+        "tokenizer": tokenizer.name_or_path if path == source else source,
         "tokenizer_vocab_size": len(tokenizer),
         "dtype": str(dtype).removeprefix("torch."),
     }

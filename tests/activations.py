@@ -1,16 +1,14 @@
 """The real SmolLM2-135M-Instruct for tests and benchmarks, and its hidden states on ShareGPT.
 
-Loading the model from its GGUF takes ~40 s on 2 CPU cores (transformers parses the whole file
-for the config, the tokenizer and the weights), so it is converted once into a plain HF folder,
-and hidden states are cached as safetensors files (never pickle), keyed by the arguments; both
-under ``$LAYERTAP_TEST_CACHE`` (default ``~/.cache/layertap-tests``).
+The model is the folder layertap converts its GGUF into once (layertap's cache, see
+extract/embedded.py); hidden states are cached as safetensors files (never pickle), keyed by the
+arguments, under ``$LAYERTAP_TEST_CACHE`` (default ``~/.cache/layertap-tests``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script or from bench/
-from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf  # noqa: E402
+from layertap.extract.embedded import sharegpt_conversations  # noqa: E402
 
 HIDDEN = 576
 _ROLES = {"human": "user", "user": "user", "system": "system"}  # everything else: assistant
@@ -31,23 +29,14 @@ def _cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def smollm2_folder() -> str:
-    """SmolLM2-135M-Instruct as a plain HF folder (fp32 safetensors, tokenizer, chat template),
-    converted from the GGUF by `load_target` once: the same weights, loaded in ~1 s. Tests of
-    the GGUF path itself load the GGUF."""
-    from layertap.extract.model import load_target
+    """SmolLM2-135M-Instruct as a plain HF folder (fp32 safetensors, tokenizer, chat template):
+    the one layertap converts the embedded GGUF into once (extract/embedded.py), loaded in ~1 s.
+    Tests of the GGUF path itself set LAYERTAP_CACHE_DIR=off."""
+    from layertap.extract.embedded import smollm2_folder as converted
 
-    path = _cache_dir() / "smollm2-hf-v1"
-    if (path / "model.safetensors").exists():
-        return str(path)
-    target = load_target(*smollm2_gguf(), dtype=torch.float32)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    target.model.save_pretrained(tmp)
-    target.tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, path)  # atomic: a concurrent test process never sees half a folder
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; its copy is identical
-    return str(path)
+    folder = converted()
+    assert folder is not None, "layertap's cache is off (LAYERTAP_CACHE_DIR); the tests need the converted SmolLM2"
+    return folder
 
 
 def _compute(n_samples: int, max_tokens: int, layers: tuple[int, ...]) -> list[torch.Tensor]:

@@ -106,15 +106,18 @@ def test_the_teacher_is_the_targets_own_next_token_distribution(make_run, model_
 
 
 @pytest.mark.slow
-def test_the_final_norm_from_the_smollm2_gguf_is_the_models_own():
+def test_the_final_norm_from_the_smollm2_gguf_is_the_models_own(monkeypatch):
     """The GGUF path: llama.cpp's output_norm (eps from the GGUF) computes what transformers'
     dequantized model's final norm does."""
+    from activations import smollm2_folder
     from layertap.extract.embedded import smollm2_gguf
     from layertap.extract.model import decoder_of, load_target
 
+    reference = smollm2_folder()  # transformers' own reading of the GGUF, saved (extract/embedded.py)
+    monkeypatch.setenv("LAYERTAP_CACHE_DIR", "off")  # read the GGUF itself, as for a user's GGUF
     folder, name = smollm2_gguf()
     norm = load_final_norm(folder, name)
-    model = load_target(folder, name, dtype=torch.float32).model
+    model = load_target(reference, dtype=torch.float32).model
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0)) * 3
     with torch.no_grad():
         assert torch.allclose(norm(x), decoder_of(model).norm(x), rtol=1e-5, atol=1e-5)

@@ -217,7 +217,8 @@ def test_sigterm_stops_cleanly_and_a_rerun_completes(models, store_uri, tmp_path
 
 @pytest.mark.slow
 def test_smollm2_extraction_equals_hf_forward(tmp_path):
-    """The real SmolLM2-135M-Instruct (GGUF) on real ShareGPT conversations, bit-exact."""
+    """The real SmolLM2-135M-Instruct (`--model` and `--gguf-file` of the embedded GGUF, read
+    through its converted folder) on real ShareGPT conversations, bit-exact."""
     from activations import smollm2_folder
     from layertap.extract.embedded import sharegpt_conversations, smollm2_gguf
     from layertap.extract.model import default_layers, load_target
@@ -235,7 +236,7 @@ def test_smollm2_extraction_equals_hf_forward(tmp_path):
     layers = json.loads(store.get("manifest.json"))["config"]["layers"]
     assert layers == default_layers(30)  # DFlash's spacing for SmolLM2's 30 layers
 
-    target = load_target(smollm2_folder(), dtype=torch.float32)  # the same weights, without the GGUF parse
+    target = load_target(smollm2_folder(), dtype=torch.float32)
     samples = [s for s in tokenize_rows(load_rows(str(data)), target.tokenizer, cfg.max_length)
                if isinstance(s, TokenizedSample)]
     for batch in make_batches(samples, cfg.batch_tokens):

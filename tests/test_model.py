@@ -222,8 +222,8 @@ def test_load_target_info_and_errors(model_dirs, tmp_path):
 @pytest.mark.slow
 def test_smollm2_capture(tmp_path):
     """The real model: capture == HF forward of the whole model, and batch-mate invariance.
-    (Its weights from the HF folder converted once from the GGUF; test_extract's SmolLM2 case
-    loads the GGUF itself.)"""
+    (Its weights from the folder layertap converts the GGUF into; the test below compares that
+    folder with the GGUF.)"""
     target = load_target(smollm2_folder())
     info = target.info
     assert (info["model_type"], info["hidden_size"], info["num_layers"], info["vocab_size"]) == (
@@ -285,3 +285,52 @@ def test_loading_a_hybrid_names_its_kernel_path_and_a_gpu_on_the_fallback_warns(
 
     plain = load_target(model_dirs["qwen3"], dtype=torch.float32)
     assert {k: [str(c) for c in v] for k, v in describe(plain.model).items()} == {"full_attention": ["attention=sdpa"]}
+
+
+@pytest.mark.slow
+def test_the_embedded_gguf_is_converted_once_into_a_folder_that_loads_the_same_target(tmp_path, monkeypatch, caplog):
+    """The Quickstart's GGUF, read by transformers as a user's GGUF would be, against the folder
+    layertap converts it into on first use: the same info, weights, tokenizer, chat template and
+    states; the next load converts nothing."""
+    import logging
+
+    from layertap.extract.embedded import smollm2_gguf
+
+    monkeypatch.setenv("LAYERTAP_CACHE_DIR", "off")
+    direct = load_target(*smollm2_gguf(), dtype=torch.float32)
+    monkeypatch.setenv("LAYERTAP_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="layertap"):
+        cached = load_target(*smollm2_gguf(), dtype=torch.float32)
+        again = load_target(*smollm2_gguf(), dtype=torch.float32)
+    assert sum("converting the embedded SmolLM2" in r.getMessage() for r in caplog.records) == 1
+    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(folders) == 1 and (folders[0] / "model.safetensors").is_file()
+    assert cached.info == direct.info == again.info  # what a manifest pins: the GGUF, not the folder
+    want, got = direct.model.state_dict(), cached.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    rows = list(sharegpt_conversations(6))
+    a = [s for s in tokenize_rows(rows, direct.tokenizer, 128) if isinstance(s, TokenizedSample)]
+    b = [s for s in tokenize_rows(rows, cached.tokenizer, 128) if isinstance(s, TokenizedSample)]
+    assert len(a) >= 5 and [(s.sample_id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in a] == \
+        [(s.sample_id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in b]
+    with torch.inference_mode():
+        x = direct.model(input_ids=a[0].input_ids[None], output_hidden_states=True).hidden_states
+        y = cached.model(input_ids=a[0].input_ids[None], output_hidden_states=True).hidden_states
+    assert all(torch.equal(p, q) for p, q in zip(x, y))
+
+
+def test_only_the_embedded_gguf_is_redirected_and_an_unwritable_cache_reads_the_gguf(tmp_path, monkeypatch, caplog):
+    from layertap.extract.embedded import checkpoint, smollm2_gguf
+
+    folder, name = smollm2_gguf()
+    assert checkpoint(str(tmp_path), "other.gguf") == (str(tmp_path), "other.gguf")
+    assert checkpoint(str(tmp_path), None) == (str(tmp_path), None)
+    (tmp_path / name).write_bytes(b"a file of the same name elsewhere")
+    assert checkpoint(str(tmp_path), name) == (str(tmp_path), name)
+    monkeypatch.setenv("LAYERTAP_CACHE_DIR", "off")
+    assert checkpoint(folder, name) == (folder, name)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LAYERTAP_CACHE_DIR", str(blocker / "cache"))
+    assert checkpoint(folder, name) == (folder, name)
+    assert "set LAYERTAP_CACHE_DIR to a writable folder" in caplog.text and str(blocker / "cache") in caplog.text

@@ -167,16 +167,18 @@ def test_target_head_reads_only_the_embeddings(tmp_path):
 
 
 @pytest.mark.slow
-def test_target_head_from_the_smollm2_gguf():
+def test_target_head_from_the_smollm2_gguf(monkeypatch):
     """The GGUF path dequantizes the same embedding transformers loads (tied: no output tensor)."""
     from activations import smollm2_folder
     from layertap.extract.embedded import smollm2_gguf
     from layertap.extract.model import load_target
 
+    reference = smollm2_folder()  # transformers' own dequantization, saved (extract/embedded.py)
+    monkeypatch.setenv("LAYERTAP_CACHE_DIR", "off")  # read the GGUF itself, as for a user's GGUF
     folder, name = smollm2_gguf()
     head = load_target_head(folder, name)
     assert head.tied and head.embed.shape == (49152, 576) and head.facts["num_layers"] == 30
-    model = load_target(smollm2_folder(), dtype=torch.float32).model  # saved from load_target(GGUF)
+    model = load_target(reference, dtype=torch.float32).model
     assert torch.equal(head.embed, model.get_input_embeddings().weight)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layertap.extract.embedded import checkpoint
 from layertap.storage.errors import InputError, MissingInput
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,8 @@ def load_target_head(path: str, gguf_file: str | None = None) -> TargetHead:
         file = os.path.join(path, gguf_file)
         if not os.path.isfile(file):
             raise MissingInput(f"GGUF file {gguf_file!r} not found in {path!r}")
-        return _from_gguf(file)
-    return _from_safetensors(path)
+        path, gguf_file = checkpoint(path, gguf_file)  # the embedded SmolLM2: its converted folder
+    return _from_gguf(os.path.join(path, gguf_file)) if gguf_file else _from_safetensors(path)
 
 
 def _from_safetensors(folder: str) -> TargetHead:
@@ -113,6 +114,7 @@ def load_final_norm(path: str, gguf_file: str | None = None) -> nn.Module:
     what turns a prenorm final state into what the head reads."""
     if not os.path.isdir(path):
         raise MissingInput(f"target model folder {path!r} does not exist")
+    path, gguf_file = checkpoint(path, gguf_file)  # the embedded SmolLM2: its converted folder
     norm = _norm_from_gguf(os.path.join(path, gguf_file)) if gguf_file else _norm_from_safetensors(path)
     return norm.float().requires_grad_(False).eval()
 

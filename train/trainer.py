@@ -69,7 +69,10 @@ def mask_token_id(model: str, gguf_file: str | None) -> int:
     not fail), which would make a real token, id 1, the mask: refused instead."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model, **({"gguf_file": gguf_file} if gguf_file else {}))
+    from layertap.extract.embedded import checkpoint
+
+    folder, gguf_file = checkpoint(model, gguf_file)  # the embedded SmolLM2: its converted folder
+    tok = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
     if len(tok) < 2:
         raise InputError(f"the target {model!r} has no usable tokenizer (it loads as an empty tokenizer of "
                          f"{len(tok)} token(s)), so the mask token id cannot be chosen from it: add the tokenizer "
