@@ -18,16 +18,20 @@ GGUF (`gguf_file`); the folder is only how it is read.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import functools
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import xxhash
+from safetensors import SafetensorError
 
 from layertap.storage.errors import MissingInput
 
@@ -62,11 +66,15 @@ def smollm2_gguf() -> tuple[str, str]:
 
 def cache_dir() -> Path | None:
     """Where layertap keeps what it converts once: ``LAYERTAP_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/layertap``, else ``~/.cache/layertap``; None for ``LAYERTAP_CACHE_DIR=off``."""
+    ``$XDG_CACHE_HOME/layertap``, else ``~/.cache/layertap``; None for ``LAYERTAP_CACHE_DIR=off``
+    or where there is no home folder to put it in."""
     given = os.environ.get("LAYERTAP_CACHE_DIR")
     if given is not None:
         return None if given.strip().lower() in ("off", "0", "") else Path(given)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layertap"
+    try:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layertap"
+    except (RuntimeError, KeyError):  # no $HOME and no passwd entry (a container's arbitrary uid)
+        return None
 
 
 def checkpoint(path: str, gguf_file: str | None) -> tuple[str, str | None]:
@@ -87,32 +95,63 @@ def checkpoint(path: str, gguf_file: str | None) -> tuple[str, str | None]:
 
 def smollm2_folder() -> str | None:
     """The embedded SmolLM2 as a safetensors folder (float32 weights dequantized from the GGUF,
-    tokenizer with its chat template) in `cache_dir`, converted once; None when the cache is off or
-    not writable (a warning says why). One process converts, others wait on its lock."""
+    tokenizer with its chat template) in `cache_dir`, converted once; None, and the GGUF is read,
+    when the cache is off or unusable (a warning says why). Decided once per process and folder."""
+    root = cache_dir()
+    return None if root is None else _converted(str(root))
+
+
+_VERSION = 1  # of what `_convert` writes: a change here converts anew
+
+
+def converted_path(root: Path) -> Path:
+    """The folder in `root` the embedded GGUF converts into: named by the GGUF's contents, this
+    conversion's version and transformers' (whose conversion of tokenizer and names it is)."""
     import transformers
 
-    root = cache_dir()
-    if root is None:
-        return None
-    folder, name = smollm2_gguf()
-    with open(os.path.join(folder, name), "rb") as f:
+    with open(os.path.join(*smollm2_gguf()), "rb") as f:
         digest = xxhash.xxh3_64_hexdigest(f.read())
-    # the conversion (tokenizer, key names) is transformers' own: a new version converts anew
-    dest = root / f"smollm2-135m-instruct-{digest}-transformers-{transformers.__version__}"
-    if (dest / "model.safetensors").is_file():
-        return str(dest)
+    return root / f"smollm2-135m-instruct-{digest}-v{_VERSION}-transformers-{transformers.__version__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _converted(root_name: str) -> str | None:
+    root = Path(root_name)
+    folder, name = smollm2_gguf()
+    dest = converted_path(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / f"{dest.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one converter; the others find its folder
-            if not (dest / "model.safetensors").is_file():
-                _convert(folder, name, dest)
-    except OSError as e:
-        log.warning("cannot keep the embedded SmolLM2 as a safetensors folder in %s (%s): reading the GGUF "
-                    "(about a minute per command on a small CPU); set LAYERTAP_CACHE_DIR to a writable folder",
-                    root, e)
+        if not _complete(dest):
+            root.mkdir(parents=True, exist_ok=True)
+            with open(root / f"{dest.name}.lock", "w") as lock:
+                locked = _lock(lock)  # one converter; the others wait, then find its folder
+                if not _complete(dest):
+                    if locked:  # folders of converters that died: no live one can hold them now
+                        for stale in root.glob(f"{dest.name}.*.tmp"):
+                            shutil.rmtree(stale, ignore_errors=True)
+                    _convert(folder, name, dest)
+        return str(dest)
+    except (OSError, SafetensorError) as e:
+        log.warning("cannot keep the embedded SmolLM2 as a safetensors folder in %s (%s: %s): reading the "
+                    "GGUF instead (about a minute per command on a small CPU); LAYERTAP_CACHE_DIR names "
+                    "another folder, or off", root, type(e).__name__, e)
         return None
-    return str(dest)
+
+
+def _complete(dest: Path) -> bool:
+    """A converted folder (complete by construction: it appears by one rename) this user can read."""
+    return all(os.access(dest / f, os.R_OK) for f in ("model.safetensors", "config.json", "tokenizer_config.json"))
+
+
+def _lock(f) -> bool:
+    """Take the conversion lock; False where the file system has no locks (NFS mounted nolock,
+    Lustre without flock): the rename alone then keeps the folder whole."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            return False
+        raise
 
 
 def _convert(folder: str, name: str, dest: Path) -> None:
@@ -126,15 +165,26 @@ def _convert(folder: str, name: str, dest: Path) -> None:
         kw["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older versions always unpack
         pass
-    log.info("converting the embedded SmolLM2 GGUF once into %s (about a minute; later commands load it in "
-             "about a second)", dest)
+    log.info("converting the embedded SmolLM2 GGUF once into %s (about a minute and 540 MB; later commands "
+             "load it in about a second)", dest)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **kw)
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, dest)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f"{dest.name}.", suffix=".tmp"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():  # on disk before the rename (a crash must not leave a whole-looking
+            os.chmod(f, 0o644)  # folder of torn files), and readable by whoever shares the cache
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not _complete(dest):  # else another converter won (no lock on this file system)
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
 
 
 def sharegpt_conversations(limit: int | None = None) -> Iterator[dict]:

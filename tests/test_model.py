@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,17 +295,24 @@ def test_the_embedded_gguf_is_converted_once_into_a_folder_that_loads_the_same_t
     states; the next load converts nothing."""
     import logging
 
+    from layertap.extract import embedded
     from layertap.extract.embedded import smollm2_gguf
 
     monkeypatch.setenv("LAYERTAP_CACHE_DIR", "off")
     direct = load_target(*smollm2_gguf(), dtype=torch.float32)
-    monkeypatch.setenv("LAYERTAP_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LAYERTAP_CACHE_DIR", str(cache))
+    stale = Path(f"{embedded.converted_path(cache)}.4242.tmp")  # a converter killed mid-write
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"torn")
     with caplog.at_level(logging.INFO, logger="layertap"):
         cached = load_target(*smollm2_gguf(), dtype=torch.float32)
+        embedded._converted.cache_clear()  # as a new process: finds the folder on disk
         again = load_target(*smollm2_gguf(), dtype=torch.float32)
     assert sum("converting the embedded SmolLM2" in r.getMessage() for r in caplog.records) == 1
-    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
-    assert len(folders) == 1 and (folders[0] / "model.safetensors").is_file()
+    folders = [p for p in cache.iterdir() if p.is_dir()]
+    assert folders == [embedded.converted_path(cache)]  # the stale one removed, no temporary left
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in folders[0].iterdir())  # readable by a shared cache
     assert cached.info == direct.info == again.info  # what a manifest pins: the GGUF, not the folder
     want, got = direct.model.state_dict(), cached.model.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -333,4 +341,4 @@ def test_only_the_embedded_gguf_is_redirected_and_an_unwritable_cache_reads_the_
     blocker.write_text("not a folder")
     monkeypatch.setenv("LAYERTAP_CACHE_DIR", str(blocker / "cache"))
     assert checkpoint(folder, name) == (folder, name)
-    assert "set LAYERTAP_CACHE_DIR to a writable folder" in caplog.text and str(blocker / "cache") in caplog.text
+    assert "reading the GGUF instead" in caplog.text and str(blocker / "cache") in caplog.text
