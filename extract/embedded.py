@@ -158,17 +158,12 @@ def _convert(folder: str, name: str, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kw = {}
-    try:  # as extract/model.py loads a GGUF: dense float32 weights, not blocks kept packed
-        from transformers import GgufConfig
+    from layertap.extract.model import gguf_kwargs  # load_target's own reading of a GGUF
 
-        kw["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:  # older versions always unpack
-        pass
     log.info("converting the embedded SmolLM2 GGUF once into %s (about a minute and 540 MB; later commands "
              "load it in about a second)", dest)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **gguf_kwargs(name))
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f"{dest.name}.", suffix=".tmp"))
     try:
         model.save_pretrained(tmp)

@@ -73,16 +73,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         raise MissingInput(f"GGUF file {gguf_file!r} not found in {path!r}")
     source, given_gguf = path, gguf_file
     path, gguf_file = checkpoint(path, gguf_file)  # the embedded SmolLM2: its converted folder
-    kw: dict[str, Any] = {}
-    if gguf_file:
-        kw["gguf_file"] = gguf_file
-        try:  # transformers >= 5.2x may keep GGUF blocks packed and compute in float32 where a
-            # kernel exists; unpack instead, so the states are the same dense model's everywhere.
-            from transformers import GgufConfig
-
-            kw["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:  # older versions always unpack
-            pass
+    kw = gguf_kwargs(gguf_file) if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
         if weights:
@@ -117,6 +108,20 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         "dtype": str(dtype).removeprefix("torch."),
     }
     return Target(model, tokenizer, info)
+
+
+def gguf_kwargs(gguf_file: str) -> dict[str, Any]:
+    """`from_pretrained` arguments for the weights of a GGUF checkpoint: transformers >= 5.2x may
+    keep GGUF blocks packed and compute in float32 where a kernel exists; unpack instead, so the
+    states are the same dense model's everywhere (older versions always unpack)."""
+    kw: dict[str, Any] = {"gguf_file": gguf_file}
+    try:
+        from transformers import GgufConfig
+
+        kw["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    return kw
 
 
 def _revision(path: str, config) -> str | None:
