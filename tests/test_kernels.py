@@ -43,14 +43,14 @@ def test_extract_on_a_hybrid_target_logs_its_kernel_path(tmp_path, capsys):
     store = open_store(str(tmp_path / "run"))
     keys = [o.key for o in store.list(layout.COMMITS)]
     assert keys
+    versions = subprocess.run([sys.executable, "-c", "import torch, transformers; print(torch.__version__, "
+                               "transformers.__version__)"], capture_output=True, text=True, check=True).stdout.split()
     for key in keys:
         produced_by = ShardReader(store, decode_commit(store.get(key), key).data_key).meta.extra["produced_by"]
         assert produced_by["device"] == "cpu"
         assert set(produced_by["kernels"]) == {"linear_attention", "full_attention"}
         for kind, choices in produced_by["kernels"].items():
             assert f"{kind} x{3 if kind == 'linear_attention' else 1}: {', '.join(choices)}" in lines[0]
-        versions = subprocess.run([sys.executable, "-c", "import torch, transformers; print(torch.__version__, "
-                                   "transformers.__version__)"], capture_output=True, text=True, check=True).stdout.split()
         assert [produced_by["software"]["torch"], produced_by["software"]["transformers"]] == versions
     # and `layertap inspect` shows it
     data_key = decode_commit(store.get(keys[0]), keys[0]).data_key
