@@ -379,6 +379,7 @@ class S3Writer(ObjectWriter):
         self._upload_id: str | None = None
         self._create_retried = False
         self._parts: list[Future] = []
+        self._queued: dict[int, bytearray] = {}  # shipped parts' buffers, until their upload takes them
         self._written = 0
         self._buffered = 0
         self._peak = 0
@@ -435,10 +436,14 @@ class S3Writer(ObjectWriter):
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise StoreError(f"{self.key!r} needs more than {MAX_PARTS} parts: raise part_size")
-        body, self._buf = self._buf, None
-        self._parts.append(self._store.pool.submit(self._upload_part, number, body))
+        self._queued[number], self._buf = self._buf, None
+        self._parts.append(self._store.pool.submit(self._upload_part, number))
 
-    def _upload_part(self, number: int, body: bytearray) -> dict:
+    def _upload_part(self, number: int) -> dict:
+        # The buffer is taken from `_queued`, not passed to `submit`: the pool's work item would
+        # hold it until after this returns, past the slot's release below.
+        body = self._queued.pop(number)
+        size = len(body)
         try:
             resp = self._store._call(
                 "upload part", self.key,
@@ -454,7 +459,10 @@ class S3Writer(ObjectWriter):
                 part[member] = resp[member]
             return part
         finally:
-            self._account(-len(body))
+            # Freed before its slot goes back: the writer fills a new buffer as soon as it may, and
+            # the two would otherwise be alive together (K + 1 parts held, under a busy CPU).
+            del body
+            self._account(-size)
             self._slots.release()
 
     def _raise_failed_part(self) -> None:
@@ -507,6 +515,7 @@ class S3Writer(ObjectWriter):
         self._done = True
         for f in self._parts:
             f.cancel()
+        self._queued.clear()  # the cancelled parts' buffers
         for f in self._parts:  # a part still uploading would survive an abort issued before it ends
             if not f.cancelled():
                 try:

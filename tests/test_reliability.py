@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import struct
+import sys
 import time
 import tracemalloc
 from collections import Counter
@@ -308,6 +309,11 @@ def test_writer_memory_stays_within_k_parts_while_the_producer_outruns_the_uploa
     store = open_store(f"s3://{s3_bucket}/p", part_size=5 * MiB, max_parts_in_memory=2)
     chunk = os.urandom(MiB)
     store.put("warm-up", b"")  # the client's own first-use allocations are not the writer's
+    # The GIL handed over every microsecond: the threads interleave as on a busy CPU, where a part's
+    # buffer outliving its slot let the producer fill one more (15.2 MiB, seen in CI; 7 of 8 runs
+    # here fail that way with this switch interval, 0 with the buffer freed first).
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -317,6 +323,7 @@ def test_writer_memory_stays_within_k_parts_while_the_producer_outruns_the_uploa
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
+        sys.setswitchinterval(switch)
     assert w.peak_buffered_bytes <= 10 * MiB
     assert peak <= 10 * MiB + MiB, f"{peak / MiB:.1f} MiB held for a 2 x 5 MiB writer"
     assert store.size("big") == 64 * MiB
