@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  ",
         f"Machine: {machine()}; torch {torch.__version__}, boto3 {boto3.__version__}; "
         f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after  ",
-        f"Server: moto {moto.__version__} (`python -m moto.server`) on loopback, started by the benchmark  ",
+        f"Server: moto {moto.__version__} (`python tests/moto_s3.py`) on loopback, started by the benchmark  ",
         f"Data: {n} samples of SmolLM2 activations [S, 5, 576] bf16, {raw / 1e6:,.0f} MB raw; layertap codec "
         f"bf16-zstd, MDS zstd (level 3) with shards of as many samples  ",
         f"{mds_line}; {args.rounds} rounds in alternating order, medians.",

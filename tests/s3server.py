@@ -17,9 +17,10 @@ from pathlib import Path
 
 
 def start_moto_server(timeout_s: float = 30.0, conn_mbps: float | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m moto.server` on a free 127.0.0.1 port; returns (process, endpoint URL).
+    """moto's server (tests/moto_s3.py: conditional writes atomic, as on S3) on a free 127.0.0.1
+    port; returns (process, endpoint URL).
 
-    `conn_mbps`: each connection the server accepts sends at most that many MB/s (tests/paced_moto.py).
+    `conn_mbps`: each connection the server accepts sends at most that many MB/s.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,8 +29,8 @@ def start_moto_server(timeout_s: float = 30.0, conn_mbps: float | None = None) -
     # glibc's defaults for the server whatever the client runs under, so that a bench run with
     # MALLOC_* settings (docs/LOADER.md, "Memory allocator") measures the client's change alone.
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    server = ["-m", "moto.server"] if conn_mbps is None else [str(Path(__file__).with_name("paced_moto.py")), str(conn_mbps)]
-    proc = subprocess.Popen([sys.executable, *server, "-H", "127.0.0.1", "-p", str(port)],
+    pace = [] if conn_mbps is None else ["--pace", str(conn_mbps)]
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("moto_s3.py")), *pace, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + timeout_s
     while True:
@@ -93,9 +94,9 @@ def bench_server(endpoint: str | None = None, conn_mbps: float | None = None) ->
 
     proc, url = start_bench_server(conn_mbps)
     paced = "" if conn_mbps is None else (f", each connection paced at {conn_mbps:g} MB/s by the kernel "
-                                          "(SO_MAX_PACING_RATE, tests/paced_moto.py)")
+                                          "(SO_MAX_PACING_RATE, tests/moto_s3.py)")
     try:
-        yield BenchServer(url, proc.pid, f"moto {moto.__version__} (`python -m moto.server`) on loopback, "
+        yield BenchServer(url, proc.pid, f"moto {moto.__version__} (`python tests/moto_s3.py`) on loopback, "
                                          f"started by the benchmark{paced}")
     finally:
         stop(proc)

@@ -83,7 +83,7 @@ def test_page_faults_bench_shows_the_malloc_settings_keep_big_buffers_mapped():
     assert faults["MALLOC_* settings"] < 0.5 * pages  # the first one only, spread over the rounds
 
 
-def test_paced_moto_caps_each_connection():
+def test_moto_s3_pace_caps_each_connection():
     """bench/loader.py --conn-mbps models S3's per-connection rate with a paced moto server: a
     2 MB GET at 4 MB/s cannot take less than ~0.5 s, and the bytes still arrive whole."""
     import time
