@@ -152,6 +152,13 @@ def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
     return st
 
 
+def shard_leases(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
+    """One shard's leases, fresh, committed or not: a commit's sweep asks which are alive."""
+    st = RunState(manifest, time.time())
+    _add_leases_and_failures(st, store.list(layout.lease_prefix(shard)), [])
+    return st
+
+
 def _add_leases_and_failures(st: RunState, leases, failures) -> None:
     for o in leases:
         parsed = layout.parse_lease(o.key)

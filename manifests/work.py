@@ -24,7 +24,7 @@ from dataclasses import asdict
 from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
-from layertap.manifests.state import RunState, scan, scan_shard
+from layertap.manifests.state import RunState, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.writer import ShardInfo
@@ -87,12 +87,17 @@ class Claim:
         store.put(layout.tally_key(self.shard, info.num_records, info.num_tokens, info.bytes, info.raw_bytes,
                                    len(skipped)), b"")
         # Leftovers of crashed attempts: their data objects, and the uploads a SIGKILL left open
-        # (billed until aborted; ours is complete, so it is not among them).
+        # (billed until aborted; ours is complete, so it is not among them). Not those of an
+        # attempt still at work: it drops its own when its commit loses.
+        spared = {self.data_key} | rivals_at_work(store, shard_leases(store, self.queue.manifest, self.shard),
+                                                  self.shard, own_lease=self.lease_key)
         leftovers = f"{layout.SHARDS}{self.shard:06d}-"
         for o in store.list(leftovers):
-            if o.key != self.data_key:
+            if o.key not in spared:
                 store.delete(o.key)
-        store.abort_pending_uploads(leftovers)
+        for up in store.list_pending_uploads(leftovers):
+            if up.key not in spared:
+                store.abort_pending_uploads(up.key)
         return True
 
     def fail(self, error: BaseException, preempted: bool = False) -> None:
@@ -189,11 +194,9 @@ class WorkQueue:
         cut short may have lost its race to another worker."""
         for key in sorted(self._leases_written):
             try:
-                if json.loads(self.store.get(key))["holder"]["token"] == self.producer.token:
+                if lease_holder(self.store, key) == self.producer.token:
                     self.store.delete(key)
-            except ObjectNotFound:
-                pass
-            except (StoreError, ValueError, KeyError, TypeError) as e:  # it will simply go stale
+            except StoreError as e:  # it will simply go stale
                 log.warning("could not release the lease %s: %s", key, e)
             self._leases_written.discard(key)
 
@@ -294,16 +297,20 @@ class WorkQueue:
         that no later commit cleaned up: leases, uploads and data objects of committed shards (an
         attempt SIGKILLed after its commit, before its own cleanup), and temp files of small
         records on a local folder (a killed put) once older than the lease TTL: a live put takes
-        milliseconds. A committed shard's lease can only belong to an attempt that lost."""
+        milliseconds. A committed shard's lease can only belong to an attempt that lost: a stale
+        one is removed; a live one's attempt is still finishing, and its upload is left to it."""
         mine = set(self.candidates) & st.committed
         try:
+            at_work: set[str] = set()  # data keys of attempts that lost but are still finishing
             for shard in sorted(mine & set(st.leases)):
+                at_work |= rivals_at_work(self.store, st, shard)
                 for lease in st.leases[shard]:
-                    self.store.delete(lease.key)
+                    if not lease.alive(st.now):
+                        self.store.delete(lease.key)
             now = time.time()
             for up in self.store.list_pending_uploads():
                 shard = layout.shard_of(up.key, layout.SHARDS) if up.key.startswith(layout.SHARDS) else None
-                if shard in mine:
+                if shard in mine and up.key not in at_work:
                     self.store.abort_pending_uploads(up.key)
                 elif shard is None and now - up.initiated >= self.ttl_s:
                     self.store.abort_pending_uploads(up.key, older_than_s=self.ttl_s)
@@ -316,7 +323,7 @@ class WorkQueue:
                 if len(keys) > 1:
                     kept = decode_commit(self.store.get(layout.commit_key(shard)), layout.commit_key(shard)).data_key
                     for key in keys:
-                        if key != kept:
+                        if key != kept and key not in at_work:
                             self.store.delete(key)
         except (StoreError, ManifestError) as e:  # leftovers cost space, not correctness
             log.warning("could not remove what crashed attempts left behind: %s", e)
@@ -341,3 +348,27 @@ class WorkQueue:
             self.store.delete(key)
             self._leases_written.discard(key)
             raise
+
+
+def lease_holder(store: ObjectStore, key: str) -> str | None:
+    """The producer token a lease names; None if the lease is gone or unreadable."""
+    try:
+        return json.loads(store.get(key))["holder"]["token"]
+    except ObjectNotFound:
+        return None
+    except (ValueError, KeyError, TypeError):
+        log.warning("lease %s does not name its holder", key)
+        return None
+
+
+def rivals_at_work(store: ObjectStore, st: RunState, shard: int, own_lease: str | None = None) -> set[str]:
+    """Data keys of the attempts on `shard` whose lease is alive (`own_lease` aside): after a
+    commit they are attempts that lost but may still be writing (a takeover racing a slow
+    worker). Each deletes its own object when its commit is refused; removing its upload under
+    it would fail it instead, with a failure record for a shard that is done. A killed attempt's
+    lease goes stale, and then what it left is a leftover."""
+    keys = set()
+    for lease in st.leases.get(shard, []):
+        if lease.key != own_lease and lease.alive(st.now) and (token := lease_holder(store, lease.key)):
+            keys.add(layout.data_key(shard, token))
+    return keys

@@ -22,7 +22,7 @@ from layertap.manifests.manifest import (ConfigMismatch, ManifestError, Unsuppor
 from layertap.storage.units import parse_size
 from layertap.manifests.records import Producer, decode_commit, decode_failure
 from layertap.manifests.status import run_status, verify_run
-from layertap.manifests.work import WorkQueue
+from layertap.manifests.work import Claim, WorkQueue
 from layertap.slurm.work import remaining_work
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
@@ -301,8 +301,11 @@ def test_concurrent_processes_store_every_sample_exactly_once(store_uri):
 
 
 def test_racing_commits_of_one_shard_yield_exactly_one(store_uri):
-    """Several real processes finish the same shard at once (a takeover of a slow worker):
-    exactly one commit wins, the losers' data objects are deleted, the winner's verifies."""
+    """Several real processes finish the same shard at once (a takeover of a slow worker), each
+    holding a lease generation: exactly one commit wins, each loser finishes its object and has
+    its commit refused (the winner's sweep leaves a live attempt's upload alone: before, a loser
+    still writing lost its upload under it, and failed), the losers' data objects are deleted,
+    the winner's verifies."""
     code = f"""
 import sys, fake_worker
 from layertap.manifests.records import Producer
@@ -314,6 +317,7 @@ store = open_store({store_uri!r})
 m = fake_worker.plan(store)
 q = WorkQueue(store, m, Producer.current(int(sys.argv[1])))
 claim = Claim(q, m.shards[0], generation=int(sys.argv[1]) + 1, token=q.producer.token)
+store.put(claim.lease_key, q.lease_payload(claim.generation))
 meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
                  hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
 with ShardWriter(store.open_writer(claim.data_key), meta) as w:
@@ -332,6 +336,43 @@ print(claim.commit(info))
     commit = decode_commit(store.get(layout.commit_key(0)), "c")
     assert [o.key for o in store.list(layout.SHARDS)] == [commit.data_key]
     assert verify_shard(store, commit.data_key, commit.xxh3_128).ok
+
+
+def test_a_commit_removes_a_dead_attempts_upload_and_spares_a_live_ones(store_uri):
+    """The winner's sweep (and a rerun's): an attempt whose lease went stale (killed) leaves an open upload,
+    which is aborted; one whose lease is alive is still writing: its upload survives, it
+    completes its object, its commit is refused and it deletes the object itself. Nothing of
+    either is left. (Removing the live upload too fails this: its close errors.)"""
+    store = open_store(store_uri, **({"part_size": 5 * 2**20} if store_uri.startswith("s3://") else {}))
+    m = fake_worker.plan(store)
+    meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                     hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+    claims = []
+    for gen, ttl in ((1, 0.5), (2, 60.0), (3, 60.0)):  # dead (its lease soon stale), live, winner
+        q = WorkQueue(store, m, Producer.current(gen), ttl_s=ttl)
+        claims.append(Claim(q, m.shards[0], generation=gen, token=q.producer.token))
+        store.put(claims[-1].lease_key, q.lease_payload(gen))
+    dead, live, winner = claims
+    opened = {}
+    for c in (dead, live):  # past one part: a real multipart upload on S3, a temp file on a folder
+        opened[c] = store.open_writer(c.data_key)
+        opened[c].write(os.urandom(6 * 2**20))
+    assert {u.key for u in store.list_pending_uploads(layout.SHARDS)} == {dead.data_key, live.data_key}
+    time.sleep(0.6)  # the dead attempt's lease goes stale
+    with ShardWriter(store.open_writer(winner.data_key), meta) as w:
+        for i in range(m.shards[0].start, m.shards[0].end):
+            w.write_sample(fake_worker.make_sample(i))
+        info = w.close()
+    assert winner.commit(info)
+    assert [u.key for u in store.list_pending_uploads(layout.SHARDS)] == [live.data_key]
+    assert WorkQueue(store, m, Producer.current(4), shards=[0]).finished()  # a rerun's sweep spares it too
+    assert [u.key for u in store.list_pending_uploads(layout.SHARDS)] == [live.data_key]
+    opened[live].write(b"the rest")
+    opened[live].close()  # raised before: its upload was aborted under it
+    assert not live.commit(replace(info, key=live.data_key))
+    assert [o.key for o in store.list(layout.SHARDS)] == [winner.data_key]
+    assert store.list_pending_uploads(layout.SHARDS) == []
+    opened[dead].abort()
 
 
 def test_sigkilled_lease_holder_is_taken_over_after_expiry(store_uri):
