@@ -178,14 +178,18 @@ def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_ask
     out, png = tmp_path / "train_dflash.json", tmp_path / "curve.png"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "train_dflash.py"), "--work", str(tmp_path / "work"),
                         "--limit", "12", "--steps", "4", "--every", "2", "--prompts", "1", "--max-new-tokens", "6",
-                        # fp32: bf16 on a CPU without native bf16 (CI's 2-core Xeon) is ~5x slower, 10 min here
-                        "--dtype", "float32", "--max-length", "256", "--side-by-side", "--json", str(out), "--png", str(png)],
+                        # fp32 extraction and training (the recipe's bf16 autocast, given after `--`, is overridden):
+                        # bf16 on a CPU without native bf16 (CI's machines) is several times slower; the
+                        # whole bench took 8.6 min alone with the recipe's bf16 training, 2.1 min without
+                        "--dtype", "float32", "--max-length", "256", "--side-by-side", "--json", str(out), "--png", str(png),
+                        "--", "--mixed-precision", "no"],
                        capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert {"tau", "tau_untrained", "matches_greedy", "steps", "samples", "recipe"} <= set(r)
     assert r["steps"] == 4 and r["samples"] == r["codecs"]["bf16-zstd"]["samples"] > 0 and r["matches_greedy"] is True
     assert "--steps" in r["recipe"]["train_args"] and r["recipe"]["final_state"] == "prenorm"
+    assert r["recipe"]["train_args"][-2:] == ["--mixed-precision", "no"]  # what was run, recorded
     lossless, fp8 = r["codecs"]["bf16-zstd"], r["codecs"]["fp8"]
     assert [c["step"] for c in lossless["curve"]] == [2, 4] and [c["step"] for c in fp8["curve"]] == [4]
     assert fp8["bytes_stored"] < lossless["bytes_stored"] and fp8["samples"] == lossless["samples"]
