@@ -89,15 +89,18 @@ class Claim:
         # Leftovers of crashed attempts: their data objects, and the uploads a SIGKILL left open
         # (billed until aborted; ours is complete, so it is not among them). Not those of an
         # attempt still at work: it drops its own when its commit loses.
-        spared = {self.data_key} | rivals_at_work(store, shard_leases(store, self.queue.manifest, self.shard),
-                                                  self.shard, own_lease=self.lease_key)
         leftovers = f"{layout.SHARDS}{self.shard:06d}-"
-        for o in store.list(leftovers):
-            if o.key not in spared:
-                store.delete(o.key)
-        for up in store.list_pending_uploads(leftovers):
-            if up.key not in spared:
-                store.abort_pending_uploads(up.key)
+        objects = [o.key for o in store.list(leftovers) if o.key != self.data_key]
+        uploads = [up.key for up in store.list_pending_uploads(leftovers)]
+        if objects or uploads:  # the leases are read only then: most commits find nothing to sweep
+            spared = rivals_at_work(store, shard_leases(store, self.queue.manifest, self.shard), self.shard,
+                                    own_lease=self.lease_key)
+            for key in objects:
+                if key not in spared:
+                    store.delete(key)
+            for key in uploads:
+                if key not in spared:
+                    store.abort_pending_uploads(key)
         return True
 
     def fail(self, error: BaseException, preempted: bool = False) -> None:
