@@ -166,7 +166,8 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
                 claim.release()
                 raise
             except Exception as e:  # recorded by the claim; go on with the next shard
-                log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e)
+                if not claim.superseded:  # else another attempt's commit counts it
+                    log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e)
     return manifest
 
 

@@ -58,6 +58,8 @@ class Finishing(threading.Thread):
             e = None if self.committed else self.error  # an error after the commit: the shard is done
             try:
                 self.claim.__exit__(type(e) if e else None, e, e.__traceback__ if e else None)
+                if self.claim.superseded:  # another attempt's commit counts the shard
+                    self.error = None
             except BaseException as exit_error:  # e.g. the store gone: the lease goes stale
                 self.error = self.error or exit_error
             try:
@@ -122,6 +124,8 @@ class ShardLoop:
             if not isinstance(e, Exception):
                 raise
             self.on_abandoned(claim, count.n)
+            if claim.superseded:  # another attempt's commit counts the shard (the claim logged it)
+                return
             log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e,
                       exc_info=log.isEnabledFor(logging.DEBUG))
             return

@@ -45,6 +45,7 @@ class Claim:
         self.started_at = time.time()
         self.lost = threading.Event()  # set when another worker took the lease over
         self.committed = False
+        self.superseded = False  # this attempt failed after another one committed the shard
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name=f"lease-{plan.id}", daemon=True)
 
@@ -134,10 +135,26 @@ class Claim:
         try:
             if exc is not None and not self.committed:
                 # Not an Exception: a signal, Ctrl-C or exit stopped the work, the shard is fine.
-                self.fail(exc, preempted=not isinstance(exc, Exception))
+                if isinstance(exc, Exception) and self._committed_by_another():
+                    # A slow attempt taken over: the winner's sweep may have removed its upload
+                    # under it. The shard is done, so its error is no failure of the shard.
+                    self.superseded = True
+                    log.info("shard %d was committed by another attempt; this one stopped with %s: %s",
+                             self.shard, type(exc).__name__, exc)
+                else:
+                    self.fail(exc, preempted=not isinstance(exc, Exception))
                 self._discard_own_data()
         finally:
             self.release()
+
+    def _committed_by_another(self) -> bool:
+        """Whether the shard's commit record exists (and names another attempt's data); False
+        when it cannot be read, so that the failure is recorded."""
+        key = layout.commit_key(self.shard)
+        try:
+            return decode_commit(self.queue.store.get(key), key).data_key != self.data_key
+        except (StoreError, ManifestError):  # absent (ObjectNotFound) or unreadable
+            return False
 
     def _discard_own_data(self) -> None:
         """Whatever point the work was interrupted at, leave nothing of this attempt: no pending

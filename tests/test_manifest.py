@@ -375,6 +375,52 @@ def test_a_commit_removes_a_dead_attempts_upload_and_spares_a_live_ones(store_ur
     opened[dead].abort()
 
 
+def test_an_attempt_whose_upload_a_winner_swept_leaves_no_failure_record(store_uri):
+    """A slow attempt taken over (its lease gone): the winner's sweep aborts its upload, so its close
+    fails. The shard is committed, so that error is not recorded as a failure of the shard, and
+    nothing of the attempt is left. (Recording it fails this: status would list a done shard's failure.)"""
+    store = open_store(store_uri, **({"part_size": 5 * 2**20} if store_uri.startswith("s3://") else {}))
+    m = fake_worker.plan(store)
+    meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                     hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+    slow, winner = (Claim(q, m.shards[0], generation=gen, token=q.producer.token)
+                    for gen, q in ((1, WorkQueue(store, m, Producer.current(1))),
+                                   (2, WorkQueue(store, m, Producer.current(2)))))
+    store.put(winner.lease_key, winner.queue.lease_payload(2))  # the slow one's lease was deleted by the takeover
+    writer = store.open_writer(slow.data_key)
+    writer.write(os.urandom(6 * 2**20))
+    with ShardWriter(store.open_writer(winner.data_key), meta) as w:
+        for i in range(m.shards[0].start, m.shards[0].end):
+            w.write_sample(fake_worker.make_sample(i))
+        info = w.close()
+    assert winner.commit(info)
+    assert store.list_pending_uploads(layout.SHARDS) == []  # the slow attempt's upload, swept
+    with pytest.raises(Exception) as raised:
+        with slow:
+            writer.write(b"the rest")
+            writer.close()
+    assert not isinstance(raised.value, AssertionError)
+    assert list(store.list(layout.FAILURES)) == []
+    assert slow.superseded and not slow.committed
+    s = run_status(store)
+    assert s["shards_done"] == 1 and s["shards_failed"] == 0 and not s["failed"]
+    assert [o.key for o in store.list(layout.SHARDS)] == [winner.data_key]
+    assert store.list_pending_uploads(layout.SHARDS) == []
+
+
+def test_an_attempt_failing_before_any_commit_is_recorded(store_uri):
+    """The other side of the above: with no commit of the shard, the error is the shard's failure."""
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    q = WorkQueue(store, m, Producer.current(1))
+    claim = Claim(q, m.shards[0], generation=1, token=q.producer.token)
+    with pytest.raises(RuntimeError):
+        with claim:
+            raise RuntimeError("boom")
+    assert not claim.superseded
+    assert [decode_failure(store.get(o.key), o.key).error for o in store.list(layout.FAILURES)] == ["boom"]
+
+
 def test_sigkilled_lease_holder_is_taken_over_after_expiry(store_uri):
     hung = spawn(store_uri, "--hang-shard", "0", "--ttl", "2")
     assert hung.stdout.readline().startswith("hanging in shard 0")

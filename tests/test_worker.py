@@ -4,6 +4,7 @@ leases, commits and shards on a real store (a folder, and moto over HTTP), a tin
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -19,9 +20,10 @@ from layertap.manifests import layout
 from layertap.manifests.preemption import Interrupted
 from layertap.manifests.records import Producer, decode_failure
 from layertap.manifests.status import run_status, verify_run
-from layertap.manifests.work import WorkQueue
+from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.store import StoreError, open_store
+from layertap.storage.writer import ShardWriter
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,8 @@ class Run:
         self.events: list[tuple[str, int]] = []
         self.lock = threading.Lock()
         self.fail_close: set[int] = set()  # shards whose next object close fails (once each)
+        self.fail_start: set[int] = set()  # shards whose next start fails (once each)
+        self.rival_commits: set[int] = set()  # ... either after another attempt committed the shard
         self.stop_at: int | None = None  # the shard whose start a stop signal interrupts
         self.hold_finish = False  # each finish waits for the next shard's start (or 5 s)
         self.abandoned: list[tuple[int, int]] = []
@@ -56,6 +60,11 @@ class Run:
         self.log("start", claim.shard)
         if claim.shard == self.stop_at:
             raise Interrupted("a stop signal")
+        if claim.shard in self.fail_start:  # e.g. an upload of its parts failing
+            self.fail_start.discard(claim.shard)
+            if claim.shard in self.rival_commits:
+                self.rival_commit(claim)
+            raise StoreError("injected: a part's upload failed")
         counts = fake_worker.token_counts(self.manifest.num_samples)
         samples = [TokenizedSample(f"s{i:05d}", torch.arange(counts[i]) % 128, torch.ones(counts[i], dtype=torch.bool))
                    for i in range(claim.plan.start, claim.plan.end)]
@@ -64,7 +73,8 @@ class Run:
         out = self.store.open_writer(claim.data_key)
         if claim.shard in self.fail_close:
             self.fail_close.discard(claim.shard)
-            out = FailingClose(out)
+            out = FailingClose(out, before=(lambda: self.rival_commit(claim)) if claim.shard in self.rival_commits
+                               else None)
         tail = start_shard(self.capture, samples, meta, out, batch_tokens=64, pad_id=0, encode_threads=2,
                            on_record=counted)
         real_finish = tail.finish
@@ -81,6 +91,17 @@ class Run:
         tail.finish = finish
         return Started(tail, [], 0)
 
+    def rival_commit(self, claim) -> None:
+        """Another attempt (a takeover of this slow one) finishes the shard and commits it first."""
+        q = WorkQueue(self.store, self.manifest, Producer.current(1))
+        rival = Claim(q, claim.plan, generation=claim.generation + 1, token=q.producer.token)
+        meta = ShardMeta(run_id=self.manifest.run_id, shard_id=claim.shard, model="synthetic",
+                         layers=fake_worker.LAYERS, hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+        with ShardWriter(self.store.open_writer(rival.data_key), meta) as w:
+            for i in range(claim.plan.start, claim.plan.end):
+                w.write_sample(fake_worker.make_sample(i))
+            assert rival.commit(w.close())
+
     def index(self, event: tuple[str, int]) -> int:
         return self.events.index(event)
 
@@ -96,10 +117,12 @@ class Run:
 class FailingClose:
     """An object writer whose completion fails: what a store that errs at the last moment does."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, before=None):
+        self.inner, self.before = inner, before
 
     def close(self):
+        if self.before:
+            self.before()
         raise StoreError("injected: the object's completion failed")
 
     def __getattr__(self, name):
@@ -155,6 +178,24 @@ def test_a_shard_whose_completion_fails_behind_the_next_is_recorded_and_redone(s
     assert _commits_in_order(run).count(1) == 1
     assert len(list(run.store.list(f"{layout.SHARDS}000001-"))) == 1  # the failed attempt's object is gone
     assert not run.store.list_pending_uploads(f"{layout.SHARDS}000001-") and _intact(run)
+
+
+@pytest.mark.parametrize("overlap,at", [(True, "close"), (False, "close"), (True, "start")])
+def test_a_shard_failing_after_another_attempt_committed_it_is_no_failure(store_uri, capture, overlap, at, caplog):
+    """A slow attempt taken over fails (the winner's sweep removed its upload) at its completion
+    or during its forwards: the shard is done, so no failure record, no error, no retry; its
+    records go back to the progress count, since the winner's commit counts them."""
+    run = Run(store_uri, capture)
+    run.rival_commits = {1}
+    (run.fail_close if at == "close" else run.fail_start).add(1)
+    loop = run.loop(overlap=overlap)
+    assert loop.run(run.queue(loop)) == len(run.manifest.shards) - 1  # shard 1 is the rival's
+    assert list(run.store.list(layout.FAILURES)) == []
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    plan = run.manifest.shards[1]
+    assert run.abandoned == [(1, plan.end - plan.start if at == "close" else 0)]
+    assert 1 not in _commits_in_order(run) and [e for e in run.events if e[1] == 1].count(("start", 1)) == 1
+    assert _intact(run)
 
 
 def test_a_stop_during_the_next_shards_start_keeps_the_finishing_shard_and_releases_the_other(store_uri, capture):
