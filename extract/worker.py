@@ -50,11 +50,11 @@ class Finishing(threading.Thread):
     def run(self) -> None:
         try:
             self.info = self.started.tail.finish()
-            self.committed = self.claim.commit(self.info, skipped=self.started.skipped,
-                                               truncated=self.started.truncated)
+            self.claim.commit(self.info, skipped=self.started.skipped, truncated=self.started.truncated)
         except BaseException as e:  # recorded by the claim's exit, reported below
             self.error = e
         finally:
+            self.committed = self.claim.committed  # set once the commit record exists, even if a later step failed
             e = None if self.committed else self.error  # an error after the commit: the shard is done
             try:
                 self.claim.__exit__(type(e) if e else None, e, e.__traceback__ if e else None)

@@ -1,14 +1,17 @@
 """Where each record of a run lives under its prefix, and how to read facts back out of key names.
 
     manifest.json                          the immutable plan
-    shards/{shard:06d}-{token}.lts         data objects; only the one a commit names counts
+    shards/{shard:06d}-{attempt}.lts       data objects, one per attempt (worker token + a nonce);
+                                           only the one a commit names counts
     commits/{shard:06d}.json               commit records, created if absent: the truth of "done"
     tally/{shard:06d}.r{records}.t{tokens}.b{bytes}.x{raw}.s{skipped}
                                            empty markers carrying a commit's numbers in the name,
                                            so `status` needs listings only, never a GET per shard
     leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim; alive while LastModified + ttl > now
     failures/{shard:06d}/{ms:013d}-{token}.json
-                                           one record per failed attempt
+                                           one record per failed attempt; `.stop.json` for an
+                                           attempt stopped from outside (a signal, a takeover),
+                                           which no retry limit counts
     consumed/ranks/{rank:05d}.json         a training rank's watermark: shards it read for the last time
     consumed/shards/{shard:06d}            empty marker: the shard was consumed, its data deleted
     consumed/window.json                   the --window extraction runs with (the trainer's stall check)
@@ -35,8 +38,8 @@ _SHARD_ID = re.compile(r"^(\d+)")
 _DATA_KEY = re.compile(r"^shards/(\d{6,})-([A-Za-z0-9]+)\.lts$")
 
 
-def data_key(shard: int, token: str) -> str:
-    return f"{SHARDS}{shard:06d}-{token}.lts"
+def data_key(shard: int, attempt: str) -> str:
+    return f"{SHARDS}{shard:06d}-{attempt}.lts"
 
 
 def is_data_key(key: str, shard: int) -> bool:
@@ -73,8 +76,11 @@ def failure_prefix(shard: int) -> str:
     return f"{FAILURES}{shard:06d}/"
 
 
-def failure_key(shard: int, millis: int, token: str) -> str:
-    return f"{failure_prefix(shard)}{millis:013d}-{token}.json"
+STOPPED = ".stop.json"
+
+
+def failure_key(shard: int, millis: int, token: str, stopped: bool = False) -> str:
+    return f"{failure_prefix(shard)}{millis:013d}-{token}{STOPPED if stopped else '.json'}"
 
 
 def shard_of(key: str, prefix: str) -> int | None:

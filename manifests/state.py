@@ -48,8 +48,10 @@ class RunState:
         return 1 + max((l.generation for l in self.leases.get(shard, [])), default=0)
 
     def failures_since(self, shard: int, since: float) -> int:
-        """Failure records written at or after `since` (their key starts with the time in ms)."""
-        return sum(1 for k in self.failures.get(shard, []) if _failure_millis(k) >= since * 1000)
+        """Failures of the shard's own written at or after `since` (their key starts with the time
+        in ms); not attempts stopped from outside (preempted, taken over), which say nothing of it."""
+        return sum(1 for k in self.failures.get(shard, [])
+                   if not k.endswith(layout.STOPPED) and _failure_millis(k) >= since * 1000)
 
     def raise_if_replaced(self, uri: str) -> None:
         """Refuse to work on a run whose manifest was replaced: its commits are another plan's."""

@@ -266,8 +266,10 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             raise  # a newer layertap's record: intact, not to be withdrawn
         except Exception as e:
             return shard, f"unreadable commit record: {e}", None
-        report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True) \
-            if store.exists(commit.data_key) else None
+        try:
+            report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True)
+        except ObjectNotFound:  # absent, or deleted while we read it
+            report = None
         if report is None:
             if store.exists(layout.consumed_marker_key(shard)):  # consumed while we looked
                 return shard, CONSUMED, commit.data_key

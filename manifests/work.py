@@ -7,8 +7,9 @@ worker may then claim the next generation. Finishing a shard means: data object 
 the commit record created if absent. Two workers that both finish one shard (a takeover of a
 worker that was only slow) therefore yield exactly one commit; the loser deletes its data.
 
-Each attempt writes its data under a key of its own (`shards/{id}-{token}.lts`), so a
-crashed or zombie attempt can never overwrite the bytes that a commit points at.
+Each attempt writes its data under a key of its own (`shards/{id}-{attempt}.lts`: the worker's
+token and a nonce, named in its lease), so neither a crashed or zombie attempt nor an earlier
+attempt of the same worker can overwrite the bytes that a commit points at.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 
@@ -37,11 +39,11 @@ DEFAULT_LEASE_TTL_S = 60.0
 class Claim:
     """A leased shard. Use as a context manager around the work; see `WorkQueue`."""
 
-    def __init__(self, queue: WorkQueue, plan: ShardPlan, generation: int, token: str):
+    def __init__(self, queue: WorkQueue, plan: ShardPlan, generation: int, attempt: str):
         self.queue, self.plan, self.generation = queue, plan, generation
         self.shard = plan.id
         self.lease_key = layout.lease_key(plan.id, generation, queue.ttl_s)
-        self.data_key = layout.data_key(plan.id, token)
+        self.data_key = layout.data_key(plan.id, attempt)
         self.started_at = time.time()
         self.lost = threading.Event()  # set when another worker took the lease over
         self.committed = False
@@ -57,15 +59,27 @@ class Claim:
         self._heartbeat.start()
         return self
 
+    def lease_payload(self) -> bytes:
+        return self.queue.lease_payload(self.generation, self.data_key)
+
     def _beat(self) -> None:
+        """Renew the lease while it is ours. One that names another attempt (a stalled heartbeat's
+        generation taken over and claimed anew) is not rewritten: the attempt is abandoned. One
+        that is gone (removed as stale while no one took the shard) is created again."""
         store, period = self.queue.store, self.queue.ttl_s / 4
-        while not self._stop.wait(period):
+        while not self._stop.wait(period) and not self.lost.is_set():
             try:
-                store.put(self.lease_key, self.queue.lease_payload(self.generation))
                 newer = [o.key for o in store.list(layout.lease_prefix(self.shard))
                          if (p := layout.parse_lease(o.key)) and p[1] > self.generation]
-                if newer and not self.lost.is_set():
-                    log.warning("shard %d: lease taken over by %s; abandoning this attempt", self.shard, newer[-1])
+                if not newer:
+                    holder = lease_attempt(store, self.lease_key)
+                    if holder is None:
+                        ours = store.put_if_absent(self.lease_key, self.lease_payload())
+                    elif ours := holder == self.data_key:
+                        store.put(self.lease_key, self.lease_payload())
+                if newer or not ours:
+                    log.warning("shard %d: lease taken over by %s; abandoning this attempt", self.shard,
+                                newer[-1] if newer else "another attempt of its generation")
                     self.lost.set()
             except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
                 log.warning("shard %d: lease heartbeat failed: %s", self.shard, e)
@@ -111,7 +125,9 @@ class Claim:
             shard=self.shard, error_type=type(error).__name__, error=text,
             producer=asdict(self.queue.producer), attempt=self.attempt, time=time.time(), preempted=preempted,
         )
-        key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token)
+        # Stopped from outside (a signal, or a takeover whose lease this attempt lost): no fault of the shard's.
+        key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token,
+                                 stopped=preempted or self.lost.is_set())
         try:
             self.queue.store.put(key, encode(record))
         except StoreError as e:
@@ -126,7 +142,8 @@ class Claim:
                 self._heartbeat.join()
         finally:  # even if a signal's exception cut the join short
             try:
-                self.queue.store.delete(self.lease_key)
+                if lease_attempt(self.queue.store, self.lease_key) == self.data_key:  # not a new claim's
+                    self.queue.store.delete(self.lease_key)
                 self.queue._leases_written.discard(self.lease_key)
             except StoreError as e:  # it will simply go stale
                 log.warning("shard %d: could not release the lease: %s", self.shard, e)
@@ -220,8 +237,8 @@ class WorkQueue:
                 log.warning("could not release the lease %s: %s", key, e)
             self._leases_written.discard(key)
 
-    def lease_payload(self, generation: int) -> bytes:
-        return json.dumps({"holder": asdict(self.producer), "generation": generation,
+    def lease_payload(self, generation: int, data_key: str) -> bytes:
+        return json.dumps({"holder": asdict(self.producer), "generation": generation, "data_key": data_key,
                            "ttl_s": self.ttl_s, "renewed_at": time.time()}).encode()
 
     def _order(self, todo: list[int]) -> list[int]:
@@ -350,35 +367,60 @@ class WorkQueue:
 
     def _try_claim(self, shard: int, st: RunState) -> Claim | None:
         gen = st.next_generation(shard)
-        key = layout.lease_key(shard, gen, self.ttl_s)
+        claim = Claim(self, self.manifest.shards[shard], gen, f"{self.producer.token}{uuid.uuid4().hex[:8]}")
+        key = claim.lease_key
         self._leases_written.add(key)  # before the PUT: a stop signal inside it must find the key (_release_held)
-        if not self.store.put_if_absent(key, self.lease_payload(gen)):
+        if not self.store.put_if_absent(key, claim.lease_payload()):
             self._leases_written.discard(key)
             return None
         try:
             if self.store.exists(layout.commit_key(shard)):  # committed between our scan and our lease
                 self.store.delete(key)
                 return None
+            # A worker with another --lease-ttl creates this generation under another key: of two
+            # such claims, at least the later one sees the other here and backs off.
+            if any(o.key != key and (p := layout.parse_lease(o.key)) and p[1] >= gen
+                   for o in self.store.list(layout.lease_prefix(shard))):
+                self.store.delete(key)
+                return None
             for old in st.leases.get(shard, []):  # stale generations of dead workers
                 self.store.delete(old.key)
             self.given_up.discard(shard)
             log.debug("shard %d: leased, generation %d, ttl %gs", shard, gen, self.ttl_s)
-            return Claim(self, self.manifest.shards[shard], gen, self.producer.token)
+            return claim
         except BaseException:  # e.g. a stop signal before the claim reached its holder: no lease left behind
             self.store.delete(key)
             self._leases_written.discard(key)
             raise
 
 
-def lease_holder(store: ObjectStore, key: str) -> str | None:
-    """The producer token a lease names; None if the lease is gone or unreadable."""
+def _lease_payload(store: ObjectStore, key: str) -> dict | None:
+    """A lease's payload; None if the lease is gone or does not name its holder."""
     try:
-        return json.loads(store.get(key))["holder"]["token"]
+        payload = json.loads(store.get(key))
+        payload["holder"]["token"]  # every lease names its holder
+        return payload
     except ObjectNotFound:
         return None
     except (ValueError, KeyError, TypeError):
         log.warning("lease %s does not name its holder", key)
         return None
+
+
+def lease_holder(store: ObjectStore, key: str) -> str | None:
+    """The producer token a lease names; None if the lease is gone or unreadable."""
+    payload = _lease_payload(store, key)
+    return payload["holder"]["token"] if payload else None
+
+
+def lease_attempt(store: ObjectStore, key: str) -> str | None:
+    """The data key of the attempt a lease names; None if the lease is gone or unreadable. (A
+    lease written before leases named their attempt names its worker, whose token was the key's.)"""
+    payload = _lease_payload(store, key)
+    if payload is None:
+        return None
+    shard = layout.parse_lease(key)[0]
+    return payload.get("data_key") or layout.data_key(shard, payload["holder"]["token"])
 
 
 def rivals_at_work(store: ObjectStore, st: RunState, shard: int, own_lease: str | None = None) -> set[str]:
@@ -389,6 +431,6 @@ def rivals_at_work(store: ObjectStore, st: RunState, shard: int, own_lease: str 
     lease goes stale, and then what it left is a leftover."""
     keys = set()
     for lease in st.leases.get(shard, []):
-        if lease.key != own_lease and lease.alive(st.now) and (token := lease_holder(store, lease.key)):
-            keys.add(layout.data_key(shard, token))
+        if lease.key != own_lease and lease.alive(st.now) and (attempt := lease_attempt(store, lease.key)):
+            keys.add(attempt)
     return keys

@@ -22,6 +22,7 @@ from layertap.manifests.manifest import (ConfigMismatch, ManifestError, Unsuppor
 from layertap.storage.units import parse_size
 from layertap.manifests.records import Producer, decode_commit, decode_failure
 from layertap.manifests.status import run_status, verify_run
+from layertap.manifests.state import scan_shard
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.slurm.work import remaining_work
 from layertap.storage.format import ShardMeta
@@ -236,7 +237,8 @@ def test_a_stop_signal_inside_the_leases_put_leaves_no_lease_of_ours_and_keeps_a
     other = WorkQueue(store, manifest, Producer.current(), poll_s=0.2, shards=[0])
 
     def lose_then_stop(key, data):
-        real_put(key, other.lease_payload(1))  # another worker's PUT of the same key landed first
+        # another worker's PUT of the same key landed first
+        real_put(key, other.lease_payload(1, layout.data_key(0, other.producer.token)))
         raise Stop()
 
     with monkeypatch.context() as m:
@@ -316,8 +318,8 @@ from layertap.storage.store import open_store
 store = open_store({store_uri!r})
 m = fake_worker.plan(store)
 q = WorkQueue(store, m, Producer.current(int(sys.argv[1])))
-claim = Claim(q, m.shards[0], generation=int(sys.argv[1]) + 1, token=q.producer.token)
-store.put(claim.lease_key, q.lease_payload(claim.generation))
+claim = Claim(q, m.shards[0], generation=int(sys.argv[1]) + 1, attempt=q.producer.token)
+store.put(claim.lease_key, claim.lease_payload())
 meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
                  hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
 with ShardWriter(store.open_writer(claim.data_key), meta) as w:
@@ -350,8 +352,8 @@ def test_a_commit_removes_a_dead_attempts_upload_and_spares_a_live_ones(store_ur
     claims = []
     for gen, ttl in ((1, 0.5), (2, 60.0), (3, 60.0)):  # dead (its lease soon stale), live, winner
         q = WorkQueue(store, m, Producer.current(gen), ttl_s=ttl)
-        claims.append(Claim(q, m.shards[0], generation=gen, token=q.producer.token))
-        store.put(claims[-1].lease_key, q.lease_payload(gen))
+        claims.append(Claim(q, m.shards[0], generation=gen, attempt=q.producer.token))
+        store.put(claims[-1].lease_key, claims[-1].lease_payload())
     dead, live, winner = claims
     opened = {}
     for c in (dead, live):  # past one part: a real multipart upload on S3, a temp file on a folder
@@ -383,10 +385,10 @@ def test_an_attempt_whose_upload_a_winner_swept_leaves_no_failure_record(store_u
     m = fake_worker.plan(store)
     meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
                      hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
-    slow, winner = (Claim(q, m.shards[0], generation=gen, token=q.producer.token)
+    slow, winner = (Claim(q, m.shards[0], generation=gen, attempt=q.producer.token)
                     for gen, q in ((1, WorkQueue(store, m, Producer.current(1))),
                                    (2, WorkQueue(store, m, Producer.current(2)))))
-    store.put(winner.lease_key, winner.queue.lease_payload(2))  # the slow one's lease was deleted by the takeover
+    store.put(winner.lease_key, winner.lease_payload())  # the slow one's lease was deleted by the takeover
     writer = store.open_writer(slow.data_key)
     writer.write(os.urandom(6 * 2**20))
     with ShardWriter(store.open_writer(winner.data_key), meta) as w:
@@ -413,12 +415,94 @@ def test_an_attempt_failing_before_any_commit_is_recorded(store_uri):
     store = open_store(store_uri)
     m = fake_worker.plan(store)
     q = WorkQueue(store, m, Producer.current(1))
-    claim = Claim(q, m.shards[0], generation=1, token=q.producer.token)
+    claim = Claim(q, m.shards[0], generation=1, attempt=q.producer.token)
     with pytest.raises(RuntimeError):
         with claim:
             raise RuntimeError("boom")
     assert not claim.superseded
     assert [decode_failure(store.get(o.key), o.key).error for o in store.list(layout.FAILURES)] == ["boom"]
+
+
+def test_two_attempts_of_one_worker_write_objects_of_their_own(store_uri):
+    """One process claims a shard again after its own stalled attempt's lease went stale (a
+    finishing shard's heartbeat stuck past the TTL). Both attempts finish: the first commits, the
+    second loses and deletes its object, which must not be the committed one."""
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    me = Producer.current(0)  # one worker process: one token
+    first = next(iter(WorkQueue(store, m, me, ttl_s=0.3, shards=[0])))  # its heartbeat stalls: never started
+    time.sleep(0.4)
+    second = next(iter(WorkQueue(store, m, me, ttl_s=60, shards=[0])))
+    assert second.generation == first.generation + 1 and second.data_key != first.data_key
+    meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                     hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+    infos = []
+    for claim in (first, second):
+        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+            for i in range(m.shards[0].start, m.shards[0].end):
+                w.write_sample(fake_worker.make_sample(i))
+            infos.append(w.close())
+    assert first.commit(infos[0]) and not second.commit(infos[1])
+    second.release()
+    committed = decode_commit(store.get(layout.commit_key(0)), layout.commit_key(0))
+    assert committed.data_key == first.data_key
+    assert verify_shard(store, first.data_key, expected_xxh3_128=committed.xxh3_128).ok
+
+
+def test_claims_with_different_lease_ttls_never_share_a_generation(store_uri):
+    """The TTL is part of a lease's key, so a resubmission with another --lease-ttl creates the
+    same generation under another key: both creates succeed, and the later claimant must back off."""
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    queues = [WorkQueue(store, m, Producer.current(r), ttl_s=ttl) for r, ttl in ((0, 60.0), (1, 30.0))]
+    st = scan_shard(store, m, 0)  # both saw the shard free
+    first, second = (q._try_claim(0, st) for q in queues)
+    assert first is not None and second is None
+    assert [o.key for o in store.list(layout.lease_prefix(0))] == [first.lease_key]
+
+
+def test_a_lease_taken_anew_at_its_generation_is_neither_renewed_nor_released_by_the_old_holder(store_uri):
+    """Generations restart at 1 once every lease of a shard is gone: a holder whose heartbeat
+    stalled may find its lease key claimed by a new attempt. It must notice (and abandon), and
+    neither rewrite nor delete the new attempt's lease; a lease of its own that vanished (removed
+    as stale while nobody took the shard) it creates again."""
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    q = WorkQueue(store, m, Producer.current(0), ttl_s=0.4)  # a heartbeat every 0.1 s
+    old = next(iter(q))
+    with old:
+        store.delete(old.lease_key)  # gone: renewed again
+        deadline = time.time() + 10
+        while not store.exists(old.lease_key) and time.time() < deadline:
+            time.sleep(0.02)
+        assert json.loads(store.get(old.lease_key))["data_key"] == old.data_key and not old.lost.is_set()
+        other = WorkQueue(store, m, Producer.current(1), ttl_s=0.4)
+        new = Claim(other, m.shards[0], generation=old.generation, attempt=other.producer.token)
+        store.put(new.lease_key, new.lease_payload())  # a new attempt holds the key now
+        assert old.lost.wait(10)
+        time.sleep(0.3)  # heartbeats that would have rewritten it
+        assert json.loads(store.get(new.lease_key))["data_key"] == new.data_key
+    assert json.loads(store.get(new.lease_key))["data_key"] == new.data_key  # the old holder's exit left it
+
+
+def test_stopped_and_taken_over_attempts_do_not_use_up_a_shards_retries(store_uri):
+    """A worker gives a shard up after `retries + 1` failures of its own; preemptions and
+    takeovers say nothing of the shard, so they are recorded apart and not counted."""
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    q = WorkQueue(store, m, Producer.current(0), retries=1, shards=[0])
+    for gen in (1, 2, 3):
+        stopped = Claim(q, m.shards[0], generation=gen, attempt=f"x{gen}")
+        if gen == 3:
+            stopped.lost.set()  # a takeover; it then stops with LeaseLost
+        stopped.fail(RuntimeError("lease lost") if gen == 3 else KeyboardInterrupt(), preempted=gen < 3)
+    assert all(o.key.endswith(layout.STOPPED) for o in store.list(layout.failure_prefix(0)))
+    claim = next(iter(q))
+    assert claim.shard == 0
+    claim.release()
+    for gen in (4, 5):
+        Claim(q, m.shards[0], generation=gen, attempt=f"x{gen}").fail(RuntimeError("bad input"))
+    assert list(q) == [] and q.given_up == {0}  # its own failures still count
 
 
 def test_sigkilled_lease_holder_is_taken_over_after_expiry(store_uri):

@@ -20,7 +20,7 @@ from layertap.manifests import layout
 from layertap.manifests.consumption import (Backlog, WindowGate, backlog, consumed_everywhere, consumed_shards,
                                             delete_consumed, record_consumed)
 from layertap.manifests.records import Producer
-from layertap.manifests.status import burst_rate, run_status
+from layertap.manifests.status import burst_rate, run_status, verify_run
 from layertap.manifests.work import WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.store import open_store
@@ -222,6 +222,27 @@ def test_status_and_verify_of_a_run_with_consumed_shards(store_uri, capsys):
     rc, out, _ = cli_out(capsys, "verify", store_uri)
     assert rc == 0 and "3 more consumed by training" in out
     assert len(list(store.list(layout.COMMITS))) == 7  # nothing withdrawn
+
+
+def test_verify_counts_a_shard_consumed_while_it_reads_it(store_uri, monkeypatch):
+    """`verify` beside `train --delete-consumed`: the trainer marks and deletes a shard while
+    verify reads it (its size, then ranged GETs). The shard counts as consumed, the others are
+    still checked, nothing is withdrawn. (It stopped verify with ObjectNotFound before.)"""
+    store = open_store(store_uri)
+    fake_worker.work(store_uri)
+    real_size = store.size
+
+    def size_after_the_trainer_deleted_it(key):
+        if key.startswith(f"{layout.SHARDS}000002-"):
+            record_consumed(store, rank=0, world_size=1, shards=[2], step=10)
+            assert delete_consumed(store) == [2]
+        return real_size(key)
+
+    monkeypatch.setattr(store, "size", size_after_the_trainer_deleted_it)
+    result = verify_run(store).to_json()
+    assert result | {"bad": []} == {"checked": 6, "ok": 6, "bad": [], "withdrawn": 0, "orphans_deleted": 0,
+                                    "consumed": 1}
+    assert len(list(store.list(layout.COMMITS))) == 7
 
 
 def test_rates_leave_out_the_oldest_burst():
