@@ -37,7 +37,7 @@ from layertap.manifests.status import run_status
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
-from layertap.storage.store import ObjectStore, open_store
+from layertap.storage.store import ObjectStore, StoreError, open_store
 from layertap.storage.units import duration, size
 
 log = logging.getLogger("layertap.extract")
@@ -317,28 +317,51 @@ class Progress:
     (a bar on a terminal, a log line every 30 s otherwise; see `extract.console`).
 
     With several ranks, rank 0 counts its own records as they are written and, every
-    `SYNC_S` seconds, everyone's committed samples from one listing of the tally markers.
+    `SYNC_S` seconds, everyone's committed samples from one listing of the tally markers, on a
+    thread of its own: the shards' writer threads, which report records, never wait on that
+    listing, and a listing that fails only leaves the count behind (with a warning).
     """
 
     SYNC_S = 30.0
 
     def __init__(self, rank: int, world: int, store: ObjectStore, manifest: Manifest):
         self.on, self.world, self.store = rank == 0, world, store
-        self.t0 = self.synced = time.time()
+        self.t0 = time.time()
         self.tokens = self.stored = self.raw = 0
         self.uncommitted = 0  # records written into shards not committed yet (two, while one finishes)
         self._lock = threading.Lock()  # the writers of two shards report at once
-        self.bar = progress(manifest.num_samples, initial=self._committed() if self.on else 0, desc="extract",
+        self._closed = threading.Event()
+        self._listing_failed = False
+        self.bar = progress(manifest.num_samples, initial=(self._committed() or 0) if self.on else 0, desc="extract",
                             unit="sample", enabled=self.on)
+        if self.on and world > 1:
+            threading.Thread(target=self._sync, name="progress-sync", daemon=True).start()
 
-    def _committed(self) -> int:
-        """Samples stored or skipped by committed shards, from the tally listing (no GETs)."""
+    def _committed(self) -> int | None:
+        """Samples stored or skipped by committed shards, from the tally listing (no GETs); None
+        if the store could not list them."""
         total = 0
-        for o in self.store.list(layout.TALLY):
-            parsed = layout.parse_tally(o.key)
-            if parsed:
-                total += parsed[1]["records"] + parsed[1]["skipped"]
+        try:
+            for o in self.store.list(layout.TALLY):
+                parsed = layout.parse_tally(o.key)
+                if parsed:
+                    total += parsed[1]["records"] + parsed[1]["skipped"]
+        except StoreError as e:  # said once while it lasts, not every SYNC_S
+            (log.debug if self._listing_failed else log.warning)(
+                "progress: could not list the committed shards' tallies (%s); the count of other ranks' samples "
+                "waits for the next listing", e)
+            self._listing_failed = True
+            return None
+        self._listing_failed = False
         return total
+
+    def _sync(self) -> None:
+        while not self._closed.wait(self.SYNC_S):
+            committed = self._committed()
+            with self._lock:
+                if committed is not None and not self._closed.is_set():
+                    self.bar.n = max(self.bar.n, committed + self.uncommitted)
+                    self.bar.refresh()
 
     def record(self, rec) -> None:
         if not self.on:
@@ -353,14 +376,6 @@ class Progress:
             self.bar.set_postfix_str(f"{who}{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 2**20:.1f} MiB/s, "
                                      f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
             self.bar.update(1)
-            sync = self.world > 1 and time.time() - self.synced > self.SYNC_S
-            if sync:
-                self.synced = time.time()
-        if sync:  # a listing: outside the lock
-            committed = self._committed()
-            with self._lock:
-                self.bar.n = max(self.bar.n, committed + self.uncommitted)
-                self.bar.refresh()
 
     def waiting(self, backlog: Backlog | None) -> None:
         """The storage window is full (`backlog`), or open again (None): shown on the progress line."""
@@ -385,7 +400,9 @@ class Progress:
                 self.bar.refresh()
 
     def close(self) -> None:
-        self.bar.close()
+        with self._lock:
+            self._closed.set()
+            self.bar.close()
 
     def __enter__(self) -> Progress:
         return self

@@ -257,6 +257,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
                        f"{opts.procs} workers busy")
     else:
         plan = dynamic_plan(remaining, args.nodes, opts.procs)
+    if args.then_train is not None and remaining is not None:
+        _training_waits_for_the_run(store, remaining, plan)
     if not plan.indices:
         return _nothing_left(args, remaining, train)
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
@@ -324,9 +326,6 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     if remaining.running:
         _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
                    "every other one is done")
-        if train and args.train_while_extracting is None:
-            raise ConfigError("the extraction is still running, so training cannot be chained to this submission: "
-                             "submit it with `layertap submit train --after <the extraction's job id> ...`")
     else:
         _say(args, "nothing to submit: every shard is done")
     if train:  # after a complete run, or alongside the running one (--train-while-extracting)
@@ -335,6 +334,32 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
         else:
             _sbatch_train(args, *train, after=[])
     return 0
+
+
+def _training_waits_for_the_run(store, remaining, plan) -> None:
+    """Refuse --then-train while shards are running that no task of `plan` waits for (another
+    array's, outside this one's static ranges; or all of them, with nothing to submit): training
+    chained to this submission (afterok) would start while they are still being extracted, and
+    train on what was committed by then."""
+    from layertap.slurm.scripts import compress
+    from layertap.slurm.work import lease_holders, not_waited_for
+
+    running = not_waited_for(remaining, plan)
+    if not running:
+        return
+    holders = lease_holders(store, remaining, running)
+    jobs = [h for h in holders if h.isdigit()]
+    after = " ".join(f"--after {j}" for j in jobs) or "--after <the running extraction's job id>"
+    what = (f"shards {compress(running)} are still being extracted"
+            + (f" by {', '.join(holders)}" if holders else "") + " (live leases)")
+    if not plan.indices:
+        raise ConfigError(f"{what} and nothing else is left to submit, so there is no array to chain training to "
+                          f"(--then-train): submit it with `layertap submit train {after} <the --then-train "
+                          "arguments>`, or wait for them to finish and run this command again")
+    raise ConfigError(f"{what}, outside the ranges of the tasks this command would submit: training chained to "
+                      "them (--then-train) would start before those shards are committed. Wait for them to finish "
+                      "and run this command again, or submit it without --then-train and then `layertap submit "
+                      f"train {after} --after <the new array's job id> <the --then-train arguments>`")
 
 
 def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple[Any, str]:

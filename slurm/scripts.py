@@ -15,6 +15,7 @@ assumed, as on most clusters. `--python` and `--env-activate` name what to use w
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class JobOptions:
             raise ConfigError(f"--env-activate {self.env_activate!r} holds a newline: give one shell line")
         if not self.python.strip():
             raise ConfigError("--python must name an interpreter")
+        if "\\" in self.logs:  # Slurm would not expand %j and %a in the output file's name
+            raise ConfigError(f"--logs {self.logs!r} holds a backslash, which turns Slurm's replacement symbols in "
+                              "its output files' names off (every task would write one file): name a folder without one")
         self.logs = os.path.abspath(self.logs)
         self.chdir = os.path.abspath(self.chdir)
 
@@ -117,8 +121,7 @@ def compress(ids: list[int]) -> str:
 def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -> str:
     """One array task per node; its workers (one per GPU, through accelerate) share the task's
     shards, or any free shard, through leases. Each task logs into its own folder."""
-    header = _header(opts, [f"--array={plan.spec}", "--nodes=1", "--ntasks-per-node=1",
-                            f"--output={opts.logs}/%x-%A_%a.out"])
+    header = _header(opts, [f"--array={plan.spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")])
     lines = ['TASK="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
              f'LOG_DIR={shlex.quote(opts.logs)}/"${{SLURM_JOB_NAME}}-${{TASK}}"']
     args = [*map(shlex.quote, extract_args), '--log-dir "$LOG_DIR"']
@@ -148,8 +151,7 @@ def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: 
     """One array task per server: task i of `tasks` regenerates the parts p with p % tasks == i,
     through its own server (`--serve` in the arguments) or a shared endpoint. Tasks whose parts
     are all done are left out of `spec`; a task stopped at the time limit is requeued and resumes."""
-    header = _header(opts, [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1",
-                            f"--output={opts.logs}/%x-%A_%a.out"])
+    header = _header(opts, [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")])
     launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
               *map(shlex.quote, regenerate_args), "--task", f'"$SLURM_ARRAY_TASK_ID/{tasks}"']
     # Array tasks may share a node: a port of the task's own for --serve and --endpoint to name.
@@ -174,7 +176,7 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     With `resume_flag`, a requeued job continues from its latest checkpoint."""
     if nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {nodes}")
-    header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={opts.logs}/%x-%j.out"])
+    header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", _output(opts, "%x-%j.out")])
     total = '"$((SLURM_NNODES * ' + str(opts.procs) + '))"'
     lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              "PORT=$((20000 + SLURM_JOB_ID % 20000))",
@@ -211,9 +213,31 @@ def _header(opts: JobOptions, job_lines: list[str]) -> list[str]:
         if value is not None:
             opt.append(f"--{name.replace('_', '-')}={value}")
     # append: a requeued task continues its log; requeue: Slurm may restart it after preemption
-    opt += ["--open-mode=append", "--requeue", f"--signal=B:USR1@{opts.grace_s}", f"--chdir={opts.chdir}",
-            *opts.sbatch]
-    return [f"#SBATCH {o}" for o in opt]
+    opt += ["--open-mode=append", "--requeue", f"--signal=B:USR1@{opts.grace_s}", f"--chdir={opts.chdir}"]
+    return [f"#SBATCH {o}" for o in [*map(_sbatch_word, opt), *opts.sbatch]]
+
+
+def _output(opts: JobOptions, pattern: str) -> str:
+    """`--output` in the logs folder, its `%` doubled: only `pattern`'s are replacement symbols."""
+    return f"--output={opts.logs.replace('%', '%%')}/{pattern}"
+
+
+_PLAIN = re.compile(r"[\w@%+=:,./-]+")
+
+
+def _sbatch_word(option: str) -> str:
+    """`--name=value` as one word of a `#SBATCH` line. sbatch splits those lines at whitespace,
+    ends them at a `#`, and reads quotes and backslashes as a shell does (`_get_argument` in
+    src/sbatch/opt.c), so a value with any of these (a run folder named `my runs`) goes in double
+    quotes, its `"` and `\\` escaped. Nothing can carry a newline there."""
+    if "\n" in option:
+        raise ConfigError(f"the sbatch option {option!r} holds a line break, which a #SBATCH line cannot: "
+                          "choose a name or folder without one")
+    if _PLAIN.fullmatch(option):
+        return option
+    name, _, value = option.partition("=")
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{name}="{escaped}"'
 
 
 def _command(words: list[str], width: int = 100) -> str:

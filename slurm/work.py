@@ -7,16 +7,17 @@ is still running, so a resubmission while a first array is still going does not 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from layertap.manifests.manifest import ConfigMismatch, load_manifest
 from layertap.manifests.state import scan
 from layertap.slurm.scripts import ArrayPlan
 from layertap.storage.errors import ConfigError
-from layertap.storage.store import ObjectStore
+from layertap.storage.store import ObjectStore, StoreError
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: array indices go up to 1000
 
@@ -29,6 +30,7 @@ class Remaining:
     running: list[int]  # held by live leases
     failed: list[int]  # failure records and no commit; part of `todo`
     todo: list[int]  # to be (re)done: not committed, not held
+    leases: dict[int, str] = field(default_factory=dict)  # running shard -> its live lease's key
 
     def summary(self) -> str:
         return (f"{self.total} shards: {self.done} done, {len(self.running)} running, {len(self.failed)} failed, "
@@ -57,10 +59,11 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     st = scan(store, manifest)
     st.raise_if_replaced(store.uri)  # submitting would only start tasks that stop on the same error
     states = {s: st.state(s) for s in ids}
+    running = [s for s, v in states.items() if v == "running"]
     return Remaining(run_id=manifest.run_id, total=total, done=sum(1 for v in states.values() if v == "done"),
-                     running=[s for s, v in states.items() if v == "running"],
-                     failed=[s for s, v in states.items() if v == "failed"],
-                     todo=[s for s, v in states.items() if v in ("failed", "pending")])
+                     running=running, failed=[s for s, v in states.items() if v == "failed"],
+                     todo=[s for s, v in states.items() if v in ("failed", "pending")],
+                     leases={s: st.live_lease(s).key for s in running})
 
 
 def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int) -> ArrayPlan:
@@ -89,3 +92,32 @@ def static_plan(remaining: Remaining, shards_per_task: int, max_parallel: int | 
                          f"cluster's MaxArraySize of {max_array_size}: use --shards-per-task {need} or more")
     return ArrayPlan(indices=indices, max_parallel=max_parallel, shards_per_task=shards_per_task,
                      num_shards=remaining.total)
+
+
+def not_waited_for(remaining: Remaining, plan: ArrayPlan) -> list[int]:
+    """The running shards that no task of `plan` waits for. A task waits on the live leases of
+    the shards it may take: a dynamic task on all of the run's (of --shards), a static one on its
+    own range's only. So when every task of `plan` has succeeded, another job may still be
+    extracting these."""
+    if plan.shards_per_task is None:
+        return [] if plan.indices else list(remaining.running)
+    tasks = set(plan.indices)
+    return [s for s in remaining.running if s // plan.shards_per_task not in tasks]
+
+
+def lease_holders(store: ObjectStore, remaining: Remaining, shards: Sequence[int], most: int = 16) -> list[str]:
+    """Who holds the live leases of `shards`, read from at most `most` of them spread over the
+    list: Slurm job ids (an array's own, as `submit train --after` takes it), or `pid P on HOST`
+    for a worker outside Slurm."""
+    found = set()
+    for s in shards[::max(1, math.ceil(len(shards) / most))]:
+        try:
+            holder = json.loads(store.get(remaining.leases[s]))["holder"]
+            job, pid, host = holder.get("job_id"), holder.get("pid"), holder.get("host")
+        except (StoreError, KeyError, ValueError, TypeError, AttributeError):
+            continue  # released meanwhile, or unreadable: the error names the shards anyway
+        if job:
+            found.add(str(job).split("_")[0])
+        elif pid and host:
+            found.add(f"pid {pid} on {host}")
+    return sorted(found)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,15 +19,17 @@ from layertap.cli import main as cli
 from layertap.extract.config import ExtractConfig
 from layertap.extract.inputs import TokenizedSample, load_rows, tokenize_rows
 from layertap.extract.pipeline import make_batches, pad_batch
-from layertap.extract.run import extract
+from layertap.extract.run import Progress, extract
 from layertap.manifests import layout
 from layertap.manifests.records import decode_commit, decode_failure
 from layertap.manifests.status import run_status, verify_run
 from layertap.storage.reader import ShardReader, verify_shard
-from layertap.storage.store import open_store
+from layertap.storage.store import StoreError, open_store
+import test_worker
 from tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
+worker_capture = test_worker.capture  # a fixture: the tiny model of the shard loop's tests
 WORDS = "the quick brown fox jumps over the lazy dog speculative decoding drafts tokens".split()
 
 
@@ -152,6 +155,43 @@ def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):
     assert cli(base + ["--shard-bytes", "lots"]) == 2
     assert "invalid size 'lots'" in capsys.readouterr().err
     assert not out.exists() or not (out / "manifest.json").exists()
+
+
+class TallyListingFails:
+    """A store whose listings of tally/ hang a while and then fail, after the first one: a store
+    that lost its server for good, as rank 0's progress sees it mid-run."""
+
+    def __init__(self, inner, hang_s: float):
+        self.inner, self.hang_s, self.listers = inner, hang_s, []
+
+    def list(self, prefix: str = "", *args, **kwargs):
+        if prefix.startswith(layout.TALLY):
+            self.listers.append(threading.current_thread().name)
+            if len(self.listers) > 1:
+                time.sleep(self.hang_s)
+                raise StoreError("injected: listing tally/ failed after its retries")
+        return self.inner.list(prefix, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_rank_0s_progress_listing_neither_fails_nor_stalls_a_shard(store_uri, worker_capture, monkeypatch, caplog):
+    """With several ranks, rank 0's progress lists the tally markers every SYNC_S for everyone's
+    count. That listing runs on a thread of its own, never on a shard's writer thread (which
+    reports records to the progress), and a store error there is a warning, said once."""
+    monkeypatch.setattr(Progress, "SYNC_S", 0.01)
+    run = test_worker.Run(store_uri, worker_capture)
+    store = TallyListingFails(run.store, hang_s=0.05)
+    with Progress(0, 2, store, run.manifest) as progress:
+        start = run.start
+        run.start = lambda claim, counted: start(claim, lambda rec: (counted(rec), progress.record(rec)))
+        loop = run.loop(overlap=True)
+        assert loop.run(run.queue(loop)) == len(run.manifest.shards)
+    assert run_status(run.store)["complete"] and not list(run.store.list(layout.FAILURES))
+    assert len(store.listers) > 2 and set(store.listers) == {threading.current_thread().name, "progress-sync"}
+    warned = [r for r in caplog.records if "could not list the committed shards' tallies" in r.getMessage()]
+    assert [r.levelname for r in warned] == ["WARNING"]  # once, not every SYNC_S
 
 
 @pytest.mark.slow

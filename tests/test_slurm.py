@@ -4,9 +4,11 @@ single-node Slurm cluster (.ci/slurm.sh) running extraction arrays and a chained
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -23,7 +25,7 @@ from layertap.manifests.records import decode_commit, decode_failure
 from layertap.manifests.status import run_status, verify_run
 from layertap.slurm.resources import NodeShape, Resources, extract_resources, fit, weight_bytes
 from layertap.slurm.scripts import ArrayPlan, JobOptions, compress, extract_script, train_script
-from layertap.slurm.submit import parse_sinfo
+from layertap.slurm.submit import parse_sinfo, save_script, sbatch
 from layertap.slurm.work import Remaining, dynamic_plan, remaining_work, static_plan
 from layertap.storage.store import open_store
 from test_extract import write_chats
@@ -184,6 +186,26 @@ def test_the_environment_is_activated_on_the_node_and_checked(tmp_path):
     assert run.returncode == 0 and run.stdout.split() == ["from-setup", str(venv)]
 
 
+def test_folders_and_names_with_spaces_and_quotes_reach_sbatch_whole(tmp_path):
+    """sbatch splits a `#SBATCH` line at whitespace, ends it at `#` and reads quotes and backslashes
+    as a shell does: each value is one word that reads back as it was given. A `%` of the logs
+    folder is no replacement symbol; a backslash there would turn them all off, a line break
+    cannot be written: both are refused."""
+    where = tmp_path / 'my "runs" #1 100%'
+    opts = JobOptions(job_name="my job", logs=str(where / "logs"), chdir=str(where))
+    for script in (extract_script(opts, ArrayPlan(indices=[0]), ["--out", "r"]), train_script(opts, 1, [], None)):
+        bash_syntax_ok(script, tmp_path)
+        words = [shlex.split(o) for o in sbatch_options(script)]
+        assert all(len(w) == 1 for w in words), words
+        read = dict(w[0].split("=", 1) for w in words if "=" in w[0])
+        assert read["--job-name"] == "my job" and read["--chdir"] == str(where)
+        assert read["--output"].startswith(f"{str(where).replace('%', '%%')}/logs/%x-")
+    with pytest.raises(ValueError, match=r"--logs 'a\\\\b' holds a backslash"):
+        JobOptions(job_name="x", logs="a\\b")
+    with pytest.raises(ValueError, match="holds a line break, which a #SBATCH line cannot"):
+        extract_script(JobOptions(job_name="x", logs="l", chdir="/a\nb"), ArrayPlan(indices=[0]), [])
+
+
 def test_job_options_are_checked():
     with pytest.raises(ValueError, match="--sbatch 'exclusive' is not an sbatch option"):
         JobOptions(job_name="x", logs="l", sbatch=["exclusive"])
@@ -293,6 +315,46 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     out = capsys.readouterr().out
     assert "nothing to submit: shards 0 are running" in out and "--follow" in dry_run_scripts(out)["layertap-train"]
     assert not (tmp_path / "layertap-logs").exists()
+
+
+def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_for(tmp_path, capsys, monkeypatch):
+    """A static task waits for the running shards of its own range only: shards another array is
+    still extracting outside the new array's ranges would be committed after training chained to
+    it (afterok) had started, so --then-train is refused, naming the job and the two ways out.
+    Dynamic tasks wait for every running shard of the run, so there training is chained."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 8)
+    store = open_store(prefix)
+    holder = {"holder": {"host": "n1", "pid": 7, "rank": 0, "job_id": "4242_0", "token": "t"}}
+    for s in range(4):  # task 0 of array 4242, --shards-per-task 4, is extracting shards 0-3
+        store.put(layout.lease_key(s, 1, 600), json.dumps(holder).encode())
+    store.put(layout.failure_key(6, 1, "t"), b"{}")
+    for s in (4, 5, 7):
+        store.put(layout.commit_key(s), b"{}")
+    base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64")
+    then_train = ("--then-train", "--data run --out d")
+    assert submit(*base, "--shards-per-task", "4", *then_train) == 2  # task 1 (shards 4-7) only
+    err = capsys.readouterr().err
+    assert "shards 0-3 are still being extracted by 4242 (live leases), outside the ranges" in err
+    assert "Wait for them to finish and run this command again" in err
+    assert "`layertap submit train --after 4242 --after <the new array's job id> <the --then-train arguments>`" in err
+    assert not (tmp_path / "layertap-logs").exists()
+    # Without training, or with its task's range holding them (task 0: shards 0-7), nothing to refuse.
+    assert submit(*base, "--shards-per-task", "4") == 0
+    assert "#SBATCH --array=1\n" in capsys.readouterr().out
+    assert submit(*base, "--shards-per-task", "8", *then_train) == 0
+    assert "--dependency=afterok:<the array's job id>" in capsys.readouterr().out
+    assert submit(*base, "--nodes", "1", *then_train) == 0  # dynamic
+    assert "--dependency=afterok:<the array's job id>" in capsys.readouterr().out
+    # Nothing left but the running shards: no array to chain training to, in either mode.
+    store.put(layout.commit_key(6), b"{}")
+    for mode in (("--shards-per-task", "4"), ("--nodes", "1")):
+        assert submit(*base, *mode, *then_train) == 2
+        err = capsys.readouterr().err
+        assert "shards 0-3 are still being extracted by 4242 (live leases) and nothing else is left to submit" in err
+        assert "`layertap submit train --after 4242 <the --then-train arguments>`" in err
 
 
 def dry_run_scripts(out: str) -> dict[str, str]:
@@ -555,6 +617,21 @@ def test_sbatch_accepts_the_scripts_and_their_resources(slurm_cluster, tmp_path,
         path.write_text(script)
         p = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True)
         assert p.returncode == 0 and "to start at" in p.stderr, (name, p.stderr)
+
+
+def test_a_job_runs_in_and_logs_to_a_folder_with_a_space_and_a_quote(slurm_cluster, tmp_path):
+    """The real sbatch reads the quoted `#SBATCH` values whole: the job starts in the run folder
+    (`my "runs" #1`), its log lands in `logs 100%/` under its name with a space."""
+    where = tmp_path / 'my "runs" #1'
+    where.mkdir()
+    opts = JobOptions(job_name="my job", logs=str(where / "logs 100%"), chdir=str(where), cpus_per_task=1, mem="1G",
+                      setup=["pwd > here.txt"])
+    script = extract_script(opts, ArrayPlan(indices=[0]), ["--help"])  # the extractor itself, in seconds
+    job = sbatch(save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
+    wait_for(lambda: job_done(job), "the job", timeout=120)
+    log = (where / "logs 100%" / f"my job-{job}_0.out").read_text()
+    assert "usage: layertap extract" in log and "layertap: exit 0" in log, log[-3000:]
+    assert (where / "here.txt").read_text().strip() == str(where)
 
 
 def test_the_follow_trainer_is_queued_with_no_dependency(slurm_cluster, tmp_path, capsys, monkeypatch):
