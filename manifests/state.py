@@ -75,10 +75,11 @@ def _failure_millis(key: str) -> int:
         return 0
 
 
-def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> RunState:
+def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, now: float | None = None) -> RunState:
     """List commits, tallies, leases and failures (and with `with_data`, data objects), the
-    listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well."""
-    st = RunState(manifest, time.time())
+    listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well.
+    `now`: the time by the store's clock, where the caller knows it (`WorkQueue.store_now`)."""
+    st = RunState(manifest, time.time() if now is None else now)
     prefixes = [layout.MANIFEST, layout.COMMITS, layout.TALLY, layout.LEASES, layout.FAILURES] \
         + ([layout.SHARDS] if with_data else [])
     with ThreadPoolExecutor(len(prefixes)) as pool:
@@ -141,11 +142,11 @@ def replaced_manifest_error(uri: str, shards: list[int]) -> ManifestError:
         "the new run under another prefix) and extract again")
 
 
-def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
+def scan_shard(store: ObjectStore, manifest: Manifest, shard: int, now: float | None = None) -> RunState:
     """The state of one shard, fresh: a HEAD of its commit record, then (if none) listings of its
     leases and failures. What a worker checks before claiming a shard, at a cost that does not
     grow with the run (`scan` lists every shard's records)."""
-    st = RunState(manifest, time.time())
+    st = RunState(manifest, time.time() if now is None else now)
     if store.exists(layout.commit_key(shard)):
         st.committed.add(shard)
         return st
@@ -154,9 +155,9 @@ def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
     return st
 
 
-def shard_leases(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
+def shard_leases(store: ObjectStore, manifest: Manifest, shard: int, now: float | None = None) -> RunState:
     """One shard's leases, fresh, committed or not: a commit's sweep asks which are alive."""
-    st = RunState(manifest, time.time())
+    st = RunState(manifest, time.time() if now is None else now)
     _add_leases_and_failures(st, store.list(layout.lease_prefix(shard)), [])
     return st
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import replace
@@ -483,6 +484,40 @@ def test_a_lease_taken_anew_at_its_generation_is_neither_renewed_nor_released_by
         time.sleep(0.3)  # heartbeats that would have rewritten it
         assert json.loads(store.get(new.lease_key))["data_key"] == new.data_key
     assert json.loads(store.get(new.lease_key))["data_key"] == new.data_key  # the old holder's exit left it
+
+
+class ClockBehind:
+    """The store as a worker whose clock runs `seconds` ahead of the store's sees it: every
+    LastModified `seconds` older than by the worker's clock."""
+
+    def __init__(self, store, seconds: float):
+        self.store, self.seconds = store, seconds
+
+    def list(self, prefix: str = ""):
+        return (replace(o, modified=o.modified - self.seconds) for o in self.store.list(prefix))
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_worker_whose_clock_runs_ahead_of_the_stores_leaves_a_fresh_lease_alone(store_uri):
+    """Leases age by the store's clock (LastModified). A worker 50 s ahead of it, with a 30 s TTL,
+    took a lease renewed a moment ago for a stale one and took the shard over; it must wait for
+    the holder instead, and claim the shard once the holder lets it go."""
+    store = open_store(store_uri)
+    m = fake_worker.plan(store)
+    holder = next(iter(WorkQueue(store, m, Producer.current(0), ttl_s=30, shards=[0])))
+    ahead = WorkQueue(ClockBehind(store, 50), m, Producer.current(1), ttl_s=30, shards=[0], poll_s=0.1)
+    claimed = []
+    waiter = threading.Thread(target=lambda: claimed.append(next(iter(ahead))), daemon=True)
+    waiter.start()
+    waiter.join(1.5)
+    assert waiter.is_alive() and not claimed  # it waits on the live lease
+    assert json.loads(store.get(holder.lease_key))["data_key"] == holder.data_key
+    holder.release()
+    waiter.join(30)
+    assert claimed and claimed[0].shard == 0 and claimed[0].data_key != holder.data_key
+    claimed[0].release()
 
 
 def test_stopped_and_taken_over_attempts_do_not_use_up_a_shards_retries(store_uri):
