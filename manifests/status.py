@@ -264,7 +264,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             commit = decode_commit(store.get(ckey), ckey)
         except UnsupportedVersion:
             raise  # a newer layertap's record: intact, not to be withdrawn
-        except Exception as e:
+        except (ManifestError, ObjectNotFound) as e:  # malformed (or gone); a failing store or memory is raised
             return shard, f"unreadable commit record: {e}", None
         try:
             report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True)

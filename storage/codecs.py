@@ -45,6 +45,10 @@ _ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
     window_log=17, hash_log=8, chain_log=6, search_log=1, min_match=7, target_length=0,
     strategy=zstandard.STRATEGY_FAST)
 
+# python-zstandard raises every libzstd failure as ZstdError; only the message, which carries
+# libzstd's error name, tells its allocation failures from corrupt input.
+_ZSTD_NO_MEMORY = "Allocation error"
+
 # zstandard contexts are not thread-safe; records are encoded in a thread pool (zstd releases
 # the GIL), so every thread gets its own.
 _tls = threading.local()
@@ -89,7 +93,8 @@ def _frame_reader(t: torch.Tensor | np.ndarray, n: int, what: str) -> Iterator[C
     ``view`` with the frame's bytes from ``offset`` on (offsets only name them in errors).
 
     The header's size is checked before anything is decompressed, and the frame must end at ``n``:
-    corrupt data, a short frame or a long one -> ValueError naming ``what``.
+    corrupt data, a short frame or a long one -> ValueError naming ``what``; zstd failing to
+    allocate -> MemoryError.
     """
     data = _u8(t, what)
     try:
@@ -110,6 +115,8 @@ def _frame_reader(t: torch.Tensor | np.ndarray, n: int, what: str) -> Iterator[C
             if reader.read(1):
                 raise ValueError(f"corrupt {what!r}: holds more than the {n} bytes its header says")
     except zstandard.ZstdError as e:
+        if _ZSTD_NO_MEMORY in str(e):  # out of memory, not corrupt: a caller must not discard the data
+            raise MemoryError(f"decompressing {what!r}: {e}") from None
         raise ValueError(f"corrupt {what!r}: {e}") from None
 
 

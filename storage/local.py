@@ -77,12 +77,20 @@ class LocalStore(ObjectStore):
         try:
             os.link(tmp, path)
         except FileExistsError:
-            return False
+            # On NFS a LINK retransmitted after its reply was lost answers EEXIST for our own link.
+            # As on S3 (a retried conditional PUT), an object equal to `data` counts as ours.
+            return self._holds(key, data)
         except OSError as e:
             raise _os_error(e, path) from e
         finally:
             _remove_quietly(tmp)
         return True
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.get(key) == data
+        except ObjectNotFound:  # another writer's object, deleted since
+            return False
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -100,8 +108,8 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                f.seek(start)
-                return f.read(end - start)
+                f.seek(start)  # `end` clipped first: read(n) allocates n bytes, however few are there
+                return f.read(max(0, min(end, os.fstat(f.fileno()).st_size) - start))
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
 

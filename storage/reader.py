@@ -13,7 +13,7 @@ import xxhash
 from layertap.storage.format import (FOOT, FRAME, HEAD, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC, RecordEntry, ShardError,
                             ShardMeta, UnsupportedShard, check_preamble, parse_frame, parse_head)
 from layertap.storage.records import Sample, decode_record, record_metadata
-from layertap.storage.store import ObjectStore
+from layertap.storage.store import ObjectStore, StoreError
 
 
 def record_payload(buf: bytes | memoryview, base: int, entry: RecordEntry, where: str) -> memoryview:
@@ -59,6 +59,9 @@ class ShardReader:
         head = store.get_range(key, 0, min(self.size, 64 << 10))
         check_preamble(head, self.where)
         n = FRAME.unpack_from(head, PREAMBLE.size)[1] if len(head) >= PREAMBLE.size + FRAME.size else 0
+        if PREAMBLE.size + FRAME.size + n > self.size:  # a corrupt length is not a size to fetch
+            raise ShardError(f"{self.where}: the HEAD frame claims {n} bytes, past the object's end "
+                             f"({self.size} bytes); the shard is truncated or corrupt")
         if len(head) < PREAMBLE.size + FRAME.size + n:
             head = store.get_range(key, 0, PREAMBLE.size + FRAME.size + n)
         kind, payload, self.records_start = parse_frame(head, PREAMBLE.size, self.where)
@@ -124,11 +127,13 @@ class VerifyReport:
 
 
 def iter_frames(stream: BinaryIO, where: str, verify: bool = True,
-                content_hash=None) -> Iterator[tuple[bytes, int, bytes]]:
+                content_hash=None, size: int | None = None) -> Iterator[tuple[bytes, int, bytes]]:
     """Parse a shard front to back without its footer, as bytes arrive: (kind, offset, payload).
 
     Raises ShardError on a bad hash or a truncated object (the stream ends before the footer).
-    `content_hash`, an xxh3 hasher, is fed every byte before the footer frame.
+    `content_hash`, an xxh3 hasher, is fed every byte before the footer frame. `size`, the
+    object's, when known: a frame longer than what is left of it is refused before it is read,
+    so a flipped bit in a length is a corrupt shard, not a read of terabytes.
     """
     feed = content_hash.update if content_hash is not None else (lambda b: None)
     pre = stream.read(PREAMBLE.size)
@@ -142,6 +147,9 @@ def iter_frames(stream: BinaryIO, where: str, verify: bool = True,
         kind, n, digest = FRAME.unpack(head)
         if kind not in (HEAD, RECD, FOOT):
             raise ShardError(f"{where}: unknown frame kind {kind!r} at byte {pos}; the object is corrupt")
+        if size is not None and n > size - pos - FRAME.size:
+            raise ShardError(f"{where}: the {kind.decode()} frame at byte {pos} claims {n} bytes, past the "
+                             f"object's end ({size} bytes); the object is truncated or corrupt")
         payload = stream.read(n)
         if len(payload) < n:
             raise ShardError(f"{where}: truncated inside the {kind.decode()} frame at byte {pos}")
@@ -160,8 +168,10 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
                  decode: bool = False) -> VerifyReport:
     """Re-read the whole object and check every hash: each frame, the footer's content hash, the
     trailer, the whole-object hash (against `expected_xxh3_128`, e.g. from a commit record) and,
-    with `decode`, that every record decodes. Raises `UnsupportedShard` for an intact object of a
-    newer format version or codec, which a report of "bad" would get withdrawn and deleted."""
+    with `decode`, that every record decodes. A report of "bad" gets the shard withdrawn and
+    deleted, so it is made only for a malformed object: one of a newer format version or codec
+    raises `UnsupportedShard` (if its hash matches), a failing store its `StoreError`, a lack of
+    memory its MemoryError."""
     where = f"{store.uri.rstrip('/')}/{key}"
     whole, content = xxhash.xxh3_128(), xxhash.xxh3_128()
     records = size = 0
@@ -171,7 +181,7 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
             stream = _HashingStream(raw, whole)
             meta, footer, footer_offset = None, None, -1
             found: list[dict] = []
-            for kind, pos, payload in iter_frames(stream, where, content_hash=content):
+            for kind, pos, payload in iter_frames(stream, where, content_hash=content, size=size):
                 if kind == HEAD:
                     if meta is not None or pos != PREAMBLE.size:
                         raise ShardError(f"{where}: unexpected HEAD frame at byte {pos}; the object is corrupt")
@@ -208,6 +218,8 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
             raise
         return VerifyReport(key, False, records, 0, size, "", f"{e}; but the object's hash differs from its "
                             "commit's: it is corrupt, not newer")
+    except StoreError:
+        raise  # the store failed (a bad key is also a ValueError), not the object
     except (ShardError, ValueError, KeyError) as e:
         msg = str(e) if isinstance(e, ShardError) else f"{where}: undecodable content ({type(e).__name__}: {e})"
         return VerifyReport(key, False, records, 0, size, whole.hexdigest(), msg)

@@ -114,6 +114,8 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
 
     Reads the payload in place: the codecs decompress and reassemble straight from it into the
     output tensors, which share no memory with it (the payload can be freed once this returns).
+    ShardError only for a malformed record: anything else (MemoryError above all) is raised as it
+    is, because `verify` withdraws and deletes a shard it finds corrupt.
     """
     md: dict[str, str] = {}
     try:
@@ -130,10 +132,10 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
             mask = torch.from_numpy(mask.copy())
         if isinstance(ids, np.ndarray):
             ids = torch.from_numpy(ids.copy())
-    except Exception as e:  # safetensors, zstd and codec errors all mean the same: bad record
+    except ValueError as e:  # how the blob parser and the codecs report malformed data
         raise ShardError(f"record does not decode: {type(e).__name__}: {e}") from None
-    if "hidden_states" not in decoded or ids is None or mask is None:
-        raise ShardError(f"record {md.get('sample_id')!r} lacks input_ids, loss_mask or hidden_states")
+    if "hidden_states" not in decoded or ids is None or mask is None or "sample_id" not in md:
+        raise ShardError(f"record {md.get('sample_id')!r} lacks sample_id, input_ids, loss_mask or hidden_states")
     return Sample(
         sample_id=md["sample_id"],
         input_ids=ids.to(torch.int64),
@@ -239,7 +241,7 @@ def safetensors_layout(header: bytes, data_len: int, itemsize: Mapping[str, int]
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise ValueError(f"tensor {name!r}: malformed header entry {info!r}") from None
-        if dtype not in itemsize:
+        if not isinstance(dtype, str) or dtype not in itemsize:
             raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"tensor {name!r}: bad shape {shape!r}")

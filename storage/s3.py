@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, TypeVar
@@ -144,6 +144,12 @@ class S3Store(ObjectStore):
     def _rel(self, full_key: str) -> str:
         return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
 
+    def _list_prefix(self, prefix: str) -> str:
+        """The bucket-wide prefix of a listing of `prefix`; the store's own ends in "/", so that
+        s3://b/runs/a never lists (or aborts) runs/a-2/... of a sibling run."""
+        full = join_key(self.prefix, prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        return full + "/" if prefix.endswith("/") and not full.endswith("/") else full
+
     @property
     def pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -217,8 +223,7 @@ class S3Store(ObjectStore):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """`If-None-Match: *`. A 412 whose existing body equals `data` counts as ours: a retried PUT
-        whose first attempt landed sees its own object. Racers must therefore write distinct
-        payloads (commits and leases carry an owner token)."""
+        whose first attempt landed sees its own object (`ObjectStore.put_if_absent`)."""
         return self._call("create", key, lambda: self._try_create(key, data))
 
     def _try_create(self, key: str, data: bytes) -> bool:
@@ -302,9 +307,7 @@ class S3Store(ObjectStore):
         return int(resp["ContentLength"])
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        full = join_key(self.prefix, prefix) if prefix else (self.prefix + "/" if self.prefix else "")
-        if prefix.endswith("/") and not full.endswith("/"):
-            full += "/"
+        full = self._list_prefix(prefix)
         token: dict[str, str] = {}
         while True:  # by hand, not botocore's paginator, so that each page is retried on its own
             page = self._call("list", prefix, lambda: self.client.list_objects_v2(
@@ -323,7 +326,7 @@ class S3Store(ObjectStore):
         return S3Writer(self, key, self.options.part_size, self.options.max_parts_in_memory)
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
-        full = join_key(self.prefix, prefix) if prefix else self.prefix
+        full = self._list_prefix(prefix)
         out: list[PendingUpload] = []
         marker: dict[str, str] = {}
         while True:
@@ -481,20 +484,42 @@ class S3Writer(ObjectWriter):
             else:
                 if self._buf:
                     self._ship()
-                parts = [f.result() for f in self._parts]
-                self._store._call(
-                    "complete multipart upload", self.key,
-                    lambda: self._store.client.complete_multipart_upload(
-                        Bucket=self._store.bucket, Key=self._full_key, UploadId=self._upload_id,
-                        MultipartUpload={"Parts": parts},
-                    ),
-                )
+                self._complete([f.result() for f in self._parts])
         except BaseException:
             self.abort()
             raise
         self._done = True
         if self._create_retried:
             self._abort_lost_uploads()
+
+    def _complete(self, parts: list[dict]) -> None:
+        """CompleteMultipartUpload. MinIO answers a retry whose first try landed unheard with
+        NoSuchUpload (minio/minio#13318); that counts as done if the key holds an object of our
+        size whose ETag is a multipart one of our part count."""
+        tries = 0
+
+        def complete() -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                self._store.client.complete_multipart_upload(
+                    Bucket=self._store.bucket, Key=self._full_key, UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts})
+            except bexc.ClientError as e:
+                if tries == 1 or e.response.get("Error", {}).get("Code") != "NoSuchUpload" \
+                        or not self._landed(len(parts)):
+                    raise
+
+        self._store._call("complete multipart upload", self.key, complete)
+
+    def _landed(self, parts: int) -> bool:
+        try:
+            head = self._store.client.head_object(Bucket=self._store.bucket, Key=self._full_key)
+        except bexc.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return False
+            raise
+        return head["ContentLength"] == self._written and head.get("ETag", "").strip('"').endswith(f"-{parts}")
 
     def _abort_lost_uploads(self) -> None:
         """A CreateMultipartUpload whose answer was lost (a reset, a timeout) and was retried
@@ -516,15 +541,20 @@ class S3Writer(ObjectWriter):
         for f in self._parts:
             f.cancel()
         self._queued.clear()  # the cancelled parts' buffers
+        stop: BaseException | None = None
         for f in self._parts:  # a part still uploading would survive an abort issued before it ends
-            if not f.cancelled():
+            while not f.done():
                 try:
-                    f.result()
-                except BaseException:
-                    pass
+                    wait([f])
+                except BaseException as e:  # a signal handler's stop: raised once the upload is aborted
+                    stop = stop or e
         self._release_buffer()
-        if self._upload_id is not None:
-            self._store._abort_upload(self.key, self._upload_id)
+        try:
+            if self._upload_id is not None:
+                self._store._abort_upload(self.key, self._upload_id)
+        finally:
+            if stop is not None:
+                raise stop
 
     @property
     def bytes_written(self) -> int:

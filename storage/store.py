@@ -132,7 +132,10 @@ class ObjectStore(abc.ABC):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create the object only if the key does not exist; True if this call created it.
 
-        Atomic against concurrent callers on any host: exactly one of them gets True.
+        Atomic against concurrent callers on any host: exactly one of them gets True. An object
+        found equal to `data` counts as this call's (a retried request that landed answers "exists"
+        on S3 and on NFS), so racers must write distinct payloads (commits and leases carry an
+        owner token).
         """
 
     @abc.abstractmethod

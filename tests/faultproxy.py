@@ -18,7 +18,10 @@ position drawn from a seeded RNG, gets a fault (of a kind drawn from the same RN
   retried CompleteMultipartUpload, a retried If-None-Match PUT all see their own earlier effect);
 - ``cut``: the answer's headers and half its body are sent, then the connection is reset;
 - ``stall``: the answer waits `stall_s` seconds (shorter than the client's read timeout: just
-  slow; longer: the client times out and retries).
+  slow; longer: the client times out and retries);
+- ``404``, only when asked for (it means something only to requests naming an upload): a
+  NoSuchUpload XML body, never reaches the server; what MinIO answers a retried
+  CompleteMultipartUpload whose first try landed (minio/minio#13318).
 
 Requests travel byte for byte (headers in order, chunked bodies unchanged), so SigV4 signatures
 and content checksums still verify upstream. Hop-by-hop headers are not forwarded.
@@ -37,12 +40,14 @@ import urllib.parse
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-FAULTS = ("500", "503", "reset", "reset-after", "cut", "stall")
+FAULTS = ("500", "503", "reset", "reset-after", "cut", "stall")  # the default: any request may get one
+KINDS = (*FAULTS, "404")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "te", "trailer",
                "upgrade", "expect"}
 _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
     "503": (503, "SlowDown", "Please reduce your request rate."),
+    "404": (404, "NoSuchUpload", "The specified multipart upload does not exist."),
 }
 
 
@@ -50,20 +55,22 @@ class FaultProxy:
     """A threaded proxy to `upstream` that injects `faults` into a `rate` share of requests.
 
     `match(method, path)` narrows the requests that may fail (e.g. only CompleteMultipartUpload:
-    ``lambda m, p: m == "POST" and "uploadId=" in p``); `limit` caps the faults injected.
+    ``lambda m, p: m == "POST" and "uploadId=" in p``); `limit` caps the faults injected;
+    `in_turn` takes the faults in the order given instead of drawing them (a script: the first
+    try lands unheard, its retry is answered 404).
     """
 
     def __init__(self, upstream: str, *, rate: float = 0.0, seed: int = 0, faults: tuple[str, ...] = FAULTS,
-                 stall_s: float = 0.3, match=None, limit: int | None = None):
-        unknown = set(faults) - set(FAULTS)
+                 stall_s: float = 0.3, match=None, limit: int | None = None, in_turn: bool = False):
+        unknown = set(faults) - set(KINDS)
         if unknown or not faults:
-            raise ValueError(f"unknown faults {sorted(unknown)}; choose from {FAULTS}")
+            raise ValueError(f"unknown faults {sorted(unknown)}; choose from {KINDS}")
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"rate must lie in [0, 1], got {rate}")
         u = urllib.parse.urlsplit(upstream)
         self.upstream = (u.hostname, u.port or 80)
         self.rate, self.faults, self.stall_s = rate, tuple(faults), stall_s
-        self.match, self.limit = match, limit
+        self.match, self.limit, self.in_turn = match, limit, in_turn
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
         self._seen = 0  # requests that `match`
@@ -103,7 +110,7 @@ class FaultProxy:
             return self._injected()
 
     def _injected(self) -> int:
-        return sum(n for k, n in self.counts.items() if k in FAULTS)
+        return sum(n for k, n in self.counts.items() if k in KINDS)
 
     def _fault_position(self, window: int) -> int | None:
         """The index, among matching requests, of the one that fails in `window`."""
@@ -124,7 +131,7 @@ class FaultProxy:
             self._next_fault = self._fault_position(self._window)
             if self.limit is not None and self._injected() >= self.limit:
                 return None
-            fault = self._rng.choice(self.faults)
+            fault = self.faults[self._injected() % len(self.faults)] if self.in_turn else self._rng.choice(self.faults)
             self.counts[fault] += 1
             return fault
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -197,6 +201,39 @@ def test_corrupt_data_raises_value_error(name):
         with pytest.raises(ValueError):
             get_codec(name).decode(tensors, meta)
             pytest.fail(f"{name}: decode accepted {what}")
+
+
+def test_zstd_failing_to_allocate_is_a_memory_error_not_corruption():
+    """libzstd reports a failed allocation as one more ZstdError; taken for corrupt data, it had
+    `verify` delete an intact shard. A child process decodes a frame with an 8 MiB window (any
+    valid frame decodes), which zstd must buffer, with room for the decoder's output but not for
+    zstd's buffers; then, unlimited, the same record decodes. (A fixed mmap threshold keeps glibc
+    from serving zstd out of freed heap, which the limit would not see.)"""
+    code = textwrap.dedent("""
+        import resource, torch, zstandard
+        from layertap.storage.codecs import get_codec
+        fp8 = get_codec("fp8")
+        tensors, meta = fp8.encode(torch.randn(2048, 4, 1024).bfloat16())  # 8 MiB of codes
+        want = fp8.decode(tensors, meta)  # this thread's decoder, used on a frame as the writer makes them
+        codes = zstandard.ZstdDecompressor().decompress(tensors["fp8.zst"].numpy())
+        wide = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(window_log=23))
+        tensors["fp8.zst"] = torch.frombuffer(bytearray(wide.compress(codes)), dtype=torch.uint8)
+        vm = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (20 << 20), resource.RLIM_INFINITY))  # 16 MiB output + 4
+        try:
+            fp8.decode(tensors, meta)
+            print("decoded")
+        except Exception as e:
+            print(type(e).__name__, e)
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        print(torch.equal(fp8.decode(tensors, meta).view(torch.int16), want.view(torch.int16)))
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"))
+    assert child.returncode == 0, child.stderr
+    limited, unlimited = child.stdout.splitlines()
+    assert limited.startswith("MemoryError") and "'fp8.zst'" in limited and "Allocation error" in limited
+    assert unlimited == "True"
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)

@@ -30,7 +30,7 @@ from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader, verify_shard
 from layertap.storage.writer import ShardWriter
-from layertap.storage.store import open_store
+from layertap.storage.store import StoreError, open_store
 from layertap.train import ShardStream, StreamConfig
 
 WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
@@ -624,6 +624,25 @@ def test_verify_withdraws_a_corrupted_shard_and_rerun_redoes_it(store_uri, capsy
     assert fake_worker.work(store_uri) == [3]
     assert cli(["verify", store_uri]) == 0
     assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+
+
+def test_verify_stops_on_a_store_failure_instead_of_withdrawing(store_uri, monkeypatch):
+    """A commit record the store fails to return (after its retries) is not a bad shard: verify
+    stops with the store's error and withdraws nothing."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    real_get = store.get
+
+    def get(key):
+        if key == layout.commit_key(2):
+            raise StoreError("injected: the store keeps failing")
+        return real_get(key)
+
+    monkeypatch.setattr(store, "get", get)
+    with pytest.raises(StoreError):
+        verify_run(store)
+    monkeypatch.undo()
+    assert len(list(store.list(layout.COMMITS))) == 7 and list(store.list(layout.FAILURES)) == []
 
 
 @pytest.mark.moto_only

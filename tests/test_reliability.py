@@ -35,7 +35,7 @@ from layertap.manifests.status import run_status
 from layertap.storage.s3 import READ_SLICE
 from layertap.storage.format import FRAME, PREAMBLE, TRAILER, ShardError, UnsupportedShard
 from layertap.storage.reader import ShardReader, verify_shard
-from layertap.storage.store import open_store
+from layertap.storage.store import ObjectNotFound, open_store
 from tiny_models import tiny_model_dir
 from layertap.train import ShardStream, StreamConfig
 
@@ -288,6 +288,30 @@ def test_a_lost_answer_to_create_multipart_upload_leaves_no_upload_pending(s3_en
         assert proxy.counts["reset-after"] == 1
     assert store.get("x.bin") == data
     assert store.list_pending_uploads() == []
+
+
+@pytest.mark.parametrize("first", ["reset-after", "reset"])
+def test_a_retried_complete_answered_no_such_upload_counts_as_done_only_if_the_object_landed(s3_endpoint, s3_bucket,
+                                                                                            first):
+    """MinIO answers a retried CompleteMultipartUpload with 404 NoSuchUpload once the first try
+    completed the upload (minio/minio#13318). After a first try that landed unheard (reset-after)
+    the object is there, whole: the writer closes. After one that never reached the server
+    (reset) it is not: the close fails, and leaves nothing."""
+    is_complete = lambda method, path: method == "POST" and "uploadId=" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=(first, "404"), in_turn=True, match=is_complete, limit=2) as proxy:
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url, part_size=5 * MiB)
+        data = os.urandom(11 * MiB)
+        w = store.open_writer("x.bin")
+        w.write(data)
+        if first == "reset-after":
+            w.close()
+            assert store.get("x.bin") == data
+        else:
+            with pytest.raises(ObjectNotFound):
+                w.close()
+            assert not store.exists("x.bin")
+        assert proxy.counts[first] == proxy.counts["404"] == 1
+        assert store.list_pending_uploads() == []
 
 
 def test_stalls_longer_than_the_read_timeout_are_retried(s3_endpoint, s3_bucket):

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from layertap.storage.codecs import CODEC_NAMES
-from layertap.storage.format import FOOT, HEAD, RECD, ShardError, ShardMeta, UnsupportedShardVersion, parse_head
+from layertap.storage.format import (FOOT, HEAD, PREAMBLE, RECD, ShardError, ShardMeta, UnsupportedShardVersion,
+                                     parse_head)
 from layertap.storage.identity import RunConfig, RunIdentity
 from layertap.storage.reader import ShardReader, iter_frames, verify_shard
 from layertap.storage.records import Sample
 from layertap.storage.s3 import MiB
-from layertap.storage.store import open_store
+from layertap.storage.store import InvalidKey, open_store
 from layertap.storage.writer import ShardWriter, write_shard
 
 LAYERS, HIDDEN = [1, 3, 5], 64
@@ -157,6 +162,71 @@ def test_truncated_object_is_detected(store, cut):
         ShardReader(store, "t.lts")
     with pytest.raises(ShardError, match="truncated"):
         list(iter_frames(io.BytesIO(data[: int(len(data) * cut)]), "t.lts"))
+
+
+@pytest.mark.parametrize("frame", ["HEAD", "RECD"])
+def test_a_frame_length_past_the_objects_end_is_corruption_not_a_read_of_it(store, frame):
+    """A flipped high bit in a frame's u64 length is refused before anything is read: a read of
+    n bytes allocates them, so it was a MemoryError out of `verify`, not a corrupt shard. (The
+    object outgrows the 8 MiB a stream buffers: a read within them is served from the buffer.)"""
+    s = 24_000  # 9.2 MB of raw bf16
+    big = Sample("big", torch.zeros(s, dtype=torch.long), torch.ones(s, dtype=torch.uint8),
+                 torch.zeros(s, len(LAYERS), HIDDEN, dtype=torch.bfloat16))
+    info = write_shard(store, "s.lts", make_meta("bf16"), [big, *make_samples(n=1)])
+    pos = PREAMBLE.size if frame == "HEAD" else ShardReader(store, "s.lts").entries[0].offset
+    store.put("s.lts", _flip(store.get("s.lts"), pos + 4 + 5))  # bit 46 of the length: 64 TiB
+    report = verify_shard(store, "s.lts", info.xxh3_128)
+    assert not report.ok and "past the object's end" in report.error
+    if frame == "HEAD":  # records are read at the footer's lengths, which its hash covers
+        with pytest.raises(ShardError, match="past the object's end"):
+            ShardReader(store, "s.lts")
+
+
+def test_running_out_of_memory_in_verify_is_raised_never_reported_as_corruption(tmp_path):
+    """`verify` withdraws and deletes what it reports bad, so a MemoryError while a record decodes
+    must come out as itself. A child process verifies an intact shard under address-space limits
+    from tight to enough: each try raises MemoryError or succeeds. (A fixed mmap threshold keeps
+    glibc from serving big allocations out of freed heap, which the limit would not see.)"""
+    code = textwrap.dedent(f"""
+        import json, resource, torch
+        from layertap.storage.format import ShardMeta
+        from layertap.storage.local import LocalStore
+        from layertap.storage.reader import verify_shard
+        from layertap.storage.records import Sample
+        from layertap.storage.writer import write_shard
+        store = LocalStore({str(tmp_path)!r})
+        meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[0, 1, 2, 3], hidden_size=1 << 16,
+                         codec="bf16-zstd")
+        x = torch.randn(32, 4, 1 << 16).bfloat16()  # 16 MiB decoded
+        info = write_shard(store, "s.lts", meta, [Sample("s0", torch.arange(32), torch.ones(32, dtype=torch.uint8), x)])
+        del x
+        seen = []
+        for mib in range(0, 200, 2):
+            vm = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmSize"))
+            resource.setrlimit(resource.RLIMIT_AS, (vm + (mib << 20), resource.RLIM_INFINITY))
+            try:
+                report = verify_shard(store, "s.lts", info.xxh3_128, decode=True)
+                seen.append("ok" if report.ok else "bad: " + report.error)
+            except MemoryError:
+                seen.append("MemoryError")
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            if seen[-1] == "ok":
+                break
+        print(json.dumps(seen))
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"))
+    assert child.returncode == 0, child.stderr
+    seen = json.loads(child.stdout)
+    assert [s for s in seen if s.startswith("bad")] == []
+    assert "MemoryError" in seen and seen[-1] == "ok"
+
+
+def test_a_store_failure_in_verify_is_raised_not_reported(store):
+    """A bad key is the caller's mistake (InvalidKey is also a ValueError), not a corrupt object."""
+    with pytest.raises(InvalidKey):
+        verify_shard(store, "../s.lts")
 
 
 def test_committed_hash_mismatch_is_reported(store):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -48,6 +49,13 @@ def test_put_get_range_size_delete(store):
         store.get("a/b.bin")
     with pytest.raises(ObjectNotFound):
         store.size("missing")
+
+
+def test_a_range_far_past_the_end_costs_what_the_object_holds(store):
+    """A corrupt length asking for terabytes must not make the read allocate them: a local
+    read(n) allocates n bytes however few the file holds."""
+    store.put("a.bin", b"0123456789")
+    assert store.get_range("a.bin", 2, 1 << 50) == b"23456789"
 
 
 def test_a_range_is_read_into_a_callers_buffer(store):
@@ -167,6 +175,25 @@ def test_put_if_absent(store):
     assert store.put_if_absent("commit/1.json", b"first") is True
     assert store.put_if_absent("commit/1.json", b"second") is False
     assert store.get("commit/1.json") == b"first"
+
+
+def test_put_if_absent_counts_its_own_link_answered_exists_as_created(tmp_path, monkeypatch):
+    """On NFS a LINK retransmitted after its reply was lost makes the name, then answers EEXIST
+    (link(2)): the object is ours, as on S3 a retried conditional PUT's is. NFS is not at hand,
+    so the syscall is made to answer that way."""
+    real_link = os.link
+
+    def nfs_link(src, dst):
+        real_link(src, dst)
+        raise FileExistsError(errno.EEXIST, "File exists", dst)
+
+    store = open_store(str(tmp_path / "store"))
+    monkeypatch.setattr(storage.local.os, "link", nfs_link)
+    assert store.put_if_absent("commits/7.json", b"attempt A") is True
+    assert store.put_if_absent("commits/7.json", b"attempt B") is False
+    monkeypatch.undo()
+    assert store.get("commits/7.json") == b"attempt A"
+    assert [o.key for o in store.list()] == ["commits/7.json"] and store.list_pending_uploads() == []
 
 
 def test_list_by_prefix_is_sorted_and_scoped(store):
@@ -308,6 +335,46 @@ def test_killed_writer_leaves_no_visible_object_and_pending_upload_is_aborted(st
     assert [p.key for p in pending] == ["shards/killed.lts"]
     assert store.abort_pending_uploads("shards/") == 1
     assert store.list_pending_uploads() == []
+
+
+def test_pending_uploads_of_a_sibling_run_are_neither_listed_nor_aborted(s3_endpoint, s3_bucket):
+    """s3://b/runs/a holds what lies under runs/a/, as `list` says, not the uploads of the runs
+    runs/a-2 and runs/ab that may still be writing."""
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    for key in ("runs/a/shards/1.lts", "runs/a-2/shards/2.lts", "runs/ab/shards/3.lts"):
+        client.create_multipart_upload(Bucket=s3_bucket, Key=key)
+    store = open_store(f"s3://{s3_bucket}/runs/a")
+    assert [u.key for u in store.list_pending_uploads()] == ["shards/1.lts"]
+    assert store.abort_pending_uploads() == 1
+    left = client.list_multipart_uploads(Bucket=s3_bucket)["Uploads"]
+    assert sorted(u["Key"] for u in left) == ["runs/a-2/shards/2.lts", "runs/ab/shards/3.lts"]
+
+
+def test_a_stop_signal_while_abort_waits_for_a_part_is_raised_once_the_upload_is_aborted(s3_endpoint, s3_bucket):
+    """A signal handler raises (a preempted worker's stop, a BaseException) while `abort` waits
+    for a part still uploading: the upload is aborted all the same, then the stop goes on up."""
+
+    class Stop(BaseException):
+        pass
+
+    def stop(*_):
+        raise Stop()
+
+    is_part = lambda method, path: method == "PUT" and "partNumber=" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("stall",), stall_s=1.5, match=is_part) as proxy:
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url, part_size=5 * MiB)
+        w = store.open_writer("x.bin")
+        w.write(os.urandom(5 * MiB))  # part 1 ships, and takes 1.5 s
+        old = signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            with pytest.raises(Stop):
+                w.abort()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert proxy.counts["stall"] == 1
+        assert store.list_pending_uploads() == [] and not store.exists("x.bin")
 
 
 def test_missing_bucket_is_a_clear_error(s3_endpoint):
