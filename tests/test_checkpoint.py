@@ -173,3 +173,24 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_latest(tmp_path):
     assert not store.exists("checkpoints/step-00000002/optimizer.safetensors")
     assert store.list_pending_uploads() == []
     assert load_latest(store).step == 1
+
+
+def test_pruning_keeps_what_latest_names_and_drops_saves_cut_short(store):
+    """A save killed mid-upload (Slurm's SIGKILL after the stop signal) leaves a folder without
+    state.json, at a step above the checkpoint latest.json names, or below a later one: pruning
+    counts complete checkpoints up to the latest only, so a resume always finds its checkpoint."""
+    model, opt = trained()
+
+    def cut_short(step: int) -> None:
+        write_safetensors(store, f"checkpoints/step-{step:08d}/drafter.safetensors", model.trainable_state())
+
+    def folders() -> list[int]:
+        return sorted({int(o.key.split("/")[1].removeprefix("step-")) for o in store.list("checkpoints/step-")})
+
+    save_checkpoint(store, Snapshot(1000, model, opt, {}), keep=1)
+    cut_short(1234)  # the stop signal's save, killed: latest.json still names step 1000
+    save_checkpoint(store, Snapshot(1100, model, opt, {}), keep=1)  # resumed from 1000, stopped again
+    assert load_latest(store).step == 1100 and folders() == [1100]
+    cut_short(1150)
+    save_checkpoint(store, Snapshot(1200, model, opt, {}), keep=2)
+    assert load_latest(store).step == 1200 and folders() == [1100, 1200]  # two complete ones, not 1150

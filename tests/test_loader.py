@@ -21,6 +21,7 @@ from layertap.manifests import layout
 from layertap.manifests.manifest import create_or_resume
 from layertap.manifests.records import Producer, decode_commit
 from layertap.manifests.work import WorkQueue
+from layertap.storage.errors import InputError
 from layertap.storage.local import LocalStore
 from layertap.storage.format import ShardError, ShardMeta
 from layertap.storage.reader import ShardReader
@@ -102,6 +103,29 @@ def test_every_sample_once_per_epoch_across_2_ranks_x_2_workers(run):
     assert batches[0] == batches[1]
     assert real == Counter(f"s{i:05d}" for i in range(N))  # each exactly once in the loss
     assert len(pads) == 2 * 22 - N  # one zero-weighted repeat evens the ranks out
+
+
+def test_ranks_stream_the_shards_rank_0_chose_though_one_committed_since(run):
+    """Ranks open a run still being extracted one after the other; `layertap train` hands rank 0's
+    shard list to the others (`only=`), so a shard committed in between changes no rank's epoch.
+    A rank that cannot find a shard of that list (withdrawn, redone since) fails naming it."""
+    store = open_store(run)
+    late = layout.commit_key(max(s.shard for s in ShardStream(run).shards))
+    record = store.get(late)
+    store.delete(late)  # not committed yet
+    config = StreamConfig(seed=3, shuffle_buffer=4)
+    first = ShardStream(run, config=config, rank=0, world_size=2)
+    store.put(late, record)  # ... and now it is
+    second = ShardStream(run, config=config, rank=1, world_size=2, only=first.shard_keys)
+    assert (second.fingerprint, second.total_samples) == (first.fingerprint, first.total_samples) and \
+        first.total_samples < N
+    trained = Counter(s["sample_id"] for stream in (first, second) for s in stream if not s["padding"])
+    assert len(trained) == first.total_samples and set(trained.values()) == {1}
+    shard, digest = first.shard_keys[0]
+    for only in ([*first.shard_keys, [999, digest]], [[shard, "0" * 32]]):
+        with pytest.raises(InputError, match=rf"rank 1 cannot find committed shard\(s\) \[{only[-1][0]}\]"):
+            ShardStream(run, config=config, rank=1, world_size=2, only=only)
+    store.close()
 
 
 def test_uneven_drop_gives_equal_ranks_and_no_repeats(tmp_path):

@@ -313,6 +313,52 @@ def test_resume_after_sigkill_repeats_the_same_batches_and_losses(objective, tar
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_every_batch_of_an_epoch_is_trained_once_in_steps_that_end_with_it(run, target, tmp_path):
+    """--grad-accum that does not divide the epoch's batches: the epoch's last step takes the
+    batches left (none is skipped, no step reaches into the next epoch), and its gradient is
+    the mean over them, as a full step's is over its own."""
+    import xxhash
+
+    from layertap.train import ShardStream, StreamConfig, StreamLoader
+
+    loader = StreamLoader(ShardStream(run, config=StreamConfig(seed=0, shuffle_buffer=64)), batch_size=4)
+    epochs = [[b["sample_id"] for b in loader] for _ in range(2)]
+    n = len(epochs[0])
+
+    def digests(grad_accum: int) -> list[str]:
+        out = []
+        for batches in epochs:
+            for i in range(0, n, grad_accum):
+                seen = xxhash.xxh64()
+                for ids in batches[i:i + grad_accum]:
+                    seen.update("\n".join(ids).encode() + b"\n")
+                out.append(seen.hexdigest())
+        return out
+
+    def train(grad_accum: int, *more: str) -> list[dict]:
+        out = str(tmp_path / f"ga{grad_accum}")
+        assert train_cli("--data", run, "--model", target, "--out", out, "--epochs", "2", "--grad-accum",
+                         str(grad_accum), *FAST, *more) == 0
+        return metrics(out)
+
+    assert n % 3
+    m = train(3, "--save-every", "2")
+    assert [r["samples_digest"] for r in m] == digests(3)
+    steps = -(-n // 3)
+    assert [r["epoch"] for r in m] == [0] * steps + [1] * steps
+    # a resume inside the second epoch, after its first epoch's short step: the same steps again
+    out = open_store(str(tmp_path / "ga3"))
+    middle = 2 * steps - 2
+    out.put(LATEST, json.dumps({"step": middle, "prefix": f"checkpoints/step-{middle:08d}"}).encode())
+    assert train_cli("--data", run, "--model", target, "--out", out.uri, "--epochs", "2", "--grad-accum", "3",
+                     "--save-every", "2", "--resume", *FAST) == 0
+    assert [(r["samples_digest"], r["loss"]) for r in metrics(out.uri)] == [(r["samples_digest"], r["loss"]) for r in m]
+    whole, short = train(n), train(2 * n)  # a step of all n batches; a step of 2n that has only n
+    assert [r["samples_digest"] for r in short] == [r["samples_digest"] for r in whole] == digests(n)
+    for a, b in zip(whole, short):
+        assert (a["loss"], a["grad_norm"]) == pytest.approx((b["loss"], b["grad_norm"]), rel=1e-6)
+
+
 def test_stop_signals_are_recorded_or_raised_and_the_old_handlers_come_back():
     """The one stop helper: training reads a recorded stop at its step boundary, extraction
     stops where it is; a second signal changes nothing, and the handlers before come back.

@@ -63,7 +63,8 @@ class Snapshot:
 
 
 def save_checkpoint(store: ObjectStore, snap: Snapshot, keep: int) -> str:
-    """Write a checkpoint, point `latest.json` at it, then drop all but the newest `keep`."""
+    """Write a checkpoint, point `latest.json` at it, then drop all but it and the `keep - 1` newest
+    complete ones before it (`_prune`)."""
     prefix = step_prefix(snap.step)
     trainable = snap.model.trainable_state()
     names = {id(p): n for n, p in trainable.items()}
@@ -80,7 +81,7 @@ def save_checkpoint(store: ObjectStore, snap: Snapshot, keep: int) -> str:
             "drafter": snap.model.config.to_json(), **snap.state}
     store.put(f"{prefix}/state.json", json.dumps(full, indent=1).encode())
     store.put(LATEST, json.dumps({"step": snap.step, "prefix": prefix}).encode())
-    _prune(store, keep)
+    _prune(store, keep, snap.step)
     return prefix
 
 
@@ -138,11 +139,25 @@ def load_safetensors(store: ObjectStore, key: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _prune(store: ObjectStore, keep: int) -> None:
-    steps = sorted({int(o.key.split("/")[1].removeprefix("step-")) for o in store.list("checkpoints/step-")})
-    for old in steps[:-keep] if keep > 0 else []:
-        for o in list(store.list(step_prefix(old) + "/")):
-            store.delete(o.key)
+def _prune(store: ObjectStore, keep: int, latest: int) -> None:
+    """Keep checkpoint `latest` (the one `latest.json` names) and the `keep - 1` newest complete
+    ones before it.
+
+    A save killed mid-upload leaves a folder without state.json (written after the weights),
+    possibly at a step above the latest: a resumed run saves lower steps than it. Such folders
+    are deleted, and only complete checkpoints count, so pruning never removes the one a resume
+    needs in favour of a partial one."""
+    if keep < 1:
+        return
+    folders: dict[int, list[str]] = {}
+    for o in store.list("checkpoints/step-"):
+        folders.setdefault(int(o.key.split("/")[1].removeprefix("step-")), []).append(o.key)
+    complete = [s for s, keys in folders.items() if s < latest and f"{step_prefix(s)}/state.json" in keys]
+    kept = {latest, *sorted(complete, reverse=True)[:keep - 1]}
+    for step, keys in folders.items():
+        if step not in kept:
+            for key in keys:
+                store.delete(key)
 
 
 def load_latest(store: ObjectStore) -> Checkpoint | None:

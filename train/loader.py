@@ -124,7 +124,8 @@ class Prefetcher:
     `device` on a side stream, so the training thread neither collates nor waits for a host to
     device copy: it takes a batch whose states are already on the GPU. `wait` adds up the time
     the training thread spent blocked in `wait_for_batch()`: the real data wait. At most `depth` batches
-    are ahead of the one being trained on.
+    are ahead of the one being trained on. Each batch carries `ends_epoch`: whether it is its epoch's
+    last, so that a trainer accumulating gradients ends its step there.
     """
 
     def __init__(self, loader: StreamLoader, device: torch.device | str = "cpu", depth: int = 2,
@@ -202,6 +203,7 @@ class Prefetcher:
         self.close()
 
     def _run(self) -> None:
+        epoch = int(self._state["epoch"])
         try:
             while not self._stop.is_set():
                 batches, n = iter(self.loader), 0  # a finished epoch moves on to the next by itself
@@ -220,6 +222,8 @@ class Prefetcher:
                             break
                         n += 1
                         state = self.loader.state_dict()  # counts this batch and those before it
+                        batch["ends_epoch"] = int(state["epoch"]) != epoch  # the position rolled on
+                        epoch = int(state["epoch"])
                         self._ready.put((self._to_device(batch), state))
                 finally:
                     batches.close()

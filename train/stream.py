@@ -25,7 +25,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -182,11 +182,15 @@ class ShardStream(IterableDataset):
 
     `prefix`: the run (a URI, or an open store); `config`: order and fetching; `rank` and
     `world_size`: from torch.distributed or RANK / WORLD_SIZE when not given; `store_options`:
-    for `open_store` (S3 settings). Opening reads the run and writes nothing.
+    for `open_store` (S3 settings); `only`: the shards to stream, as another rank's `shard_keys`
+    (ranks that read the commits of a run still being extracted at different times would find
+    different shards, and so epochs of different sizes and orders). Opening reads the run and
+    writes nothing.
     """
 
     def __init__(self, prefix: str | ObjectStore, *, config: StreamConfig | None = None, rank: int | None = None,
-                 world_size: int | None = None, store_options: dict[str, Any] | None = None):
+                 world_size: int | None = None, store_options: dict[str, Any] | None = None,
+                 only: Sequence[Sequence] | None = None):
         super().__init__()
         self.config = c = config or StreamConfig()
         self.rank, self.world_size = _rank_world(rank, world_size)
@@ -203,12 +207,17 @@ class ShardStream(IterableDataset):
         self._pool_cache: tuple[int, BufferPool] | None = None  # GET buffers, kept from epoch to epoch
         self._metrics: Metrics | None = None
         self._records: dict[int, int] = {}  # records per committed shard, for consumed_shards
+        if c.follow and only is not None:
+            raise ConfigError("only= needs a stream that is not in follow mode: the follow epoch takes shards as "
+                              "they are committed")
         if c.follow:  # the run may not exist yet; its shards are found while iterating
             manifest = wait_for_manifest(self._store(), c.follow_poll_s)
             self.shards, self._new_index, self._settled = [], None, False
             follow = ([p.num_samples for p in manifest.shards], self.world_size)
         else:
             manifest, self.shards, self._new_index = load_index(self._store())
+            if only is not None:
+                self.shards = self._only(only)
             self._settled, follow = True, None
         self._manifest = manifest
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
@@ -218,6 +227,21 @@ class ShardStream(IterableDataset):
         if not c.follow and len(self.shards) < self.planned_shards:
             log.info("%s: %d of %d planned shards are committed; streaming those", self.uri, len(self.shards),
                      self.planned_shards)
+
+    def _only(self, keys: Sequence[Sequence]) -> list[CommittedShard]:
+        """The committed shards `keys` name ([shard id, object hash] pairs), every one of them."""
+        found = {(s.shard, s.xxh3_128): s for s in self.shards}
+        missing = sorted(int(shard) for shard, digest in keys if (int(shard), digest) not in found)
+        if missing:
+            raise InputError(f"{self.uri}: rank {self.rank} cannot find committed shard(s) {missing[:10]} that "
+                             "rank 0 streams: withdrawn (`layertap verify`), redone or consumed since rank 0 read "
+                             "the commits; start the training again")
+        return sorted((found[int(shard), digest] for shard, digest in keys), key=lambda s: s.shard)
+
+    @property
+    def shard_keys(self) -> list[list]:
+        """[shard id, object hash] of every shard streamed: JSON-ready, what `only=` takes."""
+        return [[s.shard, s.xxh3_128] for s in self.shards]
 
     def refresh_index(self) -> bool:
         """Store the run's commit index if this stream had to read commits it lacked, so that

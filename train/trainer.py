@@ -168,14 +168,7 @@ def train(cfg: TrainConfig) -> int:
         _check_resumable(ckpt.state, cfg, world)
     # The run's committed shards before the target: a run with none fails in seconds, not after
     # the target head has loaded.
-    with acc.main_process_first():  # rank 0 refreshes the run's commit index; the others then read it
-        stream = ShardStream(cfg.data, config=StreamConfig(seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer,
-                                                           memory_budget=cfg.memory_budget,
-                                                           fetch_threads=cfg.fetch_threads, follow=cfg.follow,
-                                                           follow_poll_s=cfg.follow_poll_s),
-                             rank=rank, world_size=world, store_options=cfg.s3)
-        if rank == 0:
-            stream.refresh_index()
+    stream = open_stream(cfg, acc)
     model = build_drafter(cfg, run.identity, ckpt.state["drafter"] if ckpt else None)
     if precision == "bf16":
         model.borrowed_to(torch.bfloat16)
@@ -191,7 +184,7 @@ def train(cfg: TrainConfig) -> int:
     loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                           collate_fn=partial(collate, pin_memory=cuda and cfg.num_workers == 0))
     # with --follow: the follow epoch's batches, computed from the manifest's planned samples
-    steps_per_epoch = max(1, len(loader) // cfg.grad_accum)
+    steps_per_epoch = -(-len(loader) // cfg.grad_accum)  # the last takes the batches left (`train_step`)
     total = cfg.steps or cfg.epochs * steps_per_epoch
     if cfg.delete_consumed and total > steps_per_epoch:
         raise ConfigError(f"--delete-consumed with --steps {total}: the follow epoch has {steps_per_epoch} steps, "
@@ -219,6 +212,49 @@ def train(cfg: TrainConfig) -> int:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
                           batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
                           data=data, distill=distill), start)
+
+
+def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
+    """This rank's stream over the shards rank 0 found committed, the same on every rank.
+
+    Ranks that each read the commits of a run still being extracted would see different shards
+    (one committed in between): epochs of different sizes and orders, samples trained twice or
+    never, step counts that differ and hang the last reduce. So rank 0 reads them and refreshes
+    the commit index (the others then read one listing and one GET), and hands its list to the
+    others. Follow mode's first epoch finds shards as it goes; later epochs read the complete run."""
+    rank, world = acc.process_index, acc.num_processes
+    config = StreamConfig(seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, memory_budget=cfg.memory_budget,
+                          fetch_threads=cfg.fetch_threads, follow=cfg.follow, follow_poll_s=cfg.follow_poll_s)
+    shards = None
+    if rank == 0:
+        stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3)
+        stream.refresh_index()
+        shards = None if cfg.follow else stream.shard_keys
+    shards = _from_rank_0(acc, shards)
+    if rank != 0:
+        stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3, only=shards)
+    # a check of the above: any difference would show only as wrong training, or a hang at the end
+    facts = [int(stream.fingerprint, 16) >> 1, stream.total_samples]  # >> 1: an int64
+    seen = acc.gather(torch.tensor(facts, dtype=torch.int64, device=acc.device)).view(-1, 2).tolist()
+    if any(row != seen[0] for row in seen):
+        raise RuntimeError(f"the ranks stream different shards of {cfg.data} (samples per rank "
+                           f"{[n for _, n in seen]}, shard fingerprints {len({f for f, _ in seen})} distinct)")
+    return stream
+
+
+def _from_rank_0(acc: Any, value: Any) -> Any:
+    """Rank 0's JSON-ready `value` on every rank, sent as JSON bytes (no pickle)."""
+    if acc.num_processes == 1:
+        return value
+    import torch.distributed as dist
+
+    data = json.dumps(value).encode() if acc.process_index == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=acc.device)
+    dist.broadcast(size, src=0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+    buf = buf.to(acc.device)
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.cpu().numpy()))
 
 
 @dataclass
@@ -255,9 +291,10 @@ class StepStats:
 
 
 def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStats:
-    """Step `step` (0-based): `grad_accum` micro-batches, clip, AdamW. Nothing in it waits for the
-    GPU but the one reduce at its end: its numbers are summed on the device (host-known ones on
-    the host) and read back together. `distill`: the KL objective's teacher (None: CE)."""
+    """Step `step` (0-based): `grad_accum` micro-batches (fewer at the end of an epoch), clip,
+    AdamW. Nothing in it waits for the GPU but the one reduce at its end: its numbers are summed
+    on the device (host-known ones on the host) and read back together. `distill`: the KL
+    objective's teacher (None: CE)."""
     cfg, acc, device = run.cfg, run.acc, run.acc.device
     bs = run.model.config.block_size
     t0 = time.perf_counter()
@@ -271,7 +308,9 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
     for micro in range(cfg.grad_accum):
         batch = run.batches.wait_for_batch()
         seen.update("\n".join(batch["sample_id"]).encode() + b"\n")
-        sync = nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(run.ddp_model)
+        # the epoch's last batch ends the step: the next epoch's first step starts with the next
+        last = micro == cfg.grad_accum - 1 or batch.get("ends_epoch", False)
+        sync = nullcontext() if last else acc.no_sync(run.ddp_model)
         with sync:
             with acc.autocast():
                 result = dflash_loss(run.ddp_model, batch, anchor_generator(cfg.seed, step, micro, acc.process_index),
@@ -285,6 +324,12 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
         on_host[2] += int(batch["lengths"].sum())
         on_host[3 + bs:3 + 2 * bs] += result.counted
         del batch, result  # the states on the GPU go back to the allocator before the next batch
+        if last:
+            break
+    if micro < cfg.grad_accum - 1:  # a short step: the mean over its micro-batches, as a full step's
+        for p in run.params:
+            if p.grad is not None:
+                p.grad.mul_(cfg.grad_accum / (micro + 1))
     grad_norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm)
     # Nothing to learn (every sample a zero-weighted pad, e.g. the end of a follow epoch sized
     # from the plan when extraction skipped rows): the gradients are zero, but AdamW would still
@@ -308,11 +353,12 @@ def _loop(run: _Run, start: int) -> int:
     while step < run.total:
         stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
         if not stopped:
+            epoch = run.batches.epoch  # the step's: once it has taken an epoch's last batch, the next
             stats = train_step(run, step, run.distill)
             step, stopped = stats.step, stats.stop
             wait = run.batches.pop_wait_s()
             if run.metrics is not None:
-                _report(run, stats, wait, progress)
+                _report(run, stats, epoch, wait, progress)
         if (step % cfg.save_every == 0 or step == run.total or stopped) and step > saved:
             _save(run, step)
             saved = step
@@ -365,9 +411,9 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
             saved = step
 
 
-def _report(run: _Run, stats: StepStats, wait: float, progress) -> None:
+def _report(run: _Run, stats: StepStats, epoch: int, wait: float, progress) -> None:
     """Rank 0: the step's record into metrics.jsonl, the bar, and a log line every `log_every`."""
-    record = _record(stats, run.batches.epoch, run.model.config.block_size, wait, kl=run.distill is not None)
+    record = _record(stats, epoch, run.model.config.block_size, wait, kl=run.distill is not None)
     device = run.acc.device
     if device.type == "cuda":
         record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
