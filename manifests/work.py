@@ -411,8 +411,8 @@ class WorkQueue:
             raise
 
 
-def _lease_payload(store: ObjectStore, key: str) -> dict | None:
-    """A lease's payload; None if the lease is gone or does not name its holder."""
+def read_lease(store: ObjectStore, key: str) -> dict | None:
+    """A lease's payload (`WorkQueue.lease_payload`); None if the lease is gone or does not name its holder."""
     try:
         payload = json.loads(store.get(key))
         payload["holder"]["token"]  # every lease names its holder
@@ -426,14 +426,14 @@ def _lease_payload(store: ObjectStore, key: str) -> dict | None:
 
 def lease_holder(store: ObjectStore, key: str) -> str | None:
     """The producer token a lease names; None if the lease is gone or unreadable."""
-    payload = _lease_payload(store, key)
+    payload = read_lease(store, key)
     return payload["holder"]["token"] if payload else None
 
 
 def lease_attempt(store: ObjectStore, key: str) -> str | None:
     """The data key of the attempt a lease names; None if the lease is gone or unreadable. (A
     lease written before leases named their attempt names its worker, whose token was the key's.)"""
-    payload = _lease_payload(store, key)
+    payload = read_lease(store, key)
     if payload is None:
         return None
     shard = layout.parse_lease(key)[0]

@@ -7,7 +7,6 @@ is still running, so a resubmission while a first array is still going does not 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any
 
 from layertap.manifests.manifest import ConfigMismatch, load_manifest
 from layertap.manifests.state import scan
+from layertap.manifests.work import read_lease
 from layertap.slurm.scripts import ArrayPlan
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectStore, StoreError
@@ -112,10 +112,13 @@ def lease_holders(store: ObjectStore, remaining: Remaining, shards: Sequence[int
     found = set()
     for s in shards[::max(1, math.ceil(len(shards) / most))]:
         try:
-            holder = json.loads(store.get(remaining.leases[s]))["holder"]
-            job, pid, host = holder.get("job_id"), holder.get("pid"), holder.get("host")
-        except (StoreError, KeyError, ValueError, TypeError, AttributeError):
+            lease = read_lease(store, remaining.leases[s])
+        except StoreError:
+            lease = None
+        if lease is None:
             continue  # released meanwhile, or unreadable: the error names the shards anyway
+        holder = lease["holder"]
+        job, pid, host = holder.get("job_id"), holder.get("pid"), holder.get("host")
         if job:
             found.add(str(job).split("_")[0])
         elif pid and host:
