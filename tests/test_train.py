@@ -221,6 +221,15 @@ def test_speculative_decoding_equals_greedy_and_counts_acceptance(target):
         spec = speculative_decode(runner, oracle, prompt, 40, eos=set())
         assert spec.tokens == greedy
         assert spec.accepted[:-1] == [hits + 1] * (len(spec.accepted) - 1)
+        assert sum(spec.accepted) == len(greedy) - 1  # the last step counts only what fits under max_new
+    # EOS drafted and accepted inside a block (not its bonus token): the answer, and the steps
+    # that tau averages over, end there; nothing after the EOS is verified or counted.
+    stop = next(i for i in range(6, len(greedy)) if greedy[i] not in greedy[:i] and i % 6 != 0)  # not a bonus
+    eos = {greedy[stop]}
+    oracle = OracleDrafter(greedy + [0] * 16, len(prompt), 5, block_size=6, vocab=t.model.config.vocab_size)
+    spec = speculative_decode(runner, oracle, prompt, 40, eos=eos)
+    assert spec.tokens == greedy_decode(runner, prompt, 40, eos=eos) == greedy[: stop + 1]
+    assert sum(spec.accepted) == stop and len(spec.accepted) == -(-stop // 6)
     # A real (untrained) drafter: whatever it drafts, the output is the target's.
     head = TargetHead(t.model.get_input_embeddings().weight.detach(), t.model.lm_head.weight.detach(), False,
                       {"num_layers": 6, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 128})

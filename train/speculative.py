@@ -233,17 +233,13 @@ def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: lis
         new = [*draft[:m], int(choice[m])]
         target.keep(m + 1)  # anchor and accepted drafts stay; the rejected tail leaves the cache
         context = torch.cat((context, states[: m + 1]))
+        # An accepted draft may be EOS, or the step may pass max_new: the output, and the step's
+        # count, end there (tau counts the tokens a step adds to the answer, nothing after it).
+        end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        new = new[: min(end, max_new - len(result.tokens))]
         result.tokens.extend(new)
-        result.accepted.append(m + 1)
-    return Decoded(_cut(result.tokens, max_new, eos), result.accepted)
-
-
-def _cut(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
-    tokens = tokens[:max_new]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+        result.accepted.append(len(new))
+    return result
 
 
 def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int) -> tuple[list[list[int]], int]:
