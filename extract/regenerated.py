@@ -4,6 +4,7 @@ an S3 prefix (`is_regenerated`, `load_regenerated`), in source-row order."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Iterator
 
@@ -37,6 +38,17 @@ def _complete(path: str) -> tuple[ObjectStore, Recipe, list[Any]]:
                          f"{recipe.parts} parts done (first missing: part {missing[0]}); rerun the same "
                          f"`layertap regenerate` command to finish it, then extract")
     return store, recipe, [parts[p] for p in range(recipe.parts)]
+
+
+@functools.lru_cache(maxsize=8)
+def template_kwargs(path: str | None) -> dict[str, Any] | None:
+    """The chat-template settings a finished regeneration's prompts were rendered with
+    (`--chat-template-kwargs`), so that extraction renders the text the target answered; None
+    for any other dataset. (Part of the recipe, so of the dataset's fingerprint too.)"""
+    if not path or not is_regenerated(path):
+        return None
+    _, recipe, _ = _complete(path)
+    return recipe.sampling.get("chat_template_kwargs") or None
 
 
 def regenerated_fingerprint(path: str, limit: int | None = None) -> str:

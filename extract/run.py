@@ -26,6 +26,7 @@ from layertap.extract.kernels import provenance
 from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
 from layertap.extract.model import Capture, Target, default_layers, load_target
 from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
+from layertap.extract.regenerated import template_kwargs
 from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
 from layertap.manifests.consumption import Backlog, WindowGate
@@ -240,7 +241,8 @@ def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int):
     samples: list[TokenizedSample] = []
     skipped: list[dict[str, str]] = []
     for out in tokenize_rows(rows.select(range(start, end)), target.tokenizer, cfg.max_length, start=start,
-                             vocab_size=target.info["vocab_size"], stats=stats):
+                             vocab_size=target.info["vocab_size"], stats=stats,
+                             chat_template_kwargs=template_kwargs(cfg.dataset)):
         if isinstance(out, Skipped):
             skipped.append({"sample_id": out.sample_id, "reason": out.reason, "detail": out.detail})
         else:
@@ -287,7 +289,8 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
         pass
     log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
     counts = [len(s) if isinstance(s, TokenizedSample) else 0
-              for s in tokenize_rows(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"])]
+              for s in tokenize_rows(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
+                                     chat_template_kwargs=template_kwargs(cfg.dataset))]
     return write_plan(store, cfg, identity, fingerprint, counts)[0], identity
 
 

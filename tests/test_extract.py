@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +130,39 @@ def test_rerun_resumes_and_a_changed_config_is_refused(models, tmp_path, capsys)
     assert cli(changed) == 2
     err = capsys.readouterr().err
     assert "layers: run has [1, 3], now [1, 2]" in err and "codec: run has 'bf16-zstd', now 'fp8'" in err
+
+
+def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompts_were(models, tmp_path):
+    """`layertap regenerate --chat-template-kwargs` had the server render prompts with those settings
+    (e.g. enable_thinking=false); extraction must render the same text, or the stored states are
+    of another prompt than the one the target answered."""
+    from tiny_models import CHATML_TEMPLATE
+
+    from layertap.manifests.regeneration import Recipe, part_key
+
+    model = tmp_path / "model"
+    shutil.copytree(models["qwen3"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}" \
+        + CHATML_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    out = tmp_path / "regenerated"
+    rows = [json.loads(line) for line in open(write_chats(tmp_path / "chats.jsonl", 4)) if "assistant" in line]
+    recipe = Recipe(dataset={"path": "chats.jsonl", "fingerprint": "f", "rows": len(rows), "limit": None},
+                    model="tiny", sampling={"temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}},
+                    rows_per_part=len(rows))
+    (out / "parts").mkdir(parents=True)
+    (out / "regenerate.json").write_text(json.dumps(recipe.to_json()))
+    (out / part_key(0)).write_text("".join(json.dumps({**row, "regenerated": {
+        "row": i, "completion_tokens": 5, "finish_reasons": ["stop"]}}) + "\n" for i, row in enumerate(rows)))
+    assert cli(["extract", "--model", str(model), "--dataset", str(out), "--out", str(tmp_path / "run"),
+                "--layers", "1,3", "--max-length", "128", "--log-dir", str(tmp_path / "logs")]) == 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [tok.decode(s.input_ids) for s in stored_samples(open_store(str(tmp_path / "run"))).values()]
+    assert len(texts) == len(rows) and all(t.startswith("NOTHINK") for t in texts)
 
 
 def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):
