@@ -191,12 +191,14 @@ def _estimate(args: argparse.Namespace) -> _Report:
             raise ConfigError("token statistics need the model's tokenizer: give --model, or state both "
                              "--samples and --mean-tokens")
         from layertap.extract.measure import token_statistics
+        from layertap.extract.regenerated import template_kwargs
         from layertap.extract.run import dataset_rows
 
         rows, _ = dataset_rows(cfg)
         stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
                                  sample_rows=args.token_sample or None,
-                                 picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens)
+                                 picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens,
+                                 chat_template_kwargs=template_kwargs(cfg.dataset))
         if stats.samples_read == 0:
             raise InputError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
     samples = args.samples if args.samples is not None else stats.samples
@@ -328,6 +330,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
                          "(or --dry-run to only look)")
     cfg = _config(args, args.out or "")
     from layertap.extract.measure import token_statistics
+    from layertap.extract.regenerated import template_kwargs
     from layertap.extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
     from layertap.manifests.manifest import NoRun, plan_shards
     from layertap.storage.store import open_store
@@ -344,7 +347,8 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
         except NoRun:
             pass
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
-                             picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens)
+                             picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens,
+                             chat_template_kwargs=template_kwargs(cfg.dataset))
     if stats.samples_read == 0:
         raise InputError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
     plan = plan_shards(stats.counts, plan_bytes_per_token(cfg, identity), cfg.shard_bytes)

@@ -68,7 +68,8 @@ class TokenStats:
 
 
 def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None = None,
-                     sample_rows: int | None = None, picks: int = 0, pick_tokens: int = 0) -> TokenStats:
+                     sample_rows: int | None = None, picks: int = 0, pick_tokens: int = 0,
+                     chat_template_kwargs: dict | None = None) -> TokenStats:
     """Tokenize `rows` (or `sample_rows` of them, evenly spaced) as the extractor would.
 
     Also keeps up to `picks` samples for a measured extraction, spread evenly over the rows
@@ -90,7 +91,8 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
     counts: list[int] = []
     chosen: list[TokenizedSample] = []
     chosen_tokens = 0
-    outputs = tokenize_rows(rows, tokenizer, max_length, vocab_size=vocab_size, stats=stats)
+    outputs = tokenize_rows(rows, tokenizer, max_length, vocab_size=vocab_size, stats=stats,
+                            chat_template_kwargs=chat_template_kwargs)
     for i, out in enumerate(tqdm(outputs, total=read, desc="tokenize", unit="row", file=sys.stderr,
                                  mininterval=1.0)):
         counts.append(0 if isinstance(out, Skipped) else len(out))
