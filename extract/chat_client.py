@@ -3,11 +3,19 @@ with the retry policy a days-long regeneration needs.
 
 The `openai` client makes one try per call (its own retries are off); this module decides:
 
-- the server is away (connection refused or reset, timeouts, 502/503/504, 429 throttling): wait
-  with backoff and try again, for up to `retry_for_s` of continuous failure, so a server that is
+- the server is away (connection refused or reset, 502/503/504, 429 throttling): wait with
+  backoff and try again, for up to `retry_for_s` of continuous failure, so a server that is
   restarted or briefly overloaded under a running job is ridden out (`ServerGone` after that);
   until the server has answered once, a refused connection is a wrong --endpoint: 3 quick tries;
-- the server failed on this request (500): a few tries, then the row is refused (`Refused`);
+- a 500 (or other 5xx) or a timeout is the row's own failure only while it is the one request
+  failing: another request's success clears the slate. Once two or more requests have failed
+  since the last success, the server is failing, not the row (an engine dead behind a live HTTP
+  server answers 500 to all; a hung one times out on all), and every request waits as for a
+  server away, so the rest of the dataset is never refused for an outage. A row failing alone is
+  refused (`Refused`) after `SERVER_ERROR_TRIES` 5xx or `TIMEOUT_TRIES` timeouts. (At
+  --concurrency 1 the first row of an outage fails alone, so it alone may be refused.);
+- an answer that did not end in "stop" or "length" (vLLM's and SGLang's "abort" or "error", none
+  at all) is empty or cut short: asked again, then the row is refused, never stored;
 - the server refuses the request (400, 413, 422: a prompt too long for its context, a message it
   cannot template): the row is refused with the server's own reason;
 - the server refuses us (401, 403, 404: a key, a model, a URL that is wrong): `EndpointError`,
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import logging
 import random
 import time
@@ -32,7 +41,10 @@ log = logging.getLogger(__name__)
 
 AWAY_STATUSES = {408, 409, 425, 429, 502, 503, 504}
 REFUSED_STATUSES = {400, 413, 422}
-SERVER_ERROR_TRIES = 4  # a 500 is retried this many times in all before the row is refused
+SERVER_ERROR_TRIES = 4  # a 500 failing one row alone is retried this many times in all before the row is refused
+TIMEOUT_TRIES = 2  # a timeout of one row alone (the others answer): tries in all before the row is refused
+FINISH_TRIES = 3  # answers that ended neither in "stop" nor "length": tries in all before the row is refused
+FINISHED = ("stop", "length")
 UNREACHABLE_TRIES = 3  # connection failures before the server ever answered: a wrong --endpoint, said at once
 
 
@@ -50,9 +62,15 @@ class Refused(Exception):
 
     reason: str
     status: int | None = None
+    cause: str | None = None  # "timeout", "finish_abort", ...: the kind, where no HTTP status says it
 
     def __str__(self) -> str:
         return self.reason
+
+    @property
+    def kind(self) -> str:
+        """How the row is counted in the stats: `http_500`, `timeout`, `finish_abort`, ..."""
+        return self.cause or (f"http_{self.status}" if self.status else "server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +121,9 @@ class ChatClient:
         self.where = public_url(endpoint)
         self._warned_at = -1e9
         self.answered = False  # until the server first answers, a refused connection is a wrong --endpoint
+        self._failing: set[int] = set()  # requests that got a 5xx or timed out since the last success
+        self._calls = itertools.count()
+        self.timeout_s = timeout_s
         http = _http_library(openai.DefaultAsyncHttpxClient)
         limits = http.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self.client = openai.AsyncOpenAI(base_url=api_base(endpoint), api_key=api_key or "none", max_retries=0,
@@ -139,24 +160,34 @@ class ChatClient:
             body["max_tokens"] = max_tokens
         if seed is not None:
             body["seed"] = seed
-        r = await self._call(lambda: self.client.chat.completions.create(
-            model=self.model, messages=messages, extra_body=extra, **body), what="chat completion")
-        choice = r.choices[0]
+        for tries in range(1, FINISH_TRIES + 1):
+            r = await self._call(lambda: self.client.chat.completions.create(
+                model=self.model, messages=messages, extra_body=extra, **body), what="chat completion")
+            choice = r.choices[0]
+            if choice.finish_reason in FINISHED:
+                break
+            log.warning("%s: an answer ended with finish_reason %r (try %d of %d)", self.where, choice.finish_reason,
+                        tries, FINISH_TRIES)
+        else:
+            raise Refused(f"finish_reason {choice.finish_reason!r} after {FINISH_TRIES} tries: the answer is cut or "
+                          f"empty", cause=f"finish_{choice.finish_reason or 'missing'}")
         usage = r.usage.completion_tokens if r.usage is not None else 0
         reasoning = getattr(choice.message, "reasoning_content", None) or None
-        return Reply(choice.message.content or "", reasoning, choice.finish_reason or "stop", int(usage or 0))
+        return Reply(choice.message.content or "", reasoning, choice.finish_reason, int(usage or 0))
 
     async def _call(self, request, *, what: str):
         """`request()` under the retry policy in the module docstring."""
         import openai
 
         away_since: float | None = None
-        server_errors = unreachable = 0
+        server_errors = unreachable = timeouts = 0
         delay = 0.5
+        me = next(self._calls)
         while True:
             try:
                 reply = await request()
                 self.answered = True
+                self._failing.clear()
                 return reply
             except openai.APIStatusError as e:
                 self.answered = True
@@ -166,12 +197,18 @@ class ChatClient:
                 if status in (401, 403, 404):
                     raise EndpointError(f"{self.where} answered {status} to a {what} for model {self.model!r}: "
                                         f"{reason}; check --endpoint, --model and the API key") from None
-                if status not in AWAY_STATUSES:  # 500 and other errors: the server failed on this request
-                    server_errors += 1
-                    if server_errors >= SERVER_ERROR_TRIES:
-                        raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
                 problem = f"{status}: {reason}"
-            except openai.APIConnectionError as e:  # timeouts included
+                if status not in AWAY_STATUSES:  # 500 and other errors: this row's, or an outage
+                    server_errors += 1
+                    if self._alone_failing(me) and server_errors >= SERVER_ERROR_TRIES:
+                        raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
+            except openai.APITimeoutError:
+                problem = f"no answer within the {self.timeout_s:g} s --request-timeout"
+                timeouts += 1
+                if self._alone_failing(me) and timeouts >= TIMEOUT_TRIES:
+                    raise Refused(f"{problem}, {timeouts} times, while no other request failed",
+                                  cause="timeout") from None
+            except openai.APIConnectionError as e:
                 problem = f"{type(e).__name__}: {e.__cause__ or e}"
                 unreachable += 1
                 if not self.answered and unreachable >= UNREACHABLE_TRIES:
@@ -189,6 +226,12 @@ class ChatClient:
                             self.retry_for_s - (now - away_since))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(30.0, delay * 2)
+
+    def _alone_failing(self, request: int) -> bool:
+        """Record that `request` failed; whether it is the only one failing since the last success
+        (then the failure is its row's; a refused row stays counted, so the next failing one is not)."""
+        self._failing.add(request)
+        return len(self._failing) == 1
 
 
 def _reason(e: Any) -> str:

@@ -280,8 +280,7 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
         try:
             reply = await client.complete(history, seed=seed)
         except Refused as e:
-            return _refuse(part, totals, index, row_id, f"turn {len(finish_reasons) + 1}: {e}",
-                           kind=f"http_{e.status}" if e.status else "server")
+            return _refuse(part, totals, index, row_id, f"turn {len(finish_reasons) + 1}: {e}", kind=e.kind)
         answer = {"role": "assistant", "content": reply.content}
         if reply.reasoning_content:
             answer["reasoning_content"] = reply.reasoning_content
@@ -304,16 +303,18 @@ def _refuse(part: _Part, totals: Totals, index: int, row_id: str, reason: str, *
 
 
 def _write_part(store: ObjectStore, part: _Part, totals: Totals) -> None:
-    """The part's stats, then the part itself: the part is the record that its rows are done."""
+    """The part, then its stats, by the process whose part was written: a process that lost the
+    race to another writing the same part keeps that one, and its stats with it."""
     rows = [part.rows[i] for i in sorted(part.rows)]
+    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    if not store.put_if_absent(part_key(part.part), body):
+        log.warning("part %d was written by another process meanwhile; kept that one", part.part)
+        return
     stats = {"part": part.part, "rows": [part.source.start, part.source.stop], "regenerated": len(rows),
              "refused": sorted(part.refused, key=lambda r: r["row"]),
              "completion_tokens": sum(r["regenerated"]["completion_tokens"] for r in rows),
              "truncated_turns": sum(f == "length" for r in rows for f in r["regenerated"]["finish_reasons"])}
     store.put(stats_key(part.part), json.dumps(stats).encode())
-    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-    if not store.put_if_absent(part_key(part.part), body):
-        log.warning("part %d was written by another process meanwhile; kept that one", part.part)
     totals.parts += 1
     totals.rows += len(part.source)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from layertap.storage.retry import Backoff
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0  # after SIGTERM, the server's process group has this long before SIGKILL
+_SECRET_OPTION = re.compile(r"(--?[\w-]*(?:key|token|secret|password)[\w-]*)(=|\s+)(\S+)", re.IGNORECASE)
 
 
 class ServerFailed(UserError):
@@ -35,7 +37,7 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
         raise ConfigError("--serve is empty: give the command that starts the server, e.g. "
                           "'vllm serve /models/target --port 8000'")
     out = open(log_path, "ab") if log_path else None
-    log.info("starting the server: %s%s", command, f" (output in {log_path})" if log_path else "")
+    log.info("starting the server: %s%s", redacted(command), f" (output in {log_path})" if log_path else "")
     # Its own session, so stopping it reaches every process it starts (vLLM's engine and workers).
     proc = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)
@@ -46,6 +48,12 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
         _stop(proc)
         if out is not None:
             out.close()
+
+
+def redacted(command: str) -> str:
+    """`command` with the values of its --api-key, --hf-token, ... options masked: a --serve line
+    may carry a key, and keys are never logged."""
+    return _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2]}***", command)
 
 
 def _wait_until_ready(proc: subprocess.Popen, endpoint: str, timeout_s: float, command: str) -> None:

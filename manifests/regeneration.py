@@ -12,7 +12,9 @@ Under the output prefix:
   all of its rows are answered or refused: it is the record that those rows are done, so a
   rerun redoes only missing parts and no row is ever written twice;
 - `stats/{p:06d}.json`: the part's counts (tokens, truncated answers) and its refused rows with
-  their reasons, written just before the part.
+  their reasons, written just after the part by the process that wrote it (so two processes
+  racing on one part cannot leave one's part with the other's stats; a crash in between leaves
+  a part without stats, whose rows are still counted done).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def regeneration_status(store: ObjectStore) -> dict[str, Any] | None:
     for s in stats:
         for r in s["refused"]:
             refused[r.get("kind", "other")] = refused.get(r.get("kind", "other"), 0) + 1
-    rows_done = sum(s["rows"][1] - s["rows"][0] for s in stats)
+    rows_done = sum(len(recipe.rows_of(p)) for p in done)
     return {
         "kind": "regeneration", "prefix": store.uri, "model": recipe.model, "sampling": recipe.sampling,
         "dataset": recipe.dataset, "parts_total": recipe.parts, "parts_done": len(done),
