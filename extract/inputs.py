@@ -387,7 +387,7 @@ class _ChatRenderer:
             return messages
         try:
             text = self.render(messages)
-            spans = _assistant_spans(self, messages, text)
+            spans = _assistant_spans(self, messages, text, cut=_cut_turns(row))
         except _TemplateMismatch as e:
             return Skipped(sid, TEMPLATE_ERROR, str(e))
         except Exception as e:  # jinja's raise_exception, e.g. "roles must alternate"
@@ -440,7 +440,15 @@ def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: 
     return messages
 
 
-def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+def _cut_turns(row: Mapping[str, Any]) -> set[int]:
+    """The assistant turns (counted from 0) of a regenerated row whose answer was cut at the
+    server's max tokens (finish reason "length"): the target had not ended them."""
+    reasons = (row.get("regenerated") or {}).get("finish_reasons") or []
+    return {k for k, reason in enumerate(reasons) if reason == "length"}
+
+
+def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str,
+                     cut: set[int] = frozenset()) -> list[tuple[int, int]]:
     """Character spans ``[a, b)`` of ``text`` (the whole chat, rendered once) that the model generates.
 
     A span starts where the template's generation prompt for that turn ends:
@@ -451,13 +459,17 @@ def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str) -> li
     a prefix rendering of ``messages[:i+1]``. The span ends after the first end-of-turn marker
     that follows the turn's content, found with the probe in ``_probe_end_of_turn``. Text a
     template inserts between header and content (Qwen3's empty ``<think></think>`` block on
-    the last turns) is inside the span: the model generates it.
+    the last turns) is inside the span: the model generates it. A turn in `cut` (cut short at
+    generation, see `_cut_turns`) ends with its content: the end of turn the template writes after
+    it (or a close of its thinking) is not what the target would have written next.
     """
     spans = []
     cursor = 0
+    turn = -1
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        turn += 1
         prompt = chat.render(messages[:i], add_generation_prompt=True)
         if not text.startswith(prompt) or len(prompt) < cursor:
             raise _TemplateMismatch(
@@ -471,7 +483,7 @@ def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str) -> li
         found = text.find(body, a, a + room + len(body)) if body else -1
         after = found + len(body) if found >= 0 else a
         eot = chat.end_of_turn
-        e = text.find(eot, after) if eot else -1
+        e = text.find(eot, after) if eot and turn not in cut else -1
         b = e + len(eot) if e >= 0 else after
         spans.append((a, b))
         cursor = b

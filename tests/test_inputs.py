@@ -178,6 +178,21 @@ def test_chatml_mask_is_exactly_assistant_content_and_end_of_turn(shape):
     assert tok.decode(s.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
 
 
+def test_a_regenerated_turn_cut_at_max_tokens_is_supervised_to_its_last_token_not_its_end_of_turn():
+    """A turn the server cut (finish reason "length"): the template still closes it, but the
+    target had not ended it there, so the end-of-turn token is not a label; a turn that ended
+    ("stop") keeps it."""
+    tok = tiny_tokenizer(CHATML_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                {"role": "user", "content": "More"}, {"role": "assistant", "content": "It goes on and"}]
+    regenerated = {"row": 0, "completion_tokens": 9, "finish_reasons": ["stop", "length"]}
+    rows = datasets.Dataset.from_list([{"id": "a", "messages": messages, "regenerated": regenerated}])
+    (s,) = _one(rows, tok)
+    assert _runs(s, tok) == ["Hello there<|im_end|>", "It goes on and"]
+    (plain,) = _one(datasets.Dataset.from_list([{"id": "a", "messages": messages}]), tok)
+    assert _runs(plain, tok) == ["Hello there<|im_end|>", "It goes on and<|im_end|>"]
+
+
 def test_qwen3_style_template_that_rerenders_earlier_turns():
     """Qwen3 templates add a think block only to assistant turns after the last user turn, so
     rendering a prefix of the chat does not give a prefix of the whole rendering."""
