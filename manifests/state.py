@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -75,11 +74,11 @@ def _failure_millis(key: str) -> int:
         return 0
 
 
-def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, now: float | None = None) -> RunState:
+def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> RunState:
     """List commits, tallies, leases and failures (and with `with_data`, data objects), the
-    listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well.
-    `now`: the time by the store's clock, where the caller knows it (`WorkQueue.store_now`)."""
-    st = RunState(manifest, time.time() if now is None else now)
+    listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well. Leases
+    age by the store's clock (`ObjectStore.now`)."""
+    st = RunState(manifest, store.now())
     prefixes = [layout.MANIFEST, layout.COMMITS, layout.TALLY, layout.LEASES, layout.FAILURES] \
         + ([layout.SHARDS] if with_data else [])
     with ThreadPoolExecutor(len(prefixes)) as pool:
@@ -142,11 +141,11 @@ def replaced_manifest_error(uri: str, shards: list[int]) -> ManifestError:
         "the new run under another prefix) and extract again")
 
 
-def scan_shard(store: ObjectStore, manifest: Manifest, shard: int, now: float | None = None) -> RunState:
+def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
     """The state of one shard, fresh: a HEAD of its commit record, then (if none) listings of its
     leases and failures. What a worker checks before claiming a shard, at a cost that does not
     grow with the run (`scan` lists every shard's records)."""
-    st = RunState(manifest, time.time() if now is None else now)
+    st = RunState(manifest, store.now())
     if store.exists(layout.commit_key(shard)):
         st.committed.add(shard)
         return st
@@ -155,9 +154,9 @@ def scan_shard(store: ObjectStore, manifest: Manifest, shard: int, now: float | 
     return st
 
 
-def shard_leases(store: ObjectStore, manifest: Manifest, shard: int, now: float | None = None) -> RunState:
+def shard_leases(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
     """One shard's leases, fresh, committed or not: a commit's sweep asks which are alive."""
-    st = RunState(manifest, time.time() if now is None else now)
+    st = RunState(manifest, store.now())
     _add_leases_and_failures(st, store.list(layout.lease_prefix(shard)), [])
     return st
 

@@ -108,7 +108,7 @@ class Claim:
         objects = [o.key for o in store.list(leftovers) if o.key != self.data_key]
         uploads = [up.key for up in store.list_pending_uploads(leftovers)]
         if objects or uploads:  # the leases are read only then: most commits find nothing to sweep
-            leases = shard_leases(store, self.queue.manifest, self.shard, self.queue.store_now())
+            leases = shard_leases(store, self.queue.manifest, self.shard)
             spared = rivals_at_work(store, leases, self.shard, own_lease=self.lease_key)
             for key in objects:
                 if key not in spared:
@@ -224,7 +224,6 @@ class WorkQueue:
         self.given_up: set[int] = set()
         self.before_claim, self.on_idle = before_claim, on_idle
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not yet handed over
-        self._clock_offset: float | None = None  # the store's clock minus ours (`store_now`)
 
     def _release_held(self) -> None:
         """Delete each lease this queue wrote and still holds, else left to go stale: the shard
@@ -237,22 +236,6 @@ class WorkQueue:
             except StoreError as e:  # it will simply go stale
                 log.warning("could not release the lease %s: %s", key, e)
             self._leases_written.discard(key)
-
-    def store_now(self) -> float:
-        """The time by the store's clock, which stamps the leases' LastModified: a worker whose
-        own clock ran ahead of it by most of a TTL would take fresh leases for stale ones and
-        take live workers' shards over. The offset is measured once, from a probe object this
-        queue writes (`leases/clock/{token}`, deleted at once): its LastModified against our
-        clock after the write returned, which errs towards a store clock behind ours, so a
-        lease looks younger, never older, than it is. (S3 stamps whole seconds.)"""
-        if self._clock_offset is None:
-            key = f"{layout.LEASES}clock/{self.producer.token}"
-            self.store.put(key, b"")
-            written = time.time()
-            stamped = next((o.modified for o in self.store.list(key) if o.key == key), written)
-            self.store.delete(key)
-            self._clock_offset = stamped - written
-        return time.time() + self._clock_offset
 
     def lease_payload(self, generation: int, data_key: str) -> bytes:
         return json.dumps({"holder": asdict(self.producer), "generation": generation, "data_key": data_key,
@@ -267,7 +250,7 @@ class WorkQueue:
         """Whether every shard of this queue is committed already (one scan), as a rerun asks
         before loading a model; if so, what killed attempts left behind is removed, as at the end
         of a pass (a rerun that answers "nothing to do" is often the one that follows a crash)."""
-        st = scan(self.store, self.manifest, now=self.store_now())
+        st = scan(self.store, self.manifest)
         st.raise_if_replaced(self.store.uri)
         if any(s not in st.committed for s in self.candidates):
             return False
@@ -294,7 +277,7 @@ class WorkQueue:
         of the run. When the walk keeps meeting shards that others finished since the scan, or
         after a pass that claimed something, the next pass takes a fresh scan."""
         while True:
-            st = scan(self.store, self.manifest, now=self.store_now())
+            st = scan(self.store, self.manifest)
             st.raise_if_replaced(self.store.uri)
             todo = [s for s in self.candidates if s not in st.committed]
             if not todo:
@@ -307,7 +290,7 @@ class WorkQueue:
             for s in self._order(todo):
                 if stale > rescan_after:
                     break
-                fresh = scan_shard(self.store, self.manifest, s, self.store_now())
+                fresh = scan_shard(self.store, self.manifest, s)
                 if s in fresh.committed:
                     stale += 1
                     continue
@@ -319,7 +302,7 @@ class WorkQueue:
                     self.given_up.add(s)
                     continue
                 if self.before_claim and self.before_claim():
-                    fresh = scan_shard(self.store, self.manifest, s, self.store_now())  # others went on while we waited
+                    fresh = scan_shard(self.store, self.manifest, s)  # others went on while we waited
                     if s in fresh.committed:
                         stale += 1
                         continue
@@ -361,7 +344,7 @@ class WorkQueue:
                 for lease in st.leases[shard]:
                     if not lease.alive(st.now):
                         self.store.delete(lease.key)
-            now = time.time()
+            now = self.store.now()
             for up in self.store.list_pending_uploads():
                 shard = layout.shard_of(up.key, layout.SHARDS) if up.key.startswith(layout.SHARDS) else None
                 if shard in mine and up.key not in at_work:

@@ -159,6 +159,27 @@ class LocalStore(ObjectStore):
                 found.append(ObjectInfo(key, st.st_size, st.st_mtime, f"{st.st_ino}.{st.st_mtime_ns}"))
         yield from sorted(found, key=lambda o: o.key)
 
+    def _measure_clock_offset(self) -> float | None:
+        """A shared file system may stamp files by its server's clock: a temp file's mtime (which
+        listings skip) against our clock after it was written. None while the folder is not there;
+        0 where it is not writable (`status` on a read-only copy): only our clock can count then."""
+        if not os.path.isdir(self.root):
+            return None
+        probe = os.path.join(self.root, f".clock.{uuid.uuid4().hex}{_PART_SUFFIX}")
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except OSError:
+            return 0.0
+        try:
+            os.write(fd, b"t")
+            stamped, written = os.fstat(fd).st_mtime, time.time()
+        except OSError:  # a full disk
+            return 0.0
+        finally:
+            os.close(fd)
+            _remove_quietly(probe)
+        return stamped - written
+
     def delete(self, key: str) -> None:
         _remove_quietly(self._path(key))
 
@@ -187,7 +208,7 @@ class LocalStore(ObjectStore):
         return os.path.join(self.root, *folder.split("/")) if folder else self.root
 
     def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
-        now, aborted = time.time(), 0
+        now, aborted = self.now(), 0  # uploads start by the store's clock
         for up in self.list_pending_uploads(prefix):
             if now - up.initiated >= older_than_s:
                 _remove_quietly(up.upload_id)

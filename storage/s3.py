@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime
+from email.utils import parsedate_to_datetime
 from typing import Literal, TypeVar
 
 import boto3
@@ -319,6 +320,20 @@ class S3Store(ObjectStore):
                 return
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
+    def _measure_clock_offset(self) -> float:
+        """From the Date header of a one-key listing (read-only, so `status` measures it too), against
+        our clock once the answer is in. The header has whole seconds, at or before the store's
+        time: the offset errs towards a store behind us, as `now` wants."""
+        resp = self._call("list", "", lambda: self.client.list_objects_v2(
+            Bucket=self.bucket, Prefix=self._list_prefix(""), MaxKeys=1))
+        received = time.time()
+        date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        try:
+            return parsedate_to_datetime(date).timestamp() - received
+        except (TypeError, ValueError):  # no Date header: a proxy dropped it; our clock it is
+            log.warning("%s sent no readable Date header (%r): leases age by this machine's clock", self.uri, date)
+            return 0.0
+
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
 
@@ -339,7 +354,7 @@ class S3Store(ObjectStore):
             marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
-        now, aborted = time.time(), 0
+        now, aborted = self.now(), 0  # uploads start by the store's clock
         for up in self.list_pending_uploads(prefix):
             if now - up.initiated >= older_than_s:
                 self._abort_upload(up.key, up.upload_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import posixpath
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -123,6 +124,23 @@ class ObjectStore(abc.ABC):
 
     uri: str
     retries: int = 0  # requests this store has retried so far, all threads together
+    _clock_offset: float | None = None  # the store's clock minus ours, once measured (`now`)
+
+    def now(self) -> float:
+        """The time by the store's clock, the one that stamps `ObjectInfo.modified`: leases age by
+        it, and a machine whose own clock ran ahead by most of a TTL would take live leases for
+        stale ones (a worker taking shards over, `status` calling them stale, `delete` running over
+        them). The offset is measured once per store object (`_measure_clock_offset`), erring
+        towards a store clock behind ours: objects look younger, never older, than they are."""
+        if self._clock_offset is None:
+            measured = self._measure_clock_offset()
+            if measured is None:  # not yet measurable (a folder not made yet): our clock, this time
+                return time.time()
+            self._clock_offset = measured
+        return time.time() + self._clock_offset
+
+    def _measure_clock_offset(self) -> float | None:
+        return 0.0
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:

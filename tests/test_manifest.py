@@ -486,28 +486,23 @@ def test_a_lease_taken_anew_at_its_generation_is_neither_renewed_nor_released_by
     assert json.loads(store.get(new.lease_key))["data_key"] == new.data_key  # the old holder's exit left it
 
 
-class ClockBehind:
-    """The store as a worker whose clock runs `seconds` ahead of the store's sees it: every
-    LastModified `seconds` older than by the worker's clock."""
-
-    def __init__(self, store, seconds: float):
-        self.store, self.seconds = store, seconds
-
-    def list(self, prefix: str = ""):
-        return (replace(o, modified=o.modified - self.seconds) for o in self.store.list(prefix))
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
+def clock_ahead(monkeypatch, seconds: float) -> None:
+    """This process's clock `seconds` ahead of the store's (moto's, or the kernel's file stamps):
+    every LastModified looks `seconds` older than by our clock. Stores opened after this measure
+    the offset (`ObjectStore.now`)."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + seconds)
 
 
-def test_a_worker_whose_clock_runs_ahead_of_the_stores_leaves_a_fresh_lease_alone(store_uri):
+def test_a_worker_whose_clock_runs_ahead_of_the_stores_leaves_a_fresh_lease_alone(store_uri, monkeypatch):
     """Leases age by the store's clock (LastModified). A worker 50 s ahead of it, with a 30 s TTL,
     took a lease renewed a moment ago for a stale one and took the shard over; it must wait for
     the holder instead, and claim the shard once the holder lets it go."""
+    m = fake_worker.plan(open_store(store_uri))
+    holder = next(iter(WorkQueue(open_store(store_uri), m, Producer.current(0), ttl_s=30, shards=[0])))
+    clock_ahead(monkeypatch, 50)
     store = open_store(store_uri)
-    m = fake_worker.plan(store)
-    holder = next(iter(WorkQueue(store, m, Producer.current(0), ttl_s=30, shards=[0])))
-    ahead = WorkQueue(ClockBehind(store, 50), m, Producer.current(1), ttl_s=30, shards=[0], poll_s=0.1)
+    ahead = WorkQueue(store, m, Producer.current(1), ttl_s=30, shards=[0], poll_s=0.1)
     claimed = []
     waiter = threading.Thread(target=lambda: claimed.append(next(iter(ahead))), daemon=True)
     waiter.start()
@@ -518,6 +513,24 @@ def test_a_worker_whose_clock_runs_ahead_of_the_stores_leaves_a_fresh_lease_alon
     waiter.join(30)
     assert claimed and claimed[0].shard == 0 and claimed[0].data_key != holder.data_key
     claimed[0].release()
+
+
+def test_status_and_delete_on_a_machine_whose_clock_runs_ahead_see_a_live_lease(store_uri, monkeypatch):
+    """`status`, `submit` and `delete` run on a login node, whose clock may run ahead of the
+    store's: a shard under a lease renewed a moment ago must still count as running there (not
+    pending, to be resubmitted), and `delete` must still refuse the run."""
+    from layertap.manifests.delete import Refused, describe
+
+    m = fake_worker.plan(open_store(store_uri))
+    holder = next(iter(WorkQueue(open_store(store_uri), m, Producer.current(0), ttl_s=30, shards=[0])))
+    clock_ahead(monkeypatch, 50)
+    store = open_store(store_uri)
+    assert abs(store.now() - (time.time() - 50)) < 3  # the store's clock, measured
+    assert run_status(store)["shards_running"] == 1
+    assert 0 not in remaining_work(store).todo
+    with pytest.raises(Refused, match="live leases"):
+        describe(store, force=False)
+    holder.release()
 
 
 def test_stopped_and_taken_over_attempts_do_not_use_up_a_shards_retries(store_uri):
