@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -30,8 +31,8 @@ from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.errors import ConfigError, InputError
-from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, foreign_layers, reader,
-                                      writer)
+from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, foreign_layers,
+                                      layer_order, reader, writer)
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
@@ -62,11 +63,6 @@ def check_exportable(fmt: str, run: RunConfig, uri: str) -> None:
                           f"to {fmt}")
 
 
-def layer_order(fmt: str, layers: list[int]) -> list[int]:
-    """Which stored layer goes where in `fmt`'s files: ascending for speculators, else as stored."""
-    return sorted(range(len(layers)), key=layers.__getitem__) if fmt == "speculators" else list(range(len(layers)))
-
-
 def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None = None,
                rows_only: bool = False) -> dict[str, Any]:
     """Write the run's committed samples (the first `limit`) to `dest` in `fmt`'s layout
@@ -75,6 +71,7 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     manifest = load_manifest(run)
     ident = manifest.identity
     check_exportable(fmt, ident, run.uri)
+    check_empty(dest)
     commits = read_commits(run).records
     if len(commits) < len(manifest.shards):
         log.warning("the run at %s has %d of %d shards committed: exporting those", run.uri, len(commits),
@@ -111,6 +108,17 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     return note
 
 
+def check_empty(dest: ObjectStore) -> None:
+    """Refuse a destination that holds anything: the foreign trainers glob every sample file under
+    it, so files of an earlier export (a larger one, another run's, one cut short) would be trained
+    on beside this one's, whatever layertap-export.json says."""
+    there = next(iter(dest.list("")), None)
+    if there is not None:
+        raise ConfigError(f"the export destination {dest.uri} is not empty (it holds {there.key}, and maybe more): "
+                          "the foreign trainers read every sample file under it, so an earlier export's would mix "
+                          "with this one's. Export into a new folder or prefix, or empty this one first")
+
+
 def _fingerprint(fmt: str, files: list[ForeignFile]) -> str:
     h = xxhash.xxh3_64()
     for f in files:
@@ -136,6 +144,7 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     if not files:
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
     first = rd.read(files[0])
+    check_width(int(first.hidden_states.shape[-1]), len(layers), model, f"{src.uri.rstrip('/')}/{files[0].key}")
     identity = RunConfig(model=model, layers=ours, final_state=rd.final_state,
                          hidden_size=int(first.hidden_states.shape[-1]), codec=codec)
     counts = _token_counts(files, first.num_tokens)
@@ -147,6 +156,22 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     log.info("%s run %s at %s: %d samples from %s in %d shards", "planned" if created else "resuming",
              manifest.run_id, out.uri, len(files), src.uri, len(manifest.shards))
     return manifest, rd, files
+
+
+def check_width(width: int, num_layers: int, model: str, where: str) -> None:
+    """Where `--model` is a local folder, its hidden size must be the width each of the `--layers`
+    got: SpecForge's DFlash files concatenate the layers, so a wrong layer count splits them into
+    states of another width, which only `layertap train` would notice, blaming the target."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    hidden = (config.get("text_config") or config).get("hidden_size")
+    if isinstance(hidden, int) and hidden != width:
+        raise InputError(f"{where}: split into {num_layers} layer(s) (--layers), each state is {width} wide, but "
+                         f"the target {model} has hidden size {hidden}: give --layers exactly the capture layers "
+                         f"the files hold ({num_layers * width // hidden if hidden else '?'} of them, by the width)")
 
 
 def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> Manifest:

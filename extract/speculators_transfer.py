@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from hs_connectors import HiddenStatesTransfer
 
-from layertap.extract.interop import check_exportable, layer_order
+from layertap.extract.interop import check_exportable
+from layertap.storage.foreign import layer_order
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import load_manifest
 from layertap.storage.foreign_speculators import hs_tensors

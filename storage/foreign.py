@@ -37,6 +37,13 @@ def foreign_layers(fmt: str, layers: list[int]) -> list[int]:
     return [k + LAYER_OFFSET[fmt] for k in layers]
 
 
+def layer_order(fmt: str, layers: list[int]) -> list[int]:
+    """Which stored layer goes where in `fmt`'s files (and in a drafter served from them):
+    ascending for speculators, whose files and vLLM's aux states run in layer order; as stored
+    for the others, whose files keep the order the layers were given in."""
+    return sorted(range(len(layers)), key=layers.__getitem__) if fmt == "speculators" else list(range(len(layers)))
+
+
 # The final state each format carries beside the capture layers ("none": it carries none).
 FINAL_STATE = {"speculators": "prenorm", "specforge": "none", "modelopt": "postnorm"}
 
@@ -100,12 +107,13 @@ def load_torch(data: bytes | memoryview, where: str) -> dict[str, Any]:
     """A foreign `torch.save` dict (gzip-compressed if it starts so), unpickled with
     `weights_only=True`: tensors and plain containers only, no code."""
     raw = bytes(data)
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
     try:
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
         obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad or unsafe file
-        raise InputError(f"{where}: not a torch.save file of tensors ({type(e).__name__}: {str(e)[:300]})") from None
+        raise InputError(f"{where}: not a torch.save file of tensors (gzip-compressed or not), or cut short "
+                         f"({type(e).__name__}: {str(e)[:300]})") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: holds a {type(obj).__name__}, not a dict of tensors")
     return obj

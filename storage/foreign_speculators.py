@@ -15,6 +15,7 @@ import os
 import tempfile
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -132,6 +133,8 @@ class SpeculatorsReader:
             data = st_load(bytes(self.store.get(f.key)))
         except ObjectNotFound:
             raise InputError(f"{where} is missing (row {f.sample_id} of the dataset has no hidden states)") from None
+        except SafetensorError as e:
+            raise InputError(f"{where} is not a readable safetensors file, or was cut short: {e}") from None
         if "hidden_states" not in data or "token_ids" not in data:
             raise InputError(f"{where} lacks hidden_states or token_ids")
         states = data["hidden_states"]

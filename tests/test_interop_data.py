@@ -218,6 +218,53 @@ def test_import_refuses_wrong_layer_counts_and_unsafe_pickles(prenorm_run, targe
     assert "not a torch.save file of tensors" in capsys.readouterr().err
 
 
+def test_an_export_refuses_a_destination_that_holds_files(prenorm_run, tmp_path, capsys):
+    """SpecForge's and ModelOpt's trainers read every sample file under the folder: a second,
+    smaller export into it would leave the first one's files to be trained on."""
+    dest = str(tmp_path / "sf")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest]) == 0
+    before = sorted(p.name for p in Path(dest).rglob("*"))
+    capsys.readouterr()
+    assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "3"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in Path(dest).rglob("*")) == before
+
+
+def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, tmp_path):
+    """A file cut short (a .ckpt.gz, an hs_{i}.safetensors) is one bad sample, skipped and named in
+    its shard's commit, not a failure of the whole shard on every rerun."""
+    import gzip
+
+    sf, spec = tmp_path / "sf", tmp_path / "spec"
+    assert cli(["export", prenorm_run, "--to", "specforge", str(sf), "--limit", "4"]) == 0
+    cut = sorted(sf.rglob("data_*.ckpt"))[1]
+    cut.with_suffix(".ckpt.gz").write_bytes(gzip.compress(cut.read_bytes())[:300])
+    cut.unlink()
+    assert cli(["export", prenorm_run, "--to", "speculators", str(spec), "--limit", "4"]) == 0
+    hs = spec / "hidden_states" / "hs_2.safetensors"
+    hs.write_bytes(hs.read_bytes()[:200])
+    for src, fmt, layers in ((sf, "specforge", "3,1"), (spec, "speculators", "2,4")):
+        back = str(tmp_path / f"back-{fmt}")
+        assert cli(["import", str(src), "--from", fmt, "--out", back, "--layers", layers, "--model", target]) == 0
+        store = open_store(back)
+        commits = [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
+        skipped = [s for c in commits for s in c.skipped]
+        assert sum(c.num_records for c in commits) == 3 and len(skipped) == 1
+        assert skipped[0]["reason"] == "unreadable" and "cut short" in skipped[0]["detail"]
+
+
+def test_an_import_with_too_many_layers_for_the_targets_width_is_refused(prenorm_run, target, tmp_path, capsys):
+    """SpecForge's DFlash files concatenate the layers: 4 ids for 2 stored layers split each state in
+    halves of another width than the target's, which only training would notice."""
+    sf = str(tmp_path / "sf")
+    assert cli(["export", prenorm_run, "--to", "specforge", sf, "--limit", "2"]) == 0
+    capsys.readouterr()
+    assert cli(["import", sf, "--from", "specforge", "--out", str(tmp_path / "back"), "--layers", "1,3,5,7",
+                "--model", target]) == 2
+    err = capsys.readouterr().err
+    assert "hidden size 64" in err and "--layers" in err and not (tmp_path / "back").exists()
+
+
 def test_speculators_layout_on_s3_round_trip(prenorm_run, target, s3_bucket):
     """The Arrow dataset passes through a temporary folder on both sides; the states never do."""
     dest, back = f"s3://{s3_bucket}/spec", f"s3://{s3_bucket}/back"

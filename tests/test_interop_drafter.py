@@ -132,6 +132,26 @@ def test_exported_drafter_gives_layertap_logits_in_speculators(trained, run, tar
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+def test_a_drafter_trained_on_layers_out_of_order_is_served_in_layer_order(target, tmp_path, monkeypatch):
+    """`--layers 3,1` trains fc on the states concatenated 3 then 1; vLLM (and speculators' data)
+    hand them over in layer order. The export lists the ids ascending and reorders fc's input
+    columns, so speculators fed the ascending states gives layertap's logits."""
+    run, out, dest = str(tmp_path / "run"), str(tmp_path / "out"), str(tmp_path / "spec")
+    assert cli(["extract", "--model", target, "--dataset", write_chats(tmp_path / "chats.jsonl", 8), "--out", run,
+                "--layers", "3,1", "--max-length", "64", "--log-dir", str(tmp_path / "logs")]) == 0
+    assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "4",
+                "--mask-token-id", str(MASK_ID), *FAST]) == 0
+    assert cli(["export-drafter", out, "--to", "speculators", dest]) == 0
+    assert json.loads(Path(dest, "config.json").read_text())["aux_hidden_state_layer_ids"] == [2, 4]
+    sample = first_sample(run)
+    valid = torch.nonzero(sample.loss_mask[:-4]).flatten()
+    anchors = valid[torch.linspace(0, len(valid) - 1, 3).long()].unique()
+    ours = layertap_logits(out, target, sample.hidden_states, anchors, sample.input_ids)
+    ascending = sample.hidden_states[:, [1, 0]]  # layers 1, 3
+    theirs = speculators_logits(dest, "sdpa", ascending, anchors, sample.input_ids, sample.loss_mask, monkeypatch)
+    assert float((ours - theirs).abs().max()) <= 1e-5
+
+
 def test_export_to_s3_writes_the_same_bytes(trained, tmp_path, s3_bucket):
     local, remote = str(tmp_path / "spec"), f"s3://{s3_bucket}/drafters/spec"
     assert cli(["export-drafter", trained, "--to", "speculators", local]) == 0

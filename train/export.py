@@ -11,7 +11,8 @@ the fix: train with `--mask-token-id` set to a reserved, unused id.
 The checkpoint is `model.safetensors` + `config.json` under DEST (a folder or an S3 prefix):
 config keys as speculators 0.9 writes them, `rope_parameters` stated explicitly (vLLM's
 default differs) and `aux_hidden_state_layer_ids` in HF `hidden_states` indices (layertap's
-layer k is index k + 1).
+layer k is index k + 1), ascending, as vLLM gathers them: a drafter trained on layers given out
+of order (`--layers 3,1`) has its `fc` input columns reordered to match.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from layertap.storage.errors import ConfigError, InputError, MissingInput
-from layertap.storage.foreign import foreign_layers
+from layertap.storage.foreign import foreign_layers, layer_order
 from layertap.storage.store import ObjectStore
 from layertap.train.checkpoint import load_drafter_files, load_latest, write_safetensors
 from layertap.train.drafter import DrafterConfig
@@ -69,7 +70,12 @@ def speculators_weights(config: DrafterConfig, weights: dict[str, torch.Tensor])
             "format (and vLLM) cannot hold: they embed the mask token with the target's embedding. Train again with "
             "`layertap train --mask-token-id ID`, ID a reserved or unused token id below the vocabulary size "
             "(e.g. an unused special token)")
-    return {speculators_name(k): v for k, v in sorted(weights.items())}
+    renamed = {speculators_name(k): v for k, v in sorted(weights.items())}
+    order = layer_order("speculators", config.capture_layers)
+    if order != sorted(order):  # fc's input columns follow the stored layer order; served, they come ascending
+        fc, h = renamed["fc.weight"], config.hidden_size
+        renamed["fc.weight"] = fc.reshape(fc.shape[0], len(order), h)[:, order].reshape(fc.shape[0], -1).contiguous()
+    return renamed
 
 
 def speculators_config(config: DrafterConfig, verifier: str, verifier_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -101,7 +107,8 @@ def speculators_config(config: DrafterConfig, verifier: str, verifier_config: di
         "transformer_layer_config": layer,
         "draft_vocab_size": config.vocab_size,
         "block_size": config.block_size,
-        "aux_hidden_state_layer_ids": foreign_layers("speculators", config.capture_layers),  # HF indices
+        # HF indices, ascending: vLLM gathers aux states in layer order (and `speculators_weights` orders fc so)
+        "aux_hidden_state_layer_ids": foreign_layers("speculators", sorted(config.capture_layers)),
         "mask_token_id": config.mask_token_id,
         "target_hidden_size": config.hidden_size,
         "sample_from_anchor": False,
