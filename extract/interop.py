@@ -82,6 +82,7 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     total = min(total, limit) if limit is not None else total
     out = writer(fmt, dest, rows_only=rows_only)
     written = 0
+    sources: list[dict[str, Any]] = []  # the rows' shards in order: row i is the i-th of their samples
     with progress(total, desc="export", unit="sample") as bar:
         for c in commits:
             if written >= total:
@@ -92,6 +93,7 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
                 log.warning("shard %d's data (%s) is gone: its %d samples are not exported", c.shard, c.data_key,
                             c.num_records)
                 continue
+            sources.append({"shard": c.shard, "data_key": c.data_key, "samples": 0})
             for sample in records:
                 if written >= total:
                     break
@@ -99,11 +101,12 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
                 final = sample.final_state if FINAL_STATE[fmt] != "none" else None
                 out.write(written, replace(sample, hidden_states=states, final_state=final))
                 written += 1
+                sources[-1]["samples"] += 1
                 bar.update(1)
     out.close()
     note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model, "samples": written,
             "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],
-            "hidden_size": ident.hidden_size}
+            "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources}
     dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())
     return note
 

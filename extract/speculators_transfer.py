@@ -1,12 +1,15 @@
 """speculators reads its training states straight from a layertap run: a hidden-states transfer
 (hs_connectors' `HiddenStatesTransfer`, what speculators' `ArrowDataset` takes as `transfer=`)
-that serves row i as the run's i-th committed sample, decoded from its shard on the store.
+that serves each row of a `--rows-only` export from the run's shard that holds it.
 
-With `layertap export RUN --to speculators DEST --rows-only` (the Arrow dataset alone, rows in
-the same order), `ArrowDataset(max_len, DEST, transfer=LayertapTransfer(RUN))` trains on the run
-without a file per sample on any disk. Rows are mapped through the run's commit records, in
-shard order, as the export wrote them; each shard's footer is read once and kept (a few per
-process), and each row is one ranged GET with every hash checked.
+With `layertap export RUN --to speculators DEST --rows-only` (the Arrow dataset alone),
+`ArrowDataset(max_len, DEST, transfer=LayertapTransfer(DEST))` trains on the run without a file
+per sample on any disk. Rows map to samples through the export's own record of the shards it
+read (`layertap-export.json`'s `sources`), not through the run's commits at training time: a
+shard committed since, or one whose data a `--delete-consumed` trainer removed, must not shift
+every later row onto another sample. A row whose shard is gone is missing (`on_missing` applies).
+Each shard's footer is read once and kept (a few per process), and each row is one ranged GET
+with every hash checked.
 
 Importing this module needs hs_connectors (installed with speculators).
 """
@@ -15,39 +18,55 @@ from __future__ import annotations
 
 import bisect
 import functools
+import json
+import logging
 from typing import Any
 
 import torch
 from hs_connectors import HiddenStatesTransfer
 
-from layertap.extract.interop import check_exportable
-from layertap.storage.foreign import layer_order
-from layertap.manifests.commit_index import read_commits
+from layertap.extract.interop import EXPORT_NOTE, check_exportable
 from layertap.manifests.manifest import load_manifest
+from layertap.storage.errors import InputError
+from layertap.storage.foreign import layer_order
 from layertap.storage.foreign_speculators import hs_tensors
 from layertap.storage.reader import ShardReader
-from layertap.storage.store import open_store
+from layertap.storage.store import ObjectNotFound, open_store
+
+log = logging.getLogger(__name__)
 
 
 class LayertapTransfer(HiddenStatesTransfer):
-    """Row `file_idx` of a `--rows-only` export of `run` (an S3 prefix or folder), from the run."""
+    """Row `file_idx` of the `--rows-only` export at `rows` (a folder or S3 prefix), read from the
+    run it names; `run`: where that run is now, if it moved since the export."""
 
-    def __init__(self, run: str, **store_options: Any):
-        self.run, self.store_options = run, store_options
+    def __init__(self, rows: str, run: str | None = None, **store_options: Any):
+        self.rows, self.run, self.store_options = rows, run, store_options
         self._store = None
 
     def setup(self) -> None:
         """Opened lazily, in the process that reads (a DataLoader worker opens its own)."""
         if self._store is not None:
             return
-        store = open_store(self.run, **self.store_options)
-        ident = load_manifest(store).identity
-        check_exportable("speculators", ident, self.run)
-        self._order = layer_order("speculators", ident.layers)
-        self._commits = read_commits(store).records
+        try:
+            note = json.loads(open_store(self.rows, **self.store_options).get(EXPORT_NOTE))
+        except ObjectNotFound:
+            raise InputError(f"{self.rows} has no {EXPORT_NOTE}: pass the folder `layertap export --rows-only` "
+                             "wrote (it names the run and the shard of each row)") from None
+        if "sources" not in note:
+            raise InputError(f"{self.rows}/{EXPORT_NOTE} lists no sources (an export by an older layertap): "
+                             "export it again")
+        store = open_store(self.run or note["source"], **self.store_options)
+        manifest = load_manifest(store)
+        if manifest.run_id != note["run_id"]:
+            raise InputError(f"the run at {store.uri} is run {manifest.run_id}, but {self.rows} was exported from "
+                             f"run {note['run_id']}: pass that run's location as run=")
+        check_exportable("speculators", manifest.identity, store.uri)
+        self._order = layer_order("speculators", manifest.identity.layers)
+        self._sources = note["sources"]
         self._starts = [0]
-        for c in self._commits:
-            self._starts.append(self._starts[-1] + c.num_records)
+        for source in self._sources:
+            self._starts.append(self._starts[-1] + source["samples"])
         self._store = store
         self._reader = functools.lru_cache(maxsize=4)(lambda key: ShardReader(store, key))
 
@@ -55,8 +74,13 @@ class LayertapTransfer(HiddenStatesTransfer):
         self.setup()
         if not 0 <= file_idx < self._starts[-1]:
             return None
-        shard = bisect.bisect_right(self._starts, file_idx) - 1
-        sample = self._reader(self._commits[shard].data_key).read(file_idx - self._starts[shard])
+        i = bisect.bisect_right(self._starts, file_idx) - 1
+        key = self._sources[i]["data_key"]
+        try:
+            sample = self._reader(key).read(file_idx - self._starts[i])
+        except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn by verify
+            log.warning("row %d: shard %d's data %s is gone from the run", file_idx, self._sources[i]["shard"], key)
+            return None
         sample.hidden_states = sample.hidden_states[:, self._order]
         return hs_tensors(sample)
 

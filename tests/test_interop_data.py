@@ -287,10 +287,42 @@ def test_speculators_trains_from_the_run_itself_through_the_layertap_transfer(pr
     assert cli(["export", prenorm_run, "--to", "speculators", rows, "--rows-only"]) == 0
     assert not (tmp_path / "rows" / "hidden_states").exists()
     files = ArrowDataset(max_len=64, datapath=full, on_missing="raise")
-    streamed = ArrowDataset(max_len=64, datapath=rows, on_missing="raise", transfer=LayertapTransfer(prenorm_run))
+    streamed = ArrowDataset(max_len=64, datapath=rows, on_missing="raise", transfer=LayertapTransfer(rows))
     assert len(files) == len(streamed) == len(in_order(prenorm_run))
     for i in range(len(files)):
         a, b = files[i], streamed[i]
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
-    assert LayertapTransfer(prenorm_run).get_cached(len(files)) is None
+    assert LayertapTransfer(rows).get_cached(len(files)) is None
+
+
+def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, tmp_path):
+    """Rows map to samples through the export's record of the shards it read: a shard committed
+    after the export (a run still extracting) must not shift later rows onto other samples, and a
+    shard whose data is gone (consumed, withdrawn) makes its rows missing, not another's."""
+    from layertap.extract.speculators_transfer import LayertapTransfer
+
+    tmp = tmp_path / "x"
+    tmp.mkdir()
+    run = extract(target, str(tmp_path / "run"), tmp, "prenorm")
+    store = open_store(run)
+    commits = sorted((decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)),
+                     key=lambda c: c.shard)
+    assert len(commits) >= 3
+    held_back = store.get(layout.commit_key(commits[0].shard))  # as if shard 0 were still extracting at export time
+    store.delete(layout.commit_key(commits[0].shard))
+    full, rows = str(tmp_path / "full"), str(tmp_path / "rows")
+    assert cli(["export", run, "--to", "speculators", full]) == 0
+    assert cli(["export", run, "--to", "speculators", rows, "--rows-only"]) == 0
+    store.put(layout.commit_key(commits[0].shard), held_back)  # it commits afterwards
+    gone = commits[1]
+    store.delete(gone.data_key)  # a --delete-consumed trainer took it
+    from safetensors.torch import load_file
+
+    exported = sorted(Path(full, "hidden_states").iterdir(), key=lambda p: int(p.stem.split("_")[1]))
+    transfer = LayertapTransfer(rows)
+    missing = [i for i in range(len(exported)) if transfer.get_cached(i) is None]
+    assert missing == list(range(gone.num_records))  # the first exported shard's rows, and only those
+    for i in range(gone.num_records, len(exported)):
+        ours, theirs = load_file(exported[i]), transfer.get_cached(i)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
