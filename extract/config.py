@@ -75,7 +75,9 @@ class ExtractConfig:
                                help="target stored bytes per shard, e.g. 64MB, 1GB")
     encode_threads: int | None = setting(None, help="threads compressing records (default: this process's share "
                                                     "of its CPUs, 2 to 8)")
-    lease_ttl_s: float = setting(60.0, flag="--lease-ttl", help="seconds before a dead worker's lease expires")
+    lease_ttl_s: float = setting(60.0, flag="--lease-ttl", help="seconds before a dead worker's lease expires "
+                                                                "(at least 1: a live worker renews it every quarter "
+                                                                "of it)")
     retries: int = setting(1, help="retries of a failed shard in one run: a shard failed more often is left to "
                                    "a rerun")
     shards: list[int] | None = setting(None, parse=parse_ids, help="static assignment: only these shard ids, e.g. "
@@ -112,6 +114,11 @@ class ExtractConfig:
         if self.batch_tokens < self.max_length:
             raise ConfigError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length "
                               f"({self.max_length})")
+        if not self.lease_ttl_s >= 1:  # renewed every ttl/4: below a second, workers would do little else
+            raise ConfigError(f"--lease-ttl must be at least 1 second (a worker renews its lease every quarter of "
+                              f"it; the default is 60), got {self.lease_ttl_s:g}")
+        if self.retries < 0:
+            raise ConfigError(f"--retries must be 0 (a failed shard is left to a rerun) or more, got {self.retries}")
         try:
             self.shard_bytes = parse_size(self.shard_bytes)
         except ValueError as e:

@@ -170,6 +170,10 @@ def _estimate(args: argparse.Namespace) -> _Report:
     if stated_model and args.measure:
         raise ConfigError("--measure runs the model: give --model (or neither, for the embedded SmolLM2) "
                          "instead of --hidden-size/--num-layers")
+    if args.mean_tokens is not None and args.mean_tokens > cfg.max_length:
+        raise ConfigError(f"--mean-tokens {args.mean_tokens:g} is above --max-length {cfg.max_length}: extraction "
+                          "truncates every sample to --max-length tokens, so state the mean after truncation "
+                          "(at most --max-length), or raise --max-length")
     stated_data = args.samples is not None and args.mean_tokens is not None
     target = capture = identity = None
     if stated_model:
@@ -237,6 +241,10 @@ def _regeneration(args: argparse.Namespace, samples: int, stats, sources: dict[s
     else:
         raise ConfigError("--regenerate needs the answers' length: give --answer-tokens N (mean new tokens per "
                           "sample) or let the dataset be tokenized (drop --samples/--mean-tokens)")
+    for name in ("gpus_per_server", "servers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     servers = args.servers if args.servers is not None else max(1, args.gpus // args.gpus_per_server)
     return Regeneration(samples=samples, answer_tokens=answer, tokens_per_s_per_server=args.generate_tokens_per_s,
                         servers=servers, gpus_per_server=args.gpus_per_server)
@@ -351,7 +359,11 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
                              chat_template_kwargs=template_kwargs(cfg.dataset))
     if stats.samples_read == 0:
         raise InputError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
-    plan = plan_shards(stats.counts, plan_bytes_per_token(cfg, identity), cfg.shard_bytes)
+    if existing is not None:  # the run keeps the plan it was cut with (a warning names another --shard-bytes)
+        plan, planned, cfg.shard_bytes = existing.shards, existing.bytes_per_token, existing.shard_bytes
+    else:
+        planned = plan_bytes_per_token(cfg, identity)
+        plan = plan_shards(stats.counts, planned, cfg.shard_bytes)
     measured = _measure(cfg, target, capture, identity, stats) if args.measure else None
     work = Workload(hidden_size=identity.hidden_size, capture_layers=len(identity.layers),
                     final_state=cfg.final_state != "none", samples=stats.samples, tokens=stats.tokens,
@@ -380,12 +392,12 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
         state = f"no run at {prefix} yet; `layertap plan` without --dry-run writes its manifest, `layertap extract` runs it"
     else:
         state = "no --out given: not checked against an existing run"
-    planned = plan_bytes_per_token(cfg, identity)
     head = [
         f"plan for {prefix or '(no --out)'}" + ("  (dry run: nothing written)" if args.dry_run else ""),
         f"  run        {state}",
         f"  shards     {len(plan):,} shards cut at {cfg.shard_bytes:,} B of planned bytes "
-        f"({planned:,.0f} B/token: the codec's default ratio); estimated stored bytes per shard "
+        f"({planned:,.0f} B/token: the codec's default ratio){' when the run was planned' if existing else ''}; "
+        "estimated stored bytes per shard "
         f"min {fmt_bytes(min(sizes))}, median {fmt_bytes(statistics.median(sizes))}, max {fmt_bytes(max(sizes))}",
         "",
     ]

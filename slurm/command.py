@@ -226,6 +226,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.slurm.resources import extract_resources
     from layertap.slurm.submit import partition_shape
 
+    _at_least_one(args, "nodes", "shards_per_task", "train_nodes")
     node = partition_shape(args.partition)
     gpus = _gpus_per_node(args, node)
     cfg = _extract_config(args)
@@ -294,8 +295,7 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
     from layertap.slurm.scripts import ArrayPlan, regenerate_script
     from layertap.storage.store import open_store
 
-    if args.tasks < 1 or (args.max_parallel is not None and args.max_parallel < 1):
-        raise ConfigError(f"--tasks and --max-parallel must be at least 1, got {args.tasks} and {args.max_parallel}")
+    _at_least_one(args, "tasks", "max_parallel")
     cfg = load_regenerate_config(args)  # checked here, not in the queue
     node = submit.partition_shape(args.partition)
     gpus = _gpus_per_node(args, node) if cfg.serve else (args.gpus_per_node or 0)
@@ -323,7 +323,7 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
 def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     from layertap.slurm.scripts import compress
 
-    if remaining.running:
+    if remaining is not None and remaining.running:
         _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
                    "every other one is done")
     else:
@@ -384,6 +384,8 @@ def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple
         raise ConfigError(f"{flag} {given!r}: `layertap train` does not take {' '.join(extra)}")
     if follow is not None:
         _follow_the_extraction(targs, follow, given)
+    else:
+        _train_config(targs, f"{flag} {given!r}: ")
     from layertap.slurm.resources import train_resources
 
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
@@ -395,21 +397,36 @@ def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str) -> None:
     """`--train-while-extracting`'s trainer: --follow, its --data the extraction's --out, and, when
     the extraction holds to a --window, --delete-consumed (else the window never opens again and
     the extraction waits forever). Checked as `layertap train` will check it."""
-    from layertap.train.config import load_train_config
-
     out = cfg.out.rstrip("/")
     if targs.data is not None and targs.data.rstrip("/") != out:
         raise ConfigError(f"--train-while-extracting {given!r}: its --data {targs.data} is not the extraction's "
                           f"--out {cfg.out}: leave --data out (it is set to --out)")
     targs.data, targs.follow = cfg.out, True
-    try:
-        train_cfg = load_train_config(targs)
-    except ConfigError as e:
-        raise ConfigError(f"--train-while-extracting {given!r}: {e}") from None
+    train_cfg = _train_config(targs, f"--train-while-extracting {given!r}: ")
     if cfg.window is not None and not train_cfg.delete_consumed:
         raise ConfigError(f"--window with --train-while-extracting {given!r}: the trainer must delete what it has "
                           "consumed, or the window never opens again and the extraction waits forever; add "
                           "--delete-consumed to --train-while-extracting (or leave out --window)")
+
+
+def _train_config(targs: argparse.Namespace, context: str = ""):
+    """The trainer's settings, checked now as `layertap train` will check them in the job: a bad
+    one fails here, not in the queue after the extraction it waits for. `context` prefixes the
+    error (which of this command's flags holds the arguments)."""
+    from layertap.train.config import load_train_config
+
+    try:
+        return load_train_config(targs)
+    except ConfigError as e:
+        raise ConfigError(f"{context}{e}") from None
+
+
+def _at_least_one(args: argparse.Namespace, *names: str) -> None:
+    """Node, task and shard counts: 0 or fewer would size an empty array or a %-2 cap, not fail."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def _submit_train(args: argparse.Namespace) -> int:
@@ -421,6 +438,8 @@ def _submit_train(args: argparse.Namespace) -> int:
 
     if _train_parser() is None:
         raise ConfigError("`layertap train` is not available in this installation (no train.command)")
+    _at_least_one(args, "nodes")
+    _train_config(args)
     node = partition_shape(args.partition)
     opts = _job_options(args, _gpus_per_node(args, node),
                         lambda procs: train_resources(procs, getattr(args, "num_workers", None)), node)

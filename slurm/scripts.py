@@ -140,11 +140,10 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -
                   "--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE]
     else:
         launch = [*step, shlex.quote(opts.python), "-m", EXTRACT_MODULE]
-    lines.append(_command(launch + args))
     mode = (f"{plan.shards_per_task} shard(s) per task" if plan.shards_per_task else "any free shard, through leases")
     about = [f"# layertap extraction: one array task per node, {opts.procs} worker process(es) each ({mode}).",
              "# Resubmit with the same `layertap submit extract` command: it starts tasks only for unfinished shards."]
-    return _script(about, header, opts, lines, requeue_on_timeout=True)
+    return _script(about, header, opts, lines, launch + args, extract_args, requeue_on_timeout=True)
 
 
 def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: list[str]) -> str:
@@ -155,10 +154,10 @@ def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: 
     launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
               *map(shlex.quote, regenerate_args), "--task", f'"$SLURM_ARRAY_TASK_ID/{tasks}"']
     # Array tasks may share a node: a port of the task's own for --serve and --endpoint to name.
-    lines = ["export LAYERTAP_TASK_PORT=$((20000 + SLURM_JOB_ID % 20000))", _command(launch)]
+    lines = ["export LAYERTAP_TASK_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
     about = [f"# layertap regeneration: {tasks} array task(s), each its share of the output's parts.",
              "# Resubmit with the same `layertap submit regenerate` command: it starts tasks only for unfinished parts."]
-    return _script(about, header, opts, lines, requeue_on_timeout=True)
+    return _script(about, header, opts, lines, launch, regenerate_args, requeue_on_timeout=True)
 
 
 # The loader's buffers (GET bodies, decoded samples) come from one glibc heap that keeps what is
@@ -174,8 +173,8 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     """`layertap train` on `nodes` nodes: srun starts one accelerate launcher per node, with the
     rendezvous (first node's address, a port from the job id) taken from the Slurm environment.
     With `resume_flag`, a requeued job continues from its latest checkpoint."""
-    if nodes < 1:
-        raise ConfigError(f"--nodes must be at least 1, got {nodes}")
+    if nodes < 1:  # `layertap submit` names the flag first (--nodes, or --train-nodes)
+        raise ConfigError(f"a training job needs at least 1 node, got {nodes}")
     header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", _output(opts, "%x-%j.out")])
     total = '"$((SLURM_NNODES * ' + str(opts.procs) + '))"'
     lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -192,9 +191,8 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     # No --mixed_precision: the trainer chooses its own (bf16 on GPUs).
     launch += ["--dynamo_backend", "no", "-m", TRAIN_MODULE,
                *map(shlex.quote, train_args), '${RESUME[@]+"${RESUME[@]}"}']  # bash 4.2-safe under set -u
-    lines.append(_command(launch))
     about = [f"# layertap training: {nodes} node(s) x {opts.procs} process(es), one accelerate launcher per node."]
-    return _script(about, header, opts, lines, requeue_on_timeout=bool(resume_flag))
+    return _script(about, header, opts, lines, launch, train_args, requeue_on_timeout=bool(resume_flag))
 
 
 def _srun(opts: JobOptions, *placement: str) -> list[str]:
@@ -240,7 +238,7 @@ def _sbatch_word(option: str) -> str:
     return f'{name}="{escaped}"'
 
 
-def _command(words: list[str], width: int = 100) -> str:
+def _command(words: list[str], name: str = "cmd", width: int = 100) -> str:
     """`cmd=( ... )`, an option and its value kept on one line, lines of about `width` characters."""
     groups: list[str] = []
     for w in words:
@@ -254,7 +252,29 @@ def _command(words: list[str], width: int = 100) -> str:
             lines[-1] += f" {g}"
         else:
             lines.append(g)
-    return "cmd=(\n  " + "\n  ".join(lines) + "\n)"
+    return f"{name}=(\n  " + "\n  ".join(lines) + "\n)"
+
+
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+
+
+def _shown(command: list[str], tool_args: list[str]) -> str:
+    """`shown`, the command as each task's log shows it (templates/body.sh echoes it): `cmd`
+    itself, or where the tool's arguments hold secrets a copy with them masked, as layertap's own
+    logs mask them (an --api-key or --hf-token in a --serve line, a user:password or query in a
+    URL). `cmd` keeps them: the job needs them (docs/SLURM.md: pass them in the environment)."""
+    from layertap.extract.chat_client import public_url
+    from layertap.extract.served import redacted
+
+    masked = {}
+    for arg in tool_args:
+        safe = public_url(arg) if _URL.match(arg) else redacted(arg)
+        if safe != arg:
+            masked[shlex.quote(arg)] = shlex.quote(safe)
+    if not masked:
+        return 'shown=("${cmd[@]}")'
+    return "# what the log shows: the command with its secrets masked\n" + \
+        _command([masked.get(w, w) for w in command], "shown")
 
 
 # Work that resumes (extraction; training with --resume) goes back in the queue when the time
@@ -266,7 +286,10 @@ fi
 """
 
 
-def _script(about: list[str], header: list[str], opts: JobOptions, lines: list[str], *, requeue_on_timeout: bool) -> str:
+def _script(about: list[str], header: list[str], opts: JobOptions, lines: list[str], command: list[str],
+            tool_args: list[str], *, requeue_on_timeout: bool) -> str:
+    """The whole script: `lines`, then `command` (shell words) as `cmd`, run by the body; the
+    tool's own arguments (`tool_args`, within `command`) are what `_shown` masks for the log."""
     body = resources.files(__package__).joinpath("templates/body.sh").read_text()
     on_timeout = _REQUEUE if requeue_on_timeout else ""
     body = body.replace("{{grace}}", str(opts.grace_s)).replace("{{on_timeout}}", on_timeout)
@@ -282,7 +305,8 @@ def _script(about: list[str], header: list[str], opts: JobOptions, lines: list[s
     share = "$SLURM_CPUS_PER_TASK" if opts.procs == 1 else \
         f"$(( SLURM_CPUS_PER_TASK > {opts.procs} ? SLURM_CPUS_PER_TASK / {opts.procs} : 1 ))"
     omp = f'if [ -n "${{SLURM_CPUS_PER_TASK:-}}" ]; then export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{share}}}"; fi'
-    parts = ["#!/bin/bash", *about, *header, "", *env, "set -uo pipefail", check, omp, "", *lines, "", body]
+    parts = ["#!/bin/bash", *about, *header, "", *env, "set -uo pipefail", check, omp, "", *lines,
+             _command(command), _shown(command, tool_args), "", body]
     return "\n".join(parts)
 
 

@@ -93,7 +93,8 @@ def settings(cls: type, args: Any) -> dict[str, Any]:
 
 
 def read_config_file(path: str | None, cls: type) -> dict[str, Any]:
-    """The settings in a JSON config file, refused if it names a field `cls` does not have."""
+    """The settings in a JSON config file, refused if it names a field `cls` does not have or
+    holds a value that field cannot take (`typed_values`)."""
     if not path:
         return {}
     try:
@@ -107,11 +108,55 @@ def read_config_file(path: str | None, cls: type) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path!r} must hold a JSON object of settings")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+    return typed_values(cls, values, f"config file {path!r}")
+
+
+# What a JSON value must be for a field of each type (None: not checked here; the dataclass checks it).
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+             dict: "a JSON object"}
+
+
+def typed_values(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """`values` (from a JSON file) for the fields of `cls`: refused if a key is not a field; text
+    parsed as the field's flag parses it ("1,3" for --layers, "16MB" for a size, "48" for an int);
+    any other value checked against the field's type, so that a wrong one is named here rather
+    than failing as a TypeError deep inside. `where` names the source in the messages."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"config file {path!r} has unknown settings {unknown}; known: {sorted(known)}")
-    return values
+        raise ConfigError(f"{where} has unknown settings {unknown}; known: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    return {k: _typed(fields[k], hints[k], v, where) for k, v in values.items()}
+
+
+def _typed(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
+    kind = _without_none(hint)
+    parse = f.metadata.get("parse") or (kind if kind in (int, float) else None)
+    if isinstance(value, str) and parse is not None:
+        try:
+            return parse(value)
+        except ValueError as e:
+            detail = f"must be {_EXPECTED[kind]}" if parse is kind else str(e)
+            raise ConfigError(f"{where}: {f.name} {value!r}: {detail}") from None
+    if value is None and kind is not hint:  # an optional setting left unset
+        return value
+    base = typing.get_origin(kind) or kind
+    if base not in _EXPECTED:  # a Literal, a tuple: the dataclass checks those
+        return value
+    item = typing.get_args(kind)[0] if base is list and typing.get_args(kind) else None
+    if not _is(value, base) or (item is not None and not all(_is(v, item) for v in value)):
+        what = _EXPECTED[base] + (f" whose items are each {_EXPECTED[item]}" if item in _EXPECTED else "")
+        raise ConfigError(f"{where}: {f.name} must be {what}, got {json.dumps(value)}")
+    return value
+
+
+def _is(value: Any, kind: Any) -> bool:
+    """isinstance, with JSON's numbers: an int is a float, but true and false are no numbers."""
+    if kind not in _EXPECTED:
+        return True
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
 
 
 def _help(f: dataclasses.Field) -> str:

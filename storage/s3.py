@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Literal, TypeVar
@@ -50,6 +50,7 @@ from layertap.storage.store import (
     check_key,
     join_key,
 )
+from layertap.storage.units import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class S3Options:
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     checksum_mode: Literal["when_supported", "when_required"] | None = None
     threads: int = 8
-    part_size: int = 16 * MiB
+    part_size: int = field(default=16 * MiB, metadata={"parse": parse_size})  # "16MiB" in a --config file
     # Buffers per writer, the one being filled included: up to K-1 parts upload at once.
     max_parts_in_memory: int = 9
     max_attempts: int = 8  # tries of a request that fails transiently (5xx, throttling, timeouts, resets)

@@ -258,9 +258,10 @@ def open_store(uri: str, **options) -> ObjectStore:
     Options are passed to the backend (see `storage.s3.S3Options` for the S3 ones).
     """
     if uri.startswith("s3://"):
+        from layertap.storage.flags import typed_values
         from layertap.storage.s3 import S3Options, S3Store
 
-        return S3Store(uri, S3Options(**options))
+        return S3Store(uri, S3Options(**typed_values(S3Options, options, 'the "s3" settings (of --config)')))
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
         raise StoreError(f"unsupported store URI {uri!r}: scheme {scheme!r}; use s3://bucket/prefix or a local path")

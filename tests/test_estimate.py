@@ -245,3 +245,36 @@ def test_regeneration_step_when_asked(run, capsys):
     assert "--answer-tokens" in capsys.readouterr().err
     assert cli(REF + ["--generate-tokens-per-s", "10"]) == 2
     assert "add --regenerate" in capsys.readouterr().err
+
+
+def test_impossible_stated_values_are_refused_naming_the_flag(capsys):
+    cases = [
+        # extraction truncates at --max-length: a longer mean would estimate bytes that are never stored
+        (["estimate", "--hidden-size", "5120", "--num-layers", "64", "--samples", "10", "--mean-tokens", "5000",
+          "--max-length", "4096"], "--mean-tokens 5000 is above --max-length 4096"),
+        (REF + ["--regenerate", "--answer-tokens", "500", "--gpus-per-server", "0"],
+         "--gpus-per-server must be at least 1, got 0"),  # was a ZeroDivisionError
+        (REF + ["--regenerate", "--answer-tokens", "500", "--servers", "0"], "--servers must be at least 1, got 0"),
+    ]
+    for args, message in cases:
+        assert cli(args) == 2, args
+        assert message in capsys.readouterr().err, (args, message)
+
+
+def test_plan_of_an_existing_run_shows_the_runs_own_shards(run, tmp_path, capsys, caplog):
+    """The plan is fixed when the run is created: another --shard-bytes is warned about, and the
+    report (shards, shard size, estimate) is the run's, not a cut that will never be used."""
+    out = str(tmp_path / "planned")
+    first = run_json(capsys, ["plan", *run["args"], "--out", out])
+    assert first["written"] and first["shard_bytes_target"] == 64_000
+    args = [a if a != "64KB" else "16KB" for a in run["args"]]
+    fresh = run_json(capsys, ["plan", *args, "--dry-run"])  # no --out: the new cut
+    assert fresh["shards"] > first["shards"]
+
+    again = run_json(capsys, ["plan", *args, "--out", out, "--dry-run"])
+    assert again["existing_run"] and again["shards"] == first["shards"] == len(load_manifest(open_store(out)).shards)
+    assert again["shard_bytes_target"] == 64_000 and again["estimate"]["shards"] == first["shards"]
+    assert again["bytes_per_shard_stored"] == first["bytes_per_shard_stored"]
+    assert "keeps its plan of" in caplog.text and "applies only to a new run" in caplog.text
+    assert cli(["plan", *args, "--out", out, "--dry-run"]) == 0
+    assert f"{first['shards']} shards cut at 64,000 B" in capsys.readouterr().out

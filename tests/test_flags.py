@@ -125,3 +125,55 @@ def test_user_facing_errors_share_the_root():
 
     for cls in (StoreError, ShardError, ManifestError, ConfigMismatch, SlurmError, ConfigError):
         assert issubclass(cls, UserError), cls
+
+
+def test_config_file_values_are_parsed_as_their_flags_and_type_checked(tmp_path):
+    """A --config file's text is read as the flag's text ("1,3", "48", "16MB"), and a value of the
+    wrong type is named there, not a TypeError (or a wrong message) deep inside."""
+    from layertap.extract.config import load_config
+
+    path, parser = tmp_path / "c.json", _subparser("extract")
+
+    def config(**values):
+        path.write_text(json.dumps({"out": "o", **values}))
+        return load_config(parser.parse_args(["--config", str(path)]))
+
+    cfg = config(layers="1,3", max_length="48", batch_tokens=256, shard_bytes="64KB", shards="0-2")
+    assert (cfg.layers, cfg.max_length, cfg.shard_bytes, cfg.shards) == ([1, 3], 48, 64_000, [0, 1, 2])
+    assert config(lease_ttl_s=30).lease_ttl_s == 30  # an int is a number
+    for values, message in [({"max_length": "4k"}, "max_length '4k': must be an integer"),
+                            ({"max_length": 4.5}, "max_length must be an integer, got 4.5"),
+                            ({"layers": [1, "3"]}, "layers must be a list whose items are each an integer"),
+                            ({"limit": True}, "limit must be an integer, got true"),
+                            ({"s3": "fast"}, 's3 must be a JSON object, got "fast"')]:
+        with pytest.raises(ConfigError, match=f"^config file '{path}': {message}"):
+            config(**values)
+
+
+def test_s3_options_of_a_config_file_are_named_and_sizes_parsed():
+    from layertap.storage.store import open_store
+
+    with pytest.raises(ConfigError, match=r"unknown settings \['bogus'\]; known: \['addressing_style', .*'part_size'"):
+        open_store("s3://b/p", bogus=1)
+    with pytest.raises(ConfigError, match="threads 'many': must be an integer"):
+        open_store("s3://b/p", threads="many")
+    assert open_store("s3://b/p", part_size="16MB").options.part_size == 16 * 10**6  # as --shard-bytes reads sizes
+
+
+def test_lease_ttl_and_retries_are_range_checked():
+    """A lease is renewed every ttl/4: a TTL of 0 renews it in a tight loop and makes every lease
+    stale at once; a negative one broke the heartbeat."""
+    for ttl in (0, -5, 0.5):
+        with pytest.raises(ConfigError, match="^--lease-ttl must be at least 1 second"):
+            ExtractConfig(out="o", lease_ttl_s=ttl)
+    with pytest.raises(ConfigError, match="^--retries must be 0 .* or more, got -1"):
+        ExtractConfig(out="o", retries=-1)
+    assert ExtractConfig(out="o", lease_ttl_s=1, retries=0).lease_ttl_s == 1
+
+
+def test_train_counts_that_may_be_zero_must_not_be_negative():
+    with pytest.raises(ConfigError, match="^--num-workers must be >= 0, got -1$"):
+        TrainConfig(data="d", out="o", num_workers=-1)  # was torch's ValueError from inside the DataLoader
+    with pytest.raises(ConfigError, match="^--keep-checkpoints must be >= 0, got -1$"):
+        TrainConfig(data="d", out="o", keep_checkpoints=-1)
+    assert TrainConfig(data="d", out="o", num_workers=0, keep_checkpoints=0).keep_checkpoints == 0  # 0: keep all

@@ -3,6 +3,7 @@ single-node Slurm cluster (.ci/slurm.sh) running extraction arrays and a chained
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -53,7 +54,7 @@ def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds
     store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker
     store.put(layout.lease_key(2, 1, 0.001), b"{}")  # a dead one: stale at once
     store.put(layout.failure_key(3, 1, "tok"), b"{}")
-    time.sleep(0.01)
+    time.sleep(1.1)  # leases age by the store's clock, read from S3's Date header in whole seconds
     rem = remaining_work(store)
     assert (rem.total, rem.done, rem.running, rem.failed, rem.todo) == (6, 1, [1], [3], [2, 3, 4, 5])
     assert rem.summary() == "6 shards: 1 done, 1 running, 1 failed, 3 pending"
@@ -431,6 +432,76 @@ def test_a_gpu_partition_needs_gpus_per_node(tmp_path, capsys, monkeypatch):
     assert "runs on CPU" not in capsys.readouterr().err  # chosen, not defaulted
     assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "8", "--out", fresh) == 0
     assert "--gpus-per-node=8" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"])
+
+
+def test_the_trainers_arguments_are_checked_at_submission(tmp_path, capsys, monkeypatch):
+    """--then-train and `submit train` are checked as `layertap train` checks them, before
+    anything is submitted: not by a job that fails in the queue after the whole extraction."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 2)
+    base = ("extract", "--dry-run", "--nodes", "1", "--out", prefix, "--max-length", "64")
+    for given, message in [("--out d", "missing --data"),
+                           ("--data run --out d --epochs 0", "--epochs must be >= 1, got 0"),
+                           ("--data run --out d --lr -1", "--lr must be positive"),
+                           ("--data run --out d --delete-consumed", "--delete-consumed needs --follow")]:
+        assert submit(*base, "--then-train", given) == 2, given
+        err = capsys.readouterr().err
+        assert f"error: --then-train {given!r}: {message}" in err, err
+        assert submit("train", "--dry-run", *shlex.split(given)) == 2, given
+        assert f"error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "layertap-logs").exists()
+    assert submit(*base, "--then-train", "--data run --out d --epochs 2") == 0
+    assert "--epochs 2" in dry_run_scripts(capsys.readouterr().out)["layertap-train"]
+
+
+def test_counts_of_nodes_tasks_and_shards_must_be_at_least_one(tmp_path, capsys, monkeypatch):
+    """--nodes -1 printed "every shard is done" (and chained training to nothing), crashed on a
+    fresh prefix, or wrote --array=0-4%-2: each count is refused, naming its own flag."""
+    from layertap.slurm.command import _nothing_left
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    prefix, fresh = str(tmp_path / "run"), str(tmp_path / "fresh")
+    planned_run(prefix, 4)
+    base = ("extract", "--dry-run", "--max-length", "64")
+    for args, flag, value in [(("--nodes", "-1", "--out", fresh), "--nodes", -1),
+                              (("--nodes", "-1", "--out", prefix, "--then-train", "--data run --out d"), "--nodes", -1),
+                              (("--nodes", "-2", "--shards-per-task", "2", "--out", prefix), "--nodes", -2),
+                              (("--shards-per-task", "0", "--out", prefix), "--shards-per-task", 0),
+                              (("--nodes", "1", "--train-nodes", "0", "--out", prefix, "--then-train",
+                                "--data run --out d"), "--train-nodes", 0)]:
+        assert submit(*base, *args) == 2, args
+        assert capsys.readouterr().err.endswith(f"error: {flag} must be at least 1, got {value}\n"), args
+    assert submit("train", "--dry-run", "--nodes", "0", "--data", "run", "--out", "d") == 2
+    assert "error: --nodes must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "layertap-logs").exists()
+    args = argparse.Namespace(parsable=False, dry_run=True)
+    assert _nothing_left(args, None, None) == 0  # no run: no running shards to name
+
+
+def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path):
+    """The script must run the real command (the server needs its key), but the line each task
+    echoes into its Slurm log masks what layertap's own logs mask."""
+    from layertap.slurm.scripts import regenerate_script
+
+    opts = JobOptions(job_name="r", logs=str(tmp_path), gpus_per_node=1)
+    serve = "vllm serve /m --port $LAYERTAP_TASK_PORT --api-key sk-SECRET1 --hf-token=hf_SECRET2"
+    script = regenerate_script(opts, "0-1", 2, ["--out", "o", "--endpoint", "http://u:pa55w0rd@h:8000/v1?key=k",
+                                                "--serve", serve])
+    bash_syntax_ok(script, tmp_path)
+    lines = script.splitlines()
+    run = "\n".join(lines[lines.index("cmd=("):next(i for i, l in enumerate(lines) if l.startswith("echo ")) + 1])
+    p = subprocess.run(["bash", "-c", f'{run}\nprintf "%s\\n" "${{cmd[@]}}"'], capture_output=True, text=True,
+                       env={"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "1", "PATH": os.environ["PATH"]})
+    log, *cmd = p.stdout.splitlines()
+    assert log.startswith("layertap: Slurm job 7 on ") and "--task 1/2" in log
+    assert "--endpoint http://h:8000/v1 " in log and "--api-key *** --hf-token=***" in log
+    assert not any(secret in log for secret in ("SECRET", "pa55w0rd", "key=k"))
+    assert serve in cmd and "http://u:pa55w0rd@h:8000/v1?key=k" in cmd  # what runs keeps them
+    plain = train_script(opts, 1, ["--data", "r", "--out", "d"], None)
+    assert 'shown=("${cmd[@]}")' in plain  # nothing to mask: the log shows the command itself
 
 
 # -- a real cluster ------------------------------------------------------------------------------

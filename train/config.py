@@ -75,6 +75,9 @@ class TrainConfig:
                      "fetch_threads"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_workers", "keep_checkpoints"):  # 0: no DataLoader workers; keep every checkpoint
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"--mask-token-id must be >= 0, got {self.mask_token_id}")
         if self.lr <= 0:

@@ -1,4 +1,4 @@
-echo "layertap: Slurm job ${SLURM_JOB_ID} on $(hostname), restart ${SLURM_RESTART_COUNT:-0}: ${cmd[*]}"
+echo "layertap: Slurm job ${SLURM_JOB_ID} on $(hostname), restart ${SLURM_RESTART_COUNT:-0}: ${shown[*]}"
 
 # Slurm sends SIGTERM to every process of the job (scancel, preemption, the time limit, a
 # requeue), so the workers get it themselves and clean up: this shell only waits for them,
