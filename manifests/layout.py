@@ -12,6 +12,9 @@
                                            one record per failed attempt; `.stop.json` for an
                                            attempt stopped from outside (a signal, a takeover),
                                            which no retry limit counts
+    given_up/{shard:06d}/{ms:013d}-{token} a worker gave the shard up (its --retries used up): the
+                                           verdict a follow-mode trainer waits for before it ends
+                                           its epoch without the shard
     consumed/ranks/{rank:05d}.json         a training rank's watermark: shards it read for the last time
     consumed/shards/{shard:06d}            empty marker: the shard was consumed, its data deleted
     consumed/window.json                   the --window extraction runs with (the trainer's stall check)
@@ -28,6 +31,7 @@ import re
 
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
+GIVEN_UP = "given_up/"
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
@@ -77,6 +81,18 @@ def failure_prefix(shard: int) -> str:
 
 
 STOPPED = ".stop.json"
+
+
+def given_up_key(shard: int, millis: int, token: str) -> str:
+    return f"{GIVEN_UP}{shard:06d}/{millis:013d}-{token}"
+
+
+def record_millis(key: str) -> int:
+    """The time in ms a failure or given-up key starts its name with (0 if it does not)."""
+    try:
+        return int(key.rsplit("/", 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return 0
 
 
 def failure_key(shard: int, millis: int, token: str, stopped: bool = False) -> str:

@@ -50,7 +50,7 @@ class RunState:
         """Failures of the shard's own written at or after `since` (their key starts with the time
         in ms); not attempts stopped from outside (preempted, taken over), which say nothing of it."""
         return sum(1 for k in self.failures.get(shard, [])
-                   if not k.endswith(layout.STOPPED) and _failure_millis(k) >= since * 1000)
+                   if not k.endswith(layout.STOPPED) and layout.record_millis(k) >= int(since * 1000))
 
     def raise_if_replaced(self, uri: str) -> None:
         """Refuse to work on a run whose manifest was replaced: its commits are another plan's."""
@@ -65,13 +65,6 @@ class RunState:
         if self.failures.get(shard):
             return "failed"
         return "pending"
-
-
-def _failure_millis(key: str) -> int:
-    try:
-        return int(key.rsplit("/", 1)[1].split("-", 1)[0])
-    except (IndexError, ValueError):
-        return 0
 
 
 def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> RunState:

@@ -237,6 +237,18 @@ class WorkQueue:
                 log.warning("could not release the lease %s: %s", key, e)
             self._leases_written.discard(key)
 
+    def _give_up(self, shard: int) -> None:
+        """Leave the shard, and say so on the store (once): a follow-mode trainer ends its epoch
+        without a shard only on this verdict, not on a failure that a retry may still mend."""
+        if shard in self.given_up:
+            return
+        self.given_up.add(shard)
+        key = layout.given_up_key(shard, int(time.time() * 1000), self.producer.token)
+        try:
+            self.store.put(key, json.dumps({"producer": asdict(self.producer), "retries": self.retries}).encode())
+        except StoreError as e:  # the trainer then waits on the shard until someone finishes it
+            log.error("shard %d: could not record that it was given up: %s", shard, e)
+
     def lease_payload(self, generation: int, data_key: str) -> bytes:
         return json.dumps({"holder": asdict(self.producer), "generation": generation, "data_key": data_key,
                            "ttl_s": self.ttl_s, "renewed_at": time.time()}).encode()
@@ -299,7 +311,7 @@ class WorkQueue:
                     waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
                     continue
                 if fresh.failures_since(s, self.started) > self.retries:
-                    self.given_up.add(s)
+                    self._give_up(s)
                     continue
                 if self.before_claim and self.before_claim():
                     fresh = scan_shard(self.store, self.manifest, s)  # others went on while we waited

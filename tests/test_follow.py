@@ -193,6 +193,67 @@ def test_consumed_shards_are_those_every_sample_of_which_was_yielded(tmp_path):
     it.close()
 
 
+def give_up(uri: str, shard: int, failures: int = 1) -> None:
+    """A worker fails `shard` `failures` times and, its --retries 0 used up, gives it up."""
+    from layertap.manifests.records import Producer
+    from layertap.manifests.work import Claim, WorkQueue
+
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    q = WorkQueue(store, m, Producer.current(9), retries=failures - 1, shards=[shard])
+    for gen in range(1, failures + 1):
+        Claim(q, m.shards[shard], generation=gen, attempt=f"x{gen}").fail(RuntimeError("bad input"))
+    assert list(q) == [] and q.given_up == {shard}
+
+
+def test_the_follow_epoch_ends_on_a_given_up_shard_not_on_a_failure_a_retry_may_mend(tmp_path):
+    """A preempted shard, or one that failed with retries left (its worker waiting behind
+    --window holds no lease), will still come: ending the epoch there trains it without them, and
+    a window run's extraction then waits on a trainer that has left. Only a worker's verdict
+    (it used up its --retries) ends it."""
+    from layertap.manifests.records import Producer
+    from layertap.manifests.work import Claim, WorkQueue
+    from layertap.train.follow import CommitWatcher
+
+    uri = str(tmp_path / "run")
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    fake_worker.work(uri, shards=[s for s in range(len(m.shards)) if s != 2])
+    watcher = CommitWatcher(store, m, poll_s=0.1)
+    watcher.poll()
+    q = WorkQueue(store, m, Producer.current(5), retries=1, shards=[2])
+    Claim(q, m.shards[2], generation=1, attempt="x1").fail(KeyboardInterrupt(), preempted=True)
+    assert [watcher._extraction_over() for _ in range(3)] == [False] * 3  # preempted: it will be redone
+    Claim(q, m.shards[2], generation=2, attempt="x2").fail(RuntimeError("bad input"))
+    assert [watcher._extraction_over() for _ in range(3)] == [False] * 3  # one failure of 2 allowed
+    Claim(q, m.shards[2], generation=3, attempt="x3").fail(RuntimeError("bad input"))
+    assert list(q) == [] and q.given_up == {2}  # --retries 1 used up: the worker says so
+    assert [watcher._extraction_over() for _ in range(2)] == [False, True]
+    watcher._given_up_once = False  # a resubmitted worker fails it once more: retrying again
+    time.sleep(0.01)
+    Claim(WorkQueue(store, m, Producer.current(6), shards=[2]), m.shards[2], generation=4,
+          attempt="x4").fail(RuntimeError("bad input"))
+    assert [watcher._extraction_over() for _ in range(2)] == [False, False]
+
+
+def test_after_the_follow_epoch_only_the_shards_it_took_count_as_consumed(tmp_path):
+    """A shard committed after the follow epoch ended (given up, then redone) was never trained
+    on: `--delete-consumed` must not delete it with the rest."""
+    uri = str(tmp_path / "run")
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    fake_worker.work(uri, shards=[s for s in range(len(m.shards)) if s != 6])
+    give_up(uri, 6)
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    got = list(stream)
+    assert sum(not x["padding"] for x in got) == SAMPLES - m.shards[6].num_samples
+    state = json.loads(json.dumps(stream.state_dict()))
+    assert state["epoch"] == 1
+    fake_worker.work(uri, shards=[6])  # resubmitted, it commits now
+    assert stream.consumed_shards(state) == [0, 1, 2, 3, 4, 5]
+    assert ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1).consumed_shards(state) == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_restart_in_the_padding_needs_no_deleted_data(tmp_path, monkeypatch):
     """A rank restarted at the end of the follow epoch, after every shard was consumed and
     deleted (a window run), still yields its zero-weighted padding: one token of zeros in the

@@ -7,11 +7,13 @@ when something new appeared. The first look reads the commit index with the list
 later looks list `commits/` and GET only commits not seen before. A waiting consumer says why at
 most every 30 s.
 
-Extraction is over when every planned shard is committed, or when nothing is left that anyone is
-working on: no live lease in the run and every uncommitted shard has failure records, on two
-looks in a row. A shard whose every attempt failed therefore ends the epoch (with a warning naming
-it) instead of hanging the trainer; a shard merely waiting for a worker (pending, or a lease that
-is still alive) keeps it waiting.
+Extraction is over when every planned shard is committed, or when nothing is left that anyone
+will do: no live lease in the run and every uncommitted shard given up by a worker that used up
+its --retries on it (`given_up/`), on two looks in a row. A shard whose every attempt failed
+therefore ends the epoch (with a warning naming it) instead of hanging the trainer; a shard that
+failed with retries left, was preempted, or waits for a worker (pending, a live lease, a worker
+held by --window) keeps it waiting: ending early would train the epoch without data that then
+lands, and a window run's extraction would wait on a trainer that has left.
 """
 
 from __future__ import annotations
@@ -114,28 +116,38 @@ class CommitWatcher:
             self._backoff.sleep()
 
     def _extraction_over(self) -> bool:
-        """Nothing left to wait for: no live lease and every uncommitted shard failed (two looks in
-        a row). Logs what is still pending, at most every 30 s."""
+        """Nothing left to wait for: no live lease and every uncommitted shard given up by a worker
+        whose --retries it used up (`given_up/`), on two looks in a row. A failure with retries
+        left, a preemption or a worker waiting behind --window is not an end: the shard will come.
+        Logs what is still pending, at most every 30 s."""
         st = scan(self.store, self.manifest)
         left = [p.id for p in self.manifest.shards if p.id not in self.known and p.id not in st.committed]
-        states = {s: st.state(s) for s in left}
-        running = sum(1 for v in states.values() if v == "running")
-        failed = sorted(s for s, v in states.items() if v == "failed")
+        verdicts: dict[int, int] = {}  # shard -> its newest given-up record's time (ms)
+        for o in self.store.list(layout.GIVEN_UP):
+            shard = layout.shard_of(o.key, layout.GIVEN_UP)
+            if shard is not None:
+                verdicts[shard] = max(verdicts.get(shard, 0), layout.record_millis(o.key))
+        running = [s for s in left if st.live_lease(s)]
+        given_up = [s for s in left if s not in running and s in verdicts
+                    and verdicts[s] >= max((layout.record_millis(k) for k in st.failures.get(s, [])
+                                            if not k.endswith(layout.STOPPED)), default=0)]
+        retrying = [s for s in left if s not in running and s not in given_up and st.failures_since(s, 0)]
         live = any(st.live_lease(s) for s in st.leases)
-        if left and not live and len(failed) == len(left) and not (st.committed - set(self.known)):
+        if left and not live and len(given_up) == len(left) and not (st.committed - set(self.known)):
             if self._given_up_once:
-                log.warning("%s: extraction is over with %d shard(s) failed (%s): ending the follow epoch without "
-                            "them (`layertap status %s` says why they failed)", self.who, len(failed),
-                            ", ".join(map(str, failed[:10])) + (" ..." if len(failed) > 10 else ""), self.store.uri)
+                log.warning("%s: extraction is over with %d shard(s) given up (%s): ending the follow epoch without "
+                            "them (`layertap status %s` says why they failed)", self.who, len(given_up),
+                            ", ".join(map(str, given_up[:10])) + (" ..." if len(given_up) > 10 else ""),
+                            self.store.uri)
                 self.complete = True
                 return True
             self._given_up_once = True
         else:
             self._given_up_once = False
         if time.monotonic() - self._logged >= LOG_EVERY_S:
-            log.info("%s waiting for extraction: %d of %d shards committed (%d running, %d failed, %d pending)",
-                     self.who, len(self.known), len(self.manifest.shards), running, len(failed),
-                     len(left) - running - len(failed))
+            log.info("%s waiting for extraction: %d of %d shards committed (%d running, %d failed with retries left, "
+                     "%d given up, %d pending)", self.who, len(self.known), len(self.manifest.shards), len(running),
+                     len(retrying), len(given_up), len(left) - len(running) - len(retrying) - len(given_up))
             self._log_stall()
             self._logged = time.monotonic()
         return False

@@ -31,6 +31,8 @@ class Position:
         self._epoch = epoch
         self._consumed: list[int] | None = None  # per consumer, this epoch; None until a pass starts
         self._taken: list[list[int]] | None = None  # per consumer, in the follow epoch
+        # after it: the shards every consumer took in the follow epoch, which it therefore trained on
+        self.follow_trained: list[int] | None = None
         self._reported: list[int] = []  # per consumer: how much of `_taken` the loader has been told
         self._next = 0
         self._moves = 0  # counts jumps (another epoch, a loaded state), so a pass knows it was overtaken
@@ -133,6 +135,8 @@ class Position:
                  "consumed": list(consumed or []), "next_worker": self._next}
         if self._follow_epoch():
             state["taken"] = [list(t) for t in self._taken or []]
+        elif self.follow_trained is not None:
+            state["follow_trained"] = list(self.follow_trained)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -144,6 +148,8 @@ class Position:
         if taken is not None and (len(taken) != len(consumed) or self.follow is None):
             raise InputError("corrupt ShardStream state: 'taken' needs follow mode and one list per worker")
         self._jump(int(state["epoch"]), consumed or None, next_worker)
+        trained = state.get("follow_trained")
+        self.follow_trained = [int(s) for s in trained] if trained is not None and not self._follow_epoch() else None
         if self._follow_epoch() and consumed:
             self._taken = [[int(s) for s in t] for t in taken or [[] for _ in consumed]]
         self._roll()
@@ -152,6 +158,9 @@ class Position:
         """A finished epoch becomes the start of the next."""
         c = self._consumed
         if c is not None and all(p >= n for p, n in zip(c, self.counts(len(c)))):
+            if self._follow_epoch():  # its shards were drained to the end by every consumer that took them
+                taken = [set(t) for t in self._taken or []]
+                self.follow_trained = sorted(set.intersection(*taken)) if taken else []
             self._jump(self._epoch + 1, None, 0)
 
     def _jump(self, epoch: int, consumed: list[int] | None, next_worker: int) -> None:

@@ -638,15 +638,18 @@ class ShardStream(IterableDataset):
 
     def consumed_shards(self, state: dict[str, Any] | None = None) -> list[int]:
         """Ids of the shards every consumer of this rank has entirely yielded in the follow epoch,
-        according to `state` (default: the current position); after the follow epoch, every
-        committed shard; [] when not following. What `layertap train --delete-consumed` records
-        once a checkpoint holds `state`."""
+        according to `state` (default: the current position); after the follow epoch, those it
+        took (not every committed shard: one committed after the epoch ended, a shard given up
+        and then redone, was never trained on); [] when not following. What `layertap train
+        --delete-consumed` records once a checkpoint holds `state`."""
         c = self.config
         if not c.follow:
             return []
         state = self.state_dict() if state is None else state
         if int(state["epoch"]) > 0:
-            self._settle(force=True)
+            if state.get("follow_trained") is not None:
+                return sorted(int(s) for s in state["follow_trained"])
+            self._settle(force=True)  # a state saved by a layertap that did not record them
             return [s.shard for s in self.shards]
         taken, consumed = state.get("taken") or [], state.get("consumed") or []
         if any(s not in self._records for t in taken for s in t):
