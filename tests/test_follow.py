@@ -116,6 +116,23 @@ def test_delete_consumed_needs_follow_and_one_epoch():
     assert "follow" not in TrainConfig(data="d", out="o").identity()  # older checkpoints still compare equal
 
 
+def test_delete_consumed_trains_the_whole_follow_epoch(tmp_path, capsys):
+    """Stopping before the follow epoch's end leaves the rest of the run unconsumed: an extraction
+    under --window would wait for a trainer that has left. Refused, like steps past the epoch."""
+    from layertap.cli import main as cli
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, shards=[0])
+    base = ["train", "--data", uri, "--model", target, "--out", str(tmp_path / "out"), "--follow", "--delete-consumed",
+            "--batch-size", "4"]
+    for steps, why in (("3", "stopping before its end"), ("11", "later steps would need the deleted data")):
+        assert cli([*base, "--steps", steps]) == 2
+        err = capsys.readouterr().err
+        assert "the follow epoch has 10 steps" in err and why in err
+
+
 # -- one consumer, in-process --------------------------------------------------------------------
 
 def test_follow_starts_before_the_manifest_and_resumes_exactly(tmp_path, caplog):
@@ -252,6 +269,35 @@ def test_after_the_follow_epoch_only_the_shards_it_took_count_as_consumed(tmp_pa
     fake_worker.work(uri, shards=[6])  # resubmitted, it commits now
     assert stream.consumed_shards(state) == [0, 1, 2, 3, 4, 5]
     assert ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1).consumed_shards(state) == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_stall_checkpoint_is_taken_whichever_rank_lacks_its_batch(tmp_path, monkeypatch):
+    """Two ranks' shares of a follow run differ by a few samples, so at a stall rank 0 may hold its
+    next batch while rank 1 waits: the trainer must still checkpoint (freeing the window), not
+    wait for good. Rank 0's `_await_data`, with rank 1's part of each reduce played here."""
+    import types
+
+    import torch
+
+    import layertap.train.trainer as trainer
+    from layertap.manifests.consumption import WindowGate
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, shards=[0, 1, 2])
+    WindowGate(_store(uri), 10_000).record()  # its 3 shards fill the window: extraction is held
+    saves: list[int] = []
+    monkeypatch.setattr(trainer, "_save", lambda run, step: saves.append(step))
+
+    def reduce(flags, reduction):  # rank 1: no batch until the checkpoint frees the window; no stop
+        rank1 = {2: [0.0 if saves else 1.0, 0.0], 1: [0.0]}[len(flags)]
+        return flags + torch.tensor(rank1, dtype=flags.dtype)
+
+    acc = types.SimpleNamespace(num_processes=2, is_main_process=True, device=torch.device("cpu"), reduce=reduce)
+    run = types.SimpleNamespace(acc=acc, batches=types.SimpleNamespace(ready=lambda timeout: True), data=_store(uri),
+                                stop=types.SimpleNamespace(requested=None),
+                                cfg=types.SimpleNamespace(delete_consumed=True))
+    assert trainer._await_data(run, step=2, saved=0) == (False, 2)
+    assert saves == [2]
 
 
 def test_a_restart_in_the_padding_needs_no_deleted_data(tmp_path, monkeypatch):

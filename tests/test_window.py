@@ -319,6 +319,19 @@ def test_a_stream_leaves_out_consumed_shards_with_one_warning(store_uri, caplog)
     assert [s.shard for s in stream.shards] == [1, 3, 4, 5, 6]
     assert len(samples) == sum(records[s] for s in (1, 3, 4, 5, 6)) == stream.total_samples
 
+    # a follow stream (a new trainer, or one whose checkpoint was lost) leaves them out too, instead
+    # of fetching them and calling them corrupt; it pads for them, as for shards never committed
+    from layertap.train import StreamConfig
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="layertap.train.stream"):
+        follow = list(ShardStream(store_uri, config=StreamConfig(follow=True, follow_poll_s=0.5), rank=0,
+                                  world_size=1))
+    real = [x["sample_id"] for x in follow if not x["padding"]]
+    assert sorted(real) == sorted(s["sample_id"] for s in samples)
+    assert len(follow) == sum(records.values())
+    assert any("leaving them out of the follow epoch" in r.getMessage() for r in caplog.records)
+
     record_consumed(store, rank=0, world_size=1, shards=list(range(7)), step=2)
     delete_consumed(store)
     with pytest.raises(InputError, match=r"every committed shard with samples is gone: 7 committed shard\(s\)"):

@@ -519,10 +519,18 @@ class ShardStream(IterableDataset):
                           range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
                           on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers(), open_ended=not shuffle.ended)
         taken = set(recorded)
+        # consumed and deleted by another training run (or by this one's lost checkpoint's): left out, as
+        # `load_index` leaves them out of a plain stream, not fetched and then called corrupt
+        gone = consumed_shards(self._store()) - taken
+        if gone:
+            log.warning("%s: %d committed shard(s) of %s (%s) were consumed and deleted by a training run that read "
+                        "it while it was extracted (`layertap train --delete-consumed`): leaving them out of the "
+                        "follow epoch; they cannot be trained on again", who, len(gone), self.uri,
+                        ", ".join(map(str, sorted(gone)[:10])) + (" ..." if len(gone) > 10 else ""))
 
         def discover(new) -> None:
             for commit in new:
-                if commit.shard not in taken and not shuffle.ended:
+                if commit.shard not in taken and commit.shard not in gone and not shuffle.ended:
                     taken.add(commit.shard)
                     fetcher.extend(take(commit))
                     position.take(worker, commit.shard)

@@ -186,10 +186,13 @@ def train(cfg: TrainConfig) -> int:
     # with --follow: the follow epoch's batches, computed from the manifest's planned samples
     steps_per_epoch = -(-len(loader) // cfg.grad_accum)  # the last takes the batches left (`train_step`)
     total = cfg.steps or cfg.epochs * steps_per_epoch
-    if cfg.delete_consumed and total > steps_per_epoch:
-        raise ConfigError(f"--delete-consumed with --steps {total}: the follow epoch has {steps_per_epoch} steps, "
-                          "and later steps would need the deleted data; give --steps <= "
-                          f"{steps_per_epoch} or leave out --delete-consumed")
+    if cfg.delete_consumed and total != steps_per_epoch:
+        raise ConfigError(
+            f"--delete-consumed with --steps {total}: the follow epoch has {steps_per_epoch} steps, and "
+            + ("later steps would need the deleted data" if total > steps_per_epoch else
+               "stopping before its end leaves the rest of the run unconsumed, so an extraction under --window "
+               "would wait for a trainer that has left")
+            + f"; leave out --steps (or give {steps_per_epoch}), or leave out --delete-consumed")
     lines: list[str] = []
     start = 0
     if ckpt is not None:
@@ -389,21 +392,28 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
     free. With --delete-consumed the trainer then checkpoints at this step boundary (unless it
     has since `saved`): the shards it trained on count as consumed, their data is deleted and the
     window opens. Ranks decide together, by one small reduce per step and per `STALL_CHECK_S`
-    seconds of waiting (none on one rank while its batch is there)."""
+    seconds of waiting (none on one rank while its batch is there), and while any rank waits, rank 0
+    looks for the stall and tells the others (a second reduce): whichever rank lacks its batch,
+    not only rank 0 (ranks' shares of a follow run differ by a few samples at a stall)."""
     from layertap.manifests.consumption import stalled
 
     acc, world = run.acc, run.acc.num_processes
+
+    def any_rank(*values: bool) -> list[bool]:
+        flags = torch.tensor([float(v) for v in values], dtype=torch.float64, device=acc.device)
+        return [float(x) > 0 for x in (acc.reduce(flags, reduction="sum") if world > 1 else flags)]
+
     while True:
         have = run.batches.ready(STALL_CHECK_S)
         if world == 1 and have:
             return False, saved
-        held = run.cfg.delete_consumed and acc.is_main_process and not have and stalled(run.data) is not None
-        flags = torch.tensor([float(not have), float(held), float(run.stop.requested is not None)],
-                             dtype=torch.float64, device=acc.device)
-        missing, held, stop = (float(x) > 0 for x in (acc.reduce(flags, reduction="sum") if world > 1 else flags))
+        missing, stop = any_rank(not have, run.stop.requested is not None)
         if stop or not missing:
             return stop, saved
-        if held and step > saved:
+        if not (run.cfg.delete_consumed and step > saved):
+            continue
+        [held] = any_rank(acc.is_main_process and stalled(run.data) is not None)
+        if held:
             if acc.is_main_process:
                 log.info("extraction waits for its storage window to open while training waits for data: checkpoint "
                          "at step %d, so the shards trained on count as consumed and their data is deleted", step)
