@@ -232,6 +232,14 @@ def _put_json(store: ObjectStore, key: str, body: dict) -> None:
     store.put(key, json.dumps(body).encode())
 
 
+def window_floor(consumers: int, shuffle_buffer: int, batch_size: int, shard_bytes: int) -> int:
+    """The --window under which a window run may stall for good: each sample in a consumer's
+    shuffle buffer or in a batch in flight (3: prefetched, being trained, not yet checkpointed)
+    can keep a whole shard from counting as consumed. A bound, not an estimate: stalls need less
+    where shards hold many samples each."""
+    return consumers * (shuffle_buffer + 3 * batch_size) * shard_bytes
+
+
 def recorded_window(store: ObjectStore) -> int | None:
     """The --window the run's extraction workers run with, once one has started (else None)."""
     try:

@@ -382,21 +382,36 @@ def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple
         raise ConfigError(f"{flag} {given!r}: {e}") from None
     if extra:
         raise ConfigError(f"{flag} {given!r}: `layertap train` does not take {' '.join(extra)}")
-    if follow is not None:
-        _follow_the_extraction(targs, follow, given)
-    else:
+    train_cfg = _follow_the_extraction(targs, follow, given) if follow is not None else \
         _train_config(targs, f"{flag} {given!r}: ")
     from layertap.slurm.resources import train_resources
 
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
                          job_name="layertap-train")
+    if follow is not None and follow.window is not None:
+        _check_window(follow, train_cfg, args.train_nodes * topts.procs * max(1, train_cfg.num_workers))
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
 
 
-def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str) -> None:
+def _check_window(cfg, train_cfg, consumers: int) -> None:
+    """Warn (on stderr, at submission) of a --window below `window_floor`: the run may stall for
+    good once the consumers' shuffle buffers and batches pin the shards that fill the window."""
+    from layertap.manifests.consumption import window_floor
+    from layertap.storage.units import size
+
+    floor = window_floor(consumers, train_cfg.shuffle_buffer, train_cfg.batch_size, cfg.shard_bytes)
+    if cfg.window < floor:
+        print(f"warning: --window {size(cfg.window)} is below {size(floor)} = {consumers} consumers (ranks x DataLoader "
+              f"workers) x (--shuffle-buffer {train_cfg.shuffle_buffer} + 3 x --batch-size {train_cfg.batch_size}) x "
+              f"--shard-bytes {size(cfg.shard_bytes)}: samples in shuffle buffers and batches in flight can each keep "
+              "a shard from counting as consumed, and the run may stall for good. Raise --window, or lower "
+              "--shard-bytes, --shuffle-buffer or --batch-size", file=sys.stderr)
+
+
+def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
     """`--train-while-extracting`'s trainer: --follow, its --data the extraction's --out, and, when
     the extraction holds to a --window, --delete-consumed (else the window never opens again and
-    the extraction waits forever). Checked as `layertap train` will check it."""
+    the extraction waits forever). Checked as `layertap train` will check it; its settings."""
     out = cfg.out.rstrip("/")
     if targs.data is not None and targs.data.rstrip("/") != out:
         raise ConfigError(f"--train-while-extracting {given!r}: its --data {targs.data} is not the extraction's "
@@ -407,6 +422,7 @@ def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str) -> None:
         raise ConfigError(f"--window with --train-while-extracting {given!r}: the trainer must delete what it has "
                           "consumed, or the window never opens again and the extraction waits forever; add "
                           "--delete-consumed to --train-while-extracting (or leave out --window)")
+    return train_cfg
 
 
 def _train_config(targs: argparse.Namespace, context: str = ""):

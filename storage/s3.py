@@ -357,7 +357,7 @@ class S3Store(ObjectStore):
     def abort_pending_uploads(self, prefix: str = "", older_than_s: float = 0.0) -> int:
         now, aborted = self.now(), 0  # uploads start by the store's clock
         for up in self.list_pending_uploads(prefix):
-            if now - up.initiated >= older_than_s:
+            if older_than_s <= 0 or now - up.initiated >= older_than_s:  # 0: every one, whatever the clocks
                 self._abort_upload(up.key, up.upload_id)
                 aborted += 1
         return aborted

@@ -133,6 +133,25 @@ def test_delete_consumed_trains_the_whole_follow_epoch(tmp_path, capsys):
         assert "the follow epoch has 10 steps" in err and why in err
 
 
+def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
+    """--follow --epochs 2 counts its steps as two follow epochs, padded to the plan; the second
+    holds only the committed samples (a shard was given up), so it ends sooner: training ends
+    there, not with a few steps of a third epoch."""
+    from layertap.cli import main as cli
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    m = fake_worker.plan(_store(uri))
+    fake_worker.work(uri, shards=[s for s in range(len(m.shards)) if s != 6])
+    give_up(uri, 6)
+    assert cli(["train", "--data", uri, "--model", target, "--out", out, "--follow", "--follow-poll-s", "0.5",
+                "--epochs", "2", "--batch-size", "4", "--block-size", "4", "--max-anchors", "8"]) == 0
+    lines = [json.loads(x) for x in _store(out).get("metrics.jsonl").decode().splitlines()]
+    committed = SAMPLES - m.shards[6].num_samples
+    assert [x["epoch"] for x in lines] == [0] * (SAMPLES // 4) + [1] * -(-committed // 4)
+
+
 # -- one consumer, in-process --------------------------------------------------------------------
 
 def test_follow_starts_before_the_manifest_and_resumes_exactly(tmp_path, caplog):

@@ -288,7 +288,9 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     base = ("extract", "--dry-run", "--nodes", "2", "--gpus-per-node", "4", "--out", fresh, "--train-nodes", "3")
     assert submit(*base, "--window", "200GB",
                   "--train-while-extracting", "--model m --out d --delete-consumed --save-every 50") == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # 3 nodes x 4 ranks, each sample of a 64-sample shuffle buffer and 3 batches of 4 pinning a 1 GB shard
+    assert "--window 186 GiB is below 849 GiB = 12 consumers" in err and "may stall for good" in err
     scripts = dry_run_scripts(out)
     assert set(scripts) == {"layertap-extract", "layertap-train"}
     assert "--window 200GB" in " ".join(scripts["layertap-extract"].split())
@@ -297,6 +299,9 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     assert "#SBATCH --nodes=3" in train and "#SBATCH --gpus-per-node=4" in train
     assert "sbatch --parsable <script>" in out and "--dependency" not in out  # it may start before the array
     assert "RESUME=(--resume)" in train  # a requeued trainer continues its follow epoch
+    assert submit(*base, "--window", "200GB", "--shard-bytes", "128MB", "--train-while-extracting",
+                  "--model m --out d --delete-consumed --shuffle-buffer 16") == 0
+    assert "may stall" not in capsys.readouterr().err  # 12 x (16 + 12) x 128 MB = 43 GB
 
     # With --window the trainer must delete what it consumed, or the extraction would wait forever.
     assert submit(*base, "--window", "200GB", "--train-while-extracting", "--model m --out d") == 2

@@ -357,11 +357,19 @@ def _loop(run: _Run, start: int) -> int:
         stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
         if not stopped:
             epoch = run.batches.epoch  # the step's: once it has taken an epoch's last batch, the next
-            stats = train_step(run, step, run.distill)
-            step, stopped = stats.step, stats.stop
-            wait = run.batches.pop_wait_s()
-            if run.metrics is not None:
-                _report(run, stats, epoch, wait, progress)
+            if cfg.follow and cfg.steps is None and epoch >= cfg.epochs:
+                # The steps were counted as --epochs follow epochs, padded to the plan; later epochs hold
+                # only the committed samples, so the last one ends sooner: end there, not in one more.
+                if acc.is_main_process:
+                    log.info("the last epoch ended at step %d (of the %d the plan allowed for): training ends",
+                             step, run.total)
+                run.total = step
+            else:
+                stats = train_step(run, step, run.distill)
+                step, stopped = stats.step, stats.stop
+                wait = run.batches.pop_wait_s()
+                if run.metrics is not None:
+                    _report(run, stats, epoch, wait, progress)
         if (step % cfg.save_every == 0 or step == run.total or stopped) and step > saved:
             _save(run, step)
             saved = step
