@@ -8,7 +8,7 @@
                                            empty markers carrying a commit's numbers in the name,
                                            so `status` needs listings only, never a GET per shard
     leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim; alive while LastModified + ttl > now
-    failures/{shard:06d}/{ms:013d}-{token}.json
+    failures/{shard:06d}/{ms:013d}-{token}-{attempt}.json
                                            one record per failed attempt; `.stop.json` for an
                                            attempt stopped from outside (a signal, a takeover),
                                            which no retry limit counts
@@ -95,8 +95,9 @@ def record_millis(key: str) -> int:
         return 0
 
 
-def failure_key(shard: int, millis: int, token: str, stopped: bool = False) -> str:
-    return f"{failure_prefix(shard)}{millis:013d}-{token}{STOPPED if stopped else '.json'}"
+def failure_key(shard: int, millis: int, token: str, attempt: int = 0, stopped: bool = False) -> str:
+    """The attempt (its lease generation) keeps two failures of one worker in one millisecond apart."""
+    return f"{failure_prefix(shard)}{millis:013d}-{token}-{attempt}{STOPPED if stopped else '.json'}"
 
 
 def shard_of(key: str, prefix: str) -> int | None:

@@ -126,7 +126,7 @@ class Claim:
             producer=asdict(self.queue.producer), attempt=self.attempt, time=time.time(), preempted=preempted,
         )
         # Stopped from outside (a signal, or a takeover whose lease this attempt lost): no fault of the shard's.
-        key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token,
+        key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token, self.generation,
                                  stopped=preempted or self.lost.is_set())
         try:
             self.queue.store.put(key, encode(record))

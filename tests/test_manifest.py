@@ -341,6 +341,11 @@ print(claim.commit(info))
     assert verify_shard(store, commit.data_key, commit.xxh3_128).ok
 
 
+# Leases age by the store's clock (`ObjectStore.now`), read on S3 from the Date header in whole seconds,
+# so a lease may look up to a second younger than it is (never older): waits for one to go stale add this.
+STORE_CLOCK_SLACK = 1.1
+
+
 def test_a_commit_removes_a_dead_attempts_upload_and_spares_a_live_ones(store_uri):
     """The winner's sweep (and a rerun's): an attempt whose lease went stale (killed) leaves an open upload,
     which is aborted; one whose lease is alive is still writing: its upload survives, it
@@ -361,7 +366,7 @@ def test_a_commit_removes_a_dead_attempts_upload_and_spares_a_live_ones(store_ur
         opened[c] = store.open_writer(c.data_key)
         opened[c].write(os.urandom(6 * 2**20))
     assert {u.key for u in store.list_pending_uploads(layout.SHARDS)} == {dead.data_key, live.data_key}
-    time.sleep(0.6)  # the dead attempt's lease goes stale
+    time.sleep(0.5 + STORE_CLOCK_SLACK)  # the dead attempt's lease goes stale
     with ShardWriter(store.open_writer(winner.data_key), meta) as w:
         for i in range(m.shards[0].start, m.shards[0].end):
             w.write_sample(fake_worker.make_sample(i))
@@ -432,7 +437,7 @@ def test_two_attempts_of_one_worker_write_objects_of_their_own(store_uri):
     m = fake_worker.plan(store)
     me = Producer.current(0)  # one worker process: one token
     first = next(iter(WorkQueue(store, m, me, ttl_s=0.3, shards=[0])))  # its heartbeat stalls: never started
-    time.sleep(0.4)
+    time.sleep(0.3 + STORE_CLOCK_SLACK)
     second = next(iter(WorkQueue(store, m, me, ttl_s=60, shards=[0])))
     assert second.generation == first.generation + 1 and second.data_key != first.data_key
     meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
