@@ -7,21 +7,32 @@
 #   .devcache/  tests/activations.py's cached SmolLM2 activations (computed here if missing), and
 #               e2e/: the small qwen3_5_text target and ShareGPT rows of bench/cli_e2e.py
 set -euo pipefail
-grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >>.git/info/exclude
-grep -qx '/.devcache/' .git/info/exclude || echo /.devcache/ >>.git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # .git/info/exclude, also from a worktree (.git a file)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" || echo /.whl/ >>"$exclude"
+grep -qx '/.devcache/' "$exclude" || echo /.devcache/ >>"$exclude"
+grep -qxF '/.whl.*' "$exclude" || echo '/.whl.*' >>"$exclude"  # the download's temp folders: never carried
 platforms=()
 for p in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
     platforms+=(--platform "${p}_x86_64")
 done
-rm -rf .whl  # one version of each wheel: two stop the install there
 # the same versions as here; transformers too (the image's 5.17 differs in the hybrid caches), and
 # datasets with the two packages of its own that the image lacks
 pins=$(python -m pip show boto3 botocore s3transfer jmespath moto responses xmltodict cryptography cffi pycparser \
     flask flask-cors blinker itsdangerous zstandard transformers regex datasets dill multiprocess 2>/dev/null \
     | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')
+# One version of each wheel in .whl (two stop the install there), so a fresh folder: downloaded
+# beside it first and swapped in only when complete, so that a failed download (no network, a pin
+# without a wheel for 3.12) leaves the last good .whl in place.
+new_whl=$(mktemp -d .whl.new.XXXXXX)
+trap 'rm -rf "$new_whl"' EXIT
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${platforms[@]}" -d .whl $pins
-python -m pip download -q --no-deps --only-binary=:all: -d .whl/fla flash-linear-attention==0.6.0 fla-core==0.6.0
+    "${platforms[@]}" -d "$new_whl" $pins
+python -m pip download -q --no-deps --only-binary=:all: -d "$new_whl/fla" flash-linear-attention==0.6.0 fla-core==0.6.0
+rm -rf .whl.old
+[ ! -d .whl ] || mv .whl .whl.old
+mv "$new_whl" .whl
+rm -rf .whl.old
 python -c "
 import sys; sys.path.insert(0, '.')
 from tests.activations import smollm2_activations; smollm2_activations(16, 256)"
@@ -29,10 +40,14 @@ mkdir -p .devcache
 cp "${LAYERTAP_TEST_CACHE:-$HOME/.cache/layertap-tests}"/smollm2-v1-n16-t256-l1_8_15_22_27.safetensors .devcache/
 [ -d .devcache/e2e ] || python bench/cli_e2e.py --prepare .devcache/e2e
 du -sh .whl .devcache
+echo "device_prep: .whl and .devcache/e2e are ready (what bench/device_checks.sh's default steps need)"
 # Issue 24's recipe step needs SmolLM2 and ShareGPT rows there, 98 MB + rows over the 64 MiB one call
 # carries: three parts, each carried by one call of three in a row (a warm machine keeps the ignored
 # paths earlier calls brought): .devcache/recipe-1 (the GGUF's first third + the wheels extraction
 # needs beyond the image), recipe-2 (second third + transformers), recipe-3 (last third + the rows).
+# Optional (only the `recipe` step uses it) and after what the plan needs: a failure here (gguf or
+# zstandard missing here, no network) is reported, and the script still succeeds.
+recipe_parts() {
 rm -rf .devcache/recipe-1 .devcache/recipe-2 .devcache/recipe-3
 mkdir -p .devcache/recipe-1 .devcache/recipe-2 .devcache/recipe-3
 gguf=$(python -c "import os; from layertap.extract.embedded import smollm2_gguf; print(os.path.join(*smollm2_gguf()))")
@@ -48,3 +63,15 @@ rows = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sharegpt_conver
 open(".devcache/recipe-3/sharegpt.jsonl.zst", "wb").write(zstandard.ZstdCompressor(level=19).compress(rows.encode()))
 PY
 du -sh .devcache/recipe-1 .devcache/recipe-2 .devcache/recipe-3
+}
+# In a subshell with `set -e`, run as a plain command: inside `if` or before `||` bash would ignore
+# -e in the whole function, and a failed step would go on to the next. Its status is looked at here.
+set +e
+(set -e; recipe_parts)
+recipe_rc=$?
+set -e
+if [ "$recipe_rc" -ne 0 ]; then
+    rm -rf .devcache/recipe-1 .devcache/recipe-2 .devcache/recipe-3  # half-made parts would mislead the recipe step
+    echo "device_prep: the optional recipe parts (.devcache/recipe-1..3) could not be made (rc $recipe_rc);" \
+        "what device_checks.sh's default steps need is ready" >&2
+fi

@@ -15,12 +15,20 @@ tokens/s, MFU (matmul FLOPs of the kept layers / 989 TFLOP/s), warm-up (compile)
 memory, and the relative error of the captured states on one 2,048-token sequence against an
 fp32 forward of the same weights (`--reference-out` computes and saves that fp32 reference with
 this process's kernels, best run where the torch fallback is the kernel; `--reference-in` reads
-it). `--pipeline` then runs the whole pipeline (forward -> pinned side-stream copy -> encode pool
--> streaming shard writer) into a tmpfs folder and into an S3 server with the fastest eager-mode
-kernels, as one shard and as shards of `--shard-batches` batches through the worker's loop over a
-real manifest, overlapped (a GPU worker's default) and in turn. `--profile` adds the top CUDA
-kernels of one batch, and the time the same batch's matmuls alone take (the MFU ceiling of this
-model on this GPU).
+it; a missing or unreadable file is recorded as "no reference" and the variants run without
+errors; a reference of other weights or inputs is refused: recorded, not compared, and the
+script exits 2 after its measurements). `--pipeline` then runs the whole pipeline (forward ->
+pinned side-stream copy -> encode pool -> streaming shard writer) into a tmpfs folder and into an
+S3 server with the fastest eager-mode kernels, as one shard and as shards of `--shard-batches`
+batches through the worker's loop over a real manifest, overlapped (a GPU worker's default) and
+in turn; each run's output is deleted once measured, and the local runs need `--min-free-gib`
+(16) free in /dev/shm, else in the temp dir, else they are skipped with the reason. `--profile`
+adds the top CUDA kernels of one batch, and the time the same batch's matmuls alone take (the MFU
+ceiling of this model on this GPU).
+
+Every part is recorded on its own (an error is written into the JSON and the next part runs) and
+the JSON is rewritten after each: on the GPU machine a call has a hard time limit, and what is
+not in the file when it ends is lost.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -61,6 +70,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
 VARIANTS = ("eager", "conv", "norms", "compile", "tokens32k")
+FP32_HEADROOM = 1.1  # the fp32 reference forward: 4 bytes per weight, plus ~10% for activations and the allocator
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
 
 
 def build(sizes: dict, device: str, seed: int = 0):
@@ -80,6 +94,41 @@ def sync(device: str) -> None:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def load_reference(path: str, weights_fingerprint: float, seq: int) -> tuple[torch.Tensor | None, dict]:
+    """The fp32 reference states in `path`, and what became of them for the JSON's `reference_in`.
+
+    A missing or unreadable file (the `ref` step ran out of memory, was skipped on a GPU too small
+    for fp32, or was cut by its time limit) is "no reference": the variants still run, without
+    errors. A file of other weights or inputs is refused (`refused` in the record): comparing
+    against it would report a wrong error, not a missing one."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    info: dict = {"path": path}
+    if not os.path.isfile(path):
+        info["status"] = "no reference: the file is missing"
+        return None, info
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        ref_fp, ref_seq = float(meta["weights_fingerprint"]), int(meta["seq"])
+    except Exception as e:  # a file cut short by a killed `ref` step, or one of another format
+        info["status"] = f"no reference: unreadable ({error_text(e)})"
+        return None, info
+    if abs(ref_fp - weights_fingerprint) > 1e-6 * max(1.0, abs(ref_fp)) or ref_seq != seq:
+        info["status"] = "refused"
+        info["refused"] = (f"the reference in {path} is of other weights or inputs (fingerprint {ref_fp}, seq "
+                           f"{ref_seq}; here {weights_fingerprint}, seq {seq}): not compared")
+        return None, info
+    try:
+        states = load_file(path)["states"]
+    except Exception as e:
+        info["status"] = f"no reference: unreadable ({error_text(e)})"
+        return None, info
+    info["status"] = "compared"
+    return states, info
 
 
 def fingerprint(model) -> float:
@@ -202,8 +251,13 @@ def main() -> None:
     ap.add_argument("--reference-out", help="compute the fp32 reference states here (safetensors)")
     ap.add_argument("--reference-in", help="compare against the fp32 reference states in this file")
     ap.add_argument("--endpoint", help="an S3 server to write to instead of starting moto (credentials from env)")
+    ap.add_argument("--min-free-gib", type=float, default=None,
+                    help="--pipeline: free space a local folder needs for the local runs (default 16; --tiny 0.5)")
     ap.add_argument("--json", help="write the results here as JSON (rewritten after every step)")
     args = ap.parse_args()
+    # a caller's time limit (timeout's SIGTERM) unwinds through the finally blocks: the pipeline's
+    # folder in /dev/shm is deleted (else a warm machine's next call finds its tmpfs full) and moto stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from layertap.extract.config import default_encode_threads
 
@@ -249,16 +303,12 @@ def main() -> None:
     ids_num = numerics_sample(sizes, seq)
     reference = None
     if args.reference_in:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(args.reference_in, "pt") as f:
-            ref_meta = f.metadata()
-        ref_fp = float(ref_meta["weights_fingerprint"])
-        if abs(ref_fp - results["weights_fingerprint"]) > 1e-6 * max(1.0, abs(ref_fp)) or int(ref_meta["seq"]) != seq:
-            raise SystemExit(f"the reference in {args.reference_in} is of other weights or inputs (fingerprint "
-                             f"{ref_fp}, seq {ref_meta['seq']}; here {results['weights_fingerprint']}, seq {seq})")
-        reference = load_file(args.reference_in)["states"]
+        reference, results["reference_in"] = load_reference(args.reference_in, results["weights_fingerprint"], seq)
+        said = results["reference_in"]
+        log(f"reference {args.reference_in}: {said.get('refused') or said['status']}")
+    else:
+        results["reference_in"] = {"status": "no reference: none given"}
+    save()
 
     def kernels_now() -> dict:
         return {kind: [str(c) for c in choices] for kind, choices in describe(model).items()}
@@ -304,7 +354,7 @@ def main() -> None:
             if name != "tokens32k" and (best is None or s < best[0]):
                 best = (s, name)
         except Exception as e:  # one variant failing still leaves the others' numbers
-            results["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            results["variants"][name] = {"error": error_text(e)}
             log(f"{name}: FAILED {type(e).__name__}: {e}")
         save()
 
@@ -313,118 +363,228 @@ def main() -> None:
         results["bare"] = dict(results["variants"][best[1]], variant=best[1])
 
     if args.profile:
-        batches = make_batches(samples, batch_tokens)
-        results["profile_top"] = profile_batch(capture, batches[0], device)
-        results["matmul_ceiling"] = mc = matmul_ceiling(capture, batch_tokens, device)
-        batch_flops = 2 * params * batch_tokens
-        results["matmul_ceiling"]["mfu"] = batch_flops / mc["kept_layers_s"] / peak_flops if peak_flops else None
-        log(f"matmuls alone: {mc['kept_layers_s']:.3f} s per batch of {batch_tokens} tokens "
-            f"(MFU ceiling {mc['mfu'] or 0:.3f})")
+        try:
+            batches = make_batches(samples, batch_tokens)
+            results["profile_top"] = profile_batch(capture, batches[0], device)
+            results["matmul_ceiling"] = mc = matmul_ceiling(capture, batch_tokens, device)
+            batch_flops = 2 * params * batch_tokens
+            results["matmul_ceiling"]["mfu"] = batch_flops / mc["kept_layers_s"] / peak_flops if peak_flops else None
+            log(f"matmuls alone: {mc['kept_layers_s']:.3f} s per batch of {batch_tokens} tokens "
+                f"(MFU ceiling {mc['mfu'] or 0:.3f})")
+        except Exception as e:  # the pipeline's numbers still follow
+            results["profile_error"] = error_text(e)
+            log(f"profile: FAILED {error_text(e)}")
         save()
 
     if args.reference_out:
-        from safetensors.torch import save_file
+        reference_out(args.reference_out, model, capture, ids_num, results, kernels_now, device, save)
+        return  # the weights are fp32 now (or the reference failed halfway): nothing after this would measure bf16
 
+    if args.pipeline and "bare" in results:
+        pipeline_part(args, capture, samples, layers, sizes, seq, per_batch, tokens, batch_tokens, encode_threads,
+                      device, results, save)
+
+    print(json.dumps(results, indent=2))
+    save()
+    if results["reference_in"].get("refused"):
+        log(results["reference_in"]["refused"])
+        sys.exit(2)  # measured and saved, but the numerics were not checked: say so to the caller
+
+
+def reference_out(path: str, model, capture: Capture, ids_num: torch.Tensor, results: dict, kernels_now, device: str,
+                  save) -> None:
+    """The fp32 reference states into `path`, this process's bf16 error against them into
+    results["reference"]; or why not (too little GPU memory, an error), recorded the same way."""
+    from safetensors.torch import save_file
+
+    if device == "cuda":
+        # fp32 weights of a 27B-shaped stack are ~93 GiB: an 80 GB H100 runs out of memory halfway
+        # through model.float(), after a minute of work; say so at once instead
+        need = FP32_HEADROOM * 4 * sum(p.numel() for p in model.parameters())
+        total = torch.cuda.get_device_properties(0).total_memory
+        if total < need:
+            results["reference"] = {"skipped": f"the fp32 forward needs ~{need / 2**30:.0f} GiB of GPU memory, "
+                                               f"this GPU has {total / 2**30:.0f} GiB"}
+            log(f"reference: skipped: {results['reference']['skipped']}")
+            save()
+            return
+    try:
         own = capture_one(capture, ids_num)  # this process's bf16 states, before the weights go fp32
         torch.backends.cuda.matmul.allow_tf32 = False  # a true fp32 reference, not TF32
         torch.backends.cudnn.allow_tf32 = False
         torch.compiler.reset()
         model.float()
         ref = capture_one(capture, ids_num)
-        save_file({"states": ref.contiguous()}, args.reference_out,
-                  metadata={"weights_fingerprint": repr(results["weights_fingerprint"]), "seq": str(seq)})
+        tmp = f"{path}.part"  # renamed when whole: a step cut while writing leaves no half-written reference
+        save_file({"states": ref.contiguous()}, tmp,
+                  metadata={"weights_fingerprint": repr(results["weights_fingerprint"]), "seq": str(ids_num.shape[1])})
+        os.replace(tmp, path)
         results["reference"] = {"kernels": kernels_now(), "bf16_rel_error": rel_errors(own, ref)}
         log(f"fp32 reference saved; this process's bf16 rel error {[round(e, 4) for e in rel_errors(own, ref)]}")
-        save()
-        return  # the weights are fp32 now: nothing after this would measure bf16
+    except Exception as e:  # out of memory on a smaller GPU than the check above expects, most likely
+        results["reference"] = {"error": error_text(e)}
+        log(f"reference: FAILED {error_text(e)}")
+    save()
 
-    if args.pipeline and "bare" in results:
-        if results["best"] == "compile":
-            torch.compiler.reset()  # the pipeline runs on the best eager kernels (compile is measured apart)
-            for layer in capture.decoder.layers:
-                layer._compiled_call_impl = None
+
+def pipeline_part(args, capture: Capture, samples, layers: list[int], sizes: dict, seq: int, per_batch: int,
+                  tokens: int, batch_tokens: int, encode_threads: int, device: str, results: dict, save) -> None:
+    """--pipeline: the whole pipeline into a local folder and into S3, each measurement on its own
+    (recorded and saved at once, or its error recorded and the next one run) and each run's output
+    deleted once measured: a 27B-shaped run is ~3.4 GB, and seven of them would fill a tmpfs."""
+    if results["best"] == "compile":
+        torch.compiler.reset()  # the pipeline runs on the best eager kernels (compile is measured apart)
+        for layer in capture.decoder.layers:
+            layer._compiled_call_impl = None
+    try:
         bare_s = timed_forward(capture, make_batches(samples, batch_tokens), device)
-        results["pipeline_bare"] = {"s": bare_s, "tokens_per_s": tokens / bare_s}
-        meta = ShardMeta(run_id="bench", shard_id=0, model="qwen3_5_text-random", layers=layers,
-                         hidden_size=sizes["hidden_size"], codec=args.codec)
-        staging = HostStaging() if device == "cuda" else None
+    except Exception as e:
+        results["pipeline_bare"] = {"error": error_text(e)}
+        log(f"pipeline: the bare forward FAILED {error_text(e)}")
+        save()
+        return
+    results["pipeline_bare"] = {"s": bare_s, "tokens_per_s": tokens / bare_s}
+    save()
+    meta = ShardMeta(run_id="bench", shard_id=0, model="qwen3_5_text-random", layers=layers,
+                     hidden_size=sizes["hidden_size"], codec=args.codec)
+    staging = HostStaging() if device == "cuda" else None
 
-        def pipeline(store, key):
-            stats = PipelineStats()
-            sync(device)
-            t = time.perf_counter()
-            info = extract_shard(capture, samples, meta, store.open_writer(key), batch_tokens=batch_tokens, pad_id=0,
-                                 encode_threads=encode_threads, stats=stats, staging=staging)
-            wall = time.perf_counter() - t
-            return {"s": wall, "tokens_per_s": tokens / wall, "vs_bare": wall / bare_s, "bytes": info.bytes,
-                    "ratio": info.raw_bytes / info.bytes, "forward_s": stats.forward_s, "copy_s": stats.copy_s,
-                    "encode_s_summed": stats.encode_s, "write_s": stats.write_s, "close_s": stats.close_s}
+    def pipeline(store, key):
+        stats = PipelineStats()
+        sync(device)
+        t = time.perf_counter()
+        info = extract_shard(capture, samples, meta, store.open_writer(key), batch_tokens=batch_tokens, pad_id=0,
+                             encode_threads=encode_threads, stats=stats, staging=staging)
+        wall = time.perf_counter() - t
+        return {"s": wall, "tokens_per_s": tokens / wall, "vs_bare": wall / bare_s, "bytes": info.bytes,
+                "ratio": info.raw_bytes / info.bytes, "forward_s": stats.forward_s, "copy_s": stats.copy_s,
+                "encode_s_summed": stats.encode_s, "write_s": stats.write_s, "close_s": stats.close_s}
 
-        def pipeline_run(store, overlap: bool) -> dict:
-            """The worker's own loop (extract.worker.ShardLoop) over a real manifest of these
-            samples in shards of --shard-batches batches (a 1 GB shard is ~2 batches at
-            Qwen3.6-27B's shapes): claimed, extracted and committed as `layertap extract` does,
-            each shard finishing behind the next one's forwards (`overlap`) or before them."""
-            from layertap.extract.worker import ShardLoop, Started
-            from layertap.manifests.manifest import create_or_resume
-            from layertap.manifests.records import Producer
-            from layertap.manifests.work import WorkQueue
+    def pipeline_run(store, overlap: bool) -> dict:
+        """The worker's own loop (extract.worker.ShardLoop) over a real manifest of these
+        samples in shards of --shard-batches batches (a 1 GB shard is ~2 batches at
+        Qwen3.6-27B's shapes): claimed, extracted and committed as `layertap extract` does,
+        each shard finishing behind the next one's forwards (`overlap`) or before them."""
+        from layertap.extract.worker import ShardLoop, Started
+        from layertap.manifests.manifest import create_or_resume
+        from layertap.manifests.records import Producer
+        from layertap.manifests.work import WorkQueue
 
-            manifest = create_or_resume(store, config={"model": "bench", "layers": layers, "codec": args.codec},
-                                        dataset={"fingerprint": "bench"}, token_counts=[len(x) for x in samples],
-                                        bytes_per_token=1.0, shard_bytes=per_batch * seq * args.shard_batches)[0]
-            stats = PipelineStats()
+        manifest = create_or_resume(store, config={"model": "bench", "layers": layers, "codec": args.codec},
+                                    dataset={"fingerprint": "bench"}, token_counts=[len(x) for x in samples],
+                                    bytes_per_token=1.0, shard_bytes=per_batch * seq * args.shard_batches)[0]
+        stats = PipelineStats()
 
-            def start(claim, counted):
-                part = samples[claim.plan.start:claim.plan.end]
-                tail = start_shard(capture, part, dataclasses.replace(meta, shard_id=claim.shard),
-                                   store.open_writer(claim.data_key), batch_tokens=batch_tokens, pad_id=0,
-                                   encode_threads=encode_threads, stats=stats, on_record=counted, staging=staging)
-                return Started(tail, [], 0)
+        def start(claim, counted):
+            part = samples[claim.plan.start:claim.plan.end]
+            tail = start_shard(capture, part, dataclasses.replace(meta, shard_id=claim.shard),
+                               store.open_writer(claim.data_key), batch_tokens=batch_tokens, pad_id=0,
+                               encode_threads=encode_threads, stats=stats, on_record=counted, staging=staging)
+            return Started(tail, [], 0)
 
-            loop = ShardLoop(start, overlap=overlap, committed=lambda *a: None, abandoned=lambda *a: None)
-            sync(device)
-            t = time.perf_counter()
-            committed = loop.run(WorkQueue(store, manifest, Producer.current(0), on_idle=loop.settle))
-            wall = time.perf_counter() - t
-            return {"s": wall, "tokens_per_s": tokens / wall, "vs_bare": wall / bare_s, "shards": committed,
-                    "forward_s": stats.forward_s, "encode_s_summed": stats.encode_s, "write_s": stats.write_s,
-                    "close_s": stats.close_s}
+        loop = ShardLoop(start, overlap=overlap, committed=lambda *a: None, abandoned=lambda *a: None)
+        sync(device)
+        t = time.perf_counter()
+        committed = loop.run(WorkQueue(store, manifest, Producer.current(0), on_idle=loop.settle))
+        wall = time.perf_counter() - t
+        return {"s": wall, "tokens_per_s": tokens / wall, "vs_bare": wall / bare_s, "shards": committed,
+                "forward_s": stats.forward_s, "encode_s_summed": stats.encode_s, "write_s": stats.write_s,
+                "close_s": stats.close_s}
 
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 8 << 30 else None
-        tmp = tempfile.mkdtemp(prefix="gpu-extract-", dir=shm)
+    def measure(label: str, run) -> dict:
+        """run() timed, or its error: either way a row, and the JSON saved by the caller."""
         try:
-            pipeline(open_store(tmp), "warm.lts")  # the staging buffers' first pinning, encode pool warm
-            results["local"] = dict(pipeline(open_store(tmp), "shard.lts"), folder="tmpfs" if shm else "tempdir")
-            log(f"pipeline into a local folder: {results['local']['vs_bare']:.3f}x of the bare forward")
+            return run()
+        except Exception as e:
+            log(f"pipeline {label}: FAILED {error_text(e)}")
+            return {"error": error_text(e)}
+
+    def clear(store) -> None:
+        """Delete what a measured run wrote (moto keeps its objects in this host's memory)."""
+        try:
+            for obj in list(store.list()):
+                store.delete(obj.key)
+        except Exception as e:
+            log(f"pipeline: could not delete a run's objects ({error_text(e)})")
+
+    def brief(row: dict) -> str:
+        return "FAILED" if "error" in row else f"{row['vs_bare']:.3f}x of the bare forward"
+
+    # Local runs: a folder with room for one run's output at a time (each is deleted after it is
+    # measured): /dev/shm (tmpfs: no disk in the way), else the temp dir, else none and a reason.
+    min_free = (args.min_free_gib if args.min_free_gib is not None else 0.5 if args.tiny else 16) * 2**30
+    root = folder = None
+    for candidate, label in (("/dev/shm", "tmpfs"), (tempfile.gettempdir(), "tempdir")):
+        try:
+            if os.path.isdir(candidate) and shutil.disk_usage(candidate).free > min_free:
+                root, folder = candidate, label
+                break
+        except OSError:
+            continue
+    if root is None:
+        results["local_skipped"] = (f"neither /dev/shm nor {tempfile.gettempdir()} has {min_free / 2**30:.1f} GiB "
+                                    "free for one run's output")
+        log(f"pipeline into a local folder: skipped: {results['local_skipped']}")
+    else:
+        tmp = tempfile.mkdtemp(prefix="gpu-extract-", dir=root)
+
+        def local(name: str, run) -> dict:
+            path = os.path.join(tmp, name)
+            try:
+                return measure(name, lambda: run(open_store(path)))
+            finally:
+                shutil.rmtree(path, ignore_errors=True)
+
+        try:
+            # the staging buffers' first pinning, the encode pool warm
+            warm = local("warm", lambda s: pipeline(s, "warm.lts"))
+            if "error" in warm:
+                results["local_warm"] = warm
+            results["local"] = dict(local("shard", lambda s: pipeline(s, "shard.lts")), folder=folder)
+            save()
+            log(f"pipeline into a local folder: {brief(results['local'])}")
             for i, overlap in enumerate((True, False, True, False)):  # alternated: a drift hits both
                 key = "local_shards" if overlap else "local_shards_serial"
-                row = pipeline_run(open_store(os.path.join(tmp, f"run{i}")), overlap)
-                if key not in results or row["s"] < results[key]["s"]:
-                    results[key] = dict(row, folder="tmpfs" if shm else "tempdir", rounds=2)
+                row = dict(local(f"run{i}", lambda s: pipeline_run(s, overlap)), folder=folder)
+                old = results.get(key)
+                if old is None or "error" in old or ("error" not in row and row["s"] < old["s"]):
+                    results[key] = dict(row, rounds=2)
+                save()
             log(f"shards of {args.shard_batches} batch(es) through the worker's loop into a local folder: "
-                f"{results['local_shards']['vs_bare']:.3f}x of the bare forward overlapped, "
-                f"{results['local_shards_serial']['vs_bare']:.3f}x serial (best of 2 each)")
+                f"{brief(results['local_shards'])} overlapped, {brief(results['local_shards_serial'])} serial "
+                "(best of 2 each)")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         save()
 
+    try:
         with bench_server(args.endpoint) as srv:
             os.environ["AWS_ENDPOINT_URL"] = srv.endpoint
             import boto3
 
             boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="bench")
-            results["s3"] = dict(pipeline(open_store("s3://bench/run"), "shard.lts"), server=srv.description)
-            log(f"pipeline into S3: {results['s3']['vs_bare']:.3f}x of the bare forward")
+
+            def remote(prefix: str, run) -> dict:
+                store = open_store(f"s3://bench/{prefix}")
+                try:
+                    return dict(measure(prefix, lambda: run(store)), server=srv.description)
+                finally:
+                    clear(store)
+
+            results["s3"] = remote("run", lambda s: pipeline(s, "shard.lts"))
+            save()
+            log(f"pipeline into S3: {brief(results['s3'])}")
             for overlap in (True, False):
                 key = "s3_shards" if overlap else "s3_shards_serial"
-                results[key] = dict(pipeline_run(open_store(f"s3://bench/{key}"), overlap), server=srv.description)
-            log(f"shards through the worker's loop into S3: {results['s3_shards']['vs_bare']:.3f}x overlapped, "
-                f"{results['s3_shards_serial']['vs_bare']:.3f}x serial")
-        save()
-
-    print(json.dumps(results, indent=2))
+                results[key] = remote(key, lambda s: pipeline_run(s, overlap))
+                save()
+            log(f"shards through the worker's loop into S3: {brief(results['s3_shards'])} overlapped, "
+                f"{brief(results['s3_shards_serial'])} serial")
+    except Exception as e:  # the server did not start, or the bucket could not be made
+        results["s3_error"] = error_text(e)
+        log(f"pipeline into S3: FAILED {error_text(e)}")
     save()
+
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ autocast, the borrowed embed/lm_head in bf16, fused AdamW). Reports step time, i
 peak memory of the loss over the head in chunks of rows (the trainer's), then, after a reset of
 the peak, the same for the unchunked loss (full-vocabulary logits for every row at once) over
 `--unchunked-steps` steps (0: skip).
+
+The JSON is written after each part (the flex/dense check, the chunked steps, the unchunked
+ones), and a part that fails records its error and leaves the others': the unchunked loss holds
+several full-vocabulary fp32 copies of the logits and may run out of memory on an 80 GB H100,
+which is itself the answer that part looks for.
 """
 
 from __future__ import annotations
@@ -103,8 +108,21 @@ def main() -> None:
     seq, anchors = (64, 8) if args.tiny else (args.seq, args.anchors)
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "seq": seq,
                     "anchors": anchors, "batch": args.batch}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+    def error(e: BaseException) -> str:
+        return f"{type(e).__name__}: {e}"[:2000]
+
     if device == "cuda":
-        result["flex_vs_dense_grad_rel_diff"] = grads_match(device)
+        try:
+            result["flex_vs_dense_grad_rel_diff"] = grads_match(device)
+        except Exception as e:  # the step's numbers below still count
+            result["flex_vs_dense_error"] = error(e)
+        torch.cuda.empty_cache()
+        save()
     d = drafter(sizes, device, block=16, anchors=anchors)
     d.attention = "sdpa" if args.tiny else "flex"
     params = [p for p in d.parameters() if p.requires_grad]
@@ -117,17 +135,20 @@ def main() -> None:
                   loss=loss)
     if device == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    save()  # the chunked loss's numbers are in before the unchunked part may run out of memory
     if args.unchunked_steps > 0:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times, loss_unchunked = timed_steps(d, opt, b, args.unchunked_steps, device, chunk_rows=0)
-        result.update(unchunked_step_s=round(min(times), 4), unchunked_tokens_per_s=round(args.batch * seq / min(times)),
-                      unchunked_loss=loss_unchunked)
+        try:
+            times, loss_unchunked = timed_steps(d, opt, b, args.unchunked_steps, device, chunk_rows=0)
+            result.update(unchunked_step_s=round(min(times), 4),
+                          unchunked_tokens_per_s=round(args.batch * seq / min(times)), unchunked_loss=loss_unchunked)
+        except Exception as e:  # torch.OutOfMemoryError on an H100, most likely
+            result["unchunked_error"] = error(e)
         if device == "cuda":
             result["unchunked_peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     print(json.dumps(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    save()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,17 @@ Reported per run, from the trainer's own metrics.jsonl, over the steps after `--
 first compiles flex-attention): tokens_per_s, data_wait_median, step_s_median, peak_gib, steps.
 Few samples, several epochs: the loader still streams every epoch from the server. Progress
 lines carry the seconds since start, so a run cut short by a timeout still says where it was.
+
+The trainer writes metrics.jsonl into its --out folder at each checkpoint, metrics first: with
+--save-every beyond --steps that is once, at the last step, before the final checkpoint (at 27B
+shapes 22 GB of weights and AdamW moments, which took more than 45 s on an H200 and cut the first
+run). So the bench watches that file: once it holds the requested steps the run is summarised and
+the JSON saved at once; the trainer then gets --exit-grace seconds to exit on its own (the small
+drafter's checkpoint is quick) before it is stopped (SIGTERM, then SIGKILL). Its `rc` is then 0,
+and `trainer_exit` says what happened. Each run has its own time limit (--timeout-27b,
+--timeout-small, from the trainer's start); a run killed there keeps what its log lines said
+(`from_log`). The JSON is rewritten after each of these events, and a SIGTERM (a caller's time
+limit) stops the trainer and moto and saves what there is.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -146,30 +159,96 @@ def make_run(uri: str, target: str, sizes: dict, layers: list[int], lengths: lis
             "shards": len(stored)}
 
 
+STEP_LINE = re.compile(r"step (\d+)/(\d+)\s+loss ([\d.naif]+).*?([\d.]+) tok/s\s+data wait (\d+)%")
+DRAFTER_LINE = re.compile(r"drafter: (\d+) layers")
+
+
+def stop(p: subprocess.Popen, grace_s: float = 3.0) -> int:
+    """SIGTERM, then SIGKILL after `grace_s`. The trainer takes SIGTERM as "stop at the next step
+    boundary and checkpoint", which after its last step changes nothing: the kill ends it."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            return p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return p.wait()
+
+
 def train(data: str, target: str, out: Path, args: argparse.Namespace, extra: list[str], env: dict,
-          label: str) -> tuple[int, float]:
-    """The real command line; its log lines are echoed with this bench's clock."""
+          label: str, timeout: float, on_metrics) -> dict:
+    """The real command line; its log lines are echoed with this bench's clock. Returns how it
+    ended: rc, wall_s, trainer_exit, the log lines it parsed (`from_log`), drafter layers; and
+    calls on_metrics(summary) as soon as metrics.jsonl holds the requested steps."""
     cmd = [sys.executable, "-m", "layertap", "train", "--data", data, "--model", target, "--out", str(out),
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--save-every", str(10 * args.steps),
            "--log-dir", str(out.parent / f"{out.name}-logs"), *extra]
-    say(f"{label}: {' '.join(cmd[1:])}")
+    say(f"{label}: {' '.join(cmd[1:])} (time limit {timeout:.0f} s)")
     t = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logged: list[dict] = []  # the trainer's "step N/M ..." lines: all that is left of a run killed mid-way
+    drafter_layers: list[int] = []
 
     def echo() -> None:
         for line in p.stdout:
             say(f"{label} | {line.rstrip()}")
+            if m := STEP_LINE.search(line):
+                logged.append({"step": int(m[1]), "loss": float(m[3]), "tokens_per_s": float(m[4]),
+                               "data_wait": int(m[5]) / 100})
+            elif m := DRAFTER_LINE.search(line):
+                drafter_layers.append(int(m[1]))
 
     reader = threading.Thread(target=echo, daemon=True)
     reader.start()
+    ended: dict = {}
+    summary_at = None
     try:
-        rc = p.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        say(f"{label}: still running after {args.timeout:.0f} s: killed")
-        p.kill()
-        rc = p.wait()
-    reader.join(timeout=5)
-    return rc, time.perf_counter() - t
+        while True:
+            now = time.perf_counter()
+            rc = p.poll()
+            if rc is not None:
+                ended = {"rc": rc, "trainer_exit": f"exited by itself, rc {rc}"}
+                break
+            if summary_at is None:
+                summary = complete_metrics(out, args.steps, args.warmup)
+                if summary is not None:
+                    summary_at = now
+                    summary["metrics_s"] = round(now - t, 1)
+                    on_metrics(summary)
+                    say(f"{label}: all {args.steps} steps are in metrics.jsonl after {now - t:.0f} s: summarised")
+            elif now - summary_at >= args.exit_grace:
+                rc = stop(p)
+                ended = {"rc": 0, "trainer_exit": f"stopped by the bench {args.exit_grace:g} s after its {args.steps} "
+                                                  f"steps were in metrics.jsonl (final checkpoint not waited for; "
+                                                  f"rc {rc})"}
+                break
+            if now - t >= timeout:
+                rc = stop(p)
+                ended = {"rc": rc, "trainer_exit": f"killed at the time limit ({timeout:.0f} s)"}
+                say(f"{label}: still running after {timeout:.0f} s: killed")
+                break
+            time.sleep(0.5)
+    finally:  # a SIGTERM of the bench (SystemExit) must not leave a trainer holding the GPU
+        if p.poll() is None:
+            stop(p)
+        reader.join(timeout=5)
+    ended["wall_s"] = round(time.perf_counter() - t, 1)
+    if logged:
+        ended["from_log"] = logged
+    if drafter_layers:
+        ended["drafter_layers"] = drafter_layers[-1]
+    return ended
+
+
+def complete_metrics(out: Path, steps: int, warmup: int) -> dict | None:
+    """The summary once metrics.jsonl holds `steps` records (the trainer replaces it whole, by a
+    rename: never half-written), else None."""
+    try:
+        if len((out / "metrics.jsonl").read_text().splitlines()) < steps:
+            return None
+        return summarize(out, warmup)
+    except (OSError, ValueError, KeyError, ZeroDivisionError, statistics.StatisticsError):
+        return None
 
 
 def summarize(out: Path, warmup: int) -> dict:
@@ -193,7 +272,9 @@ def summarize(out: Path, warmup: int) -> dict:
 
 
 def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpoint: str, work: Path,
-        seed: int) -> dict:
+        seed: int, timeout: float, publish) -> dict:
+    """One run; publish(result) after each thing learnt (run written, steps summarised, trainer
+    ended), so the caller's JSON always holds what is known."""
     bucket = f"bench-train-{os.getpid()}-{name}"
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1", PYTHONPATH=path,
@@ -212,20 +293,30 @@ def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpo
     run["write_s"] = round(time.perf_counter() - t, 1)
     say(f"{name}: run written: {run}")
     out = work / f"out-{name}"
-    rc, wall = train(uri, str(target), out, args, extra, env, name)
-    result = {"rc": rc, "wall_s": round(wall, 1), "run": run, "batch_size": args.batch_size,
-              "capture_layers": layers, "hidden": sizes["hidden_size"], "vocab": sizes["vocab_size"]}
-    if (out / "metrics.jsonl").exists():
-        result.update(summarize(out, args.warmup))
-        drafter = json.loads((out / "drafter" / "config.json").read_text()) if (out / "drafter").exists() else {}
-        result["drafter_layers"] = drafter.get("num_layers")
-    say(f"{name}: {json.dumps(result)}")
+    result = {"rc": None, "run": run, "batch_size": args.batch_size, "capture_layers": layers,
+              "hidden": sizes["hidden_size"], "vocab": sizes["vocab_size"], "time_limit_s": timeout}
+    publish(result)
+
+    def on_metrics(summary: dict) -> None:
+        result.update(summary)
+        publish(result)
+
+    result.update(train(uri, str(target), out, args, extra, env, name, timeout, on_metrics))
+    if "steps" not in result and (out / "metrics.jsonl").exists():  # fewer steps than asked, then an exit
+        try:
+            result.update(summarize(out, args.warmup))
+        except (ValueError, KeyError, ZeroDivisionError, statistics.StatisticsError) as e:
+            result["summary_error"] = f"{type(e).__name__}: {e}"
+    if (out / "drafter" / "config.json").exists():
+        result["drafter_layers"] = json.loads((out / "drafter" / "config.json").read_text()).get("num_layers")
+    say(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'from_log'})}")
+    publish(result)
     return result
 
 
 def markdown(r: dict, step: dict | None = None) -> str:
     """The docs/benchmarks.md section of a result (and of bench/gpu_train.py's, when given)."""
-    runs = [(k, r[k]) for k in ("qwen27b", "small") if k in r]
+    runs = [(k, r[k]) for k in ("qwen27b", "small") if "run" in r.get(k, {})]  # a run that failed before its data: none
 
     def row(label: str, fmt) -> str:
         return f"| {label} | " + " | ".join(fmt(x) for _, x in runs) + " |"
@@ -257,7 +348,9 @@ def markdown(r: dict, step: dict | None = None) -> str:
             f"**{100 * x['data_wait_median']:.1f}%** ({100 * x['data_wait_max']:.1f}%)"),
         row("peak GPU memory", num("peak_gib", ".1f", " GiB")),
         row("first step s", num("first_step_s", ".1f")),
-        row("command wall s (start, steps, final checkpoint)", num("wall_s", ".0f")),
+        # metrics_s: when the bench had the run's numbers (it does not wait for the final checkpoint)
+        row("command wall s (start to the last step's metrics)",
+            lambda x: num("metrics_s" if "metrics_s" in x else "wall_s", ".0f")(x)),
         "| target: median data wait | " + " | ".join("<= 5%" if k == "qwen27b" else "<= 10%" for k, _ in runs) + " |",
     ]
     if step:
@@ -266,12 +359,16 @@ def markdown(r: dict, step: dict | None = None) -> str:
 
         lines += ["", f"The step alone (`python bench/gpu_train.py`: {step['batch']} x {step['seq']:,} tokens, "
                       f"{step['anchors']} anchors, 27B shapes, set up as the trainer sets it up):", "",
-                  "| head loss | peak GPU memory | step s | input tokens/s |", "|---|---:|---:|---:|",
-                  f"| in chunks of rows (the trainer's) | {gib('peak_memory_gib')} | {step['step_s']} | "
-                  f"{step['tokens_per_s']:,} |"]
+                  "| head loss | peak GPU memory | step s | input tokens/s |", "|---|---:|---:|---:|"]
+        if "step_s" in step:
+            lines.append(f"| in chunks of rows (the trainer's) | {gib('peak_memory_gib')} | {step['step_s']} | "
+                         f"{step['tokens_per_s']:,} |")
         if "unchunked_step_s" in step:
             lines.append(f"| unchunked (full-vocabulary logits of every row) | {gib('unchunked_peak_memory_gib')} | "
                          f"{step['unchunked_step_s']} | {step['unchunked_tokens_per_s']:,} |")
+        elif "unchunked_error" in step:
+            lines.append(f"| unchunked (full-vocabulary logits of every row) | failed: {step['unchunked_error'][:120]} "
+                         f"(peak {gib('unchunked_peak_memory_gib')}) | - | - |")
         lines.append("\nTarget: <= 40 GiB at that shape, tokens/s no lower than the unchunked path's.")
     return "\n".join(lines)
 
@@ -285,7 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=2, help="samples per step (default 2)")
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the medians (default 5)")
     ap.add_argument("--shard-mb", type=int, default=256)
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
+    ap.add_argument("--timeout", type=float, help="seconds per training run, both runs (overrides the two below)")
+    ap.add_argument("--timeout-27b", type=float, help="seconds for the 27B-shaped training run, from the trainer's "
+                                                      "start (default 170; --tiny 300)")
+    ap.add_argument("--timeout-small", type=float, help="seconds for the small training run (default 90; --tiny 300)")
+    ap.add_argument("--exit-grace", type=float, help="seconds a trainer may take to exit by itself once its steps "
+                                                     "are in metrics.jsonl, before the bench stops it (default 5; "
+                                                     "--tiny 60)")
     ap.add_argument("--only", choices=["27b", "small"], help="one of the two runs")
     ap.add_argument("--endpoint", help="an S3 server to use instead of a moto server started here")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, in seconds")
@@ -310,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--block-size", "4", "--max-anchors", "8"]
     else:
         big, small, extra = (QWEN27B, [1, 16, 31, 46, 61]), (SMALL, [1, 4, 7, 10]), []
+    # time limits from the trainer's start; a CPU rehearsal (--tiny, maybe on a busy machine) gets room
+    args.timeout_27b = args.timeout or args.timeout_27b or (300 if args.tiny else 170)
+    args.timeout_small = args.timeout or args.timeout_small or (300 if args.tiny else 90)
+    args.exit_grace = args.exit_grace if args.exit_grace is not None else 60 if args.tiny else 5
     cuda = torch.cuda.is_available()
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -320,25 +427,49 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps of {args.batch_size}")
 
     def save() -> None:
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        if args.json:  # by a rename: a reader (the device script's archive loop) never sees half a file
+            tmp = Path(f"{args.json}.part")
+            tmp.write_text(json.dumps(result, indent=1) + "\n")
+            tmp.replace(args.json)
 
-    with bench_server(args.endpoint) as server, tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        result["server"] = server.description
-        work = Path(tmp)
-        if args.only in (None, "27b"):
-            r = one("27b", big[0], big[1], extra, args, server.endpoint, work, seed=1)
-            result.update({k: r.get(k) for k in ("tokens_per_s", "data_wait_median", "peak_gib", "step_s_median")})
-            result["qwen27b"] = r
-            save()
-        if args.only in (None, "small"):
-            result["small"] = one("small", small[0], small[1], [*extra, "--drafter-layers", "1"], args,
-                                  server.endpoint, work, seed=2)
-            save()
+    def publish_27b(r: dict) -> None:
+        result.update({k: r.get(k) for k in ("tokens_per_s", "data_wait_median", "peak_gib", "step_s_median")})
+        result["qwen27b"] = r
+        save()
+
+    def publish_small(r: dict) -> None:
+        result["small"] = r
+        save()
+
+    # a caller's time limit (timeout's SIGTERM): unwind, so that the finally blocks stop the trainer
+    # (else it keeps the GPU for the next step of the device script) and moto, and the JSON is saved
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    save()
+    try:
+        with bench_server(args.endpoint) as server, tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+            result["server"] = server.description
+            work = Path(tmp)
+            if args.only in (None, "27b"):
+                try:
+                    one("27b", big[0], big[1], extra, args, server.endpoint, work, seed=1, timeout=args.timeout_27b,
+                        publish=publish_27b)
+                except Exception as e:  # the small run still runs
+                    result.setdefault("qwen27b", {})["error"] = f"{type(e).__name__}: {e}"[:2000]
+                    say(f"27b: FAILED {result['qwen27b']['error']}")
+                save()
+            if args.only in (None, "small"):
+                try:
+                    one("small", small[0], small[1], [*extra, "--drafter-layers", "1"], args, server.endpoint, work,
+                        seed=2, timeout=args.timeout_small, publish=publish_small)
+                except Exception as e:
+                    result.setdefault("small", {})["error"] = f"{type(e).__name__}: {e}"[:2000]
+                    say(f"small: FAILED {result['small']['error']}")
+                save()
+    finally:
+        save()
     ok = all(r.get("rc") == 0 for r in (result.get("qwen27b", {"rc": 0}), result.get("small", {"rc": 0})))
     say("done" if ok else "a training run failed: see its lines above")
     return 0 if ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
