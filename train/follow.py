@@ -127,11 +127,12 @@ class CommitWatcher:
             shard = layout.shard_of(o.key, layout.GIVEN_UP)
             if shard is not None:
                 verdicts[shard] = max(verdicts.get(shard, 0), layout.record_millis(o.key))
-        running = [s for s in left if st.live_lease(s)]
-        given_up = [s for s in left if s not in running and s in verdicts
-                    and verdicts[s] >= max((layout.record_millis(k) for k in st.failures.get(s, [])
-                                            if not k.endswith(layout.STOPPED)), default=0)]
-        retrying = [s for s in left if s not in running and s not in given_up and st.failures_since(s, 0)]
+        running = {s for s in left if st.live_lease(s)}  # sets: at a run's start most of its shards are left
+        given_up = sorted(s for s in left if s not in running and s in verdicts
+                          and verdicts[s] >= max((layout.record_millis(k) for k in st.failures.get(s, [])
+                                                  if not k.endswith(layout.STOPPED)), default=0))
+        done_with = running | set(given_up)
+        retrying = [s for s in left if s not in done_with and st.failures_since(s, 0)]
         live = any(st.live_lease(s) for s in st.leases)
         if left and not live and len(given_up) == len(left) and not (st.committed - set(self.known)):
             if self._given_up_once:
