@@ -286,16 +286,18 @@ def test_serve_starts_the_server_for_the_run_and_a_stop_takes_it_down(model, tmp
     serve = (f"{sys.executable} -m transformers.cli.transformers serve {model} --device cpu --dtype float32 "
              f"--host 127.0.0.1 --port {port}")
     args = ["regenerate", "--dataset", data, "--out", out, "--endpoint", f"http://127.0.0.1:{port}", "--model", model,
-            "--max-tokens", "16", "--rows-per-part", "4", "--concurrency", "1", "--serve", serve,
+            "--max-tokens", "16", "--rows-per-part", "1", "--concurrency", "1", "--serve", serve,
             "--serve-log", str(tmp_path / "server.log")]
     proc = _layertap(args, tmp_path / "first.log")
+    # A part a row: the stop lands with dozens of requests left, however fast this machine answers
+    # (at 4 rows a part the whole run once ended between the first part and the signal).
     _wait_for_parts(out, 1, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert not _port_open(port)  # the server went with it
     log = (tmp_path / "first.log").read_text()
     assert "rerun the same command to continue" in log and "the server stopped" in log
-    assert 1 <= len(done_parts(open_store(out))) < 12
+    assert 1 <= len(done_parts(open_store(out))) < 48
 
     assert cli(args) == 0
     assert not _port_open(port)
