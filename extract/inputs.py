@@ -279,6 +279,12 @@ def _tokenize(rows, tokenizer, max_length, shape, chat, start, vocab, template_k
         else:
             chat = chat or _ChatRenderer(tokenizer, template_kwargs)
             out = chat.tokenize(row, sid, shape, stats)
+            if isinstance(out, TokenizedSample) and out.input_ids.numel() and int(out.input_ids.max()) >= vocab:
+                # A token the tokenizer has and the model cannot embed (added without resizing):
+                # a device-side assert on CUDA that takes the worker down. The pair is wrong, not the row.
+                raise ConfigError(f"row {index} ({sid}) tokenizes to id {int(out.input_ids.max())}, beyond the "
+                                  f"model's vocabulary of {vocab} (the tokenizer has {len(tokenizer)} tokens): "
+                                  f"use the tokenizer the model was trained with, or resize its embeddings")
         if isinstance(out, TokenizedSample):
             out = _finish(out, max_length)
         if isinstance(out, Skipped):
@@ -451,10 +457,14 @@ def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str,
                      cut: set[int] = frozenset()) -> list[tuple[int, int]]:
     """Character spans ``[a, b)`` of ``text`` (the whole chat, rendered once) that the model generates.
 
-    A span starts where the template's generation prompt for that turn ends:
-    ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of ``text`` (tested on
-    SmolLM2's, a ChatML and a Qwen3-style template; a row where it fails is skipped with
-    ``template_error``, never mis-masked). Qwen3 renders an earlier assistant
+    A span starts where the template's generation prompt for that turn stops agreeing with
+    ``text``: ``render(messages[:i])`` must be a prefix of ``text`` (a row where it is not is
+    skipped with ``template_error``, never mis-masked), and the span starts after the longest
+    common prefix of ``text`` and ``render(messages[:i], add_generation_prompt=True)``. Not the
+    whole generation prompt: Qwen3.5/3.6's ends in ``<think>\n`` (thinking on; with it off, an
+    empty think block) and DeepSeek-R1's in ``<think>\n``, while the chat renders earlier turns
+    without one, so requiring it as a prefix skipped every multi-turn row of those targets
+    (73% of ShareGPT under Qwen3.5's template). Qwen3 renders an earlier assistant
     turn differently once it is no longer the last one, which is why the end is not taken from
     a prefix rendering of ``messages[:i+1]``. The span ends after the first end-of-turn marker
     that follows the turn's content, found with the probe in ``_probe_end_of_turn``. Text a
@@ -470,12 +480,13 @@ def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str,
         if m["role"] != "assistant":
             continue
         turn += 1
-        prompt = chat.render(messages[:i], add_generation_prompt=True)
-        if not text.startswith(prompt) or len(prompt) < cursor:
+        before = chat.render(messages[:i])
+        if not text.startswith(before) or len(before) < cursor:
             raise _TemplateMismatch(
                 f"the chat template renders turn {i}'s prompt differently from the whole chat, so "
                 f"the assistant span cannot be located; use pre-tokenized rows for this template")
-        a = len(prompt)
+        prompt = chat.render(messages[:i], add_generation_prompt=True)
+        a = max(len(os.path.commonprefix([prompt, text])), len(before))
         body = m["content"].strip()
         # Look for the content just after the header, leaving room for what a template may put
         # first (a think block, the message's reasoning), but not as far as a later turn.

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from layertap.extract.embedded import sharegpt_conversations
+from layertap.storage.errors import ConfigError
 from layertap.extract.inputs import (
     BAD_MESSAGE, EMPTY, NO_SUPERVISED_PAIR, TEMPLATE_ERROR, RowShape, Skipped, TokenizedSample,
     TokenizeStats, dataset_fingerprint, detect_row_shape, load_rows, sample_id, tokenize_rows,
 )
-from tiny_models import CHATML_TEMPLATE, QWEN3_TEMPLATE, smollm2_tokenizer, tiny_tokenizer
+from tiny_models import CHATML_TEMPLATE, QWEN3_TEMPLATE, QWEN35_TEMPLATE, smollm2_tokenizer, tiny_tokenizer
 
 CHAT = [
     {"from": "system", "value": "You are a helpful assistant."},
@@ -205,6 +206,33 @@ def test_qwen3_style_template_that_rerenders_earlier_turns():
         # adjacent to the previous turn in the text; the header between them is unsupervised
         "<think>\n\n</think>\n\nAnd a second reply.<|im_end|>",
     ]
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_a_generation_prompt_that_opens_a_think_block_keeps_every_turn(thinking):
+    """Qwen3.5/3.6's generation prompt ends in ``<think>\n`` (or an empty think block with thinking
+    off) while the chat renders earlier turns without one: the span starts where the prompt stops
+    agreeing with the chat (these rows were skipped as template_error, 73% of ShareGPT)."""
+    tok = tiny_tokenizer(QWEN35_TEMPLATE)
+    kwargs = None if thinking is None else {"enable_thinking": thinking}
+    rows = [{"conversations": CHAT + [{"from": "human", "value": "More?"}, {"from": "gpt", "value": "Yes."}]}]
+    stats = TokenizeStats()
+    (s,) = _one(rows, tok, stats=stats, chat_template_kwargs=kwargs)
+    assert not isinstance(s, Skipped), s
+    assert _runs(s, tok) == ["Hi! How are you today?<|im_end|>", "def main(): return 42<|im_end|>",
+                             # a token may straddle where the prompt stops ("\n\n" after <think>): left out
+                             ("</think>\n\nYes.<|im_end|>" if thinking is None else "Yes.<|im_end|>")]
+
+
+def test_a_chat_token_beyond_the_model_vocabulary_is_a_clear_error():
+    """A token added to the tokenizer without resizing the model: refused before any forward
+    (on CUDA the embedding lookup is a device-side assert that ends the worker)."""
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<tool_call>"], special_tokens=True)
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<tool_call> the fox"}]}
+    with pytest.raises(ConfigError, match=f"beyond the model's vocabulary of {len(tok) - 1}"):
+        _one([row], tok, vocab_size=len(tok) - 1)
+    assert not isinstance(_one([row], tok, vocab_size=len(tok))[0], Skipped)
 
 
 def test_reasoning_content_is_supervised_with_its_turn():

@@ -44,6 +44,15 @@ QWEN3_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
+# Qwen3.5/3.6-style: QWEN3_TEMPLATE's turns, and a generation prompt that opens the think block
+# (or writes an empty one with enable_thinking=False), which no earlier turn of the chat holds.
+QWEN35_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}",
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}"
+    "{%- else -%}{{- '<think>\n' -}}{%- endif -%}{%- endif -%}")
+assert QWEN35_TEMPLATE != QWEN3_TEMPLATE
+
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 _CORPUS = [
     "Hello there! How are you today? I am fine, thanks for asking.",
