@@ -20,20 +20,25 @@ import random
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
+from typing import TypeVar
 
 from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
 from layertap.manifests.state import RunState, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
-from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
+from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 from layertap.storage.writer import ShardInfo
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_S = 60.0
+# How long a worker rides out a store failing past its retries before it gives up (`WorkQueue._patiently`).
+OUTAGE_S = 600.0
+T = TypeVar("T")
 
 
 class Claim:
@@ -126,8 +131,11 @@ class Claim:
             producer=asdict(self.queue.producer), attempt=self.attempt, time=time.time(), preempted=preempted,
         )
         # Stopped from outside (a signal, or a takeover whose lease this attempt lost): no fault of the shard's.
+        # A store failing past its retries (throttled, down) is not either: 1,000 workers' bursts gave
+        # shards up after `--retries` such failures. The record still says what happened.
+        stopped = preempted or self.lost.is_set() or isinstance(error, TransientStoreError)
         key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token, self.generation,
-                                 stopped=preempted or self.lost.is_set())
+                                 stopped=stopped)
         try:
             self.queue.store.put(key, encode(record))
         except StoreError as e:
@@ -253,16 +261,38 @@ class WorkQueue:
         return json.dumps({"holder": asdict(self.producer), "generation": generation, "data_key": data_key,
                            "ttl_s": self.ttl_s, "renewed_at": time.time()}).encode()
 
+    def _patiently(self, look: Callable[[], T]) -> T:
+        """`look` at the store, riding out an outage: a store throttling or failing for longer than
+        its own retries (`storage.retry`, ~10-20 s) ended the worker (and with srun's
+        --kill-on-bad-exit, its node's other workers), when 1,000 workers' requests are what makes
+        a store throttle. Tries again after a jittered pause, for up to `OUTAGE_S`."""
+        deadline = time.monotonic() + OUTAGE_S
+        while True:
+            try:
+                return look()
+            except TransientStoreError as e:
+                if time.monotonic() > deadline:
+                    raise
+                wait = random.uniform(self.poll_s, 4 * self.poll_s)
+                log.warning("the store is failing (%s); looking again in %.0f s", e, wait)
+                time.sleep(wait)
+
     def _order(self, todo: list[int]) -> list[int]:
-        """Each rank starts at its own fraction of the list, so ranks rarely collide."""
-        k = (self.producer.rank % self.world_size) * len(todo) // self.world_size
+        """Each rank starts at its own fraction of the list, so ranks rarely collide, turned by an
+        offset of its job's own: the ranks of one node spread evenly, and the nodes of an array
+        (each with ranks 0..7 of its own accelerate world) start at different places. Without that
+        offset, 125 array tasks' ranks shared 8 starting points and walked the list together,
+        each claim passing the shards the others had just taken (~27x the requests per shard at
+        1,000 workers). The offset hashes the job id (crc32: the same on every rank of a job)."""
+        turn = zlib.crc32(self.producer.job_id.encode()) / 2**32 if self.producer.job_id else 0.0
+        k = int(((self.producer.rank % self.world_size) / self.world_size + turn) % 1.0 * len(todo))
         return todo[k:] + todo[:k]
 
     def finished(self) -> bool:
         """Whether every shard of this queue is committed already (one scan), as a rerun asks
         before loading a model; if so, what killed attempts left behind is removed, as at the end
         of a pass (a rerun that answers "nothing to do" is often the one that follows a crash)."""
-        st = scan(self.store, self.manifest)
+        st = self._patiently(lambda: scan(self.store, self.manifest))
         st.raise_if_replaced(self.store.uri)
         if any(s not in st.committed for s in self.candidates):
             return False
@@ -289,7 +319,7 @@ class WorkQueue:
         of the run. When the walk keeps meeting shards that others finished since the scan, or
         after a pass that claimed something, the next pass takes a fresh scan."""
         while True:
-            st = scan(self.store, self.manifest)
+            st = self._patiently(lambda: scan(self.store, self.manifest))
             st.raise_if_replaced(self.store.uri)
             todo = [s for s in self.candidates if s not in st.committed]
             if not todo:
@@ -302,7 +332,7 @@ class WorkQueue:
             for s in self._order(todo):
                 if stale > rescan_after:
                     break
-                fresh = scan_shard(self.store, self.manifest, s)
+                fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))
                 if s in fresh.committed:
                     stale += 1
                     continue
@@ -314,7 +344,7 @@ class WorkQueue:
                     self._give_up(s)
                     continue
                 if self.before_claim and self.before_claim():
-                    fresh = scan_shard(self.store, self.manifest, s)  # others went on while we waited
+                    fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))  # others went on
                     if s in fresh.committed:
                         stale += 1
                         continue

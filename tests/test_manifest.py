@@ -844,3 +844,26 @@ def test_delete_asks_on_a_terminal(tmp_path):
     assert f"delete everything under {prefix}?" in shown
     rc, shown = answer("yes")
     assert rc == 0 and "deleted" in shown and not os.path.exists(prefix)
+
+
+def test_ranks_of_different_array_tasks_start_at_different_shards(tmp_path):
+    """Each Slurm array task runs its own accelerate world (ranks 0..7): the ranks of one task
+    spread evenly over the shards, and each task turns that spread by its job's own offset, the
+    same on all its ranks. Before, every task's rank r started at the same shard: 125 tasks x 8
+    ranks walked the list from 8 places, each claim passing what the others had just taken."""
+    store = open_store(str(tmp_path / "run"))
+    manifest = fake_worker.plan(store, samples=400)
+    n = len(manifest.shards)
+    assert n >= 64
+
+    def first(job: str | None, rank: int) -> int:
+        producer = Producer("h", 1, rank, job, "t")
+        return WorkQueue(store, manifest, producer, world_size=8)._order(list(range(n)))[0]
+
+    one_job = [first("7_3", r) for r in range(8)]
+    steps = {(b - a) % n for a, b in zip(one_job, one_job[1:] + one_job[:1])}
+    assert steps <= {n // 8, n // 8 + 1}  # evenly spread within the job
+    assert [first("7_3", r) for r in range(8)] == one_job  # the same offset on every rank of it
+    tasks = [first(f"7_{t}", 0) for t in range(16)]
+    assert len(set(tasks)) >= 12  # array tasks start apart (16 tasks shared one start before)
+    assert [first(None, r) for r in range(8)] == [r * n // 8 for r in range(8)]  # no job: as before

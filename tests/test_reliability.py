@@ -751,3 +751,28 @@ def test_sample_ids_and_shard_names_never_become_paths_outside_the_output(job, l
     assert victim.read_bytes() == b"not layertap's to read or delete"
     assert cli(job["args"](run, "--shard-bytes", "4MB")) == 0
     assert_complete_and_clean(store, want)
+
+
+def test_a_worker_rides_out_a_store_throttling_past_its_retries(s3_endpoint, s3_bucket):
+    """A store throttling longer than a request's own retries (here: one try) is an outage, not
+    the worker's end nor the shard's fault: the queue looks again after a pause and claims, and a
+    commit failing that way is recorded as an attempt stopped from outside, not counted against
+    --retries (two such bursts gave a shard up, with every worker's rescans making the bursts)."""
+    from layertap.manifests.state import scan
+    from layertap.manifests.records import Producer
+    from layertap.manifests.work import WorkQueue
+    from layertap.storage.store import TransientStoreError
+
+    prefix = f"s3://{s3_bucket}/throttled"
+    manifest = fake_worker.plan(open_store(prefix))
+    is_list = lambda method, path: method == "GET" and "list-type=2" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("503",), match=is_list, limit=3) as proxy:
+        store = open_store(prefix, endpoint_url=proxy.url, max_attempts=1)
+        queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.05, retries=0)
+        claim = next(iter(queue))  # raised TransientStoreError (SlowDown) out of the scan before
+        assert proxy.counts["503"] == 3
+    with claim:
+        claim.fail(TransientStoreError("put of commits/000000.json failed: SlowDown (tried 8 times)"))
+    (key,) = scan(open_store(prefix), manifest).failures[claim.shard]
+    assert key.endswith(layout.STOPPED)
+    assert next(iter(WorkQueue(open_store(prefix), manifest, Producer.current(), retries=0))).shard == claim.shard
