@@ -1,8 +1,8 @@
 """Every commit record of a run in one object, so that a reader starts with a listing and one GET
 instead of a GET per shard.
 
-Why: docs/ESTIMATE.md's 27B run has 25,813 shards. Read one by one on each of 1,000 training
-ranks, that is 26 M GETs per start; S3 serves ~5,500 GETs/s per prefix, so over an hour of
+Why: docs/ESTIMATE.md's 27B run has 25,383 shards. Read one by one on each of 1,000 training
+ranks, that is 25 M GETs per start; S3 serves ~5,500 GETs/s per prefix, so over an hour of
 throttling before the first step, again at every restart.
 
 `index/commits.json.zst` (JSON in one zstd frame) holds, per commit key, the size and version

@@ -10,8 +10,9 @@ import pytest
 
 from layertap.cli import main as cli
 from layertap.extract.estimate import (GiB, MiB, Prices, Storage, Throughput, Workload, alternatives, estimate, fmt_bytes,
+                              planned_bytes_per_token,
                               fmt_duration, fmt_rate, fmt_usd)
-from layertap.manifests.manifest import load_manifest
+from layertap.manifests.manifest import load_manifest, plan_shards
 from layertap.storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir
@@ -76,7 +77,7 @@ def test_arithmetic_by_hand():
     prices = Prices(usd_per_gib_month=2.0, usd_per_1000_put=1.0, usd_per_1000_get=0.5, epochs=3)
     est = estimate(work, storage, tp, prices)
     assert est.bytes_per_token_raw == 400 and est.bytes_per_token_stored == 405
-    assert est.shards == 4  # 400,000 planned bytes in shards of 100,000
+    assert est.shards == 4  # 40,000 planned bytes a sample: 3 close a shard, 10 samples fill 4
     assert est.total_bytes_stored == 1000 * 405 + 10 * 20 + 4 * 50 == 405_400
     assert est.bytes_per_sample_stored == (405_000 + 200) / 10
     assert est.wall_s == 1000 / 100 / 4 and est.gpu_hours == 10 / 3600
@@ -105,6 +106,18 @@ def test_arithmetic_by_hand():
     final = alts["with the final-layer state"].estimate
     assert final.bytes_per_token_raw == 600 and final.gpu_hours == pytest.approx(10 / 3600 * 8 / 5)  # all 8 layers run
     assert alts["1 capture layer"].estimate.bytes_per_token_raw == 200
+
+
+@pytest.mark.parametrize("codec, tokens, shard_bytes", [("bf16", 37, 10_000_000), ("bf16-zstd", 800, 32_000_000),
+                                                        ("fp8", 513, 1_000_000_000), ("bf16", 10, 1_000_000)])
+def test_shard_count_is_the_planners_for_uniform_lengths(codec, tokens, shard_bytes):
+    """A shard closes once it reaches shard_bytes, so it overshoots by up to one sample: the
+    estimate must count the planner's shards, not planned bytes / shard_bytes."""
+    samples, hidden, layers = 20_011, 5120, 5
+    work = Workload(hidden_size=hidden, capture_layers=layers, samples=samples, tokens=samples * tokens)
+    est = estimate(work, Storage(codec=codec, ratio=1.45, shard_bytes=shard_bytes))
+    planned = planned_bytes_per_token(capture_layers=layers, hidden_size=hidden, final_state=False, codec=codec)
+    assert est.shards == len(plan_shards([tokens] * samples, planned, shard_bytes))
 
 
 def test_units():

@@ -42,7 +42,11 @@ def add_eval(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from layertap.storage.errors import ConfigError
     from layertap.train.speculative import evaluate, format_report
+
+    if args.max_new_tokens < 1:  # decoding emits the prefill's token before checking the limit
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
 
     report = evaluate(args.drafter, args.model, args.prompts, gguf_file=args.gguf_file, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, dtype=args.dtype, baseline=not args.no_baseline,

@@ -104,7 +104,7 @@ class TargetRunner:
     def step(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `ids` at the next positions: greedy next-token choices [n] (on the host) and states
         [n, L, H] (bf16-rounded, fp32, on the model's device, where the drafter reads them)."""
-        x = torch.tensor([ids], device=self._device)
+        x = torch.tensor([ids], dtype=torch.long, device=self._device)
         out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: self.cache})
         self.length += len(ids)
         states = torch.stack([self._captured[k][0] for k in self.layers], dim=1)
@@ -134,7 +134,7 @@ class TargetRunner:
             _restore(snapshot)
             self.crop(base)
         with self._timed("reforward"):  # no head: only the cache matters, the choices are known
-            x = torch.tensor([ids[:n]], device=self._device)
+            x = torch.tensor([ids[:n]], dtype=torch.long, device=self._device)
             self._decoder(input_ids=x, use_cache=True, **{self._decoder_cache_arg: self.cache})
             self.length += n
 
@@ -257,6 +257,8 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{line_no} is not JSON: {e}") from None
             ids = _prompt_ids(row, tokenizer, f"{path}:{line_no}")
+            if not ids:  # nothing to prefill: the first forward would fail obscurely
+                raise InputError(f"{path}:{line_no}: the prompt is empty (it tokenizes to no tokens)")
             if len(ids) > max_prompt_tokens:
                 skipped += 1
                 continue

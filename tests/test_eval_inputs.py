@@ -1,0 +1,36 @@
+"""`layertap eval`'s inputs: what cannot be decoded is refused up front, naming the row or flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from layertap.cli import main as cli
+from layertap.storage.errors import InputError
+from layertap.train.speculative import load_prompts
+from tiny_models import tiny_tokenizer
+
+
+class _NoIds:
+    """A tokenizer that gives no ids for blank text (as some do), one id a word otherwise."""
+
+    def __call__(self, text: str, **_) -> dict[str, list[int]]:
+        return {"input_ids": [7] * len(text.split())}
+
+
+@pytest.mark.parametrize("row, tokenizer", [('{"prompt": ""}', tiny_tokenizer), ('{"prompt": " "}', _NoIds)])
+def test_an_empty_prompt_is_an_error_naming_its_line(tmp_path, row, tokenizer):
+    """An empty prompt has nothing to prefill: without the check the first forward fails obscurely."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello there"}\n' + row + "\n")
+    with pytest.raises(InputError, match=rf"{path}:2: the prompt is empty"):
+        load_prompts(str(path), tokenizer(), None, 1024)
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_max_new_tokens_below_one_is_refused(tmp_path, capsys, value):
+    """Decoding emits one token before it checks the limit, so 0 would silently generate one."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts),
+                "--max-new-tokens", value]) == 2
+    assert f"--max-new-tokens must be at least 1, got {value}" in capsys.readouterr().err
