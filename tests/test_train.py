@@ -17,6 +17,7 @@ import torch
 
 from layertap.cli import main as cli
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
+from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir, tiny_tokenizer
@@ -115,6 +116,20 @@ def test_flex_attention_block_mask_equals_the_dense_mask():
     assert torch.allclose(d(states, anchors, tokens), dense, atol=1e-5)
 
 
+@torch.no_grad()
+def test_context_under_autocast_skips_the_fp32_copy_and_matches():
+    """Under autocast the stored bf16 states go to fc as they are (no fp32 temporary); the result is
+    the one the fp32 round trip gave, since autocast casts fc's input back to bf16 either way."""
+    head = toy_head()
+    torch.manual_seed(0)
+    d = DFlashDrafter(default_config(head, [1, 2], mask_token_id=49, block_size=4), head)
+    states = torch.randn(2, 20, 2, 32).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        via_fp32 = d.hidden_norm(d.fc(states.reshape(2, 20, -1).float()))
+        assert torch.equal(d.context(states), via_fp32)
+    assert d.context(states).dtype == torch.float32  # no autocast: cast to fc's dtype, as before
+
+
 def test_anchors_weights_and_learned_mask_token():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.uint8)
     lengths = torch.tensor([10, 6])
@@ -164,6 +179,19 @@ def test_target_head_reads_only_the_embeddings(tmp_path):
         assert head.facts["num_layers"] == 2 and head.facts["num_kv_heads"] == 2
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_target_head(str(tmp_path / "nope"))
+
+
+def test_target_head_refuses_an_untied_config_without_a_head(tmp_path):
+    """A config that says the head is untied, with the head stored under a name layertap does not
+    know, must not load as tied: the drafter would train against the embedding matrix."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 8,
+                                                      "tie_word_embeddings": False}))
+    save_file({"model.embed_tokens.weight": torch.randn(16, 8), "language_model.lm_head.weight": torch.randn(16, 8)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(InputError, match="tie_word_embeddings is false.*model.safetensors.*lm_head.weight"):
+        load_target_head(str(tmp_path))
 
 
 @pytest.mark.slow

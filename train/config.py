@@ -27,7 +27,8 @@ class TrainConfig:
     warmup_ratio: float = setting(0.04, help="share of the steps that warm the learning rate up")
     weight_decay: float = setting(0.0, help="AdamW's weight decay")
     max_grad_norm: float = setting(1.0, help="gradients are clipped to this norm")
-    seed: int = setting(0, help="data order, anchors and initial weights")
+    seed: int = setting(0, help="the loader's shuffle and the anchors drawn per micro-batch; the drafter's "
+                                "initial weights do not depend on it (always seeded with 0)")
     save_every: int = setting(500, help="steps between checkpoints, and one at the end")
     keep_checkpoints: int = setting(2, help="newest checkpoints kept in --out")
     log_every: int = setting(10, help="steps between logged metrics")

@@ -4,8 +4,9 @@ Loading a 27B target to train a 1B drafter would cost the whole checkpoint's mem
 time, so only these tensors are read: from a safetensors checkpoint folder through its index
 (only the files that hold them are opened, and only those tensors are read from them), or
 from a GGUF file (dequantized). Tied embeddings (no separate head) are handled: the head is the
-embedding matrix. The model's shape facts (hidden size, heads, rope) come along, to size the
-drafter's defaults.
+embedding matrix; but a config that says the head is untied while no head tensor is found is
+refused, not read as tied. The model's shape facts (hidden size, heads, rope) come along, to size
+the drafter's defaults.
 
 Distillation (`--objective kl` on a prenorm final state) also needs the target's final norm:
 `load_final_norm` reads its weight alone the same way, and applies it with the model's own norm
@@ -74,7 +75,16 @@ def _from_safetensors(folder: str) -> TargetHead:
     if embed_key is None:
         raise InputError(f"no embedding tensor in {folder!r} (looked for {', '.join(_EMBED_KEYS)})")
     head_key = next((k for k in _HEAD_KEYS if k in weight_map), None)
-    tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))) or head_key is None
+    tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    if head_key is None and tie is False:
+        # The config promises a head of its own; standing the embedding in for it would train the
+        # drafter against the wrong output matrix without a word. A head under a name not in
+        # _HEAD_KEYS (a wrapper's prefix) must be refused, not guessed.
+        source = "model.safetensors.index.json" if os.path.isfile(
+            os.path.join(folder, "model.safetensors.index.json")) else "model.safetensors"
+        raise InputError(f"{folder!r}: config.json says tie_word_embeddings is false, but {source} has no "
+                         f"head tensor (looked for {', '.join(_HEAD_KEYS)})")
+    tied = bool(tie) or head_key is None  # no head key and no tie setting: tied, as transformers defaults
     wanted = {"embed": embed_key} if tied else {"embed": embed_key, "head": head_key}
     tensors = _read_tensors(folder, weight_map, wanted)
     log.info("read %s from %s (%s)", ", ".join(wanted.values()), folder, "tied" if tied else "untied")
