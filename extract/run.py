@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import sys
+import random
 import threading
 import time
 from typing import Any
@@ -296,15 +297,19 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
 
 def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
                    fingerprint: str) -> tuple[Manifest, RunConfig]:
-    """The other ranks': the manifest rank 0 is writing."""
+    """The other ranks': the manifest rank 0 is writing. Polled with a growing, jittered pause
+    (0.5 s up to 10 s): rank 0 may tokenize for many minutes, and 1,000 ranks polling every 0.5 s
+    asked the store ~2,000 times a second meanwhile."""
     deadline = time.time() + 6 * 3600
+    pause = 0.5
     while True:
         try:
             return resume_run(store, cfg, identity, fingerprint)
         except NoRun:
             if time.time() > deadline:
                 raise
-            time.sleep(0.5)
+            time.sleep(pause * random.uniform(0.75, 1.25))
+            pause = min(2 * pause, 10.0)
 
 
 def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) -> bool:

@@ -320,3 +320,25 @@ def test_smollm2_extraction_equals_hf_forward(tmp_path):
         for i, s in enumerate(batch):
             want = torch.stack([out.hidden_states[k + 1][i, : len(s)] for k in layers], dim=1).to(torch.bfloat16)
             assert torch.equal(got[s.sample_id].hidden_states.view(torch.int16), want.view(torch.int16))
+
+
+def test_ranks_waiting_for_the_plan_poll_less_and_less_often(monkeypatch):
+    """While rank 0 tokenizes (minutes on a big dataset), the other ranks look for its manifest
+    with a growing pause up to 10 s, not every 0.5 s (1,000 ranks: ~2,000 GETs a second)."""
+    from layertap.extract import run
+    from layertap.manifests.manifest import NoRun
+
+    looks, pauses = [], []
+    monkeypatch.setattr(run.time, "sleep", pauses.append)
+
+    def resume_run(*args):
+        looks.append(1)
+        if len(looks) < 10:
+            raise NoRun("not yet")
+        return "plan"
+
+    monkeypatch.setattr(run, "resume_run", resume_run)
+    assert run._wait_for_plan(None, None, None, "f") == "plan"
+    assert len(pauses) == 9
+    assert pauses[0] <= 0.625 and all(7.5 <= p <= 12.5 for p in pauses[-3:])
+    assert all(b > a for a, b in zip(pauses[:5], pauses[1:6]))  # growing (2x each, jitter +-25%)
