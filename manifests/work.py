@@ -313,8 +313,10 @@ class WorkQueue:
 
     def _claims(self) -> Iterator[Claim]:
         """Passes over the unfinished shards. A pass starts from one `scan` of the whole run and
-        walks its shards in this rank's order, checking each against the store afresh
-        (`scan_shard`: a HEAD and two small listings) before claiming it, and goes on after each
+        walks its shards in this rank's order, checking each the scan found free against the store
+        afresh (`scan_shard`: a HEAD and two small listings) before claiming it (a shard the scan
+        found leased is waited on without a look: near a run's end, idle workers looked afresh at
+        every running shard on every pass, ~3 requests a running shard a poll), and goes on after each
         claim: a claim costs requests in proportion to the shards it walks past, not to the size
         of the run. When the walk keeps meeting shards that others finished since the scan, or
         after a pass that claimed something, the next pass takes a fresh scan."""
@@ -332,6 +334,9 @@ class WorkQueue:
             for s in self._order(todo):
                 if stale > rescan_after:
                     break
+                if lease := st.live_lease(s):  # held at the pass's scan: wait on it, no fresh look
+                    waiting_on.append(lease.modified + lease.ttl_s - st.now + time.time())
+                    continue
                 fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))
                 if s in fresh.committed:
                     stale += 1

@@ -867,3 +867,25 @@ def test_ranks_of_different_array_tasks_start_at_different_shards(tmp_path):
     tasks = [first(f"7_{t}", 0) for t in range(16)]
     assert len(set(tasks)) >= 12  # array tasks start apart (16 tasks shared one start before)
     assert [first(None, r) for r in range(8)] == [r * n // 8 for r in range(8)]  # no job: as before
+
+
+def test_an_idle_worker_waits_on_leases_it_scanned_without_looking_at_each(tmp_path, monkeypatch):
+    """Near a run's end every shard left is running elsewhere: a pass of an idle worker is one
+    scan, not a fresh look (a HEAD and two listings) at each running shard, and it waits on them
+    rather than ending. ~3 requests a running shard a poll, from each of ~1,000 idle workers."""
+    from layertap.manifests import work
+
+    store = open_store(str(tmp_path / "run"))
+    manifest = fake_worker.plan(store)
+    other = WorkQueue(store, manifest, Producer.current(), ttl_s=0.6)
+    for s in range(len(manifest.shards)):
+        store.put(layout.lease_key(s, 1, 0.6), other.lease_payload(1, layout.data_key(s, other.producer.token)))
+    looks = []
+    real = work.scan_shard
+    monkeypatch.setattr(work, "scan_shard", lambda *a: looks.append(a[2]) or real(*a))
+    queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.2)
+    claim = next(iter(queue))  # waits until the leases go stale, then takes one
+    with claim:
+        pass
+    assert len(looks) <= 2 * len(manifest.shards) // 3, looks  # a look only for shards found free
+    assert claim.shard in looks
