@@ -13,7 +13,6 @@ import logging
 import os
 import shlex
 import sys
-import random
 import threading
 import time
 from typing import Any
@@ -39,6 +38,7 @@ from layertap.manifests.status import run_status
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
+from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectStore, StoreError, open_store
 from layertap.storage.units import duration, size
 
@@ -301,15 +301,14 @@ def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
     (0.5 s up to 10 s): rank 0 may tokenize for many minutes, and 1,000 ranks polling every 0.5 s
     asked the store ~2,000 times a second meanwhile."""
     deadline = time.time() + 6 * 3600
-    pause = 0.5
+    backoff = Backoff(0.5, 10.0, jitter=0.25)
     while True:
         try:
             return resume_run(store, cfg, identity, fingerprint)
         except NoRun:
             if time.time() > deadline:
                 raise
-            time.sleep(pause * random.uniform(0.75, 1.25))
-            pause = min(2 * pause, 10.0)
+            backoff.sleep()
 
 
 def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) -> bool:

@@ -33,14 +33,17 @@ log = logging.getLogger(__name__)
 class Backoff:
     """Waits for what another process makes (a commit to appear, room in a storage window):
     `first` seconds, doubling up to `limit`; `reset()` after progress. Polling, not retrying:
-    no jitter and no limit on the tries."""
+    no limit on the tries. `jitter` (a fraction, e.g. 0.25: each pause 0.75-1.25x) keeps many
+    processes that start together from polling in step."""
 
-    def __init__(self, first: float, limit: float, sleep: Callable[[float], None] = time.sleep):
-        self.first, self.limit, self._sleep = first, limit, sleep
+    def __init__(self, first: float, limit: float, sleep: Callable[[float], None] | None = None,
+                 jitter: float = 0.0):
+        self.first, self.limit, self.jitter, self._sleep = first, limit, jitter, sleep
         self.delay = first
 
     def sleep(self) -> None:
-        self._sleep(self.delay)
+        pause = self.delay * random.uniform(1 - self.jitter, 1 + self.jitter) if self.jitter else self.delay
+        (self._sleep or time.sleep)(pause)
         self.delay = min(self.limit, 2 * self.delay)
 
     def reset(self) -> None:
