@@ -266,6 +266,32 @@ def test_speculative_decoding_equals_greedy_and_counts_acceptance(target):
     assert isinstance(spec, Decoded)
 
 
+def test_acceptance_by_position_leaves_out_what_a_cut_step_did_not_reach(target):
+    """An answer's last step is cut by max_new (or an accepted EOS) before any rejection: it
+    must not read as a rejection at the positions past its cut."""
+    from layertap.extract.model import load_target
+    from layertap.train.speculative import _tau
+
+    t = load_target(target, dtype=torch.float32)
+    runner = TargetRunner(t.model, [1, 3])
+    prompt = t.tokenizer("the quick brown fox")["input_ids"]
+    greedy = greedy_decode(runner, prompt, 40, eos=set())
+    # every draft right: each step adds 6 tokens, the last one only the 3 left under max_new (40 = 1 + 6 x 6 + 3)
+    oracle = OracleDrafter(greedy + [0] * 16, len(prompt), 5, block_size=6, vocab=t.model.config.vocab_size)
+    spec = speculative_decode(runner, oracle, prompt, 40, eos=set())
+    assert spec.accepted == [6] * 6 + [3] and spec.complete == [True] * 6 + [False]
+    tau, per_position = _tau([spec], 6)
+    assert tau == pytest.approx(39 / 7) and per_position == [1.0] * 5
+    # two drafts right of five: every step is rejected at position 3, the last one cut after 2 tokens
+    oracle = OracleDrafter(greedy + [0] * 16, len(prompt), 2, block_size=6, vocab=t.model.config.vocab_size)
+    spec = speculative_decode(runner, oracle, prompt, 40, eos=set())
+    assert spec.accepted == [3] * 13 and spec.complete == [True] * 13
+    assert _tau([spec], 6)[1] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    # hand-made steps: a complete step that accepted 1 draft, and one cut after 2 accepted drafts
+    steps = Decoded([], accepted=[2, 2], drafts=[1, 2], complete=[True, False])
+    assert _tau([steps], 5)[1] == [1.0, 0.5, 0.0, 0.0]
+
+
 # -- training ----------------------------------------------------------------------------------
 
 def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, tmp_path, capsys):

@@ -204,6 +204,10 @@ def _restore(snapshot: list[tuple[Any, dict, dict, dict]]) -> None:
 class Decoded:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # tokens produced per verification step
+    # per step: the drafts it accepted that reached the output, and whether its verdict on every
+    # draft position is known (False: cut short by EOS or max_new before its first rejection)
+    drafts: list[int] = field(default_factory=list)
+    complete: list[bool] = field(default_factory=list)
 
 
 def greedy_decode(target: TargetRunner, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -239,6 +243,8 @@ def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: lis
         new = new[: min(end, max_new - len(result.tokens))]
         result.tokens.extend(new)
         result.accepted.append(len(new))
+        result.drafts.append(min(m, len(new)))
+        result.complete.append(len(new) == m + 1)
     return result
 
 
@@ -294,10 +300,18 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _tau(runs: list[Decoded], block_size: int) -> tuple[float, list[float]]:
+    """tau (tokens a verification step adds, mean) and, per draft position k, the share of steps
+    that accepted at least k drafts. A step cut short (EOS or max_new) before its first rejection
+    says nothing of the positions past its cut: it counts only where it reached, else each
+    answer's last step would read as a rejection at every later position."""
     steps = [m for r in runs for m in r.accepted]
     if not steps:
         return float("nan"), []
-    per_position = [sum(m > k for m in steps) / len(steps) for k in range(1, block_size)]
+    verdicts = [(d, c) for r in runs for d, c in zip(r.drafts, r.complete, strict=True)]
+    per_position = []
+    for k in range(1, block_size):
+        known = [d >= k for d, complete in verdicts if complete or d >= k]
+        per_position.append(sum(known) / len(known) if known else float("nan"))
     return sum(steps) / len(steps), per_position
 
 
