@@ -101,8 +101,7 @@ def _delete(store: ObjectStore, marked: set[int], agreed: set[int]) -> list[int]
                             shard, e)
                 continue
             store.put(layout.consumed_marker_key(shard), b"")
-        for key in sorted(keys):
-            store.delete(key)
+        store.delete_many(sorted(keys))
         deleted.append(shard)
     if deleted:
         log.info("deleted the data of %d consumed shard(s): %s", len(deleted), _ids(deleted))

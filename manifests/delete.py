@@ -23,6 +23,7 @@ class Refused(UserError):
 
 
 TRAINING_KEYS = ("checkpoints/latest.json", "metrics.jsonl")  # what `layertap train` writes (train_output.py)
+BATCH = 1000  # keys a delete request removes on S3 (DeleteObjects)
 
 
 def add_delete(p: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_delete(p: argparse.ArgumentParser) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (for scripts)")
     p.add_argument("--force", action="store_true",
                    help="delete even a prefix that is not a run or a training output, or a run with live leases")
-    p.add_argument("--threads", type=int, default=16, help="deletes in flight on S3 (default 16)")
+    p.add_argument("--threads", type=int, default=16, help="delete requests in flight on S3, 1,000 keys each (default 16)")
 
 
 def run_delete(args: argparse.Namespace) -> int:
@@ -90,14 +91,18 @@ def describe(store, force: bool) -> str:
 
 
 def delete_all(store, keys: list[str], threads: int = 16) -> int:
-    """Delete `keys`, the manifest and the training pointer last (see the module's docstring)."""
+    """Delete `keys`, the manifest and the training pointer last (see the module's docstring), in
+    batches of `BATCH` keys (one DeleteObjects request each on S3), `threads` at a time."""
+    from tqdm import tqdm
+
     last = {"manifest.json", *TRAINING_KEYS}
     first = [k for k in keys if k not in last]
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        list(pool.map(store.delete, first))
-    for k in keys:
-        if k in last:
-            store.delete(k)
+    batches = [first[i:i + BATCH] for i in range(0, len(first), BATCH)]
+    with ThreadPoolExecutor(max(1, threads)) as pool, \
+            tqdm(total=len(first), desc="delete", unit="object", unit_scale=True, disable=None) as bar:
+        for done in pool.map(lambda batch: store.delete_many(batch) or len(batch), batches):
+            bar.update(done)
+    store.delete_many([k for k in keys if k in last])
     return len(keys)
 
 

@@ -51,6 +51,32 @@ def test_put_get_range_size_delete(store):
         store.size("missing")
 
 
+def test_delete_many_removes_every_key_missing_ones_included(store):
+    keys = [f"d/{i:05d}" for i in range(1203)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: store.put(k, b"x"), keys))
+    store.put("kept", b"y")
+    store.delete_many([*keys, "d/never-written"])
+    assert [o.key for o in store.list()] == ["kept"]
+    store.delete_many([])
+
+
+@pytest.mark.parametrize("faults", [("500",), ("reset-after",)])
+def test_s3_deletes_in_batches_of_a_thousand_keys_and_retries_a_failed_batch(s3_bucket, s3_endpoint, faults):
+    """2,500 keys: 3 DeleteObjects requests, not 2,500 DELETEs; a batch that failed (or landed
+    unheard: its retry deletes keys already gone) is sent again."""
+    batch = lambda method, path: method == "POST" and path.endswith("?delete")  # noqa: E731
+    keys = [f"d/{i:05d}" for i in range(2500)]
+    seed = open_store(f"s3://{s3_bucket}/p")
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: seed.put(k, b"x"), keys))
+    with FaultProxy(s3_endpoint, rate=1.0, faults=faults, match=batch, limit=1) as proxy:
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url)
+        store.delete_many(keys)
+        assert proxy.counts[faults[0]] == 1 and proxy.counts["requests"] == 4  # 3 batches, one sent twice
+    assert list(seed.list()) == []
+
+
 def test_a_range_far_past_the_end_costs_what_the_object_holds(store):
     """A corrupt length asking for terabytes must not make the read allocate them: a local
     read(n) allocates n bytes however few the file holds."""
