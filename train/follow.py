@@ -2,10 +2,13 @@
 as they land, and decide when extraction is over (docs/LOADER.md, "Follow mode").
 
 Looking costs listings, so every wait backs off: 0.5 s, doubling up to `poll_s`, back to 0.5 s
-when something new appeared. The first look reads the commit index with the listing
-(`manifests.commit_index.read_commits`: a restarted trainer gets every commit it knew in one GET);
-later looks list `commits/` and GET only commits not seen before. A waiting consumer says why at
-most every 30 s.
+when something new appeared. A consumer with plenty of work in hand looks ahead ever more rarely
+(0.5 s doubling up to `poll_s`, new commits or not): with commits landing all the time, thousands
+of consumers each listing `commits/` every 0.5 s would ask S3 for far more than a prefix serves.
+One whose known work runs low looks ahead at most every 0.5 s, so its fetcher does not starve.
+The first look reads the commit index with the listing (`manifests.commit_index.read_commits`:
+a restarted trainer gets every commit it knew in one GET); later looks list `commits/` and GET
+only commits not seen before. A waiting consumer says why at most every 30 s.
 
 Extraction is over when every planned shard is committed, or when nothing is left that anyone
 will do: no live lease in the run and every uncommitted shard given up by a worker that used up
@@ -65,7 +68,8 @@ class CommitWatcher:
         self.store, self.manifest, self.who = store, manifest, who
         self.known: dict[int, CommitRecord] = {}
         self.complete = False
-        self._backoff = _looks(poll_s)
+        self._backoff = _looks(poll_s)  # wait()'s
+        self._ahead_s, self._poll_s = FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s)  # poll_if_due()'s, unless low
         self._listed = False
         self._last_look = 0.0
         self._logged = 0.0
@@ -94,15 +98,16 @@ class CommitWatcher:
             self.complete = True
         return new
 
-    def poll_if_due(self) -> list[CommitRecord]:
-        """`poll()` when the current backoff delay has passed since the last look, else nothing:
-        lets a consumer with data to work on look ahead without polling hard."""
-        if self.complete or time.monotonic() - self._last_look < self._backoff.delay:
+    def poll_if_due(self, low: bool = False) -> list[CommitRecord]:
+        """A look ahead by a consumer with data to work on: `poll()` when due, else nothing. With
+        plenty in hand it is due ever more rarely (0.5 s doubling up to `poll_s`, even when looks
+        find commits: they land all the time in a large extraction); with its known work `low`,
+        at most every 0.5 s."""
+        if self.complete or time.monotonic() - self._last_look < (FIRST_DELAY_S if low else self._ahead_s):
             return []
-        new = self.poll()
-        if new:
-            self._backoff.reset()
-        return new
+        if not low:
+            self._ahead_s = min(self._poll_s, 2 * self._ahead_s)
+        return self.poll()
 
     def wait(self) -> list[CommitRecord]:
         """New commits, blocking (with backoff) until some appear or extraction is over."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from bisect import bisect_right
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = "layertap-stream-state"
 STATE_VERSION = 1
+FOLLOW_MARGIN_SHARDS = 2  # follow mode looks ahead promptly once its unfed shards are down to prefetch_shards + this
 MiB, GiB = 1 << 20, 1 << 30
 
 
@@ -484,6 +486,7 @@ class ShardStream(IterableDataset):
         watcher = CommitWatcher(self._store(), self._manifest, c.follow_poll_s, who)
         mine: list[CommittedShard] = []  # shards taken, in order: the fetcher's shard indices
         inputs: list[tuple[int, int]] = []  # this consumer's input sequence: (index into mine, record)
+        ends: list[int] = []  # where each taken shard's inputs end in `inputs`, for shards with some
         shuffle = StreamingShuffle(c.shuffle_buffer if c.shuffle else 1,
                                    (c.seed, 0, self.rank, self.world_size, worker, workers))
 
@@ -493,6 +496,8 @@ class ShardStream(IterableDataset):
                                        tuple(commit.sample_ids)))
             first = len(inputs)
             inputs.extend((len(mine) - 1, offset + j) for j in range(k))
+            if k:
+                ends.append(len(inputs))
             return [(first + j, len(mine) - 1, offset + j) for j in range(k)]
 
         recorded, yielded = list(position.taken(worker)), position.consumed(worker)
@@ -540,6 +545,11 @@ class ShardStream(IterableDataset):
         decoder = ThreadPoolExecutor(threads, thread_name_prefix="layertap-decode") if threads else None
         pending: dict[int, tuple[Record, Future]] = {}
 
+        def low() -> bool:
+            """Whether the shards known but not all fed to the shuffle are down to what the fetcher
+            reads ahead plus a margin: time to look for more promptly, not at the look-ahead backoff."""
+            return len(ends) - bisect_right(ends, fed) <= c.prefetch_shards + FOLLOW_MARGIN_SHARDS
+
         def next_sample() -> dict[str, Any] | None:
             """The shuffle's next sample, decoded; None if its shard failed (skip policy)."""
             if decoder is not None:
@@ -555,7 +565,7 @@ class ShardStream(IterableDataset):
             discover(found)
             while True:
                 if shuffle.ready():
-                    discover(watcher.poll_if_due())  # look ahead, so the fetcher has work
+                    discover(watcher.poll_if_due(low()))  # look ahead, so the fetcher has work
                     sample = next_sample()
                     if sample is None:  # its shard failed and on_corrupt="skip"
                         metrics.add(skipped_samples=1)
