@@ -67,29 +67,31 @@ class RunState:
         return "pending"
 
 
-def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False) -> RunState:
+def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, with_tallies: bool = True) -> RunState:
     """List commits, tallies, leases and failures (and with `with_data`, data objects), the
     listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well. Leases
-    age by the store's clock (`ObjectStore.now`)."""
+    age by the store's clock (`ObjectStore.now`). Without `with_tallies`, `tallies` stays empty:
+    the work queue never reads them, and at 25,000 shards their listing is ~25 of a scan's pages."""
     st = RunState(manifest, store.now())
-    prefixes = [layout.MANIFEST, layout.COMMITS, layout.TALLY, layout.LEASES, layout.FAILURES] \
-        + ([layout.SHARDS] if with_data else [])
+    prefixes = [layout.MANIFEST, layout.COMMITS, layout.LEASES, layout.FAILURES] \
+        + ([layout.TALLY] if with_tallies else []) + ([layout.SHARDS] if with_data else [])
     with ThreadPoolExecutor(len(prefixes)) as pool:
-        head, commits, tallies, leases, failures, *data = pool.map(lambda p: list(store.list(p)), prefixes)
+        listed = dict(zip(prefixes, pool.map(lambda p: list(store.list(p)), prefixes)))
+    head, commits, leases, failures = (listed[p] for p in prefixes[:4])
     for o in commits:
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None:
             st.committed.add(shard)
             st.commit_times[shard] = o.modified
     st.stale_commits = stale_commits(store, manifest, head, commits)
-    for o in tallies:
+    for o in listed.get(layout.TALLY, []):
         parsed = layout.parse_tally(o.key)
         if parsed:
             st.tallies[parsed[0]] = parsed[1]
     _add_leases_and_failures(st, leases, failures)
     if with_data:
         st.data_objects = defaultdict(list)
-        for o in data[0]:
+        for o in listed[layout.SHARDS]:
             shard = layout.shard_of(o.key, layout.SHARDS)
             if shard is not None:
                 st.data_objects[shard].append(o.key)

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from itertools import islice
 from dataclasses import replace
 from pathlib import Path
 
@@ -844,6 +845,66 @@ def test_delete_asks_on_a_terminal(tmp_path):
     assert f"delete everything under {prefix}?" in shown
     rc, shown = answer("yes")
     assert rc == 0 and "deleted" in shown and not os.path.exists(prefix)
+
+
+def _write_and_commit(claim: Claim) -> None:
+    meta = ShardMeta(run_id=claim.queue.manifest.run_id, shard_id=claim.shard, model="synthetic",
+                     layers=fake_worker.LAYERS, hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+    with ShardWriter(claim.queue.store.open_writer(claim.data_key), meta) as w:
+        for i in range(claim.plan.start, claim.plan.end):
+            w.write_sample(fake_worker.make_sample(i))
+        info = w.close()
+    assert claim.commit(info)
+
+
+def test_an_idle_worker_scans_less_and_less_while_every_shard_left_runs_elsewhere(tmp_path):
+    """Near a run's end ~1,000 idle workers took a full scan (~50 listings at 25,000 shards) every
+    ~7.5 s, ~7,000 listings/s, though a lease kept fresh by its heartbeat cannot be claimed. The
+    idle wait now doubles up to 4 polls and the scan leaves out tally/; a lease that goes stale is
+    still taken over within its TTL, and the worker still ends once every shard is committed."""
+    prefix, ttl, poll, watch = str(tmp_path / "run"), 2.0, 0.25, 6.0  # heartbeats every 0.5 s: never stale
+    manifest = fake_worker.plan(open_store(prefix))
+    holder = WorkQueue(open_store(prefix), manifest, Producer.current(1), ttl_s=ttl)
+    held = [c.__enter__() for c in islice(holder, len(manifest.shards))]  # each lease renewed by its heartbeat
+    assert len(held) == len(manifest.shards) >= 3
+    store, listed = open_store(prefix), Counter()
+    real_list = store.list
+    store.list = lambda p="", *a, **kw: listed.update([p.split("/")[0] + "/"]) or real_list(p, *a, **kw)
+    idle = WorkQueue(store, manifest, Producer.current(2), ttl_s=ttl, poll_s=poll)
+    claims: list[tuple[float, Claim]] = []
+    ended = threading.Event()
+
+    def work() -> None:
+        for claim in idle:
+            claims.append((time.monotonic(), claim))
+            with claim:
+                _write_and_commit(claim)
+        ended.set()
+
+    threading.Thread(target=work, daemon=True).start()
+    try:
+        time.sleep(watch)
+        scans = listed[layout.COMMITS]
+        # before: a scan every ~poll (waits of poll..1.25 poll), >= 19 in 6 s; now ~8 (12 at most)
+        assert 2 <= scans <= watch / poll / 2, listed
+        assert listed[layout.TALLY] == 0 and not claims, listed
+        quitter = held.pop()
+        quitter._stop.set()  # its worker died: the lease goes stale within ttl_s
+        quitter._heartbeat.join()
+        stopped = time.monotonic()
+        while not claims and time.monotonic() < stopped + 3 * ttl:
+            time.sleep(0.05)
+        assert claims and claims[0][1].shard == quitter.shard
+        assert claims[0][0] - stopped <= ttl + poll / 4 + 0.5  # taken over as promptly as before
+    finally:
+        for claim in held:
+            _write_and_commit(claim)
+            claim.__exit__(None, None, None)
+    done = time.monotonic()
+    assert ended.wait(4 * poll * 1.25 + 2.0)  # ends at its next scan, at most one longest wait away
+    assert time.monotonic() - done <= 4 * poll * 1.25 + 1.0
+    assert listed[layout.TALLY] == 0
+    assert len(list(store.list(layout.COMMITS))) == len(manifest.shards)
 
 
 def test_ranks_of_different_array_tasks_start_at_different_shards(tmp_path):
