@@ -23,7 +23,6 @@ class Refused(UserError):
 
 
 TRAINING_KEYS = ("checkpoints/latest.json", "metrics.jsonl")  # what `layertap train` writes (train_output.py)
-BATCH = 1000  # keys a delete request removes on S3 (DeleteObjects)
 
 
 def add_delete(p: argparse.ArgumentParser) -> None:
@@ -92,12 +91,14 @@ def describe(store, force: bool) -> str:
 
 def delete_all(store, keys: list[str], threads: int = 16) -> int:
     """Delete `keys`, the manifest and the training pointer last (see the module's docstring), in
-    batches of `BATCH` keys (one DeleteObjects request each on S3), `threads` at a time."""
+    batches of `DELETE_BATCH` keys (one DeleteObjects request each on S3), `threads` at a time."""
     from tqdm import tqdm
+
+    from layertap.storage.s3 import DELETE_BATCH
 
     last = {"manifest.json", *TRAINING_KEYS}
     first = [k for k in keys if k not in last]
-    batches = [first[i:i + BATCH] for i in range(0, len(first), BATCH)]
+    batches = [first[i:i + DELETE_BATCH] for i in range(0, len(first), DELETE_BATCH)]
     with ThreadPoolExecutor(max(1, threads)) as pool, \
             tqdm(total=len(first), desc="delete", unit="object", unit_scale=True, disable=None) as bar:
         for done in pool.map(lambda batch: store.delete_many(batch) or len(batch), batches):

@@ -69,7 +69,8 @@ class CommitWatcher:
         self.known: dict[int, CommitRecord] = {}
         self.complete = False
         self._backoff = _looks(poll_s)  # wait()'s
-        self._ahead_s, self._poll_s = FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s)  # poll_if_due()'s, unless low
+        # poll_if_due()'s, unless low: its "sleep" only grows the delay, a look ahead never sleeps
+        self._ahead = Backoff(FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s), sleep=lambda _: None)
         self._listed = False
         self._last_look = 0.0
         self._logged = 0.0
@@ -103,10 +104,10 @@ class CommitWatcher:
         plenty in hand it is due ever more rarely (0.5 s doubling up to `poll_s`, even when looks
         find commits: they land all the time in a large extraction); with its known work `low`,
         at most every 0.5 s."""
-        if self.complete or time.monotonic() - self._last_look < (FIRST_DELAY_S if low else self._ahead_s):
+        if self.complete or time.monotonic() - self._last_look < (FIRST_DELAY_S if low else self._ahead.delay):
             return []
         if not low:
-            self._ahead_s = min(self._poll_s, 2 * self._ahead_s)
+            self._ahead.sleep()
         return self.poll()
 
     def wait(self) -> list[CommitRecord]:
