@@ -1,13 +1,20 @@
 """What claiming a shard costs a worker in a large run: store requests and seconds per claim.
 
     python bench/claims.py [--samples 913786] [--committed 10000] [--claims 30] [--endpoint URL]
-                           [--write-docs]
+                           [--window-run [--at-rest 200] [--trainer-ranks 16]] [--label TEXT] [--write-docs]
 
 Plans the 913,786-sample run (25,412 shards of 1 GB), writes synthetic commit records for the
 first `--committed` shards as earlier workers would have, then lets one worker (rank 3 of 8)
 claim and commit `--claims` shards through `WorkQueue`, counting the store requests by kind. On a 27B target a 1 GB shard is ~28,000 tokens, about 4 s of one H200: a claim
 must cost far less than that, and its requests must not grow with the size of the run.
 Without --endpoint a moto server is started; with it, that server (e.g. radosgw from .ci/rgw.sh).
+
+--window-run measures a `--window` run, where the storage window's gate (`WindowGate`) runs
+before every claim: training has consumed all but the last `--at-rest` committed shards (their
+consumption markers, and a watermark per training rank naming them all), the others have a
+1 kB data object each, and the window (1 PB) stays open, the common case. `--label` names the
+code measured (e.g. "before"/"after", run from a worktree of each); rows of one section are
+kept, one per label.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shlex
 import sys
 import time
@@ -32,12 +40,16 @@ import boto3  # noqa: E402
 
 from bench._report import cpu_s, machine, write_section  # noqa: E402
 from layertap.manifests import layout  # noqa: E402
+from layertap.manifests.consumption import WindowGate, record_consumed  # noqa: E402
 from layertap.manifests.manifest import create_or_resume  # noqa: E402
 from layertap.manifests.records import CommitRecord, Producer, encode  # noqa: E402
 from layertap.manifests.work import WorkQueue  # noqa: E402
 from layertap.storage.writer import ShardInfo  # noqa: E402
 from layertap.storage.store import open_store  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
+
+WINDOW, DATA = 10**15, b"x" * 1000  # --window-run: an open 1 PB window; a stand-in data object
+
 
 def count_requests(store) -> Counter:
     """S3 requests the store's client sends from now on, by operation (each listing page counts)."""
@@ -68,6 +80,10 @@ def main() -> None:
     ap.add_argument("--committed", type=int, default=10_000)
     ap.add_argument("--claims", type=int, default=30)
     ap.add_argument("--endpoint", help="the S3 server to measure (credentials from env); default: a moto server")
+    ap.add_argument("--window-run", action="store_true", help="claims of a --window run, through its gate")
+    ap.add_argument("--at-rest", type=int, default=200, help="--window-run: committed shards not consumed yet")
+    ap.add_argument("--trainer-ranks", type=int, default=16, help="--window-run: training ranks' watermarks")
+    ap.add_argument("--label", help="names the row (the code measured); one row per label in the section")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     command = shlex.join(["python", "bench/claims.py", *sys.argv[1:]])
@@ -91,13 +107,22 @@ def main() -> None:
             store.put_if_absent(layout.commit_key(plan.id), encode(rec))
             store.put(layout.tally_key(plan.id, i.num_records, i.num_tokens, i.bytes, i.raw_bytes, 0), b"")
 
+        committed = manifest.shards[: args.committed]
+        consumed, resting = committed[: len(committed) - args.at_rest], committed[len(committed) - args.at_rest:]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(32) as pool:
-            list(pool.map(commit, manifest.shards[: args.committed]))
+            list(pool.map(commit, committed))
+            if args.window_run:  # training consumed all but the last --at-rest; their data is deleted
+                list(pool.map(lambda p: store.put(layout.consumed_marker_key(p.id), b""), consumed))
+                list(pool.map(lambda p: store.put(layout.data_key(p.id, "bench"), DATA), resting))
+                list(pool.map(lambda r: record_consumed(store, rank=r, world_size=args.trainer_ranks,
+                                                        shards=[p.id for p in consumed], step=1000),
+                              range(args.trainer_ranks)))
         setup_s = time.perf_counter() - t0
 
         calls = count_requests(store)
-        queue = WorkQueue(store, manifest, Producer.current(rank=3), world_size=8)
+        gate = WindowGate(store, WINDOW) if args.window_run else None
+        queue = WorkQueue(store, manifest, Producer.current(rank=3), world_size=8, before_claim=gate)
         per_claim, claimed = [], []
         t0, c0, s0 = time.perf_counter(), cpu_s(), cpu_s(server.pid)
         last = t0
@@ -105,6 +130,8 @@ def main() -> None:
             now = time.perf_counter()
             per_claim.append(now - last)
             with claim:
+                if args.window_run:
+                    store.put(claim.data_key, DATA)
                 claim.commit(info(claim.plan))
             claimed.append(claim.shard)
             last = time.perf_counter()
@@ -116,30 +143,52 @@ def main() -> None:
     n = len(claimed)
     total = sum(calls.values()) / n
     calls = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(calls.items()))
+    row = (f"| {n} | {sorted(per_claim)[n // 2]:.3f} | {per_claim[0]:.2f} | {client / n:.3f} | {srv / n:.3f} | "
+           f"{total:.1f} | {calls} |")
+    name = server.section("claims-window" if args.window_run else "claims")
+    header = ("| claims | s per claim (median) | first claim s | client CPU s per claim | server CPU s per claim "
+              "| S3 requests per claim | by operation, per claim |")
+    rows = [row]
+    if args.label:  # one row per label: this one replaces its own, the others stay
+        header, row = "| code " + header, f"| {args.label} {row}"
+        rows = [*earlier_rows(ROOT / "docs" / "benchmarks.md", name, args.label), row]
+    window = (f" Through the storage window's gate: training consumed all but the last {args.at_rest} committed "
+              f"shards (a consumption marker each, a watermark from each of {args.trainer_ranks} training ranks naming "
+              "them all); the others have a 1 kB data object each; the 1 PB window stays open."
+              if args.window_run else "")
     text = "\n".join([
-        f"## Claiming shards in a large run{'' if server.kind == 'moto' else f' ({server.kind})'}",
+        f"## Claiming shards in a large run{' through the storage window' if args.window_run else ''}"
+        f"{'' if server.kind == 'moto' else f' ({server.kind})'}",
         "",
         f"Command: `{command}`  ",
         f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  ",
         f"Machine: {machine()}; server: {description}  ",
         f"Run: {args.samples:,} samples planned as {len(manifest.shards):,} shards of 1 GB; {args.committed:,} "
         f"committed by earlier workers (written in {setup_s:.0f} s). One worker, rank 3 of 8, claims and commits "
-        f"{n} shards (its first: {claimed[0]}).",
+        f"{n} shards (its first: {claimed[0]}).{window}",
         "",
-        "| claims | s per claim (median) | first claim s | client CPU s per claim | server CPU s per claim "
-        "| S3 requests per claim | by operation, per claim |",
-        "|---:|---:|---:|---:|---:|---:|---|",
-        f"| {n} | {sorted(per_claim)[n // 2]:.3f} | {per_claim[0]:.2f} | {client / n:.3f} | {srv / n:.3f} | "
-        f"{total:.1f} | {calls} |",
+        header,
+        "|" + "---|" * (header.count("|") - 1 - 7) + "---:|" * 6 + "---|",
+        *rows,
         "",
-        f"Wall time of the {n} claims and commits: {wall:.1f} s; a claim's seconds run from the end of the "
+        f"Wall time of the latest run's {n} claims and commits: {wall:.1f} s; a claim's seconds run from the end of the "
         "previous commit to the next claim handed out. Requests include the commit's own (create of the commit "
         "record, its tally, the lease's release, the leftover-upload sweep). A ListObjectsV2 page holds up to "
         "1,000 keys.",
     ])
     print(text)
     if args.write_docs:
-        write_section(server.section("claims"), text, ROOT / "docs" / "benchmarks.md")
+        write_section(name, text, ROOT / "docs" / "benchmarks.md")
+
+
+def earlier_rows(path: Path, section: str, label: str) -> list[str]:
+    """The table rows of `section` in `path` written by runs of other labels (first cell)."""
+    text = path.read_text() if path.exists() else ""
+    found = re.search(f"<!-- bench:{re.escape(section)}:start -->(.*?)<!-- bench:{re.escape(section)}:end -->",
+                      text, re.DOTALL)
+    rows = [line for line in (found.group(1).splitlines() if found else [])
+            if line.startswith("| ") and not line.startswith("| code ")]
+    return [r for r in rows if r.split("|")[1].strip() != label]
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
 from layertap.extract.regenerated import template_kwargs
 from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
-from layertap.manifests.consumption import Backlog, WindowGate
+from layertap.manifests.consumption import AtRest, WindowGate
 from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
@@ -384,11 +384,11 @@ class Progress:
                                      f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
             self.bar.update(1)
 
-    def waiting(self, backlog: Backlog | None) -> None:
-        """The storage window is full (`backlog`), or open again (None): shown on the progress line."""
+    def waiting(self, rest: AtRest | None) -> None:
+        """The storage window is full (`rest`: what is at rest), or open again (None): shown on the progress line."""
         if self.on:
-            self.bar.set_postfix_str(f"waiting: window full, {size(backlog.bytes)} not yet consumed by training"
-                                     if backlog else "", refresh=False)
+            self.bar.set_postfix_str(f"waiting: window full, {size(rest.bytes)} not yet consumed by training"
+                                     if rest else "", refresh=False)
             self.bar.refresh()
 
     def committed(self, records: int, skipped: int) -> None:

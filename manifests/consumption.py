@@ -9,8 +9,10 @@ stay: `status`, resume and a rerun of `layertap extract` still see the shard as 
 redo it. Watermarks are only written once a checkpoint covers them, so a trainer that restarts
 from its checkpoint never needs a deleted shard.
 
-`backlog` is what is at rest: committed shards not consumed yet. `WindowGate` holds a worker
-back from its next claim while the backlog is at or above `--window`.
+`backlog` is committed shards not consumed yet (what `status` reports). `at_rest` is the data
+objects in `shards/`: what the storage holds and the window bounds. `WindowGate` holds a worker
+back from its next claim while that is at or above `--window`; it reads only `shards/` (as large
+as the window, not the run) unless the window is full.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from layertap.manifests import layout
 from layertap.manifests.manifest import ManifestError
 from layertap.manifests.records import decode_commit
 from layertap.storage.retry import Backoff
-from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 from layertap.storage.units import size
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,17 @@ class Backlog:
 
     shards: int
     samples: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class AtRest:
+    """The data objects in the run's `shards/`: the shards they belong to and their bytes. What
+    the storage holds, which is what the window bounds: committed data not consumed yet, plus any
+    object whose commit or deletion is under way (or was cut short by a crash, until the shard's
+    next commit or consumption removes it)."""
+
+    shards: int
     bytes: int
 
 
@@ -72,24 +86,21 @@ def consumed_everywhere(store: ObjectStore, marked: set[int] | None = None) -> s
     return (consumed_shards(store) if marked is None else marked) | _agreed(store)
 
 
-def delete_consumed(store: ObjectStore) -> list[int]:
+def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | None = None) -> list[int]:
     """Delete the data of each shard consumed everywhere: marker first, then the data object its
     commit names (and any a crashed attempt left). Idempotent, and crash-safe: a marker whose
-    data is still listed is finished here. Returns the ids whose data this call deleted."""
-    return _delete(store, consumed_shards(store), _agreed(store))
+    data is still listed is finished here. `listed`: `data_objects`, when the caller has it.
+    Returns the ids whose data this call deleted.
 
-
-def _delete(store: ObjectStore, marked: set[int], agreed: set[int]) -> list[int]:
-    """`delete_consumed`, given the marked shards and those every rank's watermark names."""
+    The markers' listing and the watermarks (both as large as the run) are read side by side."""
+    with ThreadPoolExecutor(2) as pool:
+        marked, agreed = pool.submit(consumed_shards, store), pool.submit(_agreed, store)
+        marked, agreed = marked.result(), agreed.result()
     fresh = agreed - marked
-    listed: dict[int, list[str]] = {}
-    for o in store.list(layout.SHARDS):
-        shard = layout.shard_of(o.key, layout.SHARDS)
-        if shard in fresh or shard in marked:
-            listed.setdefault(shard, []).append(o.key)
+    listed = data_objects(store) if listed is None else listed
     deleted = []
     for shard in sorted(fresh | (marked & set(listed))):
-        keys = set(listed.get(shard, []))
+        keys = {o.key for o in listed.get(shard, [])}
         if shard in fresh:
             key = layout.commit_key(shard)
             try:
@@ -106,6 +117,22 @@ def _delete(store: ObjectStore, marked: set[int], agreed: set[int]) -> list[int]
     if deleted:
         log.info("deleted the data of %d consumed shard(s): %s", len(deleted), _ids(deleted))
     return deleted
+
+
+def data_objects(store: ObjectStore) -> dict[int, list[ObjectInfo]]:
+    """The run's data objects by shard: one listing of `shards/`."""
+    listed: dict[int, list[ObjectInfo]] = {}
+    for o in store.list(layout.SHARDS):
+        if (shard := layout.shard_of(o.key, layout.SHARDS)) is not None:
+            listed.setdefault(shard, []).append(o)
+    return listed
+
+
+def at_rest(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | None = None) -> AtRest:
+    """What the storage window bounds (`AtRest`), from one listing of `shards/` (`listed`:
+    `data_objects`, when the caller has it)."""
+    listed = data_objects(store) if listed is None else listed
+    return AtRest(len(listed), sum(o.size for objects in listed.values() for o in objects))
 
 
 def backlog(store: ObjectStore, consumed: set[int] | None = None) -> Backlog:
@@ -140,21 +167,25 @@ def backlog(store: ObjectStore, consumed: set[int] | None = None) -> Backlog:
 
 
 def watermarks(store: ObjectStore) -> dict[int, dict]:
-    """Every rank's watermark by rank (unreadable ones left out, with a warning)."""
-    out = {}
-    for o in store.list(layout.CONSUMED_RANKS):
-        rank = layout.shard_of(o.key, layout.CONSUMED_RANKS)
-        if rank is None:
-            continue
+    """Every rank's watermark by rank (unreadable ones left out, with a warning); read 16 at a
+    time, as each names every shard its rank consumed."""
+
+    def read(key: str) -> dict | None:
         try:
-            body = json.loads(store.get(o.key))
-            out[rank] = {"world_size": int(body["world_size"]), "step": int(body["step"]),
-                         "shards": [int(s) for s in body["shards"]], "time": float(body["time"])}
+            body = json.loads(store.get(key))
+            return {"world_size": int(body["world_size"]), "step": int(body["step"]),
+                    "shards": [int(s) for s in body["shards"]], "time": float(body["time"])}
         except ObjectNotFound:
-            continue
+            return None
         except (ValueError, KeyError, TypeError) as e:
-            log.warning("%s: unreadable consumption watermark (%s); ignored", o.key, e)
-    return out
+            log.warning("%s: unreadable consumption watermark (%s); ignored", key, e)
+            return None
+
+    ranks = {rank: o.key for o in store.list(layout.CONSUMED_RANKS)
+             if (rank := layout.shard_of(o.key, layout.CONSUMED_RANKS)) is not None}
+    with ThreadPoolExecutor(max(1, min(16, len(ranks)))) as pool:
+        bodies = dict(zip(ranks, pool.map(read, ranks.values())))
+    return {rank: body for rank, body in bodies.items() if body is not None}
 
 
 def _agreed(store: ObjectStore) -> set[int]:
@@ -173,55 +204,65 @@ def _ids(ids: list[int]) -> str:
 
 
 class WindowGate:
-    """Holds a worker back from claiming its next shard while `window` bytes or more of committed
-    data wait for training. Each check first deletes what the trainers' watermarks allow.
+    """Holds a worker back from claiming its next shard while `window` bytes or more of data are
+    at rest (`at_rest`: committed data not consumed yet, and little else).
 
-    Called with no arguments before a claim; returns whether it waited. While waiting it lists
-    the run with a backoff (`poll_s` doubling to `max_poll_s`), logs why at most every
-    `log_every_s`, and tells `on_wait` (a progress line) the backlog, then None once it goes on.
-    A stop signal raises in the main thread wherever it is, so a waiting worker ends at once.
+    Called with no arguments before a claim; returns whether it waited. A check lists `shards/`
+    alone, which the window keeps small however long the run: it runs before every claim, on the
+    worker's critical path. Only a full window reads the consumption markers and watermarks (as
+    large as the run) and deletes what they allow (`delete_consumed`), at most every
+    `sweep_every_s`: the trainer deletes after each checkpoint, so the gate's pass only finishes
+    what a trainer killed in between left. While waiting it lists with a backoff (`poll_s`
+    doubling to `max_poll_s`), logs why at most every `log_every_s`, and tells `on_wait` (a
+    progress line) what is at rest, then None once it goes on. A stop signal raises in the main
+    thread wherever it is, so a waiting worker ends at once.
 
     The bound: a worker checks before each claim, not during its shard, so the data at rest stays
     under `window` plus one shard per worker (each may have passed the gate just below it).
     """
 
     def __init__(self, store: ObjectStore, window: int, *, poll_s: float = 2.0, max_poll_s: float = 30.0,
-                 log_every_s: float = 30.0, on_wait: Callable[[Backlog | None], None] | None = None,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sweep_every_s: float = 30.0, log_every_s: float = 30.0,
+                 on_wait: Callable[[AtRest | None], None] | None = None, sleep: Callable[[float], None] = time.sleep):
         self.store, self.window = store, window
         self.poll_s, self.max_poll_s, self.log_every_s = poll_s, max_poll_s, log_every_s
+        self.sweep_every_s = sweep_every_s
         self.on_wait, self.sleep = on_wait, sleep
         self._recorded = False
+        self._swept = -float("inf")
 
     def record(self) -> None:
         """Tell training what window extraction runs with (`recorded_window`): a follow trainer
         that waits for data while the window is full knows it is stalled, and says so."""
         _put_json(self.store, layout.CONSUMED_WINDOW, {"window": self.window, "time": time.time()})
 
-    def check(self) -> Backlog:
-        """Delete what the watermarks allow, then measure the backlog: one listing of the markers
-        and one read of the watermarks serve both."""
-        marked, agreed = consumed_shards(self.store), _agreed(self.store)
-        _delete(self.store, marked, agreed)
-        return backlog(self.store, marked | agreed)
+    def check(self) -> AtRest:
+        """What is at rest: one listing of `shards/`; when that fills the window, first delete
+        what the watermarks allow (at most every `sweep_every_s`)."""
+        listed = data_objects(self.store)
+        rest = at_rest(self.store, listed)
+        if rest.bytes >= self.window and time.monotonic() - self._swept >= self.sweep_every_s:
+            self._swept = time.monotonic()
+            if deleted := set(delete_consumed(self.store, listed)):
+                rest = at_rest(self.store, {s: objects for s, objects in listed.items() if s not in deleted})
+        return rest
 
     def __call__(self) -> bool:
         if not self._recorded:
             self.record()
             self._recorded = True
         waited, backoff, logged = False, Backoff(self.poll_s, self.max_poll_s, self.sleep), 0.0
-        while (b := self.check()).bytes >= self.window:
+        while (rest := self.check()).bytes >= self.window:
             if time.monotonic() - logged >= self.log_every_s:
                 logged = time.monotonic()
-                log.info("window full: %s of committed data not yet consumed (%d shards; window %s); waiting "
-                         "for training", size(b.bytes), b.shards, size(self.window))
+                log.info("window full: %s at rest not yet consumed by training (%d shards; window %s); waiting "
+                         "for training", size(rest.bytes), rest.shards, size(self.window))
             if self.on_wait:
-                self.on_wait(b)
+                self.on_wait(rest)
             waited = True
             backoff.sleep()
         if waited:
-            log.info("window open: %s of committed data not yet consumed (window %s); claiming again",
-                     size(b.bytes), size(self.window))
+            log.info("window open: %s at rest (window %s); claiming again", size(rest.bytes), size(self.window))
             if self.on_wait:
                 self.on_wait(None)
         return waited
@@ -250,12 +291,13 @@ def recorded_window(store: ObjectStore) -> int | None:
         return None
 
 
-def stalled(store: ObjectStore) -> tuple[Backlog, int] | None:
-    """(backlog, window) when extraction is held back by its window, which training waiting for
-    data then cannot open: a stall. None when there is no window or it is open."""
+def stalled(store: ObjectStore) -> tuple[AtRest, int] | None:
+    """(at rest, window) when extraction is held back by its window (`WindowGate`'s measure),
+    which training waiting for data then cannot open: a stall. None when there is no window or
+    it is open."""
     window = recorded_window(store)
     if window is None:
         return None
-    b = backlog(store)
-    return (b, window) if b.bytes >= window else None
+    rest = at_rest(store)
+    return (rest, window) if rest.bytes >= window else None
 

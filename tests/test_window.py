@@ -17,8 +17,8 @@ import pytest
 import fake_worker
 from layertap.cli import main as cli
 from layertap.manifests import layout
-from layertap.manifests.consumption import (Backlog, WindowGate, backlog, consumed_everywhere, consumed_shards,
-                                            delete_consumed, record_consumed)
+from layertap.manifests.consumption import (AtRest, Backlog, WindowGate, at_rest, backlog, consumed_everywhere,
+                                            consumed_shards, delete_consumed, record_consumed, stalled)
 from layertap.manifests.records import Producer
 from layertap.manifests.status import burst_rate, run_status, verify_run
 from layertap.manifests.work import WorkQueue
@@ -101,6 +101,71 @@ def test_backlog_is_the_tallies_of_unconsumed_shards(store_uri):
     store.delete(next(o.key for o in store.list(f"{layout.TALLY}000002.")))
     assert backlog(store) == expected({1, 3})
     assert backlog(store).bytes == sum(o.size for o in store.list(layout.SHARDS))
+
+
+class ReadCounter:
+    """The store's listings (by prefix) and GETs (by key), as the gate makes them."""
+
+    def __init__(self, store, monkeypatch):
+        self.listed: list[str] = []
+        self.got: list[str] = []
+        list_, get = store.list, store.get
+        monkeypatch.setattr(store, "list", lambda prefix="", **kw: self.listed.append(prefix) or list_(prefix, **kw))
+        monkeypatch.setattr(store, "get", lambda key, *a, **kw: self.got.append(key) or get(key, *a, **kw))
+
+    def clear(self) -> None:
+        self.listed.clear()
+        self.got.clear()
+
+
+def test_the_window_check_reads_only_the_data_at_rest_until_the_window_is_full(store_uri, monkeypatch):
+    """The gate runs before every claim of a window run. Markers and watermarks grow with the run
+    (each watermark names every shard its rank consumed), commits and tallies too; the data at rest
+    is what the window bounds. So an open window costs one listing of `shards/` and no GET; a full
+    one also reads the consumption records and deletes what they allow, at most every sweep_every_s."""
+    store = open_store(store_uri)
+    fake_worker.work(store_uri)
+    sizes = {layout.shard_of(o.key, layout.SHARDS): o.size for o in store.list(layout.SHARDS)}
+    record_consumed(store, rank=0, world_size=2, shards=[0, 1, 2, 3], step=5)
+    record_consumed(store, rank=1, world_size=2, shards=[0, 1, 2, 3], step=5)
+    delete_consumed(store)  # the trainer deleted 0-3
+    record_consumed(store, rank=0, world_size=2, shards=[0, 1, 2, 3, 4], step=9)
+    record_consumed(store, rank=1, world_size=2, shards=[0, 1, 2, 3, 4], step=9)  # then was killed: 4 is left
+    left = sum(sizes[s] for s in (4, 5, 6))
+    reads = ReadCounter(store, monkeypatch)
+
+    gate = WindowGate(store, left + 1, sleep=lambda s: pytest.fail("an open window waited"))
+    assert gate.check() == AtRest(3, left) == at_rest(store)
+    assert reads.listed == [layout.SHARDS, layout.SHARDS] and reads.got == []
+
+    gate, sleeps = WindowGate(store, left, sweep_every_s=3600), []
+    gate.sleep = sleeps.append
+    reads.clear()
+    assert gate() is False and sleeps == []  # full, but shard 4 was consumed everywhere: deleted, and on
+    assert layout.CONSUMED_RANKS in reads.listed and layout.CONSUMED_SHARDS in reads.listed
+    assert data_shards(store) == {5, 6} and gate.check() == AtRest(2, left - sizes[4])
+
+    gate.window = left - sizes[4]  # full, with nothing left to delete: no second sweep within the hour
+    reads.clear()
+    assert gate.check() == AtRest(2, left - sizes[4])
+    assert reads.listed == [layout.SHARDS] and reads.got == []
+
+
+def test_the_window_counts_every_object_at_rest_and_the_stall_check_agrees(store_uri):
+    """An uncommitted data object (a worker between its upload and its commit, or killed there)
+    takes space like any other: the window counts it, and the trainer's stall check measures what
+    the gate measures, or a trainer would wait for data without freeing any while workers wait."""
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1])
+    store.put(layout.data_key(2, "killed"), b"x" * 5_000)
+    rest = at_rest(store)
+    assert rest.shards == 3 and rest.bytes == sum(o.size for o in store.list(layout.SHARDS))
+    assert rest.bytes == backlog(store).bytes + 5_000
+    WindowGate(store, rest.bytes).record()
+    assert stalled(store) == (rest, rest.bytes)
+    assert WindowGate(store, rest.bytes).check() == rest  # the gate waits: nothing consumed to delete
+    WindowGate(store, rest.bytes + 1).record()
+    assert stalled(store) is None
 
 
 def window_worker(store_uri: str, rank: int, gate: WindowGate, done: list[int]) -> None:
