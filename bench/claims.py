@@ -51,6 +51,25 @@ from tests.s3server import bench_server  # noqa: E402
 WINDOW, DATA = 10**15, b"x" * 1000  # --window-run: an open 1 PB window; a stand-in data object
 
 
+def synthetic_info(plan) -> ShardInfo:
+    """What the writer reports of a shard of `plan` of a 27B target (no data written)."""
+    raw = plan.est_tokens * 51_200
+    return ShardInfo(key="", bytes=int(raw / 1.45), xxh3_128="0" * 32, num_records=plan.num_samples,
+                     num_tokens=plan.est_tokens, raw_bytes=raw,
+                     sample_ids=[str(i) for i in range(plan.start, plan.end)], relative_error=None)
+
+
+def commit_as_earlier_worker(store, plan) -> None:
+    """What an earlier worker left of `plan`: its commit record and its tally marker."""
+    i = synthetic_info(plan)
+    rec = CommitRecord(shard=plan.id, data_key=layout.data_key(plan.id, "bench"), bytes=i.bytes,
+                       xxh3_128=i.xxh3_128, num_records=i.num_records, num_tokens=i.num_tokens,
+                       raw_bytes=i.raw_bytes, sample_ids=i.sample_ids, producer=asdict(Producer.current()),
+                       attempt=1, started_at=0.0, committed_at=time.time())
+    store.put_if_absent(layout.commit_key(plan.id), encode(rec))
+    store.put(layout.tally_key(plan.id, i.num_records, i.num_tokens, i.bytes, i.raw_bytes, 0), b"")
+
+
 def count_requests(store) -> Counter:
     """S3 requests the store's client sends from now on, by operation (each listing page counts)."""
     calls: Counter = Counter()
@@ -90,28 +109,11 @@ def main() -> None:
 
     with bench_server(args.endpoint) as server:
         store, manifest = plan_large_run(server.endpoint, args.samples, "bench-claims")
-        producer = Producer.current()
-
-        def info(plan) -> ShardInfo:
-            raw = plan.est_tokens * 51_200
-            return ShardInfo(key="", bytes=int(raw / 1.45), xxh3_128="0" * 32, num_records=plan.num_samples,
-                             num_tokens=plan.est_tokens, raw_bytes=raw,
-                             sample_ids=[str(i) for i in range(plan.start, plan.end)], relative_error=None)
-
-        def commit(plan):  # what an earlier worker left: a commit record and its tally
-            i = info(plan)
-            rec = CommitRecord(shard=plan.id, data_key=layout.data_key(plan.id, "bench"), bytes=i.bytes,
-                               xxh3_128=i.xxh3_128, num_records=i.num_records, num_tokens=i.num_tokens,
-                               raw_bytes=i.raw_bytes, sample_ids=i.sample_ids, producer=asdict(producer), attempt=1,
-                               started_at=0.0, committed_at=time.time())
-            store.put_if_absent(layout.commit_key(plan.id), encode(rec))
-            store.put(layout.tally_key(plan.id, i.num_records, i.num_tokens, i.bytes, i.raw_bytes, 0), b"")
-
         committed = manifest.shards[: args.committed]
         consumed, resting = committed[: len(committed) - args.at_rest], committed[len(committed) - args.at_rest:]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(32) as pool:
-            list(pool.map(commit, committed))
+            list(pool.map(lambda p: commit_as_earlier_worker(store, p), committed))
             if args.window_run:  # training consumed all but the last --at-rest; their data is deleted
                 list(pool.map(lambda p: store.put(layout.consumed_marker_key(p.id), b""), consumed))
                 list(pool.map(lambda p: store.put(layout.data_key(p.id, "bench"), DATA), resting))
@@ -132,7 +134,7 @@ def main() -> None:
             with claim:
                 if args.window_run:
                     store.put(claim.data_key, DATA)
-                claim.commit(info(claim.plan))
+                claim.commit(synthetic_info(claim.plan))
             claimed.append(claim.shard)
             last = time.perf_counter()
             if len(claimed) == args.claims:

@@ -32,10 +32,12 @@ import re
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 GIVEN_UP = "given_up/"
+FEED = "feed/"  # one empty key per commit, named by its time: what follow mode lists for new commits
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
 
+_FEED = re.compile(r"^(\d{13})\.(\d{6,})$")
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")
 _SHARD_ID = re.compile(r"^(\d+)")
@@ -58,6 +60,23 @@ def commit_key(shard: int) -> str:
 
 def tally_key(shard: int, records: int, tokens: int, nbytes: int, raw: int, skipped: int) -> str:
     return f"{TALLY}{shard:06d}.r{records}.t{tokens}.b{nbytes}.x{raw}.s{skipped}"
+
+
+def feed_key(millis: int, shard: int) -> str:
+    """The commit of `shard` at `millis` (the store's clock): keys sort by time, so a reader lists
+    only the recent ones (`feed_after`), however many commits the run holds."""
+    return f"{FEED}{millis:013d}.{shard:06d}"
+
+
+def feed_after(millis: int) -> str:
+    """The `start_after` of a listing of the feed keys written at or after `millis`."""
+    return f"{FEED}{millis:013d}"
+
+
+def parse_feed(key: str) -> tuple[int, int] | None:
+    """(millis, shard) of a feed key."""
+    m = _FEED.match(key[len(FEED) :])
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def consumed_rank_key(rank: int) -> str:

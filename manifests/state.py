@@ -149,6 +149,17 @@ def scan_shard(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
     return st
 
 
+def scan_work(store: ObjectStore, manifest: Manifest) -> RunState:
+    """The run's leases and failures, listed side by side, and not its commits: what a follow
+    consumer, which knows the commits already, asks of a run whose next shard is late. Both
+    listings grow with the workers at work and the failures, not with the run."""
+    st = RunState(manifest, store.now())
+    with ThreadPoolExecutor(2) as pool:
+        leases, failures = pool.map(lambda p: list(store.list(p)), [layout.LEASES, layout.FAILURES])
+    _add_leases_and_failures(st, leases, failures)
+    return st
+
+
 def shard_leases(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:
     """One shard's leases, fresh, committed or not: a commit's sweep asks which are alive."""
     st = RunState(manifest, store.now())

@@ -5,7 +5,9 @@ exactly one claimant wins each generation); while it works, a heartbeat rewrites
 the lease's LastModified stays fresh. A dead worker's lease goes stale after `ttl_s`, and any
 worker may then claim the next generation. Finishing a shard means: data object complete, then
 the commit record created if absent. Two workers that both finish one shard (a takeover of a
-worker that was only slow) therefore yield exactly one commit; the loser deletes its data.
+worker that was only slow) therefore yield exactly one commit; the loser deletes its data. The
+winner then writes the shard's tally marker and its feed key (`layout.feed_key`, named by the
+time: how a follow-mode trainer finds new commits without listing all of them).
 
 Each attempt writes its data under a key of its own (`shards/{id}-{attempt}.lts`: the worker's
 token and a nonce, named in its lease), so neither a crashed or zombie attempt nor an earlier
@@ -55,6 +57,7 @@ class Claim:
         self.committed = False
         self.superseded = False  # this attempt failed after another one committed the shard
         self._stop = threading.Event()
+        self._released = False
         self._heartbeat = threading.Thread(target=self._beat, name=f"lease-{plan.id}", daemon=True)
 
     @property
@@ -105,8 +108,12 @@ class Claim:
             store.delete(self.data_key)
             return False
         self.committed = True
+        # The lease has done its job: released before the commit's other records, so a worker
+        # killed after its commit leaves no lease (a rerun at once found it still fresh, kept it).
+        self.release()
         store.put(layout.tally_key(self.shard, info.num_records, info.num_tokens, info.bytes, info.raw_bytes,
                                    len(skipped)), b"")
+        store.put(layout.feed_key(int(store.now() * 1000), self.shard), b"")
         # Leftovers of crashed attempts: their data objects, and the uploads a SIGKILL left open
         # (billed until aborted; ours is complete, so it is not among them). Not those of an
         # attempt still at work: it drops its own when its commit loses.
@@ -145,6 +152,8 @@ class Claim:
     def release(self) -> None:
         """Stop the heartbeat and delete the lease. Idempotent: a worker stopped by a signal in
         the middle of this calls it again (its handler ignores further signals by then)."""
+        if self._released:
+            return
         try:
             self._stop.set()
             if self._heartbeat.is_alive():
@@ -154,6 +163,7 @@ class Claim:
                 if lease_attempt(self.queue.store, self.lease_key) == self.data_key:  # not a new claim's
                     self.queue.store.delete(self.lease_key)
                 self.queue._leases_written.discard(self.lease_key)
+                self._released = True
             except StoreError as e:  # it will simply go stale
                 log.warning("shard %d: could not release the lease: %s", self.shard, e)
 

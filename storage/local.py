@@ -140,7 +140,7 @@ class LocalStore(ObjectStore):
             raise ObjectNotFound(f"{path} is a folder, not an object")
         return st.st_size
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+    def list(self, prefix: str = "", start_after: str = "") -> Iterator[ObjectInfo]:
         # Walk only the folder that can hold the prefix, not the whole root.
         found = []
         for dirpath, dirnames, filenames in os.walk(self._folder_of(prefix)):
@@ -149,7 +149,7 @@ class LocalStore(ObjectStore):
             base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             for name in filenames:
                 key = base + name
-                if _is_temp(name) or not key.startswith(prefix):
+                if _is_temp(name) or not key.startswith(prefix) or key <= start_after:
                     continue
                 try:
                     st = os.stat(os.path.join(dirpath, name))

@@ -309,9 +309,9 @@ class S3Store(ObjectStore):
         resp = self._call("head", key, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
         return int(resp["ContentLength"])
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+    def list(self, prefix: str = "", start_after: str = "") -> Iterator[ObjectInfo]:
         full = self._list_prefix(prefix)
-        token: dict[str, str] = {}
+        token: dict[str, str] = {"StartAfter": self._key(start_after)} if start_after else {}
         while True:  # by hand, not botocore's paginator, so that each page is retried on its own
             page = self._call("list", prefix, lambda: self.client.list_objects_v2(
                 Bucket=self.bucket, Prefix=full, **token))

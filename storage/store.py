@@ -182,8 +182,10 @@ class ObjectStore(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """All objects whose key starts with `prefix`, in key order (pages fetched lazily)."""
+    def list(self, prefix: str = "", start_after: str = "") -> Iterator[ObjectInfo]:
+        """All objects whose key starts with `prefix`, in key order (pages fetched lazily); with
+        `start_after`, only keys after it: on S3 the listing starts there (ListObjectsV2's
+        StartAfter), so the keys before it cost nothing."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:

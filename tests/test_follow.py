@@ -272,6 +272,88 @@ def test_the_follow_epoch_ends_on_a_given_up_shard_not_on_a_failure_a_retry_may_
     assert [watcher._extraction_over() for _ in range(2)] == [False, False]
 
 
+def test_later_looks_list_the_feed_not_every_commit_and_still_find_what_it_missed(tmp_path, monkeypatch):
+    """Each of thousands of consumers looks for new commits every few seconds while it waits:
+    listing `commits/` (a page per 1,000 shards) each time would cost O(run) per look. After the
+    first look a consumer lists only the feed keys written since its previous look; commits/ is
+    listed every FULL_LOOK_S and before extraction counts as over, which finds a commit whose feed
+    key is missing (its worker killed in between). A run whose workers wrote no feed is followed
+    by listing commits/ at every look."""
+    from layertap.manifests import layout
+    from layertap.train import follow
+    from layertap.train.follow import CommitWatcher
+
+    uri = str(tmp_path / "run")
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    fake_worker.work(uri, shards=[0, 1])
+    watcher = CommitWatcher(store, m, poll_s=0.1)
+    assert [r.shard for r in watcher.poll()] == [0, 1]
+    listed: list[str] = []
+    plain_list = store.list
+    monkeypatch.setattr(store, "list", lambda prefix="", start_after="": listed.append(prefix)
+                        or plain_list(prefix, start_after))
+
+    fake_worker.work(uri, shards=[2, 3])
+    assert [r.shard for r in watcher.poll()] == [2, 3] and listed == [layout.FEED]
+    fake_worker.work(uri, shards=[4])
+    store.delete(next(o.key for o in plain_list(layout.FEED) if layout.parse_feed(o.key)[1] == 4))
+    assert watcher.poll() == [] and layout.COMMITS not in listed  # the feed does not show it
+    assert watcher._missed_commits()  # what runs before extraction counts as over: commits/ shows it
+    assert [r.shard for r in watcher.poll()] == [4] and listed[-1] == layout.COMMITS
+    fake_worker.work(uri, shards=[5])
+    store.delete(next(o.key for o in plain_list(layout.FEED) if layout.parse_feed(o.key)[1] == 5))
+    listed.clear()
+    assert watcher.poll() == [] and listed == [layout.FEED]
+    monkeypatch.setattr(follow, "FULL_LOOK_S", 0.0)  # the periodic listing of commits/ finds it too
+    assert [r.shard for r in watcher.poll()] == [5] and listed[-1] == layout.COMMITS
+
+    store.delete_many([o.key for o in plain_list(layout.FEED)])  # a run extracted before the feed
+    monkeypatch.setattr(follow, "FULL_LOOK_S", 300.0)
+    old = CommitWatcher(store, m, poll_s=0.1)
+    assert [r.shard for r in old.poll()] == [0, 1, 2, 3, 4, 5]
+    fake_worker.work(uri, shards=[6])
+    store.delete_many([o.key for o in plain_list(layout.FEED)])
+    assert [r.shard for r in old.poll()] == [6] and old.complete
+
+
+def test_a_waiting_consumer_asks_whether_extraction_is_over_only_after_empty_looks(tmp_path, monkeypatch):
+    """Whether extraction is over (leases, failures, given-up shards: three listings) matters only
+    once commits stop coming; a consumer kept fed by commits lists the feed alone. Asked after
+    three empty looks in a row, or when the waiting line is due (every 30 s)."""
+    from layertap.manifests import layout
+    from layertap.train.follow import CommitWatcher
+
+    uri = str(tmp_path / "run")
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    fake_worker.work(uri, shards=[0])
+    watcher = CommitWatcher(store, m, poll_s=30.0)
+    watcher.poll()
+    watcher._logged = time.monotonic()  # the waiting line was just written
+    listed: list[str] = []
+    plain_list = store.list
+    monkeypatch.setattr(store, "list", lambda prefix="", start_after="": listed.append(prefix)
+                        or plain_list(prefix, start_after))
+    pauses: list[float] = []
+
+    def commit_in_pause(n: int):  # the backoff's pauses, the n-th of which a commit lands in
+        def pause(s: float) -> None:
+            pauses.append(s)
+            if len(pauses) == n:
+                fake_worker.work(uri, shards=[len(watcher.known)])
+        return pause
+
+    watcher._backoff._sleep = commit_in_pause(2)
+    assert [r.shard for r in watcher.wait()] == [1] and set(listed) == {layout.FEED} and len(listed) == 3
+    listed.clear()
+    pauses.clear()
+    watcher._backoff._sleep = commit_in_pause(3)
+    assert [r.shard for r in watcher.wait()] == [2]
+    assert listed.count(layout.FEED) == 4 and listed.count(layout.LEASES) == 1  # asked once, after the third
+    assert listed.index(layout.LEASES) > [i for i, p in enumerate(listed) if p == layout.FEED][2]
+
+
 def test_after_the_follow_epoch_only_the_shards_it_took_count_as_consumed(tmp_path):
     """A shard committed after the follow epoch ended (given up, then redone) was never trained
     on: `--delete-consumed` must not delete it with the rest."""

@@ -28,10 +28,10 @@ def test_a_consumer_with_work_in_hand_looks_ahead_rarely_while_commits_land(tmp_
     looks: list[float] = []
     plain_list = LocalStore.list
 
-    def counted(self, prefix: str = ""):
-        if prefix == layout.COMMITS and threading.current_thread() is threading.main_thread():
+    def counted(self, prefix: str = "", start_after: str = ""):  # a look lists the feed, or all commits
+        if prefix in (layout.COMMITS, layout.FEED) and threading.current_thread() is threading.main_thread():
             looks.append(time.monotonic())
-        return plain_list(self, prefix)
+        return plain_list(self, prefix, start_after)
 
     monkeypatch.setattr(LocalStore, "list", counted)
     uri, samples = str(tmp_path / "run"), 300

@@ -233,12 +233,26 @@ def test_list_by_prefix_is_sorted_and_scoped(store):
     assert {o.key for o in store.list()} == set(keys)
 
 
+def test_a_listing_starts_after_a_key(store):
+    """What follow mode's look at the feed relies on: only the keys after `start_after` come back,
+    whether or not that key exists, and the prefix still scopes them."""
+    keys = ["feed/0000000000100.000001", "feed/0000000000200.000000", "feed/0000000000200.000002",
+            "feed/0000000000300.000003", "feedx/0000000000250.000009"]
+    for k in keys:
+        store.put(k, b"")
+    assert [o.key for o in store.list("feed/", start_after="feed/0000000000200")] == keys[1:4]
+    assert [o.key for o in store.list("feed/", start_after="feed/0000000000200.000000")] == keys[2:4]
+    assert [o.key for o in store.list("feed/", start_after="feed/0000000000301")] == []
+    assert [o.key for o in store.list("feed/", start_after="")] == keys[:4]
+
+
 def test_s3_list_paginates_past_one_page(s3_bucket):
     store = open_store(f"s3://{s3_bucket}/p")
     keys = [f"k/{i:05d}" for i in range(1105)]  # S3 pages hold 1,000 keys
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda k: store.put(k, b"x"), keys))
     assert [o.key for o in store.list("k/")] == keys
+    assert [o.key for o in store.list("k/", start_after="k/00002")] == keys[3:]  # on every page after
 
 
 def test_a_listing_retries_each_failed_page_on_its_own(s3_bucket, s3_endpoint):

@@ -2,13 +2,19 @@
 as they land, and decide when extraction is over (docs/LOADER.md, "Follow mode").
 
 Looking costs listings, so every wait backs off: 0.5 s, doubling up to `poll_s`, back to 0.5 s
-when something new appeared. A consumer with plenty of work in hand looks ahead ever more rarely
+when something new appeared. A look lists the feed (`feed/`: one key per commit, named by its
+time on the store's clock) from the previous look's time, less `FEED_MARGIN_S`: a page or so,
+however many shards the run holds, where `commits/` is a page per 1,000. `commits/` is still
+the truth of "done": it is listed at the first look, every `FULL_LOOK_S` (finding what the feed
+missed: a worker killed between its commit and its feed key, a PUT retried past the margin, a run
+extracted before the feed existed, for which every look lists it), and before extraction is
+taken to be over. A consumer with plenty of work in hand looks ahead ever more rarely
 (0.5 s doubling up to `poll_s`, new commits or not): with commits landing all the time, thousands
 of consumers each listing `commits/` every 0.5 s would ask S3 for far more than a prefix serves.
 One whose known work runs low looks ahead at most every 0.5 s, so its fetcher does not starve.
 The first look reads the commit index with the listing (`manifests.commit_index.read_commits`:
-a restarted trainer gets every commit it knew in one GET); later looks list `commits/` and GET
-only commits not seen before. A waiting consumer says why at most every 30 s.
+a restarted trainer gets every commit it knew in one GET); later looks GET only commits not seen
+before. A waiting consumer says why at most every 30 s.
 
 Extraction is over when every planned shard is committed, or when nothing is left that anyone
 will do: no live lease in the run and every uncommitted shard given up by a worker that used up
@@ -29,7 +35,7 @@ from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, decode_commit
-from layertap.manifests.state import fits_plan, replaced_manifest_error, scan
+from layertap.manifests.state import fits_plan, replaced_manifest_error, scan_work
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import size
@@ -38,6 +44,9 @@ log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 30.0
 FIRST_DELAY_S = 0.5
+FEED_MARGIN_S = 10.0  # a look lists feed keys from the previous look's time less this: clock error, slow PUTs
+FULL_LOOK_S = 300.0  # the longest time between listings of all of commits/
+OVER_CHECK_AFTER = 3  # empty looks in a row (0.5 + 1 + 2 s) before a wait asks whether extraction is over
 
 
 def _looks(poll_s: float) -> Backoff:
@@ -72,32 +81,65 @@ class CommitWatcher:
         # poll_if_due()'s, unless low: its "sleep" only grows the delay, a look ahead never sleeps
         self._ahead = Backoff(FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s), sleep=lambda _: None)
         self._listed = False
+        self._feed_from = 0.0  # the store's time from which the next look lists the feed
+        self._feed_seen = False  # the run's workers write feed keys (those of old versions did not)
+        self._full_at = 0.0  # when commits/ was last listed (our monotonic clock)
+        self._full_due = False  # list commits/ at the next look: the feed may have missed one
         self._last_look = 0.0
         self._logged = 0.0
         self._given_up_once = False
         self._stalled_looks = 0  # looks in a row that found extraction held by its window
 
-    def poll(self) -> list[CommitRecord]:
-        """One look: the commits not returned before, in shard order."""
-        self._last_look = time.monotonic()
+    def poll(self, full: bool = False) -> list[CommitRecord]:
+        """One look: the commits not returned before, in shard order. It lists the feed, and
+        `commits/` too at the first look, when asked (`full`), every FULL_LOOK_S, and at every look
+        until the feed has shown a key (a run extracted before the feed existed has none)."""
+        self._last_look = now = time.monotonic()
         if not self._listed:
-            records = read_commits(self.store).records
-            self._listed = True
+            records = self._list_commits(first=True)
         else:
-            keys = [o.key for o in self.store.list(layout.COMMITS)
-                    if (s := layout.shard_of(o.key, layout.COMMITS)) is not None and o.key == layout.commit_key(s)
-                    and s not in self.known]
-            records = [r for r in _get_commits(self.store, keys) if r is not None]
+            records = self._read_feed()
+            if full or self._full_due or not self._feed_seen or now - self._full_at >= FULL_LOOK_S:
+                records += self._list_commits()
         foreign = sorted(r.shard for r in records if not fits_plan(r, self.manifest))
         if foreign:
             raise replaced_manifest_error(self.store.uri, foreign)
-        new = sorted((r for r in records if r.shard not in self.known), key=lambda r: r.shard)
+        new = sorted({r.shard: r for r in records if r.shard not in self.known}.values(), key=lambda r: r.shard)
         self.known.update((r.shard, r) for r in new)
         if new:  # extraction moved: a stall seen before is over
             self._stalled_looks = 0
         if len(self.known) >= len(self.manifest.shards):
             self.complete = True
         return new
+
+    def _list_commits(self, first: bool = False) -> list[CommitRecord]:
+        """Every commit not known yet, from a listing of `commits/` (the first time, with the
+        commit index). A commit this listing misses lands after it started, so the feed holds it
+        from then on: the feed's next look starts there (less the margin)."""
+        started = self.store.now()
+        if first:
+            records = read_commits(self.store).records
+        else:
+            keys = [o.key for o in self.store.list(layout.COMMITS)
+                    if (s := layout.shard_of(o.key, layout.COMMITS)) is not None and o.key == layout.commit_key(s)
+                    and s not in self.known]
+            records = [r for r in _get_commits(self.store, keys) if r is not None]
+        self._listed, self._full_due, self._full_at = True, False, time.monotonic()
+        self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
+        return records
+
+    def _read_feed(self) -> list[CommitRecord]:
+        """The commits whose feed keys were written since the previous look (less the margin),
+        those not known yet read."""
+        started = self.store.now()
+        shards = set()
+        for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
+            if (parsed := layout.parse_feed(o.key)) is not None:
+                self._feed_seen = True
+                shards.add(parsed[1])
+        self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
+        keys = [layout.commit_key(s) for s in sorted(shards - set(self.known))]
+        return [r for r in _get_commits(self.store, keys) if r is not None]
 
     def poll_if_due(self, low: bool = False) -> list[CommitRecord]:
         """A look ahead by a consumer with data to work on: `poll()` when due, else nothing. With
@@ -111,13 +153,21 @@ class CommitWatcher:
         return self.poll()
 
     def wait(self) -> list[CommitRecord]:
-        """New commits, blocking (with backoff) until some appear or extraction is over."""
+        """New commits, blocking (with backoff) until some appear or extraction is over. Looks
+        are at least 0.5 s apart, and whether extraction is over (listings of leases, failures
+        and given-up shards) is asked only after OVER_CHECK_AFTER empty looks in a row, or when
+        the waiting line is due: a consumer that commits keep fed lists the feed alone."""
+        empty = 0
         while True:
+            if (gap := FIRST_DELAY_S - (time.monotonic() - self._last_look)) > 0:
+                time.sleep(gap)
             new = self.poll()
             if new or self.complete:
                 self._backoff.reset()
                 return new
-            if self._extraction_over():
+            empty += 1
+            if ((empty >= OVER_CHECK_AFTER or time.monotonic() - self._logged >= LOG_EVERY_S)
+                    and self._extraction_over()):
                 return []
             self._backoff.sleep()
 
@@ -126,8 +176,8 @@ class CommitWatcher:
         whose --retries it used up (`given_up/`), on two looks in a row. A failure with retries
         left, a preemption or a worker waiting behind --window is not an end: the shard will come.
         Logs what is still pending, at most every 30 s."""
-        st = scan(self.store, self.manifest)
-        left = [p.id for p in self.manifest.shards if p.id not in self.known and p.id not in st.committed]
+        st = scan_work(self.store, self.manifest)
+        left = [p.id for p in self.manifest.shards if p.id not in self.known]
         verdicts: dict[int, int] = {}  # shard -> its newest given-up record's time (ms)
         for o in self.store.list(layout.GIVEN_UP):
             shard = layout.shard_of(o.key, layout.GIVEN_UP)
@@ -140,7 +190,7 @@ class CommitWatcher:
         done_with = running | set(given_up)
         retrying = [s for s in left if s not in done_with and st.failures_since(s, 0)]
         live = any(st.live_lease(s) for s in st.leases)
-        if left and not live and len(given_up) == len(left) and not (st.committed - set(self.known)):
+        if left and not live and len(given_up) == len(left) and not self._missed_commits():
             if self._given_up_once:
                 log.warning("%s: extraction is over with %d shard(s) given up (%s): ending the follow epoch without "
                             "them (`layertap status %s` says why they failed)", self.who, len(given_up),
@@ -158,6 +208,13 @@ class CommitWatcher:
             self._log_stall()
             self._logged = time.monotonic()
         return False
+
+    def _missed_commits(self) -> bool:
+        """Whether `commits/` lists a commit not known (one the feed missed): then the next look
+        lists it all, and extraction is not over."""
+        listed = {s for o in self.store.list(layout.COMMITS) if (s := layout.shard_of(o.key, layout.COMMITS)) is not None}
+        self._full_due = bool(listed - set(self.known))
+        return self._full_due
 
     def _log_stall(self) -> None:
         """Training waits for data while extraction waits for training (its --window is full).
