@@ -1,7 +1,7 @@
 """What training has consumed, and the storage window it opens for extraction (issue 20).
 
 A trainer that reads a run while it is being extracted writes, after each committed checkpoint,
-one watermark per rank: the shards that rank has read for the last time
+one watermark per rank: the shards that rank has read for the last time, as [first, last] runs
 (`consumed/ranks/{rank}.json`). A shard every rank of the latest world has consumed can go: its
 marker `consumed/shards/{id}` is written first, then its data object is deleted, so a crash in
 between leaves a marker that the next `delete_consumed` finishes. The commit record and tally
@@ -17,6 +17,7 @@ as the window, not the run) unless the window is full.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -60,8 +61,35 @@ def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: l
     names may be deleted at once, and a restart resumes from the checkpoint."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
-    body = {"world_size": world_size, "step": step, "shards": sorted(set(shards)), "time": time.time()}
+    body = {"world_size": world_size, "step": step, "ranges": _ranges(shards), "time": time.time()}
     _put_json(store, layout.consumed_rank_key(rank), body)
+
+
+def _ranges(shards: list[int]) -> list[list[int]]:
+    """The shard ids as [first, last] runs. A watermark names every shard its rank consumed; as
+    runs it stays a few per extraction worker however long the run (a list of ids was ~1 MB per
+    rank at 140,000 shards, read for every rank after every checkpoint)."""
+    runs: list[list[int]] = []
+    for s in sorted(set(shards)):
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return runs
+
+
+def _intersect(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    """The runs of ids in both `a` and `b` (each sorted, disjoint)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append([lo, hi])
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def consumed_shards(store: ObjectStore) -> set[int]:
@@ -173,8 +201,12 @@ def watermarks(store: ObjectStore) -> dict[int, dict]:
     def read(key: str) -> dict | None:
         try:
             body = json.loads(store.get(key))
-            return {"world_size": int(body["world_size"]), "step": int(body["step"]),
-                    "shards": [int(s) for s in body["shards"]], "time": float(body["time"])}
+            ranges = ([[int(a), int(b)] for a, b in body["ranges"]] if "ranges" in body
+                      else _ranges([int(s) for s in body["shards"]]))  # "shards": written before 2026-12
+            if any(a > b for a, b in ranges) or any(p[1] >= n[0] for p, n in zip(ranges, ranges[1:])):
+                raise ValueError("ranges are not sorted, disjoint [first, last] runs")
+            return {"world_size": int(body["world_size"]), "step": int(body["step"]), "ranges": ranges,
+                    "time": float(body["time"])}
         except ObjectNotFound:
             return None
         except (ValueError, KeyError, TypeError) as e:
@@ -196,7 +228,8 @@ def _agreed(store: ObjectStore) -> set[int]:
     ranks = [marks.get(r) for r in range(world)]
     if any(m is None or m["world_size"] != world for m in ranks):
         return set()
-    return set.intersection(*(set(m["shards"]) for m in ranks))
+    agreed = functools.reduce(_intersect, (m["ranges"] for m in ranks))
+    return {s for first, last in agreed for s in range(first, last + 1)}
 
 
 def _ids(ids: list[int]) -> str:

@@ -45,7 +45,7 @@ def test_record_consume_delete_round_trip(store_uri):
     record_consumed(store, rank=0, world_size=2, shards=[2, 0, 1], step=10)
     assert consumed_everywhere(store) == set() and delete_consumed(store) == []  # rank 1 has said nothing
     record_consumed(store, rank=1, world_size=2, shards=[1, 2, 3], step=10)
-    assert json.loads(store.get("consumed/ranks/00000.json"))["shards"] == [0, 1, 2]
+    assert json.loads(store.get("consumed/ranks/00000.json"))["ranges"] == [[0, 2]]
     assert consumed_everywhere(store) == {1, 2}
     assert delete_consumed(store) == [1, 2]
     assert data_shards(store) == {0, 3, 4, 5, 6}
@@ -73,6 +73,24 @@ def test_record_consume_delete_round_trip(store_uri):
     record_consumed(store, rank=0, world_size=3, shards=[5], step=40)
     assert consumed_everywhere(store) == {1, 2, 4}
     assert delete_consumed(store) == [] and data_shards(store) == {0, 3, 5, 6}
+
+
+def test_watermarks_are_runs_of_shard_ids_and_lists_of_ids_still_count(store_uri, caplog):
+    """A watermark names every shard its rank consumed, and after each checkpoint one rank reads
+    all of them: as [first, last] runs it stays small however long the run. Watermarks written
+    as lists of ids (before the runs) still count; malformed runs are ignored with a warning."""
+    store = open_store(store_uri)
+    fake_worker.work(store_uri)
+    record_consumed(store, rank=0, world_size=2, shards=[6, 0, 1, 2, 4, 5, 2], step=3)
+    assert json.loads(store.get(layout.consumed_rank_key(0)))["ranges"] == [[0, 2], [4, 6]]
+    old = {"world_size": 2, "step": 3, "shards": [1, 2, 3, 4], "time": time.time()}
+    store.put(layout.consumed_rank_key(1), json.dumps(old).encode())
+    assert consumed_everywhere(store) == {1, 2, 4}
+    store.put(layout.consumed_rank_key(1), json.dumps({**old, "ranges": [[3, 1]]}).encode())
+    assert consumed_everywhere(store) == set() and "unreadable consumption watermark" in caplog.text
+    record_consumed(store, rank=0, world_size=1, shards=list(range(100_000)), step=9)
+    assert len(store.get(layout.consumed_rank_key(0))) < 200
+    assert consumed_everywhere(store) == set(range(100_000))
 
 
 def test_a_watermark_names_a_rank_of_its_world(store):
