@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from layertap.manifests import layout
 from layertap.manifests.manifest import ManifestError
 from layertap.manifests.records import decode_commit
+from layertap.manifests.state import listed_shards
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 from layertap.storage.units import size
@@ -95,8 +96,7 @@ def _intersect(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
 def consumed_shards(store: ObjectStore) -> set[int]:
     """Shards marked consumed (their data deleted, or about to be): one listing. What a reader
     checks before taking a missing data object for a lost one."""
-    return {s for o in store.list(layout.CONSUMED_SHARDS)
-            if (s := layout.shard_of(o.key, layout.CONSUMED_SHARDS)) is not None}
+    return listed_shards(store, layout.CONSUMED_SHARDS)
 
 
 def marker_times(store: ObjectStore) -> dict[int, float]:
@@ -169,7 +169,7 @@ def backlog(store: ObjectStore, consumed: set[int] | None = None) -> Backlog:
     GET per rank's watermark. A commit whose tally marker is missing (its writer is between the
     two, or died there) is read instead: counted as 0 bytes, a worker killed at that moment
     left data at rest that no window saw, and the window overflowed by that shard."""
-    committed = {s for o in store.list(layout.COMMITS) if (s := layout.shard_of(o.key, layout.COMMITS)) is not None}
+    committed = listed_shards(store, layout.COMMITS)
     open_ = committed - (consumed_everywhere(store) if consumed is None else consumed)
     samples = nbytes = 0
     tallied = set()

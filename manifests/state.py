@@ -75,8 +75,7 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, with_t
     st = RunState(manifest, store.now())
     prefixes = [layout.MANIFEST, layout.COMMITS, layout.LEASES, layout.FAILURES] \
         + ([layout.TALLY] if with_tallies else []) + ([layout.SHARDS] if with_data else [])
-    with ThreadPoolExecutor(len(prefixes)) as pool:
-        listed = dict(zip(prefixes, pool.map(lambda p: list(store.list(p)), prefixes)))
+    listed = _listings(store, prefixes)
     head, commits, leases, failures = (listed[p] for p in prefixes[:4])
     for o in commits:
         shard = layout.shard_of(o.key, layout.COMMITS)
@@ -154,10 +153,20 @@ def scan_work(store: ObjectStore, manifest: Manifest) -> RunState:
     consumer, which knows the commits already, asks of a run whose next shard is late. Both
     listings grow with the workers at work and the failures, not with the run."""
     st = RunState(manifest, store.now())
-    with ThreadPoolExecutor(2) as pool:
-        leases, failures = pool.map(lambda p: list(store.list(p)), [layout.LEASES, layout.FAILURES])
-    _add_leases_and_failures(st, leases, failures)
+    listed = _listings(store, [layout.LEASES, layout.FAILURES])
+    _add_leases_and_failures(st, listed[layout.LEASES], listed[layout.FAILURES])
     return st
+
+
+def listed_shards(store: ObjectStore, prefix: str) -> set[int]:
+    """The shard ids of the records under `prefix` (`commits/`, `consumed/shards/`): one listing."""
+    return {s for o in store.list(prefix) if (s := layout.shard_of(o.key, prefix)) is not None}
+
+
+def _listings(store: ObjectStore, prefixes: list[str]) -> dict[str, list[ObjectInfo]]:
+    """Each prefix's listing, side by side: on S3 each is a chain of 1,000-key pages."""
+    with ThreadPoolExecutor(len(prefixes)) as pool:
+        return dict(zip(prefixes, pool.map(lambda p: list(store.list(p)), prefixes)))
 
 
 def shard_leases(store: ObjectStore, manifest: Manifest, shard: int) -> RunState:

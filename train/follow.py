@@ -35,7 +35,7 @@ from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, decode_commit
-from layertap.manifests.state import fits_plan, replaced_manifest_error, scan_work
+from layertap.manifests.state import fits_plan, listed_shards, replaced_manifest_error, scan_work
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import size
@@ -90,16 +90,17 @@ class CommitWatcher:
         self._given_up_once = False
         self._stalled_looks = 0  # looks in a row that found extraction held by its window
 
-    def poll(self, full: bool = False) -> list[CommitRecord]:
+    def poll(self) -> list[CommitRecord]:
         """One look: the commits not returned before, in shard order. It lists the feed, and
-        `commits/` too at the first look, when asked (`full`), every FULL_LOOK_S, and at every look
-        until the feed has shown a key (a run extracted before the feed existed has none)."""
+        `commits/` too at the first look, every FULL_LOOK_S, when `_missed_commits` found one the
+        feed missed, and at every look until the feed has shown a key (a run extracted before the
+        feed existed has none)."""
         self._last_look = now = time.monotonic()
         if not self._listed:
             records = self._list_commits(first=True)
         else:
             records = self._read_feed()
-            if full or self._full_due or not self._feed_seen or now - self._full_at >= FULL_LOOK_S:
+            if self._full_due or not self._feed_seen or now - self._full_at >= FULL_LOOK_S:
                 records += self._list_commits()
         foreign = sorted(r.shard for r in records if not fits_plan(r, self.manifest))
         if foreign:
@@ -138,7 +139,7 @@ class CommitWatcher:
                 self._feed_seen = True
                 shards.add(parsed[1])
         self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
-        keys = [layout.commit_key(s) for s in sorted(shards - set(self.known))]
+        keys = [layout.commit_key(s) for s in sorted(shards) if s not in self.known]
         return [r for r in _get_commits(self.store, keys) if r is not None]
 
     def poll_if_due(self, low: bool = False) -> list[CommitRecord]:
@@ -212,8 +213,7 @@ class CommitWatcher:
     def _missed_commits(self) -> bool:
         """Whether `commits/` lists a commit not known (one the feed missed): then the next look
         lists it all, and extraction is not over."""
-        listed = {s for o in self.store.list(layout.COMMITS) if (s := layout.shard_of(o.key, layout.COMMITS)) is not None}
-        self._full_due = bool(listed - set(self.known))
+        self._full_due = any(s not in self.known for s in listed_shards(self.store, layout.COMMITS))
         return self._full_due
 
     def _log_stall(self) -> None:
