@@ -2,7 +2,7 @@
 it sees each new commit.
 
     python bench/follow_looks.py [--samples 913786] [--committed 10000] [--every 0.25] [--seconds 60]
-                                 [--endpoint URL] [--label TEXT] [--write-docs]
+                                 [--consumers 1] [--endpoint URL] [--label TEXT] [--write-docs]
 
 Plans the 27B run of bench/claims.py (25,412 shards of 1 GB) with `--committed` shards committed by
 earlier workers. One worker (the real `WorkQueue`, rank 3 of 8) then commits a shard every
@@ -11,7 +11,10 @@ storage window) waits for each: the real `CommitWatcher.wait()`, as `ShardStream
 follow mode, at the default follow_poll_s of 30 s. Counted from the consumer's first new commit
 on: its S3 requests by operation (each ListObjectsV2 page counts) and the delay from each commit's
 return to the consumer having it. Every consumer of a training job does the same: at 1,000 ranks
-x 4 loader workers, multiply by 4,000. Without --endpoint a moto server is started; with it, that
+x 4 loader workers, multiply by 4,000. `--consumers C` (> 1) measures C consumers of one follow
+epoch (consumer i of C, each with its share of every shard, as `ShardStream` builds them): after
+each wait of the first, the others look once each (16 at a time); what is counted is theirs
+together, in a section of its own. Without --endpoint a moto server is started; with it, that
 server (e.g. radosgw from .ci/rgw.sh). `--label` names the code measured ("before"/"after", run
 from a worktree of each); a section keeps one row per label.
 """
@@ -19,6 +22,7 @@ from a worktree of each); a section keeps one row per label.
 from __future__ import annotations
 
 import argparse
+import inspect
 import shlex
 import statistics
 import sys
@@ -34,12 +38,23 @@ sys.path.insert(0, str(ROOT))
 from bench._report import machine, write_section  # noqa: E402
 from bench.claims import (commit_as_earlier_worker, count_requests, earlier_rows, plan_large_run,  # noqa: E402
                           synthetic_info)
+from layertap.manifests.commit_index import read_commits, write_index  # noqa: E402
 from layertap.manifests.manifest import load_manifest  # noqa: E402
 from layertap.manifests.records import Producer  # noqa: E402
 from layertap.manifests.work import WorkQueue  # noqa: E402
 from layertap.storage.store import open_store  # noqa: E402
 from layertap.train.follow import CommitWatcher  # noqa: E402
+from layertap.train.order import follow_share  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
+
+
+def _watcher(store, manifest, consumer: int, consumers: int) -> CommitWatcher:
+    """Consumer `consumer` of `consumers` of a follow epoch, as `ShardStream` builds it (the code
+    before the feed's counts takes no `wants`: it reads every record)."""
+    if "wants" not in inspect.signature(CommitWatcher).parameters:
+        return CommitWatcher(store, manifest, poll_s=30.0)
+    return CommitWatcher(store, manifest, poll_s=30.0,
+                         wants=lambda shard, n: follow_share(n, shard, consumers, consumer)[1] > 0)
 
 
 def main() -> None:
@@ -48,6 +63,7 @@ def main() -> None:
     ap.add_argument("--committed", type=int, default=10_000)
     ap.add_argument("--every", type=float, default=0.25, help="seconds between the worker's commits")
     ap.add_argument("--seconds", type=float, default=60.0, help="how long the consumer is measured")
+    ap.add_argument("--consumers", type=int, default=1, help="consumers of one follow epoch, measured together")
     ap.add_argument("--endpoint", help="the S3 server to measure (credentials from env); default: a moto server")
     ap.add_argument("--label", help="names the row (the code measured); one row per label in the section")
     ap.add_argument("--write-docs", action="store_true")
@@ -59,11 +75,17 @@ def main() -> None:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(32) as pool:
             list(pool.map(lambda p: commit_as_earlier_worker(store, p), manifest.shards[: args.committed]))
+        index = read_commits(store).new_index  # as a trainer's rank 0 stores it: first looks are a GET, not one a commit
+        if index is not None:
+            write_index(store, index)
         setup_s = time.perf_counter() - t0
 
         consumer = open_store(store.uri, threads=16)  # its own client: only its requests are counted
-        watcher = CommitWatcher(consumer, load_manifest(consumer), poll_s=30.0)
+        watchers = [_watcher(consumer, load_manifest(consumer), i, args.consumers) for i in range(args.consumers)]
+        watcher, others = watchers[0], watchers[1:]
         first = watcher.poll()  # the first look: the whole listing (and the commit index), once per start
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda w: w.poll(), others))
         committed_at: dict[int, float] = {}
         stop = threading.Event()
 
@@ -81,10 +103,19 @@ def main() -> None:
         seen: dict[int, float] = {}
         while not seen:  # the worker's first claim scans the run; measuring starts at its first commit
             seen.update((r.shard, time.monotonic()) for r in watcher.wait())
-        calls = count_requests(consumer)
+        for w in others:
+            w.poll()
+        calls, before = count_requests(consumer), len(seen)
+        rounds: list[float] = []  # seconds each round of the other consumers' looks took
+        found = 0  # commits found, summed over the consumers: what each consumer's GETs are per
         start = time.monotonic()
-        while time.monotonic() - start < args.seconds:
-            seen.update((r.shard, time.monotonic()) for r in watcher.wait())
+        with ThreadPoolExecutor(16) as pool:
+            while time.monotonic() - start < args.seconds:
+                new = watcher.wait()
+                seen.update((r.shard, time.monotonic()) for r in new)
+                t = time.monotonic()
+                found += len(new) + sum(pool.map(lambda w: len(w.poll()), others))
+                rounds.append(time.monotonic() - t)
         minutes = (time.monotonic() - start) / 60
         stop.set()
         worker.join()
@@ -92,18 +123,29 @@ def main() -> None:
 
     delays = [seen[s] - committed_at[s] for s in seen if s in committed_at]
     lists, gets = calls.get("ListObjectsV2", 0), calls.get("GetObject", 0)
-    row = (f"| {len(seen)} | {lists / minutes:.0f} | {gets / minutes:.0f} | {sum(calls.values()) / minutes:.0f} | "
-           f"{statistics.median(delays):.2f} | {max(delays):.2f} | "
-           + ", ".join(f"{k} {v / minutes:.0f}" for k, v in sorted(calls.items())) + " |")
-    header = ("| commits seen | LIST pages / min | GETs / min | requests / min | delay median s | delay max s "
-              "| by operation, per min |")
-    name = server.section("follow-looks")
+    fleet = args.consumers > 1
+    if fleet:  # the looks' rate is this harness's (a round after each wait of the first): not reported
+        per_found = gets / max(1, found)
+        row = (f"| {len(seen) - before} | {found} | {per_found:.3f} | {per_found * args.consumers:.1f} | "
+               f"{len(rounds)} | {statistics.median(rounds):.2f} | {max(rounds):.2f} |")
+        header = ("| commits taken by the first | commits found by all | GETs per commit a consumer finds | "
+                  "GETs per commit, all consumers | rounds of looks | round median s | round max s |")
+        align = "|" + "---:|" * (header.count("|") - 1)
+    else:
+        row = (f"| {len(seen)} | {lists / minutes:.0f} | {gets / minutes:.0f} | {sum(calls.values()) / minutes:.0f} | "
+               f"{statistics.median(delays):.2f} | {max(delays):.2f} | "
+               + ", ".join(f"{k} {v / minutes:.0f}" for k, v in sorted(calls.items())) + " |")
+        header = ("| commits seen | LIST pages / min | GETs / min | requests / min | delay median s | delay max s "
+                  "| by operation, per min |")
+        align = "|" + "---|" * (header.count("|") - 1 - 7) + "---:|" * 6 + "---|"
+    name = server.section("follow-consumers" if fleet else "follow-looks")
     rows = [row]
     if args.label:
         header, row = "| code " + header, f"| {args.label} {row}"
         rows = [*earlier_rows(ROOT / "docs" / "benchmarks.md", name, args.label), row]
     text = "\n".join([
-        f"## A follow consumer waiting for commits{server.heading()}",
+        (f"## Commit records read by {args.consumers} follow consumers" if fleet
+         else "## A follow consumer waiting for commits") + server.heading(),
         "",
         f"Command: `{command}`  ",
         f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  ",
@@ -111,15 +153,24 @@ def main() -> None:
         f"Run: {args.samples:,} samples planned as {len(manifest.shards):,} shards of 1 GB; {args.committed:,} "
         f"committed by earlier workers (written in {setup_s:.0f} s; the consumer's first look found {len(first):,}). "
         f"One worker commits a shard every {args.every:g} s (plus its claim's own time); one consumer waits for "
-        f"each (`CommitWatcher.wait()`, follow_poll_s 30 s), measured for {minutes:.1f} min from its first new "
-        "commit.",
+        f"each (`CommitWatcher.wait()`, follow_poll_s 30 s)"
+        + (f", and after each of its waits the other {args.consumers - 1} consumers of the follow epoch (consumer "
+           f"i of {args.consumers}, each with its share of every shard) look once each, 16 at a time; all "
+           "their requests counted together" if fleet else "")
+        + f", measured for {minutes:.1f} min from its first new commit.",
         "",
         header,
-        "|" + "---|" * (header.count("|") - 1 - 7) + "---:|" * 6 + "---|",
+        align if not args.label else "|---" + align,
         *rows,
         "",
-        "Delay: from the worker's commit returning to the consumer's wait() returning it. A ListObjectsV2 page "
-        "holds up to 1,000 keys. Every consumer of a follow job (ranks x loader workers) makes these requests.",
+        ("GETs: those of all the consumers (a look GETs commit records only), per commit a consumer's look "
+         "returned while counting (summed over the consumers); x consumers, per commit. "
+         "A round: the other consumers' looks after one wait of the first, 16 at a time on one client; its "
+         "pace is this harness's, so LIST rates are not reported here (the single-consumer section has them). "
+         f"The plan's shards hold {args.samples / len(manifest.shards):.0f} samples on average."
+         if fleet else
+         "Delay: from the worker's commit returning to the consumer's wait() returning it. A ListObjectsV2 page "
+         "holds up to 1,000 keys. Every consumer of a follow job (ranks x loader workers) makes these requests."),
     ])
     print(text)
     if args.write_docs:

@@ -32,12 +32,12 @@ import re
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 GIVEN_UP = "given_up/"
-FEED = "feed/"  # one empty key per commit, named by its time: what follow mode lists for new commits
+FEED = "feed/"  # one empty key per commit, named by its time and counts: what follow mode lists for new commits
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
 
-_FEED = re.compile(r"^(\d{13})\.(\d{6,})$")
+_FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")
 _SHARD_ID = re.compile(r"^(\d+)")
@@ -62,10 +62,11 @@ def tally_key(shard: int, records: int, tokens: int, nbytes: int, raw: int, skip
     return f"{TALLY}{shard:06d}.r{records}.t{tokens}.b{nbytes}.x{raw}.s{skipped}"
 
 
-def feed_key(millis: int, shard: int) -> str:
-    """The commit of `shard` at `millis` (the store's clock): keys sort by time, so a reader lists
-    only the recent ones (`feed_after`), however many commits the run holds."""
-    return f"{FEED}{millis:013d}.{shard:06d}"
+def feed_key(millis: int, shard: int, records: int, skipped: int) -> str:
+    """The commit of `shard` at `millis` (the store's clock), with its record and skipped-sample
+    counts: keys sort by time, so a reader lists only the recent ones (`feed_after`), however many
+    commits the run holds, and learns from the counts alone whether it has a share of the shard."""
+    return f"{FEED}{millis:013d}.{shard:06d}.r{records}.s{skipped}"
 
 
 def feed_after(millis: int) -> str:
@@ -73,10 +74,14 @@ def feed_after(millis: int) -> str:
     return f"{FEED}{millis:013d}"
 
 
-def parse_feed(key: str) -> tuple[int, int] | None:
-    """(millis, shard) of a feed key."""
+def parse_feed(key: str) -> tuple[int, int, tuple[int, int] | None] | None:
+    """(millis, shard, (records, skipped)) of a feed key; the counts are None in a key written
+    before they were part of it."""
     m = _FEED.match(key[len(FEED) :])
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    if not m:
+        return None
+    counts = (int(m.group(3)), int(m.group(4))) if m.group(3) is not None else None
+    return int(m.group(1)), int(m.group(2)), counts
 
 
 def consumed_rank_key(rank: int) -> str:

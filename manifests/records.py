@@ -52,6 +52,26 @@ class CommitRecord:
     started_at: float
     committed_at: float
 
+    @property
+    def covered(self) -> int:
+        """Planned samples the commit accounts for: stored or skipped."""
+        return self.num_records + len(self.skipped)
+
+
+@dataclass(frozen=True, slots=True)
+class FeedCommit:
+    """A commit as its feed key tells it (`layout.feed_key`): shard and counts, not the record. All
+    a follow consumer needs of a shard it has no share of: at thousands of consumers and a few
+    dozen samples a shard, most consumers have none of most shards, and need not GET the record."""
+
+    shard: int
+    num_records: int
+    skipped: int
+
+    @property
+    def covered(self) -> int:
+        return self.num_records + self.skipped
+
 
 @dataclass(frozen=True, kw_only=True)
 class FailureRecord:

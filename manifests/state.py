@@ -9,7 +9,7 @@ from typing import Literal
 
 from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, ManifestError
-from layertap.manifests.records import CommitRecord, decode_commit
+from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
 ShardState = Literal["done", "running", "failed", "pending"]
@@ -120,10 +120,9 @@ def stale_commits(store: ObjectStore, manifest: Manifest, manifest_listing: list
     return []
 
 
-def fits_plan(commit: CommitRecord, manifest: Manifest) -> bool:
+def fits_plan(commit: CommitRecord | FeedCommit, manifest: Manifest) -> bool:
     """Whether a commit covers exactly the samples the manifest planned for its shard."""
-    return 0 <= commit.shard < len(manifest.shards) \
-        and commit.num_records + len(commit.skipped) == manifest.shards[commit.shard].num_samples
+    return 0 <= commit.shard < len(manifest.shards) and commit.covered == manifest.shards[commit.shard].num_samples
 
 
 def replaced_manifest_error(uri: str, shards: list[int]) -> ManifestError:

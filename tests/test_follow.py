@@ -317,6 +317,83 @@ def test_later_looks_list_the_feed_not_every_commit_and_still_find_what_it_misse
     assert [r.shard for r in old.poll()] == [6] and old.complete
 
 
+def test_a_consumer_reads_only_the_commit_records_of_shards_it_has_a_share_of(tmp_path):
+    """At 1,000 ranks x 4 loader workers and a few dozen samples per shard, most consumers have no
+    share of most shards; each GET of every new commit record by every consumer would cost as
+    many requests as the data. A feed key carries the shard's counts, so a consumer reads only the
+    records of shards it has a share of, and still knows every commit (its epoch ends when
+    extraction does) and yields its share: every sample once across the consumers."""
+    import threading
+
+    from layertap.manifests import layout
+
+    uri, world = str(tmp_path / "run"), 8
+    m = fake_worker.plan(_store(uri))  # 40 samples in 7 shards: each consumer has no share of some
+    got: dict[int, list] = {}
+    records_read: dict[int, list[int]] = {r: [] for r in range(world)}
+    waiting = [threading.Event() for _ in range(world)]  # set by a consumer's first look at the feed
+
+    def consume(rank: int) -> None:
+        store = _store(uri)
+        plain_get = store.get
+
+        def get(key: str, *a, **kw):
+            if (shard := layout.shard_of(key, layout.COMMITS)) is not None and key == layout.commit_key(shard):
+                records_read[rank].append(shard)
+            return plain_get(key, *a, **kw)
+
+        plain_list = store.list
+
+        def listing(prefix: str = "", start_after: str = ""):
+            if prefix == layout.FEED:
+                waiting[rank].set()
+            return plain_list(prefix, start_after)
+
+        store.get, store.list = get, listing
+        stream = ShardStream(store, config=StreamConfig(**dict(CFG, follow_poll_s=0.2)), rank=rank, world_size=world)
+        samples = iter(stream)
+        got[rank] = list(samples)
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for w in waiting:  # every consumer's first look found nothing: every commit comes by the feed
+        assert w.wait(timeout=120)
+    fake_worker.work(uri)
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive()
+    real = [s["sample_id"] for r in range(world) for s in got[r] if not s["padding"]]
+    assert Counter(real) == Counter(ALL)
+    for rank in range(world):
+        shares = {p.id: follow_share(p.num_samples, p.id, world, rank)[1] for p in m.shards}
+        assert {s for s, k in shares.items() if k == 0}, "the test needs shards a consumer has no share of"
+        assert sorted(records_read[rank]) == sorted(s for s, k in shares.items() if k)
+        assert len(got[rank]) == follow_target([p.num_samples for p in m.shards], world)
+
+
+def test_a_feed_key_without_counts_still_has_its_record_read(tmp_path):
+    """Workers before the counts were in the feed key wrote `feed/{ms}.{shard}`: a consumer cannot
+    tell its share from such a key, so it reads the record, whatever `wants` says."""
+    from layertap.manifests import layout
+    from layertap.manifests.records import CommitRecord, FeedCommit
+    from layertap.train.follow import CommitWatcher
+
+    uri = str(tmp_path / "run")
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    fake_worker.work(uri, shards=[0])
+    watcher = CommitWatcher(store, m, poll_s=0.1, wants=lambda shard, records: False)
+    assert [type(r) for r in watcher.poll()] == [CommitRecord]  # the first look reads the commits as they are
+    fake_worker.work(uri, shards=[1, 2])
+    key = next(o.key for o in store.list(layout.FEED) if layout.parse_feed(o.key)[1] == 2)
+    store.delete(key)
+    store.put(key[: key.index(".r")], b"")
+    assert layout.parse_feed(key[: key.index(".r")])[2] is None
+    assert [(type(r), r.shard) for r in watcher.poll()] == [(FeedCommit, 1), (CommitRecord, 2)]
+    assert watcher.known[1].num_records == m.shards[1].num_samples
+
+
 def test_a_waiting_consumer_asks_whether_extraction_is_over_only_after_empty_looks(tmp_path, monkeypatch):
     """Whether extraction is over (leases, failures, given-up shards: three listings) matters only
     once commits stop coming; a consumer kept fed by commits lists the feed alone. Asked after

@@ -14,7 +14,10 @@ of consumers each listing `commits/` every 0.5 s would ask S3 for far more than 
 One whose known work runs low looks ahead at most every 0.5 s, so its fetcher does not starve.
 The first look reads the commit index with the listing (`manifests.commit_index.read_commits`:
 a restarted trainer gets every commit it knew in one GET); later looks GET only commits not seen
-before. A waiting consumer says why at most every 30 s.
+before, and of those only the ones the consumer has a share of (`wants`): a feed key names the
+shard's record counts, which decide the shares, and at thousands of consumers and a few dozen
+samples a shard most consumers have no share of most shards. A waiting consumer says why at
+most every 30 s.
 
 Extraction is over when every planned shard is committed, or when nothing is left that anyone
 will do: no live lease in the run and every uncommitted shard given up by a worker that used up
@@ -29,12 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
-from layertap.manifests.records import CommitRecord, decode_commit
+from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.manifests.state import fits_plan, listed_shards, replaced_manifest_error, scan_work
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -71,11 +75,14 @@ def wait_for_manifest(store: ObjectStore, poll_s: float) -> Manifest:
 
 class CommitWatcher:
     """The commits of a run being extracted, as they appear. `complete` turns True once
-    extraction is over (see the module's docstring)."""
+    extraction is over (see the module's docstring). `wants(shard, records)`: whether the
+    consumer needs the commit record of a shard of `records` records; a commit the feed shows
+    that it does not need comes as a `FeedCommit` (counts only), without a GET. None: every record."""
 
-    def __init__(self, store: ObjectStore, manifest: Manifest, poll_s: float, who: str = "ShardStream"):
-        self.store, self.manifest, self.who = store, manifest, who
-        self.known: dict[int, CommitRecord] = {}
+    def __init__(self, store: ObjectStore, manifest: Manifest, poll_s: float, who: str = "ShardStream",
+                 wants: Callable[[int, int], bool] | None = None):
+        self.store, self.manifest, self.who, self._wants = store, manifest, who, wants
+        self.known: dict[int, CommitRecord | FeedCommit] = {}
         self.complete = False
         self._backoff = _looks(poll_s)  # wait()'s
         # poll_if_due()'s, unless low: its "sleep" only grows the delay, a look ahead never sleeps
@@ -90,7 +97,7 @@ class CommitWatcher:
         self._given_up_once = False
         self._stalled_looks = 0  # looks in a row that found extraction held by its window
 
-    def poll(self) -> list[CommitRecord]:
+    def poll(self) -> list[CommitRecord | FeedCommit]:
         """One look: the commits not returned before, in shard order. It lists the feed, and
         `commits/` too at the first look, every FULL_LOOK_S, when `_missed_commits` found one the
         feed missed, and at every look until the feed has shown a key (a run extracted before the
@@ -129,20 +136,23 @@ class CommitWatcher:
         self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
         return records
 
-    def _read_feed(self) -> list[CommitRecord]:
-        """The commits whose feed keys were written since the previous look (less the margin),
-        those not known yet read."""
+    def _read_feed(self) -> list[CommitRecord | FeedCommit]:
+        """The commits whose feed keys were written since the previous look (less the margin) and
+        are not known yet: as FeedCommits where `wants` declines the record, else read."""
         started = self.store.now()
-        shards = set()
+        found: dict[int, tuple[int, int] | None] = {}  # shard -> (records, skipped) from its newest key
         for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
             if (parsed := layout.parse_feed(o.key)) is not None:
                 self._feed_seen = True
-                shards.add(parsed[1])
+                if parsed[1] not in self.known:
+                    found[parsed[1]] = parsed[2]
         self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
-        keys = [layout.commit_key(s) for s in sorted(shards) if s not in self.known]
-        return [r for r in _get_commits(self.store, keys) if r is not None]
+        told = [FeedCommit(s, *counts) for s, counts in sorted(found.items())
+                if counts is not None and self._wants is not None and not self._wants(s, counts[0])]
+        keys = [layout.commit_key(s) for s in sorted(found.keys() - {c.shard for c in told})]
+        return told + [r for r in _get_commits(self.store, keys) if r is not None]
 
-    def poll_if_due(self, low: bool = False) -> list[CommitRecord]:
+    def poll_if_due(self, low: bool = False) -> list[CommitRecord | FeedCommit]:
         """A look ahead by a consumer with data to work on: `poll()` when due, else nothing. With
         plenty in hand it is due ever more rarely (0.5 s doubling up to `poll_s`, even when looks
         find commits: they land all the time in a large extraction); with its known work `low`,
@@ -153,7 +163,7 @@ class CommitWatcher:
             self._ahead.sleep()
         return self.poll()
 
-    def wait(self) -> list[CommitRecord]:
+    def wait(self) -> list[CommitRecord | FeedCommit]:
         """New commits, blocking (with backoff) until some appear or extraction is over. Looks
         are at least 0.5 s apart, and whether extraction is over (listings of leases, failures
         and given-up shards) is asked only after OVER_CHECK_AFTER empty looks in a row, or when
@@ -229,7 +239,7 @@ class CommitWatcher:
         if found is None or self._stalled_looks < 2:
             return
         b, window = found
-        largest = max((r.bytes for r in self.known.values()), default=0)
+        largest = max((r.bytes for r in self.known.values() if isinstance(r, CommitRecord)), default=0)
         log.error("%s: STALLED: extraction waits for training to consume (%s at rest in %d shards, window %s) "
                   "while training waits for data. A shard counts as consumed once every sample of it has left "
                   "the consumers' shuffle buffers and is trained on, and a checkpoint covers it (a waiting "

@@ -37,6 +37,7 @@ from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits, write_index
 from layertap.manifests.consumption import consumed_shards
 from layertap.manifests.manifest import Manifest, load_manifest
+from layertap.manifests.records import CommitRecord, FeedCommit
 from layertap.manifests.state import fits_plan, replaced_manifest_error
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.format import ShardError
@@ -144,7 +145,7 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
         if c.shard in gone:
             left_out.append(c)
         elif c.num_records:
-            shards.append(CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids)))
+            shards.append(_committed(c))
     if left_out:
         samples = sum(c.num_records for c in left_out)
         what = (f"{len(left_out)} committed shard(s) ({samples} samples) of {store.uri} were consumed and deleted "
@@ -159,6 +160,10 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
         raise InputError(f"no committed shards with samples at {store.uri} yet: run `layertap extract` "
                          "(see `layertap status`)")
     return manifest, sorted(shards, key=lambda s: s.shard), read.new_index
+
+
+def _committed(c: CommitRecord) -> CommittedShard:
+    return CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids))
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -483,17 +488,19 @@ class ShardStream(IterableDataset):
         consumers, me = self.world_size * workers, self.rank * workers + worker
         target = position.counts(workers)[worker]
         who = f"rank {self.rank}" + (f" worker {worker}" if workers > 1 else "")
-        watcher = CommitWatcher(self._store(), self._manifest, c.follow_poll_s, who)
+        watcher = CommitWatcher(self._store(), self._manifest, c.follow_poll_s, who,
+                                wants=lambda shard, n: follow_share(n, shard, consumers, me)[1] > 0)
         mine: list[CommittedShard] = []  # shards taken, in order: the fetcher's shard indices
         inputs: list[tuple[int, int]] = []  # this consumer's input sequence: (index into mine, record)
         ends: list[int] = []  # where each taken shard's inputs end in `inputs`, for shards with some
         shuffle = StreamingShuffle(c.shuffle_buffer if c.shuffle else 1,
                                    (c.seed, 0, self.rank, self.world_size, worker, workers))
 
-        def take(commit) -> list[tuple[int, int, int]]:
+        def take(commit: CommitRecord | FeedCommit) -> list[tuple[int, int, int]]:
             offset, k = follow_share(commit.num_records, commit.shard, consumers, me)
-            mine.append(CommittedShard(commit.shard, commit.data_key, commit.bytes, commit.xxh3_128,
-                                       tuple(commit.sample_ids)))
+            if isinstance(commit, FeedCommit):  # no share of it: the watcher did not read its record
+                return []
+            mine.append(_committed(commit))
             first = len(inputs)
             inputs.extend((len(mine) - 1, offset + j) for j in range(k))
             if k:
@@ -629,7 +636,8 @@ class ShardStream(IterableDataset):
         """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own: one
         token of zeros in the run's shapes. Not a fetched sample: after a restart at the end of
         the follow epoch the shards may be consumed and deleted (a window run). Only a manifest
-        without hidden_size (synthetic runs) makes it read the first readable committed sample."""
+        without hidden_size (synthetic runs) makes it read the first readable committed sample:
+        of its own shards, or of the run's when it took none with samples (no share of any)."""
         run = self._run
         if run.hidden_size is not None:
             pad = {"sample_id": "padding", "input_ids": torch.zeros(1, dtype=torch.int64),
@@ -640,6 +648,8 @@ class ShardStream(IterableDataset):
                 pad["final_state"] = torch.zeros(1, run.hidden_size, dtype=torch.bfloat16)
             return pad
         c = self.config
+        if not any(s.sample_ids for s in mine):
+            mine = [_committed(r) for r in read_commits(self._store()).records]
         for i, shard in enumerate(mine):
             if not shard.sample_ids:
                 continue
