@@ -9,8 +9,8 @@ stay: `status`, resume and a rerun of `layertap extract` still see the shard as 
 redo it. Watermarks are only written once a checkpoint covers them, so a trainer that restarts
 from its checkpoint never needs a deleted shard.
 
-`backlog` is committed shards not consumed yet (what `status` reports). `at_rest` is the data
-objects in `shards/`: what the storage holds and the window bounds. `WindowGate` holds a worker
+`at_rest` is the data objects in `shards/`: what the storage holds and the window bounds (`status`
+reports it, and the backlog: committed shards not consumed yet). `WindowGate` holds a worker
 back from its next claim while that is at or above `--window`; it reads only `shards/` (as large
 as the window, not the run) unless the window is full.
 """
@@ -34,15 +34,6 @@ from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 from layertap.storage.units import size
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Backlog:
-    """Committed shards not consumed yet: their count, samples and stored bytes."""
-
-    shards: int
-    samples: int
-    bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,37 +152,6 @@ def at_rest(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | None = Non
     `data_objects`, when the caller has it)."""
     listed = data_objects(store) if listed is None else listed
     return AtRest(len(listed), sum(o.size for objects in listed.values() for o in objects))
-
-
-def backlog(store: ObjectStore, consumed: set[int] | None = None) -> Backlog:
-    """Committed shards not consumed everywhere (`consumed`: `consumed_everywhere`, when the
-    caller has it), and their samples and bytes from the tally markers' names: listings and one
-    GET per rank's watermark. A commit whose tally marker is missing (its writer is between the
-    two, or died there) is read instead: counted as 0 bytes, a worker killed at that moment
-    left data at rest that no window saw, and the window overflowed by that shard."""
-    committed = listed_shards(store, layout.COMMITS)
-    open_ = committed - (consumed_everywhere(store) if consumed is None else consumed)
-    samples = nbytes = 0
-    tallied = set()
-    for o in store.list(layout.TALLY):
-        parsed = layout.parse_tally(o.key)
-        if parsed and parsed[0] in open_:
-            tallied.add(parsed[0])
-            samples += parsed[1]["records"]
-            nbytes += parsed[1]["bytes"]
-    for shard in sorted(open_ - tallied):
-        key = layout.commit_key(shard)
-        try:
-            record = decode_commit(store.get(key), key)
-        except ObjectNotFound:  # withdrawn by `verify` since the listing: not committed any more
-            open_.discard(shard)
-            continue
-        except ManifestError as e:  # `verify` withdraws it; until then it holds no data we can size
-            log.warning("shard %d: unreadable commit record (%s); not counted in the backlog", shard, e)
-            continue
-        samples += record.num_records
-        nbytes += record.bytes
-    return Backlog(len(open_), samples, nbytes)
 
 
 def watermarks(store: ObjectStore) -> dict[int, dict]:

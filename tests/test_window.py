@@ -1,5 +1,5 @@
-"""The storage window (issue 20): consumption watermarks, deletion of consumed shards, the backlog
-and `layertap extract --window`. Real runs: fake_worker's real leases, shards and commits, and a
+"""The storage window (issue 20): consumption watermarks, deletion of consumed shards, the data
+at rest and `layertap extract --window`. Real runs: fake_worker's real leases, shards and commits, and a
 real tiny extraction, local and on the moto S3 server."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import fake_worker
 from layertap.cli import main as cli
 from layertap.manifests import layout
-from layertap.manifests.consumption import (AtRest, Backlog, WindowGate, at_rest, backlog, consumed_everywhere,
-                                            consumed_shards, delete_consumed, record_consumed, stalled)
+from layertap.manifests.consumption import (AtRest, WindowGate, at_rest, consumed_everywhere, consumed_shards,
+                                            delete_consumed, record_consumed, stalled)
 from layertap.manifests.records import Producer
 from layertap.manifests.status import burst_rate, run_status, verify_run
 from layertap.manifests.work import WorkQueue
@@ -98,29 +98,6 @@ def test_a_watermark_names_a_rank_of_its_world(store):
         record_consumed(store, rank=2, world_size=2, shards=[], step=0)
 
 
-def test_backlog_is_the_tallies_of_unconsumed_shards(store_uri):
-    store = open_store(store_uri)
-    fake_worker.work(store_uri, shards=[0, 1, 2, 3, 4])
-    tallies = dict(layout.parse_tally(o.key) for o in store.list(layout.TALLY))
-
-    def expected(consumed: set[int]) -> Backlog:
-        left = [t for s, t in tallies.items() if s not in consumed]
-        return Backlog(len(left), sum(t["records"] for t in left), sum(t["bytes"] for t in left))
-
-    assert backlog(store) == expected(set()) and backlog(store).bytes > 0
-    record_consumed(store, rank=0, world_size=1, shards=[1, 3], step=5)
-    assert backlog(store) == expected({1, 3})  # consumed, not yet deleted: no longer waiting for training
-    delete_consumed(store)
-    assert backlog(store) == expected({1, 3})
-    assert backlog(store).bytes == sum(o.size for o in store.list(layout.SHARDS))  # what is at rest
-
-    # A worker killed between its commit and its tally marker: the shard's data is at rest all the
-    # same, and the window counts it (read from the commit record), or the window overflows by it.
-    store.delete(next(o.key for o in store.list(f"{layout.TALLY}000002.")))
-    assert backlog(store) == expected({1, 3})
-    assert backlog(store).bytes == sum(o.size for o in store.list(layout.SHARDS))
-
-
 class ReadCounter:
     """The store's listings (by prefix) and GETs (by key), as the gate makes them."""
 
@@ -178,7 +155,7 @@ def test_the_window_counts_every_object_at_rest_and_the_stall_check_agrees(store
     store.put(layout.data_key(2, "killed"), b"x" * 5_000)
     rest = at_rest(store)
     assert rest.shards == 3 and rest.bytes == sum(o.size for o in store.list(layout.SHARDS))
-    assert rest.bytes == backlog(store).bytes + 5_000
+    assert rest.bytes == sum(layout.parse_tally(o.key)[1]["bytes"] for o in store.list(layout.TALLY)) + 5_000
     WindowGate(store, rest.bytes).record()
     assert stalled(store) == (rest, rest.bytes)
     assert WindowGate(store, rest.bytes).check() == rest  # the gate waits: nothing consumed to delete
@@ -209,7 +186,7 @@ def test_workers_wait_while_the_window_is_full_and_go_on_once_training_consumed(
     store = open_store(store_uri)
     fake_worker.plan(store)
     window, largest, workers = 14_000, 8_200, 2  # fake_worker's shards are 7.0-8.1 kB
-    waits: list[Backlog | None] = []
+    waits: list[AtRest | None] = []
     gates = [WindowGate(store, window, poll_s=0.02, max_poll_s=0.1, on_wait=waits.append) for _ in range(workers)]
     done: list[int] = []
     threads = [threading.Thread(target=window_worker, args=(store_uri, r, gates[r], done), daemon=True) for r in range(workers)]
@@ -233,7 +210,7 @@ def test_workers_wait_while_the_window_is_full_and_go_on_once_training_consumed(
     assert sorted(done) == list(range(7))
     assert any(w is not None for w in waits) and consumed  # it did wait, and went on after consumption
     assert run_status(store)["complete"]
-    assert backlog(store).bytes < window + workers * largest
+    assert at_rest(store).bytes < window + workers * largest
 
 
 @pytest.mark.slow
@@ -264,7 +241,7 @@ def test_extract_with_a_window_waits_for_training(tmp_path, store_uri):
         if seen > waits:  # the worker waits: train on (consume) the oldest shards until the window opens
             waits = seen
             committed = sorted(layout.shard_of(o.key, layout.COMMITS) for o in store.list(layout.COMMITS))
-            while backlog(store).bytes >= window:
+            while at_rest(store).bytes >= window:
                 consumed.append(next(s for s in committed if s not in consumed))
                 record_consumed(store, rank=0, world_size=1, shards=consumed, step=len(consumed))
                 delete_consumed(store)
