@@ -47,6 +47,12 @@ DEFAULT_USD_PER_1000_PUT = 0.005  # PUT, COPY, POST, LIST
 DEFAULT_USD_PER_1000_GET = 0.0004
 
 DEFAULT_PART_BYTES = 16 * MiB  # storage.s3.S3Options.part_size
+# PUT-class requests a second (PUT, POST, COPY, DELETE) S3 serves one key prefix, as AWS publishes
+# it: a prefix above it is partitioned over time, throttled (SlowDown) meanwhile. Every data object
+# of a run is under its `shards/`.
+S3_PREFIX_PUTS_PER_S = 3_500
+PART_CHOICES = tuple(m * MiB for m in (32, 64, 128, 256, 512, 1024))  # what a too-high PUT rate suggests
+DEFAULT_PARTS_IN_MEMORY = 9  # storage.s3.S3Options.max_parts_in_memory: a writer's buffers
 DEFAULT_RANGE_BYTES = 64 * MiB  # train.stream: the loader's coalesced ranged GETs
 DEFAULT_EPOCHS = 6  # the DFlash recipe
 
@@ -175,7 +181,8 @@ class Estimate:
     nodes: int
     wall_s: float | None
     gpu_hours: float | None
-    put_requests: int  # data parts and single PUTs, commit, tally, lease, heartbeats, manifest
+    put_requests: int  # data parts and single PUTs, commit, tally, lease, feed key, heartbeats, manifest
+    data_puts_per_s: float | None  # PUT-class requests to shards/ a second, all GPUs extracting
     get_requests_per_epoch: int  # one training pass over the run by the streaming loader
     storage_usd_per_month: float
     put_usd: float
@@ -231,9 +238,9 @@ def estimate(work: Workload, storage: Storage, throughput: Throughput = Throughp
         total_rate = per_gpu * throughput.gpus
         heartbeats = math.ceil(gpu_s / (throughput.lease_ttl_s / 4))
 
-    # One PUT per shard below a part; above: create + parts + complete. Then commit, tally, lease.
+    # One PUT per shard below a part; above: create + parts + complete. Then commit, tally, lease, feed.
     data_puts = 1 if shard_mean <= storage.part_bytes else 2 + math.ceil(shard_mean / storage.part_bytes)
-    puts = shards * (data_puts + 3) + heartbeats + 1
+    puts = shards * (data_puts + 4) + heartbeats + 1
     # The loader: one commit GET per shard, then the shard whole when it fits one range, else
     # trailer + footer GETs and the ranges.
     reads = 1 if shard_mean <= storage.range_bytes else 2 + math.ceil(shard_mean / storage.range_bytes)
@@ -256,6 +263,7 @@ def estimate(work: Workload, storage: Storage, throughput: Throughput = Throughp
         wall_s=wall,
         gpu_hours=gpu_hours,
         put_requests=puts,
+        data_puts_per_s=None if wall is None else shards * data_puts / wall,
         get_requests_per_epoch=gets,
         storage_usd_per_month=total_stored / GiB * prices.usd_per_gib_month,
         put_usd=puts / 1000 * prices.usd_per_1000_put,
@@ -467,6 +475,7 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
         f"{fmt_usd(prices.usd_per_1000_put)} per 1,000 PUT, {fmt_usd(prices.usd_per_1000_get)} per 1,000 GET)",
         f"  PUT requests             {est.put_requests:,}  ({fmt_usd(est.put_usd)})"
         + ("" if tps else "  (without lease heartbeats: no throughput given)"),
+        *_put_rate_lines(est, work, storage, throughput, prices),
         f"  GET requests per epoch   {est.get_requests_per_epoch:,}  ({fmt_usd(est.get_usd_per_epoch)}; "
         f"{prices.epochs} epochs: {fmt_usd(est.get_usd_per_epoch * prices.epochs)})",
         f"  storage per month        {fmt_usd(est.storage_usd_per_month)}",
@@ -485,6 +494,28 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
                      f"{fmt_size(e.total_bytes_stored, 'GiB', 1):>16}{change:>26}{hours:>11}"
                      f"{fmt_usd(e.storage_usd_per_month):>16}")
     return "\n".join(lines)
+
+
+def _put_rate_lines(est: Estimate, work: Workload, storage: Storage, throughput: Throughput,
+                    prices: Prices) -> list[str]:
+    """The data PUT rate while extracting, and when it is above what an S3 prefix serves, the
+    smallest upload part size that brings it under (and the memory that costs a writer)."""
+    rate = est.data_puts_per_s
+    if rate is None:
+        return []
+    lines = [f"  PUT rate to shards/      {rate:,.0f}/s while extracting (S3 serves a prefix "
+             f"~{S3_PREFIX_PUTS_PER_S:,}/s before it partitions it)"]
+    if rate <= S3_PREFIX_PUTS_PER_S:
+        return lines
+    for part in (p for p in PART_CHOICES if p > storage.part_bytes):
+        r = estimate(work, replace(storage, part_bytes=part), throughput, prices).data_puts_per_s
+        if r <= S3_PREFIX_PUTS_PER_S:
+            return lines + [
+                f"  note: expect SlowDown replies (retried) until S3 has partitioned shards/; parts of "
+                f"{part // MiB} MiB give {r:,.0f}/s (--config: s3: {{part_size: {part // MiB}MiB}}; a writer then "
+                f"buffers up to {fmt_bytes(DEFAULT_PARTS_IN_MEMORY * part)}, s3.max_parts_in_memory x part_size)"]
+    return lines + ["  note: expect SlowDown replies (retried) until S3 has partitioned shards/; no part size up "
+                    f"to {PART_CHOICES[-1] // MiB} MiB brings it under: larger shards (--shard-bytes) cut the rate"]
 
 
 def report_json(est: Estimate, alts: list[Alternative], work: Workload, storage: Storage,

@@ -18,6 +18,7 @@ from typing import Any
 
 from layertap.extract.command import add_extract
 from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.store import s3_options
 from layertap.extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
                               DEFAULT_USD_PER_GIB_MONTH, Prices, Regeneration, Storage, Throughput, Workload,
                               alternatives, estimate, fmt_bytes, format_report, report_json)
@@ -302,6 +303,7 @@ def _report(args: argparse.Namespace, cfg, work: Workload, shards: int | None, m
         ratio, sources["codec"] = DEFAULT_RATIOS[cfg.codec], "the codec's default, measured on SmolLM2"
     sources["overhead"] = "measured" if m else "defaults"
     storage = Storage(codec=cfg.codec, ratio=ratio, shard_bytes=cfg.shard_bytes, shards=shards,
+                      part_bytes=s3_options(cfg.s3).part_size,
                       **({"record_overhead": m.record_overhead, "shard_overhead": m.shard_overhead} if m else {}))
     tps = args.tokens_per_s
     if tps is not None:

@@ -13,8 +13,12 @@ import posixpath
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
+
 from layertap.storage.errors import UserError
+
+if TYPE_CHECKING:
+    from layertap.storage.s3 import S3Options
 
 
 class StoreError(UserError):
@@ -266,10 +270,9 @@ def open_store(uri: str, **options) -> ObjectStore:
     Options are passed to the backend (see `storage.s3.S3Options` for the S3 ones).
     """
     if uri.startswith("s3://"):
-        from layertap.storage.flags import typed_values
-        from layertap.storage.s3 import S3Options, S3Store
+        from layertap.storage.s3 import S3Store
 
-        return S3Store(uri, S3Options(**typed_values(S3Options, options, 'the "s3" settings (of --config)')))
+        return S3Store(uri, s3_options(options))
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
         raise StoreError(f"unsupported store URI {uri!r}: scheme {scheme!r}; use s3://bucket/prefix or a local path")
@@ -278,6 +281,14 @@ def open_store(uri: str, **options) -> ObjectStore:
     if options:
         raise StoreError(f"the local store takes no options, got {sorted(options)}")
     return LocalStore(uri.removeprefix("file://"))
+
+
+def s3_options(options: dict[str, Any]) -> S3Options:
+    """`storage.s3.S3Options` from the "s3" settings of a --config file (sizes as "64MiB"), checked."""
+    from layertap.storage.flags import typed_values
+    from layertap.storage.s3 import S3Options
+
+    return S3Options(**typed_values(S3Options, options, 'the "s3" settings (of --config)'))
 
 
 def split_object_uri(uri: str) -> tuple[str, str]:

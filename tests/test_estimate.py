@@ -84,11 +84,12 @@ def test_arithmetic_by_hand():
     assert est.upload_bytes_per_s_per_gpu == pytest.approx(100 * 405.4)
     assert est.upload_bytes_per_s_per_node == pytest.approx(2 * 100 * 405.4)
     assert est.upload_bytes_per_s_total == pytest.approx(4 * 100 * 405.4) and est.nodes == 2
-    # 4 shards x (1 PUT + commit + tally + lease) + 5 heartbeats (10 GPU-s / 2 s) + the manifest
-    assert est.put_requests == 4 * 4 + 5 + 1
+    # 4 shards x (1 PUT + commit + tally + lease + feed key) + 5 heartbeats (10 GPU-s / 2 s) + the manifest
+    assert est.put_requests == 4 * 5 + 5 + 1
+    assert est.data_puts_per_s == 4 * 1 / est.wall_s  # one PUT per shard to shards/, over the wall time
     assert est.get_requests_per_epoch == 4 * 2  # commit + one whole-object GET per shard
     assert est.storage_usd_per_month == pytest.approx(405_400 / GiB * 2.0)
-    assert est.put_usd == pytest.approx(22 / 1000) and est.get_usd_per_epoch == pytest.approx(8 / 2000)
+    assert est.put_usd == pytest.approx(26 / 1000) and est.get_usd_per_epoch == pytest.approx(8 / 2000)
 
     big = estimate(work, Storage(codec="bf16", ratio=1.0, shards=1, part_bytes=5 * MiB, range_bytes=64 * MiB),
                    prices=prices)
@@ -96,7 +97,7 @@ def test_arithmetic_by_hand():
     huge = estimate(Workload(hidden_size=5120, capture_layers=5, samples=1000, tokens=800_000),
                     Storage(codec="bf16", ratio=1.0, shards=1))  # one 41 GB shard
     parts = math.ceil(huge.total_bytes_stored / (16 * MiB))
-    assert huge.put_requests == 2 + parts + 3 + 1
+    assert huge.put_requests == 2 + parts + 4 + 1 and huge.data_puts_per_s is None  # no throughput: no rate
     assert huge.get_requests_per_epoch == 1 + 2 + math.ceil(huge.total_bytes_stored / (64 * MiB))
 
     alts = {a.label: a for a in alternatives(work, storage, tp, prices, ratios={"fp8": 2.0})}
@@ -106,6 +107,34 @@ def test_arithmetic_by_hand():
     final = alts["with the final-layer state"].estimate
     assert final.bytes_per_token_raw == 600 and final.gpu_hours == pytest.approx(10 / 3600 * 8 / 5)  # all 8 layers run
     assert alts["1 capture layer"].estimate.bytes_per_token_raw == 200
+
+
+def test_a_put_rate_above_what_an_s3_prefix_serves_names_the_part_size_that_fits(capsys, tmp_path):
+    """1,000 GPUs writing 16 MiB parts of a 27B target's shards PUT ~20,000 parts a second to one
+    prefix (shards/), where S3 serves ~3,500 before it partitions it: the estimate says so, and
+    which part size brings the rate under; the part size of --config's s3 settings is the one used."""
+    at_scale = REF + ["--tokens-per-s", "9400", "--gpus", "1000"]
+    out = run_json(capsys, at_scale)
+    assert out["data_puts_per_s"] > 3_500 and out["inputs"]["storage"]["part_bytes"] == 16 * MiB
+    assert cli(at_scale) == 0
+    text = capsys.readouterr().out
+    note = next(line for line in text.splitlines() if line.startswith("  note: expect SlowDown"))
+    suggested = int(note.split("parts of ")[1].split(" MiB")[0])
+    fitted = run_json(capsys, at_scale + ["--config", str(_config(tmp_path, suggested))])
+    assert fitted["inputs"]["storage"]["part_bytes"] == suggested * MiB and fitted["data_puts_per_s"] <= 3_500
+    assert f"give {fitted['data_puts_per_s']:,.0f}/s" in note
+    half = run_json(capsys, at_scale + ["--config", str(_config(tmp_path, suggested // 2))])
+    assert half["data_puts_per_s"] > 3_500  # the smallest that fits was named
+    assert cli(REF + ["--tokens-per-s", "9400", "--gpus", "64"]) == 0
+    assert "PUT rate to shards/" in (small := capsys.readouterr().out) and "note: expect SlowDown" not in small
+    assert cli(at_scale + ["--config", str(_config(tmp_path, 1))]) == 2  # below S3's 5 MiB minimum
+    assert "part_size" in capsys.readouterr().err
+
+
+def _config(tmp_path, part_mib: int):
+    path = tmp_path / f"parts-{part_mib}.json"
+    path.write_text(json.dumps({"s3": {"part_size": f"{part_mib}MiB"}}))
+    return path
 
 
 @pytest.mark.parametrize("codec, tokens, shard_bytes", [("bf16", 37, 10_000_000), ("bf16-zstd", 800, 32_000_000),
