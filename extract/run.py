@@ -36,6 +36,7 @@ from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
 from layertap.manifests.work import Claim, WorkQueue
+from layertap.storage.foreign import unservable_layer
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
@@ -206,6 +207,8 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
                          attn_implementation=cfg.attn_implementation, device=device, weights=weights)
     layers = cfg.layers if cfg.layers is not None else default_layers(target.info["num_layers"])
     capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
+    if (why := unservable_layer(capture.layers, capture.num_layers)) is not None:
+        log.warning(why)
     cfg.gguf_file = gguf_file
     identity = cfg.identity(dict(target.info, model=model_path if cfg.model else f"embedded:{gguf_file}"),
                             capture.layers)

@@ -44,6 +44,21 @@ def layer_order(fmt: str, layers: list[int]) -> list[int]:
     return sorted(range(len(layers)), key=layers.__getitem__) if fmt == "speculators" else list(range(len(layers)))
 
 
+def unservable_layer(layers: list[int], num_layers: int) -> str | None:
+    """Why a drafter trained on `layers` of a `num_layers`-layer target cannot be served, or None.
+    vLLM and SGLang gather a drafter's target states at the input of each decoder layer (HF
+    `hidden_states` indices 0..num_layers - 1), so the last decoder layer's output (layertap's
+    num_layers - 1, HF index num_layers) is never among them."""
+    last = num_layers - 1
+    if last not in layers:
+        return None
+    return (f"capture layer {last} is the output of the target's last decoder layer (HF hidden_states index "
+            f"{num_layers}): vLLM and SGLang gather a drafter's target states at the inputs of the decoder layers "
+            f"(HF indices 0..{last}), never after the last one, so a DFlash or EAGLE-3 drafter trained on it cannot be "
+            f"served by them; choose capture layers below {last} (its final-layer state is --final-state's, stored "
+            "apart for the training objective)")
+
+
 # The final state each format carries beside the capture layers ("none": it carries none).
 FINAL_STATE = {"speculators": "prenorm", "specforge": "none", "modelopt": "postnorm"}
 

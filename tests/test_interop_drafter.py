@@ -152,6 +152,33 @@ def test_a_drafter_trained_on_layers_out_of_order_is_served_in_layer_order(targe
     assert float((ours - theirs).abs().max()) <= 1e-5
 
 
+def test_the_last_decoder_layer_as_a_capture_layer_is_warned_of_at_extraction_and_export(target, tmp_path, caplog):
+    """vLLM and SGLang gather a drafter's target states at the inputs of the decoder layers: the
+    last layer's output (layertap's 5 of a 6-layer target, HF index 6) is never among them. The
+    extraction says so before any work, the export again (it still writes the checkpoint)."""
+    run, out, dest = str(tmp_path / "run"), str(tmp_path / "out"), str(tmp_path / "spec")
+    chats = write_chats(tmp_path / "chats.jsonl", 8)
+    with caplog.at_level("WARNING"):
+        assert cli(["extract", "--model", target, "--dataset", chats, "--out", run, "--layers", "1,5",
+                    "--max-length", "64", "--log-dir", str(tmp_path / "logs")]) == 0
+    warned = [r.getMessage() for r in caplog.records if "last decoder layer" in r.getMessage()]
+    assert len(warned) == 1 and "capture layer 5" in warned[0] and "HF hidden_states index 6" in warned[0]
+    assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2",
+                "--mask-token-id", str(MASK_ID), *FAST]) == 0
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert cli(["export-drafter", out, "--to", "speculators", dest]) == 0
+    assert any("capture layer 5" in r.getMessage() and "written all the same" in r.getMessage()
+               for r in caplog.records)
+    assert json.loads(Path(dest, "config.json").read_text())["aux_hidden_state_layer_ids"] == [2, 6]
+
+    caplog.clear()  # the usual layers: no warning
+    with caplog.at_level("WARNING"):
+        assert cli(["extract", "--model", target, "--dataset", chats, "--out", str(tmp_path / "run2"), "--layers",
+                    "1,4", "--max-length", "64", "--log-dir", str(tmp_path / "logs2")]) == 0
+    assert not [r for r in caplog.records if "last decoder layer" in r.getMessage()]
+
+
 def test_export_to_s3_writes_the_same_bytes(trained, tmp_path, s3_bucket):
     local, remote = str(tmp_path / "spec"), f"s3://{s3_bucket}/drafters/spec"
     assert cli(["export-drafter", trained, "--to", "speculators", local]) == 0

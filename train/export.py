@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from layertap.storage.errors import ConfigError, InputError, MissingInput
-from layertap.storage.foreign import foreign_layers, layer_order
+from layertap.storage.foreign import foreign_layers, layer_order, unservable_layer
 from layertap.storage.store import ObjectStore
 from layertap.train.checkpoint import load_drafter_files, load_latest, write_safetensors
 from layertap.train.drafter import DrafterConfig
@@ -162,6 +162,10 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
     config, weights = trained_drafter(source)
     renamed = speculators_weights(config, weights)
     name, verifier_config = _verifier(config, verifier)
+    text = (verifier_config or {}).get("text_config") or verifier_config or {}
+    if text.get("num_hidden_layers") and (why := unservable_layer(config.capture_layers,
+                                                                  int(text["num_hidden_layers"]))) is not None:
+        log.warning("%s. The checkpoint is written all the same.", why)
     spec = speculators_config(config, name, verifier_config)
     write_safetensors(dest, WEIGHTS, renamed, {"format": "pt"}, dtype=DTYPES[dtype])  # "pt": what transformers expects
     dest.put(CONFIG, (json.dumps(spec, indent=2) + "\n").encode())
