@@ -256,6 +256,8 @@ def _command(words: list[str], name: str = "cmd", width: int = 100) -> str:
 
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+# The line before a script's masked copy of its command: the script itself holds secrets.
+MASKED = "# what the log shows: the command with its secrets masked"
 
 
 def _shown(command: list[str], tool_args: list[str]) -> str:
@@ -273,7 +275,7 @@ def _shown(command: list[str], tool_args: list[str]) -> str:
             masked[shlex.quote(arg)] = shlex.quote(safe)
     if not masked:
         return 'shown=("${cmd[@]}")'
-    return "# what the log shows: the command with its secrets masked\n" + \
+    return MASKED + "\n" + \
         _command([masked.get(w, w) for w in command], "shown")
 
 

@@ -10,6 +10,7 @@ import subprocess
 import time
 
 from layertap.slurm.resources import NodeShape
+from layertap.slurm.scripts import MASKED
 from layertap.slurm.work import DEFAULT_MAX_ARRAY_SIZE
 from layertap.storage.errors import UserError
 
@@ -47,11 +48,18 @@ def max_array_size() -> int:
 
 
 def save_script(folder: str, job_name: str, text: str) -> str:
-    """Keep the exact script next to the logs it will write, for the record and for resubmitting by hand."""
+    """Keep the exact script next to the logs it will write, for the record and for resubmitting by
+    hand. A script that holds secrets typed on the command line (it must run them) is readable by
+    its owner alone, and the submitter is told to keep them in the environment instead."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch")
-    with open(path, "w") as f:
+    secret = MASKED in text
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o666), "w") as f:
         f.write(text)
+    if secret:
+        log.warning("%s holds keys given on the command line (the job runs them): it is readable by you alone, "
+                    "and Slurm keeps a copy of it. Export them before `layertap submit` instead (the job inherits "
+                    "the environment; docs/SLURM.md, \"Secrets\")", path)
     return path
 
 

@@ -486,9 +486,10 @@ def test_counts_of_nodes_tasks_and_shards_must_be_at_least_one(tmp_path, capsys,
     assert _nothing_left(args, None, None) == 0  # no run: no running shards to name
 
 
-def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path):
+def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path, caplog):
     """The script must run the real command (the server needs its key), but the line each task
-    echoes into its Slurm log masks what layertap's own logs mask."""
+    echoes into its Slurm log masks what layertap's own logs mask. The saved script that holds
+    them is readable by its owner alone, and the submitter is told to export them instead."""
     from layertap.slurm.scripts import regenerate_script
 
     opts = JobOptions(job_name="r", logs=str(tmp_path), gpus_per_node=1)
@@ -507,6 +508,20 @@ def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path):
     assert serve in cmd and "http://u:pa55w0rd@h:8000/v1?key=k" in cmd  # what runs keeps them
     plain = train_script(opts, 1, ["--data", "r", "--out", "d"], None)
     assert 'shown=("${cmd[@]}")' in plain  # nothing to mask: the log shows the command itself
+
+    with caplog.at_level("WARNING"):
+        saved = save_script(str(tmp_path / "scripts"), "r", script)
+    assert os.stat(saved).st_mode & 0o777 == 0o600 and Path(saved).read_text() == script
+    warned = [r.getMessage() for r in caplog.records if saved in r.getMessage()]
+    assert len(warned) == 1 and "Export them" in warned[0] and "SECRET" not in warned[0]
+    caplog.clear()
+    umask = os.umask(0o022)
+    try:
+        with caplog.at_level("WARNING"):
+            kept = save_script(str(tmp_path / "scripts"), "t", plain)
+    finally:
+        os.umask(umask)
+    assert os.stat(kept).st_mode & 0o777 == 0o644 and not caplog.records
 
 
 # -- a real cluster ------------------------------------------------------------------------------
