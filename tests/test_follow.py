@@ -229,6 +229,42 @@ def test_consumed_shards_are_those_every_sample_of_which_was_yielded(tmp_path):
     it.close()
 
 
+def test_consumed_shards_come_from_the_checkpointed_state_without_reading_the_commits(tmp_path, monkeypatch):
+    """Every rank of a `--delete-consumed` trainer computes its consumed shards at every
+    checkpoint, in the trainer's process, which never saw the commits its DataLoader workers
+    found: it read the run's commits each time (a listing, and a GET per commit the index lacks:
+    at 1,000 ranks late in a run, millions of GETs per checkpoint). The position now carries each
+    taken shard's record count, so the state alone answers; a state saved before the counts
+    still gets its answer from the commits."""
+    from layertap.train import stream as stream_module
+
+    uri = str(tmp_path / "run")
+    finish(start_workers(uri, n=1, slow=0))
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    ids_of = {p.id: {f"s{i:05d}" for i in range(p.start, p.end)} for p in stream._manifest.shards}
+    loader = StreamLoader(stream, batch_size=3, num_workers=2)
+    read = stream_module.read_commits
+    reads: list[str] = []
+    monkeypatch.setattr(stream_module, "read_commits", lambda store, *a: reads.append(store.uri) or read(store, *a))
+    seen: set[str] = set()
+    checked = 0
+    for batch in loader:
+        seen.update(i for i, pad in zip(batch["sample_id"], batch["padding"]) if not pad)
+        state = loader.state_dict()
+        if not state["consumed"] or state["epoch"] > 0:
+            continue
+        assert stream.consumed_shards(state) == sorted(s for s, ids in ids_of.items() if ids <= seen)
+        assert reads == []  # the state named every taken shard's count
+        old = dict(state, taken_records=None)  # a checkpoint of a layertap before the counts
+        stream._records.clear()
+        assert stream.consumed_shards(old) == sorted(s for s, ids in ids_of.items() if ids <= seen)
+        assert len(reads) == 1
+        reads.clear()
+        stream._records.clear()
+        checked += 1
+    assert checked >= 3 and seen == ALL
+
+
 def give_up(uri: str, shard: int, failures: int = 1) -> None:
     """A worker fails `shard` `failures` times and, its --retries 0 used up, gives it up."""
     from layertap.manifests.records import Producer

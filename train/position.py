@@ -22,7 +22,10 @@ class Position:
 
     Follow mode (`follow`: the planned records per shard and the world size) makes epoch 0 the
     follow epoch: every consumer yields `follow_target` samples, and the position also holds
-    each consumer's list of shards taken, in the order it found them (`taken`)."""
+    each consumer's list of shards taken, in the order it found them (`taken`), with each
+    shard's record count (`taken_records`, None where a state saved before them lacks it): what
+    `ShardStream.consumed_shards` computes the consumers' shares from at every checkpoint, so
+    that no rank has to read the commit records for it."""
 
     def __init__(self, per_rank: int, epoch: int = 0, follow: tuple[list[int], int] | None = None):
         self.per_rank = per_rank  # samples the rank yields per epoch: each consumer's share follows
@@ -31,6 +34,7 @@ class Position:
         self._epoch = epoch
         self._consumed: list[int] | None = None  # per consumer, this epoch; None until a pass starts
         self._taken: list[list[int]] | None = None  # per consumer, in the follow epoch
+        self._records: list[list[int | None]] | None = None  # the record counts of `_taken`'s shards
         # after it: the shards every consumer took in the follow epoch, which it therefore trained on
         self.follow_trained: list[int] | None = None
         self._reported: list[int] = []  # per consumer: how much of `_taken` the loader has been told
@@ -59,15 +63,22 @@ class Position:
         """Shards consumer `worker` has taken in the follow epoch, in order."""
         return self._taken[worker] if self._taken is not None else []
 
-    def take(self, worker: int, shard: int) -> None:
-        self._taken[worker].append(shard)
+    def taken_records(self, worker: int) -> list[int | None]:
+        """The record counts of `taken(worker)`'s shards (None: not known to a state saved before them)."""
+        return self._records[worker] if self._records is not None else []
 
-    def taken_since_reported(self, worker: int) -> tuple[int, list[int]]:
-        """(offset, shards taken since the last call): what a DataLoader worker sends with a batch."""
+    def take(self, worker: int, shard: int, records: int) -> None:
+        self._taken[worker].append(shard)
+        self._records[worker].append(records)
+
+    def taken_since_reported(self, worker: int) -> tuple[int, list[int], list[int | None]]:
+        """(offset, shards taken since the last call, their record counts): what a DataLoader
+        worker sends with a batch."""
         done = self._reported[worker]
         new = self._taken[worker][done:] if self._taken is not None else []
+        records = self._records[worker][done:] if self._records is not None else []
         self._reported[worker] = done + len(new)
-        return done, new
+        return done, new, records
 
     @property
     def epoch(self) -> int:
@@ -88,12 +99,13 @@ class Position:
         if self._consumed is None:
             self._consumed = [0] * workers
             self._taken = [[] for _ in range(workers)] if self._follow_epoch() else None
+            self._records = [[] for _ in range(workers)] if self._follow_epoch() else None
         elif len(self._consumed) != workers:
             saved = len(self._consumed)
             raise ConfigError(f"the stream's position was saved with {saved} DataLoader worker(s) and this pass runs "
                              f"{workers}: resume with num_workers={saved if saved > 1 else 0} (or start the epoch over)")
         if self._follow_epoch() and self._taken is None:
-            self._taken = [[] for _ in range(workers)]
+            self._taken, self._records = [[] for _ in range(workers)], [[] for _ in range(workers)]
         self._reported = [len(t) for t in self._taken] if self._taken is not None else []
         return self._moves
 
@@ -105,15 +117,17 @@ class Position:
         """Consumer `worker` yielded `n` more samples."""
         self._consumed[worker] += n
 
-    def batch_received(self, worker: int, n: int, taken: tuple[int, list[int]] | None = None) -> None:
+    def batch_received(self, worker: int, n: int,
+                       taken: tuple[int, list[int], list[int | None]] | None = None) -> None:
         """The trainer received a batch of `n` samples from worker `worker` (the DataLoader's
         round-robin skips exhausted workers, so the next batch is due from the one after it);
         `taken`: the worker's `taken_since_reported` in the follow epoch."""
         self.advance(worker, n)
         if taken is not None and taken[1] and self._taken is not None:
-            offset, new = taken
-            del self._taken[worker][offset:]
+            offset, new, records = taken
+            del self._taken[worker][offset:], self._records[worker][offset:]
             self._taken[worker].extend(new)
+            self._records[worker].extend(records)
         self._next = (worker + 1) % len(self._consumed)
 
     def consumer(self, worker_id: int, workers: int) -> int:
@@ -135,6 +149,7 @@ class Position:
                  "consumed": list(consumed or []), "next_worker": self._next}
         if self._follow_epoch():
             state["taken"] = [list(t) for t in self._taken or []]
+            state["taken_records"] = [list(r) for r in self._records or []]
         elif self.follow_trained is not None:
             state["follow_trained"] = list(self.follow_trained)
         return state
@@ -152,6 +167,10 @@ class Position:
         self.follow_trained = [int(s) for s in trained] if trained is not None and not self._follow_epoch() else None
         if self._follow_epoch() and consumed:
             self._taken = [[int(s) for s in t] for t in taken or [[] for _ in consumed]]
+            records = state.get("taken_records")
+            if records is None or [len(r) for r in records] != [len(t) for t in self._taken]:
+                records = [[None] * len(t) for t in self._taken]  # saved before the counts were
+            self._records = [[None if n is None else int(n) for n in r] for r in records]
         self._roll()
 
     def _roll(self) -> None:
@@ -165,5 +184,5 @@ class Position:
 
     def _jump(self, epoch: int, consumed: list[int] | None, next_worker: int) -> None:
         self._epoch, self._consumed, self._next = epoch, consumed, next_worker
-        self._taken = None
+        self._taken = self._records = None
         self._moves += 1

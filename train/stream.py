@@ -545,7 +545,7 @@ class ShardStream(IterableDataset):
                 if commit.shard not in taken and commit.shard not in gone and not shuffle.ended:
                     taken.add(commit.shard)
                     fetcher.extend(take(commit))
-                    position.take(worker, commit.shard)
+                    position.take(worker, commit.shard, commit.num_records)
 
         # decode threads work on the samples the shuffle emits next, as far as the inputs known fix them
         threads = c.decode_threads if c.decode_threads is not None else auto_decode_threads(self.codec, workers)
@@ -680,6 +680,9 @@ class ShardStream(IterableDataset):
             self._settle(force=True)  # a state saved by a layertap that did not record them
             return [s.shard for s in self.shards]
         taken, consumed = state.get("taken") or [], state.get("consumed") or []
+        counts = state.get("taken_records") or []
+        if [len(r) for r in counts] == [len(t) for t in taken]:  # the state names them: no reads
+            self._records.update((s, n) for t, r in zip(taken, counts) for s, n in zip(t, r) if n is not None)
         if any(s not in self._records for t in taken for s in t):
             self._records.update((r.shard, r.num_records) for r in read_commits(self._store()).records)
         workers = len(consumed)
