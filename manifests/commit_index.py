@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zstandard
 
 from layertap.manifests import layout
 from layertap.manifests.manifest import ManifestError
-from layertap.manifests.records import CommitRecord, decode_commit
+from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,18 @@ INDEX_VERSION = 1
 @dataclass(frozen=True, slots=True)
 class Commits:
     """A run's commit records in shard order, and the index that holds all of them when the
-    stored one lacked some (None: it lacked none, or the store keeps no versions to key it by)."""
+    stored one lacked some (None: it lacked none, or the store keeps no versions to key it by).
+    With `read_commits(instead=...)`, FeedCommits stand for the records it declined."""
 
-    records: list[CommitRecord]
+    records: list[CommitRecord | FeedCommit]
     new_index: bytes | None
 
 
-def read_commits(store: ObjectStore, threads: int = 16) -> Commits:
+def read_commits(store: ObjectStore, threads: int = 16,
+                 instead: Callable[[int], FeedCommit | None] | None = None) -> Commits:
     """The run's commit records: one listing of `commits/`, the index, and a GET for each listed
-    commit the index does not hold unchanged. Writes nothing (see `write_index`)."""
+    commit the index does not hold unchanged, unless `instead(shard)` gives what stands for it
+    (a reader that needs only the counts of some shards). Writes nothing (see `write_index`)."""
     listing = [o for o in store.list(layout.COMMITS) if _is_commit(o.key)]
     snapshot = _load(store)
     root = store.uri.rstrip("/")
@@ -62,7 +66,12 @@ def read_commits(store: ObjectStore, threads: int = 16) -> Commits:
                 indexed[o.key] = entry[2]
             except ManifestError:  # read the commit itself: its own error, if any, names it
                 pass
-    todo = [o for o in listing if o.key not in records]
+    told: dict[str, FeedCommit] = {}
+    for o in listing:
+        if o.key not in records and instead is not None \
+                and (stand_in := instead(layout.shard_of(o.key, layout.COMMITS))) is not None:
+            told[o.key] = stand_in
+    todo = [o for o in listing if o.key not in records and o.key not in told]
 
     def get(o: ObjectInfo) -> tuple[ObjectInfo, bytes | None]:
         try:
@@ -83,7 +92,8 @@ def read_commits(store: ObjectStore, threads: int = 16) -> Commits:
         kept.update({o.key: (o.size, o.version, json.loads(raw)) for o, raw in fresh if o.version})
         new_index = _encode(kept)
     log.debug("%s: %d commits, %d from %s", root, len(records), len(records) - len(fresh), layout.COMMIT_INDEX)
-    return Commits([records[o.key] for o in listing if o.key in records], new_index)
+    return Commits([records.get(o.key) or told[o.key] for o in listing if o.key in records or o.key in told],
+                   new_index)
 
 
 def write_index(store: ObjectStore, new_index: bytes) -> bool:

@@ -408,6 +408,37 @@ def test_a_consumer_reads_only_the_commit_records_of_shards_it_has_a_share_of(tm
         assert len(got[rank]) == follow_target([p.num_samples for p in m.shards], world)
 
 
+def test_a_consumer_started_late_reads_only_the_records_it_has_a_share_of(tmp_path):
+    """A follow trainer (re)started late in an extraction: the commit index is not refreshed while
+    it runs, so each consumer's first look GETs every commit the index lacks (thousands, on each of
+    thousands of consumers). The tally markers' names give every committed shard's counts in one
+    listing: the first look reads only the records of shards the consumer has a share of. A shard
+    with two tally markers (redone after `verify`) is read all the same."""
+    from layertap.manifests import layout
+    from layertap.manifests.records import CommitRecord, FeedCommit
+    from layertap.train.follow import CommitWatcher
+
+    uri, consumers, me = str(tmp_path / "run"), 8, 3
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    fake_worker.work(uri)
+    shares = {p.id: follow_share(p.num_samples, p.id, consumers, me)[1] for p in m.shards}
+    without = sorted(s for s, k in shares.items() if not k)
+    assert without and len(without) < len(m.shards)
+    key = next(o.key for o in store.list(layout.TALLY) if layout.parse_tally(o.key)[0] == without[0])
+    store.put(key.replace(".r", ".r1", 1), b"")  # a second marker, with other counts
+    read: list[int] = []
+    plain_get = store.get
+    store.get = lambda key, *a, **kw: (read.append(layout.shard_of(key, layout.COMMITS))
+                                       if key.startswith(layout.COMMITS) else None) or plain_get(key, *a, **kw)
+    watcher = CommitWatcher(store, m, poll_s=0.1, wants=lambda shard, n: follow_share(n, shard, consumers, me)[1] > 0)
+    found = {c.shard: c for c in watcher.poll()}
+    assert sorted(found) == list(range(len(m.shards))) and watcher.complete
+    assert sorted(read) == sorted([s for s, k in shares.items() if k] + [without[0]])
+    assert all(isinstance(found[s], FeedCommit) for s in without[1:]) and isinstance(found[without[0]], CommitRecord)
+    assert all(found[s].num_records == m.shards[s].num_samples for s in found)
+
+
 def test_a_feed_key_without_counts_still_has_its_record_read(tmp_path):
     """Workers before the counts were in the feed key wrote `feed/{ms}.{shard}`: a consumer cannot
     tell its share from such a key, so it reads the record, whatever `wants` says."""
@@ -420,7 +451,7 @@ def test_a_feed_key_without_counts_still_has_its_record_read(tmp_path):
     m = fake_worker.plan(store)
     fake_worker.work(uri, shards=[0])
     watcher = CommitWatcher(store, m, poll_s=0.1, wants=lambda shard, records: False)
-    assert [type(r) for r in watcher.poll()] == [CommitRecord]  # the first look reads the commits as they are
+    assert [type(r) for r in watcher.poll()] == [FeedCommit]  # the first look: counts from the tally marker
     fake_worker.work(uri, shards=[1, 2])
     key = next(o.key for o in store.list(layout.FEED) if layout.parse_feed(o.key)[1] == 2)
     store.delete(key)

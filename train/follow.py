@@ -12,11 +12,11 @@ taken to be over. A consumer with plenty of work in hand looks ahead ever more r
 (0.5 s doubling up to `poll_s`, new commits or not): with commits landing all the time, thousands
 of consumers each listing `commits/` every 0.5 s would ask S3 for far more than a prefix serves.
 One whose known work runs low looks ahead at most every 0.5 s, so its fetcher does not starve.
-The first look reads the commit index with the listing (`manifests.commit_index.read_commits`:
-a restarted trainer gets every commit it knew in one GET); later looks GET only commits not seen
-before, and of those only the ones the consumer has a share of (`wants`): a feed key names the
-shard's record counts, which decide the shares, and at thousands of consumers and a few dozen
-samples a shard most consumers have no share of most shards. A waiting consumer says why at
+The first look reads the commit index with the listing (`manifests.commit_index.read_commits`);
+later looks GET only commits not seen before. Either reads only the records of shards the
+consumer has a share of (`wants`): the counts that decide the shares are in each commit's feed
+key and tally marker names, and at thousands of consumers and a few dozen samples a shard most
+consumers have no share of most shards. A waiting consumer says why at
 most every 30 s.
 
 Extraction is over when every planned shard is committed, or when nothing is left that anyone
@@ -126,7 +126,7 @@ class CommitWatcher:
         from then on: the feed's next look starts there (less the margin)."""
         started = self.store.now()
         if first:
-            records = read_commits(self.store).records
+            records = read_commits(self.store, instead=self._counted()).records
         else:
             keys = [o.key for o in self.store.list(layout.COMMITS)
                     if (s := layout.shard_of(o.key, layout.COMMITS)) is not None and o.key == layout.commit_key(s)
@@ -135,6 +135,25 @@ class CommitWatcher:
         self._listed, self._full_due, self._full_at = True, False, time.monotonic()
         self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
         return records
+
+    def _counted(self) -> Callable[[int], FeedCommit | None] | None:
+        """For the first look: a FeedCommit for each committed shard the consumer has no share
+        of, from the counts in its tally marker's name (one listing of `tally/`), so that a
+        consumer (re)started late in an extraction does not GET every commit the index lacks
+        (the index is not refreshed while a follow trainer runs). A shard with no tally marker,
+        or more than one (a shard redone after `verify`), is read."""
+        if self._wants is None:
+            return None
+        counts: dict[int, tuple[int, int] | None] = {}
+        for o in self.store.list(layout.TALLY):
+            if (parsed := layout.parse_tally(o.key)) is not None:
+                shard, tally = parsed
+                counts[shard] = None if shard in counts else (tally["records"], tally["skipped"])
+
+        def instead(shard: int) -> FeedCommit | None:
+            c = counts.get(shard)
+            return FeedCommit(shard, *c) if c is not None and not self._wants(shard, c[0]) else None
+        return instead
 
     def _read_feed(self) -> list[CommitRecord | FeedCommit]:
         """The commits whose feed keys were written since the previous look (less the margin) and

@@ -498,7 +498,7 @@ class ShardStream(IterableDataset):
 
         def take(commit: CommitRecord | FeedCommit) -> list[tuple[int, int, int]]:
             offset, k = follow_share(commit.num_records, commit.shard, consumers, me)
-            if isinstance(commit, FeedCommit):  # no share of it: the watcher did not read its record
+            if not k:  # no share of it (a FeedCommit: the watcher read no record)
                 return []
             mine.append(_committed(commit))
             first = len(inputs)
