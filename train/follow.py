@@ -16,8 +16,7 @@ The first look reads the commit index with the listing (`manifests.commit_index.
 later looks GET only commits not seen before. Either reads only the records of shards the
 consumer has a share of (`wants`): the counts that decide the shares are in each commit's feed
 key and tally marker names, and at thousands of consumers and a few dozen samples a shard most
-consumers have no share of most shards. A waiting consumer says why at
-most every 30 s.
+consumers have no share of most shards. A waiting consumer says why at most every 30 s.
 
 Extraction is over when every planned shard is committed, or when nothing is left that anyone
 will do: no live lease in the run and every uncommitted shard given up by a worker that used up

@@ -63,10 +63,6 @@ class Position:
         """Shards consumer `worker` has taken in the follow epoch, in order."""
         return self._taken[worker] if self._taken is not None else []
 
-    def taken_records(self, worker: int) -> list[int | None]:
-        """The record counts of `taken(worker)`'s shards (None: not known to a state saved before them)."""
-        return self._records[worker] if self._records is not None else []
-
     def take(self, worker: int, shard: int, records: int) -> None:
         self._taken[worker].append(shard)
         self._records[worker].append(records)
