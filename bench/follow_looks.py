@@ -2,7 +2,7 @@
 it sees each new commit.
 
     python bench/follow_looks.py [--samples 913786] [--committed 10000] [--every 0.25] [--seconds 60]
-                                 [--consumers 1] [--endpoint URL] [--label TEXT] [--write-docs]
+                                 [--consumers 1] [--first-looks] [--endpoint URL] [--label TEXT] [--write-docs]
 
 Plans the 27B run of bench/claims.py (25,412 shards of 1 GB) with `--committed` shards committed by
 earlier workers. One worker (the real `WorkQueue`, rank 3 of 8) then commits a shard every
@@ -14,7 +14,9 @@ return to the consumer having it. Every consumer of a training job does the same
 x 4 loader workers, multiply by 4,000. `--consumers C` (> 1) measures C consumers of one follow
 epoch (consumer i of C, each with its share of every shard, as `ShardStream` builds them): after
 each wait of the first, the others look once each (16 at a time); what is counted is theirs
-together, in a section of its own. Without --endpoint a moto server is started; with it, that
+together, in a section of its own. `--first-looks` measures only the C consumers' first looks at
+the run, with no commit index (a follow trainer's consumers at a restart late in an extraction:
+nothing refreshes the index while a follow trainer runs), one after the other. Without --endpoint a moto server is started; with it, that
 server (e.g. radosgw from .ci/rgw.sh). `--label` names the code measured ("before"/"after", run
 from a worktree of each); a section keeps one row per label.
 """
@@ -57,6 +59,41 @@ def _watcher(store, manifest, consumer: int, consumers: int) -> CommitWatcher:
                          wants=lambda shard, n: follow_share(n, shard, consumers, consumer)[1] > 0)
 
 
+def _first_looks(args, command: str, server, consumer, shards: int, setup_s: float) -> None:
+    """The `--first-looks` measurement and its section."""
+    calls = count_requests(consumer)
+    manifest = load_manifest(consumer)
+    t = time.perf_counter()
+    found = sum(len(_watcher(consumer, manifest, i, args.consumers).poll()) for i in range(args.consumers))
+    per_look = (time.perf_counter() - t) / args.consumers
+    c = args.consumers
+    row = (f"| {c} | {found // c:,} | {calls.get('GetObject', 0) / c:,.1f} | {calls.get('ListObjectsV2', 0) / c:.1f} | "
+           f"{per_look:.3f} |")
+    header = "| consumers | commits each finds | GETs per consumer | LIST pages per consumer | s per first look |"
+    name = server.section("follow-first-looks")
+    rows = [row]
+    if args.label:
+        header, row = "| code " + header, f"| {args.label} {row}"
+        rows = [*earlier_rows(ROOT / "docs" / "benchmarks.md", name, args.label), row]
+    text = "\n".join([
+        f"## The first looks of follow consumers restarted late in an extraction{server.heading()}",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  ",
+        f"Machine: {machine()}; server: {server.description}  ",
+        f"Run: {args.samples:,} samples planned as {shards:,} shards of 1 GB; {args.committed:,} committed by earlier "
+        f"workers (written in {setup_s:.0f} s), no commit index. {c} consumers of one follow epoch (consumer i of "
+        f"{c}) each take their first look (`CommitWatcher.poll()`), one after the other, on one client.",
+        "",
+        header,
+        ("|---" if args.label else "") + "|" + "---:|" * 5,
+        *rows,
+    ])
+    print(text)
+    if args.write_docs:
+        write_section(name, text, ROOT / "docs" / "benchmarks.md")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=913_786)
@@ -64,6 +101,7 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=0.25, help="seconds between the worker's commits")
     ap.add_argument("--seconds", type=float, default=60.0, help="how long the consumer is measured")
     ap.add_argument("--consumers", type=int, default=1, help="consumers of one follow epoch, measured together")
+    ap.add_argument("--first-looks", action="store_true", help="measure the consumers' first looks alone, no index")
     ap.add_argument("--endpoint", help="the S3 server to measure (credentials from env); default: a moto server")
     ap.add_argument("--label", help="names the row (the code measured); one row per label in the section")
     ap.add_argument("--write-docs", action="store_true")
@@ -75,12 +113,15 @@ def main() -> None:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(32) as pool:
             list(pool.map(lambda p: commit_as_earlier_worker(store, p), manifest.shards[: args.committed]))
-        index = read_commits(store).new_index  # as a trainer's rank 0 stores it: first looks are a GET, not one a commit
+        index = None if args.first_looks else read_commits(store).new_index  # as a plain trainer's rank 0 stores it
         if index is not None:
             write_index(store, index)
         setup_s = time.perf_counter() - t0
 
         consumer = open_store(store.uri, threads=16)  # its own client: only its requests are counted
+        if args.first_looks:
+            _first_looks(args, command, server, consumer, len(manifest.shards), setup_s)
+            return
         watchers = [_watcher(consumer, load_manifest(consumer), i, args.consumers) for i in range(args.consumers)]
         watcher, others = watchers[0], watchers[1:]
         first = watcher.poll()  # the first look: the whole listing (and the commit index), once per start
