@@ -247,8 +247,8 @@ class VerifyResult:
 
 def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyResult:
     """Re-read every committed shard and check every hash. A bad shard's commit is withdrawn
-    (commit and tally deleted, a failure record written) so the next extraction redoes it; a good
-    one whose tally marker is missing gets it back (`status` only reads the commit instead).
+    (commit, tally and feed keys deleted, a failure record written) so the next extraction redoes
+    it; a good one whose tally marker is missing gets it back (`status` only reads the commit instead).
     Data objects that no commit names, left by crashed attempts of committed shards, are deleted.
     A shard or record of a newer layertap (`UnsupportedShard`, `UnsupportedVersion`) stops the
     verification instead: it is intact, and withdrawing it would delete good data. A consumed
@@ -306,6 +306,10 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
             result.bad.append({"shard": shard, "error": error})
             _withdraw(store, st, shard, error, data_key)
+    if result.bad:  # their feed keys too: a follow consumer with no share of a shard trusts its key's counts
+        bad = {b["shard"] for b in result.bad}
+        store.delete_many([o.key for o in store.list(layout.FEED)
+                           if (parsed := layout.parse_feed(o.key)) is not None and parsed[1] in bad])
     return result
 
 

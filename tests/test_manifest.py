@@ -638,6 +638,8 @@ def test_verify_withdraws_a_corrupted_shard_and_rerun_redoes_it(store_uri, capsy
     report = json.loads(capsys.readouterr().out)
     assert report["withdrawn"] == 1 and report["bad"][0]["shard"] == 3
     assert "checksum mismatch" in report["bad"][0]["error"] or "hash" in report["bad"][0]["error"]
+    feed = [layout.parse_feed(o.key)[1] for o in store.list(layout.FEED)]
+    assert 3 not in feed and sorted(feed) == [s for s in range(len(feed) + 1) if s != 3]  # only its key went
     s = run_status(store)
     assert s["shards_failed"] == 1 and "VerifyFailed" in s["failed"][0]["error"]
     assert fake_worker.work(store_uri) == [3]
