@@ -148,11 +148,14 @@ class CommitWatcher:
             if (parsed := layout.parse_tally(o.key)) is not None:
                 shard, tally = parsed
                 counts[shard] = None if shard in counts else (tally["records"], tally["skipped"])
+        return lambda shard: self._declined(shard, counts.get(shard))
 
-        def instead(shard: int) -> FeedCommit | None:
-            c = counts.get(shard)
-            return FeedCommit(shard, *c) if c is not None and not self._wants(shard, c[0]) else None
-        return instead
+    def _declined(self, shard: int, counts: tuple[int, int] | None) -> FeedCommit | None:
+        """What stands for the record of `shard` when its (records, skipped) `counts` are known
+        and give the consumer no share of it; None: the record is to be read."""
+        if counts is None or self._wants is None or self._wants(shard, counts[0]):
+            return None
+        return FeedCommit(shard, *counts)
 
     def _read_feed(self) -> list[CommitRecord | FeedCommit]:
         """The commits whose feed keys were written since the previous look (less the margin) and
@@ -165,8 +168,7 @@ class CommitWatcher:
                 if parsed[1] not in self.known:
                     found[parsed[1]] = parsed[2]
         self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
-        told = [FeedCommit(s, *counts) for s, counts in sorted(found.items())
-                if counts is not None and self._wants is not None and not self._wants(s, counts[0])]
+        told = [c for s, counts in sorted(found.items()) if (c := self._declined(s, counts)) is not None]
         keys = [layout.commit_key(s) for s in sorted(found.keys() - {c.shard for c in told})]
         return told + [r for r in _get_commits(self.store, keys) if r is not None]
 

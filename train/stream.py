@@ -503,8 +503,7 @@ class ShardStream(IterableDataset):
             mine.append(_committed(commit))
             first = len(inputs)
             inputs.extend((len(mine) - 1, offset + j) for j in range(k))
-            if k:
-                ends.append(len(inputs))
+            ends.append(len(inputs))
             return [(first + j, len(mine) - 1, offset + j) for j in range(k)]
 
         recorded, yielded = list(position.taken(worker)), position.consumed(worker)
@@ -648,7 +647,7 @@ class ShardStream(IterableDataset):
                 pad["final_state"] = torch.zeros(1, run.hidden_size, dtype=torch.bfloat16)
             return pad
         c = self.config
-        if not any(s.sample_ids for s in mine):
+        if not mine:  # it holds only shards it has a share of, so samples
             mine = [_committed(r) for r in read_commits(self._store()).records]
         for i, shard in enumerate(mine):
             if not shard.sample_ids:
