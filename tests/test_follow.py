@@ -516,6 +516,24 @@ def test_after_the_follow_epoch_only_the_shards_it_took_count_as_consumed(tmp_pa
     assert ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1).consumed_shards(state) == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("batch_size", [64, 16])
+def test_the_shards_a_lone_workers_last_batch_took_count_as_consumed(tmp_path, batch_size):
+    """With one DataLoader worker, the worker's copy of the position rolls on to the next epoch
+    as soon as its one consumer is done, before the batch that ends the follow epoch is collated:
+    the shards it took while making that batch never reached the trainer, so `--delete-consumed`
+    left them at rest (all of them, with a batch as large as the epoch)."""
+    uri = str(tmp_path / "run")
+    m = fake_worker.plan(_store(uri))
+    fake_worker.work(uri, shards=list(range(len(m.shards))))
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    loader = StreamLoader(stream, batch_size=batch_size, num_workers=1)
+    assert sorted(sid for b in loader for sid in b["sample_id"]) == sorted(ALL)
+    state = stream.state_dict()
+    assert state["epoch"] == 1
+    assert state["follow_trained"] == list(range(len(m.shards)))
+    assert stream.consumed_shards(state) == list(range(len(m.shards)))
+
+
 def test_the_stall_checkpoint_is_taken_whichever_rank_lacks_its_batch(tmp_path, monkeypatch):
     """Two ranks' shares of a follow run differ by a few samples, so at a stall rank 0 may hold its
     next batch while rank 1 waits: the trainer must still checkpoint (freeing the window), not

@@ -494,6 +494,36 @@ def test_compressed_codecs_decode_on_threads_by_cores_and_bf16_on_the_consumer(m
     assert stream.auto_decode_threads("bf16", workers) == 0
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_with_drop_last_the_epochs_last_full_batch_ends_it_and_its_state_resumes_in_the_next(tmp_path, workers):
+    """With drop_last, the state taken with an epoch's last full batch still said "this epoch, N
+    samples short of its end": that batch did not carry `ends_epoch` (the next epoch's first did),
+    and a resume from it met an epoch with no batch at all."""
+    from layertap.train.loader import Prefetcher
+
+    uri = str(tmp_path / "run")
+    make_run(uri)
+
+    def loader() -> StreamLoader:
+        stream = ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1)
+        return StreamLoader(stream, batch_size=5, num_workers=workers, drop_last=True)
+
+    per_epoch = len(loader())
+    assert per_epoch == (N // 5 if workers == 0 else sum(c // 5 for c in (N // 2 + 1, N // 2)))
+    ends, states = [], []
+    with Prefetcher(loader()) as p:
+        for _ in range(per_epoch + 1):
+            ends.append(p.wait_for_batch()["ends_epoch"])
+            states.append(p.state_dict())
+    assert ends == [False] * (per_epoch - 1) + [True, False]
+    assert states[per_epoch - 1]["epoch"] == 1 and states[per_epoch]["epoch"] == 1
+    resumed = loader()
+    resumed.load_state_dict(states[per_epoch - 1])
+    again = loader()
+    again.set_epoch(1)
+    assert ids_of(resumed) == ids_of(again)  # the whole next epoch, as a fresh start of it
+
+
 def test_a_position_counts_per_consumer_and_a_finished_epoch_starts_the_next():
     from layertap.train.position import Position
 

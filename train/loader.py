@@ -43,7 +43,7 @@ class _Tagged:
             return 0, len(samples), None, None, self.fn(samples)
         stream = info.dataset
         share = stream.position.consumer(info.id, info.num_workers)
-        taken = stream.position.taken_since_reported(share) if stream.position.in_follow_epoch else None
+        taken = stream.position.taken_since_reported(share)
         return share, len(samples), stream.metrics(), taken, self.fn(samples)
 
 
@@ -105,6 +105,13 @@ class StreamLoader:
             if self.num_workers > 0:  # in-process, the stream counts its own samples
                 position.batch_received(worker, n, taken)
                 self._snapshots[worker] = snapshot
+            if self.drop_last and position.only_short_left(self.batch_size):
+                # The epoch's last batch: what drop_last leaves out counts as consumed before the
+                # batch is handed over, so the state taken with it is the next epoch's start (else
+                # a resume from it met an epoch of no batch, and `ends_epoch` came a batch late).
+                position.finish(started)
+                yield batch
+                return
             yield batch
         # A whole pass: unless a state_dict() call already moved on to the next epoch, this one is
         # complete (samples of a partial last batch that drop_last discarded count as consumed).

@@ -37,6 +37,8 @@ class Position:
         self._records: list[list[int | None]] | None = None  # the record counts of `_taken`'s shards
         # after it: the shards every consumer took in the follow epoch, which it therefore trained on
         self.follow_trained: list[int] | None = None
+        # the follow epoch's lists once it rolled on, until a pass starts: see `taken_since_reported`
+        self._follow_last: tuple[list[list[int]], list[list[int | None]]] | None = None
         self._reported: list[int] = []  # per consumer: how much of `_taken` the loader has been told
         self._next = 0
         self._moves = 0  # counts jumps (another epoch, a loaded state), so a pass knows it was overtaken
@@ -67,14 +69,20 @@ class Position:
         self._taken[worker].append(shard)
         self._records[worker].append(records)
 
-    def taken_since_reported(self, worker: int) -> tuple[int, list[int], list[int | None]]:
+    def taken_since_reported(self, worker: int) -> tuple[int, list[int], list[int | None]] | None:
         """(offset, shards taken since the last call, their record counts): what a DataLoader
-        worker sends with a batch."""
+        worker sends with a batch; None outside the follow epoch. The batch that ends the follow
+        epoch still reports: a lone worker's copy of the position has rolled on to the next epoch
+        by the time that batch is collated (its one consumer is done), and the shards it took
+        while making it would otherwise never reach the trainer (never counted as consumed)."""
+        self._roll()
+        taken, records = (self._taken, self._records) if self._follow_epoch() else self._follow_last or (None, None)
+        if taken is None:
+            return None
         done = self._reported[worker]
-        new = self._taken[worker][done:] if self._taken is not None else []
-        records = self._records[worker][done:] if self._records is not None else []
+        new, counts = taken[worker][done:], records[worker][done:]
         self._reported[worker] = done + len(new)
-        return done, new, records
+        return done, new, counts
 
     @property
     def epoch(self) -> int:
@@ -103,6 +111,7 @@ class Position:
         if self._follow_epoch() and self._taken is None:
             self._taken, self._records = [[] for _ in range(workers)], [[] for _ in range(workers)]
         self._reported = [len(t) for t in self._taken] if self._taken is not None else []
+        self._follow_last = None
         return self._moves
 
     def consumed(self, worker: int) -> int:
@@ -130,6 +139,12 @@ class Position:
         """The share DataLoader worker `worker_id` serves: a resumed loader's first worker takes
         the share whose batch was due next, so the round-robin continues where it stopped."""
         return (worker_id + self._next) % workers
+
+    def only_short_left(self, batch_size: int) -> bool:
+        """Whether every consumer has fewer than `batch_size` samples left this epoch: with
+        `drop_last`, the batch just received was the epoch's last."""
+        c = self._consumed
+        return c is not None and all(n - p < batch_size for p, n in zip(c, self.counts(len(c))))
 
     def finish(self, token: int) -> None:
         """A pass that `start` began read to its end: its epoch is complete (samples a
@@ -173,12 +188,15 @@ class Position:
         """A finished epoch becomes the start of the next."""
         c = self._consumed
         if c is not None and all(p >= n for p, n in zip(c, self.counts(len(c)))):
-            if self._follow_epoch():  # its shards were drained to the end by every consumer that took them
-                taken = [set(t) for t in self._taken or []]
+            last = (self._taken, self._records) if self._follow_epoch() and self._taken is not None else None
+            if last is not None:  # its shards were drained to the end by every consumer that took them
+                taken = [set(t) for t in last[0]]
                 self.follow_trained = sorted(set.intersection(*taken)) if taken else []
             self._jump(self._epoch + 1, None, 0)
+            self._follow_last = last
 
     def _jump(self, epoch: int, consumed: list[int] | None, next_worker: int) -> None:
         self._epoch, self._consumed, self._next = epoch, consumed, next_worker
         self._taken = self._records = None
+        self._follow_last = None
         self._moves += 1
