@@ -150,11 +150,7 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
     stats = stats or PipelineStats()
     on_cuda = next(capture.decoder.parameters()).device.type == "cuda"
     staging = staging if staging is not None or not on_cuda else HostStaging()
-    try:
-        shard = ShardWriter(out, meta)
-    except BaseException:
-        out.abort()
-        raise
+    shard = ShardWriter(out, meta)  # aborts `out` itself if its header fails
     writer = _Writer(shard, 4 * encode_threads + 8, stats, on_record)
     tail = ShardTail(shard, ThreadPoolExecutor(encode_threads, thread_name_prefix="encode"), writer, stats)
     writer.start()

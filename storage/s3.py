@@ -398,6 +398,9 @@ class S3Store(ObjectStore):
             self._pool.shutdown(wait=True)
             self._pool = None
 
+    def reopen(self) -> S3Store:
+        return S3Store(self.uri, self.options)
+
 
 class S3Writer(ObjectWriter):
     """Multipart upload that runs while the caller writes.

@@ -219,6 +219,12 @@ class ObjectStore(abc.ABC):
     def close(self) -> None:
         """Release connections and thread pools."""
 
+    def reopen(self) -> ObjectStore:
+        """The same store with connections of its own, for a forked process: a forked copy of an
+        S3 client shares its parent's sockets, and two processes reading one socket mix up their
+        responses. A local folder holds nothing to share."""
+        return self
+
 
 class _RangeStream:
     """Sequential reads served by ranged GETs of `chunk_size`; never touches local disk."""

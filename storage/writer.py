@@ -47,10 +47,14 @@ class ShardWriter:
         self._ids: set[str] = set()
         self._tokens = self._raw = 0
         self._sq_err = self._sq_norm = 0.0
-        header = dict(meta.to_json(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        head = json.dumps(header, sort_keys=True).encode()
-        self._emit(PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
-        self._emit(frame_header(HEAD, head), head)
+        try:  # the caller's `with` has not begun: a header that fails (e.g. unencodable `extra`) aborts here
+            header = dict(meta.to_json(), created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            head = json.dumps(header, sort_keys=True).encode()
+            self._emit(PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
+            self._emit(frame_header(HEAD, head), head)
+        except BaseException:
+            writer.abort()
+            raise
 
     def _emit(self, *chunks: bytes) -> None:
         for c in chunks:

@@ -328,6 +328,28 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
         assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - set(bad_ids))
 
 
+def test_a_stream_given_an_open_s3_store_reopens_it_in_each_dataloader_worker(s3_bucket):
+    """A forked worker that used the S3 store it inherited shared its parent's sockets: two
+    processes reading one connection can mix up their responses."""
+    from torch.utils.data import get_worker_info
+
+    uri = f"s3://{s3_bucket}/runs/given"
+    make_run(uri)
+    given = open_store(uri)
+    stream = ShardStream(given, config=StreamConfig(seed=1), rank=0, world_size=1)
+    assert stream._store() is given  # in this process, the store it was given
+
+    def tag(samples):
+        worker = get_worker_info().dataset
+        return {"reopened": worker._store() is not worker._given, "ids": [x["sample_id"] for x in samples]}
+
+    batches = list(StreamLoader(stream, batch_size=4, num_workers=2, collate_fn=tag))
+    assert all(b["reopened"] for b in batches)
+    assert sorted(i for b in batches for i in b["ids"]) == sorted(f"s{i:05d}" for i in range(N))
+    assert any(given.list(layout.COMMITS))  # the parent's store still answers
+    given.close()
+
+
 def test_the_store_retries_and_the_loader_counts_its_retries(s3_bucket, s3_endpoint, tmp_path):
     """Retries live in one layer, the store: ranged GETs of shards that fail (503 SlowDown, bodies
     cut short) are retried there, and the loader's metrics count them; what the store gave up

@@ -326,6 +326,21 @@ def test_failure_inside_writer_leaves_nothing(store_uri):
     assert store.list_pending_uploads() == []
 
 
+def test_a_shard_whose_header_fails_leaves_no_pending_upload(store_uri):
+    """`write_shard` opened the object, then the ShardWriter's header raised (metadata JSON cannot
+    encode) before its `with` began: the upload (a temp file and its handle, locally) was left open."""
+    from layertap.storage.format import ShardMeta
+    from layertap.storage.writer import write_shard
+
+    store = open_store(store_uri)
+    meta = ShardMeta(model="m", layers=[1], hidden_size=4, codec="bf16", final_state="none", run_id="r",
+                     shard_id=0, extra={"not json": {1, 2}})
+    with pytest.raises(TypeError, match="set"):
+        write_shard(store, "shards/000000-a.lts", meta, [])
+    assert list(store.list()) == []
+    assert store.list_pending_uploads() == []
+
+
 @pytest.mark.parametrize("where", ["fsync", "replace"])
 def test_a_signal_during_a_local_put_leaves_no_pending_upload(tmp_path, monkeypatch, where):
     """A SIGTERM handler raises wherever the worker is; a put it cuts short (e.g. a tally marker

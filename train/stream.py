@@ -203,6 +203,7 @@ class ShardStream(IterableDataset):
         self.rank, self.world_size = _rank_world(rank, world_size)
         if isinstance(prefix, ObjectStore):
             self._given: ObjectStore | None = prefix
+            self._given_pid = os.getpid()
             self.uri = prefix.uri
         else:
             self._given, self.uri = None, prefix
@@ -361,12 +362,14 @@ class ShardStream(IterableDataset):
     # -- iteration -------------------------------------------------------------------------------
 
     def _store(self) -> ObjectStore:
-        """A store for this process: boto3 clients and thread pools do not survive a fork."""
-        if self._given is not None:
-            return self._given
+        """A store for this process: boto3 clients and thread pools do not survive a fork (a
+        store the stream was given is reopened in a DataLoader worker, `ObjectStore.reopen`)."""
         pid = os.getpid()
+        if self._given is not None and self._given_pid == pid:
+            return self._given
         if self._store_cache is None or self._store_cache[0] != pid:
-            self._store_cache = (pid, open_store(self.uri, **self._store_options))
+            store = self._given.reopen() if self._given is not None else open_store(self.uri, **self._store_options)
+            self._store_cache = (pid, store)
         return self._store_cache[1]
 
     def _buffers(self) -> BufferPool:
