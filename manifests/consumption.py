@@ -30,6 +30,7 @@ from layertap.manifests.manifest import ManifestError
 from layertap.manifests.records import decode_commit
 from layertap.manifests.state import listed_shards
 from layertap.storage.retry import Backoff
+from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 from layertap.storage.units import size
 
@@ -45,6 +46,37 @@ class AtRest:
 
     shards: int
     bytes: int
+
+
+def claim_consumer(store: ObjectStore, output: str) -> None:
+    """Make the trainer writing to `output` the run's one `--delete-consumed` trainer, or refuse.
+
+    Watermarks are per rank, not per trainer, and the data of a shard goes once every rank of
+    the latest world has consumed it: a second such trainer (another drafter trained on the same
+    extraction) would overwrite the first's watermarks, and each would delete shards the other
+    had yet to read. The first to start writes `consumed/trainer.json` naming its output; the
+    same trainer restarting (every rank writes the same body) is let through."""
+    body = json.dumps({"output": output}).encode()
+    if store.put_if_absent(layout.CONSUMER, body):
+        return
+    holder = consumer_of(store)
+    if holder is not None and holder != output:
+        raise ConfigError(
+            f"{store.uri} is already consumed by the --delete-consumed trainer writing to {holder}: a second one "
+            f"would delete shards the first has yet to read. Train {output} without --delete-consumed (it reads "
+            f"what is left once the first has finished), or, if that trainer is gone for good, delete "
+            f"{store.uri.rstrip('/')}/{layout.CONSUMER}")
+
+
+def consumer_of(store: ObjectStore) -> str | None:
+    """The output of the run's `--delete-consumed` trainer (`claim_consumer`), None if it has none."""
+    try:
+        return str(json.loads(store.get(layout.CONSUMER))["output"])
+    except ObjectNotFound:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{store.uri.rstrip('/')}/{layout.CONSUMER} is unreadable ({e}); delete it if no "
+                            "--delete-consumed trainer reads the run now") from e
 
 
 def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: list[int], step: int) -> None:

@@ -36,6 +36,7 @@ FEED = "feed/"  # one empty key per commit, named by its time and counts: what f
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
+CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")

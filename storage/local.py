@@ -2,7 +2,9 @@
 
 Objects are files under the root. Every write goes to a hidden temporary file in the target's
 folder and is published with one atomic filesystem call, so readers never see a partial object:
-`os.replace` for put, `os.link` (which fails if the name exists) for create-if-absent.
+`os.replace` for put, `os.link` (which fails if the name exists) for create-if-absent. A data
+object's and a created record's folder is synced after, so a commit never outlives the name of
+its data across a power loss.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class LocalStore(ObjectStore):
         tmp = self._write_temp(path, data)
         try:
             os.link(tmp, path)
+            _sync_folder(path)
         except FileExistsError:
             # On NFS a LINK retransmitted after its reply was lost answers EEXIST for our own link.
             # As on S3 (a retried conditional PUT), an object equal to `data` counts as ours.
@@ -249,6 +252,7 @@ class LocalWriter(ObjectWriter):
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._tmp, self._path)
+            _sync_folder(self._path)
         self._done = True
 
     def abort(self) -> None:
@@ -275,6 +279,23 @@ def _undone_on_error(undo: Callable[[], None], path: str) -> Iterator[None]:
         if isinstance(e, OSError):
             raise _os_error(e, path) from e
         raise
+
+
+def _sync_folder(path: str) -> None:
+    """Make the name just given to `path` (a rename or link) survive a power loss: a data object
+    is named, then its commit record created; without a sync of their folders the record could
+    outlive the name of the data it vouches for, and `verify` would withdraw the shard. A
+    filesystem that cannot sync a folder (some FUSE mounts) is left as it is."""
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _remove_quietly(path: str) -> None:

@@ -133,6 +133,34 @@ def test_delete_consumed_trains_the_whole_follow_epoch(tmp_path, capsys):
         assert "the follow epoch has 10 steps" in err and why in err
 
 
+def test_a_second_delete_consumed_trainer_of_a_run_is_refused_and_another_trainer_warned(tmp_path, capsys, caplog):
+    """Watermarks are per rank, not per trainer: a second --delete-consumed trainer of the same
+    run (another drafter on the same extraction) overwrote the first's, and each deleted shards
+    the other had yet to read."""
+    from layertap.cli import main as cli
+    from layertap.manifests import layout
+    from layertap.manifests.consumption import claim_consumer
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, first = str(tmp_path / "run"), str(tmp_path / "first")
+    m = fake_worker.plan(_store(uri))
+    fake_worker.work(uri, shards=list(range(len(m.shards))))
+    store = _store(uri)
+    claim_consumer(store, _store(first).uri)  # the first trainer started
+    claim_consumer(store, _store(first).uri)  # and restarted (every rank claims alike)
+    before = sorted(o.key for o in store.list())
+    second = ["train", "--data", uri, "--model", target, "--out", str(tmp_path / "second"), "--batch-size", "4",
+              "--block-size", "4", "--max-anchors", "8"]
+    assert cli([*second, "--follow", "--delete-consumed"]) == 2
+    err = capsys.readouterr().err
+    assert f"writing to {_store(first).uri}" in err and layout.CONSUMER in err
+    assert sorted(o.key for o in store.list()) == before  # nothing consumed, nothing deleted
+    with caplog.at_level("WARNING"):
+        assert cli([*second, "--steps", "2"]) == 0
+    assert any("consumed by the --delete-consumed trainer" in r.getMessage() for r in caplog.records)
+
+
 def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
     """--follow --epochs 2 counts its steps as two follow epochs, padded to the plan; the second
     holds only the committed samples (a shard was given up), so it ends sooner: training ends

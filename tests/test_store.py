@@ -341,6 +341,27 @@ def test_a_shard_whose_header_fails_leaves_no_pending_upload(store_uri):
     assert store.list_pending_uploads() == []
 
 
+def test_a_local_store_syncs_the_folders_that_name_data_and_created_records(tmp_path, monkeypatch):
+    """A commit record created after its data object was named could survive a power loss that
+    the data's rename did not (the folder not synced): `verify` then withdrew a shard that was whole."""
+    import layertap.storage.local  # noqa: F401 (storage.local below)
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    store = open_store(str(tmp_path / "store"))
+    monkeypatch.setattr(storage.local.os, "fsync", fsync)
+    with store.open_writer("shards/000000-a.lts") as w:
+        w.write(b"data")
+    assert synced[-1] == str(tmp_path / "store" / "shards")
+    assert store.put_if_absent("commits/000000.json", b"{}")
+    assert synced[-1] == str(tmp_path / "store" / "commits")
+
+
 @pytest.mark.parametrize("where", ["fsync", "replace"])
 def test_a_signal_during_a_local_put_leaves_no_pending_upload(tmp_path, monkeypatch, where):
     """A SIGTERM handler raises wherever the worker is; a put it cuts short (e.g. a tally marker

@@ -193,6 +193,7 @@ def train(cfg: TrainConfig) -> int:
                "stopping before its end leaves the rest of the run unconsumed, so an extraction under --window "
                "would wait for a trainer that has left")
             + f"; leave out --steps (or give {steps_per_epoch}), or leave out --delete-consumed")
+    _check_consumer(cfg, data, out.uri, rank)
     lines: list[str] = []
     start = 0
     if ckpt is not None:
@@ -501,6 +502,18 @@ def _delete_consumed(run: _Run, step: int) -> None:
         if deleted:
             log.info("deleted the data of %d consumed shard(s) at %s", len(deleted), run.data.uri)
     acc.wait_for_everyone()
+
+
+def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int) -> None:
+    """One --delete-consumed trainer per run (`consumption.claim_consumer`); another trainer of the
+    same run is warned that shards may go while it reads them."""
+    from layertap.manifests.consumption import claim_consumer, consumer_of
+
+    if cfg.delete_consumed:
+        claim_consumer(data, output)
+    elif rank == 0 and (holder := consumer_of(data)) not in (None, output):
+        log.warning("%s is consumed by the --delete-consumed trainer writing to %s: shards it deletes are left out "
+                    "of this run if gone at its start, and fail it if they go while it reads them", data.uri, holder)
 
 
 def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> None:
