@@ -188,15 +188,29 @@ def test_export_to_s3_writes_the_same_bytes(trained, tmp_path, s3_bucket):
         assert store.get(name) == Path(local, name).read_bytes()
 
 
-def test_learned_mask_embedding_is_refused_naming_the_option(run, target, tmp_path, capsys):
+def test_learned_mask_embedding_is_refused_naming_the_option(run, target, tmp_path, capsys, caplog):
     out = str(tmp_path / "out")
-    assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", *FAST]) == 0
+    with caplog.at_level("WARNING"):
+        assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", *FAST]) == 0
+    # warned before training, naming an id that would do (the tiny tokenizer's unused special token)
+    assert any("export-drafter --to speculators" in r.getMessage() and "--mask-token-id 4 (the unused special token "
+               "'</think>')" in r.getMessage() for r in caplog.records)
     config, weights = load_drafter_files(open_store(out))
     assert config.learned_mask and "mask_embedding" in weights  # the tiny tokenizer fills its embedding
     capsys.readouterr()
     assert cli(["export-drafter", out, "--to", "speculators", str(tmp_path / "spec")]) == 2
     err = capsys.readouterr().err
     assert "--mask-token-id" in err and "mask embedding" in err and not (tmp_path / "spec").exists()
+
+
+def test_the_spare_special_token_has_no_role_and_is_not_in_the_chat_template():
+    """SmolLM2's tokenizer fills its embedding (49,152 ids), so len(tokenizer) is no mask token
+    vLLM can serve; ids 0-2 are its end of text and ChatML markers, 3-16 StarCoder's code markup."""
+    from layertap.train.trainer import spare_special_token
+    from tiny_models import smollm2_tokenizer
+
+    assert spare_special_token(smollm2_tokenizer(), 49152) == (16, "<empty_output>")
+    assert spare_special_token(smollm2_tokenizer(), 10) == (9, "<issue_comment>")  # inside the vocabulary only
 
 
 def test_a_target_without_tokenizer_files_is_refused_not_mask_id_1(run, target, tmp_path, capsys):

@@ -69,7 +69,7 @@ def speculators_weights(config: DrafterConfig, weights: dict[str, torch.Tensor])
             f"({config.vocab_size} ids), so it learned a mask embedding of its own, which speculators' DFlash "
             "format (and vLLM) cannot hold: they embed the mask token with the target's embedding. Train again with "
             "`layertap train --mask-token-id ID`, ID a reserved or unused token id below the vocabulary size "
-            "(e.g. an unused special token)")
+            "(e.g. an unused special token: `layertap train` named one in its warning at the start)")
     renamed = {speculators_name(k): v for k, v in sorted(weights.items())}
     order = layer_order("speculators", config.capture_layers)
     if order != sorted(order):  # fc's input columns follow the stored layer order; served, they come ascending

@@ -62,11 +62,14 @@ def anchor_generator(seed: int, step: int, micro: int, rank: int) -> torch.Gener
     return torch.Generator().manual_seed(key)
 
 
-def mask_token_id(model: str, gguf_file: str | None) -> int:
+def mask_token_id(model: str, gguf_file: str | None, vocab_size: int) -> int:
     """len(tokenizer): the first id no text maps to (DFlash's mask token).
 
     A folder without tokenizer files loads as an empty tokenizer of length 1 (transformers does
-    not fail), which would make a real token, id 1, the mask: refused instead."""
+    not fail), which would make a real token, id 1, the mask: refused instead. When that id is
+    past the embedding (a tokenizer that fills it, like SmolLM2's), the drafter learns a mask
+    embedding, which `export-drafter --to speculators` refuses: warned of here, before hours of
+    training, naming an unused special token that would do."""
     from transformers import AutoTokenizer
 
     from layertap.extract.embedded import checkpoint
@@ -78,7 +81,24 @@ def mask_token_id(model: str, gguf_file: str | None) -> int:
                          f"{len(tok)} token(s)), so the mask token id cannot be chosen from it: add the tokenizer "
                          "files to the folder, or pass --mask-token-id ID (a reserved or unused token id; below the "
                          "vocabulary size so that `layertap export-drafter --to speculators` can export the drafter)")
+    if len(tok) >= vocab_size:
+        spare = spare_special_token(tok, vocab_size)
+        log.warning("the mask token id %d (len(tokenizer)) is outside the target's vocabulary of %d ids: the drafter "
+                    "learns a mask embedding of its own, and `layertap export-drafter --to speculators` (the form vLLM "
+                    "serves) will refuse it. For an exportable drafter, pass --mask-token-id %s", len(tok), vocab_size,
+                    f"{spare[0]} (the unused special token {spare[1]!r})" if spare else "ID (an unused id below the vocabulary size)")
     return len(tok)
+
+
+def spare_special_token(tok: Any, vocab_size: int) -> tuple[int, str] | None:
+    """(id, text) of the highest-numbered special token inside the vocabulary that has no role
+    (not BOS, EOS, PAD, UNK, ...) and that the chat template never writes (SmolLM2: 16,
+    '<empty_output>', of StarCoder's code markup), a suggestion for a mask token. None if none."""
+    roles = set(tok.all_special_ids)
+    template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+    spare = [(i, t.content) for i, t in tok.added_tokens_decoder.items()
+             if t.special and i < vocab_size and i not in roles and t.content not in template]
+    return max(spare) if spare else None
 
 
 def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None) -> DFlashDrafter:
@@ -90,7 +110,8 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
     if saved is not None:
         dconf = DrafterConfig.from_json(saved)
     else:
-        mask = cfg.mask_token_id if cfg.mask_token_id is not None else mask_token_id(cfg.model, cfg.gguf_file)
+        mask = (cfg.mask_token_id if cfg.mask_token_id is not None
+                else mask_token_id(cfg.model, cfg.gguf_file, head.vocab_size))
         dconf = default_config(head, run.layers, mask, num_layers=cfg.drafter_layers,
                                block_size=cfg.block_size, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
                                target={"model": run.model, "gguf_file": run.gguf_file, "model_type": run.model_type,
