@@ -48,7 +48,9 @@ class StopSignals:
     one must not break off the cleanup, which takes seconds.
 
     `at_once=False` (training): the handler only records the stop in `requested`, which the loop
-    reads at its next step boundary, where a checkpoint can be saved.
+    reads at its next step boundary, where a checkpoint can be saved. A second Ctrl-C raises
+    KeyboardInterrupt there and then: a user who will not wait for the step gets out at once
+    (from the last checkpoint).
 
     A SIGINT the shell told the process to ignore (`nohup`, a background job) stays ignored.
     """
@@ -77,4 +79,7 @@ class StopSignals:
             raise stop
         if self.requested is None:
             self.requested = stop
-            log.warning("%s: stopping at the next step boundary", stop)
+            log.warning("%s: stopping at the next step boundary, with a checkpoint%s", stop,
+                        "; Ctrl-C again stops at once, without one" if isinstance(stop, Interrupted) else "")
+        elif isinstance(stop, Interrupted) and isinstance(self.requested, Interrupted):
+            raise KeyboardInterrupt

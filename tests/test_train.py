@@ -436,6 +436,11 @@ def test_stop_signals_are_recorded_or_raised_and_the_old_handlers_come_back():
             _deliver(signal.SIGUSR1)
             assert type(stop.requested) is Preempted and str(stop.requested) == "received SIGUSR1"
             assert stop.requested.exit_code == 143
+        with StopSignals(at_once=False) as stop:  # training: Ctrl-C stops at the step, twice at once
+            _deliver(signal.SIGINT)
+            assert type(stop.requested) is Interrupted
+            with pytest.raises(KeyboardInterrupt):
+                _deliver(signal.SIGINT)
         with pytest.raises(Interrupted) as caught:
             with StopSignals(at_once=True):
                 _deliver(signal.SIGINT)
@@ -455,20 +460,23 @@ def _deliver(sig: int) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp_path):
-    """Slurm's preemption signal: stop at the next step with a checkpoint, exit 143, resume to the end."""
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_signal_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp_path, sig, code):
+    """Slurm's preemption signal, or a user's Ctrl-C (which threw the run's progress away): stop at
+    the next step with a checkpoint, exit 143 (130), resume to the end."""
     out = tmp_path / "out"
     args = [sys.executable, "-m", "layertap", "train", "--data", run, "--model", target, "--out", str(out),
             "--steps", "150", "--save-every", "1000", *FAST]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    p = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell's foreground
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None and not (out / "checkpoints").exists():
         line = p.stderr.readline()
         if "step 10/150" in line:  # training is under way
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
             break
-    assert p.wait(timeout=300) == 143
+    assert p.wait(timeout=300) == code
     stopped = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]
     assert 10 <= stopped < 150 and len(metrics(str(out))) == stopped
     p = subprocess.run(args + ["--resume"], env=env, capture_output=True, text=True, timeout=600)

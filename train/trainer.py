@@ -9,7 +9,8 @@ same batches and the same loss curve as a run that never stopped. The learning r
 function of the step (linear warmup, cosine decay), so it needs no saved state.
 
 SIGTERM or SIGUSR1 (Slurm's preemption and time-limit warnings) make every rank stop at the
-next step boundary; rank 0 saves a checkpoint and the job exits with 143 for a requeue.
+next step boundary; rank 0 saves a checkpoint and the job exits with 143 for a requeue. Ctrl-C
+does the same and exits with 130 (a second one stops at once, without the checkpoint).
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def train(cfg: TrainConfig) -> int:
         log.info("objective: %s", _objective_text(cfg, run.identity.final_state))
     metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
 
-    with StopSignals(at_once=False, signals=(signal.SIGTERM, signal.SIGUSR1)) as stop, \
+    with StopSignals(at_once=False) as stop, \
             Prefetcher(loader, acc.device) as batches:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
                           batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
@@ -398,7 +399,7 @@ def _loop(run: _Run, start: int) -> int:
         if stopped:
             log.warning("stopped at step %d by a signal; `layertap train ... --resume` continues", step)
             progress.close()
-            return 143
+            return run.stop.requested.exit_code if run.stop.requested is not None else 143  # another rank's signal
     progress.close()
     if acc.is_main_process:
         export_drafter(run.out, run.model)
