@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
