@@ -34,3 +34,20 @@ def test_max_new_tokens_below_one_is_refused(tmp_path, capsys, value):
     assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts),
                 "--max-new-tokens", value]) == 2
     assert f"--max-new-tokens must be at least 1, got {value}" in capsys.readouterr().err
+
+
+def test_a_missing_prompts_file_is_refused_before_any_model_loads(tmp_path, capsys):
+    """It was a FileNotFoundError traceback after the target had loaded (minutes for a large one)."""
+    missing = tmp_path / "nope.jsonl"
+    assert cli(["eval", "--drafter", str(tmp_path / "no-drafter"), "--prompts", str(missing)]) == 2
+    assert f"the prompts file '{missing}' does not exist" in capsys.readouterr().err
+
+
+def test_the_prompt_length_limit_is_a_flag_and_named_where_it_skips(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there, how are you today"}\n')
+    with pytest.raises(InputError, match="skipped 1 over 3 tokens: --max-prompt-tokens"):
+        load_prompts(str(prompts), tiny_tokenizer(), None, 3)
+    assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts),
+                "--max-prompt-tokens", "0"]) == 2
+    assert "--max-prompt-tokens must be at least 1, got 0" in capsys.readouterr().err

@@ -30,6 +30,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="JSON lines: ShareGPT or OpenAI chats (the last assistant turn is dropped) or {\"prompt\": ...}")
     p.add_argument("--limit", type=int, help="evaluate the first N prompts (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024,
+                   help="prompts longer than this are skipped (and counted) (default 1024)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
                    help="the target's dtype (default float32, unlike extract's: the check against plain greedy "
                         "decoding compares exact choices, and in bfloat16 a near-tie between two tokens can come "
@@ -47,9 +49,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:  # decoding emits the prefill's token before checking the limit
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.max_prompt_tokens < 1:
+        raise ConfigError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
 
     report = evaluate(args.drafter, args.model, args.prompts, gguf_file=args.gguf_file, limit=args.limit,
-                      max_new_tokens=args.max_new_tokens, dtype=args.dtype, baseline=not args.no_baseline,
+                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, baseline=not args.no_baseline,
                       device=args.device, step=args.step)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["matches_greedy"] else 1

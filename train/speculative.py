@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -270,7 +271,7 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
                 continue
             prompts.append(ids)
     if not prompts:
-        raise InputError(f"{path} has no usable prompts (skipped {skipped} over {max_prompt_tokens} tokens)")
+        raise InputError(f"{path} has no usable prompts (skipped {skipped} over {max_prompt_tokens} tokens: --max-prompt-tokens)")
     return prompts, skipped
 
 
@@ -322,6 +323,8 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     `model` None: the target the drafter records. `device`: where both models run; None takes
     the GPU when there is one."""
     t0 = time.time()
+    if not os.path.isfile(prompts_path):  # before the models load: a typo should not cost their load
+        raise InputError(f"the prompts file {prompts_path!r} does not exist (or is not a file)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config, weights = load_drafter_files(open_store(drafter_uri), step)
     if model is None:
@@ -372,6 +375,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     report: dict[str, Any] = {
         "tau": tau, "acceptance_per_position": per_position, "matches_greedy": not mismatches,
         "mismatched_prompts": mismatches, "prompts": len(prompts), "prompts_skipped_too_long": skipped,
+        "max_prompt_tokens": max_prompt_tokens,
         "tokens_generated": sum(len(r.tokens) for r in trained),
         "verify_steps": sum(len(r.accepted) for r in trained), "block_size": config.block_size,
         "max_new_tokens": max_new_tokens, "speculative_s": round(spec_s, 3),
@@ -399,5 +403,6 @@ def format_report(r: dict[str, Any]) -> str:
                      f"decoding (snapshot {rb['snapshot']:.1f}, restore {rb['restore']:.1f}, "
                      f"re-forward {rb['reforward']:.1f})")
     if r["prompts_skipped_too_long"]:
-        lines.append(f"skipped {r['prompts_skipped_too_long']} prompt(s) over the prompt length limit")
+        lines.append(f"skipped {r['prompts_skipped_too_long']} prompt(s) over {r['max_prompt_tokens']} tokens "
+                     "(--max-prompt-tokens)")
     return "\n".join(lines)
