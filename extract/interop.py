@@ -30,7 +30,7 @@ from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, Manifest, create_or
 from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.work import Claim, WorkQueue
-from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, foreign_layers,
                                       layer_order, reader, writer)
 from layertap.storage.format import ShardMeta
@@ -137,19 +137,22 @@ def _token_counts(files: list[ForeignFile], first_tokens: int) -> list[int]:
 
 
 def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[int], model: str, codec: str,
-                shard_bytes: int = DEFAULT_SHARD_BYTES, limit: int | None = None
+                gguf_file: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES, limit: int | None = None
                 ) -> tuple[Manifest, ForeignReader, list[ForeignFile]]:
     """The import's run at `out` (planned now, or the one there if it is this import) and the
-    source's reader and files."""
+    source's reader and files. Every check runs before `out` is written to."""
     ours = layertap_layers(fmt, layers)
+    hidden, hidden_from = target_hidden_size(model, gguf_file)
     rd = reader(fmt, src, len(layers))
     files = rd.files()[:limit] if limit is not None else rd.files()
     if not files:
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
+    where = f"{src.uri.rstrip('/')}/{files[0].key}"
+    note = export_note(src, fmt)
+    check_layer_count(rd.capture_values(files[0]), fmt, layers, hidden, f"{model}'s {hidden_from}", where, note)
     first = rd.read(files[0])
-    check_width(int(first.hidden_states.shape[-1]), len(layers), model, f"{src.uri.rstrip('/')}/{files[0].key}")
-    identity = RunConfig(model=model, layers=ours, final_state=rd.final_state,
-                         hidden_size=int(first.hidden_states.shape[-1]), codec=codec)
+    identity = RunConfig(model=model, gguf_file=gguf_file, layers=ours, final_state=rd.final_state,
+                         hidden_size=hidden, codec=codec)
     counts = _token_counts(files, first.num_tokens)
     manifest, created = create_or_resume(
         out, config=identity, dataset={"fingerprint": _fingerprint(fmt, files), "path": src.uri, "format": fmt},
@@ -161,20 +164,93 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     return manifest, rd, files
 
 
-def check_width(width: int, num_layers: int, model: str, where: str) -> None:
-    """Where `--model` is a local folder, its hidden size must be the width each of the `--layers`
-    got: SpecForge's DFlash files concatenate the layers, so a wrong layer count splits them into
-    states of another width, which only `layertap train` would notice, blaming the target."""
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        config = json.load(f)
-    hidden = (config.get("text_config") or config).get("hidden_size")
-    if isinstance(hidden, int) and hidden != width:
-        raise InputError(f"{where}: split into {num_layers} layer(s) (--layers), each state is {width} wide, but "
-                         f"the target {model} has hidden size {hidden}: give --layers exactly the capture layers "
-                         f"the files hold ({num_layers * width // hidden if hidden else '?'} of them, by the width)")
+def target_hidden_size(model: str, gguf_file: str | None) -> tuple[int, str]:
+    """The hidden size of the target at `model` (a local folder; `gguf_file` inside it) and the
+    file it was read from. The manifest records this folder and the `layertap train` that import
+    prints as the next step reads the target's embeddings from it (train/target_head.py), so a
+    folder train cannot read is refused now, before any work, not after the import."""
+    if not os.path.isdir(model):
+        raise MissingInput(f"--model {model!r} is not a folder on this machine: import records the target's local "
+                           "folder, where it reads the hidden size and `layertap train` the embeddings (a hub model: "
+                           "download it first, e.g. `hf download ORG/NAME --local-dir DIR`, and pass DIR)")
+    if gguf_file:
+        path = os.path.join(model, gguf_file)
+        if not os.path.isfile(path):
+            raise MissingInput(f"GGUF file {gguf_file!r} (--gguf-file) not found in {model!r}")
+        return gguf_hidden_size(path), gguf_file
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        ggufs = sorted(n for n in os.listdir(model) if n.endswith(".gguf"))
+        raise MissingInput(f"the target folder {model!r} (--model) has no config.json, which `layertap train` needs "
+                           "with the target's safetensors weights" +
+                           (f"; it holds {', '.join(ggufs)}: pass --gguf-file {ggufs[0]}" if ggufs else ""))
+    if not any(os.path.isfile(os.path.join(model, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
+        raise MissingInput(f"the target folder {model!r} (--model) has neither model.safetensors nor "
+                           "model.safetensors.index.json: `layertap train` reads the target's embeddings from a "
+                           "safetensors checkpoint, or a GGUF one (--gguf-file)")
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        hidden = (config.get("text_config") or config).get("hidden_size")
+    except (ValueError, AttributeError) as e:
+        raise InputError(f"{model}/config.json is not a model config: {e}") from None
+    if not isinstance(hidden, int) or hidden < 1:
+        raise InputError(f"{model}/config.json has no hidden_size (nor text_config.hidden_size)")
+    return hidden, "config.json"
+
+
+def gguf_hidden_size(path: str) -> int:
+    """A GGUF checkpoint's hidden size: `{architecture}.embedding_length` in its metadata."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(path).fields
+        arch = fields["general.architecture"].contents()
+        return int(fields[f"{arch}.embedding_length"].contents())
+    except (KeyError, ValueError, TypeError, OSError) as e:
+        raise InputError(f"{path}: not a GGUF checkpoint with general.architecture and its embedding_length "
+                         f"({type(e).__name__}: {e})") from None
+
+
+def export_note(src: ObjectStore, fmt: str) -> dict[str, Any] | None:
+    """The `layertap-export.json` that `layertap export` wrote beside the files, when it is there
+    and is of this layout: it records the layers the files hold and their hidden size."""
+    try:
+        note = json.loads(src.get(EXPORT_NOTE))
+    except (ObjectNotFound, ValueError):
+        return None
+    return note if isinstance(note, dict) and note.get("format") == fmt else None
+
+
+def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int], hidden: int, hidden_from: str,
+                      where: str, note: dict[str, Any] | None) -> None:
+    """Refuse `--layers` of another count than the files hold. SpecForge and ModelOpt concatenate
+    the layers, so a wrong count would split every token's values into states of another width:
+    imported without a word, and only `layertap train` would notice, blaming the target. The
+    target's hidden size (`hidden`, from `hidden_from`) says how many layers the files hold; the
+    export note, where there is one, says which."""
+    total, stored = values
+    given = ",".join(map(str, layers))
+    recorded = note.get(f"{fmt}_layer_ids") if note else None
+    seen = f"; {EXPORT_NOTE} beside them records {fmt}'s layer ids {recorded}" if recorded else ""
+    if note is not None and note.get("hidden_size") not in (None, hidden):
+        raise InputError(f"{EXPORT_NOTE} beside {where} says its states are {note['hidden_size']} wide (a run of "
+                         f"{note.get('model')}), but the target's hidden size is {hidden} (from {hidden_from}): pass "
+                         "the target they came from as --model")
+    width = total // stored if stored else hidden
+    if width != hidden or total % hidden:
+        raise InputError(f"{where} holds {total:,} values per token of capture-layer states"
+                         + (f" ({stored} layer(s) of {width})" if stored else "")
+                         + f", which is not a whole number of states of the target's hidden size {hidden} (from "
+                         f"{hidden_from}): are these states of --model's model?{seen}")
+    held = total // hidden
+    if held != len(layers):
+        raise InputError(f"{where} holds {total:,} values per token of capture-layer states; at the target's hidden "
+                         f"size {hidden} (from {hidden_from}) that is {held} capture layer(s), but --layers {given} "
+                         f"names {len(layers)}: give --layers the {held} ids the files hold, in their order{seen}")
+    if recorded is not None and list(recorded) != list(layers):
+        raise InputError(f"--layers {given}, but {EXPORT_NOTE} beside {where} records that the files hold {fmt}'s "
+                         f"layer ids {recorded} (layertap's {note.get('layers')}): pass --layers "
+                         f"{','.join(map(str, recorded))}")
 
 
 def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> Manifest:

@@ -51,8 +51,11 @@ def add_import(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="the run prefix to create (or resume): s3://bucket/prefix or a folder")
     p.add_argument("--layers", required=True, help=LAYER_HELP)
     p.add_argument("--model", required=True,
-                   help="the target model the states came from (a folder or hub id), recorded in the manifest; "
-                        "`layertap train` reads its embeddings from there")
+                   help="the target model's local folder (the states' model), recorded in the manifest: import "
+                        "reads its hidden size there (config.json, or the --gguf-file) and `layertap train` its "
+                        "embeddings")
+    p.add_argument("--gguf-file", help="GGUF file inside --model, for a target kept as GGUF (recorded like "
+                                       "`layertap extract --gguf-file`)")
     p.add_argument("--codec", default="bf16-zstd", help="hidden-state codec of the shards (default bf16-zstd)")
     p.add_argument("--shard-bytes", default="1GB", help="planned stored bytes per shard (default 1GB)")
     p.add_argument("--limit", type=int, help="import the first N samples (default all)")
@@ -80,7 +83,7 @@ def run_import(args: argparse.Namespace) -> int:
     out = open_store(args.out)
     try:
         import_run(open_store(args.src), args.format, out, layers=parse_ids(args.layers), model=args.model,
-                   codec=args.codec, shard_bytes=shard_bytes, limit=args.limit)
+                   gguf_file=args.gguf_file, codec=args.codec, shard_bytes=shard_bytes, limit=args.limit)
     except Preempted as e:
         print(f"stopped ({e}): committed shards are kept; run the same command again to resume")
         return e.exit_code

@@ -79,6 +79,12 @@ class ForeignReader(Protocol):
 
     def files(self) -> list[ForeignFile]: ...
 
+    def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
+        """Values per token of `f`'s capture layers, and how many layers those are where the
+        layout says it (speculators' [T, k+1, H]), else None (the others concatenate them): what
+        `import` checks --layers against before it writes anything."""
+        ...
+
     def read(self, f: ForeignFile) -> Sample: ...
 
 

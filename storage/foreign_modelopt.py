@@ -65,6 +65,13 @@ class ModelOptReader:
     def files(self) -> list[ForeignFile]:
         return [ForeignFile(posixpath.splitext(o.key)[0], o.key, o.size) for o in self._files]
 
+    def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
+        where = f"{self.store.uri.rstrip('/')}/{f.key}"
+        d = load_torch(self.store.get(f.key), where)
+        if "aux_hidden_states" not in d:
+            raise InputError(f"{where} lacks aux_hidden_states")
+        return int(d["aux_hidden_states"].shape[-1]), None
+
     def read(self, f: ForeignFile) -> Sample:
         where = f"{self.store.uri.rstrip('/')}/{f.key}"
         d = load_torch(self.store.get(f.key), where)

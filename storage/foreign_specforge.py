@@ -61,6 +61,14 @@ class SpecForgeReader:
     def files(self) -> list[ForeignFile]:
         return [ForeignFile(_stem(o.key), o.key, o.size) for o in self._files]
 
+    def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
+        where = self._where(f.key)
+        d = load_torch(self.store.get(f.key), where)
+        states_key = "aux_hidden_state" if self.eagle3 else "hidden_states"
+        if states_key not in d:
+            raise InputError(f"{where} lacks {states_key}")
+        return int(d[states_key].shape[-1]), None
+
     def read(self, f: ForeignFile) -> Sample:
         where = self._where(f.key)
         d = load_torch(self.store.get(f.key), where)

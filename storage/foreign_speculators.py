@@ -127,7 +127,7 @@ class SpeculatorsReader:
                    else [len(x) for x in self.rows["input_ids"]])
         return [ForeignFile(str(i), hs_key(i), sizes.get(hs_key(i), 0), int(n)) for i, n in enumerate(lengths)]
 
-    def read(self, f: ForeignFile) -> Sample:
+    def _load(self, f: ForeignFile) -> tuple[dict[str, torch.Tensor], str]:
         where = f"{self.store.uri.rstrip('/')}/{f.key}"
         try:
             data = st_load(bytes(self.store.get(f.key)))
@@ -137,6 +137,18 @@ class SpeculatorsReader:
             raise InputError(f"{where} is not a readable safetensors file, or was cut short: {e}") from None
         if "hidden_states" not in data or "token_ids" not in data:
             raise InputError(f"{where} lacks hidden_states or token_ids")
+        return data, where
+
+    def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
+        data, where = self._load(f)
+        shape = data["hidden_states"].shape
+        if len(shape) != 3 or shape[1] < 2:
+            raise InputError(f"{where}: hidden_states has shape {tuple(shape)}, not [tokens, capture layers + the "
+                             "final state, hidden]")
+        return (shape[1] - 1) * shape[2], shape[1] - 1
+
+    def read(self, f: ForeignFile) -> Sample:
+        data, where = self._load(f)
         states = data["hidden_states"]
         if "hidden_states_scales" in data:  # speculators' FP8 connector: per-token scales
             states = states.float() * data["hidden_states_scales"].float()

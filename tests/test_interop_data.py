@@ -189,7 +189,11 @@ def test_import_resumes_and_refuses_other_arguments(prenorm_run, target, tmp_pat
     assert all(again[k] == v for k, v in commits.items() if k != lost)  # the others were not redone
     assert again[lost] != commits[lost]
     capsys.readouterr()
-    assert cli([a if a != "3,1" else "1,3" for a in args]) == 2  # other layers: another run
+    other = [a if a != "3,1" else "1,3" for a in args]
+    assert cli(other) == 2  # the export's note names the layers the files hold
+    assert "records that the files hold specforge's layer ids [3, 1]" in capsys.readouterr().err
+    os.remove(os.path.join(dest, "layertap-export.json"))
+    assert cli(other) == 2  # without it: other layers, another run
     assert "different configuration" in capsys.readouterr().err
 
 
@@ -263,6 +267,121 @@ def test_an_import_with_too_many_layers_for_the_targets_width_is_refused(prenorm
                 "--model", target]) == 2
     err = capsys.readouterr().err
     assert "hidden size 64" in err and "--layers" in err and not (tmp_path / "back").exists()
+
+
+def gguf_target(target: str, folder: Path) -> str:
+    """`folder` holding only a GGUF of the tiny target: hidden size, depth, heads, embedding and head."""
+    import gguf
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(target, "model.safetensors"))
+    folder.mkdir()
+    w = gguf.GGUFWriter(str(folder / "tiny.gguf"), "qwen3")
+    w.add_embedding_length(64)
+    w.add_block_count(6)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"].float().numpy())
+    w.add_tensor("output.weight", weights["lm_head.weight"].float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def specforge_export(prenorm_run, tmp_path_factory) -> str:
+    """Two samples of the prenorm run (layers 3,1: 2 x 64 values per token) in SpecForge's layout."""
+    dest = str(tmp_path_factory.mktemp("sf-export") / "sf")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "2"]) == 0
+    return dest
+
+
+@pytest.mark.parametrize("layers", ["3", "3,1,2", "1,2,3,4"])
+def test_a_specforge_import_with_a_wrong_layer_count_is_refused_before_writing(specforge_export, target, tmp_path,
+                                                                               capsys, layers):
+    """The files concatenate the layers: 128 values per token read as 1 layer (or 3, or 4) would be
+    imported as states 128 (or 42, or 32) wide. The target's hidden size says they hold 2; the
+    walkthrough's case is a --model folder holding only a GGUF, which the old check never read."""
+    for model in ([target], [gguf_target(target, tmp_path / "gguf"), "--gguf-file", "tiny.gguf"]):
+        capsys.readouterr()
+        back = tmp_path / "back"
+        assert cli(["import", specforge_export, "--from", "specforge", "--out", str(back), "--layers", layers,
+                    "--model", *model]) == 2
+        err = capsys.readouterr().err
+        if layers == "3,1,2":  # 128 values are no whole number of 3 layers: refused as before, with the numbers
+            assert "holds 128 values per token" in err
+        else:
+            assert ("data_0.ckpt holds 128 values per token" in err and "hidden size 64" in err
+                    and f"2 capture layer(s), but --layers {layers} names {len(layers.split(','))}" in err
+                    and "records specforge's layer ids [3, 1]" in err), err
+        assert not back.exists()
+
+
+def test_a_modelopt_import_with_a_wrong_layer_count_is_refused_before_writing(prenorm_run, target, tmp_path, capsys):
+    """ModelOpt files without layertap's export note: the target's hidden size alone counts the layers."""
+    from layertap.storage.foreign_modelopt import ModelOptWriter
+
+    src = tmp_path / "mo"
+    out = ModelOptWriter(open_store(str(src)))
+    for i, s in enumerate(in_order(prenorm_run)[:2]):
+        out.write(i, replace(s, final_state=s.hidden_states[:, 0]))
+    back = tmp_path / "back"
+    assert cli(["import", str(src), "--from", "modelopt", "--out", str(back), "--layers", "1,2,3,4",
+                "--model", target]) == 2
+    err = capsys.readouterr().err
+    assert "holds 128 values per token" in err and "2 capture layer(s), but --layers 1,2,3,4 names 4" in err
+    assert "layertap-export.json" not in err and not back.exists()
+    assert cli(["import", str(src), "--from", "modelopt", "--out", str(back), "--layers", "3,1",
+                "--model", target]) == 0
+
+
+def test_a_speculators_import_names_the_layer_counts(prenorm_run, target, tmp_path, capsys):
+    """speculators' files say their layer count ([T, k+1, H]); the error gives it, with the target's
+    width, and a file of another width than --model's hidden size is refused too."""
+    dest = str(tmp_path / "spec")
+    assert cli(["export", prenorm_run, "--to", "speculators", dest, "--limit", "2"]) == 0
+    capsys.readouterr()
+    back = tmp_path / "back"
+    assert cli(["import", dest, "--from", "speculators", "--out", str(back), "--layers", "2,4,6", "--model",
+                target]) == 2
+    err = capsys.readouterr().err
+    assert "hs_0.safetensors holds 128 values per token" in err and "names 3" in err and "[2, 4]" in err
+    wide = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=128)
+    assert cli(["import", dest, "--from", "speculators", "--out", str(back), "--layers", "2,4", "--model",
+                wide]) == 2
+    err = capsys.readouterr().err
+    assert "are 64 wide" in err and "hidden size is 128" in err and not back.exists()
+
+
+def test_an_import_checks_the_target_and_records_its_gguf_file(specforge_export, target, tmp_path, capsys):
+    """--model must be a folder `layertap train` can read the target from (the manifest records it
+    and import prints that train command as the next step); a GGUF target is named with --gguf-file
+    and recorded, so the printed train command finds it."""
+    back = tmp_path / "back"
+    base = ["import", specforge_export, "--from", "specforge", "--out", str(back), "--layers", "3,1"]
+    folder = gguf_target(target, tmp_path / "gguf")
+    for model, says in (([str(tmp_path / "nope")], "is not a folder on this machine"),
+                        ([folder], "has no config.json, which `layertap train` needs with the target's safetensors "
+                                   "weights; it holds tiny.gguf: pass --gguf-file tiny.gguf"),
+                        ([folder, "--gguf-file", "other.gguf"], "'other.gguf' (--gguf-file) not found in")):
+        capsys.readouterr()
+        assert cli(base + ["--model", *model]) == 2
+        err = capsys.readouterr().err
+        assert says in err and not back.exists(), err
+    empty = tmp_path / "config-only"
+    empty.mkdir()
+    (empty / "config.json").write_text(Path(target, "config.json").read_text())
+    assert cli(base + ["--model", str(empty)]) == 2
+    assert "neither model.safetensors nor model.safetensors.index.json" in capsys.readouterr().err
+
+    assert cli(base + ["--model", folder, "--gguf-file", "tiny.gguf"]) == 0
+    assert f"layertap train --data {back} --out" in capsys.readouterr().out
+    run = load_manifest(open_store(str(back))).identity
+    assert (run.model, run.gguf_file, run.hidden_size) == (folder, "tiny.gguf", 64)
+    assert cli(["train", "--data", str(back), "--out", str(tmp_path / "drafter"), "--steps", "1", "--batch-size", "2",
+                "--block-size", "4", "--max-anchors", "4", "--mask-token-id", "3"]) == 0
 
 
 def test_speculators_layout_on_s3_round_trip(prenorm_run, target, s3_bucket):
