@@ -18,6 +18,7 @@ from functools import cached_property
 from typing import Any
 
 from layertap.manifests.layout import MANIFEST
+from layertap.manifests.train_output import LATEST, METRICS
 from layertap.storage.codecs import CODEC_NAMES
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.identity import RunConfig
@@ -182,6 +183,9 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
     if existing is None:
         if token_counts is None:
             raise NoRun(f"no run at {store.uri} yet, and no token counts were given to plan one")
+        if any(store.exists(key) for key in (LATEST, METRICS)):
+            raise ConfigError(f"{store.uri} holds a training output (`layertap train --out`), not a run: `layertap "
+                             "delete` of the one would delete the other; give the run a prefix of its own")
         manifest = Manifest(
             run_id=uuid.uuid4().hex[:12],
             created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

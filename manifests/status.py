@@ -84,7 +84,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "tokens_per_s": round(rate, 1) if rate else None,
         "rate_until": None if rate is None else "now" if counts["running"] else "last commit",
         "tokens_per_s_average": _average_rate(manifest.created_at, last, tokens),
-        "last_commit_age_s": round(st.now - last, 1) if last is not None else None,
+        "last_commit_age_s": round(max(0.0, st.now - last), 1) if last is not None else None,  # clocks a second apart
         # Only while workers hold shards, at the rate they are going at now: a remaining time
         # from an old rate, or for work nobody is doing, would promise what will not happen.
         "eta_s": round(remaining / rate) if rate and remaining and counts["running"] else None,

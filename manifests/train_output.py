@@ -44,7 +44,7 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "tokens_per_s": last.get("tokens_per_s") if last else None,
         "checkpoint_step": latest.get("step") if latest else None,
         "checkpoint": f"{store.uri.rstrip('/')}/{latest['prefix']}" if latest and latest.get("prefix") else None,
-        "checkpoint_age_s": round(time.time() - written, 1) if written is not None else None,
+        "checkpoint_age_s": round(max(0.0, time.time() - written), 1) if written is not None else None,
         "drafter_exported": exported,
         "complete": exported,
     }

@@ -17,6 +17,7 @@ import torch
 
 from layertap.cli import main as cli
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
+from layertap.manifests.manifest import load_manifest
 from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
 from test_extract import write_chats
@@ -503,6 +504,30 @@ def test_bad_arguments_are_clear_errors(run, target, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert train_cli("--data", run, "--model", target, "--out", str(tmp_path / "o"), "--fetch-threads", "0") == 2
     assert "error: --fetch-threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_training_output_and_a_run_never_share_a_prefix(run, target, tmp_path, capsys):
+    """Inside a run (or holding one), `layertap delete` of the one deleted the other, and `status`
+    showed only the run; a run planned into a training output likewise."""
+    data = open_store(run)
+    before = sorted(o.key for o in data.list())
+    for out in (run, f"{run}/drafter1", run.rsplit("/", 1)[0]):
+        assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "1", *FAST) == 2
+        assert "overlap" in capsys.readouterr().err
+    assert sorted(o.key for o in data.list()) == before
+    other = open_store(str(tmp_path / "other-run"))
+    other.put("manifest.json", data.get("manifest.json"))
+    assert train_cli("--data", run, "--model", target, "--out", other.uri, "--steps", "1", *FAST) == 2
+    assert "holds an extraction run" in capsys.readouterr().err
+    trained = str(tmp_path / "trained")
+    assert train_cli("--data", run, "--model", target, "--out", trained, "--steps", "1", *FAST) == 0
+    from layertap.manifests.manifest import create_or_resume
+    from layertap.storage.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="holds a training output"):
+        create_or_resume(open_store(trained), config=load_manifest(data).config, dataset={"name": "x"},
+                         token_counts=[10, 20], bytes_per_token=100.0)
+    assert not os.path.exists(os.path.join(trained, "manifest.json"))
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import xxhash
 
+from layertap.manifests.layout import MANIFEST
 from layertap.manifests.manifest import load_manifest
 from layertap.manifests.preemption import StopSignals
 from layertap.storage.errors import ConfigError, InputError
@@ -175,6 +176,7 @@ def train(cfg: TrainConfig) -> int:
     rank, world = acc.process_index, acc.num_processes
     out = open_store(cfg.out, **cfg.s3)
     data = open_store(cfg.data, **cfg.s3)
+    _check_apart(out, data)
     run = wait_for_manifest(data, cfg.follow_poll_s) if cfg.follow else load_manifest(data)
     if cfg.model is None:
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
@@ -523,6 +525,18 @@ def _delete_consumed(run: _Run, step: int) -> None:
         if deleted:
             log.info("deleted the data of %d consumed shard(s) at %s", len(deleted), run.data.uri)
     acc.wait_for_everyone()
+
+
+def _check_apart(out: ObjectStore, data: ObjectStore) -> None:
+    """--out must be a prefix of its own: inside a run (or holding one), `layertap delete` of the
+    one deletes the other, and `status` shows only the run."""
+    a, b = out.uri.rstrip("/") + "/", data.uri.rstrip("/") + "/"
+    if a.startswith(b) or b.startswith(a):
+        raise ConfigError(f"--out {out.uri} and --data {data.uri} overlap: `layertap delete` of one would delete the "
+                         "other; give the training output a prefix of its own (e.g. beside the run)")
+    if out.exists(MANIFEST):
+        raise ConfigError(f"--out {out.uri} holds an extraction run (its {MANIFEST}); give the training output a "
+                         "prefix of its own")
 
 
 def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int) -> None:
