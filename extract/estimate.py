@@ -446,8 +446,9 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
         f"  data         {work.samples:,} samples, {work.tokens:,} tokens, mean {work.mean_tokens:,.1f} tokens/sample"
         f"{src.get('data', '')}",
         f"  codec        {storage.codec}, ratio {storage.ratio:.3f}x{src.get('codec', '')}",
-        "  throughput   " + (f"{tps:,.0f} tokens/s per GPU{src.get('throughput', '')}; {_count(throughput.gpus, 'GPU')}, "
-                              f"{throughput.gpus_per_node} per node = {_count(throughput.nodes, 'node')}" if tps else
+        "  throughput   " + (f"{tps:,.0f} tokens/s per GPU{src.get('throughput', '')}; {_count(throughput.gpus, 'GPU')}"
+                              f"{src.get('gpus', '')}, {throughput.gpus_per_node} per node = "
+                              f"{_count(throughput.nodes, 'node')}" if tps else
                               "not given: add --tokens-per-s N or --measure for time, bandwidth and GPU-hours"),
         f"  layout       shards of ~{storage.shard_bytes:,} B stored, upload parts of {fmt_bytes(storage.part_bytes)}, "
         f"loader ranges of {fmt_bytes(storage.range_bytes)}; format overhead {storage.record_overhead:,.0f} B "

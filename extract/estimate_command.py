@@ -35,7 +35,8 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--measure-tokens", type=int, default=16384,
                    help="stop picking samples to measure once they hold this many tokens (default 16384)")
     g.add_argument("--tokens-per-s", type=float, help="stated real (unpadded) tokens/s per GPU; overrides --measure's")
-    g.add_argument("--gpus", type=int, default=8, help="GPUs extracting at once (default 8)")
+    g.add_argument("--gpus", type=int, help="GPUs extracting at once (default 8; 1 when --measure runs on this "
+                                          "machine's CPU, which then stands for the one process it measured)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, for upload per node (default 8)")
     g.add_argument("--price-per-gb-month", type=float, default=DEFAULT_USD_PER_GIB_MONTH,
                    help=f"USD per GiB-month stored (default {DEFAULT_USD_PER_GIB_MONTH}: S3 Standard)")
@@ -152,7 +153,7 @@ def _device() -> str:
 
 def _check_options(args: argparse.Namespace) -> None:
     for name in ("measure_samples", "measure_tokens", "gpus", "gpus_per_node"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("ratio", "tokens_per_s", "samples", "mean_tokens", "hidden_size", "num_layers"):
         value = getattr(args, name, None)
@@ -246,7 +247,7 @@ def _regeneration(args: argparse.Namespace, samples: int, stats, sources: dict[s
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    servers = args.servers if args.servers is not None else max(1, args.gpus // args.gpus_per_server)
+    servers = args.servers if args.servers is not None else max(1, _gpus(args, None) // args.gpus_per_server)
     return Regeneration(samples=samples, answer_tokens=answer, tokens_per_s_per_server=args.generate_tokens_per_s,
                         servers=servers, gpus_per_server=args.gpus_per_server)
 
@@ -291,6 +292,14 @@ def _measure(cfg, target, capture, identity, stats):
                               encode_threads=cfg.encode_threads)
 
 
+def _gpus(args: argparse.Namespace, measured) -> int:
+    """--gpus, else 8, else 1 when --measure ran on a CPU: that measured one process of this
+    machine, not a GPU of a fleet (it printed a CPU's speed times 8 GPUs)."""
+    if args.gpus is not None:
+        return args.gpus
+    return 1 if measured is not None and measured.device == "cpu" else 8
+
+
 def _report(args: argparse.Namespace, cfg, work: Workload, shards: int | None, measured,
             sources: dict[str, str]) -> _Report:
     """Storage, throughput and prices from the options and the measurement; stated values win."""
@@ -312,7 +321,9 @@ def _report(args: argparse.Namespace, cfg, work: Workload, shards: int | None, m
         tps = measured.tokens_per_s
         sources["throughput"] = (f"measured on this machine's {measured.device}, {sources['dtype']} forward, "
                                  f"whole pipeline; forward alone {measured.forward_tokens_per_s:,.0f} tokens/s")
-    throughput = Throughput(tokens_per_s_per_gpu=tps, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+    if args.gpus is None and measured is not None and measured.device == "cpu":
+        sources["gpus"] = "this machine's one process, measured on its CPU: --gpus N for a fleet"
+    throughput = Throughput(tokens_per_s_per_gpu=tps, gpus=_gpus(args, measured), gpus_per_node=args.gpus_per_node,
                             lease_ttl_s=cfg.lease_ttl_s)
     prices = Prices(usd_per_gib_month=args.price_per_gb_month, usd_per_1000_put=args.put_price_per_1000,
                     usd_per_1000_get=args.get_price_per_1000, epochs=args.epochs)

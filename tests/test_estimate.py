@@ -243,6 +243,10 @@ def test_measured_estimate_is_within_5_percent_of_the_extraction(run, capsys):
                                                                               status["bytes_stored"])
     assert est["inputs"]["sources"]["codec"].startswith("measured on")
     assert est["gpu_hours"] == pytest.approx(est["tokens"] / m["tokens_per_s"] / 3600)
+    # measured on this CPU: one process, not 8 GPUs (the wall time was a CPU's speed times 8)
+    assert m["device"] == "cpu" and est["inputs"]["throughput"]["gpus"] == 1
+    assert "measured on its CPU" in est["inputs"]["sources"]["gpus"]
+    assert est["wall_s"] == pytest.approx(est["gpu_hours"] * 3600, rel=0.05)
     fp8 = next(a for a in est["alternatives"] if a["codec"] == "fp8")
     assert fp8["bytes_per_token_stored"] == pytest.approx(256 / m["codecs"]["fp8"]["ratio"] + 5)
 
