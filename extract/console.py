@@ -95,7 +95,9 @@ class PlainProgress:
         text = f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}s"
         if self.total:
             text += f" ({100 * self.n / self.total:.0f}%)"
-        text += f", {rate:,.1f} {self.unit}s/s, {duration(elapsed)} elapsed"
+        # below one a second, seconds per unit (as tqdm does): "0.0 steps/s" said nothing
+        pace = f"{rate:,.1f} {self.unit}s/s" if rate >= 1 or rate == 0 else f"{1 / rate:,.1f} s/{self.unit}"
+        text += f", {pace}, {duration(elapsed)} elapsed"
         if rate > 0 and self.n < self.total:
             text += f", ETA {duration((self.total - self.n) / rate)}"
         return text + (f"; {self.postfix}" if self.postfix else "")

@@ -436,4 +436,6 @@ def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
         return 1
     print(f"\ntrain a drafter on it (the target is the one this run's manifest records):"
           f"\n  layertap train --data {cfg.out} --out {cfg.out.rstrip('/')}-drafter")
+    if not torch.cuda.is_available():
+        print("  (on a CPU a step takes seconds to minutes: add --steps 10 for a first look; the bar shows the pace)")
     return 0

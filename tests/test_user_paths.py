@@ -239,6 +239,22 @@ def test_off_a_terminal_progress_is_plain_lines_and_the_summary_has_units(model,
     assert " tokens/s, " in done[2] and "MiB/s stored: forward " in done[2] and " s, encode " in done[2]
 
 
+def test_a_slow_pace_is_given_as_seconds_per_unit(monkeypatch):
+    """A CPU training step of 30 s showed as "0.0 steps/s"."""
+    from layertap.extract import console
+
+    clock = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    bar = console.PlainProgress(10, desc="train", unit="step")
+    clock[0] += 60
+    bar.update(2)
+    assert ", 30.0 s/step, 60 s elapsed, ETA 4 min" in bar.line()
+    fast = console.PlainProgress(100, desc="extract", unit="sample")
+    clock[0] += 2
+    fast.update(50)
+    assert "25.0 samples/s" in fast.line()
+
+
 def test_on_a_terminal_log_lines_are_written_above_the_bar(monkeypatch):
     from layertap.extract.console import progress
 
