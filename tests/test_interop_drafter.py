@@ -237,3 +237,18 @@ def test_every_drafter_weight_has_a_speculators_name():
     names = DFlashDrafter(c, TargetHead(embed, embed, True)).trainable_state()
     theirs = {speculators_name(n) for n in names}
     assert len(theirs) == len(names) == 3 + 2 * 11
+
+
+def test_a_drafter_of_the_embedded_smollm2_takes_the_verifiers_config_from_its_converted_folder(caplog):
+    """The target it records is SmolLM2's GGUF: the export warned that it knew no
+    max_position_embeddings (and wrote 32768) while the converted folder in layertap's cache holds
+    the model's config.json (8192)."""
+    from types import SimpleNamespace
+
+    from layertap.extract.embedded import smollm2_gguf
+    from layertap.train.export import _verifier
+
+    folder, gguf = smollm2_gguf()
+    name, config = _verifier(SimpleNamespace(target={"model": folder, "gguf_file": gguf}), None)
+    assert name == folder and config["max_position_embeddings"] == 8192
+    assert "not a local folder" not in caplog.text

@@ -143,7 +143,12 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
     name = verifier or config.target.get("model")
     if not name:
         raise ConfigError("the drafter records no target model: pass --verifier NAME_OR_PATH (the model vLLM serves)")
-    path = os.path.join(name, "config.json")
+    folder = name
+    if verifier is None:  # a GGUF target of the embedded SmolLM2: its converted folder holds a config.json
+        from layertap.extract.embedded import checkpoint
+
+        folder = checkpoint(name, config.target.get("gguf_file"))[0]
+    path = os.path.join(folder, "config.json")
     if os.path.isfile(path):
         with open(path) as f:
             return name, json.load(f)
