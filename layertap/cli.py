@@ -59,8 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, with an unknown option reported by its subcommand's parser: its usage, not the top
+    level's, and the option the user probably meant (argparse 3.11 reports extras at the top)."""
+    import difflib
+
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        sub = commands[args.command]
+        known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        hints = [f"{x} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(x.split("=")[0], known, n=1))
+                 else x for x in extra]
+        sub.error(f"unrecognized arguments: {' '.join(hints)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request

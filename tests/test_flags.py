@@ -72,6 +72,19 @@ def test_a_bad_flag_is_one_error_line_naming_it_and_no_traceback(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_mistyped_flag_gets_its_commands_usage_and_the_flag_it_was_meant_to_be(capsys):
+    """argparse reported a subcommand's unknown option at the top level: `usage: layertap [-h] ...
+    COMMAND`, no word of the command's options."""
+    with pytest.raises(SystemExit) as stop:
+        main(["estimate", "--max-lenght", "5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "usage: layertap estimate" in err
+    assert "unrecognized arguments: --max-lenght (did you mean --max-length?)" in err
+    with pytest.raises(SystemExit):
+        main(["status", "/tmp/nowhere", "extra"])
+    assert "layertap status: error: unrecognized arguments: extra" in capsys.readouterr().err
+
+
 def test_forced_shard_overlap_is_refused_with_a_window():
     """The window's bound counts on each worker finishing a shard before its next claim."""
     with pytest.raises(ConfigError, match="^--overlap-shards on cannot be used with --window"):
