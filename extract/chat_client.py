@@ -222,8 +222,12 @@ class ChatClient:
                                  f"server is back") from None
             if time.monotonic() - self._warned_at > 30:  # one line per outage, not one per request in flight
                 self._warned_at = time.monotonic()
-                log.warning("%s: %s failed (%s); retrying for up to %.0f s", self.where, what, problem,
-                            self.retry_for_s - (now - away_since))
+                if unreachable and not self.answered:  # not an outage yet: a wrong --endpoint, until it answers
+                    log.warning("%s: %s failed (%s); trying %d times in all before taking --endpoint for wrong",
+                                self.where, what, problem, UNREACHABLE_TRIES)
+                else:
+                    log.warning("%s: %s failed (%s); retrying for up to %.0f s", self.where, what, problem,
+                                self.retry_for_s - (now - away_since))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(30.0, delay * 2)
 

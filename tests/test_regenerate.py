@@ -229,7 +229,7 @@ def test_a_server_killed_and_restarted_mid_run_is_ridden_out(model, tmp_path):
         server.kill()
 
 
-def test_unreachable_endpoint_and_wrong_model_are_clear_errors(server, tmp_path, capsys):
+def test_unreachable_endpoint_and_wrong_model_are_clear_errors(server, tmp_path, capsys, caplog):
     data = write_sharegpt(tmp_path / "chats.jsonl", 4)
     closed = f"http://127.0.0.1:{free_port()}"
     t0 = time.time()
@@ -238,6 +238,8 @@ def test_unreachable_endpoint_and_wrong_model_are_clear_errors(server, tmp_path,
     assert time.time() - t0 < 30  # not the 15-minute outage window: the server never answered
     err = capsys.readouterr().err
     assert f"cannot reach {closed}" in err and "--endpoint" in err
+    # nor does its warning promise that window (it said "retrying for up to 900 s", then stopped)
+    assert "retrying for up to" not in caplog.text and "before taking --endpoint for wrong" in caplog.text
 
     assert cli(["regenerate", "--dataset", data, "--out", str(tmp_path / "b"), "--endpoint", server.url,
                 "--model", "no-such-model"]) == 2
