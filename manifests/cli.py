@@ -11,6 +11,7 @@ from layertap.storage.units import duration, size
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
 EXIT_COMPLETE, EXIT_PROBLEM, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 3, 4  # 2: a user error (layertap/cli.py)
+LOOK_UNDER, LIST_UNDER = 50, 20  # folders looked into, and runs named, under a prefix that holds no run
 STATUS_EXIT_CODES = (
     "exit codes: 0 complete (a training output: its drafter is exported; a regeneration: every part written); 3 "
     "not complete, no failed shard (pending or running; a training output still training or stopped; a "
@@ -52,7 +53,8 @@ def run_status(args: argparse.Namespace) -> int:
         r = regeneration_status(store) if t is None else None
         if t is None and r is None:
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
-                        "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)") from None
+                        "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
+                        + _what_is_under(store)) from None
         if r is not None:
             print(json.dumps(r, indent=2) if args.json else format_regeneration(r))
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
@@ -63,6 +65,27 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"error: {s['problem']}", file=sys.stderr)
         return EXIT_PROBLEM
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] else EXIT_INCOMPLETE
+
+
+def _what_is_under(store) -> str:
+    """The runs and outputs one level down, for a prefix that holds none itself (a user who gave
+    the parent of their runs): a folder is named by what its marker object says it is."""
+    from layertap.manifests.layout import MANIFEST
+    from layertap.manifests.regeneration import RECIPE
+    from layertap.manifests.train_output import LATEST, METRICS
+
+    kinds = ((MANIFEST, "run"), (LATEST, "training output"), (METRICS, "training output"),
+             (RECIPE, "regeneration"))
+    found = []
+    for name in store.folders(limit=LOOK_UNDER):  # a few HEADs each: the first ones only
+        kind = next((k for key, k in kinds if store.exists(f"{name}/{key}")), None)
+        if kind is not None:
+            found.append(f"{name}/ ({kind})")
+    if not found:
+        return ""
+    more = " ..." if len(found) > LIST_UNDER else ""
+    return (f". Under it: {', '.join(found[:LIST_UNDER])}{more}: `layertap status "
+            f"{store.uri.rstrip('/')}/{found[0].split('/')[0]}`")
 
 
 def format_regeneration(r: dict) -> str:

@@ -95,6 +95,12 @@ class LocalStore(ObjectStore):
         except ObjectNotFound:  # another writer's object, deleted since
             return False
 
+    def folders(self, limit: int = 1000) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))[:limit]
+        except FileNotFoundError:
+            return []
+
     def get(self, key: str) -> bytes:
         path = self._path(key)
         try:

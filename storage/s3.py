@@ -322,6 +322,12 @@ class S3Store(ObjectStore):
                 return
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
+    def folders(self, limit: int = 1000) -> list[str]:
+        """One listing with a delimiter: the common prefixes, not every key under them."""
+        page = self._call("list", "", lambda: self.client.list_objects_v2(
+            Bucket=self.bucket, Prefix=self._list_prefix(""), Delimiter="/", MaxKeys=limit))
+        return sorted(self._rel(p["Prefix"]).rstrip("/") for p in page.get("CommonPrefixes", []))[:limit]
+
     def _measure_clock_offset(self) -> float:
         """From the Date header of a one-key listing (read-only, so `status` measures it too), against
         our clock once the answer is in. The header has whole seconds, at or before the store's

@@ -191,6 +191,11 @@ class ObjectStore(abc.ABC):
         `start_after`, only keys after it: on S3 the listing starts there (ListObjectsV2's
         StartAfter), so the keys before it cost nothing."""
 
+    def folders(self, limit: int = 1000) -> list[str]:
+        """Up to `limit` names of the "folders" right under the store's root (keys' first part,
+        without the slash), in order: what `status` lists when the root itself holds no run."""
+        return sorted({o.key.split("/", 1)[0] for o in self.list() if "/" in o.key})[:limit]
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""

@@ -182,6 +182,18 @@ def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
     assert "manifest.json is missing" in err and "nor is it a `layertap train` output" in err
 
 
+def test_status_of_the_parent_of_runs_names_what_is_under_it(store_uri, capsys):
+    """A user who gave the prefix above their runs got "no run" and no word of what is there."""
+    fake_worker.work(f"{store_uri}/run1")
+    parent = open_store(store_uri)
+    parent.put("drafter1/metrics.jsonl", b"{}\n")
+    parent.put("misc/notes.txt", b"not ours")
+    rc, out, err = status(capsys, store_uri)
+    assert rc == 2 and out == ""
+    assert "Under it: drafter1/ (training output), run1/ (run)" in err and "misc" not in err
+    assert f"`layertap status {parent.uri.rstrip('/')}/drafter1`" in err
+
+
 @pytest.mark.moto_only
 def test_status_shards_lists_each_shards_object_for_inspect(store_uri, capsys):
     store = open_store(store_uri)
