@@ -148,10 +148,17 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
 def record_metadata(payload: bytes | memoryview) -> dict[str, str]:
     """The string metadata of a record (sample id, tokens, codec parameters), without its tensors.
 
-    By hand: the safetensors library reads a header alone only from a file (`safe_open`).
-    """
-    (n,) = struct.unpack_from("<Q", payload, 0)
-    return json.loads(bytes(payload[8 : 8 + n])).get("__metadata__", {})
+    By hand: the safetensors library reads a header alone only from a file (`safe_open`). A
+    header that is not a JSON object is a `ShardError` (verify then reports the shard bad
+    instead of stopping on a struct or attribute error)."""
+    try:
+        (n,) = struct.unpack_from("<Q", payload, 0)
+        header = json.loads(bytes(payload[8 : 8 + n]))
+    except (struct.error, ValueError) as e:
+        raise ShardError(f"record header does not parse: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+        raise ShardError("record header is not a safetensors header (a JSON object)")
+    return header.get("__metadata__", {})
 
 
 # -- the safetensors blob -----------------------------------------------------------------------

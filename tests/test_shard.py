@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from layertap.storage.identity import RunConfig, RunIdentity
 from layertap.storage.reader import ShardReader, iter_frames, verify_shard
 from layertap.storage.records import Sample
 from layertap.storage.s3 import MiB
+from layertap.storage.local import LocalStore
 from layertap.storage.store import InvalidKey, open_store
 from layertap.storage.writer import ShardWriter, write_shard
 
@@ -221,6 +223,23 @@ def test_running_out_of_memory_in_verify_is_raised_never_reported_as_corruption(
     seen = json.loads(child.stdout)
     assert [s for s in seen if s.startswith("bad")] == []
     assert "MemoryError" in seen and seen[-1] == "ok"
+
+
+@pytest.mark.parametrize("payload", [b"\x01\x02", struct.pack("<Q", 3) + b"[1]", struct.pack("<Q", 21) + b'{"__metadata__": [1]}'])
+def test_a_record_whose_hash_holds_but_whose_header_is_malformed_is_reported_bad(tmp_path, payload):
+    """Only a writer bug makes one, but verify stopped on it with a struct or attribute error
+    instead of reporting the shard (and going on with the others)."""
+    import xxhash
+
+    from layertap.storage.records import EncodedRecord
+
+    store = LocalStore(str(tmp_path))
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[0], hidden_size=4, codec="bf16")
+    with ShardWriter(store.open_writer("s.lts"), meta) as w:
+        w.append_encoded(EncodedRecord("s0", 1, (payload,), len(payload), xxhash.xxh3_64_intdigest(payload), 0))
+        info = w.close()
+    report = verify_shard(store, "s.lts", info.xxh3_128)
+    assert not report.ok and "record header" in report.error
 
 
 def test_a_store_failure_in_verify_is_raised_not_reported(store):
