@@ -328,6 +328,29 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
         assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - set(bad_ids))
 
 
+def test_a_shard_deleted_while_the_stream_reads_says_who_deleted_it(tmp_path):
+    """A run read by one trainer while a --delete-consumed trainer deletes what it trained on: the
+    reader failed with "corrupt or unreadable ... run layertap verify", which sent users to the
+    wrong place."""
+    from layertap.manifests.consumption import claim_consumer
+
+    uri = str(tmp_path / "run")
+    make_run(uri)
+    store = open_store(uri)
+    stream = ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1)
+    first = stream.shards[0]
+    claim_consumer(store, "s3://elsewhere/drafter")
+    store.put(layout.consumed_marker_key(first.shard), b"")
+    store.delete(first.key)
+    with pytest.raises(ShardError, match=r"was deleted while this stream read the run: consumed by the "
+                                         r"--delete-consumed trainer writing to s3://elsewhere/drafter") as e:
+        list(stream)
+    assert "layertap verify" not in str(e.value)
+    store.delete(layout.consumed_marker_key(first.shard))
+    with pytest.raises(ShardError, match="is gone: its data was deleted since this stream started"):
+        list(ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1))
+
+
 def test_a_stream_given_an_open_s3_store_reopens_it_in_each_dataloader_worker(s3_bucket):
     """A forked worker that used the S3 store it inherited shared its parent's sockets: two
     processes reading one connection can mix up their responses."""

@@ -247,7 +247,8 @@ class Fetcher:
         entry = self.shards[shard]
         where = f"{self.store.uri.rstrip('/')}/{entry.key}"
         detail = str(error)
-        msg = f"shard {entry.shard} ({where}) is corrupt or unreadable: {detail}"
+        msg = (_gone(self.store, entry.shard, where) if isinstance(error, ObjectNotFound)
+               else f"shard {entry.shard} ({where}) is corrupt or unreadable: {detail}")
         with self._cond:
             if isinstance(error, UnsupportedShard):  # newer, not corrupt: skipping it would lose it silently
                 self._error = self._error or UnsupportedShard(
@@ -256,9 +257,9 @@ class Fetcher:
                 return self._error
             if self.on_corrupt == "raise":
                 if self._error is None:
-                    self._error = ShardError(
-                        f"{msg}; run `layertap verify` on the run to withdraw bad shards so extraction "
-                        "redoes them, or construct the stream with on_corrupt='skip'")
+                    self._error = ShardError(msg if isinstance(error, ObjectNotFound) else
+                                             f"{msg}; run `layertap verify` on the run to withdraw bad shards so "
+                                             "extraction redoes them, or construct the stream with on_corrupt='skip'")
                 self._cond.notify_all()
                 return self._error
             if shard in self._bad:
@@ -449,6 +450,26 @@ class Fetcher:
         with self._cond:
             self._error = self._error or e
             self._cond.notify_all()
+
+
+def _gone(store: ObjectStore, shard: int, where: str) -> str:
+    """Why a committed shard's data is not there: deleted by the run's --delete-consumed trainer
+    while this stream read the run (its consumed marker says so), or by hand since it started."""
+    from layertap.manifests import layout
+    from layertap.manifests.consumption import consumer_of
+
+    try:
+        consumed = store.exists(layout.consumed_marker_key(shard))
+        trainer = consumer_of(store) if consumed else None
+    except Exception:  # noqa: BLE001 - only the wording of the error depends on it
+        consumed, trainer = False, None
+    if consumed:
+        return (f"shard {shard} ({where}) was deleted while this stream read the run: consumed by the "
+                f"--delete-consumed trainer{f' writing to {trainer}' if trainer else ''}, which deletes what it has "
+                "trained on; read such a run only after that trainer has finished (its deleted shards are then "
+                "left out), or train it with the same trainer")
+    return (f"shard {shard} ({where}) is gone: its data was deleted since this stream started "
+            "(`layertap delete`, or `layertap verify` withdrew it)")
 
 
 class _Counted:
