@@ -170,6 +170,21 @@ def test_follow_decode_bench_reads_every_mode_over_a_finished_run(tmp_path):
     assert r["vs_consumer_thread"]["follow, decode on the consumer's thread"] == 1.0
 
 
+@pytest.mark.parametrize("mode", [["--consumers", "3"], ["--consumers", "3", "--first-looks"]])
+def test_follow_looks_bench_runs_on_a_tiny_run(mode):
+    """bench/follow_looks.py (its own moto server): consumers of a follow epoch waiting on a worker's
+    commits, or their first looks at a run; every consumer here has a share of every shard (36
+    samples a shard, 3 consumers), so each reads every commit record once."""
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow_looks.py"), "--samples", "3000",
+                        "--committed", "10", "--every", "0.2", "--seconds", "3", *mode],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    table = [line for line in p.stdout.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    assert len(table) == 2, p.stdout[-3000:]  # a header and its one row
+    if "--first-looks" not in mode:
+        assert "| 1.000 |" in table[1]  # GETs per commit a consumer finds
+
+
 @pytest.mark.slow
 def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_asks(tmp_path):
     """bench/train_dflash.py (the device `recipe` step runs it): the real SmolLM2 and ShareGPT, a few
