@@ -182,7 +182,9 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: An
         raise ConfigError(f"--mem {mem!r}: give Slurm's form, a number with an optional K, M, G or T "
                          "(binary units: 200G is 200 GiB), 0 for all of a node's memory, or none")
     procs = args.procs_per_node or max(gpus, 1)
-    fitted, notes = fit(sized(procs), node)
+    need = sized(procs)  # only what is sized is clipped and noted: given values go to sbatch as they are
+    fitted, notes = fit(dataclasses.replace(need, cpus_per_task=0 if args.cpus_per_task else need.cpus_per_task,
+                                            mem_gib=0 if mem is not None else need.mem_gib), node)
     for note in notes:
         _note(note)
     env = args.env_activate if args.env_activate is not None else default_activation()
@@ -362,7 +364,7 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
                       f"train {after} --after <the new array's job id> <the --then-train arguments>`")
 
 
-def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple[Any, str]:
+def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple[Any, str] | None:
     """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser;
     with `follow` (the extraction's settings), `--train-while-extracting`'s, made a follow trainer of
     the extraction's --out."""
@@ -386,11 +388,28 @@ def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple
         _train_config(targs, f"{flag} {given!r}: ")
     from layertap.slurm.resources import train_resources
 
+    if _training_complete(train_cfg):
+        _say(args, f"the training at {train_cfg.out} is complete (its drafter is exported): no training job")
+        return None
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
                          job_name="layertap-train")
     if follow is not None and follow.window is not None:
         _check_window(follow, train_cfg, args.train_nodes * topts.procs * max(1, train_cfg.num_workers))
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
+
+
+def _training_complete(cfg) -> bool:
+    """Whether the training output `cfg.out` is complete (every step trained, the drafter
+    exported): a resubmission of the same command then submits no trainer. One that holds
+    checkpoints is resumed by the job (the script passes --resume)."""
+    from layertap.manifests.train_output import training_status
+    from layertap.storage.store import StoreError, open_store
+
+    try:
+        status = training_status(open_store(cfg.out, **cfg.s3))
+    except StoreError:  # unreadable from here (no bucket yet, other credentials): the job will tell
+        return False
+    return bool(status and status["complete"])
 
 
 def _check_window(cfg, train_cfg, consumers: int) -> None:
@@ -455,7 +474,10 @@ def _submit_train(args: argparse.Namespace) -> int:
     if _train_parser() is None:
         raise ConfigError("`layertap train` is not available in this installation (no train.command)")
     _at_least_one(args, "nodes")
-    _train_config(args)
+    cfg = _train_config(args)
+    if _training_complete(cfg):
+        _say(args, f"nothing to submit: the training at {cfg.out} is complete (its drafter is exported)")
+        return 0
     node = partition_shape(args.partition)
     opts = _job_options(args, _gpus_per_node(args, node),
                         lambda procs: train_resources(procs, getattr(args, "num_workers", None)), node)

@@ -58,6 +58,11 @@ class JobOptions:
             raise ConfigError(f"--cpus-per-task must be at least 1, got {self.cpus_per_task}")
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be 0 or more seconds, got {self.grace_s}")
+        limit = slurm_seconds(self.time) if self.time else None
+        if limit is not None and limit < 2 * self.grace_s:
+            raise ConfigError(f"--time {self.time} ({limit} s) is under twice --grace ({self.grace_s} s): each job "
+                              f"would be told to stop {self.grace_s} s before its limit, about {max(0, limit - self.grace_s)} s "
+                              "after it starts, and requeue itself over and over; give a longer --time (or a shorter --grace)")
         for opt in self.sbatch:
             if not opt.startswith("-") or "\n" in opt:
                 raise ConfigError(f"--sbatch {opt!r} is not an sbatch option: give it as --sbatch=--exclusive "
@@ -169,6 +174,25 @@ MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 3
                    "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
+def slurm_seconds(text: str) -> int | None:
+    """A Slurm --time in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+    days-hours:minutes or days-hours:minutes:seconds; None for UNLIMITED/infinite or a form this
+    does not know (sbatch judges it then)."""
+    days, _, rest = text.strip().rpartition("-")
+    try:
+        parts = [int(x) for x in rest.split(":")]
+        d = int(days) if days else 0
+    except ValueError:
+        return None
+    if not 1 <= len(parts) <= 3 or any(x < 0 for x in parts) or d < 0:
+        return None
+    if days:  # days-hours[:minutes[:seconds]]
+        h, m, sec = (parts + [0, 0])[:3]
+    else:  # minutes, minutes:seconds, hours:minutes:seconds
+        h, m, sec = ([0] + parts if len(parts) == 2 else [0, parts[0], 0] if len(parts) == 1 else parts)
+    return ((d * 24 + h) * 60 + m) * 60 + sec
+
+
 def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_flag: str | None) -> str:
     """`layertap train` on `nodes` nodes: srun starts one accelerate launcher per node, with the
     rendezvous (first node's address, a port from the job id) taken from the Slurm environment.
@@ -180,8 +204,8 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              "PORT=$((20000 + SLURM_JOB_ID % 20000))",
              "RESUME=()", *(f'export {k}="${{{k}:-{v}}}"' for k, v in MALLOC_SETTINGS.items())]
-    if resume_flag:
-        lines.append(f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then RESUME=({resume_flag}); fi  # requeued')
+    if resume_flag:  # a requeued job, and one resubmitted after a failure: a fresh --out starts from scratch
+        lines.append(f"RESUME=({resume_flag})  # continues from --out's latest checkpoint when it holds one")
     node = "'exec \"$0\" -m accelerate.commands.launch --machine_rank \"$SLURM_NODEID\" \"$@\"'"
     launch = [*_srun(opts, f"--nodes={nodes}", "--ntasks-per-node=1"), "bash", "-c", node,
               shlex.quote(opts.python), "--num_machines", '"$SLURM_NNODES"', "--num_processes", total,

@@ -150,7 +150,8 @@ def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
     assert '--machine_rank "$SLURM_NODEID"' in flat and '--num_machines "$SLURM_NNODES"' in flat
     assert '--num_processes "$((SLURM_NNODES * 4))" --main_process_ip "$MASTER_ADDR"' in flat
     assert "--multi_gpu" in flat and "-m layertap.train --data s3://b/r --out d" in flat
-    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in script
+    # requeued or resubmitted after a failure, it continues from --out's checkpoint (a fresh --out starts anew)
+    assert "RESUME=(--resume)  # continues from --out's latest checkpoint when it holds one" in script
     assert 'scontrol requeue' in script  # it resumes, so the time limit requeues it
     single = train_script(JobOptions(job_name="t", logs=str(tmp_path)), 1, ["--data", "r"], None)
     assert "--multi_gpu" not in single and "RESUME=(--resume)" not in single and "scontrol requeue" not in single
@@ -212,6 +213,20 @@ def test_job_options_are_checked():
         JobOptions(job_name="x", logs="l", sbatch=["exclusive"])
     with pytest.raises(ValueError, match="--procs-per-node must be at least 1"):
         JobOptions(job_name="x", logs="l", procs_per_node=0)
+    # a limit under twice --grace: told to stop moments after it starts, the job requeued itself over and over
+    for time_limit in ("00:01:00", "3", "3:59"):
+        with pytest.raises(ValueError, match=rf"--time {time_limit} \(\d+ s\) is under twice --grace \(120 s\)"):
+            JobOptions(job_name="x", logs="l", time=time_limit)
+    for time_limit in ("4", "00:10:00", "1-00", "UNLIMITED"):
+        JobOptions(job_name="x", logs="l", time=time_limit)
+
+
+def test_slurm_time_limits_in_seconds():
+    from layertap.slurm.scripts import slurm_seconds
+
+    cases = {"90": 5400, "10:30": 630, "2:30:00": 9000, "1-12": 129600, "1-00:30": 88200, "2-01:02:03": 176523,
+             "UNLIMITED": None, "infinite": None, "": None}
+    assert {text: slurm_seconds(text) for text in cases} == cases
 
 
 # -- the command line, without a cluster ---------------------------------------------------------
@@ -259,6 +274,19 @@ def test_submit_train_dry_run(tmp_path, capsys, monkeypatch):
     assert "#SBATCH --nodes=2" in out and "#SBATCH --time=1-00:00:00" in out
     assert "-m layertap.train --data s3://b/run --out s3://b/drafter --model /m" in " ".join(out.split())
     assert "RESUME=(--resume)" in out  # a requeued job continues from its checkpoint
+
+
+def test_a_complete_training_is_not_submitted_again(tmp_path, capsys, monkeypatch):
+    """Resubmitting the same command, as docs/SLURM.md says, after training finished queued a
+    trainer that failed on "already holds checkpoints"; one that holds checkpoints now resumes
+    (the script passes --resume), and one whose drafter is exported is not submitted."""
+    monkeypatch.chdir(tmp_path)
+    done = open_store(str(tmp_path / "drafter"))
+    done.put("metrics.jsonl", b'{"step": 5, "loss": 1.0}\n')
+    done.put("drafter/config.json", b"{}")
+    assert submit("train", "--dry-run", "--data", str(tmp_path / "run"), "--model", "/m", "--out", done.uri) == 0
+    out = capsys.readouterr().out
+    assert f"nothing to submit: the training at {done.uri} is complete" in out and "#SBATCH" not in out
 
 
 def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
@@ -708,6 +736,12 @@ def test_sbatch_accepts_the_scripts_and_their_resources(slurm_cluster, tmp_path,
         path.write_text(script)
         p = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True)
         assert p.returncode == 0 and "to start at" in p.stderr, (name, p.stderr)
+    # given values are not sized: no note of clipping what the user did not ask for
+    assert submit("extract", "--dry-run", "--nodes", "1", "--partition", "debug", "--cpus-per-task", "1",
+                  "--mem", "1G", "--out", prefix, "--max-length", "64") == 0
+    out, err = capsys.readouterr()
+    assert "is more than a node" not in err
+    assert {"--cpus-per-task=1", "--mem=1G"} <= set(sbatch_options(dry_run_scripts(out)["layertap-extract"]))
 
 
 def test_a_job_runs_in_and_logs_to_a_folder_with_a_space_and_a_quote(slurm_cluster, tmp_path):
