@@ -124,8 +124,18 @@ def format_status(s: dict) -> str:
         "  rate     " + _rate_line(s),
         *_consumption_lines(s.get("consumption")),
     ]
+    window, rest = s.get("window"), s.get("bytes_at_rest", s["bytes_stored"])
+    if window is not None:
+        lines.append(f"  window   {size(rest)} at rest of a {size(window)} --window"
+                     + (": full, extraction waits for training to consume" if rest >= window and not s["complete"]
+                        else ""))
     if s["complete"]:
         lines.append("  COMPLETE")
+    elif not s["shards_running"] and not s["problem"] and window is not None and rest >= window:
+        # Workers waiting for the window hold no lease: "nothing is running" sent users to start a second extractor.
+        lines.append("  no shard is running: the extraction workers wait for the window to open, as training "
+                     "consumes and deletes what it trained on; if no worker is alive, the same `layertap extract` "
+                     "command goes on")
     elif not s["shards_running"] and not s["problem"]:
         lines.append("  nothing is running: the same `layertap extract` (or `layertap submit extract`) command "
                      "finishes the failed and pending shards")
@@ -184,7 +194,9 @@ def format_training(t: dict) -> str:
     lines = [f"training output at {t['prefix']}" + (f"  (data {t['data']})" if t["data"] else "")]
     if t["step"] is not None:
         lines.append(f"  steps       {t['step']:,}{of}, epoch {t['epoch']}")
-        lines.append(f"  last loss   {t['loss']:.4f} at step {t['step']:,}"
+        loss = (f"{t['loss']:.4f}" if t["loss"] == t["loss"] else
+                "none (the step held only zero-weighted padding: samples the extraction skipped)")
+        lines.append(f"  last loss   {loss} at step {t['step']:,}"
                      + (f", acc@1 {t['acc_first']:.3f}" if t["acc_first"] is not None else "")
                      + (f", {t['tokens_per_s']:,.0f} tokens/s" if t["tokens_per_s"] else "")
                      + " (metrics.jsonl is written with each checkpoint)")

@@ -161,10 +161,25 @@ def test_a_second_delete_consumed_trainer_of_a_run_is_refused_and_another_traine
     assert any("consumed by the --delete-consumed trainer" in r.getMessage() for r in caplog.records)
 
 
-def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
-    """--follow --epochs 2 counts its steps as two follow epochs, padded to the plan; the second
-    holds only the committed samples (a shard was given up), so it ends sooner: training ends
-    there, not with a few steps of a third epoch."""
+def test_a_follow_trainer_of_a_run_consumed_to_the_end_is_refused(tmp_path, capsys):
+    """It ran its steps on padding, reported a NaN loss and exported an untrained drafter, exit 0."""
+    from layertap.cli import main as cli
+    from layertap.manifests import layout
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri = str(tmp_path / "run")
+    m = fake_worker.plan(_store(uri))
+    fake_worker.work(uri, shards=list(range(len(m.shards))))
+    store = _store(uri)
+    for shard in range(len(m.shards)):
+        store.put(layout.consumed_marker_key(shard), b"")
+    assert cli(["train", "--data", uri, "--model", target, "--out", str(tmp_path / "out"), "--follow"]) == 2
+    assert "nothing is left to train on" in capsys.readouterr().err
+
+
+def train_with_shard_6_given_up(tmp_path, *extra: str):
+    """`layertap train --follow` of a run whose shard 6 was given up: (the plan, metrics.jsonl's records)."""
     from layertap.cli import main as cli
     from tiny_models import tiny_model_dir
 
@@ -174,8 +189,43 @@ def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
     fake_worker.work(uri, shards=[s for s in range(len(m.shards)) if s != 6])
     give_up(uri, 6)
     assert cli(["train", "--data", uri, "--model", target, "--out", out, "--follow", "--follow-poll-s", "0.5",
-                "--epochs", "2", "--batch-size", "4", "--block-size", "4", "--max-anchors", "8"]) == 0
-    lines = [json.loads(x) for x in _store(out).get("metrics.jsonl").decode().splitlines()]
+                *extra, "--batch-size", "4", "--block-size", "4", "--max-anchors", "8"]) == 0
+    return m, [json.loads(x) for x in _store(out).get("metrics.jsonl").decode().splitlines()]
+
+
+def test_steps_of_padding_alone_count_no_tokens_and_the_final_loss_is_the_last_learned(tmp_path, capsys):
+    """A follow epoch is padded to the plan; where extraction left samples out (here a given-up
+    shard) its last steps hold padding alone: they showed as "final loss nan" with the pads'
+    tokens counted in tokens/s."""
+    _, lines = train_with_shard_6_given_up(tmp_path)
+    pads = [r for r in lines if r["loss"] != r["loss"]]
+    assert pads and lines[-1] in pads  # the plan's last samples never came
+    assert all(r["tokens"] == 0 and r["tokens_per_s"] == 0 for r in pads)
+    learned = [r for r in lines if r["loss"] == r["loss"]]
+    assert all(r["tokens"] > 0 for r in learned)
+    printed = capsys.readouterr().out
+    assert (f"final loss {learned[-1]['loss']:.4f} (step {learned[-1]['step']}; the {len(lines) - len(learned)} "
+            "step(s) after it held only zero-weighted padding") in printed
+
+
+def test_a_trainer_waiting_where_no_run_is_coming_is_told_of_the_runs_beside(tmp_path):
+    """`--data s3://acts/run-1` for a run at `run1`: "waiting for extraction: no run ... yet" every
+    30 s, forever, with no word of the run next to it."""
+    from layertap.train.follow import _runs_beside
+
+    fake_worker.plan(_store(str(tmp_path / "run1")))
+    fake_worker.plan(_store(str(tmp_path / "other")))
+    (tmp_path / "logs").mkdir()
+    hint = _runs_beside(_store(str(tmp_path / "run-1")))
+    assert hint == "; runs beside it: run1, other (is --data one of them?)"
+    assert _runs_beside(_store(str(tmp_path / "logs" / "x"))) == ""  # nothing beside it is a run
+
+
+def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
+    """--follow --epochs 2 counts its steps as two follow epochs, padded to the plan; the second
+    holds only the committed samples (a shard was given up), so it ends sooner: training ends
+    there, not with a few steps of a third epoch."""
+    m, lines = train_with_shard_6_given_up(tmp_path, "--epochs", "2")
     committed = SAMPLES - m.shards[6].num_samples
     assert [x["epoch"] for x in lines] == [0] * (SAMPLES // 4) + [1] * -(-committed // 4)
 

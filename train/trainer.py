@@ -189,6 +189,8 @@ def train(cfg: TrainConfig) -> int:
     _check_objective(cfg, run.identity.final_state)
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
+    elif cfg.follow:
+        _check_left_to_train(data, len(run.shards))
     # The run's committed shards before the target: a run with none fails in seconds, not after
     # the target head has loaded.
     stream = open_stream(cfg, acc)
@@ -348,7 +350,7 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
         if result.kl is not None:
             on_device[3 + 2 * bs] += result.kl.double() * result.weight
         on_host[1] += result.weight
-        on_host[2] += int(batch["lengths"].sum())
+        on_host[2] += int(batch["lengths"][~batch["padding"]].sum())  # real tokens: not the zero-weighted pads
         on_host[3 + bs:3 + 2 * bs] += result.counted
         del batch, result  # the states on the GPU go back to the allocator before the next batch
         if last:
@@ -404,8 +406,13 @@ def _loop(run: _Run, start: int) -> int:
     progress.close()
     if acc.is_main_process:
         export_drafter(run.out, run.model)
-        last = json.loads(run.metrics.lines[-1]) if run.metrics.lines else {}
-        print(f"trained {run.total} steps; final loss {last.get('loss', float('nan')):.4f}; drafter at "
+        records = [json.loads(line) for line in run.metrics.lines]
+        learned = [r for r in records if r.get("loss") == r.get("loss")]  # a step of padding alone has no loss (NaN)
+        last = learned[-1] if learned else {}
+        pads = len(records) - 1 - records.index(last) if learned else len(records)
+        padding = (f" (step {last['step']}; the {pads} step(s) after it held only zero-weighted padding: samples the "
+                   "extraction skipped)") if learned and pads else ""
+        print(f"trained {run.total} steps; final loss {last.get('loss', float('nan')):.4f}{padding}; drafter at "
               f"{run.out.uri}/drafter/\n"
               f"evaluate it on held-out prompts (JSON lines of chats; the target is the one the drafter records, "
               f"{cfg.model}{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
@@ -525,6 +532,21 @@ def _delete_consumed(run: _Run, step: int) -> None:
         if deleted:
             log.info("deleted the data of %d consumed shard(s) at %s", len(deleted), run.data.uri)
     acc.wait_for_everyone()
+
+
+def _check_left_to_train(data: ObjectStore, planned: int) -> None:
+    """A new follow trainer of a run whose every shard is committed, and consumed and deleted by
+    a --delete-consumed trainer, has nothing to train on: it ran its steps on padding, reported
+    a NaN loss and exported an untrained drafter, exiting 0."""
+    from layertap.manifests import layout
+    from layertap.manifests.consumption import consumed_shards
+    from layertap.manifests.state import listed_shards
+
+    committed = listed_shards(data, layout.COMMITS)
+    if committed and len(committed) == planned and committed <= consumed_shards(data):
+        raise InputError(f"every shard of {data.uri} was trained on and deleted by a --delete-consumed trainer: "
+                         "nothing is left to train on. Extract the run again (to another --out) to train another "
+                         "drafter on it")
 
 
 def _check_apart(out: ObjectStore, data: ObjectStore) -> None:
