@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from layertap.manifests import layout
-from layertap.manifests.consumption import consumed_everywhere, consumed_shards, marker_times
+from layertap.manifests.consumption import consumed_everywhere, consumed_shards, marker_times, recorded_window
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from layertap.manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
@@ -94,6 +94,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "stale_commits": st.stale_commits,
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
         "consumption": consumption,
+        "window": recorded_window(store),  # the --window extraction runs with (bytes), None without one
         **listed,
     }
 

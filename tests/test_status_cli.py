@@ -182,6 +182,24 @@ def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
     assert "manifest.json is missing" in err and "nor is it a `layertap train` output" in err
 
 
+def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_path, capsys):
+    """Workers waiting for a full --window hold no lease: status said "nothing is running: the same
+    layertap extract command finishes ...", and a user following it started a second extractor."""
+    uri = str(tmp_path / "run")
+    store = open_store(uri)
+    m = fake_worker.plan(store)
+    fake_worker.work(uri, shards=[0, 1])
+    store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 1000}).encode())
+    rc, out, _ = status(capsys, uri)
+    assert rc == 3 and "of a 1000 B --window: full, extraction waits for training to consume" in out
+    assert "the extraction workers wait for the window to open" in out and "nothing is running" not in out
+    assert json.loads(status(capsys, uri, "--json")[1])["window"] == 1000
+    store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 10**12}).encode())  # open: no worker waits on it
+    out = status(capsys, uri)[1]
+    assert "--window" in out and "full" not in out and "nothing is running" in out
+    assert len(m.shards) > 2
+
+
 def test_status_of_the_parent_of_runs_names_what_is_under_it(store_uri, capsys):
     """A user who gave the prefix above their runs got "no run" and no word of what is there."""
     fake_worker.work(f"{store_uri}/run1")
