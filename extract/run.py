@@ -96,6 +96,12 @@ def _extract(cfg: ExtractConfig, state) -> int:
     producer = Producer.current(rank)
     # The storage window: before each claim, wait while too much committed data awaits training.
     gate = WindowGate(store, cfg.window) if cfg.window is not None else None
+    if gate is not None and rank == 0 and cfg.window < 2 * manifest.shard_bytes:
+        log.warning("--window %s holds fewer than two of this run's shards (~%s each): every claim waits until "
+                    "training has consumed what is at rest, one shard at a time, and a trainer whose shuffle buffer "
+                    "needs more samples than a shard holds stalls for good (`layertap submit extract "
+                    "--train-while-extracting` names the window its trainer needs)", size(cfg.window),
+                    size(manifest.shard_bytes))
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
                       world_size=world, before_claim=gate)
     if queue.finished():
@@ -434,6 +440,12 @@ def _summary(store: ObjectStore, cfg: ExtractConfig) -> int:
             return 0
         print("\nthe run is not complete: run the same command again to retry failed and pending shards")
         return 1
+    consumed = status.get("consumption")
+    if consumed and consumed["shards_deleted"]:  # trained while extracted: a new trainer would find little left
+        print(f"\ntraining consumed {consumed['shards']} of its shards while it was extracted (the data of "
+              f"{consumed['shards_deleted']} deleted, --delete-consumed): the trainer's own `layertap status` "
+              "says how its training went")
+        return 0
     print(f"\ntrain a drafter on it (the target is the one this run's manifest records):"
           f"\n  layertap train --data {cfg.out} --out {cfg.out.rstrip('/')}-drafter")
     if not torch.cuda.is_available():

@@ -253,6 +253,33 @@ def test_extract_with_a_window_waits_for_training(tmp_path, store_uri):
     status = run_status(store)
     assert status["complete"] and status["shards_done"] == status["shards_total"] > len(consumed) + 1
     assert status["consumption"]["shards"] == len(consumed)
+    # its closing words: not "train a drafter on it" over data the trainer deleted
+    assert f"training consumed {len(consumed)} of its shards while it was extracted" in out
+    assert "train a drafter on it" not in out
+    assert "holds fewer than two of this run's shards" not in (logs / "extract-rank0.log").read_text()
+
+
+def test_a_window_under_two_shards_is_warned_of_at_the_start(tmp_path):
+    """`extract --shard-bytes 6MB --window 1MB` was taken silently and then went one shard at a time
+    (or stalled for good, with a trainer's shuffle buffer to fill)."""
+    from test_extract import REPO, write_chats
+    from tiny_models import tiny_model_dir
+
+    logs = tmp_path / "logs"
+    args = [sys.executable, "-m", "layertap", "extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
+            write_chats(tmp_path / "chats.jsonl", 20), "--out", str(tmp_path / "run"), "--layers", "1,3",
+            "--max-length", "32", "--shard-bytes", "20KB", "--window", "30KB", "--log-dir", str(logs)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    log_file, deadline, text = logs / "extract-rank0.log", time.time() + 300, ""
+    try:
+        while proc.poll() is None and time.time() < deadline and "window full" not in text:
+            text = log_file.read_text() if log_file.exists() else ""
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert "--window 29.3 KiB holds fewer than two of this run's shards (~19.5 KiB each)" in text, text[-3000:]
 
 
 def test_status_and_verify_of_a_run_with_consumed_shards(store_uri, capsys):

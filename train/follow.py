@@ -60,16 +60,38 @@ def _looks(poll_s: float) -> Backoff:
 def wait_for_manifest(store: ObjectStore, poll_s: float) -> Manifest:
     """The run's manifest, waiting while extraction has not written it yet (`layertap extract`
     writes it when it starts)."""
-    backoff, logged = _looks(poll_s), 0.0
+    backoff, logged, hint = _looks(poll_s), 0.0, None
     while True:
         try:
             return load_manifest(store)
         except NoRun:
             if time.monotonic() - logged >= LOG_EVERY_S:
-                log.info("waiting for extraction: no run at %s yet (%s appears when `layertap extract` starts)",
-                         store.uri, layout.MANIFEST)
+                hint = _runs_beside(store) if hint is None else hint
+                log.info("waiting for extraction: no run at %s yet (%s appears when `layertap extract` starts)%s",
+                         store.uri, layout.MANIFEST, hint)
                 logged = time.monotonic()
             backoff.sleep()
+
+
+def _runs_beside(store: ObjectStore) -> str:
+    """The runs in the folder above `store`, for a trainer told to wait where none is coming (a
+    typo of --data waited forever without a word): named once, with the likeliest first."""
+    import difflib
+
+    from layertap.storage.store import StoreError, open_store
+
+    parent, _, name = store.uri.rstrip("/").rpartition("/")
+    if not name or parent in ("s3:/", "s3:", ""):
+        return ""
+    try:
+        beside = open_store(parent)
+        runs = [f for f in beside.folders(limit=50) if f != name and beside.exists(f"{f}/{layout.MANIFEST}")]
+    except (StoreError, ValueError):
+        return ""
+    if not runs:
+        return ""
+    runs.sort(key=lambda f: -difflib.SequenceMatcher(None, f, name).ratio())
+    return f"; runs beside it: {', '.join(runs[:5])}{' ...' if len(runs) > 5 else ''} (is --data one of them?)"
 
 
 class CommitWatcher:
