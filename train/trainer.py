@@ -189,7 +189,7 @@ def train(cfg: TrainConfig) -> int:
     _check_objective(cfg, run.identity.final_state)
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
-    elif cfg.follow:
+    elif cfg.follow and rank == 0:  # two listings of the run: once, not on every rank
         _check_left_to_train(data, len(run.shards))
     # The run's committed shards before the target: a run with none fails in seconds, not after
     # the target head has loaded.
@@ -350,7 +350,8 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
         if result.kl is not None:
             on_device[3 + 2 * bs] += result.kl.double() * result.weight
         on_host[1] += result.weight
-        on_host[2] += int(batch["lengths"][~batch["padding"]].sum())  # real tokens: not the zero-weighted pads
+        pads = batch.get("padding")  # real tokens: not the zero-weighted pads (collate marks them)
+        on_host[2] += int((batch["lengths"] if pads is None else batch["lengths"][~pads]).sum())
         on_host[3 + bs:3 + 2 * bs] += result.counted
         del batch, result  # the states on the GPU go back to the allocator before the next batch
         if last:
