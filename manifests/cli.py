@@ -67,9 +67,10 @@ def run_status(args: argparse.Namespace) -> int:
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] else EXIT_INCOMPLETE
 
 
-def _what_is_under(store) -> str:
-    """The runs and outputs one level down, for a prefix that holds none itself (a user who gave
-    the parent of their runs): a folder is named by what its marker object says it is."""
+def outputs_under(store) -> list[tuple[str, str]]:
+    """(folder, kind) of the runs and outputs one level under `store`, each named by what its
+    marker object says it is: for a prefix that holds none itself (`status` of the parent of
+    runs, a follow trainer waiting where no run is coming)."""
     from layertap.manifests.layout import MANIFEST
     from layertap.manifests.regeneration import RECIPE
     from layertap.manifests.train_output import LATEST, METRICS
@@ -80,7 +81,13 @@ def _what_is_under(store) -> str:
     for name in store.folders(limit=LOOK_UNDER):  # a few HEADs each: the first ones only
         kind = next((k for key, k in kinds if store.exists(f"{name}/{key}")), None)
         if kind is not None:
-            found.append(f"{name}/ ({kind})")
+            found.append((name, kind))
+    return found
+
+
+def _what_is_under(store) -> str:
+    """`outputs_under` as the end of `status`'s "no run" error."""
+    found = [f"{name}/ ({kind})" for name, kind in outputs_under(store)]
     if not found:
         return ""
     more = " ..." if len(found) > LIST_UNDER else ""

@@ -78,14 +78,14 @@ def _runs_beside(store: ObjectStore) -> str:
     typo of --data waited forever without a word): named once, with the likeliest first."""
     import difflib
 
+    from layertap.manifests.cli import outputs_under
     from layertap.storage.store import StoreError, open_store
 
     parent, _, name = store.uri.rstrip("/").rpartition("/")
     if not name or parent in ("s3:/", "s3:", ""):
         return ""
     try:
-        beside = open_store(parent)
-        runs = [f for f in beside.folders(limit=50) if f != name and beside.exists(f"{f}/{layout.MANIFEST}")]
+        runs = [f for f, kind in outputs_under(open_store(parent)) if f != name and kind == "run"]
     except (StoreError, ValueError):
         return ""
     if not runs:
