@@ -212,13 +212,19 @@ def format_training(t: dict) -> str:
         lines.append(f"  checkpoint  step {t['checkpoint_step']:,}: {t['checkpoint']}{age}")
     else:
         lines.append("  checkpoint  none yet")
+    if (h := t["trainer"]) is not None:
+        job = f", Slurm job {h['slurm_job']}" if h["slurm_job"] else ""
+        lines.append(f"  trainer     running: pid {h['pid']} on {h['host']}{job} (its lease on the output renewed "
+                     f"{duration(h['lease_renewed_s_ago'])} ago)")
     if t["drafter_exported"]:
         lines.append(f"  drafter     exported: {t['prefix'].rstrip('/')}/drafter/ "
                      f"(`layertap eval --drafter {t['prefix']} ...` measures it)")
         lines.append("  COMPLETE")
+    elif h is not None:
+        lines.append("  drafter     not exported yet: training is running")
     else:
-        lines.append("  drafter     not exported yet: training is running, or stopped (the same `layertap train` "
-                     "command with --resume continues from the checkpoint)")
+        lines.append("  drafter     not exported yet: training stopped (the same `layertap train` command with "
+                     "--resume continues from the checkpoint)")
     return "\n".join(lines)
 
 

@@ -2,8 +2,8 @@
 
 It asks first (or takes `--yes`), refuses a prefix that is neither a run nor a training output
 unless `--force` (a typo must not empty a bucket), and refuses a run whose shards are being
-written under live leases. The manifest goes last, so an interrupted delete is still a run and
-the same command finishes it.
+written under live leases, or a training output a trainer holds. The manifest goes last, so an
+interrupted delete is still a run and the same command finishes it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def add_delete(p: argparse.ArgumentParser) -> None:
     p.add_argument("prefix", help="the run (or training output) prefix: s3://bucket/prefix or a local folder")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (for scripts)")
     p.add_argument("--force", action="store_true",
-                   help="delete even a prefix that is not a run or a training output, or a run with live leases")
+                   help="delete even a prefix that is not a run or a training output, or one being written "
+                        "(a run with live leases, an output a trainer holds)")
     p.add_argument("--threads", type=int, default=16, help="delete requests in flight on S3, 1,000 keys each (default 16)")
 
 
@@ -62,6 +63,7 @@ def describe(store, force: bool) -> str:
     """What the prefix holds, in words; raises `Refused` for what must not be deleted unforced."""
     from layertap.manifests import layout
     from layertap.manifests.manifest import ManifestError, NoRun, load_manifest
+    from layertap.manifests.output_lease import live_holder
     from layertap.manifests.regeneration import RECIPE
     from layertap.manifests.state import scan
 
@@ -78,7 +80,11 @@ def describe(store, force: bool) -> str:
             raise Refused(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "
                              "under live leases: stop the workers first (or pass --force)")
         return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
-    if any(store.exists(k) for k in TRAINING_KEYS):
+    held = live_holder(store)
+    if held is not None or any(store.exists(k) for k in TRAINING_KEYS):
+        if held is not None and not force:
+            raise Refused(f"a trainer is writing to {store.uri} ({held.describe(store.now())}): stop it first "
+                          "(or pass --force)")
         return f"training output at {store.uri}"
     if store.exists(RECIPE):
         return f"regeneration output at {store.uri}"

@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+from layertap.manifests.output_lease import live_holder
 from layertap.storage.errors import InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
@@ -25,7 +26,8 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
     """A JSON-ready summary of the training output at `store`, or None when it holds none."""
     latest = _json(store, LATEST)
     last = _last_metrics(store)
-    if latest is None and last is None:
+    held = live_holder(store)  # a trainer at work, maybe before its first checkpoint
+    if latest is None and last is None and held is None:
         return None
     state = _json(store, f"{latest['prefix']}/state.json") if latest and latest.get("prefix") else None
     config = (state or {}).get("config") or {}
@@ -46,6 +48,9 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "checkpoint": f"{store.uri.rstrip('/')}/{latest['prefix']}" if latest and latest.get("prefix") else None,
         "checkpoint_age_s": round(max(0.0, time.time() - written), 1) if written is not None else None,
         "drafter_exported": exported,
+        "trainer": None if held is None else {
+            "host": held.holder.get("host"), "pid": held.holder.get("pid"), "slurm_job": held.holder.get("slurm_job"),
+            "lease_renewed_s_ago": round(max(0.0, store.now() - held.modified), 1)},
         "complete": exported,
     }
 

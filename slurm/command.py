@@ -388,8 +388,8 @@ def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple
         _train_config(targs, f"{flag} {given!r}: ")
     from layertap.slurm.resources import train_resources
 
-    if _training_complete(train_cfg):
-        _say(args, f"the training at {train_cfg.out} is complete (its drafter is exported): no training job")
+    if (why := _no_trainer_needed(train_cfg)) is not None:
+        _say(args, f"{why}: no training job")
         return None
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
                          job_name="layertap-train")
@@ -398,18 +398,25 @@ def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
 
 
-def _training_complete(cfg) -> bool:
-    """Whether the training output `cfg.out` is complete (every step trained, the drafter
-    exported): a resubmission of the same command then submits no trainer. One that holds
-    checkpoints is resumed by the job (the script passes --resume)."""
+def _no_trainer_needed(cfg) -> str | None:
+    """Why a resubmission of the same command queues no trainer for the output `cfg.out`: it is
+    complete (every step trained, the drafter exported), or a trainer writes to it now (a second
+    would be refused at its start). One that holds checkpoints is resumed by the job (the script
+    passes --resume)."""
     from layertap.manifests.train_output import training_status
     from layertap.storage.store import StoreError, open_store
 
     try:
         status = training_status(open_store(cfg.out, **cfg.s3))
     except StoreError:  # unreadable from here (no bucket yet, other credentials): the job will tell
-        return False
-    return bool(status and status["complete"])
+        return None
+    if status and status["complete"]:
+        return f"the training at {cfg.out} is complete (its drafter is exported)"
+    if status and (h := status["trainer"]):
+        job = f"Slurm job {h['slurm_job']}, " if h["slurm_job"] else ""
+        return (f"a trainer is writing to {cfg.out} now ({job}pid {h['pid']} on {h['host']}); a second would be "
+                "refused while it runs")
+    return None
 
 
 def _check_window(cfg, train_cfg, consumers: int) -> None:
@@ -475,8 +482,8 @@ def _submit_train(args: argparse.Namespace) -> int:
         raise ConfigError("`layertap train` is not available in this installation (no train.command)")
     _at_least_one(args, "nodes")
     cfg = _train_config(args)
-    if _training_complete(cfg):
-        _say(args, f"nothing to submit: the training at {cfg.out} is complete (its drafter is exported)")
+    if (why := _no_trainer_needed(cfg)) is not None:
+        _say(args, f"nothing to submit: {why}")
         return 0
     node = partition_shape(args.partition)
     opts = _job_options(args, _gpus_per_node(args, node),

@@ -816,6 +816,14 @@ def test_delete_refuses_what_is_not_a_run_and_a_run_being_written(store_uri, cap
     assert cli(["delete", store_uri, "--yes"]) == 0
     assert f"training output at {store.uri}" in capsys.readouterr().out and list(store.list()) == []
 
+    from layertap.manifests.output_lease import OutputLease
+
+    store.put("metrics.jsonl", b'{"step": 1}\n')
+    with OutputLease(store):  # a trainer at work there
+        assert cli(["delete", store_uri, "--yes"]) == 2
+        assert f"a trainer is writing to {store.uri} (pid {os.getpid()}" in capsys.readouterr().err
+        assert store.exists("metrics.jsonl")
+
 
 def test_delete_asks_on_a_terminal(tmp_path):
     """The prompt, answered on a real pseudo-terminal: anything but `yes` keeps the run."""

@@ -289,6 +289,23 @@ def test_a_complete_training_is_not_submitted_again(tmp_path, capsys, monkeypatc
     assert f"nothing to submit: the training at {done.uri} is complete" in out and "#SBATCH" not in out
 
 
+def test_no_trainer_is_submitted_for_an_output_a_trainer_holds(tmp_path, capsys, monkeypatch):
+    """Resubmitting while the last trainer still runs queued a second trainer on the same --out,
+    which would overwrite the first's checkpoints (now refused at its start): not queued."""
+    from layertap.manifests.output_lease import OutputLease
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    held = open_store(str(tmp_path / "drafter"))
+    argv = ("train", "--dry-run", "--data", str(tmp_path / "run"), "--model", "/m", "--out", held.uri)
+    with OutputLease(held):
+        assert submit(*argv) == 0
+        out = capsys.readouterr().out
+        assert f"nothing to submit: a trainer is writing to {held.uri} now (Slurm job 4242, pid {os.getpid()}" in out
+        assert "#SBATCH" not in out
+    assert submit(*argv) == 0 and "#SBATCH" in capsys.readouterr().out  # released: a trainer is queued
+
+
 def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fresh = str(tmp_path / "fresh")

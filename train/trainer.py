@@ -8,6 +8,9 @@ weights, AdamW moments, RNG and every rank's loader position, so `--resume` cont
 same batches and the same loss curve as a run that never stopped. The learning rate is a pure
 function of the step (linear warmup, cosine decay), so it needs no saved state.
 
+Rank 0 holds a lease on --out (`manifests.output_lease`) from its start to its end: a second
+trainer started on the same output is refused, not let to overwrite this one's checkpoints.
+
 SIGTERM or SIGUSR1 (Slurm's preemption and time-limit warnings) make every rank stop at the
 next step boundary; rank 0 saves a checkpoint and the job exits with 143 for a requeue. Ctrl-C
 does the same and exits with 130 (a second one stops at once, without the checkpoint).
@@ -29,6 +32,7 @@ import xxhash
 
 from layertap.manifests.layout import MANIFEST
 from layertap.manifests.manifest import load_manifest
+from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import StopSignals
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.identity import RunConfig
@@ -173,10 +177,18 @@ def train(cfg: TrainConfig) -> int:
     precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
     acc = Accelerator(mixed_precision=precision, cpu=not cuda,
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    rank, world = acc.process_index, acc.num_processes
     out = open_store(cfg.out, **cfg.s3)
     data = open_store(cfg.data, **cfg.s3)
     _check_apart(out, data)
+    with OutputLease(out) if acc.is_main_process else nullcontext() as lease:
+        return _train(cfg, acc, precision, out, data, lease)
+
+
+def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: ObjectStore,
+           lease: OutputLease | None) -> int:
+    """`train` once rank 0 holds the output."""
+    cuda = torch.cuda.is_available()
+    rank, world = acc.process_index, acc.num_processes
     run = wait_for_manifest(data, cfg.follow_poll_s) if cfg.follow else load_manifest(data)
     if cfg.model is None:
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
@@ -240,7 +252,7 @@ def train(cfg: TrainConfig) -> int:
             Prefetcher(loader, acc.device) as batches:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
                           batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
-                          data=data, distill=distill), start)
+                          data=data, distill=distill, lease=lease), start)
 
 
 def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
@@ -304,6 +316,7 @@ class _Run:
     stream: ShardStream
     data: ObjectStore  # the run being trained on
     distill: Distill | None = None  # --objective kl|ce+kl: the teacher side
+    lease: OutputLease | None = None  # rank 0's hold on --out
 
 
 @dataclass
@@ -406,6 +419,8 @@ def _loop(run: _Run, start: int) -> int:
             return run.stop.requested.exit_code if run.stop.requested is not None else 143  # another rank's signal
     progress.close()
     if acc.is_main_process:
+        if run.lease is not None:
+            run.lease.check()
         export_drafter(run.out, run.model)
         records = [json.loads(line) for line in run.metrics.lines]
         learned = [r for r in records if r.get("loss") == r.get("loss")]  # a step of padding alone has no loss (NaN)
@@ -498,9 +513,14 @@ def _save(run: _Run, step: int) -> None:
     acc = run.acc
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
-    total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values())],
+    # Beside each rank's weight sum, whether rank 0 lost its lease on --out: every rank stops then.
+    lost = float(run.lease is not None and run.lease.lost.is_set())
+    total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values()), lost],
                          dtype=torch.float64, device=acc.device)
-    sums = acc.gather(total).cpu().tolist()
+    rows = acc.gather(total).view(-1, 2).cpu().tolist()
+    if any(taken for _, taken in rows):
+        raise taken_over(run.out)
+    sums = [weights for weights, _ in rows]
     if len(set(sums)) > 1:
         raise RuntimeError(f"drafter replicas differ across ranks at step {step} (weight sums {sums}); "
                            "not saving a checkpoint from diverged ranks")

@@ -1,0 +1,195 @@
+"""One trainer at a time per training output (`layertap train --out`).
+
+Two trainers writing one output overwrite each other's checkpoints and metrics, and with
+--delete-consumed each counts the other's shards as read. It happens without anyone meaning it:
+a Slurm resubmission queues a trainer while the last one still runs, or a command is run twice.
+So the trainer holds a lease on its output, as an extraction worker holds one on its shard:
+`lease/{generation:06d}.ttl{s}` (JSON: host, pid, Slurm job), renewed every ttl/4 and alive
+while the store's LastModified + ttl is ahead of the store's clock.
+
+A trainer that finds a live lease waits for it to go stale (a holder that died, e.g. a node lost
+mid-run) unless it is renewed meanwhile, or its holder is a process gone from this very host
+(a trainer killed here and started again): then it takes the output over at once. A renewal
+proves the holder alive, and the newcomer is refused with who holds it. A holder that finds a
+newer generation (it stalled past its ttl and was taken over) stops before its next write.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from layertap.storage.errors import ConfigError
+from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "lease/"
+DEFAULT_TTL_S = 60.0
+_KEY = re.compile(r"lease/(\d{6})\.ttl([0-9.]+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A live lease on an output, as another process sees it."""
+
+    key: str
+    generation: int
+    ttl_s: float
+    modified: float
+    holder: dict[str, Any]
+
+    def describe(self, now: float) -> str:
+        h = self.holder
+        who = f"pid {h.get('pid', '?')} on {h.get('host', '?')}"
+        if h.get("slurm_job"):
+            who += f", Slurm job {h['slurm_job']}"
+        return f"{who}; lease renewed {max(0.0, now - self.modified):.0f} s ago"
+
+
+class OutputLeaseTaken(ConfigError):
+    """Another live trainer writes to this output, or took it over from this one."""
+
+
+def latest(store: ObjectStore) -> tuple[int, ObjectInfo, float] | None:
+    """The newest lease's (generation, listing entry, ttl), None when the output has none."""
+    found = [(int(m[1]), o, float(m[2])) for o in store.list(PREFIX) if (m := _KEY.search(o.key))]
+    return max(found, key=lambda f: f[0]) if found else None
+
+
+def taken_over(store: ObjectStore) -> OutputLeaseTaken:
+    return OutputLeaseTaken(
+        f"another trainer took {store.uri.rstrip('/')} over while this one could not renew its lease on it "
+        "(a stall, or the store out of reach, for longer than the lease's ttl): stopping without writing")
+
+
+def live_holder(store: ObjectStore) -> Held | None:
+    """The trainer holding the output now (its lease alive by the store's clock), else None."""
+    found = latest(store)
+    if found is None:
+        return None
+    generation, info, ttl = found
+    if info.modified + ttl <= store.now():
+        return None
+    return Held(info.key, generation, ttl, info.modified, _payload(store, info.key))
+
+
+def _payload(store: ObjectStore, key: str) -> dict[str, Any]:
+    try:
+        body = json.loads(store.get(key))
+        return body if isinstance(body, dict) else {}
+    except (ObjectNotFound, ValueError):  # released meanwhile, or not ours to read: shown as '?'
+        return {}
+
+
+class OutputLease:
+    """The lease of the trainer writing to `store`: `acquire()`, then `check()` before each write,
+    `release()` at the end (also as a context manager)."""
+
+    def __init__(self, store: ObjectStore, ttl_s: float = DEFAULT_TTL_S, poll_s: float = 2.0):
+        self.store, self.ttl_s, self.poll_s = store, ttl_s, poll_s
+        self.key: str | None = None
+        self.generation = 0
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self._body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.time()}).encode()
+
+    def __enter__(self) -> OutputLease:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the output, waiting up to a lease's ttl for a dead holder's lease to go stale.
+
+        Raises OutputLeaseTaken when the holder renews its lease meanwhile (it is alive)."""
+        uri = self.store.uri.rstrip("/")
+        first_seen: float | None = None
+        while True:
+            held = live_holder(self.store)
+            if held is None or self._gone_from_here(held.holder):
+                if held is not None:
+                    log.info("%s: its last trainer (%s) is no longer running here: taking the output over",
+                             uri, held.describe(self.store.now()))
+                if self._create(1 + (latest(self.store) or (0,))[0]):
+                    break
+                continue  # another trainer created that generation first: look again
+            if first_seen is not None and held.modified > first_seen:
+                raise OutputLeaseTaken(
+                    f"another `layertap train` is writing to {uri} ({held.describe(self.store.now())}): two "
+                    "trainers on one --out overwrite each other's checkpoints. Stop that one first, or give "
+                    "this one another --out")
+            if first_seen is None:
+                first_seen = held.modified
+                log.warning("%s is held by another trainer (%s): waiting up to %.0f s for its lease to go stale "
+                            "(it died) or be renewed (it runs)", uri, held.describe(self.store.now()), held.ttl_s)
+            time.sleep(self.poll_s)
+        self._beat = threading.Thread(target=self._renew, name="output-lease", daemon=True)
+        self._beat.start()
+
+    def check(self) -> None:
+        """Raise if another trainer has taken the output over (this one's lease went stale)."""
+        if self.lost.is_set():
+            raise taken_over(self.store)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+        if self.key is not None:  # taken over or not: a newer holder's lease is another key
+            try:
+                self.store.delete(self.key)
+            except StoreError as e:  # goes stale by itself after ttl_s
+                log.warning("could not release the lease %s: %s", self.key, e)
+        self.key = None
+
+    def _create(self, generation: int) -> bool:
+        key = f"{PREFIX}{generation:06d}.ttl{self.ttl_s:g}"
+        if not self.store.put_if_absent(key, self._body):
+            return False
+        self.key, self.generation = key, generation
+        stale = [o.key for o in self.store.list(PREFIX) if o.key != key]
+        if stale:
+            self.store.delete_many(stale)
+        return True
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                found = latest(self.store)
+                if found is not None and found[0] > self.generation:
+                    log.error("%s: another trainer took the output over (lease %s)", self.store.uri, found[1].key)
+                    self.lost.set()
+                    return
+                self.store.put(self.key, self._body)
+            except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
+                log.warning("output lease heartbeat failed: %s", e)
+
+    @staticmethod
+    def _gone_from_here(holder: dict[str, Any]) -> bool:
+        """The holder ran on this host and its process has exited."""
+        pid = holder.get("pid")
+        if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's process: running
+            return False
+        try:  # killed but not yet reaped by its parent: a zombie ('Z' after the command's name)
+            return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z"
+        except (OSError, IndexError):
+            return False

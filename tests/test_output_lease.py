@@ -1,0 +1,189 @@
+"""One trainer per training output: `manifests.output_lease` on a folder and on the moto S3
+server, and two real `layertap train` processes started on one --out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from layertap.manifests.output_lease import OutputLease, OutputLeaseTaken, live_holder
+
+HERE = Path(__file__).parent
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def _keys(store) -> list[str]:
+    return sorted(o.key for o in store.list("lease/"))
+
+
+def test_a_held_output_refuses_a_second_trainer_once_its_lease_is_renewed(store):
+    with OutputLease(store, ttl_s=2.0) as first:
+        held = live_holder(store)
+        assert held is not None and held.holder["pid"] == os.getpid() and held.key == first.key
+        started = time.time()
+        with pytest.raises(OutputLeaseTaken, match=f"pid {os.getpid()} on {socket.gethostname()}"):
+            OutputLease(store, ttl_s=2.0, poll_s=0.1).acquire()
+        assert time.time() - started < 2.0  # refused on the renewal (every ttl/4), not at the ttl
+        assert _keys(store) == [first.key] and not first.lost.is_set()
+    assert _keys(store) == [] and live_holder(store) is None  # released: the next one starts at once
+    with OutputLease(store, ttl_s=2.0) as second:
+        assert second.generation == 1
+
+
+def test_a_holder_that_died_elsewhere_is_taken_over_once_its_lease_is_stale(store):
+    store.put("lease/000003.ttl1.5", json.dumps({"host": "another-node", "pid": 1234, "slurm_job": "77"}).encode())
+    held = live_holder(store)
+    assert held is not None and "Slurm job 77" in held.describe(store.now())
+    started = time.time()
+    with OutputLease(store, ttl_s=30.0, poll_s=0.1) as lease:
+        assert 0.5 < time.time() - started < 15  # waited for the stale lease, no longer
+        assert lease.generation == 4 and _keys(store) == ["lease/000004.ttl30"]  # the stale one removed
+
+
+def test_a_holder_gone_from_this_host_is_taken_over_at_once(store):
+    store.put("lease/000001.ttl600", json.dumps({"host": socket.gethostname(), "pid": _dead_pid()}).encode())
+    started = time.time()
+    with OutputLease(store, ttl_s=600.0) as lease:
+        assert time.time() - started < 10 and lease.generation == 2
+
+
+def test_a_holder_taken_over_stops_before_its_next_write(store):
+    lease = OutputLease(store, ttl_s=0.8)
+    lease.acquire()
+    try:
+        lease.check()
+        # what a trainer does that found this one's lease stale (a stall longer than the ttl)
+        store.put("lease/000002.ttl600", json.dumps({"host": "another-node", "pid": 1}).encode())
+        assert lease.lost.wait(5)
+        with pytest.raises(OutputLeaseTaken, match="took .* over"):
+            lease.check()
+    finally:
+        lease.release()
+    assert _keys(store) == ["lease/000002.ttl600"]  # its own lease gone, the newer holder's left alone
+
+
+def test_two_newcomers_racing_for_a_free_output_get_one_holder(store):
+    leases = [OutputLease(store, ttl_s=2.0, poll_s=0.1) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def take(lease):
+        try:
+            lease.acquire()
+        except OutputLeaseTaken as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=take, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        held = [lease for lease in leases if lease.key is not None]
+        assert len(held) == 1 and len(errors) == 1 and _keys(store) == [held[0].key]
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_a_second_train_on_one_out_is_refused_and_status_names_the_first(tmp_path, capsys):
+    """Two real trainers: the first waits for a run that is not there yet (--follow) and holds
+    --out; the second is refused, naming it, and `status` of the output says who trains there.
+    Killed (SIGKILL: no release), the first leaves its lease, and a trainer started again on
+    this host takes the output over at once."""
+    from layertap.cli import main as cli
+
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    out = str(tmp_path / "out")
+    args = [sys.executable, "-m", "layertap", "train", "--data", str(tmp_path / "run"), "--out", out, "--follow",
+            "--follow-poll-s", "0.5", "--model", str(tmp_path / "no-model")]
+
+    def start(name: str) -> tuple[subprocess.Popen, Path]:
+        """A trainer, once it waits for the run (holding --out)."""
+        err = tmp_path / f"{name}.err"
+        with err.open("w") as f:
+            p = subprocess.Popen(args, env=env, cwd=HERE.parent, stdout=subprocess.DEVNULL, stderr=f)
+        deadline = time.time() + 120
+        while time.time() < deadline and "waiting for" not in err.read_text():
+            assert p.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.2)
+        return p, err
+
+    first, first_err = start("first")
+    try:
+        assert (Path(out) / "lease").is_dir(), first_err.read_text()[-3000:]
+
+        second = subprocess.run(args, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"another `layertap train` is writing to {out} (pid {first.pid} on" in second.stderr
+        assert "Stop that one first, or give this one another --out" in second.stderr
+
+        capsys.readouterr()
+        assert cli(["status", out]) == 3  # not complete
+        shown = capsys.readouterr().out
+        assert f"trainer     running: pid {first.pid} on {socket.gethostname()}" in shown
+        assert "checkpoint  none yet" in shown and "not exported yet: training is running" in shown
+
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        again, again_err = start("again")
+        try:
+            assert "is no longer running here: taking the output over" in again_err.read_text()
+            assert live_holder(_open(out)).holder["pid"] == again.pid
+        finally:
+            again.send_signal(signal.SIGINT)
+            again.wait(60)
+    finally:
+        first.kill()
+        first.wait(30)
+
+
+def _open(uri: str):
+    from layertap.storage.store import open_store
+
+    return open_store(uri)
+
+
+def test_a_trainer_taken_over_mid_run_stops_without_writing_again(tmp_path, capsys, monkeypatch):
+    """Its lease went stale (here: a short ttl, and another holder's newer generation put by hand
+    once the first checkpoint is there): the trainer stops at its next checkpoint, every rank
+    alike, and writes no checkpoint after that nor the drafter."""
+    import fake_worker
+    from layertap.cli import main as cli
+    from layertap.train import trainer
+    from tiny_models import tiny_model_dir
+
+    monkeypatch.setattr(trainer, "OutputLease", lambda store: OutputLease(store, ttl_s=0.4))
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), tmp_path / "out"
+    fake_worker.work(uri)
+    latest = out / "checkpoints" / "latest.json"
+
+    def take_over():
+        while not latest.exists():
+            time.sleep(0.01)
+        (out / "lease" / "000009.ttl600").write_text(json.dumps({"host": "another-node", "pid": 1}))
+
+    thief = threading.Thread(target=take_over, daemon=True)
+    thief.start()
+    rc = cli(["train", "--data", uri, "--model", target, "--out", str(out), "--steps", "100000", "--save-every", "2",
+              "--batch-size", "2", "--block-size", "4", "--max-anchors", "8"])
+    assert rc == 2
+    assert f"another trainer took {out} over" in capsys.readouterr().err
+    taken = json.loads(latest.read_text())["step"]
+    time.sleep(0.5)
+    assert json.loads(latest.read_text())["step"] == taken < 100000 and not (out / "drafter").exists()
+    assert sorted(p.name for p in (out / "lease").iterdir()) == ["000009.ttl600"]
