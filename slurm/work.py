@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from layertap.manifests import layout
 from layertap.manifests.manifest import ConfigMismatch, load_manifest
 from layertap.manifests.state import scan
 from layertap.manifests.work import read_lease
@@ -29,12 +30,15 @@ class Remaining:
     done: int
     running: list[int]  # held by live leases
     failed: list[int]  # failure records and no commit; part of `todo`
+    interrupted: list[int] = field(default_factory=list)  # of `failed`: its last attempt stopped from outside
     todo: list[int]  # to be (re)done: not committed, not held
     leases: dict[int, str] = field(default_factory=dict)  # running shard -> its live lease's key
 
     def summary(self) -> str:
-        return (f"{self.total} shards: {self.done} done, {len(self.running)} running, {len(self.failed)} failed, "
-                f"{len(self.todo) - len(self.failed)} pending")
+        # as `layertap status` counts them: a preempted or taken-over shard is interrupted, not failed
+        stopped = f", {len(self.interrupted)} interrupted" if self.interrupted else ""
+        return (f"{self.total} shards: {self.done} done, {len(self.running)} running, "
+                f"{len(self.failed) - len(self.interrupted)} failed, {len(self.todo) - len(self.failed)} pending{stopped}")
 
 
 def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
@@ -60,8 +64,10 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     st.raise_if_replaced(store.uri)  # submitting would only start tasks that stop on the same error
     states = {s: st.state(s) for s in ids}
     running = [s for s, v in states.items() if v == "running"]
+    failed = [s for s, v in states.items() if v == "failed"]
     return Remaining(run_id=manifest.run_id, total=total, done=sum(1 for v in states.values() if v == "done"),
-                     running=running, failed=[s for s, v in states.items() if v == "failed"],
+                     running=running, failed=failed,
+                     interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
                      todo=[s for s, v in states.items() if v in ("failed", "pending")],
                      leases={s: st.live_lease(s).key for s in running})
 

@@ -58,6 +58,12 @@ def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds
     rem = remaining_work(store)
     assert (rem.total, rem.done, rem.running, rem.failed, rem.todo) == (6, 1, [1], [3], [2, 3, 4, 5])
     assert rem.summary() == "6 shards: 1 done, 1 running, 1 failed, 3 pending"
+    # a shard whose last attempt was stopped from outside (preempted) is interrupted, as `status` says
+    store.put(layout.failure_key(4, 1, "tok"), b"{}")
+    store.put(layout.failure_key(4, 2, "tok", stopped=True), b"{}")
+    rem = remaining_work(store)
+    assert (rem.failed, rem.interrupted, rem.todo) == ([3, 4], [4], [2, 3, 4, 5])
+    assert rem.summary() == "6 shards: 1 done, 1 running, 1 failed, 2 pending, 1 interrupted"
     assert remaining_work(store, only=[0, 3, 4]).todo == [3, 4]
     with pytest.raises(ValueError, match=r"does not have \(it has shards 0-5\)"):
         remaining_work(store, only=[2, 9])
