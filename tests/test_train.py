@@ -485,6 +485,34 @@ def test_a_stop_signal_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp
     assert [r["step"] for r in metrics(str(out))] == list(range(1, 151))
 
 
+def test_a_resume_that_trains_on_withdraws_the_earlier_export(run, target, tmp_path, capsys, monkeypatch):
+    """An output trained to its end, resumed with more --steps and stopped before that end: its
+    old drafter/ stayed, `status` called it COMPLETE and export-drafter took the old weights."""
+    from layertap.train import trainer
+
+    out = str(tmp_path / "out")
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "4", "--save-every", "2", *FAST) == 0
+    assert (tmp_path / "out" / "drafter" / "config.json").exists()
+    taken = trainer.train_step
+
+    def failing_at_step_6(run_, step, distill=None):
+        if step == 5:
+            raise RuntimeError("the node went away")
+        return taken(run_, step, distill)
+
+    monkeypatch.setattr(trainer, "train_step", failing_at_step_6)
+    with pytest.raises(RuntimeError, match="the node went away"):
+        train_cli("--data", run, "--model", target, "--out", out, "--steps", "8", "--save-every", "1", "--resume",
+                  *FAST)
+    assert not (tmp_path / "out" / "drafter").exists() or not any((tmp_path / "out" / "drafter").iterdir())
+    capsys.readouterr()
+    assert cli(["status", out]) == 3  # incomplete: not the COMPLETE of the earlier export
+    assert "steps       5 of 8" in capsys.readouterr().out
+    monkeypatch.setattr(trainer, "train_step", taken)
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "8", "--resume", *FAST) == 0
+    assert (tmp_path / "out" / "drafter" / "config.json").exists()
+
+
 def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     out = str(tmp_path / "out")
     # no --model: the target folder the run's manifest records

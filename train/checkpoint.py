@@ -211,6 +211,18 @@ def export_drafter(store: ObjectStore, model: DFlashDrafter) -> None:
     store.put(EXPORT_CONFIG, json.dumps(model.config.to_json(), indent=1).encode())
 
 
+def withdraw_export(store: ObjectStore) -> bool:
+    """Delete the drafter exported at an earlier end of this output, before training it further:
+    left there, `status` called the output complete and `export-drafter` and `eval` took the old
+    weights over newer checkpoints, if the longer run stopped before its own export. The config,
+    the export's last file written, goes first. Whether there was one."""
+    if not store.exists(EXPORT_CONFIG):
+        return False
+    store.delete(EXPORT_CONFIG)
+    store.delete(EXPORT_WEIGHTS)
+    return True
+
+
 def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """Config and weights of an exported drafter (a folder or prefix holding `drafter/` or the files),
     or, with `step`, of the drafter in that checkpoint (a learning curve evaluates several)."""

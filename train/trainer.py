@@ -38,7 +38,7 @@ from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
 from layertap.train.batch import collate
-from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint
+from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint, withdraw_export
 from layertap.train.config import RESUME_DEFAULTS, TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
 from layertap.train.follow import wait_for_manifest
@@ -239,6 +239,9 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         start = ckpt.step
         if rank == 0:
             lines = _metrics_until(out, start)
+            if start < total and withdraw_export(out):
+                log.info("removed the drafter exported at step %d (%s/drafter/): training goes on to step %d and "
+                         "exports it again at its end", start, cfg.out, total)
         log.info("resumed from %s/checkpoints step %d", cfg.out, start)
     if rank == 0:
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
