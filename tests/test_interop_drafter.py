@@ -249,6 +249,21 @@ def test_a_drafter_of_the_embedded_smollm2_takes_the_verifiers_config_from_its_c
     from layertap.train.export import _verifier
 
     folder, gguf = smollm2_gguf()
-    name, config = _verifier(SimpleNamespace(target={"model": folder, "gguf_file": gguf}), None)
-    assert name == folder and config["max_position_embeddings"] == 8192
-    assert "not a local folder" not in caplog.text
+    # recorded as its GGUF (a run extracted with --model/--gguf-file), or as the Quickstart's `embedded:`
+    for target in ({"model": folder, "gguf_file": gguf}, {"model": f"embedded:{gguf}"}):
+        name, config = _verifier(SimpleNamespace(target=target), None)
+        # named by the converted folder, which speculators loads (the GGUF folder or `embedded:` it could not)
+        assert os.path.isfile(os.path.join(name, "model.safetensors")) and config["max_position_embeddings"] == 8192
+        assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "not a local folder" not in caplog.text and "GGUF" not in caplog.text
+
+
+def test_a_drafter_of_another_gguf_target_is_exported_with_a_warning_to_name_the_verifier(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from layertap.train.export import _verifier
+
+    (tmp_path / "model.Q8_0.gguf").write_bytes(b"GGUF")
+    name, config = _verifier(SimpleNamespace(target={"model": str(tmp_path), "gguf_file": "model.Q8_0.gguf"}), None)
+    assert name == str(tmp_path) and config is None
+    assert "GGUF file (model.Q8_0.gguf in" in caplog.text and "pass --verifier" in caplog.text

@@ -139,22 +139,32 @@ def trained_drafter(store: ObjectStore) -> tuple[DrafterConfig, dict[str, torch.
 
 def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[str, Any] | None]:
     """The verifier's name for the config (given, else the target the drafter records) and its
-    config.json when that is a local folder."""
-    name = verifier or config.target.get("model")
-    if not name:
-        raise ConfigError("the drafter records no target model: pass --verifier NAME_OR_PATH (the model vLLM serves)")
-    folder = name
-    if verifier is None:  # a GGUF target of the embedded SmolLM2: its converted folder holds a config.json
-        from layertap.extract.embedded import checkpoint
+    config.json when that is a local folder. A recorded GGUF target is named by what speculators
+    and vLLM can load: the embedded SmolLM2 (`embedded:` or its GGUF) by its converted safetensors
+    folder; any other GGUF only with a warning that --verifier is needed."""
+    if verifier is not None:
+        name = verifier
+    else:
+        name, gguf = config.target.get("model"), config.target.get("gguf_file")
+        if not name:
+            raise ConfigError("the drafter records no target model: pass --verifier NAME_OR_PATH (the model vLLM "
+                              "serves)")
+        from layertap.extract.embedded import checkpoint, smollm2_gguf
 
-        folder = checkpoint(name, config.target.get("gguf_file"))[0]
-    path = os.path.join(folder, "config.json")
+        if name.startswith("embedded:"):  # the Quickstart's target: the packaged SmolLM2 GGUF
+            name, gguf = smollm2_gguf()
+        name, gguf = checkpoint(name, gguf)
+        if gguf is not None:
+            log.warning("the drafter's target is a GGUF file (%s in %s), which speculators and vLLM do not load as "
+                        "a verifier: pass --verifier with the model's safetensors folder or hub id", gguf, name)
+    path = os.path.join(name, "config.json")
     if os.path.isfile(path):
         with open(path) as f:
             return name, json.load(f)
-    if name == config.target.get("model"):
-        log.warning("the target %r is not a local folder: the config states no verifier architectures and "
-                    "max_position_embeddings 32768; pass --verifier with the model's folder or hub id", name)
+    if verifier is None:
+        log.warning("the target %r is not a local folder with a config.json: the config states no verifier "
+                    "architectures and max_position_embeddings 32768; pass --verifier with the model's folder or "
+                    "hub id", name)
     return name, None
 
 
