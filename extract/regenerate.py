@@ -180,6 +180,12 @@ def _create_or_check(store: ObjectStore, recipe: Recipe) -> Recipe:
         return recipe
     recorded = read_recipe(store)
     diffs = recorded.differences(recipe)
+    if diffs and not done_parts(store):
+        # Nothing was regenerated under it (a --model typo the server refused, an endpoint not up):
+        # the recipe written before those checks must not lock the output to the mistake.
+        log.info("%s: replacing its recipe, under which no part was done (%s)", store.uri, "; ".join(diffs))
+        store.put(RECIPE, json.dumps(recipe.to_json(), indent=1).encode())
+        return recipe
     if diffs:
         raise ConfigError(f"{store.uri} already holds a regeneration made differently: {'; '.join(diffs)}. "
                           f"Rerun with its settings to continue it, or choose another --out")

@@ -246,6 +246,10 @@ def test_unreachable_endpoint_and_wrong_model_are_clear_errors(server, tmp_path,
     err = capsys.readouterr().err
     assert "model 'no-such-model' is not served" in err and server.model in err
     assert not any(done_parts(open_store(str(tmp_path / "b"))))
+    # doing as told: the recipe written before the check does not lock the output to the typo
+    assert cli(["regenerate", "--dataset", data, "--out", str(tmp_path / "b"), "--endpoint", server.url,
+                "--model", server.model]) == 0, capsys.readouterr().err
+    assert len(done_parts(open_store(str(tmp_path / "b")))) == 1
 
 
 def test_a_rerun_with_other_settings_is_refused_and_bad_inputs_are_named(server, tmp_path, capsys):
