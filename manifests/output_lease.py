@@ -8,8 +8,9 @@ So the trainer holds a lease on its output, as an extraction worker holds one on
 while the store's LastModified + ttl is ahead of the store's clock.
 
 A trainer that finds a live lease waits for it to go stale (a holder that died, e.g. a node lost
-mid-run) unless it is renewed meanwhile, or its holder is a process gone from this very host
-(a trainer killed here and started again): then it takes the output over at once. A renewal
+mid-run) unless it is renewed meanwhile, or its holder is a process gone from this very machine
+(`liveness.gone_from_here`: a trainer killed here and started again): then it takes the output
+over at once. A renewal
 proves the holder alive, and the newcomer is refused with who holds it. A holder that finds a
 newer generation (it stalled past its ttl and was taken over) stops before its next write.
 """
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from layertap.manifests.liveness import gone_from_here, pid_namespace
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 
@@ -100,7 +102,7 @@ class OutputLease:
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
-        self._body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+        self._body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": pid_namespace(),
                                  "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.time()}).encode()
 
     def __enter__(self) -> OutputLease:
@@ -118,7 +120,7 @@ class OutputLease:
         first_seen: float | None = None
         while True:
             held = live_holder(self.store)
-            if held is None or self._gone_from_here(held.holder):
+            if held is None or gone_from_here(held.holder):
                 if held is not None:
                     log.info("%s: its last trainer (%s) is no longer running here: taking the output over",
                              uri, held.describe(self.store.now()))
@@ -176,20 +178,3 @@ class OutputLease:
                 self.store.put(self.key, self._body)
             except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
                 log.warning("output lease heartbeat failed: %s", e)
-
-    @staticmethod
-    def _gone_from_here(holder: dict[str, Any]) -> bool:
-        """The holder ran on this host and its process has exited."""
-        pid = holder.get("pid")
-        if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # another user's process: running
-            return False
-        try:  # killed but not yet reaped by its parent: a zombie ('Z' after the command's name)
-            return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z"
-        except (OSError, IndexError):
-            return False

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from layertap.manifests import layout
+from layertap.manifests.liveness import pid_namespace
 from layertap.manifests.manifest import ManifestError, UnsupportedVersion
 
 RECORD_VERSION = 1
@@ -25,13 +26,14 @@ class Producer:
     rank: int
     job_id: str | None
     token: str  # unique per worker process; makes racing payloads distinct
+    pid_ns: str | None = None  # the PID namespace `pid` is in (`liveness.gone_from_here`)
 
     @classmethod
     def current(cls, rank: int = 0) -> Producer:
         job = os.environ.get("SLURM_JOB_ID")
         if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
             job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-        return cls(socket.gethostname(), os.getpid(), rank, job, uuid.uuid4().hex[:12])
+        return cls(socket.gethostname(), os.getpid(), rank, job, uuid.uuid4().hex[:12], pid_namespace())
 
 
 @dataclass(frozen=True, kw_only=True)

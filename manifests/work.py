@@ -28,9 +28,10 @@ from dataclasses import asdict
 from typing import TypeVar
 
 from layertap.manifests import layout
+from layertap.manifests.liveness import gone_from_here
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
-from layertap.manifests.state import RunState, scan, scan_shard, shard_leases
+from layertap.manifests.state import Lease, RunState, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
@@ -39,6 +40,8 @@ from layertap.storage.writer import ShardInfo
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_S = 60.0
+WAIT_LOG_S = 30.0  # an idle worker says what it waits on at most this often
+HOLDERS_READ_PER_PASS = 16  # lease payloads an idle worker reads per pass (`WorkQueue._dead_here`)
 # How long a worker rides out a store failing past its retries before it gives up (`WorkQueue._patiently`).
 OUTAGE_S = 600.0
 T = TypeVar("T")
@@ -244,6 +247,8 @@ class WorkQueue:
         self.given_up: set[int] = set()
         self.before_claim, self.on_idle = before_claim, on_idle
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not yet handed over
+        self._holders_read: set[str] = set()  # live leases whose holder `_dead_here` has looked at
+        self._told_wait = 0.0  # when the last "waiting on leases" line was logged (time.monotonic)
 
     def _release_held(self) -> None:
         """Delete each lease this queue wrote and still holds, else left to go stale: the shard
@@ -354,12 +359,14 @@ class WorkQueue:
             # Past this many shards found finished that the scan thought open, a fresh scan is cheaper.
             rescan_after = 2 * (len(st.committed) // 1000 + 1) + 2
             waiting_on: list[float] = []
+            held: list[Lease] = []  # the live leases waited on
             claimed = stale = 0
             for s in self._order(todo):
                 if stale > rescan_after:
                     break
                 if lease := st.live_lease(s):  # held at the pass's scan: wait on it, no fresh look
                     waiting_on.append(lease.modified + lease.ttl_s - st.now + time.time())
+                    held.append(lease)
                     continue
                 fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))
                 if s in fresh.committed:
@@ -368,6 +375,7 @@ class WorkQueue:
                 lease = fresh.live_lease(s)
                 if lease:
                     waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
+                    held.append(lease)
                     continue
                 if fresh.failures_since(s, self.started) > self.retries:
                     self._give_up(s)
@@ -397,9 +405,31 @@ class WorkQueue:
                 return  # what is left failed too often in this run; status tells why
             if self.on_idle is not None and self.on_idle():
                 continue  # a shard of this worker's own finished meanwhile: look again at once
+            if self._dead_here(held):
+                continue  # a lease of a process that exited here is gone: claim its shard now
             soonest = min(waiting_on)
-            log.debug("no free shard; waiting up to %.1fs on %d leases held elsewhere", idle.delay, len(waiting_on))
+            if time.monotonic() - self._told_wait >= WAIT_LOG_S:
+                self._told_wait = time.monotonic()
+                log.info("no free shard: %d left run under live leases elsewhere; the soonest goes stale in %.0f s "
+                         "unless its holder renews it", len(waiting_on), max(0.0, soonest - time.time()))
             idle.sleep()
+
+    def _dead_here(self, held: list[Lease]) -> bool:
+        """Delete the live leases of holders that exited on this machine (`liveness.gone_from_here`:
+        a worker SIGKILLed and run again here waited a whole TTL on its own dead lease, saying
+        nothing). Each lease is read once, up to `HOLDERS_READ_PER_PASS` a pass: only while this
+        worker has nothing to claim, so a large run's busy workers read none. Whether one went."""
+        fresh = [lease for lease in held if lease.key not in self._holders_read][:HOLDERS_READ_PER_PASS]
+        freed = False
+        for lease in fresh:
+            self._holders_read.add(lease.key)
+            payload = read_lease(self.store, lease.key)
+            if payload is not None and gone_from_here(payload["holder"]):
+                log.info("shard %d: the holder of its lease (pid %s on this machine) has exited: taking the shard "
+                         "over now, not after the lease's %g s", lease.shard, payload["holder"].get("pid"), lease.ttl_s)
+                self.store.delete(lease.key)
+                freed = True
+        return freed
 
     def _sweep(self, st: RunState) -> None:
         """Once this queue's shards are all committed, remove what killed attempts left behind

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +19,13 @@ import pytest
 
 import fake_worker
 from layertap.cli import main as cli
-from layertap.manifests import layout
+from layertap.manifests import layout, liveness
 from layertap.manifests.manifest import (ConfigMismatch, ManifestError, UnsupportedVersion, create_or_resume,
                                         load_manifest, plan_shards)
 from layertap.storage.units import parse_size
 from layertap.manifests.records import Producer, decode_commit, decode_failure
 from layertap.manifests.status import run_status, verify_run
-from layertap.manifests.state import scan_shard
+from layertap.manifests.state import scan, scan_shard
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.slurm.work import remaining_work
 from layertap.storage.format import ShardMeta
@@ -578,6 +579,37 @@ def test_sigkilled_lease_holder_is_taken_over_after_expiry(store_uri):
     assert time.time() - t0 < 60
     store.abort_pending_uploads()  # the killed writer's parts (S3) or temp file (local)
     assert store.list_pending_uploads() == []
+
+
+def test_a_sigkilled_holder_on_this_machine_is_taken_over_without_waiting_its_ttl(store_uri):
+    """A worker killed and run again on the same machine waited a whole TTL on its predecessor's
+    lease, silently; the holder's exit is seen here (same host and PID namespace, PID gone)."""
+    hung = spawn(store_uri, "--hang-shard", "0", "--ttl", "600")
+    assert hung.stdout.readline().startswith("hanging in shard 0")
+    hung.send_signal(signal.SIGKILL)
+    hung.wait()
+    t0 = time.time()
+    again = spawn(store_uri, "--ttl", "600")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-2000:]
+    assert time.time() - t0 < 60 and "0" in out.split()[1:]  # not the 600 s TTL
+    store = open_store(store_uri)
+    assert run_status(store)["complete"] and all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+    store.abort_pending_uploads()
+
+
+def test_a_live_lease_of_another_machine_is_not_taken_over(store_uri):
+    """A holder named by another host (or without a PID namespace: a lease of an older layertap)
+    is waited on, whatever its PID."""
+    store = open_store(store_uri)
+    fake_worker.plan(store)
+    for shard, holder in ((0, {"host": "another-node", "pid": 1 << 22, "pid_ns": liveness.pid_namespace()}),
+                          (1, {"host": socket.gethostname(), "pid": 1 << 22})):
+        store.put(layout.lease_key(shard, 1, 600), json.dumps({"holder": {**holder, "token": "t"}}).encode())
+    queue = WorkQueue(store, load_manifest(store), Producer.current(), ttl_s=600, shards=[0, 1])
+    st = scan(store, queue.manifest)
+    assert not queue._dead_here([st.live_lease(0), st.live_lease(1)])
+    assert len(list(store.list(layout.LEASES))) == 2
 
 
 def test_idle_worker_waits_for_a_live_lease_instead_of_exiting(store_uri):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from layertap.manifests.liveness import pid_namespace
 from layertap.manifests.output_lease import OutputLease, OutputLeaseTaken, live_holder
 
 HERE = Path(__file__).parent
@@ -55,7 +56,8 @@ def test_a_holder_that_died_elsewhere_is_taken_over_once_its_lease_is_stale(stor
 
 
 def test_a_holder_gone_from_this_host_is_taken_over_at_once(store):
-    store.put("lease/000001.ttl600", json.dumps({"host": socket.gethostname(), "pid": _dead_pid()}).encode())
+    here = {"host": socket.gethostname(), "pid_ns": pid_namespace()}
+    store.put("lease/000001.ttl600", json.dumps({**here, "pid": _dead_pid()}).encode())
     started = time.time()
     with OutputLease(store, ttl_s=600.0) as lease:
         assert time.time() - started < 10 and lease.generation == 2
