@@ -9,8 +9,10 @@ speculators the last layer's pre-norm output, ModelOpt its post-norm one.
 Import makes an ordinary run: a manifest planned over the source's files, then shards claimed,
 written and committed through the same leases and commit records as an extraction, so a second
 `layertap import` with the same arguments resumes it (committed shards are skipped) and a
-different one is refused with the differences. A file that cannot be read as the format says
-is skipped with its reason in the shard's commit, as extraction skips a bad row.
+different one is refused with the differences. A file that cannot be read as the format says,
+or holds a sample training cannot learn from (`check_trainable`), is skipped with
+its reason in the shard's commit, as extraction skips a bad row. `--layers` are checked against
+the target's layer count by extraction's own check before anything is written.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import xxhash
 
 from layertap.extract.console import progress
 from layertap.extract.estimate import planned_bytes_per_token
+from layertap.extract.inputs import NO_SUPERVISED_PAIR
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, Manifest, create_or_resume, load_manifest
 from layertap.manifests.preemption import Preempted, StopSignals
@@ -32,10 +36,11 @@ from layertap.manifests.records import Producer
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, foreign_layers,
-                                      layer_order, reader, writer)
+                                      layer_order, reader, unservable_layer, writer)
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
+from layertap.storage.records import Sample
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.writer import ShardWriter
 
@@ -129,6 +134,59 @@ def _fingerprint(fmt: str, files: list[ForeignFile]) -> str:
     return f"import:{fmt}:{len(files)}:{h.hexdigest()}"
 
 
+# Why an imported sample was skipped: the code in its shard's commit record, beside extraction's
+# own (extract/inputs.py), whose `no_supervised_pair` it shares.
+UNREADABLE = "unreadable"
+BAD_TOKEN_ID = "bad_token_id"
+NON_FINITE = "non_finite"
+BAD_LOSS_MASK = "bad_loss_mask"
+
+
+class BadSample(InputError):
+    """A sample that reads as its layout says but cannot be trained on; `reason` is its skip code."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _first(bad: torch.Tensor) -> int:
+    """The first token (index along dim 0) where `bad` holds anywhere."""
+    return int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0])
+
+
+def check_trainable(sample: Sample, vocab_size: int, where: str) -> Sample:
+    """Refuse (`BadSample`) what extraction refuses in pre-tokenized rows (extract/inputs.py), as
+    `layertap train` would only fail on it later: a token id outside the target's vocabulary (an
+    IndexError in the embedding lookup), a NaN or infinite state (NaN losses from then on), a
+    loss mask of other values than 0 and 1, no two consecutive supervised tokens (nothing for a
+    drafter to learn). One vectorized pass over each tensor."""
+    ids = sample.input_ids
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        pos = _first(bad)
+        raise BadSample(BAD_TOKEN_ID, f"{where}: token id {int(ids[pos])} at position {pos} is outside the target's "
+                                      f"vocabulary [0, {vocab_size}): were these states made with another model? "
+                                      "Import them with the --model they were made with")
+    for name, x in (("hidden states", sample.hidden_states), ("final state", sample.final_state)):
+        if x is not None and not bool(torch.isfinite(x).all()):
+            bad = ~torch.isfinite(x)
+            raise BadSample(NON_FINITE, f"{where}: {int(bad.sum())} NaN or infinite value(s) in its {name}, the "
+                                        f"first at token {_first(bad)}: training on them would make the loss NaN")
+    mask = sample.loss_mask
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        pos = _first(bad)
+        raise BadSample(BAD_LOSS_MASK, f"{where}: loss_mask holds {int(mask[pos])} at position {pos}; it must hold "
+                                       "only 0 and 1 (1: the token is trained on)")
+    supervised = mask.bool()
+    if not bool((supervised[:-1] & supervised[1:]).any()):
+        raise BadSample(NO_SUPERVISED_PAIR, f"{where}: no two consecutive supervised tokens (loss_mask has "
+                                            f"{int(supervised.sum())} of {supervised.numel()} tokens set): nothing "
+                                            "for a drafter to learn from")
+    return sample
+
+
 def _token_counts(files: list[ForeignFile], first_tokens: int) -> list[int]:
     """Each file's tokens for the plan: exact where the layout lists them, else estimated from
     its size at the first file's tokens per byte (opening every file twice would double the I/O)."""
@@ -138,21 +196,23 @@ def _token_counts(files: list[ForeignFile], first_tokens: int) -> list[int]:
 
 def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[int], model: str, codec: str,
                 gguf_file: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES, limit: int | None = None
-                ) -> tuple[Manifest, ForeignReader, list[ForeignFile]]:
-    """The import's run at `out` (planned now, or the one there if it is this import) and the
-    source's reader and files. Every check runs before `out` is written to."""
+                ) -> tuple[Manifest, ForeignReader, list[ForeignFile], Target]:
+    """The import's run at `out` (planned now, or the one there if it is this import), the
+    source's reader and files, and the target. Every check runs before `out` is written to."""
     ours = layertap_layers(fmt, layers)
-    hidden, hidden_from = target_hidden_size(model, gguf_file)
+    target = read_target(model, gguf_file)
+    facts_from = f"{model}'s {target.source}"
     rd = reader(fmt, src, len(layers))
     files = rd.files()[:limit] if limit is not None else rd.files()
     if not files:
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
     where = f"{src.uri.rstrip('/')}/{files[0].key}"
     note = export_note(src, fmt)
-    check_layer_count(rd.capture_values(files[0]), fmt, layers, hidden, f"{model}'s {hidden_from}", where, note)
+    check_layer_count(rd.capture_values(files[0]), fmt, layers, target.hidden_size, facts_from, where, note)
+    check_target_layers(fmt, layers, ours, target.num_layers, facts_from)
     first = rd.read(files[0])
     identity = RunConfig(model=model, gguf_file=gguf_file, layers=ours, final_state=rd.final_state,
-                         hidden_size=hidden, codec=codec)
+                         hidden_size=target.hidden_size, codec=codec)
     counts = _token_counts(files, first.num_tokens)
     manifest, created = create_or_resume(
         out, config=identity, dataset={"fingerprint": _fingerprint(fmt, files), "path": src.uri, "format": fmt},
@@ -161,14 +221,41 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
                                                 final_state=rd.final_state != "none", codec=codec))
     log.info("%s run %s at %s: %d samples from %s in %d shards", "planned" if created else "resuming",
              manifest.run_id, out.uri, len(files), src.uri, len(manifest.shards))
-    return manifest, rd, files
+    return manifest, rd, files, target
 
 
-def target_hidden_size(model: str, gguf_file: str | None) -> tuple[int, str]:
-    """The hidden size of the target at `model` (a local folder; `gguf_file` inside it) and the
-    file it was read from. The manifest records this folder and the `layertap train` that import
-    prints as the next step reads the target's embeddings from it (train/target_head.py), so a
-    folder train cannot read is refused now, before any work, not after the import."""
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What import checks the source against: the states' width (`hidden_size`), the layer ids
+    (`num_layers`) and the token ids (`vocab_size`, the embedding's rows `layertap train` looks
+    them up in); `source`: the file they were read from."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    source: str
+
+
+def check_target_layers(fmt: str, layers: list[int], ours: list[int], num_layers: int, source: str) -> None:
+    """Refuse capture layers the target does not have, or repeated, with extraction's own check
+    and words (extract/model.py); warn, as extraction does, of the last layer, which no server
+    gathers for a drafter."""
+    from layertap.extract.model import _check_layers
+
+    try:
+        _check_layers(ours, num_layers)
+    except ConfigError as e:
+        ids = f" ({fmt}'s ids; layertap's {','.join(map(str, ours))})" if ours != layers else ""
+        raise ConfigError(f"--layers {','.join(map(str, layers))}{ids}: {e}, per {source}") from None
+    if (why := unservable_layer(ours, num_layers)) is not None:
+        log.warning(why)
+
+
+def read_target(model: str, gguf_file: str | None) -> Target:
+    """The facts of the target at `model` (a local folder; `gguf_file` inside it). The manifest
+    records this folder and the `layertap train` that import prints as the next step reads the
+    target's embeddings from it (train/target_head.py), so a folder train cannot read is refused
+    now, before any work, not after the import."""
     if not os.path.isdir(model):
         raise MissingInput(f"--model {model!r} is not a folder on this machine: import records the target's local "
                            "folder, where it reads the hidden size and `layertap train` the embeddings (a hub model: "
@@ -177,7 +264,7 @@ def target_hidden_size(model: str, gguf_file: str | None) -> tuple[int, str]:
         path = os.path.join(model, gguf_file)
         if not os.path.isfile(path):
             raise MissingInput(f"GGUF file {gguf_file!r} (--gguf-file) not found in {model!r}")
-        return gguf_hidden_size(path), gguf_file
+        return gguf_target(path, gguf_file)
     if not os.path.isfile(os.path.join(model, "config.json")):
         ggufs = sorted(n for n in os.listdir(model) if n.endswith(".gguf"))
         raise MissingInput(f"the target folder {model!r} (--model) has no config.json, which `layertap train` needs "
@@ -190,25 +277,30 @@ def target_hidden_size(model: str, gguf_file: str | None) -> tuple[int, str]:
     try:
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
-        hidden = (config.get("text_config") or config).get("hidden_size")
+        text = config.get("text_config") or config
+        facts = {k: text.get(k, config.get(k)) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
     except (ValueError, AttributeError) as e:
         raise InputError(f"{model}/config.json is not a model config: {e}") from None
-    if not isinstance(hidden, int) or hidden < 1:
-        raise InputError(f"{model}/config.json has no hidden_size (nor text_config.hidden_size)")
-    return hidden, "config.json"
+    bad = [k for k, v in facts.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise InputError(f"{model}/config.json has no {' nor '.join(bad)} (nor in its text_config)")
+    return Target(facts["hidden_size"], facts["num_hidden_layers"], facts["vocab_size"], "config.json")
 
 
-def gguf_hidden_size(path: str) -> int:
-    """A GGUF checkpoint's hidden size: `{architecture}.embedding_length` in its metadata."""
+def gguf_target(path: str, name: str) -> Target:
+    """A GGUF checkpoint's facts: `{architecture}.embedding_length` and `.block_count` in its
+    metadata, and the rows of `token_embd.weight` (GGUF lists its shape as [hidden, vocab])."""
     from gguf import GGUFReader
 
     try:
-        fields = GGUFReader(path).fields
-        arch = fields["general.architecture"].contents()
-        return int(fields[f"{arch}.embedding_length"].contents())
-    except (KeyError, ValueError, TypeError, OSError) as e:
-        raise InputError(f"{path}: not a GGUF checkpoint with general.architecture and its embedding_length "
-                         f"({type(e).__name__}: {e})") from None
+        gg = GGUFReader(path)
+        arch = gg.fields["general.architecture"].contents()
+        embed = next(t for t in gg.tensors if t.name == "token_embd.weight")
+        return Target(int(gg.fields[f"{arch}.embedding_length"].contents()),
+                      int(gg.fields[f"{arch}.block_count"].contents()), int(embed.shape[1]), name)
+    except (KeyError, ValueError, TypeError, OSError, StopIteration, IndexError) as e:
+        raise InputError(f"{path}: not a GGUF checkpoint with general.architecture, its embedding_length and "
+                         f"block_count, and a token_embd.weight tensor ({type(e).__name__}: {e})") from None
 
 
 def export_note(src: ObjectStore, fmt: str) -> dict[str, Any] | None:
@@ -256,7 +348,7 @@ def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int
 def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> Manifest:
     """Import the source into a run at `out`, shard by shard, until every shard is committed
     (or left failed: `layertap status` says why)."""
-    manifest, rd, files = plan_import(src, fmt, out, **options)
+    manifest, rd, files, target = plan_import(src, fmt, out, **options)
     queue = WorkQueue(out, manifest, Producer.current(0))
     if queue.finished():
         log.info("nothing to do: every shard of the run at %s is committed", out.uri)
@@ -265,7 +357,7 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
         for claim in queue:
             try:
                 with claim:
-                    _import_shard(claim, manifest, rd, files, fmt, src.uri, bar)
+                    _import_shard(claim, manifest, rd, files, fmt, src.uri, target.vocab_size, bar)
             except Preempted:
                 claim.release()
                 raise
@@ -276,7 +368,7 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
 
 
 def _import_shard(claim: Claim, manifest: Manifest, rd: ForeignReader, files: list[ForeignFile], fmt: str,
-                  source: str, bar) -> None:
+                  source: str, vocab_size: int, bar) -> None:
     plan = claim.plan
     meta = ShardMeta.of(manifest.identity, run_id=manifest.run_id, shard_id=plan.id,
                         extra={"imported_from": fmt, "source": source})
@@ -284,9 +376,10 @@ def _import_shard(claim: Claim, manifest: Manifest, rd: ForeignReader, files: li
     with ShardWriter(claim.queue.store.open_writer(claim.data_key), meta) as w:
         for f in files[plan.start:plan.end]:
             try:
-                w.write_sample(rd.read(f))
-            except (InputError, ValueError) as e:  # a bad file, or one of another shape than the run's
-                skipped.append({"sample_id": f.sample_id, "reason": "unreadable", "detail": str(e)[:500]})
+                w.write_sample(check_trainable(rd.read(f), vocab_size, f"{source.rstrip('/')}/{f.key}"))
+            except (InputError, ValueError) as e:  # a bad file, one of another shape than the run's, or untrainable
+                reason = e.reason if isinstance(e, BadSample) else UNREADABLE
+                skipped.append({"sample_id": f.sample_id, "reason": reason, "detail": str(e)[:500]})
                 log.warning("skipped %s: %s", f.key, e)
             bar.update(1)
         info = w.close()

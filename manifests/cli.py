@@ -113,15 +113,24 @@ def format_regeneration(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _skipped_text(s: dict) -> str:
+    """', 10 skipped: no_supervised_pair 7, too_long 3': the reasons the commit records give."""
+    if not s["samples_skipped"]:
+        return ""
+    by = s.get("skipped_by_reason") or {}
+    counts = ", ".join(f"{reason} {n:,}" for reason, n in (by.get("counts") or {}).items())
+    sampled = (f" (reasons from {by['shards_read']:,} of the {by['shards_with_skips']:,} shards with skips)"
+               if by and by["shards_read"] < by["shards_with_skips"] else "")
+    return f", {s['samples_skipped']:,} skipped" + (f": {counts}{sampled}" if counts else "")
+
+
 def format_status(s: dict) -> str:
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
         f"{s['shards_failed']} failed, {s['shards_pending']} pending"
         + (f", {s['shards_interrupted']} interrupted" if s.get("shards_interrupted") else ""),
-        f"  samples  {s['samples_done']}/{s['samples_total']} stored"
-        + (f", {s['samples_skipped']} skipped (nothing to train on, e.g. no assistant token within "
-           "max length; each reason is in the commit records)" if s["samples_skipped"] else ""),
+        f"  samples  {s['samples_done']}/{s['samples_total']} stored" + _skipped_text(s),
         f"  tokens   {s['tokens_done']:,} of ~{s['tokens_total_est']:,}",
         f"  bytes    {size(s['bytes_stored'])} stored, {size(s['bytes_raw'])} raw"
         + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else "")
@@ -231,12 +240,23 @@ def format_training(t: dict) -> str:
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from layertap.manifests.manifest import NoRun
     from layertap.manifests.status import verify_run
+    from layertap.manifests.train_output import training_status
     from layertap.storage.store import open_store
 
     store = open_store(args.prefix)
-    with tqdm(desc="verify", unit="shard", disable=args.json or None, file=sys.stderr) as bar:
-        result = verify_run(store, threads=args.threads, progress=bar.update)
+    try:
+        with tqdm(desc="verify", unit="shard", disable=args.json or None, file=sys.stderr) as bar:
+            result = verify_run(store, threads=args.threads, progress=bar.update)
+    except NoRun:
+        t = training_status(store)  # what `status` recognizes the prefix as
+        if t is None:
+            raise
+        data = f": `layertap verify {t['data']}` checks the run it trained on" if t.get("data") else ""
+        raise NoRun(f"{store.uri} is a `layertap train` output (checkpoints, metrics.jsonl), not a run: verify "
+                    "re-reads the shards of an extraction run (`layertap extract` or `layertap import`; its prefix "
+                    f"holds manifest.json){data}; `layertap status {args.prefix}` reports on the training") from None
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -19,6 +20,7 @@ from layertap.storage.store import ObjectNotFound, ObjectStore
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 600.0
+SKIP_REASON_SHARDS = 200  # commit records `status` reads for the reasons samples were skipped
 CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked  # the recent rate is measured over the commits of the last ten minutes
 
 
@@ -26,8 +28,9 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
     the reason each failed shard failed; with `shards`, every shard's state and data object.
     Read-only. Costs five listings (six with `shards`) plus a GET per failed shard (and per
-    commit whose tally marker is missing, or whose data object the listing leaves ambiguous);
-    a run trained while extracted adds listings of `consumed/` and a GET per training rank."""
+    commit whose tally marker is missing, or whose data object the listing leaves ambiguous, and
+    per shard with skipped samples, up to `SKIP_REASON_SHARDS`); a run trained while extracted
+    adds listings of `consumed/` and a GET per training rank."""
     manifest = manifest or load_manifest(store)
     st = scan(store, manifest, with_data=shards)
     counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
@@ -75,6 +78,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "samples_total": manifest.num_samples,
         "samples_done": samples,
         "samples_skipped": skipped,
+        "skipped_by_reason": _skip_reasons(store, tallies) if skipped else None,
         "tokens_total_est": manifest.est_tokens,
         "tokens_done": tokens,
         "bytes_stored": stored,  # ever: every committed shard's data object, consumed ones included
@@ -173,6 +177,25 @@ def _committed_key(store: ObjectStore, shard: int) -> str | None:
         return decode_commit(store.get(key), key).data_key
     except ObjectNotFound:  # withdrawn while we looked
         return None
+
+
+def _skip_reasons(store: ObjectStore, tallies: dict[int, dict[str, int]]) -> dict[str, Any]:
+    """Why samples were skipped, counted by reason from the commit records of the shards whose
+    tally says they skipped some (the first `SKIP_REASON_SHARDS` of them: a reason usually
+    repeats, and a 25,000-shard run's status must not GET every commit)."""
+    with_skips = sorted(s for s, t in tallies.items() if t["skipped"])
+    read = with_skips[:SKIP_REASON_SHARDS]
+
+    def reasons(shard: int) -> list[str]:
+        key = layout.commit_key(shard)
+        try:
+            return [s.get("reason") or "unknown" for s in decode_commit(store.get(key), key).skipped]
+        except (ObjectNotFound, ManifestError):  # withdrawn meanwhile, or corrupt: `verify` says so
+            return []
+
+    with ThreadPoolExecutor(16) as pool:
+        counted = Counter(r for found in pool.map(reasons, read) for r in found)
+    return {"counts": dict(counted.most_common()), "shards_read": len(read), "shards_with_skips": len(with_skips)}
 
 
 def recent_rate(commit_times: dict[int, float], tokens: dict[int, int], end: float,

@@ -23,6 +23,7 @@ from layertap.extract.pipeline import make_batches, pad_batch
 from layertap.extract.run import Progress, extract
 from layertap.manifests import layout
 from layertap.manifests.records import decode_commit, decode_failure
+from layertap.manifests.cli import format_status
 from layertap.manifests.status import run_status, verify_run
 from layertap.storage.reader import ShardReader, verify_shard
 from layertap.storage.store import StoreError, open_store
@@ -92,6 +93,9 @@ def test_stored_states_equal_a_plain_hf_forward(models, model_type, overlap, tmp
     status = run_status(store)
     assert status["complete"] and status["samples_done"] == 14 and status["samples_skipped"] == 1
     assert status["shards_total"] >= 3
+    # why, from the commit records: `status` said only "nothing to train on, e.g. ..."
+    [(reason, n)] = status["skipped_by_reason"]["counts"].items()
+    assert (reason, n) == ("no_supervised_pair", 1) and f"1 skipped: {reason} 1" in format_status(status)
 
     tok = AutoTokenizer.from_pretrained(models[model_type])
     model = AutoModelForCausalLM.from_pretrained(models[model_type], dtype=torch.bfloat16).eval()

@@ -76,6 +76,11 @@ class DrafterConfig:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DrafterConfig":
         if d.get("format") != CONFIG_FORMAT:
+            if "speculators_model_type" in d:  # what `layertap export-drafter --to speculators` writes
+                raise InputError(f"a speculators export (config.json with speculators_model_type "
+                                 f"{d['speculators_model_type']!r}: vLLM's and speculators' form), not a layertap "
+                                 "drafter: `layertap eval --drafter` takes the `layertap train` output it was "
+                                 "exported from (train's --out prefix)")
             raise InputError(f"not a layertap drafter config (format {d.get('format')!r})")
         if d.get("version") != CONFIG_VERSION:
             raise InputError(f"drafter config version {d.get('version')} is not supported (this layertap reads "
