@@ -513,6 +513,31 @@ def test_a_resume_that_trains_on_withdraws_the_earlier_export(run, target, tmp_p
     assert (tmp_path / "out" / "drafter" / "config.json").exists()
 
 
+def test_a_loss_that_stays_nan_stops_training_with_a_clear_error(run, target, tmp_path, capsys, caplog, monkeypatch):
+    """NaN losses (NaN states in the data, a diverged --lr) made no update, silently: 'final loss
+    nan', exit 0 and an untrained drafter exported. Now each is warned and five in a row stop it."""
+    from layertap.train import trainer
+
+    computed = trainer.dflash_loss
+
+    def nan_from_step_3(model, batch, generator, distill=None):
+        result = computed(model, batch, generator, distill=distill)
+        if len(calls) >= 2:
+            result.loss = result.loss * float("nan")
+        calls.append(1)
+        return result
+
+    calls: list[int] = []
+    monkeypatch.setattr(trainer, "dflash_loss", nan_from_step_3)
+    out = str(tmp_path / "out")
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "50", "--save-every", "2", *FAST) == 2
+    err = capsys.readouterr().err
+    assert "steps 3-7: the loss or the gradients were NaN or infinite 5 steps in a row" in err
+    assert "none of them updated the drafter (its checkpoints hold it as it was before them)" in err
+    assert "step 3: the loss or the gradients are not finite" in caplog.text
+    assert not (tmp_path / "out" / "drafter").exists()
+
+
 def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     out = str(tmp_path / "out")
     # no --model: the target folder the run's manifest records

@@ -34,7 +34,7 @@ from layertap.manifests.layout import MANIFEST
 from layertap.manifests.manifest import load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import StopSignals
-from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
 from layertap.train.batch import collate
@@ -50,6 +50,7 @@ from layertap.train.target_head import load_final_norm, load_target_head, record
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+NONFINITE_LIMIT = 5  # steps in a row with a NaN or infinite loss or gradient before training stops
 STALL_CHECK_S = 5.0  # follow mode: seconds of waiting for data between looks for a stalled window
 
 
@@ -396,6 +397,7 @@ def _loop(run: _Run, start: int) -> int:
     cfg, acc = run.cfg, run.acc
     progress = _progress(acc.process_index, start, run.total)
     step = saved = start
+    nonfinite = 0  # steps in a row whose loss or gradient was NaN or infinite
     while step < run.total:
         stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
         if not stopped:
@@ -410,6 +412,7 @@ def _loop(run: _Run, start: int) -> int:
             else:
                 stats = train_step(run, step, run.distill)
                 step, stopped = stats.step, stats.stop
+                nonfinite = _check_finite(run, stats, nonfinite)
                 wait = run.batches.pop_wait_s()
                 if run.metrics is not None:
                     _report(run, stats, epoch, wait, progress)
@@ -439,6 +442,29 @@ def _loop(run: _Run, start: int) -> int:
     acc.wait_for_everyone()
     acc.end_training()
     return 0
+
+
+class NotFinite(UserError, FloatingPointError):
+    """Training met NaN or infinite losses or gradients and stopped (`_check_finite`)."""
+
+
+def _check_finite(run: _Run, stats: StepStats, before: int) -> int:
+    """Steps in a row, to this one, whose loss or gradient was NaN or infinite. Such a step makes
+    no update (`train_step` steps only on a positive norm), which went unsaid: 'final loss nan',
+    exit 0, a drafter exported untrained. Warned at each, and after `NONFINITE_LIMIT` in a row
+    training stops: it will not mend by itself. The same on every rank (reduced numbers)."""
+    weight, loss = float(stats.totals[1]), float(stats.totals[0])
+    if math.isfinite(stats.grad_norm) and (weight == 0 or math.isfinite(loss)):
+        return 0
+    if run.acc.is_main_process:
+        log.warning("step %d: the loss or the gradients are not finite (loss %s, gradient norm %s): no update",
+                    stats.step, loss / weight if weight else loss, stats.grad_norm)
+    if before + 1 < NONFINITE_LIMIT:
+        return before + 1
+    raise NotFinite(f"steps {stats.step - NONFINITE_LIMIT + 1}-{stats.step}: the loss or the gradients were NaN or "
+                    f"infinite {NONFINITE_LIMIT} steps in a row, and none of them updated the drafter (its checkpoints "
+                    "hold it as it was before them): NaN or infinite states in the data (`layertap inspect SHARD "
+                    "--stats` shows max |x| per layer), or a --lr that diverged")
 
 
 def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
