@@ -36,20 +36,29 @@ def default_encode_threads() -> int:
 
 
 def parse_ids(text: str) -> list[int]:
-    """'1,16,31' or '0-9,12' -> a list of ints."""
-    out: list[int] = []
+    """'1,16,31' or '0-9,12' -> a list of ints, in the order named. A reversed range ('3-2') is
+    refused rather than read as empty: it would drop ids in silence. Repeats are kept, for the
+    caller to refuse (capture layers) or fold (`parse_shard_ids`)."""
+    return [i for part in (p.strip() for p in text.split(",")) if part for i in _id_range(part, text)]
+
+
+def parse_shard_ids(text: str) -> list[int]:
+    """`parse_ids`, each shard once (overlapping ranges, '0,0'): a shard named twice is one shard's work."""
+    return list(dict.fromkeys(parse_ids(text)))
+
+
+def _id_range(part: str, text: str) -> range:
+    """One item of an id list: 'a-b' (inclusive) or 'a'."""
     try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                a, b = part.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
-            elif part:
-                out.append(int(part))
+        a, b = part.split("-", 1) if "-" in part[1:] else (part, part)
+        first, last = int(a), int(b)
     except ValueError:
         raise ConfigError(f"invalid id list {text!r}: use comma-separated integers or ranges, e.g. 1,16,31 or "
                           "0-9") from None
-    return out
+    if first > last:
+        raise ConfigError(f"invalid id list {text!r}: range {part!r} is reversed; write it low to high, e.g. "
+                          f"'{last}-{first}'")
+    return range(first, last + 1)
 
 
 @dataclass(kw_only=True)
@@ -80,7 +89,7 @@ class ExtractConfig:
                                                                 "of it)")
     retries: int = setting(1, help="retries of a failed shard in one run: a shard failed more often is left to "
                                    "a rerun")
-    shards: list[int] | None = setting(None, parse=parse_ids, help="static assignment: only these shard ids, e.g. "
+    shards: list[int] | None = setting(None, parse=parse_shard_ids, help="static assignment: only these shard ids, e.g. "
                                                                    "0-99 (default: any free shard)")
     window: int | None = setting(None, parse=parse_size, metavar="BYTES", help=(
         "storage window for training while extracting, e.g. 200GB: no new shard is claimed while this much "

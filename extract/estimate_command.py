@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from layertap.extract.command import add_extract
-from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.errors import ConfigError
 from layertap.storage.store import s3_options
 from layertap.extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
                               DEFAULT_USD_PER_GIB_MONTH, Prices, Regeneration, Storage, Throughput, Workload,
@@ -196,7 +196,7 @@ def _estimate(args: argparse.Namespace) -> _Report:
         if target is None:
             raise ConfigError("token statistics need the model's tokenizer: give --model, or state both "
                              "--samples and --mean-tokens")
-        from layertap.extract.measure import token_statistics
+        from layertap.extract.measure import require_samples, token_statistics
         from layertap.extract.regenerated import template_kwargs
         from layertap.extract.run import dataset_rows
 
@@ -205,8 +205,7 @@ def _estimate(args: argparse.Namespace) -> _Report:
                                  sample_rows=args.token_sample or None,
                                  picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens,
                                  chat_template_kwargs=template_kwargs(cfg.dataset))
-        if stats.samples_read == 0:
-            raise InputError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
+        require_samples(stats)
     samples = args.samples if args.samples is not None else stats.samples
     mean = args.mean_tokens if args.mean_tokens is not None else stats.tokens_read / stats.samples_read
     tokens = stats.tokens if args.samples is None and args.mean_tokens is None else round(samples * mean)
@@ -350,7 +349,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
         raise ConfigError("plan writes the run's manifest: give --out s3://bucket/prefix or a local folder "
                          "(or --dry-run to only look)")
     cfg = _config(args, args.out or "")
-    from layertap.extract.measure import token_statistics
+    from layertap.extract.measure import require_samples, token_statistics
     from layertap.extract.regenerated import template_kwargs
     from layertap.extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
     from layertap.manifests.manifest import NoRun, plan_shards
@@ -370,8 +369,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
                              picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens,
                              chat_template_kwargs=template_kwargs(cfg.dataset))
-    if stats.samples_read == 0:
-        raise InputError(f"no row of the dataset yields a sample to store (skipped: {stats.skipped})")
+    require_samples(stats)
     if existing is not None:  # the run keeps the plan it was cut with (a warning names another --shard-bytes)
         plan, planned, cfg.shard_bytes = existing.shards, existing.bytes_per_token, existing.shard_bytes
     else:

@@ -1,6 +1,7 @@
 """Dataset rows -> tokenized training samples: ``input_ids`` plus the loss mask a drafter trains on.
 
-Three row shapes are accepted, detected once per dataset from its columns:
+Three row shapes are accepted, detected once per dataset from its columns (a chat row may be in
+either chat form, so a file can mix them):
 
 - pre-tokenized: ``input_ids`` with ``loss_mask`` (0/1) or ``labels`` (-100 = unsupervised);
 - ShareGPT: ``conversations`` = ``[{"from", "value"}, ...]``;
@@ -22,6 +23,7 @@ import enum
 import json
 import os
 import re
+import reprlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
@@ -317,39 +319,54 @@ def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> T
         keys = sorted(k for k, v in row.items() if v is not None)
         raise InputError(f"row {index} ({sid}) has no input_ids (its fields: {keys}), so it matches no accepted "
                          f"row shape ({ACCEPTED_SHAPES}); fix the row or remove it")
-    if len(ids_raw) == 0:
+    where = f"row {index} ({sid})"
+    ids = _column_tensor(ids_raw, "input_ids", "a list of integers", where)
+    if ids.numel() == 0:
         return Skipped(sid, EMPTY, "input_ids is empty")
-    ids = torch.as_tensor(ids_raw).reshape(-1)
     if ids.dtype == torch.bool:
-        raise InputError(f"row {index} ({sid}): input_ids must be integers, got booleans")
+        raise InputError(f"{where}: input_ids must be integers, got booleans")
     if ids.dtype.is_floating_point:
         # A JSON reader makes the whole column float when one row holds a float, so whole numbers
         # are token ids as written; a fraction is refused in the row that holds it.
         bad = ~torch.isfinite(ids) | (ids != ids.trunc())
         if bool(bad.any()):
             pos = int(bad.nonzero()[0])
-            raise InputError(f"row {index} ({sid}): input_ids must be integers, got {ids[pos].item()} at "
+            raise InputError(f"{where}: input_ids must be integers, got {ids[pos].item()} at "
                              f"position {pos}")
     ids = ids.to(torch.int64)
     bad = (ids < 0) | (ids >= vocab)
     if bool(bad.any()):
         pos = int(bad.nonzero()[0])
-        raise InputError(f"row {index} ({sid}): token id {int(ids[pos])} at position {pos} is outside "
+        raise InputError(f"{where}: token id {int(ids[pos])} at position {pos} is outside "
                          f"the vocabulary [0, {vocab}); were these rows tokenized for another model? Tokenize "
                          f"them with this model's tokenizer, or give the --model they were made for")
     if row.get("loss_mask") is not None:
-        mask = torch.as_tensor(row["loss_mask"]).reshape(-1)
+        mask = _column_tensor(row["loss_mask"], "loss_mask", "a list of 0s and 1s", where)
         if bool(((mask != 0) & (mask != 1)).any()):
-            raise InputError(f"row {index} ({sid}): loss_mask must hold only 0 and 1")
+            raise InputError(f"{where}: loss_mask must hold only 0 and 1")
         mask, name = mask.bool(), "loss_mask"
     elif row.get("labels") is not None:
-        mask, name = torch.as_tensor(row["labels"]).reshape(-1) != -100, "labels"
+        labels = _column_tensor(row["labels"], "labels", "a list of integers (-100: not supervised)", where)
+        mask, name = labels != -100, "labels"
     else:
-        raise InputError(f"row {index} ({sid}): both loss_mask and labels are null")
+        raise InputError(f"{where}: both loss_mask and labels are null")
     if mask.numel() != ids.numel():
-        raise InputError(f"row {index} ({sid}): {name} has {mask.numel()} entries for "
+        raise InputError(f"{where}: {name} has {mask.numel()} entries for "
                          f"{ids.numel()} input_ids")
     return TokenizedSample(sid, ids, mask)
+
+
+def _column_tensor(value: Any, column: str, expected: str, where: str) -> torch.Tensor:
+    """A pre-tokenized column's value as a flat tensor. A value torch cannot read (strings, nulls,
+    ragged or dict values) is refused naming the row and the column: torch's own error ("too many
+    dimensions 'str'") names neither, and one row's would end a whole run with a traceback."""
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        tensor = None
+    if tensor is None or tensor.dim() == 0:  # a scalar is no list either
+        raise InputError(f"{where}: {column} must be {expected}, got {reprlib.repr(value)}")
+    return tensor.reshape(-1)
 
 
 class _ChatRenderer:
@@ -387,8 +404,7 @@ class _ChatRenderer:
 
     def tokenize(self, row: Mapping[str, Any], sid: str, shape: RowShape,
                  stats: TokenizeStats) -> TokenizedSample | Skipped:
-        raw = row["messages"] if shape is RowShape.MESSAGES else row["conversations"]
-        messages = normalize_chat(raw, sid, stats)
+        messages = normalize_chat(_chat_of(row, shape), sid, stats)
         if isinstance(messages, Skipped):
             return messages
         try:
@@ -405,6 +421,14 @@ class _ChatRenderer:
         for a, b in spans:
             mask |= (starts >= a) & (starts < b)
         return TokenizedSample(sid, ids, mask)
+
+
+def _chat_of(row: Mapping[str, Any], shape: RowShape) -> Any:
+    """The row's chat: the column the dataset's shape names, else the other chat column. A file
+    that mixes OpenAI and ShareGPT rows has both columns, each null in the other's rows; the
+    messages of either form normalize alike (`normalize_chat`)."""
+    first, other = ("messages", "conversations") if shape is RowShape.MESSAGES else ("conversations", "messages")
+    return row.get(first) if row.get(first) is not None else row.get(other)
 
 
 class _TemplateMismatch(ValueError):

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from layertap.extract.estimate import TOKEN_BYTES
-from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, sample_id, tokenize_rows
+from layertap.extract.inputs import ACCEPTED_SHAPES, Skipped, TokenizedSample, TokenizeStats, sample_id, tokenize_rows
 from layertap.extract.model import Capture
 from layertap.extract.pipeline import PipelineStats, extract_shard, pad_batch
 from layertap.storage.codecs import CODEC_NAMES
@@ -212,3 +212,13 @@ def _measure_codec(states, meta: ShardMeta) -> CodecMeasure:
     per_record = (total - empty - activations - TOKEN_BYTES * tokens) / len(states)
     return CodecMeasure(codec=meta.codec, ratio=raw / activations, record_overhead=per_record,
                         shard_overhead=empty, shard_bytes=total)
+
+
+def require_samples(stats: TokenStats) -> None:
+    """Refuse a dataset none of whose rows yields a sample, before a run of it is planned: it
+    would "complete" with nothing stored (`layertap plan` and `estimate` refuse it too)."""
+    if stats.samples_read == 0:
+        reasons = ", ".join(f"{reason}: {n:,}" for reason, n in sorted(stats.skipped.items()))
+        raise InputError(f"no row of the dataset yields a sample to store: all {stats.rows_read:,} rows read were "
+                         f"skipped ({reasons}); a row needs an assistant answer to learn from, message contents "
+                         f"in text, in an accepted shape ({ACCEPTED_SHAPES})")

@@ -23,7 +23,9 @@ from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtyp
 from layertap.extract.console import progress, quiet_library_bars
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
 from layertap.extract.kernels import provenance
-from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows, tokenize_rows
+from layertap.extract.inputs import (Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows,
+                                     tokenize_rows)
+from layertap.extract.measure import require_samples, token_statistics
 from layertap.extract.model import Capture, Target, default_layers, load_target
 from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
 from layertap.extract.regenerated import template_kwargs
@@ -37,6 +39,7 @@ from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.foreign import unservable_layer
+from layertap.storage.errors import ConfigError
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
@@ -129,7 +132,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
         return Started(tail, skipped, truncated)
 
     t_start = time.perf_counter()
-    with Progress(rank, world, store, manifest) as progress:
+    with Progress(rank, world, store, manifest, cfg.shards) as progress:
         if gate:
             gate.on_wait = progress.waiting
         # auto: overlapped on a GPU, where the tail's CPU work and requests run beside the device's
@@ -202,6 +205,8 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
         from layertap.extract.embedded import smollm2_gguf
 
         model_path, gguf_file = smollm2_gguf()
+        if cfg.gguf_file not in (None, gguf_file):  # not in silence: the user asked for another model
+            raise ConfigError(f"--gguf-file {cfg.gguf_file!r} needs --model (the folder or hub id holding it)")
         if cfg.gguf_file != gguf_file:  # said once, not again when the weights follow
             log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
     elif os.path.exists(model_path):
@@ -213,12 +218,26 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
                          attn_implementation=cfg.attn_implementation, device=device, weights=weights)
     layers = cfg.layers if cfg.layers is not None else default_layers(target.info["num_layers"])
     capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
+    if weights:  # once per extraction, as the states are about to be computed
+        _warn_past_context(cfg.max_length, capture.decoder.config)
     if (why := unservable_layer(capture.layers, capture.num_layers)) is not None:
         log.warning(why)
     cfg.gguf_file = gguf_file
     identity = cfg.identity(dict(target.info, model=model_path if cfg.model else f"embedded:{gguf_file}"),
                             capture.layers)
     return target, capture, identity
+
+
+def _warn_past_context(max_length: int, config: Any) -> None:
+    """Warn when --max-length lets samples run past the context the model was trained on: their
+    states past it are the model's extrapolation, not what it serves, and a drafter trained on
+    them learns from those. A warning, not a refusal: some models serve past their config's value
+    (RoPE scaling) and most samples may be shorter anyway."""
+    trained = getattr(config, "max_position_embeddings", None)
+    if isinstance(trained, int) and max_length > trained:
+        log.warning("--max-length %d is above the model's max_position_embeddings %d: samples longer than %d "
+                    "tokens are stored with states past the context it was trained on; lower --max-length to %d "
+                    "unless the model is known to serve longer contexts", max_length, trained, trained, trained)
 
 
 def shard_meta(cfg: ExtractConfig, identity: RunConfig, run_id: str, shard_id: int,
@@ -298,10 +317,10 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
     except NoRun:
         pass
     log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
-    counts = [len(s) if isinstance(s, TokenizedSample) else 0
-              for s in tokenize_rows(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
-                                     chat_template_kwargs=template_kwargs(cfg.dataset))]
-    return write_plan(store, cfg, identity, fingerprint, counts)[0], identity
+    stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
+                             chat_template_kwargs=template_kwargs(cfg.dataset))
+    require_samples(stats)
+    return write_plan(store, cfg, identity, fingerprint, stats.counts)[0], identity
 
 
 def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
@@ -329,7 +348,7 @@ def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) ->
 
 
 class Progress:
-    """Rank 0's progress over the run's samples: samples/s, tokens/s, MiB/s stored, ratio, ETA
+    """Rank 0's progress over the run's samples (those of --shards, when given): samples/s, tokens/s, MiB/s stored, ratio, ETA
     (a bar on a terminal, a log line every 30 s otherwise; see `extract.console`).
 
     With several ranks, rank 0 counts its own records as they are written and, every
@@ -340,15 +359,19 @@ class Progress:
 
     SYNC_S = 30.0
 
-    def __init__(self, rank: int, world: int, store: ObjectStore, manifest: Manifest):
+    def __init__(self, rank: int, world: int, store: ObjectStore, manifest: Manifest,
+                 shards: list[int] | None = None):
         self.on, self.world, self.store = rank == 0, world, store
+        # --shards (an array task's share): its samples, not the run's, make the total and the ETA
+        self.only = None if shards is None else set(shards)
+        total = sum(p.num_samples for p in manifest.shards if self.only is None or p.id in self.only)
         self.t0 = time.time()
         self.tokens = self.stored = self.raw = 0
         self.uncommitted = 0  # records written into shards not committed yet (two, while one finishes)
         self._lock = threading.Lock()  # the writers of two shards report at once
         self._closed = threading.Event()
         self._listing_failed = False
-        self.bar = progress(manifest.num_samples, initial=(self._committed() or 0) if self.on else 0, desc="extract",
+        self.bar = progress(total, initial=(self._committed() or 0) if self.on else 0, desc="extract",
                             unit="sample", enabled=self.on)
         if self.on and world > 1:
             threading.Thread(target=self._sync, name="progress-sync", daemon=True).start()
@@ -360,7 +383,7 @@ class Progress:
         try:
             for o in self.store.list(layout.TALLY):
                 parsed = layout.parse_tally(o.key)
-                if parsed:
+                if parsed and (self.only is None or parsed[0] in self.only):
                     total += parsed[1]["records"] + parsed[1]["skipped"]
         except StoreError as e:  # said once while it lasts, not every SYNC_S
             (log.debug if self._listing_failed else log.warning)(

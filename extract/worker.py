@@ -121,9 +121,9 @@ class ShardLoop:
                 claim.release()  # again: the signal may have cut the claim's own release short
                 log.warning("%s: shard %d aborted, its lease released",
                             "interrupted" if isinstance(e, Interrupted) else "preempted", claim.shard)
+            self.on_abandoned(claim, count.n)  # before a stop goes up too: the last progress line counts them
             if not isinstance(e, Exception):
                 raise
-            self.on_abandoned(claim, count.n)
             if claim.superseded:  # another attempt's commit counts the shard (the claim logged it)
                 return
             log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layertap.extract.embedded import sharegpt_conversations
-from layertap.storage.errors import ConfigError
+from layertap.storage.errors import ConfigError, InputError
 from layertap.extract.inputs import (
     BAD_MESSAGE, EMPTY, NO_SUPERVISED_PAIR, TEMPLATE_ERROR, RowShape, Skipped, TokenizedSample,
     TokenizeStats, dataset_fingerprint, detect_row_shape, load_rows, sample_id, tokenize_rows,
@@ -342,6 +342,47 @@ def test_float_token_ids_are_reported_in_the_row_that_holds_them(tmp_path):
             _one([{"input_ids": [1.0, bad], "loss_mask": [1, 1]}], tiny_tokenizer())
     with pytest.raises(ValueError, match=r"row 0 \(0\): input_ids must be integers, got booleans"):
         _one([{"input_ids": [True, False], "loss_mask": [1, 1]}], tiny_tokenizer())
+
+
+def test_a_file_mixing_openai_and_sharegpt_rows_keeps_every_row(tmp_path):
+    """The JSON reader gives every row both chat columns, each null in the other form's rows: a row
+    is read from the column it has, whichever the dataset's shape names, and masked the same."""
+    sharegpt = {"id": "sg", "conversations": [{"from": "human", "value": "hi there"},
+                                              {"from": "gpt", "value": "the quick brown fox"}]}
+    openai = {"id": "oa", "messages": [{"role": "user", "content": "hi there"},
+                                       {"role": "assistant", "content": "the quick brown fox"}]}
+    tok = tiny_tokenizer()
+    for rows in ([sharegpt, sharegpt, openai, openai], [openai, sharegpt]):
+        loaded = load_rows(_jsonl(tmp_path, rows))
+        for given in (loaded, rows):  # a dataset's columns, and plain rows (the first row's keys decide)
+            out = _one(given, tok)
+            assert all(isinstance(s, TokenizedSample) for s in out), [s for s in out if isinstance(s, Skipped)]
+            assert {tuple(s.input_ids.tolist()) for s in out} == {tuple(out[0].input_ids.tolist())}
+            assert {tuple(s.loss_mask.tolist()) for s in out} == {tuple(out[0].loss_mask.tolist())}
+    [neither] = _one([{"id": "x", "messages": None, "conversations": None}], tok)
+    assert isinstance(neither, Skipped) and neither.reason == EMPTY
+
+
+@pytest.mark.parametrize("row, column, shown", [
+    ({"id": "s", "input_ids": ["1", "2", "3"], "loss_mask": [1, 1, 1]}, "input_ids", "['1', '2', '3']"),
+    ({"id": "s", "input_ids": [[1, 2], [3]], "loss_mask": [1, 1, 1]}, "input_ids", "[[1, 2], [3]]"),
+    ({"id": "s", "input_ids": {"a": 1}, "loss_mask": [1]}, "input_ids", "{'a': 1}"),
+    ({"id": "s", "input_ids": 7, "loss_mask": [1]}, "input_ids", "7"),
+    ({"id": "s", "input_ids": [1, 2, 3], "loss_mask": ["1", "1", "1"]}, "loss_mask", "['1', '1', '1']"),
+    ({"id": "s", "input_ids": [1, 2, 3], "labels": [None, 2, 3]}, "labels", "[None, 2, 3]"),
+])
+def test_pretokenized_values_torch_cannot_read_are_refused_naming_row_and_column(tmp_path, row, column, shown):
+    """Strings, ragged lists, dicts, nulls inside a list: an InputError (exit 2) naming the row and
+    the column, from a real JSONL file as much as from plain rows, never torch's own traceback."""
+    good = {"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1], "labels": [1, 2, 3]}
+    good = {k: v for k, v in good.items() if k in row}
+    with pytest.raises(InputError) as e:  # row 1, after a good row of the same columns
+        _one([good, row], tiny_tokenizer())
+    expected = "a list of integers" if column == "input_ids" else "a list of"
+    assert str(e.value).startswith(f"row 1 (1-s): {column} must be {expected}")
+    assert str(e.value).endswith(f", got {shown}")
+    with pytest.raises(InputError, match=rf"^row 0 \(0-s\): {column} must be a list of "):  # as a run reads it
+        _one(load_rows(_jsonl(tmp_path, [row])), tiny_tokenizer())
 
 
 # --- truncation and skips -----------------------------------------------------------------------
