@@ -348,8 +348,9 @@ def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) ->
 
 
 class Progress:
-    """Rank 0's progress over the run's samples (those of --shards, when given): samples/s, tokens/s, MiB/s stored, ratio, ETA
-    (a bar on a terminal, a log line every 30 s otherwise; see `extract.console`).
+    """Rank 0's progress over the run's samples (those of --shards, when given): samples/s,
+    tokens/s, MiB/s stored, ratio, ETA (a bar on a terminal, a log line every 30 s otherwise; see
+    `extract.console`).
 
     With several ranks, rank 0 counts its own records as they are written and, every
     `SYNC_S` seconds, everyone's committed samples from one listing of the tally markers, on a
