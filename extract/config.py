@@ -152,13 +152,18 @@ class ExtractConfig:
     def identity(self, model_info: dict[str, Any], layers: list[int]) -> RunConfig:
         """What determines the stored output: a rerun must match it (`as_run_recorded`) to resume
         the run. `model` is a local folder's real path; `dtype` the one asked for: "auto" lets each
-        worker choose for its device, and its shards' HEADs say which (`extra.forward_dtype`)."""
+        worker choose for its device, and its shards' HEADs say which (`extra.forward_dtype`). Names
+        do not pin contents, so the revision a hub id resolved to and hashes of the config.json,
+        tokenizer and chat template (`load_target`'s info) are recorded too."""
         from layertap.storage.identity import RunConfig
 
         return RunConfig(model=model_info["model"], gguf_file=self.gguf_file, model_revision=model_info.get("revision"),
                          model_type=model_info.get("model_type"), tokenizer=model_info.get("tokenizer"),
                          layers=layers, final_state=self.final_state, hidden_size=model_info["hidden_size"],
-                         codec=self.codec, dtype=self.dtype, max_length=self.max_length)
+                         codec=self.codec, dtype=self.dtype, max_length=self.max_length,
+                         model_config_sha256=model_info.get("model_config_sha256"),
+                         tokenizer_sha256=model_info.get("tokenizer_sha256"),
+                         chat_template_sha256=model_info.get("chat_template_sha256"))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -203,9 +208,16 @@ def as_run_recorded(run_config: Mapping[str, Any], settings: Mapping[str, Any]) 
       a symlink, from another working directory (a Slurm job's);
     - the embedded model's tokenizer, whose recorded path is where its package was installed;
     - `dtype` "auto" in a rerun of a run that pinned bfloat16 or float32 (its workers keep it),
-      and any dtype in a rerun of an "auto" run (each worker chooses for its device).
+      and any dtype in a rerun of an "auto" run (each worker chooses for its device);
+    - a fact the run did not record (`IF_RECORDED`: a revision it did not know, a content hash
+      newer than the run): there is nothing to compare it with.
     """
+    from layertap.storage.identity import IF_RECORDED
+
     out = dict(settings)
+    for key in IF_RECORDED:
+        if key in out and run_config.get(key) is None:
+            out[key] = None
     for key in ("model", "tokenizer"):
         if _same_folder(run_config.get(key), out.get(key)):
             out[key] = run_config[key]

@@ -240,10 +240,10 @@ def check_target_layers(fmt: str, layers: list[int], ours: list[int], num_layers
     """Refuse capture layers the target does not have, or repeated, with extraction's own check
     and words (extract/model.py); warn, as extraction does, of the last layer, which no server
     gathers for a drafter."""
-    from layertap.extract.model import _check_layers
+    from layertap.extract.model import check_layers
 
     try:
-        _check_layers(ours, num_layers)
+        check_layers(ours, num_layers)
     except ConfigError as e:
         ids = f" ({fmt}'s ids; layertap's {','.join(map(str, ours))})" if ours != layers else ""
         raise ConfigError(f"--layers {','.join(map(str, layers))}{ids}: {e}, per {source}") from None

@@ -10,6 +10,8 @@ HF's. vLLM and SGLang count "before layer i", so their ids are ours + 1.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import operator
 import os
 import re
@@ -95,16 +97,22 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
                 fuse_norms(decoder_of(model), list(decoder_of(model).layers))
         log_kernel_paths(model, str(device))
     config = decoder_of(model).config
+    # the checkpoint's folder: a local one, or the hub cache's snapshot that a hub id resolved to
+    folder = source if local else _hub_snapshot(source, given_gguf or "config.json")
+    config_file = os.path.join(folder, "config.json") if folder is not None and given_gguf is None else None
     info = {
         "model": source,
         "gguf_file": given_gguf,
-        "revision": _revision(source, model.config),
+        "revision": _revision(folder) if folder is not None else None,
+        "model_config_sha256": _file_sha256(config_file) if config_file is not None else None,  # a GGUF holds its own
         "model_type": config.model_type,
         "hidden_size": int(config.hidden_size),
         "num_layers": int(config.num_hidden_layers),
         "vocab_size": int(config.vocab_size),
         "tokenizer": tokenizer.name_or_path if path == source else source,
         "tokenizer_vocab_size": len(tokenizer),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "chat_template_sha256": chat_template_sha256(tokenizer),
         "dtype": str(dtype).removeprefix("torch."),
     }
     return Target(model, tokenizer, info)
@@ -124,12 +132,46 @@ def gguf_kwargs(gguf_file: str) -> dict[str, Any]:
     return kw
 
 
-def _revision(path: str, config) -> str | None:
-    """The commit a checkpoint came from: a hub snapshot folder is named by it, a git checkout has HEAD."""
-    commit = getattr(config, "_commit_hash", None)
-    if commit:
-        return commit
-    real = os.path.realpath(path)
+def short_sha256(data: bytes) -> str:
+    """The first 16 hex digits of `data`'s SHA-256: enough to tell two versions of a file apart."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return short_sha256(f.read())
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """What decides the token ids besides the chat template: the vocabulary (added tokens and
+    their ids included) and the special tokens a template writes (``bos_token`` ...). Hashed as
+    content, not files or the library's serialization, so that one tokenizer hashes the same from
+    a folder, the hub or a GGUF, under any transformers version; merges and normalizer are not
+    covered (a tokenizer that changes them keeps its vocabulary only in contrived cases)."""
+    return short_sha256(json.dumps([tokenizer.get_vocab(), tokenizer.special_tokens_map], sort_keys=True).encode())
+
+
+def chat_template_sha256(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template (a string, or a dict of named ones), which renders chat rows
+    into the text that is tokenized; None if it has none (only pre-tokenized rows can be read)."""
+    template = tokenizer.chat_template
+    if not template:
+        return None
+    return short_sha256((template if isinstance(template, str) else json.dumps(template, sort_keys=True)).encode())
+
+
+def _hub_snapshot(repo_id: str, filename: str) -> str | None:
+    """The hub cache's snapshot folder, named by its commit, that `repo_id` resolves to: the one
+    its `main` ref names, which `from_pretrained` has just followed (and, online, updated)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, filename)
+    return found[: -len(filename)] if isinstance(found, str) else None
+
+
+def _revision(folder: str) -> str | None:
+    """The commit a checkpoint folder holds: a hub snapshot folder is named by it, a git checkout has HEAD."""
+    real = os.path.realpath(folder)
     name = os.path.basename(real.rstrip(os.sep))
     if re.fullmatch(r"[0-9a-f]{40}", name) and os.path.basename(os.path.dirname(real)) == "snapshots":
         return name
@@ -169,7 +211,7 @@ class Capture:
         decoder = decoder_of(model)
         config = decoder.config
         num_layers = int(config.num_hidden_layers)
-        self.layers = _check_layers(layers, num_layers)
+        self.layers = check_layers(layers, num_layers)
         if final_state not in FINAL_STATES:
             raise ConfigError(f"final_state must be one of {FINAL_STATES}, got {final_state!r}")
         self.final_state = final_state
@@ -242,7 +284,7 @@ class Capture:
     __call__ = forward
 
 
-def _check_layers(layers: list[int], num_layers: int) -> list[int]:
+def check_layers(layers: list[int], num_layers: int) -> list[int]:
     if not layers:
         raise ConfigError("no capture layers given")
     out = []

@@ -5,7 +5,8 @@ frame and the readers.
 convention, final state, width, codec, tokenizer). The HEAD's `ShardMeta` (storage/format.py) is a
 `RunIdentity` plus the shard's own fields; the manifest's `config` is a `RunConfig`: the identity
 plus the extraction settings that also shape the bytes (GGUF file, forward dtype, max length).
-Both write and read the same JSON keys they always have (docs/FORMAT.md §3, `manifest.json`).
+Both write and read the same JSON keys they always have (docs/FORMAT.md §3, `manifest.json`), the
+manifest's content hashes aside: they are newer, and runs without them still resume (`IF_RECORDED`).
 """
 
 from __future__ import annotations
@@ -68,14 +69,27 @@ class RunConfig(RunIdentity):
     model_type: str | None = None
     dtype: str | None = None  # the forward dtype asked for ("auto": each worker's choice)
     max_length: int | None = None
+    # Content hashes (extract/model.py) of what a name alone does not pin: a folder edited in place,
+    # a tokenizer swapped. None where unknown (then not written); compared only where the run recorded
+    # one (`IF_RECORDED`).
+    model_config_sha256: str | None = None  # the checkpoint's config.json (None for a GGUF)
+    tokenizer_sha256: str | None = None  # vocabulary and special tokens
+    chat_template_sha256: str | None = None  # the chat template that renders chat rows
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest's keys in the order extraction has always written them."""
+        """The manifest's keys in the order extraction has always written them, then the content
+        hashes that are known: a config without them (an import's, an earlier layertap's) keeps
+        the very keys it had."""
         d = super().to_json()
-        return {k: d[k] for k in _MANIFEST_ORDER}
+        return {k: d[k] for k in _MANIFEST_ORDER if d[k] is not None or k not in _HASHES}
 
 
+_HASHES = ("model_config_sha256", "tokenizer_sha256", "chat_template_sha256")
 _MANIFEST_ORDER = ("model", "gguf_file", "model_revision", "model_type", "tokenizer", "layers", "layer_convention",
-                   "final_state", "hidden_size", "codec", "dtype", "max_length")
+                   "final_state", "hidden_size", "codec", "dtype", "max_length", *_HASHES)
 assert set(_MANIFEST_ORDER) == {f.name for f in fields(RunConfig)}
 
+# Facts a run may lack: recorded None (a local folder has no revision; earlier layertap versions lost
+# a hub id's) or not recorded at all (the hashes are newer than many runs). A rerun cannot be checked
+# against what the run never knew, so it resumes; where the run knows, it must match.
+IF_RECORDED = ("model_revision", *_HASHES)
