@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from layertap.extract.chat_client import ChatClient, Refused, public_url
 from layertap.extract.served import serving
-from layertap.manifests.preemption import StopSignals
+from layertap.manifests.preemption import AsyncStop, StopSignals
 from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, part_key, read_recipe,
                                              regeneration_status, stats_key)
 from layertap.storage.errors import ConfigError, InputError
@@ -154,7 +154,8 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
                              "rows": len(rows), "limit": cfg.limit},
                     model=cfg.model, sampling=cfg.sampling(), rows_per_part=cfg.rows_per_part,
                     endpoint=public_url(cfg.endpoint))
-    recipe = _create_or_check(store, recipe)
+    recorded = _recorded(store, recipe)
+    recipe = recorded or recipe
     index, count = cfg.task
     done = done_parts(store)
     mine = [p for p in range(recipe.parts) if p % count == index]
@@ -169,23 +170,28 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
             if cfg.serve:
                 stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
                                             log_path=cfg.serve_log))
-            totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key))
+            totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key, new=recorded is None))
     _log_summary(store, totals)
     return totals
+
+
+def _recorded(store: ObjectStore, recipe: Recipe) -> Recipe | None:
+    """The output's recipe if it has one (refused unless it matches `recipe`), else None."""
+    if not store.exists(RECIPE):
+        return None
+    return _matching(store, recipe)
 
 
 def _create_or_check(store: ObjectStore, recipe: Recipe) -> Recipe:
     """The output's recipe: this one if the output is new, else the recorded one if it matches."""
     if store.put_if_absent(RECIPE, json.dumps(recipe.to_json(), indent=1).encode()):
         return recipe
+    return _matching(store, recipe)
+
+
+def _matching(store: ObjectStore, recipe: Recipe) -> Recipe:
     recorded = read_recipe(store)
     diffs = recorded.differences(recipe)
-    if diffs and not done_parts(store):
-        # Nothing was regenerated under it (a --model typo the server refused, an endpoint not up):
-        # the recipe written before those checks must not lock the output to the mistake.
-        log.info("%s: replacing its recipe, under which no part was done (%s)", store.uri, "; ".join(diffs))
-        store.put(RECIPE, json.dumps(recipe.to_json(), indent=1).encode())
-        return recipe
     if diffs:
         raise ConfigError(f"{store.uri} already holds a regeneration made differently: {'; '.join(diffs)}. "
                           f"Rerun with its settings to continue it, or choose another --out")
@@ -206,7 +212,10 @@ class _Part:
 
 
 async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: ObjectStore, todo: list[int],
-                            api_key: str | None) -> Totals:
+                            api_key: str | None, new: bool) -> Totals:
+    """Answer the rows of the parts `todo`; `new`: the output has no recipe yet, and takes this one
+    once the server has answered (a --model it does not serve, or an endpoint not up, must not
+    lock the output to the mistake)."""
     from layertap.extract.console import progress
 
     client = ChatClient(cfg.endpoint, recipe.model, api_key=api_key, sampling=recipe.sampling,
@@ -217,35 +226,45 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
     t0 = time.monotonic()
     queue: asyncio.Queue[tuple[_Part, int] | None] = asyncio.Queue(maxsize=cfg.concurrency)
     writes: list[asyncio.Task] = []
-    try:
-        await client.check()
+    with AsyncStop():  # a stop cancels this task: the parts being written finish, the rest waits for a rerun
+        try:
+            await client.check()
+            if new:  # the server answers with the model: only now does the output take this recipe
+                _create_or_check(store, recipe)
 
-        async def worker() -> None:
-            while (item := await queue.get()) is not None:
-                part, i = item
-                await _answer_row(client, recipe, rows[i], i, part, totals)
-                bar.update(1)
-                elapsed = max(1e-9, time.monotonic() - t0)
-                bar.set_postfix_str(f"{totals.completion_tokens / elapsed:,.0f} gen tok/s, {totals.refused} refused")
-                if part.finished:
-                    writes.append(asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals)))
+            async def worker() -> None:
+                while (item := await queue.get()) is not None:
+                    part, i = item
+                    await _answer_row(client, recipe, rows[i], i, part, totals)
+                    bar.update(1)
+                    rate = totals.completion_tokens / max(1e-9, time.monotonic() - t0)
+                    bar.set_postfix_str(f"{rate:,.0f} gen tok/s, {totals.refused} refused")
+                    if part.finished:
+                        writes.append(asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals)))
 
-        workers = [asyncio.create_task(worker()) for _ in range(cfg.concurrency)]
-        feeding = asyncio.create_task(_feed(queue, todo, recipe, cfg.concurrency))
-        await _first_failure(workers + [feeding])
-        await asyncio.gather(*writes)
-    finally:
-        for t in writes:
-            if not t.done():
-                await asyncio.shield(t)
-        bar.close()
-        await client.close()
+            workers = [asyncio.create_task(worker()) for _ in range(cfg.concurrency)]
+            feeding = asyncio.create_task(_feed(queue, todo, recipe, cfg.concurrency))
+            await _first_failure(workers + [feeding])
+            await asyncio.gather(*writes)
+        finally:
+            for t in writes:
+                if not t.done():
+                    await asyncio.shield(t)
+            bar.close()
+            await client.close()
     return totals
 
 
 async def _first_failure(tasks: list[asyncio.Task]) -> None:
-    """Wait for all `tasks`; the first to fail cancels the others and its error is raised."""
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    """Wait for all `tasks`; the first to fail cancels the others and its error is raised, as a
+    stop (this task cancelled) does."""
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

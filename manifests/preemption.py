@@ -9,6 +9,7 @@ sets for any stop that is not an `Exception`, as `Preempted` is not).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 
@@ -83,3 +84,41 @@ class StopSignals:
                         "; Ctrl-C again stops at once, without one" if isinstance(stop, Interrupted) else "")
         elif isinstance(stop, Interrupted) and isinstance(self.requested, Interrupted):
             raise KeyboardInterrupt
+
+
+class AsyncStop:
+    """`StopSignals(at_once=True)` for code on an asyncio loop, entered in its main task: a stop
+    signal cancels that task, and the block raises `Preempted` (or `Interrupted`) as it ends.
+
+    A handler that raises, as `StopSignals` does, raises in whatever the loop runs then: once it
+    landed in asyncio's socket write, which reported a "fatal write error", the request was
+    retried and `layertap regenerate` went on to exit 0 after a SIGTERM. The loop's own signal
+    handling runs the callback between its steps instead. Later stop signals are ignored, as
+    `StopSignals` ignores them; the handlers from before come back after the block."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+        self.signals = signals
+        self.requested: Preempted | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> AsyncStop:
+        self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+        for sig in self.signals:
+            previous = signal.getsignal(sig)
+            if not (sig == signal.SIGINT and previous == signal.SIG_IGN):
+                self._previous[sig] = previous
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
+        return self
+
+    def _on_signal(self, signum: int) -> None:
+        if self.requested is None:
+            self.requested = _stop_for(signum)
+            self._task.cancel()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for sig, previous in self._previous.items():
+            self._loop.remove_signal_handler(sig)
+            signal.signal(sig, previous)
+        self._previous.clear()
+        if self.requested is not None and (exc_type is None or issubclass(exc_type, asyncio.CancelledError)):
+            raise self.requested from None

@@ -166,3 +166,30 @@ def test_a_process_that_loses_the_race_for_a_part_leaves_the_winners_stats(tmp_p
     [kept] = [json.loads(line) for line in store.get("parts/000000.jsonl").splitlines()]
     stats = json.loads(store.get(stats_key(0)))
     assert kept["regenerated"]["row"] == 0 and [r["row"] for r in stats["refused"]] == [1]
+
+
+def test_a_stop_signal_on_the_event_loop_cancels_the_run_and_is_raised_after_it():
+    """A handler raising inside the loop landed in asyncio's socket write once ("fatal write
+    error"), was retried as a connection error, and `regenerate` exited 0 after a SIGTERM.
+    `AsyncStop` cancels the main task instead, lets its clean-up run, and raises the stop."""
+    import asyncio
+    import os
+    import signal
+    import threading
+
+    from layertap.manifests.preemption import AsyncStop, Preempted
+
+    cleaned: list[str] = []
+
+    async def run() -> None:
+        with AsyncStop():
+            try:
+                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                await asyncio.sleep(30)
+            finally:
+                cleaned.append("clean-up ran")
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted, match="received SIGTERM"):
+        asyncio.run(run())
+    assert cleaned == ["clean-up ran"] and signal.getsignal(signal.SIGTERM) is before
