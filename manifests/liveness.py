@@ -3,9 +3,10 @@
 A lease goes stale only after its TTL: that is how a worker on another node learns that its
 holder died. On the holder's own machine there is a faster answer: a process restarted right
 after a SIGKILL (a user's rerun, a requeued job landing on the same node) need not wait a TTL for
-its dead predecessor's lease. Only a holder in this machine's own PID namespace (same host name
-and the same /proc/self/ns/pid: containers that share a host name but not their PIDs are not
-"here") whose PID is gone, or a zombie, counts; anything else is left to age out.
+its dead predecessor's lease. Only a holder in this machine's own PID namespace since its boot
+(same host name, boot id and /proc/self/ns/pid: containers that share a host name but not their
+PIDs are not "here", nor are two machines of one name, whose initial namespaces share an inode)
+whose PID is gone, or a zombie, counts; anything else is left to age out.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from typing import Any
 
 
 def pid_namespace() -> str | None:
-    """This process's PID namespace (its inode, from /proc), None where /proc does not say."""
+    """This process's PID namespace on this machine since its boot ('BOOT_ID/INODE', from /proc),
+    None where /proc does not say."""
     try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
         return None
 

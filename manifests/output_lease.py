@@ -24,6 +24,7 @@ import re
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +103,10 @@ class OutputLease:
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self.token = uuid.uuid4().hex  # tells this holder's lease from a later one under a reused key
         self._body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": pid_namespace(),
-                                 "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.time()}).encode()
+                                 "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.time(),
+                                 "token": self.token}).encode()
 
     def __enter__(self) -> OutputLease:
         self.acquire()
@@ -142,17 +145,43 @@ class OutputLease:
 
     def check(self) -> None:
         """Raise if another trainer has taken the output over (this one's lease went stale)."""
-        if self.lost.is_set():
+        if not self.holds():
             raise taken_over(self.store)
+
+    def holds(self) -> bool:
+        """Whether the output is still this trainer's, looked up on the store now (the heartbeat
+        looks only every ttl/4: a trainer back from a stall or an outage would write before it
+        noticed). A store that cannot answer says nothing new: the write that follows fails too."""
+        if not self.lost.is_set():
+            try:
+                self._look()
+            except StoreError as e:
+                log.warning("could not look at the output lease: %s", e)
+        return not self.lost.is_set()
+
+    def _look(self) -> None:
+        """Set `lost` when a newer generation exists or this lease's key no longer holds this
+        holder's token (generations restart once every lease is gone: a key can come back as
+        another trainer's)."""
+        found = latest(self.store)
+        if (found is not None and found[0] > self.generation) or not self._owned():
+            if not self.lost.is_set():
+                log.error("%s: another trainer took the output over (lease %s)", self.store.uri,
+                          found[1].key if found else "gone")
+            self.lost.set()
+
+    def _owned(self) -> bool:
+        return _payload(self.store, self.key).get("token") == self.token
 
     def release(self) -> None:
         self._stop.set()
         if self._beat is not None:
             self._beat.join()
             self._beat = None
-        if self.key is not None:  # taken over or not: a newer holder's lease is another key
+        if self.key is not None:
             try:
-                self.store.delete(self.key)
+                if self._owned():  # not a later trainer's lease under the same key
+                    self.store.delete(self.key)
             except StoreError as e:  # goes stale by itself after ttl_s
                 log.warning("could not release the lease %s: %s", self.key, e)
         self.key = None
@@ -170,10 +199,8 @@ class OutputLease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 4):
             try:
-                found = latest(self.store)
-                if found is not None and found[0] > self.generation:
-                    log.error("%s: another trainer took the output over (lease %s)", self.store.uri, found[1].key)
-                    self.lost.set()
+                self._look()
+                if self.lost.is_set():
                     return
                 self.store.put(self.key, self._body)
             except StoreError as e:  # keep trying: the lease only goes stale after ttl_s

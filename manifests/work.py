@@ -423,12 +423,19 @@ class WorkQueue:
         freed = False
         for lease in fresh:
             self._holders_read.add(lease.key)
-            payload = read_lease(self.store, lease.key)
-            if payload is not None and gone_from_here(payload["holder"]):
+            try:
+                payload = read_lease(self.store, lease.key)
+                if payload is None or not gone_from_here(payload["holder"]):
+                    continue
+                # once more, just before: another worker here may have taken it over under the same key
+                if lease_holder(self.store, lease.key) != payload["holder"]["token"]:
+                    continue
                 log.info("shard %d: the holder of its lease (pid %s on this machine) has exited: taking the shard "
                          "over now, not after the lease's %g s", lease.shard, payload["holder"].get("pid"), lease.ttl_s)
                 self.store.delete(lease.key)
                 freed = True
+            except StoreError as e:  # an outage: the lease goes stale by itself
+                log.warning("could not look at the holder of %s: %s", lease.key, e)
         return freed
 
     def _sweep(self, st: RunState) -> None:

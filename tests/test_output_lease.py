@@ -78,6 +78,30 @@ def test_a_holder_taken_over_stops_before_its_next_write(store):
     assert _keys(store) == ["lease/000002.ttl600"]  # its own lease gone, the newer holder's left alone
 
 
+def test_a_stalled_holder_whose_key_came_back_as_anothers_knows_it_lost(store):
+    """Generations restart once every lease is gone: A stalls past its ttl, B takes over and
+    finishes, C takes the output under A's old key. A's heartbeat saw no newer generation and
+    went on renewing C's lease, and A's release deleted it."""
+    a = OutputLease(store, ttl_s=0.5)
+    a.acquire()
+    a._stop.set()  # A stalls: no more heartbeats
+    a._beat.join()
+    time.sleep(0.6)
+    with OutputLease(store, ttl_s=30.0, poll_s=0.1) as b:
+        assert b.generation == 2
+    c = OutputLease(store, ttl_s=0.5)
+    c.acquire()
+    try:
+        assert c.key == a.key  # the same key, another holder
+        assert not a.holds()
+        with pytest.raises(OutputLeaseTaken):
+            a.check()
+        a.release()
+        assert _keys(store) == [c.key] and live_holder(store).holder["token"] == c.token  # C's lease left alone
+    finally:
+        c.release()
+
+
 def test_two_newcomers_racing_for_a_free_output_get_one_holder(store):
     leases = [OutputLease(store, ttl_s=2.0, poll_s=0.1) for _ in range(2)]
     errors: list[BaseException] = []

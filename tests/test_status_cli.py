@@ -232,3 +232,13 @@ def test_status_shards_lists_each_shards_object_for_inspect(store_uri, capsys):
     rc, out, _ = status(capsys, store_uri, "--shards")
     assert "  shard   state     records      tokens     stored  object" in out
     assert re.search(r"^  000002  failed\s*$", out, re.M) and out.count(f"{store.uri.rstrip('/')}/shards/") == len(shards) - 1
+
+
+def test_a_shard_stopped_from_outside_is_interrupted_not_failed(store_uri, capsys):
+    """A stop record (`.stop.json`: a takeover, a store outage, a signal) is no fault of the
+    shard's: `status` counts it interrupted (exit 3, not 4), as `submit` does."""
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0])
+    store.put(layout.failure_key(1, 1, "tok", 1, stopped=True), b"{}")  # e.g. TransientStoreError: not preempted
+    rc, out, _ = status(capsys, store_uri)
+    assert rc == 3 and "0 failed" in out and "1 interrupted" in out

@@ -513,17 +513,21 @@ def test_a_resume_that_trains_on_withdraws_the_earlier_export(run, target, tmp_p
     assert (tmp_path / "out" / "drafter" / "config.json").exists()
 
 
-def test_a_loss_that_stays_nan_stops_training_with_a_clear_error(run, target, tmp_path, capsys, caplog, monkeypatch):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_loss_that_stays_nan_stops_training_with_a_clear_error(bad, run, target, tmp_path, capsys, caplog,
+                                                                 monkeypatch):
     """NaN losses (NaN states in the data, a diverged --lr) made no update, silently: 'final loss
-    nan', exit 0 and an untrained drafter exported. Now each is warned and five in a row stop it."""
+    nan', exit 0 and an untrained drafter exported. Now each is warned and five in a row stop it.
+    An infinite one made NaN weights (clipping an infinite norm): it makes no update either."""
     from layertap.train import trainer
+    from layertap.train.checkpoint import load_safetensors
 
     computed = trainer.dflash_loss
 
     def nan_from_step_3(model, batch, generator, distill=None):
         result = computed(model, batch, generator, distill=distill)
         if len(calls) >= 2:
-            result.loss = result.loss * float("nan")
+            result.loss = result.loss * bad
         calls.append(1)
         return result
 
@@ -536,6 +540,9 @@ def test_a_loss_that_stays_nan_stops_training_with_a_clear_error(run, target, tm
     assert "none of them updated the drafter (its checkpoints hold it as it was before them)" in err
     assert "step 3: the loss or the gradients are not finite" in caplog.text
     assert not (tmp_path / "out" / "drafter").exists()
+    kept = [load_safetensors(open_store(out), f"checkpoints/step-{s:08d}/drafter.safetensors") for s in (4, 6)]
+    for name, w in kept[0].items():  # no update after step 2: the checkpoints of steps 4 and 6 are equal, finite
+        assert torch.isfinite(w).all() and torch.equal(w, kept[1][name]), name
 
 
 def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):

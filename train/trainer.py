@@ -182,7 +182,16 @@ def train(cfg: TrainConfig) -> int:
     data = open_store(cfg.data, **cfg.s3)
     _check_apart(out, data)
     with OutputLease(out) if acc.is_main_process else nullcontext() as lease:
+        _held_by_rank_0(acc)
         return _train(cfg, acc, precision, out, data, lease)
+
+
+def _held_by_rank_0(acc: Any) -> None:
+    """Every rank waits while rank 0 takes the output (up to a lease's ttl), then reads it: a rank
+    that read the checkpoints meanwhile could resume from another step than rank 0 (a trainer
+    finishing under the lease). Rank 0 refused, its error ends the launch (torchrun stops the rest)."""
+    if acc.num_processes > 1:
+        acc.wait_for_everyone()
 
 
 def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: ObjectStore,
@@ -382,7 +391,7 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
     # from the plan when extraction skipped rows): the gradients are zero, but AdamW would still
     # move the weights (decay, momentum), so the step is skipped. Every rank decides alike: the
     # norm is of the gradients DDP has already averaged. Reading it waits for the backward.
-    if float(grad_norm) > 0:
+    if 0 < float(grad_norm) < math.inf:  # an infinite norm: clipping makes NaN gradients of it
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     on_device[-2] = grad_norm / acc.num_processes  # the same on every rank (DDP): each adds its share
@@ -543,7 +552,7 @@ def _save(run: _Run, step: int) -> None:
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
     # Beside each rank's weight sum, whether rank 0 lost its lease on --out: every rank stops then.
-    lost = float(run.lease is not None and run.lease.lost.is_set())
+    lost = float(run.lease is not None and not run.lease.holds())
     total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values()), lost],
                          dtype=torch.float64, device=acc.device)
     rows = acc.gather(total).view(-1, 2).cpu().tolist()
