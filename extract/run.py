@@ -290,7 +290,7 @@ def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, fing
     """The run's manifest, created from `counts` if there is none yet (see `create_or_resume`)."""
     path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
     dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
-                                                                    "path": path or "embedded"}
+                                                                    "path": path or "embedded", "limit": cfg.limit}
     return create_or_resume(store, config=identity, dataset=dataset, token_counts=counts,
                             bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes)
 

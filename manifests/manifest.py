@@ -147,7 +147,13 @@ class Manifest:
         diffs = [f"{k}: run has {self.config.get(k)!r}, now {config.get(k)!r}"
                  for k in sorted(set(self.config) | set(config)) if self.config.get(k) != config.get(k)]
         if dataset_fingerprint is not None and dataset_fingerprint != self.dataset.get("fingerprint"):
-            diffs.append(f"dataset fingerprint: run has {self.dataset.get('fingerprint')!r}, now {dataset_fingerprint!r}")
+            # the fingerprint covers the rows read, --limit included: say what the run read
+            made = f"; the run read {self.dataset['path']}" if self.dataset.get("path") else ""
+            if "limit" in self.dataset:
+                made += f" with --limit {self.dataset['limit']}" if self.dataset["limit"] is not None else \
+                    " without --limit"
+            diffs.append(f"dataset fingerprint: run has {self.dataset.get('fingerprint')!r}, now {dataset_fingerprint!r} "
+                         f"(the rows read differ: another or an edited file, or another --limit{made})")
         return diffs
 
 

@@ -164,7 +164,10 @@ def _help(f: dataclasses.Field) -> str:
     if not (f.default is _MISSING or f.default is None or isinstance(f.default, bool)):  # a bool flag: off
         shown = (_size_text(f.default) if f.metadata.get("parse") is parse_size else
                  f"{f.default:g}" if isinstance(f.default, float) else str(f.default))
-        text = text.replace("{default}", shown) if "{default}" in text else f"{text} (default {shown})"
+        if "{default}" in text:
+            text = text.replace("{default}", shown)
+        elif "(default " not in text:  # a help that says its default in its own words keeps them
+            text = f"{text} (default {shown})"
     return text.replace("%", "%%")  # argparse formats help with %
 
 

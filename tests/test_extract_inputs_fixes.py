@@ -129,3 +129,14 @@ def test_with_shards_the_progress_counts_the_tasks_samples_not_the_runs(model, t
     assert len(plan) > 2 and mine < run
     [last] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("extract: ")][-1:]
     assert last.startswith(f"extract: {mine:,}/{mine:,} samples (100%)"), last
+
+
+def test_a_rerun_with_another_limit_is_told_what_the_run_read(model, tmp_path, capsys):
+    """The dataset's fingerprint covers --limit: a rerun with another one was refused with two
+    opaque hashes, and nothing said that --limit (not the file) differed."""
+    data = write_chats(tmp_path / "chats.jsonl", 8)
+    assert cli(_extract(model, data, tmp_path, "--limit", "4", "--shard-bytes", "8KB", "--shards", "0")) == 0
+    capsys.readouterr()
+    assert cli(_extract(model, data, tmp_path, "--limit", "5")) == 2
+    err = capsys.readouterr().err
+    assert "dataset fingerprint: run has" in err and f"the run read {data} with --limit 4)" in err

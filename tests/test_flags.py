@@ -47,6 +47,11 @@ def test_help_renders_the_field_default():
     assert helps["dtype"].startswith("forward dtype (default auto: ")
     assert "default" not in helps["gguf_file"]
     assert {f.name: _help(f) for f in flag_fields(TrainConfig)}["memory_budget"].endswith("(default 4GiB)")
+    # a help that says its default in its own words is not given a second one ("(default (0, 1))")
+    from layertap.extract.regenerate import RegenerateConfig
+
+    task = {f.name: _help(f) for f in flag_fields(RegenerateConfig)}["task"]
+    assert task.endswith("(default 0/1)") and task.count("(default ") == 1
     out = subprocess.run([sys.executable, "-m", "layertap", "extract", "--help"], capture_output=True, text=True)
     assert "padded tokens per forward batch (default 16384)" in " ".join(out.stdout.split())
 
