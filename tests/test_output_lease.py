@@ -213,3 +213,25 @@ def test_a_trainer_taken_over_mid_run_stops_without_writing_again(tmp_path, caps
     time.sleep(0.5)
     assert json.loads(latest.read_text())["step"] == taken < 100000 and not (out / "drafter").exists()
     assert sorted(p.name for p in (out / "lease").iterdir()) == ["000009.ttl600"]
+
+
+def test_a_trainer_stopped_before_its_steps_releases_the_output(tmp_path):
+    """SIGTERM (a preemption) while a follow trainer waits for its run killed it by the default
+    handler: no exit 143 for a requeue, and its lease stayed, holding off a restart elsewhere for
+    a ttl."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "layertap", "train", "--data", str(tmp_path / "run"), "--out", str(out), "--follow",
+            "--follow-poll-s", "0.5", "--model", str(tmp_path / "no-model")]
+    err = tmp_path / "train.err"
+    with err.open("w") as f:
+        p = subprocess.Popen(args, env=dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1"),
+                             cwd=HERE.parent, stdout=subprocess.DEVNULL, stderr=f)
+    deadline = time.time() + 120
+    while time.time() < deadline and "waiting for" not in err.read_text():
+        assert p.poll() is None, err.read_text()[-3000:]
+        time.sleep(0.2)
+    assert live_holder(_open(str(out))) is not None
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 143, err.read_text()[-3000:]
+    assert "received SIGTERM outside the training steps" in err.read_text()
+    assert live_holder(_open(str(out))) is None and not any((out / "lease").iterdir())

@@ -33,7 +33,7 @@ import xxhash
 from layertap.manifests.layout import MANIFEST
 from layertap.manifests.manifest import load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
-from layertap.manifests.preemption import StopSignals
+from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
@@ -181,9 +181,17 @@ def train(cfg: TrainConfig) -> int:
     out = open_store(cfg.out, **cfg.s3)
     data = open_store(cfg.data, **cfg.s3)
     _check_apart(out, data)
-    with OutputLease(out) if acc.is_main_process else nullcontext() as lease:
-        _held_by_rank_0(acc)
-        return _train(cfg, acc, precision, out, data, lease)
+    # Before the steps (waiting for a run to follow, loading the target head) and after them (the
+    # export), a stop signal ends the command at once, the lease released on the way out; during
+    # them the loop's own StopSignals stops at a step boundary, with a checkpoint.
+    try:
+        with StopSignals(at_once=True), OutputLease(out) if acc.is_main_process else nullcontext() as lease:
+            _held_by_rank_0(acc)
+            return _train(cfg, acc, precision, out, data, lease)
+    except Preempted as e:
+        log.warning("%s outside the training steps: nothing to checkpoint; the same command%s starts again", e,
+                    " with --resume" if cfg.resume else "")
+        return e.exit_code
 
 
 def _held_by_rank_0(acc: Any) -> None:
