@@ -51,3 +51,27 @@ def test_the_prompt_length_limit_is_a_flag_and_named_where_it_skips(tmp_path, ca
     assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts),
                 "--max-prompt-tokens", "0"]) == 2
     assert "--max-prompt-tokens must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_a_bad_prompt_row_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """Rows were read after the target's weights had loaded: minutes at a 27B target, then the error."""
+    from types import SimpleNamespace
+
+    from layertap.train import speculative
+    from tiny_models import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path, "llama", num_layers=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n[1, 2]\n')
+    loads: list[bool] = []
+    real = speculative.load_target
+
+    def load_target(*args, weights=True, **kwargs):
+        loads.append(weights)
+        return real(*args, weights=weights, **kwargs)
+
+    monkeypatch.setattr(speculative, "load_drafter_files", lambda store, step: (SimpleNamespace(target={}), {}))
+    monkeypatch.setattr(speculative, "load_target", load_target)
+    with pytest.raises(InputError, match=f"{prompts}:2"):
+        speculative.evaluate(str(tmp_path / "drafter"), model, str(prompts))
+    assert loads == [False]  # the tokenizer alone (the model on the meta device), never the weights

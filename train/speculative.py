@@ -330,6 +330,10 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     if model is None:
         model, gguf_file = recorded_target(config.target, f"the drafter at {drafter_uri} was trained for",
                                            "the drafter's config")
+    # the prompts first, with the tokenizer alone (the model on the meta device, in a second): a bad
+    # row should not cost the weights' load, minutes at a 27B target
+    prompts, skipped = load_prompts(prompts_path, load_target(model, gguf_file, weights=False).tokenizer, limit,
+                                    max_prompt_tokens)
     target = load_target(model, gguf_file, dtype=getattr(torch, dtype), device=device)
     embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())
@@ -337,7 +341,6 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     drafter.load_trainable(weights, drafter_uri)
     drafter.to(device).eval()
     runner = TargetRunner(target.model, config.capture_layers)
-    prompts, skipped = load_prompts(prompts_path, target.tokenizer, limit, max_prompt_tokens)
     eos = _eos_ids(target.model, target.tokenizer)
 
     from tqdm import tqdm
