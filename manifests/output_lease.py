@@ -10,9 +10,9 @@ while the store's LastModified + ttl is ahead of the store's clock.
 A trainer that finds a live lease waits for it to go stale (a holder that died, e.g. a node lost
 mid-run) unless it is renewed meanwhile, or its holder is a process gone from this very machine
 (`liveness.gone_from_here`: a trainer killed here and started again): then it takes the output
-over at once. A renewal
-proves the holder alive, and the newcomer is refused with who holds it. A holder that finds a
-newer generation (it stalled past its ttl and was taken over) stops before its next write.
+over at once. A renewal proves the holder alive, and the newcomer is refused with who holds it.
+A holder that finds a newer generation, or its key holding another holder's token (it stalled
+past its ttl and was taken over), stops before its next write.
 """
 
 from __future__ import annotations
@@ -187,13 +187,18 @@ class OutputLease:
         self.key = None
 
     def _create(self, generation: int) -> bool:
+        """Claim `generation`; False if another trainer did. A claimant with another ttl writes
+        another key of the same generation: of two such, the later sees the other and backs off."""
         key = f"{PREFIX}{generation:06d}.ttl{self.ttl_s:g}"
         if not self.store.put_if_absent(key, self._body):
             return False
+        others = [(int(m[1]), o.key) for o in self.store.list(PREFIX) if o.key != key and (m := _KEY.search(o.key))]
+        if any(gen >= generation for gen, _ in others):
+            self.store.delete(key)
+            return False
         self.key, self.generation = key, generation
-        stale = [o.key for o in self.store.list(PREFIX) if o.key != key]
-        if stale:
-            self.store.delete_many(stale)
+        if others:  # dead holders' leases
+            self.store.delete_many([k for _, k in others])
         return True
 
     def _renew(self) -> None:
