@@ -467,7 +467,7 @@ class NotFinite(UserError, FloatingPointError):
 
 def _check_finite(run: _Run, stats: StepStats, before: int) -> int:
     """Steps in a row, to this one, whose loss or gradient was NaN or infinite. Such a step makes
-    no update (`train_step` steps only on a positive norm), which went unsaid: 'final loss nan',
+    no update (`train_step` steps only on a finite, positive norm), which went unsaid: 'final loss nan',
     exit 0, a drafter exported untrained. Warned at each, and after `NONFINITE_LIMIT` in a row
     training stops: it will not mend by itself. The same on every rank (reduced numbers)."""
     weight, loss = float(stats.totals[1]), float(stats.totals[0])
