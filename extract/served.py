@@ -23,7 +23,9 @@ from layertap.storage.retry import Backoff
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0  # after SIGTERM, the server's process group has this long before SIGKILL
-_SECRET_OPTION = re.compile(r"(--?[\w-]*(?:key|token|secret|password)[\w-]*)(=|\s+)(\S+)", re.IGNORECASE)
+# the value: a quoted string as a whole (a key with a space showed its rest), else up to a space
+_SECRET_OPTION = re.compile(r"""(--?[\w-]*(?:key|token|secret|password)[\w-]*)(=|\s+)("[^"]*"|'[^']*'|\S+)""",
+                            re.IGNORECASE)
 
 
 class ServerFailed(UserError):

@@ -168,7 +168,7 @@ def run_submit(args: argparse.Namespace) -> int:
     return _submit_train(args)
 
 
-_MEM = re.compile(r"^\d+[KMGT]?$")
+_MEM = re.compile(r"^\d+([KMGT]B?)?$", re.IGNORECASE)  # sbatch takes 200G, 200g and 200GB alike
 
 
 def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: Any):
@@ -177,20 +177,25 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: An
     from layertap.slurm.resources import fit
     from layertap.slurm.scripts import JobOptions, default_activation
 
+    if args.cpus_per_task is not None and args.cpus_per_task < 1:
+        raise ConfigError(f"--cpus-per-task must be at least 1, got {args.cpus_per_task}")
+    if "/" in args.job_name:  # it names the script's file in the logs folder too
+        raise ConfigError(f"--job-name {args.job_name!r}: a job name without '/', please")
     mem = args.mem
     if mem is not None and mem.lower() != "none" and not _MEM.match(mem):
-        raise ConfigError(f"--mem {mem!r}: give Slurm's form, a number with an optional K, M, G or T "
-                         "(binary units: 200G is 200 GiB), 0 for all of a node's memory, or none")
+        raise ConfigError(f"--mem {mem!r}: give Slurm's form, a number with an optional K, M, G or T (or KB ... TB; "
+                         "binary units: 200G is 200 GiB), 0 for all of a node's memory, or none")
     procs = args.procs_per_node or max(gpus, 1)
     need = sized(procs)  # only what is sized is clipped and noted: given values go to sbatch as they are
-    fitted, notes = fit(dataclasses.replace(need, cpus_per_task=0 if args.cpus_per_task else need.cpus_per_task,
+    given_cpus = args.cpus_per_task is not None
+    fitted, notes = fit(dataclasses.replace(need, cpus_per_task=0 if given_cpus else need.cpus_per_task,
                                             mem_gib=0 if mem is not None else need.mem_gib), node)
     for note in notes:
         _note(note)
     env = args.env_activate if args.env_activate is not None else default_activation()
     opts = JobOptions(job_name=args.job_name, logs=args.logs, partition=args.partition, account=args.account,
                       qos=args.qos, time=args.time, gpus_per_node=gpus, procs_per_node=args.procs_per_node,
-                      cpus_per_task=args.cpus_per_task or fitted.cpus_per_task,
+                      cpus_per_task=args.cpus_per_task if given_cpus else fitted.cpus_per_task,
                       mem=fitted.mem if mem is None else None if mem.lower() == "none" else mem,
                       python=args.python or sys.executable, env_activate=None if env in (None, "none") else env,
                       setup=args.setup, sbatch=args.sbatch, grace_s=args.grace)
@@ -240,6 +245,10 @@ def _submit_extract(args: argparse.Namespace) -> int:
     if args.then_train is not None and args.train_while_extracting is not None:
         raise ConfigError("give either --then-train (training after the array succeeded) or --train-while-extracting "
                           "(training alongside it), not both")
+    if args.then_train is not None and cfg.window is not None:
+        raise ConfigError("--window with --then-train: the array would wait, its window full, for a trainer that starts "
+                          "only once the array has finished; train alongside it instead (--train-while-extracting "
+                          "'... --delete-consumed'), or leave out --window")
     train = _then_train(args, gpus, node) if args.then_train is not None else \
         _then_train(args, gpus, node, follow=cfg) if args.train_while_extracting is not None else None
     store = open_store(cfg.out, **cfg.s3)
@@ -259,7 +268,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _say(args, f"note: {args.shards_per_task} shard(s) per task keep at most that many of a node's "
                        f"{opts.procs} workers busy")
     else:
-        plan = dynamic_plan(remaining, args.nodes, opts.procs)
+        plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size())
     if args.then_train is not None and remaining is not None:
         _training_waits_for_the_run(store, remaining, plan)
     if not plan.indices:
@@ -303,6 +312,9 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
     gpus = _gpus_per_node(args, node) if cfg.serve else (args.gpus_per_node or 0)
     opts = _job_options(args, gpus, lambda procs: regenerate_resources(gpus, bool(cfg.serve)), node,
                         procs_per_node=1)
+    if args.tasks > (cap := submit.max_array_size()):
+        raise ConfigError(f"--tasks {args.tasks:,} is above this cluster's MaxArraySize of {cap:,} array tasks: give "
+                          f"at most {cap:,}")
     store = open_store(cfg.out)
     recipe = read_recipe(store)
     if recipe is None:

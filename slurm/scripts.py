@@ -176,8 +176,10 @@ MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 3
 
 def slurm_seconds(text: str) -> int | None:
     """A Slurm --time in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-    days-hours:minutes or days-hours:minutes:seconds; None for UNLIMITED/infinite or a form this
-    does not know (sbatch judges it then)."""
+    days-hours:minutes or days-hours:minutes:seconds; None for UNLIMITED/infinite (0 and -1 too)
+    or a form this does not know (sbatch judges it then)."""
+    if text.strip() in ("0", "-1"):  # no limit, to Slurm
+        return None
     days, _, rest = text.strip().rpartition("-")
     try:
         parts = [int(x) for x in rest.split(":")]
@@ -236,7 +238,7 @@ def _header(opts: JobOptions, job_lines: list[str]) -> list[str]:
             opt.append(f"--{name.replace('_', '-')}={value}")
     # append: a requeued task continues its log; requeue: Slurm may restart it after preemption
     opt += ["--open-mode=append", "--requeue", f"--signal=B:USR1@{opts.grace_s}", f"--chdir={opts.chdir}"]
-    return [f"#SBATCH {o}" for o in [*map(_sbatch_word, opt), *opts.sbatch]]
+    return [f"#SBATCH {o}" for o in map(_sbatch_word, [*opt, *opts.sbatch])]
 
 
 def _output(opts: JobOptions, pattern: str) -> str:

@@ -72,16 +72,21 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
                      leases={s: st.live_lease(s).key for s in running})
 
 
-def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int) -> ArrayPlan:
+def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int,
+                 max_array_size: int = DEFAULT_MAX_ARRAY_SIZE) -> ArrayPlan:
     """Tasks that each take free shards until none is left: as many as `nodes`, but no more than
     the remaining shards can keep busy (a task with no shard to take would load the model for
-    nothing). Without a run yet, `nodes` decides: the first task to plan wins, the rest adopt it."""
+    nothing), nor than the cluster's MaxArraySize allows (fewer tasks each take more shards).
+    Without a run yet, `nodes` decides: the first task to plan wins, the rest adopt it."""
+    if nodes is not None and nodes > max_array_size:
+        raise ConfigError(f"--nodes {nodes:,} is above this cluster's MaxArraySize of {max_array_size:,} array tasks: "
+                          f"give at most {max_array_size:,} (each task takes free shards until none is left)")
     if remaining is None:
         if not nodes:
             raise ConfigError("there is no run at --out yet, so its work cannot be sized: give --nodes N "
                              "(array tasks to start; the first to plan the run wins, the others adopt its plan)")
         return ArrayPlan(indices=list(range(nodes)))
-    useful = math.ceil(len(remaining.todo) / procs_per_node)
+    useful = min(math.ceil(len(remaining.todo) / procs_per_node), max_array_size)
     return ArrayPlan(indices=list(range(min(nodes or useful, useful))))
 
 

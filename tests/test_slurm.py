@@ -447,8 +447,8 @@ def test_cpus_and_memory_are_sized_from_the_job(tmp_path, capsys, monkeypatch):
     assert "--cpus-per-task=6" in opts and "--mem=0" in opts
     assert submit("extract", "--dry-run", "--nodes", "1", "--mem", "none", "--out", fresh) == 0
     assert not any(o.startswith("--mem") for o in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"]))
-    assert submit("extract", "--dry-run", "--nodes", "1", "--mem", "200GB", "--out", fresh) == 2
-    assert "--mem '200GB': give Slurm's form" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--nodes", "1", "--mem", "200 GiB", "--out", fresh) == 2
+    assert "--mem '200 GiB': give Slurm's form" in capsys.readouterr().err
 
 
 def test_gguf_targets_are_dequantized_in_each_workers_memory(tmp_path):
@@ -885,3 +885,40 @@ def test_regeneration_array_serves_per_task_and_resubmits_only_unfinished_parts(
     assert sorted(done_parts(store)) == [0, 1, 2, 3]
     assert submit(*args) == 0
     assert "nothing to submit: every part is done" in capsys.readouterr().out
+
+
+def test_submit_meets_what_sbatch_would_refuse_or_misread(tmp_path, capsys, monkeypatch):
+    """From a review of the submit paths (each seen with --dry-run, a stand-in sbatch, or sbatch
+    --test-only): arrays past MaxArraySize, --window under --then-train (a deadlock), a quoted key
+    half masked in the task's log, --sbatch values unquoted, Slurm forms refused (--time 0, --mem
+    200g), --cpus-per-task 0 ignored, a '/' in --job-name a traceback."""
+    from layertap.extract.served import redacted
+    from layertap.slurm import submit as slurm_submit
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    monkeypatch.setattr(slurm_submit, "max_array_size", lambda: 8)
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 20)
+    base = ("extract", "--dry-run", "--out", prefix, "--model", "m", "--max-length", "64", "--gpus-per-node", "0")
+
+    assert submit(*base) == 0  # 20 shards, one a task: capped at the cluster's 8, each takes shards until none is left
+    assert "#SBATCH --array=0-7" in capsys.readouterr().out
+    assert submit(*base, "--nodes", "9") == 2
+    assert "--nodes 9 is above this cluster's MaxArraySize of 8" in capsys.readouterr().err
+    assert submit("regenerate", "--dry-run", "--dataset", "d.jsonl", "--out", str(tmp_path / "regen"), "--endpoint",
+                  "http://h:1", "--model", "m", "--tasks", "9") == 2
+    assert "--tasks 9 is above this cluster's MaxArraySize of 8" in capsys.readouterr().err
+    assert submit(*base, "--window", "1GB", "--then-train", f"--data {prefix} --out {tmp_path / 'dr'}") == 2
+    assert "--window with --then-train" in capsys.readouterr().err
+
+    assert submit(*base, "--time", "0", "--mem", "200g", "--cpus-per-task", "2", "--sbatch=--comment=my run") == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --mem=200g" in out and '#SBATCH --comment="my run"' in out and "#SBATCH --cpus-per-task=2" in out
+    assert submit(*base, "--cpus-per-task", "0") == 2
+    assert "--cpus-per-task must be at least 1, got 0" in capsys.readouterr().err
+    assert submit(*base, "--job-name", "a/b") == 2
+    assert "a job name without '/'" in capsys.readouterr().err
+
+    assert redacted("vllm serve m --api-key 'sk live 123' --port 8") == "vllm serve m --api-key *** --port 8"
+    assert redacted('x --hf-token="a b" y') == "x --hf-token=*** y"
