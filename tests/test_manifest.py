@@ -486,8 +486,14 @@ def test_a_lease_taken_anew_at_its_generation_is_neither_renewed_nor_released_by
         assert json.loads(store.get(old.lease_key))["data_key"] == old.data_key and not old.lost.is_set()
         other = WorkQueue(store, m, Producer.current(1), ttl_s=0.4)
         new = Claim(other, m.shards[0], generation=old.generation, attempt=other.producer.token)
-        store.put(new.lease_key, new.lease_payload())  # a new attempt holds the key now
-        assert old.lost.wait(10)
+        # A new attempt holds the key now, and keeps it as its heartbeat would: a put of ours can
+        # land between the old heartbeat's read and its rewrite, which then wins (radosgw in CI).
+        deadline = time.time() + 10
+        while not old.lost.is_set() and time.time() < deadline:
+            store.put(new.lease_key, new.lease_payload())
+            old.lost.wait(0.5)
+        assert old.lost.is_set()
+        store.put(new.lease_key, new.lease_payload())
         time.sleep(0.3)  # heartbeats that would have rewritten it
         assert json.loads(store.get(new.lease_key))["data_key"] == new.data_key
     assert json.loads(store.get(new.lease_key))["data_key"] == new.data_key  # the old holder's exit left it
