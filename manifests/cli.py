@@ -222,8 +222,9 @@ def format_training(t: dict) -> str:
     else:
         lines.append("  checkpoint  none yet")
     if (h := t["trainer"]) is not None:
-        job = f", Slurm job {h['slurm_job']}" if h["slurm_job"] else ""
-        lines.append(f"  trainer     running: pid {h['pid']} on {h['host']}{job} (its lease on the output renewed "
+        from layertap.manifests.output_lease import holder_text
+
+        lines.append(f"  trainer     running: {holder_text(h)} (its lease on the output renewed "
                      f"{duration(h['lease_renewed_s_ago'])} ago)")
     if t["drafter_exported"]:
         lines.append(f"  drafter     exported: {t['prefix'].rstrip('/')}/drafter/ "

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +51,13 @@ class Held:
     holder: dict[str, Any]
 
     def describe(self, now: float) -> str:
-        h = self.holder
-        who = f"pid {h.get('pid', '?')} on {h.get('host', '?')}"
-        if h.get("slurm_job"):
-            who += f", Slurm job {h['slurm_job']}"
-        return f"{who}; lease renewed {max(0.0, now - self.modified):.0f} s ago"
+        return f"{holder_text(self.holder)}; lease renewed {max(0.0, now - self.modified):.0f} s ago"
+
+
+def holder_text(holder: Mapping[str, Any]) -> str:
+    """'pid P on HOST, Slurm job J': who holds an output, from its lease (or `status`'s trainer)."""
+    who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+    return who + (f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else "")
 
 
 class OutputLeaseTaken(ConfigError):

@@ -56,8 +56,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     summaries = [_failure_summary(store, st, s) for s in failed_ids]
     # A shard whose last attempt was stopped (preemption, Ctrl-C, a takeover, a store outage) did not
     # fail: it waits for a rerun.
-    failed = [f for f in summaries if not (f.get("preempted") or f["stopped"])]
-    interrupted = [f for f in summaries if f.get("preempted") or f["stopped"]]
+    failed = [f for f in summaries if not f["stopped"]]
+    interrupted = [f for f in summaries if f["stopped"]]
     counts["failed"] -= len(interrupted)
     marks = marker_times(store)
     # a consumed shard's marker is written before its data is deleted: its bytes are no longer at rest
@@ -153,7 +153,7 @@ def _shard_list(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, i
     listing's only one for the shard, or (crashed attempts left others) the one its commit names;
     a consumed shard's data is deleted (state "consumed")."""
     errors = {f["shard"]: f["error"] for f in failed}
-    stopped = {f["shard"] for f in failed if f.get("preempted") or f["stopped"]}
+    stopped = {f["shard"] for f in failed if f["stopped"]}
     out = []
     for plan in st.manifest.shards:
         state = "stopped" if plan.id in stopped and st.state(plan.id) == "failed" else st.state(plan.id)
@@ -247,12 +247,14 @@ def _tallies(store: ObjectStore, st: RunState) -> dict[int, dict[str, int]]:
 
 def _failure_summary(store: ObjectStore, st: RunState, shard: int) -> dict[str, Any]:
     key = st.failures[shard][-1]
-    # stopped from outside (a signal, a takeover, a store outage): not the shard's fault, as `submit` counts it
+    # stopped from outside (a signal, a takeover, a store outage; a record saying preempted): not the
+    # shard's fault, as `submit` counts it
     out: dict[str, Any] = {"shard": shard, "attempts": len(st.failures[shard]), "stopped": key.endswith(layout.STOPPED)}
     try:
         f = decode_failure(store.get(key), key)
-        out.update(error=f"{f.error_type}: {f.error}", preempted=f.preempted, host=f.producer.get("host"),
-                   rank=f.producer.get("rank"), job_id=f.producer.get("job_id"), time=f.time)
+        out.update(error=f"{f.error_type}: {f.error}", preempted=f.preempted, stopped=out["stopped"] or f.preempted,
+                   host=f.producer.get("host"), rank=f.producer.get("rank"), job_id=f.producer.get("job_id"),
+                   time=f.time)
     except Exception as e:  # a status report must not die on one bad record
         out.update(error=f"unreadable failure record {key}: {e}")
     return out
