@@ -177,7 +177,7 @@ def check_trainable(sample: Sample, vocab_size: int, where: str) -> Sample:
     bad = (mask != 0) & (mask != 1)
     if bool(bad.any()):
         pos = _first(bad)
-        raise BadSample(BAD_LOSS_MASK, f"{where}: loss_mask holds {int(mask[pos])} at position {pos}; it must hold "
+        raise BadSample(BAD_LOSS_MASK, f"{where}: loss_mask holds {mask[pos].item()} at position {pos}; it must hold "
                                        "only 0 and 1 (1: the token is trained on)")
     supervised = mask.bool()
     if not bool((supervised[:-1] & supervised[1:]).any()):

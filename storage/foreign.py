@@ -173,6 +173,16 @@ def check_lengths(sample: Sample, where: str) -> Sample:
     return sample
 
 
+def as_mask(x: torch.Tensor) -> torch.Tensor:
+    """A foreign loss mask as layertap stores it (uint8), when it holds only 0 and 1; otherwise as
+    it came, so that import's check names the value (a cast first would turn 256 or 0.5 into 0, a
+    token silently dropped from training)."""
+    x = x.reshape(-1)
+    if x.dtype == torch.bool or bool(((x == 0) | (x == 1)).all()):
+        return x.to(torch.uint8)
+    return x
+
+
 def as_bf16(x: torch.Tensor) -> torch.Tensor:
     """layertap stores states as bf16 (what every public extractor produces)."""
     return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)

@@ -13,7 +13,7 @@ import re
 import torch
 
 from layertap.storage.errors import InputError
-from layertap.storage.foreign import (ForeignFile, as_bf16, check_lengths, load_torch, natural_key, save_torch,
+from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key, save_torch,
                                       split_layers)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
@@ -93,5 +93,5 @@ class ModelOptReader:
             mask = torch.ones_like(ids)
         cid = d.get("conversation_id")
         sample_id = cid if isinstance(cid, str) and cid else f.sample_id
-        return check_lengths(Sample(sample_id, ids, mask.reshape(-1).to(torch.uint8), as_bf16(states).contiguous(),
+        return check_lengths(Sample(sample_id, ids, as_mask(mask), as_bf16(states).contiguous(),
                                     as_bf16(final).contiguous()), where)

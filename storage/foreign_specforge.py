@@ -13,8 +13,8 @@ import posixpath
 import torch
 
 from layertap.storage.errors import InputError
-from layertap.storage.foreign import (ForeignFile, as_bf16, check_lengths, load_torch, natural_key, save_torch,
-                                      split_layers)
+from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key,
+                                      save_torch, split_layers)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -85,7 +85,7 @@ class SpecForgeReader:
         if self.eagle3:
             final = d["hidden_state"]
             final = as_bf16(final[0] if final.dim() == 3 else final)[:t].contiguous()
-        mask = d["loss_mask"].reshape(-1)[:t].to(torch.uint8)
+        mask = as_mask(d["loss_mask"].reshape(-1)[:t])
         return check_lengths(Sample(f.sample_id, ids, mask, as_bf16(states).contiguous(), final), where)
 
 

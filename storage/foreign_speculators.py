@@ -20,7 +20,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from layertap.storage.errors import InputError, MissingInput
-from layertap.storage.foreign import ForeignFile, as_bf16, check_lengths
+from layertap.storage.foreign import ForeignFile, as_bf16, as_mask, check_lengths
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
@@ -161,5 +161,5 @@ class SpeculatorsReader:
         if not torch.equal(ids, row["input_ids"].to(torch.int64)):
             raise InputError(f"{where}: its token_ids differ from the dataset's input_ids of row {f.sample_id}")
         states = as_bf16(states)
-        return check_lengths(Sample(f.sample_id, ids, row["loss_mask"].to(torch.uint8), states[:, :-1].contiguous(),
+        return check_lengths(Sample(f.sample_id, ids, as_mask(row["loss_mask"]), states[:, :-1].contiguous(),
                                     states[:, -1].contiguous()), where)

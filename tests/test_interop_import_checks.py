@@ -158,3 +158,23 @@ def test_an_import_of_the_last_layer_warns_as_extraction_does(target, tmp_path, 
         assert cli(["import", src, "--from", "specforge", "--out", str(tmp_path / "b"), "--layers", "1,4",
                     "--model", target]) == 0
     assert not [r for r in caplog.records if "last decoder layer" in r.getMessage()]
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "modelopt"])
+@pytest.mark.parametrize("value", [256, 0.5])
+def test_a_loss_mask_value_a_byte_cannot_hold_is_refused_not_cast(target, tmp_path, fmt, value):
+    """The readers cast a foreign mask to uint8 before the check: 256 and 0.5 became 0 and the
+    sample was imported with that token silently left out of training."""
+    src = tmp_path / "src"
+    write_files(src, fmt, [sample(0), sample(1)])
+    path = src / STEM[fmt].format(1)
+    d = torch.load(path, weights_only=True)
+    d["loss_mask"] = d["loss_mask"].to(torch.float32 if isinstance(value, float) else torch.int64)
+    d["loss_mask"][20] = value
+    torch.save(d, path)
+    back = str(tmp_path / "back")
+    assert cli(["import", str(src), "--from", fmt, "--out", back, "--layers", LAYERS[fmt], "--model", target]) == 0
+    stored, skipped = imported(back)
+    assert len(stored) == 1 and stored[0].sample_id.endswith("0") and len(skipped) == 1
+    assert skipped[0]["reason"] == "bad_loss_mask"
+    assert f"loss_mask holds {value} at position 20; it must hold only 0 and 1" in skipped[0]["detail"]
