@@ -67,7 +67,7 @@ def commit_as_earlier_worker(store, plan) -> None:
                        raw_bytes=i.raw_bytes, sample_ids=i.sample_ids, producer=asdict(Producer.current()),
                        attempt=1, started_at=0.0, committed_at=time.time())
     store.put_if_absent(layout.commit_key(plan.id), encode(rec))
-    store.put(layout.tally_key(plan.id, i.num_records, i.num_tokens, i.bytes, i.raw_bytes, 0), b"")
+    store.put(layout.tally_key(plan.id, i.num_records, i.num_tokens, i.bytes, i.raw_bytes, 0, 0), b"")
 
 
 def count_requests(store) -> Counter:

@@ -74,7 +74,7 @@ def measure(server: BenchServer, args, counts: list[int]) -> dict:
                            raw_bytes=raw, sample_ids=[str(i) for i in range(plan.start, plan.end)],
                            producer=asdict(producer), attempt=1, started_at=0.0, committed_at=time.time())
         store.put_if_absent(layout.commit_key(plan.id), encode(rec))
-        store.put(layout.tally_key(plan.id, rec.num_records, rec.num_tokens, rec.bytes, raw, 0), b"")
+        store.put(layout.tally_key(plan.id, rec.num_records, rec.num_tokens, rec.bytes, raw, 0, 0), b"")
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(32) as pool:

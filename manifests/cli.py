@@ -124,13 +124,21 @@ def _skipped_text(s: dict) -> str:
     return f", {s['samples_skipped']:,} skipped" + (f": {counts}{sampled}" if counts else "")
 
 
+def _truncated_text(s: dict) -> str:
+    """', 12 cut at max_length 4,096': samples whose tokens past max_length were not extracted."""
+    if not s.get("samples_truncated"):
+        return ""
+    return f", {s['samples_truncated']:,} cut at max_length" + (f" {s['max_length']:,}" if s.get("max_length") else "")
+
+
 def format_status(s: dict) -> str:
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
         f"{s['shards_failed']} failed, {s['shards_pending']} pending"
         + (f", {s['shards_interrupted']} interrupted" if s.get("shards_interrupted") else ""),
-        f"  samples  {s['samples_done']}/{s['samples_total']} stored" + _skipped_text(s),
+        f"  samples  {s['samples_done']}/{s['samples_total']} stored" + _skipped_text(s)
+        + _truncated_text(s),
         f"  tokens   {s['tokens_done']:,} of ~{s['tokens_total_est']:,}",
         f"  bytes    {size(s['bytes_stored'])} stored, {size(s['bytes_raw'])} raw"
         + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else "")

@@ -4,7 +4,7 @@
     shards/{shard:06d}-{attempt}.lts       data objects, one per attempt (worker token + a nonce);
                                            only the one a commit names counts
     commits/{shard:06d}.json               commit records, created if absent: the truth of "done"
-    tally/{shard:06d}.r{records}.t{tokens}.b{bytes}.x{raw}.s{skipped}
+    tally/{shard:06d}.r{records}.t{tokens}.b{bytes}.x{raw}.s{skipped}.c{cut}
                                            empty markers carrying a commit's numbers in the name,
                                            so `status` needs listings only, never a GET per shard
     leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim; alive while LastModified + ttl > now
@@ -39,7 +39,7 @@ CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, f
 CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
-_TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)$")
+_TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)(?:\.c(\d+))?$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")
 _SHARD_ID = re.compile(r"^(\d+)")
 _DATA_KEY = re.compile(r"^shards/(\d{6,})-([A-Za-z0-9]+)\.lts$")
@@ -59,8 +59,9 @@ def commit_key(shard: int) -> str:
     return f"{COMMITS}{shard:06d}.json"
 
 
-def tally_key(shard: int, records: int, tokens: int, nbytes: int, raw: int, skipped: int) -> str:
-    return f"{TALLY}{shard:06d}.r{records}.t{tokens}.b{nbytes}.x{raw}.s{skipped}"
+def tally_key(shard: int, records: int, tokens: int, nbytes: int, raw: int, skipped: int, truncated: int) -> str:
+    """`truncated`: samples cut at the run's max_length (`.c`; absent in markers written before it was counted)."""
+    return f"{TALLY}{shard:06d}.r{records}.t{tokens}.b{nbytes}.x{raw}.s{skipped}.c{truncated}"
 
 
 def feed_key(millis: int, shard: int, records: int, skipped: int) -> str:
@@ -135,8 +136,9 @@ def parse_tally(key: str) -> tuple[int, dict[str, int]] | None:
     m = _TALLY.match(key[len(TALLY) :])
     if not m:
         return None
-    shard, r, t, b, x, s = map(int, m.groups())
-    return shard, {"records": r, "tokens": t, "bytes": b, "raw_bytes": x, "skipped": s}
+    shard, r, t, b, x, s = map(int, m.groups()[:6])
+    return shard, {"records": r, "tokens": t, "bytes": b, "raw_bytes": x, "skipped": s,
+                   "truncated": int(m.group(7) or 0)}
 
 
 def parse_lease(key: str) -> tuple[int, int, float] | None:

@@ -46,6 +46,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     stored = sum(t["bytes"] for t in tallies.values())
     raw = sum(t["raw_bytes"] for t in tallies.values())
     skipped = sum(t["skipped"] for t in tallies.values())
+    truncated = sum(t["truncated"] for t in tallies.values())
     remaining = sum(p.est_tokens for p in manifest.shards if p.id not in st.committed)
     last = max(st.commit_times.values(), default=None)
     # While shards run, the rate is up to now (a stall shows as a falling rate); otherwise it is
@@ -80,6 +81,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "samples_done": samples,
         "samples_skipped": skipped,
         "skipped_by_reason": _skip_reasons(store, tallies) if skipped else None,
+        "samples_truncated": truncated,  # cut at max_length (0 in shards committed before layertap counted them)
+        "max_length": manifest.identity.max_length,
         "tokens_total_est": manifest.est_tokens,
         "tokens_done": tokens,
         "bytes_stored": stored,  # ever: every committed shard's data object, consumed ones included
@@ -237,7 +240,7 @@ def _tallies(store: ObjectStore, st: RunState) -> dict[int, dict[str, int]]:
         except ObjectNotFound:  # withdrawn while we looked
             return shard, None
         return shard, {"records": c.num_records, "tokens": c.num_tokens, "bytes": c.bytes,
-                       "raw_bytes": c.raw_bytes, "skipped": len(c.skipped)}
+                       "raw_bytes": c.raw_bytes, "skipped": len(c.skipped), "truncated": c.truncated}
 
     if missing:
         with ThreadPoolExecutor(min(16, len(missing))) as pool:
@@ -312,7 +315,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                 "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
         if report.ok and shard not in st.tallies:  # its writer died between commit and tally: restore it
             store.put(layout.tally_key(shard, commit.num_records, commit.num_tokens, commit.bytes, commit.raw_bytes,
-                                       len(commit.skipped)), b"")
+                                       len(commit.skipped), commit.truncated), b"")
         return shard, report.error, commit.data_key
 
     result.consumed = len(st.committed & consumed)

@@ -115,7 +115,7 @@ class Claim:
         # killed after its commit leaves no lease (a rerun at once found it still fresh, kept it).
         self.release()
         store.put(layout.tally_key(self.shard, info.num_records, info.num_tokens, info.bytes, info.raw_bytes,
-                                   len(skipped)), b"")
+                                   len(skipped), truncated), b"")
         store.put(layout.feed_key(int(store.now() * 1000), self.shard, info.num_records, len(skipped)), b"")
         # Leftovers of crashed attempts: their data objects, and the uploads a SIGKILL left open
         # (billed until aborted; ours is complete, so it is not among them). Not those of an

@@ -96,6 +96,10 @@ def test_stored_states_equal_a_plain_hf_forward(models, model_type, overlap, tmp
     # why, from the commit records: `status` said only "nothing to train on, e.g. ..."
     [(reason, n)] = status["skipped_by_reason"]["counts"].items()
     assert (reason, n) == ("no_supervised_pair", 1) and f"1 skipped: {reason} 1" in format_status(status)
+    # and how many were cut at max_length (commits recorded it; status did not add it up)
+    cut = sum(c.truncated for c in committed(store))
+    assert 0 < cut <= sum(s.num_tokens == 48 for s in got.values()) and status["samples_truncated"] == cut
+    assert f", {cut} cut at max_length 48" in format_status(status)
 
     tok = AutoTokenizer.from_pretrained(models[model_type])
     model = AutoModelForCausalLM.from_pretrained(models[model_type], dtype=torch.bfloat16).eval()

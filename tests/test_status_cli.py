@@ -242,3 +242,12 @@ def test_a_shard_stopped_from_outside_is_interrupted_not_failed(store_uri, capsy
     store.put(layout.failure_key(1, 1, "tok", 1, stopped=True), b"{}")  # e.g. TransientStoreError: not preempted
     rc, out, _ = status(capsys, store_uri)
     assert rc == 3 and "0 failed" in out and "1 interrupted" in out
+
+
+def test_tally_markers_written_before_truncation_was_counted_still_read():
+    """A run in progress when layertap began naming truncation in the marker reads as 0 cut."""
+    new = layout.tally_key(7, 3, 120, 4000, 9000, 1, 2)
+    assert layout.parse_tally(new) == (7, {"records": 3, "tokens": 120, "bytes": 4000, "raw_bytes": 9000,
+                                           "skipped": 1, "truncated": 2})
+    assert layout.parse_tally(new.removesuffix(".c2")) == (7, {"records": 3, "tokens": 120, "bytes": 4000,
+                                                               "raw_bytes": 9000, "skipped": 1, "truncated": 0})
