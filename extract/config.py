@@ -16,6 +16,8 @@ from layertap.storage.errors import ConfigError
 from layertap.storage.flags import setting, settings
 from layertap.storage.units import parse_size
 
+MAX_LEASE_TTL_S = 86_400  # a day: the longest a dead worker's shard may wait for its lease to go stale
+
 QUICKSTART_LIMIT = 300  # conversations taken from the embedded ShareGPT when no dataset is given
 DTYPES = ("auto", "bfloat16", "float32")
 
@@ -123,9 +125,12 @@ class ExtractConfig:
         if self.batch_tokens < self.max_length:
             raise ConfigError(f"--batch-tokens ({self.batch_tokens}) must be at least --max-length "
                               f"({self.max_length})")
-        if not self.lease_ttl_s >= 1:  # renewed every ttl/4: below a second, workers would do little else
-            raise ConfigError(f"--lease-ttl must be at least 1 second (a worker renews its lease every quarter of "
-                              f"it; the default is 60), got {self.lease_ttl_s:g}")
+        # Renewed every ttl/4: below a second, workers would do little else; past a day, a dead
+        # worker's shard would wait that long (and the key's number must read back: no 1e+06, inf).
+        if not 1 <= self.lease_ttl_s <= MAX_LEASE_TTL_S:
+            raise ConfigError(f"--lease-ttl must be between 1 and {MAX_LEASE_TTL_S} seconds (a worker renews its "
+                              f"lease every quarter of it; a dead worker's shard waits that long; the default is "
+                              f"60), got {self.lease_ttl_s:g}")
         if self.retries < 0:
             raise ConfigError(f"--retries must be 0 (a failed shard is left to a rerun) or more, got {self.retries}")
         try:

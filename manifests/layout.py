@@ -99,7 +99,15 @@ def lease_prefix(shard: int) -> str:
 
 
 def lease_key(shard: int, generation: int, ttl_s: float) -> str:
-    return f"{lease_prefix(shard)}{generation:06d}.ttl{ttl_s:g}"
+    return f"{lease_prefix(shard)}{generation:06d}.ttl{ttl_text(ttl_s)}"
+
+
+def ttl_text(ttl_s: float) -> str:
+    """A TTL as lease keys name it: plain decimal digits that `parse_lease` reads back (`:g`
+    wrote 1e+06 and 12345.7 for 12345.67)."""
+    if not 0 < ttl_s < 1e9:
+        raise ValueError(f"a lease TTL must be positive and finite, got {ttl_s}")
+    return f"{ttl_s:.3f}".rstrip("0").rstrip(".")
 
 
 def failure_prefix(shard: int) -> str:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from layertap.manifests import layout
 from layertap.manifests.liveness import gone_from_here, pid_namespace
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
@@ -192,7 +193,7 @@ class OutputLease:
     def _create(self, generation: int) -> bool:
         """Claim `generation`; False if another trainer did. A claimant with another ttl writes
         another key of the same generation: of two such, the later sees the other and backs off."""
-        key = f"{PREFIX}{generation:06d}.ttl{self.ttl_s:g}"
+        key = f"{PREFIX}{generation:06d}.ttl{layout.ttl_text(self.ttl_s)}"
         if not self.store.put_if_absent(key, self._body):
             return False
         others = [(int(m[1]), o.key) for o in self.store.list(PREFIX) if o.key != key and (m := _KEY.search(o.key))]

@@ -528,8 +528,10 @@ def lease_attempt(store: ObjectStore, key: str) -> str | None:
     payload = read_lease(store, key)
     if payload is None:
         return None
-    shard = layout.parse_lease(key)[0]
-    return payload.get("data_key") or layout.data_key(shard, payload["holder"]["token"])
+    parsed = layout.parse_lease(key)
+    if payload.get("data_key") or parsed is None:
+        return payload.get("data_key")
+    return layout.data_key(parsed[0], payload["holder"]["token"])
 
 
 def rivals_at_work(store: ObjectStore, st: RunState, shard: int, own_lease: str | None = None) -> set[str]:

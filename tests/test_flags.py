@@ -13,6 +13,7 @@ import pytest
 
 from layertap.cli import build_parser, main
 from layertap.extract.config import ExtractConfig
+from layertap.manifests import layout
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.flags import _help, flag_fields, flag_name
 from layertap.train.config import TrainConfig
@@ -180,10 +181,15 @@ def test_s3_options_of_a_config_file_are_named_and_sizes_parsed():
 
 def test_lease_ttl_and_retries_are_range_checked():
     """A lease is renewed every ttl/4: a TTL of 0 renews it in a tight loop and makes every lease
-    stale at once; a negative one broke the heartbeat."""
-    for ttl in (0, -5, 0.5):
-        with pytest.raises(ConfigError, match="^--lease-ttl must be at least 1 second"):
+    stale at once; a negative one broke the heartbeat. One of 1e6 or inf was taken and named the
+    lease key `.ttl1e+06`, which no reader parsed: the worker crashed at its commit and others
+    took its running shard."""
+    for ttl in (0, -5, 0.5, 86_401, 1e6, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="^--lease-ttl must be between 1 and 86400 seconds"):
             ExtractConfig(out="o", lease_ttl_s=ttl)
+    for ttl in (1, 1.5, 12345.67, 86_400):
+        key = layout.lease_key(3, 1, ExtractConfig(out="o", lease_ttl_s=ttl).lease_ttl_s)
+        assert layout.parse_lease(key) == (3, 1, ttl), key
     with pytest.raises(ConfigError, match="^--retries must be 0 .* or more, got -1"):
         ExtractConfig(out="o", retries=-1)
     assert ExtractConfig(out="o", lease_ttl_s=1, retries=0).lease_ttl_s == 1
