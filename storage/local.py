@@ -265,8 +265,12 @@ class LocalWriter(ObjectWriter):
         if self._done:
             return
         self._done = True
-        self._file.close()
-        _remove_quietly(self._tmp)
+        try:  # close flushes what is buffered: on a full disk that fails again, and the temp file must still go
+            self._file.close()
+        except OSError:
+            pass
+        finally:
+            _remove_quietly(self._tmp)
 
     @property
     def bytes_written(self) -> int:

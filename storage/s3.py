@@ -18,8 +18,10 @@ from __future__ import annotations
 import functools
 import http.client
 import logging
+import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -65,6 +67,7 @@ READ_SLICE = 1 << 20  # per read through botocore's stream: a slice's bytes, cop
 _TRANSIENT = (bexc.ConnectionError, bexc.HTTPClientError, bexc.IncompleteReadError, bexc.FlexibleChecksumError,
               OSError, http.client.HTTPException)
 # No connection at all: a server that is down, an endpoint URL that is wrong, a proxy or TLS setup that fails.
+_BUCKET = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")  # what botocore sends (S3's own rules are stricter)
 _UNREACHABLE = (bexc.EndpointConnectionError, bexc.ProxyConnectionError, bexc.SSLError)
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
                     "PriorRequestNotComplete", "Throttling", "ThrottlingException", "ThrottledException",
@@ -111,6 +114,14 @@ class S3Store(ObjectStore):
         bucket, _, prefix = uri[len("s3://") :].partition("/")
         if not bucket:
             raise StoreError(f"S3 URI {uri!r} has no bucket; use s3://bucket/prefix")
+        if "@" in bucket:  # not repeated: it may hold a password
+            raise StoreError(f"S3 URI 's3://{bucket.rpartition('@')[2]}/{prefix}' holds a user:password before its "
+                             "bucket: credentials go in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, the endpoint in "
+                             "AWS_ENDPOINT_URL; use s3://bucket/prefix")
+        if not _BUCKET.match(bucket):  # botocore refuses it at the first request, in a traceback
+            where = " (the endpoint goes in AWS_ENDPOINT_URL, not the URI)" if ":" in bucket else ""
+            raise StoreError(f"S3 URI {uri!r}: {bucket!r} is not a bucket name{where}; use s3://bucket/prefix "
+                             "(letters, digits, '.', '-' and '_')")
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.options = options or S3Options()
@@ -135,7 +146,7 @@ class S3Store(ObjectStore):
             timestamp_parser=_parse_timestamp)
         region = o.region or session.region_name or "us-east-1"
         self.client = session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=config)
-        self.endpoint = self.client.meta.endpoint_url
+        self.endpoint = _without_userinfo(self.client.meta.endpoint_url)  # for messages
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -598,6 +609,11 @@ class S3Writer(ObjectWriter):
         try:
             if self._upload_id is not None:
                 self._store._abort_upload(self.key, self._upload_id)
+            if self._create_retried:  # as `close` does: else the unheard upload stays pending, billed
+                try:
+                    self._abort_lost_uploads()
+                except StoreError as e:  # best effort: an abort runs on the way out of another error
+                    log.warning("could not abort the unheard upload of %s: %s", self._store._where(self.key), e)
         finally:
             if stop is not None:
                 raise stop
@@ -671,3 +687,9 @@ def _plain_http_response(body) -> http.client.HTTPResponse | None:
             and not raw.headers.get("content-encoding") and hasattr(raw, "release_conn"):
         return fp
     return None
+
+
+def _without_userinfo(url: str) -> str:
+    """An endpoint URL as messages show it: a user:password in it is never printed."""
+    parts = urllib.parse.urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url

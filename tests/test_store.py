@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from faultproxy import FaultProxy
 
 import layertap.storage.s3
 from layertap import storage
+from layertap.cli import main as cli
 from layertap.storage.s3 import MiB, _plain_http_response, direct_reads, untested_versions
 from layertap.storage.store import (
     EndpointUnreachable,
@@ -459,14 +461,31 @@ def test_missing_bucket_is_a_clear_error(s3_endpoint):
         store.put("x", b"y")
 
 
+def test_a_uri_that_names_no_bucket_is_a_clear_error(capsys):
+    """botocore refused such names at the first request: a ParamValidationError traceback, exit 1,
+    from `status`, `verify`, `inspect` and `delete` (host:port in the URI is an easy mistake)."""
+    for uri, says in [("s3://localhost:9000/bucket/run", "'localhost:9000' is not a bucket name (the endpoint goes "
+                                                         "in AWS_ENDPOINT_URL, not the URI)"),
+                      ("s3://my bucket/run", "'my bucket' is not a bucket name; use s3://bucket/prefix"),
+                      ("s3://user:S3cret@host/run", "holds a user:password before its bucket: credentials go in")]:
+        with pytest.raises(StoreError, match=re.escape(says)):
+            open_store(uri)
+        for command in (["status", uri], ["verify", uri], ["inspect", uri + "/shards/000000-x.lts"],
+                        ["delete", uri, "--yes"]):
+            assert cli(command) == 2, command
+            err = capsys.readouterr().err
+            assert says in err and "Traceback" not in err and "S3cret" not in err, (command, err)
+
+
 def test_wrong_endpoint_is_a_clear_error_after_a_few_quick_tries(monkeypatch):
     """A refused connection is not worth the 8 tries a throttled request gets: the user hears
     about it within a second or so (3 tries), from one retry layer (botocore makes one try each)."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    # discard port: nothing listens; a user:password in the URL is never printed
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://hunter:S3cret@127.0.0.1:9")
     store = open_store("s3://b/p", connect_timeout_s=1)
-    with pytest.raises(EndpointUnreachable, match="cannot reach the S3 endpoint http://127.0.0.1:9") as e:
+    with pytest.raises(EndpointUnreachable, match="cannot reach the S3 endpoint http://127.0.0.1:9 ") as e:
         store.get("x")
-    assert "AWS_ENDPOINT_URL" in str(e.value) and "Connection refused" in str(e.value)
+    assert "AWS_ENDPOINT_URL" in str(e.value) and "Connection refused" in str(e.value) and "S3cret" not in str(e.value)
     assert "tried 3 times" in str(e.value) and store.retries == 2
     assert store.options.max_attempts == 8
 
@@ -551,6 +570,36 @@ def test_unwritable_local_output_is_a_clear_error(tmp_path):
     store = open_store(str(tmp_path / "file" / "sub"))
     with pytest.raises(StoreError, match="cannot"):
         store.put("x", b"y")
+
+
+def test_a_local_writer_that_runs_out_of_room_says_so_and_leaves_no_temp_file(tmp_path):
+    """A full disk (here a file-size limit, EFBIG, in a child process) failed the write; the abort's
+    close flushed the buffer again and raised a raw OSError, so the hidden temp file stayed (an
+    upload left open) and the store's message was never given."""
+    code = textwrap.dedent(f"""
+        import resource, signal
+        from layertap.storage.store import StoreError, open_store
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        store = open_store({str(tmp_path / "store")!r})
+        store.put("tally/keep", b"")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        for chunk in (3_000, 300_000):  # buffered, then written through
+            w = store.open_writer("shards/big.lts")
+            try:
+                for _ in range(300_000 // chunk):
+                    w.write(b"x" * chunk)
+                w.close()
+            except StoreError as e:
+                print("StoreError:", e)
+        print(sorted(o.key for o in store.list()), store.list_pending_uploads())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("StoreError: cannot access ") and "File too large" in line
+                                   for line in lines[:2]), out.stdout
+    assert lines[2] == "['tally/keep'] []"
+    assert os.listdir(tmp_path / "store" / "shards") == []
 
 
 def test_unsupported_scheme():
