@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from layertap.storage.errors import ConfigError
 from layertap.storage.units import duration, size
 
 
@@ -254,6 +255,8 @@ def run_verify(args: argparse.Namespace) -> int:
     from layertap.manifests.train_output import training_status
     from layertap.storage.store import open_store
 
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {args.threads}")
     store = open_store(args.prefix)
     try:
         with tqdm(desc="verify", unit="shard", disable=args.json or None, file=sys.stderr) as bar:

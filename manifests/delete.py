@@ -14,7 +14,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from layertap.storage.errors import UserError
+from layertap.storage.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ def run_delete(args: argparse.Namespace) -> int:
     from layertap.storage.store import open_store
     from layertap.storage.units import size
 
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {args.threads}")
     store = open_store(args.prefix)
     objects = list(store.list())
     pending = store.list_pending_uploads()
@@ -105,7 +107,7 @@ def delete_all(store, keys: list[str], threads: int = 16) -> int:
     last = {"manifest.json", *TRAINING_KEYS}
     first = [k for k in keys if k not in last]
     batches = [first[i:i + DELETE_BATCH] for i in range(0, len(first), DELETE_BATCH)]
-    with ThreadPoolExecutor(max(1, threads)) as pool, \
+    with ThreadPoolExecutor(threads) as pool, \
             tqdm(total=len(first), desc="delete", unit="object", unit_scale=True, disable=None) as bar:
         for done in pool.map(lambda batch: store.delete_many(batch) or len(batch), batches):
             bar.update(done)

@@ -251,3 +251,14 @@ def test_tally_markers_written_before_truncation_was_counted_still_read():
                                            "skipped": 1, "truncated": 2})
     assert layout.parse_tally(new.removesuffix(".c2")) == (7, {"records": 3, "tokens": 120, "bytes": 4000,
                                                                "raw_bytes": 9000, "skipped": 1, "truncated": 0})
+
+
+def test_verify_and_delete_refuse_fewer_than_one_thread(tmp_path, capsys):
+    """`verify --threads 0` was a ValueError traceback from the thread pool; `delete` took 0 as 1."""
+    fake_worker.work(str(tmp_path / "run"))
+    for command in (["verify", str(tmp_path / "run"), "--threads", "0"],
+                    ["delete", str(tmp_path / "run"), "--threads", "-1", "--yes"]):
+        assert cli(command) == 2
+        err = capsys.readouterr().err
+        assert f"error: --threads must be at least 1, got {command[3]}" in err and "Traceback" not in err
+    assert open_store(str(tmp_path / "run")).exists(layout.MANIFEST)  # nothing deleted
