@@ -14,9 +14,12 @@ import os
 import re
 import shlex
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from layertap.storage.errors import ConfigError
+
+if TYPE_CHECKING:
+    from layertap.slurm.resources import NodeShape
 
 ToolParser = Callable[[Any], None]
 
@@ -171,9 +174,9 @@ def run_submit(args: argparse.Namespace) -> int:
 _MEM = re.compile(r"^\d+([KMGT]B?)?$", re.IGNORECASE)  # sbatch takes 200G, 200g and 200GB alike
 
 
-def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: Any):
+def _job_options(args: argparse.Namespace, gpus: int, sized, nodes: list[NodeShape], **changes: Any):
     """The job's options: the user's, and CPUs and memory `sized` from the job where not given
-    (clipped to a node of the partition, when sinfo describes it)."""
+    (clipped to a node of each partition that sinfo describes)."""
     from layertap.slurm.resources import fit
     from layertap.slurm.scripts import JobOptions, default_activation
 
@@ -189,7 +192,7 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: An
     need = sized(procs)  # only what is sized is clipped and noted: given values go to sbatch as they are
     given_cpus = args.cpus_per_task is not None
     fitted, notes = fit(dataclasses.replace(need, cpus_per_task=0 if given_cpus else need.cpus_per_task,
-                                            mem_gib=0 if mem is not None else need.mem_gib), node)
+                                            mem_gib=0 if mem is not None else need.mem_gib), nodes)
     for note in notes:
         _note(note)
     env = args.env_activate if args.env_activate is not None else default_activation()
@@ -202,17 +205,17 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, node, **changes: An
     return dataclasses.replace(opts, **changes) if changes else opts
 
 
-def _gpus_per_node(args: argparse.Namespace, node) -> int:
-    """--gpus-per-node, or 0 with a note; refused when the partition has GPUs (sinfo says so):
-    a GPU partition's nodes running on CPU by omission would waste the allocation."""
+def _gpus_per_node(args: argparse.Namespace, nodes: list[NodeShape]) -> int:
+    """--gpus-per-node, or 0 with a note; refused when a partition of `nodes` has GPUs (sinfo says
+    so): a GPU partition's nodes running on CPU by omission would waste the allocation."""
     if args.gpus_per_node is not None:
         return args.gpus_per_node
-    if node is not None and node.gpus:
+    if (node := next((n for n in nodes if n.gpus), None)) is not None:
         raise ConfigError(f"partition {node.partition} has GPUs ({node.gres}) but --gpus-per-node is not given, so "
                          f"the job would run on CPU: give --gpus-per-node {node.gpus} to use them, or "
                          "--gpus-per-node 0 to run on CPU")
     _note("no --gpus-per-node: the job runs on CPU" +
-          ("" if node else " (sinfo could not tell whether the partition has GPUs)"))
+          ("" if nodes else " (sinfo could not tell whether the partition has GPUs)"))
     return 0
 
 
@@ -223,6 +226,16 @@ def _extract_config(args: argparse.Namespace):
     return load_config(args)
 
 
+def _encode_threads(args: argparse.Namespace) -> int | None:
+    """The workers' --encode-threads as they will read it: the flag, else the --config file's; None
+    where neither gives it. Not the loaded settings' value: left out, each worker takes its share of
+    its node's CPUs, which this host cannot know (`extract_resources` reckons it at most)."""
+    from layertap.extract.config import ExtractConfig
+    from layertap.storage.flags import settings
+
+    return settings(ExtractConfig, args).get("encode_threads")
+
+
 def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.manifests.manifest import NoRun
     from layertap.slurm import submit
@@ -231,14 +244,14 @@ def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.storage.store import open_store
 
     from layertap.slurm.resources import extract_resources
-    from layertap.slurm.submit import partition_shape
+    from layertap.slurm.submit import partition_shapes
 
     _at_least_one(args, "nodes", "shards_per_task", "train_nodes")
-    node = partition_shape(args.partition)
-    gpus = _gpus_per_node(args, node)
+    nodes = partition_shapes(args.partition)
+    gpus = _gpus_per_node(args, nodes)
     cfg = _extract_config(args)
-    opts = _job_options(args, gpus, lambda procs: extract_resources(procs, args.encode_threads, cfg.model,
-                                                                    cfg.gguf_file), node)
+    threads = _encode_threads(args)
+    opts = _job_options(args, gpus, lambda procs: extract_resources(procs, threads, cfg.model, cfg.gguf_file), nodes)
     if args.shards_per_task is not None and cfg.shards is not None:
         raise ConfigError("give either --shards (the shards dynamic tasks may take) or --shards-per-task "
                          "(static ranges over the unfinished shards), not both")
@@ -249,8 +262,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
         raise ConfigError("--window with --then-train: the array would wait, its window full, for a trainer that starts "
                           "only once the array has finished; train alongside it instead (--train-while-extracting "
                           "'... --delete-consumed'), or leave out --window")
-    train = _then_train(args, gpus, node) if args.then_train is not None else \
-        _then_train(args, gpus, node, follow=cfg) if args.train_while_extracting is not None else None
+    train = _then_train(args, gpus, nodes) if args.then_train is not None else \
+        _then_train(args, gpus, nodes, follow=cfg) if args.train_while_extracting is not None else None
     store = open_store(cfg.out, **cfg.s3)
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
@@ -308,9 +321,9 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
 
     _at_least_one(args, "tasks", "max_parallel")
     cfg = load_regenerate_config(args)  # checked here, not in the queue
-    node = submit.partition_shape(args.partition)
-    gpus = _gpus_per_node(args, node) if cfg.serve else (args.gpus_per_node or 0)
-    opts = _job_options(args, gpus, lambda procs: regenerate_resources(gpus, bool(cfg.serve)), node,
+    nodes = submit.partition_shapes(args.partition)
+    gpus = _gpus_per_node(args, nodes) if cfg.serve else (args.gpus_per_node or 0)
+    opts = _job_options(args, gpus, lambda procs: regenerate_resources(gpus, bool(cfg.serve)), nodes,
                         procs_per_node=1)
     if args.tasks > (cap := submit.max_array_size()):
         raise ConfigError(f"--tasks {args.tasks:,} is above this cluster's MaxArraySize of {cap:,} array tasks: give "
@@ -376,7 +389,7 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
                       f"train {after} --after <the new array's job id> <the --then-train arguments>`")
 
 
-def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple[Any, str] | None:
+def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], follow=None) -> tuple[Any, str] | None:
     """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser;
     with `follow` (the extraction's settings), `--train-while-extracting`'s, made a follow trainer of
     the extraction's --out."""
@@ -403,7 +416,7 @@ def _then_train(args: argparse.Namespace, gpus: int, node, follow=None) -> tuple
     if (why := _no_trainer_needed(train_cfg)) is not None:
         _say(args, f"{why}: no training job")
         return None
-    topts = _job_options(args, gpus, lambda procs: train_resources(procs, targs.num_workers), node,
+    topts = _job_options(args, gpus, lambda procs: train_resources(procs, train_cfg.num_workers), nodes,
                          job_name="layertap-train")
     if follow is not None and follow.window is not None:
         _check_window(follow, train_cfg, args.train_nodes * topts.procs * max(1, train_cfg.num_workers))
@@ -450,8 +463,7 @@ def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
     """`--train-while-extracting`'s trainer: --follow, its --data the extraction's --out, and, when
     the extraction holds to a --window, --delete-consumed (else the window never opens again and
     the extraction waits forever). Checked as `layertap train` will check it; its settings."""
-    out = cfg.out.rstrip("/")
-    if targs.data is not None and targs.data.rstrip("/") != out:
+    if targs.data is not None and _store_location(targs.data) != _store_location(cfg.out):
         raise ConfigError(f"--train-while-extracting {given!r}: its --data {targs.data} is not the extraction's "
                           f"--out {cfg.out}: leave --data out (it is set to --out)")
     targs.data, targs.follow = cfg.out, True
@@ -461,6 +473,17 @@ def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
                           "consumed, or the window never opens again and the extraction waits forever; add "
                           "--delete-consumed to --train-while-extracting (or leave out --window)")
     return train_cfg
+
+
+def _store_location(uri: str) -> str:
+    """Where `open_store` puts a store, one text for each place: `s3://bucket/prefix` without the
+    prefix's outer slashes (as `S3Store` reads it), or a local folder's real path (relative or
+    absolute, `file://`, a trailing slash, a symlink); the trainer's --data and the extraction's
+    --out are the same run when these are equal."""
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        return f"s3://{bucket}/{prefix.strip('/')}"
+    return os.path.realpath(os.path.expanduser(uri.removeprefix("file://")))
 
 
 def _train_config(targs: argparse.Namespace, context: str = ""):
@@ -488,7 +511,7 @@ def _submit_train(args: argparse.Namespace) -> int:
     from layertap.slurm.submit import dependency_options
 
     from layertap.slurm.resources import train_resources
-    from layertap.slurm.submit import partition_shape
+    from layertap.slurm.submit import partition_shapes
 
     if _train_parser() is None:
         raise ConfigError("`layertap train` is not available in this installation (no train.command)")
@@ -497,9 +520,9 @@ def _submit_train(args: argparse.Namespace) -> int:
     if (why := _no_trainer_needed(cfg)) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0
-    node = partition_shape(args.partition)
-    opts = _job_options(args, _gpus_per_node(args, node),
-                        lambda procs: train_resources(procs, getattr(args, "num_workers", None)), node)
+    nodes = partition_shapes(args.partition)
+    opts = _job_options(args, _gpus_per_node(args, nodes),
+                        lambda procs: train_resources(procs, cfg.num_workers), nodes)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions))
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)

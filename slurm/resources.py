@@ -13,7 +13,7 @@ Per worker process (one per GPU, or one on CPU):
   next to it 8 CPUs and 32 GiB per GPU (an inference server's tokenizer and scheduler processes,
   and the weights read through the page cache on load).
 
-Then clipped to what one node of the partition has, when `sinfo` can tell.
+Then clipped to what one node of the partition has (of each, for a list), when `sinfo` can tell.
 """
 
 from __future__ import annotations
@@ -88,17 +88,20 @@ def regenerate_resources(gpus: int, serving: bool) -> Resources:
     return Resources(REGEN_CLIENT_CPUS + SERVER_CPUS_PER_GPU * n, REGEN_CLIENT_GIB + SERVER_GIB_PER_GPU * n)
 
 
-def fit(res: Resources, node: NodeShape | None) -> tuple[Resources, list[str]]:
-    """`res` clipped to one node of the partition; notes on what was clipped."""
-    if node is None:
-        return res, []
+def fit(res: Resources, nodes: list[NodeShape]) -> tuple[Resources, list[str]]:
+    """`res` clipped to one node of each partition of `nodes` (a job given `--partition a,b` runs
+    on whichever starts it first, so it must fit them all); notes on what was clipped, each naming
+    the partition whose node sets the limit."""
     notes = []
     cpus, mem = res.cpus_per_task, res.mem_gib
-    if node.cpus and cpus > node.cpus:
-        notes.append(f"--cpus-per-task {cpus} is more than a node of partition {node.partition} has: asking {node.cpus}")
-        cpus = node.cpus
-    node_gib = node.mem_mb // 1024
-    if node_gib and mem > node_gib:
-        notes.append(f"--mem {mem}G is more than a node of partition {node.partition} has: asking {node_gib}G")
-        mem = node_gib
+    fewest_cpus = min((n for n in nodes if n.cpus), key=lambda n: n.cpus, default=None)
+    if fewest_cpus and cpus > fewest_cpus.cpus:
+        notes.append(f"--cpus-per-task {cpus} is more than a node of partition {fewest_cpus.partition} has: "
+                     f"asking {fewest_cpus.cpus}")
+        cpus = fewest_cpus.cpus
+    least_mem = min((n for n in nodes if n.mem_mb >= 1024), key=lambda n: n.mem_mb, default=None)
+    if least_mem and mem > least_mem.mem_mb // 1024:
+        notes.append(f"--mem {mem}G is more than a node of partition {least_mem.partition} has: "
+                     f"asking {least_mem.mem_mb // 1024}G")
+        mem = least_mem.mem_mb // 1024
     return Resources(cpus, mem), notes

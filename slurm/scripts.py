@@ -291,18 +291,31 @@ def _shown(command: list[str], tool_args: list[str]) -> str:
     itself, or where the tool's arguments hold secrets a copy with them masked, as layertap's own
     logs mask them (an --api-key or --hf-token in a --serve line, a user:password or query in a
     URL). `cmd` keeps them: the job needs them (docs/SLURM.md: pass them in the environment)."""
-    from layertap.extract.chat_client import public_url
     from layertap.extract.served import redacted
 
     masked = {}
     for arg in tool_args:
-        safe = public_url(arg) if _URL.match(arg) else redacted(arg)
+        safe = _public_url(arg) if _URL.match(arg) else redacted(arg)
         if safe != arg:
             masked[shlex.quote(arg)] = shlex.quote(safe)
     if not masked:
         return 'shown=("${cmd[@]}")'
     return MASKED + "\n" + \
         _command([masked.get(w, w) for w in command], "shown")
+
+
+def _public_url(url: str) -> str:
+    """`url` as the task's log shows it. A store location (`open_store`'s `s3://bucket/prefix` and
+    `file://path`) is a key prefix or a path after its bucket, where `#` and `?` are plain
+    characters (`s3://b/run#1`): it is kept whole, less a user:password before the bucket. Any
+    other URL (an --endpoint) loses its user:password and query, which may carry tokens."""
+    from layertap.extract.chat_client import public_url
+
+    if not url.startswith(("s3://", "file://")):
+        return public_url(url)
+    scheme, _, rest = url.partition("://")
+    where, slash, path = rest.partition("/")
+    return f"{scheme}://{where.rpartition('@')[2]}{slash}{path}"
 
 
 # Work that resumes (extraction; training with --resume) goes back in the queue when the time

@@ -82,17 +82,30 @@ def dependency_options(after_ok: list[str]) -> list[str]:
 _GPUS = re.compile(r"(?:^|,)gpu(?::[^:,()]+)?:(\d+)")
 
 
-def partition_shape(partition: str | None) -> NodeShape | None:
-    """The smallest node of `partition` (the default partition when None) and its largest GPU
-    count, from `sinfo`; None where sinfo is not here or does not know the partition."""
+def partition_shapes(partition: str | None) -> list[NodeShape]:
+    """The smallest node of each partition of `partition` (one, a comma-separated list as sbatch
+    takes, or the default partition when None) and its largest GPU count, from `sinfo`; none
+    where sinfo is not here or does not know one of them (sbatch judges such a name)."""
     if shutil.which("sinfo") is None:
-        return None
+        return []
     try:
         out = _run(["sinfo", "-h", "-o", "%P|%c|%m|%G"])
     except SlurmError as e:
         log.debug("sinfo failed (%s); sizing without the partition's nodes", e)
-        return None
-    return parse_sinfo(out, partition)
+        return []
+    return parse_partitions(out, partition)
+
+
+def parse_partitions(out: str, partition: str | None) -> list[NodeShape]:
+    """`parse_sinfo` for each name of `--partition a,b`, or [] when sinfo does not know one of
+    them: the whole list is then left to sbatch, as one unknown partition is."""
+    shapes = []
+    for name in partition.split(",") if partition is not None else [None]:
+        shape = parse_sinfo(out, name)
+        if shape is None:
+            return []
+        shapes.append(shape)
+    return shapes
 
 
 def parse_sinfo(out: str, partition: str | None) -> NodeShape | None:

@@ -374,6 +374,83 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     assert not (tmp_path / "layertap-logs").exists()
 
 
+def test_encode_threads_from_a_config_file_size_the_cpus(tmp_path, capsys, monkeypatch):
+    """`--encode-threads` in the extraction's --config file is what each worker runs with, so the job's
+    CPUs are sized from it (the flag still wins over the file, as the extraction itself reads them)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    config = tmp_path / "extract.json"
+    config.write_text(json.dumps({"encode_threads": 3}))
+    base = ("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", "--out", str(tmp_path / "fresh"))
+    for given, cpus in [(("--config", str(config)), 10), (("--config", str(config), "--encode-threads", "1"), 6),
+                        ((), 20)]:
+        assert submit(*base, *given) == 0, given
+        assert f"--cpus-per-task={cpus}" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"])
+
+
+def test_num_workers_from_a_trainers_config_file_size_the_cpus(tmp_path, capsys, monkeypatch):
+    """As --encode-threads for extraction: a training job whose --config file sets num_workers was
+    sized as if it had one DataLoader worker, for `submit train` and for --then-train alike."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"num_workers": 3}))
+    assert submit("train", "--dry-run", "--gpus-per-node", "2", "--data", "x", "--out", "d", "--config",
+                  str(config)) == 0
+    train = sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])
+    assert "--cpus-per-task=32" in train and "--mem=72G" in train  # 2 ranks x (4 + 4 x 3), 2 x (24 + 4 x 3) GiB
+    assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", "--out", str(tmp_path / "fresh"),
+                  "--then-train", f"--data x --out d --config {config}") == 0
+    assert "--cpus-per-task=32" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])
+
+
+def test_the_follow_trainers_data_may_name_the_extractions_out_another_way(tmp_path, capsys, monkeypatch):
+    """--train-while-extracting's --data is compared with --out as a store location, not as text: a
+    relative path, a trailing slash, file:// and a symlink name the same folder; another one is refused."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    out = str(tmp_path / "runs" / "a")
+    base = ("extract", "--dry-run", "--nodes", "1", "--out", out)
+    for data in ("./runs/a", "runs/a/", f"file://{out}", f"{tmp_path}/link/a", f"{tmp_path}/runs/./b/../a"):
+        assert submit(*base, "--train-while-extracting", f"--data {data} --out d") == 0, data
+        train = " ".join(dry_run_scripts(capsys.readouterr().out)["layertap-train"].split())
+        assert f"-m layertap.train --data {out} --out d --follow" in train, data
+    assert submit(*base, "--train-while-extracting", "--data runs/ab --out d") == 2
+    assert f"its --data runs/ab is not the extraction's --out {out}" in capsys.readouterr().err
+    from layertap.slurm.command import _store_location as store_location
+
+    assert store_location("s3://b/runs/a/") == store_location("s3://b/runs/a") == store_location("s3://b//runs/a")
+    assert store_location("s3://b/") == store_location("s3://b")
+    assert len({store_location(u) for u in ("s3://b/runs/a", "s3://b/runs/ab", "s3://c/runs/a", "s3://b")}) == 4
+    assert store_location("s3://b/runs/a") != store_location(str(tmp_path / "s3:" / "b" / "runs" / "a"))
+
+
+def test_the_tasks_log_keeps_a_hash_in_a_store_prefix(tmp_path):
+    """`#` (and `?`) are legal in an S3 key prefix and a folder name: the command echoed into the
+    task's log keeps such a prefix whole, masking only secrets (a URL's user:password and query,
+    keys); a command with nothing secret is shown as it is, and its saved script is not locked."""
+    from layertap.slurm.scripts import regenerate_script
+
+    def logged(script: str) -> str:
+        lines = script.splitlines()
+        run = "\n".join(lines[lines.index("cmd=("):next(i for i, l in enumerate(lines) if l.startswith("echo ")) + 1])
+        p = subprocess.run(["bash", "-c", run], capture_output=True, text=True,
+                           env={"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "0", "PATH": os.environ["PATH"]})
+        return p.stdout
+
+    opts = JobOptions(job_name="r", logs=str(tmp_path))
+    plain = extract_script(opts, ArrayPlan(indices=[0]), ["--out", "s3://b/run#1", "--dataset", "file:///d/x?y#z"])
+    assert 'shown=("${cmd[@]}")' in plain and "masked" not in plain
+    assert "--out s3://b/run#1 --dataset file:///d/x?y#z" in logged(plain)
+    secret = regenerate_script(opts, "0", 1, ["--out", "s3://b/run#1?v", "--endpoint", "http://u:pw@h:1/v1?key=k",
+                                              "--serve", "vllm serve m --api-key sk-SECRET"])
+    log = logged(secret)
+    assert "--out s3://b/run#1?v --endpoint http://h:1/v1 " in log and "--api-key ***" in log
+    assert not any(s in log for s in ("SECRET", "pw", "key=k"))
+
+
 def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_for(tmp_path, capsys, monkeypatch):
     """A static task waits for the running shards of its own range only: shards another array is
     still extracting outside the new array's ranges would be committed after training chained to
@@ -464,7 +541,7 @@ def test_sinfo_is_read_for_gpus_and_node_sizes():
     assert parse_sinfo(out, None) == NodeShape("gpu", cpus=96, mem_mb=1000000, gpus=8, gres="gpu:h100:8(S:0-1)")
     assert parse_sinfo(out, "cpu") == NodeShape("cpu", cpus=64, mem_mb=256000, gpus=0, gres="")
     assert parse_sinfo(out, "nope") is None
-    fitted, notes = fit(Resources(200, 2000), parse_sinfo(out, "cpu"))
+    fitted, notes = fit(Resources(200, 2000), [parse_sinfo(out, "cpu")])
     assert fitted == Resources(64, 250) and len(notes) == 2 and "asking 64" in notes[0]
 
 
@@ -488,6 +565,41 @@ def test_a_gpu_partition_needs_gpus_per_node(tmp_path, capsys, monkeypatch):
     assert "runs on CPU" not in capsys.readouterr().err  # chosen, not defaulted
     assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "8", "--out", fresh) == 0
     assert "--gpus-per-node=8" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-extract"])
+
+
+def test_a_list_of_partitions_is_checked_and_clipped_against_each(tmp_path, capsys, monkeypatch):
+    """`--partition a,b` (sbatch takes a list; the job runs on whichever starts it first): leaving
+    --gpus-per-node out is refused when any of them has GPUs, and the sizes are clipped to the
+    smallest node of them all, each note naming the partition that sets it. A list with a name
+    sinfo does not know is left to sbatch, as one unknown partition is."""
+    rows = "cpu*|64|256000|(null)\ngpu|96|1000000|gpu:h100:8(S:0-1)\nsmall|8|65536|(null)\nbig|256|100000|(null)\n"
+    monkeypatch.chdir(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text(f"#!/bin/sh\nprintf '{rows}'\n")
+    (bin_dir / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    base = ("extract", "--dry-run", "--nodes", "1", "--out", str(tmp_path / "fresh"))
+    assert submit(*base, "--partition", "cpu,gpu") == 2
+    err = capsys.readouterr().err
+    assert "partition gpu has GPUs (gpu:h100:8(S:0-1)) but --gpus-per-node is not given" in err
+    assert submit(*base, "--partition", "cpu,small,big") == 0
+    out, err = capsys.readouterr()
+    assert "--cpus-per-task 10 is more than a node of partition small has: asking 8" in err
+    assert "#SBATCH --cpus-per-task=8" in out and "#SBATCH --partition=cpu,small,big" in out
+    assert submit(*base, "--partition", "cpu,nope") == 0
+    assert "sinfo could not tell whether the partition has GPUs" in capsys.readouterr().err
+
+    from layertap.slurm.submit import parse_partitions
+
+    assert parse_partitions(rows, "cpu,gpu") == [parse_sinfo(rows, "cpu"), parse_sinfo(rows, "gpu")]
+    assert parse_partitions(rows, None) == [parse_sinfo(rows, "cpu")]
+    assert parse_partitions(rows, "cpu,nope") == [] and parse_partitions(rows, "nope") == []
+    fitted, notes = fit(Resources(200, 2000), parse_partitions(rows, "small,big"))
+    assert fitted == Resources(8, 64) and len(notes) == 2
+    assert "--cpus-per-task 200 is more than a node of partition small has: asking 8" in notes[0]
+    assert "--mem 2000G is more than a node of partition small has: asking 64G" in notes[1]
+    assert fit(Resources(200, 2000), parse_partitions(rows, "big,cpu"))[0] == Resources(64, 97)
 
 
 def test_the_trainers_arguments_are_checked_at_submission(tmp_path, capsys, monkeypatch):
