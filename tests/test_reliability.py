@@ -289,17 +289,21 @@ def test_extraction_and_loading_at_a_10_percent_fault_rate_equal_a_fault_free_ru
     assert got == stream_digests(clean) and len(got) == 24
 
 
-def test_a_lost_answer_to_create_multipart_upload_leaves_no_upload_pending(s3_endpoint, s3_bucket):
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_lost_answer_to_create_multipart_upload_leaves_no_upload_pending(s3_endpoint, s3_bucket, end):
     """The server started the upload but the client never heard: botocore retries and starts a
-    second one. The writer must abort the first, or it stays pending (and billed) forever."""
+    second one. The writer must abort the first, or it stays pending (and billed) forever: also
+    when the writer is aborted (a checkpoint's write that failed), which left it."""
     is_create = lambda method, path: method == "POST" and path.endswith("?uploads")  # noqa: E731
     with FaultProxy(s3_endpoint, rate=1.0, faults=("reset-after",), match=is_create, limit=1) as proxy:
         store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url, part_size=5 * MiB)
         data = os.urandom(11 * MiB)
         with store.open_writer("x.bin") as w:
             w.write(data)
+            if end == "abort":
+                w.abort()
         assert proxy.counts["reset-after"] == 1
-    assert store.get("x.bin") == data
+    assert store.exists("x.bin") == (end == "close") and (end == "abort" or store.get("x.bin") == data)
     assert store.list_pending_uploads() == []
 
 
