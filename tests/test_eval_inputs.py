@@ -75,3 +75,43 @@ def test_a_bad_prompt_row_is_refused_before_the_weights_load(tmp_path, monkeypat
     with pytest.raises(InputError, match=f"{prompts}:2"):
         speculative.evaluate(str(tmp_path / "drafter"), model, str(prompts))
     assert loads == [False]  # the tokenizer alone (the model on the meta device), never the weights
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_limit_below_one_is_refused_naming_the_flag(tmp_path, capsys, value):
+    """--limit 0 read no prompt and then said the prompts file "has no usable prompts"."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts), "--limit", value]) == 2
+    assert f"--limit must be at least 1 prompt, got {value}" in capsys.readouterr().err
+
+
+def test_no_verification_step_gives_a_null_tau_in_strict_json_and_says_why(tmp_path, capsys):
+    """--max-new-tokens 1: the prefill gives the one token, no step verifies a draft, and tau was
+    printed as NaN, which strict JSON parsers refuse."""
+    import json
+
+    from layertap.storage.store import open_store
+    from layertap.train.checkpoint import export_drafter
+    from layertap.train.drafter import DFlashDrafter, default_config
+    from layertap.train.target_head import load_target_head
+    from tiny_models import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path, "llama", num_layers=2)
+    head = load_target_head(model)
+    drafter = DFlashDrafter(default_config(head, [0, 1], mask_token_id=3, block_size=4), head)
+    out = str(tmp_path / "drafter")
+    export_drafter(open_store(out), drafter)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n')
+    args = ["eval", "--drafter", out, "--model", model, "--prompts", str(prompts), "--max-new-tokens", "1"]
+    assert cli([*args, "--json"]) == 0
+
+    def refuse(constant: str):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    report = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert report["tau"] is None and report["tau_untrained"] is None and report["verify_steps"] == 0
+    assert cli([*args, "--no-baseline"]) == 0
+    assert ("tau (mean acceptance length): none, no verification step in 1 prompts (--max-new-tokens 1: the "
+            "prefill gives the first token, drafting starts after it)") in capsys.readouterr().out

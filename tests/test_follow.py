@@ -204,8 +204,9 @@ def test_steps_of_padding_alone_count_no_tokens_and_the_final_loss_is_the_last_l
     learned = [r for r in lines if r["loss"] == r["loss"]]
     assert all(r["tokens"] > 0 for r in learned)
     printed = capsys.readouterr().out
-    assert (f"final loss {learned[-1]['loss']:.4f} (step {learned[-1]['step']}; the {len(lines) - len(learned)} "
-            "step(s) after it held only zero-weighted padding") in printed
+    assert (f"final loss {learned[-1]['loss']:.4f} (step {learned[-1]['step']}; after it, "
+            f"{len(lines) - len(learned)} step(s) had nothing to learn (zero loss weight: padding, e.g. for samples "
+            "the extraction skipped))") in printed
 
 
 def test_a_trainer_waiting_where_no_run_is_coming_is_told_of_the_runs_beside(tmp_path):
@@ -305,6 +306,28 @@ def test_consumed_shards_are_those_every_sample_of_which_was_yielded(tmp_path):
         done = stream.consumed_shards()
         assert done == sorted(s for s, ids in ids_of.items() if ids <= seen)
     it.close()
+
+
+def test_a_skipped_sample_of_the_follow_epoch_counts_as_padding(tmp_path):
+    """on_corrupt="skip" in the follow epoch yields a zero-weighted repeat for each sample of a failed
+    shard, as a plain epoch does; it was counted in skipped_samples but not in padding_samples."""
+    from layertap.manifests import layout
+    from layertap.manifests.records import decode_commit
+    from layertap.storage.store import open_store
+
+    uri = str(tmp_path / "run")
+    finish(start_workers(uri, n=1, slow=0))
+    store = open_store(uri)
+    commit = decode_commit(store.get(layout.commit_key(2)), "commit")
+    data = bytearray(store.get(commit.data_key))
+    data[len(data) // 2] ^= 0xFF
+    store.put(commit.data_key, bytes(data))
+    stream = ShardStream(uri, config=StreamConfig(**CFG, on_corrupt="skip"), rank=0, world_size=1)
+    got = list(stream)
+    m = stream.metrics()
+    assert m["skipped_samples"] == len(commit.sample_ids) and m["corrupt_shards"] == 1
+    assert m["padding_samples"] == sum(s["padding"] for s in got) >= m["skipped_samples"]
+    assert {s["sample_id"] for s in got if not s["padding"]} == ALL - set(commit.sample_ids)
 
 
 def test_consumed_shards_come_from_the_checkpointed_state_without_reading_the_commits(tmp_path, monkeypatch):

@@ -42,12 +42,16 @@ def make_sample(i: int, final: bool = False) -> Sample:
 
 
 def make_run(uri: str, samples: int = N, shard_bytes: int = 3000, codec: str = "bf16-zstd",
-             final: bool = False) -> list[int]:
+             final: bool = False, hidden: bool = False) -> list[int]:
     """A complete run through the real manifest/lease/commit path: `samples` synthetic samples in
-    shards of uneven record counts. Returns the records per committed shard."""
+    shards of uneven record counts. Returns the records per committed shard. `hidden`: the manifest
+    records hidden_size, as a real extraction's does (a synthetic one may lack it)."""
     store = open_store(uri)
+    config = dict(fake_worker.CONFIG, codec=codec, final=final)
+    if hidden:
+        config["hidden_size"] = fake_worker.HIDDEN
     manifest, _ = create_or_resume(
-        store, config=dict(fake_worker.CONFIG, codec=codec, final=final), dataset=fake_worker.DATASET,
+        store, config=config, dataset=fake_worker.DATASET,
         token_counts=fake_worker.token_counts(samples), shard_bytes=shard_bytes,
         bytes_per_token=len(fake_worker.LAYERS) * fake_worker.HIDDEN * 2 / 1.3)
     for claim in WorkQueue(store, manifest, Producer.current(), ttl_s=60, poll_s=0.2):
@@ -328,6 +332,34 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
         assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - set(bad_ids))
 
 
+def test_skip_pads_with_zeros_a_consumer_none_of_whose_samples_is_readable(tmp_path):
+    """A rank whose whole share lay in the failed shard raised ShardError ("every sample left ...
+    is in a failed shard") instead of padding: one rank down, the others hung in DDP. It yields
+    its count of zero-weighted stand-ins (one token of zeros in the run's shapes), as follow mode does."""
+    from layertap.train.order import plan_consumer
+
+    uri = str(tmp_path / "run")
+    counts = make_run(uri, hidden=True)
+    world = 20
+    config = StreamConfig(seed=0, on_corrupt="skip")
+    plans = {r: plan_consumer(counts, seed=0, epoch=0, shuffle=True, shuffle_buffer=64, rank=r, world=world,
+                              worker=0, workers=1, uneven="pad") for r in range(world)}
+    rank = next(r for r, p in plans.items() if len(set(p.shard.tolist())) == 1)
+    stream = ShardStream(uri, config=config, rank=rank, world_size=world)
+    shard = stream.shards[int(plans[rank].shard[0])]
+    store = open_store(uri)
+    data = bytearray(store.get(shard.key))
+    data[len(data) // 2] ^= 0xFF
+    store.put(shard.key, bytes(data))
+    got = list(stream)
+    assert len(got) == stream.num_samples == len(plans[rank]) > 0  # lockstep with the other ranks
+    for s in got:
+        assert s["padding"] and s["loss_mask"].sum() == 0 and not s["hidden_states"].any()
+        assert s["hidden_states"].shape[1:] == (len(fake_worker.LAYERS), fake_worker.HIDDEN)
+    m = stream.metrics()
+    assert m["skipped_samples"] == m["padding_samples"] == len(got) and m["corrupt_shards"] == 1
+
+
 def test_a_shard_deleted_while_the_stream_reads_says_who_deleted_it(tmp_path):
     """A run read by one trainer while a --delete-consumed trainer deletes what it trained on: the
     reader failed with "corrupt or unreadable ... run layertap verify", which sent users to the
@@ -587,3 +619,72 @@ def test_a_position_counts_per_consumer_and_a_finished_epoch_starts_the_next():
     p.load_state_dict({"epoch": 4, "consumed": [1, 1], "next_worker": 1})
     p.finish(overtaken)  # the pass was overtaken by the loaded state, which stands
     assert (p.epoch, p.consumed(0), p.consumed(1)) == (4, 1, 1)
+
+
+@pytest.mark.parametrize("consumed, workers, message", [
+    ([-3], 1, r"worker 0 consumed -3 samples of epoch 0, whose share gives it 43"),  # hung in Fetcher.wait_for
+    ([100], 1, r"worker 0 consumed 100 samples"),  # silently became the next epoch
+    ([2.7], 1, r"consumed \[2.7\] is not a list of sample counts \(ints\)"),  # became 2
+    ([True], 1, r"consumed \[True\] is not a list of sample counts"),
+    ([3, 4], 1, r"num_workers 1 with 2 worker count\(s\)"),
+])
+def test_a_state_with_impossible_consumed_counts_is_refused(tmp_path, consumed, workers, message):
+    uri = str(tmp_path / "run")
+    make_run(uri)
+    state = ShardStream(uri, config=StreamConfig(seed=1)).state_dict()
+    stream = ShardStream(uri, config=StreamConfig(seed=1))
+    with pytest.raises(InputError, match="corrupt ShardStream state: " + message):
+        stream.load_state_dict(dict(state, consumed=consumed, num_workers=workers))
+    stream.load_state_dict(dict(state, consumed=[3], num_workers=1))  # in range: taken
+    assert len(list(stream)) == N - 3
+
+
+def test_a_state_at_an_epoch_boundary_resumes_over_shards_committed_since_and_mid_epoch_is_refused(tmp_path):
+    """A run extraction kept committing to: a state saved over 1 shard fewer could never be resumed
+    ("num_shards: state has 6, this stream has 7"), even where the next epoch had not begun."""
+    uri = str(tmp_path / "run")
+    make_run(uri)
+    store = open_store(uri)
+    late = layout.commit_key(max(s.shard for s in ShardStream(uri).shards))
+    record = store.get(late)
+    store.delete(late)
+    config = StreamConfig(seed=2, shuffle_buffer=4)
+    before = ShardStream(uri, config=config)
+    it = iter(before)
+    next(it)
+    mid = before.state_dict()
+    it.close()
+    for _ in before:
+        pass
+    boundary = before.state_dict()
+    assert boundary["epoch"] == 1 and boundary["consumed"] == [] and boundary["num_samples"] < N
+    store.put(late, record)  # ... committed since
+    after = ShardStream(uri, config=config)
+    after.load_state_dict(boundary)
+    assert after.shards_changed == f"{boundary['num_shards']} shards, {boundary['num_samples']} samples"
+    fresh = ShardStream(uri, config=config)
+    fresh.set_epoch(1)
+    assert [s["sample_id"] for s in after] == [s["sample_id"] for s in fresh]  # epoch 1 over every shard
+    from layertap.train.stream import ShardsChanged
+
+    with pytest.raises(ShardsChanged, match="mid-epoch: the committed shards of .* changed since the state was "
+                                            "saved in epoch 0"):
+        ShardStream(uri, config=config).load_state_dict(mid)
+    with pytest.raises(InputError, match="seed: state has 2"):  # another difference still refused
+        ShardStream(uri, config=StreamConfig(seed=3, shuffle_buffer=4)).load_state_dict(boundary)
+
+
+def test_the_workers_peak_buffered_bytes_add_up_as_documented():
+    """The workers are processes: each may hold its peak at once, so their peaks add up (the bound
+    to compare with the budget they split); LOADER.md and the docstring said "maximum"."""
+    from layertap.train.fetch import Metrics, merge_snapshots
+
+    snaps = []
+    for peak, elapsed in ((100, 2.0), (300, 5.0)):
+        m = Metrics()
+        m.peak_buffered_bytes, m.started, m.finished = peak, 0.0, elapsed
+        snaps.append(m.snapshot())
+    merged = merge_snapshots(snaps)
+    assert merged["peak_buffered_bytes"] == 400 and merged["elapsed_s"] == 5.0
+    doc = " ".join((ROOT / "docs" / "LOADER.md").read_text().split())
+    assert "Its `peak_buffered_bytes` is the sum of the workers' peaks" in doc

@@ -545,6 +545,132 @@ def test_a_loss_that_stays_nan_stops_training_with_a_clear_error(bad, run, targe
         assert torch.isfinite(w).all() and torch.equal(w, kept[1][name]), name
 
 
+def test_nan_losses_at_the_end_are_told_as_such_not_as_skipped_data(run, target, tmp_path, capsys, monkeypatch):
+    """Fewer NaN steps in a row than stop training: the closing line said the steps after the last
+    finite loss "held only zero-weighted padding: samples the extraction skipped" for any NaN loss,
+    a divergence included. It is based on the step's loss weight now."""
+    from layertap.train import trainer
+
+    computed = trainer.dflash_loss
+    calls: list[int] = []
+
+    def nan_at_steps_5_and_6(model, batch, generator, distill=None):
+        result = computed(model, batch, generator, distill=distill)
+        if len(calls) >= 4:
+            result.loss = result.loss * float("nan")
+        calls.append(1)
+        return result
+
+    monkeypatch.setattr(trainer, "dflash_loss", nan_at_steps_5_and_6)
+    out = str(tmp_path / "out")
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "6", *FAST) == 0
+    text = capsys.readouterr().out
+    assert "(step 4; after it, 2 step(s) had a NaN or infinite loss and made no update (see the warnings))" in text
+    assert "padding" not in text and "skipped" not in text
+    from layertap.train.trainer import _final_loss
+
+    # a step of zero weight (no supervised slot) is padding, whatever its loss says
+    pad = {"loss": float("nan"), "acc_per_position": [None, None]}
+    learned, bad = {"step": 1, "loss": 2.5, "acc_per_position": [0.5, None]}, dict(pad, acc_per_position=[0.1, 0.0])
+    assert _final_loss([learned, pad, pad]) == (2.5, " (step 1; after it, 2 step(s) had nothing to learn (zero loss "
+                                                      "weight: padding, e.g. for samples the extraction skipped))")
+    assert _final_loss([learned, pad, bad])[1].endswith("1 step(s) had nothing to learn (zero loss weight: padding, "
+                                                        "e.g. for samples the extraction skipped) and 1 step(s) had "
+                                                        "a NaN or infinite loss and made no update (see the warnings))")
+    assert _final_loss([learned]) == (2.5, "")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-grad-norm", "-1", "--max-grad-norm must be > 0 and finite, got -1"),  # climbed the loss, exit 0
+    ("--max-grad-norm", "0", "--max-grad-norm must be > 0 and finite, got 0"),  # learned nothing
+    ("--lr", "nan", "--lr must be positive and finite, got nan"),  # AdamW's ValueError traceback
+    ("--lr", "inf", "--lr must be positive and finite, got inf"),  # a non-finite drafter exported
+    ("--weight-decay", "-1", "--weight-decay must be >= 0 and finite, got -1"),
+    ("--weight-decay", "nan", "--weight-decay must be >= 0 and finite, got nan"),
+    ("--distill-temperature", "inf", "--distill-temperature must be > 0 and finite, got inf"),
+    ("--gamma", "0", "--gamma must be > 0 and finite, got 0"),
+])
+def test_optimizer_settings_outside_their_range_are_refused_naming_the_flag(tmp_path, capsys, flag, value, message):
+    assert train_cli("--data", str(tmp_path / "run"), "--out", str(tmp_path / "o"), flag, value) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_a_target_other_than_the_runs_is_refused(run, target, tmp_path, capsys):
+    """Another model of the same width trained to exit 0 against the wrong embeddings and head, and
+    the drafter's config named the run's model. What the run recorded of its target is compared."""
+    import shutil
+
+    other = tiny_model_dir(tmp_path / "models", "qwen3", num_layers=8)  # hidden size 64, as the run's
+    out = str(tmp_path / "out")
+    assert train_cli("--data", run, "--model", other, "--out", out, "--steps", "1", *FAST) == 2
+    err = capsys.readouterr().err
+    assert f"the target {other} is not the one the run at {run} was extracted from ({target}): " in err
+    assert "config.json sha256: the run's " in err and "pass --model (and --gguf-file) with the model" in err
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    copy = str(tmp_path / "copy")  # the same model elsewhere: the same hashes
+    shutil.copytree(target, copy)
+    assert train_cli("--data", run, "--model", copy, "--out", out, "--steps", "1", *FAST) == 0
+
+
+def test_a_resume_at_the_end_trains_nothing_and_one_past_the_steps_is_refused(run, target, tmp_path, capsys,
+                                                                             monkeypatch):
+    """`--resume --steps 3` on a checkpoint at step 6 printed "trained 3 steps" and exported step 6's
+    weights again. Past the end it is refused; at the end nothing is trained, said so, and the
+    drafter is exported only if its export is missing."""
+    from layertap.train import trainer
+
+    out = str(tmp_path / "out")
+    args = ("--data", run, "--model", target, "--out", out, *FAST, "--save-every", "2")
+    assert train_cli(*args, "--steps", "4") == 0
+    capsys.readouterr()
+    exports: list[int] = []
+    real = trainer.export_drafter
+    monkeypatch.setattr(trainer, "export_drafter", lambda store, model: (exports.append(1), real(store, model)))
+    assert train_cli(*args, "--steps", "4", "--resume") == 0
+    text = capsys.readouterr().out
+    assert f"nothing to train: the latest checkpoint in {out} is at step 4, where this run ends; its drafter was " \
+           "already exported" in text and "trained 4 steps" not in text
+    assert exports == [] and len(metrics(out)) == 4
+    assert train_cli(*args, "--steps", "3", "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"the latest checkpoint in {out} is at step 4, past the 3 steps of --steps 3: training cannot go back" in err
+    assert "Pass --steps 4 or more" in err and exports == []
+    (tmp_path / "out" / "drafter" / "config.json").unlink()  # stopped between its last checkpoint and the export
+    assert train_cli(*args, "--steps", "4", "--resume") == 0
+    assert "its drafter was exported now" in capsys.readouterr().out and exports == [1]
+    assert (tmp_path / "out" / "drafter" / "config.json").exists()
+
+
+def test_resume_at_an_epoch_end_takes_shards_committed_since_and_mid_epoch_says_what_to_do(run, target, tmp_path,
+                                                                                          capsys, caplog):
+    """A run extraction kept committing to: "num_shards: state has 10, this stream has 14", which no
+    `layertap train` flag could act on, even at an epoch's end, where nothing of the next epoch was read."""
+    from layertap.manifests import layout
+
+    src, data = open_store(run), open_store(str(tmp_path / "run"))
+    for o in src.list():
+        data.put(o.key, src.get(o.key))
+    commits = sorted(o.key for o in data.list(layout.COMMITS))
+    later = {k: data.get(k) for k in commits[-4:]}
+    for k in later:  # not committed yet when training starts
+        data.delete(k)
+    out, mid = str(tmp_path / "out"), str(tmp_path / "mid")
+    assert train_cli("--data", data.uri, "--model", target, "--out", out, "--epochs", "1", *FAST) == 0
+    assert train_cli("--data", data.uri, "--model", target, "--out", mid, "--steps", "3", "--save-every", "2",
+                     *FAST) == 0
+    first = len(metrics(out))
+    for k, v in later.items():
+        data.put(k, v)
+    assert train_cli("--data", data.uri, "--model", target, "--out", out, "--epochs", "2", "--resume", *FAST) == 0
+    assert [r["epoch"] for r in metrics(out)] == [0] * first + [1] * 10  # 40 samples, batches of 4
+    assert "the run's committed shards changed since the checkpoint" in caplog.text
+    capsys.readouterr()
+    assert train_cli("--data", data.uri, "--model", target, "--out", mid, "--steps", "6", "--resume", *FAST) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume {mid} from its checkpoint at step 3: it was saved in the middle of epoch 0" in err
+    assert "train from the start on all of them (another --out" in err
+
+
 def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     out = str(tmp_path / "out")
     # no --model: the target folder the run's manifest records

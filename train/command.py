@@ -51,6 +51,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.max_prompt_tokens < 1:
         raise ConfigError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
+    if args.limit is not None and args.limit < 1:  # else "the prompts file has no usable prompts"
+        raise ConfigError(f"--limit must be at least 1 prompt, got {args.limit} (leave it out to evaluate all)")
 
     report = evaluate(args.drafter, args.model, args.prompts, gguf_file=args.gguf_file, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, baseline=not args.no_baseline,

@@ -3,6 +3,7 @@ Each field is its own flag (`storage.flags`): its help and default are written o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -81,20 +82,25 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"--mask-token-id must be >= 0, got {self.mask_token_id}")
-        if self.lr <= 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        # NaN fails every comparison, so each float is checked to lie inside its range, and inf is out of it
+        for name, need, why in (
+                ("lr", "positive", "0 learns nothing, a negative rate climbs the loss"),
+                ("max_grad_norm", "> 0", "gradients are clipped to this norm: 0 learns nothing"),
+                ("weight_decay", ">= 0", "a negative decay grows the weights"),
+                ("distill_temperature", "> 0", "both distributions are divided by it"),
+                ("gamma", "> 0", "block position k weighs exp(-(k-1)/gamma)"),
+                ("follow_poll_s", "> 0", "seconds between looks for new commits")):
+            value = float(getattr(self, name))
+            if not ((value >= 0 if need == ">= 0" else value > 0) and value < math.inf):
+                raise ConfigError(f"--{name.replace('_', '-')} must be {need} and finite, got {value:g} ({why})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"--warmup-ratio must be within [0, 1), got {self.warmup_ratio}")
         if self.objective not in ("ce", "kl", "ce+kl"):
             raise ConfigError(f"--objective must be ce, kl or ce+kl, not {self.objective!r}")
-        if self.distill_temperature <= 0:
-            raise ConfigError(f"--distill-temperature must be > 0, got {self.distill_temperature}")
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise ConfigError(f"--mixed-precision must be auto, no or bf16, not {self.mixed_precision!r}")
-        if self.follow_poll_s <= 0:
-            raise ConfigError(f"--follow-poll-s must be > 0, got {self.follow_poll_s}")
         if self.delete_consumed and not (self.follow and self.epochs == 1):
             raise ConfigError("--delete-consumed needs --follow and --epochs 1: it deletes the data of shards "
                               "training has read for the last time")

@@ -128,7 +128,10 @@ class Metrics:
 
 
 def merge_snapshots(snaps: list[dict]) -> dict:
-    """Several consumers' counters as one: sums, except peaks and elapsed (max) and rates (recomputed)."""
+    """Several consumers' counters as one: sums, except elapsed and wait (max) and rates (recomputed).
+    `peak_buffered_bytes` is summed too: the sum of the workers' peaks bounds the bytes the worker
+    processes may hold at once (their peaks need not coincide, but each can), which the budget
+    (split evenly between them) is about; their maximum would understate it by the worker count."""
     if not snaps:
         return Metrics().snapshot()
     out = {k: sum(s[k] for s in snaps) for k in snaps[0]}

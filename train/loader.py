@@ -88,7 +88,8 @@ class StreamLoader:
         self.stream.load_state_dict(state)
 
     def metrics(self) -> dict:
-        """The stream's counters, summed over workers (peaks and elapsed time: the maximum)."""
+        """The stream's counters, summed over workers (`peak_buffered_bytes`: the sum of their peaks,
+        the bound on what they hold at once; elapsed and wait time: the maximum)."""
         if self.num_workers == 0:
             return self.stream.metrics()
         return merge_snapshots(list(self._snapshots.values()))

@@ -54,7 +54,10 @@ class Position:
 
     def counts(self, workers: int) -> list[int]:
         """Samples each of `workers` consumers yields per epoch."""
-        if self._follow_epoch():
+        return self._counts(workers, self._follow_epoch())
+
+    def _counts(self, workers: int, follow_epoch: bool) -> list[int]:
+        if follow_epoch:
             if workers not in self._targets:
                 planned, world = self.follow
                 self._targets[workers] = follow_target(planned, world * workers)
@@ -166,7 +169,7 @@ class Position:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        consumed = [int(x) for x in state.get("consumed") or []]
+        consumed = self._checked_counts(state)
         next_worker = int(state.get("next_worker", 0))
         if not 0 <= next_worker < max(1, len(consumed)):
             raise InputError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
@@ -184,6 +187,28 @@ class Position:
             self._records = [[None if n is None else int(n) for n in r] for r in records]
         self._roll()
 
+    def _checked_counts(self, state: dict[str, Any]) -> list[int]:
+        """The state's samples consumed per worker, each an int within its share of the epoch. Taken
+        as they came, a negative count waited forever for a sample before the epoch's first, one past
+        the share began the next epoch, and 2.7 became 2."""
+        epoch, consumed, workers = state.get("epoch"), state.get("consumed") or [], state.get("num_workers")
+        fix = "the state was altered or damaged: resume from another one (an earlier checkpoint), or start over"
+        if not _is_int(epoch) or epoch < 0:
+            raise InputError(f"corrupt ShardStream state: epoch {epoch!r} is not a count of epochs; {fix}")
+        if not isinstance(consumed, list) or not all(_is_int(n) for n in consumed):
+            raise InputError(f"corrupt ShardStream state: consumed {consumed!r} is not a list of sample counts "
+                             f"(ints), one per DataLoader worker; {fix}")
+        if workers is not None and workers != len(consumed):
+            raise InputError(f"corrupt ShardStream state: num_workers {workers!r} with {len(consumed)} worker "
+                             f"count(s) in consumed {consumed}; {fix}")
+        if consumed:
+            counts = self._counts(len(consumed), self.follow is not None and epoch == 0)
+            for w, (n, most) in enumerate(zip(consumed, counts)):
+                if not 0 <= n <= most:
+                    raise InputError(f"corrupt ShardStream state: worker {w} consumed {n} samples of epoch {epoch}, "
+                                     f"whose share gives it {most} (consumed {consumed}); {fix}")
+        return list(consumed)
+
     def _roll(self) -> None:
         """A finished epoch becomes the start of the next."""
         c = self._consumed
@@ -200,3 +225,7 @@ class Position:
         self._taken = self._records = None
         self._follow_last = None
         self._moves += 1
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -376,7 +377,8 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
                  f" (untrained {_tau(untrained, config.block_size)[0]:.3f})" if baseline else "")
     tau, per_position = _tau(trained, config.block_size)
     report: dict[str, Any] = {
-        "tau": tau, "acceptance_per_position": per_position, "matches_greedy": not mismatches,
+        "tau": _known(tau), "acceptance_per_position": [_known(x) for x in per_position],
+        "matches_greedy": not mismatches,
         "mismatched_prompts": mismatches, "prompts": len(prompts), "prompts_skipped_too_long": skipped,
         "max_prompt_tokens": max_prompt_tokens,
         "tokens_generated": sum(len(r.tokens) for r in trained),
@@ -386,17 +388,28 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         "checkpoint_step": step,
     }
     if baseline:
-        report["tau_untrained"] = _tau(untrained, config.block_size)[0]
+        report["tau_untrained"] = _known(_tau(untrained, config.block_size)[0])
     report["wall_s"] = round(time.time() - t0, 1)
     return report
 
 
+def _known(x: float) -> float | None:
+    """`x`, or None where it is NaN (nothing measured it): JSON has no NaN, and strict parsers refuse it."""
+    return None if math.isnan(x) else x
+
+
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"tau (mean acceptance length): {r['tau']:.3f} over {r['verify_steps']} verification steps, "
-             f"{r['prompts']} prompts, block {r['block_size']}"]
+    if r["tau"] is None:  # the prefill gives the first new token; verification steps give the rest
+        why = (f"--max-new-tokens {r['max_new_tokens']}: the prefill gives the first token, drafting starts after it"
+               if r["max_new_tokens"] == 1 else "every answer ended at its first token, an end-of-sequence token")
+        lines = [f"tau (mean acceptance length): none, no verification step in {r['prompts']} prompts ({why})"]
+    else:
+        lines = [f"tau (mean acceptance length): {r['tau']:.3f} over {r['verify_steps']} verification steps, "
+                 f"{r['prompts']} prompts, block {r['block_size']}"]
     if "tau_untrained" in r:
-        lines.append(f"tau of an untrained drafter:  {r['tau_untrained']:.3f}")
-    rates = " ".join(f"{x:.2f}" for x in r["acceptance_per_position"])
+        untrained = r["tau_untrained"]
+        lines.append(f"tau of an untrained drafter:  {'none' if untrained is None else f'{untrained:.3f}'}")
+    rates = " ".join("n/a" if x is None else f"{x:.2f}" for x in r["acceptance_per_position"])
     lines.append(f"acceptance by draft position:  {rates}")
     lines.append("output equals plain greedy decoding: " + ("yes" if r["matches_greedy"] else
                                                            f"NO (prompts {r['mismatched_prompts']})"))

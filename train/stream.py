@@ -97,6 +97,22 @@ class StreamConfig:
             raise ConfigError(f"decode_threads must be >= 0 (or None: by codec and cores), got {self.decode_threads}")
 
 
+SHARD_SET = ("shards", "num_shards", "num_samples")  # the state's identity keys that name its shard set
+
+
+class ShardsChanged(InputError):
+    """A state saved mid-epoch over another set of committed shards (`ShardStream.load_state_dict`).
+    `saved`: that set, in words."""
+
+    def __init__(self, message: str, saved: str):
+        super().__init__(message)
+        self.saved = saved
+
+
+def _shard_set(identity: dict[str, Any]) -> str:
+    return f"{identity.get('num_shards')} shards, {identity.get('num_samples')} samples"
+
+
 def auto_decode_threads(codec: str | None, consumers: int = 1) -> int:
     """Decode threads by codec and cores. Raw bf16 decodes by a copy under the GIL: threads only
     add hand-offs (12% slower, measured), so it decodes on the consumer's thread. zstd and the
@@ -215,6 +231,7 @@ class ShardStream(IterableDataset):
         self._pool_cache: tuple[int, BufferPool] | None = None  # GET buffers, kept from epoch to epoch
         self._metrics: Metrics | None = None
         self._records: dict[int, int] = {}  # records per committed shard, for consumed_shards
+        self.shards_changed: str | None = None  # the saved set, when `load_state_dict` took a state over another
         if c.follow and only is not None:
             raise ConfigError("only= needs a stream that is not in follow mode: the follow epoch takes shards as "
                               "they are committed")
@@ -349,14 +366,30 @@ class ShardStream(IterableDataset):
         mine = self._identity(follow_epoch)
         mine.setdefault("follow", False)
         saved = dict(state, follow=bool(state.get("follow")))
-        diffs = [f"{k}: state has {saved.get(k)!r}, this stream has {v!r}" for k, v in mine.items()
-                 if saved.get(k) != v]
+        differ = [k for k, v in mine.items() if saved.get(k) != v]
+        self.shards_changed = None
+        if differ and set(differ) <= set(SHARD_SET):
+            # more shards committed (or some withdrawn) since: an epoch not begun takes today's set; one
+            # begun would continue in another order, repeating and skipping samples
+            consumed = state.get("consumed") or []
+            if not isinstance(consumed, list) or any(n != 0 for n in consumed):
+                raise ShardsChanged(
+                    f"cannot resume this ShardStream mid-epoch: the committed shards of {self.uri} changed since "
+                    f"the state was saved in epoch {state.get('epoch')} ({_shard_set(saved)} then, "
+                    f"{_shard_set(mine)} now), and an epoch's order depends on them. Resume from a state at an "
+                    "epoch's end, or start the epoch over without load_state_dict", _shard_set(saved))
+            self.shards_changed = _shard_set(saved)
+            log.info("%s: the committed shards changed since the state was saved (%s then, %s now); the saved "
+                     "position is at the start of epoch %s, which streams them all", self.uri, self.shards_changed,
+                     _shard_set(mine), state.get("epoch"))
+            differ = []
+        diffs = [f"{k}: state has {saved.get(k)!r}, this stream has {mine[k]!r}" for k in differ]
         if diffs:
             raise InputError(
                 "cannot resume this ShardStream from the saved state, the order would differ:\n  "
                 + "\n  ".join(diffs)
-                + "\nconstruct the stream with the saved settings (same run and committed shards, seed, "
-                  "world size, shuffle settings), or start the epoch over without load_state_dict")
+                + "\nconstruct the stream with the saved settings (same run, seed, world size, shuffle settings), "
+                  "or start the epoch over without load_state_dict")
         self.position.load_state_dict(state)
 
     # -- iteration -------------------------------------------------------------------------------
@@ -445,7 +478,12 @@ class ShardStream(IterableDataset):
                 got = self._resolve(fetcher, item, fut) if isinstance(item, Record) else None
                 if got is not None:
                     return got
-            raise ShardError(f"every sample left to worker {worker} of rank {self.rank} is in a failed shard")
+            # Nothing readable left to copy: one token of zeros in the run's shapes, as follow mode pads
+            # with, so this consumer still yields its count (a rank that raised here hung the others in DDP)
+            if self._run.hidden_size is not None:
+                return self._stand_in(self.shards)
+            raise ShardError(f"every sample left to worker {worker} of rank {self.rank} is in a failed shard, and "
+                             f"the manifest of {self.uri} records no hidden_size to pad with zeros instead")
 
         try:
             for t in range(start, m):
@@ -461,8 +499,8 @@ class ShardStream(IterableDataset):
                 pad = bool(plan.padding[pos])
                 if sample is None:  # its shard failed and on_corrupt="skip": a zero-weighted stand-in
                     metrics.add(skipped_samples=1)
-                    sample = dict(last_good if last_good is not None else good_ahead(t))
-                    pad = True
+                    last_good = last_good if last_good is not None else good_ahead(t)  # looked for once
+                    sample, pad = dict(last_good), True
                 else:
                     last_good = sample
                 if pad:
@@ -576,8 +614,8 @@ class ShardStream(IterableDataset):
                 if shuffle.ready():
                     discover(watcher.poll_if_due(low()))  # look ahead, so the fetcher has work
                     sample = next_sample()
-                    if sample is None:  # its shard failed and on_corrupt="skip"
-                        metrics.add(skipped_samples=1)
+                    if sample is None:  # its shard failed and on_corrupt="skip": padding, as in `_generate`
+                        metrics.add(skipped_samples=1, padding_samples=1)
                         sample = self._pad(last_good or self._stand_in(mine))
                     else:
                         last_good = sample
@@ -635,9 +673,10 @@ class ShardStream(IterableDataset):
             return None
 
     def _stand_in(self, mine: list[CommittedShard]) -> dict[str, Any]:
-        """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own: one
-        token of zeros in the run's shapes. Not a fetched sample: after a restart at the end of
-        the follow epoch the shards may be consumed and deleted (a window run). Only a manifest
+        """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own (the
+        end of a follow epoch; on_corrupt="skip" with nothing readable left): one token of zeros
+        in the run's shapes. Not a fetched sample: after a restart at the end of the follow epoch
+        the shards may be consumed and deleted (a window run). Only a manifest
         without hidden_size (synthetic runs) makes it read the first readable committed sample:
         of its own shards, or of the run's when it took none with samples (no share of any)."""
         run = self._run

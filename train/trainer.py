@@ -38,13 +38,14 @@ from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, open_store
 from layertap.train.batch import collate
-from layertap.train.checkpoint import Snapshot, export_drafter, load_latest, restore, save_checkpoint, withdraw_export
+from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest, restore, save_checkpoint,
+                                       withdraw_export)
 from layertap.train.config import RESUME_DEFAULTS, TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
 from layertap.train.follow import wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
 from layertap.train.objective import Distill, dflash_loss
-from layertap.train.stream import ShardStream, StreamConfig
+from layertap.train.stream import ShardsChanged, ShardStream, StreamConfig
 from layertap.train.target_head import load_final_norm, load_target_head, recorded_target
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
     if run.hidden_size is not None and run.hidden_size != head.hidden_size:
         raise InputError(f"{cfg.model} has hidden size {head.hidden_size}, but the run at {cfg.data} stored "
                          f"states of width {run.hidden_size}: train with the target the extraction used")
+    check_same_target(cfg, run)
     if saved is not None:
         dconf = DrafterConfig.from_json(saved)
     else:
@@ -124,6 +126,35 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
                                        "final_state": run.final_state})
     torch.manual_seed(0)  # initial weights: the same on every rank and every run
     return DFlashDrafter(dconf, head)
+
+
+# What a run's manifest records of its target beyond the width, as (`extract.model.load_target`'s
+# info key, what it is): runs extracted before a fact was recorded lack it, and are not checked on it.
+TARGET_FACTS = {"model_config_sha256": ("model_config_sha256", "config.json sha256"),
+                "tokenizer_sha256": ("tokenizer_sha256", "tokenizer sha256 (vocabulary and special tokens)"),
+                "model_revision": ("revision", "revision")}
+
+
+def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
+    """Refuse a --model other than the run's target: another model of the same width trained to
+    exit 0 against the wrong embeddings and head, and the drafter's config named the run's model.
+    Computed as extraction computes them (`load_target`'s info, from the config alone); a fact
+    either side does not know (an older run, a GGUF's config, a folder without a revision) is not
+    compared, as extraction's resume does (`IF_RECORDED`)."""
+    recorded = {k: getattr(run, k) for k in TARGET_FACTS if getattr(run, k) is not None}
+    if not recorded:
+        return
+    from layertap.extract.model import load_target
+
+    info = load_target(cfg.model, cfg.gguf_file, weights=False).info
+    diffs = [f"{what}: the run's {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
+             if k in recorded and info.get(key) is not None and info[key] != recorded[k]]
+    if diffs:
+        given = cfg.model + (f" ({cfg.gguf_file})" if cfg.gguf_file else "")
+        was = run.model + (f" ({run.gguf_file})" if run.gguf_file else "")
+        raise InputError(f"the target {given} is not the one the run at {cfg.data} was extracted from ({was}): "
+                         f"{'; '.join(diffs)}. The drafter learns from that model's states with its embeddings and "
+                         "head: pass --model (and --gguf-file) with the model the run was extracted with")
 
 
 def _check_objective(cfg: TrainConfig, final_state: str) -> None:
@@ -248,19 +279,19 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
                "stopping before its end leaves the rest of the run unconsumed, so an extraction under --window "
                "would wait for a trainer that has left")
             + f"; leave out --steps (or give {steps_per_epoch}), or leave out --delete-consumed")
-    _check_consumer(cfg, data, out.uri, rank)
     lines: list[str] = []
     start = 0
     if ckpt is not None:
-        restore(ckpt, model, optimizer)
-        loader.load_state_dict(ckpt.state["loader"][rank])
         start = ckpt.step
+        total = _resume_loader(cfg, loader, ckpt.state["loader"][rank], start, total, steps_per_epoch)
+        restore(ckpt, model, optimizer)
         if rank == 0:
             lines = _metrics_until(out, start)
             if start < total and withdraw_export(out):
                 log.info("removed the drafter exported at step %d (%s/drafter/): training goes on to step %d and "
                          "exports it again at its end", start, cfg.out, total)
         log.info("resumed from %s/checkpoints step %d", cfg.out, start)
+    _check_consumer(cfg, data, out.uri, rank)
     if rank == 0:
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
                  "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
@@ -274,6 +305,47 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
                           batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
                           data=data, distill=distill, lease=lease), start)
+
+
+def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any], step: int, total: int,
+                   steps_per_epoch: int) -> int:
+    """This rank's loader at the checkpoint of `step`; returns the run's last step. Extraction may
+    have committed more shards since: an epoch the checkpoint had not begun streams them all (its
+    order is computed afresh), and with --epochs the steps left are those of the epochs left at
+    today's size; an epoch begun cannot continue over another set (the stream refuses it)."""
+    try:
+        loader.load_state_dict(state)
+    except ShardsChanged as e:
+        raise InputError(
+            f"cannot resume {cfg.out} from its checkpoint at step {step}: it was saved in the middle of epoch "
+            f"{state.get('epoch')}, which streams {e.saved} of {cfg.data}, and the run has "
+            f"{loader.stream.total_samples} samples in {len(loader.stream.shards)} committed shards now (extraction "
+            "went on after training started). An epoch's order depends on its shards, so it cannot go on over "
+            f"the new ones: train from the start on all of them (another --out, or delete {cfg.out}/checkpoints). "
+            "A checkpoint at an epoch's end would resume on them; to train while a run is extracted, use --follow"
+        ) from None
+    changed = loader.stream.shards_changed
+    if changed is not None:
+        if cfg.steps is None and not cfg.follow:
+            total = step + max(0, cfg.epochs - loader.epoch) * steps_per_epoch
+        log.info("the run's committed shards changed since the checkpoint (%s then, %d shards, %d samples now): "
+                 "epoch %d on streams them all, %d steps each; training ends at step %d", changed,
+                 len(loader.stream.shards), loader.stream.total_samples, loader.epoch, steps_per_epoch, total)
+    if step > total:
+        _refuse_going_back(cfg, step, total, steps_per_epoch)
+    return total
+
+
+def _refuse_going_back(cfg: TrainConfig, step: int, total: int, steps_per_epoch: int) -> None:
+    """A resume whose checkpoint is past the steps asked for printed "trained N steps" and exported
+    the checkpoint's weights as if trained to N: refused (exit 2), since the output cannot hold what
+    the command asks for, and a pipeline must not go on as if it did. At the end exactly, the
+    resume is a no-op (a finished job started again): `_loop` says so and exits 0."""
+    asked = f"--steps {cfg.steps}" if cfg.steps else f"--epochs {cfg.epochs} ({steps_per_epoch} steps each)"
+    raise ConfigError(f"the latest checkpoint in {cfg.out} is at step {step}, past the {total} steps of {asked}: "
+                      f"training cannot go back. Pass --steps {step} or more to continue it (--steps {step}: "
+                      f"nothing to train, its drafter exported), or another --out to train {total} steps from the "
+                      "start (an earlier kept checkpoint evaluates with `layertap eval --step N`)")
 
 
 def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
@@ -444,21 +516,42 @@ def _loop(run: _Run, start: int) -> int:
     if acc.is_main_process:
         if run.lease is not None:
             run.lease.check()
-        export_drafter(run.out, run.model)
-        records = [json.loads(line) for line in run.metrics.lines]
-        learned = [r for r in records if r.get("loss") == r.get("loss")]  # a step of padding alone has no loss (NaN)
-        last = learned[-1] if learned else {}
-        pads = len(records) - 1 - records.index(last) if learned else len(records)
-        padding = (f" (step {last['step']}; the {pads} step(s) after it held only zero-weighted padding: samples the "
-                   "extraction skipped)") if learned and pads else ""
-        print(f"trained {run.total} steps; final loss {last.get('loss', float('nan')):.4f}{padding}; drafter at "
-              f"{run.out.uri}/drafter/\n"
+        if start < run.total:
+            export_drafter(run.out, run.model)
+            loss, after = _final_loss([json.loads(line) for line in run.metrics.lines])
+            done = f"trained {run.total} steps; final loss {loss:.4f}{after}"
+        else:  # a resume at the end (a finished job started again): say so, not "trained N steps"
+            # an export present is this step's: a resume that trains on withdraws it (`withdraw_export`)
+            exported = run.out.exists(EXPORT_CONFIG)
+            if not exported:  # the run stopped between its last checkpoint and its export
+                export_drafter(run.out, run.model)
+            done = (f"nothing to train: the latest checkpoint in {run.out.uri} is at step {start}, where this run "
+                    f"ends; its drafter was {'already exported' if exported else 'exported now'}")
+        print(f"{done}; drafter at {run.out.uri}/drafter/\n"
               f"evaluate it on held-out prompts (JSON lines of chats; the target is the one the drafter records, "
               f"{cfg.model}{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
               f"  layertap eval --drafter {run.out.uri} --prompts HELD_OUT.jsonl")
     acc.wait_for_everyone()
     acc.end_training()
     return 0
+
+
+def _final_loss(records: list[dict[str, Any]]) -> tuple[float, str]:
+    """(the last finite loss, what the steps after it were), for the closing line. A step whose
+    loss weight was zero (no supervised slot: `acc_per_position` all None) has a NaN loss and is
+    no optimizer step: zero-weighted padding, e.g. for samples the extraction skipped. A NaN or
+    infinite loss with weight behind it is a divergence (warned at each step, `_check_finite`):
+    it must not be told as skipped data."""
+    finite = [i for i, r in enumerate(records) if math.isfinite(r["loss"])]
+    last = records[finite[-1]] if finite else None
+    after = records[finite[-1] + 1:] if finite else records
+    empty = sum(all(a is None for a in r["acc_per_position"]) for r in after)
+    parts = [f"{empty} step(s) had nothing to learn (zero loss weight: padding, e.g. for samples the extraction "
+             "skipped)"] if empty else []
+    if len(after) > empty:
+        parts.append(f"{len(after) - empty} step(s) had a NaN or infinite loss and made no update (see the warnings)")
+    where = f"step {last['step']}; after it, " if last is not None else "no step had a finite loss: "
+    return (last["loss"] if last is not None else float("nan")), (f" ({where}{' and '.join(parts)})" if parts else "")
 
 
 class NotFinite(UserError, FloatingPointError):
