@@ -8,18 +8,25 @@ The `openai` client makes one try per call (its own retries are off); this modul
   restarted or briefly overloaded under a running job is ridden out (`ServerGone` after that);
   until the server has answered once, a refused connection is a wrong --endpoint: 3 quick tries;
 - a 500 (or other 5xx) or a timeout is the row's own failure only while it is the one request
-  failing: another request's success clears the slate. Once two or more requests have failed
-  since the last success, the server is failing, not the row (an engine dead behind a live HTTP
-  server answers 500 to all; a hung one times out on all), and every request waits as for a
-  server away, so the rest of the dataset is never refused for an outage. A row failing alone is
-  refused (`Refused`) after `SERVER_ERROR_TRIES` 5xx or `TIMEOUT_TRIES` timeouts. (At
-  --concurrency 1 the first row of an outage fails alone, so it alone may be refused.);
+  failing and the server answers others: another request's success clears the slate. Once two or
+  more requests in flight have failed since the last success, the server is failing, not the row
+  (an engine dead behind a live HTTP server answers 500 to all; a hung one times out on all), and
+  every request waits as for a server away, so the rest of the dataset is never refused for an
+  outage. A row failing alone after `SERVER_ERROR_TRIES` 5xx or `TIMEOUT_TRIES` timeouts is
+  refused (`Refused`) once the server answers a known-good request (`check`'s), which tells a
+  bad row from an outage where no other request can (--concurrency 1, the last rows); a refused
+  request no longer counts as failing, so the next bad row is judged on its own;
 - an answer that did not end in "stop" or "length" (vLLM's and SGLang's "abort" or "error", none
-  at all) is empty or cut short: asked again, then the row is refused, never stored;
+  at all) is empty or cut short, and one that is malformed (a body that is not JSON, such as a
+  proxy's page, no choices, no message): asked again, then the row is refused, never stored;
 - the server refuses the request (400, 413, 422: a prompt too long for its context, a message it
   cannot template): the row is refused with the server's own reason;
 - the server refuses us (401, 403, 404: a key, a model, a URL that is wrong): `EndpointError`,
-  which stops the run, as every row would fail the same way.
+  which stops the run, as every row would fail the same way;
+- the server that `--serve` started has exited (`watch` raises): the run stops at once.
+
+The endpoint's user:password is sent as HTTP basic auth and its query (`?token=...`) with every
+request, but neither is in the client's base URL, so no library's log line of a URL shows them.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import itertools
+import json
 import logging
 import random
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Callable
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from layertap.storage.errors import ConfigError, UserError
 
@@ -46,6 +54,7 @@ TIMEOUT_TRIES = 2  # a timeout of one row alone (the others answer): tries in al
 FINISH_TRIES = 3  # answers that ended neither in "stop" nor "length": tries in all before the row is refused
 FINISHED = ("stop", "length")
 UNREACHABLE_TRIES = 3  # connection failures before the server ever answered: a wrong --endpoint, said at once
+PROBE = [{"role": "user", "content": "Hi"}]  # a request every server answers: `check` sends it first
 
 
 class EndpointError(UserError):
@@ -82,16 +91,42 @@ class Reply:
 
 
 def api_base(endpoint: str) -> str:
-    """`http://host:8000` or `http://host:8000/v1` -> the `/v1` base the client needs."""
+    """`http://host:8000` or `http://host:8000/v1` -> the `/v1` base the client needs, without the
+    endpoint's user:password and query (`endpoint_auth` and `endpoint_query` carry those)."""
     parts = urlsplit(endpoint)
     try:
         parts.port
     except ValueError:
         raise ConfigError(f"--endpoint {public_url(endpoint)!r} has a port that is not a number") from None
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"--endpoint {public_url(endpoint)!r} is not an http(s) URL, e.g. http://localhost:8000/v1")
     path = parts.path.rstrip("/")
-    return urlunsplit((parts.scheme, parts.netloc, path if path.endswith("/v1") else path + "/v1", "", ""))
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, path if path.endswith("/v1") else path + "/v1", "", ""))
+
+
+def endpoint_auth(endpoint: str) -> tuple[str, str] | None:
+    """The endpoint's user:password, sent as HTTP basic auth (which replaces the Bearer key, as
+    httpx did with them in the URL); None without."""
+    parts = urlsplit(endpoint)
+    if parts.username is None and parts.password is None:
+        return None
+    return unquote(parts.username or ""), unquote(parts.password or "")
+
+
+def endpoint_query(endpoint: str) -> dict[str, str]:
+    """The endpoint's query (`?token=...`), sent with every request."""
+    return dict(parse_qsl(urlsplit(endpoint).query, keep_blank_values=True))
+
+
+def auth_header(endpoint: str, api_key: str | None) -> dict[str, str]:
+    """The Authorization header the client sends: basic auth from the endpoint's user:password,
+    else the Bearer key; for a request made without the client (`served`'s readiness poll)."""
+    import base64
+
+    if (auth := endpoint_auth(endpoint)) is not None:
+        return {"Authorization": "Basic " + base64.b64encode(":".join(auth).encode()).decode()}
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def public_url(endpoint: str) -> str:
@@ -114,10 +149,12 @@ class ChatClient:
     """Chat completions against one endpoint and model with one set of sampling settings."""
 
     def __init__(self, endpoint: str, model: str, *, api_key: str | None, sampling: dict[str, Any],
-                 timeout_s: float, retry_for_s: float, concurrency: int):
+                 timeout_s: float, retry_for_s: float, concurrency: int, watch: Callable[[], None] | None = None):
+        """`watch`: called after each failed request; raises where the server is known gone (the
+        `--serve` process exited), so the run stops at once rather than after --retry-for."""
         import openai
 
-        self.model, self.sampling, self.retry_for_s = model, sampling, retry_for_s
+        self.model, self.sampling, self.retry_for_s, self.watch = model, sampling, retry_for_s, watch
         self.where = public_url(endpoint)
         self._warned_at = -1e9
         self.answered = False  # until the server first answers, a refused connection is a wrong --endpoint
@@ -127,16 +164,22 @@ class ChatClient:
         http = _http_library(openai.DefaultAsyncHttpxClient)
         limits = http.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self.client = openai.AsyncOpenAI(base_url=api_base(endpoint), api_key=api_key or "none", max_retries=0,
-                                         timeout=timeout_s,
-                                         http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+                                         timeout=timeout_s, default_query=endpoint_query(endpoint) or None,
+                                         http_client=openai.DefaultAsyncHttpxClient(limits=limits,
+                                                                                    auth=endpoint_auth(endpoint)))
 
     async def close(self) -> None:
         await self.client.close()
 
     async def served_models(self) -> list[str]:
         """The model names the server lists (empty where it serves on demand, as `transformers serve` can)."""
-        page = await self._call(lambda: self.client.models.list(), what="GET /models")
-        return [m.id for m in page.data]
+        try:
+            page = await self._call(lambda: self.client.models.list(), what="GET /models")
+            return [m.id for m in page.data]
+        except (ValueError, AttributeError, TypeError) as e:  # a body that is not JSON, or not a model list
+            raise EndpointError(f"{self.where} answered GET /models with something that is not an OpenAI model "
+                                f"list ({type(e).__name__}: {str(e)[:200]}); is --endpoint the server's address, "
+                                f"not a proxy's page?") from None
 
     async def check(self) -> None:
         """Before any row: the endpoint answers, serves the model, and accepts a one-token request."""
@@ -145,44 +188,61 @@ class ChatClient:
             raise EndpointError(f"model {self.model!r} is not served at {self.where}; it serves {served}: "
                                 f"pass one of these as --model")
         try:
-            await self.complete([{"role": "user", "content": "Hi"}], max_tokens=1)
+            await self.complete(PROBE, max_tokens=1)
         except Refused as e:
             raise EndpointError(f"{self.where} refused a one-token request for model {self.model!r}: {e}; "
                                 f"check --model and the server's log") from None
 
-    async def complete(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
-                       seed: int | None = None) -> Reply:
-        """The assistant's next turn after `messages`."""
+    def _request(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
+                 seed: int | None = None) -> dict[str, Any]:
+        """The keyword arguments of one chat completion."""
         body = {k: v for k, v in self.sampling.items() if k not in ("seed", "chat_template_kwargs")}
         template_kwargs = self.sampling.get("chat_template_kwargs")
-        extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else None
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         if seed is not None:
             body["seed"] = seed
+        extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else None
+        return {"model": self.model, "messages": messages, "extra_body": extra, **body}
+
+    async def complete(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
+                       seed: int | None = None) -> Reply:
+        """The assistant's next turn after `messages`."""
+        request = self._request(messages, max_tokens=max_tokens, seed=seed)
         for tries in range(1, FINISH_TRIES + 1):
-            r = await self._call(lambda: self.client.chat.completions.create(
-                model=self.model, messages=messages, extra_body=extra, **body), what="chat completion")
-            choice = r.choices[0]
-            if choice.finish_reason in FINISHED:
-                break
-            log.warning("%s: an answer ended with finish_reason %r (try %d of %d)", self.where, choice.finish_reason,
-                        tries, FINISH_TRIES)
+            try:
+                r = await self._call(lambda: self.client.chat.completions.create(**request), what="chat completion")
+            except json.JSONDecodeError as e:  # a 200 whose body is not JSON: a proxy's page
+                problem, cause = f"an answer that is not JSON: {e.doc[:100]!r}", "malformed"
+            else:
+                problem, cause = _malformed(r), "malformed"
+                if problem is None:
+                    choice = r.choices[0]
+                    if choice.finish_reason in FINISHED:
+                        break
+                    problem = f"finish_reason {choice.finish_reason!r}: the answer is cut or empty"
+                    cause = f"finish_{choice.finish_reason or 'missing'}"
+            log.warning("%s: %s (try %d of %d)", self.where, problem, tries, FINISH_TRIES)
         else:
-            raise Refused(f"finish_reason {choice.finish_reason!r} after {FINISH_TRIES} tries: the answer is cut or "
-                          f"empty", cause=f"finish_{choice.finish_reason or 'missing'}")
+            raise Refused(f"{problem} (after {FINISH_TRIES} tries)", cause=cause)
         usage = r.usage.completion_tokens if r.usage is not None else 0
         reasoning = getattr(choice.message, "reasoning_content", None) or None
         return Reply(choice.message.content or "", reasoning, choice.finish_reason, int(usage or 0))
 
     async def _call(self, request, *, what: str):
         """`request()` under the retry policy in the module docstring."""
+        me = next(self._calls)
+        try:
+            return await self._retried(request, what, me)
+        finally:  # answered, refused or stopped: no longer a request failing
+            self._failing.discard(me)
+
+    async def _retried(self, request, what: str, me: int):
         import openai
 
         away_since: float | None = None
         server_errors = unreachable = timeouts = 0
         delay = 0.5
-        me = next(self._calls)
         while True:
             try:
                 reply = await request()
@@ -200,13 +260,15 @@ class ChatClient:
                 problem = f"{status}: {reason}"
                 if status not in AWAY_STATUSES:  # 500 and other errors: this row's, or an outage
                     server_errors += 1
-                    if self._alone_failing(me) and server_errors >= SERVER_ERROR_TRIES:
+                    self._failing.add(me)
+                    if server_errors >= SERVER_ERROR_TRIES and await self._own_failure():
                         raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
             except openai.APITimeoutError:
                 problem = f"no answer within the {self.timeout_s:g} s --request-timeout"
                 timeouts += 1
-                if self._alone_failing(me) and timeouts >= TIMEOUT_TRIES:
-                    raise Refused(f"{problem}, {timeouts} times, while no other request failed",
+                self._failing.add(me)
+                if timeouts >= TIMEOUT_TRIES and await self._own_failure():
+                    raise Refused(f"{problem}, {timeouts} times, while the server answered others",
                                   cause="timeout") from None
             except openai.APIConnectionError as e:
                 problem = f"{type(e).__name__}: {e.__cause__ or e}"
@@ -214,6 +276,8 @@ class ChatClient:
                 if not self.answered and unreachable >= UNREACHABLE_TRIES:
                     raise EndpointError(f"cannot reach {self.where} ({problem}); is the server up, and is --endpoint "
                                         f"its address (e.g. http://localhost:8000/v1)?") from None
+            if self.watch is not None:
+                self.watch()
             now = time.monotonic()
             away_since = away_since if away_since is not None else now
             if now - away_since > self.retry_for_s:
@@ -231,11 +295,35 @@ class ChatClient:
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(30.0, delay * 2)
 
-    def _alone_failing(self, request: int) -> bool:
-        """Record that `request` failed; whether it is the only one failing since the last success
-        (then the failure is its row's; a refused row stays counted, so the next failing one is not)."""
-        self._failing.add(request)
-        return len(self._failing) == 1
+    async def _own_failure(self) -> bool:
+        """Whether a failing request's failures are its row's own: no other request has failed
+        since the last success, and the server answers a known-good request now (else: an outage)."""
+        import openai
+
+        if len(self._failing) > 1:
+            return False
+        for _ in range(UNREACHABLE_TRIES):  # a keep-alive connection the server had closed is no answer: again
+            try:
+                await self.client.chat.completions.create(**self._request(PROBE, max_tokens=1))
+                return True
+            except openai.APITimeoutError:
+                return False
+            except openai.APIConnectionError:
+                continue
+            except (openai.APIError, ValueError):
+                return False
+        return False
+
+
+def _malformed(r: Any) -> str | None:
+    """What is wrong with a chat completion that parsed, or None: a server or a proxy in front of
+    it may answer 200 with no choices, or a choice without a message."""
+    choices = getattr(r, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        return f"an answer with no choices: {str(r)[:100]!r}"
+    if choices[0].message is None:
+        return "an answer whose choice has no message"
+    return None
 
 
 def _reason(e: Any) -> str:

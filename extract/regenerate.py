@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from layertap.extract.chat_client import ChatClient, Refused, public_url
 from layertap.extract.served import serving
@@ -162,15 +162,21 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
     todo = [p for p in mine if p not in done]
     log.info("regenerate %s -> %s: %d rows in %d parts; task %d/%d has %d parts, %d done, %d to do",
              cfg.dataset, store.uri, len(rows), recipe.parts, index, count, len(mine), len(mine) - len(todo), len(todo))
+    if not mine:  # more tasks than parts (`submit regenerate --tasks` above the part count): not an error
+        log.info("nothing to do for task %d/%d: the output has %d parts, all of other tasks", index, count,
+                 recipe.parts)
+        return Totals()
     totals = Totals()
     if todo:
         api_key = os.environ.get(cfg.api_key_env) or None
         with contextlib.ExitStack() as stack:
             stack.enter_context(StopSignals(at_once=True))  # a stop unwinds: the --serve server is stopped too
+            watch = None
             if cfg.serve:
-                stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
-                                            log_path=cfg.serve_log))
-            totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key, new=recorded is None))
+                watch = stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
+                                                    log_path=cfg.serve_log, api_key=api_key))
+            totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key, new=recorded is None,
+                                                   watch=watch))
     _log_summary(store, totals)
     return totals
 
@@ -212,14 +218,15 @@ class _Part:
 
 
 async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: ObjectStore, todo: list[int],
-                            api_key: str | None, new: bool) -> Totals:
+                            api_key: str | None, new: bool, watch: Callable[[], None] | None = None) -> Totals:
     """Answer the rows of the parts `todo`; `new`: the output has no recipe yet, and takes this one
     once the server has answered (a --model it does not serve, or an endpoint not up, must not
-    lock the output to the mistake)."""
+    lock the output to the mistake); `watch`: raises once the --serve server has exited."""
     from layertap.extract.console import progress
 
     client = ChatClient(cfg.endpoint, recipe.model, api_key=api_key, sampling=recipe.sampling,
-                        timeout_s=cfg.request_timeout_s, retry_for_s=cfg.retry_for_s, concurrency=cfg.concurrency)
+                        timeout_s=cfg.request_timeout_s, retry_for_s=cfg.retry_for_s, concurrency=cfg.concurrency,
+                        watch=watch)
     totals = Totals()
     total_rows = sum(len(recipe.rows_of(p)) for p in todo)
     bar = progress(total_rows, desc="regenerate", unit="row", enabled=cfg.progress)
@@ -268,9 +275,11 @@ async def _first_failure(tasks: list[asyncio.Task]) -> None:
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    for t in done:
-        if t.exception() is not None:
-            raise t.exception()
+    # every failed task's error retrieved (several workers meet one outage), else asyncio logs
+    # each left at exit with a traceback; the first is raised
+    errors = [e for t in done if not t.cancelled() and (e := t.exception()) is not None]
+    if errors:
+        raise errors[0]
 
 
 async def _feed(queue: asyncio.Queue, todo: list[int], recipe: Recipe, workers: int) -> None:
@@ -350,6 +359,8 @@ def _log_summary(store: ObjectStore, totals: Totals) -> None:
                  "%d tokens generated", totals.parts, totals.rows, totals.regenerated, totals.refused,
                  totals.refused_reasons or "none", totals.turns, totals.truncated, totals.completion_tokens)
     s = regeneration_status(store)
+    if s is None:  # nothing was regenerated: no recipe yet
+        return
     if not s["complete"]:
         log.info("%s: %d of %d parts done; the rest belong to other tasks or a rerun", store.uri, s["parts_done"],
                  s["parts_total"])

@@ -1,6 +1,7 @@
 """A server started for the length of one `layertap regenerate` (`--serve`), as a Slurm task
-starts its own vLLM or SGLang next to the client: started, waited for until it answers, and
-stopped with everything it spawned when the regeneration ends, however it ends."""
+starts its own vLLM or SGLang next to the client: started, waited for until it answers, watched
+(an exit mid-run stops the run at once, naming its exit code), and stopped with everything it
+spawned when the regeneration ends, however it ends."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
-from layertap.extract.chat_client import api_base, public_url
+from layertap.extract.chat_client import api_base, auth_header, public_url
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.retry import Backoff
 
@@ -26,6 +28,9 @@ STOP_WAIT_S = 30.0  # after SIGTERM, the server's process group has this long be
 # the value: a quoted string as a whole (a key with a space showed its rest), else up to a space
 _SECRET_OPTION = re.compile(r"""(--?[\w-]*(?:key|token|secret|password)[\w-]*)(=|\s+)("[^"]*"|'[^']*'|\S+)""",
                             re.IGNORECASE)
+# a shell assignment of one, as in `HF_TOKEN=hf_... vllm serve ...` (not an option's `--hf-token=`)
+_SECRET_ASSIGNMENT = re.compile(r"""(?<![\w$-])([A-Za-z_]\w*(?:key|token|secret|password)\w*)=("[^"]*"|'[^']*'|\S*)""",
+                                re.IGNORECASE)
 
 
 class ServerFailed(UserError):
@@ -33,8 +38,11 @@ class ServerFailed(UserError):
 
 
 @contextlib.contextmanager
-def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | None = None) -> Iterator[None]:
-    """Run `command` (a shell line) until the block ends; enter once `endpoint` lists its models."""
+def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | None = None,
+            api_key: str | None = None) -> Iterator[Callable[[], None]]:
+    """Run `command` (a shell line) until the block ends; enter once `endpoint` answers (asked
+    with `api_key`, as the client asks). The block gets a watch: it raises `ServerFailed` once
+    the server has exited, so the client stops at once rather than retrying a dead server."""
     if not command.strip():
         raise ConfigError("--serve is empty: give the command that starts the server, e.g. "
                           "'vllm serve /models/target --port 8000'")
@@ -43,9 +51,17 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
     # Its own session, so stopping it reaches every process it starts (vLLM's engine and workers).
     proc = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)
+    seen = f"its output is in {log_path}" if log_path else "its output is above (no --serve-log)"
+
+    def watch() -> None:
+        if proc.poll() is not None:
+            raise ServerFailed(f"the server (--serve: {_program(command)} ...) exited with code {proc.returncode} "
+                               f"during the run; {seen}; the parts written are kept: rerun the "
+                               f"same command to continue")
+
     try:
-        _wait_until_ready(proc, endpoint, timeout_s, command)
-        yield
+        _wait_until_ready(proc, endpoint, timeout_s, command, api_key, seen)
+        yield watch
     finally:
         _stop(proc)
         if out is not None:
@@ -53,24 +69,47 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
 
 
 def redacted(command: str) -> str:
-    """`command` with the values of its --api-key, --hf-token, ... options masked: a --serve line
-    may carry a key, and keys are never logged."""
-    return _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2]}***", command)
+    """`command` with the values of its --api-key, --hf-token, ... options and of its HF_TOKEN=,
+    API_KEY=, ... assignments masked: a --serve line may carry a key, and keys are never logged."""
+    masked = _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2]}***", command)
+    return _SECRET_ASSIGNMENT.sub(lambda m: f"{m[1]}=***", masked)
 
 
-def _wait_until_ready(proc: subprocess.Popen, endpoint: str, timeout_s: float, command: str) -> None:
-    url = f"{api_base(endpoint)}/models"
+def _program(command: str) -> str:
+    """The program a --serve line starts, past its NAME=value assignments (which may hold keys),
+    whatever its quoting (bash itself says what is wrong with a quote, in the server's output)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # an unbalanced quote
+        words = command.split()
+    return next((w for w in words if not re.match(r"\w+=", w)), "?")
+
+
+def _wait_until_ready(proc: subprocess.Popen, endpoint: str, timeout_s: float, command: str, api_key: str | None,
+                      seen: str) -> None:
+    """Until GET /models answers 200, or 401/403: the server is up and refuses the key; the client's
+    own check then says so, rather than this waiting out --serve-timeout. The URL has no
+    user:password (sent as a header, as the client sends it)."""
+    query = urlsplit(endpoint).query
+    request = urllib.request.Request(f"{api_base(endpoint)}/models" + (f"?{query}" if query else ""),
+                                     headers=auth_header(endpoint, api_key))
     t0 = time.monotonic()
     wait = Backoff(0.5, 5.0)
     while True:
         if proc.poll() is not None:
             raise ServerFailed(f"the server exited with code {proc.returncode} before it answered at "
-                               f"{public_url(endpoint)}: {shlex.split(command)[0]} ... (see its output)")
+                               f"{public_url(endpoint)}: {_program(command)} ... ({seen})")
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with urllib.request.urlopen(request, timeout=5) as r:
                 if r.status == 200:
                     log.info("the server answers at %s after %.0f s", public_url(endpoint), time.monotonic() - t0)
                     return
+        except urllib.error.HTTPError as e:
+            e.close()
+            if e.code in (401, 403):
+                log.info("the server answers at %s after %.0f s, and refuses the API key (%d)", public_url(endpoint),
+                         time.monotonic() - t0, e.code)
+                return
         except (urllib.error.URLError, OSError):
             pass
         if time.monotonic() - t0 > timeout_s:

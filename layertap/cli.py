@@ -81,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request
     # headers, the access key id and a session token among them, into consoles and log files.
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "httpx", "httpx2", "openai"):
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "openai"):
         logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
+    # Nor INFO for these: httpx logs each request's URL, which carries an endpoint's ?token= query.
+    for quiet in ("httpx", "httpx2", "httpcore", "httpcore2"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)
     from layertap.extract.console import quiet_library_bars
 
     quiet_library_bars()  # off a terminal (a Slurm log), no library bars in any command

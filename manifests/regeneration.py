@@ -69,10 +69,17 @@ class Recipe:
                 "rows_per_part": self.rows_per_part, "parts": self.parts, "endpoint": self.endpoint}
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any], where: str) -> Recipe:
-        if raw.get("format") != FORMAT:
-            raise InputError(f"{where}: not a layertap regenerated dataset (format {raw.get('format')!r}, "
-                             f"expected {FORMAT!r})")
+    def from_json(cls, raw: Any, where: str) -> Recipe:
+        """The recipe in `raw`, read from `where`; a file cut or edited by hand is an InputError naming
+        what is wrong, not a KeyError from `layertap status`."""
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise InputError(f"{where}: not a layertap regenerated dataset (format {found!r}, expected {FORMAT!r})")
+        missing = [k for k in ("dataset", "model", "sampling", "rows_per_part") if k not in raw]
+        if missing:
+            raise InputError(f"{where} lacks {', '.join(missing)}: it was cut or edited. Delete it and rerun the "
+                             f"exact `layertap regenerate` command that made the output: it records the recipe "
+                             f"again and keeps the parts done")
         return cls(dataset=raw["dataset"], model=raw["model"], sampling=raw["sampling"],
                    rows_per_part=int(raw["rows_per_part"]), endpoint=raw.get("endpoint", ""))
 

@@ -5,8 +5,12 @@ slow row, answers cut by "abort". A small OpenAI-compatible HTTP server plays th
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import re
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,15 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from layertap.extract.chat_client import ServerGone
+from layertap.cli import main as cli
+from layertap.extract.chat_client import EndpointError, ServerGone
 from layertap.extract.regenerate import RegenerateConfig, _Part, _write_part, Totals, regenerate
 from layertap.extract.regenerated import iter_rows
-from layertap.extract.served import ServerFailed, serving
+from layertap.extract.served import ServerFailed, redacted, serving
 from layertap.manifests.regeneration import done_parts, read_stats, stats_key
 from layertap.storage.store import open_store
 
-# (request number, last user turn) -> (HTTP status, content, finish_reason, seconds to wait first)
-Answer = Callable[[int, str], tuple[int, str, str | None, float]]
+# (request number, last user turn) -> (HTTP status, content, finish_reason, seconds to wait first);
+# content as bytes or a dict is the whole body as sent (a malformed answer)
+Answer = Callable[[int, str], tuple[int, str | bytes | dict, str | None, float]]
 
 
 def ok(n: int, prompt: str) -> tuple[int, str, str | None, float]:
@@ -35,14 +41,15 @@ class FakeServer:
 
     def __init__(self, answer: Answer = ok):
         self.answer, self.requests = answer, 0
+        self.seen: list[tuple[str, str | None]] = []  # each request's path and Authorization header
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
                 pass
 
-            def send(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
+            def send(self, status: int, body: dict | bytes) -> None:
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(data)))
@@ -50,16 +57,20 @@ class FakeServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                fake.seen.append((self.path, self.headers.get("Authorization")))
                 self.send(200, {"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
                                                             "owned_by": "x"}]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 fake.requests += 1
+                fake.seen.append((self.path, self.headers.get("Authorization")))
                 status, content, finish, wait = fake.answer(fake.requests, body["messages"][-1]["content"])
                 time.sleep(wait)
                 if status != 200:
                     return self.send(status, {"error": {"message": content}})
+                if not isinstance(content, str):
+                    return self.send(200, content)
                 self.send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
                                 "choices": [{"index": 0, "finish_reason": finish,
                                              "message": {"role": "assistant", "content": content}}],
@@ -78,12 +89,13 @@ def fake() -> Iterator[FakeServer]:
     s.http.server_close()
 
 
-def config(tmp_path: Path, fake: FakeServer, rows: int = 8, **kw) -> RegenerateConfig:
+def config(tmp_path: Path, fake: FakeServer | None = None, rows: int = 8, **kw) -> RegenerateConfig:
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"},
                                                                      {"role": "assistant", "content": "old"}]}) + "\n"
                             for i in range(rows)))
-    return RegenerateConfig(**{"dataset": str(data), "out": str(tmp_path / "out"), "endpoint": fake.url, "model": "m",
+    endpoint = fake.url if fake is not None else ""
+    return RegenerateConfig(**{"dataset": str(data), "out": str(tmp_path / "out"), "endpoint": endpoint, "model": "m",
                                "concurrency": 2, "rows_per_part": 4, "progress": False, "request_timeout_s": 1.0,
                                "retry_for_s": 2.0, **kw})
 
@@ -193,3 +205,171 @@ def test_a_stop_signal_on_the_event_loop_cancels_the_run_and_is_raised_after_it(
     with pytest.raises(Preempted, match="received SIGTERM"):
         asyncio.run(run())
     assert cleaned == ["clean-up ran"] and signal.getsignal(signal.SIGTERM) is before
+
+
+# A server for --serve, in its own process: answers every chat; wants the Authorization header
+# $AUTH when that is set (vLLM's --api-key); exits with code 9 at chat request $DIE_AT.
+SERVED = r"""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+AUTH, DIE_AT, chats = os.environ.get("AUTH"), int(os.environ.get("DIE_AT", "0")), 0
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def send(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def allowed(self):
+        if AUTH and self.headers.get("Authorization") != AUTH:
+            self.send(401, {"error": {"message": "Unauthorized"}})
+            return False
+        return True
+
+    def do_GET(self):
+        if self.allowed():
+            self.send(200, {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "x"}]})
+
+    def do_POST(self):
+        global chats
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if not self.allowed():
+            return
+        chats += 1
+        if chats == DIE_AT:
+            os._exit(9)
+        message = {"role": "assistant", "content": "answer to " + body["messages"][-1]["content"]}
+        self.send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}})
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_config(tmp_path: Path, env: str, endpoint: str = "http://127.0.0.1:{port}/v1", **kw) -> RegenerateConfig:
+    """A run whose --serve starts SERVED with the shell assignments `env` on a free port."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script, port = tmp_path / "served.py", free_port()
+    script.write_text(SERVED)
+    return config(tmp_path, endpoint=endpoint.format(port=port), serve=f"{env} {sys.executable} {script} {port}",
+                  serve_timeout_s=10.0, **kw)
+
+
+def test_serve_is_ready_when_its_server_wants_a_key(tmp_path, monkeypatch):
+    """The readiness poll sent no key: a server started with --api-key answered 401, taken for
+    "not up yet" until --serve-timeout ran out. It sends the client's key now (a Bearer key, or an
+    --endpoint's user:password, never in the URL), and a wrong key is said at once by the client."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    t0 = time.monotonic()
+    assert regenerate(serve_config(tmp_path / "bearer", "AUTH='Bearer sk-test'")).regenerated == 8
+    basic = "Basic " + base64.b64encode(b"u:pw").decode()
+    assert regenerate(serve_config(tmp_path / "basic", f"AUTH='{basic}'",
+                                   endpoint="http://u:pw@127.0.0.1:{port}/v1")).regenerated == 8
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong")
+    with pytest.raises(EndpointError, match="answered 401"):
+        regenerate(serve_config(tmp_path / "wrong", "AUTH='Bearer sk-test'"))
+    assert time.monotonic() - t0 < 10  # never a --serve-timeout waited out
+
+
+def test_two_bad_rows_in_a_row_at_concurrency_1_are_refused_not_taken_for_an_outage(tmp_path, fake):
+    """A refused row stayed counted as failing, so the next bad row's 500 was never alone: an
+    outage, the run stopped (ServerGone) though the server answered every other row. A server
+    that answers a known-good request now proves a failure the row's own; an outage still stops
+    the run, and at --concurrency 1 too without refusing its first row."""
+    fake.answer = lambda n, prompt: (500, f"template raised for {prompt}", None, 0.0) if prompt in ("q3", "q4") \
+        else ok(n, prompt)
+    cfg = config(tmp_path, fake, concurrency=1, retry_for_s=10.0)
+    totals = regenerate(cfg)
+    assert refused(cfg.out) == [(3, "http_500"), (4, "http_500")] and totals.regenerated == 6
+
+    fake.answer, fake.requests = lambda n, prompt: ok(n, prompt) if n <= 3 else (500, "EngineCore died", None, 0.0), 0
+    (tmp_path / "dead").mkdir()
+    with pytest.raises(ServerGone, match="500: EngineCore died"):
+        regenerate(config(tmp_path / "dead", fake, concurrency=1))
+    assert refused(str(tmp_path / "dead" / "out")) == []
+
+
+def test_a_task_without_parts_on_a_new_output_has_nothing_to_do(tmp_path, fake, caplog):
+    """`submit regenerate --tasks` above the part count: the surplus tasks failed with a TypeError."""
+    with caplog.at_level(logging.INFO):
+        assert regenerate(config(tmp_path, fake, task=(3, 4))).parts == 0  # 8 rows, 2 parts: none for task 3
+    assert "nothing to do for task 3/4" in caplog.text and fake.requests == 0
+
+
+def test_malformed_answers_are_asked_again_then_the_row_is_refused_naming_what_was_wrong(tmp_path, fake):
+    """A 200 whose body is not JSON (a proxy's page), has no choices or a choice without a message
+    crashed the run with a traceback."""
+    head = {"id": "x", "object": "chat.completion", "created": 0, "model": "m"}
+    bodies = {"q1": b"<html>proxy error</html>", "q2": {**head, "choices": []},
+              "q3": {**head, "choices": [{"index": 0, "finish_reason": "stop", "message": None}]}}
+    fake.answer = lambda n, prompt: (200, bodies[prompt], "stop", 0.0) if prompt in bodies else ok(n, prompt)
+    cfg = config(tmp_path, fake)
+    assert regenerate(cfg).regenerated == 5
+    store = open_store(cfg.out)
+    reasons = {r["row"]: (r["kind"], r["reason"]) for s in read_stats(store, sorted(done_parts(store)))
+               for r in s["refused"]}
+    assert sorted(reasons) == [1, 2, 3] and {kind for kind, _ in reasons.values()} == {"malformed"}
+    assert "not JSON" in reasons[1][1] and "<html>proxy error" in reasons[1][1]
+    assert "no choices" in reasons[2][1] and "no message" in reasons[3][1]
+    assert fake.requests == 1 + 5 + 3 * 3  # the check, the good rows, 3 tries of each bad one
+
+
+def test_verbose_logs_never_show_the_endpoints_password_and_its_query_is_sent(tmp_path, fake, caplog):
+    """`-v` raised httpx to INFO, which logs each request's URL with the --endpoint's user:password;
+    and the endpoint's query (?token=) was dropped, never sent."""
+    cfg = config(tmp_path, fake)
+    endpoint = fake.url.replace("http://", "http://u:topsecret@") + "?token=qtok123"
+    with caplog.at_level(logging.DEBUG):
+        assert cli(["-v", "regenerate", "--dataset", cfg.dataset, "--out", cfg.out, "--endpoint", endpoint,
+                    "--model", "m", "--rows-per-part", "4"]) == 0
+    assert "topsecret" not in caplog.text and "qtok123" not in caplog.text and "HTTP Request" not in caplog.text
+    assert fake.seen and all("token=qtok123" in path for path, _ in fake.seen)
+    assert {auth for _, auth in fake.seen} == {"Basic " + base64.b64encode(b"u:topsecret").decode()}
+
+
+def test_a_serve_server_that_dies_mid_run_stops_the_run_at_once_naming_its_exit_code_and_log(tmp_path):
+    """Nothing watched the --serve server: its death was retried for all of --retry-for, then
+    ended in a generic "rerun once the server is back"."""
+    log = tmp_path / "server.log"
+    cfg = serve_config(tmp_path, "DIE_AT=4", serve_log=str(log), retry_for_s=30.0, concurrency=1)
+    t0 = time.monotonic()
+    with pytest.raises(ServerFailed, match=rf"exited with code 9 .*{re.escape(str(log))}"):
+        regenerate(cfg)
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_serve_line_shows_no_secret_assignment_and_bad_quoting_is_no_crash(caplog):
+    """`--serve 'HF_TOKEN=hf_... vllm ...'` was logged whole and named as the program in the error;
+    an unbalanced quote crashed the error message with a ValueError."""
+    assert redacted("HF_TOKEN=hf_1 db_password='a b' export Api_Key=\"c d\" PORT=8 vllm serve m --port 8") == \
+        "HF_TOKEN=*** db_password=*** export Api_Key=*** PORT=8 vllm serve m --port 8"
+    with caplog.at_level(logging.INFO), pytest.raises(ServerFailed) as failed:
+        with serving("HF_TOKEN=hf_SECRET exit 3", "http://127.0.0.1:9", timeout_s=10):
+            pass
+    assert "HF_TOKEN=***" in caplog.text and "hf_SECRET" not in caplog.text + str(failed.value)
+    assert "code 3" in str(failed.value) and "exit ..." in str(failed.value)
+    with pytest.raises(ServerFailed, match="exited with code 2"):  # bash's own answer to the quote
+        with serving("exit 3 'unbalanced", "http://127.0.0.1:9", timeout_s=10):
+            pass
+
+
+def test_a_recipe_missing_keys_is_an_error_naming_the_file_and_the_keys(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "regenerate.json").write_text(json.dumps({"format": "layertap-regenerated/1", "model": "m"}))
+    assert cli(["status", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "regenerate.json" in err and "dataset, sampling, rows_per_part" in err
