@@ -1,8 +1,9 @@
-"""Shared helpers for benches: machine description, CPU time of a process, and the
-docs/benchmarks.md section writer."""
+"""Shared helpers for benches: machine description, CPU time of a process, the
+docs/benchmarks.md section writer, and JSON results written whole."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -73,3 +74,11 @@ def cpu_s(pid: int | None = None) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def save_json(path: str | os.PathLike, obj: object, indent: int = 1) -> None:
+    """`obj` as JSON at `path`, by a rename: a reader (the device script's archive loop, every
+    30 s) never sees half a file, and a run cut while writing leaves the previous whole one."""
+    tmp = Path(f"{path}.part")
+    tmp.write_text(json.dumps(obj, indent=indent) + "\n")
+    tmp.replace(path)

@@ -245,7 +245,8 @@ def check_extract(out: str, err: str, step: dict) -> list[str]:
         return [f"no status summary in the output ({_error_line(err)})"]
     step.update(shards=f"{shards[1]}/{shards[2]}", samples=f"{samples[1]}/{samples[2]}",
                 commits_logged=len(re.findall(r"shard \d+ committed", err)))
-    kernels = re.search(r"INFO extract\.kernels: kernels: (.*)", err)  # the hybrid layers' kernel paths
+    # the hybrid layers' kernel paths (not the other "kernels:" lines: a conv routed, norms fused)
+    kernels = re.search(r"INFO (?:layertap\.)?extract\.kernels: kernels: (\w+ x\d+: .*)", err)
     if kernels:
         step["kernels"] = kernels[1].strip()
     return [] if "COMPLETE" in out else ["the run is not complete"]
@@ -293,9 +294,10 @@ def check_inspect(device: str, kernel_line: str | None):
         problems = [] if r["ok"] else [f"inspect says the shard is not ok: {r['error']}"]
         if produced.get("device") != device:
             problems.append(f"produced_by.device {produced.get('device')!r}, this machine's is {device!r}")
-        if not kernels or (kernel_line is not None and not all(f"{kind} x" in kernel_line and ", ".join(c) in kernel_line
-                                                               for kind, c in kernels.items())):
-            problems.append(f"produced_by.kernels {kernels} do not match the kernel line {kernel_line!r}")
+        if not kernels or kernel_line is None or not all(f"{kind} x" in kernel_line and ", ".join(c) in kernel_line
+                                                         for kind, c in kernels.items()):
+            problems.append(f"produced_by.kernels {kernels} do not match the extract step's kernel line "
+                            f"{kernel_line!r}")
         return problems
     return check
 

@@ -18,9 +18,15 @@ for p in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux20
 done
 # the same versions as here; transformers too (the image's 5.17 differs in the hybrid caches), and
 # datasets with the two packages of its own that the image lacks
-pins=$(python -m pip show boto3 botocore s3transfer jmespath moto responses xmltodict cryptography cffi pycparser \
-    flask flask-cors blinker itsdangerous zstandard transformers regex datasets dill multiprocess 2>/dev/null \
-    | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')
+wanted=(boto3 botocore s3transfer jmespath moto responses xmltodict cryptography cffi pycparser
+    flask flask-cors blinker itsdangerous zstandard transformers regex datasets dill multiprocess)
+pins=$(python -m pip show "${wanted[@]}" 2>/dev/null | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')
+# pip show exits 0 with a package missing: one not installed here would be absent from .whl, silently
+if [ "$(wc -w <<<"$pins")" != "${#wanted[@]}" ]; then
+    echo "device_prep: not installed here, so no wheel to pin: $(comm -23 <(printf '%s\n' "${wanted[@]}" | tr A-Z_ a-z- \
+        | sort) <(sed 's/==.*//' <<<"$pins" | tr A-Z_ a-z- | sort) | xargs)" >&2
+    exit 1
+fi
 # One version of each wheel in .whl (two stop the install there), so a fresh folder: downloaded
 # beside it first and swapped in only when complete, so that a failed download (no network, a pin
 # without a wheel for 3.12) leaves the last good .whl in place.

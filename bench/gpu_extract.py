@@ -58,6 +58,7 @@ from layertap.extract.pipeline import (  # noqa: E402
 )
 from layertap.storage.format import ShardMeta  # noqa: E402
 from layertap.storage.store import open_store  # noqa: E402
+from bench._report import save_json  # noqa: E402
 from tests.s3server import bench_server  # noqa: E402
 
 # Qwen3.6-27B's text stack (gated-deltanet hybrid: 3 linear-attention layers, then 1 full).
@@ -298,7 +299,7 @@ def main() -> None:
 
     def save() -> None:
         if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
+            save_json(args.json, results, indent=2)
 
     ids_num = numerics_sample(sizes, seq)
     reference = None

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench._report import save_json  # noqa: E402
 from layertap.train.drafter import DFlashDrafter, default_config  # noqa: E402
 from layertap.train.objective import dflash_loss  # noqa: E402
 from layertap.train.target_head import TargetHead  # noqa: E402
@@ -111,7 +112,7 @@ def main() -> None:
 
     def save() -> None:
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1))
+            save_json(args.json, result)
 
     def error(e: BaseException) -> str:
         return f"{type(e).__name__}: {e}"[:2000]

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench._report import save_json  # noqa: E402
 from bench.gpu_extract import QWEN27B, TINY  # noqa: E402
 from layertap.manifests.manifest import create_or_resume  # noqa: E402
 from layertap.manifests.records import Producer  # noqa: E402
@@ -427,10 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps of {args.batch_size}")
 
     def save() -> None:
-        if args.json:  # by a rename: a reader (the device script's archive loop) never sees half a file
-            tmp = Path(f"{args.json}.part")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            tmp.replace(args.json)
+        if args.json:
+            save_json(args.json, result)
 
     def publish_27b(r: dict) -> None:
         result.update({k: r.get(k) for k in ("tokens_per_s", "data_wait_median", "peak_gib", "step_s_median")})

@@ -148,11 +148,16 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
     `staging` keeps the pinned host buffers from shard to shard (a worker extracting many shards
     passes one); without it each shard makes its own."""
     stats = stats or PipelineStats()
-    on_cuda = next(capture.decoder.parameters()).device.type == "cuda"
+    device = next(capture.decoder.parameters()).device
+    on_cuda = device.type == "cuda"
     staging = staging if staging is not None or not on_cuda else HostStaging()
     shard = ShardWriter(out, meta)  # aborts `out` itself if its header fails
     writer = _Writer(shard, 4 * encode_threads + 8, stats, on_record)
-    tail = ShardTail(shard, ThreadPoolExecutor(encode_threads, thread_name_prefix="encode"), writer, stats)
+    # An encode thread waits on the copy's event: on CUDA its current device must be this rank's, or
+    # the wait opens a context on GPU 0 (a new thread's default) in every rank's process.
+    pool = ThreadPoolExecutor(encode_threads, thread_name_prefix="encode",
+                              **({"initializer": torch.cuda.set_device, "initargs": (device,)} if on_cuda else {}))
+    tail = ShardTail(shard, pool, writer, stats)
     writer.start()
     try:
         for batch in make_batches(samples, batch_tokens):
@@ -264,7 +269,7 @@ class HostStaging:
             if final is not None:
                 f.copy_(final, non_blocking=True)
                 final.record_stream(self.stream)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # waited on by encode threads: they sleep, not spin
             ready.record(self.stream)
         return h, f, ready, _Countdown(users, lambda: self._free.put(buf))
 

@@ -335,6 +335,12 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     # row should not cost the weights' load, minutes at a 27B target
     prompts, skipped = load_prompts(prompts_path, load_target(model, gguf_file, weights=False).tokenizer, limit,
                                     max_prompt_tokens)
+    if dtype == "float32" and device.startswith("cuda"):
+        # The greedy check compares a block's verification (a hybrid's chunked Triton kernels) with
+        # one-token steps (its recurrent kernel): Triton's float32 dots default to TF32 on GPUs that
+        # have it, enough to flip a near-tied argmax. IEEE float32, unless the user chose (read at
+        # each kernel's compile: set before the target's first forward).
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     target = load_target(model, gguf_file, dtype=getattr(torch, dtype), device=device)
     embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())
