@@ -139,7 +139,8 @@ def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
     """Refuse a --model other than the run's target: another model of the same width trained to
     exit 0 against the wrong embeddings and head, and the drafter's config named the run's model.
     Computed as extraction computes them (`load_target`'s info, from the config alone); a fact
-    either side does not know (an older run, a GGUF's config, a folder without a revision) is not
+    either side does not know (an older run, a GGUF's config, a folder without a revision or without
+    tokenizer files) is not
     compared, as extraction's resume does (`IF_RECORDED`)."""
     recorded = {k: getattr(run, k) for k in TARGET_FACTS if getattr(run, k) is not None}
     if not recorded:
@@ -147,6 +148,8 @@ def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
     from layertap.extract.model import load_target
 
     info = load_target(cfg.model, cfg.gguf_file, weights=False).info
+    if info["tokenizer_vocab_size"] < 2:  # no tokenizer files: an empty one, nothing to compare (`mask_token_id`)
+        info["tokenizer_sha256"] = None
     diffs = [f"{what}: the run's {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
              if k in recorded and info.get(key) is not None and info[key] != recorded[k]]
     if diffs:
