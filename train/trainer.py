@@ -140,8 +140,7 @@ def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
     exit 0 against the wrong embeddings and head, and the drafter's config named the run's model.
     Computed as extraction computes them (`load_target`'s info, from the config alone); a fact
     either side does not know (an older run, a GGUF's config, a folder without a revision or without
-    tokenizer files) is not
-    compared, as extraction's resume does (`IF_RECORDED`)."""
+    tokenizer files) is not compared, as extraction's resume does (`IF_RECORDED`)."""
     recorded = {k: getattr(run, k) for k in TARGET_FACTS if getattr(run, k) is not None}
     if not recorded:
         return
