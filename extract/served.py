@@ -119,15 +119,40 @@ def _wait_until_ready(proc: subprocess.Popen, endpoint: str, timeout_s: float, c
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after STOP_WAIT_S."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
+    """SIGTERM to the server's process group, SIGKILL after STOP_WAIT_S to what is left of it. The
+    group, also when the server itself has exited (it died mid-run, or before it answered): its
+    workers (vLLM's engine processes) may outlive it, holding the GPUs the rerun needs."""
+    exited = proc.poll() is not None
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
+    deadline = time.monotonic() + STOP_WAIT_S
+    while (proc.poll() is None or _group_alive(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if proc.poll() is None or _group_alive(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    log.info("the server stopped (exit %s)", proc.returncode)
+    proc.wait()
+    if not exited:
+        log.info("the server stopped (exit %s)", proc.returncode)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie, waiting for its parent to reap it,
+    does not: it holds nothing). Without /proc: whether the group has members at all."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for pid in filter(str.isdigit, entries):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+        except OSError:  # gone meanwhile
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False

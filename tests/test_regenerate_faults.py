@@ -366,6 +366,22 @@ def test_a_serve_line_shows_no_secret_assignment_and_bad_quoting_is_no_crash(cap
             pass
 
 
+def test_the_serve_servers_workers_are_stopped_also_when_the_server_itself_exited(tmp_path):
+    """A server that died left its workers running (vLLM's engine processes, holding the GPUs a
+    rerun needs): the stop returned at once when the server's own process was gone."""
+    pidfile = tmp_path / "worker.pid"
+    with pytest.raises(ServerFailed, match="exited with code 3"):
+        with serving(f"sleep 300 & echo $! > {pidfile}; exit 3", "http://127.0.0.1:9", timeout_s=10):
+            pass
+    worker = int(pidfile.read_text())
+    try:
+        with open(f"/proc/{worker}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the server's worker {worker} still runs ({state})"
+
+
 def test_a_recipe_missing_keys_is_an_error_naming_the_file_and_the_keys(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
