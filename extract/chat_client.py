@@ -255,8 +255,10 @@ class ChatClient:
                 if status in REFUSED_STATUSES:
                     raise Refused(f"{status}: {reason}", status) from None
                 if status in (401, 403, 404):
+                    key = (" and the API key (the environment variable --api-key-env names, OPENAI_API_KEY by "
+                           "default)") if status in (401, 403) else ""
                     raise EndpointError(f"{self.where} answered {status} to a {what} for model {self.model!r}: "
-                                        f"{reason}; check --endpoint, --model and the API key") from None
+                                        f"{reason}; check --endpoint, --model{key}") from None
                 problem = f"{status}: {reason}"
                 if status not in AWAY_STATUSES:  # 500 and other errors: this row's, or an outage
                     server_errors += 1
