@@ -279,7 +279,7 @@ def test_serve_is_ready_when_its_server_wants_a_key(tmp_path, monkeypatch):
     assert regenerate(serve_config(tmp_path / "basic", f"AUTH='{basic}'",
                                    endpoint="http://u:pw@127.0.0.1:{port}/v1")).regenerated == 8
     monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong")
-    with pytest.raises(EndpointError, match=r"answered 401 .* the environment variable --api-key-env names"):
+    with pytest.raises(EndpointError, match=r"answered 401 .*the environment variable --api-key-env names"):
         regenerate(serve_config(tmp_path / "wrong", "AUTH='Bearer sk-test'"))
     assert time.monotonic() - t0 < 10  # never a --serve-timeout waited out
 
