@@ -31,7 +31,7 @@ from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
 from layertap.extract.regenerated import template_kwargs
 from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
-from layertap.manifests.consumption import AtRest, WindowGate
+from layertap.manifests.consumption import AtRest, WindowGate, forget_window
 from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
@@ -99,6 +99,8 @@ def _extract(cfg: ExtractConfig, state) -> int:
     producer = Producer.current(rank)
     # The storage window: before each claim, wait while too much committed data awaits training.
     gate = WindowGate(store, cfg.window) if cfg.window is not None else None
+    if gate is None:
+        forget_window(store)  # an earlier --window extraction's record would tell trainers of a window
     if gate is not None and rank == 0 and cfg.window < 2 * manifest.shard_bytes:
         log.warning("--window %s holds fewer than two of this run's shards (~%s each): every claim waits until "
                     "training has consumed what is at rest, one shard at a time, and a trainer whose shuffle buffer "

@@ -61,7 +61,7 @@ def run_status(args: argparse.Namespace) -> int:
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
         print(json.dumps(t, indent=2) if args.json else format_training(t))
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
-    print(json.dumps(s, indent=2) if args.json else format_status(s))
+    print(json.dumps(s, indent=2) if args.json else format_status(s, deleting=_deleting(store, s)))
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
         return EXIT_PROBLEM
@@ -132,7 +132,15 @@ def _truncated_text(s: dict) -> str:
     return f", {s['samples_truncated']:,} cut at max_length" + (f" {s['max_length']:,}" if s.get("max_length") else "")
 
 
-def format_status(s: dict) -> str:
+def _deleting(store, s: dict) -> bool | None:
+    """For a window run: whether a --delete-consumed trainer has claimed it (None: no window)."""
+    from layertap.manifests.consumption import consumer_of
+
+    return None if s.get("window") is None else consumer_of(store) is not None
+
+
+def format_status(s: dict, deleting: bool | None = None) -> str:
+    """`deleting`: whether a --delete-consumed trainer consumes the run (None: not known)."""
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
@@ -154,9 +162,14 @@ def format_status(s: dict) -> str:
         lines.append(f"  window   {size(rest)} at rest of a {size(window)} --window"
                      + (": full, extraction waits for training to consume" if rest >= window and not s["complete"]
                         else ""))
+        if deleting is False and not s["complete"]:
+            lines.append("  NO TRAINER DELETES: no `layertap train --delete-consumed` has claimed this run, so nothing "
+                         "trained on is deleted and a full window never opens: restart the trainer with "
+                         "--delete-consumed (--resume continues it), or extract without --window")
     if s["complete"]:
         lines.append("  COMPLETE")
-    elif not s["shards_running"] and not s["problem"] and window is not None and rest >= window:
+    elif (not s["shards_running"] and not s["problem"] and window is not None and rest >= window
+          and deleting is not False):
         # Workers waiting for the window hold no lease: "nothing is running" sent users to start a second extractor.
         lines.append("  no shard is running: the extraction workers wait for the window to open, as training "
                      "consumes and deletes what it trained on; if no worker is alive, the same `layertap extract` "

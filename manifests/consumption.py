@@ -297,12 +297,21 @@ def _put_json(store: ObjectStore, key: str, body: dict) -> None:
     store.put(key, json.dumps(body).encode())
 
 
-def window_floor(consumers: int, shuffle_buffer: int, batch_size: int, shard_bytes: int) -> int:
+def window_floor(consumers: int, shuffle_buffer: int, batch_size: int, shard_bytes: int, grad_accum: int = 1) -> int:
     """The --window under which a window run may stall for good: each sample in a consumer's
-    shuffle buffer or in a batch in flight (3: prefetched, being trained, not yet checkpointed)
-    can keep a whole shard from counting as consumed. A bound, not an estimate: stalls need less
-    where shards hold many samples each."""
-    return consumers * (shuffle_buffer + 3 * batch_size) * shard_bytes
+    shuffle buffer or in a batch in flight (3: prefetched, being trained, not yet checkpointed;
+    with --grad-accum N, N - 1 more: a follow trainer waits for a step's every batch at the step
+    boundary) can keep a whole shard from counting as consumed. A bound, not an estimate: stalls
+    need less where shards hold many samples each."""
+    return consumers * (shuffle_buffer + (3 + grad_accum - 1) * batch_size) * shard_bytes
+
+
+def forget_window(store: ObjectStore) -> None:
+    """An extraction without --window: remove the record an earlier --window extraction of the
+    run left (`WindowGate.record`), so that trainers and `status` see no window. The record is the
+    latest extraction's: written by a --window worker before its first claim, removed by one
+    started without."""
+    store.delete_many([layout.CONSUMED_WINDOW])
 
 
 def recorded_window(store: ObjectStore) -> int | None:

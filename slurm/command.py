@@ -450,10 +450,12 @@ def _check_window(cfg, train_cfg, consumers: int) -> None:
     from layertap.manifests.consumption import window_floor
     from layertap.storage.units import size
 
-    floor = window_floor(consumers, train_cfg.shuffle_buffer, train_cfg.batch_size, cfg.shard_bytes)
+    accum = train_cfg.grad_accum
+    floor = window_floor(consumers, train_cfg.shuffle_buffer, train_cfg.batch_size, cfg.shard_bytes, accum)
     if cfg.window < floor:
         print(f"warning: --window {size(cfg.window)} is below {size(floor)} = {consumers} consumers (ranks x DataLoader "
-              f"workers) x (--shuffle-buffer {train_cfg.shuffle_buffer} + 3 x --batch-size {train_cfg.batch_size}) x "
+              f"workers) x (--shuffle-buffer {train_cfg.shuffle_buffer} + {3 + accum - 1} x --batch-size "
+              f"{train_cfg.batch_size}{f', with --grad-accum {accum}' if accum > 1 else ''}) x "
               f"--shard-bytes {size(cfg.shard_bytes)}: samples in shuffle buffers and batches in flight can each keep "
               "a shard from counting as consumed, and the run may stall for good. Raise --window, or lower "
               "--shard-bytes, --shuffle-buffer or --batch-size", file=sys.stderr)

@@ -178,6 +178,62 @@ def test_a_follow_trainer_of_a_run_consumed_to_the_end_is_refused(tmp_path, caps
     assert "nothing is left to train on" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("hidden_size", [False, True])
+def test_a_follow_trainer_of_a_run_consumed_but_for_a_given_up_shard_is_refused(tmp_path, capsys, monkeypatch,
+                                                                                   hidden_size):
+    """Every committed shard consumed and deleted, the one left given up: the trainer ran its steps
+    on padding and exported an untrained drafter, exit 0 (with hidden_size in the manifest), or
+    failed on a shard "deleted while this stream read the run" (without), not the cause."""
+    from layertap.cli import main as cli
+    from layertap.manifests import layout
+    from tiny_models import tiny_model_dir
+
+    if hidden_size:  # as a real extraction records it
+        monkeypatch.setitem(fake_worker.CONFIG, "hidden_size", fake_worker.HIDDEN)
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri = str(tmp_path / "run")
+    m = fake_worker.plan(_store(uri))
+    fake_worker.work(uri, shards=[s for s in range(len(m.shards)) if s != 3])
+    give_up(uri, 3)
+    store = _store(uri)
+    for shard in range(len(m.shards)):
+        if shard != 3:
+            store.put(layout.consumed_marker_key(shard), b"")
+    store.delete_many([o.key for o in store.list(layout.SHARDS)])
+    assert cli(["train", "--data", uri, "--model", target, "--out", str(tmp_path / "out"), "--follow",
+                "--follow-poll-s", "0.5", "--batch-size", "2", "--block-size", "4", "--max-anchors", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing is left to train on" in err and "gave up shard(s) 3" in err
+
+
+def test_a_resumed_delete_consumed_trainer_records_what_its_checkpoint_consumed(tmp_path, monkeypatch):
+    """The watermark is written after a checkpoint, so a trainer resumed from one (here taken
+    without --delete-consumed) recorded nothing until its next: with the window full, extraction
+    waited for training and training for data, for good. Now it records at once, before a step."""
+    from layertap.cli import main as cli
+    from layertap.manifests.consumption import consumed_shards, watermarks
+    from layertap.train import trainer
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    fake_worker.work(uri)
+    base = ["train", "--data", uri, "--model", target, "--out", out, "--follow", "--follow-poll-s", "0.5",
+            "--batch-size", "2", "--shuffle-buffer", "2", "--block-size", "4", "--max-anchors", "8"]
+    assert cli([*base, "--steps", "8"]) == 0
+    store, seen = _store(uri), []
+    await_data = trainer._await_data
+
+    def first_wait(run, step, saved):
+        seen.append((step, consumed_shards(store), watermarks(store)))
+        return await_data(run, step, saved)
+
+    monkeypatch.setattr(trainer, "_await_data", first_wait)
+    assert cli([*base, "--delete-consumed", "--resume"]) == 0
+    step, consumed, marks = seen[0]
+    assert step == 8 and consumed and marks[0]["step"] == 8  # recorded and deleted before step 9
+
+
 def train_with_shard_6_given_up(tmp_path, *extra: str):
     """`layertap train --follow` of a run whose shard 6 was given up: (the plan, metrics.jsonl's records)."""
     from layertap.cli import main as cli
@@ -657,9 +713,10 @@ def test_the_stall_checkpoint_is_taken_whichever_rank_lacks_its_batch(tmp_path, 
         return flags + torch.tensor(rank1, dtype=flags.dtype)
 
     acc = types.SimpleNamespace(num_processes=2, is_main_process=True, device=torch.device("cpu"), reduce=reduce)
-    run = types.SimpleNamespace(acc=acc, batches=types.SimpleNamespace(ready=lambda timeout: True), data=_store(uri),
+    run = types.SimpleNamespace(acc=acc, batches=types.SimpleNamespace(ready=lambda timeout, count: True),
+                                data=_store(uri),
                                 stop=types.SimpleNamespace(requested=None),
-                                cfg=types.SimpleNamespace(delete_consumed=True))
+                                cfg=types.SimpleNamespace(delete_consumed=True, grad_accum=1))
     assert trainer._await_data(run, step=2, saved=0) == (False, 2)
     assert saves == [2]
 
@@ -814,10 +871,14 @@ def test_a_trainer_waiting_on_a_full_window_checkpoints_so_extraction_goes_on(ra
 
 
 @pytest.mark.slow
-def test_sigterm_while_training_waits_for_data_checkpoints_and_resumes(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_sigterm_while_training_waits_for_data_checkpoints_and_resumes(tmp_path, grad_accum):
     """A follow trainer that has trained what is committed and waits for more gets SIGTERM (a
     Slurm preemption): it checkpoints where it is and exits 143 at once, not when data comes. Its
-    --resume, once extraction finishes, trains the rest: the follow epoch's every step, once."""
+    --resume, once extraction finishes, trains the rest: the follow epoch's every step, once.
+    With --grad-accum 2 it took a step's first batch and waited for its second inside the step,
+    where neither SIGTERM nor the stall check was looked at: it ran on until killed. It waits for
+    the step's every batch at the step boundary now."""
     import signal
 
     from tiny_models import tiny_model_dir
@@ -826,8 +887,8 @@ def test_sigterm_while_training_waits_for_data_checkpoints_and_resumes(tmp_path)
     uri, out = str(tmp_path / "run"), str(tmp_path / "out")
     fake_worker.work(uri, shards=[0, 1, 2])  # 3 of 7 committed; the rest pending
     args = [sys.executable, "-m", "layertap", "train", "--data", uri, "--model", target, "--out", out, "--follow",
-            "--follow-poll-s", "0.5", "--batch-size", "2", "--shuffle-buffer", "2", "--block-size", "4",
-            "--max-anchors", "8", "--save-every", "1000"]
+            "--follow-poll-s", "0.5", "--batch-size", "2", "--grad-accum", str(grad_accum), "--shuffle-buffer",
+            str(2 * grad_accum), "--block-size", "4", "--max-anchors", "8", "--save-every", "1000"]
     err = tmp_path / "train.err"
     with err.open("w") as f:
         train = subprocess.Popen(args, env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent,
@@ -835,21 +896,26 @@ def test_sigterm_while_training_waits_for_data_checkpoints_and_resumes(tmp_path)
     deadline = time.time() + 120
     while time.time() < deadline and "waiting for extraction: 3 of 7" not in err.read_text():
         time.sleep(0.2)
-    time.sleep(3)  # the trainer trains what is in flight, then waits too
+    time.sleep(4)  # the trainer trains what is in flight, then waits too
     sent = time.time()
     train.send_signal(signal.SIGTERM)
-    assert train.wait(timeout=60) == 143, err.read_text()[-3000:]
+    try:
+        rc = train.wait(timeout=30)
+    finally:
+        train.kill()
+    assert rc == 143, err.read_text()[-3000:]
     assert time.time() - sent < 20  # within a few of the trainer's 5 s looks, not when data comes
     metrics = Path(out) / "metrics.jsonl"
     trained = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     latest = json.loads((Path(out) / "checkpoints" / "latest.json").read_text())
-    assert trained and latest["step"] == trained[-1] < SAMPLES // 2
+    steps = SAMPLES // (2 * grad_accum)
+    assert trained and latest["step"] == trained[-1] < steps
 
     fake_worker.work(uri)  # extraction finishes; the trainer resumes where it stopped
     rc = subprocess.run(args + ["--resume"], env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent,
                         capture_output=True, text=True, timeout=600)
     assert rc.returncode == 0, rc.stderr[-3000:]
-    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, SAMPLES // 2 + 1))
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, steps + 1))
 
 
 def _store(uri):

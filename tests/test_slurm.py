@@ -353,6 +353,13 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     assert submit(*base, "--window", "200GB", "--shard-bytes", "128MB", "--train-while-extracting",
                   "--model m --out d --delete-consumed --shuffle-buffer 16") == 0
     assert "may stall" not in capsys.readouterr().err  # 12 x (16 + 12) x 128 MB = 43 GB
+    # --grad-accum 2: a follow trainer waits for a step's 2 batches at its boundary, one batch more in flight
+    assert submit(*base, "--window", "200GB", "--train-while-extracting",
+                  "--model m --out d --delete-consumed --save-every 50 --grad-accum 2") == 0
+    err = capsys.readouterr().err
+    assert "is below 894 GiB = 12 consumers" in err and "4 x --batch-size 4, with --grad-accum 2" in err
+    from layertap.manifests.consumption import window_floor
+    assert window_floor(1, 64, 4, 10, grad_accum=2) == window_floor(1, 64, 4, 10) + 4 * 10
 
     # With --window the trainer must delete what it consumed, or the extraction would wait forever.
     assert submit(*base, "--window", "200GB", "--train-while-extracting", "--model m --out d") == 2

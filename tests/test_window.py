@@ -429,7 +429,7 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
     """Extraction waits for training (its window is full) while training waits for data, on two
     looks in a row: the follow watcher's waiting line is joined by one naming the stall, the rule
     and the knobs. One look is not yet a stall: a waiting trainer checkpoints to open the window."""
-    from layertap.manifests.consumption import WindowGate, recorded_window
+    from layertap.manifests.consumption import WindowGate, claim_consumer, recorded_window
     from layertap.manifests.manifest import load_manifest
     from layertap.train.follow import CommitWatcher
 
@@ -438,6 +438,7 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
     assert recorded_window(store) is None
     WindowGate(store, 10_000).record()
     assert recorded_window(store) == 10_000
+    claim_consumer(store, "out")  # a --delete-consumed trainer: the stall is the window's size
     watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1)
     watcher.poll()
     caplog.set_level("INFO", logger="layertap.train.follow")
@@ -461,3 +462,62 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
         watcher._logged = 0.0
         assert watcher._extraction_over() is False
     assert "waiting for extraction" in caplog.text and "STALLED" not in caplog.text
+
+
+def test_a_window_run_no_trainer_deletes_from_is_named_as_such(tmp_path, capsys, caplog):
+    """A follow trainer without --delete-consumed never frees the window: the STALLED line advised a
+    larger --window, and status said training deletes what it trained on. Both, and the trainer's
+    start, now name the missing --delete-consumed trainer and the fix."""
+    from layertap.manifests.consumption import claim_consumer
+    from layertap.manifests.manifest import load_manifest
+    from layertap.train.follow import CommitWatcher
+    from tiny_models import tiny_model_dir
+
+    store_uri = str(tmp_path / "run")
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])  # 3 of 7 committed; the rest pending
+    WindowGate(store, 10_000).record()
+    watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1)
+    watcher.poll()
+    caplog.set_level("INFO")
+    for _ in range(2):
+        watcher._logged = 0.0
+        assert watcher._extraction_over() is False
+    assert "no `layertap train --delete-consumed` has claimed" in caplog.text
+    assert "--delete-consumed (--resume continues it)" in caplog.text and "larger --window" not in caplog.text
+    out = cli_out(capsys, "status", store_uri)[1]
+    assert "NO TRAINER DELETES" in out and "as training consumes and deletes" not in out
+
+    caplog.clear()
+    fake_worker.work(store_uri)  # the trainer's start warns, whatever is committed
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    assert cli(["train", "--data", store_uri, "--model", target, "--out", str(tmp_path / "out"), "--follow",
+                "--steps", "1", "--batch-size", "2", "--block-size", "4", "--max-anchors", "8"]) == 0
+    assert "no --delete-consumed trainer has claimed it" in caplog.text
+
+    claim_consumer(store, "elsewhere")  # a deleting trainer: the advice is the window's size again
+    caplog.clear()
+    for _ in range(2):
+        watcher._logged = 0.0
+        watcher._extraction_over()
+    assert "larger --window" in caplog.text and "has claimed" not in caplog.text
+    assert "NO TRAINER DELETES" not in cli_out(capsys, "status", store_uri)[1]
+
+
+def test_an_extraction_without_a_window_removes_an_earlier_ones_record(tmp_path):
+    """A `consumed/window.json` left by an earlier --window extraction made the follow trainer of a
+    later one without --window take stall checkpoints, and status report a window."""
+    from layertap.manifests.consumption import recorded_window
+    from test_extract import REPO, write_chats
+    from tiny_models import tiny_model_dir
+
+    uri = str(tmp_path / "run")
+    store = open_store(uri)
+    WindowGate(store, 8_000).record()
+    args = [sys.executable, "-m", "layertap", "extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
+            write_chats(tmp_path / "chats.jsonl", 8), "--out", uri, "--layers", "1,3", "--max-length", "32",
+            "--log-dir", str(tmp_path / "logs")]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert recorded_window(store) is None

@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
@@ -92,6 +93,42 @@ def _runs_beside(store: ObjectStore) -> str:
         return ""
     runs.sort(key=lambda f: -difflib.SequenceMatcher(None, f, name).ratio())
     return f"; runs beside it: {', '.join(runs[:5])}{' ...' if len(runs) > 5 else ''} (is --data one of them?)"
+
+
+@dataclass(frozen=True)
+class PendingWork:
+    """What extraction has yet to do, at one look (`pending_work`)."""
+
+    left: list[int]  # planned shards not committed
+    running: set[int]  # of those, under a live lease
+    given_up: list[int]  # of those, given up (retries used up, no newer failure) and not running
+    retrying: list[int]  # of those, failed with retries left
+    live: bool  # some lease in the run is live
+
+    @property
+    def over(self) -> bool:
+        """Nothing left that anyone will do: shards left, every one given up, and no live lease."""
+        return bool(self.left) and not self.live and len(self.given_up) == len(self.left)
+
+
+def pending_work(store: ObjectStore, manifest: Manifest, committed: set[int]) -> PendingWork:
+    """The shards of `manifest` not in `committed` and where each stands: the follow watcher's
+    test of "extraction is over", shared with a new trainer's check that anything is left."""
+    st = scan_work(store, manifest)
+    left = [p.id for p in manifest.shards if p.id not in committed]
+    verdicts: dict[int, int] = {}  # shard -> its newest given-up record's time (ms)
+    for o in store.list(layout.GIVEN_UP):
+        shard = layout.shard_of(o.key, layout.GIVEN_UP)
+        if shard is not None:
+            verdicts[shard] = max(verdicts.get(shard, 0), layout.record_millis(o.key))
+    running = {s for s in left if st.live_lease(s)}  # sets: at a run's start most of its shards are left
+    given_up = sorted(s for s in left if s not in running and s in verdicts
+                      and verdicts[s] >= max((layout.record_millis(k) for k in st.failures.get(s, [])
+                                              if not k.endswith(layout.STOPPED)), default=0))
+    done_with = running | set(given_up)
+    retrying = [s for s in left if s not in done_with and st.failures_since(s, 0)]
+    live = any(st.live_lease(s) for s in st.leases)
+    return PendingWork(left, running, given_up, retrying, live)
 
 
 class CommitWatcher:
@@ -229,21 +266,9 @@ class CommitWatcher:
         whose --retries it used up (`given_up/`), on two looks in a row. A failure with retries
         left, a preemption or a worker waiting behind --window is not an end: the shard will come.
         Logs what is still pending, at most every 30 s."""
-        st = scan_work(self.store, self.manifest)
-        left = [p.id for p in self.manifest.shards if p.id not in self.known]
-        verdicts: dict[int, int] = {}  # shard -> its newest given-up record's time (ms)
-        for o in self.store.list(layout.GIVEN_UP):
-            shard = layout.shard_of(o.key, layout.GIVEN_UP)
-            if shard is not None:
-                verdicts[shard] = max(verdicts.get(shard, 0), layout.record_millis(o.key))
-        running = {s for s in left if st.live_lease(s)}  # sets: at a run's start most of its shards are left
-        given_up = sorted(s for s in left if s not in running and s in verdicts
-                          and verdicts[s] >= max((layout.record_millis(k) for k in st.failures.get(s, [])
-                                                  if not k.endswith(layout.STOPPED)), default=0))
-        done_with = running | set(given_up)
-        retrying = [s for s in left if s not in done_with and st.failures_since(s, 0)]
-        live = any(st.live_lease(s) for s in st.leases)
-        if left and not live and len(given_up) == len(left) and not self._missed_commits():
+        w = pending_work(self.store, self.manifest, set(self.known))
+        left, running, given_up, retrying = w.left, w.running, w.given_up, w.retrying
+        if w.over and not self._missed_commits():
             if self._given_up_once:
                 log.warning("%s: extraction is over with %d shard(s) given up (%s): ending the follow epoch without "
                             "them (`layertap status %s` says why they failed)", self.who, len(given_up),
@@ -274,13 +299,20 @@ class CommitWatcher:
         what it trained on; a stall still there a look later (30 s) is for good: samples in the
         consumers' shuffle buffers and batches in flight keep their shards from counting as
         consumed, so the window must hold more than that."""
-        from layertap.manifests.consumption import stalled
+        from layertap.manifests.consumption import consumer_of, stalled
 
         found = stalled(self.store)
         self._stalled_looks = self._stalled_looks + 1 if found is not None else 0
         if found is None or self._stalled_looks < 2:
             return
         b, window = found
+        if consumer_of(self.store) is None:
+            log.error("%s: STALLED: extraction waits for training to consume (%s at rest in %d shards, window %s) "
+                      "while training waits for data, and no `layertap train --delete-consumed` has claimed %s: "
+                      "nothing trained on is deleted, so the window never opens. Restart the trainer with "
+                      "--delete-consumed (--resume continues it), or restart extraction without --window.",
+                      self.who, size(b.bytes), b.shards, size(window), self.store.uri)
+            return
         largest = max((r.bytes for r in self.known.values() if isinstance(r, CommitRecord)), default=0)
         log.error("%s: STALLED: extraction waits for training to consume (%s at rest in %d shards, window %s) "
                   "while training waits for data. A shard counts as consumed once every sample of it has left "

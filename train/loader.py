@@ -19,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Iterator
 
 import torch
@@ -143,7 +144,7 @@ class Prefetcher:
         self.loader, self.device, self.device_keys = loader, torch.device(device), device_keys
         self._state = loader.state_dict()  # as of the last batch taken: none yet
         self.wait = 0.0
-        self._next: Any = None  # an item `ready()` took off the queue, for the next wait_for_batch()
+        self._next: deque[Any] = deque()  # items `ready()` took off the queue, for the next wait_for_batch() calls
         self._in_loader = False  # the thread is inside the loader's next()
         self._ready: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(depth)
@@ -162,29 +163,38 @@ class Prefetcher:
     def epoch(self) -> int:
         return int(self._state["epoch"])
 
-    def ready(self, timeout: float) -> bool:
-        """Whether the next batch (or the thread's failure) is there, waiting up to `timeout`
-        seconds for it (the time goes into `wait`): lets a trainer do something else while it waits."""
-        if self._next is None:
-            t = time.perf_counter()
-            try:
-                self._next = self._ready.get(timeout=timeout)
-            except queue.Empty:
-                return False
-            finally:
-                self.wait += time.perf_counter() - t
-        return True
+    def ready(self, timeout: float, count: int = 1) -> bool:
+        """Whether the next `count` batches are there (fewer when one of them ends its epoch, or
+        the thread failed), waiting up to `timeout` seconds for them (the time goes into `wait`):
+        lets a trainer do something else while it waits. `count` must not exceed the depth."""
+        t = time.perf_counter()
+        deadline = t + timeout
+        try:
+            while not self._enough(count):
+                try:
+                    self._next.append(self._ready.get(timeout=max(0.0, deadline - time.perf_counter())))
+                except queue.Empty:
+                    return False
+            return True
+        finally:
+            self.wait += time.perf_counter() - t
+
+    def _enough(self, count: int) -> bool:
+        """Whether the items taken off the queue make up a step of `count` batches."""
+        if len(self._next) >= count:
+            return True
+        return any(isinstance(item, _Failed) or item[0]["ends_epoch"] for item in self._next)
 
     def wait_for_batch(self) -> dict[str, Any]:
         """The next batch, blocking until the thread has it ready (the time goes into `wait`)."""
-        if self._next is not None:
-            item, self._next = self._next, None
+        if self._next:
+            item = self._next.popleft()
         else:
             t = time.perf_counter()
             item = self._ready.get()
             self.wait += time.perf_counter() - t
         if isinstance(item, _Failed):
-            self._next = item  # every later call fails the same way
+            self._next.appendleft(item)  # every later call fails the same way
             raise item.error
         batch, self._state = item
         self._slots.release()

@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from layertap.manifests.layout import MANIFEST
-from layertap.manifests.manifest import load_manifest
+from layertap.manifests.manifest import Manifest, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.storage.errors import ConfigError, InputError, UserError
@@ -253,7 +253,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
     elif cfg.follow and rank == 0:  # two listings of the run: once, not on every rank
-        _check_left_to_train(data, len(run.shards))
+        _check_left_to_train(data, run)
     # The run's committed shards before the target: a run with none fails in seconds, not after
     # the target head has loaded.
     stream = open_stream(cfg, acc)
@@ -302,8 +302,10 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         log.info("objective: %s", _objective_text(cfg, run.identity.final_state))
     metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
 
+    # follow mode: a step's every batch prefetched, so `_await_data` waits for them all at the step boundary
+    depth = max(2, cfg.grad_accum) if cfg.follow else 2
     with StopSignals(at_once=False) as stop, \
-            Prefetcher(loader, acc.device) as batches:
+            Prefetcher(loader, acc.device, depth=depth) as batches:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
                           batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
                           data=data, distill=distill, lease=lease), start)
@@ -488,6 +490,10 @@ def _loop(run: _Run, start: int) -> int:
     cfg, acc = run.cfg, run.acc
     progress = _progress(acc.process_index, start, run.total)
     step = saved = start
+    if cfg.delete_consumed and start > 0:
+        # Watermarks are written after a checkpoint; one resumed from (perhaps by a trainer that ran
+        # without --delete-consumed) may have none yet, and a full window would then wait for good.
+        _delete_consumed(run, start)
     nonfinite = 0  # steps in a row whose loss or gradient was NaN or infinite
     while step < run.total:
         stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
@@ -580,8 +586,10 @@ def _check_finite(run: _Run, stats: StepStats, before: int) -> int:
 
 
 def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
-    """Follow mode, before step `step`: wait until every rank has its next batch. Returns whether
-    a stop signal came first (the caller then exits as after a step) and the last checkpoint's step.
+    """Follow mode, before step `step`: wait until every rank has the step's batches (all
+    --grad-accum of them, or those to its epoch's end: a wait inside the step could neither stop
+    nor checkpoint). Returns whether a stop signal came first (the caller then exits as after a
+    step) and the last checkpoint's step.
 
     While a rank waits and extraction is held back by its storage window (`stalled`: the data at
     rest fills `--window`), training would wait for shards that extraction waits for training to
@@ -600,7 +608,7 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
         return [float(x) > 0 for x in (acc.reduce(flags, reduction="sum") if world > 1 else flags)]
 
     while True:
-        have = run.batches.ready(STALL_CHECK_S)
+        have = run.batches.ready(STALL_CHECK_S, run.cfg.grad_accum)
         if world == 1 and have:
             return False, saved
         missing, stop = any_rank(not have, run.stop.requested is not None)
@@ -696,19 +704,28 @@ def _delete_consumed(run: _Run, step: int) -> None:
     acc.wait_for_everyone()
 
 
-def _check_left_to_train(data: ObjectStore, planned: int) -> None:
-    """A new follow trainer of a run whose every shard is committed, and consumed and deleted by
-    a --delete-consumed trainer, has nothing to train on: it ran its steps on padding, reported
-    a NaN loss and exported an untrained drafter, exiting 0."""
+def _check_left_to_train(data: ObjectStore, run: Manifest) -> None:
+    """A new follow trainer of a run whose every committed shard was consumed and deleted by a
+    --delete-consumed trainer, and whose extraction is over (every shard committed, or the rest
+    given up with no live lease: the follow watcher's test), has nothing to train on: it ran its
+    steps on padding, reported a NaN loss and exported an untrained drafter, exiting 0."""
     from layertap.manifests import layout
     from layertap.manifests.consumption import consumed_shards
     from layertap.manifests.state import listed_shards
+    from layertap.train.follow import pending_work
 
     committed = listed_shards(data, layout.COMMITS)
-    if committed and len(committed) == planned and committed <= consumed_shards(data):
-        raise InputError(f"every shard of {data.uri} was trained on and deleted by a --delete-consumed trainer: "
-                         "nothing is left to train on. Extract the run again (to another --out) to train another "
-                         "drafter on it")
+    if not committed or not committed <= consumed_shards(data):
+        return
+    given_up: list[int] = []
+    if len(committed) < len(run.shards):
+        if not (rest := pending_work(data, run, committed)).over:
+            return  # extraction goes on: a trainer waits for what it commits
+        given_up = rest.given_up
+    lost = f" (extraction gave up shard(s) {', '.join(map(str, given_up[:10]))})" if given_up else ""
+    raise InputError(f"every shard of {data.uri} was trained on and deleted by a --delete-consumed trainer{lost}: "
+                     "nothing is left to train on. Extract the run again (to another --out) to train another "
+                     "drafter on it")
 
 
 def _check_apart(out: ObjectStore, data: ObjectStore) -> None:
@@ -725,11 +742,18 @@ def _check_apart(out: ObjectStore, data: ObjectStore) -> None:
 
 def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int) -> None:
     """One --delete-consumed trainer per run (`consumption.claim_consumer`); another trainer of the
-    same run is warned that shards may go while it reads them."""
-    from layertap.manifests.consumption import claim_consumer, consumer_of
+    same run is warned that shards may go while it reads them, and a follow trainer of a window run
+    that none consumes, that the window will not open."""
+    from layertap.manifests.consumption import claim_consumer, consumer_of, recorded_window
+    from layertap.storage.units import size
 
     if cfg.delete_consumed:
         claim_consumer(data, output)
+    elif rank == 0 and cfg.follow and consumer_of(data) is None and (window := recorded_window(data)) is not None:
+        log.warning("%s is extracted under a --window of %s, and no --delete-consumed trainer has claimed it: nothing "
+                    "trained on is deleted, so once the data at rest fills the window, extraction and this trainer "
+                    "wait for each other for good. Train with --delete-consumed (--resume continues this one), or "
+                    "extract without --window", data.uri, size(window))
     elif rank == 0 and (holder := consumer_of(data)) not in (None, output):
         log.warning("%s is consumed by the --delete-consumed trainer writing to %s: shards it deletes are left out "
                     "of this run if gone at its start, and fail it if they go while it reads them", data.uri, holder)
