@@ -73,6 +73,12 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
         raise MissingInput(f"target model {path!r} does not exist; give a model folder or an org/name hub id")
     if gguf_file is not None and local and not os.path.isfile(os.path.join(path, gguf_file)):
         raise MissingInput(f"GGUF file {gguf_file!r} not found in {path!r}")
+    if gguf_file is None and local and not os.path.isfile(os.path.join(path, "config.json")):
+        # transformers fails deep in the tokenizer's backend (a ValueError traceback) on such a folder
+        ggufs = sorted(n for n in os.listdir(path) if n.endswith(".gguf")) if os.path.isdir(path) else []
+        raise MissingInput(f"the target {path!r} has no config.json: give a model folder (config.json, tokenizer, "
+                           "safetensors weights)" + (f"; it holds {', '.join(ggufs)}: pass --gguf-file {ggufs[0]}"
+                                                     if ggufs else ""))
     source, given_gguf = path, gguf_file
     path, gguf_file = checkpoint(path, gguf_file)  # the embedded SmolLM2: its converted folder
     kw = gguf_kwargs(gguf_file) if gguf_file else {}
@@ -85,7 +91,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
             config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a tokenizer transformers cannot build from the folder
         raise InputError(f"could not load target model {source!r}: {e}") from e
     model.to(device if weights else "meta").eval()
     model.requires_grad_(False)

@@ -51,3 +51,19 @@ def test_eval_of_a_speculators_export_asks_for_the_training_output(trained, tmp_
     err = capsys.readouterr().err
     assert "a speculators export (config.json with speculators_model_type 'dflash'" in err, err
     assert "`layertap eval --drafter` takes the `layertap train` output it was exported from" in err
+
+
+def test_a_model_folder_without_config_is_a_clear_error_naming_its_gguf(tmp_path, capsys):
+    """A GGUF's folder given without --gguf-file (an easy mistake) was a ValueError traceback from
+    transformers' tokenizer backend, from extract, estimate and eval alike (`load_target`)."""
+    folder = tmp_path / "gguf-only"
+    folder.mkdir()
+    (folder / "model.Q4.gguf").write_bytes(b"GGUF")
+    chats = write_chats(tmp_path / "chats.jsonl", 2)
+    for command in (["extract", "--model", str(folder), "--dataset", chats, "--out", str(tmp_path / "run")],
+                    ["estimate", "--model", str(folder), "--dataset", chats, "--layers", "1"]):
+        assert cli(command) == 2, command
+        err = capsys.readouterr().err
+        assert f"the target {str(folder)!r} has no config.json" in err and "pass --gguf-file model.Q4.gguf" in err, \
+            (command, err)
+    assert not (tmp_path / "run").exists()
