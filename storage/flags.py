@@ -122,6 +122,13 @@ def typed_values(cls: type, values: dict[str, Any], where: str) -> dict[str, Any
     any other value checked against the field's type, so that a wrong one is named here rather
     than failing as a TypeError deep inside. `where` names the source in the messages."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    # a key may be named as its flag is too (`lease_ttl` for --lease-ttl, whose field is lease_ttl_s)
+    aliases = {key: f.name for f in fields.values()
+               if (key := flag_name(f).lstrip("-").replace("-", "_")) != f.name and key not in fields}
+    both = sorted(k for k in values if k in aliases and aliases[k] in values)
+    if both:
+        raise ConfigError(f"{where} names {both[0]!r} and {aliases[both[0]]!r}, one setting: keep one")
+    values = {aliases.get(k, k): v for k, v in values.items()}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"{where} has unknown settings {unknown}; known: {sorted(fields)}")

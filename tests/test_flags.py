@@ -68,6 +68,12 @@ def test_config_file_keys_flags_override_and_unknown_keys_are_named(tmp_path):
     path.write_text(json.dumps({"out": "o", "batch_tokenz": 1}))
     with pytest.raises(ConfigError, match=r"unknown settings \['batch_tokenz'\]"):
         load_config(parser.parse_args(["--config", str(path)]))
+    # keys named as the flags are (--lease-ttl, whose field is lease_ttl_s): the help says so
+    path.write_text(json.dumps({"out": "o", "lease_ttl": 30}))
+    assert load_config(parser.parse_args(["--config", str(path)])).lease_ttl_s == 30
+    path.write_text(json.dumps({"out": "o", "lease_ttl": 30, "lease_ttl_s": 40}))
+    with pytest.raises(ConfigError, match=r"names 'lease_ttl' and 'lease_ttl_s', one setting"):
+        load_config(parser.parse_args(["--config", str(path)]))
 
 
 def test_a_bad_flag_is_one_error_line_naming_it_and_no_traceback(tmp_path):
