@@ -190,6 +190,9 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     m = fake_worker.plan(store)
     fake_worker.work(uri, shards=[0, 1])
     store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 1000}).encode())
+    from layertap.manifests.consumption import claim_consumer
+
+    claim_consumer(store, str(tmp_path / "drafter"))  # a --delete-consumed trainer (without one, status says so)
     rc, out, _ = status(capsys, uri)
     assert rc == 3 and "of a 1000 B --window: full, extraction waits for training to consume" in out
     assert "the extraction workers wait for the window to open" in out and "nothing is running" not in out
