@@ -99,7 +99,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
     producer = Producer.current(rank)
     # The storage window: before each claim, wait while too much committed data awaits training.
     gate = WindowGate(store, cfg.window) if cfg.window is not None else None
-    if gate is None:
+    if gate is None and rank == 0:
         forget_window(store)  # an earlier --window extraction's record would tell trainers of a window
     if gate is not None and rank == 0 and cfg.window < 2 * manifest.shard_bytes:
         log.warning("--window %s holds fewer than two of this run's shards (~%s each): every claim waits until "

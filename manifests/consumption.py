@@ -311,7 +311,7 @@ def forget_window(store: ObjectStore) -> None:
     run left (`WindowGate.record`), so that trainers and `status` see no window. The record is the
     latest extraction's: written by a --window worker before its first claim, removed by one
     started without."""
-    store.delete_many([layout.CONSUMED_WINDOW])
+    store.delete(layout.CONSUMED_WINDOW)
 
 
 def recorded_window(store: ObjectStore) -> int | None:

@@ -478,14 +478,14 @@ def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
 
 
 def _store_location(uri: str) -> str:
-    """Where `open_store` puts a store, one text for each place: `s3://bucket/prefix` without the
-    prefix's outer slashes (as `S3Store` reads it), or a local folder's real path (relative or
-    absolute, `file://`, a trailing slash, a symlink); the trainer's --data and the extraction's
-    --out are the same run when these are equal."""
-    if uri.startswith("s3://"):
-        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-        return f"s3://{bucket}/{prefix.strip('/')}"
-    return os.path.realpath(os.path.expanduser(uri.removeprefix("file://")))
+    """Where `open_store` puts a store, one text for each place: the store's own URI (its S3
+    prefix without outer slashes; a local folder's absolute path, `file://` and `~` read), a local
+    folder's with symlinks resolved too; the trainer's --data and the extraction's --out are the
+    same run when these are equal."""
+    from layertap.storage.store import open_store
+
+    where = open_store(uri).uri
+    return where if where.startswith("s3://") else os.path.realpath(where)
 
 
 def _train_config(targs: argparse.Namespace, context: str = ""):
