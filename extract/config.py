@@ -87,7 +87,7 @@ class ExtractConfig:
     encode_threads: int | None = setting(None, help="threads compressing records (default: this process's share "
                                                     "of its CPUs, 2 to 8)")
     lease_ttl_s: float = setting(60.0, flag="--lease-ttl", help="seconds before a dead worker's lease expires "
-                                                                "(at least 1: a live worker renews it every quarter "
+                                                                "(1 to 86400: a live worker renews it every quarter "
                                                                 "of it)")
     retries: int = setting(1, help="retries of a failed shard in one run: a shard failed more often is left to "
                                    "a rerun")
