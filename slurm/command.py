@@ -444,6 +444,22 @@ def _no_trainer_needed(cfg) -> str | None:
     return None
 
 
+def _data_is_a_run(cfg) -> None:
+    """Refuse a --data that holds no run (a typo, or an extraction not started yet): the job would
+    fail only once it leaves the queue. Not asked with --follow (it waits for the run) or --after
+    (the run may come from the job it waits for); a store unreadable from here is the job's to judge."""
+    from layertap.manifests.manifest import NoRun, load_manifest
+    from layertap.storage.store import StoreError, open_store
+
+    try:
+        load_manifest(open_store(cfg.data, **cfg.s3))
+    except NoRun as e:
+        raise ConfigError(f"--data: {e}; to queue training behind the extraction that makes it, pass --after "
+                          "<its job id>, or train while it runs with --follow") from None
+    except StoreError:
+        pass
+
+
 def _check_window(cfg, train_cfg, consumers: int) -> None:
     """Warn (on stderr, at submission) of a --window below `window_floor`: the run may stall for
     good once the consumers' shuffle buffers and batches pin the shards that fill the window."""
@@ -525,6 +541,8 @@ def _submit_train(args: argparse.Namespace) -> int:
     nodes = partition_shapes(args.partition)
     opts = _job_options(args, _gpus_per_node(args, nodes),
                         lambda procs: train_resources(procs, cfg.num_workers), nodes)
+    if not cfg.follow and not args.after:
+        _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions))
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)

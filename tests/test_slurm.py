@@ -303,6 +303,7 @@ def test_no_trainer_is_submitted_for_an_output_a_trainer_holds(tmp_path, capsys,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     held = open_store(str(tmp_path / "drafter"))
+    planned_run(str(tmp_path / "run"), 2)
     argv = ("train", "--dry-run", "--data", str(tmp_path / "run"), "--model", "/m", "--out", held.uri)
     with OutputLease(held):
         assert submit(*argv) == 0
@@ -402,6 +403,7 @@ def test_num_workers_from_a_trainers_config_file_size_the_cpus(tmp_path, capsys,
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"num_workers": 3}))
+    planned_run(str(tmp_path / "x"), 2)
     assert submit("train", "--dry-run", "--gpus-per-node", "2", "--data", "x", "--out", "d", "--config",
                   str(config)) == 0
     train = sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])
@@ -629,6 +631,28 @@ def test_the_trainers_arguments_are_checked_at_submission(tmp_path, capsys, monk
     assert not (tmp_path / "layertap-logs").exists()
     assert submit(*base, "--then-train", "--data run --out d --epochs 2") == 0
     assert "--epochs 2" in dry_run_scripts(capsys.readouterr().out)["layertap-train"]
+
+
+def test_submit_train_refuses_data_that_holds_no_run(tmp_path, capsys, monkeypatch):
+    """A --data with no run (a typo, an extraction not started) was queued, and the job failed only
+    once it left the queue: refused at submission, naming --after and --follow, which wait for a
+    run that does not exist yet and are not refused."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    base = ("train", "--dry-run", "--out", "d")
+    assert submit(*base, "--data", "typo") == 2
+    err = capsys.readouterr().err
+    assert f"error: --data: no run at {tmp_path / 'typo'}" in err and "pass --after <its job id>" in err, err
+    assert "with --follow" in err
+    assert submit(*base, "--data", "typo", "--after", "41") == 0
+    assert submit(*base, "--data", "typo", "--follow") == 0
+    planned_run(str(tmp_path / "run"), 2)
+    assert submit(*base, "--data", "run") == 0
+    assert "#SBATCH" in capsys.readouterr().out
+    open_store(str(tmp_path / "bad")).put("manifest.json", b"{not json")
+    assert submit(*base, "--data", "bad") == 2
+    assert "manifest.json is corrupt" in capsys.readouterr().err
+    assert not (tmp_path / "layertap-logs").exists()
 
 
 def test_counts_of_nodes_tasks_and_shards_must_be_at_least_one(tmp_path, capsys, monkeypatch):
