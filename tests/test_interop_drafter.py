@@ -188,19 +188,44 @@ def test_export_to_s3_writes_the_same_bytes(trained, tmp_path, s3_bucket):
         assert store.get(name) == Path(local, name).read_bytes()
 
 
+def test_a_tokenizer_that_fills_the_embedding_gets_its_spare_special_token_as_the_mask(run, target, tmp_path, capsys,
+                                                                                     caplog):
+    """The tiny tokenizer, like SmolLM2's, fills its embedding: len(tokenizer) was the default mask
+    id, outside the vocabulary, and the drafter learned a mask embedding that export refused. Now
+    the unused special token ('</think>', 4) is the mask, named in the log, and the drafter exports."""
+    out = str(tmp_path / "out")
+    with caplog.at_level("INFO"):
+        assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", *FAST]) == 0
+    assert any("mask token is its unused special token '</think>' (id 4)" in r.getMessage() for r in caplog.records)
+    config, weights = load_drafter_files(open_store(out))
+    assert config.mask_token_id == 4 and not config.learned_mask and "mask_embedding" not in weights
+    assert cli(["export-drafter", out, "--to", "speculators", str(tmp_path / "spec")]) == 0
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["mask_token_id"] == 4
+
+
 def test_learned_mask_embedding_is_refused_naming_the_option(run, target, tmp_path, capsys, caplog):
     out = str(tmp_path / "out")
-    with caplog.at_level("WARNING"):
-        assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", *FAST]) == 0
-    # warned before training, naming an id that would do (the tiny tokenizer's unused special token)
-    assert any("export-drafter --to speculators" in r.getMessage() and "--mask-token-id 4 (the unused special token "
-               "'</think>')" in r.getMessage() for r in caplog.records)
+    vocab = load_target_head(target).vocab_size
+    assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", "--mask-token-id",
+                str(vocab), *FAST]) == 0
     config, weights = load_drafter_files(open_store(out))
-    assert config.learned_mask and "mask_embedding" in weights  # the tiny tokenizer fills its embedding
+    assert config.learned_mask and "mask_embedding" in weights  # an id past the vocabulary, asked for
     capsys.readouterr()
     assert cli(["export-drafter", out, "--to", "speculators", str(tmp_path / "spec")]) == 2
     err = capsys.readouterr().err
     assert "--mask-token-id" in err and "mask embedding" in err and not (tmp_path / "spec").exists()
+
+
+def test_a_full_tokenizer_without_a_spare_token_learns_a_mask_and_is_warned_of(tmp_path, caplog):
+    from layertap.train.trainer import mask_token_id
+    from tiny_models import QWEN3_TEMPLATE
+
+    tok = tiny_tokenizer(QWEN3_TEMPLATE)  # its template writes <think> and </think>: no special token is spare
+    tok.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        assert mask_token_id(str(tmp_path), None, len(tok)) == len(tok)
+    assert any("has no unused special token" in r.getMessage() and "export-drafter --to speculators" in
+               r.getMessage() for r in caplog.records)
 
 
 def test_the_spare_special_token_has_no_role_and_is_not_in_the_chat_template():

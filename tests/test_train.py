@@ -308,8 +308,9 @@ def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, t
     assert len(m[0]["acc_per_position"]) == 3
     config, weights = load_drafter_files(open_store(out))
     assert config.capture_layers == [1, 3] and config.block_size == 4
-    assert config.mask_token_id == len(tiny_tokenizer()) and config.learned_mask  # the tiny vocab has no free slot
-    assert "mask_embedding" in weights and not any(k.startswith(("embed", "lm_head")) for k in weights)
+    # the tiny vocabulary has no free slot: the mask is its unused special token, '</think>'
+    assert config.mask_token_id == tiny_tokenizer().convert_tokens_to_ids("</think>") and not config.learned_mask
+    assert not any(k.startswith(("embed", "lm_head", "mask_embedding")) for k in weights)
     store = open_store(out)
     assert sorted(o.key.split("/")[1] for o in store.list("checkpoints/step-")
                   if o.key.endswith("state.json")) == ["step-00000100", "step-00000120"]  # keep 2

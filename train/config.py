@@ -44,9 +44,10 @@ class TrainConfig:
     gamma: float = setting(7.0, help="decay of the loss weight along a block: exp(-(k-1)/gamma) at position k")
     mask_token_id: int | None = setting(None, help="the drafter's mask token (default: len(tokenizer), the first "
                                                    "id the tokenizer does not use; when that is outside the "
-                                                   "embedding the drafter learns a mask embedding, which "
-                                                   "`layertap export-drafter --to speculators` refuses: give a "
-                                                   "reserved or unused id below the vocabulary size instead)")
+                                                   "embedding, an unused special token, else the drafter learns a "
+                                                   "mask embedding, which `layertap export-drafter --to "
+                                                   "speculators` refuses; an id from the vocabulary size up learns "
+                                                   "one on purpose)")
     objective: Literal["ce", "kl", "ce+kl"] = setting(
         "ce", help="what each draft slot learns: ce, the data's next token; kl, the target's next-token "
                    "distribution (forward KL), computed through its frozen norm and head from the final-layer "

@@ -74,9 +74,10 @@ def mask_token_id(model: str, gguf_file: str | None, vocab_size: int) -> int:
 
     A folder without tokenizer files loads as an empty tokenizer of length 1 (transformers does
     not fail), which would make a real token, id 1, the mask: refused instead. When that id is
-    past the embedding (a tokenizer that fills it, like SmolLM2's), the drafter learns a mask
-    embedding, which `export-drafter --to speculators` refuses: warned of here, before hours of
-    training, naming an unused special token that would do."""
+    past the embedding (a tokenizer that fills it, like SmolLM2's), the mask is an unused special
+    token inside the vocabulary: a drafter vLLM can serve (`export-drafter --to speculators` holds
+    no mask embedding of its own). Without one, the drafter learns a mask embedding, which that
+    export refuses: warned of here, before hours of training."""
     from transformers import AutoTokenizer
 
     from layertap.extract.embedded import checkpoint
@@ -88,12 +89,19 @@ def mask_token_id(model: str, gguf_file: str | None, vocab_size: int) -> int:
                          f"{len(tok)} token(s)), so the mask token id cannot be chosen from it: add the tokenizer "
                          "files to the folder, or pass --mask-token-id ID (a reserved or unused token id; below the "
                          "vocabulary size so that `layertap export-drafter --to speculators` can export the drafter)")
-    if len(tok) >= vocab_size:
-        spare = spare_special_token(tok, vocab_size)
-        log.warning("the mask token id %d (len(tokenizer)) is outside the target's vocabulary of %d ids: the drafter "
-                    "learns a mask embedding of its own, and `layertap export-drafter --to speculators` (the form vLLM "
-                    "serves) will refuse it. For an exportable drafter, pass --mask-token-id %s", len(tok), vocab_size,
-                    f"{spare[0]} (the unused special token {spare[1]!r})" if spare else "ID (an unused id below the vocabulary size)")
+    if len(tok) < vocab_size:
+        return len(tok)
+    spare = spare_special_token(tok, vocab_size)
+    if spare is not None:
+        log.info("the tokenizer fills the target's %d-id vocabulary, so the drafter's mask token is its unused special "
+                 "token %r (id %d); --mask-token-id %d would learn a mask embedding instead, which "
+                 "`layertap export-drafter --to speculators` (the form vLLM serves) cannot hold", vocab_size, spare[1],
+                 spare[0], vocab_size)
+        return spare[0]
+    log.warning("the mask token id %d (len(tokenizer)) is outside the target's vocabulary of %d ids and the tokenizer "
+                "has no unused special token: the drafter learns a mask embedding of its own, and `layertap "
+                "export-drafter --to speculators` (the form vLLM serves) will refuse it. For an exportable drafter, "
+                "pass --mask-token-id ID (an unused id below the vocabulary size)", len(tok), vocab_size)
     return len(tok)
 
 
