@@ -131,6 +131,29 @@ def test_context_under_autocast_skips_the_fp32_copy_and_matches():
     assert d.context(states).dtype == torch.float32  # no autocast: cast to fc's dtype, as before
 
 
+def test_the_drafters_norms_run_fused_under_bf16_autocast():
+    """Under bf16 autocast a projection's bf16 output met a float32 norm weight (q/k norms, the
+    context norm), and torch fell back to its unfused RMSNorm ("Mismatch dtype ... Cannot
+    dispatch to fused implementation"): a candidate for the H200 step time. The weights stay
+    float32 and train."""
+    import warnings
+
+    head = toy_head()
+    torch.manual_seed(0)
+    d = DFlashDrafter(default_config(head, [1], mask_token_id=3, block_size=4, max_anchors=4), head)
+    batch = {"input_ids": torch.randint(0, 50, (2, 12)), "loss_mask": torch.ones(2, 12, dtype=torch.uint8),
+             "lengths": torch.tensor([12, 7]), "hidden_states": torch.randn(2, 12, 1, 32)}
+    reference = dflash_loss(d, batch, torch.Generator().manual_seed(0)).loss.detach()
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        result = dflash_loss(d, batch, torch.Generator().manual_seed(0))
+    assert not [w for w in caught if "Mismatch dtype" in str(w.message)], [str(w.message) for w in caught]
+    assert abs(float(result.loss) - float(reference)) < 0.05 * float(reference)
+    result.loss.backward()
+    norm = d.layers[0].k_norm.weight
+    assert norm.dtype == torch.float32 and norm.grad is not None and norm.grad.dtype == torch.float32
+
+
 def test_anchors_weights_and_learned_mask_token():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.uint8)
     lengths = torch.tensor([10, 6])

@@ -120,6 +120,17 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm that takes its input's dtype: under bf16 autocast a projection's bf16 output met
+    the float32 weight, and torch ran its unfused fallback ("Mismatch dtype ... Cannot dispatch to
+    fused implementation"), several passes over the states instead of one. Autocast's own rule
+    for weights (a matmul's are cast to bf16 too); the float32 weight still trains."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight if self.weight is None or self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
 class DrafterLayer(nn.Module):
     """Pre-norm attention (Q from the block; K/V from context and block) and a SwiGLU MLP."""
 
@@ -127,14 +138,14 @@ class DrafterLayer(nn.Module):
         super().__init__()
         self.c = c
         h, hd = c.hidden_size, c.head_dim
-        self.input_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
+        self.input_norm = RMSNorm(h, eps=c.rms_norm_eps)
         self.q_proj = nn.Linear(h, c.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(c.num_heads * hd, h, bias=False)
-        self.q_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)  # per-head q/k norms, as in Qwen3
-        self.k_norm = nn.RMSNorm(hd, eps=c.rms_norm_eps)
-        self.post_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, eps=c.rms_norm_eps)  # per-head q/k norms, as in Qwen3
+        self.k_norm = RMSNorm(hd, eps=c.rms_norm_eps)
+        self.post_norm = RMSNorm(h, eps=c.rms_norm_eps)
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
@@ -175,9 +186,9 @@ class DFlashDrafter(nn.Module):
         self.lm_head = self.embed if head.tied else nn.Parameter(head.lm_head.detach().float(), requires_grad=False)
         n_ctx = len(c.capture_layers) * c.hidden_size
         self.fc = nn.Linear(n_ctx, c.hidden_size, bias=False)
-        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
-        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.learned_mask else None
         # "sdpa": a dense boolean mask (CPU, small shapes); "flex": flex-attention block masks,
         # compiled on GPU, where the dense mask of a 4K-token, 512-anchor sample would not fit.
