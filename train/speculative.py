@@ -46,6 +46,7 @@ class TargetRunner:
     every forward overwrites in place, so they cannot be cropped: `verify` snapshots them first,
     and when part of the block is rejected `keep` restores the snapshot, crops the attention
     layers and runs the accepted tokens again, leaving exactly the states of the accepted tokens.
+    Layers that keep no cache (the mlp and moe layers of `nemotron_h`) have nothing to roll back.
     `seconds` adds up the time that rollback costs (snapshot, restore, re-forward).
     """
 
@@ -98,9 +99,23 @@ class TargetRunner:
             self.crop(len(prompt))
             return self._prefilled[1]
         self.reset()
-        result = self.step(prompt)
+        try:
+            result = self.step(prompt)
+        except ValueError as e:
+            if type(self.cache).__name__ not in str(e):
+                raise
+            raise self._own_cache_refusal(e) from e
         self._prefilled = (list(prompt), result, _snapshot(self.cache) if self.hybrid else None)
         return result
+
+    def _own_cache_refusal(self, e: ValueError) -> InputError:
+        """The error for a model whose forward refuses the cache it was given, wanting a class of its
+        own (MiniMax): `keep` rolls back only a DynamicCache's layers. Its first forward is where
+        transformers says so, naming the cache's class."""
+        model_type = self._decoder.config.model_type
+        return InputError(f"`layertap eval` cannot decode the target (model_type {model_type!r}) with a "
+                          f"{type(self.cache).__name__}, the cache whose layers it rolls back past rejected drafts: "
+                          f"the model takes only a cache class of its own ({e})")
 
     @torch.inference_mode()
     def step(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,18 +183,28 @@ def _check_rollback(config, kinds: set[str]) -> None:
     """Refuse a target whose cache has a layer kind `keep` cannot roll back (sliding windows that
     drop old entries, compressed or indexed attention, ...), naming the kinds."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
     try:
         names = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
     except (KeyError, ValueError, TypeError) as e:  # a layer kind transformers' cache does not know
         names = {f"unknown ({e})"}
-    rollable = (DynamicLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer)
-    odd = sorted(names - {c.__name__ for c in rollable})
+    odd = sorted(names - {c.__name__ for c in _rollable_layers()})
     if odd or not names:
         raise InputError(f"the target's layers ({sorted(kinds)}) use cache layers {odd or 'none'} that `layertap "
                          "eval` cannot roll back past rejected drafts: it supports full and sliding attention, "
-                         "and full attention mixed with linear attention (qwen3_5_text, qwen3_next)")
+                         "and full attention mixed with linear attention (qwen3_5_text, qwen3_next) and with "
+                         "layers that keep no cache (nemotron_h's mlp and moe layers)")
+
+
+def _rollable_layers() -> list[type]:
+    """The cache layer classes `keep` rolls back: attention (cropped), linear attention (restored
+    from a snapshot), and `DummyLayer`, which holds nothing (the mlp and moe layers of hybrids such
+    as nemotron_h; transformers before 5.2x has no such class)."""
+    from transformers import cache_utils
+
+    rollable = [cache_utils.DynamicLayer, cache_utils.LinearAttentionLayer,
+                cache_utils.LinearAttentionAndFullAttentionLayer]
+    return rollable + ([cache_utils.DummyLayer] if hasattr(cache_utils, "DummyLayer") else [])
 
 
 def _snapshot(cache) -> list[tuple[Any, dict, dict, dict]]:
@@ -331,10 +356,12 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     if model is None:
         model, gguf_file = recorded_target(config.target, f"the drafter at {drafter_uri} was trained for",
                                            "the drafter's config")
-    # the prompts first, with the tokenizer alone (the model on the meta device, in a second): a bad
-    # row should not cost the weights' load, minutes at a 27B target
-    prompts, skipped = load_prompts(prompts_path, load_target(model, gguf_file, weights=False).tokenizer, limit,
-                                    max_prompt_tokens)
+    # the target's identity and the prompts first, from its config and tokenizer alone (the model on
+    # the meta device, in a second): neither a wrong --model nor a bad row should cost the weights'
+    # load, minutes at a 27B target
+    planned = load_target(model, gguf_file, weights=False)
+    check_drafter_target(config.target, planned.info, drafter_uri)
+    prompts, skipped = load_prompts(prompts_path, planned.tokenizer, limit, max_prompt_tokens)
     if dtype == "float32" and device.startswith("cuda"):
         # The greedy check compares a block's verification (a hybrid's chunked Triton kernels) with
         # one-token steps (its recurrent kernel): Triton's float32 dots default to TF32 on GPUs that
@@ -397,6 +424,27 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         report["tau_untrained"] = _known(_tau(untrained, config.block_size)[0])
     report["wall_s"] = round(time.time() - t0, 1)
     return report
+
+
+def check_drafter_target(recorded: dict[str, Any], info: dict[str, Any], drafter_uri: str) -> None:
+    """Refuse a target other than the one the drafter was trained for: one of the same vocabulary and
+    width decoded to a tau without a word. Compared as training compares --model with the run's
+    (`trainer.target_differences`); a drafter saved before its config recorded those facts is
+    compared by model type alone, and only warned of (a copy of a model may live anywhere)."""
+    from layertap.train.trainer import TARGET_FACTS, target_differences
+
+    given = info["model"] + (f" ({info['gguf_file']})" if info["gguf_file"] else "")
+    was = str(recorded.get("model")) + (f" ({recorded['gguf_file']})" if recorded.get("gguf_file") else "")
+    if any(recorded.get(k) is not None for k in TARGET_FACTS):
+        diffs = target_differences(recorded, info, "the drafter's")
+        if diffs:
+            raise InputError(f"the target {given} is not the one the drafter at {drafter_uri} was trained for "
+                             f"({was}): {'; '.join(diffs)}. The drafter drafts from that model's states with its "
+                             "embeddings and head: pass --model (and --gguf-file) with the model it was trained for")
+    elif recorded.get("model_type") not in (None, info["model_type"]):
+        log.warning("the target %s is a %r, but the drafter at %s was trained for a %r (%s): is --model the target "
+                    "it was trained for? (its config, written before layertap recorded a target's hashes, names "
+                    "only the model type)", given, info["model_type"], drafter_uri, recorded["model_type"], was)
 
 
 def _known(x: float) -> float | None:

@@ -117,7 +117,8 @@ def spare_special_token(tok: Any, vocab_size: int) -> tuple[int, str] | None:
 
 
 def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None) -> DFlashDrafter:
-    """The drafter for this run's target; a resumed run takes the checkpoint's config as is."""
+    """The drafter for this run's target; a resumed run takes the checkpoint's config as is, its
+    target record completed with the facts a checkpoint from before they were recorded lacks."""
     head = load_target_head(cfg.model, cfg.gguf_file)
     if run.hidden_size is not None and run.hidden_size != head.hidden_size:
         raise InputError(f"{cfg.model} has hidden size {head.hidden_size}, but the run at {cfg.data} stored "
@@ -125,13 +126,13 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
     check_same_target(cfg, run)
     if saved is not None:
         dconf = DrafterConfig.from_json(saved)
+        dconf.target = {**drafter_target(run), **dconf.target}
     else:
         mask = (cfg.mask_token_id if cfg.mask_token_id is not None
                 else mask_token_id(cfg.model, cfg.gguf_file, head.vocab_size))
         dconf = default_config(head, run.layers, mask, num_layers=cfg.drafter_layers,
                                block_size=cfg.block_size, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
-                               target={"model": run.model, "gguf_file": run.gguf_file, "model_type": run.model_type,
-                                       "final_state": run.final_state})
+                               target=drafter_target(run))
     torch.manual_seed(0)  # initial weights: the same on every rank and every run
     return DFlashDrafter(dconf, head)
 
@@ -143,22 +144,33 @@ TARGET_FACTS = {"model_config_sha256": ("model_config_sha256", "config.json sha2
                 "model_revision": ("revision", "revision")}
 
 
-def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
-    """Refuse a --model other than the run's target: another model of the same width trained to
-    exit 0 against the wrong embeddings and head, and the drafter's config named the run's model.
-    Computed as extraction computes them (`load_target`'s info, from the config alone); a fact
+def drafter_target(run: RunConfig) -> dict[str, Any]:
+    """What the drafter's config records of its target: where to find it (`eval`'s default --model)
+    and the run's TARGET_FACTS, which `eval` checks its --model against (`target_differences`)."""
+    return {"model": run.model, "gguf_file": run.gguf_file, "model_type": run.model_type,
+            "final_state": run.final_state, **{k: getattr(run, k) for k in TARGET_FACTS}}
+
+
+def target_differences(recorded: dict[str, Any], info: dict[str, Any], whose: str) -> list[str]:
+    """How the target `info` describes (`load_target`'s, computed from its config and tokenizer
+    alone) differs from the TARGET_FACTS `recorded`: one "what: {whose} X, --model's Y" each. A fact
     either side does not know (an older run, a GGUF's config, a folder without a revision or without
     tokenizer files) is not compared, as extraction's resume does (`IF_RECORDED`)."""
-    recorded = {k: getattr(run, k) for k in TARGET_FACTS if getattr(run, k) is not None}
-    if not recorded:
+    if info["tokenizer_vocab_size"] < 2:  # no tokenizer files: an empty one, nothing to compare (`mask_token_id`)
+        info = {**info, "tokenizer_sha256": None}
+    return [f"{what}: {whose} {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
+            if recorded.get(k) is not None and info.get(key) is not None and info[key] != recorded[k]]
+
+
+def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
+    """Refuse a --model other than the run's target: another model of the same width trained to
+    exit 0 against the wrong embeddings and head, and the drafter's config named the run's model."""
+    if all(getattr(run, k) is None for k in TARGET_FACTS):
         return
     from layertap.extract.model import load_target
 
     info = load_target(cfg.model, cfg.gguf_file, weights=False).info
-    if info["tokenizer_vocab_size"] < 2:  # no tokenizer files: an empty one, nothing to compare (`mask_token_id`)
-        info["tokenizer_sha256"] = None
-    diffs = [f"{what}: the run's {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
-             if k in recorded and info.get(key) is not None and info[key] != recorded[k]]
+    diffs = target_differences({k: getattr(run, k) for k in TARGET_FACTS}, info, "the run's")
     if diffs:
         given = cfg.model + (f" ({cfg.gguf_file})" if cfg.gguf_file else "")
         was = run.model + (f" ({run.gguf_file})" if run.gguf_file else "")
@@ -776,6 +788,23 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
              if k not in ("steps", "epochs") and saved.get(k) != now.get(k)]
     if diffs:
         raise ConfigError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs))
+    _check_drafter_flags(state["drafter"], cfg)
+
+
+# Settings that shape the drafter, which a resume takes from the checkpoint: (TrainConfig field, DrafterConfig key).
+_DRAFTER_FLAGS = (("drafter_layers", "num_layers"), ("mask_token_id", "mask_token_id"))
+
+
+def _check_drafter_flags(drafter: dict[str, Any], cfg: TrainConfig) -> None:
+    """A resume continues the checkpoint's drafter as it is, so a --drafter-layers or --mask-token-id
+    asking for another was ignored without a word: refused. Left out (None), nothing is compared."""
+    for name, key in _DRAFTER_FLAGS:
+        given, saved = getattr(cfg, name), drafter.get(key)
+        if given is not None and given != saved:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"cannot resume: {flag} {given}, but the checkpoint's drafter has {key} {saved}, and a "
+                              f"resumed run continues that drafter: leave out {flag} (or pass {flag} {saved}) to "
+                              f"resume, or train a new drafter with {flag} {given} into another --out")
 
 
 def _metrics_until(out, step: int) -> list[str]:
