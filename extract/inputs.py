@@ -5,7 +5,9 @@ either chat form, so a file can mix them):
 
 - pre-tokenized: ``input_ids`` with ``loss_mask`` (0/1) or ``labels`` (-100 = unsupervised);
 - ShareGPT: ``conversations`` = ``[{"from", "value"}, ...]``;
-- OpenAI chat: ``messages`` = ``[{"role", "content"}, ...]``.
+- OpenAI chat: ``messages`` = ``[{"role", "content"}, ...]``, with tool calls: a ``tools`` column
+  (a list, or that list as a JSON string), assistant messages with ``tool_calls`` and ``tool``
+  messages with the results.
 
 Chats are rendered with the target tokenizer's own chat template, so the drafter sees exactly
 the text the target serves. The loss mask covers what the target would generate in each
@@ -38,6 +40,7 @@ ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant", "chatgpt": "ass
                    "bard": "assistant", "bing": "assistant"}
 SYSTEM_ROLES = {"system": "system", "developer": "system"}  # OpenAI renamed system to developer
 _ROLES = {**USER_ROLES, **ASSISTANT_ROLES, **SYSTEM_ROLES}
+TOOL_ROLES = {"tool": "tool"}  # tool results; accepted where `normalize_chat` is asked to
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _MAX_ID_CHARS = 40
@@ -381,35 +384,71 @@ class _ChatRenderer:
                              f"pre-tokenized rows or a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.kwargs = dict(template_kwargs or {})
+        self.trailer = self._probe_trailer()
         self.end_of_turn = self._probe_end_of_turn()
+        self.writes_tool_calls = self._probe_tool_calls()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> str:
+        kwargs = {**self.kwargs, "tools": tools} if tools is not None else self.kwargs
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **self.kwargs)
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def _probe_trailer(self) -> str:
+        """The EOS a template writes after a whole chat rather than after a turn, else "".
+
+        Phi-3's ends a chat with ``{% else %}{{ eos_token }}`` where a generation prompt would
+        go, so a rendered prefix of a chat is no prefix of the whole: it is set apart here.
+        """
+        eos = self.tokenizer.eos_token or ""
+        try:
+            chat = [{"role": "user", "content": "ping"}]
+            closed, prompt = self.render(chat), self.render(chat, add_generation_prompt=True)
+        except Exception:  # a template that refuses the probe writes no trailer we can see
+            return ""
+        return eos if eos and closed.endswith(eos) and not prompt.startswith(closed) else ""
 
     def _probe_end_of_turn(self) -> str:
         """What the template writes right after an assistant's content, minus trailing whitespace.
 
         For ChatML (SmolLM2, Qwen) that is ``<|im_end|>``, for Llama 3 ``<|eot_id|>``; the
-        newline ChatML adds after it is not something the model generates.
+        newline ChatML adds after it is not something the model generates, nor is the
+        chat's trailer (`_probe_trailer`).
         """
         try:
             text = self.render([{"role": "user", "content": "ping"},
                                 {"role": "assistant", "content": _SENTINEL}])
-            tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].rstrip()
+            tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].removesuffix(self.trailer).rstrip()
         except Exception:  # a template that refuses the probe: fall back to EOS
             tail = ""
         return tail or (self.tokenizer.eos_token or "")
 
+    def _probe_tool_calls(self) -> bool:
+        """Whether the template writes an assistant's ``tool_calls``. One that does not (ChatML
+        without tools) would leave a tool-calling turn empty, its call untrained and unseen."""
+        call = {"id": "call00001", "type": "function",  # 9 characters, as Mistral's requires
+                "function": {"name": _SENTINEL, "arguments": "{}"}}
+        try:
+            text = self.render([{"role": "user", "content": "ping"},
+                                {"role": "assistant", "content": "", "tool_calls": [call]}])
+        except Exception:  # a template that refuses tool calls does not write them
+            return False
+        return _SENTINEL in text
+
     def tokenize(self, row: Mapping[str, Any], sid: str, shape: RowShape,
                  stats: TokenizeStats) -> TokenizedSample | Skipped:
-        messages = normalize_chat(_chat_of(row, shape), sid, stats)
+        messages = normalize_chat(_chat_of(row, shape), sid, stats, allow_tools=True)
         if isinstance(messages, Skipped):
             return messages
+        if not self.writes_tool_calls and any(m.get("tool_calls") for m in messages):
+            return Skipped(sid, TEMPLATE_ERROR, "the chat template does not write an assistant's tool_calls, "
+                                                "so a tool-calling turn would be empty")
+        tools = _tools_of(row, sid)
+        if isinstance(tools, Skipped):
+            return tools
         try:
-            text = self.render(messages)
-            spans = _assistant_spans(self, messages, text, cut=_cut_turns(row))
+            text = self.render(messages, tools=tools)
+            spans = _assistant_spans(self, messages, text, cut=_cut_turns(row), tools=tools)
         except _TemplateMismatch as e:
             return Skipped(sid, TEMPLATE_ERROR, str(e))
         except Exception as e:  # jinja's raise_exception, e.g. "roles must alternate"
@@ -431,19 +470,49 @@ def _chat_of(row: Mapping[str, Any], shape: RowShape) -> Any:
     return row.get(first) if row.get(first) is not None else row.get(other)
 
 
+def _tools_of(row: Mapping[str, Any], sid: str) -> list | None | Skipped:
+    """The row's ``tools`` for the template, if any: a list, or that list as a JSON string (which
+    keeps each schema exactly: ``datasets`` gives every row's schemas the keys of all of them)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            return Skipped(sid, BAD_MESSAGE, f"tools is not JSON: {e}")
+    if tools is not None and not isinstance(tools, list):
+        return Skipped(sid, BAD_MESSAGE, f"tools is a {type(tools).__name__}, not a list")
+    return _without_nulls(tools) or None
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` less the null fields, at any depth, that ``datasets`` adds when it unifies the
+    structs of different rows (message fields, tool schemas, tool-call arguments)."""
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
 class _TemplateMismatch(ValueError):
     pass
 
 
-def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: bool = True) -> list[dict] | Skipped:
+def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: bool = True,
+                   allow_tools: bool = False) -> list[dict] | Skipped:
     """ShareGPT or OpenAI messages -> ``[{"role", "content", ...}]`` with canonical roles.
 
     Assistant turns before the first user turn are dropped and counted: they answer a prompt
     the row does not contain (ShareGPT splits long chats into parts, and 36% of ShareGPT V3
     rows open with a ``gpt`` turn), and strict templates refuse a chat that opens with one.
+    ``allow_tools`` accepts ``tool`` messages and assistant messages of ``tool_calls`` alone
+    (content null, rendered as ""), for extraction, which renders them with the template. A row
+    that is regenerated or prompted refuses them: a new answer would call other tools than
+    the recorded results answer.
     """
     if not raw:
         return Skipped(sid, EMPTY, "no messages")
+    roles = {**_ROLES, **TOOL_ROLES} if allow_tools else _ROLES
     messages: list[dict] = []
     seen_user = False
     for i, m in enumerate(raw):
@@ -451,19 +520,22 @@ def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: 
             return Skipped(sid, BAD_MESSAGE, f"message {i} is a {type(m).__name__}, not a mapping")
         role = m.get("from") if m.get("from") is not None else m.get("role")
         content = m.get("value") if m.get("value") is not None else m.get("content")
-        canonical = _ROLES.get(str(role).lower()) if role is not None else None
+        canonical = roles.get(str(role).lower()) if role is not None else None
         if canonical is None:
             return Skipped(sid, BAD_MESSAGE, f"message {i} has unknown role {role!r}; accepted: "
-                                             f"{sorted(_ROLES)}")
+                                             f"{sorted(roles)}")
+        if content is None and allow_tools and canonical == "assistant" and m.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             return Skipped(sid, BAD_MESSAGE, f"message {i} content is {type(content).__name__}, not text")
         if canonical == "assistant" and not seen_user:
             stats.dropped_turns += 1
             continue
         seen_user = seen_user or canonical == "user"
-        # Keep extra fields a template may use (reasoning_content, ...), minus nulls that
-        # datasets adds when it unifies message structs.
-        extra = {k: v for k, v in m.items() if v is not None and k not in ("from", "value", "role", "content")}
+        # Keep extra fields a template may use (reasoning_content, tool_calls, ...), minus nulls
+        # that datasets adds when it unifies message structs.
+        extra = {k: _without_nulls(v) for k, v in m.items()
+                 if v is not None and k not in ("from", "value", "role", "content")}
         messages.append({**extra, "role": canonical, "content": content})
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         return Skipped(sid, NO_SUPERVISED_PAIR, "no assistant turn")
@@ -477,25 +549,31 @@ def _cut_turns(row: Mapping[str, Any]) -> set[int]:
     return {k for k, reason in enumerate(reasons) if reason == "length"}
 
 
-def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str,
-                     cut: set[int] = frozenset()) -> list[tuple[int, int]]:
+def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str, cut: set[int] = frozenset(),
+                     tools: list[dict] | None = None) -> list[tuple[int, int]]:
     """Character spans ``[a, b)`` of ``text`` (the whole chat, rendered once) that the model generates.
 
     A span starts where the template's generation prompt for that turn stops agreeing with
-    ``text``: ``render(messages[:i])`` must be a prefix of ``text`` (a row where it is not is
-    skipped with ``template_error``, never mis-masked), and the span starts after the longest
-    common prefix of ``text`` and ``render(messages[:i], add_generation_prompt=True)``. Not the
-    whole generation prompt: Qwen3.5/3.6's ends in ``<think>\n`` (thinking on; with it off, an
-    empty think block) and DeepSeek-R1's in ``<think>\n``, while the chat renders earlier turns
-    without one, so requiring it as a prefix skipped every multi-turn row of those targets
-    (73% of ShareGPT under Qwen3.5's template). Qwen3 renders an earlier assistant
+    ``text``: ``render(messages[:i])`` (less the chat's trailer, see `_probe_trailer`) must be a
+    prefix of ``text`` (a row where it is not is skipped with ``template_error``, never
+    mis-masked), and the span starts after the longest common prefix of ``text`` and
+    ``render(messages[:i], add_generation_prompt=True)``. Not the whole generation prompt:
+    Qwen3.5/3.6's ends in ``<think>\n`` (thinking on; with it off, an empty think block) and
+    DeepSeek-R1's in ``<think>\n``, while the chat renders earlier turns without one, so
+    requiring it as a prefix skipped every multi-turn row of those targets (73% of ShareGPT
+    under Qwen3.5's template). Nor past the turn's content: there that common prefix runs on
+    into content that starts like the prompt's ``<think>``, or into the ``<|im_end|>`` of an
+    empty turn. The content is located exactly by `_rendered_field`, or, where it cannot follow
+    the template, searched for just after the span's start. Qwen3 renders an earlier assistant
     turn differently once it is no longer the last one, which is why the end is not taken from
     a prefix rendering of ``messages[:i+1]``. The span ends after the first end-of-turn marker
     that follows the turn's content, found with the probe in ``_probe_end_of_turn``. Text a
-    template inserts between header and content (Qwen3's empty ``<think></think>`` block on
-    the last turns) is inside the span: the model generates it. A turn in `cut` (cut short at
-    generation, see `_cut_turns`) ends with its content: the end of turn the template writes after
-    it (or a close of its thinking) is not what the target would have written next.
+    template inserts between header and content (Qwen3's empty ``<think></think>`` block on the
+    last turns) is inside the span: the model generates it, as it generates the tool calls a
+    template writes after the content. A turn in `cut` (cut short at generation, see
+    `_cut_turns`) ends with its content, or, cut while still thinking (no content), with its
+    reasoning: the end of turn the template writes after it (or a close of its thinking) is not
+    what the target would have written next.
     """
     spans = []
     cursor = 0
@@ -504,22 +582,56 @@ def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str,
         if m["role"] != "assistant":
             continue
         turn += 1
-        before = chat.render(messages[:i])
+        before = chat.render(messages[:i], tools=tools).removesuffix(chat.trailer)
         if not text.startswith(before) or len(before) < cursor:
             raise _TemplateMismatch(
                 f"the chat template renders turn {i}'s prompt differently from the whole chat, so "
                 f"the assistant span cannot be located; use pre-tokenized rows for this template")
-        prompt = chat.render(messages[:i], add_generation_prompt=True)
+        prompt = chat.render(messages[:i], add_generation_prompt=True, tools=tools)
         a = max(len(os.path.commonprefix([prompt, text])), len(before))
-        body = m["content"].strip()
-        # Look for the content just after the header, leaving room for what a template may put
-        # first (a think block, the message's reasoning), but not as far as a later turn.
-        room = 256 + sum(len(v) for k, v in m.items() if isinstance(v, str) and k != "content")
-        found = text.find(body, a, a + room + len(body)) if body else -1
-        after = found + len(body) if found >= 0 else a
-        eot = chat.end_of_turn
-        e = text.find(eot, after) if eot and turn not in cut else -1
-        b = e + len(eot) if e >= 0 else after
+        start, after = _rendered_field(chat, messages, i, "content", text, tools)
+        if start is not None:
+            a = max(len(before), min(a, start))
+        if after is None:
+            # Look for the content just after the header, leaving room for what a template may put
+            # first (a think block, the message's reasoning), but not as far as a later turn.
+            body = m["content"].strip()
+            room = 256 + sum(len(v) for k, v in m.items() if isinstance(v, str) and k != "content")
+            found = text.find(body, a, a + room + len(body)) if body else -1
+            after = found + len(body) if found >= 0 else a
+        if turn in cut:
+            if not m["content"].strip():  # cut while thinking, or before it wrote anything
+                thought = m.get("reasoning_content") and _rendered_field(
+                    chat, messages, i, "reasoning_content", text, tools)[1]
+                after = thought or a
+            b = after
+        else:
+            e = text.find(chat.end_of_turn, after) if chat.end_of_turn else -1
+            b = e + len(chat.end_of_turn) if e >= 0 else after
         spans.append((a, b))
         cursor = b
     return spans
+
+
+def _rendered_field(chat: _ChatRenderer, messages: list[dict], i: int, key: str, text: str,
+                    tools: list[dict] | None) -> tuple[int | None, int | None]:
+    """Where ``messages[i][key]`` starts and ends in ``text``, the whole chat rendered.
+
+    The chat is rendered again with that field replaced by a sentinel: where that agrees with
+    ``text`` up to the sentinel, the field starts there; where it agrees after it, the field ends
+    that far from the end. This finds the field as the template rendered it (trimmed, or without
+    an inline think block), with no search that could stop at the same words elsewhere (in the
+    turn's reasoning). Either is None where the template writes what surrounds the field
+    differently for the sentinel: a think block it takes out of the content, or the newline
+    Qwen3 writes between content and tool call only when there is content.
+    """
+    probe = chat.render(messages[:i] + [{**messages[i], key: _SENTINEL}] + messages[i + 1:], tools=tools)
+    s = probe.find(_SENTINEL)
+    if s < 0:
+        return None, None
+    tail = probe[s + len(_SENTINEL):]
+    start = s if text.startswith(probe[:s]) else None
+    end = len(text) - len(tail) if text.endswith(tail) else None
+    if start is not None and end is not None and end < start:
+        end = None
+    return start, end
