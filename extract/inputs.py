@@ -9,6 +9,8 @@ either chat form, so a file can mix them):
   (a list, or that list as a JSON string), assistant messages with ``tool_calls`` and ``tool``
   messages with the results.
 
+An assistant turn with ``weight`` 0 (either chat form) is context only: rendered, not trained on.
+
 Chats are rendered with the target tokenizer's own chat template, so the drafter sees exactly
 the text the target serves. The loss mask covers what the target would generate in each
 assistant turn: the content and the end-of-turn token that closes it, never the role header
@@ -446,6 +448,7 @@ class _ChatRenderer:
         tools = _tools_of(row, sid)
         if isinstance(tools, Skipped):
             return tools
+        trained = _trained_turns(messages)
         try:
             text = self.render(messages, tools=tools)
             spans = _assistant_spans(self, messages, text, cut=_cut_turns(row), tools=tools)
@@ -453,6 +456,7 @@ class _ChatRenderer:
             return Skipped(sid, TEMPLATE_ERROR, str(e))
         except Exception as e:  # jinja's raise_exception, e.g. "roles must alternate"
             return Skipped(sid, TEMPLATE_ERROR, f"{type(e).__name__}: {e}")
+        spans = [span for span, keep in zip(spans, trained) if keep]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
         starts = torch.tensor([s for s, _ in enc["offset_mapping"]], dtype=torch.int64)
@@ -460,6 +464,12 @@ class _ChatRenderer:
         for a, b in spans:
             mask |= (starts >= a) & (starts < b)
         return TokenizedSample(sid, ids, mask)
+
+
+def _trained_turns(messages: list[dict]) -> list[bool]:
+    """Per assistant turn, whether it is trained on: all but those with ``weight`` 0 (or false),
+    the ShareGPT datasets' mark for a turn kept as context only (a refusal, a weak answer)."""
+    return [bool(m.get("weight", 1)) for m in messages if m["role"] == "assistant"]
 
 
 def _chat_of(row: Mapping[str, Any], shape: RowShape) -> Any:
@@ -528,6 +538,10 @@ def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: 
             content = ""
         if not isinstance(content, str):
             return Skipped(sid, BAD_MESSAGE, f"message {i} content is {type(content).__name__}, not text")
+        weight = m.get("weight")
+        if weight is not None and not (isinstance(weight, bool) or weight in (0, 1)):
+            # a trainer's per-turn scaling has no form in a 0/1 loss mask: refused, not rounded
+            return Skipped(sid, BAD_MESSAGE, f"message {i} has weight {weight!r}: 0 (not trained on) or 1 only")
         if canonical == "assistant" and not seen_user:
             stats.dropped_turns += 1
             continue

@@ -226,3 +226,20 @@ def test_tool_calls_under_a_template_that_does_not_write_them_are_skipped():
     """The turn would render empty: its call neither seen by the target nor trained."""
     (s,) = tokenize_rows([{"messages": _tool_chat("Let me check.")}], tiny_tokenizer(CHATML_TEMPLATE), 4096)
     assert isinstance(s, Skipped) and s.reason == TEMPLATE_ERROR and "tool_calls" in s.detail
+
+
+def test_an_assistant_turn_of_weight_0_is_context_only():
+    """ShareGPT datasets mark a turn kept as context only with ``weight: 0``: it was trained on."""
+    tok = tiny_tokenizer(CHATML_TEMPLATE)
+    row = {"id": "w", "conversations": [
+        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "a refusal", "weight": 0},
+        {"from": "human", "value": "again"}, {"from": "gpt", "value": "a good answer", "weight": 1}]}
+    (out,) = tokenize_rows(datasets.Dataset.from_list([row]), tok, 4096)
+    assert _runs(out, tok) == ["a good answer<|im_end|>"]
+    assert "a refusal" in tok.decode(out.input_ids)  # still rendered: the context the next turn answers
+    row["conversations"][3]["weight"] = 0
+    (out,) = tokenize_rows(datasets.Dataset.from_list([row]), tok, 4096)
+    assert isinstance(out, Skipped) and out.reason == "no_supervised_pair", out
+    row["conversations"][3]["weight"] = 0.5
+    (out,) = tokenize_rows(datasets.Dataset.from_list([row]), tok, 4096)
+    assert isinstance(out, Skipped) and out.reason == "bad_message" and "message 3 has weight 0.5" in out.detail
