@@ -12,6 +12,9 @@
                                            one record per failed attempt; `.stop.json` for an
                                            attempt stopped from outside (a signal, a takeover),
                                            which no retry limit counts
+    failures/{shard:06d}/{ms:013d}-{token}.withdrawn.json
+                                           `layertap verify` withdrew the shard's commit (why, in
+                                           the record): no attempt's, so no retry limit counts it
     given_up/{shard:06d}/{ms:013d}-{token} a worker gave the shard up (its --retries used up): the
                                            verdict a follow-mode trainer waits for before it ends
                                            its epoch without the shard
@@ -115,6 +118,7 @@ def failure_prefix(shard: int) -> str:
 
 
 STOPPED = ".stop.json"
+WITHDRAWN = ".withdrawn.json"
 
 
 def given_up_key(shard: int, millis: int, token: str) -> str:
@@ -132,6 +136,18 @@ def record_millis(key: str) -> int:
 def failure_key(shard: int, millis: int, token: str, attempt: int = 0, stopped: bool = False) -> str:
     """The attempt (its lease generation) keeps two failures of one worker in one millisecond apart."""
     return f"{failure_prefix(shard)}{millis:013d}-{token}-{attempt}{STOPPED if stopped else '.json'}"
+
+
+def withdrawal_key(shard: int, millis: int, token: str) -> str:
+    """`verify` withdrew the shard's commit: shown as the shard's failure, but no attempt failed
+    (a live extraction counting it gave the shard up under `--retries 0`)."""
+    return f"{failure_prefix(shard)}{millis:013d}-{token}{WITHDRAWN}"
+
+
+def counts_as_attempt(key: str) -> bool:
+    """Whether a failure record counts against the shard's retries: not an attempt stopped from
+    outside, nor a withdrawal by `verify`, which say nothing of the shard's own attempts."""
+    return not key.endswith((STOPPED, WITHDRAWN))
 
 
 def shard_of(key: str, prefix: str) -> int | None:

@@ -33,7 +33,8 @@ class RunState:
     now: float
     committed: set[int] = field(default_factory=set)
     commit_times: dict[int, float] = field(default_factory=dict)  # when each commit was written (store's clock)
-    tallies: dict[int, dict[str, int]] = field(default_factory=dict)
+    tallies: dict[int, dict[str, int]] = field(default_factory=dict)  # of the shards with one tally marker
+    tally_keys: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # every marker
     leases: dict[int, list[Lease]] = field(default_factory=lambda: defaultdict(list))
     failures: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # keys, oldest first
     data_objects: dict[int, list[str]] | None = None
@@ -48,9 +49,10 @@ class RunState:
 
     def failures_since(self, shard: int, since: float) -> int:
         """Failures of the shard's own written at or after `since` (their key starts with the time
-        in ms); not attempts stopped from outside (preempted, taken over), which say nothing of it."""
+        in ms); not attempts stopped from outside (preempted, taken over) nor withdrawals by
+        `verify`, which say nothing of it (`layout.counts_as_attempt`)."""
         return sum(1 for k in self.failures.get(shard, [])
-                   if not k.endswith(layout.STOPPED) and layout.record_millis(k) >= int(since * 1000))
+                   if layout.counts_as_attempt(k) and layout.record_millis(k) >= int(since * 1000))
 
     def raise_if_replaced(self, uri: str) -> None:
         """Refuse to work on a run whose manifest was replaced: its commits are another plan's."""
@@ -86,7 +88,10 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, with_t
     for o in listed.get(layout.TALLY, []):
         parsed = layout.parse_tally(o.key)
         if parsed:
-            st.tallies[parsed[0]] = parsed[1]
+            st.tally_keys[parsed[0]].append(o.key)
+    # A shard with several markers (one left by a `verify` killed while it withdrew an earlier commit)
+    # has no trusted numbers: `status` reads its commit, and `verify` leaves it the commit's marker alone.
+    st.tallies = {s: layout.parse_tally(keys[0])[1] for s, keys in st.tally_keys.items() if len(keys) == 1}
     _add_leases_and_failures(st, leases, failures)
     if with_data:
         st.data_objects = defaultdict(list)

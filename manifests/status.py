@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -12,16 +12,17 @@ from typing import Any
 from layertap.manifests import layout
 from layertap.manifests.consumption import consumed_everywhere, consumed_shards, marker_times, recorded_window
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
-from layertap.manifests.records import FailureRecord, Producer, decode_commit, decode_failure, encode
+from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.reader import verify_shard
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 600.0
+RATE_WINDOW_S = 600.0  # the recent rate is measured over the commits of the last ten minutes
 SKIP_REASON_SHARDS = 200  # commit records `status` reads for the reasons samples were skipped
-CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked  # the recent rate is measured over the commits of the last ten minutes
+CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked
+GONE = "gone"  # ... and of a shard whose commit went since the scan (another verify withdrew it)
 
 
 def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: bool = False) -> dict[str, Any]:
@@ -252,10 +253,12 @@ def _failure_summary(store: ObjectStore, st: RunState, shard: int) -> dict[str, 
     key = st.failures[shard][-1]
     # stopped from outside (a signal, a takeover, a store outage; a record saying preempted): not the
     # shard's fault, as `submit` counts it
-    out: dict[str, Any] = {"shard": shard, "attempts": len(st.failures[shard]), "stopped": key.endswith(layout.STOPPED)}
+    out: dict[str, Any] = {"shard": shard, "attempts": len(st.failures[shard]), "stopped": key.endswith(layout.STOPPED),
+                           "withdrawn": key.endswith(layout.WITHDRAWN)}
     try:
         f = decode_failure(store.get(key), key)
-        out.update(error=f"{f.error_type}: {f.error}", preempted=f.preempted, stopped=out["stopped"] or f.preempted,
+        said = f"withdrawn by `layertap verify`: {f.error}" if out["withdrawn"] else f.error
+        out.update(error=f"{f.error_type}: {said}", preempted=f.preempted, stopped=out["stopped"] or f.preempted,
                    host=f.producer.get("host"), rank=f.producer.get("rank"), job_id=f.producer.get("job_id"),
                    time=f.time)
     except Exception as e:  # a status report must not die on one bad record
@@ -270,17 +273,20 @@ class VerifyResult:
     bad: list[dict[str, Any]] = field(default_factory=list)  # {"shard", "error"}
     orphans_deleted: int = 0
     consumed: int = 0  # committed shards whose data training consumed and deleted: not read, not missing
+    gone: list[int] = field(default_factory=list)  # shards whose commit went or changed while verify looked
 
     def to_json(self) -> dict[str, Any]:
         return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "withdrawn": len(self.bad),
-                "orphans_deleted": self.orphans_deleted, "consumed": self.consumed}
+                "orphans_deleted": self.orphans_deleted, "consumed": self.consumed,
+                **({"gone": self.gone} if self.gone else {})}  # only when some went: the usual report is unchanged
 
 
 def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyResult:
     """Re-read every committed shard and check every hash. A bad shard's commit is withdrawn
-    (commit, tally and feed keys deleted, a failure record written) so the next extraction redoes
-    it; a good one whose tally marker is missing gets it back (`status` only reads the commit instead).
-    Data objects that no commit names, left by crashed attempts of committed shards, are deleted.
+    (`_withdraw`) so the next extraction redoes it; a good one is left exactly its commit's tally
+    marker (`_settle_tally`). Data objects that no commit names, left by crashed attempts of
+    committed shards, are deleted. A commit that went or changed since it was read (another
+    verify withdrew it; an extraction may have redone it since) is skipped, never withdrawn.
     A shard or record of a newer layertap (`UnsupportedShard`, `UnsupportedVersion`) stops the
     verification instead: it is intact, and withdrawing it would delete good data. A consumed
     shard (`consumption.py`: marker written, then data deleted) is counted as such, not read."""
@@ -288,6 +294,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
     st = scan(store, manifest, with_data=True)
     result = VerifyResult()
     consumed = consumed_shards(store)
+    feed = _FeedKeys(store)
 
     def check(shard: int) -> tuple[int, str | None, str | None]:
         ckey = layout.commit_key(shard)
@@ -295,7 +302,9 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             commit = decode_commit(store.get(ckey), ckey)
         except UnsupportedVersion:
             raise  # a newer layertap's record: intact, not to be withdrawn
-        except (ManifestError, ObjectNotFound) as e:  # malformed (or gone); a failing store or memory is raised
+        except ObjectNotFound:  # withdrawn since the scan, by another verify
+            return shard, GONE, None
+        except ManifestError as e:  # malformed; a failing store or memory is raised
             return shard, f"unreadable commit record: {e}", None
         try:
             report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True)
@@ -313,9 +322,8 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                 f"{report.meta.run_id!r} as its shard {report.meta.shard_id}, but the manifest is run "
                 f"{manifest.run_id!r}: the manifest was replaced, or two runs share this prefix. Nothing was "
                 "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
-        if report.ok and shard not in st.tallies:  # its writer died between commit and tally: restore it
-            store.put(layout.tally_key(shard, commit.num_records, commit.num_tokens, commit.bytes, commit.raw_bytes,
-                                       len(commit.skipped), commit.truncated), b"")
+        if report.ok:
+            _settle_tally(store, st.tally_keys.get(shard, []), commit)
         return shard, report.error, commit.data_key
 
     result.consumed = len(st.committed & consumed)
@@ -325,32 +333,86 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                 progress(1)
             if error == CONSUMED:
                 result.consumed += 1
-                continue
-            result.checked += 1
-            if error is None:
+            elif error == GONE or (error is not None and not _still_committed(store, shard, data_key)):
+                log.warning("shard %d: its commit went or changed while verify looked (another `layertap verify` "
+                            "withdrew it?): skipped, not withdrawn", shard)
+                result.gone.append(shard)
+            elif error is None:
+                result.checked += 1
                 result.ok += 1
                 for key in st.data_objects.get(shard, []):
                     if key != data_key:
                         store.delete(key)
                         result.orphans_deleted += 1
-                continue
-            log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
-            result.bad.append({"shard": shard, "error": error})
-            _withdraw(store, st, shard, error, data_key)
-    if result.bad:  # their feed keys too: a follow consumer with no share of a shard trusts its key's counts
-        bad = {b["shard"] for b in result.bad}
-        store.delete_many([o.key for o in store.list(layout.FEED)
-                           if (parsed := layout.parse_feed(o.key)) is not None and parsed[1] in bad])
+            else:
+                result.checked += 1
+                log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
+                result.bad.append({"shard": shard, "error": error})
+                _withdraw(store, shard, error, data_key, feed.of(shard))
     return result
 
 
-def _withdraw(store: ObjectStore, st: RunState, shard: int, error: str, data_key: str | None) -> None:
-    me = Producer.current()
+def _commit_tally(commit: CommitRecord) -> str:
+    return layout.tally_key(commit.shard, commit.num_records, commit.num_tokens, commit.bytes, commit.raw_bytes,
+                            len(commit.skipped), commit.truncated)
+
+
+def _settle_tally(store: ObjectStore, keys: list[str], commit: CommitRecord) -> None:
+    """Leave a good shard one tally marker, its commit's: restored if missing (its writer died
+    between commit and tally), others deleted (a verify killed while it withdrew an earlier
+    commit left that one's marker; `status` would count whichever sorts last)."""
+    want = _commit_tally(commit)
+    numbers = layout.parse_tally(want)
+    kept = [k for k in keys if layout.parse_tally(k) == numbers][:1]  # an older marker without `.c` may match
+    if not kept:
+        store.put(want, b"")
+    store.delete_many([k for k in keys if k not in kept])
+
+
+def _still_committed(store: ObjectStore, shard: int, data_key: str | None) -> bool:
+    """Whether the shard's commit is still the one found bad (`data_key`; None: unreadable). Another
+    verify may have withdrawn it meanwhile, and an extraction committed the shard anew: that
+    commit, its tally and its data must not be withdrawn in its place."""
+    key = layout.commit_key(shard)
+    try:
+        return decode_commit(store.get(key), key).data_key == data_key
+    except ObjectNotFound:
+        return False
+    except ManifestError:
+        return data_key is None
+
+
+class _FeedKeys:
+    """The feed keys of each shard, listed once, at the first withdrawal. That listing precedes the
+    deletion of every commit this verify withdraws, so it holds no key of a redo (an extraction
+    redoes a shard only once its commit is gone): deleting a withdrawn shard's listed keys cannot
+    hide a redo from follow consumers until their next full listing."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+        self._keys: dict[int, list[str]] | None = None
+
+    def of(self, shard: int) -> list[str]:
+        if self._keys is None:
+            self._keys = defaultdict(list)
+            for o in self.store.list(layout.FEED):
+                if (parsed := layout.parse_feed(o.key)) is not None:
+                    self._keys[parsed[1]].append(o.key)
+        return self._keys.pop(shard, [])
+
+
+def _withdraw(store: ObjectStore, shard: int, error: str, data_key: str | None, feed_keys: list[str]) -> None:
+    """Withdraw the shard's commit, so that the next extraction redoes it. First the withdrawal's
+    record (what `status` shows; no attempt of a live extraction's), then what the commit made
+    known: its tally marker and feed keys (a follow consumer with no share of a shard trusts its
+    key's counts), then the commit itself, its data last. Markers before the commit: a verify
+    killed in between leaves none for a redo to find beside its own, and no redo can have
+    written any yet (a shard is redone only once its commit is gone)."""
+    me, now = Producer.current(), store.now()
     record = FailureRecord(shard=shard, error_type="VerifyFailed", error=error, producer=asdict(me),
-                           attempt=0, time=st.now)
-    store.put(layout.failure_key(shard, int(st.now * 1000), me.token), encode(record))
+                           attempt=0, time=now)
+    store.put(layout.withdrawal_key(shard, int(now * 1000), me.token), encode(record))
+    store.delete_many([o.key for o in store.list(f"{layout.TALLY}{shard:06d}.")] + feed_keys)
     store.delete(layout.commit_key(shard))
-    for o in store.list(f"{layout.TALLY}{shard:06d}."):
-        store.delete(o.key)
     if data_key:
         store.delete(data_key)

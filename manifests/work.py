@@ -388,6 +388,7 @@ class WorkQueue:
                     if lease := fresh.live_lease(s):
                         waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
                         continue
+                self._raise_if_deleted()
                 claim = self._try_claim(s, fresh)
                 if claim is None:
                     waiting_on.append(time.time())  # lost the race for it: another worker holds it now
@@ -473,6 +474,13 @@ class WorkQueue:
                             self.store.delete(key)
         except (StoreError, ManifestError) as e:  # leftovers cost space, not correctness
             log.warning("could not remove what crashed attempts left behind: %s", e)
+
+    def _raise_if_deleted(self) -> None:
+        """Stop if the run was deleted (`layertap delete` removes manifest.json last): a worker
+        waiting behind a --window holds no lease, so nothing kept the run from being deleted, and
+        its next claim would commit into the deleted prefix. One HEAD a claim."""
+        if not self._patiently(lambda: self.store.exists(layout.MANIFEST)):
+            raise ManifestError(f"the run at {self.store.uri} was deleted ({layout.MANIFEST} is gone): stopping")
 
     def _try_claim(self, shard: int, st: RunState) -> Claim | None:
         gen = st.next_generation(shard)
