@@ -292,4 +292,8 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"  WITHDRAWN shard {b['shard']}: {b['error']} (the next `layertap extract` redoes it)")
         if result.orphans_deleted:
             print(f"  deleted {result.orphans_deleted} data objects of crashed attempts that no commit names")
+        if result.gone:
+            print(f"  skipped {len(result.gone)} shard(s) whose commit went or changed while this verify looked "
+                  f"(another `layertap verify` withdrew it?): {', '.join(map(str, result.gone))}; run verify again "
+                  "to check them")
     return 1 if result.bad else 0
