@@ -7,7 +7,9 @@ marker `consumed/shards/{id}` is written first, then its data object is deleted,
 between leaves a marker that the next `delete_consumed` finishes. The commit record and tally
 stay: `status`, resume and a rerun of `layertap extract` still see the shard as done, and never
 redo it. Watermarks are only written once a checkpoint covers them, so a trainer that restarts
-from its checkpoint never needs a deleted shard.
+from its checkpoint never needs a deleted shard. Watermarks and markers name the run they were
+written for (`run_id`): a trainer of a deleted run still writing at its prefix must not have a new
+run's fresh shards deleted; records written before they named it count for any run.
 
 `at_rest` is the data objects in `shards/`: what the storage holds and the window bounds (`status`
 reports it, and the backlog: committed shards not consumed yet). `WindowGate` holds a worker
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from layertap.manifests import layout
-from layertap.manifests.manifest import ManifestError
+from layertap.manifests.manifest import ManifestError, load_manifest
 from layertap.manifests.records import decode_commit
 from layertap.manifests.state import listed_shards
 from layertap.storage.retry import Backoff
@@ -79,13 +81,17 @@ def consumer_of(store: ObjectStore) -> str | None:
                             "--delete-consumed trainer reads the run now") from e
 
 
-def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: list[int], step: int) -> None:
+def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: list[int], step: int,
+                    run_id: str | None = None) -> None:
     """Rank `rank`'s watermark: the shards it has fully consumed for the last time, as of the
-    training checkpoint at `step`. Call it only after that checkpoint is committed: the shards it
+    training checkpoint at `step`, of run `run_id` (the one the trainer reads; None: unnamed, as
+    before watermarks named it). Call it only after that checkpoint is committed: the shards it
     names may be deleted at once, and a restart resumes from the checkpoint."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
     body = {"world_size": world_size, "step": step, "ranges": _ranges(shards), "time": time.time()}
+    if run_id is not None:
+        body["run_id"] = run_id
     _put_json(store, layout.consumed_rank_key(rank), body)
 
 
@@ -137,18 +143,22 @@ def consumed_everywhere(store: ObjectStore, marked: set[int] | None = None) -> s
     return (consumed_shards(store) if marked is None else marked) | _agreed(store)
 
 
-def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | None = None) -> list[int]:
+def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | None = None, *,
+                    run_id: str | None = None) -> list[int]:
     """Delete the data of each shard consumed everywhere: marker first, then the data object its
     commit names (and any a crashed attempt left). Idempotent, and crash-safe: a marker whose
     data is still listed is finished here. `listed`: `data_objects`, when the caller has it.
-    Returns the ids whose data this call deleted.
+    `run_id`: the run at the prefix; watermarks and markers of another run are left out (None:
+    every one counts). Returns the ids whose data this call deleted.
 
     The markers' listing and the watermarks (both as large as the run) are read side by side."""
     with ThreadPoolExecutor(2) as pool:
-        marked, agreed = pool.submit(consumed_shards, store), pool.submit(_agreed, store)
+        marked, agreed = pool.submit(consumed_shards, store), pool.submit(_agreed, store, run_id)
         marked, agreed = marked.result(), agreed.result()
-    fresh = agreed - marked
     listed = data_objects(store) if listed is None else listed
+    if run_id is not None:
+        marked -= _markers_of_other_runs(store, marked & set(listed), run_id)
+    fresh = agreed - marked
     deleted = []
     for shard in sorted(fresh | (marked & set(listed))):
         keys = {o.key for o in listed.get(shard, [])}
@@ -162,12 +172,29 @@ def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | No
                 log.warning("shard %d: consumed, but its commit record is unreadable (%s); its data is kept",
                             shard, e)
                 continue
-            store.put(layout.consumed_marker_key(shard), b"")
+            store.put(layout.consumed_marker_key(shard), json.dumps({"run_id": run_id}).encode() if run_id else b"")
         store.delete_many(sorted(keys))
         deleted.append(shard)
     if deleted:
         log.info("deleted the data of %d consumed shard(s): %s", len(deleted), _ids(deleted))
     return deleted
+
+
+def _markers_of_other_runs(store: ObjectStore, shards: set[int], run_id: str) -> set[int]:
+    """Those of `shards` whose consumption marker names another run than `run_id`: left by a
+    trainer of a deleted run, they do not make this run's data consumed. Read only for markers
+    whose data is still listed: a crash's leftovers, a few."""
+    return {s for s in shards if _marker_run(store, s) not in (None, run_id)}
+
+
+def _marker_run(store: ObjectStore, shard: int) -> str | None:
+    """The run a shard's consumption marker names; None if it names none (empty: written before
+    markers named their run), is unreadable, or is gone."""
+    try:
+        body = json.loads(store.get(layout.consumed_marker_key(shard)) or b"{}")
+    except (ObjectNotFound, ValueError):
+        return None
+    return body.get("run_id") if isinstance(body, dict) else None
 
 
 def data_objects(store: ObjectStore) -> dict[int, list[ObjectInfo]]:
@@ -198,7 +225,7 @@ def watermarks(store: ObjectStore) -> dict[int, dict]:
             if any(a > b for a, b in ranges) or any(p[1] >= n[0] for p, n in zip(ranges, ranges[1:])):
                 raise ValueError("ranges are not sorted, disjoint [first, last] runs")
             return {"world_size": int(body["world_size"]), "step": int(body["step"]), "ranges": ranges,
-                    "time": float(body["time"])}
+                    "time": float(body["time"]), "run_id": body.get("run_id")}
         except ObjectNotFound:
             return None
         except (ValueError, KeyError, TypeError) as e:
@@ -212,8 +239,10 @@ def watermarks(store: ObjectStore) -> dict[int, dict]:
     return {rank: body for rank, body in bodies.items() if body is not None}
 
 
-def _agreed(store: ObjectStore) -> set[int]:
-    marks = watermarks(store)
+def _agreed(store: ObjectStore, run_id: str | None = None) -> set[int]:
+    """Shards every rank of the latest world has consumed, by the watermarks of run `run_id` and
+    those naming no run (None: every watermark)."""
+    marks = {rank: m for rank, m in watermarks(store).items() if m["run_id"] in (None, run_id)}
     if not marks:
         return set()
     world = max(marks.values(), key=lambda m: m["time"])["world_size"]
@@ -256,6 +285,11 @@ class WindowGate:
         self._recorded = False
         self._swept = -float("inf")
 
+    @functools.cached_property
+    def run_id(self) -> str:
+        """The run the gate's worker extracts: what its sweeps delete for (`delete_consumed`)."""
+        return load_manifest(self.store).run_id
+
     def record(self) -> None:
         """Tell training what window extraction runs with (`recorded_window`): a follow trainer
         that waits for data while the window is full knows it is stalled, and says so."""
@@ -268,7 +302,7 @@ class WindowGate:
         rest = at_rest(self.store, listed)
         if rest.bytes >= self.window and time.monotonic() - self._swept >= self.sweep_every_s:
             self._swept = time.monotonic()
-            if deleted := set(delete_consumed(self.store, listed)):
+            if deleted := set(delete_consumed(self.store, listed, run_id=self.run_id)):
                 rest = at_rest(self.store, {s: objects for s, objects in listed.items() if s not in deleted})
         return rest
 

@@ -1,8 +1,9 @@
 """`layertap delete PREFIX`: delete a run, or a training output, with every object under its prefix.
 
 It asks first (or takes `--yes`), refuses a prefix that is neither a run nor a training output
-unless `--force` (a typo must not empty a bucket), and refuses a run whose shards are being
-written under live leases, or a training output a trainer holds. The manifest goes last, so an
+unless `--force` (a typo must not empty a bucket), and refuses a run something still writes to,
+or a training output a trainer holds: what a writer puts there after the delete listed the prefix
+outlives it, and a new run there would take it for its own. The manifest goes last, so an
 interrupted delete is still a run and the same command finishes it.
 """
 
@@ -30,7 +31,8 @@ def add_delete(p: argparse.ArgumentParser) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (for scripts)")
     p.add_argument("--force", action="store_true",
                    help="delete even a prefix that is not a run or a training output, or one being written "
-                        "(a run with live leases, an output a trainer holds)")
+                        "(a run with live leases, workers waiting behind --window or a running --delete-consumed "
+                        "trainer; an output a trainer holds)")
     p.add_argument("--threads", type=int, default=16, help="delete requests in flight on S3, 1,000 keys each (default 16)")
 
 
@@ -67,7 +69,6 @@ def describe(store, force: bool) -> str:
     from layertap.manifests.manifest import ManifestError, NoRun, load_manifest
     from layertap.manifests.output_lease import live_holder
     from layertap.manifests.regeneration import RECIPE
-    from layertap.manifests.state import scan
 
     try:
         manifest = load_manifest(store)
@@ -76,11 +77,8 @@ def describe(store, force: bool) -> str:
     except ManifestError as e:  # corrupt, or a newer layertap's: still a run to delete
         return f"run at {store.uri} (its manifest.json is not readable here: {e})"
     if manifest is not None:
-        st = scan(store, manifest)
-        running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
-        if running and not force:
-            raise Refused(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "
-                             "under live leases: stop the workers first (or pass --force)")
+        if not force:
+            _refuse_live_writers(store, manifest)
         return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
     held = live_holder(store)
     if held is not None or any(store.exists(k) for k in TRAINING_KEYS):
@@ -95,6 +93,53 @@ def describe(store, force: bool) -> str:
                          "checkpoints/latest.json): not deleting it. Check the prefix, or pass --force to delete "
                          "every object under it")
     return f"every object under {store.uri} (--force: not a run)"
+
+
+def _refuse_live_writers(store, manifest) -> None:
+    """Raise `Refused` while a process may still write to the run: workers under live leases,
+    workers of a --window extraction (they wait for training holding no lease), and the run's
+    --delete-consumed trainer (it records what it consumed after each checkpoint)."""
+    from layertap.manifests.consumption import recorded_window
+    from layertap.manifests.state import scan
+    from layertap.storage.units import size
+
+    st = scan(store, manifest)
+    running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
+    if running:
+        raise Refused(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "
+                      "under live leases: stop the workers first (or pass --force)")
+    _refuse_live_consumer(store, manifest)
+    if (window := recorded_window(store)) is not None and len(st.committed) < len(manifest.shards):
+        raise Refused(f"run {manifest.run_id} at {store.uri} is extracted under a --window of {size(window)} and is "
+                      f"not complete ({len(st.committed):,} of {len(manifest.shards):,} shards committed): its "
+                      "workers may be waiting for training to free the window, holding no lease. Stop them "
+                      "first (Ctrl-C, or `scancel` their Slurm job), then pass --force")
+
+
+def _refuse_live_consumer(store, manifest) -> None:
+    """Raise `Refused` while the run's --delete-consumed trainer (`consumed/trainer.json` names
+    its output) runs: its output's lease says so."""
+    from layertap.manifests.consumption import consumer_of
+    from layertap.manifests.manifest import ManifestError
+    from layertap.manifests.output_lease import live_holder
+    from layertap.storage.store import StoreError, open_store
+
+    try:
+        output = consumer_of(store)
+    except ManifestError:  # unreadable: no trainer to ask about
+        return
+    if output is None:
+        return
+    trainer = f"the --delete-consumed trainer of run {manifest.run_id} at {store.uri} (writing to {output})"
+    try:
+        out = open_store(output)
+        held = live_holder(out)
+    except StoreError as e:
+        raise Refused(f"cannot tell whether {trainer} still runs ({e}): make sure it is stopped, then pass "
+                      "--force") from None
+    if held is not None:
+        raise Refused(f"{trainer} is running ({held.describe(out.now())}): it records what it consumed in the run "
+                      "after each checkpoint. Stop it first (Ctrl-C, or `scancel` its Slurm job), or pass --force")
 
 
 def delete_all(store, keys: list[str], threads: int = 16) -> int:

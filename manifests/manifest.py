@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from layertap.manifests import layout
 from layertap.manifests.layout import MANIFEST
 from layertap.manifests.train_output import LATEST, METRICS
 from layertap.storage.codecs import CODEC_NAMES
@@ -170,6 +171,28 @@ def load_manifest(store: ObjectStore) -> Manifest:
     return Manifest.from_json(obj, where)
 
 
+# the records of a run's work under its prefix (manifests/layout.py); not the settings in
+# consumed/ (window.json, trainer.json), which a new extraction or trainer of the prefix replaces or names
+RUN_RECORDS = (layout.COMMITS, layout.SHARDS, layout.TALLY, layout.FEED, layout.LEASES, layout.FAILURES,
+               layout.GIVEN_UP, layout.CONSUMED_RANKS, layout.CONSUMED_SHARDS, layout.COMMIT_INDEX)
+
+
+def _refuse_leftovers(store: ObjectStore) -> None:
+    """Raise `ConfigError` where a prefix without a manifest holds a run's records: what
+    `layertap delete` leaves when a worker or trainer of the run still writes while it runs (or a
+    run copied without its manifest). A new run planned there took those commits for its own:
+    counted done, then refused by training as another run's. Records of a run a concurrent
+    creator made meanwhile are not leftovers: its manifest is there by now."""
+    folders = set(store.folders())
+    left = [p for p in RUN_RECORDS if p.split("/")[0] in folders and next(iter(store.list(p)), None) is not None]
+    if left and not store.exists(MANIFEST):
+        raise ConfigError(f"{store.uri} holds no run ({MANIFEST} is missing) but a run's records under "
+                          f"{', '.join(left)}: left by a process that wrote there while `layertap delete` ran, or by "
+                          "a run copied without its manifest. A new run here would take them for its own. Stop what "
+                          f"still writes there, then `layertap delete --force {store.uri}`; or write the new run to "
+                          "another prefix")
+
+
 def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any], dataset: Mapping[str, Any],
                      token_counts: Sequence[int] | None, bytes_per_token: float,
                      shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[Manifest, bool]:
@@ -177,7 +200,8 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
 
     An existing run is resumed only if its configuration and dataset match; otherwise
     `ConfigMismatch` names every difference. Concurrent creators race on create-if-absent and all
-    but one adopt the winner's plan.
+    but one adopt the winner's plan. A prefix whose manifest is gone but not the run's records
+    (`RUN_RECORDS`) is refused.
     """
     if isinstance(config, RunConfig):
         config = config.to_json()
@@ -192,6 +216,7 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
         if any(store.exists(key) for key in (LATEST, METRICS)):
             raise ConfigError(f"{store.uri} holds a training output (`layertap train --out`), not a run: `layertap "
                              "delete` of the one would delete the other; give the run a prefix of its own")
+        _refuse_leftovers(store)
         manifest = Manifest(
             run_id=uuid.uuid4().hex[:12],
             created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

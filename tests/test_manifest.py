@@ -706,11 +706,17 @@ def test_a_replaced_manifest_is_refused_not_resumed(store_uri, capsys):
     """Commits made under a manifest that was then deleted and planned again follow another plan:
     extraction, status, Slurm resubmission and the loader stop and say so instead of counting
     those shards as done."""
+    from layertap.storage.errors import ConfigError
+
     assert fake_worker.work(store_uri, shards=[0, 1]) == [0, 1]
     store = open_store(store_uri)
     store.delete(layout.MANIFEST)
     time.sleep(1.1)  # S3 stamps objects to the second
-    fake_worker.plan(store, shard_bytes=8000)  # other shard boundaries
+    with pytest.raises(ConfigError, match="holds no run"):  # planned over the commits: refused
+        fake_worker.plan(store, shard_bytes=8000)
+    other = open_store(store_uri.rstrip("/") + "-plan")
+    fake_worker.plan(other, shard_bytes=8000)  # other shard boundaries, put in place by hand (or a race)
+    store.put(layout.MANIFEST, other.get(layout.MANIFEST))
     with pytest.raises(ManifestError, match=r"2 commit record\(s\) .* another plan than its manifest.json's \(shards 0, 1\)"):
         fake_worker.work(store_uri)
     assert list(store.list(layout.LEASES)) == [], "nothing was claimed"

@@ -68,6 +68,11 @@ class Position:
         """Shards consumer `worker` has taken in the follow epoch, in order."""
         return self._taken[worker] if self._taken is not None else []
 
+    def taken_records(self, worker: int) -> list[int | None]:
+        """The record counts of `taken(worker)`'s shards when taken (None: a state saved before
+        counts were kept): a resumed consumer replays them, so they must not have changed."""
+        return self._records[worker] if self._records is not None else []
+
     def take(self, worker: int, shard: int, records: int) -> None:
         self._taken[worker].append(shard)
         self._records[worker].append(records)

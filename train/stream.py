@@ -549,10 +549,7 @@ class ShardStream(IterableDataset):
 
         recorded, yielded = list(position.taken(worker)), position.consumed(worker)
         found = watcher.poll()
-        missing = [s for s in recorded if s not in watcher.known]
-        if missing:
-            raise InputError(f"{self.uri}: shards {missing[:10]} that the saved position took in the follow epoch "
-                             "are no longer committed (withdrawn by `layertap verify`?): start the epoch over")
+        self._check_replayable(recorded, position.taken_records(worker), watcher.known)
         for shard in recorded:
             take(watcher.known[shard])
         fed = 0
@@ -646,6 +643,24 @@ class ShardStream(IterableDataset):
             for rec, _ in pending.values():
                 fetcher.release(rec)
             fetcher.close()
+
+    def _check_replayable(self, taken: list[int], records: list[int | None],
+                          known: dict[int, CommitRecord | FeedCommit]) -> None:
+        """Refuse to resume a follow epoch whose saved order no longer holds: a shard it took was
+        withdrawn since (`layertap verify`), or redone with another record count, which moves every
+        consumer's share of it and every sample's place after it (replayed, samples came twice or
+        never, silently). `records`: the counts when taken (None where a state lacks them)."""
+        missing = [s for s in taken if s not in known]
+        if missing:
+            raise InputError(f"{self.uri}: shard(s) {missing[:10]} that the saved position took in the follow epoch "
+                             "are no longer committed (withdrawn by `layertap verify`?): run `layertap extract` "
+                             "(the run's command, unchanged) to redo them, then resume")
+        for shard, had in zip(taken, records):
+            if had is not None and (now := known[shard].num_records) != had:
+                raise InputError(f"{self.uri}: shard {shard} was redone with {now} records since the checkpoint (it "
+                                 f"had {had}): this follow epoch cannot be resumed exactly, as every sample's place "
+                                 "after it moved. Start the follow epoch over (`layertap train` without --resume, to "
+                                 "another --out; shards a --delete-consumed trainer deleted are left out)")
 
     @staticmethod
     def _pad(sample: dict[str, Any]) -> dict[str, Any]:

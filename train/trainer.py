@@ -715,10 +715,11 @@ def _delete_consumed(run: _Run, step: int) -> None:
 
     acc = run.acc
     shards = run.stream.consumed_shards(run.batches.state_dict())
-    record_consumed(run.data, rank=acc.process_index, world_size=acc.num_processes, shards=shards, step=step)
+    record_consumed(run.data, rank=acc.process_index, world_size=acc.num_processes, shards=shards, step=step,
+                    run_id=run.stream.run_id)
     acc.wait_for_everyone()
     if acc.is_main_process:
-        deleted = delete_consumed(run.data)
+        deleted = delete_consumed(run.data, run_id=run.stream.run_id)
         if deleted:
             log.info("deleted the data of %d consumed shard(s) at %s", len(deleted), run.data.uri)
     acc.wait_for_everyone()

@@ -1,0 +1,225 @@
+"""A run's records are its own. `layertap delete` refuses a run that processes holding no shard
+lease still write to (extraction workers waiting behind --window, the --delete-consumed trainer):
+what they write after the delete listed the prefix outlives it. A new run is not planned over
+such leftovers (it adopted their commits as done), and consumption records of another run delete
+none of its data. A follow trainer resumed after a shard it took changed says what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import fake_worker
+from layertap.cli import main as cli
+from layertap.manifests import layout, manifest
+from layertap.manifests.consumption import (WindowGate, claim_consumer, delete_consumed, record_consumed,
+                                            watermarks)
+from layertap.manifests.manifest import NoRun, load_manifest
+from layertap.manifests.output_lease import OutputLease
+from layertap.manifests.records import Producer, decode_commit
+from layertap.manifests.work import WorkQueue
+from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.format import ShardMeta
+from layertap.storage.store import open_store
+from layertap.storage.writer import ShardWriter
+from layertap.train import ShardStream, StreamConfig
+
+FOLLOW = dict(follow=True, follow_poll_s=0.3, shuffle_buffer=4, seed=3)
+
+
+def data_shards(store) -> set[int]:
+    return {layout.shard_of(o.key, layout.SHARDS) for o in store.list(layout.SHARDS)}
+
+
+# -- layertap delete ----------------------------------------------------------------------------
+
+
+def test_delete_refuses_a_run_whose_delete_consumed_trainer_runs(tmp_path, capsys):
+    """The trainer holds no shard lease: its watermarks, written after the delete listed the run,
+    were left behind (and its output's lease is what says it runs)."""
+    uri, out = str(tmp_path / "run"), open_store(str(tmp_path / "out"))
+    fake_worker.work(uri)
+    store = open_store(uri)
+    claim_consumer(store, out.uri)
+    with OutputLease(out):
+        assert cli(["delete", uri, "--yes"]) == 2
+        err = capsys.readouterr().err
+        assert f"--delete-consumed trainer of run {load_manifest(store).run_id}" in err
+        assert f"(writing to {out.uri}) is running (pid {os.getpid()}" in err and "pass --force" in err
+        assert store.exists(layout.MANIFEST) and data_shards(store)
+    assert cli(["delete", uri, "--yes"]) == 0  # the trainer stopped
+    assert list(store.list()) == []
+
+
+def test_delete_refuses_an_incomplete_window_run(tmp_path, capsys):
+    """Workers of a --window extraction wait for training without a lease, then commit again."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, shards=[0, 1])
+    store = open_store(uri)
+    WindowGate(store, 10_000).record()
+    assert cli(["delete", uri, "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert "extracted under a --window of" in err and "(2 of 7 shards committed)" in err
+    assert "Stop them first" in err and "pass --force" in err and store.exists(layout.MANIFEST)
+    fake_worker.work(uri)  # complete: no worker has anything left to wait for
+    assert cli(["delete", uri, "--yes"]) == 0 and list(store.list()) == []
+
+
+# -- a new run over a deleted one's leftovers ------------------------------------------------------
+
+
+def test_a_new_run_is_not_planned_over_a_deleted_runs_leftovers(store_uri, capsys):
+    """A commit (or watermark) written while `layertap delete` ran survived it: a new run at the
+    prefix counted it as done, then training failed on "the object says run A, the commit run B"."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    late = store.get(layout.commit_key(3))
+    assert cli(["delete", store_uri, "--yes"]) == 0
+    store.put(layout.commit_key(3), late)  # what a worker still running wrote after the delete's listing
+    with pytest.raises(ConfigError, match=r"holds no run \(manifest.json is missing\) but a run's records under "
+                                          r"commits/") as e:
+        fake_worker.plan(store)
+    assert f"`layertap delete --force {store.uri}`" in str(e.value) and not store.exists(layout.MANIFEST)
+    assert cli(["delete", store_uri, "--yes", "--force"]) == 0
+    capsys.readouterr()
+
+    record_consumed(store, rank=0, world_size=1, shards=[0, 1], step=3)  # a trainer's, after the delete
+    with pytest.raises(ConfigError, match="records under consumed/ranks/"):
+        fake_worker.plan(store)
+    store.delete(layout.consumed_rank_key(0))
+    assert fake_worker.plan(store).shards  # nothing left: a new run
+
+
+def test_a_concurrent_creators_run_is_resumed_not_taken_for_leftovers(tmp_path, monkeypatch):
+    """Another worker created the run (and began writing it) between this one's look for a
+    manifest and its look for leftovers: it adopts that run."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, shards=[0])
+    store = open_store(uri)
+    created = load_manifest(store)
+    real, calls = manifest.load_manifest, []
+
+    def not_yet_the_first_time(s):
+        calls.append(1)
+        if len(calls) == 1:
+            raise NoRun("not created yet")
+        return real(s)
+
+    monkeypatch.setattr(manifest, "load_manifest", not_yet_the_first_time)
+    assert fake_worker.plan(store).run_id == created.run_id
+
+
+# -- consumption records of another run ------------------------------------------------------------
+
+
+def test_consumption_records_of_another_run_delete_none_of_its_data(store_uri):
+    """A trainer of a deleted run, still running, records what it consumed at the prefix a new
+    run now uses: a --window worker's sweep deleted the new run's fresh, never-trained shards."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    run_id = load_manifest(store).run_id
+    everything = data_shards(store)
+    record_consumed(store, rank=0, world_size=1, shards=sorted(everything), step=9, run_id="0ldrun0ldrun")
+    store.put(layout.consumed_marker_key(2), json.dumps({"run_id": "0ldrun0ldrun"}).encode())
+    WindowGate(store, 1, sweep_every_s=0).check()  # a full window: the sweep
+    assert data_shards(store) == everything
+    assert delete_consumed(store, run_id=run_id) == [] and data_shards(store) == everything
+
+    record_consumed(store, rank=0, world_size=1, shards=[0, 2], step=10, run_id=run_id)  # the run's own
+    assert delete_consumed(store, run_id=run_id) == [0, 2] and data_shards(store) == everything - {0, 2}
+    assert json.loads(store.get(layout.consumed_marker_key(0))) == {"run_id": run_id}
+    assert json.loads(store.get(layout.consumed_marker_key(2))) == {"run_id": run_id}
+
+    record_consumed(store, rank=0, world_size=1, shards=[0, 1, 2], step=11)  # as written before run ids
+    assert delete_consumed(store, run_id=run_id) == [1]
+
+
+def test_the_delete_consumed_trainer_names_its_run_in_what_it_records(tmp_path):
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    store = open_store(uri)
+    assert cli(["train", "--data", uri, "--model", target, "--out", str(tmp_path / "out"), "--follow",
+                "--delete-consumed", "--follow-poll-s", "0.5", "--batch-size", "4", "--shuffle-buffer", "2",
+                "--block-size", "4", "--max-anchors", "8"]) == 0
+    run_id = load_manifest(store).run_id
+    assert watermarks(store)[0]["run_id"] == run_id
+    markers = [o.key for o in store.list(layout.CONSUMED_SHARDS)]
+    assert markers and all(json.loads(store.get(k)) == {"run_id": run_id} for k in markers)
+
+
+# -- a follow trainer resumed after a shard it took changed ------------------------------------------
+
+
+def withdraw(uri: str, shard: int) -> None:
+    """A byte of the shard's data flipped, found by `layertap verify`, which withdraws its commit."""
+    store = open_store(uri)
+    path = os.path.join(uri, decode_commit(store.get(layout.commit_key(shard)), "commit").data_key)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    assert cli(["verify", uri]) == 1 and not store.exists(layout.commit_key(shard))
+
+
+def redo(uri: str, shard: int, skip: int = 0) -> None:
+    """An extraction worker redoes `shard`, skipping its first `skip` samples (recorded as skipped)."""
+    store = open_store(uri)
+    m = load_manifest(store)
+    for claim in WorkQueue(store, m, Producer.current(0), ttl_s=60, poll_s=0.2, shards=[shard]):
+        with claim:
+            meta = ShardMeta(run_id=m.run_id, shard_id=shard, model="synthetic", layers=fake_worker.LAYERS,
+                             hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+            with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+                for i in range(claim.plan.start + skip, claim.plan.end):
+                    w.write_sample(fake_worker.make_sample(i))
+                info = w.close()
+            skipped = [{"sample_id": f"s{i:05d}", "reason": "too_long"}
+                       for i in range(claim.plan.start, claim.plan.start + skip)]
+            assert claim.commit(info, skipped=skipped)
+
+
+def checkpointed(uri: str, samples: int) -> dict:
+    """The state of a follow stream that yielded `samples` samples of the (complete) run."""
+    stream = ShardStream(uri, config=StreamConfig(**FOLLOW))
+    it = iter(stream)
+    for _ in range(samples):
+        next(it)
+    return stream.state_dict()
+
+
+def resumed(uri: str, state: dict) -> ShardStream:
+    stream = ShardStream(uri, config=StreamConfig(**FOLLOW))
+    stream.load_state_dict(state)
+    return stream
+
+
+def test_a_follow_epoch_is_not_replayed_over_a_shard_redone_with_other_counts(tmp_path):
+    """Shard 2 (6 records) was withdrawn and redone with 5: the replay gave it the new count, so
+    every sample's place after it moved: one sample came twice and two never, silently."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    state = checkpointed(uri, 15)
+    assert 2 in state["taken"][0]
+    withdraw(uri, 2)
+    redo(uri, 2, skip=1)
+    with pytest.raises(InputError, match=r"shard 2 was redone with 5 records since the checkpoint \(it had 6\): "
+                                         r"this follow epoch cannot be resumed exactly"):
+        next(iter(resumed(uri, state)))
+
+
+def test_a_follow_trainer_resumed_before_a_withdrawn_shard_is_redone_is_told_to_redo_it(tmp_path):
+    """"Start the epoch over" cannot be done where a --delete-consumed trainer deleted what it read."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    state = checkpointed(uri, 4)
+    withdraw(uri, 6)
+    with pytest.raises(InputError, match=r"shard\(s\) \[6\] .* no longer committed .*: run `layertap extract` "
+                                         r"\(the run's command, unchanged\) to redo them, then resume"):
+        next(iter(resumed(uri, state)))
+    redo(uri, 6)  # with the same counts, the epoch goes on exactly
+    ids = [s["sample_id"] for s in resumed(uri, state) if not s["padding"]]
+    assert len(ids) == len(set(ids)) == 40 - 4
