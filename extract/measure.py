@@ -11,18 +11,23 @@ what the pipeline would have written with that codec (encoding is a pure functio
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from layertap.extract.estimate import TOKEN_BYTES
 from layertap.extract.inputs import ACCEPTED_SHAPES, Skipped, TokenizedSample, TokenizeStats, sample_id, tokenize_rows
 from layertap.extract.model import Capture
 from layertap.extract.pipeline import PipelineStats, extract_shard, pad_batch
+from layertap.manifests.preemption import STOP_SIGNALS
 from layertap.storage.codecs import CODEC_NAMES
-from layertap.storage.errors import InputError
+from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.format import ShardMeta
 from layertap.storage.records import EncodedRecord, decode_record, encode_record
 from layertap.storage.store import ObjectWriter
@@ -69,15 +74,17 @@ class TokenStats:
 
 def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None = None,
                      sample_rows: int | None = None, picks: int = 0, pick_tokens: int = 0,
-                     chat_template_kwargs: dict | None = None) -> TokenStats:
+                     chat_template_kwargs: dict | None = None, workers: int | None = None) -> TokenStats:
     """Tokenize `rows` (or `sample_rows` of them, evenly spaced) as the extractor would.
 
     Also keeps up to `picks` samples for a measured extraction, spread evenly over the rows
     read until they hold `pick_tokens` tokens (long samples can end the picking early). With every row read, `counts` gives the exact
     per-row token counts the shard planner needs.
-    """
-    from tqdm import tqdm
 
+    Chat templates render in Python, so a large dataset is tokenized by up to `workers` processes
+    (default `plan_workers`), in contiguous ranges merged in order: the result is the one a
+    single pass gives. Small ones stay in this process, where no process start-up is paid.
+    """
     n = len(rows)
     if n == 0:
         raise InputError("the dataset has no rows")
@@ -86,24 +93,191 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
         indices = [i * n // sample_rows for i in range(sample_rows)]
         rows = rows.select(indices)
     read = len(rows)
-    stride = max(1, read // picks) if picks else 0
-    stats = TokenizeStats()
-    counts: list[int] = []
-    chosen: list[TokenizedSample] = []
-    chosen_tokens = 0
-    outputs = tokenize_rows(rows, tokenizer, max_length, vocab_size=vocab_size, stats=stats,
-                            chat_template_kwargs=chat_template_kwargs)
-    for i, out in enumerate(tqdm(outputs, total=read, desc="tokenize", unit="row", file=sys.stderr,
-                                 mininterval=1.0)):
-        counts.append(0 if isinstance(out, Skipped) else len(out))
-        if (stride and i % stride == 0 and isinstance(out, TokenizedSample) and len(chosen) < picks
-                and chosen_tokens < pick_tokens):
-            index = indices[i] if indices is not None else i
-            chosen.append(replace(out, sample_id=sample_id(rows[i], index)))  # the id the run would give it
-            chosen_tokens += len(out)
+    job = _TokenizeJob(tokenizer, max_length, vocab_size, chat_template_kwargs)
+    processes = tokenize_processes(read, workers)
+    tally = _tally_in_processes(rows, job, processes) if processes > 1 else _tally_here(rows, job)
+    stats = tally.stats
     return TokenStats(rows=n, rows_read=read, samples_read=stats.samples, tokens_read=stats.tokens,
                       supervised_read=stats.supervised_tokens, truncated=stats.truncated, skipped=dict(Counter(stats.skipped)),
-                      counts=counts if indices is None else None, picks=chosen)
+                      counts=tally.counts if indices is None else None,
+                      picks=_picks(rows, tally.counts, indices, job, picks, pick_tokens))
+
+
+def _picks(rows, counts: list[int], indices: list[int] | None, job: _TokenizeJob, picks: int,
+           pick_tokens: int) -> list[TokenizedSample]:
+    """Up to `picks` samples: of every (rows / picks)-th row, those that yield one, until they hold
+    `pick_tokens` tokens. Chosen from the counts, then tokenized again (a few rows): samples sent
+    back from worker processes would each hold a shared-memory file descriptor open."""
+    if not picks:
+        return []
+    chosen: list[int] = []
+    tokens = 0
+    for i in range(0, len(counts), max(1, len(counts) // picks)):
+        if len(chosen) == picks or tokens >= pick_tokens:
+            break
+        if counts[i]:
+            chosen.append(i)
+            tokens += counts[i]
+    samples = job.outputs(rows.select(chosen)) if chosen else []
+    return [replace(s, sample_id=sample_id(rows[i], indices[i] if indices is not None else i))  # the run's ids
+            for i, s in zip(chosen, samples)]
+
+
+PLAN_WORKERS_ENV = "LAYERTAP_PLAN_WORKERS"
+MAX_PLAN_WORKERS = 32
+# A worker starts in 2-4 s (a fresh interpreter imports torch and transformers and unpickles the
+# tokenizer): below ~1,000 rows each (4-5 s of rendering), the start-up would eat the gain.
+MIN_ROWS_PER_WORKER = 1000
+CHUNK_ROWS = 500  # a worker's unit of work: ~2 s, so the bar moves and the ranges even out
+
+
+def tokenize_processes(rows: int, workers: int | None = None) -> int:
+    """Processes `token_statistics` tokenizes `rows` rows in: up to `workers` (default
+    `plan_workers`), each given at least MIN_ROWS_PER_WORKER; 1 is this process alone."""
+    return max(1, min(plan_workers() if workers is None else workers, rows // MIN_ROWS_PER_WORKER))
+
+
+def plan_workers() -> int:
+    """Processes that tokenize a whole dataset: ``$LAYERTAP_PLAN_WORKERS`` (1: this process
+    only), else the CPUs this process may run on, at most 32.
+
+    Every other rank waits while rank 0 plans, so its node's CPUs are free. 32 take a 900K-row
+    plan from over an hour to a few minutes; each more would save seconds and hold its own
+    interpreter and tokenizer (~0.4 GB)."""
+    given = os.environ.get(PLAN_WORKERS_ENV)
+    if given:
+        try:
+            value = int(given)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ConfigError(f"{PLAN_WORKERS_ENV} must be a number of processes, 1 or more (1 tokenizes in this "
+                              f"process), got {given!r}")
+        return value
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(MAX_PLAN_WORKERS, cpus)
+
+
+@dataclass(frozen=True)
+class _TokenizeJob:
+    """What tokenizing a row needs besides the row, sent once to each worker."""
+
+    tokenizer: Any
+    max_length: int
+    vocab_size: int | None
+    template_kwargs: dict | None
+
+    def outputs(self, rows, start: int = 0, stats: TokenizeStats | None = None):
+        return tokenize_rows(rows, self.tokenizer, self.max_length, start=start, vocab_size=self.vocab_size,
+                             stats=stats, chat_template_kwargs=self.template_kwargs)
+
+
+@dataclass
+class _Tally:
+    """What planning keeps of a range of rows: small enough to send between processes."""
+
+    counts: list[int] = field(default_factory=list)  # tokens per row, 0 = skipped
+    stats: TokenizeStats = field(default_factory=TokenizeStats)
+
+    def add(self, out: TokenizedSample | Skipped) -> None:
+        self.counts.append(0 if isinstance(out, Skipped) else len(out))
+
+    def extend(self, other: _Tally) -> None:
+        """Append the tally of the range that follows this one."""
+        self.counts += other.counts
+        for f in fields(TokenizeStats):
+            if f.name == "skipped":
+                self.stats.skipped.update(other.stats.skipped)
+            else:
+                setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(other.stats, f.name))
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="tokenize", unit="row", file=sys.stderr, mininterval=1.0)
+
+
+def _tally_here(rows, job: _TokenizeJob) -> _Tally:
+    tally = _Tally()
+    outputs = job.outputs(rows, stats=tally.stats)  # a bad row shape or template fails here, before the bar
+    with _progress(len(rows)) as bar:
+        for out in outputs:
+            tally.add(out)
+            bar.update(1)
+    return tally
+
+
+def _tally_in_processes(rows, job: _TokenizeJob, processes: int) -> _Tally:
+    """`_tally_here`'s tally from `processes` spawned workers, each given CHUNK_ROWS rows at a time.
+
+    Spawned, not forked: the fork of a process whose torch started OpenMP threads (or CUDA) can
+    hang, and the tokenizers library warns on a fork and turns its parallelism off. Each worker
+    gets `rows` and `job` once: a
+    ``datasets.Dataset`` read from files pickles by reference to its memory-mapped Arrow files, an
+    in-memory one (the embedded ShareGPT, at most ~120 MB) whole. Chunks are merged in row order,
+    so an error is the one a single pass raises first.
+    """
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    job.outputs(rows)  # a bad row shape or template fails here, before any process starts
+    read = len(rows)
+    log.info("tokenizing %d rows in %d processes (%s to change)", read, processes, PLAN_WORKERS_ENV)
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(rows, job, os.getpid()))
+    tally = _Tally()
+    try:
+        with _progress(read) as bar:
+            chunks = [pool.submit(_tally_chunk, a, min(a + CHUNK_ROWS, read)) for a in range(0, read, CHUNK_ROWS)]
+            for chunk in chunks:
+                part = chunk.result()
+                tally.extend(part)
+                bar.update(len(part.counts))
+    except BrokenProcessPool:
+        _stop(pool)
+        raise UserError(f"a process tokenizing the dataset died (killed for memory?); set {PLAN_WORKERS_ENV} to "
+                        f"fewer than {processes} processes (1 tokenizes in this process)") from None
+    except BaseException:  # a row's error, Ctrl-C, a stop signal: no chunk is worth finishing
+        _stop(pool)
+        raise
+    pool.shutdown()
+    return tally
+
+
+def _stop(pool) -> None:
+    """End the workers now, mid-chunk (Python 3.14's ``kill_workers``; earlier ones have no public
+    way), and drop the chunks not started. SIGKILL: they ignore the stop signals."""
+    for process in list((pool._processes or {}).values()):
+        process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+_worker: dict[str, Any] = {}  # a worker's rows and job, from `_start_worker`
+
+
+def _start_worker(rows, job: _TokenizeJob, parent: int) -> None:
+    # Ctrl-C reaches the whole process group, Slurm's signals every process of the job: the parent
+    # alone stops (as a preemption, with its exit code) and ends the workers.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_exit_without, args=(parent,), name="parent-watch", daemon=True).start()
+    _worker.update(rows=rows, job=job)
+
+
+def _exit_without(parent: int) -> None:
+    """Exit once the parent is gone: killed outright, it could not end its workers, which would
+    otherwise wait for chunks forever (each holds both ends of its task pipe)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _tally_chunk(start: int, end: int) -> _Tally:
+    tally = _Tally()
+    for out in _worker["job"].outputs(_worker["rows"].select(range(start, end)), start, tally.stats):
+        tally.add(out)
+    return tally
 
 
 class _CountingWriter(ObjectWriter):
