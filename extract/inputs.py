@@ -439,7 +439,7 @@ class _ChatRenderer:
 
     def tokenize(self, row: Mapping[str, Any], sid: str, shape: RowShape,
                  stats: TokenizeStats) -> TokenizedSample | Skipped:
-        messages = normalize_chat(_chat_of(row, shape), sid, stats, allow_tools=True)
+        messages = normalize_chat(_chat_of(row, shape), sid, stats, extracting=True)
         if isinstance(messages, Skipped):
             return messages
         if not self.writes_tool_calls and any(m.get("tool_calls") for m in messages):
@@ -484,6 +484,8 @@ def _tools_of(row: Mapping[str, Any], sid: str) -> list | None | Skipped:
     """The row's ``tools`` for the template, if any: a list, or that list as a JSON string (which
     keeps each schema exactly: ``datasets`` gives every row's schemas the keys of all of them)."""
     tools = row.get("tools")
+    if isinstance(tools, str) and not tools.strip():  # a string column's plain chat rows
+        tools = None
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
@@ -509,20 +511,21 @@ class _TemplateMismatch(ValueError):
 
 
 def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: bool = True,
-                   allow_tools: bool = False) -> list[dict] | Skipped:
+                   extracting: bool = False) -> list[dict] | Skipped:
     """ShareGPT or OpenAI messages -> ``[{"role", "content", ...}]`` with canonical roles.
 
     Assistant turns before the first user turn are dropped and counted: they answer a prompt
     the row does not contain (ShareGPT splits long chats into parts, and 36% of ShareGPT V3
     rows open with a ``gpt`` turn), and strict templates refuse a chat that opens with one.
-    ``allow_tools`` accepts ``tool`` messages and assistant messages of ``tool_calls`` alone
-    (content null, rendered as ""), for extraction, which renders them with the template. A row
-    that is regenerated or prompted refuses them: a new answer would call other tools than
-    the recorded results answer.
+    ``extracting`` (rows made into training samples) accepts ``tool`` messages and assistant
+    messages of ``tool_calls`` alone (content null, rendered as ""), which the template renders,
+    and checks each turn's ``weight`` (`_trained_turns`). A row that is regenerated or prompted
+    refuses tool messages (a new answer would call other tools than the recorded results answer)
+    and has no use for weights.
     """
     if not raw:
         return Skipped(sid, EMPTY, "no messages")
-    roles = {**_ROLES, **TOOL_ROLES} if allow_tools else _ROLES
+    roles = {**_ROLES, **TOOL_ROLES} if extracting else _ROLES
     messages: list[dict] = []
     seen_user = False
     for i, m in enumerate(raw):
@@ -534,11 +537,11 @@ def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: 
         if canonical is None:
             return Skipped(sid, BAD_MESSAGE, f"message {i} has unknown role {role!r}; accepted: "
                                              f"{sorted(roles)}")
-        if content is None and allow_tools and canonical == "assistant" and m.get("tool_calls"):
+        if content is None and extracting and canonical == "assistant" and m.get("tool_calls"):
             content = ""
         if not isinstance(content, str):
             return Skipped(sid, BAD_MESSAGE, f"message {i} content is {type(content).__name__}, not text")
-        weight = m.get("weight")
+        weight = m.get("weight") if extracting else None
         if weight is not None and not (isinstance(weight, bool) or weight in (0, 1)):
             # a trainer's per-turn scaling has no form in a 0/1 loss mask: refused, not rounded
             return Skipped(sid, BAD_MESSAGE, f"message {i} has weight {weight!r}: 0 (not trained on) or 1 only")

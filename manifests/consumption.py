@@ -151,7 +151,14 @@ def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | No
     `run_id`: the run at the prefix; watermarks and markers of another run are left out (None:
     every one counts). Returns the ids whose data this call deleted.
 
-    The markers' listing and the watermarks (both as large as the run) are read side by side."""
+    The markers' listing and the watermarks (both as large as the run) are read side by side.
+    With `run_id`, nothing is deleted unless the prefix still holds that run: a trainer of a deleted
+    run still running there (after `delete --force`, or its lease lapsed) would find its own
+    watermarks' shard ids in the new run's commits and delete that run's data."""
+    if run_id is not None and (here := _run_here(store)) != run_id:
+        log.warning("%s holds %s, not run %s that these consumption records are of: deleting nothing",
+                    store.uri, f"run {here}" if here else "no run", run_id)
+        return []
     with ThreadPoolExecutor(2) as pool:
         marked, agreed = pool.submit(consumed_shards, store), pool.submit(_agreed, store, run_id)
         marked, agreed = marked.result(), agreed.result()
@@ -178,6 +185,14 @@ def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | No
     if deleted:
         log.info("deleted the data of %d consumed shard(s): %s", len(deleted), _ids(deleted))
     return deleted
+
+
+def _run_here(store: ObjectStore) -> str | None:
+    """The run_id of the manifest at the prefix, None without a readable one."""
+    try:
+        return load_manifest(store).run_id
+    except ManifestError:  # NoRun included
+        return None
 
 
 def _markers_of_other_runs(store: ObjectStore, shards: set[int], run_id: str) -> set[int]:
@@ -242,7 +257,7 @@ def watermarks(store: ObjectStore) -> dict[int, dict]:
 def _agreed(store: ObjectStore, run_id: str | None = None) -> set[int]:
     """Shards every rank of the latest world has consumed, by the watermarks of run `run_id` and
     those naming no run (None: every watermark)."""
-    marks = {rank: m for rank, m in watermarks(store).items() if m["run_id"] in (None, run_id)}
+    marks = {rank: m for rank, m in watermarks(store).items() if run_id is None or m["run_id"] in (None, run_id)}
     if not marks:
         return set()
     world = max(marks.values(), key=lambda m: m["time"])["world_size"]

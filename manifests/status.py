@@ -364,7 +364,7 @@ def _settle_tally(store: ObjectStore, keys: list[str], commit: CommitRecord) -> 
     want = _commit_tally(commit)
     numbers = layout.parse_tally(want)
     kept = [k for k in keys if layout.parse_tally(k) == numbers][:1]  # an older marker without `.c` may match
-    if not kept:
+    if not kept and _still_committed(store, commit.shard, commit.data_key):  # not withdrawn and redone meanwhile
         store.put(want, b"")
     store.delete_many([k for k in keys if k not in kept])
 

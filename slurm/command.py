@@ -447,17 +447,24 @@ def _no_trainer_needed(cfg) -> str | None:
 def _data_is_a_run(cfg) -> None:
     """Refuse a --data that holds no run (a typo, or an extraction not started yet): the job would
     fail only once it leaves the queue. Not asked with --follow (it waits for the run) or --after
-    (the run may come from the job it waits for); a store unreadable from here is the job's to judge."""
-    from layertap.manifests.manifest import NoRun, load_manifest
+    (the run may come from the job it waits for). What the nodes may see otherwise is only noted: a
+    folder not here (mounted on the nodes alone), a store unreadable from here, a manifest of a
+    newer layertap than this one."""
+    from layertap.manifests.manifest import NoRun, UnsupportedVersion, load_manifest
+    from layertap.storage.local import LocalStore
     from layertap.storage.store import StoreError, open_store
 
+    store = open_store(cfg.data, **cfg.s3)
+    if isinstance(store, LocalStore) and not os.path.isdir(store.root):
+        _note(f"--data {store.root} is no folder on this machine: the job looks for the run on its nodes")
+        return
     try:
-        load_manifest(open_store(cfg.data, **cfg.s3))
+        load_manifest(store)
     except NoRun as e:
         raise ConfigError(f"--data: {e}; to queue training behind the extraction that makes it, pass --after "
                           "<its job id>, or train while it runs with --follow") from None
-    except StoreError:
-        pass
+    except (StoreError, UnsupportedVersion) as e:
+        _note(f"--data could not be checked from here ({e}): the job will")
 
 
 def _check_window(cfg, train_cfg, consumers: int) -> None:

@@ -209,7 +209,7 @@ def test_tool_rows_are_refused_where_they_are_not_extracted():
     for messages in (_tool_chat(), _tool_chat("Let me check.")):
         out = normalize_chat(messages, "t", TokenizeStats(), require_assistant=False)
         assert isinstance(out, Skipped) and out.reason == BAD_MESSAGE, out
-    messages = normalize_chat(_tool_chat(), "t", TokenizeStats(), allow_tools=True)
+    messages = normalize_chat(_tool_chat(), "t", TokenizeStats(), extracting=True)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
     assert messages[2]["content"] == "" and messages[2]["tool_calls"] == [CALL]
 
@@ -243,3 +243,14 @@ def test_an_assistant_turn_of_weight_0_is_context_only():
     row["conversations"][3]["weight"] = 0.5
     (out,) = tokenize_rows(datasets.Dataset.from_list([row]), tok, 4096)
     assert isinstance(out, Skipped) and out.reason == "bad_message" and "message 3 has weight 0.5" in out.detail
+    # eval's prompts and regenerate's rows have no use for weights: not checked there
+    assert not isinstance(normalize_chat(row["conversations"], "w", TokenizeStats()), Skipped)
+
+
+def test_a_blank_tools_string_is_a_plain_chat():
+    """A string `tools` column holds "" in its plain chat rows: they were skipped as bad JSON."""
+    tok = tiny_tokenizer(CHATML_TEMPLATE)
+    row = {"id": "t", "tools": "  ", "messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "hello"}]}
+    (out,) = tokenize_rows(datasets.Dataset.from_list([row]), tok, 4096)
+    assert isinstance(out, TokenizedSample) and _runs(out, tok) == ["hello<|im_end|>"], out

@@ -153,3 +153,20 @@ def test_resume_refuses_drafter_flags_the_checkpoint_contradicts(trained, tmp_pa
     assert (f"cannot resume: {flag} {value}, but the checkpoint's drafter has {key} {saved}" in err
             and f"leave out {flag} (or pass {flag} {saved})" in err)
     assert cli([*args, flag, str(saved)]) == 0
+
+
+def test_a_revision_alone_differing_is_warned_of_not_refused(caplog):
+    """The hub's newer snapshot of the same model (a README commit) has another revision but the
+    same config and tokenizer: eval refused it; now it warns. A config that differs is refused."""
+    from layertap.storage.errors import InputError
+    from layertap.train.speculative import check_drafter_target
+
+    recorded = {"model": "org/m", "gguf_file": None, "model_type": "qwen3", "model_config_sha256": "c1",
+                "tokenizer_sha256": "t1", "model_revision": "aaaa"}
+    info = {"model": "org/m", "gguf_file": None, "model_type": "qwen3", "model_config_sha256": "c1",
+            "tokenizer_sha256": "t1", "revision": "bbbb", "tokenizer_vocab_size": 100}
+    with caplog.at_level(logging.WARNING):
+        check_drafter_target(recorded, info, "s3://b/drafter")
+    assert "another revision than the drafter at s3://b/drafter was trained for (revision: the drafter's aaaa" in caplog.text
+    with pytest.raises(InputError, match="config.json sha256: the drafter's c1, --model's c2"):
+        check_drafter_target(recorded, {**info, "model_config_sha256": "c2"}, "s3://b/drafter")

@@ -136,6 +136,29 @@ def test_consumption_records_of_another_run_delete_none_of_its_data(store_uri):
     assert delete_consumed(store, run_id=run_id) == [1]
 
 
+def test_a_trainer_of_a_deleted_run_deletes_nothing_of_the_new_runs_data(store_uri):
+    """The other way round: the old run's trainer, still running at the prefix (after `delete
+    --force`, or its lease lapsed), found its own watermarks' shard ids in the new run's commits
+    and deleted that run's data."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    everything = data_shards(store)
+    record_consumed(store, rank=0, world_size=1, shards=sorted(everything), step=9, run_id="0ldrun0ldrun")
+    assert delete_consumed(store, run_id="0ldrun0ldrun") == [] and data_shards(store) == everything
+    assert not list(store.list(layout.CONSUMED_SHARDS))
+
+
+def test_status_counts_the_watermarks_that_name_their_run(store_uri):
+    """With no run given, every watermark counts (`status`'s `consumed_everywhere`): the named ones
+    were left out, so shards every rank had consumed but not yet marked showed as backlog."""
+    from layertap.manifests.consumption import consumed_everywhere
+
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    record_consumed(store, rank=0, world_size=1, shards=[0, 1, 2], step=5, run_id=load_manifest(store).run_id)
+    assert consumed_everywhere(store) == {0, 1, 2}
+
+
 def test_the_delete_consumed_trainer_names_its_run_in_what_it_records(tmp_path):
     from tiny_models import tiny_model_dir
 

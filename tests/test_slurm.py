@@ -636,14 +636,18 @@ def test_the_trainers_arguments_are_checked_at_submission(tmp_path, capsys, monk
 def test_submit_train_refuses_data_that_holds_no_run(tmp_path, capsys, monkeypatch):
     """A --data with no run (a typo, an extraction not started) was queued, and the job failed only
     once it left the queue: refused at submission, naming --after and --follow, which wait for a
-    run that does not exist yet and are not refused."""
+    run that does not exist yet and are not refused; a folder missing here is only noted."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
     base = ("train", "--dry-run", "--out", "d")
+    (tmp_path / "typo").mkdir()
     assert submit(*base, "--data", "typo") == 2
     err = capsys.readouterr().err
     assert f"error: --data: no run at {tmp_path / 'typo'}" in err and "pass --after <its job id>" in err, err
     assert "with --follow" in err
+    # a folder this machine does not have may be mounted on the nodes alone: noted, not refused
+    assert submit(*base, "--data", "/nodes-only/run") == 0
+    assert "--data /nodes-only/run is no folder on this machine" in capsys.readouterr().err
     assert submit(*base, "--data", "typo", "--after", "41") == 0
     assert submit(*base, "--data", "typo", "--follow") == 0
     planned_run(str(tmp_path / "run"), 2)

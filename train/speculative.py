@@ -437,7 +437,12 @@ def check_drafter_target(recorded: dict[str, Any], info: dict[str, Any], drafter
     was = str(recorded.get("model")) + (f" ({recorded['gguf_file']})" if recorded.get("gguf_file") else "")
     if any(recorded.get(k) is not None for k in TARGET_FACTS):
         diffs = target_differences(recorded, info, "the drafter's")
-        if diffs:
+        if diffs and all(d.startswith("revision:") for d in diffs):
+            # the hub's newer snapshot of the same model (a README commit), or a GGUF repo's own
+            # revision: the config and tokenizer, where known, agree
+            log.warning("the target %s is another revision than the drafter at %s was trained for (%s): its "
+                        "config and tokenizer match", given, drafter_uri, diffs[0])
+        elif diffs:
             raise InputError(f"the target {given} is not the one the drafter at {drafter_uri} was trained for "
                              f"({was}): {'; '.join(diffs)}. The drafter drafts from that model's states with its "
                              "embeddings and head: pass --model (and --gguf-file) with the model it was trained for")
