@@ -21,7 +21,7 @@ from layertap.manifests import layout
 from layertap.manifests.manifest import create_or_resume
 from layertap.manifests.records import Producer, decode_commit
 from layertap.manifests.work import WorkQueue
-from layertap.storage.errors import InputError
+from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.local import LocalStore
 from layertap.storage.format import ShardError, ShardMeta
 from layertap.storage.reader import ShardReader
@@ -246,6 +246,19 @@ def test_memory_budget_holds(store_uri):
     assert budget / 2 < m["peak_buffered_bytes"] <= budget + rng
     assert m["buffered_bytes"] == 0
     assert m["get_requests"] > 2 * len(stream.shards)  # ranged reads, not whole objects
+
+
+def test_a_budget_below_one_range_is_warned_of(tmp_path, caplog):
+    """The budget holds whole ranges, so one below `range_bytes` is exceeded by every fetch; the
+    warning looked only at the shuffle buffer's samples and stayed quiet (a read-only hunt)."""
+    uri = str(tmp_path / "run")
+    make_run(uri, shard_bytes=8000)
+    with caplog.at_level("WARNING"):
+        list(ShardStream(uri, config=StreamConfig(shuffle_buffer=1, memory_budget=1500, range_bytes=4000)))
+    assert "range_bytes (3.91 KiB) exceeds the memory budget per worker (1.46 KiB)" in caplog.text
+    for poll in (0.0, float("nan"), float("inf")):  # NaN passed `<= 0` and waited forever
+        with pytest.raises(ConfigError, match="follow_poll_s must be > 0 seconds"):
+            StreamConfig(follow_poll_s=poll)
 
 
 def test_streaming_writes_nothing_to_local_disk(s3_bucket, tmp_path):

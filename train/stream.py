@@ -43,7 +43,7 @@ from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.format import ShardError
 from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_store
-from layertap.storage.units import parse_size
+from layertap.storage.units import parse_size, size
 from layertap.train.buffers import BufferPool
 from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
 from layertap.train.follow import CommitWatcher, wait_for_manifest
@@ -89,7 +89,7 @@ class StreamConfig:
         for name in ("memory_budget", "range_bytes", "prefetch_shards", "fetch_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.follow_poll_s <= 0:
+        if not 0 < self.follow_poll_s < float("inf"):  # NaN too: it compares false with everything
             raise ConfigError(f"follow_poll_s must be > 0 seconds, got {self.follow_poll_s}")
         if self.follow and self.uneven != "pad":
             raise ConfigError("follow mode pads every consumer to the same count: it needs uneven='pad'")
@@ -439,6 +439,10 @@ class ShardStream(IterableDataset):
         if worker == 0 and c.shuffle and c.shuffle_buffer * avg > budget:
             log.warning("the shuffle buffer (%d samples of ~%.1f MB) exceeds the memory budget per worker "
                         "(%.1f MB); buffered bytes will exceed the budget", c.shuffle_buffer, avg / 1e6, budget / 1e6)
+        elif worker == 0 and c.range_bytes > budget:  # the budget holds whole ranges: one is the least in RAM
+            log.warning("range_bytes (%s) exceeds the memory budget per worker (%s): each fetch holds a whole "
+                        "range, so buffered bytes will exceed the budget; lower range_bytes or raise the budget",
+                        size(c.range_bytes), size(budget))
         threads = c.decode_threads if c.decode_threads is not None else auto_decode_threads(self.codec, workers)
         return self._generate(plan, worker, budget, threads)
 
