@@ -415,6 +415,19 @@ def _from_rank_0(acc: Any, value: Any) -> Any:
     return json.loads(bytes(buf.cpu().numpy()))
 
 
+def _gathered(acc: Any, value: Any) -> list[Any]:
+    """Every rank's JSON-ready `value`, in rank order, sent as JSON bytes (accelerate's
+    `gather_object` pickles)."""
+    if acc.num_processes == 1:
+        return [value]
+    data = json.dumps(value).encode()
+    sizes = acc.gather(torch.tensor([len(data)], dtype=torch.int64, device=acc.device)).tolist()
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = acc.gather(buf.to(acc.device)).view(len(sizes), -1).cpu()
+    return [json.loads(bytes(rows[i, :n].numpy())) for i, n in enumerate(sizes)]
+
+
 @dataclass
 class _Run:
     """What the steps and checkpoints of one training process work on."""
@@ -677,8 +690,6 @@ def _record(stats: StepStats, epoch: int, bs: int, wait: float, kl: bool = False
 
 
 def _save(run: _Run, step: int) -> None:
-    from accelerate.utils import gather_object
-
     acc = run.acc
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
@@ -693,7 +704,7 @@ def _save(run: _Run, step: int) -> None:
     if len(set(sums)) > 1:
         raise RuntimeError(f"drafter replicas differ across ranks at step {step} (weight sums {sums}); "
                            "not saving a checkpoint from diverged ranks")
-    states = gather_object([run.batches.state_dict()])  # what this rank trained on, not what it prefetched
+    states = _gathered(acc, run.batches.state_dict())  # what this rank trained on, not what it prefetched
     if acc.is_main_process:
         state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader": states}
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
