@@ -4,7 +4,8 @@ per-sample layouts (storage/foreign*.py).
 Export reads the run's committed shards in shard order (every record's hash checked) and writes
 one foreign file per sample; the layers keep their order, except for speculators, whose files
 hold them ascending. A format that carries a final state needs the run to hold that very state:
-speculators the last layer's pre-norm output, ModelOpt its post-norm one.
+speculators the last layer's pre-norm output, ModelOpt its post-norm one. An export that fails
+removes the files it wrote (the foreign trainers would train on an export cut short).
 
 Import makes an ordinary run: a manifest planned over the source's files, then shards claimed,
 written and committed through the same leases and commit records as an extraction, so a second
@@ -34,9 +35,9 @@ from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, Manifest, create_or
 from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.work import Claim, WorkQueue
-from layertap.storage.errors import ConfigError, InputError, MissingInput
-from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, foreign_layers,
-                                      layer_order, reader, unservable_layer, writer)
+from layertap.storage.errors import ConfigError, InputError, MissingInput, UserError
+from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, ForeignWriter,
+                                      foreign_layers, layer_order, reader, unservable_layer, writer)
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
@@ -86,6 +87,21 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     total = sum(c.num_records for c in commits)
     total = min(total, limit) if limit is not None else total
     out = writer(fmt, dest, rows_only=rows_only)
+    try:
+        written, sources = _write_samples(run, commits, fmt, order, total, out)
+        note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model, "samples": written,
+                "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],
+                "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources}
+        dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())
+    except BaseException as e:
+        _remove_partial_export(dest, out.written(), e)
+        raise
+    return note
+
+
+def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], total: int,
+                   out: ForeignWriter) -> tuple[int, list[dict[str, Any]]]:
+    """Write the first `total` committed samples in shard order; how many, and the shards read."""
     written = 0
     sources: list[dict[str, Any]] = []  # the rows' shards in order: row i is the i-th of their samples
     with progress(total, desc="export", unit="sample") as bar:
@@ -109,11 +125,45 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
                 sources[-1]["samples"] += 1
                 bar.update(1)
     out.close()
-    note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model, "samples": written,
-            "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],
-            "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources}
-    dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())
-    return note
+    return written, sources
+
+
+class ExportFailed(UserError):
+    """An export that failed on a user-fixable cause (a corrupt shard, a store error), its partial
+    output removed; the message says so."""
+
+
+def _remove_partial_export(dest: ObjectStore, keys: list[str], error: BaseException) -> None:
+    """Remove what a failed export wrote: the foreign trainers read every sample file under DEST
+    and the export note is written last, so the files of an export cut short would be trained on
+    as if complete, and they keep DEST from being exported into again. Raises `ExportFailed`
+    (from a `UserError`), or adds a note to `error` (a bug, Ctrl-C: the traceback stays), saying
+    whether DEST was cleaned, or which files to remove by hand."""
+    try:
+        dest.delete_many([*keys, EXPORT_NOTE])
+        left, why = [], ""
+    except Exception as e:  # noqa: BLE001 - any store failure: name the files instead
+        left = [k for k in [*keys, EXPORT_NOTE] if _exists(dest, k)]
+        why = f"{type(e).__name__}: {e}"
+    if not left:
+        done = (f"the export to {dest.uri} failed, and the {len(keys)} file(s) it had written were removed: no file "
+                "of it is left there, so the same command can be run again once the cause is fixed")
+    else:
+        shown = ", ".join(left[:20]) + (f" and {len(left) - 20} more" if len(left) > 20 else "")
+        done = (f"the export to {dest.uri} failed, and removing what it wrote failed too ({why}): remove {shown} "
+                "(DEST was empty before this export, so everything under it) before exporting there again: the "
+                "foreign trainers would train on these files of an export cut short")
+    if isinstance(error, UserError):
+        raise ExportFailed(f"{error}; {done}") from error
+    error.add_note(done)
+    log.error(done)
+
+
+def _exists(store: ObjectStore, key: str) -> bool:
+    try:
+        return store.exists(key)
+    except Exception:  # noqa: BLE001 - the store is failing: assume the file is there
+        return True
 
 
 def check_empty(dest: ObjectStore) -> None:
@@ -200,6 +250,7 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     """The import's run at `out` (planned now, or the one there if it is this import), the
     source's reader and files, and the target. Every check runs before `out` is written to."""
     ours = layertap_layers(fmt, layers)
+    check_layer_order(fmt, layers)
     target = read_target(model, gguf_file)
     facts_from = f"{model}'s {target.source}"
     rd = reader(fmt, src, len(layers))
@@ -222,6 +273,16 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     log.info("%s run %s at %s: %d samples from %s in %d shards", "planned" if created else "resuming",
              manifest.run_id, out.uri, len(files), src.uri, len(manifest.shards))
     return manifest, rd, files, target
+
+
+def check_layer_order(fmt: str, layers: list[int]) -> None:
+    """Refuse speculators' --layers out of ascending order: its files always hold the capture
+    layers ascending (as vLLM gathers them), so --layers 4,2 would record layer 4 for the states
+    of layer 2 and the other way round, without an error anywhere later."""
+    if fmt == "speculators" and any(a > b for a, b in zip(layers, layers[1:])):
+        raise ConfigError(f"--layers {','.join(map(str, layers))}: speculators' files hold the capture layers in "
+                          f"ascending order, so --from speculators takes them ascending: pass --layers "
+                          f"{','.join(map(str, sorted(layers)))}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +414,7 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
     if queue.finished():
         log.info("nothing to do: every shard of the run at %s is committed", out.uri)
         return manifest
+    renamed = rd.renamed  # the plan read the first file
     with StopSignals(at_once=True), progress(len(files), desc="import", unit="sample") as bar:
         for claim in queue:
             try:
@@ -364,6 +426,10 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
             except Exception as e:  # recorded by the claim; go on with the next shard
                 if not claim.superseded:  # else another attempt's commit counts it
                     log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e)
+    if rd.renamed > renamed:
+        log.warning("%d sample(s) imported now have their file's name for id, not the id inside the file, which "
+                    "is not their file's name or is another file's (a run's sample ids are unique)",
+                    rd.renamed - renamed)
     return manifest
 
 

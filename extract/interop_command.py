@@ -11,8 +11,9 @@ import argparse
 FORMATS = ("speculators", "specforge", "modelopt")
 LAYER_HELP = ("capture layer ids in the SOURCE's own convention, in the order its files store them. "
               "speculators: HF hidden_states indices (0 is the embedding output; layertap's layer k is k+1), the "
-              "capture layers only (its files' last slot is the final state, which is imported as a prenorm final "
-              "state); specforge (z-lab's DFlash ids) and modelopt: 0-based decoder layer ids, which equal layertap's. "
+              "capture layers only, ascending as its files always hold them (its files' last slot is the final "
+              "state, which is imported as a prenorm final state); specforge (z-lab's DFlash ids) and modelopt: "
+              "0-based decoder layer ids, which equal layertap's. "
               "e.g. speculators 2,17,32,47,62 = specforge/modelopt/layertap 1,16,31,46,61")
 
 

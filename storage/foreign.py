@@ -76,6 +76,7 @@ class ForeignFile:
 
 class ForeignReader(Protocol):
     final_state: str
+    renamed: int  # samples read so far whose id is their file's, not the one inside the file (ModelOpt's)
 
     def files(self) -> list[ForeignFile]: ...
 
@@ -92,6 +93,10 @@ class ForeignWriter(Protocol):
     def write(self, index: int, sample: Sample) -> None: ...
 
     def close(self) -> list[str]: ...
+
+    def written(self) -> list[str]:
+        """Every key this writer has put, or begun to put: what a failed export removes."""
+        ...
 
 
 def reader(fmt: str, store: ObjectStore, num_layers: int) -> ForeignReader:
@@ -138,6 +143,28 @@ def load_torch(data: bytes | memoryview, where: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise InputError(f"{where}: holds a {type(obj).__name__}, not a dict of tensors")
     return obj
+
+
+def tensor_of(d: dict[str, Any], key: str, where: str, dims: tuple[int, ...]) -> torch.Tensor:
+    """`d[key]` when it is a tensor of one of `dims` dimensions. `weights_only=True` also
+    unpickles lists, numbers and strings, which the readers would fail on with an AttributeError
+    (a whole shard failed on every retry for one bad file): a bad value is the file's fault, an
+    `InputError` naming the file and key, so import skips that file with its reason."""
+    x = d[key]
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{where}: {key} is a {type(x).__name__}, not a tensor")
+    if x.dim() not in dims:
+        raise InputError(f"{where}: {key} has shape {tuple(x.shape)}, not one of "
+                         f"{' or '.join(str(n) for n in dims)} dimension(s)")
+    return x
+
+
+def tokens_of(d: dict[str, Any], key: str, where: str) -> torch.Tensor:
+    """A per-token tensor (`input_ids`, `loss_mask`): [T], or [1, T] as a batch of one saves it."""
+    x = tensor_of(d, key, where, (1, 2))
+    if x.dim() == 2 and x.shape[0] != 1:
+        raise InputError(f"{where}: {key} has shape {tuple(x.shape)}, not [tokens] or [1, tokens]")
+    return x.reshape(-1)
 
 
 def save_torch(obj: dict[str, Any]) -> bytes:

@@ -2,6 +2,8 @@
 `input_ids` [T], `hidden_states` [T, H] (the last layer's state after the final norm: HF's last
 `hidden_states` entry), `aux_hidden_states` [T, k*H] (the capture layers concatenated, ModelOpt's
 0-based decoder layer ids, which are layertap's), optional `loss_mask` [T] and `conversation_id`.
+A sample's id is its `conversation_id` where the file is named after it, else the file's name
+(`ModelOptReader.sample_id`).
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
+from typing import Any
 
 import torch
 
 from layertap.storage.errors import InputError
 from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key, save_torch,
-                                      split_layers)
+                                      split_layers, tensor_of, tokens_of)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -29,16 +32,18 @@ def file_key(sample_id: str) -> str:
 class ModelOptWriter:
     def __init__(self, store: ObjectStore):
         self.store = store
-        self._keys: set[str] = set()
+        self._keys: dict[str, None] = {}  # in the order written
 
     def write(self, index: int, sample: Sample) -> None:
         if sample.final_state is None:
             raise InputError(f"sample {sample.sample_id} has no final state; ModelOpt's files need the last layer's "
                              "post-norm state")
         key = file_key(sample.sample_id)
-        if key in self._keys:
-            key = file_key(f"{sample.sample_id}-{index}")
-        self._keys.add(key)
+        n = 1
+        while key in self._keys:  # ids that differ only in characters a file name cannot hold; "-{index}" may clash too
+            key = file_key(f"{sample.sample_id}-{index}" + (f"-{n}" if n > 1 else ""))
+            n += 1
+        self._keys[key] = None  # before the put: one that fails halfway is removed too
         t = sample.num_tokens
         self.store.put(key, save_torch({
             "input_ids": sample.input_ids.to(torch.int64).contiguous(),
@@ -51,6 +56,9 @@ class ModelOptWriter:
     def close(self) -> list[str]:
         return []
 
+    def written(self) -> list[str]:
+        return list(self._keys)
+
 
 class ModelOptReader:
     final_state = "postnorm"
@@ -61,16 +69,35 @@ class ModelOptReader:
         if not self._files:
             raise InputError(f"no ModelOpt files at {store.uri}: expected {{conversation_id}}.pt files")
         self._warned = False
+        self._stems = {posixpath.splitext(o.key)[0] for o in self._files}
+        self.renamed = 0
 
     def files(self) -> list[ForeignFile]:
         return [ForeignFile(posixpath.splitext(o.key)[0], o.key, o.size) for o in self._files]
+
+    def sample_id(self, cid: Any, f: ForeignFile) -> str:
+        """The file's `conversation_id` when the file is named after it (as ModelOpt's dumper and
+        `layertap export` name them) and it is no other file's name; else the file's name (its key
+        without .pt). Unique, as a run's ids must be, and fixed by the file and the listing alone,
+        so that shards of any size get the same ids: a conversation_id repeated in several files,
+        or files in subfolders, no longer make two samples of one id."""
+        if isinstance(cid, str) and cid and (cid == f.sample_id or (file_key(cid) == f.key
+                                                                     and cid not in self._stems)):
+            return cid
+        if isinstance(cid, str) and cid:
+            self.renamed += 1
+            if self.renamed == 1:
+                log.warning("%s: its conversation_id %r is not its file's name, or is another file's: its sample id "
+                            "is the file's, %r (and so for any other such file; the import counts them)", f.key, cid,
+                            f.sample_id)
+        return f.sample_id
 
     def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
         where = f"{self.store.uri.rstrip('/')}/{f.key}"
         d = load_torch(self.store.get(f.key), where)
         if "aux_hidden_states" not in d:
             raise InputError(f"{where} lacks aux_hidden_states")
-        return int(d["aux_hidden_states"].shape[-1]), None
+        return int(tensor_of(d, "aux_hidden_states", where, (2, 3)).shape[-1]), None
 
     def read(self, f: ForeignFile) -> Sample:
         where = f"{self.store.uri.rstrip('/')}/{f.key}"
@@ -78,20 +105,19 @@ class ModelOptReader:
         missing = [k for k in ("input_ids", "hidden_states", "aux_hidden_states") if k not in d]
         if missing:
             raise InputError(f"{where} lacks {missing}")
-        ids = d["input_ids"].reshape(-1).to(torch.int64)
-        states = split_layers(d["aux_hidden_states"], self.num_layers, where, "aux_hidden_states")
-        final = d["hidden_states"]
+        ids = tokens_of(d, "input_ids", where).to(torch.int64)
+        states = split_layers(tensor_of(d, "aux_hidden_states", where, (2, 3)), self.num_layers, where,
+                              "aux_hidden_states")
+        final = tensor_of(d, "hidden_states", where, (2, 3))
         final = final[0] if final.dim() == 3 else final
         if final.shape[-1] != states.shape[-1]:
             raise InputError(f"{where}: hidden_states is {final.shape[-1]} wide, the {self.num_layers} aux layer(s) "
                              f"{states.shape[-1]}: is --layers right?")
-        mask = d.get("loss_mask")
+        mask = tokens_of(d, "loss_mask", where) if d.get("loss_mask") is not None else None
         if mask is None:
             if not self._warned:
                 log.warning("%s has no loss_mask: every token counts as trained on (ModelOpt's default)", where)
                 self._warned = True
             mask = torch.ones_like(ids)
-        cid = d.get("conversation_id")
-        sample_id = cid if isinstance(cid, str) and cid else f.sample_id
-        return check_lengths(Sample(sample_id, ids, as_mask(mask), as_bf16(states).contiguous(),
-                                    as_bf16(final).contiguous()), where)
+        return check_lengths(Sample(self.sample_id(d.get("conversation_id"), f), ids, as_mask(mask),
+                                    as_bf16(states).contiguous(), as_bf16(final).contiguous()), where)

@@ -1,5 +1,6 @@
 """SpecForge's offline data: one `torch.save` dict per sample, `rows_{g}-{g+2000}/data_{i}.ckpt`
-(`.ckpt.gz` when compressed). DFlash files hold `input_ids` [T], `loss_mask` [T] and
+(`.ckpt.gz` when compressed; a `.ckpt.gz` beside the `.ckpt` of its name is taken for its
+compressed copy, not imported a second time). DFlash files hold `input_ids` [T], `loss_mask` [T] and
 `hidden_states` [1, T, k*H], the capture layers concatenated (z-lab's layer ids, which are
 layertap's). EAGLE-3 files hold `aux_hidden_state` [1, T, 3H] and `hidden_state` [1, T, H] (the
 post-norm last state, which SpecForge projects with the bare LM head) instead. Files may carry
@@ -8,15 +9,18 @@ zero-padded tails past the tokens: they are cut to `input_ids`' length.
 
 from __future__ import annotations
 
+import logging
 import posixpath
 
 import torch
 
 from layertap.storage.errors import InputError
 from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key,
-                                      save_torch, split_layers)
+                                      save_torch, split_layers, tensor_of, tokens_of)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
+
+log = logging.getLogger(__name__)
 
 ROWS_PER_FOLDER = 2000
 SUFFIXES = (".ckpt", ".ckpt.gz")
@@ -32,23 +36,40 @@ class SpecForgeWriter:
 
     def __init__(self, store: ObjectStore):
         self.store = store
+        self._keys: list[str] = []
 
     def write(self, index: int, sample: Sample) -> None:
         t = sample.num_tokens
-        self.store.put(data_key(index), save_torch({
+        data = save_torch({
             "input_ids": sample.input_ids.to(torch.int64).contiguous(),
             "loss_mask": sample.loss_mask.to(torch.int64).contiguous(),
             "hidden_states": as_bf16(sample.hidden_states).reshape(1, t, -1).contiguous(),
-        }))
+        })
+        self._keys.append(data_key(index))  # before the put: one that fails halfway is removed too
+        self.store.put(data_key(index), data)
 
     def close(self) -> list[str]:
         return []
 
+    def written(self) -> list[str]:
+        return list(self._keys)
+
 
 class SpecForgeReader:
+    renamed = 0  # a file's id is its key's stem, always
+
     def __init__(self, store: ObjectStore, num_layers: int):
         self.store, self.num_layers = store, num_layers
-        self._files = sorted((o for o in store.list("") if o.key.endswith(SUFFIXES)), key=lambda o: natural_key(o.key))
+        listed = [o for o in store.list("") if o.key.endswith(SUFFIXES)]
+        plain = {o.key for o in listed if o.key.endswith(".ckpt")}
+        copies = sorted(o.key for o in listed if o.key.endswith(".gz") and o.key[:-3] in plain)
+        if copies:
+            log.warning("%d .ckpt.gz file(s) at %s sit beside the .ckpt of the same name (e.g. %s beside %s): read as "
+                        "the same sample compressed, so only the .ckpt is imported (SpecForge's own reader would "
+                        "train on both); to import such a file as a sample of its own, give it another name",
+                        len(copies), store.uri, copies[0], copies[0][:-3])
+        skip = set(copies)
+        self._files = sorted((o for o in listed if o.key not in skip), key=lambda o: natural_key(o.key))
         if not self._files:
             raise InputError(f"no SpecForge files at {store.uri}: expected data_*.ckpt or .ckpt.gz files")
         first = load_torch(store.get(self._files[0].key), self._where(self._files[0].key))
@@ -67,7 +88,7 @@ class SpecForgeReader:
         states_key = "aux_hidden_state" if self.eagle3 else "hidden_states"
         if states_key not in d:
             raise InputError(f"{where} lacks {states_key}")
-        return int(d[states_key].shape[-1]), None
+        return int(tensor_of(d, states_key, where, (2, 3)).shape[-1]), None
 
     def read(self, f: ForeignFile) -> Sample:
         where = self._where(f.key)
@@ -78,14 +99,14 @@ class SpecForgeReader:
         if missing:
             raise InputError(f"{where} lacks {missing} (a {'EAGLE-3' if self.eagle3 else 'DFlash'} file is expected, "
                              "like the first file of the folder)")
-        ids = d["input_ids"].reshape(-1).to(torch.int64)
+        ids = tokens_of(d, "input_ids", where).to(torch.int64)
         t = ids.shape[0]
-        states = split_layers(d[states_key], self.num_layers, where, states_key)[:t]
+        states = split_layers(tensor_of(d, states_key, where, (2, 3)), self.num_layers, where, states_key)[:t]
         final = None
         if self.eagle3:
-            final = d["hidden_state"]
+            final = tensor_of(d, "hidden_state", where, (2, 3))
             final = as_bf16(final[0] if final.dim() == 3 else final)[:t].contiguous()
-        mask = as_mask(d["loss_mask"].reshape(-1)[:t])
+        mask = as_mask(tokens_of(d, "loss_mask", where)[:t])
         return check_lengths(Sample(f.sample_id, ids, mask, as_bf16(states).contiguous(), final), where)
 
 

@@ -55,6 +55,7 @@ class SpeculatorsWriter:
         self._rows = os.path.join(self._tmp.name, "rows.arrow")
         self._out = pa.ipc.new_stream(pa.OSFile(self._rows, "wb"), self._schema)  # streamed: no row list in RAM
         self._next = 0
+        self._keys: list[str] = []
 
     def write(self, index: int, sample: Sample) -> None:
         import pyarrow as pa
@@ -64,6 +65,7 @@ class SpeculatorsWriter:
         tensors = hs_tensors(sample)
         ids = tensors["token_ids"]
         if self.states:
+            self._keys.append(hs_key(index))  # before the put: one that fails halfway is removed too
             self.store.put(hs_key(index), st_save(tensors))
         batch = pa.record_batch([pa.array([ids.tolist()], pa.list_(pa.int64())),
                                  pa.array([sample.loss_mask.to(torch.int64).tolist()], pa.list_(pa.int64())),
@@ -83,6 +85,7 @@ class SpeculatorsWriter:
             ds.save_to_disk(folder)
             keys = []
             for name in sorted(os.listdir(folder)):
+                self._keys.append(name)
                 with open(os.path.join(folder, name), "rb") as f:
                     self.store.put(name, f.read())
                 keys.append(name)
@@ -90,9 +93,13 @@ class SpeculatorsWriter:
         finally:
             self._tmp.cleanup()
 
+    def written(self) -> list[str]:
+        return list(self._keys)
+
 
 class SpeculatorsReader:
     final_state = "prenorm"
+    renamed = 0  # a row's id is its index, always
 
     def __init__(self, store: ObjectStore, num_layers: int):
         self.store, self.num_layers = store, num_layers
