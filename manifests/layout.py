@@ -7,7 +7,10 @@
     tally/{shard:06d}.r{records}.t{tokens}.b{bytes}.x{raw}.s{skipped}.c{cut}
                                            empty markers carrying a commit's numbers in the name,
                                            so `status` needs listings only, never a GET per shard
-    leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim; alive while LastModified + ttl > now
+    leases/{shard:06d}/{gen:06d}.ttl{s}    a worker's claim, created once (if absent), naming its attempt;
+                                           alive while the newest LastModified of it and its beats + ttl > now
+    leases/{shard:06d}/{gen:06d}.ttl{s}.beat-{attempt}
+                                           empty: the heartbeat of the attempt that claimed it (`beat_key`)
     failures/{shard:06d}/{ms:013d}-{token}-{attempt}.json
                                            one record per failed attempt; `.stop.json` for an
                                            attempt stopped from outside (a signal, a takeover),
@@ -103,6 +106,24 @@ def lease_prefix(shard: int) -> str:
 
 def lease_key(shard: int, generation: int, ttl_s: float) -> str:
     return f"{lease_prefix(shard)}{generation:06d}.ttl{ttl_text(ttl_s)}"
+
+
+BEAT = ".beat-"
+
+
+def beat_key(lease: str, holder: str) -> str:
+    """The key a lease's holder renews it by (a work lease's attempt, an output lease's token).
+    The lease key itself is written once, by the claim: a renewal that lands late (a holder
+    paused between its check and its PUT) rewrites only a key of its own, never a lease that
+    a new holder created meanwhile under the same name (generations restart once a shard's
+    leases are all gone). Readers count any beat of a lease key (`beat_of`) as its renewal."""
+    return f"{lease}{BEAT}{holder}"
+
+
+def beat_of(key: str) -> str | None:
+    """The lease key that a beat key renews; None if `key` is no beat."""
+    lease, sep, holder = key.rpartition(BEAT)
+    return lease if sep and lease and holder else None
 
 
 def ttl_text(ttl_s: float) -> str:

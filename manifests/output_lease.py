@@ -4,15 +4,19 @@ Two trainers writing one output overwrite each other's checkpoints and metrics, 
 --delete-consumed each counts the other's shards as read. It happens without anyone meaning it:
 a Slurm resubmission queues a trainer while the last one still runs, or a command is run twice.
 So the trainer holds a lease on its output, as an extraction worker holds one on its shard:
-`lease/{generation:06d}.ttl{s}` (JSON: host, pid, Slurm job), renewed every ttl/4 and alive
-while the store's LastModified + ttl is ahead of the store's clock.
+`lease/{generation:06d}.ttl{s}` (JSON: host, pid, Slurm job, token), created once, and renewed
+every ttl/4 by rewriting a key of the holder's own beside it, `lease/{generation:06d}.ttl{s}.beat-{token}`
+(`layout.beat_key`); alive while the newest LastModified of the two + ttl is ahead of the store's
+clock. The lease key itself is never rewritten: a renewal that lands late (its trainer paused
+between its check and its PUT, for longer than the ttl) would overwrite the lease that a new
+trainer created under the same key, and evict the live trainer for the stale one.
 
 A trainer that finds a live lease waits for it to go stale (a holder that died, e.g. a node lost
 mid-run) unless it is renewed meanwhile, or its holder is a process gone from this very machine
 (`liveness.gone_from_here`: a trainer killed here and started again): then it takes the output
 over at once. A renewal proves the holder alive, and the newcomer is refused with who holds it.
-A holder that finds a newer generation, or its key holding another holder's token (it stalled
-past its ttl and was taken over), stops before its next write.
+A holder that finds a newer generation, or its key gone or holding another holder's token (it
+stalled past its ttl and was taken over), stops before its next write.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from layertap.manifests import layout
@@ -66,9 +70,16 @@ class OutputLeaseTaken(ConfigError):
 
 
 def latest(store: ObjectStore) -> tuple[int, ObjectInfo, float] | None:
-    """The newest lease's (generation, listing entry, ttl), None when the output has none."""
-    found = [(int(m[1]), o, float(m[2])) for o in store.list(PREFIX) if (m := _KEY.search(o.key))]
-    return max(found, key=lambda f: f[0]) if found else None
+    """The newest lease's (generation, listing entry, ttl), None when the output has none. The
+    entry's `modified` is the newest of the key's and its beats' (a lease of a version before
+    beats has none: its holder rewrote the key)."""
+    listed = list(store.list(PREFIX))
+    found = [(int(m[1]), o, float(m[2])) for o in listed if (m := _KEY.search(o.key))]
+    if not found:
+        return None
+    generation, info, ttl = max(found, key=lambda f: f[0])
+    renewed = max([info.modified, *(o.modified for o in listed if layout.beat_of(o.key) == info.key)])
+    return generation, replace(info, modified=renewed), ttl
 
 
 def taken_over(store: ObjectStore) -> OutputLeaseTaken:
@@ -175,6 +186,8 @@ class OutputLease:
             self.lost.set()
 
     def _owned(self) -> bool:
+        """Whether this lease's key is there and names this holder (a late beat of ours never
+        recreates it: only the claim writes it)."""
         return _payload(self.store, self.key).get("token") == self.token
 
     def release(self) -> None:
@@ -184,6 +197,7 @@ class OutputLease:
             self._beat = None
         if self.key is not None:
             try:
+                self.store.delete(layout.beat_key(self.key, self.token))  # our own key, whoever holds the lease
                 if self._owned():  # not a later trainer's lease under the same key
                     self.store.delete(self.key)
             except StoreError as e:  # goes stale by itself after ttl_s
@@ -196,21 +210,25 @@ class OutputLease:
         key = f"{PREFIX}{generation:06d}.ttl{layout.ttl_text(self.ttl_s)}"
         if not self.store.put_if_absent(key, self._body):
             return False
-        others = [(int(m[1]), o.key) for o in self.store.list(PREFIX) if o.key != key and (m := _KEY.search(o.key))]
-        if any(gen >= generation for gen, _ in others):
+        others = [o.key for o in self.store.list(PREFIX) if o.key != key]
+        if any((m := _KEY.search(k)) and int(m[1]) >= generation for k in others):
             self.store.delete(key)
             return False
         self.key, self.generation = key, generation
-        if others:  # dead holders' leases
-            self.store.delete_many([k for _, k in others])
+        if others:  # dead holders' leases and beats (also a beat that landed after its lease went)
+            self.store.delete_many(others)
         return True
 
     def _renew(self) -> None:
+        """Beat every ttl/4 while the lease is ours: a PUT of this holder's own beat key, which a
+        PUT landing late cannot turn into anyone else's lease (it only refreshes a lease under
+        our key's name for up to a ttl, if a new trainer made one; that one's holder still holds)."""
+        beat = layout.beat_key(self.key, self.token)
         while not self._stop.wait(self.ttl_s / 4):
             try:
                 self._look()
                 if self.lost.is_set():
                     return
-                self.store.put(self.key, self._body)
+                self.store.put(beat, b"")
             except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
                 log.warning("output lease heartbeat failed: %s", e)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,10 +22,17 @@ class Lease:
     shard: int
     generation: int
     ttl_s: float
-    modified: float
+    modified: float  # the newest LastModified of the key and its beats (`layout.beat_key`)
+    beats: tuple[str, ...] = ()  # the keys of its beats
 
     def alive(self, now: float) -> bool:
         return self.modified + self.ttl_s > now
+
+    @property
+    def keys(self) -> list[str]:
+        """What deleting the lease deletes: its beats first, so that an interruption leaves the
+        lease key (which goes stale) rather than a beat of no lease."""
+        return [*self.beats, self.key]
 
 
 @dataclass
@@ -37,6 +45,7 @@ class RunState:
     tally_keys: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # every marker
     leases: dict[int, list[Lease]] = field(default_factory=lambda: defaultdict(list))
     failures: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # keys, oldest first
+    stray_beats: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # beats of no lease
     data_objects: dict[int, list[str]] | None = None
     stale_commits: list[int] = field(default_factory=list)  # committed under a replaced manifest
 
@@ -53,6 +62,12 @@ class RunState:
         `verify`, which say nothing of it (`layout.counts_as_attempt`)."""
         return sum(1 for k in self.failures.get(shard, [])
                    if layout.counts_as_attempt(k) and layout.record_millis(k) >= int(since * 1000))
+
+    def last_failure_ms(self, shard: int) -> int:
+        """The time (ms, in the key) of the shard's newest failure record that is no stop from
+        outside: a given-up verdict stands only if it is at least as new (`train.follow.pending_work`)."""
+        return max((layout.record_millis(k) for k in self.failures.get(shard, []) if not k.endswith(layout.STOPPED)),
+                   default=0)
 
     def raise_if_replaced(self, uri: str) -> None:
         """Refuse to work on a run whose manifest was replaced: its commits are another plan's."""
@@ -180,11 +195,25 @@ def shard_leases(store: ObjectStore, manifest: Manifest, shard: int) -> RunState
     return st
 
 
-def _add_leases_and_failures(st: RunState, leases, failures) -> None:
+def _add_leases_and_failures(st: RunState, leases: Iterable[ObjectInfo], failures: Iterable[ObjectInfo]) -> None:
+    """A lease lives by the newest of its key's and its beats' LastModified (`layout.beat_key`;
+    a lease written by a version before beats has none: its holder rewrote the key itself). A
+    beat of no lease (one landed late, after a takeover deleted its lease) is kept apart, to be
+    swept: it keeps nothing alive."""
+    leases = list(leases)
+    beats: dict[str, list[ObjectInfo]] = defaultdict(list)
     for o in leases:
-        parsed = layout.parse_lease(o.key)
-        if parsed:
-            st.leases[parsed[0]].append(Lease(o.key, parsed[0], parsed[1], parsed[2], o.modified))
+        if (lease := layout.beat_of(o.key)) is not None:
+            beats[lease].append(o)
+    for o in leases:
+        if parsed := layout.parse_lease(o.key):
+            own = beats.pop(o.key, [])
+            st.leases[parsed[0]].append(Lease(o.key, parsed[0], parsed[1], parsed[2],
+                                              max([o.modified, *(b.modified for b in own)]),
+                                              tuple(b.key for b in own)))
+    for lease, stray in beats.items():
+        if (shard := layout.shard_of(lease, layout.LEASES)) is not None:
+            st.stray_beats[shard] += [b.key for b in stray]
     for o in failures:
         shard = layout.shard_of(o.key, layout.FAILURES)
         if shard is not None:

@@ -1,9 +1,11 @@
 """Work assignment through leases on the store, and the commit protocol.
 
 A worker claims a shard by creating the next lease generation for it (create-if-absent, so
-exactly one claimant wins each generation); while it works, a heartbeat rewrites its lease so
-the lease's LastModified stays fresh. A dead worker's lease goes stale after `ttl_s`, and any
-worker may then claim the next generation. Finishing a shard means: data object complete, then
+exactly one claimant wins each generation); while it works, a heartbeat rewrites a key of its
+own beside the lease (`layout.beat_key`), never the lease itself: a renewal that lands late, after
+a takeover (a worker paused between its check and its PUT), must not overwrite a lease that a new
+claimant created under the same key. A dead worker's lease goes stale `ttl_s` after its newest
+beat, and any worker may then claim the next generation. Finishing a shard means: data object complete, then
 the commit record created if absent. Two workers that both finish one shard (a takeover of a
 worker that was only slow) therefore yield exactly one commit; the loser deletes its data. The
 winner then writes the shard's tally marker and its feed key (`layout.feed_key`, named by the
@@ -54,6 +56,7 @@ class Claim:
         self.queue, self.plan, self.generation = queue, plan, generation
         self.shard = plan.id
         self.lease_key = layout.lease_key(plan.id, generation, queue.ttl_s)
+        self.beat_key = layout.beat_key(self.lease_key, attempt)  # what the heartbeat rewrites
         self.data_key = layout.data_key(plan.id, attempt)
         self.started_at = time.time()
         self.lost = threading.Event()  # set when another worker took the lease over
@@ -61,6 +64,7 @@ class Claim:
         self.superseded = False  # this attempt failed after another one committed the shard
         self._stop = threading.Event()
         self._released = False
+        self._beaten = False  # a beat key of this attempt's may exist (`release` deletes it)
         self._heartbeat = threading.Thread(target=self._beat, name=f"lease-{plan.id}", daemon=True)
 
     @property
@@ -75,26 +79,35 @@ class Claim:
         return self.queue.lease_payload(self.generation, self.data_key)
 
     def _beat(self) -> None:
-        """Renew the lease while it is ours. One that names another attempt (a stalled heartbeat's
-        generation taken over and claimed anew) is not rewritten: the attempt is abandoned. One
-        that is gone (removed as stale while no one took the shard) is created again."""
+        """Renew the lease while it is ours, by rewriting this attempt's beat key: a PUT that lands
+        late touches no one else's key (it counts as a beat of a lease under our key name, if a
+        new claim made one: that lease then looks alive at most one ttl longer). A lease no longer
+        ours (`_lost_to`) is never created again: the attempt is abandoned."""
         store, period = self.queue.store, self.queue.ttl_s / 4
         while not self._stop.wait(period) and not self.lost.is_set():
             try:
-                newer = [o.key for o in store.list(layout.lease_prefix(self.shard))
-                         if (p := layout.parse_lease(o.key)) and p[1] > self.generation]
-                if not newer:
-                    holder = lease_attempt(store, self.lease_key)
-                    if holder is None:
-                        ours = store.put_if_absent(self.lease_key, self.lease_payload())
-                    elif ours := holder == self.data_key:
-                        store.put(self.lease_key, self.lease_payload())
-                if newer or not ours:
-                    log.warning("shard %d: lease taken over by %s; abandoning this attempt", self.shard,
-                                newer[-1] if newer else "another attempt of its generation")
+                if why := self._lost_to():
+                    log.warning("shard %d: %s; abandoning this attempt", self.shard, why)
                     self.lost.set()
+                else:
+                    self._beaten = True  # before the PUT: one cut short may still land
+                    store.put(self.beat_key, b"")
             except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
                 log.warning("shard %d: lease heartbeat failed: %s", self.shard, e)
+
+    def _lost_to(self) -> str | None:
+        """Why the lease is no longer this attempt's (None while it is): a newer generation
+        exists; the key is gone (only a takeover or the sweep of a committed shard deletes a
+        lease that is not its holder's: creating it again made two holders, e.g. beside a
+        claim of the same generation under another --lease-ttl); or the key names another
+        attempt (generations restart once a shard's leases are all gone)."""
+        store = self.queue.store
+        leases = [o.key for o in store.list(layout.lease_prefix(self.shard)) if layout.parse_lease(o.key)]
+        if newer := [k for k in leases if layout.parse_lease(k)[1] > self.generation]:
+            return f"lease taken over by {newer[-1]}"
+        if self.lease_key not in leases or lease_attempt(store, self.lease_key) != self.data_key:
+            return f"lease {self.lease_key} taken over (deleted, or claimed anew by another attempt)"
+        return None
 
     def commit(self, info: ShardInfo, *, skipped: Sequence[dict[str, str]] = (), truncated: int = 0) -> bool:
         """Publish the finished data object; False if another attempt committed this shard first."""
@@ -145,9 +158,12 @@ class Claim:
         # A store failing past its retries (throttled, down) is not either: 1,000 workers' bursts gave
         # shards up after `--retries` such failures. The record still says what happened.
         stopped = preempted or self.lost.is_set() or isinstance(error, TransientStoreError)
-        key = layout.failure_key(self.shard, int(record.time * 1000), self.queue.producer.token, self.generation,
-                                 stopped=stopped)
         try:
+            # Named by the store's clock, as given-up verdicts are and retries count (`WorkQueue.started`):
+            # a worker whose clock ran 5 s ahead named a failure newer than the verdict given 28 ms later,
+            # and a follow trainer waited for a retry that no worker would make.
+            key = layout.failure_key(self.shard, int(self.queue.store.now() * 1000), self.queue.producer.token,
+                                     self.generation, stopped=stopped)
             self.queue.store.put(key, encode(record))
         except StoreError as e:
             log.error("shard %d: could not write the failure record: %s", self.shard, e)
@@ -163,6 +179,8 @@ class Claim:
                 self._heartbeat.join()
         finally:  # even if a signal's exception cut the join short
             try:
+                if self._beaten:  # our own key, whoever holds the lease now
+                    self.queue.store.delete(self.beat_key)
                 if lease_attempt(self.queue.store, self.lease_key) == self.data_key:  # not a new claim's
                     self.queue.store.delete(self.lease_key)
                 self.queue._leases_written.discard(self.lease_key)
@@ -243,7 +261,8 @@ class WorkQueue:
         self.retries, self.world_size = retries, max(1, world_size)
         self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)
         self.max_poll_s = 4 * self.poll_s  # ttl_s / 2 by default: see `_claims`
-        self.started = time.time()
+        # By the store's clock, which names the failure records counted against it (`failures_since`).
+        self.started = self._patiently(store.now)
         self.given_up: set[int] = set()
         self.before_claim, self.on_idle = before_claim, on_idle
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not yet handed over
@@ -262,14 +281,18 @@ class WorkQueue:
                 log.warning("could not release the lease %s: %s", key, e)
             self._leases_written.discard(key)
 
-    def _give_up(self, shard: int) -> None:
+    def _give_up(self, shard: int, st: RunState) -> None:
         """Leave the shard, and say so on the store (once): a follow-mode trainer ends its epoch
-        without a shard only on this verdict, not on a failure that a retry may still mend."""
+        without a shard only on this verdict, not on a failure that a retry may still mend, so
+        one named before the failures it is based on (`st`'s) would never count. Named by the
+        store's clock, and never before those failures' times: workers' clocks (and their
+        estimates of the store's, to a second on S3) differ."""
         if shard in self.given_up:
             return
         self.given_up.add(shard)
-        key = layout.given_up_key(shard, int(time.time() * 1000), self.producer.token)
         try:
+            millis = max(int(self.store.now() * 1000), st.last_failure_ms(shard))
+            key = layout.given_up_key(shard, millis, self.producer.token)
             self.store.put(key, json.dumps({"producer": asdict(self.producer), "retries": self.retries}).encode())
         except StoreError as e:  # the trainer then waits on the shard until someone finishes it
             log.error("shard %d: could not record that it was given up: %s", shard, e)
@@ -378,7 +401,7 @@ class WorkQueue:
                     held.append(lease)
                     continue
                 if fresh.failures_since(s, self.started) > self.retries:
-                    self._give_up(s)
+                    self._give_up(s, fresh)
                     continue
                 if self.before_claim and self.before_claim():
                     fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))  # others went on
@@ -433,7 +456,8 @@ class WorkQueue:
                     continue
                 log.info("shard %d: the holder of its lease (pid %s on this machine) has exited: taking the shard "
                          "over now, not after the lease's %g s", lease.shard, payload["holder"].get("pid"), lease.ttl_s)
-                self.store.delete(lease.key)
+                for key in lease.keys:
+                    self.store.delete(key)
                 freed = True
             except StoreError as e:  # an outage: the lease goes stale by itself
                 log.warning("could not look at the holder of %s: %s", lease.key, e)
@@ -453,7 +477,9 @@ class WorkQueue:
                 at_work |= rivals_at_work(self.store, st, shard)
                 for lease in st.leases[shard]:
                     if not lease.alive(st.now):
-                        self.store.delete(lease.key)
+                        self.store.delete_many(lease.keys)
+            for shard in sorted(mine & set(st.stray_beats)):  # beats that landed after their lease went
+                self.store.delete_many(st.stray_beats[shard])
             now = self.store.now()
             for up in self.store.list_pending_uploads():
                 shard = layout.shard_of(up.key, layout.SHARDS) if up.key.startswith(layout.SHARDS) else None
@@ -496,12 +522,13 @@ class WorkQueue:
                 return None
             # A worker with another --lease-ttl creates this generation under another key: of two
             # such claims, at least the later one sees the other here and backs off.
-            if any(o.key != key and (p := layout.parse_lease(o.key)) and p[1] >= gen
-                   for o in self.store.list(layout.lease_prefix(shard))):
+            others = [o.key for o in self.store.list(layout.lease_prefix(shard)) if o.key != key]
+            if any((p := layout.parse_lease(k)) and p[1] >= gen for k in others):
                 self.store.delete(key)
                 return None
-            for old in st.leases.get(shard, []):  # stale generations of dead workers
-                self.store.delete(old.key)
+            # Stale generations of dead (or taken-over) workers, their beats, and beats of no lease
+            # (one landed late); this attempt has written no beat yet.
+            self.store.delete_many(others)
             self.given_up.discard(shard)
             log.debug("shard %d: leased, generation %d, ttl %gs", shard, gen, self.ttl_s)
             return claim

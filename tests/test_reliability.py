@@ -173,7 +173,7 @@ def crash_lane(name: str, base: str, extra: list[str], trials: list[int], args, 
             # the rerun ends, and a live lease is never swept (its holder may be finishing). It is
             # a committed shard's, and the next run to end after it went stale removes it.
             committed = {layout.shard_of(o.key, layout.COMMITS) for o in store.list(layout.COMMITS)}
-            assert {layout.parse_lease(k)[0] for k in left} <= committed, left
+            assert {layout.shard_of(k, layout.LEASES) for k in left} <= committed, left  # leases and their beats
             time.sleep(2 + 1.5)  # --lease-ttl 2, and S3's whole-second LastModified
             again = forked_cli.start(args(uri, *extra), logfile)  # nothing to do but the sweep
             again.join(300)

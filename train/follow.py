@@ -122,9 +122,11 @@ def pending_work(store: ObjectStore, manifest: Manifest, committed: set[int]) ->
         if shard is not None:
             verdicts[shard] = max(verdicts.get(shard, 0), layout.record_millis(o.key))
     running = {s for s in left if st.live_lease(s)}  # sets: at a run's start most of its shards are left
-    given_up = sorted(s for s in left if s not in running and s in verdicts
-                      and verdicts[s] >= max((layout.record_millis(k) for k in st.failures.get(s, [])
-                                              if not k.endswith(layout.STOPPED)), default=0))
+    # A verdict counts unless a failure is newer (a worker with more --retries is at it again). Both
+    # are named by the store's clock, and a verdict never before the failures it was given on
+    # (`WorkQueue._give_up`): named by workers' own clocks, a failure of one 5 s ahead outdated
+    # the verdict given after it, and the trainer waited for good.
+    given_up = sorted(s for s in left if s not in running and s in verdicts and verdicts[s] >= st.last_failure_ms(s))
     done_with = running | set(given_up)
     retrying = [s for s in left if s not in done_with and st.failures_since(s, 0)]
     live = any(st.live_lease(s) for s in st.leases)
