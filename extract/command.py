@@ -7,10 +7,10 @@ import argparse
 
 def add_extract(p: argparse.ArgumentParser) -> None:
     """One option per `ExtractConfig` field (its help and default are written there), and --config."""
-    from layertap.extract.config import ExtractConfig
+    from layertap.extract.config import CONFIG_HELP, ExtractConfig
     from layertap.storage.flags import add_flags
 
-    add_flags(p, ExtractConfig)
+    add_flags(p, ExtractConfig, CONFIG_HELP)
     if isinstance(p, argparse.ArgumentParser):  # not when another command forwards these options
         _hint_attached_values(p)
 

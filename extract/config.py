@@ -14,8 +14,13 @@ from layertap.manifests.manifest import DEFAULT_SHARD_BYTES
 from layertap.storage.codecs import CODEC_NAMES, DEFAULT_CODEC
 from layertap.storage.errors import ConfigError
 from layertap.storage.flags import setting, settings
+from layertap.storage.store import s3_options
 from layertap.storage.units import parse_size
 
+# --config of the commands whose settings hold "s3" (extract and those taking its options, train)
+CONFIG_HELP = ("JSON file with any of these settings, named as the flags with _ for - (flags override it), and an "
+               "\"s3\" object of S3 connection and upload settings, e.g. {\"s3\": {\"addressing_style\": \"path\"}} "
+               "(README.md, \"S3-compatible stores\")")
 MAX_LEASE_TTL_S = 86_400  # a day: the longest a dead worker's shard may wait for its lease to go stale
 
 QUICKSTART_LIMIT = 300  # conversations taken from the embedded ShareGPT when no dataset is given
@@ -153,6 +158,7 @@ class ExtractConfig:
             raise ConfigError(f"--encode-threads must be at least 1, got {self.encode_threads}")
         if self.dataset is None and self.limit is None:
             self.limit = QUICKSTART_LIMIT
+        s3_options(self.s3)  # a misspelt setting is named now, even if every store is a local folder
 
     def identity(self, model_info: dict[str, Any], layers: list[int]) -> RunConfig:
         """What determines the stored output: a rerun must match it (`as_run_recorded`) to resume

@@ -54,6 +54,7 @@ S3_PREFIX_PUTS_PER_S = 3_500
 PART_CHOICES = tuple(m * MiB for m in (32, 64, 128, 256, 512, 1024))  # what a too-high PUT rate suggests
 DEFAULT_PARTS_IN_MEMORY = 9  # storage.s3.S3Options.max_parts_in_memory: a writer's buffers
 DEFAULT_RANGE_BYTES = 64 * MiB  # train.stream: the loader's coalesced ranged GETs
+OPEN_GETS = 2  # train.stream.load_index: the manifest and the commit index, per rank at each trainer start
 DEFAULT_EPOCHS = 6  # the DFlash recipe
 
 
@@ -183,7 +184,8 @@ class Estimate:
     gpu_hours: float | None
     put_requests: int  # data parts and single PUTs, commit, tally, lease, feed key, heartbeats, manifest
     data_puts_per_s: float | None  # PUT-class requests to shards/ a second, all GPUs extracting
-    get_requests_per_epoch: int  # one training pass over the run by the streaming loader
+    get_requests_per_epoch: int  # one training pass over the run by the streaming loader: the shards' data
+    get_requests_first_open: int  # the run's first opening: manifest, commit index (absent), every commit
     storage_usd_per_month: float
     put_usd: float
     get_usd_per_epoch: float
@@ -241,10 +243,12 @@ def estimate(work: Workload, storage: Storage, throughput: Throughput = Throughp
     # One PUT per shard below a part; above: create + parts + complete. Then commit, tally, lease, feed.
     data_puts = 1 if shard_mean <= storage.part_bytes else 2 + math.ceil(shard_mean / storage.part_bytes)
     puts = shards * (data_puts + 4) + heartbeats + 1
-    # The loader: one commit GET per shard, then the shard whole when it fits one range, else
-    # trailer + footer GETs and the ranges.
+    # The loader, each epoch: the shard whole when it fits one range, else trailer + footer GETs and
+    # the ranges. The commits are read when a trainer starts, not each epoch: the first start reads
+    # each one (the extraction writes no commit index; rank 0 then stores it), every later opening
+    # the manifest and the index alone (`OPEN_GETS`; train.stream.load_index).
     reads = 1 if shard_mean <= storage.range_bytes else 2 + math.ceil(shard_mean / storage.range_bytes)
-    gets = shards * (1 + reads)
+    gets = shards * reads
     return Estimate(
         bytes_per_token_raw=raw_per_token,
         bytes_per_token_stored=stored_per_token,
@@ -265,6 +269,7 @@ def estimate(work: Workload, storage: Storage, throughput: Throughput = Throughp
         put_requests=puts,
         data_puts_per_s=None if wall is None else shards * data_puts / wall,
         get_requests_per_epoch=gets,
+        get_requests_first_open=shards + OPEN_GETS,
         storage_usd_per_month=total_stored / GiB * prices.usd_per_gib_month,
         put_usd=puts / 1000 * prices.usd_per_1000_put,
         get_usd_per_epoch=gets / 1000 * prices.usd_per_1000_get,
@@ -479,6 +484,8 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
         *_put_rate_lines(est, work, storage, throughput, prices),
         f"  GET requests per epoch   {est.get_requests_per_epoch:,}  ({fmt_usd(est.get_usd_per_epoch)}; "
         f"{prices.epochs} epochs: {fmt_usd(est.get_usd_per_epoch * prices.epochs)})",
+        f"  GET requests to open     {est.get_requests_first_open:,} the first time (every commit; rank 0 then "
+        f"stores the index), then {OPEN_GETS} per rank a start",
         f"  storage per month        {fmt_usd(est.storage_usd_per_month)}",
         "",
         "alternatives",

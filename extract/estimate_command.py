@@ -353,11 +353,11 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     from layertap.extract.regenerated import template_kwargs
     from layertap.extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
     from layertap.manifests.manifest import NoRun, plan_shards
-    from layertap.storage.store import open_store
+    from layertap.storage.store import open_configured_store
 
     store = None
     if cfg.out:
-        store = open_store(cfg.out, **cfg.s3) if cfg.out.startswith("s3://") else open_store(cfg.out)
+        store = open_configured_store(cfg.out, cfg.s3)
     rows, fingerprint = dataset_rows(cfg)
     target, capture, identity = prepare_target(cfg, _device(), weights=args.measure)
     existing = None

@@ -105,19 +105,25 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
 
 def _picks(rows, counts: list[int], indices: list[int] | None, job: _TokenizeJob, picks: int,
            pick_tokens: int) -> list[TokenizedSample]:
-    """Up to `picks` samples: of every (rows / picks)-th row, those that yield one, until they hold
-    `pick_tokens` tokens. Chosen from the counts, then tokenized again (a few rows): samples sent
-    back from worker processes would each hold a shared-memory file descriptor open."""
+    """Up to `picks` samples, until they hold `pick_tokens` tokens: every (rows / picks)-th row
+    first, spread over the dataset, then the rows after each of those (offset 1, 2, ...), so that
+    rows that yield no sample (skipped, no assistant turn) are made up for and `picks` samples are
+    measured whenever the rows hold them. Chosen from the counts, then tokenized again (a few
+    rows): samples sent back from worker processes would each hold a shared-memory file
+    descriptor open."""
     if not picks:
         return []
+    stride = max(1, len(counts) // picks)
+    order = (i for offset in range(stride) for i in range(offset, len(counts), stride))  # each row once
     chosen: list[int] = []
     tokens = 0
-    for i in range(0, len(counts), max(1, len(counts) // picks)):
+    for i in order:
         if len(chosen) == picks or tokens >= pick_tokens:
             break
         if counts[i]:
             chosen.append(i)
             tokens += counts[i]
+    chosen.sort()  # the dataset's order, as the extraction would meet them
     samples = job.outputs(rows.select(chosen)) if chosen else []
     return [replace(s, sample_id=sample_id(rows[i], indices[i] if indices is not None else i))  # the run's ids
             for i, s in zip(chosen, samples)]

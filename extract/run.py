@@ -43,7 +43,7 @@ from layertap.storage.errors import ConfigError
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
-from layertap.storage.store import ObjectStore, StoreError, open_store
+from layertap.storage.store import ObjectStore, StoreError, open_configured_store
 from layertap.storage.units import duration, size
 
 log = logging.getLogger("layertap.extract")
@@ -77,7 +77,7 @@ def _stopped(e: Preempted, rank: int) -> None:
 
 def _extract(cfg: ExtractConfig, state) -> int:
     rank, world = state.process_index, state.num_processes
-    store = open_store(cfg.out, **cfg.s3) if cfg.out.startswith("s3://") else open_store(cfg.out)
+    store = open_configured_store(cfg.out, cfg.s3)
     # A missing bucket, a wrong endpoint or no credentials fail here, not after minutes of loading
     # the model (a listing: a HEAD's 404 does not say whether the bucket exists).
     rerun = any(o.key == layout.MANIFEST for o in store.list(layout.MANIFEST))

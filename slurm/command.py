@@ -135,7 +135,8 @@ def _add_slurm_options(p: argparse.ArgumentParser, job_name: str) -> None:
     g.add_argument("--procs-per-node", type=int, help="worker processes per node (default: one per GPU, else 1)")
     g.add_argument("--cpus-per-task", type=int,
                    help="CPUs of each node's task (default: sized from the job: extract, per worker, its encode "
-                        "threads (8 at most) + 2; train, per worker, 4 + 4 per DataLoader worker; at most a node's)")
+                        "threads (8 at most) + 2; train, per rank, 4 + 4 per DataLoader process: --num-workers, "
+                        "at least 1, as with 0 the rank loads itself; at most a node's)")
     g.add_argument("--mem", help="memory per node, Slurm's units (G = GiB), e.g. 200G; 0 = all of the node's; "
                                  "none = ask for none (the site's default). Default: sized from the job (docs/SLURM.md)")
     g.add_argument("--job-name", default=job_name, help=f"(default {job_name})")
@@ -241,7 +242,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.slurm import submit
     from layertap.slurm.scripts import extract_script
     from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
-    from layertap.storage.store import open_store
+    from layertap.storage.store import open_configured_store
 
     from layertap.slurm.resources import extract_resources
     from layertap.slurm.submit import partition_shapes
@@ -264,7 +265,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
                           "'... --delete-consumed'), or leave out --window")
     train = _then_train(args, gpus, nodes) if args.then_train is not None else \
         _then_train(args, gpus, nodes, follow=cfg) if args.train_while_extracting is not None else None
-    store = open_store(cfg.out, **cfg.s3)
+    store = open_configured_store(cfg.out, cfg.s3)
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
         _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
@@ -429,10 +430,10 @@ def _no_trainer_needed(cfg) -> str | None:
     would be refused at its start). One that holds checkpoints is resumed by the job (the script
     passes --resume)."""
     from layertap.manifests.train_output import training_status
-    from layertap.storage.store import StoreError, open_store
+    from layertap.storage.store import StoreError, open_configured_store
 
     try:
-        status = training_status(open_store(cfg.out, **cfg.s3))
+        status = training_status(open_configured_store(cfg.out, cfg.s3))
     except StoreError:  # unreadable from here (no bucket yet, other credentials): the job will tell
         return None
     if status and status["complete"]:
@@ -452,9 +453,9 @@ def _data_is_a_run(cfg) -> None:
     newer layertap than this one."""
     from layertap.manifests.manifest import NoRun, UnsupportedVersion, load_manifest
     from layertap.storage.local import LocalStore
-    from layertap.storage.store import StoreError, open_store
+    from layertap.storage.store import StoreError, open_configured_store
 
-    store = open_store(cfg.data, **cfg.s3)
+    store = open_configured_store(cfg.data, cfg.s3)
     if isinstance(store, LocalStore) and not os.path.isdir(store.root):
         _note(f"--data {store.root} is no folder on this machine: the job looks for the run on its nodes")
         return

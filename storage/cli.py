@@ -11,9 +11,9 @@ from typing import Any
 
 
 def add_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("uri", help="a shard object, e.g. s3://bucket/run1/shards/000001-81511212108e.lts or "
-                               "runs/quickstart/shards/000001-81511212108e.lts (`layertap status RUN --shards` "
-                               "lists a run's shard objects)")
+    p.add_argument("uri", help="a shard object, e.g. s3://bucket/run1/shards/000001-81511212108e4f1c09ab.lts or "
+                               "runs/quickstart/shards/000001-81511212108e4f1c09ab.lts (`layertap status RUN "
+                               "--shards` lists a run's shard objects)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--records", type=int, default=20, metavar="N", help="list at most N records (default 20; -1 all)")
     p.add_argument("--stats", action="store_true",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import posixpath
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -292,6 +292,19 @@ def open_store(uri: str, **options) -> ObjectStore:
     if options:
         raise StoreError(f"the local store takes no options, got {sorted(options)}")
     return LocalStore(uri.removeprefix("file://"))
+
+
+def open_configured_store(uri: str, s3: Mapping[str, Any] | None) -> ObjectStore:
+    """Open `uri` with the "s3" settings of a --config file. They configure S3 stores only: one
+    config serves a command whose stores are S3 and local folders mixed (training from S3 into a
+    local output), and a local folder is opened without them. They are checked whatever the URI,
+    so a misspelt setting is refused even when every store is local."""
+    checked = s3_options(dict(s3 or {}))  # raises on an unknown name or a bad value
+    if uri.startswith("s3://"):
+        from layertap.storage.s3 import S3Store
+
+        return S3Store(uri, checked)
+    return open_store(uri)
 
 
 def s3_options(options: dict[str, Any]) -> S3Options:

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from layertap.cli import main as cli
-from layertap.extract.estimate import (GiB, MiB, Prices, Storage, Throughput, Workload, alternatives, estimate, fmt_bytes,
+from layertap.extract.estimate import (OPEN_GETS, GiB, MiB, Prices, Storage, Throughput, Workload, alternatives,
+                              estimate, fmt_bytes,
                               planned_bytes_per_token,
                               fmt_duration, fmt_rate, fmt_usd)
 from layertap.manifests.manifest import load_manifest, plan_shards
@@ -87,9 +88,10 @@ def test_arithmetic_by_hand():
     # 4 shards x (1 PUT + commit + tally + lease + feed key) + 5 heartbeats (10 GPU-s / 2 s) + the manifest
     assert est.put_requests == 4 * 5 + 5 + 1
     assert est.data_puts_per_s == 4 * 1 / est.wall_s  # one PUT per shard to shards/, over the wall time
-    assert est.get_requests_per_epoch == 4 * 2  # commit + one whole-object GET per shard
+    assert est.get_requests_per_epoch == 4 * 1  # one whole-object GET per shard: commits are read at a start
+    assert est.get_requests_first_open == 4 + 2  # every commit, the manifest and the (absent) index
     assert est.storage_usd_per_month == pytest.approx(405_400 / GiB * 2.0)
-    assert est.put_usd == pytest.approx(26 / 1000) and est.get_usd_per_epoch == pytest.approx(8 / 2000)
+    assert est.put_usd == pytest.approx(26 / 1000) and est.get_usd_per_epoch == pytest.approx(4 / 2000)
 
     big = estimate(work, Storage(codec="bf16", ratio=1.0, shards=1, part_bytes=5 * MiB, range_bytes=64 * MiB),
                    prices=prices)
@@ -98,7 +100,7 @@ def test_arithmetic_by_hand():
                     Storage(codec="bf16", ratio=1.0, shards=1))  # one 41 GB shard
     parts = math.ceil(huge.total_bytes_stored / (16 * MiB))
     assert huge.put_requests == 2 + parts + 4 + 1 and huge.data_puts_per_s is None  # no throughput: no rate
-    assert huge.get_requests_per_epoch == 1 + 2 + math.ceil(huge.total_bytes_stored / (64 * MiB))
+    assert huge.get_requests_per_epoch == 2 + math.ceil(huge.total_bytes_stored / (64 * MiB))
 
     alts = {a.label: a for a in alternatives(work, storage, tp, prices, ratios={"fp8": 2.0})}
     assert set(alts) == {"codec bf16-zstd", "codec fp8", "with the final-layer state", "1 capture layer"}
@@ -107,6 +109,40 @@ def test_arithmetic_by_hand():
     final = alts["with the final-layer state"].estimate
     assert final.bytes_per_token_raw == 600 and final.gpu_hours == pytest.approx(10 / 3600 * 8 / 5)  # all 8 layers run
     assert alts["1 capture layer"].estimate.bytes_per_token_raw == 200
+
+
+def test_get_counts_are_the_loaders_own(s3_bucket, tmp_path):
+    """The GETs the estimate counts, against the GetObject requests a real stream sends to S3: it
+    counted a commit GET per shard every epoch (and per extra rank), where a stream reads the
+    commits once, when it opens the run, and from the commit index after the first start."""
+    from collections import Counter
+
+    from layertap.train import ShardStream, StreamConfig
+
+    uri = f"s3://{s3_bucket}/run"
+    assert cli(["extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
+                write_chats(tmp_path / "chats.jsonl", 20), "--out", uri, "--layers", "1,3", "--max-length", "48",
+                "--shard-bytes", "20KB", "--log-dir", str(tmp_path / "logs")]) == 0
+
+    def gets(action) -> int:
+        store, calls = open_store(uri), Counter()
+        store.client.meta.events.register("before-call.s3", lambda model, **_: calls.update([model.name]))
+        action(store)
+        return calls["GetObject"]
+
+    def open_and_store_index(store):
+        assert ShardStream(store).refresh_index()  # what `layertap train` has rank 0 do at a start
+
+    committed = sum(1 for o in open_store(uri).list("commits/"))
+    first = gets(open_and_store_index)
+    later = gets(lambda store: ShardStream(store, config=StreamConfig(seed=0)))
+    shards = len(ShardStream(uri).shards)
+    epochs = gets(lambda store: [sum(1 for _ in ShardStream(store)) for _ in range(2)])  # two streams' epochs
+    est = estimate(Workload(hidden_size=64, capture_layers=2, samples=20, tokens=500),
+                   Storage(codec="bf16", ratio=1.0, shards=shards))
+    assert first == est.get_requests_first_open == committed + 2
+    assert later == OPEN_GETS == 2
+    assert epochs == 2 * (OPEN_GETS + est.get_requests_per_epoch) == 2 * (2 + shards)
 
 
 def test_a_put_rate_above_what_an_s3_prefix_serves_names_the_part_size_that_fits(capsys, tmp_path):
@@ -256,6 +292,22 @@ def test_measured_estimate_is_within_5_percent_of_the_extraction(run, capsys):
     assert stated["inputs"]["storage"]["ratio"] == 2 and stated["inputs"]["throughput"]["tokens_per_s_per_gpu"] == 50
     assert "20 evenly spaced of 61 rows" in stated["inputs"]["sources"]["data"]
     assert abs(stated["samples"] - 60) <= 3
+
+
+def test_measure_takes_as_many_samples_as_asked_when_some_rows_yield_none(run, tmp_path, capsys):
+    """Every (rows / 16)-th row was taken and a row that yields no sample was not made up for: with
+    every fourth row unanswered, 8 samples were measured of the 16 asked (the report said 8)."""
+    rows = [json.loads(line) for line in open(write_chats(tmp_path / "chats.jsonl", 24))][:24]
+    with open(tmp_path / "holes.jsonl", "w") as f:
+        for i in range(32):
+            row = rows.pop(0) if i % 4 else {"id": f"hole-{i}", "messages": [{"role": "user", "content": "hi?"}]}
+            f.write(json.dumps(row) + "\n")
+    args = [a if not a.endswith("chats.jsonl") else str(tmp_path / "holes.jsonl") for a in run["args"]]
+    est = run_json(capsys, ["estimate", *args, "--measure", "--measure-samples", "16"])
+    assert est["samples"] == 24 and est["measured"]["samples"] == 16
+    assert est["inputs"]["sources"]["codec"].startswith("measured on 16 samples")
+    few = run_json(capsys, ["estimate", *args, "--measure", "--measure-samples", "30"])
+    assert few["measured"]["samples"] == 24  # all the rows hold
 
 
 def test_empty_id_lists_are_refused_not_defaulted(capsys):

@@ -705,6 +705,46 @@ def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     assert "seed: checkpoint 0, now 3" in capsys.readouterr().err
 
 
+def test_resume_takes_the_same_run_however_data_is_spelled(target, tmp_path, capsys, monkeypatch):
+    """--resume compared --data as typed: `run1`, `run1/` and its absolute path were three runs.
+    Checkpoints record the store's own URI now, and one written before (the path as typed,
+    relative here) resumes too."""
+    monkeypatch.chdir(tmp_path)
+    assert cli(["extract", "--model", target, "--dataset", write_chats(tmp_path / "chats.jsonl", 12), "--out", "run1",
+                "--layers", "1,3", "--max-length", "64", "--shard-bytes", "20KB", "--log-dir", "logs"]) == 0
+    base = ("--model", target, "--out", "out", "--save-every", "2", *FAST)
+    assert train_cli("--data", "run1", *base, "--steps", "2") == 0
+    state_key = "checkpoints/step-00000002/state.json"
+    out = open_store("out")
+    assert json.loads(out.get(state_key))["config"]["data"] == str(tmp_path / "run1")
+    assert train_cli("--data", f"{tmp_path}/run1/", *base, "--steps", "4", "--resume") == 0, capsys.readouterr().err
+    state_key = "checkpoints/step-00000004/state.json"
+    state = json.loads(out.get(state_key))
+    state["config"]["data"] = "run1/"  # as the previous version recorded it
+    out.put(state_key, json.dumps(state).encode())
+    assert train_cli("--data", f"file://{tmp_path}/run1", *base, "--steps", "6", "--resume") == 0, \
+        capsys.readouterr().err
+    assert [r["step"] for r in metrics("out")] == list(range(1, 7))
+    assert train_cli("--data", "run1", *base, "--steps", "8", "--resume", "--seed", "3") == 2  # still compared
+    assert "seed: checkpoint 0, now 3" in capsys.readouterr().err
+
+
+def test_s3_settings_of_a_config_apply_to_s3_stores_only(run, target, tmp_path, capsys):
+    """Training from S3 into a local folder with path-style addressing (Ceph, MinIO) stopped at its
+    start: the "s3" settings were handed to the local store too, which takes none."""
+    config = tmp_path / "s3.json"
+    config.write_text(json.dumps({"s3": {"addressing_style": "path", "part_size": "8MiB"}}))
+    out = str(tmp_path / "out")
+    assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "2", "--config", str(config),
+                     *FAST) == 0, capsys.readouterr().err
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    config.write_text(json.dumps({"s3": {"bogus": 1}}))  # named, though the store it would reach is local
+    assert train_cli("--data", str(tmp_path / "none"), "--model", target, "--out", out, "--config",
+                     str(config)) == 2
+    err = capsys.readouterr().err
+    assert "unknown settings ['bogus']; known: ['addressing_style'," in err and "'part_size'" in err
+
+
 def test_bad_arguments_are_clear_errors(run, target, tmp_path, capsys):
     assert train_cli("--model", target, "--out", str(tmp_path / "o")) == 2
     assert "missing --data" in capsys.readouterr().err

@@ -8,10 +8,11 @@ import json
 
 def add_train(p: argparse.ArgumentParser) -> None:
     """One option per `TrainConfig` field (its help and default are written there), and --config."""
+    from layertap.extract.config import CONFIG_HELP
     from layertap.storage.flags import add_flags
     from layertap.train.config import TrainConfig
 
-    add_flags(p, TrainConfig)
+    add_flags(p, TrainConfig, CONFIG_HELP)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -27,7 +28,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                                     "`layertap train` takes the run's)")
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument("--prompts", required=True,
-                   help="JSON lines: ShareGPT or OpenAI chats (the last assistant turn is dropped) or {\"prompt\": ...}")
+                   help="JSON lines: ShareGPT or OpenAI chats (the assistant turns at the end are dropped: the "
+                        "target answers the turns before) or {\"prompt\": ...}")
     p.add_argument("--limit", type=int, help="evaluate the first N prompts (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,

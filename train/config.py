@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from layertap.storage.errors import ConfigError
 from layertap.storage.flags import setting, settings
+from layertap.storage.store import s3_options
 from layertap.storage.units import parse_size
 
 
@@ -109,6 +110,7 @@ class TrainConfig:
             self.memory_budget = parse_size(self.memory_budget)
         except ValueError as e:
             raise ConfigError(f"--memory-budget: {e}") from None
+        s3_options(self.s3)  # a misspelt setting is named now, even if every store is a local folder
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint it continues (order and objective)."""

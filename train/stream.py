@@ -42,7 +42,7 @@ from layertap.manifests.state import fits_plan, replaced_manifest_error
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.format import ShardError
 from layertap.storage.records import Sample, decode_record
-from layertap.storage.store import ObjectStore, open_store
+from layertap.storage.store import ObjectStore, open_configured_store
 from layertap.storage.units import parse_size, size
 from layertap.train.buffers import BufferPool
 from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
@@ -205,10 +205,10 @@ class ShardStream(IterableDataset):
 
     `prefix`: the run (a URI, or an open store); `config`: order and fetching; `rank` and
     `world_size`: from torch.distributed or RANK / WORLD_SIZE when not given; `store_options`:
-    for `open_store` (S3 settings); `only`: the shards to stream, as another rank's `shard_keys`
-    (ranks that read the commits of a run still being extracted at different times would find
-    different shards, and so epochs of different sizes and orders). Opening reads the run and
-    writes nothing.
+    S3 settings, as the "s3" object of a --config file (`open_configured_store`: a local run
+    ignores them); `only`: the shards to stream, as another rank's `shard_keys` (ranks that read
+    the commits of a run still being extracted at different times would find different shards,
+    and so epochs of different sizes and orders). Opening reads the run and writes nothing.
     """
 
     def __init__(self, prefix: str | ObjectStore, *, config: StreamConfig | None = None, rank: int | None = None,
@@ -401,7 +401,8 @@ class ShardStream(IterableDataset):
         if self._given is not None and self._given_pid == pid:
             return self._given
         if self._store_cache is None or self._store_cache[0] != pid:
-            store = self._given.reopen() if self._given is not None else open_store(self.uri, **self._store_options)
+            store = (self._given.reopen() if self._given is not None
+                     else open_configured_store(self.uri, self._store_options))
             self._store_cache = (pid, store)
         return self._store_cache[1]
 

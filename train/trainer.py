@@ -36,7 +36,7 @@ from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
-from layertap.storage.store import ObjectStore, open_store
+from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
 from layertap.train.batch import collate
 from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest, restore, save_checkpoint,
                                        withdraw_export)
@@ -231,8 +231,10 @@ def train(cfg: TrainConfig) -> int:
     precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
     acc = Accelerator(mixed_precision=precision, cpu=not cuda,
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    out = open_store(cfg.out, **cfg.s3)
-    data = open_store(cfg.data, **cfg.s3)
+    out = open_configured_store(cfg.out, cfg.s3)
+    data = open_configured_store(cfg.data, cfg.s3)
+    # recorded in checkpoints and compared on --resume: `run1`, `run1/` and its absolute path are one run
+    cfg.data = data.uri
     _check_apart(out, data)
     # Before the steps (waiting for a run to follow, loading the target head) and after them (the
     # export), a stop signal ends the command at once, the lease released on the way out; during
@@ -796,11 +798,23 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
         raise ConfigError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
                          "resume with the same number of processes (the data order depends on it)")
     saved, now = {**RESUME_DEFAULTS, **state.get("config", {})}, cfg.identity()
+    saved["data"] = _store_uri(saved.get("data"))
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in {**saved, **now}
              if k not in ("steps", "epochs") and saved.get(k) != now.get(k)]
     if diffs:
         raise ConfigError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs))
     _check_drafter_flags(state["drafter"], cfg)
+
+
+def _store_uri(uri: Any) -> Any:
+    """`uri` as its store names it: checkpoints written before --data was recorded that way hold
+    it as typed (`run1/`, a relative path), which must still resume with any spelling of it."""
+    if not isinstance(uri, str):
+        return uri
+    try:
+        return open_store(uri).uri
+    except StoreError:  # not a store URI this version opens: compared as it is
+        return uri
 
 
 # Settings that shape the drafter, which a resume takes from the checkpoint: (TrainConfig field, DrafterConfig key).
