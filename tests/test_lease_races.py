@@ -58,7 +58,7 @@ def test_a_late_renewal_of_a_trainer_taken_over_never_evicts_the_live_one(store_
     lease left, so generations restart: T3 holds `lease/000001...` under T1's old key name. T1's
     PUT then lands. It rewrote that key with its own body, so T3 (the live trainer) stopped and
     T1 (the stale one) went on writing checkpoints over newer ones."""
-    ttl = 1.0
+    ttl = 3.0  # beats every 0.75 s: a live holder must not look stale on a loaded CI machine
     s1 = open_store(store_uri)
     paused = Paused(s1, "put", "output-lease", "lease/")
     t1 = OutputLease(s1, ttl_s=ttl, poll_s=0.1)
@@ -87,7 +87,7 @@ def test_a_late_renewal_of_a_trainer_taken_over_never_evicts_the_live_one(store_
 def test_a_late_renewal_of_a_trainer_taken_over_creates_no_lease(store_uri):
     """The same pause with T2 still holding: T1's late PUT re-created generation 1 (beside T2's
     generation 2), which outlived T2's release as a lease of nobody that looked alive."""
-    ttl = 1.0
+    ttl = 3.0  # beats every 0.75 s: a live holder must not look stale on a loaded CI machine
     s1 = open_store(store_uri)
     paused = Paused(s1, "put", "output-lease", "lease/")
     t1 = OutputLease(s1, ttl_s=ttl, poll_s=0.1)
@@ -111,13 +111,13 @@ def _claim(store: ObjectStore, manifest, ttl: float) -> Claim:
 
 @pytest.mark.parametrize("case", ["race", "ttl"])
 def test_a_worker_taken_over_while_paused_never_shares_its_shard_with_a_new_claim(store_uri, case):
-    """Worker A (--lease-ttl 1) pauses in its heartbeat past its ttl; B takes shard 0 over
+    """Worker A (--lease-ttl 3) pauses in its heartbeat past its ttl; B takes shard 0 over
     (generation 2, deleting A's generation 1) and is preempted; D finds no lease left and claims
     generation 1 anew. `race`: A's heartbeat had checked its lease and paused before its PUT,
     which then overwrote D's lease (same key): D abandoned, A went on. `ttl`: D runs with
-    --lease-ttl 1.5, so its generation-1 key is another; A's heartbeat found its own key gone and
+    --lease-ttl 4.5, so its generation-1 key is another; A's heartbeat found its own key gone and
     created it again, and A and D both held generation 1 and both ran the shard to the end."""
-    ttl_a, ttl_other = 1.0, (1.0 if case == "race" else 1.5)
+    ttl_a, ttl_other = 3.0, (3.0 if case == "race" else 4.5)  # loaded CI: see above
     sa = open_store(store_uri)
     manifest = fake_worker.plan(sa, samples=8, shard_bytes=100000)
     assert len(manifest.shards) == 1
