@@ -110,11 +110,18 @@ class _Writer(threading.Thread):
             except BaseException as e:
                 self.error = e
 
-    def wait_and_queue(self, fut: Future) -> None:
-        """Queue a record being encoded; blocks while `depth` are queued (the encoders' backpressure)."""
-        if self.error is not None:
-            raise self.error
-        self.q.put(fut)
+    def wait_and_queue(self, fut: Future, check: Callable[[], None] = lambda: None) -> None:
+        """Queue a record being encoded; blocks while `depth` are queued (the encoders' backpressure),
+        calling `check` every half second meanwhile, which raises to give up: a store so slow that
+        the queue stays full must not keep a stop (or a lost lease) waiting for it."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.q.put(fut, timeout=0.5)
+                return
+            except queue.Full:
+                check()
 
 
 def extract_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: ShardMeta, out: ObjectWriter, *,
@@ -145,6 +152,10 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
     does not wait for a shard's last encodes, its object's completion or its commit. Any
     exception here aborts the object (nothing becomes visible).
 
+    `should_stop` is asked before each batch (and while the writer's queue stays full): True
+    stops with `LeaseLost`; it may raise a stop of its own instead (a worker's stop signal, which
+    must not be raised into the queue or a join here: see extract.worker).
+
     `staging` keeps the pinned host buffers from shard to shard (a worker extracting many shards
     passes one); without it each shard makes its own."""
     stats = stats or PipelineStats()
@@ -158,11 +169,15 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
     pool = ThreadPoolExecutor(encode_threads, thread_name_prefix="encode",
                               **({"initializer": torch.cuda.set_device, "initargs": (device,)} if on_cuda else {}))
     tail = ShardTail(shard, pool, writer, stats)
+
+    def check() -> None:
+        if should_stop():
+            raise LeaseLost(f"shard {meta.shard_id}: lease lost to another worker")
+
     writer.start()
     try:
         for batch in make_batches(samples, batch_tokens):
-            if should_stop():
-                raise LeaseLost(f"shard {meta.shard_id}: lease lost to another worker")
+            check()
             ids, mask = pad_batch(batch, pad_id)
             t0 = time.perf_counter()
             hidden, final = capture(ids, mask)
@@ -183,7 +198,7 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
                                     None if final_host is None else final_host[i, :n])
                     future = tail.pool.submit(_encode, sample, meta, ready, release, stats)
                     submitted += 1  # its encode releases its share of the pinned buffer, whatever happens
-                    writer.wait_and_queue(future)
+                    writer.wait_and_queue(future, check)
             finally:
                 if release is not None:  # the batch's samples never submitted: their shares, or the
                     for _ in range(len(batch) - submitted):  # buffer would never return (staging is shared)
@@ -231,6 +246,9 @@ class ShardTail:
             return
         self._stopped = True
         try:
+            # Not cut short by a stop signal: a worker defers stops around a shard's work
+            # (extract.worker). One raised into `wait_and_queue`'s put lost the writer's wake-up,
+            # so the writer never took this None and the join below hung for good.
             self.writer.q.put(None)  # the writer takes every queued record (or skips them after an error)
             self.writer.join()
         finally:

@@ -15,7 +15,8 @@ import shlex
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,16 +38,17 @@ from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
-from layertap.manifests.work import Claim, WorkQueue
+from layertap.manifests.work import OUTAGE_S, Claim, WorkQueue
 from layertap.storage.foreign import unservable_layer
 from layertap.storage.errors import ConfigError
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
-from layertap.storage.store import ObjectStore, StoreError, open_configured_store
+from layertap.storage.store import ObjectStore, StoreError, TransientStoreError, open_configured_store
 from layertap.storage.units import duration, size
 
 log = logging.getLogger("layertap.extract")
+T = TypeVar("T")
 
 
 def extract(cfg: ExtractConfig) -> int:
@@ -56,9 +58,9 @@ def extract(cfg: ExtractConfig) -> int:
     state = PartialState(cpu=not torch.cuda.is_available())
     _setup_logging(cfg.log_dir, state.process_index)
     quiet_library_bars()
-    with StopSignals(at_once=True):
+    with StopSignals(at_once=True) as stops:
         try:
-            return _extract(cfg, state)
+            return _extract(cfg, state, stops)
         except Preempted as e:
             _stopped(e, state.process_index)
             return e.exit_code
@@ -75,11 +77,13 @@ def _stopped(e: Preempted, rank: int) -> None:
               f"command again to resume{again}", file=sys.stderr)
 
 
-def _extract(cfg: ExtractConfig, state) -> int:
+def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int:
     rank, world = state.process_index, state.num_processes
+    stops = stops if stops is not None else StopSignals(at_once=True)  # not entered: no stop comes
     store = open_configured_store(cfg.out, cfg.s3)
     # A missing bucket, a wrong endpoint or no credentials fail here, not after minutes of loading
-    # the model (a listing: a HEAD's 404 does not say whether the bucket exists).
+    # the model (a listing: a HEAD's 404 does not say whether the bucket exists). Not patiently:
+    # an endpoint that never answered is a wrong URL; after this, a failing store is an outage.
     rerun = any(o.key == layout.MANIFEST for o in store.list(layout.MANIFEST))
 
     rows, fingerprint = dataset_rows(cfg)  # a bad dataset fails before the model loads
@@ -89,7 +93,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
         # and to find its shards committed: the weights load only if there is work left, so that
         # a rerun of a finished run answers in seconds.
         _, _, identity = prepare_target(cfg, weights=False)
-        manifest, identity = resume_run(store, cfg, identity, fingerprint)
+        manifest, identity = _patiently(lambda: resume_run(store, cfg, identity, fingerprint))
     else:
         target, capture, identity = prepare_target(cfg, state.device)
         manifest, identity = _plan(store, cfg, identity, rows, fingerprint, target) if rank == 0 \
@@ -100,7 +104,8 @@ def _extract(cfg: ExtractConfig, state) -> int:
     # The storage window: before each claim, wait while too much committed data awaits training.
     gate = WindowGate(store, cfg.window) if cfg.window is not None else None
     if gate is None and rank == 0:
-        forget_window(store)  # an earlier --window extraction's record would tell trainers of a window
+        # an earlier --window extraction's record would tell trainers of a window
+        _patiently(lambda: forget_window(store))
     if gate is not None and rank == 0 and cfg.window < 2 * manifest.shard_bytes:
         log.warning("--window %s holds fewer than two of this run's shards (~%s each): every claim waits until "
                     "training has consumed what is at rest, one shard at a time, and a trainer whose shuffle buffer "
@@ -108,7 +113,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
                     "--train-while-extracting` names the window its trainer needs)", size(cfg.window),
                     size(manifest.shard_bytes))
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
-                      world_size=world, before_claim=gate)
+                      world_size=world, before_claim=gate, stopped_for=stops.stopped_for)
     if queue.finished():
         log.info("nothing to do: %s committed", "every shard of the run is" if cfg.shards is None
                  else f"each of the {len(queue.candidates)} shard(s) of --shards is")
@@ -128,9 +133,13 @@ def _extract(cfg: ExtractConfig, state) -> int:
             counted(rec)
             progress.record(rec)
 
+        def should_stop() -> bool:
+            stops.raise_if_requested()  # a stop signal: the shard is aborted at this batch boundary
+            return claim.lost.is_set()
+
         tail = start_shard(capture, samples, meta, store.open_writer(claim.data_key), batch_tokens=cfg.batch_tokens,
                            pad_id=pad_id, encode_threads=cfg.encode_threads, stats=totals,
-                           should_stop=claim.lost.is_set, on_record=on_record, staging=staging)
+                           should_stop=should_stop, on_record=on_record, staging=staging)
         return Started(tail, skipped, truncated)
 
     t_start = time.perf_counter()
@@ -143,7 +152,7 @@ def _extract(cfg: ExtractConfig, state) -> int:
         overlap = gate is None and (cfg.overlap_shards == "on" or cfg.overlap_shards == "auto" and staging is not None)
         loop = ShardLoop(start, overlap=overlap,
                          committed=lambda claim, info, skipped: progress.committed(info.num_records, skipped),
-                         abandoned=lambda claim, records: progress.abandoned(records))
+                         abandoned=lambda claim, records: progress.abandoned(records), stops=stops)
         queue.on_idle = loop.settle
         try:
             committed = loop.run(queue)
@@ -315,14 +324,14 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
     """Rank 0's: the run's manifest, planned now (the dataset tokenized for its token counts)
     unless another job planned it meanwhile."""
     try:
-        return resume_run(store, cfg, identity, fingerprint)
+        return _patiently(lambda: resume_run(store, cfg, identity, fingerprint))
     except NoRun:
         pass
     log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
                              chat_template_kwargs=template_kwargs(cfg.dataset))
     require_samples(stats)
-    return write_plan(store, cfg, identity, fingerprint, stats.counts)[0], identity
+    return _patiently(lambda: write_plan(store, cfg, identity, fingerprint, stats.counts))[0], identity
 
 
 def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
@@ -334,10 +343,29 @@ def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
     backoff = Backoff(0.5, 10.0, jitter=0.25)
     while True:
         try:
-            return resume_run(store, cfg, identity, fingerprint)
+            return _patiently(lambda: resume_run(store, cfg, identity, fingerprint))
         except NoRun:
             if time.time() > deadline:
                 raise
+            backoff.sleep()
+
+
+def _patiently(look: Callable[[], T]) -> T:
+    """`look` at the store, riding out an outage as the work queue does (`WorkQueue._patiently`):
+    a store failing past its own retries while a worker starts (its plan, its resume) ended it with
+    exit 2, the bad-input code, which under `srun --kill-on-bad-exit` ends the node's other workers
+    too, when the same outage after its first commit was ridden out. Tries again after a growing,
+    jittered pause (1 s up to 30 s), for up to `OUTAGE_S`. Only once the endpoint has answered
+    (`_extract`'s first listing): a wrong URL fails within seconds."""
+    deadline = time.monotonic() + OUTAGE_S
+    backoff = Backoff(1.0, 30.0, jitter=0.25)
+    while True:
+        try:
+            return look()
+        except TransientStoreError as e:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("the store is failing (%s); trying again in about %.0f s", e, backoff.delay)
             backoff.sleep()
 
 

@@ -9,6 +9,12 @@ claim's exit run on a thread of their own while the loop claims, tokenizes and r
 at most one shard finishes behind the one extracting. With a storage window the tail is
 awaited before the next claim, so the window's check sees every shard this worker produced; on
 CPU too, where the tail's work would only take the forward's cores.
+
+A stop signal never breaks into a shard's work here: each shard runs in a `StopSignals.deferred`
+block, where the stop is a flag read at batch boundaries (`start` raises it), and the loop waits
+for a finishing shard on an event its thread sets as it ends, never on `Thread.join` (which a
+signal's exception broke in CPython 3.11: the thread then counted as ended, so a stopped worker
+exited while its shard was committing).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 
 from layertap.extract.estimate import fmt_bytes
 from layertap.extract.pipeline import ShardTail
-from layertap.manifests.preemption import Interrupted, Preempted
+from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.work import Claim
 from layertap.storage.writer import ShardInfo
 
@@ -46,6 +52,7 @@ class Finishing(threading.Thread):
         self.info: ShardInfo | None = None
         self.committed = False
         self.error: BaseException | None = None
+        self.done = threading.Event()  # set as `run` ends, whatever happened: what the loop waits on
 
     def run(self) -> None:
         try:
@@ -66,20 +73,28 @@ class Finishing(threading.Thread):
                 self.report(self)
             except Exception:
                 log.exception("shard %d: reporting its end failed", self.claim.shard)
+            finally:
+                self.done.set()
 
 
 class ShardLoop:
     """Claims shards from `claims` and runs each: `start(claim, on_record)` runs the forwards and
     returns a `Started`; the rest finishes behind the next shard (`overlap`) or at once.
     `committed(claim, info, skipped)` and `abandoned(claim, records)` report each outcome (from
-    the finishing thread for a finished shard: they must be thread-safe)."""
+    the finishing thread for a finished shard: they must be thread-safe).
+
+    `stops`: the process's stop signals (entered by the caller, at once); each shard runs in its
+    `deferred()` block, so `start` must stop at its safe points (`stops.raise_if_requested()`)."""
 
     STOP_WAIT_S = 30.0  # how long a stop waits for the shard finishing behind (within Slurm's usual KillWait)
+    POLL_S = 0.2  # how often a wait for the finishing shard looks whether a stop came
 
     def __init__(self, start: Callable[[Claim, Callable], Started], *, overlap: bool,
-                 committed: Callable[[Claim, ShardInfo, int], None], abandoned: Callable[[Claim, int], None]):
+                 committed: Callable[[Claim, ShardInfo, int], None], abandoned: Callable[[Claim, int], None],
+                 stops: StopSignals | None = None):
         self.start, self.overlap = start, overlap
         self.on_committed, self.on_abandoned = committed, abandoned
+        self.stops = stops if stops is not None else StopSignals(at_once=True)  # not entered: no stop ever comes
         self.committed = 0
         self._pending: Finishing | None = None
 
@@ -87,14 +102,19 @@ class ShardLoop:
         """Work through `claims`; the number of shards this worker committed."""
         try:
             for claim in claims:
-                self._one(claim)
+                with self.stops.deferred():
+                    self._one(claim)
+            self.settle()  # the last shard's tail
         except BaseException as e:
             if isinstance(e, Exception):
-                self.settle()
+                try:
+                    self.settle()
+                except Preempted:  # a stop while waiting: as below
+                    self._settle_within(self.STOP_WAIT_S)
+                    raise
             else:  # a stop: the shard finishing behind is kept if it completes soon, else left as a kill leaves it
                 self._settle_within(self.STOP_WAIT_S)
             raise
-        self.settle()  # the last shard's tail
         return self.committed
 
     def _one(self, claim: Claim) -> None:
@@ -118,7 +138,7 @@ class ShardLoop:
             finally:
                 claim.__exit__(type(e), e, e.__traceback__)
             if isinstance(e, Preempted):
-                claim.release()  # again: the signal may have cut the claim's own release short
+                claim.release()  # idempotent: done by the claim's exit unless the store failed it
                 log.warning("%s: shard %d aborted, its lease released",
                             "interrupted" if isinstance(e, Interrupted) else "preempted", claim.shard)
             self.on_abandoned(claim, count.n)  # before a stop goes up too: the last progress line counts them
@@ -135,11 +155,14 @@ class ShardLoop:
     def settle(self) -> bool:
         """Wait for the shard finishing behind this one; False if there was none. The work queue
         calls it before it would wait for leases to free up (`on_idle`): one of them may be this
-        worker's own finishing shard."""
+        worker's own finishing shard. A stop signal meanwhile raises here (the shard is still
+        pending: `run` gives it `STOP_WAIT_S` more)."""
         pending = self._pending
         if pending is None:
             return False
-        pending.join()  # a stop signal here leaves it pending: `run` waits for it again
+        with self.stops.deferred():
+            while not pending.done.wait(self.POLL_S):
+                self.stops.raise_if_requested()
         self._pending = None
         return True
 
@@ -147,8 +170,7 @@ class ShardLoop:
         pending = self._pending
         if pending is None:
             return
-        pending.join(seconds)
-        if pending.is_alive():
+        if not pending.done.wait(seconds):
             log.warning("shard %d was still finishing %.0f s after the stop; leaving it: its lease goes stale and "
                         "the shard is redone (or its commit, if it lands, counts)", pending.claim.shard, seconds)
         self._pending = None

@@ -76,21 +76,12 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(build_parser(), argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request
-    # headers, the access key id and a session token among them, into consoles and log files.
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "openai"):
-        logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
-    # Nor INFO for these: httpx logs each request's URL, which carries an endpoint's ?token= query.
-    for quiet in ("httpx", "httpx2", "httpcore", "httpcore2"):
-        logging.getLogger(quiet).setLevel(logging.WARNING)
-    from layertap.extract.console import quiet_library_bars
-
-    quiet_library_bars()  # off a terminal (a Slurm log), no library bars in any command
-    module = importlib.import_module(args._module)
+    # Parsing imports every subcommand's module (1-3 s): a Ctrl-C then is an interruption like any
+    # other, one line and exit 130, not a KeyboardInterrupt traceback.
     try:
+        args = _parse(build_parser(), argv)
+        _setup_logging(args.verbose)
+        module = importlib.import_module(args._module)
         return int(getattr(module, f"run_{args.command.replace('-', '_')}")(args) or 0)
     except UserError as e:  # the one place user errors are reported (storage/errors.py); bugs keep a traceback
         print(f"error: {e}", file=sys.stderr)
@@ -101,6 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request
+    # headers, the access key id and a session token among them, into consoles and log files.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "openai"):
+        logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.WARNING)
+    # Nor INFO for these: httpx logs each request's URL, which carries an endpoint's ?token= query.
+    for quiet in ("httpx", "httpx2", "httpcore", "httpcore2"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)
+    from layertap.extract.console import quiet_library_bars
+
+    quiet_library_bars()  # off a terminal (a Slurm log), no library bars in any command
 
 
 if __name__ == "__main__":

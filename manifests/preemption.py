@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,17 @@ class StopSignals:
     """Handlers for `signals` while in the `with` block; the previous handlers come back after it.
 
     `at_once=True` (extraction): the handler raises `Preempted` (or `Interrupted`) wherever the
-    main thread is, so the open shard is aborted and its lease released right away. It ignores
-    every later stop signal: under Slurm the signal can come twice (to every process of the job,
-    and again through a launcher), and Ctrl-C reaches a launcher and its workers alike; a second
-    one must not break off the cleanup, which takes seconds.
+    main thread is, so a wait (the model loading, the work queue's pause, a storage window) ends
+    at once. Not inside `deferred()` blocks: there it only records the stop in `requested`, which
+    the block raises as it ends and the code inside reads at safe points (`raise_if_requested`).
+    Code that joins threads or hands items through queues runs in such blocks: an exception raised
+    into `Thread.join` made CPython 3.11 take the thread for ended (a stopped worker exited while
+    its last shard was committing, its lease left behind), and one raised inside `Queue.put`'s
+    notify lost the wake-up of the thread waiting on it (a worker hung for good after SIGUSR1).
+
+    Either way it ignores every later stop signal: under Slurm the signal can come twice (to every
+    process of the job, and again through a launcher), and Ctrl-C reaches a launcher and its
+    workers alike; a second one must not break off the cleanup, which takes seconds.
 
     `at_once=False` (training): the handler only records the stop in `requested`, which the loop
     reads at its next step boundary, where a checkpoint can be saved. A second Ctrl-C raises
@@ -59,9 +69,12 @@ class StopSignals:
     def __init__(self, *, at_once: bool, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.at_once, self.signals = at_once, signals
         self.requested: Preempted | None = None
+        self._requested_at: float | None = None  # time.monotonic() of the first stop signal
+        self._deferring = 0  # depth of `deferred()` blocks the main thread is in
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
+        self.requested, self._requested_at, self._deferring = None, None, 0
         for sig in self.signals:
             if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -75,15 +88,41 @@ class StopSignals:
     def _on_signal(self, signum: int, frame: object) -> None:
         stop = _stop_for(signum)
         if self.at_once:
+            if self.requested is not None:  # a signal that was already pending when the first came
+                return
+            self.requested, self._requested_at = stop, time.monotonic()
             for sig in self._previous:
                 signal.signal(sig, signal.SIG_IGN)
-            raise stop
+            if not self._deferring:
+                raise stop
+            return
         if self.requested is None:
-            self.requested = stop
+            self.requested, self._requested_at = stop, time.monotonic()
             log.warning("%s: stopping at the next step boundary, with a checkpoint%s", stop,
                         "; Ctrl-C again stops at once, without one" if isinstance(stop, Interrupted) else "")
         elif isinstance(stop, Interrupted) and isinstance(self.requested, Interrupted):
             raise KeyboardInterrupt
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block that a stop signal does not break into (see the class): the stop is raised as
+        the outermost such block ends, unless an exception already leaves it."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if not self._deferring:
+            self.raise_if_requested()
+
+    def raise_if_requested(self) -> None:
+        """Raise the stop a signal asked for, if one did: a safe point to stop at."""
+        if self.requested is not None:
+            raise self.requested
+
+    def stopped_for(self) -> float | None:
+        """Seconds since the first stop signal; None if none came."""
+        return None if self._requested_at is None else time.monotonic() - self._requested_at
 
 
 class AsyncStop:

@@ -46,6 +46,10 @@ WAIT_LOG_S = 30.0  # an idle worker says what it waits on at most this often
 HOLDERS_READ_PER_PASS = 16  # lease payloads an idle worker reads per pass (`WorkQueue._dead_here`)
 # How long a worker rides out a store failing past its retries before it gives up (`WorkQueue._patiently`).
 OUTAGE_S = 600.0
+# How long after a stop signal a lease is still renewed: past a stopped worker's wait for the shard
+# finishing behind (extract.worker's STOP_WAIT_S, 30 s) and its cleanup, so one that hangs on its
+# way out lets its shard go after this and a TTL, not never.
+STOP_GRACE_S = 60.0
 T = TypeVar("T")
 
 
@@ -85,6 +89,10 @@ class Claim:
         ours (`_lost_to`) is never created again: the attempt is abandoned."""
         store, period = self.queue.store, self.queue.ttl_s / 4
         while not self._stop.wait(period) and not self.lost.is_set():
+            if (since := self.queue.stopped_for()) is not None and since > STOP_GRACE_S:
+                log.warning("shard %d: still held %.0f s after a stop signal; no longer renewing its lease, which "
+                            "goes stale in %g s", self.shard, since, self.queue.ttl_s)
+                return
             try:
                 if why := self._lost_to():
                     log.warning("shard %d: %s; abandoning this attempt", self.shard, why)
@@ -169,8 +177,10 @@ class Claim:
             log.error("shard %d: could not write the failure record: %s", self.shard, e)
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lease. Idempotent: a worker stopped by a signal in
-        the middle of this calls it again (its handler ignores further signals by then)."""
+        """Stop the heartbeat and delete the lease. Idempotent. A worker calls it where no stop
+        signal breaks in (its finishing thread, or a `StopSignals.deferred` block: an exception
+        raised into the join left CPython 3.11 taking the heartbeat for ended); should anything
+        cut the join short all the same, the lease is still deleted."""
         if self._released:
             return
         try:
@@ -246,12 +256,16 @@ class WorkQueue:
     is called when no shard is free, before waiting on the leases; it returns whether it finished
     one of the caller's own (a shard completing behind the next, `extract.worker`), and then the
     queue looks again at once instead of waiting a poll for its own lease.
+
+    `stopped_for`, if given, says how long ago the process was told to stop (None before that,
+    `StopSignals.stopped_for`): leases are not renewed past `STOP_GRACE_S` after a stop.
     """
 
     def __init__(self, store: ObjectStore, manifest: Manifest, producer: Producer, *,
                  ttl_s: float = DEFAULT_LEASE_TTL_S, shards: Sequence[int] | None = None,
                  retries: int = 1, world_size: int = 1, poll_s: float | None = None,
-                 before_claim: Callable[[], bool] | None = None, on_idle: Callable[[], bool] | None = None):
+                 before_claim: Callable[[], bool] | None = None, on_idle: Callable[[], bool] | None = None,
+                 stopped_for: Callable[[], float | None] = lambda: None):
         self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
         ids = range(len(manifest.shards)) if shards is None else shards
         bad = [s for s in ids if not 0 <= s < len(manifest.shards)]
@@ -264,7 +278,7 @@ class WorkQueue:
         # By the store's clock, which names the failure records counted against it (`failures_since`).
         self.started = self._patiently(store.now)
         self.given_up: set[int] = set()
-        self.before_claim, self.on_idle = before_claim, on_idle
+        self.before_claim, self.on_idle, self.stopped_for = before_claim, on_idle, stopped_for
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not yet handed over
         self._holders_read: set[str] = set()  # live leases whose holder `_dead_here` has looked at
         self._told_wait = 0.0  # when the last "waiting on leases" line was logged (time.monotonic)
