@@ -42,7 +42,7 @@ from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
 from layertap.storage.records import Sample
-from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectNotFound, ObjectStore, is_write_probe
 from layertap.storage.writer import ShardWriter
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def check_empty(dest: ObjectStore) -> None:
     """Refuse a destination that holds anything: the foreign trainers glob every sample file under
     it, so files of an earlier export (a larger one, another run's, one cut short) would be trained
     on beside this one's, whatever layertap-export.json says."""
-    there = next(iter(dest.list("")), None)
+    there = next((o for o in dest.list("") if not is_write_probe(o.key)), None)
     if there is not None:
         raise ConfigError(f"the export destination {dest.uri} is not empty (it holds {there.key}, and maybe more): "
                           "the foreign trainers read every sample file under it, so an earlier export's would mix "

@@ -37,7 +37,7 @@ def add_delete(p: argparse.ArgumentParser) -> None:
 
 
 def run_delete(args: argparse.Namespace) -> int:
-    from layertap.storage.store import open_store
+    from layertap.storage.store import is_write_probe, open_store
     from layertap.storage.units import size
 
     if args.threads < 1:
@@ -45,7 +45,7 @@ def run_delete(args: argparse.Namespace) -> int:
     store = open_store(args.prefix)
     objects = list(store.list())
     pending = store.list_pending_uploads()
-    if not objects and not pending:
+    if not pending and all(is_write_probe(o.key) for o in objects):  # a probe's leftover is no run to delete
         print(f"nothing to delete: no object under {store.uri}")
         return 0
     what = describe(store, args.force)

@@ -22,6 +22,7 @@ import re
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from botocore.utils import parse_timestamp
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import RetryPolicy
 from layertap.storage.store import (
+    WRITE_PROBE,
     EndpointUnreachable,
     ObjectInfo,
     ObjectNotFound,
@@ -73,6 +75,10 @@ _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestT
                     "PriorRequestNotComplete", "Throttling", "ThrottlingException", "ThrottledException",
                     "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
                     "RequestLimitExceeded", "BandwidthLimitExceeded", "SlowDownRead", "SlowDownWrite"}
+
+
+class ConditionalWritesUnsupported(ConfigError):
+    """The S3 server accepted a create over an existing object: it ignores `If-None-Match: *`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,6 +155,8 @@ class S3Store(ObjectStore):
         self.endpoint = _without_userinfo(self.client.meta.endpoint_url)  # for messages
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._creates_checked = False  # `_check_conditional_writes` passed
+        self._creates_lock = threading.Lock()
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -237,7 +245,9 @@ class S3Store(ObjectStore):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """`If-None-Match: *`. A 412 whose existing body equals `data` counts as ours: a retried PUT
-        whose first attempt landed sees its own object (`ObjectStore.put_if_absent`)."""
+        whose first attempt landed sees its own object (`ObjectStore.put_if_absent`). The server's
+        support for the condition is checked first, once per store object."""
+        self._check_conditional_writes()
         return self._call("create", key, lambda: self._try_create(key, data))
 
     def _try_create(self, key: str, data: bytes) -> bool:
@@ -246,11 +256,9 @@ class S3Store(ObjectStore):
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
             return True
         except bexc.ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status == 409 or code == "ConditionalRequestConflict":
+            if _create_conflict(e):
                 raise TransientStoreError(f"create of {self._where(key)} met a concurrent create") from None
-            if not (status == 412 or code == "PreconditionFailed"):
+            if not _create_refused(e):
                 raise
         try:  # the client itself, not `get`: retries stay in one loop, `_call`'s
             resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
@@ -259,6 +267,56 @@ class S3Store(ObjectStore):
             if isinstance(self._translate(e, "create", key), ObjectNotFound):  # deleted in between: try again
                 raise TransientStoreError(f"create of {self._where(key)} met an object deleted since") from None
             raise
+
+    def _check_conditional_writes(self) -> None:
+        """Refuse a server that ignores `If-None-Match` (older MinIO, some other servers and
+        gateways; AWS S3 before August 2024): it answers 200 to every create, so two workers would
+        both win a shard's lease and both commit it, silently. Run before the store's first create,
+        so readers pay nothing: a fresh key under the prefix (`WRITE_PROBE`, which the checks that
+        judge a prefix by its listing ignore) is created, created again, which must be refused, and
+        deleted: 3 requests."""
+        with self._creates_lock:
+            if self._creates_checked:
+                return
+            key = f"{WRITE_PROBE}{uuid.uuid4().hex}"
+            self._call("create", key, lambda: self._try_create(key, b"probe"))
+            try:
+                # Asked twice: had a `layertap delete` of the prefix removed the key in between, the
+                # first recreates it and the second is refused by any server that honours the header.
+                honoured = self._refuses_create(key) or self._refuses_create(key)
+            finally:
+                self._delete_probe(key)
+            if not honoured:
+                raise ConditionalWritesUnsupported(
+                    f"the S3 server at {self.endpoint} (bucket {self.bucket!r}) ignores conditional writes: it "
+                    "accepted a PUT with `If-None-Match: *` over an object that exists. layertap creates its commit "
+                    "records and leases that way, to keep every shard exactly once; on this server two workers could "
+                    "both take a shard and both commit it, or two trainers share one output, with no error. Upgrade "
+                    "the server to a version that supports conditional writes (If-None-Match on PutObject; Amazon S3 "
+                    "does since August 2024), or write to a folder on a shared filesystem instead")
+            self._creates_checked = True
+
+    def _refuses_create(self, key: str) -> bool:
+        """Whether a conditional create over `key`, which exists, is refused (412, or 409: another
+        create of it in flight) rather than accepted."""
+        def create() -> bool:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=b"again", IfNoneMatch="*")
+                return False
+            except bexc.ClientError as e:
+                if _create_refused(e) or _create_conflict(e):
+                    return True
+                raise
+
+        return self._call("create", key, create)
+
+    def _delete_probe(self, key: str) -> None:
+        """Best effort: a probe key left behind costs a few bytes, and layertap ignores it."""
+        try:
+            self.delete(key)
+        except StoreError as e:
+            log.warning("could not delete %s, left by the check of conditional writes (harmless): %s",
+                        self._where(key), e)
 
     def get(self, key: str) -> bytes:
         return self._read_body("get", key, ChecksumMode="ENABLED")
@@ -625,6 +683,18 @@ class S3Writer(ObjectWriter):
     @property
     def peak_buffered_bytes(self) -> int:
         return self._peak
+
+
+def _create_refused(e: bexc.ClientError) -> bool:
+    """A conditional create answered "the key exists" (412 PreconditionFailed)."""
+    code = e.response.get("Error", {}).get("Code", "")
+    return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412 or code == "PreconditionFailed"
+
+
+def _create_conflict(e: bexc.ClientError) -> bool:
+    """A conditional create answered "another create of the key is in flight" (409)."""
+    code = e.response.get("Error", {}).get("Code", "")
+    return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409 or code == "ConditionalRequestConflict"
 
 
 def _parse_timestamp(value: str) -> datetime:

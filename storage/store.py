@@ -64,6 +64,17 @@ class PendingUpload:
     initiated: float  # unix time
 
 
+# The keys `S3Store` checks the server's conditional writes with (storage/s3.py), at the root of
+# its prefix and deleted at once. One is left behind only by a process killed mid-check, so the
+# checks that judge a prefix by what it holds (`layertap delete`, `layertap export`) ignore them.
+WRITE_PROBE = ".layertap-write-probe-"
+
+
+def is_write_probe(key: str) -> bool:
+    """Whether `key` (relative to the store root) is a left-over conditional-write probe."""
+    return key.startswith(WRITE_PROBE)
+
+
 def check_key(key: str) -> str:
     """Refuse keys that could leave the root: sample ids and shard names never become stray paths."""
     if not isinstance(key, str) or not key:

@@ -24,7 +24,9 @@ position drawn from a seeded RNG, gets a fault (of a kind drawn from the same RN
   CompleteMultipartUpload whose first try landed (minio/minio#13318).
 
 Requests travel byte for byte (headers in order, chunked bodies unchanged), so SigV4 signatures
-and content checksums still verify upstream. Hop-by-hop headers are not forwarded.
+and content checksums still verify upstream. Hop-by-hop headers are not forwarded, nor those named
+in `strip`: ``strip=("If-None-Match",)`` makes moto a server that ignores conditional writes (its
+signature no longer verifies, which moto does not check; radosgw would refuse it).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class FaultProxy:
     """
 
     def __init__(self, upstream: str, *, rate: float = 0.0, seed: int = 0, faults: tuple[str, ...] = FAULTS,
-                 stall_s: float = 0.3, match=None, limit: int | None = None, in_turn: bool = False):
+                 stall_s: float = 0.3, match=None, limit: int | None = None, in_turn: bool = False,
+                 strip: tuple[str, ...] = ()):
         unknown = set(faults) - set(KINDS)
         if unknown or not faults:
             raise ValueError(f"unknown faults {sorted(unknown)}; choose from {KINDS}")
@@ -71,6 +74,7 @@ class FaultProxy:
         self.upstream = (u.hostname, u.port or 80)
         self.rate, self.faults, self.stall_s = rate, tuple(faults), stall_s
         self.match, self.limit, self.in_turn = match, limit, in_turn
+        self.strip = {h.lower() for h in strip}
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
         self._seen = 0  # requests that `match`
@@ -203,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
                 c = self._upstream
                 c.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 for k, v in self.headers.items():
-                    if k.lower() not in _HOP_BY_HOP:
+                    if k.lower() not in _HOP_BY_HOP | self.owner.strip:
                         c.putheader(k, v)
                 c.endheaders()
                 if body:

@@ -24,6 +24,7 @@ from layertap import storage
 from layertap.cli import main as cli
 from layertap.storage.s3 import MiB, _plain_http_response, direct_reads, untested_versions
 from layertap.storage.store import (
+    WRITE_PROBE,
     EndpointUnreachable,
     InvalidKey,
     ObjectNotFound,
@@ -289,6 +290,32 @@ def test_put_if_absent_race_between_processes_has_one_winner(store_uri):
     assert sorted(results) == ["False"] * 7 + ["True"]
     winner = results.index("True")
     assert open_store(store_uri).get("race/marker") == f"worker-{winner}".encode()
+
+
+def test_s3_checks_conditional_writes_once_per_store_before_its_first_create(s3_endpoint, s3_bucket):
+    """A server that ignored `If-None-Match` would let two workers both win one lease: the store
+    checks it before its first create, once however many threads create at once, in 3 requests
+    (create, create again refused, delete); reads and plain writes pay nothing."""
+    seen: list[tuple[str, str]] = []
+
+    def record(method: str, path: str) -> bool:
+        seen.append((method, path))
+        return False  # no faults: the proxy only watches
+
+    with FaultProxy(s3_endpoint, match=record) as proxy:
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url)
+        store.put("a", b"1")
+        assert store.get("a") == b"1" and [o.key for o in store.list()] == ["a"]
+        assert len(seen) == 3  # PUT, GET, list: no check yet
+        seen.clear()
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(lambda i: store.put_if_absent(f"c/{i}", b"x"), range(8)))
+        probe = [method for method, path in seen if WRITE_PROBE in path]
+        assert probe == ["PUT", "PUT", "DELETE"] and len(seen) == 3 + 8
+        seen.clear()
+        assert not store.put_if_absent("c/0", b"y")  # refused, and its body read: no check again
+        assert [method for method, _ in seen] == ["PUT", "GET"]
+    assert [o.key for o in store.list()] == ["a"] + [f"c/{i}" for i in range(8)]  # the probe is gone
 
 
 def test_small_object_goes_up_in_one_put(s3_bucket):
