@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -415,11 +416,14 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
         log.info("nothing to do: every shard of the run at %s is committed", out.uri)
         return manifest
     renamed = rd.renamed  # the plan read the first file
-    with StopSignals(at_once=True), progress(len(files), desc="import", unit="sample") as bar:
+    # A stop ends a wait for work at once, but never breaks into a shard's work (its writer's threads,
+    # the commit, the lease's release: see StopSignals.deferred): it is taken at the next file.
+    with StopSignals(at_once=True) as stops, progress(len(files), desc="import", unit="sample") as bar:
         for claim in queue:
             try:
-                with claim:
-                    _import_shard(claim, manifest, rd, files, fmt, src.uri, target.vocab_size, bar)
+                with stops.deferred(), claim:
+                    _import_shard(claim, manifest, rd, files, fmt, src.uri, target.vocab_size, bar,
+                                  stops.raise_if_requested)
             except Preempted:
                 claim.release()
                 raise
@@ -434,13 +438,16 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
 
 
 def _import_shard(claim: Claim, manifest: Manifest, rd: ForeignReader, files: list[ForeignFile], fmt: str,
-                  source: str, vocab_size: int, bar) -> None:
+                  source: str, vocab_size: int, bar, check_stop: Callable[[], None] = lambda: None) -> None:
+    """Write and commit one shard of the import; `check_stop` raises a stop asked for meanwhile,
+    before each file (the shard is then aborted, nothing of it visible)."""
     plan = claim.plan
     meta = ShardMeta.of(manifest.identity, run_id=manifest.run_id, shard_id=plan.id,
                         extra={"imported_from": fmt, "source": source})
     skipped: list[dict[str, str]] = []
     with ShardWriter(claim.queue.store.open_writer(claim.data_key), meta) as w:
         for f in files[plan.start:plan.end]:
+            check_stop()
             try:
                 w.write_sample(check_trainable(rd.read(f), vocab_size, f"{source.rstrip('/')}/{f.key}"))
             except (InputError, ValueError) as e:  # a bad file, one of another shape than the run's, or untrainable

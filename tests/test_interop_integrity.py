@@ -205,3 +205,38 @@ def test_status_of_an_unfinished_import_names_layertap_import(target, tmp_path, 
     out = capsys.readouterr().out
     assert f"nothing is running: the same `layertap import {src} --from specforge --out {back} ...` command" in out
     assert "layertap extract" not in out
+
+
+# 7. a stop signal during an import's shard
+
+def test_a_stop_signal_during_an_imports_shard_is_taken_before_the_next_file(target, tmp_path, capsys, monkeypatch):
+    """The import's stop was raised wherever the main thread was: inside a sample's write (its
+    writer's queue and threads), the commit or the lease's release, where an exception raised
+    into a `Thread.join` or a `Condition.notify` leaves threads waiting for good (the extraction's
+    chaos trials). Now the sample being written completes and the stop is taken before the next
+    file: the shard is aborted, its lease released, nothing of it visible, exit 143."""
+    import os
+    import signal
+
+    from layertap.storage.writer import ShardWriter
+
+    src = write_files(tmp_path / "src", "specforge", [sample(i) for i in range(4)])
+    written = []
+    real = ShardWriter.write_sample
+
+    def write_then_signal(self, s):
+        if not written:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives inside the first sample's write
+        real(self, s)
+        written.append(s.sample_id)
+
+    monkeypatch.setattr(ShardWriter, "write_sample", write_then_signal)
+    back = tmp_path / "back"
+    rc = cli(["import", src, "--from", "specforge", "--out", str(back), "--layers", "1,3", "--model", target])
+    assert rc == 143, capsys.readouterr().err
+    assert len(written) == 1  # the write the signal arrived in completed; no later file was read
+    store = open_store(str(back))
+    assert not list(store.list(layout.COMMITS)) and not list(store.list(layout.LEASES))
+    assert not [o.key for o in store.list(layout.SHARDS)]  # the open shard's object aborted
+    failures = [o.key for o in store.list(layout.FAILURES)]
+    assert len(failures) == 1 and failures[0].endswith(layout.STOPPED), failures
