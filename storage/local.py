@@ -84,6 +84,12 @@ class LocalStore(ObjectStore):
             # As on S3 (a retried conditional PUT), an object equal to `data` counts as ours.
             return self._holds(key, data)
         except OSError as e:
+            if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):  # the temp file beside it was written
+                raise StoreError(f"cannot create {path}: the filesystem of {self.root} has no hard links (link(2) "
+                                 f"answered {errno.errorcode.get(e.errno, e.errno)}; FUSE mounts of object stores "
+                                 "often have none), which layertap's create-if-absent of commits and leases needs "
+                                 "to keep every shard exactly once: use a local, NFS or Lustre folder, or the "
+                                 "object store itself through its S3 endpoint") from e
             raise _os_error(e, path) from e
         finally:
             _remove_quietly(tmp)

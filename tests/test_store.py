@@ -225,6 +225,24 @@ def test_put_if_absent_counts_its_own_link_answered_exists_as_created(tmp_path, 
     assert [o.key for o in store.list()] == ["commits/7.json"] and store.list_pending_uploads() == []
 
 
+@pytest.mark.parametrize("code", [errno.EPERM, errno.EOPNOTSUPP])
+def test_a_folder_without_hard_links_names_that_not_permissions(tmp_path, monkeypatch, code):
+    """link(2) answers EPERM (or EOPNOTSUPP) where the filesystem has no hard links, e.g. a FUSE
+    mount of an object store: the error said "permission denied; choose a writable output folder"
+    of a folder the temp file beside it had just been written to. No such filesystem is at hand, so
+    the syscall is made to answer that way."""
+    def no_links(src, dst):
+        raise OSError(code, os.strerror(code), dst)
+
+    store = open_store(str(tmp_path / "store"))
+    monkeypatch.setattr(storage.local.os, "link", no_links)
+    with pytest.raises(StoreError, match="has no hard links") as e:
+        store.put_if_absent("commits/7.json", b"x")
+    assert "permission denied" not in str(e.value) and "S3 endpoint" in str(e.value)
+    monkeypatch.undo()
+    assert [o.key for o in store.list()] == []  # no temp file left behind
+
+
 def test_list_by_prefix_is_sorted_and_scoped(store):
     keys = [f"shards/{i:05d}.lts" for i in range(30)] + ["commits/00001.json", "shardsx"]
     for k in keys:
