@@ -139,20 +139,12 @@ def _deleting(store, s: dict) -> bool | None:
     return None if s.get("window") is None else consumer_of(store) is not None
 
 
-def _rerun(prefix: str) -> str:
-    """The command that made the run, as its manifest records it: an import's dataset is the
-    source it was imported from (extract/interop.py), so its hint names `layertap import`."""
-    from layertap.manifests.manifest import load_manifest
-    from layertap.storage.errors import UserError
-    from layertap.storage.store import open_store
-
-    try:
-        dataset = load_manifest(open_store(prefix)).dataset
-    except UserError:  # only a hint; the status itself read the manifest a moment ago
-        dataset = {}
-    if str(dataset.get("fingerprint", "")).startswith("import:"):
-        return (f"the same `layertap import {dataset.get('path', 'SRC')} --from {dataset.get('format', 'FORMAT')} "
-                f"--out {prefix} ...` command")
+def _rerun(s: dict) -> str:
+    """The command that finishes the run: an import's names `layertap import` and its source."""
+    source = s.get("imported_from")
+    if source:
+        return (f"the same `layertap import {source.get('path') or 'SRC'} --from {source.get('format') or 'FORMAT'} "
+                f"--out {s['prefix']} ...` command")
     return "the same `layertap extract` (or `layertap submit extract`) command"
 
 
@@ -192,7 +184,7 @@ def format_status(s: dict, deleting: bool | None = None) -> str:
                      "consumes and deletes what it trained on; if no worker is alive, the same `layertap extract` "
                      "command goes on")
     elif not s["shards_running"] and not s["problem"]:
-        lines.append(f"  nothing is running: {_rerun(s['prefix'])} finishes the failed and pending shards")
+        lines.append(f"  nothing is running: {_rerun(s)} finishes the failed and pending shards")
     for f in s["failed"]:
         where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
         lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {where}): {f['error']}")

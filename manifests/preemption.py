@@ -106,10 +106,16 @@ class StopSignals:
     @contextmanager
     def deferred(self) -> Iterator[None]:
         """A block that a stop signal does not break into (see the class): the stop is raised as
-        the outermost such block ends, unless an exception already leaves it."""
+        the outermost such block ends, also in place of an error leaving it (chained to it): a
+        caller that logs errors and goes on (import's next shard) would otherwise go on with the
+        stop pending, deaf to signals (the first set SIG_IGN) while it waits for work."""
         self._deferring += 1
         try:
             yield
+        except Exception as e:
+            if self._deferring == 1 and self.requested is not None:
+                raise self.requested from e
+            raise
         finally:
             self._deferring -= 1
         if not self._deferring:

@@ -25,6 +25,15 @@ CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it
 GONE = "gone"  # ... and of a shard whose commit went since the scan (another verify withdrew it)
 
 
+def _imported_from(manifest: Manifest) -> dict[str, Any] | None:
+    """The source and format of a run `layertap import` made (extract/interop.py records them as
+    its dataset), None for an extraction: what the command that finishes the run is."""
+    d = manifest.dataset
+    if not str(d.get("fingerprint", "")).startswith("import:"):
+        return None
+    return {"path": d.get("path"), "format": d.get("format")}
+
+
 def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: bool = False) -> dict[str, Any]:
     """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
     the reason each failed shard failed; with `shards`, every shard's state and data object.
@@ -72,6 +81,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "created_at": manifest.created_at,
         "model": manifest.identity.model,
         "codec": manifest.identity.codec,
+        "imported_from": _imported_from(manifest),
         "shards_total": len(manifest.shards),
         "shards_done": counts["done"],
         "shards_running": counts["running"],

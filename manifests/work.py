@@ -113,7 +113,9 @@ class Claim:
         leases = [o.key for o in store.list(layout.lease_prefix(self.shard)) if layout.parse_lease(o.key)]
         if newer := [k for k in leases if layout.parse_lease(k)[1] > self.generation]:
             return f"lease taken over by {newer[-1]}"
-        if self.lease_key not in leases or lease_attempt(store, self.lease_key) != self.data_key:
+        # By a GET, not the listing: a listing that lags a fresh write (some S3-compatible servers)
+        # would make a holder abandon its own new lease.
+        if lease_attempt(store, self.lease_key) != self.data_key:
             return f"lease {self.lease_key} taken over (deleted, or claimed anew by another attempt)"
         return None
 
@@ -313,7 +315,7 @@ class WorkQueue:
 
     def lease_payload(self, generation: int, data_key: str) -> bytes:
         return json.dumps({"holder": asdict(self.producer), "generation": generation, "data_key": data_key,
-                           "ttl_s": self.ttl_s, "renewed_at": time.time()}).encode()
+                           "ttl_s": self.ttl_s, "claimed_at": time.time()}).encode()
 
     def _patiently(self, look: Callable[[], T]) -> T:
         """`look` at the store, riding out an outage: a store throttling or failing for longer than

@@ -188,6 +188,20 @@ def test_a_stop_inside_a_deferred_block_is_raised_as_it_ends_and_at_once_outside
             pytest.fail("not stopped at once outside a deferred block")
 
 
+def test_an_error_leaving_a_deferred_block_after_a_stop_raises_the_stop():
+    """A stop, then an error in the same block: the error went up alone, and a caller that logs
+    errors and goes on (import's next shard) went on with the stop pending, deaf to signals."""
+    with StopSignals(at_once=True, signals=(signal.SIGUSR1,)) as stops:
+        with pytest.raises(Preempted) as stopped:
+            with stops.deferred():
+                _deliver(signal.SIGUSR1)
+                raise ValueError("the shard's own error")
+        assert isinstance(stopped.value.__cause__, ValueError)
+        with pytest.raises(ValueError):  # no stop pending: the error as it is
+            with StopSignals(at_once=True, signals=(signal.SIGUSR2,)) as other, other.deferred():
+                raise ValueError("alone")
+
+
 def _deliver(sig: int) -> None:
     os.kill(os.getpid(), sig)
     time.sleep(0.05)  # the handler runs in this thread at the next bytecode
