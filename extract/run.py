@@ -38,13 +38,13 @@ from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
-from layertap.manifests.work import OUTAGE_S, Claim, WorkQueue
+from layertap.manifests.work import Claim, WorkQueue, patiently
 from layertap.storage.foreign import unservable_layer
 from layertap.storage.errors import ConfigError
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
-from layertap.storage.store import ObjectStore, StoreError, TransientStoreError, open_configured_store
+from layertap.storage.store import ObjectStore, StoreError, open_configured_store
 from layertap.storage.units import duration, size
 
 log = logging.getLogger("layertap.extract")
@@ -351,22 +351,13 @@ def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
 
 
 def _patiently(look: Callable[[], T]) -> T:
-    """`look` at the store, riding out an outage as the work queue does (`WorkQueue._patiently`):
-    a store failing past its own retries while a worker starts (its plan, its resume) ended it with
-    exit 2, the bad-input code, which under `srun --kill-on-bad-exit` ends the node's other workers
-    too, when the same outage after its first commit was ridden out. Tries again after a growing,
-    jittered pause (1 s up to 30 s), for up to `OUTAGE_S`. Only once the endpoint has answered
-    (`_extract`'s first listing): a wrong URL fails within seconds."""
-    deadline = time.monotonic() + OUTAGE_S
-    backoff = Backoff(1.0, 30.0, jitter=0.25)
-    while True:
-        try:
-            return look()
-        except TransientStoreError as e:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("the store is failing (%s); trying again in about %.0f s", e, backoff.delay)
-            backoff.sleep()
+    """`look` at the store, riding out an outage as the work queue does (`work.patiently`): a store
+    failing past its own retries while a worker starts (its plan, its resume) ended it with exit 2,
+    the bad-input code, which under `srun --kill-on-bad-exit` ends the node's other workers too,
+    when the same outage after its first commit was ridden out. Pauses 1 s growing to 30 s
+    (jittered). Only once the endpoint has answered (`_extract`'s first listing): a wrong URL
+    fails within seconds."""
+    return patiently(look, Backoff(1.0, 30.0, jitter=0.25).next_pause)
 
 
 def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) -> bool:

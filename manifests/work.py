@@ -44,13 +44,30 @@ log = logging.getLogger(__name__)
 DEFAULT_LEASE_TTL_S = 60.0
 WAIT_LOG_S = 30.0  # an idle worker says what it waits on at most this often
 HOLDERS_READ_PER_PASS = 16  # lease payloads an idle worker reads per pass (`WorkQueue._dead_here`)
-# How long a worker rides out a store failing past its retries before it gives up (`WorkQueue._patiently`).
+# How long a worker rides out a store failing past its retries before it gives up (`patiently`).
 OUTAGE_S = 600.0
 # How long after a stop signal a lease is still renewed: past a stopped worker's wait for the shard
 # finishing behind (extract.worker's STOP_WAIT_S, 30 s) and its cleanup, so one that hangs on its
 # way out lets its shard go after this and a TTL, not never.
 STOP_GRACE_S = 60.0
 T = TypeVar("T")
+
+
+def patiently(look: Callable[[], T], pause: Callable[[], float]) -> T:
+    """`look` at the store, riding out an outage: a store throttling or failing for longer than
+    its own retries (`storage.retry`, ~10-20 s) ended the worker (and with srun's
+    --kill-on-bad-exit, its node's other workers), when 1,000 workers' requests are what makes
+    a store throttle. Tries again after `pause()` seconds, for up to `OUTAGE_S`."""
+    deadline = time.monotonic() + OUTAGE_S
+    while True:
+        try:
+            return look()
+        except TransientStoreError as e:
+            if time.monotonic() > deadline:
+                raise
+            wait = pause()
+            log.warning("the store is failing (%s); looking again in %.0f s", e, wait)
+            time.sleep(wait)
 
 
 class Claim:
@@ -318,20 +335,8 @@ class WorkQueue:
                            "ttl_s": self.ttl_s, "claimed_at": time.time()}).encode()
 
     def _patiently(self, look: Callable[[], T]) -> T:
-        """`look` at the store, riding out an outage: a store throttling or failing for longer than
-        its own retries (`storage.retry`, ~10-20 s) ended the worker (and with srun's
-        --kill-on-bad-exit, its node's other workers), when 1,000 workers' requests are what makes
-        a store throttle. Tries again after a jittered pause, for up to `OUTAGE_S`."""
-        deadline = time.monotonic() + OUTAGE_S
-        while True:
-            try:
-                return look()
-            except TransientStoreError as e:
-                if time.monotonic() > deadline:
-                    raise
-                wait = random.uniform(self.poll_s, 4 * self.poll_s)
-                log.warning("the store is failing (%s); looking again in %.0f s", e, wait)
-                time.sleep(wait)
+        """`patiently`, with a jittered pause of one to four polls."""
+        return patiently(look, lambda: random.uniform(self.poll_s, 4 * self.poll_s))
 
     def _order(self, todo: list[int]) -> list[int]:
         """Each rank starts at its own fraction of the list, so ranks rarely collide, turned by an

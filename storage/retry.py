@@ -42,9 +42,13 @@ class Backoff:
         self.delay = first
 
     def sleep(self) -> None:
+        (self._sleep or time.sleep)(self.next_pause())
+
+    def next_pause(self) -> float:
+        """The next pause (jittered), without sleeping it: the delay doubles for the one after."""
         pause = self.delay * random.uniform(1 - self.jitter, 1 + self.jitter) if self.jitter else self.delay
-        (self._sleep or time.sleep)(pause)
         self.delay = min(self.limit, 2 * self.delay)
+        return pause
 
     def reset(self) -> None:
         self.delay = self.first
