@@ -60,15 +60,6 @@ def main() -> None:
             delete_consumed(store)
 
     trained: list[list] = []
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved["done"]:  # killed after its last checkpoint, maybe before its watermark
-            after_checkpoint(saved["state"])
-            print("done (resumed after the end)", flush=True)
-            return
-        stream.load_state_dict(saved["state"])
-        trained = saved["trained"]
-        print(f"resumed at {len(trained)} samples", flush=True)
 
     def commit(done: bool) -> None:
         state = stream.state_dict()
@@ -78,6 +69,23 @@ def main() -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         after_checkpoint(state)
+
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["done"]:  # killed after its last checkpoint, maybe before its watermark
+            after_checkpoint(saved["state"])
+            print("done (resumed after the end)", flush=True)
+            return
+        stream.load_state_dict(saved["state"])
+        trained = saved["trained"]
+        print(f"resumed at {len(trained)} samples", flush=True)
+        if stream.epoch > 0:
+            # Checkpointed at the follow epoch's last sample (the position rolls on to epoch 1 as it is
+            # yielded) and killed before the final commit: the follow epoch is trained. Iterating would
+            # run epoch 1, as `layertap train` does only when --epochs/--steps ask for more.
+            commit(done=True)
+            print(f"done (resumed at the follow epoch's end): {len(trained)} samples", flush=True)
+            return
 
     since = 0
     for sample in stream:

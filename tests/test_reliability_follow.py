@@ -230,3 +230,31 @@ def test_sigkill_while_training_follows_extraction(mode, seed, victim, s3_bucket
     log.info("%s %s seed %d: %s", mode, victim, seed, result)
     print(mode, victim, seed, result)
     assert result["worker kills"] + result["rank kills"] >= 1  # at least one kill landed on a live process
+
+
+def test_a_rank_killed_between_its_checkpoint_at_the_last_sample_and_the_final_one_trains_no_more(tmp_path):
+    """The position rolls on to epoch 1 as the follow epoch's last sample is yielded, so a checkpoint
+    taken there (every N samples) is epoch 1's start. A rank SIGKILLed before its final commit and
+    restarted from it must end there, as `layertap train` does at --epochs 1; the trial above once saw
+    rank 0 train the whole follow epoch again from it (96 samples of 48), once in a full suite."""
+    uri = f"file://{tmp_path}/run"
+    fake_worker.work(uri, samples=SAMPLES)
+    from layertap.train import ShardStream, StreamConfig
+    from follow_consumer import CONFIG
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stream = ShardStream(uri, config=StreamConfig(**CONFIG, shuffle_buffer=4), rank=0, world_size=RANKS)
+    trained = [[s["sample_id"], bool(s["padding"])] for s in stream]  # runs to StopIteration, ...
+    stream = ShardStream(uri, config=StreamConfig(**CONFIG, shuffle_buffer=4), rank=0, world_size=RANKS)
+    for n, _ in enumerate(stream, start=1):  # ... then again, stopped at the last sample as a checkpoint is
+        if n == len(trained):
+            break
+    state = stream.state_dict()
+    assert state["epoch"] == 1  # what makes the window: the last sample's checkpoint is the next epoch's start
+    checkpoint_path(ckpt, 0).write_text(json.dumps({"state": state, "trained": trained, "done": False}))
+    done = subprocess.run([sys.executable, str(HERE / "follow_consumer.py"), uri, "0", str(RANKS), str(ckpt),
+                           "--no-delete"], env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads(checkpoint_path(ckpt, 0).read_text())
+    assert saved["done"] and saved["trained"] == trained
