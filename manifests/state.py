@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -56,12 +56,11 @@ class RunState:
     def next_generation(self, shard: int) -> int:
         return 1 + max((l.generation for l in self.leases.get(shard, [])), default=0)
 
-    def failures_since(self, shard: int, since: float) -> int:
-        """Failures of the shard's own written at or after `since` (their key starts with the time
-        in ms); not attempts stopped from outside (preempted, taken over) nor withdrawals by
-        `verify`, which say nothing of it (`layout.counts_as_attempt`)."""
-        return sum(1 for k in self.failures.get(shard, [])
-                   if layout.counts_as_attempt(k) and layout.record_millis(k) >= int(since * 1000))
+    def attempt_failures(self, shard: int, excluding: Collection[str] = ()) -> int:
+        """Failures of the shard's own, except the keys in `excluding` (those a worker found at its
+        start: `WorkQueue`); not attempts stopped from outside (preempted, taken over) nor
+        withdrawals by `verify`, which say nothing of it (`layout.counts_as_attempt`)."""
+        return sum(1 for k in self.failures.get(shard, []) if layout.counts_as_attempt(k) and k not in excluding)
 
     def last_failure_ms(self, shard: int) -> int:
         """The time (ms, in the key) of the shard's newest failure record that is no stop from

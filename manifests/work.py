@@ -186,7 +186,7 @@ class Claim:
         # shards up after `--retries` such failures. The record still says what happened.
         stopped = preempted or self.lost.is_set() or isinstance(error, TransientStoreError)
         try:
-            # Named by the store's clock, as given-up verdicts are and retries count (`WorkQueue.started`):
+            # Named by the store's clock, as given-up verdicts are (`WorkQueue._give_up`):
             # a worker whose clock ran 5 s ahead named a failure newer than the verdict given 28 ms later,
             # and a follow trainer waited for a retry that no worker would make.
             key = layout.failure_key(self.shard, int(self.queue.store.now() * 1000), self.queue.producer.token,
@@ -294,8 +294,12 @@ class WorkQueue:
         self.retries, self.world_size = retries, max(1, world_size)
         self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)
         self.max_poll_s = 4 * self.poll_s  # ttl_s / 2 by default: see `_claims`
-        # By the store's clock, which names the failure records counted against it (`failures_since`).
-        self.started = self._patiently(store.now)
+        # `--retries` counts the failures since this queue started: those listed now are not its. By
+        # their keys, not their times: failure keys are named by each worker's reading of the store's
+        # clock, which on S3 (a whole-second Date header) differs by up to a second from worker to
+        # worker, and a rerun started within that second counted the last run's failures as its own
+        # and gave the shard up without a try.
+        self.failures_before = frozenset(self._patiently(lambda: [o.key for o in store.list(layout.FAILURES)]))
         self.given_up: set[int] = set()
         self.before_claim, self.on_idle, self.stopped_for = before_claim, on_idle, stopped_for
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not yet handed over
@@ -421,7 +425,7 @@ class WorkQueue:
                     waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
                     held.append(lease)
                     continue
-                if fresh.failures_since(s, self.started) > self.retries:
+                if fresh.attempt_failures(s, self.failures_before) > self.retries:
                     self._give_up(s, fresh)
                     continue
                 if self.before_claim and self.before_claim():

@@ -79,7 +79,7 @@ def test_a_withdrawal_is_no_failed_attempt_of_the_live_extraction(store_uri):
             corrupt(store, withdrawn)
             assert [b["shard"] for b in verify_run(store).bad] == [withdrawn]
             st = scan(store, manifest)
-            assert st.state(withdrawn) == "failed" and st.failures_since(withdrawn, 0) == 0
+            assert st.state(withdrawn) == "failed" and st.attempt_failures(withdrawn) == 0
             failed = run_status(store)["failed"]
             assert [(f["shard"], f["withdrawn"], f["stopped"]) for f in failed] == [(withdrawn, True, False)]
             assert "withdrawn by `layertap verify`" in failed[0]["error"] and "checksum mismatch" in failed[0]["error"]

@@ -128,7 +128,7 @@ def pending_work(store: ObjectStore, manifest: Manifest, committed: set[int]) ->
     # the verdict given after it, and the trainer waited for good.
     given_up = sorted(s for s in left if s not in running and s in verdicts and verdicts[s] >= st.last_failure_ms(s))
     done_with = running | set(given_up)
-    retrying = [s for s in left if s not in done_with and st.failures_since(s, 0)]
+    retrying = [s for s in left if s not in done_with and st.attempt_failures(s)]
     live = any(st.live_lease(s) for s in st.leases)
     return PendingWork(left, running, given_up, retrying, live)
 
