@@ -130,12 +130,12 @@ def train_facts(out: Path) -> dict:
     latest = json.loads((out / "checkpoints" / "latest.json").read_text())
     state_path = out / latest["prefix"] / "state.json"
     loader = json.loads(state_path.read_text())["loader"]
-    data = [m for m in metrics if m["loss"] == m["loss"]]  # a step of padding alone has no loss (NaN)
+    data = [m for m in metrics if m["loss"] is not None]  # a step of padding alone has no loss (null)
     last = data[-4:]
     return {
         "steps": len(metrics),
         "padding_only_steps": len(metrics) - len(data),
-        "loss_curve": [round(m["loss"], 4) for m in metrics],
+        "loss_curve": [round(m["loss"], 4) if m["loss"] is not None else None for m in metrics],
         "acc_curve": [round(m["acc_first"], 4) for m in metrics],
         "loss_first": data[0]["loss"],
         "loss_final": data[-1]["loss"],
@@ -396,7 +396,7 @@ def markdown(res: dict, args) -> str:
 
     def loss_at(r: dict, s: int) -> str:
         c = r["train"]["loss_curve"]
-        return "–" if s > len(c) else ("NaN (padding)" if c[s - 1] != c[s - 1] else f"{c[s - 1]:.3f}")
+        return "–" if s > len(c) else ("none (padding)" if c[s - 1] is None else f"{c[s - 1]:.3f}")
 
     longest = max(len(r["train"]["loss_curve"]) for r in runs)
     every = max(1, len(res["offline"]["train"]["loss_curve"]) // 10)

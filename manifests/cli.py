@@ -240,7 +240,7 @@ def format_training(t: dict) -> str:
     lines = [f"training output at {t['prefix']}" + (f"  (data {t['data']})" if t["data"] else "")]
     if t["step"] is not None:
         lines.append(f"  steps       {t['step']:,}{of}, epoch {t['epoch']}")
-        loss = (f"{t['loss']:.4f}" if t["loss"] == t["loss"] else
+        loss = (f"{t['loss']:.4f}" if t["loss"] is not None and t["loss"] == t["loss"] else
                 "none (the step held only zero-weighted padding: samples the extraction skipped)")
         lines.append(f"  last loss   {loss} at step {t['step']:,}"
                      + (f", acc@1 {t['acc_first']:.3f}" if t["acc_first"] is not None else "")

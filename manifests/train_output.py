@@ -75,8 +75,8 @@ def _last_metrics(store: ObjectStore) -> dict[str, Any] | None:
     except ObjectNotFound:
         return None
     for line in reversed(tail.decode(errors="replace").splitlines()):
-        try:
-            record = json.loads(line)
+        try:  # NaN as an earlier version wrote it: null, so `status --json` stays strict JSON
+            record = json.loads(line, parse_constant=lambda constant: None)
         except ValueError:  # the first line of the tail may be cut
             continue
         if isinstance(record, dict) and "step" in record:

@@ -174,6 +174,14 @@ def test_status_of_a_training_output(trained, capsys):
     rc, out, _ = status(capsys, out_uri)
     assert rc == 3 and "not exported yet" in out and "--resume" in out and "COMPLETE" not in out
 
+    # A last step of padding alone as an earlier version wrote it (NaN, which is not JSON): --json
+    # stays strict JSON (null), and the text says why there is no loss.
+    store.put("metrics.jsonl", store.get("metrics.jsonl") + json.dumps(dict(last, loss=float("nan"))).encode() + b"\n")
+    rc, out, _ = status(capsys, out_uri)
+    assert "last loss   none (the step held only zero-weighted padding" in out
+    text = status(capsys, out_uri, "--json")[1]
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"status --json printed {c}"))["loss"] is None
+
 
 def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
     (tmp_path / "x.txt").write_text("hello")

@@ -591,6 +591,9 @@ def test_nan_losses_at_the_end_are_told_as_such_not_as_skipped_data(run, target,
     text = capsys.readouterr().out
     assert "(step 4; after it, 2 step(s) had a NaN or infinite loss and made no update (see the warnings))" in text
     assert "padding" not in text and "skipped" not in text
+    records = [json.loads(x, parse_constant=lambda c: pytest.fail(f"metrics.jsonl holds {c}, not JSON"))
+               for x in open_store(out).get("metrics.jsonl").decode().splitlines()]
+    assert [r["loss"] is None for r in records] == [False] * 4 + [True] * 2  # strict JSON: null, not NaN
     from layertap.train.trainer import _final_loss
 
     # a step of zero weight (no supervised slot) is padding, whatever its loss says
@@ -602,6 +605,7 @@ def test_nan_losses_at_the_end_are_told_as_such_not_as_skipped_data(run, target,
                                                         "e.g. for samples the extraction skipped) and 1 step(s) had "
                                                         "a NaN or infinite loss and made no update (see the warnings))")
     assert _final_loss([learned]) == (2.5, "")
+    assert _final_loss([learned, dict(pad, loss=None)])[0] == 2.5  # as metrics.jsonl writes it now
 
 
 @pytest.mark.parametrize("flag, value, message", [

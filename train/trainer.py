@@ -217,10 +217,23 @@ class _Metrics:
             pass
 
     def add(self, record: dict[str, Any]) -> None:
-        self.lines.append(json.dumps(record))
+        # Strict JSON: a NaN or infinite value (a step of padding alone has no loss; a diverged
+        # one) is written as null, which jq, JavaScript and other languages' parsers read.
+        self.lines.append(json.dumps(_json_ready(record), allow_nan=False))
         if self.tb is not None:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "data_wait_fraction", "acc_first"):
                 self.tb.add_scalar(f"train/{k}", record[k], record["step"])
+
+
+def _json_ready(value: Any) -> Any:
+    """`value` with every non-finite float (in lists and dicts too) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 def train(cfg: TrainConfig) -> int:
@@ -584,8 +597,9 @@ def _final_loss(records: list[dict[str, Any]]) -> tuple[float, str]:
     loss weight was zero (no supervised slot: `acc_per_position` all None) has a NaN loss and is
     no optimizer step: zero-weighted padding, e.g. for samples the extraction skipped. A NaN or
     infinite loss with weight behind it is a divergence (warned at each step, `_check_finite`):
-    it must not be told as skipped data."""
-    finite = [i for i, r in enumerate(records) if math.isfinite(r["loss"])]
+    it must not be told as skipped data. metrics.jsonl writes such losses as null (older
+    versions: NaN)."""
+    finite = [i for i, r in enumerate(records) if r["loss"] is not None and math.isfinite(r["loss"])]
     last = records[finite[-1]] if finite else None
     after = records[finite[-1] + 1:] if finite else records
     empty = sum(all(a is None for a in r["acc_per_position"]) for r in after)
