@@ -66,8 +66,10 @@ DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 T = TypeVar("T")
 READ_SLICE = 1 << 20  # per read through botocore's stream: a slice's bytes, copied out, then stay in cache
 # Failures of a request or of its body on the way in: another try may well succeed.
+# urllib3's own errors too: a connection cut while botocore reads an error answer's body (a 404's, a
+# 503 SlowDown's) comes out of botocore unwrapped, as urllib3's ProtocolError.
 _TRANSIENT = (bexc.ConnectionError, bexc.HTTPClientError, bexc.IncompleteReadError, bexc.FlexibleChecksumError,
-              OSError, http.client.HTTPException)
+              OSError, http.client.HTTPException, urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)
 # No connection at all: a server that is down, an endpoint URL that is wrong, a proxy or TLS setup that fails.
 _BUCKET = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")  # what botocore sends (S3's own rules are stricter)
 _UNREACHABLE = (bexc.EndpointConnectionError, bexc.ProxyConnectionError, bexc.SSLError)
@@ -151,7 +153,15 @@ class S3Store(ObjectStore):
         session._session.get_component("response_parser_factory").set_parser_defaults(
             timestamp_parser=_parse_timestamp)
         region = o.region or session.region_name or "us-east-1"
-        self.client = session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=config)
+        try:
+            self.client = session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=config)
+        except bexc.InvalidRegionError:
+            raise ConfigError(f"the S3 region {region!r} is not a region name: give one like us-east-1 "
+                              "(AWS_REGION or AWS_DEFAULT_REGION, or region in --config)") from None
+        except ValueError:  # botocore's "Invalid endpoint: <the URL>", a password in it included
+            raise ConfigError(f"the S3 endpoint URL {_without_userinfo(o.endpoint_url or '')!r} is not a URL: give one "
+                              "like https://s3.example.com or http://host:9000 (AWS_ENDPOINT_URL, or endpoint_url in "
+                              "--config)") from None
         self.endpoint = _without_userinfo(self.client.meta.endpoint_url)  # for messages
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -202,12 +212,14 @@ class S3Store(ObjectStore):
             cause = getattr(e, "kwargs", {}).get("error") or e
             while cause.__cause__ is not None or cause.__context__ is not None:  # down to the socket's error
                 cause = cause.__cause__ or cause.__context__
-            reason = f"{type(e).__name__}: {cause}"
+            reason = _without_userinfo_in(f"{type(e).__name__}: {cause}")
             kind = TransientStoreError if isinstance(e, bexc.ConnectTimeoutError) else EndpointUnreachable
             return kind(f"cannot reach the S3 endpoint {self.endpoint} for {what} of {key!r} ({reason}); "
                         "check AWS_ENDPOINT_URL and that the server is up")
         if isinstance(e, _TRANSIENT):
-            return TransientStoreError(f"{what} of {self._where(key)} failed: {type(e).__name__}: {e}")
+            # botocore's text names the endpoint URL, with any user:password in it
+            return TransientStoreError(f"{what} of {self._where(key)} failed: "
+                                       + _without_userinfo_in(f"{type(e).__name__}: {e}"))
         return None
 
     def _where(self, key: str) -> str:
@@ -761,5 +773,16 @@ def _plain_http_response(body) -> http.client.HTTPResponse | None:
 
 def _without_userinfo(url: str) -> str:
     """An endpoint URL as messages show it: a user:password in it is never printed."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL ("http://[::1:9000"): scrubbed as text
+        return _without_userinfo_in(url)
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+
+
+_USERINFO = re.compile(r"(?<=://)[^/\s\"'@]*@")
+
+
+def _without_userinfo_in(text: str) -> str:
+    """`text` with the user:password of every URL in it removed (botocore's messages quote the URL)."""
+    return _USERINFO.sub("", text)
