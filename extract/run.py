@@ -33,7 +33,7 @@ from layertap.extract.regenerated import template_kwargs
 from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
 from layertap.manifests.consumption import AtRest, WindowGate, forget_window
-from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest
+from layertap.manifests.manifest import Manifest, NoRun, create_or_resume, load_manifest, refuse_nested
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
@@ -95,6 +95,8 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
         _, _, identity = prepare_target(cfg, weights=False)
         manifest, identity = _patiently(lambda: resume_run(store, cfg, identity, fingerprint))
     else:
+        if rank == 0:  # create_or_resume refuses it too, but only after the weights load and the dataset is tokenized
+            _patiently(lambda: refuse_nested(store))
         target, capture, identity = prepare_target(cfg, state.device)
         manifest, identity = _plan(store, cfg, identity, rows, fingerprint, target) if rank == 0 \
             else _wait_for_plan(store, cfg, identity, fingerprint)
@@ -297,13 +299,15 @@ def plan_bytes_per_token(cfg: ExtractConfig, identity: RunConfig) -> float:
 
 
 def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, fingerprint: str,
-               counts: list[int] | None) -> tuple[Manifest, bool]:
-    """The run's manifest, created from `counts` if there is none yet (see `create_or_resume`)."""
+               counts: list[int] | None, existing: Manifest | None = None) -> tuple[Manifest, bool]:
+    """The run's manifest, created from `counts` if there is none yet (see `create_or_resume`;
+    `existing`: the run's manifest, if the caller read it already)."""
     path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
     dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
                                                                     "path": path or "embedded", "limit": cfg.limit}
     return create_or_resume(store, config=identity, dataset=dataset, token_counts=counts,
-                            bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes)
+                            bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes,
+                            existing=existing)
 
 
 def resume_run(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
@@ -316,7 +320,7 @@ def resume_run(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,
     if cfg.dtype == "auto" and identity.dtype in ("bfloat16", "float32"):
         log.info("forward dtype %s: the run at %s was made with --dtype %s", identity.dtype, store.uri, identity.dtype)
         cfg.dtype = identity.dtype
-    return write_plan(store, cfg, identity, fingerprint, None)[0], identity
+    return write_plan(store, cfg, identity, fingerprint, None, existing=run)[0], identity  # one GET of the manifest
 
 
 def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fingerprint: str,

@@ -3,8 +3,10 @@
 It asks first (or takes `--yes`), refuses a prefix that is neither a run nor a training output
 unless `--force` (a typo must not empty a bucket), and refuses a run something still writes to,
 or a training output a trainer holds: what a writer puts there after the delete listed the prefix
-outlives it, and a new run there would take it for its own. The manifest goes last, so an
-interrupted delete is still a run and the same command finishes it.
+outlives it, and a new run there would take it for its own. It refuses, too, a prefix that holds
+other runs or outputs below its top level (a run made at a bucket's root, another at a folder of
+it): their objects are under the prefix, and deleting it would take them. The manifest goes last,
+so an interrupted delete is still a run and the same command finishes it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from layertap.storage.errors import ConfigError, UserError
@@ -24,15 +27,20 @@ class Refused(UserError):
 
 
 TRAINING_KEYS = ("checkpoints/latest.json", "metrics.jsonl")  # what `layertap train` writes (train_output.py)
+# the keys that make a prefix a run or an output (as `layertap status` tells them, manifests/cli.py `outputs_under`)
+MARKERS = (("manifest.json", "run"), (TRAINING_KEYS[0], "training output"), (TRAINING_KEYS[1], "training output"),
+           ("regenerate.json", "regeneration output"))
+LIST_NESTED = 10  # nested runs and outputs named in a refusal
 
 
 def add_delete(p: argparse.ArgumentParser) -> None:
     p.add_argument("prefix", help="the run (or training output) prefix: s3://bucket/prefix or a local folder")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (for scripts)")
     p.add_argument("--force", action="store_true",
-                   help="delete even a prefix that is not a run or a training output, or one being written "
+                   help="delete even a prefix that is not a run or a training output, one being written "
                         "(a run with live leases, workers waiting behind --window or a running --delete-consumed "
-                        "trainer; an output a trainer holds)")
+                        "trainer; an output a trainer holds), or one holding other runs or outputs below it "
+                        "(deleted with it)")
     p.add_argument("--threads", type=int, default=16, help="delete requests in flight on S3, 1,000 keys each (default 16)")
 
 
@@ -48,10 +56,15 @@ def run_delete(args: argparse.Namespace) -> int:
     if not pending and all(is_write_probe(o.key) for o in objects):  # a probe's leftover is no run to delete
         print(f"nothing to delete: no object under {store.uri}")
         return 0
+    nested = nested_outputs(o.key for o in objects)
+    if nested and not args.force:
+        raise Refused(nested_message(store.uri, nested))
     what = describe(store, args.force)
     total = sum(o.size for o in objects)
     print(f"{what}: {len(objects):,} object(s), {size(total)}"
           + (f", and {len(pending)} unfinished upload(s)" if pending else ""))
+    if nested:
+        print(f"  with the {len(nested)} run(s) or output(s) below it (--force): {_named(store.uri, nested)}")
     if not args.yes and not _confirmed(store.uri):
         print("not deleted", file=sys.stderr)
         return 1
@@ -61,6 +74,34 @@ def run_delete(args: argparse.Namespace) -> int:
     print(f"deleted {deleted:,} object(s)" + (f" and aborted {aborted} upload(s)" if aborted else "")
           + f" under {store.uri}")
     return 0
+
+
+def nested_outputs(keys: Iterable[str]) -> list[tuple[str, str]]:
+    """(folder, kind) of each run or output below the prefix's top level, found by its marker key
+    in the prefix's listing (`MARKERS`), deepest first: the order to delete them in one by one."""
+    found: dict[str, str] = {}
+    for key in keys:
+        for marker, kind in MARKERS:
+            if key.endswith("/" + marker):
+                found.setdefault(key[: -len(marker) - 1], kind)
+    return sorted(found.items(), key=lambda f: (-f[0].count("/"), f[0]))
+
+
+def nested_message(uri: str, nested: list[tuple[str, str]]) -> str:
+    """Why a prefix holding other runs or outputs is not deleted, and how to delete each."""
+    root = uri.rstrip("/")
+    how = "; ".join(f"`layertap delete {root}/{name}`" for name, _ in nested[:LIST_NESTED])
+    more = " ..." if len(nested) > LIST_NESTED else ""
+    return (f"{uri} holds {len(nested)} other run(s) or output(s) below it: {_named(uri, nested)}. Deleting it would "
+            f"delete them too, so it is not deleted. Delete first each of them that is to go ({how}{more}) and move "
+            "each to keep to a prefix of its own (copy it, then delete it there), then run this again; or pass "
+            "--force to delete them all with it")
+
+
+def _named(uri: str, nested: list[tuple[str, str]]) -> str:
+    root = uri.rstrip("/")
+    return ", ".join(f"{root}/{name} ({kind})" for name, kind in nested[:LIST_NESTED]) \
+        + (f" and {len(nested) - LIST_NESTED} more" if len(nested) > LIST_NESTED else "")
 
 
 def describe(store, force: bool) -> str:
@@ -103,7 +144,7 @@ def _refuse_live_writers(store, manifest) -> None:
     from layertap.manifests.state import scan
     from layertap.storage.units import size
 
-    st = scan(store, manifest)
+    st = scan(store, manifest, with_tallies=False)  # leases and commits are what it reads
     running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
     if running:
         raise Refused(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "

@@ -193,23 +193,43 @@ def _refuse_leftovers(store: ObjectStore) -> None:
                           "another prefix")
 
 
+def refuse_nested(store: ObjectStore) -> None:
+    """Raise `ConfigError` where the folders right under the prefix hold a run or an output of
+    their own: a run planned over them holds them under its prefix, and `layertap delete` of it
+    would take them (it refuses, naming them, but the layout stays a trap). A few requests
+    (`outputs_under`: a delimiter listing and HEADs of the first folders' markers); deeper
+    nesting is `layertap delete`'s to find, from its full listing."""
+    from layertap.manifests.cli import outputs_under
+
+    found = outputs_under(store)
+    if found:
+        root = store.uri.rstrip("/")
+        named = ", ".join(f"{root}/{name} ({kind})" for name, kind in found[:5]) + (" ..." if len(found) > 5 else "")
+        raise ConfigError(f"{store.uri} holds no run but other runs or outputs below it: {named}. A run here would "
+                          "hold them under its prefix, and deleting it would delete them: give the run a prefix "
+                          f"of its own beside them (a new folder under {root}/)")
+
+
 def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any], dataset: Mapping[str, Any],
                      token_counts: Sequence[int] | None, bytes_per_token: float,
-                     shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[Manifest, bool]:
+                     shard_bytes: int = DEFAULT_SHARD_BYTES, existing: Manifest | None = None) -> tuple[Manifest, bool]:
     """The run's manifest and whether this call created it.
 
     An existing run is resumed only if its configuration and dataset match; otherwise
     `ConfigMismatch` names every difference. Concurrent creators race on create-if-absent and all
     but one adopt the winner's plan. A prefix whose manifest is gone but not the run's records
-    (`RUN_RECORDS`) is refused.
+    (`RUN_RECORDS`) is refused, and so is one that holds another run or output below it
+    (`refuse_nested`). `existing`: the run's manifest, already read by the caller: not read again
+    (at 150,000 shards it is megabytes, and every one of 1,000 workers starting reads it).
     """
     if isinstance(config, RunConfig):
         config = config.to_json()
     fingerprint = dataset.get("fingerprint")
-    try:
-        existing = load_manifest(store)
-    except NoRun:
-        existing = None
+    if existing is None:
+        try:
+            existing = load_manifest(store)
+        except NoRun:
+            pass
     if existing is None:
         if token_counts is None:
             raise NoRun(f"no run at {store.uri} yet, and no token counts were given to plan one")
@@ -217,6 +237,7 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
             raise ConfigError(f"{store.uri} holds a training output (`layertap train --out`), not a run: `layertap "
                              "delete` of the one would delete the other; give the run a prefix of its own")
         _refuse_leftovers(store)
+        refuse_nested(store)
         manifest = Manifest(
             run_id=uuid.uuid4().hex[:12],
             created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -226,7 +247,8 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
             bytes_per_token=bytes_per_token,
             shards=plan_shards(token_counts, bytes_per_token, shard_bytes),
         )
-        if store.put_if_absent(MANIFEST, json.dumps(manifest.to_json(), indent=1).encode()):
+        # compact: every worker of the run GETs it at its start (indented, it was 36 bytes more per shard)
+        if store.put_if_absent(MANIFEST, json.dumps(manifest.to_json(), separators=(",", ":")).encode()):
             return manifest, True
         existing = load_manifest(store)
     diffs = existing.differences(config, fingerprint)

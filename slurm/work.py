@@ -60,7 +60,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     bad = [s for s in ids if not 0 <= s < total]
     if bad:
         raise ConfigError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
-    st = scan(store, manifest)
+    st = scan(store, manifest, with_tallies=False)  # commits, leases and failures are what it reads
     st.raise_if_replaced(store.uri)  # submitting would only start tasks that stop on the same error
     states = {s: st.state(s) for s in ids}
     running = [s for s, v in states.items() if v == "running"]

@@ -1,0 +1,228 @@
+"""A run's prefix holds that run alone. `layertap delete` of a run made at a bucket's root took
+a complete run stored below it: it refuses now, naming each run or output below and how to delete
+it, and a new run is not planned over a prefix that holds one. A local input file leaves no Arrow
+copy in the HF cache, and a worker's start reads the (compact) manifest once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fake_worker
+from layertap.cli import main as cli
+from layertap.extract.config import ExtractConfig
+from layertap.extract.run import resume_run, write_plan
+from layertap.manifests import delete, layout
+from layertap.manifests.manifest import NoRun, create_or_resume, load_manifest
+from layertap.manifests.regeneration import RECIPE
+from layertap.manifests.train_output import LATEST, METRICS
+from layertap.storage.errors import ConfigError
+from layertap.storage.identity import RunConfig
+from layertap.storage.store import open_store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def keys(store) -> list[str]:
+    return sorted(o.key for o in store.list())
+
+
+# -- layertap delete ------------------------------------------------------------------------------
+
+
+def test_delete_refuses_a_run_with_another_run_below_it(store_uri, capsys):
+    """The finding: a run at the prefix, a complete run at prefix/keepme; deleting the first
+    deleted both. Refused with the way to delete each; once the one below is gone, it goes."""
+    fake_worker.work(store_uri)
+    fake_worker.work(f"{store_uri}/keepme")
+    store, kept = open_store(store_uri), open_store(f"{store_uri}/keepme")
+    before = keys(store)
+    assert cli(["delete", store_uri, "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert f"{store.uri.rstrip('/')}/keepme (run)" in err
+    assert f"`layertap delete {store.uri.rstrip('/')}/keepme`" in err and "--force" in err
+    assert keys(store) == before and load_manifest(kept).run_id
+
+    assert cli(["delete", f"{store_uri}/keepme", "--yes"]) == 0
+    assert cli(["delete", store_uri, "--yes"]) == 0
+    assert keys(store) == []
+
+
+def test_delete_refuses_a_bucket_root_run_with_a_run_below(s3_bucket, capsys):
+    """The repro exactly: runs at s3://bucket and s3://bucket/keepme."""
+    fake_worker.work(f"s3://{s3_bucket}")
+    fake_worker.work(f"s3://{s3_bucket}/keepme")
+    kept = open_store(f"s3://{s3_bucket}/keepme")
+    before = keys(kept)
+    assert cli(["delete", f"s3://{s3_bucket}", "--yes"]) == 2
+    assert f"s3://{s3_bucket}/keepme (run)" in capsys.readouterr().err
+    assert keys(kept) == before
+
+
+def test_delete_names_outputs_below_deepest_first_and_force_takes_them(tmp_path, capsys):
+    """A training output and a regeneration output count as much as a run, at any depth; --force
+    deletes them with the prefix, and says so before it does."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    store = open_store(uri)
+    store.put(f"drafter/{LATEST}", b'{"step": 1, "prefix": "checkpoints/step-1"}')
+    store.put(f"drafter/{METRICS}", b"{}\n")
+    store.put(f"a/b/{RECIPE}", b"{}")
+    assert cli(["delete", uri, "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert "holds 2 other run(s) or output(s) below it" in err
+    assert err.index(f"{uri}/a/b (regeneration output)") < err.index(f"{uri}/drafter (training output)")
+
+    assert cli(["delete", uri, "--yes", "--force"]) == 0
+    assert "with the 2 run(s) or output(s) below it (--force)" in capsys.readouterr().out
+    assert keys(store) == []
+
+
+def test_delete_markers_are_the_ones_runs_and_outputs_are_known_by():
+    """delete.py names the marker keys itself (a light import); they must be the real ones."""
+    assert {m for m, _ in delete.MARKERS} == {layout.MANIFEST, LATEST, METRICS, RECIPE}
+
+
+# -- a new run over runs below -----------------------------------------------------------------
+
+
+def test_a_new_run_is_not_planned_over_a_run_below_it(store_uri):
+    """Resuming the run at the prefix is normal; creating one above another is refused."""
+    fake_worker.plan(open_store(f"{store_uri}/keepme"))
+    store = open_store(store_uri)
+    with pytest.raises(ConfigError) as e:
+        fake_worker.plan(store)
+    assert f"{store.uri.rstrip('/')}/keepme (run)" in str(e.value) and "a prefix of its own" in str(e.value)
+    assert not store.exists(layout.MANIFEST)
+
+
+def test_a_bucket_root_without_runs_below_is_a_run_prefix(s3_bucket):
+    """A bare bucket is a prefix like any other: folders of other data are no run."""
+    store = open_store(f"s3://{s3_bucket}")
+    store.put("data/chats.jsonl", b"{}\n")
+    manifest = fake_worker.plan(store)
+    assert load_manifest(store).run_id == manifest.run_id
+
+
+def test_extract_refuses_an_out_holding_a_run_below_before_the_model_loads(tmp_path, capsys):
+    """`layertap extract` says so at once: no model is there to load (the check comes first)."""
+    out = tmp_path / "runs"
+    fake_worker.plan(open_store(str(out / "keepme")))
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    args = ["extract", "--model", str(tmp_path / "no-model"), "--dataset", str(data), "--out", str(out),
+            "--log-dir", str(tmp_path / "logs")]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert f"{out}/keepme (run)" in err and "could not load" not in err
+    assert not (out / layout.MANIFEST).exists()
+
+
+# -- a worker's start: the manifest, once and compact ------------------------------------------
+
+
+def _identity() -> RunConfig:
+    return RunConfig(model="synthetic", layers=[1, 3], hidden_size=8, codec="bf16-zstd", dtype="float32",
+                     max_length=32)
+
+
+def test_a_rerun_reads_the_manifest_once(store_uri):
+    """resume_run (each worker's start) read manifest.json twice: megabytes at 150k shards,
+    times 1,000 workers."""
+    cfg = ExtractConfig(out=store_uri, max_length=32, dtype="float32", shard_bytes=2000)
+    store = open_store(store_uri)
+    write_plan(store, cfg, _identity(), "fp", [20] * 300)
+    gets = []
+    real = store.get
+    store.get = lambda key: gets.append(key) or real(key)
+    manifest, _ = resume_run(store, cfg, _identity(), "fp")
+    assert len(manifest.shards) > 10 and gets.count(layout.MANIFEST) == 1
+
+
+def test_the_manifest_is_written_compact_and_an_indented_one_resumes(store_uri):
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store, samples=200, shard_bytes=400)
+    raw = store.get(layout.MANIFEST)
+    assert raw == json.dumps(json.loads(raw), separators=(",", ":")).encode()
+
+    old = open_store(f"{store_uri}-old")  # as an earlier layertap wrote it
+    old.put(layout.MANIFEST, json.dumps(manifest.to_json(), indent=1).encode())
+    resumed, created = create_or_resume(old, config=fake_worker.CONFIG, dataset=fake_worker.DATASET,
+                                        token_counts=None, bytes_per_token=1.0, shard_bytes=400)
+    assert not created and resumed.shards == manifest.shards and resumed.run_id == manifest.run_id
+
+
+def test_create_or_resume_takes_the_manifest_already_read(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    manifest = fake_worker.plan(store)
+    store.get = lambda key: pytest.fail(f"read {key} again")
+    assert create_or_resume(store, config=fake_worker.CONFIG, dataset=fake_worker.DATASET, token_counts=None,
+                            bytes_per_token=1.0, shard_bytes=4000, existing=manifest) == (manifest, False)
+    with pytest.raises(NoRun):
+        create_or_resume(open_store(str(tmp_path / "none")), config=fake_worker.CONFIG, dataset=fake_worker.DATASET,
+                         token_counts=None, bytes_per_token=1.0)
+
+
+# -- local input files leave no cache -----------------------------------------------------------
+
+LOAD = r"""
+import json, os, sys
+from layertap.extract.inputs import load_rows
+out = {}
+for path in sys.argv[1:]:
+    ds = load_rows(path)
+    left = [os.path.join(d, f) for d, _, fs in os.walk(os.environ["TMPDIR"]) for f in fs]
+    sub = ds.select([len(ds) - 1, 0]).map(lambda r: {"n": len(r["messages"])})  # transforms write nowhere
+    out[os.path.basename(path)] = {"rows": ds.to_list(), "n": list(sub["n"]), "tmp_left_while_loaded": left,
+                                   "cache_files": ds.cache_files}
+print(json.dumps(out))
+"""
+
+
+def test_local_input_files_leave_nothing_in_the_hf_cache(tmp_path):
+    """A .jsonl (nested lists, tool calls, columns some rows lack) and a .parquet file: the rows
+    come back whole, and neither the HF cache nor the temporary folder keeps a copy."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"id": "b", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": [1, 2]}}}],
+             "messages": [{"role": "user", "content": "call f"},
+                          {"role": "assistant", "content": "",
+                           "tool_calls": [{"id": "c1", "type": "function",
+                                           "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                          {"role": "assistant", "content": "it is 2"}]}]
+    jsonl = tmp_path / "in" / "chats.jsonl"
+    jsonl.parent.mkdir()
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parquet = tmp_path / "in" / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": rows[0]["messages"]}] * 3), parquet)
+
+    home = tmp_path / "home"
+    dirs = {"HOME": home, "HF_HOME": home / "hf", "HF_DATASETS_CACHE": home / "hf" / "datasets",
+            "XDG_CACHE_HOME": home / ".cache", "TMPDIR": tmp_path / "tmp"}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               **{k: str(v) for k, v in dirs.items()})
+    done = subprocess.run([sys.executable, "-c", LOAD, str(jsonl), str(parquet)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+
+    b = got["chats.jsonl"]["rows"][1]
+    assert b["messages"][1]["tool_calls"][0]["function"]["arguments"] == "{\"x\": 1}"
+    assert b["tools"][0]["function"]["parameters"]["x"] == [1, 2] and got["chats.jsonl"]["rows"][0]["tools"] is None
+    assert got["chats.jsonl"]["n"] == [4, 2] and got["chats.parquet"]["n"] == [2, 2]
+    assert len(got["chats.parquet"]["rows"]) == 3
+    for name in ("chats.jsonl", "chats.parquet"):
+        assert got[name]["tmp_left_while_loaded"] == [] and got[name]["cache_files"] == []
+    left = sorted(str(p) for d in dirs.values() for p in d.rglob("*") if p.is_file())
+    assert left == []
