@@ -6,17 +6,21 @@ when something new appeared. A look lists the feed (`feed/`: one key per commit,
 time on the store's clock) from the previous look's time, less `FEED_MARGIN_S`: a page or so,
 however many shards the run holds, where `commits/` is a page per 1,000. `commits/` is still
 the truth of "done": it is listed at the first look, every `FULL_LOOK_S` (finding what the feed
-missed: a worker killed between its commit and its feed key, a PUT retried past the margin, a run
-extracted before the feed existed, for which every look lists it), and before extraction is
-taken to be over. A consumer with plenty of work in hand looks ahead ever more rarely
+missed: a worker killed between its commit and its feed key, a PUT retried past the margin; each
+consumer's first such listing after a random part of it, so that a trainer's consumers, started
+together, do not list together), and before extraction is taken to be over. A run with no feed key
+at the first look (extracted before the feed existed) has `commits/` listed at every look until
+one appears. A consumer with plenty of work in hand looks ahead ever more rarely
 (0.5 s doubling up to `poll_s`, new commits or not): with commits landing all the time, thousands
 of consumers each listing `commits/` every 0.5 s would ask S3 for far more than a prefix serves.
-One whose known work runs low looks ahead at most every 0.5 s, so its fetcher does not starve.
-The first look reads the commit index with the listing (`manifests.commit_index.read_commits`);
-later looks GET only commits not seen before. Either reads only the records of shards the
-consumer has a share of (`wants`): the counts that decide the shares are in each commit's feed
-key and tally marker names, and at thousands of consumers and a few dozen samples a shard most
-consumers have no share of most shards. A waiting consumer says why at most every 30 s.
+One whose known work runs low looks ahead every 0.5 s, so its fetcher does not starve, backing
+off to LOW_POLL_MAX_S while its looks find nothing new.
+The first look reads the commit index with the listing when it needs many records
+(`manifests.commit_index.read_commits`); later looks GET only commits not seen before. Either
+reads only the records of shards the consumer has a share of (`wants`): the counts that decide
+the shares are in each commit's feed key and tally marker names, and at thousands of consumers
+and a few dozen samples a shard most consumers have no share of most shards. A waiting consumer
+says why at most every 30 s.
 
 Extraction is over when every planned shard is committed, or when nothing is left that anyone
 will do: no live lease in the run and every uncommitted shard given up by a worker that used up
@@ -30,6 +34,7 @@ lands, and a window run's extraction would wait on a trainer that has left.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +55,7 @@ LOG_EVERY_S = 30.0
 FIRST_DELAY_S = 0.5
 FEED_MARGIN_S = 10.0  # a look lists feed keys from the previous look's time less this: clock error, slow PUTs
 FULL_LOOK_S = 300.0  # the longest time between listings of all of commits/
+LOW_POLL_MAX_S = 4.0  # the longest look-ahead wait of a consumer low on work while looks find nothing
 OVER_CHECK_AFTER = 3  # empty looks in a row (0.5 + 1 + 2 s) before a wait asks whether extraction is over
 
 
@@ -147,10 +153,12 @@ class CommitWatcher:
         self._backoff = _looks(poll_s)  # wait()'s
         # poll_if_due()'s, unless low: its "sleep" only grows the delay, a look ahead never sleeps
         self._ahead = Backoff(FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s), sleep=lambda _: None)
+        # poll_if_due(low=True)'s: 0.5 s, doubling on each look that finds nothing, back when one does
+        self._low = Backoff(FIRST_DELAY_S, max(FIRST_DELAY_S, min(poll_s, LOW_POLL_MAX_S)), sleep=lambda _: None)
         self._listed = False
         self._feed_from = 0.0  # the store's time from which the next look lists the feed
         self._feed_seen = False  # the run's workers write feed keys (those of old versions did not)
-        self._full_at = 0.0  # when commits/ was last listed (our monotonic clock)
+        self._full_at = 0.0  # when commits/ was last listed (our monotonic clock), less this consumer's phase
         self._full_due = False  # list commits/ at the next look: the feed may have missed one
         self._last_look = 0.0
         self._logged = 0.0
@@ -160,7 +168,7 @@ class CommitWatcher:
     def poll(self) -> list[CommitRecord | FeedCommit]:
         """One look: the commits not returned before, in shard order. It lists the feed, and
         `commits/` too at the first look, every FULL_LOOK_S, when `_missed_commits` found one the
-        feed missed, and at every look until the feed has shown a key (a run extracted before the
+        feed missed, and at every look while the run shows no feed key (one extracted before the
         feed existed has none)."""
         self._last_look = now = time.monotonic()
         if not self._listed:
@@ -174,8 +182,9 @@ class CommitWatcher:
             raise replaced_manifest_error(self.store.uri, foreign)
         new = sorted({r.shard: r for r in records if r.shard not in self.known}.values(), key=lambda r: r.shard)
         self.known.update((r.shard, r) for r in new)
-        if new:  # extraction moved: a stall seen before is over
+        if new:  # extraction moved: a stall seen before is over, and a consumer low on work looks promptly
             self._stalled_looks = 0
+            self._low.reset()
         if len(self.known) >= len(self.manifest.shards):
             self.complete = True
         return new
@@ -192,7 +201,18 @@ class CommitWatcher:
                     if (s := layout.shard_of(o.key, layout.COMMITS)) is not None and o.key == layout.commit_key(s)
                     and s not in self.known]
             records = [r for r in _get_commits(self.store, keys) if r is not None]
-        self._listed, self._full_due, self._full_at = True, False, time.monotonic()
+        if first:
+            # Whether the run has a feed at all: its recent keys (the next look's) may be none, in a
+            # quiet spell, and a run with a feed must not be taken for one without (listed whole at
+            # every look). One page: any key will do.
+            self._feed_seen = next(iter(self.store.list(layout.FEED)), None) is not None
+            # The next full listing after a random 1/4 to all of FULL_LOOK_S, then every FULL_LOOK_S:
+            # the consumers of a trainer start together, and would otherwise all list commits/ (a
+            # page per 1,000 shards each) within a second of each other every FULL_LOOK_S.
+            self._full_at = time.monotonic() - random.uniform(0.0, 0.75) * FULL_LOOK_S
+        else:
+            self._full_at = time.monotonic()
+        self._listed, self._full_due = True, False
         self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
         return records
 
@@ -237,12 +257,16 @@ class CommitWatcher:
         """A look ahead by a consumer with data to work on: `poll()` when due, else nothing. With
         plenty in hand it is due ever more rarely (0.5 s doubling up to `poll_s`, even when looks
         find commits: they land all the time in a large extraction); with its known work `low`,
-        at most every 0.5 s."""
-        if self.complete or time.monotonic() - self._last_look < (FIRST_DELAY_S if low else self._ahead.delay):
+        every 0.5 s while looks find commits, doubling up to LOW_POLL_MAX_S while they find none
+        (a caught-up consumer in a quiet spell; once its work runs out, `wait()` takes over)."""
+        if self.complete or time.monotonic() - self._last_look < (self._low.delay if low else self._ahead.delay):
             return []
         if not low:
             self._ahead.sleep()
-        return self.poll()
+        new = self.poll()
+        if low and not new:
+            self._low.sleep()
+        return new
 
     def wait(self) -> list[CommitRecord | FeedCommit]:
         """New commits, blocking (with backoff) until some appear or extraction is over. Looks
