@@ -185,12 +185,19 @@ def format_status(s: dict, deleting: bool | None = None) -> str:
                      "command goes on")
     elif not s["shards_running"] and not s["problem"]:
         lines.append(f"  nothing is running: {_rerun(s)} finishes the failed and pending shards")
-    for f in s["failed"]:
-        where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
-        lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {where}): {f['error']}")
-    for f in s.get("interrupted", []):
-        where = f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
-        lines.append(f"  INTERRUPTED shard {f['shard']} (stopped on {where}): {f['error']}; a rerun finishes it")
+    if len(s["failed"]) < s["shards_failed"]:
+        lines += _failure_groups(f"FAILED {s['shards_failed']:,} shards: {s['failed_ranges']}", s["failed"])
+    else:
+        for f in s["failed"]:
+            lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {_where(f)}): {f['error']}")
+    interrupted = s.get("interrupted", [])
+    if len(interrupted) < s.get("shards_interrupted", 0):
+        lines += _failure_groups(f"INTERRUPTED {s['shards_interrupted']:,} shards: {s['interrupted_ranges']} "
+                                 "(a rerun finishes them)", interrupted)
+    else:
+        for f in interrupted:
+            lines.append(f"  INTERRUPTED shard {f['shard']} (stopped on {_where(f)}): {f['error']}; "
+                         "a rerun finishes it")
     if "shards" in s:
         lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  object")
         for e in s["shards"]:
@@ -198,6 +205,26 @@ def format_status(s: dict, deleting: bool | None = None) -> str:
                        else f"{'':>8} {'':>11} {'':>10}")
             lines.append(f"  {e['shard']:06d}  {e['state']:<8} {numbers}  {e['object'] or ''}".rstrip())
     return "\n".join(lines)
+
+
+def _where(f: dict) -> str:
+    return f"host {f.get('host')} rank {f.get('rank')}" + (f" job {f['job_id']}" if f.get("job_id") else "")
+
+
+def _failure_groups(head: str, details: list[dict]) -> list[str]:
+    """More shards than `status` read records of (tens of thousands after a store outage): the
+    count and ids, then the records read (the newest) grouped by their error's first line, so the
+    report stays a screen; `--shards` still lists every shard."""
+    from layertap.manifests.status import shard_ranges
+
+    groups: dict[str, list[dict]] = {}
+    for f in sorted(details, key=lambda f: f.get("time") or 0, reverse=True):
+        groups.setdefault((f["error"].splitlines() or [""])[0][:200], []).append(f)
+    lines = [f"  {head}" + (f"; the newest {len(details)}, by error:" if details else "")]
+    for error, fs in sorted(groups.items(), key=lambda g: -len(g[1])):
+        lines.append(f"    {len(fs):>4}  {error}  (shards {shard_ranges(f['shard'] for f in fs)}; "
+                     f"newest on {_where(fs[0])})")
+    return lines
 
 
 def _consumption_lines(c: dict | None) -> list[str]:

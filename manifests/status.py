@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -21,6 +22,12 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 600.0  # the recent rate is measured over the commits of the last ten minutes
 SKIP_REASON_SHARDS = 200  # commit records `status` reads for the reasons samples were skipped
+# Failure records `status` reads and reports in detail, of the failed and of the interrupted shards
+# each: the newest, which say what goes wrong now. A store outage leaves tens of thousands of stopped
+# shards whose records repeat one or two errors; twenty show those (read in about two round trips
+# of 16 GETs at a time) and fit a screen, where one GET and one line per shard took minutes.
+FAILURE_DETAILS = 20
+SHARD_RANGES = 20  # runs of consecutive shard ids `shard_ranges` names before it counts the rest
 CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked
 GONE = "gone"  # ... and of a shard whose commit went since the scan (another verify withdrew it)
 
@@ -36,20 +43,24 @@ def _imported_from(manifest: Manifest) -> dict[str, Any] | None:
 
 def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: bool = False) -> dict[str, Any]:
     """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
-    the reason each failed shard failed; with `shards`, every shard's state and data object.
-    Read-only. Costs five listings (six with `shards`) plus a GET per failed shard (and per
-    commit whose tally marker is missing, or whose data object the listing leaves ambiguous, and
-    per shard with skipped samples, up to `SKIP_REASON_SHARDS`); a run trained while extracted
-    adds listings of `consumed/` and a GET per training rank."""
+    why shards failed; with `shards`, every shard's state and data object (and a failed one's error).
+    `failed` and `interrupted` hold the records of at most the `FAILURE_DETAILS` newest of each (in
+    shard order); `shards_failed` and `shards_interrupted` count them all, and `failed_ranges` and
+    `interrupted_ranges` name them (`shard_ranges`). Read-only. Costs five listings (six with
+    `shards`) plus a GET per failure record read: up to `FAILURE_DETAILS` twice, every failed
+    shard's with `shards` (and a GET per commit whose tally marker is missing, or whose data
+    object the listing leaves ambiguous, and per shard with skipped samples, up to
+    `SKIP_REASON_SHARDS`); a run trained while extracted adds listings of `consumed/` and a GET
+    per training rank."""
     manifest = manifest or load_manifest(store)
     st = scan(store, manifest, with_data=shards)
     counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
-    failed_ids = []
+    with_failures = []
     for plan in manifest.shards:
         state = st.state(plan.id)
         counts[state] += 1
         if state == "failed":
-            failed_ids.append(plan.id)
+            with_failures.append(plan.id)
     tallies = _tallies(store, st)
     samples = sum(t["records"] for t in tallies.values())
     tokens = sum(t["tokens"] for t in tallies.values())
@@ -64,17 +75,15 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     end = st.now if counts["running"] or last is None else last
     rate = recent_rate(st.commit_times, {s: t["tokens"] for s, t in tallies.items()}, end)
     complete = counts["done"] == len(manifest.shards) and not st.stale_commits
-    summaries = [_failure_summary(store, st, s) for s in failed_ids]
     # A shard whose last attempt was stopped (preemption, Ctrl-C, a takeover, a store outage) did not
     # fail: it waits for a rerun.
-    failed = [f for f in summaries if not f["stopped"]]
-    interrupted = [f for f in summaries if f["stopped"]]
-    counts["failed"] -= len(interrupted)
+    failed_ids, stopped_ids, summaries = _failures(store, st, with_failures, read_all=shards)
+    counts["failed"] = len(failed_ids)
     marks = marker_times(store)
     # a consumed shard's marker is written before its data is deleted: its bytes are no longer at rest
     deleted = sum(t["bytes"] for s, t in tallies.items() if s in marks)
     consumption = _consumption(store, st, tallies, marks)
-    listed = {"shards": _shard_list(store, st, tallies, summaries, set(marks))} if shards else {}
+    listed = {"shards": _shard_list(store, st, tallies, summaries, set(stopped_ids), set(marks))} if shards else {}
     return {
         "prefix": store.uri,
         "run_id": manifest.run_id,
@@ -86,7 +95,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "shards_done": counts["done"],
         "shards_running": counts["running"],
         "shards_failed": counts["failed"],
-        "shards_interrupted": len(interrupted),
+        "shards_interrupted": len(stopped_ids),
         "shards_pending": counts["pending"],
         "samples_total": manifest.num_samples,
         "samples_done": samples,
@@ -108,8 +117,10 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         # from an old rate, or for work nobody is doing, would promise what will not happen.
         "eta_s": round(remaining / rate) if rate and remaining and counts["running"] else None,
         "complete": complete,
-        "failed": failed,
-        "interrupted": interrupted,
+        "failed": _newest_details(st, failed_ids, summaries),
+        "interrupted": _newest_details(st, stopped_ids, summaries),
+        "failed_ranges": shard_ranges(failed_ids),  # every failed shard, as "3-17, 40"
+        "interrupted_ranges": shard_ranges(stopped_ids),
         "stale_commits": st.stale_commits,
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
         "consumption": consumption,
@@ -162,12 +173,11 @@ def burst_rate(times: dict[int, float], values: dict[int, int], window_s: float 
 
 
 def _shard_list(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, int]],
-                failed: list[dict[str, Any]], consumed: set[int]) -> list[dict[str, Any]]:
+                failures: dict[int, dict[str, Any]], stopped: set[int], consumed: set[int]) -> list[dict[str, Any]]:
     """Every shard: its state and, when committed, its data object and numbers. The object is the
     listing's only one for the shard, or (crashed attempts left others) the one its commit names;
     a consumed shard's data is deleted (state "consumed")."""
-    errors = {f["shard"]: f["error"] for f in failed}
-    stopped = {f["shard"] for f in failed if f["stopped"]}
+    errors = {s: f["error"] for s, f in failures.items()}
     out = []
     for plan in st.manifest.shards:
         state = "stopped" if plan.id in stopped and st.state(plan.id) == "failed" else st.state(plan.id)
@@ -257,6 +267,49 @@ def _tallies(store: ObjectStore, st: RunState) -> dict[int, dict[str, int]]:
         with ThreadPoolExecutor(min(16, len(missing))) as pool:
             tallies.update({s: t for s, t in pool.map(read, missing) if t is not None})
     return tallies
+
+
+def _failures(store: ObjectStore, st: RunState, shards: list[int],
+              read_all: bool) -> tuple[list[int], list[int], dict[int, dict[str, Any]]]:
+    """The failed and the interrupted of `shards` (each with failure records and no commit), and
+    the failure records read, by shard. The last record's key says which (`.stop.json`), so both
+    counts are exact without a GET; only the `FAILURE_DETAILS` newest records of each kind are read
+    (every one with `read_all`), in parallel. A record of a layertap before stop keys (e1fae43)
+    says it was preempted only inside: such a shard counts interrupted where its record is read."""
+    stopped = [s for s in shards if st.failures[s][-1].endswith(layout.STOPPED)]
+    failed = [s for s in shards if not st.failures[s][-1].endswith(layout.STOPPED)]
+    read = shards if read_all else _newest(st, failed) + _newest(st, stopped)
+    summaries: dict[int, dict[str, Any]] = {}
+    if read:
+        with ThreadPoolExecutor(min(16, len(read))) as pool:
+            summaries = {f["shard"]: f for f in pool.map(lambda s: _failure_summary(store, st, s), read)}
+    preempted = {s for s in failed if s in summaries and summaries[s]["stopped"]}
+    return [s for s in failed if s not in preempted], sorted([*stopped, *preempted]), summaries
+
+
+def _newest(st: RunState, shards: list[int], n: int = FAILURE_DETAILS) -> list[int]:
+    """The `n` of `shards` whose last failure record is newest (its key starts with its time)."""
+    return sorted(shards, key=lambda s: (layout.record_millis(st.failures[s][-1]), s), reverse=True)[:n]
+
+
+def _newest_details(st: RunState, shards: list[int], summaries: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records read of the `FAILURE_DETAILS` newest of `shards`, in shard order."""
+    chosen = set(_newest(st, [s for s in shards if s in summaries]))
+    return [summaries[s] for s in shards if s in chosen]
+
+
+def shard_ranges(shards: Iterable[int], limit: int = SHARD_RANGES) -> str:
+    """Shard ids as runs of consecutive ones ("3-17, 40"): the first `limit` runs, then how many
+    shards the rest hold, so that a report of tens of thousands of shards stays a line."""
+    runs: list[list[int]] = []
+    for s in sorted(shards):
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    rest = sum(b - a + 1 for a, b in runs[limit:])
+    return text + (f" and {rest:,} more" if rest else "")
 
 
 def _failure_summary(store: ObjectStore, st: RunState, shard: int) -> dict[str, Any]:
