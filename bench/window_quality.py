@@ -128,8 +128,10 @@ def run_facts(run: Path) -> dict:
 def train_facts(out: Path) -> dict:
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     latest = json.loads((out / "checkpoints" / "latest.json").read_text())
-    state_path = out / latest["prefix"] / "state.json"
-    loader = json.loads(state_path.read_text())["loader"]
+    state = json.loads((out / latest["prefix"] / "state.json").read_text())
+    # each rank's position in a file of its own (in state.json before)
+    loader = state.get("loader") or [json.loads(p.read_text())
+                                     for p in sorted((out / latest["prefix"] / "loader").glob("rank-*.json"))]
     data = [m for m in metrics if m["loss"] is not None]  # a step of padding alone has no loss (null)
     last = data[-4:]
     return {

@@ -699,6 +699,42 @@ def test_resume_at_an_epoch_end_takes_shards_committed_since_and_mid_epoch_says_
     assert "train from the start on all of them (another --out" in err
 
 
+def test_a_checkpoint_keeps_each_ranks_loader_position_apart_and_one_written_before_resumes(run, target, tmp_path,
+                                                                                           capsys):
+    """Gathered to rank 0 and kept in state.json, the positions (in the follow epoch every shard
+    each consumer took) made every rank receive all of them: ~1.5 GB at 1,000 ranks and 36,000
+    shards. Each rank writes its own now; a checkpoint of the earlier layout still resumes, and one
+    missing a rank's position is refused, naming it."""
+    import shutil
+
+    whole, older = tmp_path / "whole", tmp_path / "older"
+    args = ("--data", run, "--model", target, "--steps", "8", "--save-every", "4", *FAST)
+    assert train_cli(*args, "--out", str(whole)) == 0
+    step4 = whole / "checkpoints" / "step-00000004"
+    state = json.loads((step4 / "state.json").read_text())
+    assert "loader" not in state and sorted(p.name for p in (step4 / "loader").iterdir()) == ["rank-00000.json"]
+    position = json.loads((step4 / "loader" / "rank-00000.json").read_text())
+    assert position["rank"] == 0 and position["epoch"] == 0
+
+    # The same output as an earlier version left it at step 4: the position inside state.json.
+    shutil.copytree(whole, older)
+    shutil.rmtree(older / "checkpoints" / "step-00000008")
+    shutil.rmtree(older / "drafter")
+    (older / "checkpoints" / "step-00000004" / "loader" / "rank-00000.json").unlink()
+    (older / "checkpoints" / "step-00000004" / "state.json").write_text(json.dumps({**state, "loader": [position]}))
+    (older / "checkpoints" / "latest.json").write_text(json.dumps({"step": 4, "prefix": "checkpoints/step-00000004"}))
+    assert train_cli(*args, "--out", str(older), "--resume") == 0
+    a, b = metrics(str(whole)), metrics(str(older))
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in b[4:]] == pytest.approx([r["loss"] for r in a[4:]], rel=1e-5)
+
+    (whole / "checkpoints" / "step-00000008" / "loader" / "rank-00000.json").unlink()
+    capsys.readouterr()
+    assert train_cli(*args, "--out", str(whole), "--steps", "12", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "lacks rank 0's loader position" in err and "step-00000008/loader/rank-00000.json" in err
+
+
 def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     out = str(tmp_path / "out")
     # no --model: the target folder the run's manifest records
@@ -793,8 +829,12 @@ def test_two_ranks_train_together_over_gloo(run, target, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    state = json.loads(open_store(out).get("checkpoints/step-00000012/state.json"))
-    assert state["world_size"] == 2 and [s["rank"] for s in state["loader"]] == [0, 1]
+    store = open_store(out)
+    state = json.loads(store.get("checkpoints/step-00000012/state.json"))
+    # each rank's position in a file of its own, written by that rank; state.json holds none
+    assert state["world_size"] == 2 and "loader" not in state
+    positions = [json.loads(store.get(f"checkpoints/step-00000012/loader/rank-0000{r}.json")) for r in (0, 1)]
+    assert [s["rank"] for s in positions] == [0, 1]
     m = metrics(out)
     assert len(m) == 12
     # 40 samples, 2 ranks x batch 4: each step sums the tokens of 8 samples from both ranks.

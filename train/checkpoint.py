@@ -1,11 +1,14 @@
 """Training checkpoints and the exported drafter, on any store (S3 prefix or local folder).
 
-A checkpoint is three objects under ``checkpoints/step-NNNNNNNN/``: ``drafter.safetensors``
+A checkpoint is the objects under ``checkpoints/step-NNNNNNNN/``: ``drafter.safetensors``
 (the trainable weights; the target's borrowed embeddings are not copied), ``optimizer.safetensors``
-(AdamW's moments and step per weight, plus the torch RNG state) and ``state.json`` (step, the
-drafter and training config, every rank's loader position). It counts only once
-``checkpoints/latest.json`` names it, and that pointer is written last, so a run killed while
-saving resumes from the previous checkpoint. No pickle: safetensors and JSON only.
+(AdamW's moments and step per weight, plus the torch RNG state), ``state.json`` (step, the
+drafter and training config) and ``loader/rank-RRRRR.json``, each rank's loader position, written
+by that rank: in the follow epoch a position lists every shard each of its consumers took (~1.5 MB
+a rank at 36,000 shards), which gathered to rank 0 made every rank's GPU receive, and state.json
+hold, all of them (~1.5 GB at 1,000 ranks). It counts only once ``checkpoints/latest.json`` names
+it, and that pointer is written last, so a run killed while saving resumes from the previous
+checkpoint. No pickle: safetensors and JSON only.
 
 The safetensors files are streamed into the store's writer one tensor at a time
 (`write_safetensors`), not built in memory first: at a 27B target's shapes a checkpoint holds
@@ -41,6 +44,33 @@ EXPORT_WEIGHTS, EXPORT_CONFIG = "drafter/model.safetensors", "drafter/config.jso
 
 def step_prefix(step: int) -> str:
     return f"checkpoints/step-{step:08d}"
+
+
+def loader_key(step: int, rank: int) -> str:
+    return f"{step_prefix(step)}/loader/rank-{rank:05d}.json"
+
+
+def save_loader_state(store: ObjectStore, step: int, rank: int, state: Mapping[str, Any]) -> None:
+    """Rank `rank`'s loader position in the checkpoint of `step`, by that rank (compact JSON:
+    its lists of shard ids are most of it). The checkpoint's state.json comes after every rank's."""
+    store.put(loader_key(step, rank), json.dumps(state, separators=(",", ":")).encode())
+
+
+def load_loader_state(store: ObjectStore, ckpt: Checkpoint, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s loader position in `ckpt`: its own file, or, in a checkpoint written before
+    those, its entry in state.json's `loader` list."""
+    if "loader" in ckpt.state:
+        return ckpt.state["loader"][rank]
+    key = loader_key(ckpt.step, rank)
+    try:
+        return json.loads(store.get(key))
+    except ObjectNotFound:
+        raise InputError(f"checkpoint {store.uri}/{step_prefix(ckpt.step)} lacks rank {rank}'s loader position "
+                         f"({key}): the checkpoint is incomplete; delete {store.uri}/{LATEST} to resume from "
+                         "scratch") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise InputError(f"{store.uri}/{key} is corrupt ({e}); delete {store.uri}/{LATEST} to resume from "
+                         "scratch") from None
 
 
 @dataclass

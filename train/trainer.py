@@ -38,8 +38,8 @@ from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
 from layertap.train.batch import collate
-from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest, restore, save_checkpoint,
-                                       withdraw_export)
+from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest, load_loader_state, restore,
+                                       save_checkpoint, save_loader_state, step_prefix, withdraw_export)
 from layertap.train.config import RESUME_DEFAULTS, TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
 from layertap.train.follow import wait_for_manifest
@@ -320,7 +320,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     start = 0
     if ckpt is not None:
         start = ckpt.step
-        total = _resume_loader(cfg, loader, ckpt.state["loader"][rank], start, total, steps_per_epoch)
+        total = _resume_loader(cfg, loader, load_loader_state(out, ckpt, rank), start, total, steps_per_epoch)
         restore(ckpt, model, optimizer)
         if rank == 0:
             lines = _metrics_until(out, start)
@@ -428,19 +428,6 @@ def _from_rank_0(acc: Any, value: Any) -> Any:
     buf = buf.to(acc.device)
     dist.broadcast(buf, src=0)
     return json.loads(bytes(buf.cpu().numpy()))
-
-
-def _gathered(acc: Any, value: Any) -> list[Any]:
-    """Every rank's JSON-ready `value`, in rank order, sent as JSON bytes (accelerate's
-    `gather_object` pickles)."""
-    if acc.num_processes == 1:
-        return [value]
-    data = json.dumps(value).encode()
-    sizes = acc.gather(torch.tensor([len(data)], dtype=torch.int64, device=acc.device)).tolist()
-    buf = torch.zeros(max(sizes), dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = acc.gather(buf.to(acc.device)).view(len(sizes), -1).cpu()
-    return [json.loads(bytes(rows[i, :n].numpy())) for i, n in enumerate(sizes)]
 
 
 @dataclass
@@ -710,19 +697,32 @@ def _save(run: _Run, step: int) -> None:
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
     # Beside each rank's weight sum, whether rank 0 lost its lease on --out: every rank stops then.
+    # And whether each rank wrote its loader position (what it trained on, not what it prefetched) into
+    # the checkpoint: a rank that could not must not leave the others waiting in a collective. The
+    # checkpoint counts once state.json and latest.json follow, after every rank's position landed.
     lost = float(run.lease is not None and not run.lease.holds())
-    total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values()), lost],
-                         dtype=torch.float64, device=acc.device)
-    rows = acc.gather(total).view(-1, 2).cpu().tolist()
-    if any(taken for _, taken in rows):
+    try:
+        save_loader_state(run.out, step, acc.process_index, run.batches.state_dict())
+        failed = None
+    except Exception as e:
+        failed = e
+    total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values()), lost,
+                          float(failed is None)], dtype=torch.float64, device=acc.device)
+    rows = acc.gather(total).view(-1, 3).cpu().tolist()
+    if failed is not None:
+        raise failed
+    if any(taken for _, taken, _ in rows):
         raise taken_over(run.out)
-    sums = [weights for weights, _ in rows]
+    unwritten = [rank for rank, (_, _, wrote) in enumerate(rows) if not wrote]
+    if unwritten:
+        raise StoreError(f"rank(s) {unwritten[:10]} could not write their loader position into the checkpoint at "
+                         f"step {step} ({run.out.uri}/{step_prefix(step)}; their logs say why): not saving it")
+    sums = [weights for weights, _, _ in rows]
     if len(set(sums)) > 1:
         raise RuntimeError(f"drafter replicas differ across ranks at step {step} (weight sums {sums}); "
                            "not saving a checkpoint from diverged ranks")
-    states = _gathered(acc, run.batches.state_dict())  # what this rank trained on, not what it prefetched
     if acc.is_main_process:
-        state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader": states}
+        state = {"config": run.cfg.identity(), "world_size": acc.num_processes}
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
         # metrics up to its step, so they must never lag behind it
         run.out.put(METRICS, ("\n".join(run.metrics.lines) + "\n").encode())
