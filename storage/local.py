@@ -104,7 +104,7 @@ class LocalStore(ObjectStore):
     def folders(self, limit: int = 1000) -> list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))[:limit]
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError, PermissionError):  # no folder to hold any: a write says why
             return []
 
     def get(self, key: str) -> bytes:
