@@ -14,13 +14,17 @@
     failures/{shard:06d}/{ms:013d}-{token}-{attempt}.json
                                            one record per failed attempt; `.stop.json` for an
                                            attempt stopped from outside (a signal, a takeover),
-                                           which no retry limit counts
+                                           which no retry limit counts; `.store.stop.json` for one
+                                           the store failed past its retries: a stop to every reader,
+                                           which only a bound of its own counts (`work.STORE_FAILURES`)
     failures/{shard:06d}/{ms:013d}-{token}.withdrawn.json
                                            `layertap verify` withdrew the shard's commit (why, in
                                            the record): no attempt's, so no retry limit counts it
     given_up/{shard:06d}/{ms:013d}-{token} a worker gave the shard up (its --retries used up): the
                                            verdict a follow-mode trainer waits for before it ends
                                            its epoch without the shard
+    sweeps/{digest}/{gen:06d}[.done]       the end-of-run sweep of what killed attempts left, claimed by one
+                                           worker per state of the commits (`work.WorkQueue._sweep`)
     consumed/ranks/{rank:05d}.json         a training rank's watermark: shards it read for the last time
     consumed/shards/{shard:06d}            empty marker: the shard was consumed, its data deleted
     consumed/window.json                   the --window extraction runs with (the trainer's stall check)
@@ -38,6 +42,7 @@ import re
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 GIVEN_UP = "given_up/"
+SWEEPS = "sweeps/"  # claims of the end-of-run sweep (`work.WorkQueue._sweep`), not the run's data
 FEED = "feed/"  # one empty key per commit, named by its time and counts: what follow mode lists for new commits
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
@@ -140,6 +145,7 @@ def failure_prefix(shard: int) -> str:
 
 STOPPED = ".stop.json"
 WITHDRAWN = ".withdrawn.json"
+STORE_STOPPED = ".store" + STOPPED  # a stop by the store failing past its retries (`work.Claim.fail`)
 
 
 def given_up_key(shard: int, millis: int, token: str) -> str:
@@ -154,9 +160,12 @@ def record_millis(key: str) -> int:
         return 0
 
 
-def failure_key(shard: int, millis: int, token: str, attempt: int = 0, stopped: bool = False) -> str:
-    """The attempt (its lease generation) keeps two failures of one worker in one millisecond apart."""
-    return f"{failure_prefix(shard)}{millis:013d}-{token}-{attempt}{STOPPED if stopped else '.json'}"
+def failure_key(shard: int, millis: int, token: str, attempt: int = 0, stopped: bool = False,
+                by_store: bool = False) -> str:
+    """The attempt (its lease generation) keeps two failures of one worker in one millisecond apart.
+    `by_store`: a stop by the store failing (`STORE_STOPPED`), which every reader takes for a stop."""
+    suffix = STORE_STOPPED if by_store else STOPPED if stopped else ".json"
+    return f"{failure_prefix(shard)}{millis:013d}-{token}-{attempt}{suffix}"
 
 
 def withdrawal_key(shard: int, millis: int, token: str) -> str:

@@ -18,6 +18,7 @@ attempt of the same worker can overwrite the bytes that a commit points at.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -25,14 +26,14 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict
 from typing import TypeVar
 
 from layertap.manifests import layout
 from layertap.manifests.liveness import gone_from_here
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
-from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, encode
+from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import Lease, RunState, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import Backoff
@@ -50,6 +51,21 @@ OUTAGE_S = 600.0
 # finishing behind (extract.worker's STOP_WAIT_S, 30 s) and its cleanup, so one that hangs on its
 # way out lets its shard go after this and a TTL, not never.
 STOP_GRACE_S = 60.0
+# Attempts of one shard that the store may fail (past its own retries: throttled, 5xx, down) in one
+# run, and for at least `OUTAGE_S`, before the shard is given up as one past --retries is
+# (`store_gave_out`). Not counted at --retries: a burst of throttling by 1,000 workers gave up
+# shards that were fine. Not unbounded either: a store failing one shard for good (MinIO's 507
+# XMinioStorageFull on a full disk, a key that always answers 500) had every worker retry it
+# forever, a failure record each time. 20 is ten times the default --retries' 2 tries, and each
+# such attempt lasts its request's ~11 s of retries (`storage.retry`) on top of the shard's work;
+# the span keeps a short shard that fails fast from being given up within an outage that workers
+# ride out. Never fewer than --retries allows (`WorkQueue.store_failures`).
+STORE_FAILURES = 20
+# An end-of-run sweep claimed but not marked done this long after is taken for one whose worker was
+# killed (or whose store failed), and another worker sweeps again. A sweep lists about a minute at
+# 150,000 shards; one taken over too early only costs a second sweep: sweeps are idempotent.
+SWEEP_TTL_S = 600.0
+SWEPT = ".done"  # beside a sweep's claim: that sweep ran to its end (`WorkQueue._sweep`)
 T = TypeVar("T")
 
 
@@ -183,14 +199,17 @@ class Claim:
         )
         # Stopped from outside (a signal, or a takeover whose lease this attempt lost): no fault of the shard's.
         # A store failing past its retries (throttled, down) is not either: 1,000 workers' bursts gave
-        # shards up after `--retries` such failures. The record still says what happened.
-        stopped = preempted or self.lost.is_set() or isinstance(error, TransientStoreError)
+        # shards up after `--retries` such failures. Such a stop is named apart, and counted against a
+        # bound of its own (`STORE_FAILURES`) that a store failing for good reaches. The record still
+        # says what happened.
+        outside = preempted or self.lost.is_set()
+        by_store = not outside and isinstance(error, TransientStoreError)
         try:
             # Named by the store's clock, as given-up verdicts are (`WorkQueue._give_up`):
             # a worker whose clock ran 5 s ahead named a failure newer than the verdict given 28 ms later,
             # and a follow trainer waited for a retry that no worker would make.
             key = layout.failure_key(self.shard, int(self.queue.store.now() * 1000), self.queue.producer.token,
-                                     self.generation, stopped=stopped)
+                                     self.generation, stopped=outside, by_store=by_store)
             self.queue.store.put(key, encode(record))
         except StoreError as e:
             log.error("shard %d: could not write the failure record: %s", self.shard, e)
@@ -267,7 +286,8 @@ class WorkQueue:
     Slurm array task's range) is worked through the same leases. A worker that finds no free
     shard while others hold leases on unfinished ones waits for those to finish or go stale
     rather than exit with work undone. A shard that failed `retries + 1` times since this queue
-    started is left failed (its failure records say why) so a bad input cannot loop forever.
+    started is left failed (its failure records say why) so a bad input cannot loop forever; so is
+    one whose attempts the store failed more than `STORE_FAILURES` times (or `retries`, if more).
 
     `before_claim`, if given, is called right before each claim and may block (the storage
     window, `consumption.WindowGate`); it returns whether it waited, and if it did, the shard is
@@ -292,6 +312,7 @@ class WorkQueue:
             raise ConfigError(f"shards {bad[:5]} are not in the run (it has {len(manifest.shards)})")
         self.candidates = list(ids)
         self.retries, self.world_size = retries, max(1, world_size)
+        self.store_failures = max(STORE_FAILURES, retries)  # attempts the store may fail (`Claim.fail`)
         self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)
         self.max_poll_s = 4 * self.poll_s  # ttl_s / 2 by default: see `_claims`
         # `--retries` counts the failures since this queue started: those listed now are not its. By
@@ -318,21 +339,37 @@ class WorkQueue:
                 log.warning("could not release the lease %s: %s", key, e)
             self._leases_written.discard(key)
 
-    def _give_up(self, shard: int, st: RunState) -> None:
+    def _give_up(self, shard: int, st: RunState, failed_by_store: Sequence[str] = ()) -> None:
         """Leave the shard, and say so on the store (once): a follow-mode trainer ends its epoch
         without a shard only on this verdict, not on a failure that a retry may still mend, so
         one named before the failures it is based on (`st`'s) would never count. Named by the
         store's clock, and never before those failures' times: workers' clocks (and their
-        estimates of the store's, to a second on S3) differ."""
+        estimates of the store's, to a second on S3) differ. `failed_by_store`: the failure keys
+        of the attempts the store failed (`store_gave_out`), which the log and the verdict count,
+        with the last one's error."""
         if shard in self.given_up:
             return
         self.given_up.add(shard)
+        verdict = {"producer": asdict(self.producer), "retries": self.retries}
+        if failed_by_store:
+            verdict.update(store_failures=len(failed_by_store), error=self._error_of(failed_by_store[-1]))
+            log.error("shard %d: giving it up: the store failed %d of its attempts in this run, the last with %s. "
+                      "No fault of the shard's: once the store is healthy again, the same command finishes it",
+                      shard, verdict["store_failures"], verdict["error"])
         try:
             millis = max(int(self.store.now() * 1000), st.last_failure_ms(shard))
             key = layout.given_up_key(shard, millis, self.producer.token)
-            self.store.put(key, json.dumps({"producer": asdict(self.producer), "retries": self.retries}).encode())
+            self.store.put(key, json.dumps(verdict).encode())
         except StoreError as e:  # the trainer then waits on the shard until someone finishes it
             log.error("shard %d: could not record that it was given up: %s", shard, e)
+
+    def _error_of(self, key: str) -> str:
+        """The error a failure record says (one GET), as `status` shows it."""
+        try:
+            f = decode_failure(self.store.get(key), key)
+            return f"{f.error_type}: {f.error}"
+        except (StoreError, ManifestError) as e:
+            return f"(its record {key} is unreadable: {e})"
 
     def lease_payload(self, generation: int, data_key: str) -> bytes:
         return json.dumps({"holder": asdict(self.producer), "generation": generation, "data_key": data_key,
@@ -428,6 +465,9 @@ class WorkQueue:
                 if fresh.attempt_failures(s, self.failures_before) > self.retries:
                     self._give_up(s, fresh)
                     continue
+                if store_gave_out(failed := failed_by_store(fresh, s, self.failures_before), self.store_failures):
+                    self._give_up(s, fresh, failed)
+                    continue
                 if self.before_claim and self.before_claim():
                     fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))  # others went on
                     if s in fresh.committed:
@@ -489,13 +529,47 @@ class WorkQueue:
         return freed
 
     def _sweep(self, st: RunState) -> None:
-        """Once this queue's shards are all committed, remove what killed attempts left behind
-        that no later commit cleaned up: leases, uploads and data objects of committed shards (an
-        attempt SIGKILLed after its commit, before its own cleanup), and temp files of small
-        records on a local folder (a killed put) once older than the lease TTL: a live put takes
-        milliseconds. A committed shard's lease can only belong to an attempt that lost: a stale
-        one is removed; a live one's attempt is still finishing, and its upload is left to it."""
+        """Once this queue's shards are all committed, sweep what killed attempts left behind
+        (`_sweep_leftovers`), once per run rather than once per worker: a sweep lists all of
+        shards/ and the pending uploads, and 1,000 workers finishing together sent ~150,000 LISTs
+        at 150,000 shards. The first to finish claims the sweep, created if absent under a name of
+        the commits it sweeps (a shard redone, or another worker's `--shards`, makes another name);
+        the others skip it, at one LIST each. A sweep done is done again only when the scan shows
+        what a killed attempt leaves (a stale lease or a stray beat of a committed shard: one that
+        a sweep spared as still at work, then killed); an unfinished one (its worker killed, its
+        store failing) is taken over once its claim is `SWEEP_TTL_S` old."""
         mine = set(self.candidates) & st.committed
+        commits = "".join(f"{s}@{st.commit_times[s]:.3f}\n" for s in sorted(mine))
+        prefix = f"{layout.SWEEPS}{hashlib.sha256(commits.encode()).hexdigest()[:16]}/"
+        try:
+            listed = {o.key: o.modified for o in self.store.list(prefix)}
+            claims = sorted(k for k in listed if k[len(prefix):].isdigit())  # generations, as leases have
+            if claims:
+                done = claims[-1] + SWEPT in listed
+                if not done and st.now - listed[claims[-1]] < SWEEP_TTL_S:
+                    return  # another worker is sweeping
+                if done and not leftovers_seen(st, mine):
+                    return  # swept, and the scan shows nothing left since
+            claim = f"{prefix}{int(claims[-1][len(prefix):]) + 1 if claims else 1:06d}"
+            payload = json.dumps({"producer": asdict(self.producer), "nonce": uuid.uuid4().hex, "shards": len(mine)})
+            if not self.store.put_if_absent(claim, payload.encode()):
+                return  # another worker claimed it first
+        except StoreError as e:  # leftovers cost space, not correctness
+            log.warning("could not claim the sweep of what crashed attempts left behind: %s", e)
+            return
+        if self._sweep_leftovers(st, mine):
+            try:
+                self.store.put(claim + SWEPT, b"")
+            except StoreError as e:  # the claim goes stale: swept again after SWEEP_TTL_S
+                log.warning("could not record the sweep of what crashed attempts left behind: %s", e)
+
+    def _sweep_leftovers(self, st: RunState, mine: set[int]) -> bool:
+        """Remove what killed attempts left behind on the committed shards `mine` that no later
+        commit cleaned up: leases, uploads and data objects (an attempt SIGKILLed after its commit,
+        before its own cleanup), and temp files of small records on a local folder (a killed put)
+        once older than the lease TTL: a live put takes milliseconds. A committed shard's lease can
+        only belong to an attempt that lost: a stale one is removed; a live one's attempt is still
+        finishing, and its upload is left to it. Whether the store let it finish."""
         try:
             at_work: set[str] = set()  # data keys of attempts that lost but are still finishing
             for shard in sorted(mine & set(st.leases)):
@@ -523,8 +597,10 @@ class WorkQueue:
                     for key in keys:
                         if key != kept and key not in at_work:
                             self.store.delete(key)
+            return True
         except (StoreError, ManifestError) as e:  # leftovers cost space, not correctness
             log.warning("could not remove what crashed attempts left behind: %s", e)
+            return False
 
     def _raise_if_deleted(self) -> None:
         """Stop if the run was deleted (`layertap delete` removes manifest.json last): a worker
@@ -561,6 +637,26 @@ class WorkQueue:
             self.store.delete(key)
             self._leases_written.discard(key)
             raise
+
+
+def leftovers_seen(st: RunState, shards: set[int]) -> bool:
+    """Whether a scan shows, among `shards` (committed), what a killed attempt leaves: a stale
+    lease, or a beat of no lease. Seen in the scan a worker makes anyway: no request of its own."""
+    return any(st.stray_beats.get(s) for s in shards) or \
+        any(not lease.alive(st.now) for s in shards for lease in st.leases.get(s, []))
+
+
+def failed_by_store(st: RunState, shard: int, excluding: Collection[str]) -> list[str]:
+    """The failure keys, oldest first, of the shard's attempts that the store failed (`Claim.fail`),
+    except those in `excluding` (listed at a queue's start: not its run's), as
+    `RunState.attempt_failures` counts the others."""
+    return [k for k in st.failures.get(shard, []) if k.endswith(layout.STORE_STOPPED) and k not in excluding]
+
+
+def store_gave_out(failed: Sequence[str], bound: int) -> bool:
+    """Whether the store failed a shard's attempts (`failed_by_store`) more than `bound` times,
+    over at least `OUTAGE_S` by their keys' times (the store's clock): a store failing it for good."""
+    return len(failed) > bound and layout.record_millis(failed[-1]) - layout.record_millis(failed[0]) >= 1000 * OUTAGE_S
 
 
 def read_lease(store: ObjectStore, key: str) -> dict | None:

@@ -1,0 +1,247 @@
+"""The work queue where a run is large or its store unwell: a shard whose store keeps failing is
+given up after a bound, not retried by every worker forever; and the end of a run sweeps what
+killed attempts left once, not once per worker. On a local folder and on the moto S3 server over
+HTTP; requests are counted, never timed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+import fake_worker
+from faultproxy import FaultProxy
+from layertap.manifests import layout, work
+from layertap.manifests.manifest import Manifest
+from layertap.manifests.records import Producer
+from layertap.manifests.state import scan
+from layertap.manifests.work import STORE_FAILURES, Claim, WorkQueue
+from layertap.storage.format import ShardMeta
+from layertap.storage.store import ObjectStore, TransientStoreError, open_store
+from layertap.storage.writer import ShardWriter
+from layertap.train.follow import pending_work
+
+DISK_FULL = ("put of commits/000000.json failed: XMinioStorageFull: Storage backend has reached its minimum free "
+             "drive threshold. Please delete a few objects to proceed. (tried 8 times)")
+
+
+def _extract_and_commit(claim: Claim, manifest: Manifest) -> bool:
+    """The claim's shard written as `fake_worker` writes it, then committed."""
+    meta = ShardMeta(run_id=manifest.run_id, shard_id=claim.shard, model="synthetic", layers=fake_worker.LAYERS,
+                     hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+    with ShardWriter(claim.queue.store.open_writer(claim.data_key), meta) as w:
+        for i in range(claim.plan.start, claim.plan.end):
+            w.write_sample(fake_worker.make_sample(i))
+        info = w.close()
+    return claim.commit(info)
+
+
+def _fail_commits(claims: Iterator[Claim], manifest: Manifest, n: int) -> None:
+    """Take `n` claims of the queue, each commit failing with the store."""
+    for _ in range(n):
+        claim = next(claims, None)
+        assert claim is not None, "the queue ended"
+        with pytest.raises(TransientStoreError), claim:
+            _extract_and_commit(claim, manifest)
+
+
+def _assert_given_up_by_the_store(store: ObjectStore, manifest: Manifest, queue: WorkQueue, failed: int,
+                                  error: str) -> None:
+    assert queue.given_up == {0}
+    keys = scan(store, manifest).failures[0]
+    assert len(keys) == failed and all(k.endswith(layout.STORE_STOPPED) for k in keys)
+    (verdict,) = store.list(layout.GIVEN_UP)
+    record = json.loads(store.get(verdict.key))
+    assert record["store_failures"] == failed and error in record["error"], record
+    assert pending_work(store, manifest, set()).over  # a follow trainer ends its epoch without it
+
+
+def test_a_shard_whose_commit_the_store_always_fails_is_given_up_after_a_bound(store_uri, caplog, monkeypatch):
+    """A store failing one shard for good, in a way classed transient (MinIO's 507 when its disk
+    is full): its failures are stops, not counted at --retries, so every worker retried the shard
+    forever, a failure record each time. Past `STORE_FAILURES` of them in one run, over at least
+    `OUTAGE_S`, it is given up, saying why and how to go on; the same command, once the store is
+    healthy, finishes it."""
+    caplog.set_level(logging.ERROR, logger=work.__name__)
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store, samples=8, shard_bytes=100000)
+    assert len(manifest.shards) == 1
+    create = store.put_if_absent
+
+    def disk_full_for_the_commit(key: str, data: bytes) -> bool:
+        if key == layout.commit_key(0):
+            raise TransientStoreError(DISK_FULL)
+        return create(key, data)
+
+    store.put_if_absent = disk_full_for_the_commit
+    queue = WorkQueue(store, manifest, Producer.current(0), ttl_s=5, retries=0, poll_s=0.05)
+    claims = iter(queue)
+    _fail_commits(claims, manifest, STORE_FAILURES + 2)  # past the bound, within seconds: an outage yet
+    monkeypatch.setattr(work, "OUTAGE_S", 0.0)  # and now longer than workers ride one out
+    assert next(claims, None) is None, "the shard the store keeps failing is tried on and on"
+    _assert_given_up_by_the_store(store, manifest, queue, STORE_FAILURES + 2, "XMinioStorageFull")
+    (said,) = [r.getMessage() for r in caplog.records if "giving it up" in r.getMessage()]
+    assert "XMinioStorageFull" in said and "the same command finishes it" in said
+
+    store.put_if_absent = create  # the store is healthy again: a rerun tries the shard anew
+    rerun = WorkQueue(open_store(store_uri), manifest, Producer.current(1), ttl_s=5, retries=0, poll_s=0.05)
+    claims = iter(rerun)
+    with next(claims) as claim:
+        assert _extract_and_commit(claim, manifest)
+    assert list(claims) == [] and not rerun.given_up
+
+
+def test_a_commit_answered_500_on_every_try_is_given_up_after_a_bound(s3_endpoint, s3_bucket, monkeypatch):
+    """The same through boto3 and a real server: every PUT of the shard's commit record answered
+    500 InternalError (one try a request). The proxy counts the commits tried."""
+    monkeypatch.setattr(work, "OUTAGE_S", 0.0)  # the count alone decides
+    prefix = f"s3://{s3_bucket}/full"
+    manifest = fake_worker.plan(open_store(prefix), samples=8, shard_bytes=100000)
+    is_commit = lambda method, path: method == "PUT" and "/commits/000000.json" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("500",), match=is_commit) as proxy:
+        store = open_store(prefix, endpoint_url=proxy.url, max_attempts=1)
+        queue = WorkQueue(store, manifest, Producer.current(0), ttl_s=5, retries=0, poll_s=0.05)
+        claims = iter(queue)
+        _fail_commits(claims, manifest, STORE_FAILURES + 1)
+        assert next(claims, None) is None, "the shard the store keeps failing is tried on and on"
+        assert proxy.counts["500"] == STORE_FAILURES + 1
+    _assert_given_up_by_the_store(open_store(prefix), manifest, queue, STORE_FAILURES + 1, "InternalError")
+
+
+def test_stops_from_outside_are_never_counted_however_many(store_uri, monkeypatch):
+    """Preemptions and takeovers say nothing of the shard nor of the store: past the store's bound
+    of them, a transient store error among them, the shard is still claimed."""
+    monkeypatch.setattr(work, "OUTAGE_S", 0.0)  # the count alone would decide
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store, samples=8, shard_bytes=100000)
+    queue = WorkQueue(store, manifest, Producer.current(0), ttl_s=5, retries=0, poll_s=0.05)
+    claims = iter(queue)
+    for n in range(STORE_FAILURES + 2):
+        claim = next(claims)
+        if n % 2:  # taken over, then its commit met the store failing
+            with pytest.raises(TransientStoreError), claim:
+                claim.lost.set()
+                raise TransientStoreError("put of commits/000000.json failed: SlowDown (tried 8 times)")
+        else:  # preempted
+            with pytest.raises(KeyboardInterrupt), claim:
+                raise KeyboardInterrupt
+    keys = scan(store, manifest).failures[0]
+    assert len(keys) == STORE_FAILURES + 2
+    assert all(k.endswith(layout.STOPPED) and not k.endswith(layout.STORE_STOPPED) for k in keys)
+    claim = next(claims)
+    assert claim.shard == 0 and not queue.given_up
+    claim.release()
+
+
+class Sweeps:
+    """Counts the listings only a sweep makes (all of shards/, every pending upload) over stores
+    shared by `n` workers, and holds each worker at its look at the sweep's claims until all `n`
+    are there: workers finishing at the same moment, each having scanned the run before any swept."""
+
+    def __init__(self, n: int):
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._together = threading.Barrier(n, timeout=60)
+
+    def wrap(self, store: ObjectStore) -> ObjectStore:
+        listing, uploads = store.list, store.list_pending_uploads
+
+        def list_(prefix: str = "", *args, **kwargs):
+            if prefix == layout.SHARDS:
+                self._count("shards/")
+            if prefix.startswith(layout.SWEEPS) and not self._together.broken:
+                self._together.wait()
+            return listing(prefix, *args, **kwargs)
+
+        def pending(prefix: str = ""):
+            if not prefix:
+                self._count("uploads")
+            return uploads(prefix)
+
+        store.list, store.list_pending_uploads = list_, pending
+        return store
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
+
+def _plant_leftovers(store: ObjectStore) -> tuple[str, str]:
+    """What a killed attempt leaves on a committed shard: its lease (stale: a 1 ms ttl), and a
+    data object of its own."""
+    lease, orphan = layout.lease_key(1, 7, 0.001), layout.data_key(2, "0123456789abcdef")
+    store.put(orphan, b"x")
+    _plant_stale(store, lease)
+    return lease, orphan
+
+
+def _plant_stale(store: ObjectStore, lease: str) -> None:
+    store.put(lease, b"{}")
+    time.sleep(0.01)  # past its ttl by the next scan's clock, which starts before it lists the lease
+
+
+def _finish(store_uri: str, manifest: Manifest, sweeps: Sweeps, ranks: range) -> None:
+    """Workers that find every shard committed, side by side: each yields nothing and ends."""
+    stores = [open_store(store_uri) for _ in ranks]
+    for store in stores:
+        store._clock_offset = 0.0  # moto runs here: a lease of a 1 ms ttl is stale at once, as on a folder
+    queues = [WorkQueue(sweeps.wrap(store), manifest, Producer.current(r), world_size=len(ranks), poll_s=0.05)
+              for r, store in zip(ranks, stores)]
+    results: list[list[Claim]] = []
+    threads = [threading.Thread(target=lambda q=q: results.append(list(q))) for q in queues]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [[]] * len(ranks)
+
+
+def test_the_end_of_a_run_is_swept_once_not_once_per_worker(store_uri):
+    """Every worker swept once its candidates were all committed: at 1,000 workers and 150,000
+    shards, ~150,000 LISTs within seconds. Four workers finishing together sweep once, and still
+    remove what a killed attempt left; one finishing later does not sweep again, unless its scan
+    shows a new leftover."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store, samples=16)
+    assert len(manifest.shards) >= 3
+    fake_worker.work(store_uri, samples=16)  # commits every shard, and sweeps
+    lease, orphan = _plant_leftovers(store)
+
+    sweeps = Sweeps(4)
+    _finish(store_uri, manifest, sweeps, range(4))
+    assert sweeps.counts == {"shards/": 1, "uploads": 1}
+    assert not store.exists(lease) and not store.exists(orphan)
+
+    sweeps = Sweeps(1)
+    _finish(store_uri, manifest, sweeps, range(1))  # a worker finishing later: swept already
+    assert not sweeps.counts
+
+    _plant_stale(store, lease)  # an attempt killed since (one a sweep spared as still at work)
+    _finish(store_uri, manifest, sweeps, range(1))
+    assert sweeps.counts == {"shards/": 1, "uploads": 1} and not store.exists(lease)
+
+
+def test_a_sweep_left_unfinished_is_taken_over_once_its_claim_is_old(store_uri, monkeypatch):
+    """A worker killed while it swept leaves its claim and no mark of a sweep done: the others
+    skip the sweep while the claim is young, and one takes it over once it is `SWEEP_TTL_S` old."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store, samples=16)
+    fake_worker.work(store_uri, samples=16)  # commits every shard, and sweeps
+    (claim, done) = sorted(o.key for o in store.list(layout.SWEEPS))
+    assert done == claim + work.SWEPT
+    killed = claim[: -len("000001")] + "000002"  # the next sweep's claim, its worker killed
+    store.put(killed, b"{}")
+    _, orphan = _plant_leftovers(store)
+
+    sweeps = Sweeps(1)
+    _finish(store_uri, manifest, sweeps, range(1))
+    assert not sweeps.counts and store.exists(orphan)
+    monkeypatch.setattr(work, "SWEEP_TTL_S", 0.0)
+    _finish(store_uri, manifest, sweeps, range(1))
+    assert sweeps.counts == {"shards/": 1, "uploads": 1} and not store.exists(orphan)
+    assert store.exists(killed[: -len("000002")] + "000003" + work.SWEPT)
