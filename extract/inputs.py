@@ -28,7 +28,6 @@ import json
 import os
 import re
 import reprlib
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
@@ -117,6 +116,8 @@ def load_rows(path: str, limit: int | None = None):
     ``limit`` keeps the first ``limit`` rows, so a small run sees the same rows as the start of
     a big one.
     """
+    import datasets
+
     from layertap.extract.regenerated import is_regenerated, load_regenerated
 
     if limit is not None and limit <= 0:
@@ -135,7 +136,7 @@ def load_rows(path: str, limit: int | None = None):
         if _file_has_no_rows(path, ext):
             raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
         try:
-            ds = _load_file(path, ext)
+            ds = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train")
         except Exception as e:  # datasets wraps parse errors in its own, path-less, exceptions
             cause = e.__cause__ or e
             raise InputError(f"dataset {path!r} could not be read as {ext}: "
@@ -145,26 +146,6 @@ def load_rows(path: str, limit: int | None = None):
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     return ds
-
-
-def _load_file(path: str, ext: str):
-    """A .jsonl/.json/.parquet file as a ``datasets.Dataset`` that leaves nothing on local disk.
-
-    ``datasets`` converts the file to an Arrow copy under its cache (~/.cache/huggingface), one
-    per file and edit, on every node, never removed. Here the copy is made in a folder of its
-    own, removed at once: the dataset memory-maps the file, which stays readable while mapped
-    (a removed file lives until its last mapping goes), and its space is freed when the process
-    ends, however it ends. Wrapped as an in-memory table, the dataset has no cache files, so
-    its transforms (``select``, ``map``) keep their results in memory instead of writing them
-    beside a removed file.
-    """
-    import datasets
-    from datasets.table import InMemoryTable
-
-    with tempfile.TemporaryDirectory(prefix="layertap-rows-") as tmp:
-        built = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train", cache_dir=tmp)
-        return datasets.Dataset(InMemoryTable(built.data.table), info=built.info, split=built.split,
-                                fingerprint=built._fingerprint)
 
 
 def _file_has_no_rows(path: str, ext: str) -> bool:

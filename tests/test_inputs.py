@@ -442,3 +442,17 @@ def test_tokenizer_without_chat_template_is_an_error():
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         _one([{"conversations": CHAT}], tok)
+
+
+def test_a_dataset_file_reaches_the_planning_processes_by_reference(tmp_path):
+    """`measure` hands the rows to each of up to 32 spawned planning processes, pickled: rows read
+    from a file must travel as a reference to their memory-mapped Arrow file, not whole (a 3 GB
+    dataset copied into 32 processes is ~100 GB of RAM on rank 0's node)."""
+    import pickle
+
+    path = tmp_path / "chats.jsonl"
+    row = {"messages": [{"role": "user", "content": "x" * 2000}, {"role": "assistant", "content": "y" * 2000}]}
+    path.write_text("".join(json.dumps(row) + "\n" for _ in range(1000)))  # ~4 MB
+    rows = load_rows(str(path))
+    assert len(rows) == 1000 and rows[999]["messages"][1]["content"] == "y" * 2000
+    assert len(pickle.dumps(rows)) < 100_000

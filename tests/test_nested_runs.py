@@ -6,9 +6,6 @@ copy in the HF cache, and a worker's start reads the (compact) manifest once."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -167,62 +164,3 @@ def test_create_or_resume_takes_the_manifest_already_read(tmp_path):
     with pytest.raises(NoRun):
         create_or_resume(open_store(str(tmp_path / "none")), config=fake_worker.CONFIG, dataset=fake_worker.DATASET,
                          token_counts=None, bytes_per_token=1.0)
-
-
-# -- local input files leave no cache -----------------------------------------------------------
-
-LOAD = r"""
-import json, os, sys
-from layertap.extract.inputs import load_rows
-out = {}
-for path in sys.argv[1:]:
-    ds = load_rows(path)
-    left = [os.path.join(d, f) for d, _, fs in os.walk(os.environ["TMPDIR"]) for f in fs]
-    sub = ds.select([len(ds) - 1, 0]).map(lambda r: {"n": len(r["messages"])})  # transforms write nowhere
-    out[os.path.basename(path)] = {"rows": ds.to_list(), "n": list(sub["n"]), "tmp_left_while_loaded": left,
-                                   "cache_files": ds.cache_files}
-print(json.dumps(out))
-"""
-
-
-def test_local_input_files_leave_nothing_in_the_hf_cache(tmp_path):
-    """A .jsonl (nested lists, tool calls, columns some rows lack) and a .parquet file: the rows
-    come back whole, and neither the HF cache nor the temporary folder keeps a copy."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-            {"id": "b", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": [1, 2]}}}],
-             "messages": [{"role": "user", "content": "call f"},
-                          {"role": "assistant", "content": "",
-                           "tool_calls": [{"id": "c1", "type": "function",
-                                           "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
-                          {"role": "tool", "tool_call_id": "c1", "content": "2"},
-                          {"role": "assistant", "content": "it is 2"}]}]
-    jsonl = tmp_path / "in" / "chats.jsonl"
-    jsonl.parent.mkdir()
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    parquet = tmp_path / "in" / "chats.parquet"
-    pq.write_table(pa.Table.from_pylist([{"messages": rows[0]["messages"]}] * 3), parquet)
-
-    home = tmp_path / "home"
-    dirs = {"HOME": home, "HF_HOME": home / "hf", "HF_DATASETS_CACHE": home / "hf" / "datasets",
-            "XDG_CACHE_HOME": home / ".cache", "TMPDIR": tmp_path / "tmp"}
-    for d in dirs.values():
-        d.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               **{k: str(v) for k, v in dirs.items()})
-    done = subprocess.run([sys.executable, "-c", LOAD, str(jsonl), str(parquet)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-
-    b = got["chats.jsonl"]["rows"][1]
-    assert b["messages"][1]["tool_calls"][0]["function"]["arguments"] == "{\"x\": 1}"
-    assert b["tools"][0]["function"]["parameters"]["x"] == [1, 2] and got["chats.jsonl"]["rows"][0]["tools"] is None
-    assert got["chats.jsonl"]["n"] == [4, 2] and got["chats.parquet"]["n"] == [2, 2]
-    assert len(got["chats.parquet"]["rows"]) == 3
-    for name in ("chats.jsonl", "chats.parquet"):
-        assert got[name]["tmp_left_while_loaded"] == [] and got[name]["cache_files"] == []
-    left = sorted(str(p) for d in dirs.values() for p in d.rglob("*") if p.is_file())
-    assert left == []
