@@ -130,8 +130,8 @@ def train_facts(out: Path) -> dict:
     latest = json.loads((out / "checkpoints" / "latest.json").read_text())
     state = json.loads((out / latest["prefix"] / "state.json").read_text())
     # each rank's position in a file of its own (in state.json before)
-    loader = state.get("loader") or [json.loads(p.read_text())
-                                     for p in sorted((out / latest["prefix"] / "loader").glob("rank-*.json"))]
+    loader = state.get("loader") or [json.loads(p.read_text()) for p in
+                                     sorted((out / latest["prefix"] / state["loader_states"]).glob("rank-*.json"))]
     data = [m for m in metrics if m["loss"] is not None]  # a step of padding alone has no loss (null)
     last = data[-4:]
     return {

@@ -214,6 +214,8 @@ def test_a_trainer_taken_over_mid_run_stops_without_writing_again(tmp_path, caps
     taken = json.loads(latest.read_text())["step"]
     time.sleep(0.5)
     assert json.loads(latest.read_text())["step"] == taken < 100000 and not (out / "drafter").exists()
+    # nothing of a later checkpoint either: not even a rank's loader position
+    assert max(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == f"step-{taken:08d}"
     assert sorted(p.name for p in (out / "lease").iterdir()) == ["000009.ttl600"]
 
 

@@ -712,27 +712,32 @@ def test_a_checkpoint_keeps_each_ranks_loader_position_apart_and_one_written_bef
     assert train_cli(*args, "--out", str(whole)) == 0
     step4 = whole / "checkpoints" / "step-00000004"
     state = json.loads((step4 / "state.json").read_text())
-    assert "loader" not in state and sorted(p.name for p in (step4 / "loader").iterdir()) == ["rank-00000.json"]
-    position = json.loads((step4 / "loader" / "rank-00000.json").read_text())
+    folder = step4 / state["loader_states"]
+    assert "loader" not in state and state["loader_states"].startswith("loader/")
+    assert sorted(p.name for p in folder.iterdir()) == ["rank-00000.json"]
+    position = json.loads((folder / "rank-00000.json").read_text())
     assert position["rank"] == 0 and position["epoch"] == 0
 
     # The same output as an earlier version left it at step 4: the position inside state.json.
     shutil.copytree(whole, older)
     shutil.rmtree(older / "checkpoints" / "step-00000008")
     shutil.rmtree(older / "drafter")
-    (older / "checkpoints" / "step-00000004" / "loader" / "rank-00000.json").unlink()
-    (older / "checkpoints" / "step-00000004" / "state.json").write_text(json.dumps({**state, "loader": [position]}))
+    shutil.rmtree(older / "checkpoints" / "step-00000004" / "loader")
+    earlier = {k: v for k, v in state.items() if k != "loader_states"}
+    (older / "checkpoints" / "step-00000004" / "state.json").write_text(json.dumps({**earlier, "loader": [position]}))
     (older / "checkpoints" / "latest.json").write_text(json.dumps({"step": 4, "prefix": "checkpoints/step-00000004"}))
     assert train_cli(*args, "--out", str(older), "--resume") == 0
     a, b = metrics(str(whole)), metrics(str(older))
     assert [r["step"] for r in b] == list(range(1, 9))
     assert [r["loss"] for r in b[4:]] == pytest.approx([r["loss"] for r in a[4:]], rel=1e-5)
 
-    (whole / "checkpoints" / "step-00000008" / "loader" / "rank-00000.json").unlink()
+    step8 = json.loads((whole / "checkpoints" / "step-00000008" / "state.json").read_text())["loader_states"]
+    assert step8 != state["loader_states"]  # a folder a save
+    (whole / "checkpoints" / "step-00000008" / step8 / "rank-00000.json").unlink()
     capsys.readouterr()
     assert train_cli(*args, "--out", str(whole), "--steps", "12", "--resume") == 2
     err = capsys.readouterr().err
-    assert "lacks rank 0's loader position" in err and "step-00000008/loader/rank-00000.json" in err
+    assert "lacks rank 0's loader position" in err and f"step-00000008/{step8}/rank-00000.json" in err
 
 
 def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
@@ -833,7 +838,8 @@ def test_two_ranks_train_together_over_gloo(run, target, tmp_path):
     state = json.loads(store.get("checkpoints/step-00000012/state.json"))
     # each rank's position in a file of its own, written by that rank; state.json holds none
     assert state["world_size"] == 2 and "loader" not in state
-    positions = [json.loads(store.get(f"checkpoints/step-00000012/loader/rank-0000{r}.json")) for r in (0, 1)]
+    folder = state["loader_states"]
+    positions = [json.loads(store.get(f"checkpoints/step-00000012/{folder}/rank-0000{r}.json")) for r in (0, 1)]
     assert [s["rank"] for s in positions] == [0, 1]
     m = metrics(out)
     assert len(m) == 12

@@ -57,8 +57,9 @@ def test_ranks_train_on_the_shards_rank_0_found_while_extraction_commits_more(ex
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-8000:]  # with PYTHONFAULTHANDLER (tests/run.sh), a crash's stacks
     assert late.exists()  # committed while the ranks opened the run
-    loader = [json.loads((out / "checkpoints" / "step-00000002" / "loader" / f"rank-0000{r}.json").read_text())
-              for r in (0, 1)]
+    step = out / "checkpoints" / "step-00000002"
+    folder = step / json.loads((step / "state.json").read_text())["loader_states"]
+    loader = [json.loads((folder / f"rank-0000{r}.json").read_text()) for r in (0, 1)]
     assert [(s["rank"], s["num_shards"]) for s in loader] == [(0, len(commits) - 1), (1, len(commits) - 1)]
     assert loader[0]["shards"] == loader[1]["shards"] and loader[0]["num_samples"] == loader[1]["num_samples"]
 

@@ -3,12 +3,14 @@
 A checkpoint is the objects under ``checkpoints/step-NNNNNNNN/``: ``drafter.safetensors``
 (the trainable weights; the target's borrowed embeddings are not copied), ``optimizer.safetensors``
 (AdamW's moments and step per weight, plus the torch RNG state), ``state.json`` (step, the
-drafter and training config) and ``loader/rank-RRRRR.json``, each rank's loader position, written
-by that rank: in the follow epoch a position lists every shard each of its consumers took (~1.5 MB
-a rank at 36,000 shards), which gathered to rank 0 made every rank's GPU receive, and state.json
-hold, all of them (~1.5 GB at 1,000 ranks). It counts only once ``checkpoints/latest.json`` names
-it, and that pointer is written last, so a run killed while saving resumes from the previous
-checkpoint. No pickle: safetensors and JSON only.
+drafter and training config, the folder of this save's loader positions) and
+``loader/{draw}/rank-RRRRR.json``, each rank's loader position, written by that rank: in the
+follow epoch a position lists every shard each of its consumers took (~1.5 MB a rank at 36,000
+shards), which gathered to rank 0 made every rank's GPU receive, and state.json hold, all of them
+(~1.5 GB at 1,000 ranks). `{draw}`, rank 0's random draw per save, keeps two saves of one step
+apart (a trainer taken over that went on; a save killed half-way and redone). It counts only once
+``checkpoints/latest.json`` names it, and that pointer is written last, so a run killed while
+saving resumes from the previous checkpoint. No pickle: safetensors and JSON only.
 
 The safetensors files are streamed into the store's writer one tensor at a time
 (`write_safetensors`), not built in memory first: at a 27B target's shapes a checkpoint holds
@@ -46,22 +48,26 @@ def step_prefix(step: int) -> str:
     return f"checkpoints/step-{step:08d}"
 
 
-def loader_key(step: int, rank: int) -> str:
-    return f"{step_prefix(step)}/loader/rank-{rank:05d}.json"
+def loader_key(step: int, folder: str, rank: int) -> str:
+    return f"{step_prefix(step)}/{folder}/rank-{rank:05d}.json"
 
 
-def save_loader_state(store: ObjectStore, step: int, rank: int, state: Mapping[str, Any]) -> None:
-    """Rank `rank`'s loader position in the checkpoint of `step`, by that rank (compact JSON:
-    its lists of shard ids are most of it). The checkpoint's state.json comes after every rank's."""
-    store.put(loader_key(step, rank), json.dumps(state, separators=(",", ":")).encode())
+def save_loader_state(store: ObjectStore, step: int, folder: str, rank: int, state: Mapping[str, Any]) -> None:
+    """Rank `rank`'s loader position in the checkpoint of `step`, by that rank, in this save's
+    `folder` (compact JSON: its lists of shard ids are most of it). The checkpoint's state.json,
+    naming the folder, comes after every rank's."""
+    store.put(loader_key(step, folder, rank), json.dumps(state, separators=(",", ":")).encode())
 
 
 def load_loader_state(store: ObjectStore, ckpt: Checkpoint, rank: int) -> dict[str, Any]:
-    """Rank `rank`'s loader position in `ckpt`: its own file, or, in a checkpoint written before
-    those, its entry in state.json's `loader` list."""
+    """Rank `rank`'s loader position in `ckpt`: its own file in the folder state.json names, or,
+    in a checkpoint written before those, its entry in state.json's `loader` list."""
     if "loader" in ckpt.state:
         return ckpt.state["loader"][rank]
-    key = loader_key(ckpt.step, rank)
+    if not isinstance(ckpt.state.get("loader_states"), str):
+        raise InputError(f"{store.uri}/{step_prefix(ckpt.step)}/state.json names no loader positions; delete "
+                         f"{store.uri}/{LATEST} to resume from scratch")
+    key = loader_key(ckpt.step, ckpt.state["loader_states"], rank)
     try:
         return json.loads(store.get(key))
     except ObjectNotFound:
@@ -186,8 +192,7 @@ def _prune(store: ObjectStore, keep: int, latest: int) -> None:
     kept = {latest, *sorted(complete, reverse=True)[:keep - 1]}
     for step, keys in folders.items():
         if step not in kept:
-            for key in keys:
-                store.delete(key)
+            store.delete_many(keys)  # a loader position a rank: 1,000s of keys at scale
 
 
 def load_latest(store: ObjectStore) -> Checkpoint | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -697,32 +698,37 @@ def _save(run: _Run, step: int) -> None:
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
     # Beside each rank's weight sum, whether rank 0 lost its lease on --out: every rank stops then.
-    # And whether each rank wrote its loader position (what it trained on, not what it prefetched) into
-    # the checkpoint: a rank that could not must not leave the others waiting in a collective. The
-    # checkpoint counts once state.json and latest.json follow, after every rank's position landed.
+    # Beside them, rank 0's draw names this save's folder of loader positions: no save of the same
+    # step (a trainer taken over that went on, a save killed half-way and redone) mixes into it.
     lost = float(run.lease is not None and not run.lease.holds())
-    try:
-        save_loader_state(run.out, step, acc.process_index, run.batches.state_dict())
-        failed = None
-    except Exception as e:
-        failed = e
+    draw = float(random.SystemRandom().getrandbits(48)) if acc.is_main_process else 0.0  # exact in a float64
     total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values()), lost,
-                          float(failed is None)], dtype=torch.float64, device=acc.device)
+                          draw], dtype=torch.float64, device=acc.device)
     rows = acc.gather(total).view(-1, 3).cpu().tolist()
-    if failed is not None:
-        raise failed
     if any(taken for _, taken, _ in rows):
         raise taken_over(run.out)
-    unwritten = [rank for rank, (_, _, wrote) in enumerate(rows) if not wrote]
-    if unwritten:
-        raise StoreError(f"rank(s) {unwritten[:10]} could not write their loader position into the checkpoint at "
-                         f"step {step} ({run.out.uri}/{step_prefix(step)}; their logs say why): not saving it")
     sums = [weights for weights, _, _ in rows]
     if len(set(sums)) > 1:
         raise RuntimeError(f"drafter replicas differ across ranks at step {step} (weight sums {sums}); "
                            "not saving a checkpoint from diverged ranks")
+    # Each rank writes its own position (what it trained on, not what it prefetched), and says whether it
+    # landed: one that could not must not leave the others waiting in a collective. The checkpoint counts
+    # once state.json (naming the folder) and latest.json follow, after every rank's position landed.
+    folder = f"loader/{int(rows[0][2]):012x}"
+    try:
+        save_loader_state(run.out, step, folder, acc.process_index, run.batches.state_dict())
+        failed = None
+    except Exception as e:
+        failed = e
+    wrote = acc.gather(torch.tensor([float(failed is None)], dtype=torch.float64, device=acc.device)).cpu().tolist()
+    if failed is not None:
+        raise failed
+    unwritten = [rank for rank, ok in enumerate(wrote) if not ok]
+    if unwritten:
+        raise StoreError(f"rank(s) {unwritten[:10]} could not write their loader position into the checkpoint at "
+                         f"step {step} ({run.out.uri}/{step_prefix(step)}; their logs say why): not saving it")
     if acc.is_main_process:
-        state = {"config": run.cfg.identity(), "world_size": acc.num_processes}
+        state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader_states": folder}
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
         # metrics up to its step, so they must never lag behind it
         run.out.put(METRICS, ("\n".join(run.metrics.lines) + "\n").encode())
