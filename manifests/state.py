@@ -64,9 +64,10 @@ class RunState:
 
     def last_failure_ms(self, shard: int) -> int:
         """The time (ms, in the key) of the shard's newest failure record that is no stop from
-        outside: a given-up verdict stands only if it is at least as new (`train.follow.pending_work`)."""
-        return max((layout.record_millis(k) for k in self.failures.get(shard, []) if not k.endswith(layout.STOPPED)),
-                   default=0)
+        outside (a stop by the store counts: a worker still tries the shard): a given-up verdict
+        stands only if it is at least as new (`train.follow.pending_work`)."""
+        return max((layout.record_millis(k) for k in self.failures.get(shard, [])
+                    if not k.endswith(layout.STOPPED) or k.endswith(layout.STORE_STOPPED)), default=0)
 
     def raise_if_replaced(self, uri: str) -> None:
         """Refuse to work on a run whose manifest was replaced: its commits are another plan's."""

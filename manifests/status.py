@@ -24,8 +24,8 @@ RATE_WINDOW_S = 600.0  # the recent rate is measured over the commits of the las
 SKIP_REASON_SHARDS = 200  # commit records `status` reads for the reasons samples were skipped
 # Failure records `status` reads and reports in detail, of the failed and of the interrupted shards
 # each: the newest, which say what goes wrong now. A store outage leaves tens of thousands of stopped
-# shards whose records repeat one or two errors; twenty show those (read in about two round trips
-# of 16 GETs at a time) and fit a screen, where one GET and one line per shard took minutes.
+# shards whose records repeat one or two errors; twenty show those (forty in all, read 8 at a time:
+# five round trips) and fit a screen, where one GET and one line per shard took minutes.
 FAILURE_DETAILS = 20
 SHARD_RANGES = 20  # runs of consecutive shard ids `shard_ranges` names before it counts the rest
 CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked
@@ -274,14 +274,14 @@ def _failures(store: ObjectStore, st: RunState, shards: list[int],
     """The failed and the interrupted of `shards` (each with failure records and no commit), and
     the failure records read, by shard. The last record's key says which (`.stop.json`), so both
     counts are exact without a GET; only the `FAILURE_DETAILS` newest records of each kind are read
-    (every one with `read_all`), in parallel. A record of a layertap before stop keys (e1fae43)
+    (every one with `read_all`), 8 at a time. A record of a layertap before stop keys (e1fae43)
     says it was preempted only inside: such a shard counts interrupted where its record is read."""
     stopped = [s for s in shards if st.failures[s][-1].endswith(layout.STOPPED)]
     failed = [s for s in shards if not st.failures[s][-1].endswith(layout.STOPPED)]
     read = shards if read_all else _newest(st, failed) + _newest(st, stopped)
     summaries: dict[int, dict[str, Any]] = {}
     if read:
-        with ThreadPoolExecutor(min(16, len(read))) as pool:
+        with ThreadPoolExecutor(min(8, len(read))) as pool:  # within an S3 store's connection pool (12)
             summaries = {f["shard"]: f for f in pool.map(lambda s: _failure_summary(store, st, s), read)}
     preempted = {s for s in failed if s in summaries and summaries[s]["stopped"]}
     return [s for s in failed if s not in preempted], sorted([*stopped, *preempted]), summaries

@@ -655,8 +655,11 @@ def failed_by_store(st: RunState, shard: int, excluding: Collection[str]) -> lis
 
 def store_gave_out(failed: Sequence[str], bound: int) -> bool:
     """Whether the store failed a shard's attempts (`failed_by_store`) more than `bound` times,
-    over at least `OUTAGE_S` by their keys' times (the store's clock): a store failing it for good."""
-    return len(failed) > bound and layout.record_millis(failed[-1]) - layout.record_millis(failed[0]) >= 1000 * OUTAGE_S
+    the last `bound + 1` of them over at least `OUTAGE_S` by their keys' times (the store's clock):
+    a store failing it for good. The span of the last ones, not of all: a shard failed once early,
+    then failing fast within a later outage, would be given up within seconds of it."""
+    return len(failed) > bound and \
+        layout.record_millis(failed[-1]) - layout.record_millis(failed[-bound - 1]) >= 1000 * OUTAGE_S
 
 
 def read_lease(store: ObjectStore, key: str) -> dict | None:

@@ -773,6 +773,8 @@ def _plain_http_response(body) -> http.client.HTTPResponse | None:
 
 def _without_userinfo(url: str) -> str:
     """An endpoint URL as messages show it: a user:password in it is never printed."""
+    if "://" not in url:  # not a URL ("user:secret@host:9000"): whatever comes before an "@" goes
+        return url.rpartition("@")[2]
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:  # not a URL ("http://[::1:9000"): scrubbed as text
@@ -780,7 +782,7 @@ def _without_userinfo(url: str) -> str:
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
 
 
-_USERINFO = re.compile(r"(?<=://)[^/\s\"'@]*@")
+_USERINFO = re.compile(r"(?<=://)[^/\s\"']*@")  # to the last "@" before the host: a password may hold one
 
 
 def _without_userinfo_in(text: str) -> str:

@@ -265,3 +265,18 @@ def test_a_consumer_low_on_work_looks_less_often_while_looks_find_nothing(tmp_pa
         clock.t += follow.FIRST_DELAY_S
         watcher.poll_if_due(low=True)
     assert store.take()["GET", layout.COMMITS] == 1
+
+
+def test_consumers_seeded_alike_still_spread_their_full_listings(tmp_path):
+    """DataLoader workers seed Python's `random` alike on every rank: a phase drawn from it gave
+    worker w the same one on all ranks, and the herd came back (review finding)."""
+    import random
+
+    uri, m = run(tmp_path, SMALL, "run", leave=1)
+    phases = []
+    for rank in range(8):
+        random.seed(0)  # what each rank's worker 0 starts from
+        w = CommitWatcher(open_store(uri), m, poll_s=30.0, who=f"rank {rank}")
+        w.poll()
+        phases.append(w._full_at - follow.time.monotonic())
+    assert len({round(p, 3) for p in phases}) == len(phases)

@@ -245,3 +245,25 @@ def test_a_sweep_left_unfinished_is_taken_over_once_its_claim_is_old(store_uri, 
     _finish(store_uri, manifest, sweeps, range(1))
     assert sweeps.counts == {"shards/": 1, "uploads": 1} and not store.exists(orphan)
     assert store.exists(killed[: -len("000002")] + "000003" + work.SWEPT)
+
+
+def test_the_store_failure_bound_spans_the_last_failures_not_the_first():
+    """A shard the store failed once early, then fast within a later outage, is not given up
+    within seconds of that outage: the span is of the last bound + 1 failures (review finding)."""
+    key = lambda ms: layout.failure_key(3, ms, "tok", 1, by_store=True)
+    burst = [key(3_600_000 + 100 * i) for i in range(STORE_FAILURES + 1)]  # 21 failures within 2 s
+    assert not work.store_gave_out([key(0), *burst], STORE_FAILURES)
+    spread = [key(40_000 * i) for i in range(STORE_FAILURES + 1)]  # 21 failures over 800 s
+    assert work.store_gave_out(spread, STORE_FAILURES)
+    assert not work.store_gave_out(spread[1:], STORE_FAILURES)  # no more than the bound
+
+
+def test_a_store_stop_newer_than_a_verdict_keeps_the_shard_pending(tmp_path):
+    """A worker still trying a shard another gave up (its store failing now) makes the verdict
+    stale for a follow trainer, as a newer failure of the shard's own does."""
+    from layertap.manifests.state import RunState
+
+    st = RunState(manifest=None, now=0.0)
+    st.failures[3] = [layout.failure_key(3, 1_000, "a", 1), layout.failure_key(3, 5_000, "b", 2, by_store=True),
+                      layout.failure_key(3, 9_000, "c", 3, stopped=True)]
+    assert st.last_failure_ms(3) == 5_000  # the preemption is no attempt of the shard's; the store's stop is

@@ -209,7 +209,8 @@ class CommitWatcher:
             # The next full listing after a random 1/4 to all of FULL_LOOK_S, then every FULL_LOOK_S:
             # the consumers of a trainer start together, and would otherwise all list commits/ (a
             # page per 1,000 shards each) within a second of each other every FULL_LOOK_S.
-            self._full_at = time.monotonic() - random.uniform(0.0, 0.75) * FULL_LOOK_S
+            # (the system's randomness: DataLoader workers seed `random` alike on every rank)
+            self._full_at = time.monotonic() - random.SystemRandom().uniform(0.0, 0.75) * FULL_LOOK_S
         else:
             self._full_at = time.monotonic()
         self._listed, self._full_due = True, False
