@@ -79,6 +79,55 @@ def _commit_after_rank_0_reads(held: str, commit: str) -> None:
     ShardStream.refresh_index = refresh_then_commit
 
 
-if __name__ == "__main__":  # a rank of the test above: HELD COMMIT TRAIN-ARGS...
-    _commit_after_rank_0_reads(sys.argv[1], sys.argv[2])
+@pytest.mark.slow
+def test_a_resume_reads_the_checkpoint_on_rank_0_alone_and_goes_on_as_before(extracted, target, tmp_path):
+    """Every rank read the weights and moments from the store (~22 GB at a 27B target's shapes:
+    ~22 TB at 1,000 ranks); rank 0 reads them and broadcasts them now. Resumed from step 4, two
+    ranks train steps 5-8 as the run that never stopped did."""
+    from test_train import FAST
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    args = ["--data", str(extracted), "--model", target, "--steps", "8", "--save-every", "4", *FAST]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    p = subprocess.run([*launch, "-m", "layertap", "train", *args, "--out", str(whole)], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    shutil.copytree(whole, resumed)  # as a run stopped after its checkpoint at step 4 left it
+    shutil.rmtree(resumed / "checkpoints" / "step-00000008")
+    shutil.rmtree(resumed / "drafter")
+    (resumed / "checkpoints" / "latest.json").write_text(json.dumps({"step": 4, "prefix": "checkpoints/step-00000004"}))
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    p = subprocess.run([*launch, __file__, "--count-reads", str(reads), *args, "--out", str(resumed), "--resume"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-8000:]
+    a, b = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (whole, resumed))
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in b[4:]] == pytest.approx([r["loss"] for r in a[4:]], rel=1e-5)
+    files = {"checkpoints/step-00000004/drafter.safetensors", "checkpoints/step-00000004/optimizer.safetensors"}
+    read = {rank: json.loads((reads / f"{rank}.json").read_text()) for rank in (0, 1)}
+    assert {k for k, data in read[0] if data} == files  # rank 0 read the tensors
+    assert {k for k, data in read[1] if not data} == files and not any(data for _, data in read[1])  # headers alone
+
+
+def _count_reads(folder: str) -> None:
+    """Record which safetensors files this rank reads, and whether with their data."""
+    from layertap.train import checkpoint
+
+    load, seen = checkpoint.load_safetensors, []
+
+    def counted(store, key, *data):
+        seen.append((key, data[0] if data else True))
+        Path(folder, f"{os.environ['RANK']}.json").write_text(json.dumps(seen))
+        return load(store, key, *data)
+
+    checkpoint.load_safetensors = counted
+
+
+if __name__ == "__main__":  # a rank of the tests above: HELD COMMIT TRAIN-ARGS... or --count-reads FOLDER TRAIN-ARGS...
+    if sys.argv[1] == "--count-reads":
+        _count_reads(sys.argv[2])
+    else:
+        _commit_after_rank_0_reads(sys.argv[1], sys.argv[2])
     sys.exit(cli(["train", *sys.argv[3:]]))

@@ -151,11 +151,13 @@ _ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in _ST_DTYPES.items()}
 _ST_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 
-def load_safetensors(store: ObjectStore, key: str) -> dict[str, torch.Tensor]:
+def load_safetensors(store: ObjectStore, key: str, data: bool = True) -> dict[str, torch.Tensor]:
     """A safetensors file read tensor by tensor into tensors of its own: host memory holds the
     tensors once, not the file's bytes beside them (`load(store.get(key))` holds both: 2x a 27B
     run's ~22 GB of weights and moments on resume). One ranged read per tensor, straight into it;
-    the header is checked as the shard records' is (`storage.records.safetensors_layout`)."""
+    the header is checked as the shard records' is (`storage.records.safetensors_layout`).
+    Without `data`, only the header is read: the tensors come uninitialized, for a rank that
+    receives their values from rank 0 (`trainer._broadcast_tensors`)."""
     size = store.size(key)
     head = store.get_range(key, 0, 8)
     n = int.from_bytes(head, "little") if len(head) == 8 else -1
@@ -168,7 +170,7 @@ def load_safetensors(store: ObjectStore, key: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, (dtype, shape, begin, end) in layout.items():
         t = torch.empty(shape, dtype=_ST_TORCH[dtype])
-        if end > begin and store.read_range_into(key, 8 + n + begin, memoryview(t.view(-1).view(torch.uint8).numpy())) \
+        if data and end > begin and store.read_range_into(key, 8 + n + begin, memoryview(t.view(-1).view(torch.uint8).numpy())) \
                 != end - begin:
             raise InputError(f"{store.uri}/{key} ends inside tensor {name}: the file is cut short")
         out[name] = t
@@ -195,8 +197,10 @@ def _prune(store: ObjectStore, keep: int, latest: int) -> None:
             store.delete_many(keys)  # a loader position a rank: 1,000s of keys at scale
 
 
-def load_latest(store: ObjectStore) -> Checkpoint | None:
-    """The checkpoint `latest.json` names, or None when the output has none."""
+def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
+    """The checkpoint `latest.json` names, or None when the output has none. Without `tensors`,
+    the weights and moments come uninitialized (their headers read, not their ~22 GB at a 27B
+    target's shapes): a rank other than 0 receives them from rank 0."""
     try:
         latest = json.loads(store.get(LATEST))
     except ObjectNotFound:
@@ -206,8 +210,8 @@ def load_latest(store: ObjectStore) -> Checkpoint | None:
     prefix = latest["prefix"]
     try:
         state = json.loads(store.get(f"{prefix}/state.json"))
-        weights = load_safetensors(store, f"{prefix}/drafter.safetensors")
-        optimizer = load_safetensors(store, f"{prefix}/optimizer.safetensors")
+        weights = load_safetensors(store, f"{prefix}/drafter.safetensors", tensors)
+        optimizer = load_safetensors(store, f"{prefix}/optimizer.safetensors", tensors)
     except ObjectNotFound as e:
         raise InputError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}") from None
     if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:

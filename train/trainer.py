@@ -39,8 +39,9 @@ from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
 from layertap.train.batch import collate
-from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest, load_loader_state, restore,
-                                       save_checkpoint, save_loader_state, step_prefix, withdraw_export)
+from layertap.train.checkpoint import (EXPORT_CONFIG, Checkpoint, Snapshot, export_drafter, load_latest,
+                                       load_loader_state, restore, save_checkpoint, save_loader_state, step_prefix,
+                                       withdraw_export)
 from layertap.train.config import RESUME_DEFAULTS, TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
 from layertap.train.follow import wait_for_manifest
@@ -281,7 +282,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
                                                    "the run's manifest")
 
-    ckpt = load_latest(out)
+    ckpt = load_latest(out, tensors=rank == 0)  # the other ranks receive them (`_broadcast_tensors`)
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
                          "that run, or choose another --out")
@@ -322,6 +323,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     if ckpt is not None:
         start = ckpt.step
         total = _resume_loader(cfg, loader, load_loader_state(out, ckpt, rank), start, total, steps_per_epoch)
+        _broadcast_tensors(acc, ckpt)
         restore(ckpt, model, optimizer)
         if rank == 0:
             lines = _metrics_until(out, start)
@@ -414,6 +416,27 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
         raise RuntimeError(f"the ranks stream different shards of {cfg.data} (samples per rank "
                            f"{[n for _, n in seen]}, shard fingerprints {len({f for f, _ in seen})} distinct)")
     return stream
+
+
+def _broadcast_tensors(acc: Any, ckpt: Checkpoint) -> None:
+    """Rank 0's checkpoint weights and moments into every rank's tensors (allocated from the files'
+    headers), one broadcast a tensor in name order, through the device (NCCL moves device memory).
+    Read by rank 0 alone: at a 27B target's shapes they are ~22 GB, and 1,000 ranks each reading
+    them took ~22 TB off the store at every resume."""
+    if acc.num_processes == 1:
+        return
+    import torch.distributed as dist
+
+    if (step := _from_rank_0(acc, ckpt.step)) != ckpt.step:
+        raise RuntimeError(f"rank {acc.process_index} read the checkpoint of step {ckpt.step}, rank 0 that of step "
+                           f"{step}: latest.json changed under the resume (another trainer?)")
+    for tensors in (ckpt.weights, ckpt.optimizer):
+        for name in sorted(tensors):
+            t = tensors[name]
+            buf = t.to(acc.device)  # `t` itself on CPU (gloo)
+            dist.broadcast(buf, src=0)
+            if buf is not t:
+                t.copy_(buf)
 
 
 def _from_rank_0(acc: Any, value: Any) -> Any:
