@@ -83,7 +83,7 @@ class PlainProgress:
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
         self.postfix = s
 
-    def set_postfix(self, **kwargs: Any) -> None:
+    def set_postfix(self, refresh: bool = True, **kwargs: Any) -> None:  # as tqdm's, which redraws unless told not to
         self.postfix = ", ".join(f"{k}={v}" for k, v in kwargs.items())
 
     def refresh(self) -> None:

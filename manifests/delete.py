@@ -31,6 +31,7 @@ TRAINING_KEYS = ("checkpoints/latest.json", "metrics.jsonl")  # what `layertap t
 MARKERS = (("manifest.json", "run"), (TRAINING_KEYS[0], "training output"), (TRAINING_KEYS[1], "training output"),
            ("regenerate.json", "regeneration output"))
 LIST_NESTED = 10  # nested runs and outputs named in a refusal
+ENCLOSING_LEVELS = 8  # folders above a prefix `enclosing_output` looks in for the run it may be part of
 
 
 def add_delete(p: argparse.ArgumentParser) -> None:
@@ -129,11 +130,34 @@ def describe(store, force: bool) -> str:
         return f"training output at {store.uri}"
     if store.exists(RECIPE):
         return f"regeneration output at {store.uri}"
+    inside = enclosing_output(store)
+    within = (f" It is inside the {inside[1]} at {inside[0]}: deleting part of it leaves that {inside[1]} "
+              "incomplete (a run's `status` still counts data that is gone until `layertap verify` withdraws it).") \
+        if inside else ""
     if not force:
         raise Refused(f"{store.uri} holds no run (no manifest.json) and no training output (no metrics.jsonl or "
-                         "checkpoints/latest.json): not deleting it. Check the prefix, or pass --force to delete "
-                         "every object under it")
-    return f"every object under {store.uri} (--force: not a run)"
+                      f"checkpoints/latest.json): not deleting it.{within} Check the prefix, or pass --force to delete "
+                      "every object under it")
+    return f"every object under {store.uri} (--force: not a run" + (f"; inside the {inside[1]} at {inside[0]})"
+                                                                      if inside else ")")
+
+
+def enclosing_output(store) -> tuple[str, str] | None:
+    """(prefix, kind) of the nearest run or output above `store`'s prefix (a few HEADs a level,
+    up to the bucket or `ENCLOSING_LEVELS` folders up), or None."""
+    from layertap.storage.store import open_store
+
+    uri = store.uri.rstrip("/")
+    for _ in range(ENCLOSING_LEVELS):
+        parent, sep, _ = uri.rpartition("/")
+        if not sep or not parent or parent.endswith(":/") or parent == "s3:":
+            return None
+        uri = parent
+        above = open_store(uri)
+        kind = next((kind for marker, kind in MARKERS if above.exists(marker)), None)
+        if kind is not None:
+            return uri, kind
+    return None
 
 
 def _refuse_live_writers(store, manifest) -> None:

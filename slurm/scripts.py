@@ -59,6 +59,9 @@ class JobOptions:
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be 0 or more seconds, got {self.grace_s}")
         limit = slurm_seconds(self.time) if self.time else None
+        if self.time and limit is None and self.time.strip().lower() not in ("0", "-1", "unlimited", "infinite"):
+            raise ConfigError(f"--time {self.time!r} is not a Slurm time limit: give minutes, MM:SS, HH:MM:SS, D-HH, "
+                              "D-HH:MM or D-HH:MM:SS (e.g. 12:00:00 for 12 hours), or UNLIMITED")
         if limit is not None and limit < 2 * self.grace_s:
             raise ConfigError(f"--time {self.time} ({limit} s) is under twice --grace ({self.grace_s} s): each job "
                               f"would be told to stop {self.grace_s} s before its limit, about {max(0, limit - self.grace_s)} s "
@@ -177,7 +180,7 @@ MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 3
 def slurm_seconds(text: str) -> int | None:
     """A Slurm --time in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
     days-hours:minutes or days-hours:minutes:seconds; None for UNLIMITED/infinite (0 and -1 too)
-    or a form this does not know (sbatch judges it then)."""
+    or a form Slurm does not know (`JobOptions` refuses it: sbatch would, after the dry run)."""
     if text.strip() in ("0", "-1"):  # no limit, to Slurm
         return None
     days, _, rest = text.strip().rpartition("-")

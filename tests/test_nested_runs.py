@@ -50,6 +50,18 @@ def test_delete_refuses_a_run_with_another_run_below_it(store_uri, capsys):
     assert keys(store) == []
 
 
+def test_delete_of_a_folder_inside_a_run_names_the_run(store_uri, capsys):
+    """`delete RUN/shards` (a user hunt): refused as no run, but not told that it is part of one,
+    and with --force the run was left counting data that was gone, without a word."""
+    fake_worker.work(store_uri)
+    run = open_store(store_uri).uri.rstrip("/")
+    assert cli(["delete", f"{store_uri}/shards", "--yes"]) == 2
+    assert f"It is inside the run at {run}: deleting part of it leaves that run incomplete" in capsys.readouterr().err
+    assert cli(["delete", f"{store_uri}/shards", "--yes", "--force"]) == 0
+    assert f"(--force: not a run; inside the run at {run})" in capsys.readouterr().out
+    assert cli(["delete", f"{store_uri}/nothing/here", "--yes"]) == 0  # nothing under it: nothing to name
+
+
 def test_delete_refuses_a_bucket_root_run_with_a_run_below(s3_bucket, capsys):
     """The repro exactly: runs at s3://bucket and s3://bucket/keepme."""
     fake_worker.work(f"s3://{s3_bucket}")

@@ -250,8 +250,10 @@ class ShardStream(IterableDataset):
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow)
         if not c.follow and len(self.shards) < self.planned_shards:
-            log.info("%s: %d of %d planned shards are committed; streaming those", self.uri, len(self.shards),
-                     self.planned_shards)
+            log.warning("%s: %d of %d planned shards are committed; streaming those (%d samples). Its extraction "
+                        "is not finished: finish it (`layertap status` tells what is left), or train with --follow "
+                        "to take the rest as it comes", self.uri, len(self.shards), self.planned_shards,
+                        self.total_samples)
 
     def _only(self, keys: Sequence[Sequence]) -> list[CommittedShard]:
         """The committed shards `keys` name ([shard id, object hash] pairs), every one of them."""

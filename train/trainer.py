@@ -286,6 +286,9 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
                          "that run, or choose another --out")
+    if ckpt is None and cfg.resume and rank == 0:  # a Slurm requeue passes --resume from the first start on
+        log.warning("--resume: %s holds no checkpoint, so training starts at step 0 (a typo in --out would "
+                    "start a long run over; check it if a run was expected there)", cfg.out)
     _check_objective(cfg, run.identity.final_state)
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
@@ -693,9 +696,9 @@ def _report(run: _Run, stats: StepStats, epoch: int, wait: float, progress) -> N
         record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     record["samples_digest"] = stats.samples_digest  # rank 0's samples this step, to compare runs
     run.metrics.add(record)
+    progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc_first']:.2f}",  # before the update,
+                         tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)  # which prints a plain line
     progress.update(1)
-    progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc_first']:.2f}",
-                         tok_s=f"{record['tokens_per_s']:,.0f}")
     if stats.step % run.cfg.log_every == 0 or stats.step == run.total:
         log.info("step %d/%d  loss %.4f  acc@1 %.3f  lr %.2e  %.0f tok/s  data wait %.0f%%", stats.step, run.total,
                  record["loss"], record["acc_first"], stats.lr, record["tokens_per_s"],
