@@ -194,3 +194,24 @@ def test_pruning_keeps_what_latest_names_and_drops_saves_cut_short(store):
     cut_short(1150)
     save_checkpoint(store, Snapshot(1200, model, opt, {}), keep=2)
     assert load_latest(store).step == 1200 and folders() == [1100, 1200]  # two complete ones, not 1150
+
+
+def test_a_rank_reads_only_its_own_loader_position(tmp_path):
+    """A position file that is no position (`null`), or another rank's (copied over it: in the
+    follow epoch each rank's shards taken are its own), is refused naming the file."""
+    from layertap.storage.errors import InputError
+    from layertap.train.checkpoint import Checkpoint, load_loader_state, loader_key, save_loader_state
+
+    store = open_store(str(tmp_path / "out"))
+    ckpt = Checkpoint(4, {"loader_states": "loader/00000000abcd"}, {}, {})
+    for rank in (0, 1):
+        save_loader_state(store, 4, "loader/00000000abcd", rank, {"rank": rank, "epoch": 0})
+    assert load_loader_state(store, ckpt, 1) == {"rank": 1, "epoch": 0}
+    store.put(loader_key(4, "loader/00000000abcd", 1), store.get(loader_key(4, "loader/00000000abcd", 0)))
+    with pytest.raises(InputError, match="rank-00001.json is corrupt .it holds rank 0's loader position, not rank 1's"):
+        load_loader_state(store, ckpt, 1)
+    store.put(loader_key(4, "loader/00000000abcd", 1), b"null")
+    with pytest.raises(InputError, match="rank-00001.json is corrupt .it is not a loader position"):
+        load_loader_state(store, ckpt, 1)
+    with pytest.raises(InputError, match="lacks rank 2's loader position"):
+        load_loader_state(store, ckpt, 2)

@@ -110,6 +110,16 @@ def test_a_resume_reads_the_checkpoint_on_rank_0_alone_and_goes_on_as_before(ext
     assert {k for k, data in read[0] if data} == files  # rank 0 read the tensors
     assert {k for k, data in read[1] if not data} == files and not any(data for _, data in read[1])  # headers alone
 
+    # One rank refusing the resume (its position is missing): every rank stops with an error that says
+    # so, none in a broadcast that the other left (a gloo "Connection closed by peer" traceback).
+    step8 = resumed / "checkpoints" / "step-00000008"
+    (step8 / json.loads((step8 / "state.json").read_text())["loader_states"] / "rank-00001.json").unlink()
+    p = subprocess.run([*launch, "-m", "layertap", "train", *args, "--steps", "12", "--out", str(resumed),
+                        "--resume"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode != 0
+    assert "lacks rank 1's loader position" in p.stderr and "rank(s) [1] refused the resume" in p.stderr, p.stderr[-6000:]
+    assert "Connection closed by peer" not in p.stderr
+
 
 def _count_reads(folder: str) -> None:
     """Record which safetensors files this rank reads, and whether with their data."""

@@ -69,7 +69,11 @@ def load_loader_state(store: ObjectStore, ckpt: Checkpoint, rank: int) -> dict[s
                          f"{store.uri}/{LATEST} to resume from scratch")
     key = loader_key(ckpt.step, ckpt.state["loader_states"], rank)
     try:
-        return json.loads(store.get(key))
+        state = json.loads(store.get(key))
+        if not isinstance(state, dict) or state.get("rank", rank) != rank:
+            raise ValueError(f"it holds rank {state.get('rank')}'s loader position, not rank {rank}'s"
+                             if isinstance(state, dict) else "it is not a loader position")
+        return state
     except ObjectNotFound:
         raise InputError(f"checkpoint {store.uri}/{step_prefix(ckpt.step)} lacks rank {rank}'s loader position "
                          f"({key}): the checkpoint is incomplete; delete {store.uri}/{LATEST} to resume from "

@@ -325,7 +325,12 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     start = 0
     if ckpt is not None:
         start = ckpt.step
-        total = _resume_loader(cfg, loader, load_loader_state(out, ckpt, rank), start, total, steps_per_epoch)
+        try:
+            total = _resume_loader(cfg, loader, load_loader_state(out, ckpt, rank), start, total, steps_per_epoch)
+            refused = None
+        except Exception as e:  # every rank hears of it: the others would wait in the broadcast until gloo/NCCL gave out
+            refused = e
+        _raise_if_any_refused(acc, refused, f"the resume from {cfg.out} step {start}")
         _broadcast_tensors(acc, ckpt)
         restore(ckpt, model, optimizer)
         if rank == 0:
@@ -419,6 +424,21 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
         raise RuntimeError(f"the ranks stream different shards of {cfg.data} (samples per rank "
                            f"{[n for _, n in seen]}, shard fingerprints {len({f for f, _ in seen})} distinct)")
     return stream
+
+
+def _raise_if_any_refused(acc: Any, refused: BaseException | None, what: str) -> None:
+    """Raise `refused` on its rank, and on the others an error naming the ranks that refused
+    `what`: a rank that stops alone leaves the others in the next collective, which ends in a
+    connection error and a traceback, not the refusal's message and exit code."""
+    if acc.num_processes > 1:
+        flags = acc.gather(torch.tensor([float(refused is not None)], dtype=torch.float64, device=acc.device))
+        bad = [rank for rank, flag in enumerate(flags.cpu().tolist()) if flag]
+    else:
+        bad = [0] if refused is not None else []
+    if refused is not None:
+        raise refused
+    if bad:
+        raise InputError(f"rank(s) {bad[:10]} refused {what}: their error says why")
 
 
 def _broadcast_tensors(acc: Any, ckpt: Checkpoint) -> None:
