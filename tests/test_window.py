@@ -464,6 +464,40 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
     assert "waiting for extraction" in caplog.text and "STALLED" not in caplog.text
 
 
+def test_a_stall_that_lasts_stops_the_trainer_with_its_reason(store_uri, caplog):
+    """A stall neither side can end (a hunt: a --window smaller than the trainer's shuffle buffers,
+    both processes waiting until killed, 10+ minutes): after STALL_GIVE_UP_S of it the watcher
+    raises, so `layertap train` exits 2 with the STALLED reason; new commits start the clock over."""
+    from layertap.manifests.consumption import WindowGate, claim_consumer
+    from layertap.manifests.manifest import load_manifest
+    from layertap.train import follow
+    from layertap.train.follow import CommitWatcher, Stalled
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])
+    WindowGate(store, 10_000).record()
+    claim_consumer(store, "out")
+    watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1)
+    watcher.poll()
+    for _ in range(3):  # stalled, but not for long yet
+        watcher._logged = 0.0
+        assert watcher._extraction_over() is False
+    watcher._stalled_since -= follow.STALL_GIVE_UP_S - 60  # a minute short
+    watcher._logged = 0.0
+    assert watcher._extraction_over() is False
+    fake_worker.work(store_uri, shards=[3])  # extraction moved: the clock starts over
+    assert [r.shard for r in watcher.poll()] == [3]
+    watcher._logged = 0.0
+    assert watcher._extraction_over() is False
+    watcher._stalled_since -= follow.STALL_GIVE_UP_S - 60
+    watcher._logged = 0.0
+    assert watcher._extraction_over() is False
+    watcher._stalled_since -= 61
+    watcher._logged = 0.0
+    with pytest.raises(Stalled, match="STALLED: extraction waits for training to consume .* Stopping after 10 min"):
+        watcher._extraction_over()
+
+
 def test_a_window_run_no_trainer_deletes_from_is_named_as_such(tmp_path, capsys, caplog):
     """A follow trainer without --delete-consumed never frees the window: the STALLED line advised a
     larger --window, and status said training deletes what it trained on. Both, and the trainer's

@@ -45,6 +45,7 @@ from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.manifests.state import fits_plan, listed_shards, replaced_manifest_error, scan_work
+from layertap.storage.errors import UserError
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import size
@@ -56,6 +57,10 @@ FIRST_DELAY_S = 0.5
 FEED_MARGIN_S = 10.0  # a look lists feed keys from the previous look's time less this: clock error, slow PUTs
 FULL_LOOK_S = 300.0  # the longest time between listings of all of commits/
 LOW_POLL_MAX_S = 4.0  # the longest look-ahead wait of a consumer low on work while looks find nothing
+# A stall (`_log_stall`) this long, through looks that found no new commit, stops the trainer: neither
+# side can move on its own, and both would hold their GPUs until killed. Long enough for an operator who
+# saw the STALLED lines to restart extraction with a larger --window, which ends it.
+STALL_GIVE_UP_S = 600.0
 OVER_CHECK_AFTER = 3  # empty looks in a row (0.5 + 1 + 2 s) before a wait asks whether extraction is over
 
 
@@ -164,6 +169,7 @@ class CommitWatcher:
         self._logged = 0.0
         self._given_up_once = False
         self._stalled_looks = 0  # looks in a row that found extraction held by its window
+        self._stalled_since: float | None = None  # when those looks began (our monotonic clock)
 
     def poll(self) -> list[CommitRecord | FeedCommit]:
         """One look: the commits not returned before, in shard order. It lists the feed, and
@@ -329,25 +335,35 @@ class CommitWatcher:
         from layertap.manifests.consumption import consumer_of, stalled
 
         found = stalled(self.store)
+        if found is None or self._stalled_looks == 0:  # no stall, or new commits since (`poll`)
+            self._stalled_since = time.monotonic() if found is not None else None
         self._stalled_looks = self._stalled_looks + 1 if found is not None else 0
         if found is None or self._stalled_looks < 2:
             return
         b, window = found
         if consumer_of(self.store) is None:
-            log.error("%s: STALLED: extraction waits for training to consume (%s at rest in %d shards, window %s) "
-                      "while training waits for data, and no `layertap train --delete-consumed` has claimed %s: "
-                      "nothing trained on is deleted, so the window never opens. Restart the trainer with "
-                      "--delete-consumed (--resume continues it), or restart extraction without --window.",
-                      self.who, size(b.bytes), b.shards, size(window), self.store.uri)
-            return
-        largest = max((r.bytes for r in self.known.values() if isinstance(r, CommitRecord)), default=0)
-        log.error("%s: STALLED: extraction waits for training to consume (%s at rest in %d shards, window %s) "
-                  "while training waits for data. A shard counts as consumed once every sample of it has left "
-                  "the consumers' shuffle buffers and is trained on, and a checkpoint covers it (a waiting "
-                  "`layertap train --delete-consumed` takes one), so the window must exceed consumers x "
-                  "(shuffle buffer + 3 batches) x the largest shard (%s here). Restart extraction with a larger "
-                  "--window, or train with a smaller --shuffle-buffer or --batch-size; both resume where they "
-                  "are.", self.who, size(b.bytes), b.shards, size(window), size(largest))
+            message = (f"{self.who}: STALLED: extraction waits for training to consume ({size(b.bytes)} at rest in "
+                       f"{b.shards} shards, window {size(window)}) while training waits for data, and no `layertap "
+                       f"train --delete-consumed` has claimed {self.store.uri}: nothing trained on is deleted, so "
+                       "the window never opens. Restart the trainer with --delete-consumed (--resume continues it), "
+                       "or restart extraction without --window.")
+        else:
+            largest = max((r.bytes for r in self.known.values() if isinstance(r, CommitRecord)), default=0)
+            message = (f"{self.who}: STALLED: extraction waits for training to consume ({size(b.bytes)} at rest in "
+                       f"{b.shards} shards, window {size(window)}) while training waits for data. A shard counts "
+                       "as consumed once every sample of it has left the consumers' shuffle buffers and is trained "
+                       "on, and a checkpoint covers it (a waiting `layertap train --delete-consumed` takes one), so "
+                       "the window must exceed consumers x (shuffle buffer + 3 batches) x the largest shard "
+                       f"({size(largest)} here). Restart extraction with a larger --window, or train with a smaller "
+                       "--shuffle-buffer or --batch-size; both resume where they are.")
+        if time.monotonic() - (self._stalled_since or time.monotonic()) >= STALL_GIVE_UP_S:
+            # neither side can move: a trainer waiting on for good would hold its GPUs, and the run's, forever
+            raise Stalled(f"{message} Stopping after {STALL_GIVE_UP_S / 60:.0f} min of it.")
+        log.error("%s", message)
+
+
+class Stalled(UserError):
+    """Training and extraction wait on each other for good (`CommitWatcher._log_stall`)."""
 
 
 def _get_commits(store: ObjectStore, keys: list[str]) -> list[CommitRecord | None]:

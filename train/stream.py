@@ -152,6 +152,10 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
     foreign = sorted(c.shard for c in commits if not fits_plan(c, manifest))
     if foreign:
         raise replaced_manifest_error(store.uri, foreign)
+    if consumed == "leave out" and len(commits) < len(manifest.shards):
+        log.warning("%s: %d of %d planned shards are committed; streaming those. Its extraction is not finished: "
+                    "finish it (`layertap status` tells what is left), or train with --follow to take the rest as "
+                    "it comes", store.uri, len(commits), len(manifest.shards))
     gone = consumed_shards(store) if consumed == "leave out" else set()
     shards, left_out = [], []
     for c in commits:
@@ -249,11 +253,6 @@ class ShardStream(IterableDataset):
         self.codec, self._run = manifest.identity.codec, manifest.identity
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow)
-        if not c.follow and len(self.shards) < self.planned_shards:
-            log.warning("%s: %d of %d planned shards are committed; streaming those (%d samples). Its extraction "
-                        "is not finished: finish it (`layertap status` tells what is left), or train with --follow "
-                        "to take the rest as it comes", self.uri, len(self.shards), self.planned_shards,
-                        self.total_samples)
 
     def _only(self, keys: Sequence[Sequence]) -> list[CommittedShard]:
         """The committed shards `keys` name ([shard id, object hash] pairs), every one of them."""
