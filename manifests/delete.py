@@ -132,8 +132,8 @@ def describe(store, force: bool) -> str:
         return f"regeneration output at {store.uri}"
     inside = enclosing_output(store)
     within = (f" It is inside the {inside[1]} at {inside[0]}: deleting part of it leaves that {inside[1]} "
-              "incomplete (a run's `status` still counts data that is gone until `layertap verify` withdraws it).") \
-        if inside else ""
+              "incomplete" + (" (its `status` still counts data that is gone until `layertap verify` withdraws it)"
+                              if inside[1] == "run" else "") + ".") if inside else ""
     if not force:
         raise Refused(f"{store.uri} holds no run (no manifest.json) and no training output (no metrics.jsonl or "
                       f"checkpoints/latest.json): not deleting it.{within} Check the prefix, or pass --force to delete "
@@ -144,8 +144,9 @@ def describe(store, force: bool) -> str:
 
 def enclosing_output(store) -> tuple[str, str] | None:
     """(prefix, kind) of the nearest run or output above `store`'s prefix (a few HEADs a level,
-    up to the bucket or `ENCLOSING_LEVELS` folders up), or None."""
-    from layertap.storage.store import open_store
+    up to the bucket or `ENCLOSING_LEVELS` folders up), or None; None too where a folder above
+    cannot be read: this only words a message, and must not stop a delete the user may do."""
+    from layertap.storage.store import StoreError, open_store
 
     uri = store.uri.rstrip("/")
     for _ in range(ENCLOSING_LEVELS):
@@ -153,8 +154,11 @@ def enclosing_output(store) -> tuple[str, str] | None:
         if not sep or not parent or parent.endswith(":/") or parent == "s3:":
             return None
         uri = parent
-        above = open_store(uri)
-        kind = next((kind for marker, kind in MARKERS if above.exists(marker)), None)
+        try:
+            above = open_store(uri)
+            kind = next((kind for marker, kind in MARKERS if above.exists(marker)), None)
+        except StoreError:  # a folder above that these credentials may not read (a bucket shared by prefix)
+            return None
         if kind is not None:
             return uri, kind
     return None

@@ -59,7 +59,7 @@ class JobOptions:
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be 0 or more seconds, got {self.grace_s}")
         limit = slurm_seconds(self.time) if self.time else None
-        if self.time and limit is None and self.time.strip().lower() not in ("0", "-1", "unlimited", "infinite"):
+        if self.time and not is_slurm_time(self.time):
             raise ConfigError(f"--time {self.time!r} is not a Slurm time limit: give minutes, MM:SS, HH:MM:SS, D-HH, "
                               "D-HH:MM or D-HH:MM:SS (e.g. 12:00:00 for 12 hours), or UNLIMITED")
         if limit is not None and limit < 2 * self.grace_s:
@@ -179,23 +179,28 @@ MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 3
 
 def slurm_seconds(text: str) -> int | None:
     """A Slurm --time in seconds: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-    days-hours:minutes or days-hours:minutes:seconds; None for UNLIMITED/infinite (0 and -1 too)
-    or a form Slurm does not know (`JobOptions` refuses it: sbatch would, after the dry run)."""
-    if text.strip() in ("0", "-1"):  # no limit, to Slurm
+    days-hours:minutes or days-hours:minutes:seconds; None for no limit (UNLIMITED, infinite, -1,
+    or a time of zero) or a form Slurm does not take (`JobOptions` refuses it: sbatch would, after
+    the dry run). ASCII digits only, as Slurm parses them (Python's int() takes "+5", "1_000")."""
+    text = text.strip()
+    if not _SLURM_TIME.match(text):
         return None
-    days, _, rest = text.strip().rpartition("-")
-    try:
-        parts = [int(x) for x in rest.split(":")]
-        d = int(days) if days else 0
-    except ValueError:
-        return None
-    if not 1 <= len(parts) <= 3 or any(x < 0 for x in parts) or d < 0:
-        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
     if days:  # days-hours[:minutes[:seconds]]
         h, m, sec = (parts + [0, 0])[:3]
     else:  # minutes, minutes:seconds, hours:minutes:seconds
         h, m, sec = ([0] + parts if len(parts) == 2 else [0, parts[0], 0] if len(parts) == 1 else parts)
-    return ((d * 24 + h) * 60 + m) * 60 + sec
+    seconds = (((int(days) if days else 0) * 24 + h) * 60 + m) * 60 + sec
+    return seconds or None  # zero: no limit, to Slurm
+
+
+_SLURM_TIME = re.compile(r"^[0-9]+(-[0-9]+(:[0-9]+){0,2}|(:[0-9]+){0,2})$")
+
+
+def is_slurm_time(text: str) -> bool:
+    """Whether sbatch takes `text` as a --time (a limit, or none: UNLIMITED, infinite, -1, zero)."""
+    return text.strip().lower() in ("unlimited", "infinite", "-1") or bool(_SLURM_TIME.match(text.strip()))
 
 
 def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_flag: str | None) -> str:

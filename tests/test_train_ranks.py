@@ -120,6 +120,13 @@ def test_a_resume_reads_the_checkpoint_on_rank_0_alone_and_goes_on_as_before(ext
     assert "lacks rank 1's loader position" in p.stderr and "rank(s) [1] refused the resume" in p.stderr, p.stderr[-6000:]
     assert "Connection closed by peer" not in p.stderr
 
+    # Ranks that found different checkpoints (an --out local to each node): every rank stops, saying so.
+    p = subprocess.run([*launch, __file__, "--no-checkpoint-on-rank-1", "-", *args, "--steps", "12", "--out",
+                        str(resumed), "--resume"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode != 0
+    assert p.stderr.count("the ranks found different checkpoints") >= 2, p.stderr[-6000:]
+    assert "Connection closed by peer" not in p.stderr
+
 
 def _count_reads(folder: str) -> None:
     """Record which safetensors files this rank reads, and whether with their data."""
@@ -135,9 +142,19 @@ def _count_reads(folder: str) -> None:
     checkpoint.load_safetensors = counted
 
 
-if __name__ == "__main__":  # a rank of the tests above: HELD COMMIT TRAIN-ARGS... or --count-reads FOLDER TRAIN-ARGS...
-    if sys.argv[1] == "--count-reads":
+def _no_checkpoint_on_rank_1() -> None:
+    """Rank 1 finds no checkpoint where rank 0 finds one, as on an --out local to each node."""
+    from layertap.train import trainer
+
+    if os.environ["RANK"] == "1":
+        trainer.load_latest = lambda store, tensors=True: None
+
+
+if __name__ == "__main__":  # a rank of the tests above: HELD COMMIT TRAIN-ARGS..., --count-reads FOLDER TRAIN-ARGS...
+    if sys.argv[1] == "--count-reads":  # or --no-checkpoint-on-rank-1 - TRAIN-ARGS...
         _count_reads(sys.argv[2])
+    elif sys.argv[1] == "--no-checkpoint-on-rank-1":
+        _no_checkpoint_on_rank_1()
     else:
         _commit_after_rank_0_reads(sys.argv[1], sys.argv[2])
     sys.exit(cli(["train", *sys.argv[3:]]))

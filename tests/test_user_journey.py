@@ -6,8 +6,10 @@ showed the previous step's loss."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
+import torch
 
 from layertap.extract.console import PlainProgress
 from layertap.slurm.scripts import JobOptions, slurm_seconds
@@ -15,15 +17,16 @@ from layertap.storage.errors import ConfigError
 from layertap.storage.store import open_store
 
 
-@pytest.mark.parametrize("time", ["12h", "12hours", "1d", "4:00:00:00", "soon"])
+@pytest.mark.parametrize("time", ["12h", "12hours", "1d", "4:00:00:00", "soon", "-5", "+60", "1_000", "1- 2"])
 def test_a_time_limit_slurm_would_refuse_is_refused_before_the_dry_run(tmp_path, time):
-    with pytest.raises(ConfigError, match=f"--time '{time}' is not a Slurm time limit: give minutes"):
+    with pytest.raises(ConfigError, match=re.escape(f"--time '{time}' is not a Slurm time limit: give minutes")):
         JobOptions(job_name="x", logs=str(tmp_path), time=time)
 
 
 @pytest.mark.parametrize("time,seconds", [("30", 1800), ("30:15", 1815), ("12:00:00", 43200), ("2-12", 216000),
                                           ("2-12:30", 217800), ("2-12:30:05", 217805), ("UNLIMITED", None),
-                                          ("infinite", None), ("0", None), ("-1", None)])
+                                          ("infinite", None), ("0", None), ("-1", None), ("00", None),
+                                          ("0:00", None), ("0-0", None)])
 def test_every_slurm_time_form_is_taken(tmp_path, time, seconds):
     JobOptions(job_name="x", logs=str(tmp_path), time=time, grace_s=0)
     assert slurm_seconds(time) == seconds
@@ -62,3 +65,27 @@ def test_resume_into_an_empty_out_warns_and_training_an_unfinished_run_warns(tmp
     assert any("holds no checkpoint, so training starts at step 0" in w for w in warned), warned
     assert any("planned shards are committed; streaming those" in w and "extraction is not finished" in w
                for w in warned), warned
+
+
+class _Refusing(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        from layertap.train.follow import Stalled
+
+        raise Stalled("r0: STALLED: extraction waits for training to consume. Stopping after 10 min of it.")
+        yield
+
+
+def test_a_user_error_in_a_dataloader_worker_reaches_the_trainer_as_raised():
+    """torch re-raised it as "Caught Stalled in DataLoader worker process 0. Original Traceback
+    ...", which `layertap train` printed whole after "error:" (a review finding)."""
+    from layertap.train.follow import Stalled
+    from layertap.train.loader import worker_error
+
+    with pytest.raises(Stalled) as caught:
+        next(iter(torch.utils.data.DataLoader(_Refusing(), num_workers=1, batch_size=None)))
+    assert str(caught.value).startswith("Caught Stalled in DataLoader worker process 0")
+    clean = worker_error(caught.value)
+    assert type(clean) is Stalled
+    assert str(clean) == "r0: STALLED: extraction waits for training to consume. Stopping after 10 min of it."
+    plain = ValueError("Caught nothing")
+    assert worker_error(plain) is plain

@@ -316,7 +316,7 @@ class CommitWatcher:
             log.info("%s waiting for extraction: %d of %d shards committed (%d running, %d failed with retries left, "
                      "%d given up, %d pending)", self.who, len(self.known), len(self.manifest.shards), len(running),
                      len(retrying), len(given_up), len(left) - len(running) - len(retrying) - len(given_up))
-            self._log_stall()
+            self._log_stall(bool(running))
             self._logged = time.monotonic()
         return False
 
@@ -326,7 +326,7 @@ class CommitWatcher:
         self._full_due = any(s not in self.known for s in listed_shards(self.store, layout.COMMITS))
         return self._full_due
 
-    def _log_stall(self) -> None:
+    def _log_stall(self, extracting: bool = False) -> None:
         """Training waits for data while extraction waits for training (its --window is full).
         `layertap train --delete-consumed` answers the first sign by a checkpoint, which frees
         what it trained on; a stall still there a look later (30 s) is for good: samples in the
@@ -335,7 +335,9 @@ class CommitWatcher:
         from layertap.manifests.consumption import consumer_of, stalled
 
         found = stalled(self.store)
-        if found is None or self._stalled_looks == 0:  # no stall, or new commits since (`poll`)
+        # No stall, new commits since (`poll`), or shards still being extracted (workers that passed
+        # the window's gate before it filled: their commits will come): the clock starts over.
+        if found is None or self._stalled_looks == 0 or extracting:
             self._stalled_since = time.monotonic() if found is not None else None
         self._stalled_looks = self._stalled_looks + 1 if found is not None else 0
         if found is None or self._stalled_looks < 2:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from layertap.storage.errors import ConfigError
+from layertap.storage.errors import ConfigError, UserError
 from layertap.train.batch import collate
 from layertap.train.fetch import merge_snapshots
 from layertap.train.stream import ShardStream
@@ -246,7 +246,7 @@ class Prefetcher:
                 finally:
                     batches.close()
         except BaseException as e:  # noqa: BLE001 - handed to the training thread, raised there
-            self._ready.put(_Failed(e))
+            self._ready.put(_Failed(worker_error(e)))
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         if self._copy_stream is None:
@@ -260,3 +260,16 @@ class Prefetcher:
                     batch[key] = t
         self._copy_stream.synchronize()  # this thread waits for the copy; the training thread never does
         return batch
+
+
+def worker_error(e: BaseException) -> BaseException:
+    """A user error raised in a DataLoader worker, as the worker raised it. torch raises it here as
+    `type(e)("Caught X in DataLoader worker process N. Original Traceback ... module.X: text")`,
+    which the command line printed whole, traceback and all, after "error:"."""
+    if not isinstance(e, UserError) or not str(e).startswith("Caught "):
+        return e
+    text = str(e).rsplit(f"{type(e).__module__}.{type(e).__qualname__}: ", 1)[-1].strip()
+    try:
+        return type(e)(text)
+    except Exception:  # an error type that takes other arguments: as torch gave it
+        return e

@@ -134,7 +134,7 @@ def _cores() -> int:
 
 
 def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leave out", "keep"] = "leave out",
-               ) -> tuple[Manifest, list[CommittedShard], bytes | None]:
+               unfinished_warning: bool = True) -> tuple[Manifest, list[CommittedShard], bytes | None]:
     """(the run's manifest, its committed shards sorted by id, the commit index to store when the
     stored one lacked some: `manifests.commit_index.Commits.new_index`): one listing of
     `commits/` and the commit index, plus a GET per commit the index lacks, and one listing of
@@ -144,7 +144,9 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
     `manifests.consumption`) keeps its commit but has no data: it is left out, with one warning
     saying how many shards and samples that is; a run whose every committed shard was consumed is
     an InputError. `consumed="keep"` lists them anyway, for a caller that never reads them (the
-    end of a follow epoch that deleted them: its shard list must stay the one it checkpointed)."""
+    end of a follow epoch that deleted them: its shard list must stay the one it checkpointed).
+    A run whose extraction is unfinished is streamed as far as it goes, with a warning
+    (`unfinished_warning`: one rank of many says it)."""
     manifest = load_manifest(store)
     read = read_commits(store, threads)
     commits = read.records
@@ -152,7 +154,7 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
     foreign = sorted(c.shard for c in commits if not fits_plan(c, manifest))
     if foreign:
         raise replaced_manifest_error(store.uri, foreign)
-    if consumed == "leave out" and len(commits) < len(manifest.shards):
+    if unfinished_warning and consumed == "leave out" and len(commits) < len(manifest.shards):
         log.warning("%s: %d of %d planned shards are committed; streaming those. Its extraction is not finished: "
                     "finish it (`layertap status` tells what is left), or train with --follow to take the rest as "
                     "it comes", store.uri, len(commits), len(manifest.shards))
@@ -244,7 +246,7 @@ class ShardStream(IterableDataset):
             self.shards, self._new_index, self._settled = [], None, False
             follow = ([p.num_samples for p in manifest.shards], self.world_size)
         else:
-            manifest, self.shards, self._new_index = load_index(self._store())
+            manifest, self.shards, self._new_index = load_index(self._store(), unfinished_warning=self.rank == 0)
             if only is not None:
                 self.shards = self._only(only)
             self._settled, follow = True, None

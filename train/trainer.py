@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -282,13 +283,18 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
                                                    "the run's manifest")
 
-    ckpt = load_latest(out, tensors=rank == 0)  # the other ranks receive them (`_broadcast_tensors`)
+    try:
+        ckpt, failed = load_latest(out, tensors=rank == 0), None  # the other ranks receive them (`_broadcast_tensors`)
+    except Exception as e:
+        ckpt, failed = None, e
+    _agree_on_checkpoint(acc, ckpt, failed, cfg.out)
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
                          "that run, or choose another --out")
-    if ckpt is None and cfg.resume and rank == 0:  # a Slurm requeue passes --resume from the first start on
-        log.warning("--resume: %s holds no checkpoint, so training starts at step 0 (a typo in --out would "
-                    "start a long run over; check it if a run was expected there)", cfg.out)
+    if ckpt is None and cfg.resume and rank == 0:  # a Slurm job passes --resume from its first start on: no news there
+        log.log(logging.INFO if os.environ.get("SLURM_JOB_ID") else logging.WARNING,
+                "--resume: %s holds no checkpoint, so training starts at step 0 (a typo in --out would start a long "
+                "run over; check it if a run was expected there)", cfg.out)
     _check_objective(cfg, run.identity.final_state)
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
@@ -333,6 +339,8 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         _raise_if_any_refused(acc, refused, f"the resume from {cfg.out} step {start}")
         _broadcast_tensors(acc, ckpt)
         restore(ckpt, model, optimizer)
+        ckpt.weights.clear()  # copied into the model and optimizer: ~22 GB of host memory at 27B shapes, held
+        ckpt.optimizer.clear()  # to the end of training otherwise
         if rank == 0:
             lines = _metrics_until(out, start)
             if start < total and withdraw_export(out):
@@ -441,24 +449,43 @@ def _raise_if_any_refused(acc: Any, refused: BaseException | None, what: str) ->
         raise InputError(f"rank(s) {bad[:10]} refused {what}: their error says why")
 
 
+def _agree_on_checkpoint(acc: Any, ckpt: Checkpoint | None, failed: BaseException | None, out: str) -> None:
+    """Every rank read the same checkpoint (or none), or every rank stops: ranks resuming from
+    different ones (an --out on a folder local to each node; latest.json changed between their
+    reads) would call different collectives and hang, and one that failed to read it would leave
+    the others waiting in the first."""
+    mine = [float(failed is not None), float(ckpt.step if ckpt is not None else -1)]
+    rows = acc.gather(torch.tensor(mine, dtype=torch.float64, device=acc.device)).view(-1, 2).cpu().tolist() \
+        if acc.num_processes > 1 else [mine]
+    if failed is not None:
+        raise failed
+    bad = [rank for rank, (f, _) in enumerate(rows) if f]
+    if bad:
+        raise InputError(f"rank(s) {bad[:10]} could not read the latest checkpoint of {out}: their error says why")
+    steps = sorted({int(step) for _, step in rows})
+    if len(steps) > 1:
+        raise InputError(f"the ranks found different checkpoints in {out} (steps {steps}; -1: none): every rank "
+                         "must see the same --out (not a folder local to each node), and nothing else may write "
+                         "to it during the resume")
+
+
 def _broadcast_tensors(acc: Any, ckpt: Checkpoint) -> None:
     """Rank 0's checkpoint weights and moments into every rank's tensors (allocated from the files'
     headers), one broadcast a tensor in name order, through the device (NCCL moves device memory).
     Read by rank 0 alone: at a 27B target's shapes they are ~22 GB, and 1,000 ranks each reading
-    them took ~22 TB off the store at every resume."""
+    them took ~22 TB off the store at every resume. The ranks read the same step
+    (`_agree_on_checkpoint`), so the same names and shapes."""
     if acc.num_processes == 1:
         return
     import torch.distributed as dist
 
-    if (step := _from_rank_0(acc, ckpt.step)) != ckpt.step:
-        raise RuntimeError(f"rank {acc.process_index} read the checkpoint of step {ckpt.step}, rank 0 that of step "
-                           f"{step}: latest.json changed under the resume (another trainer?)")
+    root, on_host = acc.process_index == 0, acc.device.type == "cpu"
     for tensors in (ckpt.weights, ckpt.optimizer):
         for name in sorted(tensors):
             t = tensors[name]
-            buf = t.to(acc.device)  # `t` itself on CPU (gloo)
+            buf = t if on_host else t.to(acc.device) if root else torch.empty_like(t, device=acc.device)
             dist.broadcast(buf, src=0)
-            if buf is not t:
+            if not root and buf is not t:
                 t.copy_(buf)
 
 
