@@ -295,6 +295,8 @@ def open_store(uri: str, **options) -> ObjectStore:
         from layertap.storage.s3 import S3Store
 
         return S3Store(uri, s3_options(options))
+    if uri.lower().startswith(("s3:", "s3a:", "s3n:")) and not uri.startswith("s3://"):  # taken for a local path
+        raise StoreError(f"{uri!r} is not an S3 URI: write s3://bucket/prefix (lower case, two slashes)")
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
         raise StoreError(f"unsupported store URI {uri!r}: scheme {scheme!r}; use s3://bucket/prefix or a local path")

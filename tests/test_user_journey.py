@@ -89,3 +89,15 @@ def test_a_user_error_in_a_dataloader_worker_reaches_the_trainer_as_raised():
     assert str(clean) == "r0: STALLED: extraction waits for training to consume. Stopping after 10 min of it."
     plain = ValueError("Caught nothing")
     assert worker_error(plain) is plain
+
+
+@pytest.mark.parametrize("uri", ["s3:/bucket/run", "s3:bucket/run", "S3://bucket/run", "s3a://bucket/run"])
+def test_a_mistyped_s3_uri_is_refused_not_taken_for_a_local_folder(uri, tmp_path, monkeypatch, capsys):
+    """`layertap status s3:/bucket/x` said "no run at /cwd/s3:/bucket/x" (a user hunt); extract
+    would have written a local folder named "s3:"."""
+    from layertap.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli(["status", uri]) == 2
+    assert f"{uri!r} is not an S3 URI: write s3://bucket/prefix" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
