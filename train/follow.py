@@ -61,6 +61,8 @@ LOW_POLL_MAX_S = 4.0  # the longest look-ahead wait of a consumer low on work wh
 # side can move on its own, and both would hold their GPUs until killed. Long enough for an operator who
 # saw the STALLED lines to restart extraction with a larger --window, which ends it.
 STALL_GIVE_UP_S = 600.0
+IDLE_CHECKS = 4  # at most this many uncommitted shards nothing works on: a waiting consumer HEADs their commits
+IDLE_CHECK_S = 60.0  # ... each at most this often
 OVER_CHECK_AFTER = 3  # empty looks in a row (0.5 + 1 + 2 s) before a wait asks whether extraction is over
 
 
@@ -169,6 +171,7 @@ class CommitWatcher:
         self._logged = 0.0
         self._given_up_once = False
         self._stalled_looks = 0  # looks in a row that found extraction held by its window
+        self._idle_checked: dict[int, float] = {}  # shards `_idle_ones_committed` looked at, and when
         self._stalled_since: float | None = None  # when those looks began (our monotonic clock)
 
     def poll(self) -> list[CommitRecord | FeedCommit]:
@@ -301,6 +304,8 @@ class CommitWatcher:
         Logs what is still pending, at most every 30 s."""
         w = pending_work(self.store, self.manifest, set(self.known))
         left, running, given_up, retrying = w.left, w.running, w.given_up, w.retrying
+        if not w.live and self._idle_ones_committed(set(left) - set(given_up) - set(retrying)):
+            return False  # the feed missed their commits (a worker killed between the two): the next look lists them
         if w.over and not self._missed_commits():
             if self._given_up_once:
                 log.warning("%s: extraction is over with %d shard(s) given up (%s): ending the follow epoch without "
@@ -319,6 +324,21 @@ class CommitWatcher:
             self._log_stall(bool(running))
             self._logged = time.monotonic()
         return False
+
+    def _idle_ones_committed(self, idle: set[int]) -> bool:
+        """Whether a shard that nothing works on (no live lease in the run, no failure) is committed
+        all the same: the feed missed it, and with no worker left to commit anything the full listing
+        (every FULL_LOOK_S) was the only way to see it, minutes after the rest. While IDLE_CHECKS or
+        fewer such shards are left (a run's end), a HEAD of each at most every IDLE_CHECK_S (4,000
+        consumers: ~270 HEADs/s at most); then the next look lists commits/."""
+        if len(idle) > IDLE_CHECKS:  # extraction not started, or stopped with much left: the full looks will do
+            return self._full_due
+        now = time.monotonic()
+        due = [s for s in sorted(idle) if now - self._idle_checked.get(s, -IDLE_CHECK_S) >= IDLE_CHECK_S]
+        self._idle_checked.update((s, now) for s in due)
+        if any(self.store.exists(layout.commit_key(s)) for s in due):
+            self._full_due = True
+        return self._full_due
 
     def _missed_commits(self) -> bool:
         """Whether `commits/` lists a commit not known (one the feed missed): then the next look
