@@ -16,10 +16,13 @@ platforms=()
 for p in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
     platforms+=(--platform "${p}_x86_64")
 done
-# the same versions as here; transformers too (the image's 5.17 differs in the hybrid caches), and
-# datasets with the two packages of its own that the image lacks
+# the same versions as here; transformers too (the image's 5.17 differs in the hybrid caches) with
+# the packages whose versions it checks at import beyond the image's (transformers 5.25 wants
+# huggingface-hub 2.x, which brings httpx2; the image's hub 1.33 stopped every step on 2026-12-04),
+# and datasets with the two packages of its own that the image lacks
 wanted=(boto3 botocore s3transfer jmespath moto responses xmltodict cryptography cffi pycparser
-    flask flask-cors blinker itsdangerous zstandard transformers regex datasets dill multiprocess)
+    flask flask-cors blinker itsdangerous zstandard transformers regex tokenizers safetensors
+    huggingface-hub hf-xet httpx2 httpcore2 truststore h11 datasets dill multiprocess)
 pins=$(python -m pip show "${wanted[@]}" 2>/dev/null | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')
 # pip show exits 0 with a package missing: one not installed here would be absent from .whl, silently
 if [ "$(wc -w <<<"$pins")" != "${#wanted[@]}" ]; then

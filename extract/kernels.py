@@ -190,9 +190,24 @@ def _fla_conv_adapter(fla_conv, fallback):
     return causal_conv1d_fn
 
 
+def _plain_function(value):
+    """The function behind `value`: itself, or the one a `kernels` Func module calls. With the
+    `kernels` package installed, transformers >= 5.25 turns each function the Hub may replace into
+    an nn.Module whose forward calls the decorated function (a closure variable `func`)."""
+    forward = getattr(type(value), "forward", None) if isinstance(value, nn.Module) else None
+    if not inspect.isfunction(forward):
+        return value
+    try:
+        inner = inspect.getclosurevars(forward).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return value
+    return inner if inspect.isfunction(inner) else value
+
+
 def _wrapper_closure(value) -> dict | None:
     """The closure of a transformers fast/fallback wrapper (`implementation`, `torch_function`,
     `is_new_implementation`, `func_name`, `package`), or None for any other function."""
+    value = _plain_function(value)
     if not inspect.isfunction(value):
         return None
     try:
@@ -216,11 +231,27 @@ def _wrapper_choice(kind: str, value) -> KernelChoice | None:
 
 
 def _called_functions(cls: type) -> list[tuple[str, object]]:
-    """(name, value) of the module-level names `cls.forward` refers to."""
-    try:
-        return list(inspect.getclosurevars(inspect.unwrap(cls.forward)).globals.items())
-    except (AttributeError, TypeError, ValueError):
-        return []
+    """(name, value) of the module-level names `cls.forward` refers to, and those of the modeling
+    module's own functions it calls, transitively: transformers >= 5.25 calls the short convolution
+    (`causal_conv1d_fn`) from a helper (`causal_conv1d_forward`), not from the layer's forward."""
+    module = sys.modules.get(cls.__module__)
+    own = vars(module) if module is not None else None
+    out: dict[str, object] = {}
+    todo = [getattr(cls, "forward", None)]
+    seen: set[int] = set()
+    while todo:
+        fn = todo.pop()
+        try:
+            names = inspect.getclosurevars(inspect.unwrap(fn)).globals
+        except (AttributeError, TypeError, ValueError):
+            continue
+        for name, value in names.items():
+            out.setdefault(name, value)
+            inner = _plain_function(value)
+            if inspect.isfunction(inner) and inner.__globals__ is own and id(inner) not in seen:
+                seen.add(id(inner))
+                todo.append(inner)
+    return list(out.items())
 
 
 def _module_functions(model: nn.Module) -> list[tuple[object, str, object]]:

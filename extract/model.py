@@ -85,8 +85,11 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
         if weights:
+            # use_kernels=False: layertap picks the kernels itself (below) and names them. transformers >= 5.25
+            # otherwise asks the `kernels` package for Hub kernels at every load, and refuses to load at all
+            # where that package is missing or at a version it does not accept (another package's pin)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                         **kw)
+                                                         use_kernels=False, **kw)
         else:
             config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
             with torch.device("meta"):

@@ -80,6 +80,8 @@ if how == "plain":  # transformers alone: the kernels it picked at import, on CP
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 else:
     model = load_target(folder, dtype=torch.float32).model
+    from layertap.extract.kernels import use_fla_short_conv  # CUDA tensors only: on CPU, the reference
+    print("short conv routed in", use_fla_short_conv(model), file=sys.stderr)
 capture = Capture(model, [1, 3])
 ids = torch.arange(1, 41).reshape(2, 20) % 97
 hidden, _ = capture(ids, torch.ones_like(ids))
@@ -101,12 +103,37 @@ def test_a_cpu_forward_on_a_machine_with_fla_takes_the_reference_kernels(tmp_pat
                               capture_output=True, text=True, timeout=600, env=dict(env, PYTHONPATH=path))
 
     plain = forward("plain", with_fla=True)
-    assert plain.returncode != 0, "transformers ran fla on CPU tensors: this test no longer exercises the fix"
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.25"):  # later ones send CPU tensors to the reference themselves
+        assert plain.returncode != 0, "transformers ran fla on CPU tensors: this test no longer exercises the fix"
     ours = forward("layertap", with_fla=True)
     assert ours.returncode == 0, ours.stderr[-3000:]
     assert "chunk_gated_delta_rule=fast (fla" in ours.stderr and "torch reference on CPU" in ours.stderr
+    # the short convolution is found where transformers >= 5.25 calls it (from causal_conv1d_forward)
+    assert "short conv routed in ['transformers.models.qwen3_5.modeling_qwen3_5']" in ours.stderr, ours.stderr[-3000:]
     reference = forward("layertap", with_fla=False)
     assert reference.returncode == 0, reference.stderr[-3000:]
     import torch
 
     assert torch.equal(torch.load(tmp_path / "layertap-True.pt"), torch.load(tmp_path / "layertap-False.pt"))
+
+
+def test_a_kernels_package_transformers_does_not_accept_does_not_stop_the_load(tmp_path):
+    """transformers >= 5.25 loads every model through the `kernels` package (Hub kernels) unless
+    told not to, and refuses to load where that package is at a version it does not accept: a
+    user's environment where another package pinned it, or the H200 image (whose `layertap extract`
+    failed so on 2026-12-04). layertap picks its kernels itself and loads with use_kernels=False."""
+    model = tiny_model_dir(tmp_path, "qwen3_5_text", 4)
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("")
+    (site / "kernels-0.0.1.dist-info").mkdir()
+    (site / "kernels-0.0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.0.1\n")
+    code = ("import sys, torch; from layertap.extract.model import load_target; "
+            "print(type(load_target(sys.argv[1], dtype=torch.float32).model).__name__)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "Qwen3_5ForCausalLM"
