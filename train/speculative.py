@@ -207,24 +207,33 @@ def _rollable_layers() -> list[type]:
     return rollable + ([cache_utils.DummyLayer] if hasattr(cache_utils, "DummyLayer") else [])
 
 
-def _snapshot(cache) -> list[tuple[Any, dict, dict, dict]]:
-    """Copies of every linear-attention layer's conv and recurrent states."""
+# A linear-attention layer's token count (transformers >= 5.25): the cache's length, hence the next
+# forward's positions, comes from it where layer 0 is linear (qwen3_5_text), so it rolls back too.
+_COUNTERS = ("cumulative_length_linear",)
+
+
+def _snapshot(cache) -> list[tuple[Any, dict, dict, dict, dict]]:
+    """Copies of every linear-attention layer's conv and recurrent states and token count."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     return [(layer, {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
              {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None},
-             dict(layer.has_previous_state))
+             dict(layer.has_previous_state),
+             {name: getattr(layer, name).clone() for name in _COUNTERS if isinstance(getattr(layer, name, None),
+                                                                                    torch.Tensor)})
             for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
-def _restore(snapshot: list[tuple[Any, dict, dict, dict]]) -> None:
+def _restore(snapshot: list[tuple[Any, dict, dict, dict, dict]]) -> None:
     """Put a `_snapshot` back, in place: the layers' tensors keep their identity (and address)."""
-    for layer, conv, recurrent, previous in snapshot:
+    for layer, conv, recurrent, previous, counters in snapshot:
         for i, s in conv.items():
             layer.conv_states[i].copy_(s)
         for i, s in recurrent.items():
             layer.recurrent_states[i].copy_(s)
         layer.has_previous_state.update(previous)
+        for name, s in counters.items():
+            getattr(layer, name).copy_(s)
 
 
 @dataclass
