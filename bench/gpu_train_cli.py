@@ -183,7 +183,7 @@ def train(data: str, target: str, out: Path, args: argparse.Namespace, extra: li
     calls on_metrics(summary) as soon as metrics.jsonl holds the requested steps."""
     cmd = [sys.executable, "-m", "layertap", "train", "--data", data, "--model", target, "--out", str(out),
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--save-every", str(10 * args.steps),
-           "--log-dir", str(out.parent / f"{out.name}-logs"), *extra]
+           "--log-dir", str(out.parent / f"{out.name}-logs"), "--log-every", "1", *extra]
     say(f"{label}: {' '.join(cmd[1:])} (time limit {timeout:.0f} s)")
     t = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -224,6 +224,8 @@ def train(data: str, target: str, out: Path, args: argparse.Namespace, extra: li
                                                   f"rc {rc})"}
                 break
             if now - t >= timeout:
+                p.send_signal(signal.SIGUSR2)  # every thread's stack into the log: where it was
+                time.sleep(2)
                 rc = stop(p)
                 ended = {"rc": rc, "trainer_exit": f"killed at the time limit ({timeout:.0f} s)"}
                 say(f"{label}: still running after {timeout:.0f} s: killed")
@@ -278,8 +280,12 @@ def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpo
     ended), so the caller's JSON always holds what is known."""
     bucket = f"bench-train-{os.getpid()}-{name}"
     path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
+    # TORCH_LOGS: each torch.compile recompile and graph break is logged with its reason (the 27B run of
+    # 2026-12-04 logged no step in 132 s, where 2026-11-30's did 55 in 66 s; compiling the block mask
+    # came in between), unless the caller chose what torch logs
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1", PYTHONPATH=path,
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               TORCH_LOGS=os.environ.get("TORCH_LOGS", "recompiles,graph_breaks"))
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1")
     import boto3
 

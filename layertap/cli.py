@@ -7,9 +7,11 @@ transformers, and lower layers never import upper ones.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from layertap.storage.errors import UserError
@@ -76,6 +78,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 
 def main(argv: list[str] | None = None) -> int:
+    _stacks_on_sigusr2()
     # Parsing imports every subcommand's module (1-3 s): a Ctrl-C then is an interruption like any
     # other, one line and exit 130, not a KeyboardInterrupt traceback.
     try:
@@ -92,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _stacks_on_sigusr2() -> None:
+    """`kill -USR2 PID` (or `scancel --signal=USR2 JOB`) prints every thread's Python stack to
+    stderr and the command goes on: where a rank that seems hung is waiting, without a debugger
+    on the node. (SIGTERM and SIGUSR1 stop a command at a step boundary; USR2 was unused, and its
+    default action would end the process.)"""
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
 
 
 def _setup_logging(verbose: bool) -> None:
