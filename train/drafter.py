@@ -300,32 +300,61 @@ class DFlashDrafter(nn.Module):
         return torch.cat((sees_ctx, sees_block), dim=2)
 
     def _block_mask(self, anchors: torch.Tensor, t: int):
-        """The same mask as a flex-attention BlockMask. On CUDA `create_block_mask` runs compiled,
-        so the mask is computed per 128x128 tile and the dense [B, 1, Q, KV] mask is never
-        materialised (eager, torch builds it first: 1 GiB at 4K tokens, 512 anchors, block 16),
-        which is what makes the full recipe fit on a GPU. Elsewhere it runs eager: tests' shapes."""
-        b, a = anchors.shape
+        """The same mask as a flex-attention BlockMask, built from the anchors tile by tile
+        (`_tiled_block_mask`): neither the dense [B, 1, Q, KV] mask that an eager
+        `create_block_mask` materialises first (1 GiB at 4K tokens, 512 anchors, block 16) nor a
+        compiled `create_block_mask`, which compiles again for new shapes (three times for the
+        lengths and batch sizes of one epoch) before the first step can run."""
         bs = self.config.block_size
 
         def visible(bi, h, q_idx, kv_idx):
             block = q_idx // bs
             return torch.where(kv_idx < t, kv_idx < anchors[bi, block], (kv_idx - t) // bs == block)
 
-        return _create_block_mask(anchors.device.type)(visible, b, None, a * bs, t + a * bs, device=anchors.device)
+        return _tiled_block_mask(anchors, t, bs, visible)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head.to(hidden.dtype).t()
 
 
 
-@functools.cache
-def _create_block_mask(device_type: str):
-    """create_block_mask, compiled once per process on CUDA (as speculators does), where eager
-    would materialise the dense mask; eager elsewhere. One cached compiled function rather than
-    `_compile=True`, which is deprecated and wraps a fresh torch.compile on every call."""
-    from torch.nn.attention.flex_attention import create_block_mask
+TILE = 128  # flex-attention's block: a BlockMask lists, per 128 query rows, the 128-key tiles they see
 
-    return torch.compile(create_block_mask) if device_type == "cuda" else create_block_mask
+
+def _tiled_block_mask(anchors: torch.Tensor, t: int, bs: int, mask_mod):
+    """The drafter's BlockMask computed at tile level from the anchors ([B, A]: block k's rows see
+    context keys < anchors[k] and the keys of block k after the T context keys): per (query tile,
+    key tile) whether some row sees some key (a partial tile, where `mask_mod` decides) or every row
+    every key (a full tile). Equal to `create_block_mask(mask_mod, B, None, A*bs, T + A*bs)`, tile
+    for tile (tests/test_block_mask.py), in a few small tensor ops of [B, Q/128, KV/128]."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, a = anchors.shape
+    q_len, kv_len = a * bs, t + a * bs
+    dev = anchors.device
+    j = torch.arange(-(-q_len // TILE), device=dev)  # query tiles
+    k0 = (j * TILE) // bs  # the first and last block with rows in each
+    k1 = torch.clamp(((j + 1) * TILE - 1) // bs, max=a - 1)
+    ks = k0[:, None] + torch.arange(-(-TILE // bs) + 1, device=dev)
+    inside = ks <= k1[:, None]
+    per = anchors[:, ks.clamp(max=a - 1)]  # [B, tiles, blocks per tile]
+    amax = per.masked_fill(~inside, -1).amax(-1)[:, :, None]
+    amin = per.masked_fill(~inside, torch.iinfo(per.dtype).max).amin(-1)[:, :, None]
+    lo = torch.arange(-(-kv_len // TILE), device=dev) * TILE  # key tiles: [lo, hi)
+    hi = torch.clamp(lo + TILE, max=kv_len)
+    own_lo, own_hi = (t + k0 * bs)[:, None], (t + (k1 + 1) * bs)[:, None]  # the tile's blocks' own keys
+    seen = ((lo < t) & (lo < amax)) | ((hi > t) & (lo < own_hi) & (hi > own_lo))
+    all_context = (lo >= t) | (torch.clamp(hi, max=t) <= amin)
+    all_own = (hi <= t) | ((k0 == k1)[:, None] & (torch.clamp(lo, min=t) >= own_lo) & (hi <= own_hi))
+    whole = (((j + 1) * TILE) <= q_len)[:, None] & (lo + TILE <= kv_len)  # no row or key past the ends
+    full = whole & all_context & all_own
+
+    def listed(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts, then the tiles first
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True)
+        return tiles.sum(-1, dtype=torch.int32)[:, None], order[:, None].to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*listed(seen & ~full), *listed(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
 
 
 @functools.cache
