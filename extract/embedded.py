@@ -163,7 +163,7 @@ def _convert(folder: str, name: str, dest: Path) -> None:
     log.info("converting the embedded SmolLM2 GGUF once into %s (about a minute and 540 MB; later commands "
              "load it in about a second)", dest)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **gguf_kwargs(name))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False, **gguf_kwargs(name))
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f"{dest.name}.", suffix=".tmp"))
     try:
         model.save_pretrained(tmp)
