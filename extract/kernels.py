@@ -30,6 +30,9 @@ from layertap.extract.fused_norms import norm_choice
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'layertap[gpu]' (flash-linear-attention; see README, 'Fast kernels')"
+# The fix per package transformers looks for (KernelChoice.package); layertap[gpu] brings fla alone
+INSTALL_HINTS = {"fla": INSTALL_HINT, "causal_conv1d": "pip install causal-conv1d (it builds CUDA code at install)",
+                 "mamba_ssm": "pip install mamba-ssm (it builds CUDA code at install)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +111,16 @@ def log_kernel_paths(model: nn.Module, device: str) -> dict[str, list[KernelChoi
              for kind, choices in paths.items() if choices]
     if parts:
         log.info("kernels: %s", "; ".join(parts))
-    slow = [c for choices in paths.values() for c in choices if c.fast is False]
+    # `*_update` functions step one token of a cached decode, which extraction never runs (and eval
+    # rarely): their fallback is named in the line above, not warned of
+    slow = [c for choices in paths.values() for c in choices if c.fast is False and not c.function.endswith("_update")]
     if slow and str(device).startswith("cuda"):
         names = ", ".join(sorted({c.function for c in slow}))
-        pkgs = ", ".join(sorted({c.package for c in slow}))
+        pkgs = sorted({c.package for c in slow})
+        hints = "; ".join(dict.fromkeys(INSTALL_HINTS.get(p, f"install the {p} package") for p in pkgs))
         log.warning("kernels: %s run on transformers' reference PyTorch fallback on this GPU (%s not "
-                    "installed or not importable): correct but slower; install the fast kernels with %s",
-                    names, pkgs, INSTALL_HINT)
+                    "installed or not importable): correct but slower; install the fast kernels: %s",
+                    names, ", ".join(pkgs), hints)
     return paths
 
 
@@ -128,6 +134,8 @@ def use_fla_short_conv(model: nn.Module) -> list[str]:
     copies go too. CUDA tensors only; anything else still takes the fallback. Returns the modeling
     modules patched (none when fla is missing or the fast package is installed).
     """
+    if "linear_attention" not in _layer_types(model):  # the adapter speaks the gated deltanets' calls only
+        return []
     try:
         from fla.modules.causal_conv1d import causal_conv1d as fla_conv
     except Exception:  # not installed, or no Triton/GPU build: keep transformers' choice

@@ -97,13 +97,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+_stacks_registered = False
+
+
 def _stacks_on_sigusr2() -> None:
     """`kill -USR2 PID` (or `scancel --signal=USR2 JOB`) prints every thread's Python stack to
     stderr and the command goes on: where a rank that seems hung is waiting, without a debugger
     on the node. (SIGTERM and SIGUSR1 stop a command at a step boundary; USR2 was unused, and its
-    default action would end the process.)"""
-    if hasattr(signal, "SIGUSR2"):
-        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    default action would end the process.) Once per process, onto the process's own stderr (an
+    in-process caller's capture may lack a descriptor, or close it and leave its number to another
+    file), after a handler a host program set, if any."""
+    global _stacks_registered
+    if _stacks_registered or not hasattr(signal, "SIGUSR2") or sys.__stderr__ is None:
+        return
+    try:
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True,
+                              chain=callable(signal.getsignal(signal.SIGUSR2)))
+    except (AttributeError, OSError, RuntimeError, ValueError):  # io.UnsupportedOperation: no descriptor
+        return
+    _stacks_registered = True
 
 
 def _setup_logging(verbose: bool) -> None:

@@ -137,3 +137,33 @@ def test_a_kernels_package_transformers_does_not_accept_does_not_stop_the_load(t
     p = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == "Qwen3_5ForCausalLM"
+
+
+def test_the_fallback_warning_names_each_packages_own_fix_and_skips_decode_only_functions(caplog):
+    """On CUDA the warning names what to install per package: `layertap[gpu]` brings
+    flash-linear-attention alone, so a mamba hybrid (nemotron_h: causal_conv1d and mamba_ssm
+    kernels) is told those packages. A `*_update` function (one token of a cached decode, never
+    run by extraction) is named in the kernel line but not warned of."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from layertap.extract.kernels import describe, log_kernel_paths
+
+    config = AutoConfig.for_model("nemotron_h", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  hybrid_override_pattern="M*M-", mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
+                                  ssm_state_size=16, chunk_size=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    packages = {c.package for choices in describe(model).values() for c in choices if c.fast is False}
+    assert packages, "transformers names no fallback of nemotron_h's mamba layers: this test checks nothing"
+    with caplog.at_level("INFO", logger="layertap.extract.kernels"):
+        log_kernel_paths(model, "cuda:0")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "layertap[gpu]" not in warnings[0] or "fla" in packages, warnings[0]
+    if "mamba_ssm" in packages:
+        assert "pip install mamba-ssm" in warnings[0]
+    if "causal_conv1d" in packages:
+        assert "pip install causal-conv1d" in warnings[0]
+    assert "_update" not in warnings[0].split(" run on ")[0], warnings[0]

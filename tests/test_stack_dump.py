@@ -37,3 +37,12 @@ def test_sigusr2_prints_every_threads_stack_and_the_command_goes_on(tmp_path):
     dump = "".join(lines) + err
     assert "Current thread" in dump or "Thread 0x" in dump, dump[-3000:]
     assert 'File "' in dump and "follow" in dump  # the frames, down to where it waits
+
+
+def test_main_called_in_process_under_a_captured_stderr_still_runs(capsys):
+    """Tests and embedding hosts call the CLI in-process with sys.stderr replaced by an object
+    without a file descriptor: the stack-dump handler must not stop the command there."""
+    from layertap.cli import main
+
+    assert main(["status", "s3://localhost:9000/bucket/run"]) == 2
+    assert "is not a bucket name" in capsys.readouterr().err
