@@ -210,3 +210,14 @@ def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_ask
     assert fp8["bytes_stored"] < lossless["bytes_stored"] and fp8["samples"] == lossless["samples"]
     assert fp8["tau_vs_lossless"] == pytest.approx(fp8["curve"][-1]["tau"] / r["tau"])
     assert png.stat().st_size > 10_000
+
+
+def test_block_mask_bench_runs_and_its_masks_agree(tmp_path):
+    """bench/block_mask.py on tiny shapes: the tiled mask and create_block_mask's, equal per batch."""
+    out = tmp_path / "bm.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "block_mask.py"), "--tiny", "--ways", "tiled,eager",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["equal"] is True and set(r["ways"]) == {"tiled", "eager"}
+    assert len(r["ways"]["tiled"]["seconds"]) == len(r["batches"]) == 3
