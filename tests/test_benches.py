@@ -38,6 +38,8 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     assert r["bare"]["variant"] in ("eager", "norms") and r["profile_top"] and r["matmul_ceiling"]["kept_layers_s"] > 0
     for way in ("local", "s3"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0 and r[way]["vs_bare"] > 0
+        assert 0 < r[way]["forwards_s"] <= r[way]["s"] and r[way]["drain_s"] >= 0  # split at the last forward
+        assert abs(r[way]["forwards_s"] + r[way]["drain_s"] - r[way]["s"]) < 1e-6 and r[way]["steady_vs_bare"] > 0
         assert {"forward_s", "copy_s", "encode_s_summed", "write_s", "close_s"} <= set(r[way])
     for way in ("local_shards", "local_shards_serial", "s3_shards", "s3_shards_serial"):
         assert r[way]["shards"] == 2 and r[way]["vs_bare"] > 0  # 2 batches, one per shard: each committed
