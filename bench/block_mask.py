@@ -70,10 +70,20 @@ def main(argv: list[str] | None = None) -> int:
             "eager": lambda anc, t: create_block_mask(visible_fn(anc, t, args.block), anc.shape[0], None,
                                                       anc.shape[1] * args.block, t + anc.shape[1] * args.block,
                                                       device=anc.device)}
-    result: dict = {"device": args.device, "torch": torch.__version__, "block": args.block,
+    chosen = args.ways.split(",")
+    if unknown := [w for w in chosen if w not in ways]:
+        ap.error(f"--ways: unknown {unknown}; choose from {sorted(ways)}")
+    gpu = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None
+    result: dict = {"device": gpu or args.device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "torch": torch.__version__, "block": args.block,
                     "batches": [{"batch": b, "tokens": t, "anchors": a} for b, t, a in plan], "ways": {}}
+
+    def save() -> None:  # after each way: a run cut by a time limit still says what it measured
+        if args.json:
+            save_json(args.json, result)
+
     masks: dict[str, list] = {}
-    for name in args.ways.split(","):
+    for name in chosen:
         torch._dynamo.utils.counters.clear()
         times, made = [], []
         for anc, t in inputs:
@@ -91,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         if name == "compiled":
             entry["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         result["ways"][name] = entry
+        save()
         print(f"{name}: total {entry['total_s']:.2f} s, median batch {entry['steady_s'] * 1e3:.1f} ms"
               + (f", {entry['graphs']} graphs compiled" if "graphs" in entry else ""), flush=True)
     first = next(iter(masks.values()))
     result["equal"] = all(torch.equal(a, b) for made in masks.values() for a, b in zip(first, made))
     print("the masks are equal" if result["equal"] else "THE MASKS DIFFER", flush=True)
-    if args.json:
-        save_json(args.json, result)
+    save()
     return 0 if result["equal"] else 1
 
 

@@ -11,7 +11,7 @@
 #   call 1, timeout_s 420:
 #     DEVICE_CHECKS_DEADLINE_S=400 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc ref extract e2e
 #   call 2 at once, on the warm machine (within its idle release, 30 s on 2026-12-04), timeout_s 280:
-#     DEVICE_CHECKS_DEADLINE_S=265 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc train step mask
+#     DEVICE_CHECKS_DEADLINE_S=265 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc mask train step
 #   (~120 s of machine start + 420 + 280 leaves ~80 s of the 900 for the transfers and the wait between
 #   calls; `status` says what is left: a third call of `step` alone needs ~90 s.)
 # Why that order: extract matters most, then train. `ref` goes first all the same: extract compares its
@@ -50,13 +50,14 @@
 #            errors vs the reference (when ref left one), the top kernels, the pipeline into tmpfs and into moto
 #   e2e      bench/cli_e2e.py: the real CLI (extract -> status -> verify -> train -> eval) on a small
 #            random qwen3_5_text target into moto on this host (at most 200 s)
+#   mask     (only when named; first in call 2: ~10-60 s, before `train` can use the call up)
+#            bench/block_mask.py on the GPU: the drafter's tiled BlockMask vs a compiled and an eager
+#            create_block_mask over one epoch's shapes (the compiled one is the first suspect for the
+#            27B trainer's 132 s without a step, 2026-12-04)
 #   train    bench/gpu_train_cli.py: the real `layertap train` from moto at Qwen3.6-27B's shapes
 #            and with a small drafter (data wait, tokens/s, peak memory)
 #   step     bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes (4,096 tokens x 512 anchors): the
 #            loss in chunks vs unchunked (memory; issue 18 section 3), flex vs dense gradients
-#   mask     (only when named; after `step` in call 2 if time is left) bench/block_mask.py on the GPU: the
-#            drafter's tiled BlockMask vs a compiled and an eager create_block_mask over one epoch's shapes
-#            (the compiled one is the first suspect for the 27B trainer's 132 s without a step, 2026-12-04)
 #   compile  (only when named; answered 2026-11-30: compile loses to the fla short conv, 0.42 vs
 #            0.50 MFU) bench/gpu_extract.py on 16 layers: eager vs torch.compile of each layer
 #   loader   (only when named) bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs
@@ -228,11 +229,11 @@ step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --variants eager,c
 e2e=()
 [ -n "$tiny" ] && e2e=(--steps 4 --prompts 1 --max-new-tokens 4)  # cli_e2e.py has no tiny mode: fewer of each
 step e2e 200 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e2e.json" "${e2e[@]}"
-step train 300 $with_fla python3 bench/gpu_train_cli.py $tiny --json "$out/gpu_train.json"
-step step 150 python3 bench/gpu_train.py $tiny --json "$out/gpu_train_step.json"
 mask=(--device cuda)
 [ -n "$tiny" ] && mask=(--tiny)
 step mask 90 python3 bench/block_mask.py "${mask[@]}" --json "$out/block_mask.json"
+step train 300 $with_fla python3 bench/gpu_train_cli.py $tiny --json "$out/gpu_train.json"
+step step 150 python3 bench/gpu_train.py $tiny --json "$out/gpu_train_step.json"
 step compile 150 $with_fla python3 bench/gpu_extract.py $tiny --layers 1,15 --variants eager,conv,compile --batches 3 \
     --json "$out/gpu_extract_compile.json"
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs

@@ -462,7 +462,11 @@ def pipeline_part(args, capture: Capture, samples, layers: list[int], sizes: dic
         t = time.perf_counter()
         tail = start_shard(capture, samples, meta, store.open_writer(key), batch_tokens=batch_tokens, pad_id=0,
                            encode_threads=encode_threads, stats=stats, staging=staging)
-        sync(device)
+        try:
+            sync(device)  # where an earlier CUDA error surfaces: the shard is aborted, as extract_shard's would be
+        except BaseException:
+            tail.abort()
+            raise
         forwards = time.perf_counter() - t
         info = tail.finish()
         wall = time.perf_counter() - t
