@@ -16,13 +16,14 @@ platforms=()
 for p in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
     platforms+=(--platform "${p}_x86_64")
 done
-# the same versions as here; transformers too (the image's 5.17 differs in the hybrid caches) with
-# the packages whose versions it checks at import beyond the image's (transformers 5.25 wants
-# huggingface-hub 2.x, which brings httpx2; the image's hub 1.33 stopped every step on 2026-12-04),
-# and datasets with the two packages of its own that the image lacks
+# the same versions as here; transformers too (the image's 5.17 differs in the hybrid caches), and
+# datasets with the two packages of its own that the image lacks
 wanted=(boto3 botocore s3transfer jmespath moto responses xmltodict cryptography cffi pycparser
-    flask flask-cors blinker itsdangerous zstandard transformers regex tokenizers safetensors
-    huggingface-hub hf-xet httpx2 httpcore2 truststore h11 datasets dill multiprocess)
+    flask flask-cors blinker itsdangerous zstandard transformers regex datasets dill multiprocess)
+# and, where installed here, what transformers checks at import beyond the image's versions:
+# transformers 5.25 wants huggingface-hub 2.x, which brings httpx2 (the image's hub 1.33 stopped
+# every step on 2026-12-04); an older transformers here goes with an older hub and needs none
+optional=(tokenizers safetensors huggingface-hub hf-xet httpx2 httpcore2 truststore h11)
 pins=$(python -m pip show "${wanted[@]}" 2>/dev/null | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')
 # pip show exits 0 with a package missing: one not installed here would be absent from .whl, silently
 if [ "$(wc -w <<<"$pins")" != "${#wanted[@]}" ]; then
@@ -30,6 +31,7 @@ if [ "$(wc -w <<<"$pins")" != "${#wanted[@]}" ]; then
         | sort) <(sed 's/==.*//' <<<"$pins" | tr A-Z_ a-z- | sort) | xargs)" >&2
     exit 1
 fi
+pins="$pins $(python -m pip show "${optional[@]}" 2>/dev/null | awk '/^Name:/{n=$2} /^Version:/{print n"=="$2}')"
 # One version of each wheel in .whl (two stop the install there), so a fresh folder: downloaded
 # beside it first and swapped in only when complete, so that a failed download (no network, a pin
 # without a wheel for 3.12) leaves the last good .whl in place.
@@ -49,6 +51,11 @@ mkdir -p .devcache
 cp "${LAYERTAP_TEST_CACHE:-$HOME/.cache/layertap-tests}"/smollm2-v1-n16-t256-l1_8_15_22_27.safetensors .devcache/
 [ -d .devcache/e2e ] || python bench/cli_e2e.py --prepare .devcache/e2e
 du -sh .whl .devcache
+# a device call carries at most 64 MiB: .whl and .devcache/e2e go together in the plan's calls
+carried=$(du -smc .whl .devcache/e2e | tail -1 | cut -f1)
+if [ "$carried" -gt 62 ]; then
+    echo "device_prep: .whl and .devcache/e2e take $carried MiB, near or over the 64 MiB a call carries" >&2
+fi
 echo "device_prep: .whl and .devcache/e2e are ready (what bench/device_checks.sh's default steps need)"
 # Issue 24's recipe step needs SmolLM2 and ShareGPT rows there, 98 MB + rows over the 64 MiB one call
 # carries: three parts, each carried by one call of three in a row (a warm machine keeps the ignored
