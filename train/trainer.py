@@ -555,6 +555,7 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
     seen = xxhash.xxh64()
     for micro in range(cfg.grad_accum):
         batch = run.batches.wait_for_batch()
+        _check_token_ids(batch, run.model.embed.shape[0], cfg)
         seen.update("\n".join(batch["sample_id"]).encode() + b"\n")
         # the epoch's last batch ends the step: the next epoch's first step starts with the next
         last = micro == cfg.grad_accum - 1 or batch.get("ends_epoch", False)
@@ -592,6 +593,21 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
     totals = acc.reduce(on_device + on_host.to(device, non_blocking=True), reduction="sum").cpu()
     return StepStats(step + 1, totals[:-2], lr, float(totals[-2]), time.perf_counter() - t0, seen.hexdigest(),
                      bool(totals[-1] > 0))
+
+
+def _check_token_ids(batch: dict[str, Any], vocab: int, cfg: TrainConfig) -> None:
+    """Every token id of the batch inside the target's vocabulary (on the host: the ids stay there).
+    The drafter embeds them: beyond it, an IndexError traceback on CPU and a device-side assert on
+    CUDA, which ends the process with no checkpoint and no word of which sample or why. A run made
+    with another target passes the target check only where its manifest recorded no hashes (a run
+    written by hand or by a tool of one's own)."""
+    ids = batch["input_ids"]
+    top = int(ids.max()) if ids.numel() else -1
+    if top >= vocab:
+        row = int((ids >= vocab).any(dim=1).nonzero()[0])
+        raise InputError(f"sample {batch['sample_id'][row]!r} of {cfg.data} holds token id {top}, outside the "
+                         f"vocabulary of the target {cfg.model} ({vocab} ids): the run was made with another "
+                         "tokenizer or target; pass --model with the model the run was extracted from")
 
 
 def _loop(run: _Run, start: int) -> int:
