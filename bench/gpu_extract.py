@@ -453,8 +453,8 @@ def pipeline_part(args, capture: Capture, samples, layers: list[int], sizes: dic
     staging = HostStaging() if device == "cuda" else None
 
     def pipeline(store, key):
-        """One shard of every batch (extract_shard's two halves, timed apart): `forwards_s` until the
-        last forward is done on the device, `drain_s` after it (the last batch's copies, encodes and
+        """One shard of every batch (extract_shard's two halves, timed apart): `to_last_forward_s`
+        until the last forward (and its copy to the host) is done on the device, `drain_s` after it (the last batch's copies, encodes and
         appends, the object's completion). A worker runs the next shard's forwards during a drain
         (`--overlap-shards`), so over a long run the cost is `steady_vs_bare`, not `vs_bare`."""
         stats = PipelineStats()
@@ -467,12 +467,12 @@ def pipeline_part(args, capture: Capture, samples, layers: list[int], sizes: dic
         except BaseException:
             tail.abort()
             raise
-        forwards = time.perf_counter() - t
+        to_last_forward = time.perf_counter() - t
         info = tail.finish()
         wall = time.perf_counter() - t
         return {"s": wall, "tokens_per_s": tokens / wall, "vs_bare": wall / bare_s, "bytes": info.bytes,
-                "ratio": info.raw_bytes / info.bytes, "forwards_s": forwards, "drain_s": wall - forwards,
-                "steady_vs_bare": forwards / bare_s, "forward_s": stats.forward_s, "copy_s": stats.copy_s,
+                "ratio": info.raw_bytes / info.bytes, "to_last_forward_s": to_last_forward,
+                "drain_s": wall - to_last_forward, "steady_vs_bare": to_last_forward / bare_s, "forward_s": stats.forward_s, "copy_s": stats.copy_s,
                 "encode_s_summed": stats.encode_s, "write_s": stats.write_s, "close_s": stats.close_s}
 
     def pipeline_run(store, overlap: bool) -> dict:

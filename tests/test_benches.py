@@ -14,19 +14,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_bench(script: str, *args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """bench/`script` run as a user runs it; it must exit 0 (else the tails of its output say why)."""
+    p = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True,
+                       timeout=timeout, **kw)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
 @pytest.mark.slow
 def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     """Both halves of the device step: the fp32 reference from one process, then the variants,
     their errors against it, the profile and the pipeline from another."""
-    bench = str(REPO / "bench" / "gpu_extract.py")
     ref, out = tmp_path / "ref.safetensors", tmp_path / "gx.json"
-    p = subprocess.run([sys.executable, bench, "--tiny", "--batches", "1", "--reference-out", str(ref),
-                        "--json", str(tmp_path / "ref.json")], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = subprocess.run([sys.executable, bench, "--tiny", "--batches", "2", "--variants", "eager,conv,norms,tokens32k",
-                        "--reference-in", str(ref), "--pipeline", "--profile", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run_bench("gpu_extract.py", "--tiny", "--batches", "1", "--reference-out", str(ref), "--json", str(tmp_path / "ref.json"))
+    run_bench("gpu_extract.py", "--tiny", "--batches", "2", "--variants", "eager,conv,norms,tokens32k",
+              "--reference-in", str(ref), "--pipeline", "--profile", "--json", str(out))
     r = json.loads(out.read_text())
     assert r["kept_layers"] == 6 and r["tokens"] > 0  # layers after the last capture layer are dropped
     assert "chunk_gated_delta_rule=fallback (torch reference)" in r["kernels"]["linear_attention"]
@@ -38,12 +41,12 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     assert r["bare"]["variant"] in ("eager", "norms") and r["profile_top"] and r["matmul_ceiling"]["kept_layers_s"] > 0
     for way in ("local", "s3"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0 and r[way]["vs_bare"] > 0
-        assert 0 < r[way]["forwards_s"] <= r[way]["s"] and r[way]["drain_s"] >= 0  # split at the last forward
-        assert abs(r[way]["forwards_s"] + r[way]["drain_s"] - r[way]["s"]) < 1e-6 and r[way]["steady_vs_bare"] > 0
+        assert 0 < r[way]["to_last_forward_s"] <= r[way]["s"] and r[way]["drain_s"] >= 0  # split at the last forward
+        assert abs(r[way]["to_last_forward_s"] + r[way]["drain_s"] - r[way]["s"]) < 1e-6 and r[way]["steady_vs_bare"] > 0
         assert {"forward_s", "copy_s", "encode_s_summed", "write_s", "close_s"} <= set(r[way])
     for way in ("local_shards", "local_shards_serial", "s3_shards", "s3_shards_serial"):
         assert r[way]["shards"] == 2 and r[way]["vs_bare"] > 0  # 2 batches, one per shard: each committed
-    other = subprocess.run([sys.executable, bench, "--tiny", "--batches", "1", "--seq", "32", "--reference-in",
+    other = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_extract.py"), "--tiny", "--batches", "1", "--seq", "32", "--reference-in",
                             str(ref)], capture_output=True, text=True, timeout=600)
     assert other.returncode != 0  # a reference of other inputs or weights is refused, not compared
 
@@ -51,9 +54,7 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
 @pytest.mark.slow
 def test_gpu_train_runs_on_a_tiny_config(tmp_path):
     out = tmp_path / "gt.json"
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train.py"), "--tiny", "--steps", "2",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run_bench("gpu_train.py", "--tiny", "--steps", "2", "--json", str(out))
     r = json.loads(out.read_text())
     assert r["tokens_per_s"] > 0 and r["drafter_params"] > 0 and r["loss"] > 0
 
@@ -61,10 +62,8 @@ def test_gpu_train_runs_on_a_tiny_config(tmp_path):
 @pytest.mark.slow
 def test_loader_vs_mds_runs_and_says_when_mds_is_missing(tmp_path):
     """The MosaicML side needs its own virtualenv; without it the bench still measures layertap."""
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "loader_vs_mds.py"), "--mb", "4", "--rounds", "1",
-                        "--mds-python", str(tmp_path / "no-venv" / "python")],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, BENCH_CACHE_DIR=str(tmp_path)))
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_bench("loader_vs_mds.py", "--mb", "4", "--rounds", "1", "--mds-python", str(tmp_path / "no-venv" / "python"),
+                  env=dict(os.environ, BENCH_CACHE_DIR=str(tmp_path)))
     assert "MDS rows are skipped" in p.stdout and "| layertap loader |" in p.stdout
     assert "| 0 MB | 0 MB |" in p.stdout  # nothing written locally, no cache
 
@@ -72,9 +71,7 @@ def test_loader_vs_mds_runs_and_says_when_mds_is_missing(tmp_path):
 def test_page_faults_bench_shows_the_malloc_settings_keep_big_buffers_mapped():
     """docs/LOADER.md's claim on this machine's glibc: under the MALLOC_* settings a freed 47 MiB
     buffer is reused, not mapped and page-faulted in again."""
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "page_faults.py"), "--rounds", "4"],
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert p.returncode == 0, p.stderr
+    p = run_bench("page_faults.py", "--rounds", "4", timeout=300, cwd=REPO)
     faults = {}
     for line in p.stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -115,9 +112,7 @@ def test_gpu_train_cli_bench_runs_the_real_command_on_a_tiny_config(tmp_path):
     """bench/gpu_train_cli.py: two `layertap train` runs streaming synthetic runs from its own moto
     server, summarised from the trainer's metrics into the JSON the GPU run commits."""
     out = tmp_path / "gtc.json"
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train_cli.py"), "--tiny", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run_bench("gpu_train_cli.py", "--tiny", "--json", str(out))
     r = json.loads(out.read_text())
     assert {"device", "date", "tokens_per_s", "data_wait_median", "peak_gib", "step_s_median"} <= set(r)
     for run in (r["qwen27b"], r["small"]):
@@ -127,9 +122,7 @@ def test_gpu_train_cli_bench_runs_the_real_command_on_a_tiny_config(tmp_path):
     assert r["tokens_per_s"] == r["qwen27b"]["tokens_per_s"] and r["small"]["drafter_layers"] == 1
     assert r["qwen27b"]["capture_layers"] == [1, 3, 5] and len(r["small"]["capture_layers"]) == 4
     assert "27b | " in p.stdout and "small | " in p.stdout  # the trainer's own lines, with the bench's clock
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train_cli.py"), "--report", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "| **data wait, median** (max) |" in p.stdout, p.stderr[-2000:]
+    assert "| **data wait, median** (max) |" in run_bench("gpu_train_cli.py", "--report", str(out), timeout=120).stdout
 
 
 @pytest.mark.slow
@@ -137,9 +130,7 @@ def test_follow_bench_runs_the_three_modes_on_a_tiny_run(tmp_path):
     """bench/follow.py --tiny: real paced `layertap extract` and `layertap train` processes on its own
     moto server, extract-then-train, follow and follow + window, the same steps in each."""
     out = tmp_path / "follow.json"
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow.py"), "--tiny", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_bench("follow.py", "--tiny", "--json", str(out), timeout=900)
     r = json.loads(out.read_text())
     assert r["ok"] and r["same_steps"] and r["window_peak_under_bound"]
     modes = r["modes"]
@@ -149,9 +140,7 @@ def test_follow_bench_runs_the_three_modes_on_a_tiny_run(tmp_path):
     assert whole == r["run"]["bytes"] == modes["follow"]["peak_bytes_at_rest"]  # nothing deleted without a window
     assert modes["follow_window"]["peak_bytes_at_rest"] < whole and modes["follow_window"]["final_bytes_at_rest"] == 0
     assert modes["follow"]["vs_extract_then_train"] > 0 and 0 <= modes["follow"]["data_wait_fraction"] <= 1
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow.py"), "--report", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "| train --follow |" in p.stdout, p.stderr[-2000:]
+    assert "| train --follow |" in run_bench("follow.py", "--report", str(out), timeout=120).stdout
 
 
 def test_follow_decode_bench_reads_every_mode_over_a_finished_run(tmp_path):
@@ -161,10 +150,8 @@ def test_follow_decode_bench_reads_every_mode_over_a_finished_run(tmp_path):
 
     fake_worker.work(str(tmp_path / "run"), samples=40)
     out = tmp_path / "decode.json"
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow_decode.py"), "--run", str(tmp_path / "run"),
-                        "--samples", "30", "--rounds", "2", "--shuffle-buffer", "8", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_bench("follow_decode.py", "--run", str(tmp_path / "run"), "--samples", "30", "--rounds", "2",
+              "--shuffle-buffer", "8", "--json", str(out), timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     r = json.loads(out.read_text())
     assert set(r["passes"]) == set(r["decoded_mb_per_s_median"]) and len(r["passes"]) == 3
     assert all(len(v) == 2 and all(x["samples"] == 30 and x["decoded_mb_per_s"] > 0 for x in v)
@@ -177,10 +164,8 @@ def test_follow_looks_bench_runs_on_a_tiny_run(mode):
     """bench/follow_looks.py (its own moto server): consumers of a follow epoch waiting on a worker's
     commits, or their first looks at a run; every consumer here has a share of every shard (36
     samples a shard, 3 consumers), so each reads every commit record once."""
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "follow_looks.py"), "--samples", "3000",
-                        "--committed", "10", "--every", "0.2", "--seconds", "3", *mode],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run_bench("follow_looks.py", "--samples", "3000", "--committed", "10", "--every", "0.2", "--seconds", "3", *mode,
+                  timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     table = [line for line in p.stdout.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
     assert len(table) == 2, p.stdout[-3000:]  # a header and its one row
     if "--first-looks" not in mode:
@@ -193,15 +178,13 @@ def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_ask
     samples and steps; each codec extracted and trained at once, tau at every kept checkpoint of the
     lossless drafter and at the last of the fp8 one, and the JSON the issue names."""
     out, png = tmp_path / "train_dflash.json", tmp_path / "curve.png"
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "train_dflash.py"), "--work", str(tmp_path / "work"),
-                        "--limit", "12", "--steps", "4", "--every", "2", "--prompts", "1", "--max-new-tokens", "6",
-                        # fp32 extraction and training (the recipe's bf16 autocast, given after `--`, is overridden):
-                        # bf16 on a CPU without native bf16 (CI's machines) is several times slower; the
-                        # whole bench took 8.6 min alone with the recipe's bf16 training, 2.1 min without
-                        "--dtype", "float32", "--max-length", "256", "--side-by-side", "--json", str(out), "--png", str(png),
-                        "--", "--mixed-precision", "no"],
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_bench("train_dflash.py", "--work", str(tmp_path / "work"),
+              "--limit", "12", "--steps", "4", "--every", "2", "--prompts", "1", "--max-new-tokens", "6",
+              # fp32 extraction and training (the recipe's bf16 autocast, given after `--`, is overridden):
+              # bf16 on a CPU without native bf16 (CI's machines) is several times slower; the
+              # whole bench took 8.6 min alone with the recipe's bf16 training, 2.1 min without
+              "--dtype", "float32", "--max-length", "256", "--side-by-side", "--json", str(out), "--png", str(png),
+              "--", "--mixed-precision", "no", timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     r = json.loads(out.read_text())
     assert {"tau", "tau_untrained", "matches_greedy", "steps", "samples", "recipe"} <= set(r)
     assert r["steps"] == 4 and r["samples"] == r["codecs"]["bf16-zstd"]["samples"] > 0 and r["matches_greedy"] is True
@@ -217,9 +200,7 @@ def test_recipe_bench_runs_both_codecs_side_by_side_and_writes_what_issue_24_ask
 def test_block_mask_bench_runs_and_its_masks_agree(tmp_path):
     """bench/block_mask.py on tiny shapes: the tiled mask and create_block_mask's, equal per batch."""
     out = tmp_path / "bm.json"
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "block_mask.py"), "--tiny", "--ways", "tiled,eager",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run_bench("block_mask.py", "--tiny", "--ways", "tiled,eager", "--json", str(out))
     r = json.loads(out.read_text())
     assert r["equal"] is True and set(r["ways"]) == {"tiled", "eager"}
     assert len(r["ways"]["tiled"]["seconds"]) == len(r["batches"]) == 3
