@@ -536,8 +536,10 @@ class WorkQueue:
         the commits it sweeps (a shard redone, or another worker's `--shards`, makes another name);
         the others skip it, at one LIST each. A sweep done is done again only when the scan shows
         what a killed attempt leaves (a stale lease or a stray beat of a committed shard: one that
-        a sweep spared as still at work, then killed); an unfinished one (its worker killed, its
-        store failing) is taken over once its claim is `SWEEP_TTL_S` old."""
+        a sweep spared as still at work, then killed) and the last sweep ended before the scan
+        (workers finishing together scan while the first of them sweeps: what a worker saw before
+        a sweep's end, that sweep removed, unless an attempt was killed during it); an unfinished
+        one (its worker killed, its store failing) is taken over once its claim is `SWEEP_TTL_S` old."""
         mine = set(self.candidates) & st.committed
         commits = "".join(f"{s}@{st.commit_times[s]:.3f}\n" for s in sorted(mine))
         prefix = f"{layout.SWEEPS}{hashlib.sha256(commits.encode()).hexdigest()[:16]}/"
@@ -548,8 +550,8 @@ class WorkQueue:
                 done = claims[-1] + SWEPT in listed
                 if not done and st.now - listed[claims[-1]] < SWEEP_TTL_S:
                     return  # another worker is sweeping
-                if done and not leftovers_seen(st, mine):
-                    return  # swept, and the scan shows nothing left since
+                if done and (not leftovers_seen(st, mine) or listed[claims[-1] + SWEPT] >= st.now):
+                    return  # swept, and the scan shows nothing left since, or the sweep ended after the scan
             claim = f"{prefix}{int(claims[-1][len(prefix):]) + 1 if claims else 1:06d}"
             payload = json.dumps({"producer": asdict(self.producer), "nonce": uuid.uuid4().hex, "shards": len(mine)})
             if not self.store.put_if_absent(claim, payload.encode()):
