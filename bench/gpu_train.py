@@ -49,7 +49,7 @@ def drafter(sizes: dict, device: str, block: int, anchors: int) -> DFlashDrafter
     torch.manual_seed(0)
     config = default_config(head, [1, 16, 31, 46, 61][: max(1, min(5, sizes["layers"] // 12))],
                             mask_token_id=sizes["vocab"] - 1, block_size=block, max_anchors=anchors)
-    d = DFlashDrafter(config, head)
+    d = DFlashDrafter(config, head, device)
     if device == "cuda":
         d.borrowed_to(torch.bfloat16)  # as `layertap train` does under bf16 autocast
     return d.to(device)

@@ -30,7 +30,8 @@ class TrainConfig:
     weight_decay: float = setting(0.0, help="AdamW's weight decay")
     max_grad_norm: float = setting(1.0, help="gradients are clipped to this norm")
     seed: int = setting(0, help="the loader's shuffle and the anchors drawn per micro-batch; the drafter's "
-                                "initial weights do not depend on it (always seeded with 0)")
+                                "initial weights do not depend on it (always seeded with 0, drawn on the training device: a GPU "
+                                "draws other numbers than a CPU)")
     save_every: int = setting(500, help="steps between checkpoints, and one at the end")
     keep_checkpoints: int = setting(2, help="newest checkpoints kept in --out")
     log_every: int = setting(10, help="steps between logged metrics")

@@ -380,7 +380,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     target = load_target(model, gguf_file, dtype=getattr(torch, dtype), device=device)
     embed, head_w = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     head = TargetHead(embed.detach().float(), head_w.detach().float(), embed.data_ptr() == head_w.data_ptr())
-    drafter = DFlashDrafter(config, head)
+    drafter = DFlashDrafter(config, head, device)
     drafter.load_trainable(weights, drafter_uri)
     drafter.to(device).eval()
     runner = TargetRunner(target.model, config.capture_layers)
@@ -390,7 +390,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
 
     if baseline:
         torch.manual_seed(0)  # the same initial weights `layertap train` starts from
-        fresh = DFlashDrafter(config, head).to(device).eval()
+        fresh = DFlashDrafter(config, head, device).to(device).eval()
 
     trained, mismatches, untrained = [], [], []
     spec_s, rollback_s = 0.0, dict.fromkeys(runner.seconds, 0.0)  # the trained drafter's decoding only
