@@ -8,20 +8,24 @@
 # Steps run in the order of the list below, whatever the order they are named in.
 #
 # The plan for one session (carry [".whl", ".devcache/e2e"]; made here first by bench/device_prep.sh):
-#   call 1, timeout_s 420:
-#     DEVICE_CHECKS_DEADLINE_S=400 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc ref extract e2e
-#   call 2 at once, on the warm machine (within its idle release, 30 s on 2026-12-04), timeout_s 280:
-#     DEVICE_CHECKS_DEADLINE_S=265 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc mask train step
-#   (~120 s of machine start + 420 + 280 leaves ~80 s of the 900 for the transfers and the wait between
-#   calls; `status` says what is left: a third call of `step` alone needs ~90 s.)
+#   call 1, timeout_s 480:
+#     DEVICE_CHECKS_DEADLINE_S=460 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc ref extract e2e
+#   call 2 at once, on the warm machine (within its idle release, 30 s on 2026-12-04), timeout_s from `status`
+#   (budget_left_s minus ~20 s for the transfers; ~280 if call 1 used all its 480), deadline 15 s under it:
+#     DEVICE_CHECKS_DEADLINE_S=265 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc train step
+# What each took (H200): ref ~60 s; extract ~170 s with its lean defaults (an estimate from the parts it keeps;
+# ~280 s with every variant and row on 2026-12-04); e2e up to its 240 s (2026-11-30: extract 65 s, status and
+# verify 14 s, train 36 s, then eval cut at 61 s); train ~170 s (2026-11-30: the 27B-shaped run's 55 steps 66 s
+# after ~60 s of start; the small run ~40 s); step ~85 s. ~120 s of machine start + 480 + 280 = 880 of the 900.
+# `mask` (only when named) is for a session with time left: the `train` step's 27B run shows whether it steps.
 # Why that order: extract matters most, then train. `ref` goes first all the same: extract compares its
 # kernels with ref's fp32 states, and ref costs ~45 s on an H200 and nothing on an H100 (skipped there:
-# the fp32 forward of the 27B-shaped stack needs ~93 GiB). `e2e` (a tiny model, functional only) used
-# to run beside ref, but extract then waited for it (~200 s), leaving the most important step half the
-# call; beside extract it would skew extract's timings. So it comes last and gets what is left (often
-# nothing: a step with under MIN_STEP_S left is skipped, the reason recorded). In call 2, `step` (the
-# bare DFlash step at 27B shapes) gets what `train` (~200 s: two real `layertap train` runs) leaves;
+# the fp32 forward of the 27B-shaped stack needs ~93 GiB). `e2e` (a tiny model, functional only) comes after
+# extract: beside it, it would skew extract's timings. A step with under MIN_STEP_S left is skipped, the
+# reason recorded. In call 2, `step` (the bare DFlash step at 27B shapes) gets what `train` leaves;
 # bench/gpu_train.py saves its JSON after each part, so a cut run still says something.
+# EXTRACT_VARIANTS and EXTRACT_PIPELINE_ROWS (default conv,norms and lean) choose the extract step's variants
+# and pipeline rows: eager,conv,norms,tokens32k and all for the whole set.
 # Back here: tar xzf dc.tgz, and record the JSONs (docs/bench/gpu_extract.json, gpu_train.json) and
 # numbers (docs/benchmarks.md; bench/gpu_train_cli.py and bench/cli_e2e.py --report --write-docs).
 #
@@ -46,10 +50,10 @@
 #   ref      bench/gpu_extract.py without fla: the torch-fallback forward's speed and the fp32
 #            reference states the fast kernels are compared with (OUTDIR.ref.safetensors, beside
 #            OUTDIR: ~200 MB, not archived). Skipped on a GPU under REF_MIN_GIB (110 GiB).
-#   extract  bench/gpu_extract.py with fla: eager, + fla's short convolution, + fused RMSNorms, 32k-token batches,
+#   extract  bench/gpu_extract.py with fla: fla's short convolution, + fused RMSNorms (EXTRACT_VARIANTS),
 #            errors vs the reference (when ref left one), the top kernels, the pipeline into tmpfs and into moto
 #   e2e      bench/cli_e2e.py: the real CLI (extract -> status -> verify -> train -> eval) on a small
-#            random qwen3_5_text target into moto on this host (at most 200 s)
+#            random qwen3_5_text target into moto on this host (at most 240 s)
 #   mask     (only when named; first in call 2: ~10-60 s, before `train` can use the call up)
 #            bench/block_mask.py on the GPU: the drafter's tiled BlockMask vs a compiled and an eager
 #            create_block_mask over one epoch's shapes (the compiled one is the first suspect for the
@@ -224,11 +228,13 @@ if wants ref; then
 fi
 ref_in=()
 [ -s "$ref_file" ] && ref_in=(--reference-in "$ref_file")  # else extract records "no reference"
-step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --variants eager,conv,norms,tokens32k --profile --pipeline \
-    "${ref_in[@]}" --json "$out/gpu_extract.json"
+# eager (fla alone) and tokens32k were measured on 2026-12-04 (9,518 and 10,782 tokens/s): by default only the
+# short conv and the fused norms on top of it (`norms` is both), and the lean pipeline rows (~50 s less)
+step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --variants "${EXTRACT_VARIANTS:-conv,norms}" --profile \
+    --pipeline --pipeline-rows "${EXTRACT_PIPELINE_ROWS:-lean}" "${ref_in[@]}" --json "$out/gpu_extract.json"
 e2e=()
 [ -n "$tiny" ] && e2e=(--steps 4 --prompts 1 --max-new-tokens 4)  # cli_e2e.py has no tiny mode: fewer of each
-step e2e 200 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e2e.json" "${e2e[@]}"
+step e2e 240 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e2e.json" "${e2e[@]}"
 mask=(--device cuda)
 [ -n "$tiny" ] && mask=(--tiny)
 step mask 90 python3 bench/block_mask.py "${mask[@]}" --json "$out/block_mask.json"

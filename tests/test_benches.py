@@ -52,6 +52,19 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_extract_lean_rows_are_what_the_device_step_runs(tmp_path):
+    """bench/device_checks.sh's extract step by default: the short conv and the fused norms, and the
+    lean pipeline rows (no serial or S3-shards comparison rows, which cost ~50 s of a device session)."""
+    out = tmp_path / "gx.json"
+    run_bench("gpu_extract.py", "--tiny", "--batches", "2", "--variants", "conv,norms", "--pipeline",
+              "--pipeline-rows", "lean", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert set(r["variants"]) == {"conv", "norms"} and r["bare"]["variant"] == "norms" and r["pipeline_rows"] == "lean"
+    assert r["local"]["vs_bare"] > 0 and r["s3"]["vs_bare"] > 0 and r["local_shards"]["shards"] == 2
+    assert not {"local_shards_serial", "s3_shards", "s3_shards_serial"} & set(r)
+
+
+@pytest.mark.slow
 def test_gpu_train_runs_on_a_tiny_config(tmp_path):
     out = tmp_path / "gt.json"
     run_bench("gpu_train.py", "--tiny", "--steps", "2", "--json", str(out))
