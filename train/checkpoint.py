@@ -161,7 +161,7 @@ def load_safetensors(store: ObjectStore, key: str, data: bool = True) -> dict[st
     run's ~22 GB of weights and moments on resume). One ranged read per tensor, straight into it;
     the header is checked as the shard records' is (`storage.records.safetensors_layout`).
     Without `data`, only the header is read: the tensors come uninitialized, for a rank that
-    receives their values from rank 0 (`trainer._broadcast_tensors`)."""
+    receives their values from rank 0 (`ranks.broadcast_tensors`)."""
     size = store.size(key)
     head = store.get_range(key, 0, 8)
     n = int.from_bytes(head, "little") if len(head) == 8 else -1

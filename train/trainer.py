@@ -40,7 +40,7 @@ from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
 from layertap.train.batch import collate
-from layertap.train.checkpoint import (EXPORT_CONFIG, Checkpoint, Snapshot, export_drafter, load_latest,
+from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest,
                                        load_loader_state, restore, save_checkpoint, save_loader_state, step_prefix,
                                        withdraw_export)
 from layertap.train.config import RESUME_DEFAULTS, TrainConfig
@@ -48,6 +48,7 @@ from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config,
 from layertap.train.follow import wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
 from layertap.train.objective import Distill, dflash_loss
+from layertap.train.ranks import agree_on_checkpoint, broadcast_tensors, from_rank_0, per_rank, raise_if_any_refused
 from layertap.train.stream import ShardsChanged, ShardStream, StreamConfig
 from layertap.train.target_head import load_final_norm, load_target_head, recorded_target
 
@@ -285,10 +286,10 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
                                                    "the run's manifest")
 
     try:
-        ckpt, failed = load_latest(out, tensors=rank == 0), None  # the other ranks receive them (`_broadcast_tensors`)
+        ckpt, failed = load_latest(out, tensors=rank == 0), None  # the other ranks receive them (`broadcast_tensors`)
     except Exception as e:
         ckpt, failed = None, e
-    _agree_on_checkpoint(acc, ckpt, failed, cfg.out)
+    agree_on_checkpoint(acc, ckpt.step if ckpt is not None else None, failed, cfg.out)
     if ckpt is not None and not cfg.resume:
         raise ConfigError(f"{cfg.out} already holds checkpoints (latest: step {ckpt.step}); pass --resume to continue "
                          "that run, or choose another --out")
@@ -337,8 +338,8 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
             refused = None
         except Exception as e:  # every rank hears of it: the others would wait in the broadcast until gloo/NCCL gave out
             refused = e
-        _raise_if_any_refused(acc, refused, f"the resume from {cfg.out} step {start}")
-        _broadcast_tensors(acc, ckpt)
+        raise_if_any_refused(acc, refused, f"the resume from {cfg.out} step {start}")
+        broadcast_tensors(acc, (ckpt.weights, ckpt.optimizer))  # read by rank 0 alone
         restore(ckpt, model, optimizer)
         ckpt.weights.clear()  # copied into the model and optimizer: ~22 GB of host memory at 27B shapes, held
         ckpt.optimizer.clear()  # to the end of training otherwise
@@ -423,86 +424,16 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
         stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3)
         stream.refresh_index()
         shards = None if cfg.follow else stream.shard_keys
-    shards = _from_rank_0(acc, shards)
+    shards = from_rank_0(acc, shards)
     if rank != 0:
         stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3, only=shards)
     # a check of the above: any difference would show only as wrong training, or a hang at the end
     facts = [int(stream.fingerprint, 16) >> 1, stream.total_samples]  # >> 1: an int64
-    seen = acc.gather(torch.tensor(facts, dtype=torch.int64, device=acc.device)).view(-1, 2).tolist()
+    seen = per_rank(acc, facts, torch.int64)
     if any(row != seen[0] for row in seen):
         raise RuntimeError(f"the ranks stream different shards of {cfg.data} (samples per rank "
                            f"{[n for _, n in seen]}, shard fingerprints {len({f for f, _ in seen})} distinct)")
     return stream
-
-
-def _raise_if_any_refused(acc: Any, refused: BaseException | None, what: str) -> None:
-    """Raise `refused` on its rank, and on the others an error naming the ranks that refused
-    `what`: a rank that stops alone leaves the others in the next collective, which ends in a
-    connection error and a traceback, not the refusal's message and exit code."""
-    if acc.num_processes > 1:
-        flags = acc.gather(torch.tensor([float(refused is not None)], dtype=torch.float64, device=acc.device))
-        bad = [rank for rank, flag in enumerate(flags.cpu().tolist()) if flag]
-    else:
-        bad = [0] if refused is not None else []
-    if refused is not None:
-        raise refused
-    if bad:
-        raise InputError(f"rank(s) {bad[:10]} refused {what}: their error says why")
-
-
-def _agree_on_checkpoint(acc: Any, ckpt: Checkpoint | None, failed: BaseException | None, out: str) -> None:
-    """Every rank read the same checkpoint (or none), or every rank stops: ranks resuming from
-    different ones (an --out on a folder local to each node; latest.json changed between their
-    reads) would call different collectives and hang, and one that failed to read it would leave
-    the others waiting in the first."""
-    mine = [float(failed is not None), float(ckpt.step if ckpt is not None else -1)]
-    rows = acc.gather(torch.tensor(mine, dtype=torch.float64, device=acc.device)).view(-1, 2).cpu().tolist() \
-        if acc.num_processes > 1 else [mine]
-    if failed is not None:
-        raise failed
-    bad = [rank for rank, (f, _) in enumerate(rows) if f]
-    if bad:
-        raise InputError(f"rank(s) {bad[:10]} could not read the latest checkpoint of {out}: their error says why")
-    steps = sorted({int(step) for _, step in rows})
-    if len(steps) > 1:
-        raise InputError(f"the ranks found different checkpoints in {out} (steps {steps}; -1: none): every rank "
-                         "must see the same --out (not a folder local to each node), and nothing else may write "
-                         "to it during the resume")
-
-
-def _broadcast_tensors(acc: Any, ckpt: Checkpoint) -> None:
-    """Rank 0's checkpoint weights and moments into every rank's tensors (allocated from the files'
-    headers), one broadcast a tensor in name order, through the device (NCCL moves device memory).
-    Read by rank 0 alone: at a 27B target's shapes they are ~22 GB, and 1,000 ranks each reading
-    them took ~22 TB off the store at every resume. The ranks read the same step
-    (`_agree_on_checkpoint`), so the same names and shapes."""
-    if acc.num_processes == 1:
-        return
-    import torch.distributed as dist
-
-    root, on_host = acc.process_index == 0, acc.device.type == "cpu"
-    for tensors in (ckpt.weights, ckpt.optimizer):
-        for name in sorted(tensors):
-            t = tensors[name]
-            buf = t if on_host else t.to(acc.device) if root else torch.empty_like(t, device=acc.device)
-            dist.broadcast(buf, src=0)
-            if not root and buf is not t:
-                t.copy_(buf)
-
-
-def _from_rank_0(acc: Any, value: Any) -> Any:
-    """Rank 0's JSON-ready `value` on every rank, sent as JSON bytes (no pickle)."""
-    if acc.num_processes == 1:
-        return value
-    import torch.distributed as dist
-
-    data = json.dumps(value).encode() if acc.process_index == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=acc.device)
-    dist.broadcast(size, src=0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
-    buf = buf.to(acc.device)
-    dist.broadcast(buf, src=0)
-    return json.loads(bytes(buf.cpu().numpy()))
 
 
 @dataclass
@@ -792,9 +723,8 @@ def _save(run: _Run, step: int) -> None:
     # step (a trainer taken over that went on, a save killed half-way and redone) mixes into it.
     lost = float(run.lease is not None and not run.lease.holds())
     draw = float(random.SystemRandom().getrandbits(48)) if acc.is_main_process else 0.0  # exact in a float64
-    total = torch.tensor([sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values()), lost,
-                          draw], dtype=torch.float64, device=acc.device)
-    rows = acc.gather(total).view(-1, 3).cpu().tolist()
+    rows = per_rank(acc, [sum(float(p.detach().double().sum()) for p in run.model.trainable_state().values()), lost,
+                          draw])
     if any(taken for _, taken, _ in rows):
         raise taken_over(run.out)
     sums = [weights for weights, _, _ in rows]
@@ -810,7 +740,7 @@ def _save(run: _Run, step: int) -> None:
         failed = None
     except Exception as e:
         failed = e
-    wrote = acc.gather(torch.tensor([float(failed is None)], dtype=torch.float64, device=acc.device)).cpu().tolist()
+    wrote = [ok for (ok,) in per_rank(acc, [float(failed is None)])]
     if failed is not None:
         raise failed
     unwritten = [rank for rank, ok in enumerate(wrote) if not ok]

@@ -1,0 +1,87 @@
+"""What the ranks of one training job tell each other, and the checks that they agree.
+
+Each function is a collective: every rank calls it, at the same point, or the job hangs in it.
+The numbers travel as tensors on the ranks' device (NCCL moves device memory; gloo host memory),
+other values as JSON bytes (no pickle). With one process each returns at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from layertap.storage.errors import InputError
+
+
+def per_rank(acc: Any, values: Sequence[float], dtype: torch.dtype = torch.float64) -> list[list]:
+    """Every rank's `values` (as many on each rank), in rank order: one gather."""
+    t = torch.tensor(list(values), dtype=dtype, device=acc.device)
+    if acc.num_processes > 1:
+        t = acc.gather(t)
+    return t.view(acc.num_processes, -1).cpu().tolist()
+
+
+def from_rank_0(acc: Any, value: Any) -> Any:
+    """Rank 0's JSON-ready `value` on every rank, sent as JSON bytes."""
+    if acc.num_processes == 1:
+        return value
+    import torch.distributed as dist
+
+    data = json.dumps(value).encode() if acc.process_index == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=acc.device)
+    dist.broadcast(size, src=0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+    buf = buf.to(acc.device)
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.cpu().numpy()))
+
+
+def broadcast_tensors(acc: Any, groups: Iterable[dict[str, torch.Tensor]]) -> None:
+    """Rank 0's tensors into every rank's (allocated alike: same names and shapes), one broadcast
+    a tensor in name order, through the device. Lets rank 0 alone read a checkpoint: at a 27B
+    target's shapes it is ~22 GB, and 1,000 ranks each reading it took ~22 TB off the store."""
+    if acc.num_processes == 1:
+        return
+    import torch.distributed as dist
+
+    root, on_host = acc.process_index == 0, acc.device.type == "cpu"
+    for tensors in groups:
+        for name in sorted(tensors):
+            t = tensors[name]
+            buf = t if on_host else t.to(acc.device) if root else torch.empty_like(t, device=acc.device)
+            dist.broadcast(buf, src=0)
+            if not root and buf is not t:
+                t.copy_(buf)
+
+
+def raise_if_any_refused(acc: Any, refused: BaseException | None, what: str) -> None:
+    """Raise `refused` on its rank, and on the others an error naming the ranks that refused
+    `what`: a rank that stops alone leaves the others in the next collective, which ends in a
+    connection error and a traceback, not the refusal's message and exit code."""
+    flags = per_rank(acc, [float(refused is not None)])
+    if refused is not None:
+        raise refused
+    bad = [rank for rank, (flag,) in enumerate(flags) if flag]
+    if bad:
+        raise InputError(f"rank(s) {bad[:10]} refused {what}: their error says why")
+
+
+def agree_on_checkpoint(acc: Any, step: int | None, failed: BaseException | None, out: str) -> None:
+    """Every rank read the same checkpoint `step` (None: none), or every rank stops: ranks
+    resuming from different ones (an --out on a folder local to each node; latest.json changed
+    between their reads) would call different collectives and hang, and one that failed to read
+    it would leave the others waiting in the first."""
+    rows = per_rank(acc, [float(failed is not None), float(step if step is not None else -1)])
+    if failed is not None:
+        raise failed
+    bad = [rank for rank, (f, _) in enumerate(rows) if f]
+    if bad:
+        raise InputError(f"rank(s) {bad[:10]} could not read the latest checkpoint of {out}: their error says why")
+    steps = sorted({int(s) for _, s in rows})
+    if len(steps) > 1:
+        raise InputError(f"the ranks found different checkpoints in {out} (steps {steps}; -1: none): every rank "
+                         "must see the same --out (not a folder local to each node), and nothing else may write "
+                         "to it during the resume")
