@@ -49,9 +49,8 @@ def drafter(sizes: dict, device: str, block: int, anchors: int) -> DFlashDrafter
     torch.manual_seed(0)
     config = default_config(head, [1, 16, 31, 46, 61][: max(1, min(5, sizes["layers"] // 12))],
                             mask_token_id=sizes["vocab"] - 1, block_size=block, max_anchors=anchors)
-    d = DFlashDrafter(config, head, device)
-    if device == "cuda":
-        d.borrowed_to(torch.bfloat16)  # as `layertap train` does under bf16 autocast
+    # bf16 borrowed weights on CUDA, as `layertap train` keeps them under bf16 autocast
+    d = DFlashDrafter(config, head, device, torch.bfloat16 if device == "cuda" else torch.float32)
     return d.to(device)
 
 

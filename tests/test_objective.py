@@ -97,14 +97,18 @@ def test_a_batch_with_nothing_to_learn_gives_a_zero_loss_that_reaches_every_weig
 @pytest.mark.parametrize("tied", [False, True])
 def test_borrowed_weights_in_bf16_keep_the_tie_and_the_trainable_state(tied):
     g = torch.Generator().manual_seed(1)
-    embed = torch.randn(8, 32, generator=g)
-    head = TargetHead(embed, embed if tied else torch.randn(8, 32, generator=g), tied,
+    embed = torch.randn(8, 32, generator=g, dtype=torch.bfloat16)  # as a bf16 checkpoint holds it
+    head = TargetHead(embed, embed if tied else torch.randn(8, 32, generator=g, dtype=torch.bfloat16), tied,
                       {"num_layers": 12, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "intermediate_size": 64})
-    d = DFlashDrafter(default_config(head, [1], mask_token_id=7, block_size=4), head)
-    before = {k: v.clone() for k, v in d.trainable_state().items()}
-    d.borrowed_to(torch.bfloat16)
-    assert d.embed.dtype == d.lm_head.dtype == torch.bfloat16 and (d.lm_head is d.embed) == tied
-    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in d.trainable_state().items())
+    config = default_config(head, [1], mask_token_id=7, block_size=4)
+    torch.manual_seed(0)
+    fp32 = DFlashDrafter(config, head)
+    torch.manual_seed(0)
+    d = DFlashDrafter(config, head, borrowed_dtype=torch.bfloat16)
+    assert fp32.embed.dtype == torch.float32 and d.embed.dtype == d.lm_head.dtype == torch.bfloat16
+    assert (d.lm_head is d.embed) == tied and d.embed.data_ptr() == head.embed.data_ptr()  # borrowed, not copied
+    # the trainable weights as with float32 borrowed weights (the init reads the head's values, the same in both)
+    assert all(torch.equal(v, fp32.trainable_state()[k]) and v.dtype == torch.float32 for k, v in d.trainable_state().items())
     batch = toy_batch(8)
     batch["hidden_states"] = batch["hidden_states"][:, :, :1]
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -192,13 +192,20 @@ class DFlashDrafter(nn.Module):
     """`forward(states, anchors, anchor_tokens)` -> block hidden states [B, A, block, H] (normed);
     `logits(hidden)` applies the target's frozen head."""
 
-    def __init__(self, config: DrafterConfig, head: TargetHead, device: torch.device | str | None = None):
+    def __init__(self, config: DrafterConfig, head: TargetHead, device: torch.device | str | None = None,
+                 borrowed_dtype: torch.dtype = torch.float32):
         """The trainable weights are allocated on `device` (default: the CPU) and drawn once, by
         `reset_parameters` from torch's current seed (a GPU draws other numbers than the CPU).
         They are built on the meta device first: nn.Linear's own initialisation, which
         `reset_parameters` replaces anyway, took 26 s of the 37 s this constructor took at
         Qwen3.6-27B's shapes (1.84 B weights, one CPU thread), and the 8 s of drawing them on the
-        CPU are milliseconds on a GPU. The borrowed `embed` and `lm_head` stay where `head` has them."""
+        CPU are milliseconds on a GPU.
+
+        The borrowed, frozen `embed` and `lm_head` stay where `head` has them, in `borrowed_dtype`.
+        Under bf16 autocast the head's matmul runs in bf16 anyway, so bf16 storage changes nothing
+        there and halves the largest tensors of the step (2 x 4.7 GiB in fp32 at a 27B target's
+        vocabulary); a bf16 checkpoint's tensors are then borrowed as read, not copied (float32
+        copies of them cost 10 GB of host memory per rank at that vocabulary)."""
         super().__init__()
         c = self.config = config
         if head.vocab_size != c.vocab_size or head.hidden_size != c.hidden_size:
@@ -212,8 +219,9 @@ class DFlashDrafter(nn.Module):
             self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
             self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size)) if c.learned_mask else None
         self.to_empty(device=device if device is not None else "cpu")  # only the trainable part is registered yet
-        self.embed = nn.Parameter(head.embed.detach().float(), requires_grad=False)
-        self.lm_head = self.embed if head.tied else nn.Parameter(head.lm_head.detach().float(), requires_grad=False)
+        self.embed = nn.Parameter(head.embed.detach().to(borrowed_dtype), requires_grad=False)
+        self.lm_head = self.embed if head.tied else nn.Parameter(head.lm_head.detach().to(borrowed_dtype),
+                                                                 requires_grad=False)
         # "sdpa": a dense boolean mask (CPU, small shapes); "flex": flex-attention block masks,
         # compiled on GPU, where the dense mask of a 4K-token, 512-anchor sample would not fit.
         self.attention = "flex" if torch.cuda.is_available() else "sdpa"
@@ -249,17 +257,6 @@ class DFlashDrafter(nn.Module):
             self.norm.weight.fill_(1.0 / max(float(head.pow(2).sum(1).mean().sqrt()), 1e-6))
             if self.mask_embedding is not None:
                 self.mask_embedding.normal_(0.0, max(float(self.embed.float().pow(2).mean().sqrt()), 1e-6))
-
-    def borrowed_to(self, dtype: torch.dtype) -> "DFlashDrafter":
-        """Keep the borrowed, frozen `embed` and `lm_head` in `dtype`. Under bf16 autocast the head's
-        matmul runs in bf16 anyway, so bf16 storage changes nothing there and halves the largest
-        tensors of the step (2 x 4.7 GiB in fp32 at a 27B target's vocabulary). Call it before
-        moving the drafter to its device."""
-        with torch.no_grad():
-            self.embed.data = self.embed.data.to(dtype)
-            if self.lm_head is not self.embed:
-                self.lm_head.data = self.lm_head.data.to(dtype)
-        return self
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds: every weight except the target's borrowed ones."""

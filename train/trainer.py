@@ -121,7 +121,7 @@ def spare_special_token(tok: Any, vocab_size: int) -> tuple[int, str] | None:
 
 
 def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None,
-                  device: torch.device | str | None = None) -> DFlashDrafter:
+                  device: torch.device | str | None = None, borrowed_dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """The drafter for this run's target; a resumed run takes the checkpoint's config as is, its
     target record completed with the facts a checkpoint from before they were recorded lacks."""
     head = load_target_head(cfg.model, cfg.gguf_file)
@@ -139,7 +139,7 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
                                block_size=cfg.block_size, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
                                target=drafter_target(run))
     torch.manual_seed(0)  # initial weights: the same on every rank and every run (drawn on `device`)
-    return DFlashDrafter(dconf, head, device)
+    return DFlashDrafter(dconf, head, device, borrowed_dtype)
 
 
 # What a run's manifest records of its target beyond the width, as (`extract.model.load_target`'s
@@ -305,9 +305,8 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     # The run's committed shards before the target: a run with none fails in seconds, not after
     # the target head has loaded.
     stream = open_stream(cfg, acc)
-    model = build_drafter(cfg, run.identity, ckpt.state["drafter"] if ckpt else None, acc.device)
-    if precision == "bf16":
-        model.borrowed_to(torch.bfloat16)
+    model = build_drafter(cfg, run.identity, ckpt.state["drafter"] if ckpt else None, acc.device,
+                          torch.bfloat16 if precision == "bf16" else torch.float32)
     model.to(acc.device)
     distill = build_distill(cfg, run.identity.final_state)
     distill = distill.to(acc.device) if distill is not None else None
