@@ -64,6 +64,13 @@ def test_gpu_extract_lean_rows_are_what_the_device_step_runs(tmp_path):
     assert not {"local_shards_serial", "s3_shards", "s3_shards_serial"} & set(r)
 
 
+def test_drafter_build_bench_times_both_ways(tmp_path):
+    out = tmp_path / "db.json"
+    run_bench("drafter_build.py", "--tiny", "--vocab", "256", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["default-init_s"] > 0 and r["drafter_s"] > 0 and r["trainable_params"] > 0 and r["ratio"] > 0
+
+
 @pytest.mark.slow
 def test_gpu_train_runs_on_a_tiny_config(tmp_path):
     out = tmp_path / "gt.json"
