@@ -32,3 +32,36 @@ def test_the_swiglu_keeps_one_tensor_less_per_layer_with_the_same_gradients(monk
     assert grads.keys() == plain_grads.keys()
     for k, g in grads.items():
         assert torch.equal(g, plain_grads[k]), k
+
+
+def test_the_prepared_drafter_returns_its_autocast_dtype_not_float32():
+    """accelerate casts a mixed-precision model's outputs to float32; the trainer's `prepare` takes
+    that cast off (the step's memory peaks where the loss holds rows of the output and their
+    gradient), and the loss and gradients are the same."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from layertap.train.objective import dflash_loss
+    from layertap.train.trainer import prepare
+
+    def step(prepared: bool):
+        torch.manual_seed(0)
+        d = toy_drafter(vocab=8)
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad])
+        AcceleratorState._reset_state(reset_partial_state=True)
+        acc = Accelerator(mixed_precision="bf16", cpu=True)
+        model, _ = prepare(acc, d, opt) if prepared else acc.prepare(d, opt)
+        batch = toy_batch(8)
+        with acc.autocast():
+            out = model(batch["hidden_states"], torch.tensor([[2, 5]] * 3), torch.tensor([[1, 2]] * 3))
+            loss = dflash_loss(model, batch, torch.Generator().manual_seed(0)).loss
+        loss.backward()
+        return out.dtype, float(loss), {k: p.grad.clone() for k, p in d.trainable_state().items()}
+
+    try:
+        ours, loss, grads = step(prepared=True)
+        accelerates, loss_fp32, grads_fp32 = step(prepared=False)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert ours == torch.bfloat16 and accelerates == torch.float32
+    assert loss == loss_fp32 and all(torch.equal(g, grads_fp32[k]) for k, g in grads.items())

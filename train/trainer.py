@@ -149,6 +149,18 @@ TARGET_FACTS = {"model_config_sha256": ("model_config_sha256", "config.json sha2
                 "model_revision": ("revision", "revision")}
 
 
+def prepare(acc: Any, model: DFlashDrafter, optimizer: torch.optim.Optimizer) -> tuple[Any, torch.optim.Optimizer]:
+    """accelerate's preparation of the drafter (DDP on several ranks) and its optimizer, without the
+    float32 cast accelerate puts on a mixed-precision model's outputs (with the autocast around its
+    forward that `train_step` has already). Under bf16 the drafter's [B, A, block, H] output then
+    stays bf16, and so do the rows the loss takes from it and their gradient, held at the end of
+    the forward, where the step's memory peaks: ~0.2 GiB per 4K-token sample at Qwen3.6-27B's
+    shapes. The loss's matmuls ran in bf16 either way (the same numbers)."""
+    ddp_model, optimizer = acc.prepare(model, optimizer)
+    acc.unwrap_model(ddp_model, keep_fp32_wrapper=False)  # puts the drafter's own forward back
+    return ddp_model, optimizer
+
+
 def drafter_target(run: RunConfig) -> dict[str, Any]:
     """What the drafter's config records of its target: where to find it (`eval`'s default --model)
     and the run's TARGET_FACTS, which `eval` checks its --model against (`target_differences`)."""
@@ -313,7 +325,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     params = [p for p in model.parameters() if p.requires_grad]
     # fused on CUDA: one kernel, and none of the foreach path's temporaries the size of all weights
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda)
-    ddp_model, optimizer = acc.prepare(model, optimizer)
+    ddp_model, optimizer = prepare(acc, model, optimizer)
 
     # collate writes the states into pinned memory where it runs in this process (no workers)
     loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
