@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from layertap.train import drafter as drafter_module
@@ -65,3 +67,21 @@ def test_the_prepared_drafter_returns_its_autocast_dtype_not_float32():
         AcceleratorState._reset_state(reset_partial_state=True)
     assert ours == torch.bfloat16 and accelerates == torch.float32
     assert loss == loss_fp32 and all(torch.equal(g, grads_fp32[k]) for k, g in grads.items())
+
+
+def test_keys_and_values_keep_no_concatenation_of_context_and_block():
+    """K and V project the context and the block apart, then join the projections: no layer keeps
+    the [B, T + A*block, H] concatenation of their inputs for its backward (120 MB a layer at a
+    4K-token sample with 512 anchors at Qwen3.6-27B's width). The context is kept once for all
+    layers, the block's normed input by q_proj anyway."""
+    d = toy_drafter(vocab=8)
+    b, t, h, a = 3, 20, d.config.hidden_size, 5
+    states = torch.randn(b, t, 2, h)
+    anchors = torch.tensor([[1, 4, 8, 12, 15]] * b)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x, lambda x: x):
+        out = d(states, anchors, torch.zeros(b, a, dtype=torch.long))
+    out.float().pow(2).sum().backward()
+    kv_rows = t + a * d.config.block_size  # [B, kv_rows, H] kept whole or flattened to [B * kv_rows, H]
+    assert not [s for s in shapes if s and s[-1] == h and math.prod(s) == b * kv_rows * h], shapes
+    assert [s for s in shapes if s and s[-1] == h and math.prod(s) == b * t * h]  # the context, kept

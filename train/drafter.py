@@ -159,10 +159,15 @@ class DrafterLayer(nn.Module):
                 mask: Any) -> torch.Tensor:
         c = self.c
         h = self.input_norm(x)
-        kv_in = torch.cat((context, h), dim=1)
         q = _rope(self.q_norm(self._heads(self.q_proj(h), c.num_heads)), q_pos, c.rope_theta)
-        k = _rope(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), kv_pos, c.rope_theta)
-        v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
+        # K and V of [context; block], projected apart and joined: a projection keeps its input for
+        # the backward, and the [B, T + A*block, H] concatenation would be one more copy per layer
+        # (120 MB at a 4K-token sample, 512 anchors, Qwen3.6-27B's width), where the context is
+        # kept once for every layer and the block's `h` by q_proj anyway
+        k = torch.cat((self.k_proj(context), self.k_proj(h)), dim=1)
+        v = torch.cat((self.v_proj(context), self.v_proj(h)), dim=1)
+        k = _rope(self.k_norm(self._heads(k, c.num_kv_heads)), kv_pos, c.rope_theta)
+        v = self._heads(v, c.num_kv_heads)
         gqa = c.num_heads != c.num_kv_heads
         if isinstance(mask, torch.Tensor):
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
