@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -745,6 +746,7 @@ def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     # no --model: the target folder the run's manifest records
     assert train_cli("--data", run, "--out", out, "--steps", "4", "--save-every", "2", *FAST) == 0
     assert f"target model from the run's manifest: {target}" in caplog.text
+    assert re.search(r"step 1 took \d+\.\d s", caplog.text)  # the first step's time (on a GPU: the compile)
     assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "8", "--resume", *FAST,
                      "--seed", "3") == 2
     assert "seed: checkpoint 0, now 3" in capsys.readouterr().err

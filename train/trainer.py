@@ -575,7 +575,13 @@ def _loop(run: _Run, start: int) -> int:
                              step, run.total)
                 run.total = step
             else:
+                first = step == start
+                if first and acc.is_main_process and acc.device.type == "cuda":
+                    log.info("step %d: the first step on a GPU compiles flex attention's kernels first (17 s on an "
+                             "H200 at Qwen3.6-27B's shapes)", step + 1)
                 stats = train_step(run, step, run.distill)
+                if first and acc.is_main_process:
+                    log.info("step %d took %.1f s", stats.step, stats.seconds)
                 step, stopped = stats.step, stats.stop
                 nonfinite = _check_finite(run, stats, nonfinite)
                 wait = run.batches.pop_wait_s()
