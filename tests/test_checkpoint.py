@@ -151,6 +151,22 @@ def test_a_checkpoint_saves_and_restores_every_tensor(store):
     assert all(torch.equal(exported[k], p.detach().float()) for k, p in model.trainable_state().items())
 
 
+def test_a_restore_keeps_the_optimizers_own_implementation(store):
+    """A checkpoint of a CPU run (AdamW foreach) resumed where AdamW is built fused (the trainer's
+    choice on CUDA) steps fused: the saved hyperparameters come back, not how the saver stepped."""
+    model, opt = trained()
+    prefix = save_checkpoint(store, Snapshot(2, model, opt, {"world_size": 1}), keep=2)
+    assert prefix and opt.param_groups[0]["fused"] in (None, False)
+    fresh = drafter()
+    fused = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=5e-3, fused=True)
+    restore(load_latest(store), fresh, fused)
+    assert fused.param_groups[0]["fused"] is True and fused.param_groups[0]["lr"] == 1e-2  # the saved lr
+    loss = sum((p.float() ** 2).sum() for p in fresh.trainable_state().values())
+    loss.backward()
+    fused.step()  # the fused kernel takes the restored moments and step
+    assert all(torch.isfinite(p).all() for p in fresh.trainable_state().values())
+
+
 def test_a_save_cut_short_leaves_the_previous_checkpoint_latest(tmp_path):
     store = open_store(str(tmp_path / "out"))
     model, opt = trained()

@@ -223,6 +223,9 @@ def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     return Checkpoint(int(state["step"]), state, weights, optimizer)
 
 
+OPTIMIZER_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how it steps, not what
+
+
 def restore(ckpt: Checkpoint, model: DFlashDrafter, optimizer: torch.optim.Optimizer) -> None:
     """Load weights, optimizer moments and RNG state saved by `save_checkpoint`."""
     model.load_trainable(ckpt.weights, "the checkpoint")
@@ -242,8 +245,12 @@ def restore(ckpt: Checkpoint, model: DFlashDrafter, optimizer: torch.optim.Optim
     current = optimizer.state_dict()["param_groups"]
     if len(groups) != len(current):
         raise InputError("the checkpoint's optimizer has a different number of parameter groups")
-    optimizer.load_state_dict({"state": state, "param_groups": [{**g, "params": c["params"]}
-                                                                for g, c in zip(groups, current)]})
+    # the saved hyperparameters, this process's implementation: a run resumed on another device
+    # kind keeps its own (a CPU run's fused=False on a GPU would take the foreach path, whose
+    # temporaries are the size of all weights: 6.8 GiB at a 27B target's drafter)
+    optimizer.load_state_dict({"state": state, "param_groups": [
+        {**g, **{k: c[k] for k in OPTIMIZER_IMPLEMENTATION if k in c}, "params": c["params"]}
+        for g, c in zip(groups, current)]})
     torch.set_rng_state(ckpt.optimizer["rng.torch"])
 
 
