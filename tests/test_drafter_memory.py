@@ -85,3 +85,41 @@ def test_keys_and_values_keep_no_concatenation_of_context_and_block():
     kv_rows = t + a * d.config.block_size  # [B, kv_rows, H] kept whole or flattened to [B * kv_rows, H]
     assert not [s for s in shapes if s and s[-1] == h and math.prod(s) == b * kv_rows * h], shapes
     assert [s for s in shapes if s and s[-1] == h and math.prod(s) == b * t * h]  # the context, kept
+
+
+def test_a_scaled_loss_reaches_a_bf16_output_unrounded():
+    """The chunked head loss keeps the gradient w.r.t. its rows in their dtype (bf16 under bf16,
+    now that the drafter's output stays bf16): a loss scaled by 1/3 must scale that gradient by
+    1/3 computed in float32, not by 1/3 rounded to bf16 (0.33398), which scaled every gradient of
+    a --grad-accum 3 step by 1.002."""
+    from layertap.train.objective import head_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    rows, head = torch.randn(6, 16, generator=g).bfloat16(), torch.randn(32, 16, generator=g).bfloat16()
+    labels, weights = torch.randint(0, 32, (6,), generator=g), torch.full((6,), 1 / 6)
+
+    def grad(scale: float) -> torch.Tensor:
+        x = rows.clone().requires_grad_(True)
+        (head_cross_entropy(x, head, labels, weights, chunk_rows=4)[0] * scale).backward()
+        return x.grad
+
+    assert grad(1 / 3).dtype == torch.bfloat16
+    assert torch.equal(grad(1 / 3), (grad(1.0).float() * (1 / 3)).bfloat16())
+
+
+def test_the_init_reads_the_heads_own_values_whatever_dtype_it_is_borrowed_in():
+    """A float32 head (every GGUF target's) borrowed in bf16 gives the same initial weights as
+    borrowed in float32: the init's scales come from the head's values, not from their rounding."""
+    from layertap.train.drafter import DFlashDrafter, default_config
+    from layertap.train.target_head import TargetHead
+
+    g = torch.Generator().manual_seed(2)
+    embed = torch.randn(40, 32, generator=g) * 0.7
+    head = TargetHead(embed, torch.randn(40, 32, generator=g) * 1.3, False,
+                      {"num_layers": 12, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "intermediate_size": 64})
+    config = default_config(head, [1], mask_token_id=40, block_size=4)  # no spare id: a learned mask
+    built = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        built.append(DFlashDrafter(config, head, borrowed_dtype=dtype).trainable_state())
+    assert all(torch.equal(v, built[1][k]) for k, v in built[0].items())

@@ -231,6 +231,9 @@ class DFlashDrafter(nn.Module):
             self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
             self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size)) if c.learned_mask else None
         self.to_empty(device=device if device is not None else "cpu")  # only the trainable part is registered yet
+        # what the init reads of the head, from its own values (a float32 head borrowed in bf16 is rounded)
+        self._head_rms_row = math.sqrt(_sum_of_squares(head.lm_head) / head.lm_head.shape[0])
+        self._embed_rms = math.sqrt(_sum_of_squares(head.embed) / head.embed.numel()) if c.learned_mask else 0.0
         self.embed = nn.Parameter(head.embed.detach().to(borrowed_dtype), requires_grad=False)
         self.lm_head = self.embed if head.tied else nn.Parameter(head.lm_head.detach().to(borrowed_dtype),
                                                                  requires_grad=False)
@@ -265,10 +268,9 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, nn.RMSNorm) and m.weight is not None:
                 nn.init.ones_(m.weight)
         with torch.no_grad():
-            rms_row = math.sqrt(_sum_of_squares(self.lm_head) / self.lm_head.shape[0])
-            self.norm.weight.fill_(1.0 / max(rms_row, 1e-6))
+            self.norm.weight.fill_(1.0 / max(self._head_rms_row, 1e-6))
             if self.mask_embedding is not None:
-                self.mask_embedding.normal_(0.0, max(math.sqrt(_sum_of_squares(self.embed) / self.embed.numel()), 1e-6))
+                self.mask_embedding.normal_(0.0, max(self._embed_rms, 1e-6))
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds: every weight except the target's borrowed ones."""

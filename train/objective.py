@@ -298,4 +298,4 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, grad_hits: torch.Tensor | None, grad_kl: torch.Tensor | None):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None
+        return grad * grad_loss, None, None, None, None, None, None, None  # a CPU scalar multiplies in float32

@@ -507,7 +507,7 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
             with acc.autocast():
                 result = dflash_loss(run.ddp_model, batch, anchor_generator(cfg.seed, step, micro, acc.process_index),
                                      distill=distill)
-            acc.backward(result.loss / cfg.grad_accum)
+            acc.backward(result.loss)  # summed over the micro-batches; their mean is taken below
         on_device[0] += result.loss.detach().double() * result.weight
         on_device[3:3 + bs] += result.correct
         if result.kl is not None:
@@ -519,10 +519,11 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
         del batch, result  # the states on the GPU go back to the allocator before the next batch
         if last:
             break
-    if micro < cfg.grad_accum - 1:  # a short step: the mean over its micro-batches, as a full step's
+    if micro > 0:  # the mean over the step's micro-batches (fewer in a short step), on the float32 gradients:
+        # a 1/grad_accum on the loss would reach a bf16 backward rounded (1/3 -> 0.33398)
         for p in run.params:
             if p.grad is not None:
-                p.grad.mul_(cfg.grad_accum / (micro + 1))
+                p.grad.div_(micro + 1)
     grad_norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm)
     # Nothing to learn (every sample a zero-weighted pad, e.g. the end of a follow epoch sized
     # from the plan when extraction skipped rows): the gradients are zero, but AdamW would still
