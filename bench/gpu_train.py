@@ -135,6 +135,10 @@ def main() -> None:
                   loss=loss)
     if device == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        # at rest between steps: weights, AdamW moments, the borrowed embed and head, the batch; the rest
+        # of the peak is the step's own (activations, autocast's bf16 weights, the loss's chunk, gradients)
+        result["at_rest_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        result["step_gib"] = round(result["peak_memory_gib"] - result["at_rest_gib"], 2)
     save()  # the chunked loss's numbers are in before the unchunked part may run out of memory
     if args.unchunked_steps > 0:
         if device == "cuda":
