@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from layertap.cli import main as cli
 from layertap.storage.errors import InputError
@@ -115,3 +116,39 @@ def test_no_verification_step_gives_a_null_tau_in_strict_json_and_says_why(tmp_p
     assert cli([*args, "--no-baseline"]) == 0
     assert ("tau (mean acceptance length): none, no verification step in 1 prompts (--max-new-tokens 1: the "
             "prefill gives the first token, drafting starts after it)") in capsys.readouterr().out
+
+
+def test_a_bf16_eval_runs_the_drafter_in_bf16_on_the_targets_own_embed_and_head(tmp_path, monkeypatch):
+    """No float32 copies of a bf16 target's embed and head (2 x 4.7 GiB at a 27B target's
+    vocabulary) and no float32 drafter beside it: the drafter runs in the target's dtype and
+    borrows its tensors as they are."""
+    from layertap.storage.store import open_store
+    from layertap.train import speculative
+    from layertap.train.checkpoint import export_drafter
+    from layertap.train.drafter import DFlashDrafter, default_config
+    from layertap.train.target_head import load_target_head
+    from tiny_models import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path, "llama", num_layers=2)
+    head = load_target_head(model)
+    out = str(tmp_path / "drafter")
+    export_drafter(open_store(out), DFlashDrafter(default_config(head, [0, 1], mask_token_id=3, block_size=4), head))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n')
+    built: list[DFlashDrafter] = []
+
+    class Recorded(DFlashDrafter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    targets = []
+    real = speculative.load_target
+    monkeypatch.setattr(speculative, "DFlashDrafter", Recorded)
+    monkeypatch.setattr(speculative, "load_target", lambda *a, **k: targets.append(real(*a, **k)) or targets[-1])
+    report = speculative.evaluate(out, model, str(prompts), max_new_tokens=6, dtype="bfloat16", device="cpu")
+    assert report["verify_steps"] > 0 and len(built) == 2  # the trained drafter and the untrained baseline
+    target_embed = targets[-1].model.get_input_embeddings().weight
+    for d in built:
+        assert all(p.dtype == torch.bfloat16 for p in d.parameters())
+        assert d.embed.data_ptr() == target_embed.data_ptr()  # borrowed, not copied

@@ -35,7 +35,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
                    help="prompts longer than this are skipped (and counted) (default 1024)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
-                   help="the target's dtype (default float32, unlike extract's: the check against plain greedy "
+                   help="the target's dtype, and the drafter's (default float32, unlike extract's: the check against plain greedy "
                         "decoding compares exact choices, and in bfloat16 a near-tie between two tokens can come "
                         "out differently in a multi-token verify forward than in one-token decoding)")
     p.add_argument("--device", help="where the target and drafter run (default: cuda when there is one, else cpu)")
