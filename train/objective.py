@@ -298,4 +298,6 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, grad_hits: torch.Tensor | None, grad_kl: torch.Tensor | None):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss, None, None, None, None, None, None, None  # a CPU scalar multiplies in float32
+        # not cast first: on CPU a 0-dim float32 factor then multiplies in float32; on CUDA it is rounded
+        # to grad's dtype (1/3 -> 0.33398 in bf16), which is why the trainer backpropagates unscaled losses
+        return grad * grad_loss, None, None, None, None, None, None, None
