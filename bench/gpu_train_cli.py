@@ -376,6 +376,10 @@ def markdown(r: dict, step: dict | None = None) -> str:
         elif "unchunked_error" in step:
             lines.append(f"| unchunked (full-vocabulary logits of every row) | failed: {step['unchunked_error'][:120]} "
                          f"(peak {gib('unchunked_peak_memory_gib')}) | - | - |")
+        if step.get("at_rest_gib") is not None:
+            lines.append(f"\nOf the chunked step's peak, {gib('at_rest_gib')} are held between steps (weights, AdamW "
+                         f"moments, the borrowed embed and head, the batch) and {gib('step_gib')} are the step's own "
+                         "(activations, autocast's bf16 weights, the loss's chunk, gradients).")
         lines.append("\nTarget: <= 40 GiB at that shape, tokens/s no lower than the unchunked path's.")
     return "\n".join(lines)
 
