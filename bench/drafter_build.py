@@ -29,12 +29,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench._report import machine, save_json  # noqa: E402
+from bench.gpu_train import QWEN27B, TINY  # noqa: E402
 from layertap.train.drafter import DFlashDrafter, DrafterLayer, default_config  # noqa: E402
 from layertap.train.target_head import TargetHead  # noqa: E402
-
-QWEN27B = {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_layers": 64, "num_heads": 24, "num_kv_heads": 4,
-           "head_dim": 256, "intermediate_size": 17408, "rms_norm_eps": 1e-6, "rope_theta": 1e7}
-TINY = {**QWEN27B, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 128}
 
 
 def timed(fn, device: str) -> float:
@@ -54,17 +51,20 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="hidden 64 (a smoke test of this script)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    facts = TINY if args.tiny else QWEN27B
-    h = facts["hidden_size"]
+    sizes = TINY if args.tiny else QWEN27B  # bench/gpu_train.py's shapes (its vocabulary aside)
+    h = sizes["hidden"]
     g = torch.Generator().manual_seed(0)
     head = TargetHead(torch.randn(args.vocab, h, generator=g).to(torch.bfloat16),
-                      torch.randn(args.vocab, h, generator=g).to(torch.bfloat16), False, facts)
+                      torch.randn(args.vocab, h, generator=g).to(torch.bfloat16), False,
+                      {"num_layers": sizes["layers"], "num_heads": sizes["heads"], "num_kv_heads": sizes["kv"],
+                       "head_dim": sizes["head_dim"], "intermediate_size": sizes["inter"]})
     config = default_config(head, [1, 16, 31, 46, 61], mask_token_id=0)
     made: dict = {}
 
     def default_init() -> None:  # the trainable modules as torch builds them, then the drafter's own draws
         with torch.device(args.device):
-            mods = nn.ModuleList([nn.Linear(5 * h, h, bias=False), *(DrafterLayer(config) for _ in range(config.num_layers))])
+            mods = nn.ModuleList([nn.Linear(len(config.capture_layers) * h, h, bias=False),
+                                  *(DrafterLayer(config) for _ in range(config.num_layers))])
         for m in mods.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=config.initializer_range)
