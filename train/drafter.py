@@ -182,12 +182,6 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _sum_of_squares(t: torch.Tensor, rows: int = 4096) -> float:
-    """Sum of t's squared entries in float64, `rows` rows at a time: no float32 copy of a whole
-    borrowed matrix (4.7 GiB each at a 27B target's vocabulary, per rank, at every start)."""
-    return sum(float(c.double().pow(2).sum()) for c in t.split(rows))
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, keeping for the backward only gate and up: silu(gate) is recomputed there
     (one elementwise pass), not held from the forward. At Qwen3.6-27B's shapes that is one
@@ -198,6 +192,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(_silu_mul, gate, up, use_reentrant=False, preserve_rng_state=False)  # no randomness in it
+
+
+def _sum_of_squares(t: torch.Tensor, rows: int = 4096) -> float:
+    """Sum of t's squared entries in float64, `rows` rows at a time: no float32 copy of a whole
+    borrowed matrix (4.7 GiB each at a 27B target's vocabulary, per rank, at every start)."""
+    return sum(float(c.double().pow(2).sum()) for c in t.split(rows))
 
 
 class DFlashDrafter(nn.Module):
