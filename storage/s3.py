@@ -241,6 +241,8 @@ class S3Store(ObjectStore):
                 f"access denied for {what} of {where} ({code}): check the credentials and their permissions"
             )
         message = f"{what} of {where} failed: {code or status} {e.response.get('Error', {}).get('Message', '')}"
+        if _not_implemented(e):  # a 5xx, but the server will never do it: retrying only delays the error
+            return StoreError(message)
         if (status or 0) >= 500 or status == 429 or code in _TRANSIENT_CODES:
             return TransientStoreError(message)
         return StoreError(message)
@@ -270,6 +272,9 @@ class S3Store(ObjectStore):
         except bexc.ClientError as e:
             if _create_conflict(e):
                 raise TransientStoreError(f"create of {self._where(key)} met a concurrent create") from None
+            if _not_implemented(e):  # AWS S3 before August 2024, some gateways: no If-None-Match at all
+                raise self._no_conditional_writes(f"answered a PUT with `If-None-Match: *` with "
+                                                  f"{e.response.get('Error', {}).get('Code') or 501}") from None
             if not _create_refused(e):
                 raise
         try:  # the client itself, not `get`: retries stay in one loop, `_call`'s
@@ -299,14 +304,16 @@ class S3Store(ObjectStore):
             finally:
                 self._delete_probe(key)
             if not honoured:
-                raise ConditionalWritesUnsupported(
-                    f"the S3 server at {self.endpoint} (bucket {self.bucket!r}) ignores conditional writes: it "
-                    "accepted a PUT with `If-None-Match: *` over an object that exists. layertap creates its commit "
-                    "records and leases that way, to keep every shard exactly once; on this server two workers could "
-                    "both take a shard and both commit it, or two trainers share one output, with no error. Upgrade "
-                    "the server to a version that supports conditional writes (If-None-Match on PutObject; Amazon S3 "
-                    "does since August 2024), or write to a folder on a shared filesystem instead")
+                raise self._no_conditional_writes("accepted a PUT with `If-None-Match: *` over an object that exists")
             self._creates_checked = True
+
+    def _no_conditional_writes(self, what_it_did: str) -> ConditionalWritesUnsupported:
+        return ConditionalWritesUnsupported(
+            f"the S3 server at {self.endpoint} (bucket {self.bucket!r}) does not support conditional writes: it "
+            f"{what_it_did}. layertap creates its commit records and leases that way, to keep every shard exactly "
+            "once; on this server two workers could both take a shard and both commit it, or two trainers share one "
+            "output, with no error. Upgrade the server to a version that supports conditional writes (If-None-Match "
+            "on PutObject; Amazon S3 does since August 2024), or write to a folder on a shared filesystem instead")
 
     def _refuses_create(self, key: str) -> bool:
         """Whether a conditional create over `key`, which exists, is refused (412, or 409: another
@@ -430,7 +437,8 @@ class S3Store(ObjectStore):
         """DeleteObjects, 1,000 keys a request (a 35 TB run holds ~100k objects: ~100 requests,
         not ~100k). A key the batch reports as failed is deleted again on its own, under the
         retry policy, so its error (if lasting) is raised with its name. A store without
-        DeleteObjects (it answers with a permanent error) gets one request a key."""
+        DeleteObjects (it answers with a permanent error, 501 NotImplemented among them) gets one
+        request a key."""
         for i in range(0, len(keys), DELETE_BATCH):
             batch = list(keys[i:i + DELETE_BATCH])
             request = {"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True}
@@ -701,6 +709,12 @@ def _create_refused(e: bexc.ClientError) -> bool:
     """A conditional create answered "the key exists" (412 PreconditionFailed)."""
     code = e.response.get("Error", {}).get("Code", "")
     return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412 or code == "PreconditionFailed"
+
+
+def _not_implemented(e: bexc.ClientError) -> bool:
+    """501 NotImplemented: the server does not support the request (a header, an API) at all."""
+    code = e.response.get("Error", {}).get("Code", "")
+    return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501 or code == "NotImplemented"
 
 
 def _create_conflict(e: bexc.ClientError) -> bool:

@@ -21,7 +21,10 @@ position drawn from a seeded RNG, gets a fault (of a kind drawn from the same RN
   slow; longer: the client times out and retries);
 - ``404``, only when asked for (it means something only to requests naming an upload): a
   NoSuchUpload XML body, never reaches the server; what MinIO answers a retried
-  CompleteMultipartUpload whose first try landed (minio/minio#13318).
+  CompleteMultipartUpload whose first try landed (minio/minio#13318);
+- ``501``, only when asked for: a NotImplemented XML body, never reaches the server; what a server
+  answers a request it does not support at all (AWS S3 before August 2024 a PUT with
+  `If-None-Match`, some gateways DeleteObjects).
 
 Requests travel byte for byte (headers in order, chunked bodies unchanged), so SigV4 signatures
 and content checksums still verify upstream. Hop-by-hop headers are not forwarded, nor those named
@@ -43,13 +46,14 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FAULTS = ("500", "503", "reset", "reset-after", "cut", "stall")  # the default: any request may get one
-KINDS = (*FAULTS, "404")
+KINDS = (*FAULTS, "404", "501")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "te", "trailer",
                "upgrade", "expect"}
 _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
     "503": (503, "SlowDown", "Please reduce your request rate."),
     "404": (404, "NoSuchUpload", "The specified multipart upload does not exist."),
+    "501": (501, "NotImplemented", "A header you provided implies functionality that is not implemented."),
 }
 
 

@@ -39,7 +39,8 @@ def test_a_new_run_on_a_server_that_ignores_conditional_writes_is_refused_with_n
         fake_worker.work(uri)  # plans the run: its first create is manifest.json
     assert isinstance(e.value, ConfigError)  # `layertap` prints it, exit code 2, no traceback
     message = str(e.value)
-    assert f"the S3 server at {ignoring} (bucket {s3_bucket!r}) ignores conditional writes" in message
+    assert f"the S3 server at {ignoring} (bucket {s3_bucket!r}) does not support conditional writes: it accepted" \
+        in message
     assert "If-None-Match" in message and "exactly once" in message and "Upgrade the server" in message
     assert keys(uri) == []  # no manifest, and the probe deleted
 
@@ -75,3 +76,34 @@ def test_a_probe_left_by_a_killed_process_changes_no_verdict_on_its_prefix(s3_bu
     with OutputLease(open_store(f"s3://{s3_bucket}/runs")):  # a trainer's output above it
         pass
     assert cli(["delete", uri, "--yes"]) == 0 and keys(uri) == []
+
+
+def test_a_server_that_answers_conditional_creates_with_501_is_refused_at_once(s3_endpoint, s3_bucket, monkeypatch):
+    """AWS S3 before August 2024 and some gateways answer `If-None-Match` with 501 NotImplemented:
+    a refusal for good, not an outage. It was retried as a 5xx (8 tries, ~14 s) and reported as a
+    failed create quoting the server, without the fix."""
+    uri = f"s3://{s3_bucket}/runs/r"
+    probe = lambda method, path: method == "PUT" and WRITE_PROBE in path  # noqa: E731 - every create it sees
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("501",), match=probe) as proxy, monkeypatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", proxy.url)
+        with pytest.raises(ConditionalWritesUnsupported) as e:
+            fake_worker.work(uri)
+        assert proxy.counts["501"] == 1  # asked once: no retries
+    assert "does not support conditional writes: it answered a PUT with `If-None-Match: *` with NotImplemented" \
+        in str(e.value) and "Upgrade the server" in str(e.value)
+    assert keys(uri) == []
+
+
+def test_a_batch_delete_answered_with_501_falls_back_to_one_request_a_key(s3_endpoint, s3_bucket, monkeypatch):
+    """A server without DeleteObjects: its 501 was retried as an outage and then raised, so
+    `layertap delete` (and the storage window's deletes) failed instead of deleting key by key."""
+    uri = f"s3://{s3_bucket}/runs/r"
+    store = open_store(uri)
+    for i in range(3):
+        store.put(f"k{i}", b"x")
+    batch = lambda method, path: method == "POST" and "delete" in path.split("?", 1)[-1]  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("501",), match=batch) as proxy, monkeypatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", proxy.url)
+        open_store(uri).delete_many(["k0", "k1", "k2"])
+        assert proxy.counts["501"] == 1
+    assert keys(uri) == []
