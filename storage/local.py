@@ -115,7 +115,7 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
         except OSError as e:
-            raise _os_error(e, path) from e
+            raise _os_error(e, path, reading=True) from e
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         if start < 0 or end < start:
@@ -127,6 +127,8 @@ class LocalStore(ObjectStore):
                 return f.read(max(0, min(end, os.fstat(f.fileno()).st_size) - start))
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
+        except OSError as e:
+            raise _os_error(e, path, reading=True) from e
 
     def read_range_into(self, key: str, start: int, out: memoryview) -> int:
         path = self._path(key)
@@ -142,7 +144,7 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
         except OSError as e:
-            raise _os_error(e, path) from e
+            raise _os_error(e, path, reading=True) from e
         return got
 
     def size(self, key: str) -> int:
@@ -151,6 +153,8 @@ class LocalStore(ObjectStore):
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"no object {key!r} in {self.root}") from None
+        except OSError as e:
+            raise _os_error(e, path, reading=True) from e
         if not os.path.isfile(path):
             raise ObjectNotFound(f"{path} is a folder, not an object")
         return st.st_size
@@ -158,7 +162,7 @@ class LocalStore(ObjectStore):
     def list(self, prefix: str = "", start_after: str = "") -> Iterator[ObjectInfo]:
         # Walk only the folder that can hold the prefix, not the whole root.
         found = []
-        for dirpath, dirnames, filenames in os.walk(self._folder_of(prefix)):
+        for dirpath, dirnames, filenames in os.walk(self._folder_of(prefix), onerror=_unlisted):
             dirnames.sort()
             rel = os.path.relpath(dirpath, self.root)
             base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
@@ -170,6 +174,8 @@ class LocalStore(ObjectStore):
                     st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # deleted while listing
                     continue
+                except OSError as e:
+                    raise _os_error(e, os.path.join(dirpath, name), reading=True) from e
                 # Objects are replaced by renaming a new file over them: a new inode, a new mtime.
                 found.append(ObjectInfo(key, st.st_size, st.st_mtime, f"{st.st_ino}.{st.st_mtime_ns}"))
         yield from sorted(found, key=lambda o: o.key)
@@ -203,7 +209,7 @@ class LocalStore(ObjectStore):
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         pending = []
-        for dirpath, _, filenames in os.walk(self._folder_of(prefix)):
+        for dirpath, _, filenames in os.walk(self._folder_of(prefix), onerror=_unlisted):
             for name in filenames:
                 if not _is_temp(name):
                     continue
@@ -321,7 +327,23 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def _os_error(e: OSError, path: str) -> StoreError:
+def _unlisted(e: OSError) -> None:
+    """os.walk's error handler: a folder that is not there (none yet, or deleted while listing)
+    holds no objects; any other error (EIO, ESTALE on NFS, EACCES) is raised. Left to os.walk,
+    which skips what it cannot read, a folder of commits that failed to list read as none: verify
+    checked nothing and exited 0, status said nothing was done, delete left what it did not see."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        return
+    raise _os_error(e, e.filename or "a folder", reading=True) from e
+
+
+def _os_error(e: OSError, path: str, *, reading: bool = False) -> StoreError:
+    """The store's error for a failed filesystem call on `path`, with what to do about it."""
+    if reading:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return StoreError(f"cannot read {path}: permission denied; check the folder's permissions "
+                              "(another user's run?)")
+        return StoreError(f"cannot read {path}: {e.strerror or e}")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return StoreError(f"cannot write {path}: permission denied; choose a writable output folder")
     if e.errno == errno.ENOSPC:

@@ -19,6 +19,8 @@ import urllib3
 import pytest
 from faultproxy import FaultProxy
 
+import fake_worker
+
 import layertap.storage.s3
 from layertap import storage
 from layertap.cli import main as cli
@@ -241,6 +243,41 @@ def test_a_folder_without_hard_links_names_that_not_permissions(tmp_path, monkey
     assert "permission denied" not in str(e.value) and "S3 endpoint" in str(e.value)
     monkeypatch.undo()
     assert [o.key for o in store.list()] == []  # no temp file left behind
+
+
+def test_a_local_folder_that_fails_to_list_or_read_is_an_error_not_an_empty_run(tmp_path, monkeypatch, capsys):
+    """A folder whose listing fails (EIO or ESTALE on an NFS mount) read as empty: os.walk skips
+    what it cannot read, so `verify` of a finished run checked nothing and exited 0 and `status`
+    said no shard was done. A failed read of another user's file said "cannot write". The
+    syscalls are made to fail: no flaky mount is at hand, and root reads every folder."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    assert cli(["verify", uri]) == 0
+    capsys.readouterr()
+    real_scandir = os.scandir
+
+    def flaky(path="."):
+        if os.path.basename(os.fspath(path).rstrip("/")) == "commits":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real_scandir(path)
+
+    with monkeypatch.context() as m:
+        m.setattr(storage.local.os, "scandir", flaky)
+        for command in (["verify", uri], ["status", uri]):
+            assert cli(command) != 0, command
+            err = capsys.readouterr().err
+            assert f"cannot read {os.path.join(uri, 'commits')}: Input/output error" in err, err
+        with pytest.raises(StoreError, match="cannot read"):
+            open_store(uri).list_pending_uploads("commits/")
+    assert [o.key for o in open_store(uri).list("nothing/here/")] == []  # a folder not there holds nothing
+
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES))
+    with monkeypatch.context() as m:
+        m.setattr(storage.local, "open", lambda *a, **k: (_ for _ in ()).throw(denied), raising=False)
+        store = open_store(uri)
+        for read in (lambda: store.get("manifest.json"), lambda: store.get_range("manifest.json", 0, 4)):
+            with pytest.raises(StoreError, match="cannot read .*manifest.json: permission denied; check the folder"):
+                read()
 
 
 def test_list_by_prefix_is_sorted_and_scoped(store):
