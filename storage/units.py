@@ -39,14 +39,16 @@ def duration(seconds: float) -> str:
 
 
 def parse_size(text: str | int) -> int:
-    """'64MB' -> 64_000_000, '1GiB' -> 2**30, 4096 -> 4096."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    unit = (m.group(2) or "").lower().removesuffix("b") if m else None
-    if not m or unit not in _UNITS:
-        raise ConfigError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
-    size = int(float(m.group(1)) * _UNITS[unit])
+    """'64MB' -> 64_000_000, '1GiB' -> 2**30, 4096 -> 4096. A number comes as it is from a
+    --config file, and must be positive too: a window of 0 bytes had every worker wait for good."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        m = _SIZE.match(str(text)) if not isinstance(text, bool) else None
+        unit = (m.group(2) or "").lower().removesuffix("b") if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
+        size = int(float(m.group(1)) * _UNITS[unit])
     if size <= 0:
         raise ConfigError(f"invalid size {text!r}: must be positive")
     return size

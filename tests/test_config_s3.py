@@ -50,6 +50,19 @@ def test_extract_into_a_local_folder_takes_the_settings_and_names_a_misspelt_one
     assert cli([*argv, "--config", config(tmp_path, GOOD)]) == 0
 
 
+def test_a_config_files_size_of_zero_or_less_is_refused_as_the_flags_is(tmp_path, capsys):
+    """A number in a --config file skipped the size check: {"window": 0} was taken, and every
+    worker then waited for good for room in a window of 0 bytes."""
+    model = tiny_model_dir(tmp_path / "models", "qwen3")
+    argv = ["extract", "--model", model, "--dataset", write_chats(tmp_path / "chats.jsonl", 4),
+            "--out", str(tmp_path / "run"), "--layers", "1,3", "--max-length", "64", "--log-dir", str(tmp_path)]
+    for setting, value in (("window", 0), ("window", -1), ("shard_bytes", 0)):
+        assert cli([*argv, "--config", config(tmp_path, {setting: value})]) == 2
+        err = capsys.readouterr().err
+        assert f"invalid size {value!r}: must be positive" in err and setting.replace("_", "-") in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_submit_with_local_stores_takes_the_settings_and_names_a_misspelt_one(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))  # a dry run needs no Slurm command

@@ -65,7 +65,7 @@ def test_parse_size():
     assert parse_size("1GiB") == 2**30
     assert parse_size("1.5g") == 1_500_000_000
     assert parse_size(4096) == 4096
-    for bad in ("lots", "-1MB", "0", "12XB"):
+    for bad in ("lots", "-1MB", "0", "12XB", 0, -1, True):  # numbers as a --config file gives them too
         with pytest.raises(ValueError, match="invalid size"):
             parse_size(bad)
 
