@@ -345,10 +345,27 @@ class S3Store(ObjectStore):
             raise ValueError(f"invalid byte range [{start}, {end}) for {key!r}")
         if end == start:
             return b""
+
+        def read() -> bytes:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end - 1}")
+            self._check_range(key, resp, start, end - start)
+            return resp["Body"].read()
+
         try:
-            return self._read_body("ranged get", key, Range=f"bytes={start}-{end - 1}")
+            return self._call("ranged get", key, read)
         except RangeNotSatisfiable:  # start at or past the end
             return b""
+
+    @staticmethod
+    def _check_range(key: str, resp: dict, start: int, n: int) -> None:
+        """Refuse an answer that is not the asked-for range (a server or proxy that ignores Range
+        sends the whole object): read as the range, a good shard would look corrupt."""
+        length = int(resp["ContentLength"])
+        if _range_start(resp.get("ContentRange")) != start or length > n:
+            resp["Body"].close()  # its bytes are not the ones asked for: the connection must not be reused
+            raise StoreError(f"ranged get of {key!r}: asked for bytes {start}-{start + n - 1}, the server answered "
+                             f"{resp.get('ContentRange') or 'without a Content-Range'} ({length} bytes); it does "
+                             "not serve HTTP Range requests as S3 does")
 
     def read_range_into(self, key: str, start: int, out: memoryview) -> int:
         """One ranged GET read into `out` with no body-sized buffer on the way (straight from the
@@ -360,12 +377,8 @@ class S3Store(ObjectStore):
             nonlocal got
             resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
                                           Range=f"bytes={start + got}-{start + n - 1}")
+            self._check_range(key, resp, start + got, n - got)
             body, length = resp["Body"], int(resp["ContentLength"])
-            if _range_start(resp.get("ContentRange")) != start + got or length > n - got:
-                body.close()  # its bytes are not the ones asked for: the connection must not be reused
-                raise StoreError(f"ranged get of {key!r}: asked for bytes {start + got}-{start + n - 1}, the server "
-                                 f"answered {resp.get('ContentRange') or 'without a Content-Range'} ({length} "
-                                 "bytes); it does not serve HTTP Range requests as S3 does")
             end = got + length
             try:
                 direct = _plain_http_response(body)

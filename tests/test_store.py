@@ -141,6 +141,10 @@ def test_a_server_that_ignores_range_requests_is_a_clear_error(s3_bucket):
     store.client.meta.events.register("after-call.s3.GetObject", as_whole_object)
     with pytest.raises(StoreError, match="does not serve HTTP Range requests"):
         store.read_range_into("x.bin", 2, memoryview(bytearray(4)))
+    # get_range too: it took the whole object for the range, and a shard's reader then called a
+    # good shard corrupt ("does not match the footer index")
+    with pytest.raises(StoreError, match="asked for bytes 2-5, the server answered without a Content-Range"):
+        store.get_range("x.bin", 2, 6)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "fallback"])
