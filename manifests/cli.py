@@ -36,6 +36,9 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("prefix", help="the run prefix: s3://bucket/prefix or a local folder")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
     p.add_argument("--threads", type=int, default=4, help="shards verified in parallel (default 4)")
+    p.epilog = ("exit codes: 0 every committed shard read back whole; 1 bad shards found (withdrawn: the next "
+                "extraction redoes them); 3 some shards not checked, their commit went or changed while verify "
+                "looked (run it again); 2 no run there, or a bad prefix")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -331,4 +334,4 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"  skipped {len(result.gone)} shard(s) whose commit went or changed while this verify looked "
                   f"(another `layertap verify` withdrew it?): {', '.join(map(str, result.gone))}; run verify again "
                   "to check them")
-    return 1 if result.bad else 0
+    return EXIT_PROBLEM if result.bad else EXIT_INCOMPLETE if result.gone else EXIT_COMPLETE

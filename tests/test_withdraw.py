@@ -20,6 +20,7 @@ from layertap.manifests.status import run_status, verify_run
 from layertap.manifests.work import WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.writer import ShardWriter
+import layertap.storage.store
 from layertap.storage.store import open_store
 
 WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
@@ -221,3 +222,25 @@ def test_a_worker_waiting_behind_the_window_stops_when_its_run_is_deleted(store_
     assert proc.returncode != 0
     assert f"the run at {store.uri} was deleted (manifest.json is gone): stopping" in err, err[-3000:]
     assert list(store.list()) == [], "nothing was written into the deleted prefix"
+
+
+def test_verify_that_skipped_a_shard_does_not_exit_as_if_all_were_checked(store_uri, monkeypatch, capsys):
+    """A verify that skipped a shard whose commit another verify withdrew said "run verify again"
+    and exited 0, so `layertap verify && layertap train ...` went on unchecked: it exits 3 now."""
+    fake_worker.work(store_uri)
+    corrupt(open_store(store_uri), 3)
+    store = open_store(store_uri)
+    real_get, seen = store.get, []
+
+    def get(key, *args, **kwargs):
+        if key == layout.commit_key(3) and key not in seen:  # the other verify withdraws it first
+            seen.append(key)
+            assert [b["shard"] for b in verify_run(open_store(store_uri)).bad] == [3]
+        return real_get(key, *args, **kwargs)
+
+    monkeypatch.setattr(store, "get", get)
+    monkeypatch.setattr(layertap.storage.store, "open_store", lambda uri: store)
+    assert cli(["verify", store_uri]) == 3
+    assert "skipped 1 shard(s) whose commit went or changed" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert cli(["verify", store_uri]) == 0  # the withdrawn shard is no longer committed: all checked
