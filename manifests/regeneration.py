@@ -111,7 +111,15 @@ def read_recipe(store: ObjectStore) -> Recipe | None:
 
 def done_parts(store: ObjectStore) -> dict[int, Any]:
     """The committed parts: part number -> its listing entry (size, version)."""
-    return {part_of_key(o.key): o for o in store.list(PARTS) if o.key.endswith(".jsonl")}
+    parts = {}
+    for o in store.list(PARTS):
+        name = o.key.rsplit("/", 1)[-1]
+        if name.endswith(".jsonl"):
+            if not name.removesuffix(".jsonl").isdigit():  # no part of ours: a part's number is its name
+                raise InputError(f"{store.uri}: {o.key} is not a part layertap wrote (parts are named 000012.jsonl): "
+                                 "move it out of the regeneration's folder")
+            parts[part_of_key(o.key)] = o
+    return parts
 
 
 def read_stats(store: ObjectStore, parts: list[int]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from layertap.extract.embedded import sharegpt_conversations
 from layertap.extract.inputs import load_rows, normalize_chat, TokenizeStats
 from layertap.extract.regenerated import iter_rows
 from layertap.manifests.regeneration import RECIPE, done_parts, read_stats
+from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
 from tiny_models import CHATML_TEMPLATE, tiny_model_dir
 
@@ -325,3 +326,14 @@ def test_the_recorded_endpoint_carries_no_credentials():
     assert api_base("http://gpu7:8000") == "http://gpu7:8000/v1" == api_base("http://gpu7:8000/v1/")
     with pytest.raises(Exception, match="not an http"):
         api_base("gpu7:8000")
+
+
+def test_a_stray_jsonl_among_the_parts_is_named_not_a_traceback(tmp_path):
+    """A file of one's own under parts/ (notes.jsonl) crashed status and resume with int()'s
+    ValueError; parts layertap wrote are still read."""
+    store = open_store(str(tmp_path / "regen"))
+    store.put("parts/000001.jsonl", b"{}\n")
+    assert sorted(done_parts(store)) == [1]
+    store.put("parts/notes.jsonl", b"{}\n")
+    with pytest.raises(InputError, match="parts/notes.jsonl is not a part layertap wrote"):
+        done_parts(store)
