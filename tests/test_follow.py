@@ -930,3 +930,96 @@ def _store(uri):
 
 if __name__ == "__main__" and sys.argv[1] == "consume":
     consume(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+
+
+def _real_ids(batches) -> list[str]:
+    return [i for b in batches for i, p in zip(b["sample_id"], b["padding"]) if not p]
+
+
+@pytest.mark.parametrize("rank_0_reads", ["first", "last"])
+def test_the_epochs_after_the_follow_epoch_stream_rank_0s_shards_on_every_rank(tmp_path, rank_0_reads):
+    """The follow epoch ends on a given-up shard; each rank read the committed shards again on its
+    own when its epoch 1 began, and the shard redone between two ranks' reads gave them epochs of
+    different sizes (9 and 10 batches: the last reduce hangs) and samples trained twice. With
+    `agree` (the trainer's broadcast; here rank 0's list handed over in-process) both stream rank
+    0's list, read before the redo or after it, and every sample once."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, shards=[0, 1, 2, 3, 4, 5])
+    give_up(uri, 6)
+    streams = [ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=2) for r in range(2)]
+    loaders = [StreamLoader(s, batch_size=2) for s in streams]
+    for loader in loaders:
+        assert _real_ids(loader)  # the follow epoch
+    rank_0_keys = []
+    streams[0].agree = lambda keys: rank_0_keys.append(keys) or keys
+
+    def from_rank_0(keys):
+        if rank_0_reads == "last":  # rank 1 read before the redo, rank 0 after it
+            assert fake_worker.work(uri, shards=[6]) == [6]
+            streams[0]._settle()
+        return rank_0_keys[-1]
+
+    streams[1].agree = from_rank_0
+    if rank_0_reads == "first":
+        ids = {0: _real_ids(loaders[0])}
+        assert fake_worker.work(uri, shards=[6]) == [6]  # extraction restarted: the given-up shard committed
+        ids[1] = _real_ids(loaders[1])
+    else:
+        ids = {1: _real_ids(loaders[1]), 0: _real_ids(loaders[0])}
+    assert streams[0].shard_keys == streams[1].shard_keys
+    assert len(loaders[0]) == len(loaders[1])
+    want = SAMPLES - (0 if rank_0_reads == "last" else fake_worker.plan(_store(uri)).shards[6].num_samples)
+    assert sorted(ids[0] + ids[1]) == sorted(set(ids[0] + ids[1])) and len(ids[0] + ids[1]) == want
+
+
+def test_the_epochs_after_the_follow_epoch_leave_out_what_a_delete_consumed_trainer_deleted(tmp_path, caplog):
+    """A second follow trainer of a run whose shard 0 the --delete-consumed trainer had deleted:
+    its follow epoch left shard 0 out, and its epoch 1 put it back and failed on the missing data
+    ("deleted while this stream read the run"; with on_corrupt="skip", padding in its place)."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    record_consumed(_store(uri), rank=0, world_size=1, shards=[0], step=1)
+    assert delete_consumed(_store(uri)) == [0]
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    loader = StreamLoader(stream, batch_size=4)
+    want = SAMPLES - fake_worker.plan(_store(uri)).shards[0].num_samples
+    for epoch in (0, 1):
+        assert len(_real_ids(loader)) == want, epoch
+    assert [s.shard for s in stream.shards] == [1, 2, 3, 4, 5, 6]
+    assert "1 committed shard(s) were consumed and deleted by a --delete-consumed trainer" in caplog.text
+
+
+def test_a_follow_stream_iterated_directly_streams_its_later_epochs(tmp_path):
+    """`for sample in stream` past the follow epoch: the position began epoch 1 before the stream
+    counted its samples (0), took it for done, and jumped to epoch 2 with a TypeError."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    for epoch in (0, 1, 2):
+        assert stream.epoch == epoch
+        assert sorted(s["sample_id"] for s in stream if not s["padding"]) == sorted(ALL)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_later_epoch_over_rank_0s_shards(tmp_path):
+    """2 ranks, --follow --epochs 2, shard 6 given up: the second epoch's shard list comes from
+    rank 0 through the trainer's gloo group, in the prefetch threads, while training steps on;
+    both ranks step the same epoch to its end (a difference would hang the last reduce)."""
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    m = fake_worker.plan(_store(uri))
+    fake_worker.work(uri, shards=[s for s in range(len(m.shards)) if s != 6])
+    give_up(uri, 6)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "layertap",
+         "train", "--data", uri, "--model", target, "--out", out, "--follow", "--follow-poll-s", "0.5", "--epochs",
+         "2", "--batch-size", "2", "--block-size", "4", "--max-anchors", "8"],
+        env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in _store(out).get("metrics.jsonl").decode().splitlines()]
+    committed = SAMPLES - m.shards[6].num_samples
+    assert [x["epoch"] for x in lines] == [0] * (SAMPLES // 4) + [1] * -(-committed // 4)

@@ -24,19 +24,32 @@ def per_rank(acc: Any, values: Sequence[float], dtype: torch.dtype = torch.float
     return t.view(acc.num_processes, -1).cpu().tolist()
 
 
-def from_rank_0(acc: Any, value: Any) -> Any:
-    """Rank 0's JSON-ready `value` on every rank, sent as JSON bytes."""
+def from_rank_0(acc: Any, value: Any, group: Any = None) -> Any:
+    """Rank 0's JSON-ready `value` on every rank, sent as JSON bytes; over `group` (a gloo group of
+    every rank, `host_group`: host memory, callable from a thread of its own) when given."""
     if acc.num_processes == 1:
         return value
     import torch.distributed as dist
 
+    device = torch.device("cpu") if group is not None else acc.device
     data = json.dumps(value).encode() if acc.process_index == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=acc.device)
-    dist.broadcast(size, src=0)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0, group=group)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
-    buf = buf.to(acc.device)
-    dist.broadcast(buf, src=0)
+    buf = buf.to(device)
+    dist.broadcast(buf, src=0, group=group)
     return json.loads(bytes(buf.cpu().numpy()))
+
+
+def host_group(acc: Any) -> Any:
+    """A gloo group of every rank (collective: every rank calls it), for exchanges that happen off
+    the training thread (the loader's prefetch thread): the default group's NCCL calls belong to
+    the training thread's order. None with one process."""
+    if acc.num_processes == 1:
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
 
 
 def broadcast_tensors(acc: Any, groups: Iterable[dict[str, torch.Tensor]]) -> None:

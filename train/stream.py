@@ -26,7 +26,7 @@ import time
 from bisect import bisect_right
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -143,8 +143,8 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
     A shard a training run consumed and deleted (`layertap train --follow --delete-consumed`:
     `manifests.consumption`) keeps its commit but has no data: it is left out, with one warning
     saying how many shards and samples that is; a run whose every committed shard was consumed is
-    an InputError. `consumed="keep"` lists them anyway, for a caller that never reads them (the
-    end of a follow epoch that deleted them: its shard list must stay the one it checkpointed).
+    an InputError. `consumed="keep"` lists them anyway, for a caller that leaves them out itself
+    (`ShardStream._settle`, which must not fail where nothing is left: it may never be read).
     A run whose extraction is unfinished is streamed as far as it goes, with a warning
     (`unfinished_warning`: one rank of many says it)."""
     manifest = load_manifest(store)
@@ -215,6 +215,11 @@ class ShardStream(IterableDataset):
     ignores them); `only`: the shards to stream, as another rank's `shard_keys` (ranks that read
     the commits of a run still being extracted at different times would find different shards,
     and so epochs of different sizes and orders). Opening reads the run and writes nothing.
+
+    `agree` (follow mode, several ranks): given this rank's `shard_keys` when the epochs after the
+    follow epoch read the run's committed shards, returns rank 0's (a broadcast: `layertap train`
+    sets it); the stream then streams those. Without it each rank reads them on its own, and a
+    commit landing between two ranks' reads (a given-up shard redone) gives them different epochs.
     """
 
     def __init__(self, prefix: str | ObjectStore, *, config: StreamConfig | None = None, rank: int | None = None,
@@ -238,6 +243,8 @@ class ShardStream(IterableDataset):
         self._metrics: Metrics | None = None
         self._records: dict[int, int] = {}  # records per committed shard, for consumed_shards
         self.shards_changed: str | None = None  # the saved set, when `load_state_dict` took a state over another
+        self.agree: Callable[[list[list]], list[list]] | None = None
+        self._left_out: list[int] = []  # follow mode's later epochs: shards consumed and deleted
         if c.follow and only is not None:
             raise ConfigError("only= needs a stream that is not in follow mode: the follow epoch takes shards as "
                               "they are committed")
@@ -325,15 +332,33 @@ class ShardStream(IterableDataset):
 
     def _settle(self, force: bool = False) -> None:
         """Follow mode after the follow epoch: read the committed shards once more (the run is
-        complete by then), so later epochs are today's order over all of them."""
+        complete by then, or as complete as its extraction got), so later epochs are today's order
+        over all of them; with `agree`, over rank 0's list. Shards a `--delete-consumed` trainer
+        consumed are left out: their data is gone (that trainer itself trains one epoch, and
+        reads no later one). Not an error here when none is left: the state at the follow epoch's
+        end settles too, and a trainer may never read a later epoch (`__iter__` says it)."""
         if self._settled or (not force and (self.position.in_follow_epoch)):
             return
-        # keep consumed shards: after a follow epoch that deleted them, this list names the shards
-        # the epoch's checkpoint was taken over (its fingerprint), and nothing reads them again
-        _, self.shards, _ = load_index(self._store(), consumed="keep")
+        self.shards = self._readable_shards()
+        if self.agree is not None:
+            keys = self.agree(self.shard_keys)
+            if not {(int(k), d) for k, d in keys} <= {(s.shard, s.xxh3_128) for s in self.shards}:
+                self.shards = self._readable_shards()  # rank 0 read after a commit this rank missed
+            self.shards = self._only(keys)
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
         self._settled = True
+        if self._left_out:
+            log.warning("%s: %d committed shard(s) were consumed and deleted by a --delete-consumed trainer; the "
+                        "epochs after the follow epoch stream the other %d", self.uri, len(self._left_out),
+                        len(self.shards))
+
+    def _readable_shards(self) -> list[CommittedShard]:
+        """The committed shards with data (`load_index` without its error when none is left)."""
+        _, shards, _ = load_index(self._store(), consumed="keep")
+        gone = consumed_shards(self._store())
+        self._left_out = sorted(s.shard for s in shards if s.shard in gone)
+        return [s for s in shards if s.shard not in gone]
 
     def _identity(self, follow_epoch: bool = False) -> dict[str, Any]:
         c = self.config
@@ -422,18 +447,25 @@ class ShardStream(IterableDataset):
         state["_pool_cache"] = None
         state["_metrics"] = None
         state["_new_index"] = None  # one writer, in the process that opened the stream
+        state["agree"] = None  # a collective of the trainer's process; a worker's copy is settled already
         return state
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         workers = info.num_workers if info is not None else 1
         worker = self.position.consumer(info.id, workers) if info is not None else 0
+        # before `start`: a later epoch of a follow stream counts its samples from the settled shards
+        # (unsettled, none: the position took the epoch for done and jumped past it)
+        self._settle()
         self.position.start(workers)
         c = self.config
         if self.position.in_follow_epoch:
             self._metrics = Metrics()
             return self._follow(worker, workers, max(1, c.memory_budget // workers))
-        self._settle()
+        if not self.shards:  # follow mode: a --delete-consumed trainer consumed every shard
+            raise InputError(f"every committed shard of {self.uri} was consumed and deleted by a --delete-consumed "
+                             f"trainer: epoch {self.position.epoch} has nothing to read (the follow epoch trained on "
+                             "what this trainer took); train one epoch fewer, or extract the run again")
         plan = plan_consumer([len(s.sample_ids) for s in self.shards], seed=c.seed, epoch=self.position.epoch,
                              shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer, rank=self.rank,
                              world=self.world_size, worker=worker, workers=workers, uneven=c.uneven)

@@ -48,7 +48,8 @@ from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config,
 from layertap.train.follow import wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
 from layertap.train.objective import Distill, dflash_loss
-from layertap.train.ranks import agree_on_checkpoint, broadcast_tensors, from_rank_0, per_rank, raise_if_any_refused
+from layertap.train.ranks import (agree_on_checkpoint, broadcast_tensors, from_rank_0, host_group, per_rank,
+                                  raise_if_any_refused)
 from layertap.train.stream import ShardsChanged, ShardStream, StreamConfig
 from layertap.train.target_head import load_final_norm, load_target_head, recorded_target
 
@@ -444,6 +445,12 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
     if any(row != seen[0] for row in seen):
         raise RuntimeError(f"the ranks stream different shards of {cfg.data} (samples per rank "
                            f"{[n for _, n in seen]}, shard fingerprints {len({f for f, _ in seen})} distinct)")
+    if cfg.follow and world > 1:
+        # The epochs after the follow epoch read the committed shards again, when the prefetch thread
+        # reaches them (or at a resume into one): rank 0's list, handed over as above. Through a group
+        # of its own: that thread must not interleave NCCL calls with the training thread's.
+        group = host_group(acc)
+        stream.agree = lambda keys: from_rank_0(acc, keys, group)
     return stream
 
 
