@@ -283,9 +283,10 @@ def _shard_count(counts: list[int], shape: dict[str, Any], cfg) -> int:
 
 def _measure(cfg, target, capture, identity, stats):
     from layertap.extract.measure import measure_extraction
+    from layertap.extract.model import padding_id
     from layertap.extract.run import shard_meta
 
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    pad_id = padding_id(target)
     meta = shard_meta(cfg, identity, run_id="0" * 12, shard_id=0)
     return measure_extraction(capture, stats.picks, meta, batch_tokens=cfg.batch_tokens, pad_id=pad_id,
                               encode_threads=cfg.encode_threads)

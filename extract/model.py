@@ -56,6 +56,16 @@ class Target:
     info: dict[str, Any]
 
 
+def padding_id(target: Target) -> int:
+    """The id that fills a batch's padded positions: the tokenizer's pad token where the model
+    can embed it, else 0. Padded positions are masked and never stored, so any id the model
+    embeds will do; a pad token added to the tokenizer without resizing the embeddings (a common
+    `add_special_tokens({"pad_token": ...})`) failed every shard with an IndexError naming
+    nothing (on CUDA a device-side assert that takes the worker down)."""
+    pad = target.tokenizer.pad_token_id
+    return pad if pad is not None and 0 <= pad < int(target.info["vocab_size"]) else 0
+
+
 def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16,
                 attn_implementation: str = "sdpa", device: str | torch.device = "cpu",
                 weights: bool = True) -> Target:

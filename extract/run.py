@@ -27,7 +27,7 @@ from layertap.extract.kernels import provenance
 from layertap.extract.inputs import (Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows,
                                      tokenize_rows)
 from layertap.extract.measure import require_samples, token_statistics
-from layertap.extract.model import Capture, Target, default_layers, load_target
+from layertap.extract.model import Capture, Target, default_layers, load_target, padding_id
 from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
 from layertap.extract.regenerated import template_kwargs
 from layertap.extract.worker import ShardLoop, Started
@@ -123,7 +123,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
     if target is None:
         target, capture, _ = prepare_target(cfg, state.device)
     totals = PipelineStats()
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    pad_id = padding_id(target)
     staging = HostStaging() if next(capture.decoder.parameters()).is_cuda else None  # pinned once, reused
 
     def start(claim: Claim, counted) -> Started:

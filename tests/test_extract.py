@@ -350,3 +350,23 @@ def test_ranks_waiting_for_the_plan_poll_less_and_less_often(monkeypatch):
     assert len(pauses) == 9
     assert pauses[0] <= 0.625 and all(7.5 <= p <= 12.5 for p in pauses[-3:])
     assert all(b > a for a, b in zip(pauses[:4], pauses[1:5]))  # doubling 0.5 -> 8 s (jitter +-25%)
+
+
+def test_a_pad_token_the_model_cannot_embed_pads_with_an_id_it_can(tmp_path):
+    """`add_special_tokens({"pad_token": ...})` saved without resizing the embeddings: the pad id
+    is the model's vocab_size, and every batch with rows of different lengths failed its shard
+    with "IndexError: index out of range in self", naming nothing, then "run the same command
+    again". Padded positions are masked and never stored: an id the model embeds pads them now."""
+    from transformers import AutoTokenizer
+
+    folder = tiny_model_dir(tmp_path / "models", "llama", num_layers=4)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_special_tokens({"pad_token": "<|pad|>"})
+    tok.save_pretrained(folder)
+    assert tok.pad_token_id == json.loads(Path(folder, "config.json").read_text())["vocab_size"]
+    out = str(tmp_path / "run")
+    argv = ["extract", "--model", folder, "--dataset", write_chats(tmp_path / "chats.jsonl", 6), "--out", out,
+            "--layers", "1", "--max-length", "128", "--batch-tokens", "1024", "--retries", "0", "--dtype", "float32",
+            "--log-dir", str(tmp_path)]
+    assert cli(argv) == 0
+    assert run_status(open_store(out))["complete"] and verify_run(open_store(out)).ok >= 1
