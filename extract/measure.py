@@ -46,6 +46,7 @@ class TokenStats:
     tokens_read: int
     supervised_read: int = 0  # tokens the loss mask covers: the assistant turns' tokens
     truncated: int = 0
+    dropped_turns: int = 0  # assistant turns before a chat's first user turn (normalize_chat)
     skipped: dict[str, int] = field(default_factory=dict)
     counts: list[int] | None = None  # every row's tokens (0 = skipped), only when all rows were read
     picks: list[TokenizedSample] = field(default_factory=list)  # for the measured extraction
@@ -69,7 +70,9 @@ class TokenStats:
         skipped = sum(self.skipped.values())
         extra = f"; {skipped:,} skipped" + (f" ({', '.join(f'{k}: {v:,}' for k, v in sorted(self.skipped.items()))})"
                                             if skipped else "")
-        return f"tokenized {how} of {where}{extra}; {self.truncated:,} truncated to max length"
+        dropped = (f"; {self.dropped_turns:,} assistant turn(s) before a chat's first user turn left out (no prompt "
+                   "to answer)" if self.dropped_turns else "")
+        return f"tokenized {how} of {where}{extra}; {self.truncated:,} truncated to max length{dropped}"
 
 
 def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None = None,
@@ -98,7 +101,8 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
     tally = _tally_in_processes(rows, job, processes) if processes > 1 else _tally_here(rows, job)
     stats = tally.stats
     return TokenStats(rows=n, rows_read=read, samples_read=stats.samples, tokens_read=stats.tokens,
-                      supervised_read=stats.supervised_tokens, truncated=stats.truncated, skipped=dict(Counter(stats.skipped)),
+                      supervised_read=stats.supervised_tokens, truncated=stats.truncated,
+                      dropped_turns=stats.dropped_turns, skipped=dict(Counter(stats.skipped)),
                       counts=tally.counts if indices is None else None,
                       picks=_picks(rows, tally.counts, indices, job, picks, pick_tokens))
 

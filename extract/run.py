@@ -335,6 +335,7 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
                              chat_template_kwargs=template_kwargs(cfg.dataset))
     require_samples(stats)
+    log.info("%s", stats.describe(cfg.dataset or "the embedded ShareGPT conversations"))
     return _patiently(lambda: write_plan(store, cfg, identity, fingerprint, stats.counts))[0], identity
 
 

@@ -456,3 +456,17 @@ def test_a_dataset_file_reaches_the_planning_processes_by_reference(tmp_path):
     rows = load_rows(str(path))
     assert len(rows) == 1000 and rows[999]["messages"][1]["content"] == "y" * 2000
     assert len(pickle.dumps(rows)) < 100_000
+
+
+def test_assistant_turns_before_the_first_user_turn_are_said_in_the_planning_summary():
+    """Left out and counted (36% of ShareGPT V3 rows open with one), but the count was never shown:
+    the planning summary (extract's log, estimate's output) says it now."""
+    from layertap.extract.measure import token_statistics
+
+    rows = datasets.Dataset.from_list([
+        {"conversations": [{"from": "gpt", "value": "Hello, I am a bot."}, {"from": "human", "value": "Hi"},
+                           {"from": "gpt", "value": "Yes."}]},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}])
+    stats = token_statistics(rows, tiny_tokenizer(), 128, workers=1)
+    assert stats.dropped_turns == 1 and stats.samples_read == 2
+    assert "1 assistant turn(s) before a chat's first user turn left out" in stats.describe("d.jsonl")
