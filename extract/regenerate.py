@@ -303,6 +303,10 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
     chat = normalize_chat(raw, sample_id(row, index), TokenizeStats(), require_assistant=False)
     if isinstance(chat, Skipped):
         return _refuse(part, totals, index, row_id, f"{chat.reason}: {chat.detail}", kind=chat.reason)
+    if chat and chat[-1]["role"] == "user":  # a prompt-only row, or a last prompt left unanswered: answered too
+        chat.append({"role": "assistant", "content": ""})
+    if not any(m["role"] == "assistant" for m in chat):  # a system prompt alone (or nothing)
+        return _refuse(part, totals, index, row_id, "no user turn to answer", kind="no_prompt")
     history: list[dict[str, Any]] = []
     finish_reasons: list[str] = []
     tokens = 0

@@ -94,7 +94,7 @@ def write_sharegpt(path: Path, n: int, refuse: tuple[int, ...] = ()) -> str:
     with open(path, "w") as f:
         for i, row in enumerate(sharegpt_conversations(n)):
             turns = [t for t in row["conversations"] if t["from"] in ("human", "gpt")][:4]
-            turns = [{**t, "value": t["value"][:300]} for t in turns]
+            turns = [{**t, "value": t["value"][:240]} for t in turns]  # an answered last prompt fits 512 tokens
             if i in refuse:
                 turns[0] = {"from": "human", "value": f"{REFUSE}: {turns[0]['value']}"}
             if i == 1:  # line and paragraph separators that real chats hold: not line ends in a part
@@ -144,18 +144,20 @@ def test_regenerates_sharegpt_turn_by_turn_and_extract_reads_it(where, server, m
     # System and user turns are kept; every assistant turn is the server's answer to the
     # regenerated history before it (greedy: the same request gives the same answer).
     sources = source_chats(data)
-    multi_turn = 0
+    multi_turn = answered_last = 0
     for row in rows:
         source, messages = sources[row["regenerated"]["row"]], row["messages"]
-        assert [m["role"] for m in messages] == [m["role"] for m in source]
-        for k, (m, s) in enumerate(zip(messages, source)):
+        last_prompt = ["assistant"] if source[-1]["role"] == "user" else []  # answered too
+        assert [m["role"] for m in messages] == [m["role"] for m in source] + last_prompt
+        for k, m in enumerate(messages):
             if m["role"] == "assistant":
                 assert m["content"] == chat(server, messages[:k])
             else:
-                assert m["content"] == s["content"]
+                assert m["content"] == source[k]["content"]
+        answered_last += bool(last_prompt)
         assert len(row["regenerated"]["finish_reasons"]) == sum(m["role"] == "assistant" for m in messages)
         multi_turn += sum(m["role"] == "assistant" for m in messages) > 1
-    assert multi_turn >= 5
+    assert multi_turn >= 5 and answered_last >= 5
 
     # The refused row is recorded with the server's answer as its reason, and counted.
     store = open_store(out)
@@ -337,3 +339,27 @@ def test_a_stray_jsonl_among_the_parts_is_named_not_a_traceback(tmp_path):
     store.put("parts/notes.jsonl", b"{}\n")
     with pytest.raises(InputError, match="parts/notes.jsonl is not a part layertap wrote"):
         done_parts(store)
+
+
+def test_a_prompt_only_row_is_answered_and_a_row_without_a_prompt_is_refused(server, model, tmp_path, capsys):
+    """`[system,] user` rows (a prompt set, the usual input of a regeneration) were written as
+    "regenerated" with no request made and no answer, then skipped by extraction as having no
+    assistant turn: N rows regenerated, 0 tokens generated."""
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "Name a colour."}]},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                          {"role": "user", "content": "And then?"}]},
+            {"messages": [{"role": "system", "content": "Nothing to answer."}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "regen")
+    assert cli(regenerate_args(str(data), out, server)) == 0
+    got = {r["regenerated"]["row"]: r for r in assert_every_row_once(out, 4)}
+    assert sorted(got) == [0, 1, 2]
+    for i, row in got.items():
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == [m["role"] for m in rows[i]["messages"]] + ["assistant"]
+        assert messages[-1]["content"] == chat(server, messages[:-1]) and messages[-1]["content"]
+        assert row["regenerated"]["completion_tokens"] > 0
+    [refused] = [r for s in read_stats(open_store(out), sorted(done_parts(open_store(out)))) for r in s["refused"]]
+    assert refused["row"] == 3 and refused["kind"] == "no_prompt"
