@@ -105,7 +105,7 @@ class RegenerateConfig:
         """--endpoint with its $VARIABLES expanded (a Slurm task's own port), checked."""
         endpoint = os.path.expandvars(self.endpoint)
         if "$" in endpoint:
-            raise ConfigError(f"--endpoint {self.endpoint!r} names a variable that is not set here")
+            raise ConfigError(f"--endpoint {public_url(self.endpoint)!r} names a variable that is not set here")
         return endpoint
 
     def sampling(self) -> dict[str, Any]:

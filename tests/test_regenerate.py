@@ -330,6 +330,16 @@ def test_the_recorded_endpoint_carries_no_credentials():
         api_base("gpu7:8000")
 
 
+def test_an_endpoint_naming_an_unset_variable_is_refused_without_its_password(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LAYERTAP_TEST_PORT", raising=False)
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert cli(["regenerate", "--dataset", str(data), "--out", str(tmp_path / "regen"), "--model", "m",
+                "--endpoint", "http://user:s3cret@gpu7:$LAYERTAP_TEST_PORT/v1"]) == 2
+    err = capsys.readouterr().err
+    assert "names a variable that is not set here" in err and "s3cret" not in err, err
+
+
 def test_a_stray_jsonl_among_the_parts_is_named_not_a_traceback(tmp_path):
     """A file of one's own under parts/ (notes.jsonl) crashed status and resume with int()'s
     ValueError; parts layertap wrote are still read."""
