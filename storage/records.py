@@ -96,7 +96,10 @@ def encode_record(sample: Sample, meta: ShardMeta) -> EncodedRecord:
         x = getattr(sample, name)
         if x is None:
             continue
-        enc, enc_meta = codec.encode(x.contiguous())
+        try:
+            enc, enc_meta = codec.encode(x.contiguous())
+        except ValueError as e:  # e.g. fp8 refuses NaN/inf: which sample, which tensor
+            raise ValueError(f"sample {sid}: {name}: {e}") from None
         raw += x.numel() * x.element_size()
         tensors.update({f"{name}.{k}": v for k, v in enc.items()})
         md.update({f"{name}.{k}": v for k, v in enc_meta.items()})

@@ -428,3 +428,14 @@ def test_record_blobs_agree_with_the_safetensors_library(tmp_path, codec):
     assert theirs != rec.payload
     assert_same(decode_record(rec.payload, meta), decode_record(theirs, meta), exact=True)
     assert_same(sample, decode_record(theirs, meta), exact=codec != "fp8")
+
+
+def test_a_state_the_codec_refuses_names_its_sample_and_tensor():
+    """fp8 refuses NaN/inf: the shard failed with "fp8 codec needs finite values", retried, given
+    up, and the sample holding the NaN was never named."""
+    from layertap.storage.records import encode_record
+
+    sample = make_samples(3, final=True)[1]
+    sample.final_state[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=rf"sample {sample.sample_id}: final_state: fp8 codec needs finite values"):
+        encode_record(sample, make_meta("fp8", final_state="prenorm"))
