@@ -339,11 +339,9 @@ def _unlisted(e: OSError) -> None:
 
 def _os_error(e: OSError, path: str, *, reading: bool = False) -> StoreError:
     """The store's error for a failed filesystem call on `path`, with what to do about it."""
-    if reading:
-        if e.errno in (errno.EACCES, errno.EPERM):
-            return StoreError(f"cannot read {path}: permission denied; check the folder's permissions "
-                              "(another user's run?)")
-        return StoreError(f"cannot read {path}: {e.strerror or e}")
+    if reading and e.errno in (errno.EACCES, errno.EPERM):
+        return StoreError(f"cannot read {path}: permission denied; check the folder's permissions "
+                          "(another user's run?)")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return StoreError(f"cannot write {path}: permission denied; choose a writable output folder")
     if e.errno == errno.ENOSPC:
@@ -351,4 +349,6 @@ def _os_error(e: OSError, path: str, *, reading: bool = False) -> StoreError:
     if e.errno in (errno.ENOTDIR, errno.EEXIST):
         return StoreError(f"cannot use {path}: a part of that path is a file, not a folder; "
                           "choose another output folder")
+    if reading:
+        return StoreError(f"cannot read {path}: {e.strerror or e}")
     return StoreError(f"cannot access {path}: {e.strerror or e}; choose a writable output folder")
