@@ -5,7 +5,8 @@ unless `--force` (a typo must not empty a bucket), and refuses a run something s
 or a training output a trainer holds: what a writer puts there after the delete listed the prefix
 outlives it, and a new run there would take it for its own. It refuses, too, a prefix that holds
 other runs or outputs below its top level (a run made at a bucket's root, another at a folder of
-it): their objects are under the prefix, and deleting it would take them. The manifest goes last,
+it), or a run's prefix holding objects that are not the run's (files of one's own put there):
+they are under the prefix, and deleting it would take them. The manifest goes last,
 so an interrupted delete is still a run and the same command finishes it.
 """
 
@@ -60,6 +61,14 @@ def run_delete(args: argparse.Namespace) -> int:
     nested = nested_outputs(o.key for o in objects)
     if nested and not args.force:
         raise Refused(nested_message(store.uri, nested))
+    foreign = foreign_objects([o.key for o in objects], nested)
+    if foreign and not args.force:
+        root = store.uri.rstrip("/")
+        raise Refused(f"{store.uri} is a run, and holds {len(foreign):,} object(s) that are not the run's: "
+                      + ", ".join(f"{root}/{k}" for k in foreign[:LIST_NESTED]) + (" ..." if len(foreign) > LIST_NESTED
+                                                                                      else "")
+                      + ". Deleting the run would delete them too, so it is not deleted: move them out of its prefix "
+                        "and run this again, or pass --force to delete them with it")
     what = describe(store, args.force)
     total = sum(o.size for o in objects)
     print(f"{what}: {len(objects):,} object(s), {size(total)}"
@@ -86,6 +95,18 @@ def nested_outputs(keys: Iterable[str]) -> list[tuple[str, str]]:
             if key.endswith("/" + marker):
                 found.setdefault(key[: -len(marker) - 1], kind)
     return sorted(found.items(), key=lambda f: (-f[0].count("/"), f[0]))
+
+
+def foreign_objects(keys: list[str], nested: list[tuple[str, str]]) -> list[str]:
+    """In a run's prefix (its manifest among `keys`), the keys that are neither the run's objects
+    nor under a run or output below it (`nested`): files of one's own put there. [] for a prefix
+    that is no run: a training or regeneration output's layout is not checked."""
+    from layertap.manifests import layout
+
+    if layout.MANIFEST not in keys:
+        return []
+    below = tuple(f"{folder}/" for folder, _ in nested)
+    return [k for k in keys if not layout.is_run_key(k) and not k.startswith(below)]
 
 
 def nested_message(uri: str, nested: list[tuple[str, str]]) -> str:

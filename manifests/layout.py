@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import re
 
+from layertap.storage.store import is_write_probe
+
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 GIVEN_UP = "given_up/"
@@ -48,11 +50,15 @@ COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
 CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
+# what a run holds at its top level: a key outside them is not the run's (a user's file put there)
+RUN_TOP_LEVEL = frozenset(p.split("/")[0] for p in (MANIFEST, SHARDS, COMMITS, TALLY, LEASES, FAILURES, GIVEN_UP,
+                                                     SWEEPS, FEED, COMMIT_INDEX, CONSUMED))
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)(?:\.c(\d+))?$")
 _LEASE = re.compile(r"^(\d+)/(\d+)\.ttl(\d+(?:\.\d+)?)$")
 _SHARD_ID = re.compile(r"^(\d+)")
+_EXTRACT_LOG = re.compile(r"(^|/)extract-rank\d+\.log$")  # extract.run's log file, one per rank
 _DATA_KEY = re.compile(r"^shards/(\d{6,})-([A-Za-z0-9]+)\.lts$")
 
 
@@ -199,3 +205,9 @@ def parse_lease(key: str) -> tuple[int, int, float] | None:
     """(shard, generation, ttl seconds) of a lease key."""
     m = _LEASE.match(key[len(LEASES) :])
     return (int(m.group(1)), int(m.group(2)), float(m.group(3))) if m else None
+
+
+def is_run_key(key: str) -> bool:
+    """Whether `key` (relative to a run's prefix) is one of the run's own objects, the write probe
+    layertap may leave at any prefix, or an extraction's log (`--log-dir` may be inside the run)."""
+    return key.split("/", 1)[0] in RUN_TOP_LEVEL or is_write_probe(key) or _EXTRACT_LOG.search(key) is not None

@@ -210,6 +210,24 @@ def refuse_nested(store: ObjectStore) -> None:
                           f"of its own beside them (a new folder under {root}/)")
 
 
+def refuse_foreign(store: ObjectStore, most: int = 5) -> None:
+    """Raise `ConfigError` where the prefix of a new run holds objects that are not a run's (a
+    dataset, a model, files of one's own): the run would be made among them, and `layertap delete`
+    of it would take them. Reads the listing only until `most` such objects are found."""
+    found = []
+    for o in store.list():
+        if not layout.is_run_key(o.key):
+            found.append(o.key)
+            if len(found) == most:
+                break
+    if found:
+        root = store.uri.rstrip("/")
+        raise ConfigError(f"{store.uri} is not empty: it holds objects that are not a layertap run ("
+                          + ", ".join(f"{root}/{k}" for k in found) + (" ..." if len(found) == most else "")
+                          + "). A run made there would be mixed with them, and `layertap delete` of it would delete "
+                          "them too: write the run to an empty prefix (a new folder)")
+
+
 def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any], dataset: Mapping[str, Any],
                      token_counts: Sequence[int] | None, bytes_per_token: float,
                      shard_bytes: int = DEFAULT_SHARD_BYTES, existing: Manifest | None = None) -> tuple[Manifest, bool]:
@@ -238,6 +256,7 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
                              "delete` of the one would delete the other; give the run a prefix of its own")
         _refuse_leftovers(store)
         refuse_nested(store)
+        refuse_foreign(store)
         manifest = Manifest(
             run_id=uuid.uuid4().hex[:12],
             created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

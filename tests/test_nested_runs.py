@@ -16,6 +16,7 @@ from layertap.extract.config import ExtractConfig
 from layertap.extract.run import resume_run, write_plan
 from layertap.manifests import delete, layout
 from layertap.manifests.manifest import NoRun, create_or_resume, load_manifest
+from layertap.storage.errors import ConfigError
 from layertap.manifests.regeneration import RECIPE
 from layertap.manifests.train_output import LATEST, METRICS
 from layertap.storage.errors import ConfigError
@@ -110,10 +111,17 @@ def test_a_new_run_is_not_planned_over_a_run_below_it(store_uri):
     assert not store.exists(layout.MANIFEST)
 
 
-def test_a_bucket_root_without_runs_below_is_a_run_prefix(s3_bucket):
-    """A bare bucket is a prefix like any other: folders of other data are no run."""
+def test_a_bucket_root_is_a_run_prefix_while_it_holds_nothing_else(s3_bucket):
+    """A bare bucket is a prefix like any other. Folders of other data are no nested run, but a
+    run made among them would be deleted with them (`layertap delete` of the run): refused, naming
+    them, not taken for runs below."""
     store = open_store(f"s3://{s3_bucket}")
     store.put("data/chats.jsonl", b"{}\n")
+    with pytest.raises(ConfigError, match=rf"s3://{s3_bucket} is not empty: it holds objects that are not a "
+                                          rf"layertap run \(s3://{s3_bucket}/data/chats.jsonl\)") as e:
+        fake_worker.plan(store)
+    assert "other runs or outputs below it" not in str(e.value)
+    store.delete("data/chats.jsonl")
     manifest = fake_worker.plan(store)
     assert load_manifest(store).run_id == manifest.run_id
 
@@ -176,3 +184,33 @@ def test_create_or_resume_takes_the_manifest_already_read(tmp_path):
     with pytest.raises(NoRun):
         create_or_resume(open_store(str(tmp_path / "none")), config=fake_worker.CONFIG, dataset=fake_worker.DATASET,
                          token_counts=None, bytes_per_token=1.0)
+
+
+def test_extract_into_a_folder_holding_files_of_ones_own_is_refused_before_the_model_loads(tmp_path, capsys):
+    """`--out data/` where the dataset itself lies: the run was made among the files, and
+    `layertap delete` of it then deleted the dataset with the run."""
+    out = tmp_path / "notempty"
+    out.mkdir()
+    data = out / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    args = ["extract", "--model", str(tmp_path / "no-model"), "--dataset", str(data), "--out", str(out),
+            "--log-dir", str(tmp_path / "logs")]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is not empty: it holds objects that are not a layertap run ({data})" in err, err
+    assert "could not load" not in err and sorted(p.name for p in out.iterdir()) == ["chats.jsonl"]
+
+
+def test_delete_of_a_run_holding_files_of_ones_own_leaves_them_unless_forced(store_uri, capsys):
+    """A file put into a run's prefix after the run was made was counted as one of the run's
+    objects and deleted with it."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    store.put("notes/readme.txt", b"mine")
+    assert cli(["delete", store_uri, "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert f"holds 1 object(s) that are not the run's: {store_uri.rstrip('/')}/notes/readme.txt" in err, err
+    assert store.get("notes/readme.txt") == b"mine" and store.exists(layout.MANIFEST)
+    assert cli(["delete", store_uri, "--yes", "--force"]) == 0
+    assert list(store.list()) == []
