@@ -126,17 +126,22 @@ def test_a_bucket_root_is_a_run_prefix_while_it_holds_nothing_else(s3_bucket):
     assert load_manifest(store).run_id == manifest.run_id
 
 
-def test_extract_refuses_an_out_holding_a_run_below_before_the_model_loads(tmp_path, capsys):
-    """`layertap extract` says so at once: no model is there to load (the check comes first)."""
-    out = tmp_path / "runs"
-    fake_worker.plan(open_store(str(out / "keepme")))
-    data = tmp_path / "chats.jsonl"
+def _extract_without_a_model(tmp_path: Path, data: Path, out: Path, capsys) -> str:
+    """`layertap extract` of a one-chat `data` into `out` with no model there: it must exit 2 before
+    loading one; its stderr."""
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                              {"role": "assistant", "content": "hello"}]}) + "\n")
     args = ["extract", "--model", str(tmp_path / "no-model"), "--dataset", str(data), "--out", str(out),
             "--log-dir", str(tmp_path / "logs")]
     assert cli(args) == 2
-    err = capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_extract_refuses_an_out_holding_a_run_below_before_the_model_loads(tmp_path, capsys):
+    """`layertap extract` says so at once: no model is there to load (the check comes first)."""
+    out = tmp_path / "runs"
+    fake_worker.plan(open_store(str(out / "keepme")))
+    err = _extract_without_a_model(tmp_path, tmp_path / "chats.jsonl", out, capsys)
     assert f"{out}/keepme (run)" in err and "could not load" not in err
     assert not (out / layout.MANIFEST).exists()
 
@@ -192,12 +197,7 @@ def test_extract_into_a_folder_holding_files_of_ones_own_is_refused_before_the_m
     out = tmp_path / "notempty"
     out.mkdir()
     data = out / "chats.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": "hello"}]}) + "\n")
-    args = ["extract", "--model", str(tmp_path / "no-model"), "--dataset", str(data), "--out", str(out),
-            "--log-dir", str(tmp_path / "logs")]
-    assert cli(args) == 2
-    err = capsys.readouterr().err
+    err = _extract_without_a_model(tmp_path, data, out, capsys)
     assert f"{out} is not empty: it holds objects that are not a layertap run ({data})" in err, err
     assert "could not load" not in err and sorted(p.name for p in out.iterdir()) == ["chats.jsonl"]
 
