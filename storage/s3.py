@@ -214,8 +214,10 @@ class S3Store(ObjectStore):
                 cause = cause.__cause__ or cause.__context__
             reason = _without_userinfo_in(f"{type(e).__name__}: {cause}")
             kind = TransientStoreError if isinstance(e, bexc.ConnectTimeoutError) else EndpointUnreachable
-            return kind(f"cannot reach the S3 endpoint {self.endpoint} for {what} of {key!r} ({reason}); "
-                        "check AWS_ENDPOINT_URL and that the server is up")
+            source = ("endpoint_url in the --config file's \"s3\" settings" if self.options.endpoint_url
+                      else "AWS_ENDPOINT_URL")
+            return kind(f"cannot reach the S3 endpoint {self.endpoint} for {what} of {self._where(key)} ({reason}); "
+                        f"check {source} and that the server is up")
         if isinstance(e, _TRANSIENT):
             # botocore's text names the endpoint URL, with any user:password in it
             return TransientStoreError(f"{what} of {self._where(key)} failed: "

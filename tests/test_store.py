@@ -574,6 +574,11 @@ def test_wrong_endpoint_is_a_clear_error_after_a_few_quick_tries(monkeypatch):
     assert "AWS_ENDPOINT_URL" in str(e.value) and "Connection refused" in str(e.value) and "S3cret" not in str(e.value)
     assert "tried 3 times" in str(e.value) and store.retries == 2
     assert store.options.max_attempts == 8
+    assert "for get of s3://b/p/x" in str(e.value)  # the object, with its bucket and prefix
+    # an endpoint from a --config file's "s3" settings: the message sends the user there, not to the variable
+    configured = open_store("s3://b/p", endpoint_url="http://127.0.0.1:9", connect_timeout_s=1)
+    with pytest.raises(EndpointUnreachable, match="check endpoint_url in the --config file's \"s3\" settings"):
+        configured.get("x")
 
 
 def test_an_endpoint_that_answered_before_is_given_the_full_retries_when_it_refuses():
