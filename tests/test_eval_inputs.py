@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,3 +154,34 @@ def test_a_bf16_eval_runs_the_drafter_in_bf16_on_the_targets_own_embed_and_head(
     for d in built:
         assert all(p.dtype == torch.bfloat16 for p in d.parameters())
         assert d.embed.data_ptr() == target_embed.data_ptr()  # borrowed, not copied
+
+
+def test_an_eval_whose_every_answer_ends_at_once_measures_nothing_and_says_so(tmp_path, capsys):
+    """An instruct target given {"prompt": ...} rows (plain text, no chat template) may end every
+    answer at its first token: eval printed "tau: none" and exited 0, a result to go on with."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from layertap.storage.store import open_store
+    from layertap.train.checkpoint import export_drafter
+    from layertap.train.drafter import DFlashDrafter, default_config
+    from layertap.train.target_head import load_target_head
+    from tiny_models import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path, "llama", num_layers=2)
+    target, tok = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    with torch.no_grad():  # the token greedy decoding answers with first becomes the end-of-sequence token
+        first = int(target(torch.tensor([tok("hello there")["input_ids"]])).logits[0, -1].argmax())
+    config = json.loads((Path(model) / "config.json").read_text())
+    (Path(model) / "config.json").write_text(json.dumps({**config, "eos_token_id": first}))
+    (Path(model) / "generation_config.json").write_text(json.dumps({"eos_token_id": first}))
+    head = load_target_head(model)
+    out = str(tmp_path / "drafter")
+    export_drafter(open_store(out), DFlashDrafter(default_config(head, [0, 1], mask_token_id=3, block_size=4), head))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n')
+    assert cli(["eval", "--drafter", out, "--model", model, "--prompts", str(prompts), "--no-baseline"]) == 1
+    captured = capsys.readouterr()
+    assert "every answer ended at its first token, an end-of-sequence token" in captured.out
+    assert "tau was not measured" in captured.err and "without the chat template" in captured.err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_train(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-file", help="GGUF file inside --model")
     p.add_argument("--prompts", required=True,
                    help="JSON lines: ShareGPT or OpenAI chats (the assistant turns at the end are dropped: the "
-                        "target answers the turns before) or {\"prompt\": ...}")
+                        "target answers the turns before; rendered with its chat template) or {\"prompt\": text} "
+                        "(plain text, tokenized as it is: no chat template, as a base model's completion)")
     p.add_argument("--limit", type=int, help="evaluate the first N prompts (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
@@ -60,4 +62,10 @@ def run_eval(args: argparse.Namespace) -> int:
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, baseline=not args.no_baseline,
                       device=args.device, step=args.step)
     print(json.dumps(report) if args.json else format_report(report))
+    if report["tau"] is None and args.max_new_tokens > 1:
+        # nothing measured: not a result to go on with (a pipeline comparing drafters would read it as one)
+        print("error: no prompt reached a verification step, so tau was not measured: every answer ended at its "
+              "first token. {\"prompt\": ...} rows are plain text, without the chat template: an instruct "
+              "target may end at once there; give chats ({\"messages\": [...]}) instead", file=sys.stderr)
+        return 1
     return 0 if report["matches_greedy"] else 1
