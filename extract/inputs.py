@@ -65,6 +65,7 @@ ACCEPTED_SHAPES = (
 
 # Skip reasons: short stable codes, counted in TokenizeStats.skipped.
 EMPTY = "empty"
+NO_CHAT = "no_chat"  # a chat dataset's row without the chat column (null: another shape's row in the file)
 NO_SUPERVISED_PAIR = "no_supervised_pair"
 BAD_MESSAGE = "bad_message"
 TEMPLATE_ERROR = "template_error"
@@ -523,6 +524,8 @@ def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: 
     refuses tool messages (a new answer would call other tools than the recorded results answer)
     and has no use for weights.
     """
+    if raw is None:
+        return Skipped(sid, NO_CHAT, "the row has no 'conversations' or 'messages'")
     if not raw:
         return Skipped(sid, EMPTY, "no messages")
     roles = {**_ROLES, **TOOL_ROLES} if extracting else _ROLES

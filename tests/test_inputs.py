@@ -360,7 +360,7 @@ def test_a_file_mixing_openai_and_sharegpt_rows_keeps_every_row(tmp_path):
             assert {tuple(s.input_ids.tolist()) for s in out} == {tuple(out[0].input_ids.tolist())}
             assert {tuple(s.loss_mask.tolist()) for s in out} == {tuple(out[0].loss_mask.tolist())}
     [neither] = _one([{"id": "x", "messages": None, "conversations": None}], tok)
-    assert isinstance(neither, Skipped) and neither.reason == EMPTY
+    assert isinstance(neither, Skipped) and neither.reason == "no_chat"  # neither chat column set: no chat, not an empty one
 
 
 @pytest.mark.parametrize("row, column, shown", [
@@ -470,3 +470,18 @@ def test_assistant_turns_before_the_first_user_turn_are_said_in_the_planning_sum
     stats = token_statistics(rows, tiny_tokenizer(), 128, workers=1)
     assert stats.dropped_turns == 1 and stats.samples_read == 2
     assert "1 assistant turn(s) before a chat's first user turn left out" in stats.describe("d.jsonl")
+
+
+def test_a_chat_datasets_row_without_a_chat_is_skipped_as_such_not_as_empty():
+    """Rows of another shape in a chat file ({"text": ...}) were skipped as "empty": they are not,
+    they have no chat."""
+    rows = datasets.Dataset.from_list([
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], "text": None},
+        {"messages": None, "text": "x"},
+        {"messages": [], "text": None}])
+    stats = TokenizeStats()
+    out = list(tokenize_rows(rows, tiny_tokenizer(), 128, stats=stats))
+    assert not isinstance(out[0], Skipped)
+    assert [(s.reason, s.detail) for s in out[1:]] == [("no_chat", "the row has no 'conversations' or 'messages'"),
+                                                        ("empty", "no messages")]
+    assert stats.skipped == {"no_chat": 1, "empty": 1}
