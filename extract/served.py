@@ -25,11 +25,14 @@ from layertap.storage.retry import Backoff
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0  # after SIGTERM, the server's process group has this long before SIGKILL
+# A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
+# not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
+_SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd)"
 # the value: a quoted string as a whole (a key with a space showed its rest), else up to a space
-_SECRET_OPTION = re.compile(r"""(--?[\w-]*(?:key|token|secret|password)[\w-]*)(=|\s+)("[^"]*"|'[^']*'|\S+)""",
+_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(=|\s+)("[^"]*"|'[^']*'|\S+)""",
                             re.IGNORECASE)
 # a shell assignment of one, as in `HF_TOKEN=hf_... vllm serve ...` (not an option's `--hf-token=`)
-_SECRET_ASSIGNMENT = re.compile(r"""(?<![\w$-])([A-Za-z_]\w*(?:key|token|secret|password)\w*)=("[^"]*"|'[^']*'|\S*)""",
+_SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|\S*)""",
                                 re.IGNORECASE)
 
 

@@ -49,12 +49,17 @@ def max_array_size() -> int:
 
 def save_script(folder: str, job_name: str, text: str) -> str:
     """Keep the exact script next to the logs it will write, for the record and for resubmitting by
-    hand. A script that holds secrets typed on the command line (it must run them) is readable by
-    its owner alone, and the submitter is told to keep them in the environment instead."""
+    hand. A script that holds secrets typed on the command line (it must run them: a tool's --api-key,
+    or a key in a --setup line or an --sbatch=--export) is readable by its owner alone, and the
+    submitter is told to keep them in the environment instead."""
+    from layertap.extract.served import redacted
+
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch")
-    secret = MASKED in text
+    secret = MASKED in text or redacted(text) != text
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o666), "w") as f:
+        if secret:  # the mode above applies to a new file only (one saved in the same second has this name)
+            os.fchmod(f.fileno(), 0o600)
         f.write(text)
     if secret:
         log.warning("%s holds keys given on the command line (the job runs them): it is readable by you alone, "

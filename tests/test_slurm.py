@@ -688,6 +688,7 @@ def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path, caplog):
     """The script must run the real command (the server needs its key), but the line each task
     echoes into its Slurm log masks what layertap's own logs mask. The saved script that holds
     them is readable by its owner alone, and the submitter is told to export them instead."""
+    from layertap.extract.served import redacted
     from layertap.slurm.scripts import regenerate_script
 
     opts = JobOptions(job_name="r", logs=str(tmp_path), gpus_per_node=1)
@@ -720,6 +721,18 @@ def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path, caplog):
     finally:
         os.umask(umask)
     assert os.stat(kept).st_mode & 0o777 == 0o644 and not caplog.records
+    # a key typed into a --setup line or an --sbatch=--export was saved world-readable, unwarned
+    for opts_with_key in (JobOptions(job_name="t", logs=str(tmp_path), setup=["export HF_TOKEN=hf_SECRET3"]),
+                          JobOptions(job_name="t", logs=str(tmp_path),
+                                     sbatch=["--export=ALL,AWS_SECRET_ACCESS_KEY=SECRET4"])):
+        with caplog.at_level("WARNING"):
+            held = save_script(str(tmp_path / "scripts"), "t", train_script(opts_with_key, 1, ["--data", "r"], None))
+        assert os.stat(held).st_mode & 0o777 == 0o600 and "Export them" in caplog.text
+        caplog.clear()
+    # and options that merely name tokens or keys are not taken for secrets, in the log or here
+    vllm = "vllm serve /m --tokenizer /tok --max-num-batched-tokens 8192 --tokenizer-mode auto"
+    assert redacted(f"TOKENIZERS_PARALLELISM=false {vllm} --api-key sk-1") == \
+        f"TOKENIZERS_PARALLELISM=false {vllm} --api-key ***"
 
 
 # -- a real cluster ------------------------------------------------------------------------------
