@@ -70,6 +70,9 @@ class JobOptions:
             if not opt.startswith("-") or "\n" in opt:
                 raise ConfigError(f"--sbatch {opt!r} is not an sbatch option: give it as --sbatch=--exclusive "
                                  "or --sbatch=--constraint=a100")
+            if any(c.isspace() for c in opt.partition("=")[0]):  # "-C a100" became `#SBATCH -C a100=""`
+                raise ConfigError(f"--sbatch {opt!r} holds a space before its value: give the option and its "
+                                 "value joined by '=', e.g. --sbatch=--constraint=a100")
         for line in self.setup:
             if "\n" in line:
                 raise ConfigError(f"--setup {line!r} holds a newline: give each line as its own --setup")
@@ -77,10 +80,10 @@ class JobOptions:
             raise ConfigError(f"--env-activate {self.env_activate!r} holds a newline: give one shell line")
         if not self.python.strip():
             raise ConfigError("--python must name an interpreter")
+        self.logs = os.path.abspath(self.logs)  # the default, relative, lies in the folder submit runs from
         if "\\" in self.logs:  # Slurm would not expand %j and %a in the output file's name
             raise ConfigError(f"--logs {self.logs!r} holds a backslash, which turns Slurm's replacement symbols in "
                               "its output files' names off (every task would write one file): name a folder without one")
-        self.logs = os.path.abspath(self.logs)
         self.chdir = os.path.abspath(self.chdir)
 
     @property

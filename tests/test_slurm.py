@@ -208,8 +208,19 @@ def test_folders_and_names_with_spaces_and_quotes_reach_sbatch_whole(tmp_path):
         read = dict(w[0].split("=", 1) for w in words if "=" in w[0])
         assert read["--job-name"] == "my job" and read["--chdir"] == str(where)
         assert read["--output"].startswith(f"{str(where).replace('%', '%%')}/logs/%x-")
-    with pytest.raises(ValueError, match=r"--logs 'a\\\\b' holds a backslash"):
+    with pytest.raises(ValueError, match=r"--logs '/[^']*/a\\\\b' holds a backslash"):
         JobOptions(job_name="x", logs="a\\b")
+    odd = tmp_path / "we\\ird"  # the default logs folder is relative: a backslash in the folder it runs from
+    odd.mkdir()
+    cwd = os.getcwd()
+    try:
+        os.chdir(odd)
+        with pytest.raises(ValueError, match="holds a backslash"):
+            JobOptions(job_name="x", logs="layertap-logs")  # the --logs default
+    finally:
+        os.chdir(cwd)
+    with pytest.raises(ValueError, match="holds a space before its value: give the option and its value joined"):
+        JobOptions(job_name="x", logs="l", sbatch=["-C a100"])  # was written `#SBATCH -C a100=""`
     with pytest.raises(ValueError, match="holds a line break, which a #SBATCH line cannot"):
         extract_script(JobOptions(job_name="x", logs="l", chdir="/a\nb"), ArrayPlan(indices=[0]), [])
 
