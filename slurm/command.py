@@ -284,6 +284,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
     else:
         plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size())
     if args.then_train is not None and remaining is not None:
+        if cfg.shards is not None:
+            _training_needs_the_rest(store, cfg)
         _training_waits_for_the_run(store, remaining, plan)
     if not plan.indices:
         return _nothing_left(args, remaining, train)
@@ -362,6 +364,24 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
         else:
             _sbatch_train(args, *train, after=[])
     return 0
+
+
+def _training_needs_the_rest(store, cfg) -> None:
+    """Refuse --then-train with --shards while shards outside them are unfinished: training chained
+    to this array would start once its own shards are committed, and train on part of the run
+    (the checks of `_training_waits_for_the_run` see only the shards of --shards)."""
+    from layertap.slurm.scripts import compress
+    from layertap.slurm.work import remaining_work
+
+    whole = remaining_work(store, None, _pinned_settings(cfg))
+    mine = set(cfg.shards)
+    outside = sorted(s for s in [*whole.todo, *whole.running] if s not in mine)
+    if outside:
+        raise ConfigError(f"shards {compress(outside)} of the run, outside --shards, are not committed: training "
+                          "chained to this array (--then-train) would start once the shards of --shards are, and "
+                          "train on part of the run. Submit without --shards (every unfinished shard), or submit "
+                          "each part, then `layertap submit train --after <their job ids> <the --then-train "
+                          "arguments>`")
 
 
 def _training_waits_for_the_run(store, remaining, plan) -> None:

@@ -511,6 +511,31 @@ def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_
         assert "`layertap submit train --after 4242 <the --then-train arguments>`" in err
 
 
+def test_then_train_with_shards_is_refused_while_the_rest_of_the_run_is_unfinished(tmp_path, capsys, monkeypatch):
+    """--shards narrowed every check to its shards: dynamic tasks of --shards 0 ended with shard 0
+    committed, training chained to them started and trained on part of the run (the summary even
+    read '6 shards: ... 1 pending'). With the rest committed, training is chained as before."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 6)
+    store = open_store(prefix)
+    store.put(layout.lease_key(3, 1, 600), json.dumps({"holder": {"host": "n1", "pid": 7, "rank": 0,
+                                                                  "job_id": "4242_0", "token": "t"}}).encode())
+    base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--nodes", "1", "--shards", "0")
+    then_train = ("--then-train", "--data run --out d")
+    assert submit(*base, *then_train) == 2
+    err = capsys.readouterr().err
+    assert "shards 1-5 of the run, outside --shards, are not committed" in err and "Submit without --shards" in err
+    assert submit(*base) == 0  # without training: nothing to refuse
+    capsys.readouterr()
+    store.delete(layout.lease_key(3, 1, 600))
+    for s in range(1, 6):
+        store.put(layout.commit_key(s), b"{}")
+    assert submit(*base, *then_train) == 0
+    assert "--dependency=afterok:<the array's job id>" in capsys.readouterr().out
+
+
 def dry_run_scripts(out: str) -> dict[str, str]:
     """The scripts a --dry-run printed, by job name."""
     scripts = {}
