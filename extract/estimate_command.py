@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,14 @@ def _check_options(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("price_per_gb_month", "put_price_per_1000", "get_price_per_1000"):
+        value = getattr(args, name, None)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
+    if getattr(args, "samples", None) is not None and getattr(args, "mean_tokens", None) is not None \
+            and round(args.samples * args.mean_tokens) < 1:
+        raise ConfigError(f"--samples {args.samples} of --mean-tokens {args.mean_tokens:g} make no whole token: give "
+                          "at least one token's worth")
     if getattr(args, "token_sample", 0) < 0:
         raise ConfigError(f"--token-sample must be 0 (every row) or positive, got {args.token_sample}")
 

@@ -208,6 +208,10 @@ def test_bad_inputs_name_the_input(capsys, tmp_path):
         (["estimate", "--hidden-size", "5120", "--num-layers", "64", "--samples", "10"],
          "token statistics need the model's tokenizer"),
         (REF + ["--shard-bytes", "lots"], "invalid size 'lots'"),
+        (REF + ["--price-per-gb-month", "-1"], "--price-per-gb-month must be 0 or more, got -1"),  # said "usd per gib month"
+        (REF + ["--put-price-per-1000", "nan"], "--put-price-per-1000 must be 0 or more, got nan"),
+        (["estimate", "--hidden-size", "5120", "--num-layers", "64", "--samples", "1", "--mean-tokens", "0.4"],
+         "--samples 1 of --mean-tokens 0.4 make no whole token"),  # said "number of tokens ... got 0"
         (["plan", "--model", str(tmp_path)], "plan writes the run's manifest: give --out"),
     ]
     for args, message in cases:
