@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -80,7 +79,7 @@ def run_delete(args: argparse.Namespace) -> int:
         return 1
     deleted = delete_all(store, [o.key for o in objects], args.threads)
     aborted = store.abort_pending_uploads() if pending else 0
-    _remove_empty_folders(store)
+    store.remove_empty_folders()
     print(f"deleted {deleted:,} object(s)" + (f" and aborted {aborted} upload(s)" if aborted else "")
           + f" under {store.uri}")
     return 0
@@ -255,15 +254,3 @@ def _confirmed(uri: str) -> bool:
         raise Refused("not deleting without confirmation: standard input is not a terminal; pass --yes")
     answer = input(f"delete everything under {uri}? type yes to confirm: ")
     return answer.strip().lower() == "yes"
-
-
-def _remove_empty_folders(store) -> None:
-    """A local prefix leaves no empty folders behind (its root included); S3 has none."""
-    root = getattr(store, "root", None)
-    if not root or not os.path.isdir(root):
-        return
-    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
-        try:
-            os.rmdir(dirpath)
-        except OSError:  # not empty: something else lives there
-            pass

@@ -207,6 +207,16 @@ class LocalStore(ObjectStore):
     def open_writer(self, key: str) -> ObjectWriter:
         return LocalWriter(self, key)
 
+    def remove_empty_folders(self, prefix: str = "") -> None:
+        top = os.path.join(self.root, *prefix.strip("/").split("/")) if prefix.strip("/") else self.root
+        if not os.path.isdir(top):
+            return
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):  # the deepest first
+            try:
+                os.rmdir(dirpath)
+            except OSError:  # not empty: something else lives there
+                pass
+
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         pending = []
         for dirpath, _, filenames in os.walk(self._folder_of(prefix), onerror=_unlisted):

@@ -217,6 +217,11 @@ class ObjectStore(abc.ABC):
         for key in keys:
             self.delete(key)
 
+    def remove_empty_folders(self, prefix: str = "") -> None:
+        """Remove the folders that deletes left empty under `prefix` (a folder's, "a/b/"; "": the
+        whole store, its root included). Only a local store has folders; S3 has none. Call it
+        where nothing writes under `prefix` meanwhile: a writer's new file there needs its folder."""
+
     @abc.abstractmethod
     def open_writer(self, key: str) -> ObjectWriter: ...
 

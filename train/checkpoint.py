@@ -199,6 +199,7 @@ def _prune(store: ObjectStore, keep: int, latest: int) -> None:
     for step, keys in folders.items():
         if step not in kept:
             store.delete_many(keys)  # a loader position a rank: 1,000s of keys at scale
+            store.remove_empty_folders(f"{step_prefix(step)}/")  # a local --out kept step-N/loader/ empty
 
 
 def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
