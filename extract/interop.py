@@ -90,7 +90,8 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     out = writer(fmt, dest, rows_only=rows_only)
     try:
         written, sources = _write_samples(run, commits, fmt, order, total, out)
-        note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model, "samples": written,
+        note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model,
+                **({"gguf_file": ident.gguf_file} if ident.gguf_file else {}), "samples": written,
                 "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],
                 "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources}
         dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())

@@ -50,16 +50,41 @@ def add_import(p: argparse.ArgumentParser) -> None:
                    help="the layout SRC is in (specforge: DFlash files, or EAGLE-3 ones whose hidden_state is "
                         "imported as a postnorm final state)")
     p.add_argument("--out", required=True, help="the run prefix to create (or resume): s3://bucket/prefix or a folder")
-    p.add_argument("--layers", required=True, help=LAYER_HELP)
-    p.add_argument("--model", required=True,
+    p.add_argument("--layers", help=LAYER_HELP + " Default: what the layertap-export.json beside SRC records "
+                                                  "(data `layertap export` wrote)")
+    p.add_argument("--model",
                    help="the target model's local folder (the states' model), recorded in the manifest: import "
                         "reads its hidden size there (config.json, or the --gguf-file) and `layertap train` its "
-                        "embeddings")
+                        "embeddings. Default: the target the layertap-export.json beside SRC records, when it is on "
+                        "this machine")
     p.add_argument("--gguf-file", help="GGUF file inside --model, for a target kept as GGUF (recorded like "
                                        "`layertap extract --gguf-file`)")
     p.add_argument("--codec", default="bf16-zstd", help="hidden-state codec of the shards (default bf16-zstd)")
     p.add_argument("--shard-bytes", default="1GB", help="planned stored bytes per shard (default 1GB)")
     p.add_argument("--limit", type=int, help="import the first N samples (default all)")
+
+
+def _from_export_note(args: argparse.Namespace) -> None:
+    """--model (with --gguf-file) and --layers left out: what the layertap-export.json beside SRC
+    records, for data `layertap export` wrote; foreign data needs them given."""
+    if args.model is not None and args.layers is not None:
+        return
+    from layertap.extract.interop import EXPORT_NOTE, export_note
+    from layertap.storage.errors import ConfigError
+    from layertap.storage.store import open_store
+    from layertap.train.target_head import recorded_target
+
+    note = export_note(open_store(args.src), args.format)
+    missing = " and ".join(f for f, v in (("--model", args.model), ("--layers", args.layers)) if v is None)
+    if note is None:
+        raise ConfigError(f"give {missing}: {args.src} holds no {EXPORT_NOTE} of {args.format} files (written by "
+                          "`layertap export`) to take them from")
+    if args.layers is None:
+        args.layers = ",".join(map(str, note[f"{args.format}_layer_ids"]))
+    if args.model is None:
+        args.model, args.gguf_file = recorded_target({"model": note.get("model"), "gguf_file": note.get("gguf_file")},
+                                                     f"{EXPORT_NOTE} beside {args.src} records the target",
+                                                     EXPORT_NOTE)
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -82,6 +107,7 @@ def run_import(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(f"--shard-bytes: {e}") from None
     out = open_store(args.out)
+    _from_export_note(args)
     try:
         import_run(open_store(args.src), args.format, out, layers=parse_ids(args.layers), model=args.model,
                    gguf_file=args.gguf_file, codec=args.codec, shard_bytes=shard_bytes, limit=args.limit)

@@ -146,6 +146,23 @@ def test_specforge_reads_the_export_and_import_gives_the_run_back(prenorm_run, t
         assert_same(got[f"rows_0-2000/data_{i}"], s, final=False)
 
 
+def test_import_of_a_layertap_export_takes_the_target_and_layers_its_note_records(prenorm_run, target, tmp_path,
+                                                                                   capsys):
+    """--model and --layers were required even where `layertap export` had recorded both beside the
+    files (a Quickstart user had to dig the packaged SmolLM2's folder out); foreign files, with no
+    note, still need them, and are told so."""
+    dest, back = str(tmp_path / "sf"), str(tmp_path / "back")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "3"]) == 0
+    assert cli(["import", dest, "--from", "specforge", "--out", back]) == 0
+    run = load_manifest(open_store(back)).identity
+    assert run.layers == [3, 1] and run.model == load_manifest(open_store(prenorm_run)).identity.model
+    assert len(samples(back)) == 3
+    open_store(dest).delete("layertap-export.json")
+    capsys.readouterr()
+    assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "other"), "--model", target]) == 2
+    assert "give --layers: " in capsys.readouterr().err
+
+
 def test_modelopt_on_s3_round_trip(s3_postnorm_run, target, s3_bucket, capsys):
     dest, back = f"s3://{s3_bucket}/modelopt", f"s3://{s3_bucket}/back"
     assert cli(["export", s3_postnorm_run, "--to", "modelopt", dest, "--limit", "5"]) == 0
