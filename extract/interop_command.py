@@ -7,6 +7,7 @@ names and id lists are checked when the command runs.
 from __future__ import annotations
 
 import argparse
+import sys
 
 FORMATS = ("speculators", "specforge", "modelopt")
 LAYER_HELP = ("capture layer ids in the SOURCE's own convention, in the order its files store them. "
@@ -118,6 +119,11 @@ def run_import(args: argparse.Namespace) -> int:
     print(format_status(status))
     if not status["complete"]:
         print("\nthe import is not complete: run the same command again to retry failed and pending shards")
+        return 1
+    if status["samples_done"] == 0:  # every sample skipped: no run to train on (the counts above say why)
+        print(f"\nerror: no sample of {args.src} was stored, every one was skipped (see above): nothing to train "
+              f"on; fix the source or the import's arguments, then `layertap delete {args.out}` and import again",
+              file=sys.stderr)
         return 1
     print(f"\ntrain a drafter on it:\n  layertap train --data {args.out} --out {args.out.rstrip('/')}-drafter")
     return 0

@@ -163,6 +163,30 @@ def test_import_of_a_layertap_export_takes_the_target_and_layers_its_note_record
     assert "give --layers: " in capsys.readouterr().err
 
 
+def test_an_import_that_would_store_nothing_fails_and_says_why(prenorm_run, target, tmp_path, capsys):
+    """Files of another model's vocabulary (every sample skipped as bad_token_id), or with no
+    supervised token anywhere, made a run of 0 samples: "COMPLETE", exit 0 and "train a drafter
+    on it". The first is refused before anything is written, naming --model; the second exits 1."""
+    import glob
+    import shutil
+
+    dest = str(tmp_path / "sf")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "4"]) == 0
+    small = Path(tmp_path / "small-vocab")
+    shutil.copytree(target, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 10}))
+    capsys.readouterr()
+    assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "a"), "--model", str(small)]) == 2
+    assert "is outside the vocabulary" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    for path in glob.glob(f"{dest}/rows_*/*.ckpt"):  # SpecForge's own files: torch pickles, as it writes them
+        d = torch.load(path, weights_only=True)
+        torch.save({**d, "loss_mask": torch.zeros_like(d["loss_mask"])}, path)
+    assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "b")]) == 1
+    captured = capsys.readouterr()
+    assert "no sample of" in captured.err and "was stored" in captured.err and "train a drafter" not in captured.out
+
+
 def test_modelopt_on_s3_round_trip(s3_postnorm_run, target, s3_bucket, capsys):
     dest, back = f"s3://{s3_bucket}/modelopt", f"s3://{s3_bucket}/back"
     assert cli(["export", s3_postnorm_run, "--to", "modelopt", dest, "--limit", "5"]) == 0
