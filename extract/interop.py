@@ -90,6 +90,11 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     out = writer(fmt, dest, rows_only=rows_only)
     try:
         written, sources = _write_samples(run, commits, fmt, order, total, out)
+        if written == 0:  # speculators' dataset of no file does not even load; SpecForge's folder holds nothing
+            raise InputError(f"the run at {run.uri} has no sample to export: "
+                             + ("no shard is committed yet" if not commits else
+                                "the data of every committed shard is gone (consumed by a --delete-consumed trainer, "
+                                "or withdrawn by `layertap verify`)"))
         note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model,
                 **({"gguf_file": ident.gguf_file} if ident.gguf_file else {}), "samples": written,
                 "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],

@@ -187,6 +187,22 @@ def test_an_import_that_would_store_nothing_fails_and_says_why(prenorm_run, targ
     assert "no sample of" in captured.err and "was stored" in captured.err and "train a drafter" not in captured.out
 
 
+def test_an_export_of_no_sample_fails_and_leaves_dest_empty(tmp_path, capsys):
+    """Every committed shard's data gone (consumed, or withdrawn): the export wrote 0 samples and
+    exited 0, leaving a speculators dataset `datasets` cannot load (an IndexError) or a SpecForge
+    folder holding only the note."""
+    import fake_worker
+
+    run = str(tmp_path / "run")
+    fake_worker.work(run)
+    store = open_store(run)
+    store.delete_many([o.key for o in store.list(layout.SHARDS)])
+    dest = tmp_path / "specforge"  # the layout fake_worker's runs (no final state) export to
+    assert cli(["export", run, "--to", "specforge", str(dest)]) == 2
+    assert "has no sample to export: the data of every committed shard is gone" in capsys.readouterr().err
+    assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*"))
+
+
 def test_modelopt_on_s3_round_trip(s3_postnorm_run, target, s3_bucket, capsys):
     dest, back = f"s3://{s3_bucket}/modelopt", f"s3://{s3_bucket}/back"
     assert cli(["export", s3_postnorm_run, "--to", "modelopt", dest, "--limit", "5"]) == 0
