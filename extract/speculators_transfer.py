@@ -70,6 +70,11 @@ class LayertapTransfer(HiddenStatesTransfer):
         self._store = store
         self._reader = functools.lru_cache(maxsize=4)(lambda key: ShardReader(store, key))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned DataLoader worker (speculators' own) receives: the locations, not the open
+        store and its reader cache (a closure, which does not pickle), reopened there by `setup`."""
+        return {"rows": self.rows, "run": self.run, "store_options": self.store_options, "_store": None}
+
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         self.setup()
         if not 0 <= file_idx < self._starts[-1]:

@@ -470,6 +470,12 @@ def test_speculators_trains_from_the_run_itself_through_the_layertap_transfer(pr
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert LayertapTransfer(rows).get_cached(len(files)) is None
+    import pickle  # what speculators' spawned DataLoader workers are sent: a transfer read from first failed it
+
+    used = LayertapTransfer(rows)
+    first = used.get_cached(0)
+    again = pickle.loads(pickle.dumps(used)).get_cached(0)
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
 def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, tmp_path):
