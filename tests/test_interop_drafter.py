@@ -292,3 +292,27 @@ def test_a_drafter_of_another_gguf_target_is_exported_with_a_warning_to_name_the
     name, config = _verifier(SimpleNamespace(target={"model": str(tmp_path), "gguf_file": "model.Q8_0.gguf"}), None)
     assert name == str(tmp_path) and config is None
     assert "GGUF file (model.Q8_0.gguf in" in caplog.text and "pass --verifier" in caplog.text
+
+
+def test_a_drafter_still_training_is_exported_from_its_checkpoint(trained, target, tmp_path, caplog):
+    """No drafter/ yet (a run still training): the latest checkpoint's drafter is exported (its
+    AdamW moments, twice the weights in fp32, no longer read for nothing: not asserted here). A
+    --verifier that is no local folder is warned of, as a recorded one is: its config was
+    written with no architectures and a 32768 context without a word."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from layertap.train.checkpoint import load_drafter_files, load_latest
+
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "drafter")
+    step = load_latest(open_store(str(out)), tensors=False).step
+    dest = str(tmp_path / "spec")
+    with caplog.at_level("WARNING"):
+        assert cli(["export-drafter", str(out), "--to", "speculators", dest, "--verifier", "org/not-here"]) == 0
+    assert "the verifier 'org/not-here' is not a local folder" in caplog.text
+    _, weights = load_drafter_files(open_store(str(out)), step)
+    exported = load_file(os.path.join(dest, "model.safetensors"))
+    assert len(exported) == len(weights)

@@ -129,12 +129,12 @@ def trained_drafter(store: ObjectStore) -> tuple[DrafterConfig, dict[str, torch.
     try:
         return load_drafter_files(store)
     except MissingInput:
-        ckpt = load_latest(store)
+        ckpt = load_latest(store, tensors=False)  # its step: not the optimizer's moments (2x the weights, fp32)
         if ckpt is None:
             raise MissingInput(f"no trained drafter at {store.uri}: neither drafter/ (written when `layertap train` "
                                "finishes) nor checkpoints/latest.json") from None
         log.info("no exported drafter at %s: exporting its latest checkpoint, step %d", store.uri, ckpt.step)
-        return DrafterConfig.from_json(ckpt.state["drafter"]), ckpt.weights
+        return load_drafter_files(store, ckpt.step)
 
 
 def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[str, Any] | None]:
@@ -161,10 +161,9 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
     if os.path.isfile(path):
         with open(path) as f:
             return name, json.load(f)
-    if verifier is None:
-        log.warning("the target %r is not a local folder with a config.json: the config states no verifier "
-                    "architectures and max_position_embeddings 32768; pass --verifier with the model's folder or "
-                    "hub id", name)
+    log.warning("the verifier %r is not a local folder with a config.json: the config states no verifier "
+                "architectures and max_position_embeddings 32768, and whether vLLM can serve the capture layers "
+                "is not checked; pass --verifier with the model's local folder", name)
     return name, None
 
 
