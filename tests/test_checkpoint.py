@@ -23,6 +23,7 @@ from layertap.train.checkpoint import (
     save_checkpoint,
     write_safetensors,
 )
+from layertap.storage.errors import InputError, MissingInput
 from layertap.train.drafter import DFlashDrafter, default_config
 from layertap.train.target_head import TargetHead
 
@@ -219,7 +220,6 @@ def test_pruning_keeps_what_latest_names_and_drops_saves_cut_short(store):
 def test_a_rank_reads_only_its_own_loader_position(tmp_path):
     """A position file that is no position (`null`), or another rank's (copied over it: in the
     follow epoch each rank's shards taken are its own), is refused naming the file."""
-    from layertap.storage.errors import InputError
     from layertap.train.checkpoint import Checkpoint, load_loader_state, loader_key, save_loader_state
 
     store = open_store(str(tmp_path / "out"))
@@ -235,3 +235,33 @@ def test_a_rank_reads_only_its_own_loader_position(tmp_path):
         load_loader_state(store, ckpt, 1)
     with pytest.raises(InputError, match="lacks rank 2's loader position"):
         load_loader_state(store, ckpt, 2)
+
+
+def test_a_folder_among_the_checkpoints_that_is_none_is_left_alone(store, caplog):
+    """A copy kept by hand (`cp -r step-00000100 step-00000100.bak`) crashed every later save's
+    pruning and `eval --step` with int()'s ValueError, naming nothing."""
+    model, opt = trained()
+    save_checkpoint(store, Snapshot(100, model, opt, {}), keep=1)
+    store.put("checkpoints/step-00000100.bak/state.json", store.get("checkpoints/step-00000100/state.json"))
+    save_checkpoint(store, Snapshot(200, model, opt, {}), keep=1)  # prunes step 100, keeps the copy
+    keys = {o.key.split("/")[1] for o in store.list("checkpoints/step-")}
+    assert keys == {"step-00000200", "step-00000100.bak"}
+    assert "holds folder(s) that are no checkpoint of it, left alone: step-00000100.bak" in caplog.text
+    with pytest.raises(MissingInput, match=r"no checkpoint of step 100 .*kept: \[200\]"):
+        load_drafter_files(store, 100)
+
+
+def test_a_damaged_checkpoint_record_is_an_error_naming_it(store):
+    """latest.json without its "prefix", or a state.json that is not JSON, raised a bare KeyError
+    or JSONDecodeError (a traceback naming no file)."""
+    model, opt = trained()
+    save_checkpoint(store, Snapshot(7, model, opt, {}), keep=2)
+    state = store.get("checkpoints/step-00000007/state.json")
+    store.put(LATEST, b'{"step": 7}')
+    with pytest.raises(InputError, match=r"checkpoints/latest.json names no checkpoint .*delete checkpoints/latest"):
+        load_latest(store)
+    store.put(LATEST, b'{"step": 7, "prefix": "checkpoints/step-00000007"}')
+    store.put("checkpoints/step-00000007/state.json", state[:20])
+    for read in (lambda: load_latest(store), lambda: load_drafter_files(store, 7)):
+        with pytest.raises(InputError, match=r"checkpoints/step-00000007/state.json is corrupt"):
+            read()

@@ -191,9 +191,7 @@ def _prune(store: ObjectStore, keep: int, latest: int) -> None:
     needs in favour of a partial one."""
     if keep < 1:
         return
-    folders: dict[int, list[str]] = {}
-    for o in store.list("checkpoints/step-"):
-        folders.setdefault(int(o.key.split("/")[1].removeprefix("step-")), []).append(o.key)
+    folders = checkpoint_folders(store)
     complete = [s for s, keys in folders.items() if s < latest and f"{step_prefix(s)}/state.json" in keys]
     kept = {latest, *sorted(complete, reverse=True)[:keep - 1]}
     for step, keys in folders.items():
@@ -202,19 +200,49 @@ def _prune(store: ObjectStore, keep: int, latest: int) -> None:
             store.remove_empty_folders(f"{step_prefix(step)}/")  # a local --out kept step-N/loader/ empty
 
 
+def checkpoint_folders(store: ObjectStore) -> dict[int, list[str]]:
+    """The keys under each `checkpoints/step-N/` folder, by step. A folder named otherwise (a copy
+    kept by hand, `step-00000100.bak`) is no checkpoint of this output: left alone, and said
+    (it crashed every later save's pruning with int()'s ValueError, and eval --step)."""
+    folders: dict[int, list[str]] = {}
+    strangers: set[str] = set()
+    for o in store.list("checkpoints/step-"):
+        name = o.key.split("/")[1]
+        if name.removeprefix("step-").isdigit():
+            folders.setdefault(int(name.removeprefix("step-")), []).append(o.key)
+        else:
+            strangers.add(name)
+    if strangers:
+        log.warning("%s/checkpoints holds folder(s) that are no checkpoint of it, left alone: %s", store.uri,
+                    ", ".join(sorted(strangers)[:5]))
+    return folders
+
+
+def _json(store: ObjectStore, key: str, fix: str) -> dict[str, Any]:
+    """The JSON object at `key`; an `InputError` naming it (and `fix`) where it is not one."""
+    try:
+        value = json.loads(store.get(key))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{store.uri.rstrip('/')}/{key} is corrupt ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{store.uri.rstrip('/')}/{key} is not a JSON object; {fix}")
+    return value
+
+
 def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     """The checkpoint `latest.json` names, or None when the output has none. Without `tensors`,
     the weights and moments come uninitialized (their headers read, not their ~22 GB at a 27B
     target's shapes): a rank other than 0 receives them from rank 0."""
+    fix = f"delete {LATEST} to resume from scratch"
     try:
-        latest = json.loads(store.get(LATEST))
+        latest = _json(store, LATEST, fix)
     except ObjectNotFound:
         return None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{store.uri}/{LATEST} is corrupt ({e}); delete it to resume from scratch") from None
-    prefix = latest["prefix"]
+    prefix = latest.get("prefix")
+    if not isinstance(prefix, str):
+        raise InputError(f"{store.uri.rstrip('/')}/{LATEST} names no checkpoint (no \"prefix\"); {fix}")
     try:
-        state = json.loads(store.get(f"{prefix}/state.json"))
+        state = _json(store, f"{prefix}/state.json", fix)
         weights = load_safetensors(store, f"{prefix}/drafter.safetensors", tensors)
         optimizer = load_safetensors(store, f"{prefix}/optimizer.safetensors", tensors)
     except ObjectNotFound as e:
@@ -280,16 +308,19 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
     if step is not None:
         prefix = step_prefix(step)
         try:
-            state = json.loads(store.get(f"{prefix}/state.json"))
+            state = _json(store, f"{prefix}/state.json", "evaluate another step (--step)")
+            if not isinstance(state.get("drafter"), dict):
+                raise InputError(f"{store.uri.rstrip('/')}/{prefix}/state.json records no drafter: not a layertap "
+                                 "training state")
             return DrafterConfig.from_json(state["drafter"]), load_safetensors(store, f"{prefix}/drafter.safetensors")
         except ObjectNotFound:
-            kept = sorted(int(o.key.split("/")[1].removeprefix("step-")) for o in store.list("checkpoints/step-")
-                          if o.key.endswith("/state.json"))
+            kept = sorted(step for step, keys in checkpoint_folders(store).items()
+                          if f"{step_prefix(step)}/state.json" in keys)
             raise MissingInput(f"no checkpoint of step {step} at {store.uri} (kept: {kept or 'none'}; "
                                f"--keep-checkpoints sets how many are kept)") from None
     for base in ("drafter/", ""):
         try:
-            config = json.loads(store.get(base + "config.json"))
+            config = _json(store, base + "config.json", "export the drafter again")
             weights = load_safetensors(store, base + "model.safetensors")
             return DrafterConfig.from_json(config), weights
         except ObjectNotFound:
