@@ -20,6 +20,7 @@ from layertap.storage.store import open_store
 from layertap.train import ShardStream
 from layertap.train.checkpoint import LATEST, load_drafter_files, step_prefix
 from layertap.train.objective import Distill, dflash_loss, teacher_positions
+from layertap.storage.errors import InputError
 from layertap.train.target_head import load_final_norm, load_target_head
 from test_extract import write_chats
 from test_objective import toy_batch, toy_drafter
@@ -299,3 +300,21 @@ def test_a_checkpoint_from_before_the_objective_setting_resumes_as_ce(make_run, 
     state_file.write_text(json.dumps(state))
     assert cli(["train", *args, "--steps", "4", "--resume"]) == 0
     assert [r["step"] for r in metrics(str(out))] == [1, 2, 3, 4] and "kl" not in metrics(str(out))[0]
+
+
+def test_a_gguf_target_ending_in_a_layernorm_is_refused_for_distillation(tmp_path):
+    """gpt2, falcon, bloom, starcoder2 GGUFs store a LayerNorm (output_norm.bias, no RMS epsilon):
+    it was read as an RMSNorm, bias dropped, eps 1e-6, and --objective kl trained against a wrong
+    teacher with no error."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "ln.gguf"), "gpt2")
+    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    w.add_tensor("output_norm.bias", np.zeros(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InputError, match=r"\(gpt2\) ends in a LayerNorm, not an RMSNorm .*--objective ce"):
+        load_final_norm(str(tmp_path), "ln.gguf")

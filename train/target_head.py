@@ -159,8 +159,15 @@ def _norm_from_gguf(file: str) -> nn.Module:
     t = next((t for t in reader.tensors if t.name == "output_norm.weight"), None)
     if t is None:
         raise InputError(f"{file!r} has no output_norm.weight tensor")
+    eps = _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", None)
+    if eps is None or any(t.name == "output_norm.bias" for t in reader.tensors):
+        # a LayerNorm (gpt2, falcon, bloom, starcoder2...): mean-centred, with a bias; an RMSNorm teacher
+        # would be a wrong distribution to distill from, with no error
+        raise InputError(f"{file!r} ({arch}) ends in a LayerNorm, not an RMSNorm (output_norm.bias, or no "
+                         f"{arch}.attention.layer_norm_rms_epsilon): --objective kl and ce+kl read the final norm of "
+                         "RMSNorm targets only; train with --objective ce, or from the model's safetensors folder")
     weight = _gguf_tensor(t)
-    norm = nn.RMSNorm(weight.shape[0], eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)))
+    norm = nn.RMSNorm(weight.shape[0], eps=float(eps))
     with torch.no_grad():
         norm.weight.copy_(weight)
     log.info("read output_norm from %s", file)
