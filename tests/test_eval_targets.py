@@ -170,3 +170,25 @@ def test_a_revision_alone_differing_is_warned_of_not_refused(caplog):
     assert "another revision than the drafter at s3://b/drafter was trained for (revision: the drafter's aaaa" in caplog.text
     with pytest.raises(InputError, match="config.json sha256: the drafter's c1, --model's c2"):
         check_drafter_target(recorded, {**info, "model_config_sha256": "c2"}, "s3://b/drafter")
+
+
+def test_a_rejection_before_a_cut_bonus_token_counts_in_the_acceptance_by_position(tmp_path):
+    """Two hits a step, block 6: with max_new cutting only the last step's bonus token, that step's
+    rejection of its third draft was verified all the same, but it read as unknown: the third
+    position's acceptance came out 0/1 instead of 0/2. An EOS accepted before a rejection still
+    leaves the positions past it unknown."""
+    from layertap.train.speculative import _tau
+
+    t = load_target(tiny_model_dir(tmp_path, "llama", num_layers=4), dtype=torch.float32)
+    runner = TargetRunner(t.model, [1, 3])
+    prompt = t.tokenizer(PROMPTS[0])["input_ids"]
+    greedy = greedy_decode(runner, prompt, 40, eos=set())
+    oracle = OracleDrafter(greedy + [0] * 16, len(prompt), 2, block_size=6, vocab=t.model.config.vocab_size)
+    whole = speculative_decode(runner, oracle, prompt, 7, set())  # 1 + 3 + 3 tokens: both steps whole
+    cut = speculative_decode(runner, oracle, prompt, 6, set())  # the second step's bonus token cut
+    assert (whole.accepted, cut.accepted, cut.drafts, cut.complete) == ([3, 3], [3, 2], [2, 2], [True, True])
+    assert _tau([cut], 6)[1][:3] == _tau([whole], 6)[1][:3] == [1.0, 1.0, 0.0]
+    # an EOS that is a step's last accepted draft (indices 2, 5, 8, ...: 1 token of prefill, then 3 a step)
+    i = next(i for i in range(2, 38, 3) if greedy[i] not in greedy[:i])
+    ended = speculative_decode(runner, oracle, prompt, 40, {greedy[i]})
+    assert ended.tokens == greedy[:i + 1] and ended.drafts[-1] == 2 and ended.complete[-1] is False

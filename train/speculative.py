@@ -270,17 +270,20 @@ def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: lis
         m = 0
         while m < len(draft) and draft[m] == int(choice[m]):
             m += 1
-        new = [*draft[:m], int(choice[m])]
+        full = [*draft[:m], int(choice[m])]
         target.keep(m + 1)  # anchor and accepted drafts stay; the rejected tail leaves the cache
         context = torch.cat((context, states[: m + 1]))
         # An accepted draft may be EOS, or the step may pass max_new: the output, and the step's
         # count, end there (tau counts the tokens a step adds to the answer, nothing after it).
-        end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        new = new[: min(end, max_new - len(result.tokens))]
+        end = next((i + 1 for i, t in enumerate(full) if t in eos), len(full))
+        new = full[: min(end, max_new - len(result.tokens))]
         result.tokens.extend(new)
         result.accepted.append(len(new))
         result.drafts.append(min(m, len(new)))
-        result.complete.append(len(new) == m + 1)
+        # Its verdict past the drafts it accepted is known unless the answer ended before the first
+        # draft it rejected: max_new cutting the bonus token alone leaves that rejection known (an EOS
+        # among the accepted drafts does not: what the target would choose after it is no answer's).
+        result.complete.append(len(new) == m + 1 or (len(new) == m and end == len(full)))
     return result
 
 
