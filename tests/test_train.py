@@ -300,7 +300,9 @@ def test_acceptance_by_position_leaves_out_what_a_cut_step_did_not_reach(target)
     t = load_target(target, dtype=torch.float32)
     runner = TargetRunner(t.model, [1, 3])
     prompt = t.tokenizer("the quick brown fox")["input_ids"]
-    greedy = greedy_decode(runner, prompt, 40, eos=set())
+    # the oracle's drafts run past max_new: the last step's drafts are right too, only cut (an oracle whose
+    # list ended at 40 drafted its padding there, a rejection the step's verify found)
+    greedy = greedy_decode(runner, prompt, 46, eos=set())
     # every draft right: each step adds 6 tokens, the last one only the 3 left under max_new (40 = 1 + 6 x 6 + 3)
     oracle = OracleDrafter(greedy + [0] * 16, len(prompt), 5, block_size=6, vocab=t.model.config.vocab_size)
     spec = speculative_decode(runner, oracle, prompt, 40, eos=set())
