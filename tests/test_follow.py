@@ -982,6 +982,7 @@ def test_the_epochs_after_the_follow_epoch_leave_out_what_a_delete_consumed_trai
     fake_worker.work(uri)
     record_consumed(_store(uri), rank=0, world_size=1, shards=[0], step=1)
     assert delete_consumed(_store(uri)) == [0]
+    caplog.set_level("INFO", logger="layertap.train.stream")
     stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
     loader = StreamLoader(stream, batch_size=4)
     want = SAMPLES - fake_worker.plan(_store(uri)).shards[0].num_samples

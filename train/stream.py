@@ -348,10 +348,10 @@ class ShardStream(IterableDataset):
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
         self._settled = True
-        if self._left_out:
-            log.warning("%s: %d committed shard(s) were consumed and deleted by a --delete-consumed trainer; the "
-                        "epochs after the follow epoch stream the other %d", self.uri, len(self._left_out),
-                        len(self.shards))
+        if self._left_out:  # info: the --delete-consumed trainer's own state at its end settles too
+            log.info("%s: %d committed shard(s) were consumed and deleted by a --delete-consumed trainer; the "
+                     "epochs after the follow epoch stream the other %d", self.uri, len(self._left_out),
+                     len(self.shards))
 
     def _readable_shards(self) -> list[CommittedShard]:
         """The committed shards with data (`load_index` without its error when none is left)."""
