@@ -155,8 +155,10 @@ def format_status(s: dict, deleting: bool | None = None) -> str:
     """`deleting`: whether a --delete-consumed trainer consumes the run (None: not known)."""
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
-        f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running, "
-        f"{s['shards_failed']} failed, {s['shards_pending']} pending"
+        f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running"
+        + (f" ({s['shards_running_exited_here']} of them held by processes on this machine that have exited: the "
+           f"next {_rerun(s)} takes them over at once)" if s.get("shards_running_exited_here") else "")
+        + f", {s['shards_failed']} failed, {s['shards_pending']} pending"
         + (f", {s['shards_interrupted']} interrupted" if s.get("shards_interrupted") else ""),
         f"  samples  {s['samples_done']}/{s['samples_total']} stored" + _skipped_text(s)
         + _truncated_text(s),

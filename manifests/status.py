@@ -41,6 +41,31 @@ def _imported_from(manifest: Manifest) -> dict[str, Any] | None:
     return {"path": d.get("path"), "format": d.get("format")}
 
 
+
+EXITED_HOLDERS_READ = 16  # leases of running shards whose holders `status` looks at (a GET each)
+
+
+def _exited_here(store: ObjectStore, st: RunState, manifest: Manifest) -> int:
+    """Running shards whose lease's holder ran on this machine and has exited (a worker killed with
+    SIGKILL): they show as running until the lease's TTL, while the next `layertap extract` here
+    takes them over at once (`liveness.gone_from_here`). Up to `EXITED_HOLDERS_READ` leases read."""
+    from layertap.manifests.liveness import gone_from_here
+    from layertap.manifests.work import read_lease
+    from layertap.storage.store import StoreError
+
+    exited = 0
+    running = [p.id for p in manifest.shards if st.state(p.id) == "running"][:EXITED_HOLDERS_READ]
+    for shard in running:
+        lease = st.live_lease(shard)
+        try:
+            payload = read_lease(store, lease.key) if lease is not None else None
+        except StoreError:  # gone or unreadable meanwhile: counted as running, as the listing says
+            continue
+        if payload is not None and gone_from_here(payload.get("holder") or {}):
+            exited += 1
+    return exited
+
+
 def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: bool = False) -> dict[str, Any]:
     """One JSON-ready summary: counts per state, totals of committed work, throughput, ETA, and
     why shards failed; with `shards`, every shard's state and data object (and a failed one's error).
@@ -51,7 +76,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     shard's with `shards` (and a GET per commit whose tally marker is missing, or whose data
     object the listing leaves ambiguous, and per shard with skipped samples, up to
     `SKIP_REASON_SHARDS`); a run trained while extracted adds listings of `consumed/` and a GET
-    per training rank."""
+    per training rank; running shards, a GET each of up to `EXITED_HOLDERS_READ` leases
+    (`shards_running_exited_here`)."""
     manifest = manifest or load_manifest(store)
     st = scan(store, manifest, with_data=shards)
     counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
@@ -94,6 +120,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "shards_total": len(manifest.shards),
         "shards_done": counts["done"],
         "shards_running": counts["running"],
+        **({"shards_running_exited_here": exited} if (exited := _exited_here(store, st, manifest)) else {}),
         "shards_failed": counts["failed"],
         "shards_interrupted": len(stopped_ids),
         "shards_pending": counts["pending"],

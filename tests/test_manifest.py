@@ -984,3 +984,22 @@ def test_an_idle_worker_waits_on_leases_it_scanned_without_looking_at_each(tmp_p
         pass
     assert len(looks) <= 2 * len(manifest.shards) // 3, looks  # a look only for shards found free
     assert claim.shard in looks
+
+
+def test_status_says_which_running_shards_are_held_by_processes_that_exited_here(store_uri, capsys):
+    """A worker killed with SIGKILL: status said its shard was running until the lease's TTL (60 s
+    by default), while a rerun here takes it over at once. Holders on other machines, or alive,
+    are running as before."""
+    store = open_store(store_uri)
+    fake_worker.plan(store)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = {"host": socket.gethostname(), "pid_ns": liveness.pid_namespace(), "token": "t"}
+    for shard, holder in ((0, {**here, "pid": dead.pid}), (1, {**here, "pid": os.getpid()}),
+                          (2, {**here, "host": "another-node", "pid": dead.pid})):
+        store.put(layout.lease_key(shard, 1, 600), json.dumps({"holder": holder}).encode())
+    s = run_status(store)
+    assert s["shards_running"] == 3 and s["shards_running_exited_here"] == 1
+    assert cli(["status", store_uri]) == 3
+    assert "3 running (1 of them held by processes on this machine that have exited: the next" in \
+        capsys.readouterr().out
