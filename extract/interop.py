@@ -269,11 +269,11 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     check_layer_count(rd.capture_values(files[0]), fmt, layers, target.hidden_size, facts_from, where, note)
     check_target_layers(fmt, layers, ours, target.num_layers, facts_from)
     first = rd.read(files[0])
-    out_of_vocab = (first.input_ids < 0) | (first.input_ids >= target.vocab_size)
-    if bool(out_of_vocab.any()):  # another model's tokens: every sample would be skipped, the run empty
-        raise InputError(f"{where}: token id {int(first.input_ids[_first(out_of_vocab)])} is outside the vocabulary "
-                         f"of {facts_from} [0, {target.vocab_size}): were these states made with another model? "
-                         "Give --model the one they were made with")
+    try:
+        check_trainable(first, target.vocab_size, where)
+    except BadSample as e:  # another model's tokens: every sample would be skipped, the run empty
+        if e.reason == BAD_TOKEN_ID:
+            raise
     identity = RunConfig(model=model, gguf_file=gguf_file, layers=ours, final_state=rd.final_state,
                          hidden_size=target.hidden_size, codec=codec)
     counts = _token_counts(files, first.num_tokens)

@@ -178,7 +178,7 @@ def test_an_import_that_would_store_nothing_fails_and_says_why(prenorm_run, targ
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 10}))
     capsys.readouterr()
     assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "a"), "--model", str(small)]) == 2
-    assert "is outside the vocabulary" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert "is outside the target's vocabulary [0, 10)" in capsys.readouterr().err and not (tmp_path / "a").exists()
     for path in glob.glob(f"{dest}/rows_*/*.ckpt"):  # SpecForge's own files: torch pickles, as it writes them
         d = torch.load(path, weights_only=True)
         torch.save({**d, "loss_mask": torch.zeros_like(d["loss_mask"])}, path)
