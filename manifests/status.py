@@ -41,11 +41,10 @@ def _imported_from(manifest: Manifest) -> dict[str, Any] | None:
     return {"path": d.get("path"), "format": d.get("format")}
 
 
-
 EXITED_HOLDERS_READ = 16  # leases of running shards whose holders `status` looks at (a GET each)
 
 
-def _exited_here(store: ObjectStore, st: RunState, manifest: Manifest) -> int:
+def _exited_here(store: ObjectStore, st: RunState, running: list[int]) -> int:
     """Running shards whose lease's holder ran on this machine and has exited (a worker killed with
     SIGKILL): they show as running until the lease's TTL, while the next `layertap extract` here
     takes them over at once (`liveness.gone_from_here`). Up to `EXITED_HOLDERS_READ` leases read."""
@@ -54,8 +53,7 @@ def _exited_here(store: ObjectStore, st: RunState, manifest: Manifest) -> int:
     from layertap.storage.store import StoreError
 
     exited = 0
-    running = [p.id for p in manifest.shards if st.state(p.id) == "running"][:EXITED_HOLDERS_READ]
-    for shard in running:
+    for shard in running[:EXITED_HOLDERS_READ]:
         lease = st.live_lease(shard)
         try:
             payload = read_lease(store, lease.key) if lease is not None else None
@@ -81,12 +79,14 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     manifest = manifest or load_manifest(store)
     st = scan(store, manifest, with_data=shards)
     counts = {"done": 0, "running": 0, "failed": 0, "pending": 0}
-    with_failures = []
+    with_failures, running = [], []
     for plan in manifest.shards:
         state = st.state(plan.id)
         counts[state] += 1
         if state == "failed":
             with_failures.append(plan.id)
+        elif state == "running":
+            running.append(plan.id)
     tallies = _tallies(store, st)
     samples = sum(t["records"] for t in tallies.values())
     tokens = sum(t["tokens"] for t in tallies.values())
@@ -120,7 +120,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "shards_total": len(manifest.shards),
         "shards_done": counts["done"],
         "shards_running": counts["running"],
-        **({"shards_running_exited_here": exited} if (exited := _exited_here(store, st, manifest)) else {}),
+        **({"shards_running_exited_here": exited} if (exited := _exited_here(store, st, running)) else {}),
         "shards_failed": counts["failed"],
         "shards_interrupted": len(stopped_ids),
         "shards_pending": counts["pending"],
