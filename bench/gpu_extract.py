@@ -1,7 +1,7 @@
 """Extraction throughput and numerics of a Qwen3.6-27B-sized target on one GPU, with random-init
 weights (speed does not depend on the weights' values).
 
-    python bench/gpu_extract.py [--variants eager,conv,norms,compile,tokens32k] [--pipeline] [--profile]
+    python bench/gpu_extract.py [--variants eager,conv,norms,fused,compile,tokens32k] [--pipeline] [--profile]
                                 [--reference-out F | --reference-in F] [--json OUT]
     python bench/gpu_extract.py --tiny        # a tiny config on CPU: keeps the script tested
 
@@ -9,7 +9,8 @@ Each variant of the bare truncated forward is timed on the same batches, one aft
 this process, each on top of the previous one's kernels: `eager` (the kernels transformers picked
 at import: fla's if installed, else its torch fallback), `conv` (+ the short convolution routed to
 fla's Triton kernel, extract.kernels.use_fla_short_conv), `norms` (+ each RMSNorm one fused
-kernel, extract.fused_norms: layertap's default on CUDA), `compile` (+ torch.compile of each
+kernel, extract.fused_norms: layertap's default on CUDA), `fused` (+ each group of projections
+of the same states as one matmul, extract.fused_projections), `compile` (+ torch.compile of each
 decoder layer), `tokens32k` (the best so far with twice the tokens per batch). Per variant:
 tokens/s, MFU (matmul FLOPs of the kept layers / 989 TFLOP/s), warm-up (compile) seconds, peak
 memory, and the relative error of the captured states on one 2,048-token sequence against an
@@ -26,7 +27,7 @@ pipeline costs while forwards run, and `drain_s`, what follows them, which a lon
 hides); each run's output is deleted once measured, and the local runs need `--min-free-gib`
 (16) free in /dev/shm, else in the temp dir, else they are skipped with the reason. `--profile`
 adds the top CUDA kernels of one batch, and the time the same batch's matmuls alone take (the MFU
-ceiling of this model on this GPU).
+ceiling of this model on this GPU), with the projections as they are and fused.
 
 Every part is recorded on its own (an error is written into the JSON and the next part runs) and
 the JSON is rewritten after each: on the GPU machine a call has a hard time limit, and what is
@@ -53,6 +54,7 @@ import torch  # noqa: E402
 
 from layertap.extract.inputs import TokenizedSample  # noqa: E402
 from layertap.extract.fused_norms import fuse_norms  # noqa: E402
+from layertap.extract.fused_projections import fuse_projections, fused_count, unfuse_projections  # noqa: E402
 from layertap.extract.kernels import describe, use_fla_short_conv  # noqa: E402
 from layertap.extract.model import Capture  # noqa: E402
 from layertap.extract.pipeline import (  # noqa: E402
@@ -72,7 +74,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
             num_key_value_heads=2, head_dim=16, vocab_size=512, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
-VARIANTS = ("eager", "conv", "norms", "compile", "tokens32k")
+VARIANTS = ("eager", "conv", "norms", "fused", "compile", "tokens32k")
 FP32_HEADROOM = 1.1  # the fp32 reference forward: 4 bytes per weight, plus ~10% for activations and the allocator
 
 
@@ -211,30 +213,59 @@ def profile_batch(capture: Capture, batch, device: str, top: int = 20) -> list[d
 
 def matmul_ceiling(capture: Capture, tokens: int, device: str, reps: int = 3) -> dict:
     """Seconds the Linear layers of one layer of each type take at `tokens` rows, scaled to the
-    kept layers: the forward's time if nothing but its matmuls ran."""
-    from torch import nn
-
+    kept layers: the forward's time if nothing but its matmuls ran. Both as the layers' own
+    projections (`kept_layers_s`) and with each group extract.fused_projections fuses as one
+    matmul (`fused_kept_layers_s`), whichever of the two the model runs now."""
     types = list(getattr(capture.decoder.config, "layer_types", None) or ["attention"] * capture.kept_layers)
-    seen: dict[str, float] = {}
+    seen: dict[str, tuple[float, float]] = {}
     for i, layer in enumerate(capture.decoder.layers):
         kind = types[i]
-        if kind in seen:
+        if kind not in seen:
+            separate, fused = projection_weights(layer)
+            seen[kind] = (time_matmuls(separate, tokens, device, reps), time_matmuls(fused, tokens, device, reps))
+    return {"per_layer_s": {k: v[0] for k, v in seen.items()},
+            "fused_per_layer_s": {k: v[1] for k, v in seen.items()},
+            "kept_layers_s": sum(seen[types[i]][0] for i in range(capture.kept_layers)),
+            "fused_kept_layers_s": sum(seen[types[i]][1] for i in range(capture.kept_layers))}
+
+
+def projection_weights(layer) -> tuple[list, list]:
+    """The weight matrices of `layer`'s matmuls: each projection on its own, and with each
+    fusable group as one matrix (a group already fused gives its slices for the first list)."""
+    from torch import nn
+
+    from layertap.extract.fused_projections import FusedGroup, fusable_groups
+
+    separate, fused = [], []
+    for owner in layer.modules():
+        if isinstance(owner, FusedGroup):
+            separate += [owner.weight[lo:hi] for lo, hi in owner.spans]
+            fused.append(owner.weight)
             continue
-        linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
-        xs = {m.in_features: torch.randn(tokens, m.in_features, device=device, dtype=m.weight.dtype)
-              for m in linears}
-        for m in linears:  # warm-up
-            torch.nn.functional.linear(xs[m.in_features], m.weight)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for m in linears:
-                torch.nn.functional.linear(xs[m.in_features], m.weight)
-        sync(device)
-        seen[kind] = (time.perf_counter() - t0) / reps
-        del xs
-    total = sum(seen[types[i]] for i in range(capture.kept_layers))
-    return {"per_layer_s": seen, "kept_layers_s": total}
+        grouped = set()
+        for _, members in fusable_groups(owner):
+            separate += [m.weight for m in members]
+            fused.append(torch.cat([m.weight for m in members]))
+            grouped.update(id(m) for m in members)
+        for child in owner.children():
+            if isinstance(child, nn.Linear) and id(child) not in grouped:
+                separate.append(child.weight)
+                fused.append(child.weight)
+    return separate, fused
+
+
+def time_matmuls(weights: list, tokens: int, device: str, reps: int) -> float:
+    """Seconds one pass of `tokens` rows through each matrix takes (after a warm-up pass)."""
+    xs = {w.shape[1]: torch.randn(tokens, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    for w in weights:
+        torch.nn.functional.linear(xs[w.shape[1]], w)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+    sync(device)
+    return (time.perf_counter() - t0) / reps
 
 
 def main() -> None:
@@ -339,6 +370,11 @@ def main() -> None:
                     results["variants"][name] = {"skipped": "no RMSNorm class of this model could be fused"}
                     save()
                     continue
+            if name == "fused":
+                if not fuse_projections(list(capture.decoder.layers)):
+                    results["variants"][name] = {"skipped": "no group of projections could be fused"}
+                    save()
+                    continue
             if name == "compile":
                 compile_layers(capture)
             batches = make_batches(samples, bt)
@@ -348,7 +384,8 @@ def main() -> None:
             s = timed_forward(capture, batches, device)
             row = {"batch_tokens": bt, "s": s, "tokens_per_s": tokens / s, "warmup_s": warm,
                    "mfu": flops / s / peak_flops if peak_flops else None, "kernels": kernels_now(),
-                   "raw_mb_per_s": tokens * len(layers) * sizes["hidden_size"] * 2 / s / 1e6}
+                   "raw_mb_per_s": tokens * len(layers) * sizes["hidden_size"] * 2 / s / 1e6,
+                   "fused_projection_groups": fused_count(capture.decoder)}
             if device == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if name == "compile":
@@ -368,6 +405,8 @@ def main() -> None:
     if best is not None:
         results["best"] = best[1]
         results["bare"] = dict(results["variants"][best[1]], variant=best[1])
+        if best[1] != "fused" and unfuse_projections(capture.decoder):  # the rest runs the winner's forward
+            log("fused projections lost: the profile and the pipeline run the projections unfused")
 
     if args.profile:
         try:
@@ -376,8 +415,11 @@ def main() -> None:
             results["matmul_ceiling"] = mc = matmul_ceiling(capture, batch_tokens, device)
             batch_flops = 2 * params * batch_tokens
             results["matmul_ceiling"]["mfu"] = batch_flops / mc["kept_layers_s"] / peak_flops if peak_flops else None
+            results["matmul_ceiling"]["fused_mfu"] = (batch_flops / mc["fused_kept_layers_s"] / peak_flops
+                                                      if peak_flops else None)
             log(f"matmuls alone: {mc['kept_layers_s']:.3f} s per batch of {batch_tokens} tokens "
-                f"(MFU ceiling {mc['mfu'] or 0:.3f})")
+                f"(MFU ceiling {mc['mfu'] or 0:.3f}; with fused projections {mc['fused_kept_layers_s']:.3f} s, "
+                f"{mc['fused_mfu'] or 0:.3f})")
         except Exception as e:  # the pipeline's numbers still follow
             results["profile_error"] = error_text(e)
             log(f"profile: FAILED {error_text(e)}")

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from layertap.extract.fused_norms import norm_choice
+from layertap.extract.fused_projections import projection_choice
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ class KernelChoice:
     source: str  # the module the implementation comes from
 
     def __str__(self) -> str:
-        if self.function == "attention":
-            return f"attention={self.source}"
+        if self.function in ("attention", "projections"):
+            return f"{self.function}={self.source}"
         where = {True: f"fast ({self.source})", False: "fallback (torch reference)", None: "unknown"}[self.fast]
         return f"{self.function}={where}"
 
@@ -60,9 +61,12 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
     out: dict[str, list[KernelChoice]] = {}
     seen: set[tuple[str, type]] = set()
     fused: dict[str, set[str]] = {}  # per layer type, where its routed norms' kernels come from
+    groups: dict[str, set[str]] = {}  # per layer type, its projections fused into one matmul each
     for kind, layer in zip(_layer_types(model), _layers(model)):
         choices = out.setdefault(kind, [])
         for module in layer.modules():
+            if group := projection_choice(module):
+                groups.setdefault(kind, set()).add(group)
             if (kind, type(module)) in seen:
                 continue
             seen.add((kind, type(module)))
@@ -75,6 +79,8 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
             out[kind].append(KernelChoice(kind, "attention", attn, True, attn))
     for kind, sources in fused.items():  # norms last: one entry per layer type
         out[kind].append(KernelChoice(kind, "rms_norm", "torch", True, "; ".join(sorted(sources))))
+    for kind, names in groups.items():
+        out[kind].append(KernelChoice(kind, "projections", "torch", True, "fused " + ", ".join(sorted(names))))
     return out
 
 
@@ -83,7 +89,7 @@ def provenance(model: nn.Module) -> dict[str, Any]:
     (`extra.produced_by`): the device, each layer type's kernels as the kernel line names them,
     and the versions of the packages they come from. Workers of one run may differ here (a GPU
     with the fast kernels, one on the fallbacks, fused or eager norms): their states then differ
-    by bf16 rounding, and each shard says which produced it. Read at each shard's start, so a norm
+    by bf16 rounding, and each shard says which produced it (fused projections included). Read at each shard's start, so a norm
     sent back to its eager forward (fused_norms) shows from the next shard on."""
     param = next(model.parameters())
     device = torch.cuda.get_device_name(param.device) if param.is_cuda else param.device.type
