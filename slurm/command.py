@@ -49,7 +49,10 @@ def tool_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[
             continue
         flag = max(a.option_strings, key=len) if a.option_strings else None
         values = [str(v) for v in value] if isinstance(value, list) else [] if a.nargs == 0 else [str(value)]
-        out += ([flag] if flag else []) + values
+        if flag and len(values) == 1 and values[0].startswith("-") and not isinstance(value, list):
+            out.append(f"{flag}={values[0]}")  # `--flag -x` would read -x as an option on the compute node
+        else:
+            out += ([flag] if flag else []) + values
     return out
 
 

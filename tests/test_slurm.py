@@ -1118,3 +1118,18 @@ def test_submit_meets_what_sbatch_would_refuse_or_misread(tmp_path, capsys, monk
 
     assert redacted("vllm serve m --api-key 'sk live 123' --port 8") == "vllm serve m --api-key *** --port 8"
     assert redacted('x --hf-token="a b" y') == "x --hf-token=*** y"
+
+
+def test_forwarded_values_that_start_with_a_dash_stay_values():
+    """The job script's command line is parsed again on the compute node, hours later: a value
+    such as `--model=-ckpt` forwarded as `--model -ckpt` would be read there as an option."""
+    from layertap.slurm.command import tool_argv
+
+    p = argparse.ArgumentParser()
+    actions = [p.add_argument("--model"), p.add_argument("--temperature", type=float),
+               p.add_argument("--tags", nargs="+")]
+    given = ["--model=-ckpt", "--temperature=-0.5", "--tags", "a", "b"]
+    args = p.parse_args(given)
+    argv = tool_argv(args, actions)
+    assert argv == ["--model=-ckpt", "--temperature=-0.5", "--tags", "a", "b"]
+    assert p.parse_args(argv) == args
