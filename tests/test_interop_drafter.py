@@ -316,3 +316,31 @@ def test_a_drafter_still_training_is_exported_from_its_checkpoint(trained, targe
     _, weights = load_drafter_files(open_store(str(out)), step)
     exported = load_file(os.path.join(dest, "model.safetensors"))
     assert len(exported) == len(weights)
+
+
+def test_export_refuses_a_dest_holding_other_files_and_replaces_an_earlier_export(trained, target, tmp_path, capsys):
+    """DEST given as the target's own folder (a slip of the argument order) would lose the target's
+    model.safetensors and config.json: refused, nothing written. An earlier export is replaced."""
+    before = {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()}
+    assert cli(["export-drafter", trained, "--to", "speculators", target]) == 2
+    err = capsys.readouterr().err
+    assert "holds other files" in err and "tokenizer" in err and "choose an empty folder or prefix" in err
+    assert {p.name: p.read_bytes() for p in Path(target).iterdir() if p.is_file()} == before
+
+    lone = tmp_path / "lone"  # a model folder of weights and config only: its config is no drafter's
+    lone.mkdir()
+    (lone / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (lone / "model.safetensors").write_bytes(b"weights")
+    assert cli(["export-drafter", trained, "--to", "speculators", str(lone)]) == 2
+    assert "is not a speculators DFlash drafter's" in capsys.readouterr().err
+    (lone / "config.json").unlink()
+    assert cli(["export-drafter", trained, "--to", "speculators", str(lone)]) == 2
+    assert "without a config.json" in capsys.readouterr().err
+    assert (lone / "model.safetensors").read_bytes() == b"weights"
+
+    dest = tmp_path / "spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest)]) == 0
+    first = (dest / "model.safetensors").read_bytes()
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--dtype", "bfloat16"]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
+    assert len((dest / "model.safetensors").read_bytes()) < len(first)  # replaced by the bf16 export

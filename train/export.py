@@ -167,12 +167,37 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
     return name, None
 
 
+def _check_dest(dest: ObjectStore) -> bool:
+    """Refuse a DEST that holds anything but an earlier export of this command (whose files a new
+    one replaces): the target's own folder given as DEST by mistake would lose its model.safetensors
+    and config.json. Returns whether DEST holds an earlier export."""
+    keys = [o.key for o in dest.list()]
+    others = [k for k in keys if k not in (WEIGHTS, CONFIG)]
+    if others:
+        raise ConfigError(f"{dest.uri} holds other files ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}):"
+                          f" export-drafter writes {WEIGHTS} and {CONFIG} there; choose an empty folder or prefix")
+    if CONFIG not in keys:
+        if WEIGHTS in keys:
+            raise ConfigError(f"{dest.uri} holds a {WEIGHTS} without a {CONFIG} (an export cut halfway, or another "
+                              f"model's weights): delete it or choose an empty folder or prefix")
+        return False
+    try:
+        earlier = json.loads(dest.get(CONFIG))
+    except ValueError:
+        earlier = None
+    if not isinstance(earlier, dict) or earlier.get("speculators_model_type") != "dflash":
+        raise ConfigError(f"{dest.uri} holds a {CONFIG} that is not a speculators DFlash drafter's (a model's "
+                          f"folder?): export-drafter would replace it; choose an empty folder or prefix")
+    return True
+
+
 def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str | None = None,
                        dtype: str = "float32") -> dict[str, Any]:
     """Write the drafter of the training output `source` to `dest` in speculators' DFlash format;
     returns the config written."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    earlier = _check_dest(dest)
     config, weights = trained_drafter(source)
     renamed = speculators_weights(config, weights)
     name, verifier_config = _verifier(config, verifier)
@@ -181,6 +206,8 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
                                                                   int(text["num_hidden_layers"]))) is not None:
         log.warning("%s. The checkpoint is written all the same.", why)
     spec = speculators_config(config, name, verifier_config)
+    if earlier:
+        dest.delete(CONFIG)  # first: an export cut halfway leaves weights without a config, never a mismatched pair
     write_safetensors(dest, WEIGHTS, renamed, {"format": "pt"}, dtype=DTYPES[dtype])  # "pt": what transformers expects
     dest.put(CONFIG, (json.dumps(spec, indent=2) + "\n").encode())
     log.info("wrote %s and %s to %s (%d tensors, %s)", WEIGHTS, CONFIG, dest.uri, len(renamed), dtype)
