@@ -246,7 +246,7 @@ def _regeneration(args: argparse.Namespace, samples: int, stats, sources: dict[s
     if answer is not None:
         sources["answer_tokens"] = "stated"
     elif stats is not None and stats.samples_read:
-        answer = stats.supervised_read / stats.samples_read
+        answer = stats.answers_read / stats.samples_read  # whole: a regenerated answer is not cut at --max-length
         sources["answer_tokens"] = "the dataset's own answers, tokenized: the target's may be longer or shorter"
     else:
         raise ConfigError("--regenerate needs the answers' length: give --answer-tokens N (mean new tokens per "

@@ -101,6 +101,7 @@ class TokenizeStats:
     samples: int = 0
     tokens: int = 0
     supervised_tokens: int = 0
+    answer_tokens: int = 0  # the supervised tokens before truncation: the answers' own length
     truncated: int = 0
     dropped_turns: int = 0  # assistant turns before the first user turn, see normalize_chat
     skipped: Counter[str] = field(default_factory=Counter)
@@ -293,6 +294,7 @@ def _tokenize(rows, tokenizer, max_length, shape, chat, start, vocab, template_k
                 raise ConfigError(f"row {index} ({sid}) tokenizes to id {int(out.input_ids.max())}, beyond the "
                                   f"model's vocabulary of {vocab} (the tokenizer has {len(tokenizer)} tokens): "
                                   f"use the tokenizer the model was trained with, or resize its embeddings")
+        answer = int(out.loss_mask.sum()) if isinstance(out, TokenizedSample) else 0
         if isinstance(out, TokenizedSample):
             out = _finish(out, max_length)
         if isinstance(out, Skipped):
@@ -301,6 +303,7 @@ def _tokenize(rows, tokenizer, max_length, shape, chat, start, vocab, template_k
             stats.samples += 1
             stats.tokens += len(out)
             stats.supervised_tokens += int(out.loss_mask.sum())
+            stats.answer_tokens += answer
             stats.truncated += out.truncated
         yield out
 

@@ -45,6 +45,7 @@ class TokenStats:
     samples_read: int
     tokens_read: int
     supervised_read: int = 0  # tokens the loss mask covers: the assistant turns' tokens
+    answers_read: int = 0  # the same before truncation to max length: the answers' own length
     truncated: int = 0
     dropped_turns: int = 0  # assistant turns before a chat's first user turn (normalize_chat)
     skipped: dict[str, int] = field(default_factory=dict)
@@ -101,7 +102,8 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
     tally = _tally_in_processes(rows, job, processes) if processes > 1 else _tally_here(rows, job)
     stats = tally.stats
     return TokenStats(rows=n, rows_read=read, samples_read=stats.samples, tokens_read=stats.tokens,
-                      supervised_read=stats.supervised_tokens, truncated=stats.truncated,
+                      supervised_read=stats.supervised_tokens, answers_read=stats.answer_tokens,
+                      truncated=stats.truncated,
                       dropped_turns=stats.dropped_turns, skipped=dict(Counter(stats.skipped)),
                       counts=tally.counts if indices is None else None,
                       picks=_picks(rows, tally.counts, indices, job, picks, pick_tokens))

@@ -340,8 +340,15 @@ def test_regeneration_step_when_asked(run, capsys):
     model, data = run["args"][1], run["args"][3]
     stats = TokenizeStats()
     list(tokenize_rows(load_rows(data), AutoTokenizer.from_pretrained(model), 48, stats=stats))
-    assert measured["answer_tokens"] == pytest.approx(stats.supervised_tokens / stats.samples)
+    assert measured["answer_tokens"] == pytest.approx(stats.answer_tokens / stats.samples)
     assert measured["samples"] == stats.samples and measured["wall_s"] is None
+    # the answers' own length, not what --max-length keeps of them: a regenerated answer is not cut there
+    args = [a if a != "48" else "24" for a in run["args"]]
+    short = run_json(capsys, ["estimate", *args, "--regenerate", "--token-sample", "0"])["regeneration"]
+    cut = TokenizeStats()
+    list(tokenize_rows(load_rows(data), AutoTokenizer.from_pretrained(model), 24, stats=cut))
+    assert cut.truncated and cut.supervised_tokens < cut.answer_tokens
+    assert short["answer_tokens"] == pytest.approx(cut.answer_tokens / cut.samples)
 
     assert cli(REF + ["--regenerate"]) == 2
     assert "--answer-tokens" in capsys.readouterr().err
