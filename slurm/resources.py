@@ -60,11 +60,10 @@ def weight_bytes(model: str | None, gguf_file: str | None) -> tuple[int, bool]:
     if gguf_file:
         path = os.path.join(model, gguf_file)
         return (os.path.getsize(path), True) if os.path.isfile(path) else (0, True)
-    total = 0
-    for name in os.listdir(model):
-        if name.endswith((".safetensors", ".bin")):
-            total += os.path.getsize(os.path.join(model, name))
-    return total, False
+    sizes = {ext: sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model) if n.endswith(ext))
+             for ext in (".safetensors", ".bin")}
+    # transformers loads the safetensors where a folder has both (many hub repos ship both formats)
+    return sizes[".safetensors"] or sizes[".bin"], False
 
 
 def extract_resources(procs: int, encode_threads: int | None, model: str | None, gguf_file: str | None) -> Resources:

@@ -573,6 +573,14 @@ def test_cpus_and_memory_are_sized_from_the_job(tmp_path, capsys, monkeypatch):
     assert "--mem '200 GiB': give Slurm's form" in capsys.readouterr().err
 
 
+def test_a_folder_with_both_weight_formats_counts_the_safetensors_transformers_loads(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 3000)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 5000)  # the same weights, pickled: not loaded
+    assert weight_bytes(str(tmp_path), None) == (3000, False)
+    (tmp_path / "model.safetensors").unlink()
+    assert weight_bytes(str(tmp_path), None) == (5000, False)
+
+
 def test_gguf_targets_are_dequantized_in_each_workers_memory(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"\0" * (1 << 20))
     assert weight_bytes(str(tmp_path), "m.gguf") == (1 << 20, True)
