@@ -196,7 +196,9 @@ def _fla_conv_adapter(fla_conv, fallback):
         if not hidden_states.is_cuda or kwargs.get("seq_idx") is not None:
             return fallback(hidden_states, weight, bias, activation=activation, **kwargs)
         x = hidden_states.transpose(1, 2)  # [B, D, T] -> [B, T, D]: the layer's own layout, no copy
-        out, _ = fla_conv(x.contiguous(), weight, bias, activation=activation,
+        # fla's kernel reads rows of any stride (its "non-standard layout"): the columns of a fused
+        # projection's output (extract.fused_projections) go in as they are, not copied
+        out, _ = fla_conv(x if x.stride(-1) == 1 else x.contiguous(), weight, bias, activation=activation,
                           cu_seqlens=kwargs.get("cu_seq_lens_q"))
         return out.transpose(1, 2)
 
