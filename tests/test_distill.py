@@ -7,6 +7,7 @@ final states, and resumes to the same loss curve."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -19,14 +20,18 @@ from layertap.cli import main as cli
 from layertap.storage.store import open_store
 from layertap.train import ShardStream
 from layertap.train.checkpoint import LATEST, load_drafter_files, step_prefix
-from layertap.train.objective import Distill, dflash_loss, teacher_positions
+from layertap.train.objective import Distill, _capped, dflash_loss, teacher_positions
 from layertap.storage.errors import InputError
-from layertap.train.target_head import load_final_norm, load_target_head
+from layertap.train.target_head import head_transform, load_final_norm, load_target_head
 from test_extract import write_chats
 from test_objective import toy_batch, toy_drafter
 from tiny_models import tiny_model_dir
 
 FAST = ["--batch-size", "4", "--block-size", "4", "--max-anchors", "8", "--lr", "1e-2"]
+
+
+# targets whose forward transforms the head's logits: the teacher must too
+TRANSFORMS = {"granite": {"logits_scaling": 0.5}, "gemma3_text": {"final_logit_softcapping": 3.0}}
 
 
 def peaked_target(root: Path, model_type: str) -> str:
@@ -35,7 +40,7 @@ def peaked_target(root: Path, model_type: str) -> str:
     up, so its next-token distributions are peaked: argmax margins far above bf16 rounding."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_model_dir(root, model_type)
+    folder = tiny_model_dir(root, model_type, **TRANSFORMS.get(model_type, {}))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -74,30 +79,41 @@ def metrics(out: str) -> list[dict]:
 # -- the teacher ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_type,final_state", [("qwen3", "prenorm"), ("qwen3", "postnorm"),
-                                                    ("qwen3_5_text", "prenorm")])
+                                                    ("qwen3_5_text", "prenorm"), ("granite", "prenorm"),
+                                                    ("gemma3_text", "postnorm")])
 def test_the_teacher_is_the_targets_own_next_token_distribution(make_run, model_type, final_state):
     """Slot k of the block at anchor a predicts token a+k: its teacher, from the stored final
-    state, must be what a plain HF forward of the tokens before a+k gives for the next token."""
+    state, must be what a plain HF forward of the tokens before a+k gives for the next token;
+    for Granite (logits divided by logits_scaling) and Gemma (soft-capped logits) as well."""
     from transformers import AutoModelForCausalLM
 
     target, run = make_run(model_type, final_state)
     sample = max(ShardStream(run), key=lambda s: s["input_ids"].shape[0])
     ids, final = sample["input_ids"], sample["final_state"]
     assert final.shape == (ids.shape[0], 64) and final.dtype == torch.bfloat16
-    distill = Distill(ce=False, norm=load_final_norm(target) if final_state == "prenorm" else None)
+    transform = head_transform(target)
+    assert (transform.scale, transform.softcap) == {"granite": (2.0, None), "gemma3_text": (1.0, 3.0)}.get(
+        model_type, (1.0, None))
+    distill = Distill(ce=False, norm=load_final_norm(target) if final_state == "prenorm" else None,
+                      scale=transform.scale, softcap=transform.softcap)
     head = load_target_head(target).lm_head.float()
     block, n = 4, ids.shape[0]
     anchors = torch.tensor([[0, n // 2, n - block]])
     rows = torch.tensor([i * block + k for i in range(3) for k in range(1, block)])
     at = teacher_positions(anchors, rows, block, n)
-    teacher = torch.softmax(distill.teacher_states(final[at]) @ head.t(), -1)
+    teacher = torch.softmax(_capped(distill.teacher_states(final[at]) @ head.t(), distill.softcap), -1)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
         want = torch.stack([torch.softmax(model(ids[None, :int(anchors[0, r // block]) + r % block]).logits[0, -1], -1)
                             for r in rows.tolist()])
-    assert float((teacher - want).abs().max()) < 0.02
+    # states stored in bf16: their rounding, doubled in the logits by Granite's scale (exact on fp32 states)
+    assert float((teacher - want).abs().max()) < (0.04 if model_type == "granite" else 0.02)
     assert torch.equal(teacher.argmax(-1), want.argmax(-1))
-    assert float(want.max(-1).values.mean()) > 0.3  # peaked: a wrong norm, head or offset could not pass
+    if model_type in TRANSFORMS:  # the head's output as it is, not transformed: another distribution
+        untransformed = torch.softmax(Distill(ce=False, norm=distill.norm).teacher_states(final[at]) @ head.t(), -1)
+        assert float((untransformed - want).abs().max()) > 0.2
+    else:
+        assert float(want.max(-1).values.mean()) > 0.3  # peaked: a wrong norm, head or offset could not pass
     # without the norm (or one position off), the distributions are far apart
     plain = torch.softmax(final[at].float() @ head.t(), -1)
     shifted = torch.softmax(distill.teacher_states(final[at - 1]) @ head.t(), -1)
@@ -251,6 +267,17 @@ def test_train_with_kl_on_a_prenorm_run_lowers_the_loss(make_run, tmp_path, capl
     assert last < 0.8 * first, (first, last)
     state = json.loads(open_store(out).get(f"{step_prefix(25)}/state.json"))
     assert state["config"]["objective"] == "kl" and state["config"]["distill_temperature"] == 1.0
+
+
+def test_train_with_kl_on_a_granite_target_scales_the_teachers_logits_as_granite_does(make_run, tmp_path, caplog):
+    target, run = make_run("granite", "prenorm")
+    out = str(tmp_path / "kl")
+    with caplog.at_level(logging.INFO, logger="layertap.train.trainer"):
+        assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", "--objective", "kl",
+                    *FAST]) == 0
+    assert "the target's forward transforms its head's logits (scale 2): the teacher's are made the same way" \
+        in caplog.text
+    assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
 def test_distillation_without_a_final_state_is_refused(make_run, tmp_path, capsys):

@@ -86,8 +86,10 @@ def tiny_tokenizer(chat_template: str = CHATML_TEMPLATE):
     return tok
 
 
-def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int = 0, hidden_size: int = 64) -> str:
-    """Save a random-init ``model_type`` (qwen3, qwen3_5_text, llama) and its tokenizer to a folder.
+def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int = 0, hidden_size: int = 64,
+                   **config) -> str:
+    """Save a random-init ``model_type`` (qwen3, qwen3_5_text, llama) and its tokenizer to a folder;
+    `config` overrides the config's values (e.g. Granite's logits_scaling).
 
     A wider ``hidden_size`` makes more bytes per token at almost no extra compute (the MLP and
     attention stay narrow): shards of several S3 parts from a few thousand tokens."""
@@ -101,7 +103,7 @@ def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int =
         # Default pattern: three gated-deltanet layers, then one full-attention layer.
         kw.update(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                   linear_num_value_heads=4)
-    config = AutoConfig.for_model(model_type, **kw)
+    config = AutoConfig.for_model(model_type, **kw, **config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     folder = root / (f"{model_type}-{num_layers}L" + (f"-h{hidden_size}" if hidden_size != 64 else ""))

@@ -63,11 +63,15 @@ class Distill:
     ce: bool
     temperature: float = 1.0
     norm: nn.Module | None = None
+    scale: float = 1.0  # what the target's forward multiplies its head's logits by (Granite, Cohere)
+    softcap: float | None = None  # its soft cap on them, cap * tanh(logits / cap) (Gemma)
 
     @classmethod
-    def of(cls, objective: str, temperature: float, norm: nn.Module | None) -> "Distill | None":
+    def of(cls, objective: str, temperature: float, norm: nn.Module | None, *, scale: float = 1.0,
+           softcap: float | None = None) -> "Distill | None":
         """None for plain CE (the objective as it always was)."""
-        return None if objective == "ce" else cls(ce=objective == "ce+kl", temperature=temperature, norm=norm)
+        return None if objective == "ce" else cls(ce=objective == "ce+kl", temperature=temperature, norm=norm,
+                                                  scale=scale, softcap=softcap)
 
     def to(self, device: torch.device) -> "Distill":
         if self.norm is not None:
@@ -76,10 +80,12 @@ class Distill:
 
     @torch.no_grad()
     def teacher_states(self, final: torch.Tensor) -> torch.Tensor:
-        """Stored final states [N, H] -> the vectors the target's head reads, in fp32."""
+        """Stored final states [N, H] -> the vectors the target's head reads, in fp32, times the
+        scale its forward gives the logits (linear in them: folded in here)."""
         x = final.float()
         with torch.autocast(x.device.type, enabled=False):
-            return x if self.norm is None else self.norm(x).float()
+            x = x if self.norm is None else self.norm(x).float()
+        return x if self.scale == 1.0 else x * self.scale
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, max_anchors: int,
@@ -167,7 +173,8 @@ def dflash_loss(model: DFlashDrafter, batch: dict, generator: torch.Generator,
         at = teacher_positions(anchors, rows, c.block_size, final.shape[1])
         teacher = distill.teacher_states(final.reshape(-1, final.shape[-1]).index_select(0, to_device(at, device)))
         loss, hits, kl = head_distill_loss(picked, inner.lm_head, labels, scaled, teacher, ce=distill.ce,
-                                           temperature=distill.temperature, chunk_rows=chunk_rows)
+                                           temperature=distill.temperature, softcap=distill.softcap,
+                                           chunk_rows=chunk_rows)
     correct = torch.zeros(c.block_size, dtype=torch.int64, device=device)
     correct.index_add_(0, to_device(slots, device), hits.long())
     return StepLoss(loss, total, correct, counted, kl)
@@ -199,22 +206,23 @@ def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.T
         ce = F.cross_entropy(logits, labels, reduction="none")
         return (ce * weights).sum(), logits.argmax(-1) == labels
     loss, hits, _ = _ChunkedHeadLoss.apply(hidden, head, labels, weights, None, True, 1.0,
-                                           chunk_rows or default_chunk_rows(head.shape[0]))
+                                           chunk_rows or default_chunk_rows(head.shape[0]), None)
     return loss, hits
 
 
 def head_distill_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                      teacher: torch.Tensor, *, ce: bool, temperature: float = 1.0,
+                      teacher: torch.Tensor, *, ce: bool, temperature: float = 1.0, softcap: float | None = None,
                       chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of weights * (CE [if `ce`] + T^2 KL(softmax(teacher @ head.T / T) || softmax(hidden @ head.T / T))),
     greedy hits [N] against `labels`, the KL part alone, detached), for the drafter's rows `hidden`
     [N, H] and the target's `teacher` [N, H] (what its head reads). Chunked as
     `head_cross_entropy`, the teacher's logits too; each chunk holds a few more fp32 arrays of
-    its size (teacher, drafter at T, gradient), so the default chunk is half CE's."""
+    its size (teacher, drafter at T, gradient), so the default chunk is half CE's. `softcap`: the
+    target's soft cap on its logits, applied to the teacher's."""
     if chunk_rows == 0:
         logits = _unchunked_logits(hidden, head)
         with torch.no_grad():
-            target = torch.log_softmax(_unchunked_logits(teacher, head) / temperature, -1)
+            target = torch.log_softmax(_capped(_unchunked_logits(teacher, head), softcap) / temperature, -1)
         kl = F.kl_div(torch.log_softmax(logits / temperature, -1), target, log_target=True,
                       reduction="none").sum(-1) * temperature ** 2
         loss = (kl * weights).sum()
@@ -222,7 +230,12 @@ def head_distill_loss(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Te
             loss = loss + (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
         return loss, logits.argmax(-1) == labels, (kl * weights).sum().detach()
     chunk = chunk_rows or max(1, default_chunk_rows(head.shape[0]) // 2)
-    return _ChunkedHeadLoss.apply(hidden, head, labels, weights, teacher, ce, float(temperature), chunk)
+    return _ChunkedHeadLoss.apply(hidden, head, labels, weights, teacher, ce, float(temperature), chunk, softcap)
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The target's soft cap on its logits (Gemma's final_logit_softcapping), in fp32; or them as they are."""
+    return logits if softcap is None else softcap * torch.tanh(logits.float() / softcap)
 
 
 def _unchunked_logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
@@ -259,7 +272,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                 teacher: torch.Tensor | None, ce: bool, temperature: float,
-                chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                chunk_rows: int, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kind, dtype = hidden.device.type, _compute_dtype(hidden)
         n = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -282,7 +295,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                         g.scatter_add_(1, y[:, None], torch.full((e - s, 1), -1.0, device=g.device))
                     del logp
                 if teacher is not None:
-                    kl, g_kl = _kl_chunk(logits, teacher[s:e].to(dtype) @ w.t(), temperature, grad is not None)
+                    kl, g_kl = _kl_chunk(logits, _capped(teacher[s:e].to(dtype) @ w.t(), softcap), temperature,
+                                         grad is not None)
                     kl_sum += (kl * ws).sum()
                     g = g_kl if g is None else g.add_(g_kl)
                     del g_kl
@@ -300,4 +314,4 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         # not cast first: on CPU a 0-dim float32 factor then multiplies in float32; on CUDA it is rounded
         # to grad's dtype (1/3 -> 0.33398 in bf16), which is why the trainer backpropagates unscaled losses
-        return grad * grad_loss, None, None, None, None, None, None, None
+        return grad * grad_loss, None, None, None, None, None, None, None, None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from layertap.extract.embedded import checkpoint
-from layertap.storage.errors import InputError, MissingInput
+from layertap.storage.errors import ConfigError, InputError, MissingInput
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,67 @@ def load_final_norm(path: str, gguf_file: str | None = None) -> nn.Module:
     path, gguf_file = checkpoint(path, gguf_file)  # the embedded SmolLM2: its converted folder
     norm = _norm_from_gguf(os.path.join(path, gguf_file)) if gguf_file else _norm_from_safetensors(path)
     return norm.float().requires_grad_(False).eval()
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What the target's causal-LM forward does to its head's output before the softmax: a
+    scale (Granite divides by `logits_scaling`, Cohere multiplies by `logit_scale`) or a soft cap
+    (Gemma 2: cap * tanh(logits / cap)). A distillation teacher without it is another
+    distribution than the target's (Granite's at logits_scaling 8: the target's at temperature 1/8)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __str__(self) -> str:
+        return "none" if self.identity else (f"scale {self.scale:g}" if self.softcap is None
+                                             else f"soft cap {self.softcap:g}")
+
+
+def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
+    """The transform the target's own forward applies to its head's output, found by running
+    that forward (its class, built on the meta device from the config) with the decoder and the
+    head stubbed to hand back known raw logits: what comes out is compared with them. An
+    attribute list would not do: the same config name means opposite things across families
+    (Granite divides by `logits_scaling`, HyperCLOVA X multiplies by it). A transform that is
+    neither a scale nor the config's soft cap is refused, naming the model."""
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    from layertap.extract.model import decoder_of, load_target
+
+    model = load_target(path, gguf_file, dtype=torch.float32, weights=False).model
+    raw = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(0)) * 8
+    decoder, head = decoder_of(model), model.get_output_embeddings()
+    what = path + (f" ({gguf_file})" if gguf_file else "")
+    refuse = (f"--objective kl and ce+kl need the target's own next-token distribution, and how {what}'s "
+              f"{type(model).__name__} turns its head's output into logits is not one layertap reproduces")
+    if head is None:
+        raise ConfigError(f"{refuse} (it has no output embeddings); train with --objective ce")
+    # the MoE output type: a plain decoder's fields and router_logits, which MoE forwards read
+    decoder.forward = lambda *args, **kwargs: MoeModelOutputWithPast(last_hidden_state=torch.zeros(1, 6, 1))
+    head.forward = lambda hidden: raw[:, raw.shape[1] - hidden.shape[1]:]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros(1, 6, dtype=torch.long)).logits
+    except Exception as e:  # a forward that needs more than the decoder's states and the head
+        raise ConfigError(f"{refuse} ({type(e).__name__}: {e}); train with --objective ce") from None
+    if out is None or out.device.type == "meta" or out.shape != raw.shape:
+        raise ConfigError(f"{refuse}; train with --objective ce")
+    out = out.float()
+    if torch.allclose(out, raw, rtol=1e-5, atol=1e-5):
+        return LogitTransform()
+    scale = float((out * raw).sum() / (raw * raw).sum())
+    if torch.allclose(out, raw * scale, rtol=1e-4, atol=1e-5):
+        return LogitTransform(scale=scale)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap and torch.allclose(out, cap * torch.tanh(raw / cap), rtol=1e-4, atol=1e-5):
+        return LogitTransform(softcap=float(cap))
+    raise ConfigError(f"{refuse}; train with --objective ce")
 
 
 def _norm_from_safetensors(folder: str) -> nn.Module:

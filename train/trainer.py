@@ -51,7 +51,7 @@ from layertap.train.objective import Distill, dflash_loss
 from layertap.train.ranks import (agree_on_checkpoint, broadcast_tensors, from_rank_0, host_group, per_rank,
                                   raise_if_any_refused)
 from layertap.train.stream import ShardsChanged, ShardStream, StreamConfig
-from layertap.train.target_head import load_final_norm, load_target_head, recorded_target
+from layertap.train.target_head import head_transform, load_final_norm, load_target_head, recorded_target
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,11 @@ def build_distill(cfg: TrainConfig, final_state: str) -> Distill | None:
     if cfg.objective == "ce":
         return None
     norm = load_final_norm(cfg.model, cfg.gguf_file) if final_state == "prenorm" else None
-    return Distill.of(cfg.objective, cfg.distill_temperature, norm)
+    transform = head_transform(cfg.model, cfg.gguf_file)
+    if not transform.identity:
+        log.info("the target's forward transforms its head's logits (%s): the teacher's are made the same way",
+                 transform)
+    return Distill.of(cfg.objective, cfg.distill_temperature, norm, scale=transform.scale, softcap=transform.softcap)
 
 
 def _objective_text(cfg: TrainConfig, final_state: str) -> str:
