@@ -3,27 +3,32 @@
 # included, one or two of them), at most 600 s a command, and only files under $OUT come back. Each
 # step has its own time limit and log, so one failing step still leaves the others' numbers.
 #
-#   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: ref extract e2e train step)
+#   bash bench/device_checks.sh OUTDIR [STEP ...]      (default: ref extract e2e step train)
 #
 # Steps run in the order of the list below, whatever the order they are named in.
 #
 # The plan for one session (carry [".whl", ".devcache/e2e"]; made here first by bench/device_prep.sh):
 #   call 1, timeout_s 480:
 #     DEVICE_CHECKS_DEADLINE_S=460 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc ref extract e2e
-#   call 2 at once, on the warm machine (within its idle release, 30 s on 2026-12-04), timeout_s from `status`
-#   (budget_left_s minus ~20 s for the transfers; ~280 if call 1 used all its 480), deadline 15 s under it:
-#     DEVICE_CHECKS_DEADLINE_S=265 DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc train step
+#   call 2 at once, on the warm machine (within its idle release, 30 s on 2026-12-04; no carry needed: the
+#   first call's installs are there), timeout_s from `status` (budget_left_s minus ~20 s for the transfers;
+#   ~280 if call 1 used all its 480), deadline 15 s under it; `step` first (bounded, ~70 s), then the
+#   27B-shaped `train` run alone on fewer samples, stopped by the bench itself inside the step's limit:
+#     TRAIN_ARGS="--only 27b --samples 16 --timeout-27b 110" DEVICE_CHECKS_DEADLINE_S=265 \
+#       DEVICE_CHECKS_ARCHIVE=$OUT/dc.tgz bash bench/device_checks.sh /tmp/dc step train
 # What each took (H200): ref ~60 s; extract ~170 s with its lean defaults (an estimate from the parts it keeps;
 # ~280 s with every variant and row on 2026-12-04); e2e up to its 240 s (2026-11-30: extract 65 s, status and
 # verify 14 s, train 36 s, then eval cut at 61 s); train ~170 s (2026-11-30: the 27B-shaped run's 55 steps 66 s
-# after ~60 s of start; the small run ~40 s); step ~85 s. ~120 s of machine start + 480 + 280 = 880 of the 900.
+# after ~60 s of start; the small run ~40 s; 2026-12-04: no step in 132 s after the start, killed at 170 s);
+# step ~85 s (~70 s now that its 27B-shaped embedding and head are drawn on the GPU). ~120 s of machine start
+# + 480 + 280 = 880 of the 900.
 # `mask` (only when named) is for a session with time left: the `train` step's 27B run shows whether it steps.
 # Why that order: extract matters most, then train. `ref` goes first all the same: extract compares its
 # kernels with ref's fp32 states, and ref costs ~45 s on an H200 and nothing on an H100 (skipped there:
 # the fp32 forward of the 27B-shaped stack needs ~93 GiB). `e2e` (a tiny model, functional only) comes after
 # extract: beside it, it would skew extract's timings. A step with under MIN_STEP_S left is skipped, the
-# reason recorded. In call 2, `step` (the bare DFlash step at 27B shapes) gets what `train` leaves;
-# bench/gpu_train.py saves its JSON after each part, so a cut run still says something.
+# reason recorded. In call 2, `train` (the 27B-shaped run) gets what `step` (the bare DFlash step at 27B
+# shapes, bounded) leaves; bench/gpu_train.py saves its JSON after each part, so a cut run still says something.
 # EXTRACT_VARIANTS and EXTRACT_PIPELINE_ROWS (default conv,norms,fused and lean) choose the extract step's variants
 # and pipeline rows: eager,conv,norms,fused,tokens32k and all for the whole set.
 # Back here: tar xzf dc.tgz, and record the JSONs (docs/bench/gpu_extract.json, gpu_train.json) and
@@ -46,7 +51,7 @@
 #               the reference step runs on transformers' torch fallback
 #   .devcache/  tests/activations.py's cached SmolLM2 activations (the loader bench's samples), and
 #               e2e/ (bench/cli_e2e.py's target and rows), since SmolLM2 is not on that machine
-# Steps, in the order they run (default: ref extract e2e train step):
+# Steps, in the order they run (default: ref extract e2e step train):
 #   ref      bench/gpu_extract.py without fla: the torch-fallback forward's speed and the fp32
 #            reference states the fast kernels are compared with (OUTDIR.ref.safetensors, beside
 #            OUTDIR: ~200 MB, not archived). Skipped on a GPU under REF_MIN_GIB (110 GiB).
@@ -58,10 +63,10 @@
 #            bench/block_mask.py on the GPU: the drafter's tiled BlockMask vs a compiled and an eager
 #            create_block_mask over one epoch's shapes (the compiled one is the first suspect for the
 #            27B trainer's 132 s without a step, 2026-12-04)
-#   train    bench/gpu_train_cli.py: the real `layertap train` from moto at Qwen3.6-27B's shapes
-#            and with a small drafter (data wait, tokens/s, peak memory)
 #   step     bench/gpu_train.py: DFlash step at Qwen3.6-27B shapes (4,096 tokens x 512 anchors): the
 #            loss in chunks vs unchunked (memory; issue 18 section 3), flex vs dense gradients
+#   train    bench/gpu_train_cli.py: the real `layertap train` from moto at Qwen3.6-27B's shapes
+#            and with a small drafter (data wait, tokens/s, peak memory); TRAIN_ARGS adds arguments
 #   compile  (only when named; answered 2026-11-30: compile loses to the fla short conv, 0.42 vs
 #            0.50 MFU) bench/gpu_extract.py on 16 layers: eager vs torch.compile of each layer
 #   loader   (only when named) bench/loader.py at 1 GB, 5 rounds, on 16 cores: loader vs raw boto3 GETs
@@ -91,7 +96,7 @@ tiny=${DEVICE_CHECKS_TINY:+--tiny}
 out=${1:?usage: bench/device_checks.sh OUTDIR [STEP ...]}
 out=${out%/}
 shift
-steps=${*:-ref extract e2e train step}
+steps=${*:-ref extract e2e step train}
 deadline=${DEVICE_CHECKS_DEADLINE_S:-570}  # seconds from this script's start ($SECONDS counts from 0)
 MARGIN_S=20          # kept free after each step's limit: the last archive, and the script's own exit
 KILL_AFTER_S=10      # a step still running this long after its SIGTERM is killed (timeout -k)
@@ -195,9 +200,17 @@ if [ -n "${DEVICE_CHECKS_ARCHIVE:-}" ]; then
     archiver_pid=$!
 fi
 
-if [ -d .whl ] && [ -z "$tiny" ]; then  # wheels for the GPU host's Python (3.12)
-    install_once /tmp/site .whl/*.whl || { note "pip install of .whl failed: stopping"; exit 1; }
-    export PYTHONPATH=/tmp/site
+if [ -z "$tiny" ]; then  # wheels for the GPU host's Python (3.12)
+    if [ -d .whl ]; then
+        install_once /tmp/site .whl/*.whl || { note "pip install of .whl failed: stopping"; exit 1; }
+    fi
+    # a second call on the warm machine need not carry .whl again: the first one's install is there
+    if [ -f /tmp/site/.installed ]; then
+        export PYTHONPATH=/tmp/site
+    else
+        note "no .whl here and none installed on this machine (a fresh one): carry .whl; stopping"
+        exit 1
+    fi
 fi
 if [ -d .whl/fla ]; then
     install_once /tmp/fla .whl/fla/*.whl || note "pip install of .whl/fla failed: extract runs on the torch fallback"
@@ -213,6 +226,12 @@ if [ ! -s "$out/env.txt" ]; then  # a second call on the warm machine has it fro
 transformers.__version__, 'boto3', boto3.__version__, 'moto', moto.__version__)"
         timeout 60 $with_fla python3 -c "import fla; print('fla', fla.__version__)"
     } >>"$out/env.txt" 2>&1
+    tail -n 4 "$out/env.txt"  # the versions (or the import error) in the device tool's output tail
+    if ! grep -q '^torch .* moto ' "$out/env.txt"; then
+        note "torch, transformers, boto3 and moto do not all import here (env.txt): stopping"
+        mv "$out/env.txt" "$out/env-failed.txt"  # a rerun probes again
+        exit 1
+    fi
 fi
 note "device_checks: steps '$steps' from $(date -u +%H:%M:%S) UTC, deadline $deadline s"
 
@@ -238,8 +257,9 @@ step e2e 240 $with_fla python3 bench/cli_e2e.py .devcache/e2e --json "$out/cli_e
 mask=(--device cuda)
 [ -n "$tiny" ] && mask=(--tiny)
 step mask 90 python3 bench/block_mask.py "${mask[@]}" --json "$out/block_mask.json"
-step train 300 $with_fla python3 bench/gpu_train_cli.py $tiny --json "$out/gpu_train.json"
 step step 150 python3 bench/gpu_train.py $tiny --json "$out/gpu_train_step.json"
+# TRAIN_ARGS: more arguments for the bench (call 2 of the plan: the 27B-shaped run alone, in the time left)
+step train 300 $with_fla python3 bench/gpu_train_cli.py $tiny ${TRAIN_ARGS:-} --json "$out/gpu_train.json"
 step compile 150 $with_fla python3 bench/gpu_extract.py $tiny --layers 1,15 --variants eager,conv,compile --batches 3 \
     --json "$out/gpu_extract_compile.json"
 step loader 240 python3 bench/loader.py --rounds 5 --mb 1024 --decode-threads 2,4,8 --label gpu-host --write-docs

@@ -51,11 +51,17 @@ mkdir -p .devcache
 cp "${LAYERTAP_TEST_CACHE:-$HOME/.cache/layertap-tests}"/smollm2-v1-n16-t256-l1_8_15_22_27.safetensors .devcache/
 [ -d .devcache/e2e ] || python bench/cli_e2e.py --prepare .devcache/e2e
 du -sh .whl .devcache
-# a device call carries at most 64 MiB: .whl and .devcache/e2e go together in the plan's calls
-carried=$(du -smc .whl .devcache/e2e | tail -1 | cut -f1)
-if [ "$carried" -gt 62 ]; then
-    echo "device_prep: .whl and .devcache/e2e take $carried MiB, near or over the 64 MiB a call carries" >&2
+# a device call carries at most 64 MiB, the working tree (tracked and untracked, not ignored files)
+# included: .whl and .devcache/e2e go together with it in the plan's first call
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | awk '$2 == "total" {s += $1} END {print s + 0}')
+extra=$(du -cb .whl .devcache/e2e | tail -1 | cut -f1)
+carried=$(((tree + extra) * 100 / 1048576))  # hundredths of a MiB
+say="a call carrying .whl and .devcache/e2e takes $((carried / 100)).$(printf %02d $((carried % 100))) MiB of the 64"
+if [ "$carried" -ge 6400 ]; then
+    echo "device_prep: $say: over; remove untracked files from the tree or wheels the GPU image has from .whl" >&2
+    exit 1
 fi
+[ "$carried" -lt 6200 ] || echo "device_prep: $say: near the limit (an untracked file in the tree tips it over)" >&2
 echo "device_prep: .whl and .devcache/e2e are ready (what bench/device_checks.sh's default steps need)"
 # Issue 24's recipe step needs SmolLM2 and ShareGPT rows there, 98 MB + rows over the 64 MiB one call
 # carries: three parts, each carried by one call of three in a row (a warm machine keeps the ignored
