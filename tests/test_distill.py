@@ -122,6 +122,29 @@ def test_the_teacher_is_the_targets_own_next_token_distribution(make_run, model_
         assert float((plain - want).abs().max()) > 0.2
 
 
+@pytest.mark.parametrize("model_type,config,want", [
+    ("qwen3", {}, (1.0, None)),
+    ("granite", {"logits_scaling": 8.0}, (0.125, None)),  # divides the logits
+    ("hyperclovax", {"logits_scaling": 0.5}, (0.5, None)),  # the same name, multiplying them
+    ("cohere", {"logit_scale": 0.0625}, (0.0625, None)),
+    ("minicpm3", {"dim_model_base": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "q_lora_rank": 32,
+                  "kv_lora_rank": 32, "v_head_dim": 16, "num_key_value_heads": 4},
+     (0.25, None)),  # the states divided by hidden_size / dim_model_base before the head
+    ("gemma3_text", {"final_logit_softcapping": 30.0}, (1.0, 30.0)),
+])
+def test_the_head_transform_is_read_from_the_targets_own_forward(tmp_path, model_type, config, want):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**kw, **config})).save_pretrained(tmp_path)
+    from tiny_models import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path)
+    t = head_transform(str(tmp_path))
+    assert (t.scale, t.softcap) == pytest.approx(want)
+
+
 @pytest.mark.slow
 def test_the_final_norm_from_the_smollm2_gguf_is_the_models_own(monkeypatch):
     """The GGUF path: llama.cpp's output_norm (eps from the GGUF) computes what transformers'

@@ -150,8 +150,9 @@ class LogitTransform:
 
 def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
     """The transform the target's own forward applies to its head's output, found by running
-    that forward (its class, built on the meta device from the config) with the decoder and the
-    head stubbed to hand back known raw logits: what comes out is compared with them. An
+    that forward (its class, built on the meta device from the config) with the decoder stubbed to
+    hand back known states and the head a known matrix: what comes out is compared with the plain
+    product. An
     attribute list would not do: the same config name means opposite things across families
     (Granite divides by `logits_scaling`, HyperCLOVA X multiplies by it). A transform that is
     neither a scale nor the config's soft cap is refused, naming the model."""
@@ -160,7 +161,9 @@ def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
     from layertap.extract.model import decoder_of, load_target
 
     model = load_target(path, gguf_file, dtype=torch.float32, weights=False).model
-    raw = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(0)) * 8
+    g = torch.Generator().manual_seed(0)
+    states, weight = torch.randn(1, 6, 8, generator=g), torch.randn(8, 16, generator=g) * 3
+    raw = states @ weight  # what a plain head makes of the decoder's states
     decoder, head = decoder_of(model), model.get_output_embeddings()
     what = path + (f" ({gguf_file})" if gguf_file else "")
     refuse = (f"--objective kl and ce+kl need the target's own next-token distribution, and how {what}'s "
@@ -168,8 +171,10 @@ def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
     if head is None:
         raise ConfigError(f"{refuse} (it has no output embeddings); train with --objective ce")
     # the MoE output type: a plain decoder's fields and router_logits, which MoE forwards read
-    decoder.forward = lambda *args, **kwargs: MoeModelOutputWithPast(last_hidden_state=torch.zeros(1, 6, 1))
-    head.forward = lambda hidden: raw[:, raw.shape[1] - hidden.shape[1]:]
+    decoder.forward = lambda *args, **kwargs: MoeModelOutputWithPast(last_hidden_state=states)
+    # linear in its input, as the real head: a forward that scales the states before the head
+    # (MiniCPM3 divides them by logits_scaling) shows as a scale of the logits
+    head.forward = lambda hidden: hidden.float() @ weight
     try:
         with torch.no_grad():
             out = model(input_ids=torch.zeros(1, 6, dtype=torch.long)).logits
