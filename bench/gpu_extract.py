@@ -405,7 +405,8 @@ def main() -> None:
     if best is not None:
         results["best"] = best[1]
         results["bare"] = dict(results["variants"][best[1]], variant=best[1])
-        if best[1] != "fused" and unfuse_projections(capture.decoder):  # the rest runs the winner's forward
+        # the rest runs the winner's forward: unfused where it ran so (variants build on each other)
+        if not results["bare"]["fused_projection_groups"] and unfuse_projections(capture.decoder):
             log("fused projections lost: the profile and the pipeline run the projections unfused")
 
     if args.profile:

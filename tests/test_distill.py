@@ -21,7 +21,7 @@ from layertap.storage.store import open_store
 from layertap.train import ShardStream
 from layertap.train.checkpoint import LATEST, load_drafter_files, step_prefix
 from layertap.train.objective import Distill, _capped, dflash_loss, teacher_positions
-from layertap.storage.errors import InputError
+from layertap.storage.errors import ConfigError, InputError
 from layertap.train.target_head import head_transform, load_final_norm, load_target_head
 from test_extract import write_chats
 from test_objective import toy_batch, toy_drafter
@@ -131,6 +131,7 @@ def test_the_teacher_is_the_targets_own_next_token_distribution(make_run, model_
                   "kv_lora_rank": 32, "v_head_dim": 16, "num_key_value_heads": 4},
      (0.25, None)),  # the states divided by hidden_size / dim_model_base before the head
     ("gemma3_text", {"final_logit_softcapping": 30.0}, (1.0, 30.0)),
+    ("gemma2", {"final_logit_softcapping": 30.0}, (1.0, 30.0)),  # built for eager attention: it refuses sdpa
 ])
 def test_the_head_transform_is_read_from_the_targets_own_forward(tmp_path, model_type, config, want):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -143,6 +144,20 @@ def test_the_head_transform_is_read_from_the_targets_own_forward(tmp_path, model
     tiny_tokenizer().save_pretrained(tmp_path)
     t = head_transform(str(tmp_path))
     assert (t.scale, t.softcap) == pytest.approx(want)
+
+
+def test_a_head_with_a_bias_is_refused_for_distillation(tmp_path):
+    """Phi's head adds a bias to the logits, which the borrowed head (a matrix) does not hold."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiny_models import tiny_tokenizer
+
+    config = AutoConfig.for_model("phi", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="its head adds a bias.*train with --objective ce"):
+        head_transform(str(tmp_path))
 
 
 @pytest.mark.slow
@@ -265,6 +280,30 @@ def test_chunked_distillation_equals_the_unchunked_path(ce, temperature):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the GPU's precision: bf16 matmuls, fp32 softmaxes
         low, _ = run(7)
     assert low.loss.dtype == torch.float32 and torch.allclose(low.loss, ref.loss, rtol=3e-2)
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 3, None])
+def test_a_soft_capped_teacher_is_capped_in_the_loss(chunk_rows):
+    """Gemma's soft cap on the target's logits reaches the teacher in both loss paths (a hand-made
+    KL against capped logits), and through dflash_loss: a cap changes its loss."""
+    from layertap.train.objective import head_distill_loss
+
+    g = torch.Generator().manual_seed(3)
+    hidden, teacher, head = (torch.randn(9, 16, generator=g), torch.randn(9, 16, generator=g) * 3,
+                             torch.randn(30, 16, generator=g))
+    labels, weights = torch.randint(0, 30, (9,), generator=g), torch.rand(9, generator=g)
+    cap, t = 2.0, 1.5
+    p = torch.log_softmax(cap * torch.tanh(teacher @ head.t() / cap) / t, -1)
+    q = torch.log_softmax(hidden @ head.t() / t, -1)
+    want = ((p.exp() * (p - q)).sum(-1) * t * t * weights).sum()
+    loss, _, kl = head_distill_loss(hidden, head, labels, weights, teacher, ce=False, temperature=t, softcap=cap,
+                                    chunk_rows=chunk_rows)
+    assert torch.allclose(loss, want, rtol=1e-5) and torch.allclose(kl, want, rtol=1e-5)
+
+    d, batch = toy_drafter(vocab=40), distill_batch(40)
+    plain, capped = (dflash_loss(d, batch, torch.Generator().manual_seed(0), chunk_rows=chunk_rows,
+                                 distill=Distill(ce=False, norm=random_norm(), softcap=c)).loss for c in (None, 0.5))
+    assert abs(float(plain) - float(capped)) > 0.1 * float(plain)
 
 
 def test_teacher_positions_are_the_state_before_each_predicted_token():

@@ -160,7 +160,8 @@ def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
 
     from layertap.extract.model import decoder_of, load_target
 
-    model = load_target(path, gguf_file, dtype=torch.float32, weights=False).model
+    # eager attention: nothing attends here, and some families (Gemma 2) refuse to be built for sdpa
+    model = load_target(path, gguf_file, dtype=torch.float32, attn_implementation="eager", weights=False).model
     g = torch.Generator().manual_seed(0)
     states, weight = torch.randn(1, 6, 8, generator=g), torch.randn(8, 16, generator=g) * 3
     raw = states @ weight  # what a plain head makes of the decoder's states
@@ -170,6 +171,8 @@ def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
               f"{type(model).__name__} turns its head's output into logits is not one layertap reproduces")
     if head is None:
         raise ConfigError(f"{refuse} (it has no output embeddings); train with --objective ce")
+    if getattr(head, "bias", None) is not None:  # Phi: logits + bias, which the borrowed head (a matrix) lacks
+        raise ConfigError(f"{refuse} (its head adds a bias); train with --objective ce")
     # the MoE output type: a plain decoder's fields and router_logits, which MoE forwards read
     decoder.forward = lambda *args, **kwargs: MoeModelOutputWithPast(last_hidden_state=states)
     # linear in its input, as the real head: a forward that scales the states before the head
@@ -206,7 +209,8 @@ def _norm_from_safetensors(folder: str) -> nn.Module:
         raise InputError(f"no final norm in {folder!r} (looked for {', '.join(_NORM_KEYS)})")
     prefix = key.removesuffix("weight")
     state = _read_tensors(folder, weight_map, {k[len(prefix):]: k for k in weight_map if k.startswith(prefix)})
-    norm = getattr(decoder_of(load_target(folder, dtype=torch.float32, weights=False).model), "norm", None)
+    target = load_target(folder, dtype=torch.float32, attn_implementation="eager", weights=False)  # no attention runs
+    norm = getattr(decoder_of(target.model), "norm", None)
     if not isinstance(norm, nn.Module):
         raise InputError(f"the model in {folder!r} has no final norm module (decoder.norm)")
     norm.to_empty(device="cpu")
