@@ -29,8 +29,8 @@
 # extract: beside it, it would skew extract's timings. A step with under MIN_STEP_S left is skipped, the
 # reason recorded. In call 2, `train` (the 27B-shaped run) gets what `step` (the bare DFlash step at 27B
 # shapes, bounded) leaves; bench/gpu_train.py saves its JSON after each part, so a cut run still says something.
-# EXTRACT_VARIANTS and EXTRACT_PIPELINE_ROWS (default conv,norms,fused and lean) choose the extract step's variants
-# and pipeline rows: eager,conv,norms,fused,tokens32k and all for the whole set.
+# EXTRACT_VARIANTS and EXTRACT_PIPELINE_ROWS (default conv,norms,fused,split and lean) choose the extract step's
+# variants and pipeline rows: eager,conv,norms,fused,split,tokens32k and all for the whole set.
 # Back here: tar xzf dc.tgz, and record the JSONs (docs/bench/gpu_extract.json, gpu_train.json) and
 # numbers (docs/benchmarks.md; bench/gpu_train_cli.py and bench/cli_e2e.py --report --write-docs).
 #
@@ -55,7 +55,7 @@
 #   ref      bench/gpu_extract.py without fla: the torch-fallback forward's speed and the fp32
 #            reference states the fast kernels are compared with (OUTDIR.ref.safetensors, beside
 #            OUTDIR: ~200 MB, not archived). Skipped on a GPU under REF_MIN_GIB (110 GiB).
-#   extract  bench/gpu_extract.py with fla: fla's short convolution, + fused RMSNorms, + fused projections (EXTRACT_VARIANTS),
+#   extract  bench/gpu_extract.py with fla: fla's short convolution, + fused RMSNorms, + fused projections, + split conv (EXTRACT_VARIANTS),
 #            errors vs the reference (when ref left one), the top kernels, the pipeline into tmpfs and into moto
 #   e2e      bench/cli_e2e.py: the real CLI (extract -> status -> verify -> train -> eval) on a small
 #            random qwen3_5_text target into moto on this host (at most 240 s)
@@ -252,7 +252,7 @@ ref_in=()
 [ -s "$ref_file" ] && ref_in=(--reference-in "$ref_file")  # else extract records "no reference"
 # eager (fla alone) and tokens32k were measured on 2026-12-04 (9,518 and 10,782 tokens/s): by default only the
 # short conv and the fused norms on top of it (`norms` is both), and the lean pipeline rows (~50 s less)
-step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --variants "${EXTRACT_VARIANTS:-conv,norms,fused}" --profile \
+step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --variants "${EXTRACT_VARIANTS:-conv,norms,fused,split}" --profile \
     --pipeline --pipeline-rows "${EXTRACT_PIPELINE_ROWS:-lean}" "${ref_in[@]}" --json "$out/gpu_extract.json"
 e2e=()
 [ -n "$tiny" ] && e2e=(--steps 4 --prompts 1 --max-new-tokens 4)  # cli_e2e.py has no tiny mode: fewer of each

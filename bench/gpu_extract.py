@@ -1,7 +1,7 @@
 """Extraction throughput and numerics of a Qwen3.6-27B-sized target on one GPU, with random-init
 weights (speed does not depend on the weights' values).
 
-    python bench/gpu_extract.py [--variants eager,conv,norms,fused,compile,tokens32k] [--pipeline] [--profile]
+    python bench/gpu_extract.py [--variants eager,conv,norms,fused,split,compile,tokens32k] [--pipeline] [--profile]
                                 [--reference-out F | --reference-in F] [--json OUT]
     python bench/gpu_extract.py --tiny        # a tiny config on CPU: keeps the script tested
 
@@ -10,7 +10,8 @@ this process, each on top of the previous one's kernels: `eager` (the kernels tr
 at import: fla's if installed, else its torch fallback), `conv` (+ the short convolution routed to
 fla's Triton kernel, extract.kernels.use_fla_short_conv), `norms` (+ each RMSNorm one fused
 kernel, extract.fused_norms: layertap's default on CUDA), `fused` (+ each group of projections
-of the same states as one matmul, extract.fused_projections), `compile` (+ torch.compile of each
+of the same states as one matmul, extract.fused_projections), `split` (+ the gated deltanet's short
+convolution per q/k/v span, so the delta rule copies nothing, extract.split_conv), `compile` (+ torch.compile of each
 decoder layer), `tokens32k` (the best so far with twice the tokens per batch). Per variant:
 tokens/s, MFU (matmul FLOPs of the kept layers / 989 TFLOP/s), warm-up (compile) seconds, peak
 memory, and the relative error of the captured states on one 2,048-token sequence against an
@@ -55,6 +56,7 @@ import torch  # noqa: E402
 from layertap.extract.inputs import TokenizedSample  # noqa: E402
 from layertap.extract.fused_norms import fuse_norms  # noqa: E402
 from layertap.extract.fused_projections import fuse_projections, fused_count, unfuse_projections  # noqa: E402
+from layertap.extract.split_conv import is_split, split_conv, unsplit_conv  # noqa: E402
 from layertap.extract.kernels import describe, use_fla_short_conv  # noqa: E402
 from layertap.extract.model import Capture  # noqa: E402
 from layertap.extract.pipeline import (  # noqa: E402
@@ -74,7 +76,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
             num_key_value_heads=2, head_dim=16, vocab_size=512, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
-VARIANTS = ("eager", "conv", "norms", "fused", "compile", "tokens32k")
+VARIANTS = ("eager", "conv", "norms", "fused", "split", "compile", "tokens32k")
 FP32_HEADROOM = 1.1  # the fp32 reference forward: 4 bytes per weight, plus ~10% for activations and the allocator
 
 
@@ -375,6 +377,11 @@ def main() -> None:
                     results["variants"][name] = {"skipped": "no group of projections could be fused"}
                     save()
                     continue
+            if name == "split":
+                if not split_conv(list(capture.decoder.layers)):
+                    results["variants"][name] = {"skipped": "no gated-deltanet layer could be routed"}
+                    save()
+                    continue
             if name == "compile":
                 compile_layers(capture)
             batches = make_batches(samples, bt)
@@ -385,7 +392,8 @@ def main() -> None:
             row = {"batch_tokens": bt, "s": s, "tokens_per_s": tokens / s, "warmup_s": warm,
                    "mfu": flops / s / peak_flops if peak_flops else None, "kernels": kernels_now(),
                    "raw_mb_per_s": tokens * len(layers) * sizes["hidden_size"] * 2 / s / 1e6,
-                   "fused_projection_groups": fused_count(capture.decoder)}
+                   "fused_projection_groups": fused_count(capture.decoder),
+                   "split_conv_layers": sum(map(is_split, capture.decoder.modules()))}
             if device == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if name == "compile":
@@ -408,6 +416,8 @@ def main() -> None:
         # the rest runs the winner's forward: unfused where it ran so (variants build on each other)
         if not results["bare"]["fused_projection_groups"] and unfuse_projections(capture.decoder):
             log("fused projections lost: the profile and the pipeline run the projections unfused")
+        if not results["bare"]["split_conv_layers"] and unsplit_conv(capture.decoder):
+            log("the split convolution lost: the profile and the pipeline run the layers' own forward")
 
     if args.profile:
         try:

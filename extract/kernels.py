@@ -27,6 +27,7 @@ from torch import nn
 
 from layertap.extract.fused_norms import norm_choice
 from layertap.extract.fused_projections import projection_choice
+from layertap.extract.split_conv import is_split
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class KernelChoice:
     source: str  # the module the implementation comes from
 
     def __str__(self) -> str:
-        if self.function in ("attention", "projections"):
+        if self.function in ("attention", "projections", "short_conv"):
             return f"{self.function}={self.source}"
         where = {True: f"fast ({self.source})", False: "fallback (torch reference)", None: "unknown"}[self.fast]
         return f"{self.function}={where}"
@@ -62,11 +63,14 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
     seen: set[tuple[str, type]] = set()
     fused: dict[str, set[str]] = {}  # per layer type, where its routed norms' kernels come from
     groups: dict[str, set[str]] = {}  # per layer type, its projections fused into one matmul each
+    split: set[str] = set()  # layer types whose short convolution runs per q/k/v span
     for kind, layer in zip(_layer_types(model), _layers(model)):
         choices = out.setdefault(kind, [])
         for module in layer.modules():
             if group := projection_choice(module):
                 groups.setdefault(kind, set()).add(group)
+            if is_split(module):
+                split.add(kind)
             if (kind, type(module)) in seen:
                 continue
             seen.add((kind, type(module)))
@@ -81,6 +85,8 @@ def describe(model: nn.Module) -> dict[str, list[KernelChoice]]:
         out[kind].append(KernelChoice(kind, "rms_norm", "torch", True, "; ".join(sorted(sources))))
     for kind, names in groups.items():
         out[kind].append(KernelChoice(kind, "projections", "torch", True, "fused " + ", ".join(sorted(names))))
+    for kind in split:
+        out[kind].append(KernelChoice(kind, "short_conv", "torch", True, "split per q/k/v (via layertap)"))
     return out
 
 

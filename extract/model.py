@@ -24,6 +24,7 @@ from torch import nn
 from layertap.extract.embedded import checkpoint
 from layertap.extract.fused_norms import fuse_norms
 from layertap.extract.fused_projections import fuse_projections
+from layertap.extract.split_conv import split_conv
 from layertap.extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.identity import FINAL_STATES, FinalState
@@ -117,6 +118,8 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
                 fuse_norms(decoder_of(model), list(decoder_of(model).layers))
         if os.environ.get("LAYERTAP_FUSED_PROJECTIONS", "0") == "1":  # opt-in until an H200 run shows it wins
             fuse_projections(list(decoder_of(model).layers))
+        if os.environ.get("LAYERTAP_SPLIT_CONV", "0") == "1":  # the same
+            split_conv(list(decoder_of(model).layers))
         log_kernel_paths(model, str(device))
     config = decoder_of(model).config
     # the checkpoint's folder: a local one, or the hub cache's snapshot that a hub id resolved to

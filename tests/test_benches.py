@@ -28,18 +28,19 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
     their errors against it, the profile and the pipeline from another."""
     ref, out = tmp_path / "ref.safetensors", tmp_path / "gx.json"
     run_bench("gpu_extract.py", "--tiny", "--batches", "1", "--reference-out", str(ref), "--json", str(tmp_path / "ref.json"))
-    run_bench("gpu_extract.py", "--tiny", "--batches", "2", "--variants", "eager,conv,norms,fused,tokens32k",
+    run_bench("gpu_extract.py", "--tiny", "--batches", "2", "--variants", "eager,conv,norms,fused,split,tokens32k",
               "--reference-in", str(ref), "--pipeline", "--profile", "--json", str(out))
     r = json.loads(out.read_text())
     assert r["kept_layers"] == 6 and r["tokens"] > 0  # layers after the last capture layer are dropped
     assert "chunk_gated_delta_rule=fallback (torch reference)" in r["kernels"]["linear_attention"]
     assert r["variants"]["conv"] == {"skipped": "fla's short convolution is not available here"}
-    for name in ("eager", "norms", "fused", "tokens32k"):  # fp32 on CPU: the reference's forward's numbers
+    for name in ("eager", "norms", "fused", "split", "tokens32k"):  # fp32 on CPU: the reference forward's numbers
         assert max(r["variants"][name]["rel_error"]) < 1e-5
     assert any(k.startswith("rms_norm=fast (torch.compile") for k in r["variants"]["norms"]["kernels"]["linear_attention"])
     assert r["variants"]["tokens32k"]["batch_tokens"] == 2 * r["batch_tokens"]
     assert r["variants"]["fused"]["fused_projection_groups"] > 0 == r["variants"]["norms"]["fused_projection_groups"]
-    assert r["bare"]["variant"] in ("eager", "norms", "fused") and r["profile_top"]
+    assert r["variants"]["split"]["split_conv_layers"] > 0 == r["variants"]["fused"]["split_conv_layers"]
+    assert r["bare"]["variant"] in ("eager", "norms", "fused", "split") and r["profile_top"]
     assert r["matmul_ceiling"]["kept_layers_s"] > 0 and r["matmul_ceiling"]["fused_kept_layers_s"] > 0
     for way in ("local", "s3"):
         assert r[way]["bytes"] > 0 and r[way]["ratio"] > 1.0 and r[way]["vs_bare"] > 0
@@ -58,10 +59,10 @@ def test_gpu_extract_lean_rows_are_what_the_device_step_runs(tmp_path):
     """bench/device_checks.sh's extract step by default: the short conv, the fused norms and the fused
     projections, and the lean pipeline rows (no serial or S3-shards comparison rows, which cost ~50 s of a device session)."""
     out = tmp_path / "gx.json"
-    run_bench("gpu_extract.py", "--tiny", "--batches", "2", "--variants", "conv,norms,fused", "--pipeline",
+    run_bench("gpu_extract.py", "--tiny", "--batches", "2", "--variants", "conv,norms,fused,split", "--pipeline",
               "--pipeline-rows", "lean", "--json", str(out))
     r = json.loads(out.read_text())
-    assert set(r["variants"]) == {"conv", "norms", "fused"} and r["bare"]["variant"] in ("norms", "fused")
+    assert set(r["variants"]) == {"conv", "norms", "fused", "split"} and r["bare"]["variant"] in ("norms", "fused", "split")
     assert r["pipeline_rows"] == "lean"
     assert r["local"]["vs_bare"] > 0 and r["s3"]["vs_bare"] > 0 and r["local_shards"]["shards"] == 2
     assert not {"local_shards_serial", "s3_shards", "s3_shards_serial"} & set(r)

@@ -182,6 +182,14 @@ def test_groups_that_are_not_plain_linears_of_one_input_are_left_alone(caplog):
     assert "fused" not in caplog.text
 
 
+def chat_rows(path: Path) -> Path:
+    """Three short chats, as a user's dataset file."""
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}?"},
+                                                     {"role": "assistant", "content": "an answer " * (i + 1)}]}) + "\n"
+                            for i in range(3)))
+    return path
+
+
 def _extract(tmp_path, model: str, data, name: str, **env) -> tuple[str, dict[str, torch.Tensor]]:
     """`layertap extract` as a user runs it: its stderr, and the stored states by sample id."""
     from layertap.manifests import layout
@@ -206,11 +214,7 @@ def _extract(tmp_path, model: str, data, name: str, **env) -> tuple[str, dict[st
 def test_extract_fuses_the_projections_when_asked_and_stores_the_same_states(tmp_path):
     """LAYERTAP_FUSED_PROJECTIONS=1: the kernel line names the fused groups per layer type, and
     the stored states are the unfused run's (fp32 forward, stored in bf16: within a rounding)."""
-    model = tiny_model_dir(tmp_path, "qwen3_5_text", 4)
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}?"},
-                                                     {"role": "assistant", "content": "an answer " * (i + 1)}]}) + "\n"
-                            for i in range(3)))
+    model, data = tiny_model_dir(tmp_path, "qwen3_5_text", 4), chat_rows(tmp_path / "rows.jsonl")
     plain_log, plain = _extract(tmp_path, model, data, "plain")
     fused_log, fused = _extract(tmp_path, model, data, "fused", LAYERTAP_FUSED_PROJECTIONS="1")
     line = next(x for x in fused_log.splitlines() if re.search(r"INFO \S+: kernels: linear_attention", x))
