@@ -252,8 +252,8 @@ ref_in=()
 [ -s "$ref_file" ] && ref_in=(--reference-in "$ref_file")  # else extract records "no reference"
 # eager (fla alone) and tokens32k were measured on 2026-12-04 (9,518 and 10,782 tokens/s): by default only the
 # short conv and the fused norms on top of it (`norms` is both), and the lean pipeline rows (~50 s less)
-# 3 batches a variant (4 before): five variants now, and e2e after it needs ~120 s of call 1
-step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --batches 3 --variants "${EXTRACT_VARIANTS:-conv,norms,fused,split}" --profile \
+# 4 batches (the default) also make the pipeline rows: fewer would weigh its fixed drain more in local.vs_bare
+step extract 300 $with_fla python3 bench/gpu_extract.py $tiny --variants "${EXTRACT_VARIANTS:-conv,norms,fused,split}" --profile \
     --pipeline --pipeline-rows "${EXTRACT_PIPELINE_ROWS:-lean}" "${ref_in[@]}" --json "$out/gpu_extract.json"
 e2e=()
 [ -n "$tiny" ] && e2e=(--steps 4 --prompts 1 --max-new-tokens 4)  # cli_e2e.py has no tiny mode: fewer of each
