@@ -34,7 +34,7 @@ from layertap.manifests import layout
 from layertap.manifests.liveness import gone_from_here
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
-from layertap.manifests.state import Lease, RunState, scan, scan_shard, shard_leases
+from layertap.manifests.state import Lease, RunState, fits_plan, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
@@ -162,6 +162,10 @@ class Claim:
             relative_error=info.relative_error, producer=asdict(self.queue.producer), attempt=self.attempt,
             started_at=self.started_at, committed_at=time.time(),
         )
+        if not fits_plan(record, self.queue.manifest):  # a sample lost between the forward and the object
+            planned = self.queue.manifest.shards[self.shard].num_samples
+            raise ManifestError(f"shard {self.shard}: its object holds {info.num_records} sample(s) and "
+                                f"{len(skipped)} were skipped, the plan has {planned}: not committed")
         if not store.put_if_absent(layout.commit_key(self.shard), encode(record)):
             log.info("shard %d was committed by another attempt; dropping ours", self.shard)
             store.delete(self.data_key)

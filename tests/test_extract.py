@@ -370,3 +370,36 @@ def test_a_pad_token_the_model_cannot_embed_pads_with_an_id_it_can(tmp_path):
             "--log-dir", str(tmp_path)]
     assert cli(argv) == 0
     assert run_status(open_store(out))["complete"] and verify_run(open_store(out)).ok >= 1
+
+
+def test_a_sample_whose_encode_fails_fails_its_shard_and_no_commit_lacks_a_sample(models, tmp_path, monkeypatch):
+    """A record lost between the forward and the object (its encode raised) must fail the shard,
+    not commit it without that sample: the run stays incomplete until a rerun redoes the shard.
+    The shard's last sample: no later one of that shard meets the writer's error first."""
+    from layertap.extract import pipeline
+    from layertap.manifests.manifest import load_manifest
+
+    args = dict(model=models["llama"], dataset=write_chats(tmp_path / "c.jsonl", 14), layers=[0, 2], max_length=48,
+                batch_tokens=160, shard_bytes="40KB", log_dir=str(tmp_path / "logs"))
+    assert extract(ExtractConfig(out=str(tmp_path / "clean"), **args)) == 0
+    clean = open_store(str(tmp_path / "clean"))
+    lost = next(c for c in committed(clean) if c.shard == 0).sample_ids[-1]
+    real = pipeline._encode
+
+    def failing(sample, *rest):
+        if sample.sample_id == lost:
+            raise RuntimeError("injected: this sample's encode failed")
+        return real(sample, *rest)
+
+    monkeypatch.setattr(pipeline, "_encode", failing)
+    cfg = ExtractConfig(out=str(tmp_path / "run"), **args)
+    assert extract(cfg) != 0
+    store = open_store(cfg.out)
+    manifest = load_manifest(store)
+    assert committed(store) and all(c.covered == manifest.shards[c.shard].num_samples for c in committed(store))
+    assert lost not in stored_samples(store) and not run_status(store)["complete"]
+    monkeypatch.setattr(pipeline, "_encode", real)
+    assert extract(cfg) == 0
+    status = run_status(store)
+    assert status["complete"] and status["samples_done"] + status["samples_skipped"] == manifest.num_samples
+    assert lost in stored_samples(store)

@@ -505,6 +505,11 @@ def test_state_from_another_world_seed_or_run_is_refused(run, tmp_path):
         ShardStream(run, config=StreamConfig(seed=1), rank=0, world_size=1).load_state_dict(state)
     with pytest.raises(ValueError, match="seed: state has 1"):
         ShardStream(run, config=StreamConfig(seed=2), rank=0, world_size=2).load_state_dict(state)
+    # every setting the order depends on: a resume under another one would repeat or skip samples
+    for other, field in ((dict(uneven="drop"), "uneven"), (dict(shuffle=False), "shuffle"),
+                         (dict(shuffle_buffer=8), "shuffle_buffer")):
+        with pytest.raises(ValueError, match=f"{field}: state has"):
+            ShardStream(run, config=StreamConfig(seed=1, **other), rank=0, world_size=2).load_state_dict(state)
     other = str(tmp_path / "other")
     make_run(other)
     with pytest.raises(ValueError, match="run_id"):
@@ -701,3 +706,15 @@ def test_the_workers_peak_buffered_bytes_add_up_as_documented():
     assert merged["peak_buffered_bytes"] == 400 and merged["elapsed_s"] == 5.0
     doc = " ".join((ROOT / "docs" / "LOADER.md").read_text().split())
     assert "Its `peak_buffered_bytes` is the sum of the workers' peaks" in doc
+
+
+def test_each_epoch_reads_the_shards_in_another_order():
+    """The shard order is drawn per (seed, epoch): the same every time for one epoch, another the
+    next (the shuffle buffer alone only mixes a few neighbouring samples)."""
+    from layertap.train.order import shard_order
+
+    orders = [tuple(shard_order(16, seed=3, epoch=e, shuffle=True)) for e in range(4)]
+    assert len(set(orders)) == 4 and all(sorted(o) == list(range(16)) for o in orders)
+    assert tuple(shard_order(16, seed=3, epoch=1, shuffle=True)) == orders[1]
+    assert tuple(shard_order(16, seed=4, epoch=1, shuffle=True)) != orders[1]
+    assert tuple(shard_order(16, seed=3, epoch=2, shuffle=False)) == tuple(range(16))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from layertap.storage.codecs import CODEC_NAMES
-from layertap.storage.format import (FOOT, HEAD, PREAMBLE, RECD, ShardError, ShardMeta, UnsupportedShardVersion,
-                                     parse_head)
+from layertap.storage.format import (FOOT, HEAD, PREAMBLE, RECD, TRAILER, ShardError, ShardMeta,
+                                     UnsupportedShardVersion, parse_head)
 from layertap.storage.identity import RunConfig, RunIdentity
 from layertap.storage.reader import ShardReader, iter_frames, verify_shard
 from layertap.storage.records import Sample
@@ -439,3 +439,25 @@ def test_a_state_the_codec_refuses_names_its_sample_and_tensor():
     sample.final_state[0, 0] = float("nan")
     with pytest.raises(ValueError, match=rf"sample {sample.sample_id}: final_state: fp8 codec needs finite values"):
         encode_record(sample, make_meta("fp8", final_state="prenorm"))
+
+
+def test_bytes_after_the_trailer_fail_verify_even_against_the_committed_hash(store):
+    """A stray tail (a multipart part too many) leaves the shard readable up to its trailer; the
+    committed hash alone would not see it, since it covers only the bytes verify reads."""
+    write_shard(store, "s.lts", make_meta(), make_samples(n=2))
+    data = store.get("s.lts")
+    committed = verify_shard(store, "s.lts").xxh3_128
+    store.put("t.lts", data + b"x")
+    for expected in (None, committed):
+        report = verify_shard(store, "t.lts", expected_xxh3_128=expected)
+        assert not report.ok and "unexpected bytes after the trailer" in report.error
+
+
+def test_bytes_between_the_footer_and_the_trailer_are_refused_on_random_access(store):
+    write_shard(store, "s.lts", make_meta(), make_samples(n=2))
+    data = store.get("s.lts")
+    trailer = len(data) - TRAILER.size  # the footer's offset and the magic
+    store.put("g.lts", data[:trailer] + b"junk" + data[trailer:])
+    with pytest.raises(ShardError, match="trailer does not point at the footer"):
+        ShardReader(store, "g.lts")
+    assert not verify_shard(store, "g.lts").ok
