@@ -636,9 +636,24 @@ def test_failure_is_recorded_shown_and_resumed(store_uri, capsys):
         assert key in js
     assert js["failed"][0]["shard"] == 2 and "injected" in js["failed"][0]["error"]
 
+    # its retry under way: running, not failed (the earlier attempt's record stays beside the live lease)
+    retry = next(iter(WorkQueue(store, fake_worker.plan(store), Producer.current(0), ttl_s=60, shards=[2],
+                                poll_s=0.2)))
+    s = run_status(store)
+    assert retry.shard == 2 and (s["shards_running"], s["shards_failed"]) == (1, 0)
+    retry.release()
+    assert run_status(store)["shards_failed"] == 1
+
     assert fake_worker.work(store_uri) == [2]  # the rerun does only the failed shard
     assert run_status(store)["complete"]
     assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
+
+    # a second tally marker (a `verify` killed while it withdrew an earlier commit): its numbers are not
+    # trusted, the commit's are
+    before = run_status(store)
+    store.put(layout.tally_key(2, 999, 99999, 1, 1, 0, 0), b"")
+    after = run_status(store)
+    assert after["samples_done"] == before["samples_done"] == 40 and after["tokens_done"] == before["tokens_done"]
 
 
 @pytest.mark.moto_only
