@@ -718,3 +718,44 @@ def test_each_epoch_reads_the_shards_in_another_order():
     assert tuple(shard_order(16, seed=3, epoch=1, shuffle=True)) == orders[1]
     assert tuple(shard_order(16, seed=4, epoch=1, shuffle=True)) != orders[1]
     assert tuple(shard_order(16, seed=3, epoch=2, shuffle=False)) == tuple(range(16))
+
+
+def test_records_in_flight_when_their_shard_turns_out_corrupt_are_not_delivered(tmp_path, monkeypatch):
+    """on_corrupt='skip': a shard fails in one range while another range of it is still being
+    fetched; that range's records, though each verifies, must not reach training: every sample of
+    the shard is skipped, none is half delivered."""
+    import threading
+
+    from layertap.train import fetch
+
+    uri = str(tmp_path / "run")
+    make_run(uri, shard_bytes=20000)
+    store = open_store(uri)
+    commits = [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
+    target = max(commits, key=lambda c: c.num_records)
+    entries = ShardReader(store, target.data_key).entries
+    assert len(entries) >= 4
+    data = bytearray(store.get(target.data_key))
+    data[entries[0].offset + entries[0].length // 2] ^= 0xFF  # the shard's first record: its first range fails
+    store.put(target.data_key, bytes(data))
+    later = {e.offset for e in entries[1:]}
+    marked = threading.Event()
+    real_read, real_failed = fetch.Fetcher._read_range, fetch.Fetcher._failed
+
+    def read_range(self, key, start, end, out=None):
+        if key == target.data_key and start in later and start > entries[0].offset + entries[0].length:
+            marked.wait(10)  # held back until the first range has marked the shard bad
+        return real_read(self, key, start, end, out)
+
+    def failed(self, shard, e):
+        real_failed(self, shard, e)
+        marked.set()
+
+    monkeypatch.setattr(fetch.Fetcher, "_read_range", read_range)
+    monkeypatch.setattr(fetch.Fetcher, "_failed", failed)
+    stream = ShardStream(uri, config=StreamConfig(seed=0, on_corrupt="skip", range_bytes=entries[1].offset -
+                                                  entries[0].offset, fetch_threads=4, shuffle_buffer=1))
+    real = [s["sample_id"] for s in stream if not s["padding"]]
+    assert marked.is_set()
+    assert not set(real) & set(target.sample_ids)
+    assert len(real) == N - target.num_records and stream.metrics()["skipped_samples"] == target.num_records
