@@ -10,9 +10,9 @@ this process, each on top of the previous one's kernels: `eager` (the kernels tr
 at import: fla's if installed, else its torch fallback), `conv` (+ the short convolution routed to
 fla's Triton kernel, extract.kernels.use_fla_short_conv), `norms` (+ each RMSNorm one fused
 kernel, extract.fused_norms: layertap's default on CUDA), `fused` (+ each group of projections
-of the same states as one matmul, extract.fused_projections), `split` (+ the gated deltanet's short
-convolution per q/k/v span, so the delta rule copies nothing, extract.split_conv), `compile` (+ torch.compile of each
-decoder layer), `tokens32k` (the best so far with twice the tokens per batch). Per variant:
+of the same states as one matmul, extract.fused_projections), `split` (+ the gated deltanet's
+short convolution per q/k/v span, so the delta rule copies nothing, extract.split_conv),
+`compile` (+ torch.compile of each decoder layer), `tokens32k` (the best so far with twice the tokens per batch). Per variant:
 tokens/s, MFU (matmul FLOPs of the kept layers / 989 TFLOP/s), warm-up (compile) seconds, peak
 memory, and the relative error of the captured states on one 2,048-token sequence against an
 fp32 forward of the same weights (`--reference-out` computes and saves that fp32 reference with
@@ -55,7 +55,8 @@ import torch  # noqa: E402
 
 from layertap.extract.inputs import TokenizedSample  # noqa: E402
 from layertap.extract.fused_norms import fuse_norms  # noqa: E402
-from layertap.extract.fused_projections import fuse_projections, fused_count, unfuse_projections  # noqa: E402
+from layertap.extract.fused_projections import (FusedGroup, fusable_groups, fuse_projections, fused_count,  # noqa: E402
+                                                unfuse_projections)
 from layertap.extract.split_conv import is_split, split_conv, unsplit_conv  # noqa: E402
 from layertap.extract.kernels import describe, use_fla_short_conv  # noqa: E402
 from layertap.extract.model import Capture  # noqa: E402
@@ -236,8 +237,6 @@ def projection_weights(layer) -> tuple[list, list]:
     fusable group as one matrix (a group already fused gives its slices for the first list)."""
     from torch import nn
 
-    from layertap.extract.fused_projections import FusedGroup, fusable_groups
-
     separate, fused = [], []
     for owner in layer.modules():
         if isinstance(owner, FusedGroup):
@@ -354,32 +353,25 @@ def main() -> None:
         return {kind: [str(c) for c in choices] for kind, choices in describe(model).items()}
 
     results["kernels"] = kernels_now()
+    layers_kept = list(capture.decoder.layers)
+    # the variants that route kernels: what each does to the model (its result: what it routed), and
+    # why it is skipped where it routes nothing. norms: inductor on the GPU; on CPU (--tiny) dynamo's
+    # capture alone, which checks the routing
+    routes = {
+        "conv": (lambda: use_fla_short_conv(model), "fla's short convolution is not available here"),
+        "norms": (lambda: fuse_norms(capture.decoder, layers_kept, backend="inductor" if device == "cuda" else "eager"),
+                  "no RMSNorm class of this model could be fused"),
+        "fused": (lambda: fuse_projections(layers_kept), "no group of projections could be fused"),
+        "split": (lambda: split_conv(layers_kept), "no gated-deltanet layer could be routed"),
+    }
     best: tuple[float, str] | None = None
     for name in variants:
         bt = batch_tokens * 2 if name == "tokens32k" else batch_tokens
         try:
-            if name == "conv":
-                patched = use_fla_short_conv(model)
-                if not patched:
-                    results["variants"][name] = {"skipped": "fla's short convolution is not available here"}
-                    save()
-                    continue
-            if name == "norms":
-                # inductor on the GPU; on CPU (--tiny) dynamo's capture alone, which checks the routing
-                routed = fuse_norms(capture.decoder, list(capture.decoder.layers),
-                                    backend="inductor" if device == "cuda" else "eager")
-                if not routed:
-                    results["variants"][name] = {"skipped": "no RMSNorm class of this model could be fused"}
-                    save()
-                    continue
-            if name == "fused":
-                if not fuse_projections(list(capture.decoder.layers)):
-                    results["variants"][name] = {"skipped": "no group of projections could be fused"}
-                    save()
-                    continue
-            if name == "split":
-                if not split_conv(list(capture.decoder.layers)):
-                    results["variants"][name] = {"skipped": "no gated-deltanet layer could be routed"}
+            if name in routes:
+                route, why_not = routes[name]
+                if not route():
+                    results["variants"][name] = {"skipped": why_not}
                     save()
                     continue
             if name == "compile":

@@ -12,10 +12,11 @@ blocking of the GEMM changes (tests/test_fused_projections.py compares the captu
 A member module is replaced by a `FusedSlice` that keeps the Linear's surface (`weight`, a view
 of the fused weight; `in_features`, `out_features`). The first member called in the owner's
 forward computes the whole group's output and the others called on *the same tensor* take their
-slice of it; a member called on any other tensor computes its own columns alone, so a forward that feeds the members different
-inputs is still right. The shared output is dropped when the owning module's forward returns.
+slice of it; a member called on any other tensor computes its own columns alone, so a forward
+that feeds the members different inputs is still right. The shared output is dropped when the
+owning module's forward starts and when it returns.
 
-Opt-in (LAYERTAP_FUSED_PROJECTIONS=1, extract on CUDA) until an H200 run shows it wins:
+Opt-in (LAYERTAP_FUSED_PROJECTIONS=1, on any device) until an H200 run shows it wins:
 bench/gpu_extract.py's `fused` variant measures it.
 """
 
@@ -71,7 +72,7 @@ class FusedSlice(nn.Module):
     def __init__(self, group: FusedGroup, index: int, name: str):
         super().__init__()
         self.__dict__["group"] = group  # not a child: the owner holds the group (and its weight) once
-        self.index, self.name = index, name
+        self.name = name
         self.lo, self.hi = group.spans[index]
 
     @property

@@ -294,8 +294,9 @@ def _tokenize(rows, tokenizer, max_length, shape, chat, start, vocab, template_k
                 raise ConfigError(f"row {index} ({sid}) tokenizes to id {int(out.input_ids.max())}, beyond the "
                                   f"model's vocabulary of {vocab} (the tokenizer has {len(tokenizer)} tokens): "
                                   f"use the tokenizer the model was trained with, or resize its embeddings")
-        answer = int(out.loss_mask.sum()) if isinstance(out, TokenizedSample) else 0
+        answer = 0  # the supervised tokens before truncation
         if isinstance(out, TokenizedSample):
+            answer = int(out.loss_mask.sum())
             out = _finish(out, max_length)
         if isinstance(out, Skipped):
             stats.skipped[out.reason] += 1

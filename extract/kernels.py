@@ -95,8 +95,9 @@ def provenance(model: nn.Module) -> dict[str, Any]:
     (`extra.produced_by`): the device, each layer type's kernels as the kernel line names them,
     and the versions of the packages they come from. Workers of one run may differ here (a GPU
     with the fast kernels, one on the fallbacks, fused or eager norms): their states then differ
-    by bf16 rounding, and each shard says which produced it (fused projections included). Read at each shard's start, so a norm
-    sent back to its eager forward (fused_norms) shows from the next shard on."""
+    by bf16 rounding, and each shard says which produced it (fused projections included). Read at
+    each shard's start, so a norm sent back to its eager forward (fused_norms) shows from the next
+    shard on."""
     param = next(model.parameters())
     device = torch.cuda.get_device_name(param.device) if param.is_cuda else param.device.type
     kernels = {kind: [str(c) for c in choices] for kind, choices in describe(model).items() if choices}

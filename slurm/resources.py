@@ -60,7 +60,8 @@ def weight_bytes(model: str | None, gguf_file: str | None) -> tuple[int, bool]:
     if gguf_file:
         path = os.path.join(model, gguf_file)
         return (os.path.getsize(path), True) if os.path.isfile(path) else (0, True)
-    sizes = {ext: sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model) if n.endswith(ext))
+    names = os.listdir(model)
+    sizes = {ext: sum(os.path.getsize(os.path.join(model, n)) for n in names if n.endswith(ext))
              for ext in (".safetensors", ".bin")}
     # transformers loads the safetensors where a folder has both (many hub repos ship both formats)
     return sizes[".safetensors"] or sizes[".bin"], False

@@ -152,16 +152,14 @@ def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
     """The transform the target's own forward applies to its head's output, found by running
     that forward (its class, built on the meta device from the config) with the decoder stubbed to
     hand back known states and the head a known matrix: what comes out is compared with the plain
-    product. An
-    attribute list would not do: the same config name means opposite things across families
-    (Granite divides by `logits_scaling`, HyperCLOVA X multiplies by it). A transform that is
-    neither a scale nor the config's soft cap is refused, naming the model."""
+    product. An attribute list would not do: the same config name means opposite things across
+    families (Granite divides by `logits_scaling`, HyperCLOVA X multiplies by it). A transform
+    that is neither a scale nor the config's soft cap is refused, naming the model."""
     from transformers.modeling_outputs import MoeModelOutputWithPast
 
-    from layertap.extract.model import decoder_of, load_target
+    from layertap.extract.model import decoder_of
 
-    # eager attention: nothing attends here, and some families (Gemma 2) refuse to be built for sdpa
-    model = load_target(path, gguf_file, dtype=torch.float32, attn_implementation="eager", weights=False).model
+    model = _meta_model(path, gguf_file)
     g = torch.Generator().manual_seed(0)
     states, weight = torch.randn(1, 6, 8, generator=g), torch.randn(8, 16, generator=g) * 3
     raw = states @ weight  # what a plain head makes of the decoder's states
@@ -198,10 +196,19 @@ def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
     raise ConfigError(f"{refuse}; train with --objective ce")
 
 
+def _meta_model(path: str, gguf_file: str | None = None) -> nn.Module:
+    """The target's causal LM built from its config on the meta device, in fp32: its classes'
+    code without its weights. Eager attention: nothing attends here, and some families (Gemma 2)
+    refuse to be built for sdpa."""
+    from layertap.extract.model import load_target
+
+    return load_target(path, gguf_file, dtype=torch.float32, attn_implementation="eager", weights=False).model
+
+
 def _norm_from_safetensors(folder: str) -> nn.Module:
     """The model's own final-norm module (its class decides the formula) with the checkpoint's
     weights: every tensor under the norm's prefix (a weight; a LayerNorm's bias too)."""
-    from layertap.extract.model import decoder_of, load_target
+    from layertap.extract.model import decoder_of
 
     weight_map = _weight_map(folder)
     key = next((k for k in _NORM_KEYS if k in weight_map), None)
@@ -209,8 +216,7 @@ def _norm_from_safetensors(folder: str) -> nn.Module:
         raise InputError(f"no final norm in {folder!r} (looked for {', '.join(_NORM_KEYS)})")
     prefix = key.removesuffix("weight")
     state = _read_tensors(folder, weight_map, {k[len(prefix):]: k for k in weight_map if k.startswith(prefix)})
-    target = load_target(folder, dtype=torch.float32, attn_implementation="eager", weights=False)  # no attention runs
-    norm = getattr(decoder_of(target.model), "norm", None)
+    norm = getattr(decoder_of(_meta_model(folder)), "norm", None)
     if not isinstance(norm, nn.Module):
         raise InputError(f"the model in {folder!r} has no final norm module (decoder.norm)")
     norm.to_empty(device="cpu")
