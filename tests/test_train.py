@@ -551,8 +551,8 @@ def test_a_loss_that_stays_nan_stops_training_with_a_clear_error(bad, run, targe
 
     computed = trainer.dflash_loss
 
-    def nan_from_step_3(model, batch, generator, distill=None):
-        result = computed(model, batch, generator, distill=distill)
+    def nan_from_step_3(model, batch, generator, **options):
+        result = computed(model, batch, generator, **options)
         if len(calls) >= 2:
             result.loss = result.loss * bad
         calls.append(1)
@@ -581,8 +581,8 @@ def test_nan_losses_at_the_end_are_told_as_such_not_as_skipped_data(run, target,
     computed = trainer.dflash_loss
     calls: list[int] = []
 
-    def nan_at_steps_5_and_6(model, batch, generator, distill=None):
-        result = computed(model, batch, generator, distill=distill)
+    def nan_at_steps_5_and_6(model, batch, generator, **options):
+        result = computed(model, batch, generator, **options)
         if len(calls) >= 4:
             result.loss = result.loss * float("nan")
         calls.append(1)

@@ -44,11 +44,11 @@ OBJECTIVES: tuple[str, ...] = ("ce", "kl", "ce+kl")
 
 @dataclass
 class StepLoss:
-    loss: torch.Tensor  # scalar, weighted mean over this batch
+    loss: torch.Tensor  # scalar, weighted mean over this batch (`mean=False`: the weighted sum)
     weight: float  # the sum of weights behind it
     correct: torch.Tensor  # [block] greedy hits per slot (loss-masked targets only), on the model's device
     counted: torch.Tensor  # [block] loss-masked targets per slot, on the CPU
-    kl: torch.Tensor | None = None  # scalar, detached: the weighted mean KL part of `loss` (distillation only)
+    kl: torch.Tensor | None = None  # scalar, detached: the KL part of `loss`, reduced alike (distillation only)
 
 
 @dataclass
@@ -135,7 +135,7 @@ def teacher_positions(anchors: torch.Tensor, rows: torch.Tensor, block_size: int
 
 
 def dflash_loss(model: DFlashDrafter, batch: dict, generator: torch.Generator,
-                chunk_rows: int | None = None, distill: Distill | None = None) -> StepLoss:
+                chunk_rows: int | None = None, distill: Distill | None = None, mean: bool = True) -> StepLoss:
     """The weighted CE of one padded batch (`train.batch.collate`'s keys), or with `distill` the
     weighted KL from the target's distribution (its final states: the batch's `final_state`).
 
@@ -143,7 +143,8 @@ def dflash_loss(model: DFlashDrafter, batch: dict, generator: torch.Generator,
     the head sees is known without asking the GPU: nothing here waits for the device, and the
     host can queue the next step while this one runs. `chunk_rows`: rows of the frozen head's
     logits computed at once (`head_cross_entropy`); None sizes it from the vocabulary, 0 runs
-    the unchunked reference.
+    the unchunked reference. `mean=False`: the loss is the weighted sum, for a caller that
+    normalizes over more than this batch (the trainer: over every micro-batch of every rank).
     """
     inner: DFlashDrafter = getattr(model, "module", model)  # under DDP, the wrapped drafter
     c = inner.config
@@ -164,7 +165,7 @@ def dflash_loss(model: DFlashDrafter, batch: dict, generator: torch.Generator,
     w = weights[rows]
     total = float(w.sum())
     picked = hidden.reshape(-1, c.hidden_size).index_select(0, to_device(rows, device))
-    labels, scaled = to_device(blocks.labels.flatten()[rows], device), to_device(w / total, device)
+    labels, scaled = to_device(blocks.labels.flatten()[rows], device), to_device(w / total if mean else w, device)
     kl = None
     if distill is None:
         loss, hits = head_cross_entropy(picked, inner.lm_head, labels, scaled, chunk_rows)

@@ -493,8 +493,8 @@ class StepStats:
 
 
 def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStats:
-    """Step `step` (0-based): `grad_accum` micro-batches (fewer at the end of an epoch), clip,
-    AdamW. Nothing in it waits for the GPU but the one reduce at its end: its numbers are summed
+    """Step `step` (0-based): `grad_accum` micro-batches (fewer at the end of an epoch), the
+    weighted mean gradient over all of them on all ranks (`_normalize_gradients`), clip, AdamW. Nothing in it waits for the GPU but the one reduce at its end: its numbers are summed
     on the device (host-known ones on the host) and read back together. `distill`: the KL
     objective's teacher (None: CE)."""
     cfg, acc, device = run.cfg, run.acc, run.acc.device
@@ -517,12 +517,12 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
         with sync:
             with acc.autocast():
                 result = dflash_loss(run.ddp_model, batch, anchor_generator(cfg.seed, step, micro, acc.process_index),
-                                     distill=distill)
-            acc.backward(result.loss)  # summed over the micro-batches; their mean is taken below
-        on_device[0] += result.loss.detach().double() * result.weight
+                                     distill=distill, mean=False)
+            acc.backward(result.loss)  # weighted sums, unscaled; normalized below
+        on_device[0] += result.loss.detach().double()
         on_device[3:3 + bs] += result.correct
         if result.kl is not None:
-            on_device[3 + 2 * bs] += result.kl.double() * result.weight
+            on_device[3 + 2 * bs] += result.kl.double()
         on_host[1] += result.weight
         pads = batch.get("padding")  # real tokens: not the zero-weighted pads (collate marks them)
         on_host[2] += int((batch["lengths"] if pads is None else batch["lengths"][~pads]).sum())
@@ -530,11 +530,7 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
         del batch, result  # the states on the GPU go back to the allocator before the next batch
         if last:
             break
-    if micro > 0:  # the mean over the step's micro-batches (fewer in a short step), on the float32 gradients:
-        # a 1/grad_accum on the loss would reach a bf16 backward rounded (1/3 -> 0.33398)
-        for p in run.params:
-            if p.grad is not None:
-                p.grad.div_(micro + 1)
+    _normalize_gradients(run, on_host[1])
     grad_norm = acc.clip_grad_norm_(run.params, cfg.max_grad_norm)
     # Nothing to learn (every sample a zero-weighted pad, e.g. the end of a follow epoch sized
     # from the plan when extraction skipped rows): the gradients are zero, but AdamW would still
@@ -548,6 +544,23 @@ def train_step(run: _Run, step: int, distill: Distill | None = None) -> StepStat
     totals = acc.reduce(on_device + on_host.to(device, non_blocking=True), reduction="sum").cpu()
     return StepStats(step + 1, totals[:-2], lr, float(totals[-2]), time.perf_counter() - t0, seen.hexdigest(),
                      bool(totals[-1] > 0))
+
+
+def _normalize_gradients(run: _Run, weight: torch.Tensor) -> None:
+    """Make the step's gradient the weighted mean over every supervised slot of every micro-batch
+    on every rank: each slot counts alike, however the slots fall into micro-batches and ranks.
+    A mean per micro-batch, averaged, gave a slot of a short micro-batch more say than one of a
+    long one, and a micro-batch of zero-weighted pads (the end of a follow epoch) diluted the
+    rest. The losses were backpropagated as weighted sums, so the float32 gradients are scaled
+    here, once: by the ranks (DDP averaged them) over the step's total weight, summed across the
+    ranks on the device (no wait for the GPU). A bf16 backward would round a scaled loss's factor
+    (1/3 -> 0.33398). No weight anywhere: the gradients are zero, and stay so."""
+    acc = run.acc
+    total = acc.reduce(weight.reshape(1).to(acc.device, non_blocking=True), reduction="sum")[0]
+    scale = torch.where(total > 0, acc.num_processes / total, torch.zeros_like(total)).float()  # 0-dim
+    for p in run.params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
 
 
 def _check_token_ids(batch: dict[str, Any], vocab: int, cfg: TrainConfig) -> None:
