@@ -85,7 +85,8 @@ class ExtractConfig:
     dtype: Literal["auto", "bfloat16", "float32"] = setting(
         "auto", help="forward dtype (default {default}: bfloat16 on CUDA and on CPUs with native bf16, float32 on "
                      "other CPUs, where it is faster); states are stored as bf16 either way")
-    attn_implementation: str = setting("sdpa", help="attention implementation: sdpa, eager, flash_attention_2 ...")
+    attn_implementation: str = setting("auto", help="attention implementation: auto (sdpa where the model supports "
+                                                    "it, else eager), sdpa, eager, flash_attention_2 ...")
     batch_tokens: int = setting(16384, help="padded tokens per forward batch")
     shard_bytes: int = setting(DEFAULT_SHARD_BYTES, parse=parse_size,
                                help="target stored bytes per shard, e.g. 64MB, 1GB")

@@ -69,14 +69,16 @@ def padding_id(target: Target) -> int:
 
 
 def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16,
-                attn_implementation: str = "sdpa", device: str | torch.device = "cpu",
+                attn_implementation: str = "auto", device: str | torch.device = "cpu",
                 weights: bool = True) -> Target:
     """Load a causal LM and its tokenizer from a local folder (optionally a GGUF file in it).
 
     A ``org/name`` hub id is accepted too and resolved by ``transformers`` (its cache, or the
     hub unless ``HF_HUB_OFFLINE=1``). ``weights=False`` builds the model on the meta device from
     its config alone: enough to plan a run (same ``info``, same layer checks) in a second, where
-    a 27B checkpoint would take minutes and 54 GB of memory to load.
+    a 27B checkpoint would take minutes and 54 GB of memory to load. ``attn_implementation``
+    "auto": transformers' choice, sdpa where the model's class supports it, else eager (Gemma 2
+    refuses sdpa).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -94,19 +96,24 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
     source, given_gguf = path, gguf_file
     path, gguf_file = checkpoint(path, gguf_file)  # the embedded SmolLM2: its converted folder
     kw = gguf_kwargs(gguf_file) if gguf_file else {}
+    attn = None if attn_implementation == "auto" else attn_implementation
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
         if weights:
             # use_kernels=False: layertap picks the kernels itself (below) and names them. transformers >= 5.25
             # otherwise asks the `kernels` package for Hub kernels at every load, and refuses to load at all
             # where that package is missing or at a version it does not accept (another package's pin)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn,
                                                          use_kernels=False, **kw)
         else:
             config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     except (OSError, ValueError) as e:  # ValueError: a tokenizer transformers cannot build from the folder
+        if attn is not None and "attention implementation" in str(e):
+            raise InputError(f"the target {source!r} cannot run attention implementation {attn!r} (--attn-implementation"
+                             f"): {str(e).split('. ')[0]}. Pass --attn-implementation auto (the default: sdpa where "
+                             "the model supports it, else eager) or eager") from e
         raise InputError(f"could not load target model {source!r}: {e}") from e
     model.to(device if weights else "meta").eval()
     model.requires_grad_(False)

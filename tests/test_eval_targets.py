@@ -192,3 +192,26 @@ def test_a_rejection_before_a_cut_bonus_token_counts_in_the_acceptance_by_positi
     i = next(i for i in range(2, 38, 3) if greedy[i] not in greedy[:i])
     ended = speculative_decode(runner, oracle, prompt, 40, {greedy[i]})
     assert ended.tokens == greedy[:i + 1] and ended.drafts[-1] == 2 and ended.complete[-1] is False
+
+
+def test_a_target_that_refuses_sdpa_extracts_trains_and_evaluates(tmp_path, capsys):
+    """Gemma 2's class refuses sdpa. Extraction defaulted to it (an error), and `train`'s target
+    check built the target for it: a run extracted with --attn-implementation eager could not be
+    trained at all. "auto" (the default) takes sdpa where the class supports it, else eager; an
+    explicit sdpa is refused naming the flag, before anything is written."""
+    folder = tiny_target(tmp_path, "gemma2", final_logit_softcapping=30.0)
+    chats = write_chats(tmp_path / "chats.jsonl", 12)
+    run, out = tmp_path / "run", tmp_path / "out"
+    base = ["extract", "--model", folder, "--dataset", chats, "--layers", "1,2", "--max-length", "128"]
+    assert cli([*base, "--out", str(tmp_path / "sdpa"), "--attn-implementation", "sdpa"]) == 2
+    assert "cannot run attention implementation 'sdpa' (--attn-implementation)" in capsys.readouterr().err
+    assert not (tmp_path / "sdpa").exists()
+    assert cli([*base, "--out", str(run), "--final-state", "prenorm"]) == 0
+    assert cli(["train", "--data", str(run), "--model", folder, "--out", str(out), "--steps", "2", "--objective",
+                "ce+kl", *FAST]) == 0
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n')
+    capsys.readouterr()
+    assert cli(["eval", "--drafter", str(out / "drafter"), "--model", folder, "--prompts", str(prompts),
+                "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == 1
