@@ -34,6 +34,50 @@ def record_payload(buf: bytes | memoryview, base: int, entry: RecordEntry, where
     return payload
 
 
+def check_index(entries: list[RecordEntry], footer: dict, records_start: int, footer_offset: int, where: str) -> None:
+    """The footer index describes the records as the format lays them out: back to back from the
+    end of the HEAD frame to the footer, each sample once, its counts the footer's totals. Reading
+    through the index alone, a writer's index that dropped or repeated an entry served the
+    samples it lists and silently lost the rest; a commit record made from the same list agrees
+    with it, so nothing downstream would notice."""
+    pos, seen = records_start, set()
+    for i, e in enumerate(entries):
+        if e.offset != pos:
+            raise ShardError(f"{where}: footer index entry {i} ({e.sample_id}) starts at byte {e.offset}, where "
+                             f"byte {pos} was expected (records lie back to back); the shard is corrupt")
+        if e.sample_id in seen:
+            raise ShardError(f"{where}: footer index entry {i} repeats sample {e.sample_id!r}; the shard is corrupt")
+        seen.add(e.sample_id)
+        pos += e.length
+    if pos != footer_offset:
+        raise ShardError(f"{where}: the footer index's {len(entries)} records end at byte {pos}, the footer starts at "
+                         f"byte {footer_offset}: records are missing from the index; the shard is corrupt")
+    tokens = sum(e.num_tokens for e in entries)
+    if footer.get("num_records") != len(entries) or footer.get("num_tokens") != tokens:
+        raise ShardError(f"{where}: the footer's totals ({footer.get('num_records')} records, "
+                         f"{footer.get('num_tokens')} tokens) are not its index's ({len(entries)}, {tokens}); "
+                         "the shard is corrupt")
+
+
+def check_sample(sample: Sample, sample_id: str, num_tokens: int, where: str) -> Sample:
+    """`sample`, decoded from a record, once it is the one its index entry names, at its length."""
+    if sample.sample_id != sample_id:
+        raise ShardError(f"{where}: holds sample {sample.sample_id!r}, the index says {sample_id!r}")
+    if sample.num_tokens != num_tokens:
+        raise ShardError(f"{where}: holds {sample.num_tokens} tokens, the index says {num_tokens}")
+    return sample
+
+
+def decode_named(payload: memoryview | bytes, meta: ShardMeta, where: str) -> Sample:
+    """`decode_record`, its errors naming the object and record they are about."""
+    try:
+        return decode_record(payload, meta)
+    except ShardError as e:
+        if type(e) is not ShardError:  # UnsupportedShard: its type tells the caller more than a name
+            raise
+        raise ShardError(f"{where}: {e}") from None
+
+
 class _InMemory:
     """A whole object held in memory, served as the store `ShardReader` reads it through."""
 
@@ -70,6 +114,7 @@ class ShardReader:
         self.meta = parse_head(payload, self.where)
         self.footer = self._read_footer()
         self.entries = [RecordEntry(**e) for e in self.footer["records"]]
+        check_index(self.entries, self.footer, self.records_start, self.footer_offset, self.where)
 
     def _read_footer(self) -> dict:
         tail_start = max(0, self.size - self.TAIL_GUESS)
@@ -104,10 +149,8 @@ class ShardReader:
         e = self.entries[index]
         where = f"{self.where} record {index} ({e.sample_id})"
         buf = self.store.get_range(self.key, e.offset, e.offset + e.length)
-        sample = decode_record(record_payload(buf, e.offset, e, where), self.meta)
-        if sample.sample_id != e.sample_id:
-            raise ShardError(f"{where}: holds sample {sample.sample_id!r}, the index says {e.sample_id!r}")
-        return sample
+        return check_sample(decode_named(record_payload(buf, e.offset, e, where), self.meta, where), e.sample_id,
+                            e.num_tokens, where)
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self.entries)):
@@ -186,16 +229,20 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
                     if meta is not None or pos != PREAMBLE.size:
                         raise ShardError(f"{where}: unexpected HEAD frame at byte {pos}; the object is corrupt")
                     meta = parse_head(memoryview(payload), where)
+                    records_start = pos + FRAME.size + len(payload)
                 elif meta is None:
                     raise ShardError(f"{where}: the first frame is not HEAD; the object is corrupt")
                 elif kind == RECD:
                     records += 1
-                    md = record_metadata(payload)
+                    try:
+                        md = record_metadata(payload)
+                    except ShardError as e:
+                        raise ShardError(f"{where} record {records - 1} (at byte {pos}): {e}") from None
                     found.append({"sample_id": md.get("sample_id"), "offset": pos, "length": FRAME.size + len(payload),
                                   "num_tokens": int(md.get("num_tokens", -1)),
                                   "xxh3_64": f"{xxhash.xxh3_64_intdigest(payload):016x}"})
                     if decode:
-                        decode_record(payload, meta)
+                        decode_named(payload, meta, f"{where} record {records - 1} ({md.get('sample_id')})")
                 else:
                     footer, footer_offset = json.loads(payload), pos
             if footer["content_xxh3_128"] != content.hexdigest():
@@ -208,6 +255,7 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
             if footer["num_records"] != records or footer["records"] != found:
                 raise ShardError(f"{where}: the footer index does not match the records found "
                                  f"({footer['num_records']} listed, {records} found); the object is corrupt")
+            check_index([RecordEntry(**r) for r in found], footer, records_start, footer_offset, where)
         digest = whole.hexdigest()
         if expected_xxh3_128 is not None and digest != expected_xxh3_128:
             raise ShardError(f"{where}: object hash {digest} differs from the committed {expected_xxh3_128}")

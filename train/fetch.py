@@ -67,6 +67,7 @@ class Record:
     payload: memoryview
     meta: ShardMeta
     sample_id: str
+    num_tokens: int  # as the index says
     shard: int  # index into the committed-shard list
     buffer: _Buffer
 
@@ -422,7 +423,7 @@ class Fetcher:
             for pos, rec in rng.items:
                 e = reader.entries[rec]
                 payload = record_payload(data, rng.start, e, f"{where} record {rec} ({e.sample_id})")
-                records.append((pos, Record(payload, reader.meta, e.sample_id, shard, buffer)))
+                records.append((pos, Record(payload, reader.meta, e.sample_id, e.num_tokens, shard, buffer)))
             self.metrics.add(records_verified=len(records))
         except (ShardError, ObjectNotFound) as e:
             self._unreserve(array)

@@ -41,6 +41,7 @@ from layertap.manifests.records import CommitRecord, FeedCommit
 from layertap.manifests.state import fits_plan, replaced_manifest_error
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.format import ShardError
+from layertap.storage.reader import check_sample
 from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_configured_store
 from layertap.storage.units import parse_size, size
@@ -804,9 +805,7 @@ class ShardStream(IterableDataset):
 
 
 def _decode(rec: Record, metrics: Metrics) -> dict[str, Any]:
-    s = decode_record(rec.payload, rec.meta)
-    if s.sample_id != rec.sample_id:
-        raise ShardError(f"record holds sample {s.sample_id!r}, the index says {rec.sample_id!r}")
+    s = check_sample(decode_record(rec.payload, rec.meta), rec.sample_id, rec.num_tokens, "record")
     metrics.add(records_decoded=1, decoded_bytes=_activation_bytes(s))
     return _as_dict(s)
 
