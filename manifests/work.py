@@ -618,24 +618,32 @@ class WorkQueue:
     def _try_claim(self, shard: int, st: RunState) -> Claim | None:
         gen = st.next_generation(shard)
         claim = Claim(self, self.manifest.shards[shard], gen, f"{self.producer.token}{uuid.uuid4().hex[:8]}")
-        key = claim.lease_key
+        key, payload = claim.lease_key, claim.lease_payload()
         self._leases_written.add(key)  # before the PUT: a stop signal inside it must find the key (_release_held)
-        if not self.store.put_if_absent(key, claim.lease_payload()):
+        # Every request here rides out an outage as the scans do (`patiently`): a 503 past the
+        # store's retries ended the worker, and with srun's --kill-on-bad-exit its node's others.
+        # A PUT answered with an error may have stored the lease all the same: then the retry
+        # finds it, and it is ours if it names this attempt.
+        def lease() -> bool:
+            return self.store.put_if_absent(key, payload) or lease_attempt(self.store, key) == claim.data_key
+
+        if not self._patiently(lease):
             self._leases_written.discard(key)
             return None
         try:
-            if self.store.exists(layout.commit_key(shard)):  # committed between our scan and our lease
-                self.store.delete(key)
+            if self._patiently(lambda: self.store.exists(layout.commit_key(shard))):  # committed after our scan
+                self._patiently(lambda: self.store.delete(key))
                 return None
             # A worker with another --lease-ttl creates this generation under another key: of two
             # such claims, at least the later one sees the other here and backs off.
-            others = [o.key for o in self.store.list(layout.lease_prefix(shard)) if o.key != key]
+            listed = self._patiently(lambda: [o.key for o in self.store.list(layout.lease_prefix(shard))])  # lazy pages
+            others = [k for k in listed if k != key]
             if any((p := layout.parse_lease(k)) and p[1] >= gen for k in others):
-                self.store.delete(key)
+                self._patiently(lambda: self.store.delete(key))
                 return None
             # Stale generations of dead (or taken-over) workers, their beats, and beats of no lease
             # (one landed late); this attempt has written no beat yet.
-            self.store.delete_many(others)
+            self._patiently(lambda: self.store.delete_many(others))
             self.given_up.discard(shard)
             log.debug("shard %d: leased, generation %d, ttl %gs", shard, gen, self.ttl_s)
             return claim

@@ -770,6 +770,44 @@ def test_sample_ids_and_shard_names_never_become_paths_outside_the_output(job, l
     assert_complete_and_clean(store, want)
 
 
+def test_a_claim_rides_out_a_store_failing_its_lease_requests(s3_endpoint, s3_bucket):
+    """The claim's own requests (the lease's create, the commit HEAD, the lease listing) ride out
+    an outage as the scans do: a 503 there, past the store's retries, ended the worker (and with
+    srun's --kill-on-bad-exit its node's others). A create that the store applied but whose answer
+    was lost ('reset-after') is found on the retry and is this claim's own: the shard is claimed
+    once, under that one lease, not left to go stale behind a second try."""
+    from layertap.manifests.records import Producer
+    from layertap.manifests.state import scan
+    from layertap.manifests.work import WorkQueue
+
+    prefix = f"s3://{s3_bucket}/claim-outage"
+    manifest = fake_worker.plan(open_store(prefix))
+    lease_put = lambda method, path: method == "PUT" and "/leases/" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("503", "reset-after"), match=lease_put, limit=2,
+                    in_turn=True) as proxy:
+        store = open_store(prefix, endpoint_url=proxy.url, max_attempts=1)
+        claim = next(iter(WorkQueue(store, manifest, Producer.current(), poll_s=0.05, retries=0)))
+        assert (proxy.counts["503"], proxy.counts["reset-after"]) == (1, 1)
+    leases = scan(open_store(prefix), manifest).leases[claim.shard]
+    assert [lease.key for lease in leases] == [claim.lease_key]  # the applied create is this claim's
+
+
+    def after_the_lease(method: str, path: str, wanted: str) -> bool:
+        """The claim's own requests of that kind: those after its lease's create (the scans
+        before it make their own, and ride out faults on their own)."""
+        if method == "PUT" and "/leases/" in path:
+            leased.append(path)
+        return bool(leased) and method in ("HEAD", "GET") and wanted in path
+
+    for wanted in ("/commits/", "prefix=claim-outage%2Fleases%2F"):
+        leased: list[str] = []
+        match = lambda method, path: after_the_lease(method, path, wanted)  # noqa: E731
+        with FaultProxy(s3_endpoint, rate=1.0, faults=("503",), match=match, limit=2) as proxy:
+            store = open_store(prefix, endpoint_url=proxy.url, max_attempts=1)
+            other = next(iter(WorkQueue(store, manifest, Producer.current(), poll_s=0.05, retries=0)))
+            assert other.shard != claim.shard and proxy.counts["503"] == 2
+
+
 def test_a_worker_rides_out_a_store_throttling_past_its_retries(s3_endpoint, s3_bucket):
     """A store throttling longer than a request's own retries (here: one try) is an outage, not
     the worker's end nor the shard's fault: the queue looks again after a pause and claims, and a
