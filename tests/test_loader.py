@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from layertap.storage.records import Sample
 from layertap.storage.writer import ShardWriter
 from layertap.storage.store import StoreError, TransientStoreError, open_store
 from layertap.train import ShardStream, StreamConfig, StreamLoader, collate, pack
+from layertap.train.fetch import Fetcher, Metrics, Record
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 43  # samples in the default test run: not a multiple of 2 ranks x 2 workers
@@ -246,6 +248,55 @@ def test_memory_budget_holds(store_uri):
     assert budget / 2 < m["peak_buffered_bytes"] <= budget + rng
     assert m["buffered_bytes"] == 0
     assert m["get_requests"] > 2 * len(stream.shards)  # ranged reads, not whole objects
+
+
+def test_a_consumer_that_never_waits_is_held_to_the_budget_itself(store_uri):
+    """`test_memory_budget_holds` allows one range over the budget: a consumer blocked on a record
+    (`Fetcher.wait_for`) lets the range that brings it go ahead even over the budget, so that a
+    shuffle buffer cannot deadlock. A consumer that never blocks gets no such range: what is
+    fetched and not released stays within the budget itself, ranges no larger than it. Here the
+    consumer takes records only as they arrive (`take_if_ready`) and releases what it holds only
+    once every range admitted has arrived and the scheduler waits for budget, so it holds as much
+    as the budget lets in; a budget check that admitted a range while the bytes already held were
+    within the budget, not the bytes with the range's, went over by up to a range and passed the
+    bound above."""
+    make_run(store_uri, shard_bytes=8000)
+    budget, rng = 6000, 2000
+    stream = ShardStream(store_uri, config=StreamConfig(memory_budget=budget, range_bytes=rng))
+    records = [(s, r) for s, shard in enumerate(stream.shards) for r in range(len(shard.sample_ids))]
+    positions = [(pos, s, r) for pos, (s, r) in enumerate(records)]  # in input order, as `needed` is
+    assert sum(shard.bytes for shard in stream.shards) > 3 * budget  # the budget fills several times
+    metrics = Metrics()
+    fetcher = Fetcher(open_store(store_uri), stream.shards, stream.run_id, positions=positions, budget=budget,
+                      range_bytes=rng, prefetch_shards=2, threads=2, on_corrupt="raise", metrics=metrics)
+    held: list[Record] = []
+    ids, stalls, deadline = [], 0, time.monotonic() + 60
+    try:
+        while len(ids) < len(positions):
+            assert time.monotonic() < deadline, f"stuck at position {len(ids)}: {fetcher._error!r}"
+            rec = fetcher.take_if_ready(len(ids))
+            if rec is not None:
+                held.append(rec)
+                ids.append(rec.sample_id)
+                continue
+            with fetcher._cond:  # the scheduler is its only waiter: the consumer here never blocks
+                holding = sum({id(r.buffer): r.buffer.array.size for r in held}.values())
+                stalled = bool(fetcher._cond._waiters) and fetcher._in_use == holding
+            if stalled:  # all that was let in has arrived, and nothing more comes until we release
+                assert budget - rng < holding <= budget
+                stalls += 1
+                for r in held:
+                    fetcher.release(r)
+                held.clear()
+            else:
+                time.sleep(0.001)
+        for r in held:
+            fetcher.release(r)
+    finally:
+        fetcher.close()
+    assert ids == [f"s{i:05d}" for i in range(N)]
+    assert stalls >= 3 and budget - rng < metrics.peak_buffered_bytes <= budget
+    assert metrics.buffered_bytes == 0
 
 
 def test_a_budget_below_one_range_is_warned_of(tmp_path, caplog):
