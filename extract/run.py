@@ -33,8 +33,8 @@ from layertap.extract.regenerated import template_kwargs
 from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
 from layertap.manifests.consumption import AtRest, WindowGate, forget_window
-from layertap.manifests.manifest import (Manifest, NoRun, create_or_resume, load_manifest, refuse_foreign,
-                                          refuse_nested)
+from layertap.manifests.manifest import (Manifest, NoRun, create_or_resume, load_manifest,
+                                          refuse_new_run_here)
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
@@ -97,7 +97,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
         manifest, identity = _patiently(lambda: resume_run(store, cfg, identity, fingerprint))
     else:
         if rank == 0:  # create_or_resume refuses it too, but only after the weights load and the dataset is tokenized
-            _patiently(lambda: (refuse_nested(store), refuse_foreign(store)))
+            _patiently(lambda: refuse_new_run_here(store))
         target, capture, identity = prepare_target(cfg, state.device)
         manifest, identity = _plan(store, cfg, identity, rows, fingerprint, target) if rank == 0 \
             else _wait_for_plan(store, cfg, identity, fingerprint)

@@ -228,6 +228,19 @@ def refuse_foreign(store: ObjectStore, most: int = 5) -> None:
                           "them too: write the run to an empty prefix (a new folder)")
 
 
+def refuse_new_run_here(store: ObjectStore) -> None:
+    """Raise `ConfigError` where a new run may not be planned at `store`'s prefix: it holds a
+    training output, a deleted run's leftovers, runs or outputs below it, or objects of others.
+    A few requests; run by the planner, by the extractor before it loads the model, and by
+    `submit extract` before it queues an array whose every task would refuse the prefix."""
+    if any(store.exists(key) for key in (LATEST, METRICS)):
+        raise ConfigError(f"{store.uri} holds a training output (`layertap train --out`), not a run: `layertap "
+                          "delete` of the one would delete the other; give the run a prefix of its own")
+    _refuse_leftovers(store)
+    refuse_nested(store)
+    refuse_foreign(store)
+
+
 def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any], dataset: Mapping[str, Any],
                      token_counts: Sequence[int] | None, bytes_per_token: float,
                      shard_bytes: int = DEFAULT_SHARD_BYTES, existing: Manifest | None = None) -> tuple[Manifest, bool]:
@@ -251,12 +264,7 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
     if existing is None:
         if token_counts is None:
             raise NoRun(f"no run at {store.uri} yet, and no token counts were given to plan one")
-        if any(store.exists(key) for key in (LATEST, METRICS)):
-            raise ConfigError(f"{store.uri} holds a training output (`layertap train --out`), not a run: `layertap "
-                             "delete` of the one would delete the other; give the run a prefix of its own")
-        _refuse_leftovers(store)
-        refuse_nested(store)
-        refuse_foreign(store)
+        refuse_new_run_here(store)
         manifest = Manifest(
             run_id=uuid.uuid4().hex[:12],
             created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

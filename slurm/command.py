@@ -241,7 +241,7 @@ def _encode_threads(args: argparse.Namespace) -> int | None:
 
 
 def _submit_extract(args: argparse.Namespace) -> int:
-    from layertap.manifests.manifest import NoRun
+    from layertap.manifests.manifest import NoRun, refuse_new_run_here
     from layertap.slurm import submit
     from layertap.slurm.scripts import extract_script
     from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
@@ -274,6 +274,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
         _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
     except NoRun:
         remaining = None
+        refuse_new_run_here(store)  # what every task would refuse at its start
         _say(args, f"no run at {store.uri} yet: the first task to start plans it")
     if args.shards_per_task is not None:
         if remaining is None:
@@ -285,7 +286,13 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _say(args, f"note: {args.shards_per_task} shard(s) per task keep at most that many of a node's "
                        f"{opts.procs} workers busy")
     else:
-        plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size())
+        plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size(), cfg.shards)
+    if args.then_train is not None and remaining is None and cfg.shards is not None:
+        raise ConfigError(f"--then-train with --shards: there is no run at {store.uri} yet, so the shards outside "
+                          "--shards are not done, and training chained to this array would start once those of "
+                          "--shards are committed, and train on part of the run. Submit without --shards (every "
+                          "shard), or plan the run first (`layertap plan <these extract arguments>`) and submit "
+                          "each part, then `layertap submit train --after <their job ids> <the --then-train arguments>`")
     if args.then_train is not None and remaining is not None:
         if cfg.shards is not None:
             _training_needs_the_rest(store, cfg)
@@ -319,7 +326,7 @@ def _submit_array(args: argparse.Namespace, opts, script: str, what: str) -> str
 def _submit_regenerate(args: argparse.Namespace) -> int:
     """The array's tasks that still have parts to do (all of them for a new output)."""
     from layertap.extract.regenerate import load_regenerate_config
-    from layertap.manifests.regeneration import done_parts, read_recipe
+    from layertap.manifests.regeneration import Recipe, done_parts, read_recipe
     from layertap.slurm import submit
     from layertap.slurm.resources import regenerate_resources
     from layertap.slurm.scripts import ArrayPlan, regenerate_script
@@ -340,6 +347,13 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
         indices = list(range(args.tasks))
         _say(args, f"no regeneration at {store.uri} yet: the first task to start records its recipe")
     else:
+        # What every task would refuse at its start (`regenerate`), refused here; the dataset's
+        # fingerprint is theirs to check (it reads every row)
+        asked = Recipe(dataset={**recipe.dataset, "limit": cfg.limit}, model=cfg.model, sampling=cfg.sampling(),
+                       rows_per_part=cfg.rows_per_part)
+        if diffs := recipe.differences(asked):
+            raise ConfigError(f"{store.uri} already holds a regeneration made differently: {'; '.join(diffs)}; every "
+                              "task would refuse it. Submit with its settings to continue it, or choose another --out")
         done = done_parts(store)
         left = [p for p in range(recipe.parts) if p not in done]
         indices = sorted({p % args.tasks for p in left})
@@ -424,12 +438,13 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], fol
     add_train = _train_parser()
     if add_train is None:
         raise ConfigError(f"{flag}: `layertap train` is not available in this installation (no train.command)")
-    parser = argparse.ArgumentParser(prog="layertap train", exit_on_error=False)
+    # no -h: its help would print and exit 0 with nothing submitted, which a --parsable caller reads as success
+    parser = argparse.ArgumentParser(prog="layertap train", exit_on_error=False, add_help=False)
     fwd = _Forwarded(parser)
     add_train(fwd)
     try:
         targs, extra = parser.parse_known_args(shlex.split(given))
-    except argparse.ArgumentError as e:
+    except (argparse.ArgumentError, ValueError) as e:  # ValueError: shlex's, e.g. an unbalanced quote
         raise ConfigError(f"{flag} {given!r}: {e}") from None
     if extra:
         raise ConfigError(f"{flag} {given!r}: `layertap train` does not take {' '.join(extra)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -12,7 +13,7 @@ import time
 from layertap.slurm.resources import NodeShape
 from layertap.slurm.scripts import MASKED
 from layertap.slurm.work import DEFAULT_MAX_ARRAY_SIZE
-from layertap.storage.errors import UserError
+from layertap.storage.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,22 @@ def save_script(folder: str, job_name: str, text: str) -> str:
     submitter is told to keep them in the environment instead."""
     from layertap.extract.served import redacted
 
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch")
     secret = MASKED in text or redacted(text) != text
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o666), "w") as f:
-        if secret:  # the mode above applies to a new file only (one saved in the same second has this name)
-            os.fchmod(f.fileno(), 0o600)
-        f.write(text)
+    stem = os.path.join(folder, f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for n in itertools.count():  # a second script of the same name and second (--then-train's) gets its own file
+            path = f"{stem}.sbatch" if n == 0 else f"{stem}-{n}.sbatch"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o666)
+                break
+            except FileExistsError:
+                continue
+        with open(fd, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise ConfigError(f"cannot save the job script under {folder!r} (--logs {os.path.dirname(folder)!r}): "
+                          f"{e.strerror or e}; give --logs a folder you can write to") from None
     if secret:
         log.warning("%s holds keys given on the command line (the job runs them): it is readable by you alone, "
                     "and Slurm keeps a copy of it. Export them before `layertap submit` instead (the job inherits "

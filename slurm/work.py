@@ -73,11 +73,12 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
 
 
 def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int,
-                 max_array_size: int = DEFAULT_MAX_ARRAY_SIZE) -> ArrayPlan:
+                 max_array_size: int = DEFAULT_MAX_ARRAY_SIZE, shards: Sequence[int] | None = None) -> ArrayPlan:
     """Tasks that each take free shards until none is left: as many as `nodes`, but no more than
     the remaining shards can keep busy (a task with no shard to take would load the model for
     nothing), nor than the cluster's MaxArraySize allows (fewer tasks each take more shards).
-    Without a run yet, `nodes` decides: the first task to plan wins, the rest adopt it."""
+    Without a run yet, `nodes` decides: the first task to plan wins, the rest adopt it; with
+    `shards` (extract's --shards), no more tasks than those shards keep busy."""
     if nodes is not None and nodes > max_array_size:
         raise ConfigError(f"--nodes {nodes:,} is above this cluster's MaxArraySize of {max_array_size:,} array tasks: "
                           f"give at most {max_array_size:,} (each task takes free shards until none is left)")
@@ -85,6 +86,8 @@ def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node:
         if not nodes:
             raise ConfigError("there is no run at --out yet, so its work cannot be sized: give --nodes N "
                              "(array tasks to start; the first to plan the run wins, the others adopt its plan)")
+        if shards is not None:
+            nodes = min(nodes, math.ceil(len(shards) / procs_per_node))
         return ArrayPlan(indices=list(range(nodes)))
     useful = min(math.ceil(len(remaining.todo) / procs_per_node), max_array_size)
     return ArrayPlan(indices=list(range(min(nodes or useful, useful))))

@@ -336,12 +336,23 @@ def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
     assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh, "--codec", "bf16",
                   "--then-train", "--steps many") == 2
     assert "--then-train '--steps many': argument --steps: invalid int value: 'many'" in capsys.readouterr().err
+    # a traceback (shlex's ValueError); and -h printed train's help and exited 0, nothing submitted
+    assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh, "--then-train", "--out 'd") == 2
+    assert "--then-train \"--out 'd\": No closing quotation" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh, "--then-train", "--out d -h") == 2
+    assert "`layertap train` does not take -h" in capsys.readouterr().err
     assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh, "--max-length", "1") == 2
     assert "--max-length must be at least 2" in capsys.readouterr().err  # the extractor's own checks
     monkeypatch.setenv("PATH", str(tmp_path))
     assert submit("extract", "--nodes", "1", "--out", fresh) == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
     assert not (tmp_path / "layertap-logs").exists()  # refused before anything was written
+    (tmp_path / "sbatch").write_text("#!/bin/sh\necho 77\n")
+    (tmp_path / "sbatch").chmod(0o755)
+    (tmp_path / "a-file").write_text("")
+    assert submit("extract", "--nodes", "1", "--out", fresh, "--logs", str(tmp_path / "a-file")) == 2  # a traceback
+    assert f"cannot save the job script under '{tmp_path}/a-file/scripts' (--logs '{tmp_path}/a-file')" \
+        in capsys.readouterr().err
 
 
 def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_path, capsys, monkeypatch):
@@ -534,6 +545,32 @@ def test_then_train_with_shards_is_refused_while_the_rest_of_the_run_is_unfinish
         store.put(layout.commit_key(s), b"{}")
     assert submit(*base, *then_train) == 0
     assert "--dependency=afterok:<the array's job id>" in capsys.readouterr().out
+    # no run yet: the shards outside --shards are not done either (the check above had nothing to read);
+    # and --nodes 4 for the one shard of --shards 0 started 3 tasks with nothing to take
+    fresh = ("extract", "--dry-run", "--out", str(tmp_path / "fresh"), "--max-length", "64", "--nodes", "4",
+             "--shards", "0")
+    assert submit(*fresh, *then_train) == 2
+    assert "--then-train with --shards: there is no run at" in capsys.readouterr().err
+    assert submit(*fresh) == 0
+    assert "--array=0\n" in capsys.readouterr().out
+
+
+def test_submit_refuses_a_fresh_out_that_every_task_would_refuse(tmp_path, capsys, monkeypatch):
+    """With no run at --out yet, submit only said the first task would plan it: a prefix holding
+    files of one's own or a training output was queued, and every task failed on its first check."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    base = ("extract", "--dry-run", "--max-length", "64", "--nodes", "2")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    assert submit(*base, "--out", str(tmp_path / "mine")) == 2
+    assert "is not empty: it holds objects that are not a layertap run" in capsys.readouterr().err
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "metrics.jsonl").write_text("")
+    assert submit(*base, "--out", str(tmp_path / "drafter")) == 2
+    assert "holds a training output (`layertap train --out`), not a run" in capsys.readouterr().err
+    assert submit(*base, "--out", str(tmp_path / "empty")) == 0
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
 
 
 def dry_run_scripts(out: str) -> dict[str, str]:
@@ -1141,3 +1178,25 @@ def test_forwarded_values_that_start_with_a_dash_stay_values():
     argv = tool_argv(args, actions)
     assert argv == ["--model=-ckpt", "--temperature=-0.5", "--tags", "a", "b"]
     assert p.parse_args(argv) == args
+
+
+def test_a_regeneration_resubmitted_with_other_settings_is_refused_at_submission(tmp_path, capsys, monkeypatch):
+    """The array was sized from the recorded recipe and queued; every task then refused the other
+    model or sampling at its start. Refused at submission now, naming each difference."""
+    from layertap.manifests.regeneration import RECIPE, Recipe
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    out = str(tmp_path / "regen")
+    recorded = Recipe(dataset={"path": "/d.jsonl", "fingerprint": "f", "rows": 40, "limit": None}, model="m",
+                      sampling={"temperature": 0.0, "top_p": 1.0, "max_tokens": 8, "seed": None,
+                                "chat_template_kwargs": None}, rows_per_part=10)
+    open_store(out).put(RECIPE, json.dumps(recorded.to_json()).encode())
+    base = ("regenerate", "--dry-run", "--tasks", "4", "--gpus-per-node", "0", "--dataset", "d.jsonl", "--out", out,
+            "--endpoint", "http://h:1", "--rows-per-part", "10", "--temperature", "0")
+    assert submit(*base, "--model", "m", "--max-tokens", "8") == 0
+    assert "regeneration at" in capsys.readouterr().out
+    assert submit(*base, "--model", "other", "--max-tokens", "9") == 2
+    err = capsys.readouterr().err
+    assert "already holds a regeneration made differently: model: output has 'm', now 'other'; max_tokens: output " \
+           "has 8, now 9; every task would refuse it" in err
