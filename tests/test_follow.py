@@ -289,6 +289,19 @@ def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
     m, lines = train_with_shard_6_given_up(tmp_path, "--epochs", "2")
     committed = SAMPLES - m.shards[6].num_samples
     assert [x["epoch"] for x in lines] == [0] * (SAMPLES // 4) + [1] * -(-committed // 4)
+    # The same job started again (a requeue) is done: it withdrew the export, counting the plan's
+    # steps past the last epoch's end, waited for data, then exported the same weights again
+    from layertap.cli import main as cli
+    from tiny_models import tiny_model_dir
+
+    out = tmp_path / "out"
+    exported = (out / "drafter" / "config.json").stat().st_mtime_ns
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    assert cli(["train", "--data", str(tmp_path / "run"), "--model", target, "--out", str(out), "--follow",
+                "--follow-poll-s", "0.5", "--epochs", "2", "--batch-size", "4", "--block-size", "4", "--max-anchors",
+                "8", "--resume"]) == 0
+    assert (out / "drafter" / "config.json").stat().st_mtime_ns == exported
+    assert len(_store(str(out)).get("metrics.jsonl").decode().splitlines()) == len(lines)
 
 
 # -- one consumer, in-process --------------------------------------------------------------------

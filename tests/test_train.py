@@ -794,6 +794,16 @@ def test_s3_settings_of_a_config_apply_to_s3_stores_only(run, target, tmp_path, 
     assert "unknown settings ['bogus']; known: ['addressing_style'," in err and "'part_size'" in err
 
 
+def test_accelerates_own_gradient_accumulation_is_refused(run, target, tmp_path, capsys, monkeypatch):
+    """`accelerate launch --gradient_accumulation_steps 4` (the env var it sets) made accelerate
+    divide every loss by 4 on top of layertap's own mean: a step moved a quarter as far, clipped
+    at 4x --max-grad-norm, silently."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    assert train_cli("--data", run, "--model", target, "--out", str(tmp_path / "out"), "--steps", "1", *FAST) == 2
+    assert "accelerate's gradient accumulation is set to 4" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_arguments_are_clear_errors(run, target, tmp_path, capsys):
     assert train_cli("--model", target, "--out", str(tmp_path / "o")) == 2
     assert "missing --data" in capsys.readouterr().err

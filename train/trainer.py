@@ -266,6 +266,11 @@ def train(cfg: TrainConfig) -> int:
     precision = ("bf16" if cuda else "no") if cfg.mixed_precision == "auto" else cfg.mixed_precision
     acc = Accelerator(mixed_precision=precision, cpu=not cuda,
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+    if acc.gradient_accumulation_steps != 1:  # set by `accelerate launch --gradient_accumulation_steps K`
+        raise ConfigError(f"accelerate's gradient accumulation is set to {acc.gradient_accumulation_steps} "
+                          "(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from `accelerate launch "
+                          "--gradient_accumulation_steps`): it would divide every gradient by it on top of layertap's "
+                          "own; leave it out and give `layertap train --grad-accum` instead")
     out = open_configured_store(cfg.out, cfg.s3)
     data = open_configured_store(cfg.data, cfg.s3)
     # recorded in checkpoints and compared on --resume: `run1`, `run1/` and its absolute path are one run
@@ -400,6 +405,11 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
             f"the new ones: train from the start on all of them (another --out, or delete {cfg.out}/checkpoints). "
             "A checkpoint at an epoch's end would resume on them; to train while a run is extracted, use --follow"
         ) from None
+    if cfg.follow and cfg.steps is None and loader.epoch >= cfg.epochs:
+        # Saved at the end of the last follow epoch, which ended sooner than the plan allowed for
+        # (`_loop`): the run is done, and a restart (a requeue) must not count steps past it,
+        # withdraw the export and wait for data it will not train on.
+        total = min(total, step)
     changed = loader.stream.shards_changed
     if changed is not None:
         if cfg.steps is None and not cfg.follow:
