@@ -131,6 +131,8 @@ def auth_header(endpoint: str, api_key: str | None) -> dict[str, str]:
 
 def public_url(endpoint: str) -> str:
     """The endpoint without user:password or query (which may carry tokens): safe to log and record."""
+    if "://" not in endpoint and "@" in endpoint:  # `user:password@host/v1`: urlsplit takes `user` for the scheme
+        return endpoint.split("?", 1)[0].rsplit("@", 1)[-1]
     parts = urlsplit(endpoint)
     host = parts.netloc.rsplit("@", 1)[-1]  # no user:password
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
@@ -226,7 +228,10 @@ class ChatClient:
         else:
             raise Refused(f"{problem} (after {FINISH_TRIES} tries)", cause=cause)
         usage = r.usage.completion_tokens if r.usage is not None else 0
-        reasoning = getattr(choice.message, "reasoning_content", None) or None
+        # vLLM named the field `reasoning_content`, then `reasoning` (vllm#27752; the old name was removed
+        # in vllm#33402); SGLang and others still write the old one
+        reasoning = getattr(choice.message, "reasoning_content", None) or getattr(choice.message, "reasoning", None) \
+            or None
         return Reply(choice.message.content or "", reasoning, choice.finish_reason, int(usage or 0))
 
     async def _call(self, request, *, what: str):

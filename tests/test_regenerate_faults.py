@@ -327,6 +327,34 @@ def test_malformed_answers_are_asked_again_then_the_row_is_refused_naming_what_w
     assert fake.requests == 1 + 5 + 3 * 3  # the check, the good rows, 3 tries of each bad one
 
 
+def test_the_reasoning_of_a_server_that_names_it_reasoning_is_kept(tmp_path, fake):
+    """vLLM returns a reasoning parser's thinking as `reasoning` (since 0.17: `reasoning_content`
+    was removed); only `reasoning_content` was read, so every regenerated turn lost its thinking."""
+    head = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+
+    def answer(n: int, prompt: str):
+        key = "reasoning" if prompt.endswith(("0", "2", "4", "6")) else "reasoning_content"
+        return 200, {**head, "choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "content": f"answer to {prompt}", key: f"thinking about {prompt}"}}]}, "stop", 0.0
+
+    fake.answer = answer
+    cfg = config(tmp_path, fake)
+    assert regenerate(cfg).regenerated == 8
+    rows = {r["id"]: r["messages"][-1] for r in iter_rows(cfg.out)}
+    assert {i: m.get("reasoning_content") for i, m in rows.items()} == {f"r{i}": f"thinking about q{i}"
+                                                                         for i in range(8)}
+
+
+def test_an_endpoint_without_a_scheme_is_refused_without_its_password(tmp_path, capsys):
+    """`user:password@host:8000/v1` parses with `user` as its scheme: the error printed the password."""
+    cfg = config(tmp_path)
+    assert cli(["regenerate", "--dataset", cfg.dataset, "--out", cfg.out, "--endpoint",
+                "admin:s3cr3t@gpu-node:8000/v1", "--model", "m"]) == 2
+    err = capsys.readouterr().err
+    assert "is not an http(s) URL" in err and "gpu-node:8000/v1" in err and "s3cr3t" not in err
+
+
 def test_verbose_logs_never_show_the_endpoints_password_and_its_query_is_sent(tmp_path, fake, caplog):
     """`-v` raised httpx to INFO, which logs each request's URL with the --endpoint's user:password;
     and the endpoint's query (?token=) was dropped, never sent."""
