@@ -185,3 +185,17 @@ def test_an_eval_whose_every_answer_ends_at_once_measures_nothing_and_says_so(tm
     captured = capsys.readouterr()
     assert "every answer ended at its first token, an end-of-sequence token" in captured.out
     assert "tau was not measured" in captured.err and "without the chat template" in captured.err
+
+
+def test_a_chat_for_a_tokenizer_without_a_template_and_a_file_not_in_utf8_are_errors_naming_the_line(tmp_path):
+    """Both were tracebacks (transformers' ValueError; a UnicodeDecodeError from the default encoding)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello there"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(InputError, match=rf"{path}:2 is a chat, and the target's tokenizer has no chat template"):
+        load_prompts(str(path), tokenizer, None, 1024)
+    assert load_prompts(str(path), tokenizer, 1, 1024)[0]  # plain prompts need no template
+    path.write_bytes('{"prompt": "hello"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(InputError, match=rf"{path}:2 is not UTF-8 text \(invalid continuation byte at column 16\)"):
+        load_prompts(str(path), tiny_tokenizer(), None, 1024)

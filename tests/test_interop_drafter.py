@@ -104,6 +104,9 @@ def test_exported_drafter_gives_layertap_logits_in_speculators(trained, run, tar
     assert "aux_hidden_state_layer_ids [2, 4]" in capsys.readouterr().out
     config = json.loads(Path(dest, "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+    # vLLM releases that translate the key read false as `dflash_config.causal` for every layer: the
+    # drafter, trained attending both ways inside a block, was served causal there
+    assert config["sliding_window_non_causal"] is True
     assert config["aux_hidden_state_layer_ids"] == [2, 4]  # layertap's layers 1, 3 as HF hidden_states indices
     assert config["mask_token_id"] == MASK_ID < config["draft_vocab_size"]
     target_rope = json.loads(Path(target, "config.json").read_text())["rope_parameters"]
@@ -344,3 +347,14 @@ def test_export_refuses_a_dest_holding_other_files_and_replaces_an_earlier_expor
     assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--dtype", "bfloat16"]) == 0
     assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
     assert len((dest / "model.safetensors").read_bytes()) < len(first)  # replaced by the bf16 export
+
+
+def test_a_verifier_of_another_width_or_vocabulary_is_refused(trained, tmp_path, capsys):
+    """--verifier was read for its architectures only: a model of another width or vocabulary was
+    written into the config, which vLLM fails to load (or serves with no draft accepted)."""
+    other = tiny_model_dir(tmp_path / "other", "llama", num_layers=4, hidden_size=128)
+    dest = tmp_path / "spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier", other]) == 2
+    err = capsys.readouterr().err
+    assert f"the verifier {other} is not the model the drafter was trained for: hidden_size 128" in err
+    assert not dest.exists()

@@ -112,7 +112,11 @@ def speculators_config(config: DrafterConfig, verifier: str, verifier_config: di
         "mask_token_id": config.mask_token_id,
         "target_hidden_size": config.hidden_size,
         "sample_from_anchor": False,
-        "sliding_window_non_causal": False,
+        # The drafter attends both ways inside a block, in every layer (none has a sliding window). Some
+        # vLLM releases read this key as `dflash_config.causal = not value` for ALL layers: false served
+        # the drafter causal inside its blocks, below the acceptance it was trained for. speculators reads it
+        # for sliding-window layers only, so true changes nothing there.
+        "sliding_window_non_causal": True,
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
@@ -202,6 +206,12 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
     renamed = speculators_weights(config, weights)
     name, verifier_config = _verifier(config, verifier)
     text = (verifier_config or {}).get("text_config") or verifier_config or {}
+    if diffs := [f"{key} {text[key]} (the drafter's target: {ours})"
+                 for key, ours in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size))
+                 if text.get(key) is not None and int(text[key]) != ours]:
+        raise ConfigError(f"the verifier {name} is not the model the drafter was trained for: {', '.join(diffs)}; "
+                          "vLLM would fail to load the pair, or serve a drafter none of whose drafts is accepted. "
+                          "Pass --verifier with that model (or a quantized copy of it)")
     if text.get("num_hidden_layers") and (why := unservable_layer(config.capture_layers,
                                                                   int(text["num_hidden_layers"]))) is not None:
         log.warning("%s. The checkpoint is written all the same.", why)

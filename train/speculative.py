@@ -291,8 +291,8 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
     """Token ids of each prompt (chats rendered with the chat template), and how many were skipped
     for length. A row that is neither a chat nor a prompt is an error naming its line."""
     prompts, skipped = [], 0
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, line in _lines(f, path):
             if not line.strip():
                 continue
             if limit is not None and len(prompts) >= limit:
@@ -313,6 +313,17 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
     return prompts, skipped
 
 
+def _lines(f, path: str):
+    """(line number, text) of each line of a UTF-8 file opened in binary; another encoding is an
+    error naming the line (decoded by line, not by the chunk a text file reads)."""
+    for line_no, raw in enumerate(f, 1):
+        try:
+            yield line_no, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}:{line_no} is not UTF-8 text ({e.reason} at column {e.start + 1}): write the "
+                             "prompts as UTF-8 JSON lines") from None
+
+
 def _prompt_ids(row: Any, tokenizer, where: str) -> list[int]:
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
         return tokenizer(row["prompt"])["input_ids"]
@@ -326,6 +337,9 @@ def _prompt_ids(row: Any, tokenizer, where: str) -> list[int]:
         messages.pop()
     if not any(m["role"] == "user" for m in messages):
         raise InputError(f"{where}: the chat has no user turn to answer")
+    if not tokenizer.chat_template:
+        raise InputError(f"{where} is a chat, and the target's tokenizer has no chat template to render it with: "
+                         "give the prompts as {\"prompt\": text} rows (tokenized as they are)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
