@@ -393,6 +393,8 @@ class _ChatRenderer:
         self.kwargs = dict(template_kwargs or {})
         self.trailer = self._probe_trailer()
         self.end_of_turn = self._probe_end_of_turn()
+        # what closes an earlier turn, where it is not what closes the last (GPT-OSS: <|end|>, <|return|>)
+        self.end_of_earlier_turn = self._probe_end_of_earlier_turn()
         self.writes_tool_calls = self._probe_tool_calls()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
@@ -429,6 +431,28 @@ class _ChatRenderer:
         except Exception:  # a template that refuses the probe: fall back to EOS
             tail = ""
         return tail or (self.tokenizer.eos_token or "")
+
+    def _probe_end_of_earlier_turn(self) -> str | None:
+        """What the template writes after the content of an assistant turn that a user turn
+        follows, where that is not `end_of_turn`, else None.
+
+        GPT-OSS's (harmony) ends the chat's last turn with ``<|return|>`` and every earlier one
+        with ``<|end|>``: looking for the last turn's marker from an earlier turn found the chat's
+        end, and every multi-turn row was refused as a template mismatch. The marker is the
+        special token the template writes right after the content (whitespace aside); a template
+        that writes none there has none (an earlier turn then ends with its content).
+        """
+        try:
+            text = self.render([{"role": "user", "content": "ping"}, {"role": "assistant", "content": _SENTINEL},
+                                {"role": "user", "content": "pong"}])
+            tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].lstrip()
+        except Exception:  # a template that refuses the probe: the last turn's marker it is
+            return None
+        if not self.end_of_turn or tail.startswith(self.end_of_turn):
+            return None
+        specials = sorted({str(t) for t in self.tokenizer.all_special_tokens}
+                          | {str(t) for t in self.tokenizer.get_added_vocab()}, key=len, reverse=True)
+        return next((t for t in specials if t and tail.startswith(t)), None)
 
     def _probe_tool_calls(self) -> bool:
         """Whether the template writes an assistant's ``tool_calls``. One that does not (ChatML
@@ -630,11 +654,18 @@ def _assistant_spans(chat: _ChatRenderer, messages: list[dict], text: str, cut: 
                 after = thought or a
             b = after
         else:
-            e = text.find(chat.end_of_turn, after) if chat.end_of_turn else -1
-            b = e + len(chat.end_of_turn) if e >= 0 else after
+            b = _end_of_turn(chat, text, after)
         spans.append((a, b))
         cursor = b
     return spans
+
+
+def _end_of_turn(chat: _ChatRenderer, text: str, after: int) -> int:
+    """Where a turn whose content ends at `after` ends: past the first end-of-turn marker after it
+    (the last turn's, or an earlier turn's where the template has one of its own), else `after`."""
+    found = [(e, e + len(m)) for m in (chat.end_of_turn, chat.end_of_earlier_turn) if m
+             and (e := text.find(m, after)) >= 0]
+    return min(found)[1] if found else after
 
 
 def _rendered_field(chat: _ChatRenderer, messages: list[dict], i: int, key: str, text: str,

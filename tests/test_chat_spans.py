@@ -254,3 +254,34 @@ def test_a_blank_tools_string_is_a_plain_chat():
                                                  {"role": "assistant", "content": "hello"}]}
     (out,) = tokenize_rows(datasets.Dataset.from_list([row]), tok, 4096)
     assert isinstance(out, TokenizedSample) and _runs(out, tok) == ["hello<|im_end|>"], out
+
+
+# GPT-OSS (harmony), its turn structure: an earlier assistant turn ends with <|end|>, the last
+# (no generation prompt after it) with <|return|>.
+HARMONY_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- if loop.last and not add_generation_prompt -%}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m['content'] + '<|return|>' -}}"
+    "{%- else -%}{{- '<|start|>assistant<|channel|>final<|message|>' + m['content'] + '<|end|>' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+def test_a_template_that_ends_earlier_turns_otherwise_than_the_last_supervises_each_end():
+    """The end of turn was probed on a last turn only (<|return|>): from an earlier turn, the search
+    found the chat's end, and every multi-turn GPT-OSS row was refused as a template mismatch; a
+    turn followed by a user turn alone lost its end-of-turn label."""
+    tok = tiny_tokenizer(HARMONY_TEMPLATE)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                                                          "<|return|>"]})
+    header = "<|channel|>final<|message|>"
+    assert _runs(_sample(_chat("Hello there friend"), tok), tok) == [header + "Hello there friend<|end|>",
+                                                                     header + "ok sure<|return|>"]
+    assert _runs(_sample(_chat("Hello there friend")[:3], tok), tok) == [header + "Hello there friend<|end|>"]
+    assert _runs(_sample(_chat("Hello there friend")[:2], tok), tok) == [header + "Hello there friend<|return|>"]
+    # ChatML ends every turn alike: no second marker
+    from layertap.extract.inputs import _ChatRenderer
+
+    assert _ChatRenderer(tiny_tokenizer(), None).end_of_earlier_turn is None
+    assert _ChatRenderer(tok, None).end_of_earlier_turn == "<|end|>"
