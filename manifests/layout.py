@@ -81,6 +81,9 @@ def tally_key(shard: int, records: int, tokens: int, nbytes: int, raw: int, skip
     return f"{TALLY}{shard:06d}.r{records}.t{tokens}.b{nbytes}.x{raw}.s{skipped}.c{truncated}"
 
 
+FEED_MARGIN_S = 10.0  # a reader lists feed keys from its previous look's time less this: clock error, slow PUTs
+
+
 def feed_key(millis: int, shard: int, records: int, skipped: int) -> str:
     """The commit of `shard` at `millis` (the store's clock), with its record and skipped-sample
     counts: keys sort by time, so a reader lists only the recent ones (`feed_after`), however many

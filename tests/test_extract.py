@@ -207,7 +207,7 @@ class TallyListingFails:
         self.inner, self.hang_s, self.listers = inner, hang_s, []
 
     def list(self, prefix: str = "", *args, **kwargs):
-        if prefix.startswith(layout.TALLY):
+        if prefix.startswith((layout.TALLY, layout.FEED)):
             self.listers.append(threading.current_thread().name)
             if len(self.listers) > 1:
                 time.sleep(self.hang_s)
@@ -234,6 +234,35 @@ def test_rank_0s_progress_listing_neither_fails_nor_stalls_a_shard(store_uri, wo
     assert len(store.listers) > 2 and set(store.listers) == {threading.current_thread().name, "progress-sync"}
     warned = [r for r in caplog.records if "could not list the committed shards' tallies" in r.getMessage()]
     assert [r.levelname for r in warned] == ["WARNING"]  # once, not every SYNC_S
+
+
+def test_progress_counts_the_samples_other_processes_commit_with_one_rank_too(tmp_path, monkeypatch):
+    """A one-process array task (a CPU or one-GPU node) takes the run's free shards beside the
+    other tasks: its bar's total is the run's, but it counted its own samples alone (a task could
+    end at 30%, its ETA N times too long). Now it counts every commit, from the feed keys written
+    since its last look; a task of static --shards (its own samples make the total) does not look."""
+    import fake_worker
+
+    monkeypatch.setattr(Progress, "SYNC_S", 0.05)
+    uri = str(tmp_path / "run")
+    store = open_store(uri)
+    manifest = fake_worker.plan(store)
+    fake_worker.work(uri, shards=[0])  # before the bar: from the tally listing
+    planned = {p.id: p.num_samples for p in manifest.shards}
+    with Progress(0, 1, store, manifest) as progress:
+        assert progress.bar.n == planned[0]
+        fake_worker.work(uri, shards=[1, 2])  # another process, while this one works
+        deadline = time.monotonic() + 10
+        while progress.bar.n < planned[0] + planned[1] + planned[2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert progress.bar.n == planned[0] + planned[1] + planned[2]
+        assert progress._feed_from is not None  # the later looks listed the feed, not every tally
+    for t in threading.enumerate():
+        if t.name == "progress-sync":
+            t.join(timeout=5)  # the closed bar's thread ends at its next wake-up
+    with Progress(0, 1, store, manifest, shards=[3, 4]) as static:
+        assert static.bar.total == planned[3] + planned[4] and static.bar.n == 0
+        assert "progress-sync" not in {t.name for t in threading.enumerate()}
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ as they land, and decide when extraction is over (docs/LOADER.md, "Follow mode")
 
 Looking costs listings, so every wait backs off: 0.5 s, doubling up to `poll_s`, back to 0.5 s
 when something new appeared. A look lists the feed (`feed/`: one key per commit, named by its
-time on the store's clock) from the previous look's time, less `FEED_MARGIN_S`: a page or so,
+time on the store's clock) from the previous look's time, less `layout.FEED_MARGIN_S`: a page or so,
 however many shards the run holds, where `commits/` is a page per 1,000. `commits/` is still
 the truth of "done": it is listed at the first look, every `FULL_LOOK_S` (finding what the feed
 missed: a worker killed between its commit and its feed key, a PUT retried past the margin; each
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 30.0
 FIRST_DELAY_S = 0.5
-FEED_MARGIN_S = 10.0  # a look lists feed keys from the previous look's time less this: clock error, slow PUTs
 FULL_LOOK_S = 300.0  # the longest time between listings of all of commits/
 LOW_POLL_MAX_S = 4.0  # the longest look-ahead wait of a consumer low on work while looks find nothing
 # A stall (`_log_stall`) this long, through looks that found no new commit, stops the trainer: neither
@@ -223,7 +222,7 @@ class CommitWatcher:
         else:
             self._full_at = time.monotonic()
         self._listed, self._full_due = True, False
-        self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
+        self._feed_from = max(self._feed_from, started - layout.FEED_MARGIN_S)
         return records
 
     def _counted(self) -> Callable[[int], FeedCommit | None] | None:
@@ -258,7 +257,7 @@ class CommitWatcher:
                 self._feed_seen = True
                 if parsed[1] not in self.known:
                     found[parsed[1]] = parsed[2]
-        self._feed_from = max(self._feed_from, started - FEED_MARGIN_S)
+        self._feed_from = max(self._feed_from, started - layout.FEED_MARGIN_S)
         told = [c for s, counts in sorted(found.items()) if (c := self._declined(s, counts)) is not None]
         keys = [layout.commit_key(s) for s in sorted(found.keys() - {c.shard for c in told})]
         return told + [r for r in _get_commits(self.store, keys) if r is not None]
