@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+from layertap.manifests import layout
 from layertap.storage.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -239,12 +240,17 @@ def delete_all(store, keys: list[str], threads: int = 16) -> int:
     from layertap.storage.s3 import DELETE_BATCH
 
     last = {"manifest.json", *TRAINING_KEYS}
-    first = [k for k in keys if k not in last]
-    batches = [first[i:i + DELETE_BATCH] for i in range(0, len(first), DELETE_BATCH)]
+    # the commit records before what they vouch for: a delete cut short never leaves a commit whose
+    # data is gone (status would count the shard done, a trainer fail on its missing object)
+    vouching = (layout.COMMITS, layout.TALLY, layout.FEED, layout.COMMIT_INDEX)  # and what is made of them
+    waves = [[k for k in keys if k.startswith(vouching)],
+             [k for k in keys if k not in last and not k.startswith(vouching)]]
     with ThreadPoolExecutor(threads) as pool, \
-            tqdm(total=len(first), desc="delete", unit="object", unit_scale=True, disable=None) as bar:
-        for done in pool.map(lambda batch: store.delete_many(batch) or len(batch), batches):
-            bar.update(done)
+            tqdm(total=sum(map(len, waves)), desc="delete", unit="object", unit_scale=True, disable=None) as bar:
+        for wave in waves:
+            batches = [wave[i:i + DELETE_BATCH] for i in range(0, len(wave), DELETE_BATCH)]
+            for done in pool.map(lambda batch: store.delete_many(batch) or len(batch), batches):
+                bar.update(done)
     store.delete_many([k for k in keys if k in last])
     return len(keys)
 

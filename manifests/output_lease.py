@@ -90,7 +90,11 @@ def taken_over(store: ObjectStore) -> OutputLeaseTaken:
 
 def live_holder(store: ObjectStore) -> Held | None:
     """The trainer holding the output now (its lease alive by the store's clock), else None."""
-    found = latest(store)
+    return _live(store, latest(store))
+
+
+def _live(store: ObjectStore, found: tuple[int, ObjectInfo, float] | None) -> Held | None:
+    """The holder of the newest lease in `found` (`latest`'s) if that lease is alive, else None."""
     if found is None:
         return None
     generation, info, ttl = found
@@ -137,12 +141,15 @@ class OutputLease:
         uri = self.store.uri.rstrip("/")
         first_seen: float | None = None
         while True:
-            held = live_holder(self.store)
+            # one listing for both: a generation read from a second listing, made after another
+            # trainer had claimed the next one, was past it, and its claim deleted that trainer's lease
+            found = latest(self.store)
+            held = _live(self.store, found)
             if held is None or gone_from_here(held.holder):
                 if held is not None:
                     log.info("%s: its last trainer (%s) is no longer running here: taking the output over",
                              uri, held.describe(self.store.now()))
-                if self._create(1 + (latest(self.store) or (0,))[0]):
+                if self._create(1 + (found or (0,))[0]):
                     break
                 continue  # another trainer created that generation first: look again
             if first_seen is not None and held.modified > first_seen:

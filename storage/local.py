@@ -202,7 +202,7 @@ class LocalStore(ObjectStore):
         return stamped - written
 
     def delete(self, key: str) -> None:
-        _remove_quietly(self._path(key))
+        _remove(self._path(key))
 
     def open_writer(self, key: str) -> ObjectWriter:
         return LocalWriter(self, key)
@@ -242,7 +242,7 @@ class LocalStore(ObjectStore):
         now, aborted = self.now(), 0  # uploads start by the store's clock
         for up in self.list_pending_uploads(prefix):
             if older_than_s <= 0 or now - up.initiated >= older_than_s:  # 0: every one, whatever the clocks
-                _remove_quietly(up.upload_id)
+                _remove(up.upload_id)
                 aborted += 1
         return aborted
 
@@ -331,10 +331,23 @@ def _sync_folder(path: str) -> None:
 
 
 def _remove_quietly(path: str) -> None:
+    """Remove a temp file on the way out of a failed or finished write: whatever fails here (a
+    read-only filesystem answers EROFS even for a file that is not there) must not replace the
+    error being raised, or the result being returned."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _remove(path: str) -> None:
+    """Remove an object's file; one already gone is fine, any other failure is the store's error."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
+    except OSError as e:
+        raise _os_error(e, path) from e
 
 
 def _unlisted(e: OSError) -> None:
@@ -352,7 +365,9 @@ def _os_error(e: OSError, path: str, *, reading: bool = False) -> StoreError:
     if reading and e.errno in (errno.EACCES, errno.EPERM):
         return StoreError(f"cannot read {path}: permission denied; check the folder's permissions "
                           "(another user's run?)")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if e.errno == errno.EROFS:
+        return StoreError(f"cannot write {path}: the filesystem is read-only; choose a writable output folder")
+    if e.errno in (errno.EACCES, errno.EPERM):
         return StoreError(f"cannot write {path}: permission denied; choose a writable output folder")
     if e.errno == errno.ENOSPC:
         return StoreError(f"cannot write {path}: no space left on device; free some or choose another output folder")

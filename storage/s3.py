@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import http.client
 import logging
+import os
 import re
 import threading
 import time
@@ -147,21 +148,30 @@ class S3Store(ObjectStore):
             response_checksum_validation="when_required",  # `get` asks for it per request
             **({"request_checksum_calculation": o.checksum_mode} if o.checksum_mode else {}),
         )
-        session = boto3.session.Session()
-        # botocore parses every LastModified of a listing with dateutil: a third of the client's
-        # time on a 1,000-key page. S3 sends ISO 8601 there, which fromisoformat reads ~50x faster.
-        session._session.get_component("response_parser_factory").set_parser_defaults(
-            timestamp_parser=_parse_timestamp)
-        region = o.region or session.region_name or "us-east-1"
+        given = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        not_a_url = (f"the S3 endpoint URL {_without_userinfo(given)!r} is not a URL: give one like "
+                     "https://s3.example.com or http://host:9000 (AWS_ENDPOINT_URL, or endpoint_url in --config)")
         try:
+            session = boto3.session.Session()
+            # botocore parses every LastModified of a listing with dateutil: a third of the client's
+            # time on a 1,000-key page. S3 sends ISO 8601 there, which fromisoformat reads ~50x faster.
+            session._session.get_component("response_parser_factory").set_parser_defaults(
+                timestamp_parser=_parse_timestamp)
+            region = o.region or session.region_name or "us-east-1"
             self.client = session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=config)
         except bexc.InvalidRegionError:
             raise ConfigError(f"the S3 region {region!r} is not a region name: give one like us-east-1 "
                               "(AWS_REGION or AWS_DEFAULT_REGION, or region in --config)") from None
+        except (bexc.ProfileNotFound, bexc.PartialCredentialsError, bexc.ConfigParseError) as e:
+            raise ConfigError(f"the AWS settings cannot be used for {uri}: {e} (AWS_PROFILE, AWS_ACCESS_KEY_ID and "
+                              "AWS_SECRET_ACCESS_KEY, ~/.aws/config)") from None
         except ValueError:  # botocore's "Invalid endpoint: <the URL>", a password in it included
-            raise ConfigError(f"the S3 endpoint URL {_without_userinfo(o.endpoint_url or '')!r} is not a URL: give one "
-                              "like https://s3.example.com or http://host:9000 (AWS_ENDPOINT_URL, or endpoint_url in "
-                              "--config)") from None
+            raise ConfigError(not_a_url) from None
+        try:  # botocore takes any text and fails at the first request, quoting it whole (EndpointResolutionError)
+            urllib.parse.urlsplit(self.client.meta.endpoint_url).port
+        except ValueError:
+            raise ConfigError(f"{not_a_url}; its port is not a number (a password holding '/', '?' or '#' must be "
+                              "percent-encoded: %2F, %3F, %23)") from None
         self.endpoint = _without_userinfo(self.client.meta.endpoint_url)  # for messages
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -208,6 +218,13 @@ class S3Store(ObjectStore):
         if isinstance(e, bexc.NoCredentialsError):
             return StoreError(f"no S3 credentials found for {self.uri}: set AWS_ACCESS_KEY_ID and "
                               "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance role)")
+        if isinstance(e, (bexc.PartialCredentialsError, bexc.ProfileNotFound, bexc.TokenRetrievalError,
+                          bexc.SSOTokenLoadError, bexc.UnauthorizedSSOTokenError, bexc.ConfigParseError)):
+            return StoreError(f"the AWS credentials for {self.uri} cannot be used: {e} (AWS_PROFILE, "
+                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or `aws sso login`)")
+        if isinstance(e, bexc.EndpointResolutionError):  # its text quotes the URL, a password in it included
+            return StoreError(f"the S3 endpoint {self.endpoint} cannot be used for {what} of {self._where(key)}: "
+                              + _without_userinfo_in(str(e)))
         if isinstance(e, (*_UNREACHABLE, bexc.ConnectTimeoutError)):
             cause = getattr(e, "kwargs", {}).get("error") or e
             while cause.__cause__ is not None or cause.__context__ is not None:  # down to the socket's error
@@ -804,6 +821,10 @@ def _without_userinfo(url: str) -> str:
     """An endpoint URL as messages show it: a user:password in it is never printed."""
     if "://" not in url:  # not a URL ("user:secret@host:9000"): whatever comes before an "@" goes
         return url.rpartition("@")[2]
+    scheme, rest = url.split("://", 1)
+    if "@" in rest.split("?", 1)[0] and "@" not in urllib.parse.urlsplit(url).netloc:
+        # a password holding "/" ("http://u:ab/cd@host"): the host is after the last "@"
+        return f"{scheme}://{rest.rpartition('@')[2]}"
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:  # not a URL ("http://[::1:9000"): scrubbed as text
@@ -811,7 +832,7 @@ def _without_userinfo(url: str) -> str:
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
 
 
-_USERINFO = re.compile(r"(?<=://)[^/\s\"']*@")  # to the last "@" before the host: a password may hold one
+_USERINFO = re.compile(r"(?<=://)[^\s\"'`]*@")  # to the last "@" before the host: a password may hold one, or "/"
 
 
 def _without_userinfo_in(text: str) -> str:

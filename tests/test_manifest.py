@@ -836,6 +836,26 @@ def test_delete_removes_every_object_of_the_run_and_nothing_else(store_uri, caps
     assert cli(["status", store_uri]) == 2
 
 
+def test_a_delete_cut_short_leaves_no_commit_without_its_data(tmp_path):
+    """Commits and data went in one parallel wave: a delete interrupted midway could leave commits
+    of deleted data, which status counts done and a trainer fails on. The commit records (and what
+    is made of them: tallies, feed keys, the commit index) go first, the manifest last."""
+    from layertap.manifests.delete import delete_all
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    store = open_store(uri)
+    order: list[list[str]] = []
+    deleting = store.delete_many
+    store.delete_many = lambda keys: (order.append(list(keys)), deleting(keys))[1]
+    keys = [o.key for o in store.list()]
+    assert delete_all(store, keys, threads=4) == len(keys)
+    flat = [k for batch in order for k in batch]
+    first_data = min(i for i, k in enumerate(flat) if k.startswith(layout.SHARDS))
+    assert all(i < first_data for i, k in enumerate(flat) if k.startswith((layout.COMMITS, layout.TALLY)))
+    assert flat[-1] == layout.MANIFEST and sorted(flat) == sorted(keys) and list(store.list()) == []
+
+
 def test_delete_refuses_what_is_not_a_run_and_a_run_being_written(store_uri, capsys):
     store = open_store(store_uri)
     store.put("notes/readme.txt", b"not a run")

@@ -127,6 +127,39 @@ def test_two_newcomers_racing_for_a_free_output_get_one_holder(store):
             lease.release()
 
 
+def test_a_newcomer_that_lists_just_before_another_claims_does_not_evict_it(store):
+    """`acquire` found no live holder in one listing and took the next generation from a second: a
+    trainer A that claimed generation 1 between them was followed by B's generation 2, whose claim
+    deleted A's lease, and A stopped, told it had stalled. The one listing answers both now."""
+    first = OutputLease(store, ttl_s=2.0, poll_s=0.1)
+
+    class ClaimsAfterTheFirstListing:
+        """B's view of the store: A claims right after B's first listing of the leases."""
+
+        def __init__(self, inner):
+            self.inner, self.listings = inner, 0
+
+        def list(self, prefix: str = "", *args, **kwargs):
+            listed = list(self.inner.list(prefix, *args, **kwargs))
+            if prefix.startswith("lease/"):
+                self.listings += 1
+                if self.listings == 1:
+                    first.acquire()
+            return iter(listed)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    second = OutputLease(ClaimsAfterTheFirstListing(store), ttl_s=2.0, poll_s=0.1)
+    try:
+        with pytest.raises(OutputLeaseTaken, match="another `layertap train` is writing to"):
+            second.acquire()
+        assert first.holds() and _keys(store) == [first.key] and second.key is None
+    finally:
+        first.release()
+        second.release()
+
+
 def test_a_second_train_on_one_out_is_refused_and_status_names_the_first(tmp_path, capsys):
     """Two real trainers: the first waits for a run that is not there yet (--follow) and holds
     --out; the second is refused, naming it, and `status` of the output says who trains there.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import re
@@ -247,6 +248,28 @@ def test_a_folder_without_hard_links_names_that_not_permissions(tmp_path, monkey
     assert "permission denied" not in str(e.value) and "S3 endpoint" in str(e.value)
     monkeypatch.undo()
     assert [o.key for o in store.list()] == []  # no temp file left behind
+
+
+def test_a_read_only_local_folder_is_the_stores_error_on_every_write_and_delete(tmp_path, monkeypatch):
+    """On a read-only mount every call answers EROFS, the removal of a temp file that was never
+    made included: that OSError replaced the store's error (a traceback from put, put_if_absent,
+    a commit's create), and delete raised OSError past the callers that catch StoreError (a
+    sweep, a lease's release). The syscalls are made to answer so: no read-only mount is at hand."""
+    store = open_store(str(tmp_path / "store"))
+    store.put("shards/a.lts", b"data")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), args[0] if args else None)
+
+    for name in ("open", "remove", "link", "replace"):
+        monkeypatch.setattr(storage.local.os if name != "open" else builtins, name, read_only)
+    for call in (lambda: store.put("shards/x.json", b"{}"), lambda: store.put_if_absent("manifest.json", b"{}"),
+                 lambda: store.delete("shards/a.lts")):
+        with pytest.raises(StoreError, match="the filesystem is read-only; choose a writable output folder"):
+            call()
+    monkeypatch.undo()
+    assert store.get("shards/a.lts") == b"data"
+    store.delete("shards/gone.lts")  # an object already gone is no error
 
 
 def test_a_local_folder_that_fails_to_list_or_read_is_an_error_not_an_empty_run(tmp_path, monkeypatch, capsys):
