@@ -191,8 +191,10 @@ class Runner:
                 rc = 124
             except BaseException:  # this script stopped (SIGTERM from a time limit, ^C): say where
                 proc.kill()
+                err_f.flush()
                 step.update(rc=None, s=round(time.perf_counter() - t, 2), ok=False,
-                            problems=["stopped while running: the run's time limit?"])
+                            problems=["stopped while running: the run's time limit?"],
+                            stderr_tail=err_path.read_text(errors="replace")[-2000:])  # where it was
                 self.steps.append(step)
                 self.on_step()
                 raise
@@ -437,7 +439,8 @@ def run_steps(r: Runner, args: argparse.Namespace, prepared: Path, model: Path, 
         r.skip("eval", "train failed")
         return
     r.run("eval", ["eval", "--drafter", drafter, "--model", str(model), "--prompts", str(prepared / "prompts.jsonl"),
-                   "--limit", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--json"], check_eval)
+                   "--limit", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens), "--json",
+                   *(["--no-baseline"] if args.no_baseline else [])], check_eval)
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -501,6 +504,8 @@ def main() -> int:
                          "loss over 49,152 tokens at 512 anchors takes ~1 min a step)")
     ap.add_argument("--prompts", type=int, default=4, help="eval --limit (default 4)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="eval --max-new-tokens (default 32)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="eval --no-baseline: no decode with the untrained drafter (a third fewer decodes)")
     ap.add_argument("--step-timeout", type=float, default=600, help="seconds before a step is killed (default 600)")
     ap.add_argument("--write-docs", action="store_true", help="put the report's section into docs/benchmarks.md")
     ap.add_argument("--label", help="the section's machine label, e.g. gpu-host (section cli-e2e-LABEL)")

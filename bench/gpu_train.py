@@ -129,6 +129,8 @@ def main() -> None:
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
     b = batch(sizes, len(d.config.capture_layers), seq, args.batch, device)
+    if device == "cuda":  # the steps' peak, not the drafter's construction (fp32 embed and head drawn here)
+        torch.cuda.reset_peak_memory_stats()
     times, loss = timed_steps(d, opt, b, args.steps, device, chunk_rows=None)
     steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     result.update(first_step_s=round(times[0], 3), step_s=round(steady, 4),

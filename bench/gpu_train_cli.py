@@ -308,16 +308,18 @@ def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpo
         result.update(summary)
         publish(result)
 
-    result.update(train(uri, str(target), out, args, extra, env, name, timeout, on_metrics))
-    if "steps" not in result and (out / "metrics.jsonl").exists():  # fewer steps than asked, then an exit
-        try:
-            result.update(summarize(out, args.warmup))
-        except (ValueError, KeyError, ZeroDivisionError, statistics.StatisticsError) as e:
-            result["summary_error"] = f"{type(e).__name__}: {e}"
-    if (out / "drafter" / "config.json").exists():
-        result["drafter_layers"] = json.loads((out / "drafter" / "config.json").read_text()).get("num_layers")
-    say(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'from_log'})}")
-    publish(result)
+    try:
+        result.update(train(uri, str(target), out, args, extra, env, name, timeout, on_metrics))
+    finally:  # also when the caller's time limit ends the bench (SystemExit): the steps done are the numbers
+        if "steps" not in result and (out / "metrics.jsonl").exists():  # fewer steps than asked, then an exit
+            try:
+                result.update(summarize(out, args.warmup))
+            except (ValueError, KeyError, ZeroDivisionError, statistics.StatisticsError) as e:
+                result["summary_error"] = f"{type(e).__name__}: {e}"
+        if (out / "drafter" / "config.json").exists():
+            result["drafter_layers"] = json.loads((out / "drafter" / "config.json").read_text()).get("num_layers")
+        say(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'from_log'})}")
+        publish(result)
     return result
 
 
