@@ -88,6 +88,7 @@ class Workload:
     tokens: int  # over all samples, after truncation to max_length
     num_layers: int | None = None  # the model's depth, when known
     kept_layers: int | None = None  # decoder layers the truncated forward runs, when known
+    capture_depth: int | None = None  # those the capture layers alone need (the deepest + 1), when known
 
     def __post_init__(self) -> None:
         _positive("hidden size", self.hidden_size)
@@ -96,6 +97,7 @@ class Workload:
         _positive("number of tokens", self.tokens)
         _positive("number of model layers", self.num_layers, allow_none=True)
         _positive("kept layers", self.kept_layers, allow_none=True)
+        _positive("capture depth", self.capture_depth, allow_none=True)
 
     @property
     def mean_tokens(self) -> float:
@@ -363,10 +365,11 @@ def alternatives(work: Workload, storage: Storage, throughput: Throughput = Thro
         return Alternative(label, codec, w.capture_layers, w.final_state, estimate(w, s, tp, prices))
 
     out = [run(f"codec {c}", work, c) for c in DEFAULT_RATIOS if c != storage.codec]
+    # with the final state the forward runs every layer; without it, only down to the deepest capture layer
     toggled = replace(work, final_state=not work.final_state,
-                      kept_layers=work.num_layers if not work.final_state else work.kept_layers)
+                      kept_layers=work.num_layers if not work.final_state else work.capture_depth)
     tp = throughput
-    if throughput.tokens_per_s_per_gpu and work.kept_layers and toggled.kept_layers and not work.final_state:
+    if throughput.tokens_per_s_per_gpu and work.kept_layers and toggled.kept_layers:
         tp = replace(throughput, tokens_per_s_per_gpu=throughput.tokens_per_s_per_gpu * work.kept_layers
                      / toggled.kept_layers)
     out.append(run("with the final-layer state" if toggled.final_state else "without the final-layer state",

@@ -228,7 +228,8 @@ def _estimate(args: argparse.Namespace) -> _Report:
     measured = _measure(cfg, target, capture, identity, stats) if args.measure else None
     work = Workload(hidden_size=shape["hidden_size"], capture_layers=len(shape["layers"]),
                     final_state=cfg.final_state != "none", samples=samples, tokens=tokens,
-                    num_layers=shape["num_layers"], kept_layers=shape["kept_layers"])
+                    num_layers=shape["num_layers"], kept_layers=shape["kept_layers"],
+                    capture_depth=max(shape["layers"]) + 1)
     report = _report(args, cfg, work, shards, measured, sources)
     report.regeneration = _regeneration(args, samples, stats, sources)
     return report
@@ -388,7 +389,8 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     measured = _measure(cfg, target, capture, identity, stats) if args.measure else None
     work = Workload(hidden_size=identity.hidden_size, capture_layers=len(identity.layers),
                     final_state=cfg.final_state != "none", samples=stats.samples, tokens=stats.tokens,
-                    num_layers=target.info["num_layers"], kept_layers=capture.kept_layers)
+                    num_layers=target.info["num_layers"], kept_layers=capture.kept_layers,
+                    capture_depth=max(identity.layers) + 1)
     sources = {"model": identity.model, "layers_list": f"layers {identity.layers}",
                "dtype": target.info["dtype"], "data": stats.describe(cfg.dataset or "the embedded ShareGPT conversations")}
     report = _report(args, cfg, work, len(plan), measured, sources)

@@ -109,6 +109,12 @@ def test_arithmetic_by_hand():
     final = alts["with the final-layer state"].estimate
     assert final.bytes_per_token_raw == 600 and final.gpu_hours == pytest.approx(10 / 3600 * 8 / 5)  # all 8 layers run
     assert alts["1 capture layer"].estimate.bytes_per_token_raw == 200
+    # the other way: configured with the final state (all 8 layers), the alternative without it runs only
+    # down to the deepest capture layer, faster by 8/5 (it kept all 8 layers' time before)
+    deep = Workload(hidden_size=100, capture_layers=2, final_state=True, samples=10, tokens=1000, num_layers=8,
+                    kept_layers=8, capture_depth=5)
+    without = next(a for a in alternatives(deep, storage, tp, prices) if a.label == "without the final-layer state")
+    assert without.estimate.gpu_hours == pytest.approx(estimate(deep, storage, tp, prices).gpu_hours * 5 / 8)
 
 
 def test_get_counts_are_the_loaders_own(s3_bucket, tmp_path):
