@@ -135,11 +135,23 @@ def _truncated_text(s: dict) -> str:
     return f", {s['samples_truncated']:,} cut at max_length" + (f" {s['max_length']:,}" if s.get("max_length") else "")
 
 
-def _deleting(store, s: dict) -> bool | None:
-    """For a window run: whether a --delete-consumed trainer has claimed it (None: no window)."""
+def _deleting(store, s: dict) -> str | None:
+    """Who consumes a --window run: "running" (a --delete-consumed trainer holds its output's
+    lease), "stopped" (one claimed the run, and holds no live lease on its output now), "none"
+    (none claimed it); None for a run without a window."""
     from layertap.manifests.consumption import consumer_of
+    from layertap.manifests.output_lease import live_holder
+    from layertap.storage.store import StoreError, open_store
 
-    return None if s.get("window") is None else consumer_of(store) is not None
+    if s.get("window") is None:
+        return None
+    output = consumer_of(store)
+    if output is None:
+        return "none"
+    try:
+        return "running" if live_holder(open_store(output)) is not None else "stopped"
+    except StoreError:  # cannot tell: said as before
+        return "running"
 
 
 def _rerun(s: dict) -> str:
@@ -151,8 +163,8 @@ def _rerun(s: dict) -> str:
     return "the same `layertap extract` (or `layertap submit extract`) command"
 
 
-def format_status(s: dict, deleting: bool | None = None) -> str:
-    """`deleting`: whether a --delete-consumed trainer consumes the run (None: not known)."""
+def format_status(s: dict, deleting: str | None = None) -> str:
+    """`deleting`: whether a --delete-consumed trainer consumes the run (`_deleting`; None: not known)."""
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running"
@@ -176,14 +188,18 @@ def format_status(s: dict, deleting: bool | None = None) -> str:
         lines.append(f"  window   {size(rest)} at rest of a {size(window)} --window"
                      + (": full, extraction waits for training to consume" if rest >= window and not s["complete"]
                         else ""))
-        if deleting is False and not s["complete"]:
+        if deleting == "none" and not s["complete"]:
             lines.append("  NO TRAINER DELETES: no `layertap train --delete-consumed` has claimed this run, so nothing "
                          "trained on is deleted and a full window never opens: restart the trainer with "
                          "--delete-consumed (--resume continues it), or extract without --window")
+        if deleting == "stopped" and not s["complete"]:
+            lines.append("  THE TRAINER IS NOT RUNNING: the --delete-consumed trainer of this run holds no lease on its "
+                         "output now, so nothing is consumed and a full window does not open: restart it (--resume "
+                         "continues it), or restart the extraction with a larger --window")
     if s["complete"]:
         lines.append("  COMPLETE")
     elif (not s["shards_running"] and not s["problem"] and window is not None and rest >= window
-          and deleting is not False):
+          and deleting not in ("none", "stopped")):
         # Workers waiting for the window hold no lease: "nothing is running" sent users to start a second extractor.
         lines.append("  no shard is running: the extraction workers wait for the window to open, as training "
                      "consumes and deletes what it trained on; if no worker is alive, the same `layertap extract` "

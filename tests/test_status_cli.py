@@ -200,14 +200,25 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 1000}).encode())
     from layertap.manifests.consumption import claim_consumer
 
+    from layertap.manifests.output_lease import OutputLease
+
     claim_consumer(store, str(tmp_path / "drafter"))  # a --delete-consumed trainer (without one, status says so)
+    trainer = OutputLease(open_store(str(tmp_path / "drafter")), ttl_s=60)
+    trainer.acquire()  # running: it holds its output's lease
     rc, out, _ = status(capsys, uri)
     assert rc == 3 and "of a 1000 B --window: full, extraction waits for training to consume" in out
     assert "the extraction workers wait for the window to open" in out and "nothing is running" not in out
+    assert "NOT RUNNING" not in out
+    # The trainer gone (stalled out, crashed): status said the window opens "as training consumes", and the
+    # workers waited for good
+    trainer.release()
+    out = status(capsys, uri)[1]
+    assert "THE TRAINER IS NOT RUNNING: the --delete-consumed trainer of this run holds no lease" in out
+    assert "wait for the window to open, as training consumes" not in out
     assert json.loads(status(capsys, uri, "--json")[1])["window"] == 1000
     store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 10**12}).encode())  # open: no worker waits on it
     out = status(capsys, uri)[1]
-    assert "--window" in out and "full" not in out and "nothing is running" in out
+    assert "--window" in out and ": full, extraction waits" not in out and "nothing is running" in out
     assert len(m.shards) > 2
 
 

@@ -555,3 +555,34 @@ def test_an_extraction_without_a_window_removes_an_earlier_ones_record(tmp_path)
                           env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert recorded_window(store) is None
+
+
+def test_a_follow_resume_missing_a_withdrawn_shard_under_a_window_says_how_to_get_it_redone(tmp_path):
+    """A follow trainer's shard withdrawn by `layertap verify` (as a corrupt record's error tells):
+    the resume refuses until extraction redoes it, but workers waiting for a full --window do not
+    redo anything, and nothing is consumed while the trainer waits: following "run layertap extract,
+    then resume" looped. The refusal names the window and the way out."""
+    from layertap.manifests.records import decode_commit
+    from layertap.manifests.status import _withdraw
+    from layertap.storage.errors import InputError
+    from layertap.train import ShardStream, StreamConfig
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    store = open_store(uri)
+    WindowGate(store, 24_000).record()
+    cfg = StreamConfig(follow=True, follow_poll_s=0.1, shuffle_buffer=4, seed=3)
+    stream = ShardStream(uri, config=cfg, rank=0, world_size=1)
+    it = iter(stream)
+    for _ in range(8):
+        next(it)
+    state = stream.state_dict()
+    victim = next(s for s in state["taken"][0] if s not in stream.consumed_shards(state))
+    it.close()
+    key = layout.commit_key(victim)
+    _withdraw(store, victim, "record 2: hash mismatch", decode_commit(store.get(key), key).data_key, [])
+    resumed = ShardStream(uri, config=cfg, rank=0, world_size=1)
+    resumed.load_state_dict(state)
+    with pytest.raises(InputError, match=rf"shard\(s\) \[{victim}\] .* no longer committed .* runs under --window "
+                                         r"24000: .* restart the extraction with a larger --window, or without one"):
+        next(iter(resumed))

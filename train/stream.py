@@ -693,9 +693,16 @@ class ShardStream(IterableDataset):
         never, silently). `records`: the counts when taken (None where a state lacks them)."""
         missing = [s for s in taken if s not in known]
         if missing:
+            from layertap.manifests.consumption import recorded_window
+
+            window = recorded_window(self._store())
             raise InputError(f"{self.uri}: shard(s) {missing[:10]} that the saved position took in the follow epoch "
                              "are no longer committed (withdrawn by `layertap verify`?): run `layertap extract` "
-                             "(the run's command, unchanged) to redo them, then resume")
+                             "(the run's command, unchanged) to redo them, then resume"
+                             + ("" if window is None else
+                                f". Its extraction runs under --window {window}: workers waiting for a full window "
+                                "do not redo them (nothing is consumed while this trainer waits), so restart the "
+                                "extraction with a larger --window, or without one, for the redo"))
         for shard, had in zip(taken, records):
             if had is not None and (now := known[shard].num_records) != had:
                 raise InputError(f"{self.uri}: shard {shard} was redone with {now} records since the checkpoint (it "
