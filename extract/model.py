@@ -109,8 +109,10 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
             config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    except (OSError, ValueError) as e:  # ValueError: a tokenizer transformers cannot build from the folder
-        if attn is not None and "attention implementation" in str(e):
+    except (OSError, ValueError, ImportError) as e:  # ValueError: a tokenizer transformers cannot build from the folder
+        # "FlashAttention2 has been toggled on, but ..." (its package missing), "`attn_implementation="x"` is
+        # not supported", "... does not support an attention implementation through ... sdpa"
+        if attn is not None and ("attention" in str(e).lower() or "attn_implementation" in str(e)):
             raise InputError(f"the target {source!r} cannot run attention implementation {attn!r} (--attn-implementation"
                              f"): {str(e).split('. ')[0]}. Pass --attn-implementation auto (the default: sdpa where "
                              "the model supports it, else eager) or eager") from e

@@ -98,7 +98,7 @@ def add_submit(p: argparse.ArgumentParser) -> None:
 
     r = sub.add_parser("regenerate", help="a regeneration array: each task its share of the output's parts",
                        description="Submit `layertap regenerate` as a Slurm job array: task i of --tasks N takes the "
-                                   "parts p with p %% N == i, through its own server (--serve, started in the task "
+                                   "parts p with p % N == i, through its own server (--serve, started in the task "
                                    "on the task's GPUs) or a shared --endpoint. Rerun the same command after failures "
                                    "or preemptions: it submits only the tasks with unfinished parts.")
     _add_slurm_options(r, "layertap-regenerate")

@@ -206,6 +206,9 @@ def test_a_target_that_refuses_sdpa_extracts_trains_and_evaluates(tmp_path, caps
     assert cli([*base, "--out", str(tmp_path / "sdpa"), "--attn-implementation", "sdpa"]) == 2
     assert "cannot run attention implementation 'sdpa' (--attn-implementation)" in capsys.readouterr().err
     assert not (tmp_path / "sdpa").exists()
+    for impl in ("flash_attention_2", "bogus"):  # flash-attn not installed here: an ImportError traceback
+        assert cli([*base, "--out", str(tmp_path / impl), "--attn-implementation", impl]) == 2
+        assert f"cannot run attention implementation '{impl}' (--attn-implementation)" in capsys.readouterr().err
     assert cli([*base, "--out", str(run), "--final-state", "prenorm"]) == 0
     assert cli(["train", "--data", str(run), "--model", folder, "--out", str(out), "--steps", "2", "--objective",
                 "ce+kl", *FAST]) == 0
