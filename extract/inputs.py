@@ -430,6 +430,7 @@ class _ChatRenderer:
             tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].removesuffix(self.trailer).rstrip()
         except Exception:  # a template that refuses the probe: fall back to EOS
             tail = ""
+        self._writes_end_of_turn = bool(tail)  # else EOS stands in: nothing the template writes
         return tail or (self.tokenizer.eos_token or "")
 
     def _probe_end_of_earlier_turn(self) -> str | None:
@@ -448,7 +449,9 @@ class _ChatRenderer:
             tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].lstrip()
         except Exception:  # a template that refuses the probe: the last turn's marker it is
             return None
-        if not self.end_of_turn or tail.startswith(self.end_of_turn):
+        if not self.end_of_turn or tail.startswith(self.end_of_turn) or not self._writes_end_of_turn:
+            # no marker of its own after the last turn (GLM's: the next header ends a turn; EOS is the
+            # fallback): the special token after an earlier turn is the next turn's header, not its end
             return None
         specials = sorted({str(t) for t in self.tokenizer.all_special_tokens}
                           | {str(t) for t in self.tokenizer.get_added_vocab()}, key=len, reverse=True)

@@ -136,11 +136,12 @@ def _truncated_text(s: dict) -> str:
 
 
 def _deleting(store, s: dict) -> str | None:
-    """Who consumes a --window run: "running" (a --delete-consumed trainer holds its output's
-    lease), "stopped" (one claimed the run, and holds no live lease on its output now), "none"
-    (none claimed it); None for a run without a window."""
+    """Who consumes a --window run: "stopped" (the --delete-consumed trainer that claimed it left
+    a lease on its output that went stale), "none" (none claimed it), else "running" (also when
+    this machine sees no lease there at all: a node-local output, another endpoint); None for a
+    run without a window."""
     from layertap.manifests.consumption import consumer_of
-    from layertap.manifests.output_lease import live_holder
+    from layertap.manifests.output_lease import latest, live_holder
     from layertap.storage.store import StoreError, open_store
 
     if s.get("window") is None:
@@ -149,7 +150,8 @@ def _deleting(store, s: dict) -> str | None:
     if output is None:
         return "none"
     try:
-        return "running" if live_holder(open_store(output)) is not None else "stopped"
+        out = open_store(output)
+        return "stopped" if latest(out) is not None and live_holder(out) is None else "running"
     except StoreError:  # cannot tell: said as before
         return "running"
 
@@ -193,8 +195,8 @@ def format_status(s: dict, deleting: str | None = None) -> str:
                          "trained on is deleted and a full window never opens: restart the trainer with "
                          "--delete-consumed (--resume continues it), or extract without --window")
         if deleting == "stopped" and not s["complete"]:
-            lines.append("  THE TRAINER IS NOT RUNNING: the --delete-consumed trainer of this run holds no lease on its "
-                         "output now, so nothing is consumed and a full window does not open: restart it (--resume "
+            lines.append("  THE TRAINER IS NOT RUNNING: the lease of this run's --delete-consumed trainer on its output "
+                         "went stale, so nothing is consumed and a full window does not open: restart it (--resume "
                          "continues it), or restart the extraction with a larger --window")
     if s["complete"]:
         lines.append("  COMPLETE")

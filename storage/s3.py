@@ -821,18 +821,19 @@ def _without_userinfo(url: str) -> str:
     """An endpoint URL as messages show it: a user:password in it is never printed."""
     if "://" not in url:  # not a URL ("user:secret@host:9000"): whatever comes before an "@" goes
         return url.rpartition("@")[2]
-    scheme, rest = url.split("://", 1)
-    if "@" in rest.split("?", 1)[0] and "@" not in urllib.parse.urlsplit(url).netloc:
-        # a password holding "/" ("http://u:ab/cd@host"): the host is after the last "@"
-        return f"{scheme}://{rest.rpartition('@')[2]}"
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:  # not a URL ("http://[::1:9000"): scrubbed as text
         return _without_userinfo_in(url)
+    try:
+        parts.port
+    except ValueError:  # a password holding "/" ("http://u:ab/cd@host:9000"): the host is after the last "@"
+        if "@" in url:
+            return f"{parts.scheme}://{url.rpartition('@')[2]}"
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
 
 
-_USERINFO = re.compile(r"(?<=://)[^\s\"'`]*@")  # to the last "@" before the host: a password may hold one, or "/"
+_USERINFO = re.compile(r"(?<=://)[^/\s\"']*@")  # to the last "@" before the host: a password may hold one
 
 
 def _without_userinfo_in(text: str) -> str:

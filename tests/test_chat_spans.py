@@ -285,3 +285,26 @@ def test_a_template_that_ends_earlier_turns_otherwise_than_the_last_supervises_e
 
     assert _ChatRenderer(tiny_tokenizer(), None).end_of_earlier_turn is None
     assert _ChatRenderer(tok, None).end_of_earlier_turn == "<|end|>"
+
+
+# GLM-4's shape: nothing after an assistant's content (the next header, <|user|> or <|observation|>, ends it)
+GLM4_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}{% if m.role=='tool' %}<|observation|>\n{{ m.content }}"
+    "{% else %}<|{{ m.role }}|>\n{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_a_template_that_writes_no_end_of_turn_takes_no_next_header_for_one():
+    """GLM writes nothing after a turn's content (EOS stands in for its end of turn): the earlier-turn
+    probe took the next turn's <|user|> for an earlier turn's end, which put it in that turn's span, and a
+    turn before a tool result ran on past the next turn (the row refused as a template mismatch)."""
+    from layertap.extract.inputs import _ChatRenderer
+
+    tok = tiny_tokenizer(GLM4_TEMPLATE)
+    tok.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<sop>", "<|user|>", "<|assistant|>",
+                                                          "<|observation|>", "<|system|>"]})
+    assert _ChatRenderer(tok, None).end_of_earlier_turn is None
+    assert _runs(_sample(_chat("Hello there friend"), tok), tok) == ["Hello there friend", "ok sure"]
+    tool = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there friend"},
+            {"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok sure"}]
+    assert _runs(_sample(tool, tok), tok) == ["Hello there friend", "ok sure"]

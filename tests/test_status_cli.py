@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -203,18 +204,24 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     from layertap.manifests.output_lease import OutputLease
 
     claim_consumer(store, str(tmp_path / "drafter"))  # a --delete-consumed trainer (without one, status says so)
-    trainer = OutputLease(open_store(str(tmp_path / "drafter")), ttl_s=60)
+    # no lease seen on its output (one this machine cannot see: a node-local folder): not taken for a stop
+    assert "NOT RUNNING" not in status(capsys, uri)[1]
+    trainer = OutputLease(open_store(str(tmp_path / "drafter")), ttl_s=1.0)
     trainer.acquire()  # running: it holds its output's lease
     rc, out, _ = status(capsys, uri)
     assert rc == 3 and "of a 1000 B --window: full, extraction waits for training to consume" in out
     assert "the extraction workers wait for the window to open" in out and "nothing is running" not in out
     assert "NOT RUNNING" not in out
-    # The trainer gone (stalled out, crashed): status said the window opens "as training consumes", and the
-    # workers waited for good
-    trainer.release()
+    # The trainer gone (stalled out, crashed: its lease left to go stale): status said the window opens "as
+    # training consumes", and the workers waited for good
+    trainer._stop.set()
+    trainer._beat.join()
+    time.sleep(1.5)
     out = status(capsys, uri)[1]
-    assert "THE TRAINER IS NOT RUNNING: the --delete-consumed trainer of this run holds no lease" in out
+    assert "THE TRAINER IS NOT RUNNING: the lease of this run's --delete-consumed trainer on its output went stale" \
+        in out
     assert "wait for the window to open, as training consumes" not in out
+    trainer.release()
     assert json.loads(status(capsys, uri, "--json")[1])["window"] == 1000
     store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 10**12}).encode())  # open: no worker waits on it
     out = status(capsys, uri)[1]
