@@ -392,9 +392,10 @@ class _ChatRenderer:
         self.tokenizer = tokenizer
         self.kwargs = dict(template_kwargs or {})
         self.trailer = self._probe_trailer()
-        self.end_of_turn = self._probe_end_of_turn()
+        written = self._probe_end_of_turn()
+        self.end_of_turn = written or (tokenizer.eos_token or "")  # a template that writes none: EOS stands in
         # what closes an earlier turn, where it is not what closes the last (GPT-OSS: <|end|>, <|return|>)
-        self.end_of_earlier_turn = self._probe_end_of_earlier_turn()
+        self.end_of_earlier_turn = self._probe_end_of_earlier_turn(written)
         self.writes_tool_calls = self._probe_tool_calls()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
@@ -418,7 +419,8 @@ class _ChatRenderer:
         return eos if eos and closed.endswith(eos) and not prompt.startswith(closed) else ""
 
     def _probe_end_of_turn(self) -> str:
-        """What the template writes right after an assistant's content, minus trailing whitespace.
+        """What the template writes right after an assistant's content, minus trailing whitespace
+        ("" for nothing, or a template that refuses the probe).
 
         For ChatML (SmolLM2, Qwen) that is ``<|im_end|>``, for Llama 3 ``<|eot_id|>``; the
         newline ChatML adds after it is not something the model generates, nor is the
@@ -427,15 +429,13 @@ class _ChatRenderer:
         try:
             text = self.render([{"role": "user", "content": "ping"},
                                 {"role": "assistant", "content": _SENTINEL}])
-            tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].removesuffix(self.trailer).rstrip()
-        except Exception:  # a template that refuses the probe: fall back to EOS
-            tail = ""
-        self._writes_end_of_turn = bool(tail)  # else EOS stands in: nothing the template writes
-        return tail or (self.tokenizer.eos_token or "")
+            return text[text.rindex(_SENTINEL) + len(_SENTINEL):].removesuffix(self.trailer).rstrip()
+        except Exception:  # a template that refuses the probe
+            return ""
 
-    def _probe_end_of_earlier_turn(self) -> str | None:
+    def _probe_end_of_earlier_turn(self, last: str) -> str | None:
         """What the template writes after the content of an assistant turn that a user turn
-        follows, where that is not `end_of_turn`, else None.
+        follows, where that is not `last` (what it writes after the last turn's), else None.
 
         GPT-OSS's (harmony) ends the chat's last turn with ``<|return|>`` and every earlier one
         with ``<|end|>``: looking for the last turn's marker from an earlier turn found the chat's
@@ -449,9 +449,9 @@ class _ChatRenderer:
             tail = text[text.rindex(_SENTINEL) + len(_SENTINEL):].lstrip()
         except Exception:  # a template that refuses the probe: the last turn's marker it is
             return None
-        if not self.end_of_turn or tail.startswith(self.end_of_turn) or not self._writes_end_of_turn:
-            # no marker of its own after the last turn (GLM's: the next header ends a turn; EOS is the
-            # fallback): the special token after an earlier turn is the next turn's header, not its end
+        if not last or tail.startswith(last):
+            # nothing written after the last turn (GLM's: the next header ends a turn): the special
+            # token after an earlier turn is the next turn's header, not its end
             return None
         specials = sorted({str(t) for t in self.tokenizer.all_special_tokens}
                           | {str(t) for t in self.tokenizer.get_added_vocab()}, key=len, reverse=True)

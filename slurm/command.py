@@ -287,16 +287,11 @@ def _submit_extract(args: argparse.Namespace) -> int:
                        f"{opts.procs} workers busy")
     else:
         plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size(), cfg.shards)
-    if args.then_train is not None and remaining is None and cfg.shards is not None:
-        raise ConfigError(f"--then-train with --shards: there is no run at {store.uri} yet, so the shards outside "
-                          "--shards are not done, and training chained to this array would start once those of "
-                          "--shards are committed, and train on part of the run. Submit without --shards (every "
-                          "shard), or plan the run first (`layertap plan <these extract arguments>`) and submit "
-                          "each part, then `layertap submit train --after <their job ids> <the --then-train arguments>`")
-    if args.then_train is not None and remaining is not None:
+    if args.then_train is not None:
         if cfg.shards is not None:
-            _training_needs_the_rest(store, cfg)
-        _training_waits_for_the_run(store, remaining, plan)
+            _training_needs_the_rest(store, cfg, planned=remaining is not None)
+        if remaining is not None:
+            _training_waits_for_the_run(store, remaining, plan)
     if not plan.indices:
         return _nothing_left(args, remaining, train)
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
@@ -383,12 +378,20 @@ def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     return 0
 
 
-def _training_needs_the_rest(store, cfg) -> None:
+def _training_needs_the_rest(store, cfg, planned: bool) -> None:
     """Refuse --then-train with --shards while shards outside them are unfinished: training chained
     to this array would start once its own shards are committed, and train on part of the run
-    (the checks of `_training_waits_for_the_run` see only the shards of --shards)."""
+    (the checks of `_training_waits_for_the_run` see only the shards of --shards). Without a run
+    yet (`planned` False), none is done."""
     from layertap.slurm.scripts import compress
     from layertap.slurm.work import remaining_work
+
+    if not planned:
+        raise ConfigError(f"--then-train with --shards: there is no run at {store.uri} yet, so the shards outside "
+                          "--shards are not done, and training chained to this array would start once those of "
+                          "--shards are committed, and train on part of the run. Submit without --shards (every "
+                          "shard), or plan the run first (`layertap plan <these extract arguments>`) and submit "
+                          "each part, then `layertap submit train --after <their job ids> <the --then-train arguments>`")
 
     whole = remaining_work(store, None, _pinned_settings(cfg))
     mine = set(cfg.shards)
