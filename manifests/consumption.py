@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from layertap.manifests import layout
-from layertap.manifests.manifest import ManifestError, load_manifest
+from layertap.manifests.manifest import Manifest, ManifestError, load_manifest
 from layertap.manifests.records import decode_commit
-from layertap.manifests.state import listed_shards
+from layertap.manifests.state import listed_shards, scan_shard
+from layertap.manifests.work import Gate
 from layertap.storage.retry import Backoff
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
@@ -306,7 +307,11 @@ class WindowGate:
     """Holds a worker back from claiming its next shard while `window` bytes or more of data are
     at rest (`at_rest`: committed data not consumed yet, and little else).
 
-    Called with no arguments before a claim; returns whether it waited. A check lists `shards/`
+    Called before a claim with a test of the shards its worker would redo (`WorkQueue`); answers a
+    `work.Gate`. While it waits, it also lists `redo/` (empty but for shards `verify` withdrew) and
+    stops waiting (`Gate.REDO`) for a withdrawn shard of the worker's that no one redoes: no
+    window holds a redo back (a trainer resuming past the shard needs it, and with the window
+    full, nothing else moves; `WorkQueue` claims it without the gate). A check lists `shards/`
     alone, which the window keeps small however long the run: it runs before every claim, on the
     worker's critical path. The trainer deletes after each checkpoint, so the gate's sweep only
     finishes what a trainer killed in between left: a full window, at most every `sweep_every_s`,
@@ -320,7 +325,8 @@ class WindowGate:
     raises in the main thread wherever it is, so a waiting worker ends at once.
 
     The bound: a worker checks before each claim, not during its shard, so the data at rest stays
-    under `window` plus one shard per worker (each may have passed the gate just below it).
+    under `window` plus one shard per worker (each may have passed the gate just below it), plus
+    the redos of withdrawn shards, whose data the window counted until `verify` withdrew it.
     """
 
     def __init__(self, store: ObjectStore, window: int, *, poll_s: float = 2.0, max_poll_s: float = 30.0,
@@ -336,9 +342,13 @@ class WindowGate:
         self._agreed: set[int] | None = set()
 
     @functools.cached_property
+    def manifest(self) -> Manifest:
+        return load_manifest(self.store)
+
+    @property
     def run_id(self) -> str:
         """The run the gate's worker extracts: what its sweeps delete for (`delete_consumed`)."""
-        return load_manifest(self.store).run_id
+        return self.manifest.run_id
 
     def record(self) -> None:
         """Tell training what window extraction runs with (`recorded_window`): a follow trainer
@@ -367,25 +377,55 @@ class WindowGate:
             self._ranks = ranks
         return self._agreed is None or not self._agreed.isdisjoint(listed)
 
-    def __call__(self) -> bool:
+    def redos_waiting(self, would_redo: Callable[[int], bool]) -> list[int]:
+        """The withdrawn shards (`layout.redo_key`) its worker `would_redo` that no one redoes yet: one
+        listing, then a look at each such shard (a HEAD, two small listings). A marker whose shard
+        is committed again (its redo was killed before removing it) is removed."""
+        waiting = []
+        for o in self.store.list(layout.REDO):
+            shard = layout.shard_of(o.key, layout.REDO)
+            if shard is None or shard >= len(self.manifest.shards) or not would_redo(shard):
+                continue
+            st = scan_shard(self.store, self.manifest, shard)
+            if shard in st.committed:
+                self.store.delete(o.key)
+            elif st.live_lease(shard) is None:
+                waiting.append(shard)
+        return waiting
+
+    def __call__(self, shard: int, would_redo: Callable[[int], bool]) -> Gate:
+        """Before the claim of `shard`: wait while the window is full, unless a withdrawn shard that
+        its worker `would_redo` awaits its redo (`Gate.REDO`), or another worker commits `shard`
+        meanwhile (one HEAD a poll: a worker whose shards are all done by others ends, rather
+        than wait for a window that only training opens)."""
         if not self._recorded:
             self.record()
             self._recorded = True
         waited, backoff, logged = False, Backoff(self.poll_s, self.max_poll_s, self.sleep, jitter=0.25), 0.0
+        outcome = Gate.OPEN
         while (rest := self.check()).bytes >= self.window:
+            if redos := self.redos_waiting(would_redo):
+                log.info("window full, but shard(s) %s, withdrawn by `layertap verify`, await their redo, which the "
+                         "window does not hold back: redoing", _ids(redos))
+                outcome = Gate.REDO
+                break
+            if waited and self.store.exists(layout.commit_key(shard)):
+                log.info("shard %d was committed by another worker while this one waited for the window", shard)
+                break
             if time.monotonic() - logged >= self.log_every_s:
                 logged = time.monotonic()
                 log.info("window full: %s at rest not yet consumed by training (%d shards; window %s); waiting "
                          "for training", size(rest.bytes), rest.shards, size(self.window))
             if self.on_wait:
                 self.on_wait(rest)
-            waited = True
+            waited, outcome = True, Gate.WAITED
             backoff.sleep()
-        if waited:
-            log.info("window open: %s at rest (window %s); claiming again", size(rest.bytes), size(self.window))
-            if self.on_wait:
-                self.on_wait(None)
-        return waited
+        else:
+            if waited:
+                log.info("window open: %s at rest (window %s); claiming again", size(rest.bytes), size(self.window))
+        if waited and self.on_wait:
+            self.on_wait(None)
+        return outcome
 
 
 def _put_json(store: ObjectStore, key: str, body: dict) -> None:

@@ -20,6 +20,9 @@
     failures/{shard:06d}/{ms:013d}-{token}.withdrawn.json
                                            `layertap verify` withdrew the shard's commit (why, in
                                            the record): no attempt's, so no retry limit counts it
+    redo/{shard:06d}                       empty: `verify` withdrew the shard, whose redo no --window holds
+                                           back; what wakes workers waiting behind a full window (deleted
+                                           by the redo's commit)
     given_up/{shard:06d}/{ms:013d}-{token} a worker gave the shard up (its --retries used up): the
                                            verdict a follow-mode trainer waits for before it ends
                                            its epoch without the shard
@@ -44,6 +47,7 @@ from layertap.storage.store import is_write_probe
 MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 GIVEN_UP = "given_up/"
+REDO = "redo/"  # shards `verify` withdrew, awaiting their redo (`redo_key`)
 SWEEPS = "sweeps/"  # claims of the end-of-run sweep (`work.WorkQueue._sweep`), not the run's data
 FEED = "feed/"  # one empty key per commit, named by its time and counts: what follow mode lists for new commits
 COMMIT_INDEX = "index/commits.json.zst"
@@ -52,7 +56,7 @@ CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, f
 CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
 # what a run holds at its top level: a key outside them is not the run's (a user's file put there)
 RUN_TOP_LEVEL = frozenset(p.split("/")[0] for p in (MANIFEST, SHARDS, COMMITS, TALLY, LEASES, FAILURES, GIVEN_UP,
-                                                     SWEEPS, FEED, COMMIT_INDEX, CONSUMED))
+                                                     REDO, SWEEPS, FEED, COMMIT_INDEX, CONSUMED))
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)(?:\.c(\d+))?$")
@@ -181,6 +185,13 @@ def withdrawal_key(shard: int, millis: int, token: str) -> str:
     """`verify` withdrew the shard's commit: shown as the shard's failure, but no attempt failed
     (a live extraction counting it gave the shard up under `--retries 0`)."""
     return f"{failure_prefix(shard)}{millis:013d}-{token}{WITHDRAWN}"
+
+
+def redo_key(shard: int) -> str:
+    """A withdrawn shard awaits its redo: listed by extraction workers waiting behind a full
+    --window (`consumption.WindowGate`), which no window holds back, since the data it restores was
+    at rest, counted by the window, until `verify` withdrew it."""
+    return f"{REDO}{shard:06d}"
 
 
 def counts_as_attempt(key: str) -> bool:

@@ -62,6 +62,11 @@ class RunState:
         withdrawals by `verify`, which say nothing of it (`layout.counts_as_attempt`)."""
         return sum(1 for k in self.failures.get(shard, []) if layout.counts_as_attempt(k) and k not in excluding)
 
+    def withdrawn(self, shard: int) -> bool:
+        """Whether the shard awaits the redo of a commit `verify` withdrew: not committed, with a
+        withdrawal record (a redo's commit ends the wait; the record stays)."""
+        return shard not in self.committed and any(k.endswith(layout.WITHDRAWN) for k in self.failures.get(shard, []))
+
     def last_failure_ms(self, shard: int) -> int:
         """The time (ms, in the key) of the shard's newest failure record that is no stop from
         outside (a stop by the store counts: a worker still tries the shard): a given-up verdict

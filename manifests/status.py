@@ -497,7 +497,8 @@ def _withdraw(store: ObjectStore, shard: int, error: str, data_key: str | None, 
     known: its tally marker and feed keys (a follow consumer with no share of a shard trusts its
     key's counts), then the commit itself, its data last. Markers before the commit: a verify
     killed in between leaves none for a redo to find beside its own, and no redo can have
-    written any yet (a shard is redone only once its commit is gone)."""
+    written any yet (a shard is redone only once its commit is gone). Last, the redo marker
+    (`layout.redo_key`): once the commit is gone, so a marker found beside a commit is stale."""
     me, now = Producer.current(), store.now()
     record = FailureRecord(shard=shard, error_type="VerifyFailed", error=error, producer=asdict(me),
                            attempt=0, time=now)
@@ -506,3 +507,4 @@ def _withdraw(store: ObjectStore, shard: int, error: str, data_key: str | None, 
     store.delete(layout.commit_key(shard))
     if data_key:
         store.delete(data_key)
+    store.put(layout.redo_key(shard), b"")  # wakes workers waiting behind a full --window: they redo it

@@ -18,6 +18,7 @@ attempt of the same worker can overwrite the bytes that a commit points at.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -86,11 +87,22 @@ def patiently(look: Callable[[], T], pause: Callable[[], float]) -> T:
             time.sleep(wait)
 
 
+class Gate(enum.Enum):
+    """What `WorkQueue`'s `before_claim` answers: go on at once (OPEN), go on after a wait (WAITED:
+    others may have taken the shard meanwhile), or do not claim it (REDO: the storage window is
+    still full, but a shard `verify` withdrew awaits its redo, which no window holds back)."""
+
+    OPEN = "open"
+    WAITED = "waited"
+    REDO = "redo"
+
+
 class Claim:
     """A leased shard. Use as a context manager around the work; see `WorkQueue`."""
 
-    def __init__(self, queue: WorkQueue, plan: ShardPlan, generation: int, attempt: str):
+    def __init__(self, queue: WorkQueue, plan: ShardPlan, generation: int, attempt: str, redo: bool = False):
         self.queue, self.plan, self.generation = queue, plan, generation
+        self.redo = redo  # of a shard `verify` withdrew: its commit removes the shard's `layout.redo_key`
         self.shard = plan.id
         self.lease_key = layout.lease_key(plan.id, generation, queue.ttl_s)
         self.beat_key = layout.beat_key(self.lease_key, attempt)  # what the heartbeat rewrites
@@ -177,6 +189,8 @@ class Claim:
         store.put(layout.tally_key(self.shard, info.num_records, info.num_tokens, info.bytes, info.raw_bytes,
                                    len(skipped), truncated), b"")
         store.put(layout.feed_key(int(store.now() * 1000), self.shard, info.num_records, len(skipped)), b"")
+        if self.redo:
+            store.delete(layout.redo_key(self.shard))
         # Leftovers of crashed attempts: their data objects, and the uploads a SIGKILL left open
         # (billed until aborted; ours is complete, so it is not among them). Not those of an
         # attempt still at work: it drops its own when its commit loses.
@@ -294,8 +308,12 @@ class WorkQueue:
     one whose attempts the store failed more than `STORE_FAILURES` times (or `retries`, if more).
 
     `before_claim`, if given, is called right before each claim and may block (the storage
-    window, `consumption.WindowGate`); it returns whether it waited, and if it did, the shard is
-    checked afresh, since others may have taken or finished it meanwhile. `on_idle`, if given,
+    window, `consumption.WindowGate`), with the shard and a test of the shards this queue would redo; it answers
+    a `Gate`: after a wait, the shard is checked afresh, since others may have taken or finished it
+    meanwhile; on `Gate.REDO` the pass ends and the next, from a fresh scan, redoes the shard. A
+    shard `verify` withdrew is walked first and claimed without `before_claim`: the data its redo
+    restores was at rest, counted by the window, until it was withdrawn, and a trainer resuming
+    past it needs it back before it consumes anything (with the window full, nothing else moved). `on_idle`, if given,
     is called when no shard is free, before waiting on the leases; it returns whether it finished
     one of the caller's own (a shard completing behind the next, `extract.worker`), and then the
     queue looks again at once instead of waiting a poll for its own lease.
@@ -307,7 +325,7 @@ class WorkQueue:
     def __init__(self, store: ObjectStore, manifest: Manifest, producer: Producer, *,
                  ttl_s: float = DEFAULT_LEASE_TTL_S, shards: Sequence[int] | None = None,
                  retries: int = 1, world_size: int = 1, poll_s: float | None = None,
-                 before_claim: Callable[[], bool] | None = None, on_idle: Callable[[], bool] | None = None,
+                 before_claim: Callable[[int, Callable[[int], bool]], Gate] | None = None, on_idle: Callable[[], bool] | None = None,
                  stopped_for: Callable[[], float | None] = lambda: None):
         self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
         ids = range(len(manifest.shards)) if shards is None else shards
@@ -315,6 +333,7 @@ class WorkQueue:
         if bad:
             raise ConfigError(f"shards {bad[:5]} are not in the run (it has {len(manifest.shards)})")
         self.candidates = list(ids)
+        self._candidate_set = set(ids)
         self.retries, self.world_size = retries, max(1, world_size)
         self.store_failures = max(STORE_FAILURES, retries)  # attempts the store may fail (`Claim.fail`)
         self.poll_s = poll_s if poll_s is not None else max(0.5, ttl_s / 8)
@@ -450,7 +469,10 @@ class WorkQueue:
             waiting_on: list[float] = []
             held: list[Lease] = []  # the live leases waited on
             claimed = stale = 0
-            for s in self._order(todo):
+            woken = False  # the window gate told of a withdrawn shard to redo: rescan for it
+            order = self._order(todo)
+            redos = {s for s in order if st.withdrawn(s)}
+            for s in [s for s in order if s in redos] + [s for s in order if s not in redos]:
                 if stale > rescan_after:
                     break
                 if lease := st.live_lease(s):  # held at the pass's scan: wait on it, no fresh look
@@ -472,7 +494,11 @@ class WorkQueue:
                 if store_gave_out(failed := failed_by_store(fresh, s, self.failures_before), self.store_failures):
                     self._give_up(s, fresh, failed)
                     continue
-                if self.before_claim and self.before_claim():
+                gate = Gate.OPEN if self.before_claim is None or s in redos else self.before_claim(s, self._would_redo)
+                if gate is Gate.REDO:
+                    woken = True
+                    break
+                if gate is Gate.WAITED:
                     fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))  # others went on
                     if s in fresh.committed:
                         stale += 1
@@ -481,7 +507,7 @@ class WorkQueue:
                         waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
                         continue
                 self._raise_if_deleted()
-                claim = self._try_claim(s, fresh)
+                claim = self._try_claim(s, fresh, redo=s in redos)
                 if claim is None:
                     waiting_on.append(time.time())  # lost the race for it: another worker holds it now
                     continue
@@ -492,7 +518,7 @@ class WorkQueue:
                 self._leases_written.discard(claim.lease_key)
             if claimed:
                 idle.reset()
-            if claimed or stale > rescan_after:
+            if claimed or woken or stale > rescan_after:
                 continue
             if not waiting_on:
                 return  # what is left failed too often in this run; status tells why
@@ -506,6 +532,10 @@ class WorkQueue:
                 log.info("no free shard: %d left run under live leases elsewhere; the soonest goes stale in %.0f s "
                          "unless its holder renews it", len(waiting_on), max(0.0, soonest - time.time()))
             idle.sleep()
+
+    def _would_redo(self, shard: int) -> bool:
+        """Whether this queue would claim `shard`'s redo: one of its shards, not given up."""
+        return shard in self._candidate_set and shard not in self.given_up
 
     def _dead_here(self, held: list[Lease]) -> bool:
         """Delete the live leases of holders that exited on this machine (`liveness.gone_from_here`:
@@ -615,9 +645,9 @@ class WorkQueue:
         if not self._patiently(lambda: self.store.exists(layout.MANIFEST)):
             raise ManifestError(f"the run at {self.store.uri} was deleted ({layout.MANIFEST} is gone): stopping")
 
-    def _try_claim(self, shard: int, st: RunState) -> Claim | None:
+    def _try_claim(self, shard: int, st: RunState, redo: bool = False) -> Claim | None:
         gen = st.next_generation(shard)
-        claim = Claim(self, self.manifest.shards[shard], gen, f"{self.producer.token}{uuid.uuid4().hex[:8]}")
+        claim = Claim(self, self.manifest.shards[shard], gen, f"{self.producer.token}{uuid.uuid4().hex[:8]}", redo)
         key, payload = claim.lease_key, claim.lease_payload()
         self._leases_written.add(key)  # before the PUT: a stop signal inside it must find the key (_release_held)
         # Every request here rides out an outage as the scans do (`patiently`): a 503 past the

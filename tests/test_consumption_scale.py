@@ -17,6 +17,7 @@ from layertap.manifests import layout
 from layertap.manifests.consumption import (WindowGate, at_rest, consumed_shards, data_objects, delete_consumed,
                                             record_consumed)
 from layertap.manifests.manifest import load_manifest
+from layertap.manifests.work import Gate
 from layertap.manifests.records import CommitRecord, encode
 from layertap.storage.store import ObjectStore, open_store
 
@@ -211,7 +212,8 @@ def test_a_waiting_gate_opens_once_a_killed_trainers_shards_are_swept_and_waits_
                 record_consumed(store, rank=rank, world_size=RANKS, shards=[0, 1, 2, 3], step=2)
 
     gate = WindowGate(store, window, poll_s=1.0, max_poll_s=8.0, sweep_every_s=0, sleep=pause)
-    assert gate() is True and len(pauses) == 4
+    store.delete(layout.commit_key(6))  # the shard the gate's worker would claim next: not committed
+    assert gate(6, lambda s: True) is Gate.WAITED and len(pauses) == 4
     assert at_rest(store).bytes < window and 3 in consumed_shards(store)
     nominal = [1.0, 2.0, 4.0, 8.0]
     assert all(0.75 * n <= p <= 1.25 * n for p, n in zip(pauses, nominal)) and pauses != nominal

@@ -15,13 +15,14 @@ import time
 import pytest
 
 import fake_worker
+from test_withdraw import corrupt
 from layertap.cli import main as cli
 from layertap.manifests import layout
 from layertap.manifests.consumption import (AtRest, WindowGate, at_rest, consumed_everywhere, consumed_shards,
                                             delete_consumed, record_consumed, stalled)
 from layertap.manifests.records import Producer
 from layertap.manifests.status import burst_rate, run_status, verify_run
-from layertap.manifests.work import WorkQueue
+from layertap.manifests.work import Gate, WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.store import open_store
 from layertap.storage.writer import ShardWriter
@@ -136,7 +137,7 @@ def test_the_window_check_reads_only_the_data_at_rest_until_the_window_is_full(s
     gate, sleeps = WindowGate(store, left, sweep_every_s=3600), []
     gate.sleep = sleeps.append
     reads.clear()
-    assert gate() is False and sleeps == []  # full, but shard 4 was consumed everywhere: deleted, and on
+    assert gate(7, lambda s: True) is Gate.OPEN and sleeps == []  # full, but shard 4 was consumed everywhere: deleted, and on
     assert layout.CONSUMED_RANKS in reads.listed and layout.CONSUMED_SHARDS in reads.listed
     assert data_shards(store) == {5, 6} and gate.check() == AtRest(2, left - sizes[4])
 
@@ -557,11 +558,12 @@ def test_an_extraction_without_a_window_removes_an_earlier_ones_record(tmp_path)
     assert recorded_window(store) is None
 
 
-def test_a_follow_resume_missing_a_withdrawn_shard_under_a_window_says_how_to_get_it_redone(tmp_path):
+def test_a_follow_resume_missing_a_withdrawn_shard_under_a_full_window_gets_it_redone(tmp_path):
     """A follow trainer's shard withdrawn by `layertap verify` (as a corrupt record's error tells):
-    the resume refuses until extraction redoes it, but workers waiting for a full --window do not
-    redo anything, and nothing is consumed while the trainer waits: following "run layertap extract,
-    then resume" looped. The refusal names the window and the way out."""
+    the resume refuses until extraction redoes it. With the --window full, nothing is consumed
+    while the trainer waits, and the workers waited in the window's gate, redoing nothing: the run
+    was stuck. A withdrawn shard's redo passes the gate: the worker redoes it (and nothing else),
+    its redo marker goes, and the resume then goes on."""
     from layertap.manifests.records import decode_commit
     from layertap.manifests.status import _withdraw
     from layertap.storage.errors import InputError
@@ -570,7 +572,8 @@ def test_a_follow_resume_missing_a_withdrawn_shard_under_a_window_says_how_to_ge
     uri = str(tmp_path / "run")
     fake_worker.work(uri)
     store = open_store(uri)
-    WindowGate(store, 24_000).record()
+    window = 24_000
+    WindowGate(store, window).record()
     cfg = StreamConfig(follow=True, follow_poll_s=0.1, shuffle_buffer=4, seed=3)
     stream = ShardStream(uri, config=cfg, rank=0, world_size=1)
     it = iter(stream)
@@ -581,8 +584,68 @@ def test_a_follow_resume_missing_a_withdrawn_shard_under_a_window_says_how_to_ge
     it.close()
     key = layout.commit_key(victim)
     _withdraw(store, victim, "record 2: hash mismatch", decode_commit(store.get(key), key).data_key, [])
+    assert layout.redo_key(victim) in [o.key for o in store.list(layout.REDO)]
     resumed = ShardStream(uri, config=cfg, rank=0, world_size=1)
     resumed.load_state_dict(state)
     with pytest.raises(InputError, match=rf"shard\(s\) \[{victim}\] .* no longer committed .* runs under --window "
-                                         r"24000: .* restart the extraction with a larger --window, or without one"):
+                                         r"24000: .* redo withdrawn shards all the same"):
         next(iter(resumed))
+
+    assert at_rest(store).bytes >= window  # the window is full: only the redo may pass
+    redone: list[int] = []
+    worker = threading.Thread(target=lambda: redone.extend(fake_worker.work(uri, window=window)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "the worker waited behind the full window instead of redoing the withdrawn shard"
+    assert redone == [victim] and run_status(store)["complete"]
+    assert list(store.list(layout.REDO)) == []
+    resumed = ShardStream(uri, config=cfg, rank=0, world_size=1)
+    resumed.load_state_dict(state)
+    assert next(iter(resumed)) is not None
+
+
+def test_a_worker_waiting_behind_a_full_window_redoes_a_shard_withdrawn_meanwhile(store_uri):
+    """Workers already waiting in the gate when `verify` withdraws a shard: the gate lists the
+    redo markers while it waits and lets its worker redo that shard (one worker: the other finds
+    it leased), then both wait again; nothing else is claimed until training consumes. A marker
+    left beside a shard committed again (a redo killed before removing it) is removed, not redone."""
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2, 3])
+    sizes = {layout.shard_of(o.key, layout.SHARDS): o.size for o in store.list(layout.SHARDS)}
+    window = sizes[0] + sizes[2] + sizes[3]  # full, and still full once shard 1 is withdrawn
+    waits: list[list[AtRest | None]] = [[], []]
+    gates = [WindowGate(store, window, poll_s=0.02, max_poll_s=0.1, on_wait=waits[r].append) for r in range(2)]
+    done: list[int] = []
+    threads = [threading.Thread(target=window_worker, args=(store_uri, r, gates[r], done), daemon=True)
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while not all(waits) and time.time() < deadline:
+        time.sleep(0.05)  # until both wait
+    assert done == [] and all(waits)
+    bad = corrupt(store, 1)
+    assert [b["shard"] for b in verify_run(store).bad] == [1] and not store.exists(bad)
+    while 1 not in done and time.time() < deadline:
+        time.sleep(0.05)
+    assert done == [1], f"the waiting workers redid {done} (want [1], once)"
+    assert list(store.list(layout.REDO)) == []
+    time.sleep(0.5)  # both wait again: the window is as full as before the withdrawal
+    assert done == [1] and sorted(listed(store, layout.COMMITS)) == [0, 1, 2, 3]
+
+    store.put(layout.redo_key(2), b"")  # stale: shard 2 is committed
+    while list(store.list(layout.REDO)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert list(store.list(layout.REDO)) == [] and done == [1]
+
+    consumed = [0, 1, 2, 3]  # training consumes: the workers finish the run
+    record_consumed(store, rank=0, world_size=1, shards=consumed, step=1)
+    delete_consumed(store)
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), (done, [len(w) for w in waits], waits[0][-3:], waits[1][-3:])
+    assert sorted(done) == [1, 4, 5, 6] and run_status(store)["complete"]
+
+
+def listed(store, prefix: str) -> list[int]:
+    return [layout.shard_of(o.key, prefix) for o in store.list(prefix)]

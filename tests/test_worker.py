@@ -20,7 +20,7 @@ from layertap.manifests import layout
 from layertap.manifests.preemption import Interrupted
 from layertap.manifests.records import Producer, decode_failure
 from layertap.manifests.status import run_status, verify_run
-from layertap.manifests.work import Claim, WorkQueue
+from layertap.manifests.work import Claim, Gate, WorkQueue
 from layertap.storage.format import ShardMeta
 from layertap.storage.store import StoreError, open_store
 from layertap.storage.writer import ShardWriter
@@ -265,11 +265,11 @@ def test_a_stop_inside_the_queue_leaves_the_lease_of_the_shard_finishing_behind_
     run.store.put_if_absent = logged_put_if_absent
     calls = []
 
-    def stop_before_the_second_claim() -> bool:
+    def stop_before_the_second_claim(shard, would_redo) -> Gate:
         calls.append(1)
         if len(calls) == 2:
             raise Interrupted("a stop signal")
-        return False
+        return Gate.OPEN
 
     loop = run.loop(overlap=True)
     queue = WorkQueue(run.store, run.manifest, Producer.current(0), poll_s=0.1, on_idle=loop.settle,

@@ -701,8 +701,8 @@ class ShardStream(IterableDataset):
                              "(the run's command, unchanged) to redo them, then resume"
                              + ("" if window is None else
                                 f". Its extraction runs under --window {window}: workers waiting for a full window "
-                                "do not redo them (nothing is consumed while this trainer waits), so restart the "
-                                "extraction with a larger --window, or without one, for the redo"))
+                                "redo withdrawn shards all the same, so if they still run, wait for the redo "
+                                "(`layertap status` shows the shards done again), then resume"))
         for shard, had in zip(taken, records):
             if had is not None and (now := known[shard].num_records) != had:
                 raise InputError(f"{self.uri}: shard {shard} was redone with {now} records since the checkpoint (it "
