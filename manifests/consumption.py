@@ -432,13 +432,28 @@ def _put_json(store: ObjectStore, key: str, body: dict) -> None:
     store.put(key, json.dumps(body).encode())
 
 
-def window_floor(consumers: int, shuffle_buffer: int, batch_size: int, shard_bytes: int, grad_accum: int = 1) -> int:
+def prefetch_depth(grad_accum: int = 1) -> int:
+    """Batches a follow trainer's prefetch thread holds ready beside the one being trained: a
+    step's every batch (`train.trainer`: it waits for them all at the step boundary), at least 2."""
+    return max(2, grad_accum)
+
+
+def batches_in_flight(num_workers: int, grad_accum: int = 1) -> int:
+    """Batches one training rank holds that it has not trained on yet, the one being trained
+    included: that one, the prefetch thread's (`prefetch_depth`), and with DataLoader workers,
+    the 2 each has under way (torch's prefetch_factor). Counted by collating in
+    tests/test_window.py: 3, 5, 7 and 11 at 0, 1, 2 and 4 workers."""
+    return 1 + prefetch_depth(grad_accum) + 2 * num_workers
+
+
+def window_floor(ranks: int, num_workers: int, shuffle_buffer: int, batch_size: int, shard_bytes: int,
+                 grad_accum: int = 1) -> int:
     """The --window under which a window run may stall for good: each sample in a consumer's
-    shuffle buffer or in a batch in flight (3: prefetched, being trained, not yet checkpointed;
-    with --grad-accum N, N - 1 more: a follow trainer waits for a step's every batch at the step
-    boundary) can keep a whole shard from counting as consumed. A bound, not an estimate: stalls
-    need less where shards hold many samples each."""
-    return consumers * (shuffle_buffer + (3 + grad_accum - 1) * batch_size) * shard_bytes
+    shuffle buffer (one per rank, or per DataLoader worker) or in a batch in flight
+    (`batches_in_flight`) can keep a whole shard from counting as consumed. A bound, not an
+    estimate: stalls need less where shards hold many samples each."""
+    samples = max(1, num_workers) * shuffle_buffer + batches_in_flight(num_workers, grad_accum) * batch_size
+    return ranks * samples * shard_bytes
 
 
 def forget_window(store: ObjectStore) -> None:

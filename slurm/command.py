@@ -461,7 +461,7 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], fol
     topts = _job_options(args, gpus, lambda procs: train_resources(procs, train_cfg.num_workers), nodes,
                          job_name="layertap-train")
     if follow is not None and follow.window is not None:
-        _check_window(follow, train_cfg, args.train_nodes * topts.procs * max(1, train_cfg.num_workers))
+        _check_window(follow, train_cfg, args.train_nodes * topts.procs)
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
 
 
@@ -509,21 +509,25 @@ def _data_is_a_run(cfg) -> None:
         _note(f"--data could not be checked from here ({e}): the job will")
 
 
-def _check_window(cfg, train_cfg, consumers: int) -> None:
+def _check_window(cfg, train_cfg, ranks: int) -> None:
     """Warn (on stderr, at submission) of a --window below `window_floor`: the run may stall for
     good once the consumers' shuffle buffers and batches pin the shards that fill the window."""
-    from layertap.manifests.consumption import window_floor
+    from layertap.manifests.consumption import batches_in_flight, window_floor
     from layertap.storage.units import size
 
-    accum = train_cfg.grad_accum
-    floor = window_floor(consumers, train_cfg.shuffle_buffer, train_cfg.batch_size, cfg.shard_bytes, accum)
+    workers, accum = train_cfg.num_workers, train_cfg.grad_accum
+    floor = window_floor(ranks, workers, train_cfg.shuffle_buffer, train_cfg.batch_size, cfg.shard_bytes, accum)
     if cfg.window < floor:
-        print(f"warning: --window {size(cfg.window)} is below {size(floor)} = {consumers} consumers (ranks x DataLoader "
-              f"workers) x (--shuffle-buffer {train_cfg.shuffle_buffer} + {3 + accum - 1} x --batch-size "
-              f"{train_cfg.batch_size}{f', with --grad-accum {accum}' if accum > 1 else ''}) x "
-              f"--shard-bytes {size(cfg.shard_bytes)}: samples in shuffle buffers and batches in flight can each keep "
-              "a shard from counting as consumed, and the run may stall for good. Raise --window, or lower "
-              "--shard-bytes, --shuffle-buffer or --batch-size", file=sys.stderr)
+        buffers = f"{workers} DataLoader workers x " if workers > 1 else ""
+        held = batches_in_flight(workers, accum)
+        print(f"warning: --window {size(cfg.window)} is below {size(floor)} = {ranks} training ranks x ({buffers}"
+              f"--shuffle-buffer {train_cfg.shuffle_buffer} + {held} x --batch-size {train_cfg.batch_size}) x "
+              f"--shard-bytes {size(cfg.shard_bytes)}: each sample in a shuffle buffer or in the {held} batches a "
+              "rank holds before training them (the one in training, those prefetched"
+              + (f": a step's {accum} with --grad-accum {accum}" if accum > 2 else "")
+              + (", 2 per DataLoader worker" if workers else "")
+              + ") can keep a shard from counting as consumed, and the run may stall for good. Raise --window, "
+              "or lower --shard-bytes, --shuffle-buffer, --batch-size or --num-workers", file=sys.stderr)
 
 
 def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):

@@ -364,7 +364,8 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
                   "--train-while-extracting", "--model m --out d --delete-consumed --save-every 50") == 0
     out, err = capsys.readouterr()
     # 3 nodes x 4 ranks, each sample of a 64-sample shuffle buffer and 3 batches of 4 pinning a 1 GB shard
-    assert "--window 186 GiB is below 849 GiB = 12 consumers" in err and "may stall for good" in err
+    assert "--window 186 GiB is below 849 GiB = 12 training ranks x (--shuffle-buffer 64 + 3 x --batch-size 4)" in err
+    assert "may stall for good" in err
     scripts = dry_run_scripts(out)
     assert set(scripts) == {"layertap-extract", "layertap-train"}
     assert "--window 200GB" in " ".join(scripts["layertap-extract"].split())
@@ -376,13 +377,18 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     assert submit(*base, "--window", "200GB", "--shard-bytes", "128MB", "--train-while-extracting",
                   "--model m --out d --delete-consumed --shuffle-buffer 16") == 0
     assert "may stall" not in capsys.readouterr().err  # 12 x (16 + 12) x 128 MB = 43 GB
-    # --grad-accum 2: a follow trainer waits for a step's 2 batches at its boundary, one batch more in flight
+    # --grad-accum 4: a follow trainer prefetches a step's 4 batches (2 otherwise), two more in flight
     assert submit(*base, "--window", "200GB", "--train-while-extracting",
-                  "--model m --out d --delete-consumed --save-every 50 --grad-accum 2") == 0
+                  "--model m --out d --delete-consumed --save-every 50 --grad-accum 4") == 0
     err = capsys.readouterr().err
-    assert "is below 894 GiB = 12 consumers" in err and "4 x --batch-size 4, with --grad-accum 2" in err
-    from layertap.manifests.consumption import window_floor
-    assert window_floor(1, 64, 4, 10, grad_accum=2) == window_floor(1, 64, 4, 10) + 4 * 10
+    assert "is below 939 GiB = 12 training ranks x (--shuffle-buffer 64 + 5 x --batch-size 4)" in err
+    assert "a step's 4 with --grad-accum 4" in err
+    # 2 DataLoader workers: a shuffle buffer each, and 2 batches each under way
+    assert submit(*base, "--window", "200GB", "--train-while-extracting",
+                  "--model m --out d --delete-consumed --save-every 50 --num-workers 2") == 0
+    err = capsys.readouterr().err
+    assert "is below 1.70 TiB = 12 training ranks x (2 DataLoader workers x --shuffle-buffer 64 + 7 x --batch-size 4)" \
+        in err and "2 per DataLoader worker" in err
 
     # With --window the trainer must delete what it consumed, or the extraction would wait forever.
     assert submit(*base, "--window", "200GB", "--train-while-extracting", "--model m --out d") == 2

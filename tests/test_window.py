@@ -260,6 +260,47 @@ def test_extract_with_a_window_waits_for_training(tmp_path, store_uri):
     assert "holds fewer than two of this run's shards" not in (logs / "extract-rank0.log").read_text()
 
 
+class CountingCollate:
+    """`collate` that appends a line to `path` per batch, from whichever process collates it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, samples):
+        from layertap.train.batch import collate
+
+        with open(self.path, "a") as f:
+            f.write("batch\n")
+        return collate(samples)
+
+
+@pytest.mark.parametrize("workers, accum", [(0, 1), (0, 4), (2, 1)])
+def test_the_window_floor_counts_the_batches_a_rank_really_holds(tmp_path, workers, accum):
+    """`window_floor` rests on how many batches a training rank holds before it has trained them
+    (each sample of one can keep a shard from counting as consumed). It assumed 3 in all: a
+    DataLoader worker prefetches 2 of its own, so --num-workers 1 held 5 and the submit warning's
+    floor was too low. Counted here as the trainer builds its loader: batches collated once the
+    first is being trained and the prefetching settled."""
+    from layertap.manifests.consumption import batches_in_flight, prefetch_depth
+    from layertap.train import ShardStream, StreamConfig
+    from layertap.train.loader import Prefetcher, StreamLoader
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, samples=200)
+    counted = tmp_path / "collated"
+    counted.write_text("")
+    stream = ShardStream(uri, config=StreamConfig(shuffle_buffer=4, seed=1), rank=0, world_size=1)
+    loader = StreamLoader(stream, batch_size=2, num_workers=workers, collate_fn=CountingCollate(counted))
+    with Prefetcher(loader, "cpu", depth=prefetch_depth(accum)) as batches:
+        batches.wait_for_batch()
+        seen, steady = -1, time.time()
+        while time.time() - steady < 1.5:  # until nothing new for 1.5 s
+            if (n := counted.read_text().count("batch")) != seen:
+                seen, steady = n, time.time()
+            time.sleep(0.1)
+    assert seen == batches_in_flight(workers, accum)
+
+
 def test_a_window_under_two_shards_is_warned_of_at_the_start(tmp_path):
     """`extract --shard-bytes 6MB --window 1MB` was taken silently and then went one shard at a time
     (or stalled for good, with a trainer's shuffle buffer to fill)."""

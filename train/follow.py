@@ -374,9 +374,10 @@ class CommitWatcher:
                        f"{b.shards} shards, window {size(window)}) while training waits for data. A shard counts "
                        "as consumed once every sample of it has left the consumers' shuffle buffers and is trained "
                        "on, and a checkpoint covers it (a waiting `layertap train --delete-consumed` takes one), so "
-                       "the window must exceed consumers x (shuffle buffer + 3 batches) x the largest shard "
-                       f"({size(largest)} here). Restart extraction with a larger --window, or train with a smaller "
-                       "--shuffle-buffer or --batch-size; both resume where they are.")
+                       "the window must exceed ranks x (shuffle buffers + batches held: 3, 2 more per DataLoader "
+                       f"worker) x the largest shard ({size(largest)} here). Restart extraction with a larger "
+                       "--window, or train with a smaller --shuffle-buffer, --batch-size or --num-workers; both "
+                       "resume where they are.")
         if time.monotonic() - (self._stalled_since or time.monotonic()) >= STALL_GIVE_UP_S:
             # neither side can move: a trainer waiting on for good would hold its GPUs, and the run's, forever
             raise Stalled(f"{message} Stopping after {STALL_GIVE_UP_S / 60:.0f} min of it.")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import xxhash
 
+from layertap.manifests.consumption import prefetch_depth
 from layertap.manifests.layout import MANIFEST
 from layertap.manifests.manifest import Manifest, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
@@ -380,7 +381,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
 
     # follow mode: a step's every batch prefetched, so `_await_data` waits for them all at the step boundary
-    depth = max(2, cfg.grad_accum) if cfg.follow else 2
+    depth = prefetch_depth(cfg.grad_accum) if cfg.follow else 2
     with StopSignals(at_once=False) as stop, \
             Prefetcher(loader, acc.device, depth=depth) as batches:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
