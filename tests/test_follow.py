@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -741,7 +742,9 @@ def test_the_stall_checkpoint_is_taken_whichever_rank_lacks_its_batch(tmp_path, 
 def test_a_restart_in_the_padding_needs_no_deleted_data(tmp_path, monkeypatch):
     """A rank restarted at the end of the follow epoch, after every shard was consumed and
     deleted (a window run), still yields its zero-weighted padding: one token of zeros in the
-    run's shapes, not a fetched sample (whose data is gone)."""
+    run's shapes, not a fetched sample (whose data is gone), and the same padding as the epoch
+    run through: it repeated its last sample, so a resumed run's samples differed (zero-weighted:
+    the same training, another samples_digest)."""
     from layertap.manifests.consumption import delete_consumed, record_consumed
     from layertap.storage.store import open_store
 
@@ -749,9 +752,10 @@ def test_a_restart_in_the_padding_needs_no_deleted_data(tmp_path, monkeypatch):
     uri, world = str(tmp_path / "run"), 3  # 40 samples over 3 ranks: padding on some
     fake_worker.work(uri)
     cfg = StreamConfig(**CFG)
-    states, padded = [], []
+    states, padded, wholes = [], [], []
     for r in range(world):
         whole = list(ShardStream(uri, config=cfg, rank=r, world_size=world))
+        wholes.append(whole)
         real = sum(not x["padding"] for x in whole)
         assert all(x["padding"] for x in whole[real:])
         stream = ShardStream(uri, config=cfg, rank=r, world_size=world)
@@ -772,6 +776,9 @@ def test_a_restart_in_the_padding_needs_no_deleted_data(tmp_path, monkeypatch):
         rest = list(resumed)
         assert len(rest) == pads and all(x["padding"] and not x["loss_mask"].any() for x in rest)
         assert rest[0]["hidden_states"].shape == (1, len(fake_worker.LAYERS), fake_worker.HIDDEN)
+        whole = wholes[r][-pads:]
+        assert [x["sample_id"] for x in rest] == [x["sample_id"] for x in whole] == ["padding"] * pads
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(rest, whole))
 
 
 # -- ranks x workers, real processes -------------------------------------------------------------

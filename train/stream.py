@@ -645,7 +645,15 @@ class ShardStream(IterableDataset):
             return self._sample(fetcher, *(pending.pop(pos) if pos in pending else (fetcher.wait_for(pos),)))
 
         metrics.started = time.perf_counter()
-        last_good: dict[str, Any] | None = None
+        filler: dict[str, Any] | None = None
+
+        def pad() -> dict[str, Any]:
+            """The follow epoch's padding: the stand-in, never the last sample yielded, which a
+            consumer resumed in its padding has not got (the same samples either way)."""
+            nonlocal filler
+            filler = filler or self._pad(self._stand_in(mine))
+            return filler
+
         try:
             discover(found)
             while True:
@@ -654,9 +662,7 @@ class ShardStream(IterableDataset):
                     sample = next_sample()
                     if sample is None:  # its shard failed and on_corrupt="skip": padding, as in `_generate`
                         metrics.add(skipped_samples=1, padding_samples=1)
-                        sample = self._pad(last_good or self._stand_in(mine))
-                    else:
-                        last_good = sample
+                        sample = pad()
                     position.advance(worker)
                     yielded += 1
                     metrics.add(samples=1)
@@ -671,12 +677,11 @@ class ShardStream(IterableDataset):
                 else:  # extraction is over and every input is in the buffer: drain it
                     shuffle.end()
                     fetcher.seal()
-            while yielded < target:  # zero-weighted repeats up to the count every consumer reaches
-                last_good = last_good or self._stand_in(mine)
+            while yielded < target:  # zero-weighted up to the count every consumer reaches
                 position.advance(worker)
                 yielded += 1
                 metrics.add(samples=1, padding_samples=1)
-                yield self._pad(last_good)
+                yield pad()
         finally:
             metrics.finished = time.perf_counter()
             if decoder is not None:
@@ -736,9 +741,8 @@ class ShardStream(IterableDataset):
             return None
 
     def _stand_in(self, mine: list[CommittedShard]) -> dict[str, Any]:
-        """A sample to repeat, zero-weighted, by a consumer that has yielded none of its own (the
-        end of a follow epoch; on_corrupt="skip" with nothing readable left): one token of zeros
-        in the run's shapes. Not a fetched sample: after a restart at the end of the follow epoch
+        """The sample a follow epoch pads with, zero-weighted (its end; on_corrupt="skip"), and a
+        plain one with nothing readable left to copy: one token of zeros in the run's shapes. Not a fetched sample: after a restart at the end of the follow epoch
         the shards may be consumed and deleted (a window run). Only a manifest
         without hidden_size (synthetic runs) makes it read the first readable committed sample:
         of its own shards, or of the run's when it took none with samples (no share of any)."""
