@@ -136,24 +136,10 @@ def _truncated_text(s: dict) -> str:
 
 
 def _deleting(store, s: dict) -> str | None:
-    """Who consumes a --window run: "stopped" (the --delete-consumed trainer that claimed it left
-    a lease on its output that went stale), "none" (none claimed it), else "running" (also when
-    this machine sees no lease there at all: a node-local output, another endpoint); None for a
-    run without a window."""
-    from layertap.manifests.consumption import consumer_of
-    from layertap.manifests.output_lease import latest, live_holder
-    from layertap.storage.store import StoreError, open_store
+    """Who consumes a --window run (`consumption.trainer_state`); None for a run without a window."""
+    from layertap.manifests.consumption import trainer_state
 
-    if s.get("window") is None:
-        return None
-    output = consumer_of(store)
-    if output is None:
-        return "none"
-    try:
-        out = open_store(output)
-        return "stopped" if latest(out) is not None and live_holder(out) is None else "running"
-    except StoreError:  # cannot tell: said as before
-        return "running"
+    return None if s.get("window") is None else trainer_state(store)
 
 
 def _rerun(s: dict) -> str:
@@ -166,6 +152,8 @@ def _rerun(s: dict) -> str:
 
 
 def format_status(s: dict, deleting: str | None = None) -> str:
+    from layertap.manifests.consumption import WAITING_STALE_S
+
     """`deleting`: whether a --delete-consumed trainer consumes the run (`_deleting`; None: not known)."""
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
@@ -200,12 +188,15 @@ def format_status(s: dict, deleting: str | None = None) -> str:
                          "continues it), or restart the extraction with a larger --window")
     if s["complete"]:
         lines.append("  COMPLETE")
+    elif not s["shards_running"] and not s["problem"] and (waiting := s.get("workers_waiting")):
+        # Workers waiting for the window hold no lease: "nothing is running" sent users to start a second extractor.
+        lines.append(f"  no shard is running: {waiting} extraction worker(s) wait for the window to open"
+                     + (", as training consumes and deletes what it trained on" if deleting == "running" else ""))
     elif (not s["shards_running"] and not s["problem"] and window is not None and rest >= window
           and deleting not in ("none", "stopped")):
-        # Workers waiting for the window hold no lease: "nothing is running" sent users to start a second extractor.
-        lines.append("  no shard is running: the extraction workers wait for the window to open, as training "
-                     "consumes and deletes what it trained on; if no worker is alive, the same `layertap extract` "
-                     "command goes on")
+        lines.append("  no shard is running, and no extraction worker waits for the window (none has renewed its "
+                     f"record under waiting/ for {WAITING_STALE_S / 60:.0f} min): {_rerun(s)} goes on as training "
+                     "consumes")
     elif not s["shards_running"] and not s["problem"]:
         lines.append(f"  nothing is running: {_rerun(s)} finishes the failed and pending shards")
     if len(s["failed"]) < s["shards_failed"]:

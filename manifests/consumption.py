@@ -25,22 +25,26 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import asdict, dataclass
+from typing import Literal, TypeVar
 
 from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, ManifestError, load_manifest
-from layertap.manifests.records import decode_commit
+from layertap.manifests.records import Producer, decode_commit, holder_name
 from layertap.manifests.state import listed_shards, scan_shard
 from layertap.manifests.work import Gate
 from layertap.storage.retry import Backoff
 from layertap.storage.errors import ConfigError
-from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import size
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+WAITING_RENEW_S = 60.0  # a waiting worker rewrites its `layout.waiting_key` this often
+WAITING_STALE_S = 3 * WAITING_RENEW_S  # ... and is taken for gone once it has not for this long
+TRAINER_LOOK_S = 300.0  # a waiting worker looks at whether the run's trainer runs this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,44 @@ def consumer_of(store: ObjectStore) -> str | None:
     except (ValueError, KeyError, TypeError) as e:
         raise ManifestError(f"{store.uri.rstrip('/')}/{layout.CONSUMER} is unreadable ({e}); delete it if no "
                             "--delete-consumed trainer reads the run now") from e
+
+
+def trainer_state(store: ObjectStore) -> Literal["none", "stopped", "running"]:
+    """Who consumes a --window run: "none" (no --delete-consumed trainer claimed it), "stopped" (the
+    one that did left a lease on its output that went stale), else "running" (also when this
+    machine cannot see its output's lease: a node-local output, another endpoint)."""
+    from layertap.manifests.output_lease import latest, live_holder
+    from layertap.storage.store import open_store
+
+    output = consumer_of(store)
+    if output is None:
+        return "none"
+    try:
+        out = open_store(output)
+        return "stopped" if latest(out) is not None and live_holder(out) is None else "running"
+    except StoreError:  # cannot tell: as if it ran
+        return "running"
+
+
+def waiting_workers(store: ObjectStore) -> list[ObjectInfo]:
+    """The records of the extraction workers waiting behind a full window now (`WindowGate`): those
+    renewed within `WAITING_STALE_S` by the store's clock (a worker killed while it waited leaves
+    one that goes stale)."""
+    now = store.now()
+    return [o for o in store.list(layout.WAITING) if now - o.modified < WAITING_STALE_S]
+
+
+def waiting_jobs(store: ObjectStore, records: list[ObjectInfo], most: int = 16) -> list[str]:
+    """Who waits, from at most `most` of `records`: Slurm job ids, or `pid P on HOST`."""
+    found = set()
+    for o in records[::max(1, -(-len(records) // most))]:
+        try:
+            name = holder_name(json.loads(store.get(o.key))["producer"])
+        except (ObjectNotFound, ValueError, KeyError, TypeError, AttributeError):
+            continue  # went on meanwhile, or unreadable
+        if name:
+            found.add(name)
+    return sorted(found)
 
 
 def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: list[int], step: int,
@@ -329,10 +371,10 @@ class WindowGate:
     the redos of withdrawn shards, whose data the window counted until `verify` withdrew it.
     """
 
-    def __init__(self, store: ObjectStore, window: int, *, poll_s: float = 2.0, max_poll_s: float = 30.0,
-                 sweep_every_s: float = 30.0, log_every_s: float = 30.0,
+    def __init__(self, store: ObjectStore, window: int, *, producer: Producer | None = None, poll_s: float = 2.0,
+                 max_poll_s: float = 30.0, sweep_every_s: float = 30.0, log_every_s: float = 30.0,
                  on_wait: Callable[[AtRest | None], None] | None = None, sleep: Callable[[float], None] = time.sleep):
-        self.store, self.window = store, window
+        self.store, self.window, self.producer = store, window, producer
         self.poll_s, self.max_poll_s, self.log_every_s = poll_s, max_poll_s, log_every_s
         self.sweep_every_s = sweep_every_s
         self.on_wait, self.sleep = on_wait, sleep
@@ -397,35 +439,67 @@ class WindowGate:
         """Before the claim of `shard`: wait while the window is full, unless a withdrawn shard that
         its worker `would_redo` awaits its redo (`Gate.REDO`), or another worker commits `shard`
         meanwhile (one HEAD a poll: a worker whose shards are all done by others ends, rather
-        than wait for a window that only training opens)."""
+        than wait for a window that only training opens). While it waits, its `producer` (if
+        given) is on record under `waiting/` (`waiting_workers`: `submit` and `status` count it)."""
         if not self._recorded:
             self.record()
             self._recorded = True
         waited, backoff, logged = False, Backoff(self.poll_s, self.max_poll_s, self.sleep, jitter=0.25), 0.0
-        outcome = Gate.OPEN
-        while (rest := self.check()).bytes >= self.window:
-            if redos := self.redos_waiting(would_redo):
-                log.info("window full, but shard(s) %s, withdrawn by `layertap verify`, await their redo, which the "
-                         "window does not hold back: redoing", _ids(redos))
-                outcome = Gate.REDO
-                break
-            if waited and self.store.exists(layout.commit_key(shard)):
-                log.info("shard %d was committed by another worker while this one waited for the window", shard)
-                break
-            if time.monotonic() - logged >= self.log_every_s:
-                logged = time.monotonic()
-                log.info("window full: %s at rest not yet consumed by training (%d shards; window %s); waiting "
-                         "for training", size(rest.bytes), rest.shards, size(self.window))
-            if self.on_wait:
-                self.on_wait(rest)
-            waited, outcome = True, Gate.WAITED
-            backoff.sleep()
-        else:
-            if waited:
-                log.info("window open: %s at rest (window %s); claiming again", size(rest.bytes), size(self.window))
+        outcome, on_record, trainer_looked = Gate.OPEN, -float("inf"), -float("inf")
+        try:
+            while (rest := self.check()).bytes >= self.window:
+                if redos := self.redos_waiting(would_redo):
+                    log.info("window full, but shard(s) %s, withdrawn by `layertap verify`, await their redo, which "
+                             "the window does not hold back: redoing", _ids(redos))
+                    outcome = Gate.REDO
+                    break
+                if waited and self.store.exists(layout.commit_key(shard)):
+                    log.info("shard %d was committed by another worker while this one waited for the window", shard)
+                    break
+                if self.producer is not None and time.monotonic() - on_record >= WAITING_RENEW_S:
+                    on_record = time.monotonic()
+                    _put_json(self.store, layout.waiting_key(self.producer.token),
+                              {"producer": asdict(self.producer), "shard": shard, "window": self.window})
+                if time.monotonic() - logged >= self.log_every_s:
+                    logged = time.monotonic()
+                    log.info("window full: %s at rest not yet consumed by training (%d shards; window %s); waiting "
+                             "for training", size(rest.bytes), rest.shards, size(self.window))
+                    if time.monotonic() - trainer_looked >= TRAINER_LOOK_S:
+                        trainer_looked = time.monotonic()
+                        self._say_if_no_trainer()
+                if self.on_wait:
+                    self.on_wait(rest)
+                waited, outcome = True, Gate.WAITED
+                backoff.sleep()
+            else:
+                if waited:
+                    log.info("window open: %s at rest (window %s); claiming again", size(rest.bytes),
+                             size(self.window))
+        finally:
+            if on_record > -float("inf"):
+                try:
+                    self.store.delete(layout.waiting_key(self.producer.token))
+                except StoreError as e:  # it goes stale
+                    log.warning("could not remove this worker's record of waiting for the window: %s", e)
         if waited and self.on_wait:
             self.on_wait(None)
         return outcome
+
+    def _say_if_no_trainer(self) -> None:
+        """Warn when no trainer will open the window (`trainer_state`): workers wait for good."""
+        try:
+            state = trainer_state(self.store)
+        except (StoreError, ManifestError) as e:
+            log.warning("could not tell whether the run's trainer runs: %s", e)
+            return
+        if state == "none":
+            log.warning("no `layertap train --delete-consumed` has claimed this run: nothing trained on is deleted, so "
+                        "the window opens only once one does (start the trainer with --follow --delete-consumed, or "
+                        "restart the extraction without --window)")
+        elif state == "stopped":
+            log.warning("the run's --delete-consumed trainer is not running (its lease on %s went stale): nothing is "
+                        "consumed, so the window opens only once it is restarted (--resume continues it)",
+                        consumer_of(self.store))
 
 
 def _put_json(store: ObjectStore, key: str, body: dict) -> None:

@@ -23,6 +23,9 @@
     redo/{shard:06d}                       empty: `verify` withdrew the shard, whose redo no --window holds
                                            back; what wakes workers waiting behind a full window (deleted
                                            by the redo's commit)
+    waiting/{token}                        an extraction worker waiting behind a full --window (it holds
+                                           no lease): who, and the shard it waits to claim; renewed while
+                                           it waits, deleted when it goes on (`consumption.waiting_workers`)
     given_up/{shard:06d}/{ms:013d}-{token} a worker gave the shard up (its --retries used up): the
                                            verdict a follow-mode trainer waits for before it ends
                                            its epoch without the shard
@@ -48,6 +51,7 @@ MANIFEST = "manifest.json"
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 GIVEN_UP = "given_up/"
 REDO = "redo/"  # shards `verify` withdrew, awaiting their redo (`redo_key`)
+WAITING = "waiting/"  # extraction workers waiting behind a full --window (`waiting_key`)
 SWEEPS = "sweeps/"  # claims of the end-of-run sweep (`work.WorkQueue._sweep`), not the run's data
 FEED = "feed/"  # one empty key per commit, named by its time and counts: what follow mode lists for new commits
 COMMIT_INDEX = "index/commits.json.zst"
@@ -56,7 +60,7 @@ CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, f
 CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
 # what a run holds at its top level: a key outside them is not the run's (a user's file put there)
 RUN_TOP_LEVEL = frozenset(p.split("/")[0] for p in (MANIFEST, SHARDS, COMMITS, TALLY, LEASES, FAILURES, GIVEN_UP,
-                                                     REDO, SWEEPS, FEED, COMMIT_INDEX, CONSUMED))
+                                                     REDO, WAITING, SWEEPS, FEED, COMMIT_INDEX, CONSUMED))
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)(?:\.c(\d+))?$")
@@ -192,6 +196,10 @@ def redo_key(shard: int) -> str:
     --window (`consumption.WindowGate`), which no window holds back, since the data it restores was
     at rest, counted by the window, until `verify` withdrew it."""
     return f"{REDO}{shard:06d}"
+
+
+def waiting_key(token: str) -> str:
+    return f"{WAITING}{token}"
 
 
 def counts_as_attempt(key: str) -> bool:

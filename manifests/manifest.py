@@ -174,7 +174,8 @@ def load_manifest(store: ObjectStore) -> Manifest:
 # the records of a run's work under its prefix (manifests/layout.py); not the settings in
 # consumed/ (window.json, trainer.json), which a new extraction or trainer of the prefix replaces or names
 RUN_RECORDS = (layout.COMMITS, layout.SHARDS, layout.TALLY, layout.FEED, layout.LEASES, layout.FAILURES,
-               layout.GIVEN_UP, layout.REDO, layout.CONSUMED_RANKS, layout.CONSUMED_SHARDS, layout.COMMIT_INDEX)
+               layout.GIVEN_UP, layout.REDO, layout.WAITING, layout.CONSUMED_RANKS, layout.CONSUMED_SHARDS,
+               layout.COMMIT_INDEX)
 
 
 def _refuse_leftovers(store: ObjectStore) -> None:

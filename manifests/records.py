@@ -36,6 +36,15 @@ class Producer:
         return cls(socket.gethostname(), os.getpid(), rank, job, uuid.uuid4().hex[:12], pid_namespace())
 
 
+def holder_name(producer: dict[str, Any]) -> str | None:
+    """Who a recorded producer is, as a user finds it: its Slurm job id (an array's own, as
+    `submit train --after` takes it), or `pid P on HOST` outside Slurm; None if it says neither."""
+    job, pid, host = producer.get("job_id"), producer.get("pid"), producer.get("host")
+    if job:
+        return str(job).split("_")[0]
+    return f"pid {pid} on {host}" if pid and host else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommitRecord:
     shard: int

@@ -11,7 +11,8 @@ from datetime import datetime
 from typing import Any
 
 from layertap.manifests import layout
-from layertap.manifests.consumption import consumed_everywhere, consumed_shards, marker_times, recorded_window
+from layertap.manifests.consumption import (consumed_everywhere, consumed_shards, marker_times, recorded_window,
+                                            waiting_workers)
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
@@ -151,7 +152,9 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "stale_commits": st.stale_commits,
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
         "consumption": consumption,
-        "window": recorded_window(store),  # the --window extraction runs with (bytes), None without one
+        "window": (window := recorded_window(store)),  # the --window extraction runs with (bytes), None without one
+        # extraction workers waiting behind it (they hold no lease: not `shards_running`)
+        "workers_waiting": len(waiting_workers(store)) if window is not None and not complete else 0,
         **listed,
     }
 

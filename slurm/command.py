@@ -292,7 +292,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _training_needs_the_rest(store, cfg, planned=remaining is not None)
         if remaining is not None:
             _training_waits_for_the_run(store, remaining, plan)
-    if not plan.indices:
+    if not plan.indices or (remaining is not None and remaining.waiting):
         return _nothing_left(args, remaining, train)
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
     job = _submit_array(args, opts, script, f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}")
@@ -365,7 +365,13 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
 def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     from layertap.slurm.scripts import compress
 
-    if remaining is not None and remaining.running:
+    if remaining is not None and remaining.waiting:
+        # A window run is paced by its training: more tasks would only hold GPUs to wait beside these.
+        _say(args, f"nothing to submit: {remaining.waiting} extraction worker(s) of {', '.join(remaining.waiting_jobs)} "
+                   f"wait behind the full storage window for training to consume; they take the "
+                   f"{len(remaining.todo)} shard(s) left as it does (`layertap status` says whether the trainer "
+                   "runs). To change --window, cancel them (scancel) and submit again")
+    elif remaining is not None and remaining.running:
         _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
                    "every other one is done")
     else:

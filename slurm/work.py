@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layertap.manifests import layout
+from layertap.manifests.consumption import waiting_jobs, waiting_workers
 from layertap.manifests.manifest import ConfigMismatch, load_manifest
+from layertap.manifests.records import holder_name
 from layertap.manifests.state import scan
 from layertap.manifests.work import read_lease
 from layertap.slurm.scripts import ArrayPlan
@@ -33,6 +35,8 @@ class Remaining:
     interrupted: list[int] = field(default_factory=list)  # of `failed`: its last attempt stopped from outside
     todo: list[int]  # to be (re)done: not committed, not held
     leases: dict[int, str] = field(default_factory=dict)  # running shard -> its live lease's key
+    waiting: int = 0  # extraction workers waiting behind a full --window (they hold no lease)
+    waiting_jobs: list[str] = field(default_factory=list)  # theirs: Slurm job ids, or `pid P on HOST`
 
     def summary(self) -> str:
         # as `layertap status` counts them: a preempted or taken-over shard is interrupted, not failed
@@ -65,11 +69,13 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     states = {s: st.state(s) for s in ids}
     running = [s for s, v in states.items() if v == "running"]
     failed = [s for s, v in states.items() if v == "failed"]
+    todo = [s for s, v in states.items() if v in ("failed", "pending")]
+    waiting = waiting_workers(store) if todo else []
     return Remaining(run_id=manifest.run_id, total=total, done=sum(1 for v in states.values() if v == "done"),
                      running=running, failed=failed,
                      interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
-                     todo=[s for s, v in states.items() if v in ("failed", "pending")],
-                     leases={s: st.live_lease(s).key for s in running})
+                     todo=todo, leases={s: st.live_lease(s).key for s in running},
+                     waiting=len(waiting), waiting_jobs=waiting_jobs(store, waiting))
 
 
 def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int,
@@ -129,12 +135,6 @@ def lease_holders(store: ObjectStore, remaining: Remaining, shards: Sequence[int
             lease = read_lease(store, remaining.leases[s])
         except StoreError:
             lease = None
-        if lease is None:
-            continue  # released meanwhile, or unreadable: the error names the shards anyway
-        holder = lease["holder"]
-        job, pid, host = holder.get("job_id"), holder.get("pid"), holder.get("host")
-        if job:
-            found.add(str(job).split("_")[0])
-        elif pid and host:
-            found.add(f"pid {pid} on {host}")
+        if lease is not None and (name := holder_name(lease["holder"])):  # else released meanwhile, or unreadable
+            found.add(name)
     return sorted(found)

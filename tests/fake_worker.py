@@ -27,7 +27,7 @@ from layertap.storage.writer import ShardWriter
 from layertap.storage.store import open_store
 
 LAYERS, HIDDEN = [0, 2], 32
-CONFIG = {"model": "synthetic", "layers": LAYERS, "codec": "bf16-zstd", "max_length": 64}
+CONFIG = {"model": "synthetic", "layers": LAYERS, "codec": "bf16-zstd", "max_length": 64, "final_state": "none"}
 DATASET = {"fingerprint": "synthetic-v1", "path": "synthetic"}
 
 

@@ -796,11 +796,11 @@ def test_a_lost_claim_race_is_waited_on_not_taken_for_the_end(store_uri):
     queue = WorkQueue(store, m, Producer.current(), ttl_s=1.0, shards=[0], poll_s=0.2)
     real_try_claim = queue._try_claim
 
-    def competitor_first(shard, st):
+    def competitor_first(shard, st, redo=False):
         if not getattr(competitor_first, "done", False):
             competitor_first.done = True  # a rival creates this very generation just before us
             store.put_if_absent(layout.lease_key(shard, st.next_generation(shard), 1.0), b'{"rival": true}')
-        return real_try_claim(shard, st)
+        return real_try_claim(shard, st, redo)
 
     queue._try_claim = competitor_first
     claim = next(iter(queue), None)  # the rival never renews: its lease goes stale, then it is ours

@@ -260,6 +260,60 @@ def test_extract_with_a_window_waits_for_training(tmp_path, store_uri):
     assert "holds fewer than two of this run's shards" not in (logs / "extract-rank0.log").read_text()
 
 
+def test_workers_waiting_behind_the_window_are_on_record_for_status_and_submit(store_uri, tmp_path, capsys, caplog,
+                                                                               monkeypatch):
+    """A worker waiting behind a full window holds no lease, so `submit extract` took the shards
+    it waits for as free work and started more tasks (each loading the model to wait beside it),
+    and `status` could only guess whether anyone waited. While it waits, the worker's record is
+    under waiting/ (renewed, removed when it goes on): `status` counts it, `submit` adds no task
+    and names its job. A record not renewed for WAITING_STALE_S (a worker SIGKILLed while it
+    waited) counts for nothing. The waiting worker also says when no trainer will open the window."""
+    import layertap.manifests.consumption as consumption
+    from layertap.manifests.consumption import waiting_workers
+    from test_slurm import submit
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/no-slurm-here")
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])
+    window = at_rest(store).bytes  # full
+    gate = WindowGate(store, window, producer=Producer.current(0), poll_s=0.02, max_poll_s=0.1)
+    done: list[int] = []
+    worker = threading.Thread(target=window_worker, args=(store_uri, 0, gate, done), daemon=True)
+    with caplog.at_level("WARNING", logger="layertap.manifests.consumption"):
+        worker.start()
+        deadline = time.time() + 30
+        while not waiting_workers(store) and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(waiting_workers(store)) == 1 and done == []
+        status = run_status(store)
+        assert status["workers_waiting"] == 1 and status["shards_running"] == 0
+        assert cli(["status", store_uri]) == 3
+        assert "no shard is running: 1 extraction worker(s) wait for the window to open" in capsys.readouterr().out
+        assert submit("extract", "--dry-run", "--out", store_uri, "--max-length", "64") == 0
+        out = capsys.readouterr().out
+        assert "nothing to submit: 1 extraction worker(s) of 777 wait behind the full storage window for training to " \
+               "consume; they take the 4 shard(s) left" in out and "#SBATCH" not in out
+    assert "no `layertap train --delete-consumed` has claimed this run" in caplog.text
+
+    record_consumed(store, rank=0, world_size=1, shards=[0, 1, 2], step=1)  # training consumes: it goes on
+    delete_consumed(store)
+    while not done and time.time() < deadline:
+        time.sleep(0.05)
+    assert done and not waiting_workers(store) and list(store.list(layout.WAITING)) == []
+
+    store.put(layout.waiting_key("killed"), b"{}")  # a worker SIGKILLed while it waited
+    assert len(waiting_workers(store)) == 1
+    monkeypatch.setattr(consumption, "WAITING_STALE_S", 1.0)
+    time.sleep(2.1)  # S3's clock is in whole seconds
+    assert waiting_workers(store) == []
+    record_consumed(store, rank=0, world_size=1, shards=list(range(7)), step=2)
+    delete_consumed(store)  # let the worker finish the run
+    worker.join(60)
+    assert not worker.is_alive() and run_status(store)["complete"]
+
+
 class CountingCollate:
     """`collate` that appends a line to `path` per batch, from whichever process collates it."""
 
