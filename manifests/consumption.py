@@ -422,16 +422,15 @@ class WindowGate:
     def redos_waiting(self, would_redo: Callable[[int], bool]) -> list[int]:
         """The withdrawn shards (`layout.redo_key`) its worker `would_redo` that no one redoes yet: one
         listing, then a look at each such shard (a HEAD, two small listings). A marker whose shard
-        is committed again (its redo was killed before removing it) is removed."""
+        is committed again (its redo was killed before removing it) is passed over, not removed: a
+        `verify` may be withdrawing that commit and writing the marker anew right now."""
         waiting = []
         for o in self.store.list(layout.REDO):
             shard = layout.shard_of(o.key, layout.REDO)
             if shard is None or shard >= len(self.manifest.shards) or not would_redo(shard):
                 continue
             st = scan_shard(self.store, self.manifest, shard)
-            if shard in st.committed:
-                self.store.delete(o.key)
-            elif st.live_lease(shard) is None:
+            if shard not in st.committed and st.live_lease(shard) is None:
                 waiting.append(shard)
         return waiting
 
@@ -516,7 +515,7 @@ def batches_in_flight(num_workers: int, grad_accum: int = 1) -> int:
     """Batches one training rank holds that it has not trained on yet, the one being trained
     included: that one, the prefetch thread's (`prefetch_depth`), and with DataLoader workers,
     the 2 each has under way (torch's prefetch_factor). Counted by collating in
-    tests/test_window.py: 3, 5, 7 and 11 at 0, 1, 2 and 4 workers."""
+    tests/test_window.py: 3, 5 and 7 at 0, 1 and 2 workers; 5 at --grad-accum 4."""
     return 1 + prefetch_depth(grad_accum) + 2 * num_workers
 
 

@@ -48,6 +48,7 @@ class RunState:
     stray_beats: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # beats of no lease
     data_objects: dict[int, list[str]] | None = None
     stale_commits: list[int] = field(default_factory=list)  # committed under a replaced manifest
+    redo_marked: set[int] = field(default_factory=set)  # shards with a `layout.redo_key` (`scan` lists them)
 
     def live_lease(self, shard: int) -> Lease | None:
         alive = [l for l in self.leases.get(shard, []) if l.alive(self.now)]
@@ -64,8 +65,10 @@ class RunState:
 
     def withdrawn(self, shard: int) -> bool:
         """Whether the shard awaits the redo of a commit `verify` withdrew: not committed, with a
-        withdrawal record (a redo's commit ends the wait; the record stays)."""
-        return shard not in self.committed and any(k.endswith(layout.WITHDRAWN) for k in self.failures.get(shard, []))
+        withdrawal record or a redo marker, which the window gate goes by (a redo's commit ends the
+        wait; the record stays)."""
+        return shard not in self.committed and (shard in self.redo_marked or any(
+            k.endswith(layout.WITHDRAWN) for k in self.failures.get(shard, [])))
 
     def last_failure_ms(self, shard: int) -> int:
         """The time (ms, in the key) of the shard's newest failure record that is no stop from
@@ -90,12 +93,12 @@ class RunState:
 
 
 def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, with_tallies: bool = True) -> RunState:
-    """List commits, tallies, leases and failures (and with `with_data`, data objects), the
+    """List commits, tallies, leases, failures and redo markers (and with `with_data`, data objects), the
     listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well. Leases
     age by the store's clock (`ObjectStore.now`). Without `with_tallies`, `tallies` stays empty:
     the work queue never reads them, and at 25,000 shards their listing is ~25 of a scan's pages."""
     st = RunState(manifest, store.now())
-    prefixes = [layout.MANIFEST, layout.COMMITS, layout.LEASES, layout.FAILURES] \
+    prefixes = [layout.MANIFEST, layout.COMMITS, layout.LEASES, layout.FAILURES, layout.REDO] \
         + ([layout.TALLY] if with_tallies else []) + ([layout.SHARDS] if with_data else [])
     listed = _listings(store, prefixes)
     head, commits, leases, failures = (listed[p] for p in prefixes[:4])
@@ -113,6 +116,7 @@ def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, with_t
     # has no trusted numbers: `status` reads its commit, and `verify` leaves it the commit's marker alone.
     st.tallies = {s: layout.parse_tally(keys[0])[1] for s, keys in st.tally_keys.items() if len(keys) == 1}
     _add_leases_and_failures(st, leases, failures)
+    st.redo_marked = {s for o in listed[layout.REDO] if (s := layout.shard_of(o.key, layout.REDO)) is not None}
     if with_data:
         st.data_objects = defaultdict(list)
         for o in listed[layout.SHARDS]:

@@ -382,7 +382,8 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
     verify withdrew it; an extraction may have redone it since) is skipped, never withdrawn.
     A shard or record of a newer layertap (`UnsupportedShard`, `UnsupportedVersion`) stops the
     verification instead: it is intact, and withdrawing it would delete good data. A consumed
-    shard (`consumption.py`: marker written, then data deleted) is counted as such, not read."""
+    shard (`consumption.py`: marker written, then data deleted) is counted as such, not read. A
+    withdrawn shard still awaiting its redo gets back its redo marker if it lacks one."""
     manifest = load_manifest(store)
     st = scan(store, manifest, with_data=True)
     result = VerifyResult()
@@ -442,6 +443,11 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                 log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
                 result.bad.append({"shard": shard, "error": error})
                 _withdraw(store, shard, error, data_key, feed.of(shard))
+    # A verify killed inside `_withdraw` (the commit gone, the marker not yet written) left a redo
+    # that workers waiting behind a full --window never see: they list only the markers.
+    for shard in sorted(s for s in range(len(manifest.shards)) if st.withdrawn(s) and s not in st.redo_marked):
+        log.info("shard %d: withdrawn, awaiting its redo, without a redo marker: writing it", shard)
+        store.put(layout.redo_key(shard), b"")
     return result
 
 

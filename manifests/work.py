@@ -325,7 +325,8 @@ class WorkQueue:
     def __init__(self, store: ObjectStore, manifest: Manifest, producer: Producer, *,
                  ttl_s: float = DEFAULT_LEASE_TTL_S, shards: Sequence[int] | None = None,
                  retries: int = 1, world_size: int = 1, poll_s: float | None = None,
-                 before_claim: Callable[[int, Callable[[int], bool]], Gate] | None = None, on_idle: Callable[[], bool] | None = None,
+                 before_claim: Callable[[int, Callable[[int], bool]], Gate] | None = None,
+                 on_idle: Callable[[], bool] | None = None,
                  stopped_for: Callable[[], float | None] = lambda: None):
         self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
         ids = range(len(manifest.shards)) if shards is None else shards
@@ -457,6 +458,7 @@ class WorkQueue:
             time.sleep(min(pause, max(0.0, soonest - time.time()) + random.uniform(0, self.poll_s / 4)))
 
         idle = Backoff(self.poll_s, self.max_poll_s, sleep=nap, jitter=0.25)
+        woken_before = False  # the last pass ended on `Gate.REDO` and claimed nothing
         while True:
             st = self._patiently(lambda: scan(self.store, self.manifest, with_tallies=False))
             st.raise_if_replaced(self.store.uri)
@@ -494,7 +496,8 @@ class WorkQueue:
                 if store_gave_out(failed := failed_by_store(fresh, s, self.failures_before), self.store_failures):
                     self._give_up(s, fresh, failed)
                     continue
-                gate = Gate.OPEN if self.before_claim is None or s in redos else self.before_claim(s, self._would_redo)
+                redo = s in redos or fresh.withdrawn(s)  # withdrawn since the pass's scan, too
+                gate = Gate.OPEN if self.before_claim is None or redo else self.before_claim(s, self._would_redo)
                 if gate is Gate.REDO:
                     woken = True
                     break
@@ -507,7 +510,7 @@ class WorkQueue:
                         waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())
                         continue
                 self._raise_if_deleted()
-                claim = self._try_claim(s, fresh, redo=s in redos)
+                claim = self._try_claim(s, fresh, redo=redo)
                 if claim is None:
                     waiting_on.append(time.time())  # lost the race for it: another worker holds it now
                     continue
@@ -518,8 +521,15 @@ class WorkQueue:
                 self._leases_written.discard(claim.lease_key)
             if claimed:
                 idle.reset()
-            if claimed or woken or stale > rescan_after:
+            if claimed or stale > rescan_after:
+                woken_before = False
                 continue
+            if woken:  # rescan for the redo; after a second such pass in a row that claimed nothing, a poll first
+                if woken_before:
+                    idle.sleep()
+                woken_before = True
+                continue
+            woken_before = False
             if not waiting_on:
                 return  # what is left failed too often in this run; status tells why
             if self.on_idle is not None and self.on_idle():

@@ -374,8 +374,10 @@ class CommitWatcher:
                        f"{b.shards} shards, window {size(window)}) while training waits for data. A shard counts "
                        "as consumed once every sample of it has left the consumers' shuffle buffers and is trained "
                        "on, and a checkpoint covers it (a waiting `layertap train --delete-consumed` takes one), so "
-                       "the window must exceed ranks x (shuffle buffers + batches held: 3, 2 more per DataLoader "
-                       f"worker) x the largest shard ({size(largest)} here). Restart extraction with a larger "
+                       "the window must exceed ranks x (buffers x --shuffle-buffer + batches held x --batch-size) x the "
+                       f"largest shard ({size(largest)} here), where a rank has a buffer per DataLoader worker (at "
+                       "least one) and holds 1 + max(2, --grad-accum) + 2 per DataLoader worker batches "
+                       "(`consumption.window_floor`). Restart extraction with a larger "
                        "--window, or train with a smaller --shuffle-buffer, --batch-size or --num-workers; both "
                        "resume where they are.")
         if time.monotonic() - (self._stalled_since or time.monotonic()) >= STALL_GIVE_UP_S:

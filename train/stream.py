@@ -707,7 +707,9 @@ class ShardStream(IterableDataset):
                              + ("" if window is None else
                                 f". Its extraction runs under --window {window}: workers waiting for a full window "
                                 "redo withdrawn shards all the same, so if they still run, wait for the redo "
-                                "(`layertap status` shows the shards done again), then resume"))
+                                "(`layertap status` shows the shards done again; if it does not come, run "
+                                "`layertap verify`, which restores a redo marker a killed verify left out, or "
+                                "restart the extraction), then resume"))
         for shard, had in zip(taken, records):
             if had is not None and (now := known[shard].num_records) != had:
                 raise InputError(f"{self.uri}: shard {shard} was redone with {now} records since the checkpoint (it "
