@@ -23,8 +23,9 @@ from typing import Any, Callable, Mapping
 from layertap.extract.chat_client import ChatClient, Refused, public_url
 from layertap.extract.served import serving
 from layertap.manifests.preemption import AsyncStop, StopSignals
-from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, part_key, read_recipe,
-                                             regeneration_status, stats_key)
+from layertap.manifests.output_lease import OutputLease
+from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, live_tasks, part_key, read_recipe,
+                                             regeneration_status, stats_key, task_role)
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.flags import setting, settings
 from layertap.storage.store import ObjectStore, open_store
@@ -171,6 +172,8 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
         api_key = os.environ.get(cfg.api_key_env) or None
         with contextlib.ExitStack() as stack:
             stack.enter_context(StopSignals(at_once=True))  # a stop unwinds: the --serve server is stopped too
+            _refuse_another_split(store, count)
+            stack.enter_context(OutputLease(store, role=task_role(index, count)))  # one process per task
             watch = None
             if cfg.serve:
                 watch = stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
@@ -179,6 +182,17 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
                                                    watch=watch))
     _log_summary(store, totals)
     return totals
+
+
+def _refuse_another_split(store: ObjectStore, count: int) -> None:
+    """Refuse to start while a process of another `--task I/N` split is at work: its parts and this
+    one's overlap, and would be answered twice."""
+    others = {t: held for t, held in live_tasks(store).items() if t[1] != count}
+    if others:
+        (index, n), held = next(iter(others.items()))
+        raise ConfigError(f"{store.uri}: a regeneration split into {n} tasks is at work there now (task {index}/{n}, "
+                          f"{held.describe(store.now())}; {len(others)} task(s) of it running): its parts and this "
+                          f"split's overlap and would be answered twice. Run with --task I/{n}, or once it has ended")
 
 
 def _recorded(store: ObjectStore, recipe: Recipe) -> Recipe | None:

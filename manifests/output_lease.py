@@ -17,6 +17,10 @@ mid-run) unless it is renewed meanwhile, or its holder is a process gone from th
 over at once. A renewal proves the holder alive, and the newcomer is refused with who holds it.
 A holder that finds a newer generation, or its key gone or holding another holder's token (it
 stalled past its ttl and was taken over), stops before its next write.
+
+A `Role` names the holder in what it says and where its keys live: a trainer's are `lease/` at its
+output; a `layertap regenerate --task I/N` process holds `tasks/{I}-of-{N}/lease/` at its output the
+same way (`regeneration.task_role`), so a resubmission while it runs does not answer its parts twice.
 """
 
 from __future__ import annotations
@@ -45,6 +49,20 @@ DEFAULT_TTL_S = 60.0
 _KEY = re.compile(r"lease/(\d{6})\.ttl([0-9.]+)$")
 
 
+@dataclass(frozen=True)
+class Role:
+    """Who holds a lease of this kind, as messages name it, and where its keys live."""
+
+    name: str = "trainer"
+    command: str = "`layertap train`"
+    clash: str = ("two trainers on one --out overwrite each other's checkpoints. Stop that one first, or give this "
+                  "one another --out")
+    prefix: str = PREFIX
+
+
+TRAINER = Role()
+
+
 @dataclass(frozen=True, slots=True)
 class Held:
     """A live lease on an output, as another process sees it."""
@@ -69,11 +87,11 @@ class OutputLeaseTaken(ConfigError):
     """Another live trainer writes to this output, or took it over from this one."""
 
 
-def latest(store: ObjectStore) -> tuple[int, ObjectInfo, float] | None:
-    """The newest lease's (generation, listing entry, ttl), None when the output has none. The
-    entry's `modified` is the newest of the key's and its beats' (a lease of a version before
+def latest(store: ObjectStore, prefix: str = PREFIX) -> tuple[int, ObjectInfo, float] | None:
+    """The newest lease's (generation, listing entry, ttl) under `prefix`, None when there is none.
+    The entry's `modified` is the newest of the key's and its beats' (a lease of a version before
     beats has none: its holder rewrote the key)."""
-    listed = list(store.list(PREFIX))
+    listed = list(store.list(prefix))
     found = [(int(m[1]), o, float(m[2])) for o in listed if (m := _KEY.search(o.key))]
     if not found:
         return None
@@ -82,15 +100,15 @@ def latest(store: ObjectStore) -> tuple[int, ObjectInfo, float] | None:
     return generation, replace(info, modified=renewed), ttl
 
 
-def taken_over(store: ObjectStore) -> OutputLeaseTaken:
+def taken_over(store: ObjectStore, role: Role = TRAINER) -> OutputLeaseTaken:
     return OutputLeaseTaken(
-        f"another trainer took {store.uri.rstrip('/')} over while this one could not renew its lease on it "
+        f"another {role.name} took {store.uri.rstrip('/')} over while this one could not renew its lease on it "
         "(a stall, or the store out of reach, for longer than the lease's ttl): stopping without writing")
 
 
-def live_holder(store: ObjectStore) -> Held | None:
-    """The trainer holding the output now (its lease alive by the store's clock), else None."""
-    return _live(store, latest(store))
+def live_holder(store: ObjectStore, prefix: str = PREFIX) -> Held | None:
+    """The holder of the lease under `prefix` now (alive by the store's clock), else None."""
+    return _live(store, latest(store, prefix))
 
 
 def _live(store: ObjectStore, found: tuple[int, ObjectInfo, float] | None) -> Held | None:
@@ -115,8 +133,8 @@ class OutputLease:
     """The lease of the trainer writing to `store`: `acquire()`, then `check()` before each write,
     `release()` at the end (also as a context manager)."""
 
-    def __init__(self, store: ObjectStore, ttl_s: float = DEFAULT_TTL_S, poll_s: float = 2.0):
-        self.store, self.ttl_s, self.poll_s = store, ttl_s, poll_s
+    def __init__(self, store: ObjectStore, ttl_s: float = DEFAULT_TTL_S, poll_s: float = 2.0, role: Role = TRAINER):
+        self.store, self.ttl_s, self.poll_s, self.role = store, ttl_s, poll_s, role
         self.key: str | None = None
         self.generation = 0
         self.lost = threading.Event()
@@ -143,24 +161,24 @@ class OutputLease:
         while True:
             # one listing for both: a generation read from a second listing, made after another
             # trainer had claimed the next one, was past it, and its claim deleted that trainer's lease
-            found = latest(self.store)
+            found = latest(self.store, self.role.prefix)
             held = _live(self.store, found)
             if held is None or gone_from_here(held.holder):
                 if held is not None:
-                    log.info("%s: its last trainer (%s) is no longer running here: taking the output over",
-                             uri, held.describe(self.store.now()))
+                    log.info("%s: its last %s (%s) is no longer running here: taking the output over", uri,
+                             self.role.name, held.describe(self.store.now()))
                 if self._create(1 + (found or (0,))[0]):
                     break
                 continue  # another trainer created that generation first: look again
             if first_seen is not None and held.modified > first_seen:
                 raise OutputLeaseTaken(
-                    f"another `layertap train` is writing to {uri} ({held.describe(self.store.now())}): two "
-                    "trainers on one --out overwrite each other's checkpoints. Stop that one first, or give "
-                    "this one another --out")
+                    f"another {self.role.command} is writing to {uri} ({held.describe(self.store.now())}): "
+                    f"{self.role.clash}")
             if first_seen is None:
                 first_seen = held.modified
-                log.warning("%s is held by another trainer (%s): waiting up to %.0f s for its lease to go stale "
-                            "(it died) or be renewed (it runs)", uri, held.describe(self.store.now()), held.ttl_s)
+                log.warning("%s is held by another %s (%s): waiting up to %.0f s for its lease to go stale "
+                            "(it died) or be renewed (it runs)", uri, self.role.name, held.describe(self.store.now()),
+                            held.ttl_s)
             time.sleep(self.poll_s)
         self._beat = threading.Thread(target=self._renew, name="output-lease", daemon=True)
         self._beat.start()
@@ -168,7 +186,7 @@ class OutputLease:
     def check(self) -> None:
         """Raise if another trainer has taken the output over (this one's lease went stale)."""
         if not self.holds():
-            raise taken_over(self.store)
+            raise taken_over(self.store, self.role)
 
     def holds(self) -> bool:
         """Whether the output is still this trainer's, looked up on the store now (the heartbeat
@@ -185,10 +203,10 @@ class OutputLease:
         """Set `lost` when a newer generation exists or this lease's key no longer holds this
         holder's token (generations restart once every lease is gone: a key can come back as
         another trainer's)."""
-        found = latest(self.store)
+        found = latest(self.store, self.role.prefix)
         if (found is not None and found[0] > self.generation) or not self._owned():
             if not self.lost.is_set():
-                log.error("%s: another trainer took the output over (lease %s)", self.store.uri,
+                log.error("%s: another %s took the output over (lease %s)", self.store.uri, self.role.name,
                           found[1].key if found else "gone")
             self.lost.set()
 
@@ -214,10 +232,10 @@ class OutputLease:
     def _create(self, generation: int) -> bool:
         """Claim `generation`; False if another trainer did. A claimant with another ttl writes
         another key of the same generation: of two such, the later sees the other and backs off."""
-        key = f"{PREFIX}{generation:06d}.ttl{layout.ttl_text(self.ttl_s)}"
+        key = f"{self.role.prefix}{generation:06d}.ttl{layout.ttl_text(self.ttl_s)}"
         if not self.store.put_if_absent(key, self._body):
             return False
-        others = [o.key for o in self.store.list(PREFIX) if o.key != key]
+        others = [o.key for o in self.store.list(self.role.prefix) if o.key != key]
         if any((m := _KEY.search(k)) and int(m[1]) >= generation for k in others):
             self.store.delete(key)
             return False

@@ -14,15 +14,21 @@ Under the output prefix:
 - `stats/{p:06d}.json`: the part's counts (tokens, truncated answers) and its refused rows with
   their reasons, written just after the part by the process that wrote it (so two processes
   racing on one part cannot leave one's part with the other's stats; a crash in between leaves
-  a part without stats, whose rows are still counted done).
+  a part without stats, whose rows are still counted done);
+- `tasks/{I:05d}-of-{N:05d}/lease/`: the lease of the `--task I/N` process at work
+  (`output_lease`, `task_role`): a second process of the same task waits for it to go stale or is
+  refused, one of another split is refused while any task runs (their parts overlap), and
+  `submit regenerate` leaves running tasks out, so parts are not answered twice.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from layertap.manifests.output_lease import PREFIX, Held, Role, live_holder
 from layertap.storage.errors import InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
@@ -30,6 +36,8 @@ FORMAT = "layertap-regenerated/1"
 RECIPE = "regenerate.json"
 PARTS = "parts/"
 STATS = "stats/"
+TASKS = "tasks/"
+_TASK = re.compile(r"^tasks/(\d+)-of-(\d+)/")
 
 
 def part_key(part: int) -> str:
@@ -38,6 +46,21 @@ def part_key(part: int) -> str:
 
 def stats_key(part: int) -> str:
     return f"{STATS}{part:06d}.json"
+
+
+def task_role(index: int, count: int) -> Role:
+    """The lease of the `layertap regenerate --task index/count` process at work on an output."""
+    return Role(name=f"regenerate task {index}/{count}", command=f"`layertap regenerate --task {index}/{count}`",
+                clash="its parts would be answered twice. Stop that one first, or wait for it to end",
+                prefix=f"{TASKS}{index:05d}-of-{count:05d}/{PREFIX}")
+
+
+def live_tasks(store: ObjectStore) -> dict[tuple[int, int], Held]:
+    """The `--task I/N` processes at work on the output now, by (I, N): one listing of `tasks/`
+    (a few keys a task), then one of each task's lease keys."""
+    tasks = {(int(m[1]), int(m[2])) for o in store.list(TASKS) if (m := _TASK.match(o.key))}
+    found = {t: live_holder(store, task_role(*t).prefix) for t in sorted(tasks)}
+    return {t: held for t, held in found.items() if held is not None}
 
 
 def part_of_key(key: str) -> int:

@@ -373,3 +373,48 @@ def test_a_prompt_only_row_is_answered_and_a_row_without_a_prompt_is_refused(ser
         assert row["regenerated"]["completion_tokens"] > 0
     [refused] = [r for s in read_stats(open_store(out), sorted(done_parts(open_store(out)))) for r in s["refused"]]
     assert refused["row"] == 3 and refused["kind"] == "no_prompt"
+
+
+def test_a_task_at_work_is_not_run_twice_nor_submitted_again(server, tmp_path, capsys, monkeypatch):
+    """Parts hold no leases: a `submit regenerate` while its array ran, or a command run twice,
+    answered the same parts twice (each part is written once: the other's generation was wasted).
+    Each `--task I/N` process now holds a lease on its task at the output (the real lease, held
+    here by this test as a running task would): a second process of the same task is refused
+    once the lease is renewed, one of another split is refused at once (their parts overlap),
+    `submit regenerate` leaves the running task out, and the task runs once the lease is gone."""
+    from layertap.manifests.output_lease import OutputLease
+    from layertap.manifests.regeneration import live_tasks, task_role
+    from test_slurm import submit
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    data = write_sharegpt(tmp_path / "chats.jsonl", 16)
+    out = str(tmp_path / "regen")
+    store = open_store(out)
+    assert cli(regenerate_args(data, out, server, "--task", "1/2")) == 0  # parts 1 and 3
+    capsys.readouterr()
+    running = OutputLease(store, ttl_s=1.0, role=task_role(0, 2))
+    running.acquire()
+    try:
+        assert list(live_tasks(store)) == [(0, 2)]
+        assert cli(regenerate_args(data, out, server, "--task", "0/2")) == 2
+        assert f"another `layertap regenerate --task 0/2` is writing to {out}" in capsys.readouterr().err
+        assert cli(regenerate_args(data, out, server, "--task", "0/3")) == 2  # parts 0 and 3: 0 is task 0/2's
+        assert "a regeneration split into 2 tasks is at work there now (task 0/2" in capsys.readouterr().err
+        assert sorted(done_parts(store)) == [1, 3]  # neither answered anything
+
+        store.delete(f"parts/{3:06d}.jsonl")  # task 1's part lost: task 1 is submitted, task 0 is left out
+        base = ["regenerate", "--dry-run", "--gpus-per-node", "0", "--dataset", data, "--out", out, "--endpoint",
+                server.url, "--model", server.model, "--max-tokens", "8", "--rows-per-part", "4", "--temperature", "0"]
+        assert submit(*base, "--tasks", "2") == 0
+        said = capsys.readouterr().out
+        assert "tasks 0 are at work now: left out" in said and "array of 1 task(s), --array=1" in said
+        assert submit(*base, "--tasks", "4") == 2
+        assert "a regeneration split into 2 tasks is at work on" in capsys.readouterr().err
+    finally:
+        running.release()
+    assert live_tasks(store) == {}
+    assert cli(regenerate_args(data, out, server, "--task", "0/2")) == 0
+    assert cli(regenerate_args(data, out, server, "--task", "1/2")) == 0
+    assert sorted(done_parts(store)) == [0, 1, 2, 3] and len(assert_every_row_once(out, 16)) == 16
+    assert live_tasks(store) == {}  # each released its lease
