@@ -105,7 +105,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
 
     producer = Producer.current(rank)
     # The storage window: before each claim, wait while too much committed data awaits training.
-    gate = WindowGate(store, cfg.window, producer=producer) if cfg.window is not None else None
+    gate = WindowGate(store, cfg.window, producer=producer, shards=cfg.shards) if cfg.window is not None else None
     if gate is None and rank == 0:
         # an earlier --window extraction's record would tell trainers of a window
         _patiently(lambda: forget_window(store))

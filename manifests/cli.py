@@ -152,9 +152,9 @@ def _rerun(s: dict) -> str:
 
 
 def format_status(s: dict, deleting: str | None = None) -> str:
+    """`deleting`: whether a --delete-consumed trainer consumes the run (`_deleting`; None: not known)."""
     from layertap.manifests.consumption import WAITING_STALE_S
 
-    """`deleting`: whether a --delete-consumed trainer consumes the run (`_deleting`; None: not known)."""
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running"

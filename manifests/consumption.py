@@ -23,7 +23,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Literal, TypeVar
@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WAITING_RENEW_S = 60.0  # a waiting worker rewrites its `layout.waiting_key` this often
-WAITING_STALE_S = 3 * WAITING_RENEW_S  # ... and is taken for gone once it has not for this long
+# ... and is taken for gone once it has not for this long: a look between renewals may take a poll (up to
+# 37.5 s) and a store's retries (S3 throttling: over a minute)
+WAITING_STALE_S = 5 * WAITING_RENEW_S
 TRAINER_LOOK_S = 300.0  # a waiting worker looks at whether the run's trainer runs this often
 
 
@@ -106,25 +108,40 @@ def trainer_state(store: ObjectStore) -> Literal["none", "stopped", "running"]:
         return "running"
 
 
-def waiting_workers(store: ObjectStore) -> list[ObjectInfo]:
+def waiting_records(store: ObjectStore) -> list[ObjectInfo]:
     """The records of the extraction workers waiting behind a full window now (`WindowGate`): those
     renewed within `WAITING_STALE_S` by the store's clock (a worker killed while it waited leaves
-    one that goes stale)."""
+    one that goes stale). One listing."""
     now = store.now()
     return [o for o in store.list(layout.WAITING) if now - o.modified < WAITING_STALE_S]
 
 
-def waiting_jobs(store: ObjectStore, records: list[ObjectInfo], most: int = 16) -> list[str]:
-    """Who waits, from at most `most` of `records`: Slurm job ids, or `pid P on HOST`."""
-    found = set()
-    for o in records[::max(1, -(-len(records) // most))]:
+@dataclass(frozen=True)
+class Waiting:
+    """An extraction worker waiting behind a full window: who (`holder_name`), and the shards it
+    may claim as [first, last] runs (its --shards; None: any)."""
+
+    who: str | None
+    shards: list[list[int]] | None
+
+    def may_take(self, shard: int) -> bool:
+        return self.shards is None or any(lo <= shard <= hi for lo, hi in self.shards)
+
+
+def waiting_workers(store: ObjectStore, records: list[ObjectInfo]) -> list[Waiting]:
+    """The waiting workers of `records` (`waiting_records`), read 16 at a time; one gone meanwhile
+    is left out, an unreadable one counts as one that may take any shard."""
+    def read(key: str) -> Waiting | None:
         try:
-            name = holder_name(json.loads(store.get(o.key))["producer"])
-        except (ObjectNotFound, ValueError, KeyError, TypeError, AttributeError):
-            continue  # went on meanwhile, or unreadable
-        if name:
-            found.add(name)
-    return sorted(found)
+            body = json.loads(store.get(key))
+            return Waiting(holder_name(body["producer"]), body.get("shards"))
+        except ObjectNotFound:
+            return None  # went on
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return Waiting(None, None)
+
+    with ThreadPoolExecutor(16) as pool:
+        return [w for w in pool.map(read, [o.key for o in records]) if w is not None]
 
 
 def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: list[int], step: int,
@@ -371,10 +388,13 @@ class WindowGate:
     the redos of withdrawn shards, whose data the window counted until `verify` withdrew it.
     """
 
-    def __init__(self, store: ObjectStore, window: int, *, producer: Producer | None = None, poll_s: float = 2.0,
-                 max_poll_s: float = 30.0, sweep_every_s: float = 30.0, log_every_s: float = 30.0,
+    def __init__(self, store: ObjectStore, window: int, *, producer: Producer | None = None,
+                 shards: Sequence[int] | None = None, poll_s: float = 2.0, max_poll_s: float = 30.0,
+                 sweep_every_s: float = 30.0, log_every_s: float = 30.0,
                  on_wait: Callable[[AtRest | None], None] | None = None, sleep: Callable[[float], None] = time.sleep):
         self.store, self.window, self.producer = store, window, producer
+        self.shards = None if shards is None else _ranges(list(shards))  # its worker's --shards, for its record
+        self._trainer_looked = -float("inf")  # when `_say_if_no_trainer` last looked (time.monotonic)
         self.poll_s, self.max_poll_s, self.log_every_s = poll_s, max_poll_s, log_every_s
         self.sweep_every_s = sweep_every_s
         self.on_wait, self.sleep = on_wait, sleep
@@ -444,7 +464,7 @@ class WindowGate:
             self.record()
             self._recorded = True
         waited, backoff, logged = False, Backoff(self.poll_s, self.max_poll_s, self.sleep, jitter=0.25), 0.0
-        outcome, on_record, trainer_looked = Gate.OPEN, -float("inf"), -float("inf")
+        outcome, on_record, since = Gate.OPEN, -float("inf"), time.monotonic()
         try:
             while (rest := self.check()).bytes >= self.window:
                 if redos := self.redos_waiting(would_redo):
@@ -458,13 +478,16 @@ class WindowGate:
                 if self.producer is not None and time.monotonic() - on_record >= WAITING_RENEW_S:
                     on_record = time.monotonic()
                     _put_json(self.store, layout.waiting_key(self.producer.token),
-                              {"producer": asdict(self.producer), "shard": shard, "window": self.window})
+                              {"producer": asdict(self.producer), "shard": shard, "shards": self.shards,
+                               "window": self.window})
                 if time.monotonic() - logged >= self.log_every_s:
                     logged = time.monotonic()
                     log.info("window full: %s at rest not yet consumed by training (%d shards; window %s); waiting "
                              "for training", size(rest.bytes), rest.shards, size(self.window))
-                    if time.monotonic() - trainer_looked >= TRAINER_LOOK_S:
-                        trainer_looked = time.monotonic()
+                    # after a first log's wait, and at most every TRAINER_LOOK_S across this worker's waits
+                    if time.monotonic() - since >= self.log_every_s and \
+                            time.monotonic() - self._trainer_looked >= TRAINER_LOOK_S:
+                        self._trainer_looked = time.monotonic()
                         self._say_if_no_trainer()
                 if self.on_wait:
                     self.on_wait(rest)
@@ -488,6 +511,7 @@ class WindowGate:
         """Warn when no trainer will open the window (`trainer_state`): workers wait for good."""
         try:
             state = trainer_state(self.store)
+            output = consumer_of(self.store) if state == "stopped" else None
         except (StoreError, ManifestError) as e:
             log.warning("could not tell whether the run's trainer runs: %s", e)
             return
@@ -497,8 +521,7 @@ class WindowGate:
                         "restart the extraction without --window)")
         elif state == "stopped":
             log.warning("the run's --delete-consumed trainer is not running (its lease on %s went stale): nothing is "
-                        "consumed, so the window opens only once it is restarted (--resume continues it)",
-                        consumer_of(self.store))
+                        "consumed, so the window opens only once it is restarted (--resume continues it)", output)
 
 
 def _put_json(store: ObjectStore, key: str, body: dict) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from layertap.manifests import layout
 from layertap.manifests.consumption import (consumed_everywhere, consumed_shards, marker_times, recorded_window,
-                                            waiting_workers)
+                                            waiting_records)
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
@@ -154,7 +154,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "consumption": consumption,
         "window": (window := recorded_window(store)),  # the --window extraction runs with (bytes), None without one
         # extraction workers waiting behind it (they hold no lease: not `shards_running`)
-        "workers_waiting": len(waiting_workers(store)) if window is not None and not complete else 0,
+        "workers_waiting": len(waiting_records(store)) if window is not None and not complete and
+        stored - deleted >= window else 0,
         **listed,
     }
 

@@ -292,8 +292,11 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _training_needs_the_rest(store, cfg, planned=remaining is not None)
         if remaining is not None:
             _training_waits_for_the_run(store, remaining, plan)
-    if not plan.indices or (remaining is not None and remaining.waiting):
+    if not plan.indices:
         return _nothing_left(args, remaining, train)
+    if remaining is not None and remaining.waited_for:
+        _say(args, f"{_waiting_text(remaining)}: left to them; this array is for the other "
+                   f"{len(remaining.free)} shard(s)")
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
     job = _submit_array(args, opts, script, f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}")
     if train:
@@ -356,21 +359,42 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
         if not indices:
             _say(args, "nothing to submit: every part is done")
             return 0
+        indices = _not_running(args, store, indices)
+        if not indices:
+            return 0
     spec = ArrayPlan(indices=indices, max_parallel=args.max_parallel).spec
     script = regenerate_script(opts, spec, args.tasks, tool_argv(args, args._tool_actions))
     _submit_array(args, opts, script, f"regeneration array of {len(indices)} task(s), --array={spec}")
     return 0
 
 
+def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[int]:
+    """The tasks of `indices` not at work now (`regeneration.live_tasks`): a resubmission while the
+    array runs would answer their parts twice. A split other than --tasks at work is refused."""
+    from layertap.manifests.regeneration import live_tasks
+    from layertap.slurm.scripts import compress
+
+    live = live_tasks(store)
+    if other := sorted({n for _, n in live} - {args.tasks}):
+        raise ConfigError(f"a regeneration split into {other[0]} tasks is at work on {store.uri} now: its parts and "
+                          f"--tasks {args.tasks}'s overlap and would be answered twice. Submit with --tasks {other[0]} "
+                          "(its running tasks are left out), or once it has ended")
+    running = sorted(i for i, _ in live if i in indices)
+    if running:
+        jobs = sorted({str(h.holder.get("slurm_job")) for (i, _), h in live.items() if i in running} - {"None"})
+        by = f" (Slurm job {', '.join(jobs)})" if jobs else ""
+        _say(args, f"tasks {compress(running)} are at work now{by}: left out"
+                   + ("; nothing to submit" if len(running) == len(indices) else ""))
+    return [i for i in indices if i not in running]
+
+
 def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
     from layertap.slurm.scripts import compress
 
-    if remaining is not None and remaining.waiting:
+    if remaining is not None and remaining.waited_for:
         # A window run is paced by its training: more tasks would only hold GPUs to wait beside these.
-        _say(args, f"nothing to submit: {remaining.waiting} extraction worker(s) of {', '.join(remaining.waiting_jobs)} "
-                   f"wait behind the full storage window for training to consume; they take the "
-                   f"{len(remaining.todo)} shard(s) left as it does (`layertap status` says whether the trainer "
-                   "runs). To change --window, cancel them (scancel) and submit again")
+        _say(args, f"nothing to submit: {_waiting_text(remaining)} as it does (`layertap status` says whether the "
+                   "trainer runs). To change --window, stop them (scancel their jobs) and submit again")
     elif remaining is not None and remaining.running:
         _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
                    "every other one is done")
@@ -410,13 +434,28 @@ def _training_needs_the_rest(store, cfg, planned: bool) -> None:
                           "arguments>`")
 
 
+def _waiting_text(remaining) -> str:
+    """'3 extraction worker(s) of 1234 wait behind the full storage window to take shards 4-9 as training consumes'."""
+    from layertap.slurm.scripts import compress
+
+    return (f"{remaining.waiting} extraction worker(s) of {', '.join(remaining.waiting_jobs)} wait behind the full "
+            f"storage window to take shards {compress(remaining.waited_for)} as training consumes")
+
+
 def _training_waits_for_the_run(store, remaining, plan) -> None:
     """Refuse --then-train while shards are running that no task of `plan` waits for (another
-    array's, outside this one's static ranges; or all of them, with nothing to submit): training
-    chained to this submission (afterok) would start while they are still being extracted, and
-    train on what was committed by then."""
+    array's, outside this one's static ranges; or all of them, with nothing to submit), or that
+    workers waiting behind a storage window will take: training chained to this submission
+    (afterok) would start while they are still being extracted, and train on what was committed
+    by then."""
     from layertap.slurm.scripts import compress
     from layertap.slurm.work import lease_holders, not_waited_for
+
+    if remaining.waited_for:
+        raise ConfigError(f"{_waiting_text(remaining)}: training chained to this submission (--then-train) would "
+                          "start before they are done, and they are done only as training consumes. Train alongside "
+                          "them: `layertap submit train --follow --delete-consumed <the --then-train arguments>` "
+                          "(no --after)")
 
     running = not_waited_for(remaining, plan)
     if not running:

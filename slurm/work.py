@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layertap.manifests import layout
-from layertap.manifests.consumption import waiting_jobs, waiting_workers
+from layertap.manifests.consumption import waiting_records, waiting_workers
 from layertap.manifests.manifest import ConfigMismatch, load_manifest
 from layertap.manifests.records import holder_name
 from layertap.manifests.state import scan
@@ -35,8 +35,17 @@ class Remaining:
     interrupted: list[int] = field(default_factory=list)  # of `failed`: its last attempt stopped from outside
     todo: list[int]  # to be (re)done: not committed, not held
     leases: dict[int, str] = field(default_factory=dict)  # running shard -> its live lease's key
-    waiting: int = 0  # extraction workers waiting behind a full --window (they hold no lease)
-    waiting_jobs: list[str] = field(default_factory=list)  # theirs: Slurm job ids, or `pid P on HOST`
+    # extraction workers waiting behind a full --window (they hold no lease) that may take some of `todo`,
+    # their jobs (Slurm job ids, or `pid P on HOST`), and the shards of `todo` they wait to take
+    waiting: int = 0
+    waiting_jobs: list[str] = field(default_factory=list)
+    waited_for: list[int] = field(default_factory=list)
+
+    @property
+    def free(self) -> list[int]:
+        """What new tasks are for: `todo` less what waiting workers will take as training consumes."""
+        waited = set(self.waited_for)
+        return [s for s in self.todo if s not in waited]
 
     def summary(self) -> str:
         # as `layertap status` counts them: a preempted or taken-over shard is interrupted, not failed
@@ -70,12 +79,14 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     running = [s for s, v in states.items() if v == "running"]
     failed = [s for s, v in states.items() if v == "failed"]
     todo = [s for s, v in states.items() if v in ("failed", "pending")]
-    waiting = waiting_workers(store) if todo else []
+    waiting = [w for w in (waiting_workers(store, waiting_records(store)) if todo else [])
+               if any(w.may_take(s) for s in todo)]
     return Remaining(run_id=manifest.run_id, total=total, done=sum(1 for v in states.values() if v == "done"),
                      running=running, failed=failed,
                      interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
                      todo=todo, leases={s: st.live_lease(s).key for s in running},
-                     waiting=len(waiting), waiting_jobs=waiting_jobs(store, waiting))
+                     waiting=len(waiting), waiting_jobs=sorted({w.who or "unknown" for w in waiting}),
+                     waited_for=[s for s in todo if any(w.may_take(s) for w in waiting)])
 
 
 def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int,
@@ -95,7 +106,7 @@ def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node:
         if shards is not None:
             nodes = min(nodes, math.ceil(len(shards) / procs_per_node))
         return ArrayPlan(indices=list(range(nodes)))
-    useful = min(math.ceil(len(remaining.todo) / procs_per_node), max_array_size)
+    useful = min(math.ceil(len(remaining.free) / procs_per_node), max_array_size)
     return ArrayPlan(indices=list(range(min(nodes or useful, useful))))
 
 
@@ -105,7 +116,7 @@ def static_plan(remaining: Remaining, shards_per_task: int, max_parallel: int | 
     at most `max_parallel` at once."""
     if shards_per_task < 1:
         raise ConfigError(f"--shards-per-task must be at least 1, got {shards_per_task}")
-    indices = sorted({s // shards_per_task for s in remaining.todo})
+    indices = sorted({s // shards_per_task for s in remaining.free})
     if indices and indices[-1] >= max_array_size:
         need = math.ceil(remaining.total / max_array_size)
         raise ConfigError(f"with --shards-per-task {shards_per_task} the array needs index {indices[-1]}, above this "

@@ -781,6 +781,31 @@ def test_a_restart_in_the_padding_needs_no_deleted_data(tmp_path, monkeypatch):
         assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(rest, whole))
 
 
+def test_a_run_through_pads_without_reading_what_was_consumed_meanwhile(tmp_path):
+    """A manifest without hidden_size (a synthetic run) gives the padding no shapes of its own: the
+    stand-in takes those of the first sample the consumer yielded, not of a sample fetched at the
+    epoch's end, when a --delete-consumed run has deleted its shards (that raised ShardError)."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+    from layertap.storage.store import open_store
+
+    uri, world = str(tmp_path / "run"), 3
+    fake_worker.work(uri)  # no hidden_size in its manifest
+    cfg = StreamConfig(**CFG)
+    reals = [sum(not x["padding"] for x in ShardStream(uri, config=cfg, rank=r, world_size=world)) for r in range(world)]
+    streams = [ShardStream(uri, config=cfg, rank=r, world_size=world) for r in range(world)]
+    its = [iter(s) for s in streams]
+    for r in range(world):
+        for _ in range(reals[r]):
+            next(its[r])
+        record_consumed(open_store(uri), rank=r, world_size=world, shards=streams[r].consumed_shards(), step=1)
+    assert sorted(delete_consumed(open_store(uri))) == list(range(7))
+    rests = [list(it) for it in its]
+    assert any(rests), "no rank pads: the test needs one that does"
+    for rest in rests:
+        assert all(x["sample_id"] == "padding" and x["padding"] and x["input_ids"].shape == (1,) for x in rest)
+        assert all(x["hidden_states"].shape == (1, len(fake_worker.LAYERS), fake_worker.HIDDEN) for x in rest)
+
+
 # -- ranks x workers, real processes -------------------------------------------------------------
 
 def consume(uri: str, rank: int, world: int, workers: int, out: str) -> None:

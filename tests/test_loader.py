@@ -396,6 +396,28 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
         assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - set(bad_ids))
 
 
+def test_a_resumed_epoch_stands_in_for_skipped_samples_as_one_run_through(run):
+    """A skipped sample's stand-in was the last sample yielded, which a consumer resumed past it
+    has not got (it took the next readable one): the resumed epoch's samples differed from one
+    run through (zero-weighted: the same training, another samples_digest). It is one token of
+    zeros in the run's shapes now, the same either way."""
+    corrupt_one_record(run)
+    config = StreamConfig(on_corrupt="skip", seed=4)
+    whole = list(ShardStream(run, config=config))
+    first_pad = next(i for i, s in enumerate(whole) if s["padding"])
+    stream = ShardStream(run, config=config)
+    it = iter(stream)
+    for _ in range(first_pad):
+        next(it)
+    state = stream.state_dict()
+    it.close()
+    resumed = ShardStream(run, config=config)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert [s["sample_id"] for s in rest] == [s["sample_id"] for s in whole[first_pad:]]
+    assert all(s["sample_id"] == "padding" and s["input_ids"].shape == (1,) for s in whole if s["padding"])
+
+
 def test_skip_pads_with_zeros_a_consumer_none_of_whose_samples_is_readable(tmp_path):
     """A rank whose whole share lay in the failed shard raised ShardError ("every sample left ...
     is in a failed shard") instead of padding: one rank down, the others hung in DDP. It yields

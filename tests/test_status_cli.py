@@ -211,7 +211,7 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     rc, out, _ = status(capsys, uri)
     assert rc == 3 and "of a 1000 B --window: full, extraction waits for training to consume" in out
     assert "no shard is running, and no extraction worker waits for the window (none has renewed its record under " \
-        "waiting/ for 3 min): the same `layertap extract`" in out and "nothing is running" not in out
+        "waiting/ for 5 min): the same `layertap extract`" in out and "nothing is running" not in out
     assert "NOT RUNNING" not in out
     # The trainer gone (stalled out, crashed: its lease left to go stale): status said the window opens "as
     # training consumes", and the workers waited for good

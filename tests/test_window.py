@@ -164,11 +164,12 @@ def test_the_window_counts_every_object_at_rest_and_the_stall_check_agrees(store
     assert stalled(store) is None
 
 
-def window_worker(store_uri: str, rank: int, gate: WindowGate, done: list[int]) -> None:
+def window_worker(store_uri: str, rank: int, gate: WindowGate, done: list[int], shards=None) -> None:
     """fake_worker's loop, with the window gate before each claim."""
     store = open_store(store_uri)
     manifest = fake_worker.plan(store)
-    queue = WorkQueue(store, manifest, Producer.current(rank), world_size=2, poll_s=0.05, before_claim=gate)
+    queue = WorkQueue(store, manifest, Producer.current(rank), world_size=2, poll_s=0.05, before_claim=gate,
+                      shards=shards)
     for claim in queue:
         with claim:
             meta = ShardMeta(run_id=manifest.run_id, shard_id=claim.shard, model="synthetic",
@@ -265,11 +266,14 @@ def test_workers_waiting_behind_the_window_are_on_record_for_status_and_submit(s
     """A worker waiting behind a full window holds no lease, so `submit extract` took the shards
     it waits for as free work and started more tasks (each loading the model to wait beside it),
     and `status` could only guess whether anyone waited. While it waits, the worker's record is
-    under waiting/ (renewed, removed when it goes on): `status` counts it, `submit` adds no task
-    and names its job. A record not renewed for WAITING_STALE_S (a worker SIGKILLed while it
-    waited) counts for nothing. The waiting worker also says when no trainer will open the window."""
+    under waiting/ (renewed, removed when it goes on), with the shards it may take (its
+    --shards): `status` counts it; `submit` leaves those shards to it, naming its job, and plans
+    only for the others; `--then-train` is refused (chained training would start before they are
+    done, and they are done only as training consumes). A record not renewed for WAITING_STALE_S
+    (a worker SIGKILLed while it waited) counts for nothing. The waiting worker also says when
+    no trainer will open the window."""
     import layertap.manifests.consumption as consumption
-    from layertap.manifests.consumption import waiting_workers
+    from layertap.manifests.consumption import waiting_records
     from test_slurm import submit
 
     monkeypatch.chdir(tmp_path)
@@ -278,40 +282,51 @@ def test_workers_waiting_behind_the_window_are_on_record_for_status_and_submit(s
     store = open_store(store_uri)
     fake_worker.work(store_uri, shards=[0, 1, 2])
     window = at_rest(store).bytes  # full
-    gate = WindowGate(store, window, producer=Producer.current(0), poll_s=0.02, max_poll_s=0.1)
+    gate = WindowGate(store, window, producer=Producer.current(0), shards=[3, 4], poll_s=0.02, max_poll_s=0.1,
+                      log_every_s=0.1)
     done: list[int] = []
-    worker = threading.Thread(target=window_worker, args=(store_uri, 0, gate, done), daemon=True)
+    worker = threading.Thread(target=window_worker, args=(store_uri, 0, gate, done, [3, 4]), daemon=True)
     with caplog.at_level("WARNING", logger="layertap.manifests.consumption"):
         worker.start()
         deadline = time.time() + 30
-        while not waiting_workers(store) and time.time() < deadline:
+        while not waiting_records(store) and time.time() < deadline:
             time.sleep(0.05)
-        assert len(waiting_workers(store)) == 1 and done == []
+        assert len(waiting_records(store)) == 1 and done == []
         status = run_status(store)
         assert status["workers_waiting"] == 1 and status["shards_running"] == 0
         assert cli(["status", store_uri]) == 3
         assert "no shard is running: 1 extraction worker(s) wait for the window to open" in capsys.readouterr().out
-        assert submit("extract", "--dry-run", "--out", store_uri, "--max-length", "64") == 0
+        dry = ("extract", "--dry-run", "--out", store_uri, "--max-length", "64")
+        assert submit(*dry) == 0
         out = capsys.readouterr().out
-        assert "nothing to submit: 1 extraction worker(s) of 777 wait behind the full storage window for training to " \
-               "consume; they take the 4 shard(s) left" in out and "#SBATCH" not in out
+        assert "1 extraction worker(s) of 777 wait behind the full storage window to take shards 3-4 as training " \
+               "consumes: left to them; this array is for the other 2 shard(s)" in out
+        assert "#SBATCH --array=0-1\n" in out  # a task per free shard (5, 6)
+        assert submit(*dry, "--shards", "3,4") == 0
+        out = capsys.readouterr().out
+        assert "nothing to submit: 1 extraction worker(s) of 777 wait behind the full storage window to take " \
+               "shards 3-4" in out and "#SBATCH" not in out
+        assert submit(*dry, "--then-train", f"--data {store_uri} --model m --out d") == 2
+        assert "Train alongside them: `layertap submit train --follow --delete-consumed" in capsys.readouterr().err
+        time.sleep(0.3)
     assert "no `layertap train --delete-consumed` has claimed this run" in caplog.text
+    assert caplog.text.count("no `layertap train --delete-consumed`") == 1  # at most every TRAINER_LOOK_S
 
     record_consumed(store, rank=0, world_size=1, shards=[0, 1, 2], step=1)  # training consumes: it goes on
     delete_consumed(store)
     while not done and time.time() < deadline:
         time.sleep(0.05)
-    assert done and not waiting_workers(store) and list(store.list(layout.WAITING)) == []
+    assert done and not waiting_records(store) and list(store.list(layout.WAITING)) == []
 
     store.put(layout.waiting_key("killed"), b"{}")  # a worker SIGKILLed while it waited
-    assert len(waiting_workers(store)) == 1
+    assert len(waiting_records(store)) == 1
     monkeypatch.setattr(consumption, "WAITING_STALE_S", 1.0)
     time.sleep(2.1)  # S3's clock is in whole seconds
-    assert waiting_workers(store) == []
+    assert waiting_records(store) == []
     record_consumed(store, rank=0, world_size=1, shards=list(range(7)), step=2)
-    delete_consumed(store)  # let the worker finish the run
+    delete_consumed(store)  # let the worker finish its shards
     worker.join(60)
-    assert not worker.is_alive() and run_status(store)["complete"]
+    assert not worker.is_alive() and sorted(done) == [3, 4]
 
 
 class CountingCollate:

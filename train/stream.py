@@ -541,7 +541,7 @@ class ShardStream(IterableDataset):
                 if sample is None:  # its shard failed and on_corrupt="skip": a zero-weighted stand-in
                     metrics.add(skipped_samples=1)
                     last_good = last_good if last_good is not None else good_ahead(t)  # looked for once
-                    sample, pad = dict(last_good), True
+                    sample, pad = self._stand_in(self.shards, like=last_good), True
                 else:
                     last_good = sample
                 if pad:
@@ -645,14 +645,14 @@ class ShardStream(IterableDataset):
             return self._sample(fetcher, *(pending.pop(pos) if pos in pending else (fetcher.wait_for(pos),)))
 
         metrics.started = time.perf_counter()
-        filler: dict[str, Any] | None = None
+        filler: dict[str, Any] | None = None  # the stand-in, in the shapes of the first sample yielded
 
         def pad() -> dict[str, Any]:
             """The follow epoch's padding: the stand-in, never the last sample yielded, which a
             consumer resumed in its padding has not got (the same samples either way)."""
             nonlocal filler
             filler = filler or self._pad(self._stand_in(mine))
-            return filler
+            return dict(filler)
 
         try:
             discover(found)
@@ -663,6 +663,8 @@ class ShardStream(IterableDataset):
                     if sample is None:  # its shard failed and on_corrupt="skip": padding, as in `_generate`
                         metrics.add(skipped_samples=1, padding_samples=1)
                         sample = pad()
+                    elif filler is None:  # its shapes, for a manifest without hidden_size: no fetch at the end
+                        filler = self._pad(self._stand_in(mine, like=sample))
                     position.advance(worker)
                     yielded += 1
                     metrics.add(samples=1)
@@ -742,21 +744,32 @@ class ShardStream(IterableDataset):
                 raise err from None
             return None
 
-    def _stand_in(self, mine: list[CommittedShard]) -> dict[str, Any]:
+    def _stand_in(self, mine: list[CommittedShard], like: dict[str, Any] | None = None) -> dict[str, Any]:
         """The sample a follow epoch pads with, zero-weighted (its end; on_corrupt="skip"), and a
-        plain one with nothing readable left to copy: one token of zeros in the run's shapes. Not a fetched sample: after a restart at the end of the follow epoch
-        the shards may be consumed and deleted (a window run). Only a manifest
-        without hidden_size (synthetic runs) makes it read the first readable committed sample:
-        of its own shards, or of the run's when it took none with samples (no share of any)."""
+        plain one stands in for a skipped sample with: one token of zeros in the run's shapes, the
+        same whichever samples a consumer resumed mid-epoch has seen (it repeated the last one
+        before: a resumed run's samples differed). Not a fetched sample: after a restart at the
+        end of the follow epoch the shards may be consumed and deleted (a window run). A manifest
+        without hidden_size (synthetic runs) takes the shapes of `like`, else of the first
+        readable committed sample: of its own shards, or of the run's when it took none with
+        samples (no share of any)."""
         run = self._run
         if run.hidden_size is not None:
-            pad = {"sample_id": "padding", "input_ids": torch.zeros(1, dtype=torch.int64),
-                   "loss_mask": torch.zeros(1, dtype=torch.uint8),
-                   "hidden_states": torch.zeros(1, len(run.layers), run.hidden_size, dtype=torch.bfloat16),
-                   "padding": False}
-            if run.final_state != "none":
-                pad["final_state"] = torch.zeros(1, run.hidden_size, dtype=torch.bfloat16)
-            return pad
+            states = torch.zeros(1, len(run.layers), run.hidden_size, dtype=torch.bfloat16)
+            final = torch.zeros(1, run.hidden_size, dtype=torch.bfloat16) if run.final_state != "none" else None
+        else:
+            like = like if like is not None else self._first_readable(mine)
+            states = torch.zeros(1, *like["hidden_states"].shape[1:], dtype=like["hidden_states"].dtype)
+            final = like.get("final_state")
+            final = None if final is None else torch.zeros(1, *final.shape[1:], dtype=final.dtype)
+        pad = {"sample_id": "padding", "input_ids": torch.zeros(1, dtype=torch.int64),
+               "loss_mask": torch.zeros(1, dtype=torch.uint8), "hidden_states": states, "padding": False}
+        if final is not None:
+            pad["final_state"] = final
+        return pad
+
+    def _first_readable(self, mine: list[CommittedShard]) -> dict[str, Any]:
+        """The first readable committed sample of `mine`, or of the run's when it is empty."""
         c = self.config
         if not mine:  # it holds only shards it has a share of, so samples
             mine = [_committed(r) for r in read_commits(self._store()).records]
@@ -772,7 +785,7 @@ class ShardStream(IterableDataset):
                 fetcher.close()
             if sample is not None:
                 return sample
-        raise ShardError(f"{self.uri}: no readable committed sample to pad the follow epoch with")
+        raise ShardError(f"{self.uri}: no readable committed sample to take the padding's shapes from")
 
     def consumed_shards(self, state: dict[str, Any] | None = None) -> list[int]:
         """Ids of the shards every consumer of this rank has entirely yielded in the follow epoch,
