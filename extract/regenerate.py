@@ -173,11 +173,23 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
         with contextlib.ExitStack() as stack:
             stack.enter_context(StopSignals(at_once=True))  # a stop unwinds: the --serve server is stopped too
             _refuse_another_split(store, count)
-            stack.enter_context(OutputLease(store, role=task_role(index, count)))  # one process per task
-            watch = None
+            lease = stack.enter_context(OutputLease(store, role=task_role(index, count)))  # one process per task
+            _refuse_another_split(store, count)  # one that started beside this one
+            # what a process of this task that held the lease meanwhile did is done
+            todo = [p for p in todo if p not in done_parts(store)]
+            if not todo:
+                log.info("task %d/%d: another process of it did its parts meanwhile", index, count)
+                return totals
+            server = None
             if cfg.serve:
-                watch = stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
-                                                    log_path=cfg.serve_log, api_key=api_key))
+                server = stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
+                                                     log_path=cfg.serve_log, api_key=api_key))
+
+            def watch() -> None:  # after each failed request: the server gone, or the task taken over
+                if server is not None:
+                    server()
+                lease.check()
+
             totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key, new=recorded is None,
                                                    watch=watch))
     _log_summary(store, totals)
@@ -187,12 +199,14 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
 def _refuse_another_split(store: ObjectStore, count: int) -> None:
     """Refuse to start while a process of another `--task I/N` split is at work: its parts and this
     one's overlap, and would be answered twice."""
-    others = {t: held for t, held in live_tasks(store).items() if t[1] != count}
+    others = live_tasks(store, lambda task: task[1] != count)
     if others:
         (index, n), held = next(iter(others.items()))
+        running = sum(1 for _, m in others if m == n)
         raise ConfigError(f"{store.uri}: a regeneration split into {n} tasks is at work there now (task {index}/{n}, "
-                          f"{held.describe(store.now())}; {len(others)} task(s) of it running): its parts and this "
-                          f"split's overlap and would be answered twice. Run with --task I/{n}, or once it has ended")
+                          f"{held.describe(store.now())}; {running} of its tasks at work): its parts and this "
+                          f"split's overlap and would be answered twice. Run with --task I/{n}, or once it has ended "
+                          "(a lease of a process killed elsewhere goes stale within a minute)")
 
 
 def _recorded(store: ObjectStore, recipe: Recipe) -> Recipe | None:

@@ -131,7 +131,7 @@ def describe(store, force: bool) -> str:
     from layertap.manifests import layout
     from layertap.manifests.manifest import ManifestError, NoRun, load_manifest
     from layertap.manifests.output_lease import live_holder
-    from layertap.manifests.regeneration import RECIPE
+    from layertap.manifests.regeneration import RECIPE, live_tasks
 
     try:
         manifest = load_manifest(store)
@@ -149,7 +149,12 @@ def describe(store, force: bool) -> str:
             raise Refused(f"a trainer is writing to {store.uri} ({held.describe(store.now())}): stop it first "
                           "(or pass --force)")
         return f"training output at {store.uri}"
-    if store.exists(RECIPE):
+    tasks = live_tasks(store)
+    if tasks and not force:
+        (index, count), held = next(iter(tasks.items()))
+        raise Refused(f"{len(tasks)} `layertap regenerate` task(s) are writing to {store.uri} (task {index}/{count}: "
+                      f"{held.describe(store.now())}): stop them first (or pass --force)")
+    if store.exists(RECIPE) or tasks:
         return f"regeneration output at {store.uri}"
     inside = enclosing_output(store)
     within = (f" It is inside the {inside[1]} at {inside[0]}: deleting part of it leaves that {inside[1]} "

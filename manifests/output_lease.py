@@ -91,7 +91,11 @@ def latest(store: ObjectStore, prefix: str = PREFIX) -> tuple[int, ObjectInfo, f
     """The newest lease's (generation, listing entry, ttl) under `prefix`, None when there is none.
     The entry's `modified` is the newest of the key's and its beats' (a lease of a version before
     beats has none: its holder rewrote the key)."""
-    listed = list(store.list(prefix))
+    return latest_in(list(store.list(prefix)))
+
+
+def latest_in(listed: list[ObjectInfo]) -> tuple[int, ObjectInfo, float] | None:
+    """`latest` of one lease prefix's listing."""
     found = [(int(m[1]), o, float(m[2])) for o in listed if (m := _KEY.search(o.key))]
     if not found:
         return None
@@ -108,10 +112,10 @@ def taken_over(store: ObjectStore, role: Role = TRAINER) -> OutputLeaseTaken:
 
 def live_holder(store: ObjectStore, prefix: str = PREFIX) -> Held | None:
     """The holder of the lease under `prefix` now (alive by the store's clock), else None."""
-    return _live(store, latest(store, prefix))
+    return held_by(store, latest(store, prefix))
 
 
-def _live(store: ObjectStore, found: tuple[int, ObjectInfo, float] | None) -> Held | None:
+def held_by(store: ObjectStore, found: tuple[int, ObjectInfo, float] | None) -> Held | None:
     """The holder of the newest lease in `found` (`latest`'s) if that lease is alive, else None."""
     if found is None:
         return None
@@ -162,7 +166,7 @@ class OutputLease:
             # one listing for both: a generation read from a second listing, made after another
             # trainer had claimed the next one, was past it, and its claim deleted that trainer's lease
             found = latest(self.store, self.role.prefix)
-            held = _live(self.store, found)
+            held = held_by(self.store, found)
             if held is None or gone_from_here(held.holder):
                 if held is not None:
                     log.info("%s: its last %s (%s) is no longer running here: taking the output over", uri,

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from layertap.manifests.output_lease import PREFIX, Held, Role, live_holder
+from layertap.manifests.liveness import gone_from_here
+from layertap.manifests.output_lease import PREFIX, Held, Role, held_by, latest_in
 from layertap.storage.errors import InputError
-from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
 FORMAT = "layertap-regenerated/1"
 RECIPE = "regenerate.json"
@@ -55,12 +57,18 @@ def task_role(index: int, count: int) -> Role:
                 prefix=f"{TASKS}{index:05d}-of-{count:05d}/{PREFIX}")
 
 
-def live_tasks(store: ObjectStore) -> dict[tuple[int, int], Held]:
-    """The `--task I/N` processes at work on the output now, by (I, N): one listing of `tasks/`
-    (a few keys a task), then one of each task's lease keys."""
-    tasks = {(int(m[1]), int(m[2])) for o in store.list(TASKS) if (m := _TASK.match(o.key))}
-    found = {t: live_holder(store, task_role(*t).prefix) for t in sorted(tasks)}
-    return {t: held for t, held in found.items() if held is not None}
+def live_tasks(store: ObjectStore, which: Callable[[tuple[int, int]], bool] = lambda task: True,
+               ) -> dict[tuple[int, int], Held]:
+    """The `--task I/N` processes (among those `which` takes) at work on the output now, by (I,
+    N): one listing of `tasks/` (a few keys a task), then a GET of each live lease (1,000 tasks
+    starting together listed each task's leases: a million listings). A holder gone from this
+    machine (killed here) is not at work."""
+    listed: dict[tuple[int, int], list[ObjectInfo]] = {}
+    for o in store.list(TASKS):
+        if (m := _TASK.match(o.key)) and which(task := (int(m[1]), int(m[2]))):
+            listed.setdefault(task, []).append(o)
+    found = {t: held_by(store, latest_in(entries)) for t, entries in sorted(listed.items())}
+    return {t: held for t, held in found.items() if held is not None and not gone_from_here(held.holder)}
 
 
 def part_of_key(key: str) -> int:

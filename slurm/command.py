@@ -341,9 +341,11 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
                           f"at most {cap:,}")
     store = open_store(cfg.out)
     recipe = read_recipe(store)
-    if recipe is None:
-        indices = list(range(args.tasks))
+    if recipe is None:  # its tasks may be starting (the recipe waits for the server's answer)
         _say(args, f"no regeneration at {store.uri} yet: the first task to start records its recipe")
+        indices = _not_running(args, store, list(range(args.tasks)))
+        if not indices:
+            return 0
     else:
         # What every task would refuse at its start (`regenerate`), refused here; the dataset's
         # fingerprint is theirs to check (it reads every row)
@@ -383,8 +385,10 @@ def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[in
     if running:
         jobs = sorted({str(h.holder.get("slurm_job")) for (i, _), h in live.items() if i in running} - {"None"})
         by = f" (Slurm job {', '.join(jobs)})" if jobs else ""
-        _say(args, f"tasks {compress(running)} are at work now{by}: left out"
-                   + ("; nothing to submit" if len(running) == len(indices) else ""))
+        what = f"task {running[0]} is" if len(running) == 1 else f"tasks {compress(running)} are"
+        _say(args, f"{what} at work now{by}: left out"
+                   + ("; nothing to submit" if len(running) == len(indices) else "")
+                   + " (a lease of a task killed elsewhere goes stale within a minute: submit again then)")
     return [i for i in indices if i not in running]
 
 

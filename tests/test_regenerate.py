@@ -203,13 +203,16 @@ def test_kill_9_mid_run_then_rerun_gives_every_row_exactly_once(server, tmp_path
     args = regenerate_args(data, out, server, "--concurrency", "2", "--max-tokens", "16")
     proc = _layertap(args, tmp_path / "first.log")
     _wait_for_parts(out, 2, proc)
+    from layertap.manifests.regeneration import live_tasks
+    assert list(live_tasks(open_store(out))) == [(0, 1)]  # it holds its task's lease while it works
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     parts_before = len(done_parts(open_store(out)))
     assert 2 <= parts_before < 10
-    assert cli(args) == 0
+    assert cli(args) == 0  # takes over the lease of the process killed here at once
     assert len(done_parts(open_store(out))) == 10
     assert len(assert_every_row_once(out, 40)) == 40
+    assert live_tasks(open_store(out)) == {}
 
 
 @pytest.mark.slow
@@ -388,6 +391,7 @@ def test_a_task_at_work_is_not_run_twice_nor_submitted_again(server, tmp_path, c
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # the lease would name the suite's own job
     data = write_sharegpt(tmp_path / "chats.jsonl", 16)
     out = str(tmp_path / "regen")
     store = open_store(out)
@@ -408,9 +412,11 @@ def test_a_task_at_work_is_not_run_twice_nor_submitted_again(server, tmp_path, c
                 server.url, "--model", server.model, "--max-tokens", "8", "--rows-per-part", "4", "--temperature", "0"]
         assert submit(*base, "--tasks", "2") == 0
         said = capsys.readouterr().out
-        assert "tasks 0 are at work now: left out" in said and "array of 1 task(s), --array=1" in said
+        assert "task 0 is at work now: left out" in said and "array of 1 task(s), --array=1" in said
         assert submit(*base, "--tasks", "4") == 2
         assert "a regeneration split into 2 tasks is at work on" in capsys.readouterr().err
+        assert cli(["delete", out, "--yes"]) == 2
+        assert "1 `layertap regenerate` task(s) are writing to" in capsys.readouterr().err
     finally:
         running.release()
     assert live_tasks(store) == {}
