@@ -1069,3 +1069,32 @@ def test_two_ranks_train_a_later_epoch_over_rank_0s_shards(tmp_path):
     lines = [json.loads(x) for x in _store(out).get("metrics.jsonl").decode().splitlines()]
     committed = SAMPLES - m.shards[6].num_samples
     assert [x["epoch"] for x in lines] == [0] * (SAMPLES // 4) + [1] * -(-committed // 4)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_committed_after_a_consumer_without_a_share_of_it_finished_counts_as_consumed(tmp_path, workers):
+    """shuffle_buffer=1: a consumer yields its last sample before extraction is over. A shard it has no
+    share of, committed after that, was taken with no batch left to report it (with one consumer the
+    position had rolled over: a TypeError), so it never counted as consumed and --delete-consumed left
+    its data at rest for good. 8 consumers over shards of 5-6 samples: consumer 5 has none of shard 6."""
+    import threading
+
+    uri = str(tmp_path / "run")
+    m = fake_worker.plan(_store(uri))
+    fake_worker.work(uri, shards=list(range(6)))
+    world, rank = (8, 5) if workers == 0 else (4, 2)  # consumer 5: rank 5's only one, or rank 2's second
+    stream = ShardStream(uri, config=StreamConfig(**dict(CFG, shuffle_buffer=1)), rank=rank, world_size=world)
+    if workers == 0:
+        it = iter(stream)
+        got = [next(it) for _ in range(stream.num_samples)]  # its whole count: shard 6 is not committed yet
+        assert stream.state_dict()["epoch"] == 1
+        fake_worker.work(uri, shards=[6])
+        assert list(it) == []
+        assert len(got) == 6
+    else:
+        timer = threading.Timer(3.0, fake_worker.work, (uri,), {"shards": [6]})
+        timer.start()
+        assert len(list(StreamLoader(stream, batch_size=1, num_workers=workers))) == 12
+        timer.join()
+    state = json.loads(json.dumps(stream.state_dict()))
+    assert state["epoch"] == 1 and stream.consumed_shards(state) == list(range(len(m.shards)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from layertap.storage.errors import ConfigError, InputError
-from layertap.train.order import follow_target, worker_span
+from layertap.train.order import follow_share, follow_target, worker_span
 
 
 class Position:
@@ -27,10 +27,12 @@ class Position:
     `ShardStream.consumed_shards` computes the consumers' shares from at every checkpoint, so
     that no rank has to read the commit records for it."""
 
-    def __init__(self, per_rank: int, epoch: int = 0, follow: tuple[list[int], int] | None = None):
+    def __init__(self, per_rank: int, epoch: int = 0, follow: tuple[list[int], int] | None = None, rank: int = 0):
         self.per_rank = per_rank  # samples the rank yields per epoch: each consumer's share follows
         self.follow = follow
+        self.rank = rank  # the follow epoch's consumers of this rank are rank * workers + worker
         self._targets: dict[int, int] = {}
+        self._shares: dict[tuple[int, int], frozenset[int]] = {}  # shares_of's answers
         self._epoch = epoch
         self._consumed: list[int] | None = None  # per consumer, this epoch; None until a pass starts
         self._taken: list[list[int]] | None = None  # per consumer, in the follow epoch
@@ -63,6 +65,19 @@ class Position:
                 self._targets[workers] = follow_target(planned, world * workers)
             return [self._targets[workers]] * workers
         return [worker_span(self.per_rank, workers, w)[1] for w in range(workers)]
+
+    def shares_of(self, worker: int, workers: int) -> set[int]:
+        """The shards consumer `worker` (of `workers` on this rank) has a planned share of in the
+        follow epoch, and so must take and yield before they count as consumed; a commit's share
+        is never larger (it covers the planned samples, and records never outnumber them). A
+        planned shard of no samples counts for every consumer, as one with samples for none."""
+        key = (worker, workers)
+        if key not in self._shares:
+            planned, world = self.follow
+            consumers, me = world * workers, self.rank * workers + worker
+            self._shares[key] = frozenset(s for s, n in enumerate(planned)
+                                          if not n or follow_share(n, s, consumers, me)[1] > 0)
+        return self._shares[key]
 
     def taken(self, worker: int) -> list[int]:
         """Shards consumer `worker` has taken in the follow epoch, in order."""
@@ -220,8 +235,12 @@ class Position:
         if c is not None and all(p >= n for p, n in zip(c, self.counts(len(c)))):
             last = (self._taken, self._records) if self._follow_epoch() and self._taken is not None else None
             if last is not None:  # its shards were drained to the end by every consumer that took them
-                taken = [set(t) for t in last[0]]
-                self.follow_trained = sorted(set.intersection(*taken)) if taken else []
+                # consumed here: each shard every consumer with a share of took (and so yielded). One this
+                # rank has no share of counts too: the ranks that have one decide (a consumer done with its
+                # count takes no more shards, so one committed after it never came to this rank at all)
+                workers = len(last[0])
+                missing = set().union(*(self.shares_of(w, workers) - set(t) for w, t in enumerate(last[0])))
+                self.follow_trained = [s for s in range(len(self.follow[0])) if s not in missing] if workers else []
             self._jump(self._epoch + 1, None, 0)
             self._follow_last = last
 

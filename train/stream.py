@@ -262,7 +262,8 @@ class ShardStream(IterableDataset):
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
         self.codec, self._run = manifest.identity.codec, manifest.identity
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
-        self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow)
+        self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow,
+                                 rank=self.rank)
 
     def _only(self, keys: Sequence[Sequence]) -> list[CommittedShard]:
         """The committed shards `keys` name ([shard id, object hash] pairs), every one of them."""
@@ -674,6 +675,13 @@ class ShardStream(IterableDataset):
                     fed += 1
                 elif shuffle.ended:
                     break
+                elif yielded >= target:
+                    # Its count is reached, so every input it has was yielded (no real count exceeds the
+                    # target), and no shard committed from now on has a share for it (its planned share
+                    # would have kept its count below the target): it is done and takes no more. Taken
+                    # now, a shard came after the batch that carries what it took, never reaching the
+                    # trainer's position (with one consumer, that position had already rolled over).
+                    break
                 elif not watcher.complete:
                     discover(watcher.wait())
                 else:  # extraction is over and every input is in the buffer: drain it
@@ -809,7 +817,7 @@ class ShardStream(IterableDataset):
         if any(s not in self._records for t in taken for s in t):
             self._records.update((r.shard, r.num_records) for r in read_commits(self._store()).records)
         workers = len(consumed)
-        result: set[int] | None = None
+        blocked: set[int] = set()  # shards some consumer with a planned share of has not yielded all of
         for w, (shards, t) in enumerate(zip(taken, consumed)):
             me = self.rank * workers + w
             spans = []
@@ -826,8 +834,10 @@ class ShardStream(IterableDataset):
                 if done[start:start + k].all():
                     mine.add(shard)
                 start += k
-            result = mine if result is None else result & mine
-        return sorted(result or [])
+            blocked |= self.position.shares_of(w, workers) - mine
+        if not workers:
+            return []
+        return [s for s in range(len(self.position.follow[0])) if s not in blocked]
 
 
 def _decode(rec: Record, metrics: Metrics) -> dict[str, Any]:
