@@ -1098,3 +1098,19 @@ def test_a_shard_committed_after_a_consumer_without_a_share_of_it_finished_count
         timer.join()
     state = json.loads(json.dumps(stream.state_dict()))
     assert state["epoch"] == 1 and stream.consumed_shards(state) == list(range(len(m.shards)))
+
+
+def test_consumed_shards_of_a_state_that_names_no_taken_shards_names_none_with_a_share(tmp_path):
+    """`consumed_shards` stands in front of deletion: a state without its `taken` lists (hand-made, or
+    cut) must name no shard this rank has a share of. It named every planned shard (a zip with the
+    missing lists blocked nothing)."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    it = iter(stream)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(stream.state_dict()))
+    it.close()
+    assert state["epoch"] == 0 and state["taken"]
+    assert stream.consumed_shards({k: v for k, v in state.items() if k != "taken"}) == []

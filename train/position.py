@@ -37,7 +37,8 @@ class Position:
         self._consumed: list[int] | None = None  # per consumer, this epoch; None until a pass starts
         self._taken: list[list[int]] | None = None  # per consumer, in the follow epoch
         self._records: list[list[int | None]] | None = None  # the record counts of `_taken`'s shards
-        # after it: the shards every consumer took in the follow epoch, which it therefore trained on
+        # after it: the shards every consumer with a planned share of took in the follow epoch (so trained
+        # on), and those this rank has no share of (`shares_of`): what `ShardStream.consumed_shards` names
         self.follow_trained: list[int] | None = None
         # the follow epoch's lists once it rolled on, until a pass starts: see `taken_since_reported`
         self._follow_last: tuple[list[list[int]], list[list[int | None]]] | None = None
@@ -70,13 +71,13 @@ class Position:
         """The shards consumer `worker` (of `workers` on this rank) has a planned share of in the
         follow epoch, and so must take and yield before they count as consumed; a commit's share
         is never larger (it covers the planned samples, and records never outnumber them). A
-        planned shard of no samples counts for every consumer, as one with samples for none."""
+        shard planned with no samples is no one's share: nothing of it needs training."""
         key = (worker, workers)
         if key not in self._shares:
             planned, world = self.follow
             consumers, me = world * workers, self.rank * workers + worker
             self._shares[key] = frozenset(s for s, n in enumerate(planned)
-                                          if not n or follow_share(n, s, consumers, me)[1] > 0)
+                                          if n and follow_share(n, s, consumers, me)[1] > 0)
         return self._shares[key]
 
     def taken(self, worker: int) -> list[int]:

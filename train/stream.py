@@ -796,11 +796,13 @@ class ShardStream(IterableDataset):
         raise ShardError(f"{self.uri}: no readable committed sample to take the padding's shapes from")
 
     def consumed_shards(self, state: dict[str, Any] | None = None) -> list[int]:
-        """Ids of the shards every consumer of this rank has entirely yielded in the follow epoch,
-        according to `state` (default: the current position); after the follow epoch, those it
-        took (not every committed shard: one committed after the epoch ended, a shard given up
-        and then redone, was never trained on); [] when not following. What `layertap train
-        --delete-consumed` records once a checkpoint holds `state`."""
+        """Ids of the planned shards that no consumer of this rank with a planned share of them has
+        yet to yield entirely in the follow epoch, according to `state` (default: the current
+        position): those it has entirely yielded, and those it has no share of, committed or not
+        (the ranks with a share decide: `delete_consumed` deletes only what every rank names, and
+        only committed shards). After the follow epoch, the same as it ended (`follow_trained`: a
+        shard given up and redone after it, never trained on, stays out); [] when not following.
+        What `layertap train --delete-consumed` records once a checkpoint holds `state`."""
         c = self.config
         if not c.follow:
             return []
@@ -818,7 +820,8 @@ class ShardStream(IterableDataset):
             self._records.update((r.shard, r.num_records) for r in read_commits(self._store()).records)
         workers = len(consumed)
         blocked: set[int] = set()  # shards some consumer with a planned share of has not yielded all of
-        for w, (shards, t) in enumerate(zip(taken, consumed)):
+        for w, t in enumerate(consumed):
+            shards = taken[w] if w < len(taken) else []  # a state without them: nothing taken, nothing yielded
             me = self.rank * workers + w
             spans = []
             for shard in shards:
