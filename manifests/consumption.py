@@ -145,16 +145,19 @@ def waiting_workers(store: ObjectStore, records: list[ObjectInfo]) -> list[Waiti
 
 
 def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: list[int], step: int,
-                    run_id: str | None = None) -> None:
+                    run_id: str | None = None, output: str | None = None) -> None:
     """Rank `rank`'s watermark: the shards it has fully consumed for the last time, as of the
     training checkpoint at `step`, of run `run_id` (the one the trainer reads; None: unnamed, as
-    before watermarks named it). Call it only after that checkpoint is committed: the shards it
-    names may be deleted at once, and a restart resumes from the checkpoint."""
+    before watermarks named it), by the trainer writing to `output` (`claim_consumer`'s; None:
+    unnamed). Call it only after that checkpoint is committed: the shards it names may be
+    deleted at once, and a restart resumes from the checkpoint."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
     body = {"world_size": world_size, "step": step, "ranges": _ranges(shards), "time": time.time()}
     if run_id is not None:
         body["run_id"] = run_id
+    if output is not None:
+        body["output"] = output
     _put_json(store, layout.consumed_rank_key(rank), body)
 
 
@@ -323,7 +326,7 @@ def watermarks(store: ObjectStore, listing: list[ObjectInfo] | None = None) -> d
             if any(a > b for a, b in ranges) or any(p[1] >= n[0] for p, n in zip(ranges, ranges[1:])):
                 raise ValueError("ranges are not sorted, disjoint [first, last] runs")
             return {"world_size": int(body["world_size"]), "step": int(body["step"]), "ranges": ranges,
-                    "time": float(body["time"]), "run_id": body.get("run_id")}
+                    "time": float(body["time"]), "run_id": body.get("run_id"), "output": body.get("output")}
         except ObjectNotFound:
             return None
         except (ValueError, KeyError, TypeError) as e:
@@ -340,14 +343,28 @@ def watermarks(store: ObjectStore, listing: list[ObjectInfo] | None = None) -> d
 
 def _agreed(store: ObjectStore, run_id: str | None = None) -> set[int]:
     """Shards every rank of the latest world has consumed, by the watermarks of run `run_id` and
-    those naming no run (None: every watermark)."""
-    return _agree(watermarks(store), run_id) or set()
+    those naming no run (None: every watermark), of the run's consumer (`_consumer`)."""
+    return _agree(watermarks(store), run_id, _consumer(store)) or set()
 
 
-def _agree(marks: dict[int, dict], run_id: str | None) -> set[int] | None:
+def _consumer(store: ObjectStore) -> str | None:
+    """`consumer_of`, for `_agree`; an unreadable claim is one no watermark matches."""
+    try:
+        return consumer_of(store)
+    except ManifestError as e:
+        log.warning("%s; deleting nothing by the watermarks", e)
+        return "(unreadable)"
+
+
+def _agree(marks: dict[int, dict], run_id: str | None, output: str | None = None) -> set[int] | None:
     """`_agreed` of watermarks read already; None while the latest world's are incomplete (a trainer
-    restarting with another world size), when only the markers tell what was consumed."""
-    marks = {rank: m for rank, m in marks.items() if run_id is None or m["run_id"] in (None, run_id)}
+    restarting with another world size), when only the markers tell what was consumed. Those of
+    another trainer than the run's consumer `output` (one whose claim was removed, the run then
+    claimed by another with the same world size) are left out: mixed with the new one's, a rank
+    of each named a shard that no rank of the new trainer had all read. Those naming no trainer
+    (written before they did) count."""
+    marks = {rank: m for rank, m in marks.items() if (run_id is None or m["run_id"] in (None, run_id))
+             and m.get("output") in (None, output)}
     if not marks:
         return set()
     world = max(marks.values(), key=lambda m: m["time"])["world_size"]
@@ -435,7 +452,7 @@ class WindowGate:
         only when their listing changed since the last reading; a shard consumed needs a new one."""
         ranks = list(self.store.list(layout.CONSUMED_RANKS))
         if ranks != self._ranks:
-            self._agreed = _agree(watermarks(self.store, ranks), self.run_id)
+            self._agreed = _agree(watermarks(self.store, ranks), self.run_id, _consumer(self.store))
             self._ranks = ranks
         return self._agreed is None or not self._agreed.isdisjoint(listed)
 

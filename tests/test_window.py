@@ -94,6 +94,26 @@ def test_watermarks_are_runs_of_shard_ids_and_lists_of_ids_still_count(store_uri
     assert consumed_everywhere(store) == set(range(100_000))
 
 
+def test_watermarks_of_a_trainer_that_no_longer_consumes_the_run_count_for_nothing(store_uri):
+    """A run's --delete-consumed trainer gone, its claim removed (as its refusal tells), another
+    trainer of the same world size claims the run: the old one's watermarks were intersected with
+    the new one's, so a shard the new rank 0 had read and the old rank 1 had read was deleted
+    before the new rank 1 read it. Watermarks name their trainer; only the run's consumer's count."""
+    from layertap.manifests.consumption import claim_consumer
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri)
+    claim_consumer(store, "s3://b/old-drafter")
+    record_consumed(store, rank=1, world_size=2, shards=[0, 1, 2], step=3, output="s3://b/old-drafter")
+    store.delete(layout.CONSUMER)
+    claim_consumer(store, "s3://b/new-drafter")
+    record_consumed(store, rank=0, world_size=2, shards=[0], step=1, output="s3://b/new-drafter")
+    assert delete_consumed(store) == [] and data_shards(store) == set(range(7))
+    assert consumed_everywhere(store) == set()
+    record_consumed(store, rank=1, world_size=2, shards=[0, 1], step=1, output="s3://b/new-drafter")
+    assert delete_consumed(store) == [0] and data_shards(store) == set(range(1, 7))
+
+
 def test_a_watermark_names_a_rank_of_its_world(store):
     with pytest.raises(ValueError):
         record_consumed(store, rank=2, world_size=2, shards=[], step=0)

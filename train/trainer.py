@@ -822,7 +822,7 @@ def _delete_consumed(run: _Run, step: int) -> None:
     acc = run.acc
     shards = run.stream.consumed_shards(run.batches.state_dict())
     record_consumed(run.data, rank=acc.process_index, world_size=acc.num_processes, shards=shards, step=step,
-                    run_id=run.stream.run_id)
+                    run_id=run.stream.run_id, output=run.out.uri)
     acc.wait_for_everyone()
     if acc.is_main_process:
         deleted = delete_consumed(run.data, run_id=run.stream.run_id)
