@@ -67,6 +67,16 @@ class Position:
             return [self._targets[workers]] * workers
         return [worker_span(self.per_rank, workers, w)[1] for w in range(workers)]
 
+    def consumed_given(self, done: list[set[int]]) -> list[int]:
+        """The planned shards no consumer with a planned share of them (`shares_of`) lacks in `done`
+        (per consumer of this rank: the shards it has entirely yielded). One this rank has no share
+        of counts: the ranks that have one decide (`delete_consumed` deletes only what every rank
+        names, and only committed shards). [] without consumers."""
+        if not done:
+            return []
+        missing = set().union(*(self.shares_of(w, len(done)) - d for w, d in enumerate(done)))
+        return [s for s in range(len(self.follow[0])) if s not in missing]
+
     def shares_of(self, worker: int, workers: int) -> set[int]:
         """The shards consumer `worker` (of `workers` on this rank) has a planned share of in the
         follow epoch, and so must take and yield before they count as consumed; a commit's share
@@ -236,12 +246,10 @@ class Position:
         if c is not None and all(p >= n for p, n in zip(c, self.counts(len(c)))):
             last = (self._taken, self._records) if self._follow_epoch() and self._taken is not None else None
             if last is not None:  # its shards were drained to the end by every consumer that took them
-                # consumed here: each shard every consumer with a share of took (and so yielded). One this
-                # rank has no share of counts too: the ranks that have one decide (a consumer done with its
-                # count takes no more shards, so one committed after it never came to this rank at all)
-                workers = len(last[0])
-                missing = set().union(*(self.shares_of(w, workers) - set(t) for w, t in enumerate(last[0])))
-                self.follow_trained = [s for s in range(len(self.follow[0])) if s not in missing] if workers else []
+                # consumed here: each shard every consumer with a share of took (and so yielded), and those
+                # this rank has no share of (a consumer done with its count takes no more shards, so one
+                # committed after it never came to this rank at all)
+                self.follow_trained = self.consumed_given([set(t) for t in last[0]])
             self._jump(self._epoch + 1, None, 0)
             self._follow_last = last
 

@@ -819,7 +819,7 @@ class ShardStream(IterableDataset):
         if any(s not in self._records for t in taken for s in t):
             self._records.update((r.shard, r.num_records) for r in read_commits(self._store()).records)
         workers = len(consumed)
-        blocked: set[int] = set()  # shards some consumer with a planned share of has not yielded all of
+        whole: list[set[int]] = []  # per consumer, the shards it has entirely yielded
         for w, t in enumerate(consumed):
             shards = taken[w] if w < len(taken) else []  # a state without them: nothing taken, nothing yielded
             me = self.rank * workers + w
@@ -837,10 +837,8 @@ class ShardStream(IterableDataset):
                 if done[start:start + k].all():
                     mine.add(shard)
                 start += k
-            blocked |= self.position.shares_of(w, workers) - mine
-        if not workers:
-            return []
-        return [s for s in range(len(self.position.follow[0])) if s not in blocked]
+            whole.append(mine)
+        return self.position.consumed_given(whole)
 
 
 def _decode(rec: Record, metrics: Metrics) -> dict[str, Any]:
