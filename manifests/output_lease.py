@@ -39,6 +39,7 @@ from typing import Any
 
 from layertap.manifests import layout
 from layertap.manifests.liveness import gone_from_here, pid_namespace
+from layertap.manifests.preemption import shielded
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 
@@ -150,7 +151,11 @@ class OutputLease:
                                  "token": self.token}).encode()
 
     def __enter__(self) -> OutputLease:
-        self.acquire()
+        try:
+            self.acquire()
+        except BaseException:  # a stop right after the claim: the lease is ours, and no __exit__ runs
+            self.release()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -171,7 +176,9 @@ class OutputLease:
                 if held is not None:
                     log.info("%s: its last %s (%s) is no longer running here: taking the output over", uri,
                              self.role.name, held.describe(self.store.now()))
-                if self._create(1 + (found or (0,))[0]):
+                with shielded():  # a stop in the claim would leave our lease unknown to us
+                    created = self._create(1 + (found or (0,))[0])
+                if created:
                     break
                 continue  # another trainer created that generation first: look again
             if first_seen is not None and held.modified > first_seen:
@@ -220,6 +227,12 @@ class OutputLease:
         return _payload(self.store, self.key).get("token") == self.token
 
     def release(self) -> None:
+        """Stop the heartbeat and delete our lease; a stop signal meanwhile is raised as it ends
+        (cut off, the lease stayed until stale: a rerun on another node waited a ttl for it)."""
+        with shielded():
+            self._release()
+
+    def _release(self) -> None:
         self._stop.set()
         if self._beat is not None:
             self._beat.join()

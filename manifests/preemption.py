@@ -73,17 +73,22 @@ class StopSignals:
         self._deferring = 0  # depth of `deferred()` blocks the main thread is in
         self._previous: dict[int, object] = {}
 
+    _installed: list[StopSignals] = []  # the blocks this process is in, innermost last (handlers are per process)
+
     def __enter__(self) -> StopSignals:
         self.requested, self._requested_at, self._deferring = None, None, 0
         for sig in self.signals:
             if not (sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+        StopSignals._installed.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self in StopSignals._installed:
+            StopSignals._installed.remove(self)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         stop = _stop_for(signum)
@@ -129,6 +134,21 @@ class StopSignals:
     def stopped_for(self) -> float | None:
         """Seconds since the first stop signal; None if none came."""
         return None if self._requested_at is None else time.monotonic() - self._requested_at
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """A block that no stop signal breaks into, for code that cannot know which `StopSignals` it
+    runs under and leaves shared state behind when cut off (an output lease's claim and release:
+    cut off, the lease stayed on the store until it went stale, and the rerun waited for it). Under
+    the innermost `StopSignals(at_once=True)` it is that one's `deferred()`; elsewhere (no block, a
+    training loop's, or after a stop, when later signals are ignored) a plain block."""
+    stops = StopSignals._installed[-1] if StopSignals._installed else None
+    if stops is None or not stops.at_once or stops.requested is not None:
+        yield
+        return
+    with stops.deferred():
+        yield
 
 
 class AsyncStop:

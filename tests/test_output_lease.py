@@ -272,3 +272,38 @@ def test_a_trainer_stopped_before_its_steps_releases_the_output(tmp_path):
     assert p.wait(60) == 143, err.read_text()[-3000:]
     assert "received SIGTERM outside the training steps" in err.read_text()
     assert live_holder(_open(str(out))) is None and not any((out / "lease").iterdir())
+
+
+class _SignalOnce:
+    """`store`, sending this process SIGUSR1 as the first call of `method` returns: a stop signal
+    landing at that instant."""
+
+    def __init__(self, store, method: str):
+        self._store, self._method, self.sent = store, method, False
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if name != self._method or self.sent:
+            return attr
+
+        def call(*args, **kwargs):
+            done = attr(*args, **kwargs)
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return done
+        return call
+
+
+@pytest.mark.parametrize("at", ["put_if_absent", "delete"])
+def test_a_stop_signal_in_the_claim_or_release_leaves_no_lease(store, at):
+    """A stop landing while the lease is claimed (`put_if_absent`) or released (`delete`) broke
+    into it: the lease stayed on the store and a rerun elsewhere waited a ttl for it. The stop is
+    raised once the claim or release is done, and the output is free."""
+    from layertap.manifests.preemption import Preempted, StopSignals
+    signalling = _SignalOnce(store, at)
+    with pytest.raises(Preempted):
+        with StopSignals(at_once=True, signals=(signal.SIGUSR1,)), OutputLease(signalling, ttl_s=600):
+            assert _keys(store)
+            time.sleep(1)  # a stop at the claim raises before this block
+    assert signalling.sent
+    assert live_holder(store) is None and list(store.list("lease/")) == []
