@@ -95,10 +95,14 @@ def trainer_state(store: ObjectStore) -> Literal["none", "stopped", "running"]:
     """Who consumes a --window run: "none" (no --delete-consumed trainer claimed it), "stopped" (the
     one that did left a lease on its output that went stale), else "running" (also when this
     machine cannot see its output's lease: a node-local output, another endpoint)."""
+    return consumer_state(consumer_of(store))
+
+
+def consumer_state(output: str | None) -> Literal["none", "stopped", "running"]:
+    """`trainer_state` of the run whose consumer writes to `output` (`consumer_of`)."""
     from layertap.manifests.output_lease import latest, live_holder
     from layertap.storage.store import open_store
 
-    output = consumer_of(store)
     if output is None:
         return "none"
     try:
@@ -506,6 +510,7 @@ class WindowGate:
                             time.monotonic() - self._trainer_looked >= TRAINER_LOOK_S:
                         self._trainer_looked = time.monotonic()
                         self._say_if_no_trainer()
+                        self._sweep_stale_records()
                 if self.on_wait:
                     self.on_wait(rest)
                 waited, outcome = True, Gate.WAITED
@@ -527,8 +532,8 @@ class WindowGate:
     def _say_if_no_trainer(self) -> None:
         """Warn when no trainer will open the window (`trainer_state`): workers wait for good."""
         try:
-            state = trainer_state(self.store)
-            output = consumer_of(self.store) if state == "stopped" else None
+            output = consumer_of(self.store)
+            state = consumer_state(output)
         except (StoreError, ManifestError) as e:
             log.warning("could not tell whether the run's trainer runs: %s", e)
             return
@@ -539,6 +544,20 @@ class WindowGate:
         elif state == "stopped":
             log.warning("the run's --delete-consumed trainer is not running (its lease on %s went stale): nothing is "
                         "consumed, so the window opens only once it is restarted (--resume continues it)", output)
+
+
+    def _sweep_stale_records(self) -> None:
+        """Delete the `waiting/` records of workers killed while they waited (stale: every reader
+        ignores them), which stayed until the run was deleted."""
+        try:
+            now = self.store.now()
+            stale = [o.key for o in self.store.list(layout.WAITING) if now - o.modified >= WAITING_STALE_S]
+            if stale:
+                self.store.delete_many(stale)
+                log.info("removed %d stale record(s) of extraction workers that stopped while they waited for the "
+                         "window", len(stale))
+        except StoreError as e:
+            log.warning("could not sweep stale records of waiting workers: %s", e)
 
 
 def _put_json(store: ObjectStore, key: str, body: dict) -> None:

@@ -629,6 +629,37 @@ def test_a_stall_that_lasts_stops_the_trainer_with_its_reason(store_uri, caplog)
         watcher._extraction_over()
 
 
+def test_a_waiting_worker_sweeps_the_stale_records_of_killed_ones(store_uri, monkeypatch):
+    """A worker SIGKILLed while it waited left its `waiting/` record for good (every reader ignores
+    it once stale); a waiting worker removes such records as it looks for a trainer, and not a
+    live worker's."""
+    import layertap.manifests.consumption as consumption
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])
+    store.put(layout.waiting_key("killed"), b"{}")
+    monkeypatch.setattr(consumption, "WAITING_STALE_S", 1.0)
+    monkeypatch.setattr(consumption, "TRAINER_LOOK_S", 0.0)
+    time.sleep(2.1)  # stale (S3's clock is in whole seconds)
+    store.put(layout.waiting_key("alive"), b"{}")
+    keys = lambda: sorted(o.key for o in store.list(layout.WAITING))  # noqa: E731
+    seen: list[list[str]] = []
+
+    def on_wait(rest: AtRest | None) -> None:
+        if rest is not None:
+            seen.append(keys())
+            if layout.waiting_key("killed") not in seen[-1] or len(seen) > 100:
+                record_consumed(store, rank=0, world_size=1, shards=[0, 1, 2], step=1)
+                delete_consumed(store)
+
+    gate = WindowGate(store, at_rest(store).bytes, producer=Producer.current(0), poll_s=0.02, max_poll_s=0.05,
+                      log_every_s=0.0, on_wait=on_wait)
+    assert gate(3, lambda shard: False) is Gate.WAITED
+    assert layout.waiting_key("killed") not in seen[-1] and len(seen) <= 100
+    assert layout.waiting_key("alive") in seen[-1]
+    assert keys() == [layout.waiting_key("alive")]  # the gate removed its own on going on
+
+
 def test_a_window_run_no_trainer_deletes_from_is_named_as_such(tmp_path, capsys, caplog):
     """A follow trainer without --delete-consumed never frees the window: the STALLED line advised a
     larger --window, and status said training deletes what it trained on. Both, and the trainer's
