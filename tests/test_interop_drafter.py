@@ -349,6 +349,31 @@ def test_export_refuses_a_dest_holding_other_files_and_replaces_an_earlier_expor
     assert len((dest / "model.safetensors").read_bytes()) < len(first)  # replaced by the bf16 export
 
 
+def test_an_export_cut_short_leaves_no_loadable_pair_and_its_rerun_finishes(trained, tmp_path, monkeypatch):
+    """A re-export cut short while it wrote the weights deleted the earlier config first and left
+    weights alone, which the rerun then refused ("without a config.json"): the earlier export was
+    lost and the same command failed. The config now says an export is under way, which no loader
+    takes, and the rerun replaces."""
+    import layertap.train.export as export
+
+    dest = tmp_path / "spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest)]) == 0
+
+    def cut(*args, **kwargs):
+        (dest / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt  # Ctrl-C
+
+    with monkeypatch.context() as m:
+        m.setattr(export, "write_safetensors", cut)
+        assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--dtype", "bfloat16"]) == 130
+    config = json.loads((dest / "config.json").read_text())
+    assert config["speculators_model_type"] == export.UNDER_WAY
+    with pytest.raises(Exception):  # the pair cut short is no drafter speculators loads
+        DFlashDraftModel.from_pretrained(str(dest))
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest)]) == 0
+    assert DFlashDraftModel.from_pretrained(str(dest)) is not None
+
+
 def test_a_verifier_of_another_width_or_vocabulary_is_refused(trained, tmp_path, capsys):
     """--verifier was read for its architectures only: a model of another width or vocabulary was
     written into the config, which vLLM fails to load (or serves with no draft accepted)."""

@@ -171,10 +171,16 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
     return name, None
 
 
-def _check_dest(dest: ObjectStore) -> bool:
+UNDER_WAY = "layertap-export-under-way"  # config.json's model type while an export writes the weights
+_UNDER_WAY = {"speculators_model_type": UNDER_WAY,
+              "note": "written by `layertap export-drafter` before the weights, replaced once they are written: "
+                      "an export cut short left this; rerun it"}
+
+
+def _check_dest(dest: ObjectStore) -> None:
     """Refuse a DEST that holds anything but an earlier export of this command (whose files a new
     one replaces): the target's own folder given as DEST by mistake would lose its model.safetensors
-    and config.json. Returns whether DEST holds an earlier export."""
+    and config.json."""
     keys = [o.key for o in dest.list()]
     others = [k for k in keys if k not in (WEIGHTS, CONFIG)]
     if others:
@@ -184,15 +190,14 @@ def _check_dest(dest: ObjectStore) -> bool:
         if WEIGHTS in keys:
             raise ConfigError(f"{dest.uri} holds a {WEIGHTS} without a {CONFIG} (an export cut halfway, or another "
                               f"model's weights): delete it or choose an empty folder or prefix")
-        return False
+        return
     try:
         earlier = json.loads(dest.get(CONFIG))
     except ValueError:
         earlier = None
-    if not isinstance(earlier, dict) or earlier.get("speculators_model_type") != "dflash":
+    if not isinstance(earlier, dict) or earlier.get("speculators_model_type") not in ("dflash", UNDER_WAY):
         raise ConfigError(f"{dest.uri} holds a {CONFIG} that is not a speculators DFlash drafter's (a model's "
                           f"folder?): export-drafter would replace it; choose an empty folder or prefix")
-    return True
 
 
 def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str | None = None,
@@ -201,7 +206,7 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
     returns the config written."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    earlier = _check_dest(dest)
+    _check_dest(dest)
     config, weights = trained_drafter(source)
     renamed = speculators_weights(config, weights)
     name, verifier_config = _verifier(config, verifier)
@@ -216,8 +221,9 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
                                                                   int(text["num_hidden_layers"]))) is not None:
         log.warning("%s. The checkpoint is written all the same.", why)
     spec = speculators_config(config, name, verifier_config)
-    if earlier:
-        dest.delete(CONFIG)  # first: an export cut halfway leaves weights without a config, never a mismatched pair
+    # first: an export cut halfway leaves this config, which no loader takes (never a mismatched pair)
+    # and a rerun replaces (it deleted the config before, and the rerun refused the weights left alone)
+    dest.put(CONFIG, (json.dumps(_UNDER_WAY, indent=2) + "\n").encode())
     write_safetensors(dest, WEIGHTS, renamed, {"format": "pt"}, dtype=DTYPES[dtype])  # "pt": what transformers expects
     dest.put(CONFIG, (json.dumps(spec, indent=2) + "\n").encode())
     log.info("wrote %s and %s to %s (%d tensors, %s)", WEIGHTS, CONFIG, dest.uri, len(renamed), dtype)
