@@ -210,10 +210,17 @@ def _refuse_another_split(store: ObjectStore, count: int) -> None:
 
 
 def _recorded(store: ObjectStore, recipe: Recipe) -> Recipe | None:
-    """The output's recipe if it has one (refused unless it matches `recipe`), else None."""
-    if not store.exists(RECIPE):
-        return None
-    return _matching(store, recipe)
+    """The output's recipe if it has one (refused unless it matches `recipe`), else None. Parts
+    without a recipe are refused: the recipe is written before the first part, so they are what a
+    delete cut short left, or another tool's, and were taken for this command's work (another
+    model's answers, another --rows-per-part's rows, reported complete)."""
+    if store.exists(RECIPE):
+        return _matching(store, recipe)
+    if stray := done_parts(store):
+        raise InputError(f"{store.uri} holds {len(stray)} part(s) ({store.uri.rstrip('/')}/{stray[min(stray)].key} "
+                         f"...) but no {RECIPE}: not this command's work (a `layertap delete` cut short leaves "
+                         f"them). Delete them (`layertap delete {store.uri} --force`) or choose another --out")
+    return None
 
 
 def _create_or_check(store: ObjectStore, recipe: Recipe) -> Recipe:

@@ -137,7 +137,11 @@ def describe(store, force: bool) -> str:
         manifest = load_manifest(store)
     except NoRun:
         manifest = None
-    except ManifestError as e:  # corrupt, or a newer layertap's: still a run to delete
+    except ManifestError as e:  # corrupt, or a newer layertap's: still a run to delete, once forced
+        if not force:  # which shards are leased, and whether a window's workers wait, take the manifest to tell
+            raise Refused(f"the manifest of the run at {store.uri} is not readable here ({e}): this layertap cannot "
+                          "tell whether workers or a trainer still write to the run. Make sure none do, then pass "
+                          "--force") from None
         return f"run at {store.uri} (its manifest.json is not readable here: {e})"
     if manifest is not None:
         if not force:
@@ -221,8 +225,9 @@ def _refuse_live_consumer(store, manifest) -> None:
 
     try:
         output = consumer_of(store)
-    except ManifestError:  # unreadable: no trainer to ask about
-        return
+    except ManifestError as e:  # unreadable: cannot ask its trainer
+        raise Refused(f"cannot tell whether the --delete-consumed trainer of run {manifest.run_id} still runs ({e}): "
+                      "make sure it is stopped, then pass --force") from None
     if output is None:
         return
     trainer = f"the --delete-consumed trainer of run {manifest.run_id} at {store.uri} (writing to {output})"
@@ -244,10 +249,12 @@ def delete_all(store, keys: list[str], threads: int = 16) -> int:
 
     from layertap.storage.s3 import DELETE_BATCH
 
-    last = {"manifest.json", *TRAINING_KEYS}
+    last = {marker for marker, _ in MARKERS}  # what makes the prefix a run or an output: the rerun finishes it
     # the commit records before what they vouch for: a delete cut short never leaves a commit whose
-    # data is gone (status would count the shard done, a trainer fail on its missing object)
-    vouching = (layout.COMMITS, layout.TALLY, layout.FEED, layout.COMMIT_INDEX)  # and what is made of them
+    # data is gone (status would count the shard done, a trainer fail on its missing object); with
+    # them the consumption markers, which a run redone in place after a cut-short delete would take
+    # for its fresh shards' (their data deleted as consumed)
+    vouching = (layout.COMMITS, layout.TALLY, layout.FEED, layout.COMMIT_INDEX, layout.CONSUMED)
     waves = [[k for k in keys if k.startswith(vouching)],
              [k for k in keys if k not in last and not k.startswith(vouching)]]
     with ThreadPoolExecutor(threads) as pool, \

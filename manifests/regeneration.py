@@ -170,7 +170,7 @@ def regeneration_status(store: ObjectStore) -> dict[str, Any] | None:
     recipe = read_recipe(store)
     if recipe is None:
         return None
-    done = done_parts(store)
+    done = {p: o for p, o in done_parts(store).items() if p < recipe.parts}  # a stray past the end is no part
     stats = read_stats(store, sorted(done))
     refused: dict[str, int] = {}
     for s in stats:
@@ -184,5 +184,5 @@ def regeneration_status(store: ObjectStore) -> dict[str, Any] | None:
         "rows_regenerated": sum(s["regenerated"] for s in stats), "rows_refused": refused,
         "completion_tokens": sum(s["completion_tokens"] for s in stats),
         "truncated_turns": sum(s["truncated_turns"] for s in stats),
-        "complete": len(done) == recipe.parts,
+        "complete": len(done) == recipe.parts,  # every part below recipe.parts
     }

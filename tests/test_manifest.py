@@ -842,9 +842,13 @@ def test_a_delete_cut_short_leaves_no_commit_without_its_data(tmp_path):
     is made of them: tallies, feed keys, the commit index) go first, the manifest last."""
     from layertap.manifests.delete import delete_all
 
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+
     uri = str(tmp_path / "run")
     fake_worker.work(uri)
     store = open_store(uri)
+    record_consumed(store, rank=0, world_size=1, shards=[0], step=1)
+    delete_consumed(store)  # shard 0 consumed: its marker stays, its data is gone
     order: list[list[str]] = []
     deleting = store.delete_many
     store.delete_many = lambda keys: (order.append(list(keys)), deleting(keys))[1]
@@ -853,6 +857,9 @@ def test_a_delete_cut_short_leaves_no_commit_without_its_data(tmp_path):
     flat = [k for batch in order for k in batch]
     first_data = min(i for i, k in enumerate(flat) if k.startswith(layout.SHARDS))
     assert all(i < first_data for i, k in enumerate(flat) if k.startswith((layout.COMMITS, layout.TALLY)))
+    # consumption markers too: a run redone in place after a cut-short delete took them for its fresh shards'
+    batch_of = lambda key: next(i for i, batch in enumerate(order) if key in batch)  # noqa: E731
+    assert batch_of(layout.consumed_marker_key(0)) < min(batch_of(k) for k in keys if k.startswith(layout.SHARDS))
     assert flat[-1] == layout.MANIFEST and sorted(flat) == sorted(keys) and list(store.list()) == []
 
 
@@ -868,6 +875,17 @@ def test_delete_refuses_what_is_not_a_run_and_a_run_being_written(store_uri, cap
     store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker holds shard 1
     assert cli(["delete", store_uri, "--yes"]) == 2
     assert "shards [1] of run" in capsys.readouterr().err and store.exists(layout.MANIFEST)
+    manifest = store.get(layout.MANIFEST)  # a newer layertap's: which shards are leased cannot be told
+    store.put(layout.MANIFEST, manifest.replace(b'"format_version":1', b'"format_version":99'))
+    assert cli(["delete", store_uri, "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert "is not readable here" in err and "Make sure none do, then pass --force" in err
+    store.put(layout.MANIFEST, manifest)
+    store.delete(layout.lease_key(1, 1, 600))
+    store.put(layout.CONSUMER, b"not json")  # nor whether its --delete-consumed trainer runs
+    assert cli(["delete", store_uri, "--yes"]) == 2
+    assert "cannot tell whether the --delete-consumed trainer of run" in capsys.readouterr().err
+    store.put(layout.lease_key(1, 1, 600), b"{}")
     assert cli(["delete", store_uri, "--yes", "--force"]) == 0 and list(store.list()) == []
 
     store.put("metrics.jsonl", b'{"step": 1}\n')  # a training output is deleted like a run

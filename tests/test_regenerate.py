@@ -280,8 +280,38 @@ def test_a_rerun_with_other_settings_is_refused_and_bad_inputs_are_named(server,
         load_rows(str(unfinished))
     assert cli(["status", str(unfinished)]) == 3
     assert "parts    1/3 done" in capsys.readouterr().out
+    (unfinished / "parts" / "000007.jsonl").write_text("{}\n")  # a stray past the recipe's parts counts for none
+    assert cli(["status", str(unfinished), "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["parts_done"] == 1
+    (unfinished / "parts" / "000007.jsonl").unlink()
     assert cli(["delete", str(unfinished), "--yes"]) == 0  # recognized as a regeneration: no --force needed
     assert not unfinished.exists() or not any(unfinished.rglob("*.json*"))
+
+
+def test_a_delete_keeps_the_recipe_last_and_parts_without_one_are_not_taken_for_done(server, tmp_path, capsys):
+    """The recipe went in the delete's parallel wave with the parts: a delete cut short left parts
+    without it, which the same `delete` refused (no longer a regeneration) and a `regenerate` at
+    that --out took as done (another model's answers, reported complete). The recipe goes last; a
+    prefix of parts without one is refused, naming it."""
+    from layertap.manifests.delete import delete_all
+
+    data = write_sharegpt(tmp_path / "chats.jsonl", 8)
+    out = str(tmp_path / "regen")
+    assert cli(regenerate_args(data, out, server)) == 0
+    store = open_store(out)
+    order: list[list[str]] = []
+    deleting = store.delete_many
+    store.delete_many = lambda keys: (order.append(list(keys)), deleting(keys))[1]
+    assert delete_all(store, [o.key for o in store.list()], threads=1) > 2
+    assert order[-1] == [RECIPE] and list(store.list()) == []
+
+    assert cli(regenerate_args(data, out, server)) == 0
+    store.delete(RECIPE)  # what a delete cut short left before
+    capsys.readouterr()
+    assert cli(regenerate_args(data, out, server, "--rows-per-part", "3")) == 2
+    err = capsys.readouterr().err
+    assert f"holds 2 part(s) ({store.uri}/parts/000000.jsonl ...) but no {RECIPE}" in err
+    assert f"`layertap delete {store.uri} --force`" in err and not store.exists(RECIPE)
 
 
 def _port_open(port: int) -> bool:
