@@ -9,8 +9,9 @@ is reported in about a second, not after botocore's, then our, rounds of backoff
 
 Response checksums: botocore's default validates a GET's CRC32 when the server sends one (moto
 does for a whole object) at ~2 GB/s of client CPU. `get` keeps that for the small objects it
-reads (manifests, commits, checkpoints); ranged reads, which only ever bring shard bytes, skip it:
-every frame of a shard carries its own xxh3 that readers check (docs/FORMAT.md).
+reads (manifests, commits, JSON state); ranged reads skip it: they bring shard bytes, every frame of
+which carries its own xxh3 that readers check (docs/FORMAT.md), and checkpoint tensors, whose
+xxh3 state.json records (train/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -167,11 +168,14 @@ class S3Store(ObjectStore):
                               "AWS_SECRET_ACCESS_KEY, ~/.aws/config)") from None
         except ValueError:  # botocore's "Invalid endpoint: <the URL>", a password in it included
             raise ConfigError(not_a_url) from None
+        encode = "a password holding '/', '?' or '#' must be percent-encoded: %2F, %3F, %23"
         try:  # botocore takes any text and fails at the first request, quoting it whole (EndpointResolutionError)
             urllib.parse.urlsplit(self.client.meta.endpoint_url).port
         except ValueError:
-            raise ConfigError(f"{not_a_url}; its port is not a number (a password holding '/', '?' or '#' must be "
-                              "percent-encoded: %2F, %3F, %23)") from None
+            raise ConfigError(f"{not_a_url}; its port is not a number ({encode})") from None
+        if _stray_at(self.client.meta.endpoint_url):  # "http://minio:1234/pass@host": port 1234, and the rest a path
+            raise ConfigError(f"{not_a_url}; it holds an '@' after its host, which reads as a password's end as well "
+                              f"as a path's ({encode}; a path's '@' as %40)")
         self.endpoint = _without_userinfo(self.client.meta.endpoint_url)  # for messages
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -253,6 +257,9 @@ class S3Store(ObjectStore):
             return RangeNotSatisfiable(f"{what} of {where}: the range starts at or past the object's end")
         if code == "NoSuchBucket":
             return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it or fix the URI")
+        if code == "NoSuchUpload":  # not a missing object: the upload under way is gone
+            return StoreError(f"{what} of {where}: its multipart upload was aborted meanwhile (a bucket lifecycle "
+                              "rule, or another process cleaning up pending uploads): the object was not written")
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
             return ObjectNotFound(f"no object at {where}")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403") or status == 403:
@@ -601,8 +608,10 @@ class S3Writer(ObjectWriter):
                     Bucket=self._store.bucket, Key=self._full_key,
                     **({"ChecksumAlgorithm": self._checksum_algo} if self._checksum_algo else {}))
 
-            self._upload_id = self._store._call("create multipart upload", self.key, create)["UploadId"]
-            self._create_retried = tries > 1
+            try:
+                self._upload_id = self._store._call("create multipart upload", self.key, create)["UploadId"]
+            finally:  # a retry that failed after a first try landed unheard left an upload to sweep too
+                self._create_retried = tries > 1
         number = len(self._parts) + 1
         if number > MAX_PARTS:
             raise StoreError(f"{self.key!r} needs more than {MAX_PARTS} parts: raise part_size")
@@ -656,8 +665,8 @@ class S3Writer(ObjectWriter):
             self.abort()
             raise
         self._done = True
-        if self._create_retried:
-            self._abort_lost_uploads()
+        if self._create_retried:  # the object is written: a failed sweep must not fail the close
+            self._sweep_lost_uploads()
 
     def _complete(self, parts: list[dict]) -> None:
         """CompleteMultipartUpload. MinIO answers a retry whose first try landed unheard with
@@ -688,12 +697,18 @@ class S3Writer(ObjectWriter):
             raise
         return head["ContentLength"] == self._written and head.get("ETag", "").strip('"').endswith(f"-{parts}")
 
-    def _abort_lost_uploads(self) -> None:
+    def _sweep_lost_uploads(self) -> None:
         """A CreateMultipartUpload whose answer was lost (a reset, a timeout) and was retried
-        started an upload nobody knows the id of: it would stay pending, and billed, forever."""
-        for up in self._store.list_pending_uploads(self.key):
-            if up.key == self.key and up.upload_id != self._upload_id:
-                self._store._abort_upload(up.key, up.upload_id)
+        started an upload nobody knows the id of: it would stay pending, and billed, forever.
+        Best effort (it runs after the write, or on the way out of another error): a failure is
+        logged (without s3:ListBucketMultipartUploads it always fails)."""
+        try:
+            for up in self._store.list_pending_uploads(self.key):
+                if up.key == self.key and up.upload_id != self._upload_id:
+                    self._store._abort_upload(up.key, up.upload_id)
+        except StoreError as e:
+            log.warning("could not abort the unheard upload of %s (it stays pending until the run's next sweep "
+                        "of stale uploads or `layertap delete`): %s", self._store._where(self.key), e)
 
     def _release_buffer(self) -> None:
         if self._buf is not None:
@@ -717,13 +732,16 @@ class S3Writer(ObjectWriter):
                     stop = stop or e
         self._release_buffer()
         try:
+            # best effort: an abort runs on the way out of another error (or a stop), which its own
+            # failure replaced (the user saw the abort's error; a stop became a shard failure)
             if self._upload_id is not None:
-                self._store._abort_upload(self.key, self._upload_id)
-            if self._create_retried:  # as `close` does: else the unheard upload stays pending, billed
                 try:
-                    self._abort_lost_uploads()
-                except StoreError as e:  # best effort: an abort runs on the way out of another error
-                    log.warning("could not abort the unheard upload of %s: %s", self._store._where(self.key), e)
+                    self._store._abort_upload(self.key, self._upload_id)
+                except StoreError as e:
+                    log.warning("could not abort the upload of %s (it stays pending until the run's next sweep of "
+                                "stale uploads or `layertap delete`): %s", self._store._where(self.key), e)
+            if self._create_retried:  # as `close` does: else the unheard upload stays pending, billed
+                self._sweep_lost_uploads()
         finally:
             if stop is not None:
                 raise stop
@@ -827,10 +845,19 @@ def _without_userinfo(url: str) -> str:
         return _without_userinfo_in(url)
     try:
         parts.port
+        stray = _stray_at(url)
     except ValueError:  # a password holding "/" ("http://u:ab/cd@host:9000"): the host is after the last "@"
-        if "@" in url:
-            return f"{parts.scheme}://{url.rpartition('@')[2]}"
+        stray = "@" in url
+    if stray:  # ... also where what comes before the "/" reads as host and port ("http://minio:1234/pass@host")
+        return f"{parts.scheme}://{url.rpartition('@')[2]}"
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+
+
+def _stray_at(url: str) -> bool:
+    """Whether `url` holds an "@" after its host: a password holding "/", "?" or "#" unencoded, or
+    a path holding "@" (no telling which: "http://minio:1234/pass@host" is a host, port and path)."""
+    parts = urllib.parse.urlsplit(url)
+    return "@" in url.partition("://")[2] and "@" not in parts.netloc
 
 
 _USERINFO = re.compile(r"(?<=://)[^/\s\"']*@")  # to the last "@" before the host: a password may hold one

@@ -49,6 +49,9 @@ def test_a_cli_command_against_a_failing_endpoint_prints_no_password(s3_bucket, 
                                       # a secret key holding "/", not percent-encoded: botocore took it and
                                       # quoted the whole URL in a traceback at the first request
                                       f"http://minio:{SECRET}/K7MDENG@host:9000",
+                                      # ... or a password whose part before the "/" or "?" reads as a port:
+                                      # no ValueError, and the rest went into messages as a path
+                                      f"http://minio:1234/{SECRET}@host:9000", f"http://minio:99?{SECRET}@host:9000",
                                       f"http://someone:{SECRET}@[::1:9000"])  # a ValueError traceback for a while
 def test_a_malformed_endpoint_is_a_configuration_error_without_its_password(s3_bucket, endpoint, monkeypatch):
     with pytest.raises(ConfigError, match="is not a URL") as err:
@@ -95,10 +98,14 @@ def test_a_connection_cut_while_an_error_answer_is_read_is_retried(s3_bucket, s3
     assert store.retries == 1
 
 
-def test_an_at_sign_in_an_endpoints_path_keeps_its_host_in_messages():
-    """Only a user:password goes: a path holding "@" once lost the host in what messages showed."""
+def test_an_at_sign_in_an_endpoints_path_keeps_its_host_in_messages(s3_bucket):
+    """Only a user:password goes: a path holding "@" once lost the host in what messages showed.
+    An "@" after the host, with no userinfo before it, reads as a password's end as well
+    ("http://minio:1234/pass@host"): refused, asking for percent-encoding, and shown from the "@" on."""
     from layertap.storage.s3 import _without_userinfo, _without_userinfo_in
 
-    assert _without_userinfo("https://s3.example.com/team@x") == "https://s3.example.com/team@x"
+    assert _without_userinfo("https://s3.example.com/team@x") == "https://x"
+    with pytest.raises(ConfigError, match="a path's '@' as %40"):
+        open_store(f"s3://{s3_bucket}/run", endpoint_url="https://s3.example.com/team@x")
     assert _without_userinfo(f"http://u:{SECRET}@h:9000/team@x") == "http://h:9000/team@x"
     assert _without_userinfo_in("GET http://host:9000/bucket/a@b/x failed") == "GET http://host:9000/bucket/a@b/x failed"
