@@ -265,3 +265,25 @@ def test_a_damaged_checkpoint_record_is_an_error_naming_it(store):
     for read in (lambda: load_latest(store), lambda: load_drafter_files(store, 7)):
         with pytest.raises(InputError, match=r"checkpoints/step-00000007/state.json is corrupt"):
             read()
+
+
+@pytest.mark.parametrize("name", ["drafter.safetensors", "optimizer.safetensors"])
+def test_a_flipped_bit_in_a_checkpoint_file_is_refused_not_resumed_from(store, name):
+    """A checkpoint's tensors come back by ranged reads, which carry no checksum of the store's:
+    a flipped bit in the weights or the moments resumed silently wrong. state.json records each
+    file's xxh3, and a load checks it (also `eval --step`'s); a rank that receives the tensors
+    from rank 0 (no data) reads none."""
+    model, opt = trained()
+    prefix = save_checkpoint(store, Snapshot(3, model, opt, {}), keep=2)
+    assert load_latest(store).step == 3
+    key = f"{prefix}/{name}"
+    blob = bytearray(store.get(key))
+    blob[-5] ^= 0x10  # inside the last tensor: the header still reads
+    store.put(key, bytes(blob))
+    with pytest.raises(InputError, match=rf"{key} is corrupt: its bytes hash to xxh3 .* recorded when it was saved; "
+                                         r"point checkpoints/latest.json at an earlier checkpoint"):
+        load_latest(store)
+    assert load_latest(store, tensors=False).step == 3
+    if name == "drafter.safetensors":
+        with pytest.raises(InputError, match=r"is corrupt: .*; evaluate another step \(--step\)"):
+            load_drafter_files(store, 3)

@@ -10,7 +10,9 @@ shards), which gathered to rank 0 made every rank's GPU receive, and state.json 
 (~1.5 GB at 1,000 ranks). `{draw}`, rank 0's random draw per save, keeps two saves of one step
 apart (a trainer taken over that went on; a save killed half-way and redone). It counts only once
 ``checkpoints/latest.json`` names it, and that pointer is written last, so a run killed while
-saving resumes from the previous checkpoint. No pickle: safetensors and JSON only.
+saving resumes from the previous checkpoint. No pickle: safetensors and JSON only. state.json
+records each safetensors file's xxh3-64, checked as it is loaded: a ranged read carries no
+checksum of the store's, and a flipped bit in the moments would resume silently wrong.
 
 The safetensors files are streamed into the store's writer one tensor at a time
 (`write_safetensors`), not built in memory first: at a 27B target's shapes a checkpoint holds
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.records import safetensors_header, safetensors_layout
@@ -115,10 +118,10 @@ def save_checkpoint(store: ObjectStore, snap: Snapshot, keep: int) -> str:
         for key, value in opt["state"].get(i, {}).items():
             moments[f"{names[id(p)]}.{key}"] = torch.as_tensor(value)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
-    write_safetensors(store, f"{prefix}/drafter.safetensors", trainable)
-    write_safetensors(store, f"{prefix}/optimizer.safetensors", moments)
+    files = {name: {"xxh3": write_safetensors(store, f"{prefix}/{name}", tensors)}
+             for name, tensors in (("drafter.safetensors", trainable), ("optimizer.safetensors", moments))}
     full = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": snap.step, "param_groups": groups,
-            "drafter": snap.model.config.to_json(), **snap.state}
+            "drafter": snap.model.config.to_json(), "files": files, **snap.state}
     store.put(f"{prefix}/state.json", json.dumps(full, indent=1).encode())
     store.put(LATEST, json.dumps({"step": snap.step, "prefix": prefix}).encode())
     _prune(store, keep, snap.step)
@@ -131,7 +134,7 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 
 
 def write_safetensors(store: ObjectStore, key: str, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None, dtype: torch.dtype | None = None) -> None:
+                      metadata: Mapping[str, str] | None = None, dtype: torch.dtype | None = None) -> str:
     """A safetensors file streamed into the store's writer, one tensor at a time.
 
     The header (u64 length, JSON padded with spaces to 8 bytes) needs only shapes and dtypes, so it
@@ -139,15 +142,22 @@ def write_safetensors(store: ObjectStore, key: str, tensors: Mapping[str, torch.
     written as its own bytes. Host memory stays at one tensor plus the writer's buffers, and the
     upload runs while later tensors are still on the GPU. Tensors are cast to `dtype` when given.
     The object appears only once complete (the writer publishes on close, discards on error).
+    Returns the file's xxh3-64 (hex), for `load_safetensors` to check.
     """
     layout = {name: (_ST_DTYPES[dtype or t.dtype], list(t.shape), t.numel() * (dtype or t.dtype).itemsize)
               for name, t in tensors.items()}
+    digest = xxhash.xxh3_64()
     with store.open_writer(key) as w:
-        w.write(safetensors_header(layout, metadata or None))
+        header = safetensors_header(layout, metadata or None)
+        digest.update(header)
+        w.write(header)
         for t in tensors.values():
             host = t.detach().to("cpu", dtype or t.dtype).contiguous()
             if host.numel():
-                w.write(host.reshape(-1).view(torch.uint8).numpy().data)
+                data = host.reshape(-1).view(torch.uint8).numpy().data
+                digest.update(data)
+                w.write(data)
+    return digest.hexdigest()
 
 
 _ST_TORCH = {name: dtype for dtype, name in _ST_DTYPES.items()}
@@ -155,29 +165,40 @@ _ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in _ST_DTYPES.items()}
 _ST_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 
-def load_safetensors(store: ObjectStore, key: str, data: bool = True) -> dict[str, torch.Tensor]:
+def load_safetensors(store: ObjectStore, key: str, data: bool = True, xxh3: str | None = None,
+                     fix: str = "") -> dict[str, torch.Tensor]:
     """A safetensors file read tensor by tensor into tensors of its own: host memory holds the
     tensors once, not the file's bytes beside them (`load(store.get(key))` holds both: 2x a 27B
     run's ~22 GB of weights and moments on resume). One ranged read per tensor, straight into it;
     the header is checked as the shard records' is (`storage.records.safetensors_layout`).
     Without `data`, only the header is read: the tensors come uninitialized, for a rank that
-    receives their values from rank 0 (`ranks.broadcast_tensors`)."""
+    receives their values from rank 0 (`ranks.broadcast_tensors`). With `xxh3` (what
+    `write_safetensors` returned), the bytes read are checked against it (`fix`: what the error
+    advises when they differ)."""
     size = store.size(key)
     head = store.get_range(key, 0, 8)
     n = int.from_bytes(head, "little") if len(head) == 8 else -1
     if not 0 < n <= min(_ST_MAX_HEADER, size - 8):
         raise InputError(f"{store.uri}/{key} is not a safetensors file (header length {n}, file {size} B)")
+    header = store.get_range(key, 8, 8 + n)
     try:
-        _, layout = safetensors_layout(store.get_range(key, 8, 8 + n), size - 8 - n, _ST_ITEMSIZE)
+        _, layout = safetensors_layout(header, size - 8 - n, _ST_ITEMSIZE)
     except (ValueError, UnicodeDecodeError) as e:  # json's errors are ValueErrors
         raise InputError(f"{store.uri}/{key} is corrupt or cut short: {e}") from None
+    digest = xxhash.xxh3_64(head)
+    digest.update(header)
     out: dict[str, torch.Tensor] = {}
-    for name, (dtype, shape, begin, end) in layout.items():
+    for name, (dtype, shape, begin, end) in sorted(layout.items(), key=lambda item: item[1][2]):  # file order
         t = torch.empty(shape, dtype=_ST_TORCH[dtype])
-        if data and end > begin and store.read_range_into(key, 8 + n + begin, memoryview(t.view(-1).view(torch.uint8).numpy())) \
-                != end - begin:
-            raise InputError(f"{store.uri}/{key} ends inside tensor {name}: the file is cut short")
+        if data and end > begin:
+            view = memoryview(t.view(-1).view(torch.uint8).numpy())
+            if store.read_range_into(key, 8 + n + begin, view) != end - begin:
+                raise InputError(f"{store.uri}/{key} ends inside tensor {name}: the file is cut short")
+            digest.update(view)
         out[name] = t
+    if data and xxh3 is not None and digest.hexdigest() != xxh3:
+        raise InputError(f"{store.uri}/{key} is corrupt: its bytes hash to xxh3 {digest.hexdigest()}, not the "
+                         f"{xxh3} recorded when it was saved{'; ' + fix if fix else ''}")
     return out
 
 
@@ -229,6 +250,12 @@ def _json(store: ObjectStore, key: str, fix: str) -> dict[str, Any]:
     return value
 
 
+def _recorded_xxh3(state: Mapping[str, Any], name: str) -> str | None:
+    """The xxh3 a checkpoint's state.json records for its file `name` (None before they did)."""
+    entry = (state.get("files") or {}).get(name)
+    return entry.get("xxh3") if isinstance(entry, dict) else None
+
+
 def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     """The checkpoint `latest.json` names, or None when the output has none. Without `tensors`,
     the weights and moments come uninitialized (their headers read, not their ~22 GB at a 27B
@@ -243,8 +270,10 @@ def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
         raise InputError(f"{store.uri.rstrip('/')}/{LATEST} names no checkpoint (no \"prefix\"); {fix}")
     try:
         state = _json(store, f"{prefix}/state.json", fix)
-        weights = load_safetensors(store, f"{prefix}/drafter.safetensors", tensors)
-        optimizer = load_safetensors(store, f"{prefix}/optimizer.safetensors", tensors)
+        damaged = (f"point {LATEST} at an earlier checkpoint kept under checkpoints/ ({{\"step\": N, \"prefix\": "
+                   f"\"{step_prefix(0)[:-8]}<N, 8 digits>\"}}) or delete it to start over")
+        weights, optimizer = (load_safetensors(store, f"{prefix}/{name}", tensors, _recorded_xxh3(state, name), damaged)
+                              for name in ("drafter.safetensors", "optimizer.safetensors"))
     except ObjectNotFound as e:
         raise InputError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}") from None
     if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
@@ -312,7 +341,9 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
             if not isinstance(state.get("drafter"), dict):
                 raise InputError(f"{store.uri.rstrip('/')}/{prefix}/state.json records no drafter: not a layertap "
                                  "training state")
-            return DrafterConfig.from_json(state["drafter"]), load_safetensors(store, f"{prefix}/drafter.safetensors")
+            return DrafterConfig.from_json(state["drafter"]), load_safetensors(
+                store, f"{prefix}/drafter.safetensors", xxh3=_recorded_xxh3(state, "drafter.safetensors"),
+                fix="evaluate another step (--step)")
         except ObjectNotFound:
             kept = sorted(step for step, keys in checkpoint_folders(store).items()
                           if f"{step_prefix(step)}/state.json" in keys)
