@@ -11,22 +11,6 @@ def add_extract(p: argparse.ArgumentParser) -> None:
     from layertap.storage.flags import add_flags
 
     add_flags(p, ExtractConfig, CONFIG_HELP)
-    if isinstance(p, argparse.ArgumentParser):  # not when another command forwards these options
-        _hint_attached_values(p)
-
-
-def _hint_attached_values(p: argparse.ArgumentParser) -> None:
-    """argparse reads `--layers -1,3` as two options and says only "expected one argument":
-    say how to give a value that starts with '-'."""
-    error = p.error
-
-    def error_with_hint(message: str) -> None:
-        if message.endswith("expected one argument") and message.startswith("argument --"):
-            option = message.split()[1].rstrip(":").split("/")[-1]
-            message += f" (a value that starts with '-' must be attached with '=': {option}=VALUE)"
-        error(message)
-
-    p.error = error_with_hint
 
 
 def run_extract(args: argparse.Namespace) -> int:

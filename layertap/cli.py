@@ -58,7 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         getattr(importlib.import_module(module), f"add_{name.replace('-', '_')}")(p)
+    _hint_attached_values(parser)
     return parser
+
+
+def _hint_attached_values(p: argparse.ArgumentParser) -> None:
+    """argparse reads `--layers -1,3` (or `--then-train "--data=x"`) as two options and says only
+    "expected one argument": say how to give a value that starts with '-'. On `p` and every
+    parser below it (`submit extract`'s included)."""
+    error = p.error
+
+    def error_with_hint(message: str) -> None:
+        if message.endswith("expected one argument") and message.startswith("argument --"):
+            option = message.split()[1].rstrip(":").split("/")[-1]
+            message += f" (a value that starts with '-' must be attached with '=': {option}=VALUE)"
+        error(message)
+
+    p.error = error_with_hint
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _hint_attached_values(sub)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -186,8 +186,8 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, nodes: list[NodeSha
 
     if args.cpus_per_task is not None and args.cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task must be at least 1, got {args.cpus_per_task}")
-    if "/" in args.job_name:  # it names the script's file in the logs folder too
-        raise ConfigError(f"--job-name {args.job_name!r}: a job name without '/', please")
+    if "/" in args.job_name or args.job_name.strip() in ("", ".", ".."):  # it names files in the logs folder too
+        raise ConfigError(f"--job-name {args.job_name!r}: give a name (without '/'), e.g. layertap-train")
     mem = args.mem
     if mem is not None and mem.lower() != "none" and not _MEM.match(mem):
         raise ConfigError(f"--mem {mem!r}: give Slurm's form, a number with an optional K, M, G or T (or KB ... TB; "
@@ -507,7 +507,8 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], fol
     if (why := _no_trainer_needed(train_cfg)) is not None:
         _say(args, f"{why}: no training job")
         return None
-    topts = _job_options(args, gpus, lambda procs: train_resources(procs, train_cfg.num_workers), nodes,
+    topts = _job_options(args, gpus,
+                         lambda procs: train_resources(procs, train_cfg.num_workers, train_cfg.memory_budget), nodes,
                          job_name="layertap-train")
     if follow is not None and follow.window is not None:
         _check_window(follow, train_cfg, args.train_nodes * topts.procs)
@@ -626,6 +627,9 @@ def _at_least_one(args: argparse.Namespace, *names: str) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
+_JOB_ID = re.compile(r"\d+(_\d+)?")
+
+
 def _submit_train(args: argparse.Namespace) -> int:
     from layertap.slurm.scripts import train_script
     from layertap.slurm.submit import dependency_options
@@ -636,13 +640,16 @@ def _submit_train(args: argparse.Namespace) -> int:
     if _train_parser() is None:
         raise ConfigError("`layertap train` is not available in this installation (no train.command)")
     _at_least_one(args, "nodes")
+    if bad := [job for job in args.after if not _JOB_ID.fullmatch(job)]:  # sbatch said only "Job dependency problem"
+        raise ConfigError(f"--after {bad[0]!r}: give a Slurm job id (123, or 123_4 for one task of an array), one per "
+                          "--after")
     cfg = _train_config(args)
     if (why := _no_trainer_needed(cfg)) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0
     nodes = partition_shapes(args.partition)
     opts = _job_options(args, _gpus_per_node(args, nodes),
-                        lambda procs: train_resources(procs, cfg.num_workers), nodes)
+                        lambda procs: train_resources(procs, cfg.num_workers, cfg.memory_budget), nodes)
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions))

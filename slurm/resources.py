@@ -8,7 +8,8 @@ Per worker process (one per GPU, or one on CPU):
   memory limit counts);
 - training: 4 + 4 per DataLoader worker (the step, the prefetcher, decode threads; GETs wait on
   the network); 24 GiB (the shuffle buffer of decoded samples, the CUDA context, the target's
-  head) + the loader's memory budget (4 GiB) per DataLoader process;
+  head) + the loader's `--memory-budget` (per rank, split between its DataLoader workers) + 2 GiB
+  per DataLoader worker (a process of its own: torch, its decoded samples);
 - regeneration: the client (asyncio, JSON, uploads) 2 CPUs and 4 GiB; with `--serve`, the server
   next to it 8 CPUs and 32 GiB per GPU (an inference server's tokenizer and scheduler processes,
   and the weights read through the page cache on load).
@@ -26,7 +27,7 @@ GiB = 1 << 30
 EXTRACT_BASE_THREADS, EXTRACT_MAX_ENCODE = 2, 8
 EXTRACT_GIB_PER_WORKER, GGUF_EXPANSION = 16, 8
 TRAIN_BASE_THREADS, TRAIN_THREADS_PER_LOADER = 4, 4
-TRAIN_GIB_PER_WORKER, LOADER_BUDGET_GIB = 24, 4
+TRAIN_GIB_PER_WORKER, TRAIN_GIB_PER_LOADER = 24, 2
 REGEN_CLIENT_CPUS, REGEN_CLIENT_GIB = 2, 4
 SERVER_CPUS_PER_GPU, SERVER_GIB_PER_GPU = 8, 32
 
@@ -75,10 +76,13 @@ def extract_resources(procs: int, encode_threads: int | None, model: str | None,
     return Resources(procs * (threads + EXTRACT_BASE_THREADS), math.ceil(mem / GiB))
 
 
-def train_resources(procs: int, num_workers: int | None) -> Resources:
+def train_resources(procs: int, num_workers: int | None, memory_budget: int) -> Resources:
+    """`memory_budget`: the loader's, in bytes per rank (a larger one was asked for with 4 GiB, and
+    Slurm's limit killed the job once the loader filled it)."""
     loaders = max(1, num_workers or 0)
     return Resources(procs * (TRAIN_BASE_THREADS + TRAIN_THREADS_PER_LOADER * loaders),
-                     procs * (TRAIN_GIB_PER_WORKER + LOADER_BUDGET_GIB * loaders))
+                     procs * (TRAIN_GIB_PER_WORKER + math.ceil(memory_budget / GiB)
+                              + TRAIN_GIB_PER_LOADER * (num_workers or 0)))
 
 
 def regenerate_resources(gpus: int, serving: bool) -> Resources:

@@ -435,7 +435,11 @@ def test_num_workers_from_a_trainers_config_file_size_the_cpus(tmp_path, capsys,
     assert submit("train", "--dry-run", "--gpus-per-node", "2", "--data", "x", "--out", "d", "--config",
                   str(config)) == 0
     train = sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])
-    assert "--cpus-per-task=32" in train and "--mem=72G" in train  # 2 ranks x (4 + 4 x 3), 2 x (24 + 4 x 3) GiB
+    assert "--cpus-per-task=32" in train and "--mem=68G" in train  # 2 ranks x (4 + 4 x 3), 2 x (24 + 4 + 2 x 3) GiB
+    # the loader's budget is what the job holds: a larger one was asked for with 4 GiB (Slurm's limit killed it)
+    assert submit("train", "--dry-run", "--gpus-per-node", "2", "--data", "x", "--out", "d", "--memory-budget",
+                  "64GiB") == 0
+    assert "--mem=176G" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])  # 2 x (24 + 64)
     assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", "--out", str(tmp_path / "fresh"),
                   "--then-train", f"--data x --out d --config {config}") == 0
     assert "--cpus-per-task=32" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])
@@ -601,7 +605,7 @@ def test_cpus_and_memory_are_sized_from_the_job(tmp_path, capsys, monkeypatch):
     extract, train = sbatch_options(scripts["layertap-extract"]), sbatch_options(scripts["layertap-train"])
     # Extraction: 8 workers x (8 encode threads + 2); 8 x 16 GiB + the safetensors once (page cache).
     assert "--cpus-per-task=80" in extract and f"--mem={math.ceil((8 * 16 * 2**30 + weights) / 2**30)}G" in extract
-    # Training: 8 ranks x (4 + 4 per DataLoader worker); 8 x (24 GiB + 4 GiB per DataLoader worker).
+    # Training: 8 ranks x (4 + 4 per DataLoader worker); 8 x (24 GiB + the 4 GiB budget + 2 GiB per DataLoader worker).
     assert "--cpus-per-task=96" in train and "--mem=256G" in train
     assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", "--encode-threads", "3",
                   "--out", fresh) == 0
@@ -1138,7 +1142,8 @@ def test_submit_meets_what_sbatch_would_refuse_or_misread(tmp_path, capsys, monk
     """From a review of the submit paths (each seen with --dry-run, a stand-in sbatch, or sbatch
     --test-only): arrays past MaxArraySize, --window under --then-train (a deadlock), a quoted key
     half masked in the task's log, --sbatch values unquoted, Slurm forms refused (--time 0, --mem
-    200g), --cpus-per-task 0 ignored, a '/' in --job-name a traceback."""
+    200g), --cpus-per-task 0 ignored, a '/' in --job-name a traceback; an empty --job-name, --after
+    values no job id, values starting with '-' (a second review)."""
     from layertap.extract.served import redacted
     from layertap.slurm import submit as slurm_submit
 
@@ -1165,7 +1170,19 @@ def test_submit_meets_what_sbatch_would_refuse_or_misread(tmp_path, capsys, monk
     assert submit(*base, "--cpus-per-task", "0") == 2
     assert "--cpus-per-task must be at least 1, got 0" in capsys.readouterr().err
     assert submit(*base, "--job-name", "a/b") == 2
-    assert "a job name without '/'" in capsys.readouterr().err
+    assert "give a name (without '/')" in capsys.readouterr().err
+    assert submit(*base, "--job-name=") == 2  # logs named "-12.out" before
+    assert "--job-name '': give a name" in capsys.readouterr().err
+    # sbatch said only "Job dependency problem", after the script was saved
+    assert submit("train", "--dry-run", "--after", "5", "--after", "5 6", "--data", prefix, "--out", "d") == 2
+    assert "--after '5 6': give a Slurm job id (123, or 123_4" in capsys.readouterr().err
+    # a value starting with '-' in a submit's options: argparse said only "expected one argument"
+    with pytest.raises(SystemExit):
+        submit(*base, "--layers", "-1,3")
+    assert "(a value that starts with '-' must be attached with '=': --layers=VALUE)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        submit(*base, "--then-train", f"--data={prefix} --out d")
+    assert "--then-train=VALUE)" in capsys.readouterr().err
 
     assert redacted("vllm serve m --api-key 'sk live 123' --port 8") == "vllm serve m --api-key *** --port 8"
     assert redacted('x --hf-token="a b" y') == "x --hf-token=*** y"
