@@ -70,6 +70,7 @@ class LocalStore(ObjectStore):
         tmp = self._write_temp(path, data)
         with _undone_on_error(functools.partial(_remove_quietly, tmp), path):
             os.replace(tmp, path)
+        _sync_folder(path)  # the new name too: latest.json could go back to an older checkpoint on a power loss
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
+MAX_PART_SIZE = 5 * 1024 * MiB  # and its ceiling for any part
 MAX_PARTS = 10_000
 DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 
@@ -105,6 +106,8 @@ class S3Options:
     def __post_init__(self) -> None:
         if self.part_size < MIN_PART_SIZE:
             raise ConfigError(f"part_size {self.part_size} is below S3's minimum of {MIN_PART_SIZE} bytes (5 MiB)")
+        if self.part_size > MAX_PART_SIZE:  # refused at the first part, after max_parts_in_memory buffers of it
+            raise ConfigError(f"part_size {self.part_size} is above S3's maximum of {MAX_PART_SIZE} bytes (5 GiB)")
         if self.max_parts_in_memory < 1:
             raise ConfigError("max_parts_in_memory must be >= 1")
         if self.threads < 1:
@@ -262,6 +265,9 @@ class S3Store(ObjectStore):
                               "rule, or another process cleaning up pending uploads): the object was not written")
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
             return ObjectNotFound(f"no object at {where}")
+        if code == "RequestTimeTooSkewed":  # a 403, but not the credentials' fault
+            return StoreError(f"{what} of {where}: the server refused the request's time ({code}): this machine's "
+                              "clock is off by more than S3 allows (15 minutes); set it right (NTP)")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403") or status == 403:
             return StoreError(
                 f"access denied for {what} of {where} ({code}): check the credentials and their permissions"
@@ -397,6 +403,7 @@ class S3Store(ObjectStore):
         """One ranged GET read into `out` with no body-sized buffer on the way (straight from the
         socket where the stream allows, else a slice at a time); a try that fails while the body
         streams in is resumed, by the next, from its last good byte."""
+        out = out.cast("B") if out.format != "B" else out  # `n` counts bytes, whatever the view's items
         n, got = len(out), 0
 
         def read() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import builtins
 import errno
 import os
@@ -102,6 +103,8 @@ def test_a_range_is_read_into_a_callers_buffer(store):
     assert store.read_range_into("big.bin", len(data) + 5, memoryview(short)) == 0
     with pytest.raises(ObjectNotFound):
         store.read_range_into("missing.bin", 0, memoryview(short))
+    floats = array.array("f", [0.0] * 4)  # a view of 4-byte items: 16 bytes read, on each backend
+    assert store.read_range_into("big.bin", 0, memoryview(floats)) == 16 and floats.tobytes() == data[:16]
 
 
 def test_a_ranged_body_is_read_from_the_socket_straight_into_the_buffer(s3_bucket):
@@ -667,8 +670,21 @@ def test_store_errors_do_not_leak_the_secret_key(monkeypatch):
 def test_s3_options_validation():
     with pytest.raises(ValueError, match="below S3's minimum"):
         open_store("s3://b/p", part_size=1 << 20)
+    with pytest.raises(ValueError, match="above S3's maximum"):  # else refused at the first part, 9 parts in
+        open_store("s3://b/p", part_size=6 << 30)
     with pytest.raises(ValueError, match="addressing_style"):
         open_store("s3://b/p", addressing_style="sideways")
+
+
+def test_a_skewed_clock_is_named_as_such_not_as_the_credentials():
+    """S3 answers a request dated over 15 minutes off with 403 RequestTimeTooSkewed, which read
+    "check the credentials and their permissions"."""
+    from botocore.exceptions import ClientError
+
+    answer = {"Error": {"Code": "RequestTimeTooSkewed", "Message": "The difference ... is too large."},
+              "ResponseMetadata": {"HTTPStatusCode": 403}}
+    err = open_store("s3://b/p")._translate(ClientError(answer, "GetObject"), "get", "k")
+    assert "this machine's clock is off" in str(err) and "credentials" not in str(err)
 
 
 def test_path_style_and_checksum_mode_reach_the_server(s3_bucket):
