@@ -44,6 +44,7 @@ from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectNotFound, ObjectStore, is_write_probe
+from layertap.storage.units import listing
 from layertap.storage.writer import ShardWriter
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def _remove_partial_export(dest: ObjectStore, keys: list[str], error: BaseExcept
         done = (f"the export to {dest.uri} failed, and the {len(keys)} file(s) it had written were removed: no file "
                 "of it is left there, so the same command can be run again once the cause is fixed")
     else:
-        shown = ", ".join(left[:20]) + (f" and {len(left) - 20} more" if len(left) > 20 else "")
+        shown = listing(left, 20)
         done = (f"the export to {dest.uri} failed, and removing what it wrote failed too ({why}): remove {shown} "
                 "(DEST was empty before this export, so everything under it) before exporting there again: the "
                 "foreign trainers would train on these files of an export cut short")

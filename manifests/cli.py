@@ -7,7 +7,7 @@ import json
 import sys
 
 from layertap.storage.errors import ConfigError
-from layertap.storage.units import duration, size
+from layertap.storage.units import duration, listing, size
 
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
@@ -94,8 +94,7 @@ def _what_is_under(store) -> str:
     found = [f"{name}/ ({kind})" for name, kind in outputs_under(store)]
     if not found:
         return ""
-    more = " ..." if len(found) > LIST_UNDER else ""
-    return (f". Under it: {', '.join(found[:LIST_UNDER])}{more}: `layertap status "
+    return (f". Under it: {listing(found, LIST_UNDER)}: `layertap status "
             f"{store.uri.rstrip('/')}/{found[0].split('/')[0]}`")
 
 

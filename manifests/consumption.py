@@ -36,7 +36,7 @@ from layertap.manifests.work import Gate
 from layertap.storage.retry import Backoff
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
-from layertap.storage.units import size
+from layertap.storage.units import listing, size
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def _agree(marks: dict[int, dict], run_id: str | None, output: str | None = None
 
 
 def _ids(ids: list[int]) -> str:
-    return ", ".join(map(str, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+    return listing(ids)
 
 
 class WindowGate:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from layertap.manifests import layout
 from layertap.storage.errors import ConfigError, UserError
+from layertap.storage.units import listing
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,7 @@ def run_delete(args: argparse.Namespace) -> int:
     if foreign and not args.force:
         root = store.uri.rstrip("/")
         raise Refused(f"{store.uri} is a run, and holds {len(foreign):,} object(s) that are not the run's: "
-                      + ", ".join(f"{root}/{k}" for k in foreign[:LIST_NESTED]) + (" ..." if len(foreign) > LIST_NESTED
-                                                                                      else "")
+                      + listing((f"{root}/{k}" for k in foreign), LIST_NESTED)
                       + ". Deleting the run would delete them too, so it is not deleted: move them out of its prefix "
                         "and run this again, or pass --force to delete them with it")
     what = describe(store, args.force)
@@ -122,8 +122,7 @@ def nested_message(uri: str, nested: list[tuple[str, str]]) -> str:
 
 def _named(uri: str, nested: list[tuple[str, str]]) -> str:
     root = uri.rstrip("/")
-    return ", ".join(f"{root}/{name} ({kind})" for name, kind in nested[:LIST_NESTED]) \
-        + (f" and {len(nested) - LIST_NESTED} more" if len(nested) > LIST_NESTED else "")
+    return listing((f"{root}/{name} ({kind})" for name, kind in nested), LIST_NESTED)
 
 
 def describe(store, force: bool) -> str:

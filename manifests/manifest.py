@@ -24,6 +24,7 @@ from layertap.storage.codecs import CODEC_NAMES
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.units import listing
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def refuse_nested(store: ObjectStore) -> None:
     found = outputs_under(store)
     if found:
         root = store.uri.rstrip("/")
-        named = ", ".join(f"{root}/{name} ({kind})" for name, kind in found[:5]) + (" ..." if len(found) > 5 else "")
+        named = listing((f"{root}/{name} ({kind})" for name, kind in found), 5)
         raise ConfigError(f"{store.uri} holds no run but other runs or outputs below it: {named}. A run here would "
                           "hold them under its prefix, and deleting it would delete them: give the run a prefix "
                           f"of its own beside them (a new folder under {root}/)")

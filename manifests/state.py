@@ -12,6 +12,7 @@ from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, ManifestError
 from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
+from layertap.storage.units import listing
 
 ShardState = Literal["done", "running", "failed", "pending"]
 
@@ -155,7 +156,7 @@ def fits_plan(commit: CommitRecord | FeedCommit, manifest: Manifest) -> bool:
 
 
 def replaced_manifest_error(uri: str, shards: list[int]) -> ManifestError:
-    shown = ", ".join(map(str, shards[:10])) + (f" and {len(shards) - 10} more" if len(shards) > 10 else "")
+    shown = listing(shards)
     return ManifestError(
         f"{len(shards)} commit record(s) under {uri.rstrip('/')}/{layout.COMMITS} were made for another "
         f"plan than its {layout.MANIFEST}'s (shards {shown}): the manifest was replaced after a run had "

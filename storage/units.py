@@ -26,6 +26,12 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def listing(items, limit: int = 10) -> str:
+    """The first `limit` of `items` for a message: '3, 7, 9 and 12 more' (one rule, not one per message)."""
+    items = list(items)
+    return ", ".join(map(str, items[:limit])) + (f" and {len(items) - limit:,} more" if len(items) > limit else "")
+
+
 def duration(seconds: float) -> str:
     """'45 s', '12 min', '3 h 05 min', '2 d 4 h'."""
     s = int(round(seconds))

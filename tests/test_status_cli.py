@@ -13,7 +13,7 @@ import pytest
 import fake_worker
 from layertap.cli import main as cli
 from layertap.manifests import layout
-from layertap.storage.units import size
+from layertap.storage.units import listing, size
 from layertap.manifests.status import recent_rate
 from layertap.storage.store import open_store
 
@@ -104,6 +104,14 @@ def test_recent_rate_leaves_out_the_first_commits_tokens():
 def test_sizes_are_binary():
     assert [size(n) for n in (0, 1023, 1024, 5 * 2**20, 1.5 * 2**30, 123 * 2**30, 3 * 2**40)] == [
         "0 B", "1023 B", "1.00 KiB", "5.00 MiB", "1.50 GiB", "123 GiB", "3.00 TiB"]
+
+
+def test_lists_in_messages_say_how_many_more():
+    """One rule for every message's list (seven hand-made ones said " ..." or "and N more", or cut
+    the list without a word)."""
+    assert listing(range(3)) == "0, 1, 2" and listing([]) == ""
+    assert listing(range(2000), 2) == "0, 1 and 1,998 more"
+    assert listing((f"s3://b/{k}" for k in "abc"), 1) == "s3://b/a and 2 more"
 
 
 def test_status_writes_nothing(store_uri, capsys):

@@ -37,6 +37,7 @@ import xxhash
 from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.records import safetensors_header, safetensors_layout
 from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.units import listing
 from layertap.train.drafter import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ def checkpoint_folders(store: ObjectStore) -> dict[int, list[str]]:
             strangers.add(name)
     if strangers:
         log.warning("%s/checkpoints holds folder(s) that are no checkpoint of it, left alone: %s", store.uri,
-                    ", ".join(sorted(strangers)[:5]))
+                    listing(sorted(strangers), 5))
     return folders
 
 

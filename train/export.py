@@ -28,6 +28,7 @@ import torch
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.foreign import foreign_layers, layer_order, unservable_layer
 from layertap.storage.store import ObjectStore
+from layertap.storage.units import listing
 from layertap.train.checkpoint import load_drafter_files, load_latest, write_safetensors
 from layertap.train.drafter import DrafterConfig
 
@@ -184,7 +185,7 @@ def _check_dest(dest: ObjectStore) -> None:
     keys = [o.key for o in dest.list()]
     others = [k for k in keys if k not in (WEIGHTS, CONFIG)]
     if others:
-        raise ConfigError(f"{dest.uri} holds other files ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}):"
+        raise ConfigError(f"{dest.uri} holds other files ({listing(others, 5)}):"
                           f" export-drafter writes {WEIGHTS} and {CONFIG} there; choose an empty folder or prefix")
     if CONFIG not in keys:
         if WEIGHTS in keys:

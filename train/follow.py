@@ -48,7 +48,7 @@ from layertap.manifests.state import fits_plan, listed_shards, replaced_manifest
 from layertap.storage.errors import UserError
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore
-from layertap.storage.units import size
+from layertap.storage.units import listing, size
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _runs_beside(store: ObjectStore) -> str:
     if not runs:
         return ""
     runs.sort(key=lambda f: -difflib.SequenceMatcher(None, f, name).ratio())
-    return f"; runs beside it: {', '.join(runs[:5])}{' ...' if len(runs) > 5 else ''} (is --data one of them?)"
+    return f"; runs beside it: {listing(runs, 5)} (is --data one of them?)"
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ class CommitWatcher:
             if self._given_up_once:
                 log.warning("%s: extraction is over with %d shard(s) given up (%s): ending the follow epoch without "
                             "them (`layertap status %s` says why they failed)", self.who, len(given_up),
-                            ", ".join(map(str, given_up[:10])) + (" ..." if len(given_up) > 10 else ""),
+                            listing(given_up),
                             self.store.uri)
                 self.complete = True
                 return True

@@ -44,7 +44,7 @@ from layertap.storage.format import ShardError
 from layertap.storage.reader import check_sample
 from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_configured_store
-from layertap.storage.units import parse_size, size
+from layertap.storage.units import listing, parse_size, size
 from layertap.train.buffers import BufferPool
 from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
 from layertap.train.follow import CommitWatcher, wait_for_manifest
@@ -617,7 +617,7 @@ class ShardStream(IterableDataset):
             log.warning("%s: %d committed shard(s) of %s (%s) were consumed and deleted by a training run that read "
                         "it while it was extracted (`layertap train --delete-consumed`): leaving them out of the "
                         "follow epoch; they cannot be trained on again", who, len(gone), self.uri,
-                        ", ".join(map(str, sorted(gone)[:10])) + (" ..." if len(gone) > 10 else ""))
+                        listing(sorted(gone)))
 
         def discover(new) -> None:
             for commit in new:

@@ -40,6 +40,7 @@ from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
+from layertap.storage.units import listing
 from layertap.train.batch import collate
 from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest,
                                        load_loader_state, restore, save_checkpoint, save_loader_state, step_prefix,
@@ -849,7 +850,7 @@ def _check_left_to_train(data: ObjectStore, run: Manifest) -> None:
         if not (rest := pending_work(data, run, committed)).over:
             return  # extraction goes on: a trainer waits for what it commits
         given_up = rest.given_up
-    lost = f" (extraction gave up shard(s) {', '.join(map(str, given_up[:10]))})" if given_up else ""
+    lost = f" (extraction gave up shard(s) {listing(given_up)})" if given_up else ""
     raise InputError(f"every shard of {data.uri} was trained on and deleted by a --delete-consumed trainer{lost}: "
                      "nothing is left to train on. Extract the run again (to another --out) to train another "
                      "drafter on it")
