@@ -33,7 +33,7 @@ from layertap.extract.regenerated import template_kwargs
 from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
 from layertap.manifests.consumption import AtRest, WindowGate, forget_window
-from layertap.manifests.manifest import (Manifest, NoRun, create_or_resume, load_manifest,
+from layertap.manifests.manifest import (ConfigMismatch, Manifest, NoRun, create_or_resume, load_manifest,
                                           refuse_new_run_here)
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
@@ -99,8 +99,11 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
         if rank == 0:  # create_or_resume refuses it too, but only after the weights load and the dataset is tokenized
             _patiently(lambda: refuse_new_run_here(store))
         target, capture, identity = prepare_target(cfg, state.device)
+        loaded_as = cfg.dtype
         manifest, identity = _plan(store, cfg, identity, rows, fingerprint, target) if rank == 0 \
             else _wait_for_plan(store, cfg, identity, fingerprint)
+        if cfg.dtype != loaded_as:  # another job planned the run meanwhile, pinning a dtype its workers all keep
+            target = capture = None  # loaded again below, in it
     log.info("rank %d/%d: run %s at %s, %d shards", rank, world, manifest.run_id, store.uri, len(manifest.shards))
 
     producer = Producer.current(rank)
@@ -337,7 +340,10 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
                              chat_template_kwargs=template_kwargs(cfg.dataset))
     require_samples(stats)
     log.info("%s", stats.describe(cfg.dataset or "the embedded ShareGPT conversations"))
-    return _patiently(lambda: write_plan(store, cfg, identity, fingerprint, stats.counts))[0], identity
+    try:
+        return _patiently(lambda: write_plan(store, cfg, identity, fingerprint, stats.counts))[0], identity
+    except ConfigMismatch:  # another job planned the run meanwhile: compared in the run's own terms, as at a resume
+        return _patiently(lambda: resume_run(store, cfg, identity, fingerprint))  # (--dtype auto adopts its dtype)
 
 
 def _wait_for_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig,

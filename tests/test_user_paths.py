@@ -222,6 +222,37 @@ def test_a_run_records_the_dtype_asked_for_and_each_shard_the_one_computed_in(mo
     assert cli(extract_args(model, data, out, logs, "--dtype", other)) == 0
 
 
+def test_a_run_planned_by_another_job_meanwhile_is_taken_in_its_own_terms(model, tmp_path, monkeypatch):
+    """Two jobs start on one new prefix: this one (--dtype auto) finds no run, tokenizes, and loses
+    the manifest's create to the other (--dtype pinned). It compared its own settings with the
+    winner's raw: "dtype: run has 'float32', now 'auto'", an error, where a rerun adopts the run's
+    dtype. It now compares as a resume does, and loads the model again in the run's dtype."""
+    import dataclasses
+
+    import layertap.extract.run as run
+
+    data = write_chats(tmp_path / "chats.jsonl", 8)
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    chosen, _ = resolve_dtype("auto", "cpu")
+    pinned = "float32" if chosen == "bfloat16" else "bfloat16"
+    planning = run.write_plan
+
+    def the_other_job_first(store, cfg, identity, fingerprint, counts, existing=None):
+        if counts is not None and not store.exists(layout.MANIFEST):
+            planning(store, cfg, dataclasses.replace(identity, dtype=pinned), fingerprint, counts)
+        return planning(store, cfg, identity, fingerprint, counts, existing)
+
+    monkeypatch.setattr(run, "write_plan", the_other_job_first)
+    assert cli(extract_args(model, data, out, logs)) == 0
+    store = open_store(str(out))
+    assert json.loads(store.get("manifest.json"))["config"]["dtype"] == pinned
+    assert f"forward dtype {pinned}: the run at {out} was made with --dtype {pinned}" in \
+        (logs / "extract-rank0.log").read_text()
+    commits = list(store.list(layout.COMMITS))  # computed in the run's dtype: the model was loaded again in it
+    assert commits and all(ShardReader(store, decode_commit(store.get(o.key), o.key).data_key).meta
+                           .extra["forward_dtype"] == pinned for o in commits)
+
+
 # -- the console --------------------------------------------------------------------------------
 
 
