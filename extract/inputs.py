@@ -477,7 +477,7 @@ class _ChatRenderer:
         if not self.writes_tool_calls and any(m.get("tool_calls") for m in messages):
             return Skipped(sid, TEMPLATE_ERROR, "the chat template does not write an assistant's tool_calls, "
                                                 "so a tool-calling turn would be empty")
-        tools = _tools_of(row, sid)
+        tools = tools_of(row, sid)
         if isinstance(tools, Skipped):
             return tools
         trained = _trained_turns(messages)
@@ -512,7 +512,7 @@ def _chat_of(row: Mapping[str, Any], shape: RowShape) -> Any:
     return row.get(first) if row.get(first) is not None else row.get(other)
 
 
-def _tools_of(row: Mapping[str, Any], sid: str) -> list | None | Skipped:
+def tools_of(row: Mapping[str, Any], sid: str) -> list | None | Skipped:
     """The row's ``tools`` for the template, if any: a list, or that list as a JSON string (which
     keeps each schema exactly: ``datasets`` gives every row's schemas the keys of all of them)."""
     tools = row.get("tools")

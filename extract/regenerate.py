@@ -27,7 +27,7 @@ from layertap.manifests.output_lease import OutputLease
 from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, live_tasks, part_key, read_recipe,
                                              regeneration_status, stats_key, task_role)
 from layertap.storage.errors import ConfigError, InputError
-from layertap.storage.flags import setting, settings
+from layertap.storage.flags import parse_json_object, setting, settings
 from layertap.storage.store import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -42,16 +42,6 @@ def parse_task(text: str) -> tuple[int, int]:
     if count < 1 or not 0 <= index < count:
         raise ValueError(f"{text!r}: need 0 <= I < N")
     return index, count
-
-
-def parse_json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    return value
 
 
 @dataclass(kw_only=True)

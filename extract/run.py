@@ -309,6 +309,8 @@ def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, fing
     path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
     dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
                                                                     "path": path or "embedded", "limit": cfg.limit}
+    if counts is not None and (kwargs := template_kwargs(cfg.dataset)):  # the drafter's eval renders its prompts so
+        dataset["chat_template_kwargs"] = kwargs
     return create_or_resume(store, config=identity, dataset=dataset, token_counts=counts,
                             bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes,
                             existing=existing)

@@ -43,6 +43,17 @@ def setting(default: Any = _MISSING, *, help: str, flag: str | None = None, meta
     return dataclasses.field(default=default, metadata=meta)
 
 
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (--chat-template-kwargs '{"enable_thinking": false}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 

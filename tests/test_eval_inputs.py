@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,34 @@ def test_a_chat_for_a_tokenizer_without_a_template_and_a_file_not_in_utf8_are_er
     path.write_bytes('{"prompt": "hello"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     with pytest.raises(InputError, match=rf"{path}:2 is not UTF-8 text \(invalid continuation byte at column 16\)"):
         load_prompts(str(path), tiny_tokenizer(), None, 1024)
+
+
+def test_prompts_are_rendered_as_training_chats_were_with_its_template_settings_and_tools(tmp_path):
+    """Extraction renders a regeneration's chats with its --chat-template-kwargs (Qwen3.6's
+    enable_thinking false: an empty think block before the answer) and a row's tools; eval rendered
+    every prompt without either, a text the drafter never saw (tau measured on another
+    distribution, the greedy check none the wiser)."""
+    from tiny_models import QWEN35_TEMPLATE
+
+    tools_template = "{%- if tools -%}{{- 'TOOLS ' + tools[0]['name'] + '\n' -}}{%- endif -%}" + QWEN35_TEMPLATE
+    tokenizer = tiny_tokenizer(tools_template)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hello there"}],
+                                "tools": json.dumps([{"name": "search"}])}) + "\n")
+    text = lambda ids: tokenizer.decode(ids[0])  # noqa: E731
+    default = text(load_prompts(str(path), tokenizer, None, 1024)[0])
+    assert default.startswith("TOOLS search\n") and default.endswith("<|im_start|>assistant\n<think>\n")
+    no_thinking = text(load_prompts(str(path), tokenizer, None, 1024, {"enable_thinking": False})[0])
+    assert no_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_prompt_token_the_model_cannot_embed_is_refused_naming_the_line(tmp_path):
+    """A tokenizer with added tokens the model has no rows for: an IndexError on CPU, a device-side
+    assert on CUDA, after the weights loaded. Refused as extraction refuses such rows."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["<|tool_call|>"])
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello"}\n{"prompt": "call <|tool_call|>"}\n')
+    vocab = len(tokenizer) - 1
+    with pytest.raises(InputError, match=rf"{path}:2 tokenizes to id {vocab}, beyond the model's vocabulary of {vocab}"):
+        load_prompts(str(path), tokenizer, None, 1024, vocab_size=vocab)

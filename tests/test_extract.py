@@ -140,7 +140,7 @@ def test_rerun_resumes_and_a_changed_config_is_refused(models, tmp_path, capsys)
     assert "layers: run has [1, 3], now [1, 2]" in err and "codec: run has 'bf16-zstd', now 'fp8'" in err
 
 
-def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompts_were(models, tmp_path):
+def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompts_were(models, tmp_path, capsys):
     """`layertap regenerate --chat-template-kwargs` had the server render prompts with those settings
     (e.g. enable_thinking=false); extraction must render the same text, or the stored states are
     of another prompt than the one the target answered."""
@@ -171,6 +171,22 @@ def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompt
     tok = AutoTokenizer.from_pretrained(model)
     texts = [tok.decode(s.input_ids) for s in stored_samples(open_store(str(tmp_path / "run"))).values()]
     assert len(texts) == len(rows) and all(t.startswith("NOTHINK") for t in texts)
+
+    # ... and so must `eval`'s prompts be (it rendered them without: a text the drafter never saw). The run
+    # records the settings, the drafter trained on it too, and eval takes them unless told otherwise.
+    manifest = json.loads(open_store(str(tmp_path / "run")).get("manifest.json"))
+    assert manifest["dataset"]["chat_template_kwargs"] == {"enable_thinking": False}
+    drafter = str(tmp_path / "drafter")
+    assert cli(["train", "--data", str(tmp_path / "run"), "--model", str(model), "--out", drafter, "--steps", "2",
+                "--batch-size", "4", "--block-size", "4", "--max-anchors", "8", "--log-dir", str(tmp_path / "logs")]) == 0
+    assert json.loads(open_store(drafter).get("drafter/config.json"))["target"]["chat_template_kwargs"] == \
+        {"enable_thinking": False}
+    evaluate = ["eval", "--drafter", drafter, "--prompts", write_chats(tmp_path / "prompts.jsonl", 2), "--no-baseline",
+                "--max-new-tokens", "3", "--json"]
+    for extra, used in (([], {"enable_thinking": False}), (["--chat-template-kwargs", "{}"], None)):
+        capsys.readouterr()
+        assert cli(evaluate + extra) in (0, 1)
+        assert json.loads(capsys.readouterr().out)["chat_template_kwargs"] == used
 
 
 def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):

@@ -32,6 +32,11 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                    help="JSON lines: ShareGPT or OpenAI chats (the assistant turns at the end are dropped: the "
                         "target answers the turns before; rendered with its chat template) or {\"prompt\": text} "
                         "(plain text, tokenized as it is: no chat template, as a base model's completion)")
+    p.add_argument("--chat-template-kwargs", metavar="JSON",
+                   help="passed to the chat template rendering the prompts, e.g. '{\"enable_thinking\": false}' "
+                        "(default: the settings the drafter's training chats were rendered with, which it records "
+                        "from a `layertap regenerate` dataset's; a prompt rendered otherwise is a text the drafter "
+                        "never saw)")
     p.add_argument("--limit", type=int, help="evaluate the first N prompts (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
@@ -57,10 +62,18 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
     if args.limit is not None and args.limit < 1:  # else "the prompts file has no usable prompts"
         raise ConfigError(f"--limit must be at least 1 prompt, got {args.limit} (leave it out to evaluate all)")
+    kwargs = None
+    if args.chat_template_kwargs is not None:
+        from layertap.storage.flags import parse_json_object
+
+        try:
+            kwargs = parse_json_object(args.chat_template_kwargs)
+        except ValueError as e:
+            raise ConfigError(f"--chat-template-kwargs {args.chat_template_kwargs!r}: {e}") from None
 
     report = evaluate(args.drafter, args.model, args.prompts, gguf_file=args.gguf_file, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype, baseline=not args.no_baseline,
-                      device=args.device, step=args.step)
+                      device=args.device, step=args.step, chat_template_kwargs=kwargs)
     print(json.dumps(report) if args.json else format_report(report))
     if report["tau"] is None and args.max_new_tokens > 1:
         # nothing measured: not a result to go on with (a pipeline comparing drafters would read it as one)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from layertap.extract.inputs import Skipped, TokenizeStats, normalize_chat
+from layertap.extract.inputs import Skipped, TokenizeStats, tools_of, normalize_chat
 from layertap.extract.model import decoder_of, load_target
 from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
@@ -287,9 +287,13 @@ def speculative_decode(target: TargetRunner, drafter: DFlashDrafter, prompt: lis
     return result
 
 
-def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int) -> tuple[list[list[int]], int]:
-    """Token ids of each prompt (chats rendered with the chat template), and how many were skipped
-    for length. A row that is neither a chat nor a prompt is an error naming its line."""
+def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int,
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 vocab_size: int | None = None) -> tuple[list[list[int]], int]:
+    """Token ids of each prompt (chats rendered with the chat template, given `chat_template_kwargs`
+    and the row's tools, as extraction renders them), and how many were skipped for length. A row
+    that is neither a chat nor a prompt is an error naming its line, and so is one with a token
+    the model cannot embed (beyond `vocab_size`: a device-side assert on CUDA, after the load)."""
     prompts, skipped = [], 0
     with open(path, "rb") as f:
         for line_no, line in _lines(f, path):
@@ -301,9 +305,13 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{line_no} is not JSON: {e}") from None
-            ids = _prompt_ids(row, tokenizer, f"{path}:{line_no}")
+            ids = _prompt_ids(row, tokenizer, f"{path}:{line_no}", chat_template_kwargs)
             if not ids:  # nothing to prefill: the first forward would fail obscurely
                 raise InputError(f"{path}:{line_no}: the prompt is empty (it tokenizes to no tokens)")
+            if vocab_size is not None and max(ids) >= vocab_size:
+                raise InputError(f"{path}:{line_no} tokenizes to id {max(ids)}, beyond the model's vocabulary of "
+                                 f"{vocab_size} (the tokenizer has {len(tokenizer)} tokens): use the tokenizer the "
+                                 "model was trained with, or resize its embeddings")
             if len(ids) > max_prompt_tokens:
                 skipped += 1
                 continue
@@ -324,7 +332,7 @@ def _lines(f, path: str):
                              "prompts as UTF-8 JSON lines") from None
 
 
-def _prompt_ids(row: Any, tokenizer, where: str) -> list[int]:
+def _prompt_ids(row: Any, tokenizer, where: str, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
         return tokenizer(row["prompt"])["input_ids"]
     raw = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
@@ -340,7 +348,11 @@ def _prompt_ids(row: Any, tokenizer, where: str) -> list[int]:
     if not tokenizer.chat_template:
         raise InputError(f"{where} is a chat, and the target's tokenizer has no chat template to render it with: "
                          "give the prompts as {\"prompt\": text} rows (tokenized as they are)")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tools = tools_of(row, where)
+    if isinstance(tools, Skipped):
+        raise InputError(f"{where}: {tools.detail}")
+    kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -370,10 +382,12 @@ def _tau(runs: list[Decoded], block_size: int) -> tuple[float, list[float]]:
 
 def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_file: str | None = None, limit: int | None = None,
              max_new_tokens: int = 64, dtype: str = "float32", baseline: bool = True,
-             max_prompt_tokens: int = 1024, device: str | None = None, step: int | None = None) -> dict[str, Any]:
+             max_prompt_tokens: int = 1024, device: str | None = None, step: int | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """tau of the drafter (and of an untrained one) on held-out prompts, and the greedy check.
     `model` None: the target the drafter records. `device`: where both models run; None takes
-    the GPU when there is one."""
+    the GPU when there is one. `chat_template_kwargs` None: those the drafter records (its
+    training chats were rendered with them)."""
     t0 = time.time()
     if not os.path.isfile(prompts_path):  # before the models load: a typo should not cost their load
         raise InputError(f"the prompts file {prompts_path!r} does not exist (or is not a file)")
@@ -387,7 +401,12 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     # load, minutes at a 27B target
     planned = load_target(model, gguf_file, weights=False)
     check_drafter_target(config.target, planned.info, drafter_uri)
-    prompts, skipped = load_prompts(prompts_path, planned.tokenizer, limit, max_prompt_tokens)
+    if chat_template_kwargs is None:
+        chat_template_kwargs = config.target.get("chat_template_kwargs")
+    if chat_template_kwargs:
+        log.info("chat template settings for the prompts: %s", json.dumps(chat_template_kwargs))
+    prompts, skipped = load_prompts(prompts_path, planned.tokenizer, limit, max_prompt_tokens,
+                                    chat_template_kwargs, planned.info["vocab_size"])
     if dtype == "float32" and device.startswith("cuda"):
         # The greedy check compares a block's verification (a hybrid's chunked Triton kernels) with
         # one-token steps (its recurrent kernel): Triton's float32 dots default to TF32 on GPUs that
@@ -443,7 +462,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         "tau": _known(tau), "acceptance_per_position": [_known(x) for x in per_position],
         "matches_greedy": not mismatches,
         "mismatched_prompts": mismatches, "prompts": len(prompts), "prompts_skipped_too_long": skipped,
-        "max_prompt_tokens": max_prompt_tokens,
+        "max_prompt_tokens": max_prompt_tokens, "chat_template_kwargs": chat_template_kwargs or None,
         "tokens_generated": sum(len(r.tokens) for r in trained),
         "verify_steps": sum(len(r.accepted) for r in trained), "block_size": config.block_size,
         "max_new_tokens": max_new_tokens, "speculative_s": round(spec_s, 3),

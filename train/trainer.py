@@ -124,9 +124,11 @@ def spare_special_token(tok: Any, vocab_size: int) -> tuple[int, str] | None:
 
 
 def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None,
-                  device: torch.device | str | None = None, borrowed_dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+                  device: torch.device | str | None = None, borrowed_dtype: torch.dtype = torch.float32,
+                  dataset: dict[str, Any] | None = None) -> DFlashDrafter:
     """The drafter for this run's target; a resumed run takes the checkpoint's config as is, its
-    target record completed with the facts a checkpoint from before they were recorded lacks."""
+    target record completed with the facts a checkpoint from before they were recorded lacks.
+    `dataset`: the run manifest's (the chat-template settings its chats were rendered with)."""
     head = load_target_head(cfg.model, cfg.gguf_file)
     if run.hidden_size is not None and run.hidden_size != head.hidden_size:
         raise InputError(f"{cfg.model} has hidden size {head.hidden_size}, but the run at {cfg.data} stored "
@@ -134,13 +136,13 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
     check_same_target(cfg, run)
     if saved is not None:
         dconf = DrafterConfig.from_json(saved)
-        dconf.target = {**drafter_target(run), **dconf.target}
+        dconf.target = {**drafter_target(run, dataset), **dconf.target}
     else:
         mask = (cfg.mask_token_id if cfg.mask_token_id is not None
                 else mask_token_id(cfg.model, cfg.gguf_file, head.vocab_size))
         dconf = default_config(head, run.layers, mask, num_layers=cfg.drafter_layers,
                                block_size=cfg.block_size, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
-                               target=drafter_target(run))
+                               target=drafter_target(run, dataset))
     torch.manual_seed(0)  # initial weights: the same on every rank and every run (drawn on `device`)
     return DFlashDrafter(dconf, head, device, borrowed_dtype)
 
@@ -164,11 +166,15 @@ def prepare(acc: Any, model: DFlashDrafter, optimizer: torch.optim.Optimizer) ->
     return ddp_model, optimizer
 
 
-def drafter_target(run: RunConfig) -> dict[str, Any]:
-    """What the drafter's config records of its target: where to find it (`eval`'s default --model)
-    and the run's TARGET_FACTS, which `eval` checks its --model against (`target_differences`)."""
+def drafter_target(run: RunConfig, dataset: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the drafter's config records of its target: where to find it (`eval`'s default --model),
+    the run's TARGET_FACTS, which `eval` checks its --model against (`target_differences`), and the
+    chat-template settings the run's chats were rendered with (a regeneration's, e.g. Qwen3.6's
+    enable_thinking false), which `eval` renders its prompts with."""
+    kwargs = (dataset or {}).get("chat_template_kwargs")
     return {"model": run.model, "gguf_file": run.gguf_file, "model_type": run.model_type,
-            "final_state": run.final_state, **{k: getattr(run, k) for k in TARGET_FACTS}}
+            "final_state": run.final_state, **{k: getattr(run, k) for k in TARGET_FACTS},
+            **({"chat_template_kwargs": kwargs} if kwargs else {})}
 
 
 def target_differences(recorded: dict[str, Any], info: dict[str, Any], whose: str) -> list[str]:
@@ -330,7 +336,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     # the target head has loaded.
     stream = open_stream(cfg, acc)
     model = build_drafter(cfg, run.identity, ckpt.state["drafter"] if ckpt else None, acc.device,
-                          torch.bfloat16 if precision == "bf16" else torch.float32)
+                          torch.bfloat16 if precision == "bf16" else torch.float32, run.dataset)
     model.to(acc.device)
     distill = build_distill(cfg, run.identity.final_state)
     distill = distill.to(acc.device) if distill is not None else None
