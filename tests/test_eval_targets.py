@@ -135,6 +135,29 @@ def test_a_drafter_without_target_hashes_is_checked_by_model_type_and_warned_of(
     assert "was trained for a" not in caplog.text
 
 
+def test_a_target_with_another_chat_template_is_warned_of(trained, tmp_path, caplog):
+    """The same weights and tokenizer with another chat template (a copy whose template was edited)
+    rendered the prompts otherwise without a word: tau of a text the drafter may never have seen."""
+    import shutil
+
+    recorded = json.loads(open_store(trained["out"]).get("drafter/config.json"))["target"]
+    assert recorded["chat_template_sha256"] == \
+        json.loads(open_store(trained["run"]).get("manifest.json"))["config"]["chat_template_sha256"]
+    copy = tmp_path / "copy"
+    shutil.copytree(trained["target"], copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "chat_template.jinja").unlink(missing_ok=True)
+    config["chat_template"] = "EDITED " + tiny_tokenizer().chat_template
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        assert eval_cli(trained, "--model", str(copy)) == 0
+    assert f"the chat template of {copy} is not the one the drafter at {trained['out']} was trained on" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert eval_cli(trained) == 0
+    assert "the chat template of" not in caplog.text
+
+
 @pytest.mark.parametrize("flag, value, key", [("--drafter-layers", "2", "num_layers"),
                                               ("--mask-token-id", "5", "mask_token_id")])
 def test_resume_refuses_drafter_flags_the_checkpoint_contradicts(trained, tmp_path, capsys, flag, value, key):

@@ -499,6 +499,12 @@ def check_drafter_target(recorded: dict[str, Any], info: dict[str, Any], drafter
         log.warning("the target %s is a %r, but the drafter at %s was trained for a %r (%s): is --model the target "
                     "it was trained for? (its config, written before layertap recorded a target's hashes, names "
                     "only the model type)", given, info["model_type"], drafter_uri, recorded["model_type"], was)
+    if recorded.get("chat_template_sha256") and info.get("chat_template_sha256") not in (
+            None, recorded["chat_template_sha256"]):  # the weights are the same: not refused, but tau is of other text
+        log.warning("the chat template of %s is not the one the drafter at %s was trained on chats rendered with "
+                    "(sha256 %s, the drafter's %s): the prompts are rendered with this one, a text the drafter may "
+                    "not have seen", given, drafter_uri, info["chat_template_sha256"][:12],
+                    recorded["chat_template_sha256"][:12])
 
 
 def _known(x: float) -> float | None:

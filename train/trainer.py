@@ -174,6 +174,7 @@ def drafter_target(run: RunConfig, dataset: dict[str, Any] | None = None) -> dic
     kwargs = (dataset or {}).get("chat_template_kwargs")
     return {"model": run.model, "gguf_file": run.gguf_file, "model_type": run.model_type,
             "final_state": run.final_state, **{k: getattr(run, k) for k in TARGET_FACTS},
+            **({"chat_template_sha256": run.chat_template_sha256} if run.chat_template_sha256 else {}),
             **({"chat_template_kwargs": kwargs} if kwargs else {})}
 
 
