@@ -253,15 +253,15 @@ def _token_counts(files: list[ForeignFile], first_tokens: int) -> list[int]:
 
 
 def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[int], model: str, codec: str,
-                gguf_file: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES, limit: int | None = None
-                ) -> tuple[Manifest, ForeignReader, list[ForeignFile], Target]:
+                gguf_file: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES, limit: int | None = None,
+                final_state: str | None = None) -> tuple[Manifest, ForeignReader, list[ForeignFile], Target]:
     """The import's run at `out` (planned now, or the one there if it is this import), the
     source's reader and files, and the target. Every check runs before `out` is written to."""
     ours = layertap_layers(fmt, layers)
     check_layer_order(fmt, layers)
     target = read_target(model, gguf_file)
     facts_from = f"{model}'s {target.source}"
-    rd = reader(fmt, src, len(layers))
+    rd = reader(fmt, src, len(layers), final_state)
     files = rd.files()[:limit] if limit is not None else rd.files()
     if not files:
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
@@ -289,13 +289,13 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
 
 
 def check_layer_order(fmt: str, layers: list[int]) -> None:
-    """Refuse speculators' --layers out of ascending order: its files always hold the capture
-    layers ascending (as vLLM gathers them), so --layers 4,2 would record layer 4 for the states
-    of layer 2 and the other way round, without an error anywhere later."""
-    if fmt == "speculators" and any(a > b for a, b in zip(layers, layers[1:])):
-        raise ConfigError(f"--layers {','.join(map(str, layers))}: speculators' files hold the capture layers in "
-                          f"ascending order, so --from speculators takes them ascending: pass --layers "
-                          f"{','.join(map(str, sorted(layers)))}")
+    """Refuse --layers out of ascending order: every format's files hold the capture layers
+    ascending (`layer_order`), so --layers 4,2 would record layer 4 for the states of layer 2 and
+    the other way round, without an error anywhere later."""
+    if any(a > b for a, b in zip(layers, layers[1:])):
+        raise ConfigError(f"--layers {','.join(map(str, layers))}: {fmt}'s files hold the capture layers in "
+                          f"ascending order (as vLLM and SGLang gather them, and ModelOpt's dumpers sort them), so "
+                          f"--from {fmt} takes them ascending: pass --layers {','.join(map(str, sorted(layers)))}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,10 @@ def add_import(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", default="bf16-zstd", help="hidden-state codec of the shards (default bf16-zstd)")
     p.add_argument("--shard-bytes", default="1GB", help="planned stored bytes per shard (default 1GB)")
     p.add_argument("--limit", type=int, help="import the first N samples (default all)")
+    p.add_argument("--final-state", choices=["prenorm", "postnorm"],
+                   help="--from modelopt: the final state (hidden_states) of files that do not say which they hold "
+                        "(no hidden_states_prenorm, as older ModelOpt wrote): prenorm for its vLLM dumper's, "
+                        "postnorm (the default) for its HF dumper's")
 
 
 def _from_export_note(args: argparse.Namespace) -> None:
@@ -111,7 +115,8 @@ def run_import(args: argparse.Namespace) -> int:
     _from_export_note(args)
     try:
         import_run(open_store(args.src), args.format, out, layers=parse_ids(args.layers), model=args.model,
-                   gguf_file=args.gguf_file, codec=args.codec, shard_bytes=shard_bytes, limit=args.limit)
+                   gguf_file=args.gguf_file, codec=args.codec, shard_bytes=shard_bytes, limit=args.limit,
+                   final_state=args.final_state)
     except Preempted as e:
         print(f"stopped ({e}): committed shards are kept; run the same command again to resume")
         return e.exit_code

@@ -39,9 +39,11 @@ def foreign_layers(fmt: str, layers: list[int]) -> list[int]:
 
 def layer_order(fmt: str, layers: list[int]) -> list[int]:
     """Which stored layer goes where in `fmt`'s files (and in a drafter served from them):
-    ascending for speculators, whose files and vLLM's aux states run in layer order; as stored
-    for the others, whose files keep the order the layers were given in."""
-    return sorted(range(len(layers)), key=layers.__getitem__) if fmt == "speculators" else list(range(len(layers)))
+    ascending, for every format: vLLM and SGLang gather aux states in layer order (speculators'
+    files; SpecForge's offline capture through SGLang), and ModelOpt's dumpers sort the aux layer
+    ids. A run stored as 3,1 written as 3,1 gave a drafter whose fc columns the server feeds in the
+    other order."""
+    return sorted(range(len(layers)), key=layers.__getitem__)
 
 
 def unservable_layer(layers: list[int], num_layers: int) -> str | None:
@@ -99,14 +101,21 @@ class ForeignWriter(Protocol):
         ...
 
 
-def reader(fmt: str, store: ObjectStore, num_layers: int) -> ForeignReader:
-    """The reader of `fmt` over `store`, for files holding `num_layers` capture layers."""
+def reader(fmt: str, store: ObjectStore, num_layers: int, final_state: str | None = None) -> ForeignReader:
+    """The reader of `fmt` over `store`, for files holding `num_layers` capture layers.
+    `final_state`: what ModelOpt files that do not say hold in `hidden_states` (its vLLM dumper's
+    pre-norm state, its HF dumper's post-norm one)."""
+    if final_state is not None and fmt != "modelopt":
+        raise InputError(f"--final-state is for --from modelopt (whose files may not say which state they hold); "
+                         f"{fmt}'s final state is {FINAL_STATE[fmt]!r}")
+    if fmt == "modelopt":
+        from layertap.storage.foreign_modelopt import ModelOptReader
+
+        return ModelOptReader(store, num_layers, unflagged=final_state or "postnorm")
     if fmt == "speculators":
         from layertap.storage.foreign_speculators import SpeculatorsReader as cls
     elif fmt == "specforge":
         from layertap.storage.foreign_specforge import SpecForgeReader as cls
-    elif fmt == "modelopt":
-        from layertap.storage.foreign_modelopt import ModelOptReader as cls
     else:
         raise InputError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     return cls(store, num_layers)

@@ -1,7 +1,9 @@
 """ModelOpt's offline data: `{conversation_id}.pt` per sample, a `torch.save` dict with
-`input_ids` [T], `hidden_states` [T, H] (the last layer's state after the final norm: HF's last
-`hidden_states` entry), `aux_hidden_states` [T, k*H] (the capture layers concatenated, ModelOpt's
-0-based decoder layer ids, which are layertap's), optional `loss_mask` [T] and `conversation_id`.
+`input_ids` [T], `hidden_states` [T, H] (the last layer's state: after the final norm from its HF
+dumper, HF's last `hidden_states` entry; before it from its vLLM dumper, which newer ModelOpt
+flags with `hidden_states_prenorm: True` and its reader norms), `aux_hidden_states` [T, k*H] (the
+capture layers concatenated, ascending, ModelOpt's 0-based decoder layer ids, which are layertap's),
+optional `loss_mask` [T] and `conversation_id`.
 A sample's id is its `conversation_id` where the file is named after it, else the file's name
 (`ModelOptReader.sample_id`).
 """
@@ -51,6 +53,7 @@ class ModelOptWriter:
             "aux_hidden_states": as_bf16(sample.hidden_states).reshape(t, -1).contiguous(),
             "loss_mask": sample.loss_mask.to(torch.int64).contiguous(),
             "conversation_id": sample.sample_id,
+            "hidden_states_prenorm": False,  # said, for ModelOpt's reader (which norms a flagged pre-norm state)
         }))
 
     def close(self) -> list[str]:
@@ -61,10 +64,10 @@ class ModelOptWriter:
 
 
 class ModelOptReader:
-    final_state = "postnorm"
-
-    def __init__(self, store: ObjectStore, num_layers: int):
-        self.store, self.num_layers = store, num_layers
+    def __init__(self, store: ObjectStore, num_layers: int, unflagged: str = "postnorm"):
+        """`unflagged`: the final state of files without `hidden_states_prenorm` (older ModelOpt's)."""
+        self.store, self.num_layers, self.unflagged = store, num_layers, unflagged
+        self.final_state: str | None = None  # the first file's, which every later one must match
         self._files = sorted((o for o in store.list("") if o.key.endswith(".pt")), key=lambda o: natural_key(o.key))
         if not self._files:
             raise InputError(f"no ModelOpt files at {store.uri}: expected {{conversation_id}}.pt files")
@@ -92,6 +95,21 @@ class ModelOptReader:
                             f.sample_id)
         return f.sample_id
 
+    def _check_final_state(self, prenorm: Any, where: str) -> None:
+        """Which final state the file holds (`hidden_states_prenorm`, else `unflagged`): the run's is
+        the first file's, and a later file of the other kind is refused (ModelOpt's reader refuses
+        the mix too). Taken for post-norm always, a vLLM dump's pre-norm state trained unnormed."""
+        if isinstance(prenorm, torch.Tensor) and prenorm.numel() == 1:
+            prenorm = bool(prenorm.item())
+        if prenorm is not None and not isinstance(prenorm, bool):
+            raise InputError(f"{where}: hidden_states_prenorm is {prenorm!r}, not true or false")
+        kind = self.unflagged if prenorm is None else "prenorm" if prenorm else "postnorm"
+        if self.final_state is None:
+            self.final_state = kind
+        elif kind != self.final_state:
+            raise InputError(f"{where} holds a {kind} final state (hidden_states_prenorm {prenorm}), the first file a "
+                             f"{self.final_state} one: import the two kinds as two runs")
+
     def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
         where = f"{self.store.uri.rstrip('/')}/{f.key}"
         d = load_torch(self.store.get(f.key), where)
@@ -108,6 +126,7 @@ class ModelOptReader:
         ids = tokens_of(d, "input_ids", where).to(torch.int64)
         states = split_layers(tensor_of(d, "aux_hidden_states", where, (2, 3)), self.num_layers, where,
                               "aux_hidden_states")
+        self._check_final_state(d.get("hidden_states_prenorm"), where)
         final = tensor_of(d, "hidden_states", where, (2, 3))
         final = final[0] if final.dim() == 3 else final
         if final.shape[-1] != states.shape[-1]:

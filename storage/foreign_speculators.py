@@ -122,7 +122,11 @@ class SpeculatorsReader:
         for name in names:
             with open(os.path.join(self._tmp.name, name), "wb") as f:
                 f.write(self.store.get(name))
-        rows = datasets.load_from_disk(self._tmp.name)
+        try:
+            rows = datasets.load_from_disk(self._tmp.name)
+        except Exception as e:  # a data-*.arrow cut short (OSError), another datasets' feature types (ValueError)
+            raise InputError(f"the speculators dataset at {self.store.uri} (state.json, dataset_info.json, "
+                             f"{', '.join(names[2:])}) does not load: {type(e).__name__}: {e}") from None
         missing = {"input_ids", "loss_mask"} - set(rows.column_names)
         if missing:
             raise InputError(f"the speculators dataset at {self.store.uri} lacks the columns {sorted(missing)}")
@@ -158,7 +162,12 @@ class SpeculatorsReader:
         data, where = self._load(f)
         states = data["hidden_states"]
         if "hidden_states_scales" in data:  # speculators' FP8 connector: per-token scales
-            states = states.float() * data["hidden_states_scales"].float()
+            scales = data["hidden_states_scales"]
+            if states.dim() != 3 or tuple(scales.shape) != (states.shape[0], 1, 1):
+                raise InputError(f"{where}: hidden_states_scales has shape {tuple(scales.shape)}, not "
+                                 f"[{states.shape[0]}, 1, 1] (one scale a token of hidden_states "
+                                 f"{tuple(states.shape)})")
+            states = states.float() * scales.float()
         if states.dim() != 3 or states.shape[1] != self.num_layers + 1:
             raise InputError(f"{where}: hidden_states has shape {tuple(states.shape)}, not [tokens, "
                              f"{self.num_layers + 1}, hidden] for the {self.num_layers} layer(s) of --layers plus "

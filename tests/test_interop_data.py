@@ -137,13 +137,14 @@ def test_specforge_reads_the_export_and_import_gives_the_run_back(prenorm_run, t
         item = normalize_offline_sample(raw, max_len=64)  # and its DFlash normalizer
         assert torch.equal(item["input_ids"][0], s.input_ids.long())
         assert torch.equal(item["loss_mask"][0].bool(), s.loss_mask.bool())
-        assert torch.equal(item["hidden_states"][0], s.hidden_states.flatten(1))  # layers 3,1 as stored
-    assert cli(["import", dest, "--from", "specforge", "--out", back, "--layers", "3,1", "--model", target]) == 0
+        # layers ascending, as SGLang gathers them (SpecForge's capture): the run's 3,1 written as 1,3
+        assert torch.equal(item["hidden_states"][0], ascending(s).hidden_states.flatten(1))
+    assert cli(["import", dest, "--from", "specforge", "--out", back, "--layers", "1,3", "--model", target]) == 0
     run = load_manifest(open_store(back)).identity
-    assert run.layers == [3, 1] and run.final_state == "none"
+    assert run.layers == [1, 3] and run.final_state == "none"
     got = samples(back)
     for i, s in enumerate(ours):
-        assert_same(got[f"rows_0-2000/data_{i}"], s, final=False)
+        assert_same(got[f"rows_0-2000/data_{i}"], ascending(s), final=False)
 
 
 def test_import_of_a_layertap_export_takes_the_target_and_layers_its_note_records(prenorm_run, target, tmp_path,
@@ -155,7 +156,7 @@ def test_import_of_a_layertap_export_takes_the_target_and_layers_its_note_record
     assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "3"]) == 0
     assert cli(["import", dest, "--from", "specforge", "--out", back]) == 0
     run = load_manifest(open_store(back)).identity
-    assert run.layers == [3, 1] and run.model == load_manifest(open_store(prenorm_run)).identity.model
+    assert run.layers == [1, 3] and run.model == load_manifest(open_store(prenorm_run)).identity.model
     assert len(samples(back)) == 3
     open_store(dest).delete("layertap-export.json")
     capsys.readouterr()
@@ -229,7 +230,7 @@ def test_modelopt_on_s3_round_trip(s3_postnorm_run, target, s3_bucket, capsys):
 def test_import_resumes_and_refuses_other_arguments(prenorm_run, target, tmp_path, capsys):
     dest, back = str(tmp_path / "sf"), str(tmp_path / "back")
     assert cli(["export", prenorm_run, "--to", "specforge", dest]) == 0
-    args = ["import", dest, "--from", "specforge", "--out", back, "--layers", "3,1", "--model", target,
+    args = ["import", dest, "--from", "specforge", "--out", back, "--layers", "1,3", "--model", target,
             "--shard-bytes", "20KB"]
     assert cli(args) == 0
     store = open_store(back)
@@ -246,9 +247,9 @@ def test_import_resumes_and_refuses_other_arguments(prenorm_run, target, tmp_pat
     assert all(again[k] == v for k, v in commits.items() if k != lost)  # the others were not redone
     assert again[lost] != commits[lost]
     capsys.readouterr()
-    other = [a if a != "3,1" else "1,3" for a in args]
+    other = [a if a != "1,3" else "0,3" for a in args]
     assert cli(other) == 2  # the export's note names the layers the files hold
-    assert "records that the files hold specforge's layer ids [3, 1]" in capsys.readouterr().err
+    assert "records that the files hold specforge's layer ids [1, 3]" in capsys.readouterr().err
     os.remove(os.path.join(dest, "layertap-export.json"))
     assert cli(other) == 2  # without it: other layers, another run
     assert "different configuration" in capsys.readouterr().err
@@ -304,7 +305,7 @@ def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, 
     assert cli(["export", prenorm_run, "--to", "speculators", str(spec), "--limit", "4"]) == 0
     hs = spec / "hidden_states" / "hs_2.safetensors"
     hs.write_bytes(hs.read_bytes()[:200])
-    for src, fmt, layers in ((sf, "specforge", "3,1"), (spec, "speculators", "2,4")):
+    for src, fmt, layers in ((sf, "specforge", "1,3"), (spec, "speculators", "2,4")):
         back = str(tmp_path / f"back-{fmt}")
         assert cli(["import", str(src), "--from", fmt, "--out", back, "--layers", layers, "--model", target]) == 0
         store = open_store(back)
@@ -355,7 +356,7 @@ def specforge_export(prenorm_run, tmp_path_factory) -> str:
     return dest
 
 
-@pytest.mark.parametrize("layers", ["3", "3,1,2", "1,2,3,4"])
+@pytest.mark.parametrize("layers", ["3", "1,2,3", "1,2,3,4"])
 def test_a_specforge_import_with_a_wrong_layer_count_is_refused_before_writing(specforge_export, target, tmp_path,
                                                                                capsys, layers):
     """The files concatenate the layers: 128 values per token read as 1 layer (or 3, or 4) would be
@@ -367,12 +368,12 @@ def test_a_specforge_import_with_a_wrong_layer_count_is_refused_before_writing(s
         assert cli(["import", specforge_export, "--from", "specforge", "--out", str(back), "--layers", layers,
                     "--model", *model]) == 2
         err = capsys.readouterr().err
-        if layers == "3,1,2":  # 128 values are no whole number of 3 layers: refused as before, with the numbers
+        if layers == "1,2,3":  # 128 values are no whole number of 3 layers: refused as before, with the numbers
             assert "holds 128 values per token" in err
         else:
             assert ("data_0.ckpt holds 128 values per token" in err and "hidden size 64" in err
                     and f"2 capture layer(s), but --layers {layers} names {len(layers.split(','))}" in err
-                    and "records specforge's layer ids [3, 1]" in err), err
+                    and "records specforge's layer ids [1, 3]" in err), err
         assert not back.exists()
 
 
@@ -390,7 +391,7 @@ def test_a_modelopt_import_with_a_wrong_layer_count_is_refused_before_writing(pr
     err = capsys.readouterr().err
     assert "holds 128 values per token" in err and "2 capture layer(s), but --layers 1,2,3,4 names 4" in err
     assert "layertap-export.json" not in err and not back.exists()
-    assert cli(["import", str(src), "--from", "modelopt", "--out", str(back), "--layers", "3,1",
+    assert cli(["import", str(src), "--from", "modelopt", "--out", str(back), "--layers", "1,3",
                 "--model", target]) == 0
 
 
@@ -417,7 +418,7 @@ def test_an_import_checks_the_target_and_records_its_gguf_file(specforge_export,
     and import prints that train command as the next step); a GGUF target is named with --gguf-file
     and recorded, so the printed train command finds it."""
     back = tmp_path / "back"
-    base = ["import", specforge_export, "--from", "specforge", "--out", str(back), "--layers", "3,1"]
+    base = ["import", specforge_export, "--from", "specforge", "--out", str(back), "--layers", "1,3"]
     folder = gguf_target(target, tmp_path / "gguf")
     for model, says in (([str(tmp_path / "nope")], "is not a folder on this machine"),
                         ([folder], "has no config.json, which `layertap train` needs with the target's safetensors "
@@ -508,3 +509,82 @@ def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, t
     for i in range(gone.num_records, len(exported)):
         ours, theirs = load_file(exported[i]), transfer.get_cached(i)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_modelopt_files_flag_says_which_final_state_it_holds(s3_postnorm_run, target, tmp_path, capsys):
+    """ModelOpt's vLLM dumper stores the last layer's state before the final norm (its reader norms
+    it where the file says `hidden_states_prenorm`); every ModelOpt import was recorded postnorm,
+    and the state trained unnormed. The flag decides, --final-state for files without one, and a
+    mix is refused file by file; an export says what it wrote."""
+    dest = str(tmp_path / "mo")
+    assert cli(["export", s3_postnorm_run, "--to", "modelopt", dest, "--limit", "3"]) == 0
+    files = sorted(Path(dest).glob("*.pt"))
+    assert all(torch.load(f, weights_only=True)["hidden_states_prenorm"] is False for f in files)
+
+    def imported(flags: list, *extra: str) -> str:
+        for f, flag in zip(files, flags):
+            d = torch.load(f, weights_only=True)
+            d.pop("hidden_states_prenorm", None)
+            torch.save(d if flag is None else {**d, "hidden_states_prenorm": flag}, f)
+        back = str(tmp_path / f"back-{len(os.listdir(tmp_path))}")
+        assert cli(["import", dest, "--from", "modelopt", "--out", back, "--layers", "1,3", "--model", target,
+                    *extra]) == 0
+        return back
+
+    assert load_manifest(open_store(imported([False] * 3))).identity.final_state == "postnorm"
+    assert load_manifest(open_store(imported([True] * 3))).identity.final_state == "prenorm"
+    assert load_manifest(open_store(imported([None] * 3, "--final-state", "prenorm"))).identity.final_state == \
+        "prenorm"
+    assert load_manifest(open_store(imported([None] * 3))).identity.final_state == "postnorm"
+    mixed = imported([True, True, False])  # the third file is not imported, and says why
+    store = open_store(mixed)
+    skipped = [s for o in store.list(layout.COMMITS) for s in decode_commit(store.get(o.key), o.key).skipped]
+    assert len(skipped) == 1 and "holds a postnorm final state (hidden_states_prenorm False), the first file a " \
+        "prenorm one" in skipped[0]["detail"]
+    capsys.readouterr()
+    assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "x"), "--layers", "1,3", "--model",
+                target, "--final-state", "prenorm"]) == 2
+    assert "--final-state is for --from modelopt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "modelopt"])
+def test_every_format_takes_its_layers_ascending(s3_postnorm_run, target, tmp_path, capsys, fmt):
+    """SGLang gathers aux states in layer order (SpecForge's capture), ModelOpt's dumpers sort the
+    aux ids: --layers 3,1 stored each layer's states under the other's id. Refused, as speculators'
+    was, naming the order to pass."""
+    dest = str(tmp_path / fmt)
+    assert cli(["export", s3_postnorm_run, "--to", fmt, dest, "--limit", "2"]) == 0
+    capsys.readouterr()
+    assert cli(["import", dest, "--from", fmt, "--out", str(tmp_path / "back"), "--layers", "3,1", "--model",
+                target]) == 2
+    assert f"{fmt}'s files hold the capture layers in ascending order" in capsys.readouterr().err
+    assert not (tmp_path / "back").exists()
+
+
+def test_broken_speculators_files_are_named_not_tracebacks_or_failed_shards(prenorm_run, target, tmp_path, capsys):
+    """FP8 scales of the wrong shape failed the whole shard on every rerun with a broadcasting
+    RuntimeError; an Arrow file `datasets` cannot load was a traceback naming no file."""
+    from safetensors.torch import load_file, save_file
+
+    dest = tmp_path / "spec"
+    assert cli(["export", prenorm_run, "--to", "speculators", str(dest), "--limit", "4"]) == 0
+    hs = dest / "hidden_states" / "hs_2.safetensors"
+    d = load_file(hs)
+    t = d["hidden_states"].shape[0]
+    save_file({**d, "hidden_states": d["hidden_states"].to(torch.float8_e4m3fn),
+               "hidden_states_scales": torch.ones(t + 1, 1, 1)}, hs)
+    back = str(tmp_path / "back")
+    assert cli(["import", str(dest), "--from", "speculators", "--out", back, "--layers", "2,4", "--model",
+                target]) == 0
+    store = open_store(back)
+    skipped = [s for o in store.list(layout.COMMITS) for s in decode_commit(store.get(o.key), o.key).skipped]
+    assert len(skipped) == 1 and f"hidden_states_scales has shape ({t + 1}, 1, 1), not [{t}, 1, 1]" in \
+        skipped[0]["detail"]
+    arrow = next(dest.glob("data-*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    capsys.readouterr()
+    assert cli(["import", str(dest), "--from", "speculators", "--out", str(tmp_path / "b2"), "--layers", "2,4",
+                "--model", target]) == 2
+    err = capsys.readouterr().err
+    assert f"the speculators dataset at {open_store(str(dest)).uri}" in err and "does not load" in err
+    assert "Traceback" not in err
