@@ -63,7 +63,9 @@ def pad_batch(batch: Sequence[TokenizedSample], pad_id: int) -> tuple[torch.Tens
 
 @dataclass
 class PipelineStats:
-    """Where the time goes, for logs and bench/gpu_extract.py (seconds, summed per stage)."""
+    """Where the time goes, for logs and bench/gpu_extract.py (seconds, summed per stage), and what
+    was stored: the counts (samples, tokens, bytes) are a shard's once its object is complete, not
+    of an attempt aborted (a lost lease, a failure: its work is done again, and was counted twice)."""
 
     samples: int = 0
     tokens: int = 0
@@ -86,13 +88,17 @@ class PipelineStats:
     def to_json(self) -> dict[str, float]:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
+    def counts(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("samples", "tokens", "padded_tokens", "stored_bytes")}
+
 
 class _Writer(threading.Thread):
     """Appends encoded records to the shard in submission order; the first error is kept."""
 
-    def __init__(self, shard: ShardWriter, depth: int, stats: PipelineStats, on_record: Callable[[EncodedRecord], None]):
+    def __init__(self, shard: ShardWriter, depth: int, stats: PipelineStats, counts: PipelineStats,
+                 on_record: Callable[[EncodedRecord], None]):
         super().__init__(name="shard-writer", daemon=True)
-        self.shard, self.stats, self.on_record = shard, stats, on_record
+        self.shard, self.stats, self.counts, self.on_record = shard, stats, counts, on_record
         self.q: queue.Queue[Future | None] = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.cancelled = False  # set by an abort: what is still queued is not uploaded
@@ -105,7 +111,8 @@ class _Writer(threading.Thread):
                 rec = fut.result()
                 t0 = time.perf_counter()
                 self.shard.append_encoded(rec)
-                self.stats.add(write_s=time.perf_counter() - t0, stored_bytes=rec.size)
+                self.stats.add(write_s=time.perf_counter() - t0)
+                self.counts.add(stored_bytes=rec.size)
                 self.on_record(rec)
             except BaseException as e:
                 self.error = e
@@ -163,12 +170,13 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
     on_cuda = device.type == "cuda"
     staging = staging if staging is not None or not on_cuda else HostStaging()
     shard = ShardWriter(out, meta)  # aborts `out` itself if its header fails
-    writer = _Writer(shard, 4 * encode_threads + 8, stats, on_record)
+    counts = PipelineStats()  # this shard's, added to `stats` once it is complete
+    writer = _Writer(shard, 4 * encode_threads + 8, stats, counts, on_record)
     # An encode thread waits on the copy's event: on CUDA its current device must be this rank's, or
     # the wait opens a context on GPU 0 (a new thread's default) in every rank's process.
     pool = ThreadPoolExecutor(encode_threads, thread_name_prefix="encode",
                               **({"initializer": torch.cuda.set_device, "initargs": (device,)} if on_cuda else {}))
-    tail = ShardTail(shard, pool, writer, stats)
+    tail = ShardTail(shard, pool, writer, stats, counts)
 
     def check() -> None:
         if should_stop():
@@ -188,8 +196,8 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
                 hidden_host, final_host, ready, release = staging.wait_and_copy(hidden, final, len(batch))
             else:
                 hidden_host, final_host, ready, release = hidden, final, None, None
-            stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1,
-                      padded_tokens=ids.numel(), samples=len(batch), tokens=int(mask.sum()))
+            stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1)
+            counts.add(padded_tokens=ids.numel(), samples=len(batch), tokens=int(mask.sum()))
             submitted = 0
             try:
                 for i, s in enumerate(batch):
@@ -214,8 +222,9 @@ class ShardTail:
     queued for the writer, and its object is open until `finish` (or `abort`), which any one
     thread calls once."""
 
-    def __init__(self, shard: ShardWriter, pool: ThreadPoolExecutor, writer: _Writer, stats: PipelineStats):
-        self.shard, self.pool, self.writer, self.stats = shard, pool, writer, stats
+    def __init__(self, shard: ShardWriter, pool: ThreadPoolExecutor, writer: _Writer, stats: PipelineStats,
+                 counts: PipelineStats):
+        self.shard, self.pool, self.writer, self.stats, self.counts = shard, pool, writer, stats, counts
         self._stopped = False
 
     def finish(self) -> ShardInfo:
@@ -227,7 +236,7 @@ class ShardTail:
                 raise self.writer.error
             t_close = time.perf_counter()
             info = self.shard.close()
-            self.stats.add(close_s=time.perf_counter() - t_close, raw_bytes=info.raw_bytes)
+            self.stats.add(close_s=time.perf_counter() - t_close, raw_bytes=info.raw_bytes, **self.counts.counts())
             return info
         except BaseException:
             self.shard.abort()

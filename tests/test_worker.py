@@ -278,3 +278,29 @@ def test_a_stop_inside_the_queue_leaves_the_lease_of_the_shard_finishing_behind_
         loop.run(queue)
     assert run.index(("commit record", 0)) < run.index(("lease deleted", 0))
     assert run_status(run.store)["shards_done"] == 1 and not list(run.store.list(layout.LEASES))
+
+
+def test_an_aborted_attempts_work_is_not_counted_as_stored(tmp_path, capture):
+    """The worker's summary ("N samples, T tokens ... stored as ...") counted an attempt aborted
+    after a lost lease as if stored, beside the attempt that stored the shard: twice the samples,
+    and a compression ratio of raw bytes of one over stored bytes of both."""
+    from layertap.extract.pipeline import LeaseLost, PipelineStats, extract_shard
+    from layertap.storage.identity import RunIdentity
+
+    store = open_store(str(tmp_path / "run"))
+    meta = ShardMeta.of(RunIdentity(model="x", layers=[1, 2], hidden_size=32, codec="bf16-zstd"), run_id="r",
+                        shard_id=0, extra={})
+    g = torch.Generator().manual_seed(1)
+    samples = [TokenizedSample(f"s{i}", torch.randint(1, 128, (50,), generator=g), torch.ones(50, dtype=torch.bool))
+               for i in range(8)]
+    stats, looks = PipelineStats(), []
+    with pytest.raises(LeaseLost):
+        extract_shard(capture, samples, meta, store.open_writer("shards/a.lts"), batch_tokens=100, pad_id=0,
+                      stats=stats, should_stop=lambda: looks.append(1) or len(looks) > 2)  # lost after 2 batches
+    assert stats.samples == stats.tokens == stats.stored_bytes == 0 and stats.forward_s > 0  # its time was spent
+    info = extract_shard(capture, samples, meta, store.open_writer("shards/b.lts"), batch_tokens=100, pad_id=0,
+                         stats=stats)
+    assert (stats.samples, stats.tokens, stats.raw_bytes) == (8, 400, info.raw_bytes)
+    alone = PipelineStats()  # the same shard in one attempt
+    extract_shard(capture, samples, meta, store.open_writer("shards/c.lts"), batch_tokens=100, pad_id=0, stats=alone)
+    assert 0 < stats.stored_bytes == alone.stored_bytes < info.bytes
