@@ -100,12 +100,16 @@ class ShardLoop:
 
     def run(self, claims: Iterable[Claim]) -> int:
         """Work through `claims`; the number of shards this worker committed."""
+        handed: Claim | None = None  # handed over by the queue, not yet taken by `_one`
         try:
-            for claim in claims:
+            for handed in claims:
                 with self.stops.deferred():
+                    claim, handed = handed, None
                     self._one(claim)
             self.settle()  # the last shard's tail
         except BaseException as e:
+            if handed is not None:  # a stop landed between the queue's hand-over and the deferred block:
+                handed.release()  # the queue let the lease go to us, and no one else releases it
             if isinstance(e, Exception):
                 try:
                     self.settle()

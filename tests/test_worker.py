@@ -304,3 +304,21 @@ def test_an_aborted_attempts_work_is_not_counted_as_stored(tmp_path, capture):
     alone = PipelineStats()  # the same shard in one attempt
     extract_shard(capture, samples, meta, store.open_writer("shards/c.lts"), batch_tokens=100, pad_id=0, stats=alone)
     assert 0 < stats.stored_bytes == alone.stored_bytes < info.bytes
+
+
+def test_a_stop_between_the_queues_hand_over_and_the_shards_start_releases_its_lease(store_uri, capture):
+    """The queue hands a claim over (its lease no longer the queue's to release); a stop landing in
+    the few bytecodes before the worker's deferred block left that lease to go stale: a rerun
+    elsewhere waited a ttl for the shard. Here the stop lands as the block is entered."""
+    from layertap.manifests.preemption import Preempted, StopSignals
+
+    class StopAtTheBlock(StopSignals):
+        def deferred(self):
+            raise Preempted("received SIGTERM")
+
+    run = Run(store_uri, capture)
+    loop = ShardLoop(run.start, overlap=True, committed=lambda *a: None, abandoned=lambda *a: None,
+                     stops=StopAtTheBlock(at_once=True))
+    with pytest.raises(Preempted):
+        loop.run(run.queue(loop))
+    assert not list(run.store.list(layout.LEASES)) and run.events == []  # released, and never started
