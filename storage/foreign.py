@@ -187,6 +187,15 @@ def natural_key(text: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
 
+def one_state(x: torch.Tensor, where: str, name: str) -> torch.Tensor:
+    """A per-token state [T, H], or [1, T, H] as a batch of one saves it; a batch of several is
+    refused (its first sample was taken, the rest dropped without a word)."""
+    if x.dim() == 3 and x.shape[0] != 1:
+        raise InputError(f"{where}: {name} has shape {tuple(x.shape)}, a batch of {x.shape[0]}: one sample a file, "
+                         "[tokens, hidden] or [1, tokens, hidden], is expected")
+    return x[0] if x.dim() == 3 else x
+
+
 def split_layers(x: torch.Tensor, num_layers: int, where: str, name: str) -> torch.Tensor:
     """[T, L*H] (or [1, T, L*H]) concatenated capture layers -> [T, L, H]."""
     if x.dim() == 3 and x.shape[0] == 1:

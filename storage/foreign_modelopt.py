@@ -19,7 +19,7 @@ import torch
 
 from layertap.storage.errors import InputError
 from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key, save_torch,
-                                      split_layers, tensor_of, tokens_of)
+                                      one_state, split_layers, tensor_of, tokens_of)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -127,8 +127,7 @@ class ModelOptReader:
         states = split_layers(tensor_of(d, "aux_hidden_states", where, (2, 3)), self.num_layers, where,
                               "aux_hidden_states")
         self._check_final_state(d.get("hidden_states_prenorm"), where)
-        final = tensor_of(d, "hidden_states", where, (2, 3))
-        final = final[0] if final.dim() == 3 else final
+        final = one_state(tensor_of(d, "hidden_states", where, (2, 3)), where, "hidden_states")
         if final.shape[-1] != states.shape[-1]:
             raise InputError(f"{where}: hidden_states is {final.shape[-1]} wide, the {self.num_layers} aux layer(s) "
                              f"{states.shape[-1]}: is --layers right?")

@@ -16,7 +16,7 @@ import torch
 
 from layertap.storage.errors import InputError
 from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key,
-                                      save_torch, split_layers, tensor_of, tokens_of)
+                                      one_state, save_torch, split_layers, tensor_of, tokens_of)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -101,13 +101,23 @@ class SpecForgeReader:
                              "like the first file of the folder)")
         ids = tokens_of(d, "input_ids", where).to(torch.int64)
         t = ids.shape[0]
-        states = split_layers(tensor_of(d, states_key, where, (2, 3)), self.num_layers, where, states_key)[:t]
+        states = _padding_cut(split_layers(tensor_of(d, states_key, where, (2, 3)), self.num_layers, where,
+                                           states_key), t, where, states_key)
         final = None
         if self.eagle3:
-            final = tensor_of(d, "hidden_state", where, (2, 3))
-            final = as_bf16(final[0] if final.dim() == 3 else final)[:t].contiguous()
+            final = one_state(tensor_of(d, "hidden_state", where, (2, 3)), where, "hidden_state")
+            final = as_bf16(_padding_cut(final, t, where, "hidden_state")).contiguous()
         mask = as_mask(tokens_of(d, "loss_mask", where)[:t])
         return check_lengths(Sample(f.sample_id, ids, mask, as_bf16(states).contiguous(), final), where)
+
+
+def _padding_cut(x: torch.Tensor, t: int, where: str, name: str) -> torch.Tensor:
+    """`x` cut to the file's `t` tokens: what lies past them must be padding (zeros), or the file
+    holds states of tokens its input_ids lost, which were dropped without a word."""
+    if x.shape[0] > t and bool(x[t:].any()):
+        raise InputError(f"{where}: {name} covers {x.shape[0]} tokens, input_ids {t}, and the states past them are "
+                         "not zero padding: states of tokens the file's input_ids lack")
+    return x[:t]
 
 
 def _stem(key: str) -> str:

@@ -588,3 +588,31 @@ def test_broken_speculators_files_are_named_not_tracebacks_or_failed_shards(pren
     err = capsys.readouterr().err
     assert f"the speculators dataset at {open_store(str(dest)).uri}" in err and "does not load" in err
     assert "Traceback" not in err
+
+
+def test_states_past_a_files_tokens_or_a_batch_of_several_are_refused_not_dropped(s3_postnorm_run, target,
+                                                                                   tmp_path):
+    """SpecForge states were cut to input_ids' length whatever lay past it, and a ModelOpt final
+    state saved as a batch of several gave its first: data dropped without a word. Zero padding
+    past the tokens is still cut; anything else skips the file, named."""
+    sf, mo = tmp_path / "sf", tmp_path / "mo"
+    assert cli(["export", s3_postnorm_run, "--to", "specforge", str(sf), "--limit", "3"]) == 0
+    assert cli(["export", s3_postnorm_run, "--to", "modelopt", str(mo), "--limit", "2"]) == 0
+    padded, longer, _ = sorted(sf.rglob("data_*.ckpt"))
+    for path, tail in ((padded, torch.zeros), (longer, torch.ones)):
+        d = torch.load(path, weights_only=True)
+        h = d["hidden_states"]
+        d["hidden_states"] = torch.cat([h, tail(1, 3, h.shape[-1], dtype=h.dtype)], dim=1)
+        torch.save(d, path)
+    batched = sorted(mo.glob("*.pt"))[1]
+    d = torch.load(batched, weights_only=True)
+    torch.save({**d, "hidden_states": torch.stack([d["hidden_states"]] * 2)}, batched)
+    for src, fmt, says in ((sf, "specforge", "states past them are not zero padding"),
+                           (mo, "modelopt", "a batch of 2: one sample a file")):
+        back = str(tmp_path / f"back-{fmt}")
+        assert cli(["import", str(src), "--from", fmt, "--out", back, "--layers", "1,3", "--model", target]) == 0
+        store = open_store(back)
+        commits = [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
+        skipped = [s for c in commits for s in c.skipped]
+        assert len(skipped) == 1 and says in skipped[0]["detail"], skipped
+        assert sum(c.num_records for c in commits) == (2 if fmt == "specforge" else 1)
