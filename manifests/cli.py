@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from layertap.storage.errors import ConfigError
 from layertap.storage.units import duration, listing, size
 
+log = logging.getLogger(__name__)
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
 EXIT_COMPLETE, EXIT_PROBLEM, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 3, 4  # 2: a user error (layertap/cli.py)
@@ -137,8 +139,13 @@ def _truncated_text(s: dict) -> str:
 def _deleting(store, s: dict) -> str | None:
     """Who consumes a --window run (`consumption.trainer_state`); None for a run without a window."""
     from layertap.manifests.consumption import trainer_state
+    from layertap.manifests.manifest import ManifestError
 
-    return None if s.get("window") is None else trainer_state(store)
+    try:
+        return None if s.get("window") is None else trainer_state(store)
+    except ManifestError as e:  # consumed/trainer.json unreadable: the report all the same, as --json gives it
+        log.warning("%s", e)
+        return None
 
 
 def _rerun(s: dict) -> str:
@@ -172,7 +179,8 @@ def format_status(s: dict, deleting: str | None = None) -> str:
         "  rate     " + _rate_line(s),
         *_consumption_lines(s.get("consumption")),
     ]
-    window, rest = s.get("window"), s.get("bytes_at_rest", s["bytes_stored"])
+    window, rest = s.get("window"), s.get("window_at_rest")
+    rest = s.get("bytes_at_rest", s["bytes_stored"]) if rest is None else rest
     if window is not None:
         lines.append(f"  window   {size(rest)} at rest of a {size(window)} --window"
                      + (": full, extraction waits for training to consume" if rest >= window and not s["complete"]

@@ -11,8 +11,8 @@ from datetime import datetime
 from typing import Any
 
 from layertap.manifests import layout
-from layertap.manifests.consumption import (consumed_everywhere, consumed_shards, marker_times, recorded_window,
-                                            waiting_records)
+from layertap.manifests.consumption import (at_rest, consumed_everywhere, consumed_shards, marker_times,
+                                            recorded_window, waiting_records)
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
@@ -153,9 +153,11 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
         "consumption": consumption,
         "window": (window := recorded_window(store)),  # the --window extraction runs with (bytes), None without one
-        # extraction workers waiting behind it (they hold no lease: not `shards_running`)
-        "workers_waiting": len(waiting_records(store)) if window is not None and not complete and
-        stored - deleted >= window else 0,
+        # what the window bounds, measured as its gate measures it: every data object under shards/ (a crashed
+        # attempt's leftover too, which `bytes_at_rest`, from the commits, leaves out)
+        "window_at_rest": at_rest(store, st.data_objects if shards else None).bytes if window is not None else None,
+        # extraction workers waiting behind it (they hold no lease: not `shards_running`), by their fresh records
+        "workers_waiting": len(waiting_records(store)) if window is not None and not complete else 0,
         **listed,
     }
 
@@ -387,6 +389,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
     withdrawn shard still awaiting its redo gets back its redo marker if it lacks one."""
     manifest = load_manifest(store)
     st = scan(store, manifest, with_data=True)
+    st.raise_if_replaced(store.uri)  # commits of another plan: nothing here is to be withdrawn
     result = VerifyResult()
     consumed = consumed_shards(store)
     feed = _FeedKeys(store)
@@ -421,29 +424,34 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             _settle_tally(store, st.tally_keys.get(shard, []), commit)
         return shard, report.error, commit.data_key
 
+    def counted(shard: int) -> tuple[int, str | None, str | None]:
+        done = check(shard)
+        if progress:
+            progress(1)
+        return done
+
     result.consumed = len(st.committed & consumed)
-    with ThreadPoolExecutor(threads) as pool:
-        for shard, error, data_key in pool.map(check, sorted(st.committed - consumed)):
-            if progress:
-                progress(1)
-            if error == CONSUMED:
-                result.consumed += 1
-            elif error == GONE or (error is not None and not _still_committed(store, shard, data_key)):
-                log.warning("shard %d: its commit went or changed while verify looked (another `layertap verify` "
-                            "withdrew it?): skipped, not withdrawn", shard)
-                result.gone.append(shard)
-            elif error is None:
-                result.checked += 1
-                result.ok += 1
-                for key in st.data_objects.get(shard, []):
-                    if key != data_key:
-                        store.delete(key)
-                        result.orphans_deleted += 1
-            else:
-                result.checked += 1
-                log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
-                result.bad.append({"shard": shard, "error": error})
-                _withdraw(store, shard, error, data_key, feed.of(shard))
+    with ThreadPoolExecutor(threads) as pool:  # every shard checked before any is withdrawn: a shard of another
+        checked = list(pool.map(counted, sorted(st.committed - consumed)))  # run raises while nothing was
+    for shard, error, data_key in checked:
+        if error == CONSUMED:
+            result.consumed += 1
+        elif error == GONE or (error is not None and not _still_committed(store, shard, data_key)):
+            log.warning("shard %d: its commit went or changed while verify looked (another `layertap verify` "
+                        "withdrew it?): skipped, not withdrawn", shard)
+            result.gone.append(shard)
+        elif error is None:
+            result.checked += 1
+            result.ok += 1
+            for key in st.data_objects.get(shard, []):
+                if key != data_key:
+                    store.delete(key)
+                    result.orphans_deleted += 1
+        else:
+            result.checked += 1
+            log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
+            result.bad.append({"shard": shard, "error": error})
+            _withdraw(store, shard, error, data_key, feed.of(shard))
     # A verify killed inside `_withdraw` (the commit gone, the marker not yet written) left a redo
     # that workers waiting behind a full --window never see: they list only the markers.
     for shard in sorted(s for s in range(len(manifest.shards)) if st.withdrawn(s) and s not in st.redo_marked):

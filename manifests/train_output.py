@@ -9,7 +9,6 @@ checks them against the trainer's own.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from layertap.manifests.output_lease import live_holder
@@ -33,6 +32,7 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
     config = (state or {}).get("config") or {}
     exported = store.exists(EXPORT_CONFIG)
     written = next((o.modified for o in store.list(LATEST)), None)
+    now = store.now() if written is not None or held is not None else None  # the store's clock stamped both
     return {
         "kind": "training",
         "prefix": store.uri,
@@ -46,11 +46,11 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "tokens_per_s": last.get("tokens_per_s") if last else None,
         "checkpoint_step": latest.get("step") if latest else None,
         "checkpoint": f"{store.uri.rstrip('/')}/{latest['prefix']}" if latest and latest.get("prefix") else None,
-        "checkpoint_age_s": round(max(0.0, time.time() - written), 1) if written is not None else None,
+        "checkpoint_age_s": round(max(0.0, now - written), 1) if written is not None else None,
         "drafter_exported": exported,
         "trainer": None if held is None else {
             "host": held.holder.get("host"), "pid": held.holder.get("pid"), "slurm_job": held.holder.get("slurm_job"),
-            "lease_renewed_s_ago": round(max(0.0, store.now() - held.modified), 1)},
+            "lease_renewed_s_ago": round(max(0.0, now - held.modified), 1)},
         "complete": exported,
     }
 

@@ -300,3 +300,44 @@ def test_verify_and_delete_refuse_fewer_than_one_thread(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"error: --threads must be at least 1, got {command[3]}" in err and "Traceback" not in err
     assert open_store(str(tmp_path / "run")).exists(layout.MANIFEST)  # nothing deleted
+
+
+def test_status_measures_the_window_as_its_gate_does_and_bears_an_unreadable_trainer_record(tmp_path, capsys,
+                                                                                             caplog):
+    """The gate counts every object under shards/ (a crashed attempt's leftover too), status only
+    the committed bytes: with the window full by the gate's count, workers waited while status said
+    "nothing is running" (and counted no waiting worker). And an unreadable consumed/trainer.json
+    made text status an error (exit 2, no report) where --json reported."""
+    from layertap.manifests.consumption import WindowGate, at_rest
+    from layertap.manifests.records import Producer
+
+    uri = str(tmp_path / "run")
+    store = open_store(uri)
+    fake_worker.plan(store)
+    fake_worker.work(uri, shards=[0, 1, 2])
+    store.put(f"{layout.SHARDS}000003-leftover.lts", b"x" * 3000)  # killed between its close and its commit
+    committed = json.loads(status(capsys, uri, "--json")[1])["bytes_at_rest"]
+    gate = WindowGate(store, committed + 1000, producer=Producer.current(0), shards=[3])
+    gate.record()
+    store.put(layout.waiting_key(Producer.current(0).token), json.dumps({"shard": 3}).encode())  # a worker waits
+    s = json.loads(status(capsys, uri, "--json")[1])
+    assert s["window_at_rest"] == at_rest(store).bytes == committed + 3000 and s["workers_waiting"] == 1
+    out = status(capsys, uri)[1]
+    assert "full, extraction waits for training to consume" in out and "1 extraction worker(s) wait" in out
+    assert "nothing is running" not in out
+    store.put(layout.CONSUMER, b"not json")
+    rc, out, _ = status(capsys, uri)
+    assert rc == 3 and "window" in out and "trainer.json is unreadable" in caplog.text
+
+
+def test_a_checkpoints_age_is_read_on_the_stores_clock(tmp_path, monkeypatch):
+    """The age took this machine's time minus the store's stamp: off by any skew between them (a
+    lease's age beside it already used the store's clock)."""
+    from layertap.manifests.train_output import training_status
+
+    store = open_store(str(tmp_path / "out"))
+    store.put("checkpoints/latest.json", json.dumps({"step": 1, "prefix": "checkpoints/step-00000001"}).encode())
+    written = next(iter(store.list("checkpoints/latest.json"))).modified
+    monkeypatch.setattr(store, "now", lambda: written + 100.0)
+    monkeypatch.setattr(time, "time", lambda: written + 5000.0)  # this machine's clock, an hour and more ahead
+    assert training_status(store)["checkpoint_age_s"] == 100.0

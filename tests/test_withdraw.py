@@ -244,3 +244,21 @@ def test_verify_that_skipped_a_shard_does_not_exit_as_if_all_were_checked(store_
     assert "skipped 1 shard(s) whose commit went or changed" in capsys.readouterr().out
     monkeypatch.undo()
     assert cli(["verify", store_uri]) == 0  # the withdrawn shard is no longer committed: all checked
+
+
+def test_verify_meeting_another_runs_shard_withdraws_nothing(tmp_path, capsys):
+    """Shards were withdrawn in order as they were checked: a bad shard before one of another run
+    (two runs sharing a prefix) had lost its commit when verify stopped with "Nothing was
+    withdrawn". Every shard is checked first now."""
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    fake_worker.work(ours)
+    fake_worker.work(theirs)
+    store, other = open_store(ours), open_store(theirs)
+    corrupt(store, 0)
+    commit = decode_commit(other.get(layout.commit_key(4)), "commit")
+    store.delete(decode_commit(store.get(layout.commit_key(4)), "commit").data_key)
+    store.put(commit.data_key, other.get(commit.data_key))  # shard 4's commit and data are the other run's
+    store.put(layout.commit_key(4), other.get(layout.commit_key(4)))
+    assert cli(["verify", ours]) == 2
+    assert "Nothing was withdrawn" in capsys.readouterr().err
+    assert store.exists(layout.commit_key(0)) and not list(store.list(layout.FAILURES))
