@@ -1114,3 +1114,28 @@ def test_consumed_shards_of_a_state_that_names_no_taken_shards_names_none_with_a
     it.close()
     assert state["epoch"] == 0 and state["taken"]
     assert stream.consumed_shards({k: v for k, v in state.items() if k != "taken"}) == []
+
+
+def test_a_step_that_waited_for_extraction_counts_the_wait_in_its_time(tmp_path):
+    """A follow trainer waits for its step's batches before the step's clock starts: the wait went
+    into data_wait_fraction (clipped to 1.0) but not into step_s, so a step that waited seconds for
+    extraction showed a few milliseconds and tokens/s as if it had not waited."""
+    import threading
+
+    from layertap.cli import main as cli
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), tmp_path / "out"
+    fake_worker.work(uri, shards=[0, 1])
+    late = threading.Timer(3.0, lambda: fake_worker.work(uri))  # the rest, committed while the trainer waits
+    late.start()
+    try:
+        assert cli(["train", "--data", uri, "--model", target, "--out", str(out), "--follow", "--follow-poll-s", "0.2",
+                    "--batch-size", "4", "--block-size", "4", "--max-anchors", "8"]) == 0
+    finally:
+        late.join()
+    lines = [json.loads(x) for x in _store(str(out)).get("metrics.jsonl").decode().splitlines()]
+    waited = max(lines, key=lambda r: r["step_s"])
+    assert waited["step_s"] > 1.0 and 0.5 < waited["data_wait_fraction"] < 1.0  # most of it the wait, not all
+    assert abs(waited["tokens_per_s"] * waited["step_s"] - waited["tokens"]) < 1e-6 * max(1, waited["tokens"])

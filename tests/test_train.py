@@ -512,6 +512,47 @@ def test_a_stop_signal_saves_a_checkpoint_and_exits_for_requeue(run, target, tmp
     assert [r["step"] for r in metrics(str(out))] == list(range(1, 151))
 
 
+def test_a_stop_signal_during_the_last_step_ends_the_run_as_it_would_have(run, target, tmp_path, monkeypatch):
+    """Slurm's warning signal landing in the step that reaches --steps: the final checkpoint was
+    saved and the command exited 143 without the export, so the finished run read as incomplete
+    until a requeue loaded the target again only to export. It ends as an uninterrupted run ends."""
+    import layertap.train.trainer as trainer
+
+    stepping = trainer.train_step
+
+    def signalled_at_the_last(run_, step, distill):
+        if step == 3:  # the 4th and last step
+            _deliver(signal.SIGTERM)
+        return stepping(run_, step, distill)
+
+    monkeypatch.setattr(trainer, "train_step", signalled_at_the_last)
+    out = tmp_path / "out"
+    assert cli(["train", "--data", run, "--model", target, "--out", str(out), "--steps", "4", *FAST]) == 0
+    assert (out / "drafter" / "config.json").exists() and [r["step"] for r in metrics(str(out))] == [1, 2, 3, 4]
+
+
+def test_a_resume_at_an_epochs_end_with_other_workers_says_the_order_changes(tmp_path, caplog):
+    """Mid-epoch a position is per DataLoader worker and another count is refused; at an epoch's
+    end it was taken in silence, though the worker split draws the epochs after in another order
+    than the uninterrupted run's. Said now, with the count to keep it."""
+    import fake_worker
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    fake_worker.work(uri)  # 40 samples: 10 steps an epoch at batch size 4
+    base = ["train", "--data", uri, "--model", target, "--out", out, "--batch-size", "4", "--block-size", "4",
+            "--max-anchors", "8"]
+    assert cli([*base, "--steps", "10"]) == 0
+    with caplog.at_level("WARNING"):
+        assert cli([*base, "--steps", "12", "--resume", "--num-workers", "1"]) == 0
+    assert "--num-workers 1, the checkpoint's run had 0: the epochs from here are drawn in another order" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert cli([*base, "--steps", "14", "--resume", "--num-workers", "1"]) == 0  # the count it was saved with
+    assert "--num-workers" not in caplog.text
+
+
 def test_a_resume_that_trains_on_withdraws_the_earlier_export(run, target, tmp_path, capsys, monkeypatch):
     """An output trained to its end, resumed with more --steps and stopped before that end: its
     old drafter/ stayed, `status` called it COMPLETE and export-drafter took the old weights."""

@@ -608,7 +608,9 @@ def _loop(run: _Run, start: int) -> int:
         _delete_consumed(run, start)
     nonfinite = 0  # steps in a row whose loss or gradient was NaN or infinite
     while step < run.total:
+        awaited = time.perf_counter()  # follow mode waits for the step's batches here, not in `train_step`
         stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
+        awaited = time.perf_counter() - awaited
         if not stopped:
             epoch = run.batches.epoch  # the step's: once it has taken an epoch's last batch, the next
             if cfg.follow and cfg.steps is None and epoch >= cfg.epochs:
@@ -624,6 +626,9 @@ def _loop(run: _Run, start: int) -> int:
                     log.info("step %d: the first step on a GPU compiles flex attention's kernels first (17 s on an "
                              "H200 at Qwen3.6-27B's shapes)", step + 1)
                 stats = train_step(run, step, run.distill)
+                # the wait counts in the step's time, as `pop_wait_s` counts it in the wait: left out, a step that
+                # waited 14 s for extraction showed 0.05 s, its tokens/s as if it had not, and a wait of 100%
+                stats.seconds += awaited
                 if first and acc.is_main_process:
                     log.info("step %d took %.1f s", stats.step, stats.seconds)
                 step, stopped = stats.step, stats.stop
@@ -634,7 +639,7 @@ def _loop(run: _Run, start: int) -> int:
         if (step % cfg.save_every == 0 or step == run.total or stopped) and step > saved:
             _save(run, step)
             saved = step
-        if stopped:
+        if stopped and step < run.total:  # a stop with the last step: the run ends as it would have, exported
             log.warning("stopped at step %d by a signal; `layertap train ... --resume` continues", step)
             progress.close()
             return run.stop.requested.exit_code if run.stop.requested is not None else 143  # another rank's signal
@@ -809,7 +814,8 @@ def _save(run: _Run, step: int) -> None:
         raise StoreError(f"rank(s) {unwritten[:10]} could not write their loader position into the checkpoint at "
                          f"step {step} ({run.out.uri}/{step_prefix(step)}; their logs say why): not saving it")
     if acc.is_main_process:
-        state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader_states": folder}
+        state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader_states": folder,
+                 "num_workers": run.cfg.num_workers}
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
         # metrics up to its step, so they must never lag behind it
         run.out.put(METRICS, ("\n".join(run.metrics.lines) + "\n").encode())
@@ -898,6 +904,12 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
     if state.get("world_size") != world:
         raise ConfigError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
                          "resume with the same number of processes (the data order depends on it)")
+    # Mid-epoch the loader refuses another split (its position is per worker); at an epoch's end it may
+    # change, but the epochs after are then drawn in another order than an uninterrupted run's.
+    if "num_workers" in state and (state["num_workers"] or 0) != (cfg.num_workers or 0):
+        log.warning("--num-workers %s, the checkpoint's run had %s: the epochs from here are drawn in another order "
+                    "than the uninterrupted run's (each sample still once an epoch); resume with --num-workers %s "
+                    "to keep it", cfg.num_workers or 0, state["num_workers"] or 0, state["num_workers"] or 0)
     saved, now = {**RESUME_DEFAULTS, **state.get("config", {})}, cfg.identity()
     saved["data"] = _store_uri(saved.get("data"))
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in {**saved, **now}
