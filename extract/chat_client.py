@@ -7,12 +7,12 @@ The `openai` client makes one try per call (its own retries are off); this modul
   backoff and try again, for up to `retry_for_s` of continuous failure, so a server that is
   restarted or briefly overloaded under a running job is ridden out (`ServerGone` after that);
   until the server has answered once, a refused connection is a wrong --endpoint: 3 quick tries;
-- a 500 (or other 5xx) or a timeout is the row's own failure only while it is the one request
-  failing and the server answers others: another request's success clears the slate. Once two or
-  more requests in flight have failed since the last success, the server is failing, not the row
-  (an engine dead behind a live HTTP server answers 500 to all; a hung one times out on all), and
-  every request waits as for a server away, so the rest of the dataset is never refused for an
-  outage. A row failing alone after `SERVER_ERROR_TRIES` 5xx or `TIMEOUT_TRIES` timeouts is
+- a 500 (or other 5xx) or a timeout is the row's own failure only while few requests are failing
+  (two, or a quarter of --concurrency) and the server answers others: another request's success
+  clears the slate. Once more requests in flight have failed since the last success, the server is
+  failing, not the row (an engine dead behind a live HTTP server answers 500 to all; a hung one
+  times out on all), and every request waits as for a server away, so the rest of the dataset is
+  never refused for an outage. A row failing after `SERVER_ERROR_TRIES` 5xx or `TIMEOUT_TRIES` timeouts is
   refused (`Refused`) once the server answers a known-good request (`check`'s), which tells a
   bad row from an outage where no other request can (--concurrency 1, the last rows); a refused
   request no longer counts as failing, so the next bad row is judged on its own;
@@ -21,6 +21,8 @@ The `openai` client makes one try per call (its own retries are off); this modul
   proxy's page, no choices, no message): asked again, then the row is refused, never stored;
 - the server refuses the request (400, 413, 422: a prompt too long for its context, a message it
   cannot template): the row is refused with the server's own reason;
+- no connection within CONNECT_TIMEOUT_S (a wrong address whose packets a firewall drops) counts as
+  a refused connection, not as a request's timeout;
 - the server refuses us (401, 403, 404: a key, a model, a URL that is wrong): `EndpointError`,
   which stops the run, as every row would fail the same way;
 - the server that `--serve` started has exited (`watch` raises): the run stops at once.
@@ -54,6 +56,7 @@ TIMEOUT_TRIES = 2  # a timeout of one row alone (the others answer): tries in al
 FINISH_TRIES = 3  # answers that ended neither in "stop" nor "length": tries in all before the row is refused
 FINISHED = ("stop", "length")
 UNREACHABLE_TRIES = 3  # connection failures before the server ever answered: a wrong --endpoint, said at once
+CONNECT_TIMEOUT_S = 10.0  # a connection not made by then is no connection (a dropped SYN), not a slow answer
 PROBE = [{"role": "user", "content": "Hi"}]  # a request every server answers: `check` sends it first
 
 
@@ -162,11 +165,13 @@ class ChatClient:
         self.answered = False  # until the server first answers, a refused connection is a wrong --endpoint
         self._failing: set[int] = set()  # requests that got a 5xx or timed out since the last success
         self._calls = itertools.count()
-        self.timeout_s = timeout_s
+        self.timeout_s, self.concurrency = timeout_s, concurrency
         http = _http_library(openai.DefaultAsyncHttpxClient)
         limits = http.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        # a wrong address whose packets are dropped (a firewall) waited the whole --request-timeout a try
+        timeout = http.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
         self.client = openai.AsyncOpenAI(base_url=api_base(endpoint), api_key=api_key or "none", max_retries=0,
-                                         timeout=timeout_s, default_query=endpoint_query(endpoint) or None,
+                                         timeout=timeout, default_query=endpoint_query(endpoint) or None,
                                          http_client=openai.DefaultAsyncHttpxClient(limits=limits,
                                                                                     auth=endpoint_auth(endpoint)))
 
@@ -270,19 +275,21 @@ class ChatClient:
                     self._failing.add(me)
                     if server_errors >= SERVER_ERROR_TRIES and await self._own_failure():
                         raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
-            except openai.APITimeoutError:
-                problem = f"no answer within the {self.timeout_s:g} s --request-timeout"
-                timeouts += 1
-                self._failing.add(me)
-                if timeouts >= TIMEOUT_TRIES and await self._own_failure():
-                    raise Refused(f"{problem}, {timeouts} times, while the server answered others",
-                                  cause="timeout") from None
-            except openai.APIConnectionError as e:
-                problem = f"{type(e).__name__}: {e.__cause__ or e}"
-                unreachable += 1
-                if not self.answered and unreachable >= UNREACHABLE_TRIES:
-                    raise EndpointError(f"cannot reach {self.where} ({problem}); is the server up, and is --endpoint "
-                                        f"its address (e.g. http://localhost:8000/v1)?") from None
+            except openai.APIConnectionError as e:  # APITimeoutError among them
+                if isinstance(e, openai.APITimeoutError) and not _connecting(e):
+                    problem = f"no answer within the {self.timeout_s:g} s --request-timeout"
+                    timeouts += 1
+                    self._failing.add(me)
+                    if timeouts >= TIMEOUT_TRIES and await self._own_failure():
+                        raise Refused(f"{problem}, {timeouts} times, while the server answered others",
+                                      cause="timeout") from None
+                else:
+                    problem = (f"no connection within {min(CONNECT_TIMEOUT_S, self.timeout_s):g} s"
+                               if isinstance(e, openai.APITimeoutError) else f"{type(e).__name__}: {e.__cause__ or e}")
+                    unreachable += 1
+                    if not self.answered and unreachable >= UNREACHABLE_TRIES:
+                        raise EndpointError(f"cannot reach {self.where} ({problem}); is the server up, and is "
+                                            "--endpoint its address (e.g. http://localhost:8000/v1)?") from None
             if self.watch is not None:
                 self.watch()
             now = time.monotonic()
@@ -303,11 +310,13 @@ class ChatClient:
             delay = min(30.0, delay * 2)
 
     async def _own_failure(self) -> bool:
-        """Whether a failing request's failures are its row's own: no other request has failed
-        since the last success, and the server answers a known-good request now (else: an outage)."""
+        """Whether a failing request's failures are its row's own: few other requests have failed
+        since the last success, and the server answers a known-good request now (else: an outage).
+        Few: two at any --concurrency (at 2, two bad rows side by side were an outage on every
+        rerun, and the output could never be finished), a quarter of it at a larger one."""
         import openai
 
-        if len(self._failing) > 1:
+        if len(self._failing) > max(2, self.concurrency // 4):
             return False
         for _ in range(UNREACHABLE_TRIES):  # a keep-alive connection the server had closed is no answer: again
             try:
@@ -320,6 +329,11 @@ class ChatClient:
             except (openai.APIError, ValueError):
                 return False
         return False
+
+
+def _connecting(e: BaseException) -> bool:
+    """Whether a timeout is the connection's (no answer to the SYN), not the request's."""
+    return type(e.__cause__).__name__ == "ConnectTimeout"  # httpx's (or its fork's, `_http_library`)
 
 
 def _malformed(r: Any) -> str | None:

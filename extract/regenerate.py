@@ -266,6 +266,10 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
 
             async def worker() -> None:
                 while (item := await queue.get()) is not None:
+                    # a part's write that failed stops the run now, not once every row was answered (a store
+                    # refusing writes, expired credentials: hours of generation thrown away)
+                    if failed := next((w for w in writes if w.done() and w.exception() is not None), None):
+                        raise failed.exception()
                     part, i = item
                     await _answer_row(client, recipe, rows[i], i, part, totals)
                     bar.update(1)
@@ -366,20 +370,35 @@ def _refuse(part: _Part, totals: Totals, index: int, row_id: str, reason: str, *
 
 
 def _write_part(store: ObjectStore, part: _Part, totals: Totals) -> None:
-    """The part, then its stats, by the process whose part was written: a process that lost the
-    race to another writing the same part keeps that one, and its stats with it."""
+    """The part's stats, then the part: its refused rows are in no part, only in its stats, and a
+    crash (or an error) between a part and its stats lost them for good (a committed part is never
+    written again), while status still said complete. A crash before the part leaves stats the
+    rerun writes again. A process that lost the race to another writing the same part keeps that
+    part, and writes the stats again from it (its own refusals of the rows missing there)."""
     rows = [part.rows[i] for i in sorted(part.rows)]
     body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    store.put(stats_key(part.part), json.dumps(_stats(part, rows)).encode())
     if not store.put_if_absent(part_key(part.part), body):
         log.warning("part %d was written by another process meanwhile; kept that one", part.part)
+        kept = [json.loads(line) for line in store.get(part_key(part.part)).decode().splitlines() if line.strip()]
+        store.put(stats_key(part.part), json.dumps(_stats(part, kept)).encode())
         return
-    stats = {"part": part.part, "rows": [part.source.start, part.source.stop], "regenerated": len(rows),
-             "refused": sorted(part.refused, key=lambda r: r["row"]),
-             "completion_tokens": sum(r["regenerated"]["completion_tokens"] for r in rows),
-             "truncated_turns": sum(f == "length" for r in rows for f in r["regenerated"]["finish_reasons"])}
-    store.put(stats_key(part.part), json.dumps(stats).encode())
     totals.parts += 1
     totals.rows += len(part.source)
+
+
+def _stats(part: _Part, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A part's stats, for `rows` (what its file holds): the refused are the part's rows not among
+    them, with this process's reasons (another process's, whose part was kept, are not known here)."""
+    there = {r["regenerated"]["row"] for r in rows}
+    mine = {r["row"]: r for r in part.refused}
+    refused = [mine.get(i) or {"row": i, "id": part.rows.get(i, {}).get("id", ""), "kind": "unknown",
+                               "reason": "refused by the process whose part was kept (its reason is not known here)"}
+               for i in part.source if i not in there]
+    return {"part": part.part, "rows": [part.source.start, part.source.stop], "regenerated": len(rows),
+            "refused": refused,
+            "completion_tokens": sum(r["regenerated"]["completion_tokens"] for r in rows),
+            "truncated_turns": sum(f == "length" for r in rows for f in r["regenerated"]["finish_reasons"])}
 
 
 def _log_summary(store: ObjectStore, totals: Totals) -> None:

@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 from layertap.extract.chat_client import api_base, auth_header, public_url
+from layertap.manifests.preemption import shielded
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.retry import Backoff
 
@@ -49,12 +51,11 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
     if not command.strip():
         raise ConfigError("--serve is empty: give the command that starts the server, e.g. "
                           "'vllm serve /models/target --port 8000'")
+    _refuse_taken(endpoint)
     out = open(log_path, "ab") if log_path else None
     log.info("starting the server: %s%s", redacted(command), f" (output in {log_path})" if log_path else "")
-    # Its own session, so stopping it reaches every process it starts (vLLM's engine and workers).
-    proc = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT if out else None,
-                            start_new_session=True)
     seen = f"its output is in {log_path}" if log_path else "its output is above (no --serve-log)"
+    proc: subprocess.Popen | None = None
 
     def watch() -> None:
         if proc.poll() is not None:
@@ -63,12 +64,35 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
                                f"same command to continue")
 
     try:
+        with shielded():  # a stop here is raised once `proc` is set, so the finally stops it
+            # Its own session, so stopping it reaches every process it starts (vLLM's engine and workers).
+            proc = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    start_new_session=True)
         _wait_until_ready(proc, endpoint, timeout_s, command, api_key, seen)
         yield watch
     finally:
-        _stop(proc)
+        if proc is not None:
+            with shielded():  # a second stop signal (Slurm sends two) broke into the wait and left it running
+                _stop(proc)
         if out is not None:
             out.close()
+
+
+def _refuse_taken(endpoint: str) -> None:
+    """Refuse to start where something already listens at --endpoint's host and port: the server
+    started would fail to bind ("Address already in use") while the one there answered every
+    request (a server a killed regenerate left running, or another model's), and the run went on
+    against it, exit 0."""
+    parts = urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "localhost", port), timeout=2):
+            pass
+    except OSError:
+        return
+    raise ServerFailed(f"something already listens at {public_url(endpoint)} before --serve started its server: a "
+                       "server a killed `layertap regenerate` left running (its processes hold the GPUs too), or "
+                       "another service on that port. Stop it, or give --serve and --endpoint another port")
 
 
 def redacted(command: str) -> str:
@@ -104,7 +128,7 @@ def _wait_until_ready(proc: subprocess.Popen, endpoint: str, timeout_s: float, c
                                f"{public_url(endpoint)}: {_program(command)} ... ({seen})")
         try:
             with urllib.request.urlopen(request, timeout=5) as r:
-                if r.status == 200:
+                if r.status == 200 and proc.poll() is None:  # ours, still running: not another's in its place
                     log.info("the server answers at %s after %.0f s", public_url(endpoint), time.monotonic() - t0)
                     return
         except urllib.error.HTTPError as e:

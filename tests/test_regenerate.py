@@ -24,7 +24,7 @@ from layertap.cli import main as cli
 from layertap.extract.embedded import sharegpt_conversations
 from layertap.extract.inputs import load_rows, normalize_chat, TokenizeStats
 from layertap.extract.regenerated import iter_rows
-from layertap.manifests.regeneration import RECIPE, done_parts, read_stats
+from layertap.manifests.regeneration import RECIPE, done_parts, read_stats, regeneration_status
 from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
 from tiny_models import CHATML_TEMPLATE, tiny_model_dir
@@ -454,3 +454,137 @@ def test_a_task_at_work_is_not_run_twice_nor_submitted_again(server, tmp_path, c
     assert cli(regenerate_args(data, out, server, "--task", "1/2")) == 0
     assert sorted(done_parts(store)) == [0, 1, 2, 3] and len(assert_every_row_once(out, 16)) == 16
     assert live_tasks(store) == {}  # each released its lease
+
+
+def test_serve_refuses_a_port_something_already_listens_on(server, tmp_path, capsys):
+    """A server left running (a killed regenerate's) or another service on --endpoint's port: the
+    server --serve started failed to bind, while the one there answered every request, and the run
+    finished against it (another model, maybe), exit 0."""
+    data = write_sharegpt(tmp_path / "chats.jsonl", 4)
+    out = tmp_path / "regen"
+    assert cli(regenerate_args(data, str(out), server, "--serve", "sleep 60")) == 2
+    assert f"something already listens at {server.url}" in capsys.readouterr().err
+    assert not out.exists() or not list(out.rglob("*.jsonl"))
+
+
+def test_two_bad_rows_side_by_side_are_refused_not_an_outage(server, tmp_path):
+    """At --concurrency 2 two rows the server always fails (a 500 each) made every failing request
+    look like an outage: ServerGone after --retry-for, on every rerun, the output never finished."""
+    data = write_sharegpt(tmp_path / "chats.jsonl", 8, refuse=(2, 3))
+    out = str(tmp_path / "regen")
+    assert cli(regenerate_args(data, out, server, "--concurrency", "2", "--retry-for", "20")) == 0
+    store = open_store(out)
+    refused = sorted(r["row"] for s in read_stats(store, sorted(done_parts(store))) for r in s["refused"])
+    assert refused == [2, 3]
+
+
+def test_a_part_that_cannot_be_written_stops_the_run_and_its_refusals_are_never_lost(server, tmp_path, monkeypatch):
+    """A store refusing writes (expired credentials) was noticed once every row of the task had been
+    answered: hours of generation thrown away. And a crash between a part and its stats lost the
+    part's refused rows for good (they are in no part), while status said complete."""
+    import layertap.extract.regenerate as regenerate
+
+    data = write_sharegpt(tmp_path / "chats.jsonl", 24, refuse=(1,))
+    out = str(tmp_path / "regen")
+    answering = regenerate._answer_row
+    answered = []
+
+    async def counted(*args, **kwargs):
+        answered.append(1)
+        return await answering(*args, **kwargs)
+
+    real_open = regenerate.open_store
+
+    def failing(method: str, prefix: str, error: Exception, times: int):
+        """`open_store` whose stores fail their first `times` calls of `method` on keys under `prefix`."""
+        def opened(uri):
+            store, failed = real_open(uri), []
+            call = getattr(store, method)
+
+            def fail(key, body):
+                if key.startswith(prefix) and len(failed) < times:
+                    failed.append(key)
+                    raise error
+                return call(key, body)
+            setattr(store, method, fail)
+            return store
+        return opened
+
+    with monkeypatch.context() as m:
+        m.setattr(regenerate, "_answer_row", counted)
+        m.setattr(regenerate, "open_store",
+                  failing("put_if_absent", "parts/", PermissionError("the store refuses writes (expired credentials)"),
+                          times=10**9))
+        with pytest.raises(PermissionError):
+            cli(regenerate_args(data, out, server, "--concurrency", "2", "--rows-per-part", "2"))
+    assert len(answered) <= 8  # stopped within a few rows of the first failed write, not at row 24
+    assert done_parts(open_store(out)) == {}
+    assert cli(regenerate_args(data, out, server, "--concurrency", "2", "--rows-per-part", "2")) == 0
+    s = regeneration_status(open_store(out))
+    assert s["complete"] and sum(s["rows_refused"].values()) == 1 and s["rows_regenerated"] == 23
+
+    out = str(tmp_path / "regen2")  # the stats' write fails once: before the part now, so the rerun writes both
+    with monkeypatch.context() as m:
+        m.setattr(regenerate, "open_store", failing("put", "stats/", OSError("the store failed the stats' write"), 1))
+        with pytest.raises(OSError):
+            cli(regenerate_args(data, out, server, "--concurrency", "1", "--rows-per-part", "2"))
+    assert cli(regenerate_args(data, out, server, "--concurrency", "1", "--rows-per-part", "2")) == 0
+    s = regeneration_status(open_store(out))
+    assert s["complete"] and sum(s["rows_refused"].values()) == 1 and s["rows_regenerated"] == 23
+
+
+def test_an_endpoint_whose_connections_hang_is_reported_unreachable_quickly(tmp_path, capsys):
+    """A wrong address whose packets are dropped (here: a listener whose backlog is full) waited the
+    whole --request-timeout a try and ended, half an hour later at the defaults, as "failed every
+    request" (an outage). A connection not made within 10 s (or the request timeout, if shorter) is
+    a refused one: three tries, then "cannot reach"."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fill = []
+    for _ in range(4):  # fill its queue: later connections are never answered
+        c = socket.socket()
+        c.setblocking(False)
+        try:
+            c.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fill.append(c)
+    try:
+        t0 = time.monotonic()
+        args = ["regenerate", "--dataset", write_sharegpt(tmp_path / "chats.jsonl", 2), "--out", str(tmp_path / "o"),
+                "--endpoint", f"http://127.0.0.1:{port}/v1", "--model", "m", "--request-timeout", "2",
+                "--retry-for", "120"]
+        assert cli(args) == 2
+        err = capsys.readouterr().err
+        assert f"cannot reach http://127.0.0.1:{port}/v1 (no connection within 2 s)" in err
+        assert time.monotonic() - t0 < 60  # not the --retry-for of an outage
+    finally:
+        for c in fill:
+            c.close()
+        listener.close()
+
+
+def test_a_second_stop_while_the_served_server_stops_does_not_leave_it_running(tmp_path, monkeypatch):
+    """Slurm may send the stop twice. The first stopped the run; the second broke into the wait for
+    the server to exit (a server slow to stop: here one that ignores SIGTERM), and its SIGKILL
+    never came: the server kept the GPUs and the port."""
+    import threading
+
+    import layertap.extract.served as served
+    from layertap.manifests.preemption import Preempted, StopSignals
+
+    monkeypatch.setattr(served, "STOP_WAIT_S", 3.0)
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text('{"data": []}')
+    port = free_port()
+    command = (f"trap '' TERM; exec {sys.executable} -m http.server {port} --bind 127.0.0.1 "
+               f"--directory {tmp_path}")
+    with StopSignals(at_once=True):
+        with pytest.raises(Preempted):
+            with served.serving(command, f"http://127.0.0.1:{port}/v1", timeout_s=30):
+                assert _port_open(port)
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # while it stops
+                raise Preempted("received SIGTERM")  # the first stop, as the run's AsyncStop raises it
+    assert not _port_open(port)

@@ -166,7 +166,8 @@ def test_the_serve_command_is_logged_with_its_keys_masked(tmp_path, caplog):
 
 def test_a_process_that_loses_the_race_for_a_part_leaves_the_winners_stats(tmp_path):
     """Two processes finish the same part (a task run twice): the first part written is kept, and
-    the stats are that part's, not the loser's."""
+    the stats are that part's, not the loser's: its refused rows are those the kept part lacks
+    (the loser, which writes its stats before its part, writes them again from the kept one)."""
     store = open_store(str(tmp_path / "out"))
     winner, loser = _Part(0, range(2)), _Part(0, range(2))
     for part, row in ((winner, 0), (loser, 1)):
