@@ -186,6 +186,9 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, nodes: list[NodeSha
 
     if args.cpus_per_task is not None and args.cpus_per_task < 1:
         raise ConfigError(f"--cpus-per-task must be at least 1, got {args.cpus_per_task}")
+    if not 1 <= args.grace <= 65535:  # sbatch's --signal takes 0-65535 s; 0 is no warning, and a stop needs one
+        raise ConfigError(f"--grace {args.grace}: give the seconds before the time limit to warn the workers, 1 to "
+                          "65535 (default 120)")
     if "/" in args.job_name or args.job_name.strip() in ("", ".", ".."):  # it names files in the logs folder too
         raise ConfigError(f"--job-name {args.job_name!r}: give a name (without '/'), e.g. layertap-train")
     mem = args.mem

@@ -1173,6 +1173,9 @@ def test_submit_meets_what_sbatch_would_refuse_or_misread(tmp_path, capsys, monk
     assert "give a name (without '/')" in capsys.readouterr().err
     assert submit(*base, "--job-name=") == 2  # logs named "-12.out" before
     assert "--job-name '': give a name" in capsys.readouterr().err
+    for grace in ("0", "70000"):  # sbatch's --signal takes 0-65535, and 0 warns no one
+        assert submit(*base, "--grace", grace) == 2
+        assert f"--grace {grace}: give the seconds before the time limit" in capsys.readouterr().err
     # sbatch said only "Job dependency problem", after the script was saved
     assert submit("train", "--dry-run", "--after", "5", "--after", "5 6", "--data", prefix, "--out", "d") == 2
     assert "--after '5 6': give a Slurm job id (123, or 123_4" in capsys.readouterr().err
