@@ -123,6 +123,7 @@ class Totals:
     turns: int = 0
     truncated: int = 0
     completion_tokens: int = 0
+    dropped_turns: int = 0  # assistant turns before a row's first user turn (`normalize_chat`): not regenerated
     refused_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -329,7 +330,9 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
     raw_id = row.get("id")
     row_id = str(raw_id) if raw_id not in (None, "") else str(index)
     raw = row.get("messages") if row.get("messages") is not None else row.get("conversations")
-    chat = normalize_chat(raw, sample_id(row, index), TokenizeStats(), require_assistant=False)
+    stats = TokenizeStats()
+    chat = normalize_chat(raw, sample_id(row, index), stats, require_assistant=False)
+    totals.dropped_turns += stats.dropped_turns  # counted, as extraction counts them: not dropped in silence
     if isinstance(chat, Skipped):
         return _refuse(part, totals, index, row_id, f"{chat.reason}: {chat.detail}", kind=chat.reason)
     if chat and chat[-1]["role"] == "user":  # a prompt-only row, or a last prompt left unanswered: answered too
@@ -404,8 +407,10 @@ def _stats(part: _Part, rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _log_summary(store: ObjectStore, totals: Totals) -> None:
     if totals.parts:
         log.info("this run: %d parts, %d rows (%d regenerated, %d refused: %s), %d turns (%d cut at --max-tokens), "
-                 "%d tokens generated", totals.parts, totals.rows, totals.regenerated, totals.refused,
-                 totals.refused_reasons or "none", totals.turns, totals.truncated, totals.completion_tokens)
+                 "%d tokens generated%s", totals.parts, totals.rows, totals.regenerated, totals.refused,
+                 totals.refused_reasons or "none", totals.turns, totals.truncated, totals.completion_tokens,
+                 f"; {totals.dropped_turns} assistant turn(s) before a row's first user turn left out (they answer "
+                 "no prompt the row holds)" if totals.dropped_turns else "")
     s = regeneration_status(store)
     if s is None:  # nothing was regenerated: no recipe yet
         return

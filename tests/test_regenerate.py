@@ -588,3 +588,17 @@ def test_a_second_stop_while_the_served_server_stops_does_not_leave_it_running(t
                 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # while it stops
                 raise Preempted("received SIGTERM")  # the first stop, as the run's AsyncStop raises it
     assert not _port_open(port)
+
+
+def test_assistant_turns_before_the_first_user_turn_are_counted_not_dropped_in_silence(server, tmp_path, caplog):
+    """ShareGPT splits long chats: a third of its rows open with an assistant turn, which answers a
+    prompt the row lacks and is left out. Extraction counted them; regeneration dropped them without
+    a word."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"id": "a", "conversations": [
+        {"from": "gpt", "value": "an answer to an earlier part"}, {"from": "human", "value": "Hello there"},
+        {"from": "gpt", "value": "Hi"}]}) + "\n" + json.dumps({"id": "b", "conversations": [
+        {"from": "human", "value": "How are you?"}, {"from": "gpt", "value": "Fine"}]}) + "\n")
+    caplog.set_level("INFO", logger="layertap.extract.regenerate")
+    assert cli(regenerate_args(str(path), str(tmp_path / "regen"), server)) == 0
+    assert "; 1 assistant turn(s) before a row's first user turn left out" in caplog.text
