@@ -155,7 +155,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "window": (window := recorded_window(store)),  # the --window extraction runs with (bytes), None without one
         # what the window bounds, measured as its gate measures it: every data object under shards/ (a crashed
         # attempt's leftover too, which `bytes_at_rest`, from the commits, leaves out)
-        "window_at_rest": at_rest(store, st.data_objects if shards else None).bytes if window is not None else None,
+        "window_at_rest": at_rest(store).bytes if window is not None else None,  # a listing of shards/, the window's size
         # extraction workers waiting behind it (they hold no lease: not `shards_running`), by their fresh records
         "workers_waiting": len(waiting_records(store)) if window is not None and not complete else 0,
         **listed,

@@ -322,6 +322,7 @@ def test_status_measures_the_window_as_its_gate_does_and_bears_an_unreadable_tra
     store.put(layout.waiting_key(Producer.current(0).token), json.dumps({"shard": 3}).encode())  # a worker waits
     s = json.loads(status(capsys, uri, "--json")[1])
     assert s["window_at_rest"] == at_rest(store).bytes == committed + 3000 and s["workers_waiting"] == 1
+    assert json.loads(status(capsys, uri, "--json", "--shards")[1])["window_at_rest"] == s["window_at_rest"]
     out = status(capsys, uri)[1]
     assert "full, extraction waits for training to consume" in out and "1 extraction worker(s) wait" in out
     assert "nothing is running" not in out
