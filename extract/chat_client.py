@@ -169,7 +169,8 @@ class ChatClient:
         http = _http_library(openai.DefaultAsyncHttpxClient)
         limits = http.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         # a wrong address whose packets are dropped (a firewall) waited the whole --request-timeout a try
-        timeout = http.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
+        self.connect_timeout_s = min(CONNECT_TIMEOUT_S, timeout_s)
+        timeout = http.Timeout(timeout_s, connect=self.connect_timeout_s)
         self.client = openai.AsyncOpenAI(base_url=api_base(endpoint), api_key=api_key or "none", max_retries=0,
                                          timeout=timeout, default_query=endpoint_query(endpoint) or None,
                                          http_client=openai.DefaultAsyncHttpxClient(limits=limits,
@@ -284,7 +285,7 @@ class ChatClient:
                         raise Refused(f"{problem}, {timeouts} times, while the server answered others",
                                       cause="timeout") from None
                 else:
-                    problem = (f"no connection within {min(CONNECT_TIMEOUT_S, self.timeout_s):g} s"
+                    problem = (f"no connection within {self.connect_timeout_s:g} s"
                                if isinstance(e, openai.APITimeoutError) else f"{type(e).__name__}: {e.__cause__ or e}")
                     unreachable += 1
                     if not self.answered and unreachable >= UNREACHABLE_TRIES:

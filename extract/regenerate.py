@@ -259,6 +259,11 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
     t0 = time.monotonic()
     queue: asyncio.Queue[tuple[_Part, int] | None] = asyncio.Queue(maxsize=cfg.concurrency)
     writes: list[asyncio.Task] = []
+    failed_writes: list[BaseException] = []  # a part's write that failed: the workers stop at their next row
+
+    def on_written(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            failed_writes.append(task.exception())
     with AsyncStop():  # a stop cancels this task: the parts being written finish, the rest waits for a rerun
         try:
             await client.check()
@@ -269,15 +274,17 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
                 while (item := await queue.get()) is not None:
                     # a part's write that failed stops the run now, not once every row was answered (a store
                     # refusing writes, expired credentials: hours of generation thrown away)
-                    if failed := next((w for w in writes if w.done() and w.exception() is not None), None):
-                        raise failed.exception()
+                    if failed_writes:
+                        raise failed_writes[0]
                     part, i = item
                     await _answer_row(client, recipe, rows[i], i, part, totals)
                     bar.update(1)
                     rate = totals.completion_tokens / max(1e-9, time.monotonic() - t0)
                     bar.set_postfix_str(f"{rate:,.0f} gen tok/s, {totals.refused} refused")
                     if part.finished:
-                        writes.append(asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals)))
+                        write = asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals))
+                        write.add_done_callback(on_written)
+                        writes.append(write)
 
             workers = [asyncio.create_task(worker()) for _ in range(cfg.concurrency)]
             feeding = asyncio.create_task(_feed(queue, todo, recipe, cfg.concurrency))

@@ -248,7 +248,7 @@ def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | No
     keys = {o.key for shard in deleted for o in listed.get(shard, [])} | {data_keys[shard] for shard in fresh}
     store.delete_many(sorted(keys))
     if deleted:
-        log.info("deleted the data of %d consumed shard(s): %s", len(deleted), _ids(deleted))
+        log.info("deleted the data of %d consumed shard(s): %s", len(deleted), listing(deleted))
     return deleted
 
 
@@ -379,10 +379,6 @@ def _agree(marks: dict[int, dict], run_id: str | None, output: str | None = None
     return {s for first, last in agreed for s in range(first, last + 1)}
 
 
-def _ids(ids: list[int]) -> str:
-    return listing(ids)
-
-
 class WindowGate:
     """Holds a worker back from claiming its next shard while `window` bytes or more of data are
     at rest (`at_rest`: committed data not consumed yet, and little else).
@@ -490,7 +486,7 @@ class WindowGate:
             while (rest := self.check()).bytes >= self.window:
                 if redos := self.redos_waiting(would_redo):
                     log.info("window full, but shard(s) %s, withdrawn by `layertap verify`, await their redo, which "
-                             "the window does not hold back: redoing", _ids(redos))
+                             "the window does not hold back: redoing", listing(redos))
                     outcome = Gate.REDO
                     break
                 if waited and self.store.exists(layout.commit_key(shard)):
@@ -544,7 +540,6 @@ class WindowGate:
         elif state == "stopped":
             log.warning("the run's --delete-consumed trainer is not running (its lease on %s went stale): nothing is "
                         "consumed, so the window opens only once it is restarted (--resume continues it)", output)
-
 
     def _sweep_stale_records(self) -> None:
         """Delete the `waiting/` records of workers killed while they waited (stale: every reader

@@ -198,8 +198,7 @@ def one_state(x: torch.Tensor, where: str, name: str) -> torch.Tensor:
 
 def split_layers(x: torch.Tensor, num_layers: int, where: str, name: str) -> torch.Tensor:
     """[T, L*H] (or [1, T, L*H]) concatenated capture layers -> [T, L, H]."""
-    if x.dim() == 3 and x.shape[0] == 1:
-        x = x[0]
+    x = one_state(x, where, name)
     if x.dim() != 2 or x.shape[1] % num_layers:
         raise InputError(f"{where}: {name} has shape {tuple(x.shape)}, not [tokens, {num_layers} x hidden] "
                          f"for the {num_layers} layer(s) given by --layers")
