@@ -72,8 +72,8 @@ class PipelineStats:
     padded_tokens: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
-    forward_s: float = 0.0
-    copy_s: float = 0.0
+    forward_s: float = 0.0  # the device's own time (CUDA events), not the host's while it launches kernels
+    copy_s: float = 0.0  # host time handing states to the copy, incl. waiting for a free pinned buffer
     encode_s: float = 0.0  # summed over encode threads
     write_s: float = 0.0  # writer thread: appends incl. waiting for upload backpressure
     close_s: float = 0.0  # the shard's close: the last parts' uploads and the object's completion
@@ -176,7 +176,8 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
     # the wait opens a context on GPU 0 (a new thread's default) in every rank's process.
     pool = ThreadPoolExecutor(encode_threads, thread_name_prefix="encode",
                               **({"initializer": torch.cuda.set_device, "initargs": (device,)} if on_cuda else {}))
-    tail = ShardTail(shard, pool, writer, stats, counts)
+    clock = _ForwardClock(on_cuda)
+    tail = ShardTail(shard, pool, writer, stats, counts, clock)
 
     def check() -> None:
         if should_stop():
@@ -187,16 +188,16 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
         for batch in make_batches(samples, batch_tokens):
             check()
             ids, mask = pad_batch(batch, pad_id)
-            t0 = time.perf_counter()
-            hidden, final = capture(ids, mask)
-            hidden = hidden.to(torch.bfloat16)  # stored as bf16 whatever the forward's dtype
-            final = None if final is None else final.to(torch.bfloat16)
+            with clock:
+                hidden, final = capture(ids, mask)
+                hidden = hidden.to(torch.bfloat16)  # stored as bf16 whatever the forward's dtype
+                final = None if final is None else final.to(torch.bfloat16)
             t1 = time.perf_counter()
             if staging is not None:
                 hidden_host, final_host, ready, release = staging.wait_and_copy(hidden, final, len(batch))
             else:
                 hidden_host, final_host, ready, release = hidden, final, None, None
-            stats.add(forward_s=t1 - t0, copy_s=time.perf_counter() - t1)
+            stats.add(copy_s=time.perf_counter() - t1)
             counts.add(padded_tokens=ids.numel(), samples=len(batch), tokens=int(mask.sum()))
             submitted = 0
             try:
@@ -223,8 +224,9 @@ class ShardTail:
     thread calls once."""
 
     def __init__(self, shard: ShardWriter, pool: ThreadPoolExecutor, writer: _Writer, stats: PipelineStats,
-                 counts: PipelineStats):
+                 counts: PipelineStats, clock: _ForwardClock):
         self.shard, self.pool, self.writer, self.stats, self.counts = shard, pool, writer, stats, counts
+        self.clock = clock
         self._stopped = False
 
     def finish(self) -> ShardInfo:
@@ -234,6 +236,7 @@ class ShardTail:
             self._drain()
             if self.writer.error is not None:
                 raise self.writer.error
+            self.stats.add(forward_s=self.clock.seconds())  # its encodes waited for every copy behind a forward
             t_close = time.perf_counter()
             info = self.shard.close()
             self.stats.add(close_s=time.perf_counter() - t_close, raw_bytes=info.raw_bytes, **self.counts.counts())
@@ -247,6 +250,7 @@ class ShardTail:
         self.writer.cancelled = True
         try:
             self._drain()
+            self.stats.add(forward_s=self.clock.seconds(settled=False))  # the time was spent all the same
         finally:
             self.shard.abort()
 
@@ -262,6 +266,59 @@ class ShardTail:
             self.writer.join()
         finally:
             self.pool.shutdown(wait=True)
+
+
+class _ForwardClock:
+    """The forwards' time, summed. On CUDA a host clock times only the kernels' launch (they run
+    asynchronously): events on the stream time the device's own work instead, and are read once
+    the shard finishes, when its encodes have waited for the copies behind every forward, so
+    timing never makes the host wait for the device."""
+
+    def __init__(self, on_cuda: bool):
+        self.on_cuda = on_cuda
+        self._host_s = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: float | torch.cuda.Event | None = None
+
+    def __enter__(self) -> None:
+        if self.on_cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        start, self._start = self._start, None
+        if exc_type is not None:
+            return  # a failed forward is not timed (on CUDA an event after a device error would fail too)
+        if self.on_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end))
+        else:
+            self._host_s += time.perf_counter() - start
+
+    def seconds(self, settled: bool = True) -> float:
+        """The time so far, and resets. `settled`: every forward is known complete (a shard's
+        finish); otherwise (an abort) only those the device has finished count, without waiting."""
+        total, self._host_s = self._host_s, 0.0
+        events, self._events = self._events, []
+        for start, end in events:
+            if settled:
+                end.synchronize()  # complete already: the encodes waited for the copies behind it
+            elif not _completed(end):
+                continue
+            total += start.elapsed_time(end) / 1000
+        return total
+
+
+def _completed(event: torch.cuda.Event) -> bool:
+    """Whether the device is past `event`; False after a device error (an abort's cause, not to be
+    replaced by the same error raised again here)."""
+    try:
+        return event.query()
+    except RuntimeError:
+        return False
 
 
 class HostStaging:

@@ -47,6 +47,7 @@ def test_gpu_extract_runs_on_a_tiny_config(tmp_path):
         assert 0 < r[way]["to_last_forward_s"] <= r[way]["s"] and r[way]["drain_s"] >= 0  # split at the last forward
         assert abs(r[way]["to_last_forward_s"] + r[way]["drain_s"] - r[way]["s"]) < 1e-6 and r[way]["steady_vs_bare"] > 0
         assert {"forward_s", "copy_s", "encode_s_summed", "write_s", "close_s"} <= set(r[way])
+        assert 0 < r[way]["forward_vs_bare"] == r[way]["forward_s"] / r["pipeline_bare"]["s"]
     for way in ("local_shards", "local_shards_serial", "s3_shards", "s3_shards_serial"):
         assert r[way]["shards"] == 2 and r[way]["vs_bare"] > 0  # 2 batches, one per shard: each committed
     other = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_extract.py"), "--tiny", "--batches", "1", "--seq", "32", "--reference-in",
