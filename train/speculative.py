@@ -435,12 +435,14 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     trained, mismatches, untrained = [], [], []
     spec_s, rollback_s = 0.0, dict.fromkeys(runner.seconds, 0.0)  # the trained drafter's decoding only
     # Each prompt is decoded two or three times (speculative, plain greedy, the untrained baseline);
-    # on a GPU the first also compiles the kernels (fla's Triton ones for hybrid targets): a minute
+    # on a GPU the warm-up compiles the kernels (fla's Triton ones for hybrid targets): a minute
     # with nothing else to show.
-    log.info("eval: %d prompts x %d new tokens on %s, each decoded speculatively, greedily%s; the first "
-             "prompt is slower (warm-up%s)", len(prompts), max_new_tokens, device,
+    log.info("eval: %d prompts x %d new tokens on %s, each decoded speculatively, greedily%s; after an "
+             "untimed warm-up%s", len(prompts), max_new_tokens, device,
              " and with an untrained drafter" if baseline else "",
-             ", kernel compilation" if device.startswith("cuda") else "")
+             " (and kernel compilation)" if device.startswith("cuda") else "")
+    if prompts:  # untimed: speculative_s (and the rollback's share of it) is the decoding's, not the warm-up's
+        speculative_decode(runner, drafter, min(prompts, key=len), min(max_new_tokens, 2 * config.block_size), eos)
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=None)
     for i, p in enumerate(bar):
         t, before = time.perf_counter(), dict(runner.seconds)
