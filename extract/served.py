@@ -6,6 +6,7 @@ spawned when the regeneration ends, however it ends."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -67,7 +69,7 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
         with shielded():  # a stop here is raised once `proc` is set, so the finally stops it
             # Its own session, so stopping it reaches every process it starts (vLLM's engine and workers).
             proc = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT if out else None,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_ended_with_us())
         _wait_until_ready(proc, endpoint, timeout_s, command, api_key, seen)
         yield watch
     finally:
@@ -76,6 +78,29 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
                 _stop(proc)
         if out is not None:
             out.close()
+
+
+def _ended_with_us() -> Callable[[], None] | None:
+    """What the server's process runs before its command, on Linux: it gets SIGTERM when this
+    process dies however it dies (SIGKILL, the OOM killer), so a regenerate killed outside a
+    Slurm job (whose end kills the job's processes) does not leave a server holding the GPUs.
+    bash execs a simple command (`vllm serve ...`), which keeps the signal, and vLLM stops its
+    engine on it; a compound --serve line's server outlives bash, and the next run's port
+    check names it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # this process died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def _refuse_taken(endpoint: str) -> None:

@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -208,12 +209,15 @@ def test_a_stop_signal_on_the_event_loop_cancels_the_run_and_is_raised_after_it(
     assert cleaned == ["clean-up ran"] and signal.getsignal(signal.SIGTERM) is before
 
 
-# A server for --serve, in its own process: answers every chat; wants the Authorization header
-# $AUTH when that is set (vLLM's --api-key); exits with code 9 at chat request $DIE_AT.
+# A server for --serve, in its own process: answers every chat ($SLOW seconds after it is asked); wants the
+# Authorization header $AUTH when that is set (vLLM's --api-key); exits with code 9 at chat request $DIE_AT,
+# and after $LIFETIME seconds (one a test could not stop does not outlive it for good).
 SERVED = r"""
-import json, os, sys
+import json, os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 AUTH, DIE_AT, chats = os.environ.get("AUTH"), int(os.environ.get("DIE_AT", "0")), 0
+SLOW = float(os.environ.get("SLOW", "0"))
+threading.Timer(float(os.environ.get("LIFETIME", "600")), os._exit, (0,)).start()
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
@@ -245,6 +249,7 @@ class Handler(BaseHTTPRequestHandler):
         chats += 1
         if chats == DIE_AT:
             os._exit(9)
+        time.sleep(SLOW)
         message = {"role": "assistant", "content": "answer to " + body["messages"][-1]["content"]}
         self.send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
                         "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
@@ -283,6 +288,35 @@ def test_serve_is_ready_when_its_server_wants_a_key(tmp_path, monkeypatch):
     with pytest.raises(EndpointError, match=r"answered 401 .*the environment variable --api-key-env names"):
         regenerate(serve_config(tmp_path / "wrong", "AUTH='Bearer sk-test'"))
     assert time.monotonic() - t0 < 10  # never a --serve-timeout waited out
+
+
+def test_a_regenerate_killed_outright_takes_its_served_server_with_it(tmp_path):
+    """--serve's server runs in a session of its own (a stop must reach all it spawns), so a
+    regenerate killed by SIGKILL or the OOM killer, outside a Slurm job, left it running: its port
+    and GPUs held until someone found it. It gets SIGTERM when the regenerate dies now."""
+    cfg = serve_config(tmp_path, "SLOW=30 LIFETIME=90", rows=4)
+    port = int(cfg.endpoint.rsplit(":", 1)[1].split("/")[0])
+    proc = subprocess.Popen([sys.executable, "-m", "layertap", "regenerate", "--dataset", cfg.dataset, "--out", cfg.out,
+                             "--endpoint", cfg.endpoint, "--model", "m", "--serve", cfg.serve, "--serve-timeout", "30"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port):  # the server is up; its first chats now wait 30 s for answers
+            assert proc.poll() is None and time.monotonic() < deadline, "the regeneration ended before the kill"
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while _listening(port):
+            assert time.monotonic() < deadline, "the served server outlived the regenerate that started it"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_two_bad_rows_in_a_row_at_concurrency_1_are_refused_not_taken_for_an_outage(tmp_path, fake):
