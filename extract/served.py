@@ -32,8 +32,11 @@ STOP_WAIT_S = 30.0  # after SIGTERM, the server's process group has this long be
 # A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
 # not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
 _SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd)"
-# the value: a quoted string as a whole (a key with a space showed its rest), else up to a space
-_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(=|\s+)("[^"]*"|'[^']*'|\S+)""",
+# the value: a quoted string as a whole (a key with a space showed its rest), else up to a space; after
+# a space, every word up to the next option or shell operator too (vLLM's --api-key takes several keys)
+_VALUE = r"""(?:"[^"]*"|'[^']*'|\S+)"""
+_MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|[^\s;&|<>()]+))*"""
+_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(?:(=){_VALUE}|(\s+){_VALUE}{_MORE_VALUES})""",
                             re.IGNORECASE)
 # a shell assignment of one, as in `HF_TOKEN=hf_... vllm serve ...` (not an option's `--hf-token=`)
 _SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|\S*)""",
@@ -123,7 +126,7 @@ def _refuse_taken(endpoint: str) -> None:
 def redacted(command: str) -> str:
     """`command` with the values of its --api-key, --hf-token, ... options and of its HF_TOKEN=,
     API_KEY=, ... assignments masked: a --serve line may carry a key, and keys are never logged."""
-    masked = _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2]}***", command)
+    masked = _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2] or m[3]}***", command)
     return _SECRET_ASSIGNMENT.sub(lambda m: f"{m[1]}=***", masked)
 
 

@@ -165,6 +165,13 @@ def test_the_serve_command_is_logged_with_its_keys_masked(tmp_path, caplog):
     assert not any(secret in caplog.text for secret in ("sk-live-1", "hf_2", "password 3"))
 
 
+def test_every_key_of_an_option_that_takes_several_is_masked():
+    """vLLM's --api-key takes several keys (`--api-key k1 k2`): the second was logged as it was."""
+    assert redacted("vllm serve /m --api-key sk-1 'sk 2' sk-3 --port 8000") == "vllm serve /m --api-key *** --port 8000"
+    assert redacted("vllm serve /m --api-key sk-1 sk-2&& echo up") == "vllm serve /m --api-key ***&& echo up"
+    assert redacted("vllm serve /m --api-key=sk-1 --port 8") == "vllm serve /m --api-key=*** --port 8"
+
+
 def test_a_process_that_loses_the_race_for_a_part_leaves_the_winners_stats(tmp_path):
     """Two processes finish the same part (a task run twice): the first part written is kept, and
     the stats are that part's, not the loser's: its refused rows are those the kept part lacks
