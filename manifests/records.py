@@ -101,8 +101,14 @@ def encode(record: CommitRecord | FailureRecord) -> bytes:
 
 
 def decode_commit(raw: bytes | dict, where: str) -> CommitRecord:
-    """A commit record from its stored bytes, or from their parsed JSON object (the commit index)."""
+    """A commit record from its stored bytes, or from their parsed JSON object (the commit index).
+    `where`: its key (with the run's root before it or not), which names its shard."""
     record = _decode(raw, where, "commit", CommitRecord)
+    named = layout.shard_of(where.rpartition(layout.COMMITS)[2], "") if layout.COMMITS in where else None
+    if named is not None and named != record.shard:
+        # shard N's key naming shard M's object: M would be read twice, and N never
+        raise ManifestError(f"{where}: corrupt commit record (it names shard {record.shard}, its key shard {named}); "
+                            "run `layertap verify` to withdraw it")
     if not layout.is_data_key(record.data_key, record.shard):
         # Never follow it: a key such as "../../x" must not become a path outside the run.
         raise ManifestError(f"{where}: corrupt commit record (data_key {record.data_key!r} is not a data object "

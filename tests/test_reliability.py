@@ -834,6 +834,24 @@ def test_sample_ids_and_shard_names_never_become_paths_outside_the_output(job, l
     assert_complete_and_clean(store, want)
 
 
+def test_a_commit_record_naming_another_shard_is_corrupt_not_read_twice(job, local_run, tmp_path, capsys):
+    """Shard 3's commit key holding shard 2's record (a copy gone wrong, a hand edit) was read as
+    shard 3 committed with shard 2's object: the loader read 2 twice and 3 never. It is refused as
+    corrupt, withdrawn by verify, and redone by the next extraction."""
+    run = str(tmp_path / "run")
+    shutil.copytree(local_run, run)
+    store = open_store(run)
+    want = record_hashes(store)
+    store.put(layout.commit_key(3), store.get(layout.commit_key(2)))
+    with pytest.raises(ManifestError, match=r"commits/000003.json: corrupt commit record \(it names shard 2, its key "
+                                            r"shard 3\).*layertap verify"):
+        ShardStream(run)
+    assert cli(["verify", run]) == 1
+    assert "WITHDRAWN shard 3" in capsys.readouterr().out
+    assert cli(job["args"](run, "--shard-bytes", "4MB")) == 0
+    assert_complete_and_clean(store, want)
+
+
 def test_a_claim_rides_out_a_store_failing_its_lease_requests(s3_endpoint, s3_bucket):
     """The claim's own requests (the lease's create, the commit HEAD, the lease listing) ride out
     an outage as the scans do: a 503 there, past the store's retries, ended the worker (and with
