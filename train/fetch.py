@@ -72,7 +72,7 @@ class Record:
     buffer: _Buffer
 
 
-SKIP = object()  # marks a position whose shard failed under on_corrupt="skip"
+SKIP = object()  # marks a position whose record or shard failed under on_corrupt="skip"
 
 
 @dataclass(slots=True)
@@ -172,7 +172,8 @@ class Fetcher:
         self._waiting: int | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self._bad: set[int] = set()
+        self._bad: set[int] = set()  # shards whose undelivered records are all SKIP
+        self._counted: set[int] = set()  # shards in metrics.corrupt_shards
         self._threads = ThreadPoolExecutor(max(1, threads), thread_name_prefix="layertap-fetch")
         self._thread = threading.Thread(target=self._schedule, name="layertap-fetch-plan", daemon=True)
         self._thread.start()
@@ -246,37 +247,62 @@ class Fetcher:
             self._pool.give(array)
 
     def shard_failed(self, shard: int, error: BaseException) -> ShardError | None:
-        """A shard turned out bad (e.g. a record that does not decode): the error to raise, or
+        """A shard turned out bad (its object, footer or bytes unreadable): the error to raise, or
         None once its undelivered positions are marked SKIP (on_corrupt="skip")."""
-        entry = self.shards[shard]
-        where = f"{self.store.uri.rstrip('/')}/{entry.key}"
-        detail = str(error)
-        msg = (_gone(self.store, entry.shard, where) if isinstance(error, ObjectNotFound)
-               else f"shard {entry.shard} ({where}) is corrupt or unreadable: {detail}")
         with self._cond:
-            if isinstance(error, UnsupportedShard):  # newer, not corrupt: skipping it would lose it silently
-                self._error = self._error or UnsupportedShard(
-                    f"shard {entry.shard}: {detail} (if this layertap wrote it, it is corrupt: run `layertap verify`)")
-                self._cond.notify_all()
-                return self._error
-            if self.on_corrupt == "raise":
-                if self._error is None:
-                    self._error = ShardError(msg if isinstance(error, ObjectNotFound) else
-                                             f"{msg}; run `layertap verify` on the run to withdraw bad shards so "
-                                             "extraction redoes them, or construct the stream with on_corrupt='skip'")
-                self._cond.notify_all()
-                return self._error
-            if shard in self._bad:
-                return None
+            err = self._refusal(shard, error)
+            if err is not None or shard in self._bad:
+                return err
             self._bad.add(shard)
-            self.metrics.corrupt_shards.append(where)
             for pos in self._positions_of[shard]:
                 cur = self._ready.get(pos)
                 if isinstance(cur, Record):
                     self._drop(cur)
                 self._ready[pos] = SKIP
             self._cond.notify_all()
-        log.warning("skipping %s (on_corrupt='skip'): its undelivered samples are replaced by padding", msg)
+        log.warning("skipping %s (on_corrupt='skip'): its undelivered samples are replaced by padding",
+                    self._describe(shard, error))
+        return None
+
+    def record_failed(self, shard: int, error: BaseException) -> ShardError | None:
+        """One record failed its own hash or did not decode: the error to raise, or None, and under
+        on_corrupt="skip" that record alone is padding (the caller's). The shard's other records,
+        each checked by its own hash, are delivered: which samples a run trains on is a fact of
+        the bytes, not of which of the shard's GETs came back first."""
+        with self._cond:
+            err = self._refusal(shard, error)
+            if err is not None:
+                return err
+        log.warning("skipping a record of %s (on_corrupt='skip'): it is replaced by padding",
+                    self._describe(shard, error))
+        return None
+
+    def _describe(self, shard: int, error: BaseException) -> str:
+        entry = self.shards[shard]
+        where = f"{self.store.uri.rstrip('/')}/{entry.key}"
+        return (_gone(self.store, entry.shard, where) if isinstance(error, ObjectNotFound)
+                else f"shard {entry.shard} ({where}) is corrupt or unreadable: {error}")
+
+    def _refusal(self, shard: int, error: BaseException) -> ShardError | None:
+        """What a failure of `shard` raises under the policy (caller holds the lock); None under
+        on_corrupt="skip", the shard then counted in `corrupt_shards` (once)."""
+        entry = self.shards[shard]
+        if isinstance(error, UnsupportedShard):  # newer, not corrupt: skipping it would lose it silently
+            self._error = self._error or UnsupportedShard(
+                f"shard {entry.shard}: {error} (if this layertap wrote it, it is corrupt: run `layertap verify`)")
+            self._cond.notify_all()
+            return self._error
+        if self.on_corrupt == "raise":
+            if self._error is None:
+                msg = self._describe(shard, error)
+                self._error = ShardError(msg if isinstance(error, ObjectNotFound) else
+                                         f"{msg}; run `layertap verify` on the run to withdraw bad shards so "
+                                         "extraction redoes them, or construct the stream with on_corrupt='skip'")
+            self._cond.notify_all()
+            return self._error
+        if shard not in self._counted:
+            self._counted.add(shard)
+            self.metrics.corrupt_shards.append(f"{self.store.uri.rstrip('/')}/{entry.key}")
         return None
 
     def close(self) -> None:
@@ -414,16 +440,24 @@ class Fetcher:
             data = self._read_range(entry.key, rng.start, rng.end, memoryview(array)[: rng.end - rng.start])
             if rng.whole:
                 digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
-                if digest != entry.xxh3_128:
+                if digest != entry.xxh3_128 and self.on_corrupt == "raise":
                     raise ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
-                reader = self._open(shard, data)
+                # under "skip", each record's own hash says which are bad, as on a ranged read
+                reader = self._open(shard, data)  # a footer that does not read: the whole shard
             where = f"{self.store.uri.rstrip('/')}/{entry.key}"
             buffer = _Buffer(array, len(rng.items))
-            records = []
+            records, bad = [], []
             for pos, rec in rng.items:
                 e = reader.entries[rec]
-                payload = record_payload(data, rng.start, e, f"{where} record {rec} ({e.sample_id})")
+                try:
+                    payload = record_payload(data, rng.start, e, f"{where} record {rec} ({e.sample_id})")
+                except ShardError as err:
+                    if self.on_corrupt == "raise":
+                        raise
+                    bad.append((pos, err))
+                    continue
                 records.append((pos, Record(payload, reader.meta, e.sample_id, e.num_tokens, shard, buffer)))
+            buffer.records = len(records)
             self.metrics.add(records_verified=len(records))
         except (ShardError, ObjectNotFound) as e:
             self._unreserve(array)
@@ -435,11 +469,15 @@ class Fetcher:
                 self._error = self._error or e
                 self._cond.notify_all()
             return
+        for _, err in bad:
+            self.record_failed(shard, err)
         with self._cond:
             if not (self._closed or shard in self._bad):
                 self._ready.update(records)
+                self._ready.update((pos, SKIP) for pos, _ in bad)
                 self._cond.notify_all()
-                return
+                if records:
+                    return
         self._unreserve(array)
 
     def _unreserve(self, array: np.ndarray) -> None:

@@ -539,7 +539,7 @@ class ShardStream(IterableDataset):
                 rec, fut = pending.pop(t) if t in pending else (fetcher.wait_for(pos), None)
                 sample = self._sample(fetcher, rec, fut)
                 pad = bool(plan.padding[pos])
-                if sample is None:  # its shard failed and on_corrupt="skip": a zero-weighted stand-in
+                if sample is None:  # it or its shard failed, on_corrupt="skip": a zero-weighted stand-in
                     metrics.add(skipped_samples=1)
                     last_good = last_good if last_good is not None else good_ahead(t)  # looked for once
                     sample, pad = self._stand_in(self.shards, like=last_good), True
@@ -661,7 +661,7 @@ class ShardStream(IterableDataset):
                 if shuffle.ready():
                     discover(watcher.poll_if_due(low()))  # look ahead, so the fetcher has work
                     sample = next_sample()
-                    if sample is None:  # its shard failed and on_corrupt="skip": padding, as in `_generate`
+                    if sample is None:  # it or its shard failed, on_corrupt="skip": padding, as in `_generate`
                         metrics.add(skipped_samples=1, padding_samples=1)
                         sample = pad()
                     elif filler is None:  # its shapes, for a manifest without hidden_size: no fetch at the end
@@ -732,8 +732,8 @@ class ShardStream(IterableDataset):
         return dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]), padding=True)
 
     def _sample(self, fetcher: Fetcher, rec: Record | object, decoded: Future | None = None) -> dict[str, Any] | None:
-        """`rec` (a fetched record, or SKIP) decoded; None if its shard failed (skip policy). The
-        record goes back to the fetcher."""
+        """`rec` (a fetched record, or SKIP) decoded; None if it or its shard failed (skip policy).
+        The record goes back to the fetcher."""
         if not isinstance(rec, Record):
             return None
         try:
@@ -742,12 +742,12 @@ class ShardStream(IterableDataset):
             fetcher.release(rec)
 
     def _resolve(self, fetcher: Fetcher, rec: Record, decoded: Future | None = None) -> dict[str, Any] | None:
-        """`rec` decoded, by `decoded` when a decode thread has it; None if its shard failed and
+        """`rec` decoded, by `decoded` when a decode thread has it; None if it does not decode and
         the policy skips it (else the fetcher's error is raised). The record stays taken."""
         try:
             return decoded.result() if decoded is not None else _decode(rec, self._metrics)
         except ShardError as e:
-            err = fetcher.shard_failed(rec.shard, e)
+            err = fetcher.record_failed(rec.shard, e)
             if err is not None:
                 raise err from None
             return None
