@@ -307,3 +307,39 @@ def test_a_stop_signal_in_the_claim_or_release_leaves_no_lease(store, at):
             time.sleep(1)  # a stop at the claim raises before this block
     assert signalling.sent
     assert live_holder(store) is None and list(store.list("lease/")) == []
+
+
+def test_a_trainer_taken_over_while_it_writes_a_checkpoint_neither_commits_it_nor_deletes_data(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """The lease was looked at once, before a checkpoint's files (minutes at a large drafter): a
+    trainer that stalled past the ttl there and lost the output still pointed latest.json at its
+    checkpoint, over the new trainer's output, wrote the watermarks of a step that one never
+    reached and deleted the shards it resumes on. The takeover lands mid-save here (another
+    holder's newer lease, put as that save writes its files)."""
+    import fake_worker
+    from layertap.cli import main as cli
+    from layertap.manifests.consumption import consumed_shards
+    from layertap.storage.store import open_store
+    from layertap.train import trainer
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), tmp_path / "out"
+    fake_worker.work(uri)
+    real, saves, consumed = trainer.save_checkpoint, [], []
+
+    def save_while_taken_over(store, snap, keep, **kw):
+        saves.append(snap.step)
+        if len(saves) == 2:
+            (out / "lease" / "000009.ttl600").write_text(json.dumps({"host": "another-node", "pid": 1}))
+            consumed.extend(sorted(consumed_shards(open_store(uri))))
+        return real(store, snap, keep, **kw)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_while_taken_over)
+    rc = cli(["train", "--data", uri, "--model", target, "--out", str(out), "--follow", "--follow-poll-s", "0.5",
+              "--delete-consumed", "--save-every", "4", "--batch-size", "2", "--shuffle-buffer", "2",
+              "--block-size", "4", "--max-anchors", "8"])
+    assert rc == 2 and f"another trainer took {out} over" in capsys.readouterr().err
+    assert len(saves) == 2 and json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == saves[0]
+    assert sorted(consumed_shards(open_store(uri))) == consumed  # nothing consumed (or deleted) past the first
+    assert not (out / "drafter").exists()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,9 +106,10 @@ class Snapshot:
     state: dict[str, Any]
 
 
-def save_checkpoint(store: ObjectStore, snap: Snapshot, keep: int) -> str:
+def save_checkpoint(store: ObjectStore, snap: Snapshot, keep: int, check: Callable[[], None] = lambda: None) -> str:
     """Write a checkpoint, point `latest.json` at it, then drop all but it and the `keep - 1` newest
-    complete ones before it (`_prune`)."""
+    complete ones before it (`_prune`). `check` raises to stop before `latest.json` moves: the
+    output taken over by another trainer while the files were written (minutes at a large drafter)."""
     prefix = step_prefix(snap.step)
     trainable = snap.model.trainable_state()
     names = {id(p): n for n, p in trainable.items()}
@@ -124,6 +125,7 @@ def save_checkpoint(store: ObjectStore, snap: Snapshot, keep: int) -> str:
     full = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": snap.step, "param_groups": groups,
             "drafter": snap.model.config.to_json(), "files": files, **snap.state}
     store.put(f"{prefix}/state.json", json.dumps(full, indent=1).encode())
+    check()
     store.put(LATEST, json.dumps({"step": snap.step, "prefix": prefix}).encode())
     _prune(store, keep, snap.step)
     return prefix

@@ -819,7 +819,8 @@ def _save(run: _Run, step: int) -> None:
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
         # metrics up to its step, so they must never lag behind it
         run.out.put(METRICS, ("\n".join(run.metrics.lines) + "\n").encode())
-        prefix = save_checkpoint(run.out, Snapshot(step, run.model, run.optimizer, state), run.cfg.keep_checkpoints)
+        prefix = save_checkpoint(run.out, Snapshot(step, run.model, run.optimizer, state), run.cfg.keep_checkpoints,
+                                 check=run.lease.check if run.lease is not None else lambda: None)
         log.info("checkpoint %s/%s", run.out.uri, prefix)
     acc.wait_for_everyone()
     if run.cfg.delete_consumed:
@@ -834,11 +835,18 @@ def _delete_consumed(run: _Run, step: int) -> None:
     from layertap.manifests.consumption import delete_consumed, record_consumed
 
     acc = run.acc
+    # Looked up again, on rank 0, before the watermarks and before the deletion: a trainer that stalled
+    # past the lease's ttl after its checkpoint's look wrote the watermarks of a step the trainer that
+    # took over never reached, and deleted the data that one resumes on.
+    if any(lost for (lost,) in per_rank(acc, [float(run.lease is not None and not run.lease.holds())])):
+        raise taken_over(run.out)
     shards = run.stream.consumed_shards(run.batches.state_dict())
     record_consumed(run.data, rank=acc.process_index, world_size=acc.num_processes, shards=shards, step=step,
                     run_id=run.stream.run_id, output=run.out.uri)
     acc.wait_for_everyone()
     if acc.is_main_process:
+        if run.lease is not None:
+            run.lease.check()
         deleted = delete_consumed(run.data, run_id=run.stream.run_id)
         if deleted:
             log.info("deleted the data of %d consumed shard(s) at %s", len(deleted), run.data.uri)
