@@ -419,6 +419,8 @@ class WindowGate:
         self._swept = -float("inf")
         self._ranks: list[ObjectInfo] | None = None  # the watermarks' listing `_agreed` was read at
         self._agreed: set[int] | None = set()
+        self._listed: dict[int, list[ObjectInfo]] = {}  # the last `check`'s data objects
+        self._committed: set[int] = set()  # shards of `_listed` found committed (`_redo_leftovers`)
 
     @functools.cached_property
     def manifest(self) -> Manifest:
@@ -437,7 +439,7 @@ class WindowGate:
     def check(self) -> AtRest:
         """What is at rest: one listing of `shards/`; when that fills the window, first delete
         what the watermarks allow (at most every `sweep_every_s`)."""
-        listed = data_objects(self.store)
+        listed = self._listed = data_objects(self.store)
         rest = at_rest(self.store, listed)
         if rest.bytes >= self.window and time.monotonic() - self._swept >= self.sweep_every_s:
             self._swept = time.monotonic()
@@ -507,6 +509,8 @@ class WindowGate:
                         self._trainer_looked = time.monotonic()
                         self._say_if_no_trainer()
                         self._sweep_stale_records()
+                        if self._redo_leftovers():
+                            continue  # the next look finds them as redos
                 if self.on_wait:
                     self.on_wait(rest)
                 waited, outcome = True, Gate.WAITED
@@ -540,6 +544,30 @@ class WindowGate:
         elif state == "stopped":
             log.warning("the run's --delete-consumed trainer is not running (its lease on %s went stale): nothing is "
                         "consumed, so the window opens only once it is restarted (--resume continues it)", output)
+
+    def _redo_leftovers(self) -> list[int]:
+        """Mark for redo (`layout.redo_key`, as `verify` marks a shard it withdrew) each uncommitted
+        shard at rest with no live lease: the data of an attempt killed between its object's
+        completion and its commit. The window counts it, and only that shard's commit removes it,
+        which the full window held back: such leftovers shut a window for good. One look (a HEAD)
+        at each shard at rest not found committed at an earlier look; returns those marked."""
+        marked = []
+        try:
+            for shard in sorted(set(self._listed) - self._committed):
+                if shard >= len(self.manifest.shards):
+                    continue
+                st = scan_shard(self.store, self.manifest, shard)
+                if shard in st.committed:
+                    self._committed.add(shard)
+                elif st.live_lease(shard) is None:
+                    self.store.put(layout.redo_key(shard), b"")
+                    marked.append(shard)
+        except StoreError as e:
+            log.warning("could not look for data that killed attempts left at rest: %s", e)
+        if marked:
+            log.warning("window full, and shard(s) %s hold data at rest of attempts killed before their commit: "
+                        "redoing them (their commit removes it)", listing(marked))
+        return marked
 
     def _sweep_stale_records(self) -> None:
         """Delete the `waiting/` records of workers killed while they waited (stale: every reader

@@ -856,3 +856,41 @@ def test_verify_restores_the_redo_marker_a_killed_verify_left_out(store_uri):
 
 def listed(store, prefix: str) -> list[int]:
     return [layout.shard_of(o.key, prefix) for o in store.list(prefix)]
+
+
+def test_data_a_killed_attempt_left_before_its_commit_does_not_shut_the_window_for_good(store_uri, monkeypatch):
+    """A worker killed between its shard object's completion and its commit left data at rest that
+    only that shard's commit removes; the window counted it and held every claim back, that
+    shard's redo too: extraction waited for training, and training for data, for good. A waiting
+    worker marks such a shard for redo (no live lease, no commit) and redoes it first."""
+    from layertap.manifests import consumption
+
+    monkeypatch.setattr(consumption, "TRAINER_LOOK_S", 0.0)
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store, samples=40)
+    dead = next(iter(WorkQueue(store, manifest, Producer.current(0), ttl_s=0.5, shards=[0], poll_s=0.1)))
+    meta = ShardMeta(run_id=manifest.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                     hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+    with ShardWriter(store.open_writer(dead.data_key), meta) as w:
+        for i in range(dead.plan.start, dead.plan.end):
+            w.write_sample(fake_worker.make_sample(i))
+        w.close()  # ... and killed here, before its commit: its lease goes stale
+    time.sleep(1.0)
+    left = at_rest(store)
+    looks = []
+
+    def sleep(s):
+        looks.append(s)
+        assert len(looks) < 50, "still waiting for the window"
+
+    gate = WindowGate(store, left.bytes, poll_s=0.01, max_poll_s=0.01, log_every_s=0.0, sleep=sleep)
+    queue = WorkQueue(open_store(store_uri), manifest, Producer.current(1), ttl_s=60, poll_s=0.1, before_claim=gate)
+    claim = next(iter(queue))
+    assert claim.shard == 0 and claim.data_key != dead.data_key  # the leftover's shard, redone
+    with claim:
+        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+            for i in range(claim.plan.start, claim.plan.end):
+                w.write_sample(fake_worker.make_sample(i))
+            assert claim.commit(w.close())
+    assert [o.key for o in store.list(layout.SHARDS)] == [claim.data_key]  # the commit removed the leftover
+    assert not list(store.list(layout.REDO))
