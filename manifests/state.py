@@ -228,7 +228,3 @@ def _add_leases_and_failures(st: RunState, leases: Iterable[ObjectInfo], failure
         shard = layout.shard_of(o.key, layout.FAILURES)
         if shard is not None:
             st.failures[shard].append(o.key)
-    # With a store whose clock runs ahead of ours, a fresh lease could look older than it is;
-    # never let "now" fall behind the newest record the store has stamped.
-    newest = max((l.modified for ls in st.leases.values() for l in ls), default=0.0)
-    st.now = max(st.now, newest)

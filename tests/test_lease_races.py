@@ -220,3 +220,22 @@ def test_a_beat_that_outlived_its_lease_keeps_nothing_alive_and_is_swept(store_u
     assert scan_shard(store, manifest, 0).live_lease(0) is None
     fake_worker.work(store_uri, samples=8)  # commits the shard, then sweeps
     assert not list(store.list(layout.LEASES))
+
+
+def test_one_lease_stamped_ahead_does_not_age_every_other_lease_in_a_scan(tmp_path):
+    """A scan moved its "now" up to the newest lease's stamp: one lease stamped 90 s ahead (a client
+    or gateway whose clock runs ahead) made every other lease 90 s older, a live one stale in
+    `status` and in the work queue's and the end-of-run sweep's view of the run."""
+    import os
+
+    from layertap.manifests.state import scan
+
+    store = open_store(str(tmp_path / "run"))
+    manifest = fake_worker.plan(store)
+    first, second = (next(iter(WorkQueue(store, manifest, Producer.current(r), ttl_s=60, shards=[r], poll_s=0.1)))
+                     for r in (0, 1))
+    ahead = time.time() + 90
+    os.utime(tmp_path / "run" / second.lease_key, (ahead, ahead))
+    st = scan(store, manifest)
+    assert st.live_lease(0) is not None and st.live_lease(1) is not None
+    assert st.state(0) == st.state(1) == "running"
