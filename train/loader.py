@@ -145,7 +145,7 @@ class Prefetcher:
         self._state = loader.state_dict()  # as of the last batch taken: none yet
         self.wait = 0.0
         self._next: deque[Any] = deque()  # items `ready()` took off the queue, for the next wait_for_batch() calls
-        self._in_loader = False  # the thread is inside the loader's next()
+        self._waits_for_data = False  # the thread is inside the loader's next() in a follow epoch
         self._ready: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(depth)
         self._stop = threading.Event()
@@ -211,8 +211,11 @@ class Prefetcher:
         so a trainer stopped while it waits for data exits at once."""
         self._stop.set()
         self._slots.release()  # a thread waiting for a slot sees the stop
-        waiting = self._in_loader and self.loader.stream.position.in_follow_epoch
-        self._thread.join(timeout=1 if waiting else 30)
+        # a second first, then looked at: a thread past its stop check that had not yet said it entered
+        # the loader was given 30 s when it went on to wait for commits
+        self._thread.join(timeout=1)
+        if self._thread.is_alive() and not self._waits_for_data:
+            self._thread.join(timeout=29)
 
     def __enter__(self) -> "Prefetcher":
         return self
@@ -230,9 +233,10 @@ class Prefetcher:
                         self._slots.acquire()
                         if self._stop.is_set():
                             return
-                        self._in_loader = True
+                        # read here, in this thread: the position is this thread's to move
+                        self._waits_for_data = self.loader.stream.position.in_follow_epoch
                         batch = next(batches, None)
-                        self._in_loader = False
+                        self._waits_for_data = False
                         if batch is None:
                             self._slots.release()
                             if n == 0:
