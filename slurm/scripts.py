@@ -143,7 +143,7 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -
         lines += [f"FIRST=$((SLURM_ARRAY_TASK_ID * {k})); LAST=$((FIRST + {k - 1}))",
                   f"if [ \"$LAST\" -gt {last} ]; then LAST={last}; fi"]
         args.append('--shards "$FIRST-$LAST"')
-    step = _srun(opts, "--nodes=1", "--ntasks=1")
+    step = [*_srun(opts, "--nodes=1", "--ntasks=1"), *_STEP_SHELL]
     if opts.procs > 1:
         lines.append("PORT=$((20000 + SLURM_JOB_ID % 20000))  # array tasks may share a node")
         launch = [*step, shlex.quote(opts.python), "-m", "accelerate.commands.launch", "--multi_gpu",
@@ -162,7 +162,7 @@ def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: 
     through its own server (`--serve` in the arguments) or a shared endpoint. Tasks whose parts
     are all done are left out of `spec`; a task stopped at the time limit is requeued and resumes."""
     header = _header(opts, [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")])
-    launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
+    launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), *_STEP_SHELL, shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
               *map(shlex.quote, regenerate_args), "--task", f'"$SLURM_ARRAY_TASK_ID/{tasks}"']
     # Array tasks may share a node: a port of the task's own for --serve and --endpoint to name.
     lines = ["export LAYERTAP_TASK_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
@@ -219,7 +219,7 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
              "RESUME=()", *(f'export {k}="${{{k}:-{v}}}"' for k, v in MALLOC_SETTINGS.items())]
     if resume_flag:  # a requeued job, and one resubmitted after a failure: a fresh --out starts from scratch
         lines.append(f"RESUME=({resume_flag})  # continues from --out's latest checkpoint when it holds one")
-    node = "'exec \"$0\" -m accelerate.commands.launch --machine_rank \"$SLURM_NODEID\" \"$@\"'"
+    node = shlex.quote(_IGNORING_USR2 + 'exec "$0" -m accelerate.commands.launch --machine_rank "$SLURM_NODEID" "$@"')
     launch = [*_srun(opts, f"--nodes={nodes}", "--ntasks-per-node=1"), "bash", "-c", node,
               shlex.quote(opts.python), "--num_machines", '"$SLURM_NNODES"', "--num_processes", total,
               "--main_process_ip", '"$MASTER_ADDR"', "--main_process_port", '"$PORT"']
@@ -237,6 +237,14 @@ def _srun(opts: JobOptions, *placement: str) -> list[str]:
     --cpus-per-task from the environment on every Slurm version (22.05 does not)."""
     cpus = [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
     return ["srun", *placement, *cpus, "--kill-on-bad-exit=1"]
+
+
+# `scancel --signal=USR2 JOB` (a stack dump of every layertap process: layertap.cli) reaches each
+# process of the job's steps. The accelerate launcher has no handler for it and died (exit 140),
+# and its step and the job with it: ignored, it stays so through exec, and layertap's processes
+# install their own handler over it. A step's command runs behind `_STEP_SHELL`.
+_IGNORING_USR2 = 'trap "" USR2; '
+_STEP_SHELL = ["bash", "-c", shlex.quote(_IGNORING_USR2 + 'exec "$0" "$@"')]
 
 
 def _header(opts: JobOptions, job_lines: list[str]) -> list[str]:

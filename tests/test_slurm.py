@@ -111,8 +111,9 @@ def test_extract_script_dynamic_on_gpu_nodes(tmp_path):
         "--open-mode=append", "--requeue", "--signal=B:USR1@300", f"--chdir={tmp_path}", "--exclusive"]
     flat = " ".join(script.split())
     # A job step, as training's: Slurm accounts for it, places it and signals it.
-    assert (f"srun --nodes=1 --ntasks=1 --cpus-per-task=80 --kill-on-bad-exit=1 {sys.executable} -m "
-            "accelerate.commands.launch --multi_gpu --num_processes 8 --num_machines 1") in flat
+    # Its command ignores USR2, which `scancel --signal=USR2` (a stack dump) sends the launcher too.
+    assert ("srun --nodes=1 --ntasks=1 --cpus-per-task=80 --kill-on-bad-exit=1 bash -c 'trap \"\" USR2; exec \"$0\" "
+            f"\"$@\"' {sys.executable} -m accelerate.commands.launch --multi_gpu --num_processes 8 --num_machines 1") in flat
     # --setup adds to the environment's activation (before it), and the interpreter is checked on the node.
     assert script.index("module load cuda/12.4") < script.index("source /shared/venv/bin/activate") \
         < script.index("set -uo pipefail") < script.index(f"command -v {sys.executable} ")
@@ -1053,6 +1054,33 @@ def test_the_follow_trainer_is_queued_with_no_dependency(slurm_cluster, tmp_path
         assert array[0]["JobName"] == "layertap-extract"
     finally:
         subprocess.run(["scancel", *jobs], check=False)
+
+
+def test_a_stack_dump_asked_of_a_job_leaves_it_running(slurm_cluster, tiny_llama, tmp_path):
+    """`scancel --signal=USR2 JOB`, the documented way to see where a job's processes wait, reached
+    the accelerate launcher too, which has no handler for it: it died (exit 140), srun ended the
+    step, and the job failed. The step's command ignores USR2 now (layertap's own processes print
+    their stacks), and so does the batch shell (`--full`). A follow trainer waiting for its run to
+    appear is the job here."""
+    prefix = str(tmp_path / "run")  # no run there (yet)
+    opts = JobOptions(job_name="dump", logs=str(tmp_path / "logs"), chdir=str(tmp_path), cpus_per_task=1, mem="2G")
+    script = train_script(opts, 1, ["--data", prefix, "--model", tiny_llama, "--out", str(tmp_path / "out"),
+                                    "--follow"], None)
+    job = sbatch(save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
+    log = tmp_path / "logs" / f"dump-{job}.out"
+    try:
+        wait_for(lambda: log.exists() and "waiting for extraction" in log.read_text() or job_done(job),
+                 "the trainer to wait for data", 180)
+        assert not job_done(job), log.read_text()[-3000:]
+        for full in ([], ["--full"]):
+            before = log.read_text().count("most recent call first")
+            subprocess.run(["scancel", "--signal=USR2", *full, job], check=True)
+            wait_for(lambda: log.read_text().count("most recent call first") > before, "a stack dump", 30)
+        time.sleep(3)
+        assert [j["JobState"] for j in scontrol_jobs(job)] == ["RUNNING"], log.read_text()[-3000:]
+        assert "layertap: exit" not in log.read_text()
+    finally:
+        subprocess.run(["scancel", job], check=False)
 
 
 def test_two_signals_at_once_leave_the_store_consistent(tiny_llama, tmp_path):

@@ -8,7 +8,7 @@ echo "layertap: Slurm job ${SLURM_JOB_ID} on $(hostname), restart ${SLURM_RESTAR
 warned=0
 child=
 trap 'warned=1; scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM "$child" 2>/dev/null' USR1
-trap ':' TERM INT
+trap ':' TERM INT USR2  # USR2: a stack dump asked with --full or --batch, which must not end the job
 "${cmd[@]}" &
 child=$!
 rc=0
