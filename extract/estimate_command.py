@@ -70,7 +70,8 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
             action.help = "not used by estimate (accepted so that an extract command line works unchanged)"
     g = p.add_argument_group("stated inputs (instead of loading a model or reading a dataset)")
     g.add_argument("--hidden-size", type=int, help="the model's hidden size, e.g. 5120 (with --num-layers or --layers)")
-    g.add_argument("--num-layers", type=int, help="the model's decoder layers, e.g. 64 (default --layers: DFlash's 5)")
+    g.add_argument("--num-layers", type=int, help="the model's decoder layers, e.g. 64: with --hidden-size, unless --layers is "
+                                                         "given (DFlash's 5 capture layers are spaced over them)")
     g.add_argument("--samples", type=int, help="samples in the run (default: counted in the dataset)")
     g.add_argument("--mean-tokens", type=float, help="mean tokens per sample (default: measured on the dataset)")
     g.add_argument("--token-sample", type=int, default=10_000,

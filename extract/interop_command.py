@@ -46,6 +46,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def add_import(p: argparse.ArgumentParser) -> None:
+    from layertap.storage.codecs import CODEC_NAMES
+
     p.add_argument("src", metavar="SRC", help="the foreign data: a folder or s3://bucket/prefix")
     p.add_argument("--from", required=True, choices=FORMATS, dest="format",
                    help="the layout SRC is in (specforge: DFlash files, or EAGLE-3 ones whose hidden_state is "
@@ -60,7 +62,7 @@ def add_import(p: argparse.ArgumentParser) -> None:
                         "this machine")
     p.add_argument("--gguf-file", help="GGUF file inside --model, for a target kept as GGUF (recorded like "
                                        "`layertap extract --gguf-file`)")
-    p.add_argument("--codec", default="bf16-zstd", help="hidden-state codec of the shards (default bf16-zstd)")
+    p.add_argument("--codec", default="bf16-zstd", choices=CODEC_NAMES, help="hidden-state codec of the shards (default bf16-zstd)")
     p.add_argument("--shard-bytes", default="1GB", help="planned stored bytes per shard (default 1GB)")
     p.add_argument("--limit", type=int, help="import the first N samples (default all)")
     p.add_argument("--final-state", choices=["prenorm", "postnorm"],
@@ -98,13 +100,10 @@ def run_import(args: argparse.Namespace) -> int:
     from layertap.manifests.cli import format_status
     from layertap.manifests.preemption import Preempted
     from layertap.manifests.status import run_status
-    from layertap.storage.codecs import CODEC_NAMES
     from layertap.storage.errors import ConfigError
     from layertap.storage.store import open_store
     from layertap.storage.units import parse_size
 
-    if args.codec not in CODEC_NAMES:
-        raise ConfigError(f"unknown codec {args.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     try:

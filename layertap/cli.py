@@ -1,4 +1,6 @@
-"""The `layertap` command: a thin dispatcher over each package's own subcommands.
+"""layertap: capture a target model's hidden states into checksummed shards on S3 or a folder, and train drafters on them.
+
+The `layertap` command: a thin dispatcher over each package's own subcommands.
 
 Subcommand modules are imported only when used, so `layertap status` starts without torch or
 transformers, and lower layers never import upper ones.
@@ -88,8 +90,10 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
     args, extra = parser.parse_known_args(argv)
     if extra:
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-        sub = commands[args.command]
+        sub = parser  # the innermost subcommand's parser (`submit extract`'s, not `submit`'s)
+        while (action := next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None)) \
+                and getattr(args, action.dest, None) in action.choices:
+            sub = action.choices[getattr(args, action.dest)]
         known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
         hints = [f"{x} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(x.split("=")[0], known, n=1))
                  else x for x in extra]

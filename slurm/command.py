@@ -76,8 +76,8 @@ def add_submit(p: argparse.ArgumentParser) -> None:
     g = e.add_argument_group("the array")
     g.add_argument("--nodes", type=int, help="at most N nodes (array tasks) at once. Dynamic: N tasks, or fewer if "
                                              "the remaining shards cannot keep them busy; with --shards-per-task: "
-                                             "the array's %%N cap (default: one task per remaining GPU's worth of "
-                                             "shards; required when the run has no manifest yet)")
+                                             "the array's %%N cap (default: ceil(remaining shards / worker processes "
+                                             "per node); required when the run has no manifest yet)")
     g.add_argument("--shards-per-task", type=int, metavar="K",
                    help="static ranges: task i does shards [i*K, (i+1)*K) of the run, and only tasks with unfinished "
                         "shards are started (default: dynamic, every task takes any free shard through leases)")

@@ -22,6 +22,8 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from layertap.storage.errors import InputError
+    from layertap.storage.format import MAGIC
     from layertap.storage.reader import ShardReader, verify_shard
     from layertap.storage.store import ObjectNotFound, StoreError, open_store, split_object_uri
 
@@ -34,6 +36,10 @@ def run_inspect(args: argparse.Namespace) -> int:
             raise StoreError(f"{args.uri} is a run, not a shard object: `layertap status {args.uri} --shards` "
                              "lists its shards' objects, one of which `layertap inspect` takes") from None
         raise
+    head = store.get_range(key, 0, min(len(MAGIC), store.size(key)))
+    if not key.endswith(".lts") and head != MAGIC:  # a run's other file given by mistake, not a damaged shard
+        raise InputError(f"{args.uri} is not a layertap shard (it starts with {bytes(head)!r}): `layertap status RUN "
+                         "--shards` lists a run's shard objects")
     report = verify_shard(store, key, decode=True)  # a corrupt shard is a report (exit 1), not an error
     reader = ShardReader(store, key) if report.ok else None
     stats = layer_stats(reader) if reader is not None and args.stats else None

@@ -95,6 +95,10 @@ def test_a_mistyped_flag_gets_its_commands_usage_and_the_flag_it_was_meant_to_be
     with pytest.raises(SystemExit):
         main(["status", "/tmp/nowhere", "extra"])
     assert "layertap status: error: unrecognized arguments: extra" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a subcommand's subcommand: `submit extract`'s usage, not `submit`'s
+        main(["submit", "extract", "--dry-run", "--out", "r", "--nodse", "2"])
+    err = capsys.readouterr().err
+    assert "usage: layertap submit extract" in err and "(did you mean --nodes?)" in err
 
 
 def test_forced_shard_overlap_is_refused_with_a_window():

@@ -110,8 +110,10 @@ def test_delete_consumed_needs_follow_and_one_epoch():
     from layertap.storage.errors import ConfigError
     from layertap.train.config import TrainConfig
 
-    for kw in (dict(delete_consumed=True), dict(delete_consumed=True, follow=True, epochs=2)):
-        with pytest.raises(ConfigError, match="--delete-consumed needs --follow and --epochs 1"):
+    for kw, needs in ((dict(delete_consumed=True), "--follow:"), (dict(delete_consumed=True, epochs=3),
+                                                                  r"--follow and --epochs 1 \(got 3\)"),
+                      (dict(delete_consumed=True, follow=True, epochs=2), r"--epochs 1 \(got 2\):")):
+        with pytest.raises(ConfigError, match=f"--delete-consumed needs {needs}"):
             TrainConfig(data="d", out="o", **kw)
     assert TrainConfig(data="d", out="o", follow=True, delete_consumed=True).identity()["follow"] is True
     assert "follow" not in TrainConfig(data="d", out="o").identity()  # older checkpoints still compare equal

@@ -159,9 +159,17 @@ def test_truncated_shard(store, store_uri, capsys, cut):
 
 
 def test_not_a_shard(store, store_uri, capsys):
-    store.put(KEY, b'{"hello": "world"}' * 10)
+    store.put(KEY, b'{"hello": "world"}' * 10)  # a shard's name: damaged (exit 1)
     rc, out, _ = inspect(capsys, uri(store_uri))
     assert rc == 1 and "not a layertap shard" in out and uri(store_uri) in out
+
+
+def test_a_runs_other_file_is_a_usage_error_not_a_corrupt_shard(store, store_uri, capsys):
+    """`inspect RUN/manifest.json` said CORRUPT (exit 1, the code of damaged data): a user's mistake."""
+    store.put("manifest.json", b'{"format": "layertap-run"}')
+    rc, out, err = inspect(capsys, uri(store_uri, "manifest.json"))
+    assert rc == 2 and out == "" and "is not a layertap shard (it starts with b'{\"format'" in err
+    assert "`layertap status RUN --shards` lists a run's shard objects" in err
 
 
 def test_missing_object(store, store_uri, capsys):

@@ -397,7 +397,7 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     assert submit(*base, "--train-while-extracting", "--data elsewhere --out d") == 2
     assert f"its --data elsewhere is not the extraction's --out {fresh}" in capsys.readouterr().err
     assert submit(*base, "--train-while-extracting", "--out d --delete-consumed --epochs 2") == 2
-    assert "--delete-consumed needs --follow and --epochs 1" in capsys.readouterr().err  # the trainer's own checks
+    assert "--delete-consumed needs --epochs 1 (got 2)" in capsys.readouterr().err  # the trainer's own checks
     assert submit(*base, "--train-while-extracting", "--out d", "--then-train", "--out d") == 2
     assert "not both" in capsys.readouterr().err
     # Without --window, consumed data may stay; and the trainer joins an extraction that is already running.

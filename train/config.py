@@ -105,7 +105,9 @@ class TrainConfig:
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise ConfigError(f"--mixed-precision must be auto, no or bf16, not {self.mixed_precision!r}")
         if self.delete_consumed and not (self.follow and self.epochs == 1):
-            raise ConfigError("--delete-consumed needs --follow and --epochs 1: it deletes the data of shards "
+            missing = [x for x, ok in (("--follow", self.follow), (f"--epochs 1 (got {self.epochs})", self.epochs == 1))
+                       if not ok]
+            raise ConfigError(f"--delete-consumed needs {' and '.join(missing)}: it deletes the data of shards "
                               "training has read for the last time")
         try:
             self.memory_budget = parse_size(self.memory_budget)
