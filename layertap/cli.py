@@ -51,7 +51,9 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand with its arguments; with `only`, that one's alone (the others listed, bare):
+    adding a command's arguments imports its module, and `layertap status` need not import torch."""
     parser = argparse.ArgumentParser(prog="layertap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"layertap {version()}")
@@ -59,9 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        getattr(importlib.import_module(module), f"add_{name.replace('-', '_')}")(p)
+        if only is None or name == only:
+            getattr(importlib.import_module(module), f"add_{name.replace('-', '_')}")(p)
     _hint_attached_values(parser)
     return parser
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand `argv` names: its first word past the top level's options, if a command."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in SUBCOMMANDS else None
 
 
 def _hint_attached_values(p: argparse.ArgumentParser) -> None:
@@ -103,10 +112,10 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 def main(argv: list[str] | None = None) -> int:
     _stacks_on_sigusr2()
-    # Parsing imports every subcommand's module (1-3 s): a Ctrl-C then is an interruption like any
-    # other, one line and exit 130, not a KeyboardInterrupt traceback.
+    # Parsing imports the subcommand's module (up to seconds: torch): a Ctrl-C then is an interruption
+    # like any other, one line and exit 130, not a KeyboardInterrupt traceback.
     try:
-        args = _parse(build_parser(), argv)
+        args = _parse(build_parser(_command_in(sys.argv[1:] if argv is None else argv)), argv)
         _setup_logging(args.verbose)
         module = importlib.import_module(args._module)
         return int(getattr(module, f"run_{args.command.replace('-', '_')}")(args) or 0)

@@ -20,7 +20,7 @@ from typing import Any
 from layertap.manifests import layout
 from layertap.manifests.layout import MANIFEST
 from layertap.manifests.train_output import LATEST, METRICS
-from layertap.storage.codecs import CODEC_NAMES
+from layertap.storage.codec_names import CODEC_NAMES
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectNotFound, ObjectStore

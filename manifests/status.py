@@ -16,7 +16,6 @@ from layertap.manifests.consumption import (at_rest, consumed_everywhere, consum
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
-from layertap.storage.reader import verify_shard
 from layertap.storage.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -387,6 +386,8 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
     verification instead: it is intact, and withdrawing it would delete good data. A consumed
     shard (`consumption.py`: marker written, then data deleted) is counted as such, not read. A
     withdrawn shard still awaiting its redo gets back its redo marker if it lacks one."""
+    from layertap.storage.reader import verify_shard  # it imports the codecs, and they torch: not for status
+
     manifest = load_manifest(store)
     st = scan(store, manifest, with_data=True)
     st.raise_if_replaced(store.uri)  # commits of another plan: nothing here is to be withdrawn

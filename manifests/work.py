@@ -29,7 +29,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from layertap.manifests import layout
 from layertap.manifests.liveness import gone_from_here
@@ -39,7 +39,9 @@ from layertap.manifests.state import Lease, RunState, fits_plan, scan, scan_shar
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
-from layertap.storage.writer import ShardInfo
+
+if TYPE_CHECKING:  # not imported at run time: the writer imports the codecs, and they torch
+    from layertap.storage.writer import ShardInfo
 
 log = logging.getLogger(__name__)
 

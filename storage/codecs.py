@@ -30,9 +30,10 @@ import numpy as np
 import torch
 import zstandard
 
+from layertap.storage.codec_names import CODEC_NAMES, DEFAULT_CODEC
+
 __all__ = ["CODEC_NAMES", "DEFAULT_CODEC", "Codec", "get_codec"]
 
-DEFAULT_CODEC = "bf16-zstd"
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _CHUNK_ELEMS = 1 << 18  # work in blocks of ~256K elements: temporaries stay in cache
@@ -327,7 +328,7 @@ class Fp8(Codec):
 
 
 _CODECS: dict[str, Codec] = {c.name: c for c in (Bf16(), Bf16Zstd(), Fp8())}
-CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
+assert tuple(_CODECS) == CODEC_NAMES, "storage.codec_names lists every codec, in this order"
 
 
 def get_codec(name: str) -> Codec:

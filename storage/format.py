@@ -26,7 +26,7 @@ from typing import Any
 
 import xxhash
 
-from layertap.storage.codecs import CODEC_NAMES
+from layertap.storage.codec_names import CODEC_NAMES
 from layertap.storage.errors import UserError
 from layertap.storage.identity import RunIdentity
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from layertap.storage.codecs import get_codec
+from layertap.storage.codec_names import CODEC_NAMES
 
 # Layer k is the output of decoder layer k: HF `outputs.hidden_states[k + 1]`, except that HF's
 # last entry is taken after the final norm (this format's "postnorm" final state). vLLM and SGLang
@@ -39,7 +39,8 @@ class RunIdentity:
     codec: str
 
     def __post_init__(self) -> None:
-        get_codec(self.codec)  # unknown codec -> ValueError naming it
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"unknown codec {self.codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
         if not self.layers or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.layers):
             raise ValueError(f"layers must be a non-empty list of non-negative ints, got {self.layers!r}")
         object.__setattr__(self, "layers", list(self.layers))  # our own copy: the caller's list may change

@@ -342,3 +342,18 @@ def test_a_checkpoints_age_is_read_on_the_stores_clock(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "now", lambda: written + 100.0)
     monkeypatch.setattr(time, "time", lambda: written + 5000.0)  # this machine's clock, an hour and more ahead
     assert training_status(store)["checkpoint_age_s"] == 100.0
+
+
+def test_status_does_not_import_torch(tmp_path):
+    """Building the parser imported every command's module and the status path reached the codecs:
+    `layertap status`, the command a script polls, imported torch each time (seconds)."""
+    import subprocess
+    import sys
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    probe = ("import sys; from layertap.cli import main; rc = main(['status', sys.argv[1]]); "
+             "print('torch' in sys.modules); sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", probe, uri], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "7/7 done" in p.stdout, p.stdout + p.stderr
+    assert p.stdout.splitlines()[-1] == "False"
