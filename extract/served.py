@@ -38,6 +38,11 @@ _VALUE = r"""(?:"[^"]*"|'[^']*'|\S+)"""
 _MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|[^\s;&|<>()]+))*"""
 _SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(?:(=){_VALUE}|(\s+){_VALUE}{_MORE_VALUES})""",
                             re.IGNORECASE)
+# a URL's user:password (`HF_ENDPOINT=https://user:pw@mirror`) and query (`?token=...`), and an
+# Authorization header's credentials (`--header "Authorization: Bearer sk-..."`)
+_URL_USERINFO = re.compile(r"(?<=://)[^\s/\"'@]+@")
+_URL_QUERY = re.compile(r"(://[^\s\"'?#]*\?)[^\s\"']+")
+_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic|Token)\s+)(?:\"[^\"]*\"|'[^']*'|[^\s\"']+)", re.IGNORECASE)
 # a shell assignment of one, as in `HF_TOKEN=hf_... vllm serve ...` (not an option's `--hf-token=`)
 _SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|\S*)""",
                                 re.IGNORECASE)
@@ -125,9 +130,12 @@ def _refuse_taken(endpoint: str) -> None:
 
 def redacted(command: str) -> str:
     """`command` with the values of its --api-key, --hf-token, ... options and of its HF_TOKEN=,
-    API_KEY=, ... assignments masked: a --serve line may carry a key, and keys are never logged."""
+    API_KEY=, ... assignments masked, and its URLs' user:password and query and its Authorization
+    credentials: a --serve line may carry a key, and keys are never logged."""
     masked = _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2] or m[3]}***", command)
-    return _SECRET_ASSIGNMENT.sub(lambda m: f"{m[1]}=***", masked)
+    masked = _SECRET_ASSIGNMENT.sub(lambda m: f"{m[1]}=***", masked)
+    masked = _URL_QUERY.sub(r"\1***", _URL_USERINFO.sub("***@", masked))
+    return _CREDENTIALS.sub(r"\1***", masked)
 
 
 def _program(command: str) -> str:

@@ -179,6 +179,10 @@ class S3Store(ObjectStore):
         if _stray_at(self.client.meta.endpoint_url):  # "http://minio:1234/pass@host": port 1234, and the rest a path
             raise ConfigError(f"{not_a_url}; it holds an '@' after its host, which reads as a password's end as well "
                               f"as a path's ({encode}; a path's '@' as %40)")
+        if urllib.parse.urlsplit(self.client.meta.endpoint_url).query or "#" in self.client.meta.endpoint_url:
+            raise ConfigError(f"the S3 endpoint URL {_without_userinfo(given)!r} has a query or fragment (not shown: it "
+                              "may hold a token), which no S3 endpoint has: give the endpoint alone, e.g. "
+                              "http://host:9000 (a session token goes in AWS_SESSION_TOKEN)")
         self.endpoint = _without_userinfo(self.client.meta.endpoint_url)  # for messages
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -843,9 +847,10 @@ def _plain_http_response(body) -> http.client.HTTPResponse | None:
 
 
 def _without_userinfo(url: str) -> str:
-    """An endpoint URL as messages show it: a user:password in it is never printed."""
+    """An endpoint URL as messages show it: a user:password in it is never printed, nor a query or
+    fragment (a token in `?X-Amz-Security-Token=`)."""
     if "://" not in url:  # not a URL ("user:secret@host:9000"): whatever comes before an "@" goes
-        return url.rpartition("@")[2]
+        return re.split(r"[?#]", url.rpartition("@")[2])[0]
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:  # not a URL ("http://[::1:9000"): scrubbed as text
@@ -856,8 +861,8 @@ def _without_userinfo(url: str) -> str:
     except ValueError:  # a password holding "/" ("http://u:ab/cd@host:9000"): the host is after the last "@"
         stray = "@" in url
     if stray:  # ... also where what comes before the "/" reads as host and port ("http://minio:1234/pass@host")
-        return f"{parts.scheme}://{url.rpartition('@')[2]}"
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+        return _without_userinfo_in(f"{parts.scheme}://{url.rpartition('@')[2]}")
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="").geturl()
 
 
 def _stray_at(url: str) -> bool:
@@ -868,8 +873,10 @@ def _stray_at(url: str) -> bool:
 
 
 _USERINFO = re.compile(r"(?<=://)[^/\s\"']*@")  # to the last "@" before the host: a password may hold one
+_QUERY = re.compile(r"(://[^\s\"'`?#]*)[?#][^\s\"'`]*")  # a URL's query and fragment
 
 
 def _without_userinfo_in(text: str) -> str:
-    """`text` with the user:password of every URL in it removed (botocore's messages quote the URL)."""
-    return _USERINFO.sub("", text)
+    """`text` with the user:password, query and fragment of every URL in it removed (botocore's
+    messages quote the URL)."""
+    return _QUERY.sub(r"\1", _USERINFO.sub("", text))

@@ -165,6 +165,15 @@ def test_the_serve_command_is_logged_with_its_keys_masked(tmp_path, caplog):
     assert not any(secret in caplog.text for secret in ("sk-live-1", "hf_2", "password 3"))
 
 
+def test_a_urls_password_and_query_and_an_authorization_header_are_masked():
+    """A --serve line's mirror URL with a password, a token in a URL's query and a header's Bearer
+    key were logged as typed (and echoed in each Slurm task's log)."""
+    line = ("HF_ENDPOINT=https://mirror:SECRETPW@hf.example vllm serve https://h/m?token=T0KEN "
+            "--header 'Authorization: Bearer SK-LIVE' --port 8")
+    assert redacted(line) == ("HF_ENDPOINT=https://***@hf.example vllm serve https://h/m?*** "
+                              "--header 'Authorization: Bearer ***' --port 8")
+
+
 def test_every_key_of_an_option_that_takes_several_is_masked():
     """vLLM's --api-key takes several keys (`--api-key k1 k2`): the second was logged as it was."""
     assert redacted("vllm serve /m --api-key sk-1 'sk 2' sk-3 --port 8000") == "vllm serve /m --api-key *** --port 8000"

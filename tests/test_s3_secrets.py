@@ -63,6 +63,18 @@ def test_a_malformed_endpoint_is_a_configuration_error_without_its_password(s3_b
     assert SECRET not in str(err.value) and "K7MDENG" not in str(err.value)
 
 
+@pytest.mark.parametrize("endpoint", [f"http://127.0.0.1:9000?X-Amz-Security-Token={SECRET}",
+                                      f"http://someone:pw@127.0.0.1:9000/?token={SECRET}", f"http://127.0.0.1:9000#{SECRET}"])
+def test_an_endpoint_with_a_query_is_refused_without_showing_it(s3_bucket, endpoint, monkeypatch):
+    """botocore takes such an endpoint and fails at the first request with a message quoting it whole:
+    a token in the query was printed (only a user:password was removed)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(ConfigError, match=r"the S3 endpoint URL 'http://127.0.0.1:9000/?' has a query or fragment "
+                                          r"\(not shown") as err:
+        open_store(f"s3://{s3_bucket}/run")
+    assert SECRET not in str(err.value) and "pw" not in str(err.value)
+
+
 @pytest.mark.parametrize("env, message", [({"AWS_PROFILE": "no-such-profile"}, "(no-such-profile) could not be found"),
                                           ({"AWS_ACCESS_KEY_ID": "AKIAFAKE", "AWS_SECRET_ACCESS_KEY": None},
                                            "missing: AWS_SECRET_ACCESS_KEY")])
