@@ -164,7 +164,8 @@ def _typed(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
     item = typing.get_args(kind)[0] if base is list and typing.get_args(kind) else None
     if not _is(value, base) or (item is not None and not all(_is(v, item) for v in value)):
         what = _EXPECTED[base] + (f" whose items are each {_EXPECTED[item]}" if item in _EXPECTED else "")
-        raise ConfigError(f"{where}: {f.name} must be {what}, got {json.dumps(value)}")
+        shown = "a " + type(value).__name__ if f.name == "endpoint_url" else json.dumps(value)  # may hold a password
+        raise ConfigError(f"{where}: {f.name} must be {what}, got {shown}")
     return value
 
 

@@ -140,7 +140,11 @@ def writer(fmt: str, store: ObjectStore, rows_only: bool = False) -> ForeignWrit
 
 def load_torch(data: bytes | memoryview, where: str) -> dict[str, Any]:
     """A foreign `torch.save` dict (gzip-compressed if it starts so), unpickled with
-    `weights_only=True`: tensors and plain containers only, no code."""
+    `weights_only=True`: tensors and plain containers only, no code (from torch 2.6: before it, a
+    crafted file could run code all the same, CVE-2025-32434, and is not read)."""
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        raise InputError(f"{where}: reading torch.save files needs torch 2.6 or later (this is {torch.__version__}, "
+                         "whose weights_only loading a crafted file can get around): upgrade torch to import them")
     raw = bytes(data)
     try:
         if raw[:2] == b"\x1f\x8b":

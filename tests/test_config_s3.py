@@ -39,6 +39,13 @@ def test_open_configured_store_checks_the_settings_and_gives_them_to_s3_alone(tm
             open_configured_store(uri, BOGUS["s3"])
 
 
+def test_an_endpoint_of_the_wrong_type_is_refused_without_echoing_it(tmp_path):
+    """`{"s3": {"endpoint_url": ["http://u:pw@h"]}}` was refused with the value, password and all."""
+    with pytest.raises(ConfigError, match="endpoint_url must be .*, got a list$") as err:
+        open_configured_store(str(tmp_path / "run"), {"endpoint_url": ["http://user:S3CRET@host:9000"]})
+    assert "S3CRET" not in str(err.value)
+
+
 def test_extract_into_a_local_folder_takes_the_settings_and_names_a_misspelt_one(tmp_path, capsys):
     """A bogus key was silently accepted by extract on a local --out (and refused by train)."""
     model = tiny_model_dir(tmp_path / "models", "qwen3")
