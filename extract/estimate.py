@@ -184,7 +184,7 @@ class Estimate:
     nodes: int
     wall_s: float | None
     gpu_hours: float | None
-    put_requests: int  # data parts and single PUTs, commit, tally, lease, feed key, heartbeats, manifest
+    put_requests: int  # data parts and single PUTs, commit, tally, lease, feed key, heartbeats, manifest, sweep
     data_puts_per_s: float | None  # PUT-class requests to shards/ a second, all GPUs extracting
     get_requests_per_epoch: int  # one training pass over the run by the streaming loader: the shards' data
     get_requests_first_open: int  # the run's first opening: manifest, commit index (absent), every commit
@@ -240,11 +240,12 @@ def estimate(work: Workload, storage: Storage, throughput: Throughput = Throughp
         per_gpu = tps * total_stored / work.tokens
         per_node = per_gpu * min(throughput.gpus, throughput.gpus_per_node)
         total_rate = per_gpu * throughput.gpus
-        heartbeats = math.ceil(gpu_s / (throughput.lease_ttl_s / 4))
+        # a claim beats after each full ttl/4 it holds its shard: shards of a few seconds never do
+        heartbeats = shards * math.floor(gpu_s / shards / (throughput.lease_ttl_s / 4))
 
     # One PUT per shard below a part; above: create + parts + complete. Then commit, tally, lease, feed.
     data_puts = 1 if shard_mean <= storage.part_bytes else 2 + math.ceil(shard_mean / storage.part_bytes)
-    puts = shards * (data_puts + 4) + heartbeats + 1
+    puts = shards * (data_puts + 4) + heartbeats + 1 + 2  # + the manifest, the end-of-run sweep's claim and mark
     # The loader, each epoch: the shard whole when it fits one range, else trailer + footer GETs and
     # the ranges. The commits are read when a trainer starts, not each epoch: the first start reads
     # each one (the extraction writes no commit index; rank 0 then stores it), every later opening
@@ -481,7 +482,8 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
         f"  GPU-hours                {'n/a' if est.gpu_hours is None else f'{est.gpu_hours:,.1f}'}",
         "",
         f"requests and cost (assumed: {fmt_usd(prices.usd_per_gib_month)} per GiB-month, "
-        f"{fmt_usd(prices.usd_per_1000_put)} per 1,000 PUT, {fmt_usd(prices.usd_per_1000_get)} per 1,000 GET)",
+        f"{fmt_usd(prices.usd_per_1000_put)} per 1,000 PUT, {fmt_usd(prices.usd_per_1000_get)} per 1,000 GET; "
+        "LIST requests, billed as PUTs, not counted)",
         f"  PUT requests             {est.put_requests:,}  ({fmt_usd(est.put_usd)})"
         + ("" if tps else "  (without lease heartbeats: no throughput given)"),
         *_put_rate_lines(est, work, storage, throughput, prices),

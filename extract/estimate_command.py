@@ -224,8 +224,9 @@ def _estimate(args: argparse.Namespace) -> _Report:
                        stats.describe(where) + ("" if args.samples is None and args.mean_tokens is None
                                                 else "; some values stated"))
     shards = None
-    if stats is not None and stats.counts is not None and args.samples is None and args.mean_tokens is None:
-        shards = _shard_count(stats.counts, shape, cfg)
+    if stats is not None and args.samples is None and args.mean_tokens is None:
+        shards = _shard_count(stats.counts, shape, cfg) if stats.counts is not None else \
+            _shards_from_sample(stats.read_counts, stats.rows, shape, cfg)
     measured = _measure(cfg, target, capture, identity, stats) if args.measure else None
     work = Workload(hidden_size=shape["hidden_size"], capture_layers=len(shape["layers"]),
                     final_state=cfg.final_state != "none", samples=samples, tokens=tokens,
@@ -284,23 +285,40 @@ def _stated_shape(args: argparse.Namespace, cfg) -> dict[str, Any]:
 
 
 def _shard_count(counts: list[int], shape: dict[str, Any], cfg) -> int:
+    return len(_shard_plan(counts, shape, cfg))
+
+
+def _shards_from_sample(read: list[int], rows: int, shape: dict[str, Any], cfg) -> int | None:
+    """The planner's shards over the rows read (an evenly spaced sample), scaled to all `rows` by
+    its rows per full shard (the last, partial one left out): by the mean sample's bytes alone
+    (`shards_of_uniform_samples`), shards of 2 samples counted 3 where a few short ones pulled the
+    mean down, 25-30% too few. None when the sample fills no shard: that rule then."""
+    plan = _shard_plan(read, shape, cfg)
+    if len(plan) < 2:
+        return None
+    full = plan[:-1]
+    return math.ceil(rows / (sum(p.num_samples for p in full) / len(full)))
+
+
+def _shard_plan(counts: list[int], shape: dict[str, Any], cfg):
     from layertap.extract.estimate import planned_bytes_per_token
     from layertap.manifests.manifest import plan_shards
 
     bpt = planned_bytes_per_token(capture_layers=len(shape["layers"]), hidden_size=shape["hidden_size"],
                                   final_state=cfg.final_state != "none", codec=cfg.codec)
-    return len(plan_shards(counts, bpt, cfg.shard_bytes))
+    return plan_shards(counts, bpt, cfg.shard_bytes)
 
 
 def _measure(cfg, target, capture, identity, stats):
     from layertap.extract.measure import measure_extraction
     from layertap.extract.model import padding_id
-    from layertap.extract.run import shard_meta
+    from layertap.extract.run import plan_bytes_per_token, shard_meta
 
     pad_id = padding_id(target)
     meta = shard_meta(cfg, identity, run_id="0" * 12, shard_id=0)
     return measure_extraction(capture, stats.picks, meta, batch_tokens=cfg.batch_tokens, pad_id=pad_id,
-                              encode_threads=cfg.encode_threads)
+                              encode_threads=cfg.encode_threads, bytes_per_token=plan_bytes_per_token(cfg, identity),
+                              shard_bytes=cfg.shard_bytes)
 
 
 def _gpus(args: argparse.Namespace, measured) -> int:

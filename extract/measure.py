@@ -25,6 +25,7 @@ from layertap.extract.estimate import TOKEN_BYTES
 from layertap.extract.inputs import ACCEPTED_SHAPES, Skipped, TokenizedSample, TokenizeStats, sample_id, tokenize_rows
 from layertap.extract.model import Capture
 from layertap.extract.pipeline import PipelineStats, extract_shard, pad_batch
+from layertap.manifests.manifest import ShardPlan, plan_shards
 from layertap.manifests.preemption import STOP_SIGNALS
 from layertap.storage.codecs import CODEC_NAMES
 from layertap.storage.errors import ConfigError, InputError, UserError
@@ -50,6 +51,7 @@ class TokenStats:
     dropped_turns: int = 0  # assistant turns before a chat's first user turn (normalize_chat)
     skipped: dict[str, int] = field(default_factory=dict)
     counts: list[int] | None = None  # every row's tokens (0 = skipped), only when all rows were read
+    read_counts: list[int] = field(default_factory=list)  # the tokens of each row read, in order (0 = skipped)
     picks: list[TokenizedSample] = field(default_factory=list)  # for the measured extraction
 
     @property
@@ -105,7 +107,7 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
                       supervised_read=stats.supervised_tokens, answers_read=stats.answer_tokens,
                       truncated=stats.truncated,
                       dropped_turns=stats.dropped_turns, skipped=dict(Counter(stats.skipped)),
-                      counts=tally.counts if indices is None else None,
+                      counts=tally.counts if indices is None else None, read_counts=tally.counts,
                       picks=_picks(rows, tally.counts, indices, job, picks, pick_tokens))
 
 
@@ -345,11 +347,15 @@ class Measurement:
 
 
 def measure_extraction(capture: Capture, samples: list[TokenizedSample], meta: ShardMeta, *, batch_tokens: int,
-                       pad_id: int, encode_threads: int = 2) -> Measurement:
+                       pad_id: int, encode_threads: int = 2, bytes_per_token: float | None = None,
+                       shard_bytes: int | None = None) -> Measurement:
     """Extract `samples` in memory and measure every codec on their states, and the throughput.
 
     One short warm-up forward first, so one-time costs (allocator, kernel selection) do not
-    count against the timed run.
+    count against the timed run. With `bytes_per_token` and `shard_bytes` (the run's plan), the
+    samples go in the shards the planner would cut them into, each batched within itself as a
+    worker batches them: all in one shard, small shards' forwards (2 samples of a 2 MB shard
+    against 16) were timed at batches they never run at, 3x too fast.
     """
     from tqdm import tqdm
 
@@ -365,9 +371,12 @@ def measure_extraction(capture: Capture, samples: list[TokenizedSample], meta: S
             records.append(rec)
             bar.update(1)
 
+        shards = (plan_shards([len(s) for s in samples], bytes_per_token, shard_bytes)
+                  if bytes_per_token and shard_bytes else [ShardPlan(0, 0, len(samples), 0)])
         t0 = time.perf_counter()
-        extract_shard(capture, samples, raw_meta, _CountingWriter(), batch_tokens=batch_tokens, pad_id=pad_id,
-                      encode_threads=encode_threads, stats=stats, on_record=keep)
+        for shard in shards:
+            extract_shard(capture, samples[shard.start:shard.end], raw_meta, _CountingWriter(), batch_tokens=batch_tokens,
+                          pad_id=pad_id, encode_threads=encode_threads, stats=stats, on_record=keep)
         wall = time.perf_counter() - t0
     states = [decode_record(r.payload, raw_meta) for r in records]
     del records

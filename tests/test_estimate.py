@@ -85,13 +85,14 @@ def test_arithmetic_by_hand():
     assert est.upload_bytes_per_s_per_gpu == pytest.approx(100 * 405.4)
     assert est.upload_bytes_per_s_per_node == pytest.approx(2 * 100 * 405.4)
     assert est.upload_bytes_per_s_total == pytest.approx(4 * 100 * 405.4) and est.nodes == 2
-    # 4 shards x (1 PUT + commit + tally + lease + feed key) + 5 heartbeats (10 GPU-s / 2 s) + the manifest
-    assert est.put_requests == 4 * 5 + 5 + 1
+    # 4 shards x (1 PUT + commit + tally + lease + feed key) + 4 heartbeats (2.5 GPU-s a shard: one beat
+    # after 2 s in each) + the manifest + the end-of-run sweep's claim and mark
+    assert est.put_requests == 4 * 5 + 4 + 1 + 2
     assert est.data_puts_per_s == 4 * 1 / est.wall_s  # one PUT per shard to shards/, over the wall time
     assert est.get_requests_per_epoch == 4 * 1  # one whole-object GET per shard: commits are read at a start
     assert est.get_requests_first_open == 4 + 2  # every commit, the manifest and the (absent) index
     assert est.storage_usd_per_month == pytest.approx(405_400 / GiB * 2.0)
-    assert est.put_usd == pytest.approx(26 / 1000) and est.get_usd_per_epoch == pytest.approx(4 / 2000)
+    assert est.put_usd == pytest.approx(27 / 1000) and est.get_usd_per_epoch == pytest.approx(4 / 2000)
 
     big = estimate(work, Storage(codec="bf16", ratio=1.0, shards=1, part_bytes=5 * MiB, range_bytes=64 * MiB),
                    prices=prices)
@@ -99,7 +100,7 @@ def test_arithmetic_by_hand():
     huge = estimate(Workload(hidden_size=5120, capture_layers=5, samples=1000, tokens=800_000),
                     Storage(codec="bf16", ratio=1.0, shards=1))  # one 41 GB shard
     parts = math.ceil(huge.total_bytes_stored / (16 * MiB))
-    assert huge.put_requests == 2 + parts + 4 + 1 and huge.data_puts_per_s is None  # no throughput: no rate
+    assert huge.put_requests == 2 + parts + 4 + 1 + 2 and huge.data_puts_per_s is None  # no throughput: no rate
     assert huge.get_requests_per_epoch == 2 + math.ceil(huge.total_bytes_stored / (64 * MiB))
 
     alts = {a.label: a for a in alternatives(work, storage, tp, prices, ratios={"fp8": 2.0})}
@@ -302,6 +303,13 @@ def test_measured_estimate_is_within_5_percent_of_the_extraction(run, capsys):
     assert stated["inputs"]["storage"]["ratio"] == 2 and stated["inputs"]["throughput"]["tokens_per_s_per_gpu"] == 50
     assert "20 evenly spaced of 61 rows" in stated["inputs"]["sources"]["data"]
     assert abs(stated["samples"] - 60) <= 3
+    # its shards, from the planner over the rows read: the mean sample's bytes counted 25-30% too few
+    # where a shard holds 2 or 3 samples
+    for shard_bytes in ("64KB", "12KB", "6KB"):
+        args = [*run["args"], "--shard-bytes", shard_bytes]
+        exact = run_json(capsys, ["plan", *args, "--dry-run"])["shards"]
+        sampled = run_json(capsys, ["estimate", *args, "--token-sample", "20"])["shards"]
+        assert abs(sampled - exact) <= max(1, 0.1 * exact), (shard_bytes, sampled, exact)
 
 
 def test_measure_takes_as_many_samples_as_asked_when_some_rows_yield_none(run, tmp_path, capsys):
@@ -393,3 +401,38 @@ def test_plan_of_an_existing_run_shows_the_runs_own_shards(run, tmp_path, capsys
     assert "keeps its plan of" in caplog.text and "applies only to a new run" in caplog.text
     assert cli(["plan", *args, "--out", out, "--dry-run"]) == 0
     assert f"{first['shards']} shards cut at 64,000 B" in capsys.readouterr().out
+
+
+def test_measure_batches_the_samples_as_the_planned_shards_hold_them():
+    """--measure ran every measured sample through one shard: 16 samples in batches of 16, where
+    the run's 2 MB shards hold 2 each and a worker batches within a shard. Its tokens/s was 3x
+    what the extraction then ran at. The forwards are the planned shards' now."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from layertap.extract.inputs import TokenizedSample
+    from layertap.extract.measure import measure_extraction
+    from layertap.extract.model import Capture
+    from layertap.storage.format import ShardMeta
+
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
+    torch.manual_seed(0)
+    capture = Capture(AutoModelForCausalLM.from_config(config).eval().requires_grad_(False), [1, 2])
+    rows = []
+
+    class Counted:  # the real capture, its batches' rows counted
+        decoder = capture.decoder
+
+        def __call__(self, ids, mask):
+            rows.append(ids.shape[0])
+            return capture(ids, mask)
+
+    samples = [TokenizedSample(f"s{i}", torch.randint(1, 128, (64,)), torch.ones(64, dtype=torch.bool)) for i in range(16)]
+    meta = ShardMeta(run_id="0" * 12, shard_id=0, model="m", layers=[1, 2], hidden_size=32, codec="bf16-zstd")
+    measure_extraction(Counted(), samples, meta, batch_tokens=4096, pad_id=0, encode_threads=1,
+                       bytes_per_token=100.0, shard_bytes=2 * 64 * 100)  # 2 samples a shard
+    assert rows[1:] == [2] * 8  # after the warm-up: 8 shards of 2, each its own batch
+    rows.clear()
+    measure_extraction(Counted(), samples, meta, batch_tokens=4096, pad_id=0, encode_threads=1)
+    assert rows[1:] == [16]  # no plan given: one shard, as before
