@@ -274,7 +274,9 @@ def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     try:
         state = _json(store, f"{prefix}/state.json", fix)
         damaged = (f"point {LATEST} at an earlier checkpoint kept under checkpoints/ ({{\"step\": N, \"prefix\": "
-                   f"\"{step_prefix(0)[:-8]}<N, 8 digits>\"}}) or delete it to start over")
+                   f"\"{step_prefix(0)[:-8]}<N, 8 digits>\"}}) or delete it to start over (a --delete-consumed "
+                   "trainer deleted the data trained on after its own latest checkpoint: an earlier one may "
+                   "need shards that are gone)")
         weights, optimizer = (load_safetensors(store, f"{prefix}/{name}", tensors, _recorded_xxh3(state, name), damaged)
                               for name in ("drafter.safetensors", "optimizer.safetensors"))
     except ObjectNotFound as e:
