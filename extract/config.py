@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from layertap.manifests.manifest import DEFAULT_SHARD_BYTES
-from layertap.storage.codecs import CODEC_NAMES, DEFAULT_CODEC
+from layertap.storage.codec_names import CODEC_NAMES, DEFAULT_CODEC
 from layertap.storage.errors import ConfigError
 from layertap.storage.flags import setting, settings
 from layertap.storage.store import s3_options
