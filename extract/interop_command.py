@@ -46,7 +46,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def add_import(p: argparse.ArgumentParser) -> None:
-    from layertap.storage.codecs import CODEC_NAMES
+    from layertap.storage.codec_names import CODEC_NAMES
 
     p.add_argument("src", metavar="SRC", help="the foreign data: a folder or s3://bucket/prefix")
     p.add_argument("--from", required=True, choices=FORMATS, dest="format",

@@ -50,13 +50,17 @@ class TokenStats:
     truncated: int = 0
     dropped_turns: int = 0  # assistant turns before a chat's first user turn (normalize_chat)
     skipped: dict[str, int] = field(default_factory=dict)
-    counts: list[int] | None = None  # every row's tokens (0 = skipped), only when all rows were read
     read_counts: list[int] = field(default_factory=list)  # the tokens of each row read, in order (0 = skipped)
     picks: list[TokenizedSample] = field(default_factory=list)  # for the measured extraction
 
     @property
     def exact(self) -> bool:
         return self.rows_read == self.rows
+
+    @property
+    def counts(self) -> list[int] | None:
+        """Every row's tokens (0 = skipped): the planner's input; None unless every row was read."""
+        return self.read_counts if self.exact else None
 
     @property
     def samples(self) -> int:
@@ -107,7 +111,7 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
                       supervised_read=stats.supervised_tokens, answers_read=stats.answer_tokens,
                       truncated=stats.truncated,
                       dropped_turns=stats.dropped_turns, skipped=dict(Counter(stats.skipped)),
-                      counts=tally.counts if indices is None else None, read_counts=tally.counts,
+                      read_counts=tally.counts,
                       picks=_picks(rows, tally.counts, indices, job, picks, pick_tokens))
 
 

@@ -249,8 +249,9 @@ class Fetcher:
     def shard_failed(self, shard: int, error: BaseException) -> ShardError | None:
         """A shard turned out bad (its object, footer or bytes unreadable): the error to raise, or
         None once its undelivered positions are marked SKIP (on_corrupt="skip")."""
+        msg = self._describe(shard, error)  # before the lock: a shard gone asks the store who deleted it
         with self._cond:
-            err = self._refusal(shard, error)
+            err = self._refusal(shard, error, msg)
             if err is not None or shard in self._bad:
                 return err
             self._bad.add(shard)
@@ -260,8 +261,7 @@ class Fetcher:
                     self._drop(cur)
                 self._ready[pos] = SKIP
             self._cond.notify_all()
-        log.warning("skipping %s (on_corrupt='skip'): its undelivered samples are replaced by padding",
-                    self._describe(shard, error))
+        log.warning("skipping %s (on_corrupt='skip'): its undelivered samples are replaced by padding", msg)
         return None
 
     def record_failed(self, shard: int, error: BaseException) -> ShardError | None:
@@ -269,23 +269,25 @@ class Fetcher:
         on_corrupt="skip" that record alone is padding (the caller's). The shard's other records,
         each checked by its own hash, are delivered: which samples a run trains on is a fact of
         the bytes, not of which of the shard's GETs came back first."""
+        msg = self._describe(shard, error)
         with self._cond:
-            err = self._refusal(shard, error)
+            err = self._refusal(shard, error, msg)
             if err is not None:
                 return err
-        log.warning("skipping a record of %s (on_corrupt='skip'): it is replaced by padding",
-                    self._describe(shard, error))
+        log.warning("skipping a record of %s (on_corrupt='skip'): it is replaced by padding", msg)
         return None
+
+    def _where(self, shard: int) -> str:
+        return f"{self.store.uri.rstrip('/')}/{self.shards[shard].key}"
 
     def _describe(self, shard: int, error: BaseException) -> str:
         entry = self.shards[shard]
-        where = f"{self.store.uri.rstrip('/')}/{entry.key}"
-        return (_gone(self.store, entry.shard, where) if isinstance(error, ObjectNotFound)
-                else f"shard {entry.shard} ({where}) is corrupt or unreadable: {error}")
+        return (_gone(self.store, entry.shard, self._where(shard)) if isinstance(error, ObjectNotFound)
+                else f"shard {entry.shard} ({self._where(shard)}) is corrupt or unreadable: {error}")
 
-    def _refusal(self, shard: int, error: BaseException) -> ShardError | None:
-        """What a failure of `shard` raises under the policy (caller holds the lock); None under
-        on_corrupt="skip", the shard then counted in `corrupt_shards` (once)."""
+    def _refusal(self, shard: int, error: BaseException, msg: str) -> ShardError | None:
+        """What a failure of `shard` (`msg`: `_describe`'s) raises under the policy (caller holds the
+        lock); None under on_corrupt="skip", the shard then counted in `corrupt_shards` (once)."""
         entry = self.shards[shard]
         if isinstance(error, UnsupportedShard):  # newer, not corrupt: skipping it would lose it silently
             self._error = self._error or UnsupportedShard(
@@ -294,7 +296,6 @@ class Fetcher:
             return self._error
         if self.on_corrupt == "raise":
             if self._error is None:
-                msg = self._describe(shard, error)
                 self._error = ShardError(msg if isinstance(error, ObjectNotFound) else
                                          f"{msg}; run `layertap verify` on the run to withdraw bad shards so "
                                          "extraction redoes them, or construct the stream with on_corrupt='skip'")
@@ -302,7 +303,7 @@ class Fetcher:
             return self._error
         if shard not in self._counted:
             self._counted.add(shard)
-            self.metrics.corrupt_shards.append(f"{self.store.uri.rstrip('/')}/{entry.key}")
+            self.metrics.corrupt_shards.append(self._where(shard))
         return None
 
     def close(self) -> None:
