@@ -46,6 +46,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from layertap.storage.errors import ConfigError, UserError
+from layertap.storage.redact import public_url
 
 log = logging.getLogger(__name__)
 
@@ -130,15 +131,6 @@ def auth_header(endpoint: str, api_key: str | None) -> dict[str, str]:
     if (auth := endpoint_auth(endpoint)) is not None:
         return {"Authorization": "Basic " + base64.b64encode(":".join(auth).encode()).decode()}
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def public_url(endpoint: str) -> str:
-    """The endpoint without user:password or query (which may carry tokens): safe to log and record."""
-    if "://" not in endpoint and "@" in endpoint:  # `user:password@host/v1`: urlsplit takes `user` for the scheme
-        return endpoint.split("?", 1)[0].rsplit("@", 1)[-1]
-    parts = urlsplit(endpoint)
-    host = parts.netloc.rsplit("@", 1)[-1]  # no user:password
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def _http_library(client_class: type) -> ModuleType:

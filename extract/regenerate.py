@@ -20,13 +20,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from layertap.extract.chat_client import ChatClient, Refused, public_url
+from layertap.extract.chat_client import ChatClient, Refused
 from layertap.extract.served import serving
 from layertap.manifests.preemption import AsyncStop, StopSignals
 from layertap.manifests.output_lease import OutputLease
 from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, live_tasks, part_key, read_recipe,
                                              regeneration_status, stats_key, task_role)
 from layertap.storage.errors import ConfigError, InputError
+from layertap.storage.redact import public_url
 from layertap.storage.flags import parse_json_object, setting, settings
 from layertap.storage.store import ObjectStore, open_store
 

@@ -21,31 +21,15 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
-from layertap.extract.chat_client import api_base, auth_header, public_url
+from layertap.extract.chat_client import api_base, auth_header
 from layertap.manifests.preemption import shielded
 from layertap.storage.errors import ConfigError, UserError
+from layertap.storage.redact import public_url, redacted
 from layertap.storage.retry import Backoff
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0  # after SIGTERM, the server's process group has this long before SIGKILL
-# A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
-# not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
-_SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd)"
-# the value: a quoted string as a whole (a key with a space showed its rest), else up to a space; after
-# a space, every word up to the next option or shell operator too (vLLM's --api-key takes several keys)
-_VALUE = r"""(?:"[^"]*"|'[^']*'|\S+)"""
-_MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|[^\s;&|<>()]+))*"""
-_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(?:(=){_VALUE}|(\s+){_VALUE}{_MORE_VALUES})""",
-                            re.IGNORECASE)
-# a URL's user:password (`HF_ENDPOINT=https://user:pw@mirror`) and query (`?token=...`), and an
-# Authorization header's credentials (`--header "Authorization: Bearer sk-..."`)
-_URL_USERINFO = re.compile(r"(?<=://)[^\s/\"'@]+@")
-_URL_QUERY = re.compile(r"(://[^\s\"'?#]*\?)[^\s\"']+")
-_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic|Token)\s+)(?:\"[^\"]*\"|'[^']*'|[^\s\"']+)", re.IGNORECASE)
-# a shell assignment of one, as in `HF_TOKEN=hf_... vllm serve ...` (not an option's `--hf-token=`)
-_SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|\S*)""",
-                                re.IGNORECASE)
 
 
 class ServerFailed(UserError):
@@ -126,16 +110,6 @@ def _refuse_taken(endpoint: str) -> None:
     raise ServerFailed(f"something already listens at {public_url(endpoint)} before --serve started its server: a "
                        "server a killed `layertap regenerate` left running (its processes hold the GPUs too), or "
                        "another service on that port. Stop it, or give --serve and --endpoint another port")
-
-
-def redacted(command: str) -> str:
-    """`command` with the values of its --api-key, --hf-token, ... options and of its HF_TOKEN=,
-    API_KEY=, ... assignments masked, and its URLs' user:password and query and its Authorization
-    credentials: a --serve line may carry a key, and keys are never logged."""
-    masked = _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2] or m[3]}***", command)
-    masked = _SECRET_ASSIGNMENT.sub(lambda m: f"{m[1]}=***", masked)
-    masked = _URL_QUERY.sub(r"\1***", _URL_USERINFO.sub("***@", masked))
-    return _CREDENTIALS.sub(r"\1***", masked)
 
 
 def _program(command: str) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from layertap.storage.errors import ConfigError
+from layertap.storage.redact import public_url, redacted
 
 # each package's own command: `python -m layertap.extract ARGS` is `layertap extract ARGS`
 EXTRACT_MODULE, TRAIN_MODULE = "layertap.extract", "layertap.train"
@@ -310,8 +311,6 @@ def _shown(command: list[str], tool_args: list[str]) -> str:
     itself, or where the tool's arguments hold secrets a copy with them masked, as layertap's own
     logs mask them (an --api-key or --hf-token in a --serve line, a user:password or query in a
     URL). `cmd` keeps them: the job needs them (docs/SLURM.md: pass them in the environment)."""
-    from layertap.extract.served import redacted
-
     masked = {}
     for arg in tool_args:
         safe = _public_url(arg) if _URL.match(arg) else redacted(arg)
@@ -328,8 +327,6 @@ def _public_url(url: str) -> str:
     `file://path`) is a key prefix or a path after its bucket, where `#` and `?` are plain
     characters (`s3://b/run#1`): it is kept whole, less a user:password before the bucket. Any
     other URL (an --endpoint) loses its user:password and query, which may carry tokens."""
-    from layertap.extract.chat_client import public_url
-
     if not url.startswith(("s3://", "file://")):
         return public_url(url)
     scheme, _, rest = url.partition("://")

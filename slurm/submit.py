@@ -14,6 +14,7 @@ from layertap.slurm.resources import NodeShape
 from layertap.slurm.scripts import MASKED
 from layertap.slurm.work import DEFAULT_MAX_ARRAY_SIZE
 from layertap.storage.errors import ConfigError, UserError
+from layertap.storage.redact import redacted
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,6 @@ def save_script(folder: str, job_name: str, text: str) -> str:
     hand. A script that holds secrets typed on the command line (it must run them: a tool's --api-key,
     or a key in a --setup line or an --sbatch=--export) is readable by its owner alone, and the
     submitter is told to keep them in the environment instead."""
-    from layertap.extract.served import redacted
-
     secret = MASKED in text or redacted(text) != text
     stem = os.path.join(folder, f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     try:

@@ -41,6 +41,7 @@ from botocore.response import StreamingBody
 from botocore.utils import parse_timestamp
 
 from layertap.storage.errors import ConfigError
+from layertap.storage.redact import public_url, stray_at, urls_scrubbed
 from layertap.storage.retry import RetryPolicy
 from layertap.storage.store import (
     WRITE_PROBE,
@@ -153,7 +154,7 @@ class S3Store(ObjectStore):
             **({"request_checksum_calculation": o.checksum_mode} if o.checksum_mode else {}),
         )
         given = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-        not_a_url = (f"the S3 endpoint URL {_without_userinfo(given)!r} is not a URL: give one like "
+        not_a_url = (f"the S3 endpoint URL {public_url(given)!r} is not a URL: give one like "
                      "https://s3.example.com or http://host:9000 (AWS_ENDPOINT_URL, or endpoint_url in --config)")
         try:
             session = boto3.session.Session()
@@ -176,14 +177,14 @@ class S3Store(ObjectStore):
             urllib.parse.urlsplit(self.client.meta.endpoint_url).port
         except ValueError:
             raise ConfigError(f"{not_a_url}; its port is not a number ({encode})") from None
-        if _stray_at(self.client.meta.endpoint_url):  # "http://minio:1234/pass@host": port 1234, and the rest a path
+        if stray_at(self.client.meta.endpoint_url):  # "http://minio:1234/pass@host": port 1234, and the rest a path
             raise ConfigError(f"{not_a_url}; it holds an '@' after its host, which reads as a password's end as well "
                               f"as a path's ({encode}; a path's '@' as %40)")
         if urllib.parse.urlsplit(self.client.meta.endpoint_url).query or "#" in self.client.meta.endpoint_url:
-            raise ConfigError(f"the S3 endpoint URL {_without_userinfo(given)!r} has a query or fragment (not shown: it "
+            raise ConfigError(f"the S3 endpoint URL {public_url(given)!r} has a query or fragment (not shown: it "
                               "may hold a token), which no S3 endpoint has: give the endpoint alone, e.g. "
                               "http://host:9000 (a session token goes in AWS_SESSION_TOKEN)")
-        self.endpoint = _without_userinfo(self.client.meta.endpoint_url)  # for messages
+        self.endpoint = public_url(self.client.meta.endpoint_url)  # for messages
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._creates_checked = False  # `_check_conditional_writes` passed
@@ -235,12 +236,12 @@ class S3Store(ObjectStore):
                               "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or `aws sso login`)")
         if isinstance(e, bexc.EndpointResolutionError):  # its text quotes the URL, a password in it included
             return StoreError(f"the S3 endpoint {self.endpoint} cannot be used for {what} of {self._where(key)}: "
-                              + _without_userinfo_in(str(e)))
+                              + urls_scrubbed(str(e)))
         if isinstance(e, (*_UNREACHABLE, bexc.ConnectTimeoutError)):
             cause = getattr(e, "kwargs", {}).get("error") or e
             while cause.__cause__ is not None or cause.__context__ is not None:  # down to the socket's error
                 cause = cause.__cause__ or cause.__context__
-            reason = _without_userinfo_in(f"{type(e).__name__}: {cause}")
+            reason = urls_scrubbed(f"{type(e).__name__}: {cause}")
             kind = TransientStoreError if isinstance(e, bexc.ConnectTimeoutError) else EndpointUnreachable
             source = ("endpoint_url in the --config file's \"s3\" settings" if self.options.endpoint_url
                       else "AWS_ENDPOINT_URL")
@@ -249,7 +250,7 @@ class S3Store(ObjectStore):
         if isinstance(e, _TRANSIENT):
             # botocore's text names the endpoint URL, with any user:password in it
             return TransientStoreError(f"{what} of {self._where(key)} failed: "
-                                       + _without_userinfo_in(f"{type(e).__name__}: {e}"))
+                                       + urls_scrubbed(f"{type(e).__name__}: {e}"))
         return None
 
     def _where(self, key: str) -> str:
@@ -846,37 +847,3 @@ def _plain_http_response(body) -> http.client.HTTPResponse | None:
     return None
 
 
-def _without_userinfo(url: str) -> str:
-    """An endpoint URL as messages show it: a user:password in it is never printed, nor a query or
-    fragment (a token in `?X-Amz-Security-Token=`)."""
-    if "://" not in url:  # not a URL ("user:secret@host:9000"): whatever comes before an "@" goes
-        return re.split(r"[?#]", url.rpartition("@")[2])[0]
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:  # not a URL ("http://[::1:9000"): scrubbed as text
-        return _without_userinfo_in(url)
-    try:
-        parts.port
-        stray = _stray_at(url)
-    except ValueError:  # a password holding "/" ("http://u:ab/cd@host:9000"): the host is after the last "@"
-        stray = "@" in url
-    if stray:  # ... also where what comes before the "/" reads as host and port ("http://minio:1234/pass@host")
-        return _without_userinfo_in(f"{parts.scheme}://{url.rpartition('@')[2]}")
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="").geturl()
-
-
-def _stray_at(url: str) -> bool:
-    """Whether `url` holds an "@" after its host: a password holding "/", "?" or "#" unencoded, or
-    a path holding "@" (no telling which: "http://minio:1234/pass@host" is a host, port and path)."""
-    parts = urllib.parse.urlsplit(url)
-    return "@" in url.partition("://")[2] and "@" not in parts.netloc
-
-
-_USERINFO = re.compile(r"(?<=://)[^/\s\"']*@")  # to the last "@" before the host: a password may hold one
-_QUERY = re.compile(r"(://[^\s\"'`?#]*)[?#][^\s\"'`]*")  # a URL's query and fragment
-
-
-def _without_userinfo_in(text: str) -> str:
-    """`text` with the user:password, query and fragment of every URL in it removed (botocore's
-    messages quote the URL)."""
-    return _QUERY.sub(r"\1", _USERINFO.sub("", text))

@@ -355,7 +355,8 @@ def test_serve_that_exits_is_a_clear_error(tmp_path, capsys):
 
 
 def test_the_recorded_endpoint_carries_no_credentials():
-    from layertap.extract.chat_client import api_base, public_url
+    from layertap.extract.chat_client import api_base
+    from layertap.storage.redact import public_url
 
     assert public_url("http://user:s3cret@gpu7:8000/v1?token=abc") == "http://gpu7:8000/v1"
     assert api_base("http://gpu7:8000") == "http://gpu7:8000/v1" == api_base("http://gpu7:8000/v1/")

@@ -24,7 +24,8 @@ from layertap.cli import main as cli
 from layertap.extract.chat_client import EndpointError, ServerGone
 from layertap.extract.regenerate import RegenerateConfig, _Part, _write_part, Totals, regenerate
 from layertap.extract.regenerated import iter_rows
-from layertap.extract.served import ServerFailed, redacted, serving
+from layertap.extract.served import ServerFailed, serving
+from layertap.storage.redact import redacted
 from layertap.manifests.regeneration import done_parts, read_stats, stats_key
 from layertap.storage.store import open_store
 
@@ -172,6 +173,9 @@ def test_a_urls_password_and_query_and_an_authorization_header_are_masked():
             "--header 'Authorization: Bearer SK-LIVE' --port 8")
     assert redacted(line) == ("HF_ENDPOINT=https://***@hf.example vllm serve https://h/m?*** "
                               "--header 'Authorization: Bearer ***' --port 8")
+    # a password holding "@" is masked to its last "@" (its tail was shown), a fragment as a query
+    assert redacted("HF_ENDPOINT=https://u:PW@RT@hf.example vllm serve https://h/m#T0KEN") == \
+        "HF_ENDPOINT=https://***@hf.example vllm serve https://h/m#***"
 
 
 def test_every_key_of_an_option_that_takes_several_is_masked():

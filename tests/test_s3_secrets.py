@@ -114,10 +114,10 @@ def test_an_at_sign_in_an_endpoints_path_keeps_its_host_in_messages(s3_bucket):
     """Only a user:password goes: a path holding "@" once lost the host in what messages showed.
     An "@" after the host, with no userinfo before it, reads as a password's end as well
     ("http://minio:1234/pass@host"): refused, asking for percent-encoding, and shown from the "@" on."""
-    from layertap.storage.s3 import _without_userinfo, _without_userinfo_in
+    from layertap.storage.redact import public_url, urls_scrubbed
 
-    assert _without_userinfo("https://s3.example.com/team@x") == "https://x"
+    assert public_url("https://s3.example.com/team@x") == "https://x"
     with pytest.raises(ConfigError, match="a path's '@' as %40"):
         open_store(f"s3://{s3_bucket}/run", endpoint_url="https://s3.example.com/team@x")
-    assert _without_userinfo(f"http://u:{SECRET}@h:9000/team@x") == "http://h:9000/team@x"
-    assert _without_userinfo_in("GET http://host:9000/bucket/a@b/x failed") == "GET http://host:9000/bucket/a@b/x failed"
+    assert public_url(f"http://u:{SECRET}@h:9000/team@x") == "http://h:9000/team@x"
+    assert urls_scrubbed("GET http://host:9000/bucket/a@b/x failed") == "GET http://host:9000/bucket/a@b/x failed"

@@ -780,7 +780,7 @@ def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path, caplog):
     """The script must run the real command (the server needs its key), but the line each task
     echoes into its Slurm log masks what layertap's own logs mask. The saved script that holds
     them is readable by its owner alone, and the submitter is told to export them instead."""
-    from layertap.extract.served import redacted
+    from layertap.storage.redact import redacted
     from layertap.slurm.scripts import regenerate_script
 
     opts = JobOptions(job_name="r", logs=str(tmp_path), gpus_per_node=1)
@@ -1172,7 +1172,7 @@ def test_submit_meets_what_sbatch_would_refuse_or_misread(tmp_path, capsys, monk
     half masked in the task's log, --sbatch values unquoted, Slurm forms refused (--time 0, --mem
     200g), --cpus-per-task 0 ignored, a '/' in --job-name a traceback; an empty --job-name, --after
     values no job id, values starting with '-' (a second review)."""
-    from layertap.extract.served import redacted
+    from layertap.storage.redact import redacted
     from layertap.slurm import submit as slurm_submit
 
     monkeypatch.chdir(tmp_path)
