@@ -505,17 +505,22 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], fol
         raise ConfigError(f"{flag} {given!r}: `layertap train` does not take {' '.join(extra)}")
     train_cfg = _follow_the_extraction(targs, follow, given) if follow is not None else \
         _train_config(targs, f"{flag} {given!r}: ")
-    from layertap.slurm.resources import train_resources
-
     if (why := _no_trainer_needed(train_cfg)) is not None:
         _say(args, f"{why}: no training job")
         return None
-    topts = _job_options(args, gpus,
-                         lambda procs: train_resources(procs, train_cfg.num_workers, train_cfg.memory_budget), nodes,
-                         job_name="layertap-train")
+    topts = _train_options(args, gpus, train_cfg, nodes, job_name="layertap-train")
     if follow is not None and follow.window is not None:
         _check_window(follow, train_cfg, args.train_nodes * topts.procs)
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
+
+
+def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeShape], **job: Any):
+    """A training job's options: its CPUs and memory per process from the loader's workers and
+    byte budget (`train_resources`), whether it trains alone or after an extraction."""
+    from layertap.slurm.resources import train_resources
+
+    return _job_options(args, gpus, lambda procs: train_resources(procs, cfg.num_workers, cfg.memory_budget), nodes,
+                        **job)
 
 
 def _no_trainer_needed(cfg) -> str | None:
@@ -637,7 +642,6 @@ def _submit_train(args: argparse.Namespace) -> int:
     from layertap.slurm.scripts import train_script
     from layertap.slurm.submit import dependency_options
 
-    from layertap.slurm.resources import train_resources
     from layertap.slurm.submit import partition_shapes
 
     if _train_parser() is None:
@@ -651,8 +655,7 @@ def _submit_train(args: argparse.Namespace) -> int:
         _say(args, f"nothing to submit: {why}")
         return 0
     nodes = partition_shapes(args.partition)
-    opts = _job_options(args, _gpus_per_node(args, nodes),
-                        lambda procs: train_resources(procs, cfg.num_workers, cfg.memory_budget), nodes)
+    opts = _train_options(args, _gpus_per_node(args, nodes), cfg, nodes)
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions))
