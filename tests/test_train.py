@@ -553,6 +553,26 @@ def test_a_resume_at_an_epochs_end_with_other_workers_says_the_order_changes(tmp
     assert "--num-workers" not in caplog.text
 
 
+@pytest.mark.parametrize("workers", [(0, 3), (3, 0)], ids=["more_batches", "fewer_batches"])
+def test_a_resume_with_other_workers_trains_the_epochs_left_at_their_new_size(tmp_path, workers):
+    """40 samples at batch size 4 are 10 batches with 0 workers and 12 with 3 (spans of 14, 13, 13).
+    A resume at an epoch's end with the other count computed the run's steps as if every epoch had
+    the new size: 2 steps of a third epoch under --epochs 2, or the second epoch cut 2 batches short."""
+    import fake_worker
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    fake_worker.work(uri)
+    base = ["train", "--data", uri, "--model", target, "--out", out, "--batch-size", "4", "--block-size", "4",
+            "--max-anchors", "8"]
+    before, after = workers
+    assert cli([*base, "--epochs", "1", "--num-workers", str(before)]) == 0
+    assert cli([*base, "--epochs", "2", "--resume", "--num-workers", str(after)]) == 0
+    batches = {0: 10, 3: 12}
+    per_epoch = [[r["step"] for r in metrics(out) if r["epoch"] == e] for e in (0, 1, 2)]
+    assert [len(steps) for steps in per_epoch] == [batches[before], batches[after], 0]
+
+
 def test_a_resume_that_trains_on_withdraws_the_earlier_export(run, target, tmp_path, capsys, monkeypatch):
     """An output trained to its end, resumed with more --steps and stopped before that end: its
     old drafter/ stayed, `status` called it COMPLETE and export-drafter took the old weights."""

@@ -402,7 +402,8 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
     """This rank's loader at the checkpoint of `step`; returns the run's last step. Extraction may
     have committed more shards since: an epoch the checkpoint had not begun streams them all (its
     order is computed afresh), and with --epochs the steps left are those of the epochs left at
-    today's size; an epoch begun cannot continue over another set (the stream refuses it)."""
+    today's size (its shards and --num-workers); an epoch begun cannot continue over another set
+    (the stream refuses it)."""
     try:
         loader.load_state_dict(state)
     except ShardsChanged as e:
@@ -419,10 +420,13 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
         # (`_loop`): the run is done, and a restart (a requeue) must not count steps past it,
         # withdraw the export and wait for data it will not train on.
         total = min(total, step)
+    at_epoch_start = not any(state.get("consumed") or [])
+    if cfg.steps is None and not cfg.follow and at_epoch_start:
+        # the epochs left at today's size: more shards committed, or another --num-workers, which
+        # splits an epoch into another count of batches (0 workers: 10 of 40 samples at batch size 4, 3: 12)
+        total = step + max(0, cfg.epochs - loader.epoch) * steps_per_epoch
     changed = loader.stream.shards_changed
     if changed is not None:
-        if cfg.steps is None and not cfg.follow:
-            total = step + max(0, cfg.epochs - loader.epoch) * steps_per_epoch
         log.info("the run's committed shards changed since the checkpoint (%s then, %d shards, %d samples now): "
                  "epoch %d on streams them all, %d steps each; training ends at step %d", changed,
                  len(loader.stream.shards), loader.stream.total_samples, loader.epoch, steps_per_epoch, total)
@@ -916,7 +920,8 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
     # change, but the epochs after are then drawn in another order than an uninterrupted run's.
     if "num_workers" in state and (state["num_workers"] or 0) != (cfg.num_workers or 0):
         log.warning("--num-workers %s, the checkpoint's run had %s: the epochs from here are drawn in another order "
-                    "than the uninterrupted run's (each sample still once an epoch); resume with --num-workers %s "
+                    "than the uninterrupted run's (each sample still once an epoch, in as many batches as the "
+                    "workers split it into); resume with --num-workers %s "
                     "to keep it", cfg.num_workers or 0, state["num_workers"] or 0, state["num_workers"] or 0)
     saved, now = {**RESUME_DEFAULTS, **state.get("config", {})}, cfg.identity()
     saved["data"] = _store_uri(saved.get("data"))
