@@ -231,3 +231,41 @@ def test_a_prompt_token_the_model_cannot_embed_is_refused_naming_the_line(tmp_pa
     vocab = len(tokenizer) - 1
     with pytest.raises(InputError, match=rf"{path}:2 tokenizes to id {vocab}, beyond the model's vocabulary of {vocab}"):
         load_prompts(str(path), tokenizer, None, 1024, vocab_size=vocab)
+
+
+def test_prompts_that_run_past_the_targets_context_are_counted_and_warned_of(tmp_path, capsys, caplog):
+    """A prompt plus its new tokens past max_position_embeddings was decoded and counted into tau
+    in silence (extraction warns of --max-length past it)."""
+    from layertap.storage.store import open_store
+    from layertap.train.checkpoint import export_drafter
+    from layertap.train.drafter import DFlashDrafter, default_config
+    from layertap.train.target_head import load_target_head
+    from tiny_models import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path, "llama", num_layers=2, max_position_embeddings=32)
+    head = load_target_head(model)
+    drafter = DFlashDrafter(default_config(head, [0, 1], mask_token_id=3, block_size=4), head)
+    out = str(tmp_path / "drafter")
+    export_drafter(open_store(out), drafter)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n' + json.dumps({"prompt": "word " * 30}) + "\n")
+    args = ["eval", "--drafter", out, "--model", model, "--prompts", str(prompts), "--max-new-tokens", "8",
+            "--no-baseline"]
+    with caplog.at_level("WARNING"):
+        assert cli([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompts_past_context"] == 1
+    assert ("1 of 2 prompts run past the target's max_position_embeddings 32 with --max-new-tokens 8: their tau is "
+            "measured where the target was not trained; --max-prompt-tokens 24 keeps them out") in caplog.text
+    assert cli([*args, "--max-prompt-tokens", "24"]) == 0
+    assert "past the target's context" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, said", [("foo", "is not a device torch knows"),
+                                          ("cuda:99", "CUDA GPU")])
+def test_a_device_that_is_not_here_is_refused_before_anything_loads(tmp_path, capsys, device, said):
+    """A typo in --device, or a GPU the machine lacks, was a traceback from inside the target's
+    load, after the drafter and the prompts had been read."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts), "--device", device]) == 2
+    assert f"--device {device!r}" in (err := capsys.readouterr().err) and said in err

@@ -103,7 +103,7 @@ def tiny_model_dir(root: Path, model_type: str, num_layers: int = 6, seed: int =
         # Default pattern: three gated-deltanet layers, then one full-attention layer.
         kw.update(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                   linear_num_value_heads=4)
-    config = AutoConfig.for_model(model_type, **kw, **config)
+    config = AutoConfig.for_model(model_type, **{**kw, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     folder = root / (f"{model_type}-{num_layers}L" + (f"-h{hidden_size}" if hidden_size != 64 else ""))

@@ -52,6 +52,26 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _check_device(device: str) -> None:
+    """--device, before any model loads: a typo or a GPU this machine lacks failed inside the
+    target's load, a traceback after the drafter and prompts were read."""
+    import torch
+
+    from layertap.storage.errors import ConfigError
+
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a device torch knows: give cpu, cuda or cuda:N") from None
+    if where.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {device!r}: this machine has no CUDA GPU torch can use (torch "
+                              f"{torch.__version__}); leave --device out to run on the CPU")
+        if where.index is not None and where.index >= count:
+            raise ConfigError(f"--device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from layertap.storage.errors import ConfigError
     from layertap.train.speculative import evaluate, format_report
@@ -62,6 +82,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}")
     if args.limit is not None and args.limit < 1:  # else "the prompts file has no usable prompts"
         raise ConfigError(f"--limit must be at least 1 prompt, got {args.limit} (leave it out to evaluate all)")
+    if args.device is not None:
+        _check_device(args.device)
     kwargs = None
     if args.chat_template_kwargs is not None:
         from layertap.storage.flags import parse_json_object

@@ -321,6 +321,22 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
     return prompts, skipped
 
 
+def _past_context(prompts: list[list[int]], max_new_tokens: int, config: Any) -> int:
+    """How many prompts, with the tokens decoded after them, run past the target's
+    max_position_embeddings; a warning names them. Not refused, as extraction does not refuse
+    --max-length past it (some targets serve longer, RoPE scaling), but a tau measured there is
+    measured where the target was not trained."""
+    context = getattr(config, "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return 0
+    past = sum(len(ids) + max_new_tokens > context for ids in prompts)
+    if past:
+        log.warning("%d of %d prompts run past the target's max_position_embeddings %d with --max-new-tokens %d: "
+                    "their tau is measured where the target was not trained; --max-prompt-tokens %d keeps them out",
+                    past, len(prompts), context, max_new_tokens, max(1, context - max_new_tokens))
+    return past
+
+
 def _lines(f, path: str):
     """(line number, text) of each line of a UTF-8 file opened in binary; another encoding is an
     error naming the line (decoded by line, not by the chunk a text file reads)."""
@@ -407,6 +423,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         log.info("chat template settings for the prompts: %s", json.dumps(chat_template_kwargs))
     prompts, skipped = load_prompts(prompts_path, planned.tokenizer, limit, max_prompt_tokens,
                                     chat_template_kwargs, planned.info["vocab_size"])
+    past_context = _past_context(prompts, max_new_tokens, decoder_of(planned.model).config)
     if dtype == "float32" and device.startswith("cuda"):
         # The greedy check compares a block's verification (a hybrid's chunked Triton kernels) with
         # one-token steps (its recurrent kernel): Triton's float32 dots default to TF32 on GPUs that
@@ -464,6 +481,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         "tau": _known(tau), "acceptance_per_position": [_known(x) for x in per_position],
         "matches_greedy": not mismatches,
         "mismatched_prompts": mismatches, "prompts": len(prompts), "prompts_skipped_too_long": skipped,
+        "prompts_past_context": past_context,
         "max_prompt_tokens": max_prompt_tokens, "chat_template_kwargs": chat_template_kwargs or None,
         "tokens_generated": sum(len(r.tokens) for r in trained),
         "verify_steps": sum(len(r.accepted) for r in trained), "block_size": config.block_size,
@@ -534,6 +552,9 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"hybrid target rollback: {sum(rb.values()):.1f} s of {r['speculative_s']:.1f} s of speculative "
                      f"decoding (snapshot {rb['snapshot']:.1f}, restore {rb['restore']:.1f}, "
                      f"re-forward {rb['reforward']:.1f})")
+    if r.get("prompts_past_context"):
+        lines.append(f"{r['prompts_past_context']} prompt(s) ran past the target's context with --max-new-tokens "
+                     f"{r['max_new_tokens']} (see the warning)")
     if r["prompts_skipped_too_long"]:
         lines.append(f"skipped {r['prompts_skipped_too_long']} prompt(s) over {r['max_prompt_tokens']} tokens "
                      "(--max-prompt-tokens)")
