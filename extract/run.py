@@ -10,6 +10,7 @@ to check a rerun against the run, and to find that every shard is already commit
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shlex
 import sys
@@ -137,7 +138,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
 
         def on_record(rec) -> None:
             counted(rec)
-            progress.record(rec)
+            progress.record(plan.id, rec)
 
         def should_stop() -> bool:
             stops.raise_if_requested()  # a stop signal: the shard is aborted at this batch boundary
@@ -157,8 +158,9 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
         # 1.09x slower overlapped, docs/benchmarks.md "Shards in turn or overlapped").
         overlap = gate is None and (cfg.overlap_shards == "on" or cfg.overlap_shards == "auto" and staging is not None)
         loop = ShardLoop(start, overlap=overlap,
-                         committed=lambda claim, info, skipped: progress.committed(info.num_records, skipped),
-                         abandoned=lambda claim, records: progress.abandoned(records), stops=stops)
+                         committed=lambda claim, info, skipped: progress.committed(claim.plan.id, info.num_records,
+                                                                                   skipped),
+                         abandoned=lambda claim, records: progress.abandoned(claim.plan.id), stops=stops)
         queue.on_idle = loop.settle
         try:
             committed = loop.run(queue)
@@ -391,12 +393,17 @@ class Progress:
     (other ranks, or other processes taking the run's free shards: one-process array tasks),
     every `SYNC_S` seconds everyone's committed samples, on a thread of its own: the shards'
     writer threads, which report records, never wait on it, and a listing that fails only leaves
-    the count behind (with a warning). The first look lists the tally markers (every commit so
-    far), later ones only the feed keys written since (`layout.feed_after`): at 150,000 shards
-    and 1,000 tasks, full listings every 30 s were ~5,000 LIST requests a second.
+    the count behind (with a warning). The bar is a sum by shard, never an increment: a shard is
+    counted from its records while rank 0 writes it, and at its plan's samples once committed,
+    whoever saw the commit first (its own report or a listing), so no shard counts twice. The
+    first look lists the commit records; later ones the feed keys written since
+    (`layout.feed_after`: at 150,000 shards and 1,000 tasks, full listings every 30 s were ~5,000
+    LIST requests a second), and the commit records again every `COMMITS_LOOK_S` (a shard whose
+    feed key never landed: its worker killed after its commit, or the PUT failed).
     """
 
     SYNC_S = 30.0
+    COMMITS_LOOK_S = 300.0
 
     def __init__(self, rank: int, world: int, store: ObjectStore, manifest: Manifest,
                  shards: list[int] | None = None):
@@ -406,67 +413,83 @@ class Progress:
         total = sum(p.num_samples for p in manifest.shards if self.only is None or p.id in self.only)
         self.t0 = time.time()
         self.tokens = self.stored = self.raw = 0
-        self.uncommitted = 0  # records written into shards not committed yet (two, while one finishes)
         self._lock = threading.Lock()  # the writers of two shards report at once
         self._closed = threading.Event()
         self._listing_failed = False
         self._planned = {p.id: p.num_samples for p in manifest.shards}
+        self._open: dict[int, int] = {}  # shard rank 0 writes -> its records so far
         self._counted: dict[int, int] = {}  # committed shard -> its samples stored or skipped
         self._feed_from: float | None = None  # the store's time the next look lists feed keys from
-        self.bar = progress(total, initial=(self._committed() or 0) if self.on else 0, desc="extract",
-                            unit="sample", enabled=self.on)
+        self._commits_looked = -math.inf  # the store's time of the last listing of every commit record
+        if self.on:
+            self._committed()
+        self.bar = progress(total, initial=self._done(), desc="extract", unit="sample", enabled=self.on)
         if self.on and (world > 1 or self.only is None):
             threading.Thread(target=self._sync, name="progress-sync", daemon=True).start()
 
-    def _committed(self) -> int | None:
-        """Samples stored or skipped by committed shards, from listings alone (no GETs); None if
+    def _done(self) -> int:
+        """Samples done: committed shards' and those rank 0 has written of its open ones."""
+        return sum(self._counted.values()) + sum(n for s, n in self._open.items() if s not in self._counted)
+
+    def _committed(self) -> bool:
+        """Count the shards committed since the last look, from listings alone (no GETs); False if
         the store could not list them."""
         try:
             started = self.store.now()
-            if self._feed_from is None:
-                for o in self.store.list(layout.TALLY):
-                    if (parsed := layout.parse_tally(o.key)) is not None:
-                        self._count(parsed[0], (parsed[1]["records"], parsed[1]["skipped"]))
-            else:
+            seen: list[tuple[int, tuple[int, int] | None]] = []
+            if started - self._commits_looked >= self.COMMITS_LOOK_S:
+                # a commit covers its plan's samples exactly (`fits_plan`): the key alone counts it
+                seen += [(shard, None) for o in self.store.list(layout.COMMITS)
+                         if (shard := layout.shard_of(o.key, layout.COMMITS)) is not None]
+                self._commits_looked = started
+            if self._feed_from is not None:
                 for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
                     if (parsed := layout.parse_feed(o.key)) is not None:
-                        self._count(parsed[1], parsed[2])
+                        seen.append((parsed[1], parsed[2]))
             self._feed_from = started - layout.FEED_MARGIN_S
         except StoreError as e:  # said once while it lasts, not every SYNC_S
             (log.debug if self._listing_failed else log.warning)(
-                "progress: could not list the committed shards' tallies (%s); the count of other ranks' samples "
+                "progress: could not list the committed shards (%s); the count of other ranks' samples "
                 "waits for the next listing", e)
             self._listing_failed = True
-            return None
+            return False
         self._listing_failed = False
-        return sum(self._counted.values())
+        with self._lock:
+            for shard, counts in seen:
+                self._count(shard, counts)
+        return True
 
     def _count(self, shard: int, counts: tuple[int, int] | None) -> None:
         """A committed shard's samples, once (a feed key written before keys held counts: its plan's)."""
         if shard not in self._counted and shard in self._planned and (self.only is None or shard in self.only):
             self._counted[shard] = sum(counts) if counts is not None else self._planned[shard]
 
+    def _show(self) -> None:
+        self.bar.n = self._done()
+        self.bar.refresh()
+
     def _sync(self) -> None:
         while not self._closed.wait(self.SYNC_S):
-            committed = self._committed()
-            with self._lock:
-                if committed is not None and not self._closed.is_set():
-                    self.bar.n = max(self.bar.n, committed + self.uncommitted)
-                    self.bar.refresh()
+            if self._committed():
+                with self._lock:
+                    if not self._closed.is_set():
+                        self._show()
 
-    def record(self, rec) -> None:
+    def record(self, shard: int, rec) -> None:
+        """A record of `shard` written (by this process: rank 0)."""
         if not self.on:
             return
         with self._lock:
             self.tokens += rec.num_tokens
             self.stored += rec.size
             self.raw += rec.raw_bytes
-            self.uncommitted += 1
+            self._open[shard] = self._open.get(shard, 0) + 1
             dt = max(time.time() - self.t0, 1e-6)
             who = "rank 0: " if self.world > 1 else ""
             self.bar.set_postfix_str(f"{who}{self.tokens / dt:,.0f} tok/s, {self.stored / dt / 2**20:.1f} MiB/s, "
                                      f"ratio {self.raw / max(self.stored, 1):.2f}x", refresh=False)
-            self.bar.update(1)
+            self.bar.n = self._done()
+            self.bar.update(0)  # refreshes at tqdm's own pace, as update(1) did
 
     def waiting(self, rest: AtRest | None) -> None:
         """The storage window is full (`rest`: what is at rest), or open again (None): shown on the progress line."""
@@ -475,20 +498,20 @@ class Progress:
                                      if rest else "", refresh=False)
             self.bar.refresh()
 
-    def committed(self, records: int, skipped: int) -> None:
-        """A shard of `records` committed; its `skipped` samples count as done too."""
+    def committed(self, shard: int, records: int, skipped: int) -> None:
+        """`shard` committed with `records` and `skipped` samples (unless a listing counted it first)."""
         if self.on:
             with self._lock:
-                self.uncommitted -= records
-                self.bar.update(skipped)
+                self._open.pop(shard, None)
+                self._count(shard, (records, skipped))
+                self._show()
 
-    def abandoned(self, records: int) -> None:
-        """A shard failed after `records` were written: they will be written again."""
+    def abandoned(self, shard: int) -> None:
+        """`shard` failed after some records were written: they will be written again."""
         if self.on:
             with self._lock:
-                self.uncommitted -= records
-                self.bar.n -= records
-                self.bar.refresh()
+                self._open.pop(shard, None)
+                self._show()
 
     def close(self) -> None:
         with self._lock:
