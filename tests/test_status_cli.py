@@ -357,3 +357,20 @@ def test_status_does_not_import_torch(tmp_path):
     p = subprocess.run([sys.executable, "-c", probe, uri], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "7/7 done" in p.stdout, p.stdout + p.stderr
     assert p.stdout.splitlines()[-1] == "False"
+
+
+def test_submitting_training_does_not_import_torch(tmp_path):
+    """`layertap submit train` reads the training settings on a login node (train.config), and
+    `layertap.train`'s package imported its loader, and with it torch (seconds, more on a shared
+    filesystem), for a script it writes and hands to sbatch."""
+    import subprocess
+    import sys
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    probe = ("import sys; from layertap.cli import main; rc = main(['submit', 'train', '--dry-run', '--data', "
+             "sys.argv[1], '--out', sys.argv[2], '--model', 'm']); print('torch' in sys.modules); sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", probe, uri, str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and "layertap train" in p.stdout, p.stdout + p.stderr
+    assert p.stdout.splitlines()[-1] == "False"
