@@ -87,7 +87,11 @@ def _from_export_note(args: argparse.Namespace) -> None:
         raise ConfigError(f"give {missing}: {args.src} holds no {EXPORT_NOTE} of {args.format} files (written by "
                           "`layertap export`) to take them from")
     if args.layers is None:
-        args.layers = ",".join(map(str, note[f"{args.format}_layer_ids"]))
+        ids = note.get(f"{args.format}_layer_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ConfigError(f"give --layers: the {EXPORT_NOTE} beside {args.src} has no list of "
+                              f"'{args.format}_layer_ids' to take them from (it has {ids!r})")
+        args.layers = ",".join(map(str, ids))
     if args.model is None:
         args.model, args.gguf_file = recorded_target({"model": note.get("model"), "gguf_file": note.get("gguf_file")},
                                                      f"{EXPORT_NOTE} beside {args.src} records the target",

@@ -66,11 +66,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"  codec {m.codec}  ratio {ratio:.3f}x"
           + (f"  relative error {f['relative_error']:.4%}" if f["relative_error"] is not None else ""))
     print(f"  {len(reader)} records  {f['num_tokens']} tokens  {report.bytes} bytes  xxh3-128 {report.xxh3_128}")
-    if produced := m.extra.get("produced_by"):
-        print(f"  produced on {produced.get('device', '?')} with "
-              + ", ".join(f"{k}={v}" for k, v in produced.get("software", {}).items()))
-        for kind, choices in produced.get("kernels", {}).items():
-            print(f"    {kind}: {', '.join(choices)}")
+    if isinstance(produced := m.extra.get("produced_by"), dict):  # free-form (FORMAT.md §3): shown when it is ours
+        software, kernels = produced.get("software"), produced.get("kernels")
+        print(f"  produced on {produced.get('device', '?')}"
+              + (" with " + ", ".join(f"{k}={v}" for k, v in software.items()) if isinstance(software, dict) else ""))
+        for kind, choices in (kernels.items() if isinstance(kernels, dict) else ()):
+            print(f"    {kind}: {', '.join(map(str, choices)) if isinstance(choices, list) else choices}")
     shown = _shown(reader.entries, args.records)
     for i, e in enumerate(shown):
         print(f"  [{i:5d}] {e.sample_id:<32} tokens {e.num_tokens:6d}  bytes {e.length:10d}  @ {e.offset}")

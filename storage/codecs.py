@@ -303,7 +303,11 @@ class Fp8(Codec):
             qc.copy_(y.to(torch.float8_e4m3fn).view(torch.uint8))
             scale[i : i + step] = s
             err = torch.sub(_dequant(qc, s, torch.empty_like(xb)), xf, out=y)
-            # Row sums in float32 (exact enough for 576..5120 values), the total in float64.
+            # Row sums in float32 (exact enough for 576..5120 values), the total in float64; rows
+            # whose squares leave float32's range (|x| past ~1e18 overflows, below ~1e-18 the sum
+            # underflows to 0: NaN or a false 0.0 in the footer) are summed in float64.
+            if bool(((amax > 1e18) | ((amax > 0) & (amax < 1e-18))).any()):
+                err, xf = err.double(), xf.double()
             sq_err += torch.linalg.vecdot(err, err).sum(dtype=torch.float64).item()
             sq_norm += torch.linalg.vecdot(xf, xf).sum(dtype=torch.float64).item()
         tensors = {"fp8.zst": _zstd(q.view(-1).numpy()), "scale": scale.view(shape[:-1])}

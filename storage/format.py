@@ -98,6 +98,28 @@ class RecordEntry:
     xxh3_64: str
 
 
+_FOOTER_FIELDS = {"num_records": int, "num_tokens": int, "raw_bytes": int, "records": list, "content_xxh3_128": str}
+_ENTRY_FIELDS = {"sample_id": str, "offset": int, "length": int, "num_tokens": int, "xxh3_64": str}
+
+
+def parse_footer(payload: bytes | memoryview, where: str) -> dict[str, Any]:
+    """The footer of a FOOT payload, its fields of the types FORMAT.md gives (a footer of valid
+    hashes and another shape was a TypeError out of `verify` and `inspect`)."""
+    try:
+        footer = json.loads(bytes(payload))
+    except ValueError as e:
+        raise ShardError(f"{where}: unreadable footer: {e}") from None
+
+    def fits(obj: Any, want: dict[str, type]) -> bool:
+        return isinstance(obj, dict) and all(type(obj.get(k)) is t for k, t in want.items())
+
+    if not fits(footer, _FOOTER_FIELDS) or not all(fits(e, _ENTRY_FIELDS) and len(e) == len(_ENTRY_FIELDS)
+                                                   for e in footer["records"]):
+        raise ShardError(f"{where}: the footer is not the index FORMAT.md describes ({', '.join(_FOOTER_FIELDS)}; "
+                         f"records of {', '.join(_ENTRY_FIELDS)}); the shard is corrupt")
+    return footer
+
+
 def frame_header(kind: bytes, payload: bytes) -> bytes:
     """The 20-byte header of a frame holding `payload`."""
     return FRAME.pack(kind, len(payload), xxhash.xxh3_64_intdigest(payload))
@@ -138,6 +160,9 @@ def parse_head(payload: bytes | memoryview, where: str) -> ShardMeta:
     """The metadata of a HEAD payload; `UnsupportedShard` for a codec this layertap lacks."""
     try:
         obj = json.loads(bytes(payload))
+        if not isinstance(obj, dict) or not isinstance(obj.get("extra", {}), dict):
+            raise ShardError(f"{where}: the shard header is not a JSON object with an object 'extra'; the shard is "
+                             "corrupt")
         if obj.get("format") != FORMAT_NAME:
             raise ShardError(f"{where}: header format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
         if obj.get("codec") not in CODEC_NAMES:

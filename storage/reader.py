@@ -3,7 +3,6 @@ bytes arrive (`iter_frames`), and `verify_shard`, which re-reads and checks ever
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -11,7 +10,8 @@ from typing import BinaryIO
 import xxhash
 
 from layertap.storage.format import (FOOT, FRAME, HEAD, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC, RecordEntry, ShardError,
-                            ShardMeta, UnsupportedShard, check_preamble, parse_frame, parse_head)
+                            ShardMeta, UnsupportedShard, check_preamble, parse_footer, parse_frame,
+                            parse_head)
 from layertap.storage.records import Sample, decode_record, record_metadata
 from layertap.storage.store import ObjectStore, StoreError
 
@@ -130,7 +130,7 @@ class ShardReader:
         if kind != FOOT or end != len(tail) - TRAILER.size:
             raise ShardError(f"{self.where}: trailer does not point at the footer; the shard is corrupt")
         self.footer_offset = footer_offset
-        return json.loads(bytes(payload))
+        return parse_footer(payload, self.where)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -244,7 +244,7 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
                     if decode:
                         decode_named(payload, meta, f"{where} record {records - 1} ({md.get('sample_id')})")
                 else:
-                    footer, footer_offset = json.loads(payload), pos
+                    footer, footer_offset = parse_footer(payload, where), pos
             if footer["content_xxh3_128"] != content.hexdigest():
                 raise ShardError(f"{where}: content hash mismatch; the object is corrupt")
             trailer = stream.read(TRAILER.size)

@@ -123,7 +123,10 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
     md: dict[str, str] = {}
     try:
         md, tensors = read_safetensors(payload)
-        codec = get_codec(md.get("codec", meta.codec))
+        if md.get("codec", meta.codec) != meta.codec:
+            raise ShardError(f"record {md.get('sample_id')!r} is encoded {md['codec']!r}, its shard's HEAD says "
+                             f"{meta.codec!r}")
+        codec = get_codec(meta.codec)
         decoded = {}
         for name in ("hidden_states", "final_state"):
             parts = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
@@ -139,6 +142,7 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
         raise ShardError(f"record does not decode: {type(e).__name__}: {e}") from None
     if "hidden_states" not in decoded or ids is None or mask is None or "sample_id" not in md:
         raise ShardError(f"record {md.get('sample_id')!r} lacks sample_id, input_ids, loss_mask or hidden_states")
+    _check_shapes(md["sample_id"], ids, mask, decoded, meta)
     return Sample(
         sample_id=md["sample_id"],
         input_ids=ids.to(torch.int64),
@@ -146,6 +150,24 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
         hidden_states=decoded["hidden_states"],
         final_state=decoded.get("final_state"),
     )
+
+
+def _check_shapes(sid: str, ids: torch.Tensor, mask: torch.Tensor, decoded: dict[str, torch.Tensor],
+                  meta: ShardMeta) -> None:
+    """A record's tensors agree with each other and with its shard's HEAD: S tokens of ids and
+    mask, states [S, layers, hidden], a final state [S, hidden] exactly when the HEAD has one.
+    Hashes prove the bytes are the writer's, not that its writer was right (FORMAT.md is written
+    for other writers too): a misaligned record would train on the wrong positions."""
+    n = ids.shape[0] if ids.dim() == 1 else -1
+    want = {"input_ids": (n,), "loss_mask": (n,), "hidden_states": (n, len(meta.layers), meta.hidden_size)}
+    if meta.final_state != "none":
+        want["final_state"] = (n, meta.hidden_size)
+    got = {"input_ids": tuple(ids.shape), "loss_mask": tuple(mask.shape),
+           **{k: tuple(v.shape) for k, v in decoded.items()}}
+    if n < 0 or got.keys() != want.keys() or any(got[k] != want[k] for k in want):
+        raise ShardError(f"record {sid!r} does not fit its shard's HEAD ({len(meta.layers)} layers, hidden "
+                         f"{meta.hidden_size}, final_state {meta.final_state!r}): it holds "
+                         + ", ".join(f"{k} {list(v)}" for k, v in got.items()))
 
 
 def record_metadata(payload: bytes | memoryview) -> dict[str, str]:

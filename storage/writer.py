@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -92,6 +93,8 @@ class ShardWriter:
     def close(self) -> ShardInfo:
         footer_offset = self._offset
         rel_err = (self._sq_err / self._sq_norm) ** 0.5 if self._sq_norm > 0 else (None if not self._lossy() else 0.0)
+        if rel_err is not None and not math.isfinite(rel_err):  # another encoder's stats: the footer is strict JSON
+            rel_err = None
         footer = {
             "num_records": len(self._entries),
             "num_tokens": self._tokens,

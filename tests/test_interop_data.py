@@ -158,8 +158,13 @@ def test_import_of_a_layertap_export_takes_the_target_and_layers_its_note_record
     run = load_manifest(open_store(back)).identity
     assert run.layers == [1, 3] and run.model == load_manifest(open_store(prenorm_run)).identity.model
     assert len(samples(back)) == 3
+    note = json.loads(open_store(dest).get("layertap-export.json"))
+    open_store(dest).put("layertap-export.json", json.dumps({k: v for k, v in note.items()
+                                                            if k != "specforge_layer_ids"}).encode())
+    capsys.readouterr()  # a note without the layers: a KeyError traceback
+    assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "other")]) == 2
+    assert "give --layers: the layertap-export.json beside" in capsys.readouterr().err
     open_store(dest).delete("layertap-export.json")
-    capsys.readouterr()
     assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "other"), "--model", target]) == 2
     assert "give --layers: " in capsys.readouterr().err
 

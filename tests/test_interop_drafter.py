@@ -374,6 +374,18 @@ def test_an_export_cut_short_leaves_no_loadable_pair_and_its_rerun_finishes(trai
     assert DFlashDraftModel.from_pretrained(str(dest)) is not None
 
 
+@pytest.mark.parametrize("text, said", [('{"hidden_size": 32, "vocab_size": 50,', "cannot be read as a model config"),
+                                        ('{"hidden_size": "32b"}', "hidden_size '32b', not whole numbers"),
+                                        ('[1, 2]', "is not a model config")])
+def test_a_verifier_config_that_is_no_model_config_is_named_not_a_traceback(trained, tmp_path, capsys, text, said):
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    (verifier / "config.json").write_text(text)
+    dest = tmp_path / "spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier", str(verifier)]) == 2
+    assert said in capsys.readouterr().err and not dest.exists()
+
+
 def test_a_verifier_of_another_width_or_vocabulary_is_refused(trained, tmp_path, capsys):
     """--verifier was read for its architectures only: a model of another width or vocabulary was
     written into the config, which vLLM fails to load (or serves with no draft accepted)."""

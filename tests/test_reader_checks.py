@@ -22,8 +22,8 @@ import pytest
 import torch
 import xxhash
 
-from layertap.storage.format import (FOOT, FRAME, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC, ShardError, frame_header,
-                                     parse_frame)
+from layertap.storage.format import (FOOT, FRAME, PREAMBLE, RECD, TRAILER, TRAILER_MAGIC, ShardError, ShardMeta,
+                                     frame_header, parse_frame)
 from layertap.storage.local import LocalStore
 from layertap.storage.reader import ShardReader, verify_shard
 from layertap.storage.records import Sample, decode_record, encode_record
@@ -294,3 +294,116 @@ def test_the_training_stream_checks_each_record_against_its_index_entry(store):
         _decode(Record(payload, reader.meta, e.sample_id, e.num_tokens + 1, 0, None), None)
     with pytest.raises(ShardError, match=re.escape("holds sample 'conv-2', the index says 'conv-3'")):
         _decode(Record(payload, reader.meta, "conv-3", e.num_tokens, 0, None), None)
+
+
+def _framed(store, meta, tensors: dict, md: dict) -> None:
+    """One record of `tensors` and `md`, with correct hashes, as another writer might frame it."""
+    from layertap.storage.records import EncodedRecord, safetensors_parts
+
+    parts = safetensors_parts(tensors, md)
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    rec = EncodedRecord(md["sample_id"], int(md["num_tokens"]), tuple(parts), sum(len(p) for p in parts),
+                        h.intdigest(), 0)
+    with ShardWriter(store.open_writer("x.lts"), meta) as w:
+        w.append_encoded(rec)
+        w.close()
+
+
+@pytest.mark.parametrize("case", ["mask_short", "states_short", "layers", "width", "final_missing", "codec"])
+def test_a_record_whose_tensors_disagree_with_each_other_or_the_head_is_corrupt(store, case):
+    """Hashes prove the bytes are the writer's, not that the writer was right: a record of 4 ids,
+    a 3-entry mask and states of 2 tokens x 3 layers x 6 wide under a HEAD of 2 layers x 8 passed
+    verify and was handed to training misaligned."""
+    final = "prenorm" if case == "final_missing" else "none"
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[1, 5], hidden_size=8, codec="bf16", final_state=final)
+    tokens, mask_n, shape = 4, 4, [4, 2, 8]
+    if case == "mask_short":
+        mask_n = 3
+    elif case == "states_short":
+        shape[0] = 2
+    elif case == "layers":
+        shape[1] = 3
+    elif case == "width":
+        shape[2] = 6
+    md = {"sample_id": "s0", "num_tokens": str(tokens), "codec": "fp8" if case == "codec" else "bf16",
+          "hidden_states.shape": ",".join(map(str, shape))}
+    tensors = {"input_ids": torch.arange(tokens, dtype=torch.int32), "loss_mask": torch.ones(mask_n, dtype=torch.uint8),
+               "hidden_states.raw": torch.randn(*shape).bfloat16()}
+    _framed(store, meta, tensors, md)
+    report = verify_shard(store, "x.lts", decode=True)
+    assert not report.ok and "s0" in report.error
+    with pytest.raises(ShardError, match="s0"):
+        ShardReader(store, "x.lts").read(0)
+
+
+def test_a_record_that_fits_its_head_still_reads(store):
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[1, 5], hidden_size=8, codec="bf16")
+    _framed(store, meta, {"input_ids": torch.arange(4, dtype=torch.int32), "loss_mask": torch.ones(4, dtype=torch.uint8),
+                          "hidden_states.raw": torch.randn(4, 2, 8).bfloat16()},
+            {"sample_id": "s0", "num_tokens": "4", "codec": "bf16", "hidden_states.shape": "4,2,8"})
+    assert verify_shard(store, "x.lts", decode=True).ok
+    assert tuple(ShardReader(store, "x.lts").read(0).hidden_states.shape) == (4, 2, 8)
+
+
+def _hand_built(head: bytes, foot: bytes) -> bytes:
+    """A shard of no records from a HEAD and a FOOT payload, with a correct content hash ("HASH")."""
+    from layertap.storage.format import HEAD, MAGIC
+
+    b = PREAMBLE.pack(MAGIC, 1, 0) + frame_header(HEAD, head) + head
+    off = len(b)
+    foot = foot.replace(b"HASH", xxhash.xxh3_128_hexdigest(b).encode())
+    return b + frame_header(FOOT, foot) + foot + TRAILER.pack(off, TRAILER_MAGIC)
+
+
+_HEAD = (b'{"codec":"bf16","format":"layertap-shard","format_version":1,"run_id":"r","shard_id":0,"model":"m",'
+         b'"layers":[1],"hidden_size":8,"extra":{}}')
+_FOOT = b'{"num_records":0,"num_tokens":0,"raw_bytes":0,"records":[],"content_xxh3_128":"HASH","relative_error":null}'
+
+
+@pytest.mark.parametrize("head, foot", [(b'["layertap-shard"]', _FOOT), (_HEAD.replace(b'"extra":{}', b'"extra":"x"'), _FOOT),
+                                        (_HEAD, b'["HASH"]'), (_HEAD, _FOOT.replace(b'"records":[]', b'"records":[7]'))],
+                         ids=["head_list", "extra_text", "foot_list", "entry_int"])
+def test_a_head_or_footer_of_valid_hashes_and_another_shape_is_a_corrupt_shard(tmp_path, capsys, head, foot):
+    """They were AttributeError and TypeError tracebacks out of `verify` and `inspect`."""
+    from layertap.cli import main as cli
+
+    store = LocalStore(str(tmp_path))
+    (tmp_path / "x.lts").write_bytes(_hand_built(head, foot))
+    report = verify_shard(store, "x.lts")
+    assert not report.ok and "corrupt" in report.error
+    with pytest.raises(ShardError):
+        ShardReader(store, "x.lts")
+    assert cli(["inspect", str(tmp_path / "x.lts")]) == 1
+    assert "the shard is corrupt" in capsys.readouterr().out
+
+
+def test_inspect_shows_a_free_form_produced_by_it_does_not_know_without_failing(tmp_path, capsys):
+    """HEAD `extra` is free-form (FORMAT.md §3): a string `produced_by` failed inspect."""
+    from layertap.cli import main as cli
+
+    (tmp_path / "x.lts").write_bytes(_hand_built(_HEAD.replace(b'"extra":{}', b'"extra":{"produced_by":"gpu"}'), _FOOT))
+    assert cli(["inspect", str(tmp_path / "x.lts")]) == 0
+    assert "OK (every hash verified)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", [3e37, 1e20, 1e-36])
+def test_fp8_error_of_values_far_from_one_is_finite_and_strict_json(tmp_path, value):
+    """Squares in float32 overflowed (NaN written into the footer, which is not JSON) or underflowed
+    (a false 0.0) for values past ~1e18 or below ~1e-18: decoding was fine, the stats were not."""
+    store = LocalStore(str(tmp_path))
+    x = torch.full((2, 1, 8), value, dtype=torch.bfloat16)
+    x[:, :, ::2] = -value * 0.37
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[3], hidden_size=8, codec="fp8")
+    info = write_shard(store, "s.lts", meta, [Sample("a", torch.tensor([1, 2]), torch.tensor([1, 1]), x)])
+    assert 0.001 < info.relative_error < 0.05
+    y = ShardReader(store, "s.lts").read(0).hidden_states.double()
+    real = float(((y - x.double()).norm() / x.double().norm()))
+    assert info.relative_error == pytest.approx(real, rel=1e-3)
+
+    def refuse(constant: str):
+        raise ValueError(constant)
+
+    footer = ShardReader(store, "s.lts").footer
+    assert json.loads(json.dumps(footer), parse_constant=refuse)["relative_error"] == info.relative_error

@@ -164,8 +164,16 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
                         "a verifier: pass --verifier with the model's safetensors folder or hub id", gguf, name)
     path = os.path.join(name, "config.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            return name, json.load(f)
+        try:
+            with open(path, "rb") as f:
+                verifier_config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InputError(f"the verifier's {path} cannot be read as a model config ({type(e).__name__}: {e}); pass "
+                             "--verifier with the model's own folder") from None
+        if not isinstance(verifier_config, dict):
+            raise InputError(f"the verifier's {path} is not a model config (a JSON object); pass --verifier with the "
+                             "model's own folder")
+        return name, verifier_config
     log.warning("the verifier %r is not a local folder with a config.json: the config states no verifier "
                 "architectures and max_position_embeddings 32768, and whether vLLM can serve the capture layers "
                 "is not checked; pass --verifier with the model's local folder", name)
@@ -212,6 +220,10 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
     renamed = speculators_weights(config, weights)
     name, verifier_config = _verifier(config, verifier)
     text = (verifier_config or {}).get("text_config") or verifier_config or {}
+    if bad := [key for key in ("hidden_size", "vocab_size", "num_hidden_layers")
+               if text.get(key) is not None and (isinstance(text[key], bool) or not isinstance(text[key], int))]:
+        raise InputError(f"the verifier {name}'s config.json gives {', '.join(f'{k} {text[k]!r}' for k in bad)}, not "
+                         "whole numbers; pass --verifier with the model's own folder")
     if diffs := [f"{key} {text[key]} (the drafter's target: {ours})"
                  for key, ours in (("hidden_size", config.hidden_size), ("vocab_size", config.vocab_size))
                  if text.get(key) is not None and int(text[key]) != ours]:
