@@ -234,6 +234,52 @@ def test_a_follow_epoch_is_not_replayed_over_a_shard_redone_with_other_counts(tm
         next(iter(resumed(uri, state)))
 
 
+def _mid_later_epoch(uri: str, samples: int) -> tuple[dict, list[str]]:
+    """A follow stream's state `samples` into the epoch after the follow epoch, and the samples the
+    uninterrupted epoch yields after it."""
+    stream = ShardStream(uri, config=StreamConfig(**FOLLOW))
+    list(stream)  # the follow epoch
+    it = iter(stream)
+    for _ in range(samples):
+        next(it)
+    state = json.loads(json.dumps(stream.state_dict()))
+    return state, [s["sample_id"] for s in it if not s["padding"]]
+
+
+def test_a_later_epoch_resumes_over_a_shard_withdrawn_and_redone_with_the_same_samples(tmp_path):
+    """Past the follow epoch the state held a fingerprint of shard ids and object hashes: a shard
+    withdrawn by `verify` and redone (the same samples in other bytes) failed every resume mid-epoch
+    for good, with "7 shards, 40 samples then, 7 shards, 40 samples now"."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    state, rest = _mid_later_epoch(uri, 5)
+    assert state["epoch"] == 1 and state["settled"] == [[0, 6]]
+    withdraw(uri, 2)
+    redo(uri, 2)
+    assert [s["sample_id"] for s in resumed(uri, state) if not s["padding"]] == rest
+    withdraw(uri, 2)
+    redo(uri, 2, skip=1)  # other samples: another order, which a resume mid-epoch cannot continue
+    with pytest.raises(InputError, match="cannot resume this ShardStream mid-epoch"):
+        resumed(uri, state)
+
+
+def test_a_later_epoch_resumes_over_the_set_it_settled_on_though_a_given_up_shard_came_since(tmp_path):
+    """A shard given up ends the follow epoch without it; a second `layertap extract` that redoes
+    it changed the committed set, and every resume mid-epoch after the follow epoch failed for good.
+    The epoch goes on over the set it began with."""
+    from test_follow import give_up
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, shards=[0, 1, 2, 3, 4, 5])
+    give_up(uri, 6)
+    state, rest = _mid_later_epoch(uri, 5)
+    assert state["settled"] == [[0, 5]]
+    assert fake_worker.work(uri, shards=[6]) == [6]
+    again = resumed(uri, state)
+    assert [s["sample_id"] for s in again if not s["padding"]] == rest
+    assert len(again.shards) == 6
+
+
 def test_a_follow_trainer_resumed_before_a_withdrawn_shard_is_redone_is_told_to_redo_it(tmp_path):
     """"Start the epoch over" cannot be done where a --delete-consumed trainer deleted what it read."""
     uri = str(tmp_path / "run")

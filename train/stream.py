@@ -21,6 +21,7 @@ order and skips what was consumed without fetching it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from bisect import bisect_right
@@ -98,7 +99,7 @@ class StreamConfig:
             raise ConfigError(f"decode_threads must be >= 0 (or None: by codec and cores), got {self.decode_threads}")
 
 
-SHARD_SET = ("shards", "num_shards", "num_samples")  # the state's identity keys that name its shard set
+SHARD_SET = ("shards", "num_shards", "num_samples", "settled", "order")  # the identity keys naming its shard set
 
 
 class ShardsChanged(InputError):
@@ -112,6 +113,32 @@ class ShardsChanged(InputError):
 
 def _shard_set(identity: dict[str, Any]) -> str:
     return f"{identity.get('num_shards')} shards, {identity.get('num_samples')} samples"
+
+
+def _id_ranges(ids: Sequence[int]) -> list[list[int]]:
+    """Sorted shard ids as [first, last] runs: a run's settled set in a few numbers, not one a shard."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return runs
+
+
+def _in_ranges(shard: int, runs: Sequence[Sequence[int]]) -> bool:
+    i = bisect_right(runs, [shard, math.inf]) - 1
+    return i >= 0 and runs[i][0] <= shard <= runs[i][1]
+
+
+def _order_digest(shards: Sequence[CommittedShard]) -> str:
+    """What an epoch's order depends on: the shards' ids and their samples, not their bytes (a
+    shard redone after `verify` withdrew it holds the same samples in another object)."""
+    h = xxhash.xxh3_64()
+    for s in shards:
+        h.update(f"{s.shard}:{len(s.sample_ids)}:".encode())
+        h.update("\0".join(s.sample_ids).encode())
+    return h.hexdigest()
 
 
 def auto_decode_threads(codec: str | None, consumers: int = 1) -> int:
@@ -229,6 +256,7 @@ class ShardStream(IterableDataset):
         super().__init__()
         self.config = c = config or StreamConfig()
         self.rank, self.world_size = _rank_world(rank, world_size)
+        self._settled_facts: tuple[list, list, str] | None = None  # (shards, their id runs, order digest)
         if isinstance(prefix, ObjectStore):
             self._given: ObjectStore | None = prefix
             self._given_pid = os.getpid()
@@ -370,6 +398,11 @@ class ShardStream(IterableDataset):
             ident["follow"] = True
         if not follow_epoch:  # the follow epoch's shards are in the state itself ("taken")
             ident.update(shards=self.fingerprint, num_shards=len(self.shards), num_samples=self.total_samples)
+            if c.follow:  # the set settled after the follow epoch, pinned again on resume (`_pin_settled`)
+                if self._settled_facts is None or self._settled_facts[0] is not self.shards:  # once a set
+                    self._settled_facts = (self.shards, _id_ranges([s.shard for s in self.shards]),
+                                           _order_digest(self.shards))
+                ident.update(settled=self._settled_facts[1], order=self._settled_facts[2])
         return ident
 
     def state_dict(self) -> dict[str, Any]:
@@ -393,10 +426,13 @@ class ShardStream(IterableDataset):
         follow_epoch = self.config.follow and int(state.get("epoch", 0)) == 0
         if self.config.follow and not follow_epoch:
             self._settle(force=True)
+            self._pin_settled(state)
         mine = self._identity(follow_epoch)
         mine.setdefault("follow", False)
         saved = dict(state, follow=bool(state.get("follow")))
         differ = [k for k, v in mine.items() if saved.get(k) != v]
+        if "order" in saved and "order" not in differ and "settled" not in differ:
+            differ = [k for k in differ if k != "shards"]  # redone shards, the same samples: the same order
         self.shards_changed = None
         if differ and set(differ) <= set(SHARD_SET):
             # more shards committed (or some withdrawn) since: an epoch not begun takes today's set; one
@@ -421,6 +457,26 @@ class ShardStream(IterableDataset):
                 + "\nconstruct the stream with the saved settings (same run, seed, world size, shuffle settings), "
                   "or start the epoch over without load_state_dict")
         self.position.load_state_dict(state)
+
+    def _pin_settled(self, state: dict[str, Any]) -> None:
+        """Follow mode past the follow epoch: stream the set the state settled on, as the run that
+        saved it would have, though shards were committed since (a given-up shard redone by
+        another `layertap extract`) or redone (withdrawn by `verify`). Their count and samples
+        decide the order, so a resume mid-epoch goes on over them; the rest wait for a training
+        over the whole run. A saved shard that is gone leaves today's set (the identity check
+        then refuses a resume mid-epoch)."""
+        runs = state.get("settled")
+        if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 for r in runs):
+            return  # a state saved before the settled set was recorded
+        pinned = [s for s in self.shards if _in_ranges(s.shard, runs)]
+        if _id_ranges([s.shard for s in pinned]) != runs or len(pinned) == len(self.shards):
+            return
+        log.info("%s: %d shard(s) committed since the saved state settled on %d are left out of this training "
+                 "(its epochs stream the set they started with)", self.uri, len(self.shards) - len(pinned),
+                 len(pinned))
+        self.shards = pinned
+        self.total_samples = sum(len(s.sample_ids) for s in self.shards)
+        self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
 
     # -- iteration -------------------------------------------------------------------------------
 

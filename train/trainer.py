@@ -413,7 +413,10 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
             f"{loader.stream.total_samples} samples in {len(loader.stream.shards)} committed shards now (extraction "
             "went on after training started). An epoch's order depends on its shards, so it cannot go on over "
             f"the new ones: train from the start on all of them (another --out, or delete {cfg.out}/checkpoints). "
-            "A checkpoint at an epoch's end would resume on them; to train while a run is extracted, use --follow"
+            "A checkpoint at an epoch's end would resume on them"
+            + (" (with --follow, an epoch after the follow epoch goes on over the shards it began with, but not "
+               "over one redone with other samples)" if cfg.follow else "; to train while a run is extracted, use "
+               "--follow")
         ) from None
     if cfg.follow and cfg.steps is None and loader.epoch >= cfg.epochs:
         # Saved at the end of the last follow epoch, which ended sooner than the plan allowed for
