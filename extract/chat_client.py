@@ -182,21 +182,28 @@ class ChatClient:
                                 f"not a proxy's page?") from None
 
     async def check(self) -> None:
-        """Before any row: the endpoint answers, serves the model, and accepts a one-token request."""
+        """Before any row: the endpoint answers, serves the model, and accepts a request with the
+        run's own settings (its max_tokens and seed: a server refusing a prompt plus max_tokens
+        past its context, or a seed, accepted a one-token probe and then refused every row, which
+        made an output complete with nothing in it)."""
         served = await self.served_models()
         if served and self.model not in served:
             raise EndpointError(f"model {self.model!r} is not served at {self.where}; it serves {served}: "
                                 f"pass one of these as --model")
         try:
-            await self.complete(PROBE, max_tokens=1)
+            await self.complete(PROBE, seed=self.sampling.get("seed"))
         except Refused as e:
-            raise EndpointError(f"{self.where} refused a one-token request for model {self.model!r}: {e}; "
-                                f"check --model and the server's log") from None
+            raise EndpointError(f"{self.where} refused a request for model {self.model!r} with this run's settings "
+                                f"({', '.join(f'{k} {v}' for k, v in self.sampling.items() if v is not None)}): {e}; "
+                                "check --model, --max-tokens (a server refuses a prompt plus max_tokens past its "
+                                "context), --seed and the server's log") from None
 
     def _request(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
-                 seed: int | None = None) -> dict[str, Any]:
+                 seed: int | None = None, tools: list | None = None) -> dict[str, Any]:
         """The keyword arguments of one chat completion."""
         body = {k: v for k, v in self.sampling.items() if k not in ("seed", "chat_template_kwargs")}
+        if tools:  # the row's tool definitions: the template writes them into the prompt
+            body["tools"] = tools
         template_kwargs = self.sampling.get("chat_template_kwargs")
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
@@ -206,9 +213,10 @@ class ChatClient:
         return {"model": self.model, "messages": messages, "extra_body": extra, **body}
 
     async def complete(self, messages: list[dict[str, Any]], *, max_tokens: int | None = None,
-                       seed: int | None = None) -> Reply:
-        """The assistant's next turn after `messages`."""
-        request = self._request(messages, max_tokens=max_tokens, seed=seed)
+                       seed: int | None = None, tools: list | None = None) -> Reply:
+        """The assistant's next turn after `messages` (given the row's `tools`). A call of a tool
+        is refused at once: its answer would need the tool's result, which regeneration lacks."""
+        request = self._request(messages, max_tokens=max_tokens, seed=seed, tools=tools)
         for tries in range(1, FINISH_TRIES + 1):
             try:
                 r = await self._call(lambda: self.client.chat.completions.create(**request), what="chat completion")
@@ -220,6 +228,9 @@ class ChatClient:
                     choice = r.choices[0]
                     if choice.finish_reason in FINISHED:
                         break
+                    if choice.finish_reason == "tool_calls" or getattr(choice.message, "tool_calls", None):
+                        raise Refused("the answer calls a tool, whose result regeneration cannot give",
+                                      cause="tool_call")
                     problem = f"finish_reason {choice.finish_reason!r}: the answer is cut or empty"
                     cause = f"finish_{choice.finish_reason or 'missing'}"
             log.warning("%s: %s (try %d of %d)", self.where, problem, tries, FINISH_TRIES)

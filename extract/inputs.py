@@ -557,6 +557,8 @@ def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: 
     """
     if raw is None:
         return Skipped(sid, NO_CHAT, "the row has no 'conversations' or 'messages'")
+    if isinstance(raw, (str, bytes, Mapping)) or not hasattr(raw, "__iter__"):  # a TypeError stopped the run
+        return Skipped(sid, BAD_MESSAGE, f"the chat is a {type(raw).__name__}, not a list of messages")
     if not raw:
         return Skipped(sid, EMPTY, "no messages")
     roles = {**_ROLES, **TOOL_ROLES} if extracting else _ROLES

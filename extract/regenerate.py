@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from layertap.extract.chat_client import ChatClient, Refused
+from layertap.extract.chat_client import ChatClient, EndpointError, Refused, api_base
 from layertap.extract.served import serving
 from layertap.manifests.preemption import AsyncStop, StopSignals
 from layertap.manifests.output_lease import OutputLease
@@ -89,15 +90,20 @@ class RegenerateConfig:
         for name in ("concurrency", "max_tokens", "rows_per_part"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {self.temperature} and "
-                              f"{self.top_p}")
+        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:  # NaN fails both
+            raise ConfigError(f"--temperature must be a number >= 0 and --top-p in (0, 1], got {self.temperature} "
+                              f"and {self.top_p}")
+        if not 0 < self.request_timeout_s < math.inf:  # 0 blamed a server that was up: "no connection within 0 s"
+            raise ConfigError(f"--request-timeout must be a number of seconds > 0, got {self.request_timeout_s}")
+        if not 0 <= self.retry_for_s < math.inf:
+            raise ConfigError(f"--retry-for must be a number of seconds >= 0, got {self.retry_for_s}")
 
     def resolved_endpoint(self) -> str:
         """--endpoint with its $VARIABLES expanded (a Slurm task's own port), checked."""
         endpoint = os.path.expandvars(self.endpoint)
         if "$" in endpoint:
             raise ConfigError(f"--endpoint {public_url(self.endpoint)!r} names a variable that is not set here")
+        api_base(endpoint)  # its form (scheme, port), before the output's lease is taken and --serve starts
         return endpoint
 
     def sampling(self) -> dict[str, Any]:
@@ -126,6 +132,7 @@ class Totals:
     completion_tokens: int = 0
     dropped_turns: int = 0  # assistant turns before a row's first user turn (`normalize_chat`): not regenerated
     refused_reasons: dict[str, int] = field(default_factory=dict)
+    last_refusal: str = ""
 
     @property
     def refused(self) -> int:
@@ -283,6 +290,7 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
                     rate = totals.completion_tokens / max(1e-9, time.monotonic() - t0)
                     bar.set_postfix_str(f"{rate:,.0f} gen tok/s, {totals.refused} refused")
                     if part.finished:
+                        _refuse_a_setting(totals, client.where)  # before a part of its refusals is kept for good
                         write = asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals))
                         write.add_done_callback(on_written)
                         writes.append(write)
@@ -333,7 +341,7 @@ async def _feed(queue: asyncio.Queue, todo: list[int], recipe: Recipe, workers: 
 async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any], index: int, part: _Part,
                       totals: Totals) -> None:
     """Regenerate one row's assistant turns in order, or record why the row was refused."""
-    from layertap.extract.inputs import Skipped, TokenizeStats, normalize_chat, sample_id
+    from layertap.extract.inputs import Skipped, TokenizeStats, normalize_chat, sample_id, tools_of
 
     raw_id = row.get("id")
     row_id = str(raw_id) if raw_id not in (None, "") else str(index)
@@ -343,7 +351,12 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
     totals.dropped_turns += stats.dropped_turns  # counted, as extraction counts them: not dropped in silence
     if isinstance(chat, Skipped):
         return _refuse(part, totals, index, row_id, f"{chat.reason}: {chat.detail}", kind=chat.reason)
-    if chat and chat[-1]["role"] == "user":  # a prompt-only row, or a last prompt left unanswered: answered too
+    tools = tools_of(row, sample_id(row, index))
+    if isinstance(tools, Skipped):
+        return _refuse(part, totals, index, row_id, f"{tools.reason}: {tools.detail}", kind=tools.reason)
+    users = [i for i, m in enumerate(chat) if m["role"] == "user"]
+    if users and not any(m["role"] == "assistant" for m in chat[users[-1]:]):
+        # a prompt-only row, or a last prompt left unanswered (a system turn after it too): answered
         chat.append({"role": "assistant", "content": ""})
     if not any(m["role"] == "assistant" for m in chat):  # a system prompt alone (or nothing)
         return _refuse(part, totals, index, row_id, "no user turn to answer", kind="no_prompt")
@@ -356,7 +369,7 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
             history.append({k: message[k] for k in ("role", "content")})
             continue
         try:
-            reply = await client.complete(history, seed=seed)
+            reply = await client.complete(history, seed=seed, tools=tools)
         except Refused as e:
             return _refuse(part, totals, index, row_id, f"turn {len(finish_reasons) + 1}: {e}", kind=e.kind)
         answer = {"role": "assistant", "content": reply.content}
@@ -365,7 +378,7 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
         history.append(answer)
         finish_reasons.append(reply.finish_reason)
         tokens += reply.completion_tokens
-    part.rows[index] = {"id": row_id, "messages": history,
+    part.rows[index] = {"id": row_id, "messages": history, **({"tools": json.dumps(tools)} if tools else {}),
                         "regenerated": {"row": index, "completion_tokens": tokens, "finish_reasons": finish_reasons}}
     totals.regenerated += 1
     totals.turns += len(finish_reasons)
@@ -373,27 +386,54 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
     totals.completion_tokens += tokens
 
 
+FIRST_REFUSALS = 8  # rows refused alike, none answered yet: the run's settings, not its rows
+
+
+def _refuse_a_setting(totals: Totals, where: str) -> None:
+    """Stop the run where every row so far was refused with one HTTP status and none answered:
+    a setting the server refuses whatever the row (its parts would record every row refused, and
+    a complete output hold nothing). A part is kept for good, so this is said before one is."""
+    if totals.regenerated or totals.refused < FIRST_REFUSALS or len(totals.refused_reasons) != 1:
+        return
+    kind = next(iter(totals.refused_reasons))
+    if kind.startswith("http_"):
+        raise EndpointError(f"{where} refused each of the first {totals.refused} rows ({kind}) and answered none: "
+                            f"a setting of this run, not its rows (last: {totals.last_refusal}); check --max-tokens, "
+                            "--temperature, --top-p, --seed and --chat-template-kwargs against the server, and rerun"
+                            + (f" (the {totals.parts} part(s) already written keep their refusals: `layertap delete` "
+                               "the output to redo them)" if totals.parts else " (no part was written)"))
+
+
 def _refuse(part: _Part, totals: Totals, index: int, row_id: str, reason: str, *, kind: str) -> None:
     """Record a row that cannot be regenerated, with its reason: counted, never dropped silently."""
     log.warning("row %d (%s) refused: %s", index, row_id, reason)
     part.refused.append({"row": index, "id": row_id, "reason": reason, "kind": kind})
     totals.refused_reasons[kind] = totals.refused_reasons.get(kind, 0) + 1
+    totals.last_refusal = reason
 
 
 def _write_part(store: ObjectStore, part: _Part, totals: Totals) -> None:
-    """The part's stats, then the part: its refused rows are in no part, only in its stats, and a
-    crash (or an error) between a part and its stats lost them for good (a committed part is never
-    written again), while status still said complete. A crash before the part leaves stats the
-    rerun writes again. A process that lost the race to another writing the same part keeps that
-    part, and writes the stats again from it (its own refusals of the rows missing there)."""
+    """The part's stats, then the part, then the stats again: its refused rows are in no part, only
+    in its stats, and a crash (or an error) between a part and its stats lost them for good (a
+    committed part is never written again), while status still said complete. A crash before the
+    part leaves stats the rerun writes again. A process that finds the part kept, or loses the
+    race to write it, keeps that part and writes the stats from it (its own refusals of the rows
+    missing there); the winner writes its stats once more after its part, over a loser's."""
     rows = [part.rows[i] for i in sorted(part.rows)]
     body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-    store.put(stats_key(part.part), json.dumps(_stats(part, rows)).encode())
-    if not store.put_if_absent(part_key(part.part), body):
+    stats = json.dumps(_stats(part, rows)).encode()
+    # a part already kept is another process's: its stats are not overwritten with this one's refusals
+    # (which a crash before they are written again from the kept part left disagreeing with it for good)
+    won = False
+    if not store.exists(part_key(part.part)):
+        store.put(stats_key(part.part), stats)
+        won = store.put_if_absent(part_key(part.part), body)
+    if not won:
         log.warning("part %d was written by another process meanwhile; kept that one", part.part)
         kept = [json.loads(line) for line in store.get(part_key(part.part)).decode().splitlines() if line.strip()]
         store.put(stats_key(part.part), json.dumps(_stats(part, kept)).encode())
         return
+    store.put(stats_key(part.part), stats)  # again: a loser of the race may have written its own meanwhile
     totals.parts += 1
     totals.rows += len(part.source)
 

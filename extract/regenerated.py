@@ -60,7 +60,7 @@ def regenerated_fingerprint(path: str, limit: int | None = None) -> str:
 def _fingerprint(recipe: Recipe, parts: list[Any], limit: int | None) -> str:
     listing = "|".join(f"{o.key}:{o.size}:{o.version}" for o in parts)
     content = json.dumps(recipe.to_json(), sort_keys=True) + listing
-    return xxhash.xxh3_128(f"v1|regenerated|{content}|limit={limit}".encode()).hexdigest()
+    return xxhash.xxh3_128(f"v2|regenerated|{content}|limit={limit}".encode()).hexdigest()  # v2: tools
 
 
 def iter_rows(path: str, keys: list[str] | None = None) -> Iterator[dict[str, Any]]:
@@ -100,7 +100,7 @@ def _rows(path: str, keys: list[str], fingerprint: str) -> Iterator[dict[str, An
     """`datasets`' generator; `fingerprint` keys its cache to this exact output."""
     for row in iter_rows(path, keys):
         yield {"id": row["id"], "messages": [{k: m.get(k) for k in MESSAGE_KEYS} for m in row["messages"]],
-               "regenerated": row["regenerated"]}
+               "tools": row.get("tools") or "", "regenerated": row["regenerated"]}
 
 
 MESSAGE_KEYS = ("role", "content", "reasoning_content")
@@ -113,6 +113,7 @@ def _features():
     return datasets.Features({
         "id": text,
         "messages": [{k: text for k in MESSAGE_KEYS}],
+        "tools": text,  # the row's tool definitions as JSON ("" for none), as `inputs.tools_of` reads them
         "regenerated": {"row": datasets.Value("int64"), "completion_tokens": datasets.Value("int64"),
                         "finish_reasons": [text]},
     })

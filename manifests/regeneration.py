@@ -12,9 +12,9 @@ Under the output prefix:
   all of its rows are answered or refused: it is the record that those rows are done, so a
   rerun redoes only missing parts and no row is ever written twice;
 - `stats/{p:06d}.json`: the part's counts (tokens, truncated answers) and its refused rows with
-  their reasons, written just after the part by the process that wrote it (so two processes
-  racing on one part cannot leave one's part with the other's stats; a crash in between leaves
-  a part without stats, whose rows are still counted done);
+  their reasons, written before the part and again after it by the process that wrote it (a
+  crash in between leaves stats the rerun writes again); a process that finds the part kept by
+  another, or loses the race to write it, writes them from the kept part;
 - `tasks/{I:05d}-of-{N:05d}/lease/`: the lease of the `--task I/N` process at work
   (`output_lease`, `task_role`): a second process of the same task waits for it to go stale or is
   refused, one of another split is refused while any task runs (their parts overlap), and
@@ -111,8 +111,20 @@ class Recipe:
             raise InputError(f"{where} lacks {', '.join(missing)}: it was cut or edited. Delete it and rerun the "
                              f"exact `layertap regenerate` command that made the output: it records the recipe "
                              f"again and keeps the parts done")
-        return cls(dataset=raw["dataset"], model=raw["model"], sampling=raw["sampling"],
-                   rows_per_part=int(raw["rows_per_part"]), endpoint=raw.get("endpoint", ""))
+        dataset, rows_per_part = raw["dataset"], raw["rows_per_part"]
+        bad = [f"{name} {value!r}" for name, value, good in (
+            ("dataset", dataset, isinstance(dataset, dict) and type(dataset.get("rows")) is int
+             and dataset["rows"] >= 0),
+            ("rows_per_part", rows_per_part, type(rows_per_part) is int and rows_per_part >= 1),
+            ("model", raw["model"], isinstance(raw["model"], str)),
+            ("sampling", raw["sampling"], isinstance(raw["sampling"], dict))) if not good]
+        if bad:
+            raise InputError(f"{where} holds {', '.join(bad)}: it was cut or edited (dataset is an object with a "
+                             "count of rows, rows_per_part a whole number >= 1). Delete it and rerun the exact "
+                             "`layertap regenerate` command that made the output: it records the recipe again and "
+                             "keeps the parts done")
+        return cls(dataset=dataset, model=raw["model"], sampling=raw["sampling"],
+                   rows_per_part=rows_per_part, endpoint=raw.get("endpoint", ""))
 
     def differences(self, other: Recipe) -> list[str]:
         """What `other` (this command line's recipe) changes: each difference named, run's value first."""

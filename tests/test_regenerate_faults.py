@@ -44,6 +44,8 @@ class FakeServer:
     def __init__(self, answer: Answer = ok):
         self.answer, self.requests = answer, 0
         self.seen: list[tuple[str, str | None]] = []  # each request's path and Authorization header
+        self.bodies: list[dict] = []  # each chat request's body
+        self.refuse: Callable[[dict], str | None] = lambda body: None  # a 400's message for a request's settings
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,6 +69,9 @@ class FakeServer:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 fake.requests += 1
                 fake.seen.append((self.path, self.headers.get("Authorization")))
+                fake.bodies.append(body)
+                if (message := fake.refuse(body)) is not None:
+                    return self.send(400, {"error": {"message": message}})
                 status, content, finish, wait = fake.answer(fake.requests, body["messages"][-1]["content"])
                 time.sleep(wait)
                 if status != 200:
@@ -185,16 +190,22 @@ def test_every_key_of_an_option_that_takes_several_is_masked():
     assert redacted("vllm serve /m --api-key=sk-1 --port 8") == "vllm serve /m --api-key=*** --port 8"
 
 
-def test_a_process_that_loses_the_race_for_a_part_leaves_the_winners_stats(tmp_path):
-    """Two processes finish the same part (a task run twice): the first part written is kept, and
-    the stats are that part's, not the loser's: its refused rows are those the kept part lacks
-    (the loser, which writes its stats before its part, writes them again from the kept one)."""
-    store = open_store(str(tmp_path / "out"))
+def _racing_parts() -> tuple[_Part, _Part]:
+    """Two processes' part 0 of rows 0 and 1: the winner answered row 0, the loser row 1."""
     winner, loser = _Part(0, range(2)), _Part(0, range(2))
     for part, row in ((winner, 0), (loser, 1)):
         part.rows[row] = {"id": str(row), "messages": [], "regenerated": {"row": row, "completion_tokens": 5,
                                                                          "finish_reasons": ["stop"]}}
         part.refused.append({"row": 1 - row, "id": str(1 - row), "reason": "x", "kind": "http_500"})
+    return winner, loser
+
+
+def test_a_process_that_loses_the_race_for_a_part_leaves_the_winners_stats(tmp_path):
+    """Two processes finish the same part (a task run twice): the first part written is kept, and
+    the stats are that part's, not the loser's: its refused rows are those the kept part lacks
+    (the loser, which writes its stats before its part, writes them again from the kept one)."""
+    store = open_store(str(tmp_path / "out"))
+    winner, loser = _racing_parts()
     _write_part(store, winner, Totals())
     _write_part(store, loser, Totals())
     [kept] = [json.loads(line) for line in store.get("parts/000000.jsonl").splitlines()]
@@ -472,3 +483,106 @@ def test_a_recipe_missing_keys_is_an_error_naming_the_file_and_the_keys(tmp_path
     assert cli(["status", str(out)]) == 2
     err = capsys.readouterr().err
     assert "regenerate.json" in err and "dataset, sampling, rows_per_part" in err
+
+
+def test_a_setting_the_server_refuses_is_found_by_the_check_before_any_row(tmp_path, fake):
+    """The check sent a one-token request: a server refusing a prompt plus the run's max_tokens
+    past its context (or its seed) passed it, then refused every row, and the output was
+    complete with nothing in it (a rerun did nothing)."""
+    fake.refuse = lambda body: "exceeds the context of 1024 tokens" if body.get("max_tokens", 0) > 1000 else None
+    cfg = config(tmp_path, fake, max_tokens=2048, seed=7)
+    with pytest.raises(EndpointError, match=r"refused a request for model 'm' with this run's settings .*max_tokens "
+                                            r"2048.*exceeds the context.*check --model, --max-tokens"):
+        regenerate(cfg)
+    assert fake.bodies[-1]["max_tokens"] == 2048 and fake.bodies[-1]["seed"] == 7
+    assert not done_parts(open_store(cfg.out)) and not open_store(cfg.out).exists("regenerate.json")
+
+
+def test_every_row_refused_alike_and_none_answered_stops_the_run_before_a_part_is_kept(tmp_path, fake):
+    """What the check cannot see (the rows' own prompts refused for a setting): a run that went on
+    recorded every row refused, for good."""
+    fake.refuse = lambda body: "seed is not supported" if body["messages"][-1]["content"].startswith("q") else None
+    cfg = config(tmp_path, fake, rows=20, rows_per_part=16)
+    with pytest.raises(EndpointError, match=r"refused each of the first \d+ rows \(http_400\) and answered none.*"
+                                            r"seed is not supported.*\(no part was written\)"):
+        regenerate(cfg)
+    assert not done_parts(open_store(cfg.out))
+    fake.refuse = lambda body: None  # the setting fixed: the rerun answers every row
+    assert regenerate(cfg).regenerated == 20
+
+
+def test_a_last_question_before_a_system_turn_is_answered_and_a_rows_tools_are_sent_and_kept(tmp_path, fake):
+    """`[user, system]` was refused as "no user turn to answer", and a last question followed by a
+    system turn was left unanswered in silence; a row's `tools` were neither sent nor kept."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "u1"},
+                                                        {"role": "system", "content": "one word"}]}) + "\n"
+                    + json.dumps({"id": "b", "tools": tools, "messages": [{"role": "user", "content": "u2"},
+                                                                          {"role": "assistant", "content": "old"}]})
+                    + "\n")
+    cfg = config(tmp_path, fake, dataset=str(data))
+    assert regenerate(cfg).regenerated == 2
+    a, b = iter_rows(cfg.out)
+    assert [m["role"] for m in a["messages"]] == ["user", "system", "assistant"]
+    assert json.loads(b["tools"]) == tools and "tools" not in a
+    assert [body.get("tools") for body in fake.bodies if body["messages"][0]["content"] == "u2"] == [tools]
+
+
+def test_an_answer_that_calls_a_tool_refuses_its_row_at_once(tmp_path, fake):
+    fake.answer = lambda n, prompt: (200, "", "tool_calls", 0.0) if prompt == "q1" else ok(n, prompt)
+    cfg = config(tmp_path, fake, rows=4)
+    regenerate(cfg)
+    assert refused(cfg.out) == [(1, "tool_call")]
+    assert sum(body["messages"][-1]["content"] == "q1" for body in fake.bodies) == 1  # not asked again
+
+
+def test_a_process_finding_the_part_kept_does_not_overwrite_its_stats(tmp_path):
+    """The loser of a race wrote its stats before trying the part: a failure of that write (or a
+    kill) left the kept part with the loser's refusals for good."""
+    store = open_store(str(tmp_path / "out"))
+    winner, loser = _racing_parts()
+    _write_part(store, winner, Totals())
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_if_absent(self, key, data):
+            raise OSError("connection reset")  # the loser's try of the part fails (or it is killed there)
+
+    _write_part(Failing(), loser, Totals())  # finds the part kept: never tries it
+    assert [r["row"] for r in json.loads(store.get(stats_key(0)))["refused"]] == [1]
+
+
+@pytest.mark.parametrize("flag, value, said", [("--temperature", "nan", "--temperature must be a number >= 0"),
+                                               ("--request-timeout", "0", "--request-timeout must be a number"),
+                                               ("--retry-for", "-1", "--retry-for must be a number"),
+                                               ("--endpoint", "http://127.0.0.1:80a/v1", "has a port that is not a number")])
+def test_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path, capsys, flag, value, said):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "q"}]}\n')
+    args = {"--dataset": str(data), "--out": str(tmp_path / "out"), "--endpoint": "http://127.0.0.1:9/v1",
+            "--model": "m", "--serve": "sleep 100", flag: value}
+    assert cli(["regenerate", *[x for kv in args.items() for x in kv]]) == 2
+    assert said in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit", [{"rows_per_part": 0}, {"dataset": "x"}, {"dataset": {"path": "d"}}])
+def test_a_recipe_edited_to_another_shape_is_an_error_naming_the_key(tmp_path, capsys, edit):
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = {"format": "layertap-regenerated/1", "model": "m", "sampling": {}, "rows_per_part": 4,
+              "dataset": {"path": "d", "rows": 8}, **edit}
+    (out / "regenerate.json").write_text(json.dumps(recipe))
+    assert cli(["status", str(out)]) == 2
+    assert f"{next(iter(edit))} " in capsys.readouterr().err
+
+
+def test_a_row_whose_chat_is_not_a_list_is_refused_alone(tmp_path, fake):
+    """`{"messages": 5}` was a TypeError out of a worker that stopped the run, and every rerun."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"id": "x", "messages": 5}\n' + json.dumps({"messages": [{"role": "user", "content": "q"}]})
+                    + "\n")
+    cfg = config(tmp_path, fake, dataset=str(data))
+    assert regenerate(cfg).regenerated == 1 and refused(cfg.out) == [(0, "bad_message")]
