@@ -70,7 +70,9 @@ def run_status(args: argparse.Namespace) -> int:
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
         return EXIT_PROBLEM
-    return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] else EXIT_INCOMPLETE
+    # failed shards say 4 once nothing runs: a running worker may retry them (a script waits on 3)
+    return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] and not s["shards_running"] \
+        else EXIT_INCOMPLETE
 
 
 def outputs_under(store) -> list[tuple[str, str]]:

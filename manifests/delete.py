@@ -59,10 +59,12 @@ def run_delete(args: argparse.Namespace) -> int:
     if not pending and all(is_write_probe(o.key) for o in objects):  # a probe's leftover is no run to delete
         print(f"nothing to delete: no object under {store.uri}")
         return 0
-    nested = nested_outputs(o.key for o in objects)
+    # an upload still in progress is judged as the object it will be: aborting it destroys it alike
+    keys = [o.key for o in objects] + [u.key for u in pending]
+    nested = nested_outputs(keys)
     if nested and not args.force:
         raise Refused(nested_message(store.uri, nested))
-    foreign = foreign_objects([o.key for o in objects], nested)
+    foreign = foreign_objects(keys, nested)
     if foreign and not args.force:
         root = store.uri.rstrip("/")
         raise Refused(f"{store.uri} is a run, and holds {len(foreign):,} object(s) that are not the run's: "

@@ -58,9 +58,6 @@ COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
 CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
-# what a run holds at its top level: a key outside them is not the run's (a user's file put there)
-RUN_TOP_LEVEL = frozenset(p.split("/")[0] for p in (MANIFEST, SHARDS, COMMITS, TALLY, LEASES, FAILURES, GIVEN_UP,
-                                                     REDO, WAITING, SWEEPS, FEED, COMMIT_INDEX, CONSUMED))
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
 _TALLY = re.compile(r"^(\d+)\.r(\d+)\.t(\d+)\.b(\d+)\.x(\d+)\.s(\d+)(?:\.c(\d+))?$")
@@ -229,7 +226,24 @@ def parse_lease(key: str) -> tuple[int, int, float] | None:
     return (int(m.group(1)), int(m.group(2)), float(m.group(3))) if m else None
 
 
+# Every key a run writes, each family by its own name (`data_key`, `commit_key`, `tally_key`, ...): a file
+# of one's own put in one of its folders (shards/README.txt) is no key of the run's, and `delete` refuses it
+_RUN_KEY = re.compile(
+    r"(manifest\.json"
+    r"|shards/\d{6,}-[A-Za-z0-9]+\.lts"
+    r"|commits/\d{6,}\.json"
+    r"|tally/\d+\.r\d+\.t\d+\.b\d+\.x\d+\.s\d+(\.c\d+)?"
+    r"|leases/\d{6,}/\d+\.ttl\d+(\.\d+)?(\.beat-[^/]+)?"
+    r"|(failures|given_up)/\d{6,}/\d{13}-[^/]+"
+    r"|redo/\d{6,}"
+    r"|waiting/[^/]+"
+    r"|sweeps/[0-9a-f]{16}/\d{6,}(\.done)?"
+    r"|feed/\d{13}\.\d{6,}(\.r\d+\.s\d+)?"
+    r"|index/commits\.json\.zst"
+    r"|consumed/(ranks/\d{5,}\.json|shards/\d{6,}|window\.json|trainer\.json))")
+
+
 def is_run_key(key: str) -> bool:
     """Whether `key` (relative to a run's prefix) is one of the run's own objects, the write probe
     layertap may leave at any prefix, or an extraction's log (`--log-dir` may be inside the run)."""
-    return key.split("/", 1)[0] in RUN_TOP_LEVEL or is_write_probe(key) or _EXTRACT_LOG.search(key) is not None
+    return _RUN_KEY.fullmatch(key) is not None or is_write_probe(key) or _EXTRACT_LOG.search(key) is not None

@@ -125,7 +125,10 @@ def _decode(raw: bytes | dict, where: str, kind: str, cls):
         obj = dict(raw) if isinstance(raw, dict) else json.loads(raw)
         if obj.get("kind") != kind:
             raise ValueError(f"expected a {kind} record, found {obj.get('kind')!r}")
-        if obj.get("version") != RECORD_VERSION:
+        version = obj.get("version")
+        if type(version) is not int or version < 1:  # damage, not a newer layertap: `verify` withdraws it
+            raise ValueError(f"its version is {version!r}, not a record version")
+        if version != RECORD_VERSION:
             raise UnsupportedVersion(f"{where}: {kind} record version {obj.get('version')} is not supported "
                                 f"(this layertap reads {RECORD_VERSION}); use a matching layertap release")
         del obj["kind"], obj["version"]

@@ -87,7 +87,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
             with_failures.append(plan.id)
         elif state == "running":
             running.append(plan.id)
-    tallies = _tallies(store, st)
+    tallies, unreadable = _tallies(store, st)
     samples = sum(t["records"] for t in tallies.values())
     tokens = sum(t["tokens"] for t in tallies.values())
     stored = sum(t["bytes"] for t in tallies.values())
@@ -149,7 +149,9 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "failed_ranges": shard_ranges(failed_ids),  # every failed shard, as "3-17, 40"
         "interrupted_ranges": shard_ranges(stopped_ids),
         "stale_commits": st.stale_commits,
-        "problem": str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits else None,
+        "problem": (str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits
+                    else f"{len(unreadable)} commit record(s) cannot be read, their shards not counted: "
+                         f"{unreadable[0]}" if unreadable else None),
         "consumption": consumption,
         "window": (window := recorded_window(store)),  # the --window extraction runs with (bytes), None without one
         # what the window bounds, measured as its gate measures it: every data object under shards/ (a crashed
@@ -232,7 +234,7 @@ def _committed_key(store: ObjectStore, shard: int) -> str | None:
     key = layout.commit_key(shard)
     try:
         return decode_commit(store.get(key), key).data_key
-    except ObjectNotFound:  # withdrawn while we looked
+    except (ObjectNotFound, ManifestError):  # withdrawn while we looked, or unreadable (`_tallies` says it)
         return None
 
 
@@ -279,18 +281,24 @@ def _average_rate(created_at: str, last_commit: float | None, tokens: int) -> fl
     return round(tokens / max(last_commit - start, 1.0), 1)
 
 
-def _tallies(store: ObjectStore, st: RunState) -> dict[int, dict[str, int]]:
-    """Numbers of each committed shard, from the tally markers' names. A commit whose marker is
-    missing (its writer died between the two writes) is read directly, in memory only: `status`
-    writes nothing (`layertap verify` is the command that repairs)."""
+def _tallies(store: ObjectStore, st: RunState) -> tuple[dict[int, dict[str, int]], list[str]]:
+    """Numbers of each committed shard, from the tally markers' names, and why the commit records
+    that could not be read were not counted. A commit whose marker is missing (its writer died
+    between the two writes) is read directly, in memory only: `status` writes nothing (`layertap
+    verify` is the command that repairs, and withdraws a corrupt one: one such record ended the
+    whole report with exit 2)."""
     tallies = {s: t for s, t in st.tallies.items() if s in st.committed}
     missing = sorted(st.committed - set(tallies))
+    unreadable: list[str] = []
 
     def read(shard: int) -> tuple[int, dict[str, int] | None]:
         key = layout.commit_key(shard)
         try:
-            c = decode_commit(store.get(key), key)
+            c = decode_commit(store.get(key), f"{store.uri.rstrip('/')}/{key}")
         except ObjectNotFound:  # withdrawn while we looked
+            return shard, None
+        except ManifestError as e:
+            unreadable.append(str(e))
             return shard, None
         return shard, {"records": c.num_records, "tokens": c.num_tokens, "bytes": c.bytes,
                        "raw_bytes": c.raw_bytes, "skipped": len(c.skipped), "truncated": c.truncated}
@@ -298,7 +306,7 @@ def _tallies(store: ObjectStore, st: RunState) -> dict[int, dict[str, int]]:
     if missing:
         with ThreadPoolExecutor(min(16, len(missing))) as pool:
             tallies.update({s: t for s, t in pool.map(read, missing) if t is not None})
-    return tallies
+    return tallies, sorted(unreadable)
 
 
 def _failures(store: ObjectStore, st: RunState, shards: list[int],

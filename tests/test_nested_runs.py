@@ -19,7 +19,6 @@ from layertap.manifests.manifest import NoRun, create_or_resume, load_manifest
 from layertap.storage.errors import ConfigError
 from layertap.manifests.regeneration import RECIPE
 from layertap.manifests.train_output import LATEST, METRICS
-from layertap.storage.errors import ConfigError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import open_store
 
@@ -214,3 +213,41 @@ def test_delete_of_a_run_holding_files_of_ones_own_leaves_them_unless_forced(sto
     assert store.get("notes/readme.txt") == b"mine" and store.exists(layout.MANIFEST)
     assert cli(["delete", store_uri, "--yes", "--force"]) == 0
     assert list(store.list()) == []
+
+
+def test_a_file_of_ones_own_inside_one_of_the_runs_folders_is_not_the_runs(store_uri, capsys):
+    """A run's key was any key under one of its folders: shards/README.txt or index/notes.txt went
+    with `delete --yes`, unasked."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    store.put("shards/README.txt", b"mine")
+    store.put("index/notes.txt", b"mine")
+    assert cli(["delete", store_uri, "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert "holds 2 object(s) that are not the run's" in err and "shards/README.txt" in err, err
+    assert store.get("shards/README.txt") == b"mine" and store.exists(layout.MANIFEST)
+
+
+def test_every_key_a_run_writes_is_the_runs():
+    """The other side of the strict names: each family of keys layertap writes counts as the run's."""
+    keys = [layout.MANIFEST, layout.data_key(3, "a1b2"), layout.commit_key(3),
+            layout.tally_key(3, 4, 100, 2000, 8000, 1, 0), layout.lease_key(3, 2, 60.5),
+            layout.beat_key(layout.lease_key(3, 2, 60.5), "tok-1"), layout.failure_key(3, 1, "tok", 2, stopped=True),
+            layout.failure_key(3, 1, "tok", by_store=True), layout.withdrawal_key(3, 1, "tok"),
+            layout.given_up_key(3, 1, "tok"), layout.redo_key(3), layout.waiting_key("tok-9"),
+            layout.feed_key(1, 3, 4, 1), layout.COMMIT_INDEX, layout.consumed_rank_key(2),
+            layout.consumed_marker_key(3), layout.CONSUMED_WINDOW, layout.CONSUMER,
+            "sweeps/0123456789abcdef/000001", "sweeps/0123456789abcdef/000001.done", "logs/extract-rank0.log"]
+    assert [k for k in keys if not layout.is_run_key(k)] == []
+
+
+def test_an_upload_in_progress_to_a_file_of_ones_own_is_not_aborted_unasked(s3_bucket, capsys):
+    """Only finished objects were judged: an unfinished upload to a key not the run's was aborted
+    (destroyed) by `delete --yes` where the same file, finished, was refused."""
+    uri = f"s3://{s3_bucket}/run"
+    fake_worker.work(uri)
+    s3 = open_store(uri).client
+    s3.create_multipart_upload(Bucket=s3_bucket, Key="run/backup/mine.bin")
+    assert cli(["delete", uri, "--yes"]) == 2
+    assert "run/backup/mine.bin" in capsys.readouterr().err
+    assert [u["Key"] for u in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])] == ["run/backup/mine.bin"]

@@ -52,14 +52,23 @@ def test_exit_codes_rate_and_eta(store_uri, capsys):
     assert js["shards_running"] == 1 and js["eta_s"] > 0 and js["rate_until"] == "now"
     store.delete(layout.lease_key(3, 1, 600))
 
-    # A failed shard: exit 4, whatever else is pending.
+    # A failed shard: exit 4 once nothing runs, whatever else is pending.
     fake_worker.work(store_uri, fail_shard=3)
     rc, out, _ = status(capsys, store_uri)
     assert rc == 4 and "FAILED shard 3" in out
     assert status(capsys, store_uri, "--json")[0] == 4
+    # ... but 3 while a worker runs (it may retry the shard): a script waiting on 3 stopped at the first
+    # failure a retry would mend
+    store.delete_many([layout.commit_key(5), *(o.key for o in store.list(f"{layout.TALLY}000005."))])
+    lease = layout.lease_key(5, 1, 600)  # a worker at work on shard 5 (pending again)
+    store.put(lease, b"{}")
+    js = json.loads(status(capsys, store_uri, "--json")[1])
+    assert js["shards_running"] == 1 and js["shards_failed"] == 1
+    assert status(capsys, store_uri)[0] == 3
+    store.delete(lease)
 
     # Complete: exit 0, no ETA; sizes in binary units, as `estimate` prints them.
-    assert fake_worker.work(store_uri) == [3]
+    assert fake_worker.work(store_uri) == [3, 5]
     rc, out, _ = status(capsys, store_uri)
     js = json.loads(status(capsys, store_uri, "--json")[1])
     assert rc == 0 and "COMPLETE" in out and "ETA" not in out and js["shards_done"] == total
@@ -124,9 +133,9 @@ def test_status_writes_nothing(store_uri, capsys):
     tally = next(o.key for o in store.list(layout.TALLY))
     store.delete(tally)
     before = snapshot(store)
-    assert status(capsys, store_uri)[0] == 4
+    assert status(capsys, store_uri)[0] == 3  # a failed shard, and a worker at work: 3 until it ends
     rc, out, _ = status(capsys, store_uri, "--json")
-    assert rc == 4 and json.loads(out)["samples_done"] == sum(
+    assert rc == 3 and json.loads(out)["samples_done"] == sum(
         json.loads(store.get(o.key))["num_records"] for o in store.list(layout.COMMITS))
     assert snapshot(store) == before
 

@@ -262,3 +262,31 @@ def test_verify_meeting_another_runs_shard_withdraws_nothing(tmp_path, capsys):
     assert cli(["verify", ours]) == 2
     assert "Nothing was withdrawn" in capsys.readouterr().err
     assert store.exists(layout.commit_key(0)) and not list(store.list(layout.FAILURES))
+
+
+def test_a_corrupt_commit_without_its_tally_is_a_problem_not_the_end_of_the_report(store_uri, capsys):
+    """Its ManifestError escaped `status` (exit 2, "no run there", with the key named relative to
+    the run), where one bad record is a problem to report (exit 1) beside the rest."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    store.put(layout.commit_key(3), b"{")
+    store.delete_many([o.key for o in store.list(f"{layout.TALLY}000003.")])
+    assert cli(["status", store_uri]) == 1
+    captured = capsys.readouterr()
+    assert "shards" in captured.out
+    assert f"{store_uri.rstrip('/')}/commits/000003.json: corrupt commit record" in captured.err
+    assert "run `layertap verify` to withdraw it" in captured.err
+
+
+def test_a_commit_record_whose_version_is_damaged_is_withdrawn_not_taken_for_a_newer_one(store_uri, capsys):
+    """A null or text version read as "a newer layertap wrote this": verify stopped on the whole
+    run (exit 2) while status called it complete."""
+    import json
+
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    record = json.loads(store.get(layout.commit_key(3)))
+    record["version"] = None
+    store.put(layout.commit_key(3), json.dumps(record).encode())
+    assert cli(["verify", store_uri]) == 1
+    assert not store.exists(layout.commit_key(3))
