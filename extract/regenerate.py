@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field

@@ -77,9 +77,11 @@ def run_delete(args: argparse.Namespace) -> int:
           + (f", and {len(pending)} unfinished upload(s)" if pending else ""))
     if nested:
         print(f"  with the {len(nested)} run(s) or output(s) below it (--force): {_named(store.uri, nested)}")
-    if not args.yes and not _confirmed(store.uri):
-        print("not deleted", file=sys.stderr)
-        return 1
+    if not args.yes:
+        if not _confirmed(store.uri):
+            print("not deleted", file=sys.stderr)
+            return 1
+        describe(store, args.force)  # again: a worker or trainer may have started while the question waited
     deleted = delete_all(store, [o.key for o in objects], args.threads)
     aborted = store.abort_pending_uploads() if pending else 0
     store.remove_empty_folders()

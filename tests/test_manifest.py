@@ -1056,3 +1056,21 @@ def test_status_says_which_running_shards_are_held_by_processes_that_exited_here
     assert cli(["status", store_uri]) == 3
     assert "3 running (1 of them held by processes on this machine that have exited: the next" in \
         capsys.readouterr().out
+
+
+def test_delete_looks_for_writers_again_once_the_question_is_answered(tmp_path, monkeypatch, capsys):
+    """The live writers were looked for before the question only: a worker that started while it
+    waited (seconds, or minutes of a terminal left open) had its run deleted under it."""
+    from layertap.manifests import delete
+
+    prefix = str(tmp_path / "run")
+    fake_worker.work(prefix)
+    store = open_store(prefix)
+
+    def a_worker_starts_meanwhile(uri: str) -> bool:
+        store.put(layout.lease_key(2, 9, 600), b"{}")
+        return True
+
+    monkeypatch.setattr(delete, "_confirmed", a_worker_starts_meanwhile)
+    assert cli(["delete", prefix]) == 2
+    assert "shard" in capsys.readouterr().err and store.exists(layout.MANIFEST)
