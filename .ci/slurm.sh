@@ -8,6 +8,9 @@
 #   .ci/slurm.sh stop DIR         stop the daemons that `start DIR` started (by their pid files)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
+USERS=/run/munge/layertap-clusters  # one empty file per running test cluster that uses munged
+LOCK=/run/munge/layertap.lock
+MUNGED_PID=/run/munge/layertap-munged.pid  # the munged a test cluster started (none: it was already running)
 
 install() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
@@ -23,14 +26,20 @@ start() {
   S=$(realpath -m "$1"); HOST=$(hostname -s)
   mkdir -p "$S"/{state,spool,log}
   # munge: the Debian package generated /etc/munge/munge.key; a daemon already running is reused.
-  if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    mkdir -p /run/munge && chown munge:munge /run/munge
-    # munged runs as munge, which cannot reach a 0700 folder such as pytest's: its pid file goes
-    # in /run/munge and a copy in $S tells `stop` which daemon this cluster started.
-    runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/layertap-munged.pid
-    for _ in $(seq 1 40); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
-    cp /run/munge/layertap-munged.pid "$S/munged.pid"
-  fi
+  # Clusters of parallel test workers share it: each is on record under $USERS while it runs, and
+  # the last to stop stops the daemon a cluster started (the first cluster's stop killed it under
+  # the others: "Munge encode failed", sbatch refused). Under a lock, so a start and a stop never
+  # interleave.
+  mkdir -p /run/munge "$USERS" && chown munge:munge /run/munge
+  (
+    flock 9
+    : > "$USERS/$(printf %s "$S" | md5sum | cut -c1-16)"
+    if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+      # munged runs as munge, which cannot reach a 0700 folder such as pytest's: its pid file goes in /run/munge
+      runuser -u munge -- /usr/sbin/munged --pid-file="$MUNGED_PID" 9>&-  # the daemon must not hold the lock
+      for _ in $(seq 1 40); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+    fi
+  ) 9>"$LOCK"
   CPUS=$(nproc); MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 2048 ))
   # Ports of our own, so a cluster already on this host (or one a crashed run left) is no obstacle.
   read -r CTLD_PORT SLURMD_PORT < <(free_ports 2)
@@ -75,7 +84,15 @@ EOF
 stop() {
   local S
   S=$(realpath -m "$1")
-  stop_pidfiles "$S/slurmd.pid" "$S/slurmctld.pid" "$S/munged.pid"
+  stop_pidfiles "$S/slurmd.pid" "$S/slurmctld.pid"
+  [ -d "$USERS" ] || return 0
+  (
+    flock 9
+    rm -f "$USERS/$(printf %s "$S" | md5sum | cut -c1-16)"
+    if [ -z "$(ls -A "$USERS")" ] && [ -f "$MUNGED_PID" ]; then
+      stop_pidfiles "$MUNGED_PID" && rm -f "$MUNGED_PID"
+    fi
+  ) 9>"$LOCK"
 }
 
 dispatch "$@"
