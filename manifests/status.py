@@ -17,6 +17,7 @@ from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVers
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.units import id_runs
 
 log = logging.getLogger(__name__)
 
@@ -341,12 +342,7 @@ def _newest_details(st: RunState, shards: list[int], summaries: dict[int, dict[s
 def shard_ranges(shards: Iterable[int], limit: int = SHARD_RANGES) -> str:
     """Shard ids as runs of consecutive ones ("3-17, 40"): the first `limit` runs, then how many
     shards the rest hold, so that a report of tens of thousands of shards stays a line."""
-    runs: list[list[int]] = []
-    for s in sorted(shards):
-        if runs and s == runs[-1][1] + 1:
-            runs[-1][1] = s
-        else:
-            runs.append([s, s])
+    runs = id_runs(shards)
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
     rest = sum(b - a + 1 for a, b in runs[limit:])
     return text + (f" and {rest:,} more" if rest else "")

@@ -9,6 +9,7 @@ anything above them say "12.3 MiB" and "3 h 05 min" the same way.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from layertap.storage.errors import ConfigError
 
@@ -30,6 +31,17 @@ def listing(items, limit: int = 10) -> str:
     """The first `limit` of `items` for a message: '3, 7, 9 and 12 more' (one rule, not one per message)."""
     items = list(items)
     return ", ".join(map(str, items[:limit])) + (f" and {len(items) - limit:,} more" if len(items) > limit else "")
+
+
+def id_runs(ids: Iterable[int]) -> list[list[int]]:
+    """Ids as sorted runs of consecutive ones, [[first, last], ...]: tens of thousands of shards in a few numbers."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return runs
 
 
 def duration(seconds: float) -> str:

@@ -45,7 +45,7 @@ from layertap.storage.format import ShardError
 from layertap.storage.reader import check_sample
 from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_configured_store
-from layertap.storage.units import listing, parse_size, size
+from layertap.storage.units import id_runs, listing, parse_size, size
 from layertap.train.buffers import BufferPool
 from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
 from layertap.train.follow import CommitWatcher, wait_for_manifest
@@ -113,17 +113,6 @@ class ShardsChanged(InputError):
 
 def _shard_set(identity: dict[str, Any]) -> str:
     return f"{identity.get('num_shards')} shards, {identity.get('num_samples')} samples"
-
-
-def _id_ranges(ids: Sequence[int]) -> list[list[int]]:
-    """Sorted shard ids as [first, last] runs: a run's settled set in a few numbers, not one a shard."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return runs
 
 
 def _in_ranges(shard: int, runs: Sequence[Sequence[int]]) -> bool:
@@ -400,7 +389,7 @@ class ShardStream(IterableDataset):
             ident.update(shards=self.fingerprint, num_shards=len(self.shards), num_samples=self.total_samples)
             if c.follow:  # the set settled after the follow epoch, pinned again on resume (`_pin_settled`)
                 if self._settled_facts is None or self._settled_facts[0] is not self.shards:  # once a set
-                    self._settled_facts = (self.shards, _id_ranges([s.shard for s in self.shards]),
+                    self._settled_facts = (self.shards, id_runs([s.shard for s in self.shards]),
                                            _order_digest(self.shards))
                 ident.update(settled=self._settled_facts[1], order=self._settled_facts[2])
         return ident
@@ -469,7 +458,7 @@ class ShardStream(IterableDataset):
         if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 for r in runs):
             return  # a state saved before the settled set was recorded
         pinned = [s for s in self.shards if _in_ranges(s.shard, runs)]
-        if _id_ranges([s.shard for s in pinned]) != runs or len(pinned) == len(self.shards):
+        if id_runs([s.shard for s in pinned]) != runs or len(pinned) == len(self.shards):
             return
         log.info("%s: %d shard(s) committed since the saved state settled on %d are left out of this training "
                  "(its epochs stream the set they started with)", self.uri, len(self.shards) - len(pinned),
