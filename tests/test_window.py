@@ -36,6 +36,19 @@ def data_shards(store) -> set[int]:
     return {layout.shard_of(o.key, layout.SHARDS) for o in store.list(layout.SHARDS)}
 
 
+def until_stale(done, timeout: float = 20.0) -> bool:
+    """Whether `done()` holds within `timeout` s. Records age by the store's clock (`ObjectStore.now`),
+    which on S3 has whole seconds and errs towards a store behind ours by the latency of the request
+    that measured it: a record may look up to a second and a busy machine's latency younger than it
+    is, so a test waits for one to go stale rather than sleeping a fixed time."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def test_record_consume_delete_round_trip(store_uri):
     store = open_store(store_uri)
     assert fake_worker.work(store_uri) == list(range(7))
@@ -341,8 +354,7 @@ def test_workers_waiting_behind_the_window_are_on_record_for_status_and_submit(s
     store.put(layout.waiting_key("killed"), b"{}")  # a worker SIGKILLed while it waited
     assert len(waiting_records(store)) == 1
     monkeypatch.setattr(consumption, "WAITING_STALE_S", 1.0)
-    time.sleep(2.1)  # S3's clock is in whole seconds
-    assert waiting_records(store) == []
+    assert until_stale(lambda: waiting_records(store) == [])
     record_consumed(store, rank=0, world_size=1, shards=list(range(7)), step=2)
     delete_consumed(store)  # let the worker finish its shards
     worker.join(60)
@@ -638,9 +650,9 @@ def test_a_waiting_worker_sweeps_the_stale_records_of_killed_ones(store_uri, mon
     store = open_store(store_uri)
     fake_worker.work(store_uri, shards=[0, 1, 2])
     store.put(layout.waiting_key("killed"), b"{}")
-    monkeypatch.setattr(consumption, "WAITING_STALE_S", 1.0)
+    monkeypatch.setattr(consumption, "WAITING_STALE_S", 3.0)  # "alive" below stays fresh for the gate's looks
     monkeypatch.setattr(consumption, "TRAINER_LOOK_S", 0.0)
-    time.sleep(2.1)  # stale (S3's clock is in whole seconds)
+    assert until_stale(lambda: consumption.waiting_records(store) == [])
     store.put(layout.waiting_key("alive"), b"{}")
     keys = lambda: sorted(o.key for o in store.list(layout.WAITING))  # noqa: E731
     seen: list[list[str]] = []
