@@ -953,6 +953,31 @@ def test_prefetched_batches_are_not_counted_until_taken(run):
             assert [p.wait_for_batch()["sample_id"] for _ in range(16 - taken)] == plain[taken:]
 
 
+def test_the_prefetcher_begins_no_epoch_past_the_trainers_last(run):
+    """Past the last step the thread began the next epoch: DataLoader workers started and `depth`
+    batches read for nothing, from shards --delete-consumed was deleting. Given `end_epoch`, it stops
+    at that epoch's start, and a batch asked for past it is an error, not a wait for good."""
+    from layertap.train import ShardStream, StreamConfig, StreamLoader
+    from layertap.train.loader import Prefetcher
+
+    class Counted(StreamLoader):
+        passes = 0
+
+        def __iter__(self):
+            Counted.passes += 1
+            return super().__iter__()
+
+    loader = Counted(ShardStream(run, config=StreamConfig(seed=5, shuffle_buffer=8)), batch_size=4)
+    with Prefetcher(loader, depth=3, end_epoch=1) as p:
+        ends = [p.wait_for_batch()["ends_epoch"] for _ in range(10)]  # 40 samples: 10 batches
+        assert ends == [False] * 9 + [True] and p.state_dict()["epoch"] == 1
+        with pytest.raises(RuntimeError, match="past the last epoch"):
+            p.wait_for_batch()
+        p._thread.join(timeout=60)
+        assert not p._thread.is_alive()
+    assert Counted.passes == 1
+
+
 def test_a_loader_error_reaches_the_training_thread(run):
     from layertap.train import ShardStream, StreamLoader
     from layertap.train.loader import Prefetcher

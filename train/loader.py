@@ -134,14 +134,18 @@ class Prefetcher:
     device copy: it takes a batch whose states are already on the GPU. `wait` adds up the time
     the training thread spent blocked in `wait_for_batch()`: the real data wait. At most `depth` batches
     are ahead of the one being trained on. Each batch carries `ends_epoch`: whether it is its epoch's
-    last, so that a trainer accumulating gradients ends its step there.
+    last, so that a trainer accumulating gradients ends its step there. `end_epoch`: the epoch the
+    thread does not begin (the trainer's last ends before it): past the last step it would start
+    DataLoader workers and read `depth` batches for nothing, from shards that --delete-consumed
+    is deleting; asked for one, `wait_for_batch()` raises instead.
     """
 
     def __init__(self, loader: StreamLoader, device: torch.device | str = "cpu", depth: int = 2,
-                 device_keys: tuple[str, ...] = ("hidden_states", "final_state")):
+                 device_keys: tuple[str, ...] = ("hidden_states", "final_state"), end_epoch: int | None = None):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.loader, self.device, self.device_keys = loader, torch.device(device), device_keys
+        self.end_epoch = end_epoch
         self._state = loader.state_dict()  # as of the last batch taken: none yet
         self.wait = 0.0
         self._next: deque[Any] = deque()  # items `ready()` took off the queue, for the next wait_for_batch() calls
@@ -227,6 +231,9 @@ class Prefetcher:
         epoch = int(self._state["epoch"])
         try:
             while not self._stop.is_set():
+                if self.end_epoch is not None and epoch >= self.end_epoch:
+                    raise RuntimeError(f"a batch was asked for past the last epoch the prefetcher was given "
+                                       f"(epoch {epoch}; it ends before epoch {self.end_epoch})")
                 batches, n = iter(self.loader), 0  # a finished epoch moves on to the next by itself
                 try:
                     while True:

@@ -391,7 +391,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     # follow mode: a step's every batch prefetched, so `_await_data` waits for them all at the step boundary
     depth = prefetch_depth(cfg.grad_accum) if cfg.follow else 2
     with StopSignals(at_once=False) as stop, \
-            Prefetcher(loader, acc.device, depth=depth) as batches:
+            Prefetcher(loader, acc.device, depth=depth, end_epoch=cfg.epochs if cfg.steps is None else None) as batches:
         return _loop(_Run(cfg=cfg, acc=acc, ddp_model=ddp_model, model=model, params=params, optimizer=optimizer,
                           batches=batches, out=out, metrics=metrics, stop=stop, total=total, stream=stream,
                           data=data, distill=distill, lease=lease), start)
