@@ -63,8 +63,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
         if only is None or name == only:
             getattr(importlib.import_module(module), f"add_{name.replace('-', '_')}")(p)
+    _verbose_anywhere(parser)
     _hint_attached_values(parser)
     return parser
+
+
+def _verbose_anywhere(p: argparse.ArgumentParser) -> None:
+    """`-v` after the command too (`layertap status RUN -v`), and so through `python -m
+    layertap.extract` and `accelerate launch -m layertap.train`, which put the command first. On
+    every parser below the top; SUPPRESS keeps a subcommand's absent flag from undoing a top-level one."""
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help="debug logging (also before the command)")
+                _verbose_anywhere(sub)
 
 
 def _command_in(argv: list[str]) -> str | None:

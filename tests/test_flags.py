@@ -38,7 +38,7 @@ def test_every_field_is_one_flag_whose_help_shows_the_fields_default(command, cl
         assert action.option_strings == [flag_name(f)] and action.default is None  # never overrides --config
         if f.default is not dataclasses.MISSING and f.default is not None and not isinstance(f.default, bool):
             assert "(default " in action.help, f.name
-    assert set(by_dest) - {f.name for f in dataclasses.fields(cls)} == {"help", "config"}
+    assert set(by_dest) - {f.name for f in dataclasses.fields(cls)} == {"help", "config", "verbose"}
 
 
 def test_help_renders_the_field_default():
@@ -99,6 +99,19 @@ def test_a_mistyped_flag_gets_its_commands_usage_and_the_flag_it_was_meant_to_be
         main(["submit", "extract", "--dry-run", "--out", "r", "--nodse", "2"])
     err = capsys.readouterr().err
     assert "usage: layertap submit extract" in err and "(did you mean --nodes?)" in err
+
+
+@pytest.mark.parametrize("argv,verbose", [
+    (["-v", "status", "r"], True), (["status", "r", "-v"], True), (["status", "r"], False),
+    (["extract", "--out", "r", "--verbose"], True),  # `accelerate launch -m layertap.extract ARGS` puts extract first
+    (["-v", "submit", "extract", "--out", "r"], True), (["submit", "extract", "--out", "r", "-v"], True),
+])
+def test_verbose_goes_before_or_after_the_command(argv, verbose):
+    """`-v` was the top level's alone: after the command it was an unrecognized argument, and
+    `python -m layertap.extract` (or `accelerate launch -m layertap.train`) had no way to give it."""
+    from layertap.cli import _command_in, _parse
+
+    assert _parse(build_parser(_command_in(argv)), argv).verbose is verbose
 
 
 def test_forced_shard_overlap_is_refused_with_a_window():
