@@ -337,8 +337,8 @@ def _public_url(url: str) -> str:
 # Work that resumes (extraction; training with --resume) goes back in the queue when the time
 # limit stopped it; Slurm's MaxBatchRequeue bounds the loop for a job that never progresses.
 _REQUEUE = """if [ "$warned" = 1 ] && [ "$rc" != 0 ]; then
-  echo "layertap: stopped before the time limit; requeueing ${SLURM_JOB_ID} to resume"
-  scontrol requeue "$SLURM_JOB_ID"
+  echo "layertap: stopped before the time limit; requeueing ${me} to resume"
+  scontrol requeue "$me"
 fi
 """
 

@@ -1083,6 +1083,37 @@ def test_a_stack_dump_asked_of_a_job_leaves_it_running(slurm_cluster, tiny_llama
         subprocess.run(["scancel", job], check=False)
 
 
+def test_a_warned_array_task_stops_and_requeues_itself_alone(slurm_cluster, tmp_path):
+    """The time-limit warning's trap signalled and requeued $SLURM_JOB_ID, which for the array task
+    that started last is the array's own id, and that id is every task of the array: the others
+    were stopped mid-shard, and they and the finished ones went back in the queue. The trap names
+    its own task (ARRAY_TASK) now. The warning goes to the task holding the array's id."""
+    from layertap.slurm.scripts import _header, _output, _script, _srun
+
+    opts = JobOptions(job_name="warn", logs=str(tmp_path / "logs"), chdir=str(tmp_path), cpus_per_task=1, mem="1G")
+    header = _header(opts, ["--array=0-1", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")])
+    script = _script([], header, opts, [], [*_srun(opts, "--nodes=1", "--ntasks=1"), "sleep", "600"], [],
+                     requeue_on_timeout=True)
+    array = sbatch(save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
+    running = lambda: (len(jobs := scontrol_jobs(array)) == 2 and all(j["JobState"] == "RUNNING" for j in jobs)  # noqa: E731
+                       and jobs)
+    try:
+        tasks = wait_for(running, "both tasks to run", 120)
+        [holder] = [j for j in tasks if j["JobId"] == j["ArrayJobId"] == array]
+        [other] = [j for j in tasks if j is not holder]
+        time.sleep(1)  # the step started (`sleep` in srun), so the warning has a step to stop
+        subprocess.run(["scancel", "--batch", "--signal=USR1", f"{array}_{holder['ArrayTaskId']}"], check=True)
+        wait_for(lambda: [j for j in scontrol_jobs(f"{array}_{holder['ArrayTaskId']}") if j.get("Restarts") == "1"],
+                 "the warned task to requeue itself", 60)
+        time.sleep(2)
+        [now] = scontrol_jobs(f"{array}_{other['ArrayTaskId']}")
+        assert (now["JobState"], now["Restarts"]) == ("RUNNING", "0"), now
+        log = (tmp_path / "logs" / f"warn-{array}_{holder['ArrayTaskId']}.out").read_text()
+        assert f"requeueing {array}_{holder['ArrayTaskId']} to resume" in log, log
+    finally:
+        subprocess.run(["scancel", array], check=False)
+
+
 def test_two_signals_at_once_leave_the_store_consistent(tiny_llama, tmp_path):
     """Slurm signals every process of a job and a launcher passes signals on too: a worker may get
     SIGTERM twice or more. The first stops it; the others must not break off its cleanup."""
