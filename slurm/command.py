@@ -82,8 +82,9 @@ def add_submit(p: argparse.ArgumentParser) -> None:
                    help="static ranges: task i does shards [i*K, (i+1)*K) of the run, and only tasks with unfinished "
                         "shards are started (default: dynamic, every task takes any free shard through leases)")
     g.add_argument("--then-train", metavar="ARGS",
-                   help="then submit `layertap train ARGS` (one quoted string), started only if every array task "
-                        "succeeds (afterok); it takes this command's Slurm options, and --train-nodes")
+                   help="then submit `layertap train ARGS` (one quoted string; its --data is this --out), started "
+                        "only if every array task succeeds (afterok); it takes this command's Slurm options, and "
+                        "--train-nodes")
     g.add_argument("--train-while-extracting", metavar="ARGS",
                    help="also submit `layertap train --follow ARGS` (one quoted string; its --data is this --out), "
                         "with no dependency: it trains on shards as they are committed, starting before or during "
@@ -269,8 +270,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
         raise ConfigError("--window with --then-train: the array would wait, its window full, for a trainer that starts "
                           "only once the array has finished; train alongside it instead (--train-while-extracting "
                           "'... --delete-consumed'), or leave out --window")
-    train = _then_train(args, gpus, nodes) if args.then_train is not None else \
-        _then_train(args, gpus, nodes, follow=cfg) if args.train_while_extracting is not None else None
+    train = _then_train(args, gpus, nodes, cfg) if args.then_train is not None else \
+        _then_train(args, gpus, nodes, cfg, follow=True) if args.train_while_extracting is not None else None
     store = open_configured_store(cfg.out, cfg.s3)
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
@@ -482,14 +483,15 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
                       f"train {after} --after <the new array's job id> <the --then-train arguments>`")
 
 
-def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], follow=None) -> tuple[Any, str] | None:
-    """The training job to chain: `--then-train` parsed (and so checked) by `layertap train`'s parser;
-    with `follow` (the extraction's settings), `--train-while-extracting`'s, made a follow trainer of
-    the extraction's --out."""
+def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], extraction,
+                follow: bool = False) -> tuple[Any, str] | None:
+    """The training job to chain to the extraction (its settings, `extraction`): `--then-train`
+    parsed (and so checked) by `layertap train`'s parser, its --data the extraction's --out; with
+    `follow`, `--train-while-extracting`'s, made a follow trainer of it."""
     from layertap.slurm.scripts import train_script
 
-    flag = "--then-train" if follow is None else "--train-while-extracting"
-    given = args.then_train if follow is None else args.train_while_extracting
+    flag = "--then-train" if not follow else "--train-while-extracting"
+    given = args.then_train if not follow else args.train_while_extracting
     add_train = _train_parser()
     if add_train is None:
         raise ConfigError(f"{flag}: `layertap train` is not available in this installation (no train.command)")
@@ -503,14 +505,15 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], fol
         raise ConfigError(f"{flag} {given!r}: {e}") from None
     if extra:
         raise ConfigError(f"{flag} {given!r}: `layertap train` does not take {' '.join(extra)}")
-    train_cfg = _follow_the_extraction(targs, follow, given) if follow is not None else \
+    _read_the_extraction(targs, extraction, f"{flag} {given!r}")
+    train_cfg = _follow_the_extraction(targs, extraction, given) if follow else \
         _train_config(targs, f"{flag} {given!r}: ")
     if (why := _no_trainer_needed(train_cfg)) is not None:
         _say(args, f"{why}: no training job")
         return None
     topts = _train_options(args, gpus, train_cfg, nodes, job_name="layertap-train")
-    if follow is not None and follow.window is not None:
-        _check_window(follow, train_cfg, args.train_nodes * topts.procs)
+    if follow and extraction.window is not None:
+        _check_window(extraction, train_cfg, args.train_nodes * topts.procs)
     return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
 
 
@@ -588,14 +591,21 @@ def _check_window(cfg, train_cfg, ranks: int) -> None:
               "or lower --shard-bytes, --shuffle-buffer, --batch-size or --num-workers", file=sys.stderr)
 
 
-def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
-    """`--train-while-extracting`'s trainer: --follow, its --data the extraction's --out, and, when
-    the extraction holds to a --window, --delete-consumed (else the window never opens again and
-    the extraction waits forever). Checked as `layertap train` will check it; its settings."""
+def _read_the_extraction(targs: argparse.Namespace, cfg, where: str) -> None:
+    """A chained trainer's --data is the extraction's --out (given, or set to it): one naming
+    another run was chained to an extraction it does not read, and trained on that other run
+    (or, a typo, failed once the whole extraction was done)."""
     if targs.data is not None and _store_location(targs.data) != _store_location(cfg.out):
-        raise ConfigError(f"--train-while-extracting {given!r}: its --data {targs.data} is not the extraction's "
-                          f"--out {cfg.out}: leave --data out (it is set to --out)")
-    targs.data, targs.follow = cfg.out, True
+        raise ConfigError(f"{where}: its --data {targs.data} is not the extraction's --out {cfg.out}: leave --data "
+                          "out (it is set to --out)")
+    targs.data = cfg.out
+
+
+def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
+    """`--train-while-extracting`'s trainer: --follow, and, when the extraction holds to a
+    --window, --delete-consumed (else the window never opens again and the extraction waits
+    forever). Checked as `layertap train` will check it; its settings."""
+    targs.follow = True
     train_cfg = _train_config(targs, f"--train-while-extracting {given!r}: ")
     if cfg.window is not None and not train_cfg.delete_consumed:
         raise ConfigError(f"--window with --train-while-extracting {given!r}: the trainer must delete what it has "

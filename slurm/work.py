@@ -28,7 +28,8 @@ DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: array indices go 
 @dataclass(frozen=True, kw_only=True)
 class Remaining:
     run_id: str
-    total: int
+    total: int  # the run's shards
+    selected: int | None = None  # with --shards: how many it names (the counts below are of those)
     done: int
     running: list[int]  # held by live leases
     failed: list[int]  # failure records and no commit; part of `todo`
@@ -50,7 +51,9 @@ class Remaining:
     def summary(self) -> str:
         # as `layertap status` counts them: a preempted or taken-over shard is interrupted, not failed
         stopped = f", {len(self.interrupted)} interrupted" if self.interrupted else ""
-        return (f"{self.total} shards: {self.done} done, {len(self.running)} running, "
+        shards = f"{self.total} shards" if self.selected is None else \
+            f"{self.selected} of the run's {self.total} shards (--shards)"
+        return (f"{shards}: {self.done} done, {len(self.running)} running, "
                 f"{len(self.failed) - len(self.interrupted)} failed, {len(self.todo) - len(self.failed)} pending{stopped}")
 
 
@@ -81,7 +84,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     todo = [s for s, v in states.items() if v in ("failed", "pending")]
     waiting = [w for w in (waiting_workers(store, waiting_records(store)) if todo else [])
                if any(w.may_take(s) for s in todo)]
-    return Remaining(run_id=manifest.run_id, total=total, done=sum(1 for v in states.values() if v == "done"),
+    return Remaining(run_id=manifest.run_id, total=total, selected=None if only is None else len(ids), done=sum(1 for v in states.values() if v == "done"),
                      running=running, failed=failed,
                      interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
                      todo=todo, leases={s: st.live_lease(s).key for s in running},

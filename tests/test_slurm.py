@@ -65,6 +65,9 @@ def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds
     assert (rem.failed, rem.interrupted, rem.todo) == ([3, 4], [4], [2, 3, 4, 5])
     assert rem.summary() == "6 shards: 1 done, 1 running, 1 failed, 2 pending, 1 interrupted"
     assert remaining_work(store, only=[0, 3, 4]).todo == [3, 4]
+    # with --shards the counts are of its shards, and the summary says so (it read "6 shards: 1 done, ...")
+    assert remaining_work(store, only=[0, 3, 4]).summary() == \
+        "3 of the run's 6 shards (--shards): 1 done, 0 running, 1 failed, 0 pending, 1 interrupted"
     with pytest.raises(ValueError, match=r"does not have \(it has shards 0-5\)"):
         remaining_work(store, only=[2, 9])
 
@@ -123,8 +126,8 @@ def test_extract_script_dynamic_on_gpu_nodes(tmp_path):
     assert f'LOG_DIR={tmp_path}/logs/"${{SLURM_JOB_NAME}}-${{TASK}}"' in script  # one log folder per task
     assert "--shards" not in flat  # dynamic: any free shard
     assert script.index("module load cuda/12.4") < script.index('"${cmd[@]}" &')
-    assert "trap 'warned=1; scancel --signal=TERM \"$SLURM_JOB_ID\"" in script  # to the steps, not srun
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in script  # stopped by the time limit: back in the queue
+    assert "trap 'warned=1; scancel --signal=TERM \"$me\"" in script  # to the steps, not srun
+    assert 'scontrol requeue "$me"' in script  # stopped by the time limit: back in the queue
 
 
 def test_extract_script_static_ranges_on_cpu(tmp_path):
@@ -269,7 +272,7 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     assert "#SBATCH --array=10-11%4" in out and "--shards \"$SLURM_ARRAY_TASK_ID\"" in out
     assert "--max-length 64" in out and "--log-dir \"$LOG_DIR\"" in out
     assert "sbatch --parsable --dependency=afterok:<the array's job id> --kill-on-invalid-dep=yes" in out
-    assert "-m layertap.train --data run --out d --model m --steps 3" in " ".join(out.split())
+    assert f"-m layertap.train --data {prefix} --out d --model m --steps 3" in " ".join(out.split())
     assert not (tmp_path / "layertap-logs").exists()  # nothing written
 
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0  # dynamic: a task a shard
@@ -442,25 +445,29 @@ def test_num_workers_from_a_trainers_config_file_size_the_cpus(tmp_path, capsys,
                   "64GiB") == 0
     assert "--mem=176G" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])  # 2 x (24 + 64)
     assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", "--out", str(tmp_path / "fresh"),
-                  "--then-train", f"--data x --out d --config {config}") == 0
+                  "--then-train", f"--out d --config {config}") == 0
     assert "--cpus-per-task=32" in sbatch_options(dry_run_scripts(capsys.readouterr().out)["layertap-train"])
 
 
-def test_the_follow_trainers_data_may_name_the_extractions_out_another_way(tmp_path, capsys, monkeypatch):
-    """--train-while-extracting's --data is compared with --out as a store location, not as text: a
-    relative path, a trailing slash, file:// and a symlink name the same folder; another one is refused."""
+@pytest.mark.parametrize("flag", ["--train-while-extracting", "--then-train"])
+def test_the_chained_trainers_data_may_name_the_extractions_out_another_way(flag, tmp_path, capsys, monkeypatch):
+    """A chained trainer's --data is compared with --out as a store location, not as text: a
+    relative path, a trailing slash, file:// and a symlink name the same folder; another one is
+    refused. (--then-train took any: its training was chained to an extraction it did not read.)"""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
     (tmp_path / "runs").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "runs")
     out = str(tmp_path / "runs" / "a")
     base = ("extract", "--dry-run", "--nodes", "1", "--out", out)
-    for data in ("./runs/a", "runs/a/", f"file://{out}", f"{tmp_path}/link/a", f"{tmp_path}/runs/./b/../a"):
-        assert submit(*base, "--train-while-extracting", f"--data {data} --out d") == 0, data
+    follow = " --follow" if flag == "--train-while-extracting" else ""
+    for data in ("./runs/a", "runs/a/", f"file://{out}", f"{tmp_path}/link/a", f"{tmp_path}/runs/./b/../a", None):
+        assert submit(*base, flag, f"--data {data} --out d" if data else "--out d") == 0, data
         train = " ".join(dry_run_scripts(capsys.readouterr().out)["layertap-train"].split())
-        assert f"-m layertap.train --data {out} --out d --follow" in train, data
-    assert submit(*base, "--train-while-extracting", "--data runs/ab --out d") == 2
-    assert f"its --data runs/ab is not the extraction's --out {out}" in capsys.readouterr().err
+        assert f"-m layertap.train --data {out} --out d{follow}" in train, data
+    assert submit(*base, flag, "--data runs/ab --out d") == 2
+    assert f"{flag} '--data runs/ab --out d': its --data runs/ab is not the extraction's --out {out}" \
+        in capsys.readouterr().err
     from layertap.slurm.command import _store_location as store_location
 
     assert store_location("s3://b/runs/a/") == store_location("s3://b/runs/a") == store_location("s3://b//runs/a")
@@ -545,7 +552,7 @@ def test_then_train_with_shards_is_refused_while_the_rest_of_the_run_is_unfinish
     store.put(layout.lease_key(3, 1, 600), json.dumps({"holder": {"host": "n1", "pid": 7, "rank": 0,
                                                                   "job_id": "4242_0", "token": "t"}}).encode())
     base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--nodes", "1", "--shards", "0")
-    then_train = ("--then-train", "--data run --out d")
+    then_train = ("--then-train", "--out d")
     assert submit(*base, *then_train) == 2
     err = capsys.readouterr().err
     assert "shards 1-5 of the run, outside --shards, are not committed" in err and "Submit without --shards" in err
@@ -601,7 +608,7 @@ def test_cpus_and_memory_are_sized_from_the_job(tmp_path, capsys, monkeypatch):
     assert weights > 0 and not gguf
     fresh = str(tmp_path / "fresh")
     assert submit("extract", "--dry-run", "--nodes", "2", "--gpus-per-node", "8", "--model", model, "--out", fresh,
-                  "--then-train", "--data x --out d --num-workers 2") == 0
+                  "--then-train", "--out d --num-workers 2") == 0
     scripts = dry_run_scripts(capsys.readouterr().out)
     extract, train = sbatch_options(scripts["layertap-extract"]), sbatch_options(scripts["layertap-train"])
     # Extraction: 8 workers x (8 encode threads + 2); 8 x 16 GiB + the safetensors once (page cache).
@@ -711,8 +718,9 @@ def test_the_trainers_arguments_are_checked_at_submission(tmp_path, capsys, monk
     prefix = str(tmp_path / "run")
     planned_run(prefix, 2)
     base = ("extract", "--dry-run", "--nodes", "1", "--out", prefix, "--max-length", "64")
-    for given, message in [("--out d", "missing --data"),
-                           ("--data run --out d --epochs 0", "--epochs must be >= 1, got 0"),
+    assert submit("train", "--dry-run", "--out", "d") == 2
+    assert "error: missing --data" in capsys.readouterr().err  # --then-train's is the extraction's --out
+    for given, message in [("--data run --out d --epochs 0", "--epochs must be >= 1, got 0"),
                            ("--data run --out d --lr -1", "--lr must be positive"),
                            ("--data run --out d --delete-consumed", "--delete-consumed needs --follow")]:
         assert submit(*base, "--then-train", given) == 2, given

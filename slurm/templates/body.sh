@@ -1,5 +1,5 @@
 # This task by its array name (JOB_TASK): the task that started last has the array's own job id as
-# SLURM_JOB_ID, and that id to scancel and scontrol requeue is every task of the array.
+# SLURM_JOB_ID, and that id, signalled or requeued, is every task of the array.
 me="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
 me="${me:-$SLURM_JOB_ID}"
 echo "layertap: Slurm job ${me} on $(hostname), restart ${SLURM_RESTART_COUNT:-0}: ${shown[*]}"
