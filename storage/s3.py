@@ -121,6 +121,15 @@ class S3Options:
             raise ConfigError(f"checksum_mode must be when_supported or when_required, not {self.checksum_mode!r}")
 
 
+def _written_by(stamped: float) -> float:
+    """When an object was written at the latest, from its LastModified: S3 (and moto) list whole
+    seconds, rounded down, so an object listed at S was written up to a second later. Counted
+    at S, a lease renewed 0.1 s ago looked a second old, and one of a 1 s TTL stale while its
+    holder renewed it 4 times a second (a live shard taken over); as S + 1, no object looks older
+    than it is. A store that lists milliseconds (radosgw) keeps its stamp."""
+    return stamped + 1.0 if stamped == int(stamped) else stamped
+
+
 class S3Store(ObjectStore):
     def __init__(self, uri: str, options: S3Options | None = None):
         if not uri.startswith("s3://"):
@@ -455,7 +464,7 @@ class S3Store(ObjectStore):
             page = self._call("list", prefix, lambda: self.client.list_objects_v2(
                 Bucket=self.bucket, Prefix=full, **token))
             for obj in page.get("Contents", []):
-                yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), obj["LastModified"].timestamp(),
+                yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), _written_by(obj["LastModified"].timestamp()),
                                  obj.get("ETag", ""))
             if not page.get("IsTruncated"):
                 return

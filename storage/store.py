@@ -51,7 +51,7 @@ class InvalidKey(StoreError, ValueError):
 class ObjectInfo:
     key: str
     size: int
-    modified: float = 0.0  # unix time of the last write, by the store's clock
+    modified: float = 0.0  # unix time of the last write, by the store's clock, at the latest (S3: `S3Store.list`)
     version: str = ""  # changes whenever the object is written again (S3's ETag); "" if unknown
 
 
@@ -146,7 +146,8 @@ class ObjectStore(abc.ABC):
         it, and a machine whose own clock ran ahead by most of a TTL would take live leases for
         stale ones (a worker taking shards over, `status` calling them stale, `delete` running over
         them). The offset is measured once per store object (`_measure_clock_offset`), erring
-        towards a store clock behind ours: objects look younger, never older, than they are."""
+        towards a store clock behind ours, and `modified` is the latest a write may have been:
+        objects look younger, never older, than they are."""
         if self._clock_offset is None:
             measured = self._measure_clock_offset()
             if measured is None:  # not yet measurable (a folder not made yet): our clock, this time

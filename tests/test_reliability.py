@@ -174,7 +174,7 @@ def crash_lane(name: str, base: str, extra: list[str], trials: list[int], args, 
             # a committed shard's, and the next run to end after it went stale removes it.
             committed = {layout.shard_of(o.key, layout.COMMITS) for o in store.list(layout.COMMITS)}
             assert {layout.shard_of(k, layout.LEASES) for k in left} <= committed, left  # leases and their beats
-            time.sleep(2 + 1.5)  # --lease-ttl 2, and S3's whole-second LastModified
+            time.sleep(2 + 2.5)  # --lease-ttl 2, and S3's whole seconds: the Date header and LastModified
             again = forked_cli.start(args(uri, *extra), logfile)  # nothing to do but the sweep
             again.join(300)
             assert again.exitcode == 0, logfile.read_text()[-3000:]

@@ -54,7 +54,7 @@ def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds
     store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker
     store.put(layout.lease_key(2, 1, 0.001), b"{}")  # a dead one: stale at once
     store.put(layout.failure_key(3, 1, "tok"), b"{}")
-    time.sleep(1.6)  # leases age by the store's clock: S3's Date header in whole seconds, and request latency
+    time.sleep(2.6)  # leases age by the store's clock: whole seconds on S3 (its Date header, and LastModified counted at its end), and request latency
     rem = remaining_work(store)
     assert (rem.total, rem.done, rem.running, rem.failed, rem.todo) == (6, 1, [1], [3], [2, 3, 4, 5])
     assert rem.summary() == "6 shards: 1 done, 1 running, 1 failed, 3 pending"

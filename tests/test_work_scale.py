@@ -181,8 +181,12 @@ def _plant_leftovers(store: ObjectStore) -> tuple[str, str]:
 
 
 def _plant_stale(store: ObjectStore, lease: str) -> None:
+    """Past its ttl by the next scan's clock (ours: `_finish` sets the offset 0), which starts before
+    it lists the lease: on S3 a second may pass first (LastModified counts as the end of its second)."""
     store.put(lease, b"{}")
-    time.sleep(0.01)  # past its ttl by the next scan's clock, which starts before it lists the lease
+    [written] = [o.modified for o in store.list(lease) if o.key == lease]
+    while time.time() <= written + 0.01:
+        time.sleep(0.01)
 
 
 def _finish(store_uri: str, manifest: Manifest, sweeps: Sweeps, ranks: range) -> None:
