@@ -857,11 +857,16 @@ def test_train_follow_reaches_its_steps_while_workers_extract(s3_bucket, tmp_pat
     train = subprocess.Popen(
         [sys.executable, "-m", "layertap", "train", "--data", uri, "--model", target, "--out", out, "--follow",
          "--follow-poll-s", "0.5", "--delete-consumed", "--batch-size", "4", "--block-size", "4", "--max-anchors", "8",
-         "--save-every", "4"], env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+         "--save-every", "4"], env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent, stdout=subprocess.DEVNULL,
+        stderr=(log := open(tmp_path / "train.err", "w")))
+    log.close()
+    deadline = time.time() + 180  # the workers start once it waits (a fixed head start was too short on a busy machine)
+    while "waiting for extraction" not in (tmp_path / "train.err").read_text() and train.poll() is None \
+            and time.time() < deadline:
+        time.sleep(0.1)
     finish(start_workers(uri, n=2, slow=0.05))
-    stdout, stderr = train.communicate(timeout=600)
+    train.wait(timeout=600)
+    stderr = (tmp_path / "train.err").read_text()
     assert train.returncode == 0, stderr[-3000:]
     assert "waiting for extraction" in stderr
     lines = _store(out).get("metrics.jsonl").decode().splitlines()

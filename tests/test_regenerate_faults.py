@@ -302,7 +302,7 @@ def serve_config(tmp_path: Path, env: str, endpoint: str = "http://127.0.0.1:{po
     script, port = tmp_path / "served.py", free_port()
     script.write_text(SERVED)
     return config(tmp_path, endpoint=endpoint.format(port=port), serve=f"{env} {sys.executable} {script} {port}",
-                  serve_timeout_s=10.0, **kw)
+                  **{"serve_timeout_s": 10.0, **kw})
 
 
 def test_serve_is_ready_when_its_server_wants_a_key(tmp_path, monkeypatch):
@@ -310,15 +310,16 @@ def test_serve_is_ready_when_its_server_wants_a_key(tmp_path, monkeypatch):
     "not up yet" until --serve-timeout ran out. It sends the client's key now (a Bearer key, or an
     --endpoint's user:password, never in the URL), and a wrong key is said at once by the client."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    wait = 90.0  # --serve-timeout: one waited out would take longer than three servers' starts on a busy machine
     t0 = time.monotonic()
-    assert regenerate(serve_config(tmp_path / "bearer", "AUTH='Bearer sk-test'")).regenerated == 8
+    assert regenerate(serve_config(tmp_path / "bearer", "AUTH='Bearer sk-test'", serve_timeout_s=wait)).regenerated == 8
     basic = "Basic " + base64.b64encode(b"u:pw").decode()
-    assert regenerate(serve_config(tmp_path / "basic", f"AUTH='{basic}'",
-                                   endpoint="http://u:pw@127.0.0.1:{port}/v1")).regenerated == 8
+    assert regenerate(serve_config(tmp_path / "basic", f"AUTH='{basic}'", endpoint="http://u:pw@127.0.0.1:{port}/v1",
+                                   serve_timeout_s=wait)).regenerated == 8
     monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong")
     with pytest.raises(EndpointError, match=r"answered 401 .*the environment variable --api-key-env names"):
-        regenerate(serve_config(tmp_path / "wrong", "AUTH='Bearer sk-test'"))
-    assert time.monotonic() - t0 < 10  # never a --serve-timeout waited out
+        regenerate(serve_config(tmp_path / "wrong", "AUTH='Bearer sk-test'", serve_timeout_s=wait))
+    assert time.monotonic() - t0 < wait  # never a --serve-timeout waited out
 
 
 def test_a_regenerate_killed_outright_takes_its_served_server_with_it(tmp_path):
