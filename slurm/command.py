@@ -577,13 +577,14 @@ def _check_window(cfg, train_cfg, ranks: int) -> None:
     from layertap.storage.units import size
 
     workers, accum = train_cfg.num_workers, train_cfg.grad_accum
-    floor = window_floor(ranks, workers, train_cfg.shuffle_buffer, train_cfg.batch_size, cfg.shard_bytes, accum)
+    shard_bytes = _planned_shard_bytes(cfg)
+    floor = window_floor(ranks, workers, train_cfg.shuffle_buffer, train_cfg.batch_size, shard_bytes, accum)
     if cfg.window < floor:
         buffers = f"{workers} DataLoader workers x " if workers > 1 else ""
         held = batches_in_flight(workers, accum)
         print(f"warning: --window {size(cfg.window)} is below {size(floor)} = {ranks} training ranks x ({buffers}"
               f"--shuffle-buffer {train_cfg.shuffle_buffer} + {held} x --batch-size {train_cfg.batch_size}) x "
-              f"--shard-bytes {size(cfg.shard_bytes)}: each sample in a shuffle buffer or in the {held} batches a "
+              f"--shard-bytes {size(shard_bytes)}: each sample in a shuffle buffer or in the {held} batches a "
               "rank holds before training them (the one in training, those prefetched"
               + (f": a step's {accum} with --grad-accum {accum}" if accum > 2 else "")
               + (", 2 per DataLoader worker" if workers else "")
@@ -599,6 +600,19 @@ def _read_the_extraction(targs: argparse.Namespace, cfg, where: str) -> None:
         raise ConfigError(f"{where}: its --data {targs.data} is not the extraction's --out {cfg.out}: leave --data "
                           "out (it is set to --out)")
     targs.data = cfg.out
+
+
+def _planned_shard_bytes(cfg) -> int:
+    """The shard size of the run at --out where it is planned already (its plan is fixed: a
+    resubmission's --shard-bytes, the default when left out, does not cut it again), else this
+    command's."""
+    from layertap.manifests.manifest import NoRun, UnsupportedVersion, load_manifest
+    from layertap.storage.store import StoreError, open_configured_store
+
+    try:
+        return load_manifest(open_configured_store(cfg.out, cfg.s3)).shard_bytes
+    except (NoRun, UnsupportedVersion, StoreError):
+        return cfg.shard_bytes
 
 
 def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):

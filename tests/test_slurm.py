@@ -370,6 +370,13 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     # 3 nodes x 4 ranks, each sample of a 64-sample shuffle buffer and 3 batches of 4 pinning a 1 GB shard
     assert "--window 186 GiB is below 849 GiB = 12 training ranks x (--shuffle-buffer 64 + 3 x --batch-size 4)" in err
     assert "may stall for good" in err
+    # a run planned already keeps its shard size: the floor is of its shards (1 kB here), not --shard-bytes'
+    # default (1 GiB), which the warning took on a resubmission that left the flag out
+    planned_run(str(tmp_path / "planned"), 3)
+    assert submit(*base[:-4], "--out", str(tmp_path / "planned"), "--max-length", "64", "--train-nodes", "3",
+                  "--window", "200GB", "--train-while-extracting",
+                  "--model m --out d --delete-consumed --save-every 50") == 0
+    assert "is below" not in capsys.readouterr().err
     scripts = dry_run_scripts(out)
     assert set(scripts) == {"layertap-extract", "layertap-train"}
     assert "--window 200GB" in " ".join(scripts["layertap-extract"].split())
