@@ -247,6 +247,8 @@ def _encode_threads(args: argparse.Namespace) -> int | None:
 def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.manifests.manifest import NoRun, refuse_new_run_here
     from layertap.slurm import submit
+    from layertap.slurm.queued import leave_to_queued, queued_tasks
+    from layertap.slurm.queued import tag as queue_tag
     from layertap.slurm.scripts import extract_script
     from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
     from layertap.storage.store import open_configured_store
@@ -273,13 +275,17 @@ def _submit_extract(args: argparse.Namespace) -> int:
     train = _then_train(args, gpus, nodes, cfg) if args.then_train is not None else \
         _then_train(args, gpus, nodes, cfg, follow=True) if args.train_while_extracting is not None else None
     store = open_configured_store(cfg.out, cfg.s3)
+    location = _store_location(cfg.out)
+    queued = queued_tasks(location)
     try:
-        remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
+        remaining = leave_to_queued(remaining_work(store, cfg.shards, _pinned_settings(cfg)), queued)
         _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
     except NoRun:
         remaining = None
         refuse_new_run_here(store)  # what every task would refuse at its start
-        _say(args, f"no run at {store.uri} yet: the first task to start plans it")
+        _say(args, f"no run at {store.uri} yet: the first task to start plans it"
+                   + (f"; {len(queued)} task(s) of {', '.join(sorted({t.array for t in queued}))} are queued for it "
+                      "(squeue)" if queued else ""))
     if args.shards_per_task is not None:
         if remaining is None:
             raise ConfigError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
@@ -290,18 +296,22 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _say(args, f"note: {args.shards_per_task} shard(s) per task keep at most that many of a node's "
                        f"{opts.procs} workers busy")
     else:
-        plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size(), cfg.shards)
+        plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size(), cfg.shards,
+                            queued=remaining.queued_dynamic if remaining is not None else len(queued))
     if args.then_train is not None:
         if cfg.shards is not None:
             _training_needs_the_rest(store, cfg, planned=remaining is not None)
         if remaining is not None:
             _training_waits_for_the_run(store, remaining, plan)
     if not plan.indices:
-        return _nothing_left(args, remaining, train)
+        return _nothing_left(args, remaining, train, queued)
     if remaining is not None and remaining.waited_for:
         _say(args, f"{_waiting_text(remaining)}: left to them; this array is for the other "
                    f"{len(remaining.free)} shard(s)")
-    script = extract_script(opts, plan, tool_argv(args, args._tool_actions))
+    if remaining is not None and remaining.queued:
+        _say(args, f"{_queued_text(remaining)}: left to them; this array is for the rest")
+    tag = queue_tag(location, args.shards_per_task, cfg.shards)
+    script = extract_script(opts, plan, tool_argv(args, args._tool_actions), tag)
     job = _submit_array(args, opts, script, f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}")
     if train:
         alongside = args.train_while_extracting is not None
@@ -396,10 +406,15 @@ def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[in
     return [i for i in indices if i not in running]
 
 
-def _nothing_left(args: argparse.Namespace, remaining, train) -> int:
+def _nothing_left(args: argparse.Namespace, remaining, train, queued) -> int:
     from layertap.slurm.scripts import compress
 
-    if remaining is not None and remaining.waited_for:
+    if remaining is None and queued:
+        _say(args, f"nothing to submit: {len(queued)} task(s) of {', '.join(sorted({t.array for t in queued}))} are "
+                   "queued for this run (squeue), as many as --nodes asks for")
+    elif remaining is not None and remaining.queued:
+        _say(args, f"nothing to submit: {_queued_text(remaining)}")
+    elif remaining is not None and remaining.waited_for:
         # A window run is paced by its training: more tasks would only hold GPUs to wait beside these.
         _say(args, f"nothing to submit: {_waiting_text(remaining)} as it does (`layertap status` says whether the "
                    "trainer runs). To change --window, stop them (scancel their jobs) and submit again")
@@ -450,6 +465,17 @@ def _waiting_text(remaining) -> str:
             f"storage window to take shards {compress(remaining.waited_for)} as training consumes")
 
 
+def _queued_text(remaining) -> str:
+    """'3 task(s) of 1234 are still queued for this run (squeue): shards 4-9 are theirs, and 2 take free shards'."""
+    from layertap.slurm.scripts import compress
+
+    theirs = [f"shards {compress(remaining.queued_for)} are theirs"] if remaining.queued_for else []
+    n = remaining.queued_dynamic
+    dynamic = [f"{n} take{'s' if n == 1 else ''} free shards"] if n else []
+    return (f"{remaining.queued} task(s) of {', '.join(remaining.queued_jobs)} are still queued for this run "
+            f"(squeue): {' and '.join(theirs + dynamic)}")
+
+
 def _training_waits_for_the_run(store, remaining, plan) -> None:
     """Refuse --then-train while shards are running that no task of `plan` waits for (another
     array's, outside this one's static ranges; or all of them, with nothing to submit), or that
@@ -459,6 +485,11 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
     from layertap.slurm.scripts import compress
     from layertap.slurm.work import lease_holders, not_waited_for
 
+    if remaining.queued:
+        after = " ".join(f"--after {j}" for j in remaining.queued_jobs)
+        raise ConfigError(f"{_queued_text(remaining)}: training chained to this submission (--then-train) would start "
+                          "without waiting for them. Submit this without --then-train, then `layertap submit train "
+                          f"{after} --after <the new array's job id, if any> <the --then-train arguments>`")
     if remaining.waited_for:
         raise ConfigError(f"{_waiting_text(remaining)}: training chained to this submission (--then-train) would "
                           "start before they are done, and they are done only as training consumes. Train alongside "

@@ -130,10 +130,13 @@ def compress(ids: list[int]) -> str:
     return ",".join(parts)
 
 
-def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str]) -> str:
+def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str], tag: str | None = None) -> str:
     """One array task per node; its workers (one per GPU, through accelerate) share the task's
-    shards, or any free shard, through leases. Each task logs into its own folder."""
-    header = _header(opts, [f"--array={plan.spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")])
+    shards, or any free shard, through leases. Each task logs into its own folder. `tag`: the
+    Slurm comment that names the run to a later resubmission (`slurm.queued`); an --sbatch
+    --comment, written after it, wins."""
+    job = [f"--array={plan.spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")]
+    header = _header(opts, job + ([f"--comment={tag}"] if tag else []))
     lines = ['TASK="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
              f'LOG_DIR={shlex.quote(opts.logs)}/"${{SLURM_JOB_NAME}}-${{TASK}}"']
     args = [*map(shlex.quote, extract_args), '--log-dir "$LOG_DIR"']

@@ -2,7 +2,8 @@
 
 Remaining work is every shard without a commit that no live lease holds: pending, failed, and
 those whose worker died (its lease went stale). Shards under a live lease belong to a task that
-is still running, so a resubmission while a first array is still going does not double it.
+is still running, so a resubmission while a first array is still going does not double it; the
+tasks still queued in Slurm are left theirs too (`slurm.queued`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,19 @@ class Remaining:
     waiting: int = 0
     waiting_jobs: list[str] = field(default_factory=list)
     waited_for: list[int] = field(default_factory=list)
+    # array tasks still pending in Slurm for this run (`slurm.queued`), their jobs, the shards of
+    # `todo` in the ranges of the static ones, and how many of them are dynamic (each takes free shards)
+    queued: int = 0
+    queued_jobs: list[str] = field(default_factory=list)
+    queued_for: list[int] = field(default_factory=list)
+    queued_dynamic: int = 0
 
     @property
     def free(self) -> list[int]:
-        """What new tasks are for: `todo` less what waiting workers will take as training consumes."""
-        waited = set(self.waited_for)
-        return [s for s in self.todo if s not in waited]
+        """What new tasks are for: `todo` less what waiting workers will take as training
+        consumes, and the ranges of static tasks still queued."""
+        left = set(self.waited_for) | set(self.queued_for)
+        return [s for s in self.todo if s not in left]
 
     def summary(self) -> str:
         # as `layertap status` counts them: a preempted or taken-over shard is interrupted, not failed
@@ -93,12 +101,14 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
 
 
 def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int,
-                 max_array_size: int = DEFAULT_MAX_ARRAY_SIZE, shards: Sequence[int] | None = None) -> ArrayPlan:
+                 max_array_size: int = DEFAULT_MAX_ARRAY_SIZE, shards: Sequence[int] | None = None,
+                 queued: int = 0) -> ArrayPlan:
     """Tasks that each take free shards until none is left: as many as `nodes`, but no more than
     the remaining shards can keep busy (a task with no shard to take would load the model for
     nothing), nor than the cluster's MaxArraySize allows (fewer tasks each take more shards).
     Without a run yet, `nodes` decides: the first task to plan wins, the rest adopt it; with
-    `shards` (extract's --shards), no more tasks than those shards keep busy."""
+    `shards` (extract's --shards), no more tasks than those shards keep busy. `queued` dynamic
+    tasks still pending in Slurm for the run take free shards too: that many fewer are started."""
     if nodes is not None and nodes > max_array_size:
         raise ConfigError(f"--nodes {nodes:,} is above this cluster's MaxArraySize of {max_array_size:,} array tasks: "
                           f"give at most {max_array_size:,} (each task takes free shards until none is left)")
@@ -108,9 +118,9 @@ def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node:
                              "(array tasks to start; the first to plan the run wins, the others adopt its plan)")
         if shards is not None:
             nodes = min(nodes, math.ceil(len(shards) / procs_per_node))
-        return ArrayPlan(indices=list(range(nodes)))
+        return ArrayPlan(indices=list(range(max(0, nodes - queued))))
     useful = min(math.ceil(len(remaining.free) / procs_per_node), max_array_size)
-    return ArrayPlan(indices=list(range(min(nodes or useful, useful))))
+    return ArrayPlan(indices=list(range(max(0, min(nodes or useful, useful) - queued))))
 
 
 def static_plan(remaining: Remaining, shards_per_task: int, max_parallel: int | None,

@@ -72,6 +72,59 @@ def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds
         remaining_work(store, only=[2, 9])
 
 
+def test_tasks_still_queued_for_the_run_are_left_their_shards():
+    """A task holds a lease only once it runs: a resubmission while an array still waited in the
+    queue submitted its work again. squeue's pending tasks carrying the run's tag are left theirs:
+    a static task's range, and a dynamic task one task's share of the free shards."""
+    from layertap.slurm.queued import leave_to_queued, parse_squeue, tag
+
+    run = "s3://b/run 1"
+    listed = "\n".join([f"41_0|{tag(run, 2, None)}", f"41_2|{tag(run, 2, None)}",  # static: shards 0-1 and 4-5
+                        f"42_0|{tag(run, None, None)}", f"42_1|{tag(run, None, None)}",  # dynamic: any shard
+                        f"43_0|{tag(run, None, [9])}",  # dynamic, of shard 9 only (done): counts for nothing
+                        f"44_0|{tag('s3://b/run 12', None, None)}", "45_0|another comment", "46|" + tag(run, None, None)])
+    queued = parse_squeue(listed, run)
+    assert [t.job for t in queued] == ["41_0", "41_2", "42_0", "42_1", "43_0"]
+    rem = Remaining(run_id="r", total=10, done=1, running=[3], failed=[], todo=[0, 1, 2, 4, 5, 6, 7, 8])
+    left = leave_to_queued(rem, queued)
+    assert (left.queued, left.queued_jobs, left.queued_for, left.queued_dynamic) == (4, ["41", "42"], [0, 1, 4, 5], 2)
+    assert left.free == [2, 6, 7, 8]
+    assert dynamic_plan(left, None, 1, queued=left.queued_dynamic).indices == [0, 1]  # 4 free, 2 taken by 42's
+    assert dynamic_plan(left, 3, 1, queued=left.queued_dynamic).indices == [0]  # --nodes 3 in all
+    assert static_plan(left, 2, None).indices == [1, 3, 4]  # shard 2, shards 6-7, shard 8
+    assert leave_to_queued(rem, []).free == rem.todo
+
+
+def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsys, monkeypatch):
+    """`submit extract` asks squeue for the run's pending tasks (their comment names the run): it
+    starts only what they leave, refuses --then-train beside them, and tags its own array."""
+    from layertap.slurm.queued import tag
+
+    monkeypatch.chdir(tmp_path)
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 6)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '77_1|{tag(prefix, 2, None)}'\necho '78_0|{tag(prefix, None, None)}'\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_))
+    base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0")
+    assert submit(*base, "--nodes", "3") == 0
+    out = capsys.readouterr().out
+    assert "2 task(s) of 77, 78 are still queued for this run (squeue): shards 2-3 are theirs and 1 takes free " \
+           "shards: left to them; this array is for the rest" in out
+    assert "#SBATCH --array=0-1\n" in out  # 4 free shards, --nodes 3 in all: 2 more
+    assert f'#SBATCH --comment="{tag(prefix, None, None)}"' in out
+    assert submit(*base, "--shards-per-task", "2") == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=0,2\n" in out and f'#SBATCH --comment="{tag(prefix, 2, None)}"' in out
+    assert submit(*base, "--nodes", "1") == 0
+    assert "nothing to submit: 2 task(s) of 77, 78 are still queued for this run" in capsys.readouterr().out
+    assert submit(*base, "--then-train", "--out d") == 2
+    assert "`layertap submit train --after 77 --after 78 --after <the new array's job id, if any>" \
+        in capsys.readouterr().err
+
+
 def test_array_plans():
     rem = Remaining(run_id="r", total=30, done=20, running=[0], failed=[5], todo=[5, 6, 7, 12, 29])
     assert dynamic_plan(rem, None, 1).indices == [0, 1, 2, 3, 4]  # one task per remaining shard
@@ -788,7 +841,7 @@ def test_counts_of_nodes_tasks_and_shards_must_be_at_least_one(tmp_path, capsys,
     assert "error: --nodes must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "layertap-logs").exists()
     args = argparse.Namespace(parsable=False, dry_run=True)
-    assert _nothing_left(args, None, None) == 0  # no run: no running shards to name
+    assert _nothing_left(args, None, None, []) == 0  # no run: no running shards to name
 
 
 def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path, caplog):
@@ -1094,6 +1147,30 @@ def test_a_stack_dump_asked_of_a_job_leaves_it_running(slurm_cluster, tiny_llama
         time.sleep(3)
         assert [j["JobState"] for j in scontrol_jobs(job)] == ["RUNNING"], log.read_text()[-3000:]
         assert "layertap: exit" not in log.read_text()
+    finally:
+        subprocess.run(["scancel", job], check=False)
+
+
+def test_a_resubmission_while_the_array_waits_in_the_queue_submits_nothing_again(slurm_cluster, tmp_path, capsys,
+                                                                               monkeypatch):
+    """The array's comment names its run, and squeue lists its pending tasks: submitting the same
+    command again while they wait (held here) adds nothing, and a larger --nodes only the rest."""
+    monkeypatch.chdir(tmp_path)
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 6)
+    base = ("extract", "--gpus-per-node", "0", "--cpus-per-task", "1", "--mem", "1G", "--out", prefix,
+            "--max-length", "64")
+    assert submit(*base, "--nodes", "2", "--sbatch=--hold") == 0
+    [job] = submitted(capsys.readouterr().out)
+    try:
+        wait_for(lambda: len(scontrol_jobs(job)) >= 1, "the array to be queued", 30)
+        assert submit(*base, "--nodes", "2", "--dry-run") == 0
+        out = capsys.readouterr().out
+        assert f"nothing to submit: 2 task(s) of {job} are still queued for this run (squeue)" in out
+        assert submit(*base, "--nodes", "3", "--dry-run") == 0
+        out = capsys.readouterr().out
+        assert f"2 task(s) of {job} are still queued for this run (squeue): 2 take free shards" in out
+        assert "#SBATCH --array=0\n" in out
     finally:
         subprocess.run(["scancel", job], check=False)
 

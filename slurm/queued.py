@@ -1,0 +1,99 @@
+"""Extraction tasks still queued in Slurm for a run: what a resubmission leaves to them.
+
+A task holds a lease only once it runs, so leases alone let a resubmission made while an array
+still waits in the queue (an `%N` cap, a busy partition, a task requeued at its time limit)
+submit that array's work again: the second array's tasks start, find the shards taken, and
+hold their nodes to wait on the first one's leases. Each extraction array names its run in its
+Slurm comment (`tag`), and `squeue` lists the pending tasks that carry it: a static task's
+range, and a dynamic task's share of the free shards, are left to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from layertap.slurm.scripts import compress
+from layertap.slurm.work import Remaining
+
+log = logging.getLogger(__name__)
+
+_TAG = re.compile(r"layertap-extract k=(\d+) shards=(\S+) out=(.+)")
+
+
+def tag(location: str, shards_per_task: int | None, shards: Sequence[int] | None) -> str:
+    """The comment an extraction array carries: its run (`location`, one text per store place),
+    its static range size (0: dynamic) and the shards its tasks may take (extract's --shards)."""
+    return f"layertap-extract k={shards_per_task or 0} shards={compress(list(shards)) if shards else 'all'} " \
+           f"out={location}"
+
+
+@dataclass(frozen=True)
+class QueuedTask:
+    job: str  # `123_4`: the array task, as squeue names it
+    shards_per_task: int  # 0: dynamic
+    shards: frozenset[int] | None  # what it may take; None: any of the run's
+
+    @property
+    def array(self) -> str:
+        return self.job.split("_", 1)[0]
+
+    def owns(self, shard: int) -> bool:
+        """A static task's range holds `shard`; a dynamic task may take it."""
+        if self.shards is not None and shard not in self.shards:
+            return False
+        if not self.shards_per_task:
+            return True
+        index = int(self.job.split("_", 1)[1])
+        return index * self.shards_per_task <= shard < (index + 1) * self.shards_per_task
+
+
+def parse_squeue(out: str, location: str) -> list[QueuedTask]:
+    """`squeue -h -r -t PENDING -o '%i|%k'` lines: the tasks tagged with the run at `location`."""
+    found = []
+    for line in out.splitlines():
+        job, _, comment = line.partition("|")
+        m = _TAG.fullmatch(comment.strip())
+        if m is None or m[3] != location or "_" not in job or not job.split("_", 1)[1].isdigit():
+            continue
+        shards = None if m[2] == "all" else frozenset(_expand(m[2]))
+        found.append(QueuedTask(job.strip(), int(m[1]), shards))
+    return found
+
+
+def _expand(spec: str) -> list[int]:
+    """'1-3,7' -> [1, 2, 3, 7] (`compress`'s inverse)."""
+    ids: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        ids += range(int(first), int(last or first) + 1)
+    return ids
+
+
+def queued_tasks(location: str) -> list[QueuedTask]:
+    """The pending array tasks of the run at `location` that squeue shows (every user's it lets
+    this one see); none where squeue is not here or fails (the submission goes on as before)."""
+    if shutil.which("squeue") is None:
+        return []
+    p = subprocess.run(["squeue", "-h", "-r", "-t", "PENDING", "-o", "%i|%k"], capture_output=True, text=True)
+    if p.returncode != 0:
+        log.warning("squeue failed (%s): tasks still queued for this run are not left their shards",
+                    (p.stderr or p.stdout).strip() or f"exit {p.returncode}")
+        return []
+    return parse_squeue(p.stdout, location)
+
+
+def leave_to_queued(remaining: Remaining, queued: list[QueuedTask]) -> Remaining:
+    """`remaining` with what `queued` will do left out of its free shards: a static task's range,
+    and for the dynamic ones their count (`dynamic_plan` starts that many fewer tasks). Tasks
+    with nothing left to take count for nothing."""
+    todo = remaining.free
+    busy = [t for t in queued if any(t.owns(s) for s in todo)]
+    static = [t for t in busy if t.shards_per_task]
+    return replace(remaining, queued=len(busy), queued_dynamic=len(busy) - len(static),
+                   queued_jobs=sorted({t.array for t in busy}, key=int),
+                   queued_for=[s for s in todo if any(t.owns(s) for t in static)])
