@@ -341,6 +341,7 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
     from layertap.manifests.regeneration import Recipe, done_parts, read_recipe
     from layertap.slurm import submit
     from layertap.slurm.resources import regenerate_resources
+    from layertap.slurm.queued import regeneration_tag
     from layertap.slurm.scripts import ArrayPlan, regenerate_script
     from layertap.storage.store import open_store
 
@@ -379,22 +380,37 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
         if not indices:
             return 0
     spec = ArrayPlan(indices=indices, max_parallel=args.max_parallel).spec
-    script = regenerate_script(opts, spec, args.tasks, tool_argv(args, args._tool_actions))
+    script = regenerate_script(opts, spec, args.tasks, tool_argv(args, args._tool_actions),
+                               regeneration_tag(_store_location(cfg.out), args.tasks))
     _submit_array(args, opts, script, f"regeneration array of {len(indices)} task(s), --array={spec}")
     return 0
 
 
 def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[int]:
-    """The tasks of `indices` not at work now (`regeneration.live_tasks`): a resubmission while the
-    array runs would answer their parts twice. A split other than --tasks at work is refused."""
+    """The tasks of `indices` neither at work now (`regeneration.live_tasks`) nor still queued in
+    Slurm (`queued.queued_regeneration`): a resubmission beside them would answer their parts
+    twice. A split other than --tasks at work or queued is refused."""
     from layertap.manifests.regeneration import live_tasks
+    from layertap.slurm.queued import queued_regeneration
     from layertap.slurm.scripts import compress
 
     live = live_tasks(store)
+    queued = queued_regeneration(_store_location(store.uri))
     if other := sorted({n for _, n in live} - {args.tasks}):
         raise ConfigError(f"a regeneration split into {other[0]} tasks is at work on {store.uri} now: its parts and "
                           f"--tasks {args.tasks}'s overlap and would be answered twice. Submit with --tasks {other[0]} "
                           "(its running tasks are left out), or once it has ended")
+    if other := sorted({n for _, n, _ in queued} - {args.tasks}):
+        jobs = ", ".join(sorted({j for _, n, j in queued if n == other[0]}))
+        raise ConfigError(f"a regeneration split into {other[0]} tasks is queued for {store.uri} (Slurm job {jobs}): "
+                          f"its parts and --tasks {args.tasks}'s overlap and would be answered twice. Submit with "
+                          f"--tasks {other[0]} (its queued tasks are left out), or scancel it first")
+    waiting = sorted(i for i, _, _ in queued if i in indices)
+    if waiting:
+        jobs = ", ".join(sorted({j for i, _, j in queued if i in waiting}))
+        _say(args, f"task(s) {compress(waiting)} are still queued (Slurm job {jobs}): left out"
+                   + ("; nothing to submit" if len(waiting) == len(indices) else ""))
+        indices = [i for i in indices if i not in waiting]
     running = sorted(i for i, _ in live if i in indices)
     if running:
         jobs = sorted({str(h.holder.get("slurm_job")) for (i, _), h in live.items() if i in running} - {"None"})

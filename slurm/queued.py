@@ -1,11 +1,12 @@
-"""Extraction tasks still queued in Slurm for a run: what a resubmission leaves to them.
+"""Array tasks still queued in Slurm for a run (or a regeneration): what a resubmission leaves to them.
 
 A task holds a lease only once it runs, so leases alone let a resubmission made while an array
 still waits in the queue (an `%N` cap, a busy partition, a task requeued at its time limit)
 submit that array's work again: the second array's tasks start, find the shards taken, and
 hold their nodes to wait on the first one's leases. Each extraction array names its run in its
 Slurm comment (`tag`), and `squeue` lists the pending tasks that carry it: a static task's
-range, and a dynamic task's share of the free shards, are left to them.
+range, and a dynamic task's share of the free shards, are left to them. Regeneration arrays
+(`regeneration_tag`) likewise: a pending task keeps its index.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from layertap.slurm.work import Remaining
 log = logging.getLogger(__name__)
 
 _TAG = re.compile(r"layertap-extract k=(\d+) shards=(\S+) out=(.+)")
+_REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
 
 
 def tag(location: str, shards_per_task: int | None, shards: Sequence[int] | None) -> str:
@@ -74,17 +76,40 @@ def _expand(spec: str) -> list[int]:
     return ids
 
 
-def queued_tasks(location: str) -> list[QueuedTask]:
-    """The pending array tasks of the run at `location` that squeue shows (every user's it lets
-    this one see); none where squeue is not here or fails (the submission goes on as before)."""
+def _pending() -> str:
+    """squeue's pending array tasks, a line each (`123_4|comment`), every user's it lets this one
+    see; none where squeue is not here or fails (the submission goes on as before)."""
     if shutil.which("squeue") is None:
-        return []
+        return ""
     p = subprocess.run(["squeue", "-h", "-r", "-t", "PENDING", "-o", "%i|%k"], capture_output=True, text=True)
     if p.returncode != 0:
-        log.warning("squeue failed (%s): tasks still queued for this run are not left their shards",
+        log.warning("squeue failed (%s): tasks still queued for this output are not left their work",
                     (p.stderr or p.stdout).strip() or f"exit {p.returncode}")
-        return []
-    return parse_squeue(p.stdout, location)
+        return ""
+    return p.stdout
+
+
+def queued_tasks(location: str) -> list[QueuedTask]:
+    """The pending extraction tasks of the run at `location`."""
+    return parse_squeue(_pending(), location)
+
+
+def regeneration_tag(location: str, tasks: int) -> str:
+    """The comment a regeneration array carries: its output and its split (`--tasks`)."""
+    return f"layertap-regenerate tasks={tasks} out={location}"
+
+
+def queued_regeneration(location: str, listing: str | None = None) -> list[tuple[int, int, str]]:
+    """The pending regeneration tasks of the output at `location` (of `listing`, squeue's lines;
+    default: asked now), as (task index, its split --tasks, its array job)."""
+    found = []
+    for line in (_pending() if listing is None else listing).splitlines():
+        job, _, comment = line.partition("|")
+        array, _, index = job.strip().partition("_")
+        m = _REGENERATION_TAG.fullmatch(comment.strip())
+        if m is not None and m[2] == location and index.isdigit():
+            found.append((int(index), int(m[1]), array))
+    return found
 
 
 def leave_to_queued(remaining: Remaining, queued: list[QueuedTask]) -> Remaining:

@@ -161,11 +161,14 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str], t
     return _script(about, header, opts, lines, launch + args, extract_args, requeue_on_timeout=True)
 
 
-def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: list[str]) -> str:
+def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: list[str],
+                      tag: str | None = None) -> str:
     """One array task per server: task i of `tasks` regenerates the parts p with p % tasks == i,
     through its own server (`--serve` in the arguments) or a shared endpoint. Tasks whose parts
-    are all done are left out of `spec`; a task stopped at the time limit is requeued and resumes."""
-    header = _header(opts, [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")])
+    are all done are left out of `spec`; a task stopped at the time limit is requeued and resumes.
+    `tag`: the Slurm comment that names the output to a later resubmission (`slurm.queued`)."""
+    job = [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")]
+    header = _header(opts, job + ([f"--comment={tag}"] if tag else []))
     launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), *_STEP_SHELL, shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
               *map(shlex.quote, regenerate_args), "--task", f'"$SLURM_ARRAY_TASK_ID/{tasks}"']
     # Array tasks may share a node: a port of the task's own for --serve and --endpoint to name.

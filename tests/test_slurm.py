@@ -125,6 +125,31 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
         in capsys.readouterr().err
 
 
+def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsys, monkeypatch):
+    """Regeneration tasks hold a lease only once they run: one still queued was submitted again
+    beside itself, and both answered its parts. squeue's pending tasks tagged with the output are
+    left out, and a queued split other than --tasks is refused (their parts overlap)."""
+    from layertap.slurm.command import _store_location
+    from layertap.slurm.queued import regeneration_tag
+
+    monkeypatch.chdir(tmp_path)
+    out = str(tmp_path / "regen")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    squeue = bin_ / "squeue"
+    squeue.write_text(f"#!/bin/sh\necho '90_1|{regeneration_tag(_store_location(out), 2)}'\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_))
+    base = ("regenerate", "--dry-run", "--gpus-per-node", "0", "--dataset", "d.jsonl", "--out", out, "--endpoint",
+            "http://h:1", "--model", "m")
+    assert submit(*base, "--tasks", "2") == 0
+    said = capsys.readouterr().out
+    assert "task(s) 1 are still queued (Slurm job 90): left out" in said and "#SBATCH --array=0\n" in said
+    assert f'#SBATCH --comment="{regeneration_tag(_store_location(out), 2)}"' in said
+    assert submit(*base, "--tasks", "3") == 2
+    assert "a regeneration split into 2 tasks is queued for" in capsys.readouterr().err
+
+
 def test_array_plans():
     rem = Remaining(run_id="r", total=30, done=20, running=[0], failed=[5], todo=[5, 6, 7, 12, 29])
     assert dynamic_plan(rem, None, 1).indices == [0, 1, 2, 3, 4]  # one task per remaining shard
