@@ -54,16 +54,31 @@ class QueuedTask:
         return index * self.shards_per_task <= shard < (index + 1) * self.shards_per_task
 
 
-def parse_squeue(out: str, location: str) -> list[QueuedTask]:
-    """`squeue -h -r -t PENDING -o '%i|%k'` lines: the tasks tagged with the run at `location`."""
+# why a pending job waits, when it never will run (squeue's %r): its work is not left to it
+_NEVER = ("DependencyNeverSatisfied",)
+
+
+def _tasks(listing: str) -> list[tuple[str, str]]:
+    """(array task, comment) of `squeue -h -r -t PENDING -o '%i|%r|%k'` lines (the comment last: it
+    may hold a '|'), less the tasks that will never start."""
     found = []
-    for line in out.splitlines():
-        job, _, comment = line.partition("|")
-        m = _TAG.fullmatch(comment.strip())
+    for line in listing.splitlines():
+        job, _, rest = line.partition("|")
+        reason, _, comment = rest.partition("|")
+        if reason.strip() not in _NEVER:
+            found.append((job.strip(), comment.strip()))
+    return found
+
+
+def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
+    """The tasks of `listing` (squeue's lines, `_tasks`) tagged with the run at `location`."""
+    found = []
+    for job, comment in _tasks(listing):
+        m = _TAG.fullmatch(comment)
         if m is None or m[3] != location or "_" not in job or not job.split("_", 1)[1].isdigit():
             continue
         shards = None if m[2] == "all" else frozenset(_expand(m[2]))
-        found.append(QueuedTask(job.strip(), int(m[1]), shards))
+        found.append(QueuedTask(job, int(m[1]), shards))
     return found
 
 
@@ -77,11 +92,11 @@ def _expand(spec: str) -> list[int]:
 
 
 def _pending() -> str:
-    """squeue's pending array tasks, a line each (`123_4|comment`), every user's it lets this one
-    see; none where squeue is not here or fails (the submission goes on as before)."""
+    """squeue's pending array tasks, a line each (`123_4|reason|comment`), every user's it lets
+    this one see; none where squeue is not here or fails (the submission goes on as before)."""
     if shutil.which("squeue") is None:
         return ""
-    p = subprocess.run(["squeue", "-h", "-r", "-t", "PENDING", "-o", "%i|%k"], capture_output=True, text=True)
+    p = subprocess.run(["squeue", "-h", "-r", "-t", "PENDING", "-o", "%i|%r|%k"], capture_output=True, text=True)
     if p.returncode != 0:
         log.warning("squeue failed (%s): tasks still queued for this output are not left their work",
                     (p.stderr or p.stdout).strip() or f"exit {p.returncode}")
@@ -103,10 +118,9 @@ def queued_regeneration(location: str, listing: str | None = None) -> list[tuple
     """The pending regeneration tasks of the output at `location` (of `listing`, squeue's lines;
     default: asked now), as (task index, its split --tasks, its array job)."""
     found = []
-    for line in (_pending() if listing is None else listing).splitlines():
-        job, _, comment = line.partition("|")
-        array, _, index = job.strip().partition("_")
-        m = _REGENERATION_TAG.fullmatch(comment.strip())
+    for job, comment in _tasks(_pending() if listing is None else listing):
+        array, _, index = job.partition("_")
+        m = _REGENERATION_TAG.fullmatch(comment)
         if m is not None and m[2] == location and index.isdigit():
             found.append((int(index), int(m[1]), array))
     return found

@@ -79,10 +79,12 @@ def test_tasks_still_queued_for_the_run_are_left_their_shards():
     from layertap.slurm.queued import leave_to_queued, parse_squeue, tag
 
     run = "s3://b/run 1"
-    listed = "\n".join([f"41_0|{tag(run, 2, None)}", f"41_2|{tag(run, 2, None)}",  # static: shards 0-1 and 4-5
-                        f"42_0|{tag(run, None, None)}", f"42_1|{tag(run, None, None)}",  # dynamic: any shard
-                        f"43_0|{tag(run, None, [9])}",  # dynamic, of shard 9 only (done): counts for nothing
-                        f"44_0|{tag('s3://b/run 12', None, None)}", "45_0|another comment", "46|" + tag(run, None, None)])
+    listed = "\n".join([f"41_0|Priority|{tag(run, 2, None)}", f"41_2|JobArrayTaskLimit|{tag(run, 2, None)}",  # static
+                        f"42_0|Resources|{tag(run, None, None)}", f"42_1|JobHeldUser|{tag(run, None, None)}",  # dynamic
+                        f"43_0|Priority|{tag(run, None, [9])}",  # dynamic, of shard 9 only (done): counts for nothing
+                        f"44_0|Priority|{tag('s3://b/run 12', None, None)}", "45_0|Priority|another | comment",
+                        "46|Priority|" + tag(run, None, None),  # not an array task
+                        f"47_0|DependencyNeverSatisfied|{tag(run, None, None)}"])  # will never start
     queued = parse_squeue(listed, run)
     assert [t.job for t in queued] == ["41_0", "41_2", "42_0", "42_1", "43_0"]
     rem = Remaining(run_id="r", total=10, done=1, running=[3], failed=[], todo=[0, 1, 2, 4, 5, 6, 7, 8])
@@ -105,7 +107,8 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     planned_run(prefix, 6)
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '77_1|{tag(prefix, 2, None)}'\necho '78_0|{tag(prefix, None, None)}'\n")
+    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '77_1|Priority|{tag(prefix, 2, None)}'\n"
+                                 f"echo '78_0|Resources|{tag(prefix, None, None)}'\n")
     (bin_ / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_))
     base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0")
@@ -137,7 +140,7 @@ def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsy
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     squeue = bin_ / "squeue"
-    squeue.write_text(f"#!/bin/sh\necho '90_1|{regeneration_tag(_store_location(out), 2)}'\n")
+    squeue.write_text(f"#!/bin/sh\necho '90_1|Priority|{regeneration_tag(_store_location(out), 2)}'\n")
     squeue.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_))
     base = ("regenerate", "--dry-run", "--gpus-per-node", "0", "--dataset", "d.jsonl", "--out", out, "--endpoint",
