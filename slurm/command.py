@@ -283,9 +283,10 @@ def _submit_extract(args: argparse.Namespace) -> int:
     except NoRun:
         remaining = None
         refuse_new_run_here(store)  # what every task would refuse at its start
+        # no plan to weigh them against: each queued task that may take some of these shards counts
+        queued = [t for t in queued if t.shards is None or cfg.shards is None or t.shards & set(cfg.shards)]
         _say(args, f"no run at {store.uri} yet: the first task to start plans it"
-                   + (f"; {len(queued)} task(s) of {', '.join(sorted({t.array for t in queued}))} are queued for it "
-                      "(squeue)" if queued else ""))
+                   + (f"; {len(queued)} task(s) of {_jobs_of(queued)} are queued for it (squeue)" if queued else ""))
     if args.shards_per_task is not None:
         if remaining is None:
             raise ConfigError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
@@ -303,6 +304,12 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _training_needs_the_rest(store, cfg, planned=remaining is not None)
         if remaining is not None:
             _training_waits_for_the_run(store, remaining, plan)
+        elif queued:
+            after = " ".join(f"--after {t}" for t in sorted({t.array for t in queued}))
+            raise ConfigError(f"{len(queued)} task(s) of {_jobs_of(queued)} are queued for this run (squeue): training "
+                              "chained to this submission (--then-train) would start without waiting for them. Submit "
+                              f"this without --then-train, then `layertap submit train {after} --after <the new "
+                              "array's job id, if any> <the --then-train arguments>`")
     if not plan.indices:
         return _nothing_left(args, remaining, train, queued)
     if remaining is not None and remaining.waited_for:
@@ -426,8 +433,8 @@ def _nothing_left(args: argparse.Namespace, remaining, train, queued) -> int:
     from layertap.slurm.scripts import compress
 
     if remaining is None and queued:
-        _say(args, f"nothing to submit: {len(queued)} task(s) of {', '.join(sorted({t.array for t in queued}))} are "
-                   "queued for this run (squeue), as many as --nodes asks for")
+        _say(args, f"nothing to submit: {len(queued)} task(s) of {_jobs_of(queued)} are queued for this run (squeue), "
+                   "as many as --nodes asks for")
     elif remaining is not None and remaining.queued:
         _say(args, f"nothing to submit: {_queued_text(remaining)}")
     elif remaining is not None and remaining.waited_for:
@@ -479,6 +486,11 @@ def _waiting_text(remaining) -> str:
 
     return (f"{remaining.waiting} extraction worker(s) of {', '.join(remaining.waiting_jobs)} wait behind the full "
             f"storage window to take shards {compress(remaining.waited_for)} as training consumes")
+
+
+def _jobs_of(queued) -> str:
+    """'41, 42': the array jobs of `queued` tasks."""
+    return ", ".join(sorted({t.array for t in queued}))
 
 
 def _queued_text(remaining) -> str:

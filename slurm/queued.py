@@ -27,11 +27,18 @@ _TAG = re.compile(r"layertap-extract k=(\d+) shards=(\S+) out=(.+)")
 _REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
 
 
-def tag(location: str, shards_per_task: int | None, shards: Sequence[int] | None) -> str:
+MAX_TAG = 1000  # Slurm refuses a comment over 1,024 characters ("Pathname ... too long"), the whole job with it
+SHARDS_SPEC = 200  # a longer --shards list is tagged "some": read as any shard (work left, never taken twice)
+
+
+def tag(location: str, shards_per_task: int | None, shards: Sequence[int] | None) -> str | None:
     """The comment an extraction array carries: its run (`location`, one text per store place),
-    its static range size (0: dynamic) and the shards its tasks may take (extract's --shards)."""
-    return f"layertap-extract k={shards_per_task or 0} shards={compress(list(shards)) if shards else 'all'} " \
+    its static range size (0: dynamic) and the shards its tasks may take (extract's --shards).
+    None where it would be too long for Slurm (a path of near a thousand characters)."""
+    spec = "all" if not shards else compress(list(shards))
+    text = f"layertap-extract k={shards_per_task or 0} shards={spec if len(spec) <= SHARDS_SPEC else 'some'} " \
            f"out={location}"
+    return text if len(text) <= MAX_TAG else None
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ def _tasks(listing: str) -> list[tuple[str, str]]:
         job, _, rest = line.partition("|")
         reason, _, comment = rest.partition("|")
         if reason.strip() not in _NEVER:
-            found.append((job.strip(), comment.strip()))
+            found.append((job.strip(), comment.rstrip("\r\n")))  # unpadded: a location may end in a space
     return found
 
 
@@ -77,7 +84,7 @@ def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
         m = _TAG.fullmatch(comment)
         if m is None or m[3] != location or "_" not in job or not job.split("_", 1)[1].isdigit():
             continue
-        shards = None if m[2] == "all" else frozenset(_expand(m[2]))
+        shards = None if m[2] in ("all", "some") else frozenset(_expand(m[2]))
         found.append(QueuedTask(job, int(m[1]), shards))
     return found
 
@@ -109,9 +116,11 @@ def queued_tasks(location: str) -> list[QueuedTask]:
     return parse_squeue(_pending(), location)
 
 
-def regeneration_tag(location: str, tasks: int) -> str:
-    """The comment a regeneration array carries: its output and its split (`--tasks`)."""
-    return f"layertap-regenerate tasks={tasks} out={location}"
+def regeneration_tag(location: str, tasks: int) -> str | None:
+    """The comment a regeneration array carries: its output and its split (`--tasks`); None where
+    too long for Slurm."""
+    text = f"layertap-regenerate tasks={tasks} out={location}"
+    return text if len(text) <= MAX_TAG else None
 
 
 def queued_regeneration(location: str, listing: str | None = None) -> list[tuple[int, int, str]]:
@@ -134,5 +143,5 @@ def leave_to_queued(remaining: Remaining, queued: list[QueuedTask]) -> Remaining
     busy = [t for t in queued if any(t.owns(s) for s in todo)]
     static = [t for t in busy if t.shards_per_task]
     return replace(remaining, queued=len(busy), queued_dynamic=len(busy) - len(static),
-                   queued_jobs=sorted({t.array for t in busy}, key=int),
+                   queued_jobs=sorted({t.array for t in busy}),
                    queued_for=[s for s in todo if any(t.owns(s) for t in static)])

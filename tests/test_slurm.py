@@ -127,6 +127,22 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     assert "`layertap submit train --after 77 --after 78 --after <the new array's job id, if any>" \
         in capsys.readouterr().err
 
+    # No run yet: the queued tasks that may take these shards count against --nodes, and training is
+    # not chained beside them (it was submitted with no dependency, the array being empty)
+    fresh = str(tmp_path / "fresh")
+    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '80_0|Priority|{tag(fresh, None, range(4))}'\n"
+                                 f"echo '80_1|Priority|{tag(fresh, None, range(4))}'\n")
+    new = ("extract", "--dry-run", "--out", fresh, "--gpus-per-node", "0", "--nodes", "2")
+    assert submit(*new, "--shards", "0-3") == 0
+    assert "nothing to submit: 2 task(s) of 80 are queued for this run" in capsys.readouterr().out
+    assert submit(*new, "--shards", "4-7") == 0  # theirs are others: not left to them
+    assert "#SBATCH --array=0-1\n" in capsys.readouterr().out
+    assert submit(*new, "--then-train", "--out d") == 2
+    assert "2 task(s) of 80 are queued for this run (squeue): training chained" in capsys.readouterr().err
+    # a tag Slurm would refuse (over 1,024 characters) is left out; a long --shards list is "some"
+    assert tag(fresh, None, range(0, 800, 2)) == f"layertap-extract k=0 shards=some out={fresh}"
+    assert tag("/" + "x" * 1000, None, None) is None
+
 
 def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsys, monkeypatch):
     """Regeneration tasks hold a lease only once they run: one still queued was submitted again
