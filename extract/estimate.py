@@ -236,10 +236,14 @@ def estimate(work: Workload, storage: Storage, throughput: Throughput = Throughp
     heartbeats = 0
     if tps is not None:
         gpu_s = work.tokens / tps
-        wall, gpu_hours = gpu_s / throughput.gpus, gpu_s / 3600
+        # A shard is one worker's: the run takes ceil(shards / gpus) rounds of a shard each, and no
+        # more than `shards` GPUs work (and upload) at once. (It read gpu_s / gpus: 2 shards on 8
+        # GPUs finished 4x sooner, and uploaded 4x faster, than they can.)
+        active = min(throughput.gpus, shards)
+        wall, gpu_hours = math.ceil(shards / throughput.gpus) * gpu_s / shards, gpu_s / 3600
         per_gpu = tps * total_stored / work.tokens
-        per_node = per_gpu * min(throughput.gpus, throughput.gpus_per_node)
-        total_rate = per_gpu * throughput.gpus
+        per_node = per_gpu * min(active, throughput.gpus_per_node)
+        total_rate = per_gpu * active
         # a claim beats after each full ttl/4 it holds its shard: shards of a few seconds never do
         heartbeats = shards * math.floor(gpu_s / shards / (throughput.lease_ttl_s / 4))
 

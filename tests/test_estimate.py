@@ -94,6 +94,14 @@ def test_arithmetic_by_hand():
     assert est.storage_usd_per_month == pytest.approx(405_400 / GiB * 2.0)
     assert est.put_usd == pytest.approx(27 / 1000) and est.get_usd_per_epoch == pytest.approx(4 / 2000)
 
+    # fewer shards than GPUs: a shard is one worker's, so 2 shards on 8 GPUs take a shard's whole time
+    # and upload at 2 GPUs' rate (it read a quarter of that time, at 8 GPUs' rate); 5 on 4 take 2 rounds
+    few = estimate(work, Storage(codec="bf16", ratio=1.0, shards=2), Throughput(tokens_per_s_per_gpu=100, gpus=8))
+    assert few.wall_s == 1000 / 100 / 2 and few.upload_bytes_per_s_total == pytest.approx(2 * few.upload_bytes_per_s_per_gpu)
+    assert few.upload_bytes_per_s_per_node == pytest.approx(2 * few.upload_bytes_per_s_per_gpu)
+    rounds = estimate(work, Storage(codec="bf16", ratio=1.0, shards=5), Throughput(tokens_per_s_per_gpu=100, gpus=4))
+    assert rounds.wall_s == pytest.approx(2 * 1000 / 100 / 5) and rounds.gpu_hours == 10 / 3600
+
     big = estimate(work, Storage(codec="bf16", ratio=1.0, shards=1, part_bytes=5 * MiB, range_bytes=64 * MiB),
                    prices=prices)
     assert big.shards == 1 and big.wall_s is None and big.gpu_hours is None
