@@ -10,6 +10,8 @@ layers, hidden size 64), as a safetensors folder and as a GGUF."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
@@ -108,6 +110,19 @@ def test_an_import_skips_samples_train_cannot_learn_from(target, tmp_path, capsy
     assert "loss_mask holds 3 at position 23; it must hold only 0 and 1" in by_file[4]["detail"]
     assert "no two consecutive supervised tokens (loss_mask has 0 of 24 tokens set)" in by_file[6]["detail"]
     assert "2/7 stored, 5 skipped" in out
+
+
+def test_an_import_records_the_targets_folder_as_extract_does(target, tmp_path, monkeypatch):
+    """The manifest kept --model as typed: `train` run from another working directory (a Slurm
+    job's) found no such folder, and a resume naming it another way was refused as another model."""
+    src = write_files(tmp_path / "src", "specforge", [sample(i) for i in range(3)])
+    (tmp_path / "models").symlink_to(Path(target).parent)
+    monkeypatch.chdir(tmp_path)
+    relative = f"models/{Path(target).name}"
+    assert cli(["import", src, "--from", "specforge", "--out", "back", "--layers", "1,3", "--model", relative]) == 0
+    manifest = json.loads(open_store(str(tmp_path / "back")).get(layout.MANIFEST))
+    assert manifest["config"]["model"] == os.path.realpath(target)
+    assert cli(["import", src, "--from", "specforge", "--out", "back", "--layers", "1,3", "--model", target]) == 0
 
 
 def two_layer_specforge(folder: Path) -> str:
