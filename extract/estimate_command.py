@@ -165,10 +165,9 @@ def _check_options(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
-    if getattr(args, "samples", None) is not None and getattr(args, "mean_tokens", None) is not None \
-            and round(args.samples * args.mean_tokens) < 1:
-        raise ConfigError(f"--samples {args.samples} of --mean-tokens {args.mean_tokens:g} make no whole token: give "
-                          "at least one token's worth")
+    if getattr(args, "mean_tokens", None) is not None and args.mean_tokens < 2:
+        raise ConfigError(f"--mean-tokens {args.mean_tokens:g} is under 2: a sample is stored only with two consecutive "
+                          "supervised tokens, so the samples a run keeps hold 2 or more on average")
     if getattr(args, "token_sample", 0) < 0:
         raise ConfigError(f"--token-sample must be 0 (every row) or positive, got {args.token_sample}")
 

@@ -214,8 +214,8 @@ def test_units():
 def test_bad_inputs_name_the_input(capsys, tmp_path):
     cases = [
         (REF + ["--model", str(tmp_path)], "either --model or --hidden-size"),
-        (["estimate", "--num-layers", "64", "--samples", "1", "--mean-tokens", "1"], "--num-layers needs --hidden-size"),
-        (["estimate", "--hidden-size", "5120", "--samples", "1", "--mean-tokens", "1"], "give --num-layers"),
+        (["estimate", "--num-layers", "64", "--samples", "1", "--mean-tokens", "2"], "--num-layers needs --hidden-size"),
+        (["estimate", "--hidden-size", "5120", "--samples", "1", "--mean-tokens", "2"], "give --num-layers"),
         (REF + ["--layers", "1,64"], "out of range for --num-layers 64"),
         (REF + ["--ratio", "-1"], "--ratio must be positive"),
         (REF + ["--gpus", "0"], "--gpus must be at least 1"),
@@ -226,7 +226,7 @@ def test_bad_inputs_name_the_input(capsys, tmp_path):
         (REF + ["--price-per-gb-month", "-1"], "--price-per-gb-month must be 0 or more, got -1"),  # said "usd per gib month"
         (REF + ["--put-price-per-1000", "nan"], "--put-price-per-1000 must be 0 or more, got nan"),
         (["estimate", "--hidden-size", "5120", "--num-layers", "64", "--samples", "1", "--mean-tokens", "0.4"],
-         "--samples 1 of --mean-tokens 0.4 make no whole token"),  # said "number of tokens ... got 0"
+         "--mean-tokens 0.4 is under 2"),  # said "number of tokens ... got 0"
         (["plan", "--model", str(tmp_path)], "plan writes the run's manifest: give --out"),
     ]
     for args, message in cases:
@@ -386,6 +386,9 @@ def test_impossible_stated_values_are_refused_naming_the_flag(capsys):
         (REF + ["--regenerate", "--answer-tokens", "500", "--gpus-per-server", "0"],
          "--gpus-per-server must be at least 1, got 0"),  # was a ZeroDivisionError
         (REF + ["--regenerate", "--answer-tokens", "500", "--servers", "0"], "--servers must be at least 1, got 0"),
+        # a kept sample has two consecutive supervised tokens: no run's mean is under 2
+        (["estimate", "--hidden-size", "64", "--num-layers", "4", "--samples", "10", "--mean-tokens", "0.5"],
+         "--mean-tokens 0.5 is under 2"),
     ]
     for args, message in cases:
         assert cli(args) == 2, args
