@@ -111,6 +111,10 @@ mkdir -p "$out"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 wants() { [[ " $steps " == *" $1 "* ]]; }
+known=" ref extract e2e mask step train compile loader stages malloc writer recipe "
+for s in $steps; do  # a misspelt step ran nothing and said nothing
+    [[ "$known" == *" $s "* ]] || { echo "device_checks: unknown step '$s' (steps:$known)" >&2; exit 2; }
+done
 
 note() {  # a line in env.txt (the run's own log) and on stdout (the device tool's output tail)
     echo "$*" | tee -a "$out/env.txt"

@@ -176,7 +176,7 @@ def start_shard(capture: Capture, samples: Sequence[TokenizedSample], meta: Shar
     # the wait opens a context on GPU 0 (a new thread's default) in every rank's process.
     pool = ThreadPoolExecutor(encode_threads, thread_name_prefix="encode",
                               **({"initializer": torch.cuda.set_device, "initargs": (device,)} if on_cuda else {}))
-    clock = _ForwardClock(on_cuda)
+    clock = ForwardClock(on_cuda)
     tail = ShardTail(shard, pool, writer, stats, counts, clock)
 
     def check() -> None:
@@ -224,7 +224,7 @@ class ShardTail:
     thread calls once."""
 
     def __init__(self, shard: ShardWriter, pool: ThreadPoolExecutor, writer: _Writer, stats: PipelineStats,
-                 counts: PipelineStats, clock: _ForwardClock):
+                 counts: PipelineStats, clock: ForwardClock):
         self.shard, self.pool, self.writer, self.stats, self.counts = shard, pool, writer, stats, counts
         self.clock = clock
         self._stopped = False
@@ -268,7 +268,7 @@ class ShardTail:
             self.pool.shutdown(wait=True)
 
 
-class _ForwardClock:
+class ForwardClock:
     """The forwards' time, summed. On CUDA a host clock times only the kernels' launch (they run
     asynchronously): events on the stream time the device's own work instead, and are read once
     the shard finishes, when its encodes have waited for the copies behind every forward, so
