@@ -37,7 +37,7 @@ from layertap.storage.store import open_store  # noqa: E402
 from tests.activations import smollm2_activations  # noqa: E402
 from tests.s3server import start_bench_server, stop  # noqa: E402
 
-H200_RAW_MB_S = 370.0  # per GPU, Qwen3.6-27B at 5 capture layers (issue 4)
+H200_RAW_MB_S = 550.0  # per GPU, Qwen3.6-27B at 5 capture layers: measured 549.6 (gpu_extract.json, 2026-12-04; issue 4 guessed 370)
 
 
 def samples_of(mb: float) -> list[Sample]:
