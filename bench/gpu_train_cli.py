@@ -308,9 +308,13 @@ def one(name: str, sizes: dict, layers: list[int], extra: list[str], args, endpo
         result.update(summary)
         publish(result)
 
+    t = time.perf_counter()
     try:
         result.update(train(uri, str(target), out, args, extra, env, name, timeout, on_metrics))
     finally:  # also when the caller's time limit ends the bench (SystemExit): the steps done are the numbers
+        if "trainer_exit" not in result:  # cut while it ran: said, not left looking like a run never started
+            result.update(trainer_exit="cut: the bench itself was stopped (its caller's time limit) while the "
+                                       "trainer ran", wall_s=round(time.perf_counter() - t, 1))
         if "steps" not in result and (out / "metrics.jsonl").exists():  # fewer steps than asked, then an exit
             try:
                 result.update(summarize(out, args.warmup))
