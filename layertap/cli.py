@@ -63,21 +63,26 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
         if only is None or name == only:
             getattr(importlib.import_module(module), f"add_{name.replace('-', '_')}")(p)
-    _verbose_anywhere(parser)
-    _hint_attached_values(parser)
+    # `-v` after the command too (`layertap status RUN -v`), and so through `python -m layertap.extract`
+    # and `accelerate launch -m layertap.train`, which put the command first; SUPPRESS keeps a
+    # subcommand's absent flag from undoing a top-level one
+    below = _below(parser)
+    for sub in below:
+        sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="debug logging (also before the command)")
+    for p in (parser, *below):
+        _hint_attached_values(p)
     return parser
 
 
-def _verbose_anywhere(p: argparse.ArgumentParser) -> None:
-    """`-v` after the command too (`layertap status RUN -v`), and so through `python -m
-    layertap.extract` and `accelerate launch -m layertap.train`, which put the command first. On
-    every parser below the top; SUPPRESS keeps a subcommand's absent flag from undoing a top-level one."""
+def _below(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand's parser under `p`, `submit extract`'s included."""
+    found = []
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                                 help="debug logging (also before the command)")
-                _verbose_anywhere(sub)
+                found += [sub, *_below(sub)]
+    return found
 
 
 def _command_in(argv: list[str]) -> str | None:
@@ -88,8 +93,7 @@ def _command_in(argv: list[str]) -> str | None:
 
 def _hint_attached_values(p: argparse.ArgumentParser) -> None:
     """argparse reads `--layers -1,3` (or `--then-train "--data=x"`) as two options and says only
-    "expected one argument": say how to give a value that starts with '-'. On `p` and every
-    parser below it (`submit extract`'s included)."""
+    "expected one argument": say how to give a value that starts with '-'."""
     error = p.error
 
     def error_with_hint(message: str) -> None:
@@ -99,10 +103,6 @@ def _hint_attached_values(p: argparse.ArgumentParser) -> None:
         error(message)
 
     p.error = error_with_hint
-    for action in p._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                _hint_attached_values(sub)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

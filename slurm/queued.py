@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from layertap.extract.config import parse_ids
 from layertap.slurm.scripts import compress
 from layertap.slurm.work import Remaining
 
@@ -84,18 +85,9 @@ def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
         m = _TAG.fullmatch(comment)
         if m is None or m[3] != location or "_" not in job or not job.split("_", 1)[1].isdigit():
             continue
-        shards = None if m[2] in ("all", "some") else frozenset(_expand(m[2]))
+        shards = None if m[2] in ("all", "some") else frozenset(parse_ids(m[2]))
         found.append(QueuedTask(job, int(m[1]), shards))
     return found
-
-
-def _expand(spec: str) -> list[int]:
-    """'1-3,7' -> [1, 2, 3, 7] (`compress`'s inverse)."""
-    ids: list[int] = []
-    for part in spec.split(","):
-        first, _, last = part.partition("-")
-        ids += range(int(first), int(last or first) + 1)
-    return ids
 
 
 def _pending() -> str:

@@ -23,6 +23,7 @@ from importlib import resources
 
 from layertap.storage.errors import ConfigError
 from layertap.storage.redact import public_url, redacted
+from layertap.storage.units import id_runs
 
 # each package's own command: `python -m layertap.extract ARGS` is `layertap extract ARGS`
 EXTRACT_MODULE, TRAIN_MODULE = "layertap.extract", "layertap.train"
@@ -117,17 +118,8 @@ class ArrayPlan:
 
 
 def compress(ids: list[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3,7'."""
-    ids = sorted(set(ids))
-    parts: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(parts)
+    """[1, 2, 3, 7] -> '1-3,7' (`extract.config.parse_ids` reads it back)."""
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in id_runs(set(ids)))
 
 
 def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str], tag: str | None = None) -> str:
@@ -135,8 +127,7 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str], t
     shards, or any free shard, through leases. Each task logs into its own folder. `tag`: the
     Slurm comment that names the run to a later resubmission (`slurm.queued`); an --sbatch
     --comment, written after it, wins."""
-    job = [f"--array={plan.spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")]
-    header = _header(opts, job + ([f"--comment={tag}"] if tag else []))
+    header = _array_header(opts, plan.spec, tag)
     lines = ['TASK="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
              f'LOG_DIR={shlex.quote(opts.logs)}/"${{SLURM_JOB_NAME}}-${{TASK}}"']
     args = [*map(shlex.quote, extract_args), '--log-dir "$LOG_DIR"']
@@ -167,8 +158,7 @@ def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: 
     through its own server (`--serve` in the arguments) or a shared endpoint. Tasks whose parts
     are all done are left out of `spec`; a task stopped at the time limit is requeued and resumes.
     `tag`: the Slurm comment that names the output to a later resubmission (`slurm.queued`)."""
-    job = [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")]
-    header = _header(opts, job + ([f"--comment={tag}"] if tag else []))
+    header = _array_header(opts, spec, tag)
     launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), *_STEP_SHELL, shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
               *map(shlex.quote, regenerate_args), "--task", f'"$SLURM_ARRAY_TASK_ID/{tasks}"']
     # Array tasks may share a node: a port of the task's own for --serve and --endpoint to name.
@@ -265,6 +255,12 @@ def _header(opts: JobOptions, job_lines: list[str]) -> list[str]:
     # append: a requeued task continues its log; requeue: Slurm may restart it after preemption
     opt += ["--open-mode=append", "--requeue", f"--signal=B:USR1@{opts.grace_s}", f"--chdir={opts.chdir}"]
     return [f"#SBATCH {o}" for o in map(_sbatch_word, [*opt, *opts.sbatch])]
+
+
+def _array_header(opts: JobOptions, spec: str, tag: str | None) -> list[str]:
+    """An array's header: a task per node, each logging to its own file; `tag` as its comment."""
+    job = [f"--array={spec}", "--nodes=1", "--ntasks-per-node=1", _output(opts, "%x-%A_%a.out")]
+    return _header(opts, job + ([f"--comment={tag}"] if tag else []))
 
 
 def _output(opts: JobOptions, pattern: str) -> str:
