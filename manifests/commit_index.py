@@ -62,7 +62,10 @@ def read_commits(store: ObjectStore, threads: int = 16,
     only their entries are decoded: a follow consumer among thousands needs a few of a run's
     records, and parsing and decoding the whole index of a 50,000-shard run cost each consumer
     process ~160 MB and 1.5 s, where a few dozen GETs take a fraction of a second."""
-    listing = [o for o in store.list(layout.COMMITS) if _is_commit(o.key)]
+    # By shard id, not key: past shard 999,999 the ids outgrow their 6-digit padding, and a
+    # listing's key order is no longer shard order ("1000000" sorts before "999999").
+    listing = sorted((o for o in store.list(layout.COMMITS) if _is_commit(o.key)),
+                     key=lambda o: layout.shard_of(o.key, layout.COMMITS))
     told: dict[str, FeedCommit] = {}
     if instead is not None:
         for o in listing:

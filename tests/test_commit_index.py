@@ -158,3 +158,15 @@ def test_opening_a_stream_writes_nothing_and_rank_0_refreshes_the_index_explicit
     b = ShardStream(store, rank=1, world_size=2)
     assert [g for g in gets if g.startswith(layout.COMMITS)] == [] and layout.COMMIT_INDEX in gets
     assert b.shards == a.shards and not b.refresh_index()  # the index lacked nothing: nothing to write
+
+
+def test_records_come_in_shard_order_past_a_million_shards(store_uri):
+    """Commit keys pad ids to 6 digits: from shard 1,000,000 on, key order is not shard order."""
+    fake_worker.work(store_uri)
+    store = open_store(store_uri)
+    record = json.loads(store.get(layout.commit_key(1)))
+    for shard in (999_999, 1_000_000, 1_000_001):
+        data_key = layout.data_key(shard, record["data_key"].split("-", 1)[1].removesuffix(".lts"))
+        store.put(layout.commit_key(shard), json.dumps({**record, "shard": shard, "data_key": data_key}).encode())
+    shards = [c.shard for c in read_commits(store).records]
+    assert shards == sorted(shards) and shards[-3:] == [999_999, 1_000_000, 1_000_001]
