@@ -188,8 +188,9 @@ def withdraw(uri: str, shard: int) -> None:
     assert cli(["verify", uri]) == 1 and not store.exists(layout.commit_key(shard))
 
 
-def redo(uri: str, shard: int, skip: int = 0) -> None:
-    """An extraction worker redoes `shard`, skipping its first `skip` samples (recorded as skipped)."""
+def redo(uri: str, shard: int, skip: int = 0, other_bytes: bool = False) -> None:
+    """An extraction worker redoes `shard`, skipping its first `skip` samples (recorded as skipped);
+    `other_bytes`: each sample's first state a step off, as a redo on another GPU may compute it."""
     store = open_store(uri)
     m = load_manifest(store)
     for claim in WorkQueue(store, m, Producer.current(0), ttl_s=60, poll_s=0.2, shards=[shard]):
@@ -198,7 +199,11 @@ def redo(uri: str, shard: int, skip: int = 0) -> None:
                              hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
             with ShardWriter(store.open_writer(claim.data_key), meta) as w:
                 for i in range(claim.plan.start + skip, claim.plan.end):
-                    w.write_sample(fake_worker.make_sample(i))
+                    sample = fake_worker.make_sample(i)
+                    if other_bytes:
+                        sample.hidden_states = sample.hidden_states.clone()
+                        sample.hidden_states.view(-1)[0] += 1
+                    w.write_sample(sample)
                 info = w.close()
             skipped = [{"sample_id": f"s{i:05d}", "reason": "too_long"}
                        for i in range(claim.plan.start, claim.plan.start + skip)]
@@ -261,6 +266,30 @@ def test_a_later_epoch_resumes_over_a_shard_withdrawn_and_redone_with_the_same_s
     redo(uri, 2, skip=1)  # other samples: another order, which a resume mid-epoch cannot continue
     with pytest.raises(InputError, match="cannot resume this ShardStream mid-epoch"):
         resumed(uri, state)
+
+
+def test_a_plain_stream_resumes_mid_epoch_over_a_shard_withdrawn_and_redone_with_the_same_samples(tmp_path):
+    """A corrupt shard's error says to run `layertap verify`, which withdraws it for extraction to
+    redo: the same samples in other bytes. Outside follow mode the state held only the shards'
+    fingerprint (ids and object hashes), and every resume mid-epoch failed for good ("7 shards, 40
+    samples then, 7 shards, 40 samples now"): the trainer's checkpoints were lost to the advice."""
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    config = StreamConfig(seed=3, shuffle_buffer=4)
+    stream = ShardStream(uri, config=config)
+    it = iter(stream)
+    head = [next(it)["sample_id"] for _ in range(5)]
+    state = json.loads(json.dumps(stream.state_dict()))
+    rest = [s["sample_id"] for s in it]
+    withdraw(uri, 2)
+    redo(uri, 2, other_bytes=True)
+    again = ShardStream(uri, config=config)
+    again.load_state_dict(state)
+    assert [s["sample_id"] for s in again] == rest and len(set(head + rest)) == 40
+    withdraw(uri, 2)
+    redo(uri, 2, skip=1)  # other samples: another order, which a resume mid-epoch cannot continue
+    with pytest.raises(InputError, match="cannot resume this ShardStream mid-epoch"):
+        ShardStream(uri, config=config).load_state_dict(state)
 
 
 def test_a_later_epoch_resumes_over_the_set_it_settled_on_though_a_given_up_shard_came_since(tmp_path):

@@ -387,11 +387,14 @@ class ShardStream(IterableDataset):
             ident["follow"] = True
         if not follow_epoch:  # the follow epoch's shards are in the state itself ("taken")
             ident.update(shards=self.fingerprint, num_shards=len(self.shards), num_samples=self.total_samples)
+            if self._settled_facts is None or self._settled_facts[0] is not self.shards:  # once a set
+                self._settled_facts = (self.shards, id_runs([s.shard for s in self.shards]),
+                                       _order_digest(self.shards))
             if c.follow:  # the set settled after the follow epoch, pinned again on resume (`_pin_settled`)
-                if self._settled_facts is None or self._settled_facts[0] is not self.shards:  # once a set
-                    self._settled_facts = (self.shards, id_runs([s.shard for s in self.shards]),
-                                           _order_digest(self.shards))
-                ident.update(settled=self._settled_facts[1], order=self._settled_facts[2])
+                ident["settled"] = self._settled_facts[1]
+            # A shard withdrawn by `verify` and redone holds the same samples in other bytes: the
+            # fingerprint differs, the order does not, and the epoch resumes (`load_state_dict`).
+            ident["order"] = self._settled_facts[2]
         return ident
 
     def state_dict(self) -> dict[str, Any]:
