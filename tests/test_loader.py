@@ -396,6 +396,25 @@ def test_corrupt_shard_is_skipped_and_counted(run, caplog, range_bytes):
     assert sorted(real) == sorted(set(f"s{i:05d}" for i in range(N)) - {bad_ids[1]})
 
 
+def test_skip_counts_and_says_a_shard_whose_object_hash_differs_though_every_record_holds(run, caplog):
+    """A byte no record's hash covers (the preamble's) changed: under "raise" the whole-object hash
+    refuses the shard; under "skip" its records went to training with no word and no count, so
+    nothing prompted the `layertap verify` that withdraws it."""
+    store = open_store(run)
+    key = decode_commit(store.get(layout.commit_key(2)), "commit").data_key
+    data = bytearray(store.get(key))
+    data[12] ^= 0x01  # the preamble's reserved word
+    store.put(key, bytes(data))
+    with pytest.raises(ShardError, match="object hash"):
+        list(ShardStream(run))
+    stream = ShardStream(run, config=StreamConfig(on_corrupt="skip"))
+    with caplog.at_level(logging.WARNING, logger="layertap.train.fetch"):
+        got = list(stream)
+    assert not any(s["padding"] for s in got) and len(got) == N  # every record verified by its own hash
+    assert stream.metrics()["corrupt_shards"] == 1
+    assert "object hash" in caplog.text and "layertap verify" in caplog.text and key in caplog.text
+
+
 def test_a_resumed_epoch_stands_in_for_skipped_samples_as_one_run_through(run):
     """A skipped sample's stand-in was the last sample yielded, which a consumer resumed past it
     has not got (it took the next readable one): the resumed epoch's samples differed from one

@@ -277,6 +277,17 @@ class Fetcher:
         log.warning("skipping a record of %s (on_corrupt='skip'): it is replaced by padding", msg)
         return None
 
+    def object_differs(self, shard: int, error: ShardError) -> None:
+        """Under on_corrupt="skip", a shard read whole whose object hash is not its commit's: its
+        records still go where each one's own hash holds (as on a ranged read), but the shard is
+        counted in `corrupt_shards` and said, so that `verify` is run: a byte no record covers
+        (the preamble, the footer's padding) may be all that changed."""
+        msg = self._describe(shard, error)
+        with self._cond:
+            self._refusal(shard, error, msg)
+        log.warning("%s (on_corrupt='skip': its records are delivered where each one's own hash holds); run "
+                    "`layertap verify` on the run to withdraw it so extraction redoes it", msg)
+
     def _where(self, shard: int) -> str:
         return f"{self.store.uri.rstrip('/')}/{self.shards[shard].key}"
 
@@ -441,8 +452,11 @@ class Fetcher:
             data = self._read_range(entry.key, rng.start, rng.end, memoryview(array)[: rng.end - rng.start])
             if rng.whole:
                 digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
-                if digest != entry.xxh3_128 and self.on_corrupt == "raise":
-                    raise ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
+                if digest != entry.xxh3_128:
+                    differs = ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
+                    if self.on_corrupt == "raise":
+                        raise differs
+                    self.object_differs(shard, differs)
                 # under "skip", each record's own hash says which are bad, as on a ranged read
                 reader = self._open(shard, data)  # a footer that does not read: the whole shard
             where = f"{self.store.uri.rstrip('/')}/{entry.key}"
