@@ -920,8 +920,9 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
         raise ConfigError(f"the checkpoint was written by {state.get('world_size')} rank(s), this run has {world}: "
                          "resume with the same number of processes (the data order depends on it)")
     # Mid-epoch the loader refuses another split (its position is per worker); at an epoch's end it may
-    # change, but the epochs after are then drawn in another order than an uninterrupted run's.
-    if "num_workers" in state and (state["num_workers"] or 0) != (cfg.num_workers or 0):
+    # change, but the epochs after are then drawn in another order than an uninterrupted run's. No
+    # worker and one are one consumer each, the same order.
+    if "num_workers" in state and max(1, state["num_workers"] or 0) != max(1, cfg.num_workers or 0):
         log.warning("--num-workers %s, the checkpoint's run had %s: the epochs from here are drawn in another order "
                     "than the uninterrupted run's (each sample still once an epoch, in as many batches as the "
                     "workers split it into); resume with --num-workers %s "
