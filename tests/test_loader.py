@@ -5,6 +5,7 @@ corruption, refused states, codecs, retries, batching."""
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import subprocess
@@ -310,6 +311,31 @@ def test_a_budget_below_one_range_is_warned_of(tmp_path, caplog):
     for poll in (0.0, float("nan"), float("inf")):  # NaN passed `<= 0` and waited forever
         with pytest.raises(ConfigError, match="follow_poll_s must be > 0 seconds"):
             StreamConfig(follow_poll_s=poll)
+
+
+def test_the_ranges_a_shuffle_buffer_keeps_are_warned_of_where_they_exceed_the_budget(tmp_path, caplog):
+    """A range stays in memory until its last sample leaves the shuffle buffer, so small samples
+    in large ranges keep many ranges for a buffer whose samples alone fit the budget: the peak went
+    to 1.9x the budget (the guarantee says budget + one range) with no warning, which compared
+    only the buffer's samples with the budget. `buffer_footprint` counts the ranges: below it, a
+    warning; at it, the guarantee holds."""
+    from layertap.train.stream import buffer_footprint
+
+    uri = str(tmp_path / "run")
+    make_run(uri, samples=1200, shard_bytes=100_000)
+    shards = ShardStream(uri).shards
+    avg = sum(s.bytes for s in shards) / sum(len(s.sample_ids) for s in shards)
+    rng = int(32 * avg)
+    held = buffer_footprint(64, avg, rng)
+    assert 64 * avg < held / 2  # the samples alone fit either budget below
+    for budget, warned in ((int(held / 2), True), (math.ceil(held), False)):
+        caplog.clear()
+        stream = ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=64, memory_budget=budget, range_bytes=rng))
+        with caplog.at_level("WARNING"):
+            assert sum(1 for _ in stream) == 1200
+        peak = stream.metrics()["peak_buffered_bytes"]
+        assert ("keep ~" in caplog.text and "over the memory budget per worker" in caplog.text) == warned
+        assert (peak > budget + rng) == warned, (budget, peak)
 
 
 def test_streaming_writes_nothing_to_local_disk(s3_bucket, tmp_path):

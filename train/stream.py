@@ -130,6 +130,19 @@ def _order_digest(shards: Sequence[CommittedShard]) -> str:
     return h.hexdigest()
 
 
+def buffer_footprint(shuffle_buffer: int, sample_bytes: float, range_bytes: int) -> float:
+    """Bytes of fetched ranges a shuffle buffer of `shuffle_buffer` samples keeps in memory: a
+    range stays until its last sample leaves the buffer, and a sample lingers there ~K ln K draws
+    (the last of K to be drawn at random), so the ranges of the last K (1 + ln K) samples read
+    stay, each holding range_bytes / sample_bytes samples, plus the range being read, and never
+    more ranges than samples in the buffer. With a budget this large the peak stayed within budget
+    + one range in each of 24 measured settings (K 4-64, 1-32 samples a range; docs/LOADER.md)."""
+    k = shuffle_buffer
+    per_range = max(1, int(range_bytes // max(1.0, sample_bytes)))
+    ranges = min(k, math.ceil(k * (1 + math.log(k)) / per_range) + 1)  # + the range being read
+    return ranges * per_range * sample_bytes
+
+
 def auto_decode_threads(codec: str | None, consumers: int = 1) -> int:
     """Decode threads by codec and cores. Raw bf16 decodes by a copy under the GIL: threads only
     add hand-offs (12% slower, measured), so it decodes on the consumer's thread. zstd and the
@@ -522,13 +535,15 @@ class ShardStream(IterableDataset):
         self._metrics = Metrics()
         avg = sum(s.bytes for s in self.shards) / max(1, self.total_samples)
         budget = max(1, c.memory_budget // workers)
-        if worker == 0 and c.shuffle and c.shuffle_buffer * avg > budget:
-            log.warning("the shuffle buffer (%d samples of ~%.1f MB) exceeds the memory budget per worker "
-                        "(%.1f MB); buffered bytes will exceed the budget", c.shuffle_buffer, avg / 1e6, budget / 1e6)
-        elif worker == 0 and c.range_bytes > budget:  # the budget holds whole ranges: one is the least in RAM
+        if worker == 0 and c.range_bytes > budget:  # the budget holds whole ranges: one is the least in RAM
             log.warning("range_bytes (%s) exceeds the memory budget per worker (%s): each fetch holds a whole "
                         "range, so buffered bytes will exceed the budget; lower range_bytes or raise the budget",
                         size(c.range_bytes), size(budget))
+        elif worker == 0 and c.shuffle and (held := buffer_footprint(c.shuffle_buffer, avg, c.range_bytes)) > budget:
+            log.warning("the shuffle buffer's %d samples (~%s each) keep ~%s of fetched ranges in memory (a range "
+                        "stays until its last sample is used), over the memory budget per worker (%s): buffered "
+                        "bytes will exceed the budget; raise memory_budget, or lower shuffle_buffer or range_bytes",
+                        c.shuffle_buffer, size(avg), size(held), size(budget))
         threads = c.decode_threads if c.decode_threads is not None else auto_decode_threads(self.codec, workers)
         return self._generate(plan, worker, budget, threads)
 
