@@ -272,6 +272,49 @@ def test_steps_of_padding_alone_count_no_tokens_and_the_final_loss_is_the_last_l
             "the extraction skipped))") in printed
 
 
+def commit_without_samples(uri: str) -> None:
+    """Extract every shard of fake_worker's plan with each of its samples skipped (as `layertap
+    extract` skips rows longer than --max-length): commits of no records."""
+    from layertap.manifests.records import Producer
+    from layertap.manifests.work import WorkQueue
+    from layertap.storage.format import ShardMeta
+    from layertap.storage.writer import ShardWriter
+
+    store = _store(uri)
+    m = fake_worker.plan(store)
+    for claim in WorkQueue(store, m, Producer.current(0)):
+        with claim:
+            meta = ShardMeta(run_id=m.run_id, shard_id=claim.shard, model="synthetic", layers=fake_worker.LAYERS,
+                             hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+            with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+                info = w.close()
+            ids = [f"s{i:05d}" for i in range(claim.plan.start, claim.plan.end)]
+            assert claim.commit(info, skipped=[{"sample_id": i, "reason": "too long"} for i in ids])
+
+
+def test_a_follow_epoch_with_no_committed_samples_trains_to_its_end(tmp_path, capsys, monkeypatch):
+    """Extraction skipped every sample, so every commit holds none and the follow epoch is padding
+    alone. Its last batch settles the stream for the epochs after it (`ShardStream._settle`), whose
+    reading of the commits failed there, at the last step: "no committed shards with samples",
+    exit 2, no drafter. It ends as any follow epoch does: its steps (none an update), the drafter
+    exported, and the closing line saying no step had anything to learn."""
+    from layertap.cli import main as cli
+    from tiny_models import tiny_model_dir
+
+    monkeypatch.setitem(fake_worker.CONFIG, "hidden_size", fake_worker.HIDDEN)  # as a real extraction records it
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    commit_without_samples(uri)
+    assert cli(["train", "--data", uri, "--model", target, "--out", out, "--follow", "--follow-poll-s", "0.5",
+                "--batch-size", "4", "--block-size", "4", "--max-anchors", "8"]) == 0
+    lines = [json.loads(x) for x in _store(out).get("metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 11))  # the plan's 40 samples, 4 a step
+    assert all(r["loss"] is None and r["tokens"] == 0 for r in lines)
+    printed = capsys.readouterr().out
+    assert "trained 10 steps; final loss nan (no step had a finite loss: 10 step(s) had nothing to learn" in printed
+    assert f"drafter at {_store(out).uri}/drafter/" in printed
+
+
 def test_a_trainer_waiting_where_no_run_is_coming_is_told_of_the_runs_beside(tmp_path):
     """`--data s3://acts/run-1` for a run at `run1`: "waiting for extraction: no run ... yet" every
     30 s, forever, with no word of the run next to it."""

@@ -643,6 +643,39 @@ def test_a_stall_that_lasts_stops_the_trainer_with_its_reason(store_uri, caplog)
         watcher._extraction_over()
 
 
+def test_no_stall_is_reported_while_a_shard_is_being_extracted(store_uri, caplog):
+    """A worker that passed the window's gate before it filled is still extracting a shard: its
+    commit will come, and training goes on with it, so nothing is stalled. Such looks restarted
+    the give-up clock but still counted towards the STALLED line, logged (at ERROR, every 30 s of
+    a long shard) with the advice to restart extraction, which would throw that shard's work away.
+    Once no shard is extracted, the stall is counted from the next look: STALLED a look later."""
+    from layertap.manifests.consumption import claim_consumer
+    from layertap.manifests.manifest import load_manifest
+    from layertap.train.follow import CommitWatcher
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])  # 3 of 7 committed
+    WindowGate(store, 10_000).record()  # ... and they fill the window
+    claim_consumer(store, "out")
+    manifest = load_manifest(store)
+    watcher = CommitWatcher(store, manifest, poll_s=0.1)
+    watcher.poll()
+    caplog.set_level("INFO", logger="layertap.train.follow")
+
+    def looks(n: int) -> None:
+        for _ in range(n):
+            watcher._logged = 0.0  # each a look 30 s after the last
+            assert watcher._extraction_over() is False
+
+    with next(iter(WorkQueue(store, manifest, Producer.current(1), ttl_s=60.0, shards=[3]))):  # shard 3 running
+        looks(3)
+        assert "(1 running," in caplog.text and "STALLED" not in caplog.text
+    looks(1)  # its worker stopped without committing it (and now waits in the gate): the first sign
+    assert "STALLED" not in caplog.text
+    looks(1)
+    assert "STALLED" in caplog.text
+
+
 def test_a_waiting_worker_sweeps_the_stale_records_of_killed_ones(store_uri, monkeypatch):
     """A worker SIGKILLed while it waited left its `waiting/` record for good (every reader ignores
     it once stale); a waiting worker removes such records as it looks for a trainer, and not a

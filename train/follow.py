@@ -353,10 +353,11 @@ class CommitWatcher:
         consumed, so the window must hold more than that."""
         from layertap.manifests.consumption import consumer_of, stalled
 
-        found = stalled(self.store)
-        # No stall, new commits since (`poll`), or shards still being extracted (workers that passed
-        # the window's gate before it filled: their commits will come): the clock starts over.
-        if found is None or self._stalled_looks == 0 or extracting:
+        # Shards still being extracted (by workers that passed the window's gate before it filled)
+        # mean no stall: their commits will come, and training goes on with them. Such a look is no
+        # sign of one: STALLED, and the give-up clock, count from the first look with none running.
+        found = None if extracting else stalled(self.store)
+        if found is None or self._stalled_looks == 0:  # no stall, or new commits since (`poll`): start over
             self._stalled_since = time.monotonic() if found is not None else None
         self._stalled_looks = self._stalled_looks + 1 if found is not None else 0
         if found is None or self._stalled_looks < 2:

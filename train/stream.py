@@ -173,8 +173,10 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
     A shard a training run consumed and deleted (`layertap train --follow --delete-consumed`:
     `manifests.consumption`) keeps its commit but has no data: it is left out, with one warning
     saying how many shards and samples that is; a run whose every committed shard was consumed is
-    an InputError. `consumed="keep"` lists them anyway, for a caller that leaves them out itself
-    (`ShardStream._settle`, which must not fail where nothing is left: it may never be read).
+    an InputError, as is a run with no committed samples. `consumed="keep"` lists them anyway and
+    raises neither, for a caller that leaves them out itself (`ShardStream._settle`, which must not
+    fail where nothing is left: it may never be read, and a follow epoch whose every committed
+    shard holds no samples, all skipped by extraction, ends there).
     A run whose extraction is unfinished is streamed as far as it goes, with a warning
     (`unfinished_warning`: one rank of many says it)."""
     manifest = load_manifest(store)
@@ -208,7 +210,7 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
                              "again: extract the run again (to a new --out) to train on it once more")
         log.warning("%s: leaving them out; they cannot be trained on again (streaming the other %d shard(s))",
                     what, len(shards))
-    if not shards:
+    if not shards and consumed == "leave out":
         raise InputError(f"no committed shards with samples at {store.uri} yet: run `layertap extract` "
                          "(see `layertap status`)")
     return manifest, sorted(shards, key=lambda s: s.shard), read.new_index
