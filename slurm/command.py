@@ -247,7 +247,7 @@ def _encode_threads(args: argparse.Namespace) -> int | None:
 def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.manifests.manifest import NoRun, refuse_new_run_here
     from layertap.slurm import submit
-    from layertap.slurm.queued import leave_to_queued, queued_tasks
+    from layertap.slurm.queued import leave_to_queued, queued_tasks, started
     from layertap.slurm.queued import tag as queue_tag
     from layertap.slurm.scripts import extract_script
     from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
@@ -278,7 +278,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
     location = _store_location(cfg.out)
     queued = queued_tasks(location)
     try:
-        remaining = leave_to_queued(remaining_work(store, cfg.shards, _pinned_settings(cfg)), queued)
+        remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
+        remaining = leave_to_queued(remaining, started(store, remaining, queued))
         _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
     except NoRun:
         remaining = None
@@ -286,7 +287,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
         # no plan to weigh them against: each queued task that may take some of these shards counts
         queued = [t for t in queued if t.shards is None or cfg.shards is None or t.shards & set(cfg.shards)]
         _say(args, f"no run at {store.uri} yet: the first task to start plans it"
-                   + (f"; {len(queued)} task(s) of {_jobs_of(queued)} are queued for it (squeue)" if queued else ""))
+                   + (f"; {len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} for it "
+                      "(squeue)" if queued else ""))
     if args.shards_per_task is not None:
         if remaining is None:
             raise ConfigError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
@@ -306,10 +308,10 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _training_waits_for_the_run(store, remaining, plan)
         elif queued:
             after = " ".join(f"--after {t}" for t in sorted({t.array for t in queued}))
-            raise ConfigError(f"{len(queued)} task(s) of {_jobs_of(queued)} are queued for this run (squeue): training "
-                              "chained to this submission (--then-train) would start without waiting for them. Submit "
-                              f"this without --then-train, then `layertap submit train {after} --after <the new "
-                              "array's job id, if any> <the --then-train arguments>`")
+            raise ConfigError(f"{len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} for this "
+                              "run (squeue): training chained to this submission (--then-train) would start without "
+                              f"waiting for them. Submit this without --then-train, then `layertap submit train {after} "
+                              "--after <the new array's job id, if any> <the --then-train arguments>`")
     if not plan.indices:
         return _nothing_left(args, remaining, train, queued)
     if remaining is not None and remaining.waited_for:
@@ -402,7 +404,8 @@ def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[in
     from layertap.slurm.scripts import compress
 
     live = live_tasks(store)
-    queued = queued_regeneration(_store_location(store.uri))
+    # a running task holding its task's lease is at work, told below; one holding none yet is starting
+    queued = [q for q in queued_regeneration(_store_location(store.uri)) if q[:2] not in live]
     if other := sorted({n for _, n in live} - {args.tasks}):
         raise ConfigError(f"a regeneration split into {other[0]} tasks is at work on {store.uri} now: its parts and "
                           f"--tasks {args.tasks}'s overlap and would be answered twice. Submit with --tasks {other[0]} "
@@ -415,7 +418,7 @@ def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[in
     waiting = sorted(i for i, _, _ in queued if i in indices)
     if waiting:
         jobs = ", ".join(sorted({j for i, _, j in queued if i in waiting}))
-        _say(args, f"task(s) {compress(waiting)} are still queued (Slurm job {jobs}): left out"
+        _say(args, f"task(s) {compress(waiting)} are still queued or starting (Slurm job {jobs}): left out"
                    + ("; nothing to submit" if len(waiting) == len(indices) else ""))
         indices = [i for i in indices if i not in waiting]
     running = sorted(i for i, _ in live if i in indices)
@@ -433,8 +436,8 @@ def _nothing_left(args: argparse.Namespace, remaining, train, queued) -> int:
     from layertap.slurm.scripts import compress
 
     if remaining is None and queued:
-        _say(args, f"nothing to submit: {len(queued)} task(s) of {_jobs_of(queued)} are queued for this run (squeue), "
-                   "as many as --nodes asks for")
+        _say(args, f"nothing to submit: {len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} "
+                   "for this run (squeue), as many as --nodes asks for")
     elif remaining is not None and remaining.queued:
         _say(args, f"nothing to submit: {_queued_text(remaining)}")
     elif remaining is not None and remaining.waited_for:
@@ -493,15 +496,23 @@ def _jobs_of(queued) -> str:
     return ", ".join(sorted({t.array for t in queued}))
 
 
+def _queued_or_running(queued) -> str:
+    """'queued', or where some of `queued` tasks have started, 'queued or running'."""
+    return "queued or running" if any(t.running for t in queued) else "queued"
+
+
 def _queued_text(remaining) -> str:
-    """'3 task(s) of 1234 are still queued for this run (squeue): shards 4-9 are theirs, and 2 take free shards'."""
+    """'3 task(s) of 1234 are still queued for this run (squeue): shards 4-9 are theirs, and 2 take free shards'
+    ('queued or running (squeue; 1 running)' where some have started: `queued.started`)."""
     from layertap.slurm.scripts import compress
 
     theirs = [f"shards {compress(remaining.queued_for)} are theirs"] if remaining.queued_for else []
     n = remaining.queued_dynamic
     dynamic = [f"{n} take{'s' if n == 1 else ''} free shards"] if n else []
-    return (f"{remaining.queued} task(s) of {', '.join(remaining.queued_jobs)} are still queued for this run "
-            f"(squeue): {' and '.join(theirs + dynamic)}")
+    where = f"queued or running for this run (squeue; {remaining.queued_running} running)" \
+        if remaining.queued_running else "queued for this run (squeue)"
+    return f"{remaining.queued} task(s) of {', '.join(remaining.queued_jobs)} are still {where}: " \
+           f"{' and '.join(theirs + dynamic)}"
 
 
 def _training_waits_for_the_run(store, remaining, plan) -> None:

@@ -7,22 +7,37 @@ hold their nodes to wait on the first one's leases. Each extraction array names 
 Slurm comment (`tag`), and `squeue` lists the pending tasks that carry it: a static task's
 range, and a dynamic task's share of the free shards, are left to them. Regeneration arrays
 (`regeneration_tag`) likewise: a pending task keeps its index.
+
+Tasks that have started count too (`started`): between its start and its first lease (the
+environment, Python's imports, tokenizing, loading the model) a running task is neither in the
+queue nor among the leases, and its work was submitted again. A static task keeps its range
+while it runs (it works through all of it); a dynamic one keeps its share until a lease of its
+own shows (its shards are then the leases'); neither keeps a shard it gave up. Tasks held for
+good (an admin's hold, a failed launch) keep nothing: their work is submitted again, and the log
+names them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
 import subprocess
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from layertap.extract.config import parse_ids
+from layertap.manifests import layout
+from layertap.manifests.work import read_lease
 from layertap.slurm.scripts import compress
 from layertap.slurm.work import Remaining
+from layertap.storage.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _TAG = re.compile(r"layertap-extract k=(\d+) shards=(\S+) out=(.+)")
 _REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
@@ -47,14 +62,16 @@ class QueuedTask:
     job: str  # `123_4`: the array task, as squeue names it
     shards_per_task: int  # 0: dynamic
     shards: frozenset[int] | None  # what it may take; None: any of the run's
+    running: bool = False  # started (squeue's RUNNING): it may hold leases already
+    given_up: frozenset[int] = field(default_factory=frozenset)  # shards it gave up (`started`): never taken again
 
     @property
     def array(self) -> str:
         return self.job.split("_", 1)[0]
 
     def owns(self, shard: int) -> bool:
-        """A static task's range holds `shard`; a dynamic task may take it."""
-        if self.shards is not None and shard not in self.shards:
+        """A static task's range holds `shard`; a dynamic task may take it. Not a shard it gave up."""
+        if (self.shards is not None and shard not in self.shards) or shard in self.given_up:
             return False
         if not self.shards_per_task:
             return True
@@ -62,40 +79,67 @@ class QueuedTask:
         return index * self.shards_per_task <= shard < (index + 1) * self.shards_per_task
 
 
+# The states of tasks that will still do work: waiting, booting their nodes, or started. A
+# started task may not hold a lease yet (`started`); COMPLETING and SUSPENDED ones take no shard.
+_STATES = "PENDING,CONFIGURING,RUNNING"
 # why a pending job waits, when it never will run (squeue's %r): its work is not left to it
 _NEVER = ("DependencyNeverSatisfied",)
+# ... or runs only once someone releases it, which its owner cannot count on: an admin's hold, or
+# Slurm's own after the node failed to launch it (its reason then reads as its description)
+_HELD = ("JobHeldAdmin", "launch failed requeued held", "JobLaunchFailure")
 
 
-def _tasks(listing: str) -> list[tuple[str, str]]:
-    """(array task, comment) of `squeue -h -r -t PENDING -o '%i|%r|%k'` lines (the comment last: it
-    may hold a '|'), less the tasks that will never start."""
+@dataclass(frozen=True)
+class _Listed:
+    """A line of `squeue -h -r -t {_STATES} -o '%i|%T|%r|%k'`."""
+    job: str
+    state: str
+    reason: str
+    comment: str
+
+
+def _listed(listing: str) -> list[_Listed]:
+    """squeue's lines, the comment last (it may hold a '|') and unpadded (a location may end in a space)."""
     found = []
     for line in listing.splitlines():
-        job, _, rest = line.partition("|")
-        reason, _, comment = rest.partition("|")
-        if reason.strip() not in _NEVER:
-            found.append((job.strip(), comment.rstrip("\r\n")))  # unpadded: a location may end in a space
+        job, state, reason, comment = (line.split("|", 3) + ["", "", ""])[:4]
+        found.append(_Listed(job.strip(), state.strip(), reason.strip(), comment.rstrip("\r\n")))
     return found
+
+
+def _will_start(tagged: list[tuple[_Listed, T]], what: str) -> list[T]:
+    """What `tagged` tasks (of `what`, a run or an output) stand for, less those that will never
+    start: one whose dependency can never be met, and one held for good (`_HELD`), whose work is
+    submitted again. The log names the held ones: released later, they would do it twice."""
+    held = [t for t, _ in tagged if t.reason in _HELD]
+    if held:
+        jobs = " ".join(t.job for t in held)
+        log.warning("Slurm task(s) %s queued for %s are held (%s) and start only if released (`scontrol release`): "
+                    "their work is not left to them but submitted again. `scancel %s` unless you release them, "
+                    "or a release would do it twice", jobs, what, ", ".join(sorted({t.reason for t in held})), jobs)
+    return [x for t, x in tagged if t.reason not in _NEVER and t.reason not in _HELD]
 
 
 def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
-    """The tasks of `listing` (squeue's lines, `_tasks`) tagged with the run at `location`."""
-    found = []
-    for job, comment in _tasks(listing):
-        m = _TAG.fullmatch(comment)
-        if m is None or m[3] != location or "_" not in job or not job.split("_", 1)[1].isdigit():
+    """The tasks of `listing` (squeue's lines, `_listed`) tagged with the run at `location`, less
+    those that will never start (`_will_start`)."""
+    tagged = []
+    for t in _listed(listing):
+        m = _TAG.fullmatch(t.comment)
+        if m is None or m[3] != location or "_" not in t.job or not t.job.split("_", 1)[1].isdigit():
             continue
         shards = None if m[2] in ("all", "some") else frozenset(parse_ids(m[2]))
-        found.append(QueuedTask(job, int(m[1]), shards))
-    return found
+        tagged.append((t, QueuedTask(t.job, int(m[1]), shards, running=t.state == "RUNNING")))
+    return _will_start(tagged, f"the run at {location}")
 
 
 def _pending() -> str:
-    """squeue's pending array tasks, a line each (`123_4|reason|comment`), every user's it lets
-    this one see; none where squeue is not here or fails (the submission goes on as before)."""
+    """squeue's array tasks still to do work (`_STATES`), a line each (`123_4|state|reason|comment`),
+    every user's it lets this one see; none where squeue is not here or fails (the submission
+    goes on as before)."""
     if shutil.which("squeue") is None:
         return ""
-    p = subprocess.run(["squeue", "-h", "-r", "-t", "PENDING", "-o", "%i|%r|%k"], capture_output=True, text=True)
+    p = subprocess.run(["squeue", "-h", "-r", "-t", _STATES, "-o", "%i|%T|%r|%k"], capture_output=True, text=True)
     if p.returncode != 0:
         log.warning("squeue failed (%s): tasks still queued for this output are not left their work",
                     (p.stderr or p.stdout).strip() or f"exit {p.returncode}")
@@ -104,7 +148,7 @@ def _pending() -> str:
 
 
 def queued_tasks(location: str) -> list[QueuedTask]:
-    """The pending extraction tasks of the run at `location`."""
+    """The extraction tasks of the run at `location` still to do work, pending or running (see `started`)."""
     return parse_squeue(_pending(), location)
 
 
@@ -116,24 +160,81 @@ def regeneration_tag(location: str, tasks: int) -> str | None:
 
 
 def queued_regeneration(location: str, listing: str | None = None) -> list[tuple[int, int, str]]:
-    """The pending regeneration tasks of the output at `location` (of `listing`, squeue's lines;
-    default: asked now), as (task index, its split --tasks, its array job)."""
-    found = []
-    for job, comment in _tasks(_pending() if listing is None else listing):
-        array, _, index = job.partition("_")
-        m = _REGENERATION_TAG.fullmatch(comment)
+    """The regeneration tasks of the output at `location` still to do work (of `listing`, squeue's
+    lines; default: asked now), pending or running, as (task index, its split --tasks, its array
+    job). A running one is at work, or about to take its task's lease."""
+    tagged = []
+    for t in _listed(_pending() if listing is None else listing):
+        array, _, index = t.job.partition("_")
+        m = _REGENERATION_TAG.fullmatch(t.comment)
         if m is not None and m[2] == location and index.isdigit():
-            found.append((int(index), int(m[1]), array))
+            tagged.append((t, (int(index), int(m[1]), array)))
+    return _will_start(tagged, f"the output at {location}")
+
+
+def started(store: ObjectStore, remaining: Remaining, queued: list[QueuedTask]) -> list[QueuedTask]:
+    """`queued` less the running dynamic tasks that hold a live lease (their shards are
+    `remaining.running`, and they take more only as the new tasks do: counted again, the
+    resubmission would start too few), with each running task's given-up shards, which it will
+    never take again (`WorkQueue._give_up`). A running task with no lease yet is starting (or has
+    no free shard it may take: then it owns none). Reads the store only while tasks run. (A task
+    requeued since it gave a shard up tries it anew, yet keeps none of it here: that shard is
+    submitted beside it, and the leases keep the data right.)"""
+    dynamic = {t.job for t in queued if t.running and not t.shards_per_task}
+    holding = _lease_holders(store, list(remaining.leases.values()), dynamic) if dynamic else set()
+    gave_up = _given_up(store, set(remaining.todo)) if any(t.running for t in queued) else {}
+    return [replace(t, given_up=frozenset(gave_up.get(t.job, ()))) if t.running else t
+            for t in queued if t.job not in holding]
+
+
+def _read_all(keys: Iterable[str], read: Callable[[str], T | None],
+              enough: Callable[[set[T]], bool] = lambda found: False) -> set[T]:
+    """What `read` says of `keys` (16 at a time; None is nothing), stopping once `enough` of it was found."""
+    keys, found = list(keys), set()
+    with ThreadPoolExecutor(16) as pool:
+        for start in range(0, len(keys), 64):
+            found |= {x for x in pool.map(read, keys[start:start + 64]) if x is not None}
+            if enough(found):
+                break
     return found
+
+
+def _lease_holders(store: ObjectStore, leases: list[str], wanted: set[str]) -> set[str]:
+    """The tasks of `wanted` (`123_4`) that hold some of `leases` (live lease keys): a GET of
+    each lease until every wanted task is found (all of them where one just started)."""
+    def holder(key: str) -> str | None:
+        try:
+            lease = read_lease(store, key)
+        except StoreError:
+            return None
+        return lease["holder"].get("job_id") if lease else None
+    return _read_all(leases, holder, lambda found: wanted <= found) & wanted
+
+
+def _given_up(store: ObjectStore, todo: set[int]) -> dict[str, set[int]]:
+    """The shards of `todo` given up (`layout.given_up_key`), by the task (`123_4`) that gave each up."""
+    keys = [o.key for o in store.list(layout.GIVEN_UP) if layout.shard_of(o.key, layout.GIVEN_UP) in todo]
+
+    def verdict(key: str) -> tuple[str, int] | None:
+        try:
+            job = json.loads(store.get(key))["producer"].get("job_id")
+        except (StoreError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # unreadable, or gone: the shard is left to the task, as before this was read
+        return (job, layout.shard_of(key, layout.GIVEN_UP)) if job else None
+    by_task: dict[str, set[int]] = {}
+    for job, shard in _read_all(keys, verdict):
+        by_task.setdefault(job, set()).add(shard)
+    return by_task
 
 
 def leave_to_queued(remaining: Remaining, queued: list[QueuedTask]) -> Remaining:
     """`remaining` with what `queued` will do left out of its free shards: a static task's range,
     and for the dynamic ones their count (`dynamic_plan` starts that many fewer tasks). Tasks
-    with nothing left to take count for nothing."""
+    with nothing left to take count for nothing. Running tasks count as `started` leaves them."""
     todo = remaining.free
     busy = [t for t in queued if any(t.owns(s) for s in todo)]
     static = [t for t in busy if t.shards_per_task]
     return replace(remaining, queued=len(busy), queued_dynamic=len(busy) - len(static),
+                   queued_running=sum(t.running for t in busy),
                    queued_jobs=sorted({t.array for t in busy}),
                    queued_for=[s for s in todo if any(t.owns(s) for t in static)])

@@ -42,12 +42,14 @@ class Remaining:
     waiting: int = 0
     waiting_jobs: list[str] = field(default_factory=list)
     waited_for: list[int] = field(default_factory=list)
-    # array tasks still pending in Slurm for this run (`slurm.queued`), their jobs, the shards of
-    # `todo` in the ranges of the static ones, and how many of them are dynamic (each takes free shards)
+    # array tasks still pending in Slurm for this run, or started but holding no lease yet
+    # (`slurm.queued`), their jobs, the shards of `todo` in the ranges of the static ones, how many
+    # of them are dynamic (each takes free shards), and how many of them are running
     queued: int = 0
     queued_jobs: list[str] = field(default_factory=list)
     queued_for: list[int] = field(default_factory=list)
     queued_dynamic: int = 0
+    queued_running: int = 0
 
     @property
     def free(self) -> list[int]:

@@ -79,12 +79,15 @@ def test_tasks_still_queued_for_the_run_are_left_their_shards():
     from layertap.slurm.queued import leave_to_queued, parse_squeue, tag
 
     run = "s3://b/run 1"
-    listed = "\n".join([f"41_0|Priority|{tag(run, 2, None)}", f"41_2|JobArrayTaskLimit|{tag(run, 2, None)}",  # static
-                        f"42_0|Resources|{tag(run, None, None)}", f"42_1|JobHeldUser|{tag(run, None, None)}",  # dynamic
-                        f"43_0|Priority|{tag(run, None, [9])}",  # dynamic, of shard 9 only (done): counts for nothing
-                        f"44_0|Priority|{tag('s3://b/run 12', None, None)}", "45_0|Priority|another | comment",
-                        "46|Priority|" + tag(run, None, None),  # not an array task
-                        f"47_0|DependencyNeverSatisfied|{tag(run, None, None)}"])  # will never start
+    listed = "\n".join([f"41_0|PENDING|Priority|{tag(run, 2, None)}",  # static
+                        f"41_2|PENDING|JobArrayTaskLimit|{tag(run, 2, None)}",
+                        f"42_0|PENDING|Resources|{tag(run, None, None)}",  # dynamic
+                        f"42_1|PENDING|JobHeldUser|{tag(run, None, None)}",  # the user's own hold: released at will
+                        f"43_0|PENDING|Priority|{tag(run, None, [9])}",  # of shard 9 only (done): counts for nothing
+                        f"44_0|PENDING|Priority|{tag('s3://b/run 12', None, None)}",
+                        "45_0|PENDING|Priority|another | comment",
+                        "46|PENDING|Priority|" + tag(run, None, None),  # not an array task
+                        f"47_0|PENDING|DependencyNeverSatisfied|{tag(run, None, None)}"])  # will never start
     queued = parse_squeue(listed, run)
     assert [t.job for t in queued] == ["41_0", "41_2", "42_0", "42_1", "43_0"]
     rem = Remaining(run_id="r", total=10, done=1, running=[3], failed=[], todo=[0, 1, 2, 4, 5, 6, 7, 8])
@@ -107,8 +110,8 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     planned_run(prefix, 6)
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '77_1|Priority|{tag(prefix, 2, None)}'\n"
-                                 f"echo '78_0|Resources|{tag(prefix, None, None)}'\n")
+    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '77_1|PENDING|Priority|{tag(prefix, 2, None)}'\n"
+                                 f"echo '78_0|PENDING|Resources|{tag(prefix, None, None)}'\n")
     (bin_ / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_))
     base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0")
@@ -130,8 +133,8 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     # No run yet: the queued tasks that may take these shards count against --nodes, and training is
     # not chained beside them (it was submitted with no dependency, the array being empty)
     fresh = str(tmp_path / "fresh")
-    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '80_0|Priority|{tag(fresh, None, range(4))}'\n"
-                                 f"echo '80_1|Priority|{tag(fresh, None, range(4))}'\n")
+    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '80_0|PENDING|Priority|{tag(fresh, None, range(4))}'\n"
+                                 f"echo '80_1|PENDING|Priority|{tag(fresh, None, range(4))}'\n")
     new = ("extract", "--dry-run", "--out", fresh, "--gpus-per-node", "0", "--nodes", "2")
     assert submit(*new, "--shards", "0-3") == 0
     assert "nothing to submit: 2 task(s) of 80 are queued for this run" in capsys.readouterr().out
@@ -142,6 +145,106 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     # a tag Slurm would refuse (over 1,024 characters) is left out; a long --shards list is "some"
     assert tag(fresh, None, range(0, 800, 2)) == f"layertap-extract k=0 shards=some out={fresh}"
     assert tag("/" + "x" * 1000, None, None) is None
+
+
+def fake_squeue(bin_: Path, rows: list[tuple[str, str, str, str]]) -> None:
+    """A stand-in `squeue` in `bin_` that prints `rows` (job, state, reason, comment) as the real
+    one does: only the states `-t` asks for, in the fields `-o` names (%i, %T, %r, %k)."""
+    (bin_ / "squeue").write_text(f"""#!{sys.executable}
+import sys
+args = sys.argv[1:]
+states = args[args.index("-t") + 1].split(",") if "-t" in args else None
+for job, state, reason, comment in {rows!r}:
+    if states is None or state in states:
+        print(args[args.index("-o") + 1].replace("%i", job).replace("%T", state).replace("%r", reason)
+              .replace("%k", comment))
+""")
+    (bin_ / "squeue").chmod(0o755)
+
+
+def test_tasks_held_for_good_are_not_left_their_work(tmp_path, capsys, caplog, monkeypatch):
+    """A task held after its launch failed (or by an admin) runs only if someone releases it, yet
+    it kept its work: a resubmission left it to a task that would never start. Its work is
+    submitted again, and the log names it (released later, it would do the work twice); a hold
+    of the user's own (`--hold`, `scontrol uhold`) is theirs to release and keeps its work."""
+    from layertap.slurm.queued import tag
+
+    monkeypatch.chdir(tmp_path)
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 6)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    dynamic = tag(prefix, None, None)
+    fake_squeue(bin_, [("60_0", "PENDING", "launch failed requeued held", dynamic),
+                       ("60_1", "PENDING", "JobHeldAdmin", dynamic),
+                       ("60_2", "PENDING", "JobHeldUser", dynamic)])
+    monkeypatch.setenv("PATH", str(bin_))
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0",
+                  "--nodes", "3") == 0
+    out = capsys.readouterr().out
+    assert "1 task(s) of 60 are still queued for this run (squeue): 1 takes free shards" in out
+    assert "#SBATCH --array=0-1\n" in out  # --nodes 3 in all: 60_2 and two new ones
+    held = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
+    assert len(held) == 1 and "Slurm task(s) 60_0 60_1 queued for the run at" in held[0], held
+    assert "(JobHeldAdmin, launch failed requeued held)" in held[0] and "`scancel 60_0 60_1`" in held[0]
+
+
+def test_started_tasks_keep_their_work_until_their_leases_show(tmp_path, capsys, monkeypatch):
+    """A task that has started but holds no lease yet (its environment, imports, tokenizing, the
+    model's load) was neither pending in squeue nor a lease holder: a resubmission then submitted
+    its work again, and two allocations raced for the same shards. A running dynamic task keeps
+    its share until a lease of its own shows (then its shards are the leases', counted once), a
+    running static task its whole range, and neither a shard it gave up."""
+    from layertap.slurm.queued import tag
+
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+
+    def leased(store, shard: int, job: str) -> None:
+        store.put(layout.lease_key(shard, 1, 600), json.dumps({"holder": {"job_id": job, "token": job}}).encode())
+
+    def dry_run(prefix: str, *args: str) -> str:
+        assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0",
+                      *args) == 0
+        return capsys.readouterr().out
+
+    # Dynamic: 70_0 holds shard 0 (not counted again), 70_1 is starting (one task's share)
+    prefix = str(tmp_path / "dynamic")
+    planned_run(prefix, 6)
+    leased(open_store(prefix), 0, "70_0")
+    fake_squeue(bin_, [("70_0", "RUNNING", "None", tag(prefix, None, None)),
+                       ("70_1", "RUNNING", "None", tag(prefix, None, None))])
+    out = dry_run(prefix, "--nodes", "3")
+    assert "1 task(s) of 70 are still queued or running for this run (squeue; 1 running): 1 takes free shards" in out
+    assert "#SBATCH --array=0-1\n" in out  # 3 in all: 70_1 and two new ones (70_0 takes shards as they do)
+
+    # Static, 2 shards a task: 71_1 holds shard 2 and will take shard 3 next; 71_2 (shards 4-5) is starting
+    prefix = str(tmp_path / "static")
+    planned_run(prefix, 6)
+    leased(open_store(prefix), 2, "71_1")
+    fake_squeue(bin_, [("71_1", "RUNNING", "None", tag(prefix, 2, None)),
+                       ("71_2", "RUNNING", "None", tag(prefix, 2, None))])
+    out = dry_run(prefix, "--shards-per-task", "2")
+    assert "2 task(s) of 71 are still queued or running for this run (squeue; 2 running): shards 3-5 are theirs" in out
+    assert "#SBATCH --array=0\n" in out  # shards 0-1 only
+
+    # 72_0 gave shard 5 up (its --retries used up) and waits for the others: it will not take it again
+    prefix = str(tmp_path / "given-up")
+    planned_run(prefix, 6)
+    store = open_store(prefix)
+    for s in range(5):
+        store.put(layout.commit_key(s), b"{}")
+    store.put(layout.failure_key(5, 1, "t"), b"{}")
+    store.put(layout.given_up_key(5, 2, "t"), json.dumps({"producer": {"job_id": "72_0"}, "retries": 1}).encode())
+    fake_squeue(bin_, [("72_0", "RUNNING", "None", tag(prefix, None, None))])
+    out = dry_run(prefix, "--nodes", "2")
+    assert "still queued" not in out and "#SBATCH --array=0\n" in out
+    # ... while another running task that gave up nothing would take it
+    fake_squeue(bin_, [("72_0", "RUNNING", "None", tag(prefix, None, None)),
+                       ("73_0", "RUNNING", "None", tag(prefix, None, None))])
+    assert "nothing to submit: 1 task(s) of 73 are still queued or running" in dry_run(prefix, "--nodes", "2")
 
 
 def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsys, monkeypatch):
@@ -156,17 +259,23 @@ def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsy
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     squeue = bin_ / "squeue"
-    squeue.write_text(f"#!/bin/sh\necho '90_1|Priority|{regeneration_tag(_store_location(out), 2)}'\n")
+    squeue.write_text(f"#!/bin/sh\necho '90_1|PENDING|Priority|{regeneration_tag(_store_location(out), 2)}'\n")
     squeue.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_))
     base = ("regenerate", "--dry-run", "--gpus-per-node", "0", "--dataset", "d.jsonl", "--out", out, "--endpoint",
             "http://h:1", "--model", "m")
     assert submit(*base, "--tasks", "2") == 0
     said = capsys.readouterr().out
-    assert "task(s) 1 are still queued (Slurm job 90): left out" in said and "#SBATCH --array=0\n" in said
+    assert "task(s) 1 are still queued or starting (Slurm job 90): left out" in said and "#SBATCH --array=0\n" in said
     assert f'#SBATCH --comment="{regeneration_tag(_store_location(out), 2)}"' in said
     assert submit(*base, "--tasks", "3") == 2
     assert "a regeneration split into 2 tasks is queued for" in capsys.readouterr().err
+    # started, its server starting before it takes its task's lease: left out too; held for good: not
+    tagged = regeneration_tag(_store_location(out), 2)
+    fake_squeue(bin_, [("90_1", "RUNNING", "None", tagged), ("91_0", "PENDING", "JobHeldAdmin", tagged)])
+    assert submit(*base, "--tasks", "2") == 0
+    said = capsys.readouterr().out
+    assert "task(s) 1 are still queued or starting (Slurm job 90): left out" in said and "#SBATCH --array=0\n" in said
 
 
 def test_array_plans():
@@ -1217,6 +1326,38 @@ def test_a_resubmission_while_the_array_waits_in_the_queue_submits_nothing_again
         assert "#SBATCH --array=0\n" in out
     finally:
         subprocess.run(["scancel", job], check=False)
+
+
+def test_started_tasks_keep_their_work_and_held_ones_do_not(slurm_cluster, tmp_path, capsys, caplog, monkeypatch):
+    """Tasks that run but hold no lease yet (here still in their --setup, as while Python imports
+    and the model loads) were not in squeue's pending list nor among the leases: the same command
+    submitted their work again. Now they keep it. A task an admin holds (`scontrol hold`) starts
+    only if released: its work is submitted again, and the log names it."""
+    monkeypatch.chdir(tmp_path)
+    prefix, other = str(tmp_path / "run"), str(tmp_path / "other")
+    planned_run(prefix, 6)
+    planned_run(other, 6)
+    base = ("extract", "--gpus-per-node", "0", "--cpus-per-task", "1", "--mem", "1G", "--max-length", "64")
+    assert submit(*base, "--out", prefix, "--nodes", "2", "--setup", "sleep 300") == 0
+    [job] = submitted(capsys.readouterr().out)
+    assert submit(*base, "--out", other, "--nodes", "2", "--sbatch=--hold") == 0
+    [held] = submitted(capsys.readouterr().out)
+    try:
+        wait_for(lambda: [j["JobState"] for j in scontrol_jobs(job)] == ["RUNNING"] * 2, "both tasks to start", 60)
+        assert submit(*base, "--out", prefix, "--nodes", "2", "--dry-run") == 0
+        assert f"nothing to submit: 2 task(s) of {job} are still queued or running for this run (squeue; 2 running)" \
+            in capsys.readouterr().out
+
+        subprocess.run(["scontrol", "hold", f"{held}_1"], check=True)  # the user's hold on 0, an admin's on 1
+        wait_for(lambda: sorted(j["Reason"] for j in scontrol_jobs(held)) == ["JobHeldAdmin", "JobHeldUser"],
+                 "task 1 to be held by an admin", 30)
+        assert submit(*base, "--out", other, "--nodes", "2", "--dry-run") == 0
+        out = capsys.readouterr().out
+        assert f"1 task(s) of {held} are still queued for this run (squeue): 1 takes free shards" in out
+        assert "#SBATCH --array=0\n" in out
+        assert f"Slurm task(s) {held}_1 queued for the run at {other} are held (JobHeldAdmin)" in caplog.text
+    finally:
+        subprocess.run(["scancel", job, held], check=False)
 
 
 def test_a_warned_array_task_stops_and_requeues_itself_alone(slurm_cluster, tmp_path):
