@@ -47,7 +47,7 @@ from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store
-from layertap.storage.units import duration, size
+from layertap.storage.units import duration, listing, size
 
 log = logging.getLogger("layertap.extract")
 T = TypeVar("T")
@@ -60,26 +60,33 @@ def extract(cfg: ExtractConfig) -> int:
     state = PartialState(cpu=not torch.cuda.is_available())
     _setup_logging(cfg.log_dir, state.process_index)
     quiet_library_bars()
+    released: list[int] = []
     with StopSignals(at_once=True) as stops:
         try:
-            return _extract(cfg, state, stops)
+            return _extract(cfg, state, stops, released)
         except Preempted as e:
-            _stopped(e, state.process_index)
+            _stopped(e, state.process_index, released)
             return e.exit_code
 
 
-def _stopped(e: Preempted, rank: int) -> None:
-    """Say how the run goes on: committed shards stay, the open one was released for any worker."""
-    log.warning("stopped (%s: %s); committed shards are kept, the shard in progress (if any) was released",
-                type(e).__name__, e)
+def _stopped(e: Preempted, rank: int, released: list[int]) -> None:
+    """Say how the run goes on: committed shards are kept, the shards this process had open
+    (`released`) went back to the run for any worker. A stop that came during a shard's last
+    forward waits for it, and the shard commits: then none was released."""
+    open_ones = f"shard(s) {listing(sorted(released))} in progress released" if released else \
+        "no shard was in progress here"
+    log.warning("stopped (%s: %s); committed shards are kept, %s", type(e).__name__, e, open_ones)
     if rank == 0 and isinstance(e, Interrupted):
         argv = sys.argv[1:]
         again = f":\n  layertap {shlex.join(argv)}" if "extract" in argv else ""
-        print(f"\ninterrupted: committed shards are kept, a shard in progress was released; run the same "
-              f"command again to resume{again}", file=sys.stderr)
+        then = "resume" if released else "go on from where the run is (it does nothing if the run is complete)"
+        print(f"\ninterrupted: committed shards are kept, {open_ones}; run the same command again to {then}{again}",
+              file=sys.stderr)
 
 
-def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int:
+def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, released: list[int] | None = None) -> int:
+    """`extract`'s work; the shards it abandons at a stop are added to `released`."""
+    released = released if released is not None else []
     rank, world = state.process_index, state.num_processes
     stops = stops if stops is not None else StopSignals(at_once=True)  # not entered: no stop comes
     store = open_configured_store(cfg.out, cfg.s3)
@@ -149,6 +156,11 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
                            should_stop=should_stop, on_record=on_record, staging=staging)
         return Started(tail, skipped, truncated)
 
+    def _abandoned(shard: int) -> None:
+        progress.abandoned(shard)
+        if stops.stopped_for() is not None:  # released at a stop (not failed)
+            released.append(shard)
+
     t_start = time.perf_counter()
     with Progress(rank, world, store, manifest, cfg.shards) as progress:
         if gate:
@@ -160,7 +172,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None) -> int
         loop = ShardLoop(start, overlap=overlap,
                          committed=lambda claim, info, skipped: progress.committed(claim.plan.id, info.num_records,
                                                                                    skipped),
-                         abandoned=lambda claim, records: progress.abandoned(claim.plan.id), stops=stops)
+                         abandoned=lambda claim, records: _abandoned(claim.plan.id), stops=stops)
         queue.on_idle = loop.settle
         try:
             committed = loop.run(queue)

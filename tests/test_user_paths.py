@@ -96,6 +96,19 @@ def test_training_a_run_without_commits_fails_before_the_target_loads(model, tmp
 # -- Ctrl-C ------------------------------------------------------------------------------------
 
 
+def test_a_stop_that_found_no_shard_open_does_not_say_one_was_released(capsys, monkeypatch):
+    """A Ctrl-C during a shard's last forward waits for it, and the shard commits: the run may be
+    complete, yet the message said a shard in progress was released and told to resume."""
+    from layertap.extract.run import _stopped
+    from layertap.manifests.preemption import Interrupted
+
+    monkeypatch.setattr(sys, "argv", ["layertap", "extract", "--out", "run1"])
+    _stopped(Interrupted("Ctrl-C (SIGINT)"), 0, [])
+    err = capsys.readouterr().err
+    assert "no shard was in progress here; run the same command again to go on from where the run is (it does " \
+           "nothing if the run is complete):\n  layertap extract --out run1" in err and "released" not in err
+
+
 @pytest.mark.slow
 def test_ctrl_c_releases_the_shard_as_interrupted_and_says_how_to_resume(model, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 60)
@@ -118,7 +131,7 @@ def test_ctrl_c_releases_the_shard_as_interrupted_and_says_how_to_resume(model, 
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert "interrupted: committed shards are kept, a shard in progress was released; run the same command " \
+    assert "interrupted: committed shards are kept, shard(s) 1 in progress released; run the same command " \
            "again to resume:\n  layertap extract --model " in err
 
     failures = [decode_failure(store.get(o.key), o.key) for o in store.list(layout.FAILURES)]
