@@ -67,6 +67,7 @@ ACCEPTED_SHAPES = (
 EMPTY = "empty"
 NO_CHAT = "no_chat"  # a chat dataset's row without the chat column (null: another shape's row in the file)
 NO_SUPERVISED_PAIR = "no_supervised_pair"
+ANSWER_PAST_MAX_LENGTH = "answer_past_max_length"  # a pair only past the cut at max_length: the prompt is longer
 BAD_MESSAGE = "bad_message"
 TEMPLATE_ERROR = "template_error"
 
@@ -318,8 +319,12 @@ def _finish(sample: TokenizedSample, max_length: int) -> TokenizedSample | Skipp
     if truncated:
         ids, mask = ids[:max_length].clone(), mask[:max_length].clone()  # clone: free the rest
     if not bool((mask[:-1] & mask[1:]).any()):
-        where = f" within max_length={max_length}" if truncated else ""
-        return Skipped(sample.sample_id, NO_SUPERVISED_PAIR, f"no two consecutive supervised tokens{where}")
+        whole = sample.loss_mask
+        if truncated and bool((whole[:-1] & whole[1:]).any()):
+            return Skipped(sample.sample_id, ANSWER_PAST_MAX_LENGTH,
+                           f"no two consecutive supervised tokens within max_length={max_length}: the first "
+                           f"supervised token is token {int(whole.nonzero()[0])}")
+        return Skipped(sample.sample_id, NO_SUPERVISED_PAIR, "no two consecutive supervised tokens")
     return TokenizedSample(sample.sample_id, ids, mask, truncated)
 
 

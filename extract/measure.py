@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from layertap.extract.estimate import TOKEN_BYTES
-from layertap.extract.inputs import ACCEPTED_SHAPES, Skipped, TokenizedSample, TokenizeStats, sample_id, tokenize_rows
+from layertap.extract.inputs import (ACCEPTED_SHAPES, ANSWER_PAST_MAX_LENGTH, Skipped, TokenizedSample, TokenizeStats,
+                                     sample_id, tokenize_rows)
 from layertap.extract.model import Capture
 from layertap.extract.pipeline import PipelineStats, extract_shard, pad_batch
 from layertap.manifests.manifest import ShardPlan, plan_shards
@@ -418,6 +419,10 @@ def require_samples(stats: TokenStats) -> None:
     would "complete" with nothing stored (`layertap plan` and `estimate` refuse it too)."""
     if stats.samples_read == 0:
         reasons = ", ".join(f"{reason}: {n:,}" for reason, n in sorted(stats.skipped.items()))
+        if stats.skipped.get(ANSWER_PAST_MAX_LENGTH):
+            hint = "raise --max-length: the answers of some rows begin past it"
+        else:
+            hint = f"a row needs an assistant answer to learn from, message contents in text, in an accepted shape " \
+                   f"({ACCEPTED_SHAPES})"
         raise InputError(f"no row of the dataset yields a sample to store: all {stats.rows_read:,} rows read were "
-                         f"skipped ({reasons}); a row needs an assistant answer to learn from, message contents "
-                         f"in text, in an accepted shape ({ACCEPTED_SHAPES})")
+                         f"skipped ({reasons}); {hint}")

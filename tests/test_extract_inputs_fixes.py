@@ -79,6 +79,22 @@ def test_a_dataset_no_row_of_which_yields_a_sample_is_refused_before_the_plan(mo
     assert not (tmp_path / "run" / "manifest.json").exists()
 
 
+def test_rows_whose_answers_begin_past_max_length_are_told_to_raise_it(model, tmp_path, capsys):
+    """A prompt longer than --max-length leaves no answer token in the cut: the rows were skipped as
+    `no_supervised_pair` and the error blamed the dataset's shape; they have their own reason now,
+    and the error says to raise --max-length."""
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": "tell me " * 60},
+                                         {"role": "assistant", "content": "a fine answer, of several words"}]}
+            for i in range(3)]
+    data = tmp_path / "long_prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli(_extract(model, str(data), tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "all 3 rows read were skipped (answer_past_max_length: 3); raise --max-length: the answers of some rows " \
+           "begin past it" in err and "accepted shape" not in err
+    assert cli(_extract(model, str(data), tmp_path, "--max-length", "1024")) == 0  # the same rows, stored
+
+
 def test_a_max_length_past_the_models_context_is_warned_about(model, tmp_path, caplog):
     """The tiny model's config says max_position_embeddings 512."""
     for max_length, warned in ((512, False), (600, True)):
