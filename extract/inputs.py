@@ -23,8 +23,10 @@ reason, so a run can account for all of its input.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
+import logging
 import os
 import re
 import reprlib
@@ -139,16 +141,46 @@ def load_rows(path: str, limit: int | None = None):
         if _file_has_no_rows(path, ext):
             raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
         try:
-            ds = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train")
+            with _quiet("datasets.packaged_modules"):  # it logs the error it raises, twice over
+                ds = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train")
         except Exception as e:  # datasets wraps parse errors in its own, path-less, exceptions
             cause = e.__cause__ or e
+            bad = _first_bad_line(path) if ext == ".jsonl" else None
             raise InputError(f"dataset {path!r} could not be read as {ext}: "
-                             f"{type(cause).__name__}: {cause}") from e
+                             + (bad or f"{type(cause).__name__}: {cause}")) from e
     if len(ds) == 0:
         raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     return ds
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """`logger`'s records below CRITICAL dropped for the block."""
+    log_ = logging.getLogger(logger)
+    level = log_.level
+    log_.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log_.setLevel(level)
+
+
+def _first_bad_line(path: str) -> str | None:
+    """'line 2 is not a JSON object: ...', for the first line of a JSON Lines file that is not one
+    (1-based, as editors count; pyarrow's "row 1" counts from 0); None if every line parses."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {n} is not JSON ({e.msg} at column {e.colno}): {reprlib.repr(line.strip())}"
+            if not isinstance(obj, dict):
+                return f"line {n} is a JSON {type(obj).__name__}, not an object (a row): {reprlib.repr(line.strip())}"
+    return None
 
 
 def _file_has_no_rows(path: str, ext: str) -> bool:

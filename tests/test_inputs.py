@@ -87,6 +87,21 @@ def test_load_rows_saved_dataset_dict(tmp_path):
     assert len(load_rows(str(tmp_path / "dd"))) == 5
 
 
+def test_a_bad_json_line_is_named_by_its_line_number_once(tmp_path, capsys, caplog):
+    """pyarrow's "in row 1" counts from 0 (the file's line 2), and datasets printed its error twice
+    (a bare line and a log record) before layertap's own."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n\n" + '{"messages": [oops\n')
+    with caplog.at_level("WARNING"):
+        with pytest.raises(InputError, match=r"broken\.jsonl' could not be read as \.jsonl: line 3 is not JSON "
+                                             r"\(Expecting value at column 15\): '\{\"messages\": \[oops'"):
+            load_rows(str(path))
+    assert "Failed to load JSON" not in capsys.readouterr().err + caplog.text
+    path.write_text(json.dumps(ROWS[0]) + "\n[1, 2]\n")
+    with pytest.raises(InputError, match=r"line 2 is a JSON list, not an object \(a row\)"):
+        load_rows(str(path))
+
+
 def test_load_rows_errors_name_the_path(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
