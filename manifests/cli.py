@@ -286,10 +286,13 @@ def _rate_line(s: dict) -> str:
 
 
 def format_training(t: dict) -> str:
-    of = f" of {t['steps_total']:,}" if t["steps_total"] else (f" ({t['epochs']} epoch(s) planned)" if t["epochs"] else "")
+    of = f" of {t['steps_total']:,}" if t["steps_total"] else ""
     lines = [f"training output at {t['prefix']}" + (f"  (data {t['data']})" if t["data"] else "")]
     if t["step"] is not None:
-        lines.append(f"  steps       {t['step']:,}{of}, epoch {t['epoch']}")
+        # counted from 1 here, beside counts of steps and epochs (metrics.jsonl's `epoch` counts from 0)
+        epoch = f", in epoch {t['epoch'] + 1}" + (f" of {t['epochs']}" if t["epochs"] else "") \
+            if isinstance(t["epoch"], int) else ""
+        lines.append(f"  steps       {t['step']:,}{of}{epoch}")
         loss = (f"{t['loss']:.4f}" if t["loss"] is not None and t["loss"] == t["loss"] else
                 "none (the step held only zero-weighted padding: samples the extraction skipped)")
         lines.append(f"  last loss   {loss} at step {t['step']:,}"

@@ -177,7 +177,7 @@ def test_status_of_a_training_output(trained, capsys):
     rc, out, err = status(capsys, out_uri)
     assert rc == 0, err
     assert f"training output at {out_uri}  (data {trained['data']})" in out
-    assert "steps       6 of 6, epoch" in out
+    assert f"steps       6 of 6, in epoch {last['epoch'] + 1}\n" in out  # counted from 1, as the steps are
     assert f"last loss   {last['loss']:.4f} at step 6" in out
     assert f"checkpoint  step 6: {out_uri}/checkpoints/step-00000006" in out
     assert "drafter     exported" in out and "COMPLETE" in out

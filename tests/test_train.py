@@ -735,6 +735,8 @@ def test_a_resume_at_the_end_trains_nothing_and_one_past_the_steps_is_refused(ru
     assert train_cli(*args, "--steps", "4", "--resume") == 0
     assert "its drafter was exported now" in capsys.readouterr().out and exports == [1]
     assert (tmp_path / "out" / "drafter" / "config.json").exists()
+    assert train_cli(*args, "--steps", "5", "--resume") == 0  # one more: not "trained 5 steps"
+    assert "trained 1 step (step 5: resumed at step 4); final loss" in capsys.readouterr().out
 
 
 def test_resume_at_an_epoch_end_takes_shards_committed_since_and_mid_epoch_says_what_to_do(run, target, tmp_path,

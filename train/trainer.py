@@ -657,7 +657,10 @@ def _loop(run: _Run, start: int) -> int:
         if start < run.total:
             export_drafter(run.out, run.model)
             loss, after = _final_loss([json.loads(line) for line in run.metrics.lines])
-            done = f"trained {run.total} steps; final loss {loss:.4f}{after}"
+            ran = run.total - start
+            steps = f"step {run.total}" if ran == 1 else f"steps {start + 1}-{run.total}"
+            done = f"trained {ran} step{'s' if ran != 1 else ''}" + \
+                (f" ({steps}: resumed at step {start})" if start else "") + f"; final loss {loss:.4f}{after}"
         else:  # a resume at the end (a finished job started again): say so, not "trained N steps"
             # an export present is this step's: a resume that trains on withdraws it (`withdraw_export`)
             exported = run.out.exists(EXPORT_CONFIG)
