@@ -14,12 +14,14 @@ log = logging.getLogger(__name__)
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
 EXIT_COMPLETE, EXIT_PROBLEM, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 3, 4  # 2: a user error (layertap/cli.py)
+EXIT_NO_ANSWER = 5  # the store did not answer (after retries): try again, unlike 2
 LOOK_UNDER, LIST_UNDER = 50, 20  # folders looked into, and runs named, under a prefix that holds no run
 STATUS_EXIT_CODES = (
     "exit codes: 0 complete (a training output: its drafter is exported; a regeneration: every part written); 3 "
     "not complete, no failed shard (pending or running; a training output still training or stopped; a "
     "regeneration with parts left); 4 failed shards; 1 the run is inconsistent (a replaced manifest); 2 no run, "
-    "training or regeneration output there, or a bad prefix")
+    "training or regeneration output there, or a bad prefix; 5 the store did not answer (unreachable, or failing "
+    "after retries): ask again later")
 
 
 def add_status(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,18 @@ def add_verify(p: argparse.ArgumentParser) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    """`layertap status`; a store that does not answer exits 5, not 2 (no run there): a script that
+    waits on status must tell an outage it can wait out from a wrong prefix."""
+    from layertap.storage.store import TransientStoreError
+
+    try:
+        return _status(args)
+    except TransientStoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NO_ANSWER
+
+
+def _status(args: argparse.Namespace) -> int:
     from layertap.manifests.manifest import NoRun
     from layertap.manifests.status import run_status as status
     from layertap.storage.store import open_store

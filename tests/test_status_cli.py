@@ -383,3 +383,13 @@ def test_submitting_training_does_not_import_torch(tmp_path):
                        timeout=120, cwd=tmp_path)
     assert p.returncode == 0 and "layertap train" in p.stdout, p.stdout + p.stderr
     assert p.stdout.splitlines()[-1] == "False"
+
+
+def test_a_store_that_does_not_answer_exits_5_not_2(capsys, monkeypatch):
+    """A script waiting on `status` must tell an outage it can wait out from "no run there" (2):
+    both exited 2."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    rc, out, err = status(capsys, "s3://acts/run1")
+    assert rc == 5 and "cannot reach the S3 endpoint http://127.0.0.1:9" in err and out == ""
