@@ -283,7 +283,10 @@ def test_a_drafter_of_the_embedded_smollm2_takes_the_verifiers_config_from_its_c
         # named by the converted folder, which speculators loads (the GGUF folder or `embedded:` it could not)
         assert os.path.isfile(os.path.join(name, "model.safetensors")) and config["max_position_embeddings"] == 8192
         assert config["architectures"] == ["LlamaForCausalLM"]
-    assert "not a local folder" not in caplog.text and "GGUF" not in caplog.text
+    assert "not a local folder" not in caplog.text and "do not load as a verifier" not in caplog.text
+    # but a name no other machine has: said, with how to serve it elsewhere
+    assert caplog.text.count(f"safetensors conversion in this machine's cache ({name}), not a hub id") == 2
+    assert "copy that folder there and pass --verifier with its path" in caplog.text
 
 
 def test_a_drafter_of_another_gguf_target_is_exported_with_a_warning_to_name_the_verifier(tmp_path, caplog):

@@ -158,7 +158,13 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
 
         if name.startswith("embedded:"):  # the Quickstart's target: the packaged SmolLM2 GGUF
             name, gguf = smollm2_gguf()
+        recorded_gguf = gguf
         name, gguf = checkpoint(name, gguf)
+        if recorded_gguf is not None and gguf is None:  # the embedded SmolLM2's, converted
+            log.warning("the verifier named is the embedded SmolLM2's safetensors conversion in this machine's cache "
+                        "(%s), not a hub id: its weights are the packaged quantized checkpoint's, dequantized, which "
+                        "the hub's SmolLM2-135M-Instruct does not match. To serve the drafter on another machine, "
+                        "copy that folder there and pass --verifier with its path", name)
         if gguf is not None:
             log.warning("the drafter's target is a GGUF file (%s in %s), which speculators and vLLM do not load as "
                         "a verifier: pass --verifier with the model's safetensors folder or hub id", gguf, name)
