@@ -89,10 +89,11 @@ def _status(args: argparse.Namespace) -> int:
         else EXIT_INCOMPLETE
 
 
-def outputs_under(store) -> list[tuple[str, str]]:
+def outputs_under(store, others: list[str] | None = None) -> list[tuple[str, str]]:
     """(folder, kind) of the runs and outputs one level under `store`, each named by what its
     marker object says it is: for a prefix that holds none itself (`status` of the parent of
-    runs, a follow trainer waiting where no run is coming)."""
+    runs, a follow trainer waiting where no run is coming). The folders looked into that are
+    none are added to `others`, if given: runs may lie deeper, where no one looked."""
     from layertap.manifests.layout import MANIFEST
     from layertap.manifests.regeneration import RECIPE
     from layertap.manifests.train_output import LATEST, METRICS
@@ -104,15 +105,25 @@ def outputs_under(store) -> list[tuple[str, str]]:
         kind = next((k for key, k in kinds if store.exists(f"{name}/{key}")), None)
         if kind is not None:
             found.append((name, kind))
+        elif others is not None:
+            others.append(name)
     return found
+
+
+def deeper_text(others: list[str]) -> str:
+    """'; and 2 other folders (qwen27b/, tmp/), not looked into': what `outputs_under` left unread."""
+    if not others:
+        return ""
+    return f"; and {len(others)} other folder(s) ({listing([f'{o}/' for o in others], 5)}), not looked into"
 
 
 def _what_is_under(store) -> str:
     """`outputs_under` as the end of `status`'s "no run" error."""
-    found = [f"{name}/ ({kind})" for name, kind in outputs_under(store)]
+    others: list[str] = []
+    found = [f"{name}/ ({kind})" for name, kind in outputs_under(store, others)]
     if not found:
         return ""
-    return (f". Under it: {listing(found, LIST_UNDER)}: `layertap status "
+    return (f". Under it: {listing(found, LIST_UNDER)}{deeper_text(others)}: `layertap status "
             f"{store.uri.rstrip('/')}/{found[0].split('/')[0]}`")
 
 

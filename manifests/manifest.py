@@ -201,12 +201,13 @@ def refuse_nested(store: ObjectStore) -> None:
     would take them (it refuses, naming them, but the layout stays a trap). A few requests
     (`outputs_under`: a delimiter listing and HEADs of the first folders' markers); deeper
     nesting is `layertap delete`'s to find, from its full listing."""
-    from layertap.manifests.cli import outputs_under
+    from layertap.manifests.cli import deeper_text, outputs_under
 
-    found = outputs_under(store)
+    others: list[str] = []
+    found = outputs_under(store, others)
     if found:
         root = store.uri.rstrip("/")
-        named = listing((f"{root}/{name} ({kind})" for name, kind in found), 5)
+        named = listing((f"{root}/{name} ({kind})" for name, kind in found), 5) + deeper_text(others)
         raise ConfigError(f"{store.uri} holds no run but other runs or outputs below it: {named}. A run here would "
                           "hold them under its prefix, and deleting it would delete them: give the run a prefix "
                           f"of its own beside them (a new folder under {root}/)")

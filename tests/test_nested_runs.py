@@ -103,10 +103,12 @@ def test_delete_markers_are_the_ones_runs_and_outputs_are_known_by():
 def test_a_new_run_is_not_planned_over_a_run_below_it(store_uri):
     """Resuming the run at the prefix is normal; creating one above another is refused."""
     fake_worker.plan(open_store(f"{store_uri}/keepme"))
+    fake_worker.plan(open_store(f"{store_uri}/team/deeper"))  # not looked for below team/: said so
     store = open_store(store_uri)
     with pytest.raises(ConfigError) as e:
         fake_worker.plan(store)
-    assert f"{store.uri.rstrip('/')}/keepme (run)" in str(e.value) and "a prefix of its own" in str(e.value)
+    assert f"{store.uri.rstrip('/')}/keepme (run); and 1 other folder(s) (team/), not looked into" in str(e.value)
+    assert "a prefix of its own" in str(e.value)
     assert not store.exists(layout.MANIFEST)
 
 

@@ -253,9 +253,11 @@ def test_status_of_the_parent_of_runs_names_what_is_under_it(store_uri, capsys):
     parent = open_store(store_uri)
     parent.put("drafter1/metrics.jsonl", b"{}\n")
     parent.put("misc/notes.txt", b"not ours")
+    parent.put("team/run9/manifest.json", b"{}")  # a run deeper down: the list looked whole without it
     rc, out, err = status(capsys, store_uri)
     assert rc == 2 and out == ""
-    assert "Under it: drafter1/ (training output), run1/ (run)" in err and "misc" not in err
+    assert "Under it: drafter1/ (training output), run1/ (run); and 2 other folder(s) (misc/, team/), not looked " \
+           "into" in err
     assert f"`layertap status {parent.uri.rstrip('/')}/drafter1`" in err
 
 
