@@ -89,7 +89,9 @@ class PlainProgress:
     def refresh(self) -> None:
         self._maybe_log()
 
-    def line(self) -> str:
+    def line(self, final: bool = False) -> str:
+        """The progress so far; `final`: the last line, without an ETA (a run that ends short of
+        its total, stopped or failed, is not going on)."""
         elapsed = time.monotonic() - self.t0
         rate = (self.n - self.start) / elapsed if elapsed > 0 else 0.0
         text = f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}s"
@@ -98,7 +100,7 @@ class PlainProgress:
         # below one a second, seconds per unit (as tqdm does): "0.0 steps/s" said nothing
         pace = f"{rate:,.1f} {self.unit}s/s" if rate >= 1 or rate == 0 else f"{1 / rate:,.1f} s/{self.unit}"
         text += f", {pace}, {duration(elapsed)} elapsed"
-        if rate > 0 and self.n < self.total:
+        if rate > 0 and self.n < self.total and not final:
             text += f", ETA {duration((self.total - self.n) / rate)}"
         return text + (f"; {self.postfix}" if self.postfix else "")
 
@@ -110,7 +112,7 @@ class PlainProgress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            log.info("%s", self.line())
+            log.info("%s", self.line(final=True))
 
     def __enter__(self) -> PlainProgress:
         return self

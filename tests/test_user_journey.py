@@ -44,6 +44,16 @@ def test_the_plain_progress_line_shows_this_steps_numbers(caplog):
     assert not any("refresh" in line for line in lines)
 
 
+def test_the_last_progress_line_of_a_run_stopped_short_gives_no_eta(caplog):
+    """A train stopped by a signal at step 1 of 6 ended on "..., ETA 22 min": nothing was going on."""
+    caplog.set_level(logging.INFO, logger="layertap.progress")
+    bar = PlainProgress(6, desc="train", unit="step", every_s=0.0)
+    bar.update(1)
+    bar.close()
+    going, last = [r.getMessage() for r in caplog.records]
+    assert "ETA" in going and "1/6 steps (17%)" in last and "ETA" not in last
+
+
 def test_resume_into_an_empty_out_warns_and_training_an_unfinished_run_warns(tmp_path, caplog):
     """Both go on (a Slurm requeue passes --resume from its first start; a partial run may be what
     was meant), but a typo in --out, or a run still extracting, must not pass unseen."""
