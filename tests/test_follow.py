@@ -313,6 +313,12 @@ def test_a_follow_epoch_with_no_committed_samples_trains_to_its_end(tmp_path, ca
     printed = capsys.readouterr().out
     assert "trained 10 steps; final loss nan (no step had a finite loss: 10 step(s) had nothing to learn" in printed
     assert f"drafter at {_store(out).uri}/drafter/" in printed
+    # a second epoch has nothing to read: said as such, not as shards a --delete-consumed trainer deleted
+    assert cli(["train", "--data", uri, "--model", target, "--out", str(tmp_path / "out2"), "--follow",
+                "--follow-poll-s", "0.5", "--batch-size", "4", "--block-size", "4", "--max-anchors", "8",
+                "--epochs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a sample (its extraction skipped them all" in err and "--delete-consumed" not in err
 
 
 def test_a_trainer_waiting_where_no_run_is_coming_is_told_of_the_runs_beside(tmp_path):

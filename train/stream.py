@@ -527,10 +527,14 @@ class ShardStream(IterableDataset):
         if self.position.in_follow_epoch:
             self._metrics = Metrics()
             return self._follow(worker, workers, max(1, c.memory_budget // workers))
-        if not self.shards:  # follow mode: a --delete-consumed trainer consumed every shard
+        if not self.shards and self._left_out:  # follow mode: a --delete-consumed trainer consumed every shard
             raise InputError(f"every committed shard of {self.uri} was consumed and deleted by a --delete-consumed "
-                             f"trainer: epoch {self.position.epoch} has nothing to read (the follow epoch trained on "
-                             "what this trainer took); train one epoch fewer, or extract the run again")
+                             f"trainer: epoch {self.position.epoch} (counted from 0) has nothing to read (the follow "
+                             "epoch trained on what this trainer took); train one epoch fewer, or extract the run again")
+        if not self.shards:  # follow mode over a run whose extraction skipped every sample
+            raise InputError(f"no committed shard of {self.uri} holds a sample (its extraction skipped them all: "
+                             f"`layertap status` counts the reasons): epoch {self.position.epoch} (counted from 0) has "
+                             "nothing to read after the follow epoch; train one epoch")
         plan = plan_consumer([len(s.sample_ids) for s in self.shards], seed=c.seed, epoch=self.position.epoch,
                              shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer, rank=self.rank,
                              world=self.world_size, worker=worker, workers=workers, uneven=c.uneven)
