@@ -113,6 +113,7 @@ class Claim:
         self.lost = threading.Event()  # set when another worker took the lease over
         self.committed = False
         self.superseded = False  # this attempt failed after another one committed the shard
+        self._creating_commit = False  # inside the commit's create: a failure there may still land
         self._stop = threading.Event()
         self._released = False
         self._beaten = False  # a beat key of this attempt's may exist (`release` deletes it)
@@ -180,7 +181,10 @@ class Claim:
             planned = self.queue.manifest.shards[self.shard].num_samples
             raise ManifestError(f"shard {self.shard}: its object holds {info.num_records} sample(s) and "
                                 f"{len(skipped)} were skipped, the plan has {planned}: not committed")
-        if not store.put_if_absent(layout.commit_key(self.shard), encode(record)):
+        self._creating_commit = True
+        created = store.put_if_absent(layout.commit_key(self.shard), encode(record))
+        self._creating_commit = False
+        if not created:
             log.info("shard %d was committed by another attempt; dropping ours", self.shard)
             store.delete(self.data_key)
             return False
@@ -285,8 +289,15 @@ class Claim:
         """Whatever point the work was interrupted at, leave nothing of this attempt: no pending
         upload, and no data object, which is complete if the stop came between the writer's close
         and the commit. Kept only if a commit names it: a stop inside the commit's own create may
-        have come after the record landed."""
+        have come after the record landed. Kept too where that create failed (its retries used
+        up, a timeout): a request still queued at the server or a gateway may land after this
+        look finds no commit, and would name a deleted object. Left, it is an orphan if none
+        lands, which the next commit of the shard removes (its sweep of other attempts' data)."""
         store, commit_key = self.queue.store, layout.commit_key(self.shard)
+        if self._creating_commit:
+            log.warning("shard %d: the commit's create failed with its outcome unknown: the attempt's data (%s) is "
+                        "kept, in case it lands late", self.shard, self.data_key)
+            return
         try:
             store.abort_pending_uploads(self.data_key)
             try:
@@ -632,7 +643,8 @@ class WorkQueue:
                 shard = layout.shard_of(up.key, layout.SHARDS) if up.key.startswith(layout.SHARDS) else None
                 if shard in mine and up.key not in at_work:
                     self.store.abort_pending_uploads(up.key)
-                elif shard is None and now - up.initiated >= self.ttl_s:
+                # Not a key of this run's records: a run or output nested below this prefix writes there.
+                elif shard is None and layout.is_run_key(up.key) and now - up.initiated >= self.ttl_s:
                     self.store.abort_pending_uploads(up.key, older_than_s=self.ttl_s)
             objects: dict[int, list[str]] = {}
             for o in self.store.list(layout.SHARDS):

@@ -321,3 +321,61 @@ def test_a_follow_trainer_resumed_before_a_withdrawn_shard_is_redone_is_told_to_
     redo(uri, 6)  # with the same counts, the epoch goes on exactly
     ids = [s["sample_id"] for s in resumed(uri, state) if not s["padding"]]
     assert len(ids) == len(set(ids)) == 40 - 4
+
+
+# -- the writer's own leftovers, and others' -----------------------------------------------------
+
+
+def test_a_commit_whose_create_fails_with_its_outcome_unknown_keeps_its_data(tmp_path, caplog):
+    """The commit's create timed out past its retries: the claim's exit found no commit and deleted
+    the attempt's data, and a create still queued at the server landed after it: a complete run
+    whose commit named a missing object. The data is kept; a late landing finds it."""
+    from layertap.manifests.status import run_status
+    from layertap.storage.store import TransientStoreError
+
+    store = open_store(str(tmp_path / "run"))
+    m = fake_worker.plan(store, 8, shard_bytes=10**9)  # one shard
+    real, in_flight = store.put_if_absent, []
+
+    def put_if_absent(key, data):
+        if key.startswith(layout.COMMITS) and not in_flight:
+            in_flight.append((key, data))  # on its way; the client gave up on it
+            raise TransientStoreError(f"create of {key} failed: ReadTimeoutError (tried 8 times)")
+        return real(key, data)
+
+    store.put_if_absent = put_if_absent
+    claim = next(iter(WorkQueue(store, m, Producer.current(0))))
+    with pytest.raises(TransientStoreError), claim:
+        meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                         hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+            for i in range(claim.plan.start, claim.plan.end):
+                w.write_sample(fake_worker.make_sample(i))
+            info = w.close()
+        claim.commit(info)
+    assert store.exists(claim.data_key) and "kept, in case it lands late" in caplog.text
+    assert real(*in_flight[0])  # it lands
+    assert run_status(store)["complete"]
+    assert len(list(ShardStream(str(tmp_path / "run")))) == 8  # and the shard reads
+
+
+def test_the_end_of_run_sweep_leaves_the_writes_of_a_run_nested_below_alone(tmp_path):
+    """A run planned inside another's prefix: the outer run's end-of-run sweep took every upload
+    under its prefix older than the lease TTL that was not one of its shards for a killed put of
+    its own records, and aborted the inner run's shard in progress."""
+    import time
+
+    outer_uri = str(tmp_path / "outer")
+    fake_worker.plan(open_store(outer_uri), 40)
+    inner = open_store(f"{outer_uri}/inner")
+    fake_worker.plan(inner, 40)
+    writer = inner.open_writer(layout.data_key(0, "a" * 20))
+    writer.write(b"x" * 1000)
+    (upload,) = inner.list_pending_uploads()
+    old = time.time() - 120  # a long shard: older than the outer run's lease TTL
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and "inner" in path.parts and "shards" in path.parts:
+            os.utime(path, (old, old))
+    assert fake_worker.work(outer_uri, ttl=60.0)  # the outer run completes, and sweeps
+    writer.close()  # failed: "No such file or directory"
+    assert inner.exists(layout.data_key(0, "a" * 20))
