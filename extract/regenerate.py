@@ -290,7 +290,8 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
                     rate = totals.completion_tokens / max(1e-9, time.monotonic() - t0)
                     bar.set_postfix_str(f"{rate:,.0f} gen tok/s, {totals.refused} refused")
                     if part.finished:
-                        _refuse_a_setting(totals, client.where)  # before a part of its refusals is kept for good
+                        # before a part of its refusals is kept for good
+                        _refuse_a_setting(totals, client.where, cfg.concurrency)
                         write = asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals))
                         write.add_done_callback(on_written)
                         writes.append(write)
@@ -369,7 +370,7 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
             history.append({k: message[k] for k in ("role", "content")})
             continue
         try:
-            reply = await client.complete(history, seed=seed, tools=tools)
+            reply = await client.complete(_as_sent(history), seed=seed, tools=tools)
         except Refused as e:
             return _refuse(part, totals, index, row_id, f"turn {len(finish_reasons) + 1}: {e}", kind=e.kind)
         answer = {"role": "assistant", "content": reply.content}
@@ -386,14 +387,25 @@ async def _answer_row(client: ChatClient, recipe: Recipe, row: Mapping[str, Any]
     totals.completion_tokens += tokens
 
 
+def _as_sent(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat so far as the server reads it: an earlier answer's reasoning under both names,
+    `reasoning` (what vLLM reads since it renamed the field, vllm#38488) and `reasoning_content`
+    (SGLang, older vLLM, `transformers serve`), so that a template replaying earlier reasoning
+    (Qwen3.5/3.6 with preserve_thinking) generates against what extraction will render."""
+    return [{**m, "reasoning": m["reasoning_content"]} if m.get("reasoning_content") else m for m in history]
+
+
 FIRST_REFUSALS = 8  # rows refused alike, none answered yet: the run's settings, not its rows
 
 
-def _refuse_a_setting(totals: Totals, where: str) -> None:
+def _refuse_a_setting(totals: Totals, where: str, concurrency: int) -> None:
     """Stop the run where every row so far was refused with one HTTP status and none answered:
     a setting the server refuses whatever the row (its parts would record every row refused, and
-    a complete output hold nothing). A part is kept for good, so this is said before one is."""
-    if totals.regenerated or totals.refused < FIRST_REFUSALS or len(totals.refused_reasons) != 1:
+    a complete output hold nothing). A part is kept for good, so this is said before one is.
+    Judged once as many rows as go at once (`concurrency`, at least FIRST_REFUSALS) are refused:
+    a too-long prompt is refused in milliseconds while answers take seconds, and the first rows'
+    few too-long ones were taken for a setting of the run."""
+    if totals.regenerated or totals.refused < max(FIRST_REFUSALS, concurrency) or len(totals.refused_reasons) != 1:
         return
     kind = next(iter(totals.refused_reasons))
     if kind.startswith("http_"):
@@ -430,7 +442,8 @@ def _write_part(store: ObjectStore, part: _Part, totals: Totals) -> None:
         won = store.put_if_absent(part_key(part.part), body)
     if not won:
         log.warning("part %d was written by another process meanwhile; kept that one", part.part)
-        kept = [json.loads(line) for line in store.get(part_key(part.part)).decode().splitlines() if line.strip()]
+        # split at "\n" alone: str.splitlines also splits inside JSON strings (at U+2028 and the like)
+        kept = [json.loads(line) for line in store.get(part_key(part.part)).decode().split("\n") if line.strip()]
         store.put(stats_key(part.part), json.dumps(_stats(part, kept)).encode())
         return
     store.put(stats_key(part.part), stats)  # again: a loser of the race may have written its own meanwhile

@@ -587,3 +587,83 @@ def test_a_row_whose_chat_is_not_a_list_is_refused_alone(tmp_path, fake):
                     + "\n")
     cfg = config(tmp_path, fake, dataset=str(data))
     assert regenerate(cfg).regenerated == 1 and refused(cfg.out) == [(0, "bad_message")]
+
+
+# -- found by review (2026-12-06) ----------------------------------------------------------------
+
+
+def _body(content, finish, **message) -> dict:
+    return {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": finish,
+                         "message": {"role": "assistant", "content": content, **message}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+
+
+def test_bad_rows_that_are_all_that_is_left_are_refused_not_taken_for_an_outage(tmp_path, fake):
+    """Rows 9-11 make the server's template raise (a 500, as `transformers serve` answers it); it
+    answers every other row and the check. At --concurrency 4 they are the last under way, and more
+    than two failing at once was an outage: "failed every chat completion", on every rerun."""
+    fake.answer = lambda n, prompt: (500, "TemplateError: roles must alternate", None, 0.0) \
+        if prompt in ("q9", "q10", "q11") else (200, f"answer to {prompt}", "stop", 0.2)
+    cfg = config(tmp_path, fake, rows=12, concurrency=4, rows_per_part=4, retry_for_s=8.0)
+    regenerate(cfg)
+    assert refused(cfg.out) == [(9, "http_500"), (10, "http_500"), (11, "http_500")]
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_an_answer_calling_a_tool_is_refused_whatever_its_finish_reason(tmp_path, fake, finish):
+    """vLLM ends a call forced by tool_choice in "stop", SGLang keeps "length": the answer was kept
+    with its call dropped (an empty assistant turn)."""
+    call = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    fake.answer = lambda n, prompt: (200, _body(None, finish, tool_calls=call), finish, 0.0) if prompt == "q1" \
+        else ok(n, prompt)
+    cfg = config(tmp_path, fake, rows=4)
+    regenerate(cfg)
+    assert refused(cfg.out) == [(1, "tool_call")]
+
+
+def test_an_earlier_turns_reasoning_is_sent_under_the_name_vllm_reads_and_stored_under_ours(tmp_path, fake):
+    """vLLM reads only `reasoning` from an incoming assistant message (vllm#38488): `reasoning_content`
+    alone was dropped before the template, so a template replaying earlier reasoning generated the
+    next turn without what extraction renders."""
+    fake.answer = lambda n, prompt: (200, _body(f"A {prompt}", "stop", reasoning=f"R {prompt}"), "stop", 0.0)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a"},
+                                             {"role": "user", "content": "u2"},
+                                             {"role": "assistant", "content": "b"}]}) + "\n")
+    cfg = config(tmp_path, fake, dataset=str(data))
+    regenerate(cfg)
+    second = next(b for b in fake.bodies if b["messages"][-1]["content"] == "u2")
+    assert second["messages"][1] == {"role": "assistant", "content": "A u1", "reasoning": "R u1",
+                                     "reasoning_content": "R u1"}
+    (row,) = iter_rows(cfg.out)
+    assert row["messages"][1] == {"role": "assistant", "content": "A u1", "reasoning_content": "R u1"}
+
+
+def test_rows_too_long_for_the_context_among_the_first_do_not_stop_the_run(tmp_path, fake):
+    """A context check answers 400 in milliseconds, an answer takes seconds: with small parts, 8
+    over-long rows among the first under way were taken for a setting of the run."""
+    fake.answer = lambda n, prompt: ok(n, prompt)[:3] + (1.5,)
+    fake.refuse = lambda b: "maximum context length is 4096 tokens" if b["messages"][-1]["content"].startswith("q") \
+        and int(b["messages"][-1]["content"][1:]) % 2 == 0 else None
+    cfg = config(tmp_path, fake, rows=24, concurrency=16, rows_per_part=1, request_timeout_s=30.0)
+    regenerate(cfg)
+    assert len(refused(cfg.out)) == 12
+
+
+def test_a_part_kept_by_another_process_is_read_back_at_newlines_only(tmp_path):
+    """str.splitlines split a kept part inside a JSON string at U+2028 (ensure_ascii=False leaves
+    it raw): the process that lost the race to write the part stopped on a JSONDecodeError."""
+    from layertap.manifests.regeneration import stats_key
+
+    store = open_store(str(tmp_path / "out"))
+    won, lost = _Part(0, range(2)), _Part(0, range(2))
+    for part in (won, lost):
+        part.rows[0] = {"id": "0", "messages": [{"role": "user", "content": "line one\u2028line two"}],
+                        "regenerated": {"row": 0, "completion_tokens": 5, "finish_reasons": ["stop"]}}
+    won.rows[1] = {"id": "1", "messages": [], "regenerated": {"row": 1, "completion_tokens": 5,
+                                                              "finish_reasons": ["stop"]}}
+    lost.refused.append({"row": 1, "id": "1", "reason": "turn 1: timeout", "kind": "timeout"})
+    _write_part(store, won, Totals())
+    _write_part(store, lost, Totals())  # keeps the other's part, and writes its stats from it
+    assert json.loads(store.get(stats_key(0)))["refused"] == []
