@@ -8,8 +8,8 @@ The `openai` client makes one try per call (its own retries are off); this modul
   restarted or briefly overloaded under a running job is ridden out (`ServerGone` after that);
   until the server has answered once, a refused connection is a wrong --endpoint: 3 quick tries;
 - a 500 (or other 5xx) or a timeout is the row's own failure only while few requests are failing
-  (two, or a quarter of --concurrency; any number among the last rows, when fewer than
-  --concurrency are under way) and the server answers others: another request's success
+  (two, or a quarter of --concurrency; any number among the last rows, when no row is left to
+  start) and the server answers others: another request's success
   clears the slate. Once more requests in flight have failed since the last success, the server is
   failing, not the row (an engine dead behind a live HTTP server answers 500 to all; a hung one
   times out on all), and every request waits as for a server away, so the rest of the dataset is
@@ -157,7 +157,8 @@ class ChatClient:
         self._warned_at = -1e9
         self.answered = False  # until the server first answers, a refused connection is a wrong --endpoint
         self._failing: set[int] = set()  # requests that got a 5xx or timed out since the last success
-        self._in_flight = 0  # requests under way (each with its retries)
+        self._under_way: set[int] = set()  # requests started and not ended (each with its retries)
+        self.last_rows = False  # set by the caller once no row is left to start: the requests under way are the last
         self._calls = itertools.count()
         self.timeout_s, self.concurrency = timeout_s, concurrency
         http = _http_library(openai.DefaultAsyncHttpxClient)
@@ -250,12 +251,18 @@ class ChatClient:
     async def _call(self, request, *, what: str):
         """`request()` under the retry policy in the module docstring."""
         me = next(self._calls)
-        self._in_flight += 1
+        self._under_way.add(me)
         try:
             return await self._retried(request, what, me)
         finally:  # answered, refused or stopped: no longer a request failing
             self._failing.discard(me)
-            self._in_flight -= 1
+            self._under_way.discard(me)
+
+    async def ended_under_way(self) -> None:
+        """Wait until each request under way now has ended: answered, refused or given up."""
+        now = set(self._under_way)
+        while now & self._under_way:
+            await asyncio.sleep(0.05)
 
     async def _retried(self, request, what: str, me: int):
         import openai
@@ -323,13 +330,13 @@ class ChatClient:
         """Whether a failing request's failures are its row's own: few other requests have failed
         since the last success, and the server answers a known-good request now (else: an outage).
         Few: two at any --concurrency (at 2, two bad rows side by side were an outage on every
-        rerun, and the output could never be finished), a quarter of it at a larger one. Unless
-        they are all that is under way, fewer than --concurrency: the dataset's last rows, with no
-        other request left to succeed in between (three bad rows among the last stopped every
-        rerun with "failed every chat completion"): then the check alone decides."""
+        rerun, and the output could never be finished), a quarter of it at a larger one. Any
+        number among the last rows (`last_rows`), with no other request left to succeed in
+        between (three bad rows among the last stopped every rerun with "failed every chat
+        completion"): then the check alone decides."""
         import openai
 
-        if len(self._failing) > max(2, self.concurrency // 4) and self._in_flight >= self.concurrency:
+        if len(self._failing) > max(2, self.concurrency // 4) and not self.last_rows:
             return False
         for _ in range(UNREACHABLE_TRIES):  # a keep-alive connection the server had closed is no answer: again
             try:

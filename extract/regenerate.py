@@ -290,11 +290,13 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
                     rate = totals.completion_tokens / max(1e-9, time.monotonic() - t0)
                     bar.set_postfix_str(f"{rate:,.0f} gen tok/s, {totals.refused} refused")
                     if part.finished:
-                        # before a part of its refusals is kept for good
-                        _refuse_a_setting(totals, client.where, cfg.concurrency)
+                        if _may_be_a_setting(totals):  # the answers under way say it is not: wait for them
+                            await client.ended_under_way()
+                        _refuse_a_setting(totals, client.where)  # before a part of its refusals is kept for good
                         write = asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals))
                         write.add_done_callback(on_written)
                         writes.append(write)
+                client.last_rows = True  # no row left to start: a row failing now cannot wait for another's answer
 
             workers = [asyncio.create_task(worker()) for _ in range(cfg.concurrency)]
             feeding = asyncio.create_task(_feed(queue, todo, recipe, cfg.concurrency))
@@ -398,22 +400,27 @@ def _as_sent(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 FIRST_REFUSALS = 8  # rows refused alike, none answered yet: the run's settings, not its rows
 
 
-def _refuse_a_setting(totals: Totals, where: str, concurrency: int) -> None:
-    """Stop the run where every row so far was refused with one HTTP status and none answered:
-    a setting the server refuses whatever the row (its parts would record every row refused, and
-    a complete output hold nothing). A part is kept for good, so this is said before one is.
-    Judged once as many rows as go at once (`concurrency`, at least FIRST_REFUSALS) are refused:
-    a too-long prompt is refused in milliseconds while answers take seconds, and the first rows'
-    few too-long ones were taken for a setting of the run."""
-    if totals.regenerated or totals.refused < max(FIRST_REFUSALS, concurrency) or len(totals.refused_reasons) != 1:
+def _may_be_a_setting(totals: Totals) -> bool:
+    """Every row so far (FIRST_REFUSALS or more) refused with one HTTP status, none answered."""
+    return not totals.regenerated and totals.refused >= FIRST_REFUSALS and len(totals.refused_reasons) == 1 \
+        and next(iter(totals.refused_reasons)).startswith("http_")
+
+
+def _refuse_a_setting(totals: Totals, where: str) -> None:
+    """Stop the run where every row so far was refused with one HTTP status and none answered,
+    once the requests under way then have ended (`ChatClient.ended_under_way`: a too-long prompt
+    is refused in milliseconds while answers take seconds, and the first rows' few too-long ones
+    were taken for a setting): a setting the server refuses whatever the row (its parts would
+    record every row refused, and a complete output hold nothing). A part is kept for good, so
+    this is said before one is."""
+    if not _may_be_a_setting(totals):
         return
     kind = next(iter(totals.refused_reasons))
-    if kind.startswith("http_"):
-        raise EndpointError(f"{where} refused each of the first {totals.refused} rows ({kind}) and answered none: "
-                            f"a setting of this run, not its rows (last: {totals.last_refusal}); check --max-tokens, "
-                            "--temperature, --top-p, --seed and --chat-template-kwargs against the server, and rerun"
-                            + (f" (the {totals.parts} part(s) already written keep their refusals: `layertap delete` "
-                               "the output to redo them)" if totals.parts else " (no part was written)"))
+    raise EndpointError(f"{where} refused each of the first {totals.refused} rows ({kind}) and answered none: "
+                        f"a setting of this run, not its rows (last: {totals.last_refusal}); check --max-tokens, "
+                        "--temperature, --top-p, --seed and --chat-template-kwargs against the server, and rerun"
+                        + (f" (the {totals.parts} part(s) already written keep their refusals: `layertap delete` "
+                           "the output to redo them)" if totals.parts else " (no part was written)"))
 
 
 def _refuse(part: _Part, totals: Totals, index: int, row_id: str, reason: str, *, kind: str) -> None:

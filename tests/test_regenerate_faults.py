@@ -667,3 +667,13 @@ def test_a_part_kept_by_another_process_is_read_back_at_newlines_only(tmp_path):
     _write_part(store, won, Totals())
     _write_part(store, lost, Totals())  # keeps the other's part, and writes its stats from it
     assert json.loads(store.get(stats_key(0)))["refused"] == []
+
+
+def test_a_setting_refused_for_every_row_of_a_task_smaller_than_concurrency_stops_it(tmp_path, fake):
+    """Counting `--concurrency` refusals before judging (a first try at the case above) let a task of
+    fewer rows complete with every row refused, for good."""
+    fake.refuse = lambda body: "seed is not supported" if body["messages"][-1]["content"].startswith("q") else None
+    cfg = config(tmp_path, fake, rows=12, concurrency=16, rows_per_part=12)
+    with pytest.raises(EndpointError, match=r"refused each of the first \d+ rows \(http_400\) and answered none"):
+        regenerate(cfg)
+    assert not done_parts(open_store(cfg.out))
