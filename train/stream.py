@@ -436,6 +436,8 @@ class ShardStream(IterableDataset):
             self._pin_settled(state)
         mine = self._identity(follow_epoch)
         mine.setdefault("follow", False)
+        if "order" not in state:  # saved before a plain stream recorded its order: judged by the rest, as then
+            mine.pop("order", None)
         saved = dict(state, follow=bool(state.get("follow")))
         differ = [k for k, v in mine.items() if saved.get(k) != v]
         if "order" in saved and "order" not in differ and "settled" not in differ:
