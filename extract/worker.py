@@ -177,6 +177,7 @@ class ShardLoop:
         if not pending.done.wait(seconds):
             log.warning("shard %d was still finishing %.0f s after the stop; leaving it: its lease goes stale and "
                         "the shard is redone (or its commit, if it lands, counts)", pending.claim.shard, seconds)
+            self.on_abandoned(pending.claim, pending.records.n)  # left unfinished: the stop's message names it
         self._pending = None
 
     def _report(self, done: Finishing) -> None:

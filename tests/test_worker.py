@@ -50,6 +50,7 @@ class Run:
         self.rival_commits: set[int] = set()  # ... either after another attempt committed the shard
         self.stop_at: int | None = None  # the shard whose start a stop signal interrupts
         self.hold_finish = False  # each finish waits for the next shard's start (or 5 s)
+        self.slow_finish: set[int] = set()  # shards whose finish takes 2 s more
         self.abandoned: list[tuple[int, int]] = []
 
     def log(self, what: str, shard: int) -> None:
@@ -81,6 +82,8 @@ class Run:
 
         def finish():
             self.log("finish", claim.shard)
+            if claim.shard in self.slow_finish:
+                time.sleep(2.0)
             if self.hold_finish:
                 deadline = time.time() + 5
                 while time.time() < deadline and not any(e == "start" and s != claim.shard and i > self.index(
@@ -238,6 +241,17 @@ def test_a_stop_during_the_next_shards_start_keeps_the_finishing_shard_and_relea
     run.stop_at = None
     assert (loop := run.loop(overlap=True)).run(run.queue(loop)) == len(run.manifest.shards) - 2  # the rerun does the rest
     assert _intact(run)
+
+
+def test_a_shard_left_finishing_past_the_stop_wait_is_told_as_abandoned(store_uri, capture, monkeypatch):
+    """A shard still finishing STOP_WAIT_S after a stop is left (its lease goes stale, it is redone):
+    nothing said so to the stop's message, which told "no shard was in progress here"."""
+    monkeypatch.setattr(ShardLoop, "STOP_WAIT_S", 0.3)
+    run = Run(store_uri, capture)
+    run.stop_at, run.slow_finish = 2, {1}
+    with pytest.raises(Interrupted):
+        (loop := run.loop(overlap=True)).run(run.queue(loop))
+    assert [shard for shard, _ in run.abandoned] == [2, 1]  # the one stopped at its start, and the one left
 
 
 def test_a_stop_inside_the_queue_leaves_the_lease_of_the_shard_finishing_behind_to_it(store_uri, capture):
