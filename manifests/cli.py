@@ -21,7 +21,7 @@ STATUS_EXIT_CODES = (
     "not complete, no failed shard (pending or running; a training output still training or stopped; a "
     "regeneration with parts left); 4 failed shards; 1 the run is inconsistent (a replaced manifest); 2 no run, "
     "training or regeneration output there, or a bad prefix; 5 the store did not answer (unreachable, or failing "
-    "after retries): ask again later")
+    "after retries: an outage to wait out, or a wrong endpoint, which the message names)")
 
 
 def add_status(p: argparse.ArgumentParser) -> None:
