@@ -306,7 +306,7 @@ def check_inspect(device: str, kernel_line: str | None):
 
 def check_train(steps: int, drafter_uri: str):
     def check(out: str, err: str, step: dict) -> list[str]:
-        m = re.search(r"trained (\d+) steps; final loss (\S+?);", out)
+        m = re.search(r"trained (\d+) steps?(?: \([^)]*\))?; final loss (\S+?);", out)
         if not m:
             return [f"no `trained N steps` line ({_error_line(err)})"]
         from layertap.storage.store import open_store

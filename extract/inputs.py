@@ -167,6 +167,9 @@ def _quiet(logger: str) -> Iterator[None]:
         log_.setLevel(level)
 
 
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _first_bad_line(path: str) -> str | None:
     """'line 2 is not a JSON object: ...', for the first line of a JSON Lines file that is not one
     (1-based, as editors count; pyarrow's "row 1" counts from 0); None if every line parses."""
@@ -179,7 +182,8 @@ def _first_bad_line(path: str) -> str | None:
             except json.JSONDecodeError as e:
                 return f"line {n} is not JSON ({e.msg} at column {e.colno}): {reprlib.repr(line.strip())}"
             if not isinstance(obj, dict):
-                return f"line {n} is a JSON {type(obj).__name__}, not an object (a row): {reprlib.repr(line.strip())}"
+                kind = _JSON_KINDS.get(type(obj), type(obj).__name__)
+                return f"line {n} is a JSON {kind}, not an object (a row): {reprlib.repr(line.strip())}"
     return None
 
 

@@ -419,10 +419,10 @@ def require_samples(stats: TokenStats) -> None:
     would "complete" with nothing stored (`layertap plan` and `estimate` refuse it too)."""
     if stats.samples_read == 0:
         reasons = ", ".join(f"{reason}: {n:,}" for reason, n in sorted(stats.skipped.items()))
-        if stats.skipped.get(ANSWER_PAST_MAX_LENGTH):
-            hint = "raise --max-length: the answers of some rows begin past it"
-        else:
-            hint = f"a row needs an assistant answer to learn from, message contents in text, in an accepted shape " \
-                   f"({ACCEPTED_SHAPES})"
+        shape = f"a row needs an assistant answer to learn from, message contents in text, in an accepted shape " \
+                f"({ACCEPTED_SHAPES})"
+        past = "raise --max-length: the answers of some rows begin past it"
+        hint = (past if set(stats.skipped) == {ANSWER_PAST_MAX_LENGTH} else f"{past}; and {shape}") \
+            if stats.skipped.get(ANSWER_PAST_MAX_LENGTH) else shape
         raise InputError(f"no row of the dataset yields a sample to store: all {stats.rows_read:,} rows read were "
                          f"skipped ({reasons}); {hint}")

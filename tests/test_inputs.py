@@ -98,7 +98,7 @@ def test_a_bad_json_line_is_named_by_its_line_number_once(tmp_path, capsys, capl
             load_rows(str(path))
     assert "Failed to load JSON" not in capsys.readouterr().err + caplog.text
     path.write_text(json.dumps(ROWS[0]) + "\n[1, 2]\n")
-    with pytest.raises(InputError, match=r"line 2 is a JSON list, not an object \(a row\)"):
+    with pytest.raises(InputError, match=r"line 2 is a JSON array, not an object \(a row\)"):
         load_rows(str(path))
 
 
