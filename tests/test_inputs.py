@@ -13,7 +13,7 @@ import torch
 from layertap.extract.embedded import sharegpt_conversations
 from layertap.storage.errors import ConfigError, InputError
 from layertap.extract.inputs import (
-    BAD_MESSAGE, EMPTY, NO_SUPERVISED_PAIR, TEMPLATE_ERROR, RowShape, Skipped, TokenizedSample,
+    ANSWER_PAST_MAX_LENGTH, BAD_MESSAGE, EMPTY, NO_SUPERVISED_PAIR, TEMPLATE_ERROR, RowShape, Skipped, TokenizedSample,
     TokenizeStats, dataset_fingerprint, detect_row_shape, load_rows, sample_id, tokenize_rows,
 )
 from tiny_models import CHATML_TEMPLATE, QWEN3_TEMPLATE, QWEN35_TEMPLATE, smollm2_tokenizer, tiny_tokenizer
@@ -438,9 +438,9 @@ def test_skips_have_reasons_and_counts():
            {"input_ids": [], "loss_mask": []}]
     stats = TokenizeStats()
     a, b, c = _one(pre, tok, 4, stats=stats)
-    assert (a.reason, b.reason, c.reason) == (NO_SUPERVISED_PAIR, NO_SUPERVISED_PAIR, EMPTY)
-    assert "max_length=4" in b.detail
-    assert stats.samples == 0 and stats.skipped == {NO_SUPERVISED_PAIR: 2, EMPTY: 1}
+    assert (a.reason, b.reason, c.reason) == (NO_SUPERVISED_PAIR, ANSWER_PAST_MAX_LENGTH, EMPTY)
+    assert "max_length=4: the first supervised token is token 3" in b.detail
+    assert stats.samples == 0 and stats.skipped == {NO_SUPERVISED_PAIR: 1, ANSWER_PAST_MAX_LENGTH: 1, EMPTY: 1}
 
     (t,) = _one([{"conversations": CHAT}], tiny_tokenizer("{{ raise_exception('roles must alternate') }}"))
     assert t.reason == TEMPLATE_ERROR and "roles must alternate" in t.detail
