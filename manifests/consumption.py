@@ -127,6 +127,7 @@ class Waiting:
 
     who: str | None
     shards: list[list[int]] | None
+    task: str | None = None  # its Slurm array task (`123_4`), where it is one
 
     def may_take(self, shard: int) -> bool:
         return self.shards is None or any(lo <= shard <= hi for lo, hi in self.shards)
@@ -138,7 +139,7 @@ def waiting_workers(store: ObjectStore, records: list[ObjectInfo]) -> list[Waiti
     def read(key: str) -> Waiting | None:
         try:
             body = json.loads(store.get(key))
-            return Waiting(holder_name(body["producer"]), body.get("shards"))
+            return Waiting(holder_name(body["producer"]), body.get("shards"), body["producer"].get("job_id"))
         except ObjectNotFound:
             return None  # went on
         except (ValueError, KeyError, TypeError, AttributeError):

@@ -179,7 +179,10 @@ def started(store: ObjectStore, remaining: Remaining, queued: list[QueuedTask]) 
     never take again (`WorkQueue._give_up`). A running task with no lease yet is starting (or has
     no free shard it may take: then it owns none). Reads the store only while tasks run. (A task
     requeued since it gave a shard up tries it anew, yet keeps none of it here: that shard is
-    submitted beside it, and the leases keep the data right.)"""
+    submitted beside it, and the leases keep the data right.) Nor a running task waiting behind a
+    full --window: it holds no lease, and its work is counted as the waiting workers' (`waited_for`)."""
+    waiting = set(remaining.waiting_tasks)
+    queued = [t for t in queued if not (t.running and t.job in waiting)]
     dynamic = {t.job for t in queued if t.running and not t.shards_per_task}
     holding = _lease_holders(store, list(remaining.leases.values()), dynamic) if dynamic else set()
     gave_up = _given_up(store, set(remaining.todo)) if any(t.running for t in queued) else {}

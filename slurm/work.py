@@ -41,6 +41,7 @@ class Remaining:
     # their jobs (Slurm job ids, or `pid P on HOST`), and the shards of `todo` they wait to take
     waiting: int = 0
     waiting_jobs: list[str] = field(default_factory=list)
+    waiting_tasks: list[str] = field(default_factory=list)  # of those, the Slurm array tasks (`123_4`)
     waited_for: list[int] = field(default_factory=list)
     # array tasks still pending in Slurm for this run, or started but holding no lease yet
     # (`slurm.queued`), their jobs, the shards of `todo` in the ranges of the static ones, how many
@@ -99,6 +100,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
                      interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
                      todo=todo, leases={s: st.live_lease(s).key for s in running},
                      waiting=len(waiting), waiting_jobs=sorted({w.who or "unknown" for w in waiting}),
+                     waiting_tasks=sorted({w.task for w in waiting if w.task}),
                      waited_for=[s for s in todo if any(w.may_take(s) for w in waiting)])
 
 

@@ -246,6 +246,17 @@ def test_started_tasks_keep_their_work_until_their_leases_show(tmp_path, capsys,
                        ("73_0", "RUNNING", "None", tag(prefix, None, None))])
     assert "nothing to submit: 1 task(s) of 73 are still queued or running" in dry_run(prefix, "--nodes", "2")
 
+    # 74_0, started with --shards 0-1, waits behind a full --window (no lease): counted once, as a waiting
+    # worker, not also as a starting task
+    prefix = str(tmp_path / "window")
+    planned_run(prefix, 6)
+    open_store(prefix).put(layout.waiting_key("t74"), json.dumps({"producer": {"job_id": "74_0", "token": "t74"},
+                                                                  "shard": 0, "shards": [[0, 1]]}).encode())
+    fake_squeue(bin_, [("74_0", "RUNNING", "None", tag(prefix, None, None))])
+    out = dry_run(prefix, "--nodes", "3")  # its shards 0-1 left to it; 2-5 to the new tasks, --nodes of them
+    assert "wait behind the full storage window to take shards 0-1" in out and "still queued or running" not in out
+    assert "#SBATCH --array=0-2\n" in out  # it was counted as a starting task too: one task fewer
+
 
 def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsys, monkeypatch):
     """Regeneration tasks hold a lease only once they run: one still queued was submitted again
