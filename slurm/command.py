@@ -412,9 +412,9 @@ def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[in
                           "(its running tasks are left out), or once it has ended")
     if other := sorted({n for _, n, _ in queued} - {args.tasks}):
         jobs = ", ".join(sorted({j for _, n, j in queued if n == other[0]}))
-        raise ConfigError(f"a regeneration split into {other[0]} tasks is queued for {store.uri} (Slurm job {jobs}): "
-                          f"its parts and --tasks {args.tasks}'s overlap and would be answered twice. Submit with "
-                          f"--tasks {other[0]} (its queued tasks are left out), or scancel it first")
+        raise ConfigError(f"a regeneration split into {other[0]} tasks is queued or starting for {store.uri} (Slurm "
+                          f"job {jobs}): its parts and --tasks {args.tasks}'s overlap and would be answered twice. "
+                          f"Submit with --tasks {other[0]} (its queued tasks are left out), or scancel it first")
     waiting = sorted(i for i, _, _ in queued if i in indices)
     if waiting:
         jobs = ", ".join(sorted({j for i, _, j in queued if i in waiting}))

@@ -280,7 +280,7 @@ def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsy
     assert "task(s) 1 are still queued or starting (Slurm job 90): left out" in said and "#SBATCH --array=0\n" in said
     assert f'#SBATCH --comment="{regeneration_tag(_store_location(out), 2)}"' in said
     assert submit(*base, "--tasks", "3") == 2
-    assert "a regeneration split into 2 tasks is queued for" in capsys.readouterr().err
+    assert "a regeneration split into 2 tasks is queued or starting for" in capsys.readouterr().err
     # started, its server starting before it takes its task's lease: left out too; held for good: not
     tagged = regeneration_tag(_store_location(out), 2)
     fake_squeue(bin_, [("90_1", "RUNNING", "None", tagged), ("91_0", "PENDING", "JobHeldAdmin", tagged)])
