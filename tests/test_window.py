@@ -658,11 +658,11 @@ def test_no_stall_is_reported_while_a_shard_is_being_extracted(store_uri, caplog
     WindowGate(store, 10_000).record()  # ... and they fill the window
     claim_consumer(store, "out")
     manifest = load_manifest(store)
-    watcher = CommitWatcher(store, manifest, poll_s=0.1)
+    watcher = CommitWatcher(store, manifest, poll_s=0.1, deletes_consumed=True)  # the trainer claimed as "out"
     watcher.poll()
     caplog.set_level("INFO", logger="layertap.train.follow")
 
-    def looks(n: int) -> None:
+    def looks(n: int, watcher: CommitWatcher = watcher) -> None:
         for _ in range(n):
             watcher._logged = 0.0  # each a look 30 s after the last
             assert watcher._extraction_over() is False
@@ -674,6 +674,15 @@ def test_no_stall_is_reported_while_a_shard_is_being_extracted(store_uri, caplog
     assert "STALLED" not in caplog.text
     looks(1)
     assert "STALLED" in caplog.text
+
+    # A second trainer, which deletes nothing, on the same window: the full window is the first one's to
+    # open at its next checkpoint (maybe more than the 10 min give-up away). While that one runs, no stall
+    # of this one's: it exited 2 ("Stopping after 10 min") with nothing stuck.
+    caplog.clear()
+    other = CommitWatcher(store, manifest, poll_s=0.1)
+    other.poll()
+    looks(3, other)
+    assert "STALLED" not in caplog.text
 
 
 def test_a_waiting_worker_sweeps_the_stale_records_of_killed_ones(store_uri, monkeypatch):

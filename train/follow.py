@@ -47,7 +47,7 @@ from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.manifests.state import fits_plan, listed_shards, replaced_manifest_error, scan_work
 from layertap.storage.errors import UserError
 from layertap.storage.retry import Backoff
-from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import listing, size
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,9 @@ class CommitWatcher:
     that it does not need comes as a `FeedCommit` (counts only), without a GET. None: every record."""
 
     def __init__(self, store: ObjectStore, manifest: Manifest, poll_s: float, who: str = "ShardStream",
-                 wants: Callable[[int, int], bool] | None = None):
+                 wants: Callable[[int, int], bool] | None = None, deletes_consumed: bool = False):
         self.store, self.manifest, self.who, self._wants = store, manifest, who, wants
+        self.deletes_consumed = deletes_consumed  # its trainer opens a full window (StreamConfig's)
         self.known: dict[int, CommitRecord | FeedCommit] = {}
         self.complete = False
         self._backoff = _looks(poll_s)  # wait()'s
@@ -357,6 +358,8 @@ class CommitWatcher:
         # mean no stall: their commits will come, and training goes on with them. Such a look is no
         # sign of one: STALLED, and the give-up clock, count from the first look with none running.
         found = None if extracting else stalled(self.store)
+        if found is not None and not self.deletes_consumed and self._consumer_at_work():
+            found = None  # the run's --delete-consumed trainer opens the window as it checkpoints: no stall of ours
         if found is None or self._stalled_looks == 0:  # no stall, or new commits since (`poll`): start over
             self._stalled_since = time.monotonic() if found is not None else None
         self._stalled_looks = self._stalled_looks + 1 if found is not None else 0
@@ -385,6 +388,21 @@ class CommitWatcher:
             # neither side can move: a trainer waiting on for good would hold its GPUs, and the run's, forever
             raise Stalled(f"{message} Stopping after {STALL_GIVE_UP_S / 60:.0f} min of it.")
         log.error("%s", message)
+
+
+    def _consumer_at_work(self) -> bool:
+        """Whether another trainer, the run's `--delete-consumed` one, runs: a full window is then
+        that trainer's to open (at its next checkpoint, which may be more than STALL_GIVE_UP_S away),
+        and this one, which deletes nothing, waits for it rather than give up. Once that trainer
+        stops (its lease goes stale), a stall is this one's to count."""
+        from layertap.manifests.consumption import consumer_of, consumer_state
+        from layertap.manifests.manifest import ManifestError
+
+        try:
+            output = consumer_of(self.store)
+        except (StoreError, ManifestError):  # cannot tell: counted as before
+            return False
+        return output is not None and consumer_state(output) == "running"
 
 
 class Stalled(UserError):

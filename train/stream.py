@@ -76,6 +76,9 @@ class StreamConfig:
     on_corrupt: Literal["raise", "skip"] = "raise"
     follow: bool = False  # epoch 0 follows a run being extracted (docs/LOADER.md, "Follow mode")
     follow_poll_s: float = 30.0  # longest wait between looks for new commits (backoff from 0.5 s)
+    # this stream's trainer deletes what it consumes (`layertap train --delete-consumed`): a full
+    # --window is its own to open, where another trainer's is that trainer's to open
+    deletes_consumed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("memory_budget", "range_bytes"):  # sizes as text ("4GiB") become bytes
@@ -642,7 +645,7 @@ class ShardStream(IterableDataset):
         consumers, me = self.world_size * workers, self.rank * workers + worker
         target = position.counts(workers)[worker]
         who = f"rank {self.rank}" + (f" worker {worker}" if workers > 1 else "")
-        watcher = CommitWatcher(self._store(), self._manifest, c.follow_poll_s, who,
+        watcher = CommitWatcher(self._store(), self._manifest, c.follow_poll_s, who, deletes_consumed=c.deletes_consumed,
                                 wants=lambda shard, n: follow_share(n, shard, consumers, me)[1] > 0)
         mine: list[CommittedShard] = []  # shards taken, in order: the fetcher's shard indices
         inputs: list[tuple[int, int]] = []  # this consumer's input sequence: (index into mine, record)

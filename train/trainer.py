@@ -460,7 +460,8 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
     others. Follow mode's first epoch finds shards as it goes; later epochs read the complete run."""
     rank, world = acc.process_index, acc.num_processes
     config = StreamConfig(seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, memory_budget=cfg.memory_budget,
-                          fetch_threads=cfg.fetch_threads, follow=cfg.follow, follow_poll_s=cfg.follow_poll_s)
+                          fetch_threads=cfg.fetch_threads, follow=cfg.follow, follow_poll_s=cfg.follow_poll_s,
+                          deletes_consumed=cfg.delete_consumed)
     shards = None
     if rank == 0:
         stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3)
