@@ -583,8 +583,8 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
     assert recorded_window(store) is None
     WindowGate(store, 10_000).record()
     assert recorded_window(store) == 10_000
-    claim_consumer(store, "out")  # a --delete-consumed trainer: the stall is the window's size
-    watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1)
+    claim_consumer(store, "out")  # a --delete-consumed trainer (this one): the stall is the window's size
+    watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1, deletes_consumed=True)
     watcher.poll()
     caplog.set_level("INFO", logger="layertap.train.follow")
     assert watcher._extraction_over() is False
@@ -622,7 +622,7 @@ def test_a_stall_that_lasts_stops_the_trainer_with_its_reason(store_uri, caplog)
     fake_worker.work(store_uri, shards=[0, 1, 2])
     WindowGate(store, 10_000).record()
     claim_consumer(store, "out")
-    watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1)
+    watcher = CommitWatcher(store, load_manifest(store), poll_s=0.1, deletes_consumed=True)  # that trainer's
     watcher.poll()
     for _ in range(3):  # stalled, but not for long yet
         watcher._logged = 0.0
@@ -747,7 +747,9 @@ def test_a_window_run_no_trainer_deletes_from_is_named_as_such(tmp_path, capsys,
                 "--steps", "1", "--batch-size", "2", "--block-size", "4", "--max-anchors", "8"]) == 0
     assert "no --delete-consumed trainer has claimed it" in caplog.text
 
-    claim_consumer(store, "elsewhere")  # a deleting trainer: the advice is the window's size again
+    # a deleting trainer: the advice is the window's size again, to it (another counts no stall while it runs)
+    claim_consumer(store, "elsewhere")
+    watcher.deletes_consumed = True
     caplog.clear()
     for _ in range(2):
         watcher._logged = 0.0
