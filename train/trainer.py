@@ -673,6 +673,10 @@ def _loop(run: _Run, start: int) -> int:
               f"evaluate it on held-out prompts (JSON lines of chats; the target is the one the drafter records, "
               f"{cfg.model}{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
               f"  layertap eval --drafter {run.out.uri} --prompts HELD_OUT.jsonl")
+    # The prefetch thread ended before the process groups go (`end_training` destroys them, the thread's
+    # gloo group among them): a 2-rank follow run aborted at exit ("terminate called without an active
+    # exception") now and then. Closing twice (the `with` block's) does nothing more.
+    run.batches.close()
     acc.wait_for_everyone()
     acc.end_training()
     return 0
