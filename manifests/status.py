@@ -262,8 +262,10 @@ def recent_rate(commit_times: dict[int, float], tokens: dict[int, int], end: flo
                 window_s: float = RATE_WINDOW_S) -> float | None:
     """Tokens/s over the commits in the `window_s` before `end`: the tokens committed after the
     oldest of them, over the time from it to `end` (the oldest one's tokens were made before it,
-    so they are left out). None below two commits in the window."""
-    recent = sorted((t, s) for s, t in commit_times.items() if end - window_s <= t <= end and s in tokens)
+    so they are left out). None below two commits in the window. A commit stamped after `end` is
+    counted as made at `end`: `modified` is rounded up to the store's whole second and `now` errs
+    behind, so a run's newest commits can look a second or two in the future."""
+    recent = sorted((min(t, end), s) for s, t in commit_times.items() if end - window_s <= t and s in tokens)
     if len(recent) < 2:
         return None
     first = recent[0][0]

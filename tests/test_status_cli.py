@@ -108,6 +108,9 @@ def test_recent_rate_leaves_out_the_first_commits_tokens():
     assert recent_rate(times, tokens, end=140.0) == 2.5  # nothing since: the rate falls
     assert recent_rate(times, tokens, end=120.0 + 700) is None  # all older than the window
     assert recent_rate({0: 100.0}, {0: 50}, end=100.0) is None  # one commit is no rate
+    # `now` errs behind the store's clock and `modified` is rounded up: commits stamped a second
+    # past `end` are counted (three fast commits gave no rate with a live worker)
+    assert recent_rate({0: 100.5, 1: 101.0, 2: 101.0}, tokens, end=100.2) == 100.0
 
 
 def test_sizes_are_binary():
