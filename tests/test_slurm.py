@@ -28,7 +28,7 @@ from layertap.slurm.resources import NodeShape, Resources, extract_resources, fi
 from layertap.slurm.scripts import ArrayPlan, JobOptions, compress, extract_script, train_script
 from layertap.slurm.submit import parse_sinfo, save_script, sbatch
 from layertap.slurm.work import Remaining, dynamic_plan, remaining_work, static_plan
-from layertap.storage.store import open_store
+from layertap.storage.store import ObjectStore, open_store
 from test_extract import write_chats
 from tiny_models import tiny_model_dir
 
@@ -40,16 +40,22 @@ SLURM_SH = REPO / ".ci" / "slurm.sh"
 
 # -- sizing ------------------------------------------------------------------------------------
 
-def planned_run(prefix: str, shards: int) -> None:
-    """A manifest of `shards` shards of 10 samples (what `extract` writes after tokenizing)."""
+def planned_run(prefix: str, shards: int, committed: int = 0, failed: int | None = None) -> ObjectStore:
+    """A manifest of `shards` shards of 10 samples (what `extract` writes after tokenizing), its
+    first `committed` shards done and shard `failed` failed once; the run's store."""
     config = {"model": "m", "codec": "bf16-zstd", "dtype": "bfloat16", "max_length": 64, "final_state": "none"}
-    create_or_resume(open_store(prefix), config=config, dataset={"fingerprint": "f"},
+    store = open_store(prefix)
+    create_or_resume(store, config=config, dataset={"fingerprint": "f"},
                      token_counts=[10] * (10 * shards), bytes_per_token=10.0, shard_bytes=1000)
+    for s in range(committed):
+        store.put(layout.commit_key(s), b"{}")
+    if failed is not None:
+        store.put(layout.failure_key(failed, 1, "t"), b"{}")
+    return store
 
 
 def test_remaining_work_is_every_shard_without_a_commit_that_no_live_lease_holds(store_uri):
-    planned_run(store_uri, 6)
-    store = open_store(store_uri)
+    store = planned_run(store_uri, 6)
     store.put(layout.commit_key(0), b"{}")
     store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker
     store.put(layout.lease_key(2, 1, 0.001), b"{}")  # a dead one: stale at once
@@ -232,11 +238,7 @@ def test_started_tasks_keep_their_work_until_their_leases_show(tmp_path, capsys,
 
     # 72_0 gave shard 5 up (its --retries used up) and waits for the others: it will not take it again
     prefix = str(tmp_path / "given-up")
-    planned_run(prefix, 6)
-    store = open_store(prefix)
-    for s in range(5):
-        store.put(layout.commit_key(s), b"{}")
-    store.put(layout.failure_key(5, 1, "t"), b"{}")
+    store = planned_run(prefix, 6, committed=5, failed=5)
     store.put(layout.given_up_key(5, 2, "t"), json.dumps({"producer": {"job_id": "72_0"}, "retries": 1}).encode())
     fake_squeue(bin_, [("72_0", "RUNNING", "None", tag(prefix, None, None))])
     out = dry_run(prefix, "--nodes", "2")
@@ -477,11 +479,7 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))  # a dry run needs no Slurm command
     prefix = str(tmp_path / "run")
-    planned_run(prefix, 12)
-    store = open_store(prefix)
-    for s in range(10):
-        store.put(layout.commit_key(s), b"{}")
-    store.put(layout.failure_key(10, 1, "t"), b"{}")
+    store = planned_run(prefix, 12, committed=10, failed=10)
     assert submit("extract", "--dry-run", "--shards-per-task", "1", "--nodes", "4", "--out", prefix,
                   "--max-length", "64", "--then-train", "--data run --model m --out d --steps 3") == 0
     out = capsys.readouterr().out
@@ -732,8 +730,7 @@ def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
     prefix = str(tmp_path / "run")
-    planned_run(prefix, 8)
-    store = open_store(prefix)
+    store = planned_run(prefix, 8)
     holder = {"holder": {"host": "n1", "pid": 7, "rank": 0, "job_id": "4242_0", "token": "t"}}
     for s in range(4):  # task 0 of array 4242, --shards-per-task 4, is extracting shards 0-3
         store.put(layout.lease_key(s, 1, 600), json.dumps(holder).encode())
@@ -771,8 +768,7 @@ def test_then_train_with_shards_is_refused_while_the_rest_of_the_run_is_unfinish
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
     prefix = str(tmp_path / "run")
-    planned_run(prefix, 6)
-    store = open_store(prefix)
+    store = planned_run(prefix, 6)
     store.put(layout.lease_key(3, 1, 600), json.dumps({"holder": {"host": "n1", "pid": 7, "rank": 0,
                                                                   "job_id": "4242_0", "token": "t"}}).encode())
     base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--nodes", "1", "--shards", "0")
