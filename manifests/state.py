@@ -93,22 +93,28 @@ class RunState:
         return "pending"
 
 
-def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, with_tallies: bool = True) -> RunState:
+def scan(store: ObjectStore, manifest: Manifest, with_data: bool = False, with_tallies: bool = True,
+         with_commits: bool = True) -> RunState:
     """List commits, tallies, leases, failures and redo markers (and with `with_data`, data objects), the
     listings side by side: on S3 each is a chain of 1,000-key pages, so they overlap well. Leases
     age by the store's clock (`ObjectStore.now`). Without `with_tallies`, `tallies` stays empty:
-    the work queue never reads them, and at 25,000 shards their listing is ~25 of a scan's pages."""
+    the work queue never reads them, and at 25,000 shards their listing is ~25 of a scan's pages.
+    Without `with_commits`, neither the commits nor the manifest are listed (`committed` stays
+    empty, and a replaced manifest unseen): a caller that keeps up with the commits from the feed
+    (`manifests.work.CommitView`) lists only what grows with the workers at work."""
     st = RunState(manifest, store.now())
-    prefixes = [layout.MANIFEST, layout.COMMITS, layout.LEASES, layout.FAILURES, layout.REDO] \
-        + ([layout.TALLY] if with_tallies else []) + ([layout.SHARDS] if with_data else [])
+    prefixes = ([layout.MANIFEST, layout.COMMITS] if with_commits else []) + [layout.LEASES, layout.FAILURES] \
+        + [layout.REDO] + ([layout.TALLY] if with_tallies else []) + ([layout.SHARDS] if with_data else [])
     listed = _listings(store, prefixes)
-    head, commits, leases, failures = (listed[p] for p in prefixes[:4])
+    head, commits = listed.get(layout.MANIFEST, []), listed.get(layout.COMMITS, [])
+    leases, failures = listed[layout.LEASES], listed[layout.FAILURES]
     for o in commits:
         shard = layout.shard_of(o.key, layout.COMMITS)
         if shard is not None:
             st.committed.add(shard)
             st.commit_times[shard] = o.modified
-    st.stale_commits = stale_commits(store, manifest, head, commits)
+    if with_commits:
+        st.stale_commits = stale_commits(store, manifest, head, commits)
     for o in listed.get(layout.TALLY, []):
         parsed = layout.parse_tally(o.key)
         if parsed:

@@ -22,6 +22,7 @@ import enum
 import hashlib
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -69,6 +70,7 @@ STORE_FAILURES = 20
 # 150,000 shards; one taken over too early only costs a second sweep: sweeps are idempotent.
 SWEEP_TTL_S = 600.0
 SWEPT = ".done"  # beside a sweep's claim: that sweep ran to its end (`WorkQueue._sweep`)
+COMMITS_LOOK_S = 300.0  # a worker lists every commit record this often; between, the feed keys (`CommitView`)
 T = TypeVar("T")
 
 
@@ -310,6 +312,47 @@ class Claim:
             log.warning("shard %d: could not remove the attempt's data: %s", self.shard, e)
 
 
+class CommitView:
+    """The run's state as a worker's passes see it, at a cost that does not grow with the run
+    between full looks: a full `scan` (every commit record, and the manifest's for a replaced
+    plan) at the first look and every `COMMITS_LOOK_S`; between, the leases, failures and redo
+    markers, and the feed keys written since the last look (`layout.feed_after`). At 90,000
+    commits a full scan is ~96 LIST pages: 1,000 workers idle near a run's end, a scan each every
+    <=30 s, sent ~3,200 LISTs a second to one prefix. A commit the feed missed (its worker killed
+    before the feed key) costs one HEAD before a claim, which then `learn`s it; a shard `verify`
+    withdrew has a redo marker, so it is open again at once."""
+
+    def __init__(self, store: ObjectStore, manifest: Manifest):
+        self.store, self.manifest = store, manifest
+        self._times: dict[int, float] = {}  # committed shard -> its commit's time (store's clock)
+        self._confirmed: set[int] = set()  # redo-marked shards a fresh look found committed (a stale marker)
+        self._full_at = -math.inf  # the store's time of the last full scan
+        self._feed_from = -math.inf
+        self.last_full = False  # whether the last `scan` was a full one
+
+    def scan(self, full: bool = False) -> RunState:
+        if full or self.store.now() - self._full_at >= COMMITS_LOOK_S:
+            st = scan(self.store, self.manifest, with_tallies=False)
+            self._times, self._confirmed, self._full_at = dict(st.commit_times), set(), st.now
+            self.last_full = True
+        else:
+            st = scan(self.store, self.manifest, with_tallies=False, with_commits=False)
+            for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
+                if (parsed := layout.parse_feed(o.key)) is not None:
+                    self._times.setdefault(parsed[1], parsed[0] / 1000)
+            reopened = st.redo_marked - self._confirmed
+            st.commit_times = {s: t for s, t in self._times.items() if s not in reopened}
+            st.committed = set(st.commit_times)
+            self.last_full = False
+        self._feed_from = st.now - layout.FEED_MARGIN_S
+        return st
+
+    def learn(self, shard: int) -> None:
+        """A shard this view had open that a fresh look (`scan_shard`) found committed."""
+        self._times.setdefault(shard, self.store.now())
+        self._confirmed.add(shard)
+
+
 class WorkQueue:
     """Yields claims on unfinished shards until none is left.
 
@@ -363,6 +406,7 @@ class WorkQueue:
         self._leases_written: set[str] = set()  # lease keys this queue wrote (or was writing), not yet handed over
         self._holders_read: set[str] = set()  # live leases whose holder `_dead_here` has looked at
         self._told_wait = 0.0  # when the last "waiting on leases" line was logged (time.monotonic)
+        self._view = CommitView(store, manifest)
 
     def _release_held(self) -> None:
         """Delete each lease this queue wrote and still holds, else left to go stale: the shard
@@ -431,7 +475,7 @@ class WorkQueue:
         """Whether every shard of this queue is committed already (one scan), as a rerun asks
         before loading a model; if so, what killed attempts left behind is removed, as at the end
         of a pass (a rerun that answers "nothing to do" is often the one that follows a crash)."""
-        st = self._patiently(lambda: scan(self.store, self.manifest, with_tallies=False))
+        st = self._patiently(self._view.scan)
         st.raise_if_replaced(self.store.uri)
         if any(s not in st.committed for s in self.candidates):
             return False
@@ -451,9 +495,9 @@ class WorkQueue:
             raise
 
     def _claims(self) -> Iterator[Claim]:
-        """Passes over the unfinished shards. A pass starts from one `scan` of the whole run and
-        walks its shards in this rank's order, checking each the scan found free against the store
-        afresh (`scan_shard`: a HEAD and two small listings) before claiming it (a shard the scan
+        """Passes over the unfinished shards. A pass starts from a look at the whole run (`CommitView`:
+        the commits from the feed between full scans) and walks its shards in this rank's order,
+        checking each the scan found free against the store afresh (`scan_shard`: a HEAD and two small listings) before claiming it (a shard the scan
         found leased is waited on without a look: near a run's end, idle workers looked afresh at
         every running shard on every pass, ~3 requests a running shard a poll), and goes on after each
         claim: a claim costs requests in proportion to the shards it walks past, not to the size
@@ -473,9 +517,13 @@ class WorkQueue:
         idle = Backoff(self.poll_s, self.max_poll_s, sleep=nap, jitter=0.25)
         woken_before = False  # the last pass ended on `Gate.REDO` and claimed nothing
         while True:
-            st = self._patiently(lambda: scan(self.store, self.manifest, with_tallies=False))
+            st = self._patiently(self._view.scan)
             st.raise_if_replaced(self.store.uri)
             todo = [s for s in self.candidates if s not in st.committed]
+            if not todo and not self._view.last_full:  # the feed said so: a full scan has the last word
+                st = self._patiently(lambda: self._view.scan(full=True))
+                st.raise_if_replaced(self.store.uri)
+                todo = [s for s in self.candidates if s not in st.committed]
             if not todo:
                 self._sweep(st)
                 return
@@ -497,6 +545,7 @@ class WorkQueue:
                 fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))
                 if s in fresh.committed:
                     stale += 1
+                    self._view.learn(s)
                     continue
                 lease = fresh.live_lease(s)
                 if lease:
@@ -518,6 +567,7 @@ class WorkQueue:
                     fresh = self._patiently(lambda: scan_shard(self.store, self.manifest, s))  # others went on
                     if s in fresh.committed:
                         stale += 1
+                        self._view.learn(s)
                         continue
                     if lease := fresh.live_lease(s):
                         waiting_on.append(lease.modified + lease.ttl_s - fresh.now + time.time())

@@ -173,16 +173,18 @@ def test_single_worker_completes_run_and_rerun_does_nothing(store_uri):
 @pytest.mark.moto_only
 def test_a_worker_lists_the_run_once_per_pass_not_once_per_claim(store_uri, monkeypatch):
     """Each claim checks its own shard afresh (a HEAD and two small listings); the listings of
-    every shard's records come once per pass: for a lone worker, one to start and one to find
-    the run done, however many shards it claims in between."""
+    the run's records come once per pass, and those of every commit record (`CommitView`'s full
+    scans) for a lone worker once to start and once to find the run done, however many shards it
+    claims in between: the passes between list the feed keys written since."""
     from layertap import manifests
     import layertap.manifests.work  # noqa: F401
 
     scans = []
     real_scan = manifests.work.scan
-    monkeypatch.setattr(manifests.work, "scan", lambda *a, **kw: scans.append(1) or real_scan(*a, **kw))
+    monkeypatch.setattr(manifests.work, "scan", lambda *a, **kw: scans.append(kw.get("with_commits", True))
+                        or real_scan(*a, **kw))
     done = fake_worker.work(store_uri)
-    assert len(done) >= 5 and len(scans) == 2
+    assert len(done) >= 5 and scans.count(True) == 2 and len(scans) <= 4, scans
     assert all_sample_ids(open_store(store_uri)) == Counter(f"s{i:05d}" for i in range(40))
 
 
@@ -994,9 +996,11 @@ def test_an_idle_worker_scans_less_and_less_while_every_shard_left_runs_elsewher
     threading.Thread(target=work, daemon=True).start()
     try:
         time.sleep(watch)
-        scans = listed[layout.COMMITS]
+        scans = listed[layout.LEASES]  # every pass lists the leases
         # before: a scan every ~poll (waits of poll..1.25 poll), >= 19 in 6 s; now ~8 (12 at most)
         assert 2 <= scans <= watch / poll / 2, listed
+        # every commit record is listed once, at the start: the passes since list the feed (`CommitView`)
+        assert listed[layout.COMMITS] == 1 and listed[layout.FEED] == scans - 1, listed
         assert listed[layout.TALLY] == 0 and not claims, listed
         quitter = held.pop()
         quitter._stop.set()  # its worker died: the lease goes stale within ttl_s

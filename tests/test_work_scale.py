@@ -271,3 +271,56 @@ def test_a_store_stop_newer_than_a_verdict_keeps_the_shard_pending(tmp_path):
     st.failures[3] = [layout.failure_key(3, 1_000, "a", 1), layout.failure_key(3, 5_000, "b", 2, by_store=True),
                       layout.failure_key(3, 9_000, "c", 3, stopped=True)]
     assert st.last_failure_ms(3) == 5_000  # the preemption is no attempt of the shard's; the store's stop is
+
+
+def test_idle_passes_list_the_feed_and_a_withdrawn_shard_is_redone_at_once(store_uri, monkeypatch):
+    """1,000 workers idle near a run's end listed every commit record on each pass (~96 LIST
+    pages at 90,000 shards, every <=30 s each). A worker waiting on another's shard now lists the
+    feed keys since its last pass, and every commit record only at its start and to find the run
+    done (`work.CommitView`); a shard `layertap verify` withdraws meanwhile is redone at its next
+    pass, not at the next full look."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store)
+    last = len(manifest.shards) - 1
+    fake_worker.work(store_uri, shards=list(range(last)))
+    other = layout.lease_key(last, 1, 600)  # another worker's, alive
+    store.put(other, json.dumps({"holder": {"host": "elsewhere", "pid": 1, "token": "t"}}).encode())
+
+    scans: list[bool] = []  # whether each pass's look listed every commit record
+    real_scan = work.scan
+    monkeypatch.setattr(work, "scan", lambda *a, **kw: scans.append(kw.get("with_commits", True)) or real_scan(*a, **kw))
+    listed: list[str] = []
+    real_list = store.list
+    monkeypatch.setattr(store, "list", lambda prefix="", **kw: listed.append(prefix) or real_list(prefix, **kw))
+    queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.05)
+    claimed: list[int] = []
+
+    def run() -> None:
+        for claim in queue:
+            with claim:
+                claimed.append(claim.shard)
+                _extract_and_commit(claim, manifest)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+
+    def until(what, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not what():
+            assert time.monotonic() < deadline and worker.is_alive(), (scans, claimed)
+            time.sleep(0.05)
+
+    until(lambda: scans.count(False) >= 3)
+    # shard 0's data rots; verify withdraws its commit (and marks it for a redo)
+    data_key = json.loads(store.get(layout.commit_key(0)))["data_key"]
+    store.put(data_key, b"rot" * 100)
+    from layertap.cli import main as cli
+    assert cli(["verify", store_uri]) == 1 and not store.exists(layout.commit_key(0))
+    until(lambda: 0 in claimed)
+    until(lambda: store.exists(layout.commit_key(0)))
+    store.delete(other)  # its worker let it go: this one takes the shard, and the run is done
+    worker.join(120)
+    assert not worker.is_alive() and claimed == [0, last]
+    assert scans[0] and scans[-1] and scans.count(True) == 2, scans
+    assert listed.count(layout.COMMITS) == 2 and listed.count(layout.FEED) >= 3
+    assert store.exists(layout.commit_key(last)) and not store.exists(layout.redo_key(0))
