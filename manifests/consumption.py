@@ -129,9 +129,6 @@ class Waiting:
     shards: list[list[int]] | None
     task: str | None = None  # its Slurm array task (`123_4`), where it is one
 
-    def may_take(self, shard: int) -> bool:
-        return self.shards is None or any(lo <= shard <= hi for lo, hi in self.shards)
-
 
 def waiting_workers(store: ObjectStore, records: list[ObjectInfo]) -> list[Waiting]:
     """The waiting workers of `records` (`waiting_records`), read 16 at a time; one gone meanwhile

@@ -24,7 +24,7 @@ import logging
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -33,7 +33,7 @@ from layertap.extract.config import parse_ids
 from layertap.manifests import layout
 from layertap.manifests.work import read_lease
 from layertap.slurm.scripts import compress
-from layertap.slurm.work import Remaining
+from layertap.slurm.work import Remaining, within
 from layertap.storage.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,29 @@ class QueuedTask:
     def array(self) -> str:
         return self.job.split("_", 1)[0]
 
+    @property
+    def range(self) -> tuple[int, int] | None:
+        """A static task's shards, [first, last]; None for a dynamic one."""
+        if not self.shards_per_task:
+            return None
+        index = int(self.job.split("_", 1)[1])
+        return index * self.shards_per_task, (index + 1) * self.shards_per_task - 1
+
     def owns(self, shard: int) -> bool:
         """A static task's range holds `shard`; a dynamic task may take it. Not a shard it gave up."""
         if (self.shards is not None and shard not in self.shards) or shard in self.given_up:
             return False
-        if not self.shards_per_task:
-            return True
-        index = int(self.job.split("_", 1)[1])
-        return index * self.shards_per_task <= shard < (index + 1) * self.shards_per_task
+        return self.range is None or self.range[0] <= shard <= self.range[1]
+
+    def owned(self, todo: Sequence[int], todo_set: frozenset[int]) -> Iterator[int]:
+        """The shards of sorted `todo` (`todo_set`, the same as a set) it owns, lazily, walking only
+        its own share where it has one (a static range, --shards): every shard against every task
+        was shards x tasks (31 s at 100,000 shards and 1,000 static tasks queued)."""
+        if self.range is not None:
+            todo = within(todo, [self.range])
+        elif self.shards is not None:
+            todo = sorted(todo_set & self.shards)
+        return (s for s in todo if self.owns(s))
 
 
 # The states of tasks that will still do work: waiting, booting their nodes, or started. A
@@ -235,9 +250,10 @@ def leave_to_queued(remaining: Remaining, queued: list[QueuedTask]) -> Remaining
     and for the dynamic ones their count (`dynamic_plan` starts that many fewer tasks). Tasks
     with nothing left to take count for nothing. Running tasks count as `started` leaves them."""
     todo = remaining.free
-    busy = [t for t in queued if any(t.owns(s) for s in todo)]
+    todo_set = frozenset(todo)
+    busy = [t for t in queued if next(t.owned(todo, todo_set), None) is not None]
     static = [t for t in busy if t.shards_per_task]
     return replace(remaining, queued=len(busy), queued_dynamic=len(busy) - len(static),
                    queued_running=sum(t.running for t in busy),
                    queued_jobs=sorted({t.array for t in busy}),
-                   queued_for=[s for s in todo if any(t.owns(s) for t in static)])
+                   queued_for=sorted({s for t in static for s in t.owned(todo, todo_set)}))

@@ -9,7 +9,8 @@ tasks still queued in Slurm are left theirs too (`slurm.queued`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,14 +95,25 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     failed = [s for s, v in states.items() if v == "failed"]
     todo = [s for s, v in states.items() if v in ("failed", "pending")]
     waiting = [w for w in (waiting_workers(store, waiting_records(store)) if todo else [])
-               if any(w.may_take(s) for s in todo)]
+               if w.shards is None or within(todo, w.shards)]
     return Remaining(run_id=manifest.run_id, total=total, selected=None if only is None else len(ids), done=sum(1 for v in states.values() if v == "done"),
                      running=running, failed=failed,
                      interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
                      todo=todo, leases={s: st.live_lease(s).key for s in running},
                      waiting=len(waiting), waiting_jobs=sorted({w.who or "unknown" for w in waiting}),
                      waiting_tasks=sorted({w.task for w in waiting if w.task}),
-                     waited_for=[s for s in todo if any(w.may_take(s) for w in waiting)])
+                     waited_for=todo if any(w.shards is None for w in waiting) else
+                     within(todo, [r for w in waiting for r in w.shards]))
+
+
+def within(ids: Sequence[int], ranges: Iterable[Sequence[int]]) -> list[int]:
+    """The ids of sorted `ids` inside any of the inclusive [first, last] `ranges`, by bisection:
+    each id tested against each waiting worker's or queued task's range was shards x workers (55 s
+    at 100,000 shards and 1,000 workers)."""
+    out: set[int] = set()
+    for lo, hi in ranges:
+        out.update(ids[bisect_left(ids, lo):bisect_right(ids, hi)])
+    return sorted(out)
 
 
 def dynamic_plan(remaining: Remaining | None, nodes: int | None, procs_per_node: int,
