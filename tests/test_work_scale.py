@@ -324,3 +324,28 @@ def test_idle_passes_list_the_feed_and_a_withdrawn_shard_is_redone_at_once(store
     assert scans[0] and scans[-1] and scans.count(True) == 2, scans
     assert listed.count(layout.COMMITS) == 2 and listed.count(layout.FEED) >= 3
     assert store.exists(layout.commit_key(last)) and not store.exists(layout.redo_key(0))
+
+
+def test_a_first_attempts_commit_does_not_look_for_earlier_attempts_leftovers(store_uri, monkeypatch):
+    """Each commit listed its shard's data objects and pending uploads: two LISTs a commit, and
+    on a folder store a read of all of shards/ (0.16 s at 90,000 shards). Only a shard that saw an
+    attempt before (a failure, a lease) is looked at; there, a dead attempt's object still goes."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store)
+    looked: list[str] = []
+    for method in ("list", "list_pending_uploads"):
+        real = getattr(store, method)
+        monkeypatch.setattr(store, method, lambda prefix="", _real=real, **kw:
+                            (looked.append(prefix) if prefix.startswith(layout.SHARDS) else None)
+                            or _real(prefix, **kw))
+    orphan = layout.data_key(1, "dead0000")  # an attempt at shard 1 SIGKILLed: its lease went stale
+    store.put(orphan, b"half a shard")
+    store.put(layout.lease_key(1, 1, 0.001), b"{}")
+    time.sleep(2.6)  # stale by the store's clock (whole seconds on S3)
+    queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.05)
+    for claim in queue:
+        with claim:
+            _extract_and_commit(claim, manifest)
+    assert scan(store, manifest).committed == set(range(len(manifest.shards)))
+    assert looked.count(f"{layout.SHARDS}000001-") == 2 and not store.exists(orphan)
+    assert [p for p in looked if p != f"{layout.SHARDS}000001-" and p != layout.SHARDS] == [], looked
