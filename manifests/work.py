@@ -416,6 +416,7 @@ class WorkQueue:
         self._holders_read: set[str] = set()  # live leases whose holder `_dead_here` has looked at
         self._told_wait = 0.0  # when the last "waiting on leases" line was logged (time.monotonic)
         self._view = CommitView(store, manifest)
+        self.done_state: RunState | None = None  # the full scan that found this queue's shards all committed
 
     def _release_held(self) -> None:
         """Delete each lease this queue wrote and still holds, else left to go stale: the shard
@@ -488,6 +489,7 @@ class WorkQueue:
         st.raise_if_replaced(self.store.uri)
         if any(s not in st.committed for s in self.candidates):
             return False
+        self.done_state = st
         self._sweep(st)
         return True
 
@@ -534,6 +536,7 @@ class WorkQueue:
                 st.raise_if_replaced(self.store.uri)
                 todo = [s for s in self.candidates if s not in st.committed]
             if not todo:
+                self.done_state = st
                 self._sweep(st)
                 return
             # Past this many shards found finished that the scan thought open, a fresh scan is cheaper.

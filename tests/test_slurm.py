@@ -1591,3 +1591,27 @@ def test_queued_static_tasks_and_waiting_workers_cost_their_shares_not_shards_ti
     assert out.queued_for == expected and out.queued == len(queued) and out.queued_dynamic == 2
     assert within(todo, [[5, 9], [8, 15], [9_990, 20_000]]) == \
         [s for s in todo if 5 <= s <= 15 or s >= 9_990]
+
+
+def test_only_an_arrays_first_task_prints_the_runs_report(tiny_llama, tmp_path, capsys, monkeypatch):
+    """Every array task printed the whole `status` report at its end: each lists every commit and
+    tally marker (~190 LIST pages at 100,000 shards), and 1,000 tasks end together. The others now
+    say in one line what their last scan found; the first task's log has the report."""
+    import layertap.extract.run as extract_run
+
+    data = write_chats(tmp_path / "chats.jsonl", 12)
+    out = str(tmp_path / "run")
+    argv = ["extract", "--model", tiny_llama, "--dataset", data, "--out", out, "--log-dir", str(tmp_path / "logs"),
+            "--max-length", "64", "--shard-bytes", "8KB"]
+    reports = []
+    real = extract_run.run_status
+    monkeypatch.setattr(extract_run, "run_status", lambda store: reports.append(1) or real(store))
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "0")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert cli(argv) == 0
+    text = capsys.readouterr().out
+    assert not reports and re.search(r"\n(\d+) of the run's \1 shards committed when this array task ended "
+                                     r"\(every shard is done\): task 0's log has the run's report", text), text
+    assert cli(argv) == 0 and not reports  # a task of a later array, the run done before it started
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    assert cli(argv) == 0 and reports == [1] and "COMPLETE" in capsys.readouterr().out
