@@ -342,8 +342,13 @@ class CommitView:
     def scan(self, full: bool = False) -> RunState:
         if full or self.store.now() - self._full_at >= COMMITS_LOOK_S:
             st = scan(self.store, self.manifest, with_tallies=False)
-            self._times, self._confirmed, self._full_at = dict(st.commit_times), set(), st.now
-            self.last_full = True
+            self._times, self._confirmed, self.last_full = dict(st.commit_times), set(), True
+            # The first full look's successor comes after a random 1/4 to all of COMMITS_LOOK_S (as
+            # follow mode's): 1,000 workers (re)started together would list every commit record
+            # within seconds of each other every COMMITS_LOOK_S. The system's randomness: ranks may
+            # seed `random` alike.
+            first = self._full_at == -math.inf
+            self._full_at = st.now - (random.SystemRandom().uniform(0.0, 0.75) * COMMITS_LOOK_S if first else 0.0)
         else:
             st = scan(self.store, self.manifest, with_tallies=False, with_commits=False)
             for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):

@@ -349,3 +349,25 @@ def test_a_first_attempts_commit_does_not_look_for_earlier_attempts_leftovers(st
     assert scan(store, manifest).committed == set(range(len(manifest.shards)))
     assert looked.count(f"{layout.SHARDS}000001-") == 2 and not store.exists(orphan)
     assert [p for p in looked if p != f"{layout.SHARDS}000001-" and p != layout.SHARDS] == [], looked
+
+
+def test_workers_started_together_spread_their_full_looks(tmp_path, monkeypatch):
+    """Workers (re)started together would list every commit record within seconds of each other
+    every COMMITS_LOOK_S: the first full look's successor comes after a random 1/4 to all of it."""
+    store = open_store(str(tmp_path / "run"))
+    manifest = fake_worker.plan(store)
+    views = [work.CommitView(store, manifest) for _ in range(16)]
+    for view in views:
+        view.scan()
+        assert view.last_full
+    real_now = store.now
+
+    def full_looks(later: float) -> list[bool]:
+        with monkeypatch.context() as m:
+            m.setattr(store, "now", lambda: real_now() + later * work.COMMITS_LOOK_S)
+            return [view.scan() is not None and view.last_full for view in views]
+
+    assert not any(full_looks(0.2))
+    spread = full_looks(0.6)
+    assert 0 < sum(spread) < len(views)  # each with a chance of ~0.47: all or none ~4e-5
+    assert full_looks(1.01) == [not full for full in spread]  # the others' first full look was due by now
