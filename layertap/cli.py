@@ -39,6 +39,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "import": ("layertap.extract.interop_command", "turn speculators', SpecForge's or ModelOpt's hidden-state files into a run"),
 }
 
+# Read-only commands exit 5, not 2 (no run there, a bad prefix), when the store did not answer
+# (unreachable, or failing past its retries): `layertap status`'s exit codes.
+NO_ANSWER_COMMANDS = frozenset({"status", "verify", "inspect", "delete"})
+EXIT_NO_ANSWER = 5
+
 
 def version() -> str:
     """The installed distribution's version (pyproject.toml's, for an editable install)."""
@@ -91,15 +96,20 @@ def _command_in(argv: list[str]) -> str | None:
     return word if word in SUBCOMMANDS else None
 
 
+_parsing: list[str] = []  # the words being parsed (`_parse`), for `_hint_attached_values`
+
+
 def _hint_attached_values(p: argparse.ArgumentParser) -> None:
     """argparse reads `--layers -1,3` (or `--then-train "--data=x"`) as two options and says only
-    "expected one argument": say how to give a value that starts with '-'."""
+    "expected one argument": say how to give a value that starts with '-' (not where the value is
+    missing: `--out` last on the line)."""
     error = p.error
 
     def error_with_hint(message: str) -> None:
         if message.endswith("expected one argument") and message.startswith("argument --"):
             option = message.split()[1].rstrip(":").split("/")[-1]
-            message += f" (a value that starts with '-' must be attached with '=': {option}=VALUE)"
+            if _parsing[-1:] != [option]:  # not the line's last word: its value reads as an option
+                message += f" (a value that starts with '-' must be attached with '=': {option}=VALUE)"
         error(message)
 
     p.error = error_with_hint
@@ -110,6 +120,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     level's, and the option the user probably meant (argparse 3.11 reports extras at the top)."""
     import difflib
 
+    _parsing[:] = sys.argv[1:] if argv is None else argv
     args, extra = parser.parse_known_args(argv)
     if extra:
         sub = parser  # the innermost subcommand's parser (`submit extract`'s, not `submit`'s)
@@ -127,14 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     _stacks_on_sigusr2()
     # Parsing imports the subcommand's module (up to seconds: torch): a Ctrl-C then is an interruption
     # like any other, one line and exit 130, not a KeyboardInterrupt traceback.
+    command = _command_in(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parse(build_parser(_command_in(sys.argv[1:] if argv is None else argv)), argv)
+        args = _parse(build_parser(command), argv)
         _setup_logging(args.verbose)
         module = importlib.import_module(args._module)
         return int(getattr(module, f"run_{args.command.replace('-', '_')}")(args) or 0)
     except UserError as e:  # the one place user errors are reported (storage/errors.py); bugs keep a traceback
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        from layertap.storage.store import TransientStoreError  # loaded already by whatever raised it
+
+        # a script running a read-only command must tell an outage it can wait out from a wrong prefix
+        return EXIT_NO_ANSWER if isinstance(e, TransientStoreError) and command in NO_ANSWER_COMMANDS else 2
     except BrokenPipeError:  # e.g. piped into `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

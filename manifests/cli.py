@@ -13,8 +13,7 @@ from layertap.storage.units import duration, listing, size
 log = logging.getLogger(__name__)
 
 # `layertap status` exit codes, for scripts (documented in its help and in README.md).
-EXIT_COMPLETE, EXIT_PROBLEM, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 3, 4  # 2: a user error (layertap/cli.py)
-EXIT_NO_ANSWER = 5  # the store did not answer (after retries): try again, unlike 2
+EXIT_COMPLETE, EXIT_PROBLEM, EXIT_INCOMPLETE, EXIT_FAILED = 0, 1, 3, 4  # 2 a user error, 5 no answer: layertap/cli.py
 LOOK_UNDER, LIST_UNDER = 50, 20  # folders looked into, and runs named, under a prefix that holds no run
 STATUS_EXIT_CODES = (
     "exit codes: 0 complete (a training output: its drafter is exported; a regeneration: every part written); 3 "
@@ -42,22 +41,12 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=4, help="shards verified in parallel (default 4)")
     p.epilog = ("exit codes: 0 every committed shard read back whole; 1 bad shards found (withdrawn: the next "
                 "extraction redoes them); 3 some shards not checked, their commit went or changed while verify "
-                "looked (run it again); 2 no run there, or a bad prefix")
+                "looked (run it again); 2 no run there, or a bad prefix; 5 the store did not answer (unreachable, or failing after "
+                "retries)")
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """`layertap status`; a store that does not answer exits 5, not 2 (no run there): a script that
-    waits on status must tell an outage it can wait out from a wrong prefix."""
-    from layertap.storage.store import TransientStoreError
-
-    try:
-        return _status(args)
-    except TransientStoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_NO_ANSWER
-
-
-def _status(args: argparse.Namespace) -> int:
+    """`layertap status`; a store that does not answer exits 5 (`layertap.cli.NO_ANSWER_COMMANDS`)."""
     from layertap.manifests.manifest import NoRun
     from layertap.manifests.status import run_status as status
     from layertap.storage.store import open_store

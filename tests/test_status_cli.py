@@ -391,10 +391,16 @@ def test_submitting_training_does_not_import_torch(tmp_path):
 
 
 def test_a_store_that_does_not_answer_exits_5_not_2(capsys, monkeypatch):
-    """A script waiting on `status` must tell an outage it can wait out from "no run there" (2):
-    both exited 2."""
+    """A script waiting on `status` (or running verify, inspect, delete) must tell an outage it can
+    wait out from "no run there" (2): both exited 2."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     rc, out, err = status(capsys, "s3://acts/run1")
     assert rc == 5 and "cannot reach the S3 endpoint http://127.0.0.1:9" in err and out == ""
+    # so do the other commands that only read (or delete): verify, inspect and delete exited 2
+    for argv in (["verify", "s3://acts/run1"], ["inspect", "s3://acts/run1/shards/000000-x.lts"],
+                 ["delete", "--yes", "s3://acts/run1"]):
+        assert cli(argv) == 5, argv
+        assert "cannot reach the S3 endpoint http://127.0.0.1:9" in capsys.readouterr().err
+    assert cli(["export", "s3://acts/run1", "/tmp/nonexistent-x", "--to", "specforge"]) == 2  # not read-only: as before
