@@ -35,12 +35,12 @@ from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
 from layertap.manifests.consumption import AtRest, WindowGate, forget_window
 from layertap.manifests.manifest import (ConfigMismatch, Manifest, NoRun, create_or_resume, load_manifest,
-                                          refuse_new_run_here)
+                                          plan_shards, refuse_new_run_here)
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
-from layertap.manifests.work import Claim, WorkQueue, patiently
+from layertap.manifests.work import Claim, WorkQueue, check_shard_ids, patiently
 from layertap.storage.foreign import unservable_layer
 from layertap.storage.errors import ConfigError
 from layertap.storage.format import ShardMeta
@@ -356,6 +356,9 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
                              chat_template_kwargs=template_kwargs(cfg.dataset))
     require_samples(stats)
     log.info("%s", stats.describe(cfg.dataset or "the embedded ShareGPT conversations"))
+    if cfg.shards is not None:  # before the manifest is written: bad input leaves a new output empty
+        check_shard_ids(cfg.shards, len(plan_shards(stats.counts, plan_bytes_per_token(cfg, identity),
+                                                    cfg.shard_bytes)))
     try:
         return _patiently(lambda: write_plan(store, cfg, identity, fingerprint, stats.counts))[0], identity
     except ConfigMismatch:  # another job planned the run meanwhile: compared in the run's own terms, as at a resume

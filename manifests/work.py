@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, TypeVar
 
@@ -400,9 +400,7 @@ class WorkQueue:
                  stopped_for: Callable[[], float | None] = lambda: None):
         self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
         ids = range(len(manifest.shards)) if shards is None else shards
-        bad = [s for s in ids if not 0 <= s < len(manifest.shards)]
-        if bad:
-            raise ConfigError(f"shards {bad[:5]} are not in the run (it has {len(manifest.shards)})")
+        check_shard_ids(ids, len(manifest.shards))
         self.candidates = list(ids)
         self._candidate_set = set(ids)
         self.retries, self.world_size = retries, max(1, world_size)
@@ -774,6 +772,13 @@ class WorkQueue:
             self.store.delete(key)
             self._leases_written.discard(key)
             raise
+
+
+def check_shard_ids(ids: Iterable[int], total: int) -> None:
+    """Refuse shard ids (--shards) that a run of `total` shards does not have."""
+    bad = [s for s in ids if not 0 <= s < total]
+    if bad:
+        raise ConfigError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
 
 
 def leftovers_seen(st: RunState, shards: set[int]) -> bool:

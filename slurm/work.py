@@ -19,7 +19,7 @@ from layertap.manifests.consumption import waiting_records, waiting_workers
 from layertap.manifests.manifest import ConfigMismatch, load_manifest
 from layertap.manifests.records import holder_name
 from layertap.manifests.state import scan
-from layertap.manifests.work import read_lease
+from layertap.manifests.work import check_shard_ids, read_lease
 from layertap.slurm.scripts import ArrayPlan
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectStore, StoreError
@@ -85,9 +85,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
                              + "\nuse the run's settings to resume it, or write the new run to another prefix")
     total = len(manifest.shards)
     ids = range(total) if only is None else sorted(set(only))
-    bad = [s for s in ids if not 0 <= s < total]
-    if bad:
-        raise ConfigError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
+    check_shard_ids(ids, total)
     st = scan(store, manifest, with_tallies=False)  # commits, leases and failures are what it reads
     st.raise_if_replaced(store.uri)  # submitting would only start tasks that stop on the same error
     states = {s: st.state(s) for s in ids}

@@ -156,3 +156,13 @@ def test_a_rerun_with_another_limit_is_told_what_the_run_read(model, tmp_path, c
     assert cli(_extract(model, data, tmp_path, "--limit", "5")) == 2
     err = capsys.readouterr().err
     assert "dataset fingerprint: run has" in err and f"the run read {data} with --limit 4)" in err
+
+
+def test_shards_a_new_run_will_not_have_are_refused_before_its_manifest_is_written(model, tmp_path, capsys):
+    """`--shards 3` on a new prefix whose plan has one shard was refused after the manifest was
+    written: the half-made run then refused the corrected command ('a different configuration')."""
+    data = write_chats(tmp_path / "chats.jsonl", 4)
+    assert cli(_extract(model, data, tmp_path, "--shards", "0,3")) == 2
+    assert "--shards names [3], which the run does not have (it has shards 0-0)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    assert cli(_extract(model, data, tmp_path, "--max-length", "128")) == 0  # the corrected command
