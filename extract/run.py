@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -60,21 +61,32 @@ def extract(cfg: ExtractConfig) -> int:
     state = PartialState(cpu=not torch.cuda.is_available())
     _setup_logging(cfg.log_dir, state.process_index)
     quiet_library_bars()
-    released: list[int] = []
+    at_stop = AtStop()
     with StopSignals(at_once=True) as stops:
         try:
-            return _extract(cfg, state, stops, released)
+            return _extract(cfg, state, stops, at_stop)
         except Preempted as e:
-            _stopped(e, state.process_index, released)
+            _stopped(e, state.process_index, at_stop)
             return e.exit_code
 
 
-def _stopped(e: Preempted, rank: int, released: list[int]) -> None:
-    """Say how the run goes on: committed shards are kept, the shards this process had open
-    (`released`) went back to the run for any worker. A stop that came during a shard's last
-    forward waits for it, and the shard commits: then none was released."""
-    open_ones = f"shard(s) {listing(sorted(released))} in progress released" if released else \
-        "no shard was in progress here"
+@dataclass
+class AtStop:
+    """The shards this process had open when a stop came: those it released (back to the run for
+    any worker), and those whose last forward was under way, which finished and committed."""
+
+    released: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+
+
+def _stopped(e: Preempted, rank: int, at_stop: AtStop) -> None:
+    """Say how the run goes on: committed shards are kept, the shards this process had open went
+    back to the run, or committed (on a CPU a shard is often one forward: it ends, then the stop)."""
+    released = at_stop.released
+    open_ones = "; ".join(
+        ([f"shard(s) {listing(sorted(released))} in progress released"] if released else [])
+        + ([f"shard(s) {listing(sorted(at_stop.finished))} in their last forward when it came finished and "
+            "committed"] if at_stop.finished else [])) or "no shard was in progress here"
     log.warning("stopped (%s: %s); committed shards are kept, %s", type(e).__name__, e, open_ones)
     if rank == 0 and isinstance(e, Interrupted):
         argv = sys.argv[1:]
@@ -84,9 +96,9 @@ def _stopped(e: Preempted, rank: int, released: list[int]) -> None:
               file=sys.stderr)
 
 
-def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, released: list[int] | None = None) -> int:
-    """`extract`'s work; the shards it abandons at a stop are added to `released`."""
-    released = released if released is not None else []
+def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_stop: AtStop | None = None) -> int:
+    """`extract`'s work; what became of the shards it had open at a stop goes to `at_stop`."""
+    at_stop = at_stop if at_stop is not None else AtStop()
     rank, world = state.process_index, state.num_processes
     stops = stops if stops is not None else StopSignals(at_once=True)  # not entered: no stop comes
     store = open_configured_store(cfg.out, cfg.s3)
@@ -159,7 +171,12 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, releas
     def _abandoned(shard: int) -> None:
         progress.abandoned(shard)
         if stops.stopped_for() is not None:  # released at a stop (not failed)
-            released.append(shard)
+            at_stop.released.append(shard)
+
+    def _committed(claim: Claim, info, skipped) -> None:
+        progress.committed(claim.plan.id, info.num_records, skipped)
+        if stops.stopped_for() is not None:  # its last forward was under way at the stop
+            at_stop.finished.append(claim.plan.id)
 
     t_start = time.perf_counter()
     with Progress(rank, world, store, manifest, cfg.shards) as progress:
@@ -170,8 +187,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, releas
         # 1.09x slower overlapped, docs/benchmarks.md "Shards in turn or overlapped").
         overlap = gate is None and (cfg.overlap_shards == "on" or cfg.overlap_shards == "auto" and staging is not None)
         loop = ShardLoop(start, overlap=overlap,
-                         committed=lambda claim, info, skipped: progress.committed(claim.plan.id, info.num_records,
-                                                                                   skipped),
+                         committed=_committed,
                          abandoned=lambda claim, records: _abandoned(claim.plan.id), stops=stops)
         queue.on_idle = loop.settle
         try:

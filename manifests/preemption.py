@@ -100,6 +100,7 @@ class StopSignals:
                 signal.signal(sig, signal.SIG_IGN)
             if not self._deferring:
                 raise stop
+            log.warning("%s: stopping at the next safe point (the batch or shard under way ends first)", stop)
             return
         if self.requested is None:
             self.requested, self._requested_at = stop, time.monotonic()

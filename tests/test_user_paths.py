@@ -99,14 +99,19 @@ def test_training_a_run_without_commits_fails_before_the_target_loads(model, tmp
 def test_a_stop_that_found_no_shard_open_does_not_say_one_was_released(capsys, monkeypatch):
     """A Ctrl-C during a shard's last forward waits for it, and the shard commits: the run may be
     complete, yet the message said a shard in progress was released and told to resume."""
-    from layertap.extract.run import _stopped
+    from layertap.extract.run import AtStop, _stopped
     from layertap.manifests.preemption import Interrupted
 
     monkeypatch.setattr(sys, "argv", ["layertap", "extract", "--out", "run1"])
-    _stopped(Interrupted("Ctrl-C (SIGINT)"), 0, [])
+    _stopped(Interrupted("Ctrl-C (SIGINT)"), 0, AtStop())
     err = capsys.readouterr().err
     assert "no shard was in progress here; run the same command again to go on from where the run is (it does " \
            "nothing if the run is complete):\n  layertap extract --out run1" in err and "released" not in err
+    # on a CPU a shard is often one forward: the one under way ended and committed; that was said as none open
+    _stopped(Interrupted("Ctrl-C (SIGINT)"), 0, AtStop(finished=[4]))
+    err = capsys.readouterr().err
+    assert "interrupted: committed shards are kept, shard(s) 4 in their last forward when it came finished and " \
+           "committed; run the same command again to go on" in err and "no shard was in progress" not in err
 
 
 @pytest.mark.slow
