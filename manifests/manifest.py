@@ -231,11 +231,40 @@ def refuse_foreign(store: ObjectStore, most: int = 5) -> None:
                           "them too: write the run to an empty prefix (a new folder)")
 
 
+def refuse_inside_another(store: ObjectStore) -> None:
+    """Raise `ConfigError` where a prefix above `store`'s is a run or an output, or where its
+    prefix is an object's key: a run in a folder of another run is under that one's prefix (whose
+    `delete` then refuses, and whose folder holds another's records), and `--out
+    s3://b/run1/manifest.json` made a key both an object and a folder. A HEAD or two a level up
+    (a run by a manifest that reads as one: a file system's folders above may hold any
+    manifest.json)."""
+    from layertap.manifests.regeneration import RECIPE
+
+    name, up = store.uri.rstrip("/").rpartition("/")[2], store.parent()
+    if up is not None and name and up.exists(name):
+        raise ConfigError(f"{store.uri} is an object, not a prefix: give the run a prefix (a folder) of its own")
+    while up is not None:
+        kind = "a training output" if up.exists(LATEST) else "a regeneration output" if up.exists(RECIPE) else None
+        if kind is None and up.exists(MANIFEST):
+            try:
+                load_manifest(up)
+                kind = "a run"
+            except UserError:  # not a layertap run's
+                pass
+        if kind:
+            raise ConfigError(f"{up.uri} is {kind}: a run at {store.uri} would be inside it (deleting the one "
+                              f"would mean deleting the other): give the run a prefix of its own beside it, "
+                              f"not under it")
+        up = up.parent()
+
+
 def refuse_new_run_here(store: ObjectStore) -> None:
-    """Raise `ConfigError` where a new run may not be planned at `store`'s prefix: it holds a
-    training output, a deleted run's leftovers, runs or outputs below it, or objects of others.
-    A few requests; run by the planner, by the extractor before it loads the model, and by
-    `submit extract` before it queues an array whose every task would refuse the prefix."""
+    """Raise `ConfigError` where a new run may not be planned at `store`'s prefix: inside another
+    run or output, or holding a training output, a deleted run's leftovers, runs or outputs below
+    it, or objects of others. A few requests; run by the planner, by the extractor before it loads
+    the model, and by `submit extract` before it queues an array whose every task would refuse the
+    prefix."""
+    refuse_inside_another(store)
     if any(store.exists(key) for key in (LATEST, METRICS)):
         raise ConfigError(f"{store.uri} holds a training output (`layertap train --out`), not a run: `layertap "
                           "delete` of the one would delete the other; give the run a prefix of its own")

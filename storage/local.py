@@ -42,6 +42,10 @@ class LocalStore(ObjectStore):
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise StoreError(f"local store root {self.root!r} exists and is not a folder")
 
+    def parent(self) -> LocalStore | None:
+        up = os.path.dirname(self.root)
+        return None if up == self.root else LocalStore(up)
+
     def _path(self, key: str) -> str:
         path = os.path.join(self.root, *check_key(key).split("/"))
         if os.path.commonpath([self.root, os.path.abspath(path)]) != self.root:

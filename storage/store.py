@@ -158,6 +158,10 @@ class ObjectStore(abc.ABC):
     def _measure_clock_offset(self) -> float | None:
         return 0.0
 
+    def parent(self) -> ObjectStore | None:
+        """The store at the prefix one level up (its bucket's or file system's root: None)."""
+        return None
+
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:
         """Write (or overwrite) a whole object atomically."""

@@ -36,7 +36,8 @@ def test_delete_refuses_a_run_with_another_run_below_it(store_uri, capsys):
     """The finding: a run at the prefix, a complete run at prefix/keepme; deleting the first
     deleted both. Refused with the way to delete each; once the one below is gone, it goes."""
     fake_worker.work(store_uri)
-    fake_worker.work(f"{store_uri}/keepme")
+    fake_worker.work(f"{store_uri}-keepme")
+    fake_worker.copy_run(f"{store_uri}-keepme", f"{store_uri}/keepme")  # layertap plans no run inside another
     store, kept = open_store(store_uri), open_store(f"{store_uri}/keepme")
     before = keys(store)
     assert cli(["delete", store_uri, "--yes"]) == 2
@@ -62,10 +63,11 @@ def test_delete_of_a_folder_inside_a_run_names_the_run(store_uri, capsys):
     assert cli(["delete", f"{store_uri}/nothing/here", "--yes"]) == 0  # nothing under it: nothing to name
 
 
-def test_delete_refuses_a_bucket_root_run_with_a_run_below(s3_bucket, capsys):
+def test_delete_refuses_a_bucket_root_run_with_a_run_below(s3_bucket, tmp_path, capsys):
     """The repro exactly: runs at s3://bucket and s3://bucket/keepme."""
     fake_worker.work(f"s3://{s3_bucket}")
-    fake_worker.work(f"s3://{s3_bucket}/keepme")
+    fake_worker.work(str(tmp_path / "keepme"))
+    fake_worker.copy_run(str(tmp_path / "keepme"), f"s3://{s3_bucket}/keepme")  # none is planned inside another
     kept = open_store(f"s3://{s3_bucket}/keepme")
     before = keys(kept)
     assert cli(["delete", f"s3://{s3_bucket}", "--yes"]) == 2
@@ -136,6 +138,34 @@ def _extract_without_a_model(tmp_path: Path, data: Path, out: Path, capsys) -> s
             "--log-dir", str(tmp_path / "logs")]
     assert cli(args) == 2
     return capsys.readouterr().err
+
+
+def test_a_new_run_is_not_planned_inside_a_run_or_output_nor_at_an_objects_key(store_uri, tmp_path, capsys):
+    """`--out run1/sub`, `run1/shards/inner`, even `s3://b/run1/manifest.json` made a run inside
+    the complete run1 (whose `delete` then refused). Refused, naming the run above, before the
+    model loads; a folder above holding some other tool's manifest.json is no run."""
+    fake_worker.plan(open_store(store_uri))
+    for inner in ("sub", "shards/inner", "a/b/c"):
+        with pytest.raises(ConfigError, match=rf"{open_store(store_uri).uri} is a run: a run at .*{inner} would be "
+                                              "inside it .*give the run a prefix of its own beside it"):
+            fake_worker.plan(open_store(f"{store_uri}/{inner}"))
+    assert keys(open_store(store_uri)) == [layout.MANIFEST]
+    if store_uri.startswith("s3://"):  # a key that is an object (a local folder's file is refused as a root)
+        with pytest.raises(ConfigError, match=r"manifest.json is an object, not a prefix"):
+            fake_worker.plan(open_store(f"{store_uri}/{layout.MANIFEST}"))
+    trained = open_store(f"{store_uri}-drafter")
+    trained.put(LATEST, b"{}")
+    with pytest.raises(ConfigError, match=r"-drafter is a training output: a run at"):
+        fake_worker.plan(open_store(f"{store_uri}-drafter/run"))
+    # the command line says so before it loads a model
+    err = _extract_without_a_model(tmp_path, tmp_path / "chats.jsonl", tmp_path / "r1" / "sub", capsys) \
+        if fake_worker.plan(open_store(str(tmp_path / "r1"))) else ""
+    assert f"{tmp_path / 'r1'} is a run: a run at {tmp_path / 'r1' / 'sub'} would be inside it" in err
+    assert "could not load" not in err
+    other = tmp_path / "webapp"  # some other tool's manifest.json in a folder above
+    other.mkdir()
+    (other / layout.MANIFEST).write_text(json.dumps({"name": "webapp", "version": 3}))
+    assert fake_worker.plan(open_store(str(other / "run"))).shards
 
 
 def test_extract_refuses_an_out_holding_a_run_below_before_the_model_loads(tmp_path, capsys):

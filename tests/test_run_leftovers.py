@@ -371,8 +371,9 @@ def test_the_end_of_run_sweep_leaves_the_writes_of_a_run_nested_below_alone(tmp_
 
     outer_uri = str(tmp_path / "outer")
     fake_worker.plan(open_store(outer_uri), 40)
+    fake_worker.plan(open_store(str(tmp_path / "elsewhere")), 40)
+    fake_worker.copy_run(str(tmp_path / "elsewhere"), f"{outer_uri}/inner")  # no run is planned inside another
     inner = open_store(f"{outer_uri}/inner")
-    fake_worker.plan(inner, 40)
     writer = inner.open_writer(layout.data_key(0, "a" * 20))
     writer.write(b"x" * 1000)
     (upload,) = inner.list_pending_uploads()
