@@ -93,6 +93,14 @@ def test_training_a_run_without_commits_fails_before_the_target_loads(model, tmp
         assert f"no committed shards with samples at {run}" in err and "could not load" not in err
 
 
+def test_training_from_no_run_leaves_its_out_untouched(tmp_path, capsys):
+    """A wrong --data was refused after --out's lease was taken: the refused command left
+    `--out/lease/` behind."""
+    out = tmp_path / "drafter"
+    assert cli(["train", "--data", str(tmp_path / "no-run-here"), "--out", str(out), "--steps", "2"]) == 2
+    assert "no run at" in capsys.readouterr().err and not out.exists()
+
+
 # -- Ctrl-C ------------------------------------------------------------------------------------
 
 

@@ -285,13 +285,16 @@ def train(cfg: TrainConfig) -> int:
     # recorded in checkpoints and compared on --resume: `run1`, `run1/` and its absolute path are one run
     cfg.data = data.uri
     _check_apart(out, data)
+    # A wrong or unreachable --data fails here, before --out holds anything (a refused command
+    # left a lease folder behind); a follow trainer may wait for the run to be planned.
+    run = None if cfg.follow else load_manifest(data)
     # Before the steps (waiting for a run to follow, loading the target head) and after them (the
     # export), a stop signal ends the command at once, the lease released on the way out; during
     # them the loop's own StopSignals stops at a step boundary, with a checkpoint.
     try:
         with StopSignals(at_once=True), OutputLease(out) if acc.is_main_process else nullcontext() as lease:
             _held_by_rank_0(acc)
-            return _train(cfg, acc, precision, out, data, lease)
+            return _train(cfg, acc, precision, out, data, lease, run)
     except Preempted as e:
         log.warning("%s outside the training steps: nothing to checkpoint; the same command%s starts again", e,
                     " with --resume" if cfg.resume else "")
@@ -307,11 +310,11 @@ def _held_by_rank_0(acc: Any) -> None:
 
 
 def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: ObjectStore,
-           lease: OutputLease | None) -> int:
-    """`train` once rank 0 holds the output."""
+           lease: OutputLease | None, run: Manifest | None) -> int:
+    """`train` once rank 0 holds the output; `run`: the data's manifest, None for a follow trainer."""
     cuda = torch.cuda.is_available()
     rank, world = acc.process_index, acc.num_processes
-    run = wait_for_manifest(data, cfg.follow_poll_s) if cfg.follow else load_manifest(data)
+    run = run if run is not None else wait_for_manifest(data, cfg.follow_poll_s)
     if cfg.model is None:
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
                                                    "the run's manifest")
