@@ -316,7 +316,9 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
             f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)
             + "\nuse the run's settings to resume it, or write the new run to another prefix"
         )
-    if shard_bytes != existing.shard_bytes:  # the plan is fixed at creation: say so rather than ignore the flag
+    # The plan is fixed at creation: say so rather than ignore a --shard-bytes given. Not the default's
+    # (every rerun without the flag was told of a 1 GB it never asked for); an explicit 1GB is not told.
+    if shard_bytes != existing.shard_bytes and shard_bytes != DEFAULT_SHARD_BYTES:
         log.warning("the run at %s keeps its plan of %d shards cut at %s bytes; a shard size of %s bytes "
                     "applies only to a new run", store.uri, len(existing.shards), f"{existing.shard_bytes:,}",
                     f"{shard_bytes:,}")

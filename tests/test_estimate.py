@@ -412,6 +412,12 @@ def test_plan_of_an_existing_run_shows_the_runs_own_shards(run, tmp_path, capsys
     assert "keeps its plan of" in caplog.text and "applies only to a new run" in caplog.text
     assert cli(["plan", *args, "--out", out, "--dry-run"]) == 0
     assert f"{first['shards']} shards cut at 64,000 B" in capsys.readouterr().out
+    # without --shard-bytes there is nothing to warn of: every rerun was told of a 1 GB it never asked for
+    caplog.clear()
+    unsized = [a for i, a in enumerate(run["args"]) if "--shard-bytes" not in (a, run["args"][i - 1] if i else "")]
+    assert len(unsized) == len(run["args"]) - 2
+    assert run_json(capsys, ["plan", *unsized, "--out", out, "--dry-run"])["shards"] == first["shards"]
+    assert "applies only to a new run" not in caplog.text
 
 
 def test_measure_batches_the_samples_as_the_planned_shards_hold_them():
