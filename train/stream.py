@@ -247,9 +247,11 @@ class ShardStream(IterableDataset):
     `prefix`: the run (a URI, or an open store); `config`: order and fetching; `rank` and
     `world_size`: from torch.distributed or RANK / WORLD_SIZE when not given; `store_options`:
     S3 settings, as the "s3" object of a --config file (`open_configured_store`: a local run
-    ignores them); `only`: the shards to stream, as another rank's `shard_keys` (ranks that read
-    the commits of a run still being extracted at different times would find different shards,
-    and so epochs of different sizes and orders). Opening reads the run and writes nothing.
+    ignores them); `committed`: the shards to stream, as rank 0's `shard_records`: this rank then
+    reads no commit (at 90,000 shards each of 1,000 ranks listed commits/ and parsed the index,
+    ~90 LIST pages, 10 MB and ~600 MB of memory apiece), and ranks that read the commits of a run
+    still being extracted at different times would find different shards, and so epochs of
+    different sizes and orders. Opening reads the run and writes nothing.
 
     `agree` (follow mode, several ranks): given this rank's `shard_keys` when the epochs after the
     follow epoch read the run's committed shards, returns rank 0's (a broadcast: `layertap train`
@@ -259,7 +261,7 @@ class ShardStream(IterableDataset):
 
     def __init__(self, prefix: str | ObjectStore, *, config: StreamConfig | None = None, rank: int | None = None,
                  world_size: int | None = None, store_options: dict[str, Any] | None = None,
-                 only: Sequence[Sequence] | None = None):
+                 committed: Sequence[Sequence] | None = None):
         super().__init__()
         self.config = c = config or StreamConfig()
         self.rank, self.world_size = _rank_world(rank, world_size)
@@ -281,17 +283,20 @@ class ShardStream(IterableDataset):
         self.shards_changed: str | None = None  # the saved set, when `load_state_dict` took a state over another
         self.agree: Callable[[list[list]], list[list]] | None = None
         self._left_out: list[int] = []  # follow mode's later epochs: shards consumed and deleted
-        if c.follow and only is not None:
-            raise ConfigError("only= needs a stream that is not in follow mode: the follow epoch takes shards as "
-                              "they are committed")
+        if c.follow and committed is not None:
+            raise ConfigError("committed= needs a stream that is not in follow mode: the follow epoch takes shards "
+                              "as they are committed")
         if c.follow:  # the run may not exist yet; its shards are found while iterating
             manifest = wait_for_manifest(self._store(), c.follow_poll_s)
             self.shards, self._new_index, self._settled = [], None, False
             follow = ([p.num_samples for p in manifest.shards], self.world_size)
         else:
-            manifest, self.shards, self._new_index = load_index(self._store(), unfinished_warning=self.rank == 0)
-            if only is not None:
-                self.shards = self._only(only)
+            if committed is None:
+                manifest, self.shards, self._new_index = load_index(self._store(), unfinished_warning=self.rank == 0)
+            else:
+                manifest, self._new_index = load_manifest(self._store()), None
+                self.shards = [CommittedShard(int(s), key, int(size), digest, tuple(ids))
+                               for s, key, size, digest, ids in committed]
             self._settled, follow = True, None
         self._manifest = manifest
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
@@ -312,8 +317,14 @@ class ShardStream(IterableDataset):
 
     @property
     def shard_keys(self) -> list[list]:
-        """[shard id, object hash] of every shard streamed: JSON-ready, what `only=` takes."""
+        """[shard id, object hash] of every shard streamed: JSON-ready, what `agree` exchanges."""
         return [[s.shard, s.xxh3_128] for s in self.shards]
+
+    @property
+    def shard_records(self) -> list[list]:
+        """Every shard streamed as [id, object key, bytes, object hash, sample ids]: JSON-ready,
+        what `committed=` takes."""
+        return [[s.shard, s.key, s.bytes, s.xxh3_128, list(s.sample_ids)] for s in self.shards]
 
     def refresh_index(self) -> bool:
         """Store the run's commit index if this stream had to read commits it lacked, so that

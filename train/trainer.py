@@ -469,10 +469,11 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
     if rank == 0:
         stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3)
         stream.refresh_index()
-        shards = None if cfg.follow else stream.shard_keys
+        shards = None if cfg.follow else stream.shard_records
     shards = from_rank_0(acc, shards)
     if rank != 0:
-        stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3, only=shards)
+        stream = ShardStream(cfg.data, config=config, rank=rank, world_size=world, store_options=cfg.s3,
+                             committed=shards)
     # a check of the above: any difference would show only as wrong training, or a hang at the end
     facts = [int(stream.fingerprint, 16) >> 1, stream.total_samples]  # >> 1: an int64
     seen = per_rank(acc, facts, torch.int64)
