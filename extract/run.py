@@ -568,7 +568,8 @@ def _summary(store: ObjectStore, cfg: ExtractConfig, queue: WorkQueue) -> int:
         done, total = len(queue.done_state.committed), len(queue.manifest.shards)
         part = "its shards are" if cfg.shards is not None else "every shard is"
         print(f"\n{done:,} of the run's {total:,} shards committed when this array task ended ({part} done): task "
-              f"{first}'s log has the run's report, and `layertap status {cfg.out}` the run's state now")
+              f"{first}'s log ends with a report of the run as it found it, and `layertap status {cfg.out}` says "
+              "where the run is now")
         return 0
     status = run_status(store)
     print(f"\nshards are in {store.uri}/shards/ (committed ones listed under {store.uri}/commits/)")

@@ -108,7 +108,9 @@ def _hint_attached_values(p: argparse.ArgumentParser) -> None:
     def error_with_hint(message: str) -> None:
         if message.endswith("expected one argument") and message.startswith("argument --"):
             option = message.split()[1].rstrip(":").split("/")[-1]
-            if _parsing[-1:] != [option]:  # not the line's last word: its value reads as an option
+            last = _parsing[-1] if _parsing else ""
+            # not the line's last word (itself or an abbreviation of it): its value reads as an option
+            if not (last.startswith("--") and option.startswith(last)):
                 message += f" (a value that starts with '-' must be attached with '=': {option}=VALUE)"
         error(message)
 

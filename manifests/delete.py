@@ -33,7 +33,6 @@ TRAINING_KEYS = ("checkpoints/latest.json", "metrics.jsonl")  # what `layertap t
 MARKERS = (("manifest.json", "run"), (TRAINING_KEYS[0], "training output"), (TRAINING_KEYS[1], "training output"),
            ("regenerate.json", "regeneration output"))
 LIST_NESTED = 10  # nested runs and outputs named in a refusal
-ENCLOSING_LEVELS = 8  # folders above a prefix `enclosing_output` looks in for the run it may be part of
 
 
 def add_delete(p: argparse.ArgumentParser) -> None:
@@ -132,7 +131,7 @@ def _named(uri: str, nested: list[tuple[str, str]]) -> str:
 def describe(store, force: bool) -> str:
     """What the prefix holds, in words; raises `Refused` for what must not be deleted unforced."""
     from layertap.manifests import layout
-    from layertap.manifests.manifest import ManifestError, NoRun, load_manifest
+    from layertap.manifests.manifest import ManifestError, NoRun, enclosing, load_manifest
     from layertap.manifests.output_lease import live_holder
     from layertap.manifests.regeneration import RECIPE, live_tasks
 
@@ -163,7 +162,7 @@ def describe(store, force: bool) -> str:
                       f"{held.describe(store.now())}): stop them first (or pass --force)")
     if store.exists(RECIPE) or tasks:
         return f"regeneration output at {store.uri}"
-    inside = enclosing_output(store)
+    inside = enclosing(store)
     within = (f" It is inside the {inside[1]} at {inside[0]}: deleting part of it leaves that {inside[1]} "
               "incomplete" + (" (its `status` still counts data that is gone until `layertap verify` withdraws it)"
                               if inside[1] == "run" else "") + ".") if inside else ""
@@ -173,28 +172,6 @@ def describe(store, force: bool) -> str:
                       "every object under it")
     return f"every object under {store.uri} (--force: not a run" + (f"; inside the {inside[1]} at {inside[0]})"
                                                                       if inside else ")")
-
-
-def enclosing_output(store) -> tuple[str, str] | None:
-    """(prefix, kind) of the nearest run or output above `store`'s prefix (a few HEADs a level,
-    up to the bucket or `ENCLOSING_LEVELS` folders up), or None; None too where a folder above
-    cannot be read: this only words a message, and must not stop a delete the user may do."""
-    from layertap.storage.store import StoreError, open_store
-
-    uri = store.uri.rstrip("/")
-    for _ in range(ENCLOSING_LEVELS):
-        parent, sep, _ = uri.rpartition("/")
-        if not sep or not parent or parent.endswith(":/") or parent == "s3:":
-            return None
-        uri = parent
-        try:
-            above = open_store(uri)
-            kind = next((kind for marker, kind in MARKERS if above.exists(marker)), None)
-        except StoreError:  # a folder above that these credentials may not read (a bucket shared by prefix)
-            return None
-        if kind is not None:
-            return uri, kind
-    return None
 
 
 def _refuse_live_writers(store, manifest) -> None:

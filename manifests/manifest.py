@@ -23,7 +23,7 @@ from layertap.manifests.train_output import LATEST, METRICS
 from layertap.storage.codec_names import CODEC_NAMES
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.identity import RunConfig
-from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import listing
 
 log = logging.getLogger(__name__)
@@ -231,31 +231,64 @@ def refuse_foreign(store: ObjectStore, most: int = 5) -> None:
                           "them too: write the run to an empty prefix (a new folder)")
 
 
-def refuse_inside_another(store: ObjectStore) -> None:
-    """Raise `ConfigError` where a prefix above `store`'s is a run or an output, or where its
-    prefix is an object's key: a run in a folder of another run is under that one's prefix (whose
-    `delete` then refuses, and whose folder holds another's records), and `--out
-    s3://b/run1/manifest.json` made a key both an object and a folder. A HEAD or two a level up
-    (a run by a manifest that reads as one: a file system's folders above may hold any
-    manifest.json)."""
-    from layertap.manifests.regeneration import RECIPE
+ENCLOSING_LEVELS = 8  # folders above a prefix looked in for a run or output it lies inside
 
-    name, up = store.uri.rstrip("/").rpartition("/")[2], store.parent()
-    if up is not None and name and up.exists(name):
-        raise ConfigError(f"{store.uri} is an object, not a prefix: give the run a prefix (a folder) of its own")
-    while up is not None:
-        kind = "a training output" if up.exists(LATEST) else "a regeneration output" if up.exists(RECIPE) else None
-        if kind is None and up.exists(MANIFEST):
-            try:
-                load_manifest(up)
-                kind = "a run"
-            except UserError:  # not a layertap run's
-                pass
-        if kind:
-            raise ConfigError(f"{up.uri} is {kind}: a run at {store.uri} would be inside it (deleting the one "
-                              f"would mean deleting the other): give the run a prefix of its own beside it, "
-                              f"not under it")
+
+def layertap_kind(store: ObjectStore) -> str | None:
+    """What `store`'s prefix is by layertap's marker objects, read, not only found (a folder may
+    hold another tool's manifest.json or checkpoints/latest.json): "run", "training output",
+    "regeneration output", or None. A GET a marker, of those present."""
+    from layertap.manifests.regeneration import FORMAT as REGENERATED, RECIPE
+
+    def read(key: str) -> Any:
+        try:
+            return json.loads(store.get(key))
+        except (ObjectNotFound, ValueError):
+            return None
+
+    if isinstance(m := read(MANIFEST), dict) and m.get("format") == MANIFEST_FORMAT:
+        return "run"
+    if isinstance(c := read(LATEST), dict) and isinstance(c.get("step"), int) \
+            and str(c.get("prefix", "")).startswith("checkpoints/"):
+        return "training output"
+    if isinstance(r := read(RECIPE), dict) and r.get("format") == REGENERATED:
+        return "regeneration output"
+    return None
+
+
+def enclosing(store: ObjectStore, levels: int = ENCLOSING_LEVELS) -> tuple[str, str] | None:
+    """(prefix, kind) of the nearest run or output above `store`'s prefix, up to its bucket's or
+    file system's root or `levels` folders up; None where there is none, and where a folder above
+    cannot be read (a bucket shared by prefix: credentials that reach only below it)."""
+    up = store.parent()
+    for _ in range(levels):
+        if up is None:
+            return None
+        try:
+            kind = layertap_kind(up)
+        except StoreError:  # access denied there, or the store failing: can't tell
+            return None
+        if kind is not None:
+            return up.uri, kind
         up = up.parent()
+    return None
+
+
+def refuse_inside_another(store: ObjectStore) -> None:
+    """Raise `ConfigError` where a prefix above `store`'s is a run or an output (`enclosing`), or
+    where its prefix is an object's key: a run in a folder of another run is under that one's
+    prefix (whose `delete` then refuses, and whose folder holds another's records), and `--out
+    s3://b/run1/manifest.json` made a key both an object and a folder."""
+    name, up = store.uri.rstrip("/").rpartition("/")[2], store.parent()
+    try:
+        is_object = up is not None and bool(name) and up.exists(name)
+    except StoreError:  # a folder above these credentials may not read
+        is_object = False
+    if is_object:
+        raise ConfigError(f"{store.uri} is an object, not a prefix: give the run a prefix (a folder) of its own")
+    if (found := enclosing(store)) is not None:
+        raise ConfigError(f"{found[0]} is a {found[1]}: a run at {store.uri} would be inside it (deleting the one "
+                          "would mean deleting the other): give the run a prefix of its own beside it, not under it")
 
 
 def refuse_new_run_here(store: ObjectStore) -> None:

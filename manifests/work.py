@@ -335,6 +335,7 @@ class CommitView:
         self.store, self.manifest = store, manifest
         self._times: dict[int, float] = {}  # committed shard -> its commit's time (store's clock)
         self._confirmed: set[int] = set()  # redo-marked shards a fresh look found committed (a stale marker)
+        self._reopened: set[int] = set()  # committed shards the last look opened for their redo markers
         self._full_at = -math.inf  # the store's time of the last full scan
         self._feed_from = -math.inf
         self.last_full = False  # whether the last `scan` was a full one
@@ -342,7 +343,7 @@ class CommitView:
     def scan(self, full: bool = False) -> RunState:
         if full or self.store.now() - self._full_at >= COMMITS_LOOK_S:
             st = scan(self.store, self.manifest, with_tallies=False)
-            self._times, self._confirmed, self.last_full = dict(st.commit_times), set(), True
+            self._times, self._confirmed, self._reopened, self.last_full = dict(st.commit_times), set(), set(), True
             # The first full look's successor comes after a random 1/4 to all of COMMITS_LOOK_S (as
             # follow mode's): 1,000 workers (re)started together would list every commit record
             # within seconds of each other every COMMITS_LOOK_S. The system's randomness: ranks may
@@ -354,17 +355,20 @@ class CommitView:
             for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
                 if (parsed := layout.parse_feed(o.key)) is not None:
                     self._times.setdefault(parsed[1], parsed[0] / 1000)
-            reopened = st.redo_marked - self._confirmed
-            st.commit_times = {s: t for s, t in self._times.items() if s not in reopened}
+            self._reopened = (st.redo_marked - self._confirmed) & set(self._times)
+            st.commit_times = {s: t for s, t in self._times.items() if s not in self._reopened}
             st.committed = set(st.commit_times)
             self.last_full = False
         self._feed_from = st.now - layout.FEED_MARGIN_S
         return st
 
     def learn(self, shard: int) -> None:
-        """A shard this view had open that a fresh look (`scan_shard`) found committed."""
+        """A shard this view had open that a fresh look (`scan_shard`) found committed: where its
+        redo marker opened it, the marker is a stale one (its redo's commit did not delete it).
+        Not otherwise: a marker `verify` writes later must open the shard."""
         self._times.setdefault(shard, self.store.now())
-        self._confirmed.add(shard)
+        if shard in self._reopened:
+            self._confirmed.add(shard)
 
 
 class WorkQueue:
@@ -608,6 +612,8 @@ class WorkQueue:
                 woken_before = True
                 continue
             woken_before = False
+            if stale and not waiting_on:
+                continue  # shards the look had open were committed (their feed keys missed): look again
             if not waiting_on:
                 return  # what is left failed too often in this run; status tells why
             if self.on_idle is not None and self.on_idle():

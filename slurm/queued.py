@@ -89,8 +89,8 @@ class QueuedTask:
         was shards x tasks (31 s at 100,000 shards and 1,000 static tasks queued)."""
         if self.range is not None:
             todo = within(todo, [self.range])
-        elif self.shards is not None:
-            todo = sorted(todo_set & self.shards)
+        elif self.shards is not None and len(self.shards) < len(todo):
+            todo = (s for s in sorted(self.shards) if s in todo_set)
         return (s for s in todo if self.owns(s))
 
 

@@ -93,7 +93,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     failed = [s for s, v in states.items() if v == "failed"]
     todo = [s for s, v in states.items() if v in ("failed", "pending")]
     waiting = [w for w in (waiting_workers(store, waiting_records(store)) if todo else [])
-               if w.shards is None or within(todo, w.shards)]
+               if w.shards is None or any_within(todo, w.shards)]
     return Remaining(run_id=manifest.run_id, total=total, selected=None if only is None else len(ids), done=sum(1 for v in states.values() if v == "done"),
                      running=running, failed=failed,
                      interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
@@ -102,6 +102,11 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
                      waiting_tasks=sorted({w.task for w in waiting if w.task}),
                      waited_for=todo if any(w.shards is None for w in waiting) else
                      within(todo, [r for w in waiting for r in w.shards]))
+
+
+def any_within(ids: Sequence[int], ranges: Iterable[Sequence[int]]) -> bool:
+    """Whether sorted `ids` hold one inside any of the inclusive [first, last] `ranges`."""
+    return any((i := bisect_left(ids, lo)) < len(ids) and ids[i] <= hi for lo, hi in ranges)
 
 
 def within(ids: Sequence[int], ranges: Iterable[Sequence[int]]) -> list[int]:

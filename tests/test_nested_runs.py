@@ -154,7 +154,7 @@ def test_a_new_run_is_not_planned_inside_a_run_or_output_nor_at_an_objects_key(s
         with pytest.raises(ConfigError, match=r"manifest.json is an object, not a prefix"):
             fake_worker.plan(open_store(f"{store_uri}/{layout.MANIFEST}"))
     trained = open_store(f"{store_uri}-drafter")
-    trained.put(LATEST, b"{}")
+    trained.put(LATEST, json.dumps({"step": 4, "prefix": "checkpoints/step-000004"}).encode())
     with pytest.raises(ConfigError, match=r"-drafter is a training output: a run at"):
         fake_worker.plan(open_store(f"{store_uri}-drafter/run"))
     # the command line says so before it loads a model
@@ -162,10 +162,38 @@ def test_a_new_run_is_not_planned_inside_a_run_or_output_nor_at_an_objects_key(s
         if fake_worker.plan(open_store(str(tmp_path / "r1"))) else ""
     assert f"{tmp_path / 'r1'} is a run: a run at {tmp_path / 'r1' / 'sub'} would be inside it" in err
     assert "could not load" not in err
-    other = tmp_path / "webapp"  # some other tool's manifest.json in a folder above
-    other.mkdir()
+    other = tmp_path / "webapp"  # some other tool's manifest.json and checkpoints in a folder above
+    (other / "checkpoints").mkdir(parents=True)
     (other / layout.MANIFEST).write_text(json.dumps({"name": "webapp", "version": 3}))
+    (other / LATEST).write_text(json.dumps({"step": 1}))
     assert fake_worker.plan(open_store(str(other / "run"))).shards
+    # a layertap run of another manifest version above is a run all the same
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / layout.MANIFEST).write_text(json.dumps({"format": "layertap-manifest", "format_version": 0}))
+    with pytest.raises(ConfigError, match="older is a run: a run at"):
+        fake_worker.plan(open_store(str(older / "run")))
+
+
+def test_a_folder_above_these_credentials_cannot_read_does_not_refuse_a_new_run(store_uri, monkeypatch):
+    """Credentials that reach only below a prefix (a bucket shared by prefix): a read a level up is
+    denied. The look for a run above cannot tell, and refused every new run on that error."""
+    from layertap.storage.local import LocalStore
+    from layertap.storage.s3 import S3Store
+
+    store = open_store(f"{store_uri}/mine")
+    for cls in (LocalStore, S3Store):
+        for name in ("get", "size"):
+            real = getattr(cls, name)
+            monkeypatch.setattr(cls, name, lambda self, key, *a, _real=real, **kw: _real(self, key, *a, **kw)
+                                if self.uri == store.uri else _deny(self, key))
+    assert fake_worker.plan(store).shards
+
+
+def _deny(store, key: str):
+    from layertap.storage.store import StoreError
+
+    raise StoreError(f"access denied to {store.uri}/{key} (403 AccessDenied)")
 
 
 def test_extract_refuses_an_out_holding_a_run_below_before_the_model_loads(tmp_path, capsys):

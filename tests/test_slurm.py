@@ -1611,7 +1611,7 @@ def test_only_an_arrays_first_task_prints_the_runs_report(tiny_llama, tmp_path, 
     assert cli(argv) == 0
     text = capsys.readouterr().out
     assert not reports and re.search(r"\n(\d+) of the run's \1 shards committed when this array task ended "
-                                     r"\(every shard is done\): task 0's log has the run's report", text), text
+                                     r"\(every shard is done\): task 0's log ends with a report of the run", text), text
     assert cli(argv) == 0 and not reports  # a task of a later array, the run done before it started
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
     assert cli(argv) == 0 and reports == [1] and "COMPLETE" in capsys.readouterr().out

@@ -22,6 +22,8 @@ from layertap.manifests.records import Producer
 from layertap.manifests.state import scan
 from layertap.manifests.work import STORE_FAILURES, Claim, WorkQueue
 from layertap.storage.format import ShardMeta
+from layertap.storage.local import LocalStore
+from layertap.storage.s3 import S3Store
 from layertap.storage.store import ObjectStore, TransientStoreError, open_store
 from layertap.storage.writer import ShardWriter
 from layertap.train.follow import pending_work
@@ -371,3 +373,50 @@ def test_workers_started_together_spread_their_full_looks(tmp_path, monkeypatch)
     spread = full_looks(0.6)
     assert 0 < sum(spread) < len(views)  # each with a chance of ~0.47: all or none ~4e-5
     assert full_looks(1.01) == [not full for full in spread]  # the others' first full look was due by now
+
+
+def _drop_feed_keys(monkeypatch) -> None:
+    """Commits whose worker died before the feed key: every store's puts of feed/ keys are dropped."""
+    for cls in (LocalStore, S3Store):
+        real = cls.put
+        monkeypatch.setattr(cls, "put", lambda self, key, data, _real=real:
+                            None if key.startswith(layout.FEED) else _real(self, key, data))
+
+
+def test_a_commit_the_feed_missed_still_ends_the_queue_with_its_sweep(store_uri, monkeypatch):
+    """The last shard committed by a worker killed before its feed key: an incremental look has it
+    open, its fresh look finds it committed, and nothing is left to wait on. The queue returned
+    there, without the full scan and the end-of-run sweep; it looks again now."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store)
+    last = len(manifest.shards) - 1
+    fake_worker.work(store_uri, shards=list(range(last)))
+    queue = WorkQueue(store, manifest, Producer.current(), poll_s=0.05)
+    assert not queue.finished()  # its full look: the last shard open
+    with monkeypatch.context() as m:
+        _drop_feed_keys(m)
+        assert fake_worker.work(store_uri, shards=[last]) == [last]
+    assert list(queue) == [] and queue.done_state is not None
+    assert queue.done_state.committed == set(range(len(manifest.shards)))
+    assert list(store.list(layout.SWEEPS))  # the end-of-run sweep was claimed
+
+
+def test_a_redo_marker_written_after_a_commit_was_learned_opens_the_shard(store_uri, monkeypatch):
+    """A fresh look that found a shard committed (the feed missed it) took any later redo marker of
+    the shard for a stale one: `verify` withdrawing it was unseen until the next full look."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store)
+    last = len(manifest.shards) - 1
+    fake_worker.work(store_uri, shards=list(range(last)))
+    view = work.CommitView(store, manifest)
+    assert last not in view.scan().committed and view.last_full
+    with monkeypatch.context() as m:
+        _drop_feed_keys(m)
+        fake_worker.work(store_uri, shards=[last])
+    assert last not in view.scan().committed and not view.last_full
+    view.learn(last)
+    assert last in view.scan().committed
+    store.delete(layout.commit_key(last))  # as verify withdraws it
+    store.put(layout.redo_key(last), b"")
+    st = view.scan()
+    assert not view.last_full and last not in st.committed and st.withdrawn(last)
