@@ -232,3 +232,15 @@ def test_block_mask_bench_runs_and_its_masks_agree(tmp_path):
     r = json.loads(out.read_text())
     assert r["equal"] is True and set(r["ways"]) == {"tiled", "eager"}
     assert len(r["ways"]["tiled"]["seconds"]) == len(r["batches"]) == 3
+
+
+def test_work_scale_bench_counts_each_pair_side_by_side(tmp_path):
+    out = tmp_path / "ws.json"
+    run_bench("work_scale.py", "--shards", "2500", "--leased", "20", "--tasks", "50", "--json", str(out))
+    r = json.loads(out.read_text())
+    passes, rank = r["worker_pass"], r["trainer_rank_start"]
+    # 2,250 commits: the full scan lists them (3 pages), the look between full looks only the feed since
+    assert passes["full scan (every pass before)"]["LIST pages"] > passes["CommitView between full looks"]["LIST pages"]
+    assert rank["takes rank 0's (committed=)"] == {"s": rank["takes rank 0's (committed=)"]["s"], "GET": 1}
+    assert rank["reads the commits itself (before)"]["LIST pages"] >= 3
+    assert r["submit_queued_static"]["tasks"] == 50 and r["command"].startswith("python bench/work_scale.py")
