@@ -7,6 +7,7 @@ Also runnable as a rank: python tests/test_follow.py consume URI RANK WORLD WORK
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -256,11 +257,13 @@ def _not_json(constant: str):
     raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON (jq and JavaScript refuse it)")
 
 
-def test_steps_of_padding_alone_count_no_tokens_and_the_final_loss_is_the_last_learned(tmp_path, capsys):
+def test_steps_of_padding_alone_count_no_tokens_and_the_final_loss_is_the_last_learned(tmp_path, capsys, caplog):
     """A follow epoch is padded to the plan; where extraction left samples out (here a given-up
     shard) its last steps hold padding alone: they showed as "final loss nan" with the pads'
-    tokens counted in tokens/s."""
+    tokens counted in tokens/s, and their log lines as "loss nan"."""
+    caplog.set_level(logging.INFO, logger="layertap")
     _, lines = train_with_shard_6_given_up(tmp_path)
+    assert f"step {lines[-1]['step']}/{lines[-1]['step']}  loss none (padding only)  acc@1" in caplog.text
     pads = [r for r in lines if r["loss"] is None]  # null in metrics.jsonl: strict JSON
     assert pads and lines[-1] in pads  # the plan's last samples never came
     assert all(r["tokens"] == 0 and r["tokens_per_s"] == 0 for r in pads)
@@ -311,7 +314,7 @@ def test_a_follow_epoch_with_no_committed_samples_trains_to_its_end(tmp_path, ca
     assert [r["step"] for r in lines] == list(range(1, 11))  # the plan's 40 samples, 4 a step
     assert all(r["loss"] is None and r["tokens"] == 0 for r in lines)
     printed = capsys.readouterr().out
-    assert "trained 10 steps; final loss nan (no step had a finite loss: 10 step(s) had nothing to learn" in printed
+    assert "trained 10 steps; final loss none (no step had a finite loss: 10 step(s) had nothing to learn" in printed
     assert f"drafter at {_store(out).uri}/drafter/" in printed
     # a second epoch has nothing to read: said as such, not as shards a --delete-consumed trainer deleted
     assert cli(["train", "--data", uri, "--model", target, "--out", str(tmp_path / "out2"), "--follow",

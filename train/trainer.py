@@ -665,7 +665,8 @@ def _loop(run: _Run, start: int) -> int:
             ran = run.total - start
             steps = f"step {run.total}" if ran == 1 else f"steps {start + 1}-{run.total}"
             done = f"trained {ran} step{'s' if ran != 1 else ''}" + \
-                (f" ({steps}: resumed at step {start})" if start else "") + f"; final loss {loss:.4f}{after}"
+                (f" ({steps}: resumed at step {start})" if start else "") + \
+                f"; final loss {'none' if math.isnan(loss) else f'{loss:.4f}'}{after}"
         else:  # a resume at the end (a finished job started again): say so, not "trained N steps"
             # an export present is this step's: a resume that trains on withdraws it (`withdraw_export`)
             exported = run.out.exists(EXPORT_CONFIG)
@@ -776,13 +777,15 @@ def _report(run: _Run, stats: StepStats, epoch: int, wait: float, progress) -> N
         record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     record["samples_digest"] = stats.samples_digest  # rank 0's samples this step, to compare runs
     run.metrics.add(record)
-    progress.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc_first']:.2f}",  # before the update,
-                         tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)  # which prints a plain line
+    # a step of zero-weighted padding alone (samples the extraction skipped) has no loss: said, not "nan"
+    counted = not all(a is None for a in record["acc_per_position"])
+    progress.set_postfix(loss=f"{record['loss']:.3f}" if counted else "none", acc=f"{record['acc_first']:.2f}",
+                         tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)  # before the update, which prints
     progress.update(1)
     if stats.step % run.cfg.log_every == 0 or stats.step == run.total:
-        log.info("step %d/%d  loss %.4f  acc@1 %.3f  lr %.2e  %.0f tok/s  data wait %.0f%%", stats.step, run.total,
-                 record["loss"], record["acc_first"], stats.lr, record["tokens_per_s"],
-                 100 * record["data_wait_fraction"])
+        loss = f"{record['loss']:.4f}" if counted else "none (padding only)"
+        log.info("step %d/%d  loss %s  acc@1 %.3f  lr %.2e  %.0f tok/s  data wait %.0f%%", stats.step, run.total,
+                 loss, record["acc_first"], stats.lr, record["tokens_per_s"], 100 * record["data_wait_fraction"])
 
 
 def _record(stats: StepStats, epoch: int, bs: int, wait: float, kl: bool = False) -> dict[str, Any]:
