@@ -43,8 +43,10 @@ class LocalStore(ObjectStore):
             raise StoreError(f"local store root {self.root!r} exists and is not a folder")
 
     def parent(self) -> LocalStore | None:
+        """None at the file system's root, and where the folder above is none (a file: the write
+        that follows says so, naming it)."""
         up = os.path.dirname(self.root)
-        return None if up == self.root else LocalStore(up)
+        return None if up == self.root or (os.path.exists(up) and not os.path.isdir(up)) else LocalStore(up)
 
     def _path(self, key: str) -> str:
         path = os.path.join(self.root, *check_key(key).split("/"))
