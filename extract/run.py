@@ -43,7 +43,7 @@ from layertap.manifests.state import scan
 from layertap.manifests.status import run_status
 from layertap.manifests.work import Claim, WorkQueue, check_shard_ids, patiently
 from layertap.storage.foreign import unservable_layer
-from layertap.storage.errors import ConfigError
+from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
@@ -258,6 +258,7 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
             log.info("no --model given: using the embedded SmolLM2-135M-Instruct (%s)", gguf_file)
     elif os.path.exists(model_path):
         model_path = os.path.realpath(model_path)
+    embedded = cfg.model is None or _is_embedded(model_path, gguf_file)
     dtype, why = resolve_dtype(cfg.dtype, device)
     if weights:
         log.info("forward dtype %s (%s); states are stored as bf16", dtype, why)
@@ -270,9 +271,21 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
     if (why := unservable_layer(capture.layers, capture.num_layers)) is not None:
         log.warning(why)
     cfg.gguf_file = gguf_file
-    identity = cfg.identity(dict(target.info, model=model_path if cfg.model else f"embedded:{gguf_file}"),
+    identity = cfg.identity(dict(target.info, model=f"embedded:{gguf_file}" if embedded else model_path),
                             capture.layers)
     return target, capture, identity
+
+
+def _is_embedded(model_path: str, gguf_file: str | None) -> bool:
+    """Whether --model and --gguf-file name the embedded SmolLM2 by its folder: the run is the
+    default model's (`embedded:...`), and resumes one made without --model."""
+    from layertap.extract.embedded import smollm2_gguf
+
+    try:
+        folder, name = smollm2_gguf()
+    except (ModuleNotFoundError, UserError):  # not installed: it cannot be this
+        return False
+    return gguf_file == name and os.path.realpath(folder) == model_path
 
 
 def _warn_past_context(max_length: int, config: Any) -> None:

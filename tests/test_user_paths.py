@@ -190,6 +190,21 @@ def test_a_model_folder_named_another_way_resumes_the_run(model, tmp_path, monke
     assert f"model: run has '{model.resolve()}', now '{Path(copy).resolve()}'" in capsys.readouterr().err
 
 
+def test_the_embedded_model_named_by_its_folder_is_the_default_runs_model(tmp_path, capsys):
+    """A run made without --model records `embedded:<gguf>`; the same model named by its folder and
+    file was another identity, and the run refused it ('model: run has embedded:..., now ...')."""
+    from layertap.extract.embedded import smollm2_gguf
+
+    folder, name = smollm2_gguf()
+    data, out = write_chats(tmp_path / "chats.jsonl", 6), str(tmp_path / "run")
+    assert cli(["plan", "--dataset", data, "--out", out, "--max-length", "64"]) == 0
+    assert json.loads(open_store(out).get("manifest.json"))["config"]["model"] == f"embedded:{name}"
+    capsys.readouterr()
+    assert cli(["plan", "--model", folder, "--gguf-file", name, "--dataset", data, "--out", out, "--max-length", "64",
+                "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["existing_run"]
+
+
 def test_a_run_that_recorded_a_relative_model_path_resumes_from_its_directory(model, tmp_path, monkeypatch, capsys):
     """Runs made before paths were resolved recorded the string typed: from the same working
     directory, under either spelling, they still resume; from another, the relative one is gone."""
