@@ -39,7 +39,7 @@ from layertap.manifests.manifest import (ConfigMismatch, Manifest, NoRun, create
                                           plan_shards, refuse_new_run_here)
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.records import Producer
-from layertap.manifests.state import scan
+from layertap.manifests.state import feed_since, scan
 from layertap.manifests.status import run_status
 from layertap.manifests.work import Claim, WorkQueue, check_shard_ids, patiently
 from layertap.storage.foreign import unservable_layer
@@ -487,9 +487,7 @@ class Progress:
                          if (shard := layout.shard_of(o.key, layout.COMMITS)) is not None]
                 self._commits_looked = started
             if self._feed_from is not None:
-                for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
-                    if (parsed := layout.parse_feed(o.key)) is not None:
-                        seen.append((parsed[1], parsed[2]))
+                seen += [(shard, counts) for _, shard, counts in feed_since(self.store, self._feed_from)]
             self._feed_from = started - layout.FEED_MARGIN_S
         except StoreError as e:  # said once while it lasts, not every SYNC_S
             (log.debug if self._listing_failed else log.warning)(

@@ -117,12 +117,12 @@ def _hint_attached_values(p: argparse.ArgumentParser) -> None:
     p.error = error_with_hint
 
 
-def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse, with an unknown option reported by its subcommand's parser: its usage, not the top
     level's, and the option the user probably meant (argparse 3.11 reports extras at the top)."""
     import difflib
 
-    _parsing[:] = sys.argv[1:] if argv is None else argv
+    _parsing[:] = argv
     args, extra = parser.parse_known_args(argv)
     if extra:
         sub = parser  # the innermost subcommand's parser (`submit extract`'s, not `submit`'s)
@@ -140,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     _stacks_on_sigusr2()
     # Parsing imports the subcommand's module (up to seconds: torch): a Ctrl-C then is an interruption
     # like any other, one line and exit 130, not a KeyboardInterrupt traceback.
-    command = _command_in(sys.argv[1:] if argv is None else argv)
+    words = sys.argv[1:] if argv is None else argv
+    command = _command_in(words)
     try:
-        args = _parse(build_parser(command), argv)
+        args = _parse(build_parser(command), words)
         _setup_logging(args.verbose)
         module = importlib.import_module(args._module)
         return int(getattr(module, f"run_{args.command.replace('-', '_')}")(args) or 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -191,6 +191,14 @@ def scan_work(store: ObjectStore, manifest: Manifest) -> RunState:
     listed = _listings(store, [layout.LEASES, layout.FAILURES])
     _add_leases_and_failures(st, listed[layout.LEASES], listed[layout.FAILURES])
     return st
+
+
+def feed_since(store: ObjectStore, since_s: float) -> Iterator[tuple[int, int, tuple[int, int] | None]]:
+    """(millis, shard, (records, skipped) or None) of each feed key written at or after `since_s`
+    (the store's clock): one listing from there (`layout.feed_after`), whatever the run's size."""
+    for o in store.list(layout.FEED, start_after=layout.feed_after(int(since_s * 1000))):
+        if (parsed := layout.parse_feed(o.key)) is not None:
+            yield parsed
 
 
 def listed_shards(store: ObjectStore, prefix: str) -> set[int]:

@@ -36,7 +36,7 @@ from layertap.manifests import layout
 from layertap.manifests.liveness import gone_from_here
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
-from layertap.manifests.state import Lease, RunState, fits_plan, scan, scan_shard, shard_leases
+from layertap.manifests.state import Lease, RunState, feed_since, fits_plan, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
@@ -352,10 +352,9 @@ class CommitView:
             self._full_at = st.now - (random.SystemRandom().uniform(0.0, 0.75) * COMMITS_LOOK_S if first else 0.0)
         else:
             st = scan(self.store, self.manifest, with_tallies=False, with_commits=False)
-            for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
-                if (parsed := layout.parse_feed(o.key)) is not None:
-                    self._times.setdefault(parsed[1], parsed[0] / 1000)
-            self._reopened = (st.redo_marked - self._confirmed) & set(self._times)
+            for millis, shard, _ in feed_since(self.store, self._feed_from):
+                self._times.setdefault(shard, millis / 1000)
+            self._reopened = {s for s in st.redo_marked - self._confirmed if s in self._times}
             st.commit_times = {s: t for s, t in self._times.items() if s not in self._reopened}
             st.committed = set(st.commit_times)
             self.last_full = False
@@ -492,13 +491,19 @@ class WorkQueue:
         """Whether every shard of this queue is committed already (one scan), as a rerun asks
         before loading a model; if so, what killed attempts left behind is removed, as at the end
         of a pass (a rerun that answers "nothing to do" is often the one that follows a crash)."""
-        st = self._patiently(self._view.scan)
-        st.raise_if_replaced(self.store.uri)
-        if any(s not in st.committed for s in self.candidates):
+        st, todo = self._look()
+        if todo:
             return False
         self.done_state = st
         self._sweep(st)
         return True
+
+    def _look(self, full: bool = False) -> tuple[RunState, list[int]]:
+        """The run as `CommitView` sees it (`full`: a full scan), and this queue's shards it has
+        uncommitted; a replaced manifest raises."""
+        st = self._patiently(lambda: self._view.scan(full))
+        st.raise_if_replaced(self.store.uri)
+        return st, [s for s in self.candidates if s not in st.committed]
 
     def __iter__(self) -> Iterator[Claim]:
         """The claims, one at a time (see `_claims`). A stop signal that lands in here, where no
@@ -535,13 +540,9 @@ class WorkQueue:
         idle = Backoff(self.poll_s, self.max_poll_s, sleep=nap, jitter=0.25)
         woken_before = False  # the last pass ended on `Gate.REDO` and claimed nothing
         while True:
-            st = self._patiently(self._view.scan)
-            st.raise_if_replaced(self.store.uri)
-            todo = [s for s in self.candidates if s not in st.committed]
+            st, todo = self._look()
             if not todo and not self._view.last_full:  # the feed said so: a full scan has the last word
-                st = self._patiently(lambda: self._view.scan(full=True))
-                st.raise_if_replaced(self.store.uri)
-                todo = [s for s in self.candidates if s not in st.committed]
+                st, todo = self._look(full=True)
             if not todo:
                 self.done_state = st
                 self._sweep(st)

@@ -44,7 +44,7 @@ from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
-from layertap.manifests.state import fits_plan, listed_shards, replaced_manifest_error, scan_work
+from layertap.manifests.state import feed_since, fits_plan, listed_shards, replaced_manifest_error, scan_work
 from layertap.storage.errors import UserError
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
@@ -253,11 +253,10 @@ class CommitWatcher:
         are not known yet: as FeedCommits where `wants` declines the record, else read."""
         started = self.store.now()
         found: dict[int, tuple[int, int] | None] = {}  # shard -> (records, skipped) from its newest key
-        for o in self.store.list(layout.FEED, start_after=layout.feed_after(int(self._feed_from * 1000))):
-            if (parsed := layout.parse_feed(o.key)) is not None:
-                self._feed_seen = True
-                if parsed[1] not in self.known:
-                    found[parsed[1]] = parsed[2]
+        for _, shard, counts in feed_since(self.store, self._feed_from):
+            self._feed_seen = True
+            if shard not in self.known:
+                found[shard] = counts
         self._feed_from = max(self._feed_from, started - layout.FEED_MARGIN_S)
         told = [c for s, counts in sorted(found.items()) if (c := self._declined(s, counts)) is not None]
         keys = [layout.commit_key(s) for s in sorted(found.keys() - {c.shard for c in told})]
