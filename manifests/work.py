@@ -615,8 +615,9 @@ class WorkQueue:
             woken_before = False
             if stale and not waiting_on:
                 continue  # shards the look had open were committed (their feed keys missed): look again
-            if not waiting_on:
-                return  # what is left failed too often in this run; status tells why
+            if not waiting_on:  # what is left failed too often in this run; status tells why
+                self._sweep(self._look(full=True)[0])  # its committed shards: no worker sees the run all done
+                return
             if self.on_idle is not None and self.on_idle():
                 continue  # a shard of this worker's own finished meanwhile: look again at once
             if self._dead_here(held):
@@ -658,8 +659,8 @@ class WorkQueue:
         return freed
 
     def _sweep(self, st: RunState) -> None:
-        """Once this queue's shards are all committed, sweep what killed attempts left behind
-        (`_sweep_leftovers`), once per run rather than once per worker: a sweep lists all of
+        """Once this queue's shards are all committed (or those left are given up), sweep what killed
+        attempts left behind on the committed ones (`_sweep_leftovers`), once per run rather than once per worker: a sweep lists all of
         shards/ and the pending uploads, and 1,000 workers finishing together sent ~150,000 LISTs
         at 150,000 shards. The first to finish claims the sweep, created if absent under a name of
         the commits it sweeps (a shard redone, or another worker's `--shards`, makes another name);

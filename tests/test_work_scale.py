@@ -420,3 +420,24 @@ def test_a_redo_marker_written_after_a_commit_was_learned_opens_the_shard(store_
     store.put(layout.redo_key(last), b"")
     st = view.scan()
     assert not view.last_full and last not in st.committed and st.withdrawn(last)
+
+
+def test_a_run_that_ends_with_a_shard_given_up_still_sweeps_its_committed_shards(store_uri):
+    """A worker whose last open shard was given up (past --retries) ended without the sweep, which
+    ran only once every shard was committed: what killed attempts left on the committed shards
+    stayed on the store for good where nobody reran the run."""
+    store = open_store(store_uri)
+    manifest = fake_worker.plan(store, samples=16)
+    assert len(manifest.shards) >= 3
+    assert 0 not in fake_worker.work(store_uri, samples=16, fail_shard=0)  # shard 0 given up, the rest committed
+    lease, orphan = _plant_leftovers(store)  # on shards 1 and 2
+    store._clock_offset = 0.0  # as in `_finish`: the planted lease is stale at once
+
+    queue = WorkQueue(store, manifest, Producer.current(0), retries=0, poll_s=0.05)
+    for claim in queue:
+        assert claim.shard == 0
+        with pytest.raises(RuntimeError), claim:
+            raise RuntimeError("injected failure in shard 0")
+    assert queue.given_up == {0}
+    assert not store.exists(lease) and not store.exists(orphan)
+    assert store.exists(layout.commit_key(1)) and store.exists(layout.commit_key(2))
