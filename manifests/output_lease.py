@@ -242,9 +242,17 @@ class OutputLease:
                 self.store.delete(layout.beat_key(self.key, self.token))  # our own key, whoever holds the lease
                 if self._owned():  # not a later trainer's lease under the same key
                     self.store.delete(self.key)
+                self._remove_if_empty()
             except StoreError as e:  # goes stale by itself after ttl_s
                 log.warning("could not release the lease %s: %s", self.key, e)
         self.key = None
+
+    def _remove_if_empty(self) -> None:
+        """An output that holds nothing once the lease is gone (a command refused after taking it:
+        a run without commits, a target not on this machine) is not left behind as an empty
+        folder with an empty lease/ in it; one LIST. Outputs with anything in them keep their folders."""
+        if next(iter(self.store.list()), None) is None:
+            self.store.remove_empty_folders()
 
     def _create(self, generation: int) -> bool:
         """Claim `generation`; False if another trainer did. A claimant with another ttl writes

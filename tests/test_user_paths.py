@@ -91,6 +91,7 @@ def test_training_a_run_without_commits_fails_before_the_target_loads(model, tmp
         assert cli(["train", "--data", str(run), *target, "--out", str(tmp_path / "drafter"), "--steps", "2"]) == 2
         err = capsys.readouterr().err
         assert f"no committed shards with samples at {run}" in err and "could not load" not in err
+        assert not (tmp_path / "drafter").exists()  # refused under --out's lease: the lease/ folder stayed
 
 
 def test_training_from_no_run_leaves_its_out_untouched(tmp_path, capsys):
