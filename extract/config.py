@@ -5,6 +5,7 @@ command-line flags (flags win), validated before any work starts. Each field is 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -95,6 +96,11 @@ class ExtractConfig:
     lease_ttl_s: float = setting(60.0, flag="--lease-ttl", help="seconds before a dead worker's lease expires "
                                                                 "(1 to 86400: a live worker renews it every quarter "
                                                                 "of it)")
+    stall_timeout_s: float = setting(1800.0, flag="--stall-timeout", help=(
+        "seconds a worker holding a shard may go without progress (no record written, no object completed) "
+        "before it is taken for hung (a GPU fault, a kernel that never returns): it dumps every thread's stack to "
+        "its log and exits 6, and its shards go to other workers; 0: never (default {default}, above the 10 "
+        "min a worker rides out a store outage)"))
     retries: int = setting(1, help="retries of a failed shard in one run: a shard failed more often is left to "
                                    "a rerun")
     shards: list[int] | None = setting(None, parse=parse_shard_ids, help="static assignment: only these shard ids, e.g. "
@@ -137,6 +143,8 @@ class ExtractConfig:
             raise ConfigError(f"--lease-ttl must be between 1 and {MAX_LEASE_TTL_S} seconds (a worker renews its "
                               f"lease every quarter of it; a dead worker's shard waits that long; the default is "
                               f"60), got {self.lease_ttl_s:g}")
+        if not 0 <= self.stall_timeout_s < math.inf:
+            raise ConfigError(f"--stall-timeout must be 0 (never) or a number of seconds, got {self.stall_timeout_s:g}")
         if self.retries < 0:
             raise ConfigError(f"--retries must be 0 (a failed shard is left to a rerun) or more, got {self.retries}")
         try:

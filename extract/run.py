@@ -9,6 +9,7 @@ to check a rerun against the run, and to find that every shard is already commit
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import os
@@ -52,6 +53,7 @@ from layertap.storage.units import duration, listing, size
 
 log = logging.getLogger("layertap.extract")
 T = TypeVar("T")
+EXIT_STALLED = 6  # a worker taken for hung (--stall-timeout); docs/SLURM.md lists the exit codes
 
 
 def extract(cfg: ExtractConfig) -> int:
@@ -139,7 +141,8 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
                     "--train-while-extracting` names the window its trainer needs)", size(cfg.window),
                     size(manifest.shard_bytes))
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
-                      world_size=world, before_claim=gate, stopped_for=stops.stopped_for)
+                      world_size=world, before_claim=gate, stopped_for=stops.stopped_for,
+                      stall_s=cfg.stall_timeout_s, on_stall=exit_stalled)
     if queue.finished():
         log.info("nothing to do: %s committed", "every shard of the run is" if cfg.shards is None
                  else f"each of the {len(queue.candidates)} shard(s) of --shards is")
@@ -156,6 +159,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
         meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"], provenance(target.model))
 
         def on_record(rec) -> None:
+            queue.progress()
             counted(rec)
             progress.record(plan.id, rec)
 
@@ -200,6 +204,25 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
     if rank != 0:
         return 0
     return _summary(store, cfg, queue)
+
+
+def exit_stalled(seconds: float, shard: int) -> None:
+    """A hung worker's end (`WorkQueue.stalled`): every thread's stack to its log file and stderr,
+    where the stuck one shows what it waits in, then an exit at once: its main thread is in a call
+    no exception reaches, and only the process's end ends its job, frees its GPU and lets a worker
+    on this machine take its shards over without waiting for their leases to go stale."""
+    log.error("exiting %d: every thread's stack follows (the stuck one shows where it waits). The same command "
+              "goes on from where the run is; a worker that hangs again on this node may have a faulty GPU "
+              "(look for Xid errors in `dmesg`, `nvidia-smi -q`)", EXIT_STALLED)
+    handlers = logging.getLogger().handlers
+    for h in handlers:
+        h.flush()
+    for stream in [sys.stderr, *(h.stream for h in handlers if isinstance(h, logging.FileHandler))]:
+        try:
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+        except (ValueError, OSError, AttributeError):  # a stream without a file descriptor (a captured stderr)
+            pass
+    os._exit(EXIT_STALLED)
 
 
 def summary_lines(stats: PipelineStats) -> list[str]:

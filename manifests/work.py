@@ -130,6 +130,7 @@ class Claim:
         return self.generation
 
     def __enter__(self) -> Claim:
+        self.queue.progress()
         self._heartbeat.start()
         return self
 
@@ -142,10 +143,15 @@ class Claim:
         new claim made one: that lease then looks alive at most one ttl longer). A lease no longer
         ours (`_lost_to`) is never created again: the attempt is abandoned."""
         store, period = self.queue.store, self.queue.ttl_s / 4
+        if self.queue.stall_s:
+            period = min(period, self.queue.stall_s / 4)
         while not self._stop.wait(period) and not self.lost.is_set():
             if (since := self.queue.stopped_for()) is not None and since > STOP_GRACE_S:
                 log.warning("shard %d: still held %.0f s after a stop signal; no longer renewing its lease, which "
                             "goes stale in %g s", self.shard, since, self.queue.ttl_s)
+                return
+            if self.queue.stalled(self.shard):  # the worker is hung: the shard goes to another one
+                self.lost.set()
                 return
             try:
                 if why := self._lost_to():
@@ -176,6 +182,7 @@ class Claim:
     def commit(self, info: ShardInfo, *, skipped: Sequence[dict[str, str]] = (), truncated: int = 0) -> bool:
         """Publish the finished data object; False if another attempt committed this shard first."""
         store = self.queue.store
+        self.queue.progress()  # its object is complete
         record = CommitRecord(
             shard=self.shard, data_key=self.data_key, bytes=info.bytes, xxh3_128=info.xxh3_128,
             num_records=info.num_records, num_tokens=info.num_tokens, raw_bytes=info.raw_bytes,
@@ -400,8 +407,12 @@ class WorkQueue:
                  retries: int = 1, world_size: int = 1, poll_s: float | None = None,
                  before_claim: Callable[[int, Callable[[int], bool]], Gate] | None = None,
                  on_idle: Callable[[], bool] | None = None,
-                 stopped_for: Callable[[], float | None] = lambda: None):
+                 stopped_for: Callable[[], float | None] = lambda: None,
+                 stall_s: float | None = None, on_stall: Callable[[float, int], None] | None = None):
         self.store, self.manifest, self.producer, self.ttl_s = store, manifest, producer, ttl_s
+        self.stall_s, self.on_stall = stall_s, on_stall
+        self._progressed = time.monotonic()  # when this worker last moved a shard on (`progress`)
+        self._stall_told = threading.Lock()  # taken by the first heartbeat to find the worker stalled
         ids = range(len(manifest.shards)) if shards is None else shards
         check_shard_ids(ids, len(manifest.shards))
         self.candidates = list(ids)
@@ -628,6 +639,29 @@ class WorkQueue:
                 log.info("no free shard: %d left run under live leases elsewhere; the soonest goes stale in %.0f s "
                          "unless its holder renews it", len(waiting_on), max(0.0, soonest - time.time()))
             idle.sleep()
+
+    def progress(self) -> None:
+        """The worker moved a shard on (a claim taken, a record written, an object complete): the
+        stall watchdog (`stalled`) counts from the last such moment."""
+        self._progressed = time.monotonic()
+
+    def stalled(self, shard: int) -> bool:
+        """Whether the worker holding `shard` has made no progress for `stall_s` (a hung GPU, a
+        kernel or a call that never returns): its heartbeat threads still renewed its leases, so
+        its shards were never taken over and the run never ended. The first heartbeat to see it
+        logs it and calls `on_stall(seconds, shard)` (extract's dumps every thread's stack and ends
+        the process, so the job ends and its other leases go too); each stops renewing its lease."""
+        since = time.monotonic() - self._progressed
+        if not self.stall_s or since < self.stall_s:
+            return False
+        if self._stall_told.acquire(blocking=False):
+            log.error("shard %d: this worker has made no progress for %.0f s (--stall-timeout %g: no record "
+                      "written, no object completed): it looks hung (a GPU fault, a kernel or a call that never "
+                      "returns); no longer renewing its leases: its shards go to other workers once they are stale",
+                      shard, since, self.stall_s)
+            if self.on_stall is not None:
+                self.on_stall(since, shard)
+        return True
 
     def _would_redo(self, shard: int) -> bool:
         """Whether this queue would claim `shard`'s redo: one of its shards, not given up."""
