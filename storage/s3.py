@@ -292,6 +292,11 @@ class S3Store(ObjectStore):
         if code == "RequestTimeTooSkewed":  # a 403, but not the credentials' fault
             return StoreError(f"{what} of {where}: the server refused the request's time ({code}): this machine's "
                               "clock is off by more than S3 allows (15 minutes); set it right (NTP)")
+        if code in ("ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired", "InvalidToken"):
+            # temporary credentials (a session token) past their life: a run of days outlives them
+            return StoreError(f"{what} of {where}: the S3 credentials' session token is expired or invalid ({code}): "
+                              "renew it (a new AWS_SESSION_TOKEN, `aws sso login`, or an instance or pod role, "
+                              "whose credentials renew themselves); the same command goes on from where it stopped")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403") or status == 403:
             return StoreError(
                 f"access denied for {what} of {where} ({code}): check the credentials and their permissions"

@@ -687,6 +687,19 @@ def test_a_skewed_clock_is_named_as_such_not_as_the_credentials():
     assert "this machine's clock is off" in str(err) and "credentials" not in str(err)
 
 
+def test_an_expired_session_token_is_named_with_how_to_renew_it():
+    """Temporary credentials expire within hours, a run lasts days: S3's 400 ExpiredToken read
+    "failed: ExpiredToken ...", with no word of what to do."""
+    from botocore.exceptions import ClientError
+
+    answer = {"Error": {"Code": "ExpiredToken", "Message": "The provided token has expired."},
+              "ResponseMetadata": {"HTTPStatusCode": 400}}
+    err = open_store("s3://b/p")._translate(ClientError(answer, "PutObject"), "put", "commits/000001.json")
+    assert type(err) is StoreError  # not transient: retrying with the same token cannot succeed
+    assert "put of s3://b/p/commits/000001.json: the S3 credentials' session token is expired" in str(err)
+    assert "aws sso login" in str(err) and "the same command goes on" in str(err)
+
+
 def test_path_style_and_checksum_mode_reach_the_server(s3_bucket):
     store = open_store(f"s3://{s3_bucket}/p", addressing_style="path", checksum_mode="when_required")
     store.put("k", b"v")
