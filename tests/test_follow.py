@@ -27,6 +27,7 @@ def env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(HERE.parent))
 
 import fake_worker  # noqa: E402
+from layertap.storage.errors import InputError  # noqa: E402
 from layertap.train import ShardStream, StreamConfig, StreamLoader  # noqa: E402
 from layertap.train.order import StreamingShuffle, buffer_shuffle, follow_share, follow_target  # noqa: E402
 
@@ -396,6 +397,10 @@ def test_follow_starts_before_the_manifest_and_resumes_exactly(tmp_path, caplog)
     assert [x["sample_id"] for x in replay] == [x["sample_id"] for x in first + rest]
     # every shard is consumed once the epoch is over
     assert replay.consumed_shards() == list(range(7))
+    # the follow epoch's state is its rank's own (the shards it found, in its order): another rank's is refused
+    other = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    with pytest.raises(InputError, match="saved by rank 1 in the follow epoch.*rank 0 must resume from its own"):
+        other.load_state_dict(dict(state, rank=1))
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -445,6 +445,10 @@ class ShardStream(IterableDataset):
             raise InputError(f"ShardStream state version {state.get('version')} is not supported by this "
                              f"layertap (it reads version {STATE_VERSION}); use the release that saved it")
         follow_epoch = self.config.follow and int(state.get("epoch", 0)) == 0
+        if follow_epoch and state.get("rank", self.rank) != self.rank:  # the shards each rank found differ
+            raise InputError(f"this ShardStream state was saved by rank {state['rank']} in the follow epoch, where each "
+                             f"rank records the shards it found in its own order: rank {self.rank} must resume "
+                             "from its own state (save one per rank, as `layertap train` does)")
         if self.config.follow and not follow_epoch:
             self._settle(force=True)
             self._pin_settled(state)
