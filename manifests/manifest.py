@@ -167,7 +167,7 @@ def load_manifest(store: ObjectStore) -> Manifest:
         raise NoRun(f"no run at {store.uri}: {MANIFEST} is missing (run `layertap extract` to start one)") from None
     try:
         obj = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ManifestError(f"{where} is corrupt (not JSON: {e}); restore it or start a new run under another prefix") from None
     return Manifest.from_json(obj, where)
 

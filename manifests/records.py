@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -120,6 +122,44 @@ def decode_failure(raw: bytes, where: str) -> FailureRecord:
     return _decode(raw, where, "failure", FailureRecord)
 
 
+def _count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _strs(v: Any) -> bool:
+    return type(v) is list and all(type(s) is str for s in v)
+
+
+# What each field of a record must hold: a record of valid JSON and other types (a count as a
+# string, `skipped` as a number) crashed the loader, `verify` and `status` deep inside.
+_COUNT = (_count, "a count (an integer >= 0)")
+_NUMBER = (_number, "a number")
+_STRING = (lambda v: type(v) is str, "a string")
+_OBJECT = (lambda v: type(v) is dict, "an object")
+_FIELD_TYPES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "commit": {"shard": _COUNT, "data_key": _STRING, "bytes": _COUNT, "xxh3_128": _STRING, "num_records": _COUNT,
+               "num_tokens": _COUNT, "raw_bytes": _COUNT, "sample_ids": (_strs, "a list of strings"),
+               "skipped": (lambda v: type(v) is list and all(type(s) is dict and _strs(list(s.values())) for s in v),
+                           "a list of objects of strings"),
+               "truncated": _COUNT, "relative_error": (lambda v: v is None or _number(v), "a number or null"),
+               "producer": _OBJECT, "attempt": _COUNT, "started_at": _NUMBER, "committed_at": _NUMBER},
+    "failure": {"shard": _COUNT, "error_type": _STRING, "error": _STRING, "producer": _OBJECT, "attempt": _COUNT,
+                "time": _NUMBER, "preempted": (lambda v: type(v) is bool, "true or false")},
+}
+
+
+def _check_types(obj: dict[str, Any], types: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
+    """ValueError naming the first field whose value is not of its type (absent ones: the
+    dataclass says whether they may be)."""
+    for name, (fits, what) in types.items():
+        if name in obj and not fits(obj[name]):
+            raise ValueError(f"its {name} is {reprlib.repr(obj[name])}, not {what}")
+
+
 def _decode(raw: bytes | dict, where: str, kind: str, cls):
     try:
         obj = dict(raw) if isinstance(raw, dict) else json.loads(raw)
@@ -132,10 +172,11 @@ def _decode(raw: bytes | dict, where: str, kind: str, cls):
             raise UnsupportedVersion(f"{where}: {kind} record version {obj.get('version')} is not supported "
                                 f"(this layertap reads {RECORD_VERSION}); use a matching layertap release")
         del obj["kind"], obj["version"]
+        _check_types(obj, _FIELD_TYPES[kind])
         return cls(**obj)
     except ManifestError:
         raise
-    except (ValueError, TypeError, AttributeError, KeyError) as e:
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
         raise ManifestError(f"{where}: corrupt {kind} record ({e}); run `layertap verify` to withdraw it") from None
 
 

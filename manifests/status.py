@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layertap.manifests import layout
 from layertap.manifests.consumption import (at_rest, consumed_everywhere, consumed_shards, marker_times,
@@ -18,6 +18,9 @@ from layertap.manifests.records import CommitRecord, FailureRecord, Producer, de
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import id_runs
+
+if TYPE_CHECKING:
+    from layertap.storage.reader import VerifyReport  # it imports torch: not for status
 
 log = logging.getLogger(__name__)
 
@@ -419,8 +422,8 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             if store.exists(layout.consumed_marker_key(shard)):  # consumed while we looked
                 return shard, CONSUMED, commit.data_key
             return shard, f"data object {commit.data_key} is missing", commit.data_key
-        if report.ok and report.num_records != commit.num_records:
-            return shard, f"{report.num_records} records, commit says {commit.num_records}", commit.data_key
+        if report.ok and (disagree := _disagreement(report, commit)):  # what the loader checks, it refuses
+            return shard, disagree, commit.data_key
         if report.ok and (report.meta.run_id, report.meta.shard_id) != (manifest.run_id, shard):
             raise ManifestError(
                 f"committed shard {shard} at {store.uri}/{commit.data_key} was written by run "
@@ -470,6 +473,23 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
 def _commit_tally(commit: CommitRecord) -> str:
     return layout.tally_key(commit.shard, commit.num_records, commit.num_tokens, commit.bytes, commit.raw_bytes,
                             len(commit.skipped), commit.truncated)
+
+
+def _disagreement(report: VerifyReport, commit: CommitRecord) -> str | None:
+    """How a sound object differs from its commit record, in what the loader compares (its size,
+    its samples in order, its counts); None where they agree. A commit that differs passed
+    verify, and the loader refused the shard and said to run verify, for good."""
+    if report.num_records != commit.num_records:
+        return f"{report.num_records} records, commit says {commit.num_records}"
+    if report.bytes != commit.bytes:
+        return f"the object is {report.bytes} bytes, commit says {commit.bytes}"
+    if report.num_tokens != commit.num_tokens:
+        return f"the object holds {report.num_tokens} tokens, commit says {commit.num_tokens}"
+    if list(report.sample_ids) != commit.sample_ids:
+        first = next(i for i, (a, b) in enumerate(zip(report.sample_ids, commit.sample_ids)) if a != b)
+        return (f"the object's sample {first} is {report.sample_ids[first]!r}, commit says "
+                f"{commit.sample_ids[first]!r}")
+    return None
 
 
 def _settle_tally(store: ObjectStore, keys: list[str], commit: CommitRecord) -> None:

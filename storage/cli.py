@@ -48,7 +48,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                "xxh3_128": report.xxh3_128}
         if reader:
             out.update(meta=reader.meta.to_json(), num_records=len(reader), num_tokens=reader.footer["num_tokens"],
-                       raw_bytes=reader.footer["raw_bytes"], relative_error=reader.footer["relative_error"],
+                       raw_bytes=reader.footer["raw_bytes"], relative_error=reader.footer.get("relative_error"),
                        records=[asdict(e) for e in _shown(reader.entries, args.records)])
             if stats is not None:
                 out["stats"] = stats
@@ -64,7 +64,7 @@ def run_inspect(args: argparse.Namespace) -> int:
           f"{'@' + m.model_revision if m.model_revision else ''}  tokenizer {m.tokenizer}")
     print(f"  layers {m.layers} ({m.layer_convention})  final_state {m.final_state}  hidden {m.hidden_size}  {m.dtype}")
     print(f"  codec {m.codec}  ratio {ratio:.3f}x"
-          + (f"  relative error {f['relative_error']:.4%}" if f["relative_error"] is not None else ""))
+          + (f"  relative error {f['relative_error']:.4%}" if f.get("relative_error") is not None else ""))
     print(f"  {len(reader)} records  {f['num_tokens']} tokens  {report.bytes} bytes  xxh3-128 {report.xxh3_128}")
     if isinstance(produced := m.extra.get("produced_by"), dict):  # free-form (FORMAT.md §3): shown when it is ours
         software, kernels = produced.get("software"), produced.get("kernels")

@@ -99,9 +99,7 @@ def _frame_reader(t: torch.Tensor | np.ndarray, n: int, what: str) -> Iterator[C
     """
     data = _u8(t, what)
     try:
-        size = zstandard.frame_content_size(data)
-        if size != n:
-            raise ValueError(f"corrupt {what!r}: the frame holds {size} bytes, the shape needs {n}")
+        _check_frame_size(data, n, what)
         with _dctx().stream_reader(data) as reader:
 
             def read_into(view: memoryview, offset: int) -> None:
@@ -119,6 +117,17 @@ def _frame_reader(t: torch.Tensor | np.ndarray, n: int, what: str) -> Iterator[C
         if _ZSTD_NO_MEMORY in str(e):  # out of memory, not corrupt: a caller must not discard the data
             raise MemoryError(f"decompressing {what!r}: {e}") from None
         raise ValueError(f"corrupt {what!r}: {e}") from None
+
+
+def _check_frame_size(data: np.ndarray, n: int, what: str) -> None:
+    """ValueError unless the zstd frame's header says it holds ``n`` bytes: checked before the
+    output is allocated, so a frame of a few bytes cannot have gigabytes reserved for it."""
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"corrupt {what!r}: {e}") from None
+    if size != n:
+        raise ValueError(f"corrupt {what!r}: the frame holds {size} bytes, the shape needs {n}")
 
 
 def _u8(t: torch.Tensor | np.ndarray, what: str) -> np.ndarray:
@@ -321,6 +330,7 @@ class Fp8(Codec):
             raise ValueError(f"'scale' is {scale.dtype} {tuple(scale.shape)}, metadata needs "
                              f"float32 {shape[:-1]}")
         n, h = math.prod(shape), shape[-1]
+        _check_frame_size(_u8(_get(tensors, "fp8.zst"), "fp8.zst"), n, "fp8.zst")  # before the output is allocated
         out = torch.empty(shape, dtype=torch.bfloat16)
         rows, scale = out.view(-1, max(h, 1)), scale.reshape(-1, 1)
         step = max(1, _CHUNK_ELEMS // max(h, 1))

@@ -107,7 +107,7 @@ def parse_footer(payload: bytes | memoryview, where: str) -> dict[str, Any]:
     hashes and another shape was a TypeError out of `verify` and `inspect`)."""
     try:
         footer = json.loads(bytes(payload))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         raise ShardError(f"{where}: unreadable footer: {e}") from None
 
     def fits(obj: Any, want: dict[str, type]) -> bool:
@@ -117,6 +117,9 @@ def parse_footer(payload: bytes | memoryview, where: str) -> dict[str, Any]:
                                                    for e in footer["records"]):
         raise ShardError(f"{where}: the footer is not the index FORMAT.md describes ({', '.join(_FOOTER_FIELDS)}; "
                          f"records of {', '.join(_ENTRY_FIELDS)}); the shard is corrupt")
+    if type(footer.get("relative_error")) not in (type(None), int, float):
+        raise ShardError(f"{where}: the footer's relative_error is {footer['relative_error']!r:.80}, not a number or "
+                         "null; the shard is corrupt")
     return footer
 
 
@@ -169,5 +172,5 @@ def parse_head(payload: bytes | memoryview, where: str) -> ShardMeta:
             raise UnsupportedShard(f"{where}: codec {obj.get('codec')!r} is not known to this layertap (it reads "
                                    f"{', '.join(CODEC_NAMES)}); upgrade layertap to read it")
         return ShardMeta.from_json(obj)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise ShardError(f"{where}: unreadable shard header: {e}") from None

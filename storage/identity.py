@@ -39,6 +39,10 @@ class RunIdentity:
     codec: str
 
     def __post_init__(self) -> None:
+        if type(self.model) is not str or not all(v is None or type(v) is str
+                                                  for v in (self.model_revision, self.tokenizer)):
+            raise ValueError(f"model, model_revision and tokenizer must be strings (the last two may be null), got "
+                             f"{self.model!r:.80}, {self.model_revision!r:.80}, {self.tokenizer!r:.80}")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"unknown codec {self.codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
         if not self.layers or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.layers):
@@ -46,7 +50,7 @@ class RunIdentity:
         object.__setattr__(self, "layers", list(self.layers))  # our own copy: the caller's list may change
         if self.final_state not in FINAL_STATES:
             raise ValueError(f"final_state must be one of {FINAL_STATES}, got {self.final_state!r}")
-        if self.hidden_size is not None and self.hidden_size <= 0:
+        if self.hidden_size is not None and (type(self.hidden_size) is not int or self.hidden_size <= 0):
             raise ValueError(f"hidden_size must be positive, got {self.hidden_size}")
 
     def to_json(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ def record_payload(buf: bytes | memoryview, base: int, entry: RecordEntry, where
     """The payload of the RECD frame that `entry` indexes, as a view into `buf` (object bytes from
     offset `base` on), once its xxh3-64 equals both the frame header's and the index entry's."""
     pos = entry.offset - base
-    if pos < 0 or len(buf) - pos < entry.length:
+    if pos < 0 or len(buf) - pos < max(entry.length, FRAME.size):
         raise ShardError(f"{where}: the frame at byte {entry.offset} lies outside the bytes read")
     kind, n, digest = FRAME.unpack_from(buf, pos)
     if kind != RECD or FRAME.size + n != entry.length:
@@ -45,6 +45,9 @@ def check_index(entries: list[RecordEntry], footer: dict, records_start: int, fo
         if e.offset != pos:
             raise ShardError(f"{where}: footer index entry {i} ({e.sample_id}) starts at byte {e.offset}, where "
                              f"byte {pos} was expected (records lie back to back); the shard is corrupt")
+        if e.length < FRAME.size:
+            raise ShardError(f"{where}: footer index entry {i} ({e.sample_id}) is {e.length} bytes long, shorter than a "
+                             f"frame's {FRAME.size}-byte header; the shard is corrupt")
         if e.sample_id in seen:
             raise ShardError(f"{where}: footer index entry {i} repeats sample {e.sample_id!r}; the shard is corrupt")
         seen.add(e.sample_id)
@@ -167,6 +170,7 @@ class VerifyReport:
     xxh3_128: str
     error: str | None = None
     meta: ShardMeta | None = None  # the HEAD metadata, when it could be read
+    sample_ids: tuple[str, ...] = ()  # in the footer index's order, when the shard verified
 
 
 def iter_frames(stream: BinaryIO, where: str, verify: bool = True,
@@ -259,7 +263,8 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
         digest = whole.hexdigest()
         if expected_xxh3_128 is not None and digest != expected_xxh3_128:
             raise ShardError(f"{where}: object hash {digest} differs from the committed {expected_xxh3_128}")
-        return VerifyReport(key, True, records, footer["num_tokens"], size, digest, meta=meta)
+        return VerifyReport(key, True, records, footer["num_tokens"], size, digest, meta=meta,
+                            sample_ids=tuple(r["sample_id"] for r in found))
     except UnsupportedShard as e:
         # Newer than this reader, or a corrupted version or codec field: the object's hash tells.
         if expected_xxh3_128 is None or _object_xxh3_128(store, key) == expected_xxh3_128:

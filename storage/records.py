@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -127,13 +128,20 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
             raise ShardError(f"record {md.get('sample_id')!r} is encoded {md['codec']!r}, its shard's HEAD says "
                              f"{meta.codec!r}")
         codec = get_codec(meta.codec)
+        ids, mask = tensors.get("input_ids"), tensors.get("loss_mask")
+        want = _state_shapes(ids, meta)
         decoded = {}
         for name in ("hidden_states", "final_state"):
             parts = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
             if parts:
                 sub_meta = {k[len(name) + 1 :]: v for k, v in md.items() if k.startswith(name + ".")}
+                if want is not None and sub_meta.get("shape") != ",".join(map(str, want.get(name, ()))):
+                    # before decoding: the codec allocates the shape the record declares
+                    raise ShardError(f"record {md.get('sample_id')!r} does not fit its shard's HEAD "
+                                     f"({len(meta.layers)} layers, hidden {meta.hidden_size}, final_state "
+                                     f"{meta.final_state!r}, {want['hidden_states'][0]} tokens): it declares "
+                                     f"{name} [{sub_meta.get('shape')}]")
                 decoded[name] = codec.decode(parts, sub_meta)
-        ids, mask = tensors.get("input_ids"), tensors.get("loss_mask")
         if isinstance(mask, np.ndarray):  # a view into the payload: the sample gets its own copy
             mask = torch.from_numpy(mask.copy())
         if isinstance(ids, np.ndarray):
@@ -152,6 +160,18 @@ def decode_record(payload: bytes | memoryview, meta: ShardMeta) -> Sample:
     )
 
 
+def _state_shapes(ids: torch.Tensor | np.ndarray | None, meta: ShardMeta) -> dict[str, tuple[int, ...]] | None:
+    """The shapes a record's states must have, from its token count and its shard's HEAD; None
+    where its ids are missing or not one-dimensional (`_check_shapes` then refuses it)."""
+    if ids is None or len(ids.shape) != 1:
+        return None
+    n = ids.shape[0]
+    want = {"hidden_states": (n, len(meta.layers), meta.hidden_size)}
+    if meta.final_state != "none":
+        want["final_state"] = (n, meta.hidden_size)
+    return want
+
+
 def _check_shapes(sid: str, ids: torch.Tensor, mask: torch.Tensor, decoded: dict[str, torch.Tensor],
                   meta: ShardMeta) -> None:
     """A record's tensors agree with each other and with its shard's HEAD: S tokens of ids and
@@ -168,6 +188,8 @@ def _check_shapes(sid: str, ids: torch.Tensor, mask: torch.Tensor, decoded: dict
         raise ShardError(f"record {sid!r} does not fit its shard's HEAD ({len(meta.layers)} layers, hidden "
                          f"{meta.hidden_size}, final_state {meta.final_state!r}): it holds "
                          + ", ".join(f"{k} {list(v)}" for k, v in got.items()))
+    if n and int(ids.min()) < 0:  # the writer refuses them (FORMAT.md: ids in [0, 2^31)); an embedding would fail on it
+        raise ShardError(f"record {sid!r} holds a negative token id ({int(ids.min())})")
 
 
 def record_metadata(payload: bytes | memoryview) -> dict[str, str]:
@@ -179,7 +201,7 @@ def record_metadata(payload: bytes | memoryview) -> dict[str, str]:
     try:
         (n,) = struct.unpack_from("<Q", payload, 0)
         header = json.loads(bytes(payload[8 : 8 + n]))
-    except (struct.error, ValueError) as e:
+    except (struct.error, ValueError, RecursionError) as e:
         raise ShardError(f"record header does not parse: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
         raise ShardError("record header is not a safetensors header (a JSON object)")
@@ -188,6 +210,7 @@ def record_metadata(payload: bytes | memoryview) -> dict[str, str]:
 
 # -- the safetensors blob -----------------------------------------------------------------------
 
+MAX_DIMS, MAX_DIM = 16, 2**40  # beyond any real tensor's: a header that names more is corrupt
 _ST_DTYPES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bfloat16: "BF16",
               torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 _ST_TORCH = {code: dtype for dtype, code in _ST_DTYPES.items()}
@@ -261,7 +284,10 @@ def safetensors_layout(header: bytes, data_len: int, itemsize: Mapping[str, int]
     with no overlap and no hole, each dtype one of `itemsize`'s. ValueError if it is malformed.
     Shared by the shard records (a blob in memory) and the trainer's checkpoints (read tensor by
     tensor from the store), each with its own dtype table."""
-    header = json.loads(header)
+    try:
+        header = json.loads(header)
+    except RecursionError:
+        raise ValueError("the safetensors header is JSON nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError("the safetensors header is not a JSON object")
     md = header.pop("__metadata__", None) or {}
@@ -275,8 +301,10 @@ def safetensors_layout(header: bytes, data_len: int, itemsize: Mapping[str, int]
             raise ValueError(f"tensor {name!r}: malformed header entry {info!r}") from None
         if not isinstance(dtype, str) or dtype not in itemsize:
             raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
+        # bounded: a tensor of no bytes may name any dimensions, and torch cannot make one of 2**63
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < MAX_DIM
+                                                                           for d in shape):
+            raise ValueError(f"tensor {name!r}: bad shape {reprlib.repr(shape)}")
         if not (type(begin) is int and type(end) is int and 0 <= begin <= end <= data_len):
             raise ValueError(f"tensor {name!r}: data_offsets {[begin, end]} outside the {data_len}-byte data")
         if end - begin != math.prod(shape) * itemsize[dtype]:
