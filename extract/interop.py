@@ -188,7 +188,7 @@ def check_empty(dest: ObjectStore) -> None:
 def _fingerprint(fmt: str, files: list[ForeignFile]) -> str:
     h = xxhash.xxh3_64()
     for f in files:
-        h.update(f"{f.key}\t{f.size}\n".encode())
+        h.update(f"{f.key}\t{f.size}\n".encode("utf-8", "surrogateescape"))  # a name not in UTF-8 too
     return f"import:{fmt}:{len(files)}:{h.hexdigest()}"
 
 
@@ -245,10 +245,12 @@ def check_trainable(sample: Sample, vocab_size: int, where: str) -> Sample:
     return sample
 
 
-def _token_counts(files: list[ForeignFile], first_tokens: int) -> list[int]:
+def _token_counts(files: list[ForeignFile], first_tokens: int, values_per_token: int) -> list[int]:
     """Each file's tokens for the plan: exact where the layout lists them, else estimated from
-    its size at the first file's tokens per byte (opening every file twice would double the I/O)."""
-    per_byte = first_tokens / max(files[0].size, 1)
+    its size at the first file's tokens per byte (opening every file twice would double the I/O).
+    A first file of no tokens gives no rate (every file was planned as one token: one giant shard):
+    then a token is taken for its capture values at 2 bytes each, the most tokens a file can hold."""
+    per_byte = first_tokens / files[0].size if first_tokens and files[0].size else 1 / (2 * max(values_per_token, 1))
     return [f.num_tokens if f.num_tokens is not None else max(1, round(f.size * per_byte)) for f in files]
 
 
@@ -270,7 +272,8 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
     where = f"{src.uri.rstrip('/')}/{files[0].key}"
     note = export_note(src, fmt)
-    check_layer_count(rd.capture_values(files[0]), fmt, layers, target.hidden_size, facts_from, where, note)
+    values = rd.capture_values(files[0])
+    check_layer_count(values, fmt, layers, target.hidden_size, facts_from, where, note)
     check_target_layers(fmt, layers, ours, target.num_layers, facts_from)
     first = rd.read(files[0])
     try:
@@ -280,7 +283,7 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
             raise
     identity = RunConfig(model=model, gguf_file=gguf_file, layers=ours, final_state=rd.final_state,
                          hidden_size=target.hidden_size, codec=codec)
-    counts = _token_counts(files, first.num_tokens)
+    counts = _token_counts(files, first.num_tokens, values[0])
     manifest, created = create_or_resume(
         out, config=identity, dataset={"fingerprint": _fingerprint(fmt, files), "path": src.uri, "format": fmt},
         token_counts=counts, shard_bytes=shard_bytes,
@@ -385,7 +388,7 @@ def export_note(src: ObjectStore, fmt: str) -> dict[str, Any] | None:
     and is of this layout: it records the layers the files hold and their hidden size."""
     try:
         note = json.loads(src.get(EXPORT_NOTE))
-    except (ObjectNotFound, ValueError):
+    except (ObjectNotFound, ValueError, RecursionError):
         return None
     return note if isinstance(note, dict) and note.get("format") == fmt else None
 
@@ -400,6 +403,9 @@ def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int
     total, stored = values
     given = ",".join(map(str, layers))
     recorded = note.get(f"{fmt}_layer_ids") if note else None
+    if recorded is not None and not (type(recorded) is list and all(type(i) is int for i in recorded)):
+        raise InputError(f"{EXPORT_NOTE} beside {where} is corrupt: its {fmt}_layer_ids is {recorded!r:.80}, not a "
+                         "list of layer ids; remove it (or restore it) and give --layers")
     seen = f"; {EXPORT_NOTE} beside them records {fmt}'s layer ids {recorded}" if recorded else ""
     if note is not None and note.get("hidden_size") not in (None, hidden):
         raise InputError(f"{EXPORT_NOTE} beside {where} says its states are {note['hidden_size']} wide (a run of "

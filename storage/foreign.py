@@ -13,9 +13,10 @@ Writing them (SpecForge's and ModelOpt's own format) uses `torch.save`.
 
 from __future__ import annotations
 
-import gzip
 import io
 import re
+import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -146,9 +147,16 @@ def load_torch(data: bytes | memoryview, where: str) -> dict[str, Any]:
         raise InputError(f"{where}: reading torch.save files needs torch 2.6 or later (this is {torch.__version__}, "
                          "whose weights_only loading a crafted file can get around): upgrade torch to import them")
     raw = bytes(data)
+    if raw[:2] == b"\x1f\x8b":
+        raw = _gunzip(raw, where)
+    if raw[:4] == b"PK\x03\x04":  # torch.save's zip, whose reader checks no CRC: a flipped byte went through
+        try:
+            bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise InputError(f"{where}: not a readable torch.save file, or cut short ({type(e).__name__}: {e})") from None
+        if bad is not None:
+            raise InputError(f"{where}: its entry {bad} fails its CRC: the file is corrupt")
     try:
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
         obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad or unsafe file
         raise InputError(f"{where}: not a torch.save file of tensors (gzip-compressed or not), or cut short "
@@ -158,23 +166,59 @@ def load_torch(data: bytes | memoryview, where: str) -> dict[str, Any]:
     return obj
 
 
-def tensor_of(d: dict[str, Any], key: str, where: str, dims: tuple[int, ...]) -> torch.Tensor:
-    """`d[key]` when it is a tensor of one of `dims` dimensions. `weights_only=True` also
-    unpickles lists, numbers and strings, which the readers would fail on with an AttributeError
-    (a whole shard failed on every retry for one bad file): a bad value is the file's fault, an
+GUNZIP_RATIO = 128  # the most a gzip-compressed sample file may grow by: zero padding, not a decompression bomb
+
+
+def _gunzip(raw: bytes, where: str) -> bytes:
+    """`raw` decompressed, refused past `GUNZIP_RATIO` times its size (a 1 MB file of a GiB of
+    zeros held 2 GB before its refusal); gzip checks its own CRC."""
+    limit = GUNZIP_RATIO * len(raw)
+    d = zlib.decompressobj(wbits=31)
+    try:
+        out = d.decompress(raw, limit)
+        if d.unconsumed_tail:
+            raise InputError(f"{where}: decompresses to more than {GUNZIP_RATIO}x its {len(raw):,} bytes: not a sample "
+                             "file (a decompression bomb?)")
+        if not d.eof:
+            raise InputError(f"{where}: the gzip stream is cut short")
+        if d.unused_data:
+            raise InputError(f"{where}: holds bytes after its gzip stream (another member?): not one compressed file")
+    except zlib.error as e:
+        raise InputError(f"{where}: not a readable gzip file ({e})") from None
+    return out
+
+
+def tensor_of(d: dict[str, Any], key: str, where: str, dims: tuple[int, ...], kind: str | None = None) -> torch.Tensor:
+    """`d[key]` when it is a tensor of one of `dims` dimensions, its values held in the file, of the
+    dtypes a `kind` takes ("ids": integers; "states": floats). `weights_only=True` also unpickles
+    lists, numbers and strings, and sparse, meta, quantized tensors and views that repeat one row
+    (stride 0: a 3 KB file declared 50M tokens, and import asked for 12.8 GB), which the readers
+    would fail on (a whole shard failed on every retry for one bad file), or turn silently into
+    other values (ids 355.9 as 355, int8 states as values): a bad value is the file's fault, an
     `InputError` naming the file and key, so import skips that file with its reason."""
     x = d[key]
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{where}: {key} is a {type(x).__name__}, not a tensor")
+    if x.layout != torch.strided or x.is_meta or x.is_quantized:
+        what = "meta" if x.is_meta else "quantized" if x.is_quantized else str(x.layout).removeprefix("torch.")
+        raise InputError(f"{where}: {key} is a {what} tensor, not a dense one")
+    if x.untyped_storage().nbytes() < x.numel() * x.element_size():
+        raise InputError(f"{where}: {key} declares {tuple(x.shape)} ({x.numel():,} values) over "
+                         f"{x.untyped_storage().nbytes():,} stored bytes: a view repeating its data, not values")
+    if kind == "ids" and (x.dtype == torch.bool or x.is_complex() or (x.is_floating_point() and not bool(
+            (x == x.round()).all()))):
+        raise InputError(f"{where}: {key} is {str(x.dtype).removeprefix('torch.')}, not token ids (integers)")
+    if kind == "states" and not x.is_floating_point():
+        raise InputError(f"{where}: {key} is {str(x.dtype).removeprefix('torch.')}, not states (floating point)")
     if x.dim() not in dims:
         raise InputError(f"{where}: {key} has shape {tuple(x.shape)}, not one of "
                          f"{' or '.join(str(n) for n in dims)} dimension(s)")
     return x
 
 
-def tokens_of(d: dict[str, Any], key: str, where: str) -> torch.Tensor:
+def tokens_of(d: dict[str, Any], key: str, where: str, kind: str | None = None) -> torch.Tensor:
     """A per-token tensor (`input_ids`, `loss_mask`): [T], or [1, T] as a batch of one saves it."""
-    x = tensor_of(d, key, where, (1, 2))
+    x = tensor_of(d, key, where, (1, 2), kind)
     if x.dim() == 2 and x.shape[0] != 1:
         raise InputError(f"{where}: {key} has shape {tuple(x.shape)}, not [tokens] or [1, tokens]")
     return x.reshape(-1)
@@ -188,7 +232,7 @@ def save_torch(obj: dict[str, Any]) -> bytes:
 
 def natural_key(text: str) -> list[Any]:
     """Sort key that orders embedded numbers by value: data_2 before data_10."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+    return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", text))]  # odd: the digit runs
 
 
 def one_state(x: torch.Tensor, where: str, name: str) -> torch.Tensor:

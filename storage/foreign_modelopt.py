@@ -115,7 +115,7 @@ class ModelOptReader:
         d = load_torch(self.store.get(f.key), where)
         if "aux_hidden_states" not in d:
             raise InputError(f"{where} lacks aux_hidden_states")
-        return int(tensor_of(d, "aux_hidden_states", where, (2, 3)).shape[-1]), None
+        return int(tensor_of(d, "aux_hidden_states", where, (2, 3), "states").shape[-1]), None
 
     def read(self, f: ForeignFile) -> Sample:
         where = f"{self.store.uri.rstrip('/')}/{f.key}"
@@ -123,11 +123,11 @@ class ModelOptReader:
         missing = [k for k in ("input_ids", "hidden_states", "aux_hidden_states") if k not in d]
         if missing:
             raise InputError(f"{where} lacks {missing}")
-        ids = tokens_of(d, "input_ids", where).to(torch.int64)
-        states = split_layers(tensor_of(d, "aux_hidden_states", where, (2, 3)), self.num_layers, where,
+        ids = tokens_of(d, "input_ids", where, "ids").to(torch.int64)
+        states = split_layers(tensor_of(d, "aux_hidden_states", where, (2, 3), "states"), self.num_layers, where,
                               "aux_hidden_states")
         self._check_final_state(d.get("hidden_states_prenorm"), where)
-        final = one_state(tensor_of(d, "hidden_states", where, (2, 3)), where, "hidden_states")
+        final = one_state(tensor_of(d, "hidden_states", where, (2, 3), "states"), where, "hidden_states")
         if final.shape[-1] != states.shape[-1]:
             raise InputError(f"{where}: hidden_states is {final.shape[-1]} wide, the {self.num_layers} aux layer(s) "
                              f"{states.shape[-1]}: is --layers right?")

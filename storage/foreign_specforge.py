@@ -88,7 +88,7 @@ class SpecForgeReader:
         states_key = "aux_hidden_state" if self.eagle3 else "hidden_states"
         if states_key not in d:
             raise InputError(f"{where} lacks {states_key}")
-        return int(tensor_of(d, states_key, where, (2, 3)).shape[-1]), None
+        return int(tensor_of(d, states_key, where, (2, 3), "states").shape[-1]), None
 
     def read(self, f: ForeignFile) -> Sample:
         where = self._where(f.key)
@@ -99,24 +99,24 @@ class SpecForgeReader:
         if missing:
             raise InputError(f"{where} lacks {missing} (a {'EAGLE-3' if self.eagle3 else 'DFlash'} file is expected, "
                              "like the first file of the folder)")
-        ids = tokens_of(d, "input_ids", where).to(torch.int64)
+        ids = tokens_of(d, "input_ids", where, "ids").to(torch.int64)
         t = ids.shape[0]
-        states = _padding_cut(split_layers(tensor_of(d, states_key, where, (2, 3)), self.num_layers, where,
+        states = _padding_cut(split_layers(tensor_of(d, states_key, where, (2, 3), "states"), self.num_layers, where,
                                            states_key), t, where, states_key)
         final = None
         if self.eagle3:
-            final = one_state(tensor_of(d, "hidden_state", where, (2, 3)), where, "hidden_state")
+            final = one_state(tensor_of(d, "hidden_state", where, (2, 3), "states"), where, "hidden_state")
             final = as_bf16(_padding_cut(final, t, where, "hidden_state")).contiguous()
-        mask = as_mask(tokens_of(d, "loss_mask", where)[:t])
+        mask = as_mask(_padding_cut(tokens_of(d, "loss_mask", where), t, where, "loss_mask"))
         return check_lengths(Sample(f.sample_id, ids, mask, as_bf16(states).contiguous(), final), where)
 
 
 def _padding_cut(x: torch.Tensor, t: int, where: str, name: str) -> torch.Tensor:
     """`x` cut to the file's `t` tokens: what lies past them must be padding (zeros), or the file
-    holds states of tokens its input_ids lost, which were dropped without a word."""
+    holds states (or a loss mask) of tokens its input_ids lost, which were dropped without a word."""
     if x.shape[0] > t and bool(x[t:].any()):
-        raise InputError(f"{where}: {name} covers {x.shape[0]} tokens, input_ids {t}, and the states past them are "
-                         "not zero padding: states of tokens the file's input_ids lack")
+        raise InputError(f"{where}: {name} covers {x.shape[0]} tokens, input_ids {t}, and its values past them are "
+                         "not zero padding: values of tokens the file's input_ids lack")
     return x[:t]
 
 

@@ -115,12 +115,14 @@ class SpeculatorsReader:
             names = ["state.json", "dataset_info.json", *(d["filename"] for d in state["_data_files"])]
             for name in names[1:]:
                 self.store.size(name)
-        except (ObjectNotFound, ValueError, KeyError, TypeError):
+        except (ObjectNotFound, ValueError, KeyError, TypeError, RecursionError):
             raise MissingInput(f"no speculators dataset at {self.store.uri}: expected an Arrow dataset saved with "
                                "`save_to_disk` (state.json, dataset_info.json, data-*.arrow) beside hidden_states/"
                                ) from None
         for name in names:
-            with open(os.path.join(self._tmp.name, name), "wb") as f:
+            path = os.path.join(self._tmp.name, name)  # a data file in a subfolder: the store refused any ".."
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
                 f.write(self.store.get(name))
         try:
             rows = datasets.load_from_disk(self._tmp.name)
@@ -130,12 +132,23 @@ class SpeculatorsReader:
         missing = {"input_ids", "loss_mask"} - set(rows.column_names)
         if missing:
             raise InputError(f"the speculators dataset at {self.store.uri} lacks the columns {sorted(missing)}")
+        for name, listed in (("input_ids", True), ("loss_mask", True), ("seq_len", False)):
+            kind = rows.features.get(name)  # another type: each row failed its shard, on every retry
+            inner = getattr(kind, "feature", None) if listed else kind
+            dtype = str(getattr(inner, "dtype", ""))
+            if kind is not None and not (dtype.startswith(("int", "uint")) or name == "loss_mask" and dtype == "bool"):
+                raise InputError(f"the speculators dataset at {self.store.uri}: its column {name} is {kind}, not "
+                                 + ("a list of integers" if listed else "an integer"))
         return rows.with_format("torch")
 
     def files(self) -> list[ForeignFile]:
         sizes = {o.key: o.size for o in self.store.list(HIDDEN)}
         lengths = (self.rows["seq_len"] if "seq_len" in self.rows.column_names
-                   else [len(x) for x in self.rows["input_ids"]])
+                   else [0 if x is None else len(x) for x in self.rows["input_ids"]])
+        bad = next((i for i, n in enumerate(lengths) if n is None or int(n) < 0), None)
+        if bad is not None:
+            raise InputError(f"the speculators dataset at {self.store.uri}: row {bad}'s seq_len is "
+                             f"{lengths[bad]!r}, not a number of tokens")
         return [ForeignFile(str(i), hs_key(i), sizes.get(hs_key(i), 0), int(n)) for i, n in enumerate(lengths)]
 
     def _load(self, f: ForeignFile) -> tuple[dict[str, torch.Tensor], str]:
@@ -173,6 +186,12 @@ class SpeculatorsReader:
                              f"{self.num_layers + 1}, hidden] for the {self.num_layers} layer(s) of --layers plus "
                              "the final state")
         row = self.rows[int(f.sample_id)]
+        if not all(isinstance(row[k], torch.Tensor) for k in ("input_ids", "loss_mask")):
+            raise InputError(f"row {f.sample_id} of the speculators dataset at {self.store.uri} has no input_ids or "
+                             "loss_mask (null)")
+        if not states.is_floating_point() or data["token_ids"].is_floating_point():
+            raise InputError(f"{where}: hidden_states is {states.dtype} and token_ids {data['token_ids'].dtype}: "
+                             "states are floating point, token ids integers")
         ids = data["token_ids"].to(torch.int64)
         if not torch.equal(ids, row["input_ids"].to(torch.int64)):
             raise InputError(f"{where}: its token_ids differ from the dataset's input_ids of row {f.sample_id}")
