@@ -60,7 +60,7 @@ def _json(store: ObjectStore, key: str) -> dict[str, Any] | None:
         obj = json.loads(store.get(key))
     except ObjectNotFound:
         return None
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise InputError(f"{store.uri.rstrip('/')}/{key} is corrupt (not JSON: {e})") from None
     return obj if isinstance(obj, dict) else None
 

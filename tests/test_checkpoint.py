@@ -258,7 +258,8 @@ def test_a_damaged_checkpoint_record_is_an_error_naming_it(store):
     save_checkpoint(store, Snapshot(7, model, opt, {}), keep=2)
     state = store.get("checkpoints/step-00000007/state.json")
     store.put(LATEST, b'{"step": 7}')
-    with pytest.raises(InputError, match=r"checkpoints/latest.json names no checkpoint .*delete checkpoints/latest"):
+    with pytest.raises(InputError, match=r"checkpoints/latest.json names no checkpoint .*kept: steps 7.*or delete "
+                                         r"it to resume from the newest complete one"):
         load_latest(store)
     store.put(LATEST, b'{"step": 7, "prefix": "checkpoints/step-00000007"}')
     store.put("checkpoints/step-00000007/state.json", state[:20])
@@ -287,3 +288,66 @@ def test_a_flipped_bit_in_a_checkpoint_file_is_refused_not_resumed_from(store, n
     if name == "drafter.safetensors":
         with pytest.raises(InputError, match=r"is corrupt: .*; evaluate another step \(--step\)"):
             load_drafter_files(store, 3)
+
+
+def test_a_missing_latest_json_is_the_newest_complete_checkpoint_not_none(store, caplog):
+    """latest.json gone (a first save stopped before it named its checkpoint, or the file deleted, as
+    the message on its damage advised) read as "no checkpoint": training started over at step 0
+    and its first save's pruning deleted every checkpoint there."""
+    model, opt = trained()
+    for step in (8, 10):
+        save_checkpoint(store, Snapshot(step, model, opt, {}), keep=2)
+    write_safetensors(store, "checkpoints/step-00000012/drafter.safetensors", model.trainable_state())  # cut short
+    store.delete(LATEST)
+    assert load_latest(store).step == 10
+    assert "has no checkpoints/latest.json but holds complete checkpoints: taking the newest, step 10" in caplog.text
+    store.put(LATEST, b'{"step": 10, "pre')
+    with pytest.raises(InputError, match=r"latest.json is corrupt .*kept: steps 8, 10\), or delete it to resume from "
+                                         r"the newest complete one"):
+        load_latest(store)
+
+
+@pytest.mark.parametrize("field,value", [("step", [10]), ("step", None), ("drafter", [1]), ("drafter", None),
+                                         ("param_groups", {"a": 1}), ("files", [1]),
+                                         ("files", {"drafter.safetensors": "abc"}), ("config", [1]),
+                                         ("world_size", "1"), ("deep", None)])
+def test_a_state_json_of_wrong_fields_is_an_error_naming_it(store, field, value):
+    """Each crashed a resume with a KeyError, TypeError or AttributeError (or RecursionError), and a
+    `files` entry of another shape switched the checkpoint's xxh3 check off without a word."""
+    model, opt = trained()
+    for step in (5, 6):
+        prefix = save_checkpoint(store, Snapshot(step, model, opt, {"config": {}, "world_size": 1}), keep=2)
+    key = f"{prefix}/state.json"
+    state = json.loads(store.get(key))
+    if field == "deep":
+        raw = "[" * 100_000 + "]" * 100_000
+    else:
+        if value is None:
+            del state[field]
+        else:
+            state[field] = value
+        raw = json.dumps(state)
+    store.put(key, raw.encode())
+    with pytest.raises(InputError, match=r"step-00000006/state.json is corrupt .*point checkpoints/latest.json at an "
+                                         r"earlier checkpoint .*earlier ones kept: steps 5\)"):
+        load_latest(store)
+
+
+def test_a_prune_cut_short_leaves_no_checkpoint_that_looks_complete(store):
+    """state.json went last (it sorts last): a prune killed part way left a folder with a state.json
+    and without its weights, listed as kept and offered for a resume."""
+    from layertap.train.checkpoint import complete_checkpoints
+
+    model, opt = trained()
+    save_checkpoint(store, Snapshot(2, model, opt, {}), keep=1)
+    real = store.delete_many
+
+    def killed_after_one(keys):
+        real(keys[:1])
+        raise KeyboardInterrupt
+
+    store.delete_many = killed_after_one
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(store, Snapshot(4, model, opt, {}), keep=1)
+    store.delete_many = real
+    assert complete_checkpoints(store) == [4]  # step 2's state.json went first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -737,6 +738,34 @@ def test_a_resume_at_the_end_trains_nothing_and_one_past_the_steps_is_refused(ru
     assert (tmp_path / "out" / "drafter" / "config.json").exists()
     assert train_cli(*args, "--steps", "5", "--resume") == 0  # one more: not "trained 5 steps"
     assert "trained 1 step (step 5: resumed at step 4); final loss" in capsys.readouterr().out
+
+
+def test_a_lost_latest_json_neither_restarts_the_training_nor_prunes_its_checkpoints(run, target, tmp_path, capsys,
+                                                                                    caplog):
+    """With checkpoints/latest.json gone (a first save stopped before it, or deleted as its damage's
+    message advised), the output read as empty: a run without --resume was not refused, trained
+    from step 0, and its first save's pruning deleted the intact checkpoints. A save killed while it
+    streamed a file left that file for good; a metrics line cut short blocked the resume."""
+    out = tmp_path / "out"
+    args = ("--data", run, "--model", target, "--out", str(out), *FAST, "--save-every", "2")
+    assert train_cli(*args, "--steps", "4") == 0
+    (out / "checkpoints" / "latest.json").unlink()
+    leftover = out / "checkpoints" / "step-00000004" / ".optimizer.safetensors.0aa97a02.part"
+    leftover.write_bytes(b"x" * 1000)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "lo')  # the kill came mid-line
+    capsys.readouterr()
+    assert train_cli(*args, "--steps", "6") == 2
+    assert "already holds checkpoints (latest: step 4); pass --resume" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    with caplog.at_level(logging.INFO):
+        assert train_cli(*args, "--steps", "6", "--resume") == 0
+    assert "taking the newest, step 4" in caplog.text and "resumed from" in caplog.text
+    assert "removed 1 unfinished file(s) a stopped save left" in caplog.text
+    assert "1 line(s) are no step record" in caplog.text
+    assert not leftover.exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest.json", "step-00000004", "step-00000006"]
+    assert [m["step"] for m in metrics(str(out))] == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_at_an_epoch_end_takes_shards_committed_since_and_mid_epoch_says_what_to_do(run, target, tmp_path,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,9 +69,9 @@ def load_loader_state(store: ObjectStore, ckpt: Checkpoint, rank: int) -> dict[s
     in a checkpoint written before those, its entry in state.json's `loader` list."""
     if "loader" in ckpt.state:
         return ckpt.state["loader"][rank]
+    fix = earlier_checkpoint_advice(store, ckpt.step)
     if not isinstance(ckpt.state.get("loader_states"), str):
-        raise InputError(f"{store.uri}/{step_prefix(ckpt.step)}/state.json names no loader positions; delete "
-                         f"{store.uri}/{LATEST} to resume from scratch")
+        raise InputError(f"{store.uri}/{step_prefix(ckpt.step)}/state.json names no loader positions; {fix}")
     key = loader_key(ckpt.step, ckpt.state["loader_states"], rank)
     try:
         state = json.loads(store.get(key))
@@ -80,11 +81,9 @@ def load_loader_state(store: ObjectStore, ckpt: Checkpoint, rank: int) -> dict[s
         return state
     except ObjectNotFound:
         raise InputError(f"checkpoint {store.uri}/{step_prefix(ckpt.step)} lacks rank {rank}'s loader position "
-                         f"({key}): the checkpoint is incomplete; delete {store.uri}/{LATEST} to resume from "
-                         "scratch") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise InputError(f"{store.uri}/{key} is corrupt ({e}); delete {store.uri}/{LATEST} to resume from "
-                         "scratch") from None
+                         f"({key}): the checkpoint is incomplete; {fix}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, JSON nested too deep
+        raise InputError(f"{store.uri}/{key} is corrupt ({e}); {fix}") from None
 
 
 @dataclass
@@ -220,7 +219,9 @@ def _prune(store: ObjectStore, keep: int, latest: int) -> None:
     kept = {latest, *sorted(complete, reverse=True)[:keep - 1]}
     for step, keys in folders.items():
         if step not in kept:
-            store.delete_many(keys)  # a loader position a rank: 1,000s of keys at scale
+            # state.json first: a prune cut short leaves no folder that looks complete without its files
+            state = f"{step_prefix(step)}/state.json"
+            store.delete_many(sorted(keys, key=lambda k: k != state))  # a loader position a rank: 1,000s of keys
             store.remove_empty_folders(f"{step_prefix(step)}/")  # a local --out kept step-N/loader/ empty
 
 
@@ -246,7 +247,7 @@ def _json(store: ObjectStore, key: str, fix: str) -> dict[str, Any]:
     """The JSON object at `key`; an `InputError` naming it (and `fix`) where it is not one."""
     try:
         value = json.loads(store.get(key))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"{store.uri.rstrip('/')}/{key} is corrupt ({e}); {fix}") from None
     if not isinstance(value, dict):
         raise InputError(f"{store.uri.rstrip('/')}/{key} is not a JSON object; {fix}")
@@ -263,27 +264,75 @@ def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     """The checkpoint `latest.json` names, or None when the output has none. Without `tensors`,
     the weights and moments come uninitialized (their headers read, not their ~22 GB at a 27B
     target's shapes): a rank other than 0 receives them from rank 0."""
-    fix = f"delete {LATEST} to resume from scratch"
     try:
-        latest = _json(store, LATEST, fix)
+        latest = _json(store, LATEST, f"rewrite it to name a complete checkpoint ({{\"step\": N, \"prefix\": "
+                                      f"\"{step_prefix(0)[:-8]}<N, 8 digits>\"}}; {_kept(store)}), or delete it to "
+                                      "resume from the newest complete one")
     except ObjectNotFound:
-        return None
+        # Absent, with checkpoints beside it: a first save stopped before it named its checkpoint, or
+        # the file deleted (as its damage's message once advised). Taken for no checkpoint, the output
+        # was trained from step 0 and the first save's pruning deleted every checkpoint there.
+        newest = max(complete_checkpoints(store), default=None)
+        if newest is None:
+            return None
+        log.warning("%s has no %s but holds complete checkpoints: taking the newest, step %d", store.uri, LATEST,
+                    newest)
+        latest = {"step": newest, "prefix": step_prefix(newest)}
     prefix = latest.get("prefix")
     if not isinstance(prefix, str):
-        raise InputError(f"{store.uri.rstrip('/')}/{LATEST} names no checkpoint (no \"prefix\"); {fix}")
+        raise InputError(f"{store.uri.rstrip('/')}/{LATEST} names no checkpoint (no \"prefix\"); rewrite it to "
+                         f"name one ({_kept(store)}), or delete it to resume from the newest complete one")
+    damaged = earlier_checkpoint_advice(store, latest.get("step"))
     try:
-        state = _json(store, f"{prefix}/state.json", fix)
-        damaged = (f"point {LATEST} at an earlier checkpoint kept under checkpoints/ ({{\"step\": N, \"prefix\": "
-                   f"\"{step_prefix(0)[:-8]}<N, 8 digits>\"}}) or delete it to start over (a --delete-consumed "
-                   "trainer deleted the data trained on after its own latest checkpoint: an earlier one may "
-                   "need shards that are gone)")
+        state = _json(store, f"{prefix}/state.json", damaged)
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise InputError(f"{store.uri}/{prefix}/state.json is not a layertap v{STATE_VERSION} training state")
+        if problem := _state_problem(state):
+            raise InputError(f"{store.uri}/{prefix}/state.json is corrupt ({problem}); {damaged}")
         weights, optimizer = (load_safetensors(store, f"{prefix}/{name}", tensors, _recorded_xxh3(state, name), damaged)
                               for name in ("drafter.safetensors", "optimizer.safetensors"))
     except ObjectNotFound as e:
-        raise InputError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}") from None
-    if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
-        raise InputError(f"{store.uri}/{prefix}/state.json is not a layertap v{STATE_VERSION} training state")
-    return Checkpoint(int(state["step"]), state, weights, optimizer)
+        raise InputError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}; {damaged}") from None
+    return Checkpoint(state["step"], state, weights, optimizer)
+
+
+def complete_checkpoints(store: ObjectStore) -> list[int]:
+    """The steps of the checkpoints whose state.json exists (written after every other file)."""
+    return sorted(s for s, keys in checkpoint_folders(store).items() if f"{step_prefix(s)}/state.json" in keys)
+
+
+def _kept(store: ObjectStore) -> str:
+    steps = complete_checkpoints(store)
+    return f"kept: steps {listing(steps, 8)}" if steps else "none is kept under checkpoints/"
+
+
+def earlier_checkpoint_advice(store: ObjectStore, step: Any) -> str:
+    """What to do about a damaged checkpoint: name an earlier complete one in latest.json."""
+    earlier = [s for s in complete_checkpoints(store) if type(step) is not int or s < step]
+    where = f"earlier ones kept: steps {listing(earlier, 8)}" if earlier else "no earlier one is kept"
+    return (f"point {LATEST} at an earlier checkpoint ({{\"step\": N, \"prefix\": \"{step_prefix(0)[:-8]}<N, 8 "
+            f"digits>\"}}; {where}), or train into another --out (a --delete-consumed trainer deleted the data "
+            "trained on after its own latest checkpoint: an earlier one may need shards that are gone)")
+
+
+_STATE_FIELDS = {"step": lambda v: type(v) is int and v >= 0, "drafter": lambda v: type(v) is dict,
+                 "param_groups": lambda v: type(v) is list and all(type(g) is dict for g in v),
+                 "files": lambda v: type(v) is dict and all(type(e) is dict and type(e.get("xxh3")) is str
+                                                            for e in v.values()),
+                 "config": lambda v: type(v) is dict, "world_size": lambda v: type(v) is int and v >= 1}
+
+
+def _state_problem(state: Mapping[str, Any]) -> str | None:
+    """What is wrong with a state.json's fields (a resume crashed on each with a KeyError, TypeError
+    or AttributeError; a `files` entry of another shape switched its xxh3 check off); None if sound.
+    `files`, `config` and `world_size` may be absent (a checkpoint from before they were recorded)."""
+    for name, fits in _STATE_FIELDS.items():
+        if name not in state:
+            if name in ("step", "drafter", "param_groups"):
+                return f"no {name}"
+        elif not fits(state[name]):
+            return f"its {name} is {reprlib.repr(state[name])}"
+    return None
 
 
 OPTIMIZER_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how it steps, not what

@@ -201,8 +201,8 @@ class Position:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         consumed = self._checked_counts(state)
-        next_worker = int(state.get("next_worker", 0))
-        if not 0 <= next_worker < max(1, len(consumed)):
+        next_worker = state.get("next_worker", 0)
+        if type(next_worker) is not int or not 0 <= next_worker < max(1, len(consumed)):
             raise InputError(f"corrupt ShardStream state: next_worker {next_worker} with {len(consumed)} workers")
         taken = state.get("taken")
         if taken is not None and (len(taken) != len(consumed) or self.follow is None):

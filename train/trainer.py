@@ -319,6 +319,11 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
                                                    "the run's manifest")
 
+    if rank == 0:
+        # A save killed while it streamed a file left it pending (a local temp file, an S3 upload: up
+        # to ~15 GB at 27B) where no prune looks. Rank 0 holds the output, and no save runs yet.
+        if gone := out.abort_pending_uploads():
+            log.info("removed %d unfinished file(s) a stopped save left in %s", gone, cfg.out)
     try:
         ckpt, failed = load_latest(out, tensors=rank == 0), None  # the other ranks receive them (`broadcast_tensors`)
     except Exception as e:
@@ -987,10 +992,24 @@ def _metrics_until(out, step: int) -> list[str]:
     from layertap.storage.store import ObjectNotFound
 
     try:
-        text = out.get(METRICS).decode()
+        text = out.get(METRICS).decode("utf-8", "replace")
     except ObjectNotFound:
         return []
-    return [line for line in text.splitlines() if line and json.loads(line)["step"] <= step]
+    kept, dropped = [], 0
+    for line in filter(None, text.splitlines()):
+        try:
+            record = json.loads(line)
+            recorded = record["step"] if type(record) is dict and type(record.get("step")) is int else None
+        except (ValueError, RecursionError):
+            recorded = None
+        if recorded is None:  # a line cut short by a kill, or damaged: a side file must not block the resume
+            dropped += 1
+        elif recorded <= step:
+            kept.append(line)
+    if dropped:
+        log.warning("%s/%s: %d line(s) are no step record (cut short?): left out of the metrics", out.uri, METRICS,
+                    dropped)
+    return kept
 
 
 def _progress(rank: int, start: int, total: int):
