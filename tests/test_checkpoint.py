@@ -351,3 +351,18 @@ def test_a_prune_cut_short_leaves_no_checkpoint_that_looks_complete(store):
         save_checkpoint(store, Snapshot(4, model, opt, {}), keep=1)
     store.delete_many = real
     assert complete_checkpoints(store) == [4]  # step 2's state.json went first
+
+
+def test_a_flipped_byte_in_the_exported_drafter_is_refused(store):
+    """The export's weights were read with no checksum: `export-drafter` and `eval` went on with a
+    flipped byte (a norm weight off by 0.016)."""
+    model, _ = trained()
+    export_drafter(store, model)
+    config, weights = load_drafter_files(store)
+    assert all(torch.equal(weights[k], p.detach().float()) for k, p in model.trainable_state().items())
+    blob = bytearray(store.get("drafter/model.safetensors"))
+    blob[-5] ^= 0x10
+    store.put("drafter/model.safetensors", bytes(blob))
+    with pytest.raises(InputError, match=r"drafter/model.safetensors is corrupt: its bytes hash to xxh3 .* delete the "
+                                         r"export \(drafter/\) and run the same `layertap train` with --resume"):
+        load_drafter_files(store)

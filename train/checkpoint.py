@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = "layertap-train-state"
 STATE_VERSION = 1
 LATEST = "checkpoints/latest.json"
+WEIGHTS_XXH3 = "weights_xxh3"  # in an export's config.json: its model.safetensors' xxh3-64
 EXPORT_WEIGHTS, EXPORT_CONFIG = "drafter/model.safetensors", "drafter/config.json"
 
 
@@ -367,10 +368,11 @@ def restore(ckpt: Checkpoint, model: DFlashDrafter, optimizer: torch.optim.Optim
 
 
 def export_drafter(store: ObjectStore, model: DFlashDrafter) -> None:
-    """The trained drafter: its weights and config.json (which names the target it drafts for)."""
-    write_safetensors(store, EXPORT_WEIGHTS, model.trainable_state(), {"format": "layertap-dflash-drafter"},
-                      dtype=torch.float32)
-    store.put(EXPORT_CONFIG, json.dumps(model.config.to_json(), indent=1).encode())
+    """The trained drafter: its weights and config.json (which names the target it drafts for, and
+    the weights' xxh3: read by ranged GETs, which carry no checksum, a flipped byte was exported on)."""
+    digest = write_safetensors(store, EXPORT_WEIGHTS, model.trainable_state(), {"format": "layertap-dflash-drafter"},
+                               dtype=torch.float32)
+    store.put(EXPORT_CONFIG, json.dumps({**model.config.to_json(), WEIGHTS_XXH3: digest}, indent=1).encode())
 
 
 def withdraw_export(store: ObjectStore) -> bool:
@@ -406,7 +408,10 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
     for base in ("drafter/", ""):
         try:
             config = _json(store, base + "config.json", "export the drafter again")
-            weights = load_safetensors(store, base + "model.safetensors")
+            recorded = config.get(WEIGHTS_XXH3)  # an export of an earlier layertap records none
+            weights = load_safetensors(store, base + "model.safetensors", xxh3=recorded if type(recorded) is str else None,
+                                       fix="delete the export (drafter/) and run the same `layertap train` with "
+                                           "--resume, which exports its latest checkpoint again")
             return DrafterConfig.from_json(config), weights
         except ObjectNotFound:
             continue
