@@ -38,7 +38,7 @@ from layertap.manifests.records import Producer
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.errors import ConfigError, InputError, MissingInput, UserError
 from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, ForeignWriter,
-                                      foreign_layers, layer_order, reader, unservable_layer, writer)
+                                      foreign_layers, layer_order, printable, reader, unservable_layer, writer)
 from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
@@ -270,7 +270,7 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     files = rd.files()[:limit] if limit is not None else rd.files()
     if not files:
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
-    where = f"{src.uri.rstrip('/')}/{files[0].key}"
+    where = f"{src.uri.rstrip('/')}/{printable(files[0].key)}"
     note = export_note(src, fmt)
     values = rd.capture_values(files[0])
     check_layer_count(values, fmt, layers, target.hidden_size, facts_from, where, note)
@@ -470,11 +470,11 @@ def _import_shard(claim: Claim, manifest: Manifest, rd: ForeignReader, files: li
         for f in files[plan.start:plan.end]:
             check_stop()
             try:
-                w.write_sample(check_trainable(rd.read(f), vocab_size, f"{source.rstrip('/')}/{f.key}"))
+                w.write_sample(check_trainable(rd.read(f), vocab_size, f"{source.rstrip('/')}/{printable(f.key)}"))
             except (InputError, ValueError) as e:  # a bad file, one of another shape than the run's, or untrainable
                 reason = e.reason if isinstance(e, BadSample) else UNREADABLE
                 skipped.append({"sample_id": f.sample_id, "reason": reason, "detail": str(e)[:500]})
-                log.warning("skipped %s: %s", f.key, e)
+                log.warning("skipped %s: %s", printable(f.key), e)
             bar.update(1)
         info = w.close()
     if claim.commit(info, skipped=skipped):

@@ -230,6 +230,13 @@ def save_torch(obj: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
+def printable(text: str) -> str:
+    """A file name with its bytes that are not UTF-8 (surrogate escapes) written as \\xNN: sample ids
+    and messages go into JSON, log files and a stdout that take only UTF-8 (printed as it was, a
+    status line would fail on it)."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def natural_key(text: str) -> list[Any]:
     """Sort key that orders embedded numbers by value: data_2 before data_10."""
     return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", text))]  # odd: the digit runs

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from layertap.storage.errors import InputError
-from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key, save_torch,
-                                      one_state, split_layers, tensor_of, tokens_of)
+from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key, printable,
+                                      save_torch, one_state, split_layers, tensor_of, tokens_of)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -72,11 +72,11 @@ class ModelOptReader:
         if not self._files:
             raise InputError(f"no ModelOpt files at {store.uri}: expected {{conversation_id}}.pt files")
         self._warned = False
-        self._stems = {posixpath.splitext(o.key)[0] for o in self._files}
+        self._stems = {printable(posixpath.splitext(o.key)[0]) for o in self._files}
         self.renamed = 0
 
     def files(self) -> list[ForeignFile]:
-        return [ForeignFile(posixpath.splitext(o.key)[0], o.key, o.size) for o in self._files]
+        return [ForeignFile(printable(posixpath.splitext(o.key)[0]), o.key, o.size) for o in self._files]
 
     def sample_id(self, cid: Any, f: ForeignFile) -> str:
         """The file's `conversation_id` when the file is named after it (as ModelOpt's dumper and
@@ -91,7 +91,7 @@ class ModelOptReader:
             self.renamed += 1
             if self.renamed == 1:
                 log.warning("%s: its conversation_id %r is not its file's name, or is another file's: its sample id "
-                            "is the file's, %r (and so for any other such file; the import counts them)", f.key, cid,
+                            "is the file's, %r (and so for any other such file; the import counts them)", printable(f.key), cid,
                             f.sample_id)
         return f.sample_id
 
@@ -111,14 +111,14 @@ class ModelOptReader:
                              f"{self.final_state} one: import the two kinds as two runs")
 
     def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
-        where = f"{self.store.uri.rstrip('/')}/{f.key}"
+        where = f"{self.store.uri.rstrip('/')}/{printable(f.key)}"
         d = load_torch(self.store.get(f.key), where)
         if "aux_hidden_states" not in d:
             raise InputError(f"{where} lacks aux_hidden_states")
         return int(tensor_of(d, "aux_hidden_states", where, (2, 3), "states").shape[-1]), None
 
     def read(self, f: ForeignFile) -> Sample:
-        where = f"{self.store.uri.rstrip('/')}/{f.key}"
+        where = f"{self.store.uri.rstrip('/')}/{printable(f.key)}"
         d = load_torch(self.store.get(f.key), where)
         missing = [k for k in ("input_ids", "hidden_states", "aux_hidden_states") if k not in d]
         if missing:

@@ -16,7 +16,7 @@ import torch
 
 from layertap.storage.errors import InputError
 from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key,
-                                      one_state, save_torch, split_layers, tensor_of, tokens_of)
+                                      one_state, printable, save_torch, split_layers, tensor_of, tokens_of)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -77,10 +77,10 @@ class SpecForgeReader:
         self.final_state = "postnorm" if self.eagle3 else "none"
 
     def _where(self, key: str) -> str:
-        return f"{self.store.uri.rstrip('/')}/{key}"
+        return f"{self.store.uri.rstrip('/')}/{printable(key)}"
 
     def files(self) -> list[ForeignFile]:
-        return [ForeignFile(_stem(o.key), o.key, o.size) for o in self._files]
+        return [ForeignFile(printable(_stem(o.key)), o.key, o.size) for o in self._files]
 
     def capture_values(self, f: ForeignFile) -> tuple[int, int | None]:
         where = self._where(f.key)

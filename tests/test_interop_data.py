@@ -612,7 +612,7 @@ def test_states_past_a_files_tokens_or_a_batch_of_several_are_refused_not_droppe
     batched = sorted(mo.glob("*.pt"))[1]
     d = torch.load(batched, weights_only=True)
     torch.save({**d, "hidden_states": torch.stack([d["hidden_states"]] * 2)}, batched)
-    for src, fmt, says in ((sf, "specforge", "states past them are not zero padding"),
+    for src, fmt, says in ((sf, "specforge", "its values past them are not zero padding"),
                            (mo, "modelopt", "a batch of 2: one sample a file")):
         back = str(tmp_path / f"back-{fmt}")
         assert cli(["import", str(src), "--from", fmt, "--out", back, "--layers", "1,3", "--model", target]) == 0

@@ -112,7 +112,8 @@ def test_a_file_name_not_in_utf8_is_imported(qwen3, tmp_path):
     os.rename(os.fsencode(os.path.join(src, "s1.pt")), os.fsencode(src) + b"/s\xff1.pt")
     out = str(tmp_path / "out")
     assert _import(src, "modelopt", out, qwen3) == 0
-    assert len(imported(out)[0]) == 3
+    stored = imported(out)[0]
+    assert len(stored) == 3 and "s\\xff1" in {s.sample_id for s in stored}  # its bytes written out: printable
     assert natural_key("s1\u00b22.pt") == ["s", 1, "\u00b2", 2, ".pt"]  # a superscript two is no decimal digit
 
 
