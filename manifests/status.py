@@ -486,6 +486,8 @@ def _disagreement(report: VerifyReport, commit: CommitRecord) -> str | None:
     if report.num_tokens != commit.num_tokens:
         return f"the object holds {report.num_tokens} tokens, commit says {commit.num_tokens}"
     if list(report.sample_ids) != commit.sample_ids:
+        if len(report.sample_ids) != len(commit.sample_ids):
+            return f"the object lists {len(report.sample_ids)} sample ids, commit {len(commit.sample_ids)}"
         first = next(i for i, (a, b) in enumerate(zip(report.sample_ids, commit.sample_ids)) if a != b)
         return (f"the object's sample {first} is {report.sample_ids[first]!r}, commit says "
                 f"{commit.sample_ids[first]!r}")

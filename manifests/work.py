@@ -143,9 +143,11 @@ class Claim:
         new claim made one: that lease then looks alive at most one ttl longer). A lease no longer
         ours (`_lost_to`) is never created again: the attempt is abandoned."""
         store, period = self.queue.store, self.queue.ttl_s / 4
-        if self.queue.stall_s:
-            period = min(period, self.queue.stall_s / 4)
-        while not self._stop.wait(period) and not self.lost.is_set():
+        # The stall watchdog looks more often than the lease is renewed where its timeout is short;
+        # the store hears of the lease every ttl/4 whatever --stall-timeout is.
+        look = min(period, self.queue.stall_s / 4) if self.queue.stall_s else period
+        due = time.monotonic() + period
+        while not self._stop.wait(look) and not self.lost.is_set():
             if (since := self.queue.stopped_for()) is not None and since > STOP_GRACE_S:
                 log.warning("shard %d: still held %.0f s after a stop signal; no longer renewing its lease, which "
                             "goes stale in %g s", self.shard, since, self.queue.ttl_s)
@@ -153,6 +155,9 @@ class Claim:
             if self.queue.stalled(self.shard):  # the worker is hung: the shard goes to another one
                 self.lost.set()
                 return
+            if time.monotonic() < due:
+                continue
+            due = time.monotonic() + period
             try:
                 if why := self._lost_to():
                     log.warning("shard %d: %s; abandoning this attempt", self.shard, why)

@@ -15,6 +15,7 @@ import functools
 import os
 import time
 import uuid
+from typing import BinaryIO
 from collections.abc import Callable, Iterator
 
 from layertap.storage.store import (
@@ -62,10 +63,24 @@ class LocalStore(ObjectStore):
             raise _os_error(e, folder) from e
         return os.path.join(folder, f".{name}.{uuid.uuid4().hex}{_PART_SUFFIX}")
 
+    def _open_temp(self, path: str) -> tuple[str, BinaryIO]:
+        """A new temporary file beside `path`, open for writing. Its folder, made just before, may be
+        removed as empty by another process before the file is there (`remove_empty_folders` of a
+        refused trainer's output, a prune, a delete): it is made again, once."""
+        try:
+            try:
+                tmp = self._temp_path(path)
+                return tmp, open(tmp, "wb")
+            except FileNotFoundError:
+                tmp = self._temp_path(path)
+                return tmp, open(tmp, "wb")
+        except OSError as e:
+            raise _os_error(e, path) from e
+
     def _write_temp(self, path: str, data: bytes) -> str:
-        tmp = self._temp_path(path)
+        tmp, f = self._open_temp(path)
         with _undone_on_error(functools.partial(_remove_quietly, tmp), path):
-            with open(tmp, "wb") as f:
+            with f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -260,11 +275,7 @@ class LocalWriter(ObjectWriter):
     def __init__(self, store: LocalStore, key: str):
         self.key = key
         self._path = store._path(key)
-        self._tmp = store._temp_path(self._path)
-        try:
-            self._file = open(self._tmp, "wb")
-        except OSError as e:
-            raise _os_error(e, self._path) from e
+        self._tmp, self._file = store._open_temp(self._path)
         self._written = 0
         self._done = False
 

@@ -366,3 +366,24 @@ def test_a_flipped_byte_in_the_exported_drafter_is_refused(store):
     with pytest.raises(InputError, match=r"drafter/model.safetensors is corrupt: its bytes hash to xxh3 .* delete the "
                                          r"export \(drafter/\) and run the same `layertap train` with --resume"):
         load_drafter_files(store)
+
+
+def test_a_sound_resume_lists_no_checkpoints(store):
+    """The advice a damaged checkpoint's error gives lists the checkpoints kept: worded up front, it
+    listed checkpoints/ (every loader position of every rank) three times on each rank's healthy resume."""
+    from layertap.train.checkpoint import Checkpoint, load_loader_state, save_loader_state
+
+    model, opt = trained()
+    save_loader_state(store, 3, "loader/0000000000ab", 0, {"rank": 0, "epoch": 0})
+    save_checkpoint(store, Snapshot(3, model, opt, {"loader_states": "loader/0000000000ab"}), keep=2)
+    listed: list[str] = []
+    real = store.list
+
+    def counted(prefix="", *args, **kwargs):
+        listed.append(prefix)
+        return real(prefix, *args, **kwargs)
+
+    store.list = counted
+    ckpt = load_latest(store)
+    assert load_loader_state(store, Checkpoint(ckpt.step, ckpt.state, {}, {}), 0)["rank"] == 0
+    assert not [p for p in listed if p.startswith("checkpoints/step-")], listed

@@ -236,22 +236,25 @@ def test_a_commit_record_of_wrong_types_is_corrupt_to_every_reader(run, capsys, 
     assert not store.exists(layout.commit_key(0))
 
 
-@pytest.mark.parametrize("field", ["bytes", "sample_ids"])
+@pytest.mark.parametrize("field", ["bytes", "sample_ids", "fewer sample_ids"])
 def test_verify_withdraws_a_commit_that_disagrees_with_its_sound_object(run, capsys, field):
     """The loader compares a commit's size and samples with its object and, where they differ,
     refused the shard and said to run `verify`, which compared neither and passed it: for good."""
     key, data = _shard0(run)
     store = open_store(run)
     commit = json.loads(store.get(layout.commit_key(0)))
-    wrong = {"bytes": commit["bytes"] - 1} if field == "bytes" else {"sample_ids": commit["sample_ids"][:-1] + ["zzz"]}
+    wrong = {"bytes": {"bytes": commit["bytes"] - 1}, "sample_ids": {"sample_ids": commit["sample_ids"][:-1] + ["zzz"]},
+             "fewer sample_ids": {"sample_ids": commit["sample_ids"][:-1]}}[field]
     store.put(layout.commit_key(0), json.dumps(dict(commit, **wrong)).encode())
     with pytest.raises(ShardError, match="run `layertap verify`"):
         list(ShardStream(run, config=StreamConfig()))
     capsys.readouterr()
     assert cli(["verify", run]) == 1
     out = capsys.readouterr().out
-    assert ("the object is" in out and "bytes, commit says" in out) if field == "bytes" else \
-        "commit says 'zzz'" in out, out
+    said = {"bytes": "bytes, commit says", "sample_ids": "commit says 'zzz'",
+            "fewer sample_ids": f"the object lists {len(commit['sample_ids'])} sample ids, commit "
+                                f"{len(commit['sample_ids']) - 1}"}[field]
+    assert said in out, out
     assert not store.exists(layout.commit_key(0))
 
 

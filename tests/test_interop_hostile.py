@@ -84,15 +84,46 @@ def test_a_lying_or_damaged_modelopt_file_is_skipped_naming_it(qwen3, tmp_path, 
     assert "s1.pt" in imported(out)[1][0]["detail"]
 
 
-def test_a_gzip_bomb_is_refused_before_it_is_decompressed(qwen3, tmp_path):
-    """A 64 KB file of 64 MiB of zeros (1,000x): decompressed whole, a 1 MB one held 2 GB."""
-    src = write_files(tmp_path / "src", "specforge", [sample(i) for i in range(3)])
+def test_a_gzip_bomb_is_refused_before_it_is_decompressed_and_zero_padding_is_not(qwen3, tmp_path, monkeypatch):
+    """A 64 KB file of 64 MiB of zeros (1,000x): decompressed whole, a 1 MB one held 2 GB. The bound
+    (4 GiB, or 128x where more) is taken down to 16 MiB here; a short sample zero-padded to 4,096
+    tokens grows ~400x, and is read (a bound of 128x alone refused it)."""
+    from layertap.storage import foreign
+
+    monkeypatch.setattr(foreign, "GUNZIP_FLOOR", 16 << 20)
+    src = write_files(tmp_path / "src", "specforge", [sample(i) for i in range(4)])
     folder = Path(src) / "rows_0-2000"
     (folder / "data_1.ckpt").unlink()
     (folder / "data_1.ckpt.gz").write_bytes(gzip.compress(b"\0" * (64 << 20)))
+    padded = torch.load(folder / "data_2.ckpt", weights_only=True)
+    states = padded["hidden_states"]
+    padded["hidden_states"] = torch.cat([states, states.new_zeros(1, 4096 - states.shape[1], states.shape[2])], 1)
+    (folder / "data_2.ckpt").unlink()
+    compressed = gzip.compress(save_torch(padded))
+    assert len(save_torch(padded)) > 128 * len(compressed)
+    (folder / "data_2.ckpt.gz").write_bytes(compressed)
     out = str(tmp_path / "out")
     assert _import(src, "specforge", out, qwen3) == 0
-    _one_skipped(out, "unreadable", "decompresses to more than 128x its")
+    stored, skipped = imported(out)
+    assert len(stored) == 3 and len(skipped) == 1 and "rows_0-2000/data_2" in {s.sample_id for s in stored}
+    assert skipped[0]["reason"] == "unreadable" and "decompresses to more than 16,777,216 bytes" in skipped[0]["detail"]
+
+
+def test_a_torch_save_written_without_crcs_is_read(qwen3, tmp_path):
+    """torch.serialization.set_crc32_options(False), which writers of large dumps use, records CRC 0
+    for every entry: the CRC check refused each such file as corrupt."""
+    src = write_files(tmp_path / "src", "modelopt", [sample(i) for i in range(3)])
+    path = Path(src) / "s1.pt"
+    d = torch.load(path, weights_only=True)
+    torch.serialization.set_crc32_options(False)
+    try:
+        path.write_bytes(save_torch(d))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert not any(i.CRC for i in zipfile.ZipFile(path).infolist())
+    out = str(tmp_path / "out")
+    assert _import(src, "modelopt", out, qwen3) == 0
+    assert len(imported(out)[0]) == 3
 
 
 def test_a_loss_mask_longer_than_its_ids_past_zero_padding_is_skipped(qwen3, tmp_path):

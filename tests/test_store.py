@@ -778,3 +778,30 @@ def test_permanent_failures_are_not_transient(s3_endpoint):
     with pytest.raises(StoreError) as e:
         open_store("s3://no-such-bucket-layertap/p").get("x")
     assert not isinstance(e.value, TransientStoreError)
+
+
+def test_a_folder_removed_as_empty_between_its_making_and_a_write_is_made_again(tmp_path, monkeypatch):
+    """A refused trainer removes its empty output as it releases its lease; a trainer starting there
+    had just made lease/ for its own lease, and its write failed "No such file or directory"."""
+    from layertap.storage import local
+
+    store = local.LocalStore(str(tmp_path / "out"))
+    real = os.makedirs
+
+    def made_then_removed(path, *args, **kwargs):  # the other process's rmdir lands right after
+        real(path, *args, **kwargs)
+        if path.endswith(("lease", "shards")):
+            os.rmdir(path)
+
+    monkeypatch.setattr(local.os, "makedirs", made_then_removed)
+    with pytest.raises(StoreError):  # removed every time: said, as before
+        store.put_if_absent("lease/000001.ttl60", b"x")
+    removals = iter([True])
+    monkeypatch.setattr(local.os, "makedirs",
+                        lambda path, *a, **k: made_then_removed(path, *a, **k) if next(removals, False)
+                        else real(path, *a, **k))
+    assert store.put_if_absent("lease/000001.ttl60", b"x") and store.get("lease/000001.ttl60") == b"x"
+    removals = iter([True])
+    with store.open_writer("shards/000000-ab.lts") as w:
+        w.write(b"data")
+    assert store.get("shards/000000-ab.lts") == b"data"

@@ -70,7 +70,7 @@ def load_loader_state(store: ObjectStore, ckpt: Checkpoint, rank: int) -> dict[s
     in a checkpoint written before those, its entry in state.json's `loader` list."""
     if "loader" in ckpt.state:
         return ckpt.state["loader"][rank]
-    fix = earlier_checkpoint_advice(store, ckpt.step)
+    fix = Advice(lambda: earlier_checkpoint_advice(store, ckpt.step))
     if not isinstance(ckpt.state.get("loader_states"), str):
         raise InputError(f"{store.uri}/{step_prefix(ckpt.step)}/state.json names no loader positions; {fix}")
     key = loader_key(ckpt.step, ckpt.state["loader_states"], rank)
@@ -169,7 +169,7 @@ _ST_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 
 def load_safetensors(store: ObjectStore, key: str, data: bool = True, xxh3: str | None = None,
-                     fix: str = "") -> dict[str, torch.Tensor]:
+                     fix: str | Advice = "") -> dict[str, torch.Tensor]:
     """A safetensors file read tensor by tensor into tensors of its own: host memory holds the
     tensors once, not the file's bytes beside them (`load(store.get(key))` holds both: 2x a 27B
     run's ~22 GB of weights and moments on resume). One ranged read per tensor, straight into it;
@@ -201,7 +201,7 @@ def load_safetensors(store: ObjectStore, key: str, data: bool = True, xxh3: str 
         out[name] = t
     if data and xxh3 is not None and digest.hexdigest() != xxh3:
         raise InputError(f"{store.uri}/{key} is corrupt: its bytes hash to xxh3 {digest.hexdigest()}, not the "
-                         f"{xxh3} recorded when it was saved{'; ' + fix if fix else ''}")
+                         f"{xxh3} recorded when it was saved{f'; {fix}' if fix else ''}")
     return out
 
 
@@ -244,7 +244,7 @@ def checkpoint_folders(store: ObjectStore) -> dict[int, list[str]]:
     return folders
 
 
-def _json(store: ObjectStore, key: str, fix: str) -> dict[str, Any]:
+def _json(store: ObjectStore, key: str, fix: str | Advice) -> dict[str, Any]:
     """The JSON object at `key`; an `InputError` naming it (and `fix`) where it is not one."""
     try:
         value = json.loads(store.get(key))
@@ -266,9 +266,9 @@ def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     the weights and moments come uninitialized (their headers read, not their ~22 GB at a 27B
     target's shapes): a rank other than 0 receives them from rank 0."""
     try:
-        latest = _json(store, LATEST, f"rewrite it to name a complete checkpoint ({{\"step\": N, \"prefix\": "
-                                      f"\"{step_prefix(0)[:-8]}<N, 8 digits>\"}}; {_kept(store)}), or delete it to "
-                                      "resume from the newest complete one")
+        latest = _json(store, LATEST, Advice(lambda: f"rewrite it to name a complete checkpoint ({{\"step\": N, "
+                                             f"\"prefix\": \"{step_prefix(0)[:-8]}<N, 8 digits>\"}}; {_kept(store)}), "
+                                             "or delete it to resume from the newest complete one"))
     except ObjectNotFound:
         # Absent, with checkpoints beside it: a first save stopped before it named its checkpoint, or
         # the file deleted (as its damage's message once advised). Taken for no checkpoint, the output
@@ -283,7 +283,7 @@ def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     if not isinstance(prefix, str):
         raise InputError(f"{store.uri.rstrip('/')}/{LATEST} names no checkpoint (no \"prefix\"); rewrite it to "
                          f"name one ({_kept(store)}), or delete it to resume from the newest complete one")
-    damaged = earlier_checkpoint_advice(store, latest.get("step"))
+    damaged = Advice(lambda: earlier_checkpoint_advice(store, latest.get("step")))
     try:
         state = _json(store, f"{prefix}/state.json", damaged)
         if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
@@ -305,6 +305,21 @@ def complete_checkpoints(store: ObjectStore) -> list[int]:
 def _kept(store: ObjectStore) -> str:
     steps = complete_checkpoints(store)
     return f"kept: steps {listing(steps, 8)}" if steps else "none is kept under checkpoints/"
+
+
+class Advice:
+    """What to do about a damaged checkpoint, worded only when an error is raised with it: it lists
+    the checkpoints kept (a LIST of checkpoints/, loader positions and all), and worded up front,
+    every rank's healthy resume listed them three times."""
+
+    def __init__(self, words: Callable[[], str]):
+        self._words = words
+
+    def __str__(self) -> str:
+        return self._words()
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 def earlier_checkpoint_advice(store: ObjectStore, step: Any) -> str:
