@@ -24,6 +24,9 @@ TAIL_BYTES = 64 << 10  # the last metrics line is in the file's last 64 KiB (a l
 def training_status(store: ObjectStore) -> dict[str, Any] | None:
     """A JSON-ready summary of the training output at `store`, or None when it holds none."""
     latest = _json(store, LATEST)
+    written = next((o.modified for o in store.list(LATEST)), None)
+    if latest is None:  # as `layertap train` resumes it: from the newest complete checkpoint
+        latest, written = _newest_complete(store)
     last = _last_metrics(store)
     held = live_holder(store)  # a trainer at work, maybe before its first checkpoint
     if latest is None and last is None and held is None:
@@ -31,7 +34,6 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
     state = _json(store, f"{latest['prefix']}/state.json") if latest and latest.get("prefix") else None
     config = (state or {}).get("config") or {}
     exported = store.exists(EXPORT_CONFIG)
-    written = next((o.modified for o in store.list(LATEST)), None)
     now = store.now() if written is not None or held is not None else None  # the store's clock stamped both
     return {
         "kind": "training",
@@ -53,6 +55,19 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
             "lease_renewed_s_ago": round(max(0.0, now - held.modified), 1)},
         "complete": exported,
     }
+
+
+def _newest_complete(store: ObjectStore) -> tuple[dict[str, Any] | None, float | None]:
+    """Where latest.json is missing (a first save stopped before it named its checkpoint, or the
+    file deleted): the newest checkpoint with a state.json, as latest.json would name it, and when
+    that was written; (None, None) where there is none."""
+    complete = {int(name.removeprefix("step-")): o.modified for o in store.list("checkpoints/step-")
+                if (parts := o.key.split("/"))[-1] == "state.json" and len(parts) == 3
+                and (name := parts[1]).removeprefix("step-").isdigit()}
+    if not complete:
+        return None, None
+    step = max(complete)
+    return {"step": step, "prefix": f"checkpoints/step-{step:08d}"}, complete[step]
 
 
 def _json(store: ObjectStore, key: str) -> dict[str, Any] | None:

@@ -387,3 +387,20 @@ def test_a_sound_resume_lists_no_checkpoints(store):
     ckpt = load_latest(store)
     assert load_loader_state(store, Checkpoint(ckpt.step, ckpt.state, {}, {}), 0)["rank"] == 0
     assert not [p for p in listed if p.startswith("checkpoints/step-")], listed
+
+
+def test_status_of_an_output_without_latest_json_names_the_checkpoint_a_resume_takes(store):
+    """`train --resume` takes the newest complete checkpoint where latest.json is missing; `status`
+    said the output had none."""
+    from layertap.manifests.train_output import training_status
+
+    model, opt = trained()
+    for step in (8, 10):
+        save_checkpoint(store, Snapshot(step, model, opt, {"config": {"steps": 20}}), keep=2)
+    write_safetensors(store, "checkpoints/step-00000012/drafter.safetensors", model.trainable_state())  # cut short
+    before = training_status(store)
+    store.delete(LATEST)
+    after = training_status(store)
+    assert after["checkpoint_step"] == 10 == before["checkpoint_step"]
+    assert after["checkpoint"] == before["checkpoint"] and after["checkpoint"].endswith("checkpoints/step-00000010")
+    assert after["steps_total"] == 20 and after["checkpoint_age_s"] is not None
