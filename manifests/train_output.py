@@ -3,17 +3,22 @@ checkpoint and whether the drafter was exported.
 
 Read-only, and without torch: `manifests/` does not import `train/`, so the few key names the
 trainer writes (train/trainer.py, train/checkpoint.py) are repeated here; tests/test_status_cli.py
-checks them against the trainer's own.
+checks them against the trainer's own. The listing of the checkpoints kept (`checkpoint_folders`,
+`complete_checkpoints`) is here alone: train/checkpoint.py takes it from here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from layertap.manifests.output_lease import live_holder
 from layertap.storage.errors import InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.units import listing
+
+log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"  # one JSON line per step, rewritten whole with each checkpoint
 LATEST = "checkpoints/latest.json"  # {"step", "prefix"}: the checkpoint that counts
@@ -57,17 +62,42 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
     }
 
 
+def step_prefix(step: int) -> str:
+    return f"checkpoints/step-{step:08d}"
+
+
+def checkpoint_folders(store: ObjectStore) -> dict[int, list[str]]:
+    """The keys under each `checkpoints/step-N/` folder, by step. A folder named otherwise (a copy
+    kept by hand, `step-00000100.bak`) is no checkpoint of this output: left alone, and said
+    (it crashed every later save's pruning with int()'s ValueError, and eval --step)."""
+    folders: dict[int, list[str]] = {}
+    strangers: set[str] = set()
+    for o in store.list("checkpoints/step-"):
+        name = o.key.split("/")[1]
+        if name.removeprefix("step-").isdigit():
+            folders.setdefault(int(name.removeprefix("step-")), []).append(o.key)
+        else:
+            strangers.add(name)
+    if strangers:
+        log.warning("%s/checkpoints holds folder(s) that are no checkpoint of it, left alone: %s", store.uri,
+                    listing(sorted(strangers), 5))
+    return folders
+
+
+def complete_checkpoints(store: ObjectStore) -> list[int]:
+    """The steps of the checkpoints whose state.json exists (written after every other file)."""
+    return sorted(s for s, keys in checkpoint_folders(store).items() if f"{step_prefix(s)}/state.json" in keys)
+
+
 def _newest_complete(store: ObjectStore) -> tuple[dict[str, Any] | None, float | None]:
     """Where latest.json is missing (a first save stopped before it named its checkpoint, or the
-    file deleted): the newest checkpoint with a state.json, as latest.json would name it, and when
-    that was written; (None, None) where there is none."""
-    complete = {int(name.removeprefix("step-")): o.modified for o in store.list("checkpoints/step-")
-                if (parts := o.key.split("/"))[-1] == "state.json" and len(parts) == 3
-                and (name := parts[1]).removeprefix("step-").isdigit()}
-    if not complete:
+    file deleted): the newest complete checkpoint, as latest.json would name it and as `train
+    --resume` takes it, and when its state.json was written; (None, None) where there is none."""
+    step = max(complete_checkpoints(store), default=None)
+    if step is None:
         return None, None
-    step = max(complete)
-    return {"step": step, "prefix": f"checkpoints/step-{step:08d}"}, complete[step]
+    prefix = step_prefix(step)
+    return {"step": step, "prefix": prefix}, next((o.modified for o in store.list(f"{prefix}/state.json")), None)
 
 
 def _json(store: ObjectStore, key: str) -> dict[str, Any] | None:

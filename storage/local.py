@@ -15,8 +15,8 @@ import functools
 import os
 import time
 import uuid
-from typing import BinaryIO
 from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 from layertap.storage.store import (
     InvalidKey,

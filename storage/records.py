@@ -179,9 +179,7 @@ def _check_shapes(sid: str, ids: torch.Tensor, mask: torch.Tensor, decoded: dict
     Hashes prove the bytes are the writer's, not that its writer was right (FORMAT.md is written
     for other writers too): a misaligned record would train on the wrong positions."""
     n = ids.shape[0] if ids.dim() == 1 else -1
-    want = {"input_ids": (n,), "loss_mask": (n,), "hidden_states": (n, len(meta.layers), meta.hidden_size)}
-    if meta.final_state != "none":
-        want["final_state"] = (n, meta.hidden_size)
+    want = {"input_ids": (n,), "loss_mask": (n,), **(_state_shapes(ids, meta) or {})}
     got = {"input_ids": tuple(ids.shape), "loss_mask": tuple(mask.shape),
            **{k: tuple(v.shape) for k, v in decoded.items()}}
     if n < 0 or got.keys() != want.keys() or any(got[k] != want[k] for k in want):

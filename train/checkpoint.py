@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import xxhash
 
+from layertap.manifests.train_output import checkpoint_folders, complete_checkpoints, step_prefix
 from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.records import safetensors_header, safetensors_layout
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -48,10 +49,6 @@ STATE_VERSION = 1
 LATEST = "checkpoints/latest.json"
 WEIGHTS_XXH3 = "weights_xxh3"  # in an export's config.json: its model.safetensors' xxh3-64
 EXPORT_WEIGHTS, EXPORT_CONFIG = "drafter/model.safetensors", "drafter/config.json"
-
-
-def step_prefix(step: int) -> str:
-    return f"checkpoints/step-{step:08d}"
 
 
 def loader_key(step: int, folder: str, rank: int) -> str:
@@ -226,24 +223,6 @@ def _prune(store: ObjectStore, keep: int, latest: int) -> None:
             store.remove_empty_folders(f"{step_prefix(step)}/")  # a local --out kept step-N/loader/ empty
 
 
-def checkpoint_folders(store: ObjectStore) -> dict[int, list[str]]:
-    """The keys under each `checkpoints/step-N/` folder, by step. A folder named otherwise (a copy
-    kept by hand, `step-00000100.bak`) is no checkpoint of this output: left alone, and said
-    (it crashed every later save's pruning with int()'s ValueError, and eval --step)."""
-    folders: dict[int, list[str]] = {}
-    strangers: set[str] = set()
-    for o in store.list("checkpoints/step-"):
-        name = o.key.split("/")[1]
-        if name.removeprefix("step-").isdigit():
-            folders.setdefault(int(name.removeprefix("step-")), []).append(o.key)
-        else:
-            strangers.add(name)
-    if strangers:
-        log.warning("%s/checkpoints holds folder(s) that are no checkpoint of it, left alone: %s", store.uri,
-                    listing(sorted(strangers), 5))
-    return folders
-
-
 def _json(store: ObjectStore, key: str, fix: str | Advice) -> dict[str, Any]:
     """The JSON object at `key`; an `InputError` naming it (and `fix`) where it is not one."""
     try:
@@ -295,11 +274,6 @@ def load_latest(store: ObjectStore, tensors: bool = True) -> Checkpoint | None:
     except ObjectNotFound as e:
         raise InputError(f"checkpoint {store.uri}/{prefix} named by {LATEST} is incomplete: {e}; {damaged}") from None
     return Checkpoint(state["step"], state, weights, optimizer)
-
-
-def complete_checkpoints(store: ObjectStore) -> list[int]:
-    """The steps of the checkpoints whose state.json exists (written after every other file)."""
-    return sorted(s for s, keys in checkpoint_folders(store).items() if f"{step_prefix(s)}/state.json" in keys)
 
 
 def _kept(store: ObjectStore) -> str:
@@ -416,8 +390,7 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
                 store, f"{prefix}/drafter.safetensors", xxh3=_recorded_xxh3(state, "drafter.safetensors"),
                 fix="evaluate another step (--step)")
         except ObjectNotFound:
-            kept = sorted(step for step, keys in checkpoint_folders(store).items()
-                          if f"{step_prefix(step)}/state.json" in keys)
+            kept = complete_checkpoints(store)
             raise MissingInput(f"no checkpoint of step {step} at {store.uri} (kept: {kept or 'none'}; "
                                f"--keep-checkpoints sets how many are kept)") from None
     for base in ("drafter/", ""):
