@@ -32,6 +32,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -257,6 +258,16 @@ def write_rows(path: Path, n: int, seed: int = 0) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The three modes on a tiny model of its own, in a scratch folder removed at the end (the logs
+    stay beside --json)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-follow-"))
+    try:
+        return _run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import boto3
     import torch
 
@@ -265,7 +276,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.s3server import bench_server
     from tiny_models import tiny_model_dir
 
-    work = Path(tempfile.mkdtemp(prefix="bench-follow-"))
     logs = Path(args.json).with_name(Path(args.json).stem + "-logs") if args.json else work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     load = [round(x, 2) for x in os.getloadavg()]
