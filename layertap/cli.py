@@ -57,8 +57,9 @@ def version() -> str:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """Every subcommand with its arguments; with `only`, that one's alone (the others listed, bare):
-    adding a command's arguments imports its module, and `layertap status` need not import torch."""
+    """Every subcommand with its arguments; with `only`, that one's alone (the others listed, bare;
+    "": none, for `--version`, `--help` and a mistyped command): adding a command's arguments
+    imports its module, and `layertap status` need not import torch."""
     parser = argparse.ArgumentParser(prog="layertap", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"layertap {version()}")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     command = _command_in(words)
     try:
-        args = _parse(build_parser(command), words)
+        args = _parse(build_parser(command or ""), words)
         _setup_logging(args.verbose)
         module = importlib.import_module(args._module)
         return int(getattr(module, f"run_{args.command.replace('-', '_')}")(args) or 0)
