@@ -3,11 +3,13 @@ with the retry policy a days-long regeneration needs.
 
 The `openai` client makes one try per call (its own retries are off); this module decides:
 
-- the server is away (connection refused or reset, 502/503/504, 429 throttling): wait with
-  backoff and try again, for up to `retry_for_s` of continuous failure, so a server that is
-  restarted or briefly overloaded under a running job is ridden out (`ServerGone` after that);
-  until the server has answered once, a refused connection is a wrong --endpoint: 3 quick tries;
-- a 500 (or other 5xx) or a timeout is the row's own failure only while few requests are failing
+- the server is away (connection refused or reset, 503, 429 throttling): wait with backoff and
+  try again, for up to `retry_for_s` in which no request succeeded, so a server that is restarted
+  or briefly overloaded under a running job is ridden out (`ServerGone` after that: the server
+  failed every request that long, not one row); until the server has answered once, a refused
+  connection is a wrong --endpoint: 3 quick tries;
+- a 500 (or other 5xx: a proxy's 502 and 504, its timeout on a long answer, among them), a
+  timeout, and an answer that is no answer (below) are the row's own failure only while few requests are failing
   (two, or a quarter of --concurrency; any number among the last rows, when no row is left to
   start) and the server answers others: another request's success
   clears the slate. Once more requests in flight have failed since the last success, the server is
@@ -19,7 +21,9 @@ The `openai` client makes one try per call (its own retries are off); this modul
   request no longer counts as failing, so the next bad row is judged on its own;
 - an answer that did not end in "stop" or "length" (vLLM's and SGLang's "abort" or "error", none
   at all) is empty or cut short, and one that is malformed (a body that is not JSON, such as a
-  proxy's page, no choices, no message): asked again, then the row is refused, never stored;
+  proxy's page, no choices, no message, content that is not text): asked again, then the row is
+  refused, never stored, where the check's known-good request gets a whole answer (an engine
+  that aborts every request, paused or draining, is an outage);
 - the server refuses the request (400, 413, 422: a prompt too long for its context, a message it
   cannot template): the row is refused with the server's own reason;
 - no connection within CONNECT_TIMEOUT_S (a wrong address whose packets a firewall drops) counts as
@@ -51,7 +55,7 @@ from layertap.storage.redact import public_url
 
 log = logging.getLogger(__name__)
 
-AWAY_STATUSES = {408, 409, 425, 429, 502, 503, 504}
+AWAY_STATUSES = {409, 425, 429, 503}
 REFUSED_STATUSES = {400, 413, 422}
 SERVER_ERROR_TRIES = 4  # a 500 failing one row alone is retried this many times in all before the row is refused
 TIMEOUT_TRIES = 2  # a timeout of one row alone (the others answer): tries in all before the row is refused
@@ -160,6 +164,8 @@ class ChatClient:
         self._under_way: set[int] = set()  # requests started and not ended (each with its retries)
         self.last_rows = False  # set by the caller once no row is left to start: the requests under way are the last
         self._calls = itertools.count()
+        self._last_success = time.monotonic()  # the last answer any request got: `ServerGone` counts from it
+        self._other_models: set[str] = set()  # the other model names answers gave (`_check_model`)
         self.timeout_s, self.concurrency = timeout_s, concurrency
         http = _http_library(openai.DefaultAsyncHttpxClient)
         limits = http.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -220,33 +226,35 @@ class ChatClient:
         """The assistant's next turn after `messages` (given the row's `tools`). A call of a tool
         is refused at once: its answer would need the tool's result, which regeneration lacks."""
         request = self._request(messages, max_tokens=max_tokens, seed=seed, tools=tools)
-        for tries in range(1, FINISH_TRIES + 1):
+
+        async def ask() -> Any:
             try:
-                r = await self._call(lambda: self.client.chat.completions.create(**request), what="chat completion")
+                r = await self.client.chat.completions.create(**request)
             except json.JSONDecodeError as e:  # a 200 whose body is not JSON: a proxy's page
-                problem, cause = f"an answer that is not JSON: {e.doc[:100]!r}", "malformed"
-            else:
-                problem, cause = _malformed(r), "malformed"
-                if problem is None:
-                    choice = r.choices[0]
-                    # whatever the finish reason: vLLM ends a call forced by tool_choice in "stop", SGLang
-                    # keeps "length" beside the calls it parsed
-                    if choice.finish_reason == "tool_calls" or getattr(choice.message, "tool_calls", None):
-                        raise Refused("the answer calls a tool, whose result regeneration cannot give",
-                                      cause="tool_call")
-                    if choice.finish_reason in FINISHED:
-                        break
-                    problem = f"finish_reason {choice.finish_reason!r}: the answer is cut or empty"
-                    cause = f"finish_{choice.finish_reason or 'missing'}"
-            log.warning("%s: %s (try %d of %d)", self.where, problem, tries, FINISH_TRIES)
-        else:
-            raise Refused(f"{problem} (after {FINISH_TRIES} tries)", cause=cause)
-        usage = r.usage.completion_tokens if r.usage is not None else 0
-        # vLLM named the field `reasoning_content`, then `reasoning` (vllm#27752; the old name was removed
-        # in vllm#33402); SGLang and others still write the old one
-        reasoning = getattr(choice.message, "reasoning_content", None) or getattr(choice.message, "reasoning", None) \
-            or None
-        return Reply(choice.message.content or "", reasoning, choice.finish_reason, int(usage or 0))
+                raise _BadAnswer(f"an answer that is not JSON: {e.doc[:100]!r}", "malformed") from None
+            choice = _answer(r)
+            # whatever the finish reason: vLLM ends a call forced by tool_choice in "stop", SGLang
+            # keeps "length" beside the calls it parsed
+            if choice.finish_reason == "tool_calls" or getattr(choice.message, "tool_calls", None):
+                raise Refused("the answer calls a tool, whose result regeneration cannot give", cause="tool_call")
+            self._check_model(r)
+            return r
+
+        r = await self._call(ask, what="chat completion")
+        choice = r.choices[0]
+        usage = getattr(r.usage, "completion_tokens", 0) if r.usage is not None else 0
+        return Reply(choice.message.content or "", _reasoning(choice.message), choice.finish_reason,
+                     usage if isinstance(usage, int) else 0)
+
+    def _check_model(self, r: Any) -> None:
+        """Warn, once per name, where an answer names another model than --model: a router in front
+        of the server falling back to another model would have its answers stored as the target's."""
+        named = getattr(r, "model", None)
+        if isinstance(named, str) and named and named != self.model and named not in self._other_models:
+            self._other_models.add(named)
+            log.warning("%s answered a request for model %r as model %r: if a router or proxy falls back to "
+                        "another model, its answers are not the target's (they are stored all the same)",
+                        self.where, self.model, named)
 
     async def _call(self, request, *, what: str):
         """`request()` under the retry policy in the module docstring."""
@@ -268,14 +276,20 @@ class ChatClient:
         import openai
 
         away_since: float | None = None
-        server_errors = unreachable = timeouts = 0
+        server_errors = unreachable = timeouts = bad_answers = 0
         delay = 0.5
         while True:
             try:
                 reply = await request()
-                self.answered = True
-                self._failing.clear()
+                self._answered()
                 return reply
+            except _BadAnswer as e:
+                self.answered = True
+                problem = e.problem
+                bad_answers += 1
+                self._failing.add(me)
+                if bad_answers >= FINISH_TRIES and await self._own_failure():
+                    raise Refused(f"{problem} (after {bad_answers} tries)", cause=e.cause) from None
             except openai.APIStatusError as e:
                 self.answered = True
                 status, reason = e.status_code, _reason(e)
@@ -287,7 +301,7 @@ class ChatClient:
                     raise EndpointError(f"{self.where} answered {status} to a {what} for model {self.model!r}: "
                                         f"{reason}; check --endpoint, --model{key}") from None
                 problem = f"{status}: {reason}"
-                if status not in AWAY_STATUSES:  # 500 and other errors: this row's, or an outage
+                if status not in AWAY_STATUSES:  # 500 and other errors, a proxy's 502/504: this row's, or an outage
                     server_errors += 1
                     self._failing.add(me)
                     if server_errors >= SERVER_ERROR_TRIES and await self._own_failure():
@@ -311,8 +325,10 @@ class ChatClient:
                 self.watch()
             now = time.monotonic()
             away_since = away_since if away_since is not None else now
-            if now - away_since > self.retry_for_s:
-                raise ServerGone(f"{self.where} has failed every {what} for {now - away_since:.0f} s (last: "
+            # failing alone while others are answered is no outage: the window counts from the last answer
+            if now - max(away_since, self._last_success) > self.retry_for_s:
+                raise ServerGone(f"{self.where} has failed every {what} for "
+                                 f"{now - max(away_since, self._last_success):.0f} s (last: "
                                  f"{problem}); the rows answered so far are kept: rerun the same command once the "
                                  f"server is back") from None
             if time.monotonic() - self._warned_at > 30:  # one line per outage, not one per request in flight
@@ -340,15 +356,22 @@ class ChatClient:
             return False
         for _ in range(UNREACHABLE_TRIES):  # a keep-alive connection the server had closed is no answer: again
             try:
-                await self.client.chat.completions.create(**self._request(PROBE, max_tokens=1))
-                return True
+                _answer(await self.client.chat.completions.create(**self._request(PROBE, max_tokens=1)))
             except openai.APITimeoutError:
                 return False
             except openai.APIConnectionError:
                 continue
-            except (openai.APIError, ValueError):
+            except (openai.APIError, ValueError, _BadAnswer):  # an engine aborting every request: an outage
                 return False
+            self._answered()
+            return True
         return False
+
+    def _answered(self) -> None:
+        """A request got an answer: the server is up, and no request is failing an outage."""
+        self.answered = True
+        self._failing.clear()
+        self._last_success = time.monotonic()
 
 
 def _connecting(e: BaseException) -> bool:
@@ -356,15 +379,38 @@ def _connecting(e: BaseException) -> bool:
     return type(e.__cause__).__name__ == "ConnectTimeout"  # httpx's (or its fork's, `_http_library`)
 
 
-def _malformed(r: Any) -> str | None:
-    """What is wrong with a chat completion that parsed, or None: a server or a proxy in front of
-    it may answer 200 with no choices, or a choice without a message."""
+class _BadAnswer(Exception):
+    """A 200 that is no answer: malformed, or cut (a finish reason neither "stop" nor "length")."""
+
+    def __init__(self, problem: str, cause: str):
+        super().__init__(problem)
+        self.problem, self.cause = problem, cause
+
+
+def _answer(r: Any) -> Any:
+    """The first choice of a chat completion that is a whole answer, else `_BadAnswer`: a server
+    or a proxy in front of it may answer 200 with no choices, a choice without a message, content
+    that is not text (a list of content parts), or an answer cut or empty."""
     choices = getattr(r, "choices", None)
     if not isinstance(choices, list) or not choices:
-        return f"an answer with no choices: {str(r)[:100]!r}"
-    if choices[0].message is None:
-        return "an answer whose choice has no message"
-    return None
+        raise _BadAnswer(f"an answer with no choices: {str(r)[:100]!r}", "malformed")
+    message = getattr(choices[0], "message", None)
+    if message is None or not hasattr(message, "content"):
+        raise _BadAnswer(f"an answer whose choice has no message: {str(choices[0])[:100]!r}", "malformed")
+    for field in ("content", "reasoning_content", "reasoning"):
+        value = getattr(message, field, None)
+        if value is not None and not isinstance(value, str):
+            raise _BadAnswer(f"an answer whose {field} is not text: {str(value)[:100]!r}", "malformed")
+    finish = getattr(choices[0], "finish_reason", None)
+    if finish not in FINISHED and not getattr(message, "tool_calls", None) and finish != "tool_calls":
+        raise _BadAnswer(f"finish_reason {finish!r}: the answer is cut or empty", f"finish_{finish or 'missing'}")
+    return choices[0]
+
+
+def _reasoning(message: Any) -> str | None:
+    """vLLM named the field `reasoning_content`, then `reasoning` (vllm#27752; the old name was
+    removed in vllm#33402); SGLang and others still write the old one."""
+    return getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None) or None
 
 
 def _reason(e: Any) -> str:

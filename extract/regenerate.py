@@ -401,13 +401,16 @@ FIRST_REFUSALS = 8  # rows refused alike, none answered yet: the run's settings,
 
 
 def _may_be_a_setting(totals: Totals) -> bool:
-    """Every row so far (FIRST_REFUSALS or more) refused with one HTTP status, none answered."""
-    return not totals.regenerated and totals.refused >= FIRST_REFUSALS and len(totals.refused_reasons) == 1 \
-        and next(iter(totals.refused_reasons)).startswith("http_")
+    """Every row so far (FIRST_REFUSALS or more) refused alike by the server (one HTTP status, or
+    each timed out, or each answer cut or malformed alike), none answered."""
+    if totals.regenerated or totals.refused < FIRST_REFUSALS or len(totals.refused_reasons) != 1:
+        return False
+    kind = next(iter(totals.refused_reasons))
+    return kind.startswith(("http_", "finish_")) or kind in ("timeout", "malformed")
 
 
 def _refuse_a_setting(totals: Totals, where: str) -> None:
-    """Stop the run where every row so far was refused with one HTTP status and none answered,
+    """Stop the run where every row so far was refused alike by the server and none answered,
     once the requests under way then have ended (`ChatClient.ended_under_way`: a too-long prompt
     is refused in milliseconds while answers take seconds, and the first rows' few too-long ones
     were taken for a setting): a setting the server refuses whatever the row (its parts would
@@ -418,7 +421,8 @@ def _refuse_a_setting(totals: Totals, where: str) -> None:
     kind = next(iter(totals.refused_reasons))
     raise EndpointError(f"{where} refused each of the first {totals.refused} rows ({kind}) and answered none: "
                         f"a setting of this run, not its rows (last: {totals.last_refusal}); check --max-tokens, "
-                        "--temperature, --top-p, --seed and --chat-template-kwargs against the server, and rerun"
+                        + ("--request-timeout (long enough for a whole answer?), " if kind == "timeout" else "")
+                        + "--temperature, --top-p, --seed and --chat-template-kwargs against the server, and rerun"
                         + (f" (the {totals.parts} part(s) already written keep their refusals: `layertap delete` "
                            "the output to redo them)" if totals.parts else " (no part was written)"))
 

@@ -391,7 +391,8 @@ def test_malformed_answers_are_asked_again_then_the_row_is_refused_naming_what_w
     assert sorted(reasons) == [1, 2, 3] and {kind for kind, _ in reasons.values()} == {"malformed"}
     assert "not JSON" in reasons[1][1] and "<html>proxy error" in reasons[1][1]
     assert "no choices" in reasons[2][1] and "no message" in reasons[3][1]
-    assert fake.requests == 1 + 5 + 3 * 3  # the check, the good rows, 3 tries of each bad one
+    # the check, the good rows, 3 tries of each bad one and the known-good request that tells its failure from an outage
+    assert fake.requests == 1 + 5 + 3 * (3 + 1)
 
 
 def test_the_reasoning_of_a_server_that_names_it_reasoning_is_kept(tmp_path, fake):
@@ -677,3 +678,54 @@ def test_a_setting_refused_for_every_row_of_a_task_smaller_than_concurrency_stop
     with pytest.raises(EndpointError, match=r"refused each of the first \d+ rows \(http_400\) and answered none"):
         regenerate(cfg)
     assert not done_parts(open_store(cfg.out))
+
+
+def test_an_engine_that_aborts_every_request_is_an_outage_not_every_row_refused(tmp_path, fake):
+    """vLLM paused or draining, SGLang interrupting for a weight update: 200 with finish "abort" to
+    every request. Each row was asked 3 times at once and refused, and the output was complete with
+    nothing in it, for good. Now the known-good request aborts too: an outage, ridden out, then
+    ServerGone with no row refused; the rerun once the engine is back regenerates them all."""
+    fake.answer = lambda n, prompt: ok(n, prompt) if n == 1 else (200, "", "abort", 0.0)
+    cfg = config(tmp_path, fake, rows=8, concurrency=4)
+    with pytest.raises(ServerGone, match="finish_reason 'abort'"):
+        regenerate(cfg)
+    assert refused(cfg.out) == [] and not done_parts(open_store(cfg.out))
+    fake.answer = ok
+    assert regenerate(config(tmp_path, fake, rows=8, concurrency=4)).regenerated == 8
+
+
+def test_a_request_timeout_shorter_than_every_answer_stops_the_run_naming_it(tmp_path, fake):
+    """At --concurrency 2 every row timed out alone while the one-token check was answered at once:
+    each row was refused as its own timeout and the output complete with none answered."""
+    fake.answer = lambda n, prompt: ok(n, prompt) if prompt == "Hi" else (200, f"a long answer to {prompt}", "stop", 1.5)
+    cfg = config(tmp_path, fake, rows=8, concurrency=2, rows_per_part=8, retry_for_s=30.0)
+    with pytest.raises(EndpointError, match=r"refused each of the first 8 rows \(timeout\).*--request-timeout"):
+        regenerate(cfg)
+    assert not done_parts(open_store(cfg.out))
+
+
+def test_one_row_a_proxy_times_out_every_time_is_refused_alone(tmp_path, fake):
+    """A proxy's 504 on one long row while every other row is answered was a server away: after
+    --retry-for the run stopped with "failed every chat completion", on every rerun."""
+    fake.answer = lambda n, prompt: (504, "upstream timed out", None, 0.0) if prompt == "q5" else ok(n, prompt)
+    cfg = config(tmp_path, fake, rows=8, concurrency=2, retry_for_s=2.0)
+    assert regenerate(cfg).regenerated == 7
+    assert refused(cfg.out) == [(5, "http_504")]
+
+
+def test_answers_of_the_wrong_shape_are_refused_not_stored_nor_a_crash(tmp_path, fake, caplog):
+    """Content as a list of parts (some proxies) was stored and made the output unreadable to
+    extract; a null choice or a message that is a string stopped the run with an AttributeError.
+    An answer naming another model (a router's fallback) is stored, with a warning."""
+    head = {"id": "x", "object": "chat.completion", "created": 0, "model": "m"}
+    bodies = {"q1": _body([{"type": "text", "text": "hi"}], "stop"), "q2": {**head, "choices": [None]},
+              "q3": {**head, "choices": [{"index": 0, "finish_reason": "stop", "message": "hi"}]},
+              "q4": {**_body("answer to q4", "stop"), "model": "fallback-model"}}
+    fake.answer = lambda n, prompt: (200, bodies[prompt], "stop", 0.0) if prompt in bodies else ok(n, prompt)
+    cfg = config(tmp_path, fake)
+    with caplog.at_level(logging.WARNING):
+        assert regenerate(cfg).regenerated == 5
+    assert refused(cfg.out) == [(1, "malformed"), (2, "malformed"), (3, "malformed")]
+    rows = {r["id"]: r for r in iter_rows(cfg.out)}
+    assert all(isinstance(m["content"], str) for r in rows.values() for m in r["messages"])
+    assert "as model 'fallback-model'" in caplog.text
