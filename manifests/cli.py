@@ -307,9 +307,14 @@ def format_training(t: dict) -> str:
         epoch = f", in epoch {t['epoch'] + 1}" + (f" of {t['epochs']}" if t["epochs"] else "") \
             if isinstance(t["epoch"], int) else ""
         lines.append(f"  steps       {t['step']:,}{of}{epoch}")
-        loss = (f"{t['loss']:.4f}" if t["loss"] is not None and t["loss"] == t["loss"] else
-                "none (the step held only zero-weighted padding: samples the extraction skipped)")
-        lines.append(f"  last loss   {loss} at step {t['step']:,}"
+        padding = "held only zero-weighted padding: samples the extraction skipped"
+        if t["loss"] is None:
+            loss = f"none (the step {padding}) at step {t['step']:,}"
+        elif t["loss_step"] != t["step"]:
+            loss = f"{t['loss']:.4f} at step {t['loss_step']:,} (the steps after it {padding})"
+        else:
+            loss = f"{t['loss']:.4f} at step {t['step']:,}"
+        lines.append(f"  last loss   {loss}"
                      + (f", acc@1 {t['acc_first']:.3f}" if t["acc_first"] is not None else "")
                      + (f", {t['tokens_per_s']:,.0f} tokens/s" if t["tokens_per_s"] else "")
                      + " (metrics.jsonl is written with each checkpoint)")
@@ -323,6 +328,11 @@ def format_training(t: dict) -> str:
 
         lines.append(f"  trainer     running: {holder_text(h)} (its lease on the output renewed "
                      f"{duration(h['lease_renewed_s_ago'])} ago)")
+    if (gone := t["trainer_exited"]) is not None:
+        from layertap.manifests.output_lease import holder_text
+
+        lines.append(f"  trainer     exited: {holder_text(gone)} is gone from this machine, killed without releasing "
+                     f"the output (its lease was renewed {duration(gone['lease_renewed_s_ago'])} ago)")
     if t["drafter_exported"]:
         lines.append(f"  drafter     exported: {t['prefix'].rstrip('/')}/drafter/ "
                      f"(`layertap eval --drafter {t['prefix']} ...` measures it)")

@@ -13,7 +13,8 @@ import json
 import logging
 from typing import Any
 
-from layertap.manifests.output_lease import live_holder
+from layertap.manifests.liveness import gone_from_here
+from layertap.manifests.output_lease import Held, live_holder
 from layertap.storage.errors import InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import listing
@@ -32,10 +33,13 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
     written = next((o.modified for o in store.list(LATEST)), None)
     if latest is None:  # as `layertap train` resumes it: from the newest complete checkpoint
         latest, written = _newest_complete(store)
-    last = _last_metrics(store)
+    last, learned = _last_metrics(store)
     held = live_holder(store)  # a trainer at work, maybe before its first checkpoint
     if latest is None and last is None and held is None:
         return None
+    # killed outright (SIGKILL, the OOM killer) on this machine: its lease lives on until its TTL,
+    # but `train --resume` here takes the output over at once (liveness.gone_from_here)
+    exited = held is not None and gone_from_here(held.holder)
     state = _json(store, f"{latest['prefix']}/state.json") if latest and latest.get("prefix") else None
     config = (state or {}).get("config") or {}
     exported = store.exists(EXPORT_CONFIG)
@@ -48,18 +52,23 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "steps_total": config.get("steps"),
         "epochs": config.get("epochs") if config.get("steps") is None else None,
         "epoch": last.get("epoch") if last else None,
-        "loss": last.get("loss") if last else None,
+        "loss": learned.get("loss") if learned else None,
+        "loss_step": learned.get("step") if learned else None,
         "acc_first": last.get("acc_first") if last else None,
         "tokens_per_s": last.get("tokens_per_s") if last else None,
         "checkpoint_step": latest.get("step") if latest else None,
         "checkpoint": f"{store.uri.rstrip('/')}/{latest['prefix']}" if latest and latest.get("prefix") else None,
         "checkpoint_age_s": round(max(0.0, now - written), 1) if written is not None else None,
         "drafter_exported": exported,
-        "trainer": None if held is None else {
-            "host": held.holder.get("host"), "pid": held.holder.get("pid"), "slurm_job": held.holder.get("slurm_job"),
-            "lease_renewed_s_ago": round(max(0.0, now - held.modified), 1)},
+        "trainer": None if held is None or exited else _trainer(held, now),
+        "trainer_exited": _trainer(held, now) if exited else None,
         "complete": exported,
     }
+
+
+def _trainer(held: Held, now: float) -> dict[str, Any]:
+    return {"host": held.holder.get("host"), "pid": held.holder.get("pid"), "slurm_job": held.holder.get("slurm_job"),
+            "lease_renewed_s_ago": round(max(0.0, now - held.modified), 1)}
 
 
 def step_prefix(step: int) -> str:
@@ -110,20 +119,25 @@ def _json(store: ObjectStore, key: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _last_metrics(store: ObjectStore) -> dict[str, Any] | None:
-    """The last complete line of metrics.jsonl, read from the file's tail (it grows with steps)."""
+def _last_metrics(store: ObjectStore) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The last complete line of metrics.jsonl, and the last with a loss (a step of zero-weighted
+    padding alone has none; `train`'s closing line names the last loss too), read from the file's
+    tail (it grows with steps)."""
     try:
         size = store.size(METRICS)
         if not size:
-            return None
+            return None, None
         tail = bytes(store.get_range(METRICS, max(0, size - TAIL_BYTES), size))
     except ObjectNotFound:
-        return None
+        return None, None
+    last = None
     for line in reversed(tail.decode(errors="replace").splitlines()):
         try:  # NaN as an earlier version wrote it: null, so `status --json` stays strict JSON
             record = json.loads(line, parse_constant=lambda constant: None)
         except ValueError:  # the first line of the tail may be cut
             continue
         if isinstance(record, dict) and "step" in record:
-            return record
-    return None
+            last = last or record
+            if isinstance(record.get("loss"), (int, float)):
+                return last, record
+    return last, None

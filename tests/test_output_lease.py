@@ -201,6 +201,12 @@ def test_a_second_train_on_one_out_is_refused_and_status_names_the_first(tmp_pat
 
         first.send_signal(signal.SIGKILL)
         first.wait(30)
+        # its lease lives until its TTL, but it is gone from here: status said "running" while
+        # `train --resume` here took the output over at once
+        assert cli(["status", out]) == 3
+        shown = capsys.readouterr().out
+        assert f"trainer     exited: pid {first.pid} on {socket.gethostname()} is gone from this machine" in shown
+        assert "running" not in shown and "--resume continues" in shown
         again, again_err = start("again")
         try:
             assert "is no longer running here: taking the output over" in again_err.read_text()

@@ -196,12 +196,21 @@ def test_status_of_a_training_output(trained, capsys):
     assert rc == 3 and "not exported yet" in out and "--resume" in out and "COMPLETE" not in out
 
     # A last step of padding alone as an earlier version wrote it (NaN, which is not JSON): --json
-    # stays strict JSON (null), and the text says why there is no loss.
-    store.put("metrics.jsonl", store.get("metrics.jsonl") + json.dumps(dict(last, loss=float("nan"))).encode() + b"\n")
+    # stays strict JSON, and the loss is the last step's that had one, as `train`'s closing line says
+    # (status said "none" while train said "final loss 7.2561 (step 11; ...)").
+    metrics = store.get("metrics.jsonl")
+    store.put("metrics.jsonl", metrics + json.dumps(dict(last, step=7, loss=float("nan"))).encode() + b"\n")
     rc, out, _ = status(capsys, out_uri)
-    assert "last loss   none (the step held only zero-weighted padding" in out
+    assert f"last loss   {last['loss']:.4f} at step 6 (the steps after it held only zero-weighted padding" in out
     text = status(capsys, out_uri, "--json")[1]
-    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"status --json printed {c}"))["loss"] is None
+    js = json.loads(text, parse_constant=lambda c: pytest.fail(f"status --json printed {c}"))
+    assert (js["step"], js["loss"], js["loss_step"]) == (7, last["loss"], 6)
+    # no step with a loss at all: the text says why there is none
+    store.put("metrics.jsonl", json.dumps(dict(last, step=1, loss=None)).encode() + b"\n")
+    rc, out, _ = status(capsys, out_uri)
+    assert "last loss   none (the step held only zero-weighted padding: samples the extraction skipped) at step 1" in out
+    assert json.loads(status(capsys, out_uri, "--json")[1])["loss"] is None
+    store.put("metrics.jsonl", metrics)
 
 
 def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
