@@ -197,7 +197,7 @@ def one_mode(mode: str, args: argparse.Namespace, ctx: dict[str, Any], window: i
     if mode != "extract_then_train":
         train += ["--follow", "--follow-poll-s", str(args.follow_poll_s)]
     if mode == "follow_window":
-        extract += ["--window", str(window)]
+        extract += ["--window", f"{window}B"]
         train += ["--delete-consumed"]
     say(f"{mode}: start")
     watcher = Watcher(s3, bucket, run_prefix, args.watch_s)

@@ -56,9 +56,13 @@ def duration(seconds: float) -> str:
     return f"{s // 86400} d {s % 86400 // 3600} h"
 
 
+BARE_FLOOR = 1 << 20  # a size written without a unit below this is taken for a forgotten unit
+
+
 def parse_size(text: str | int) -> int:
-    """'64MB' -> 64_000_000, '1GiB' -> 2**30, 4096 -> 4096. A number comes as it is from a
-    --config file, and must be positive too: a window of 0 bytes had every worker wait for good."""
+    """'64MB' -> 64_000_000, '1GiB' -> 2**30, '32B' -> 32, 4096 -> 4096. A number comes as it is
+    from a --config file, and must be positive too: a window of 0 bytes had every worker wait for
+    good. Text without a unit is bytes only from 1 MiB up: '32' is refused, a unit forgotten."""
     if isinstance(text, int) and not isinstance(text, bool):
         size = text
     else:
@@ -67,6 +71,10 @@ def parse_size(text: str | int) -> int:
         if not m or unit not in _UNITS:
             raise ConfigError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
         size = int(float(m.group(1)) * _UNITS[unit])
+        if not m.group(2) and 0 < size < BARE_FLOOR:
+            # `--shard-bytes 32` made one shard per sample, and the plan is kept for good
+            raise ConfigError(f"size {text!r} has no unit, so it is {size} bytes: write the unit, e.g. {text.strip()}MB, "
+                              f"{text.strip()}MiB or {text.strip()}GB ({text.strip()}B if bytes are meant)")
     if size <= 0:
         raise ConfigError(f"invalid size {text!r}: must be positive")
     return size

@@ -68,6 +68,10 @@ def test_parse_size():
     for bad in ("lots", "-1MB", "0", "12XB", 0, -1, True):  # numbers as a --config file gives them too
         with pytest.raises(ValueError, match="invalid size"):
             parse_size(bad)
+    # a unit forgotten: `--shard-bytes 32` made a shard per sample, for good (the plan is kept)
+    assert parse_size("32B") == 32 and parse_size("2000000") == 2_000_000
+    with pytest.raises(ValueError, match=r"size '32' has no unit, so it is 32 bytes: write the unit, e.g. 32MB"):
+        parse_size("32")
 
 
 def test_plan_sizes_shards_by_estimated_bytes():

@@ -261,7 +261,7 @@ def test_extract_with_a_window_waits_for_training(tmp_path, store_uri):
     logs = tmp_path / "logs"
     args = [sys.executable, "-m", "layertap", "extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
             data, "--out", store_uri, "--layers", "1,3", "--max-length", "32", "--shard-bytes", "20KB",
-            "--window", str(window), "--log-dir", str(logs)]
+            "--window", f"{window}B", "--log-dir", str(logs)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     store = open_store(store_uri)
@@ -504,7 +504,7 @@ def test_sigterm_while_waiting_on_the_window_is_a_preemption(tmp_path):
     out, logs = str(tmp_path / "run"), tmp_path / "logs"
     args = [sys.executable, "-m", "layertap", "extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
             write_chats(tmp_path / "chats.jsonl", 20), "--out", out, "--layers", "1,3", "--max-length", "32",
-            "--shard-bytes", "20KB", "--window", "1", "--log-dir", str(logs)]
+            "--shard-bytes", "20KB", "--window", "1B", "--log-dir", str(logs)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     log_file, deadline = logs / "extract-rank0.log", time.time() + 300
