@@ -595,7 +595,9 @@ class WorkQueue:
                     self._give_up(s, fresh, failed)
                     continue
                 redo = s in redos or fresh.withdrawn(s)  # withdrawn since the pass's scan, too
-                gate = Gate.OPEN if self.before_claim is None or redo else self.before_claim(s, self._would_redo)
+                # the gate's looks ride out an outage like the queue's own: it polls while 1,000 workers wait
+                gate = Gate.OPEN if self.before_claim is None or redo else \
+                    self._patiently(lambda: self.before_claim(s, self._would_redo))
                 if gate is Gate.REDO:
                     woken = True
                     break

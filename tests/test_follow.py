@@ -1203,3 +1203,56 @@ def test_a_step_that_waited_for_extraction_counts_the_wait_in_its_time(tmp_path)
     waited = max(lines, key=lambda r: r["step_s"])
     assert waited["step_s"] > 1.0 and 0.5 < waited["data_wait_fraction"] < 1.0  # most of it the wait, not all
     assert abs(waited["tokens_per_s"] * waited["step_s"] - waited["tokens"]) < 1e-6 * max(1, waited["tokens"])
+
+
+def test_a_waiting_trainer_rides_out_a_store_outage(store_uri, monkeypatch, caplog):
+    """A follow trainer's looks for commits had only the store's own retries (~10-20 s): a throttle
+    spell past them ended the trainer, its steps since the last checkpoint lost. A look while it
+    waits is tried again (`work.patiently`); a look ahead, with data in hand, is skipped."""
+    from layertap.manifests import layout
+    from layertap.manifests.manifest import load_manifest
+    from layertap.storage.store import TransientStoreError, open_store
+    from layertap.train import follow
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1])
+    watcher = follow.CommitWatcher(store, load_manifest(store), poll_s=0.1)
+    assert [r.shard for r in watcher.poll()] == [0, 1]
+    fake_worker.work(store_uri, shards=[2])
+    real_list, failed = store.list, []
+
+    def throttled(prefix="", *args, **kwargs):
+        if prefix.startswith(layout.FEED) and len(failed) < 3:
+            failed.append(prefix)
+            raise TransientStoreError("SlowDown: please reduce your request rate (retries used up)")
+        return real_list(prefix, *args, **kwargs)
+
+    monkeypatch.setattr(store, "list", throttled)
+    monkeypatch.setattr(follow, "_outage_pause", lambda: 0.01)
+    watcher._last_look = 0.0
+    caplog.set_level("WARNING")
+    assert watcher.poll_if_due(low=True) == [] and len(failed) == 1  # with data in hand: skipped
+    assert "training goes on with the data in hand" in caplog.text
+    assert [r.shard for r in watcher.wait()] == [2] and len(failed) == 3
+    assert "the store is failing" in caplog.text
+
+
+def test_the_trainers_stall_look_takes_an_outage_for_no_stall(store_uri, monkeypatch, caplog):
+    """Rank 0's look at the window while a rank waits for data (`_await_data`) raised the store's
+    error: the trainer ended on a throttle spell. Taken for no stall; the next look asks again."""
+    from layertap.manifests import consumption
+    from layertap.manifests.consumption import WindowGate
+    from layertap.storage.store import TransientStoreError, open_store
+    from layertap.train.trainer import _stalled
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])
+    WindowGate(store, 10_000).record()
+    assert _stalled(store) is True
+
+    def failing(store):
+        raise TransientStoreError("SlowDown (retries used up)")
+
+    monkeypatch.setattr(consumption, "stalled", failing)
+    caplog.set_level("WARNING")
+    assert _stalled(store) is False and "could not look whether extraction waits" in caplog.text

@@ -248,6 +248,30 @@ def test_workers_wait_while_the_window_is_full_and_go_on_once_training_consumed(
     assert at_rest(store).bytes < window + workers * largest
 
 
+def test_a_store_outage_while_a_worker_passes_the_window_is_ridden_out(store_uri, monkeypatch):
+    """The gate's looks were outside the queue's `patiently`: a listing of shards/ failing past the
+    store's own retries (a throttle, when 1,000 waiting workers poll) ended the worker."""
+    from layertap.storage.store import TransientStoreError
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1])
+    manifest = fake_worker.plan(store)
+    real_list, failed = store.list, []
+
+    def throttled(prefix="", *args, **kwargs):
+        if prefix == layout.SHARDS and len(failed) < 2:
+            failed.append(prefix)
+            raise TransientStoreError("SlowDown: please reduce your request rate (retries used up)")
+        return real_list(prefix, *args, **kwargs)
+
+    monkeypatch.setattr(store, "list", throttled)
+    gate = WindowGate(store, 1 << 20, poll_s=0.02, max_poll_s=0.05)
+    queue = WorkQueue(store, manifest, Producer.current(0), ttl_s=60, before_claim=gate, poll_s=0.02)
+    claim = next(iter(queue))
+    assert claim.shard not in (0, 1) and len(failed) == 2
+    claim.release()
+
+
 @pytest.mark.slow
 def test_extract_with_a_window_waits_for_training(tmp_path, store_uri):
     """A real `python -m layertap extract --window`: it stops claiming once the window is full and

@@ -47,7 +47,8 @@ from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.manifests.state import feed_since, fits_plan, listed_shards, replaced_manifest_error, scan_work
 from layertap.storage.errors import UserError
 from layertap.storage.retry import Backoff
-from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
+from layertap.manifests.work import patiently
+from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 from layertap.storage.units import listing, size
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,12 @@ STALL_GIVE_UP_S = 600.0
 IDLE_CHECKS = 4  # at most this many uncommitted shards nothing works on: a waiting consumer HEADs their commits
 IDLE_CHECK_S = 60.0  # ... each at most this often
 OVER_CHECK_AFTER = 3  # empty looks in a row (0.5 + 1 + 2 s) before a wait asks whether extraction is over
+
+
+def _outage_pause() -> float:
+    """Seconds before a look that the store failed is tried again: 2-8, jittered, so that the
+    consumers that met one outage together do not look again in step."""
+    return random.uniform(2.0, 8.0)
 
 
 def _looks(poll_s: float) -> Backoff:
@@ -272,7 +279,12 @@ class CommitWatcher:
             return []
         if not low:
             self._ahead.sleep()
-        new = self.poll()
+        try:
+            new = self.poll()
+        except TransientStoreError as e:  # it has data to work on: the next look, when due, tries again
+            log.warning("%s: a look for new commits failed (%s); training goes on with the data in hand", self.who, e)
+            self._last_look = time.monotonic()
+            return []
         if low and not new:
             self._low.sleep()
         return new
@@ -281,18 +293,20 @@ class CommitWatcher:
         """New commits, blocking (with backoff) until some appear or extraction is over. Looks
         are at least 0.5 s apart, and whether extraction is over (listings of leases, failures
         and given-up shards) is asked only after OVER_CHECK_AFTER empty looks in a row, or when
-        the waiting line is due: a consumer that commits keep fed lists the feed alone."""
+        the waiting line is due: a consumer that commits keep fed lists the feed alone. Looks ride
+        out a store outage as extraction's workers do (`work.patiently`): a throttle spell ended
+        the trainer, its steps since the last checkpoint lost."""
         empty = 0
         while True:
             if (gap := FIRST_DELAY_S - (time.monotonic() - self._last_look)) > 0:
                 time.sleep(gap)
-            new = self.poll()
+            new = patiently(self.poll, _outage_pause)
             if new or self.complete:
                 self._backoff.reset()
                 return new
             empty += 1
             if ((empty >= OVER_CHECK_AFTER or time.monotonic() - self._logged >= LOG_EVERY_S)
-                    and self._extraction_over()):
+                    and patiently(self._extraction_over, _outage_pause)):
                 return []
             self._backoff.sleep()
 

@@ -753,8 +753,6 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
     seconds of waiting (none on one rank while its batch is there), and while any rank waits, rank 0
     looks for the stall and tells the others (a second reduce): whichever rank lacks its batch,
     not only rank 0 (ranks' shares of a follow run differ by a few samples at a stall)."""
-    from layertap.manifests.consumption import stalled
-
     acc, world = run.acc, run.acc.num_processes
 
     def any_rank(*values: bool) -> list[bool]:
@@ -770,13 +768,26 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
             return stop, saved
         if not (run.cfg.delete_consumed and step > saved):
             continue
-        [held] = any_rank(acc.is_main_process and stalled(run.data) is not None)
+        [held] = any_rank(acc.is_main_process and _stalled(run.data))
         if held:
             if acc.is_main_process:
                 log.info("extraction waits for its storage window to open while training waits for data: checkpoint "
                          "at step %d, so the shards trained on count as consumed and their data is deleted", step)
             _save(run, step)
             saved = step
+
+
+def _stalled(store: ObjectStore) -> bool:
+    """`consumption.stalled`, with a store failing past its retries taken for no stall: the next
+    look, `STALL_CHECK_S` later, asks again (an outage ended the trainer)."""
+    from layertap.manifests.consumption import stalled
+    from layertap.storage.store import TransientStoreError
+
+    try:
+        return stalled(store) is not None
+    except TransientStoreError as e:
+        log.warning("could not look whether extraction waits for its storage window (%s); looking again", e)
+        return False
 
 
 def _report(run: _Run, stats: StepStats, epoch: int, wait: float, progress) -> None:
