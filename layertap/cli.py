@@ -39,9 +39,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "import": ("layertap.extract.interop_command", "turn speculators', SpecForge's or ModelOpt's hidden-state files into a run"),
 }
 
-# Read-only commands exit 5, not 2 (no run there, a bad prefix), when the store did not answer
-# (unreachable, or failing past its retries): `layertap status`'s exit codes.
-NO_ANSWER_COMMANDS = frozenset({"status", "verify", "inspect", "delete"})
+# Every command exits 5, not 2 (bad arguments, no run there, a bad prefix), when the store did not
+# answer (unreachable, or failing past its retries): a script or a job's wrapper can tell an outage
+# it may wait out from a mistake to fix (`layertap status`'s exit codes; extract and train exited 2).
 EXIT_NO_ANSWER = 5
 
 
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         from layertap.storage.store import TransientStoreError  # loaded already by whatever raised it
 
-        # a script running a read-only command must tell an outage it can wait out from a wrong prefix
-        return EXIT_NO_ANSWER if isinstance(e, TransientStoreError) and command in NO_ANSWER_COMMANDS else 2
+        # a script must tell an outage it can wait out from a wrong prefix or flag
+        return EXIT_NO_ANSWER if isinstance(e, TransientStoreError) else 2
     except BrokenPipeError:  # e.g. piped into `head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -46,7 +46,7 @@ def add_verify(p: argparse.ArgumentParser) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """`layertap status`; a store that does not answer exits 5 (`layertap.cli.NO_ANSWER_COMMANDS`)."""
+    """`layertap status`; a store that does not answer exits 5 (`layertap.cli.EXIT_NO_ANSWER`)."""
     from layertap.manifests.manifest import NoRun
     from layertap.manifests.status import run_status as status
     from layertap.storage.store import open_store
