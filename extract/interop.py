@@ -383,14 +383,14 @@ def gguf_target(path: str, name: str) -> Target:
                          f"block_count, and a token_embd.weight tensor ({type(e).__name__}: {e})") from None
 
 
-def export_note(src: ObjectStore, fmt: str) -> dict[str, Any] | None:
+def export_note(src: ObjectStore, fmt: str | None) -> dict[str, Any] | None:
     """The `layertap-export.json` that `layertap export` wrote beside the files, when it is there
-    and is of this layout: it records the layers the files hold and their hidden size."""
+    and is of this layout (`fmt`; None: any): it records the layers the files hold and their hidden size."""
     try:
         note = json.loads(src.get(EXPORT_NOTE))
     except (ObjectNotFound, ValueError, RecursionError):
         return None
-    return note if isinstance(note, dict) and note.get("format") == fmt else None
+    return note if isinstance(note, dict) and (fmt is None or note.get("format") == fmt) else None
 
 
 def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int], hidden: int, hidden_from: str,

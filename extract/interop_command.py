@@ -77,13 +77,20 @@ def _from_export_note(args: argparse.Namespace) -> None:
     if args.model is not None and args.layers is not None:
         return
     from layertap.extract.interop import EXPORT_NOTE, export_note
-    from layertap.storage.errors import ConfigError
+    from layertap.storage.errors import ConfigError, MissingInput
     from layertap.storage.store import open_store
     from layertap.train.target_head import recorded_target
 
-    note = export_note(open_store(args.src), args.format)
+    src = open_store(args.src)
+    note = export_note(src, args.format)
     missing = " and ".join(f for f, v in (("--model", args.model), ("--layers", args.layers)) if v is None)
     if note is None:
+        if next(iter(src.list("")), None) is None:  # a typo: said as such, not as flags missing
+            raise MissingInput(f"{args.src} does not exist, or holds nothing: give the folder or prefix the "
+                               f"{args.format} files are in")
+        if (other := export_note(src, None)) is not None and other.get("format") != args.format:
+            raise ConfigError(f"{args.src} holds {other.get('format')!r} files, as its {EXPORT_NOTE} records "
+                              f"(written by `layertap export`), not {args.format} ones: --from {other.get('format')}?")
         raise ConfigError(f"give {missing}: {args.src} holds no {EXPORT_NOTE} of {args.format} files (written by "
                           "`layertap export`) to take them from")
     if args.layers is None:

@@ -7,8 +7,14 @@ import json
 import logging
 import sys
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from layertap.storage.errors import ConfigError
 from layertap.storage.units import duration, listing, size
+
+if TYPE_CHECKING:
+    from layertap.manifests.manifest import NoRun
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +110,22 @@ def deeper_text(others: list[str]) -> str:
     if not others:
         return ""
     return f"; and {len(others)} other folder(s) ({listing([f'{o}/' for o in others], 5)}), not looked into"
+
+
+def not_a_run(store, e: NoRun, needs: str, instead: Callable[[str], str]) -> NoRun:
+    """`e` (no manifest.json at `store`), said as what the prefix is instead, as `status` tells:
+    a training output (then `instead(the run it trained on)`), or a folder of runs (which). `needs`:
+    what the command does with a run ("verify re-reads the shards of")."""
+    from layertap.manifests.manifest import NoRun
+    from layertap.manifests.train_output import training_status
+
+    t = training_status(store)
+    if t is None:
+        return NoRun(f"{e}{_what_is_under(store)}")
+    data = f": {instead(t['data'])}" if t.get("data") else ""
+    return NoRun(f"{store.uri} is a `layertap train` output (checkpoints, metrics.jsonl), not a run: {needs} an "
+                 "extraction run (`layertap extract` or `layertap import`; its prefix holds manifest.json)"
+                 f"{data}; `layertap status {store.uri}` reports on the training")
 
 
 def _what_is_under(store) -> str:
@@ -350,7 +372,6 @@ def run_verify(args: argparse.Namespace) -> int:
 
     from layertap.manifests.manifest import NoRun
     from layertap.manifests.status import verify_run
-    from layertap.manifests.train_output import training_status
     from layertap.storage.store import open_store
 
     if args.threads < 1:
@@ -359,14 +380,9 @@ def run_verify(args: argparse.Namespace) -> int:
     try:
         with tqdm(desc="verify", unit="shard", disable=args.json or None, file=sys.stderr) as bar:
             result = verify_run(store, threads=args.threads, progress=bar.update)
-    except NoRun:
-        t = training_status(store)  # what `status` recognizes the prefix as
-        if t is None:
-            raise
-        data = f": `layertap verify {t['data']}` checks the run it trained on" if t.get("data") else ""
-        raise NoRun(f"{store.uri} is a `layertap train` output (checkpoints, metrics.jsonl), not a run: verify "
-                    "re-reads the shards of an extraction run (`layertap extract` or `layertap import`; its prefix "
-                    f"holds manifest.json){data}; `layertap status {args.prefix}` reports on the training") from None
+    except NoRun as e:
+        raise not_a_run(store, e, "verify re-reads the shards of", lambda run: f"`layertap verify {run}` checks the run "
+                        "it trained on") from None
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

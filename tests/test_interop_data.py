@@ -158,6 +158,11 @@ def test_import_of_a_layertap_export_takes_the_target_and_layers_its_note_record
     run = load_manifest(open_store(back)).identity
     assert run.layers == [1, 3] and run.model == load_manifest(open_store(prenorm_run)).identity.model
     assert len(samples(back)) == 3
+    capsys.readouterr()  # the wrong --from, and a SRC that is not there, were "give --model and --layers"
+    assert cli(["import", dest, "--from", "modelopt", "--out", str(tmp_path / "other")]) == 2
+    assert "holds 'specforge' files, as its layertap-export.json records" in capsys.readouterr().err
+    assert cli(["import", dest + "-typo", "--from", "specforge", "--out", str(tmp_path / "other")]) == 2
+    assert f"{dest}-typo does not exist, or holds nothing" in capsys.readouterr().err
     note = json.loads(open_store(dest).get("layertap-export.json"))
     open_store(dest).put("layertap-export.json", json.dumps({k: v for k, v in note.items()
                                                             if k != "specforge_layer_ids"}).encode())

@@ -4,6 +4,8 @@ made by the real commands on a tiny extraction."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from layertap.cli import main as cli
@@ -37,6 +39,13 @@ def test_verify_of_a_training_output_says_what_it_is_and_names_its_run(trained, 
     assert f"`layertap verify {run}` checks the run it trained on" in err and "layertap extract` to start" not in err
     assert cli(["verify", str(tmp_path / "nothing")]) == 2  # neither: the message it had
     assert "manifest.json is missing" in capsys.readouterr().err
+    # train --data too, and a folder of runs names them, as `status` does
+    assert cli(["train", "--data", out, "--out", str(tmp_path / "d2"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is a `layertap train` output" in err and f"it trained on {run}, which --data may name" in err
+    assert cli(["train", "--data", str(Path(run).parent), "--out", str(tmp_path / "d3"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "manifest.json is missing" in err and "Under it: " in err and "run/ (run)" in err
 
 
 def test_eval_of_a_speculators_export_asks_for_the_training_output(trained, tmp_path, capsys):

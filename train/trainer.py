@@ -34,7 +34,7 @@ import xxhash
 
 from layertap.manifests.consumption import prefetch_depth
 from layertap.manifests.layout import MANIFEST
-from layertap.manifests.manifest import Manifest, load_manifest
+from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.storage.errors import ConfigError, InputError, UserError
@@ -287,7 +287,13 @@ def train(cfg: TrainConfig) -> int:
     _check_apart(out, data)
     # A wrong or unreachable --data fails here, before --out holds anything (a refused command
     # left a lease folder behind); a follow trainer may wait for the run to be planned.
-    run = None if cfg.follow else load_manifest(data)
+    try:
+        run = None if cfg.follow else load_manifest(data)
+    except NoRun as e:  # a training output or a folder of runs given: said as such, as `status` says it
+        from layertap.manifests.cli import not_a_run
+
+        raise not_a_run(data, e, "train learns from", lambda run: f"it trained on {run}, which --data may name") \
+            from None
     # Before the steps (waiting for a run to follow, loading the target head) and after them (the
     # export), a stop signal ends the command at once, the lease released on the way out; during
     # them the loop's own StopSignals stops at a step boundary, with a checkpoint.
