@@ -243,7 +243,9 @@ def format_status(s: dict, deleting: str | None = None) -> str:
                      f"record under waiting/ for {WAITING_STALE_S / 60:.0f} min): {_rerun(s)} goes on as training "
                      "consumes")
     elif not s["shards_running"] and not s["problem"]:
-        lines.append(f"  nothing is running: {_rerun(s)} finishes the failed and pending shards")
+        kinds = [kind for kind in ("failed", "interrupted", "pending") if s.get(f"shards_{kind}")] or ["left"]
+        left = ", ".join(kinds[:-1]) + (" and " if len(kinds) > 1 else "") + kinds[-1]
+        lines.append(f"  nothing is running: {_rerun(s)} finishes the {left} shards")
     if len(s["failed"]) < s["shards_failed"]:
         lines += _failure_groups(f"FAILED {s['shards_failed']:,} shards: {s['failed_ranges']}", s["failed"])
     else:

@@ -37,7 +37,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                         "(default: the settings the drafter's training chats were rendered with, which it records "
                         "from a `layertap regenerate` dataset's; a prompt rendered otherwise is a text the drafter "
                         "never saw)")
-    p.add_argument("--limit", type=int, help="evaluate the first N prompts (default all)")
+    p.add_argument("--limit", type=int, help="evaluate the first N prompts that fit --max-prompt-tokens (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
                    help="prompts longer than this are skipped (and counted) (default 1024)")

@@ -398,7 +398,7 @@ class ShardStream(IterableDataset):
         self._settled = True
         if self._left_out:  # info: the --delete-consumed trainer's own state at its end settles too
             log.info("%s: %d committed shard(s) were consumed and deleted by a --delete-consumed trainer; the "
-                     "epochs after the follow epoch stream the other %d", self.uri, len(self._left_out),
+                     "epochs after the follow epoch, if any, stream the other %d", self.uri, len(self._left_out),
                      len(self.shards))
 
     def _readable_shards(self) -> list[CommittedShard]:
