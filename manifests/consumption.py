@@ -315,6 +315,19 @@ def at_rest(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | None = Non
     return AtRest(len(listed), sum(o.size for objects in listed.values() for o in objects))
 
 
+def forget_watermarks(store: ObjectStore) -> int:
+    """Delete every rank's watermark, as the run's `--delete-consumed` trainer starts from step 0:
+    they tell of an earlier start of it (its checkpoints removed) or of another trainer, whose
+    consumption the new start does not share. Left in place, an old rank's watermark and a new
+    one's named a shard together that the new trainer's other ranks had yet to read, and a sweep
+    deleted it under them. What was agreed already is in the markers, which stay. Returns how
+    many it deleted."""
+    keys = [o.key for o in store.list(layout.CONSUMED_RANKS)]
+    if keys:
+        store.delete_many(keys)
+    return len(keys)
+
+
 def watermarks(store: ObjectStore, listing: list[ObjectInfo] | None = None) -> dict[int, dict]:
     """Every rank's watermark by rank (unreadable ones left out, with a warning); read 16 at a
     time, as each names every shard its rank consumed. `listing`: of `consumed/ranks/`, when the

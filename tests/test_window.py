@@ -976,3 +976,29 @@ def test_data_a_killed_attempt_left_before_its_commit_does_not_shut_the_window_f
             assert claim.commit(w.close())
     assert [o.key for o in store.list(layout.SHARDS)] == [claim.data_key]  # the commit removed the leftover
     assert not list(store.list(layout.REDO))
+
+
+def test_a_consumer_starting_from_step_0_forgets_the_watermarks_of_an_earlier_start(store_uri):
+    """An earlier start of the run's --delete-consumed trainer (its checkpoints removed, the same
+    --out and world size) left rank 1's watermark naming shard 2; the new start's rank 0 naming it
+    too made it consumed everywhere, and a sweep deleted it before the new rank 1 had read it."""
+    from types import SimpleNamespace
+
+    from layertap.manifests.consumption import claim_consumer, watermarks
+    from layertap.train.trainer import _check_consumer
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2, 3])
+    run_id = fake_worker.plan(store).run_id
+    claim_consumer(store, "out")
+    record_consumed(store, rank=0, world_size=2, shards=[0], step=4, run_id=run_id, output="out")
+    record_consumed(store, rank=1, world_size=2, shards=[0, 2], step=4, run_id=run_id, output="out")
+    assert delete_consumed(store, run_id=run_id) == [0]  # the earlier start's own agreement: gone, and marked
+    cfg = SimpleNamespace(delete_consumed=True, follow=True)
+    _check_consumer(cfg, store, "out", rank=0, fresh=False)  # a resume keeps them: they are its own
+    assert set(watermarks(store)) == {0, 1}
+    _check_consumer(cfg, store, "out", rank=0, fresh=True)
+    assert watermarks(store) == {}
+    record_consumed(store, rank=0, world_size=2, shards=[2], step=4, run_id=run_id, output="out")  # the new rank 0
+    assert consumed_everywhere(store) == {0} and delete_consumed(store, run_id=run_id) == []
+    assert 2 in data_shards(store)
