@@ -17,7 +17,10 @@ def run_regenerate(args: argparse.Namespace) -> int:
     import logging
 
     from layertap.extract.regenerate import load_regenerate_config, regenerate
+    from layertap.manifests.cli import format_regeneration
     from layertap.manifests.preemption import Preempted
+    from layertap.manifests.regeneration import regeneration_status
+    from layertap.storage.store import open_store
 
     cfg = load_regenerate_config(args)
     try:
@@ -26,4 +29,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
         logging.getLogger("layertap.extract.regenerate").warning(
             "stopped (%s): the parts written are kept; rerun the same command to continue", e)
         return e.exit_code
+    # on stdout, as extract, train and import end: the output's status and what reads it
+    if (status := regeneration_status(open_store(cfg.out))) is not None:
+        print(format_regeneration(status))
     return 0

@@ -63,7 +63,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"  run {m.run_id}  shard {m.shard_id}  model {m.model}"
           f"{'@' + m.model_revision if m.model_revision else ''}  tokenizer {m.tokenizer}")
     print(f"  layers {m.layers} ({m.layer_convention})  final_state {m.final_state}  hidden {m.hidden_size}  {m.dtype}")
-    print(f"  codec {m.codec}  ratio {ratio:.3f}x"
+    print(f"  codec {m.codec}  ratio " + (f"{ratio:.3f}x" if f["raw_bytes"] else "- (no records)")
           + (f"  relative error {f['relative_error']:.4%}" if f.get("relative_error") is not None else ""))
     print(f"  {len(reader)} records  {f['num_tokens']} tokens  {report.bytes} bytes  xxh3-128 {report.xxh3_128}")
     if isinstance(produced := m.extra.get("produced_by"), dict):  # free-form (FORMAT.md §3): shown when it is ours

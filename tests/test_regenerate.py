@@ -262,7 +262,8 @@ def test_a_rerun_with_other_settings_is_refused_and_bad_inputs_are_named(server,
     data = write_sharegpt(tmp_path / "chats.jsonl", 4)
     out = str(tmp_path / "regen")
     assert cli(regenerate_args(data, out, server)) == 0
-    capsys.readouterr()
+    said = capsys.readouterr().out  # its end on stdout, as extract's, train's and import's
+    assert f"regeneration at {open_store(out).uri}" in said and "COMPLETE" in said and "layertap extract --dataset" in said
     assert cli(regenerate_args(data, out, server, "--temperature", "0.7")) == 2
     assert "temperature: output has 0.0, now 0.7" in capsys.readouterr().err
 
