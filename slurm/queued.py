@@ -19,21 +19,18 @@ names them.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from layertap.extract.config import parse_ids
-from layertap.manifests import layout
 from layertap.manifests.work import read_lease
 from layertap.slurm.scripts import compress
-from layertap.slurm.work import Remaining, within
+from layertap.slurm.work import Remaining, given_up_by_task, read_all, within
 from layertap.storage.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -44,7 +41,8 @@ _REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
 
 
 MAX_TAG = 1000  # Slurm refuses a comment over 1,024 characters ("Pathname ... too long"), the whole job with it
-SHARDS_SPEC = 200  # a longer --shards list is tagged "some": read as any shard (work left, never taken twice)
+SHARDS_SPEC = 200  # a longer --shards list is tagged "some": read as no shard known (its work submitted again,
+# which the leases keep done once; read as any shard, the work of shards it could never take was left to it)
 
 
 def tag(location: str, shards_per_task: int | None, shards: Sequence[int] | None) -> str | None:
@@ -97,8 +95,12 @@ class QueuedTask:
 # The states of tasks that will still do work: waiting, booting their nodes, or started. A
 # started task may not hold a lease yet (`started`); COMPLETING and SUSPENDED ones take no shard.
 _STATES = "PENDING,CONFIGURING,RUNNING"
-# why a pending job waits, when it never will run (squeue's %r): its work is not left to it
-_NEVER = ("DependencyNeverSatisfied",)
+# why a pending job waits, when it never will run (squeue's %r): its work is not left to it. Past a
+# partition's or a QOS's limits (a --time over the partition's maximum, under EnforcePartLimits=NO, the
+# default), Slurm keeps the job pending for good
+_NEVER = ("DependencyNeverSatisfied", "PartitionTimeLimit", "PartitionNodeLimit", "BadConstraints", "InvalidQOS",
+          "InvalidAccount", "QOSMaxWallDurationPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit",
+          "QOSMaxGRESPerJob")
 # ... or runs only once someone releases it, which its owner cannot count on: an admin's hold, or
 # Slurm's own after the node failed to launch it (its reason then reads as its description)
 _HELD = ("JobHeldAdmin", "launch failed requeued held", "JobLaunchFailure")
@@ -126,6 +128,12 @@ def _will_start(tagged: list[tuple[_Listed, T]], what: str) -> list[T]:
     """What `tagged` tasks (of `what`, a run or an output) stand for, less those that will never
     start: one whose dependency can never be met, and one held for good (`_HELD`), whose work is
     submitted again. The log names the held ones: released later, they would do it twice."""
+    never = [t for t, _ in tagged if t.reason in _NEVER and t.reason != "DependencyNeverSatisfied"]
+    if never:
+        jobs = " ".join(t.job for t in never)
+        log.warning("Slurm task(s) %s queued for %s will never start (%s: past a limit of the partition or QOS): "
+                    "their work is submitted again; `scancel %s`", jobs, what,
+                    ", ".join(sorted({t.reason for t in never})), jobs)
     held = [t for t, _ in tagged if t.reason in _HELD]
     if held:
         jobs = " ".join(t.job for t in held)
@@ -143,7 +151,7 @@ def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
         m = _TAG.fullmatch(t.comment)
         if m is None or m[3] != location or "_" not in t.job or not t.job.split("_", 1)[1].isdigit():
             continue
-        shards = None if m[2] in ("all", "some") else frozenset(parse_ids(m[2]))
+        shards = None if m[2] == "all" else frozenset() if m[2] == "some" else frozenset(parse_ids(m[2]))
         tagged.append((t, QueuedTask(t.job, int(m[1]), shards, running=t.state == "RUNNING")))
     return _will_start(tagged, f"the run at {location}")
 
@@ -200,21 +208,9 @@ def started(store: ObjectStore, remaining: Remaining, queued: list[QueuedTask]) 
     queued = [t for t in queued if not (t.running and t.job in waiting)]
     dynamic = {t.job for t in queued if t.running and not t.shards_per_task}
     holding = _lease_holders(store, list(remaining.leases.values()), dynamic) if dynamic else set()
-    gave_up = _given_up(store, set(remaining.todo)) if any(t.running for t in queued) else {}
+    gave_up = given_up_by_task(store, set(remaining.todo)) if any(t.running for t in queued) else {}
     return [replace(t, given_up=frozenset(gave_up.get(t.job, ()))) if t.running else t
             for t in queued if t.job not in holding]
-
-
-def _read_all(keys: Iterable[str], read: Callable[[str], T | None],
-              enough: Callable[[set[T]], bool] = lambda found: False) -> set[T]:
-    """What `read` says of `keys` (16 at a time; None is nothing), stopping once `enough` of it was found."""
-    keys, found = list(keys), set()
-    with ThreadPoolExecutor(16) as pool:
-        for start in range(0, len(keys), 64):
-            found |= {x for x in pool.map(read, keys[start:start + 64]) if x is not None}
-            if enough(found):
-                break
-    return found
 
 
 def _lease_holders(store: ObjectStore, leases: list[str], wanted: set[str]) -> set[str]:
@@ -226,23 +222,7 @@ def _lease_holders(store: ObjectStore, leases: list[str], wanted: set[str]) -> s
         except StoreError:
             return None
         return lease["holder"].get("job_id") if lease else None
-    return _read_all(leases, holder, lambda found: wanted <= found) & wanted
-
-
-def _given_up(store: ObjectStore, todo: set[int]) -> dict[str, set[int]]:
-    """The shards of `todo` given up (`layout.given_up_key`), by the task (`123_4`) that gave each up."""
-    keys = [o.key for o in store.list(layout.GIVEN_UP) if layout.shard_of(o.key, layout.GIVEN_UP) in todo]
-
-    def verdict(key: str) -> tuple[str, int] | None:
-        try:
-            job = json.loads(store.get(key))["producer"].get("job_id")
-        except (StoreError, ValueError, KeyError, TypeError, AttributeError):
-            return None  # unreadable, or gone: the shard is left to the task, as before this was read
-        return (job, layout.shard_of(key, layout.GIVEN_UP)) if job else None
-    by_task: dict[str, set[int]] = {}
-    for job, shard in _read_all(keys, verdict):
-        by_task.setdefault(job, set()).add(shard)
-    return by_task
+    return read_all(leases, holder, lambda found: wanted <= found) & wanted
 
 
 def leave_to_queued(remaining: Remaining, queued: list[QueuedTask]) -> Remaining:

@@ -8,11 +8,13 @@ tasks still queued in Slurm are left theirs too (`slurm.queued`).
 
 from __future__ import annotations
 
+import json
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from layertap.manifests import layout
 from layertap.manifests.consumption import waiting_records, waiting_workers
@@ -23,6 +25,8 @@ from layertap.manifests.work import check_shard_ids, read_lease
 from layertap.slurm.scripts import ArrayPlan
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectStore, StoreError
+
+T = TypeVar("T")
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: array indices go up to 1000
 
@@ -94,14 +98,29 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     todo = [s for s, v in states.items() if v in ("failed", "pending")]
     waiting = [w for w in (waiting_workers(store, waiting_records(store)) if todo else [])
                if w.shards is None or any_within(todo, w.shards)]
+    waited_for = todo if any(w.shards is None for w in waiting) else within(todo, [r for w in waiting for r in w.shards])
     return Remaining(run_id=manifest.run_id, total=total, selected=None if only is None else len(ids), done=sum(1 for v in states.values() if v == "done"),
                      running=running, failed=failed,
                      interrupted=[s for s in failed if st.failures[s][-1].endswith(layout.STOPPED)],
                      todo=todo, leases={s: st.live_lease(s).key for s in running},
                      waiting=len(waiting), waiting_jobs=sorted({w.who or "unknown" for w in waiting}),
                      waiting_tasks=sorted({w.task for w in waiting if w.task}),
-                     waited_for=todo if any(w.shards is None for w in waiting) else
-                     within(todo, [r for w in waiting for r in w.shards]))
+                     waited_for=_not_given_up(store, waited_for, waiting) if waiting else [])
+
+
+def _not_given_up(store: ObjectStore, shards: list[int], waiting: list) -> list[int]:
+    """`shards` (what `waiting` workers may take) less those every waiting worker that may take it
+    gave up (its --retries used up: it never takes it again): such a shard was reported as theirs,
+    and no resubmission did it. A worker of no Slurm task is taken to give up nothing."""
+    by_shard: dict[int, set[str]] = {}
+    for job, shards_of in given_up_by_task(store, set(shards)).items():
+        for s in shards_of:
+            by_shard.setdefault(s, set()).add(job)
+
+    def takers(s: int) -> list:
+        return [w for w in waiting if w.shards is None or any(lo <= s <= hi for lo, hi in w.shards)]
+    gone = {s for s, jobs in by_shard.items() if all(w.task in jobs for w in takers(s))}
+    return [s for s in shards if s not in gone]
 
 
 def any_within(ids: Sequence[int], ranges: Iterable[Sequence[int]]) -> bool:
@@ -181,3 +200,31 @@ def lease_holders(store: ObjectStore, remaining: Remaining, shards: Sequence[int
         if lease is not None and (name := holder_name(lease["holder"])):  # else released meanwhile, or unreadable
             found.add(name)
     return sorted(found)
+
+
+def read_all(keys: Iterable[str], read: Callable[[str], T | None],
+              enough: Callable[[set[T]], bool] = lambda found: False) -> set[T]:
+    """What `read` says of `keys` (16 at a time; None is nothing), stopping once `enough` of it was found."""
+    keys, found = list(keys), set()
+    with ThreadPoolExecutor(16) as pool:
+        for start in range(0, len(keys), 64):
+            found |= {x for x in pool.map(read, keys[start:start + 64]) if x is not None}
+            if enough(found):
+                break
+    return found
+
+
+def given_up_by_task(store: ObjectStore, todo: set[int]) -> dict[str, set[int]]:
+    """The shards of `todo` given up (`layout.given_up_key`), by the task (`123_4`) that gave each up."""
+    keys = [o.key for o in store.list(layout.GIVEN_UP) if layout.shard_of(o.key, layout.GIVEN_UP) in todo]
+
+    def verdict(key: str) -> tuple[str, int] | None:
+        try:
+            job = json.loads(store.get(key))["producer"].get("job_id")
+        except (StoreError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # unreadable, or gone: the shard is left to the task, as before this was read
+        return (job, layout.shard_of(key, layout.GIVEN_UP)) if job else None
+    by_task: dict[str, set[int]] = {}
+    for job, shard in read_all(keys, verdict):
+        by_task.setdefault(job, set()).add(shard)
+    return by_task

@@ -261,6 +261,44 @@ def test_started_tasks_keep_their_work_until_their_leases_show(tmp_path, capsys,
     assert "#SBATCH --array=0-2\n" in out  # it was counted as a starting task too: one task fewer
 
 
+def test_a_shard_given_up_by_the_worker_waiting_behind_the_window_is_submitted(tmp_path, capsys, monkeypatch):
+    """74_0 gave shard 5 up (its --retries used up) and now waits behind a full --window for any
+    shard: "nothing to submit: ... wait ... to take shards 5-9", though it never takes 5 again."""
+    from layertap.slurm.queued import tag
+
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+    prefix = str(tmp_path / "run")
+    store = planned_run(prefix, 10, committed=5, failed=5)
+    store.put(layout.given_up_key(5, 2, "t"), json.dumps({"producer": {"job_id": "74_0"}, "retries": 1}).encode())
+    store.put(layout.waiting_key("t74"), json.dumps({"producer": {"job_id": "74_0", "token": "t74"}, "shard": 6,
+                                                     "shards": None}).encode())
+    fake_squeue(bin_, [("74_0", "RUNNING", "None", tag(prefix, None, None))])
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0",
+                  "--nodes", "2") == 0
+    out = capsys.readouterr().out
+    assert "wait behind the full storage window to take shards 6-9" in out and "#SBATCH --array=0\n" in out
+
+
+def test_tasks_that_cannot_take_the_shards_or_never_start_keep_no_work(caplog):
+    """A --shards list too long for the tag ("some") was read as any shard, and a task pending past
+    a partition's limit (a --time over its maximum: PartitionTimeLimit) kept its work for good."""
+    from layertap.slurm.queued import leave_to_queued, parse_squeue, tag
+
+    run = "s3://b/run"
+    scattered = tag(run, None, list(range(0, 500, 2)))
+    assert "shards=some " in scattered
+    listed = "\n".join([f"90_0|PENDING|Priority|{scattered}",
+                        f"50_0|PENDING|PartitionTimeLimit|{tag(run, 2, None)}"])
+    queued = parse_squeue(listed, run)
+    assert [t.job for t in queued] == ["90_0"] and "50_0 queued for the run at" in caplog.text
+    assert "`scancel 50_0`" in caplog.text and "PartitionTimeLimit" in caplog.text
+    rem = Remaining(run_id="r", total=10, done=0, running=[], failed=[], todo=[1, 3])
+    assert leave_to_queued(rem, queued).free == [1, 3] and leave_to_queued(rem, queued).queued == 0
+
+
 def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsys, monkeypatch):
     """Regeneration tasks hold a lease only once they run: one still queued was submitted again
     beside itself, and both answered its parts. squeue's pending tasks tagged with the output are
