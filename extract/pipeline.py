@@ -342,19 +342,25 @@ class HostStaging:
         batch's `users` calls once done."""
         need = hidden.numel() + (final.numel() if final is not None else 0)
         buf = self._free.get()
-        if buf is None or buf.numel() < need:
-            buf = torch.empty(need, dtype=torch.bfloat16, pin_memory=True)
-        h = buf[: hidden.numel()].view(hidden.shape)
-        f = None if final is None else buf[hidden.numel(): need].view(final.shape)
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            h.copy_(hidden, non_blocking=True)
-            hidden.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
-            if final is not None:
-                f.copy_(final, non_blocking=True)
-                final.record_stream(self.stream)
-            ready = torch.cuda.Event(blocking=True)  # waited on by encode threads: they sleep, not spin
-            ready.record(self.stream)
+        try:
+            if buf is None or buf.numel() < need:
+                buf = torch.empty(need, dtype=torch.bfloat16, pin_memory=True)
+            h = buf[: hidden.numel()].view(hidden.shape)
+            f = None if final is None else buf[hidden.numel(): need].view(final.shape)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                h.copy_(hidden, non_blocking=True)
+                hidden.record_stream(self.stream)  # the allocator must not hand its memory out before the copy is done
+                if final is not None:
+                    f.copy_(final, non_blocking=True)
+                    final.record_stream(self.stream)
+                ready = torch.cuda.Event(blocking=True)  # waited on by encode threads: they sleep, not spin
+                ready.record(self.stream)
+        except BaseException:
+            # the slot goes back (empty: allocated anew at its next use), or a failed pinning (host
+            # memory short) lost it for good, and after `slots` of them the next batch waited for ever
+            self._free.put(None)
+            raise
         return h, f, ready, _Countdown(users, lambda: self._free.put(buf))
 
 

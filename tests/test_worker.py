@@ -336,3 +336,30 @@ def test_a_stop_between_the_queues_hand_over_and_the_shards_start_releases_its_l
     with pytest.raises(Preempted):
         loop.run(run.queue(loop))
     assert not list(run.store.list(layout.LEASES)) and run.events == []  # released, and never started
+
+
+def test_a_failed_pinning_gives_its_staging_slot_back(monkeypatch):
+    """A host allocation that failed (memory short) after a slot was taken lost the slot for good:
+    after three such shard attempts the next batch waited for a slot forever, a stop signal
+    unheard (the stall watchdog ended it 30 min later). CPU-run: the slot handling comes before
+    any CUDA call, and the pinning is made to fail as cudaHostAlloc does."""
+    import queue
+
+    from layertap.extract.pipeline import HostStaging
+
+    staging = HostStaging.__new__(HostStaging)  # __init__ makes a CUDA stream
+    staging._free = queue.Queue()
+    for _ in range(3):
+        staging._free.put(None)
+    real_empty = torch.empty
+
+    def no_pinned_memory(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinned_memory)
+    for _ in range(3):  # as many as there are slots (a fourth would wait for ever before the fix)
+        with pytest.raises(RuntimeError, match="cudaHostAlloc"):
+            staging.wait_and_copy(real_empty(2, 3, 8, dtype=torch.bfloat16), None, users=2)
+    assert staging._free.qsize() == 3
