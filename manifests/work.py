@@ -200,7 +200,17 @@ class Claim:
             raise ManifestError(f"shard {self.shard}: its object holds {info.num_records} sample(s) and "
                                 f"{len(skipped)} were skipped, the plan has {planned}: not committed")
         self._creating_commit = True
-        created = store.put_if_absent(layout.commit_key(self.shard), encode(record))
+        try:
+            created = store.put_if_absent(layout.commit_key(self.shard), encode(record))
+        except TransientStoreError:
+            # Its retries used up after a try that landed (a 503 or a timeout on the answer): the
+            # shard is committed, by this attempt. Taken for a failure, it skipped the tally and
+            # feed keys (follow trainers saw the commit only at their next full listing).
+            if self._commit_names() != self.data_key:
+                raise
+            log.warning("shard %d: the commit's create failed, but the record it stored is there: committed",
+                        self.shard)
+            created = True
         self._creating_commit = False
         if not created:
             log.info("shard %d was committed by another attempt; dropping ours", self.shard)
@@ -302,11 +312,16 @@ class Claim:
     def _committed_by_another(self) -> bool:
         """Whether the shard's commit record exists (and names another attempt's data); False
         when it cannot be read, so that the failure is recorded."""
+        return self._commit_names() not in (None, self.data_key)
+
+    def _commit_names(self) -> str | None:
+        """The data object the shard's commit record names; None where there is none, or it
+        cannot be read."""
         key = layout.commit_key(self.shard)
         try:
-            return decode_commit(self.queue.store.get(key), key).data_key != self.data_key
+            return decode_commit(self.queue.store.get(key), key).data_key
         except (StoreError, ManifestError):  # absent (ObjectNotFound) or unreadable
-            return False
+            return None
 
     def _discard_own_data(self) -> None:
         """Whatever point the work was interrupted at, leave nothing of this attempt: no pending

@@ -363,6 +363,38 @@ def test_a_commit_whose_create_fails_with_its_outcome_unknown_keeps_its_data(tmp
     assert len(list(ShardStream(str(tmp_path / "run")))) == 8  # and the shard reads
 
 
+def test_a_commit_stored_before_its_create_failed_is_a_commit(tmp_path, caplog):
+    """The create landed, then answered an error past its retries (a 503 on the answer): the shard
+    was taken for failed (a failure record, "shard 0 failed"), and its tally and feed keys were
+    never written. The record it stored names this attempt's data: it is committed."""
+    from layertap.manifests.status import run_status
+    from layertap.storage.store import TransientStoreError
+
+    store = open_store(str(tmp_path / "run"))
+    m = fake_worker.plan(store, 8, shard_bytes=10**9)  # one shard
+    real = store.put_if_absent
+
+    def put_if_absent(key, data):
+        stored = real(key, data)
+        if key.startswith(layout.COMMITS):
+            raise TransientStoreError(f"create of {key} failed: 503 Service Unavailable (tried 8 times)")
+        return stored
+
+    store.put_if_absent = put_if_absent
+    claim = next(iter(WorkQueue(store, m, Producer.current(0))))
+    with claim:
+        meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                         hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+            for i in range(claim.plan.start, claim.plan.end):
+                w.write_sample(fake_worker.make_sample(i))
+            info = w.close()
+        assert claim.commit(info) and claim.committed
+    assert "the record it stored is there: committed" in caplog.text
+    assert not list(store.list(layout.FAILURES)) and list(store.list(layout.TALLY)) and list(store.list(layout.FEED))
+    assert run_status(store)["complete"] and len(list(ShardStream(str(tmp_path / "run")))) == 8
+
+
 def test_the_end_of_run_sweep_leaves_the_writes_of_a_run_nested_below_alone(tmp_path):
     """A run planned inside another's prefix: the outer run's end-of-run sweep took every upload
     under its prefix older than the lease TTL that was not one of its shards for a killed put of
