@@ -247,7 +247,7 @@ def _encode_threads(args: argparse.Namespace) -> int | None:
 def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.manifests.manifest import NoRun, refuse_new_run_here
     from layertap.slurm import submit
-    from layertap.slurm.queued import leave_to_queued, queued_tasks, started
+    from layertap.slurm.queued import leave_to_queued, queued_tasks, squeue_listing, started, without_dead_holders
     from layertap.slurm.queued import tag as queue_tag
     from layertap.slurm.scripts import extract_script
     from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
@@ -276,9 +276,12 @@ def _submit_extract(args: argparse.Namespace) -> int:
         _then_train(args, gpus, nodes, cfg, follow=True) if args.train_while_extracting is not None else None
     store = open_configured_store(cfg.out, cfg.s3)
     location = _store_location(cfg.out)
-    queued = queued_tasks(location)
+    listing = squeue_listing()
+    queued = queued_tasks(location, listing or "")
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
+        if listing is not None:
+            remaining = without_dead_holders(store, remaining, listing)
         remaining = leave_to_queued(remaining, started(store, remaining, queued))
         _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
     except NoRun:
@@ -318,7 +321,13 @@ def _submit_extract(args: argparse.Namespace) -> int:
         _say(args, f"{_waiting_text(remaining)}: left to them; this array is for the other "
                    f"{len(remaining.free)} shard(s)")
     if remaining is not None and remaining.queued:
-        _say(args, f"{_queued_text(remaining)}: left to them; this array is for the rest")
+        if args.shards_per_task is not None and remaining.queued_dynamic:
+            # static ranges cannot leave dynamic tasks a share: both take the free shards, the leases keep each once
+            _say(args, f"{_queued_text(remaining)}: the static ranges of this array cover the free shards beside "
+                       f"those dynamic tasks, which take some of them first (each is done once; `scancel "
+                       f"{' '.join(remaining.queued_jobs)}` not to hold nodes for both)")
+        else:
+            _say(args, f"{_queued_text(remaining)}: left to them; this array is for the rest")
     tag = queue_tag(location, args.shards_per_task, cfg.shards)
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions), tag)
     job = _submit_array(args, opts, script, f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}")

@@ -156,23 +156,57 @@ def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
     return _will_start(tagged, f"the run at {location}")
 
 
-def _pending() -> str:
-    """squeue's array tasks still to do work (`_STATES`), a line each (`123_4|state|reason|comment`),
-    every user's it lets this one see; none where squeue is not here or fails (the submission
-    goes on as before)."""
+def squeue_listing() -> str | None:
+    """squeue's jobs and array tasks still to do work (`_STATES`), a line each (`123_4|state|reason|
+    comment`), every user's it lets this one see; None where squeue is not here or fails (the
+    submission goes on as before)."""
     if shutil.which("squeue") is None:
-        return ""
+        return None
     p = subprocess.run(["squeue", "-h", "-r", "-t", _STATES, "-o", "%i|%T|%r|%k"], capture_output=True, text=True)
     if p.returncode != 0:
         log.warning("squeue failed (%s): tasks still queued for this output are not left their work",
                     (p.stderr or p.stdout).strip() or f"exit {p.returncode}")
-        return ""
+        return None
     return p.stdout
 
 
-def queued_tasks(location: str) -> list[QueuedTask]:
-    """The extraction tasks of the run at `location` still to do work, pending or running (see `started`)."""
-    return parse_squeue(_pending(), location)
+def _pending() -> str:
+    return squeue_listing() or ""
+
+
+def queued_tasks(location: str, listing: str | None = None) -> list[QueuedTask]:
+    """The extraction tasks of the run at `location` still to do work, pending or running (see
+    `started`), of `listing` (`squeue_listing`'s; default: asked now)."""
+    return parse_squeue(_pending() if listing is None else listing, location)
+
+
+def without_dead_holders(store: ObjectStore, remaining: Remaining, listing: str) -> Remaining:
+    """`remaining` with the running shards whose live lease a Slurm job holds that squeue's
+    `listing` no longer shows (cancelled, killed, out of time: its lease lives on for up to
+    --lease-ttl) taken for pending: they were counted as running, and a resubmission made then
+    left them to no one ("nothing to submit: shards 2 are running under live leases"). A worker
+    outside Slurm, or one whose lease cannot be read, still counts as running. A job squeue does
+    not show this user (a cluster's PrivateData) is taken for gone: its shard's new task waits
+    on its lease, which keeps the work done once."""
+    alive = {t.job for t in _listed(listing)}
+
+    def dead(item: tuple[int, str]) -> int | None:
+        shard, key = item
+        try:
+            lease = read_lease(store, key)
+        except StoreError:
+            return None
+        job = lease["holder"].get("job_id") if lease and isinstance(lease.get("holder"), dict) else None
+        return shard if isinstance(job, str) and job and job not in alive else None
+
+    gone = read_all(remaining.leases.items(), dead)
+    if not gone:
+        return remaining
+    log.info("shard(s) %s: their lease's Slurm job is no longer in squeue (it went stale within --lease-ttl): "
+             "submitted again", compress(sorted(gone)))
+    return replace(remaining, running=[s for s in remaining.running if s not in gone],
+                   todo=sorted({*remaining.todo, *gone}), leases={s: k for s, k in remaining.leases.items()
+                                                                   if s not in gone}, orphaned=sorted(gone))
 
 
 def regeneration_tag(location: str, tasks: int) -> str | None:

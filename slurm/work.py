@@ -42,6 +42,8 @@ class Remaining:
     interrupted: list[int] = field(default_factory=list)  # of `failed`: its last attempt stopped from outside
     todo: list[int]  # to be (re)done: not committed, not held
     leases: dict[int, str] = field(default_factory=dict)  # running shard -> its live lease's key
+    # of `todo`: shards under a live lease of a Slurm job squeue no longer shows (`without_dead_holders`)
+    orphaned: list[int] = field(default_factory=list)
     # extraction workers waiting behind a full --window (they hold no lease) that may take some of `todo`,
     # their jobs (Slurm job ids, or `pid P on HOST`), and the shards of `todo` they wait to take
     waiting: int = 0
@@ -69,8 +71,10 @@ class Remaining:
         stopped = f", {len(self.interrupted)} interrupted" if self.interrupted else ""
         shards = f"{self.total} shards" if self.selected is None else \
             f"{self.selected} of the run's {self.total} shards (--shards)"
+        dead = f" ({len(self.orphaned)} under the lease of a job gone from squeue)" if self.orphaned else ""
         return (f"{shards}: {self.done} done, {len(self.running)} running, "
-                f"{len(self.failed) - len(self.interrupted)} failed, {len(self.todo) - len(self.failed)} pending{stopped}")
+                f"{len(self.failed) - len(self.interrupted)} failed, {len(self.todo) - len(self.failed)} "
+                f"pending{dead}{stopped}")
 
 
 def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,

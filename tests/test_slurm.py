@@ -282,6 +282,56 @@ def test_a_shard_given_up_by_the_worker_waiting_behind_the_window_is_submitted(t
     assert "wait behind the full storage window to take shards 6-9" in out and "#SBATCH --array=0\n" in out
 
 
+def test_a_shard_under_the_live_lease_of_a_job_gone_from_squeue_is_submitted(tmp_path, capsys, monkeypatch):
+    """Job 70 was cancelled (or killed) with its lease on shard 2 not yet stale: `submit` took the
+    shard for running and left it to no one ("nothing to submit: shards 2 are running under live
+    leases"). squeue says whether the holder's job lives; a worker outside Slurm still runs."""
+    from layertap.slurm.queued import tag
+
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+    prefix = str(tmp_path / "run")
+    store = planned_run(prefix, 6, committed=2)
+    for shard, holder in ((2, {"job_id": "70_3", "token": "a"}), (3, {"job_id": "71_0", "token": "b"}),
+                          (4, {"pid": 123, "host": "login1", "token": "c"})):
+        store.put(layout.lease_key(shard, 1, 600), json.dumps({"holder": holder}).encode())
+    fake_squeue(bin_, [("71_0", "RUNNING", "None", tag(prefix, None, None))])
+
+    def dry_run() -> str:
+        assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0",
+                      "--nodes", "4") == 0
+        return capsys.readouterr().out
+
+    out = dry_run()
+    assert "6 shards: 2 done, 2 running, 0 failed, 2 pending (1 under the lease of a job gone from squeue)" in out
+    assert "#SBATCH --array=0-1\n" in out  # shards 2 and 5
+    fake_squeue(bin_, [("70_3", "RUNNING", "None", tag(prefix, None, None)),
+                       ("71_0", "RUNNING", "None", tag(prefix, None, None))])
+    out = dry_run()
+    assert "6 shards: 2 done, 3 running, 0 failed, 1 pending" in out and "gone from squeue" not in out
+
+
+def test_a_static_resubmission_beside_queued_dynamic_tasks_says_what_it_covers(tmp_path, capsys, monkeypatch):
+    """Static ranges cannot leave a dynamic task its share: the array covers every free shard, and
+    it said "left to them; this array is for the rest"."""
+    from layertap.slurm.queued import tag
+
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 6)
+    fake_squeue(bin_, [(f"80_{i}", "PENDING", "Priority", tag(prefix, None, None)) for i in range(2)])
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0",
+                  "--shards-per-task", "1") == 0
+    out = capsys.readouterr().out
+    assert "the static ranges of this array cover the free shards beside those dynamic tasks" in out
+    assert "`scancel 80`" in out and "this array is for the rest" not in out and "#SBATCH --array=0-5\n" in out
+
+
 def test_tasks_that_cannot_take_the_shards_or_never_start_keep_no_work(caplog):
     """A --shards list too long for the tag ("some") was read as any shard, and a task pending past
     a partition's limit (a --time over its maximum: PartitionTimeLimit) kept its work for good."""
