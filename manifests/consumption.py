@@ -426,7 +426,8 @@ class WindowGate:
         self.poll_s, self.max_poll_s, self.log_every_s = poll_s, max_poll_s, log_every_s
         self.sweep_every_s = sweep_every_s
         self.on_wait, self.sleep = on_wait, sleep
-        self._recorded = False
+        self._recorded = False  # `record` written once before the first claim, and again as each wait begins
+        self._recorded_at = -float("inf")  # when `record` last wrote (time.monotonic)
         self._swept = -float("inf")
         self._ranks: list[ObjectInfo] | None = None  # the watermarks' listing `_agreed` was read at
         self._agreed: set[int] | None = set()
@@ -446,6 +447,7 @@ class WindowGate:
         """Tell training what window extraction runs with (`recorded_window`): a follow trainer
         that waits for data while the window is full knows it is stalled, and says so."""
         _put_json(self.store, layout.CONSUMED_WINDOW, {"window": self.window, "time": time.time()})
+        self._recorded_at = time.monotonic()
 
     def check(self) -> AtRest:
         """What is at rest: one listing of `shards/`; when that fills the window, first delete
@@ -490,11 +492,11 @@ class WindowGate:
         meanwhile (one HEAD a poll: a worker whose shards are all done by others ends, rather
         than wait for a window that only training opens). While it waits, its `producer` (if
         given) is on record under `waiting/` (`waiting_workers`: `submit` and `status` count it)."""
+        outcome, on_record, since = Gate.OPEN, -float("inf"), time.monotonic()
         if not self._recorded:
             self.record()
             self._recorded = True
         waited, backoff, logged = False, Backoff(self.poll_s, self.max_poll_s, self.sleep, jitter=0.25), 0.0
-        outcome, on_record, since = Gate.OPEN, -float("inf"), time.monotonic()
         try:
             while (rest := self.check()).bytes >= self.window:
                 if redos := self.redos_waiting(would_redo):
@@ -505,6 +507,10 @@ class WindowGate:
                 if waited and self.store.exists(layout.commit_key(shard)):
                     log.info("shard %d was committed by another worker while this one waited for the window", shard)
                     break
+                if not waited and self._recorded_at < since:
+                    # again as each wait begins: an extraction started without --window on the same run
+                    # removed it (`forget_window`), and trainers then saw no window, nor the stall
+                    self.record()
                 if self.producer is not None and time.monotonic() - on_record >= WAITING_RENEW_S:
                     on_record = time.monotonic()
                     _put_json(self.store, layout.waiting_key(self.producer.token),
@@ -625,8 +631,9 @@ def window_floor(ranks: int, num_workers: int, shuffle_buffer: int, batch_size: 
 def forget_window(store: ObjectStore) -> None:
     """An extraction without --window: remove the record an earlier --window extraction of the
     run left (`WindowGate.record`), so that trainers and `status` see no window. The record is the
-    latest extraction's: written by a --window worker before its first claim, removed by one
-    started without."""
+    latest extraction's: written by a --window worker before its first claim and as each of its
+    waits begins (a --window extraction still at work beside this one then records it again),
+    removed by one started without."""
     store.delete(layout.CONSUMED_WINDOW)
 
 

@@ -1002,3 +1002,25 @@ def test_a_consumer_starting_from_step_0_forgets_the_watermarks_of_an_earlier_st
     record_consumed(store, rank=0, world_size=2, shards=[2], step=4, run_id=run_id, output="out")  # the new rank 0
     assert consumed_everywhere(store) == {0} and delete_consumed(store, run_id=run_id) == []
     assert 2 in data_shards(store)
+
+
+def test_a_waiting_gate_records_its_window_again_after_another_extraction_removed_it(store_uri):
+    """An extraction started without --window on the same run removes the window's record
+    (`forget_window`); the --window workers wrote it only before their first claim, so trainers
+    saw no window while those workers waited, and no stall. Each wait records it again."""
+    from layertap.manifests.consumption import forget_window, recorded_window
+
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])  # ~22 kB at rest: a window of 10 kB is full
+
+    def commit_shard_3(_seconds: float) -> None:  # the wait's first pause: another worker commits shard 3
+        fake_worker.work(store_uri, shards=[3])
+
+    gate = WindowGate(store, 10_000, sleep=commit_shard_3)
+    assert recorded_window(store) is None
+    gate.record()
+    gate._recorded = True  # as its first claim did
+    forget_window(store)  # a worker of another job, started without --window
+    assert recorded_window(store) is None
+    assert gate(3, lambda shard: False) is Gate.WAITED
+    assert recorded_window(store) == 10_000
