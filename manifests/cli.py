@@ -331,11 +331,16 @@ def format_training(t: dict) -> str:
         epoch = f", in epoch {t['epoch'] + 1}" + (f" of {t['epochs']}" if t["epochs"] else "") \
             if isinstance(t["epoch"], int) else ""
         lines.append(f"  steps       {t['step']:,}{of}{epoch}")
-        padding = "held only zero-weighted padding: samples the extraction skipped"
+        # the steps with no loss: zero-weighted padding, or a divergence (NaN, inf: no update), never mixed up
+        without = t.get("steps_without_loss") or {}
+        said = "; ".join(([f"{n} step(s) held only zero-weighted padding (samples the extraction skipped)"]
+                          if (n := without.get("padding")) else [])
+                         + ([f"{n} step(s) had a NaN or infinite loss and made no update (see the trainer's log)"]
+                            if (n := without.get("not_finite")) else []))
         if t["loss"] is None:
-            loss = f"none (the step {padding}) at step {t['step']:,}"
+            loss = f"none at step {t['step']:,} ({said})"
         elif t["loss_step"] != t["step"]:
-            loss = f"{t['loss']:.4f} at step {t['loss_step']:,} (the steps after it {padding})"
+            loss = f"{t['loss']:.4f} at step {t['loss_step']:,} (after it, {said})"
         else:
             loss = f"{t['loss']:.4f} at step {t['step']:,}"
         lines.append(f"  last loss   {loss}"

@@ -51,6 +51,7 @@ WAIT_LOG_S = 30.0  # an idle worker says what it waits on at most this often
 HOLDERS_READ_PER_PASS = 16  # lease payloads an idle worker reads per pass (`WorkQueue._dead_here`)
 # How long a worker rides out a store failing past its retries before it gives up (`patiently`).
 OUTAGE_S = 600.0
+LONG_LOOK_S = 900.0  # longer than a request failing past its retries takes (8 tries of 10 s connect + 60 s read)
 # How long after a stop signal a lease is still renewed: past a stopped worker's wait for the shard
 # finishing behind (extract.worker's STOP_WAIT_S, 30 s) and its cleanup, so one that hangs on its
 # way out lets its shard go after this and a TTL, not never.
@@ -78,13 +79,22 @@ def patiently(look: Callable[[], T], pause: Callable[[], float]) -> T:
     """`look` at the store, riding out an outage: a store throttling or failing for longer than
     its own retries (`storage.retry`, ~10-20 s) ended the worker (and with srun's
     --kill-on-bad-exit, its node's other workers), when 1,000 workers' requests are what makes
-    a store throttle. Tries again after `pause()` seconds, for up to `OUTAGE_S`."""
-    deadline = time.monotonic() + OUTAGE_S
+    a store throttle. Tries again after `pause()` seconds, for up to `OUTAGE_S` of failing looks:
+    counted from the first failure, and afresh after a look that ran longer than `LONG_LOOK_S`
+    before it failed (no failing request lasts that long: the store answered in it; a window
+    gate's look waits for hours, and its deadline had passed before the outage began)."""
+    deadline = None
     while True:
+        began = time.monotonic()
         try:
             return look()
         except TransientStoreError as e:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - began > LONG_LOOK_S:  # the store answered in this look: the outage began late in it
+                deadline = now + OUTAGE_S
+            elif deadline is None:
+                deadline = began + OUTAGE_S
+            if now > deadline:
                 raise
             wait = pause()
             log.warning("the store is failing (%s); looking again in %.0f s", e, wait)

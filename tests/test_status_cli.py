@@ -198,17 +198,23 @@ def test_status_of_a_training_output(trained, capsys):
     # A last step of padding alone as an earlier version wrote it (NaN, which is not JSON): --json
     # stays strict JSON, and the loss is the last step's that had one, as `train`'s closing line says
     # (status said "none" while train said "final loss 7.2561 (step 11; ...)").
+    # A step of padding (no supervised slot) and one that diverged (NaN with weight behind it) are
+    # told apart, as train's closing line does (both were "padding").
     metrics = store.get("metrics.jsonl")
-    store.put("metrics.jsonl", metrics + json.dumps(dict(last, step=7, loss=float("nan"))).encode() + b"\n")
+    padding = dict(last, step=7, loss=float("nan"), acc_per_position=[None] * len(last["acc_per_position"]))
+    diverged = dict(last, step=8, loss=None)
+    store.put("metrics.jsonl", metrics + b"".join(json.dumps(r).encode() + b"\n" for r in (padding, diverged)))
     rc, out, _ = status(capsys, out_uri)
-    assert f"last loss   {last['loss']:.4f} at step 6 (the steps after it held only zero-weighted padding" in out
+    assert (f"last loss   {last['loss']:.4f} at step 6 (after it, 1 step(s) held only zero-weighted padding (samples "
+            "the extraction skipped); 1 step(s) had a NaN or infinite loss and made no update") in out
     text = status(capsys, out_uri, "--json")[1]
     js = json.loads(text, parse_constant=lambda c: pytest.fail(f"status --json printed {c}"))
-    assert (js["step"], js["loss"], js["loss_step"]) == (7, last["loss"], 6)
+    assert (js["step"], js["loss"], js["loss_step"], js["acc_first"]) == (8, last["loss"], 6, last["acc_first"])
+    assert js["steps_without_loss"] == {"padding": 1, "not_finite": 1}
     # no step with a loss at all: the text says why there is none
-    store.put("metrics.jsonl", json.dumps(dict(last, step=1, loss=None)).encode() + b"\n")
+    store.put("metrics.jsonl", json.dumps(dict(padding, step=1)).encode() + b"\n")
     rc, out, _ = status(capsys, out_uri)
-    assert "last loss   none (the step held only zero-weighted padding: samples the extraction skipped) at step 1" in out
+    assert "last loss   none at step 1 (1 step(s) held only zero-weighted padding (samples the extraction skipped))" in out
     assert json.loads(status(capsys, out_uri, "--json")[1])["loss"] is None
     store.put("metrics.jsonl", metrics)
 

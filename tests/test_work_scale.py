@@ -441,3 +441,30 @@ def test_a_run_that_ends_with_a_shard_given_up_still_sweeps_its_committed_shards
     assert queue.given_up == {0}
     assert not store.exists(lease) and not store.exists(orphan)
     assert store.exists(layout.commit_key(1)) and store.exists(layout.commit_key(2))
+
+
+def test_an_outage_is_counted_from_its_first_failure_not_from_a_long_looks_start(monkeypatch):
+    """`patiently` set its deadline when called: a window gate's look waits for hours, so a store
+    failing once after that ended the worker at once, its 10 minutes of patience long spent."""
+    from layertap.storage.store import TransientStoreError
+
+    monkeypatch.setattr(work, "OUTAGE_S", 1.0)
+    monkeypatch.setattr(work, "LONG_LOOK_S", 1.5)
+    looks = []
+
+    def gate_like() -> str:
+        looks.append(time.monotonic())
+        if len(looks) == 1:
+            time.sleep(2.0)  # waited behind the window longer than OUTAGE_S, then the store failed
+            raise TransientStoreError("SlowDown (retries used up)")
+        return "open"
+
+    assert work.patiently(gate_like, lambda: 0.01) == "open" and len(looks) == 2
+
+    def failing() -> str:  # quick looks failing past OUTAGE_S: given up, as before
+        raise TransientStoreError("SlowDown (retries used up)")
+
+    began = time.monotonic()
+    with pytest.raises(TransientStoreError):
+        work.patiently(failing, lambda: 0.2)
+    assert 1.0 <= time.monotonic() - began < 3.0
