@@ -338,7 +338,7 @@ class ChatClient:
                                 self.where, what, problem, UNREACHABLE_TRIES)
                 else:
                     log.warning("%s: %s failed (%s); retrying for up to %.0f s", self.where, what, problem,
-                                self.retry_for_s - (now - away_since))
+                                self.retry_for_s - (now - max(away_since, self._last_success)))
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(30.0, delay * 2)
 
@@ -361,7 +361,13 @@ class ChatClient:
                 return False
             except openai.APIConnectionError:
                 continue
-            except (openai.APIError, ValueError, _BadAnswer):  # an engine aborting every request: an outage
+            except _BadAnswer as e:
+                if e.shape:  # every answer so: not an outage to wait out, nor a row's own failure
+                    raise EndpointError(f"{self.where} answers chat completions in another shape than OpenAI's "
+                                        f"({e.problem}), the known-good request too; is --endpoint the server "
+                                        "itself, not a proxy that rewrites its answers?") from None
+                return False  # an engine aborting every request: an outage
+            except (openai.APIError, ValueError):
                 return False
             self._answered()
             return True
@@ -382,9 +388,10 @@ def _connecting(e: BaseException) -> bool:
 class _BadAnswer(Exception):
     """A 200 that is no answer: malformed, or cut (a finish reason neither "stop" nor "length")."""
 
-    def __init__(self, problem: str, cause: str):
+    def __init__(self, problem: str, cause: str, shape: bool = False):
         super().__init__(problem)
         self.problem, self.cause = problem, cause
+        self.shape = shape  # a completion of another shape than OpenAI's (content not text): the server's way
 
 
 def _answer(r: Any) -> Any:
@@ -400,7 +407,7 @@ def _answer(r: Any) -> Any:
     for field in ("content", "reasoning_content", "reasoning"):
         value = getattr(message, field, None)
         if value is not None and not isinstance(value, str):
-            raise _BadAnswer(f"an answer whose {field} is not text: {str(value)[:100]!r}", "malformed")
+            raise _BadAnswer(f"an answer whose {field} is not text: {str(value)[:100]!r}", "malformed", shape=True)
     finish = getattr(choices[0], "finish_reason", None)
     if finish not in FINISHED and not getattr(message, "tool_calls", None) and finish != "tool_calls":
         raise _BadAnswer(f"finish_reason {finish!r}: the answer is cut or empty", f"finish_{finish or 'missing'}")

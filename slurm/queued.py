@@ -98,7 +98,7 @@ _STATES = "PENDING,CONFIGURING,RUNNING"
 # why a pending job waits, when it never will run (squeue's %r): its work is not left to it. Past a
 # partition's or a QOS's limits (a --time over the partition's maximum, under EnforcePartLimits=NO, the
 # default), Slurm keeps the job pending for good
-_NEVER = ("DependencyNeverSatisfied", "PartitionTimeLimit", "PartitionNodeLimit", "BadConstraints", "InvalidQOS",
+_NEVER = ("DependencyNeverSatisfied", "PartitionTimeLimit", "BadConstraints", "InvalidQOS",
           "InvalidAccount", "QOSMaxWallDurationPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxCpuPerJobLimit",
           "QOSMaxGRESPerJob")
 # ... or runs only once someone releases it, which its owner cannot count on: an admin's hold, or
@@ -162,7 +162,10 @@ def squeue_listing() -> str | None:
     submission goes on as before)."""
     if shutil.which("squeue") is None:
         return None
-    p = subprocess.run(["squeue", "-h", "-r", "-t", _STATES, "-o", "%i|%T|%r|%k"], capture_output=True, text=True)
+    # -a: also the jobs of hidden partitions and of those unavailable to this user's group, which squeue
+    # leaves out by default (their leases were taken for dead jobs', their queued tasks for none)
+    p = subprocess.run(["squeue", "-h", "-a", "-r", "-t", _STATES, "-o", "%i|%T|%r|%k"], capture_output=True,
+                       text=True)
     if p.returncode != 0:
         log.warning("squeue failed (%s): tasks still queued for this output are not left their work",
                     (p.stderr or p.stdout).strip() or f"exit {p.returncode}")

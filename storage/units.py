@@ -71,7 +71,7 @@ def parse_size(text: str | int) -> int:
         if not m or unit not in _UNITS:
             raise ConfigError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB, 1GB, 512MiB")
         size = int(float(m.group(1)) * _UNITS[unit])
-        if not m.group(2) and 0 < size < BARE_FLOOR:
+        if isinstance(text, str) and not m.group(2) and 0 < size < BARE_FLOOR:
             # `--shard-bytes 32` made one shard per sample, and the plan is kept for good
             raise ConfigError(f"size {text!r} has no unit, so it is {size} bytes: write the unit, e.g. {text.strip()}MB, "
                               f"{text.strip()}MiB or {text.strip()}GB ({text.strip()}B if bytes are meant)")

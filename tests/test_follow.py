@@ -1256,3 +1256,30 @@ def test_the_trainers_stall_look_takes_an_outage_for_no_stall(store_uri, monkeyp
     monkeypatch.setattr(consumption, "stalled", failing)
     caplog.set_level("WARNING")
     assert _stalled(store) is False and "could not look whether extraction waits" in caplog.text
+
+
+def test_a_look_whose_reads_failed_lists_the_feed_from_the_same_point_again(store_uri, monkeypatch):
+    """The feed's next look moved on before the commits it found were read: when the reads failed
+    (skipped by a look ahead), those commits were missed until the next full listing (5 min)."""
+    from layertap.manifests import layout
+    from layertap.manifests.manifest import load_manifest
+    from layertap.storage.store import TransientStoreError, open_store
+    from layertap.train import follow
+
+    monkeypatch.setattr(layout, "FEED_MARGIN_S", 0.0)  # as if the reads' retries outlasted the margin
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1])
+    watcher = follow.CommitWatcher(store, load_manifest(store), poll_s=0.1)
+    assert [r.shard for r in watcher.poll()] == [0, 1]
+    fake_worker.work(store_uri, shards=[2])
+    time.sleep(1.1)  # the next look starts after shard 2's feed key (a store's clock has whole seconds on S3)
+    real_get = follow._get_commits
+
+    def failing_once(store, keys):
+        monkeypatch.setattr(follow, "_get_commits", real_get)
+        raise TransientStoreError("SlowDown (retries used up)")
+
+    monkeypatch.setattr(follow, "_get_commits", failing_once)
+    watcher._last_look = 0.0
+    assert watcher.poll_if_due(low=True) == []
+    assert [r.shard for r in watcher.poll()] == [2]

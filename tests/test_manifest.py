@@ -70,6 +70,7 @@ def test_parse_size():
             parse_size(bad)
     # a unit forgotten: `--shard-bytes 32` made a shard per sample, for good (the plan is kept)
     assert parse_size("32B") == 32 and parse_size("2000000") == 2_000_000
+    assert parse_size(500_000.0) == 500_000  # a number a Python caller gives is bytes, as before
     with pytest.raises(ValueError, match=r"size '32' has no unit, so it is 32 bytes: write the unit, e.g. 32MB"):
         parse_size("32")
 

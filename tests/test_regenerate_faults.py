@@ -729,3 +729,14 @@ def test_answers_of_the_wrong_shape_are_refused_not_stored_nor_a_crash(tmp_path,
     rows = {r["id"]: r for r in iter_rows(cfg.out)}
     assert all(isinstance(m["content"], str) for r in rows.values() for m in r["messages"])
     assert "as model 'fallback-model'" in caplog.text
+
+
+def test_a_server_whose_every_answer_has_another_shape_is_refused_not_waited_out(tmp_path, fake):
+    """Content as a list of parts on every answer, the known-good request's too, was taken for an
+    outage: ServerGone after --retry-for ("rerun once the server is back"), which cannot help."""
+    fake.answer = lambda n, prompt: (200, _body([{"type": "text", "text": "hi"}], "stop"), "stop", 0.0)
+    cfg = config(tmp_path, fake, retry_for_s=60.0)
+    began = time.monotonic()
+    with pytest.raises(EndpointError, match="answers chat completions in another shape than OpenAI's"):
+        regenerate(cfg)
+    assert time.monotonic() - began < 30 and not done_parts(open_store(cfg.out))

@@ -330,6 +330,16 @@ def test_a_follow_trainer_resumed_before_a_withdrawn_shard_is_redone_is_told_to_
 # -- the writer's own leftovers, and others' -----------------------------------------------------
 
 
+def _write_shard(store, m, claim):
+    """The claimed shard's object, as fake_worker writes it: its ShardInfo, for the commit."""
+    meta = ShardMeta(run_id=m.run_id, shard_id=claim.shard, model="synthetic", layers=fake_worker.LAYERS,
+                     hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+    with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+        for i in range(claim.plan.start, claim.plan.end):
+            w.write_sample(fake_worker.make_sample(i))
+        return w.close()
+
+
 def test_a_commit_whose_create_fails_with_its_outcome_unknown_keeps_its_data(tmp_path, caplog):
     """The commit's create timed out past its retries: the claim's exit found no commit and deleted
     the attempt's data, and a create still queued at the server landed after it: a complete run
@@ -350,12 +360,7 @@ def test_a_commit_whose_create_fails_with_its_outcome_unknown_keeps_its_data(tmp
     store.put_if_absent = put_if_absent
     claim = next(iter(WorkQueue(store, m, Producer.current(0))))
     with pytest.raises(TransientStoreError), claim:
-        meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
-                         hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
-        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
-            for i in range(claim.plan.start, claim.plan.end):
-                w.write_sample(fake_worker.make_sample(i))
-            info = w.close()
+        info = _write_shard(store, m, claim)
         claim.commit(info)
     assert store.exists(claim.data_key) and "kept, in case it lands late" in caplog.text
     assert real(*in_flight[0])  # it lands
@@ -383,12 +388,7 @@ def test_a_commit_stored_before_its_create_failed_is_a_commit(tmp_path, caplog):
     store.put_if_absent = put_if_absent
     claim = next(iter(WorkQueue(store, m, Producer.current(0))))
     with claim:
-        meta = ShardMeta(run_id=m.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
-                         hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
-        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
-            for i in range(claim.plan.start, claim.plan.end):
-                w.write_sample(fake_worker.make_sample(i))
-            info = w.close()
+        info = _write_shard(store, m, claim)
         assert claim.commit(info) and claim.committed
     assert "the record it stored is there: committed" in caplog.text
     assert not list(store.list(layout.FAILURES)) and list(store.list(layout.TALLY)) and list(store.list(layout.FEED))

@@ -264,10 +264,13 @@ class CommitWatcher:
             self._feed_seen = True
             if shard not in self.known:
                 found[shard] = counts
-        self._feed_from = max(self._feed_from, started - layout.FEED_MARGIN_S)
         told = [c for s, counts in sorted(found.items()) if (c := self._declined(s, counts)) is not None]
         keys = [layout.commit_key(s) for s in sorted(found.keys() - {c.shard for c in told})]
-        return told + [r for r in _get_commits(self.store, keys) if r is not None]
+        records = told + [r for r in _get_commits(self.store, keys) if r is not None]
+        # only once they are read: a look whose reads failed (the store's retries used up) lists from
+        # the same point again, or its commits were missed until the next full listing
+        self._feed_from = max(self._feed_from, started - layout.FEED_MARGIN_S)
+        return records
 
     def poll_if_due(self, low: bool = False) -> list[CommitRecord | FeedCommit]:
         """A look ahead by a consumer with data to work on: `poll()` when due, else nothing. With
