@@ -247,7 +247,8 @@ def _encode_threads(args: argparse.Namespace) -> int | None:
 def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.manifests.manifest import NoRun, refuse_new_run_here
     from layertap.slurm import submit
-    from layertap.slurm.queued import leave_to_queued, queued_tasks, squeue_listing, started, without_dead_holders
+    from layertap.slurm.queued import (leave_to_queued, lease_jobs, queued_tasks, squeue_listing, started,
+                                       without_dead_holders)
     from layertap.slurm.queued import tag as queue_tag
     from layertap.slurm.scripts import extract_script
     from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
@@ -280,9 +281,10 @@ def _submit_extract(args: argparse.Namespace) -> int:
     queued = queued_tasks(location, listing or "")
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
+        jobs = lease_jobs(store, remaining) if listing is not None else {}  # no squeue: no task queued either
         if listing is not None:
-            remaining = without_dead_holders(store, remaining, listing)
-        remaining = leave_to_queued(remaining, started(store, remaining, queued))
+            remaining = without_dead_holders(remaining, jobs, listing)
+        remaining = leave_to_queued(remaining, started(store, remaining, queued, jobs))
         _say(args, f"run {remaining.run_id} at {store.uri}: {remaining.summary()}")
     except NoRun:
         remaining = None

@@ -183,26 +183,31 @@ def queued_tasks(location: str, listing: str | None = None) -> list[QueuedTask]:
     return parse_squeue(_pending() if listing is None else listing, location)
 
 
-def without_dead_holders(store: ObjectStore, remaining: Remaining, listing: str) -> Remaining:
-    """`remaining` with the running shards whose live lease a Slurm job holds that squeue's
-    `listing` no longer shows (cancelled, killed, out of time: its lease lives on for up to
-    --lease-ttl) taken for pending: they were counted as running, and a resubmission made then
-    left them to no one ("nothing to submit: shards 2 are running under live leases"). A worker
-    outside Slurm, or one whose lease cannot be read, still counts as running. A job squeue does
-    not show this user (a cluster's PrivateData) is taken for gone: its shard's new task waits
-    on its lease, which keeps the work done once."""
-    alive = {t.job for t in _listed(listing)}
-
-    def dead(item: tuple[int, str]) -> int | None:
+def lease_jobs(store: ObjectStore, remaining: Remaining) -> dict[int, str]:
+    """The Slurm job (`123_4`) holding each running shard's live lease, read once (a GET a running
+    shard, 16 at a time) for `without_dead_holders` and `started`; a worker outside Slurm, or a
+    lease unreadable or released meanwhile, is left out."""
+    def job_of(item: tuple[int, str]) -> tuple[int, str] | None:
         shard, key = item
         try:
             lease = read_lease(store, key)
         except StoreError:
             return None
         job = lease["holder"].get("job_id") if lease and isinstance(lease.get("holder"), dict) else None
-        return shard if isinstance(job, str) and job and job not in alive else None
+        return (shard, job) if isinstance(job, str) and job else None
+    return dict(read_all(remaining.leases.items(), job_of))
 
-    gone = read_all(remaining.leases.items(), dead)
+
+def without_dead_holders(remaining: Remaining, jobs: dict[int, str], listing: str) -> Remaining:
+    """`remaining` with the running shards whose live lease a Slurm job holds (`jobs`, of
+    `lease_jobs`) that squeue's `listing` no longer shows (cancelled, killed, out of time: its
+    lease lives on for up to --lease-ttl) taken for pending: they were counted as running, and a
+    resubmission made then left them to no one ("nothing to submit: shards 2 are running under
+    live leases"). A worker outside Slurm, or one whose lease cannot be read, still counts as
+    running. A job squeue does not show this user (a cluster's PrivateData) is taken for gone:
+    its shard's new task waits on its lease, which keeps the work done once."""
+    alive = {t.job for t in _listed(listing)}
+    gone = {shard for shard, job in jobs.items() if job not in alive}
     if not gone:
         return remaining
     log.info("shard(s) %s: their lease's Slurm job is no longer in squeue (it went stale within --lease-ttl): "
@@ -232,9 +237,11 @@ def queued_regeneration(location: str, listing: str | None = None) -> list[tuple
     return _will_start(tagged, f"the output at {location}")
 
 
-def started(store: ObjectStore, remaining: Remaining, queued: list[QueuedTask]) -> list[QueuedTask]:
-    """`queued` less the running dynamic tasks that hold a live lease (their shards are
-    `remaining.running`, and they take more only as the new tasks do: counted again, the
+def started(store: ObjectStore, remaining: Remaining, queued: list[QueuedTask],
+            jobs: dict[int, str]) -> list[QueuedTask]:
+    """`queued` less the running dynamic tasks that hold a live lease (`jobs`, the holders
+    `lease_jobs` read: their shards are `remaining.running`, and they take more only as the new
+    tasks do: counted again, the
     resubmission would start too few), with each running task's given-up shards, which it will
     never take again (`WorkQueue._give_up`). A running task with no lease yet is starting (or has
     no free shard it may take: then it owns none). Reads the store only while tasks run. (A task
@@ -244,22 +251,10 @@ def started(store: ObjectStore, remaining: Remaining, queued: list[QueuedTask]) 
     waiting = set(remaining.waiting_tasks)
     queued = [t for t in queued if not (t.running and t.job in waiting)]
     dynamic = {t.job for t in queued if t.running and not t.shards_per_task}
-    holding = _lease_holders(store, list(remaining.leases.values()), dynamic) if dynamic else set()
+    holding = {jobs[s] for s in remaining.running if s in jobs} & dynamic  # `lease_jobs`
     gave_up = given_up_by_task(store, set(remaining.todo)) if any(t.running for t in queued) else {}
     return [replace(t, given_up=frozenset(gave_up.get(t.job, ()))) if t.running else t
             for t in queued if t.job not in holding]
-
-
-def _lease_holders(store: ObjectStore, leases: list[str], wanted: set[str]) -> set[str]:
-    """The tasks of `wanted` (`123_4`) that hold some of `leases` (live lease keys): a GET of
-    each lease until every wanted task is found (all of them where one just started)."""
-    def holder(key: str) -> str | None:
-        try:
-            lease = read_lease(store, key)
-        except StoreError:
-            return None
-        return lease["holder"].get("job_id") if lease else None
-    return read_all(leases, holder, lambda found: wanted <= found) & wanted
 
 
 def leave_to_queued(remaining: Remaining, queued: list[QueuedTask]) -> Remaining:

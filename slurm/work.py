@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import math
 from bisect import bisect_left, bisect_right
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -26,7 +26,7 @@ from layertap.slurm.scripts import ArrayPlan
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectStore, StoreError
 
-T = TypeVar("T")
+K, T = TypeVar("K"), TypeVar("T")
 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's default MaxArraySize: array indices go up to 1000
 
@@ -206,8 +206,8 @@ def lease_holders(store: ObjectStore, remaining: Remaining, shards: Sequence[int
     return sorted(found)
 
 
-def read_all(keys: Iterable[str], read: Callable[[str], T | None],
-              enough: Callable[[set[T]], bool] = lambda found: False) -> set[T]:
+def read_all(keys: Iterable[K], read: Callable[[K], T | None],
+             enough: Callable[[set[T]], bool] = lambda found: False) -> set[T]:
     """What `read` says of `keys` (16 at a time; None is nothing), stopping once `enough` of it was found."""
     keys, found = list(keys), set()
     with ThreadPoolExecutor(16) as pool:
