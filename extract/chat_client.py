@@ -232,10 +232,9 @@ class ChatClient:
                 r = await self.client.chat.completions.create(**request)
             except json.JSONDecodeError as e:  # a 200 whose body is not JSON: a proxy's page
                 raise _BadAnswer(f"an answer that is not JSON: {e.doc[:100]!r}", "malformed") from None
-            choice = _answer(r)
             # whatever the finish reason: vLLM ends a call forced by tool_choice in "stop", SGLang
             # keeps "length" beside the calls it parsed
-            if choice.finish_reason == "tool_calls" or getattr(choice.message, "tool_calls", None):
+            if _calls_tool(_answer(r)):
                 raise Refused("the answer calls a tool, whose result regeneration cannot give", cause="tool_call")
             self._check_model(r)
             return r
@@ -326,9 +325,9 @@ class ChatClient:
             now = time.monotonic()
             away_since = away_since if away_since is not None else now
             # failing alone while others are answered is no outage: the window counts from the last answer
-            if now - max(away_since, self._last_success) > self.retry_for_s:
-                raise ServerGone(f"{self.where} has failed every {what} for "
-                                 f"{now - max(away_since, self._last_success):.0f} s (last: "
+            failing_for = now - max(away_since, self._last_success)
+            if failing_for > self.retry_for_s:
+                raise ServerGone(f"{self.where} has failed every {what} for {failing_for:.0f} s (last: "
                                  f"{problem}); the rows answered so far are kept: rerun the same command once the "
                                  f"server is back") from None
             if time.monotonic() - self._warned_at > 30:  # one line per outage, not one per request in flight
@@ -338,7 +337,7 @@ class ChatClient:
                                 self.where, what, problem, UNREACHABLE_TRIES)
                 else:
                     log.warning("%s: %s failed (%s); retrying for up to %.0f s", self.where, what, problem,
-                                self.retry_for_s - (now - max(away_since, self._last_success)))
+                                self.retry_for_s - failing_for)
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(30.0, delay * 2)
 
@@ -409,9 +408,15 @@ def _answer(r: Any) -> Any:
         if value is not None and not isinstance(value, str):
             raise _BadAnswer(f"an answer whose {field} is not text: {str(value)[:100]!r}", "malformed", shape=True)
     finish = getattr(choices[0], "finish_reason", None)
-    if finish not in FINISHED and not getattr(message, "tool_calls", None) and finish != "tool_calls":
+    if finish not in FINISHED and not _calls_tool(choices[0]):
         raise _BadAnswer(f"finish_reason {finish!r}: the answer is cut or empty", f"finish_{finish or 'missing'}")
     return choices[0]
+
+
+def _calls_tool(choice: Any) -> bool:
+    """Whether a choice calls a tool (its finish reason, or calls in its message: a server may end
+    one in "stop" or "length")."""
+    return getattr(choice, "finish_reason", None) == "tool_calls" or bool(getattr(choice.message, "tool_calls", None))
 
 
 def _reasoning(message: Any) -> str | None:

@@ -33,7 +33,8 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
     written = next((o.modified for o in store.list(LATEST)), None)
     if latest is None:  # as `layertap train` resumes it: from the newest complete checkpoint
         latest, written = _newest_complete(store)
-    last, learned, after = _last_metrics(store)
+    learned, after = _last_metrics(store)
+    last = after[-1] if after else learned
     held = live_holder(store)  # a trainer at work, maybe before its first checkpoint
     if latest is None and last is None and held is None:
         return None
@@ -55,8 +56,8 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "loss": learned.get("loss") if learned else None,
         "loss_step": learned.get("step") if learned else None,
         # the steps after it with no loss: zero-weighted padding (no supervised slot), or diverged (NaN, inf)
-        "steps_without_loss": {"padding": sum(_padding_only(r) for r in after),
-                               "not_finite": sum(not _padding_only(r) for r in after)},
+        "steps_without_loss": {"padding": sum(padding_only(r) for r in after),
+                               "not_finite": sum(not padding_only(r) for r in after)},
         "acc_first": (learned or last or {}).get("acc_first"),
         "tokens_per_s": last.get("tokens_per_s") if last else None,
         "checkpoint_step": latest.get("step") if latest else None,
@@ -122,33 +123,34 @@ def _json(store: ObjectStore, key: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _padding_only(record: dict[str, Any]) -> bool:
-    """A step with no supervised slot (train/trainer.py's `_padding_only`): zero loss weight, no loss."""
+def padding_only(record: dict[str, Any]) -> bool:
+    """Whether a step's metrics record had no supervised slot (`acc_per_position` all None): zero
+    loss weight, no loss, no update. Here, torch-free, for `status`; the trainer's closing line
+    and progress bar use it too."""
     acc = record.get("acc_per_position")
     return isinstance(acc, list) and all(a is None for a in acc)
 
 
-def _last_metrics(store: ObjectStore) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]]]:
-    """The last complete line of metrics.jsonl, the last with a loss, and the lines after that one
-    (a step of zero-weighted padding alone has no loss, nor one whose loss was NaN or infinite,
-    written null; `train`'s closing line tells them apart too), read from the file's tail (it
-    grows with steps)."""
+def _last_metrics(store: ObjectStore) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The last complete line of metrics.jsonl with a loss, and the lines after that one (a step
+    of zero-weighted padding alone has no loss, nor one whose loss was NaN or infinite, written
+    null; `train`'s closing line tells them apart too), read from the file's tail (it grows with
+    steps)."""
     try:
         size = store.size(METRICS)
         if not size:
-            return None, None, []
+            return None, []
         tail = bytes(store.get_range(METRICS, max(0, size - TAIL_BYTES), size))
     except ObjectNotFound:
-        return None, None, []
-    last, after = None, []
+        return None, []
+    after = []
     for line in reversed(tail.decode(errors="replace").splitlines()):
         try:  # NaN as an earlier version wrote it: null, so `status --json` stays strict JSON
             record = json.loads(line, parse_constant=lambda constant: None)
         except ValueError:  # the first line of the tail may be cut
             continue
         if isinstance(record, dict) and "step" in record:
-            last = last or record
             if isinstance(record.get("loss"), (int, float)):
-                return last, record, after[::-1]
+                return record, after[::-1]
             after.append(record)
-    return last, None, after[::-1]
+    return None, after[::-1]

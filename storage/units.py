@@ -73,8 +73,9 @@ def parse_size(text: str | int) -> int:
         size = int(float(m.group(1)) * _UNITS[unit])
         if isinstance(text, str) and not m.group(2) and 0 < size < BARE_FLOOR:
             # `--shard-bytes 32` made one shard per sample, and the plan is kept for good
-            raise ConfigError(f"size {text!r} has no unit, so it is {size} bytes: write the unit, e.g. {text.strip()}MB, "
-                              f"{text.strip()}MiB or {text.strip()}GB ({text.strip()}B if bytes are meant)")
+            n = text.strip()
+            raise ConfigError(f"size {text!r} has no unit, so it is {size} bytes: write the unit, e.g. {n}MB, {n}MiB "
+                              f"or {n}GB ({n}B if bytes are meant)")
     if size <= 0:
         raise ConfigError(f"invalid size {text!r}: must be positive")
     return size

@@ -45,9 +45,9 @@ from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.manifests.state import feed_since, fits_plan, listed_shards, replaced_manifest_error, scan_work
+from layertap.manifests.work import patiently
 from layertap.storage.errors import UserError
 from layertap.storage.retry import Backoff
-from layertap.manifests.work import patiently
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 from layertap.storage.units import listing, size
 

@@ -37,6 +37,7 @@ from layertap.manifests.layout import MANIFEST
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
+from layertap.manifests.train_output import padding_only
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
@@ -698,11 +699,6 @@ def _loop(run: _Run, start: int) -> int:
     return 0
 
 
-def _padding_only(record: dict[str, Any]) -> bool:
-    """Whether a step's metrics record had no supervised slot (zero loss weight: padding)."""
-    return all(a is None for a in record["acc_per_position"])
-
-
 def _final_loss(records: list[dict[str, Any]]) -> tuple[float, str]:
     """(the last finite loss, what the steps after it were), for the closing line. A step whose
     loss weight was zero (no supervised slot: `acc_per_position` all None) has a NaN loss and is
@@ -713,7 +709,7 @@ def _final_loss(records: list[dict[str, Any]]) -> tuple[float, str]:
     finite = [i for i, r in enumerate(records) if r["loss"] is not None and math.isfinite(r["loss"])]
     last = records[finite[-1]] if finite else None
     after = records[finite[-1] + 1:] if finite else records
-    empty = sum(_padding_only(r) for r in after)
+    empty = sum(padding_only(r) for r in after)
     parts = [f"{empty} step(s) had nothing to learn (zero loss weight: padding, e.g. for samples the extraction "
              "skipped)"] if empty else []
     if len(after) > empty:
@@ -805,7 +801,7 @@ def _report(run: _Run, stats: StepStats, epoch: int, wait: float, progress) -> N
     record["samples_digest"] = stats.samples_digest  # rank 0's samples this step, to compare runs
     run.metrics.add(record)
     # a step of zero-weighted padding alone (samples the extraction skipped) has no loss: said, not "nan"
-    counted = not _padding_only(record)
+    counted = not padding_only(record)
     progress.set_postfix(loss=f"{record['loss']:.3f}" if counted else "none", acc=f"{record['acc_first']:.2f}",
                          tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)  # before the update, which prints
     progress.update(1)
