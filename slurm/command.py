@@ -332,7 +332,17 @@ def _submit_extract(args: argparse.Namespace) -> int:
             _say(args, f"{_queued_text(remaining)}: left to them; this array is for the rest")
     tag = queue_tag(location, args.shards_per_task, cfg.shards)
     script = extract_script(opts, plan, tool_argv(args, args._tool_actions), tag)
-    job = _submit_array(args, opts, script, f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}")
+    what = f"extraction array of {len(plan.indices)} task(s), --array={plan.spec}"
+    if train and args.train_while_extracting is not None and cfg.window is not None:
+        # The array fills the window, then waits for training to free it: had its tasks taken the
+        # nodes the trainer needs (a busy or small partition), neither would move again. So the
+        # trainer is queued first, and the array starts once it has started (Slurm's `after`).
+        trainer = _sbatch_train(args, *train, after=[]) if not args.dry_run else None
+        if args.dry_run:
+            _show(f"{train[0].job_name}.sbatch", [], train[1])
+        _submit_array(args, opts, script, what, after_start=[trainer or "<the training job's id>"])
+        return 0
+    job = _submit_array(args, opts, script, what)
     if train:
         alongside = args.train_while_extracting is not None
         if job is None:  # a dry run
@@ -343,15 +353,19 @@ def _submit_extract(args: argparse.Namespace) -> int:
     return 0
 
 
-def _submit_array(args: argparse.Namespace, opts, script: str, what: str) -> str | None:
-    """Submit an array's script (its job id), or with --dry-run show it (None)."""
+def _submit_array(args: argparse.Namespace, opts, script: str, what: str,
+                  after_start: list[str] | None = None) -> str | None:
+    """Submit an array's script (its job id), or with --dry-run show it (None); with
+    `after_start`, to start once those jobs have started."""
     from layertap.slurm import submit
 
     if args.dry_run:
-        _show(f"{opts.job_name}.sbatch: {what}", [], script)
+        _show(f"{opts.job_name}.sbatch: {what}", submit.dependency_options([], after_start), script)
         return None
-    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script))
-    _say(args, f"submitted {what}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
+    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script),
+                        after_start=after_start)
+    when = f", to start once job(s) {', '.join(after_start)} have started" if after_start else ""
+    _say(args, f"submitted {what}{when}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
     return job
 
 
@@ -771,12 +785,13 @@ def _submit_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sbatch_train(args: argparse.Namespace, opts, script: str, after: list[str]) -> None:
+def _sbatch_train(args: argparse.Namespace, opts, script: str, after: list[str]) -> str:
     from layertap.slurm import submit
 
     job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script), after)
     when = f" after job(s) {', '.join(after)} succeed" if after else ""
     _say(args, f"submitted training job {job}{when}; log {opts.logs}/{opts.job_name}-{job}.out", job)
+    return job
 
 
 def _resume_flag(actions: list[argparse.Action]) -> str | None:

@@ -77,20 +77,24 @@ def save_script(folder: str, job_name: str, text: str) -> str:
     return path
 
 
-def sbatch(script: str, after_ok: list[str] | None = None) -> str:
+def sbatch(script: str, after_ok: list[str] | None = None, after_start: list[str] | None = None) -> str:
     """Submit `script`; its job id. With `after_ok`, it starts once all those jobs (every task of
     an array) succeeded, and Slurm cancels it if one of them fails, rather than leave it pending
-    forever."""
-    out = _run(["sbatch", "--parsable", *dependency_options(after_ok or []), script]).strip()
+    forever; with `after_start`, once all those jobs started (or were cancelled)."""
+    out = _run(["sbatch", "--parsable", *dependency_options(after_ok or [], after_start or []), script]).strip()
     job = out.split(";", 1)[0]  # "id" or "id;cluster"
     if not job.isdigit():
         raise SlurmError(f"sbatch printed {out!r}, not a job id")
     return job
 
 
-def dependency_options(after_ok: list[str]) -> list[str]:
-    """sbatch options to start only once every job of `after_ok` succeeded."""
-    return [f"--dependency=afterok:{':'.join(after_ok)}", "--kill-on-invalid-dep=yes"] if after_ok else []
+def dependency_options(after_ok: list[str], after_start: list[str] | None = None) -> list[str]:
+    """sbatch options to start only once every job of `after_ok` succeeded and every job of
+    `after_start` started (Slurm's `after`, which a job cancelled before it started also meets)."""
+    needs = [f"{kind}:{':'.join(jobs)}" for kind, jobs in (("afterok", after_ok), ("after", after_start)) if jobs]
+    if not needs:
+        return []
+    return [f"--dependency={','.join(needs)}", *(["--kill-on-invalid-dep=yes"] if after_ok else [])]
 
 
 _GPUS = re.compile(r"(?:^|,)gpu(?::[^:,()]+)?:(\d+)")

@@ -663,7 +663,7 @@ def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
         in capsys.readouterr().err
 
 
-def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_path, capsys, monkeypatch):
+def test_train_while_extracting_submits_a_follow_trainer_the_window_array_waits_for(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
     fresh = str(tmp_path / "fresh")
@@ -687,7 +687,12 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     train = " ".join(scripts["layertap-train"].split())
     assert f"-m layertap.train --data {fresh} --out d --model m --save-every 50 --follow --delete-consumed" in train
     assert "#SBATCH --nodes=3" in train and "#SBATCH --gpus-per-node=4" in train
-    assert "sbatch --parsable <script>" in out and "--dependency" not in out  # it may start before the array
+    # The array waits behind its window for the trainer: queued first, the trainer may start before the
+    # array, which starts once it has (`after`), so that array tasks cannot hold the trainer's nodes.
+    assert "----- layertap-train.sbatch (dry run: not submitted; sbatch --parsable <script>)" in out
+    assert ("(dry run: not submitted; sbatch --parsable --dependency=after:<the training job's id> <script>)"
+            in out.split("----- layertap-extract.sbatch")[1])
+    assert out.index("----- layertap-train.sbatch") < out.index("----- layertap-extract.sbatch")
     assert "RESUME=(--resume)" in train  # a requeued trainer continues its follow epoch
     assert submit(*base, "--window", "200GB", "--shard-bytes", "128MB", "--train-while-extracting",
                   "--model m --out d --delete-consumed --shuffle-buffer 16") == 0
@@ -716,7 +721,8 @@ def test_train_while_extracting_submits_a_follow_trainer_with_no_dependency(tmp_
     assert "not both" in capsys.readouterr().err
     # Without --window, consumed data may stay; and the trainer joins an extraction that is already running.
     assert submit(*base, "--train-while-extracting", "--out d") == 0
-    assert "--follow" in dry_run_scripts(capsys.readouterr().out)["layertap-train"]
+    out = capsys.readouterr().out
+    assert "--follow" in dry_run_scripts(out)["layertap-train"] and "--dependency" not in out  # no window to wait on
     planned_run(fresh, 1)
     open_store(fresh).put(layout.lease_key(0, 1, 600), b"{}")  # a live worker holds the only shard
     assert submit(*base, "--max-length", "64", "--train-while-extracting", "--out d") == 0
@@ -1351,24 +1357,35 @@ def test_a_job_runs_in_and_logs_to_a_folder_with_a_space_and_a_quote(slurm_clust
     assert (where / "here.txt").read_text().strip() == str(where)
 
 
-def test_the_follow_trainer_is_queued_with_no_dependency(slurm_cluster, tmp_path, capsys, monkeypatch):
-    """--train-while-extracting on the real Slurm: two jobs, the trainer depending on nothing, so it
-    may start before or during the array (both are cancelled at once: the run is not the point)."""
+def test_the_follow_trainer_is_queued_first_and_the_window_array_after_it_starts(slurm_cluster, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """--train-while-extracting --window on the real Slurm: two jobs, the trainer depending on nothing,
+    the array on the trainer's start (`after`): array tasks that filled the window and wait for
+    training cannot hold the nodes the trainer waits for. Both are held, the trainer released: the
+    array's dependency is met once it runs (both are cancelled then: the run is not the point)."""
     monkeypatch.chdir(tmp_path)
     prefix = str(tmp_path / "run")
     planned_run(prefix, 2)
     assert submit("extract", "--parsable", "--nodes", "1", "--partition", "debug", "--cpus-per-task", "1",
-                  "--mem", "none", "--out", prefix, "--max-length", "64", "--window", "1MB",
+                  "--mem", "none", "--out", prefix, "--max-length", "64", "--window", "1MB", "--sbatch=--hold",
                   "--train-while-extracting", "--out d --delete-consumed") == 0
     jobs = capsys.readouterr().out.split()
     try:
         assert len(jobs) == 2
-        array, train = scontrol_jobs(jobs[0]), scontrol_jobs(jobs[1])
+        train, array = scontrol_jobs(jobs[0]), scontrol_jobs(jobs[1])
         assert train[0]["JobName"] == "layertap-train" and train[0].get("Dependency") == "(null)"
         assert "--follow" in (tmp_path / "layertap-logs" / "scripts").joinpath(
             next(n for n in os.listdir(tmp_path / "layertap-logs" / "scripts") if n.startswith("layertap-train"))
         ).read_text()
         assert array[0]["JobName"] == "layertap-extract"
+        assert array[0]["Dependency"] == f"after:{jobs[0]}(unfulfilled)", array[0]
+        subprocess.run(["scontrol", "release", jobs[1]], check=True)  # the array alone: it waits for the trainer
+        wait_for(lambda: scontrol_jobs(jobs[1])[0]["Reason"] == "Dependency", "the array to wait on its dependency", 30)
+        time.sleep(3)  # a few scheduling passes
+        assert [j["JobState"] for j in scontrol_jobs(jobs[1])] == ["PENDING"]
+        subprocess.run(["scontrol", "release", jobs[0]], check=True)
+        wait_for(lambda: all(j["JobState"] != "PENDING" for j in scontrol_jobs(jobs[1])), "the array to start", 90)
+        assert scontrol_jobs(jobs[0])[0]["JobState"] != "PENDING"
     finally:
         subprocess.run(["scancel", *jobs], check=False)
 
