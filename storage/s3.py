@@ -571,6 +571,11 @@ class S3Store(ObjectStore):
     def reopen(self) -> S3Store:
         return S3Store(self.uri, self.options)
 
+    def __reduce__(self):
+        """A copy for a spawned process (a DataLoader's workers under `multiprocessing_context="spawn"`
+        take the stream that holds this store): its own client and threads, as `reopen` makes."""
+        return S3Store, (self.uri, self.options)
+
 
 class S3Writer(ObjectWriter):
     """Multipart upload that runs while the caller writes.

@@ -314,6 +314,8 @@ def open_store(uri: str, **options) -> ObjectStore:
 
     if options:
         raise StoreError(f"the local store takes no options, got {sorted(options)}")
+    if not uri.removeprefix("file://").strip():  # an unset variable in a script: not the current folder by accident
+        raise StoreError(f"no store location in {uri!r}: give s3://bucket/prefix or a folder (./ for the current one)")
     return LocalStore(uri.removeprefix("file://"))
 
 

@@ -313,6 +313,11 @@ def test_a_budget_below_one_range_is_warned_of(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         list(ShardStream(uri, config=StreamConfig(shuffle_buffer=1, memory_budget=1500, range_bytes=4000)))
     assert "range_bytes (3.91 KiB) exceeds the memory budget per worker (1.46 KiB)" in caplog.text
+    caplog.clear()
+    # no range is larger than its shard: a range_bytes above the budget over shards below it holds the budget
+    with caplog.at_level("WARNING"):
+        list(ShardStream(uri, config=StreamConfig(shuffle_buffer=1, memory_budget=20_000, range_bytes=1 << 20)))
+    assert "exceeds the memory budget" not in caplog.text
     for poll in (0.0, float("nan"), float("inf")):  # NaN passed `<= 0` and waited forever
         with pytest.raises(ConfigError, match="follow_poll_s must be > 0 seconds"):
             StreamConfig(follow_poll_s=poll)
@@ -538,6 +543,19 @@ def test_a_stream_given_an_open_s3_store_reopens_it_in_each_dataloader_worker(s3
     assert all(b["reopened"] for b in batches)
     assert sorted(i for b in batches for i in b["ids"]) == sorted(f"s{i:05d}" for i in range(N))
     assert any(given.list(layout.COMMITS))  # the parent's store still answers
+    given.close()
+
+
+def test_a_stream_given_an_open_s3_store_works_in_spawned_dataloader_workers(s3_bucket):
+    """Under `multiprocessing_context="spawn"` the stream is sent to its workers whole, and the S3
+    store it held (a boto3 client, locks, a thread pool) could not be: "cannot pickle
+    '_thread.lock' object". It goes as its URI and options, as `reopen` rebuilds it."""
+    uri = f"s3://{s3_bucket}/runs/spawned"
+    make_run(uri)
+    given = open_store(uri)
+    loader = StreamLoader(ShardStream(given, config=StreamConfig(seed=1), rank=0, world_size=1), batch_size=4,
+                          num_workers=1, multiprocessing_context="spawn")
+    assert sorted(i for b in loader for i in b["sample_id"]) == sorted(f"s{i:05d}" for i in range(N))
     given.close()
 
 

@@ -111,3 +111,16 @@ def test_a_mistyped_s3_uri_is_refused_not_taken_for_a_local_folder(uri, tmp_path
     assert cli(["status", uri]) == 2
     assert f"{uri!r} is not an S3 URI: write s3://bucket/prefix" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("uri", ["", " ", "file://"])
+def test_an_empty_store_location_is_refused_not_taken_for_the_current_folder(uri, tmp_path, monkeypatch, capsys):
+    """`--out "$RUN"` with RUN unset opened the current folder: status read a run there, if any, and
+    extract would have written its shards beside the user's files."""
+    from layertap.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli(["status", uri]) == 2
+    assert f"no store location in {uri!r}: give s3://bucket/prefix or a folder (./ for the current one)" \
+        in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
