@@ -149,6 +149,8 @@ def _remove_partial_export(dest: ObjectStore, keys: list[str], error: BaseExcept
     whether DEST was cleaned, or which files to remove by hand."""
     try:
         dest.delete_many([*keys, EXPORT_NOTE])
+        for folder in sorted({k.split("/", 1)[0] + "/" for k in keys if "/" in k}):  # hidden_states/, rows_0-2000/
+            dest.remove_empty_folders(folder)
         left, why = [], ""
     except Exception as e:  # noqa: BLE001 - any store failure: name the files instead
         left = [k for k in [*keys, EXPORT_NOTE] if _exists(dest, k)]
@@ -272,6 +274,10 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
     where = f"{src.uri.rstrip('/')}/{printable(files[0].key)}"
     note = export_note(src, fmt)
+    if note is not None and note.get("rows_only") is True:  # the states were never written: hs_0 is "missing"
+        raise InputError(f"{src.uri} is a `layertap export --rows-only` of the run at {note.get('source')}: it holds "
+                         "the rows alone (speculators reads their states from that run), so there is nothing to "
+                         "import; use that run itself (`layertap train --data` it, or export it without --rows-only)")
     values = rd.capture_values(files[0])
     check_layer_count(values, fmt, layers, target.hidden_size, facts_from, where, note)
     check_target_layers(fmt, layers, ours, target.num_layers, facts_from)

@@ -464,7 +464,7 @@ def test_speculators_layout_on_s3_round_trip(prenorm_run, target, s3_bucket):
         assert_same(got[str(i)], ascending(s))
 
 
-def test_speculators_trains_from_the_run_itself_through_the_layertap_transfer(prenorm_run, tmp_path):
+def test_speculators_trains_from_the_run_itself_through_the_layertap_transfer(prenorm_run, target, tmp_path, capsys):
     """`--rows-only` writes the Arrow dataset alone; speculators' ArrowDataset then reads each row's
     states from the run's shards through LayertapTransfer, equal to the full export's files."""
     from layertap.extract.speculators_transfer import LayertapTransfer
@@ -473,6 +473,13 @@ def test_speculators_trains_from_the_run_itself_through_the_layertap_transfer(pr
     assert cli(["export", prenorm_run, "--to", "speculators", full]) == 0
     assert cli(["export", prenorm_run, "--to", "speculators", rows, "--rows-only"]) == 0
     assert not (tmp_path / "rows" / "hidden_states").exists()
+    # the rows alone are not an import's source: it said hs_0.safetensors was missing
+    capsys.readouterr()
+    assert cli(["import", rows, "--from", "speculators", "--out", str(tmp_path / "back"), "--layers", "2,4",
+                "--model", target]) == 2
+    assert f"{rows} is a `layertap export --rows-only` of the run at {prenorm_run}: it holds the rows alone" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "back").exists()
     files = ArrowDataset(max_len=64, datapath=full, on_missing="raise")
     streamed = ArrowDataset(max_len=64, datapath=rows, on_missing="raise", transfer=LayertapTransfer(rows))
     assert len(files) == len(streamed) == len(in_order(prenorm_run))

@@ -128,6 +128,8 @@ def test_a_failed_export_removes_what_it_wrote(prenorm_run, tmp_path, capsys, wh
     err = capsys.readouterr().err
     assert "checksum mismatch" in err and "file(s) it had written were removed" in err, err
     assert list(open_store(dest).list("")) == []
+    if where == "local":  # nor the folders its files were in (rows_0-2000/): DEST is as it was
+        assert list(Path(dest).iterdir()) == []
     shutil.rmtree(run)
     shutil.copytree(prenorm_run, run)  # the cause fixed: the same command goes through
     assert cli(["export", str(run), "--to", "specforge", dest]) == 0
