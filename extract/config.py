@@ -167,7 +167,9 @@ class ExtractConfig:
             raise ConfigError(f"--encode-threads must be at least 1, got {self.encode_threads}")
         if self.dataset is None and self.limit is None:
             self.limit = QUICKSTART_LIMIT
-        s3_options(self.s3)  # a misspelt setting is named now, even if every store is a local folder
+        part_size = s3_options(self.s3).part_size  # a misspelt setting is named now, even if every store is local
+        if self.out and self.out.startswith("s3://"):
+            _check_shard_fits_an_upload(self.shard_bytes, part_size)
 
     def identity(self, model_info: dict[str, Any], layers: list[int]) -> RunConfig:
         """What determines the stored output: a rerun must match it (`as_run_recorded`) to resume
@@ -184,6 +186,22 @@ class ExtractConfig:
                          model_config_sha256=model_info.get("model_config_sha256"),
                          tokenizer_sha256=model_info.get("tokenizer_sha256"),
                          chat_template_sha256=model_info.get("chat_template_sha256"))
+
+
+def _check_shard_fits_an_upload(shard_bytes: int, part_size: int) -> None:
+    """Refuse shards an S3 multipart upload (10,000 parts at most) may not hold: the writer would fail
+    at part 10,001, a shard's 156 GiB (at 16 MiB parts) already uploaded. A shard stores up to about
+    twice its planned bytes (a codec that compresses worse than its default ratio, the last sample)."""
+    from layertap.storage.s3 import MAX_PARTS, MiB
+    from layertap.storage.units import size
+
+    if 2 * shard_bytes > MAX_PARTS * part_size:
+        need = -(-2 * shard_bytes // MAX_PARTS // MiB)
+        raise ConfigError(f"--shard-bytes {size(shard_bytes)}: a shard may store up to twice that, and an S3 upload "
+                          f"holds at most {MAX_PARTS:,} parts of part_size {size(part_size)} "
+                          f"({size(MAX_PARTS * part_size)}): give --shard-bytes at most "
+                          f"{size(MAX_PARTS * part_size // 2)} (shards of 256MB to a few GB read and resume best), or "
+                          f'a part_size of at least {need}MiB in the "s3" settings of --config')
 
 
 def cpu_has_native_bf16() -> bool:

@@ -381,12 +381,15 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     from layertap.extract.measure import require_samples, token_statistics
     from layertap.extract.regenerated import template_kwargs
     from layertap.extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
-    from layertap.manifests.manifest import NoRun, plan_shards
+    from layertap.manifests import layout
+    from layertap.manifests.manifest import NoRun, plan_shards, refuse_new_run_here
     from layertap.storage.store import open_configured_store
 
     store = None
     if cfg.out:
         store = open_configured_store(cfg.out, cfg.s3)
+        if not store.exists(layout.MANIFEST):  # as extract does: before tokenizing, and --dry-run too (it only reads)
+            refuse_new_run_here(store)
     rows, fingerprint = dataset_rows(cfg)
     target, capture, identity = prepare_target(cfg, _device(), weights=args.measure)
     existing = None

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -77,7 +77,10 @@ def plan_shards(token_counts: Sequence[int], bytes_per_token: float, shard_bytes
             shards.append(ShardPlan(len(shards), start, i + 1, tokens))
             start, tokens, acc = i + 1, 0, 0.0
     if start < len(token_counts):
-        shards.append(ShardPlan(len(shards), start, len(token_counts), tokens))
+        if tokens == 0 and shards:  # rows the extraction skips (no answer): a shard of them would store nothing
+            shards[-1] = replace(shards[-1], end=len(token_counts))
+        else:
+            shards.append(ShardPlan(len(shards), start, len(token_counts), tokens))
     return shards
 
 

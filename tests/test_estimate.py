@@ -281,6 +281,22 @@ def test_plan_dry_run_writes_nothing_and_plan_writes_the_manifest_extract_resume
     assert "layers: run has [1, 3], now [1, 2]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_plan_refuses_a_prefix_no_run_may_take_before_it_reads_the_dataset(run, tmp_path, capsys, dry_run):
+    """`extract` refuses a folder of other files before it loads anything; `plan` said so only once
+    it had tokenized every row (minutes at 900K), and `plan --dry-run` never: it said `plan` would
+    write the manifest there."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    args = [a if a != run["args"][run["args"].index("--dataset") + 1] else str(tmp_path / "absent.jsonl")
+            for a in run["args"]]  # a dataset it would fail to read: the prefix is refused first
+    assert cli(["plan", *args, "--out", str(foreign), *dry_run]) == 2
+    err = capsys.readouterr().err
+    assert f"{foreign}" in err and "not a layertap run" in err and "absent.jsonl" not in err, err
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
 def test_measured_estimate_is_within_5_percent_of_the_extraction(run, capsys):
     if not (run["root"] / "run" / "manifest.json").exists():  # run alone: extract first
         assert cli(["extract", *run["args"], "--out", run["out"], "--log-dir", str(run["root"] / "logs")]) == 0
@@ -453,3 +469,14 @@ def test_measure_batches_the_samples_as_the_planned_shards_hold_them():
     rows.clear()
     measure_extraction(Counted(), samples, meta, batch_tokens=4096, pad_id=0, encode_threads=1)
     assert rows[1:] == [16]  # no plan given: one shard, as before
+
+
+def test_extrapolated_tokens_keep_the_mean_of_the_samples_read():
+    """Samples and tokens were extrapolated and rounded apart: 1 sample of 64 tokens in 3 rows read of
+    40 gave 13 samples of 853 tokens, a mean of 65.6 at --max-length 64."""
+    from layertap.extract.measure import TokenStats
+
+    stats = TokenStats(rows=40, rows_read=3, samples_read=1, tokens_read=64)
+    assert (stats.samples, stats.tokens) == (13, 13 * 64)
+    exact = TokenStats(rows=40, rows_read=40, samples_read=13, tokens_read=800)
+    assert (exact.samples, exact.tokens) == (13, 800)

@@ -218,6 +218,17 @@ def test_lease_ttl_and_retries_are_range_checked():
     assert ExtractConfig(out="o", lease_ttl_s=1, retries=0).lease_ttl_s == 1
 
 
+def test_a_shard_an_s3_upload_cannot_hold_is_refused_before_the_run():
+    """S3 takes at most 10,000 parts: a 300 GB shard at 16 MiB parts failed at part 10,001, after
+    156 GiB of it had been uploaded. A shard may store up to twice its planned bytes."""
+    with pytest.raises(ConfigError, match=r"^--shard-bytes 279 GiB: .* give --shard-bytes at most 78.1 GiB .* or a "
+                                          r"part_size of at least 58MiB in the \"s3\" settings of --config$"):
+        ExtractConfig(out="s3://b/run", shard_bytes="300GB")
+    assert ExtractConfig(out="s3://b/run", shard_bytes="300GB", s3={"part_size": "58MiB"}).shard_bytes == 300 * 10**9
+    assert ExtractConfig(out="s3://b/run", shard_bytes="80GB").shard_bytes == 80 * 10**9
+    assert ExtractConfig(out="local/run", shard_bytes="300GB").shard_bytes == 300 * 10**9  # a file has no parts
+
+
 def test_train_counts_that_may_be_zero_must_not_be_negative():
     with pytest.raises(ConfigError, match="^--num-workers must be >= 0, got -1$"):
         TrainConfig(data="d", out="o", num_workers=-1)  # was torch's ValueError from inside the DataLoader

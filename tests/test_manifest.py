@@ -86,6 +86,15 @@ def test_plan_sizes_shards_by_estimated_bytes():
     assert shards[0].num_samples == 100 and shards[-2].num_samples == 10  # same bytes, fewer samples
 
 
+def test_rows_the_extraction_skips_at_the_end_join_the_last_shard_not_one_of_their_own():
+    """Prompt-only rows (0 tokens) after the last full shard made a shard of 0 tokens: extracted as an
+    empty shard object, counted by estimate, not by the loader."""
+    shards = plan_shards([64, 64, 49, 0, 0], bytes_per_token=16.0, shard_bytes=1000)
+    assert [(s.start, s.end, s.est_tokens) for s in shards] == [(0, 1, 64), (1, 2, 64), (2, 5, 49)]
+    assert [(s.start, s.end) for s in plan_shards([0, 0], 16.0, 1000)] == [(0, 2)]  # a plan has a shard
+    assert [(s.start, s.end) for s in plan_shards([0, 64, 0, 70], 16.0, 1000)] == [(0, 2), (2, 4)]
+
+
 def test_plan_913k_samples_is_fast_enough_to_be_routine():
     counts = [800] * 913_786
     shards = plan_shards(counts, bytes_per_token=51_200 / 1.45, shard_bytes=1_000_000_000)
