@@ -112,6 +112,29 @@ def test_a_cache_that_cannot_roll_back_is_refused(tmp_path):
         TargetRunner(t.model, LAYERS)
 
 
+def test_a_mamba_target_whose_block_forward_ignores_its_cache_is_refused(tmp_path):
+    """transformers' Mamba-1 computes a forward of several tokens from an empty state whatever is
+    cached: its cache passed the rollback check, and every output differed from greedy decoding
+    ("equals plain greedy decoding: NO", exit 1, no reason)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mamba", vocab_size=300, hidden_size=32, state_size=8, num_hidden_layers=4)
+    with pytest.raises(ValueError, match=r"cannot verify drafts on a 'mamba' target: .* ignores the state cached"):
+        TargetRunner(AutoModelForCausalLM.from_config(config), LAYERS)
+
+
+def test_a_transformers_without_linear_attention_cache_layers_is_named(tmp_path, monkeypatch):
+    """transformers 5.0 (the floor pyproject allows) has no linear-attention cache layers: an
+    AttributeError came out of `layertap eval` on a hybrid."""
+    from transformers import cache_utils
+
+    t = load_target(tiny_hybrid_dir(tmp_path, "qwen3_5_text"), dtype=torch.float32)
+    monkeypatch.delattr(cache_utils, "LinearAttentionAndFullAttentionLayer")
+    with pytest.raises(ValueError, match=r"linear-attention cache layers \(LinearAttentionAndFullAttentionLayer\), "
+                                         r"which transformers .* lacks: upgrade it"):
+        TargetRunner(t.model, LAYERS)
+
+
 def self_distilled_rows(target: str, path: Path, n: int, new_tokens: int) -> str:
     """Pre-tokenized chats whose answers are the target's own greedy continuations: a random target
     does not answer like any dataset, so a drafter can only learn it from what it generates."""

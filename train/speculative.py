@@ -68,6 +68,7 @@ class TargetRunner:
         self._captured: dict[int, torch.Tensor] = {}
         for k in layers:
             decoder.layers[k].register_forward_hook(self._hook(k))
+        _check_multi_token(decoder.config)
         if self.hybrid:
             _check_rollback(model.config, kinds)
         self.reset()
@@ -79,6 +80,7 @@ class TargetRunner:
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._decoder_cache_arg = ("cache" if "cache" in inspect.signature(decoder.forward).parameters
                                    else "past_key_values")
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def _hook(self, k: int):
         def hook(module, args, output):
@@ -100,7 +102,7 @@ class TargetRunner:
             return self._prefilled[1]
         self.reset()
         try:
-            result = self.step(prompt)
+            result = self.step(prompt, last_only=True)
         except ValueError as e:
             if type(self.cache).__name__ not in str(e):
                 raise
@@ -118,11 +120,14 @@ class TargetRunner:
                           f"the model takes only a cache class of its own ({e})")
 
     @torch.inference_mode()
-    def step(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `ids` at the next positions: greedy next-token choices [n] (on the host) and states
-        [n, L, H] (bf16-rounded, fp32, on the model's device, where the drafter reads them)."""
+    def step(self, ids: list[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `ids` at the next positions: greedy next-token choices [n] (on the host; with
+        `last_only`, the last position's alone [1]) and states [n, L, H] (bf16-rounded, fp32, on
+        the model's device, where the drafter reads them)."""
         x = torch.tensor([ids], dtype=torch.long, device=self._device)
-        out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: self.cache})
+        # a prompt's logits but its last are never used: [1024, 248k] of them in fp32 is ~1 GB
+        keep = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        out = self.model(input_ids=x, use_cache=True, **{self._cache_arg: self.cache}, **keep)
         self.length += len(ids)
         states = torch.stack([self._captured[k][0] for k in self.layers], dim=1)
         return out.logits[0].argmax(-1).cpu(), states.to(torch.bfloat16).float()
@@ -179,6 +184,19 @@ class TargetRunner:
         self.seconds[what] += time.perf_counter() - t0
 
 
+# Targets whose forward of several tokens ignores the recurrent state already cached (transformers'
+# Mamba-1: "WRONG if the cache is not empty"): every verify would be computed from an empty state.
+_INEXACT_MULTI_TOKEN = {"mamba", "falcon_mamba"}
+
+
+def _check_multi_token(config) -> None:
+    """Refuse a target whose forward of several tokens after a cached prefix is inexact."""
+    if config.model_type in _INEXACT_MULTI_TOKEN:
+        raise InputError(f"`layertap eval` cannot verify drafts on a {config.model_type!r} target: transformers' "
+                         "forward of several tokens ignores the state cached before them, so every verified block "
+                         "would be wrong (its own decoding runs one token at a time)")
+
+
 def _check_rollback(config, kinds: set[str]) -> None:
     """Refuse a target whose cache has a layer kind `keep` cannot roll back (sliding windows that
     drop old entries, compressed or indexed attention, ...), naming the kinds."""
@@ -200,8 +218,14 @@ def _rollable_layers() -> list[type]:
     """The cache layer classes `keep` rolls back: attention (cropped), linear attention (restored
     from a snapshot), and `DummyLayer`, which holds nothing (the mlp and moe layers of hybrids such
     as nemotron_h; transformers before 5.2x has no such class)."""
+    import transformers
     from transformers import cache_utils
 
+    linear = ("LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer", "LinearAttentionCacheLayerMixin")
+    if missing := [name for name in linear if not hasattr(cache_utils, name)]:  # transformers 5.0 had none
+        raise InputError(f"`layertap eval` of a hybrid target needs transformers' linear-attention cache layers "
+                         f"({', '.join(missing)}), which transformers {transformers.__version__} lacks: upgrade "
+                         "it (pip install -U transformers)")
     rollable = [cache_utils.DynamicLayer, cache_utils.LinearAttentionLayer,
                 cache_utils.LinearAttentionAndFullAttentionLayer]
     return rollable + ([cache_utils.DummyLayer] if hasattr(cache_utils, "DummyLayer") else [])
