@@ -81,6 +81,15 @@ def decode_named(payload: memoryview | bytes, meta: ShardMeta, where: str) -> Sa
         raise ShardError(f"{where}: {e}") from None
 
 
+def read_record(store: ObjectStore, key: str, where: str, meta: ShardMeta, index: int, e: RecordEntry) -> Sample:
+    """Record `index` of the shard `key` (`where`: its location, for errors), whose index entry is
+    `e`: one ranged GET, its hashes checked, decoded, and checked to be the sample `e` names."""
+    where = f"{where} record {index} ({e.sample_id})"
+    buf = store.get_range(key, e.offset, e.offset + e.length)
+    return check_sample(decode_named(record_payload(buf, e.offset, e, where), meta, where), e.sample_id,
+                        e.num_tokens, where)
+
+
 class _InMemory:
     """A whole object held in memory, served as the store `ShardReader` reads it through."""
 
@@ -149,11 +158,7 @@ class ShardReader:
         return cls(_InMemory(uri, data), key, size=len(data))
 
     def read(self, index: int) -> Sample:
-        e = self.entries[index]
-        where = f"{self.where} record {index} ({e.sample_id})"
-        buf = self.store.get_range(self.key, e.offset, e.offset + e.length)
-        return check_sample(decode_named(record_payload(buf, e.offset, e, where), self.meta, where), e.sample_id,
-                            e.num_tokens, where)
+        return read_record(self.store, self.key, self.where, self.meta, index, self.entries[index])
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self.entries)):

@@ -36,9 +36,9 @@ def target(tmp_path_factory) -> str:
     return tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3")
 
 
-def extract(target: str, out: str, tmp: Path, final_state: str, layers: str = "3,1") -> str:
+def extract(target: str, out: str, tmp: Path, final_state: str, layers: str = "3,1", shard_bytes: str = "40KB") -> str:
     assert cli(["extract", "--model", target, "--dataset", write_chats(tmp / "chats.jsonl", 12), "--out", out,
-                "--layers", layers, "--max-length", "64", "--final-state", final_state, "--shard-bytes", "40KB",
+                "--layers", layers, "--max-length", "64", "--final-state", final_state, "--shard-bytes", shard_bytes,
                 "--log-dir", str(tmp / "logs")]) == 0
     return out
 
@@ -633,3 +633,30 @@ def test_states_past_a_files_tokens_or_a_batch_of_several_are_refused_not_droppe
         skipped = [s for c in commits for s in c.skipped]
         assert len(skipped) == 1 and says in skipped[0]["detail"], skipped
         assert sum(c.num_records for c in commits) == (2 if fmt == "specforge" else 1)
+
+
+def test_the_layertap_transfer_reads_each_row_with_one_get_in_any_order(target, tmp_path, monkeypatch):
+    """speculators' sampler shuffles rows; the transfer kept 4 shard readers, so nearly every row
+    over a run of more shards opened its shard again: 3 GETs a row (HEAD, footer, record)."""
+    import random
+
+    from layertap.extract.speculators_transfer import LayertapTransfer
+    from layertap.storage.local import LocalStore
+
+    run = extract(target, str(tmp_path / "run"), tmp_path, "prenorm", shard_bytes="12KB")
+    rows = str(tmp_path / "rows")
+    assert cli(["export", run, "--to", "speculators", rows, "--rows-only"]) == 0
+    shards = len(list(open_store(run).list(layout.COMMITS)))
+    transfer = LayertapTransfer(rows)
+    transfer.setup()
+    order = list(range(transfer._starts[-1]))
+    assert shards > 4 and len(order) > shards
+    gets = []
+    real = LocalStore.get_range
+    monkeypatch.setattr(LocalStore, "get_range", lambda self, key, a, b: gets.append(key) or real(self, key, a, b))
+    for _ in range(2):
+        random.Random(len(gets)).shuffle(order)
+        gets.clear()
+        first = [transfer.get_cached(i) for i in order]
+        assert all(first)
+    assert len(gets) == len(order)  # the second pass: one ranged GET a row, every index read already
