@@ -289,8 +289,8 @@ class Regeneration:
     sample's assistant turns. Its cost is generated tokens at a server's decode rate, which
     batching many requests sets (one number per server, all requests in flight together)."""
 
-    samples: int
-    answer_tokens: float  # mean new tokens per sample, all its assistant turns together
+    samples: int  # rows answered: every chat with a user turn, kept by the extraction or not
+    answer_tokens: float  # mean new tokens per row, all its assistant turns together
     tokens_per_s_per_server: float | None = None  # None: time is not estimated
     servers: int = 1
     gpus_per_server: int = 1
@@ -323,7 +323,8 @@ class Regeneration:
         rate = self.tokens_per_s_per_server
         return [
             "regeneration (layertap regenerate, before extraction)",
-            f"  generated tokens         {self.tokens:,}  ({self.answer_tokens:,.1f} per sample{source})",
+            f"  rows answered            {self.samples:,}",
+            f"  generated tokens         {self.tokens:,}  ({self.answer_tokens:,.1f} per row{source})",
             "  decode rate              " + (f"{rate:,.0f} tokens/s per server x {self.servers:,} server(s) of "
                                              f"{self.gpus_per_server} GPU(s)" if rate else
                                              "not given: add --generate-tokens-per-s N (one server's generated "

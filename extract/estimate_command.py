@@ -214,6 +214,10 @@ def _estimate(args: argparse.Namespace) -> _Report:
                                  sample_rows=args.token_sample or None,
                                  picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens,
                                  chat_template_kwargs=template_kwargs(cfg.dataset))
+        if args.regenerate and stats.prompted_read and not stats.samples_read:
+            raise ConfigError("the dataset's rows hold prompts and no answers: the extraction after `layertap "
+                              "regenerate` cannot be sized from them. State it: --samples N (the rows) --mean-tokens "
+                              "M (prompt + answer) --answer-tokens A, or estimate the regenerated dataset")
         require_samples(stats)
     samples = args.samples if args.samples is not None else stats.samples
     mean = args.mean_tokens if args.mean_tokens is not None else stats.tokens_read / stats.samples_read
@@ -232,11 +236,13 @@ def _estimate(args: argparse.Namespace) -> _Report:
                     num_layers=shape["num_layers"], kept_layers=shape["kept_layers"],
                     capture_depth=max(shape["layers"]) + 1)
     report = _report(args, cfg, work, shards, measured, sources)
-    report.regeneration = _regeneration(args, samples, stats, sources)
+    # every chat with a user turn is answered, those the extraction then skips too (past --max-length)
+    answered = stats.prompted if stats is not None and args.samples is None else samples
+    report.regeneration = _regeneration(args, answered, stats, sources)
     return report
 
 
-def _regeneration(args: argparse.Namespace, samples: int, stats, sources: dict[str, str]) -> Regeneration | None:
+def _regeneration(args: argparse.Namespace, rows: int, stats, sources: dict[str, str]) -> Regeneration | None:
     """The regeneration step's numbers, when --regenerate asks for them."""
     stated = [f"--{n}" for n in ("answer-tokens", "generate-tokens-per-s", "servers")
               if getattr(args, n.replace("-", "_")) is not None]
@@ -258,7 +264,7 @@ def _regeneration(args: argparse.Namespace, samples: int, stats, sources: dict[s
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     servers = args.servers if args.servers is not None else max(1, _gpus(args, None) // args.gpus_per_server)
-    return Regeneration(samples=samples, answer_tokens=answer, tokens_per_s_per_server=args.generate_tokens_per_s,
+    return Regeneration(samples=rows, answer_tokens=answer, tokens_per_s_per_server=args.generate_tokens_per_s,
                         servers=servers, gpus_per_server=args.gpus_per_server)
 
 

@@ -107,6 +107,7 @@ class TokenizeStats:
     answer_tokens: int = 0  # the supervised tokens before truncation: the answers' own length
     truncated: int = 0
     dropped_turns: int = 0  # assistant turns before the first user turn, see normalize_chat
+    prompted: int = 0  # chats with a user turn, answered or not: the rows `layertap regenerate` answers
     skipped: Counter[str] = field(default_factory=Counter)
 
 
@@ -650,6 +651,7 @@ def normalize_chat(raw: Any, sid: str, stats: TokenizeStats, require_assistant: 
         extra = {k: _without_nulls(v) for k, v in m.items()
                  if v is not None and k not in ("from", "value", "role", "content")}
         messages.append({**extra, "role": canonical, "content": content})
+    stats.prompted += seen_user
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         return Skipped(sid, NO_SUPERVISED_PAIR, "no assistant turn")
     return messages

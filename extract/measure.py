@@ -50,6 +50,7 @@ class TokenStats:
     answers_read: int = 0  # the same before truncation to max length: the answers' own length
     truncated: int = 0
     dropped_turns: int = 0  # assistant turns before a chat's first user turn (normalize_chat)
+    prompted_read: int = 0  # chats with a user turn: the rows `layertap regenerate` answers
     skipped: dict[str, int] = field(default_factory=dict)
     read_counts: list[int] = field(default_factory=list)  # the tokens of each row read, in order (0 = skipped)
     picks: list[TokenizedSample] = field(default_factory=list)  # for the measured extraction
@@ -67,6 +68,11 @@ class TokenStats:
     def samples(self) -> int:
         """Samples the whole dataset yields (extrapolated from the sample's skip rate)."""
         return round(self.samples_read * self.rows / self.rows_read)
+
+    @property
+    def prompted(self) -> int:
+        """Rows with a user turn in the whole dataset (extrapolated as `samples` is)."""
+        return round(self.prompted_read * self.rows / self.rows_read)
 
     @property
     def tokens(self) -> int:
@@ -115,7 +121,8 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
     return TokenStats(rows=n, rows_read=read, samples_read=stats.samples, tokens_read=stats.tokens,
                       supervised_read=stats.supervised_tokens, answers_read=stats.answer_tokens,
                       truncated=stats.truncated,
-                      dropped_turns=stats.dropped_turns, skipped=dict(Counter(stats.skipped)),
+                      dropped_turns=stats.dropped_turns, prompted_read=stats.prompted,
+                      skipped=dict(Counter(stats.skipped)),
                       read_counts=tally.counts,
                       picks=_picks(rows, tally.counts, indices, job, picks, pick_tokens))
 

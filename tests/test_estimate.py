@@ -379,7 +379,8 @@ def test_regeneration_step_when_asked(run, capsys):
     stats = TokenizeStats()
     list(tokenize_rows(load_rows(data), AutoTokenizer.from_pretrained(model), 48, stats=stats))
     assert measured["answer_tokens"] == pytest.approx(stats.answer_tokens / stats.samples)
-    assert measured["samples"] == stats.samples and measured["wall_s"] is None
+    # every chat with a user turn is answered: the prompt-only row of write_chats too (it counted the samples)
+    assert measured["samples"] == stats.prompted == stats.samples + 1 and measured["wall_s"] is None
     # the answers' own length, not what --max-length keeps of them: a regenerated answer is not cut there
     args = [a if a != "48" else "24" for a in run["args"]]
     short = run_json(capsys, ["estimate", *args, "--regenerate", "--token-sample", "0"])["regeneration"]
@@ -390,6 +391,12 @@ def test_regeneration_step_when_asked(run, capsys):
 
     assert cli(REF + ["--regenerate"]) == 2
     assert "--answer-tokens" in capsys.readouterr().err
+    prompts = run["root"] / "prompts.jsonl"  # nothing answered yet: the extraction after it is stated, not guessed
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}?"}]}) + "\n"
+                               for i in range(5)))
+    args = [a if a != data else str(prompts) for a in run["args"]]
+    assert cli(["estimate", *args, "--regenerate", "--answer-tokens", "500"]) == 2
+    assert "the dataset's rows hold prompts and no answers" in capsys.readouterr().err
     assert cli(REF + ["--generate-tokens-per-s", "10"]) == 2
     assert "add --regenerate" in capsys.readouterr().err
 
