@@ -43,7 +43,6 @@ import importlib
 import itertools
 import json
 import logging
-import random
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -52,6 +51,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.redact import public_url
+from layertap.storage.retry import SPREAD
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class ChatClient:
                 else:
                     log.warning("%s: %s failed (%s); retrying for up to %.0f s", self.where, what, problem,
                                 self.retry_for_s - failing_for)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            await asyncio.sleep(delay * SPREAD.uniform(0.5, 1.0))
             delay = min(30.0, delay * 2)
 
     async def _own_failure(self) -> bool:

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import math
-import random
 import threading
 import time
 import uuid
@@ -38,7 +37,7 @@ from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import Lease, RunState, feed_since, fits_plan, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
-from layertap.storage.retry import Backoff
+from layertap.storage.retry import SPREAD, Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 
 if TYPE_CHECKING:  # not imported at run time: the writer imports the codecs, and they torch
@@ -383,10 +382,9 @@ class CommitView:
             self._times, self._confirmed, self._reopened, self.last_full = dict(st.commit_times), set(), set(), True
             # The first full look's successor comes after a random 1/4 to all of COMMITS_LOOK_S (as
             # follow mode's): 1,000 workers (re)started together would list every commit record
-            # within seconds of each other every COMMITS_LOOK_S. The system's randomness: ranks may
-            # seed `random` alike.
+            # within seconds of each other every COMMITS_LOOK_S (`SPREAD`: ranks may seed `random` alike).
             first = self._full_at == -math.inf
-            self._full_at = st.now - (random.SystemRandom().uniform(0.0, 0.75) * COMMITS_LOOK_S if first else 0.0)
+            self._full_at = st.now - (SPREAD.uniform(0.0, 0.75) * COMMITS_LOOK_S if first else 0.0)
         else:
             st = scan(self.store, self.manifest, with_tallies=False, with_commits=False)
             for millis, shard, _ in feed_since(self.store, self._feed_from):
@@ -515,7 +513,7 @@ class WorkQueue:
 
     def _patiently(self, look: Callable[[], T]) -> T:
         """`patiently`, with a jittered pause of one to four polls."""
-        return patiently(look, lambda: random.uniform(self.poll_s, 4 * self.poll_s))
+        return patiently(look, lambda: SPREAD.uniform(self.poll_s, 4 * self.poll_s))
 
     def _order(self, todo: list[int]) -> list[int]:
         """Each rank starts at its own fraction of the list, so ranks rarely collide, turned by an
@@ -576,7 +574,7 @@ class WorkQueue:
         soonest = 0.0  # when the earliest lease the last pass waited on goes stale (time.time())
 
         def nap(pause: float) -> None:
-            time.sleep(min(pause, max(0.0, soonest - time.time()) + random.uniform(0, self.poll_s / 4)))
+            time.sleep(min(pause, max(0.0, soonest - time.time()) + SPREAD.uniform(0, self.poll_s / 4)))
 
         idle = Backoff(self.poll_s, self.max_poll_s, sleep=nap, jitter=0.25)
         woken_before = False  # the last pass ended on `Gate.REDO` and claimed nothing

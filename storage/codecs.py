@@ -313,9 +313,10 @@ class Fp8(Codec):
             scale[i : i + step] = s
             err = torch.sub(_dequant(qc, s, torch.empty_like(xb)), xf, out=y)
             # Row sums in float32 (exact enough for 576..5120 values), the total in float64; rows
-            # whose squares leave float32's range (|x| past ~1e18 overflows, below ~1e-18 the sum
-            # underflows to 0: NaN or a false 0.0 in the footer) are summed in float64.
-            if bool(((amax > 1e18) | ((amax > 0) & (amax < 1e-18))).any()):
+            # whose squares leave float32's range (a sum of H squares overflows past |x| ~
+            # sqrt(3.4e38 / H): 2.6e17 at 5,120; below ~1e-18 it underflows to 0: NaN, or a false
+            # relative error of 0.0 in the footer) are summed in float64.
+            if bool(((amax > math.sqrt(3.0e38 / max(1, xf.shape[-1]))) | ((amax > 0) & (amax < 1e-18))).any()):
                 err, xf = err.double(), xf.double()
             sq_err += torch.linalg.vecdot(err, err).sum(dtype=torch.float64).item()
             sq_norm += torch.linalg.vecdot(xf, xf).sum(dtype=torch.float64).item()

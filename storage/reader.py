@@ -131,8 +131,10 @@ class ShardReader:
     def _read_footer(self) -> dict:
         tail_start = max(0, self.size - self.TAIL_GUESS)
         tail = self.store.get_range(self.key, tail_start, self.size)
-        if len(tail) != self.size - tail_start:
-            raise ShardError(f"{self.where}: object changed size while reading")
+        if len(tail) != self.size - tail_start:  # `size` may be its commit record's: truncated since, or replaced
+            raise ShardError(f"{self.where}: holds {tail_start + len(tail):,} bytes, not the {self.size:,} expected "
+                             "(its commit record's size, or the size read before): the object is truncated or "
+                             "was replaced")
         footer_offset, magic = TRAILER.unpack_from(tail, len(tail) - TRAILER.size)
         if magic != TRAILER_MAGIC or not (self.records_start <= footer_offset < self.size - TRAILER.size):
             raise ShardError(f"{self.where}: no valid trailer; the shard is truncated or corrupt")

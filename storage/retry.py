@@ -27,6 +27,11 @@ from typing import TypeVar
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import EndpointUnreachable, StoreError, TransientStoreError
 
+# Jitter from the system's randomness, not `random`'s global generator: training ranks seed it alike
+# (torch.manual_seed, DataLoader workers' random.seed(base + id)), and 1,000 ranks pausing alike after
+# a 503 SlowDown would all retry at the same moments.
+SPREAD = random.SystemRandom()
+
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +51,7 @@ class Backoff:
 
     def next_pause(self) -> float:
         """The next pause (jittered), without sleeping it: the delay doubles for the one after."""
-        pause = self.delay * random.uniform(1 - self.jitter, 1 + self.jitter) if self.jitter else self.delay
+        pause = self.delay * SPREAD.uniform(1 - self.jitter, 1 + self.jitter) if self.jitter else self.delay
         self.delay = min(self.limit, 2 * self.delay)
         return pause
 
@@ -94,4 +99,4 @@ class RetryPolicy:
             log.debug("retrying after %s (try %d of %d)", error, attempt, self.limit(error, reached))
             if on_retry is not None:
                 on_retry()
-            time.sleep(random.uniform(0, min(self.cap_s, self.base_s * 2**attempt)))
+            time.sleep(SPREAD.uniform(0, min(self.cap_s, self.base_s * 2**attempt)))

@@ -20,6 +20,7 @@ import copy
 import functools
 import http.client
 import logging
+import math
 import os
 import re
 import threading
@@ -120,6 +121,9 @@ class S3Options:
             raise ConfigError(f"addressing_style must be auto, path or virtual, not {self.addressing_style!r}")
         if self.checksum_mode not in (None, "when_supported", "when_required"):
             raise ConfigError(f"checksum_mode must be when_supported or when_required, not {self.checksum_mode!r}")
+        for name in ("connect_timeout_s", "read_timeout_s"):  # botocore's own refusal read as a bad endpoint URL
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be a number of seconds above 0, got {getattr(self, name)!r}")
 
 
 def _written_by(stamped: float) -> float:
@@ -694,9 +698,8 @@ class S3Writer(ObjectWriter):
         if self._done:
             return
         try:
-            if self._upload_id is None:
-                body = bytes(self._buf or b"")
-                self._store.put(self.key, body)
+            if self._upload_id is None:  # the buffer itself, not a copy of it: a part's size held twice
+                self._store.put(self.key, self._buf if self._buf is not None else b"")
                 self._release_buffer()
             else:
                 if self._buf:

@@ -200,6 +200,10 @@ def test_s3_options_of_a_config_file_are_named_and_sizes_parsed():
     with pytest.raises(ConfigError, match="threads 'many': must be an integer"):
         open_store("s3://b/p", threads="many")
     assert open_store("s3://b/p", part_size="16MB").options.part_size == 16 * 10**6  # as --shard-bytes reads sizes
+    for name in ("read_timeout_s", "connect_timeout_s"):  # botocore's refusal was reported as a bad endpoint URL
+        for bad in (0, -1, float("nan"), float("inf")):
+            with pytest.raises(ConfigError, match=f"^{name} must be a number of seconds above 0, got"):
+                open_store("s3://b/p", **{name: bad})
 
 
 def test_lease_ttl_and_retries_are_range_checked():

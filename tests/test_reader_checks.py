@@ -388,14 +388,15 @@ def test_inspect_shows_a_free_form_produced_by_it_does_not_know_without_failing(
     assert "OK (every hash verified)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("value", [3e37, 1e20, 1e-36])
-def test_fp8_error_of_values_far_from_one_is_finite_and_strict_json(tmp_path, value):
+@pytest.mark.parametrize("value,hidden", [(3e37, 8), (1e20, 8), (1e-36, 8), (4e17, 5120)])
+def test_fp8_error_of_values_far_from_one_is_finite_and_strict_json(tmp_path, value, hidden):
     """Squares in float32 overflowed (NaN written into the footer, which is not JSON) or underflowed
-    (a false 0.0) for values past ~1e18 or below ~1e-18: decoding was fine, the stats were not."""
+    (a false 0.0) for values past ~1e18 or below ~1e-18: decoding was fine, the stats were not. A
+    row sum of 5,120 squares overflows from ~2.6e17 on: its norm was inf, its error a false 0.0."""
     store = LocalStore(str(tmp_path))
-    x = torch.full((2, 1, 8), value, dtype=torch.bfloat16)
+    x = torch.full((2, 1, hidden), value, dtype=torch.bfloat16)
     x[:, :, ::2] = -value * 0.37
-    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[3], hidden_size=8, codec="fp8")
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[3], hidden_size=hidden, codec="fp8")
     info = write_shard(store, "s.lts", meta, [Sample("a", torch.tensor([1, 2]), torch.tensor([1, 1]), x)])
     assert 0.001 < info.relative_error < 0.05
     y = ShardReader(store, "s.lts").read(0).hidden_states.double()
@@ -407,3 +408,16 @@ def test_fp8_error_of_values_far_from_one_is_finite_and_strict_json(tmp_path, va
 
     footer = ShardReader(store, "s.lts").footer
     assert json.loads(json.dumps(footer), parse_constant=refuse)["relative_error"] == info.relative_error
+
+
+def test_a_shard_shorter_than_its_commit_says_is_called_truncated(tmp_path):
+    """The loader opens a shard at its commit record's size: a truncated object was reported as
+    having "changed size while reading"."""
+    store = LocalStore(str(tmp_path))
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[3], hidden_size=8, codec="bf16")
+    x = torch.ones((2, 1, 8), dtype=torch.bfloat16)
+    write_shard(store, "s.lts", meta, [Sample("a", torch.tensor([1, 2]), torch.tensor([1, 1]), x)])
+    size = store.size("s.lts")
+    (tmp_path / "s.lts").write_bytes((tmp_path / "s.lts").read_bytes()[:-100])
+    with pytest.raises(ShardError, match=rf"holds {size - 100:,} bytes, not the {size:,} expected .* truncated"):
+        ShardReader(store, "s.lts", size=size)

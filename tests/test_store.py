@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import builtins
 import errno
+import json
 import os
 import re
 import signal
@@ -805,3 +806,27 @@ def test_a_folder_removed_as_empty_between_its_making_and_a_write_is_made_again(
     with store.open_writer("shards/000000-ab.lts") as w:
         w.write(b"data")
     assert store.get("shards/000000-ab.lts") == b"data"
+
+
+def test_retry_pauses_differ_between_processes_that_seed_random_alike():
+    """Retry jitter came from `random`'s global generator, which every training rank seeds alike
+    (torch.manual_seed, then each DataLoader worker's random.seed(base + id)): worker k of 1,000
+    ranks retried a 503 SlowDown at the same moments. Two processes seeded alike pause apart."""
+    code = textwrap.dedent("""
+        import json, random, time
+        from layertap.storage.retry import RetryPolicy
+        from layertap.storage.store import TransientStoreError
+        pauses = []
+        time.sleep = pauses.append
+        random.seed(1234)
+        def slow_down():
+            raise TransientStoreError("503 SlowDown")
+        try:
+            RetryPolicy(attempts=5).call(slow_down, lambda e: None)
+        except TransientStoreError:
+            pass
+        print(json.dumps(pauses))
+        """)
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert len(json.loads(runs[0])) == 4 and runs[0] != runs[1]

@@ -34,7 +34,6 @@ lands, and a window run's extraction would wait on a trainer that has left.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +46,7 @@ from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
 from layertap.manifests.state import feed_since, fits_plan, listed_shards, replaced_manifest_error, scan_work
 from layertap.manifests.work import patiently
 from layertap.storage.errors import UserError
-from layertap.storage.retry import Backoff
+from layertap.storage.retry import SPREAD, Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 from layertap.storage.units import listing, size
 
@@ -69,7 +68,7 @@ OVER_CHECK_AFTER = 3  # empty looks in a row (0.5 + 1 + 2 s) before a wait asks 
 def _outage_pause() -> float:
     """Seconds before a look that the store failed is tried again: 2-8, jittered, so that the
     consumers that met one outage together do not look again in step."""
-    return random.uniform(2.0, 8.0)
+    return SPREAD.uniform(2.0, 8.0)
 
 
 def _looks(poll_s: float) -> Backoff:
@@ -224,9 +223,8 @@ class CommitWatcher:
             self._feed_seen = next(iter(self.store.list(layout.FEED)), None) is not None
             # The next full listing after a random 1/4 to all of FULL_LOOK_S, then every FULL_LOOK_S:
             # the consumers of a trainer start together, and would otherwise all list commits/ (a
-            # page per 1,000 shards each) within a second of each other every FULL_LOOK_S.
-            # (the system's randomness: DataLoader workers seed `random` alike on every rank)
-            self._full_at = time.monotonic() - random.SystemRandom().uniform(0.0, 0.75) * FULL_LOOK_S
+            # page per 1,000 shards each) within a second of each other every FULL_LOOK_S (`SPREAD`).
+            self._full_at = time.monotonic() - SPREAD.uniform(0.0, 0.75) * FULL_LOOK_S
         else:
             self._full_at = time.monotonic()
         self._listed, self._full_due = True, False
