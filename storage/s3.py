@@ -82,7 +82,9 @@ _UNREACHABLE = (bexc.EndpointConnectionError, bexc.ProxyConnectionError, bexc.SS
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
                     "PriorRequestNotComplete", "Throttling", "ThrottlingException", "ThrottledException",
                     "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
-                    "RequestLimitExceeded", "BandwidthLimitExceeded", "SlowDownRead", "SlowDownWrite"}
+                    "RequestLimitExceeded", "BandwidthLimitExceeded", "SlowDownRead", "SlowDownWrite",
+                    # a 400 for a body damaged on the way (its digest or length not what arrived): sent again
+                    "BadDigest", "IncompleteBody"}
 
 
 class ConditionalWritesUnsupported(ConfigError):

@@ -22,6 +22,8 @@ position drawn from a seeded RNG, gets a fault (of a kind drawn from the same RN
 - ``404``, only when asked for (it means something only to requests naming an upload): a
   NoSuchUpload XML body, never reaches the server; what MinIO answers a retried
   CompleteMultipartUpload whose first try landed (minio/minio#13318);
+- ``400``, only when asked for: a BadDigest XML body, never reaches the server; what S3 answers
+  a body damaged on the way (its Content-MD5 or checksum does not match what arrived);
 - ``501``, only when asked for: a NotImplemented XML body, never reaches the server; what a server
   answers a request it does not support at all (AWS S3 before August 2024 a PUT with
   `If-None-Match`, some gateways DeleteObjects).
@@ -46,12 +48,13 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FAULTS = ("500", "503", "reset", "reset-after", "cut", "stall")  # the default: any request may get one
-KINDS = (*FAULTS, "404", "501")
+KINDS = (*FAULTS, "400", "404", "501")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "te", "trailer",
                "upgrade", "expect"}
 _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
     "503": (503, "SlowDown", "Please reduce your request rate."),
+    "400": (400, "BadDigest", "The Content-MD5 you specified did not match what we received."),
     "404": (404, "NoSuchUpload", "The specified multipart upload does not exist."),
     "501": (501, "NotImplemented", "A header you provided implies functionality that is not implemented."),
 }

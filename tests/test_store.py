@@ -830,3 +830,17 @@ def test_retry_pauses_differ_between_processes_that_seed_random_alike():
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)]
     assert len(json.loads(runs[0])) == 4 and runs[0] != runs[1]
+
+
+@pytest.mark.parametrize("kind", ["put", "part"])
+def test_a_body_damaged_on_the_way_is_sent_again(s3_bucket, s3_endpoint, kind):
+    """S3 answers 400 BadDigest to a body whose checksum does not match what arrived (damaged in
+    transit): a 400 was taken for a request that cannot succeed, and the shard's upload failed."""
+    is_body = lambda method, path: method == "PUT"  # noqa: E731 - a PutObject or an UploadPart
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("400",), match=is_body, limit=1) as proxy:
+        store = open_store(f"s3://{s3_bucket}/damaged", endpoint_url=proxy.url, part_size="5MiB")
+        data = os.urandom(6 * MiB if kind == "part" else 1000)
+        with store.open_writer("obj") as w:
+            w.write(data)
+        assert proxy.counts["400"] == 1
+    assert open_store(f"s3://{s3_bucket}/damaged").get("obj") == data
