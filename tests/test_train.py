@@ -1024,3 +1024,17 @@ def test_a_loader_error_reaches_the_training_thread(run):
         for _ in range(2):  # and again on a later call
             with pytest.raises(ValueError, match="on purpose"):
                 p.wait_for_batch()
+
+
+def test_the_lr_warms_up_to_its_peak_and_decays_to_the_floor_at_the_last_step():
+    """The ramp ended a step early: the peak ran twice, and a one-step warmup (any run of 25 to 49
+    steps) started at the full lr; the last step stayed above lr x min_lr_ratio (0.122 in 10 steps)."""
+    from layertap.train.config import TrainConfig
+    from layertap.train.trainer import lr_at
+
+    cfg = TrainConfig(data="x", out="y", lr=1.0)  # warmup 4% of the steps, the floor 10% of lr
+    assert [lr_at(s, 25, cfg) for s in range(2)] == pytest.approx([0.5, 1.0])
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0]) and lrs[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:]))
+    assert lr_at(9, 10, cfg) == pytest.approx(0.1) and lr_at(0, 1, cfg) == pytest.approx(1.0)

@@ -64,11 +64,14 @@ STALL_CHECK_S = 5.0  # follow mode: seconds of waiting for data between looks fo
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup over `warmup_ratio` of the steps, then cosine decay to `lr * min_lr_ratio`."""
+    """Linear warmup over `warmup_ratio` of the steps to `lr` at step `warm`, then cosine decay to
+    `lr * min_lr_ratio` at the last step. (The ramp ended a step early, so the peak ran twice and a
+    one-step warmup, any run of 25 to 49 steps, started at the full lr; the last step stayed above
+    the floor.)"""
     warm = int(total * cfg.warmup_ratio)
     if step < warm:
-        return cfg.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, total - warm)
+        return cfg.lr * (step + 1) / (warm + 1)
+    progress = min(1.0, (step - warm) / max(1, total - 1 - warm))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
