@@ -53,9 +53,11 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
 def _add_regeneration_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("regeneration (layertap regenerate), when asked")
     g.add_argument("--regenerate", action="store_true",
-                   help="also estimate regenerating every sample's answers with the target before extraction")
+                   help="also estimate regenerating the answers of every row with a user turn, with the target, "
+                        "before extraction")
     g.add_argument("--answer-tokens", type=float,
-                   help="mean new tokens per sample (default: the dataset's own assistant tokens per sample)")
+                   help="mean new tokens per row answered (default: the dataset's own assistant tokens per sample "
+                        "the extraction keeps)")
     g.add_argument("--generate-tokens-per-s", type=float,
                    help="generated tokens/s of one server with many requests in flight (e.g. vLLM's reported "
                         "generation throughput); without it, no time")

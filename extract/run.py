@@ -152,10 +152,11 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
     totals = PipelineStats()
     pad_id = padding_id(target)
     staging = HostStaging() if next(capture.decoder.parameters()).is_cuda else None  # pinned once, reused
+    told: set[str] = set()  # the skip reasons this worker has shown an example of
 
     def start(claim: Claim, counted) -> Started:
         plan = claim.plan
-        samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end)
+        samples, skipped, truncated = _tokenize(rows, target, cfg, plan.start, plan.end, told)
         meta = shard_meta(cfg, identity, manifest.run_id, plan.id, target.info["dtype"], provenance(target.model))
 
         def on_record(rec) -> None:
@@ -347,8 +348,9 @@ def dataset_rows(cfg: ExtractConfig):
     return rows, f"embedded:sharegpt_v3:limit={cfg.limit}"
 
 
-def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int):
-    """The samples of rows [start, end), plus the skipped ones with reasons."""
+def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int, told: set[str]):
+    """The samples of rows [start, end), plus the skipped ones with reasons (the first of each
+    reason not in `told` logged, and added to it)."""
     stats = TokenizeStats()
     samples: list[TokenizedSample] = []
     skipped: list[dict[str, str]] = []
@@ -357,6 +359,11 @@ def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int):
                              chat_template_kwargs=template_kwargs(cfg.dataset)):
         if isinstance(out, Skipped):
             skipped.append({"sample_id": out.sample_id, "reason": out.reason, "detail": out.detail})
+            if out.reason not in told:  # counts alone ("template_error: 1") do not say what to fix
+                told.add(out.reason)
+                log.warning("sample %s skipped (%s): %s. Later samples skipped for it are counted in `layertap "
+                            "status`, each with its detail in its shard's commit record (commits/)",
+                            out.sample_id, out.reason, out.detail)
         else:
             samples.append(out)
     return samples, skipped, stats.truncated

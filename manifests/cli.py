@@ -152,7 +152,9 @@ def format_regeneration(r: dict) -> str:
     if r["complete"]:
         lines += ["  COMPLETE", "", "extract over it:", f"  layertap extract --dataset {r['prefix']} --model ... --out ..."]
     else:
-        lines.append("  the same `layertap regenerate` (or `layertap submit regenerate`) command finishes the rest")
+        # a `--task I/N` process does only its own parts: its command again finishes nothing of the others'
+        lines.append("  `layertap regenerate` with the same settings finishes the rest (without --task, or each "
+                     "--task I/N of the split), as does `layertap submit regenerate` again")
     return "\n".join(lines)
 
 

@@ -628,6 +628,27 @@ def window_floor(ranks: int, num_workers: int, shuffle_buffer: int, batch_size: 
     return ranks * samples * shard_bytes
 
 
+def window_shortfall(window: int, ranks: int, num_workers: int, shuffle_buffer: int, batch_size: int,
+                     shard_bytes: int, grad_accum: int = 1) -> str | None:
+    """What is wrong with a --window below `window_floor` for this training (None when it is not):
+    `submit --train-while-extracting` warns of it, and so does a --delete-consumed trainer at its
+    start, before the run would stall."""
+    from layertap.storage.units import size
+
+    floor = window_floor(ranks, num_workers, shuffle_buffer, batch_size, shard_bytes, grad_accum)
+    if window >= floor:
+        return None
+    buffers = f"{num_workers} DataLoader workers x " if num_workers > 1 else ""
+    held = batches_in_flight(num_workers, grad_accum)
+    return (f"--window {size(window)} is below {size(floor)} = {ranks} training ranks x ({buffers}--shuffle-buffer "
+            f"{shuffle_buffer} + {held} x --batch-size {batch_size}) x --shard-bytes {size(shard_bytes)}: each sample "
+            f"in a shuffle buffer or in the {held} batches a rank holds before training them (the one in training, "
+            "those prefetched" + (f": a step's {grad_accum} with --grad-accum {grad_accum}" if grad_accum > 2 else "")
+            + (", 2 per DataLoader worker" if num_workers else "") + ") can keep a shard from counting as consumed, "
+            "and the run may stall for good. Raise --window, or lower --shard-bytes, --shuffle-buffer, --batch-size "
+            "or --num-workers")
+
+
 def forget_window(store: ObjectStore) -> None:
     """An extraction without --window: remove the record an earlier --window extraction of the
     run left (`WindowGate.record`), so that trainers and `status` see no window. The record is the

@@ -668,23 +668,12 @@ def _data_is_a_run(cfg) -> None:
 def _check_window(cfg, train_cfg, ranks: int) -> None:
     """Warn (on stderr, at submission) of a --window below `window_floor`: the run may stall for
     good once the consumers' shuffle buffers and batches pin the shards that fill the window."""
-    from layertap.manifests.consumption import batches_in_flight, window_floor
-    from layertap.storage.units import size
+    from layertap.manifests.consumption import window_shortfall
 
-    workers, accum = train_cfg.num_workers, train_cfg.grad_accum
-    shard_bytes = _planned_shard_bytes(cfg)
-    floor = window_floor(ranks, workers, train_cfg.shuffle_buffer, train_cfg.batch_size, shard_bytes, accum)
-    if cfg.window < floor:
-        buffers = f"{workers} DataLoader workers x " if workers > 1 else ""
-        held = batches_in_flight(workers, accum)
-        print(f"warning: --window {size(cfg.window)} is below {size(floor)} = {ranks} training ranks x ({buffers}"
-              f"--shuffle-buffer {train_cfg.shuffle_buffer} + {held} x --batch-size {train_cfg.batch_size}) x "
-              f"--shard-bytes {size(shard_bytes)}: each sample in a shuffle buffer or in the {held} batches a "
-              "rank holds before training them (the one in training, those prefetched"
-              + (f": a step's {accum} with --grad-accum {accum}" if accum > 2 else "")
-              + (", 2 per DataLoader worker" if workers else "")
-              + ") can keep a shard from counting as consumed, and the run may stall for good. Raise --window, "
-              "or lower --shard-bytes, --shuffle-buffer, --batch-size or --num-workers", file=sys.stderr)
+    why = window_shortfall(cfg.window, ranks, train_cfg.num_workers, train_cfg.shuffle_buffer, train_cfg.batch_size,
+                           _planned_shard_bytes(cfg), train_cfg.grad_accum)
+    if why is not None:
+        print(f"warning: {why}", file=sys.stderr)
 
 
 def _read_the_extraction(targs: argparse.Namespace, cfg, where: str) -> None:

@@ -90,7 +90,7 @@ def test_a_limit_below_one_is_refused_naming_the_flag(tmp_path, capsys, value):
     assert f"--limit must be at least 1 prompt, got {value}" in capsys.readouterr().err
 
 
-def test_no_verification_step_gives_a_null_tau_in_strict_json_and_says_why(tmp_path, capsys):
+def test_no_verification_step_gives_a_null_tau_in_strict_json_and_says_why(tmp_path, capsys, caplog):
     """--max-new-tokens 1: the prefill gives the one token, no step verifies a draft, and tau was
     printed as NaN, which strict JSON parsers refuse."""
     import json
@@ -116,9 +116,13 @@ def test_no_verification_step_gives_a_null_tau_in_strict_json_and_says_why(tmp_p
 
     report = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert report["tau"] is None and report["tau_untrained"] is None and report["verify_steps"] == 0
-    assert cli([*args, "--no-baseline"]) == 0
+    with caplog.at_level("INFO"):
+        assert cli([*args, "--no-baseline"]) == 0
+    assert "prompt 1/1: tau so far none yet" in caplog.text  # it logged nan
+    out = capsys.readouterr().out
     assert ("tau (mean acceptance length): none, no verification step in 1 prompts (--max-new-tokens 1: the "
-            "prefill gives the first token, drafting starts after it)") in capsys.readouterr().out
+            "prefill gives the first token, drafting starts after it)") in out
+    assert "acceptance by draft position:  none (no draft was checked)" in out  # it printed nothing after it
 
 
 def test_a_bf16_eval_runs_the_drafter_in_bf16_on_the_targets_own_embed_and_head(tmp_path, monkeypatch):

@@ -782,6 +782,26 @@ def test_a_window_run_no_trainer_deletes_from_is_named_as_such(tmp_path, capsys,
     assert "NO TRAINER DELETES" not in cli_out(capsys, "status", store_uri)[1]
 
 
+def test_a_deleting_trainer_is_warned_at_its_start_of_a_window_its_buffers_can_fill(tmp_path, caplog):
+    """`submit --train-while-extracting` warned of a --window below `window_floor`; `train --follow
+    --delete-consumed` started by hand was told only by its STALLED lines, a minute or more in."""
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    for window, name in ((10**12, "roomy"), (10_000, "tight")):
+        store_uri = str(tmp_path / name)
+        fake_worker.work(store_uri)
+        WindowGate(open_store(store_uri), window).record()
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert cli(["train", "--data", store_uri, "--model", target, "--out", str(tmp_path / f"{name}-out"),
+                        "--follow", "--delete-consumed", "--batch-size", "2", "--shuffle-buffer", "2", "--block-size",
+                        "4", "--max-anchors", "8"]) == 0
+        assert ("is below" in caplog.text) == (name == "tight"), caplog.text
+    assert "--window 9.77 KiB is below" in caplog.text
+    assert "= 1 training ranks x (--shuffle-buffer 2 + 3 x --batch-size 2) x --shard-bytes" in caplog.text
+
+
 def test_an_extraction_without_a_window_removes_an_earlier_ones_record(tmp_path):
     """A `consumed/window.json` left by an earlier --window extraction made the follow trainer of a
     later one without --window take stall checkpoints, and status report a window."""

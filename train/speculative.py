@@ -496,10 +496,10 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         trained.append(spec)
         if baseline:
             untrained.append(speculative_decode(runner, fresh, p, max_new_tokens, eos))
-        tau = _tau(trained, config.block_size)[0]
-        bar.set_postfix(tau=f"{tau:.2f}", tok_s=f"{sum(len(r.tokens) for r in trained) / spec_s:.1f}")
-        log.info("prompt %d/%d: tau so far %.3f%s", i + 1, len(prompts), tau,
-                 f" (untrained {_tau(untrained, config.block_size)[0]:.3f})" if baseline else "")
+        tau = _shown(_tau(trained, config.block_size)[0])  # NaN until a verification step: none yet
+        bar.set_postfix(tau=tau, tok_s=f"{sum(len(r.tokens) for r in trained) / spec_s:.1f}")
+        log.info("prompt %d/%d: tau so far %s%s", i + 1, len(prompts), tau,
+                 f" (untrained {_shown(_tau(untrained, config.block_size)[0])})" if baseline else "")
     tau, per_position = _tau(trained, config.block_size)
     report: dict[str, Any] = {
         "tau": _known(tau), "acceptance_per_position": [_known(x) for x in per_position],
@@ -551,6 +551,11 @@ def check_drafter_target(recorded: dict[str, Any], info: dict[str, Any], drafter
                     recorded["chat_template_sha256"][:12])
 
 
+def _shown(tau: float) -> str:
+    """A running tau for the progress line and log: "none yet" before any verification step."""
+    return "none yet" if math.isnan(tau) else f"{tau:.3f}"
+
+
 def _known(x: float) -> float | None:
     """`x`, or None where it is NaN (nothing measured it): JSON has no NaN, and strict parsers refuse it."""
     return None if math.isnan(x) else x
@@ -568,7 +573,7 @@ def format_report(r: dict[str, Any]) -> str:
         untrained = r["tau_untrained"]
         lines.append(f"tau of an untrained drafter:  {'none' if untrained is None else f'{untrained:.3f}'}")
     rates = " ".join("n/a" if x is None else f"{x:.2f}" for x in r["acceptance_per_position"])
-    lines.append(f"acceptance by draft position:  {rates}")
+    lines.append(f"acceptance by draft position:  {rates or 'none (no draft was checked)'}")
     lines.append("output equals plain greedy decoding: " + ("yes" if r["matches_greedy"] else
                                                            f"NO (prompts {r['mismatched_prompts']})"))
     if r.get("rollback_s"):

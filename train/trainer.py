@@ -397,7 +397,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
                 log.info("removed the drafter exported at step %d (%s/drafter/): training goes on to step %d and "
                          "exports it again at its end", start, cfg.out, total)
         log.info("resumed from %s/checkpoints step %d", cfg.out, start)
-    _check_consumer(cfg, data, out.uri, rank, fresh=ckpt is None)
+    _check_consumer(cfg, data, out.uri, rank, world, fresh=ckpt is None)
     if rank == 0:
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
                  "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
@@ -937,13 +937,16 @@ def _check_apart(out: ObjectStore, data: ObjectStore) -> None:
                          "prefix of its own")
 
 
-def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int, fresh: bool) -> None:
+def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int, world: int, fresh: bool) -> None:
     """One --delete-consumed trainer per run (`consumption.claim_consumer`), whose start from step 0
-    (`fresh`) voids the watermarks of an earlier one (`forget_watermarks`); another trainer of the
-    same run is warned that shards may go while it reads them, and a follow trainer of a window run
-    that none consumes, that the window will not open. Before the first step: no rank has written
-    a watermark of this start yet."""
-    from layertap.manifests.consumption import claim_consumer, consumer_of, forget_watermarks, recorded_window
+    (`fresh`) voids the watermarks of an earlier one (`forget_watermarks`), and which is warned of
+    a window its buffers and batches can fill (`window_shortfall`: the run would stall in a minute
+    or so); another trainer of the same run is warned that shards may go while it reads them, and
+    a follow trainer of a window run that none consumes, that the window will not open. Before the
+    first step: no rank has written a watermark of this start yet."""
+    from layertap.manifests.consumption import (claim_consumer, consumer_of, forget_watermarks, recorded_window,
+                                                window_shortfall)
+    from layertap.manifests.manifest import load_manifest
     from layertap.storage.units import size
 
     if cfg.delete_consumed:
@@ -951,6 +954,12 @@ def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int,
         if fresh and rank == 0 and (gone := forget_watermarks(data)):
             log.info("removed %d consumption watermark(s) of an earlier start from %s: this trainer starts at step 0",
                      gone, data.uri)
+        # the extraction records its window as its first worker starts: a trainer that starts first is told
+        # by the stall check instead ("STALLED" in its log), once the window has filled
+        if rank == 0 and (window := recorded_window(data)) is not None and (why := window_shortfall(
+                window, world, cfg.num_workers, cfg.shuffle_buffer, cfg.batch_size, load_manifest(data).shard_bytes,
+                cfg.grad_accum)) is not None:
+            log.warning("%s: %s", data.uri, why)
     elif rank == 0 and cfg.follow and consumer_of(data) is None and (window := recorded_window(data)) is not None:
         log.warning("%s is extracted under a --window of %s, and no --delete-consumed trainer has claimed it: nothing "
                     "trained on is deleted, so once the data at rest fills the window, extraction and this trainer "
