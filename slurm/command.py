@@ -340,7 +340,14 @@ def _submit_extract(args: argparse.Namespace) -> int:
         trainer = _sbatch_train(args, *train, after=[]) if not args.dry_run else None
         if args.dry_run:
             _show(f"{train[0].job_name}.sbatch", [], train[1])
-        _submit_array(args, opts, script, what, after_start=[trainer or "<the training job's id>"])
+        try:
+            _submit_array(args, opts, script, what, after_start=[trainer or "<the training job's id>"])
+        except submit.SlurmError as e:  # a follow trainer of no extraction would hold its nodes until its --time
+            if trainer is None:
+                raise
+            why = submit.cancel(trainer)
+            raise submit.SlurmError(f"{e}; the training job {trainer} submitted before it was "
+                                    + ("cancelled" if why is None else f"NOT cancelled ({why}): scancel it")) from None
         return 0
     job = _submit_array(args, opts, script, what)
     if train:

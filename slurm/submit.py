@@ -88,6 +88,15 @@ def sbatch(script: str, after_ok: list[str] | None = None, after_start: list[str
     return job
 
 
+def cancel(job: str) -> str | None:
+    """`scancel job`; why not, if it failed (the caller says so: it is cleaning up after an error)."""
+    try:
+        _run(["scancel", job])
+        return None
+    except SlurmError as e:
+        return str(e)
+
+
 def dependency_options(after_ok: list[str], after_start: list[str] | None = None) -> list[str]:
     """sbatch options to start only once every job of `after_ok` succeeded and every job of
     `after_start` started (Slurm's `after`, which a job cancelled before it started also meets)."""

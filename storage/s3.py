@@ -577,6 +577,12 @@ class S3Store(ObjectStore):
     def reopen(self) -> S3Store:
         return S3Store(self.uri, self.options)
 
+    def __copy__(self) -> S3Store:
+        """A copy on this store's client and pool (`parent`): not `__reduce__`'s new client."""
+        new = object.__new__(S3Store)
+        new.__dict__.update(self.__dict__)
+        return new
+
     def __reduce__(self):
         """A copy for a spawned process (a DataLoader's workers under `multiprocessing_context="spawn"`
         take the stream that holds this store): its own client and threads, as `reopen` makes."""

@@ -89,6 +89,8 @@ def test_plan_sizes_shards_by_estimated_bytes():
 def test_rows_the_extraction_skips_at_the_end_join_the_last_shard_not_one_of_their_own():
     """Prompt-only rows (0 tokens) after the last full shard made a shard of 0 tokens: extracted as an
     empty shard object, counted by estimate, not by the loader."""
+    shards = plan_shards([64, 64, 0, 0], bytes_per_token=16.0, shard_bytes=1000)  # the last full shard, then 0s
+    assert [(s.start, s.end, s.est_tokens) for s in shards] == [(0, 1, 64), (1, 4, 64)]
     shards = plan_shards([64, 64, 49, 0, 0], bytes_per_token=16.0, shard_bytes=1000)
     assert [(s.start, s.end, s.est_tokens) for s in shards] == [(0, 1, 64), (1, 2, 64), (2, 5, 49)]
     assert [(s.start, s.end) for s in plan_shards([0, 0], 16.0, 1000)] == [(0, 2)]  # a plan has a shard

@@ -1389,6 +1389,22 @@ def test_the_follow_trainer_is_queued_first_and_the_window_array_after_it_starts
     finally:
         subprocess.run(["scancel", *jobs], check=False)
 
+    # The array's sbatch refused (a QOS's MaxSubmitJobs, say): the trainer queued before it would
+    # start and wait for an extraction that never comes, holding its nodes until its --time.
+    from layertap.slurm import command, submit as slurm_submit
+
+    def refused(*args, **kwargs):
+        raise slurm_submit.SlurmError("`sbatch --parsable ...` failed: QOSMaxSubmitJobPerUserLimit")
+
+    monkeypatch.setattr(command, "_submit_array", refused)
+    assert submit("extract", "--parsable", "--nodes", "1", "--partition", "debug", "--cpus-per-task", "1",
+                  "--mem", "none", "--out", prefix, "--max-length", "64", "--window", "1MB", "--sbatch=--hold",
+                  "--train-while-extracting", "--out d --delete-consumed") == 2
+    out, err = capsys.readouterr()
+    [trainer] = out.split()
+    assert f"QOSMaxSubmitJobPerUserLimit; the training job {trainer} submitted before it was cancelled" in err
+    wait_for(lambda: scontrol_jobs(trainer)[0]["JobState"] == "CANCELLED", "the trainer to be cancelled", 30)
+
 
 def test_a_stack_dump_asked_of_a_job_leaves_it_running(slurm_cluster, tiny_llama, tmp_path):
     """`scancel --signal=USR2 JOB`, the documented way to see where a job's processes wait, reached

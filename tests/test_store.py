@@ -844,3 +844,16 @@ def test_a_body_damaged_on_the_way_is_sent_again(s3_bucket, s3_endpoint, kind):
             w.write(data)
         assert proxy.counts["400"] == 1
     assert open_store(f"s3://{s3_bucket}/damaged").get("obj") == data
+
+
+def test_a_parent_prefix_shares_its_stores_client_and_a_spawned_copy_does_not(s3_bucket):
+    """A store pickles as its URI and options for spawned DataLoader workers (`__reduce__`), and
+    `copy.copy` went that way too: each level `parent()` walked up (the checks of a new run's
+    prefix, 8 levels) built a client of its own, ~60 ms and new connections each."""
+    import pickle
+
+    store = open_store(f"s3://{s3_bucket}/a/b/c")
+    up = store.parent()
+    assert up.uri == f"s3://{s3_bucket}/a/b" and up.client is store.client and store.uri.endswith("/a/b/c")
+    spawned = pickle.loads(pickle.dumps(store))
+    assert spawned.uri == store.uri and spawned.options == store.options and spawned.client is not store.client

@@ -568,12 +568,12 @@ class ShardStream(IterableDataset):
         self._metrics = Metrics()
         avg = sum(s.bytes for s in self.shards) / max(1, self.total_samples)
         budget = max(1, c.memory_budget // workers)
-        # the budget holds whole ranges: one is the least in RAM (no range is larger than its shard)
-        if worker == 0 and min(c.range_bytes, max(s.bytes for s in self.shards)) > budget:
+        rng = min(c.range_bytes, max(s.bytes for s in self.shards))  # no range is larger than its shard
+        if worker == 0 and rng > budget:  # the budget holds whole ranges: one is the least in RAM
             log.warning("range_bytes (%s) exceeds the memory budget per worker (%s): each fetch holds a whole "
                         "range, so buffered bytes will exceed the budget; lower range_bytes or raise the budget",
                         size(c.range_bytes), size(budget))
-        elif worker == 0 and c.shuffle and (held := buffer_footprint(c.shuffle_buffer, avg, c.range_bytes)) > budget:
+        elif worker == 0 and c.shuffle and (held := buffer_footprint(c.shuffle_buffer, avg, rng)) > budget:
             log.warning("the shuffle buffer's %d samples (~%s each) keep ~%s of fetched ranges in memory (a range "
                         "stays until its last sample is used), over the memory budget per worker (%s): buffered "
                         "bytes will exceed the budget; raise memory_budget, or lower shuffle_buffer or range_bytes",

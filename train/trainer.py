@@ -954,12 +954,17 @@ def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int,
         if fresh and rank == 0 and (gone := forget_watermarks(data)):
             log.info("removed %d consumption watermark(s) of an earlier start from %s: this trainer starts at step 0",
                      gone, data.uri)
-        # the extraction records its window as its first worker starts: a trainer that starts first is told
-        # by the stall check instead ("STALLED" in its log), once the window has filled
-        if rank == 0 and (window := recorded_window(data)) is not None and (why := window_shortfall(
-                window, world, cfg.num_workers, cfg.shuffle_buffer, cfg.batch_size, load_manifest(data).shard_bytes,
-                cfg.grad_accum)) is not None:
-            log.warning("%s: %s", data.uri, why)
+        # the extraction records its window as its first worker starts: a trainer that starts first (as
+        # `submit --train-while-extracting` queues it) is told by the stall check ("STALLED"), once it fills
+        if rank == 0:
+            try:  # a warning: a store that does not answer, a manifest being replaced, fail no start
+                why = (window_shortfall(window, world, cfg.num_workers, cfg.shuffle_buffer, cfg.batch_size,
+                                        load_manifest(data).shard_bytes, cfg.grad_accum)
+                       if (window := recorded_window(data)) is not None else None)
+            except UserError:
+                why = None
+            if why is not None:
+                log.warning("%s: %s", data.uri, why)
     elif rank == 0 and cfg.follow and consumer_of(data) is None and (window := recorded_window(data)) is not None:
         log.warning("%s is extracted under a --window of %s, and no --delete-consumed trainer has claimed it: nothing "
                     "trained on is deleted, so once the data at rest fills the window, extraction and this trainer "
