@@ -81,12 +81,15 @@ def decode_named(payload: memoryview | bytes, meta: ShardMeta, where: str) -> Sa
         raise ShardError(f"{where}: {e}") from None
 
 
-def read_record(store: ObjectStore, key: str, where: str, meta: ShardMeta, index: int, e: RecordEntry) -> Sample:
+def read_record(store: ObjectStore, key: str, where: str, meta: ShardMeta, index: int, e: RecordEntry,
+                buf: bytes | memoryview | None = None, base: int = 0) -> Sample:
     """Record `index` of the shard `key` (`where`: its location, for errors), whose index entry is
-    `e`: one ranged GET, its hashes checked, decoded, and checked to be the sample `e` names."""
+    `e`: one ranged GET (none when `buf`, the object's bytes from offset `base` on, holds it), its
+    hashes checked, decoded, and checked to be the sample `e` names."""
     where = f"{where} record {index} ({e.sample_id})"
-    buf = store.get_range(key, e.offset, e.offset + e.length)
-    return check_sample(decode_named(record_payload(buf, e.offset, e, where), meta, where), e.sample_id,
+    if buf is None:
+        buf, base = store.get_range(key, e.offset, e.offset + e.length), e.offset
+    return check_sample(decode_named(record_payload(buf, base, e, where), meta, where), e.sample_id,
                         e.num_tokens, where)
 
 
@@ -162,9 +165,22 @@ class ShardReader:
     def read(self, index: int) -> Sample:
         return read_record(self.store, self.key, self.where, self.meta, index, self.entries[index])
 
+    RUN_BYTES = 64 << 20  # `__iter__` reads adjacent records in GETs of up to this (one larger record alone)
+
     def __iter__(self) -> Iterator[Sample]:
-        for i in range(len(self.entries)):
-            yield self.read(i)
+        """Every record in order, adjacent ones fetched together (records lie back to back,
+        `check_index`): a GET per RUN_BYTES, not one per record (export read a run's 900,000
+        samples in as many GETs), with as much in memory."""
+        i = 0
+        while i < len(self.entries):
+            base, j = self.entries[i].offset, i + 1
+            while j < len(self.entries) and self.entries[j].offset + self.entries[j].length - base <= self.RUN_BYTES:
+                j += 1
+            last = self.entries[j - 1]
+            buf = self.store.get_range(self.key, base, last.offset + last.length)
+            for k in range(i, j):
+                yield read_record(self.store, self.key, self.where, self.meta, k, self.entries[k], buf, base)
+            i = j
 
 
 @dataclass
