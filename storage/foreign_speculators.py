@@ -62,11 +62,10 @@ class SpeculatorsWriter:
 
         if index != self._next:
             raise ValueError(f"speculators rows are written in order: expected row {self._next}, got {index}")
-        tensors = hs_tensors(sample)
-        ids = tensors["token_ids"]
-        if self.states:
+        ids = sample.input_ids.to(torch.int64)
+        if self.states:  # not for --rows-only: the states' concatenation is the costly part
             self._keys.append(hs_key(index))  # before the put: one that fails halfway is removed too
-            self.store.put(hs_key(index), st_save(tensors))
+            self.store.put(hs_key(index), st_save(hs_tensors(sample)))
         batch = pa.record_batch([pa.array([ids.tolist()], pa.list_(pa.int64())),
                                  pa.array([sample.loss_mask.to(torch.int64).tolist()], pa.list_(pa.int64())),
                                  pa.array([len(ids)], pa.int64())], schema=self._schema)
