@@ -376,10 +376,11 @@ def _finish(sample: TokenizedSample, max_length: int) -> TokenizedSample | Skipp
         ids, mask = ids[:max_length].clone(), mask[:max_length].clone()  # clone: free the rest
     if not bool((mask[:-1] & mask[1:]).any()):
         whole = sample.loss_mask
-        if truncated and bool((whole[:-1] & whole[1:]).any()):
+        if truncated and bool((pairs := whole[:-1] & whole[1:]).any()):
+            first = int(pairs.nonzero()[0])  # not the first supervised token: an empty answer's lone end token
             return Skipped(sample.sample_id, ANSWER_PAST_MAX_LENGTH,
-                           f"no two consecutive supervised tokens within max_length={max_length}: the first "
-                           f"supervised token is token {int(whole.nonzero()[0])}")
+                           f"no two consecutive supervised tokens within max_length={max_length}: the first pair "
+                           f"is tokens {first} and {first + 1} (--max-length {first + 2} or more keeps it)")
         return Skipped(sample.sample_id, NO_SUPERVISED_PAIR, "no two consecutive supervised tokens")
     return TokenizedSample(sample.sample_id, ids, mask, truncated)
 
@@ -418,13 +419,55 @@ def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> T
         mask, name = mask.bool(), "loss_mask"
     elif row.get("labels") is not None:
         labels = _column_tensor(row["labels"], "labels", "a list of integers (-100: not supervised)", where)
-        mask, name = labels != -100, "labels"
+        mask, name = labels >= 0, "labels"  # -100 by convention; any negative (-1) is an ignore index too
     else:
         raise InputError(f"{where}: both loss_mask and labels are null")
     if mask.numel() != ids.numel():
         raise InputError(f"{where}: {name} has {mask.numel()} entries for "
                          f"{ids.numel()} input_ids")
+    if name == "labels":
+        _check_labels(labels.to(torch.int64), ids, where)
+    if row.get("attention_mask") is not None:
+        ids, mask = _unpadded(row["attention_mask"], ids, mask, where)
+        if ids.numel() == 0:
+            return Skipped(sid, EMPTY, "attention_mask is 0 everywhere")
     return TokenizedSample(sid, ids, mask)
+
+
+def _check_labels(labels: torch.Tensor, ids: torch.Tensor, where: str) -> None:
+    """Labels are read as a loss mask: where supervised they must be the input ids themselves, as
+    HF's causal LMs take them (the model shifts them). Labels shifted already (labels[t] =
+    input_ids[t+1]) would put every supervised token one place off."""
+    on = labels >= 0
+    if bool((labels[on] == ids[on]).all()):
+        return
+    if bool((labels[:-1][on[:-1]] == ids[1:][on[:-1]]).all()):
+        raise InputError(f"{where}: labels are shifted by one (labels[t] = input_ids[t+1]): give labels aligned "
+                         "with input_ids, a copy of them with -100 where not supervised (the model shifts them), "
+                         "or a loss_mask column")
+    pos = int((on & (labels != ids)).nonzero()[0])
+    raise InputError(f"{where}: labels[{pos}] is {int(labels[pos])}, input_ids[{pos}] is {int(ids[pos])}: labels "
+                     "are read as a loss mask, a copy of input_ids with -100 where not supervised; give that, or a "
+                     "loss_mask column")
+
+
+def _unpadded(value: Any, ids: torch.Tensor, mask: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens an `attention_mask` column keeps: a padded row (padding="max_length") would run
+    its pads through the target as text, and left padding would put them before every prompt, so
+    every stored state would come from a context the target never serves."""
+    keep = _column_tensor(value, "attention_mask", "a list of 0s and 1s", where)
+    if keep.numel() != ids.numel():
+        raise InputError(f"{where}: attention_mask has {keep.numel()} entries for {ids.numel()} input_ids")
+    if bool(((keep != 0) & (keep != 1)).any()):
+        raise InputError(f"{where}: attention_mask must hold only 0 and 1")
+    keep = keep.bool()
+    if bool(keep.all()):
+        return ids, mask
+    on = keep.nonzero()
+    if on.numel() and not bool(keep[int(on[0]) : int(on[-1]) + 1].all()):
+        raise InputError(f"{where}: attention_mask has 0s between its 1s (packed sequences?): one row holds one "
+                         "sequence, padded at either end at most")
+    return ids[keep], mask[keep]
 
 
 def _column_tensor(value: Any, column: str, expected: str, where: str) -> torch.Tensor:
@@ -437,6 +480,9 @@ def _column_tensor(value: Any, column: str, expected: str, where: str) -> torch.
         tensor = None
     if tensor is None or tensor.dim() == 0:  # a scalar is no list either
         raise InputError(f"{where}: {column} must be {expected}, got {reprlib.repr(value)}")
+    if tensor.dim() > 2 or (tensor.dim() == 2 and tensor.shape[0] != 1):  # [1, T] as a tokenizer returns it
+        raise InputError(f"{where}: {column} must be {expected}, got an array of shape {list(tensor.shape)} (a "
+                         "batch of sequences? a row holds one sample)")
     return tensor.reshape(-1)
 
 

@@ -331,6 +331,40 @@ def test_pretokenized_loss_mask_and_labels():
     assert (a.sample_id, b.sample_id) == ("0", "1")
 
 
+def test_pretokenized_padding_ignore_indexes_shifted_labels_and_batches():
+    """Padded rows (padding="max_length") ran their pads through the target as text, left padding
+    before every prompt; a -1 ignore index was trained on; labels shifted by one put every
+    supervised token one place off; a [2, T] batch became one concatenated sample."""
+    tok = tiny_tokenizer()
+    left = {"input_ids": [0, 0, 5, 6, 7, 8], "attention_mask": [0, 0, 1, 1, 1, 1], "labels": [-100, -100, -100, 6, 7, 8]}
+    right = {"input_ids": [5, 6, 7, 8, 0, 0], "attention_mask": [1, 1, 1, 1, 0, 0], "loss_mask": [0, 1, 1, 1, 0, 0]}
+    ignore = {"input_ids": [5, 6, 7, 8, 9], "labels": [-1, -1, 7, 8, -1]}
+    a, b, c = _one([left, right, ignore], tok)
+    assert a.input_ids.tolist() == [5, 6, 7, 8] and a.loss_mask.tolist() == [0, 1, 1, 1]
+    assert b.input_ids.tolist() == [5, 6, 7, 8] and b.loss_mask.tolist() == [0, 1, 1, 1]
+    assert c.loss_mask.tolist() == [0, 0, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"row 0.*labels are shifted by one"):
+        _one([{"input_ids": [5, 6, 7, 8], "labels": [-100, 7, 8, -100]}], tok)
+    with pytest.raises(ValueError, match=r"row 0.*labels\[2\] is 3, input_ids\[2\] is 7"):
+        _one([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 3, 9]}], tok)
+    with pytest.raises(ValueError, match=r"row 0.*attention_mask has 0s between its 1s"):
+        _one([{"input_ids": [5, 6, 7, 8], "attention_mask": [1, 0, 1, 1], "loss_mask": [0, 1, 1, 1]}], tok)
+    with pytest.raises(ValueError, match=r"row 0.*input_ids must be .*shape \[2, 2\] \(a batch of sequences"):
+        _one([{"input_ids": [[5, 6], [7, 8]], "loss_mask": [[1, 1], [1, 1]]}], tok)
+    [one] = _one([{"input_ids": [[5, 6, 7]], "loss_mask": [[0, 1, 1]]}], tok)  # [1, T], as a tokenizer returns it
+    assert one.input_ids.tolist() == [5, 6, 7]
+
+
+def test_a_skipped_answer_names_the_max_length_that_would_keep_it():
+    """The detail named the first supervised token: an empty earlier answer's lone end token sat
+    inside the cut with no pair, and --max-length raised to it skipped the row again."""
+    tok = tiny_tokenizer()
+    row = {"input_ids": list(range(5, 25)), "loss_mask": [0] * 5 + [1] + [0] * 8 + [1] * 6}
+    [skip] = _one([row], tok, max_length=10)
+    assert skip.reason == "answer_past_max_length"
+    assert "the first pair is tokens 14 and 15 (--max-length 16 or more keeps it)" in skip.detail
+
+
 def test_pretokenized_bad_rows_error_with_the_row():
     tok = tiny_tokenizer()
     ok = {"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}
