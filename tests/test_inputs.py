@@ -498,7 +498,7 @@ def test_skips_have_reasons_and_counts():
     stats = TokenizeStats()
     a, b, c = _one(pre, tok, 4, stats=stats)
     assert (a.reason, b.reason, c.reason) == (NO_SUPERVISED_PAIR, ANSWER_PAST_MAX_LENGTH, EMPTY)
-    assert "max_length=4: the first supervised token is token 3" in b.detail
+    assert "max_length=4: the first pair is tokens 3 and 4 (--max-length 5 or more keeps it)" in b.detail
     assert stats.samples == 0 and stats.skipped == {NO_SUPERVISED_PAIR: 1, ANSWER_PAST_MAX_LENGTH: 1, EMPTY: 1}
 
     (t,) = _one([{"conversations": CHAT}], tiny_tokenizer("{{ raise_exception('roles must alternate') }}"))

@@ -607,7 +607,7 @@ def test_empty_and_overlong_samples_are_skipped_or_cut_with_reasons_not_fatal(jo
     commits = [decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)]
     skipped = {s["sample_id"]: s for c in commits for s in c.skipped}
     assert {k: v["reason"] for k, v in skipped.items()} == {"1-empty": "empty", "3-late": "answer_past_max_length"}
-    assert "within max_length=256: the first supervised token is token 280" in skipped["3-late"]["detail"]
+    assert "within max_length=256: the first pair is tokens 280 and 281 (--max-length 282 or more keeps it)" in skipped["3-late"]["detail"]
     assert sorted(i for c in commits for i in c.sample_ids) == ["0-ok", "2-long"]
     assert sum(c.truncated for c in commits) == 1
     assert ShardStream(out, config=StreamConfig(shuffle=False)).__iter__().__next__()["input_ids"].numel() in (40, 256)
