@@ -79,9 +79,10 @@ def run_status(args: argparse.Namespace) -> int:
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
         return EXIT_PROBLEM
-    # failed shards say 4 once nothing runs: a running worker may retry them (a script waits on 3)
+    # failed shards say 4 once nothing runs: a running worker, or one waiting behind the window, may
+    # retry them (a script waits on 3)
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] and not s["shards_running"] \
-        else EXIT_INCOMPLETE
+        and not s.get("workers_waiting") else EXIT_INCOMPLETE
 
 
 def outputs_under(store, others: list[str] | None = None) -> list[tuple[str, str]]:

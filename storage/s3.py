@@ -128,6 +128,11 @@ class S3Options:
                 raise ConfigError(f"{name} must be a number of seconds above 0, got {getattr(self, name)!r}")
 
 
+def _folder_marker(obj: dict) -> bool:
+    """An empty object whose key ends in "/": a folder as S3 consoles and file-system layers make one."""
+    return obj["Key"].endswith("/") and int(obj.get("Size", 0)) == 0
+
+
 def _written_by(stamped: float) -> float:
     """When an object was written at the latest, from its LastModified: S3 (and moto) list whole
     seconds, rounded down, so an object listed at S was written up to a second later. Counted
@@ -485,11 +490,31 @@ class S3Store(ObjectStore):
             page = self._call("list", prefix, lambda: self.client.list_objects_v2(
                 Bucket=self.bucket, Prefix=full, **token))
             for obj in page.get("Contents", []):
+                if _folder_marker(obj):  # not an object of anyone's: `remove_empty_folders` deletes them
+                    continue
                 yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), _written_by(obj["LastModified"].timestamp()),
                                  obj.get("ETag", ""))
             if not page.get("IsTruncated"):
                 return
             token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def remove_empty_folders(self, prefix: str = "") -> None:
+        """Delete the folder markers under `prefix` (its own included): the empty `run/` or
+        `run/stats/` objects an S3 console's "Create folder", s3fs or Hadoop's S3A leave. No key
+        of ours ends in "/", and `list` leaves them out, so deleting a run leaves them behind."""
+        full, token = self._list_prefix(prefix), {}
+        markers = []
+        while True:
+            page = self._call("list", prefix, lambda: self.client.list_objects_v2(
+                Bucket=self.bucket, Prefix=full, **token))
+            markers += [obj["Key"] for obj in page.get("Contents", []) if _folder_marker(obj)]
+            if not page.get("IsTruncated"):
+                break
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+        for i in range(0, len(markers), DELETE_BATCH):  # their keys as listed: `_key` refuses empty parts
+            batch = markers[i:i + DELETE_BATCH]
+            self._call("delete", batch[0], lambda: self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}))
 
     def folders(self, limit: int = 1000) -> list[str]:
         """One listing with a delimiter: the common prefixes, not every key under them."""

@@ -70,6 +70,22 @@ def test_delete_refuses_an_incomplete_window_run(tmp_path, capsys):
 # -- a new run over a deleted one's leftovers ------------------------------------------------------
 
 
+def test_delete_of_a_run_with_s3_folder_markers_deletes_them_too(s3_bucket, s3_endpoint, capsys):
+    """An S3 console's "Create folder" (s3fs, Hadoop S3A) leaves empty `run/` and `run/stats/`
+    objects: `delete` refused them as objects not the run's, and with --force crashed on their key
+    ("invalid object key ''") after it had deleted the run's commits, every rerun the same."""
+    import boto3
+
+    uri = f"s3://{s3_bucket}/marked"
+    fake_worker.work(uri)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    for marker in ("marked/", "marked/stats/"):
+        s3.put_object(Bucket=s3_bucket, Key=marker, Body=b"")
+    assert cli(["status", uri]) == 0  # not "objects that are not the run's"
+    assert cli(["delete", uri, "--yes"]) == 0
+    assert "Contents" not in s3.list_objects_v2(Bucket=s3_bucket, Prefix="marked")
+
+
 def test_a_new_run_is_not_planned_over_a_deleted_runs_leftovers(store_uri, capsys):
     """A commit (or watermark) written while `layertap delete` ran survived it: a new run at the
     prefix counted it as done, then training failed on "the object says run A, the commit run B"."""
@@ -416,3 +432,16 @@ def test_the_end_of_run_sweep_leaves_the_writes_of_a_run_nested_below_alone(tmp_
     assert fake_worker.work(outer_uri, ttl=60.0)  # the outer run completes, and sweeps
     writer.close()  # failed: "No such file or directory"
     assert inner.exists(layout.data_key(0, "a" * 20))
+
+
+@pytest.mark.parametrize("waiting, code", [(0, 4), (2, 3)])
+def test_failed_shards_beside_workers_waiting_on_the_window_exit_3_not_4(tmp_path, monkeypatch, capsys, waiting, code):
+    """Exit 4 says nothing will retry the failed shards (resubmit); workers waiting behind the
+    window hold no lease, so they did not count as running, though they take shards as training
+    consumes, the failed ones too."""
+    import layertap.manifests.status as status
+
+    fake_worker.work(str(tmp_path / "run"))
+    monkeypatch.setattr(status, "run_status", lambda store, shards=None: {
+        "complete": False, "problem": None, "shards_failed": 1, "shards_running": 0, "workers_waiting": waiting})
+    assert cli(["status", str(tmp_path / "run"), "--json"]) == code
