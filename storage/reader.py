@@ -247,7 +247,7 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
     records = size = 0
     try:
         size = store.size(key)
-        with store.open_stream(key) as raw:
+        with store.open_stream(key, size=size) as raw:  # one HEAD a shard, not two
             stream = _HashingStream(raw, whole)
             meta, footer, footer_offset = None, None, -1
             found: list[dict] = []

@@ -238,9 +238,10 @@ class ObjectStore(abc.ABC):
         """Abort uploads left behind by dead writers; returns how many were aborted."""
         return 0
 
-    def open_stream(self, key: str, chunk_size: int = 8 << 20) -> BinaryIO:
-        """A read-only file object over the object, for front-to-back parsing."""
-        return _RangeStream(self, key, chunk_size)
+    def open_stream(self, key: str, chunk_size: int = 8 << 20, size: int | None = None) -> BinaryIO:
+        """A read-only file object over the object, for front-to-back parsing (`size`: the
+        object's, when the caller has it: one HEAD less)."""
+        return _RangeStream(self, key, chunk_size, size)
 
     def close(self) -> None:
         """Release connections and thread pools."""
@@ -255,9 +256,9 @@ class ObjectStore(abc.ABC):
 class _RangeStream:
     """Sequential reads served by ranged GETs of `chunk_size`; never touches local disk."""
 
-    def __init__(self, store: ObjectStore, key: str, chunk_size: int):
+    def __init__(self, store: ObjectStore, key: str, chunk_size: int, size: int | None = None):
         self._store, self._key, self._chunk = store, key, chunk_size
-        self._size = store.size(key)
+        self._size = store.size(key) if size is None else size
         self._pos = 0
         self._buf = b""
         self._buf_start = 0

@@ -447,3 +447,17 @@ def test_reading_a_shard_through_fetches_adjacent_records_together(tmp_path, mon
     (tmp_path / "s.lts").write_bytes(bytes(data))
     with pytest.raises(ShardError, match=r"record 7 \(s7\): checksum mismatch"):
         list(reader)
+
+
+def test_verify_reads_a_shards_size_once(tmp_path, monkeypatch):
+    """verify_shard asked the size, then its stream asked again: two HEADs a shard, 50,000 on a run
+    of 25,000 shards."""
+
+    store = LocalStore(str(tmp_path))
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[3], hidden_size=8, codec="bf16")
+    write_shard(store, "s.lts", meta, [Sample("a", torch.tensor([1, 2]), torch.tensor([1, 1]),
+                                              torch.ones((2, 1, 8), dtype=torch.bfloat16))])
+    sizes = []
+    real = LocalStore.size
+    monkeypatch.setattr(LocalStore, "size", lambda self, key: sizes.append(key) or real(self, key))
+    assert verify_shard(store, "s.lts").ok and sizes == ["s.lts"]
