@@ -245,6 +245,10 @@ def format_status(s: dict, deleting: str | None = None) -> str:
         lines.append("  no shard is running, and no extraction worker waits for the window (none has renewed its "
                      f"record under waiting/ for {WAITING_STALE_S / 60:.0f} min): {_rerun(s)} goes on as training "
                      "consumes")
+    elif not s["shards_running"] and not s["problem"] and window is not None and rest >= window:
+        # a full window no trainer deletes from (said above): a rerun would wait behind it too
+        lines.append(f"  nothing is running, and the window is full: {_rerun(s)} goes on once a --delete-consumed "
+                     "trainer consumes")
     elif not s["shards_running"] and not s["problem"]:
         kinds = [kind for kind in ("failed", "interrupted", "pending") if s.get(f"shards_{kind}")] or ["left"]
         left = ", ".join(kinds[:-1]) + (" and " if len(kinds) > 1 else "") + kinds[-1]

@@ -763,6 +763,8 @@ def test_a_window_run_no_trainer_deletes_from_is_named_as_such(tmp_path, capsys,
     assert "--delete-consumed (--resume continues it)" in caplog.text and "larger --window" not in caplog.text
     out = cli_out(capsys, "status", store_uri)[1]
     assert "NO TRAINER DELETES" in out and "as training consumes and deletes" not in out
+    # nor that a rerun of the extraction finishes the pending shards: it would wait behind the full window too
+    assert "finishes the pending shards" not in out and "nothing is running, and the window is full" in out, out
 
     caplog.clear()
     fake_worker.work(store_uri)  # the trainer's start warns, whatever is committed
