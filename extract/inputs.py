@@ -406,12 +406,7 @@ def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> T
             raise InputError(f"{where}: input_ids must be integers, got {ids[pos].item()} at "
                              f"position {pos}")
     ids = ids.to(torch.int64)
-    bad = (ids < 0) | (ids >= vocab)
-    if bool(bad.any()):
-        pos = int(bad.nonzero()[0])
-        raise InputError(f"{where}: token id {int(ids[pos])} at position {pos} is outside "
-                         f"the vocabulary [0, {vocab}); were these rows tokenized for another model? Tokenize "
-                         f"them with this model's tokenizer, or give the --model they were made for")
+    labels = None
     if row.get("loss_mask") is not None:
         mask = _column_tensor(row["loss_mask"], "loss_mask", "a list of 0s and 1s", where)
         if bool(((mask != 0) & (mask != 1)).any()):
@@ -425,12 +420,19 @@ def _pretokenized(row: Mapping[str, Any], sid: str, index: int, vocab: int) -> T
     if mask.numel() != ids.numel():
         raise InputError(f"{where}: {name} has {mask.numel()} entries for "
                          f"{ids.numel()} input_ids")
-    if name == "labels":
-        _check_labels(labels.to(torch.int64), ids, where)
-    if row.get("attention_mask") is not None:
-        ids, mask = _unpadded(row["attention_mask"], ids, mask, where)
+    if row.get("attention_mask") is not None:  # before the vocabulary check: a pad id may lie outside it
+        keep = _kept(row["attention_mask"], ids.numel(), where)
+        ids, mask, labels = ids[keep], mask[keep], labels[keep] if labels is not None else None
         if ids.numel() == 0:
             return Skipped(sid, EMPTY, "attention_mask is 0 everywhere")
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0])
+        raise InputError(f"{where}: token id {int(ids[pos])} at position {pos} is outside "
+                         f"the vocabulary [0, {vocab}); were these rows tokenized for another model? Tokenize "
+                         f"them with this model's tokenizer, or give the --model they were made for")
+    if labels is not None:
+        _check_labels(labels.to(torch.int64), ids, where)
     return TokenizedSample(sid, ids, mask)
 
 
@@ -441,7 +443,7 @@ def _check_labels(labels: torch.Tensor, ids: torch.Tensor, where: str) -> None:
     on = labels >= 0
     if bool((labels[on] == ids[on]).all()):
         return
-    if bool((labels[:-1][on[:-1]] == ids[1:][on[:-1]]).all()):
+    if bool(on[:-1].any()) and bool((labels[:-1][on[:-1]] == ids[1:][on[:-1]]).all()):
         raise InputError(f"{where}: labels are shifted by one (labels[t] = input_ids[t+1]): give labels aligned "
                          "with input_ids, a copy of them with -100 where not supervised (the model shifts them), "
                          "or a loss_mask column")
@@ -451,23 +453,22 @@ def _check_labels(labels: torch.Tensor, ids: torch.Tensor, where: str) -> None:
                      "loss_mask column")
 
 
-def _unpadded(value: Any, ids: torch.Tensor, mask: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens an `attention_mask` column keeps: a padded row (padding="max_length") would run
-    its pads through the target as text, and left padding would put them before every prompt, so
-    every stored state would come from a context the target never serves."""
+def _kept(value: Any, n: int, where: str) -> torch.Tensor:
+    """The tokens an `attention_mask` column keeps (a bool mask): a padded row (padding="max_length")
+    would run its pads through the target as text, and left padding would put them before every
+    prompt, so every stored state would come from a context the target never serves."""
     keep = _column_tensor(value, "attention_mask", "a list of 0s and 1s", where)
-    if keep.numel() != ids.numel():
-        raise InputError(f"{where}: attention_mask has {keep.numel()} entries for {ids.numel()} input_ids")
+    if keep.numel() != n:
+        raise InputError(f"{where}: attention_mask has {keep.numel()} entries for {n} input_ids")
     if bool(((keep != 0) & (keep != 1)).any()):
-        raise InputError(f"{where}: attention_mask must hold only 0 and 1")
+        raise InputError(f"{where}: attention_mask must hold only 0 and 1 (not the segment ids of packed "
+                         "sequences: one row holds one sequence)")
     keep = keep.bool()
-    if bool(keep.all()):
-        return ids, mask
     on = keep.nonzero()
     if on.numel() and not bool(keep[int(on[0]) : int(on[-1]) + 1].all()):
         raise InputError(f"{where}: attention_mask has 0s between its 1s (packed sequences?): one row holds one "
                          "sequence, padded at either end at most")
-    return ids[keep], mask[keep]
+    return keep
 
 
 def _column_tensor(value: Any, column: str, expected: str, where: str) -> torch.Tensor:

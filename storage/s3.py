@@ -499,22 +499,25 @@ class S3Store(ObjectStore):
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def remove_empty_folders(self, prefix: str = "") -> None:
-        """Delete the folder markers under `prefix` (its own included): the empty `run/` or
-        `run/stats/` objects an S3 console's "Create folder", s3fs or Hadoop's S3A leave. No key
-        of ours ends in "/", and `list` leaves them out, so deleting a run leaves them behind."""
+        """Delete the markers of empty folders under `prefix` (its own included): the empty `run/`
+        or `run/stats/` objects an S3 console's "Create folder", s3fs or Hadoop's S3A leave. No key
+        of ours ends in "/", and `list` leaves them out, so deleting a run left them behind. A
+        marker with objects below it stays, as a local folder would."""
         full, token = self._list_prefix(prefix), {}
-        markers = []
+        markers, held = [], set()
         while True:
             page = self._call("list", prefix, lambda: self.client.list_objects_v2(
                 Bucket=self.bucket, Prefix=full, **token))
-            markers += [obj["Key"] for obj in page.get("Contents", []) if _folder_marker(obj)]
+            for obj in page.get("Contents", []):
+                if _folder_marker(obj):
+                    markers.append(obj["Key"])
+                else:  # every folder above an object holds something
+                    parts = obj["Key"].split("/")[:-1]
+                    held.update("/".join(parts[:i]) + "/" for i in range(1, len(parts) + 1))
             if not page.get("IsTruncated"):
                 break
             token = {"ContinuationToken": page["NextContinuationToken"]}
-        for i in range(0, len(markers), DELETE_BATCH):  # their keys as listed: `_key` refuses empty parts
-            batch = markers[i:i + DELETE_BATCH]
-            self._call("delete", batch[0], lambda: self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}))
+        self._delete_full([m for m in markers if m not in held])
 
     def folders(self, limit: int = 1000) -> list[str]:
         """One listing with a delimiter: the common prefixes, not every key under them."""
@@ -545,20 +548,28 @@ class S3Store(ObjectStore):
         retry policy, so its error (if lasting) is raised with its name. A store without
         DeleteObjects (it answers with a permanent error, 501 NotImplemented among them) gets one
         request a key."""
-        for i in range(0, len(keys), DELETE_BATCH):
-            batch = list(keys[i:i + DELETE_BATCH])
-            request = {"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True}
+        self._delete_full([self._key(k) for k in keys])
+
+    def _delete_full(self, full_keys: Sequence[str]) -> None:
+        """`delete_many` of bucket keys as they are (a folder marker's, which `_key` refuses)."""
+        def one(full: str) -> None:
+            self._call("delete", self._rel(full), lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
+
+        for i in range(0, len(full_keys), DELETE_BATCH):
+            batch = list(full_keys[i:i + DELETE_BATCH])
+            request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
             try:
-                answer = self._call("delete", batch[0], lambda: self.client.delete_objects(
+                answer = self._call("delete", self._rel(batch[0]), lambda: self.client.delete_objects(
                     Bucket=self.bucket, Delete=request))
             except TransientStoreError:
                 raise
             except StoreError as e:
                 log.debug("batch delete refused (%s): deleting one key a request", e)
-                super().delete_many(batch)
+                for full in batch:
+                    one(full)
                 continue
             for failed in answer.get("Errors", []):
-                self.delete(self._rel(failed["Key"]))
+                one(failed["Key"])
 
     def open_writer(self, key: str) -> ObjectWriter:
         return S3Writer(self, key, self.options.part_size, self.options.max_parts_in_memory)

@@ -343,8 +343,14 @@ def test_pretokenized_padding_ignore_indexes_shifted_labels_and_batches():
     assert a.input_ids.tolist() == [5, 6, 7, 8] and a.loss_mask.tolist() == [0, 1, 1, 1]
     assert b.input_ids.tolist() == [5, 6, 7, 8] and b.loss_mask.tolist() == [0, 1, 1, 1]
     assert c.loss_mask.tolist() == [0, 0, 1, 1, 0]
+    pad = len(tok)  # an added <pad> past the vocabulary (Llama-2's): dropped before the vocabulary check
+    [d] = _one([{"input_ids": [5, 6, 7, 8, pad, pad], "attention_mask": [1, 1, 1, 1, 0, 0],
+                 "labels": [-100, 6, 7, 8, -100, -100]}], tok)
+    assert d.input_ids.tolist() == [5, 6, 7, 8]
     with pytest.raises(ValueError, match=r"row 0.*labels are shifted by one"):
         _one([{"input_ids": [5, 6, 7, 8], "labels": [-100, 7, 8, -100]}], tok)
+    with pytest.raises(ValueError, match=r"row 0.*labels\[3\] is 9, input_ids\[3\] is 8"):  # not "shifted"
+        _one([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, -100, 9]}], tok)
     with pytest.raises(ValueError, match=r"row 0.*labels\[2\] is 3, input_ids\[2\] is 7"):
         _one([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 3, 9]}], tok)
     with pytest.raises(ValueError, match=r"row 0.*attention_mask has 0s between its 1s"):

@@ -84,6 +84,14 @@ def test_delete_of_a_run_with_s3_folder_markers_deletes_them_too(s3_bucket, s3_e
     assert cli(["status", uri]) == 0  # not "objects that are not the run's"
     assert cli(["delete", uri, "--yes"]) == 0
     assert "Contents" not in s3.list_objects_v2(Bucket=s3_bucket, Prefix="marked")
+    # only the markers of empty folders go, as a local folder's would
+    other = open_store(f"s3://{s3_bucket}/other")
+    for marker in ("other/", "other/full/", "other/empty/"):
+        s3.put_object(Bucket=s3_bucket, Key=marker, Body=b"")
+    other.put("full/data.bin", b"x")
+    other.remove_empty_folders()
+    left = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="other")["Contents"])
+    assert left == ["other/", "other/full/", "other/full/data.bin"]
 
 
 def test_a_new_run_is_not_planned_over_a_deleted_runs_leftovers(store_uri, capsys):
