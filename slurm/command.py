@@ -337,9 +337,11 @@ def _submit_extract(args: argparse.Namespace) -> int:
         # The array fills the window, then waits for training to free it: had its tasks taken the
         # nodes the trainer needs (a busy or small partition), neither would move again. So the
         # trainer is queued first, and the array starts once it has started (Slurm's `after`).
-        trainer = _sbatch_train(args, *train, after=[]) if not args.dry_run else None
         if args.dry_run:
+            trainer = None
             _show(f"{train[0].job_name}.sbatch", [], train[1])
+        else:
+            trainer = _sbatch_train(args, *train, after=[])
         try:
             _submit_array(args, opts, script, what, after_start=[trainer or "<the training job's id>"])
         except submit.SlurmError as e:  # a follow trainer of no extraction would hold its nodes until its --time

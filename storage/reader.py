@@ -3,7 +3,7 @@ bytes arrive (`iter_frames`), and `verify_shard`, which re-reads and checks ever
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -93,6 +93,19 @@ def read_record(store: ObjectStore, key: str, where: str, meta: ShardMeta, index
                         e.num_tokens, where)
 
 
+def adjacent_runs(entries: Sequence[RecordEntry], limit: int) -> Iterator[tuple[int, int]]:
+    """[i, j) spans of `entries` (in the order given) that lie back to back in their object, each
+    within `limit` bytes (a larger entry alone): one ranged GET reads each span."""
+    i = 0
+    while i < len(entries):
+        base, j = entries[i].offset, i + 1
+        while (j < len(entries) and entries[j].offset == entries[j - 1].offset + entries[j - 1].length
+               and entries[j].offset + entries[j].length - base <= limit):
+            j += 1
+        yield i, j
+        i = j
+
+
 class _InMemory:
     """A whole object held in memory, served as the store `ShardReader` reads it through."""
 
@@ -171,16 +184,11 @@ class ShardReader:
         """Every record in order, adjacent ones fetched together (records lie back to back,
         `check_index`): a GET per RUN_BYTES, not one per record (export read a run's 900,000
         samples in as many GETs), with as much in memory."""
-        i = 0
-        while i < len(self.entries):
-            base, j = self.entries[i].offset, i + 1
-            while j < len(self.entries) and self.entries[j].offset + self.entries[j].length - base <= self.RUN_BYTES:
-                j += 1
-            last = self.entries[j - 1]
+        for i, j in adjacent_runs(self.entries, self.RUN_BYTES):
+            base, last = self.entries[i].offset, self.entries[j - 1]
             buf = self.store.get_range(self.key, base, last.offset + last.length)
             for k in range(i, j):
                 yield read_record(self.store, self.key, self.where, self.meta, k, self.entries[k], buf, base)
-            i = j
 
 
 @dataclass

@@ -484,16 +484,20 @@ class S3Store(ObjectStore):
         return int(resp["ContentLength"])
 
     def list(self, prefix: str = "", start_after: str = "") -> Iterator[ObjectInfo]:
-        full = self._list_prefix(prefix)
-        token: dict[str, str] = {"StartAfter": self._key(start_after)} if start_after else {}
-        while True:  # by hand, not botocore's paginator, so that each page is retried on its own
-            page = self._call("list", prefix, lambda: self.client.list_objects_v2(
-                Bucket=self.bucket, Prefix=full, **token))
-            for obj in page.get("Contents", []):
-                if _folder_marker(obj):  # not an object of anyone's: `remove_empty_folders` deletes them
-                    continue
+        for obj in self._listed(prefix, start_after):
+            if not _folder_marker(obj):  # not an object of anyone's: `remove_empty_folders` deletes them
                 yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), _written_by(obj["LastModified"].timestamp()),
                                  obj.get("ETag", ""))
+
+    def _listed(self, prefix: str, start_after: str = "") -> Iterator[dict]:
+        """ListObjectsV2's entries under `prefix`, page by page: by hand, not botocore's paginator,
+        so that each page is retried on its own."""
+        full = self._list_prefix(prefix)
+        token: dict[str, str] = {"StartAfter": self._key(start_after)} if start_after else {}
+        while True:
+            page = self._call("list", prefix, lambda: self.client.list_objects_v2(
+                Bucket=self.bucket, Prefix=full, **token))
+            yield from page.get("Contents", [])
             if not page.get("IsTruncated"):
                 return
             token = {"ContinuationToken": page["NextContinuationToken"]}
@@ -503,20 +507,13 @@ class S3Store(ObjectStore):
         or `run/stats/` objects an S3 console's "Create folder", s3fs or Hadoop's S3A leave. No key
         of ours ends in "/", and `list` leaves them out, so deleting a run left them behind. A
         marker with objects below it stays, as a local folder would."""
-        full, token = self._list_prefix(prefix), {}
         markers, held = [], set()
-        while True:
-            page = self._call("list", prefix, lambda: self.client.list_objects_v2(
-                Bucket=self.bucket, Prefix=full, **token))
-            for obj in page.get("Contents", []):
-                if _folder_marker(obj):
-                    markers.append(obj["Key"])
-                else:  # every folder above an object holds something
-                    parts = obj["Key"].split("/")[:-1]
-                    held.update("/".join(parts[:i]) + "/" for i in range(1, len(parts) + 1))
-            if not page.get("IsTruncated"):
-                break
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+        for obj in self._listed(prefix):
+            if _folder_marker(obj):
+                markers.append(obj["Key"])
+            else:  # every folder above an object holds something
+                parts = obj["Key"].split("/")[:-1]
+                held.update("/".join(parts[:i]) + "/" for i in range(1, len(parts) + 1))
         self._delete_full([m for m in markers if m not in held])
 
     def folders(self, limit: int = 1000) -> list[str]:

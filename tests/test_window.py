@@ -1017,9 +1017,9 @@ def test_a_consumer_starting_from_step_0_forgets_the_watermarks_of_an_earlier_st
     record_consumed(store, rank=1, world_size=2, shards=[0, 2], step=4, run_id=run_id, output="out")
     assert delete_consumed(store, run_id=run_id) == [0]  # the earlier start's own agreement: gone, and marked
     cfg = SimpleNamespace(delete_consumed=True, follow=True)
-    _check_consumer(cfg, store, "out", rank=0, world=1, fresh=False)  # a resume keeps them: they are its own
+    _check_consumer(cfg, store, "out", rank=0, world=1, shard_bytes=1, fresh=False)  # a resume keeps them: they are its own
     assert set(watermarks(store)) == {0, 1}
-    _check_consumer(cfg, store, "out", rank=0, world=1, fresh=True)
+    _check_consumer(cfg, store, "out", rank=0, world=1, shard_bytes=1, fresh=True)
     assert watermarks(store) == {}
     record_consumed(store, rank=0, world_size=2, shards=[2], step=4, run_id=run_id, output="out")  # the new rank 0
     assert consumed_everywhere(store) == {0} and delete_consumed(store, run_id=run_id) == []

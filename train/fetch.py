@@ -34,7 +34,7 @@ import xxhash
 
 from layertap.storage.format import ShardError, ShardMeta, UnsupportedShard
 
-from layertap.storage.reader import ShardReader, record_payload
+from layertap.storage.reader import ShardReader, adjacent_runs, record_payload
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.train.buffers import BufferPool, size_class
 
@@ -405,18 +405,10 @@ class Fetcher:
         if reader is None:
             yield _Range(0, self.shards[seg.shard].bytes, list(zip(seg.positions, seg.records)), whole=True)
             return
-        cur: _Range | None = None
-        for pos, rec in zip(seg.positions, seg.records):
-            e = reader.entries[rec]
-            if cur is not None and e.offset == cur.end and e.offset + e.length - cur.start <= self.range_bytes:
-                cur.end = e.offset + e.length
-                cur.items.append((pos, rec))
-                continue
-            if cur is not None:
-                yield cur
-            cur = _Range(e.offset, e.offset + e.length, [(pos, rec)])
-        if cur is not None:
-            yield cur
+        entries = [reader.entries[rec] for rec in seg.records]
+        for i, j in adjacent_runs(entries, self.range_bytes):
+            yield _Range(entries[i].offset, entries[j - 1].offset + entries[j - 1].length,
+                         list(zip(seg.positions[i:j], seg.records[i:j])))
 
     def _read_range(self, key: str, start: int, end: int, out: memoryview | None = None) -> bytes | memoryview:
         """Bytes [start, end) by a ranged GET (read into `out`, of that length, if given): I/O on

@@ -397,7 +397,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
                 log.info("removed the drafter exported at step %d (%s/drafter/): training goes on to step %d and "
                          "exports it again at its end", start, cfg.out, total)
         log.info("resumed from %s/checkpoints step %d", cfg.out, start)
-    _check_consumer(cfg, data, out.uri, rank, world, fresh=ckpt is None)
+    _check_consumer(cfg, data, out.uri, rank, world, run.shard_bytes, fresh=ckpt is None)
     if rank == 0:
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
                  "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
@@ -937,16 +937,16 @@ def _check_apart(out: ObjectStore, data: ObjectStore) -> None:
                          "prefix of its own")
 
 
-def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int, world: int, fresh: bool) -> None:
+def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int, world: int, shard_bytes: int,
+                    fresh: bool) -> None:
     """One --delete-consumed trainer per run (`consumption.claim_consumer`), whose start from step 0
     (`fresh`) voids the watermarks of an earlier one (`forget_watermarks`), and which is warned of
     a window its buffers and batches can fill (`window_shortfall`: the run would stall in a minute
     or so); another trainer of the same run is warned that shards may go while it reads them, and
-    a follow trainer of a window run that none consumes, that the window will not open. Before the
-    first step: no rank has written a watermark of this start yet."""
+    a follow trainer of a window run that none consumes, that the window will not open (`shard_bytes`:
+    the run's planned). Before the first step: no rank has written a watermark of this start yet."""
     from layertap.manifests.consumption import (claim_consumer, consumer_of, forget_watermarks, recorded_window,
                                                 window_shortfall)
-    from layertap.manifests.manifest import load_manifest
     from layertap.storage.units import size
 
     if cfg.delete_consumed:
@@ -957,9 +957,9 @@ def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int,
         # the extraction records its window as its first worker starts: a trainer that starts first (as
         # `submit --train-while-extracting` queues it) is told by the stall check ("STALLED"), once it fills
         if rank == 0:
-            try:  # a warning: a store that does not answer, a manifest being replaced, fail no start
+            try:  # a warning: a store that does not answer fails no start
                 why = (window_shortfall(window, world, cfg.num_workers, cfg.shuffle_buffer, cfg.batch_size,
-                                        load_manifest(data).shard_bytes, cfg.grad_accum)
+                                        shard_bytes, cfg.grad_accum)
                        if (window := recorded_window(data)) is not None else None)
             except UserError:
                 why = None
