@@ -14,7 +14,7 @@ from typing import Any, Literal
 from layertap.manifests.manifest import DEFAULT_SHARD_BYTES
 from layertap.storage.codec_names import CODEC_NAMES, DEFAULT_CODEC
 from layertap.storage.errors import ConfigError
-from layertap.storage.flags import setting, settings
+from layertap.storage.flags import parse_json_object, setting, settings
 from layertap.storage.store import s3_options
 from layertap.storage.units import parse_size
 
@@ -82,6 +82,11 @@ class ExtractConfig:
     max_length: int = setting(4096, help="truncate samples to N tokens")
     limit: int | None = setting(None, help=f"take the first N samples (default: all; {QUICKSTART_LIMIT} for the "
                                            "embedded data)")
+    chat_template_kwargs: dict[str, Any] | None = setting(
+        None, parse=parse_json_object, metavar="JSON",
+        help="settings for the target's chat template where it renders chat rows, e.g. '{\"enable_thinking\": "
+             "false}' (Qwen3.6); recorded with the run, and its drafter's eval renders prompts alike (default: a "
+             "regenerated dataset's own, else none)")
     final_state: Literal["none", "prenorm", "postnorm"] = setting("none", help="also store the last layer's state")
     dtype: Literal["auto", "bfloat16", "float32"] = setting(
         "auto", help="forward dtype (default {default}: bfloat16 on CUDA and on CPUs with native bf16, float32 on "
@@ -132,6 +137,9 @@ class ExtractConfig:
             raise ConfigError(f"--max-length must be at least 2, got {self.max_length}")
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"--limit must be positive, got {self.limit}")
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise ConfigError(f"chat_template_kwargs must be a JSON object, e.g. {{\"enable_thinking\": false}}, not "
+                              f"{self.chat_template_kwargs!r:.80}")
         if self.batch_tokens < 1:
             raise ConfigError(f"--batch-tokens must be positive, got {self.batch_tokens}")
         if self.batch_tokens < self.max_length:

@@ -208,14 +208,13 @@ def _estimate(args: argparse.Namespace) -> _Report:
             raise ConfigError("token statistics need the model's tokenizer: give --model, or state both "
                              "--samples and --mean-tokens")
         from layertap.extract.measure import require_samples, token_statistics
-        from layertap.extract.regenerated import template_kwargs
         from layertap.extract.run import dataset_rows
 
         rows, _ = dataset_rows(cfg)
         stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
                                  sample_rows=args.token_sample or None,
                                  picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens,
-                                 chat_template_kwargs=template_kwargs(cfg.dataset))
+                                 chat_template_kwargs=cfg.chat_template_kwargs)
         if args.regenerate and stats.prompted_read and not stats.samples_read:
             raise ConfigError("the dataset's rows hold prompts and no answers: the extraction after `layertap "
                               "regenerate` cannot be sized from them. State it: --samples N (the rows) --mean-tokens "
@@ -387,7 +386,6 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
                          "(or --dry-run to only look)")
     cfg = _config(args, args.out or "")
     from layertap.extract.measure import require_samples, token_statistics
-    from layertap.extract.regenerated import template_kwargs
     from layertap.extract.run import dataset_rows, plan_bytes_per_token, prepare_target, resume_run, write_plan
     from layertap.manifests import layout
     from layertap.manifests.manifest import NoRun, plan_shards, refuse_new_run_here
@@ -408,7 +406,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
             pass
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
                              picks=args.measure_samples if args.measure else 0, pick_tokens=args.measure_tokens,
-                             chat_template_kwargs=template_kwargs(cfg.dataset))
+                             chat_template_kwargs=cfg.chat_template_kwargs)
     require_samples(stats)
     if existing is not None:  # the run keeps the plan it was cut with (a warning names another --shard-bytes)
         plan, planned, cfg.shard_bytes = existing.shards, existing.bytes_per_token, existing.shard_bytes

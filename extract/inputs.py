@@ -487,6 +487,29 @@ def _column_tensor(value: Any, column: str, expected: str, where: str) -> torch.
     return tensor.reshape(-1)
 
 
+def check_template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None) -> None:
+    """Refuse a chat-template setting the template never reads: a misspelt `enable_thinkng`
+    renders every chat as if it were not given, and the run's states (or eval's prompts) would be
+    of text the user did not ask for. The names a template reads are those jinja2 finds undeclared
+    in it; a template transformers cannot compile here goes unchecked (the render names its error)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not kwargs or not isinstance(template, str):
+        return
+    try:
+        import jinja2.meta
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        read = jinja2.meta.find_undeclared_variables(_compile_jinja_template(template).environment.parse(template))
+    except Exception:  # another transformers, a template it cannot compile
+        return
+    unread = sorted(set(kwargs) - read)
+    if unread:
+        names = ", ".join(sorted(read - {"messages", "add_generation_prompt"})) or "none"
+        raise ConfigError(f"--chat-template-kwargs sets {', '.join(map(repr, unread))}, which the chat template of "
+                          f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} never reads (the settings it "
+                          f"reads: {names}): check the spelling, or leave {'it' if len(unread) == 1 else 'them'} out")
+
+
 class _ChatRenderer:
     """Renders chats with the tokenizer's template and finds the assistant spans in the text."""
 
@@ -497,6 +520,7 @@ class _ChatRenderer:
         if not tokenizer.chat_template:
             raise InputError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; give "
                              f"pre-tokenized rows or a tokenizer with a chat template")
+        check_template_kwargs(tokenizer, template_kwargs)
         self.tokenizer = tokenizer
         self.kwargs = dict(template_kwargs or {})
         self.trailer = self._probe_trailer()

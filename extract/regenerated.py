@@ -4,14 +4,13 @@ an S3 prefix (`is_regenerated`, `load_regenerated`), in source-row order."""
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Iterator
 
 import xxhash
 
 from layertap.manifests.regeneration import RECIPE, Recipe, done_parts, read_recipe
-from layertap.storage.errors import InputError, MissingInput
+from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.store import ObjectStore, open_store
 
 
@@ -40,15 +39,21 @@ def _complete(path: str) -> tuple[ObjectStore, Recipe, list[Any]]:
     return store, recipe, [parts[p] for p in range(recipe.parts)]
 
 
-@functools.lru_cache(maxsize=8)
-def template_kwargs(path: str | None) -> dict[str, Any] | None:
-    """The chat-template settings a finished regeneration's prompts were rendered with
-    (`--chat-template-kwargs`), so that extraction renders the text the target answered; None
-    for any other dataset. (Part of the recipe, so of the dataset's fingerprint too.)"""
-    if not path or not is_regenerated(path):
-        return None
-    _, recipe, _ = _complete(path)
-    return recipe.sampling.get("chat_template_kwargs") or None
+def template_kwargs(path: str | None, given: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The chat-template settings extraction renders chats with (None: none): `given`
+    (--chat-template-kwargs; {} for none), else a finished regeneration's, whose prompts the server
+    rendered so (its recipe's --chat-template-kwargs, part of the dataset's fingerprint): extraction
+    must render the text the target answered, so `given` may not differ from them."""
+    recorded = None
+    if path and is_regenerated(path):
+        _, recipe, _ = _complete(path)
+        recorded = recipe.sampling.get("chat_template_kwargs") or None
+        if given is not None and (given or None) != recorded:
+            raise ConfigError(f"--chat-template-kwargs {json.dumps(given)}: the regenerated dataset {path!r} had its "
+                              f"prompts rendered with {json.dumps(recorded or {})} (its `layertap regenerate "
+                              f"--chat-template-kwargs`), and extraction must render the text the target answered: "
+                              f"leave --chat-template-kwargs out to use the dataset's")
+    return recorded if given is None else (given or None)
 
 
 def regenerated_fingerprint(path: str, limit: int | None = None) -> str:

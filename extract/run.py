@@ -336,7 +336,10 @@ def shard_meta(cfg: ExtractConfig, identity: RunConfig, run_id: str, shard_id: i
 
 
 def dataset_rows(cfg: ExtractConfig):
-    """The run's rows (a ``datasets.Dataset``) and the fingerprint its manifest pins."""
+    """The run's rows (a ``datasets.Dataset``) and the fingerprint its manifest pins; and
+    `cfg.chat_template_kwargs` resolved (`template_kwargs`: a regenerated dataset's own where none
+    is given, None for none), before the model loads."""
+    cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
     if cfg.dataset is not None:
         return load_rows(cfg.dataset, cfg.limit), dataset_fingerprint(cfg.dataset, cfg.limit)
     import datasets
@@ -356,7 +359,7 @@ def _tokenize(rows, target, cfg: ExtractConfig, start: int, end: int, told: set[
     skipped: list[dict[str, str]] = []
     for out in tokenize_rows(rows.select(range(start, end)), target.tokenizer, cfg.max_length, start=start,
                              vocab_size=target.info["vocab_size"], stats=stats,
-                             chat_template_kwargs=template_kwargs(cfg.dataset)):
+                             chat_template_kwargs=cfg.chat_template_kwargs):
         if isinstance(out, Skipped):
             skipped.append({"sample_id": out.sample_id, "reason": out.reason, "detail": out.detail})
             if out.reason not in told:  # counts alone ("template_error: 1") do not say what to fix
@@ -382,8 +385,8 @@ def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, fing
     path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
     dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
                                                                     "path": path or "embedded", "limit": cfg.limit}
-    if counts is not None and (kwargs := template_kwargs(cfg.dataset)):  # the drafter's eval renders its prompts so
-        dataset["chat_template_kwargs"] = kwargs
+    if cfg.chat_template_kwargs:  # a resume must render chats alike; the drafter's eval renders its prompts so
+        dataset["chat_template_kwargs"] = cfg.chat_template_kwargs
     return create_or_resume(store, config=identity, dataset=dataset, token_counts=counts,
                             bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes,
                             existing=existing)
@@ -412,7 +415,7 @@ def _plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, rows, fin
         pass
     log.info("planning a new run: tokenizing %d rows for their token counts", len(rows))
     stats = token_statistics(rows, target.tokenizer, cfg.max_length, vocab_size=target.info["vocab_size"],
-                             chat_template_kwargs=template_kwargs(cfg.dataset))
+                             chat_template_kwargs=cfg.chat_template_kwargs)
     require_samples(stats)
     log.info("%s", stats.describe(cfg.dataset or "the embedded ShareGPT conversations"))
     if cfg.shards is not None:  # before the manifest is written: bad input leaves a new output empty

@@ -147,10 +147,16 @@ class Manifest:
             raise ManifestError(f"{where} is corrupt ({type(e).__name__}: {e}); "
                                 "restore it or start a new run under another prefix") from None
 
-    def differences(self, config: Mapping[str, Any], dataset_fingerprint: str | None) -> list[str]:
-        """Human-readable differences between this run and a rerun's configuration."""
+    def differences(self, config: Mapping[str, Any], dataset_fingerprint: str | None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[str]:
+        """Human-readable differences between this run and a rerun's configuration (and the chat-template
+        settings the rerun renders chats with: other settings, other text)."""
         diffs = [f"{k}: run has {self.config.get(k)!r}, now {config.get(k)!r}"
                  for k in sorted(set(self.config) | set(config)) if self.config.get(k) != config.get(k)]
+        made_with = self.dataset.get("chat_template_kwargs") or None
+        if made_with != (chat_template_kwargs or None):
+            diffs.append(f"chat template settings (--chat-template-kwargs): run has {json.dumps(made_with or {})}, "
+                         f"now {json.dumps(chat_template_kwargs or {})}")
         if dataset_fingerprint is not None and dataset_fingerprint != self.dataset.get("fingerprint"):
             # the fingerprint covers the rows read, --limit included: say what the run read
             made = f"; the run read {self.dataset['path']}" if self.dataset.get("path") else ""
@@ -346,7 +352,7 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
         if store.put_if_absent(MANIFEST, json.dumps(manifest.to_json(), separators=(",", ":")).encode()):
             return manifest, True
         existing = load_manifest(store)
-    diffs = existing.differences(config, fingerprint)
+    diffs = existing.differences(config, fingerprint, dataset.get("chat_template_kwargs"))
     if diffs:
         raise ConfigMismatch(
             f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layertap.cli import main as cli
-from layertap.storage.errors import InputError
+from layertap.storage.errors import ConfigError, InputError
 from layertap.train.speculative import load_prompts
 from tiny_models import tiny_tokenizer
 
@@ -223,6 +223,10 @@ def test_prompts_are_rendered_as_training_chats_were_with_its_template_settings_
     assert default.startswith("TOOLS search\n") and default.endswith("<|im_start|>assistant\n<think>\n")
     no_thinking = text(load_prompts(str(path), tokenizer, None, 1024, {"enable_thinking": False})[0])
     assert no_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # a setting the template never reads (a typo): refused, naming it and those the template reads
+    with pytest.raises(ConfigError, match=r"sets 'enable_thinkng', which the chat template .* never reads \(the "
+                                          r"settings it reads: enable_thinking, tools\)"):
+        load_prompts(str(path), tokenizer, None, 1024, {"enable_thinkng": False})
 
 
 def test_a_prompt_token_the_model_cannot_embed_is_refused_naming_the_line(tmp_path):

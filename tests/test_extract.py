@@ -148,17 +148,9 @@ def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompt
     """`layertap regenerate --chat-template-kwargs` had the server render prompts with those settings
     (e.g. enable_thinking=false); extraction must render the same text, or the stored states are
     of another prompt than the one the target answered."""
-    from tiny_models import CHATML_TEMPLATE
-
     from layertap.manifests.regeneration import Recipe, part_key
 
-    model = tmp_path / "model"
-    shutil.copytree(models["qwen3"], model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}" \
-        + CHATML_TEMPLATE
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    (model / "chat_template.jinja").unlink(missing_ok=True)
+    model = _thinking_model(models, tmp_path)
     out = tmp_path / "regenerated"
     rows = [json.loads(line) for line in open(write_chats(tmp_path / "chats.jsonl", 4)) if "assistant" in line]
     recipe = Recipe(dataset={"path": "chats.jsonl", "fingerprint": "f", "rows": len(rows), "limit": None},
@@ -168,8 +160,13 @@ def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompt
     (out / "regenerate.json").write_text(json.dumps(recipe.to_json()))
     (out / part_key(0)).write_text("".join(json.dumps({**row, "regenerated": {
         "row": i, "completion_tokens": 5, "finish_reasons": ["stop"]}}) + "\n" for i, row in enumerate(rows)))
-    assert cli(["extract", "--model", str(model), "--dataset", str(out), "--out", str(tmp_path / "run"),
-                "--layers", "1,3", "--max-length", "128", "--log-dir", str(tmp_path / "logs")]) == 0
+    extract = ["extract", "--model", str(model), "--dataset", str(out), "--out", str(tmp_path / "run"),
+               "--layers", "1,3", "--max-length", "128", "--log-dir", str(tmp_path / "logs")]
+    capsys.readouterr()  # other settings than the prompts were rendered with: refused, before the model loads
+    assert cli(extract + ["--chat-template-kwargs", "{}"]) == 2
+    assert "leave --chat-template-kwargs out to use the dataset's" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert cli(extract) == 0
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -191,6 +188,54 @@ def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompt
         capsys.readouterr()
         assert cli(evaluate + extra) in (0, 1)
         assert json.loads(capsys.readouterr().out)["chat_template_kwargs"] == used
+
+
+def _thinking_model(models, tmp_path):
+    """The tiny qwen3 with a chat template that reads `enable_thinking` for every turn."""
+    from tiny_models import CHATML_TEMPLATE
+
+    model = tmp_path / "model"
+    shutil.copytree(models["qwen3"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}" \
+        + CHATML_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    return model
+
+
+def test_extract_renders_chats_with_the_chat_template_settings_given_and_a_resume_must_match(models, tmp_path,
+                                                                                              capsys):
+    """--chat-template-kwargs on a plain dataset (Qwen3.6 with thinking off): the chats are rendered
+    so, the run records the settings (its drafter's eval renders prompts alike), a resume with other
+    settings is refused (it would store another text under the same plan), and a setting the
+    template never reads (a typo) is refused before anything is written."""
+    model = _thinking_model(models, tmp_path)
+    data, out = write_chats(tmp_path / "chats.jsonl", 4), tmp_path / "run"
+    base = ["extract", "--model", str(model), "--dataset", data, "--out", str(out), "--layers", "1,3",
+            "--max-length", "128", "--log-dir", str(tmp_path / "logs")]
+    assert cli(base + ["--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [tok.decode(s.input_ids) for s in stored_samples(open_store(str(out))).values()]
+    assert len(texts) == 4 and all(t.startswith("NOTHINK") for t in texts)
+    manifest = json.loads(open_store(str(out)).get("manifest.json"))
+    assert manifest["dataset"]["chat_template_kwargs"] == {"enable_thinking": False}
+
+    capsys.readouterr()
+    assert cli(base) == 2
+    assert 'chat template settings (--chat-template-kwargs): run has {"enable_thinking": false}, now {}' in \
+        capsys.readouterr().err
+    assert cli(base + ["--chat-template-kwargs", '{"enable_thinking": false}']) == 0  # the same: resumed, done
+
+    fresh = tmp_path / "typo"
+    typo = [a if a != str(out) else str(fresh) for a in base] + ["--chat-template-kwargs", '{"enable_thinkng": false}']
+    capsys.readouterr()
+    assert cli(typo) == 2
+    err = capsys.readouterr().err
+    assert "'enable_thinkng'" in err and "never reads" in err and "enable_thinking" in err
+    assert not fresh.exists() or not any(fresh.iterdir())
 
 
 def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from layertap.extract.inputs import Skipped, TokenizeStats, tools_of, normalize_chat
+from layertap.extract.inputs import Skipped, TokenizeStats, check_template_kwargs, normalize_chat, tools_of
 from layertap.extract.model import decoder_of, load_target
 from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
@@ -318,6 +318,7 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
     and the row's tools, as extraction renders them), and how many were skipped for length. A row
     that is neither a chat nor a prompt is an error naming its line, and so is one with a token
     the model cannot embed (beyond `vocab_size`: a device-side assert on CUDA, after the load)."""
+    check_template_kwargs(tokenizer, chat_template_kwargs)  # before the first row: a typo is no row's fault
     prompts, skipped = [], 0
     with open(path, "rb") as f:
         for line_no, line in _lines(f, path):
