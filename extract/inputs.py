@@ -487,11 +487,21 @@ def _column_tensor(value: Any, column: str, expected: str, where: str) -> torch.
     return tensor.reshape(-1)
 
 
+# apply_chat_template's own arguments, which the renderers set: a setting of one clashes with them
+_RENDER_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "continue_final_message",
+                               "chat_template", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+                               "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs", "documents"})
+
+
 def check_template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None) -> None:
     """Refuse a chat-template setting the template never reads: a misspelt `enable_thinkng`
     renders every chat as if it were not given, and the run's states (or eval's prompts) would be
     of text the user did not ask for. The names a template reads are those jinja2 finds undeclared
     in it; a template transformers cannot compile here goes unchecked (the render names its error)."""
+    if reserved := sorted(set(kwargs or {}) & _RENDER_ARGUMENTS):
+        raise ConfigError(f"--chat-template-kwargs sets {', '.join(map(repr, reserved))}, which layertap passes the "
+                          "chat template itself (rendering the chat, with a generation prompt only where it asks a "
+                          "question): leave it out")
     template = getattr(tokenizer, "chat_template", None)
     if not kwargs or not isinstance(template, str):
         return
@@ -504,7 +514,8 @@ def check_template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None) -> None:
         return
     unread = sorted(set(kwargs) - read)
     if unread:
-        names = ", ".join(sorted(read - {"messages", "add_generation_prompt"})) or "none"
+        special = set(getattr(tokenizer, "special_tokens_map", None) or {})  # bos_token, ...: the tokenizer's
+        names = ", ".join(sorted(read - special - {"messages", "add_generation_prompt"})) or "none"
         raise ConfigError(f"--chat-template-kwargs sets {', '.join(map(repr, unread))}, which the chat template of "
                           f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} never reads (the settings it "
                           f"reads: {names}): check the spelling, or leave {'it' if len(unread) == 1 else 'them'} out")

@@ -15,6 +15,7 @@ import json
 import operator
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from layertap.extract.embedded import checkpoint
 from layertap.extract.fused_norms import fuse_norms
 from layertap.extract.fused_projections import fuse_projections
 from layertap.extract.split_conv import split_conv
+from layertap.extract.inputs import check_template_kwargs
 from layertap.extract.kernels import keep_cpu_on_reference, log_kernel_paths, use_fla_short_conv
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.identity import FINAL_STATES, FinalState
@@ -70,13 +72,14 @@ def padding_id(target: Target) -> int:
 
 def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16,
                 attn_implementation: str = "auto", device: str | torch.device = "cpu",
-                weights: bool = True) -> Target:
+                weights: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None) -> Target:
     """Load a causal LM and its tokenizer from a local folder (optionally a GGUF file in it).
 
     A ``org/name`` hub id is accepted too and resolved by ``transformers`` (its cache, or the
     hub unless ``HF_HUB_OFFLINE=1``). ``weights=False`` builds the model on the meta device from
     its config alone: enough to plan a run (same ``info``, same layer checks) in a second, where
-    a 27B checkpoint would take minutes and 54 GB of memory to load. ``attn_implementation``
+    a 27B checkpoint would take minutes and 54 GB of memory to load; ``chat_template_kwargs`` are
+    checked against the chat template before the weights load. ``attn_implementation``
     "auto": transformers' choice, sdpa where the model's class supports it, else eager (Gemma 2
     refuses sdpa).
     """
@@ -99,6 +102,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
     attn = None if attn_implementation == "auto" else attn_implementation
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+        check_template_kwargs(tokenizer, chat_template_kwargs)  # a misspelt setting: before minutes of loading
         if weights:
             # use_kernels=False: layertap picks the kernels itself (below) and names them. transformers >= 5.25
             # otherwise asks the `kernels` package for Hub kernels at every load, and refuses to load at all
@@ -109,6 +113,8 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
             config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    except ConfigError:  # the settings given, not the model
+        raise
     except (OSError, ValueError, ImportError) as e:  # ValueError: a tokenizer transformers cannot build from the folder
         # "FlashAttention2 has been toggled on, but ..." (its package missing), "`attn_implementation="x"` is
         # not supported", "... does not support an attention implementation through ... sdpa"

@@ -5,13 +5,18 @@ an S3 prefix (`is_regenerated`, `load_regenerated`), in source-row order."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import xxhash
 
+from layertap.manifests.manifest import TEMPLATE_KWARGS
 from layertap.manifests.regeneration import RECIPE, Recipe, done_parts, read_recipe
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.store import ObjectStore, open_store
+
+if TYPE_CHECKING:
+    from layertap.extract.config import ExtractConfig
+    from layertap.manifests.manifest import Manifest
 
 
 def is_regenerated(path: str) -> bool:
@@ -43,17 +48,29 @@ def template_kwargs(path: str | None, given: dict[str, Any] | None = None) -> di
     """The chat-template settings extraction renders chats with (None: none): `given`
     (--chat-template-kwargs; {} for none), else a finished regeneration's, whose prompts the server
     rendered so (its recipe's --chat-template-kwargs, part of the dataset's fingerprint): extraction
-    must render the text the target answered, so `given` may not differ from them."""
+    must render the text the target answered, so `given` may not differ from them (as JSON: to a
+    template's `enable_thinking is false`, 0 is not false)."""
     recorded = None
     if path and is_regenerated(path):
         _, recipe, _ = _complete(path)
         recorded = recipe.sampling.get("chat_template_kwargs") or None
-        if given is not None and (given or None) != recorded:
+        if given is not None and json.dumps(given, sort_keys=True) != json.dumps(recorded or {}, sort_keys=True):
             raise ConfigError(f"--chat-template-kwargs {json.dumps(given)}: the regenerated dataset {path!r} had its "
                               f"prompts rendered with {json.dumps(recorded or {})} (its `layertap regenerate "
                               f"--chat-template-kwargs`), and extraction must render the text the target answered: "
                               f"leave --chat-template-kwargs out to use the dataset's")
     return recorded if given is None else (given or None)
+
+
+def pinned_template(cfg: ExtractConfig, run: Manifest | None) -> dict[str, Any]:
+    """The manifest `dataset` entry of the chat-template settings the run renders its chats with
+    (resolved by `dataset_rows`): recorded by a new run (its drafter's eval renders prompts alike),
+    compared on a resume. Not for a run from a regenerated dataset that recorded none: its
+    fingerprint pins the recipe's settings, and runs made before layertap recorded them rendered
+    its chats with these already."""
+    if run is not None and TEMPLATE_KWARGS not in run.dataset and cfg.dataset and is_regenerated(cfg.dataset):
+        return {}
+    return {TEMPLATE_KWARGS: cfg.chat_template_kwargs}
 
 
 def regenerated_fingerprint(path: str, limit: int | None = None) -> str:

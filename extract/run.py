@@ -32,7 +32,7 @@ from layertap.extract.inputs import (Skipped, TokenizedSample, TokenizeStats, da
 from layertap.extract.measure import require_samples, token_statistics
 from layertap.extract.model import Capture, Target, default_layers, load_target, padding_id
 from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
-from layertap.extract.regenerated import template_kwargs
+from layertap.extract.regenerated import pinned_template, template_kwargs
 from layertap.extract.worker import ShardLoop, Started
 from layertap.manifests import layout
 from layertap.manifests.consumption import AtRest, WindowGate, forget_window
@@ -287,7 +287,8 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
     if weights:
         log.info("forward dtype %s (%s); states are stored as bf16", dtype, why)
     target = load_target(model_path, gguf_file, dtype=getattr(torch, dtype),
-                         attn_implementation=cfg.attn_implementation, device=device, weights=weights)
+                         attn_implementation=cfg.attn_implementation, device=device, weights=weights,
+                         chat_template_kwargs=cfg.chat_template_kwargs)
     layers = cfg.layers if cfg.layers is not None else default_layers(target.info["num_layers"])
     capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
     if weights:  # once per extraction, as the states are about to be computed
@@ -385,8 +386,7 @@ def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, fing
     path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
     dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
                                                                     "path": path or "embedded", "limit": cfg.limit}
-    if cfg.chat_template_kwargs:  # a resume must render chats alike; the drafter's eval renders its prompts so
-        dataset["chat_template_kwargs"] = cfg.chat_template_kwargs
+    dataset.update(pinned_template(cfg, existing))
     return create_or_resume(store, config=identity, dataset=dataset, token_counts=counts,
                             bytes_per_token=plan_bytes_per_token(cfg, identity), shard_bytes=cfg.shard_bytes,
                             existing=existing)

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 MANIFEST_FORMAT = "layertap-manifest"
 MANIFEST_VERSION = 1
 DEFAULT_SHARD_BYTES = 1_000_000_000
+# the `dataset` key of the settings a run's chats were rendered with (--chat-template-kwargs)
+TEMPLATE_KWARGS = "chat_template_kwargs"
+
 
 class ManifestError(UserError):
     """The manifest or a run record is missing, corrupt, or from an incompatible version."""
@@ -148,15 +151,12 @@ class Manifest:
                                 "restore it or start a new run under another prefix") from None
 
     def differences(self, config: Mapping[str, Any], dataset_fingerprint: str | None,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[str]:
-        """Human-readable differences between this run and a rerun's configuration (and the chat-template
-        settings the rerun renders chats with: other settings, other text)."""
+                    dataset: Mapping[str, Any] | None = None) -> list[str]:
+        """Human-readable differences between this run and a rerun's configuration, and the
+        chat-template settings of the rerun's `dataset` (`template_differences`)."""
         diffs = [f"{k}: run has {self.config.get(k)!r}, now {config.get(k)!r}"
                  for k in sorted(set(self.config) | set(config)) if self.config.get(k) != config.get(k)]
-        made_with = self.dataset.get("chat_template_kwargs") or None
-        if made_with != (chat_template_kwargs or None):
-            diffs.append(f"chat template settings (--chat-template-kwargs): run has {json.dumps(made_with or {})}, "
-                         f"now {json.dumps(chat_template_kwargs or {})}")
+        diffs += self.template_differences(dataset or {})
         if dataset_fingerprint is not None and dataset_fingerprint != self.dataset.get("fingerprint"):
             # the fingerprint covers the rows read, --limit included: say what the run read
             made = f"; the run read {self.dataset['path']}" if self.dataset.get("path") else ""
@@ -166,6 +166,17 @@ class Manifest:
             diffs.append(f"dataset fingerprint: run has {self.dataset.get('fingerprint')!r}, now {dataset_fingerprint!r} "
                          f"(the rows read differ: another or an edited file, or another --limit{made})")
         return diffs
+
+    def template_differences(self, dataset: Mapping[str, Any]) -> list[str]:
+        """The difference between the chat-template settings this run's chats were rendered with and
+        those of a rerun's `dataset` (other settings render other text under the same plan), if it
+        names them (`TEMPLATE_KWARGS`; a run that renders no chats does not). Compared as canonical
+        JSON: to a template's `enable_thinking is false`, 0 is not false."""
+        if TEMPLATE_KWARGS not in dataset:
+            return []
+        made, now = (json.dumps(kwargs or {}, sort_keys=True)
+                     for kwargs in (self.dataset.get(TEMPLATE_KWARGS), dataset[TEMPLATE_KWARGS]))
+        return [] if made == now else [f"chat template settings (--chat-template-kwargs): run has {made}, now {now}"]
 
 
 def load_manifest(store: ObjectStore) -> Manifest:
@@ -343,7 +354,8 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
             run_id=uuid.uuid4().hex[:12],
             created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             config=dict(config),
-            dataset=dict(dataset, num_samples=len(token_counts), num_tokens=int(sum(token_counts))),
+            dataset=dict({k: v for k, v in dataset.items() if k != TEMPLATE_KWARGS or v},  # none: not written
+                         num_samples=len(token_counts), num_tokens=int(sum(token_counts))),
             shard_bytes=shard_bytes,
             bytes_per_token=bytes_per_token,
             shards=plan_shards(token_counts, bytes_per_token, shard_bytes),
@@ -352,7 +364,7 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
         if store.put_if_absent(MANIFEST, json.dumps(manifest.to_json(), separators=(",", ":")).encode()):
             return manifest, True
         existing = load_manifest(store)
-    diffs = existing.differences(config, fingerprint, dataset.get("chat_template_kwargs"))
+    diffs = existing.differences(config, fingerprint, dataset)
     if diffs:
         raise ConfigMismatch(
             f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)

@@ -245,6 +245,7 @@ def _encode_threads(args: argparse.Namespace) -> int | None:
 
 
 def _submit_extract(args: argparse.Namespace) -> int:
+    from layertap.extract.regenerated import pinned_template, template_kwargs
     from layertap.manifests.manifest import NoRun, refuse_new_run_here
     from layertap.slurm import submit
     from layertap.slurm.queued import (leave_to_queued, lease_jobs, queued_tasks, squeue_listing, started,
@@ -275,12 +276,14 @@ def _submit_extract(args: argparse.Namespace) -> int:
                           "'... --delete-consumed'), or leave out --window")
     train = _then_train(args, gpus, nodes, cfg) if args.then_train is not None else \
         _then_train(args, gpus, nodes, cfg, follow=True) if args.train_while_extracting is not None else None
+    # the chat-template settings its tasks render with: one a task would refuse is refused here
+    cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
     store = open_configured_store(cfg.out, cfg.s3)
     location = _store_location(cfg.out)
     listing = squeue_listing()
     queued = queued_tasks(location, listing or "")
     try:
-        remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg))
+        remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg), lambda run: pinned_template(cfg, run))
         jobs = lease_jobs(store, remaining) if listing is not None else {}  # no squeue: no task queued either
         if listing is not None:
             remaining = without_dead_holders(remaining, jobs, listing)

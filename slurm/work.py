@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from layertap.manifests import layout
 from layertap.manifests.consumption import waiting_records, waiting_workers
-from layertap.manifests.manifest import ConfigMismatch, load_manifest
+from layertap.manifests.manifest import ConfigMismatch, Manifest, load_manifest
 from layertap.manifests.records import holder_name
 from layertap.manifests.state import scan
 from layertap.manifests.work import check_shard_ids, read_lease
@@ -78,16 +78,19 @@ class Remaining:
 
 
 def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
-                   settings: Mapping[str, Any] | None = None) -> Remaining:
+                   settings: Mapping[str, Any] | None = None,
+                   dataset_of: Callable[[Manifest], Mapping[str, Any]] | None = None) -> Remaining:
     """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run,
-    and `ConfigMismatch` if `settings` (a subset of the manifest's config) differ from the run's:
-    every task would be refused, so better now than in the queue."""
+    and `ConfigMismatch` if `settings` (a subset of the manifest's config), or the chat-template
+    settings of the `dataset_of` the run, differ from the run's: every task would be refused, so
+    better now than in the queue."""
     from layertap.extract.config import as_run_recorded  # the same tolerance as the extractor's own check
 
     manifest = load_manifest(store)
     settings = as_run_recorded(manifest.config, settings or {})
     diffs = [f"{k}: run has {manifest.config.get(k)!r}, now {v!r}" for k, v in settings.items()
              if manifest.config.get(k) != v]
+    diffs += manifest.template_differences(dataset_of(manifest)) if dataset_of is not None else []
     if diffs:
         raise ConfigMismatch(f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)
                              + "\nuse the run's settings to resume it, or write the new run to another prefix")

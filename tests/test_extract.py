@@ -189,6 +189,14 @@ def test_a_regenerated_dataset_is_rendered_with_the_template_settings_its_prompt
         assert cli(evaluate + extra) in (0, 1)
         assert json.loads(capsys.readouterr().out)["chat_template_kwargs"] == used
 
+    # A run made before runs recorded the settings (its fingerprint pins the recipe's, which it was rendered
+    # with): resumed, not refused for "run has {}"
+    run = tmp_path / "run" / "manifest.json"
+    made = json.loads(run.read_text())
+    del made["dataset"]["chat_template_kwargs"]
+    run.write_text(json.dumps(made))
+    assert cli(extract) == 0
+
 
 def _thinking_model(models, tmp_path):
     """The tiny qwen3 with a chat template that reads `enable_thinking` for every turn."""
@@ -228,14 +236,18 @@ def test_extract_renders_chats_with_the_chat_template_settings_given_and_a_resum
     assert 'chat template settings (--chat-template-kwargs): run has {"enable_thinking": false}, now {}' in \
         capsys.readouterr().err
     assert cli(base + ["--chat-template-kwargs", '{"enable_thinking": false}']) == 0  # the same: resumed, done
+    assert cli(base + ["--chat-template-kwargs", '{"enable_thinking": 0}']) == 2  # not false to `is false`
+    assert 'run has {"enable_thinking": false}, now {"enable_thinking": 0}' in capsys.readouterr().err
 
     fresh = tmp_path / "typo"
     typo = [a if a != str(out) else str(fresh) for a in base] + ["--chat-template-kwargs", '{"enable_thinkng": false}']
     capsys.readouterr()
     assert cli(typo) == 2
     err = capsys.readouterr().err
-    assert "'enable_thinkng'" in err and "never reads" in err and "enable_thinking" in err
+    assert "'enable_thinkng'" in err and "never reads (the settings it reads: enable_thinking)" in err
     assert not fresh.exists() or not any(fresh.iterdir())
+    assert cli(typo[:-1] + ['{"add_generation_prompt": true}']) == 2  # one layertap sets itself
+    assert "'add_generation_prompt', which layertap passes the chat template itself" in capsys.readouterr().err
 
 
 def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):

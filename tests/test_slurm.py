@@ -584,6 +584,11 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     # Settings the run pins are checked now, not by every task in the queue.
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--codec", "fp8") == 2
     assert "codec: run has 'bf16-zstd', now 'fp8'" in capsys.readouterr().err
+    # ... and so are the chat-template settings its chats were rendered with (none here)
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--chat-template-kwargs",
+                  '{"enable_thinking": false}') == 2
+    assert 'chat template settings (--chat-template-kwargs): run has {}, now {"enable_thinking": false}' in \
+        capsys.readouterr().err
     for s in (10, 11):
         store.put(layout.commit_key(s), b"{}")
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0

@@ -35,8 +35,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-kwargs", metavar="JSON",
                    help="passed to the chat template rendering the prompts, e.g. '{\"enable_thinking\": false}' "
                         "(default: the settings the drafter's training chats were rendered with, which it records "
-                        "from a `layertap regenerate` dataset's; a prompt rendered otherwise is a text the drafter "
-                        "never saw)")
+                        "from the run: its extraction's --chat-template-kwargs; a prompt rendered otherwise is a text "
+                        "the drafter never saw; '{}': none)")
     p.add_argument("--limit", type=int, help="evaluate the first N prompts that fit --max-prompt-tokens (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
