@@ -34,6 +34,8 @@ SPREAD = random.SystemRandom()
 
 log = logging.getLogger(__name__)
 
+SLOW_RETRY_S = 10.0  # a request retried this long after its first try is logged as a warning
+
 
 class Backoff:
     """Waits for what another process makes (a commit to appear, room in a storage window):
@@ -83,7 +85,7 @@ class RetryPolicy:
         """`fn()`, tried again while the `StoreError` it raises (or `translate` makes of what it
         raises) is worth it. `translate` returns None for exceptions that are not store failures
         (bugs): they propagate unchanged. The error raised at the end says how many tries it took."""
-        attempt = 0
+        attempt, started = 0, time.monotonic()
         while True:
             attempt += 1
             try:
@@ -96,7 +98,11 @@ class RetryPolicy:
                     if attempt > 1:
                         error = type(error)(f"{error} (tried {attempt} times)")
                     raise error from None
-            log.debug("retrying after %s (try %d of %d)", error, attempt, self.limit(error, reached))
+            # Told where a request has failed for a while (a server that stopped answering: 60 s to each
+            # read timeout), which a log would otherwise show as a hang; a quick 503 retried is routine.
+            waited = time.monotonic() - started
+            log.log(logging.WARNING if waited >= SLOW_RETRY_S else logging.DEBUG, "retrying after %s (try %d of %d, "
+                    "%.0f s since the first)", error, attempt + 1, self.limit(error, reached), waited)
             if on_retry is not None:
                 on_retry()
             time.sleep(SPREAD.uniform(0, min(self.cap_s, self.base_s * 2**attempt)))

@@ -405,6 +405,32 @@ def test_stalls_longer_than_the_read_timeout_are_retried(s3_endpoint, s3_bucket)
         assert proxy.counts["stall"] >= 3
 
 
+def test_a_request_retried_long_after_its_first_try_is_a_warning(s3_endpoint, s3_bucket, monkeypatch, caplog):
+    """A server that stopped answering: 60 s to each read timeout, retries logged at debug only, and
+    an extraction's log went silent for as long as it lasted (a hang, to the user). A quick retry
+    stays quiet; one made long after the request's first try is a warning naming the failure."""
+    import logging
+
+    from layertap.storage import retry
+
+    monkeypatch.setattr(retry, "SLOW_RETRY_S", 0.4)
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("stall",), stall_s=1.5, limit=1) as proxy:
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url, read_timeout_s=0.5)
+        with caplog.at_level(logging.DEBUG, logger="layertap.storage.retry"):
+            store.put("k", b"x")
+        assert proxy.counts["stall"] == 1 and store.get("k") == b"x"
+    (told,) = [r for r in caplog.records if r.name == "layertap.storage.retry"]
+    assert told.levelno == logging.WARNING and "timeout" in told.getMessage().lower()
+    assert "(try 2 of 8, " in told.getMessage()
+
+    caplog.clear()
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("503",), limit=1) as proxy:  # answered at once: routine
+        store = open_store(f"s3://{s3_bucket}/p", endpoint_url=proxy.url)
+        with caplog.at_level(logging.DEBUG, logger="layertap.storage.retry"):
+            store.put("k", b"y")
+    assert [r.levelno for r in caplog.records if r.name == "layertap.storage.retry"] == [logging.DEBUG]
+
+
 # -- memory budgets --------------------------------------------------------------------------------
 
 
