@@ -710,7 +710,7 @@ def test_a_target_other_than_the_runs_is_refused(run, target, tmp_path, capsys):
 
 
 def test_a_resume_at_the_end_trains_nothing_and_one_past_the_steps_is_refused(run, target, tmp_path, capsys,
-                                                                             monkeypatch):
+                                                                             monkeypatch, caplog):
     """`--resume --steps 3` on a checkpoint at step 6 printed "trained 3 steps" and exported step 6's
     weights again. Past the end it is refused; at the end nothing is trained, said so, and the
     drafter is exported only if its export is missing."""
@@ -736,8 +736,16 @@ def test_a_resume_at_the_end_trains_nothing_and_one_past_the_steps_is_refused(ru
     assert train_cli(*args, "--steps", "4", "--resume") == 0
     assert "its drafter was exported now" in capsys.readouterr().out and exports == [1]
     assert (tmp_path / "out" / "drafter" / "config.json").exists()
+    assert not [r for r in caplog.records if "learning-rate schedule" in r.getMessage()]  # the same end
     assert train_cli(*args, "--steps", "5", "--resume") == 0  # one more: not "trained 5 steps"
     assert "trained 1 step (step 5: resumed at step 4); final loss" in capsys.readouterr().out
+    # ... on a schedule laid over 5 steps, not the 4 the checkpoint's run decayed to its floor over: said
+    from layertap.train.config import TrainConfig
+
+    cfg = TrainConfig(data=run, out=out, lr=1e-2)
+    (told,) = [r.getMessage() for r in caplog.records if "learning-rate schedule" in r.getMessage()]
+    assert told.startswith("training now ends at step 5, where the checkpoint's run was to end at step 4")
+    assert f"step 5 runs at lr {trainer.lr_at(4, 5, cfg):.2e} instead of {trainer.lr_at(4, 4, cfg):.2e}" in told
 
 
 def test_a_lost_latest_json_neither_restarts_the_training_nor_prunes_its_checkpoints(run, target, tmp_path, capsys,

@@ -392,6 +392,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         ckpt.weights.clear()  # copied into the model and optimizer: ~22 GB of host memory at 27B shapes, held
         ckpt.optimizer.clear()  # to the end of training otherwise
         if rank == 0:
+            _tell_schedule_change(cfg, start, ckpt.state.get("total_steps"), total)
             lines = _metrics_until(out, start)
             if start < total and withdraw_export(out):
                 log.info("removed the drafter exported at step %d (%s/drafter/): training goes on to step %d and "
@@ -454,6 +455,18 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
     if step > total:
         _refuse_going_back(cfg, step, total, steps_per_epoch)
     return total
+
+
+def _tell_schedule_change(cfg: TrainConfig, step: int, saved_total: Any, total: int) -> None:
+    """A resume that trains to another last step than the checkpoint's run would have (another
+    --steps, an epoch grown by shards committed since) lays the learning-rate schedule over it, and
+    the lr jumps: said, with both lrs, rather than left to a loss curve to show."""
+    if type(saved_total) is not int or saved_total == total or step >= total:
+        return
+    log.warning("training now ends at step %d, where the checkpoint's run was to end at step %d: the learning-rate "
+                "schedule (warmup, cosine decay to the last step) is laid over %d steps, so step %d runs at lr %.2e "
+                "instead of %.2e", total, saved_total, total, step + 1, lr_at(step, total, cfg),
+                lr_at(step, saved_total, cfg))
 
 
 def _refuse_going_back(cfg: TrainConfig, step: int, total: int, steps_per_epoch: int) -> None:
@@ -863,7 +876,7 @@ def _save(run: _Run, step: int) -> None:
                          f"step {step} ({run.out.uri}/{step_prefix(step)}; their logs say why): not saving it")
     if acc.is_main_process:
         state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader_states": folder,
-                 "num_workers": run.cfg.num_workers}
+                 "num_workers": run.cfg.num_workers, "total_steps": run.total}
         # metrics first: the checkpoint counts once `latest.json` names it, and a resume keeps the
         # metrics up to its step, so they must never lag behind it
         run.out.put(METRICS, ("\n".join(run.metrics.lines) + "\n").encode())
