@@ -283,14 +283,14 @@ def _failure_groups(head: str, details: list[dict]) -> list[str]:
     """More shards than `status` read records of (tens of thousands after a store outage): the
     count and ids, then the records read (the newest) grouped by their error's first line, so the
     report stays a screen; `--shards` still lists every shard."""
-    from layertap.manifests.status import shard_ranges
+    from layertap.storage.units import id_ranges
 
     groups: dict[str, list[dict]] = {}
     for f in sorted(details, key=lambda f: f.get("time") or 0, reverse=True):
         groups.setdefault((f["error"].splitlines() or [""])[0][:200], []).append(f)
     lines = [f"  {head}" + (f"; the newest {len(details)}, by error:" if details else "")]
     for error, fs in sorted(groups.items(), key=lambda g: -len(g[1])):
-        lines.append(f"    {len(fs):>4}  {error}  (shards {shard_ranges(f['shard'] for f in fs)}; "
+        lines.append(f"    {len(fs):>4}  {error}  (shards {id_ranges(f['shard'] for f in fs)}; "
                      f"newest on {_where(fs[0])})")
     return lines
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -17,7 +16,7 @@ from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVers
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.store import ObjectNotFound, ObjectStore
-from layertap.storage.units import id_runs
+from layertap.storage.units import id_ranges
 
 if TYPE_CHECKING:
     from layertap.storage.reader import VerifyReport  # it imports torch: not for status
@@ -31,7 +30,6 @@ SKIP_REASON_SHARDS = 200  # commit records `status` reads for the reasons sample
 # shards whose records repeat one or two errors; twenty show those (forty in all, read 8 at a time:
 # five round trips) and fit a screen, where one GET and one line per shard took minutes.
 FAILURE_DETAILS = 20
-SHARD_RANGES = 20  # runs of consecutive shard ids `shard_ranges` names before it counts the rest
 CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked
 GONE = "gone"  # ... and of a shard whose commit went since the scan (another verify withdrew it)
 
@@ -73,7 +71,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     why shards failed; with `shards`, every shard's state and data object (and a failed one's error).
     `failed` and `interrupted` hold the records of at most the `FAILURE_DETAILS` newest of each (in
     shard order); `shards_failed` and `shards_interrupted` count them all, and `failed_ranges` and
-    `interrupted_ranges` name them (`shard_ranges`). Read-only. Costs five listings (six with
+    `interrupted_ranges` name them (`id_ranges`). Read-only. Costs five listings (six with
     `shards`) plus a GET per failure record read: up to `FAILURE_DETAILS` twice, every failed
     shard's with `shards` (and a GET per commit whose tally marker is missing, or whose data
     object the listing leaves ambiguous, and per shard with skipped samples, up to
@@ -150,8 +148,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "complete": complete,
         "failed": _newest_details(st, failed_ids, summaries),
         "interrupted": _newest_details(st, stopped_ids, summaries),
-        "failed_ranges": shard_ranges(failed_ids),  # every failed shard, as "3-17, 40"
-        "interrupted_ranges": shard_ranges(stopped_ids),
+        "failed_ranges": id_ranges(failed_ids),  # every failed shard, as "3-17, 40"
+        "interrupted_ranges": id_ranges(stopped_ids),
         "stale_commits": st.stale_commits,
         "problem": (str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits
                     else f"{len(unreadable)} commit record(s) cannot be read, their shards not counted: "
@@ -342,15 +340,6 @@ def _newest_details(st: RunState, shards: list[int], summaries: dict[int, dict[s
     """The records read of the `FAILURE_DETAILS` newest of `shards`, in shard order."""
     chosen = set(_newest(st, [s for s in shards if s in summaries]))
     return [summaries[s] for s in shards if s in chosen]
-
-
-def shard_ranges(shards: Iterable[int], limit: int = SHARD_RANGES) -> str:
-    """Shard ids as runs of consecutive ones ("3-17, 40"): the first `limit` runs, then how many
-    shards the rest hold, so that a report of tens of thousands of shards stays a line."""
-    runs = id_runs(shards)
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
-    rest = sum(b - a + 1 for a, b in runs[limit:])
-    return text + (f" and {rest:,} more" if rest else "")
 
 
 def _failure_summary(store: ObjectStore, st: RunState, shard: int) -> dict[str, Any]:

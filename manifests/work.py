@@ -39,6 +39,7 @@ from layertap.manifests.state import Lease, RunState, feed_since, fits_plan, sca
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import SPREAD, Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
+from layertap.storage.units import id_ranges
 
 if TYPE_CHECKING:  # not imported at run time: the writer imports the codecs, and they torch
     from layertap.storage.writer import ShardInfo
@@ -850,7 +851,8 @@ def check_shard_ids(ids: Iterable[int], total: int) -> None:
     """Refuse shard ids (--shards) that a run of `total` shards does not have."""
     bad = [s for s in ids if not 0 <= s < total]
     if bad:
-        raise ConfigError(f"--shards names {bad[:5]}, which the run does not have (it has shards 0-{total - 1})")
+        named = str(bad[0]) if len(bad) == 1 else f"{id_ranges(bad, 5)} ({len(bad):,} ids)"
+        raise ConfigError(f"--shards names {named}, which the run does not have (it has shards 0-{total - 1})")
 
 
 def leftovers_seen(st: RunState, shards: set[int]) -> bool:

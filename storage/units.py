@@ -44,6 +44,15 @@ def id_runs(ids: Iterable[int]) -> list[list[int]]:
     return runs
 
 
+def id_ranges(ids: Iterable[int], limit: int = 20) -> str:
+    """Ids as runs of consecutive ones ("3-17, 40"): the first `limit` runs, then how many ids the
+    rest hold, so that a report of tens of thousands of shards stays a line."""
+    runs = id_runs(ids)
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    rest = sum(b - a + 1 for a, b in runs[limit:])
+    return text + (f" and {rest:,} more" if rest else "")
+
+
 def duration(seconds: float) -> str:
     """'45 s', '12 min', '3 h 05 min', '2 d 4 h'."""
     s = int(round(seconds))

@@ -163,6 +163,6 @@ def test_shards_a_new_run_will_not_have_are_refused_before_its_manifest_is_writt
     written: the half-made run then refused the corrected command ('a different configuration')."""
     data = write_chats(tmp_path / "chats.jsonl", 4)
     assert cli(_extract(model, data, tmp_path, "--shards", "0,3")) == 2
-    assert "--shards names [3], which the run does not have (it has shards 0-0)" in capsys.readouterr().err
+    assert "--shards names 3, which the run does not have (it has shards 0-0)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     assert cli(_extract(model, data, tmp_path, "--max-length", "128")) == 0  # the corrected command

@@ -18,7 +18,8 @@ from layertap.cli import main as cli
 from layertap.manifests import layout
 from layertap.manifests.cli import format_status
 from layertap.manifests.records import FailureRecord, Producer, encode
-from layertap.manifests.status import FAILURE_DETAILS, run_status, shard_ranges
+from layertap.manifests.status import FAILURE_DETAILS, run_status
+from layertap.storage.units import id_ranges
 from layertap.storage.store import ObjectStore
 
 SHARDS = 330  # 0-199 failed, 200-299 stopped from outside, 300-329 pending
@@ -93,7 +94,7 @@ def test_status_text_of_many_failures_is_grouped_and_bounded(outage, capsys):
     newest = range(200 - FAILURE_DETAILS, 200)
     values = [s for s in newest if s % 4 == 0]
     runtime = [s for s in newest if s % 4]
-    assert re.search(rf"^ +{len(runtime)}  RuntimeError: CUDA out of memory  \(shards {shard_ranges(runtime)}; "
+    assert re.search(rf"^ +{len(runtime)}  RuntimeError: CUDA out of memory  \(shards {id_ranges(runtime)}; "
                      r"newest on host \S+ rank \d", text, re.M), text
     for shard in values:  # grouped by the error's whole first line: these differ
         assert re.search(rf"^ +1  ValueError: sample {shard} has no tokens  \(shards {shard};", text, re.M), text
@@ -138,7 +139,13 @@ def test_a_few_failures_are_still_reported_one_line_each(store):
     assert "by error" not in text and "shards:" not in text
 
 
-def test_shard_ranges():
-    assert shard_ranges([40, 3, 4, 5, 17]) == "3-5, 17, 40"
-    assert shard_ranges([]) == ""
-    assert shard_ranges(range(0, 100, 2), limit=3) == "0, 2, 4 and 47 more"
+def test_id_ranges():
+    assert id_ranges([40, 3, 4, 5, 17]) == "3-5, 17, 40"
+    assert id_ranges([]) == ""
+    assert id_ranges(range(0, 100, 2), limit=3) == "0, 2, 4 and 47 more"
+    # --shards 0-99 of a run of 3: every id it lacks named, as ranges (it read "[3, 4, 5, 6, 7]")
+    from layertap.manifests.work import check_shard_ids
+
+    with pytest.raises(ValueError, match=r"^--shards names 3-99 \(97 ids\), which the run does not have \(it has "
+                                         r"shards 0-2\)$"):
+        check_shard_ids(range(100), 3)
