@@ -570,13 +570,15 @@ class ShardStream(IterableDataset):
         budget = max(1, c.memory_budget // workers)
         rng = min(c.range_bytes, max(s.bytes for s in self.shards))  # no range is larger than its shard
         if worker == 0 and rng > budget:  # the budget holds whole ranges: one is the least in RAM
-            log.warning("range_bytes (%s) exceeds the memory budget per worker (%s): each fetch holds a whole "
-                        "range, so buffered bytes will exceed the budget; lower range_bytes or raise the budget",
-                        size(c.range_bytes), size(budget))
+            log.warning("a fetched range (%s) exceeds the memory budget per DataLoader worker (%s: the budget over %d "
+                        "worker(s)): each fetch holds a whole range, so buffered bytes will exceed the budget; raise "
+                        "the budget (--memory-budget), use fewer --num-workers, or lower range_bytes (StreamConfig)",
+                        size(rng), size(budget), workers)
         elif worker == 0 and c.shuffle and (held := buffer_footprint(c.shuffle_buffer, avg, rng)) > budget:
             log.warning("the shuffle buffer's %d samples (~%s each) keep ~%s of fetched ranges in memory (a range "
                         "stays until its last sample is used), over the memory budget per worker (%s): buffered "
-                        "bytes will exceed the budget; raise memory_budget, or lower shuffle_buffer or range_bytes",
+                        "bytes will exceed the budget; raise --memory-budget, or lower --shuffle-buffer (or range_bytes: "
+                        "StreamConfig)",
                         c.shuffle_buffer, size(avg), size(held), size(budget))
         threads = c.decode_threads if c.decode_threads is not None else auto_decode_threads(self.codec, workers)
         return self._generate(plan, worker, budget, threads)
