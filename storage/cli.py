@@ -4,8 +4,10 @@ statistics of its states per capture layer."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import posixpath
 from dataclasses import asdict
 from typing import Any
 
@@ -31,10 +33,17 @@ def run_inspect(args: argparse.Namespace) -> int:
     store = open_store(root)
     try:
         store.size(key)  # a missing object or a bad key is a usage error, not a corrupt shard
-    except ObjectNotFound:
+    except ObjectNotFound as e:
         if open_store(args.uri).exists("manifest.json"):
             raise StoreError(f"{args.uri} is a run, not a shard object: `layertap status {args.uri} --shards` "
                              "lists its shards' objects, one of which `layertap inspect` takes") from None
+        # a shard named by its id alone (shards/000001.lts, without its digest): the objects it starts;
+        # a listing also names a missing bucket as every other command does
+        near = [o.key for o in itertools.islice(store.list(key.removesuffix(".lts")), 3)]
+        if near:
+            named = " or ".join(posixpath.join(root, k) for k in near)
+            raise ObjectNotFound(f"{e}; did you mean {named}? (`layertap status RUN --shards` lists a run's shard "
+                                 "objects)") from None
         raise
     head = store.get_range(key, 0, min(len(MAGIC), store.size(key)))
     if not key.endswith(".lts") and head != MAGIC:  # a run's other file given by mistake, not a damaged shard

@@ -294,11 +294,21 @@ def test_status_shards_lists_each_shards_object_for_inspect(store_uri, capsys):
             assert e["records"] == commit["num_records"] and e["bytes"] == commit["bytes"]
             capsys.readouterr()
             assert cli(["inspect", e["object"]]) == 0  # the name `inspect` takes
+            # the shard's id alone (without its digest) was "no object": now its object is named
+            by_id = f"{store.uri.rstrip('/')}/shards/{e['shard']:06d}.lts"
+            assert cli(["inspect", by_id]) == 2
+            err = capsys.readouterr().err
+            assert "did you mean " in err and e["object"] in err
         else:
             assert (e["state"], e["object"], e["shard"]) == ("failed", None, 2) and "injected" in e["error"]
     rc, out, _ = status(capsys, store_uri, "--shards")
     assert "  shard   state     records      tokens     stored  object" in out
     assert re.search(r"^  000002  failed\s*$", out, re.M) and out.count(f"{store.uri.rstrip('/')}/shards/") == len(shards) - 1
+
+
+def test_inspect_names_a_missing_bucket_as_every_command_does(s3_endpoint, capsys):
+    assert cli(["inspect", "s3://no-such-bucket-here/run1/shards/000000.lts"]) == 2
+    assert "bucket 'no-such-bucket-here' does not exist" in capsys.readouterr().err
 
 
 def test_a_shard_stopped_from_outside_is_interrupted_not_failed(store_uri, capsys):
