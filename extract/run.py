@@ -134,12 +134,12 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
     if gate is None and rank == 0:
         # an earlier --window extraction's record would tell trainers of a window
         _patiently(lambda: forget_window(store))
-    if gate is not None and rank == 0 and cfg.window < 2 * manifest.shard_bytes:
-        log.warning("--window %s holds fewer than two of this run's shards (~%s each): every claim waits until "
+    if gate is not None and rank == 0 and cfg.window < 2 * manifest.largest_shard_bytes:
+        log.warning("--window %s holds fewer than two of this run's shards (~%s the largest): every claim waits until "
                     "training has consumed what is at rest, one shard at a time, and a trainer whose shuffle buffer "
                     "needs more samples than a shard holds stalls for good (`layertap submit extract "
                     "--train-while-extracting` names the window its trainer needs)", size(cfg.window),
-                    size(manifest.shard_bytes))
+                    size(manifest.largest_shard_bytes))
     queue = WorkQueue(store, manifest, producer, ttl_s=cfg.lease_ttl_s, shards=cfg.shards, retries=cfg.retries,
                       world_size=world, before_claim=gate, stopped_for=stops.stopped_for,
                       stall_s=cfg.stall_timeout_s, on_stall=exit_stalled)

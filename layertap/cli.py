@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     # like any other, one line and exit 130, not a KeyboardInterrupt traceback.
     words = sys.argv[1:] if argv is None else argv
     command = _command_in(words)
+    if not words:  # what a first try types: the commands, not "the following arguments are required"
+        print(build_parser("").format_help(), file=sys.stderr)
+        return 2
     try:
         args = _parse(build_parser(command or ""), words)
         _setup_logging(args.verbose)

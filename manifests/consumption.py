@@ -641,7 +641,7 @@ def window_shortfall(window: int, ranks: int, num_workers: int, shuffle_buffer: 
     buffers = f"{num_workers} DataLoader workers x " if num_workers > 1 else ""
     held = batches_in_flight(num_workers, grad_accum)
     return (f"--window {size(window)} is below {size(floor)} = {ranks} training ranks x ({buffers}--shuffle-buffer "
-            f"{shuffle_buffer} + {held} x --batch-size {batch_size}) x --shard-bytes {size(shard_bytes)}: each sample "
+            f"{shuffle_buffer} + {held} x --batch-size {batch_size}) x shards of {size(shard_bytes)}: each sample "
             f"in a shuffle buffer or in the {held} batches a rank holds before training them (the one in training, "
             "those prefetched" + (f": a step's {grad_accum} with --grad-accum {grad_accum}" if grad_accum > 2 else "")
             + (", 2 per DataLoader worker" if num_workers else "") + ") can keep a shard from counting as consumed, "

@@ -105,6 +105,12 @@ class Manifest:
     def est_tokens(self) -> int:
         return sum(s.est_tokens for s in self.shards)
 
+    @property
+    def largest_shard_bytes(self) -> int:
+        """The planned stored bytes of the run's largest shard: `shard_bytes` where the run fills
+        its shards, less for a run smaller than one (a window sized by it is sized by what is stored)."""
+        return max(1, round(max((s.est_tokens for s in self.shards), default=0) * self.bytes_per_token))
+
     @cached_property
     def identity(self) -> RunConfig:
         """`config`, typed: what the run's states are, for readers. ManifestError if it lacks a fact

@@ -699,14 +699,14 @@ def _read_the_extraction(targs: argparse.Namespace, cfg, where: str) -> None:
 
 
 def _planned_shard_bytes(cfg) -> int:
-    """The shard size of the run at --out where it is planned already (its plan is fixed: a
+    """The largest shard of the run at --out where it is planned already (its plan is fixed: a
     resubmission's --shard-bytes, the default when left out, does not cut it again), else this
-    command's."""
+    command's --shard-bytes."""
     from layertap.manifests.manifest import NoRun, UnsupportedVersion, load_manifest
     from layertap.storage.store import StoreError, open_configured_store
 
     try:
-        return load_manifest(open_configured_store(cfg.out, cfg.s3)).shard_bytes
+        return load_manifest(open_configured_store(cfg.out, cfg.s3)).largest_shard_bytes
     except (NoRun, UnsupportedVersion, StoreError):
         return cfg.shard_bytes
 

@@ -20,7 +20,7 @@ import pytest
 import fake_worker
 from layertap.cli import main as cli
 from layertap.manifests import layout, liveness
-from layertap.manifests.manifest import (ConfigMismatch, ManifestError, UnsupportedVersion, create_or_resume,
+from layertap.manifests.manifest import (ConfigMismatch, Manifest, ManifestError, UnsupportedVersion, create_or_resume,
                                         load_manifest, plan_shards)
 from layertap.storage.units import parse_size
 from layertap.manifests.records import Producer, decode_commit, decode_failure
@@ -84,6 +84,13 @@ def test_plan_sizes_shards_by_estimated_bytes():
     full = [s.est_tokens * 100 for s in shards[:-1]]
     assert all(8_000_000 <= b < 8_000_000 + 8000 * 100 for b in full)  # each just past the target
     assert shards[0].num_samples == 100 and shards[-2].num_samples == 10  # same bytes, fewer samples
+    # the largest shard, which window warnings size by: the plan's, not --shard-bytes, for a run below one
+    plan = Manifest(run_id="r", created_at="t", config={}, dataset={}, shard_bytes=8_000_000, bytes_per_token=100.0,
+                    shards=shards)
+    assert plan.largest_shard_bytes == max(s.est_tokens for s in shards) * 100
+    small = Manifest(run_id="r", created_at="t", config={}, dataset={}, shard_bytes=10**9, bytes_per_token=100.0,
+                     shards=plan_shards([40] * 10, 100.0, 10**9))
+    assert small.largest_shard_bytes == 40_000
 
 
 def test_rows_the_extraction_skips_at_the_end_join_the_last_shard_not_one_of_their_own():

@@ -398,7 +398,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
                 log.info("removed the drafter exported at step %d (%s/drafter/): training goes on to step %d and "
                          "exports it again at its end", start, cfg.out, total)
         log.info("resumed from %s/checkpoints step %d", cfg.out, start)
-    _check_consumer(cfg, data, out.uri, rank, world, run.shard_bytes, fresh=ckpt is None)
+    _check_consumer(cfg, data, out.uri, rank, world, run.largest_shard_bytes, fresh=ckpt is None)
     if rank == 0:
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
                  "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
@@ -957,7 +957,7 @@ def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int,
     a window its buffers and batches can fill (`window_shortfall`: the run would stall in a minute
     or so); another trainer of the same run is warned that shards may go while it reads them, and
     a follow trainer of a window run that none consumes, that the window will not open (`shard_bytes`:
-    the run's planned). Before the first step: no rank has written a watermark of this start yet."""
+    the run's largest planned shard). Before the first step: no rank has written a watermark of this start yet."""
     from layertap.manifests.consumption import (claim_consumer, consumer_of, forget_watermarks, recorded_window,
                                                 window_shortfall)
     from layertap.storage.units import size
