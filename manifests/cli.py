@@ -70,6 +70,11 @@ def run_status(args: argparse.Namespace) -> int:
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
                         + _what_is_under(store)) from None
+        if args.shards:  # not in silence: the shards are a run's
+            data = t.get("data") if t is not None else None
+            print(f"note: --shards lists a run's shard objects, and {store.uri} is a "
+                  + ("regeneration's output" if t is None else "training output")
+                  + (f" (`layertap status {data} --shards`: the run it trained on)" if data else ""), file=sys.stderr)
         if r is not None:
             print(json.dumps(r, indent=2) if args.json else format_regeneration(r))
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE

@@ -184,6 +184,10 @@ def test_status_of_a_training_output(trained, capsys):
     assert f"last loss   {last['loss']:.4f} at step 6" in out
     assert f"checkpoint  step 6: {out_uri}/checkpoints/step-00000006" in out
     assert "drafter     exported" in out and "COMPLETE" in out
+    rc, out, err = status(capsys, out_uri, "--shards")  # a run's flag: said, not ignored in silence
+    assert rc == 0 and f"training output at {out_uri}" in out
+    assert f"--shards lists a run's shard objects, and {out_uri} is a training output (`layertap status " \
+           f"{trained['data']} --shards`" in err
     js = json.loads(status(capsys, out_uri, "--json")[1])
     assert (js["kind"], js["step"], js["checkpoint_step"], js["loss"], js["complete"]) == ("training", 6, 6,
                                                                                            last["loss"], True)
