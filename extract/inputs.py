@@ -487,38 +487,51 @@ def _column_tensor(value: Any, column: str, expected: str, where: str) -> torch.
     return tensor.reshape(-1)
 
 
-# apply_chat_template's own arguments, which the renderers set: a setting of one clashes with them
+# apply_chat_template's own arguments, and `tools`, which the renderers set (a row's tools): a setting
+# of one clashes with them, or is silently replaced
 _RENDER_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "continue_final_message",
                                "chat_template", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
-                               "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs", "documents"})
+                               "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools"})
 
 
 def check_template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None) -> None:
     """Refuse a chat-template setting the template never reads: a misspelt `enable_thinkng`
     renders every chat as if it were not given, and the run's states (or eval's prompts) would be
-    of text the user did not ask for. The names a template reads are those jinja2 finds undeclared
-    in it; a template transformers cannot compile here goes unchecked (the render names its error)."""
+    of text the user did not ask for; and one layertap passes the template itself."""
     if reserved := sorted(set(kwargs or {}) & _RENDER_ARGUMENTS):
         raise ConfigError(f"--chat-template-kwargs sets {', '.join(map(repr, reserved))}, which layertap passes the "
-                          "chat template itself (rendering the chat, with a generation prompt only where it asks a "
+                          "chat template itself (the chat, a row's tools, a generation prompt only where it asks a "
                           "question): leave it out")
+    if unread := unread_template_kwargs(tokenizer, kwargs):
+        read = template_variables(tokenizer) or set()
+        special = set(getattr(tokenizer, "special_tokens_map", None) or {})  # bos_token, ...: the tokenizer's
+        names = ", ".join(sorted(read - special - {"messages", "add_generation_prompt"})) or "none"
+        of = repr(getattr(tokenizer, "name_or_path", "")) if getattr(tokenizer, "name_or_path", "") else "the tokenizer"
+        raise ConfigError(f"--chat-template-kwargs sets {', '.join(map(repr, unread))}, which the chat template of "
+                          f"{of} never reads (the settings it reads: {names}): check the spelling, or leave "
+                          f"{'it' if len(unread) == 1 else 'them'} out")
+
+
+def unread_template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None) -> list[str]:
+    """The names in `kwargs` the tokenizer's chat template never reads ([] where it cannot tell)."""
+    read = template_variables(tokenizer) if kwargs else None
+    return [] if read is None else sorted(set(kwargs or {}) - read)
+
+
+def template_variables(tokenizer) -> set[str] | None:
+    """The names the tokenizer's chat template reads from its context (those jinja2 finds
+    undeclared in it); None without a template, or for one transformers cannot compile here (the
+    render names its error)."""
     template = getattr(tokenizer, "chat_template", None)
-    if not kwargs or not isinstance(template, str):
-        return
+    if not isinstance(template, str):
+        return None
     try:
         import jinja2.meta
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
-        read = jinja2.meta.find_undeclared_variables(_compile_jinja_template(template).environment.parse(template))
+        return set(jinja2.meta.find_undeclared_variables(_compile_jinja_template(template).environment.parse(template)))
     except Exception:  # another transformers, a template it cannot compile
-        return
-    unread = sorted(set(kwargs) - read)
-    if unread:
-        special = set(getattr(tokenizer, "special_tokens_map", None) or {})  # bos_token, ...: the tokenizer's
-        names = ", ".join(sorted(read - special - {"messages", "add_generation_prompt"})) or "none"
-        raise ConfigError(f"--chat-template-kwargs sets {', '.join(map(repr, unread))}, which the chat template of "
-                          f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} never reads (the settings it "
-                          f"reads: {names}): check the spelling, or leave {'it' if len(unread) == 1 else 'them'} out")
+        return None
 
 
 class _ChatRenderer:

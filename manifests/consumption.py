@@ -629,10 +629,11 @@ def window_floor(ranks: int, num_workers: int, shuffle_buffer: int, batch_size: 
 
 
 def window_shortfall(window: int, ranks: int, num_workers: int, shuffle_buffer: int, batch_size: int,
-                     shard_bytes: int, grad_accum: int = 1) -> str | None:
+                     shard_bytes: int, grad_accum: int = 1, planned: bool = True) -> str | None:
     """What is wrong with a --window below `window_floor` for this training (None when it is not):
     `submit --train-while-extracting` warns of it, and so does a --delete-consumed trainer at its
-    start, before the run would stall."""
+    start, before the run would stall. `shard_bytes`: the run's largest shard, or (`planned` False:
+    no plan yet) --shard-bytes."""
     from layertap.storage.units import size
 
     floor = window_floor(ranks, num_workers, shuffle_buffer, batch_size, shard_bytes, grad_accum)
@@ -641,7 +642,10 @@ def window_shortfall(window: int, ranks: int, num_workers: int, shuffle_buffer: 
     buffers = f"{num_workers} DataLoader workers x " if num_workers > 1 else ""
     held = batches_in_flight(num_workers, grad_accum)
     return (f"--window {size(window)} is below {size(floor)} = {ranks} training ranks x ({buffers}--shuffle-buffer "
-            f"{shuffle_buffer} + {held} x --batch-size {batch_size}) x shards of {size(shard_bytes)}: each sample "
+            f"{shuffle_buffer} + {held} x --batch-size {batch_size}) x "
+            + (f"shards of {size(shard_bytes)} (the run's largest)" if planned else
+               f"--shard-bytes {size(shard_bytes)} (the run is not planned yet: smaller if it is smaller than a shard)")
+            + ": each sample "
             f"in a shuffle buffer or in the {held} batches a rank holds before training them (the one in training, "
             "those prefetched" + (f": a step's {grad_accum} with --grad-accum {grad_accum}" if grad_accum > 2 else "")
             + (", 2 per DataLoader worker" if num_workers else "") + ") can keep a shard from counting as consumed, "

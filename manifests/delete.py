@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from layertap.manifests import layout
 from layertap.storage.errors import ConfigError, UserError
-from layertap.storage.units import listing
+from layertap.storage.units import id_ranges, listing
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def _refuse_live_writers(store, manifest) -> None:
     st = scan(store, manifest, with_tallies=False)  # leases and commits are what it reads
     running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
     if running:
-        raise Refused(f"shards {running[:10]} of run {manifest.run_id} at {store.uri} are being written "
+        raise Refused(f"shards {id_ranges(running, 10)} of run {manifest.run_id} at {store.uri} are being written "
                       "under live leases: stop the workers first (or pass --force)")
     _refuse_live_consumer(store, manifest)
     if (window := recorded_window(store)) is not None and len(st.committed) < len(manifest.shards):

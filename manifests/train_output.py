@@ -50,7 +50,9 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "prefix": store.uri,
         "data": config.get("data"),
         "step": last.get("step") if last else None,
-        "steps_total": config.get("steps"),
+        # the last step the run trains to, as its latest checkpoint recorded it (--epochs runs too); else --steps
+        "steps_total": (state or {}).get("total_steps") if type((state or {}).get("total_steps")) is int
+        else config.get("steps"),
         "epochs": config.get("epochs") if config.get("steps") is None else None,
         "epoch": last.get("epoch") if last else None,
         "loss": learned.get("loss") if learned else None,

@@ -682,8 +682,9 @@ def _check_window(cfg, train_cfg, ranks: int) -> None:
     good once the consumers' shuffle buffers and batches pin the shards that fill the window."""
     from layertap.manifests.consumption import window_shortfall
 
+    largest = _largest_planned_shard(cfg)
     why = window_shortfall(cfg.window, ranks, train_cfg.num_workers, train_cfg.shuffle_buffer, train_cfg.batch_size,
-                           _planned_shard_bytes(cfg), train_cfg.grad_accum)
+                           largest or cfg.shard_bytes, train_cfg.grad_accum, planned=largest is not None)
     if why is not None:
         print(f"warning: {why}", file=sys.stderr)
 
@@ -698,17 +699,16 @@ def _read_the_extraction(targs: argparse.Namespace, cfg, where: str) -> None:
     targs.data = cfg.out
 
 
-def _planned_shard_bytes(cfg) -> int:
+def _largest_planned_shard(cfg) -> int | None:
     """The largest shard of the run at --out where it is planned already (its plan is fixed: a
-    resubmission's --shard-bytes, the default when left out, does not cut it again), else this
-    command's --shard-bytes."""
+    resubmission's --shard-bytes, the default when left out, does not cut it again), else None."""
     from layertap.manifests.manifest import NoRun, UnsupportedVersion, load_manifest
     from layertap.storage.store import StoreError, open_configured_store
 
     try:
         return load_manifest(open_configured_store(cfg.out, cfg.s3)).largest_shard_bytes
     except (NoRun, UnsupportedVersion, StoreError):
-        return cfg.shard_bytes
+        return None
 
 
 def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import posixpath
+import re
 from dataclasses import asdict
 from typing import Any
 
@@ -37,13 +38,16 @@ def run_inspect(args: argparse.Namespace) -> int:
         if open_store(args.uri).exists("manifest.json"):
             raise StoreError(f"{args.uri} is a run, not a shard object: `layertap status {args.uri} --shards` "
                              "lists its shards' objects, one of which `layertap inspect` takes") from None
-        # a shard named by its id alone (shards/000001.lts, without its digest): the objects it starts;
-        # a listing also names a missing bucket as every other command does
-        near = [o.key for o in itertools.islice(store.list(key.removesuffix(".lts")), 3)]
-        if near:
-            named = " or ".join(posixpath.join(root, k) for k in near)
-            raise ObjectNotFound(f"{e}; did you mean {named}? (`layertap status RUN --shards` lists a run's shard "
-                                 "objects)") from None
+        if (shard := re.fullmatch(r"(\d+)(\.lts)?", key)) is not None:
+            # a shard named by its id alone (shards/1.lts, 000001.lts: without its digest): its objects, one
+            # listing of that shard's names (a missing bucket is named by it as every other command names it)
+            near = [o.key for o in itertools.islice(store.list(f"{int(shard[1]):06d}-"), 3)]
+            if near:
+                named = " or ".join(posixpath.join(root, k) for k in near)
+                raise ObjectNotFound(f"{e}; did you mean {named}? (`layertap status RUN --shards` names each shard's "
+                                     "committed object)") from None
+        elif root.startswith("s3://"):  # a HEAD's 404 does not say whether the bucket exists; a listing does
+            next(iter(store.list(key)), None)
         raise
     head = store.get_range(key, 0, min(len(MAGIC), store.size(key)))
     if not key.endswith(".lts") and head != MAGIC:  # a run's other file given by mistake, not a damaged shard

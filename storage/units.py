@@ -36,7 +36,7 @@ def listing(items, limit: int = 10) -> str:
 def id_runs(ids: Iterable[int]) -> list[list[int]]:
     """Ids as sorted runs of consecutive ones, [[first, last], ...]: tens of thousands of shards in a few numbers."""
     runs: list[list[int]] = []
-    for i in sorted(ids):
+    for i in sorted(set(ids)):
         if runs and i == runs[-1][1] + 1:
             runs[-1][1] = i
         else:

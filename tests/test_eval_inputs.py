@@ -227,6 +227,13 @@ def test_prompts_are_rendered_as_training_chats_were_with_its_template_settings_
     with pytest.raises(ConfigError, match=r"sets 'enable_thinkng', which the chat template .* never reads \(the "
                                           r"settings it reads: enable_thinking, tools\)"):
         load_prompts(str(path), tokenizer, None, 1024, {"enable_thinkng": False})
+    # ... but settings the drafter records, under a --model whose template reads none of them, are not the user's
+    # typo: dropped, with a warning naming where they came from
+    from layertap.train.speculative import _recorded_template_kwargs
+
+    recorded = {"chat_template_kwargs": {"enable_thinking": False, "preserve_thinking": True}}
+    assert _recorded_template_kwargs(recorded, tokenizer, "d") == {"enable_thinking": False}
+    assert _recorded_template_kwargs(recorded, tiny_tokenizer(), "d") is None
 
 
 def test_a_prompt_token_the_model_cannot_embed_is_refused_naming_the_line(tmp_path):

@@ -923,7 +923,7 @@ def test_delete_refuses_what_is_not_a_run_and_a_run_being_written(store_uri, cap
     fake_worker.work(store_uri, shards=[0])
     store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker holds shard 1
     assert cli(["delete", store_uri, "--yes"]) == 2
-    assert "shards [1] of run" in capsys.readouterr().err and store.exists(layout.MANIFEST)
+    assert "shards 1 of run" in capsys.readouterr().err and store.exists(layout.MANIFEST)
     manifest = store.get(layout.MANIFEST)  # a newer layertap's: which shards are leased cannot be told
     store.put(layout.MANIFEST, manifest.replace(b'"format_version":1', b'"format_version":99'))
     assert cli(["delete", store_uri, "--yes"]) == 2

@@ -678,6 +678,7 @@ def test_train_while_extracting_submits_a_follow_trainer_the_window_array_waits_
     out, err = capsys.readouterr()
     # 3 nodes x 4 ranks, each sample of a 64-sample shuffle buffer and 3 batches of 4 pinning a 1 GB shard
     assert "--window 186 GiB is below 849 GiB = 12 training ranks x (--shuffle-buffer 64 + 3 x --batch-size 4)" in err
+    assert "x --shard-bytes 954 MiB (the run is not planned yet: smaller if it is smaller than a shard)" in err
     assert "may stall for good" in err
     # a run planned already keeps its shard size: the floor is of its shards (1 kB here), not --shard-bytes'
     # default (1 GiB), which the warning took on a resubmission that left the flag out

@@ -192,6 +192,13 @@ def test_status_of_a_training_output(trained, capsys):
     assert (js["kind"], js["step"], js["checkpoint_step"], js["loss"], js["complete"]) == ("training", 6, 6,
                                                                                            last["loss"], True)
     assert snapshot(store) == before
+    # the last step as the checkpoint records it (an --epochs run's too: its config holds no --steps)
+    state_key = "checkpoints/step-00000006/state.json"
+    state = store.get(state_key)
+    store.put(state_key, json.dumps(dict(json.loads(state), total_steps=9, config=dict(
+        json.loads(state)["config"], steps=None, epochs=2))).encode())
+    assert "steps       6 of 9, in epoch" in status(capsys, out_uri)[1]
+    store.put(state_key, state)
 
     # As a run killed after its checkpoint leaves it: no exported drafter. Not complete: exit 3.
     for o in list(store.list("drafter/")):

@@ -142,6 +142,7 @@ def test_a_few_failures_are_still_reported_one_line_each(store):
 def test_id_ranges():
     assert id_ranges([40, 3, 4, 5, 17]) == "3-5, 17, 40"
     assert id_ranges([]) == ""
+    assert id_ranges([7, 7, 8]) == "7-8"  # an id named twice is one id
     assert id_ranges(range(0, 100, 2), limit=3) == "0, 2, 4 and 47 more"
     # --shards 0-99 of a run of 3: every id it lacks named, as ranges (it read "[3, 4, 5, 6, 7]")
     from layertap.manifests.work import check_shard_ids

@@ -454,6 +454,25 @@ def test_a_window_under_two_shards_is_warned_of_at_the_start(tmp_path):
         text[-3000:]
 
 
+def test_a_run_smaller_than_a_shard_is_warned_of_with_its_own_size(tmp_path, caplog):
+    """A run of one shard below --shard-bytes: the warning named the flag's 954 MiB, a shard it never had."""
+    from test_extract import write_chats
+    from tiny_models import tiny_model_dir
+
+    from layertap.manifests.manifest import load_manifest
+    from layertap.storage.units import size
+
+    out = str(tmp_path / "run")
+    with caplog.at_level("WARNING"):
+        assert cli(["extract", "--model", tiny_model_dir(tmp_path, "llama"), "--dataset",
+                    write_chats(tmp_path / "chats.jsonl", 6), "--out", out, "--layers", "1,3", "--max-length", "32",
+                    "--window", "1KB", "--log-dir", str(tmp_path / "logs")]) == 0
+    manifest = load_manifest(open_store(out))
+    assert len(manifest.shards) == 1 and manifest.largest_shard_bytes < 100_000
+    assert f"holds fewer than two of this run's shards (~{size(manifest.largest_shard_bytes)} the largest)" in \
+        caplog.text
+
+
 def test_status_and_verify_of_a_run_with_consumed_shards(store_uri, capsys):
     store = open_store(store_uri)
     fake_worker.work(store_uri)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from layertap.storage.errors import InputError
+from layertap.storage.units import id_ranges
 
 
 def per_rank(acc: Any, values: Sequence[float], dtype: torch.dtype = torch.float64) -> list[list]:
@@ -79,7 +80,7 @@ def raise_if_any_refused(acc: Any, refused: BaseException | None, what: str) -> 
         raise refused
     bad = [rank for rank, (flag,) in enumerate(flags) if flag]
     if bad:
-        raise InputError(f"rank(s) {bad[:10]} refused {what}: their error says why")
+        raise InputError(f"rank(s) {id_ranges(bad, 10)} refused {what}: their error says why")
 
 
 def agree_on_checkpoint(acc: Any, step: int | None, failed: BaseException | None, out: str) -> None:
@@ -92,7 +93,7 @@ def agree_on_checkpoint(acc: Any, step: int | None, failed: BaseException | None
         raise failed
     bad = [rank for rank, (f, _) in enumerate(rows) if f]
     if bad:
-        raise InputError(f"rank(s) {bad[:10]} could not read the latest checkpoint of {out}: their error says why")
+        raise InputError(f"rank(s) {id_ranges(bad, 10)} could not read the latest checkpoint of {out}: their error says why")
     steps = sorted({int(s) for _, s in rows})
     if len(steps) > 1:
         raise InputError(f"the ranks found different checkpoints in {out} (steps {steps}; -1: none): every rank "

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from layertap.extract.inputs import Skipped, TokenizeStats, check_template_kwargs, normalize_chat, tools_of
+from layertap.extract.inputs import (Skipped, TokenizeStats, check_template_kwargs, normalize_chat, tools_of,
+                                     unread_template_kwargs)
 from layertap.extract.model import decoder_of, load_target
 from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
@@ -397,6 +398,19 @@ def _prompt_ids(row: Any, tokenizer, where: str, chat_template_kwargs: dict[str,
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _recorded_template_kwargs(target: dict[str, Any], tokenizer, drafter_uri: str) -> dict[str, Any] | None:
+    """The chat-template settings the drafter records, less those the tokenizer's template never
+    reads (another --model, its template another's): not the user's typo to refuse, so dropped
+    with a warning that says where they came from."""
+    recorded = target.get("chat_template_kwargs") or None
+    if unread := unread_template_kwargs(tokenizer, recorded):
+        log.warning("the drafter at %s records chat-template settings %s (its training chats were rendered with "
+                    "them), which this target's chat template never reads: its prompts are rendered without %s",
+                    drafter_uri, json.dumps(recorded), ", ".join(unread))
+        recorded = {k: v for k, v in recorded.items() if k not in unread} or None
+    return recorded
+
+
 def _eos_ids(model, tokenizer) -> set[int]:
     ids = getattr(model.generation_config, "eos_token_id", None)
     eos = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -443,7 +457,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     planned = load_target(model, gguf_file, weights=False)
     check_drafter_target(config.target, planned.info, drafter_uri)
     if chat_template_kwargs is None:
-        chat_template_kwargs = config.target.get("chat_template_kwargs")
+        chat_template_kwargs = _recorded_template_kwargs(config.target, planned.tokenizer, drafter_uri)
     if chat_template_kwargs:
         log.info("chat template settings for the prompts: %s", json.dumps(chat_template_kwargs))
     prompts, skipped = load_prompts(prompts_path, planned.tokenizer, limit, max_prompt_tokens,

@@ -45,7 +45,7 @@ from layertap.storage.format import ShardError
 from layertap.storage.reader import check_sample
 from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_configured_store
-from layertap.storage.units import id_runs, listing, parse_size, size
+from layertap.storage.units import id_ranges, id_runs, listing, parse_size, size
 from layertap.train.buffers import BufferPool
 from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
 from layertap.train.follow import CommitWatcher, wait_for_manifest
@@ -310,7 +310,7 @@ class ShardStream(IterableDataset):
         found = {(s.shard, s.xxh3_128): s for s in self.shards}
         missing = sorted(int(shard) for shard, digest in keys if (int(shard), digest) not in found)
         if missing:
-            raise InputError(f"{self.uri}: rank {self.rank} cannot find committed shard(s) {missing[:10]} that "
+            raise InputError(f"{self.uri}: rank {self.rank} cannot find committed shard(s) {id_ranges(missing, 10)} that "
                              "rank 0 streams: withdrawn (`layertap verify`), redone or consumed since rank 0 read "
                              "the commits; start the training again")
         return sorted((found[int(shard), digest] for shard, digest in keys), key=lambda s: s.shard)
@@ -570,10 +570,11 @@ class ShardStream(IterableDataset):
         budget = max(1, c.memory_budget // workers)
         rng = min(c.range_bytes, max(s.bytes for s in self.shards))  # no range is larger than its shard
         if worker == 0 and rng > budget:  # the budget holds whole ranges: one is the least in RAM
-            log.warning("a fetched range (%s) exceeds the memory budget per DataLoader worker (%s: the budget over %d "
-                        "worker(s)): each fetch holds a whole range, so buffered bytes will exceed the budget; raise "
-                        "the budget (--memory-budget), use fewer --num-workers, or lower range_bytes (StreamConfig)",
-                        size(rng), size(budget), workers)
+            log.warning("a fetched range (%s) exceeds the memory budget%s (%s): each fetch holds a whole range, so "
+                        "buffered bytes will exceed the budget; raise the budget (--memory-budget)%s, or lower "
+                        "range_bytes (StreamConfig)", size(rng),
+                        f" per DataLoader worker ({size(c.memory_budget)} over {workers})" if workers > 1 else "",
+                        size(budget), ", use fewer --num-workers" if workers > 1 else "")
         elif worker == 0 and c.shuffle and (held := buffer_footprint(c.shuffle_buffer, avg, rng)) > budget:
             log.warning("the shuffle buffer's %d samples (~%s each) keep ~%s of fetched ranges in memory (a range "
                         "stays until its last sample is used), over the memory budget per worker (%s): buffered "
@@ -810,7 +811,7 @@ class ShardStream(IterableDataset):
             from layertap.manifests.consumption import recorded_window
 
             window = recorded_window(self._store())
-            raise InputError(f"{self.uri}: shard(s) {missing[:10]} that the saved position took in the follow epoch "
+            raise InputError(f"{self.uri}: shard(s) {id_ranges(missing, 10)} that the saved position took in the follow epoch "
                              "are no longer committed (withdrawn by `layertap verify`?): run `layertap extract` "
                              "(the run's command, unchanged) to redo them, then resume"
                              + ("" if window is None else

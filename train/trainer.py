@@ -41,7 +41,7 @@ from layertap.manifests.train_output import padding_only
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
-from layertap.storage.units import listing
+from layertap.storage.units import id_ranges, listing
 from layertap.train.batch import collate
 from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, load_latest,
                                        load_loader_state, restore, save_checkpoint, save_loader_state, step_prefix,
@@ -872,7 +872,7 @@ def _save(run: _Run, step: int) -> None:
         raise failed
     unwritten = [rank for rank, ok in enumerate(wrote) if not ok]
     if unwritten:
-        raise StoreError(f"rank(s) {unwritten[:10]} could not write their loader position into the checkpoint at "
+        raise StoreError(f"rank(s) {id_ranges(unwritten, 10)} could not write their loader position into the checkpoint at "
                          f"step {step} ({run.out.uri}/{step_prefix(step)}; their logs say why): not saving it")
     if acc.is_main_process:
         state = {"config": run.cfg.identity(), "world_size": acc.num_processes, "loader_states": folder,
