@@ -278,6 +278,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
         _then_train(args, gpus, nodes, cfg, follow=True) if args.train_while_extracting is not None else None
     # the chat-template settings its tasks render with: one a task would refuse is refused here
     cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
+    _check_template_settings(cfg)
     store = open_configured_store(cfg.out, cfg.s3)
     location = _store_location(cfg.out)
     listing = squeue_listing()
@@ -697,6 +698,22 @@ def _read_the_extraction(targs: argparse.Namespace, cfg, where: str) -> None:
         raise ConfigError(f"{where}: its --data {targs.data} is not the extraction's --out {cfg.out}: leave --data "
                           "out (it is set to --out)")
     targs.data = cfg.out
+
+
+def _check_template_settings(cfg) -> None:
+    """Refuse chat-template settings the target's template never reads (a misspelt name), as each
+    task would at its start, where the target's folder is readable from here (its tokenizer alone)."""
+    if not cfg.chat_template_kwargs or not cfg.model or not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        return
+    from transformers import AutoTokenizer
+
+    from layertap.extract.inputs import check_template_kwargs
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    except (OSError, ValueError):  # the tasks say what is wrong with it, as they load the model
+        return
+    check_template_kwargs(tokenizer, cfg.chat_template_kwargs)
 
 
 def _largest_planned_shard(cfg) -> int | None:

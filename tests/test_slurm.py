@@ -589,6 +589,12 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
                   '{"enable_thinking": false}') == 2
     assert 'chat template settings (--chat-template-kwargs): run has {}, now {"enable_thinking": false}' in \
         capsys.readouterr().err
+    # a setting the target's template never reads, for a run not planned yet: refused here, not by every task
+    from tiny_models import tiny_model_dir
+
+    assert submit("extract", "--dry-run", "--out", str(tmp_path / "new"), "--model", tiny_model_dir(tmp_path, "llama"),
+                  "--chat-template-kwargs", '{"enable_thinkng": false}') == 2
+    assert "sets 'enable_thinkng', which the chat template of" in capsys.readouterr().err
     for s in (10, 11):
         store.put(layout.commit_key(s), b"{}")
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0
