@@ -709,6 +709,23 @@ def test_a_target_other_than_the_runs_is_refused(run, target, tmp_path, capsys):
     assert train_cli("--data", run, "--model", copy, "--out", out, "--steps", "1", *FAST) == 0
 
 
+def test_another_architecture_is_refused_where_no_config_hash_is_compared(run, target, tmp_path, capsys):
+    """A run without a config.json hash (extracted from a GGUF) compared the tokenizer alone: a Qwen2
+    of the same width and tokenizer trained beside a Llama's run, and eval decoded with it, without a
+    word. The model type is compared there."""
+    store = open_store(run)
+    manifest = store.get("manifest.json")
+    made = json.loads(manifest)
+    del made["config"]["model_config_sha256"]
+    store.put("manifest.json", json.dumps(made).encode())
+    try:
+        other = tiny_model_dir(tmp_path / "models", "llama")  # the same tokenizer and width as the run's qwen3
+        assert train_cli("--data", run, "--model", other, "--out", str(tmp_path / "o"), "--steps", "1", *FAST) == 2
+        assert "model type: the run's 'qwen3', --model's 'llama'" in capsys.readouterr().err
+    finally:
+        store.put("manifest.json", manifest)
+
+
 def test_a_resume_at_the_end_trains_nothing_and_one_past_the_steps_is_refused(run, target, tmp_path, capsys,
                                                                              monkeypatch, caplog):
     """`--resume --steps 3` on a checkpoint at step 6 printed "trained 3 steps" and exported step 6's

@@ -184,24 +184,34 @@ def drafter_target(run: RunConfig, dataset: dict[str, Any] | None = None) -> dic
 
 def target_differences(recorded: dict[str, Any], info: dict[str, Any], whose: str) -> list[str]:
     """How the target `info` describes (`load_target`'s, computed from its config and tokenizer
-    alone) differs from the TARGET_FACTS `recorded`: one "what: {whose} X, --model's Y" each. A fact
+    alone) differs from the TARGET_FACTS `recorded` (and its model_type, where no config hash is
+    compared): one "what: {whose} X, --model's Y" each. A fact
     either side does not know (an older run, a GGUF's config, a folder without a revision or without
     tokenizer files) is not compared, as extraction's resume does (`IF_RECORDED`)."""
     if info["tokenizer_vocab_size"] < 2:  # no tokenizer files: an empty one, nothing to compare (`mask_token_id`)
         info = {**info, "tokenizer_sha256": None}
-    return [f"{what}: {whose} {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
-            if recorded.get(k) is not None and info.get(key) is not None and info[key] != recorded[k]]
+    diffs = [f"{what}: {whose} {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
+             if recorded.get(k) is not None and info.get(key) is not None and info[key] != recorded[k]]
+    # Without a config.json hash on both sides (a GGUF run or --model), the model type: another
+    # architecture of the same width and tokenizer (a Qwen2 beside a GGUF Llama's run) trained and
+    # decoded without a word
+    if None in (recorded.get("model_config_sha256"), info.get("model_config_sha256")) and \
+            None not in (recorded.get("model_type"), info.get("model_type")) and \
+            recorded["model_type"] != info["model_type"]:
+        diffs.append(f"model type: {whose} {recorded['model_type']!r}, --model's {info['model_type']!r}")
+    return diffs
 
 
 def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
     """Refuse a --model other than the run's target: another model of the same width trained to
     exit 0 against the wrong embeddings and head, and the drafter's config named the run's model."""
-    if all(getattr(run, k) is None for k in TARGET_FACTS):
+    facts = {k: getattr(run, k) for k in (*TARGET_FACTS, "model_type")}
+    if all(v is None for v in facts.values()):
         return
     from layertap.extract.model import load_target
 
     info = load_target(cfg.model, cfg.gguf_file, weights=False).info
-    diffs = target_differences({k: getattr(run, k) for k in TARGET_FACTS}, info, "the run's")
+    diffs = target_differences(facts, info, "the run's")
     if diffs:
         given = cfg.model + (f" ({cfg.gguf_file})" if cfg.gguf_file else "")
         was = run.model + (f" ({run.gguf_file})" if run.gguf_file else "")
