@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -205,6 +206,15 @@ def test_status_of_a_training_output(trained, capsys):
         store.delete(o.key)
     rc, out, _ = status(capsys, out_uri)
     assert rc == 3 and "not exported yet" in out and "--resume" in out and "COMPLETE" not in out
+    # eval of it (or of the run itself) says what to do: a checkpoint's --step, the output of a train
+    prompts = Path(out_uri).parent / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    capsys.readouterr()
+    assert cli(["eval", "--drafter", out_uri, "--prompts", str(prompts)]) == 2
+    assert "its training has not finished (checkpoints kept: steps 4, 6); evaluate a checkpoint with --step 6" in \
+        capsys.readouterr().err
+    assert cli(["eval", "--drafter", trained["data"], "--prompts", str(prompts)]) == 2
+    assert "it is an extraction's run; give --drafter the --out of a `layertap train` on it" in capsys.readouterr().err
 
     # A last step of padding alone as an earlier version wrote it (NaN, which is not JSON): --json
     # stays strict JSON, and the loss is the last step's that had one, as `train`'s closing line says

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import xxhash
 
+from layertap.manifests import layout
 from layertap.manifests.train_output import checkpoint_folders, complete_checkpoints, step_prefix
 from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.records import safetensors_header, safetensors_layout
@@ -403,5 +404,13 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
             return DrafterConfig.from_json(config), weights
         except ObjectNotFound:
             continue
+    kept = complete_checkpoints(store)  # a training stopped before its export: its checkpoints are there
+    if kept:
+        raise MissingInput(f"no exported drafter at {store.uri}: its training has not finished (checkpoints kept: "
+                           f"steps {listing(kept, 8)}); evaluate a checkpoint with --step {kept[-1]}, or finish the "
+                           "training (the same `layertap train` with --resume), which exports it")
+    if store.exists(layout.MANIFEST):
+        raise MissingInput(f"no drafter at {store.uri}: it is an extraction's run; give --drafter the --out of a "
+                           "`layertap train` on it")
     raise MissingInput(f"no drafter at {store.uri}: expected config.json and model.safetensors "
-                            f"(or drafter/ holding them), as `layertap train` exports")
+                       f"(or drafter/ holding them), as `layertap train` exports")
