@@ -709,6 +709,30 @@ def test_a_target_other_than_the_runs_is_refused(run, target, tmp_path, capsys):
     assert train_cli("--data", run, "--model", copy, "--out", out, "--steps", "1", *FAST) == 0
 
 
+def test_settings_that_defeat_training_are_warned_of(run, target, tmp_path, caplog, monkeypatch):
+    """Accepted in silence: a batch larger than the data (all of training one step at the peak lr),
+    --epochs beside --steps (dropped), and --log-dir without tensorboard (nothing written there)."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    logs = tmp_path / "tb"
+    with caplog.at_level("WARNING"):
+        assert train_cli("--data", run, "--model", target, "--out", str(tmp_path / "o"), "--steps", "1", "--epochs",
+                         "2", "--log-dir", str(logs), *FAST[2:], "--batch-size", "64") == 0
+    samples = load_manifest(open_store(run)).num_samples
+    assert "a step takes 64 samples (--batch-size 64 x 1 rank(s) x --grad-accum 1), more than the" in caplog.text
+    assert "--steps 1 and --epochs 2: --steps decides how long training runs" in caplog.text
+    assert f"tensorboard is not installed: nothing is written under --log-dir {logs}" in caplog.text
+    assert samples < 64
+
+
 def test_another_architecture_is_refused_where_no_config_hash_is_compared(run, target, tmp_path, capsys):
     """A run without a config.json hash (extracted from a GGUF) compared the tokenizer alone: a Qwen2
     of the same width and tokenizer trained beside a Llama's run, and eval decoded with it, without a

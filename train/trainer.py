@@ -251,15 +251,17 @@ def _objective_text(cfg: TrainConfig, final_state: str) -> str:
 class _Metrics:
     """Rank 0's per-step records: logged, kept as JSON lines, mirrored to TensorBoard if installed."""
 
-    def __init__(self, lines: list[str], log_dir: str):
+    def __init__(self, lines: list[str], log_dir: str, asked: bool = False):
         self.lines = lines
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(f"{log_dir}/tensorboard")
-        except ImportError:
-            pass
+        except ImportError:  # said where --log-dir was given, which then holds nothing
+            log.log(logging.WARNING if asked else logging.DEBUG, "tensorboard is not installed: nothing is written "
+                    "under --log-dir %s (the metrics are in metrics.jsonl of --out; `pip install tensorboard` "
+                    "mirrors them there)", log_dir)
 
     def add(self, record: dict[str, Any]) -> None:
         # Strict JSON: a NaN or infinite value (a step of padding alone has no loss; a diverged
@@ -415,7 +417,15 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
                  model.config.block_size, run.num_samples if cfg.follow else stream.total_samples, world, total,
                  steps_per_epoch)
         log.info("objective: %s", _objective_text(cfg, run.identity.final_state))
-    metrics = _Metrics(lines, cfg.log_dir) if rank == 0 else None
+        samples = run.num_samples if cfg.follow else stream.total_samples
+        if samples < (per_step := cfg.batch_size * world * cfg.grad_accum):
+            log.warning("a step takes %d samples (--batch-size %d x %d rank(s) x --grad-accum %d), more than the %d of "
+                        "an epoch: each epoch is one step; a smaller --batch-size makes more steps of it", per_step,
+                        cfg.batch_size, world, cfg.grad_accum, samples)
+        if cfg.steps is not None and cfg.epochs != TrainConfig.epochs:
+            log.warning("--steps %d and --epochs %d: --steps decides how long training runs (%d steps, %.1f epochs); "
+                        "leave one out", cfg.steps, cfg.epochs, cfg.steps, cfg.steps / max(1, steps_per_epoch))
+    metrics = _Metrics(lines, cfg.log_dir, asked=cfg.log_dir != TrainConfig.log_dir) if rank == 0 else None
 
     # follow mode: a step's every batch prefetched, so `_await_data` waits for them all at the step boundary
     depth = prefetch_depth(cfg.grad_accum) if cfg.follow else 2
