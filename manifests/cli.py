@@ -236,9 +236,9 @@ def format_status(s: dict, deleting: str | None = None) -> str:
                          "trained on is deleted and a full window never opens: restart the trainer with "
                          "--delete-consumed (--resume continues it), or extract without --window")
         if deleting == "stopped" and not s["complete"]:
-            lines.append("  THE TRAINER IS NOT RUNNING: the lease of this run's --delete-consumed trainer on its output "
-                         "went stale, so nothing is consumed and a full window does not open: restart it (--resume "
-                         "continues it), or restart the extraction with a larger --window")
+            lines.append("  THE TRAINER IS NOT RUNNING: this run's --delete-consumed trainer holds no live lease on its "
+                         "output (stopped, or its lease went stale), so nothing is consumed and a full window does not "
+                         "open: restart it (--resume continues it), or restart the extraction with a larger --window")
     if s["complete"]:
         lines.append("  COMPLETE")
     elif not s["shards_running"] and not s["problem"] and (waiting := s.get("workers_waiting")):

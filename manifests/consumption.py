@@ -36,7 +36,7 @@ from layertap.manifests.work import Gate
 from layertap.storage.retry import Backoff
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
-from layertap.storage.units import listing, size
+from layertap.storage.units import id_ranges, listing, size
 
 log = logging.getLogger(__name__)
 
@@ -93,21 +93,28 @@ def consumer_of(store: ObjectStore) -> str | None:
 
 def trainer_state(store: ObjectStore) -> Literal["none", "stopped", "running"]:
     """Who consumes a --window run: "none" (no --delete-consumed trainer claimed it), "stopped" (the
-    one that did left a lease on its output that went stale), else "running" (also when this
-    machine cannot see its output's lease: a node-local output, another endpoint)."""
+    one that did holds no live lease on its output: `consumer_state`), else "running" (also when
+    this machine cannot see its output: a node-local folder, another endpoint)."""
     return consumer_state(consumer_of(store))
 
 
 def consumer_state(output: str | None) -> Literal["none", "stopped", "running"]:
-    """`trainer_state` of the run whose consumer writes to `output` (`consumer_of`)."""
-    from layertap.manifests.output_lease import latest, live_holder
+    """`trainer_state` of the run whose consumer writes to `output` (`consumer_of`): "stopped"
+    where its lease went stale, or is gone from an output that holds its training (a trainer
+    stopped by Ctrl-C or a signal saves a checkpoint and releases its lease: it was taken for
+    running, and the window for one being consumed)."""
+    from layertap.manifests.output_lease import held_by, latest
+    from layertap.manifests.train_output import LATEST, METRICS
     from layertap.storage.store import open_store
 
     if output is None:
         return "none"
     try:
         out = open_store(output)
-        return "stopped" if latest(out) is not None and live_holder(out) is None else "running"
+        if (found := latest(out)) is not None:
+            return "running" if held_by(out, found) is not None else "stopped"
+        # no lease: released, where the output holds a checkpoint or metrics; else not seen from here
+        return "stopped" if out.exists(LATEST) or out.exists(METRICS) else "running"
     except StoreError:  # cannot tell: as if it ran
         return "running"
 
@@ -246,7 +253,7 @@ def delete_consumed(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | No
     keys = {o.key for shard in deleted for o in listed.get(shard, [])} | {data_keys[shard] for shard in fresh}
     store.delete_many(sorted(keys))
     if deleted:
-        log.info("deleted the data of %d consumed shard(s): %s", len(deleted), listing(deleted))
+        log.info("deleted the data of %d consumed shard(s) at %s: %s", len(deleted), store.uri, id_ranges(deleted))
     return deleted
 
 
@@ -559,7 +566,7 @@ class WindowGate:
                         "the window opens only once one does (start the trainer with --follow --delete-consumed, or "
                         "restart the extraction without --window)")
         elif state == "stopped":
-            log.warning("the run's --delete-consumed trainer is not running (its lease on %s went stale): nothing is "
+            log.warning("the run's --delete-consumed trainer is not running (no live lease on %s): nothing is "
                         "consumed, so the window opens only once it is restarted (--resume continues it)", output)
 
     def _redo_leftovers(self) -> list[int]:

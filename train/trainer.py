@@ -413,9 +413,9 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     _check_consumer(cfg, data, out.uri, rank, world, run.largest_shard_bytes, fresh=ckpt is None)
     if rank == 0:
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
-                 "%d steps (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
+                 "%d step%s (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
                  model.config.block_size, run.num_samples if cfg.follow else stream.total_samples, world, total,
-                 steps_per_epoch)
+                 "" if total == 1 else "s", steps_per_epoch)
         log.info("objective: %s", _objective_text(cfg, run.identity.final_state))
         samples = run.num_samples if cfg.follow else stream.total_samples
         if samples < (per_step := cfg.batch_size * world * cfg.grad_accum):
@@ -928,9 +928,7 @@ def _delete_consumed(run: _Run, step: int) -> None:
     if acc.is_main_process:
         if run.lease is not None:
             run.lease.check()
-        deleted = delete_consumed(run.data, run_id=run.stream.run_id)
-        if deleted:
-            log.info("deleted the data of %d consumed shard(s) at %s", len(deleted), run.data.uri)
+        delete_consumed(run.data, run_id=run.stream.run_id)  # logs what it deleted
     acc.wait_for_everyone()
 
 
