@@ -31,6 +31,7 @@ import xxhash
 from layertap.extract.console import progress
 from layertap.extract.estimate import planned_bytes_per_token
 from layertap.extract.inputs import NO_SUPERVISED_PAIR
+from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, Manifest, create_or_resume, load_manifest
 from layertap.manifests.preemption import Preempted, StopSignals
@@ -49,7 +50,7 @@ from layertap.storage.writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
-EXPORT_NOTE = "layertap-export.json"  # beside the foreign files: where they came from, layer ids in both conventions
+EXPORT_NOTE = layout.EXPORT_NOTE  # beside the foreign files: where they came from, layer ids in both conventions
 
 
 def layertap_layers(fmt: str, layers: list[int]) -> list[int]:

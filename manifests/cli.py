@@ -127,11 +127,28 @@ def not_a_run(store, e: NoRun, needs: str, instead: Callable[[str], str]) -> NoR
 
     t = training_status(store)
     if t is None:
-        return NoRun(f"{e}{_what_is_under(store)}")
+        return NoRun(f"{e}{_what_is_under(store) or _what_it_is(store)}")
     data = f": {instead(t['data'])}" if t.get("data") else ""
     return NoRun(f"{store.uri} is a `layertap train` output (checkpoints, metrics.jsonl), not a run: {needs} an "
                  "extraction run (`layertap extract` or `layertap import`; its prefix holds manifest.json)"
                  f"{data}; `layertap status {store.uri}` reports on the training")
+
+
+def _what_it_is(store) -> str:
+    """What a prefix without a run holds, where it is another of layertap's outputs: a `layertap
+    export` of a run (import it to train on it), or an exported drafter. A few HEADs, on the error's path."""
+    from layertap.manifests.layout import EXPORT_NOTE
+
+    if store.exists(EXPORT_NOTE):
+        try:
+            fmt = json.loads(store.get(EXPORT_NOTE)).get("format") or "FORMAT"
+        except (ValueError, AttributeError, RecursionError):
+            fmt = "FORMAT"
+        return (f". It holds a `layertap export` of a run ({EXPORT_NOTE}, format {fmt}): give the run itself, or "
+                f"import the files into a run first (`layertap import {store.uri} --from {fmt} --out PREFIX`)")
+    if store.exists("drafter/config.json") or (store.exists("config.json") and store.exists("model.safetensors")):
+        return ". It holds an exported drafter (config.json, model.safetensors), not an extraction's run"
+    return ""
 
 
 def _what_is_under(store) -> str:

@@ -48,6 +48,7 @@ import re
 from layertap.storage.store import is_write_probe
 
 MANIFEST = "manifest.json"
+EXPORT_NOTE = "layertap-export.json"  # beside `layertap export`'s foreign files (extract.interop), not a run's
 SHARDS, COMMITS, TALLY, LEASES, FAILURES = "shards/", "commits/", "tally/", "leases/", "failures/"
 GIVEN_UP = "given_up/"
 REDO = "redo/"  # shards `verify` withdrew, awaiting their redo (`redo_key`)

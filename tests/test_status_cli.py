@@ -240,6 +240,23 @@ def test_status_of_a_training_output(trained, capsys):
     store.put("metrics.jsonl", metrics)
 
 
+def test_a_command_given_an_export_or_a_drafter_for_a_run_says_what_it_holds(tmp_path, capsys):
+    """`train --data` (or verify) at a `layertap export` of a run, or at an exported drafter, said
+    "run `layertap extract` to start one"."""
+    export, drafter = tmp_path / "export", tmp_path / "drafter"
+    export.mkdir()
+    (export / "layertap-export.json").write_text(json.dumps({"format": "speculators", "layers": [1, 3]}))
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"")
+    assert cli(["verify", str(export)]) == 2
+    assert f"format speculators): give the run itself, or import the files into a run first (`layertap import " \
+           f"{export} --from speculators --out PREFIX`)" in capsys.readouterr().err
+    assert cli(["train", "--data", str(drafter), "--out", str(tmp_path / "o")]) == 2
+    assert "It holds an exported drafter (config.json, model.safetensors), not an extraction's run" in \
+        capsys.readouterr().err
+
+
 def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
     (tmp_path / "x.txt").write_text("hello")
     rc, out, err = status(capsys, str(tmp_path))
