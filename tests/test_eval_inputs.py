@@ -50,8 +50,11 @@ def test_a_missing_prompts_file_is_refused_before_any_model_loads(tmp_path, caps
 def test_the_prompt_length_limit_is_a_flag_and_named_where_it_skips(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello there, how are you today"}\n')
-    with pytest.raises(InputError, match="skipped 1 over 3 tokens: --max-prompt-tokens"):
+    with pytest.raises(InputError, match="all 1 over 3 tokens: raise --max-prompt-tokens"):
         load_prompts(str(prompts), tiny_tokenizer(), None, 3)
+    (tmp_path / "empty.jsonl").write_text("\n")  # not "skipped 0 over 3 tokens"
+    with pytest.raises(InputError, match="empty.jsonl holds no prompt"):
+        load_prompts(str(tmp_path / "empty.jsonl"), tiny_tokenizer(), None, 3)
     assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts),
                 "--max-prompt-tokens", "0"]) == 2
     assert "--max-prompt-tokens must be at least 1, got 0" in capsys.readouterr().err

@@ -343,7 +343,8 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
                 continue
             prompts.append(ids)
     if not prompts:
-        raise InputError(f"{path} has no usable prompts (skipped {skipped} over {max_prompt_tokens} tokens: --max-prompt-tokens)")
+        raise InputError(f"{path} has no usable prompts (all {skipped} over {max_prompt_tokens} tokens: raise "
+                         "--max-prompt-tokens)" if skipped else f"{path} holds no prompt (no non-empty line)")
     return prompts, skipped
 
 
