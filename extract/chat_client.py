@@ -7,7 +7,8 @@ The `openai` client makes one try per call (its own retries are off); this modul
   try again, for up to `retry_for_s` in which no request succeeded, so a server that is restarted
   or briefly overloaded under a running job is ridden out (`ServerGone` after that: the server
   failed every request that long, not one row); until the server has answered once, a refused
-  connection is a wrong --endpoint: 3 quick tries;
+  connection is a wrong --endpoint: 3 quick tries. A 429 or 503 of one row alone while others are
+  answered (a gateway's "request too large" 429) is that row's after `AWAY_TRIES`, judged as below;
 - a 500 (or other 5xx: a proxy's 502 and 504, its timeout on a long answer, among them), a
   timeout, and an answer that is no answer (below) are the row's own failure only while few requests are failing
   (two, or a quarter of --concurrency; any number among the last rows, when no row is left to
@@ -18,7 +19,8 @@ The `openai` client makes one try per call (its own retries are off); this modul
   never refused for an outage. A row failing after `SERVER_ERROR_TRIES` 5xx or `TIMEOUT_TRIES` timeouts is
   refused (`Refused`) once the server answers a known-good request (`check`'s), which tells a
   bad row from an outage where no other request can (--concurrency 1, the last rows); a refused
-  request no longer counts as failing, so the next bad row is judged on its own;
+  request no longer counts as failing, so the next bad row is judged on its own; failures judged
+  an outage's do not count against the row after it (counted afresh);
 - an answer that did not end in "stop" or "length" (vLLM's and SGLang's "abort" or "error", none
   at all) is empty or cut short, and one that is malformed (a body that is not JSON, such as a
   proxy's page, no choices, no message, content that is not text): asked again, then the row is
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 AWAY_STATUSES = {409, 425, 429, 503}
 REFUSED_STATUSES = {400, 413, 422}
 SERVER_ERROR_TRIES = 4  # a 500 failing one row alone is retried this many times in all before the row is refused
+AWAY_TRIES = 5  # a 429/503 of one row alone (the others answer): tries in all before the row is refused
 TIMEOUT_TRIES = 2  # a timeout of one row alone (the others answer): tries in all before the row is refused
 FINISH_TRIES = 3  # answers that ended neither in "stop" nor "length": tries in all before the row is refused
 FINISHED = ("stop", "length")
@@ -275,7 +278,7 @@ class ChatClient:
         import openai
 
         away_since: float | None = None
-        server_errors = unreachable = timeouts = bad_answers = 0
+        server_errors = unreachable = timeouts = bad_answers = away = 0
         delay = 0.5
         while True:
             try:
@@ -287,8 +290,10 @@ class ChatClient:
                 problem = e.problem
                 bad_answers += 1
                 self._failing.add(me)
-                if bad_answers >= FINISH_TRIES and await self._own_failure():
-                    raise Refused(f"{problem} (after {bad_answers} tries)", cause=e.cause) from None
+                if bad_answers >= FINISH_TRIES:
+                    if await self._own_failure():
+                        raise Refused(f"{problem} (after {bad_answers} tries)", cause=e.cause) from None
+                    bad_answers = 0  # an outage's failures are not the row's: counted afresh after it
             except openai.APIStatusError as e:
                 self.answered = True
                 status, reason = e.status_code, _reason(e)
@@ -303,16 +308,28 @@ class ChatClient:
                 if status not in AWAY_STATUSES:  # 500 and other errors, a proxy's 502/504: this row's, or an outage
                     server_errors += 1
                     self._failing.add(me)
-                    if server_errors >= SERVER_ERROR_TRIES and await self._own_failure():
-                        raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
+                    if server_errors >= SERVER_ERROR_TRIES:
+                        if await self._own_failure():
+                            raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
+                        server_errors = 0
+                else:  # busy, or (a gateway's "request too large" 429) this row's for good: told apart as above
+                    away += 1
+                    self._failing.add(me)
+                    if away >= AWAY_TRIES:
+                        if await self._own_failure():
+                            raise Refused(f"{status} after {away} tries while the server answered others: {reason}",
+                                          status) from None
+                        away = 0
             except openai.APIConnectionError as e:  # APITimeoutError among them
                 if isinstance(e, openai.APITimeoutError) and not _connecting(e):
                     problem = f"no answer within the {self.timeout_s:g} s --request-timeout"
                     timeouts += 1
                     self._failing.add(me)
-                    if timeouts >= TIMEOUT_TRIES and await self._own_failure():
-                        raise Refused(f"{problem}, {timeouts} times, while the server answered others",
-                                      cause="timeout") from None
+                    if timeouts >= TIMEOUT_TRIES:
+                        if await self._own_failure():
+                            raise Refused(f"{problem}, {timeouts} times, while the server answered others",
+                                          cause="timeout") from None
+                        timeouts = 0
                 else:
                     problem = (f"no connection within {self.connect_timeout_s:g} s"
                                if isinstance(e, openai.APITimeoutError) else f"{type(e).__name__}: {e.__cause__ or e}")

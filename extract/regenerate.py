@@ -184,13 +184,19 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
                 server = stack.enter_context(serving(cfg.serve, cfg.endpoint, timeout_s=cfg.serve_timeout_s,
                                                      log_path=cfg.serve_log, api_key=api_key))
 
+            looked = [-math.inf]
+
             def watch() -> None:  # after each failed request: the server gone, or the task taken over
                 if server is not None:
                     server()
-                lease.check()
+                # the lease's LIST and GET block the event loop: once in a while, not at every failure of 256
+                # requests in flight through an outage (a takeover is seen within a ttl either way)
+                if time.monotonic() - looked[0] >= LEASE_LOOK_S:
+                    looked[0] = time.monotonic()
+                    lease.check()
 
             totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key, new=recorded is None,
-                                                   watch=watch))
+                                                   watch=watch, proven=bool(done)))
     _log_summary(store, totals)
     return totals
 
@@ -252,10 +258,14 @@ class _Part:
 
 
 async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: ObjectStore, todo: list[int],
-                            api_key: str | None, new: bool, watch: Callable[[], None] | None = None) -> Totals:
+                            api_key: str | None, new: bool, watch: Callable[[], None] | None = None,
+                            proven: bool = False) -> Totals:
     """Answer the rows of the parts `todo`; `new`: the output has no recipe yet, and takes this one
     once the server has answered (a --model it does not serve, or an endpoint not up, must not
-    lock the output to the mistake); `watch`: raises once the --serve server has exited."""
+    lock the output to the mistake); `watch`: raises once the --serve server has exited; `proven`:
+    the output holds parts already, written under these settings (`_refuse_a_setting` is not asked:
+    a rerun left with the rows the server rightly refuses, a block of too-long prompts, took them
+    for a setting and could never finish)."""
     from layertap.extract.console import progress
 
     client = ChatClient(cfg.endpoint, recipe.model, api_key=api_key, sampling=recipe.sampling,
@@ -289,10 +299,11 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
                     bar.update(1)
                     rate = totals.completion_tokens / max(1e-9, time.monotonic() - t0)
                     bar.set_postfix_str(f"{rate:,.0f} gen tok/s, {totals.refused} refused")
-                    if part.finished:
+                    if part.finished and not proven:
                         if _may_be_a_setting(totals):  # the answers under way say it is not: wait for them
                             await client.ended_under_way()
                         _refuse_a_setting(totals, client.where)  # before a part of its refusals is kept for good
+                    if part.finished:
                         write = asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals))
                         write.add_done_callback(on_written)
                         writes.append(write)
@@ -398,6 +409,7 @@ def _as_sent(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 FIRST_REFUSALS = 8  # rows refused alike, none answered yet: the run's settings, not its rows
+LEASE_LOOK_S = 10.0  # the task's lease looked at, at most this often, as requests fail
 
 
 def _may_be_a_setting(totals: Totals) -> bool:

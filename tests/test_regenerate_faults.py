@@ -740,3 +740,49 @@ def test_a_server_whose_every_answer_has_another_shape_is_refused_not_waited_out
     with pytest.raises(EndpointError, match="answers chat completions in another shape than OpenAI's"):
         regenerate(cfg)
     assert time.monotonic() - began < 30 and not done_parts(open_store(cfg.out))
+
+
+def test_a_rerun_left_with_rows_the_server_rightly_refuses_finishes(tmp_path, fake):
+    """A rerun whose parts left are a block of too-long prompts took their refusals for a setting of
+    the run ("refused each of the first rows ... and answered none") and could never finish: the
+    output's parts written under the same settings say it is none."""
+    fake.refuse = lambda body: "prompt too long for the context" if body["messages"][-1]["content"] in \
+        {f"q{i}" for i in range(8, 24)} else None
+    cfg = config(tmp_path, fake, rows=24, rows_per_part=4, concurrency=4)
+    assert regenerate(cfg).regenerated == 8
+    store = open_store(cfg.out)
+    for part in (2, 3, 4, 5):  # as a preemption leaves it: only the parts of refused rows to do
+        store.delete(done_parts(store)[part].key)
+    totals = regenerate(cfg)
+    assert totals.regenerated == 0 and totals.refused == 16 and len(done_parts(store)) == 6
+
+
+def test_a_row_a_gateway_answers_429_for_good_is_refused_while_the_others_are_answered(tmp_path, fake):
+    """A 429 was only ever "server away": a gateway's per-request "request too large" 429 was retried
+    for the whole run, held its part open, and ended the run with "failed every chat completion"."""
+    fake.answer = lambda n, prompt: (429, "Request too large: tokens per min", None, 0.0) if prompt == "q3" \
+        else ok(n, prompt)
+    cfg = config(tmp_path, fake, rows=8, retry_for_s=60.0)
+    totals = regenerate(cfg)
+    assert refused(cfg.out) == [(3, "http_429")] and totals.regenerated == 7
+
+
+def test_failures_during_an_outage_do_not_count_against_a_row_after_it(tmp_path, fake):
+    """A row's 500s counted on through an outage, so one more after it (a proxy warming up) refused a
+    healthy row for good ("502 after 6 tries")."""
+    outage, after = [0.0], [0]
+
+    def answer(n, prompt):
+        if prompt == "q1" and outage[0] == 0.0:
+            outage[0] = time.monotonic()  # every request 502s for 3 s from the second row on, the probe too
+        if outage[0] and time.monotonic() - outage[0] < 3.0:
+            return 502, "Bad Gateway", None, 0.0
+        if prompt == "q1" and after[0] == 0:
+            after[0] = 1
+            return 502, "Bad Gateway", None, 0.0  # one more after it, to this row alone
+        return ok(n, prompt)
+
+    fake.answer = answer
+    cfg = config(tmp_path, fake, rows=4, concurrency=1, retry_for_s=30.0)
+    totals = regenerate(cfg)
+    assert refused(cfg.out) == [] and totals.regenerated == 4
