@@ -343,7 +343,7 @@ def test_a_follow_trainer_resumed_before_a_withdrawn_shard_is_redone_is_told_to_
     fake_worker.work(uri)
     state = checkpointed(uri, 4)
     withdraw(uri, 6)
-    with pytest.raises(InputError, match=r"shard\(s\) \[6\] .* no longer committed .*: run `layertap extract` "
+    with pytest.raises(InputError, match=r"shard\(s\) 6 .* no longer committed .*: run `layertap extract` "
                                          r"\(the run's command, unchanged\) to redo them, then resume"):
         next(iter(resumed(uri, state)))
     redo(uri, 6)  # with the same counts, the epoch goes on exactly
