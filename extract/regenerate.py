@@ -133,6 +133,7 @@ class Totals:
     dropped_turns: int = 0  # assistant turns before a row's first user turn (`normalize_chat`): not regenerated
     refused_reasons: dict[str, int] = field(default_factory=dict)
     last_refusal: str = ""
+    status: dict[str, Any] | None = None  # the output's `regeneration_status` as the run ended (None: no recipe)
 
     @property
     def refused(self) -> int:
@@ -495,7 +496,7 @@ def _log_summary(store: ObjectStore, totals: Totals) -> None:
                  totals.refused_reasons or "none", totals.turns, totals.truncated, totals.completion_tokens,
                  f"; {totals.dropped_turns} assistant turn(s) before a row's first user turn left out (they answer "
                  "no prompt the row holds)" if totals.dropped_turns else "")
-    s = regeneration_status(store)
+    s = totals.status = regeneration_status(store)  # read once: `layertap regenerate` prints it too
     if s is None:  # nothing was regenerated: no recipe yet
         return
     if not s["complete"]:

@@ -24,12 +24,13 @@ def run_regenerate(args: argparse.Namespace) -> int:
 
     cfg = load_regenerate_config(args)
     try:
-        regenerate(cfg)
+        totals = regenerate(cfg)
     except Preempted as e:  # the parts written are kept; the open ones are redone by a rerun
         logging.getLogger("layertap.extract.regenerate").warning(
             "stopped (%s): the parts written are kept; rerun the same command to continue", e)
         return e.exit_code
     # on stdout, as extract, train and import end: the output's status and what reads it
-    if (status := regeneration_status(open_store(cfg.out))) is not None:
+    status = totals.status if totals.status is not None else regeneration_status(open_store(cfg.out))
+    if status is not None:
         print(format_regeneration(status))
     return 0

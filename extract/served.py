@@ -61,7 +61,7 @@ def serving(command: str, endpoint: str, *, timeout_s: float, log_path: str | No
         with shielded():  # a stop here is raised once `proc` is set, so the finally stops it
             # Its own session, so stopping it reaches every process it starts (vLLM's engine and workers).
             # without --serve-log, stderr: its log (vLLM's goes to stdout) kept out of the status printed on stdout
-            proc = subprocess.Popen(["bash", "-c", command], stdout=out or sys.stderr,
+            proc = subprocess.Popen(["bash", "-c", command], stdout=out if out is not None else 2,  # fd 2: stderr
                                     stderr=subprocess.STDOUT if out else None,
                                     start_new_session=True, preexec_fn=_ended_with_us())
         _wait_until_ready(proc, endpoint, timeout_s, command, api_key, seen)

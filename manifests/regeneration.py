@@ -166,15 +166,18 @@ def done_parts(store: ObjectStore) -> dict[int, Any]:
 
 
 def read_stats(store: ObjectStore, parts: list[int]) -> list[dict[str, Any]]:
-    """The stats of those of `parts` that have them (every committed part, unless deleted since):
-    one GET each, not a HEAD and a GET."""
-    out = []
-    for p in parts:
+    """The stats of those of `parts` that have them (every committed part, unless deleted since), in
+    part order: one GET each, not a HEAD and a GET, 16 in flight (3,500 parts of a 900K-row run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(p: int) -> dict[str, Any] | None:
         try:
-            out.append(json.loads(store.get(stats_key(p))))
+            return json.loads(store.get(stats_key(p)))
         except ObjectNotFound:
-            continue
-    return out
+            return None
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return [st for st in pool.map(read, parts) if st is not None]
 
 
 def regeneration_status(store: ObjectStore) -> dict[str, Any] | None:

@@ -355,6 +355,16 @@ def test_serve_that_exits_is_a_clear_error(tmp_path, capsys):
     assert "the server exited with code 3 before it answered" in capsys.readouterr().err
 
 
+def test_the_served_servers_output_goes_to_stderr_not_the_status_on_stdout(tmp_path, capfd):
+    """Without --serve-log the server inherited stdout (vLLM logs there), mixed into the status that
+    `regenerate` prints on stdout for scripts."""
+    data = write_sharegpt(tmp_path / "chats.jsonl", 4)
+    assert cli(["regenerate", "--dataset", data, "--out", str(tmp_path / "o"), "--endpoint", "http://127.0.0.1:9",
+                "--model", "m", "--serve", "echo SERVER-SAYS-HELLO; exit 3"]) == 2
+    out, err = capfd.readouterr()
+    assert "SERVER-SAYS-HELLO" in err and "SERVER-SAYS-HELLO" not in out
+
+
 def test_the_recorded_endpoint_carries_no_credentials():
     from layertap.extract.chat_client import api_base
     from layertap.storage.redact import public_url
