@@ -45,6 +45,7 @@ import importlib
 import itertools
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -60,7 +61,8 @@ log = logging.getLogger(__name__)
 AWAY_STATUSES = {409, 425, 429, 503}
 REFUSED_STATUSES = {400, 413, 422}
 SERVER_ERROR_TRIES = 4  # a 500 failing one row alone is retried this many times in all before the row is refused
-AWAY_TRIES = 5  # a 429/503 of one row alone (the others answer): tries in all before the row is refused
+AWAY_TRIES = 5  # a 429/503 saying the request is too large (`TOO_LARGE`): tries in all before the row is refused
+TOO_LARGE = re.compile(r"too large|too long|exceeds", re.IGNORECASE)  # not "rate limit reached": waited out
 TIMEOUT_TRIES = 2  # a timeout of one row alone (the others answer): tries in all before the row is refused
 FINISH_TRIES = 3  # answers that ended neither in "stop" nor "length": tries in all before the row is refused
 FINISHED = ("stop", "length")
@@ -312,8 +314,8 @@ class ChatClient:
                         if await self._own_failure():
                             raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
                         server_errors = 0
-                else:  # busy, or (a gateway's "request too large" 429) this row's for good: told apart as above
-                    away += 1
+                elif TOO_LARGE.search(reason):  # a gateway's "request too large" 429: this row's for good, not
+                    away += 1                    # a rate limit to wait out (told apart as above)
                     self._failing.add(me)
                     if away >= AWAY_TRIES:
                         if await self._own_failure():

@@ -197,9 +197,16 @@ def regenerate(cfg: RegenerateConfig) -> Totals:
                     lease.check()
 
             totals = asyncio.run(_regenerate_parts(cfg, recipe, rows, store, todo, api_key, new=recorded is None,
-                                                   watch=watch, proven=bool(done)))
+                                                   watch=watch, proven=_answered_before(done, mine)))
     _log_summary(store, totals)
     return totals
+
+
+def _answered_before(done: dict[int, Any], mine: list[int]) -> bool:
+    """Whether a part of this task already holds answered rows (a part file holds the answered
+    ones; the refused are in its stats): its server, under these settings, answered. Another task's
+    parts prove nothing of this one's server (each may run its own --serve)."""
+    return any(done[p].size > 0 for p in mine if p in done)
 
 
 def _refuse_another_split(store: ObjectStore, count: int) -> None:
@@ -264,9 +271,7 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
     """Answer the rows of the parts `todo`; `new`: the output has no recipe yet, and takes this one
     once the server has answered (a --model it does not serve, or an endpoint not up, must not
     lock the output to the mistake); `watch`: raises once the --serve server has exited; `proven`:
-    the output holds parts already, written under these settings (`_refuse_a_setting` is not asked:
-    a rerun left with the rows the server rightly refuses, a block of too-long prompts, took them
-    for a setting and could never finish)."""
+    this task's parts hold answered rows already (`_may_be_a_setting`)."""
     from layertap.extract.console import progress
 
     client = ChatClient(cfg.endpoint, recipe.model, api_key=api_key, sampling=recipe.sampling,
@@ -300,11 +305,10 @@ async def _regenerate_parts(cfg: RegenerateConfig, recipe: Recipe, rows, store: 
                     bar.update(1)
                     rate = totals.completion_tokens / max(1e-9, time.monotonic() - t0)
                     bar.set_postfix_str(f"{rate:,.0f} gen tok/s, {totals.refused} refused")
-                    if part.finished and not proven:
-                        if _may_be_a_setting(totals):  # the answers under way say it is not: wait for them
-                            await client.ended_under_way()
-                        _refuse_a_setting(totals, client.where)  # before a part of its refusals is kept for good
                     if part.finished:
+                        if _may_be_a_setting(totals, proven):  # the answers under way say it is not: wait for them
+                            await client.ended_under_way()
+                        _refuse_a_setting(totals, client.where, proven)  # before a part of its refusals is kept
                         write = asyncio.create_task(asyncio.to_thread(_write_part, store, part, totals))
                         write.add_done_callback(on_written)
                         writes.append(write)
@@ -413,23 +417,28 @@ FIRST_REFUSALS = 8  # rows refused alike, none answered yet: the run's settings,
 LEASE_LOOK_S = 10.0  # the task's lease looked at, at most this often, as requests fail
 
 
-def _may_be_a_setting(totals: Totals) -> bool:
+def _may_be_a_setting(totals: Totals, proven: bool = False) -> bool:
     """Every row so far (FIRST_REFUSALS or more) refused alike by the server (one HTTP status, or
-    each timed out, or each answer cut or malformed alike), none answered."""
+    each timed out, or each answer cut or malformed alike), none answered. `proven`: this task's
+    parts hold answered rows already, so only a timeout (--request-timeout, which the recipe does
+    not record) may still be a setting: a rerun left with the rows the server rightly refuses (a
+    block of too-long prompts) took them for one, and could never finish."""
     if totals.regenerated or totals.refused < FIRST_REFUSALS or len(totals.refused_reasons) != 1:
         return False
     kind = next(iter(totals.refused_reasons))
+    if proven:
+        return kind == "timeout"
     return kind.startswith(("http_", "finish_")) or kind in ("timeout", "malformed")
 
 
-def _refuse_a_setting(totals: Totals, where: str) -> None:
+def _refuse_a_setting(totals: Totals, where: str, proven: bool = False) -> None:
     """Stop the run where every row so far was refused alike by the server and none answered,
     once the requests under way then have ended (`ChatClient.ended_under_way`: a too-long prompt
     is refused in milliseconds while answers take seconds, and the first rows' few too-long ones
     were taken for a setting): a setting the server refuses whatever the row (its parts would
     record every row refused, and a complete output hold nothing). A part is kept for good, so
     this is said before one is."""
-    if not _may_be_a_setting(totals):
+    if not _may_be_a_setting(totals, proven):
         return
     kind = next(iter(totals.refused_reasons))
     raise EndpointError(f"{where} refused each of the first {totals.refused} rows ({kind}) and answered none: "

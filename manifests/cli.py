@@ -252,10 +252,15 @@ def format_status(s: dict, deleting: str | None = None) -> str:
             lines.append("  NO TRAINER DELETES: no `layertap train --delete-consumed` has claimed this run, so nothing "
                          "trained on is deleted and a full window never opens: restart the trainer with "
                          "--delete-consumed (--resume continues it), or extract without --window")
+        if deleting == "finished" and not s["complete"]:
+            lines.append("  THE TRAINER HAS FINISHED: this run's --delete-consumed trainer exported its drafter, so "
+                         "nothing consumes what the extraction adds and a full window does not open: train on the rest "
+                         "with another --delete-consumed trainer (another --out), or extract it without --window")
         if deleting == "stopped" and not s["complete"]:
             lines.append("  THE TRAINER IS NOT RUNNING: this run's --delete-consumed trainer holds no live lease on its "
-                         "output (stopped, or its lease went stale), so nothing is consumed and a full window does not "
-                         "open: restart it (--resume continues it), or restart the extraction with a larger --window")
+                         "output (stopped, queued again, or its lease went stale), so nothing is consumed and a full "
+                         "window does not open: restart it (--resume continues it), or restart the extraction with a "
+                         "larger --window")
     if s["complete"]:
         lines.append("  COMPLETE")
     elif not s["shards_running"] and not s["problem"] and (waiting := s.get("workers_waiting")):
@@ -263,7 +268,7 @@ def format_status(s: dict, deleting: str | None = None) -> str:
         lines.append(f"  no shard is running: {waiting} extraction worker(s) wait for the window to open"
                      + (", as training consumes and deletes what it trained on" if deleting == "running" else ""))
     elif (not s["shards_running"] and not s["problem"] and window is not None and rest >= window
-          and deleting not in ("none", "stopped")):
+          and deleting not in ("none", "stopped", "finished")):
         lines.append("  no shard is running, and no extraction worker waits for the window (none has renewed its "
                      f"record under waiting/ for {WAITING_STALE_S / 60:.0f} min): {_rerun(s)} goes on as training "
                      "consumes")

@@ -91,20 +91,20 @@ def consumer_of(store: ObjectStore) -> str | None:
                             "--delete-consumed trainer reads the run now") from e
 
 
-def trainer_state(store: ObjectStore) -> Literal["none", "stopped", "running"]:
+def trainer_state(store: ObjectStore) -> Literal["none", "stopped", "finished", "running"]:
     """Who consumes a --window run: "none" (no --delete-consumed trainer claimed it), "stopped" (the
     one that did holds no live lease on its output: `consumer_state`), else "running" (also when
     this machine cannot see its output: a node-local folder, another endpoint)."""
     return consumer_state(consumer_of(store))
 
 
-def consumer_state(output: str | None) -> Literal["none", "stopped", "running"]:
+def consumer_state(output: str | None) -> Literal["none", "stopped", "finished", "running"]:
     """`trainer_state` of the run whose consumer writes to `output` (`consumer_of`): "stopped"
     where its lease went stale, or is gone from an output that holds its training (a trainer
     stopped by Ctrl-C or a signal saves a checkpoint and releases its lease: it was taken for
     running, and the window for one being consumed)."""
     from layertap.manifests.output_lease import held_by, latest
-    from layertap.manifests.train_output import LATEST, METRICS
+    from layertap.manifests.train_output import EXPORT_CONFIG, LATEST, METRICS
     from layertap.storage.store import open_store
 
     if output is None:
@@ -113,7 +113,10 @@ def consumer_state(output: str | None) -> Literal["none", "stopped", "running"]:
         out = open_store(output)
         if (found := latest(out)) is not None:
             return "running" if held_by(out, found) is not None else "stopped"
-        # no lease: released, where the output holds a checkpoint or metrics; else not seen from here
+        # no lease: released (its drafter exported: finished), where the output holds a checkpoint or
+        # metrics; else not seen from here
+        if out.exists(EXPORT_CONFIG):
+            return "finished"
         return "stopped" if out.exists(LATEST) or out.exists(METRICS) else "running"
     except StoreError:  # cannot tell: as if it ran
         return "running"
@@ -565,6 +568,11 @@ class WindowGate:
             log.warning("no `layertap train --delete-consumed` has claimed this run: nothing trained on is deleted, so "
                         "the window opens only once one does (start the trainer with --follow --delete-consumed, or "
                         "restart the extraction without --window)")
+        elif state == "finished":
+            log.warning("the run's --delete-consumed trainer has finished (its drafter is exported to %s): nothing "
+                        "consumes what this extraction adds, so the window does not open; train on the rest with "
+                        "another --delete-consumed trainer (another --out), or restart the extraction without --window",
+                        output)
         elif state == "stopped":
             log.warning("the run's --delete-consumed trainer is not running (no live lease on %s): nothing is "
                         "consumed, so the window opens only once it is restarted (--resume continues it)", output)

@@ -786,3 +786,30 @@ def test_failures_during_an_outage_do_not_count_against_a_row_after_it(tmp_path,
     cfg = config(tmp_path, fake, rows=4, concurrency=1, retry_for_s=30.0)
     totals = regenerate(cfg)
     assert refused(cfg.out) == [] and totals.regenerated == 4
+
+
+def test_a_rate_limit_is_waited_out_not_taken_for_a_rows_own_refusal(tmp_path, fake):
+    """A 429 under a tokens-per-minute limit lets the one-token check through while the row's own request
+    is limited: it must be waited out (the rows answered after it), never refused as the row's for good;
+    and only this task's parts with answered rows prove its server answers under these settings."""
+    from types import SimpleNamespace
+
+    from layertap.extract.regenerate import _answered_before
+
+    limited_until = [0.0]
+
+    def answer(n, prompt):
+        if prompt == "q1" and not limited_until[0]:
+            limited_until[0] = time.monotonic() + 12.0
+        if prompt == "q1" and time.monotonic() < limited_until[0]:
+            return 429, "Rate limit reached for requests: tokens per min. Please try again in 12s.", None, 0.0
+        return ok(n, prompt)
+
+    fake.answer = answer
+    cfg = config(tmp_path, fake, rows=3, concurrency=1, retry_for_s=60.0)
+    totals = regenerate(cfg)
+    assert refused(cfg.out) == [] and totals.regenerated == 3
+
+    part = lambda size: SimpleNamespace(size=size)  # noqa: E731 - a listing entry
+    assert _answered_before({0: part(10), 1: part(0)}, [0, 2])
+    assert not _answered_before({0: part(0), 1: part(10)}, [0, 2])  # another task's answers are not this one's

@@ -293,7 +293,7 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     time.sleep(1.5)
     out = status(capsys, uri)[1]
     assert "THE TRAINER IS NOT RUNNING: this run's --delete-consumed trainer holds no live lease on its output " \
-        "(stopped, or its lease went stale)" in out
+        "(stopped, queued again, or its lease went stale)" in out
     assert "wait for the window to open, as training consumes" not in out
     trainer.release()
     # stopped by Ctrl-C or a signal: a checkpoint saved and the lease released (not left to go stale), which
@@ -301,6 +301,9 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     assert "NOT RUNNING" not in status(capsys, uri)[1]  # nothing of a training there: not seen from here
     open_store(str(tmp_path / "drafter")).put("checkpoints/latest.json", b'{"step": 4}')
     assert "THE TRAINER IS NOT RUNNING" in status(capsys, uri)[1]
+    open_store(str(tmp_path / "drafter")).put("drafter/config.json", b"{}")  # its training ended: exported
+    out = status(capsys, uri)[1]
+    assert "THE TRAINER HAS FINISHED" in out and "NOT RUNNING" not in out
     assert json.loads(status(capsys, uri, "--json")[1])["window"] == 1000
     store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 10**12}).encode())  # open: no worker waits on it
     out = status(capsys, uri)[1]

@@ -540,11 +540,12 @@ def check_drafter_target(recorded: dict[str, Any], info: dict[str, Any], drafter
     width decoded to a tau without a word. Compared as training compares --model with the run's
     (`trainer.target_differences`); a drafter saved before its config recorded those facts is
     compared by model type alone, and only warned of (a copy of a model may live anywhere)."""
-    from layertap.train.trainer import TARGET_FACTS, target_differences
+    from layertap.train.trainer import TARGET_FACTS, target_differences, warn_of_model_type
 
     given = info["model"] + (f" ({info['gguf_file']})" if info["gguf_file"] else "")
     was = str(recorded.get("model")) + (f" ({recorded['gguf_file']})" if recorded.get("gguf_file") else "")
     if any(recorded.get(k) is not None for k in TARGET_FACTS):
+        warn_of_model_type(recorded, info, "the drafter's", given)
         diffs = target_differences(recorded, info, "the drafter's")
         if diffs and all(d.startswith("revision:") for d in diffs):
             # the hub's newer snapshot of the same model (a README commit), or a GGUF repo's own

@@ -190,16 +190,21 @@ def target_differences(recorded: dict[str, Any], info: dict[str, Any], whose: st
     tokenizer files) is not compared, as extraction's resume does (`IF_RECORDED`)."""
     if info["tokenizer_vocab_size"] < 2:  # no tokenizer files: an empty one, nothing to compare (`mask_token_id`)
         info = {**info, "tokenizer_sha256": None}
-    diffs = [f"{what}: {whose} {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
-             if recorded.get(k) is not None and info.get(key) is not None and info[key] != recorded[k]]
-    # Without a config.json hash on both sides (a GGUF run or --model), the model type: another
-    # architecture of the same width and tokenizer (a Qwen2 beside a GGUF Llama's run) trained and
-    # decoded without a word
+    return [f"{what}: {whose} {recorded[k]}, --model's {info[key]}" for k, (key, what) in TARGET_FACTS.items()
+            if recorded.get(k) is not None and info.get(key) is not None and info[key] != recorded[k]]
+
+
+def warn_of_model_type(recorded: dict[str, Any], info: dict[str, Any], whose: str, given: str) -> None:
+    """Without a config.json hash on both sides (a GGUF run or --model), the model type: another
+    architecture of the same width and tokenizer (a Qwen2 beside a GGUF Llama's run) trained and
+    decoded without a word. A warning, not a refusal: transformers loads some GGUFs as another type
+    than their HF folder says (a Mistral GGUF as llama), the same weights."""
     if None in (recorded.get("model_config_sha256"), info.get("model_config_sha256")) and \
             None not in (recorded.get("model_type"), info.get("model_type")) and \
             recorded["model_type"] != info["model_type"]:
-        diffs.append(f"model type: {whose} {recorded['model_type']!r}, --model's {info['model_type']!r}")
-    return diffs
+        log.warning("the target %s is a %r, and %s target a %r: is --model the same model (a GGUF and its HF folder "
+                    "may name their types apart)? Its embeddings and head are what the drafter learns against",
+                    given, info["model_type"], whose, recorded["model_type"])
 
 
 def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
@@ -212,8 +217,9 @@ def check_same_target(cfg: TrainConfig, run: RunConfig) -> None:
 
     info = load_target(cfg.model, cfg.gguf_file, weights=False).info
     diffs = target_differences(facts, info, "the run's")
+    given = cfg.model + (f" ({cfg.gguf_file})" if cfg.gguf_file else "")
+    warn_of_model_type(facts, info, "the run's", given)
     if diffs:
-        given = cfg.model + (f" ({cfg.gguf_file})" if cfg.gguf_file else "")
         was = run.model + (f" ({run.gguf_file})" if run.gguf_file else "")
         raise InputError(f"the target {given} is not the one the run at {cfg.data} was extracted from ({was}): "
                          f"{'; '.join(diffs)}. The drafter learns from that model's states with its embeddings and "
