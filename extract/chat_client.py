@@ -7,8 +7,9 @@ The `openai` client makes one try per call (its own retries are off); this modul
   try again, for up to `retry_for_s` in which no request succeeded, so a server that is restarted
   or briefly overloaded under a running job is ridden out (`ServerGone` after that: the server
   failed every request that long, not one row); until the server has answered once, a refused
-  connection is a wrong --endpoint: 3 quick tries. A 429 or 503 of one row alone while others are
-  answered (a gateway's "request too large" 429) is that row's after `AWAY_TRIES`, judged as below;
+  connection is a wrong --endpoint: 3 quick tries. A 429 or 503 that says the request is too
+  large (a gateway's "Request too large ... tokens per min") is that row's after `AWAY_TRIES`,
+  judged as below; a rate limit's is waited out;
 - a 500 (or other 5xx: a proxy's 502 and 504, its timeout on a long answer, among them), a
   timeout, and an answer that is no answer (below) are the row's own failure only while few requests are failing
   (two, or a quarter of --concurrency; any number among the last rows, when no row is left to
@@ -280,7 +281,8 @@ class ChatClient:
         import openai
 
         away_since: float | None = None
-        server_errors = unreachable = timeouts = bad_answers = away = 0
+        unreachable = 0
+        tries: dict[str, int] = {}  # this request's failures of each kind that may be its row's own
         delay = 0.5
         while True:
             try:
@@ -290,12 +292,8 @@ class ChatClient:
             except _BadAnswer as e:
                 self.answered = True
                 problem = e.problem
-                bad_answers += 1
-                self._failing.add(me)
-                if bad_answers >= FINISH_TRIES:
-                    if await self._own_failure():
-                        raise Refused(f"{problem} (after {bad_answers} tries)", cause=e.cause) from None
-                    bad_answers = 0  # an outage's failures are not the row's: counted afresh after it
+                if await self._its_own(tries, "bad answer", FINISH_TRIES, me):
+                    raise Refused(f"{problem} (after {tries['bad answer']} tries)", cause=e.cause) from None
             except openai.APIStatusError as e:
                 self.answered = True
                 status, reason = e.status_code, _reason(e)
@@ -308,30 +306,18 @@ class ChatClient:
                                         f"{reason}; check --endpoint, --model{key}") from None
                 problem = f"{status}: {reason}"
                 if status not in AWAY_STATUSES:  # 500 and other errors, a proxy's 502/504: this row's, or an outage
-                    server_errors += 1
-                    self._failing.add(me)
-                    if server_errors >= SERVER_ERROR_TRIES:
-                        if await self._own_failure():
-                            raise Refused(f"{status} after {server_errors} tries: {reason}", status) from None
-                        server_errors = 0
-                elif TOO_LARGE.search(reason):  # a gateway's "request too large" 429: this row's for good, not
-                    away += 1                    # a rate limit to wait out (told apart as above)
-                    self._failing.add(me)
-                    if away >= AWAY_TRIES:
-                        if await self._own_failure():
-                            raise Refused(f"{status} after {away} tries while the server answered others: {reason}",
-                                          status) from None
-                        away = 0
+                    if await self._its_own(tries, "server error", SERVER_ERROR_TRIES, me):
+                        raise Refused(f"{status} after {tries['server error']} tries: {reason}", status) from None
+                elif TOO_LARGE.search(reason) and await self._its_own(tries, "too large", AWAY_TRIES, me):
+                    # a gateway's "request too large" 429 is this row's for good (a rate limit's is waited out)
+                    raise Refused(f"{status} after {tries['too large']} tries while the server answered others: "
+                                  f"{reason}", status) from None
             except openai.APIConnectionError as e:  # APITimeoutError among them
                 if isinstance(e, openai.APITimeoutError) and not _connecting(e):
                     problem = f"no answer within the {self.timeout_s:g} s --request-timeout"
-                    timeouts += 1
-                    self._failing.add(me)
-                    if timeouts >= TIMEOUT_TRIES:
-                        if await self._own_failure():
-                            raise Refused(f"{problem}, {timeouts} times, while the server answered others",
-                                          cause="timeout") from None
-                        timeouts = 0
+                    if await self._its_own(tries, "timeout", TIMEOUT_TRIES, me):
+                        raise Refused(f"{problem}, {tries['timeout']} times, while the server answered others",
+                                      cause="timeout") from None
                 else:
                     problem = (f"no connection within {self.connect_timeout_s:g} s"
                                if isinstance(e, openai.APITimeoutError) else f"{type(e).__name__}: {e.__cause__ or e}")
@@ -359,6 +345,19 @@ class ChatClient:
                                 self.retry_for_s - failing_for)
             await asyncio.sleep(delay * SPREAD.uniform(0.5, 1.0))
             delay = min(30.0, delay * 2)
+
+    async def _its_own(self, tries: dict[str, int], kind: str, limit: int, me: int) -> bool:
+        """One more failure of `kind` for request `me`, which counts as failing: whether, `limit` of
+        them in all, they are its row's own (`_own_failure`). Failures judged an outage's are not the
+        row's: they are counted afresh after it."""
+        tries[kind] = tries.get(kind, 0) + 1
+        self._failing.add(me)
+        if tries[kind] < limit:
+            return False
+        if await self._own_failure():
+            return True
+        tries[kind] = 0
+        return False
 
     async def _own_failure(self) -> bool:
         """Whether a failing request's failures are its row's own: few other requests have failed

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import logging
 import os
@@ -502,8 +503,8 @@ def check_template_kwargs(tokenizer, kwargs: Mapping[str, Any] | None) -> None:
         raise ConfigError(f"--chat-template-kwargs sets {', '.join(map(repr, reserved))}, which layertap passes the "
                           "chat template itself (the chat, a row's tools, a generation prompt only where it asks a "
                           "question): leave it out")
-    if unread := unread_template_kwargs(tokenizer, kwargs):
-        read = template_variables(tokenizer) or set()
+    read = template_variables(tokenizer) if kwargs else None
+    if read is not None and (unread := sorted(set(kwargs) - read)):
         special = set(getattr(tokenizer, "special_tokens_map", None) or {})  # bos_token, ...: the tokenizer's
         names = ", ".join(sorted(read - special - {"messages", "add_generation_prompt"})) or "none"
         of = repr(getattr(tokenizer, "name_or_path", "")) if getattr(tokenizer, "name_or_path", "") else "the tokenizer"
@@ -523,13 +524,18 @@ def template_variables(tokenizer) -> set[str] | None:
     undeclared in it); None without a template, or for one transformers cannot compile here (the
     render names its error)."""
     template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        return None
+    return set(read) if isinstance(template, str) and (read := _read_names(template)) is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_names(template: str) -> frozenset[str] | None:
+    """`template_variables` of one template's text, parsed once: extraction builds a renderer for each shard."""
     try:
         import jinja2.meta
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
-        return set(jinja2.meta.find_undeclared_variables(_compile_jinja_template(template).environment.parse(template)))
+        return frozenset(jinja2.meta.find_undeclared_variables(
+            _compile_jinja_template(template).environment.parse(template)))
     except Exception:  # another transformers, a template it cannot compile
         return None
 

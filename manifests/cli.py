@@ -138,6 +138,7 @@ def _what_it_is(store) -> str:
     """What a prefix without a run holds, where it is another of layertap's outputs: a `layertap
     export` of a run (import it to train on it), or an exported drafter. A few HEADs, on the error's path."""
     from layertap.manifests.layout import EXPORT_NOTE
+    from layertap.manifests.train_output import EXPORT_CONFIG
 
     if store.exists(EXPORT_NOTE):
         try:
@@ -146,7 +147,7 @@ def _what_it_is(store) -> str:
             fmt = "FORMAT"
         return (f". It holds a `layertap export` of a run ({EXPORT_NOTE}, format {fmt}): give the run itself, or "
                 f"import the files into a run first (`layertap import {store.uri} --from {fmt} --out PREFIX`)")
-    if store.exists("drafter/config.json") or (store.exists("config.json") and store.exists("model.safetensors")):
+    if store.exists(EXPORT_CONFIG) or (store.exists("config.json") and store.exists("model.safetensors")):
         return ". It holds an exported drafter (config.json, model.safetensors), not an extraction's run"
     return ""
 

@@ -93,8 +93,9 @@ def consumer_of(store: ObjectStore) -> str | None:
 
 def trainer_state(store: ObjectStore) -> Literal["none", "stopped", "finished", "running"]:
     """Who consumes a --window run: "none" (no --delete-consumed trainer claimed it), "stopped" (the
-    one that did holds no live lease on its output: `consumer_state`), else "running" (also when
-    this machine cannot see its output: a node-local folder, another endpoint)."""
+    one that did holds no live lease on its output: `consumer_state`), "finished" (it exported its
+    drafter), else "running" (also when this machine cannot see its output: a node-local folder,
+    another endpoint)."""
     return consumer_state(consumer_of(store))
 
 
@@ -102,7 +103,8 @@ def consumer_state(output: str | None) -> Literal["none", "stopped", "finished",
     """`trainer_state` of the run whose consumer writes to `output` (`consumer_of`): "stopped"
     where its lease went stale, or is gone from an output that holds its training (a trainer
     stopped by Ctrl-C or a signal saves a checkpoint and releases its lease: it was taken for
-    running, and the window for one being consumed)."""
+    running, and the window for one being consumed); "finished" where it is gone from an output
+    whose drafter is exported."""
     from layertap.manifests.output_lease import held_by, latest
     from layertap.manifests.train_output import EXPORT_CONFIG, LATEST, METRICS
     from layertap.storage.store import open_store

@@ -184,8 +184,8 @@ def drafter_target(run: RunConfig, dataset: dict[str, Any] | None = None) -> dic
 
 def target_differences(recorded: dict[str, Any], info: dict[str, Any], whose: str) -> list[str]:
     """How the target `info` describes (`load_target`'s, computed from its config and tokenizer
-    alone) differs from the TARGET_FACTS `recorded` (and its model_type, where no config hash is
-    compared): one "what: {whose} X, --model's Y" each. A fact
+    alone) differs from the TARGET_FACTS `recorded`: one "what: {whose} X, --model's Y" each
+    (`warn_of_model_type` tells of another model type). A fact
     either side does not know (an older run, a GGUF's config, a folder without a revision or without
     tokenizer files) is not compared, as extraction's resume does (`IF_RECORDED`)."""
     if info["tokenizer_vocab_size"] < 2:  # no tokenizer files: an empty one, nothing to compare (`mask_token_id`)
@@ -418,12 +418,11 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         log.info("resumed from %s/checkpoints step %d", cfg.out, start)
     _check_consumer(cfg, data, out.uri, rank, world, run.largest_shard_bytes, fresh=ckpt is None)
     if rank == 0:
+        samples = run.num_samples if cfg.follow else stream.total_samples
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
                  "%d step%s (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
-                 model.config.block_size, run.num_samples if cfg.follow else stream.total_samples, world, total,
-                 "" if total == 1 else "s", steps_per_epoch)
+                 model.config.block_size, samples, world, total, "" if total == 1 else "s", steps_per_epoch)
         log.info("objective: %s", _objective_text(cfg, run.identity.final_state))
-        samples = run.num_samples if cfg.follow else stream.total_samples
         if samples < (per_step := cfg.batch_size * world * cfg.grad_accum):
             log.warning("a step takes %d samples (--batch-size %d x %d rank(s) x --grad-accum %d), more than the %d of "
                         "an epoch: each epoch is one step; a smaller --batch-size makes more steps of it", per_step,
