@@ -11,9 +11,10 @@ and the first --rows ShareGPT conversations (both from their wheels), into local
    step count, then `layertap extract --window W` beside it (same rows, same training settings and
    seed), then `layertap eval`;
 3. window, planned steps (skipped with --no-planned): the same without --steps, as a user runs it.
-   Follow mode sizes its epoch from the manifest's planned samples (known before any shard
-   exists); rows extraction skips become padding, so it can take more steps than offline, the
-   last ones padding alone, and its learning-rate schedule is stretched over them.
+   Follow mode sizes its epoch from the samples the manifest's plan stores (known before any shard
+   exists: its rows less those the planner found extraction skips), so it should take the offline
+   run's steps; before plans counted skips, those rows became padding, the last steps padding
+   alone, and the learning-rate schedule was stretched over them.
 
 The window is sized to delete for real and still not stall: a shard counts as consumed only once
 every sample of it left the consumers' shuffle buffers and a checkpoint covers it, so W must
@@ -332,6 +333,10 @@ COLUMNS = (("offline", "offline"), ("window", "window, --steps = offline's"),
            ("window_planned", "window, follow mode's own step count"))
 
 
+TIMES = (" Times are from a shared 2-core machine (load averages above); a window run's extraction and training "
+         "share the cores, so its wall times are not a speed comparison.")
+
+
 def reading(res: dict) -> str:
     """What the comparison shows, from the numbers."""
     off, win = res["offline"], res["window"]
@@ -374,6 +379,12 @@ def reading(res: dict) -> str:
     if "window_planned" in res:
         p = res["window_planned"]
         t = p["train"]
+        if not t["padding_only_steps"]:
+            return text + (f"\n\nThe third column is what a user gets without --steps: follow mode sizes its epoch "
+                           f"by the samples the manifest's plan stores ({p['run']['samples']} of "
+                           f"{res['args']['rows']} rows: the planner tokenizes as extraction does, so it knows the rows "
+                           f"extraction skips), so it takes {t['steps']} steps (offline: {o['steps']}), none of padding "
+                           "alone." + TIMES)
         text += (f"\n\nThe third column is what a user gets without --steps: follow mode sizes its epoch from the "
                  f"manifest's planned samples ({res['args']['rows']} rows), not the committed ones "
                  f"({p['run']['samples']}: extraction skips rows it cannot use), so it takes {t['steps']} steps, "
@@ -384,8 +395,7 @@ def reading(res: dict) -> str:
         moved = p.get("moved_without_data")
         text += (f" (between checkpoints {moved['from_step']} and {moved['to_step']}, both after the last data step, "
                  f"the largest weight change is {moved['max_abs']:.2e})." if moved else ".")
-    return text + (" Times are from a shared 2-core machine (load averages above); a window run's extraction and "
-                   "training share the cores, so its wall times are not a speed comparison.")
+    return text + TIMES
 
 
 def markdown(res: dict, args) -> str:

@@ -57,10 +57,19 @@ class ShardPlan:
     start: int  # first sample index (into the dataset's order)
     end: int  # one past the last
     est_tokens: int
+    skips: int = 0  # of its rows, those the planner found yield no sample (token count 0)
 
     @property
     def num_samples(self) -> int:
+        """Its rows: what its commit covers, samples stored and skipped together."""
         return self.end - self.start
+
+    @property
+    def planned_records(self) -> int:
+        """The samples its commit stores: its rows less `skips`. Exact, since the planner tokenizes
+        as extraction does (its commit may hold no more, `Claim.commit`); a follow trainer sizes its
+        epoch by it. A run planned before plans kept skips counts every row."""
+        return self.num_samples - self.skips
 
 
 def plan_shards(token_counts: Sequence[int], bytes_per_token: float, shard_bytes: int) -> list[ShardPlan]:
@@ -72,18 +81,20 @@ def plan_shards(token_counts: Sequence[int], bytes_per_token: float, shard_bytes
     if bytes_per_token <= 0 or shard_bytes <= 0:
         raise ConfigError("bytes_per_token and shard_bytes must be positive")
     shards: list[ShardPlan] = []
-    start, tokens, acc = 0, 0, 0.0
+    start, tokens, acc, skips = 0, 0, 0.0, 0
     for i, n in enumerate(token_counts):
         tokens += n
+        skips += n == 0  # a row the extraction skips (no answer, ...): it stores no sample
         acc += n * bytes_per_token
         if acc >= shard_bytes:
-            shards.append(ShardPlan(len(shards), start, i + 1, tokens))
-            start, tokens, acc = i + 1, 0, 0.0
+            shards.append(ShardPlan(len(shards), start, i + 1, tokens, skips))
+            start, tokens, acc, skips = i + 1, 0, 0.0, 0
     if start < len(token_counts):
-        if tokens == 0 and shards:  # rows the extraction skips (no answer): a shard of them would store nothing
-            shards[-1] = replace(shards[-1], end=len(token_counts))
+        if tokens == 0 and shards:  # skipped rows alone: a shard of them would store nothing
+            last = shards[-1]
+            shards[-1] = replace(last, end=len(token_counts), skips=last.skips + skips)
         else:
-            shards.append(ShardPlan(len(shards), start, len(token_counts), tokens))
+            shards.append(ShardPlan(len(shards), start, len(token_counts), tokens, skips))
     return shards
 
 
@@ -104,6 +115,11 @@ class Manifest:
     @property
     def est_tokens(self) -> int:
         return sum(s.est_tokens for s in self.shards)
+
+    @property
+    def planned_records(self) -> int:
+        """The samples the run stores once complete: its rows less those the plan knows it skips."""
+        return sum(s.planned_records for s in self.shards)
 
     @property
     def largest_shard_bytes(self) -> int:
@@ -137,6 +153,8 @@ class Manifest:
             "shard_bytes": self.shard_bytes,
             "bytes_per_token": self.bytes_per_token,
             "shards": [[s.start, s.end, s.est_tokens] for s in self.shards],  # compact: 35k shards
+            # per shard, beside `shards` (whose 3-item entries older readers unpack): read as 0s where absent
+            "planned_skips": [s.skips for s in self.shards],
         }
 
     @classmethod
@@ -148,7 +166,7 @@ class Manifest:
             raise UnsupportedVersion(f"{where} has manifest version {version}; this layertap reads version "
                                 f"{MANIFEST_VERSION}: use a matching layertap release")
         try:
-            shards = [ShardPlan(i, int(a), int(b), int(t)) for i, (a, b, t) in enumerate(obj["shards"])]
+            shards = _shard_plans(obj["shards"], obj.get("planned_skips"))
             return cls(run_id=str(obj["run_id"]), created_at=str(obj["created_at"]), config=dict(obj["config"]),
                        dataset=dict(obj["dataset"]), shard_bytes=int(obj["shard_bytes"]),
                        bytes_per_token=float(obj["bytes_per_token"]), shards=shards)
@@ -183,6 +201,20 @@ class Manifest:
         made, now = (json.dumps(kwargs or {}, sort_keys=True)
                      for kwargs in (self.dataset.get(TEMPLATE_KWARGS), dataset[TEMPLATE_KWARGS]))
         return [] if made == now else [f"chat template settings (--chat-template-kwargs): run has {made}, now {now}"]
+
+
+def _shard_plans(entries: Sequence, skips: Sequence | None) -> list[ShardPlan]:
+    """The plan from a manifest's `shards` and `planned_skips` (None: a run planned before plans
+    kept skips); ValueError where they do not fit each other."""
+    if skips is None:
+        return [ShardPlan(i, int(a), int(b), int(t)) for i, (a, b, t) in enumerate(entries)]
+    if not isinstance(skips, list) or len(skips) != len(entries):
+        raise ValueError(f"planned_skips is not a list of one count per shard ({len(entries)})")
+    shards = [ShardPlan(i, int(a), int(b), int(t), int(k)) for i, ((a, b, t), k) in enumerate(zip(entries, skips))]
+    bad = next((p for p in shards if not 0 <= p.skips <= p.num_samples), None)
+    if bad is not None:
+        raise ValueError(f"shard {bad.id} plans {bad.skips} skipped rows of its {bad.num_samples}")
+    return shards
 
 
 def load_manifest(store: ObjectStore) -> Manifest:

@@ -209,6 +209,12 @@ class Claim:
             planned = self.queue.manifest.shards[self.shard].num_samples
             raise ManifestError(f"shard {self.shard}: its object holds {info.num_records} sample(s) and "
                                 f"{len(skipped)} were skipped, the plan has {planned}: not committed")
+        plan = self.queue.manifest.shards[self.shard]
+        if info.num_records > plan.planned_records:  # a follow trainer's epoch is sized by the plan's count
+            raise ManifestError(f"shard {self.shard}: its object holds {info.num_records} sample(s), but the planner "
+                                f"found {plan.skips} of its {plan.num_samples} rows yield none ({plan.planned_records} "
+                                "at most): this worker tokenizes otherwise than the planner did (another layertap "
+                                "or tokenizer version?): not committed")
         self._creating_commit = True
         try:
             created = store.put_if_absent(layout.commit_key(self.shard), encode(record))

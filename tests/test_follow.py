@@ -325,6 +325,43 @@ def test_a_follow_epoch_with_no_committed_samples_trains_to_its_end(tmp_path, ca
     assert "holds a sample (its extraction skipped them all" in err and "--delete-consumed" not in err
 
 
+def test_the_follow_epoch_is_sized_by_the_samples_the_plan_stores_not_by_its_rows(tmp_path):
+    """The planner knows which rows yield no sample (token count 0); the follow epoch counted them
+    anyway: at --max-length 256, 83 of 300 ShareGPT rows, so 41 of 150 steps were padding alone
+    and the lr schedule was stretched over them. Now each rank pads only to the plan's largest
+    share of the samples it stores."""
+    from layertap.manifests.manifest import create_or_resume
+    from layertap.manifests.records import Producer
+    from layertap.manifests.work import WorkQueue
+    from layertap.storage.format import ShardMeta
+    from layertap.storage.writer import ShardWriter
+
+    uri, world = str(tmp_path / "run"), 2
+    store = _store(uri)
+    counts = [0 if i % 4 == 1 else n for i, n in enumerate(fake_worker.token_counts(SAMPLES))]
+    m = create_or_resume(store, config=fake_worker.CONFIG, dataset=fake_worker.DATASET, token_counts=counts,
+                         bytes_per_token=len(fake_worker.LAYERS) * fake_worker.HIDDEN * 2 / 1.3, shard_bytes=3000)[0]
+    kept = {f"s{i:05d}" for i, n in enumerate(counts) if n}
+    assert m.planned_records == len(kept) == 30 and len(m.shards) > 3
+    for claim in WorkQueue(store, m, Producer.current(0)):
+        with claim:
+            meta = ShardMeta(run_id=m.run_id, shard_id=claim.shard, model="synthetic", layers=fake_worker.LAYERS,
+                             hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+            with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+                for i in range(claim.plan.start, claim.plan.end):
+                    if counts[i]:
+                        w.write_sample(fake_worker.make_sample(i))
+                info = w.close()
+            assert claim.commit(info, skipped=[{"sample_id": f"s{i:05d}", "reason": "no_supervised_pair"}
+                                               for i in range(claim.plan.start, claim.plan.end) if not counts[i]])
+    got = [list(ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=world)) for r in range(world)]
+    target = follow_target([p.planned_records for p in m.shards], world)
+    assert [len(g) for g in got] == [target] * world
+    assert target < follow_target([p.num_samples for p in m.shards], world)  # what it was sized by
+    assert sorted(x["sample_id"] for g in got for x in g if not x["padding"]) == sorted(kept)
+    assert sum(x["padding"] for g in got for x in g) == world * target - len(kept) < len(m.shards)
+
+
 def test_a_trainer_waiting_where_no_run_is_coming_is_told_of_the_runs_beside(tmp_path):
     """`--data s3://acts/run-1` for a run at `run1`: "waiting for extraction: no run ... yet" every
     30 s, forever, with no word of the run next to it."""

@@ -104,6 +104,65 @@ def test_rows_the_extraction_skips_at_the_end_join_the_last_shard_not_one_of_the
     assert [(s.start, s.end) for s in plan_shards([0, 64, 0, 70], 16.0, 1000)] == [(0, 2), (2, 4)]
 
 
+def test_the_plan_counts_the_rows_each_shard_skips_and_keeps_them_in_the_manifest(store):
+    """A follow trainer sized its epoch by every planned row, skipped ones too: at --max-length 256,
+    83 of 300 ShareGPT rows have no answer, and 41 of its 150 steps were padding alone under a
+    stretched lr schedule. The plan knows them (token count 0) and now says how many per shard."""
+    shards = plan_shards([64, 0, 64, 0, 0, 64, 49, 0, 0], bytes_per_token=16.0, shard_bytes=1000)
+    assert [(s.start, s.end, s.skips, s.planned_records) for s in shards] == [(0, 1, 0, 1), (1, 3, 1, 1),
+                                                                              (3, 6, 2, 1), (6, 9, 2, 1)]
+    m, _ = create_or_resume(store, config={"model": "a", "layers": [1], "codec": "bf16"}, dataset={"fingerprint": "f"},
+                            token_counts=[64, 0, 64, 0, 0, 64, 49, 0, 0], bytes_per_token=16.0, shard_bytes=1000)
+    again = load_manifest(store)
+    assert [s.skips for s in again.shards] == [0, 1, 2, 2] and again.shards == m.shards
+    assert again.planned_records == 4 and again.num_samples == 9
+    raw = json.loads(store.get(layout.MANIFEST))
+    assert all(len(e) == 3 for e in raw["shards"])  # the entries older readers unpack keep their shape
+    del raw["planned_skips"]  # a run planned before plans counted skips: every row counts
+    store.put(layout.MANIFEST, json.dumps(raw).encode())
+    assert load_manifest(store).planned_records == 9
+    for bad, said in (([0, 1], "one count per shard (4)"), ([0, 3, 0, 0], "shard 1 plans 3 skipped rows of its 2"),
+                      ([0, -1, 0, 0], "shard 1 plans -1"), ("0,1", "one count per shard")):
+        store.put(layout.MANIFEST, json.dumps(dict(raw, planned_skips=bad)).encode())
+        with pytest.raises(ManifestError, match="is corrupt") as e:
+            load_manifest(store)
+        assert said in str(e.value)
+
+
+def test_a_commit_of_more_samples_than_the_plan_counts_is_refused(store_uri):
+    """The plan counts which rows yield no sample, and a follow trainer sizes its epoch by that: a
+    worker that stores one of them (tokenizing otherwise than the planner) would push a consumer
+    past the count every rank pads to. Refused, not committed; one that skips more is fine."""
+    store = open_store(store_uri)
+    counts = fake_worker.token_counts(40)
+    counts[1] = counts[3] = 0  # the planner found rows 1 and 3 yield no sample
+    manifest = create_or_resume(store, config=fake_worker.CONFIG, dataset=fake_worker.DATASET, token_counts=counts,
+                                bytes_per_token=len(fake_worker.LAYERS) * fake_worker.HIDDEN * 2 / 1.3,
+                                shard_bytes=4000)[0]
+    first = manifest.shards[0]
+    assert first.skips == 2 and first.end > 4
+    claim = next(iter(WorkQueue(store, manifest, Producer.current(), poll_s=0.2)))
+    assert claim.shard == 0
+
+    def write(ids):
+        meta = ShardMeta(run_id=manifest.run_id, shard_id=0, model="synthetic", layers=fake_worker.LAYERS,
+                         hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+        with ShardWriter(store.open_writer(claim.data_key), meta) as w:
+            for i in ids:
+                w.write_sample(fake_worker.make_sample(i))
+            return w.close()
+
+    with pytest.raises(ManifestError) as e, claim:
+        claim.commit(write([i for i in range(first.start, first.end) if i != 3]), skipped=[{"sample_id": "s00003"}])
+    assert (f"shard 0: its object holds {first.num_samples - 1} sample(s), but the planner found 2 of its "
+            f"{first.num_samples} rows yield none ({first.planned_records} at most)") in str(e.value)
+    assert "not committed" in str(e.value) and not store.exists(layout.commit_key(0))
+    claim = next(iter(WorkQueue(store, manifest, Producer.current(), poll_s=0.2)))
+    with claim:  # skipping a row the plan kept (the row's own failure) stays allowed
+        skipped = [{"sample_id": f"s{i:05d}"} for i in (1, 2, 3)]
+        assert claim.commit(write([i for i in range(first.start, first.end) if i not in (1, 2, 3)]), skipped=skipped)
+
+
 def test_plan_913k_samples_is_fast_enough_to_be_routine():
     counts = [800] * 913_786
     shards = plan_shards(counts, bytes_per_token=51_200 / 1.45, shard_bytes=1_000_000_000)

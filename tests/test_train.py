@@ -371,6 +371,19 @@ def test_training_from_s3_lowers_the_loss_and_exports_the_drafter(run, target, t
     assert "pass --resume" in capsys.readouterr().err
 
 
+def test_a_follow_epoch_of_a_real_extraction_counts_only_the_samples_it_stores(run, target, tmp_path, caplog):
+    """The run's 41 rows hold one without an answer, which extraction skips and its plan knows of:
+    the follow epoch is 40 samples (10 steps of 4), not 41 (11, the last of padding alone)."""
+    manifest = load_manifest(open_store(run))
+    assert manifest.num_samples == 41 and manifest.planned_records == 40
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.INFO, logger="layertap"):
+        assert train_cli("--data", run, "--model", target, "--out", out, "--follow", "--follow-poll-s", "0.5",
+                         *FAST) == 0
+    assert [r["step"] for r in metrics(out)] == list(range(1, 11))
+    assert "40 samples per epoch over 1 rank(s); 10 steps (10 per epoch)" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["ce", "ce+kl"])
 def test_resume_after_sigkill_repeats_the_same_batches_and_losses(objective, target, tmp_path, request):

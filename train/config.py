@@ -61,7 +61,8 @@ class TrainConfig:
     follow: bool = setting(False, help="train while the run is extracted: start before or during `layertap extract` "
                                        "(even before its manifest exists); the first epoch takes shards as they are "
                                        "committed and ends once extraction is over. Its step count comes from the "
-                                       "manifest's planned samples (--steps overrides); later epochs read the "
+                                       "samples the manifest's plan stores (its rows less those it knows are skipped; "
+                                       "--steps overrides); later epochs read the "
                                        "complete run as usual")
     follow_poll_s: float = setting(30.0, help="with --follow: the longest wait in seconds between looks for new "
                                               "commits (backoff from 0.5 s)")

@@ -20,7 +20,7 @@ from layertap.train.order import follow_share, follow_target, worker_span
 class Position:
     """The epoch, samples yielded per consumer, and the consumer whose batch is due next.
 
-    Follow mode (`follow`: the planned records per shard and the world size) makes epoch 0 the
+    Follow mode (`follow`: the planned records per shard, `ShardPlan.planned_records`, and the world size) makes epoch 0 the
     follow epoch: every consumer yields `follow_target` samples, and the position also holds
     each consumer's list of shards taken, in the order it found them (`taken`), with each
     shard's record count (`taken_records`, None where a state saved before them lacks it): what

@@ -289,7 +289,7 @@ class ShardStream(IterableDataset):
         if c.follow:  # the run may not exist yet; its shards are found while iterating
             manifest = wait_for_manifest(self._store(), c.follow_poll_s)
             self.shards, self._new_index, self._settled = [], None, False
-            follow = ([p.num_samples for p in manifest.shards], self.world_size)
+            follow = ([p.planned_records for p in manifest.shards], self.world_size)
         else:
             if committed is None:
                 manifest, self.shards, self._new_index = load_index(self._store(), unfinished_warning=self.rank == 0)

@@ -385,7 +385,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     # collate writes the states into pinned memory where it runs in this process (no workers)
     loader = StreamLoader(stream, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                           collate_fn=partial(collate, pin_memory=cuda and cfg.num_workers == 0))
-    # with --follow: the follow epoch's batches, computed from the manifest's planned samples
+    # with --follow: the follow epoch's batches, computed from the samples the manifest's plan stores
     steps_per_epoch = -(-len(loader) // cfg.grad_accum)  # the last takes the batches left (`train_step`)
     total = cfg.steps or cfg.epochs * steps_per_epoch
     if cfg.delete_consumed and total != steps_per_epoch:
@@ -418,7 +418,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         log.info("resumed from %s/checkpoints step %d", cfg.out, start)
     _check_consumer(cfg, data, out.uri, rank, world, run.largest_shard_bytes, fresh=ckpt is None)
     if rank == 0:
-        samples = run.num_samples if cfg.follow else stream.total_samples
+        samples = run.planned_records if cfg.follow else stream.total_samples
         log.info("drafter: %d layers, %s trainable parameters, block %d; %d samples per epoch over %d rank(s); "
                  "%d step%s (%d per epoch)", model.config.num_layers, f"{num_parameters(model):,}",
                  model.config.block_size, samples, world, total, "" if total == 1 else "s", steps_per_epoch)
