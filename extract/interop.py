@@ -252,9 +252,12 @@ def _token_counts(files: list[ForeignFile], first_tokens: int, values_per_token:
     """Each file's tokens for the plan: exact where the layout lists them, else estimated from
     its size at the first file's tokens per byte (opening every file twice would double the I/O).
     A first file of no tokens gives no rate (every file was planned as one token: one giant shard):
-    then a token is taken for its capture values at 2 bytes each, the most tokens a file can hold."""
+    then a token is taken for its capture values at 2 bytes each, the most tokens a file can hold.
+    At least 1 each: a count of 0 plans the row as one the import skips (`plan_shards`), and its
+    commit may then hold no record of it, but a listed count is not what the import reads (a
+    speculators `seq_len` of 0 beside token ids it imports)."""
     per_byte = first_tokens / files[0].size if first_tokens and files[0].size else 1 / (2 * max(values_per_token, 1))
-    return [f.num_tokens if f.num_tokens is not None else max(1, round(f.size * per_byte)) for f in files]
+    return [max(1, f.num_tokens if f.num_tokens is not None else round(f.size * per_byte)) for f in files]
 
 
 def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[int], model: str, codec: str,

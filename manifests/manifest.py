@@ -66,9 +66,10 @@ class ShardPlan:
 
     @property
     def planned_records(self) -> int:
-        """The samples its commit stores: its rows less `skips`. Exact, since the planner tokenizes
-        as extraction does (its commit may hold no more, `Claim.commit`); a follow trainer sizes its
-        epoch by it. A run planned before plans kept skips counts every row."""
+        """The most samples its commit stores: its rows less `skips`. Exact for an extraction (the
+        planner tokenizes as its workers do); an import counts every row. Its commit may hold no
+        more (`Claim.commit`, and a follow trainer reading it): a follow trainer sizes its epoch by
+        it. A run planned before plans kept skips counts every row."""
         return self.num_samples - self.skips
 
 
@@ -210,7 +211,9 @@ def _shard_plans(entries: Sequence, skips: Sequence | None) -> list[ShardPlan]:
         return [ShardPlan(i, int(a), int(b), int(t)) for i, (a, b, t) in enumerate(entries)]
     if not isinstance(skips, list) or len(skips) != len(entries):
         raise ValueError(f"planned_skips is not a list of one count per shard ({len(entries)})")
-    shards = [ShardPlan(i, int(a), int(b), int(t), int(k)) for i, ((a, b, t), k) in enumerate(zip(entries, skips))]
+    if not all(type(k) is int for k in skips):  # 1.9 or true read as a count of rows: the plan is damaged
+        raise ValueError(f"planned_skips holds {next(k for k in skips if type(k) is not int)!r}, not a count of rows")
+    shards = [ShardPlan(i, int(a), int(b), int(t), k) for i, ((a, b, t), k) in enumerate(zip(entries, skips))]
     bad = next((p for p in shards if not 0 <= p.skips <= p.num_samples), None)
     if bad is not None:
         raise ValueError(f"shard {bad.id} plans {bad.skips} skipped rows of its {bad.num_samples}")

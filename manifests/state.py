@@ -161,6 +161,23 @@ def fits_plan(commit: CommitRecord | FeedCommit, manifest: Manifest) -> bool:
     return 0 <= commit.shard < len(manifest.shards) and commit.covered == manifest.shards[commit.shard].num_samples
 
 
+def over_plan(commit: CommitRecord | FeedCommit, manifest: Manifest) -> bool:
+    """Whether a commit holds more samples than its plan counts (`ShardPlan.planned_records`): made
+    by a worker that keeps rows the planner found yield none (`Claim.commit` refuses that; one of
+    a layertap that ignores the plan's `planned_skips` does not)."""
+    return commit.num_records > manifest.shards[commit.shard].planned_records
+
+
+def over_plan_error(uri: str, shards: list[int]) -> ManifestError:
+    """For a follow trainer, which sizes its epoch by the plan's samples and cannot take more."""
+    return ManifestError(
+        f"{len(shards)} commit(s) under {uri.rstrip('/')}/{layout.COMMITS} hold more samples than the run's plan "
+        f"counts for their shard (shards {listing(shards)}): rows the planner found yield none were stored, by a "
+        "worker that tokenizes otherwise (an older layertap, which ignores the plan's skipped rows, or another "
+        "tokenizer version). A follow epoch is sized by the plan and cannot train them: extract with the "
+        "layertap that planned the run, or train once extraction is done, without --follow")
+
+
 def replaced_manifest_error(uri: str, shards: list[int]) -> ManifestError:
     shown = listing(shards)
     return ManifestError(

@@ -325,41 +325,97 @@ def test_a_follow_epoch_with_no_committed_samples_trains_to_its_end(tmp_path, ca
     assert "holds a sample (its extraction skipped them all" in err and "--delete-consumed" not in err
 
 
-def test_the_follow_epoch_is_sized_by_the_samples_the_plan_stores_not_by_its_rows(tmp_path):
-    """The planner knows which rows yield no sample (token count 0); the follow epoch counted them
-    anyway: at --max-length 256, 83 of 300 ShareGPT rows, so 41 of 150 steps were padding alone
-    and the lr schedule was stretched over them. Now each rank pads only to the plan's largest
-    share of the samples it stores."""
+def extract_with_planned_skips(uri: str, *, keep_all: bool = False):
+    """fake_worker's 40 rows with every 4th (from row 1) planned as one extraction skips, extracted
+    as planned, or (`keep_all`) by a worker that ignores the plan's skips (an older layertap's):
+    the manifest and the counts planned."""
+    from dataclasses import replace
+
     from layertap.manifests.manifest import create_or_resume
     from layertap.manifests.records import Producer
     from layertap.manifests.work import WorkQueue
     from layertap.storage.format import ShardMeta
     from layertap.storage.writer import ShardWriter
 
-    uri, world = str(tmp_path / "run"), 2
     store = _store(uri)
     counts = [0 if i % 4 == 1 else n for i, n in enumerate(fake_worker.token_counts(SAMPLES))]
     m = create_or_resume(store, config=fake_worker.CONFIG, dataset=fake_worker.DATASET, token_counts=counts,
                          bytes_per_token=len(fake_worker.LAYERS) * fake_worker.HIDDEN * 2 / 1.3, shard_bytes=3000)[0]
-    kept = {f"s{i:05d}" for i, n in enumerate(counts) if n}
-    assert m.planned_records == len(kept) == 30 and len(m.shards) > 3
-    for claim in WorkQueue(store, m, Producer.current(0)):
+    seen = replace(m, shards=[replace(p, skips=0) for p in m.shards]) if keep_all else m
+    for claim in WorkQueue(store, seen, Producer.current(0)):
         with claim:
             meta = ShardMeta(run_id=m.run_id, shard_id=claim.shard, model="synthetic", layers=fake_worker.LAYERS,
                              hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
+            rows = range(claim.plan.start, claim.plan.end)
             with ShardWriter(store.open_writer(claim.data_key), meta) as w:
-                for i in range(claim.plan.start, claim.plan.end):
-                    if counts[i]:
+                for i in rows:
+                    if counts[i] or keep_all:
                         w.write_sample(fake_worker.make_sample(i))
                 info = w.close()
             assert claim.commit(info, skipped=[{"sample_id": f"s{i:05d}", "reason": "no_supervised_pair"}
-                                               for i in range(claim.plan.start, claim.plan.end) if not counts[i]])
+                                               for i in rows if not (counts[i] or keep_all)])
+    return m, counts
+
+
+def test_the_follow_epoch_is_sized_by_the_samples_the_plan_stores_not_by_its_rows(tmp_path):
+    """The planner knows which rows yield no sample (token count 0); the follow epoch counted them
+    anyway: at --max-length 256, 83 of 300 ShareGPT rows, so 41 of 150 steps were padding alone
+    and the lr schedule was stretched over them. Now each rank pads only to the plan's largest
+    share of the samples it stores."""
+    uri, world = str(tmp_path / "run"), 2
+    m, counts = extract_with_planned_skips(uri)
+    kept = {f"s{i:05d}" for i, n in enumerate(counts) if n}
+    assert m.planned_records == len(kept) == 30 and len(m.shards) > 3
     got = [list(ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=world)) for r in range(world)]
     target = follow_target([p.planned_records for p in m.shards], world)
     assert [len(g) for g in got] == [target] * world
     assert target < follow_target([p.num_samples for p in m.shards], world)  # what it was sized by
     assert sorted(x["sample_id"] for g in got for x in g if not x["padding"]) == sorted(kept)
     assert sum(x["padding"] for g in got for x in g) == world * target - len(kept) < len(m.shards)
+
+
+def test_a_follow_epoch_refuses_commits_holding_more_samples_than_the_plan_counts(tmp_path):
+    """Rows the plan counts as skipped, stored by a worker that ignores the plan's skips (an older
+    layertap's): a consumer yielded past the count every rank pads to (17 of 16 each), and 6 of the
+    40 samples were never trained. Refused with what to do; a plain epoch reads the run as it is."""
+    from layertap.manifests.manifest import ManifestError
+
+    uri = str(tmp_path / "run")
+    m, _ = extract_with_planned_skips(uri, keep_all=True)
+    with pytest.raises(ManifestError) as e:
+        list(ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=2))
+    assert f"{len(m.shards)} commit(s) under {uri}/commits/ hold more samples than the run's plan" in str(e.value)
+    assert "train once extraction is done, without --follow" in str(e.value)
+    plain = ShardStream(uri, config=StreamConfig(**dict(CFG, follow=False)), rank=0, world_size=1)
+    assert sorted(x["sample_id"] for x in plain) == sorted(ALL)
+
+
+def test_a_follow_state_sized_at_another_count_is_refused_as_such(tmp_path):
+    """A follow trainer of a release that sized the epoch by rows, resumed by one that sizes it by
+    the plan's samples: its schedule changed mid-run without a word, or (more consumed than the new
+    count) it was called damaged. The state records the count it was sized at."""
+    uri = str(tmp_path / "run")
+    extract_with_planned_skips(uri)
+    stream = ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1)
+    it = iter(stream)
+    for _ in range(5):
+        next(it)
+    state = stream.state_dict()
+    it.close()
+    assert state["follow_target"] == 30 and state["consumed"] == [5]
+
+    def resumed(state):
+        ShardStream(uri, config=StreamConfig(**CFG), rank=0, world_size=1).load_state_dict(state)
+
+    resumed(state)  # its own: taken
+    with pytest.raises(InputError, match="this state's follow epoch gives each consumer 40 samples, where this "
+                                         "layertap sizes it at 30 from the run's plan"):
+        resumed(dict(state, follow_target=40))
+    old = {k: v for k, v in state.items() if k != "follow_target"}  # saved before states recorded it
+    resumed(old)
+    with pytest.raises(InputError, match="consumed 35 samples of epoch 0, whose share gives it 30 .* one from "
+                                         "before plans counted their skipped rows"):
+        resumed(dict(old, consumed=[35]))
 
 
 def test_a_trainer_waiting_where_no_run_is_coming_is_told_of_the_runs_beside(tmp_path):

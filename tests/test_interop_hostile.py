@@ -162,13 +162,18 @@ def test_an_empty_first_file_does_not_plan_the_import_as_one_shard(qwen3, tmp_pa
     assert len(json.loads((out / "manifest.json").read_text())["shards"]) > 5
 
 
-@pytest.mark.parametrize("damage", ["null row", "string ids"])
+@pytest.mark.parametrize("damage", ["null row", "string ids", "seq_len 0"])
 def test_a_malformed_speculators_dataset_names_its_row_or_column(qwen3, tmp_path, capsys, damage):
+    """"seq_len 0": the column the plan counts tokens by, beside token ids the import reads: planned as
+    a row the import skips, its record made the commit hold more than the plan, refused on every retry."""
     src = write_files(tmp_path / "src", "speculators", [sample(i) for i in range(3)])
     rows = datasets.load_from_disk(src)
     rows = rows.to_list()
     if damage == "null row":
         rows[1]["input_ids"] = None
+    elif damage == "seq_len 0":
+        assert rows[1]["seq_len"] > 0
+        rows[1]["seq_len"] = 0
     else:
         for r in rows:
             r["input_ids"] = [str(i) for i in r["input_ids"]]
@@ -183,6 +188,9 @@ def test_a_malformed_speculators_dataset_names_its_row_or_column(qwen3, tmp_path
     if damage == "null row":  # that row alone: skipped, named
         assert code == 0, capsys.readouterr().err[-3000:]
         _one_skipped(out, "unreadable", "row 1 of the speculators dataset")
+    elif damage == "seq_len 0":  # the import reads the ids: every row imported
+        assert code == 0, capsys.readouterr().err[-3000:]
+        assert len(imported(out)[0]) == 3
     else:  # every row: the import is refused before anything is written
         assert code == 2 and "its column input_ids is List(Value('string'))" in capsys.readouterr().err
         assert not os.path.exists(out)

@@ -122,7 +122,8 @@ def test_the_plan_counts_the_rows_each_shard_skips_and_keeps_them_in_the_manifes
     store.put(layout.MANIFEST, json.dumps(raw).encode())
     assert load_manifest(store).planned_records == 9
     for bad, said in (([0, 1], "one count per shard (4)"), ([0, 3, 0, 0], "shard 1 plans 3 skipped rows of its 2"),
-                      ([0, -1, 0, 0], "shard 1 plans -1"), ("0,1", "one count per shard")):
+                      ([0, -1, 0, 0], "shard 1 plans -1"), ("0,1", "one count per shard"),
+                      ([0, True, 0, 0], "holds True, not a count of rows"), ([0, 1.9, 0, 0], "holds 1.9")):
         store.put(layout.MANIFEST, json.dumps(dict(raw, planned_skips=bad)).encode())
         with pytest.raises(ManifestError, match="is corrupt") as e:
             load_manifest(store)

@@ -43,7 +43,8 @@ from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.records import CommitRecord, FeedCommit, decode_commit
-from layertap.manifests.state import feed_since, fits_plan, listed_shards, replaced_manifest_error, scan_work
+from layertap.manifests.state import (feed_since, fits_plan, listed_shards, over_plan, over_plan_error,
+                                      replaced_manifest_error, scan_work)
 from layertap.manifests.work import patiently
 from layertap.storage.errors import UserError
 from layertap.storage.retry import SPREAD, Backoff
@@ -195,6 +196,9 @@ class CommitWatcher:
         foreign = sorted(r.shard for r in records if not fits_plan(r, self.manifest))
         if foreign:
             raise replaced_manifest_error(self.store.uri, foreign)
+        over = sorted(r.shard for r in records if over_plan(r, self.manifest))
+        if over:  # a consumer would yield past the count every rank pads to
+            raise over_plan_error(self.store.uri, over)
         new = sorted({r.shard: r for r in records if r.shard not in self.known}.values(), key=lambda r: r.shard)
         self.known.update((r.shard, r) for r in new)
         if new:  # extraction moved: a stall seen before is over, and a consumer low on work looks promptly

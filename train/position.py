@@ -193,6 +193,8 @@ class Position:
         state = {"epoch": self._epoch, "num_workers": len(consumed) if consumed else None,
                  "consumed": list(consumed or []), "next_worker": self._next}
         if self._follow_epoch():
+            if consumed:  # what the follow epoch was sized at: another layertap may size it otherwise
+                state["follow_target"] = self._counts(len(consumed), True)[0]
             state["taken"] = [list(t) for t in self._taken or []]
             state["taken_records"] = [list(r) for r in self._records or []]
         elif self.follow_trained is not None:
@@ -200,6 +202,7 @@ class Position:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_follow_target(state)
         consumed = self._checked_counts(state)
         next_worker = state.get("next_worker", 0)
         if type(next_worker) is not int or not 0 <= next_worker < max(1, len(consumed)):
@@ -217,6 +220,20 @@ class Position:
                 records = [[None] * len(t) for t in self._taken]  # saved before the counts were
             self._records = [[None if n is None else int(n) for n in r] for r in records]
         self._roll()
+
+    def _check_follow_target(self, state: dict[str, Any]) -> None:
+        """Refuse a follow epoch's state saved where it was sized at another count per consumer (a
+        layertap that counted the plan's skipped rows as samples): resumed, its step count and lr
+        schedule would change mid-run, or its counts read as damaged."""
+        saved, consumed = state.get("follow_target"), state.get("consumed")
+        if saved is None or self.follow is None or state.get("epoch") != 0 or not isinstance(consumed, list) \
+                or not consumed:
+            return
+        ours = self._counts(len(consumed), True)[0]
+        if saved != ours:
+            raise InputError(f"this state's follow epoch gives each consumer {saved!r} samples, where this layertap "
+                             f"sizes it at {ours} from the run's plan (a release that counts the plan's skipped rows "
+                             "otherwise saved it): resume with the layertap release that saved it")
 
     def _checked_counts(self, state: dict[str, Any]) -> list[int]:
         """The state's samples consumed per worker, each an int within its share of the epoch. Taken
@@ -236,8 +253,11 @@ class Position:
             counts = self._counts(len(consumed), self.follow is not None and epoch == 0)
             for w, (n, most) in enumerate(zip(consumed, counts)):
                 if not 0 <= n <= most:
+                    sized = (" (or a layertap that sized the follow epoch otherwise saved it: one from before "
+                             "plans counted their skipped rows, whose release resumes it)"
+                             if self.follow is not None and epoch == 0 and "follow_target" not in state else "")
                     raise InputError(f"corrupt ShardStream state: worker {w} consumed {n} samples of epoch {epoch}, "
-                                     f"whose share gives it {most} (consumed {consumed}); {fix}")
+                                     f"whose share gives it {most} (consumed {consumed}); {fix}{sized}")
         return list(consumed)
 
     def _roll(self) -> None:
