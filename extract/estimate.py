@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from layertap.storage.codecs import CODEC_NAMES, get_codec
 from layertap.storage.errors import ConfigError
+from layertap.storage.units import counted
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 BF16_BYTES = 2
@@ -476,7 +477,7 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
         f"{'  whole run':<26}{fmt_size(est.total_bytes_raw, 'GiB', 1):>22}"
         f"{fmt_size(est.total_bytes_stored, 'GiB', 1):>22}",
         f"{'':<26}{fmt_bytes(est.total_bytes_raw, 'B'):>22}{fmt_bytes(est.total_bytes_stored, 'B'):>22}",
-        f"  {est.shards:,} shards of {fmt_bytes(est.bytes_per_shard_stored)} stored on average; "
+        f"  {counted(est.shards, 'shard')} of {fmt_bytes(est.bytes_per_shard_stored)} stored on average; "
         f"raw/stored {est.compression:.3f}x overall",
         "",
         "transfer and time",

@@ -45,7 +45,7 @@ from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectNotFound, ObjectStore, is_write_probe
-from layertap.storage.units import listing
+from layertap.storage.units import counted, listing, possessive
 from layertap.storage.writer import ShardWriter
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def check_exportable(fmt: str, run: RunConfig, uri: str) -> None:
     if need != "none" and run.final_state != need:
         what = {"prenorm": "the last decoder layer's output before the final norm",
                 "postnorm": "the last layer's state after the final norm"}[need]
-        raise ConfigError(f"{fmt}'s files hold {what} beside the capture layers, but the run at {uri} stored "
+        raise ConfigError(f"{possessive(fmt)} files hold {what} beside the capture layers, but the run at {uri} stored "
                           f"final_state={run.final_state!r}: extract the run with --final-state {need} to export it "
                           f"to {fmt}")
 
@@ -299,8 +299,10 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
         token_counts=counts, shard_bytes=shard_bytes,
         bytes_per_token=planned_bytes_per_token(capture_layers=len(ours), hidden_size=identity.hidden_size,
                                                 final_state=rd.final_state != "none", codec=codec))
-    log.info("%s run %s at %s: %d samples from %s in %d shards", "planned" if created else "resuming",
-             manifest.run_id, out.uri, len(files), src.uri, len(manifest.shards))
+    log.info("%s run %s at %s: %s from %s in %s", "planned" if created else "resuming", manifest.run_id, out.uri,
+             counted(len(files), "sample"), src.uri, counted(len(manifest.shards), "shard"))
+    if ours != layers:  # ids given in the files' convention: said, so that a mistake in it shows
+        log.info("capture layers %s (%s ids, as --layers names them) are layertap's %s", layers, possessive(fmt), ours)
     return manifest, rd, files, target
 
 
@@ -308,8 +310,10 @@ def check_layer_order(fmt: str, layers: list[int]) -> None:
     """Refuse --layers out of ascending order: every format's files hold the capture layers
     ascending (`layer_order`), so --layers 4,2 would record layer 4 for the states of layer 2 and
     the other way round, without an error anywhere later."""
+    if len(set(layers)) != len(layers):  # said here, without the target's config.json, which plays no part
+        raise ConfigError(f"--layers {','.join(map(str, layers))}: capture layers repeat")
     if any(a > b for a, b in zip(layers, layers[1:])):
-        raise ConfigError(f"--layers {','.join(map(str, layers))}: {fmt}'s files hold the capture layers in "
+        raise ConfigError(f"--layers {','.join(map(str, layers))}: {possessive(fmt)} files hold the capture layers in "
                           f"ascending order (as vLLM and SGLang gather them, and ModelOpt's dumpers sort them), so "
                           f"--from {fmt} takes them ascending: pass --layers {','.join(map(str, sorted(layers)))}")
 
@@ -335,9 +339,11 @@ def check_target_layers(fmt: str, layers: list[int], ours: list[int], num_layers
     try:
         check_layers(ours, num_layers)
     except ConfigError as e:
-        ids = f" ({fmt}'s ids; layertap's {','.join(map(str, ours))})" if ours != layers else ""
+        ids = f" ({possessive(fmt)} ids; layertap's {','.join(map(str, ours))})" if ours != layers else ""
         raise ConfigError(f"--layers {','.join(map(str, layers))}{ids}: {e}, per {source}") from None
-    if (why := unservable_layer(ours, num_layers)) is not None:
+    remedy = (f"these files hold it, so for a servable drafter capture again (`layertap extract`) with layers below "
+              f"{num_layers - 1}")
+    if (why := unservable_layer(ours, num_layers, remedy)) is not None:
         log.warning(why)
 
 
@@ -346,6 +352,9 @@ def read_target(model: str, gguf_file: str | None) -> Target:
     records this folder and the `layertap train` that import prints as the next step reads the
     target's embeddings from it (train/target_head.py), so a folder train cannot read is refused
     now, before any work, not after the import."""
+    from layertap.extract.model import refuse_gguf_as_folder
+
+    refuse_gguf_as_folder(model)
     if not os.path.isdir(model):
         raise MissingInput(f"--model {model!r} is not a folder on this machine: import records the target's local "
                            "folder, where it reads the hidden size and `layertap train` the embeddings (a hub model: "
@@ -416,7 +425,7 @@ def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int
     if recorded is not None and not (type(recorded) is list and all(type(i) is int for i in recorded)):
         raise InputError(f"{EXPORT_NOTE} beside {where} is corrupt: its {fmt}_layer_ids is {recorded!r:.80}, not a "
                          "list of layer ids; remove it (or restore it) and give --layers")
-    seen = f"; {EXPORT_NOTE} beside them records {fmt}'s layer ids {recorded}" if recorded else ""
+    seen = f"; {EXPORT_NOTE} beside them records {possessive(fmt)} layer ids {recorded}" if recorded else ""
     if note is not None and note.get("hidden_size") not in (None, hidden):
         raise InputError(f"{EXPORT_NOTE} beside {where} says its states are {note['hidden_size']} wide (a run of "
                          f"{note.get('model')}), but the target's hidden size is {hidden} (from {hidden_from}): pass "
@@ -429,11 +438,15 @@ def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int
                          f"{hidden_from}): are these states of --model's model?{seen}")
     held = total // hidden
     if held != len(layers):
+        # a wrong --model reads as a wrong count too (576-wide states of 3 layers, a 64-wide target: "27 layers")
+        other = (f"; or, if --layers is right, they are states {total // len(layers):,} wide: another model's than "
+                 "--model's, so pass the target they came from as --model" if total % len(layers) == 0 else "")
         raise InputError(f"{where} holds {total:,} values per token of capture-layer states; at the target's hidden "
                          f"size {hidden} (from {hidden_from}) that is {held} capture layer(s), but --layers {given} "
-                         f"names {len(layers)}: give --layers the {held} ids the files hold, in their order{seen}")
+                         f"names {len(layers)}: give --layers the {held} ids the files hold, in their order{seen}"
+                         f"{other}")
     if recorded is not None and list(recorded) != list(layers):
-        raise InputError(f"--layers {given}, but {EXPORT_NOTE} beside {where} records that the files hold {fmt}'s "
+        raise InputError(f"--layers {given}, but {EXPORT_NOTE} beside {where} records that the files hold {possessive(fmt)} "
                          f"layer ids {recorded} (layertap's {note.get('layers')}): pass --layers "
                          f"{','.join(map(str, recorded))}")
 

@@ -35,13 +35,15 @@ def run_export(args: argparse.Namespace) -> int:
     from layertap.extract.interop import export_run
     from layertap.storage.errors import ConfigError
     from layertap.storage.store import open_store
+    from layertap.storage.units import counted, possessive
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     note = export_run(open_store(args.run), args.format, open_store(args.dest), limit=args.limit,
                       rows_only=args.rows_only)
-    print(f"exported {note['samples']} samples of {args.run} to {args.dest} in {args.format}'s layout; "
-          f"layers {note['layers']} (layertap's ids) are {args.format}'s {note[f'{args.format}_layer_ids']}")
+    owner = possessive(args.format)
+    print(f"exported {counted(note['samples'], 'sample')} of {args.run} to {args.dest} in {owner} layout; "
+          f"layers {note['layers']} (layertap's ids) are {owner} {note[f'{args.format}_layer_ids']}")
     return 0
 
 

@@ -83,14 +83,18 @@ class TokenStats:
         return round(self.samples * self.tokens_read / self.samples_read)
 
     def describe(self, where: str) -> str:
-        how = (f"all {self.rows:,} rows" if self.exact
-               else f"{self.rows_read:,} evenly spaced of {self.rows:,} rows, extrapolated")
+        """Where the token counts come from, and what the rows read held (skips and truncation
+        counted over the rows read; the totals built on them are extrapolated)."""
+        how = (f"all {self.rows:,} rows of {where}" if self.exact
+               else f"{self.rows_read:,} of the {self.rows:,} rows of {where} (evenly spaced; the totals extrapolated "
+                    "from them)")
         skipped = sum(self.skipped.values())
         extra = f"; {skipped:,} skipped" + (f" ({', '.join(f'{k}: {v:,}' for k, v in sorted(self.skipped.items()))})"
                                             if skipped else "")
         dropped = (f"; {self.dropped_turns:,} assistant turn(s) before a chat's first user turn left out (no prompt "
                    "to answer)" if self.dropped_turns else "")
-        return f"tokenized {how} of {where}{extra}; {self.truncated:,} truncated to max length{dropped}"
+        read = "" if self.exact else " (of the rows read)"
+        return f"tokenized {how}{extra}; {self.truncated:,} truncated to max length{dropped}{read}"
 
 
 def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None = None,

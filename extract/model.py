@@ -70,6 +70,15 @@ def padding_id(target: Target) -> int:
     return pad if pad is not None and 0 <= pad < int(target.info["vocab_size"]) else 0
 
 
+def refuse_gguf_as_folder(path: str) -> None:
+    """`MissingInput` naming --model DIR --gguf-file NAME for a --model that is a GGUF file itself
+    (each command said the folder was missing, or had no config.json)."""
+    if path.endswith(".gguf") and os.path.isfile(path):
+        folder, name = os.path.split(os.path.abspath(path))
+        raise MissingInput(f"--model {path!r} is a GGUF file: pass the folder that holds it as --model and the file's "
+                           f"name as --gguf-file (--model {folder} --gguf-file {name})")
+
+
 def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16,
                 attn_implementation: str = "auto", device: str | torch.device = "cpu",
                 weights: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None) -> Target:
@@ -85,6 +94,7 @@ def load_target(path: str, gguf_file: str | None = None, dtype: torch.dtype = to
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    refuse_gguf_as_folder(path)
     local = os.path.exists(path)
     if not local and not _HUB_ID.match(path):
         raise MissingInput(f"target model {path!r} does not exist; give a model folder or an org/name hub id")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from layertap.storage.errors import ConfigError
-from layertap.storage.units import duration, listing, size
+from layertap.storage.units import counted, duration, listing, size
 
 if TYPE_CHECKING:
     from layertap.manifests.manifest import NoRun
@@ -428,7 +428,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print(f"verified {result.checked} committed shards: {result.ok} ok, {len(result.bad)} bad"
+        print(f"verified {counted(result.checked, 'committed shard')}: {result.ok} ok, {len(result.bad)} bad"
               + (f"; {result.consumed} more consumed by training (data deleted, as intended; not read)"
                  if result.consumed else ""))
         for b in result.bad:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from layertap.storage.errors import InputError
+from layertap.storage.units import possessive
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -47,7 +48,7 @@ def layer_order(fmt: str, layers: list[int]) -> list[int]:
     return sorted(range(len(layers)), key=layers.__getitem__)
 
 
-def unservable_layer(layers: list[int], num_layers: int) -> str | None:
+def unservable_layer(layers: list[int], num_layers: int, remedy: str | None = None) -> str | None:
     """Why a drafter trained on `layers` of a `num_layers`-layer target cannot be served, or None.
     vLLM and SGLang gather a drafter's target states at the input of each decoder layer (HF
     `hidden_states` indices 0..num_layers - 1), so the last decoder layer's output (layertap's
@@ -55,11 +56,12 @@ def unservable_layer(layers: list[int], num_layers: int) -> str | None:
     last = num_layers - 1
     if last not in layers:
         return None
+    remedy = remedy or (f"choose capture layers below {last} (its final-layer state is --final-state's, stored "
+                        "apart for the training objective)")
     return (f"capture layer {last} is the output of the target's last decoder layer (HF hidden_states index "
             f"{num_layers}): vLLM and SGLang gather a drafter's target states at the inputs of the decoder layers "
             f"(HF indices 0..{last}), never after the last one, so a DFlash or EAGLE-3 drafter trained on it cannot be "
-            f"served by them; choose capture layers below {last} (its final-layer state is --final-state's, stored "
-            "apart for the training objective)")
+            f"served by them; {remedy}")
 
 
 # The final state each format carries beside the capture layers ("none": it carries none).
@@ -108,11 +110,11 @@ def reader(fmt: str, store: ObjectStore, num_layers: int, final_state: str | Non
     pre-norm state, its HF dumper's post-norm one)."""
     if final_state is not None and fmt != "modelopt":
         raise InputError(f"--final-state is for --from modelopt (whose files may not say which state they hold); "
-                         f"{fmt}'s final state is {FINAL_STATE[fmt]!r}")
+                         f"{possessive(fmt)} final state is {FINAL_STATE[fmt]!r}")
     if fmt == "modelopt":
         from layertap.storage.foreign_modelopt import ModelOptReader
 
-        return ModelOptReader(store, num_layers, unflagged=final_state or "postnorm")
+        return ModelOptReader(store, num_layers, unflagged=final_state or "postnorm", asked=final_state is not None)
     if fmt == "speculators":
         from layertap.storage.foreign_speculators import SpeculatorsReader as cls
     elif fmt == "specforge":
@@ -125,7 +127,7 @@ def reader(fmt: str, store: ObjectStore, num_layers: int, final_state: str | Non
 def writer(fmt: str, store: ObjectStore, rows_only: bool = False) -> ForeignWriter:
     """The writer of `fmt` into `store`; `rows_only`: speculators' Arrow dataset without the states."""
     if rows_only and fmt != "speculators":
-        raise InputError(f"--rows-only is for speculators' layout (its Arrow dataset), not {fmt}'s")
+        raise InputError(f"--rows-only is for speculators' layout (its Arrow dataset), not {possessive(fmt)}")
     if fmt == "speculators":
         from layertap.storage.foreign_speculators import SpeculatorsWriter
 

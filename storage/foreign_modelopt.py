@@ -64,9 +64,10 @@ class ModelOptWriter:
 
 
 class ModelOptReader:
-    def __init__(self, store: ObjectStore, num_layers: int, unflagged: str = "postnorm"):
-        """`unflagged`: the final state of files without `hidden_states_prenorm` (older ModelOpt's)."""
-        self.store, self.num_layers, self.unflagged = store, num_layers, unflagged
+    def __init__(self, store: ObjectStore, num_layers: int, unflagged: str = "postnorm", asked: bool = False):
+        """`unflagged`: the final state of files without `hidden_states_prenorm` (older ModelOpt's);
+        `asked`: given as --final-state (a file that says otherwise is warned of, once)."""
+        self.store, self.num_layers, self.unflagged, self.asked = store, num_layers, unflagged, asked
         self.final_state: str | None = None  # the first file's, which every later one must match
         self._files = sorted((o for o in store.list("") if o.key.endswith(".pt")), key=lambda o: natural_key(o.key))
         if not self._files:
@@ -106,6 +107,10 @@ class ModelOptReader:
         kind = self.unflagged if prenorm is None else "prenorm" if prenorm else "postnorm"
         if self.final_state is None:
             self.final_state = kind
+            if self.asked and kind != self.unflagged:
+                log.warning("%s says it holds a %s final state (hidden_states_prenorm %s): imported as one; "
+                            "--final-state %s applies only to files that do not say", where, kind, prenorm,
+                            self.unflagged)
         elif kind != self.final_state:
             raise InputError(f"{where} holds a {kind} final state (hidden_states_prenorm {prenorm}), the first file a "
                              f"{self.final_state} one: import the two kinds as two runs")

@@ -27,6 +27,16 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 shard', '2 shards', '1,204 shards' (a regular plural)."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def possessive(name: str) -> str:
+    """"specforge's", "speculators'" (a format's name in a message)."""
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
+
+
 def listing(items, limit: int = 10) -> str:
     """The first `limit` of `items` for a message: '3, 7, 9 and 12 more' (one rule, not one per message)."""
     items = list(items)

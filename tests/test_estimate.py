@@ -325,7 +325,7 @@ def test_measured_estimate_is_within_5_percent_of_the_extraction(run, capsys):
     stated = run_json(capsys, ["estimate", *run["args"], "--ratio", "2", "--tokens-per-s", "50",
                                "--token-sample", "20"])
     assert stated["inputs"]["storage"]["ratio"] == 2 and stated["inputs"]["throughput"]["tokens_per_s_per_gpu"] == 50
-    assert "20 evenly spaced of 61 rows" in stated["inputs"]["sources"]["data"]
+    assert "20 of the 61 rows of" in stated["inputs"]["sources"]["data"]
     assert abs(stated["samples"] - 60) <= 3
     # its shards, from the planner over the rows read: the mean sample's bytes counted 25-30% too few
     # where a shard holds 2 or 3 samples

@@ -92,7 +92,7 @@ def assert_same(a, b, final: bool = True) -> None:
 def test_speculators_reads_the_export_and_import_gives_the_run_back(prenorm_run, target, tmp_path, capsys):
     dest, back = str(tmp_path / "spec"), str(tmp_path / "back")
     assert cli(["export", prenorm_run, "--to", "speculators", dest]) == 0
-    assert "layers [1, 3] (layertap's ids) are speculators's [2, 4]" in capsys.readouterr().out
+    assert "layers [1, 3] (layertap's ids) are speculators' [2, 4]" in capsys.readouterr().out
     ours = in_order(prenorm_run)
     # speculators' own dataset class: Arrow rows + hs_{i}.safetensors, nothing generated
     ds = ArrowDataset(max_len=64, datapath=dest, on_missing="raise")
@@ -401,6 +401,8 @@ def test_a_modelopt_import_with_a_wrong_layer_count_is_refused_before_writing(pr
     err = capsys.readouterr().err
     assert "holds 128 values per token" in err and "2 capture layer(s), but --layers 1,2,3,4 names 4" in err
     assert "layertap-export.json" not in err and not back.exists()
+    # 4 names a whole number of states (32 wide): a wrong --model reads so too, and is named
+    assert "or, if --layers is right, they are states 32 wide: another model's than --model's" in err
     assert cli(["import", str(src), "--from", "modelopt", "--out", str(back), "--layers", "1,3",
                 "--model", target]) == 0
 
@@ -433,11 +435,21 @@ def test_an_import_checks_the_target_and_records_its_gguf_file(specforge_export,
     for model, says in (([str(tmp_path / "nope")], "is not a folder on this machine"),
                         ([folder], "has no config.json, which `layertap train` needs with the target's safetensors "
                                    "weights; it holds tiny.gguf: pass --gguf-file tiny.gguf"),
-                        ([folder, "--gguf-file", "other.gguf"], "'other.gguf' (--gguf-file) not found in")):
+                        ([folder, "--gguf-file", "other.gguf"], "'other.gguf' (--gguf-file) not found in"),
+                        ([f"{folder}/tiny.gguf"], f"is a GGUF file: pass the folder that holds it as --model and the "
+                                                  f"file's name as --gguf-file (--model {folder} --gguf-file tiny.gguf)")):
         capsys.readouterr()
         assert cli(base + ["--model", *model]) == 2
         err = capsys.readouterr().err
         assert says in err and not back.exists(), err
+    # extract and train say the same of the file given as --model (each said its folder was missing)
+    from layertap.extract.model import load_target
+    from layertap.storage.errors import MissingInput
+    from layertap.train.target_head import load_target_head
+
+    for load in (load_target, load_target_head):
+        with pytest.raises(MissingInput, match="is a GGUF file: pass the folder"):
+            load(f"{folder}/tiny.gguf")
     empty = tmp_path / "config-only"
     empty.mkdir()
     (empty / "config.json").write_text(Path(target, "config.json").read_text())
@@ -528,7 +540,7 @@ def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, t
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_a_modelopt_files_flag_says_which_final_state_it_holds(s3_postnorm_run, target, tmp_path, capsys):
+def test_a_modelopt_files_flag_says_which_final_state_it_holds(s3_postnorm_run, target, tmp_path, capsys, caplog):
     """ModelOpt's vLLM dumper stores the last layer's state before the final norm (its reader norms
     it where the file says `hidden_states_prenorm`); every ModelOpt import was recorded postnorm,
     and the state trained unnormed. The flag decides, --final-state for files without one, and a
@@ -553,6 +565,12 @@ def test_a_modelopt_files_flag_says_which_final_state_it_holds(s3_postnorm_run, 
     assert load_manifest(open_store(imported([None] * 3, "--final-state", "prenorm"))).identity.final_state == \
         "prenorm"
     assert load_manifest(open_store(imported([None] * 3))).identity.final_state == "postnorm"
+    assert "applies only to files that do not say" not in caplog.text
+    # --final-state beside files that say otherwise: the files decide, and the flag's loss is said
+    assert load_manifest(open_store(imported([False] * 3, "--final-state", "prenorm"))).identity.final_state == \
+        "postnorm"
+    assert "says it holds a postnorm final state (hidden_states_prenorm False): imported as one; --final-state " \
+        "prenorm applies only to files that do not say" in caplog.text
     mixed = imported([True, True, False])  # the third file is not imported, and says why
     store = open_store(mixed)
     skipped = [s for o in store.list(layout.COMMITS) for s in decode_commit(store.get(o.key), o.key).skipped]

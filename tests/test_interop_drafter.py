@@ -207,10 +207,14 @@ def test_a_tokenizer_that_fills_the_embedding_gets_its_spare_special_token_as_th
 
 
 def test_learned_mask_embedding_is_refused_naming_the_option(run, target, tmp_path, capsys, caplog):
+    """The refusal points at train's warning at its start: an id asked for past the vocabulary (a
+    typo too) had none, only the id train chose itself."""
     out = str(tmp_path / "out")
     vocab = load_target_head(target).vocab_size
-    assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", "--mask-token-id",
-                str(vocab), *FAST]) == 0
+    with caplog.at_level("WARNING"):
+        assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2", "--mask-token-id",
+                    str(vocab), *FAST]) == 0
+    assert f"--mask-token-id {vocab} is outside the target's vocabulary of {vocab} ids" in caplog.text
     config, weights = load_drafter_files(open_store(out))
     assert config.learned_mask and "mask_embedding" in weights  # an id past the vocabulary, asked for
     capsys.readouterr()
@@ -397,4 +401,18 @@ def test_a_verifier_of_another_width_or_vocabulary_is_refused(trained, tmp_path,
     assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier", other]) == 2
     err = capsys.readouterr().err
     assert f"the verifier {other} is not the model the drafter was trained for: hidden_size 128" in err
+    assert not dest.exists()
+
+
+@pytest.mark.parametrize("where", ["missing", "no config"])
+def test_a_verifier_path_that_is_no_model_folder_is_refused(trained, tmp_path, capsys, where):
+    """A mistyped path exported with a warning and exit 0: a config naming no architectures and a
+    verifier speculators then failed to load ("Repo id must be in the form 'repo_name'")."""
+    verifier = tmp_path / "verifier"
+    if where == "no config":
+        verifier.mkdir()
+    dest = tmp_path / "spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier", str(verifier)]) == 2
+    said = "no config.json in it" if where == "no config" else "no such folder"
+    assert f"--verifier '{verifier}' is not a model folder on this machine ({said})" in capsys.readouterr().err
     assert not dest.exists()

@@ -144,20 +144,26 @@ def test_an_import_refuses_layers_the_target_does_not_have_before_writing(target
                 and f"per {model[0]}'s {'tiny.gguf' if len(model) > 1 else 'config.json'}" in err), err
         assert not back.exists()
     # repeated ids (the command line's id list may fold them into one; the planner refuses them itself)
-    with pytest.raises(ConfigError, match=r"capture layers repeat: \[3, 3\]"):
+    with pytest.raises(ConfigError, match=r"^--layers 3,3: capture layers repeat$"):  # no config.json to blame
         import_run(open_store(src), "specforge", open_store(str(back)), layers=[3, 3], model=target, codec="bf16-zstd")
     assert not back.exists()
 
 
-def test_a_speculators_import_names_layers_in_both_conventions(target, tmp_path, capsys):
-    """speculators' id 7 is layertap's 6, past a 6-layer target's last (5)."""
+def test_a_speculators_import_names_layers_in_both_conventions(target, tmp_path, capsys, caplog):
+    """speculators' id 7 is layertap's 6, past a 6-layer target's last (5). An import that goes
+    ahead says the conversion too: ids given in layertap's convention made a run off by one
+    without a word (files without an export note cannot be checked)."""
     src = write_files(tmp_path / "src", "speculators", [sample(i) for i in range(2)])
     back = tmp_path / "back"
     assert cli(["import", src, "--from", "speculators", "--out", str(back), "--layers", "2,7",
                 "--model", target]) == 2
     err = capsys.readouterr().err
-    assert "--layers 2,7 (speculators's ids; layertap's 1,6): capture layer 6 is out of range" in err, err
+    assert "--layers 2,7 (speculators' ids; layertap's 1,6): capture layer 6 is out of range" in err, err
     assert not back.exists()
+    with caplog.at_level("INFO"):
+        assert cli(["import", src, "--from", "speculators", "--out", str(back), "--layers", "2,4",
+                    "--model", target]) == 0
+    assert "capture layers [2, 4] (speculators' ids, as --layers names them) are layertap's [1, 3]" in caplog.text
 
 
 def test_an_import_of_the_last_layer_warns_as_extraction_does(target, tmp_path, caplog):
@@ -167,6 +173,7 @@ def test_an_import_of_the_last_layer_warns_as_extraction_does(target, tmp_path, 
         assert cli(["import", src, "--from", "specforge", "--out", str(tmp_path / "a"), "--layers", "1,5",
                     "--model", target]) == 0
     assert any("capture layer 5 is the output of the target's last decoder layer" in r.getMessage()
+               and "these files hold it, so for a servable drafter capture again" in r.getMessage()
                for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING"):

@@ -142,6 +142,12 @@ def trained_drafter(store: ObjectStore) -> tuple[DrafterConfig, dict[str, torch.
         return load_drafter_files(store, ckpt.step)
 
 
+def _is_path(name: str) -> bool:
+    """Whether a --verifier is a file system path, not a hub id: absolute, relative to a folder
+    (./, ../, ~), or something there."""
+    return name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
+
+
 def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[str, Any] | None]:
     """The verifier's name for the config (given, else the target the drafter records) and its
     config.json when that is a local folder. A recorded GGUF target is named by what speculators
@@ -149,6 +155,11 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
     folder; any other GGUF only with a warning that --verifier is needed."""
     if verifier is not None:
         name = verifier
+        if _is_path(name) and not os.path.isfile(os.path.join(name, "config.json")):
+            # not a hub id ("org/name") either: the config would name a model speculators cannot load
+            raise InputError(f"--verifier {name!r} is not a model folder on this machine ("
+                             + ("no config.json in it" if os.path.isdir(name) else "no such folder")
+                             + "): pass the target's local safetensors folder, or its hub id (org/name)")
     else:
         name, gguf = config.target.get("model"), config.target.get("gguf_file")
         if not name:
@@ -236,8 +247,9 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
         raise ConfigError(f"the verifier {name} is not the model the drafter was trained for: {', '.join(diffs)}; "
                           "vLLM would fail to load the pair, or serve a drafter none of whose drafts is accepted. "
                           "Pass --verifier with that model (or a quantized copy of it)")
-    if text.get("num_hidden_layers") and (why := unservable_layer(config.capture_layers,
-                                                                  int(text["num_hidden_layers"]))) is not None:
+    layers = int(text.get("num_hidden_layers") or 0)
+    remedy = f"a servable drafter needs a run captured at layers below {layers - 1} (`layertap extract --layers`)"
+    if layers and (why := unservable_layer(config.capture_layers, layers, remedy)) is not None:
         log.warning("%s. The checkpoint is written all the same.", why)
     spec = speculators_config(config, name, verifier_config)
     # first: an export cut halfway leaves this config, which no loader takes (never a mismatched pair)

@@ -56,6 +56,9 @@ class TargetHead:
 
 def load_target_head(path: str, gguf_file: str | None = None) -> TargetHead:
     """`embed_tokens` and `lm_head` of the target at `path` (a folder; `gguf_file` inside it)."""
+    from layertap.extract.model import refuse_gguf_as_folder
+
+    refuse_gguf_as_folder(path)
     if not os.path.isdir(path):
         raise MissingInput(f"target model folder {path!r} does not exist; give the folder the "
                                 "extraction used (--model), with --gguf-file for a GGUF checkpoint")

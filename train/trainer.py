@@ -144,6 +144,12 @@ def build_drafter(cfg: TrainConfig, run: RunConfig, saved: dict[str, Any] | None
     else:
         mask = (cfg.mask_token_id if cfg.mask_token_id is not None
                 else mask_token_id(cfg.model, cfg.gguf_file, head.vocab_size))
+        if cfg.mask_token_id is not None and mask >= head.vocab_size:  # as the chosen id's warning says
+            log.warning("--mask-token-id %d is outside the target's vocabulary of %d ids: the drafter learns a mask "
+                        "embedding of its own, and `layertap export-drafter --to speculators` (the form vLLM serves) "
+                        "will refuse it. For an exportable drafter, pass an unused id below %d (or leave the flag "
+                        "out: layertap then picks one where the tokenizer has one)", mask, head.vocab_size,
+                        head.vocab_size)
         dconf = default_config(head, run.layers, mask, num_layers=cfg.drafter_layers,
                                block_size=cfg.block_size, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
                                target=drafter_target(run, dataset))
