@@ -346,9 +346,11 @@ def reading(res: dict) -> str:
     if o["steps"] == w["steps"] and o["tokens_trained"] == off["run"]["tokens"] and off["run"]["samples"] == win["run"]["samples"]:
         once = (f"The offline run and the window run with the same --steps took the same {o['steps']} steps: "
                 f"{slots} batch slots for {off['run']['samples']} committed samples, the rest padding. Offline's "
-                "tokens summed over metrics.jsonl equal the committed tokens; the window run's exceed them by "
-                f"{extra:,}" + (", one padding slot (a zero-weighted repeat of a sample, whose tokens are counted)"
-                                if 0 < extra <= res["args"]["max_length"] * (slots - win["run"]["samples"]) else "")
+                "tokens summed over metrics.jsonl equal the committed tokens; "
+                + ("so do the window run's (its padding is a zero-weighted stand-in of no counted tokens)"
+                   if extra == 0 else f"the window run's exceed them by {extra:,}"
+                   + (", one padding slot (a zero-weighted repeat of a sample, whose tokens are counted)"
+                      if 0 < extra <= res["args"]["max_length"] * (slots - win["run"]["samples"]) else ""))
                 + ". That is what training every committed sample once gives (a repeat or a miss would change the "
                 "sums); the sample ids themselves are not compared (metrics.jsonl keeps only an order-dependent "
                 "digest per step).")
