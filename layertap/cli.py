@@ -78,6 +78,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                          help="debug logging (also before the command)")
     for p in (parser, *below):
         _hint_attached_values(p)
+        # no prefixes of long options: `--api-key sk-...` was read as `--api-key-env sk-...` (a secret
+        # written into a job script as the name of a variable), `--step` as `--steps`
+        p.allow_abbrev = False
     return parser
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from layertap.manifests.liveness import gone_from_here
 from layertap.manifests.output_lease import Held, live_holder
-from layertap.storage.errors import InputError
+from layertap.manifests.layout import MANIFEST
+from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
 from layertap.storage.units import listing
 
@@ -25,6 +26,19 @@ METRICS = "metrics.jsonl"  # one JSON line per step, rewritten whole with each c
 LATEST = "checkpoints/latest.json"  # {"step", "prefix"}: the checkpoint that counts
 EXPORT_CONFIG = "drafter/config.json"  # written with the weights once training finished
 TAIL_BYTES = 64 << 10  # the last metrics line is in the file's last 64 KiB (a line is ~0.5 KiB)
+
+
+def check_apart(out: ObjectStore, data: ObjectStore) -> None:
+    """--out must be a prefix of its own: inside a run (or holding one), `layertap delete` of the
+    one deletes the other, and `status` shows only the run. Asked by `layertap train` at its start,
+    and by `submit` before a training job waits in the queue (behind a whole extraction)."""
+    a, b = out.uri.rstrip("/") + "/", data.uri.rstrip("/") + "/"
+    if a.startswith(b) or b.startswith(a):
+        raise ConfigError(f"--out {out.uri} and --data {data.uri} overlap: `layertap delete` of one would delete the "
+                          "other; give the training output a prefix of its own (e.g. beside the run)")
+    if out.exists(MANIFEST):
+        raise ConfigError(f"--out {out.uri} holds an extraction run (its {MANIFEST}); give the training output a "
+                          "prefix of its own")
 
 
 def training_status(store: ObjectStore) -> dict[str, Any] | None:

@@ -217,13 +217,20 @@ def _gpus_per_node(args: argparse.Namespace, nodes: list[NodeShape]) -> int:
     """--gpus-per-node, or 0 with a note; refused when a partition of `nodes` has GPUs (sinfo says
     so): a GPU partition's nodes running on CPU by omission would waste the allocation."""
     if args.gpus_per_node is not None:
+        if args.gpus_per_node > 0 and nodes and all(n.gpus < args.gpus_per_node for n in nodes):
+            # sbatch refuses it, or leaves it pending for good: the job's processes are sized by it
+            most = max(nodes, key=lambda n: n.gpus)
+            has = f"nodes with at most {most.gpus} GPU(s) ({most.gres})" if most.gpus else "no GPUs"
+            raise ConfigError(f"--gpus-per-node {args.gpus_per_node}: partition {most.partition} has {has} (sinfo); "
+                              + (f"give --gpus-per-node {most.gpus} or fewer" if most.gpus else
+                                 "give --gpus-per-node 0 to run on CPU, or --partition a GPU partition"))
         return args.gpus_per_node
     if (node := next((n for n in nodes if n.gpus), None)) is not None:
         raise ConfigError(f"partition {node.partition} has GPUs ({node.gres}) but --gpus-per-node is not given, so "
                          f"the job would run on CPU: give --gpus-per-node {node.gpus} to use them, or "
                          "--gpus-per-node 0 to run on CPU")
     _note("no --gpus-per-node: the job runs on CPU" +
-          ("" if nodes else " (sinfo could not tell whether the partition has GPUs)"))
+          ("" if nodes else " (sinfo did not describe the partition: sbatch judges it)"))
     return 0
 
 
@@ -293,16 +300,16 @@ def _submit_extract(args: argparse.Namespace) -> int:
     except NoRun:
         remaining = None
         refuse_new_run_here(store)  # what every task would refuse at its start
+        if args.shards_per_task is not None:  # before the line that says the tasks will plan it
+            raise ConfigError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
+                              "with `layertap plan <these extract arguments>`, or submit without --shards-per-task "
+                              "(the tasks plan it and share shards through leases)")
         # no plan to weigh them against: each queued task that may take some of these shards counts
         queued = [t for t in queued if t.shards is None or cfg.shards is None or t.shards & set(cfg.shards)]
         _say(args, f"no run at {store.uri} yet: the first task to start plans it"
                    + (f"; {len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} for it "
                       "(squeue)" if queued else ""))
     if args.shards_per_task is not None:
-        if remaining is None:
-            raise ConfigError(f"static ranges need the run's plan, and there is no run at {store.uri} yet: write it "
-                             "with `layertap plan <these extract arguments>`, or submit without --shards-per-task "
-                             "(the tasks plan it and share shards through leases)")
         plan = static_plan(remaining, args.shards_per_task, args.nodes, submit.max_array_size())
         if args.shards_per_task < opts.procs:
             _say(args, f"note: {args.shards_per_task} shard(s) per task keep at most that many of a node's "
@@ -310,7 +317,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     else:
         plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size(), cfg.shards,
                             queued=remaining.queued_dynamic if remaining is not None else len(queued))
-    if args.then_train is not None:
+    if args.then_train is not None and train is not None:  # none needed (complete, at work, queued): no chain
         if cfg.shards is not None:
             _training_needs_the_rest(store, cfg, planned=remaining is not None)
         if remaining is not None:
@@ -375,8 +382,7 @@ def _submit_array(args: argparse.Namespace, opts, script: str, what: str,
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch: {what}", submit.dependency_options([], after_start), script)
         return None
-    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script),
-                        after_start=after_start)
+    job = submit.submit_script(os.path.join(opts.logs, "scripts"), opts.job_name, script, after_start=after_start)
     when = f", to start once job(s) {', '.join(after_start)} have started" if after_start else ""
     _say(args, f"submitted {what}{when}: job {job}; logs {opts.logs}/{opts.job_name}-{job}_<task>.out", job)
     return job
@@ -596,6 +602,7 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     """The training job to chain to the extraction (its settings, `extraction`): `--then-train`
     parsed (and so checked) by `layertap train`'s parser, its --data the extraction's --out; with
     `follow`, `--train-while-extracting`'s, made a follow trainer of it."""
+    from layertap.slurm.queued import training_tag
     from layertap.slurm.scripts import train_script
 
     flag = "--then-train" if not follow else "--train-while-extracting"
@@ -604,7 +611,7 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     if add_train is None:
         raise ConfigError(f"{flag}: `layertap train` is not available in this installation (no train.command)")
     # no -h: its help would print and exit 0 with nothing submitted, which a --parsable caller reads as success
-    parser = argparse.ArgumentParser(prog="layertap train", exit_on_error=False, add_help=False)
+    parser = argparse.ArgumentParser(prog="layertap train", exit_on_error=False, add_help=False, allow_abbrev=False)
     fwd = _Forwarded(parser)
     add_train(fwd)
     try:
@@ -622,7 +629,8 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     topts = _train_options(args, gpus, train_cfg, nodes, job_name="layertap-train")
     if follow and extraction.window is not None:
         _check_window(extraction, train_cfg, args.train_nodes * topts.procs)
-    return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions))
+    return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions),
+                               training_tag(_store_location(train_cfg.out)))
 
 
 def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeShape], **job: Any):
@@ -640,6 +648,7 @@ def _no_trainer_needed(cfg) -> str | None:
     would be refused at its start). One that holds checkpoints is resumed by the job (the script
     passes --resume)."""
     from layertap.manifests.train_output import training_status
+    from layertap.slurm.queued import queued_training
     from layertap.storage.store import StoreError, open_configured_store
 
     try:
@@ -652,6 +661,9 @@ def _no_trainer_needed(cfg) -> str | None:
         job = f"Slurm job {h['slurm_job']}, " if h["slurm_job"] else ""
         return (f"a trainer is writing to {cfg.out} now ({job}pid {h['pid']} on {h['host']}); a second would be "
                 "refused while it runs")
+    if jobs := queued_training(_store_location(cfg.out)):
+        return (f"training job(s) {', '.join(jobs)} for {cfg.out} are queued or running (squeue); `scancel` "
+                "them first to submit another")
     return None
 
 
@@ -756,12 +768,19 @@ def _train_config(targs: argparse.Namespace, context: str = ""):
     """The trainer's settings, checked now as `layertap train` will check them in the job: a bad
     one fails here, not in the queue after the extraction it waits for. `context` prefixes the
     error (which of this command's flags holds the arguments)."""
+    from layertap.manifests.train_output import check_apart
+    from layertap.storage.store import StoreError, open_configured_store
     from layertap.train.config import load_train_config
 
     try:
-        return load_train_config(targs)
+        cfg = load_train_config(targs)
+        if cfg.data is not None:  # an --out that holds a run, or overlaps it: refused by the job, in the queue
+            check_apart(open_configured_store(cfg.out, cfg.s3), open_configured_store(cfg.data, cfg.s3))
     except ConfigError as e:
         raise ConfigError(f"{context}{e}") from None
+    except StoreError as e:
+        _note(f"the training output could not be checked from here ({e}): the job will")
+    return cfg
 
 
 def _at_least_one(args: argparse.Namespace, *names: str) -> None:
@@ -776,10 +795,10 @@ _JOB_ID = re.compile(r"\d+(_\d+)?")
 
 
 def _submit_train(args: argparse.Namespace) -> int:
+    from layertap.slurm import submit
+    from layertap.slurm.queued import training_tag
     from layertap.slurm.scripts import train_script
-    from layertap.slurm.submit import dependency_options
-
-    from layertap.slurm.submit import partition_shapes
+    from layertap.slurm.submit import dependency_options, partition_shapes
 
     if _train_parser() is None:
         raise ConfigError("`layertap train` is not available in this installation (no train.command)")
@@ -787,6 +806,11 @@ def _submit_train(args: argparse.Namespace) -> int:
     if bad := [job for job in args.after if not _JOB_ID.fullmatch(job)]:  # sbatch said only "Job dependency problem"
         raise ConfigError(f"--after {bad[0]!r}: give a Slurm job id (123, or 123_4 for one task of an array), one per "
                           "--after")
+    if unknown := submit.unknown_jobs(args.after):
+        raise ConfigError(f"--after {', '.join(unknown)}: Slurm knows no such job (a typo, or a job that ended longer "
+                          "ago than the cluster's MinJobAge, which Slurm then forgets): sbatch would drop the "
+                          "dependency and start the training at once; check the id with squeue or sacct, and leave "
+                          "--after out for a job that has finished")
     cfg = _train_config(args)
     if (why := _no_trainer_needed(cfg)) is not None:
         _say(args, f"nothing to submit: {why}")
@@ -795,7 +819,8 @@ def _submit_train(args: argparse.Namespace) -> int:
     opts = _train_options(args, _gpus_per_node(args, nodes), cfg, nodes)
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
-    script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions))
+    script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions),
+                          training_tag(_store_location(cfg.out)))
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)
         return 0
@@ -806,7 +831,7 @@ def _submit_train(args: argparse.Namespace) -> int:
 def _sbatch_train(args: argparse.Namespace, opts, script: str, after: list[str]) -> str:
     from layertap.slurm import submit
 
-    job = submit.sbatch(submit.save_script(os.path.join(opts.logs, "scripts"), opts.job_name, script), after)
+    job = submit.submit_script(os.path.join(opts.logs, "scripts"), opts.job_name, script, after)
     when = f" after job(s) {', '.join(after)} succeed" if after else ""
     _say(args, f"submitted training job {job}{when}; log {opts.logs}/{opts.job_name}-{job}.out", job)
     return job

@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 _TAG = re.compile(r"layertap-extract k=(\d+) shards=(\S+) out=(.+)")
 _REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
+_TRAINING_TAG = re.compile(r"layertap-train out=(.+)")
 
 
 MAX_TAG = 1000  # Slurm refuses a comment over 1,024 characters ("Pathname ... too long"), the whole job with it
@@ -215,6 +216,22 @@ def without_dead_holders(remaining: Remaining, jobs: dict[int, str], listing: st
     return replace(remaining, running=[s for s in remaining.running if s not in gone],
                    todo=sorted({*remaining.todo, *gone}), leases={s: k for s, k in remaining.leases.items()
                                                                    if s not in gone}, orphaned=sorted(gone))
+
+
+def training_tag(location: str) -> str | None:
+    """The comment a training job carries: its output (`location`, one text per store place); None
+    where too long for Slurm."""
+    text = f"layertap-train out={location}"
+    return text if len(text) <= MAX_TAG else None
+
+
+def queued_training(location: str, listing: str | None = None) -> list[str]:
+    """The training jobs for the output at `location` pending or running (of `listing`, squeue's;
+    default: asked now), less those that will never start: a resubmission queued a second trainer
+    beside one still waiting for its extraction."""
+    tagged = [(t, t.job) for t in _listed(_pending() if listing is None else listing)
+              if (m := _TRAINING_TAG.fullmatch(t.comment)) is not None and m[1] == location]
+    return _will_start(tagged, f"the training output at {location}")
 
 
 def regeneration_tag(location: str, tasks: int) -> str | None:

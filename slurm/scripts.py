@@ -203,13 +203,16 @@ def is_slurm_time(text: str) -> bool:
     return text.strip().lower() in ("unlimited", "infinite", "-1") or bool(_SLURM_TIME.match(text.strip()))
 
 
-def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_flag: str | None) -> str:
+def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_flag: str | None,
+                 tag: str | None = None) -> str:
     """`layertap train` on `nodes` nodes: srun starts one accelerate launcher per node, with the
     rendezvous (first node's address, a port from the job id) taken from the Slurm environment.
-    With `resume_flag`, a requeued job continues from its latest checkpoint."""
+    With `resume_flag`, a requeued job continues from its latest checkpoint. `tag`: the Slurm
+    comment that names the output to a later resubmission (`slurm.queued.training_tag`)."""
     if nodes < 1:  # `layertap submit` names the flag first (--nodes, or --train-nodes)
         raise ConfigError(f"a training job needs at least 1 node, got {nodes}")
-    header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", _output(opts, "%x-%j.out")])
+    header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", _output(opts, "%x-%j.out"),
+                            *([f"--comment={tag}"] if tag else [])])
     total = '"$((SLURM_NNODES * ' + str(opts.procs) + '))"'
     lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              "PORT=$((20000 + SLURM_JOB_ID % 20000))",
@@ -222,8 +225,9 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
               "--main_process_ip", '"$MASTER_ADDR"', "--main_process_port", '"$PORT"']
     if nodes * opts.procs > 1:
         launch.append("--multi_gpu")
-    # No --mixed_precision: the trainer chooses its own (bf16 on GPUs).
-    launch += ["--dynamo_backend", "no", "-m", TRAIN_MODULE,
+    # --mixed_precision no quiets accelerate's warning of a default; the trainer passes its own choice
+    # (--mixed-precision, bf16 on GPUs) to Accelerator, which wins over the launcher's
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", TRAIN_MODULE,
                *map(shlex.quote, train_args), '${RESUME[@]+"${RESUME[@]}"}']  # bash 4.2-safe under set -u
     about = [f"# layertap training: {nodes} node(s) x {opts.procs} process(es), one accelerate launcher per node."]
     return _script(about, header, opts, lines, launch, train_args, requeue_on_timeout=bool(resume_flag))

@@ -88,6 +88,34 @@ def sbatch(script: str, after_ok: list[str] | None = None, after_start: list[str
     return job
 
 
+def unknown_jobs(jobs: list[str]) -> list[str]:
+    """Those of `jobs` Slurm does not know (`scontrol show job`: "Invalid job id"), whose afterok
+    sbatch drops, starting the dependent job at once; [] where scontrol is not here."""
+    if not jobs or shutil.which("scontrol") is None:
+        return []
+    unknown = []
+    for job in jobs:
+        p = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+        if p.returncode != 0 and "invalid job id" in (p.stderr + p.stdout).lower():
+            unknown.append(job)
+    return unknown
+
+
+def submit_script(folder: str, job_name: str, text: str, after_ok: list[str] | None = None,
+                  after_start: list[str] | None = None) -> str:
+    """`save_script` then `sbatch` it; the script removed again if sbatch refuses it (a script
+    kept for a job that never existed reads, later, as one that ran)."""
+    path = save_script(folder, job_name, text)
+    try:
+        return sbatch(path, after_ok, after_start)
+    except SlurmError:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        raise
+
+
 def cancel(job: str) -> str | None:
     """`scancel job`; why not, if it failed (the caller says so: it is cleaning up after an error)."""
     try:

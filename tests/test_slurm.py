@@ -649,7 +649,9 @@ def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
     assert submit("extract", "--dry-run", "--out", fresh) == 2
     assert "no run at --out yet, so its work cannot be sized: give --nodes N" in capsys.readouterr().err
     assert submit("extract", "--dry-run", "--shards-per-task", "2", "--nodes", "2", "--out", fresh) == 2
-    assert "static ranges need the run's plan" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "static ranges need the run's plan" in err
+    assert "the first task to start plans it" not in out  # said, then refused, before
     assert submit("extract", "--dry-run", "--shards", "0-3", "--shards-per-task", "2", "--out", fresh) == 2
     assert "not both" in capsys.readouterr().err
     assert submit("extract", "--dry-run", "--nodes", "1", "--out", fresh, "--codec", "bf16",
@@ -672,6 +674,12 @@ def test_submit_errors_are_clear(tmp_path, capsys, monkeypatch):
     assert submit("extract", "--nodes", "1", "--out", fresh, "--logs", str(tmp_path / "a-file")) == 2  # a traceback
     assert f"cannot save the job script under '{tmp_path}/a-file/scripts' (--logs '{tmp_path}/a-file')" \
         in capsys.readouterr().err
+    # sbatch refuses it (an unknown partition): no script is kept for a job that never existed
+    (tmp_path / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: nosuch' >&2\n"
+                                     "exit 1\n")
+    assert submit("extract", "--nodes", "1", "--out", fresh, "--partition", "nosuch") == 2
+    assert "invalid partition specified: nosuch" in capsys.readouterr().err
+    assert not list((tmp_path / "layertap-logs" / "scripts").iterdir())
 
 
 def test_train_while_extracting_submits_a_follow_trainer_the_window_array_waits_for(tmp_path, capsys, monkeypatch):
@@ -868,6 +876,34 @@ def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_
         assert "`layertap submit train --after 4242 <the --then-train arguments>`" in err
 
 
+def test_a_trainer_still_queued_for_the_output_is_not_submitted_again(tmp_path, capsys, monkeypatch):
+    """The same --then-train command run again while its array and trainer wait in the queue was
+    refused (its advice queued a second trainer), and --train-while-extracting queued a second one:
+    each training job names its output in its comment, and one squeue shows is left to be."""
+    from layertap.slurm.queued import tag, training_tag
+
+    monkeypatch.chdir(tmp_path)
+    prefix = str(tmp_path / "run")
+    planned_run(prefix, 4)
+    out = str(tmp_path / "d")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    listing = f"77_0|PENDING|Priority|{tag(prefix, None, None)}\n78|PENDING|Dependency|{training_tag(out)}\n"
+    (bin_ / "squeue").write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_))
+    base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0", "--nodes", "1")
+    for flag in ("--then-train", "--train-while-extracting"):
+        assert submit(*base, flag, "--out d") == 0
+        shown = capsys.readouterr().out
+        assert f"training job(s) 78 for d are queued or running (squeue)" in shown and "layertap-train.sbatch" not in shown
+    assert submit("train", "--dry-run", "--data", "run", "--out", "d") == 0
+    assert "nothing to submit: training job(s) 78 for d are queued or running" in capsys.readouterr().out
+    # another output: submitted, and its job names it for the next resubmission
+    assert submit("train", "--dry-run", "--data", "run", "--out", "e") == 0
+    assert f'#SBATCH --comment="{training_tag(str(tmp_path / "e"))}"' in capsys.readouterr().out
+
+
 def test_then_train_with_shards_is_refused_while_the_rest_of_the_run_is_unfinished(tmp_path, capsys, monkeypatch):
     """--shards narrowed every check to its shards: dynamic tasks of --shards 0 ended with shard 0
     committed, training chained to them started and trained on part of the run (the summary even
@@ -1023,7 +1059,14 @@ def test_a_list_of_partitions_is_checked_and_clipped_against_each(tmp_path, caps
     assert "--cpus-per-task 10 is more than a node of partition small has: asking 8" in err
     assert "#SBATCH --cpus-per-task=8" in out and "#SBATCH --partition=cpu,small,big" in out
     assert submit(*base, "--partition", "cpu,nope") == 0
-    assert "sinfo could not tell whether the partition has GPUs" in capsys.readouterr().err
+    assert "sinfo did not describe the partition: sbatch judges it" in capsys.readouterr().err
+    # more GPUs than a node has: 16 processes started for a request sbatch refuses or never schedules
+    assert submit(*base, "--partition", "gpu", "--gpus-per-node", "16") == 2
+    assert "--gpus-per-node 16: partition gpu has nodes with at most 8 GPU(s) (gpu:h100:8(S:0-1)) (sinfo); give " \
+           "--gpus-per-node 8 or fewer" in capsys.readouterr().err
+    assert submit(*base, "--partition", "cpu", "--gpus-per-node", "1") == 2
+    assert "partition cpu has no GPUs (sinfo); give --gpus-per-node 0" in capsys.readouterr().err
+    assert submit(*base, "--partition", "cpu,gpu", "--gpus-per-node", "8") == 0  # gpu has them
 
     from layertap.slurm.submit import parse_partitions
 
@@ -1083,6 +1126,41 @@ def test_submit_train_refuses_data_that_holds_no_run(tmp_path, capsys, monkeypat
     open_store(str(tmp_path / "bad")).put("manifest.json", b"{not json")
     assert submit(*base, "--data", "bad") == 2
     assert "manifest.json is corrupt" in capsys.readouterr().err
+    assert not (tmp_path / "layertap-logs").exists()
+
+
+def test_train_after_a_job_slurm_does_not_know_is_refused(tmp_path, capsys, monkeypatch):
+    """sbatch drops an afterok on a job it does not know: `--after 99998` (a typo) queued training
+    that started at once, and --after also skips the check that --data holds a run."""
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text('#!/bin/sh\n[ "$4" = 41 ] && { echo "JobId=41 JobState=PENDING"; exit 0; }\n'
+                                   'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n')
+    (bin_ / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_))
+    base = ("train", "--dry-run", "--data", "run", "--out", "d")
+    assert submit(*base, "--after", "99998") == 2
+    assert "--after 99998: Slurm knows no such job" in capsys.readouterr().err
+    assert submit(*base, "--after", "41") == 0
+
+
+def test_a_training_output_that_holds_a_run_is_refused_at_submission(tmp_path, capsys, monkeypatch):
+    """`layertap train --out RUN` refuses an output holding an extraction run, or inside one: at
+    submission the job was queued (with --then-train, behind the whole extraction) and failed once
+    it started."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    planned_run(str(tmp_path / "run"), 2)
+    planned_run(str(tmp_path / "other"), 2)
+    assert submit("train", "--dry-run", "--data", "run", "--out", "other") == 2
+    assert f"--out {tmp_path / 'other'} holds an extraction run" in capsys.readouterr().err
+    assert submit("train", "--dry-run", "--data", "run", "--out", "run/drafter") == 2
+    assert "overlap" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--max-length", "64", "--out", "run", "--then-train",
+                  "--out other") == 2
+    assert f"--then-train '--out other': --out {tmp_path / 'other'} holds an extraction run" in capsys.readouterr().err
+    assert submit("train", "--dry-run", "--data", "run", "--out", "drafter") == 0
     assert not (tmp_path / "layertap-logs").exists()
 
 

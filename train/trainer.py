@@ -33,11 +33,10 @@ import torch
 import xxhash
 
 from layertap.manifests.consumption import prefetch_depth
-from layertap.manifests.layout import MANIFEST
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
-from layertap.manifests.train_output import padding_only
+from layertap.manifests.train_output import check_apart, padding_only
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
@@ -312,7 +311,7 @@ def train(cfg: TrainConfig) -> int:
     data = open_configured_store(cfg.data, cfg.s3)
     # recorded in checkpoints and compared on --resume: `run1`, `run1/` and its absolute path are one run
     cfg.data = data.uri
-    _check_apart(out, data)
+    check_apart(out, data)
     # A wrong or unreachable --data fails here, before --out holds anything (a refused command
     # left a lease folder behind); a follow trainer may wait for the run to be planned.
     try:
@@ -965,18 +964,6 @@ def _check_left_to_train(data: ObjectStore, run: Manifest) -> None:
     raise InputError(f"every shard of {data.uri} was trained on and deleted by a --delete-consumed trainer{lost}: "
                      "nothing is left to train on. Extract the run again (to another --out) to train another "
                      "drafter on it")
-
-
-def _check_apart(out: ObjectStore, data: ObjectStore) -> None:
-    """--out must be a prefix of its own: inside a run (or holding one), `layertap delete` of the
-    one deletes the other, and `status` shows only the run."""
-    a, b = out.uri.rstrip("/") + "/", data.uri.rstrip("/") + "/"
-    if a.startswith(b) or b.startswith(a):
-        raise ConfigError(f"--out {out.uri} and --data {data.uri} overlap: `layertap delete` of one would delete the "
-                         "other; give the training output a prefix of its own (e.g. beside the run)")
-    if out.exists(MANIFEST):
-        raise ConfigError(f"--out {out.uri} holds an extraction run (its {MANIFEST}); give the training output a "
-                         "prefix of its own")
 
 
 def _check_consumer(cfg: TrainConfig, data: ObjectStore, output: str, rank: int, world: int, shard_bytes: int,
