@@ -113,8 +113,8 @@ def _hint_attached_values(p: argparse.ArgumentParser) -> None:
         if message.endswith("expected one argument") and message.startswith("argument --"):
             option = message.split()[1].rstrip(":").split("/")[-1]
             last = _parsing[-1] if _parsing else ""
-            # not the line's last word (itself or an abbreviation of it): its value reads as an option
-            if not (last.startswith("--") and option.startswith(last)):
+            # not the line's last word: its value reads as an option
+            if last != option:
                 message += f" (a value that starts with '-' must be attached with '=': {option}=VALUE)"
         error(message)
 

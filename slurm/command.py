@@ -217,7 +217,9 @@ def _gpus_per_node(args: argparse.Namespace, nodes: list[NodeShape]) -> int:
     """--gpus-per-node, or 0 with a note; refused when a partition of `nodes` has GPUs (sinfo says
     so): a GPU partition's nodes running on CPU by omission would waste the allocation."""
     if args.gpus_per_node is not None:
-        if args.gpus_per_node > 0 and nodes and all(n.gpus < args.gpus_per_node for n in nodes):
+        # of --partition's nodes only: the default partition's say nothing of a job sent elsewhere (SBATCH_PARTITION)
+        if args.gpus_per_node > 0 and args.partition is not None and nodes and \
+                all(n.gpus < args.gpus_per_node for n in nodes):
             # sbatch refuses it, or leaves it pending for good: the job's processes are sized by it
             most = max(nodes, key=lambda n: n.gpus)
             has = f"nodes with at most {most.gpus} GPU(s) ({most.gres})" if most.gpus else "no GPUs"
@@ -281,14 +283,15 @@ def _submit_extract(args: argparse.Namespace) -> int:
         raise ConfigError("--window with --then-train: the array would wait, its window full, for a trainer that starts "
                           "only once the array has finished; train alongside it instead (--train-while-extracting "
                           "'... --delete-consumed'), or leave out --window")
-    train = _then_train(args, gpus, nodes, cfg) if args.then_train is not None else \
-        _then_train(args, gpus, nodes, cfg, follow=True) if args.train_while_extracting is not None else None
+    listing = squeue_listing()
+    train, trainers = _then_train(args, gpus, nodes, cfg, listing) if args.then_train is not None else \
+        _then_train(args, gpus, nodes, cfg, listing, follow=True) if args.train_while_extracting is not None else \
+        (None, [])
     # the chat-template settings its tasks render with: one a task would refuse is refused here
     cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
     _check_template_settings(cfg)
     store = open_configured_store(cfg.out, cfg.s3)
     location = _store_location(cfg.out)
-    listing = squeue_listing()
     queued = queued_tasks(location, listing or "")
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg), lambda run: pinned_template(cfg, run))
@@ -330,6 +333,13 @@ def _submit_extract(args: argparse.Namespace) -> int:
                               "--after <the new array's job id, if any> <the --then-train arguments>`")
     if not plan.indices:
         return _nothing_left(args, remaining, train, queued)
+    if trainers and args.then_train is not None:  # chained to earlier jobs: it would not wait for this array
+        raise ConfigError(f"training job(s) {', '.join(trainers)} for this output are queued or running and wait "
+                          f"only for the jobs they were chained to, not for the array this would add "
+                          f"({len(plan.indices)} task(s)): training could start before its shards are committed and "
+                          f"train on part of the run. `scancel {' '.join(trainers)}` and run this command again, or "
+                          "run it without --then-train and chain training to every array with `layertap submit train "
+                          "--after ...`")
     if remaining is not None and remaining.waited_for:
         _say(args, f"{_waiting_text(remaining)}: left to them; this array is for the other "
                    f"{len(remaining.free)} shard(s)")
@@ -362,7 +372,9 @@ def _submit_extract(args: argparse.Namespace) -> int:
             raise submit.SlurmError(f"{e}; the training job {trainer} submitted before it was "
                                     + ("cancelled" if why is None else f"NOT cancelled ({why}): scancel it")) from None
         return 0
-    job = _submit_array(args, opts, script, what)
+    # a follow trainer of the output already queued: the window's array starts once it has (as below)
+    waits = trainers if args.train_while_extracting is not None and cfg.window is not None else []
+    job = _submit_array(args, opts, script, what, after_start=waits or None)
     if train:
         alongside = args.train_while_extracting is not None
         if job is None:  # a dry run
@@ -597,12 +609,13 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
                       f"train {after} --after <the new array's job id> <the --then-train arguments>`")
 
 
-def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], extraction,
-                follow: bool = False) -> tuple[Any, str] | None:
+def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], extraction, listing: str | None,
+                follow: bool = False) -> tuple[tuple[Any, str] | None, list[str]]:
     """The training job to chain to the extraction (its settings, `extraction`): `--then-train`
     parsed (and so checked) by `layertap train`'s parser, its --data the extraction's --out; with
-    `follow`, `--train-while-extracting`'s, made a follow trainer of it."""
-    from layertap.slurm.queued import training_tag
+    `follow`, `--train-while-extracting`'s, made a follow trainer of it. None where no trainer is
+    needed (`_no_trainer_needed`); and the training jobs squeue's `listing` shows for its output."""
+    from layertap.slurm.queued import queued_training, training_tag
     from layertap.slurm.scripts import train_script
 
     flag = "--then-train" if not follow else "--train-while-extracting"
@@ -623,14 +636,15 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     _read_the_extraction(targs, extraction, f"{flag} {given!r}")
     train_cfg = _follow_the_extraction(targs, extraction, given) if follow else \
         _train_config(targs, f"{flag} {given!r}: ")
-    if (why := _no_trainer_needed(train_cfg)) is not None:
+    queued = queued_training(_store_location(train_cfg.out), listing or "")
+    if (why := _no_trainer_needed(train_cfg, queued)) is not None:
         _say(args, f"{why}: no training job")
-        return None
+        return None, queued
     topts = _train_options(args, gpus, train_cfg, nodes, job_name="layertap-train")
     if follow and extraction.window is not None:
         _check_window(extraction, train_cfg, args.train_nodes * topts.procs)
-    return topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions),
-                               training_tag(_store_location(train_cfg.out)))
+    return (topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions),
+                                training_tag(_store_location(train_cfg.out)))), queued
 
 
 def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeShape], **job: Any):
@@ -642,15 +656,18 @@ def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeSha
                         **job)
 
 
-def _no_trainer_needed(cfg) -> str | None:
-    """Why a resubmission of the same command queues no trainer for the output `cfg.out`: it is
-    complete (every step trained, the drafter exported), or a trainer writes to it now (a second
-    would be refused at its start). One that holds checkpoints is resumed by the job (the script
-    passes --resume)."""
+def _no_trainer_needed(cfg, queued: list[str]) -> str | None:
+    """Why a resubmission of the same command queues no trainer for the output `cfg.out`: training
+    jobs for it are queued or running (`queued`, from squeue: each names its output in its comment),
+    it is complete (every step trained, the drafter exported), or a trainer writes to it now (a
+    second would be refused at its start). One that holds checkpoints is resumed by the job (the
+    script passes --resume)."""
     from layertap.manifests.train_output import training_status
-    from layertap.slurm.queued import queued_training
     from layertap.storage.store import StoreError, open_configured_store
 
+    if queued:  # asked first: an output unreadable from here (other credentials) is still known to squeue
+        return (f"training job(s) {', '.join(queued)} for {cfg.out} are queued or running (squeue); `scancel` "
+                "them first to submit another")
     try:
         status = training_status(open_configured_store(cfg.out, cfg.s3))
     except StoreError:  # unreadable from here (no bucket yet, other credentials): the job will tell
@@ -661,9 +678,6 @@ def _no_trainer_needed(cfg) -> str | None:
         job = f"Slurm job {h['slurm_job']}, " if h["slurm_job"] else ""
         return (f"a trainer is writing to {cfg.out} now ({job}pid {h['pid']} on {h['host']}); a second would be "
                 "refused while it runs")
-    if jobs := queued_training(_store_location(cfg.out)):
-        return (f"training job(s) {', '.join(jobs)} for {cfg.out} are queued or running (squeue); `scancel` "
-                "them first to submit another")
     return None
 
 
@@ -796,7 +810,7 @@ _JOB_ID = re.compile(r"\d+(_\d+)?")
 
 def _submit_train(args: argparse.Namespace) -> int:
     from layertap.slurm import submit
-    from layertap.slurm.queued import training_tag
+    from layertap.slurm.queued import queued_training, training_tag
     from layertap.slurm.scripts import train_script
     from layertap.slurm.submit import dependency_options, partition_shapes
 
@@ -812,7 +826,7 @@ def _submit_train(args: argparse.Namespace) -> int:
                           "dependency and start the training at once; check the id with squeue or sacct, and leave "
                           "--after out for a job that has finished")
     cfg = _train_config(args)
-    if (why := _no_trainer_needed(cfg)) is not None:
+    if (why := _no_trainer_needed(cfg, queued_training(_store_location(cfg.out)))) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0
     nodes = partition_shapes(args.partition)

@@ -23,6 +23,10 @@ class SlurmError(UserError):
     """sbatch or scontrol is missing or refused the request."""
 
 
+class Refused(SlurmError):
+    """A Slurm command exited non-zero: it did nothing (sbatch submitted no job)."""
+
+
 def require(command: str = "sbatch") -> None:
     """Fail before anything is written when Slurm's commands are not here."""
     if shutil.which(command) is None:
@@ -34,7 +38,7 @@ def _run(cmd: list[str]) -> str:
     require(cmd[0])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        raise SlurmError(f"`{' '.join(cmd)}` failed: {(p.stderr or p.stdout).strip() or f'exit {p.returncode}'}")
+        raise Refused(f"`{' '.join(cmd)}` failed: {(p.stderr or p.stdout).strip() or f'exit {p.returncode}'}")
     return p.stdout
 
 
@@ -98,17 +102,32 @@ def unknown_jobs(jobs: list[str]) -> list[str]:
         p = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
         if p.returncode != 0 and "invalid job id" in (p.stderr + p.stdout).lower():
             unknown.append(job)
+    if unknown and _hides_jobs():  # another user's job reads as unknown there
+        log.warning("job(s) %s are not shown to you, and this cluster hides other users' jobs (PrivateData=jobs): "
+                    "if one is a typo, the training starts at once", ", ".join(unknown))
+        return []
     return unknown
+
+
+def _hides_jobs() -> bool:
+    """Whether the cluster's PrivateData hides other users' jobs (`scontrol show config`)."""
+    try:
+        out = _run(["scontrol", "show", "config"])
+    except SlurmError:
+        return False
+    m = re.search(r"^PrivateData\s*=\s*(.*)$", out, re.MULTILINE)
+    return bool(m) and "jobs" in m.group(1).lower()
 
 
 def submit_script(folder: str, job_name: str, text: str, after_ok: list[str] | None = None,
                   after_start: list[str] | None = None) -> str:
     """`save_script` then `sbatch` it; the script removed again if sbatch refuses it (a script
-    kept for a job that never existed reads, later, as one that ran)."""
+    kept for a job that never existed reads, later, as one that ran); kept where sbatch exited 0
+    but printed no job id (a site's wrapper: the job may exist)."""
     path = save_script(folder, job_name, text)
     try:
         return sbatch(path, after_ok, after_start)
-    except SlurmError:
+    except Refused:
         try:
             os.remove(path)
         except OSError:

@@ -265,10 +265,12 @@ def test_bad_arguments_fail_before_any_work(models, tmp_path, capsys):
     assert exit_.value.code == 2
     assert "argument --layers: expected one argument (a value that starts with '-' must be attached with '=': " \
            "--layers=VALUE)" in capsys.readouterr().err
-    for last in ("--layers", "--lay"):  # the value is missing (argparse takes an abbreviation): no word of '='
-        with pytest.raises(SystemExit):
-            cli(base + [last])
-        assert capsys.readouterr().err.rstrip().endswith("argument --layers: expected one argument")
+    with pytest.raises(SystemExit):  # the value is missing: no word of '='
+        cli(base + ["--layers"])
+    assert capsys.readouterr().err.rstrip().endswith("argument --layers: expected one argument")
+    with pytest.raises(SystemExit):  # no abbreviations: `--lay` is no option
+        cli(base + ["--lay", "1"])
+    assert "unrecognized arguments: --lay (did you mean --layers?)" in capsys.readouterr().err
     assert cli(base + ["--layers=-1,3"]) == 2
     assert "capture layer -1 is out of range" in capsys.readouterr().err
     assert cli(["extract", "--model", str(tmp_path / "nope"), "--dataset", data, "--out", str(out)]) == 2

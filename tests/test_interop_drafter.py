@@ -405,14 +405,16 @@ def test_a_verifier_of_another_width_or_vocabulary_is_refused(trained, tmp_path,
 
 
 @pytest.mark.parametrize("where", ["missing", "no config"])
-def test_a_verifier_path_that_is_no_model_folder_is_refused(trained, tmp_path, capsys, where):
+def test_a_verifier_path_that_is_no_model_folder_is_refused(trained, tmp_path, capsys, monkeypatch, where):
     """A mistyped path exported with a warning and exit 0: a config naming no architectures and a
-    verifier speculators then failed to load ("Repo id must be in the form 'repo_name'")."""
+    verifier speculators then failed to load ("Repo id must be in the form 'repo_name'"). `~` is
+    read as the shell reads it (`--verifier=~/x` reaches layertap unexpanded)."""
     verifier = tmp_path / "verifier"
     if where == "no config":
         verifier.mkdir()
     dest = tmp_path / "spec"
-    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier", str(verifier)]) == 2
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier=~/verifier"]) == 2
     said = "no config.json in it" if where == "no config" else "no such folder"
     assert f"--verifier '{verifier}' is not a model folder on this machine ({said})" in capsys.readouterr().err
     assert not dest.exists()

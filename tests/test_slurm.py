@@ -894,9 +894,18 @@ def test_a_trainer_still_queued_for_the_output_is_not_submitted_again(tmp_path, 
     monkeypatch.setenv("PATH", str(bin_))
     base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0", "--nodes", "1")
     for flag in ("--then-train", "--train-while-extracting"):
-        assert submit(*base, flag, "--out d") == 0
+        assert submit(*base, flag, "--out d") == 0  # the queued task takes the free shards: nothing new
         shown = capsys.readouterr().out
         assert f"training job(s) 78 for d are queued or running (squeue)" in shown and "layertap-train.sbatch" not in shown
+    # a new array beside it: the queued trainer waits only for what it was chained to
+    more = (*base[:-2], "--nodes", "3")
+    assert submit(*more, "--then-train", "--out d") == 2
+    assert "training job(s) 78 for this output are queued or running and wait only for the jobs they were chained " \
+           "to, not for the array this would add" in capsys.readouterr().err
+    assert submit(*more, "--train-while-extracting", "--out d") == 0  # a follow trainer takes what any array commits
+    assert "--dependency" not in capsys.readouterr().out
+    assert submit(*more, "--window", "1GB", "--train-while-extracting", "--out d --delete-consumed") == 0
+    assert "sbatch --parsable --dependency=after:78 <script>" in capsys.readouterr().out  # the window's order kept
     assert submit("train", "--dry-run", "--data", "run", "--out", "d") == 0
     assert "nothing to submit: training job(s) 78 for d are queued or running" in capsys.readouterr().out
     # another output: submitted, and its job names it for the next resubmission
@@ -1067,6 +1076,7 @@ def test_a_list_of_partitions_is_checked_and_clipped_against_each(tmp_path, caps
     assert submit(*base, "--partition", "cpu", "--gpus-per-node", "1") == 2
     assert "partition cpu has no GPUs (sinfo); give --gpus-per-node 0" in capsys.readouterr().err
     assert submit(*base, "--partition", "cpu,gpu", "--gpus-per-node", "8") == 0  # gpu has them
+    assert submit(*base, "--gpus-per-node", "8") == 0  # no --partition: the job may go elsewhere (SBATCH_PARTITION)
 
     from layertap.slurm.submit import parse_partitions
 
@@ -1129,7 +1139,7 @@ def test_submit_train_refuses_data_that_holds_no_run(tmp_path, capsys, monkeypat
     assert not (tmp_path / "layertap-logs").exists()
 
 
-def test_train_after_a_job_slurm_does_not_know_is_refused(tmp_path, capsys, monkeypatch):
+def test_train_after_a_job_slurm_does_not_know_is_refused(tmp_path, capsys, monkeypatch, caplog):
     """sbatch drops an afterok on a job it does not know: `--after 99998` (a typo) queued training
     that started at once, and --after also skips the check that --data holds a run."""
     monkeypatch.chdir(tmp_path)
@@ -1143,6 +1153,11 @@ def test_train_after_a_job_slurm_does_not_know_is_refused(tmp_path, capsys, monk
     assert submit(*base, "--after", "99998") == 2
     assert "--after 99998: Slurm knows no such job" in capsys.readouterr().err
     assert submit(*base, "--after", "41") == 0
+    # where other users' jobs are hidden (PrivateData=jobs), a colleague's job reads as unknown: warned of only
+    (bin_ / "scontrol").write_text('#!/bin/sh\n[ "$2" = config ] && { echo "PrivateData = jobs,usage"; exit 0; }\n'
+                                   'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n')
+    assert submit(*base, "--after", "99998") == 0
+    assert "job(s) 99998 are not shown to you, and this cluster hides other users' jobs" in caplog.text
 
 
 def test_a_training_output_that_holds_a_run_is_refused_at_submission(tmp_path, capsys, monkeypatch):

@@ -154,7 +154,7 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
     and vLLM can load: the embedded SmolLM2 (`embedded:` or its GGUF) by its converted safetensors
     folder; any other GGUF only with a warning that --verifier is needed."""
     if verifier is not None:
-        name = verifier
+        name = os.path.expanduser(verifier) if verifier.startswith("~") else verifier  # --verifier=~/m: no shell's
         if _is_path(name) and not os.path.isfile(os.path.join(name, "config.json")):
             # not a hub id ("org/name") either: the config would name a model speculators cannot load
             raise InputError(f"--verifier {name!r} is not a model folder on this machine ("
