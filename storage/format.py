@@ -28,7 +28,7 @@ import xxhash
 
 from layertap.storage.codec_names import CODEC_NAMES
 from layertap.storage.errors import UserError
-from layertap.storage.identity import RunIdentity
+from layertap.storage.identity import LAYER_CONVENTION, RunIdentity
 
 FORMAT_NAME = "layertap-shard"
 FORMAT_VERSION = 1
@@ -171,6 +171,13 @@ def parse_head(payload: bytes | memoryview, where: str) -> ShardMeta:
         if obj.get("codec") not in CODEC_NAMES:
             raise UnsupportedShard(f"{where}: codec {obj.get('codec')!r} is not known to this layertap (it reads "
                                    f"{', '.join(CODEC_NAMES)}); upgrade layertap to read it")
+        # FORMAT.md's invariants of the HEAD: a shard whose HEAD says otherwise was not written as specified
+        if obj.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise ShardError(f"{where}: header format_version {obj.get('format_version')!r:.40} is not the preamble's "
+                             f"{FORMAT_VERSION}; the shard is corrupt")
+        if obj.get("layer_convention", LAYER_CONVENTION) != LAYER_CONVENTION:
+            raise ShardError(f"{where}: header layer_convention {obj.get('layer_convention')!r:.40} is not "
+                             f"{LAYER_CONVENTION!r}, the format's only one; the shard is corrupt")
         return ShardMeta.from_json(obj)
     except (ValueError, TypeError, RecursionError) as e:
         raise ShardError(f"{where}: unreadable shard header: {e}") from None

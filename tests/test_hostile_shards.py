@@ -258,13 +258,19 @@ def test_verify_withdraws_a_commit_that_disagrees_with_its_sound_object(run, cap
     assert not store.exists(layout.commit_key(0))
 
 
-@pytest.mark.parametrize("damage", ["model_revision", "relative_error", "no relative_error"])
+@pytest.mark.parametrize("damage", ["model_revision", "relative_error", "no relative_error", "format_version",
+                                    "layer_convention"])
 def test_inspect_on_head_or_footer_fields_of_the_wrong_type(run, capsys, damage):
+    """format_version and layer_convention: FORMAT.md says the HEAD's equal the preamble's version
+    and "decoder_output"; a HEAD saying otherwise (hashes intact) read as a sound shard."""
     key, data = _shard0(run)
     pre, head, recs, _ = _frames(data)
     if damage == "model_revision":
         head = json.dumps(dict(json.loads(head), model_revision=5)).encode()
         data = _build(pre, head, recs)
+    elif damage in ("format_version", "layer_convention"):
+        wrong = {"format_version": 2, "layer_convention": "decoder_outpuX"}[damage]
+        data = _build(pre, json.dumps(dict(json.loads(head), **{damage: wrong})).encode(), recs)
     elif damage == "relative_error":
         data = _build(pre, head, recs, lambda f: f.update(relative_error="big"))
     else:
