@@ -213,13 +213,25 @@ def _job_options(args: argparse.Namespace, gpus: int, sized, nodes: list[NodeSha
     return dataclasses.replace(opts, **changes) if changes else opts
 
 
+def _job_partition(args: argparse.Namespace) -> str | None:
+    """The partition the job goes to as sbatch reads it: SBATCH_PARTITION (sbatch's environment
+    overrides a script's #SBATCH lines), else an --sbatch=--partition (written after --partition),
+    else --partition; None: the cluster's default. The default partition's nodes say nothing of a
+    job sent elsewhere."""
+    if os.environ.get("SBATCH_PARTITION"):
+        return os.environ["SBATCH_PARTITION"]
+    for option in reversed(args.sbatch):
+        for flag in ("--partition=", "-p="):
+            if option.startswith(flag):
+                return option[len(flag):]
+    return args.partition
+
+
 def _gpus_per_node(args: argparse.Namespace, nodes: list[NodeShape]) -> int:
     """--gpus-per-node, or 0 with a note; refused when a partition of `nodes` has GPUs (sinfo says
     so): a GPU partition's nodes running on CPU by omission would waste the allocation."""
     if args.gpus_per_node is not None:
-        # of --partition's nodes only: the default partition's say nothing of a job sent elsewhere (SBATCH_PARTITION)
-        if args.gpus_per_node > 0 and args.partition is not None and nodes and \
-                all(n.gpus < args.gpus_per_node for n in nodes):
+        if args.gpus_per_node > 0 and nodes and all(n.gpus < args.gpus_per_node for n in nodes):
             # sbatch refuses it, or leaves it pending for good: the job's processes are sized by it
             most = max(nodes, key=lambda n: n.gpus)
             has = f"nodes with at most {most.gpus} GPU(s) ({most.gres})" if most.gpus else "no GPUs"
@@ -268,7 +280,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.slurm.submit import partition_shapes
 
     _at_least_one(args, "nodes", "shards_per_task", "train_nodes")
-    nodes = partition_shapes(args.partition)
+    nodes = partition_shapes(_job_partition(args))
     gpus = _gpus_per_node(args, nodes)
     cfg = _extract_config(args)
     threads = _encode_threads(args)
@@ -284,9 +296,9 @@ def _submit_extract(args: argparse.Namespace) -> int:
                           "only once the array has finished; train alongside it instead (--train-while-extracting "
                           "'... --delete-consumed'), or leave out --window")
     listing = squeue_listing()
-    train, trainers = _then_train(args, gpus, nodes, cfg, listing) if args.then_train is not None else \
+    train, trainers, no_trainer = _then_train(args, gpus, nodes, cfg, listing) if args.then_train is not None else \
         _then_train(args, gpus, nodes, cfg, listing, follow=True) if args.train_while_extracting is not None else \
-        (None, [])
+        (None, [], None)
     # the chat-template settings its tasks render with: one a task would refuse is refused here
     cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
     _check_template_settings(cfg)
@@ -331,15 +343,12 @@ def _submit_extract(args: argparse.Namespace) -> int:
                               "run (squeue): training chained to this submission (--then-train) would start without "
                               f"waiting for them. Submit this without --then-train, then `layertap submit train {after} "
                               "--after <the new array's job id, if any> <the --then-train arguments>`")
+    if plan.indices:
+        _check_queued_trainers(trainers, cfg, len(plan.indices), alongside=args.train_while_extracting is not None)
+    if no_trainer:
+        _say(args, no_trainer)
     if not plan.indices:
         return _nothing_left(args, remaining, train, queued)
-    if trainers and args.then_train is not None:  # chained to earlier jobs: it would not wait for this array
-        raise ConfigError(f"training job(s) {', '.join(trainers)} for this output are queued or running and wait "
-                          f"only for the jobs they were chained to, not for the array this would add "
-                          f"({len(plan.indices)} task(s)): training could start before its shards are committed and "
-                          f"train on part of the run. `scancel {' '.join(trainers)}` and run this command again, or "
-                          "run it without --then-train and chain training to every array with `layertap submit train "
-                          "--after ...`")
     if remaining is not None and remaining.waited_for:
         _say(args, f"{_waiting_text(remaining)}: left to them; this array is for the other "
                    f"{len(remaining.free)} shard(s)")
@@ -373,7 +382,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
                                     + ("cancelled" if why is None else f"NOT cancelled ({why}): scancel it")) from None
         return 0
     # a follow trainer of the output already queued: the window's array starts once it has (as below)
-    waits = trainers if args.train_while_extracting is not None and cfg.window is not None else []
+    waits = [t.job for t in trainers] if args.train_while_extracting is not None and cfg.window is not None else []
     job = _submit_array(args, opts, script, what, after_start=waits or None)
     if train:
         alongside = args.train_while_extracting is not None
@@ -412,7 +421,7 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
 
     _at_least_one(args, "tasks", "max_parallel")
     cfg = load_regenerate_config(args)  # checked here, not in the queue
-    nodes = submit.partition_shapes(args.partition)
+    nodes = submit.partition_shapes(_job_partition(args))
     gpus = _gpus_per_node(args, nodes) if cfg.serve else (args.gpus_per_node or 0)
     opts = _job_options(args, gpus, lambda procs: regenerate_resources(gpus, bool(cfg.serve)), nodes,
                         procs_per_node=1)
@@ -513,6 +522,24 @@ def _nothing_left(args: argparse.Namespace, remaining, train, queued) -> int:
     return 0
 
 
+def _check_queued_trainers(trainers: list, cfg, tasks: int, alongside: bool) -> None:
+    """Refuse a new array of `tasks` tasks beside training jobs already queued for the chained
+    output (`QueuedTrainer`s) that would not train on it: one chained to earlier jobs (afterok, not
+    --follow) could start before this array's shards are committed and train on part of the run;
+    beside a --window, one that does not delete what it consumes would never open the window."""
+    chained = [t.job for t in trainers if not t.follow]
+    if chained:
+        raise ConfigError(f"training job(s) {', '.join(chained)} for this output are chained to earlier extraction "
+                          f"jobs (afterok), not to the array this would add ({tasks} task(s)): training could start "
+                          f"before its shards are committed and train on part of the run. `scancel "
+                          f"{' '.join(chained)}`, then run this command again (its trainer then waits for this array)")
+    keeps = [t.job for t in trainers if not t.deletes]
+    if alongside and cfg.window is not None and keeps:
+        raise ConfigError(f"training job(s) {', '.join(keeps)} for this output do not delete what they consume (no "
+                          f"--delete-consumed), so the --window this array holds to would never open again. `scancel "
+                          f"{' '.join(keeps)}`, then run this command again")
+
+
 def _training_needs_the_rest(store, cfg, planned: bool) -> None:
     """Refuse --then-train with --shards while shards outside them are unfinished: training chained
     to this array would start once its own shards are committed, and train on part of the run
@@ -610,11 +637,12 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
 
 
 def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], extraction, listing: str | None,
-                follow: bool = False) -> tuple[tuple[Any, str] | None, list[str]]:
+                follow: bool = False) -> tuple[tuple[Any, str] | None, list, str | None]:
     """The training job to chain to the extraction (its settings, `extraction`): `--then-train`
     parsed (and so checked) by `layertap train`'s parser, its --data the extraction's --out; with
     `follow`, `--train-while-extracting`'s, made a follow trainer of it. None where no trainer is
-    needed (`_no_trainer_needed`); and the training jobs squeue's `listing` shows for its output."""
+    needed, with why (`_no_trainer_needed`: said once the submission's checks passed); and the
+    training jobs squeue's `listing` shows for its output (`QueuedTrainer`s)."""
     from layertap.slurm.queued import queued_training, training_tag
     from layertap.slurm.scripts import train_script
 
@@ -638,13 +666,13 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
         _train_config(targs, f"{flag} {given!r}: ")
     queued = queued_training(_store_location(train_cfg.out), listing or "")
     if (why := _no_trainer_needed(train_cfg, queued)) is not None:
-        _say(args, f"{why}: no training job")
-        return None, queued
+        return None, queued, f"{why}: no training job"
     topts = _train_options(args, gpus, train_cfg, nodes, job_name="layertap-train")
     if follow and extraction.window is not None:
         _check_window(extraction, train_cfg, args.train_nodes * topts.procs)
+    tag = training_tag(_store_location(train_cfg.out), train_cfg.follow, train_cfg.delete_consumed)
     return (topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions),
-                                training_tag(_store_location(train_cfg.out)))), queued
+                                tag)), queued, None
 
 
 def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeShape], **job: Any):
@@ -656,7 +684,7 @@ def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeSha
                         **job)
 
 
-def _no_trainer_needed(cfg, queued: list[str]) -> str | None:
+def _no_trainer_needed(cfg, queued: list) -> str | None:
     """Why a resubmission of the same command queues no trainer for the output `cfg.out`: training
     jobs for it are queued or running (`queued`, from squeue: each names its output in its comment),
     it is complete (every step trained, the drafter exported), or a trainer writes to it now (a
@@ -666,8 +694,8 @@ def _no_trainer_needed(cfg, queued: list[str]) -> str | None:
     from layertap.storage.store import StoreError, open_configured_store
 
     if queued:  # asked first: an output unreadable from here (other credentials) is still known to squeue
-        return (f"training job(s) {', '.join(queued)} for {cfg.out} are queued or running (squeue); `scancel` "
-                "them first to submit another")
+        return (f"training job(s) {', '.join(t.job for t in queued)} for {cfg.out} are queued or running "
+                "(squeue); `scancel` them first to submit another")
     try:
         status = training_status(open_configured_store(cfg.out, cfg.s3))
     except StoreError:  # unreadable from here (no bucket yet, other credentials): the job will tell
@@ -829,12 +857,12 @@ def _submit_train(args: argparse.Namespace) -> int:
     if (why := _no_trainer_needed(cfg, queued_training(_store_location(cfg.out)))) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0
-    nodes = partition_shapes(args.partition)
+    nodes = partition_shapes(_job_partition(args))
     opts = _train_options(args, _gpus_per_node(args, nodes), cfg, nodes)
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions),
-                          training_tag(_store_location(cfg.out)))
+                          training_tag(_store_location(cfg.out), cfg.follow, cfg.delete_consumed))
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)
         return 0

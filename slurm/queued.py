@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 _TAG = re.compile(r"layertap-extract k=(\d+) shards=(\S+) out=(.+)")
 _REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
-_TRAINING_TAG = re.compile(r"layertap-train out=(.+)")
+_TRAINING_TAG = re.compile(r"layertap-train follow=([01]) delete=([01]) out=(.+)")
 
 
 MAX_TAG = 1000  # Slurm refuses a comment over 1,024 characters ("Pathname ... too long"), the whole job with it
@@ -218,19 +218,28 @@ def without_dead_holders(remaining: Remaining, jobs: dict[int, str], listing: st
                                                                    if s not in gone}, orphaned=sorted(gone))
 
 
-def training_tag(location: str) -> str | None:
-    """The comment a training job carries: its output (`location`, one text per store place); None
-    where too long for Slurm."""
-    text = f"layertap-train out={location}"
+@dataclass(frozen=True)
+class QueuedTrainer:
+    """A training job squeue shows for an output (`training_tag`)."""
+    job: str
+    follow: bool  # --follow: takes every shard as it is committed, whichever array commits it
+    deletes: bool  # --delete-consumed: opens a --window extraction waits on
+
+
+def training_tag(location: str, follow: bool, deletes: bool) -> str | None:
+    """The comment a training job carries: its output (`location`, one text per store place) and
+    its kind; None where too long for Slurm."""
+    text = f"layertap-train follow={int(follow)} delete={int(deletes)} out={location}"
     return text if len(text) <= MAX_TAG else None
 
 
-def queued_training(location: str, listing: str | None = None) -> list[str]:
+def queued_training(location: str, listing: str | None = None) -> list[QueuedTrainer]:
     """The training jobs for the output at `location` pending or running (of `listing`, squeue's;
     default: asked now), less those that will never start: a resubmission queued a second trainer
     beside one still waiting for its extraction."""
-    tagged = [(t, t.job) for t in _listed(_pending() if listing is None else listing)
-              if (m := _TRAINING_TAG.fullmatch(t.comment)) is not None and m[1] == location]
+    tagged = [(t, QueuedTrainer(t.job, m[1] == "1", m[2] == "1"))
+              for t in _listed(_pending() if listing is None else listing)
+              if (m := _TRAINING_TAG.fullmatch(t.comment)) is not None and m[3] == location]
     return _will_start(tagged, f"the training output at {location}")
 
 

@@ -24,7 +24,8 @@ class SlurmError(UserError):
 
 
 class Refused(SlurmError):
-    """A Slurm command exited non-zero: it did nothing (sbatch submitted no job)."""
+    """A Slurm command exited non-zero: as a rule it did nothing (sbatch submitted no job; rarely,
+    a reply lost after the controller took the job)."""
 
 
 def require(command: str = "sbatch") -> None:

@@ -172,7 +172,7 @@ def parse_head(payload: bytes | memoryview, where: str) -> ShardMeta:
             raise UnsupportedShard(f"{where}: codec {obj.get('codec')!r} is not known to this layertap (it reads "
                                    f"{', '.join(CODEC_NAMES)}); upgrade layertap to read it")
         # FORMAT.md's invariants of the HEAD: a shard whose HEAD says otherwise was not written as specified
-        if obj.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        if (v := obj.get("format_version", FORMAT_VERSION)) != FORMAT_VERSION or type(v) is not int:  # not true
             raise ShardError(f"{where}: header format_version {obj.get('format_version')!r:.40} is not the preamble's "
                              f"{FORMAT_VERSION}; the shard is corrupt")
         if obj.get("layer_convention", LAYER_CONVENTION) != LAYER_CONVENTION:

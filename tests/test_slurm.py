@@ -879,7 +879,9 @@ def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_
 def test_a_trainer_still_queued_for_the_output_is_not_submitted_again(tmp_path, capsys, monkeypatch):
     """The same --then-train command run again while its array and trainer wait in the queue was
     refused (its advice queued a second trainer), and --train-while-extracting queued a second one:
-    each training job names its output in its comment, and one squeue shows is left to be."""
+    each training job names its output and kind in its comment, and one squeue shows is left to be.
+    A new array beside it is refused where that trainer would not train on it: chained (afterok) to
+    earlier jobs, or, beside a --window, one that deletes nothing."""
     from layertap.slurm.queued import tag, training_tag
 
     monkeypatch.chdir(tmp_path)
@@ -888,29 +890,43 @@ def test_a_trainer_still_queued_for_the_output_is_not_submitted_again(tmp_path, 
     out = str(tmp_path / "d")
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    listing = f"77_0|PENDING|Priority|{tag(prefix, None, None)}\n78|PENDING|Dependency|{training_tag(out)}\n"
-    (bin_ / "squeue").write_text(f"#!/bin/sh\nprintf '{listing}'\n")
-    (bin_ / "squeue").chmod(0o755)
+
+    def queued_trainer(follow: bool, deletes: bool) -> None:
+        listing = f"77_0|PENDING|Priority|{tag(prefix, None, None)}\n" \
+                  f"78|PENDING|Dependency|{training_tag(out, follow, deletes)}\n"
+        (bin_ / "squeue").write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+        (bin_ / "squeue").chmod(0o755)
+
+    queued_trainer(follow=False, deletes=False)  # a --then-train trainer, afterok on array 77
     monkeypatch.setenv("PATH", str(bin_))
     base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0", "--nodes", "1")
     for flag in ("--then-train", "--train-while-extracting"):
         assert submit(*base, flag, "--out d") == 0  # the queued task takes the free shards: nothing new
         shown = capsys.readouterr().out
-        assert f"training job(s) 78 for d are queued or running (squeue)" in shown and "layertap-train.sbatch" not in shown
-    # a new array beside it: the queued trainer waits only for what it was chained to
-    more = (*base[:-2], "--nodes", "3")
-    assert submit(*more, "--then-train", "--out d") == 2
-    assert "training job(s) 78 for this output are queued or running and wait only for the jobs they were chained " \
-           "to, not for the array this would add" in capsys.readouterr().err
-    assert submit(*more, "--train-while-extracting", "--out d") == 0  # a follow trainer takes what any array commits
-    assert "--dependency" not in capsys.readouterr().out
-    assert submit(*more, "--window", "1GB", "--train-while-extracting", "--out d --delete-consumed") == 0
-    assert "sbatch --parsable --dependency=after:78 <script>" in capsys.readouterr().out  # the window's order kept
+        assert "training job(s) 78 for d are queued or running (squeue)" in shown and "layertap-train.sbatch" not in shown
     assert submit("train", "--dry-run", "--data", "run", "--out", "d") == 0
     assert "nothing to submit: training job(s) 78 for d are queued or running" in capsys.readouterr().out
-    # another output: submitted, and its job names it for the next resubmission
+    # a new array beside it: 78 waits only for array 77, and would train on part of the run
+    more = (*base[:-2], "--nodes", "3")
+    for flag in ("--then-train", "--train-while-extracting"):
+        assert submit(*more, flag, "--out d") == 2
+        out_, err = capsys.readouterr()
+        assert "training job(s) 78 for this output are chained to earlier extraction jobs (afterok), not to the " \
+               "array this would add" in err and "`scancel 78`, then run this command again" in err
+        assert "no training job" not in out_  # not said before the refusal
+    # a follow trainer takes whatever any array commits: the new array goes ahead, no second trainer
+    queued_trainer(follow=True, deletes=True)
+    assert submit(*more, "--then-train", "--out d") == 0
+    shown = capsys.readouterr().out
+    assert "layertap-extract.sbatch" in shown and "layertap-train.sbatch" not in shown and "--dependency" not in shown
+    assert submit(*more, "--window", "1GB", "--train-while-extracting", "--out d --delete-consumed") == 0
+    assert "sbatch --parsable --dependency=after:78 <script>" in capsys.readouterr().out  # the window's order kept
+    queued_trainer(follow=True, deletes=False)  # it would never open the window
+    assert submit(*more, "--window", "1GB", "--train-while-extracting", "--out d --delete-consumed") == 2
+    assert "training job(s) 78 for this output do not delete what they consume" in capsys.readouterr().err
+    # another output: submitted, and its job names it and its kind for the next resubmission
     assert submit("train", "--dry-run", "--data", "run", "--out", "e") == 0
-    assert f'#SBATCH --comment="{training_tag(str(tmp_path / "e"))}"' in capsys.readouterr().out
+    assert f'#SBATCH --comment="{training_tag(str(tmp_path / "e"), False, False)}"' in capsys.readouterr().out
 
 
 def test_then_train_with_shards_is_refused_while_the_rest_of_the_run_is_unfinished(tmp_path, capsys, monkeypatch):
@@ -1076,7 +1092,13 @@ def test_a_list_of_partitions_is_checked_and_clipped_against_each(tmp_path, caps
     assert submit(*base, "--partition", "cpu", "--gpus-per-node", "1") == 2
     assert "partition cpu has no GPUs (sinfo); give --gpus-per-node 0" in capsys.readouterr().err
     assert submit(*base, "--partition", "cpu,gpu", "--gpus-per-node", "8") == 0  # gpu has them
-    assert submit(*base, "--gpus-per-node", "8") == 0  # no --partition: the job may go elsewhere (SBATCH_PARTITION)
+    assert submit(*base, "--gpus-per-node", "8") == 2  # no --partition: the default one, cpu
+    assert "--gpus-per-node 8: partition cpu has no GPUs" in capsys.readouterr().err
+    # ... unless the job goes elsewhere: an --sbatch=--partition, or SBATCH_PARTITION (which sbatch takes first)
+    assert submit(*base, "--gpus-per-node", "8", "--sbatch=--partition=gpu") == 0
+    monkeypatch.setenv("SBATCH_PARTITION", "gpu")
+    assert submit(*base, "--gpus-per-node", "8", "--partition", "cpu") == 0
+    monkeypatch.delenv("SBATCH_PARTITION")
 
     from layertap.slurm.submit import parse_partitions
 
