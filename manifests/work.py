@@ -35,7 +35,7 @@ from layertap.manifests import layout
 from layertap.manifests.liveness import gone_from_here
 from layertap.manifests.manifest import Manifest, ManifestError, ShardPlan
 from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
-from layertap.manifests.state import Lease, RunState, feed_since, fits_plan, scan, scan_shard, shard_leases
+from layertap.manifests.state import Lease, RunState, feed_since, fits_plan, over_plan, scan, scan_shard, shard_leases
 from layertap.storage.errors import ConfigError
 from layertap.storage.retry import SPREAD, Backoff
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
@@ -209,8 +209,8 @@ class Claim:
             planned = self.queue.manifest.shards[self.shard].num_samples
             raise ManifestError(f"shard {self.shard}: its object holds {info.num_records} sample(s) and "
                                 f"{len(skipped)} were skipped, the plan has {planned}: not committed")
-        plan = self.queue.manifest.shards[self.shard]
-        if info.num_records > plan.planned_records:  # a follow trainer's epoch is sized by the plan's count
+        if over_plan(record, self.queue.manifest):  # a follow trainer's epoch is sized by the plan's count
+            plan = self.queue.manifest.shards[self.shard]
             raise ManifestError(f"shard {self.shard}: its object holds {info.num_records} sample(s), but the planner "
                                 f"found {plan.skips} of its {plan.num_samples} rows yield none ({plan.planned_records} "
                                 "at most): this worker tokenizes otherwise than the planner did (another layertap "

@@ -664,13 +664,14 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     _read_the_extraction(targs, extraction, f"{flag} {given!r}")
     train_cfg = _follow_the_extraction(targs, extraction, given) if follow else \
         _train_config(targs, f"{flag} {given!r}: ")
-    queued = queued_training(_store_location(train_cfg.out), listing or "")
+    where = _store_location(train_cfg.out)
+    queued = queued_training(where, listing or "")
     if (why := _no_trainer_needed(train_cfg, queued)) is not None:
         return None, queued, f"{why}: no training job"
     topts = _train_options(args, gpus, train_cfg, nodes, job_name="layertap-train")
     if follow and extraction.window is not None:
         _check_window(extraction, train_cfg, args.train_nodes * topts.procs)
-    tag = training_tag(_store_location(train_cfg.out), train_cfg.follow, train_cfg.delete_consumed)
+    tag = training_tag(where, train_cfg.follow, train_cfg.delete_consumed)
     return (topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions),
                                 tag)), queued, None
 
@@ -854,7 +855,8 @@ def _submit_train(args: argparse.Namespace) -> int:
                           "dependency and start the training at once; check the id with squeue or sacct, and leave "
                           "--after out for a job that has finished")
     cfg = _train_config(args)
-    if (why := _no_trainer_needed(cfg, queued_training(_store_location(cfg.out)))) is not None:
+    where = _store_location(cfg.out)
+    if (why := _no_trainer_needed(cfg, queued_training(where))) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0
     nodes = partition_shapes(_job_partition(args))
@@ -862,7 +864,7 @@ def _submit_train(args: argparse.Namespace) -> int:
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions),
-                          training_tag(_store_location(cfg.out), cfg.follow, cfg.delete_consumed))
+                          training_tag(where, cfg.follow, cfg.delete_consumed))
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)
         return 0
