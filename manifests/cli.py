@@ -193,6 +193,14 @@ def _skipped_text(s: dict) -> str:
     return f", {s['samples_skipped']:,} skipped" + (f": {counts}{sampled}" if counts else "")
 
 
+def _planned_text(s: dict) -> str:
+    """' (of 300 rows: the plan found 41 yield no sample)': the rows the planner found yield no sample (no
+    answer, nothing left once templated) are not counted as samples to store, so a finished run does not
+    read as short of its total."""
+    planned, rows = s["samples_planned"], s["samples_total"]
+    return "" if planned == rows else f" (of {rows:,} rows: the plan found {rows - planned:,} yield no sample)"
+
+
 def _truncated_text(s: dict) -> str:
     """', 12 cut at max_length 4,096': samples whose tokens past max_length were not extracted."""
     if not s.get("samples_truncated"):
@@ -232,8 +240,8 @@ def format_status(s: dict, deleting: str | None = None) -> str:
            f"next {_rerun(s)} takes them over at once)" if s.get("shards_running_exited_here") else "")
         + f", {s['shards_failed']} failed, {s['shards_pending']} pending"
         + (f", {s['shards_interrupted']} interrupted" if s.get("shards_interrupted") else ""),
-        f"  samples  {s['samples_done']}/{s['samples_total']} stored" + _skipped_text(s)
-        + _truncated_text(s),
+        f"  samples  {s['samples_done']:,}/{s['samples_planned']:,} stored" + _planned_text(s)
+        + _skipped_text(s) + _truncated_text(s),
         f"  tokens   {s['tokens_done']:,} of ~{s['tokens_total_est']:,}",
         f"  bytes    {size(s['bytes_stored'])} stored, {size(s['bytes_raw'])} raw"
         + (f", ratio {s['compression_ratio']:.3f}x" if s["compression_ratio"] else "")

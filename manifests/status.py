@@ -126,7 +126,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "shards_failed": counts["failed"],
         "shards_interrupted": len(stopped_ids),
         "shards_pending": counts["pending"],
-        "samples_total": manifest.num_samples,
+        "samples_total": manifest.num_samples,  # the plan's rows
+        "samples_planned": manifest.planned_records,  # of them, those the planner found yield a sample
         "samples_done": samples,
         "samples_skipped": skipped,
         "skipped_by_reason": _skip_reasons(store, tallies) if skipped else None,

@@ -96,6 +96,9 @@ def test_stored_states_equal_a_plain_hf_forward(models, model_type, overlap, tmp
     got = stored_samples(store)
     status = run_status(store)
     assert status["complete"] and status["samples_done"] == 14 and status["samples_skipped"] == 1
+    # the planner found the row without an answer: a finished run reads 14 of 14, not 14 of 15 rows
+    assert status["samples_planned"] == 14 and status["samples_total"] == 15
+    assert "samples  14/14 stored (of 15 rows: the plan found 1 yield no sample), 1 skipped" in format_status(status)
     assert status["shards_total"] >= 3
     # why, from the commit records: `status` said only "nothing to train on, e.g. ..."
     [(reason, n)] = status["skipped_by_reason"]["counts"].items()
