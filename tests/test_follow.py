@@ -431,6 +431,22 @@ def test_a_trainer_waiting_where_no_run_is_coming_is_told_of_the_runs_beside(tmp
     assert _runs_beside(_store(str(tmp_path / "logs" / "x"))) == ""  # nothing beside it is a run
 
 
+def test_a_stream_waiting_beside_runs_warns_so_a_caller_without_logging_sees_it(tmp_path):
+    """The wait was said at INFO: a Python caller who configured no logging saw ShardStream(follow=True)
+    block without a word at a typo of the run's prefix. Beside runs, the wait is a warning (printed by
+    Python's last-resort handler); a prefix with nothing beside it waits at INFO, extraction's start ahead."""
+    code = ("import sys, threading, os; from layertap.train import ShardStream, StreamConfig; "
+            "threading.Timer(2.0, lambda: os._exit(0)).start(); "
+            "ShardStream(sys.argv[1], config=StreamConfig(follow=True, follow_poll_s=0.2))")
+    fake_worker.plan(_store(str(tmp_path / "runs" / "run1")))
+    (tmp_path / "empty").mkdir()
+    for where, said in ((tmp_path / "runs" / "run-1", "runs beside it: run1 (is --data one of them?)"),
+                        (tmp_path / "empty" / "run-1", None)):
+        err = subprocess.run([sys.executable, "-c", code, str(where)], env=env(), capture_output=True, text=True,
+                             timeout=120).stderr
+        assert (said in err and "waiting for extraction: no run at" in err) if said else err == ""
+
+
 def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
     """--follow --epochs 2 counts its steps as two follow epochs, padded to the plan; the second
     holds only the committed samples (a shard was given up), so it ends sooner: training ends
@@ -1376,3 +1392,23 @@ def test_a_look_whose_reads_failed_lists_the_feed_from_the_same_point_again(stor
     watcher._last_look = 0.0
     assert watcher.poll_if_due(low=True) == []
     assert [r.shard for r in watcher.poll()] == [2]
+
+
+@pytest.mark.parametrize("decode_threads", [0, 2])
+def test_a_follow_consumer_blocked_on_extraction_counts_it_in_wait_s(tmp_path, decode_threads):
+    """`metrics()`'s wait_s is the time the consumer blocked on data: a follow epoch that waited ~3 s
+    for shards still extracting said 0.00 of 3.6 s elapsed (only a fetch's wait counted, not the
+    watcher's, nor a decode thread's)."""
+    import threading
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri, shards=[0, 1])
+    stream = ShardStream(uri, config=StreamConfig(**dict(CFG, decode_threads=decode_threads)), rank=0, world_size=1)
+    late = threading.Timer(3.0, lambda: fake_worker.work(uri))
+    late.start()
+    try:
+        assert len(list(stream)) == SAMPLES
+    finally:
+        late.join()
+    m = stream.metrics()
+    assert 2.5 < m["wait_s"] <= m["elapsed_s"]

@@ -521,8 +521,16 @@ def test_a_shard_deleted_while_the_stream_reads_says_who_deleted_it(tmp_path):
         list(stream)
     assert "layertap verify" not in str(e.value)
     store.delete(layout.consumed_marker_key(first.shard))
-    with pytest.raises(ShardError, match="is gone: its data was deleted since this stream started"):
+    # deleted before this stream started, by hand: it said "since this stream started" and "verify withdrew it"
+    # (the commit stood); verify is what withdraws it, so the shard is redone
+    with pytest.raises(ShardError, match="is gone: its commit stands but its data object is not there") as e:
         list(ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1))
+    assert f"run `layertap verify {uri}`, which withdraws the commit" in str(e.value)
+    from layertap.cli import main as cli
+
+    assert cli(["verify", uri]) != 0
+    rest = list(ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1))
+    assert sorted(x["sample_id"] for x in rest) == sorted(i for s in stream.shards[1:] for i in s.sample_ids)
 
 
 def test_a_stream_given_an_open_s3_store_reopens_it_in_each_dataloader_worker(s3_bucket):
@@ -797,6 +805,17 @@ def test_a_state_with_impossible_consumed_counts_is_refused(tmp_path, consumed, 
         stream.load_state_dict(dict(state, consumed=consumed, num_workers=workers))
     stream.load_state_dict(dict(state, consumed=[3], num_workers=1))  # in range: taken
     assert len(list(stream)) == N - 3
+
+
+@pytest.mark.parametrize("workers", ["x", 1.5, True])
+def test_a_loader_given_a_state_with_a_damaged_worker_count_says_the_state_is_corrupt(tmp_path, workers):
+    """StreamLoader compared the count before the stream checked it: "x" was a TypeError from its message."""
+    uri = str(tmp_path / "run")
+    make_run(uri)
+    state = ShardStream(uri, config=StreamConfig(seed=1)).state_dict()
+    loader = StreamLoader(ShardStream(uri, config=StreamConfig(seed=1)), batch_size=2, num_workers=2)
+    with pytest.raises(InputError, match="corrupt ShardStream state"):
+        loader.load_state_dict(dict(state, num_workers=workers))
 
 
 def test_a_state_at_an_epoch_boundary_resumes_over_shards_committed_since_and_mid_epoch_is_refused(tmp_path):

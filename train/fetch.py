@@ -517,8 +517,9 @@ def _gone(store: ObjectStore, shard: int, where: str) -> str:
                 f"--delete-consumed trainer{f' writing to {trainer}' if trainer else ''}, which deletes what it has "
                 "trained on; read such a run only after that trainer has finished (its deleted shards are then "
                 "left out), or train it with the same trainer")
-    return (f"shard {shard} ({where}) is gone: its data was deleted since this stream started "
-            "(`layertap delete`, or `layertap verify` withdrew it)")
+    return (f"shard {shard} ({where}) is gone: its commit stands but its data object is not there (deleted by "
+            f"hand or by `layertap delete`, or lost); run `layertap verify {store.uri}`, which withdraws the "
+            "commit of a shard whose data is missing, then the same `layertap extract` to redo it")
 
 
 class _Counted:

@@ -87,8 +87,10 @@ def wait_for_manifest(store: ObjectStore, poll_s: float) -> Manifest:
         except NoRun:
             if time.monotonic() - logged >= LOG_EVERY_S:
                 hint = _runs_beside(store) if hint is None else hint
-                log.info("waiting for extraction: no run at %s yet (%s appears when `layertap extract` starts)%s",
-                         store.uri, layout.MANIFEST, hint)
+                # a likely typo is a warning: a Python caller who set up no logging sees warnings alone
+                log.log(logging.WARNING if hint else logging.INFO,
+                        "waiting for extraction: no run at %s yet (%s appears when `layertap extract` starts)%s",
+                        store.uri, layout.MANIFEST, hint)
                 logged = time.monotonic()
             backoff.sleep()
 

@@ -83,7 +83,7 @@ class StreamLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("num_workers") if isinstance(state, dict) else None
         workers = max(1, self.num_workers)
-        if saved not in (None, workers):
+        if type(saved) is int and saved >= 1 and saved != workers:  # a damaged count: the stream's check names it
             raise ConfigError(f"the state was saved with {saved} DataLoader worker(s), this loader has {workers}: "
                              f"resume with num_workers={saved if saved > 1 else 0} (or start the epoch over)")
         self.stream.load_state_dict(state)

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from bisect import bisect_right
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
@@ -782,8 +782,11 @@ class ShardStream(IterableDataset):
                     # now, a shard came after the batch that carries what it took, never reaching the
                     # trainer's position (with one consumer, that position had already rolled over).
                     break
-                elif not watcher.complete:
-                    discover(watcher.wait())
+                elif not watcher.complete:  # blocked on extraction: data wait, as a fetch is
+                    t0 = time.perf_counter()
+                    found = watcher.wait()
+                    metrics.add(wait_s=time.perf_counter() - t0)
+                    discover(found)
                 else:  # extraction is over and every input is in the buffer: drain it
                     shuffle.end()
                     fetcher.seal()
@@ -845,7 +848,13 @@ class ShardStream(IterableDataset):
         """`rec` decoded, by `decoded` when a decode thread has it; None if it does not decode and
         the policy skips it (else the fetcher's error is raised). The record stays taken."""
         try:
-            return decoded.result() if decoded is not None else _decode(rec, self._metrics)
+            if decoded is None:
+                return _decode(rec, self._metrics)
+            if not decoded.done():  # a decode thread still at it: the consumer waits on data
+                t0 = time.perf_counter()
+                wait([decoded])
+                self._metrics.add(wait_s=time.perf_counter() - t0)
+            return decoded.result()
         except ShardError as e:
             err = fetcher.record_failed(rec.shard, e)
             if err is not None:
