@@ -180,10 +180,12 @@ def _first_bad_line(path: str) -> str | None:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            text = line.rstrip()  # the newline parsed with it, a line cut short failed "at column 1" (of the next)
             try:
-                obj = json.loads(line)
+                obj = json.loads(text)
             except json.JSONDecodeError as e:
-                return f"line {n} is not JSON ({e.msg} at column {e.colno}): {reprlib.repr(line.strip())}"
+                where = "where the line ends: it is cut short" if e.pos >= len(text) else f"at column {e.colno}"
+                return f"line {n} is not JSON ({e.msg} {where}): {reprlib.repr(text.strip())}"
             if not isinstance(obj, dict):
                 kind = _JSON_KINDS.get(type(obj), type(obj).__name__)
                 return f"line {n} is a JSON {kind}, not an object (a row): {reprlib.repr(line.strip())}"
@@ -334,9 +336,26 @@ def tokenize_rows(rows: Iterable[Mapping[str, Any]], tokenizer, max_length: int,
                      stats if stats is not None else TokenizeStats())
 
 
+def _utf8_rows(rows: Iterable[Mapping[str, Any]], start: int) -> Iterator[Mapping[str, Any]]:
+    """`rows`, with text that is not UTF-8 refused by row: Arrow's JSON reader takes such bytes and
+    the row fails only when read (a UnicodeDecodeError traceback, mid-plan)."""
+    it, index = iter(rows), start
+    while True:
+        try:
+            row = next(it)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as e:
+            raise InputError(f"row {index} of the dataset holds text that is not UTF-8 ({e.reason}: byte "
+                             f"{e.object[e.start:e.start + 1]!r}): a dataset's text must be UTF-8; convert the file "
+                             "(e.g. `iconv -f latin1 -t utf-8`)") from None
+        yield row
+        index += 1
+
+
 def _tokenize(rows, tokenizer, max_length, shape, chat, start, vocab, template_kwargs,
               stats: TokenizeStats) -> Iterator[TokenizedSample | Skipped]:
-    for index, row in enumerate(rows, start):
+    for index, row in enumerate(_utf8_rows(rows, start), start):
         if shape is None:  # a plain iterable: the first row's keys decide
             shape = detect_row_shape(row.keys())
         sid = sample_id(row, index)

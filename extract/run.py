@@ -245,12 +245,17 @@ def summary_lines(stats: PipelineStats) -> list[str]:
 
 def _setup_logging(log_dir: str, rank: int) -> None:
     """Full logs per rank in files; only rank 0 talks to the console (warnings from others)."""
-    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, f"extract-rank{rank}.log")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        fh = logging.FileHandler(path)
+    except OSError as e:  # the default ./layertap-logs of a job started in a read-only checkout
+        raise ConfigError(f"cannot write the log file {path}: {e.strerror or e}; give --log-dir a folder this "
+                          "process can write") from None
     root = logging.getLogger()
     for h in [h for h in root.handlers if getattr(h, "_layertap", False)]:
         root.removeHandler(h)
         h.close()
-    fh = logging.FileHandler(os.path.join(log_dir, f"extract-rank{rank}.log"))
     fh._layertap = True
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     fh.setLevel(logging.DEBUG)

@@ -196,6 +196,9 @@ def _setup_logging(verbose: bool) -> None:
     # headers, the access key id and a session token among them, into consoles and log files.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "openai"):
         logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.WARNING)
+    # An SSO token it cannot refresh is a warning with two tracebacks before the error that says what to
+    # do (`aws sso login`), which the store reports: those only with -v.
+    logging.getLogger("botocore.tokens").setLevel(logging.INFO if verbose else logging.ERROR)
     # Nor INFO for these: httpx logs each request's URL, which carries an endpoint's ?token= query.
     for quiet in ("httpx", "httpx2", "httpcore", "httpcore2"):
         logging.getLogger(quiet).setLevel(logging.WARNING)

@@ -65,6 +65,20 @@ class RunIdentity:
         return cls(**{k: v for k, v in obj.items() if k in names})
 
 
+# What the stored states are, as a reader shapes and interprets them: a shard's HEAD must agree with its manifest here.
+STATE_FIELDS = ("layers", "layer_convention", "final_state", "hidden_size", "codec")
+
+
+def header_disagreement(header: RunIdentity, manifest: RunIdentity) -> str | None:
+    """'layers [0, 1] in the shard, [0] in the manifest': where a shard's HEAD says its states are other
+    than its run's manifest does (a manifest edited by hand; the loader would shape every batch by the
+    wrong one). None where they agree; a manifest without a hidden_size agrees with any."""
+    differs = [f"{name} {getattr(header, name)!r} in the shard, {getattr(manifest, name)!r} in the manifest"
+               for name in STATE_FIELDS
+               if getattr(manifest, name) is not None and getattr(header, name) != getattr(manifest, name)]
+    return "; ".join(differs) or None
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig(RunIdentity):
     """A run's identity with the extraction settings its manifest pins too: `manifest.json`'s

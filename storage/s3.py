@@ -188,7 +188,8 @@ class S3Store(ObjectStore):
         except bexc.InvalidRegionError:
             raise ConfigError(f"the S3 region {region!r} is not a region name: give one like us-east-1 "
                               "(AWS_REGION or AWS_DEFAULT_REGION, or region in --config)") from None
-        except (bexc.ProfileNotFound, bexc.PartialCredentialsError, bexc.ConfigParseError) as e:
+        except (bexc.ProfileNotFound, bexc.PartialCredentialsError, bexc.ConfigParseError, bexc.InvalidConfigError,
+                bexc.CredentialRetrievalError) as e:
             raise ConfigError(f"the AWS settings cannot be used for {uri}: {e} (AWS_PROFILE, AWS_ACCESS_KEY_ID and "
                               "AWS_SECRET_ACCESS_KEY, ~/.aws/config)") from None
         except ValueError:  # botocore's "Invalid endpoint: <the URL>", a password in it included
@@ -261,7 +262,8 @@ class S3Store(ObjectStore):
             return StoreError(f"no S3 credentials found for {self.uri}: set AWS_ACCESS_KEY_ID and "
                               "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance role)")
         if isinstance(e, (bexc.PartialCredentialsError, bexc.ProfileNotFound, bexc.TokenRetrievalError,
-                          bexc.SSOTokenLoadError, bexc.UnauthorizedSSOTokenError, bexc.ConfigParseError)):
+                          bexc.SSOTokenLoadError, bexc.UnauthorizedSSOTokenError, bexc.ConfigParseError,
+                          bexc.InvalidConfigError, bexc.CredentialRetrievalError)):
             return StoreError(f"the AWS credentials for {self.uri} cannot be used: {e} (AWS_PROFILE, "
                               "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or `aws sso login`)")
         if isinstance(e, bexc.EndpointResolutionError):  # its text quotes the URL, a password in it included
@@ -273,15 +275,18 @@ class S3Store(ObjectStore):
                 cause = cause.__cause__ or cause.__context__
             reason = urls_scrubbed(f"{type(e).__name__}: {cause}")
             kind = TransientStoreError if isinstance(e, bexc.ConnectTimeoutError) else EndpointUnreachable
-            source = ("endpoint_url in the --config file's \"s3\" settings" if self.options.endpoint_url
-                      else "AWS_ENDPOINT_URL")
             return kind(f"cannot reach the S3 endpoint {self.endpoint} for {what} of {self._where(key)} ({reason}); "
-                        f"check {source} and that the server is up")
+                        f"check {self._endpoint_setting()} and that the server is up")
         if isinstance(e, _TRANSIENT):
             # botocore's text names the endpoint URL, with any user:password in it
             return TransientStoreError(f"{what} of {self._where(key)} failed: "
                                        + urls_scrubbed(f"{type(e).__name__}: {e}"))
         return None
+
+    def _endpoint_setting(self) -> str:
+        """Where the endpoint in use was set, for messages that ask to check it."""
+        return ("endpoint_url in the --config file's \"s3\" settings" if self.options.endpoint_url
+                else "AWS_ENDPOINT_URL")
 
     def _where(self, key: str) -> str:
         """The URI of a key or listing prefix, for messages (not checked: a prefix may end in "/")."""
@@ -298,6 +303,10 @@ class S3Store(ObjectStore):
         if code == "NoSuchUpload":  # not a missing object: the upload under way is gone
             return StoreError(f"{what} of {where}: its multipart upload was aborted meanwhile (a bucket lifecycle "
                               "rule, or another process cleaning up pending uploads): the object was not written")
+        if what.startswith("list") and status == 404:  # S3 lists an empty prefix; only a missing bucket is a 404
+            return StoreError(f"the endpoint {self.endpoint} answered a listing of {where} with 404 and no S3 error "
+                              f"(code {code or 'none'}): it does not answer as S3 does; check "
+                              f"{self._endpoint_setting()} (its host and port)")
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
             return ObjectNotFound(f"no object at {where}")
         if code == "RequestTimeTooSkewed":  # a 403, but not the credentials' fault

@@ -306,7 +306,8 @@ def open_store(uri: str, **options) -> ObjectStore:
         from layertap.storage.s3 import S3Store
 
         return S3Store(uri, s3_options(options))
-    if uri.lower().startswith(("s3:", "s3a:", "s3n:")) and not uri.startswith("s3://"):  # taken for a local path
+    # taken for a local path: s3:/b/x, S3://b/x, s3a://b/x, and s3//b/x (a folder s3/b/x written at once)
+    if uri.lower().startswith(("s3:", "s3a:", "s3n:", "s3//", "s3a//", "s3n//")) and not uri.startswith("s3://"):
         raise StoreError(f"{uri!r} is not an S3 URI: write s3://bucket/prefix (lower case, two slashes)")
     if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]

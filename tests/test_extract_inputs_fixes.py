@@ -166,3 +166,17 @@ def test_shards_a_new_run_will_not_have_are_refused_before_its_manifest_is_writt
     assert "--shards names 3, which the run does not have (it has shards 0-0)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     assert cli(_extract(model, data, tmp_path, "--max-length", "128")) == 0  # the corrected command
+
+
+def test_a_log_folder_that_cannot_be_written_is_an_error_naming_it(model, tmp_path, capsys):
+    """--log-dir naming a file, or the default ./layertap-logs of a job started in a read-only checkout:
+    an OSError traceback, exit 1."""
+    data = write_chats(tmp_path / "chats.jsonl", 2)
+    (tmp_path / "afile").write_text("")
+    args = _extract(model, data, tmp_path)
+    args[args.index("--log-dir") + 1] = str(tmp_path / "afile")
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot write the log file {tmp_path / 'afile' / 'extract-rank0.log'}" in err
+    assert "give --log-dir a folder this process can write" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -9,6 +9,7 @@ raw struct.error, TypeError, RecursionError or a terabyte allocation, or passed 
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import numpy as np
@@ -246,7 +247,7 @@ def test_verify_withdraws_a_commit_that_disagrees_with_its_sound_object(run, cap
     wrong = {"bytes": {"bytes": commit["bytes"] - 1}, "sample_ids": {"sample_ids": commit["sample_ids"][:-1] + ["zzz"]},
              "fewer sample_ids": {"sample_ids": commit["sample_ids"][:-1]}}[field]
     store.put(layout.commit_key(0), json.dumps(dict(commit, **wrong)).encode())
-    with pytest.raises(ShardError, match="run `layertap verify`"):
+    with pytest.raises(ShardError, match="run `layertap verify "):
         list(ShardStream(run, config=StreamConfig()))
     capsys.readouterr()
     assert cli(["verify", run]) == 1
@@ -284,3 +285,25 @@ def test_inspect_on_head_or_footer_fields_of_the_wrong_type(run, capsys, damage)
         assert code == 0 and "OK (every hash verified)" in out and "relative error" not in out
     else:
         assert code == 1 and "CORRUPT" in out and damage in out, out
+
+
+@pytest.mark.parametrize("edit", [{"layers": [fake_worker.LAYERS[0]]}, {"codec": "bf16"}, {"final_state": "prenorm"}])
+def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_withdrawn(run, capsys, edit):
+    """Capture layers edited in manifest.json: `status` and `verify` passed the run and `train` ended in a
+    torch shape error; every shard's HEAD says what its states are, and the loader and verify compared
+    only the run id. Sound shards are not withdrawn for it (nor skipped under on_corrupt="skip")."""
+    store = open_store(run)
+    manifest = json.loads(store.get(layout.MANIFEST))
+    [(field, value)] = edit.items()
+    store.put(layout.MANIFEST, json.dumps(dict(manifest, config=dict(manifest["config"], **edit))).encode())
+    commits = sorted(o.key for o in store.list("commits/"))
+    said = f"{field} {manifest['config'][field]!r} in the shard, {value!r} in the manifest"
+    for policy in ("raise", "skip"):
+        with pytest.raises(ManifestError, match=rf"manifest.json disagrees with shard \d+'s header \(shards/.*\): "
+                                                rf"{re.escape(said)}; the manifest was edited or replaced"):
+            list(ShardStream(run, config=StreamConfig(on_corrupt=policy)))
+    capsys.readouterr()
+    assert cli(["verify", run]) == 2
+    err = capsys.readouterr().err
+    assert "disagrees with committed shard" in err and said in err and "Nothing was withdrawn" in err
+    assert sorted(o.key for o in store.list("commits/")) == commits

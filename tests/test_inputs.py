@@ -83,6 +83,26 @@ def test_load_rows_each_format_and_limit(tmp_path, kind):
     assert fp != dataset_fingerprint(path, 2)
 
 
+def test_a_json_line_cut_short_is_said_to_be_cut_short(tmp_path):
+    """It read "Expecting ',' delimiter at column 1": the newline parsed with the line put the error on the next."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + '\n{"id": "a", "input_ids": [1, 2, 3\n')
+    with pytest.raises(InputError, match=r"line 2 is not JSON \(Expecting ',' delimiter where the line ends: it is "
+                                         r"cut short\)"):
+        load_rows(str(path))
+
+
+def test_a_dataset_whose_text_is_not_utf8_is_refused_naming_the_row(tmp_path):
+    """Arrow's JSON reader takes bytes that are not UTF-8, and the row failed when read: a
+    UnicodeDecodeError traceback in the middle of planning."""
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes((json.dumps(ROWS[0]) + "\n").encode() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    rows = load_rows(str(path))
+    with pytest.raises(InputError, match=r"row 1 of the dataset holds text that is not UTF-8 \(unexpected end of "
+                                         r"data: byte b'\\xe9'\): a dataset's text must be UTF-8; convert the file"):
+        list(tokenize_rows(rows, tiny_tokenizer(), 64))
+
+
 def test_load_rows_saved_dataset_dict(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dd"))
     assert len(load_rows(str(tmp_path / "dd"))) == 5

@@ -51,7 +51,7 @@ def make_run(uri: str, samples: int = N, shard_bytes: int = 3000, codec: str = "
     shards of uneven record counts. Returns the records per committed shard. `hidden`: the manifest
     records hidden_size, as a real extraction's does (a synthetic one may lack it)."""
     store = open_store(uri)
-    config = dict(fake_worker.CONFIG, codec=codec, final=final)
+    config = dict(fake_worker.CONFIG, codec=codec, final_state="prenorm" if final else "none")
     if hidden:
         config["hidden_size"] = fake_worker.HIDDEN
     manifest, _ = create_or_resume(

@@ -671,9 +671,9 @@ def rewrite_shard(store, shard: int, *, version: int | None = None, head: tuple[
 
 
 BAD_STORE = [  # name, what the loader raises (type, fragments), `layertap verify`: exit code, fragments
-    ("corrupted shard", (ShardError, "shard 1 ", "checksum mismatch", "run `layertap verify`"),
+    ("corrupted shard", (ShardError, "shard 1 ", "checksum mismatch", "run `layertap verify "),
      (1, "WITHDRAWN shard 1", "checksum mismatch", "the next `layertap extract` redoes it")),
-    ("truncated shard", (ShardError, "shard 1 ", "shorter than its commit says", "run `layertap verify`"),
+    ("truncated shard", (ShardError, "shard 1 ", "shorter than its commit says", "run `layertap verify "),
      (1, "WITHDRAWN shard 1", "truncated", "the next `layertap extract` redoes it")),
     ("shard of a newer format version", (UnsupportedShard, "format version 9 is not supported", "upgrade layertap"),
      (2, "format version 9 is not supported", "upgrade layertap")),

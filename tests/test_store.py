@@ -857,3 +857,55 @@ def test_a_parent_prefix_shares_its_stores_client_and_a_spawned_copy_does_not(s3
     assert up.uri == f"s3://{s3_bucket}/a/b" and up.client is store.client and store.uri.endswith("/a/b/c")
     spawned = pickle.loads(pickle.dumps(store))
     assert spawned.uri == store.uri and spawned.options == store.options and spawned.client is not store.client
+
+
+@pytest.mark.parametrize("profile", ["[profile p]\ncredential_process = /bin/false\n",
+                                     "[profile p]\nrole_arn = arn:aws:iam::123456789012:role/r\nsource_profile = nope\n"])
+def test_credentials_that_cannot_be_got_are_a_clear_error_not_a_traceback(monkeypatch, tmp_path, capsys, profile):
+    """A profile whose credential_process fails (CredentialRetrievalError) or whose source_profile is not there
+    (InvalidConfigError): a botocore traceback, exit 1."""
+    from layertap.cli import main as cli
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "config").write_text(profile)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_PROFILE", "p")
+    assert cli(["status", "s3://b/run"]) == 2
+    err = capsys.readouterr().err
+    assert "the AWS " in err and "cannot be used" in err and "AWS_PROFILE" in err and "Traceback" not in err
+
+
+def test_an_endpoint_that_answers_a_listing_404_without_an_s3_error_is_named(monkeypatch, capsys):
+    """A wrong port that a web server answers: every command said "no object at .../manifest.json" (a new
+    run needs none) or ".../checkpoints/latest.json", sending the user after a missing file."""
+    import http.server
+    import threading
+
+    from layertap.cli import main as cli
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+        with pytest.raises(StoreError, match=f"the endpoint {url} answered a listing of s3://nobucket/p with 404 "
+                                             r"and no S3 error \(code 404\): it does not answer as S3 does; check "
+                                             "AWS_ENDPOINT_URL"):
+            list(open_store("s3://nobucket/p").list())
+        assert cli(["status", "s3://nobucket/p"]) == 2
+        err = capsys.readouterr().err
+        assert "does not answer as S3 does" in err and "no object at" not in err
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("uri", ["s3//bucket/run", "S3//bucket/run", "s3a//bucket/run"])
+def test_an_s3_uri_without_its_colon_is_refused_not_taken_for_a_folder(uri, tmp_path, monkeypatch):
+    """`--out s3//bucket/run` wrote a whole run into ./s3/bucket/run on local disk."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreError, match=f"{uri!r} is not an S3 URI: write s3://bucket/prefix"):
+        open_store(uri)

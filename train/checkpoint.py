@@ -166,6 +166,11 @@ _ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in _ST_DTYPES.items()}
 _ST_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 
+def _then(fix: str | Advice) -> str:
+    """'; what to do', after any way a file can be damaged (an `Advice` is worded only then: it lists)."""
+    return f"; {fix}" if fix else ""
+
+
 def load_safetensors(store: ObjectStore, key: str, data: bool = True, xxh3: str | None = None,
                      fix: str | Advice = "") -> dict[str, torch.Tensor]:
     """A safetensors file read tensor by tensor into tensors of its own: host memory holds the
@@ -180,12 +185,12 @@ def load_safetensors(store: ObjectStore, key: str, data: bool = True, xxh3: str 
     head = store.get_range(key, 0, 8)
     n = int.from_bytes(head, "little") if len(head) == 8 else -1
     if not 0 < n <= min(_ST_MAX_HEADER, size - 8):
-        raise InputError(f"{store.uri}/{key} is not a safetensors file (header length {n}, file {size} B)")
+        raise InputError(f"{store.uri}/{key} is not a safetensors file (header length {n}, file {size} B){_then(fix)}")
     header = store.get_range(key, 8, 8 + n)
     try:
         _, layout = safetensors_layout(header, size - 8 - n, _ST_ITEMSIZE)
     except (ValueError, UnicodeDecodeError) as e:  # json's errors are ValueErrors
-        raise InputError(f"{store.uri}/{key} is corrupt or cut short: {e}") from None
+        raise InputError(f"{store.uri}/{key} is corrupt or cut short: {e}{_then(fix)}") from None
     digest = xxhash.xxh3_64(head)
     digest.update(header)
     out: dict[str, torch.Tensor] = {}
@@ -194,12 +199,12 @@ def load_safetensors(store: ObjectStore, key: str, data: bool = True, xxh3: str 
         if data and end > begin:
             view = memoryview(t.view(-1).view(torch.uint8).numpy())
             if store.read_range_into(key, 8 + n + begin, view) != end - begin:
-                raise InputError(f"{store.uri}/{key} ends inside tensor {name}: the file is cut short")
+                raise InputError(f"{store.uri}/{key} ends inside tensor {name}: the file is cut short{_then(fix)}")
             digest.update(view)
         out[name] = t
     if data and xxh3 is not None and digest.hexdigest() != xxh3:
         raise InputError(f"{store.uri}/{key} is corrupt: its bytes hash to xxh3 {digest.hexdigest()}, not the "
-                         f"{xxh3} recorded when it was saved{f'; {fix}' if fix else ''}")
+                         f"{xxh3} recorded when it was saved{_then(fix)}")
     return out
 
 

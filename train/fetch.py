@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from layertap.manifests.manifest import ManifestError
 from layertap.storage.format import ShardError, ShardMeta, UnsupportedShard
+from layertap.storage.identity import RunIdentity, header_disagreement
 
 from layertap.storage.reader import ShardReader, adjacent_runs, record_payload
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -152,11 +154,12 @@ class Fetcher:
     def __init__(self, store: ObjectStore, shards: list[CommittedShard], run_id: str, *,
                  positions: list[tuple[int, int, int]], budget: int, range_bytes: int, prefetch_shards: int,
                  threads: int, on_corrupt: str, metrics: Metrics, pool: BufferPool | None = None,
-                 open_ended: bool = False):
+                 open_ended: bool = False, identity: RunIdentity | None = None):
         """`positions`: (input position, shard index, record index) of every record to deliver,
         in ascending position order. `pool`: GET buffers to reuse, e.g. the previous epoch's.
-        `open_ended` (follow mode): more positions come through `extend` until `seal()`."""
-        self.store, self.shards, self.run_id = store, shards, run_id
+        `open_ended` (follow mode): more positions come through `extend` until `seal()`.
+        `identity`: the manifest's, which every shard's HEAD must agree with."""
+        self.store, self.shards, self.run_id, self.identity = store, shards, run_id, identity
         self.budget, self.range_bytes, self.prefetch_shards = budget, range_bytes, prefetch_shards
         self.on_corrupt, self.metrics = on_corrupt, metrics
         self._retries_seen = store.retries  # the store's counter is shared by everything that uses it
@@ -308,8 +311,9 @@ class Fetcher:
         if self.on_corrupt == "raise":
             if self._error is None:
                 self._error = ShardError(msg if isinstance(error, ObjectNotFound) else
-                                         f"{msg}; run `layertap verify` on the run to withdraw bad shards so "
-                                         "extraction redoes them, or construct the stream with on_corrupt='skip'")
+                                         f"{msg}; run `layertap verify {self.store.uri}` to withdraw bad shards, "
+                                         "then `layertap extract` again to redo them (in Python, "
+                                         "StreamConfig(on_corrupt='skip') streams the rest without them)")
             self._cond.notify_all()
             return self._error
         if shard not in self._counted:
@@ -436,6 +440,11 @@ class Fetcher:
                              f"the commit says run {self.run_id!r} shard {entry.shard}")
         if tuple(reader.sample_ids) != entry.sample_ids:
             raise ShardError("the footer index lists other samples than the commit record")
+        if self.identity is not None and (differs := header_disagreement(reader.meta, self.identity)):
+            # the shards are sound and the manifest misdescribes them: not a shard to skip or withdraw
+            raise ManifestError(f"{self.store.uri}/manifest.json disagrees with shard {entry.shard}'s header "
+                                f"({entry.key}): {differs}; the manifest was edited or replaced: restore the run's "
+                                "own manifest.json")
         return reader
 
     def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range, array: np.ndarray) -> None:
