@@ -437,7 +437,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
         run_id = manifest.run_id
     prefix = store.uri if store is not None else None
     if existing is not None:
-        state = f"run {existing.run_id} already planned with these settings ({len(existing.shards):,} shards): " \
+        state = f"run {existing.run_id} already planned ({len(existing.shards):,} shards, its own plan): " \
                 f"`layertap extract` resumes it; `layertap status {prefix}` shows its progress"
     elif written:
         state = f"wrote the manifest of new run {run_id}: `layertap extract` with the same options runs it"

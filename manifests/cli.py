@@ -229,15 +229,19 @@ def _rerun(s: dict) -> str:
     return "the same `layertap extract` (or `layertap submit extract`) command"
 
 
-def format_status(s: dict, deleting: str | None = None) -> str:
-    """`deleting`: whether a --delete-consumed trainer consumes the run (`_deleting`; None: not known)."""
+def format_status(s: dict, deleting: str | None = None, rerun: str | None = None) -> str:
+    """`deleting`: whether a --delete-consumed trainer consumes the run (`_deleting`; None: not known).
+    `rerun`: the command that finishes the run, where not the one `_rerun` names (an extract of some
+    --shards is not)."""
     from layertap.manifests.consumption import WAITING_STALE_S
+
+    again = rerun or _rerun(s)
 
     lines = [
         f"run {s['run_id']} at {s['prefix']}  (model {s['model']}, codec {s['codec']}, created {s['created_at']})",
         f"  shards   {s['shards_done']}/{s['shards_total']} done, {s['shards_running']} running"
         + (f" ({s['shards_running_exited_here']} of them held by processes on this machine that have exited: the "
-           f"next {_rerun(s)} takes them over at once)" if s.get("shards_running_exited_here") else "")
+           f"next {again} takes them over at once)" if s.get("shards_running_exited_here") else "")
         + f", {s['shards_failed']} failed, {s['shards_pending']} pending"
         + (f", {s['shards_interrupted']} interrupted" if s.get("shards_interrupted") else ""),
         f"  samples  {s['samples_done']:,}/{s['samples_planned']:,} stored" + _planned_text(s)
@@ -270,30 +274,34 @@ def format_status(s: dict, deleting: str | None = None) -> str:
                          "output (stopped, queued again, or its lease went stale), so nothing is consumed and a full "
                          "window does not open: restart it (--resume continues it), or restart the extraction with a "
                          "larger --window")
+    live = s["shards_running"] - s.get("shards_running_exited_here", 0)  # held by processes that still run
     if s["complete"]:
         lines.append("  COMPLETE")
-    elif not s["shards_running"] and not s["problem"] and (waiting := s.get("workers_waiting")):
+    elif not live and not s["problem"] and (waiting := s.get("workers_waiting")):
         # Workers waiting for the window hold no lease: "nothing is running" sent users to start a second extractor.
         lines.append(f"  no shard is running: {waiting} extraction worker(s) wait for the window to open"
                      + (", as training consumes and deletes what it trained on" if deleting == "running" else ""))
-    elif (not s["shards_running"] and not s["problem"] and window is not None and rest >= window
+    elif (not live and not s["problem"] and window is not None and rest >= window
           and deleting not in ("none", "stopped", "finished")):
         lines.append("  no shard is running, and no extraction worker waits for the window (none has renewed its "
-                     f"record under waiting/ for {WAITING_STALE_S / 60:.0f} min): {_rerun(s)} goes on as training "
+                     f"record under waiting/ for {WAITING_STALE_S / 60:.0f} min): {again} goes on as training "
                      "consumes")
-    elif not s["shards_running"] and not s["problem"] and window is not None and rest >= window:
+    elif not live and not s["problem"] and window is not None and rest >= window:
         # a full window no trainer deletes from (said above): a rerun would wait behind it too
-        lines.append(f"  nothing is running, and the window is full: {_rerun(s)} goes on once a --delete-consumed "
+        lines.append(f"  nothing is running, and the window is full: {again} goes on once a --delete-consumed "
                      "trainer consumes")
-    elif not s["shards_running"] and not s["problem"]:
+    elif not live and not s["problem"]:
         kinds = [kind for kind in ("failed", "interrupted", "pending") if s.get(f"shards_{kind}")] or ["left"]
         left = ", ".join(kinds[:-1]) + (" and " if len(kinds) > 1 else "") + kinds[-1]
-        lines.append(f"  nothing is running: {_rerun(s)} finishes the {left} shards")
+        lines.append(f"  nothing is running: {again} finishes the {left} shards"
+                     + (" (and takes over at once those held by the processes that exited)" if s["shards_running"]
+                        else ""))
     if len(s["failed"]) < s["shards_failed"]:
         lines += _failure_groups(f"FAILED {s['shards_failed']:,} shards: {s['failed_ranges']}", s["failed"])
     else:
         for f in s["failed"]:
-            lines.append(f"  FAILED shard {f['shard']} ({f['attempts']} attempts, last on {_where(f)}): {f['error']}")
+            lines.append(f"  FAILED shard {f['shard']} ({counted(f['attempts'], 'attempt')}, last on {_where(f)}): "
+                         f"{f['error']}")
     interrupted = s.get("interrupted", [])
     if len(interrupted) < s.get("shards_interrupted", 0):
         lines += _failure_groups(f"INTERRUPTED {s['shards_interrupted']:,} shards: {s['interrupted_ranges']} "
@@ -393,6 +401,10 @@ def format_training(t: dict) -> str:
     if t["checkpoint"]:
         age = f", written {duration(t['checkpoint_age_s'])} ago" if t["checkpoint_age_s"] is not None else ""
         lines.append(f"  checkpoint  step {t['checkpoint_step']:,}: {t['checkpoint']}{age}")
+        if t.get("checkpoint_incomplete"):
+            lines.append("  CHECKPOINT INCOMPLETE: its state.json is gone (a `layertap delete` of this output cut "
+                         "short leaves this: the same delete finishes it); to train on, point checkpoints/latest.json "
+                         "at an earlier checkpoint")
     else:
         lines.append("  checkpoint  none yet")
     if (h := t["trainer"]) is not None:
@@ -411,6 +423,8 @@ def format_training(t: dict) -> str:
         lines.append("  COMPLETE")
     elif h is not None:
         lines.append("  drafter     not exported yet: training is running")
+    elif t.get("checkpoint_incomplete"):
+        lines.append("  drafter     not exported yet: training stopped, and its checkpoint is incomplete (above)")
     else:
         lines.append("  drafter     not exported yet: training stopped (the same `layertap train` command with "
                      "--resume continues from the checkpoint)")

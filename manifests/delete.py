@@ -132,6 +132,7 @@ def describe(store, force: bool) -> str:
     """What the prefix holds, in words; raises `Refused` for what must not be deleted unforced."""
     from layertap.manifests import layout
     from layertap.manifests.manifest import ManifestError, NoRun, enclosing, load_manifest
+    from layertap.manifests.liveness import gone_from_here
     from layertap.manifests.output_lease import live_holder
     from layertap.manifests.regeneration import RECIPE, live_tasks
 
@@ -151,7 +152,9 @@ def describe(store, force: bool) -> str:
         return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
     held = live_holder(store)
     if held is not None or any(store.exists(k) for k in TRAINING_KEYS):
-        if held is not None and not force:
+        if held is not None and gone_from_here(held.holder):  # killed here: its lease outlives it, not its writes
+            log.info("its trainer (%s) has exited", held.describe(store.now()))
+        elif held is not None and not force:
             raise Refused(f"a trainer is writing to {store.uri} ({held.describe(store.now())}): stop it first "
                           "(or pass --force)")
         return f"training output at {store.uri}"
@@ -182,10 +185,16 @@ def _refuse_live_writers(store, manifest) -> None:
     from layertap.manifests.state import scan
     from layertap.storage.units import size
 
+    from layertap.manifests.status import exited_here
+
     st = scan(store, manifest, with_tallies=False)  # leases and commits are what it reads
     running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
+    gone = set(exited_here(store, st, running))  # killed here: their leases outlive them, not their writes
+    if gone:
+        log.info("shard(s) %s: held by processes on this machine that have exited", id_ranges(sorted(gone), 10))
+    running = [s for s in running if s not in gone]
     if running:
-        raise Refused(f"shards {id_ranges(running, 10)} of run {manifest.run_id} at {store.uri} are being written "
+        raise Refused(f"shard(s) {id_ranges(running, 10)} of run {manifest.run_id} at {store.uri} are being written "
                       "under live leases: stop the workers first (or pass --force)")
     _refuse_live_consumer(store, manifest)
     if (window := recorded_window(store)) is not None and len(st.committed) < len(manifest.shards):

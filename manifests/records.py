@@ -102,6 +102,9 @@ def encode(record: CommitRecord | FailureRecord) -> bytes:
     return json.dumps({"kind": kind, "version": RECORD_VERSION, **asdict(record)}, separators=(",", ":")).encode()
 
 
+TO_WITHDRAW = "; run `layertap verify` to withdraw it"  # a corrupt record's advice (not in verify's own reason)
+
+
 def decode_commit(raw: bytes | dict, where: str) -> CommitRecord:
     """A commit record from its stored bytes, or from their parsed JSON object (the commit index).
     `where`: its key (with the run's root before it or not), which names its shard."""
@@ -109,12 +112,12 @@ def decode_commit(raw: bytes | dict, where: str) -> CommitRecord:
     named = layout.shard_of(where.rpartition(layout.COMMITS)[2], "") if layout.COMMITS in where else None
     if named is not None and named != record.shard:
         # shard N's key naming shard M's object: M would be read twice, and N never
-        raise ManifestError(f"{where}: corrupt commit record (it names shard {record.shard}, its key shard {named}); "
-                            "run `layertap verify` to withdraw it")
+        raise ManifestError(f"{where}: corrupt commit record (it names shard {record.shard}, its key shard {named})"
+                            + TO_WITHDRAW)
     if not layout.is_data_key(record.data_key, record.shard):
         # Never follow it: a key such as "../../x" must not become a path outside the run.
         raise ManifestError(f"{where}: corrupt commit record (data_key {record.data_key!r} is not a data object "
-                            f"of shard {record.shard}); run `layertap verify` to withdraw it")
+                            f"of shard {record.shard}){TO_WITHDRAW}")
     return record
 
 
@@ -177,7 +180,7 @@ def _decode(raw: bytes | dict, where: str, kind: str, cls):
     except ManifestError:
         raise
     except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
-        raise ManifestError(f"{where}: corrupt {kind} record ({e}); run `layertap verify` to withdraw it") from None
+        raise ManifestError(f"{where}: corrupt {kind} record ({e}){TO_WITHDRAW}") from None
 
 
 def now() -> float:

@@ -13,7 +13,8 @@ from layertap.manifests import layout
 from layertap.manifests.consumption import (at_rest, consumed_everywhere, consumed_shards, marker_times,
                                             recorded_window, waiting_records)
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
-from layertap.manifests.records import CommitRecord, FailureRecord, Producer, decode_commit, decode_failure, encode
+from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord, Producer, decode_commit, decode_failure,
+                                       encode)
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.identity import header_disagreement
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -47,15 +48,16 @@ def _imported_from(manifest: Manifest) -> dict[str, Any] | None:
 EXITED_HOLDERS_READ = 16  # leases of running shards whose holders `status` looks at (a GET each)
 
 
-def _exited_here(store: ObjectStore, st: RunState, running: list[int]) -> int:
-    """Running shards whose lease's holder ran on this machine and has exited (a worker killed with
-    SIGKILL): they show as running until the lease's TTL, while the next `layertap extract` here
-    takes them over at once (`liveness.gone_from_here`). Up to `EXITED_HOLDERS_READ` leases read."""
+def exited_here(store: ObjectStore, st: RunState, running: list[int]) -> list[int]:
+    """The running shards whose lease's holder ran on this machine and has exited (a worker killed
+    with SIGKILL): they show as running until the lease's TTL, while the next `layertap extract`
+    here takes them over at once (`liveness.gone_from_here`). Up to `EXITED_HOLDERS_READ` leases
+    read; the others count as running."""
     from layertap.manifests.liveness import gone_from_here
     from layertap.manifests.work import read_lease
     from layertap.storage.store import StoreError
 
-    exited = 0
+    exited = []
     for shard in running[:EXITED_HOLDERS_READ]:
         lease = st.live_lease(shard)
         try:
@@ -63,7 +65,7 @@ def _exited_here(store: ObjectStore, st: RunState, running: list[int]) -> int:
         except StoreError:  # gone or unreadable meanwhile: counted as running, as the listing says
             continue
         if payload is not None and gone_from_here(payload.get("holder") or {}):
-            exited += 1
+            exited.append(shard)
     return exited
 
 
@@ -72,8 +74,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     why shards failed; with `shards`, every shard's state and data object (and a failed one's error).
     `failed` and `interrupted` hold the records of at most the `FAILURE_DETAILS` newest of each (in
     shard order); `shards_failed` and `shards_interrupted` count them all, and `failed_ranges` and
-    `interrupted_ranges` name them (`id_ranges`). Read-only. Costs five listings (six with
-    `shards`) plus a GET per failure record read: up to `FAILURE_DETAILS` twice, every failed
+    `interrupted_ranges` name them (`id_ranges`: the first 20 runs of ids, then how many more).
+    Read-only. Costs five listings (six with `shards`) plus a GET per failure record read: up to `FAILURE_DETAILS` twice, every failed
     shard's with `shards` (and a GET per commit whose tally marker is missing, or whose data
     object the listing leaves ambiguous, and per shard with skipped samples, up to
     `SKIP_REASON_SHARDS`); a run trained while extracted adds listings of `consumed/` and a GET
@@ -99,9 +101,11 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     truncated = sum(t["truncated"] for t in tallies.values())
     remaining = sum(p.est_tokens for p in manifest.shards if p.id not in st.committed)
     last = max(st.commit_times.values(), default=None)
+    exited = len(exited_here(store, st, running))
+    live = counts["running"] - exited  # a shard whose holder has exited is not being worked on
     # While shards run, the rate is up to now (a stall shows as a falling rate); otherwise it is
     # the rate of the run's last ten minutes of commits, which stays true after the run stopped.
-    end = st.now if counts["running"] or last is None else last
+    end = st.now if live or last is None else last
     rate = recent_rate(st.commit_times, {s: t["tokens"] for s, t in tallies.items()}, end)
     complete = counts["done"] == len(manifest.shards) and not st.stale_commits
     # A shard whose last attempt was stopped (preemption, Ctrl-C, a takeover, a store outage) did not
@@ -123,7 +127,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "shards_total": len(manifest.shards),
         "shards_done": counts["done"],
         "shards_running": counts["running"],
-        **({"shards_running_exited_here": exited} if (exited := _exited_here(store, st, running)) else {}),
+        **({"shards_running_exited_here": exited} if exited else {}),
         "shards_failed": counts["failed"],
         "shards_interrupted": len(stopped_ids),
         "shards_pending": counts["pending"],
@@ -146,15 +150,16 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "last_commit_age_s": round(max(0.0, st.now - last), 1) if last is not None else None,  # clocks a second apart
         # Only while workers hold shards, at the rate they are going at now: a remaining time
         # from an old rate, or for work nobody is doing, would promise what will not happen.
-        "eta_s": round(remaining / rate) if rate and remaining and counts["running"] else None,
+        "eta_s": round(remaining / rate) if rate and remaining and live else None,
         "complete": complete,
         "failed": _newest_details(st, failed_ids, summaries),
         "interrupted": _newest_details(st, stopped_ids, summaries),
-        "failed_ranges": id_ranges(failed_ids),  # every failed shard, as "3-17, 40"
+        # the failed shards as "3-17, 40": the first 20 runs of ids, then "and N more" (--shards: every one)
+        "failed_ranges": id_ranges(failed_ids),
         "interrupted_ranges": id_ranges(stopped_ids),
         "stale_commits": st.stale_commits,
         "problem": (str(replaced_manifest_error(store.uri, st.stale_commits)) if st.stale_commits
-                    else f"{len(unreadable)} commit record(s) cannot be read, their shards not counted: "
+                    else f"{len(unreadable)} commit record(s) cannot be read, their samples not counted: "
                          f"{unreadable[0]}" if unreadable else None),
         "consumption": consumption,
         "window": (window := recorded_window(store)),  # the --window extraction runs with (bytes), None without one
@@ -218,7 +223,7 @@ def _shard_list(store: ObjectStore, st: RunState, tallies: dict[int, dict[str, i
     errors = {s: f["error"] for s, f in failures.items()}
     out = []
     for plan in st.manifest.shards:
-        state = "stopped" if plan.id in stopped and st.state(plan.id) == "failed" else st.state(plan.id)
+        state = "interrupted" if plan.id in stopped and st.state(plan.id) == "failed" else st.state(plan.id)
         entry: dict[str, Any] = {"shard": plan.id, "state": state, "object": None}
         if plan.id in consumed and plan.id in st.committed:
             entry["state"] = "consumed"
@@ -404,7 +409,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
         except ObjectNotFound:  # withdrawn since the scan, by another verify
             return shard, GONE, None
         except ManifestError as e:  # malformed; a failing store or memory is raised
-            return shard, f"unreadable commit record: {e}", None
+            return shard, f"unreadable commit record: {str(e).removesuffix(TO_WITHDRAW)}", None  # verify withdraws it
         try:
             report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True)
         except ObjectNotFound:  # absent, or deleted while we read it

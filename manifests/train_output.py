@@ -78,6 +78,8 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "tokens_per_s": last.get("tokens_per_s") if last else None,
         "checkpoint_step": latest.get("step") if latest else None,
         "checkpoint": f"{store.uri.rstrip('/')}/{latest['prefix']}" if latest and latest.get("prefix") else None,
+        # named by latest.json (written after a checkpoint's files) without its state.json: a delete cut short
+        "checkpoint_incomplete": bool(latest and latest.get("prefix")) and state is None,
         "checkpoint_age_s": round(max(0.0, now - written), 1) if written is not None else None,
         "drafter_exported": exported,
         "trainer": None if held is None or exited else _trainer(held, now),

@@ -409,3 +409,21 @@ def test_status_of_an_output_without_latest_json_names_the_checkpoint_a_resume_t
     assert after["checkpoint_step"] == 10 == before["checkpoint_step"]
     assert after["checkpoint"] == before["checkpoint"] and after["checkpoint"].endswith("checkpoints/step-00000010")
     assert after["steps_total"] == 20 and after["checkpoint_age_s"] is not None
+
+
+def test_status_of_an_output_whose_delete_was_cut_short_says_its_checkpoint_is_incomplete(store):
+    """`delete` removes latest.json last: cut short, status named the checkpoint and said `--resume`
+    continues from it, which then failed ("is incomplete: no object at .../state.json")."""
+    from layertap.manifests.cli import format_training
+    from layertap.manifests.train_output import training_status
+
+    model, opt = trained()
+    prefix = save_checkpoint(store, Snapshot(6, model, opt, {"config": {"steps": 20}}), keep=2)
+    assert training_status(store)["checkpoint_incomplete"] is False
+    for obj in list(store.list(prefix + "/")):
+        store.delete(obj.key)
+    t = training_status(store)
+    assert t["checkpoint_step"] == 6 and t["checkpoint_incomplete"] is True
+    text = format_training(t)
+    assert "CHECKPOINT INCOMPLETE: its state.json is gone (a `layertap delete` of this output cut short" in text
+    assert "--resume continues" not in text

@@ -51,6 +51,9 @@ def test_a_reversed_range_is_refused_and_repeated_ids_count_once(model, tmp_path
     assert cli(_extract(model, data, tmp_path, "--shard-bytes", "8KB", "--shards", "0,0")) == 0
     out = capsys.readouterr().out
     assert "the 1 shard(s) of --shards are done" in out
+    # the report above it said "the same `layertap extract` command finishes the pending shards": it does not
+    assert "nothing is running: `layertap extract` with the other tasks' --shards, or without --shards" in out
+    assert "the same `layertap extract`" not in out
 
 
 def test_gguf_file_without_model_is_refused_not_replaced_by_the_embedded_model(tmp_path, capsys):

@@ -531,6 +531,15 @@ def test_a_shard_deleted_while_the_stream_reads_says_who_deleted_it(tmp_path):
     assert cli(["verify", uri]) != 0
     rest = list(ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1))
     assert sorted(x["sample_id"] for x in rest) == sorted(i for s in stream.shards[1:] for i in s.sample_ids)
+    # the whole run deleted under a reader (`layertap delete`): not "its commit stands ... run verify", which
+    # then answered "no run"
+    it = iter(ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1))
+    for obj in list(store.list()):  # as `layertap delete` does (it refuses here: a trainer claimed the run)
+        store.delete(obj.key)
+    with pytest.raises(ShardError, match=rf"is gone, and so is the run's manifest: the run at {uri} was deleted "
+                                         "while this stream read it") as e:
+        list(it)
+    assert "verify" not in str(e.value)
 
 
 def test_a_stream_given_an_open_s3_store_reopens_it_in_each_dataloader_worker(s3_bucket):

@@ -816,7 +816,11 @@ def test_corrupt_commit_record_is_a_clear_error_and_withdrawn(store_uri, capsys)
     with pytest.raises(ManifestError, match="corrupt commit record"):
         decode_commit(store.get(layout.commit_key(1)), layout.commit_key(1))
     assert cli(["verify", store_uri]) == 1
-    assert "unreadable commit record" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "unreadable commit record" in out and "to withdraw it" not in out  # what verify did, not what to do
+    assert cli(["status", store_uri]) == 4
+    out = capsys.readouterr().out
+    assert "withdrawn by `layertap verify`: unreadable commit record" in out and "to withdraw it" not in out
     assert fake_worker.work(store_uri) == [1]
 
 
@@ -983,7 +987,7 @@ def test_delete_refuses_what_is_not_a_run_and_a_run_being_written(store_uri, cap
     fake_worker.work(store_uri, shards=[0])
     store.put(layout.lease_key(1, 1, 600), b"{}")  # a live worker holds shard 1
     assert cli(["delete", store_uri, "--yes"]) == 2
-    assert "shards 1 of run" in capsys.readouterr().err and store.exists(layout.MANIFEST)
+    assert "shard(s) 1 of run" in capsys.readouterr().err and store.exists(layout.MANIFEST)
     manifest = store.get(layout.MANIFEST)  # a newer layertap's: which shards are leased cannot be told
     store.put(layout.MANIFEST, manifest.replace(b'"format_version":1', b'"format_version":99'))
     assert cli(["delete", store_uri, "--yes"]) == 2
@@ -1009,6 +1013,12 @@ def test_delete_refuses_what_is_not_a_run_and_a_run_being_written(store_uri, cap
         assert cli(["delete", store_uri, "--yes"]) == 2
         assert f"a trainer is writing to {store.uri} (pid {os.getpid()}" in capsys.readouterr().err
         assert store.exists("metrics.jsonl")
+    # a trainer killed here: its lease outlives it, and `status` says it exited; delete said "stop it first"
+    killed = ("import os, sys; from layertap.storage.store import open_store; "
+              "from layertap.manifests.output_lease import OutputLease; "
+              "OutputLease(open_store(sys.argv[1])).acquire(); os._exit(0)")
+    subprocess.run([sys.executable, "-c", killed, store_uri], check=True, env=child_env())
+    assert cli(["delete", store_uri, "--yes"]) == 0 and list(store.list()) == []
 
 
 def test_delete_asks_on_a_terminal(tmp_path):
@@ -1169,6 +1179,19 @@ def test_status_says_which_running_shards_are_held_by_processes_that_exited_here
     assert cli(["status", store_uri]) == 3
     assert "3 running (1 of them held by processes on this machine that have exited: the next" in \
         capsys.readouterr().out
+    # only a dead holder's shard: it said "ETA ..." and not "nothing is running", status knowing it was so
+    fake_worker.work(store_uri, shards=[4, 5])  # a recent rate, for an ETA to come from
+    for shard in (1, 2):
+        store.delete(layout.lease_key(shard, 1, 600))
+    s = run_status(store)
+    assert s["shards_running"] == s["shards_running_exited_here"] == 1 and s["eta_s"] is None
+    assert cli(["status", store_uri]) == 3
+    out = capsys.readouterr().out
+    assert "ETA" not in out and "nothing is running: the same `layertap extract` (or `layertap submit extract`) " \
+        "command finishes the pending shards (and takes over at once those held by the processes that exited)" in out
+    # nor does `delete` tell to stop workers that status knows are gone ("being written under live leases")
+    assert cli(["delete", store_uri, "--yes"]) == 0
+    assert not list(store.list())
 
 
 def test_delete_looks_for_writers_again_once_the_question_is_answered(tmp_path, monkeypatch, capsys):

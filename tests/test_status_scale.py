@@ -116,10 +116,10 @@ def test_status_shards_still_lists_every_shard_with_its_error(outage):
     assert len(entries) == SHARDS and len(s["failed"]) == FAILURE_DETAILS  # the report stays bounded
     for shard in range(300):
         error_type, _ = error_of(shard)
-        assert entries[shard]["state"] == ("stopped" if shard in STOPPED else "failed")
+        assert entries[shard]["state"] == ("interrupted" if shard in STOPPED else "failed")
         assert entries[shard]["error"].startswith(error_type)
     text = format_status(s)
-    assert re.search(r"^  000250  stopped\s*$", text, re.M) and re.search(r"^  000007  failed\s*$", text, re.M)
+    assert re.search(r"^  000250  interrupted\s*$", text, re.M) and re.search(r"^  000007  failed\s*$", text, re.M)
 
 
 def test_a_few_failures_are_still_reported_one_line_each(store):
@@ -134,7 +134,7 @@ def test_a_few_failures_are_still_reported_one_line_each(store):
     text = format_status(s)
     assert re.findall(r"^  (FAILED|INTERRUPTED) shard (\d+) ", text, re.M) == [
         ("FAILED", "3"), ("FAILED", "4"), ("INTERRUPTED", "5"), ("INTERRUPTED", "250")]
-    assert re.search(r"^  FAILED shard 4 \(1 attempts, last on host \S+ rank 4\): ValueError: sample 4 has no "
+    assert re.search(r"^  FAILED shard 4 \(1 attempt, last on host \S+ rank 4\): ValueError: sample 4 has no "
                      r"tokens\nmore detail$", text, re.M), text
     assert "by error" not in text and "shards:" not in text
 

@@ -519,8 +519,12 @@ def _gone(store: ObjectStore, shard: int, where: str) -> str:
     try:
         consumed = store.exists(layout.consumed_marker_key(shard))
         trainer = consumer_of(store) if consumed else None
+        deleted = not consumed and not store.exists(layout.MANIFEST)
     except Exception:  # noqa: BLE001 - only the wording of the error depends on it
-        consumed, trainer = False, None
+        consumed, trainer, deleted = False, None, False
+    if deleted:  # `layertap delete` of the run while it was read: nothing to verify or redo
+        return (f"shard {shard} ({where}) is gone, and so is the run's manifest: the run at {store.uri} was "
+                "deleted while this stream read it (`layertap delete`); extract it again to train on it")
     if consumed:
         return (f"shard {shard} ({where}) was deleted while this stream read the run: consumed by the "
                 f"--delete-consumed trainer{f' writing to {trainer}' if trainer else ''}, which deletes what it has "
