@@ -67,6 +67,9 @@ def run_status(args: argparse.Namespace) -> int:
         t = training_status(store)
         r = regeneration_status(store) if t is None else None
         if t is None and r is None:
+            from layertap.manifests.manifest import refuse_leftovers
+
+            refuse_leftovers(store)  # a run's records without its manifest: a delete while a worker still wrote
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
                         + _what_is_under(store)) from None

@@ -240,7 +240,7 @@ RUN_RECORDS = (layout.COMMITS, layout.SHARDS, layout.TALLY, layout.FEED, layout.
                layout.COMMIT_INDEX)
 
 
-def _refuse_leftovers(store: ObjectStore) -> None:
+def refuse_leftovers(store: ObjectStore) -> None:
     """Raise `ConfigError` where a prefix without a manifest holds a run's records: what
     `layertap delete` leaves when a worker or trainer of the run still writes while it runs (or a
     run copied without its manifest). A new run planned there took those commits for its own:
@@ -362,7 +362,7 @@ def refuse_new_run_here(store: ObjectStore) -> None:
     if any(store.exists(key) for key in (LATEST, METRICS)):
         raise ConfigError(f"{store.uri} holds a training output (`layertap train --out`), not a run: `layertap "
                           "delete` of the one would delete the other; give the run a prefix of its own")
-    _refuse_leftovers(store)
+    refuse_leftovers(store)
     refuse_nested(store)
     refuse_foreign(store)
 

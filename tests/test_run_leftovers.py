@@ -106,6 +106,12 @@ def test_a_new_run_is_not_planned_over_a_deleted_runs_leftovers(store_uri, capsy
                                           r"commits/") as e:
         fake_worker.plan(store)
     assert f"`layertap delete --force {store.uri}`" in str(e.value) and not store.exists(layout.MANIFEST)
+    capsys.readouterr()
+    # status said "no run ... (run `layertap extract` to start one)", which extract then refused
+    assert cli(["status", store_uri]) == 2
+    err = capsys.readouterr().err
+    assert "holds no run (manifest.json is missing) but a run's records under commits/" in err
+    assert "run `layertap extract` to start one" not in err
     assert cli(["delete", store_uri, "--yes", "--force"]) == 0
     capsys.readouterr()
 
