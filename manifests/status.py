@@ -17,7 +17,7 @@ from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord
                                        encode)
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.identity import header_disagreement
-from layertap.storage.store import ObjectNotFound, ObjectStore
+from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import id_ranges
 
 if TYPE_CHECKING:
@@ -461,7 +461,13 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             result.checked += 1
             log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
             result.bad.append({"shard": shard, "error": error})
-            _withdraw(store, shard, error, data_key, feed.of(shard))
+            try:
+                _withdraw(store, shard, error, data_key, feed.of(shard))
+            except StoreError as e:  # a run this user may read but not write: not "choose a writable output folder"
+                raise type(e)(f"shard {shard} is bad ({error}) but its commit cannot be withdrawn: "
+                              f"{str(e).removesuffix('; choose a writable output folder')}. Withdrawing "
+                              f"writes to the run: run `layertap verify` where {store.uri} is writable (shards found "
+                              "bad before it were withdrawn)") from None
     # A verify killed inside `_withdraw` (the commit gone, the marker not yet written) left a redo
     # that workers waiting behind a full --window never see: they list only the markers.
     for shard in sorted(s for s in range(len(manifest.shards)) if st.withdrawn(s) and s not in st.redo_marked):

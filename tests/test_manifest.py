@@ -789,6 +789,29 @@ def test_verify_withdraws_a_corrupted_shard_and_rerun_redoes_it(store_uri, capsy
     assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
 
 
+def test_verify_of_a_run_it_cannot_write_says_the_shard_is_bad_and_why_it_stays(tmp_path, capsys, monkeypatch):
+    """A run this user may read but not write: verify logged "withdrawing its commit", then failed with
+    "cannot write .../failures/...: permission denied; choose a writable output folder" (verify has none)."""
+    import errno
+
+    from layertap.storage import local
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    store = open_store(uri)
+    commit = decode_commit(store.get(layout.commit_key(3)), "c")
+    data = bytearray(store.get(commit.data_key))
+    data[len(data) // 2] ^= 0xFF
+    store.put(commit.data_key, bytes(data))
+    denied = local._os_error(PermissionError(errno.EACCES, "Permission denied"), str(tmp_path / "run" / "failures"))
+    monkeypatch.setattr(local.LocalStore, "put", lambda self, key, body: (_ for _ in ()).throw(denied))
+    assert cli(["verify", uri]) == 2
+    err = capsys.readouterr().err
+    assert "shard 3 is bad (" in err and "but its commit cannot be withdrawn: cannot write" in err
+    assert f"run `layertap verify` where {uri} is writable" in err and "choose a writable output folder" not in err
+    assert store.exists(layout.commit_key(3))
+
+
 def test_verify_stops_on_a_store_failure_instead_of_withdrawing(store_uri, monkeypatch):
     """A commit record the store fails to return (after its retries) is not a bad shard: verify
     stops with the store's error and withdraws nothing."""
