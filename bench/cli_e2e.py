@@ -242,7 +242,7 @@ def _error_line(err: str) -> str:
 
 def check_extract(out: str, err: str, step: dict) -> list[str]:
     shards = re.search(r"shards\s+(\d+)/(\d+) done", out)
-    samples = re.search(r"samples\s+(\d+)/(\d+) stored", out)
+    samples = re.search(r"samples\s+([\d,]+)/([\d,]+) stored", out)  # stored of planned, 1,000s separated
     if not shards or not samples:
         return [f"no status summary in the output ({_error_line(err)})"]
     step.update(shards=f"{shards[1]}/{shards[2]}", samples=f"{samples[1]}/{samples[2]}",

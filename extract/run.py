@@ -622,12 +622,14 @@ def _summary(store: ObjectStore, cfg: ExtractConfig, queue: WorkQueue) -> int:
         return 0
     status = run_status(store)
     print(f"\nshards are in {store.uri}/shards/ (committed ones listed under {store.uri}/commits/)")
-    # a static assignment (one Slurm array task's range) finishes its own shards only
+    # a static assignment (one Slurm array task's range) done with its own shards finishes no others
+    mine_done = (not status["complete"] and cfg.shards is not None
+                 and _all_committed(store, load_manifest(store), cfg.shards))
     others = ("`layertap extract` with the other tasks' --shards, or without --shards (or `layertap submit extract`)"
-              if cfg.shards is not None else None)
+              if mine_done else None)
     print(format_status(status, rerun=others))
     if not status["complete"]:
-        if cfg.shards is not None and _all_committed(store, load_manifest(store), cfg.shards):
+        if mine_done:
             print(f"\nthe {len(cfg.shards)} shard(s) of --shards are done; the rest of the run is other workers' part")
             return 0
         print("\nthe run is not complete: run the same command again to retry failed and pending shards")

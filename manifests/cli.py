@@ -405,9 +405,10 @@ def format_training(t: dict) -> str:
         age = f", written {duration(t['checkpoint_age_s'])} ago" if t["checkpoint_age_s"] is not None else ""
         lines.append(f"  checkpoint  step {t['checkpoint_step']:,}: {t['checkpoint']}{age}")
         if t.get("checkpoint_incomplete"):
-            lines.append("  CHECKPOINT INCOMPLETE: its state.json is gone (a `layertap delete` of this output cut "
-                         "short leaves this: the same delete finishes it); to train on, point checkpoints/latest.json "
-                         "at an earlier checkpoint")
+            lines.append("  CHECKPOINT INCOMPLETE: its state.json is gone or unreadable (a `layertap delete` of this "
+                         "output cut short leaves this: the same delete finishes it); to train on, remove "
+                         "checkpoints/latest.json: `layertap train --resume` then takes the newest complete "
+                         "checkpoint, if one is left")
     else:
         lines.append("  checkpoint  none yet")
     if (h := t["trainer"]) is not None:

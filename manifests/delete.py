@@ -189,7 +189,7 @@ def _refuse_live_writers(store, manifest) -> None:
 
     st = scan(store, manifest, with_tallies=False)  # leases and commits are what it reads
     running = sorted(s for s in range(len(manifest.shards)) if st.live_lease(s))
-    gone = set(exited_here(store, st, running))  # killed here: their leases outlive them, not their writes
+    gone = set(exited_here(store, st, running, limit=len(running)))  # killed here: leases outlive them, not writes
     if gone:
         log.info("shard(s) %s: held by processes on this machine that have exited", id_ranges(sorted(gone), 10))
     running = [s for s in running if s not in gone]

@@ -13,8 +13,8 @@ from layertap.manifests import layout
 from layertap.manifests.consumption import (at_rest, consumed_everywhere, consumed_shards, marker_times,
                                             recorded_window, waiting_records)
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
-from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord, Producer, decode_commit, decode_failure,
-                                       encode)
+from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord, Producer, decode_commit,
+                                       decode_failure, encode)
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.identity import header_disagreement
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
@@ -48,17 +48,17 @@ def _imported_from(manifest: Manifest) -> dict[str, Any] | None:
 EXITED_HOLDERS_READ = 16  # leases of running shards whose holders `status` looks at (a GET each)
 
 
-def exited_here(store: ObjectStore, st: RunState, running: list[int]) -> list[int]:
+def exited_here(store: ObjectStore, st: RunState, running: list[int], limit: int = EXITED_HOLDERS_READ) -> list[int]:
     """The running shards whose lease's holder ran on this machine and has exited (a worker killed
     with SIGKILL): they show as running until the lease's TTL, while the next `layertap extract`
-    here takes them over at once (`liveness.gone_from_here`). Up to `EXITED_HOLDERS_READ` leases
-    read; the others count as running."""
+    here takes them over at once (`liveness.gone_from_here`). Up to `limit` leases read; the
+    others count as running."""
     from layertap.manifests.liveness import gone_from_here
     from layertap.manifests.work import read_lease
     from layertap.storage.store import StoreError
 
     exited = []
-    for shard in running[:EXITED_HOLDERS_READ]:
+    for shard in running[:limit]:
         lease = st.live_lease(shard)
         try:
             payload = read_lease(store, lease.key) if lease is not None else None
@@ -75,10 +75,10 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     `failed` and `interrupted` hold the records of at most the `FAILURE_DETAILS` newest of each (in
     shard order); `shards_failed` and `shards_interrupted` count them all, and `failed_ranges` and
     `interrupted_ranges` name them (`id_ranges`: the first 20 runs of ids, then how many more).
-    Read-only. Costs five listings (six with `shards`) plus a GET per failure record read: up to `FAILURE_DETAILS` twice, every failed
-    shard's with `shards` (and a GET per commit whose tally marker is missing, or whose data
-    object the listing leaves ambiguous, and per shard with skipped samples, up to
-    `SKIP_REASON_SHARDS`); a run trained while extracted adds listings of `consumed/` and a GET
+    Read-only. Costs five listings (six with `shards`) plus a GET per failure record read: up to
+    `FAILURE_DETAILS` twice, every failed shard's with `shards` (and a GET per commit whose tally
+    marker is missing, or whose data object the listing leaves ambiguous, and per shard with
+    skipped samples, up to `SKIP_REASON_SHARDS`); a run trained while extracted adds listings of `consumed/` and a GET
     per training rank; running shards, a GET each of up to `EXITED_HOLDERS_READ` leases
     (`shards_running_exited_here`)."""
     manifest = manifest or load_manifest(store)
@@ -426,7 +426,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                 f"{report.meta.run_id!r} as its shard {report.meta.shard_id}, but the manifest is run "
                 f"{manifest.run_id!r}: the manifest was replaced, or two runs share this prefix. Nothing was "
                 "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
-        if report.ok and (differs := header_disagreement(report.meta, manifest.identity)):
+        if report.ok and (differs := header_disagreement(report.meta, manifest.config)):
             raise ManifestError(f"{store.uri}/manifest.json disagrees with committed shard {shard}'s header "
                                 f"({commit.data_key}): {differs}; the manifest was edited or replaced. Nothing was "
                                 "withdrawn; restore the run's own manifest.json")

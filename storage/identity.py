@@ -69,13 +69,13 @@ class RunIdentity:
 STATE_FIELDS = ("layers", "layer_convention", "final_state", "hidden_size", "codec")
 
 
-def header_disagreement(header: RunIdentity, manifest: RunIdentity) -> str | None:
+def header_disagreement(header: RunIdentity, config: Mapping[str, Any]) -> str | None:
     """'layers [0, 1] in the shard, [0] in the manifest': where a shard's HEAD says its states are other
-    than its run's manifest does (a manifest edited by hand; the loader would shape every batch by the
-    wrong one). None where they agree; a manifest without a hidden_size agrees with any."""
-    differs = [f"{name} {getattr(header, name)!r} in the shard, {getattr(manifest, name)!r} in the manifest"
-               for name in STATE_FIELDS
-               if getattr(manifest, name) is not None and getattr(header, name) != getattr(manifest, name)]
+    than its run's manifest `config` does (a manifest edited by hand; the loader would shape every batch
+    by the wrong one). None where they agree. Only what the manifest records is compared: a key it
+    lacks (a run made through the Python API may omit final_state or hidden_size) agrees with any."""
+    differs = [f"{name} {getattr(header, name)!r} in the shard, {config[name]!r} in the manifest"
+               for name in STATE_FIELDS if config.get(name) is not None and getattr(header, name) != config[name]]
     return "; ".join(differs) or None
 
 

@@ -303,10 +303,10 @@ class S3Store(ObjectStore):
         if code == "NoSuchUpload":  # not a missing object: the upload under way is gone
             return StoreError(f"{what} of {where}: its multipart upload was aborted meanwhile (a bucket lifecycle "
                               "rule, or another process cleaning up pending uploads): the object was not written")
-        if what.startswith("list") and status == 404:  # S3 lists an empty prefix; only a missing bucket is a 404
-            return StoreError(f"the endpoint {self.endpoint} answered a listing of {where} with 404 and no S3 error "
-                              f"(code {code or 'none'}): it does not answer as S3 does; check "
-                              f"{self._endpoint_setting()} (its host and port)")
+        if what == "list" and status == 404 and code in ("", "404", "NotFound"):
+            # S3 lists an empty prefix; a missing bucket is NoSuchBucket (above): a bare 404 is not S3's answer
+            return StoreError(f"the endpoint {self.endpoint} answered a listing of {where} with 404 and no S3 error: "
+                              f"it does not answer as S3 does; check {self._endpoint_setting()} (its host and port)")
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
             return ObjectNotFound(f"no object at {where}")
         if code == "RequestTimeTooSkewed":  # a 403, but not the credentials' fault

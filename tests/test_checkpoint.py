@@ -425,5 +425,5 @@ def test_status_of_an_output_whose_delete_was_cut_short_says_its_checkpoint_is_i
     t = training_status(store)
     assert t["checkpoint_step"] == 6 and t["checkpoint_incomplete"] is True
     text = format_training(t)
-    assert "CHECKPOINT INCOMPLETE: its state.json is gone (a `layertap delete` of this output cut short" in text
+    assert "CHECKPOINT INCOMPLETE: its state.json is gone or unreadable (a `layertap delete` of this output" in text
     assert "--resume continues" not in text

@@ -287,7 +287,8 @@ def test_inspect_on_head_or_footer_fields_of_the_wrong_type(run, capsys, damage)
         assert code == 1 and "CORRUPT" in out and damage in out, out
 
 
-@pytest.mark.parametrize("edit", [{"layers": [fake_worker.LAYERS[0]]}, {"codec": "bf16"}, {"final_state": "prenorm"}])
+@pytest.mark.parametrize("edit", [{"layers": [fake_worker.LAYERS[0]]}, {"codec": "bf16"}, {"final_state": "prenorm"},
+                                  {"hidden_size": 2 * fake_worker.HIDDEN}])
 def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_withdrawn(run, capsys, edit):
     """Capture layers edited in manifest.json: `status` and `verify` passed the run and `train` ended in a
     torch shape error; every shard's HEAD says what its states are, and the loader and verify compared
@@ -297,7 +298,7 @@ def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_with
     [(field, value)] = edit.items()
     store.put(layout.MANIFEST, json.dumps(dict(manifest, config=dict(manifest["config"], **edit))).encode())
     commits = sorted(o.key for o in store.list("commits/"))
-    said = f"{field} {manifest['config'][field]!r} in the shard, {value!r} in the manifest"
+    said = f"{field} {manifest['config'].get(field, fake_worker.HIDDEN)!r} in the shard, {value!r} in the manifest"
     for policy in ("raise", "skip"):
         with pytest.raises(ManifestError, match=rf"manifest.json disagrees with shard \d+'s header \(shards/.*\): "
                                                 rf"{re.escape(said)}; the manifest was edited or replaced"):
@@ -307,3 +308,15 @@ def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_with
     err = capsys.readouterr().err
     assert "disagrees with committed shard" in err and said in err and "Nothing was withdrawn" in err
     assert sorted(o.key for o in store.list("commits/")) == commits
+
+
+def test_only_what_a_manifest_records_is_compared_with_a_shards_header():
+    """A run made through the Python API may leave final_state or hidden_size out of its config: read
+    as the defaults, they "disagreed" with shards written with a final state."""
+    from layertap.storage.identity import header_disagreement
+
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[0, 2], hidden_size=8, codec="bf16",
+                     final_state="prenorm")
+    assert header_disagreement(meta, {"model": "m", "layers": [0, 2], "codec": "bf16"}) is None
+    assert header_disagreement(meta, {"layers": [0, 2], "codec": "bf16", "final_state": "none", "hidden_size": 8}) \
+        == "final_state 'prenorm' in the shard, 'none' in the manifest"

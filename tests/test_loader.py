@@ -923,3 +923,23 @@ def test_which_samples_of_a_damaged_shard_are_skipped_does_not_depend_on_fetch_t
         runs.append([s["sample_id"] for s in stream if not s["padding"]])
         assert stream.metrics()["skipped_samples"] == 1 and stream.metrics()["corrupt_shards"] == 1
     assert runs[0] == runs[1] and last.sample_id not in runs[0] and len(runs[0]) == N - 1
+
+
+def test_a_shard_gone_under_a_reader_says_whether_its_commit_was_withdrawn_or_redone(tmp_path):
+    """Its object missing, the error said "its commit stands ... run `layertap verify`" also where verify
+    had withdrawn the commit meanwhile, or extraction redone the shard under another object."""
+    uri = str(tmp_path / "run")
+    make_run(uri)
+    store = open_store(uri)
+    stream = ShardStream(uri, config=StreamConfig(seed=1, shuffle_buffer=4), rank=0, world_size=1)
+    first = stream.shards[0]
+    commit = store.get(layout.commit_key(first.shard))
+    store.delete(layout.commit_key(first.shard))  # verify's withdrawal: the commit, then the data
+    store.delete(first.key)
+    with pytest.raises(ShardError, match=rf"shard {first.shard} \(.*\) is gone, and so is its commit: `layertap "
+                                         "verify` withdrew it while this stream read the run"):
+        list(stream)
+    redone = first.key.replace(first.key.rsplit("-", 1)[1].split(".")[0], "0" * 20)
+    store.put(layout.commit_key(first.shard), json.dumps(dict(json.loads(commit), data_key=redone)).encode())
+    with pytest.raises(ShardError, match=rf"was redone since this stream read the run: its commit now names {redone}"):
+        list(stream)  # the stream read before the redo

@@ -26,15 +26,17 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from layertap.manifests.manifest import ManifestError
 from layertap.storage.format import ShardError, ShardMeta, UnsupportedShard
-from layertap.storage.identity import RunIdentity, header_disagreement
+from layertap.storage.identity import header_disagreement
 
 from layertap.storage.reader import ShardReader, adjacent_runs, record_payload
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -154,12 +156,12 @@ class Fetcher:
     def __init__(self, store: ObjectStore, shards: list[CommittedShard], run_id: str, *,
                  positions: list[tuple[int, int, int]], budget: int, range_bytes: int, prefetch_shards: int,
                  threads: int, on_corrupt: str, metrics: Metrics, pool: BufferPool | None = None,
-                 open_ended: bool = False, identity: RunIdentity | None = None):
+                 open_ended: bool = False, config: Mapping[str, Any] | None = None):
         """`positions`: (input position, shard index, record index) of every record to deliver,
         in ascending position order. `pool`: GET buffers to reuse, e.g. the previous epoch's.
         `open_ended` (follow mode): more positions come through `extend` until `seal()`.
-        `identity`: the manifest's, which every shard's HEAD must agree with."""
-        self.store, self.shards, self.run_id, self.identity = store, shards, run_id, identity
+        `config`: the manifest's, which every shard's HEAD must agree with (`header_disagreement`)."""
+        self.store, self.shards, self.run_id, self.config = store, shards, run_id, config
         self.budget, self.range_bytes, self.prefetch_shards = budget, range_bytes, prefetch_shards
         self.on_corrupt, self.metrics = on_corrupt, metrics
         self._retries_seen = store.retries  # the store's counter is shared by everything that uses it
@@ -289,7 +291,7 @@ class Fetcher:
         with self._cond:
             self._refusal(shard, error, msg)
         log.warning("%s (on_corrupt='skip': its records are delivered where each one's own hash holds); run "
-                    "`layertap verify` on the run to withdraw it so extraction redoes it", msg)
+                    "`layertap verify %s` to withdraw it so extraction redoes it", msg, self.store.uri)
 
     def _where(self, shard: int) -> str:
         return f"{self.store.uri.rstrip('/')}/{self.shards[shard].key}"
@@ -305,7 +307,7 @@ class Fetcher:
         entry = self.shards[shard]
         if isinstance(error, UnsupportedShard):  # newer, not corrupt: skipping it would lose it silently
             self._error = self._error or UnsupportedShard(
-                f"shard {entry.shard}: {error} (if this layertap wrote it, it is corrupt: run `layertap verify`)")
+                f"shard {entry.shard}: {error} (if this layertap wrote it, it is corrupt: run `layertap verify {self.store.uri}`)")
             self._cond.notify_all()
             return self._error
         if self.on_corrupt == "raise":
@@ -440,7 +442,7 @@ class Fetcher:
                              f"the commit says run {self.run_id!r} shard {entry.shard}")
         if tuple(reader.sample_ids) != entry.sample_ids:
             raise ShardError("the footer index lists other samples than the commit record")
-        if self.identity is not None and (differs := header_disagreement(reader.meta, self.identity)):
+        if self.config is not None and (differs := header_disagreement(reader.meta, self.config)):
             # the shards are sound and the manifest misdescribes them: not a shard to skip or withdraw
             raise ManifestError(f"{self.store.uri}/manifest.json disagrees with shard {entry.shard}'s header "
                                 f"({entry.key}): {differs}; the manifest was edited or replaced: restore the run's "
@@ -520,11 +522,19 @@ def _gone(store: ObjectStore, shard: int, where: str) -> str:
         consumed = store.exists(layout.consumed_marker_key(shard))
         trainer = consumer_of(store) if consumed else None
         deleted = not consumed and not store.exists(layout.MANIFEST)
+        commit = "" if consumed or deleted else _commit_now(store, shard)  # "": not looked at
     except Exception:  # noqa: BLE001 - only the wording of the error depends on it
-        consumed, trainer, deleted = False, None, False
+        consumed, trainer, deleted, commit = False, None, False, ""
     if deleted:  # `layertap delete` of the run while it was read: nothing to verify or redo
         return (f"shard {shard} ({where}) is gone, and so is the run's manifest: the run at {store.uri} was "
                 "deleted while this stream read it (`layertap delete`); extract it again to train on it")
+    if commit is None:  # withdrawn, or a delete under way (it removes the manifest last)
+        return (f"shard {shard} ({where}) is gone, and so is its commit: `layertap verify` withdrew it while this "
+                f"stream read the run, or a `layertap delete` of {store.uri} is under way; `layertap status "
+                f"{store.uri}` says which: once `layertap extract` has redone the shard, start the training again")
+    if commit and not where.endswith(f"/{commit}"):
+        return (f"shard {shard} ({where}) was redone since this stream read the run: its commit now names "
+                f"{commit}; start the training again to read the run as it is")
     if consumed:
         return (f"shard {shard} ({where}) was deleted while this stream read the run: consumed by the "
                 f"--delete-consumed trainer{f' writing to {trainer}' if trainer else ''}, which deletes what it has "
@@ -533,6 +543,17 @@ def _gone(store: ObjectStore, shard: int, where: str) -> str:
     return (f"shard {shard} ({where}) is gone: its commit stands but its data object is not there (deleted by "
             f"hand or by `layertap delete`, or lost); run `layertap verify {store.uri}`, which withdraws the "
             "commit of a shard whose data is missing, then the same `layertap extract` to redo it")
+
+
+def _commit_now(store: ObjectStore, shard: int) -> str | None:
+    """The data object the shard's commit names now; None where no commit is there."""
+    from layertap.manifests import layout
+    from layertap.manifests.records import decode_commit
+
+    try:
+        return decode_commit(store.get(layout.commit_key(shard)), layout.commit_key(shard)).data_key
+    except ObjectNotFound:
+        return None
 
 
 class _Counted:

@@ -86,11 +86,11 @@ def wait_for_manifest(store: ObjectStore, poll_s: float) -> Manifest:
             return load_manifest(store)
         except NoRun:
             if time.monotonic() - logged >= LOG_EVERY_S:
-                hint = _runs_beside(store) if hint is None else hint
-                # a likely typo is a warning: a Python caller who set up no logging sees warnings alone
-                log.log(logging.WARNING if hint else logging.INFO,
-                        "waiting for extraction: no run at %s yet (%s appears when `layertap extract` starts)%s",
-                        store.uri, layout.MANIFEST, hint)
+                # Runs beside it may mean a typo: a warning the first time (a Python caller who set up no
+                # logging sees warnings alone), then INFO (beside other runs is also where a queued one starts)
+                level = logging.WARNING if hint is None and (hint := _runs_beside(store)) else logging.INFO
+                log.log(level, "waiting for extraction: no run at %s yet (%s appears when `layertap extract` "
+                        "starts)%s", store.uri, layout.MANIFEST, hint)
                 logged = time.monotonic()
             backoff.sleep()
 

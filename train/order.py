@@ -9,12 +9,13 @@ the output order is a permutation computed from indices alone. Resuming therefor
 the number of samples already consumed: the buffer's content at that point is recomputed, and
 no skipped record is fetched or decoded.
 
-Uneven counts: with `uneven="pad"` every rank gets ceil(N / world) samples and the last rank's
-slice wraps to the start of the epoch's sequence for the few (< world) it lacks; the loader
-yields those repeats with `padding=True` and an all-zero loss mask, so every sample counts
-exactly once in the loss while every rank runs the same number of steps. `uneven="drop"`
-gives floor(N / world) each and leaves out the last N mod world samples of the (shuffled)
-sequence, a different few every epoch. Within a rank, workers get counts that depend only on
+Uneven counts: with `uneven="pad"` every rank gets ceil(N / world) samples and the slices that
+run past the N-th sample (the last rank's; with world near N, the last few ranks') wrap to the
+start of the epoch's sequence for the world·M − N (< world) they lack; the loader yields those
+repeats with `padding=True` and an all-zero loss mask, so every sample counts exactly once in
+the loss while every rank runs the same number of steps. `uneven="drop"` gives floor(N / world)
+each and leaves out the last N mod world samples of the sequence: the tail records of the
+shard(s) the epoch's permutation puts last (records keep their order inside a shard). Within a rank, workers get counts that depend only on
 the rank's count, so every rank yields the same number of batches from each worker.
 """
 

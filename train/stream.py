@@ -596,7 +596,7 @@ class ShardStream(IterableDataset):
             self._store(), self.shards, self.run_id,
             positions=list(zip(needed.tolist(), plan.shard[needed].tolist(), plan.record[needed].tolist())),
             budget=budget, range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
-            on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers(), identity=self._manifest.identity)
+            on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers(), config=self._manifest.config)
         decoder = ThreadPoolExecutor(threads, thread_name_prefix="layertap-decode") if threads else None
         ahead = 2 * threads
         pending: dict[int, tuple[Record, Future]] = {}
@@ -709,7 +709,7 @@ class ShardStream(IterableDataset):
         fetcher = Fetcher(self._store(), mine, self.run_id, positions=[(i, *inputs[i]) for i in todo], budget=budget,
                           range_bytes=c.range_bytes, prefetch_shards=c.prefetch_shards, threads=c.fetch_threads,
                           on_corrupt=c.on_corrupt, metrics=metrics, pool=self._buffers(), open_ended=not shuffle.ended,
-                          identity=self._manifest.identity)
+                          config=self._manifest.config)
         taken = set(recorded)
         # consumed and deleted by another training run (or by this one's lost checkpoint's): left out, as
         # `load_index` leaves them out of a plain stream, not fetched and then called corrupt
@@ -896,7 +896,7 @@ class ShardStream(IterableDataset):
                 continue
             fetcher = Fetcher(self._store(), mine, self.run_id, positions=[(0, i, 0)], budget=c.memory_budget,
                               range_bytes=c.range_bytes, prefetch_shards=1, threads=1, on_corrupt=c.on_corrupt,
-                              metrics=self._metrics, pool=self._buffers(), identity=self._manifest.identity)
+                              metrics=self._metrics, pool=self._buffers(), config=self._manifest.config)
             try:
                 sample = self._sample(fetcher, fetcher.wait_for(0))
             finally:
