@@ -14,7 +14,7 @@ from typing import Any, Literal
 from layertap.manifests.manifest import DEFAULT_SHARD_BYTES
 from layertap.storage.codec_names import CODEC_NAMES, DEFAULT_CODEC
 from layertap.storage.errors import ConfigError
-from layertap.storage.flags import parse_json_object, setting, settings
+from layertap.storage.flags import build, parse_json_object, setting, settings
 from layertap.storage.store import s3_options
 from layertap.storage.units import parse_size
 
@@ -289,4 +289,4 @@ def load_config(args: Any, **given: Any) -> ExtractConfig:
     values = {**settings(ExtractConfig, args), **given}
     if "out" not in values:
         raise ConfigError("no output prefix: give --out s3://bucket/prefix or a local folder")
-    return ExtractConfig(**values)
+    return build(ExtractConfig, values, args)

@@ -29,7 +29,7 @@ from layertap.manifests.regeneration import (RECIPE, Recipe, done_parts, live_ta
                                              regeneration_status, stats_key, task_role)
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.redact import public_url
-from layertap.storage.flags import parse_json_object, setting, settings
+from layertap.storage.flags import build, parse_json_object, setting, settings
 from layertap.storage.store import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def load_regenerate_config(args: Any) -> RegenerateConfig:
     missing = [n for n in ("dataset", "out", "endpoint", "model") if not values.get(n)]
     if missing:
         raise ConfigError(f"{', '.join('--' + n for n in missing)} required")
-    return RegenerateConfig(**values)
+    return build(RegenerateConfig, values, args)
 
 
 @dataclass

@@ -103,6 +103,22 @@ def settings(cls: type, args: Any) -> dict[str, Any]:
     return values
 
 
+def build(cls: type, values: dict[str, Any], args: Any) -> Any:
+    """`cls(**values)` (from `settings`), an error about a setting that came from the --config file
+    naming the file: the dataclass's checks name the flag ("--shard-bytes: invalid size -5"), which
+    the user did not type."""
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        path = getattr(args, "config", None)
+        given = set(read_config_file(path, cls)) if path else set()
+        source = next((f for f in dataclasses.fields(cls) if f.name in given and getattr(args, f.name, None) is None
+                       and flag_name(f) in str(e)), None)
+        if source is None:
+            raise
+        raise ConfigError(f"{e} ({source.name!r} in config file {path!r})") from None
+
+
 def read_config_file(path: str | None, cls: type) -> dict[str, Any]:
     """The settings in a JSON config file, refused if it names a field `cls` does not have or
     holds a value that field cannot take (`typed_values`)."""

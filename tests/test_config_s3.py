@@ -67,6 +67,8 @@ def test_a_config_files_size_of_zero_or_less_is_refused_as_the_flags_is(tmp_path
         assert cli([*argv, "--config", config(tmp_path, {setting: value})]) == 2
         err = capsys.readouterr().err
         assert f"invalid size {value!r}: must be positive" in err and setting.replace("_", "-") in err, err
+        # the message names the flag, which was not typed: and where the value came from
+        assert f"({setting!r} in config file {str(tmp_path / 'config.json')!r})" in err, err
     assert not (tmp_path / "run").exists()
 
 

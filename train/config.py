@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from layertap.storage.errors import ConfigError
-from layertap.storage.flags import setting, settings
+from layertap.storage.flags import build, setting, settings
 from layertap.storage.store import s3_options
 from layertap.storage.units import parse_size
 
@@ -140,4 +140,4 @@ def load_train_config(args: Any) -> TrainConfig:
         if not values.get(required):
             raise ConfigError(f"missing --{required}: layertap train --data RUN_PREFIX --out PREFIX_OR_DIR "
                               "[--model TARGET]")
-    return TrainConfig(**values)
+    return build(TrainConfig, values, args)
