@@ -1068,3 +1068,46 @@ def test_a_waiting_gate_records_its_window_again_after_another_extraction_remove
     assert recorded_window(store) is None
     assert gate(3, lambda shard: False) is Gate.WAITED
     assert recorded_window(store) == 10_000
+
+
+def test_a_trainer_stopped_by_a_stall_before_its_first_checkpoint_withdraws_its_claim(store_uri, tmp_path):
+    """It stopped (exit 2, STALLED) with its output empty: its claim read as a trainer still running (not
+    seen from here), so the extraction behind the full window waited for good without its warning, and
+    `status` said training consumed. A trainer that checkpointed keeps its claim (it may have deleted data)."""
+    from layertap.manifests.consumption import claim_consumer, trainer_state
+    from layertap.train.trainer import _give_up_claim
+
+    data, out = open_store(store_uri), open_store(str(tmp_path / "drafter"))
+    fake_worker.work(store_uri, shards=[0])
+    claim_consumer(data, out.uri)
+    assert trainer_state(data) == "running"  # an output with nothing in it: not seen from here
+    _give_up_claim(data, out)
+    assert trainer_state(data) == "none"
+    claim_consumer(data, out.uri)
+    out.put("checkpoints/latest.json", b'{"step": 4, "prefix": "checkpoints/step-00000004"}')
+    _give_up_claim(data, out)
+    assert trainer_state(data) == "stopped"
+
+
+def test_train_that_gives_up_on_a_stall_before_a_checkpoint_leaves_the_run_unclaimed(store_uri, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """The whole path: `layertap train --follow --delete-consumed` whose shuffle buffer the window cannot
+    fill stalls, gives up (exit 2, STALLED) and withdraws its claim; `status` then says no trainer deletes."""
+    from layertap.manifests.consumption import claim_consumer, trainer_state
+    from layertap.train import follow
+    from tiny_models import tiny_model_dir
+
+    monkeypatch.setattr(follow, "STALL_GIVE_UP_S", 1.0)
+    monkeypatch.setattr(follow, "LOG_EVERY_S", 0.3)
+    store = open_store(store_uri)
+    fake_worker.work(store_uri, shards=[0, 1, 2])
+    WindowGate(store, 10_000).record()  # full: the rest waits for training to consume
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    out = str(tmp_path / "drafter")
+    assert cli(["train", "--data", store_uri, "--model", target, "--out", out, "--follow", "--delete-consumed",
+                "--follow-poll-s", "0.2", "--shuffle-buffer", "64", "--batch-size", "4", "--block-size", "4",
+                "--max-anchors", "8", "--num-workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "STALLED" in err and "Stopping after" in err
+    assert trainer_state(store) == "none" and not open_store(out).exists("checkpoints/latest.json")
+    claim_consumer(store, out)  # a new trainer may claim it

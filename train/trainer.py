@@ -47,7 +47,7 @@ from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, 
                                        withdraw_export)
 from layertap.train.config import RESUME_DEFAULTS, TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
-from layertap.train.follow import wait_for_manifest
+from layertap.train.follow import Stalled, wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
 from layertap.train.objective import Distill, dflash_loss
 from layertap.train.ranks import (agree_on_checkpoint, broadcast_tensors, from_rank_0, host_group, per_rank,
@@ -332,6 +332,30 @@ def train(cfg: TrainConfig) -> int:
         log.warning("%s outside the training steps: nothing to checkpoint; the same command%s starts again", e,
                     " with --resume" if cfg.resume else "")
         return e.exit_code
+    except Stalled:
+        if acc.is_main_process and cfg.delete_consumed:
+            _give_up_claim(data, out)
+        raise
+
+
+def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
+    """A --delete-consumed trainer that stops on a stall before its first checkpoint (it deletes data only
+    after one) leaves its output empty: its claim on the run then read as a trainer still running (one not
+    seen from here), so the extraction behind the full window waited for good without a word, and
+    `status` said training consumed. Withdrawn, the run has no trainer: both say so, and the next one may
+    claim it."""
+    from layertap.manifests import layout
+    from layertap.manifests.consumption import consumer_of
+    from layertap.manifests.train_output import LATEST
+
+    try:
+        if consumer_of(data) == out.uri and not out.exists(LATEST):
+            data.delete(layout.CONSUMER)
+            log.warning("withdrew this trainer's claim on %s (%s): it stopped before its first checkpoint, having "
+                        "deleted nothing; start a --delete-consumed trainer again once the window can hold its "
+                        "buffers", data.uri, layout.CONSUMER)
+    except UserError as e:  # the stall is the error to report; the claim stays (status may call it running)
+        log.warning("could not withdraw this trainer's claim on %s: %s", data.uri, e)
 
 
 def _held_by_rank_0(acc: Any) -> None:
