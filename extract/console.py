@@ -63,6 +63,18 @@ def quiet_library_bars() -> None:
     std.tqdm._layertap_quiet = True
 
 
+PAUSED_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"  # tqdm's, no ETA
+
+
+def pause(bar: Any, paused: bool) -> None:
+    """Show no ETA on `bar` (a tqdm or `PlainProgress`) while its work waits on something else (a full
+    --window): its rate falls as it waits, and the ETA grew a minute every 30 s of it."""
+    if isinstance(bar, PlainProgress):
+        bar.paused = paused
+    else:
+        bar.bar_format = PAUSED_FORMAT if paused else None
+
+
 class PlainProgress:
     """Progress as a log line every `every_s` seconds and one at the end, for logs that are files.
 
@@ -75,6 +87,7 @@ class PlainProgress:
         self.t0 = self.logged = time.monotonic()
         self.postfix = ""
         self.closed = False
+        self.paused = False  # waiting on something else than its own work (a full --window): no ETA
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -100,7 +113,7 @@ class PlainProgress:
         # below one a second, seconds per unit (as tqdm does): "0.0 steps/s" said nothing
         pace = f"{rate:,.1f} {self.unit}s/s" if rate >= 1 or rate == 0 else f"{1 / rate:,.1f} s/{self.unit}"
         text += f", {pace}, {duration(elapsed)} elapsed"
-        if rate > 0 and self.n < self.total and not final:
+        if rate > 0 and self.n < self.total and not final and not self.paused:
             text += f", ETA {duration((self.total - self.n) / rate)}"
         return text + (f"; {self.postfix}" if self.postfix else "")
 

@@ -64,6 +64,16 @@ def smollm2_gguf() -> tuple[str, str]:
     return folder, SMOLLM2_GGUF
 
 
+def embedded_id(model: str, gguf_file: str | None) -> str | None:
+    """'embedded:<gguf>' where (`model`, `gguf_file`) is the packaged SmolLM2, as `extract` records it (a
+    machine's site-packages path is no name for another machine's run); None for any other target."""
+    try:
+        folder, name = smollm2_gguf()
+    except MissingInput:  # not installed here: not it
+        return None
+    return f"embedded:{name}" if gguf_file == name and os.path.realpath(model) == os.path.realpath(folder) else None
+
+
 def cache_dir() -> Path | None:
     """Where layertap keeps what it converts once: ``LAYERTAP_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/layertap``, else ``~/.cache/layertap``; None for ``LAYERTAP_CACHE_DIR=off``

@@ -20,6 +20,7 @@ from typing import Any
 from layertap.extract.command import add_extract
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import s3_options
+from layertap.storage.units import counted
 from layertap.extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
                               DEFAULT_USD_PER_GIB_MONTH, Prices, Regeneration, Storage, Throughput, Workload,
                               alternatives, estimate, fmt_bytes, format_report, report_json)
@@ -448,7 +449,7 @@ def _plan(args: argparse.Namespace) -> _PlanReport:
     head = [
         f"plan for {prefix or '(no --out)'}" + ("  (dry run: nothing written)" if args.dry_run else ""),
         f"  run        {state}",
-        f"  shards     {len(plan):,} shards cut at {cfg.shard_bytes:,} B of planned bytes "
+        f"  shards     {counted(len(plan), 'shard')} cut at {cfg.shard_bytes:,} B of planned bytes "
         f"({planned:,.0f} B/token: the codec's default ratio){' when the run was planned' if existing else ''}; "
         "estimated stored bytes per shard "
         f"min {fmt_bytes(min(sizes))}, median {fmt_bytes(statistics.median(sizes))}, max {fmt_bytes(max(sizes))}",

@@ -269,8 +269,11 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     check_layer_order(fmt, layers)
     target = read_target(model, gguf_file)
     # recorded as `extract` records a local folder: `train` from another working directory (a job's)
-    # found no 'models/x', and a resume naming it another way was refused as another model
-    model = os.path.realpath(model)
+    # found no 'models/x', and a resume naming it another way was refused as another model; the packaged
+    # SmolLM2 by its id, as `extract` records it
+    from layertap.extract.embedded import embedded_id
+
+    model = embedded_id(model, gguf_file) or os.path.realpath(model)
     facts_from = f"{model}'s {target.source}"
     rd = reader(fmt, src, len(layers), final_state)
     files = rd.files()[:limit] if limit is not None else rd.files()

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtype
-from layertap.extract.console import progress, quiet_library_bars
+from layertap.extract.console import pause, progress, quiet_library_bars
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
 from layertap.extract.kernels import provenance
 from layertap.extract.inputs import (Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows,
@@ -574,6 +574,7 @@ class Progress:
     def waiting(self, rest: AtRest | None) -> None:
         """The storage window is full (`rest`: what is at rest), or open again (None): shown on the progress line."""
         if self.on:
+            pause(self.bar, rest is not None)
             self.bar.set_postfix_str(f"waiting: window full, {size(rest.bytes)} not yet consumed by training"
                                      if rest else "", refresh=False)
             self.bar.refresh()

@@ -286,9 +286,9 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
                      + (", as training consumes and deletes what it trained on" if deleting == "running" else ""))
     elif (not live and not s["problem"] and window is not None and rest >= window
           and deleting not in ("none", "stopped", "finished")):
-        lines.append("  no shard is running, and no extraction worker waits for the window (none has renewed its "
-                     f"record under waiting/ for {WAITING_STALE_S / 60:.0f} min): {again} goes on as training "
-                     "consumes")
+        lines.append("  no shard is running, and no extraction worker waits for the window (none has a record under "
+                     f"waiting/ renewed in the last {WAITING_STALE_S / 60:.0f} min: stopped, or killed): {again} goes "
+                     "on as training consumes")
     elif not live and not s["problem"] and window is not None and rest >= window:
         # a full window no trainer deletes from (said above): a rerun would wait behind it too
         lines.append(f"  nothing is running, and the window is full: {again} goes on once a --delete-consumed "
@@ -365,12 +365,16 @@ def _rate_line(s: dict) -> str:
     """The recent rate (and, while shards run, the ETA it gives); else the run's average."""
     if s["last_commit_age_s"] is None:
         return "no shard committed yet"
+    from layertap.manifests.status import RATE_WINDOW_S
+
     ago = f"last commit {duration(s['last_commit_age_s'])} ago"
+    over = s.get("rate_over_s")  # under 10 min in a young run: "over the last 10 min" of an 18 s one misled
+    span = "10 min" if over is None or over >= RATE_WINDOW_S - 30 else duration(over)
     if s["tokens_per_s"] and s["rate_until"] == "now":
-        text = f"{s['tokens_per_s']:,.0f} tokens/s over the last 10 min"
+        text = f"{s['tokens_per_s']:,.0f} tokens/s over the last {span}"
         return text + (f", ETA {duration(s['eta_s'])}" if s["eta_s"] else "")
     if s["tokens_per_s"]:
-        return f"{s['tokens_per_s']:,.0f} tokens/s over the 10 min before the last commit ({ago})"
+        return f"{s['tokens_per_s']:,.0f} tokens/s over the {span} before the last commit ({ago})"
     text = f"no rate yet (it needs two commits within 10 min; {ago})"
     if s["tokens_per_s_average"]:
         text += f"; {s['tokens_per_s_average']:,.0f} tokens/s on average from the run's start to its last commit"

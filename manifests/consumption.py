@@ -660,7 +660,7 @@ def window_shortfall(window: int, ranks: int, num_workers: int, shuffle_buffer: 
     held = batches_in_flight(num_workers, grad_accum)
     return (f"--window {size(window)} is below {size(floor)} = {ranks} training ranks x ({buffers}--shuffle-buffer "
             f"{shuffle_buffer} + {held} x --batch-size {batch_size}) x "
-            + (f"shards of {size(shard_bytes)} (the run's largest)" if planned else
+            + (f"shards of {size(shard_bytes)} (the run's largest, as planned)" if planned else
                f"--shard-bytes {size(shard_bytes)} (the run is not planned yet: smaller if it is smaller than a shard)")
             + ": each sample "
             f"in a shuffle buffer or in the {held} batches a rank holds before training them (the one in training, "

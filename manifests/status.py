@@ -107,6 +107,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     # the rate of the run's last ten minutes of commits, which stays true after the run stopped.
     end = st.now if live or last is None else last
     rate = recent_rate(st.commit_times, {s: t["tokens"] for s, t in tallies.items()}, end)
+    counted = [min(t, end) for s, t in st.commit_times.items() if end - RATE_WINDOW_S <= t and s in tallies]
     complete = counts["done"] == len(manifest.shards) and not st.stale_commits
     # A shard whose last attempt was stopped (preemption, Ctrl-C, a takeover, a store outage) did not
     # fail: it waits for a rerun.
@@ -146,6 +147,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "compression_ratio": round(raw / stored, 4) if stored else None,
         "tokens_per_s": round(rate, 1) if rate else None,
         "rate_until": None if rate is None else "now" if counts["running"] else "last commit",
+        # the span the rate is over: RATE_WINDOW_S, or less in a run younger than that
+        "rate_over_s": round(end - min(counted)) if rate and counted else None,
         "tokens_per_s_average": _average_rate(manifest.created_at, last, tokens),
         "last_commit_age_s": round(max(0.0, st.now - last), 1) if last is not None else None,  # clocks a second apart
         # Only while workers hold shards, at the rate they are going at now: a remaining time

@@ -123,7 +123,7 @@ def test_no_verification_step_gives_a_null_tau_in_strict_json_and_says_why(tmp_p
         assert cli([*args, "--no-baseline"]) == 0
     assert "prompt 1/1: tau so far none yet" in caplog.text  # it logged nan
     out = capsys.readouterr().out
-    assert ("tau (mean acceptance length): none, no verification step in 1 prompts (--max-new-tokens 1: the "
+    assert ("tau (mean acceptance length): none, no verification step in 1 prompt (--max-new-tokens 1: the "
             "prefill gives the first token, drafting starts after it)") in out
     assert "acceptance by draft position:  none (no draft was checked)" in out  # it printed nothing after it
 

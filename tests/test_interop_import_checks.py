@@ -200,3 +200,14 @@ def test_a_loss_mask_value_a_byte_cannot_hold_is_refused_not_cast(target, tmp_pa
     assert len(stored) == 1 and stored[0].sample_id.endswith("0") and len(skipped) == 1
     assert skipped[0]["reason"] == "bad_loss_mask"
     assert f"loss_mask holds {value} at position 20; it must hold only 0 and 1" in skipped[0]["detail"]
+
+
+def test_an_import_of_the_packaged_smollm2_records_it_as_extract_does():
+    """An export of a Quickstart run names its target `embedded:<gguf>`; `import` resolved that to the
+    package's folder and recorded this machine's site-packages path, a name no other machine has."""
+    from layertap.extract.embedded import embedded_id, smollm2_gguf
+
+    folder, gguf = smollm2_gguf()
+    assert embedded_id(folder, gguf) == f"embedded:{gguf}"
+    assert embedded_id(folder + "/", gguf) == f"embedded:{gguf}"  # the same folder named otherwise
+    assert embedded_id(folder, None) is None and embedded_id("/tmp", gguf) is None

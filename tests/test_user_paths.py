@@ -328,6 +328,28 @@ def test_a_slow_pace_is_given_as_seconds_per_unit(monkeypatch):
     assert "25.0 samples/s" in fast.line()
 
 
+def test_no_eta_is_shown_while_extraction_waits_for_its_window(monkeypatch):
+    """Waiting on a full --window, the rate falls with every second waited: the ETA grew by a minute every
+    30 s ("10/30 samples ... ETA 31 min; waiting: window full") while nothing could move."""
+    import tqdm as tqdm_module
+
+    from layertap.extract import console
+
+    clock = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    plain = console.PlainProgress(30, desc="extract", unit="sample")
+    clock[0] += 30
+    plain.update(10)
+    bar = tqdm_module.tqdm(total=30, desc="extract", unit="sample", file=io.StringIO(), initial=10)
+    for shown in (plain, bar):
+        console.pause(shown, True)
+        shown.set_postfix_str("waiting: window full")
+        text = shown.line() if shown is plain else str(shown)
+        assert "ETA" not in text and "<" not in text and "waiting: window full" in text
+        console.pause(shown, False)
+    assert "ETA 60 s" in plain.line() and "<" in str(bar)  # open again: the ETA is back
+
+
 def test_on_a_terminal_log_lines_are_written_above_the_bar(monkeypatch):
     from layertap.extract.console import progress
 

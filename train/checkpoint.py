@@ -398,7 +398,7 @@ def load_drafter_files(store: ObjectStore, step: int | None = None) -> tuple[Dra
         except ObjectNotFound:
             kept = complete_checkpoints(store)
             raise MissingInput(f"no checkpoint of step {step} at {store.uri} (kept: {kept or 'none'}; "
-                               f"--keep-checkpoints sets how many are kept)") from None
+                               f"--keep-checkpoints sets how many are kept, 0 every one)") from None
     for base in ("drafter/", ""):
         try:
             config = _json(store, base + "config.json", "export the drafter again")

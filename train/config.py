@@ -33,7 +33,8 @@ class TrainConfig:
                                 "initial weights do not depend on it (always seeded with 0, drawn on the training device: a GPU "
                                 "draws other numbers than a CPU)")
     save_every: int = setting(500, help="steps between checkpoints, and one at the end")
-    keep_checkpoints: int = setting(2, help="newest checkpoints kept in --out")
+    keep_checkpoints: int = setting(2, help=(
+        "newest checkpoints kept in --out (0: every one, for `eval --step` of each)"))
     log_every: int = setting(10, help="steps between logged metrics")
     num_workers: int = setting(0, help="DataLoader worker processes per rank")
     shuffle_buffer: int = setting(64, help="samples in the loader's shuffle buffer")

@@ -31,6 +31,7 @@ from layertap.extract.inputs import (Skipped, TokenizeStats, check_template_kwar
 from layertap.extract.model import decoder_of, load_target
 from layertap.storage.errors import InputError
 from layertap.storage.store import open_store
+from layertap.storage.units import counted
 from layertap.train.checkpoint import load_drafter_files
 from layertap.train.drafter import DFlashDrafter
 from layertap.train.target_head import TargetHead, recorded_target
@@ -582,10 +583,11 @@ def format_report(r: dict[str, Any]) -> str:
     if r["tau"] is None:  # the prefill gives the first new token; verification steps give the rest
         why = (f"--max-new-tokens {r['max_new_tokens']}: the prefill gives the first token, drafting starts after it"
                if r["max_new_tokens"] == 1 else "every answer ended at its first token, an end-of-sequence token")
-        lines = [f"tau (mean acceptance length): none, no verification step in {r['prompts']} prompts ({why})"]
+        lines = [f"tau (mean acceptance length): none, no verification step in {counted(r['prompts'], 'prompt')} "
+                 f"({why})"]
     else:
         lines = [f"tau (mean acceptance length): {r['tau']:.3f} over {r['verify_steps']} verification steps, "
-                 f"{r['prompts']} prompts, block {r['block_size']}"]
+                 f"{counted(r['prompts'], 'prompt')}, block {r['block_size']}"]
     if "tau_untrained" in r:
         untrained = r["tau_untrained"]
         lines.append(f"tau of an untrained drafter:  {'none' if untrained is None else f'{untrained:.3f}'}")

@@ -734,7 +734,8 @@ def _loop(run: _Run, start: int) -> int:
             _save(run, step)
             saved = step
         if stopped and step < run.total:  # a stop with the last step: the run ends as it would have, exported
-            log.warning("stopped at step %d by a signal; `layertap train ... --resume` continues", step)
+            log.warning("stopped at step %d by a signal; the same `layertap train` command with --resume continues "
+                        "(the same options, --steps among them: another --steps plans the schedule anew)", step)
             progress.close()
             return run.stop.requested.exit_code if run.stop.requested is not None else 143  # another rank's signal
     progress.close()
