@@ -88,6 +88,7 @@ class PlainProgress:
         self.postfix = ""
         self.closed = False
         self.paused = False  # waiting on something else than its own work (a full --window): no ETA
+        self.logged_n: int | None = None  # the count the last line logged showed
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -119,13 +120,16 @@ class PlainProgress:
 
     def _maybe_log(self) -> None:
         if time.monotonic() - self.logged >= self.every_s:
-            self.logged = time.monotonic()
+            self.logged, self.logged_n = time.monotonic(), self.n
             log.info("%s", self.line())
 
     def close(self) -> None:
+        """The last line, unless the last one logged already said it was all done (a step of 30 s or
+        more logs at each: the final line came twice, a checkpoint's line between them)."""
         if not self.closed:
             self.closed = True
-            log.info("%s", self.line(final=True))
+            if not (self.logged_n == self.n == self.total):
+                log.info("%s", self.line(final=True))
 
     def __enter__(self) -> PlainProgress:
         return self

@@ -350,6 +350,30 @@ def test_no_eta_is_shown_while_extraction_waits_for_its_window(monkeypatch):
     assert "ETA 60 s" in plain.line() and "<" in str(bar)  # open again: the ETA is back
 
 
+def test_the_last_progress_line_is_not_said_twice(monkeypatch, caplog):
+    """Steps of 30 s or more log a line each: the last step's line came again at the close, a
+    checkpoint's line between them."""
+    from layertap.extract import console
+
+    clock = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    with caplog.at_level("INFO", logger=console.log.name):
+        bar = console.PlainProgress(2, desc="train", unit="step")
+        for _ in range(2):
+            clock[0] += 31
+            bar.update(1)
+        bar.close()
+    lines = [r.getMessage().split(",")[0] for r in caplog.records]
+    assert lines == ["train: 1/2 steps (50%)", "train: 2/2 steps (100%)"]
+    stopped = console.PlainProgress(3, desc="train", unit="step")
+    clock[0] += 31
+    stopped.update(1)
+    caplog.clear()
+    with caplog.at_level("INFO", logger=console.log.name):
+        stopped.close()  # short of its total: the last line says so, without the ETA the logged one had
+    assert len(caplog.records) == 1 and "ETA" not in caplog.records[0].getMessage()
+
+
 def test_on_a_terminal_log_lines_are_written_above_the_bar(monkeypatch):
     from layertap.extract.console import progress
 
