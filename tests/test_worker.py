@@ -33,7 +33,8 @@ def capture():
     config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
     torch.manual_seed(0)
-    return Capture(AutoModelForCausalLM.from_config(config).eval().requires_grad_(False), [1, 2])
+    # the layers fake_worker's plan records: a shard's header must agree with its run's manifest
+    return Capture(AutoModelForCausalLM.from_config(config).eval().requires_grad_(False), fake_worker.LAYERS)
 
 
 class Run:
@@ -69,8 +70,8 @@ class Run:
         counts = fake_worker.token_counts(self.manifest.num_samples)
         samples = [TokenizedSample(f"s{i:05d}", torch.arange(counts[i]) % 128, torch.ones(counts[i], dtype=torch.bool))
                    for i in range(claim.plan.start, claim.plan.end)]
-        meta = ShardMeta(run_id=self.manifest.run_id, shard_id=claim.shard, model="tiny", layers=[1, 2],
-                         hidden_size=32, codec="bf16-zstd")
+        meta = ShardMeta(run_id=self.manifest.run_id, shard_id=claim.shard, model="tiny", layers=fake_worker.LAYERS,
+                         hidden_size=fake_worker.HIDDEN, codec="bf16-zstd")
         out = self.store.open_writer(claim.data_key)
         if claim.shard in self.fail_close:
             self.fail_close.discard(claim.shard)
