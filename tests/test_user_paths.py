@@ -340,7 +340,9 @@ def test_no_eta_is_shown_while_extraction_waits_for_its_window(monkeypatch):
     plain = console.PlainProgress(30, desc="extract", unit="sample")
     clock[0] += 30
     plain.update(10)
-    bar = tqdm_module.tqdm(total=30, desc="extract", unit="sample", file=io.StringIO(), initial=10)
+    # disable=False: off a terminal, `quiet_library_bars` (run by an earlier test in this process) turns off
+    # the bars that do not say
+    bar = tqdm_module.tqdm(total=30, desc="extract", unit="sample", file=io.StringIO(), initial=10, disable=False)
     for shown in (plain, bar):
         console.pause(shown, True)
         shown.set_postfix_str("waiting: window full")
