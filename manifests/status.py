@@ -17,6 +17,7 @@ from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord
                                        decode_failure, encode)
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
 from layertap.storage.identity import header_disagreement
+from layertap.storage.local import CHOOSE_WRITABLE
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import id_ranges
 
@@ -106,8 +107,9 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     # While shards run, the rate is up to now (a stall shows as a falling rate); otherwise it is
     # the rate of the run's last ten minutes of commits, which stays true after the run stopped.
     end = st.now if live or last is None else last
-    rate = recent_rate(st.commit_times, {s: t["tokens"] for s, t in tallies.items()}, end)
-    counted = [min(t, end) for s, t in st.commit_times.items() if end - RATE_WINDOW_S <= t and s in tallies]
+    committed_tokens = {s: t["tokens"] for s, t in tallies.items()}
+    recent = recent_commits(st.commit_times, committed_tokens, end)
+    rate = _rate(recent, committed_tokens, end)
     complete = counts["done"] == len(manifest.shards) and not st.stale_commits
     # A shard whose last attempt was stopped (preemption, Ctrl-C, a takeover, a store outage) did not
     # fail: it waits for a rerun.
@@ -148,7 +150,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "tokens_per_s": round(rate, 1) if rate else None,
         "rate_until": None if rate is None else "now" if counts["running"] else "last commit",
         # the span the rate is over: RATE_WINDOW_S, or less in a run younger than that
-        "rate_over_s": round(end - min(counted)) if rate and counted else None,
+        "rate_over_s": round(end - recent[0][0]) if rate else None,
         "tokens_per_s_average": _average_rate(manifest.created_at, last, tokens),
         "last_commit_age_s": round(max(0.0, st.now - last), 1) if last is not None else None,  # clocks a second apart
         # Only while workers hold shards, at the rate they are going at now: a remaining time
@@ -269,18 +271,27 @@ def _skip_reasons(store: ObjectStore, tallies: dict[int, dict[str, int]]) -> dic
     return {"counts": dict(counted.most_common()), "shards_read": len(read), "shards_with_skips": len(with_skips)}
 
 
+def recent_commits(commit_times: dict[int, float], tokens: dict[int, int], end: float,
+                   window_s: float = RATE_WINDOW_S) -> list[tuple[float, int]]:
+    """(time, shard) of the commits with token counts in the `window_s` before `end`, oldest first.
+    A commit stamped after `end` is counted as made at `end`: `modified` is rounded up to the
+    store's whole second and `now` errs behind, so a run's newest commits can look a second or two
+    in the future."""
+    return sorted((min(t, end), s) for s, t in commit_times.items() if end - window_s <= t and s in tokens)
+
+
 def recent_rate(commit_times: dict[int, float], tokens: dict[int, int], end: float,
                 window_s: float = RATE_WINDOW_S) -> float | None:
-    """Tokens/s over the commits in the `window_s` before `end`: the tokens committed after the
-    oldest of them, over the time from it to `end` (the oldest one's tokens were made before it,
-    so they are left out). None below two commits in the window. A commit stamped after `end` is
-    counted as made at `end`: `modified` is rounded up to the store's whole second and `now` errs
-    behind, so a run's newest commits can look a second or two in the future."""
-    recent = sorted((min(t, end), s) for s, t in commit_times.items() if end - window_s <= t and s in tokens)
+    """Tokens/s over the `recent_commits`: see `_rate`."""
+    return _rate(recent_commits(commit_times, tokens, end, window_s), tokens, end)
+
+
+def _rate(recent: list[tuple[float, int]], tokens: dict[int, int], end: float) -> float | None:
+    """The tokens committed after the oldest of `recent`, over the time from it to `end` (the
+    oldest one's tokens were made before it, so they are left out). None below two commits."""
     if len(recent) < 2:
         return None
-    first = recent[0][0]
-    return sum(tokens[s] for _, s in recent[1:]) / max(end - first, 1.0)
+    return sum(tokens[s] for _, s in recent[1:]) / max(end - recent[0][0], 1.0)
 
 
 def _average_rate(created_at: str, last_commit: float | None, tokens: int) -> float | None:
@@ -466,9 +477,9 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             result.bad.append({"shard": shard, "error": error})
             try:
                 _withdraw(store, shard, error, data_key, feed.of(shard))
-            except StoreError as e:  # a run this user may read but not write: not "choose a writable output folder"
+            except StoreError as e:  # a run this user may read but not write: verify has no output folder
                 raise type(e)(f"shard {shard} is bad ({error}) but its commit cannot be withdrawn: "
-                              f"{str(e).removesuffix('; choose a writable output folder')}. Withdrawing "
+                              f"{str(e).removesuffix(f'; {CHOOSE_WRITABLE}')}. Withdrawing "
                               f"writes to the run: run `layertap verify` where {store.uri} is writable (shards found "
                               "bad before it were withdrawn)") from None
     # A verify killed inside `_withdraw` (the commit gone, the marker not yet written) left a redo

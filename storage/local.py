@@ -378,15 +378,18 @@ def _unlisted(e: OSError) -> None:
     raise _os_error(e, e.filename or "a folder", reading=True) from e
 
 
+CHOOSE_WRITABLE = "choose a writable output folder"  # the end of a failed write's message
+
+
 def _os_error(e: OSError, path: str, *, reading: bool = False) -> StoreError:
     """The store's error for a failed filesystem call on `path`, with what to do about it."""
     if reading and e.errno in (errno.EACCES, errno.EPERM):
         return StoreError(f"cannot read {path}: permission denied; check the folder's permissions "
                           "(another user's run?)")
     if e.errno == errno.EROFS:
-        return StoreError(f"cannot write {path}: the filesystem is read-only; choose a writable output folder")
+        return StoreError(f"cannot write {path}: the filesystem is read-only; {CHOOSE_WRITABLE}")
     if e.errno in (errno.EACCES, errno.EPERM):
-        return StoreError(f"cannot write {path}: permission denied; choose a writable output folder")
+        return StoreError(f"cannot write {path}: permission denied; {CHOOSE_WRITABLE}")
     if e.errno == errno.ENOSPC:
         return StoreError(f"cannot write {path}: no space left on device; free some or choose another output folder")
     if e.errno in (errno.ENOTDIR, errno.EEXIST):
@@ -394,4 +397,4 @@ def _os_error(e: OSError, path: str, *, reading: bool = False) -> StoreError:
                           "choose another output folder")
     if reading:
         return StoreError(f"cannot read {path}: {e.strerror or e}")
-    return StoreError(f"cannot access {path}: {e.strerror or e}; choose a writable output folder")
+    return StoreError(f"cannot access {path}: {e.strerror or e}; {CHOOSE_WRITABLE}")
