@@ -22,7 +22,7 @@ from layertap.manifests.layout import MANIFEST
 from layertap.manifests.train_output import LATEST, METRICS
 from layertap.storage.codec_names import CODEC_NAMES
 from layertap.storage.errors import ConfigError, UserError
-from layertap.storage.identity import RunConfig
+from layertap.storage.identity import RunConfig, RunIdentity, header_disagreement
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import listing
 
@@ -49,6 +49,17 @@ class NoRun(ManifestError):
 
 class ConfigMismatch(ManifestError):
     """A rerun's configuration differs from the run already on the store."""
+
+
+def header_mismatch(uri: str, shard: int, key: str, header: RunIdentity,
+                    config: Mapping[str, Any]) -> ManifestError | None:
+    """The refusal of a committed shard whose HEAD says other states than its run's manifest records
+    (`header_disagreement`), worded once for the loader and `verify`: the shard is sound and the
+    manifest is not its own, so nothing is skipped or withdrawn. None where they agree."""
+    differs = header_disagreement(header, config)
+    return differs and ManifestError(
+        f"{uri.rstrip('/')}/{MANIFEST} disagrees with committed shard {shard}'s header ({key}): {differs}; "
+        f"the manifest was edited or replaced. Nothing was withdrawn; restore the run's own {MANIFEST}")
 
 
 @dataclass(frozen=True, slots=True)

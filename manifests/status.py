@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 from layertap.manifests import layout
 from layertap.manifests.consumption import (at_rest, consumed_everywhere, consumed_shards, marker_times,
                                             recorded_window, waiting_records)
-from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, load_manifest
+from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, header_mismatch, load_manifest
 from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord, Producer, decode_commit,
                                        decode_failure, encode)
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
-from layertap.storage.identity import header_disagreement
 from layertap.storage.local import CHOOSE_WRITABLE
 from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import id_ranges
@@ -440,10 +439,9 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
                 f"{report.meta.run_id!r} as its shard {report.meta.shard_id}, but the manifest is run "
                 f"{manifest.run_id!r}: the manifest was replaced, or two runs share this prefix. Nothing was "
                 "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
-        if report.ok and (differs := header_disagreement(report.meta, manifest.config)):
-            raise ManifestError(f"{store.uri}/manifest.json disagrees with committed shard {shard}'s header "
-                                f"({commit.data_key}): {differs}; the manifest was edited or replaced. Nothing was "
-                                "withdrawn; restore the run's own manifest.json")
+        if report.ok and (refused := header_mismatch(store.uri, shard, commit.data_key, report.meta,
+                                                     manifest.config)):
+            raise refused
         if report.ok:
             _settle_tally(store, st.tally_keys.get(shard, []), commit)
         return shard, report.error, commit.data_key

@@ -300,7 +300,7 @@ def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_with
     commits = sorted(o.key for o in store.list("commits/"))
     said = f"{field} {manifest['config'].get(field, fake_worker.HIDDEN)!r} in the shard, {value!r} in the manifest"
     for policy in ("raise", "skip"):
-        with pytest.raises(ManifestError, match=rf"manifest.json disagrees with shard \d+'s header \(shards/.*\): "
+        with pytest.raises(ManifestError, match=rf"manifest.json disagrees with committed shard \d+'s header \(shards/.*\): "
                                                 rf"{re.escape(said)}; the manifest was edited or replaced"):
             list(ShardStream(run, config=StreamConfig(on_corrupt=policy)))
     capsys.readouterr()

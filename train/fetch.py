@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from layertap.manifests.manifest import ManifestError
+from layertap.manifests.manifest import header_mismatch
 from layertap.storage.format import ShardError, ShardMeta, UnsupportedShard
-from layertap.storage.identity import header_disagreement
 
 from layertap.storage.reader import ShardReader, adjacent_runs, record_payload
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -160,7 +159,7 @@ class Fetcher:
         """`positions`: (input position, shard index, record index) of every record to deliver,
         in ascending position order. `pool`: GET buffers to reuse, e.g. the previous epoch's.
         `open_ended` (follow mode): more positions come through `extend` until `seal()`.
-        `config`: the manifest's, which every shard's HEAD must agree with (`header_disagreement`)."""
+        `config`: the manifest's, which every shard's HEAD must agree with (`header_mismatch`)."""
         self.store, self.shards, self.run_id, self.config = store, shards, run_id, config
         self.budget, self.range_bytes, self.prefetch_shards = budget, range_bytes, prefetch_shards
         self.on_corrupt, self.metrics = on_corrupt, metrics
@@ -442,11 +441,9 @@ class Fetcher:
                              f"the commit says run {self.run_id!r} shard {entry.shard}")
         if tuple(reader.sample_ids) != entry.sample_ids:
             raise ShardError("the footer index lists other samples than the commit record")
-        if self.config is not None and (differs := header_disagreement(reader.meta, self.config)):
-            # the shards are sound and the manifest misdescribes them: not a shard to skip or withdraw
-            raise ManifestError(f"{self.store.uri}/manifest.json disagrees with shard {entry.shard}'s header "
-                                f"({entry.key}): {differs}; the manifest was edited or replaced: restore the run's "
-                                "own manifest.json")
+        if self.config is not None and (refused := header_mismatch(self.store.uri, entry.shard, entry.key,
+                                                                  reader.meta, self.config)):
+            raise refused  # the shards are sound and the manifest misdescribes them: nothing to skip
         return reader
 
     def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range, array: np.ndarray) -> None:
