@@ -29,6 +29,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from layertap.storage.format import MAGIC
     from layertap.storage.reader import ShardReader, verify_shard
     from layertap.storage.store import ObjectNotFound, StoreError, open_store, split_object_uri
+    from layertap.storage.units import counted
 
     root, key = split_object_uri(args.uri)
     store = open_store(root)
@@ -78,7 +79,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"  layers {m.layers} ({m.layer_convention})  final_state {m.final_state}  hidden {m.hidden_size}  {m.dtype}")
     print(f"  codec {m.codec}  ratio " + (f"{ratio:.3f}x" if f["raw_bytes"] else "- (no records)")
           + (f"  relative error {f['relative_error']:.4%}" if f.get("relative_error") is not None else ""))
-    print(f"  {len(reader)} records  {f['num_tokens']} tokens  {report.bytes} bytes  xxh3-128 {report.xxh3_128}")
+    print(f"  {counted(len(reader), 'record')}  {counted(f['num_tokens'], 'token')}  {counted(report.bytes, 'byte')}  "
+          f"xxh3-128 {report.xxh3_128}")
     if isinstance(produced := m.extra.get("produced_by"), dict):  # free-form (FORMAT.md §3): shown when it is ours
         software, kernels = produced.get("software"), produced.get("kernels")
         print(f"  produced on {produced.get('device', '?')}"
@@ -87,11 +89,11 @@ def run_inspect(args: argparse.Namespace) -> int:
             print(f"    {kind}: {', '.join(map(str, choices)) if isinstance(choices, list) else choices}")
     shown = _shown(reader.entries, args.records)
     for i, e in enumerate(shown):
-        print(f"  [{i:5d}] {e.sample_id:<32} tokens {e.num_tokens:6d}  bytes {e.length:10d}  @ {e.offset}")
+        print(f"  [{i:5,d}] {e.sample_id:<32} tokens {e.num_tokens:6,d}  bytes {e.length:11,d}  @ {e.offset:,}")
     if len(shown) < len(reader):
-        print(f"  ... {len(reader) - len(shown)} more (--records -1 lists all)")
+        print(f"  ... {len(reader) - len(shown):,} more (--records -1 lists all)")
     if stats is not None:
-        print(f"  statistics over {len(reader)} records ({stats['tokens']:,} tokens x {m.hidden_size} values a layer):")
+        print(f"  statistics over {counted(len(reader), 'record')} ({stats['tokens']:,} tokens x {m.hidden_size} values a layer):")
         print(f"    {'layer':<18}{'mean':>12}{'std':>12}{'max |x|':>12}{'non-finite':>12}")
         rows = [(str(r["layer"]), r) for r in stats["layers"]]
         if stats["final_state"]:

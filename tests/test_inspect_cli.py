@@ -81,9 +81,10 @@ def test_good_shard_text(store, store_uri, capsys, codec):
     assert ("relative error" in out) == (codec == "fp8")
     if codec == "fp8":
         assert f"relative error {info.relative_error:.4%}" in out
-    assert f"5 records  {info.num_tokens} tokens  {info.bytes} bytes  xxh3-128 {info.xxh3_128}" in out
+    assert f"5 records  {info.num_tokens:,} tokens  {info.bytes:,} bytes  xxh3-128 {info.xxh3_128}" in out
     for i, e in enumerate(ShardReader(store, KEY).entries):
-        assert re.search(rf"\[\s*{i}\] {e.sample_id}\s+tokens\s+{e.num_tokens}\s+bytes\s+{e.length}\s+@ {e.offset}$",
+        assert re.search(rf"\[\s*{i}\] {e.sample_id}\s+tokens\s+{e.num_tokens:,}\s+bytes\s+{e.length:,}"
+                         rf"\s+@ {e.offset:,}$",
                          out, re.M), out
     assert "more (--records -1 lists all)" not in out
 
@@ -118,7 +119,7 @@ def test_good_shard_json(store, store_uri, capsys):
 def test_empty_shard(store, store_uri, capsys):
     info = write_shard(store, KEY, make_meta("bf16-zstd"), [])
     rc, out, _ = inspect(capsys, uri(store_uri))
-    assert rc == 0 and f"0 records  0 tokens  {info.bytes} bytes" in out
+    assert rc == 0 and f"0 records  0 tokens  {info.bytes:,} bytes" in out
 
 
 # -- damaged and missing objects ----------------------------------------------------------------
