@@ -504,5 +504,5 @@ def _import_shard(claim: Claim, manifest: Manifest, rd: ForeignReader, files: li
             bar.update(1)
         info = w.close()
     if claim.commit(info, skipped=skipped):
-        log.info("shard %d committed: %d samples, %d tokens (%d skipped)", plan.id, info.num_records,
-                 info.num_tokens, len(skipped))
+        log.info("shard %d committed: %s, %s (%d skipped)", plan.id, counted(info.num_records, "sample"),
+                 counted(info.num_tokens, "token"), len(skipped))

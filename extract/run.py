@@ -49,7 +49,7 @@ from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.retry import Backoff
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store
-from layertap.storage.units import duration, listing, size
+from layertap.storage.units import counted, duration, listing, size
 
 log = logging.getLogger("layertap.extract")
 T = TypeVar("T")
@@ -126,7 +126,8 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
             else _wait_for_plan(store, cfg, identity, fingerprint)
         if cfg.dtype != loaded_as:  # another job planned the run meanwhile, pinning a dtype its workers all keep
             target = capture = None  # loaded again below, in it
-    log.info("rank %d/%d: run %s at %s, %d shards", rank, world, manifest.run_id, store.uri, len(manifest.shards))
+    log.info("rank %d/%d: run %s at %s, %s", rank, world, manifest.run_id, store.uri,
+             counted(len(manifest.shards), "shard"))
 
     producer = Producer.current(rank)
     # The storage window: before each claim, wait while too much committed data awaits training.

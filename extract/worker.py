@@ -28,6 +28,7 @@ from layertap.extract.estimate import fmt_bytes
 from layertap.extract.pipeline import ShardTail
 from layertap.manifests.preemption import Interrupted, Preempted, StopSignals
 from layertap.manifests.work import Claim
+from layertap.storage.units import counted
 from layertap.storage.writer import ShardInfo
 
 log = logging.getLogger("layertap.extract")
@@ -187,9 +188,9 @@ class ShardLoop:
             self.committed += 1  # one finishing thread at a time
             info = done.info
             self.on_committed(claim, info, len(done.started.skipped))
-            log.info("shard %d committed: %d samples, %d tokens, %s (%d skipped, %d truncated)", claim.shard,
-                     info.num_records, info.num_tokens, fmt_bytes(info.bytes), len(done.started.skipped),
-                     done.started.truncated)
+            log.info("shard %d committed: %s, %s, %s (%d skipped, %d truncated)", claim.shard,
+                     counted(info.num_records, "sample"), counted(info.num_tokens, "token"), fmt_bytes(info.bytes),
+                     len(done.started.skipped), done.started.truncated)
             if done.error is not None:
                 log.warning("shard %d: after its commit: %s: %s", claim.shard, type(done.error).__name__, done.error)
         elif done.error is not None:
