@@ -128,6 +128,31 @@ def test_a_resume_reads_the_checkpoint_on_rank_0_alone_and_goes_on_as_before(ext
     assert "Connection closed by peer" not in p.stderr
 
 
+@pytest.mark.slow
+def test_a_rank_that_dies_leaves_the_others_an_error_that_says_so_and_how_to_go_on(extracted, target, tmp_path):
+    """Rank 1 dies in step 4 (killed, out of memory): rank 0, left in the step's collective, said
+    so with gloo's "Connection closed by peer" traceback and no word of what next. It says which
+    checkpoint is kept and to resume, and the advised resume goes on to the end."""
+    from test_train import FAST
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    out = tmp_path / "out"
+    args = ["--data", str(extracted), "--model", target, "--steps", "6", "--save-every", "2", "--out", str(out), *FAST]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    p = subprocess.run([*launch, __file__, "--die-on-rank-1-in-step", "4", *args], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode != 0
+    said = [line for line in p.stderr.splitlines() if line.startswith("error: rank 0 of 2: ")]
+    assert len(said) == 1 and "training stopped because another rank did" in said[0], p.stderr[-6000:]
+    assert f"the latest checkpoint in {out} is step 2" in said[0] and "with --resume" in said[0]
+    before = p.stderr.split(said[0])[0]  # after it, only the launcher's report of its ranks' ends
+    assert "Traceback" not in before and "by peer" not in before, p.stderr[-6000:]
+    p = subprocess.run([*launch, "-m", "layertap", "train", *args, "--resume"], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-6000:]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
 def _count_reads(folder: str) -> None:
     """Record which safetensors files this rank reads, and whether with their data."""
     from layertap.train import checkpoint
@@ -150,9 +175,25 @@ def _no_checkpoint_on_rank_1() -> None:
         trainer.load_latest = lambda store, tensors=True: None
 
 
+def _die_on_rank_1(step: int) -> None:
+    """Rank 1 exits at once as step `step` (1-based) starts, as a process killed or out of memory does."""
+    from layertap.train import trainer
+
+    train_step = trainer.train_step
+
+    def dying(run, at, *rest):
+        if os.environ["RANK"] == "1" and at + 1 == step:
+            os._exit(9)
+        return train_step(run, at, *rest)
+
+    trainer.train_step = dying
+
+
 if __name__ == "__main__":  # a rank of the tests above: HELD COMMIT TRAIN-ARGS..., --count-reads FOLDER TRAIN-ARGS...
-    if sys.argv[1] == "--count-reads":  # or --no-checkpoint-on-rank-1 - TRAIN-ARGS...
+    if sys.argv[1] == "--count-reads":  # or --no-checkpoint-on-rank-1 - TRAIN-ARGS..., --die-on-rank-1-in-step N ...
         _count_reads(sys.argv[2])
+    elif sys.argv[1] == "--die-on-rank-1-in-step":
+        _die_on_rank_1(int(sys.argv[2]))
     elif sys.argv[1] == "--no-checkpoint-on-rank-1":
         _no_checkpoint_on_rank_1()
     else:

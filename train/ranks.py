@@ -8,12 +8,13 @@ other values as JSON bytes (no pickle). With one process each returns at once.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from layertap.storage.errors import InputError
+from layertap.storage.errors import InputError, UserError
 from layertap.storage.units import id_ranges
 
 
@@ -99,3 +100,34 @@ def agree_on_checkpoint(acc: Any, step: int | None, failed: BaseException | None
         raise InputError(f"the ranks found different checkpoints in {out} (steps {steps}; -1: none): every rank "
                          "must see the same --out (not a folder local to each node), and nothing else may write "
                          "to it during the resume")
+
+
+# How torch says a collective failed where it raises no DistError: gloo's "Connection closed by
+# peer [...]. This is typically caused by a remote worker crashing", a reset or broken socket
+_COLLECTIVE_FAILED = re.compile(r"\b(gloo|nccl)\b|connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+
+
+class RanksLost(UserError):
+    """A collective between the training ranks failed: another rank stopped, died or hung."""
+
+
+def collective_failed(e: BaseException) -> bool:
+    """Whether `e` is torch's report of a collective that failed between the ranks (a peer that
+    exited, was killed or hung past the backend's timeout): a `DistError` where the backend
+    types it (NCCL), a RuntimeError naming the backend or its socket where it does not (gloo)."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and bool(_COLLECTIVE_FAILED.search(str(e))))
+
+
+def ranks_lost(acc: Any, e: BaseException, latest_step: int | None, out: str) -> RanksLost:
+    """The error of a rank whose peers went away, in place of torch's traceback: a rank that
+    stopped on its own error (a corrupt shard, a bad sample) prints that error; the others, left in
+    the step's collective, printed a gloo or NCCL traceback that said neither why nor what next."""
+    said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    said = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", said).split(". ")[0][:200]  # less gloo's source position
+    kept = (f"the latest checkpoint in {out} is step {latest_step}" if latest_step is not None
+            else f"{out} holds no checkpoint yet")
+    return RanksLost(f"rank {acc.process_index} of {acc.num_processes}: training stopped because another rank did "
+                     f"({said}): that rank's own error, above, says why (killed, out of memory, or hung past the "
+                     f"backend's timeout where it says nothing); {kept}: fix its cause, then run the same command "
+                     "with --resume to continue from there")

@@ -36,7 +36,7 @@ from layertap.manifests.consumption import prefetch_depth
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
-from layertap.manifests.train_output import check_apart, padding_only
+from layertap.manifests.train_output import LATEST, check_apart, padding_only
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
@@ -50,8 +50,8 @@ from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config,
 from layertap.train.follow import Stalled, wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
 from layertap.train.objective import Distill, dflash_loss
-from layertap.train.ranks import (agree_on_checkpoint, broadcast_tensors, from_rank_0, host_group, per_rank,
-                                  raise_if_any_refused)
+from layertap.train.ranks import (agree_on_checkpoint, broadcast_tensors, collective_failed, from_rank_0, host_group,
+                                  per_rank, raise_if_any_refused, ranks_lost)
 from layertap.train.stream import ShardsChanged, ShardStream, StreamConfig
 from layertap.train.target_head import head_transform, load_final_norm, load_target_head, recorded_target
 
@@ -336,6 +336,19 @@ def train(cfg: TrainConfig) -> int:
         if acc.is_main_process and cfg.delete_consumed:
             _give_up_claim(data, out)
         raise
+    except Exception as e:
+        if acc.num_processes > 1 and collective_failed(e):
+            raise ranks_lost(acc, e, _latest_step(out), out.uri) from None
+        raise
+
+
+def _latest_step(out: ObjectStore) -> int | None:
+    """The step `latest.json` names, for a message (None: none, or unreadable)."""
+    try:
+        step = json.loads(out.get(LATEST)).get("step")
+    except (StoreError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
@@ -346,7 +359,6 @@ def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
     claim it."""
     from layertap.manifests import layout
     from layertap.manifests.consumption import consumer_of
-    from layertap.manifests.train_output import LATEST
 
     try:
         if consumer_of(data) == out.uri and not out.exists(LATEST):
