@@ -151,6 +151,7 @@ def test_a_rank_that_dies_leaves_the_others_an_error_that_says_so_and_how_to_go_
                        timeout=600, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-6000:]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert p.stderr.count("resumed from") == 1  # rank 0's INFO lines alone: rank 1's said the same again
 
 
 def _count_reads(folder: str) -> None:

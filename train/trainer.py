@@ -307,6 +307,9 @@ def train(cfg: TrainConfig) -> int:
                           "(ACCELERATE_GRADIENT_ACCUMULATION_STEPS, from `accelerate launch "
                           "--gradient_accumulation_steps`): it would divide every gradient by it on top of layertap's "
                           "own; leave it out and give `layertap train --grad-accum` instead")
+    if not acc.is_main_process and logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # each rank said what rank 0 says ("resumed from ...", the target's files read): N times over; -v shows them
+        logging.getLogger("layertap").setLevel(logging.WARNING)
     out = open_configured_store(cfg.out, cfg.s3)
     data = open_configured_store(cfg.data, cfg.s3)
     # recorded in checkpoints and compared on --resume: `run1`, `run1/` and its absolute path are one run
@@ -745,7 +748,7 @@ def _loop(run: _Run, start: int) -> int:
         if (step % cfg.save_every == 0 or step == run.total or stopped) and step > saved:
             _save(run, step)
             saved = step
-        if stopped and step < run.total:  # a stop with the last step: the run ends as it would have, exported
+        if stopped and step < run.total and acc.is_main_process:  # a stop with the last step: the run ends as it would have
             log.warning("stopped at step %d by a signal; the same `layertap train` command with --resume continues "
                         "(the same options, --steps among them: another --steps plans the schedule anew)", step)
             progress.close()
