@@ -80,8 +80,9 @@ class ExtractConfig:
                                        "DFlash's spacing); layer k = output of decoder layer k")
     codec: str = setting(DEFAULT_CODEC, choices=CODEC_NAMES, help="hidden-state codec")
     max_length: int = setting(4096, help="truncate samples to N tokens")
-    limit: int | None = setting(None, help=f"take the first N samples (default: all; {QUICKSTART_LIMIT} for the "
-                                           "embedded data)")
+    limit: int | None = setting(None, help=f"take the first N rows of the dataset (default: all; {QUICKSTART_LIMIT} "
+                                           "for the embedded data); rows that yield no sample (no answer within "
+                                           "--max-length) count among them")
     chat_template_kwargs: dict[str, Any] | None = setting(
         None, parse=parse_json_object, metavar="JSON",
         help="settings for the target's chat template where it renders chat rows, e.g. '{\"enable_thinking\": "

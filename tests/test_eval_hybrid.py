@@ -173,6 +173,9 @@ def test_eval_cli_on_a_trained_drafter_beats_the_untrained_one(hybrid, tmp_path,
                 "--max-new-tokens", "8", "--no-baseline"]) == 0
     text = capsys.readouterr().out
     assert "output equals plain greedy decoding: yes" in text and "hybrid target rollback:" in text
+    assert text.startswith(f"drafter {out} (exported) on target {hybrid} (a hybrid: its recurrent state rolled back "
+                           "after each rejected draft), cpu float32, up to 8 new tokens a prompt\n")
+    assert r["target_hybrid"] is True and r["drafter"] == out and r["checkpoint_step"] is None
 
 
 def test_eval_rollback_bench_runs_in_tiny_mode(tmp_path):

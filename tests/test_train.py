@@ -859,7 +859,7 @@ def test_resume_at_an_epoch_end_takes_shards_committed_since_and_mid_epoch_says_
     capsys.readouterr()
     assert train_cli("--data", data.uri, "--model", target, "--out", mid, "--steps", "6", "--resume", *FAST) == 2
     err = capsys.readouterr().err
-    assert f"cannot resume {mid} from its checkpoint at step 3: it was saved in the middle of epoch 0" in err
+    assert f"cannot resume {mid} from its checkpoint at step 3: it was saved in the middle of epoch 1" in err
     assert "train from the start on all of them (another --out" in err
 
 
@@ -912,7 +912,9 @@ def test_resume_refuses_other_settings(run, target, tmp_path, capsys, caplog):
     assert re.search(r"step 1 took \d+\.\d s", caplog.text)  # the first step's time (on a GPU: the compile)
     assert train_cli("--data", run, "--model", target, "--out", out, "--steps", "8", "--resume", *FAST,
                      "--seed", "3") == 2
-    assert "seed: checkpoint 0, now 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "seed: checkpoint 0, now 3" in err
+    assert f"Resume with the checkpoint's settings, or train anew into another --out than {out}" in err
 
 
 def test_resume_takes_the_same_run_however_data_is_spelled(target, tmp_path, capsys, monkeypatch):

@@ -528,7 +528,9 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
         "verify_steps": sum(len(r.accepted) for r in trained), "block_size": config.block_size,
         "max_new_tokens": max_new_tokens, "speculative_s": round(spec_s, 3),
         "rollback_s": {k: round(v, 3) for k, v in rollback_s.items()} if runner.hybrid else None,
-        "checkpoint_step": step,
+        "checkpoint_step": step, "drafter": drafter_uri,
+        "target": model + (f" ({gguf_file})" if gguf_file else ""), "target_hybrid": runner.hybrid,
+        "device": device, "dtype": dtype,
     }
     if baseline:
         report["tau_untrained"] = _known(_tau(untrained, config.block_size)[0])
@@ -580,6 +582,11 @@ def _known(x: float) -> float | None:
 
 
 def format_report(r: dict[str, Any]) -> str:
+    step = r.get("checkpoint_step")
+    which = "exported" if step is None else f"its checkpoint at step {step}"
+    hybrid = " (a hybrid: its recurrent state rolled back after each rejected draft)" if r.get("target_hybrid") else ""
+    head = [f"drafter {r['drafter']} ({which}) on target {r['target']}{hybrid}, {r['device']} {r['dtype']}, up to "
+            f"{counted(r['max_new_tokens'], 'new token')} a prompt"] if "drafter" in r else []
     if r["tau"] is None:  # the prefill gives the first new token; verification steps give the rest
         why = (f"--max-new-tokens {r['max_new_tokens']}: the prefill gives the first token, drafting starts after it"
                if r["max_new_tokens"] == 1 else "every answer ended at its first token, an end-of-sequence token")
@@ -606,4 +613,4 @@ def format_report(r: dict[str, Any]) -> str:
     if r["prompts_skipped_too_long"]:
         lines.append(f"skipped {r['prompts_skipped_too_long']} prompt(s) over {r['max_prompt_tokens']} tokens "
                      "(--max-prompt-tokens)")
-    return "\n".join(lines)
+    return "\n".join(head + lines)

@@ -485,6 +485,12 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
                           data=data, distill=distill, lease=lease), start)
 
 
+def _epoch_number(epoch: Any) -> Any:
+    """An epoch as `status` and the progress line count it, from 1 (metrics.jsonl and loader states
+    count from 0)."""
+    return epoch + 1 if isinstance(epoch, int) else epoch
+
+
 def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any], step: int, total: int,
                    steps_per_epoch: int) -> int:
     """This rank's loader at the checkpoint of `step`; returns the run's last step. Extraction may
@@ -497,9 +503,9 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
     except ShardsChanged as e:
         raise InputError(
             f"cannot resume {cfg.out} from its checkpoint at step {step}: it was saved in the middle of epoch "
-            f"{state.get('epoch')}, which streams {e.saved} of {cfg.data}, and the run has "
+            f"{_epoch_number(state.get('epoch'))}, which streams {e.saved} of {cfg.data}, and the run has "
             f"{loader.stream.total_samples} samples in {len(loader.stream.shards)} committed shards now (extraction "
-            "went on after training started). An epoch's order depends on its shards, so it cannot go on over "
+            "went on after training started, or `verify` withdrew a shard that was extracted again). An epoch's order depends on its shards, so it cannot go on over "
             f"the new ones: train from the start on all of them (another --out, or delete {cfg.out}/checkpoints). "
             "A checkpoint at an epoch's end would resume on them"
             + (" (with --follow, an epoch after the follow epoch goes on over the shards it began with, but not "
@@ -520,7 +526,7 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
     if changed is not None:
         log.info("the run's committed shards changed since the checkpoint (%s then, %d shards, %d samples now): "
                  "epoch %d on streams them all, %d steps each; training ends at step %d", changed,
-                 len(loader.stream.shards), loader.stream.total_samples, loader.epoch, steps_per_epoch, total)
+                 len(loader.stream.shards), loader.stream.total_samples, loader.epoch + 1, steps_per_epoch, total)
     if step > total:
         _refuse_going_back(cfg, step, total, steps_per_epoch)
     return total
@@ -1061,7 +1067,8 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in {**saved, **now}
              if k not in ("steps", "epochs") and saved.get(k) != now.get(k)]
     if diffs:
-        raise ConfigError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs))
+        raise ConfigError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs) + ". Resume "
+                          f"with the checkpoint's settings, or train anew into another --out than {cfg.out}")
     _check_drafter_flags(state["drafter"], cfg)
 
 
