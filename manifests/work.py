@@ -66,6 +66,9 @@ STOP_GRACE_S = 60.0
 # the span keeps a short shard that fails fast from being given up within an outage that workers
 # ride out. Never fewer than --retries allows (`WorkQueue.store_failures`).
 STORE_FAILURES = 20
+# Store failures of a shard this close together are one streak of a store failing it
+# (`store_gave_out`); a longer pause between two starts another.
+STREAK_GAP_S = OUTAGE_S / 4
 # An end-of-run sweep claimed but not marked done this long after is taken for one whose worker was
 # killed (or whose store failed), and another worker sweeps again. A sweep lists about a minute at
 # 150,000 shards; one taken over too early only costs a second sweep: sweeps are idempotent.
@@ -876,12 +879,22 @@ def failed_by_store(st: RunState, shard: int, excluding: Collection[str]) -> lis
 
 
 def store_gave_out(failed: Sequence[str], bound: int) -> bool:
-    """Whether the store failed a shard's attempts (`failed_by_store`) more than `bound` times,
-    the last `bound + 1` of them over at least `OUTAGE_S` by their keys' times (the store's clock):
-    a store failing it for good. The span of the last ones, not of all: a shard failed once early,
-    then failing fast within a later outage, would be given up within seconds of it."""
-    return len(failed) > bound and \
-        layout.record_millis(failed[-1]) - layout.record_millis(failed[-bound - 1]) >= 1000 * OUTAGE_S
+    """Whether the store failed a shard's attempts (`failed_by_store`) more than `bound` times for
+    at least `OUTAGE_S` by their keys' times (the store's clock): a store failing it for good. Over
+    the last `bound + 1` failures (attempts that fail slowly), or over the newest unbroken streak,
+    each failure within `STREAK_GAP_S` of the next (attempts that fail fast: a store answering 400
+    BadDigest to every upload of a shard failed it every 13 s, and the last 21 never spanned 10
+    min, so it was tried forever). Not over all: a shard failed once early, then failing fast within
+    a later outage, would be given up within seconds of it."""
+    if len(failed) <= bound:
+        return False
+    times = [layout.record_millis(k) for k in failed]
+    if times[-1] - times[-bound - 1] >= 1000 * OUTAGE_S:
+        return True
+    first = len(times) - 1
+    while first > 0 and times[first] - times[first - 1] <= 1000 * STREAK_GAP_S:
+        first -= 1
+    return len(times) - first > bound and times[-1] - times[first] >= 1000 * OUTAGE_S
 
 
 def read_lease(store: ObjectStore, key: str) -> dict | None:

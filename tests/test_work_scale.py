@@ -262,6 +262,13 @@ def test_the_store_failure_bound_spans_the_last_failures_not_the_first():
     spread = [key(40_000 * i) for i in range(STORE_FAILURES + 1)]  # 21 failures over 800 s
     assert work.store_gave_out(spread, STORE_FAILURES)
     assert not work.store_gave_out(spread[1:], STORE_FAILURES)  # no more than the bound
+    # failing fast for good: 48 attempts 13 s apart (a store answering BadDigest to every upload of the
+    # shard), the last 21 within 260 s: given up once the streak spans OUTAGE_S, not tried forever
+    fast = [key(13_000 * i) for i in range(48)]
+    assert not work.store_gave_out(fast[:46], STORE_FAILURES)  # 585 s so far
+    assert work.store_gave_out(fast, STORE_FAILURES)
+    gap = [key(0), key(int(work.STREAK_GAP_S * 1000) + 1), *(key(4_000_000 + 13_000 * i) for i in range(30))]
+    assert not work.store_gave_out(gap, STORE_FAILURES)  # two streaks apart: the newest spans 377 s
 
 
 def test_a_store_stop_newer_than_a_verdict_keeps_the_shard_pending(tmp_path):
