@@ -311,14 +311,19 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
                                  "(a rerun finishes them)", interrupted)
     else:
         for f in interrupted:
-            lines.append(f"  INTERRUPTED shard {f['shard']} (stopped on {_where(f)}): {f['error']}; "
+            tries = f"{f['attempts']:,} attempts, the last " if f.get("attempts", 1) > 1 else ""
+            lines.append(f"  INTERRUPTED shard {f['shard']} ({tries}stopped on {_where(f)}): {f['error']}; "
                          "a rerun finishes it")
+    for f in s.get("retrying", []):
+        lines.append(f"  RETRYING shard {f['shard']}: running again after {f['attempts']:,} attempts that stopped or "
+                     f"failed, the last on {_where(f)}: {f['error']}")
     if "shards" in s:
-        lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  object")
+        lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  object (or last error)")
         for e in s["shards"]:
             numbers = (f"{e['records']:>8,} {e['tokens']:>11,} {size(e['bytes']):>10}" if "records" in e
                        else f"{'':>8} {'':>11} {'':>10}")
-            lines.append(f"  {e['shard']:06d}  {e['state']:<8} {numbers}  {e['object'] or ''}".rstrip())
+            shown = e["object"] or e.get("error") or ""  # a shard without an object: its last error
+            lines.append(f"  {e['shard']:06d}  {e['state']:<8} {numbers}  {shown}".rstrip())
     return "\n".join(lines)
 
 

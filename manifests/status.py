@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 600.0  # the recent rate is measured over the commits of the last ten minutes
 SKIP_REASON_SHARDS = 200  # commit records `status` reads for the reasons samples were skipped
+# A running shard with this many attempts stopped or failed before is reported with the last one's error
+RETRIED_SHOWN = 3
 # Failure records `status` reads and reports in detail, of the failed and of the interrupted shards
 # each: the newest, which say what goes wrong now. A store outage leaves tens of thousands of stopped
 # shards whose records repeat one or two errors; twenty show those (forty in all, read 8 at a time:
@@ -113,6 +115,10 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     # A shard whose last attempt was stopped (preemption, Ctrl-C, a takeover, a store outage) did not
     # fail: it waits for a rerun.
     failed_ids, stopped_ids, summaries = _failures(store, st, with_failures, read_all=shards)
+    # running again after attempts that stopped or failed, again and again (a store failing every upload of
+    # the shard): "1 running, 0 failed" hid it while every worker tried it, and tried
+    retried = _newest(st, [s for s in running if len(st.failures.get(s, [])) >= RETRIED_SHOWN])
+    retrying = [_failure_summary(store, st, s) for s in sorted(retried)]
     counts["failed"] = len(failed_ids)
     marks = marker_times(store)
     # a consumed shard's marker is written before its data is deleted: its bytes are no longer at rest
@@ -158,6 +164,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "complete": complete,
         "failed": _newest_details(st, failed_ids, summaries),
         "interrupted": _newest_details(st, stopped_ids, summaries),
+        "retrying": retrying,  # running shards with RETRIED_SHOWN or more attempts before (the newest few)
         # the failed shards as "3-17, 40": the first 20 runs of ids, then "and N more" (--shards: every one)
         "failed_ranges": id_ranges(failed_ids),
         "interrupted_ranges": id_ranges(stopped_ids),

@@ -351,8 +351,9 @@ def test_status_shards_lists_each_shards_object_for_inspect(store_uri, capsys):
         else:
             assert (e["state"], e["object"], e["shard"]) == ("failed", None, 2) and "injected" in e["error"]
     rc, out, _ = status(capsys, store_uri, "--shards")
-    assert "  shard   state     records      tokens     stored  object" in out
-    assert re.search(r"^  000002  failed\s*$", out, re.M) and out.count(f"{store.uri.rstrip('/')}/shards/") == len(shards) - 1
+    assert "  shard   state     records      tokens     stored  object (or last error)" in out
+    # a failed shard's row names its last error (it said "failed" alone; the docs promised its error)
+    assert re.search(r"^  000002  failed\s+RuntimeError: .*injected", out, re.M) and out.count(f"{store.uri.rstrip('/')}/shards/") == len(shards) - 1
 
 
 def test_inspect_names_a_missing_bucket_as_every_command_does(s3_endpoint, capsys):
@@ -368,6 +369,16 @@ def test_a_shard_stopped_from_outside_is_interrupted_not_failed(store_uri, capsy
     store.put(layout.failure_key(1, 1, "tok", 1, stopped=True), b"{}")  # e.g. TransientStoreError: not preempted
     rc, out, _ = status(capsys, store_uri)
     assert rc == 3 and "0 failed" in out and "1 interrupted" in out
+    assert "INTERRUPTED shard 1 (stopped on " in out and out.rstrip().endswith("a rerun finishes it")
+    # stopped again and again, and a worker at it once more (a store failing every upload of it): said so,
+    # where "1 running, 0 failed" hid it
+    for ms in (2, 3):
+        store.put(layout.failure_key(1, ms, "tok", ms, stopped=True), b"{}")
+    store.put(layout.lease_key(1, 4, 600), b"{}")
+    rc, out, _ = status(capsys, store_uri)
+    assert rc == 3 and "1 running" in out and "INTERRUPTED" not in out
+    assert "RETRYING shard 1: running again after 3 attempts that stopped or failed, the last on host " in out, out
+    assert [f["shard"] for f in json.loads(status(capsys, store_uri, "--json")[1])["retrying"]] == [1]
 
 
 def test_tally_markers_written_before_truncation_was_counted_still_read():

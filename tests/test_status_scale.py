@@ -119,7 +119,9 @@ def test_status_shards_still_lists_every_shard_with_its_error(outage):
         assert entries[shard]["state"] == ("interrupted" if shard in STOPPED else "failed")
         assert entries[shard]["error"].startswith(error_type)
     text = format_status(s)
-    assert re.search(r"^  000250  interrupted\s*$", text, re.M) and re.search(r"^  000007  failed\s*$", text, re.M)
+    # each row names its shard's last error: the docs said it did, the text said "failed" alone
+    assert re.search(rf"^  000250  interrupted\s+{error_of(250)[0]}: ", text, re.M)
+    assert re.search(rf"^  000007  failed\s+{error_of(7)[0]}: ", text, re.M)
 
 
 def test_a_few_failures_are_still_reported_one_line_each(store):
