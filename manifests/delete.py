@@ -40,7 +40,7 @@ def add_delete(p: argparse.ArgumentParser) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (for scripts)")
     p.add_argument("--force", action="store_true",
                    help="delete even a prefix that is not a run or a training output, one being written "
-                        "(a run with live leases, workers waiting behind --window or a running --delete-consumed "
+                        "(Slurm jobs of `layertap submit` queued or running for it, a run with live leases, workers waiting behind --window or a running --delete-consumed "
                         "trainer; an output a trainer holds), or one holding other runs or outputs below it "
                         "(deleted with it)")
     p.add_argument("--threads", type=int, default=16, help="delete requests in flight on S3, 1,000 keys each (default 16)")
@@ -136,6 +136,8 @@ def describe(store, force: bool) -> str:
     from layertap.manifests.output_lease import live_holder
     from layertap.manifests.regeneration import RECIPE, live_tasks
 
+    if not force:
+        _refuse_queued_jobs(store)
     try:
         manifest = load_manifest(store)
     except NoRun:
@@ -175,6 +177,21 @@ def describe(store, force: bool) -> str:
                       "every object under it")
     return f"every object under {store.uri} (--force: not a run" + (f"; inside the {inside[1]} at {inside[0]})"
                                                                       if inside else ")")
+
+
+def _refuse_queued_jobs(store) -> None:
+    """Raise `Refused` while Slurm jobs of `layertap submit` naming the prefix are queued or running:
+    they hold no lease until they start, and a queued extraction task planned the run anew at the
+    prefix once it did. Asked of squeue where this machine has it (the Slurm layer reads the jobs'
+    comments: the one place that knows them, imported here alone)."""
+    from layertap.slurm.queued import jobs_naming
+
+    jobs = jobs_naming(store.uri)
+    if jobs:
+        arrays = sorted({job.split("_", 1)[0] for job in jobs})
+        raise Refused(f"Slurm job(s) {listing(jobs, LIST_NESTED)} of `layertap submit` are queued or running for "
+                      f"{store.uri}: they would write to it after the delete (an extraction task would plan the run "
+                      f"anew). Cancel them first (`scancel {' '.join(arrays)}`), or pass --force")
 
 
 def _refuse_live_writers(store, manifest) -> None:

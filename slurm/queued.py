@@ -20,6 +20,7 @@ names them.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -157,7 +158,7 @@ def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
     return _will_start(tagged, f"the run at {location}")
 
 
-def squeue_listing() -> str | None:
+def squeue_listing(unasked: str = "tasks still queued for this output are not left their work") -> str | None:
     """squeue's jobs and array tasks still to do work (`_STATES`), a line each (`123_4|state|reason|
     comment`), every user's it lets this one see; None where squeue is not here or fails (the
     submission goes on as before)."""
@@ -168,8 +169,8 @@ def squeue_listing() -> str | None:
     p = subprocess.run(["squeue", "-h", "-a", "-r", "-t", _STATES, "-o", "%i|%T|%r|%k"], capture_output=True,
                        text=True)
     if p.returncode != 0:
-        log.warning("squeue failed (%s): tasks still queued for this output are not left their work",
-                    (p.stderr or p.stdout).strip() or f"exit {p.returncode}")
+        said = (p.stderr or p.stdout).strip().splitlines()  # its last line: a fatal error follows its causes
+        log.warning("squeue failed (%s): %s", said[-1] if said else f"exit {p.returncode}", unasked)
         return None
     return p.stdout
 
@@ -241,6 +242,23 @@ def queued_training(location: str, listing: str | None = None) -> list[QueuedTra
               for t in _listed(_pending() if listing is None else listing)
               if (m := _TRAINING_TAG.fullmatch(t.comment)) is not None and m[3] == location]
     return _will_start(tagged, f"the training output at {location}")
+
+
+def jobs_naming(uri: str, listing: str | None = None) -> list[str]:
+    """The Slurm jobs (`123_4`: each array task) pending or running whose comment names the run or
+    output at `uri` (an extraction, training or regeneration job of `layertap submit`), of
+    `listing` (squeue's lines; default: asked now; [] where squeue is not here). Held ones too:
+    released, they write there. What `layertap delete` refuses to delete under: a queued
+    extraction task planned the run anew at the prefix once it started."""
+    from layertap.storage.store import open_store
+
+    where = open_store(uri).uri
+    location = where if where.startswith("s3://") else os.path.realpath(where)
+    tags = (_TAG, _TRAINING_TAG, _REGENERATION_TAG)
+    if listing is None:
+        listing = squeue_listing("Slurm jobs queued for it are not looked for") or ""
+    return [t.job for t in _listed(listing)
+            if any((m := tag.fullmatch(t.comment)) is not None and m[m.re.groups] == location for tag in tags)]
 
 
 def regeneration_tag(location: str, tasks: int) -> str | None:

@@ -107,6 +107,34 @@ def test_tasks_still_queued_for_the_run_are_left_their_shards():
     assert leave_to_queued(rem, []).free == rem.todo
 
 
+def test_delete_refuses_a_prefix_slurm_jobs_are_queued_for(tmp_path, capsys, monkeypatch):
+    """`delete` checked live leases only: an extraction array still queued (its tasks hold no lease
+    until they start) started after the delete and planned the run anew at the prefix. squeue's
+    jobs whose comment names the prefix refuse it, naming them; --force deletes."""
+    from layertap.slurm.queued import tag, training_tag
+
+    prefix, other = str(tmp_path / "run"), str(tmp_path / "run2")
+    planned_run(prefix, 4)
+    planned_run(other, 2)
+    out = str(tmp_path / "drafter")
+    Path(out).mkdir()
+    Path(out, "metrics.jsonl").write_text("{}\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '91_0|PENDING|BeginTime|{tag(prefix, None, None)}'\n"
+                                 f"echo '91_1|PENDING|BeginTime|{tag(prefix, None, None)}'\n"
+                                 f"echo '92|RUNNING|None|{training_tag(out, True, False)}'\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    assert cli(["delete", "--yes", prefix]) == 2
+    err = capsys.readouterr().err
+    assert f"Slurm job(s) 91_0, 91_1 of `layertap submit` are queued or running for {prefix}" in err
+    assert "`scancel 91`" in err and (Path(prefix) / "manifest.json").exists()
+    assert cli(["delete", "--yes", out]) == 2 and "Slurm job(s) 92 of " in capsys.readouterr().err
+    assert cli(["delete", "--yes", other]) == 0  # no job names it
+    assert cli(["delete", "--yes", "--force", prefix]) == 0 and not (Path(prefix) / "manifest.json").exists()
+
+
 def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsys, monkeypatch):
     """`submit extract` asks squeue for the run's pending tasks (their comment names the run): it
     starts only what they leave, refuses --then-train beside them, and tags its own array."""
