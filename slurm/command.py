@@ -334,15 +334,15 @@ def _submit_extract(args: argparse.Namespace) -> int:
                             queued=remaining.queued_dynamic if remaining is not None else len(queued))
     if args.then_train is not None and train is not None:  # none needed (complete, at work, queued): no chain
         if cfg.shards is not None:
-            _training_needs_the_rest(store, cfg, planned=remaining is not None)
+            _training_needs_the_rest(store, cfg, planned=remaining is not None, train_args=_chained(args, cfg))
         if remaining is not None:
-            _training_waits_for_the_run(store, remaining, plan)
+            _training_waits_for_the_run(store, remaining, plan, _chained(args, cfg))
         elif queued:
             after = " ".join(f"--after {t}" for t in sorted({t.array for t in queued}))
             raise ConfigError(f"{len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} for this "
                               "run (squeue): training chained to this submission (--then-train) would start without "
                               f"waiting for them. Submit this without --then-train, then `layertap submit train {after} "
-                              "--after <the new array's job id, if any> <the --then-train arguments>`")
+                              f"--after <the new array's job id, if any> {_chained(args, cfg)}`")
     if plan.indices:
         _check_queued_trainers(trainers, cfg, len(plan.indices), alongside=args.train_while_extracting is not None)
     if no_trainer:
@@ -540,7 +540,16 @@ def _check_queued_trainers(trainers: list, cfg, tasks: int, alongside: bool) -> 
                           f"{' '.join(keeps)}`, then run this command again")
 
 
-def _training_needs_the_rest(store, cfg, planned: bool) -> None:
+def _chained(args: argparse.Namespace, cfg) -> str:
+    """The arguments of the `layertap submit train` that a refused --then-train advises: its own,
+    with --data (which --then-train sets to --out), after this command's Slurm options (which it
+    takes too: left for the user to copy, not rebuilt here)."""
+    given = args.then_train or ""
+    data = "" if re.search(r"(^|\s)--data(\s|=|$)", given) else f"--data {shlex.quote(cfg.out)} "
+    return f"<this command's Slurm options> {data}{given}".rstrip()
+
+
+def _training_needs_the_rest(store, cfg, planned: bool, train_args: str) -> None:
     """Refuse --then-train with --shards while shards outside them are unfinished: training chained
     to this array would start once its own shards are committed, and train on part of the run
     (the checks of `_training_waits_for_the_run` see only the shards of --shards). Without a run
@@ -553,7 +562,7 @@ def _training_needs_the_rest(store, cfg, planned: bool) -> None:
                           "--shards are not done, and training chained to this array would start once those of "
                           "--shards are committed, and train on part of the run. Submit without --shards (every "
                           "shard), or plan the run first (`layertap plan <these extract arguments>`) and submit "
-                          "each part, then `layertap submit train --after <their job ids> <the --then-train arguments>`")
+                          f"each part, then `layertap submit train --after <their job ids> {train_args}`")
 
     whole = remaining_work(store, None, _pinned_settings(cfg))
     mine = set(cfg.shards)
@@ -598,7 +607,7 @@ def _queued_text(remaining) -> str:
            f"{' and '.join(theirs + dynamic)}"
 
 
-def _training_waits_for_the_run(store, remaining, plan) -> None:
+def _training_waits_for_the_run(store, remaining, plan, train_args: str) -> None:
     """Refuse --then-train while shards are running that no task of `plan` waits for (another
     array's, outside this one's static ranges; or all of them, with nothing to submit), or that
     workers waiting behind a storage window will take: training chained to this submission
@@ -611,11 +620,11 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
         after = " ".join(f"--after {j}" for j in remaining.queued_jobs)
         raise ConfigError(f"{_queued_text(remaining)}: training chained to this submission (--then-train) would start "
                           "without waiting for them. Submit this without --then-train, then `layertap submit train "
-                          f"{after} --after <the new array's job id, if any> <the --then-train arguments>`")
+                          f"{after} --after <the new array's job id, if any> {train_args}`")
     if remaining.waited_for:
         raise ConfigError(f"{_waiting_text(remaining)}: training chained to this submission (--then-train) would "
                           "start before they are done, and they are done only as training consumes. Train alongside "
-                          "them: `layertap submit train --follow --delete-consumed <the --then-train arguments>` "
+                          f"them: `layertap submit train --follow --delete-consumed {train_args}` "
                           "(no --after)")
 
     running = not_waited_for(remaining, plan)
@@ -628,12 +637,12 @@ def _training_waits_for_the_run(store, remaining, plan) -> None:
             + (f" by {', '.join(holders)}" if holders else "") + " (live leases)")
     if not plan.indices:
         raise ConfigError(f"{what} and nothing else is left to submit, so there is no array to chain training to "
-                          f"(--then-train): submit it with `layertap submit train {after} <the --then-train "
-                          "arguments>`, or wait for them to finish and run this command again")
+                          f"(--then-train): submit it with `layertap submit train {after} {train_args}`, or wait for "
+                          "them to finish and run this command again")
     raise ConfigError(f"{what}, outside the ranges of the tasks this command would submit: training chained to "
                       "them (--then-train) would start before those shards are committed. Wait for them to finish "
                       "and run this command again, or submit it without --then-train and then `layertap submit "
-                      f"train {after} --after <the new array's job id> <the --then-train arguments>`")
+                      f"train {after} --after <the new array's job id> {train_args}`")
 
 
 def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], extraction, listing: str | None,

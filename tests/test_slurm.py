@@ -162,8 +162,9 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     assert submit(*base, "--nodes", "1") == 0
     assert "nothing to submit: 2 task(s) of 77, 78 are still queued for this run" in capsys.readouterr().out
     assert submit(*base, "--then-train", "--out d") == 2
-    assert "`layertap submit train --after 77 --after 78 --after <the new array's job id, if any>" \
-        in capsys.readouterr().err
+    # --data added: --then-train sets it to --out, `submit train` needs it ("error: missing --data")
+    assert "`layertap submit train --after 77 --after 78 --after <the new array's job id, if any> <this command's " \
+        f"Slurm options> --data {prefix} --out d`" in capsys.readouterr().err
 
     # No run yet: the queued tasks that may take these shards count against --nodes, and training is
     # not chained beside them (it was submitted with no dependency, the array being empty)
@@ -886,7 +887,9 @@ def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_
     err = capsys.readouterr().err
     assert "shards 0-3 are still being extracted by 4242 (live leases), outside the ranges" in err
     assert "Wait for them to finish and run this command again" in err
-    assert "`layertap submit train --after 4242 --after <the new array's job id> <the --then-train arguments>`" in err
+    # the advice runs as printed (with the Slurm options): --then-train's own arguments, here with their --data
+    assert "`layertap submit train --after 4242 --after <the new array's job id> <this command's Slurm options> " \
+        "--data run --out d`" in err
     assert not (tmp_path / "layertap-logs").exists()
     # Without training, or with its task's range holding them (task 0: shards 0-7), nothing to refuse.
     assert submit(*base, "--shards-per-task", "4") == 0
@@ -901,7 +904,7 @@ def test_then_train_is_refused_while_shards_run_that_no_task_of_the_array_waits_
         assert submit(*base, *mode, *then_train) == 2
         err = capsys.readouterr().err
         assert "shards 0-3 are still being extracted by 4242 (live leases) and nothing else is left to submit" in err
-        assert "`layertap submit train --after 4242 <the --then-train arguments>`" in err
+        assert "`layertap submit train --after 4242 <this command's Slurm options> --data run --out d`" in err
 
 
 def test_a_trainer_still_queued_for_the_output_is_not_submitted_again(tmp_path, capsys, monkeypatch):
