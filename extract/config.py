@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -291,3 +292,25 @@ def load_config(args: Any, **given: Any) -> ExtractConfig:
     if "out" not in values:
         raise ConfigError("no output prefix: give --out s3://bucket/prefix or a local folder")
     return build(ExtractConfig, values, args)
+
+
+def check_layers(layers: list[int], num_layers: int) -> list[int]:
+    """`layers` as ints, each a decoder layer of a model of `num_layers` (ids 0..num_layers-1), none
+    repeated. Torch-free: `layertap submit extract` checks them against the model's config.json."""
+    if not layers:
+        raise ConfigError("no capture layers given")
+    out = []
+    for k in layers:
+        try:
+            if isinstance(k, bool):
+                raise TypeError
+            k = operator.index(k)  # ints, numpy and torch integers; not floats or strings
+        except TypeError:
+            raise ConfigError(f"capture layer {k!r} is not an integer") from None
+        if not 0 <= k < num_layers:
+            raise ConfigError(f"capture layer {k} is out of range: the model has {num_layers} decoder "
+                             f"layers, ids 0..{num_layers - 1} (layer k = output of decoder layer k)")
+        out.append(int(k))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"capture layers repeat: {layers}")
+    return out

@@ -337,7 +337,7 @@ def check_target_layers(fmt: str, layers: list[int], ours: list[int], num_layers
     """Refuse capture layers the target does not have, or repeated, with extraction's own check
     and words (extract/model.py); warn, as extraction does, of the last layer, which no server
     gathers for a drafter."""
-    from layertap.extract.model import check_layers
+    from layertap.extract.config import check_layers
 
     try:
         check_layers(ours, num_layers)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import os
 import re
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layertap.extract.config import check_layers
 from layertap.extract.embedded import checkpoint
 from layertap.extract.fused_norms import fuse_norms
 from layertap.extract.fused_projections import fuse_projections
@@ -334,21 +334,3 @@ class Capture:
     __call__ = forward
 
 
-def check_layers(layers: list[int], num_layers: int) -> list[int]:
-    if not layers:
-        raise ConfigError("no capture layers given")
-    out = []
-    for k in layers:
-        try:
-            if isinstance(k, bool):
-                raise TypeError
-            k = operator.index(k)  # ints, numpy and torch integers; not floats or strings
-        except TypeError:
-            raise ConfigError(f"capture layer {k!r} is not an integer") from None
-        if not 0 <= k < num_layers:
-            raise ConfigError(f"capture layer {k} is out of range: the model has {num_layers} decoder "
-                             f"layers, ids 0..{num_layers - 1} (layer k = output of decoder layer k)")
-        out.append(int(k))
-    if len(set(out)) != len(out):
-        raise ConfigError(f"capture layers repeat: {layers}")
-    return out

@@ -142,7 +142,8 @@ class Totals:
 
 def regenerate(cfg: RegenerateConfig) -> Totals:
     """Regenerate the parts of `cfg.task` not yet done at `cfg.out`; returns what was done now."""
-    from layertap.extract.inputs import RowShape, dataset_fingerprint, detect_row_shape, load_rows
+    from layertap.extract.fingerprint import dataset_fingerprint
+    from layertap.extract.inputs import RowShape, detect_row_shape, load_rows
 
     cfg.endpoint = cfg.resolved_endpoint()
     rows = load_rows(cfg.dataset, cfg.limit)

@@ -27,8 +27,8 @@ from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtyp
 from layertap.extract.console import pause, progress, quiet_library_bars
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
 from layertap.extract.kernels import provenance
-from layertap.extract.inputs import (Skipped, TokenizedSample, TokenizeStats, dataset_fingerprint, load_rows,
-                                     tokenize_rows)
+from layertap.extract.fingerprint import dataset_fingerprint
+from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, load_rows, tokenize_rows
 from layertap.extract.measure import require_samples, token_statistics
 from layertap.extract.model import Capture, Target, default_layers, load_target, padding_id
 from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard

@@ -193,15 +193,20 @@ class Manifest:
         diffs = [f"{k}: run has {self.config.get(k)!r}, now {config.get(k)!r}"
                  for k in sorted(set(self.config) | set(config)) if self.config.get(k) != config.get(k)]
         diffs += self.template_differences(dataset or {})
-        if dataset_fingerprint is not None and dataset_fingerprint != self.dataset.get("fingerprint"):
-            # the fingerprint covers the rows read, --limit included: say what the run read
-            made = f"; the run read {self.dataset['path']}" if self.dataset.get("path") else ""
-            if "limit" in self.dataset:
-                made += f" with --limit {self.dataset['limit']}" if self.dataset["limit"] is not None else \
-                    " without --limit"
-            diffs.append(f"dataset fingerprint: run has {self.dataset.get('fingerprint')!r}, now {dataset_fingerprint!r} "
-                         f"(the rows read differ: another or an edited file, or another --limit{made})")
+        if (differs := self.fingerprint_difference(dataset_fingerprint)) is not None:
+            diffs.append(differs)
         return diffs
+
+    def fingerprint_difference(self, fingerprint: str | None) -> str | None:
+        """How a rerun's dataset `fingerprint` differs from the run's (None: it does not, or is unknown)."""
+        if fingerprint is None or fingerprint == self.dataset.get("fingerprint"):
+            return None
+        # the fingerprint covers the rows read, --limit included: say what the run read
+        made = f"; the run read {self.dataset['path']}" if self.dataset.get("path") else ""
+        if "limit" in self.dataset:
+            made += f" with --limit {self.dataset['limit']}" if self.dataset["limit"] is not None else " without --limit"
+        return (f"dataset fingerprint: run has {self.dataset.get('fingerprint')!r}, now {fingerprint!r} "
+                f"(the rows read differ: another or an edited file, or another --limit{made})")
 
     def template_differences(self, dataset: Mapping[str, Any]) -> list[str]:
         """The difference between the chat-template settings this run's chats were rendered with and

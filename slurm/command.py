@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import os
 import re
 import shlex
@@ -283,6 +284,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     nodes = partition_shapes(_job_partition(args))
     gpus = _gpus_per_node(args, nodes)
     cfg = _extract_config(args)
+    _check_inputs_here(cfg)
     threads = _encode_threads(args)
     opts = _job_options(args, gpus, lambda procs: extract_resources(procs, threads, cfg.model, cfg.gguf_file), nodes)
     if args.shards_per_task is not None and cfg.shards is not None:
@@ -306,7 +308,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
     location = _store_location(cfg.out)
     queued = queued_tasks(location, listing or "")
     try:
-        remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg), lambda run: pinned_template(cfg, run))
+        remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg), lambda run: pinned_template(cfg, run),
+                                   lambda: _dataset_fingerprint(cfg))
         jobs = lease_jobs(store, remaining) if listing is not None else {}  # no squeue: no task queued either
         if listing is not None:
             remaining = without_dead_holders(remaining, jobs, listing)
@@ -915,6 +918,49 @@ def _note(text: str) -> None:
 def _show(title: str, options: list[str], script: str) -> None:
     print(f"\n----- {title} (dry run: not submitted; {' '.join(['sbatch --parsable', *options])} <script>)")
     print(script)
+
+
+def _local_path(path: str) -> bool:
+    """Whether `path` names a local file or folder, not a hub id ("org/name") or a store URI."""
+    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+
+
+def _check_inputs_here(cfg) -> None:
+    """What every task would refuse at its start, checked where this host can: a --model or
+    --dataset path missing here is noted (it may exist on the nodes alone, as for `submit train`'s
+    --data); capture layers past the model's decoder layers (its config.json, read here) are
+    refused. A missing dataset was submitted, and every task failed on it in the queue."""
+    from layertap.extract.config import check_layers
+
+    for flag, path in (("--model", cfg.model), ("--dataset", cfg.dataset)):
+        if path and _local_path(path) and not os.path.exists(os.path.expanduser(path)):
+            _note(f"{flag} {path} does not exist on this host: every task fails at its start unless it exists on "
+                  "the nodes")
+    config = os.path.join(os.path.expanduser(cfg.model or ""), "config.json")
+    if cfg.model and cfg.layers and cfg.gguf_file is None and os.path.isfile(config):
+        try:
+            with open(config) as f:
+                doc = json.load(f)
+            text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+            layers = int(text.get("num_hidden_layers", doc.get("num_hidden_layers")))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return  # the tasks say what is wrong with it, as they load the model
+        check_layers(cfg.layers, layers)
+
+
+def _dataset_fingerprint(cfg) -> str | None:
+    """The fingerprint a task would compare with a planned run's (`dataset_fingerprint`: the file
+    hashed, at disk speed), where this host has the dataset; None where it cannot tell (the
+    embedded data, a path that is on the nodes alone)."""
+    from layertap.extract.fingerprint import dataset_fingerprint
+    from layertap.storage.errors import MissingInput
+
+    if not cfg.dataset:
+        return None
+    try:
+        return dataset_fingerprint(cfg.dataset, cfg.limit)
+    except MissingInput:
+        return None
 
 
 def _pinned_settings(cfg) -> dict[str, Any]:

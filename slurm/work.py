@@ -79,11 +79,12 @@ class Remaining:
 
 def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
                    settings: Mapping[str, Any] | None = None,
-                   dataset_of: Callable[[Manifest], Mapping[str, Any]] | None = None) -> Remaining:
+                   dataset_of: Callable[[Manifest], Mapping[str, Any]] | None = None,
+                   fingerprint: Callable[[], str | None] | None = None) -> Remaining:
     """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run,
-    and `ConfigMismatch` if `settings` (a subset of the manifest's config), or the chat-template
-    settings of the `dataset_of` the run, differ from the run's: every task would be refused, so
-    better now than in the queue."""
+    and `ConfigMismatch` if `settings` (a subset of the manifest's config), the chat-template
+    settings of the `dataset_of` the run, or the dataset's `fingerprint` (asked only of a run that
+    exists) differ from the run's: every task would be refused, so better now than in the queue."""
     from layertap.extract.config import as_run_recorded  # the same tolerance as the extractor's own check
 
     manifest = load_manifest(store)
@@ -91,6 +92,8 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     diffs = [f"{k}: run has {manifest.config.get(k)!r}, now {v!r}" for k, v in settings.items()
              if manifest.config.get(k) != v]
     diffs += manifest.template_differences(dataset_of(manifest)) if dataset_of is not None else []
+    if fingerprint is not None and (differs := manifest.fingerprint_difference(fingerprint())) is not None:
+        diffs.append(differs)
     if diffs:
         raise ConfigMismatch(f"the run at {store.uri} was made with a different configuration:\n  " + "\n  ".join(diffs)
                              + "\nuse the run's settings to resume it, or write the new run to another prefix")

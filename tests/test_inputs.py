@@ -15,8 +15,9 @@ from layertap.extract.embedded import sharegpt_conversations
 from layertap.storage.errors import ConfigError, InputError
 from layertap.extract.inputs import (
     ANSWER_PAST_MAX_LENGTH, BAD_MESSAGE, EMPTY, NO_SUPERVISED_PAIR, TEMPLATE_ERROR, RowShape, Skipped, TokenizedSample,
-    TokenizeStats, dataset_fingerprint, detect_row_shape, load_rows, sample_id, tokenize_rows,
+    TokenizeStats, detect_row_shape, load_rows, sample_id, tokenize_rows,
 )
+from layertap.extract.fingerprint import dataset_fingerprint
 from tiny_models import CHATML_TEMPLATE, QWEN3_TEMPLATE, QWEN35_TEMPLATE, smollm2_tokenizer, tiny_tokenizer
 
 CHAT = [

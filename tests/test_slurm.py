@@ -624,6 +624,21 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     assert submit("extract", "--dry-run", "--out", str(tmp_path / "new"), "--model", tiny_model_dir(tmp_path, "llama"),
                   "--chat-template-kwargs", '{"enable_thinkng": false}') == 2
     assert "sets 'enable_thinkng', which the chat template of" in capsys.readouterr().err
+    # capture layers past the model's decoder layers (its config.json, read here): refused as each task would
+    assert submit("extract", "--dry-run", "--out", str(tmp_path / "new"), "--model", tiny_model_dir(tmp_path, "llama"),
+                  "--layers", "1,7") == 2
+    assert "capture layer 7 is out of range: the model has 6 decoder layers" in capsys.readouterr().err
+    # a dataset or model path missing here: noted (it may be on the nodes alone), the array submitted
+    assert submit("extract", "--dry-run", "--out", str(tmp_path / "new"), "--dataset", str(tmp_path / "chatz.jsonl"),
+                  "--model", str(tmp_path / "no-model"), "--nodes", "1") == 0
+    err = capsys.readouterr().err
+    assert f"note: --dataset {tmp_path / 'chatz.jsonl'} does not exist on this host" in err
+    assert f"note: --model {tmp_path / 'no-model'} does not exist on this host" in err
+    # another dataset than the planned run's: its fingerprint differs, which every task would refuse
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--dataset", str(other)) == 2
+    assert "dataset fingerprint: run has 'f', now " in capsys.readouterr().err
     for s in (10, 11):
         store.put(layout.commit_key(s), b"{}")
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0

@@ -1,0 +1,61 @@
+"""What pins a run's input: the fingerprint of a dataset's rows, and the saved-dataset folder it
+reads. Torch-free, so `layertap submit extract` compares a planned run's dataset with the one it
+is given (as each task would, at its start) without importing the extractor."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import xxhash
+
+from layertap.storage.errors import InputError, MissingInput
+
+
+def load_saved(path: str):
+    import datasets
+
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            if json.load(f).get("_data_files") == []:
+                raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
+    except (OSError, json.JSONDecodeError):
+        pass  # a DatasetDict folder, or not a dataset at all: load_from_disk says which
+    try:
+        ds = datasets.load_from_disk(path)
+    except FileNotFoundError as e:
+        raise InputError(f"dataset {path!r} is a folder but not a datasets save_to_disk folder "
+                         f"(no dataset_info.json / state.json): {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" in ds:
+            return ds["train"]
+        if len(ds) == 1:
+            return next(iter(ds.values()))
+        raise InputError(f"dataset {path!r} holds splits {sorted(ds)}; save the one to extract "
+                         f"on its own, or name it 'train'")
+    return ds
+
+
+def dataset_fingerprint(path: str, limit: int | None = None) -> str:
+    """A hex id of the rows :func:`load_rows` would return, for a manifest to pin its input.
+
+    Files are hashed in full (xxh3-128 runs at disk speed): a size+mtime shortcut would miss
+    an edited file of the same size. A saved dataset folder already carries a content
+    fingerprint that ``datasets`` maintains through every transform.
+    """
+    from layertap.extract.regenerated import is_regenerated, regenerated_fingerprint
+
+    if is_regenerated(path):
+        return regenerated_fingerprint(path, limit)
+    if not os.path.exists(path):
+        raise MissingInput(f"dataset {path!r} does not exist")
+    if os.path.isdir(path):
+        ds = load_saved(path)
+        content = f"saved:{ds._fingerprint}:{len(ds)}"
+    else:
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 23):
+                h.update(chunk)
+        content = f"file:{os.path.getsize(path)}:{h.hexdigest()}"
+    return xxhash.xxh3_128(f"v1|{content}|limit={limit}".encode()).hexdigest()
