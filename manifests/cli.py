@@ -70,6 +70,9 @@ def run_status(args: argparse.Namespace) -> int:
             from layertap.manifests.manifest import refuse_leftovers
 
             refuse_leftovers(store)  # a run's records without its manifest: a delete while a worker still wrote
+            if jobs := _slurm_jobs(store):  # submitted, its first task not yet at work: no run to start by hand
+                raise NoRun(f"no run at {store.uri} yet: Slurm job(s) {listing(jobs, 10)} of `layertap submit` are "
+                            "queued or running for it (squeue); the first task to start plans it") from None
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
                         + _what_is_under(store)) from None
@@ -83,6 +86,8 @@ def run_status(args: argparse.Namespace) -> int:
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
         print(json.dumps(t, indent=2) if args.json else format_training(t))
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
+    if not s["complete"]:
+        s["slurm_jobs"] = _slurm_jobs(store)
     print(json.dumps(s, indent=2) if args.json else format_status(s, deleting=_deleting(store, s)))
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
@@ -91,6 +96,16 @@ def run_status(args: argparse.Namespace) -> int:
     # retry them (a script waits on 3)
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] and not s["shards_running"] \
         and not s.get("workers_waiting") else EXIT_INCOMPLETE
+
+
+def _slurm_jobs(store) -> list[str]:
+    """The Slurm jobs of `layertap submit` queued or running for the prefix (squeue's, where this
+    host has it; `slurm.queued.jobs_naming`, the one place that reads their comments): a run with
+    none of its shards running may still have tasks coming, and a rerun by hand beside them
+    started a second extractor."""
+    from layertap.slurm.queued import jobs_naming
+
+    return jobs_naming(store.uri, quiet=True)
 
 
 def outputs_under(store, others: list[str] | None = None) -> list[tuple[str, str]]:
@@ -293,6 +308,10 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
         # a full window no trainer deletes from (said above): a rerun would wait behind it too
         lines.append(f"  nothing is running, and the window is full: {again} goes on once a --delete-consumed "
                      "trainer consumes")
+    elif not live and not s["problem"] and (jobs := s.get("slurm_jobs")):
+        lines.append(f"  no shard is running, but Slurm job(s) {listing(jobs, 10)} of `layertap submit` are queued or "
+                     "running for this run (squeue): their tasks take the unfinished shards as they start (`layertap "
+                     "submit extract` again submits only what they leave)")
     elif not live and not s["problem"]:
         kinds = [kind for kind in ("failed", "interrupted", "pending") if s.get(f"shards_{kind}")] or ["left"]
         left = ", ".join(kinds[:-1]) + (" and " if len(kinds) > 1 else "") + kinds[-1]

@@ -158,7 +158,8 @@ def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
     return _will_start(tagged, f"the run at {location}")
 
 
-def squeue_listing(unasked: str = "tasks still queued for this output are not left their work") -> str | None:
+def squeue_listing(unasked: str = "tasks still queued for this output are not left their work",
+                   level: int = logging.WARNING) -> str | None:
     """squeue's jobs and array tasks still to do work (`_STATES`), a line each (`123_4|state|reason|
     comment`), every user's it lets this one see; None where squeue is not here or fails (the
     submission goes on as before)."""
@@ -170,7 +171,7 @@ def squeue_listing(unasked: str = "tasks still queued for this output are not le
                        text=True)
     if p.returncode != 0:
         said = (p.stderr or p.stdout).strip().splitlines()  # its last line: a fatal error follows its causes
-        log.warning("squeue failed (%s): %s", said[-1] if said else f"exit {p.returncode}", unasked)
+        log.log(level, "squeue failed (%s): %s", said[-1] if said else f"exit {p.returncode}", unasked)
         return None
     return p.stdout
 
@@ -244,19 +245,21 @@ def queued_training(location: str, listing: str | None = None) -> list[QueuedTra
     return _will_start(tagged, f"the training output at {location}")
 
 
-def jobs_naming(uri: str, listing: str | None = None) -> list[str]:
+def jobs_naming(uri: str, listing: str | None = None, quiet: bool = False) -> list[str]:
     """The Slurm jobs (`123_4`: each array task) pending or running whose comment names the run or
     output at `uri` (an extraction, training or regeneration job of `layertap submit`), of
     `listing` (squeue's lines; default: asked now; [] where squeue is not here). Held ones too:
-    released, they write there. What `layertap delete` refuses to delete under: a queued
-    extraction task planned the run anew at the prefix once it started."""
+    released, they write there. What `layertap delete` refuses to delete under (a queued
+    extraction task planned the run anew at the prefix once it started), and what `status` names
+    where no shard runs (`quiet`: a failing squeue is not warned of)."""
     from layertap.storage.store import open_store
 
     where = open_store(uri).uri
     location = where if where.startswith("s3://") else os.path.realpath(where)
     tags = (_TAG, _TRAINING_TAG, _REGENERATION_TAG)
     if listing is None:
-        listing = squeue_listing("Slurm jobs queued for it are not looked for") or ""
+        listing = squeue_listing("Slurm jobs queued for it are not looked for",
+                                 logging.DEBUG if quiet else logging.WARNING) or ""
     return [t.job for t in _listed(listing)
             if any((m := tag.fullmatch(t.comment)) is not None and m[m.re.groups] == location for tag in tags)]
 

@@ -107,15 +107,17 @@ def test_tasks_still_queued_for_the_run_are_left_their_shards():
     assert leave_to_queued(rem, []).free == rem.todo
 
 
-def test_delete_refuses_a_prefix_slurm_jobs_are_queued_for(tmp_path, capsys, monkeypatch):
+def test_status_and_delete_know_the_slurm_jobs_queued_for_a_prefix(tmp_path, capsys, monkeypatch):
     """`delete` checked live leases only: an extraction array still queued (its tasks hold no lease
     until they start) started after the delete and planned the run anew at the prefix. squeue's
     jobs whose comment names the prefix refuse it, naming them; --force deletes."""
     from layertap.slurm.queued import tag, training_tag
 
+    import fake_worker
+
     prefix, other = str(tmp_path / "run"), str(tmp_path / "run2")
-    planned_run(prefix, 4)
-    planned_run(other, 2)
+    fake_worker.plan(open_store(prefix))  # a run status reads: nothing committed, nothing running
+    fake_worker.plan(open_store(other))
     out = str(tmp_path / "drafter")
     Path(out).mkdir()
     Path(out, "metrics.jsonl").write_text("{}\n")
@@ -126,6 +128,19 @@ def test_delete_refuses_a_prefix_slurm_jobs_are_queued_for(tmp_path, capsys, mon
                                  f"echo '92|RUNNING|None|{training_tag(out, True, False)}'\n")
     (bin_ / "squeue").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    # status names them where no shard runs: "nothing is running: the same command finishes..." started a
+    # second extractor beside them; and, with no run yet, it is their first task that plans it
+    assert cli(["status", prefix]) == 3
+    said = capsys.readouterr().out
+    assert "no shard is running, but Slurm job(s) 91_0, 91_1 of `layertap submit` are queued or running" in said
+    assert "nothing is running" not in said
+    assert json.loads((cli(["status", "--json", other]), capsys.readouterr().out)[1])["slurm_jobs"] == []
+    (bin_ / "squeue").write_text((bin_ / "squeue").read_text() + f"echo '93_0|PENDING|Priority|"
+                                 f"{tag(str(tmp_path / 'new'), None, None)}'\n")
+    assert cli(["status", str(tmp_path / "new")]) == 2
+    assert f"no run at {tmp_path / 'new'} yet: Slurm job(s) 93_0 of `layertap submit` are queued or running for " \
+        "it (squeue); the first task to start plans it" in capsys.readouterr().err
+
     assert cli(["delete", "--yes", prefix]) == 2
     err = capsys.readouterr().err
     assert f"Slurm job(s) 91_0, 91_1 of `layertap submit` are queued or running for {prefix}" in err
