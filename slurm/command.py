@@ -587,8 +587,9 @@ def _waiting_text(remaining) -> str:
 
 
 def _jobs_of(queued) -> str:
-    """'41, 42': the array jobs of `queued` tasks."""
-    return ", ".join(sorted({t.array for t in queued}))
+    """'jobs 41, 42' (or 'job 41'): the array jobs of `queued` tasks."""
+    arrays = sorted({t.array for t in queued})
+    return ("job " if len(arrays) == 1 else "jobs ") + ", ".join(arrays)
 
 
 def _queued_or_running(queued) -> str:
@@ -601,12 +602,14 @@ def _queued_text(remaining) -> str:
     ('queued or running (squeue; 1 running)' where some have started: `queued.started`)."""
     from layertap.slurm.scripts import compress
 
-    theirs = [f"shards {compress(remaining.queued_for)} are theirs"] if remaining.queued_for else []
+    theirs = ([f"shard {remaining.queued_for[0]} is theirs"] if len(remaining.queued_for) == 1 else
+              [f"shards {compress(remaining.queued_for)} are theirs"]) if remaining.queued_for else []
     n = remaining.queued_dynamic
     dynamic = [f"{n} take{'s' if n == 1 else ''} free shards"] if n else []
     where = f"queued or running for this run (squeue; {remaining.queued_running} running)" \
         if remaining.queued_running else "queued for this run (squeue)"
-    return f"{remaining.queued} task(s) of {', '.join(remaining.queued_jobs)} are still {where}: " \
+    jobs = ("job " if len(remaining.queued_jobs) == 1 else "jobs ") + ", ".join(remaining.queued_jobs)
+    return f"{remaining.queued} task(s) of {jobs} are still {where}: " \
            f"{' and '.join(theirs + dynamic)}"
 
 

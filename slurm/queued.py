@@ -213,7 +213,7 @@ def without_dead_holders(remaining: Remaining, jobs: dict[int, str], listing: st
     gone = {shard for shard, job in jobs.items() if job not in alive}
     if not gone:
         return remaining
-    log.info("shard(s) %s: their lease's Slurm job is no longer in squeue (it went stale within --lease-ttl): "
+    log.info("shard(s) %s: their lease's Slurm job is no longer in squeue (its lease goes stale within --lease-ttl): "
              "submitted again", compress(sorted(gone)))
     return replace(remaining, running=[s for s in remaining.running if s not in gone],
                    todo=sorted({*remaining.todo, *gone}), leases={s: k for s, k in remaining.leases.items()

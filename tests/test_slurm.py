@@ -167,7 +167,7 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     base = ("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0")
     assert submit(*base, "--nodes", "3") == 0
     out = capsys.readouterr().out
-    assert "2 task(s) of 77, 78 are still queued for this run (squeue): shards 2-3 are theirs and 1 takes free " \
+    assert "2 task(s) of jobs 77, 78 are still queued for this run (squeue): shards 2-3 are theirs and 1 takes free " \
            "shards: left to them; this array is for the rest" in out
     assert "#SBATCH --array=0-1\n" in out  # 4 free shards, --nodes 3 in all: 2 more
     assert f'#SBATCH --comment="{tag(prefix, None, None)}"' in out
@@ -175,7 +175,7 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
     out = capsys.readouterr().out
     assert "#SBATCH --array=0,2\n" in out and f'#SBATCH --comment="{tag(prefix, 2, None)}"' in out
     assert submit(*base, "--nodes", "1") == 0
-    assert "nothing to submit: 2 task(s) of 77, 78 are still queued for this run" in capsys.readouterr().out
+    assert "nothing to submit: 2 task(s) of jobs 77, 78 are still queued for this run" in capsys.readouterr().out
     assert submit(*base, "--then-train", "--out d") == 2
     # --data added: --then-train sets it to --out, `submit train` needs it ("error: missing --data")
     assert "`layertap submit train --after 77 --after 78 --after <the new array's job id, if any> <this command's " \
@@ -188,11 +188,11 @@ def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsy
                                  f"echo '80_1|PENDING|Priority|{tag(fresh, None, range(4))}'\n")
     new = ("extract", "--dry-run", "--out", fresh, "--gpus-per-node", "0", "--nodes", "2")
     assert submit(*new, "--shards", "0-3") == 0
-    assert "nothing to submit: 2 task(s) of 80 are queued for this run" in capsys.readouterr().out
+    assert "nothing to submit: 2 task(s) of job 80 are queued for this run" in capsys.readouterr().out
     assert submit(*new, "--shards", "4-7") == 0  # theirs are others: not left to them
     assert "#SBATCH --array=0-1\n" in capsys.readouterr().out
     assert submit(*new, "--then-train", "--out d") == 2
-    assert "2 task(s) of 80 are queued for this run (squeue): training chained" in capsys.readouterr().err
+    assert "2 task(s) of job 80 are queued for this run (squeue): training chained" in capsys.readouterr().err
     # a tag Slurm would refuse (over 1,024 characters) is left out; a long --shards list is "some"
     assert tag(fresh, None, range(0, 800, 2)) == f"layertap-extract k=0 shards=some out={fresh}"
     assert tag("/" + "x" * 1000, None, None) is None
@@ -233,7 +233,7 @@ def test_tasks_held_for_good_are_not_left_their_work(tmp_path, capsys, caplog, m
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0",
                   "--nodes", "3") == 0
     out = capsys.readouterr().out
-    assert "1 task(s) of 60 are still queued for this run (squeue): 1 takes free shards" in out
+    assert "1 task(s) of job 60 are still queued for this run (squeue): 1 takes free shards" in out
     assert "#SBATCH --array=0-1\n" in out  # --nodes 3 in all: 60_2 and two new ones
     held = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
     assert len(held) == 1 and "Slurm task(s) 60_0 60_1 queued for the run at" in held[0], held
@@ -268,7 +268,7 @@ def test_started_tasks_keep_their_work_until_their_leases_show(tmp_path, capsys,
     fake_squeue(bin_, [("70_0", "RUNNING", "None", tag(prefix, None, None)),
                        ("70_1", "RUNNING", "None", tag(prefix, None, None))])
     out = dry_run(prefix, "--nodes", "3")
-    assert "1 task(s) of 70 are still queued or running for this run (squeue; 1 running): 1 takes free shards" in out
+    assert "1 task(s) of job 70 are still queued or running for this run (squeue; 1 running): 1 takes free shards" in out
     assert "#SBATCH --array=0-1\n" in out  # 3 in all: 70_1 and two new ones (70_0 takes shards as they do)
 
     # Static, 2 shards a task: 71_1 holds shard 2 and will take shard 3 next; 71_2 (shards 4-5) is starting
@@ -278,7 +278,7 @@ def test_started_tasks_keep_their_work_until_their_leases_show(tmp_path, capsys,
     fake_squeue(bin_, [("71_1", "RUNNING", "None", tag(prefix, 2, None)),
                        ("71_2", "RUNNING", "None", tag(prefix, 2, None))])
     out = dry_run(prefix, "--shards-per-task", "2")
-    assert "2 task(s) of 71 are still queued or running for this run (squeue; 2 running): shards 3-5 are theirs" in out
+    assert "2 task(s) of job 71 are still queued or running for this run (squeue; 2 running): shards 3-5 are theirs" in out
     assert "#SBATCH --array=0\n" in out  # shards 0-1 only
 
     # 72_0 gave shard 5 up (its --retries used up) and waits for the others: it will not take it again
@@ -291,7 +291,7 @@ def test_started_tasks_keep_their_work_until_their_leases_show(tmp_path, capsys,
     # ... while another running task that gave up nothing would take it
     fake_squeue(bin_, [("72_0", "RUNNING", "None", tag(prefix, None, None)),
                        ("73_0", "RUNNING", "None", tag(prefix, None, None))])
-    assert "nothing to submit: 1 task(s) of 73 are still queued or running" in dry_run(prefix, "--nodes", "2")
+    assert "nothing to submit: 1 task(s) of job 73 are still queued or running" in dry_run(prefix, "--nodes", "2")
 
     # 74_0, started with --shards 0-1, waits behind a full --window (no lease): counted once, as a waiting
     # worker, not also as a starting task
@@ -1636,10 +1636,10 @@ def test_a_resubmission_while_the_array_waits_in_the_queue_submits_nothing_again
         wait_for(lambda: len(scontrol_jobs(job)) >= 1, "the array to be queued", 30)
         assert submit(*base, "--nodes", "2", "--dry-run") == 0
         out = capsys.readouterr().out
-        assert f"nothing to submit: 2 task(s) of {job} are still queued for this run (squeue)" in out
+        assert f"nothing to submit: 2 task(s) of job {job} are still queued for this run (squeue)" in out
         assert submit(*base, "--nodes", "3", "--dry-run") == 0
         out = capsys.readouterr().out
-        assert f"2 task(s) of {job} are still queued for this run (squeue): 2 take free shards" in out
+        assert f"2 task(s) of job {job} are still queued for this run (squeue): 2 take free shards" in out
         assert "#SBATCH --array=0\n" in out
     finally:
         subprocess.run(["scancel", job], check=False)
@@ -1662,7 +1662,7 @@ def test_started_tasks_keep_their_work_and_held_ones_do_not(slurm_cluster, tmp_p
     try:
         wait_for(lambda: [j["JobState"] for j in scontrol_jobs(job)] == ["RUNNING"] * 2, "both tasks to start", 60)
         assert submit(*base, "--out", prefix, "--nodes", "2", "--dry-run") == 0
-        assert f"nothing to submit: 2 task(s) of {job} are still queued or running for this run (squeue; 2 running)" \
+        assert f"nothing to submit: 2 task(s) of job {job} are still queued or running for this run (squeue; 2 running)" \
             in capsys.readouterr().out
 
         subprocess.run(["scontrol", "hold", f"{held}_1"], check=True)  # the user's hold on 0, an admin's on 1
@@ -1670,7 +1670,7 @@ def test_started_tasks_keep_their_work_and_held_ones_do_not(slurm_cluster, tmp_p
                  "task 1 to be held by an admin", 30)
         assert submit(*base, "--out", other, "--nodes", "2", "--dry-run") == 0
         out = capsys.readouterr().out
-        assert f"1 task(s) of {held} are still queued for this run (squeue): 1 takes free shards" in out
+        assert f"1 task(s) of job {held} are still queued for this run (squeue): 1 takes free shards" in out
         assert "#SBATCH --array=0\n" in out
         assert f"Slurm task(s) {held}_1 queued for the run at {other} are held (JobHeldAdmin)" in caplog.text
     finally:
