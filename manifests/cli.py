@@ -457,6 +457,9 @@ def format_training(t: dict) -> str:
         lines.append("  drafter     not exported yet: training is running")
     elif t.get("checkpoint_incomplete"):
         lines.append("  drafter     not exported yet: training stopped, and its checkpoint is incomplete (above)")
+    elif not t["checkpoint"]:
+        lines.append("  drafter     not exported yet: training stopped before its first checkpoint (killed, or it "
+                     "failed: its log says why); the same `layertap train` command starts it again")
     else:
         lines.append("  drafter     not exported yet: training stopped (the same `layertap train` command with "
                      "--resume continues from the checkpoint)")

@@ -266,6 +266,23 @@ def test_status_of_neither_a_run_nor_a_training_output(tmp_path, capsys):
     assert "manifest.json is missing" in err and "nor is it a `layertap train` output" in err
 
 
+def test_status_of_an_output_whose_trainer_was_killed_before_its_first_checkpoint(tmp_path, capsys):
+    """A trainer killed before its first checkpoint leaves its lease alone, gone stale: status said
+    "no run ... (run `layertap extract` to start one)". It is a training output, and says so."""
+    import os
+
+    lease = tmp_path / "lease" / "000001.ttl60"
+    lease.parent.mkdir()
+    lease.write_text(json.dumps({"holder": {"host": "n1", "pid": 7, "token": "t"}}))
+    os.utime(lease, (time.time() - 600, time.time() - 600))  # not renewed for 10 min: its trainer is gone
+    rc, out, err = status(capsys, str(tmp_path))
+    assert rc == 3 and f"training output at {tmp_path}" in out and "checkpoint  none yet" in out, err
+    assert "training stopped before its first checkpoint (killed, or it failed: its log says why); the same " \
+        "`layertap train` command starts it again" in out
+    assert cli(["delete", "--yes", str(tmp_path)]) == 0  # a training output, as status says: not refused as none
+    assert f"training output at {tmp_path}: 1 object(s)" in capsys.readouterr().out
+
+
 def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_path, capsys):
     """Workers waiting for a full --window hold no lease: status said "nothing is running: the same
     layertap extract command finishes ...", and a user following it started a second extractor."""
