@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,6 +155,25 @@ def test_a_rank_that_dies_leaves_the_others_an_error_that_says_so_and_how_to_go_
     assert p.stderr.count("resumed from") == 1  # rank 0's INFO lines alone: rank 1's said the same again
 
 
+@pytest.mark.slow
+def test_a_signal_to_rank_0_stops_every_rank_at_the_step_boundary_with_a_checkpoint(extracted, target, tmp_path):
+    """SIGTERM to rank 0 (a launcher's forwarded Ctrl-C, Slurm's preemption): the step's reduce
+    tells every rank, each checkpoints and exits 143. A rank that did not return there waited in
+    the next step's collective for rank 0, which had exited (a review found it)."""
+    from test_train import FAST
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    out = tmp_path / "out"
+    args = ["--data", str(extracted), "--model", target, "--steps", "8", "--save-every", "100", "--out", str(out), *FAST]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    p = subprocess.run([*launch, __file__, "--sigterm-rank-0-in-step", "3", *args], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode != 0
+    assert "another rank did" not in p.stderr and p.stderr.count("stopped at step 3 by a signal") == 1, p.stderr[-6000:]
+    assert set(re.findall(r"exitcode\s*: (-?\d+)", p.stderr)) == {"143"}, p.stderr[-3000:]  # each rank, itself
+    assert json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == 3
+
+
 def _count_reads(folder: str) -> None:
     """Record which safetensors files this rank reads, and whether with their data."""
     from layertap.train import checkpoint
@@ -176,6 +196,22 @@ def _no_checkpoint_on_rank_1() -> None:
         trainer.load_latest = lambda store, tensors=True: None
 
 
+def _sigterm_rank_0(step: int) -> None:
+    """Rank 0 is sent SIGTERM as step `step` (1-based) starts."""
+    import signal
+
+    from layertap.train import trainer
+
+    train_step = trainer.train_step
+
+    def signalled(run, at, *rest):
+        if os.environ["RANK"] == "0" and at + 1 == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(run, at, *rest)
+
+    trainer.train_step = signalled
+
+
 def _die_on_rank_1(step: int) -> None:
     """Rank 1 exits at once as step `step` (1-based) starts, as a process killed or out of memory does."""
     from layertap.train import trainer
@@ -195,6 +231,8 @@ if __name__ == "__main__":  # a rank of the tests above: HELD COMMIT TRAIN-ARGS.
         _count_reads(sys.argv[2])
     elif sys.argv[1] == "--die-on-rank-1-in-step":
         _die_on_rank_1(int(sys.argv[2]))
+    elif sys.argv[1] == "--sigterm-rank-0-in-step":
+        _sigterm_rank_0(int(sys.argv[2]))
     elif sys.argv[1] == "--no-checkpoint-on-rank-1":
         _no_checkpoint_on_rank_1()
     else:

@@ -754,9 +754,11 @@ def _loop(run: _Run, start: int) -> int:
         if (step % cfg.save_every == 0 or step == run.total or stopped) and step > saved:
             _save(run, step)
             saved = step
-        if stopped and step < run.total and acc.is_main_process:  # a stop with the last step: the run ends as it would have
-            log.warning("stopped at step %d by a signal; the same `layertap train` command with --resume continues "
-                        "(the same options, --steps among them: another --steps plans the schedule anew)", step)
+        if stopped and step < run.total:  # a stop with the last step: the run ends as it would have, exported
+            if acc.is_main_process:  # every rank stops here; one says so
+                log.warning("stopped at step %d by a signal; the same `layertap train` command with --resume "
+                            "continues (the same options, --steps among them: another --steps plans the schedule "
+                            "anew)", step)
             progress.close()
             return run.stop.requested.exit_code if run.stop.requested is not None else 143  # another rank's signal
     progress.close()
