@@ -70,9 +70,8 @@ def run_status(args: argparse.Namespace) -> int:
             from layertap.manifests.manifest import refuse_leftovers
 
             refuse_leftovers(store)  # a run's records without its manifest: a delete while a worker still wrote
-            if jobs := _slurm_jobs(store):  # submitted, its first task not yet at work: no run to start by hand
-                raise NoRun(f"no run at {store.uri} yet: Slurm job(s) {listing(jobs, 10)} of `layertap submit` are "
-                            "queued or running for it (squeue); the first task to start plans it") from None
+            if jobs := _slurm_jobs(store):  # submitted, its first task not yet at work: nothing to start by hand
+                raise NoRun(_coming(store.uri, jobs)) from None
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
                         + _what_is_under(store)) from None
@@ -86,8 +85,8 @@ def run_status(args: argparse.Namespace) -> int:
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
         print(json.dumps(t, indent=2) if args.json else format_training(t))
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
-    if not s["complete"]:
-        s["slurm_jobs"] = _slurm_jobs(store)
+    if not s["complete"] and s["shards_running"] == s.get("shards_running_exited_here", 0):  # none at work
+        s["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "extract"]
     print(json.dumps(s, indent=2) if args.json else format_status(s, deleting=_deleting(store, s)))
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
@@ -95,17 +94,26 @@ def run_status(args: argparse.Namespace) -> int:
     # failed shards say 4 once nothing runs: a running worker, or one waiting behind the window, may
     # retry them (a script waits on 3)
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] and not s["shards_running"] \
-        and not s.get("workers_waiting") else EXIT_INCOMPLETE
+        and not s.get("workers_waiting") and not s.get("slurm_jobs") else EXIT_INCOMPLETE
 
 
-def _slurm_jobs(store) -> list[str]:
-    """The Slurm jobs of `layertap submit` queued or running for the prefix (squeue's, where this
-    host has it; `slurm.queued.jobs_naming`, the one place that reads their comments): a run with
-    none of its shards running may still have tasks coming, and a rerun by hand beside them
-    started a second extractor."""
+def _slurm_jobs(store) -> list:
+    """The Slurm jobs of `layertap submit` queued or running for the prefix that will start
+    (squeue's, where this host has it; `slurm.queued.jobs_naming`, the one place that reads their
+    comments): a run with none of its shards running may still have tasks coming, and a rerun by
+    hand beside them started a second extractor."""
     from layertap.slurm.queued import jobs_naming
 
-    return jobs_naming(store.uri, quiet=True)
+    return [t for t in jobs_naming(store.uri, quiet=True) if t.starts]
+
+
+def _coming(uri: str, jobs: list) -> str:
+    """Why a prefix holds nothing yet while Slurm jobs of `layertap submit` for it are queued or running."""
+    kinds = sorted({t.kind for t in jobs})
+    what = "the first extraction task to start plans the run" if "extract" in kinds else \
+        f"it is written once they start ({' and '.join(kinds)})"
+    return (f"nothing at {uri} yet: Slurm job(s) {listing([t.job for t in jobs], 10)} of `layertap submit "
+            f"{'|'.join(kinds)}` are queued or running for it (squeue); {what}")
 
 
 def outputs_under(store, others: list[str] | None = None) -> list[tuple[str, str]]:

@@ -187,7 +187,7 @@ def _refuse_queued_jobs(store) -> None:
     comments: the one place that knows them, imported here alone)."""
     from layertap.slurm.queued import jobs_naming
 
-    jobs = jobs_naming(store.uri)
+    jobs = [t.job for t in jobs_naming(store.uri)]  # held ones too: released, they would write there
     if jobs:
         arrays = sorted({job.split("_", 1)[0] for job in jobs})
         raise Refused(f"Slurm job(s) {listing(jobs, LIST_NESTED)} of `layertap submit` are queued or running for "

@@ -17,6 +17,7 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
+from layertap.slurm.queued import store_location
 from layertap.storage.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -305,7 +306,7 @@ def _submit_extract(args: argparse.Namespace) -> int:
     cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
     _check_template_settings(cfg)
     store = open_configured_store(cfg.out, cfg.s3)
-    location = _store_location(cfg.out)
+    location = store_location(cfg.out)
     queued = queued_tasks(location, listing or "")
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg), lambda run: pinned_template(cfg, run),
@@ -458,7 +459,7 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
             return 0
     spec = ArrayPlan(indices=indices, max_parallel=args.max_parallel).spec
     script = regenerate_script(opts, spec, args.tasks, tool_argv(args, args._tool_actions),
-                               regeneration_tag(_store_location(cfg.out), args.tasks))
+                               regeneration_tag(store_location(cfg.out), args.tasks))
     _submit_array(args, opts, script, f"regeneration array of {len(indices)} task(s), --array={spec}")
     return 0
 
@@ -473,7 +474,7 @@ def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[in
 
     live = live_tasks(store)
     # a running task holding its task's lease is at work, told below; one holding none yet is starting
-    queued = [q for q in queued_regeneration(_store_location(store.uri)) if q[:2] not in live]
+    queued = [q for q in queued_regeneration(store_location(store.uri)) if q[:2] not in live]
     if other := sorted({n for _, n in live} - {args.tasks}):
         raise ConfigError(f"a regeneration split into {other[0]} tasks is at work on {store.uri} now: its parts and "
                           f"--tasks {args.tasks}'s overlap and would be answered twice. Submit with --tasks {other[0]} "
@@ -679,7 +680,7 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     _read_the_extraction(targs, extraction, f"{flag} {given!r}")
     train_cfg = _follow_the_extraction(targs, extraction, given) if follow else \
         _train_config(targs, f"{flag} {given!r}: ")
-    where = _store_location(train_cfg.out)
+    where = store_location(train_cfg.out)
     queued = queued_training(where, listing or "")
     if (why := _no_trainer_needed(train_cfg, queued)) is not None:
         return None, queued, f"{why}: no training job"
@@ -764,7 +765,7 @@ def _read_the_extraction(targs: argparse.Namespace, cfg, where: str) -> None:
     """A chained trainer's --data is the extraction's --out (given, or set to it): one naming
     another run was chained to an extraction it does not read, and trained on that other run
     (or, a typo, failed once the whole extraction was done)."""
-    if targs.data is not None and _store_location(targs.data) != _store_location(cfg.out):
+    if targs.data is not None and store_location(targs.data) != store_location(cfg.out):
         raise ConfigError(f"{where}: its --data {targs.data} is not the extraction's --out {cfg.out}: leave --data "
                           "out (it is set to --out)")
     targs.data = cfg.out
@@ -809,17 +810,6 @@ def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
                           "consumed, or the window never opens again and the extraction waits forever; add "
                           "--delete-consumed to --train-while-extracting (or leave out --window)")
     return train_cfg
-
-
-def _store_location(uri: str) -> str:
-    """Where `open_store` puts a store, one text for each place: the store's own URI (its S3
-    prefix without outer slashes; a local folder's absolute path, `file://` and `~` read), a local
-    folder's with symlinks resolved too; the trainer's --data and the extraction's --out are the
-    same run when these are equal."""
-    from layertap.storage.store import open_store
-
-    where = open_store(uri).uri
-    return where if where.startswith("s3://") else os.path.realpath(where)
 
 
 def _train_config(targs: argparse.Namespace, context: str = ""):
@@ -870,7 +860,7 @@ def _submit_train(args: argparse.Namespace) -> int:
                           "dependency and start the training at once; check the id with squeue or sacct, and leave "
                           "--after out for a job that has finished")
     cfg = _train_config(args)
-    where = _store_location(cfg.out)
+    where = store_location(cfg.out)
     if (why := _no_trainer_needed(cfg, queued_training(where))) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0

@@ -42,6 +42,7 @@ _REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
 _TRAINING_TAG = re.compile(r"layertap-train follow=([01]) delete=([01]) out=(.+)")
 
 
+SQUEUE_TIMEOUT_S = 30.0  # squeue waits this long at most: past it, the command goes on without the queue
 MAX_TAG = 1000  # Slurm refuses a comment over 1,024 characters ("Pathname ... too long"), the whole job with it
 SHARDS_SPEC = 200  # a longer --shards list is tagged "some": read as no shard known (its work submitted again,
 # which the leases keep done once; read as any shard, the work of shards it could never take was left to it)
@@ -167,8 +168,12 @@ def squeue_listing(unasked: str = "tasks still queued for this output are not le
         return None
     # -a: also the jobs of hidden partitions and of those unavailable to this user's group, which squeue
     # leaves out by default (their leases were taken for dead jobs', their queued tasks for none)
-    p = subprocess.run(["squeue", "-h", "-a", "-r", "-t", _STATES, "-o", "%i|%T|%r|%k"], capture_output=True,
-                       text=True)
+    try:
+        p = subprocess.run(["squeue", "-h", "-a", "-r", "-t", _STATES, "-o", "%i|%T|%r|%k"], capture_output=True,
+                           text=True, timeout=SQUEUE_TIMEOUT_S)
+    except (subprocess.TimeoutExpired, OSError) as e:  # a slurmctld that does not answer must not hang the command
+        log.log(level, "squeue did not answer (%s): %s", e, unasked)
+        return None
     if p.returncode != 0:
         said = (p.stderr or p.stdout).strip().splitlines()  # its last line: a fatal error follows its causes
         log.log(level, "squeue failed (%s): %s", said[-1] if said else f"exit {p.returncode}", unasked)
@@ -245,23 +250,39 @@ def queued_training(location: str, listing: str | None = None) -> list[QueuedTra
     return _will_start(tagged, f"the training output at {location}")
 
 
-def jobs_naming(uri: str, listing: str | None = None, quiet: bool = False) -> list[str]:
-    """The Slurm jobs (`123_4`: each array task) pending or running whose comment names the run or
-    output at `uri` (an extraction, training or regeneration job of `layertap submit`), of
-    `listing` (squeue's lines; default: asked now; [] where squeue is not here). Held ones too:
-    released, they write there. What `layertap delete` refuses to delete under (a queued
-    extraction task planned the run anew at the prefix once it started), and what `status` names
-    where no shard runs (`quiet`: a failing squeue is not warned of)."""
+def store_location(uri: str) -> str:
+    """Where `open_store` puts a store, one text for each place: the store's own URI (its S3
+    prefix without outer slashes; a local folder's absolute path, `file://` and `~` read), a local
+    folder's with symlinks resolved too: what a job's comment names, and how a trainer's --data and
+    an extraction's --out are told to be the same run."""
     from layertap.storage.store import open_store
 
     where = open_store(uri).uri
-    location = where if where.startswith("s3://") else os.path.realpath(where)
-    tags = (_TAG, _TRAINING_TAG, _REGENERATION_TAG)
+    return where if where.startswith("s3://") else os.path.realpath(where)
+
+
+@dataclass(frozen=True)
+class TaggedJob:
+    """A job of `layertap submit` that squeue shows for a prefix (`jobs_naming`)."""
+    job: str  # `123_4`: an array task, or a job
+    kind: str  # what it runs: "extract", "train" or "regenerate"
+    starts: bool  # False: held for good, or never to start (`_will_start`): released, it would still write
+
+
+def jobs_naming(uri: str, listing: str | None = None, quiet: bool = False) -> list[TaggedJob]:
+    """The Slurm jobs pending or running whose comment names the run or output at `uri` (an
+    extraction, training or regeneration job of `layertap submit`), of `listing` (squeue's lines;
+    default: asked now; [] where squeue is not here or does not answer). What `layertap delete`
+    refuses to delete under (a queued extraction task planned the run anew at the prefix once it
+    started), and what `status` names where no shard runs (`quiet`: a failing squeue is not warned
+    of)."""
+    location = store_location(uri)
     if listing is None:
         listing = squeue_listing("Slurm jobs queued for it are not looked for",
                                  logging.DEBUG if quiet else logging.WARNING) or ""
-    return [t.job for t in _listed(listing)
-            if any((m := tag.fullmatch(t.comment)) is not None and m[m.re.groups] == location for tag in tags)]
+    kinds = (("extract", _TAG), ("train", _TRAINING_TAG), ("regenerate", _REGENERATION_TAG))
+    return [TaggedJob(t.job, kind, t.reason not in _NEVER and t.reason not in _HELD) for t in _listed(listing)
+            for kind, tag in kinds if (m := tag.fullmatch(t.comment)) is not None and m[m.re.groups] == location]
 
 
 def regeneration_tag(location: str, tasks: int) -> str | None:

@@ -135,18 +135,29 @@ def test_status_and_delete_know_the_slurm_jobs_queued_for_a_prefix(tmp_path, cap
     assert "no shard is running, but Slurm job(s) 91_0, 91_1 of `layertap submit` are queued or running" in said
     assert "nothing is running" not in said
     assert json.loads((cli(["status", "--json", other]), capsys.readouterr().out)[1])["slurm_jobs"] == []
-    (bin_ / "squeue").write_text((bin_ / "squeue").read_text() + f"echo '93_0|PENDING|Priority|"
-                                 f"{tag(str(tmp_path / 'new'), None, None)}'\n")
-    assert cli(["status", str(tmp_path / "new")]) == 2
-    assert f"no run at {tmp_path / 'new'} yet: Slurm job(s) 93_0 of `layertap submit` are queued or running for " \
-        "it (squeue); the first task to start plans it" in capsys.readouterr().err
+    # a failed shard while extraction tasks are queued for the run: 3 (work to come), not 4 (failed, none running)
+    open_store(prefix).put(layout.failure_key(0, 1, "t"), b"{}")
+    assert cli(["status", prefix]) == 3 and "FAILED shard 0" in capsys.readouterr().out
+    new, later = tmp_path / "new", tmp_path / "later"
+    (bin_ / "squeue").write_text((bin_ / "squeue").read_text() + f"echo '93_0|PENDING|Priority|{tag(str(new), 0, None)}'\n"
+                                 f"echo '94|PENDING|Dependency|{training_tag(str(later), False, False)}'\n"
+                                 f"echo '95_0|PENDING|JobHeldAdmin|{tag(other, 0, None)}'\n")
+    assert cli(["status", str(new)]) == 2
+    assert f"nothing at {new} yet: Slurm job(s) 93_0 of `layertap submit extract` are queued or running for " \
+        "it (squeue); the first extraction task to start plans the run" in capsys.readouterr().err
+    assert cli(["status", str(later)]) == 2  # a training job after its extraction: no run is planned by it
+    assert f"nothing at {later} yet: Slurm job(s) 94 of `layertap submit train` are queued or running for it " \
+        "(squeue); it is written once they start (train)" in capsys.readouterr().err
+    # a job held by an admin starts only if released: not named as coming (submit resubmits its work) ...
+    assert cli(["status", other]) == 3 and "nothing is running" in capsys.readouterr().out
 
     assert cli(["delete", "--yes", prefix]) == 2
     err = capsys.readouterr().err
     assert f"Slurm job(s) 91_0, 91_1 of `layertap submit` are queued or running for {prefix}" in err
     assert "`scancel 91`" in err and (Path(prefix) / "manifest.json").exists()
     assert cli(["delete", "--yes", out]) == 2 and "Slurm job(s) 92 of " in capsys.readouterr().err
-    assert cli(["delete", "--yes", other]) == 0  # no job names it
+    # ... but delete names it: released, it would write there
+    assert cli(["delete", "--yes", other]) == 2 and "Slurm job(s) 95_0 of " in capsys.readouterr().err
     assert cli(["delete", "--yes", "--force", prefix]) == 0 and not (Path(prefix) / "manifest.json").exists()
 
 

@@ -120,14 +120,17 @@ def collective_failed(e: BaseException) -> bool:
 
 
 def ranks_lost(acc: Any, e: BaseException, latest_step: int | None, out: str) -> RanksLost:
-    """The error of a rank whose peers went away, in place of torch's traceback: a rank that
-    stopped on its own error (a corrupt shard, a bad sample) prints that error; the others, left in
-    the step's collective, printed a gloo or NCCL traceback that said neither why nor what next."""
+    """The error of a rank whose collective failed, in place of torch's traceback (logged at DEBUG:
+    -v shows it): a rank that stopped on its own error (a corrupt shard, a bad sample) printed that
+    error; the others, left in the step's collective, printed a gloo or NCCL traceback that said
+    neither why nor what next. Most often another rank went away; where no other rank says why,
+    the cause may be this rank's own device (NCCL raises its local faults the same way)."""
     said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     said = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", said).split(". ")[0][:200]  # less gloo's source position
-    kept = (f"the latest checkpoint in {out} is step {latest_step}" if latest_step is not None
-            else f"{out} holds no checkpoint yet")
-    return RanksLost(f"rank {acc.process_index} of {acc.num_processes}: training stopped because another rank did "
-                     f"({said}): that rank's own error, above, says why (killed, out of memory, or hung past the "
-                     f"backend's timeout where it says nothing); {kept}: fix its cause, then run the same command "
-                     "with --resume to continue from there")
+    then = (f"the latest checkpoint in {out} is step {latest_step}: once the cause is fixed, the same command with "
+            "--resume continues from there") if latest_step is not None else \
+        f"{out} holds no checkpoint yet: once the cause is fixed, the same command starts again"
+    return RanksLost(f"rank {acc.process_index} of {acc.num_processes}: a collective between the ranks failed "
+                     f"({said}): most likely another rank stopped, and its own error, above, says why (killed, out "
+                     "of memory, a bad shard; or it hung past the backend's timeout); where none does, look at this "
+                     f"rank's device. {then}")

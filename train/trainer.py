@@ -36,7 +36,7 @@ from layertap.manifests.consumption import prefetch_depth
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
-from layertap.manifests.train_output import LATEST, check_apart, padding_only
+from layertap.manifests.train_output import check_apart, padding_only
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
@@ -341,17 +341,19 @@ def train(cfg: TrainConfig) -> int:
         raise
     except Exception as e:
         if acc.num_processes > 1 and collective_failed(e):
+            log.debug("the collective's error", exc_info=e)
             raise ranks_lost(acc, e, _latest_step(out), out.uri) from None
         raise
 
 
 def _latest_step(out: ObjectStore) -> int | None:
-    """The step `latest.json` names, for a message (None: none, or unreadable)."""
+    """The step `--resume` would continue from (`load_latest`: latest.json, else the newest complete
+    checkpoint), for a message; None where there is none, or it cannot be read."""
     try:
-        step = json.loads(out.get(LATEST)).get("step")
-    except (StoreError, ValueError, AttributeError):
+        ckpt = load_latest(out, tensors=False)
+    except UserError:
         return None
-    return step if isinstance(step, int) else None
+    return ckpt.step if ckpt is not None else None
 
 
 def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
@@ -362,6 +364,7 @@ def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
     claim it."""
     from layertap.manifests import layout
     from layertap.manifests.consumption import consumer_of
+    from layertap.manifests.train_output import LATEST
 
     try:
         if consumer_of(data) == out.uri and not out.exists(LATEST):
