@@ -330,8 +330,8 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
         lines += _failure_groups(f"FAILED {s['shards_failed']:,} shards: {s['failed_ranges']}", s["failed"])
     else:
         for f in s["failed"]:
-            lines.append(f"  FAILED shard {f['shard']} ({counted(f['attempts'], 'attempt')}, last on {_where(f)}): "
-                         f"{f['error']}")
+            tries = f"{counted(f['attempts'], 'attempt')}, last" if f.get("attempts") else "withdrawn"  # verify's
+            lines.append(f"  FAILED shard {f['shard']} ({tries} on {_where(f)}): {f['error']}")
     interrupted = s.get("interrupted", [])
     if len(interrupted) < s.get("shards_interrupted", 0):
         lines += _failure_groups(f"INTERRUPTED {s['shards_interrupted']:,} shards: {s['interrupted_ranges']} "

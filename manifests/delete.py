@@ -133,7 +133,7 @@ def describe(store, force: bool) -> str:
     from layertap.manifests import layout
     from layertap.manifests.manifest import ManifestError, NoRun, enclosing, load_manifest
     from layertap.manifests.liveness import gone_from_here
-    from layertap.manifests.output_lease import PREFIX as LEASES, live_holder
+    from layertap.manifests.output_lease import any_lease, live_holder
     from layertap.manifests.regeneration import RECIPE, live_tasks
 
     if not force:
@@ -154,7 +154,7 @@ def describe(store, force: bool) -> str:
         return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
     held = live_holder(store)
     # a stale lease/ alone: a trainer killed before its first checkpoint (what `status` calls it too)
-    if held is not None or any(store.exists(k) for k in TRAINING_KEYS) or next(iter(store.list(LEASES)), None):
+    if held is not None or any(store.exists(k) for k in TRAINING_KEYS) or any_lease(store):
         if held is not None and gone_from_here(held.holder):  # killed here: its lease outlives it, not its writes
             log.info("its trainer (%s) has exited", held.describe(store.now()))
         elif held is not None and not force:

@@ -57,7 +57,7 @@ def header_mismatch(uri: str, shard: int, key: str, header: RunIdentity,
     (`header_disagreement`), worded once for the loader and `verify`: the shard is sound and the
     manifest is not its own, so nothing is skipped or withdrawn. None where they agree."""
     differs = header_disagreement(header, config)
-    return differs and ManifestError(
+    return None if differs is None else ManifestError(
         f"{uri.rstrip('/')}/{MANIFEST} disagrees with committed shard {shard}'s header ({key}): {differs}; "
         f"the manifest was edited or replaced. Nothing was withdrawn; restore the run's own {MANIFEST}")
 

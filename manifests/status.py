@@ -117,8 +117,9 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     failed_ids, stopped_ids, summaries = _failures(store, st, with_failures, read_all=shards)
     # running again after attempts that stopped or failed, again and again (a store failing every upload of
     # the shard): "1 running, 0 failed" hid it while every worker tried it, and tried
-    retried = _newest(st, [s for s in running if len(st.failures.get(s, [])) >= RETRIED_SHOWN])
-    retrying = [_failure_summary(store, st, s) for s in sorted(retried)]
+    retried = sorted(_newest(st, [s for s in running if _tries(st, s) >= RETRIED_SHOWN]))
+    with ThreadPoolExecutor(max(1, min(8, len(retried)))) as pool:  # within an S3 store's connection pool (12)
+        retrying = list(pool.map(lambda s: _failure_summary(store, st, s), retried))
     counts["failed"] = len(failed_ids)
     marks = marker_times(store)
     # a consumed shard's marker is written before its data is deleted: its bytes are no longer at rest
@@ -369,11 +370,16 @@ def _newest_details(st: RunState, shards: list[int], summaries: dict[int, dict[s
     return [summaries[s] for s in shards if s in chosen]
 
 
+def _tries(st: RunState, shard: int) -> int:
+    """The shard's attempts that failed or were stopped: its failure records but `verify`'s withdrawals."""
+    return sum(not k.endswith(layout.WITHDRAWN) for k in st.failures.get(shard, []))
+
+
 def _failure_summary(store: ObjectStore, st: RunState, shard: int) -> dict[str, Any]:
     key = st.failures[shard][-1]
     # stopped from outside (a signal, a takeover, a store outage; a record saying preempted): not the
     # shard's fault, as `submit` counts it
-    out: dict[str, Any] = {"shard": shard, "attempts": len(st.failures[shard]), "stopped": key.endswith(layout.STOPPED),
+    out: dict[str, Any] = {"shard": shard, "attempts": _tries(st, shard), "stopped": key.endswith(layout.STOPPED),
                            "withdrawn": key.endswith(layout.WITHDRAWN)}
     try:
         f = decode_failure(store.get(key), key)

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from layertap.manifests.liveness import gone_from_here
-from layertap.manifests.output_lease import PREFIX as LEASES, Held, live_holder
+from layertap.manifests.output_lease import Held, any_lease, live_holder
 from layertap.manifests.layout import MANIFEST
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -50,7 +50,7 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
     learned, after = _last_metrics(store)
     last = after[-1] if after else learned
     held = live_holder(store)  # a trainer at work, maybe before its first checkpoint
-    if latest is None and last is None and held is None and next(iter(store.list(LEASES)), None) is None:
+    if latest is None and last is None and held is None and not any_lease(store):
         return None  # (a stale lease alone: a trainer that stopped before its first checkpoint, e.g. killed)
     # killed outright (SIGKILL, the OOM killer) on this machine: its lease lives on until its TTL,
     # but `train --resume` here takes the output over at once (liveness.gone_from_here)

@@ -589,7 +589,10 @@ def _waiting_text(remaining) -> str:
 
 def _jobs_of(queued) -> str:
     """'jobs 41, 42' (or 'job 41'): the array jobs of `queued` tasks."""
-    arrays = sorted({t.array for t in queued})
+    return _jobs_text(sorted({t.array for t in queued}))
+
+
+def _jobs_text(arrays: list[str]) -> str:
     return ("job " if len(arrays) == 1 else "jobs ") + ", ".join(arrays)
 
 
@@ -609,8 +612,7 @@ def _queued_text(remaining) -> str:
     dynamic = [f"{n} take{'s' if n == 1 else ''} free shards"] if n else []
     where = f"queued or running for this run (squeue; {remaining.queued_running} running)" \
         if remaining.queued_running else "queued for this run (squeue)"
-    jobs = ("job " if len(remaining.queued_jobs) == 1 else "jobs ") + ", ".join(remaining.queued_jobs)
-    return f"{remaining.queued} task(s) of {jobs} are still {where}: " \
+    return f"{remaining.queued} task(s) of {_jobs_text(remaining.queued_jobs)} are still {where}: " \
            f"{' and '.join(theirs + dynamic)}"
 
 
@@ -925,8 +927,10 @@ def _check_inputs_here(cfg) -> None:
     refused. A missing dataset was submitted, and every task failed on it in the queue."""
     from layertap.extract.config import check_layers
 
-    for flag, path in (("--model", cfg.model), ("--dataset", cfg.dataset)):
-        if path and _local_path(path) and not os.path.exists(os.path.expanduser(path)):
+    # a --dataset is a file, a folder or a store URI, never a hub id: any other path missing here is noted
+    for flag, path, local in (("--model", cfg.model, _local_path(cfg.model or "")),
+                              ("--dataset", cfg.dataset, not (cfg.dataset or "").startswith("s3://"))):
+        if path and local and not os.path.exists(os.path.expanduser(path)):
             _note(f"{flag} {path} does not exist on this host: every task fails at its start unless it exists on "
                   "the nodes")
     config = os.path.join(os.path.expanduser(cfg.model or ""), "config.json")
@@ -947,12 +951,16 @@ def _dataset_fingerprint(cfg) -> str | None:
     embedded data, a path that is on the nodes alone)."""
     from layertap.extract.fingerprint import dataset_fingerprint
     from layertap.storage.errors import MissingInput
+    from layertap.storage.store import StoreError
 
     if not cfg.dataset:
         return None
     try:
         return dataset_fingerprint(cfg.dataset, cfg.limit)
-    except MissingInput:
+    except MissingInput:  # noted already (`_check_inputs_here`)
+        return None
+    except (StoreError, OSError) as e:  # a store or file this host cannot read: the tasks compare it
+        _note(f"--dataset {cfg.dataset} cannot be read here ({e}): each task compares it with the run's at its start")
         return None
 
 

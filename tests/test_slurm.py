@@ -655,16 +655,23 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
                   "--layers", "1,7") == 2
     assert "capture layer 7 is out of range: the model has 6 decoder layers" in capsys.readouterr().err
     # a dataset or model path missing here: noted (it may be on the nodes alone), the array submitted
-    assert submit("extract", "--dry-run", "--out", str(tmp_path / "new"), "--dataset", str(tmp_path / "chatz.jsonl"),
+    assert submit("extract", "--dry-run", "--out", str(tmp_path / "new"), "--dataset", "chatz.jsonl",
                   "--model", str(tmp_path / "no-model"), "--nodes", "1") == 0
     err = capsys.readouterr().err
-    assert f"note: --dataset {tmp_path / 'chatz.jsonl'} does not exist on this host" in err
+    assert "note: --dataset chatz.jsonl does not exist on this host" in err  # relative (the cwd): a typo
     assert f"note: --model {tmp_path / 'no-model'} does not exist on this host" in err
     # another dataset than the planned run's: its fingerprint differs, which every task would refuse
     other = tmp_path / "other.jsonl"
     other.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--dataset", str(other)) == 2
     assert "dataset fingerprint: run has 'f', now " in capsys.readouterr().err
+    from layertap.extract.fingerprint import dataset_fingerprint
+
+    manifest = json.loads(store.get(layout.MANIFEST))  # the run's own dataset: submitted
+    manifest["dataset"]["fingerprint"] = dataset_fingerprint(str(other), None)
+    store.put(layout.MANIFEST, json.dumps(manifest).encode())
+    assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--dataset", str(other)) == 0
+    capsys.readouterr()
     for s in (10, 11):
         store.put(layout.commit_key(s), b"{}")
     assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64") == 0
