@@ -206,7 +206,7 @@ def test_a_second_train_on_one_out_is_refused_and_status_names_the_first(tmp_pat
         assert cli(["status", out]) == 3
         shown = capsys.readouterr().out
         assert f"trainer     exited: pid {first.pid} on {socket.gethostname()} is gone from this machine" in shown
-        assert "running" not in shown and "--resume continues" in shown
+        assert "running" not in shown and "stopped before its first checkpoint" in shown  # none: nothing to resume
         again, again_err = start("again")
         try:
             assert "is no longer running here: taking the output over" in again_err.read_text()

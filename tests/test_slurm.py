@@ -408,7 +408,7 @@ def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsy
     """Regeneration tasks hold a lease only once they run: one still queued was submitted again
     beside itself, and both answered its parts. squeue's pending tasks tagged with the output are
     left out, and a queued split other than --tasks is refused (their parts overlap)."""
-    from layertap.slurm.command import _store_location
+    from layertap.slurm.queued import store_location
     from layertap.slurm.queued import regeneration_tag
 
     monkeypatch.chdir(tmp_path)
@@ -416,7 +416,7 @@ def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsy
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     squeue = bin_ / "squeue"
-    squeue.write_text(f"#!/bin/sh\necho '90_1|PENDING|Priority|{regeneration_tag(_store_location(out), 2)}'\n")
+    squeue.write_text(f"#!/bin/sh\necho '90_1|PENDING|Priority|{regeneration_tag(store_location(out), 2)}'\n")
     squeue.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_))
     base = ("regenerate", "--dry-run", "--gpus-per-node", "0", "--dataset", "d.jsonl", "--out", out, "--endpoint",
@@ -424,11 +424,11 @@ def test_a_regeneration_resubmission_leaves_its_queued_tasks_out(tmp_path, capsy
     assert submit(*base, "--tasks", "2") == 0
     said = capsys.readouterr().out
     assert "task(s) 1 are still queued or starting (Slurm job 90): left out" in said and "#SBATCH --array=0\n" in said
-    assert f'#SBATCH --comment="{regeneration_tag(_store_location(out), 2)}"' in said
+    assert f'#SBATCH --comment="{regeneration_tag(store_location(out), 2)}"' in said
     assert submit(*base, "--tasks", "3") == 2
     assert "a regeneration split into 2 tasks is queued or starting for" in capsys.readouterr().err
     # started, its server starting before it takes its task's lease: left out too; held for good: not
-    tagged = regeneration_tag(_store_location(out), 2)
+    tagged = regeneration_tag(store_location(out), 2)
     fake_squeue(bin_, [("90_1", "RUNNING", "None", tagged), ("91_0", "PENDING", "JobHeldAdmin", tagged)])
     assert submit(*base, "--tasks", "2") == 0
     said = capsys.readouterr().out
@@ -882,7 +882,7 @@ def test_the_chained_trainers_data_may_name_the_extractions_out_another_way(flag
     assert submit(*base, flag, "--data runs/ab --out d") == 2
     assert f"{flag} '--data runs/ab --out d': its --data runs/ab is not the extraction's --out {out}" \
         in capsys.readouterr().err
-    from layertap.slurm.command import _store_location as store_location
+    from layertap.slurm.queued import store_location
 
     assert store_location("s3://b/runs/a/") == store_location("s3://b/runs/a") == store_location("s3://b//runs/a")
     assert store_location("s3://b/") == store_location("s3://b")
