@@ -333,14 +333,17 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
             tries = f"{counted(f['attempts'], 'attempt')}, last" if f.get("attempts") else "withdrawn"  # verify's
             lines.append(f"  FAILED shard {f['shard']} ({tries} on {_where(f)}): {f['error']}")
     interrupted = s.get("interrupted", [])
+    # workers at work take an interrupted shard they may (a dynamic task: any): "a rerun finishes it" beside
+    # them started a second extractor
+    rerun = "a worker at work takes it if it may, else a rerun finishes it" if live else "a rerun finishes it"
     if len(interrupted) < s.get("shards_interrupted", 0):
         lines += _failure_groups(f"INTERRUPTED {s['shards_interrupted']:,} shards: {s['interrupted_ranges']} "
-                                 "(a rerun finishes them)", interrupted)
+                                 f"({rerun.replace('takes it', 'takes them').replace('finishes it', 'finishes them')})",
+                                 interrupted)
     else:
         for f in interrupted:
             tries = f"{f['attempts']:,} attempts, the last " if f.get("attempts", 1) > 1 else ""
-            lines.append(f"  INTERRUPTED shard {f['shard']} ({tries}stopped on {_where(f)}): {f['error']}; "
-                         "a rerun finishes it")
+            lines.append(f"  INTERRUPTED shard {f['shard']} ({tries}stopped on {_where(f)}): {f['error']}; {rerun}")
     for f in s.get("retrying", []):
         lines.append(f"  RETRYING shard {f['shard']}: running again after {f['attempts']:,} attempts that stopped or "
                      f"failed, the last on {_where(f)}: {f['error']}")

@@ -387,6 +387,10 @@ def test_a_shard_stopped_from_outside_is_interrupted_not_failed(store_uri, capsy
     rc, out, _ = status(capsys, store_uri)
     assert rc == 3 and "0 failed" in out and "1 interrupted" in out
     assert "INTERRUPTED shard 1 (stopped on " in out and out.rstrip().endswith("a rerun finishes it")
+    store.put(layout.lease_key(2, 1, 600), b"{}")  # a worker at work on another shard: it may take shard 1 too
+    rc, out, _ = status(capsys, store_uri)
+    assert out.rstrip().endswith("a worker at work takes it if it may, else a rerun finishes it"), out
+    store.delete(layout.lease_key(2, 1, 600))
     # stopped again and again, and a worker at it once more (a store failing every upload of it): said so,
     # where "1 running, 0 failed" hid it
     for ms in (2, 3):
