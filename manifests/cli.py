@@ -298,15 +298,19 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
         if deleting == "stopped" and not s["complete"]:
             lines.append("  THE TRAINER IS NOT RUNNING: this run's --delete-consumed trainer holds no live lease on its "
                          "output (stopped, queued again, or its lease went stale), so nothing is consumed and a full "
-                         "window does not open: restart it (--resume continues it), or restart the extraction with a "
-                         "larger --window")
+                         "window does not open: start it again with its `layertap train` command and --resume (or "
+                         "the same `layertap submit extract ... --train-while-extracting` command, which submits "
+                         "only the trainer)")
+    if (stall := s.get("stalled")) is not None and not s["complete"]:
+        lines.append(f"  STALLED (the trainer's report, {duration(stall['age_s'])} ago): {stall['message']}")
     live = s["shards_running"] - s.get("shards_running_exited_here", 0)  # held by processes that still run
     if s["complete"]:
         lines.append("  COMPLETE")
     elif not live and not s["problem"] and (waiting := s.get("workers_waiting")):
         # Workers waiting for the window hold no lease: "nothing is running" sent users to start a second extractor.
         lines.append(f"  no shard is running: {waiting} extraction worker(s) wait for the window to open"
-                     + (", as training consumes and deletes what it trained on" if deleting == "running" else ""))
+                     + (", as training consumes and deletes what it trained on"
+                        if deleting == "running" and not s.get("stalled") else ""))
     elif (not live and not s["problem"] and window is not None and rest >= window
           and deleting not in ("none", "stopped", "finished")):
         lines.append("  no shard is running, and no extraction worker waits for the window (none has a record under "

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from layertap.manifests import layout
 from layertap.manifests.manifest import Manifest, ManifestError, load_manifest
@@ -688,6 +688,42 @@ def recorded_window(store: ObjectStore) -> int | None:
     except (ValueError, KeyError, TypeError):  # unreadable: no stall check rather than a failed trainer
         log.warning("%s/%s is unreadable; the stall check is off", store.uri.rstrip("/"), layout.CONSUMED_WINDOW)
         return None
+
+
+# A STALLED report older than this is a trainer's that stopped reporting (it renews it each look, 30 s)
+STALL_REPORT_S = 300.0
+
+
+def record_stall(store: ObjectStore, who: str, message: str) -> None:
+    """A follow trainer's STALLED report on the run (`consumed/stalled.json`), renewed at each look
+    while it lasts: the trainer's log said so, and `status` of the run said workers wait "as
+    training consumes", though nothing could be consumed. Best effort: the log has it anyway."""
+    try:
+        store.put(layout.CONSUMED_STALL, json.dumps({"who": who, "message": message}).encode())
+    except StoreError as e:
+        log.debug("could not record the stall: %s", e)
+
+
+def clear_stall(store: ObjectStore) -> None:
+    """The stall is over (new commits, or the window opened): its report goes."""
+    try:
+        store.delete(layout.CONSUMED_STALL)
+    except StoreError as e:
+        log.debug("could not remove the stall report: %s", e)
+
+
+def recent_stall(store: ObjectStore) -> dict[str, Any] | None:
+    """The STALLED report of a trainer still reporting it (renewed within `STALL_REPORT_S`, by the
+    store's clock), with its age in `age_s`; None where there is none (or only an old one)."""
+    found = next(iter(store.list(layout.CONSUMED_STALL)), None)
+    if found is None or (age := store.now() - found.modified) > STALL_REPORT_S:
+        return None
+    try:
+        report = json.loads(store.get(layout.CONSUMED_STALL))
+    except (ObjectNotFound, ValueError):
+        return None
+    return {"who": report.get("who"), "message": report.get("message"), "age_s": round(max(0.0, age), 1)} \
+        if isinstance(report, dict) else None
 
 
 def stalled(store: ObjectStore) -> tuple[AtRest, int] | None:

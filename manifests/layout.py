@@ -34,6 +34,8 @@
     consumed/ranks/{rank:05d}.json         a training rank's watermark: shards it read for the last time
     consumed/shards/{shard:06d}            empty marker: the shard was consumed, its data deleted
     consumed/window.json                   the --window extraction runs with (the trainer's stall check)
+    consumed/stalled.json                  a follow trainer's STALLED report (window full, training waits for
+                                           data), renewed each look, deleted once it goes on (`status` shows it)
     index/commits.json.zst                 a snapshot of the commit records, derived: a reader uses an
                                            entry only while `commits/` lists it unchanged
 
@@ -58,6 +60,7 @@ FEED = "feed/"  # one empty key per commit, named by its time and counts: what f
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
+CONSUMED_STALL = "consumed/stalled.json"  # a follow trainer's STALLED report, while it lasts (`consumption.record_stall`)
 CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")
@@ -241,7 +244,7 @@ _RUN_KEY = re.compile(
     r"|sweeps/[0-9a-f]{16}/\d{6,}(\.done)?"
     r"|feed/\d{13}\.\d{6,}(\.r\d+\.s\d+)?"
     r"|index/commits\.json\.zst"
-    r"|consumed/(ranks/\d{5,}\.json|shards/\d{6,}|window\.json|trainer\.json))")
+    r"|consumed/(ranks/\d{5,}\.json|shards/\d{6,}|window\.json|trainer\.json|stalled\.json))")
 
 
 def is_run_key(key: str) -> bool:

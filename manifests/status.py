@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from layertap.manifests import layout
 from layertap.manifests.consumption import (at_rest, consumed_everywhere, consumed_shards, marker_times,
-                                            recorded_window, waiting_records)
+                                            recent_stall, recorded_window, waiting_records)
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, header_mismatch, load_manifest
 from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord, Producer, decode_commit,
                                        decode_failure, encode)
@@ -180,6 +180,8 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "window_at_rest": at_rest(store).bytes if window is not None else None,  # a listing of shards/, the window's size
         # extraction workers waiting behind it (they hold no lease: not `shards_running`), by their fresh records
         "workers_waiting": len(waiting_records(store)) if window is not None and not complete else 0,
+        # a follow trainer's STALLED report while it lasts (window full, training waiting for data): for good
+        "stalled": recent_stall(store) if window is not None and not complete else None,
         **listed,
     }
 

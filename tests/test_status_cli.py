@@ -306,6 +306,20 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
         "renewed in the last 5 min: stopped, or killed): the same `layertap extract`" in out \
         and "nothing is running" not in out
     assert "NOT RUNNING" not in out
+    # A stall the trainer reports (window full, training waiting for data: for good): status said workers wait
+    # "as training consumes"; it shows the trainer's STALLED report while the trainer renews it
+    from layertap.manifests.consumption import clear_stall, record_stall
+
+    store.put(layout.waiting_key("w1"), json.dumps({"host": "n1", "pid": 1}).encode())
+    record_stall(store, "rank 0", "STALLED: extraction waits for training to consume (...)")
+    out = status(capsys, uri)[1]
+    assert "  STALLED (the trainer's report, 0 s ago): STALLED: extraction waits for training to consume" in out, out
+    assert "1 extraction worker(s) wait for the window to open" in out and "as training consumes" not in out
+    assert json.loads(status(capsys, uri, "--json")[1])["stalled"]["who"] == "rank 0"
+    clear_stall(store)
+    out = status(capsys, uri)[1]
+    assert "STALLED" not in out and "wait for the window to open, as training consumes" in out
+    store.delete(layout.waiting_key("w1"))
     # The trainer gone (stalled out, crashed: its lease left to go stale): status said the window opens "as
     # training consumes", and the workers waited for good
     trainer._stop.set()

@@ -639,13 +639,17 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
     watcher._logged = 0.0  # the next look, 30 s later: still stalled, for good
     assert watcher._extraction_over() is False
     assert "STALLED" in caplog.text and "--window" in caplog.text and "--shuffle-buffer" in caplog.text
+    # ... and on the store, where `layertap status` of the run shows it (it said workers wait "as training consumes")
+    from layertap.manifests.consumption import recent_stall
+
+    assert "STALLED: extraction waits for training to consume" in recent_stall(store)["message"]
 
     caplog.clear()  # extraction moved in between: the next stall starts counting again
     fake_worker.work(store_uri, shards=[3])
     assert [r.shard for r in watcher.poll()] == [3]
     watcher._logged = 0.0
     assert watcher._extraction_over() is False
-    assert "STALLED" not in caplog.text
+    assert "STALLED" not in caplog.text and recent_stall(store) is None  # its report gone with it
 
     caplog.clear()  # a window the backlog does not fill: waiting, not stalled
     WindowGate(store, 10**9).record()

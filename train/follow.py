@@ -180,6 +180,7 @@ class CommitWatcher:
         self._logged = 0.0
         self._given_up_once = False
         self._stalled_looks = 0  # looks in a row that found extraction held by its window
+        self._stall_reported = False  # this watcher's STALLED report is on the store (`record_stall`)
         self._idle_checked: dict[int, float] = {}  # shards `_idle_ones_committed` looked at, and when
         self._stalled_since: float | None = None  # when those looks began (our monotonic clock)
 
@@ -372,7 +373,7 @@ class CommitWatcher:
         what it trained on; a stall still there a look later (30 s) is for good: samples in the
         consumers' shuffle buffers and batches in flight keep their shards from counting as
         consumed, so the window must hold more than that."""
-        from layertap.manifests.consumption import consumer_of, stalled
+        from layertap.manifests.consumption import clear_stall, consumer_of, record_stall, stalled
 
         # Shards still being extracted (by workers that passed the window's gate before it filled)
         # mean no stall: their commits will come, and training goes on with them. Such a look is no
@@ -384,6 +385,9 @@ class CommitWatcher:
             self._stalled_since = time.monotonic() if found is not None else None
         self._stalled_looks = self._stalled_looks + 1 if found is not None else 0
         if found is None or self._stalled_looks < 2:
+            if self._stall_reported:  # over: extraction moved, or the window opened
+                clear_stall(self.store)
+                self._stall_reported = False
             return
         b, window = found
         if consumer_of(self.store) is None:
@@ -404,6 +408,8 @@ class CommitWatcher:
                        "(`consumption.window_floor`). Restart extraction with a larger "
                        "--window, or train with a smaller --shuffle-buffer, --batch-size or --num-workers; both "
                        "resume where they are.")
+        record_stall(self.store, self.who, message)  # `status` of the run shows it while it lasts
+        self._stall_reported = True
         if time.monotonic() - (self._stalled_since or time.monotonic()) >= STALL_GIVE_UP_S:
             # neither side can move: a trainer waiting on for good would hold its GPUs, and the run's, forever
             raise Stalled(f"{message} Stopping after {STALL_GIVE_UP_S / 60:.0f} min of it.")
