@@ -459,6 +459,17 @@ def _patiently(look: Callable[[], T]) -> T:
     return patiently(look, Backoff(1.0, 30.0, jitter=0.25).next_pause)
 
 
+def _consumer(store: ObjectStore) -> str | None:
+    """The output of the run's --delete-consumed trainer, where one has claimed it (None: none, or unreadable)."""
+    from layertap.manifests.consumption import consumer_of
+    from layertap.manifests.manifest import ManifestError
+
+    try:
+        return consumer_of(store)
+    except ManifestError:
+        return None
+
+
 def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) -> bool:
     """Whether every one of `shards` is committed: one scan of the run, which also refuses a run
     whose manifest was replaced."""
@@ -641,6 +652,10 @@ def _summary(store: ObjectStore, cfg: ExtractConfig, queue: WorkQueue) -> int:
         print(f"\ntraining consumed {consumed['shards']} of its shards while it was extracted (the data of "
               f"{consumed['shards_deleted']} deleted, --delete-consumed): the trainer's own `layertap status` "
               "says how its training went")
+        return 0
+    if (trainer := _consumer(store)) is not None:  # claimed, nothing deleted yet: a second trainer would race it
+        print(f"\na --delete-consumed trainer writing to {trainer} trains on this run and deletes what it has "
+              f"trained on: `layertap status {trainer}` says how its training goes")
         return 0
     print(f"\ntrain a drafter on it (the target is the one this run's manifest records):"
           f"\n  layertap train --data {cfg.out} --out {cfg.out.rstrip('/')}-drafter")

@@ -140,6 +140,18 @@ def test_rerun_resumes_and_a_changed_config_is_refused(models, tmp_path, capsys)
     before = {o.key for o in store.list()}
     assert cli(args) == 0  # nothing left to do
     assert {o.key for o in store.list()} == before
+    # a --delete-consumed trainer claimed the run (nothing deleted yet): not "train a drafter on it", which
+    # started a second trainer on data the first deletes as it trains
+    from layertap.manifests.consumption import claim_consumer
+
+    claim_consumer(store, str(tmp_path / "drafter"))
+    capsys.readouterr()
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert f"a --delete-consumed trainer writing to {tmp_path / 'drafter'} trains on this run" in out
+    assert "layertap train --data" not in out
+    store.delete(layout.CONSUMER)
+    before = {o.key for o in store.list()}
 
     changed = [a if a != "1,3" else "1,2" for a in args] + ["--codec", "fp8"]
     assert cli(changed) == 2
