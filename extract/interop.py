@@ -33,7 +33,8 @@ from layertap.extract.estimate import planned_bytes_per_token
 from layertap.extract.inputs import NO_SUPERVISED_PAIR
 from layertap.manifests import layout
 from layertap.manifests.commit_index import read_commits
-from layertap.manifests.manifest import DEFAULT_SHARD_BYTES, Manifest, create_or_resume, load_manifest
+from layertap.manifests.manifest import (DEFAULT_SHARD_BYTES, Manifest, create_or_resume, header_mismatch,
+                                         load_manifest)
 from layertap.manifests.preemption import Preempted, StopSignals
 from layertap.manifests.records import Producer
 from layertap.manifests.work import Claim, WorkQueue
@@ -91,7 +92,7 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     total = min(total, limit) if limit is not None else total
     out = writer(fmt, dest, rows_only=rows_only)
     try:
-        written, sources = _write_samples(run, commits, fmt, order, total, out)
+        written, sources = _write_samples(run, commits, fmt, order, total, out, manifest.config)
         if written == 0:  # speculators' dataset of no file does not even load; SpecForge's folder holds nothing
             raise InputError(f"the run at {run.uri} has no sample to export: "
                              + ("no shard is committed yet" if not commits else
@@ -109,8 +110,10 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
 
 
 def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], total: int,
-                   out: ForeignWriter) -> tuple[int, list[dict[str, Any]]]:
-    """Write the first `total` committed samples in shard order; how many, and the shards read."""
+                   out: ForeignWriter, config: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """Write the first `total` committed samples in shard order; how many, and the shards read.
+    Each shard's HEAD must say the states the manifest's `config` does (`header_mismatch`): the
+    files and their note are labelled by the manifest, and an edited one mislabelled them."""
     written = 0
     sources: list[dict[str, Any]] = []  # the rows' shards in order: row i is the i-th of their samples
     with progress(total, desc="export", unit="sample") as bar:
@@ -123,6 +126,8 @@ def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], 
                 log.warning("shard %d's data (%s) is gone: its %d samples are not exported", c.shard, c.data_key,
                             c.num_records)
                 continue
+            if (refused := header_mismatch(run.uri, c.shard, c.data_key, records.meta, config)) is not None:
+                raise refused
             sources.append({"shard": c.shard, "data_key": c.data_key, "samples": 0})
             for sample in records:
                 if written >= total:

@@ -28,7 +28,7 @@ import torch
 from hs_connectors import HiddenStatesTransfer
 
 from layertap.extract.interop import EXPORT_NOTE, check_exportable
-from layertap.manifests.manifest import load_manifest
+from layertap.manifests.manifest import header_mismatch, load_manifest
 from layertap.storage.errors import InputError
 from layertap.storage.foreign import layer_order
 from layertap.storage.foreign_speculators import hs_tensors
@@ -92,6 +92,7 @@ class LayertapTransfer(HiddenStatesTransfer):
                              f"run {note['run_id']}: pass that run's location as run=")
         check_exportable("speculators", manifest.identity, store.uri)
         self._order = layer_order("speculators", manifest.identity.layers)
+        self._config = manifest.config
         self._sources = note["sources"]
         self._starts = [0]
         for source in self._sources:
@@ -112,7 +113,12 @@ class LayertapTransfer(HiddenStatesTransfer):
         key = self._sources[i]["data_key"]
         try:
             if (index := self._indexes.get(key)) is None:
-                index = self._indexes[key] = _ShardIndex.of(ShardReader(self._store, key))
+                reader = ShardReader(self._store, key)
+                # labelled by the manifest, which an edit may have made say other states than the shard holds
+                if (refused := header_mismatch(self._store.uri, self._sources[i]["shard"], key, reader.meta,
+                                               self._config)) is not None:
+                    raise refused
+                index = self._indexes[key] = _ShardIndex.of(reader)
             sample = index.read(self._store, file_idx - self._starts[i])
         except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn by verify
             log.warning("row %d: shard %d's data %s is gone from the run", file_idx, self._sources[i]["shard"], key)

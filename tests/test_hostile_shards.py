@@ -289,7 +289,7 @@ def test_inspect_on_head_or_footer_fields_of_the_wrong_type(run, capsys, damage)
 
 @pytest.mark.parametrize("edit", [{"layers": [fake_worker.LAYERS[0]]}, {"codec": "bf16"}, {"final_state": "prenorm"},
                                   {"hidden_size": 2 * fake_worker.HIDDEN}])
-def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_withdrawn(run, capsys, edit):
+def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_withdrawn(run, capsys, edit, tmp_path):
     """Capture layers edited in manifest.json: `status` and `verify` passed the run and `train` ended in a
     torch shape error; every shard's HEAD says what its states are, and the loader and verify compared
     only the run id. Sound shards are not withdrawn for it (nor skipped under on_corrupt="skip")."""
@@ -308,6 +308,12 @@ def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_with
     err = capsys.readouterr().err
     assert "disagrees with committed shard" in err and said in err and "Nothing was withdrawn" in err
     assert sorted(o.key for o in store.list("commits/")) == commits
+    # export labels its files (and its note) by the manifest: it wrote mislabelled ones with exit 0
+    dest = tmp_path / "exported"
+    assert cli(["export", run, "--to", "specforge", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert "disagrees with committed shard" in err and said in err, err
+    assert not [p for p in dest.rglob("*") if p.is_file()]  # nothing partial left
 
 
 def test_only_what_a_manifest_records_is_compared_with_a_shards_header():
