@@ -404,6 +404,18 @@ def test_a_verifier_of_another_width_or_vocabulary_is_refused(trained, tmp_path,
     assert not dest.exists()
 
 
+def test_a_verifier_without_the_capture_layers_is_refused(trained, tmp_path, capsys):
+    """A 3-layer verifier of the same width and vocabulary for a drafter trained on layers 1 and 3 of
+    a 6-layer target: exported with exit 0, vLLM gathering a state the verifier does not have."""
+    other = tiny_model_dir(tmp_path / "other", "qwen3", num_layers=3)
+    dest = tmp_path / "spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier", other]) == 2
+    err = capsys.readouterr().err
+    assert f"the verifier {other} has 3 decoder layers, but the drafter was trained on the states of layers [1, 3] " \
+        "(layertap's ids; [3] do not exist in it)" in err, err
+    assert not dest.exists()
+
+
 @pytest.mark.parametrize("where", ["missing", "no config"])
 def test_a_verifier_path_that_is_no_model_folder_is_refused(trained, tmp_path, capsys, monkeypatch, where):
     """A mistyped path exported with a warning and exit 0: a config naming no architectures and a

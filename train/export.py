@@ -248,6 +248,11 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
                           "vLLM would fail to load the pair, or serve a drafter none of whose drafts is accepted. "
                           "Pass --verifier with that model (or a quantized copy of it)")
     layers = int(text.get("num_hidden_layers") or 0)
+    if layers and (beyond := [k for k in config.capture_layers if k >= layers]):
+        raise ConfigError(f"the verifier {name} has {layers} decoder layers, but the drafter was trained on the "
+                          f"states of layers {config.capture_layers} (layertap's ids; {beyond} do not exist in it): "
+                          "it is not the model the drafter was trained for, and vLLM would gather states it does not "
+                          "have. Pass --verifier with that model (or a quantized copy of it)")
     remedy = f"a servable drafter needs a run captured at layers below {layers - 1} (`layertap extract --layers`)"
     if layers and (why := unservable_layer(config.capture_layers, layers, remedy)) is not None:
         log.warning("%s. The checkpoint is written all the same.", why)
