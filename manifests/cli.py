@@ -70,8 +70,10 @@ def run_status(args: argparse.Namespace) -> int:
             from layertap.manifests.manifest import refuse_leftovers
 
             refuse_leftovers(store)  # a run's records without its manifest: a delete while a worker still wrote
-            if jobs := _slurm_jobs(store):  # submitted, its first task not yet at work: nothing to start by hand
-                raise NoRun(_coming(store.uri, jobs)) from None
+            if jobs := _slurm_jobs(store):  # submitted, its first task not yet at work: work to come, not an error
+                print(json.dumps({"prefix": store.uri, "complete": False, "slurm_jobs": [t.job for t in jobs]}, indent=2)
+                      if args.json else _coming(store.uri, jobs))
+                return EXIT_INCOMPLETE
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
                         + _what_is_under(store)) from None

@@ -504,20 +504,24 @@ def _not_running(args: argparse.Namespace, store, indices: list[int]) -> list[in
 def _nothing_left(args: argparse.Namespace, remaining, train, queued) -> int:
     from layertap.slurm.scripts import compress
 
+    # a trainer submitted after it (--then-train after a complete run, --train-while-extracting): "nothing to
+    # submit" then read as false
+    nothing = "no extraction task to submit" if train else "nothing to submit"
     if remaining is None and queued:
-        _say(args, f"nothing to submit: {len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} "
+        _say(args, f"{nothing}: {len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} "
                    "for this run (squeue), as many as --nodes asks for")
     elif remaining is not None and remaining.queued:
-        _say(args, f"nothing to submit: {_queued_text(remaining)}")
+        _say(args, f"{nothing}: {_queued_text(remaining)}")
     elif remaining is not None and remaining.waited_for:
         # A window run is paced by its training: more tasks would only hold GPUs to wait beside these.
-        _say(args, f"nothing to submit: {_waiting_text(remaining)} as it does (`layertap status` says whether the "
+        _say(args, f"{nothing}: {_waiting_text(remaining)} (`layertap status` says whether the "
                    "trainer runs). To change --window, stop them (scancel their jobs) and submit again")
     elif remaining is not None and remaining.running:
-        _say(args, f"nothing to submit: shards {compress(remaining.running)} are running under live leases, "
-                   "every other one is done")
+        run = remaining.running
+        _say(args, f"{nothing}: " + (f"shard {run[0]} is" if len(run) == 1 else f"shards {compress(run)} are")
+                   + " running under live leases, every other one is done")
     else:
-        _say(args, "nothing to submit: every shard is done")
+        _say(args, f"{nothing}: every shard is done")
     if train:  # after a complete run, or alongside the running one (--train-while-extracting)
         if args.dry_run:
             _show(f"{train[0].job_name}.sbatch", [], train[1])

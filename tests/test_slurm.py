@@ -142,12 +142,13 @@ def test_status_and_delete_know_the_slurm_jobs_queued_for_a_prefix(tmp_path, cap
     (bin_ / "squeue").write_text((bin_ / "squeue").read_text() + f"echo '93_0|PENDING|Priority|{tag(str(new), 0, None)}'\n"
                                  f"echo '94|PENDING|Dependency|{training_tag(str(later), False, False)}'\n"
                                  f"echo '95_0|PENDING|JobHeldAdmin|{tag(other, 0, None)}'\n")
-    assert cli(["status", str(new)]) == 2
+    assert cli(["status", str(new)]) == 3  # work to come (a script waits on 3), not an error (2: a bad prefix)
     assert f"nothing at {new} yet: Slurm job(s) 93_0 of `layertap submit extract` are queued or running for " \
-        "it (squeue); the first extraction task to start plans the run" in capsys.readouterr().err
-    assert cli(["status", str(later)]) == 2  # a training job after its extraction: no run is planned by it
+        "it (squeue); the first extraction task to start plans the run" in capsys.readouterr().out
+    assert cli(["status", "--json", str(new)]) == 3 and json.loads(capsys.readouterr().out)["slurm_jobs"] == ["93_0"]
+    assert cli(["status", str(later)]) == 3  # a training job after its extraction: no run is planned by it
     assert f"nothing at {later} yet: Slurm job(s) 94 of `layertap submit train` are queued or running for it " \
-        "(squeue); it is written once they start (train)" in capsys.readouterr().err
+        "(squeue); it is written once they start (train)" in capsys.readouterr().out
     # a job held by an admin starts only if released: not named as coming (submit resubmits its work) ...
     assert cli(["status", other]) == 3 and "nothing is running" in capsys.readouterr().out
 
@@ -824,7 +825,7 @@ def test_train_while_extracting_submits_a_follow_trainer_the_window_array_waits_
     open_store(fresh).put(layout.lease_key(0, 1, 600), b"{}")  # a live worker holds the only shard
     assert submit(*base, "--max-length", "64", "--train-while-extracting", "--out d") == 0
     out = capsys.readouterr().out
-    assert "nothing to submit: shards 0 are running" in out and "--follow" in dry_run_scripts(out)["layertap-train"]
+    assert "no extraction task to submit: shard 0 is running" in out and "--follow" in dry_run_scripts(out)["layertap-train"]
     assert not (tmp_path / "layertap-logs").exists()
 
 
