@@ -440,9 +440,10 @@ def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int
                          "the target they came from as --model")
     width = total // stored if stored else hidden
     if width != hidden or total % hidden:
-        raise InputError(f"{where} holds {total:,} values per token of capture-layer states"
-                         + (f" ({stored} layer(s) of {width})" if stored else "")
-                         + f", which is not a whole number of states of the target's hidden size {hidden} (from "
+        what = (f" ({stored} layer(s) of {width}): states {width} wide, where the target's hidden size is {hidden}"
+                if stored and width != hidden else
+                f", which is not a whole number of states of the target's hidden size {hidden}")
+        raise InputError(f"{where} holds {total:,} values per token of capture-layer states{what} (from "
                          f"{hidden_from}): are these states of --model's model?{seen}")
     held = total // hidden
     if held != len(layers):

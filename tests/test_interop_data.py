@@ -423,6 +423,14 @@ def test_a_speculators_import_names_the_layer_counts(prenorm_run, target, tmp_pa
                 wide]) == 2
     err = capsys.readouterr().err
     assert "are 64 wide" in err and "hidden size is 128" in err and not back.exists()
+    # narrower: 128 values are 4 states 32 wide, so "not a whole number of states of hidden size 32" was false
+    narrow = tiny_model_dir(tmp_path / "narrow", "qwen3", hidden_size=32)
+    (Path(dest) / "layertap-export.json").unlink()  # files of another tool: no note to compare widths with
+    assert cli(["import", dest, "--from", "speculators", "--out", str(back), "--layers", "2,4", "--model",
+                narrow]) == 2
+    err = capsys.readouterr().err
+    assert "(2 layer(s) of 64): states 64 wide, where the target's hidden size is 32" in err, err
+    assert "whole number" not in err and not back.exists()
 
 
 def test_an_import_checks_the_target_and_records_its_gguf_file(specforge_export, target, tmp_path, capsys):
