@@ -187,6 +187,9 @@ def check_empty(dest: ObjectStore) -> None:
     it, so files of an earlier export (a larger one, another run's, one cut short) would be trained
     on beside this one's, whatever layertap-export.json says."""
     there = next((o for o in dest.list("") if not is_write_probe(o.key)), None)
+    if there is not None and dest.exists(layout.MANIFEST):  # "empty this one first" would have deleted a run
+        raise ConfigError(f"the export destination {dest.uri} is a layertap run (it holds {layout.MANIFEST}): export "
+                          "into a new folder or prefix of its own")
     if there is not None:
         raise ConfigError(f"the export destination {dest.uri} is not empty (it holds {there.key}, and maybe more): "
                           "the foreign trainers read every sample file under it, so an earlier export's would mix "

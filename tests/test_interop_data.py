@@ -300,6 +300,11 @@ def test_an_export_refuses_a_destination_that_holds_files(prenorm_run, tmp_path,
     assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "3"]) == 2
     assert "is not empty" in capsys.readouterr().err
     assert sorted(p.name for p in Path(dest).rglob("*")) == before
+    # the run itself given as DEST: "empty this one first" would have had the user delete the run
+    assert cli(["export", prenorm_run, "--to", "specforge", prenorm_run]) == 2
+    err = capsys.readouterr().err
+    assert f"the export destination {prenorm_run} is a layertap run (it holds manifest.json)" in err
+    assert "empty this one" not in err
 
 
 def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, tmp_path):
