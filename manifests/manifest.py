@@ -421,6 +421,12 @@ def create_or_resume(store: ObjectStore, *, config: RunConfig | Mapping[str, Any
         if store.put_if_absent(MANIFEST, json.dumps(manifest.to_json(), separators=(",", ":")).encode()):
             return manifest, True
         existing = load_manifest(store)
+    made, now = existing.dataset.get("format"), (dataset or {}).get("format")  # an import's source format
+    if made != now:  # an extraction and an import, or imports of two formats: their settings' diff said "resume it"
+        raise ConfigMismatch(f"the run at {store.uri} was "
+                             + (f"imported from {made} files" if made else "extracted (`layertap extract`)")
+                             + "; this is " + (f"an import of {now} files" if now else "an extraction")
+                             + ", which cannot resume it: write the new run to another prefix")
     diffs = existing.differences(config, fingerprint, dataset)
     if diffs:
         raise ConfigMismatch(

@@ -307,6 +307,19 @@ def test_an_export_refuses_a_destination_that_holds_files(prenorm_run, tmp_path,
     assert "empty this one" not in err
 
 
+def test_an_import_into_an_extracted_runs_prefix_says_so(prenorm_run, target, tmp_path, capsys):
+    """It listed nine "run has X, now None" differences and advised "use the run's settings to resume it",
+    which no import can."""
+    dest = str(tmp_path / "sf")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "2"]) == 0
+    capsys.readouterr()
+    assert cli(["import", dest, "--from", "specforge", "--out", prenorm_run, "--model", target]) == 2
+    err = capsys.readouterr().err
+    assert f"the run at {prenorm_run} was extracted (`layertap extract`); this is an import of specforge files, " \
+        "which cannot resume it: write the new run to another prefix" in err, err
+    assert "now None" not in err
+
+
 def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, tmp_path):
     """A file cut short (a .ckpt.gz, an hs_{i}.safetensors) is one bad sample, skipped and named in
     its shard's commit, not a failure of the whole shard on every rerun."""
