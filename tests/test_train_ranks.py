@@ -172,10 +172,10 @@ def test_a_signal_to_rank_0_stops_every_rank_at_the_step_boundary_with_a_checkpo
                        timeout=600, env=env, cwd=tmp_path)
     assert p.returncode != 0
     assert "a collective between the ranks failed" not in p.stderr and p.stderr.count("stopped at step 3 by a signal") == 1, p.stderr[-6000:]
-    # rank 1 stopped itself at the boundary (143); rank 0 did too, unless the launcher, seeing rank 1 end
-    # first, sent it SIGTERM while it exited (-15 on a busy machine)
-    ends = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", p.stderr))
-    assert ends.get("1", "143") == "143" and ends.get("0", "143") in ("143", "-15"), p.stderr[-3000:]
+    # each rank stopped itself at the boundary (143), unless the launcher, seeing the other end first, sent it
+    # SIGTERM as it exited (-15 on a busy machine); none ended in an error (1, 2) out of the next step's collective
+    ends = re.findall(r"rank\s*: \d \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", p.stderr)
+    assert ends and set(ends) <= {"143", "-15"}, p.stderr[-3000:]
     assert json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == 3
 
 
