@@ -293,6 +293,7 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
         raise InputError(f"{src.uri} is a `layertap export --rows-only` of the run at {note.get('source')}: it holds "
                          "the rows alone (speculators reads their states from that run), so there is nothing to "
                          "import; use that run itself (`layertap train --data` it, or export it without --rows-only)")
+    _warn_of_another_model(note, model, src)
     values = rd.capture_values(files[0])
     check_layer_count(values, fmt, layers, target.hidden_size, facts_from, where, note)
     check_target_layers(fmt, layers, ours, target.num_layers, facts_from)
@@ -421,6 +422,21 @@ def export_note(src: ObjectStore, fmt: str | None) -> dict[str, Any] | None:
     except (ObjectNotFound, ValueError, RecursionError):
         return None
     return note if isinstance(note, dict) and (fmt is None or note.get("format") == fmt) else None
+
+
+def _warn_of_another_model(note: dict[str, Any] | None, model: str, src: ObjectStore) -> None:
+    """Warn where --model is not the model the export note records its run was extracted with: only
+    the width was compared, so a model of the same width imported without a word, and the drafter
+    trained on the run would borrow its embeddings and head. A warning: a copy of the model
+    elsewhere is the same model."""
+    made = note.get("model") if note else None
+    if not isinstance(made, str) or not made:
+        return
+    made_here = os.path.realpath(made) if os.path.exists(made) else made
+    if made_here != model:
+        log.warning("%s/%s records that these states are of %s, but --model is %s: if it is not a copy of that "
+                    "model, import again with --model %s (a drafter trained on the run borrows --model's "
+                    "embeddings and head)", src.uri.rstrip("/"), EXPORT_NOTE, made, model, made)
 
 
 def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int], hidden: int, hidden_from: str,

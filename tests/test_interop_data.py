@@ -320,6 +320,21 @@ def test_an_import_into_an_extracted_runs_prefix_says_so(prenorm_run, target, tm
     assert "now None" not in err
 
 
+def test_an_import_with_another_model_than_the_export_records_warns(prenorm_run, target, tmp_path, caplog):
+    """Only the width was compared: a model of the same width imported without a word, and the
+    drafter trained on the run would borrow its embeddings and head."""
+    dest = str(tmp_path / "sf")
+    assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "2"]) == 0
+    other = tiny_model_dir(tmp_path / "other", "qwen3", seed=1)  # the same width and layers, another model
+    caplog.set_level("WARNING", logger="layertap.extract.interop")
+    assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "a"), "--model", other]) == 0
+    said = [r.getMessage() for r in caplog.records if "records that these states are of" in r.getMessage()]
+    assert len(said) == 1 and f"but --model is {os.path.realpath(other)}" in said[0], said
+    caplog.clear()
+    assert cli(["import", dest, "--from", "specforge", "--out", str(tmp_path / "b"), "--model", target]) == 0
+    assert not [r for r in caplog.records if "records that these states are of" in r.getMessage()]
+
+
 def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, tmp_path):
     """A file cut short (a .ckpt.gz, an hs_{i}.safetensors) is one bad sample, skipped and named in
     its shard's commit, not a failure of the whole shard on every rerun."""
