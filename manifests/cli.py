@@ -71,8 +71,8 @@ def run_status(args: argparse.Namespace) -> int:
 
             refuse_leftovers(store)  # a run's records without its manifest: a delete while a worker still wrote
             if jobs := _slurm_jobs(store):  # submitted, its first task not yet at work: work to come, not an error
-                print(json.dumps({"prefix": store.uri, "complete": False, "slurm_jobs": [t.job for t in jobs]}, indent=2)
-                      if args.json else _coming(store.uri, jobs))
+                coming = {"prefix": store.uri, "complete": False, "slurm_jobs": [t.job for t in jobs]}
+                print(json.dumps(coming, indent=2) if args.json else _coming(store.uri, jobs))
                 return EXIT_INCOMPLETE
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
@@ -341,20 +341,23 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
     interrupted = s.get("interrupted", [])
     # workers at work take an interrupted shard they may (a dynamic task: any): "a rerun finishes it" beside
     # them started a second extractor
-    rerun = "a worker at work takes it if it may, else a rerun finishes it" if live else "a rerun finishes it"
+    def rerun(it: str) -> str:
+        return (f"a worker at work takes {it} if it may, else " if live else "") + f"a rerun finishes {it}"
+
     if len(interrupted) < s.get("shards_interrupted", 0):
         lines += _failure_groups(f"INTERRUPTED {s['shards_interrupted']:,} shards: {s['interrupted_ranges']} "
-                                 f"({rerun.replace('takes it', 'takes them').replace('finishes it', 'finishes them')})",
-                                 interrupted)
+                                 f"({rerun('them')})", interrupted)
     else:
         for f in interrupted:
             tries = f"{f['attempts']:,} attempts, the last " if f.get("attempts", 1) > 1 else ""
-            lines.append(f"  INTERRUPTED shard {f['shard']} ({tries}stopped on {_where(f)}): {f['error']}; {rerun}")
+            lines.append(f"  INTERRUPTED shard {f['shard']} ({tries}stopped on {_where(f)}): {f['error']}; "
+                         + rerun("it"))
     for f in s.get("retrying", []):
         lines.append(f"  RETRYING shard {f['shard']}: running again after {f['attempts']:,} attempts that stopped or "
                      f"failed, the last on {_where(f)}: {f['error']}")
     if "shards" in s:
-        lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  object (or last error)")
+        lines.append(f"  {'shard':<7} {'state':<8} {'records':>8} {'tokens':>11} {'stored':>10}  "
+                     "object (or last error)")
         for e in s["shards"]:
             numbers = (f"{e['records']:>8,} {e['tokens']:>11,} {size(e['bytes']):>10}" if "records" in e
                        else f"{'':>8} {'':>11} {'':>10}")

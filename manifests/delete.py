@@ -40,8 +40,9 @@ def add_delete(p: argparse.ArgumentParser) -> None:
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (for scripts)")
     p.add_argument("--force", action="store_true",
                    help="delete even a prefix that is not a run or a training output, one being written "
-                        "(Slurm jobs of `layertap submit` queued or running for it, a run with live leases, workers waiting behind --window or a running --delete-consumed "
-                        "trainer; an output a trainer holds), or one holding other runs or outputs below it "
+                        "(Slurm jobs of `layertap submit` queued or running for it, a run with live leases, "
+                        "workers waiting behind --window or a running --delete-consumed trainer; an output a "
+                        "trainer holds), or one holding other runs or outputs below it "
                         "(deleted with it)")
     p.add_argument("--threads", type=int, default=16, help="delete requests in flight on S3, 1,000 keys each (default 16)")
 
@@ -133,7 +134,7 @@ def describe(store, force: bool) -> str:
     from layertap.manifests import layout
     from layertap.manifests.manifest import ManifestError, NoRun, enclosing, load_manifest
     from layertap.manifests.liveness import gone_from_here
-    from layertap.manifests.output_lease import any_lease, live_holder
+    from layertap.manifests.output_lease import held_by, latest
     from layertap.manifests.regeneration import RECIPE, live_tasks
 
     if not force:
@@ -152,9 +153,9 @@ def describe(store, force: bool) -> str:
         if not force:
             _refuse_live_writers(store, manifest)
         return f"run {manifest.run_id} at {store.uri} ({len(manifest.shards)} shards, {layout.MANIFEST} last)"
-    held = live_holder(store)
-    # a stale lease/ alone: a trainer killed before its first checkpoint (what `status` calls it too)
-    if held is not None or any(store.exists(k) for k in TRAINING_KEYS) or any_lease(store):
+    lease = latest(store)  # a stale one alone: a trainer killed before its first checkpoint (`status` says so too)
+    held = held_by(store, lease)
+    if lease is not None or any(store.exists(k) for k in TRAINING_KEYS):
         if held is not None and gone_from_here(held.holder):  # killed here: its lease outlives it, not its writes
             log.info("its trainer (%s) has exited", held.describe(store.now()))
         elif held is not None and not force:

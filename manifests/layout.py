@@ -60,7 +60,7 @@ FEED = "feed/"  # one empty key per commit, named by its time and counts: what f
 COMMIT_INDEX = "index/commits.json.zst"
 CONSUMED, CONSUMED_RANKS, CONSUMED_SHARDS = "consumed/", "consumed/ranks/", "consumed/shards/"
 CONSUMED_WINDOW = "consumed/window.json"  # the --window extraction runs with, for the trainer's stall check
-CONSUMED_STALL = "consumed/stalled.json"  # a follow trainer's STALLED report, while it lasts (`consumption.record_stall`)
+CONSUMED_STALL = "consumed/stalled.json"  # a follow trainer's STALLED report while it lasts (`record_stall`)
 CONSUMER = "consumed/trainer.json"  # the one --delete-consumed trainer of the run: its output
 
 _FEED = re.compile(r"^(\d{13})\.(\d{6,})(?:\.r(\d+)\.s(\d+))?$")

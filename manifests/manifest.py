@@ -204,7 +204,8 @@ class Manifest:
         # the fingerprint covers the rows read, --limit included: say what the run read
         made = f"; the run read {self.dataset['path']}" if self.dataset.get("path") else ""
         if "limit" in self.dataset:
-            made += f" with --limit {self.dataset['limit']}" if self.dataset["limit"] is not None else " without --limit"
+            limit = self.dataset["limit"]
+            made += f" with --limit {limit}" if limit is not None else " without --limit"
         return (f"dataset fingerprint: run has {self.dataset.get('fingerprint')!r}, now {fingerprint!r} "
                 f"(the rows read differ: another or an edited file, or another --limit{made})")
 

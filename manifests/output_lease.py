@@ -111,12 +111,6 @@ def taken_over(store: ObjectStore, role: Role = TRAINER) -> OutputLeaseTaken:
         "(a stall, or the store out of reach, for longer than the lease's ttl): stopping without writing")
 
 
-def any_lease(store: ObjectStore, prefix: str = PREFIX) -> bool:
-    """Whether a lease (alive or stale) is under `prefix`: a trainer held the output, at least until
-    it was killed (a stale one alone: killed before its first checkpoint)."""
-    return next(iter(store.list(prefix)), None) is not None
-
-
 def live_holder(store: ObjectStore, prefix: str = PREFIX) -> Held | None:
     """The holder of the lease under `prefix` now (alive by the store's clock), else None."""
     return held_by(store, latest(store, prefix))

@@ -14,7 +14,8 @@ import logging
 from typing import Any
 
 from layertap.manifests.liveness import gone_from_here
-from layertap.manifests.output_lease import Held, any_lease, live_holder
+from layertap.manifests.output_lease import Held, held_by
+from layertap.manifests.output_lease import latest as latest_lease
 from layertap.manifests.layout import MANIFEST
 from layertap.storage.errors import ConfigError, InputError
 from layertap.storage.store import ObjectNotFound, ObjectStore
@@ -49,9 +50,10 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         latest, written = _newest_complete(store)
     learned, after = _last_metrics(store)
     last = after[-1] if after else learned
-    held = live_holder(store)  # a trainer at work, maybe before its first checkpoint
-    if latest is None and last is None and held is None and not any_lease(store):
-        return None  # (a stale lease alone: a trainer that stopped before its first checkpoint, e.g. killed)
+    lease = latest_lease(store)  # alive, or stale alone: a trainer that stopped before its first checkpoint
+    held = held_by(store, lease)  # a trainer at work, maybe before its first checkpoint
+    if latest is None and last is None and lease is None:
+        return None
     # killed outright (SIGKILL, the OOM killer) on this machine: its lease lives on until its TTL,
     # but `train --resume` here takes the output over at once (liveness.gone_from_here)
     exited = held is not None and gone_from_here(held.holder)

@@ -337,16 +337,17 @@ def _submit_extract(args: argparse.Namespace) -> int:
         plan = dynamic_plan(remaining, args.nodes, opts.procs, submit.max_array_size(), cfg.shards,
                             queued=remaining.queued_dynamic if remaining is not None else len(queued))
     if args.then_train is not None and train is not None:  # none needed (complete, at work, queued): no chain
+        chained = _chained(args, cfg)
         if cfg.shards is not None:
-            _training_needs_the_rest(store, cfg, planned=remaining is not None, train_args=_chained(args, cfg))
+            _training_needs_the_rest(store, cfg, planned=remaining is not None, train_args=chained)
         if remaining is not None:
-            _training_waits_for_the_run(store, remaining, plan, _chained(args, cfg))
+            _training_waits_for_the_run(store, remaining, plan, chained)
         elif queued:
             after = " ".join(f"--after {t}" for t in sorted({t.array for t in queued}))
             raise ConfigError(f"{len(queued)} task(s) of {_jobs_of(queued)} are {_queued_or_running(queued)} for this "
                               "run (squeue): training chained to this submission (--then-train) would start without "
                               f"waiting for them. Submit this without --then-train, then `layertap submit train {after} "
-                              f"--after <the new array's job id, if any> {_chained(args, cfg)}`")
+                              f"--after <the new array's job id, if any> {chained}`")
     if plan.indices:
         _check_queued_trainers(trainers, cfg, len(plan.indices), alongside=args.train_while_extracting is not None)
     if no_trainer:

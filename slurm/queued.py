@@ -143,7 +143,12 @@ def _will_start(tagged: list[tuple[_Listed, T]], what: str) -> list[T]:
         log.warning("Slurm task(s) %s queued for %s are held (%s) and start only if released (`scontrol release`): "
                     "their work is not left to them but submitted again. `scancel %s` unless you release them, "
                     "or a release would do it twice", jobs, what, ", ".join(sorted({t.reason for t in held})), jobs)
-    return [x for t, x in tagged if t.reason not in _NEVER and t.reason not in _HELD]
+    return [x for t, x in tagged if _starts(t)]
+
+
+def _starts(t: _Listed) -> bool:
+    """Whether a listed job will start: not one whose dependency or limits forbid it, nor one held for good."""
+    return t.reason not in _NEVER and t.reason not in _HELD
 
 
 def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
@@ -281,7 +286,7 @@ def jobs_naming(uri: str, listing: str | None = None, quiet: bool = False) -> li
         listing = squeue_listing("Slurm jobs queued for it are not looked for",
                                  logging.DEBUG if quiet else logging.WARNING) or ""
     kinds = (("extract", _TAG), ("train", _TRAINING_TAG), ("regenerate", _REGENERATION_TAG))
-    return [TaggedJob(t.job, kind, t.reason not in _NEVER and t.reason not in _HELD) for t in _listed(listing)
+    return [TaggedJob(t.job, kind, _starts(t)) for t in _listed(listing)
             for kind, tag in kinds if (m := tag.fullmatch(t.comment)) is not None and m[m.re.groups] == location]
 
 

@@ -93,7 +93,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     if len(shown) < len(reader):
         print(f"  ... {len(reader) - len(shown):,} more (--records -1 lists all)")
     if stats is not None:
-        print(f"  statistics over {counted(len(reader), 'record')} ({stats['tokens']:,} tokens x {m.hidden_size} values a layer):")
+        print(f"  statistics over {counted(len(reader), 'record')} ({stats['tokens']:,} tokens x {m.hidden_size} "
+              "values a layer):")
         print(f"    {'layer':<18}{'mean':>12}{'std':>12}{'max |x|':>12}{'non-finite':>12}")
         rows = [(str(r["layer"]), r) for r in stats["layers"]]
         if stats["final_state"]:

@@ -139,7 +139,8 @@ def test_status_and_delete_know_the_slurm_jobs_queued_for_a_prefix(tmp_path, cap
     open_store(prefix).put(layout.failure_key(0, 1, "t"), b"{}")
     assert cli(["status", prefix]) == 3 and "FAILED shard 0" in capsys.readouterr().out
     new, later = tmp_path / "new", tmp_path / "later"
-    (bin_ / "squeue").write_text((bin_ / "squeue").read_text() + f"echo '93_0|PENDING|Priority|{tag(str(new), 0, None)}'\n"
+    (bin_ / "squeue").write_text((bin_ / "squeue").read_text()
+                                 + f"echo '93_0|PENDING|Priority|{tag(str(new), 0, None)}'\n"
                                  f"echo '94|PENDING|Dependency|{training_tag(str(later), False, False)}'\n"
                                  f"echo '95_0|PENDING|JobHeldAdmin|{tag(other, 0, None)}'\n")
     assert cli(["status", str(new)]) == 3  # work to come (a script waits on 3), not an error (2: a bad prefix)

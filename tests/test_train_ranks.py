@@ -10,8 +10,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,13 @@ import pytest
 from layertap.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def two_ranks(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`argv` (a script, or `-m` and a module, with its arguments) as two ranks of torchrun over gloo."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *argv], capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +145,9 @@ def test_a_rank_that_dies_leaves_the_others_an_error_that_says_so_and_how_to_go_
     checkpoint is kept and to resume, and the advised resume goes on to the end."""
     from test_train import FAST
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = tmp_path / "out"
     args = ["--data", str(extracted), "--model", target, "--steps", "6", "--save-every", "2", "--out", str(out), *FAST]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    p = subprocess.run([*launch, __file__, "--die-on-rank-1-in-step", "4", *args], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=tmp_path)
+    p = two_ranks(tmp_path, __file__, "--die-on-rank-1-in-step", "4", *args)
     assert p.returncode != 0
     said = [line for line in p.stderr.splitlines() if line.startswith("error: rank 0 of 2: ")]
     assert len(said) == 1 and "a collective between the ranks failed" in said[0], p.stderr[-6000:]
@@ -150,8 +156,7 @@ def test_a_rank_that_dies_leaves_the_others_an_error_that_says_so_and_how_to_go_
         "continues from there" in said[0]
     before = p.stderr.split(said[0])[0]  # after it, only the launcher's report of its ranks' ends
     assert "Traceback" not in before and "by peer" not in before, p.stderr[-6000:]
-    p = subprocess.run([*launch, "-m", "layertap", "train", *args, "--resume"], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=tmp_path)
+    p = two_ranks(tmp_path, "-m", "layertap", "train", *args, "--resume")
     assert p.returncode == 0, p.stderr[-6000:]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     assert p.stderr.count("resumed from") == 1  # rank 0's INFO lines alone: rank 1's said the same again
@@ -164,14 +169,13 @@ def test_a_signal_to_rank_0_stops_every_rank_at_the_step_boundary_with_a_checkpo
     the next step's collective for rank 0, which had exited (a review found it)."""
     from test_train import FAST
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = tmp_path / "out"
-    args = ["--data", str(extracted), "--model", target, "--steps", "8", "--save-every", "100", "--out", str(out), *FAST]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    p = subprocess.run([*launch, __file__, "--sigterm-rank-0-in-step", "3", *args], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=tmp_path)
+    args = ["--data", str(extracted), "--model", target, "--steps", "8", "--save-every", "100", "--out", str(out),
+            *FAST]
+    p = two_ranks(tmp_path, __file__, "--sigterm-rank-0-in-step", "3", *args)
     assert p.returncode != 0
-    assert "a collective between the ranks failed" not in p.stderr and p.stderr.count("stopped at step 3 by a signal") == 1, p.stderr[-6000:]
+    assert "a collective between the ranks failed" not in p.stderr, p.stderr[-6000:]
+    assert p.stderr.count("stopped at step 3 by a signal") == 1, p.stderr[-6000:]
     # each rank stopped itself at the boundary (143), unless the launcher, seeing the other end first, sent it
     # SIGTERM as it exited (-15 on a busy machine); none ended in an error (1, 2) out of the next step's collective
     ends = re.findall(r"rank\s*: \d \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", p.stderr)
@@ -201,43 +205,27 @@ def _no_checkpoint_on_rank_1() -> None:
         trainer.load_latest = lambda store, tensors=True: None
 
 
-def _sigterm_rank_0(step: int) -> None:
-    """Rank 0 is sent SIGTERM as step `step` (1-based) starts."""
-    import signal
-
+def _on_rank_at_step(rank: str, step: int, act: Callable[[], None]) -> None:
+    """`act()` on rank `rank` as step `step` (1-based) starts."""
     from layertap.train import trainer
 
     train_step = trainer.train_step
 
-    def signalled(run, at, *rest):
-        if os.environ["RANK"] == "0" and at + 1 == step:
-            os.kill(os.getpid(), signal.SIGTERM)
+    def acting(run, at, *rest):
+        if os.environ["RANK"] == rank and at + 1 == step:
+            act()
         return train_step(run, at, *rest)
 
-    trainer.train_step = signalled
-
-
-def _die_on_rank_1(step: int) -> None:
-    """Rank 1 exits at once as step `step` (1-based) starts, as a process killed or out of memory does."""
-    from layertap.train import trainer
-
-    train_step = trainer.train_step
-
-    def dying(run, at, *rest):
-        if os.environ["RANK"] == "1" and at + 1 == step:
-            os._exit(9)
-        return train_step(run, at, *rest)
-
-    trainer.train_step = dying
+    trainer.train_step = acting
 
 
 if __name__ == "__main__":  # a rank of the tests above: HELD COMMIT TRAIN-ARGS..., --count-reads FOLDER TRAIN-ARGS...
     if sys.argv[1] == "--count-reads":  # or --no-checkpoint-on-rank-1 - TRAIN-ARGS..., --die-on-rank-1-in-step N ...
         _count_reads(sys.argv[2])
-    elif sys.argv[1] == "--die-on-rank-1-in-step":
-        _die_on_rank_1(int(sys.argv[2]))
+    elif sys.argv[1] == "--die-on-rank-1-in-step":  # exits at once, as a process killed or out of memory does
+        _on_rank_at_step("1", int(sys.argv[2]), lambda: os._exit(9))
     elif sys.argv[1] == "--sigterm-rank-0-in-step":
-        _sigterm_rank_0(int(sys.argv[2]))
+        _on_rank_at_step("0", int(sys.argv[2]), lambda: os.kill(os.getpid(), signal.SIGTERM))
     elif sys.argv[1] == "--no-checkpoint-on-rank-1":
         _no_checkpoint_on_rank_1()
     else:

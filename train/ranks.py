@@ -125,7 +125,8 @@ def ranks_lost(acc: Any, e: BaseException, latest_step: int | None, out: str) ->
     error; the others, left in the step's collective, printed a gloo or NCCL traceback that said
     neither why nor what next. Most often another rank went away; where no other rank says why,
     the cause may be this rank's own device (NCCL raises its local faults the same way)."""
-    said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = str(e).strip()
+    said = text.splitlines()[0] if text else type(e).__name__
     said = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", said).split(". ")[0][:200]  # less gloo's source position
     then = (f"the latest checkpoint in {out} is step {latest_step}: once the cause is fixed, the same command with "
             "--resume continues from there") if latest_step is not None else \
