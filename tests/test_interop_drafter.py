@@ -430,3 +430,14 @@ def test_a_verifier_path_that_is_no_model_folder_is_refused(trained, tmp_path, c
     said = "no config.json in it" if where == "no config" else "no such folder"
     assert f"--verifier '{verifier}' is not a model folder on this machine ({said})" in capsys.readouterr().err
     assert not dest.exists()
+
+
+def test_a_relative_verifier_folder_is_named_by_its_absolute_path(trained, target, tmp_path, monkeypatch):
+    """`--verifier ./target` was written into config.json as given: a server started in another
+    folder (vLLM's, speculators') looked for the verifier there, or on the hub."""
+    monkeypatch.chdir(os.path.dirname(target))
+    dest = tmp_path / "spec"
+    assert cli(["export-drafter", trained, "--to", "speculators", str(dest), "--verifier",
+                "./" + os.path.basename(target)]) == 0
+    written = json.loads((dest / "config.json").read_text())
+    assert written["speculators_config"]["verifier"]["name_or_path"] == os.path.abspath(target)

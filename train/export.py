@@ -160,6 +160,8 @@ def _verifier(config: DrafterConfig, verifier: str | None) -> tuple[str, dict[st
             raise InputError(f"--verifier {name!r} is not a model folder on this machine ("
                              + ("no config.json in it" if os.path.isdir(name) else "no such folder")
                              + "): pass the target's local safetensors folder, or its hub id (org/name)")
+        if _is_path(name):  # a server started in another folder finds it (`extract` records its --model so too)
+            name = os.path.abspath(name)
     else:
         name, gguf = config.target.get("model"), config.target.get("gguf_file")
         if not name:
