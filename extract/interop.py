@@ -295,7 +295,7 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
                          "import; use that run itself (`layertap train --data` it, or export it without --rows-only)")
     _warn_of_another_model(note, model, src)
     values = rd.capture_values(files[0])
-    check_layer_count(values, fmt, layers, target.hidden_size, facts_from, where, note)
+    check_layer_count(values, fmt, layers, target.hidden_size, facts_from, where, note, src.uri)
     check_target_layers(fmt, layers, ours, target.num_layers, facts_from)
     first = rd.read(files[0])
     try:
@@ -440,21 +440,22 @@ def _warn_of_another_model(note: dict[str, Any] | None, model: str, src: ObjectS
 
 
 def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int], hidden: int, hidden_from: str,
-                      where: str, note: dict[str, Any] | None) -> None:
+                      where: str, note: dict[str, Any] | None, src_uri: str) -> None:
     """Refuse `--layers` of another count than the files hold. SpecForge and ModelOpt concatenate
     the layers, so a wrong count would split every token's values into states of another width:
     imported without a word, and only `layertap train` would notice, blaming the target. The
     target's hidden size (`hidden`, from `hidden_from`) says how many layers the files hold; the
-    export note, where there is one, says which."""
+    export note at `src_uri`, where there is one, says which. `where`: the file whose values were counted."""
     total, stored = values
+    note_at = f"{src_uri.rstrip('/')}/{EXPORT_NOTE}"
     given = ",".join(map(str, layers))
     recorded = note.get(f"{fmt}_layer_ids") if note else None
     if recorded is not None and not (type(recorded) is list and all(type(i) is int for i in recorded)):
-        raise InputError(f"{EXPORT_NOTE} beside {where} is corrupt: its {fmt}_layer_ids is {recorded!r:.80}, not a "
+        raise InputError(f"{note_at} is corrupt: its {fmt}_layer_ids is {recorded!r:.80}, not a "
                          "list of layer ids; remove it (or restore it) and give --layers")
     seen = f"; {EXPORT_NOTE} beside them records {possessive(fmt)} layer ids {recorded}" if recorded else ""
     if note is not None and note.get("hidden_size") not in (None, hidden):
-        raise InputError(f"{EXPORT_NOTE} beside {where} says its states are {note['hidden_size']} wide (a run of "
+        raise InputError(f"{note_at} says its states are {note['hidden_size']} wide (a run of "
                          f"{note.get('model')}), but the target's hidden size is {hidden} (from {hidden_from}): pass "
                          "the target they came from as --model")
     width = total // stored if stored else hidden
@@ -474,7 +475,7 @@ def check_layer_count(values: tuple[int, int | None], fmt: str, layers: list[int
                          f"names {len(layers)}: give --layers the {held} ids the files hold, in their order{seen}"
                          f"{other}")
     if recorded is not None and list(recorded) != list(layers):
-        raise InputError(f"--layers {given}, but {EXPORT_NOTE} beside {where} records that the files hold {possessive(fmt)} "
+        raise InputError(f"--layers {given}, but {note_at} records that the files hold {possessive(fmt)} "
                          f"layer ids {recorded} (layertap's {note.get('layers')}): pass --layers "
                          f"{','.join(map(str, recorded))}")
 

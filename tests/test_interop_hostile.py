@@ -201,6 +201,6 @@ def test_an_export_note_of_the_wrong_shape_is_named(qwen3, tmp_path, capsys):
     note = Path(src) / EXPORT_NOTE
     note.write_text(json.dumps({"format": "specforge", "specforge_layer_ids": 5, "hidden_size": 64}))
     assert _import(src, "specforge", str(tmp_path / "out"), qwen3) == 2
-    assert f"{EXPORT_NOTE} beside" in capsys.readouterr().err
+    assert f"{src}/{EXPORT_NOTE} is corrupt: its specforge_layer_ids is 5" in capsys.readouterr().err
     note.write_text("[" * 100_000 + "]" * 100_000)  # unreadable: taken for absent, as a cut-short one is
     assert _import(src, "specforge", str(tmp_path / "out2"), qwen3) == 0
