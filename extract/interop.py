@@ -101,7 +101,8 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
         note = {"format": fmt, "source": run.uri, "run_id": manifest.run_id, "model": ident.model,
                 **({"gguf_file": ident.gguf_file} if ident.gguf_file else {}), "samples": written,
                 "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],
-                "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources}
+                "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources,
+                "shards_planned": len(manifest.shards)}
         dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())
     except BaseException as e:
         _remove_partial_export(dest, out.written(), e)

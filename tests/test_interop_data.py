@@ -549,7 +549,7 @@ def test_speculators_trains_from_the_run_itself_through_the_layertap_transfer(pr
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
-def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, tmp_path):
+def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, tmp_path, capsys):
     """Rows map to samples through the export's record of the shards it read: a shard committed
     after the export (a run still extracting) must not shift later rows onto other samples, and a
     shard whose data is gone (consumed, withdrawn) makes its rows missing, not another's."""
@@ -567,6 +567,10 @@ def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, t
     full, rows = str(tmp_path / "full"), str(tmp_path / "rows")
     assert cli(["export", run, "--to", "speculators", full]) == 0
     assert cli(["export", run, "--to", "speculators", rows, "--rows-only"]) == 0
+    # a partial export says so as it ends (it only warned of the count as it began), and records it
+    assert f"that is the data of {len(commits) - 1} of the run's {len(commits)} shards" in capsys.readouterr().err
+    note = json.loads(Path(full, "layertap-export.json").read_text())
+    assert (len(note["sources"]), note["shards_planned"]) == (len(commits) - 1, len(commits))
     store.put(layout.commit_key(commits[0].shard), held_back)  # it commits afterwards
     gone = commits[1]
     store.delete(gone.data_key)  # a --delete-consumed trainer took it
