@@ -585,6 +585,27 @@ def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, t
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_rows_of_a_run_whose_manifest_was_edited_since_are_refused_not_mislabelled(prenorm_run, tmp_path):
+    """`LayertapTransfer` labels the states it reads by the run's manifest, as export does: one
+    edited after the export (here its codec) is refused where its first shard is read, naming the
+    disagreement, rather than decoding the shard's bytes as other states."""
+    import shutil
+
+    from layertap.extract.speculators_transfer import LayertapTransfer
+    from layertap.manifests.manifest import ManifestError
+
+    run, rows = str(tmp_path / "run"), str(tmp_path / "rows")
+    shutil.copytree(prenorm_run, run)
+    assert cli(["export", run, "--to", "speculators", rows, "--rows-only"]) == 0
+    assert LayertapTransfer(rows).get_cached(0) is not None
+    store = open_store(run)
+    manifest = json.loads(store.get(layout.MANIFEST))
+    store.put(layout.MANIFEST, json.dumps(dict(manifest, config=dict(manifest["config"], codec="bf16"))).encode())
+    with pytest.raises(ManifestError, match=r"manifest.json disagrees with committed shard \d+'s header .*: codec "
+                                            r"'bf16-zstd' in the shard, 'bf16' in the manifest; the manifest was edited"):
+        LayertapTransfer(rows).get_cached(0)
+
+
 def test_a_modelopt_files_flag_says_which_final_state_it_holds(s3_postnorm_run, target, tmp_path, capsys, caplog):
     """ModelOpt's vLLM dumper stores the last layer's state before the final norm (its reader norms
     it where the file says `hidden_states_prenorm`); every ModelOpt import was recorded postnorm,
