@@ -391,9 +391,9 @@ def _consumption_lines(c: dict | None) -> list[str]:
     if not c:
         return []
 
-    def rate(r: dict) -> str:
-        if r["samples_per_h"] is None:
-            return "no rate yet"
+    def rate(r: dict, shards: int) -> str:
+        if r["samples_per_h"] is None:  # `burst_rate`: markers come in bursts (a checkpoint's), commits one by one
+            return "no rate yet" if not shards else f"no rate ({shards} shard(s) in one burst: a rate needs two)"
         return f"{r['samples_per_h']:,} samples/h ({size(r['bytes_per_h'])}/h)"
 
     return [
@@ -401,7 +401,8 @@ def _consumption_lines(c: dict | None) -> list[str]:
         "data deleted)",
         f"  backlog  {c['backlog_shards']} shards, {c['backlog_samples']:,} samples, {size(c['backlog_bytes'])} "
         "at rest, not yet consumed",
-        f"  flow     extraction {rate(c['extraction'])}, training {rate(c['training'])} (over the last hour of each)",
+        f"  flow     extraction {rate(c['extraction'], c['shards'] + c['backlog_shards'])}, training "
+        f"{rate(c['training'], c['shards_deleted'])} (over the last hour of each)",
     ]
 
 

@@ -491,6 +491,7 @@ def test_status_and_verify_of_a_run_with_consumed_shards(store_uri, capsys):
     assert c["training"] == {"samples_per_h": None, "bytes_per_h": None}  # one burst of markers: no rate yet
     rc, out, _ = cli_out(capsys, "status", store_uri, "--shards")
     assert "consumed 3 shards" in out and "backlog  4 shards" in out
+    assert "training no rate (3 shard(s) in one burst: a rate needs two)" in out  # not "yet": it had all there was
     assert [line.split()[1] for line in out.splitlines() if line.startswith("  00000")] == \
         ["consumed"] * 3 + ["done"] * 4
 
