@@ -1140,6 +1140,45 @@ def test_sigterm_while_training_waits_for_data_checkpoints_and_resumes(tmp_path,
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, steps + 1))
 
 
+def test_a_delete_consumed_trainer_stopped_before_its_first_step_withdraws_its_claim(tmp_path):
+    """SIGTERM to a --delete-consumed trainer waiting for its first step's data (a Slurm preemption,
+    Ctrl-C): it saved nothing, deleted nothing and released its output, but kept its claim on the
+    run, so `status` and the extraction took it for a trainer still running, and a trainer into
+    another --out was refused. It withdraws the claim, and says the same command starts again."""
+    import signal
+
+    from layertap.manifests import layout
+    from layertap.manifests.consumption import consumer_of, consumer_state
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), str(tmp_path / "out")
+    fake_worker.plan(_store(uri))  # planned, nothing committed yet
+    err = tmp_path / "train.err"
+    with err.open("w") as f:
+        train = subprocess.Popen(
+            [sys.executable, "-m", "layertap", "train", "--data", uri, "--model", target, "--out", out, "--follow",
+             "--follow-poll-s", "0.5", "--delete-consumed", "--batch-size", "2", "--shuffle-buffer", "2",
+             "--block-size", "4", "--max-anchors", "8"],
+            env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent, stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "waiting for extraction: 0 of 7" not in err.read_text():
+            assert train.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.2)
+        store = _store(uri)
+        assert consumer_of(store) == _store(out).uri and consumer_state(consumer_of(store)) == "running"
+        train.send_signal(signal.SIGTERM)
+        assert train.wait(timeout=60) == 143, err.read_text()[-3000:]
+    finally:
+        train.kill()
+    said = err.read_text()
+    assert "stopped by a signal before the first step: nothing to checkpoint; the same `layertap train` command " \
+        "starts again" in said, said[-3000:]
+    assert f"withdrew this trainer's claim on {store.uri}" in said
+    assert not store.exists(layout.CONSUMER) and consumer_of(store) is None
+
+
 def _store(uri):
     from layertap.storage.store import open_store
 

@@ -327,23 +327,26 @@ def train(cfg: TrainConfig) -> int:
     # Before the steps (waiting for a run to follow, loading the target head) and after them (the
     # export), a stop signal ends the command at once, the lease released on the way out; during
     # them the loop's own StopSignals stops at a step boundary, with a checkpoint.
+    code, held = None, False
     try:
         with StopSignals(at_once=True), OutputLease(out) if acc.is_main_process else nullcontext() as lease:
+            held = lease is not None  # rank 0's, once taken: a trainer refused the output withdraws no one's claim
             _held_by_rank_0(acc)
-            return _train(cfg, acc, precision, out, data, lease, run)
+            code = _train(cfg, acc, precision, out, data, lease, run)
+            return code
     except Preempted as e:
         log.warning("%s outside the training steps: nothing to checkpoint; the same command%s starts again", e,
                     " with --resume" if cfg.resume else "")
-        return e.exit_code
-    except Stalled:
-        if acc.is_main_process and cfg.delete_consumed:
-            _give_up_claim(data, out)
-        raise
+        code = e.exit_code
+        return code
     except Exception as e:
         if acc.num_processes > 1 and collective_failed(e):
             log.debug("the collective's error", exc_info=e)
             raise ranks_lost(acc, e, _latest_step(out), out.uri) from None
         raise
+    finally:
+        if code != 0 and held and cfg.delete_consumed:  # stopped, stalled, failed, Ctrl-C
+            _give_up_claim(data, out)
 
 
 def _latest_step(out: ObjectStore) -> int | None:
@@ -357,11 +360,11 @@ def _latest_step(out: ObjectStore) -> int | None:
 
 
 def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
-    """A --delete-consumed trainer that stops on a stall before its first checkpoint (it deletes data only
-    after one) leaves its output empty: its claim on the run then read as a trainer still running (one not
-    seen from here), so the extraction behind the full window waited for good without a word, and
-    `status` said training consumed. Withdrawn, the run has no trainer: both say so, and the next one may
-    claim it."""
+    """A --delete-consumed trainer that stops before its first checkpoint (it deletes data only after
+    one), on a stall, a signal or an error, leaves its output empty: its claim on the run then read as
+    a trainer still running (one not seen from here), so the extraction behind the full window waited
+    for good without a word, and `status` said training consumed. Withdrawn, the run has no trainer:
+    both say so, and the next one may claim it (this one again, or one with other settings)."""
     from layertap.manifests import layout
     from layertap.manifests.consumption import consumer_of
     from layertap.manifests.train_output import LATEST
@@ -370,9 +373,9 @@ def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
         if consumer_of(data) == out.uri and not out.exists(LATEST):
             data.delete(layout.CONSUMER)
             log.warning("withdrew this trainer's claim on %s (%s): it stopped before its first checkpoint, having "
-                        "deleted nothing; start a --delete-consumed trainer again once the window can hold its "
-                        "buffers", data.uri, layout.CONSUMER)
-    except UserError as e:  # the stall is the error to report; the claim stays (status may call it running)
+                        "deleted nothing; a --delete-consumed trainer started again (with any settings) claims the "
+                        "run anew", data.uri, layout.CONSUMER)
+    except Exception as e:  # noqa: BLE001 - the stop is what to report; the claim stays (status may call it running)
         log.warning("could not withdraw this trainer's claim on %s: %s", data.uri, e)
 
 
@@ -759,7 +762,10 @@ def _loop(run: _Run, start: int) -> int:
             _save(run, step)
             saved = step
         if stopped and step < run.total:  # a stop with the last step: the run ends as it would have, exported
-            if acc.is_main_process:  # every rank stops here; one says so
+            if acc.is_main_process and saved == 0:  # every rank stops here; one says so
+                log.warning("stopped by a signal before the first step: nothing to checkpoint; the same `layertap "
+                            "train` command starts again")
+            elif acc.is_main_process:
                 log.warning("stopped at step %d by a signal; the same `layertap train` command with --resume "
                             "continues (the same options, --steps among them: another --steps plans the schedule "
                             "anew)", step)
