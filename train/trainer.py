@@ -47,7 +47,7 @@ from layertap.train.checkpoint import (EXPORT_CONFIG, Snapshot, export_drafter, 
                                        withdraw_export)
 from layertap.train.config import RESUME_DEFAULTS, TrainConfig
 from layertap.train.drafter import DFlashDrafter, DrafterConfig, default_config, num_parameters
-from layertap.train.follow import Stalled, wait_for_manifest
+from layertap.train.follow import wait_for_manifest
 from layertap.train.loader import Prefetcher, StreamLoader
 from layertap.train.objective import Distill, dflash_loss
 from layertap.train.ranks import (agree_on_checkpoint, broadcast_tensors, collective_failed, from_rank_0, host_group,
