@@ -17,6 +17,15 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def slurm_job() -> str | None:
+    """This process's Slurm job as squeue and sacct name it: `123_4` for task 4 of array job 123
+    (whose SLURM_JOB_ID is the task's own number, which no listing shows), else SLURM_JOB_ID."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return job
+
+
 def pid_namespace() -> str | None:
     """This process's PID namespace on this machine since its boot ('BOOT_ID/INODE', from /proc),
     None where /proc does not say."""

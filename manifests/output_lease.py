@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from layertap.manifests import layout
-from layertap.manifests.liveness import gone_from_here, pid_namespace
+from layertap.manifests.liveness import gone_from_here, pid_namespace, slurm_job
 from layertap.manifests.preemption import shielded
 from layertap.storage.errors import ConfigError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
@@ -147,7 +147,7 @@ class OutputLease:
         self._beat: threading.Thread | None = None
         self.token = uuid.uuid4().hex  # tells this holder's lease from a later one under a reused key
         self._body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": pid_namespace(),
-                                 "slurm_job": os.environ.get("SLURM_JOB_ID"), "started": time.time(),
+                                 "slurm_job": slurm_job(), "started": time.time(),
                                  "token": self.token}).encode()
 
     def __enter__(self) -> OutputLease:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from layertap.manifests import layout
-from layertap.manifests.liveness import pid_namespace
+from layertap.manifests.liveness import pid_namespace, slurm_job
 from layertap.manifests.manifest import ManifestError, UnsupportedVersion
 
 RECORD_VERSION = 1
@@ -32,10 +32,7 @@ class Producer:
 
     @classmethod
     def current(cls, rank: int = 0) -> Producer:
-        job = os.environ.get("SLURM_JOB_ID")
-        if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
-            job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-        return cls(socket.gethostname(), os.getpid(), rank, job, uuid.uuid4().hex[:12], pid_namespace())
+        return cls(socket.gethostname(), os.getpid(), rank, slurm_job(), uuid.uuid4().hex[:12], pid_namespace())
 
 
 def holder_name(producer: dict[str, Any]) -> str | None:

@@ -48,6 +48,19 @@ def test_a_held_output_refuses_a_second_trainer_once_its_lease_is_renewed(store)
         assert second.generation == 1
 
 
+def test_an_array_tasks_lease_names_it_as_squeue_does(store, monkeypatch):
+    """Task 0 of array job 5 runs as SLURM_JOB_ID 6: its lease said "Slurm job 6" (`submit
+    regenerate`: "task 0 is at work now (Slurm job 6)"), a number squeue shows no one; 5_0 it is."""
+    monkeypatch.setenv("SLURM_JOB_ID", "6")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "5")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    with OutputLease(store, ttl_s=4.0):
+        assert live_holder(store).holder["slurm_job"] == "5_0"
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")  # a job of its own: its id
+    with OutputLease(store, ttl_s=4.0):
+        assert "Slurm job 6;" in live_holder(store).describe(store.now())
+
+
 def test_a_holder_that_died_elsewhere_is_taken_over_once_its_lease_is_stale(store):
     store.put("lease/000003.ttl1.5", json.dumps({"host": "another-node", "pid": 1234, "slurm_job": "77"}).encode())
     held = live_holder(store)
