@@ -83,6 +83,8 @@ def run_status(args: argparse.Namespace) -> int:
                   + ("regeneration's output" if t is None else "training output")
                   + (f" (`layertap status {data} --shards`: the run it trained on)" if data else ""), file=sys.stderr)
         if r is not None:
+            if not r["complete"] and not r["tasks_running"]:
+                r["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "regenerate"]
             print(json.dumps(r, indent=2) if args.json else format_regeneration(r))
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
         print(json.dumps(t, indent=2) if args.json else format_training(t))
@@ -113,7 +115,8 @@ def _coming(uri: str, jobs: list) -> str:
     """Why a prefix holds nothing yet while Slurm jobs of `layertap submit` for it are queued or running."""
     kinds = sorted({t.kind for t in jobs})
     what = "the first extraction task to start plans the run" if "extract" in kinds else \
-        f"it is written once they start ({' and '.join(kinds)})"
+        "a regeneration task writes regenerate.json once its server has answered" if "regenerate" in kinds else \
+        "the trainer writes it as it starts"
     return (f"nothing at {uri} yet: Slurm job(s) {listing([t.job for t in jobs], 10)} of `layertap submit "
             f"{'|'.join(kinds)}` are queued or running for it (squeue); {what}")
 
@@ -203,6 +206,14 @@ def format_regeneration(r: dict) -> str:
     ]
     if r["complete"]:
         lines += ["  COMPLETE", "", "extract over it:", f"  layertap extract --dataset {r['prefix']} --model ... --out ..."]
+    elif running := r.get("tasks_running"):  # a rerun beside them is refused
+        lines.append("  RUNNING  " + "; ".join(f"task {t['task']} ({t['holder']})" for t in running[:10])
+                     + (f"; and {len(running) - 10} more" if len(running) > 10 else "")
+                     + ": they finish their parts; `layertap submit regenerate` again submits only the tasks "
+                       "not at work")
+    elif jobs := r.get("slurm_jobs"):
+        lines.append(f"  no task is at work, but Slurm job(s) {listing(jobs, 10)} of `layertap submit regenerate` "
+                     "are queued or starting for it (squeue): they finish the rest as they start")
     else:
         # a `--task I/N` process does only its own parts: its command again finishes nothing of the others'
         lines.append("  `layertap regenerate` with the same settings finishes the rest (without --task, or each "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from layertap.manifests.liveness import gone_from_here
-from layertap.manifests.output_lease import PREFIX, Held, Role, held_by, latest_in
+from layertap.manifests.output_lease import PREFIX, Held, Role, held_by, holder_text, latest_in
 from layertap.storage.errors import InputError
 from layertap.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
@@ -200,4 +200,7 @@ def regeneration_status(store: ObjectStore) -> dict[str, Any] | None:
         "completion_tokens": sum(s["completion_tokens"] for s in stats),
         "truncated_turns": sum(s["truncated_turns"] for s in stats),
         "complete": len(done) == recipe.parts,  # every part below recipe.parts
+        # the `--task I/N` processes at work on it now: a rerun beside them is refused, so status names them
+        "tasks_running": [] if len(done) == recipe.parts else
+        [{"task": f"{i}/{n}", "holder": holder_text(h.holder)} for (i, n), h in live_tasks(store).items()],
     }

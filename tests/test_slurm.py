@@ -149,7 +149,7 @@ def test_status_and_delete_know_the_slurm_jobs_queued_for_a_prefix(tmp_path, cap
     assert cli(["status", "--json", str(new)]) == 3 and json.loads(capsys.readouterr().out)["slurm_jobs"] == ["93_0"]
     assert cli(["status", str(later)]) == 3  # a training job after its extraction: no run is planned by it
     assert f"nothing at {later} yet: Slurm job(s) 94 of `layertap submit train` are queued or running for it " \
-        "(squeue); it is written once they start (train)" in capsys.readouterr().out
+        "(squeue); the trainer writes it as it starts" in capsys.readouterr().out
     # a job held by an admin starts only if released: not named as coming (submit resubmits its work) ...
     assert cli(["status", other]) == 3 and "nothing is running" in capsys.readouterr().out
 
@@ -161,6 +161,44 @@ def test_status_and_delete_know_the_slurm_jobs_queued_for_a_prefix(tmp_path, cap
     # ... but delete names it: released, it would write there
     assert cli(["delete", "--yes", other]) == 2 and "Slurm job(s) 95_0 of " in capsys.readouterr().err
     assert cli(["delete", "--yes", "--force", prefix]) == 0 and not (Path(prefix) / "manifest.json").exists()
+
+
+def test_status_of_a_regeneration_names_its_tasks_at_work_and_its_queued_jobs(tmp_path, capsys, monkeypatch):
+    """An unfinished regeneration's status advised `layertap regenerate` again while its array's
+    tasks were at work (a rerun beside them is refused by their leases), and, before its recipe
+    existed, said it "is written once they start" of tasks already running."""
+    from layertap.manifests.output_lease import OutputLease
+    from layertap.manifests.regeneration import RECIPE, Recipe, task_role
+    from layertap.slurm.queued import regeneration_tag
+
+    out, early = str(tmp_path / "regen"), str(tmp_path / "early")
+    store = open_store(out)
+    recipe = Recipe(dataset={"rows": 40, "fingerprint": "f"}, model="m", sampling={"max_tokens": 8}, rows_per_part=10)
+    store.put(RECIPE, json.dumps(recipe.to_json()).encode())
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text(f"#!/bin/sh\necho '96_1|RUNNING|None|{regeneration_tag(out, 2)}'\n"
+                                 f"echo '97_0|RUNNING|None|{regeneration_tag(early, 2)}'\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "98")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "96")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    with OutputLease(store, role=task_role(1, 2)):
+        assert cli(["status", out]) == 3
+        said = capsys.readouterr().out
+        assert "RUNNING  task 1/2 (pid" in said and "Slurm job 96_1): they finish their parts" in said, said
+        assert "`layertap regenerate` with the same settings" not in said
+        assert cli(["status", "--json", out]) == 3
+        assert [t["task"] for t in json.loads(capsys.readouterr().out)["tasks_running"]] == ["1/2"]
+    # its lease released (the task between two requeues): the queued job is named, not a rerun
+    assert cli(["status", out]) == 3
+    said = capsys.readouterr().out
+    assert "no task is at work, but Slurm job(s) 96_1 of `layertap submit regenerate` are queued or starting" in said
+    assert cli(["status", early]) == 3
+    assert f"nothing at {early} yet: Slurm job(s) 97_0 of `layertap submit regenerate` are queued or running for " \
+        "it (squeue); a regeneration task writes regenerate.json once its server has answered" in \
+        capsys.readouterr().out
 
 
 def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsys, monkeypatch):
