@@ -91,7 +91,9 @@ def run_status(args: argparse.Namespace) -> int:
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
     if not s["complete"] and s["shards_running"] == s.get("shards_running_exited_here", 0):  # none at work
         s["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "extract"]
-    print(json.dumps(s, indent=2) if args.json else format_status(s, deleting=_deleting(store, s)))
+    # the --window run's --delete-consumed trainer: "running", "stopped", "finished" or "none" (null: no window)
+    s["deleting_trainer"] = _deleting(store, s)
+    print(json.dumps(s, indent=2) if args.json else format_status(s, deleting=s["deleting_trainer"]))
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
         return EXIT_PROBLEM

@@ -329,6 +329,7 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     assert "THE TRAINER IS NOT RUNNING: this run's --delete-consumed trainer holds no live lease on its output " \
         "(stopped, queued again, or its lease went stale)" in out
     assert "wait for the window to open, as training consumes" not in out
+    assert json.loads(status(capsys, uri, "--json")[1])["deleting_trainer"] == "stopped"  # for scripts too
     trainer.release()
     # stopped by Ctrl-C or a signal: a checkpoint saved and the lease released (not left to go stale), which
     # was taken for a trainer at work
@@ -339,6 +340,7 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     out = status(capsys, uri)[1]
     assert "THE TRAINER HAS FINISHED" in out and "NOT RUNNING" not in out
     assert json.loads(status(capsys, uri, "--json")[1])["window"] == 1000
+    assert json.loads(status(capsys, uri, "--json")[1])["deleting_trainer"] == "finished"
     store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 10**12}).encode())  # open: no worker waits on it
     out = status(capsys, uri)[1]
     assert "--window" in out and ": full, extraction waits" not in out and "nothing is running" in out
