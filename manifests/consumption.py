@@ -105,6 +105,7 @@ def consumer_state(output: str | None) -> Literal["none", "stopped", "finished",
     stopped by Ctrl-C or a signal saves a checkpoint and releases its lease: it was taken for
     running, and the window for one being consumed); "finished" where it is gone from an output
     whose drafter is exported."""
+    from layertap.manifests.liveness import gone_from_here
     from layertap.manifests.output_lease import held_by, latest
     from layertap.manifests.train_output import EXPORT_CONFIG, LATEST, METRICS
     from layertap.storage.store import open_store
@@ -114,7 +115,9 @@ def consumer_state(output: str | None) -> Literal["none", "stopped", "finished",
     try:
         out = open_store(output)
         if (found := latest(out)) is not None:
-            return "running" if held_by(out, found) is not None else "stopped"
+            # a holder killed on this machine is not running, its lease however fresh (as `status` of the output says)
+            held = held_by(out, found)
+            return "running" if held is not None and not gone_from_here(held.holder) else "stopped"
         # no lease: released (its drafter exported: finished), where the output holds a checkpoint or
         # metrics; else not seen from here
         if out.exists(EXPORT_CONFIG):

@@ -283,6 +283,32 @@ def test_status_of_an_output_whose_trainer_was_killed_before_its_first_checkpoin
     assert f"training output at {tmp_path}: 1 object(s)" in capsys.readouterr().out
 
 
+def test_a_window_runs_trainer_killed_on_this_machine_is_not_running_while_its_lease_is_fresh(tmp_path, capsys):
+    """kill -9 of a --delete-consumed trainer: for up to a lease's ttl `status` of the run said the
+    window opens "as training consumes", while `status` of its output said the trainer exited."""
+    import os
+    import socket
+    import subprocess
+
+    from layertap.manifests.consumption import claim_consumer, consumer_state
+    from layertap.manifests.liveness import pid_namespace
+
+    uri, drafter = str(tmp_path / "run"), str(tmp_path / "drafter")
+    store = open_store(uri)
+    fake_worker.plan(store)
+    fake_worker.work(uri, shards=[0, 1])
+    store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 1000}).encode())
+    claim_consumer(store, drafter)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    holder = {"host": socket.gethostname(), "pid": dead.pid, "pid_ns": pid_namespace()}
+    open_store(drafter).put("lease/000001.ttl600", json.dumps(holder).encode())  # fresh for 10 min
+    assert consumer_state(open_store(drafter).uri) == "stopped"
+    assert "THE TRAINER IS NOT RUNNING" in status(capsys, uri)[1]
+    open_store(drafter).put("lease/000001.ttl600", json.dumps(dict(holder, pid=os.getpid())).encode())
+    assert consumer_state(open_store(drafter).uri) == "running"  # one alive here is
+
+
 def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_path, capsys):
     """Workers waiting for a full --window hold no lease: status said "nothing is running: the same
     layertap extract command finishes ...", and a user following it started a second extractor."""
