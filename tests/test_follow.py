@@ -1249,6 +1249,26 @@ def test_the_epochs_after_the_follow_epoch_leave_out_what_a_delete_consumed_trai
     assert "1 committed shard(s) were consumed and deleted by a --delete-consumed trainer" in caplog.text
 
 
+def test_a_consumed_shard_is_warned_of_only_by_the_consumers_with_a_share_of_it(tmp_path, caplog):
+    """Each follow consumer reads its own part of a shard: one with no part of a consumed shard
+    (more consumers than its records) warned on a clean --resume that it "cannot be trained on again"."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+    from layertap.train.order import follow_share
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    ranks, n = 16, fake_worker.plan(_store(uri)).shards[0].num_samples
+    record_consumed(_store(uri), rank=0, world_size=1, shards=[0], step=1)
+    assert delete_consumed(_store(uri)) == [0]
+    sharers = [r for r in range(ranks) if follow_share(n, 0, ranks, r)[1]]
+    assert 0 < len(sharers) < ranks
+    for rank in (sharers[0], next(r for r in range(ranks) if r not in sharers)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="layertap.train.stream"):
+            list(ShardStream(uri, config=StreamConfig(**CFG), rank=rank, world_size=ranks))
+        assert ("cannot be trained on again" in caplog.text) == (rank in sharers), (rank, caplog.text)
+
+
 def test_a_follow_stream_iterated_directly_streams_its_later_epochs(tmp_path):
     """`for sample in stream` past the follow epoch: the position began epoch 1 before the stream
     counted its samples (0), took it for done, and jumped to epoch 2 with a TypeError."""

@@ -714,11 +714,16 @@ class ShardStream(IterableDataset):
         # consumed and deleted by another training run (or by this one's lost checkpoint's): left out, as
         # `load_index` leaves them out of a plain stream, not fetched and then called corrupt
         gone = consumed_shards(self._store()) - taken
-        if gone:
+
+        def ours(shard: int) -> bool:  # a shard of which this consumer has no share is not lost to it
+            known = watcher.known.get(shard)
+            return known is None or follow_share(known.num_records, shard, consumers, me)[1] > 0
+
+        if lost := {s for s in gone if ours(s)}:
             log.warning("%s: %d committed shard(s) of %s (%s) were consumed and deleted by a training run that read "
                         "it while it was extracted (`layertap train --delete-consumed`): leaving them out of the "
-                        "follow epoch; they cannot be trained on again", who, len(gone), self.uri,
-                        listing(sorted(gone)))
+                        "follow epoch; they cannot be trained on again", who, len(lost), self.uri,
+                        listing(sorted(lost)))
 
         def discover(new) -> None:
             for commit in new:
@@ -889,8 +894,9 @@ class ShardStream(IterableDataset):
     def _first_readable(self, mine: list[CommittedShard]) -> dict[str, Any]:
         """The first readable committed sample of `mine`, or of the run's when it is empty."""
         c = self.config
-        if not mine:  # it holds only shards it has a share of, so samples
-            mine = [_committed(r) for r in read_commits(self._store()).records]
+        if not mine:  # it holds only shards it has a share of, so samples; the run's less those consumed
+            gone = consumed_shards(self._store())
+            mine = [_committed(r) for r in read_commits(self._store()).records if r.shard not in gone]
         for i, shard in enumerate(mine):
             if not shard.sample_ids:
                 continue
