@@ -58,6 +58,7 @@ class AtRest:
 
     shards: int
     bytes: int
+    largest: int = 0  # the largest data object's bytes
 
 
 def claim_consumer(store: ObjectStore, output: str) -> None:
@@ -327,7 +328,8 @@ def at_rest(store: ObjectStore, listed: dict[int, list[ObjectInfo]] | None = Non
     """What the storage window bounds (`AtRest`), from one listing of `shards/` (`listed`:
     `data_objects`, when the caller has it)."""
     listed = data_objects(store) if listed is None else listed
-    return AtRest(len(listed), sum(o.size for objects in listed.values() for o in objects))
+    sizes = [o.size for objects in listed.values() for o in objects]
+    return AtRest(len(listed), sum(sizes), max(sizes, default=0))
 
 
 def forget_watermarks(store: ObjectStore) -> int:

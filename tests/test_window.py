@@ -165,7 +165,7 @@ def test_the_window_check_reads_only_the_data_at_rest_until_the_window_is_full(s
     reads = ReadCounter(store, monkeypatch)
 
     gate = WindowGate(store, left + 1, sleep=lambda s: pytest.fail("an open window waited"))
-    assert gate.check() == AtRest(3, left) == at_rest(store)
+    assert gate.check() == AtRest(3, left, max(sizes[s] for s in (4, 5, 6))) == at_rest(store)
     assert reads.listed == [layout.SHARDS, layout.SHARDS] and reads.got == []
 
     gate, sleeps = WindowGate(store, left, sweep_every_s=3600), []
@@ -173,11 +173,11 @@ def test_the_window_check_reads_only_the_data_at_rest_until_the_window_is_full(s
     reads.clear()
     assert gate(7, lambda s: True) is Gate.OPEN and sleeps == []  # full, but shard 4 was consumed everywhere: deleted, and on
     assert layout.CONSUMED_RANKS in reads.listed and layout.CONSUMED_SHARDS in reads.listed
-    assert data_shards(store) == {5, 6} and gate.check() == AtRest(2, left - sizes[4])
+    assert data_shards(store) == {5, 6} and gate.check() == AtRest(2, left - sizes[4], max(sizes[5], sizes[6]))
 
     gate.window = left - sizes[4]  # full, with nothing left to delete: no second sweep within the hour
     reads.clear()
-    assert gate.check() == AtRest(2, left - sizes[4])
+    assert gate.check() == AtRest(2, left - sizes[4], max(sizes[5], sizes[6]))
     assert reads.listed == [layout.SHARDS] and reads.got == []
 
 
@@ -644,6 +644,17 @@ def test_a_follow_trainer_waiting_on_a_full_window_says_it_is_stalled(store_uri,
     from layertap.manifests.consumption import recent_stall
 
     assert "STALLED: extraction waits for training to consume" in recent_stall(store)["message"]
+    # a rank with no share of the shards at rest read none of their commit records: the largest is the listing's
+    from layertap.storage.units import size
+
+    largest = max(o.size for o in store.list(layout.SHARDS))
+    other = CommitWatcher(store, load_manifest(store), poll_s=0.1, deletes_consumed=True, wants=lambda s, n: False)
+    other.poll()
+    caplog.clear()
+    for _ in range(2):
+        other._logged = 0.0
+        assert other._extraction_over() is False
+    assert f"the largest shard ({size(largest)} here)" in caplog.text and "(0 B here)" not in caplog.text
 
     caplog.clear()  # extraction moved in between: the next stall starts counting again
     fake_worker.work(store_uri, shards=[3])

@@ -397,7 +397,8 @@ class CommitWatcher:
                        "the window never opens. Restart the trainer with --delete-consumed (--resume continues it), "
                        "or restart extraction without --window.")
         else:
-            largest = max((r.bytes for r in self.known.values() if isinstance(r, CommitRecord)), default=0)
+            # the shards at rest: the same whichever rank says it (the commits a consumer read are those it has a share of)
+            largest = max([b.largest, *(r.bytes for r in self.known.values() if isinstance(r, CommitRecord))])
             message = (f"{self.who}: STALLED: extraction waits for training to consume ({size(b.bytes)} at rest in "
                        f"{b.shards} shards, window {size(window)}) while training waits for data. A shard counts "
                        "as consumed once every sample of it has left the consumers' shuffle buffers and is trained "
