@@ -281,7 +281,7 @@ def _committed_data(store: ObjectStore, shard: int) -> str | None:
 
 def _each(fn: Callable[[int], T], shards: list[int]) -> list[T]:
     """`fn` of each shard, 8 at a time: one request each, side by side (serial, 1,000s of shards
-    consumed a minute took minutes; 8 stay within an S3 store's connection pool, 12 by default,
+    consumed a minute took minutes; 8 stay within an S3 store's connection pool, 20 at least,
     past which urllib3 warns at every request). Raises the first failure once all are done or failed."""
     if not shards:
         return []

@@ -118,7 +118,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
     # running again after attempts that stopped or failed, again and again (a store failing every upload of
     # the shard): "1 running, 0 failed" hid it while every worker tried it, and tried
     retried = sorted(_newest(st, [s for s in running if _tries(st, s) >= RETRIED_SHOWN]))
-    with ThreadPoolExecutor(max(1, min(8, len(retried)))) as pool:  # within an S3 store's connection pool (12)
+    with ThreadPoolExecutor(max(1, min(8, len(retried)))) as pool:  # within an S3 store's connection pool (20)
         retrying = list(pool.map(lambda s: _failure_summary(store, st, s), retried))
     counts["failed"] = len(failed_ids)
     marks = marker_times(store)
@@ -355,7 +355,7 @@ def _failures(store: ObjectStore, st: RunState, shards: list[int],
     read = shards if read_all else _newest(st, failed) + _newest(st, stopped)
     summaries: dict[int, dict[str, Any]] = {}
     if read:
-        with ThreadPoolExecutor(min(8, len(read))) as pool:  # within an S3 store's connection pool (12)
+        with ThreadPoolExecutor(min(8, len(read))) as pool:  # within an S3 store's connection pool (20)
             summaries = {f["shard"]: f for f in pool.map(lambda s: _failure_summary(store, st, s), read)}
     preempted = {s for s in failed if s in summaries and summaries[s]["stopped"]}
     return [s for s in failed if s not in preempted], sorted([*stopped, *preempted]), summaries

@@ -167,7 +167,9 @@ class S3Store(ObjectStore):
         self._retries_lock = threading.Lock()
         config = Config(
             retries={"mode": "standard", "total_max_attempts": 1},  # retried in `_call`, once for all
-            max_pool_connections=o.threads + 4,
+            # urllib3 discards a connection beyond its pool with a warning users take for an S3 fault: status,
+            # verify and the window's sweeps GET records 16 at a time, whatever --s3 threads says
+            max_pool_connections=max(o.threads, 16) + 4,
             s3={"addressing_style": o.addressing_style},
             connect_timeout=o.connect_timeout_s,
             read_timeout=o.read_timeout_s,

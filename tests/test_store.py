@@ -921,3 +921,19 @@ def test_an_s3_uri_without_its_colon_is_refused_not_taken_for_a_folder(uri, tmp_
     monkeypatch.chdir(tmp_path)
     with pytest.raises(StoreError, match=f"{uri!r} is not an S3 URI: write s3://bucket/prefix"):
         open_store(uri)
+
+
+def test_sixteen_requests_at_once_stay_within_the_s3_client_pool(s3_bucket, caplog):
+    """status, verify and the window's sweeps GET records 16 at a time: the client's pool of 12
+    (threads 8 + 4) made urllib3 warn "Connection pool is full, discarding connection", which users
+    read as a fault of their S3 server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = open_store(f"s3://{s3_bucket}/p")
+    for i in range(64):
+        store.put(f"k{i}", b"x" * 100)
+    with caplog.at_level("WARNING", logger="urllib3.connectionpool"), ThreadPoolExecutor(16) as pool:
+        for _ in range(4):
+            assert list(pool.map(lambda i: store.get(f"k{i}"), range(64))) == [b"x" * 100] * 64
+    assert "Connection pool is full" not in caplog.text
+    store.close()
