@@ -188,12 +188,17 @@ def _refuse_queued_jobs(store) -> None:
     comments: the one place that knows them, imported here alone)."""
     from layertap.slurm.queued import jobs_naming
 
-    jobs = [t.job for t in jobs_naming(store.uri)]  # held ones too: released, they would write there
-    if jobs:
+    tagged = jobs_naming(store.uri)  # held ones too: released, they would write there
+    if tagged:
+        jobs = [t.job for t in tagged]
         arrays = sorted({job.split("_", 1)[0] for job in jobs})
-        raise Refused(f"Slurm job(s) {listing(jobs, LIST_NESTED)} of `layertap submit` are queued or running for "
-                      f"{store.uri}: they would write to it after the delete (an extraction task would plan the run "
-                      f"anew). Cancel them first (`scancel {' '.join(arrays)}`), or pass --force")
+        kinds = sorted({t.kind for t in tagged})
+        what = {"extract": "an extraction task would plan the run anew", "train": "a trainer would start its output "
+                "anew", "regenerate": "a regeneration task would start the output anew"}
+        raise Refused(f"Slurm job(s) {listing(jobs, LIST_NESTED)} of `layertap submit {'|'.join(kinds)}` are queued "
+                      f"or running for {store.uri}: they would write to it after the delete "
+                      f"({'; '.join(what[k] for k in kinds)}). Cancel them first (`scancel {' '.join(arrays)}`), or "
+                      "pass --force")
 
 
 def _refuse_live_writers(store, manifest) -> None:

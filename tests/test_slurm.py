@@ -155,7 +155,8 @@ def test_status_and_delete_know_the_slurm_jobs_queued_for_a_prefix(tmp_path, cap
 
     assert cli(["delete", "--yes", prefix]) == 2
     err = capsys.readouterr().err
-    assert f"Slurm job(s) 91_0, 91_1 of `layertap submit` are queued or running for {prefix}" in err
+    assert f"Slurm job(s) 91_0, 91_1 of `layertap submit extract` are queued or running for {prefix}" in err
+    assert "(an extraction task would plan the run anew)" in err
     assert "`scancel 91`" in err and (Path(prefix) / "manifest.json").exists()
     assert cli(["delete", "--yes", out]) == 2 and "Slurm job(s) 92 of " in capsys.readouterr().err
     # ... but delete names it: released, it would write there
@@ -199,6 +200,10 @@ def test_status_of_a_regeneration_names_its_tasks_at_work_and_its_queued_jobs(tm
     assert f"nothing at {early} yet: Slurm job(s) 97_0 of `layertap submit regenerate` are queued or running for " \
         "it (squeue); a regeneration task writes regenerate.json once its server has answered" in \
         capsys.readouterr().out
+    assert cli(["delete", "--yes", out]) == 2  # said of an extraction task, which these are not
+    err = capsys.readouterr().err
+    assert "Slurm job(s) 96_1 of `layertap submit regenerate` are queued or running" in err
+    assert "(a regeneration task would start the output anew)" in err and "extraction" not in err
 
 
 def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsys, monkeypatch):
