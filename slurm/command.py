@@ -441,13 +441,17 @@ def _submit_regenerate(args: argparse.Namespace) -> int:
         if not indices:
             return 0
     else:
-        # What every task would refuse at its start (`regenerate`), refused here; the dataset's
-        # fingerprint is theirs to check (it reads every row)
-        asked = Recipe(dataset={**recipe.dataset, "limit": cfg.limit}, model=cfg.model, sampling=cfg.sampling(),
-                       rows_per_part=cfg.rows_per_part)
+        # What every task would refuse at its start (`regenerate`), refused here: the dataset too, where
+        # this host reads it (its file hashed, as each task would)
+        fingerprint = _dataset_fingerprint(cfg)
+        asked = Recipe(dataset={**recipe.dataset, "limit": cfg.limit, **({"fingerprint": fingerprint} if fingerprint
+                                                                          else {})},
+                       model=cfg.model, sampling=cfg.sampling(), rows_per_part=cfg.rows_per_part)
         if diffs := recipe.differences(asked):
-            raise ConfigError(f"{store.uri} already holds a regeneration made differently: {'; '.join(diffs)}; every "
-                              "task would refuse it. Submit with its settings to continue it, or choose another --out")
+            made = f" (of {recipe.dataset['path']})" if fingerprint and recipe.dataset.get("path") else ""
+            raise ConfigError(f"{store.uri} already holds a regeneration{made} made differently: {'; '.join(diffs)}; "
+                              "every task would refuse it. Submit with its settings to continue it, or choose another "
+                              "--out")
         done = done_parts(store)
         left = [p for p in range(recipe.parts) if p not in done]
         indices = sorted({p % args.tasks for p in left})

@@ -1943,6 +1943,13 @@ def test_a_regeneration_resubmitted_with_other_settings_is_refused_at_submission
     err = capsys.readouterr().err
     assert "already holds a regeneration made differently: model: output has 'm', now 'other'; max_tokens: output " \
            "has 8, now 9; every task would refuse it" in err
+    # another dataset, where this host reads it: every task refused it in the queue (its fingerprint)
+    from layertap.extract.fingerprint import dataset_fingerprint
+
+    other = write_chats(tmp_path / "other.jsonl", 3)
+    assert submit(*base[:7], other, *base[8:], "--model", "m", "--max-tokens", "8") == 2
+    assert "already holds a regeneration (of /d.jsonl) made differently: dataset fingerprint: output has 'f', now " \
+           f"{dataset_fingerprint(other, None)!r}; every task would refuse it" in capsys.readouterr().err
 
 
 def test_queued_static_tasks_and_waiting_workers_cost_their_shares_not_shards_times_tasks(monkeypatch):
