@@ -179,7 +179,10 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
         if stops.stopped_for() is not None:  # released at a stop (not failed)
             at_stop.released.append(shard)
 
+    last_commit: list[float] = []  # when, for the summary's rate: not the wait after it for others' shards
+
     def _committed(claim: Claim, info, skipped) -> None:
+        last_commit[:] = [time.perf_counter()]
         progress.committed(claim.plan.id, info.num_records, skipped)
         if stops.stopped_for() is not None:  # its last forward was under way at the stop
             at_stop.finished.append(claim.plan.id)
@@ -199,7 +202,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
         try:
             committed = loop.run(queue)
         finally:
-            totals.add(wall_s=time.perf_counter() - t_start)
+            totals.add(wall_s=(last_commit or [time.perf_counter()])[0] - t_start)
     log.info("rank %d done: %d shard(s) committed", rank, committed)
     for line in summary_lines(totals):
         log.info("  %s", line)
