@@ -78,7 +78,7 @@ def pause(bar: Any, paused: bool) -> None:
 class PlainProgress:
     """Progress as a log line every `every_s` seconds and one at the end, for logs that are files.
 
-    'extract: 1,200/5,000 samples (24%), 41.3 samples/s, ETA 92 s; 3,100 tok/s, 12.0 MiB/s'
+    'extract: 1,200/5,000 rows (24%), 41.3 rows/s, ETA 92 s; 3,100 tok/s, 12.0 MiB/s'
     """
 
     def __init__(self, total: int, *, desc: str, unit: str, initial: int = 0, every_s: float = PLAIN_EVERY_S):

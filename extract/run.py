@@ -482,7 +482,7 @@ def _all_committed(store: ObjectStore, manifest: Manifest, shards: list[int]) ->
 
 
 class Progress:
-    """Rank 0's progress over the run's samples (those of --shards, when given): samples/s,
+    """Rank 0's progress over the run's rows (those of --shards, when given): rows/s,
     tokens/s, MiB/s stored, ratio, ETA (a bar on a terminal, a log line every 30 s otherwise; see
     `extract.console`).
 
@@ -520,7 +520,8 @@ class Progress:
         self._commits_looked = -math.inf  # the store's time of the last listing of every commit record
         if self.on:
             self._committed()
-        self.bar = progress(total, initial=self._done(), desc="extract", unit="sample", enabled=self.on)
+        # rows (a plan's samples to store and those it skips alike): the run's "samples" count only the stored
+        self.bar = progress(total, initial=self._done(), desc="extract", unit="row", enabled=self.on)
         if self.on and (world > 1 or self.only is None):
             threading.Thread(target=self._sync, name="progress-sync", daemon=True).start()
 

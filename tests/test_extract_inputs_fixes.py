@@ -147,7 +147,7 @@ def test_with_shards_the_progress_counts_the_tasks_samples_not_the_runs(model, t
     mine, run = plan[1][1] - plan[1][0], plan[-1][1]  # [start, end, tokens] per shard
     assert len(plan) > 2 and mine < run
     [last] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("extract: ")][-1:]
-    assert last.startswith(f"extract: {mine:,}/{mine:,} samples (100%)"), last
+    assert last.startswith(f"extract: {mine:,}/{mine:,} rows (100%)"), last
 
 
 def test_a_rerun_with_another_limit_is_told_what_the_run_read(model, tmp_path, capsys):

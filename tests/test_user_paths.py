@@ -304,7 +304,7 @@ def test_off_a_terminal_progress_is_plain_lines_and_the_summary_has_units(model,
     assert cli(extract_args(model, data, tmp_path / "run", logs)) == 0
     assert "\r" not in capsys.readouterr().err  # no bar redrawn in a log
     log = (logs / "extract-rank0.log").read_text()
-    assert "INFO layertap.progress: extract: 11/11 samples (100%)" in log
+    assert "INFO layertap.progress: extract: 11/11 rows (100%)" in log  # rows, skipped ones too
     assert "{'" not in log  # no raw dict
     done = log.split("rank 0 done: ", 1)[1].splitlines()
     assert done[0].endswith("shard(s) committed")
