@@ -328,7 +328,7 @@ def _measure(cfg, target, capture, identity, stats):
     meta = shard_meta(cfg, identity, run_id="0" * 12, shard_id=0)
     return measure_extraction(capture, stats.picks, meta, batch_tokens=cfg.batch_tokens, pad_id=pad_id,
                               encode_threads=cfg.encode_threads, bytes_per_token=plan_bytes_per_token(cfg, identity),
-                              shard_bytes=cfg.shard_bytes)
+                              shard_bytes=cfg.shard_bytes, tokenize_s=stats.picks_tokenize_s)
 
 
 def _gpus(args: argparse.Namespace, measured) -> int:

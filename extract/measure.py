@@ -54,6 +54,7 @@ class TokenStats:
     skipped: dict[str, int] = field(default_factory=dict)
     read_counts: list[int] = field(default_factory=list)  # the tokens of each row read, in order (0 = skipped)
     picks: list[TokenizedSample] = field(default_factory=list)  # for the measured extraction
+    picks_tokenize_s: float = 0.0  # tokenizing their rows, as a worker does each shard's before its forwards
 
     @property
     def exact(self) -> bool:
@@ -122,13 +123,14 @@ def token_statistics(rows, tokenizer, max_length: int, *, vocab_size: int | None
     processes = tokenize_processes(read, workers)
     tally = _tally_in_processes(rows, job, processes) if processes > 1 else _tally_here(rows, job)
     stats = tally.stats
+    t0 = time.perf_counter()
+    chosen = _picks(rows, tally.counts, indices, job, picks, pick_tokens)
     return TokenStats(rows=n, rows_read=read, samples_read=stats.samples, tokens_read=stats.tokens,
                       supervised_read=stats.supervised_tokens, answers_read=stats.answer_tokens,
                       truncated=stats.truncated,
                       dropped_turns=stats.dropped_turns, prompted_read=stats.prompted,
                       skipped=dict(Counter(stats.skipped)),
-                      read_counts=tally.counts,
-                      picks=_picks(rows, tally.counts, indices, job, picks, pick_tokens))
+                      read_counts=tally.counts, picks=chosen, picks_tokenize_s=time.perf_counter() - t0)
 
 
 def _picks(rows, counts: list[int], indices: list[int] | None, job: _TokenizeJob, picks: int,
@@ -368,14 +370,17 @@ class Measurement:
 
 def measure_extraction(capture: Capture, samples: list[TokenizedSample], meta: ShardMeta, *, batch_tokens: int,
                        pad_id: int, encode_threads: int = 2, bytes_per_token: float | None = None,
-                       shard_bytes: int | None = None) -> Measurement:
+                       shard_bytes: int | None = None, tokenize_s: float = 0.0) -> Measurement:
     """Extract `samples` in memory and measure every codec on their states, and the throughput.
 
     One short warm-up forward first, so one-time costs (allocator, kernel selection) do not
     count against the timed run. With `bytes_per_token` and `shard_bytes` (the run's plan), the
     samples go in the shards the planner would cut them into, each batched within itself as a
     worker batches them: all in one shard, small shards' forwards (2 samples of a 2 MB shard
-    against 16) were timed at batches they never run at, 3x too fast.
+    against 16) were timed at batches they never run at, 3x too fast. `tokenize_s`: the time the
+    samples' rows took to tokenize (`TokenStats.picks_tokenize_s`), which a worker spends on each
+    shard's rows before its forwards: counted in the wall time (left out, CPU runs measured 35-40%
+    faster than they ran).
     """
     from tqdm import tqdm
 
@@ -397,7 +402,7 @@ def measure_extraction(capture: Capture, samples: list[TokenizedSample], meta: S
         for shard in shards:
             extract_shard(capture, samples[shard.start:shard.end], raw_meta, _CountingWriter(), batch_tokens=batch_tokens,
                           pad_id=pad_id, encode_threads=encode_threads, stats=stats, on_record=keep)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 + tokenize_s
     states = [decode_record(r.payload, raw_meta) for r in records]
     del records
     codecs = {c: _measure_codec(states, replace(meta, codec=c)) for c in CODEC_NAMES}

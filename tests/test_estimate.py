@@ -476,6 +476,9 @@ def test_measure_batches_the_samples_as_the_planned_shards_hold_them():
     rows.clear()
     measure_extraction(Counted(), samples, meta, batch_tokens=4096, pad_id=0, encode_threads=1)
     assert rows[1:] == [16]  # no plan given: one shard, as before
+    # a worker tokenizes each shard's rows before its forwards: the time the picks took counts in the wall
+    m = measure_extraction(capture, samples, meta, batch_tokens=4096, pad_id=0, encode_threads=1, tokenize_s=1000.0)
+    assert 1000.0 < m.wall_s and m.tokens_per_s == m.tokens / m.wall_s < m.tokens / 1000.0
 
 
 def test_extrapolated_tokens_keep_the_mean_of_the_samples_read():
