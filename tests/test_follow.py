@@ -1179,6 +1179,34 @@ def test_a_delete_consumed_trainer_stopped_before_its_first_step_withdraws_its_c
     assert not store.exists(layout.CONSUMER) and consumer_of(store) is None
 
 
+def test_a_delete_consumed_trainer_resumed_before_its_deletions_is_refused_on_every_rank(tmp_path, capsys):
+    """Its latest checkpoint corrupt, latest.json pointed back at an earlier one (as the error offers):
+    the ranks had yet to read shards deleted after a later checkpoint; one left them out with a
+    warning, another failed mid-step on them. Refused before any step, naming them."""
+    from layertap.cli import main as cli
+    from layertap.manifests.consumption import consumed_shards
+    from layertap.train.checkpoint import step_prefix
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), tmp_path / "out"
+    fake_worker.work(uri)
+    args = ["train", "--data", uri, "--model", target, "--out", str(out), "--follow", "--delete-consumed",
+            "--batch-size", "2", "--shuffle-buffer", "2", "--block-size", "4", "--max-anchors", "8", "--save-every",
+            "4", "--keep-checkpoints", "0"]
+    assert cli(args) == 0
+    gone = consumed_shards(_store(uri))
+    assert gone and not list(_store(uri).list("shards/"))  # every shard trained on and deleted
+    latest = out / "checkpoints" / "latest.json"
+    (out / "drafter").rename(tmp_path / "exported")  # as if it had not finished
+    latest.write_text(json.dumps({"step": 4, "prefix": step_prefix(4)}))
+    capsys.readouterr()
+    assert cli([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume {_store(str(out)).uri} from step 4: rank(s) 0 have yet to train on data this trainer " \
+        "deleted after a later checkpoint (rank 0's: shard(s) " in err, err[-2000:]
+
+
 def _store(uri):
     from layertap.storage.store import open_store
 

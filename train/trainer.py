@@ -725,6 +725,7 @@ def _loop(run: _Run, start: int) -> int:
     progress = _progress(acc.process_index, start, run.total)
     step = saved = start
     if cfg.delete_consumed and start > 0:
+        _check_data_left(run, start)
         # Watermarks are written after a checkpoint; one resumed from (perhaps by a trainer that ran
         # without --delete-consumed) may have none yet, and a full window would then wait for good.
         _delete_consumed(run, start)
@@ -974,6 +975,26 @@ def _save(run: _Run, step: int) -> None:
     acc.wait_for_everyone()
     if run.cfg.delete_consumed:
         _delete_consumed(run, step)
+
+
+def _check_data_left(run: _Run, step: int) -> None:
+    """Refuse, on every rank, a --delete-consumed trainer resumed from a checkpoint older than the
+    one after which it deleted data (the latest corrupt and latest.json pointed back at an earlier
+    one, as its error offers): its ranks have yet to read shards that are gone. One rank left them
+    out of its follow epoch with a warning while another failed mid-step on them, its peers with a
+    collective's error, and `--resume` did the same again."""
+    from layertap.manifests.consumption import consumed_shards
+
+    acc = run.acc
+    needed = sorted(consumed_shards(run.data) - set(run.stream.consumed_shards(run.batches.state_dict())))
+    ranks = [r for r, (n,) in enumerate(per_rank(acc, [float(len(needed))])) if n]
+    if not ranks:
+        return
+    mine = f" (rank {acc.process_index}'s: shard(s) {listing(needed)})" if needed else ""
+    raise InputError(f"cannot resume {run.out.uri} from step {step}: rank(s) {listing(ranks)} have yet to train on "
+                     f"data this trainer deleted after a later checkpoint{mine}. Resume from that later checkpoint "
+                     f"(checkpoints/latest.json names the one to resume from); where none is readable, those samples "
+                     f"are lost to this drafter: train one on a new extraction of the run")
 
 
 def _delete_consumed(run: _Run, step: int) -> None:
