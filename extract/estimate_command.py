@@ -14,11 +14,12 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from layertap.extract.command import add_extract
-from layertap.storage.errors import ConfigError
+from layertap.storage.errors import ConfigError, UserError
 from layertap.storage.store import s3_options
 from layertap.storage.units import counted
 from layertap.extract.estimate import (DEFAULT_EPOCHS, DEFAULT_RATIOS, DEFAULT_USD_PER_1000_GET, DEFAULT_USD_PER_1000_PUT,
@@ -241,6 +242,7 @@ def _estimate(args: argparse.Namespace) -> _Report:
                     num_layers=shape["num_layers"], kept_layers=shape["kept_layers"],
                     capture_depth=max(shape["layers"]) + 1)
     report = _report(args, cfg, work, shards, measured, sources)
+    _note_planned_run(cfg)
     # every chat with a user turn is answered, those the extraction then skips too (past --max-length)
     answered = stats.prompted if stats is not None and args.samples is None else samples
     report.regeneration = _regeneration(args, answered, stats, sources)
@@ -296,6 +298,23 @@ def _stated_shape(args: argparse.Namespace, cfg) -> dict[str, Any]:
 
 def _shard_count(counts: list[int], shape: dict[str, Any], cfg) -> int:
     return len(_shard_plan(counts, shape, cfg))
+
+
+def _note_planned_run(cfg) -> None:
+    """Say on stderr where --out names a run planned already: the estimate is of a new plan (--out is
+    not used), while `extract` with the same line resumes that run's own, whose shards may differ."""
+    if not cfg.out:
+        return
+    from layertap.manifests.manifest import NoRun, load_manifest
+    from layertap.storage.store import StoreError, open_configured_store
+
+    try:
+        run = load_manifest(open_configured_store(cfg.out, cfg.s3))
+    except (NoRun, StoreError, UserError):
+        return
+    print(f"note: {cfg.out} holds run {run.run_id}, planned already ({counted(len(run.shards), 'shard')} cut at "
+          f"{run.shard_bytes:,} B): this estimates a new plan of these settings; `layertap plan --dry-run` with the "
+          "same command line shows that run's own, which `layertap extract` resumes", file=sys.stderr)
 
 
 def _shards_from_sample(read: list[int], rows: int, shape: dict[str, Any], cfg) -> int | None:

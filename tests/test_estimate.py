@@ -441,6 +441,13 @@ def test_plan_of_an_existing_run_shows_the_runs_own_shards(run, tmp_path, capsys
     assert len(unsized) == len(run["args"]) - 2
     assert run_json(capsys, ["plan", *unsized, "--out", out, "--dry-run"])["shards"] == first["shards"]
     assert "applies only to a new run" not in caplog.text
+    # estimate does not use --out: it says so where --out names a planned run, whose own plan extract resumes
+    assert cli(["estimate", *args, "--out", out]) == 0
+    run_id = load_manifest(open_store(out)).run_id
+    assert f"note: {out} holds run {run_id}, planned already ({first['shards']} shards cut at 64,000 B): this " \
+        "estimates a new plan" in capsys.readouterr().err
+    assert cli(["estimate", *args, "--out", str(tmp_path / "nothing-there")]) == 0
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_measure_batches_the_samples_as_the_planned_shards_hold_them():
