@@ -1257,6 +1257,34 @@ def test_the_epochs_after_the_follow_epoch_stream_rank_0s_shards_on_every_rank(t
     assert sorted(ids[0] + ids[1]) == sorted(set(ids[0] + ids[1])) and len(ids[0] + ids[1]) == want
 
 
+def test_a_delete_consumed_trainers_ranks_need_not_agree_on_a_later_epoch_its_deletions_race(tmp_path):
+    """3 ranks of a --delete-consumed trainer: rank 0 read the run's shards for the epochs after the
+    follow epoch before the checkpoint at the others' wait deleted shard 3, they after it, and they
+    failed: "rank 1 cannot find committed shard(s) 3 that rank 0 streams ... start the training
+    again". Such a trainer trains the follow epoch alone: no later epoch to agree on."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    cfg = StreamConfig(**CFG, deletes_consumed=True)
+    streams = [ShardStream(uri, config=cfg, rank=r, world_size=2) for r in range(2)]
+    for loader in [StreamLoader(s, batch_size=2) for s in streams]:
+        assert _real_ids(loader)  # the follow epoch
+    streams[0].agree = lambda keys: keys  # the trainer's broadcast: rank 0's list, on every rank
+    streams[1].agree = lambda keys: streams[0].shard_keys
+    streams[0]._settle()
+    record_consumed(_store(uri), rank=0, world_size=1, shards=[3], step=9)
+    assert delete_consumed(_store(uri)) == [3]
+    streams[1]._settle()  # raised InputError
+    assert 3 not in [s.shard for s in streams[1].shards]
+    plain = ShardStream(uri, config=StreamConfig(**CFG), rank=1, world_size=2)  # a trainer that reads later epochs
+    for _ in StreamLoader(plain, batch_size=2):
+        pass
+    plain.agree = lambda keys: streams[0].shard_keys
+    with pytest.raises(InputError, match=r"rank 1 cannot find committed shard\(s\) 3 that rank 0 streams"):
+        plain._settle()  # still refused: its ranks must stream one list
+
+
 def test_the_epochs_after_the_follow_epoch_leave_out_what_a_delete_consumed_trainer_deleted(tmp_path, caplog):
     """A second follow trainer of a run whose shard 0 the --delete-consumed trainer had deleted:
     its follow epoch left shard 0 out, and its epoch 1 put it back and failed on the missing data

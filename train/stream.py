@@ -397,7 +397,9 @@ class ShardStream(IterableDataset):
         if self._settled or (not force and (self.position.in_follow_epoch)):
             return
         self.shards = self._readable_shards()
-        if self.agree is not None:
+        # A --delete-consumed trainer trains the follow epoch alone (--epochs 1): no later epoch for its
+        # ranks to agree on, and its own deletions (a checkpoint at a wait) raced their reads of the run
+        if self.agree is not None and not self.config.deletes_consumed:
             keys = self.agree(self.shard_keys)
             if not {(int(k), d) for k, d in keys} <= {(s.shard, s.xxh3_128) for s in self.shards}:
                 self.shards = self._readable_shards()  # rank 0 read after a commit this rank missed
