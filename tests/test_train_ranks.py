@@ -231,3 +231,28 @@ if __name__ == "__main__":  # a rank of the tests above: HELD COMMIT TRAIN-ARGS.
     else:
         _commit_after_rank_0_reads(sys.argv[1], sys.argv[2])
     sys.exit(cli(["train", *sys.argv[3:]]))
+
+
+@pytest.mark.slow
+def test_a_follow_run_with_nothing_left_is_refused_on_every_rank(extracted, target, tmp_path):
+    """Every committed shard consumed and deleted: rank 0 said "nothing is left to train on", and
+    the other ranks, left in the next collective, "a collective between the ranks failed ... the
+    same command starts again". Every rank says the refusal."""
+    import shutil
+
+    from test_train import FAST
+
+    from layertap.manifests import layout
+    from layertap.manifests.state import listed_shards
+    from layertap.storage.store import open_store
+
+    run = tmp_path / "run"
+    shutil.copytree(extracted, run)
+    store = open_store(str(run))
+    for shard in listed_shards(store, layout.COMMITS):
+        store.put(layout.consumed_marker_key(shard), b"")
+    p = two_ranks(tmp_path, "-m", "layertap", "train", "--data", str(run), "--model", target, "--follow", "--out",
+                  str(tmp_path / "out"), *FAST)
+    assert p.returncode != 0
+    assert "nothing is left to train on" in p.stderr, p.stderr[-6000:]
+    assert "rank(s) 0 refused to train on" in p.stderr and "a collective between the ranks failed" not in p.stderr

@@ -417,8 +417,14 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     _check_objective(cfg, run.identity.final_state)
     if ckpt is not None:
         _check_resumable(ckpt.state, cfg, world)
-    elif cfg.follow and rank == 0:  # two listings of the run: once, not on every rank
-        _check_left_to_train(data, run)
+    elif cfg.follow:  # two listings of the run: once, on rank 0, whose refusal every rank says
+        refused = None
+        if rank == 0:
+            try:
+                _check_left_to_train(data, run)
+            except InputError as e:
+                refused = e
+        raise_if_any_refused(acc, refused, f"to train on {data.uri}")
     # The run's committed shards before the target: a run with none fails in seconds, not after
     # the target head has loaded.
     stream = open_stream(cfg, acc)
