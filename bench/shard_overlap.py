@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.s3server import bench_server  # noqa: E402
 
-SUMMARY = re.compile(r"([\d,.]+) s.{0,20} from the first claim to the last commit, ([\d,]+) tokens/s.*forward ([\d.]+) s")
+SUMMARY = re.compile(r"([\d,.]+) s.{0,20} from the start to the last shard's end, ([\d,]+) tokens/s.*forward ([\d.]+) s")
 SHARDS = re.compile(r"(\d+) shard\(s\) committed")
 
 

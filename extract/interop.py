@@ -92,7 +92,7 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     total = min(total, limit) if limit is not None else total
     out = writer(fmt, dest, rows_only=rows_only)
     try:
-        written, sources = _write_samples(run, commits, fmt, order, total, out, manifest.config)
+        written, sources, gone = _write_samples(run, commits, fmt, order, total, out, manifest.config)
         if written == 0:  # speculators' dataset of no file does not even load; SpecForge's folder holds nothing
             raise InputError(f"the run at {run.uri} has no sample to export: "
                              + ("no shard is committed yet" if not commits else
@@ -102,7 +102,8 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
                 **({"gguf_file": ident.gguf_file} if ident.gguf_file else {}), "samples": written,
                 "layers": layers, f"{fmt}_layer_ids": foreign_layers(fmt, layers), "final_state": FINAL_STATE[fmt],
                 "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources,
-                "shards_planned": len(manifest.shards)}
+                # the run's shards not in it: not committed, or their data gone (consumed, withdrawn)
+                "shards_planned": len(manifest.shards), "shards_missing": len(manifest.shards) - len(commits) + gone}
         dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())
     except BaseException as e:
         _remove_partial_export(dest, out.written(), e)
@@ -111,11 +112,12 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
 
 
 def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], total: int,
-                   out: ForeignWriter, config: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
-    """Write the first `total` committed samples in shard order; how many, and the shards read.
+                   out: ForeignWriter, config: dict[str, Any]) -> tuple[int, list[dict[str, Any]], int]:
+    """Write the first `total` committed samples in shard order; how many, the shards read, and how
+    many committed shards' data was gone.
     Each shard's HEAD must say the states the manifest's `config` does (`header_mismatch`): the
     files and their note are labelled by the manifest, and an edited one mislabelled them."""
-    written = 0
+    written = gone = 0
     sources: list[dict[str, Any]] = []  # the rows' shards in order: row i is the i-th of their samples
     with progress(total, desc="export", unit="sample") as bar:
         for c in commits:
@@ -126,6 +128,7 @@ def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], 
             except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn
                 log.warning("shard %d's data (%s) is gone: its %d samples are not exported", c.shard, c.data_key,
                             c.num_records)
+                gone += 1
                 continue
             if (refused := header_mismatch(run.uri, c.shard, c.data_key, records.meta, config)) is not None:
                 raise refused
@@ -140,7 +143,7 @@ def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], 
                 sources[-1]["samples"] += 1
                 bar.update(1)
     out.close()
-    return written, sources
+    return written, sources, gone
 
 
 class ExportFailed(UserError):

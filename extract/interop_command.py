@@ -44,11 +44,11 @@ def run_export(args: argparse.Namespace) -> int:
     owner = possessive(args.format)
     print(f"exported {counted(note['samples'], 'sample')} of {args.run} to {args.dest} in {owner} layout; "
           f"layers {note['layers']} (layertap's ids) are {owner} {note[f'{args.format}_layer_ids']}")
-    read, planned = len(note["sources"]), note["shards_planned"]
-    if args.limit is None and read < planned:  # the warnings above said why, shard by shard
-        print(f"warning: that is the data of {read} of the run's {planned:,} shards (the rest are not committed, or "
-              f"their data is gone): a trainer of {args.dest} trains on those alone. Once the run is complete, "
-              "export it again into a new DEST for all of it", file=sys.stderr)
+    missing, planned = note["shards_missing"], note["shards_planned"]
+    if args.limit is None and missing:  # the warnings above said why, shard by shard
+        print(f"warning: {missing:,} of the run's {planned:,} shards are not in it (not committed yet, or their data "
+              f"is gone): a trainer of {args.dest} trains on the others alone. Once the run is complete, export it "
+              "again into a new DEST for all of it", file=sys.stderr)
     return 0
 
 

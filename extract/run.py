@@ -174,15 +174,17 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
                            should_stop=should_stop, on_record=on_record, staging=staging)
         return Started(tail, skipped, truncated)
 
+    # the last shard's end (committed or abandoned), for the summary's rate: not the wait after it for others' shards
+    last_end: list[float] = []
+
     def _abandoned(shard: int) -> None:
+        last_end[:] = [time.perf_counter()]
         progress.abandoned(shard)
         if stops.stopped_for() is not None:  # released at a stop (not failed)
             at_stop.released.append(shard)
 
-    last_commit: list[float] = []  # when, for the summary's rate: not the wait after it for others' shards
-
     def _committed(claim: Claim, info, skipped) -> None:
-        last_commit[:] = [time.perf_counter()]
+        last_end[:] = [time.perf_counter()]
         progress.committed(claim.plan.id, info.num_records, skipped)
         if stops.stopped_for() is not None:  # its last forward was under way at the stop
             at_stop.finished.append(claim.plan.id)
@@ -202,7 +204,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
         try:
             committed = loop.run(queue)
         finally:
-            totals.add(wall_s=(last_commit or [time.perf_counter()])[0] - t_start)
+            totals.add(wall_s=(last_end or [time.perf_counter()])[0] - t_start)
     log.info("rank %d done: %d shard(s) committed", rank, committed)
     for line in summary_lines(totals):
         log.info("  %s", line)
@@ -240,7 +242,7 @@ def summary_lines(stats: PipelineStats) -> list[str]:
         f"{stats.samples:,} samples, {stats.tokens:,} tokens (+{100 * pad:.0f}% padding in batches), "
         f"{fmt_bytes(stats.raw_bytes)} of states stored as {fmt_bytes(stats.stored_bytes)} "
         f"({stats.raw_bytes / max(stats.stored_bytes, 1):.2f}x)",
-        f"{wall:,.1f} s{f' ({duration(wall)})' if wall >= 90 else ''} from the first claim to the last commit, "
+        f"{wall:,.1f} s{f' ({duration(wall)})' if wall >= 90 else ''} from the start to the last shard's end, "
         f"{stats.tokens / wall:,.0f} tokens/s, {stats.stored_bytes / wall / 2**20:.1f} MiB/s "
         f"stored: forward {stats.forward_s:.1f} s, host copy {stats.copy_s:.1f} s, encode {stats.encode_s:.1f} s "
         f"(CPU, summed over threads), write {stats.write_s:.1f} s, shard close {stats.close_s:.1f} s",

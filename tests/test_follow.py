@@ -1184,13 +1184,15 @@ def test_a_delete_consumed_trainer_resumed_before_its_deletions_is_refused_on_ev
     the ranks had yet to read shards deleted after a later checkpoint; one left them out with a
     warning, another failed mid-step on them. Refused before any step, naming them."""
     from layertap.cli import main as cli
-    from layertap.manifests.consumption import consumed_shards
+    from layertap.manifests.consumption import consumed_shards, delete_consumed, record_consumed
     from layertap.train.checkpoint import step_prefix
     from tiny_models import tiny_model_dir
 
     target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
     uri, out = str(tmp_path / "run"), tmp_path / "out"
     fake_worker.work(uri)
+    record_consumed(_store(uri), rank=0, world_size=1, shards=[0], step=1)  # by a trainer before this one
+    assert delete_consumed(_store(uri)) == [0]
     args = ["train", "--data", uri, "--model", target, "--out", str(out), "--follow", "--delete-consumed",
             "--batch-size", "2", "--shuffle-buffer", "2", "--block-size", "4", "--max-anchors", "8", "--save-every",
             "4", "--keep-checkpoints", "0"]
@@ -1199,12 +1201,21 @@ def test_a_delete_consumed_trainer_resumed_before_its_deletions_is_refused_on_ev
     assert gone and not list(_store(uri).list("shards/"))  # every shard trained on and deleted
     latest = out / "checkpoints" / "latest.json"
     (out / "drafter").rename(tmp_path / "exported")  # as if it had not finished
+    assert cli([*args, "--resume"]) == 0  # from its latest: shard 0, deleted before it started, is no resume's
     latest.write_text(json.dumps({"step": 4, "prefix": step_prefix(4)}))
     capsys.readouterr()
     assert cli([*args, "--resume"]) == 2
     err = capsys.readouterr().err
     assert f"cannot resume {_store(str(out)).uri} from step 4: rank(s) 0 have yet to train on data this trainer " \
         "deleted after a later checkpoint (rank 0's: shard(s) " in err, err[-2000:]
+    named = err.split("rank 0's: shard(s) ", 1)[1].split(")", 1)[0]
+    assert not named.startswith("0,") and not named.startswith("0-")  # not the shard deleted before it began
+    # a trainer that fails holding checkpoints (latest.json gone: the newest complete one resumes) keeps its claim
+    from layertap.manifests.consumption import consumer_of
+
+    latest.unlink()
+    assert cli(args) == 2 and "already holds checkpoints" in capsys.readouterr().err
+    assert consumer_of(_store(uri)) == _store(str(out)).uri
 
 
 def _store(uri):

@@ -568,9 +568,9 @@ def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, t
     assert cli(["export", run, "--to", "speculators", full]) == 0
     assert cli(["export", run, "--to", "speculators", rows, "--rows-only"]) == 0
     # a partial export says so as it ends (it only warned of the count as it began), and records it
-    assert f"that is the data of {len(commits) - 1} of the run's {len(commits)} shards" in capsys.readouterr().err
+    assert f"warning: 1 of the run's {len(commits)} shards are not in it" in capsys.readouterr().err
     note = json.loads(Path(full, "layertap-export.json").read_text())
-    assert (len(note["sources"]), note["shards_planned"]) == (len(commits) - 1, len(commits))
+    assert (note["shards_missing"], note["shards_planned"]) == (1, len(commits))
     store.put(layout.commit_key(commits[0].shard), held_back)  # it commits afterwards
     gone = commits[1]
     store.delete(gone.data_key)  # a --delete-consumed trainer took it
@@ -583,6 +583,12 @@ def test_rows_keep_their_samples_when_the_run_changes_after_the_export(target, t
     for i in range(gone.num_records, len(exported)):
         ours, theirs = load_file(exported[i]), transfer.get_cached(i)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_complete_export_warns_of_no_missing_shard(prenorm_run, tmp_path, capsys):
+    assert cli(["export", prenorm_run, "--to", "specforge", str(tmp_path / "sf")]) == 0
+    assert "are not in it" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "sf" / "layertap-export.json").read_text())["shards_missing"] == 0
 
 
 def test_rows_of_a_run_whose_manifest_was_edited_since_are_refused_not_mislabelled(prenorm_run, tmp_path):

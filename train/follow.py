@@ -407,9 +407,8 @@ class CommitWatcher:
                        f"largest shard ({size(largest)} here), where a rank has a buffer per DataLoader worker (at "
                        "least one) and holds 1 + max(2, --grad-accum) + 2 per DataLoader worker batches "
                        "(`consumption.window_floor`). Restart extraction with a larger --window (it and this "
-                       "trainer go on where they are), or this trainer with --resume and fewer --num-workers; a "
-                       "smaller --shuffle-buffer or --batch-size needs a trainer started anew (--resume keeps a "
-                       "checkpoint's), before any shard is consumed.")
+                       "trainer go on where they are); a smaller --shuffle-buffer, --batch-size or --num-workers "
+                       "needs a trainer started anew (--resume keeps a checkpoint's), before any shard is consumed.")
         record_stall(self.store, self.who, message)  # `status` of the run shows it while it lasts
         self._stall_reported = True
         if time.monotonic() - (self._stalled_since or time.monotonic()) >= STALL_GIVE_UP_S:

@@ -896,8 +896,9 @@ class ShardStream(IterableDataset):
     def _first_readable(self, mine: list[CommittedShard]) -> dict[str, Any]:
         """The first readable committed sample of `mine`, or of the run's when it is empty."""
         c = self.config
-        if not mine:  # it holds only shards it has a share of, so samples; the run's less those consumed
-            gone = consumed_shards(self._store())
+        gone = consumed_shards(self._store())  # a resumed consumer's shards may be among them too
+        mine = [s for s in mine if s.shard not in gone]
+        if not mine:  # it holds only shards it has a share of, so samples; else the run's
             mine = [_committed(r) for r in read_commits(self._store()).records if r.shard not in gone]
         for i, shard in enumerate(mine):
             if not shard.sample_ids:

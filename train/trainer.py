@@ -327,26 +327,27 @@ def train(cfg: TrainConfig) -> int:
     # Before the steps (waiting for a run to follow, loading the target head) and after them (the
     # export), a stop signal ends the command at once, the lease released on the way out; during
     # them the loop's own StopSignals stops at a step boundary, with a checkpoint.
-    code, held = None, False
     try:
         with StopSignals(at_once=True), OutputLease(out) if acc.is_main_process else nullcontext() as lease:
-            held = lease is not None  # rank 0's, once taken: a trainer refused the output withdraws no one's claim
-            _held_by_rank_0(acc)
-            code = _train(cfg, acc, precision, out, data, lease, run)
-            return code
+            code = None
+            try:
+                _held_by_rank_0(acc)
+                code = _train(cfg, acc, precision, out, data, lease, run)
+                return code
+            finally:
+                # stopped, stalled, failed, Ctrl-C: rank 0, while the output is still its own (a trainer refused
+                # it or taken over withdraws no one's claim, nor one a trainer started after its release took)
+                if code != 0 and lease is not None and cfg.delete_consumed and lease.holds():
+                    _give_up_claim(data, out)
     except Preempted as e:
         log.warning("%s outside the training steps: nothing to checkpoint; the same command%s starts again", e,
                     " with --resume" if cfg.resume else "")
-        code = e.exit_code
-        return code
+        return e.exit_code
     except Exception as e:
         if acc.num_processes > 1 and collective_failed(e):
             log.debug("the collective's error", exc_info=e)
             raise ranks_lost(acc, e, _latest_step(out), out.uri) from None
         raise
-    finally:
-        if code != 0 and held and cfg.delete_consumed:  # stopped, stalled, failed, Ctrl-C
-            _give_up_claim(data, out)
 
 
 def _latest_step(out: ObjectStore) -> int | None:
@@ -366,11 +367,13 @@ def _give_up_claim(data: ObjectStore, out: ObjectStore) -> None:
     for good without a word, and `status` said training consumed. Withdrawn, the run has no trainer:
     both say so, and the next one may claim it (this one again, or one with other settings)."""
     from layertap.manifests import layout
-    from layertap.manifests.consumption import consumer_of
-    from layertap.manifests.train_output import LATEST
+    from layertap.manifests.consumption import consumer_of, watermarks
 
     try:
-        if consumer_of(data) == out.uri and not out.exists(LATEST):
+        # any file of a checkpoint (one without latest.json resumes too), or a watermark of this output (it
+        # consumed): the claim is what keeps its deletions counted, and its resume the run's
+        if consumer_of(data) == out.uri and next(iter(out.list("checkpoints/")), None) is None \
+                and not any(m.get("output") == out.uri for m in watermarks(data).values()):
             data.delete(layout.CONSUMER)
             log.warning("withdrew this trainer's claim on %s (%s): it stopped before its first checkpoint, having "
                         "deleted nothing; a --delete-consumed trainer started again (with any settings) claims the "
@@ -422,7 +425,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
         if rank == 0:
             try:
                 _check_left_to_train(data, run)
-            except InputError as e:
+            except Exception as e:  # noqa: BLE001 - a store failing too: said by every rank, not a lost one
                 refused = e
         raise_if_any_refused(acc, refused, f"to train on {data.uri}")
     # The run's committed shards before the target: a run with none fails in seconds, not after
@@ -988,11 +991,19 @@ def _check_data_left(run: _Run, step: int) -> None:
     one after which it deleted data (the latest corrupt and latest.json pointed back at an earlier
     one, as its error offers): its ranks have yet to read shards that are gone. One rank left them
     out of its follow epoch with a warning while another failed mid-step on them, its peers with a
-    collective's error, and `--resume` did the same again."""
-    from layertap.manifests.consumption import consumed_shards
-
+    collective's error, and `--resume` did the same again. What this trainer deleted after `step` is
+    what its own watermarks of later steps name and a marker says is gone (rank 0 lists them, once);
+    shards consumed before it started are no resume's to read."""
     acc = run.acc
-    needed = sorted(consumed_shards(run.data) - set(run.stream.consumed_shards(run.batches.state_dict())))
+    later: list[list[int]] = []
+    if acc.is_main_process:
+        try:
+            later = _deleted_after(run, step)
+        except Exception as e:  # noqa: BLE001 - a check: a store failing here fails the next read too
+            log.warning("could not tell whether data this trainer needs was deleted after step %d: %s", step, e)
+    later = from_rank_0(acc, later)
+    gone = {s for a, b in later for s in range(a, b + 1)}
+    needed = sorted(gone - set(run.stream.consumed_shards(run.batches.state_dict())))
     ranks = [r for r, (n,) in enumerate(per_rank(acc, [float(len(needed))])) if n]
     if not ranks:
         return
@@ -1001,6 +1012,24 @@ def _check_data_left(run: _Run, step: int) -> None:
                      f"data this trainer deleted after a later checkpoint{mine}. Resume from that later checkpoint "
                      f"(checkpoints/latest.json names the one to resume from); where none is readable, those samples "
                      f"are lost to this drafter: train one on a new extraction of the run")
+
+
+def _deleted_after(run: _Run, step: int) -> list[list[int]]:
+    """The shards, as [first, last] runs, that this trainer's watermarks of steps after `step` name
+    and whose consumed marker is there (their data deleted, or about to be)."""
+    from layertap.manifests.consumption import consumed_shards, watermarks
+
+    named = {s for m in watermarks(run.data).values()
+             if m.get("output") == run.out.uri and m.get("run_id") in (None, run.stream.run_id) and m["step"] > step
+             for a, b in m["ranges"] for s in range(a, b + 1)}
+    gone = sorted(named & consumed_shards(run.data)) if named else []
+    runs: list[list[int]] = []
+    for s in gone:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return runs
 
 
 def _delete_consumed(run: _Run, step: int) -> None:
