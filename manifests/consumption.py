@@ -171,7 +171,7 @@ def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: l
     deleted at once, and a restart resumes from the checkpoint."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
-    body = {"world_size": world_size, "step": step, "ranges": _ranges(shards), "time": time.time()}
+    body = {"world_size": world_size, "step": step, "ranges": shard_runs(shards), "time": time.time()}
     if run_id is not None:
         body["run_id"] = run_id
     if output is not None:
@@ -179,7 +179,7 @@ def record_consumed(store: ObjectStore, *, rank: int, world_size: int, shards: l
     _put_json(store, layout.consumed_rank_key(rank), body)
 
 
-def _ranges(shards: list[int]) -> list[list[int]]:
+def shard_runs(shards: list[int]) -> list[list[int]]:
     """The shard ids as [first, last] runs. A watermark names every shard its rank consumed; as
     runs it stays a few per extraction worker however long the run (a list of ids was ~1 MB per
     rank at 140,000 shards, read for every rank after every checkpoint)."""
@@ -354,7 +354,7 @@ def watermarks(store: ObjectStore, listing: list[ObjectInfo] | None = None) -> d
         try:
             body = json.loads(store.get(key))
             ranges = ([[int(a), int(b)] for a, b in body["ranges"]] if "ranges" in body
-                      else _ranges([int(s) for s in body["shards"]]))  # "shards": written before 2026-12
+                      else shard_runs([int(s) for s in body["shards"]]))  # "shards": written before 2026-12
             if any(a > b for a, b in ranges) or any(p[1] >= n[0] for p, n in zip(ranges, ranges[1:])):
                 raise ValueError("ranges are not sorted, disjoint [first, last] runs")
             return {"world_size": int(body["world_size"]), "step": int(body["step"]), "ranges": ranges,
@@ -438,7 +438,7 @@ class WindowGate:
                  sweep_every_s: float = 30.0, log_every_s: float = 30.0,
                  on_wait: Callable[[AtRest | None], None] | None = None, sleep: Callable[[float], None] = time.sleep):
         self.store, self.window, self.producer = store, window, producer
-        self.shards = None if shards is None else _ranges(list(shards))  # its worker's --shards, for its record
+        self.shards = None if shards is None else shard_runs(list(shards))  # its worker's --shards, for its record
         self._trainer_looked = -float("inf")  # when `_say_if_no_trainer` last looked (time.monotonic)
         self.poll_s, self.max_poll_s, self.log_every_s = poll_s, max_poll_s, log_every_s
         self.sweep_every_s = sweep_every_s

@@ -1031,19 +1031,12 @@ def _check_data_left(run: _Run, step: int) -> None:
 def _deleted_after(run: _Run, step: int) -> list[list[int]]:
     """The shards, as [first, last] runs, that this trainer's watermarks of steps after `step` name
     and whose consumed marker is there (their data deleted, or about to be)."""
-    from layertap.manifests.consumption import consumed_shards, watermarks
+    from layertap.manifests.consumption import consumed_shards, shard_runs, watermarks
 
     named = {s for m in watermarks(run.data).values()
              if m.get("output") == run.out.uri and m.get("run_id") in (None, run.stream.run_id) and m["step"] > step
              for a, b in m["ranges"] for s in range(a, b + 1)}
-    gone = sorted(named & consumed_shards(run.data)) if named else []
-    runs: list[list[int]] = []
-    for s in gone:
-        if runs and s == runs[-1][1] + 1:
-            runs[-1][1] = s
-        else:
-            runs.append([s, s])
-    return runs
+    return shard_runs(sorted(named & consumed_shards(run.data))) if named else []
 
 
 def _delete_consumed(run: _Run, step: int) -> None:
