@@ -164,6 +164,9 @@ def parse_squeue(listing: str, location: str) -> list[QueuedTask]:
     return _will_start(tagged, f"the run at {location}")
 
 
+_NO_CLUSTER = "Could not establish a configuration source"  # squeue's fatal error where no cluster is configured
+
+
 def squeue_listing(unasked: str = "tasks still queued for this output are not left their work",
                    level: int = logging.WARNING) -> str | None:
     """squeue's jobs and array tasks still to do work (`_STATES`), a line each (`123_4|state|reason|
@@ -181,7 +184,11 @@ def squeue_listing(unasked: str = "tasks still queued for this output are not le
         return None
     if p.returncode != 0:
         said = (p.stderr or p.stdout).strip().splitlines()  # its last line: a fatal error follows its causes
-        log.log(level, "squeue failed (%s): %s", said[-1] if said else f"exit {p.returncode}", unasked)
+        # a Slurm client installed with no cluster configured (no slurm.conf, no configless server): no jobs to
+        # look for, and a warning at every `delete` read as the delete's fault
+        unset = any(_NO_CLUSTER in line for line in said)
+        log.log(logging.DEBUG if unset else level, "squeue failed (%s): %s", said[-1] if said else f"exit {p.returncode}",
+                unasked)
         return None
     return p.stdout
 

@@ -206,6 +206,30 @@ def test_status_of_a_regeneration_names_its_tasks_at_work_and_its_queued_jobs(tm
     assert "(a regeneration task would start the output anew)" in err and "extraction" not in err
 
 
+def test_delete_says_nothing_of_squeue_where_no_cluster_is_configured(tmp_path, capsys, monkeypatch, caplog):
+    """A Slurm client with no cluster (no slurm.conf): every `delete` warned "squeue failed (squeue:
+    fatal: Could not establish a configuration source)", twice where it asked. Another failure of
+    squeue is still warned of: queued jobs would go unseen."""
+    import fake_worker
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "squeue").write_text("#!/bin/sh\necho 'squeue: fatal: Could not establish a configuration source' >&2\n"
+                                 "exit 1\n")
+    (bin_ / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    for name in ("a", "b"):
+        fake_worker.plan(open_store(str(tmp_path / name)))
+    with caplog.at_level("WARNING"):
+        assert cli(["delete", "--yes", str(tmp_path / "a")]) == 0
+    assert "squeue failed" not in caplog.text + capsys.readouterr().err
+    (bin_ / "squeue").write_text("#!/bin/sh\necho 'squeue: error: slurm_load_jobs error: Unable to contact slurm "
+                                 "controller' >&2\nexit 1\n")
+    with caplog.at_level("WARNING"):
+        assert cli(["delete", "--yes", str(tmp_path / "b")]) == 0
+    assert "squeue failed (squeue: error: slurm_load_jobs error: Unable to contact slurm controller)" in caplog.text
+
+
 def test_a_resubmission_leaves_the_tasks_still_queued_their_work(tmp_path, capsys, monkeypatch):
     """`submit extract` asks squeue for the run's pending tasks (their comment names the run): it
     starts only what they leave, refuses --then-train beside them, and tags its own array."""
