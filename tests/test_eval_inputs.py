@@ -287,3 +287,41 @@ def test_a_device_that_is_not_here_is_refused_before_anything_loads(tmp_path, ca
     prompts.write_text('{"prompt": "hello"}\n')
     assert cli(["eval", "--drafter", str(tmp_path / "none"), "--prompts", str(prompts), "--device", device]) == 2
     assert f"--device {device!r}" in (err := capsys.readouterr().err) and said in err
+
+
+def test_a_dataset_file_given_as_prompts_is_named_a_json_array(tmp_path):
+    """The Quickstart's own kind of file (one JSON array, as `extract --dataset` reads) was refused with
+    a bare "prompts.json:1 is not JSON: Expecting value: line 2 column 1"."""
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}], indent=1))
+    with pytest.raises(InputError, match=r"chats.json is one JSON array \(a dataset file, as `extract --dataset` "
+                                         r"reads\): --prompts reads JSON lines"):
+        load_prompts(str(path), tiny_tokenizer(), None, 1024)
+
+
+def test_embedded_prompts_are_the_packaged_sharegpts_chats_held_out_from_the_quickstart(caplog):
+    """The Quickstart (the packaged SmolLM2 over its ShareGPT's first 300 chats) left a new user no
+    held-out prompts for `eval`: `--prompts embedded` takes that file's chats from row 10,000 on."""
+    from layertap.extract.embedded import sharegpt_conversations
+    from layertap.train.speculative import EMBEDDED_HELD_OUT_FROM
+
+    tokenizer = tiny_tokenizer()
+    prompts, _ = load_prompts("embedded", tokenizer, 3, 4096)
+    assert len(prompts) == 3
+    rows = [r for i, r in enumerate(sharegpt_conversations(EMBEDDED_HELD_OUT_FROM + 50)) if i >= EMBEDDED_HELD_OUT_FROM]
+    firsts = [next(t["value"] for t in r["conversations"] if t["from"] == "human") for r in rows]
+    assert all(any(f[:20] in tokenizer.decode(p) for f in firsts) for p in prompts)  # held-out rows' chats
+
+
+def test_trainings_closing_hint_names_embedded_prompts_for_a_run_of_the_packaged_data(tmp_path):
+    import fake_worker
+    from layertap.manifests import layout
+    from layertap.storage.store import open_store
+    from layertap.train.trainer import _on_embedded_data
+
+    store = open_store(str(tmp_path / "run"))
+    fake_worker.plan(store)
+    assert not _on_embedded_data(store)
+    manifest = json.loads(store.get(layout.MANIFEST))
+    store.put(layout.MANIFEST, json.dumps({**manifest, "dataset": {**manifest["dataset"], "path": "embedded"}}).encode())
+    assert _on_embedded_data(store)

@@ -31,7 +31,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True,
                    help="JSON lines: ShareGPT or OpenAI chats (the assistant turns at the end are dropped: the "
                         "target answers the turns before; rendered with its chat template) or {\"prompt\": text} "
-                        "(plain text, tokenized as it is: no chat template, as a base model's completion)")
+                        "(plain text, tokenized as it is: no chat template, as a base model's completion); or "
+                        "'embedded': the packaged ShareGPT's chats from row 10,000 on, held out from the "
+                        "Quickstart's extraction")
     p.add_argument("--chat-template-kwargs", metavar="JSON",
                    help="passed to the chat template rendering the prompts, e.g. '{\"enable_thinking\": false}' "
                         "(default: the settings the drafter's training chats were rendered with, which it records "

@@ -22,6 +22,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -322,31 +323,58 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
     the model cannot embed (beyond `vocab_size`: a device-side assert on CUDA, after the load)."""
     check_template_kwargs(tokenizer, chat_template_kwargs)  # before the first row: a typo is no row's fault
     prompts, skipped = [], 0
-    with open(path, "rb") as f:
-        for line_no, line in _lines(f, path):
-            if not line.strip():
-                continue
-            if limit is not None and len(prompts) >= limit:
-                break
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{line_no} is not JSON: {e}") from None
-            ids = _prompt_ids(row, tokenizer, f"{path}:{line_no}", chat_template_kwargs)
-            if not ids:  # nothing to prefill: the first forward would fail obscurely
-                raise InputError(f"{path}:{line_no}: the prompt is empty (it tokenizes to no tokens)")
-            if vocab_size is not None and max(ids) >= vocab_size:
-                raise InputError(f"{path}:{line_no} tokenizes to id {max(ids)}, beyond the model's vocabulary of "
-                                 f"{vocab_size} (the tokenizer has {len(tokenizer)} tokens): use the tokenizer the "
-                                 "model was trained with, or resize its embeddings")
-            if len(ids) > max_prompt_tokens:
-                skipped += 1
-                continue
-            prompts.append(ids)
+    for where, row in (_embedded_prompts() if path == EMBEDDED_PROMPTS else _prompt_rows(path)):
+        if limit is not None and len(prompts) >= limit:
+            break
+        try:
+            ids = _prompt_ids(row, tokenizer, where, chat_template_kwargs)
+        except InputError:
+            if path != EMBEDDED_PROMPTS:
+                raise
+            continue  # ShareGPT's own odd rows (no human turn: a bot's greeting alone) are no prompt of ours
+        if not ids:  # nothing to prefill: the first forward would fail obscurely
+            raise InputError(f"{where}: the prompt is empty (it tokenizes to no tokens)")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise InputError(f"{where} tokenizes to id {max(ids)}, beyond the model's vocabulary of {vocab_size} (the "
+                             f"tokenizer has {len(tokenizer)} tokens): use the tokenizer the model was trained with, "
+                             "or resize its embeddings")
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(ids)
     if not prompts:
         raise InputError(f"{path} has no usable prompts (all {skipped} over {max_prompt_tokens} tokens: raise "
                          "--max-prompt-tokens)" if skipped else f"{path} holds no prompt (no non-empty line)")
     return prompts, skipped
+
+
+EMBEDDED_PROMPTS = "embedded"  # --prompts embedded: held-out chats of the Quickstart's packaged ShareGPT
+EMBEDDED_HELD_OUT_FROM = 10_000  # its rows from here on: past any Quickstart extraction's (300 by default)
+
+
+def _prompt_rows(path: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) of each non-empty line of a JSON-lines file."""
+    with open(path, "rb") as f:
+        for line_no, line in _lines(f, path):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{line_no}", json.loads(line)
+            except json.JSONDecodeError as e:
+                array = line_no == 1 and line.lstrip().startswith("[")
+                raise InputError(f"{path} is one JSON array (a dataset file, as `extract --dataset` reads): --prompts "
+                                 "reads JSON lines, a chat or {\"prompt\": text} a line; write the held-out rows one "
+                                 "a line (or pass --prompts embedded for the Quickstart's data)" if array else
+                                 f"{path}:{line_no} is not JSON: {e}") from None
+
+
+def _embedded_prompts() -> Iterator[tuple[str, Any]]:
+    """(where, row) of the packaged ShareGPT's chats held out from the Quickstart's extraction."""
+    from layertap.extract.embedded import sharegpt_conversations
+
+    for i, row in enumerate(sharegpt_conversations()):
+        if i >= EMBEDDED_HELD_OUT_FROM:
+            yield f"the embedded ShareGPT's row {i}", row
 
 
 def _past_context(prompts: list[list[int]], max_new_tokens: int, config: Any) -> int:
@@ -446,7 +474,7 @@ def evaluate(drafter_uri: str, model: str | None, prompts_path: str, *, gguf_fil
     the GPU when there is one. `chat_template_kwargs` None: those the drafter records (its
     training chats were rendered with them)."""
     t0 = time.time()
-    if not os.path.isfile(prompts_path):  # before the models load: a typo should not cost their load
+    if prompts_path != EMBEDDED_PROMPTS and not os.path.isfile(prompts_path):  # a typo should not cost the models' load
         raise InputError(f"the prompts file {prompts_path!r} does not exist (or is not a file)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config, weights = load_drafter_files(open_store(drafter_uri), step)

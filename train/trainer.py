@@ -800,10 +800,11 @@ def _loop(run: _Run, start: int) -> int:
                 export_drafter(run.out, run.model)
             done = (f"nothing to train: the latest checkpoint in {run.out.uri} is at step {start}, where this run "
                     f"ends; its drafter was {'already exported' if exported else 'exported now'}")
+        prompts = "embedded" if _on_embedded_data(run.data) else "HELD_OUT.jsonl"
         print(f"{done}; drafter at {run.out.uri}/drafter/\n"
               f"evaluate it on held-out prompts (JSON lines of chats; the target is the one the drafter records, "
               f"{cfg.model}{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
-              f"  layertap eval --drafter {run.out.uri} --prompts HELD_OUT.jsonl")
+              f"  layertap eval --drafter {run.out.uri} --prompts {prompts}")
     # The prefetch thread ended before the process groups go (`end_training` destroys them, the thread's
     # gloo group among them): a 2-rank follow run aborted at exit ("terminate called without an active
     # exception") now and then. Closing twice (the `with` block's) does nothing more.
@@ -891,6 +892,15 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
                          "consumed and their data is deleted", _window_waiters(run.data), step)
             _save(run, step)
             saved = step
+
+
+def _on_embedded_data(data: ObjectStore) -> bool:
+    """Whether the run was extracted from the packaged ShareGPT (the Quickstart's): `eval --prompts
+    embedded` then holds its held-out chats."""
+    try:
+        return load_manifest(data).dataset.get("path") == "embedded"
+    except UserError:
+        return False
 
 
 def _window_waiters(store: ObjectStore) -> str:
