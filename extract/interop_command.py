@@ -115,7 +115,7 @@ def _from_export_note(args: argparse.Namespace) -> None:
 def run_import(args: argparse.Namespace) -> int:
     from layertap.extract.config import parse_ids
     from layertap.extract.interop import import_run
-    from layertap.manifests.cli import format_status
+    from layertap.manifests.cli import format_status, train_hint
     from layertap.manifests.preemption import Preempted
     from layertap.manifests.status import run_status
     from layertap.storage.errors import ConfigError
@@ -147,5 +147,5 @@ def run_import(args: argparse.Namespace) -> int:
               f"on; fix the source or the import's arguments, then `layertap delete {args.out}` and import again",
               file=sys.stderr)
         return 1
-    print(f"\ntrain a drafter on it:\n  layertap train --data {args.out} --out {args.out.rstrip('/')}-drafter")
+    print(f"\n{train_hint(args.out)}")
     return 0

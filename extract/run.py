@@ -629,7 +629,7 @@ def _summary(store: ObjectStore, cfg: ExtractConfig, queue: WorkQueue) -> int:
     first task reports (a report lists every commit and tally marker, ~190 LIST pages at
     100,000 shards, ~190,000 from 1,000 tasks at once); the others, their shards all committed, say
     so from the scan that found it."""
-    from layertap.manifests.cli import format_status
+    from layertap.manifests.cli import format_status, train_hint
 
     task, first = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_MIN")
     if queue.done_state is not None and task is not None and first is not None and task != first:
@@ -663,8 +663,7 @@ def _summary(store: ObjectStore, cfg: ExtractConfig, queue: WorkQueue) -> int:
         print(f"\na --delete-consumed trainer writing to {trainer} trains on this run and deletes what it has "
               f"trained on: `layertap status {trainer}` says how its training goes")
         return 0
-    print(f"\ntrain a drafter on it (the target is the one this run's manifest records):"
-          f"\n  layertap train --data {cfg.out} --out {cfg.out.rstrip('/')}-drafter")
+    print(f"\n{train_hint(cfg.out)}")
     if not torch.cuda.is_available():
         print("  (on a CPU a step takes seconds to minutes: add --steps 10 for a first look; the bar shows the pace)")
     return 0

@@ -439,6 +439,25 @@ def _rate_line(s: dict) -> str:
     return text
 
 
+def train_hint(data: str) -> str:
+    """What the end of an extraction or import suggests next: a trainer into DATA-drafter, or, where
+    that output holds a training already (a rerun of a finished run), how to look at it."""
+    from layertap.manifests.train_output import training_status
+    from layertap.storage.store import StoreError, open_store
+
+    out = f"{data.rstrip('/')}-drafter"
+    try:
+        trained = training_status(open_store(out))
+    except (StoreError, ValueError):
+        trained = None
+    if trained is None:
+        return f"train a drafter on it (the target is the one this run's manifest records):\n  layertap train --data " \
+               f"{data} --out {out}"
+    return (f"{out} holds a training of a drafter already: `layertap status {out}` says how far it got (its "
+            f"`layertap train ... --resume` goes on); a second one goes into another --out, e.g.\n  layertap train "
+            f"--data {data} --out {out}-2")
+
+
 def format_training(t: dict) -> str:
     of = f" of {t['steps_total']:,}" if t["steps_total"] else ""
     lines = [f"training output at {t['prefix']}" + (f"  (data {t['data']})" if t["data"] else "")]

@@ -573,3 +573,17 @@ def test_a_store_that_does_not_answer_exits_5_not_2(capsys, monkeypatch):
         assert "cannot reach the S3 endpoint http://127.0.0.1:9" in capsys.readouterr().err
     # and so does every other command (extract and train exited 2, as for a mistake to fix)
     assert cli(["export", "s3://acts/run1", "/tmp/nonexistent-x", "--to", "specforge"]) == 5
+
+
+def test_the_closing_hint_of_a_finished_run_looks_at_its_drafter_output_first(tmp_path):
+    """A rerun of a finished extraction ("nothing to do") suggested `layertap train ... --out RUN-drafter`
+    where that output held a training already: the suggested command was refused."""
+    from layertap.manifests.cli import train_hint
+
+    run = str(tmp_path / "run")
+    assert train_hint(run).endswith(f"layertap train --data {run} --out {run}-drafter")
+    Path(f"{run}-drafter").mkdir()
+    Path(f"{run}-drafter", "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    hint = train_hint(run)
+    assert hint.startswith(f"{run}-drafter holds a training of a drafter already: `layertap status {run}-drafter`")
+    assert hint.endswith(f"layertap train --data {run} --out {run}-drafter-2")
