@@ -76,7 +76,7 @@ def run_status(args: argparse.Namespace) -> int:
                 return EXIT_INCOMPLETE
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
-                        + _what_is_under(store)) from None
+                        + (_what_is_under(store) or _what_it_is(store))) from None
         if args.shards:  # not in silence: the shards are a run's
             data = t.get("data") if t is not None else None
             print(f"note: --shards lists a run's shard objects, and {store.uri} is a "
@@ -189,8 +189,9 @@ def _what_is_under(store) -> str:
     """`outputs_under` as the end of `status`'s "no run" error."""
     others: list[str] = []
     found = [f"{name}/ ({kind})" for name, kind in outputs_under(store, others)]
-    if not found:
-        return ""
+    if not found:  # runs may lie deeper (a bucket's root): say where it did not look
+        return (f". Its folders {listing([f'{o}/' for o in others], 5)} are no run nor output; runs may lie deeper "
+                f"in them: `layertap status {store.uri.rstrip('/')}/FOLDER`") if others else ""
     return (f". Under it: {listing(found, LIST_UNDER)}{deeper_text(others)}: `layertap status "
             f"{store.uri.rstrip('/')}/{found[0].split('/')[0]}`")
 

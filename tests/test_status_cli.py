@@ -385,6 +385,27 @@ def test_status_of_the_parent_of_runs_names_what_is_under_it(store_uri, capsys):
     assert "Under it: drafter1/ (training output), run1/ (run); and 2 other folder(s) (misc/, team/), not looked " \
            "into" in err
     assert f"`layertap status {parent.uri.rstrip('/')}/drafter1`" in err
+    # runs only deeper (a bucket's root): it said nothing of what is there
+    rc, _, err = status(capsys, f"{store_uri}/team")
+    assert rc == 2 and "run9/ (run)" in err
+    deep = open_store(f"{store_uri}/deep")
+    deep.put("misc/notes.txt", b"not ours")
+    deep.put("team/run9/manifest.json", b"{}")
+    rc, _, err = status(capsys, deep.uri)
+    assert rc == 2 and "Its folders misc/, team/ are no run nor output; runs may lie deeper in them: " \
+        f"`layertap status {deep.uri.rstrip('/')}/FOLDER`" in err
+
+
+def test_status_of_an_export_or_an_exported_drafter_says_what_it_is(tmp_path, capsys):
+    """`verify` named them; `status`, the command users point at things, said only "no run"."""
+    export, drafter = open_store(str(tmp_path / "export")), open_store(str(tmp_path / "drafter"))
+    export.put("layertap-export.json", json.dumps({"format": "specforge"}).encode())
+    drafter.put("config.json", b"{}")
+    drafter.put("model.safetensors", b"")
+    rc, _, err = status(capsys, export.uri)
+    assert rc == 2 and "It holds a `layertap export` of a run (layertap-export.json, format specforge)" in err
+    rc, _, err = status(capsys, drafter.uri)
+    assert rc == 2 and "It holds an exported drafter" in err
 
 
 @pytest.mark.moto_only
