@@ -195,9 +195,12 @@ def check_empty(dest: ObjectStore) -> None:
         raise ConfigError(f"the export destination {dest.uri} is a layertap run (it holds {layout.MANIFEST}): export "
                           "into a new folder or prefix of its own")
     if there is not None:
-        raise ConfigError(f"the export destination {dest.uri} is not empty (it holds {there.key}, and maybe more): "
+        earlier = dest.exists(EXPORT_NOTE)
+        raise ConfigError(f"the export destination {dest.uri} is not empty (it holds "
+                          + (f"an earlier export: {EXPORT_NOTE}" if earlier else there.key) + ", and maybe more): "
                           "the foreign trainers read every sample file under it, so an earlier export's would mix "
-                          "with this one's. Export into a new folder or prefix, or empty this one first")
+                          "with this one's. Export into a new folder or prefix, or empty this one first"
+                          + (f" (`layertap delete {dest.uri}`)" if earlier else ""))
 
 
 def _fingerprint(fmt: str, files: list[ForeignFile]) -> str:

@@ -1,4 +1,5 @@
-"""`layertap delete PREFIX`: delete a run, or a training output, with every object under its prefix.
+"""`layertap delete PREFIX`: delete a run, a training, regeneration or export output, with every object under
+its prefix.
 
 It asks first (or takes `--yes`), refuses a prefix that is neither a run nor a training output
 unless `--force` (a typo must not empty a bucket), and refuses a run something still writes to,
@@ -169,6 +170,8 @@ def describe(store, force: bool) -> str:
                       f"{held.describe(store.now())}): stop them first (or pass --force)")
     if store.exists(RECIPE) or tasks:
         return f"regeneration output at {store.uri}"
+    if store.exists(layout.EXPORT_NOTE):  # `layertap export` writes it last, and refuses a DEST not empty
+        return f"`layertap export` output at {store.uri}"
     inside = enclosing(store)
     within = (f" It is inside the {inside[1]} at {inside[0]}: deleting part of it leaves that {inside[1]} "
               "incomplete" + (" (its `status` still counts data that is gone until `layertap verify` withdraws it)"

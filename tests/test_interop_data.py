@@ -298,8 +298,14 @@ def test_an_export_refuses_a_destination_that_holds_files(prenorm_run, tmp_path,
     before = sorted(p.name for p in Path(dest).rglob("*"))
     capsys.readouterr()
     assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "3"]) == 2
-    assert "is not empty" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not empty (it holds an earlier export: layertap-export.json" in err
+    assert f"or empty this one first (`layertap delete {Path(dest).resolve()}`)" in err or \
+        f"or empty this one first (`layertap delete {dest}`)" in err
     assert sorted(p.name for p in Path(dest).rglob("*")) == before
+    # the command it names deletes it, an output of layertap's own ("holds no run ... Check the prefix, or --force")
+    assert cli(["delete", "--yes", dest]) == 0 and not Path(dest).exists()
+    assert "`layertap export` output at" in capsys.readouterr().out
     # the run itself given as DEST: "empty this one first" would have had the user delete the run
     assert cli(["export", prenorm_run, "--to", "specforge", prenorm_run]) == 2
     err = capsys.readouterr().err
