@@ -312,9 +312,12 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
                          "nothing consumes what the extraction adds and a full window does not open: train on the rest "
                          "with another --delete-consumed trainer (another --out), or extract it without --window")
         if deleting == "stopped" and not s["complete"]:
+            # after a stall, the same commands stall again: the window must grow first (the report says by how much)
+            first = ("it stalled (its report below): restart the extraction with a larger --window, then start the "
+                     "trainer" if s.get("stalled") else "start it")
             lines.append("  THE TRAINER IS NOT RUNNING: this run's --delete-consumed trainer holds no live lease on its "
                          "output (stopped, queued again, or its lease went stale), so nothing is consumed and a full "
-                         "window does not open: start it again with its `layertap train` command and --resume (or "
+                         f"window does not open: {first} again with its `layertap train` command and --resume (or "
                          "the same `layertap submit extract ... --train-while-extracting` command, which submits "
                          "only the trainer)")
     if (stall := s.get("stalled")) is not None and not s["complete"]:
@@ -335,7 +338,8 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
     elif not live and not s["problem"] and window is not None and rest >= window:
         # a full window no trainer deletes from (said above): a rerun would wait behind it too
         lines.append(f"  nothing is running, and the window is full: {again} goes on once a --delete-consumed "
-                     "trainer consumes")
+                     "trainer consumes" + (" (with a larger --window: the trainer stalled, its report above)"
+                                           if s.get("stalled") else ""))
     elif not live and not s["problem"] and (jobs := s.get("slurm_jobs")):
         lines.append(f"  no shard is running, but Slurm job(s) {listing(jobs, 10)} of `layertap submit` are queued or "
                      "running for this run (squeue): their tasks take the unfinished shards as they start (`layertap "

@@ -356,6 +356,14 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
         "(stopped, queued again, or its lease went stale)" in out
     assert "wait for the window to open, as training consumes" not in out
     assert json.loads(status(capsys, uri, "--json")[1])["deleting_trainer"] == "stopped"  # for scripts too
+    assert "it stalled" not in out and "with a larger --window" not in out
+    # ... after a stall: the same commands would stall again, so the window must grow first
+    record_stall(store, "rank 0", "STALLED: extraction waits for training to consume (...)")
+    out = status(capsys, uri)[1]
+    assert "window does not open: it stalled (its report below): restart the extraction with a larger --window, then " \
+        "start the trainer again with its `layertap train` command and --resume" in out
+    assert "goes on once a --delete-consumed trainer consumes (with a larger --window: the trainer stalled" in out
+    clear_stall(store)
     trainer.release()
     # stopped by Ctrl-C or a signal: a checkpoint saved and the lease released (not left to go stale), which
     # was taken for a trainer at work
