@@ -663,7 +663,7 @@ def _summary(store: ObjectStore, cfg: ExtractConfig, queue: WorkQueue) -> int:
         print(f"\na --delete-consumed trainer writing to {trainer} trains on this run and deletes what it has "
               f"trained on: `layertap status {trainer}` says how its training goes")
         return 0
-    print(f"\n{train_hint(cfg.out)}")
+    print(f"\n{train_hint(cfg.out, cfg.s3)}")
     if not torch.cuda.is_available():
         print("  (on a CPU a step takes seconds to minutes: add --steps 10 for a first look; the bar shows the pace)")
     return 0

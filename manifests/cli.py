@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from layertap.storage.errors import ConfigError
 from layertap.storage.units import counted, duration, listing, size
@@ -76,7 +77,7 @@ def run_status(args: argparse.Namespace) -> int:
                 return EXIT_INCOMPLETE
             raise NoRun(f"{e}; nor is it a `layertap train` output (no metrics.jsonl or "
                         "checkpoints/latest.json) or a `layertap regenerate` output (no regenerate.json)"
-                        + (_what_is_under(store) or _what_it_is(store))) from None
+                        + (_what_it_is(store) or _what_is_under(store))) from None
         if args.shards:  # not in silence: the shards are a run's
             data = t.get("data") if t is not None else None
             print(f"note: --shards lists a run's shard objects, and {store.uri} is a "
@@ -93,6 +94,12 @@ def run_status(args: argparse.Namespace) -> int:
         s["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "extract"]
     # the --window run's --delete-consumed trainer: "running", "stopped", "finished" or "none" (null: no window)
     s["deleting_trainer"] = _deleting(store, s)
+    if s["deleting_trainer"] == "stopped" and s.get("stalled") is None and not s["complete"]:
+        # its STALLED report however old: a trainer that gave up on a stall renews it no more, and the advice
+        # to start the same commands again stalls them again
+        from layertap.manifests.consumption import recent_stall
+
+        s["stalled"] = recent_stall(store, max_age_s=math.inf)
     print(json.dumps(s, indent=2) if args.json else format_status(s, deleting=s["deleting_trainer"]))
     if s["problem"]:
         print(f"error: {s['problem']}", file=sys.stderr)
@@ -160,7 +167,7 @@ def not_a_run(store, e: NoRun, needs: str, instead: Callable[[str], str]) -> NoR
 
     t = training_status(store)
     if t is None:
-        return NoRun(f"{e}{_what_is_under(store) or _what_it_is(store)}")
+        return NoRun(f"{e}{_what_it_is(store) or _what_is_under(store)}")
     data = f": {instead(t['data'])}" if t.get("data") else ""
     return NoRun(f"{store.uri} is a `layertap train` output (checkpoints, metrics.jsonl), not a run: {needs} an "
                  "extraction run (`layertap extract` or `layertap import`; its prefix holds manifest.json)"
@@ -313,13 +320,14 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
                          "with another --delete-consumed trainer (another --out), or extract it without --window")
         if deleting == "stopped" and not s["complete"]:
             # after a stall, the same commands stall again: the window must grow first (the report says by how much)
-            first = ("it stalled (its report below): restart the extraction with a larger --window, then start the "
-                     "trainer" if s.get("stalled") else "start it")
+            how = ("it stalled (its report below): restart the extraction with a larger --window (Slurm: scancel its "
+                   "waiting tasks, submit again with it), then start the trainer again with its `layertap train` "
+                   "command and --resume" if s.get("stalled") else
+                   "start it again with its `layertap train` command and --resume (or the same `layertap submit "
+                   "extract ... --train-while-extracting` command, which submits only the trainer)")
             lines.append("  THE TRAINER IS NOT RUNNING: this run's --delete-consumed trainer holds no live lease on its "
                          "output (stopped, queued again, or its lease went stale), so nothing is consumed and a full "
-                         f"window does not open: {first} again with its `layertap train` command and --resume (or "
-                         "the same `layertap submit extract ... --train-while-extracting` command, which submits "
-                         "only the trainer)")
+                         f"window does not open: {how}")
     if (stall := s.get("stalled")) is not None and not s["complete"]:
         lines.append(f"  STALLED (the trainer's report, {duration(stall['age_s'])} ago): {stall['message']}")
     live = s["shards_running"] - s.get("shards_running_exited_here", 0)  # held by processes that still run
@@ -444,15 +452,16 @@ def _rate_line(s: dict) -> str:
     return text
 
 
-def train_hint(data: str) -> str:
+def train_hint(data: str, s3: Any = None) -> str:
     """What the end of an extraction or import suggests next: a trainer into DATA-drafter, or, where
-    that output holds a training already (a rerun of a finished run), how to look at it."""
+    that output holds a training already (a rerun of a finished run), how to look at it. `s3`: the
+    command's S3 settings (its --config's), with which DATA was opened."""
     from layertap.manifests.train_output import training_status
-    from layertap.storage.store import StoreError, open_store
+    from layertap.storage.store import StoreError, open_configured_store
 
     out = f"{data.rstrip('/')}-drafter"
     try:
-        trained = training_status(open_store(out))
+        trained = training_status(open_configured_store(out, s3))
     except (StoreError, ValueError):
         trained = None
     if trained is None:

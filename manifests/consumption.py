@@ -717,11 +717,11 @@ def clear_stall(store: ObjectStore) -> None:
         log.debug("could not remove the stall report: %s", e)
 
 
-def recent_stall(store: ObjectStore) -> dict[str, Any] | None:
-    """The STALLED report of a trainer still reporting it (renewed within `STALL_REPORT_S`, by the
+def recent_stall(store: ObjectStore, max_age_s: float = STALL_REPORT_S) -> dict[str, Any] | None:
+    """The STALLED report of a trainer still reporting it (renewed within `max_age_s`, by the
     store's clock), with its age in `age_s`; None where there is none (or only an old one)."""
     found = next(iter(store.list(layout.CONSUMED_STALL)), None)
-    if found is None or (age := store.now() - found.modified) > STALL_REPORT_S:
+    if found is None or (age := store.now() - found.modified) > max_age_s:
         return None
     try:
         report = json.loads(store.get(layout.CONSUMED_STALL))

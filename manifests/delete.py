@@ -1,8 +1,8 @@
 """`layertap delete PREFIX`: delete a run, a training, regeneration or export output, with every object under
 its prefix.
 
-It asks first (or takes `--yes`), refuses a prefix that is neither a run nor a training output
-unless `--force` (a typo must not empty a bucket), and refuses a run something still writes to,
+It asks first (or takes `--yes`), refuses a prefix that is none of these unless `--force` (a typo
+must not empty a bucket), and refuses a run something still writes to,
 or a training output a trainer holds: what a writer puts there after the delete listed the prefix
 outlives it, and a new run there would take it for its own. It refuses, too, a prefix that holds
 other runs or outputs below its top level (a run made at a bucket's root, another at a folder of

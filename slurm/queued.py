@@ -186,7 +186,8 @@ def squeue_listing(unasked: str = "tasks still queued for this output are not le
         said = (p.stderr or p.stdout).strip().splitlines()  # its last line: a fatal error follows its causes
         # a Slurm client installed with no cluster configured (no slurm.conf, no configless server): no jobs to
         # look for, and a warning at every `delete` read as the delete's fault
-        unset = any(_NO_CLUSTER in line for line in said)
+        unset = any(_NO_CLUSTER in line for line in said) and not os.environ.get("SLURM_CONF") \
+            and not os.path.exists("/etc/slurm/slurm.conf")  # configless: a slurmctld not reached is a failure
         log.log(logging.DEBUG if unset else level, "squeue failed (%s): %s", said[-1] if said else f"exit {p.returncode}",
                 unasked)
         return None

@@ -294,9 +294,11 @@ def test_a_dataset_file_given_as_prompts_is_named_a_json_array(tmp_path):
     a bare "prompts.json:1 is not JSON: Expecting value: line 2 column 1"."""
     path = tmp_path / "chats.json"
     path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}], indent=1))
-    with pytest.raises(InputError, match=r"chats.json is one JSON array \(a dataset file, as `extract --dataset` "
-                                         r"reads\): --prompts reads JSON lines"):
-        load_prompts(str(path), tiny_tokenizer(), None, 1024)
+    for indent in (1, None):  # on many lines, or on one
+        path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}], indent=indent))
+        with pytest.raises(InputError, match=r"chats.json is one JSON array \(a dataset file, as `extract --dataset` "
+                                             r"reads\): --prompts reads JSON lines"):
+            load_prompts(str(path), tiny_tokenizer(), None, 1024)
 
 
 def test_embedded_prompts_are_the_packaged_sharegpts_chats_held_out_from_the_quickstart(caplog):
@@ -311,6 +313,10 @@ def test_embedded_prompts_are_the_packaged_sharegpts_chats_held_out_from_the_qui
     rows = [r for i, r in enumerate(sharegpt_conversations(EMBEDDED_HELD_OUT_FROM + 50)) if i >= EMBEDDED_HELD_OUT_FROM]
     firsts = [next(t["value"] for t in r["conversations"] if t["from"] == "human") for r in rows]
     assert all(any(f[:20] in tokenizer.decode(p) for f in firsts) for p in prompts)  # held-out rows' chats
+    tokenizer.chat_template = None  # each row would be passed over, and "embedded holds no prompt" said
+    with pytest.raises(InputError, match="--prompts embedded holds chats, and the target's tokenizer has no chat "
+                                         "template"):
+        load_prompts("embedded", tokenizer, 3, 4096)
 
 
 def test_trainings_closing_hint_names_embedded_prompts_for_a_run_of_the_packaged_data(tmp_path):
@@ -323,5 +329,7 @@ def test_trainings_closing_hint_names_embedded_prompts_for_a_run_of_the_packaged
     fake_worker.plan(store)
     assert not _on_embedded_data(store)
     manifest = json.loads(store.get(layout.MANIFEST))
-    store.put(layout.MANIFEST, json.dumps({**manifest, "dataset": {**manifest["dataset"], "path": "embedded"}}).encode())
-    assert _on_embedded_data(store)
+    for limit, held_out in ((300, True), (None, False), (20_000, False)):  # the Quickstart's, or its rows >= 10,000
+        dataset = {**manifest["dataset"], "path": "embedded", "limit": limit}
+        store.put(layout.MANIFEST, json.dumps({**manifest, "dataset": dataset}).encode())
+        assert _on_embedded_data(store) is held_out, limit

@@ -360,9 +360,18 @@ def test_status_says_extraction_waits_for_its_window_not_that_nothing_runs(tmp_p
     # ... after a stall: the same commands would stall again, so the window must grow first
     record_stall(store, "rank 0", "STALLED: extraction waits for training to consume (...)")
     out = status(capsys, uri)[1]
-    assert "window does not open: it stalled (its report below): restart the extraction with a larger --window, then " \
-        "start the trainer again with its `layertap train` command and --resume" in out
+    assert "window does not open: it stalled (its report below): restart the extraction with a larger --window " \
+        "(Slurm: scancel its waiting tasks, submit again with it), then start the trainer again with its `layertap " \
+        "train` command and --resume" in out
     assert "goes on once a --delete-consumed trainer consumes (with a larger --window: the trainer stalled" in out
+    # the trainer gave up on the stall and renews its report no more: still said an hour on
+    import os as _os
+
+    report = Path(uri) / layout.CONSUMED_STALL
+    _os.utime(report, (time.time() - 3600, time.time() - 3600))
+    out = status(capsys, uri)[1]
+    assert "it stalled (its report below): restart the extraction with a larger --window" in out
+    assert "STALLED (the trainer's report, 1 h" in out or "STALLED (the trainer's report, 60 min" in out, out
     clear_stall(store)
     trainer.release()
     # stopped by Ctrl-C or a signal: a checkpoint saved and the lease released (not left to go stale), which
@@ -408,10 +417,13 @@ def test_status_of_an_export_or_an_exported_drafter_says_what_it_is(tmp_path, ca
     """`verify` named them; `status`, the command users point at things, said only "no run"."""
     export, drafter = open_store(str(tmp_path / "export")), open_store(str(tmp_path / "drafter"))
     export.put("layertap-export.json", json.dumps({"format": "specforge"}).encode())
+    export.put("rows_0-2000/data_0.ckpt", b"")  # SpecForge's folders: no run below it either
     drafter.put("config.json", b"{}")
     drafter.put("model.safetensors", b"")
     rc, _, err = status(capsys, export.uri)
     assert rc == 2 and "It holds a `layertap export` of a run (layertap-export.json, format specforge)" in err
+    assert "runs may lie deeper" not in err
+    assert cli(["verify", export.uri]) == 2 and "It holds a `layertap export`" in capsys.readouterr().err
     rc, _, err = status(capsys, drafter.uri)
     assert rc == 2 and "It holds an exported drafter" in err
 

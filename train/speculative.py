@@ -322,6 +322,9 @@ def load_prompts(path: str, tokenizer, limit: int | None, max_prompt_tokens: int
     that is neither a chat nor a prompt is an error naming its line, and so is one with a token
     the model cannot embed (beyond `vocab_size`: a device-side assert on CUDA, after the load)."""
     check_template_kwargs(tokenizer, chat_template_kwargs)  # before the first row: a typo is no row's fault
+    if path == EMBEDDED_PROMPTS and not tokenizer.chat_template:  # its rows are chats: each would be passed over
+        raise InputError("--prompts embedded holds chats, and the target's tokenizer has no chat template to render "
+                         "them with: give --prompts a file of {\"prompt\": text} rows")
     prompts, skipped = [], 0
     for where, row in (_embedded_prompts() if path == EMBEDDED_PROMPTS else _prompt_rows(path)):
         if limit is not None and len(prompts) >= limit:
@@ -359,13 +362,20 @@ def _prompt_rows(path: str) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{line_no}", json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
-                array = line_no == 1 and line.lstrip().startswith("[")
-                raise InputError(f"{path} is one JSON array (a dataset file, as `extract --dataset` reads): --prompts "
-                                 "reads JSON lines, a chat or {\"prompt\": text} a line; write the held-out rows one "
-                                 "a line (or pass --prompts embedded for the Quickstart's data)" if array else
-                                 f"{path}:{line_no} is not JSON: {e}") from None
+                if line_no == 1 and line.lstrip().startswith("["):
+                    raise _json_array(path) from None
+                raise InputError(f"{path}:{line_no} is not JSON: {e}") from None
+            if line_no == 1 and isinstance(row, list):  # an array on one line
+                raise _json_array(path)
+            yield f"{path}:{line_no}", row
+
+
+def _json_array(path: str) -> InputError:
+    return InputError(f"{path} is one JSON array (a dataset file, as `extract --dataset` reads): --prompts reads "
+                      "JSON lines, a chat or {\"prompt\": text} a line; write the held-out rows one a line (or pass "
+                      "--prompts embedded for the Quickstart's data)")
 
 
 def _embedded_prompts() -> Iterator[tuple[str, Any]]:

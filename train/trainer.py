@@ -800,11 +800,14 @@ def _loop(run: _Run, start: int) -> int:
                 export_drafter(run.out, run.model)
             done = (f"nothing to train: the latest checkpoint in {run.out.uri} is at step {start}, where this run "
                     f"ends; its drafter was {'already exported' if exported else 'exported now'}")
-        prompts = "embedded" if _on_embedded_data(run.data) else "HELD_OUT.jsonl"
+        embedded = _on_embedded_data(run.data)
         print(f"{done}; drafter at {run.out.uri}/drafter/\n"
-              f"evaluate it on held-out prompts (JSON lines of chats; the target is the one the drafter records, "
-              f"{cfg.model}{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
-              f"  layertap eval --drafter {run.out.uri} --prompts {prompts}")
+              f"evaluate it on held-out prompts ("
+              + ("chats of the packaged ShareGPT it was not trained on" if embedded else "JSON lines of chats")
+              + f"; the target is the one the drafter records, {cfg.model}"
+              f"{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
+              f"  layertap eval --drafter {run.out.uri} "
+              + ("--prompts embedded --limit 32" if embedded else "--prompts HELD_OUT.jsonl"))
     # The prefetch thread ended before the process groups go (`end_training` destroys them, the thread's
     # gloo group among them): a 2-rank follow run aborted at exit ("terminate called without an active
     # exception") now and then. Closing twice (the `with` block's) does nothing more.
@@ -895,12 +898,16 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
 
 
 def _on_embedded_data(data: ObjectStore) -> bool:
-    """Whether the run was extracted from the packaged ShareGPT (the Quickstart's): `eval --prompts
-    embedded` then holds its held-out chats."""
+    """Whether the run was extracted from the packaged ShareGPT's first rows (the Quickstart's):
+    `eval --prompts embedded` then holds chats it was not trained on."""
+    from layertap.train.speculative import EMBEDDED_HELD_OUT_FROM
+
     try:
-        return load_manifest(data).dataset.get("path") == "embedded"
+        dataset = load_manifest(data).dataset
     except UserError:
         return False
+    limit = dataset.get("limit")
+    return dataset.get("path") == "embedded" and isinstance(limit, int) and limit <= EMBEDDED_HELD_OUT_FROM
 
 
 def _window_waiters(store: ObjectStore) -> str:
@@ -1026,6 +1033,8 @@ def _check_data_left(run: _Run, step: int) -> None:
         except Exception as e:  # noqa: BLE001 - a check: a store failing here fails the next read too
             log.warning("could not tell whether data this trainer needs was deleted after step %d: %s", step, e)
     later = from_rank_0(acc, later)
+    if not later:  # the same answer on every rank: all return together
+        return
     gone = {s for a, b in later for s in range(a, b + 1)}
     needed = sorted(gone - set(run.stream.consumed_shards(run.batches.state_dict())))
     ranks = [r for r, (n,) in enumerate(per_rank(acc, [float(len(needed))])) if n]
