@@ -1127,14 +1127,3 @@ def test_train_that_gives_up_on_a_stall_before_a_checkpoint_leaves_the_run_uncla
     assert "STALLED" in err and "Stopping after" in err
     assert trainer_state(store) == "none" and not open_store(out).exists("checkpoints/latest.json")
     claim_consumer(store, out)  # a new trainer may claim it
-
-
-def test_the_checkpoint_at_a_wait_names_extraction_only_while_a_worker_waits(store_uri):
-    """It said "extraction waits for its storage window to open" after the extractor was stopped:
-    no worker waits behind the window then, which the waiting/ records tell."""
-    from layertap.train.trainer import _window_waiters
-
-    store = open_store(store_uri)
-    assert _window_waiters(store).startswith("the storage window is full, and no extraction worker waits behind it")
-    store.put(layout.waiting_key("w1"), json.dumps({"host": "n1", "pid": 1}).encode())
-    assert _window_waiters(store) == "extraction waits for its storage window to open"

@@ -891,8 +891,8 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
         [held] = any_rank(acc.is_main_process and _stalled(run.data))
         if held:
             if acc.is_main_process:
-                log.info("%s while training waits for data: checkpoint at step %d, so the shards trained on count as "
-                         "consumed and their data is deleted", _window_waiters(run.data), step)
+                log.info("extraction waits for its storage window to open while training waits for data: checkpoint "
+                         "at step %d, so the shards trained on count as consumed and their data is deleted", step)
             _save(run, step)
             saved = step
 
@@ -908,20 +908,6 @@ def _on_embedded_data(data: ObjectStore) -> bool:
         return False
     limit = dataset.get("limit")
     return dataset.get("path") == "embedded" and isinstance(limit, int) and limit <= EMBEDDED_HELD_OUT_FROM
-
-
-def _window_waiters(store: ObjectStore) -> str:
-    """Who waits behind the full window, as the checkpoint at a wait says it: extraction, or (no
-    waiting worker on record: stopped, or still finishing a shard it claimed) the window alone."""
-    from layertap.manifests.consumption import WAITING_STALE_S, waiting_records
-
-    try:
-        waiting = bool(waiting_records(store))
-    except UserError:
-        waiting = True
-    return ("extraction waits for its storage window to open" if waiting else
-            f"the storage window is full, and no extraction worker waits behind it (none has a record under "
-            f"waiting/ renewed in {WAITING_STALE_S / 60:.0f} min: if the extraction stopped, run it again to go on)")
 
 
 def _stalled(store: ObjectStore) -> bool:
