@@ -175,16 +175,18 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
         return Started(tail, skipped, truncated)
 
     # the last shard's end (committed or abandoned), for the summary's rate: not the wait after it for others' shards
-    last_end: list[float] = []
+    last_end: float | None = None
 
     def _abandoned(shard: int) -> None:
-        last_end[:] = [time.perf_counter()]
+        nonlocal last_end
+        last_end = time.perf_counter()
         progress.abandoned(shard)
         if stops.stopped_for() is not None:  # released at a stop (not failed)
             at_stop.released.append(shard)
 
     def _committed(claim: Claim, info, skipped) -> None:
-        last_end[:] = [time.perf_counter()]
+        nonlocal last_end
+        last_end = time.perf_counter()
         progress.committed(claim.plan.id, info.num_records, skipped)
         if stops.stopped_for() is not None:  # its last forward was under way at the stop
             at_stop.finished.append(claim.plan.id)
@@ -204,7 +206,7 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
         try:
             committed = loop.run(queue)
         finally:
-            totals.add(wall_s=(last_end or [time.perf_counter()])[0] - t_start)
+            totals.add(wall_s=(time.perf_counter() if last_end is None else last_end) - t_start)
     log.info("rank %d done: %d shard(s) committed", rank, committed)
     for line in summary_lines(totals):
         log.info("  %s", line)
