@@ -974,6 +974,41 @@ def test_a_run_through_pads_without_reading_what_was_consumed_meanwhile(tmp_path
         assert all(x["hidden_states"].shape == (1, len(fake_worker.LAYERS), fake_worker.HIDDEN) for x in rest)
 
 
+def test_a_consumer_resumed_in_its_padding_takes_its_shapes_from_a_shard_not_yet_deleted(tmp_path):
+    """A manifest without hidden_size, a rank restarted at the end of its follow epoch while another
+    rank is still mid-epoch: the shards every rank has consumed are deleted, the rest are not. The
+    padding's shapes come from the first readable sample of its own shards that are still there; the
+    first of them, deleted, failed the restart."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+    from layertap.storage.store import open_store
+
+    uri, world = str(tmp_path / "run"), 3
+    fake_worker.work(uri)  # no hidden_size in its manifest
+    cfg = StreamConfig(**CFG)
+    wholes = [list(ShardStream(uri, config=cfg, rank=r, world_size=world)) for r in range(world)]
+    reals = [sum(not x["padding"] for x in whole) for whole in wholes]
+    pads = [r for r in range(world) if len(wholes[r]) > reals[r]]
+    assert pads, "no rank pads: the test needs one that does"
+    padded, behind = pads[0], next(r for r in range(world) if r != pads[0])
+    states = {}
+    for r in range(world):
+        stream = ShardStream(uri, config=cfg, rank=r, world_size=world)
+        it = iter(stream)
+        for _ in range(reals[r] if r != behind else reals[r] // 2):
+            next(it)
+        states[r] = json.loads(json.dumps(stream.state_dict()))
+        it.close()
+        record_consumed(open_store(uri), rank=r, world_size=world, shards=stream.consumed_shards(states[r]), step=1)
+    deleted = sorted(delete_consumed(open_store(uri)))
+    assert deleted and deleted[0] == 0 and len(deleted) < 7, deleted  # its first shard gone, not all of them
+    resumed = ShardStream(uri, config=cfg, rank=padded, world_size=world)
+    resumed.load_state_dict(states[padded])
+    rest = list(resumed)
+    assert len(rest) == len(wholes[padded]) - reals[padded]
+    assert all(x["sample_id"] == "padding" and x["padding"] and not x["loss_mask"].any() for x in rest)
+    assert all(x["hidden_states"].shape == (1, len(fake_worker.LAYERS), fake_worker.HIDDEN) for x in rest)
+
+
 # -- ranks x workers, real processes -------------------------------------------------------------
 
 def consume(uri: str, rank: int, world: int, workers: int, out: str) -> None:
@@ -1140,11 +1175,14 @@ def test_sigterm_while_training_waits_for_data_checkpoints_and_resumes(tmp_path,
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, steps + 1))
 
 
-def test_a_delete_consumed_trainer_stopped_before_its_first_step_withdraws_its_claim(tmp_path):
+@pytest.mark.parametrize("taken_over", [False, True])
+def test_a_delete_consumed_trainer_stopped_before_its_first_step_withdraws_its_claim(tmp_path, taken_over):
     """SIGTERM to a --delete-consumed trainer waiting for its first step's data (a Slurm preemption,
     Ctrl-C): it saved nothing, deleted nothing and released its output, but kept its claim on the
     run, so `status` and the extraction took it for a trainer still running, and a trainer into
-    another --out was refused. It withdraws the claim, and says the same command starts again."""
+    another --out was refused. It withdraws the claim, and says the same command starts again.
+    Unless another trainer took its output over meanwhile (it stalled past the lease's ttl): the
+    claim, the output's, is then that one's to keep."""
     import signal
 
     from layertap.manifests import layout
@@ -1168,6 +1206,12 @@ def test_a_delete_consumed_trainer_stopped_before_its_first_step_withdraws_its_c
             time.sleep(0.2)
         store = _store(uri)
         assert consumer_of(store) == _store(out).uri and consumer_state(consumer_of(store)) == "running"
+        if taken_over:  # a newer generation of the output's lease, another trainer's
+            from layertap.manifests.output_lease import latest
+
+            generation, _, ttl = latest(_store(out))
+            _store(out).put(f"lease/{generation + 1:06d}.ttl{ttl:g}",
+                            json.dumps({"host": "elsewhere", "pid": 1, "token": "another"}).encode())
         train.send_signal(signal.SIGTERM)
         assert train.wait(timeout=60) == 143, err.read_text()[-3000:]
     finally:
@@ -1175,6 +1219,9 @@ def test_a_delete_consumed_trainer_stopped_before_its_first_step_withdraws_its_c
     said = err.read_text()
     assert "stopped by a signal before the first step: nothing to checkpoint; the same `layertap train` command " \
         "starts again" in said, said[-3000:]
+    if taken_over:
+        assert "withdrew this trainer's claim" not in said and consumer_of(store) == _store(out).uri
+        return
     assert f"withdrew this trainer's claim on {store.uri}" in said
     assert not store.exists(layout.CONSUMER) and consumer_of(store) is None
 
@@ -1216,6 +1263,38 @@ def test_a_delete_consumed_trainer_resumed_before_its_deletions_is_refused_on_ev
     latest.unlink()
     assert cli(args) == 2 and "already holds checkpoints" in capsys.readouterr().err
     assert consumer_of(_store(uri)) == _store(str(out)).uri
+
+
+@pytest.mark.slow
+def test_a_delete_consumed_trainer_resumed_before_its_deletions_is_refused_on_both_of_two_ranks(tmp_path):
+    """The resume check across ranks: rank 0 lists what this trainer deleted after the checkpoint,
+    every rank counts what of it it has yet to read, and both refuse before any step (one rank
+    failing mid-step left the other in a collective until the watchdog)."""
+    from layertap.train.checkpoint import step_prefix
+    from tiny_models import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    uri, out = str(tmp_path / "run"), tmp_path / "out"
+    fake_worker.work(uri)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "layertap"]
+    args = ["train", "--data", uri, "--model", target, "--out", str(out), "--follow", "--delete-consumed",
+            "--batch-size", "2", "--shuffle-buffer", "2", "--block-size", "4", "--max-anchors", "8", "--save-every",
+            "4", "--keep-checkpoints", "0"]
+    run = dict(env=dict(env(), OMP_NUM_THREADS="1"), cwd=HERE.parent, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(launch + args, **run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not list(_store(uri).list("shards/"))  # every shard trained on and deleted
+    (out / "drafter").rename(tmp_path / "exported")  # as if it had not finished
+    (out / "checkpoints" / "latest.json").write_text(json.dumps({"step": 4, "prefix": step_prefix(4)}))
+    metrics = (out / "metrics.jsonl").read_text()
+    refused = subprocess.run(launch + args + ["--resume"], **run)
+    assert refused.returncode != 0
+    err = refused.stderr
+    assert f"cannot resume {_store(str(out)).uri} from step 4: rank(s) 0, 1 have yet to train on data this trainer " \
+        "deleted after a later checkpoint" in err, err[-3000:]
+    for rank in (0, 1):
+        assert f"(rank {rank}'s: shard(s) " in err, err[-3000:]
+    assert (out / "metrics.jsonl").read_text() == metrics and not (out / "drafter").exists()  # no step taken
 
 
 def _store(uri):
