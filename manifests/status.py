@@ -21,6 +21,7 @@ from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
 from layertap.storage.units import id_ranges
 
 if TYPE_CHECKING:
+    from layertap.storage.format import ShardMeta
     from layertap.storage.reader import VerifyReport  # it imports torch: not for status
 
 log = logging.getLogger(__name__)
@@ -438,8 +439,19 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             return shard, GONE, None
         except ManifestError as e:  # malformed; a failing store or memory is raised
             return shard, f"unreadable commit record: {str(e).removesuffix(TO_WITHDRAW)}", None  # verify withdraws it
+        def its_run(head: ShardMeta) -> None:  # before its records are decoded: they take the HEAD's shapes
+            if (head.run_id, head.shard_id) != (manifest.run_id, shard):
+                raise ManifestError(
+                    f"committed shard {shard} at {store.uri}/{commit.data_key} was written by run "
+                    f"{head.run_id!r} as its shard {head.shard_id}, but the manifest is run "
+                    f"{manifest.run_id!r}: the manifest was replaced, or two runs share this prefix. Nothing was "
+                    "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
+            if refused := header_mismatch(store.uri, shard, commit.data_key, head, manifest.config):
+                raise refused
+
         try:
-            report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True)
+            report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True,
+                                  check_head=its_run)
         except ObjectNotFound:  # absent, or deleted while we read it
             report = None
         if report is None:
@@ -448,15 +460,6 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             return shard, f"data object {commit.data_key} is missing", commit.data_key
         if report.ok and (disagree := _disagreement(report, commit)):  # what the loader checks, it refuses
             return shard, disagree, commit.data_key
-        if report.ok and (report.meta.run_id, report.meta.shard_id) != (manifest.run_id, shard):
-            raise ManifestError(
-                f"committed shard {shard} at {store.uri}/{commit.data_key} was written by run "
-                f"{report.meta.run_id!r} as its shard {report.meta.shard_id}, but the manifest is run "
-                f"{manifest.run_id!r}: the manifest was replaced, or two runs share this prefix. Nothing was "
-                "withdrawn; restore the run's own manifest.json, or write each run to a prefix of its own")
-        if report.ok and (refused := header_mismatch(store.uri, shard, commit.data_key, report.meta,
-                                                     manifest.config)):
-            raise refused
         if report.ok:
             _settle_tally(store, st.tally_keys.get(shard, []), commit)
         return shard, report.error, commit.data_key

@@ -3,7 +3,7 @@ bytes arrive (`iter_frames`), and `verify_shard`, which re-reads and checks ever
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -243,13 +243,14 @@ def iter_frames(stream: BinaryIO, where: str, verify: bool = True,
 
 
 def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = None,
-                 decode: bool = False) -> VerifyReport:
+                 decode: bool = False, check_head: Callable[[ShardMeta], None] | None = None) -> VerifyReport:
     """Re-read the whole object and check every hash: each frame, the footer's content hash, the
     trailer, the whole-object hash (against `expected_xxh3_128`, e.g. from a commit record) and,
     with `decode`, that every record decodes. A report of "bad" gets the shard withdrawn and
     deleted, so it is made only for a malformed object: one of a newer format version or codec
     raises `UnsupportedShard` (if its hash matches), a failing store its `StoreError`, a lack of
-    memory its MemoryError."""
+    memory its MemoryError. `check_head` sees the HEAD (its frame hash checked) before any record
+    is decoded, and raises what refuses it: the codecs allocate the shapes a HEAD declares."""
     where = f"{store.uri.rstrip('/')}/{key}"
     whole, content = xxhash.xxh3_128(), xxhash.xxh3_128()
     records = size = 0
@@ -265,6 +266,8 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
                         raise ShardError(f"{where}: unexpected HEAD frame at byte {pos}; the object is corrupt")
                     meta = parse_head(memoryview(payload), where)
                     records_start = pos + FRAME.size + len(payload)
+                    if check_head is not None:
+                        check_head(meta)
                 elif meta is None:
                     raise ShardError(f"{where}: the first frame is not HEAD; the object is corrupt")
                 elif kind == RECD:

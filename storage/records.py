@@ -186,8 +186,15 @@ def _check_shapes(sid: str, ids: torch.Tensor, mask: torch.Tensor, decoded: dict
         raise ShardError(f"record {sid!r} does not fit its shard's HEAD ({len(meta.layers)} layers, hidden "
                          f"{meta.hidden_size}, final_state {meta.final_state!r}): it holds "
                          + ", ".join(f"{k} {list(v)}" for k, v in got.items()))
+    # FORMAT.md's dtypes: other ones decoded all the same (bf16 ids rounded to other tokens), and a mask of 7
+    # weighed its token 7 times in the loss
+    if ids.dtype != torch.int32 or mask.dtype != torch.uint8:
+        raise ShardError(f"record {sid!r} holds input_ids of {ids.dtype} and loss_mask of {mask.dtype}: its format "
+                         "says int32 and uint8 (FORMAT.md section 4)")
     if n and int(ids.min()) < 0:  # the writer refuses them (FORMAT.md: ids in [0, 2^31)); an embedding would fail on it
         raise ShardError(f"record {sid!r} holds a negative token id ({int(ids.min())})")
+    if n and int(mask.max()) > 1:
+        raise ShardError(f"record {sid!r} holds a loss_mask value of {int(mask.max())}: its format says 0 or 1")
 
 
 def record_metadata(payload: bytes | memoryview) -> dict[str, str]:

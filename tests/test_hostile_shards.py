@@ -289,10 +289,17 @@ def test_inspect_on_head_or_footer_fields_of_the_wrong_type(run, capsys, damage)
 
 @pytest.mark.parametrize("edit", [{"layers": [fake_worker.LAYERS[0]]}, {"codec": "bf16"}, {"final_state": "prenorm"},
                                   {"hidden_size": 2 * fake_worker.HIDDEN}])
-def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_withdrawn(run, capsys, edit, tmp_path):
+def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_withdrawn(run, capsys, edit, tmp_path,
+                                                                                     monkeypatch):
     """Capture layers edited in manifest.json: `status` and `verify` passed the run and `train` ended in a
     torch shape error; every shard's HEAD says what its states are, and the loader and verify compared
-    only the run id. Sound shards are not withdrawn for it (nor skipped under on_corrupt="skip")."""
+    only the run id. Sound shards are not withdrawn for it (nor skipped under on_corrupt="skip").
+    `verify` refuses at the HEAD, before decoding a record (it decoded every one first: the codecs
+    allocate the shapes a HEAD declares, however large)."""
+    import layertap.storage.reader as reader
+
+    decoded, decode = [], reader.decode_named
+    monkeypatch.setattr(reader, "decode_named", lambda *a: decoded.append(a[2]) or decode(*a))
     store = open_store(run)
     manifest = json.loads(store.get(layout.MANIFEST))
     [(field, value)] = edit.items()
@@ -307,7 +314,7 @@ def test_a_manifest_edited_to_misdescribe_its_shards_is_refused_and_nothing_with
     assert cli(["verify", run]) == 2
     err = capsys.readouterr().err
     assert "disagrees with committed shard" in err and said in err and "Nothing was withdrawn" in err
-    assert sorted(o.key for o in store.list("commits/")) == commits
+    assert sorted(o.key for o in store.list("commits/")) == commits and decoded == []
     # export labels its files (and its note) by the manifest: it wrote mislabelled ones with exit 0
     dest = tmp_path / "exported"
     assert cli(["export", run, "--to", "specforge", str(dest)]) == 2

@@ -401,6 +401,35 @@ def test_malformed_safetensors_in_a_record_is_refused(damage):
         decode_record(blob if blob is not None else _blob(bad, data), meta)
 
 
+@pytest.mark.parametrize("damage", ["ids bf16", "ids i64", "mask f32", "mask of 7"])
+def test_a_record_of_other_dtypes_or_mask_values_than_its_format_is_refused(damage):
+    """A record that parses and fits its HEAD, but whose ids are not int32 or whose mask is not
+    0-or-1 uint8 (FORMAT.md section 4; a writer other than ours): bf16 ids decoded rounded to other
+    tokens, and a mask of 7 weighed its token 7 times in the loss. `verify --decode` passed them."""
+    from layertap.storage.records import decode_record
+
+    ids, mask = ("I32", struct.pack("<2i", 5, 70001)), ("U8", b"\x01\x00")
+    if damage == "ids bf16":
+        ids = ("BF16", torch.tensor([5, 70001], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    elif damage == "ids i64":
+        ids = ("I64", struct.pack("<2q", 5, 70001))
+    elif damage == "mask f32":
+        mask = ("F32", struct.pack("<2f", 1.0, 0.0))
+    else:
+        mask = ("U8", b"\x07\x00")
+    states = torch.ones(4, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    header = {"__metadata__": {"sample_id": "s", "num_tokens": "2", "codec": "bf16", "hidden_states.shape": "2,1,2"},
+              "input_ids": {"dtype": ids[0], "shape": [2], "data_offsets": [0, len(ids[1])]},
+              "hidden_states.raw": {"dtype": "BF16", "shape": [2, 1, 2],
+                                    "data_offsets": [len(ids[1]), len(ids[1]) + 8]},
+              "loss_mask": {"dtype": mask[0], "shape": [2],
+                            "data_offsets": [len(ids[1]) + 8, len(ids[1]) + 8 + len(mask[1])]}}
+    meta = ShardMeta(run_id="r", shard_id=0, model="m", layers=[1], hidden_size=2, codec="bf16")
+    want = "its format says 0 or 1" if damage == "mask of 7" else "its format says int32 and uint8"
+    with pytest.raises(ShardError, match=f"record 's' holds .*{want}"):
+        decode_record(_blob(header, ids[1] + states + mask[1]), meta)
+
+
 @pytest.mark.parametrize("codec", CODEC_NAMES)
 def test_record_blobs_agree_with_the_safetensors_library(tmp_path, codec):
     """The hand-written blob writer and parser against the library both ways: the library reads
