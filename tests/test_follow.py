@@ -1113,7 +1113,7 @@ def test_a_trainer_waiting_on_a_full_window_checkpoints_so_extraction_goes_on(ra
     stdout, stderr = train.communicate(timeout=60)
     assert train.returncode == 0, stderr[-3000:]
     assert extract.wait() == 0, extract.stderr.read()[-3000:]
-    waits = stderr.count("extraction waits for its storage window to open while training waits for data")
+    waits = stderr.count("the data at rest fills extraction's storage window while training waits for data")
     assert waits >= 1, stderr[-3000:]
     saved = sorted(int(o.key.split("/")[1].split("-")[1]) for o in _store(out).list("checkpoints/step-")
                    if o.key.endswith("state.json"))

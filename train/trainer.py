@@ -891,7 +891,7 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
         [held] = any_rank(acc.is_main_process and _stalled(run.data))
         if held:
             if acc.is_main_process:
-                log.info("extraction waits for its storage window to open while training waits for data: checkpoint "
+                log.info("the data at rest fills extraction's storage window while training waits for data: checkpoint "
                          "at step %d, so the shards trained on count as consumed and their data is deleted", step)
             _save(run, step)
             saved = step
