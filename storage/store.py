@@ -9,6 +9,7 @@ store was opened with) and use "/" as separator.
 from __future__ import annotations
 
 import abc
+import os
 import posixpath
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -334,12 +335,21 @@ def open_configured_store(uri: str, s3: Mapping[str, Any] | None) -> ObjectStore
     return open_store(uri)
 
 
+S3_ENV_PREFIX = "LAYERTAP_S3_"
+
+
 def s3_options(options: dict[str, Any]) -> S3Options:
-    """`storage.s3.S3Options` from the "s3" settings of a --config file (sizes as "64MiB"), checked."""
+    """`storage.s3.S3Options` from the "s3" settings of a --config file (sizes as "64MiB"), checked,
+    over those of `LAYERTAP_S3_<SETTING>` variables (LAYERTAP_S3_READ_TIMEOUT_S=10): the commands
+    without --config (status, verify, inspect, export, ...) are set that way, and a Slurm job's
+    tasks inherit them. A setting in both: the --config file's."""
     from layertap.storage.flags import typed_values
     from layertap.storage.s3 import S3Options
 
-    return S3Options(**typed_values(S3Options, options, 'the "s3" settings (of --config)'))
+    env = {k.removeprefix(S3_ENV_PREFIX).lower(): v for k, v in os.environ.items()
+           if k.startswith(S3_ENV_PREFIX) and v.strip()}
+    from_env = typed_values(S3Options, env, f"the environment ({S3_ENV_PREFIX}* variables)") if env else {}
+    return S3Options(**{**from_env, **typed_values(S3Options, options, 'the "s3" settings (of --config)')})
 
 
 def split_object_uri(uri: str) -> tuple[str, str]:

@@ -85,3 +85,26 @@ def test_submit_with_local_stores_takes_the_settings_and_names_a_misspelt_one(tm
         capsys.readouterr()
         assert cli([*argv, "--config", config(tmp_path, BOGUS)]) == 2
         assert NAMED in capsys.readouterr().err
+
+
+def test_layertap_s3_variables_set_the_commands_without_a_config_file(tmp_path, capsys, monkeypatch):
+    """`status`, `verify`, `inspect` and `export` take no --config: their S3 settings (a shorter read
+    timeout, fewer tries against a hung store) come from LAYERTAP_S3_<SETTING>; a --config file's
+    setting wins over the variable; a misspelt or mistyped variable is named."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: refused at once
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    assert cli(["status", "s3://bucket/run"]) == 5
+    assert "(tried 3 times)" in capsys.readouterr().err  # unreachable_attempts's default
+    monkeypatch.setenv("LAYERTAP_S3_UNREACHABLE_ATTEMPTS", "2")
+    assert cli(["status", "s3://bucket/run"]) == 5
+    assert "(tried 2 times)" in capsys.readouterr().err
+    configured = open_configured_store("s3://bucket/run", {"unreachable_attempts": 4, "read_timeout_s": 7})
+    assert (configured.options.unreachable_attempts, configured.options.read_timeout_s) == (4, 7)
+    monkeypatch.setenv("LAYERTAP_S3_READ_TIMEOUT", "10")
+    assert cli(["status", "s3://bucket/run"]) == 2
+    assert "the environment (LAYERTAP_S3_* variables) has unknown settings ['read_timeout']" in capsys.readouterr().err
+    monkeypatch.delenv("LAYERTAP_S3_READ_TIMEOUT")
+    monkeypatch.setenv("LAYERTAP_S3_MAX_ATTEMPTS", "many")
+    assert cli(["status", "s3://bucket/run"]) == 2
+    assert "max_attempts 'many': must be an integer" in capsys.readouterr().err
