@@ -452,6 +452,12 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
         try:
             report = verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128, decode=True,
                                   check_head=its_run)
+            if not report.ok:  # read again before the data is deleted for it: a read damaged on its way is not
+                first, report = report.error, verify_shard(store, commit.data_key, expected_xxh3_128=commit.xxh3_128,
+                                                           decode=True, check_head=its_run)
+                if report.ok:
+                    log.warning("shard %d: a first read did not verify (%s), a second one did: that read was damaged "
+                                "on its way (network, proxy), not the object; kept", shard, first)
         except ObjectNotFound:  # absent, or deleted while we read it
             report = None
         if report is None:

@@ -27,6 +27,8 @@ position drawn from a seeded RNG, gets a fault (of a kind drawn from the same RN
 - ``501``, only when asked for: a NotImplemented XML body, never reaches the server; what a server
   answers a request it does not support at all (AWS S3 before August 2024 a PUT with
   `If-None-Match`, some gateways DeleteObjects).
+- ``flip``, only when asked for: a successful answer's body with one byte in its middle flipped (a
+  bad NIC, a proxy's bug): the object is sound, this read of it is not.
 
 Requests travel byte for byte (headers in order, chunked bodies unchanged), so SigV4 signatures
 and content checksums still verify upstream. Hop-by-hop headers are not forwarded, nor those named
@@ -48,7 +50,7 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FAULTS = ("500", "503", "reset", "reset-after", "cut", "stall")  # the default: any request may get one
-KINDS = (*FAULTS, "400", "404", "501")
+KINDS = (*FAULTS, "400", "404", "501", "flip")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "te", "trailer",
                "upgrade", "expect"}
 _ERRORS = {
@@ -192,6 +194,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reset()
         if fault == "stall":
             time.sleep(self.owner.stall_s)
+        if fault == "flip" and status in (200, 206) and payload:
+            payload = bytearray(payload)
+            payload[len(payload) // 2] ^= 0x01
+            payload = bytes(payload)
         self.send_response_only(status, reason)
         for k, v in headers:
             self.send_header(k, v)

@@ -103,6 +103,7 @@ class Metrics:
         self.bytes_fetched = self.get_requests = self.retries = 0
         self.records_verified = self.records_decoded = self.decoded_bytes = 0
         self.samples = self.padding_samples = self.skipped_samples = 0
+        self.rereads = 0  # ranges read again after a read that did not verify
         self.corrupt_shards: list[str] = []
         self.wait_s = 0.0
         self.buffered_bytes = self.peak_buffered_bytes = 0
@@ -124,6 +125,7 @@ class Metrics:
                 "skipped_samples": self.skipped_samples, "corrupt_shards": len(self.corrupt_shards),
                 "records_verified": self.records_verified, "records_decoded": self.records_decoded,
                 "bytes_fetched": self.bytes_fetched, "get_requests": self.get_requests, "retries": self.retries,
+                "rereads": self.rereads,
                 "decoded_bytes": self.decoded_bytes, "elapsed_s": elapsed, "wait_s": self.wait_s,
                 "samples_per_s": rate(self.samples), "decoded_mb_per_s": rate(self.decoded_bytes) / 1e6,
                 "fetched_mb_per_s": rate(self.bytes_fetched) / 1e6,
@@ -364,7 +366,7 @@ class Fetcher:
                         seg = self._segments[scheduled]
                     scheduled += 1
                     whole = self._whole(seg)
-                    opened.append((seg, None if whole else self._threads.submit(self._open, seg.shard)))
+                    opened.append((seg, None if whole else self._threads.submit(self._open_ranged, seg.shard)))
 
             def more() -> bool:
                 """Wait until segments are added or the fetcher is sealed or closed."""
@@ -449,30 +451,23 @@ class Fetcher:
     def _fetch(self, shard: int, reader: ShardReader | None, rng: _Range, array: np.ndarray) -> None:
         try:
             entry = self.shards[shard]
-            data = self._read_range(entry.key, rng.start, rng.end, memoryview(array)[: rng.end - rng.start])
-            if rng.whole:
-                digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
-                if digest != entry.xxh3_128:
-                    differs = ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
-                    if self.on_corrupt == "raise":
-                        raise differs
-                    self.object_differs(shard, differs)
-                # under "skip", each record's own hash says which are bad, as on a ranged read
-                reader = self._open(shard, data)  # a footer that does not read: the whole shard
             where = f"{self.store.uri.rstrip('/')}/{entry.key}"
-            buffer = _Buffer(array, len(rng.items))
-            records, bad = [], []
-            for pos, rec in rng.items:
-                e = reader.entries[rec]
+            # a range that does not verify is read once more before the shard is refused or its records
+            # skipped: a read damaged on its way (a NIC, a proxy) is not the object's fault
+            for again in (False, True):
+                data = self._read_range(entry.key, rng.start, rng.end, memoryview(array)[: rng.end - rng.start])
                 try:
-                    payload = record_payload(data, rng.start, e, f"{where} record {rec} ({e.sample_id})")
-                except ShardError as err:
-                    if self.on_corrupt == "raise":
+                    differs, records, bad = self._verified(shard, reader, rng, data, array, where, again)
+                except ShardError as e:
+                    if again:
                         raise
-                    bad.append((pos, err))
+                    self._say_reread(f"{where} bytes [{rng.start}, {rng.end})", e)
                     continue
-                records.append((pos, Record(payload, reader.meta, e.sample_id, e.num_tokens, shard, buffer)))
-            buffer.records = len(records)
+                if again or (differs is None and not bad):
+                    break
+                self._say_reread(f"{where} bytes [{rng.start}, {rng.end})", differs or bad[0][1])
+            if differs is not None:
+                self.object_differs(shard, differs)
             self.metrics.add(records_verified=len(records))
         except (ShardError, ObjectNotFound) as e:
             self._unreserve(array)
@@ -494,6 +489,48 @@ class Fetcher:
                 if records:
                     return
         self._unreserve(array)
+
+    def _verified(self, shard: int, reader: ShardReader | None, rng: _Range, data: bytes | memoryview,
+                  array: np.ndarray, where: str, last: bool
+                  ) -> tuple[ShardError | None, list[tuple[int, Record]], list[tuple[int, ShardError]]]:
+        """A shard read whole's object hash refusal (None when it holds; raised but on the `last` read
+        under on_corrupt="skip"), the range's records whose hashes hold, and those that fail (under
+        "skip"; "raise" raises)."""
+        entry, differs = self.shards[shard], None
+        if rng.whole:
+            digest = xxhash.xxh3_128(data).hexdigest()  # the hasher object releases the GIL
+            if digest != entry.xxh3_128:
+                differs = ShardError(f"object hash {digest} differs from the committed {entry.xxh3_128}")
+                if self.on_corrupt == "raise" or not last:
+                    raise differs
+            # under "skip", each record's own hash says which are bad, as on a ranged read
+            reader = self._open(shard, data)  # a footer that does not read: the whole shard
+        buffer = _Buffer(array, len(rng.items))
+        records, bad = [], []
+        for pos, rec in rng.items:
+            e = reader.entries[rec]
+            try:
+                payload = record_payload(data, rng.start, e, f"{where} record {rec} ({e.sample_id})")
+            except ShardError as err:
+                if self.on_corrupt == "raise":
+                    raise
+                bad.append((pos, err))
+                continue
+            records.append((pos, Record(payload, reader.meta, e.sample_id, e.num_tokens, shard, buffer)))
+        buffer.records = len(records)
+        return differs, records, bad
+
+    def _open_ranged(self, shard: int) -> ShardReader:
+        """`_open` of a shard read by ranges (its HEAD and footer first), twice before it fails."""
+        try:
+            return self._open(shard)
+        except ShardError as e:
+            self._say_reread(f"{self._where(shard)} HEAD and footer", e)
+            return self._open(shard)
+
+    def _say_reread(self, what: str, error: ShardError) -> None:
+        self.metrics.add(rereads=1)
+        log.warning("%s did not verify (%s): reading them again before taking the shard for corrupt", what, error)
 
     def _unreserve(self, array: np.ndarray) -> None:
         with self._cond:
