@@ -45,7 +45,7 @@ from layertap.storage.format import ShardMeta
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader
 from layertap.storage.records import Sample
-from layertap.storage.store import ObjectNotFound, ObjectStore, is_write_probe
+from layertap.storage.store import ObjectNotFound, ObjectStore, TransientStoreError, is_write_probe
 from layertap.storage.units import counted, listing, possessive
 from layertap.storage.writer import ShardWriter
 
@@ -90,7 +90,7 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
     layers = [ident.layers[j] for j in order]
     total = sum(c.num_records for c in commits)
     total = min(total, limit) if limit is not None else total
-    out = writer(fmt, dest, rows_only=rows_only)
+    out, written_note = writer(fmt, dest, rows_only=rows_only), False
     try:
         written, sources, gone = _write_samples(run, commits, fmt, order, total, out, manifest.config)
         if written == 0:  # speculators' dataset of no file does not even load; SpecForge's folder holds nothing
@@ -104,9 +104,10 @@ def export_run(run: ObjectStore, fmt: str, dest: ObjectStore, limit: int | None 
                 "hidden_size": ident.hidden_size, "rows_only": rows_only, "sources": sources,
                 # the run's shards not in it: not committed, or their data gone (consumed, withdrawn)
                 "shards_planned": len(manifest.shards), "shards_missing": len(manifest.shards) - len(commits) + gone}
+        written_note = True  # tried: a put whose answer was lost may have landed
         dest.put(EXPORT_NOTE, (json.dumps(note, indent=1) + "\n").encode())
     except BaseException as e:
-        _remove_partial_export(dest, out.written(), e)
+        _remove_partial_export(dest, out.written() + ([EXPORT_NOTE] if written_note else []), e)
         raise
     return note
 
@@ -125,7 +126,12 @@ def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], 
                 break
             try:
                 records = ShardReader(run, c.data_key)
-            except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn
+            except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn since listed: left out
+                if not run.exists(layout.consumed_marker_key(c.shard)) and run.exists(layout.commit_key(c.shard)):
+                    raise InputError(  # lost: an export without it would pass for the whole run
+                        f"committed shard {c.shard}'s data ({run.uri.rstrip('/')}/{c.data_key}) is missing, and no "
+                        f"trainer consumed it: run `layertap verify {run.uri}` (it withdraws the shard), then "
+                        "`layertap extract` again to redo it, and export again") from None
                 log.warning("shard %d's data (%s) is gone: its %d samples are not exported", c.shard, c.data_key,
                             c.num_records)
                 gone += 1
@@ -151,20 +157,29 @@ class ExportFailed(UserError):
     output removed; the message says so."""
 
 
+class ExportCutOff(ExportFailed, TransientStoreError):
+    """An export that failed on a store past its retries: exits 5, as every command does then."""
+
+
 def _remove_partial_export(dest: ObjectStore, keys: list[str], error: BaseException) -> None:
     """Remove what a failed export wrote: the foreign trainers read every sample file under DEST
     and the export note is written last, so the files of an export cut short would be trained on
     as if complete, and they keep DEST from being exported into again. Raises `ExportFailed`
     (from a `UserError`), or adds a note to `error` (a bug, Ctrl-C: the traceback stays), saying
-    whether DEST was cleaned, or which files to remove by hand."""
+    whether DEST was cleaned, or which files to remove by hand: those one listing finds, or all it
+    wrote (asking a failing store about each file in turn took minutes of retries)."""
     try:
-        dest.delete_many([*keys, EXPORT_NOTE])
+        dest.delete_many(keys)
         for folder in sorted({k.split("/", 1)[0] + "/" for k in keys if "/" in k}):  # hidden_states/, rows_0-2000/
             dest.remove_empty_folders(folder)
         left, why = [], ""
     except Exception as e:  # noqa: BLE001 - any store failure: name the files instead
-        left = [k for k in [*keys, EXPORT_NOTE] if _exists(dest, k)]
         why = f"{type(e).__name__}: {e}"
+        try:
+            there = {o.key for o in dest.list("")}
+            left = [k for k in keys if k in there]
+        except Exception:  # noqa: BLE001 - the store is failing: any of them may be there
+            left = keys
     if not left:
         done = (f"the export to {dest.uri} failed, and the {len(keys)} file(s) it had written were removed: no file "
                 "of it is left there, so the same command can be run again once the cause is fixed")
@@ -174,16 +189,9 @@ def _remove_partial_export(dest: ObjectStore, keys: list[str], error: BaseExcept
                 "(DEST was empty before this export, so everything under it) before exporting there again: the "
                 "foreign trainers would train on these files of an export cut short")
     if isinstance(error, UserError):
-        raise ExportFailed(f"{error}; {done}") from error
+        raise (ExportCutOff if isinstance(error, TransientStoreError) else ExportFailed)(f"{error}; {done}") from error
     error.add_note(done)
     log.error(done)
-
-
-def _exists(store: ObjectStore, key: str) -> bool:
-    try:
-        return store.exists(key)
-    except Exception:  # noqa: BLE001 - the store is failing: assume the file is there
-        return True
 
 
 def check_empty(dest: ObjectStore) -> None:

@@ -208,6 +208,8 @@ def test_an_export_of_no_sample_fails_and_leaves_dest_empty(tmp_path, capsys):
     fake_worker.work(run)
     store = open_store(run)
     store.delete_many([o.key for o in store.list(layout.SHARDS)])
+    for shard in range(7):  # consumed by a --delete-consumed trainer (data gone without a marker: refused as lost)
+        store.put(layout.consumed_marker_key(shard), b"")
     dest = tmp_path / "specforge"  # the layout fake_worker's runs (no final state) export to
     assert cli(["export", run, "--to", "specforge", str(dest)]) == 2
     assert "has no sample to export: the data of every committed shard is gone" in capsys.readouterr().err

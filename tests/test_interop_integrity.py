@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import shutil
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 from layertap.cli import main as cli
 from layertap.manifests import layout
+from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import load_manifest
 from layertap.storage.store import open_store
 from test_interop_data import extract
@@ -133,6 +135,59 @@ def test_a_failed_export_removes_what_it_wrote(prenorm_run, tmp_path, capsys, wh
     shutil.rmtree(run)
     shutil.copytree(prenorm_run, run)  # the cause fixed: the same command goes through
     assert cli(["export", str(run), "--to", "specforge", dest]) == 0
+
+
+def test_an_export_missing_a_shards_data_fails_unless_a_trainer_consumed_it(prenorm_run, tmp_path, capsys, caplog):
+    """A committed shard whose data object is gone, and no consumed marker: the export wrote the rest
+    with exit 0 and said to export again once the run is complete (it was). Refused, naming the fix;
+    a shard a --delete-consumed trainer consumed is left out as before."""
+    run = tmp_path / "run"
+    shutil.copytree(prenorm_run, run)
+    second = shard_files(str(run))[1]
+    second.unlink()
+    dest = tmp_path / "sf"
+    assert cli(["export", str(run), "--to", "specforge", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert "data (" in err and "is missing, and no trainer consumed it: run `layertap verify" in err, err
+    assert not [p for p in dest.rglob("*") if p.is_file()]
+    missing = next(c for c in read_commits(open_store(str(run))).records if c.data_key.endswith(second.name))
+    open_store(str(run)).put(layout.consumed_marker_key(missing.shard), b"")
+    caplog.clear()
+    assert cli(["export", str(run), "--to", "specforge", str(dest)]) == 0
+    assert f"shard {missing.shard}'s data" in caplog.text and "1 of the run's 4 shards" in capsys.readouterr().err
+
+
+def test_an_export_into_a_store_that_stops_answering_exits_5(prenorm_run, tmp_path, capsys, monkeypatch, s3_endpoint,
+                                                             s3_bucket):
+    """Past its retries the store is out, not the input wrong: exit 5 as every command (it was 2).
+    Its delete failing too, the files it wrote are named at once (it asked the failing store about
+    each one in turn: minutes of retries before a word)."""
+    from faultproxy import FaultProxy
+
+    monkeypatch.setenv("LAYERTAP_S3_MAX_ATTEMPTS", "2")
+    methods = Counter()
+
+    def writes(method: str, path: str) -> bool:
+        methods[method] += 1
+        return method in ("PUT", "POST", "DELETE")
+
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("503",), match=writes) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert cli(["export", prenorm_run, "--to", "specforge", f"s3://{s3_bucket}/sf"]) == 5
+    err = capsys.readouterr().err
+    assert "SlowDown" in err and "removing what it wrote failed too" not in err and "no file of it is left" in err
+    assert methods["HEAD"] == 0  # one listing found nothing there, no look at each file
+    # its listing failing too (not the emptiness check's, before any write): every file it wrote is named
+    def and_later_lists(method: str, path: str) -> bool:
+        methods["list"] += "list-type" in path
+        return writes(method, path) or ("list-type" in path and methods["list"] > 1)
+
+    methods.clear()
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("503",), match=and_later_lists) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert cli(["export", prenorm_run, "--to", "specforge", f"s3://{s3_bucket}/sf2"]) == 5
+    err = capsys.readouterr().err
+    assert "removing what it wrote failed too" in err and "remove rows_0-2000/data_0.ckpt" in err, err
 
 
 # 4. ModelOpt file names
