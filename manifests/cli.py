@@ -46,10 +46,13 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("prefix", help="the run prefix: s3://bucket/prefix or a local folder")
     p.add_argument("--json", action="store_true", help="print one JSON object (for scripts)")
     p.add_argument("--threads", type=int, default=4, help="shards verified in parallel (default 4)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="report the bad shards and withdraw nothing (read access to the run is enough)")
     p.epilog = ("exit codes: 0 every committed shard read back whole; 1 bad shards found (withdrawn: the next "
-                "extraction redoes them); 3 some shards not checked, their commit went or changed while verify "
-                "looked (run it again); 2 no run there, or a bad prefix; 5 the store did not answer (unreachable, or failing after "
-                "retries)")
+                "extraction redoes them; with --dry-run, left); 3 some shards not checked, their commit went or "
+                "changed while verify looked (run it again); 2 no run there, a bad prefix, or a withdrawal refused "
+                "(read-only credentials); 5 the store did not answer (unreachable, or failing after retries): the "
+                "shards checked before are reported, the rest are not checked")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -545,7 +548,7 @@ def run_verify(args: argparse.Namespace) -> int:
     store = open_store(args.prefix)
     try:
         with tqdm(desc="verify", unit="shard", disable=args.json or None, file=sys.stderr) as bar:
-            result = verify_run(store, threads=args.threads, progress=bar.update)
+            result = verify_run(store, threads=args.threads, progress=bar.update, dry_run=args.dry_run)
     except NoRun as e:
         raise not_a_run(store, e, "verify re-reads the shards of", lambda run: f"`layertap verify {run}` checks the run "
                         "it trained on") from None
@@ -556,11 +559,34 @@ def run_verify(args: argparse.Namespace) -> int:
               + (f"; {result.consumed} more consumed by training (data deleted, as intended; not read)"
                  if result.consumed else ""))
         for b in result.bad:
-            print(f"  WITHDRAWN shard {b['shard']}: {b['error']} (the next `layertap extract` redoes it)")
+            if b["shard"] in result.not_withdrawn:
+                print(f"  BAD shard {b['shard']}: {b['error']} (not withdrawn"
+                      + ("; `layertap verify` without --dry-run withdraws it, then `layertap extract` redoes it)"
+                         if args.dry_run else ")"))
+            else:
+                print(f"  WITHDRAWN shard {b['shard']}: {b['error']} (the next `layertap extract` redoes it)")
         if result.orphans_deleted:
             print(f"  deleted {result.orphans_deleted} data objects of crashed attempts that no commit names")
         if result.gone:
             print(f"  skipped {len(result.gone)} shard(s) whose commit went or changed while this verify looked "
                   f"(another `layertap verify` withdrew it?): {', '.join(map(str, result.gone))}; run verify again "
                   "to check them")
+    if result.failure is not None:
+        raise _verify_failed(store, result)
     return EXIT_PROBLEM if result.bad else EXIT_INCOMPLETE if result.gone else EXIT_COMPLETE
+
+
+def _verify_failed(store, result) -> Exception:
+    """The error a verify ends with when the store failed it (`VerifyResult.failure`), of the failure's
+    own class (an outage exits 5, a refusal 2), saying what was left undone."""
+    from layertap.storage.local import CHOOSE_WRITABLE
+    from layertap.storage.units import id_ranges
+
+    e = result.failure
+    said = str(e).removesuffix(f"; {CHOOSE_WRITABLE}")
+    if result.withdraw_failed:
+        return type(e)(f"bad shard(s) {id_ranges(result.not_withdrawn)} of {store.uri} could not be withdrawn: {said}. "
+                       f"Withdrawing writes to the run: run `layertap verify` where it is writable (`layertap verify "
+                       "--dry-run` reports without writing)")
+    return type(e)(f"{said}; {len(result.unchecked)} committed shard(s) were not checked "
+                   f"({id_ranges(result.unchecked)}): run `layertap verify {store.uri}` again once the store answers")

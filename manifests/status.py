@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -16,8 +17,7 @@ from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVers
 from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord, Producer, decode_commit,
                                        decode_failure, encode)
 from layertap.manifests.state import RunState, replaced_manifest_error, scan
-from layertap.storage.local import CHOOSE_WRITABLE
-from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError
+from layertap.storage.store import ObjectNotFound, ObjectStore, StoreError, TransientStoreError
 from layertap.storage.units import id_ranges
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ RETRIED_SHOWN = 3
 FAILURE_DETAILS = 20
 CONSUMED = "consumed"  # what `verify`'s check says of a shard consumed while it looked
 GONE = "gone"  # ... and of a shard whose commit went since the scan (another verify withdrew it)
+UNCHECKED = "unchecked"  # ... and of a shard not read: the store failed past its retries (on it, or before it)
 
 
 def _imported_from(manifest: Manifest) -> dict[str, Any] | None:
@@ -403,14 +404,23 @@ class VerifyResult:
     orphans_deleted: int = 0
     consumed: int = 0  # committed shards whose data training consumed and deleted: not read, not missing
     gone: list[int] = field(default_factory=list)  # shards whose commit went or changed while verify looked
+    unchecked: list[int] = field(default_factory=list)  # not read: the store failed past its retries (`failure`)
+    not_withdrawn: list[int] = field(default_factory=list)  # bad, left: --dry-run, or its withdrawal failed
+    failure: StoreError | None = None  # what stopped the reads (`unchecked`) or the withdrawals
+    withdraw_failed: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"checked": self.checked, "ok": self.ok, "bad": self.bad, "withdrawn": len(self.bad),
-                "orphans_deleted": self.orphans_deleted, "consumed": self.consumed,
-                **({"gone": self.gone} if self.gone else {})}  # only when some went: the usual report is unchanged
+        return {"checked": self.checked, "ok": self.ok, "bad": self.bad,
+                "withdrawn": len(self.bad) - len(self.not_withdrawn), "orphans_deleted": self.orphans_deleted,
+                "consumed": self.consumed,
+                # only when there are some: the usual report is unchanged
+                **({"gone": self.gone} if self.gone else {}),
+                **({"unchecked": self.unchecked} if self.unchecked else {}),
+                **({"not_withdrawn": self.not_withdrawn} if self.not_withdrawn else {}),
+                **({"failure": str(self.failure)} if self.failure is not None else {})}
 
 
-def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyResult:
+def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: bool = False) -> VerifyResult:
     """Re-read every committed shard and check every hash. A bad shard's commit is withdrawn
     (`_withdraw`) so the next extraction redoes it; a good one is left exactly its commit's tally
     marker (`_settle_tally`). Data objects that no commit names, left by crashed attempts of
@@ -419,7 +429,10 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
     A shard or record of a newer layertap (`UnsupportedShard`, `UnsupportedVersion`) stops the
     verification instead: it is intact, and withdrawing it would delete good data. A consumed
     shard (`consumption.py`: marker written, then data deleted) is counted as such, not read. A
-    withdrawn shard still awaiting its redo gets back its redo marker if it lacks one."""
+    withdrawn shard still awaiting its redo gets back its redo marker if it lacks one.
+    A store failing past its retries stops the reads (the shards not yet read: `unchecked`), and
+    a withdrawal that fails (read-only credentials, an outage) the withdrawals, as `failure`: the
+    shards checked before are reported all the same. `dry_run` writes and deletes nothing."""
     from layertap.storage.reader import verify_shard  # it imports the codecs, and they torch: not for status
 
     manifest = load_manifest(store)
@@ -429,7 +442,20 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
     consumed = consumed_shards(store)
     feed = _FeedKeys(store)
 
+    halted = threading.Event()  # the store failed past its retries: the shards not yet read are left unchecked
+
     def check(shard: int) -> tuple[int, str | None, str | None]:
+        if halted.is_set():
+            return shard, UNCHECKED, None
+        try:
+            return checked_one(shard)
+        except TransientStoreError as e:  # each shard after it would wait out the same retries
+            with lock:
+                result.failure = result.failure or e
+            halted.set()
+            return shard, UNCHECKED, None
+
+    def checked_one(shard: int) -> tuple[int, str | None, str | None]:
         ckey = layout.commit_key(shard)
         try:
             commit = decode_commit(store.get(ckey), ckey)
@@ -439,6 +465,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             return shard, GONE, None
         except ManifestError as e:  # malformed; a failing store or memory is raised
             return shard, f"unreadable commit record: {str(e).removesuffix(TO_WITHDRAW)}", None  # verify withdraws it
+
         def its_run(head: ShardMeta) -> None:  # before its records are decoded: they take the HEAD's shapes
             if (head.run_id, head.shard_id) != (manifest.run_id, shard):
                 raise ManifestError(
@@ -466,7 +493,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             return shard, f"data object {commit.data_key} is missing", commit.data_key
         if report.ok and (disagree := _disagreement(report, commit)):  # what the loader checks, it refuses
             return shard, disagree, commit.data_key
-        if report.ok:
+        if report.ok and not dry_run:
             _settle_tally(store, st.tally_keys.get(shard, []), commit)
         return shard, report.error, commit.data_key
 
@@ -476,11 +503,13 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
             progress(1)
         return done
 
-    result.consumed = len(st.committed & consumed)
+    result.consumed, lock = len(st.committed & consumed), threading.Lock()
     with ThreadPoolExecutor(threads) as pool:  # every shard checked before any is withdrawn: a shard of another
         checked = list(pool.map(counted, sorted(st.committed - consumed)))  # run raises while nothing was
     for shard, error, data_key in checked:
-        if error == CONSUMED:
+        if error == UNCHECKED:
+            result.unchecked.append(shard)
+        elif error == CONSUMED:
             result.consumed += 1
         elif error == GONE or (error is not None and not _still_committed(store, shard, data_key)):
             log.warning("shard %d: its commit went or changed while verify looked (another `layertap verify` "
@@ -489,24 +518,28 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None) -> VerifyRes
         elif error is None:
             result.checked += 1
             result.ok += 1
-            for key in st.data_objects.get(shard, []):
+            for key in st.data_objects.get(shard, []) if not dry_run else []:
                 if key != data_key:
                     store.delete(key)
                     result.orphans_deleted += 1
         else:
             result.checked += 1
-            log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
             result.bad.append({"shard": shard, "error": error})
+            if dry_run or result.withdraw_failed:
+                log.error("shard %d is bad: %s", shard, error)
+                result.not_withdrawn.append(shard)
+                continue
+            log.error("shard %d is bad: %s; withdrawing its commit", shard, error)
             try:
                 _withdraw(store, shard, error, data_key, feed.of(shard))
-            except StoreError as e:  # a run this user may read but not write: verify has no output folder
-                raise type(e)(f"shard {shard} is bad ({error}) but its commit cannot be withdrawn: "
-                              f"{str(e).removesuffix(f'; {CHOOSE_WRITABLE}')}. Withdrawing "
-                              f"writes to the run: run `layertap verify` where {store.uri} is writable (shards found "
-                              "bad before it were withdrawn)") from None
+            except StoreError as e:  # a run this user may read but not write, or a store failing: the rest are said
+                result.withdraw_failed, result.failure = True, e
+                result.not_withdrawn.append(shard)
     # A verify killed inside `_withdraw` (the commit gone, the marker not yet written) left a redo
     # that workers waiting behind a full --window never see: they list only the markers.
     for shard in sorted(s for s in range(len(manifest.shards)) if st.withdrawn(s) and s not in st.redo_marked):
+        if dry_run or result.failure is not None:
+            break
         log.info("shard %d: withdrawn, awaiting its redo, without a redo marker: writing it", shard)
         store.put(layout.redo_key(shard), b"")
     return result

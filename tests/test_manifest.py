@@ -789,9 +789,17 @@ def test_verify_withdraws_a_corrupted_shard_and_rerun_redoes_it(store_uri, capsy
     assert all_sample_ids(store) == Counter(f"s{i:05d}" for i in range(40))
 
 
-def test_verify_of_a_run_it_cannot_write_says_the_shard_is_bad_and_why_it_stays(tmp_path, capsys, monkeypatch):
+def _flip(store, shard: int) -> None:
+    commit = decode_commit(store.get(layout.commit_key(shard)), "c")
+    data = bytearray(store.get(commit.data_key))
+    data[len(data) // 2] ^= 0xFF
+    store.put(commit.data_key, bytes(data))
+
+
+def test_verify_of_a_run_it_cannot_write_says_the_shards_are_bad_and_why_they_stay(tmp_path, capsys, monkeypatch):
     """A run this user may read but not write: verify logged "withdrawing its commit", then failed with
-    "cannot write .../failures/...: permission denied; choose a writable output folder" (verify has none)."""
+    "cannot write .../failures/...: permission denied; choose a writable output folder" (verify has none),
+    and named the first bad shard alone. Every bad shard is reported, and --dry-run writes nothing."""
     import errno
 
     from layertap.storage import local
@@ -799,17 +807,50 @@ def test_verify_of_a_run_it_cannot_write_says_the_shard_is_bad_and_why_it_stays(
     uri = str(tmp_path / "run")
     fake_worker.work(uri)
     store = open_store(uri)
-    commit = decode_commit(store.get(layout.commit_key(3)), "c")
-    data = bytearray(store.get(commit.data_key))
-    data[len(data) // 2] ^= 0xFF
-    store.put(commit.data_key, bytes(data))
+    _flip(store, 3)
+    _flip(store, 5)
     denied = local._os_error(PermissionError(errno.EACCES, "Permission denied"), str(tmp_path / "run" / "failures"))
     monkeypatch.setattr(local.LocalStore, "put", lambda self, key, body: (_ for _ in ()).throw(denied))
+    monkeypatch.setattr(local.LocalStore, "delete", lambda self, key: (_ for _ in ()).throw(denied))
+    capsys.readouterr()
     assert cli(["verify", uri]) == 2
-    err = capsys.readouterr().err
-    assert "shard 3 is bad (" in err and "but its commit cannot be withdrawn: cannot write" in err
-    assert f"run `layertap verify` where {uri} is writable" in err and "choose a writable output folder" not in err
-    assert store.exists(layout.commit_key(3))
+    out, err = capsys.readouterr()
+    assert "BAD shard 3: " in out and "BAD shard 5: " in out and "WITHDRAWN" not in out, out
+    assert "bad shard(s) 3, 5 of " in err and "could not be withdrawn: cannot write" in err, err
+    assert "run `layertap verify` where it is writable (`layertap verify --dry-run` reports without writing)" in err
+    assert "choose a writable output folder" not in err
+    assert cli(["verify", uri, "--dry-run"]) == 1
+    out, err = capsys.readouterr()
+    assert "BAD shard 3: " in out and "BAD shard 5: " in out and "without --dry-run withdraws it" in out and not err
+    assert store.exists(layout.commit_key(3)) and store.exists(layout.commit_key(5))
+
+
+def test_verify_reports_what_it_checked_before_the_store_stopped_answering(tmp_path, capsys, monkeypatch):
+    """A store failing past its retries on one shard's data: verify raised at once, and shards found bad
+    before it were neither reported nor withdrawn; each shard after it waited out the same retries.
+    Those checked are reported (the bad one withdrawn), the rest named as not checked, exit 5."""
+    from layertap.storage import local
+    from layertap.storage.store import TransientStoreError
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    store = open_store(uri)
+    _flip(store, 0)
+    stuck = decode_commit(store.get(layout.commit_key(2)), "c").data_key
+    real = local.LocalStore.open_stream
+
+    def open_stream(self, key, *a, **kw):
+        if key == stuck:
+            raise TransientStoreError(f"get of {key} failed: SlowDown (tried 8 times)")
+        return real(self, key, *a, **kw)
+
+    monkeypatch.setattr(local.LocalStore, "open_stream", open_stream)
+    capsys.readouterr()
+    assert cli(["verify", uri, "--threads", "1"]) == 5
+    out, err = capsys.readouterr()
+    assert "WITHDRAWN shard 0: " in out and "verified 2 committed shards: 1 ok, 1 bad" in out, out
+    assert "SlowDown (tried 8 times); 5 committed shard(s) were not checked (2-6): run `layertap verify" in err, err
+    assert not store.exists(layout.commit_key(0)) and store.exists(layout.commit_key(2))
 
 
 def test_verify_stops_on_a_store_failure_instead_of_withdrawing(store_uri, monkeypatch):
