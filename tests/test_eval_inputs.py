@@ -322,14 +322,15 @@ def test_embedded_prompts_are_the_packaged_sharegpts_chats_held_out_from_the_qui
 def test_trainings_closing_hint_names_embedded_prompts_for_a_run_of_the_packaged_data(tmp_path):
     import fake_worker
     from layertap.manifests import layout
+    from layertap.manifests.manifest import load_manifest
     from layertap.storage.store import open_store
     from layertap.train.trainer import _on_embedded_data
 
     store = open_store(str(tmp_path / "run"))
     fake_worker.plan(store)
-    assert not _on_embedded_data(store)
+    assert not _on_embedded_data(load_manifest(store))
     manifest = json.loads(store.get(layout.MANIFEST))
     for limit, held_out in ((300, True), (None, False), (20_000, False)):  # the Quickstart's, or its rows >= 10,000
         dataset = {**manifest["dataset"], "path": "embedded", "limit": limit}
         store.put(layout.MANIFEST, json.dumps({**manifest, "dataset": dataset}).encode())
-        assert _on_embedded_data(store) is held_out, limit
+        assert _on_embedded_data(load_manifest(store)) is held_out, limit

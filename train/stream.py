@@ -316,6 +316,11 @@ class ShardStream(IterableDataset):
         return sorted((found[int(shard), digest] for shard, digest in keys), key=lambda s: s.shard)
 
     @property
+    def manifest(self) -> Manifest:
+        """The run's manifest, as this stream read it when it started."""
+        return self._manifest
+
+    @property
     def shard_keys(self) -> list[list]:
         """[shard id, object hash] of every shard streamed: JSON-ready, what `agree` exchanges."""
         return [[s.shard, s.xxh3_128] for s in self.shards]

@@ -800,7 +800,7 @@ def _loop(run: _Run, start: int) -> int:
                 export_drafter(run.out, run.model)
             done = (f"nothing to train: the latest checkpoint in {run.out.uri} is at step {start}, where this run "
                     f"ends; its drafter was {'already exported' if exported else 'exported now'}")
-        embedded = _on_embedded_data(run.data)
+        embedded = _on_embedded_data(run.stream.manifest)  # read at the start: the store may be gone by now
         print(f"{done}; drafter at {run.out.uri}/drafter/\n"
               f"evaluate it on held-out prompts ("
               + ("chats of the packaged ShareGPT it was not trained on" if embedded else "JSON lines of chats")
@@ -897,15 +897,12 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
             saved = step
 
 
-def _on_embedded_data(data: ObjectStore) -> bool:
+def _on_embedded_data(manifest: Manifest) -> bool:
     """Whether the run was extracted from the packaged ShareGPT's first rows (the Quickstart's):
     `eval --prompts embedded` then holds chats it was not trained on."""
     from layertap.train.speculative import EMBEDDED_HELD_OUT_FROM
 
-    try:
-        dataset = load_manifest(data).dataset
-    except UserError:
-        return False
+    dataset = manifest.dataset
     limit = dataset.get("limit")
     return dataset.get("path") == "embedded" and isinstance(limit, int) and limit <= EMBEDDED_HELD_OUT_FROM
 
