@@ -93,6 +93,8 @@ def run_status(args: argparse.Namespace) -> int:
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
         print(json.dumps(t, indent=2) if args.json else format_training(t))
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
+    if s.get("waiting_tasks"):
+        _without_dead_tasks(s)
     if not s["complete"] and s["shards_running"] == s.get("shards_running_exited_here", 0):  # none at work
         s["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "extract"]
     # the --window run's --delete-consumed trainer: "running", "stopped", "finished" or "none" (null: no window)
@@ -111,6 +113,19 @@ def run_status(args: argparse.Namespace) -> int:
     # retry them (a script waits on 3)
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] and not s["shards_running"] \
         and not s.get("workers_waiting") and not s.get("slurm_jobs") else EXIT_INCOMPLETE
+
+
+def _without_dead_tasks(s: dict) -> None:
+    """Leave out of `workers_waiting` the Slurm tasks squeue no longer shows (killed while they waited:
+    their records outlive them by minutes), where squeue is here; as `submit extract` counts them."""
+    from layertap.slurm.queued import listed_jobs, squeue_listing
+
+    listing = squeue_listing(level=logging.DEBUG)
+    if listing is not None:
+        alive = listed_jobs(listing)
+        gone = [t for t in s["waiting_tasks"] if t not in alive]
+        s["workers_waiting"] -= len(gone)
+        s["waiting_tasks"] = [t for t in s["waiting_tasks"] if t in alive]
 
 
 def _slurm_jobs(store) -> list:

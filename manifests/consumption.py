@@ -23,7 +23,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeVar
@@ -146,13 +146,24 @@ class Waiting:
     task: str | None = None  # its Slurm array task (`123_4`), where it is one
 
 
-def waiting_workers(store: ObjectStore, records: list[ObjectInfo]) -> list[Waiting]:
+def waiting_workers(store: ObjectStore, records: list[ObjectInfo],
+                    slurm_jobs: Collection[str] | None = None) -> list[Waiting]:
     """The waiting workers of `records` (`waiting_records`), read 16 at a time; one gone meanwhile
-    is left out, an unreadable one counts as one that may take any shard."""
+    is left out, an unreadable one counts as one that may take any shard. So is one whose record
+    outlives it, as a lease's holder is: its process gone from this host, or its Slurm task not
+    among `slurm_jobs` (squeue's, where given). Killed while it waited (an OOM, a node lost, a
+    scancel), it counted as waiting until its record went stale, 5 minutes: `submit` refused to
+    replace it meanwhile, and `status` said extraction waited."""
+    from layertap.manifests.liveness import gone_from_here
+
     def read(key: str) -> Waiting | None:
         try:
             body = json.loads(store.get(key))
-            return Waiting(holder_name(body["producer"]), body.get("shards"), body["producer"].get("job_id"))
+            producer = body["producer"]
+            task = producer.get("job_id")
+            if gone_from_here(producer) or (slurm_jobs is not None and task and task not in slurm_jobs):
+                return None
+            return Waiting(holder_name(producer), body.get("shards"), task)
         except ObjectNotFound:
             return None  # went on
         except (ValueError, KeyError, TypeError, AttributeError):

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from layertap.manifests import layout
 from layertap.manifests.consumption import (at_rest, consumed_everywhere, consumed_shards, marker_times,
-                                            recent_stall, recorded_window, waiting_records)
+                                            recent_stall, recorded_window, waiting_records,
+                                            waiting_workers)
 from layertap.manifests.manifest import Manifest, ManifestError, UnsupportedVersion, header_mismatch, load_manifest
 from layertap.manifests.records import (TO_WITHDRAW, CommitRecord, FailureRecord, Producer, decode_commit,
                                        decode_failure, encode)
@@ -181,7 +182,10 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         # attempt's leftover too, which `bytes_at_rest`, from the commits, leaves out)
         "window_at_rest": at_rest(store).bytes if window is not None else None,  # a listing of shards/, the window's size
         # extraction workers waiting behind it (they hold no lease: not `shards_running`), by their fresh records
-        "workers_waiting": len(waiting_records(store)) if window is not None and not complete else 0,
+        # of processes not gone from this host; the Slurm tasks among them, for the caller to ask squeue about
+        "workers_waiting": len(waiting := waiting_workers(store, waiting_records(store))
+                               if window is not None and not complete else []),
+        "waiting_tasks": [w.task for w in waiting if w.task],
         # a follow trainer's STALLED report while it lasts (window full, training waiting for data): for good
         "stalled": recent_stall(store) if window is not None and not complete else None,
         **listed,

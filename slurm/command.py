@@ -271,8 +271,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
     from layertap.extract.regenerated import pinned_template, template_kwargs
     from layertap.manifests.manifest import NoRun, refuse_new_run_here
     from layertap.slurm import submit
-    from layertap.slurm.queued import (leave_to_queued, lease_jobs, queued_tasks, squeue_listing, started,
-                                       without_dead_holders)
+    from layertap.slurm.queued import (leave_to_queued, lease_jobs, listed_jobs, queued_tasks, squeue_listing,
+                                       started, without_dead_holders)
     from layertap.slurm.queued import tag as queue_tag
     from layertap.slurm.scripts import extract_script
     from layertap.slurm.work import dynamic_plan, remaining_work, static_plan
@@ -310,7 +310,8 @@ def _submit_extract(args: argparse.Namespace) -> int:
     queued = queued_tasks(location, listing or "")
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg), lambda run: pinned_template(cfg, run),
-                                   lambda: _dataset_fingerprint(cfg))
+                                   lambda: _dataset_fingerprint(cfg),
+                                   slurm_jobs=listed_jobs(listing) if listing is not None else None)
         jobs = lease_jobs(store, remaining) if listing is not None else {}  # no squeue: no task queued either
         if listing is not None:
             remaining = without_dead_holders(remaining, jobs, listing)

@@ -118,6 +118,11 @@ class _Listed:
     comment: str
 
 
+def listed_jobs(listing: str) -> set[str]:
+    """The jobs and array tasks (`123_4`) squeue's `listing` shows: those still queued or running."""
+    return {t.job for t in _listed(listing)}
+
+
 def _listed(listing: str) -> list[_Listed]:
     """squeue's lines, the comment last (it may hold a '|') and unpadded (a location may end in a space)."""
     found = []
@@ -227,7 +232,7 @@ def without_dead_holders(remaining: Remaining, jobs: dict[int, str], listing: st
     live leases"). A worker outside Slurm, or one whose lease cannot be read, still counts as
     running. A job squeue does not show this user (a cluster's PrivateData) is taken for gone:
     its shard's new task waits on its lease, which keeps the work done once."""
-    alive = {t.job for t in _listed(listing)}
+    alive = listed_jobs(listing)
     gone = {shard for shard, job in jobs.items() if job not in alive}
     if not gone:
         return remaining

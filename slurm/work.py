@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -80,7 +80,8 @@ class Remaining:
 def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
                    settings: Mapping[str, Any] | None = None,
                    dataset_of: Callable[[Manifest], Mapping[str, Any]] | None = None,
-                   fingerprint: Callable[[], str | None] | None = None) -> Remaining:
+                   fingerprint: Callable[[], str | None] | None = None,
+                   slurm_jobs: Collection[str] | None = None) -> Remaining:
     """The run's unfinished shards (among `only`, if given); raises `NoRun` if there is no run,
     and `ConfigMismatch` if `settings` (a subset of the manifest's config), the chat-template
     settings of the `dataset_of` the run, or the dataset's `fingerprint` (asked only of a run that
@@ -106,7 +107,7 @@ def remaining_work(store: ObjectStore, only: Sequence[int] | None = None,
     running = [s for s, v in states.items() if v == "running"]
     failed = [s for s, v in states.items() if v == "failed"]
     todo = [s for s, v in states.items() if v in ("failed", "pending")]
-    waiting = [w for w in (waiting_workers(store, waiting_records(store)) if todo else [])
+    waiting = [w for w in (waiting_workers(store, waiting_records(store), slurm_jobs) if todo else [])
                if w.shards is None or any_within(todo, w.shards)]
     waited_for = todo if any(w.shards is None for w in waiting) else within(todo, [r for w in waiting for r in w.shards])
     return Remaining(run_id=manifest.run_id, total=total, selected=None if only is None else len(ids), done=sum(1 for v in states.values() if v == "done"),

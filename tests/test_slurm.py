@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -407,6 +408,51 @@ def test_a_shard_given_up_by_the_worker_waiting_behind_the_window_is_submitted(t
                   "--nodes", "2") == 0
     out = capsys.readouterr().out
     assert "wait behind the full storage window to take shards 6-9" in out and "#SBATCH --array=0\n" in out
+
+
+def test_workers_killed_while_they_waited_behind_the_window_are_replaced_at_once(tmp_path, capsys, monkeypatch):
+    """A waiting worker's record outlives it by up to WAITING_STALE_S (5 min): killed while it waited
+    (an OOM, a node lost, scancel), its array gone from squeue, `status` still said extraction waited,
+    and `submit extract` left the shards to it ("nothing to submit"). A record whose Slurm task squeue
+    no longer shows, or whose process is gone from this host, counts for nothing, as a lease's holder."""
+    import subprocess
+
+    from layertap.manifests.liveness import pid_namespace
+    from layertap.slurm.queued import tag
+
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+    import fake_worker
+
+    prefix = str(tmp_path / "window")
+    fake_worker.work(prefix, shards=[0, 1])
+    store = open_store(prefix)
+    store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 1000, "time": time.time()}).encode())  # at rest: full
+    store.put(layout.waiting_key("t80"), json.dumps({"producer": {"job_id": "80_0", "token": "t80"}, "shard": 2,
+                                                     "shards": None}).encode())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid of this host that has exited
+    store.put(layout.waiting_key("tpid"), json.dumps({"producer": {"host": socket.gethostname(), "pid": dead.pid,
+                                                                   "pid_ns": pid_namespace(), "token": "tpid"},
+                                                      "shard": 2, "shards": None}).encode())
+    def dry_run(prefix: str, *args: str) -> str:
+        assert submit("extract", "--dry-run", "--out", prefix, "--max-length", "64", "--gpus-per-node", "0",
+                      *args) == 0
+        return capsys.readouterr().out
+
+    fake_squeue(bin_, [("80_0", "RUNNING", "None", tag(prefix, None, None))])  # 80_0 waits; the other is gone
+    assert cli(["status", prefix]) == 3
+    assert "1 extraction worker(s) wait for the window to open" in capsys.readouterr().out
+    assert "nothing to submit: 1 extraction worker(s) of 80 wait behind the full storage window" \
+        in dry_run(prefix, "--nodes", "2")
+    fake_squeue(bin_, [])  # 80_0 killed too
+    assert cli(["status", prefix, "--json"]) == 3
+    s = json.loads(capsys.readouterr().out)
+    assert s["workers_waiting"] == 0 and s["waiting_tasks"] == []
+    out = dry_run(prefix, "--nodes", "2")
+    assert "wait behind the full storage window" not in out and "#SBATCH --array=0-1\n" in out
 
 
 def test_a_shard_under_the_live_lease_of_a_job_gone_from_squeue_is_submitted(tmp_path, capsys, monkeypatch):
