@@ -91,6 +91,8 @@ def run_status(args: argparse.Namespace) -> int:
                 r["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "regenerate"]
             print(json.dumps(r, indent=2) if args.json else format_regeneration(r))
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
+        if not t["complete"] and t["trainer"] is None:  # stopped: a Slurm job of it queued again resumes it
+            t["slurm_jobs"] = [j.job for j in _slurm_jobs(store) if j.kind == "train"]
         print(json.dumps(t, indent=2) if args.json else format_training(t))
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
     if s.get("waiting_tasks"):
@@ -99,6 +101,8 @@ def run_status(args: argparse.Namespace) -> int:
         s["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "extract"]
     # the --window run's --delete-consumed trainer: "running", "stopped", "finished" or "none" (null: no window)
     s["deleting_trainer"] = _deleting(store, s)
+    if s["deleting_trainer"] == "stopped" and not s["complete"]:  # requeued (preempted, time limit) or resubmitted
+        s["trainer_jobs"] = _trainer_jobs(store)
     if s["deleting_trainer"] == "stopped" and s.get("stalled") is None and not s["complete"]:
         # its STALLED report however old: a trainer that gave up on a stall renews it no more, and the advice
         # to start the same commands again stalls them again
@@ -113,6 +117,20 @@ def run_status(args: argparse.Namespace) -> int:
     # retry them (a script waits on 3)
     return EXIT_COMPLETE if s["complete"] else EXIT_FAILED if s["shards_failed"] and not s["shards_running"] \
         and not s.get("workers_waiting") and not s.get("slurm_jobs") else EXIT_INCOMPLETE
+
+
+def _trainer_jobs(store) -> list[str]:
+    """The Slurm training jobs queued or running (squeue) for the output of the run's --delete-consumed
+    trainer: one queued again resumes it, and the advice to start it by hand started a second."""
+    from layertap.manifests.consumption import consumer_of
+    from layertap.manifests.manifest import ManifestError
+    from layertap.slurm.queued import jobs_naming
+
+    try:
+        output = consumer_of(store)
+    except ManifestError:
+        return []
+    return [j.job for j in jobs_naming(output, quiet=True) if j.kind == "train" and j.starts] if output else []
 
 
 def _without_dead_tasks(s: dict) -> None:
@@ -336,7 +354,11 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
             lines.append("  THE TRAINER HAS FINISHED: this run's --delete-consumed trainer exported its drafter, so "
                          "nothing consumes what the extraction adds and a full window does not open: train on the rest "
                          "with another --delete-consumed trainer (another --out), or extract it without --window")
-        if deleting == "stopped" and not s["complete"]:
+        if deleting == "stopped" and not s["complete"] and s.get("trainer_jobs"):
+            lines.append(f"  THE TRAINER IS QUEUED: this run's --delete-consumed trainer is not running now, and Slurm "
+                         f"job(s) {listing(s['trainer_jobs'], 10)} for its output are queued or running (squeue): it "
+                         "resumes from its checkpoint when it starts, and the window opens then; start no other")
+        elif deleting == "stopped" and not s["complete"]:
             # after a stall, the same commands stall again: the window must grow first (the report says by how much)
             how = ("it stalled (its report below): restart the extraction with a larger --window (Slurm: scancel its "
                    "waiting tasks, submit again with it), then start the trainer again with its `layertap train` "
@@ -542,6 +564,9 @@ def format_training(t: dict) -> str:
         lines.append("  drafter     not exported yet: training is running")
     elif t.get("checkpoint_incomplete"):
         lines.append("  drafter     not exported yet: training stopped, and its checkpoint is incomplete (above)")
+    elif t.get("slurm_jobs"):
+        lines.append(f"  drafter     not exported yet: training stopped, and Slurm job(s) {listing(t['slurm_jobs'], 10)} "
+                     "for this output are queued or running (squeue): training goes on when it starts")
     elif not t["checkpoint"]:
         lines.append("  drafter     not exported yet: training stopped before its first checkpoint (killed, or it "
                      "failed: its log says why); the same `layertap train` command starts it again")

@@ -455,6 +455,43 @@ def test_workers_killed_while_they_waited_behind_the_window_are_replaced_at_once
     assert "wait behind the full storage window" not in out and "#SBATCH --array=0-1\n" in out
 
 
+def test_a_queued_trainer_is_named_not_started_again_by_hand(tmp_path, capsys, monkeypatch):
+    """The run's --delete-consumed trainer requeued (preempted, its time limit) or resubmitted, its job
+    pending: `status` of the run said THE TRAINER IS NOT RUNNING, start it again, and of its output
+    "training stopped (the same command with --resume continues)": a second trainer started by hand
+    beside the queued one. Both name the queued job."""
+    import fake_worker
+    from layertap.manifests.consumption import claim_consumer
+    from layertap.slurm.queued import store_location, training_tag
+
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+    run, out = str(tmp_path / "run"), str(tmp_path / "drafter")
+    fake_worker.work(run, shards=[0, 1])
+    store = open_store(run)
+    store.put(layout.CONSUMED_WINDOW, json.dumps({"window": 1000, "time": time.time()}).encode())
+    claim_consumer(store, open_store(out).uri)
+    from layertap.train.checkpoint import step_prefix
+
+    output = open_store(out)  # it trained, checkpointed at step 4, then stopped
+    output.put("checkpoints/latest.json", json.dumps({"step": 4, "prefix": step_prefix(4)}).encode())
+    output.put(f"{step_prefix(4)}/state.json", json.dumps({"config": {"data": run}, "total_steps": 20}).encode())
+    fake_squeue(bin_, [])
+    assert cli(["status", run]) == 3
+    assert "THE TRAINER IS NOT RUNNING" in capsys.readouterr().out
+    fake_squeue(bin_, [("91", "PENDING", "BeginTime", training_tag(store_location(out), True, True))])
+    assert cli(["status", run]) == 3
+    said = capsys.readouterr().out
+    assert "THE TRAINER IS QUEUED: this run's --delete-consumed trainer is not running now, and Slurm job(s) 91 for " \
+        "its output are queued or running (squeue)" in said and "NOT RUNNING" not in said, said
+    assert cli(["status", run, "--json"]) == 3 and json.loads(capsys.readouterr().out)["trainer_jobs"] == ["91"]
+    assert cli(["status", out]) == 3
+    assert "training stopped, and Slurm job(s) 91 for this output are queued or running (squeue)" \
+        in capsys.readouterr().out
+
+
 def test_a_shard_under_the_live_lease_of_a_job_gone_from_squeue_is_submitted(tmp_path, capsys, monkeypatch):
     """Job 70 was cancelled (or killed) with its lease on shard 2 not yet stale: `submit` took the
     shard for running and left it to no one ("nothing to submit: shards 2 are running under live
