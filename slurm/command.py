@@ -834,13 +834,33 @@ def _train_config(targs: argparse.Namespace, context: str = ""):
 
     try:
         cfg = load_train_config(targs)
+        out = open_configured_store(cfg.out, cfg.s3)
         if cfg.data is not None:  # an --out that holds a run, or overlaps it: refused by the job, in the queue
-            check_apart(open_configured_store(cfg.out, cfg.s3), open_configured_store(cfg.data, cfg.s3))
+            check_apart(out, open_configured_store(cfg.data, cfg.s3))
+        _check_resumable_here(out, cfg)
     except ConfigError as e:
         raise ConfigError(f"{context}{e}") from None
     except StoreError as e:
         _note(f"the training output could not be checked from here ({e}): the job will")
     return cfg
+
+
+def _check_resumable_here(out, cfg) -> None:
+    """A job resumes --out's latest checkpoint (its script passes --resume): settings that differ from
+    it are refused here, as the job would refuse them in the queue (its extraction array, started
+    beside it, then filled its window and waited for good)."""
+    from layertap.manifests.train_output import EXPORT_CONFIG, LATEST
+
+    if not out.exists(LATEST) and next(iter(out.list("checkpoints/")), None) is None:
+        return  # a fresh output (the usual case): torch not imported
+    if out.exists(EXPORT_CONFIG):
+        return  # complete: nothing is submitted (`_no_trainer_needed` says so)
+    from layertap.train.checkpoint import load_latest
+    from layertap.train.trainer import check_resume_settings
+
+    ckpt = load_latest(out, tensors=False)
+    if ckpt is not None:
+        check_resume_settings(ckpt.state, cfg)
 
 
 def _at_least_one(args: argparse.Namespace, *names: str) -> None:

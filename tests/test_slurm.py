@@ -857,6 +857,33 @@ def test_a_complete_training_is_not_submitted_again(tmp_path, capsys, monkeypatc
     assert f"nothing to submit: the training at {done.uri} is complete" in out and "#SBATCH" not in out
 
 
+def test_a_trainer_resubmitted_with_settings_its_checkpoint_refuses_is_refused_before_the_queue(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """The job resumes --out's checkpoint (its script passes --resume): another --batch-size was
+    submitted without a word and refused in the queue, and an extraction array submitted beside it
+    (--train-while-extracting) filled its window and waited for good. Refused at submission, as the
+    job refuses it; the checkpoint's own settings are submitted."""
+    import fake_worker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    model = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    run, out = str(tmp_path / "run"), str(tmp_path / "drafter")
+    fake_worker.work(run)
+    args = ["--data", run, "--model", model, "--out", out, "--batch-size", "2", "--block-size", "4",
+            "--max-anchors", "8", "--save-every", "2"]
+    assert cli(["train", *args, "--steps", "2"]) == 0
+    shutil.rmtree(Path(out) / "drafter")  # as if stopped after its checkpoint: a resubmission resumes it
+    capsys.readouterr()
+    assert submit("train", "--dry-run", *args, "--steps", "4") == 0
+    assert "#SBATCH" in capsys.readouterr().out
+    assert submit("train", "--dry-run", *args, "--steps", "4", "--batch-size", "4") == 2
+    err = capsys.readouterr().err
+    assert "cannot resume: settings differ from the checkpoint's: batch_size: checkpoint 2, now 4" in err, err
+    assert cli(["train", *args, "--steps", "4", "--batch-size", "4", "--resume"]) == 2
+    assert "batch_size: checkpoint 2, now 4" in capsys.readouterr().err  # what the job would have said
+
+
 def test_no_trainer_is_submitted_for_an_output_a_trainer_holds(tmp_path, capsys, monkeypatch):
     """Resubmitting while the last trainer still runs queued a second trainer on the same --out,
     which would overwrite the first's checkpoints (now refused at its start): not queued."""

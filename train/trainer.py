@@ -1139,13 +1139,21 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, world: int) -> Non
                     "than the uninterrupted run's (each sample still once an epoch, in as many batches as the "
                     "workers split it into); resume with --num-workers %s "
                     "to keep it", cfg.num_workers or 0, state["num_workers"] or 0, state["num_workers"] or 0)
+    check_resume_settings(state, cfg)
+
+
+def check_resume_settings(state: dict[str, Any], cfg: TrainConfig) -> None:
+    """Refuse `cfg` a resume of the checkpoint whose state.json is `state` where their settings differ
+    (what `submit train` checks too: a job refused in the queue left its extraction waiting)."""
     saved, now = {**RESUME_DEFAULTS, **state.get("config", {})}, cfg.identity()
     saved["data"] = _store_uri(saved.get("data"))
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in {**saved, **now}
              if k not in ("steps", "epochs") and saved.get(k) != now.get(k)]
     if diffs:
+        anew = (" (its run, which this output's --delete-consumed trainer has claimed, is then out of reach: train "
+                "anew on a new extraction)" if cfg.delete_consumed else "")
         raise ConfigError("cannot resume: settings differ from the checkpoint's: " + "; ".join(diffs) + ". Resume "
-                          f"with the checkpoint's settings, or train anew into another --out than {cfg.out}")
+                          f"with the checkpoint's settings, or train anew into another --out than {cfg.out}{anew}")
     _check_drafter_flags(state["drafter"], cfg)
 
 
