@@ -33,14 +33,20 @@ def add_export(p: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from layertap.extract.interop import export_run
+    from layertap.manifests.cli import not_a_run
+    from layertap.manifests.manifest import NoRun
     from layertap.storage.errors import ConfigError
     from layertap.storage.store import open_store
     from layertap.storage.units import counted, possessive
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
-    note = export_run(open_store(args.run), args.format, open_store(args.dest), limit=args.limit,
-                      rows_only=args.rows_only)
+    run = open_store(args.run)
+    try:
+        note = export_run(run, args.format, open_store(args.dest), limit=args.limit, rows_only=args.rows_only)
+    except NoRun as e:  # said as `status` says what the prefix is instead
+        raise not_a_run(run, e, "export writes the samples of", lambda data: f"it trained on {data}, which may be "
+                        "exported") from None
     owner = possessive(args.format)
     print(f"exported {counted(note['samples'], 'sample')} of {args.run} to {args.dest} in {owner} layout; "
           f"layers {note['layers']} (layertap's ids) are {owner} {note[f'{args.format}_layer_ids']}")

@@ -198,11 +198,15 @@ def not_a_run(store, e: NoRun, needs: str, instead: Callable[[str], str]) -> NoR
     """`e` (no manifest.json at `store`), said as what the prefix is instead, as `status` tells:
     a training output (then `instead(the run it trained on)`), or a folder of runs (which). `needs`:
     what the command does with a run ("verify re-reads the shards of")."""
-    from layertap.manifests.manifest import NoRun
+    from layertap.manifests.manifest import NoRun, refuse_leftovers
     from layertap.manifests.train_output import training_status
 
     t = training_status(store)
     if t is None:
+        try:
+            refuse_leftovers(store)  # a run's records without its manifest: not a prefix to extract into anew
+        except ConfigError as left:
+            return NoRun(str(left))
         return NoRun(f"{e}{_what_it_is(store) or _what_is_under(store)}")
     data = f": {instead(t['data'])}" if t.get("data") else ""
     return NoRun(f"{store.uri} is a `layertap train` output (checkpoints, metrics.jsonl), not a run: {needs} an "

@@ -112,6 +112,13 @@ def test_a_new_run_is_not_planned_over_a_deleted_runs_leftovers(store_uri, capsy
     err = capsys.readouterr().err
     assert "holds no run (manifest.json is missing) but a run's records under commits/" in err
     assert "run `layertap extract` to start one" not in err
+    # verify, export and train said the same as status did before (and train to look under commits/ for runs)
+    for argv in (["verify", store_uri], ["export", store_uri, "--to", "specforge", f"{store_uri}-export"],
+                 ["train", "--data", store_uri, "--model", "m", "--out", f"{store_uri}-drafter", "--steps", "1"]):
+        assert cli(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "holds no run (manifest.json is missing) but a run's records under commits/" in err, (argv, err)
+        assert "run `layertap extract` to start one" not in err
     assert cli(["delete", store_uri, "--yes", "--force"]) == 0
     capsys.readouterr()
 
