@@ -24,6 +24,24 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
                         "over every record: a sanity check of what was captured")
 
 
+def _committed_hash(root: str, key: str) -> str | None:
+    """The object hash the run's commit records for `key`, a shard object under a run's shards/;
+    None where no commit names this very object (another attempt's, or no run above it)."""
+    from layertap.manifests import layout
+    from layertap.manifests.records import decode_commit
+    from layertap.storage.store import open_store
+
+    found = re.fullmatch(r"(.+)/(shards/(\d{6})-[^/]+)", f"{root.rstrip('/')}/{key}")
+    if found is None:
+        return None
+    run = open_store(found[1])
+    try:
+        commit = decode_commit(run.get(layout.commit_key(int(found[3]))), layout.commit_key(int(found[3])))
+    except Exception:  # noqa: BLE001 - none, or unreadable: the shard is inspected on its own
+        return None
+    return commit.xxh3_128 if commit.data_key == found[2] else None
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from layertap.storage.errors import InputError
     from layertap.storage.format import MAGIC
@@ -54,7 +72,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not key.endswith(".lts") and head != MAGIC:  # a run's other file given by mistake, not a damaged shard
         raise InputError(f"{args.uri} is not a layertap shard (it starts with {bytes(head)!r}): `layertap status RUN "
                          "--shards` lists a run's shard objects")
-    report = verify_shard(store, key, decode=True)  # a corrupt shard is a report (exit 1), not an error
+    # a corrupt shard is a report (exit 1), not an error; its commit's hash tells a damaged version field
+    # from a newer layertap's shard, as `verify` tells them (said "upgrade layertap" of a corrupt one)
+    report = verify_shard(store, key, expected_xxh3_128=_committed_hash(root, key), decode=True)
     reader = ShardReader(store, key) if report.ok else None
     stats = layer_stats(reader) if reader is not None and args.stats else None
     if args.json:
