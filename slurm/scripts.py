@@ -219,16 +219,18 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
              "RESUME=()", *(f'export {k}="${{{k}:-{v}}}"' for k, v in MALLOC_SETTINGS.items())]
     if resume_flag:  # a requeued job, and one resubmitted after a failure: a fresh --out starts from scratch
         lines.append(f"RESUME=({resume_flag})  # continues from --out's latest checkpoint when it holds one")
+    trainer = ["-m", TRAIN_MODULE, *map(shlex.quote, train_args), '${RESUME[@]+"${RESUME[@]}"}']  # bash 4.2-safe
+    if nodes * opts.procs == 1:  # no launcher: its error came back as a traceback repeating the trainer's stderr
+        launch = [*_srun(opts, "--nodes=1", "--ntasks-per-node=1"), *_STEP_SHELL, shlex.quote(opts.python), *trainer]
+        about = ["# layertap training: one process, on 1 node."]
+        return _script(about, header, opts, lines, launch, train_args, requeue_on_timeout=bool(resume_flag))
     node = shlex.quote(_IGNORING_USR2 + 'exec "$0" -m accelerate.commands.launch --machine_rank "$SLURM_NODEID" "$@"')
     launch = [*_srun(opts, f"--nodes={nodes}", "--ntasks-per-node=1"), "bash", "-c", node,
               shlex.quote(opts.python), "--num_machines", '"$SLURM_NNODES"', "--num_processes", total,
-              "--main_process_ip", '"$MASTER_ADDR"', "--main_process_port", '"$PORT"']
-    if nodes * opts.procs > 1:
-        launch.append("--multi_gpu")
+              "--main_process_ip", '"$MASTER_ADDR"', "--main_process_port", '"$PORT"', "--multi_gpu"]
     # --mixed_precision no quiets accelerate's warning of a default; the trainer passes its own choice
     # (--mixed-precision, bf16 on GPUs) to Accelerator, which wins over the launcher's
-    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "-m", TRAIN_MODULE,
-               *map(shlex.quote, train_args), '${RESUME[@]+"${RESUME[@]}"}']  # bash 4.2-safe under set -u
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", *trainer]
     about = [f"# layertap training: {nodes} node(s) x {opts.procs} process(es), one accelerate launcher per node."]
     return _script(about, header, opts, lines, launch, train_args, requeue_on_timeout=bool(resume_flag))
 

@@ -690,7 +690,9 @@ def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
                        capture_output=True, text=True, env={"SLURM_NNODES": "1", "PATH": os.environ["PATH"]})
     words = p.stdout.splitlines()
     assert words[:6] == ["srun", "--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c"]
-    assert words[7:9] == [sys.executable, "--num_machines"]
+    # one process: the trainer itself, no launcher (whose failure repeated its error in a traceback)
+    assert words[7:] == [sys.executable, "-m", "layertap.train", "--data", "r"]
+    assert "accelerate" not in single
 
 
 def test_the_environment_is_activated_on_the_node_and_checked(tmp_path):
