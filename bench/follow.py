@@ -15,7 +15,7 @@ training settings (batch, steps from the plan, a checkpoint every --save-every s
 The extraction rate is controlled: a tiny target extracts a shard in milliseconds, so each extract
 process runs through this script (`--paced-extract S -- extract ARGS`), which is the real command
 with `start_shard` delayed by S seconds per shard: a slower GPU, nothing else changed. The
-window's waits (`WindowGate`: 2 s doubling to 30 s between looks) and the trainer's
+window's waits (`WindowGate`: 2 s doubling to 10 s between looks) and the trainer's
 `--follow-poll-s` are scaled down with the shards (--gate-poll, --follow-poll-s), as their
 defaults are sized for shards of minutes, not of a second.
 

@@ -435,7 +435,9 @@ class WindowGate:
     large as the run, and the watermarks) only when they name a shard still at rest. With 1,000
     workers waiting, every look swept before: 1,000 manifest GETs and run-sized listings a poll.
     While waiting it lists with a backoff (`poll_s` doubling to `max_poll_s`, jittered so that
-    workers held back together do not look in step), logs why at most every `log_every_s`, and
+    workers held back together do not look in step; at 30 s a window opened by a checkpoint kept
+    every waiting GPU idle up to 30 s, and 1,000 workers looking every 10 s list `shards/`, a page,
+    100 times a second), logs why at most every `log_every_s`, and
     tells `on_wait` (a progress line) what is at rest, then None once it goes on. A stop signal
     raises in the main thread wherever it is, so a waiting worker ends at once.
 
@@ -445,7 +447,7 @@ class WindowGate:
     """
 
     def __init__(self, store: ObjectStore, window: int, *, producer: Producer | None = None,
-                 shards: Sequence[int] | None = None, poll_s: float = 2.0, max_poll_s: float = 30.0,
+                 shards: Sequence[int] | None = None, poll_s: float = 2.0, max_poll_s: float = 10.0,
                  sweep_every_s: float = 30.0, log_every_s: float = 30.0,
                  on_wait: Callable[[AtRest | None], None] | None = None, sleep: Callable[[float], None] = time.sleep):
         self.store, self.window, self.producer = store, window, producer
