@@ -632,5 +632,8 @@ def _verify_failed(store, result) -> Exception:
         return type(e)(f"bad shard(s) {id_ranges(result.not_withdrawn)} of {store.uri} could not be withdrawn: {said}. "
                        f"Withdrawing writes to the run: run `layertap verify` where it is writable (`layertap verify "
                        "--dry-run` reports without writing)")
-    return type(e)(f"{said}; {len(result.unchecked)} committed shard(s) were not checked "
-                   f"({id_ranges(result.unchecked)}): run `layertap verify {store.uri}` again once the store answers")
+    left = ([f"{len(result.unchecked)} committed shard(s) were not checked ({id_ranges(result.unchecked)})"]
+            if result.unchecked else []) + \
+        ([f"bad shard(s) {id_ranges(result.not_withdrawn)} were not withdrawn"] if result.not_withdrawn else [])
+    return type(e)(f"{said}; " + ", and ".join(left or ["the report above is whole"])
+                   + f": run `layertap verify {store.uri}` again once the store answers")

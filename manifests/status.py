@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -454,10 +455,13 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
         try:
             return checked_one(shard)
         except TransientStoreError as e:  # each shard after it would wait out the same retries
-            with lock:
-                result.failure = result.failure or e
-            halted.set()
+            fail(e)
             return shard, UNCHECKED, None
+
+    def fail(e: StoreError) -> None:
+        with lock:
+            result.failure = result.failure or e
+        halted.set()
 
     def checked_one(shard: int) -> tuple[int, str | None, str | None]:
         ckey = layout.commit_key(shard)
@@ -498,7 +502,10 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
         if report.ok and (disagree := _disagreement(report, commit)):  # what the loader checks, it refuses
             return shard, disagree, commit.data_key
         if report.ok and not dry_run:
-            _settle_tally(store, st.tally_keys.get(shard, []), commit)
+            try:
+                _settle_tally(store, st.tally_keys.get(shard, []), commit)
+            except TransientStoreError as e:  # the shard is sound: checked, the store's failure said at the end
+                fail(e)
         return shard, report.error, commit.data_key
 
     def counted(shard: int) -> tuple[int, str | None, str | None]:
@@ -510,26 +517,43 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
     result.consumed, lock = len(st.committed & consumed), threading.Lock()
     with ThreadPoolExecutor(threads) as pool:  # every shard checked before any is withdrawn: a shard of another
         checked = list(pool.map(counted, sorted(st.committed - consumed)))  # run raises while nothing was
+    stopped: list[StoreError] = []  # a write-phase call failed past its retries: nothing more is asked of the store
+
+    def stop(e: StoreError) -> None:
+        fail(e)
+        stopped.append(e)
+
     for shard, error, data_key in checked:
+        writes = not dry_run and not stopped  # a look or write each: the report stays whole if the store is down
         if error == UNCHECKED:
             result.unchecked.append(shard)
         elif error == CONSUMED:
             result.consumed += 1
-        elif error == GONE or (error is not None and not _still_committed(store, shard, data_key)):
-            log.warning("shard %d: its commit went or changed while verify looked (another `layertap verify` "
-                        "withdrew it?): skipped, not withdrawn", shard)
-            result.gone.append(shard)
+        elif error == GONE or (error is not None and writes and not _still_committed_or_fail(store, shard, data_key,
+                                                                                           stop)):
+            if not stopped or error == GONE:
+                log.warning("shard %d: its commit went or changed while verify looked (another `layertap verify` "
+                            "withdrew it?): skipped, not withdrawn", shard)
+                result.gone.append(shard)
+            else:  # the store failed in the look: bad, not withdrawn
+                result.checked += 1
+                result.bad.append({"shard": shard, "error": error})
+                result.not_withdrawn.append(shard)
         elif error is None:
             result.checked += 1
             result.ok += 1
-            for key in st.data_objects.get(shard, []) if not dry_run else []:
+            for key in st.data_objects.get(shard, []) if writes else []:
                 if key != data_key:
-                    store.delete(key)
+                    try:
+                        store.delete(key)
+                    except TransientStoreError as e:
+                        stop(e)
+                        break
                     result.orphans_deleted += 1
         else:
             result.checked += 1
             result.bad.append({"shard": shard, "error": error})
-            if dry_run or result.withdraw_failed:
+            if not writes:
                 log.error("shard %d is bad: %s", shard, error)
                 result.not_withdrawn.append(shard)
                 continue
@@ -537,16 +561,31 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
             try:
                 _withdraw(store, shard, error, data_key, feed.of(shard))
             except StoreError as e:  # a run this user may read but not write, or a store failing: the rest are said
-                result.withdraw_failed, result.failure = True, e
+                if not isinstance(e, TransientStoreError):  # refused, not an outage: said as such
+                    result.withdraw_failed, result.failure = True, e
+                stop(e)
                 result.not_withdrawn.append(shard)
     # A verify killed inside `_withdraw` (the commit gone, the marker not yet written) left a redo
     # that workers waiting behind a full --window never see: they list only the markers.
     for shard in sorted(s for s in range(len(manifest.shards)) if st.withdrawn(s) and s not in st.redo_marked):
-        if dry_run or result.failure is not None:
+        if dry_run or stopped:
             break
         log.info("shard %d: withdrawn, awaiting its redo, without a redo marker: writing it", shard)
-        store.put(layout.redo_key(shard), b"")
+        try:
+            store.put(layout.redo_key(shard), b"")
+        except TransientStoreError as e:
+            stop(e)
     return result
+
+
+def _still_committed_or_fail(store: ObjectStore, shard: int, data_key: str | None,
+                             fail: Callable[[StoreError], None]) -> bool:
+    """`_still_committed`, with a store failing past its retries said (`fail`) and answered False."""
+    try:
+        return _still_committed(store, shard, data_key)
+    except TransientStoreError as e:
+        fail(e)
+        return False
 
 
 def _commit_tally(commit: CommitRecord) -> str:

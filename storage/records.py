@@ -85,6 +85,9 @@ def encode_record(sample: Sample, meta: ShardMeta) -> EncodedRecord:
     ids = sample.input_ids
     if s and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
         raise ValueError(f"sample {sid}: token ids must lie in [0, 2^31)")
+    mask = sample.loss_mask
+    if s and not bool(((mask == 0) | (mask == 1)).all()):  # the reader refuses any other (a weight, not a flag)
+        raise ValueError(f"sample {sid}: loss_mask values must be 0 or 1")
 
     codec = get_codec(meta.codec)
     tensors: dict[str, torch.Tensor] = {

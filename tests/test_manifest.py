@@ -825,10 +825,13 @@ def test_verify_of_a_run_it_cannot_write_says_the_shards_are_bad_and_why_they_st
     assert store.exists(layout.commit_key(3)) and store.exists(layout.commit_key(5))
 
 
-def test_verify_reports_what_it_checked_before_the_store_stopped_answering(tmp_path, capsys, monkeypatch):
-    """A store failing past its retries on one shard's data: verify raised at once, and shards found bad
-    before it were neither reported nor withdrawn; each shard after it waited out the same retries.
-    Those checked are reported (the bad one withdrawn), the rest named as not checked, exit 5."""
+@pytest.mark.parametrize("outage", ["one object", "the whole store"])
+def test_verify_reports_what_it_checked_before_the_store_stopped_answering(tmp_path, capsys, monkeypatch, outage):
+    """A store failing past its retries on one shard's data (or on everything from then on): verify
+    raised at once, and shards found bad before it were neither reported nor withdrawn; each shard
+    after it waited out the same retries. Those checked are reported, the rest named as not checked,
+    exit 5; a bad one is withdrawn while the store still answers, and nothing more is asked of it
+    once it does not (each look would wait out the retries again, and lose the report)."""
     from layertap.storage import local
     from layertap.storage.store import TransientStoreError
 
@@ -837,20 +840,34 @@ def test_verify_reports_what_it_checked_before_the_store_stopped_answering(tmp_p
     store = open_store(uri)
     _flip(store, 0)
     stuck = decode_commit(store.get(layout.commit_key(2)), "c").data_key
-    real = local.LocalStore.open_stream
+    down = []
 
-    def open_stream(self, key, *a, **kw):
-        if key == stuck:
-            raise TransientStoreError(f"get of {key} failed: SlowDown (tried 8 times)")
-        return real(self, key, *a, **kw)
+    def failing(method):
+        real = getattr(local.LocalStore, method)
 
-    monkeypatch.setattr(local.LocalStore, "open_stream", open_stream)
+        def call(self, key="", *a, **kw):
+            if key == stuck:
+                down.append(key)
+            if down and (outage == "the whole store" or key == stuck):
+                raise TransientStoreError(f"{method} of {key} failed: SlowDown (tried 8 times)")
+            return real(self, key, *a, **kw)
+        return call
+
+    for method in ("open_stream", "get", "put", "delete", "exists", "list", "size"):
+        monkeypatch.setattr(local.LocalStore, method, failing(method))
     capsys.readouterr()
     assert cli(["verify", uri, "--threads", "1"]) == 5
     out, err = capsys.readouterr()
-    assert "WITHDRAWN shard 0: " in out and "verified 2 committed shards: 1 ok, 1 bad" in out, out
-    assert "SlowDown (tried 8 times); 5 committed shard(s) were not checked (2-6): run `layertap verify" in err, err
-    assert not store.exists(layout.commit_key(0)) and store.exists(layout.commit_key(2))
+    assert "verified 2 committed shards: 1 ok, 1 bad" in out, out + err
+    assert "SlowDown (tried 8 times); 5 committed shard(s) were not checked (2-6)" in err, err
+    monkeypatch.undo()
+    if outage == "one object":
+        assert "WITHDRAWN shard 0: " in out and not store.exists(layout.commit_key(0))
+        assert ": run `layertap verify" in err
+    else:
+        assert "BAD shard 0: " in out and "(not withdrawn)" in out and store.exists(layout.commit_key(0))
+        assert ", and bad shard(s) 0 were not withdrawn: run `layertap verify" in err
+    assert store.exists(layout.commit_key(2))
 
 
 def test_verify_stops_on_a_store_failure_instead_of_withdrawing(store_uri, monkeypatch):

@@ -428,6 +428,12 @@ def test_a_record_of_other_dtypes_or_mask_values_than_its_format_is_refused(dama
     want = "its format says 0 or 1" if damage == "mask of 7" else "its format says int32 and uint8"
     with pytest.raises(ShardError, match=f"record 's' holds .*{want}"):
         decode_record(_blob(header, ids[1] + states + mask[1]), meta)
+    if damage == "mask of 7":  # nor does the writer write one (a library caller's mask of weights)
+        from layertap.storage.records import Sample, encode_record
+
+        with pytest.raises(ValueError, match="loss_mask values must be 0 or 1"):
+            encode_record(Sample("s", torch.tensor([5, 1]), torch.tensor([7, 0]), torch.ones(2, 1, 2,
+                                                                                     dtype=torch.bfloat16)), meta)
 
 
 @pytest.mark.parametrize("codec", CODEC_NAMES)

@@ -879,6 +879,10 @@ def test_a_trainer_resubmitted_with_settings_its_checkpoint_refuses_is_refused_b
     capsys.readouterr()
     assert submit("train", "--dry-run", *args, "--steps", "4") == 0
     assert "#SBATCH" in capsys.readouterr().out
+    # --data spelled otherwise than the store names it (the checkpoint holds the store's name): the same run
+    for data in ("run", "./run/", f"{run}/"):
+        assert submit("train", "--dry-run", *args, "--steps", "4", "--data", data) == 0, capsys.readouterr().err
+        assert "#SBATCH" in capsys.readouterr().out
     assert submit("train", "--dry-run", *args, "--steps", "4", "--batch-size", "4") == 2
     err = capsys.readouterr().err
     assert "cannot resume: settings differ from the checkpoint's: batch_size: checkpoint 2, now 4" in err, err

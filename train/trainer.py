@@ -1146,7 +1146,7 @@ def check_resume_settings(state: dict[str, Any], cfg: TrainConfig) -> None:
     """Refuse `cfg` a resume of the checkpoint whose state.json is `state` where their settings differ
     (what `submit train` checks too: a job refused in the queue left its extraction waiting)."""
     saved, now = {**RESUME_DEFAULTS, **state.get("config", {})}, cfg.identity()
-    saved["data"] = _store_uri(saved.get("data"))
+    saved["data"], now["data"] = _store_uri(saved.get("data")), _store_uri(now.get("data"))  # as typed: `submit`'s
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in {**saved, **now}
              if k not in ("steps", "epochs") and saved.get(k) != now.get(k)]
     if diffs:
