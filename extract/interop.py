@@ -41,9 +41,9 @@ from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.errors import ConfigError, InputError, MissingInput, UserError
 from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, ForeignWriter,
                                       foreign_layers, layer_order, printable, reader, unservable_layer, writer)
-from layertap.storage.format import ShardMeta
+from layertap.storage.format import ShardError, ShardMeta, UnsupportedShard
 from layertap.storage.identity import RunConfig
-from layertap.storage.reader import ShardReader
+from layertap.storage.reader import ShardReader, object_xxh3_128
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectNotFound, ObjectStore, TransientStoreError, is_write_probe
 from layertap.storage.units import counted, listing, possessive
@@ -126,6 +126,12 @@ def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], 
                 break
             try:
                 records = ShardReader(run, c.data_key)
+            except UnsupportedShard as e:  # newer, or its version or codec field damaged: its commit's hash tells
+                if object_xxh3_128(run, c.data_key) == c.xxh3_128:
+                    raise
+                raise ShardError(f"{e}; but the object's hash differs from its commit's: it is corrupt, not newer. "
+                                 f"Run `layertap verify {run.uri}` (it withdraws it), then `layertap extract` again "
+                                 "to redo it") from None
             except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn (and redone) since listed
                 if not run.exists(layout.consumed_marker_key(c.shard)) and _still_names(run, c.shard, c.data_key):
                     raise InputError(  # lost: an export without it would pass for the whole run

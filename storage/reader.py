@@ -301,7 +301,7 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
                             sample_ids=tuple(r["sample_id"] for r in found))
     except UnsupportedShard as e:
         # Newer than this reader, or a corrupted version or codec field: the object's hash tells.
-        if expected_xxh3_128 is None or _object_xxh3_128(store, key) == expected_xxh3_128:
+        if expected_xxh3_128 is None or object_xxh3_128(store, key) == expected_xxh3_128:
             raise
         return VerifyReport(key, False, records, 0, size, "", f"{e}; but the object's hash differs from its "
                             "commit's: it is corrupt, not newer")
@@ -312,7 +312,9 @@ def verify_shard(store: ObjectStore, key: str, expected_xxh3_128: str | None = N
         return VerifyReport(key, False, records, 0, size, whole.hexdigest(), msg)
 
 
-def _object_xxh3_128(store: ObjectStore, key: str) -> str:
+def object_xxh3_128(store: ObjectStore, key: str) -> str:
+    """The whole object's hash, as a commit records it: what tells a damaged version or codec field
+    from a newer layertap's shard (`UnsupportedShard`)."""
     h = xxhash.xxh3_128()
     with store.open_stream(key) as raw:
         while chunk := raw.read(8 << 20):

@@ -190,6 +190,20 @@ def test_an_export_into_a_store_that_stops_answering_exits_5(prenorm_run, tmp_pa
     assert "removing what it wrote failed too" in err and "remove rows_0-2000/data_0.ckpt" in err, err
 
 
+def test_an_export_meeting_a_damaged_version_field_says_corrupt_not_upgrade(prenorm_run, tmp_path, capsys):
+    """A flipped byte in a shard's version field (no frame hash covers the preamble): export said
+    "shard format version ... is not supported ... upgrade layertap". Its commit's hash tells."""
+    run = tmp_path / "run"
+    shutil.copytree(prenorm_run, run)
+    second = shard_files(str(run))[1]
+    data = bytearray(second.read_bytes())
+    data[len(b"LTSHARD\x00") + 2] ^= 0xFF
+    second.write_bytes(bytes(data))
+    assert cli(["export", str(run), "--to", "specforge", str(tmp_path / "sf")]) == 2
+    err = capsys.readouterr().err
+    assert "it is corrupt, not newer. Run `layertap verify" in err and "upgrade layertap" in err, err
+
+
 # 4. ModelOpt file names
 
 def test_modelopt_file_names_never_overwrite_another_sample(target, tmp_path):
