@@ -36,7 +36,8 @@ from layertap.manifests.commit_index import read_commits
 from layertap.manifests.manifest import (DEFAULT_SHARD_BYTES, Manifest, create_or_resume, header_mismatch,
                                          load_manifest)
 from layertap.manifests.preemption import Preempted, StopSignals
-from layertap.manifests.records import Producer, decode_commit
+from layertap.manifests.records import Producer
+from layertap.manifests.status import still_committed
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.errors import ConfigError, InputError, MissingInput, UserError
 from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, ForeignWriter,
@@ -133,7 +134,7 @@ def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], 
                                  f"Run `layertap verify {run.uri}` (it withdraws it), then `layertap extract` again "
                                  "to redo it") from None
             except ObjectNotFound:  # consumed by a --delete-consumed trainer, or withdrawn (and redone) since listed
-                if not run.exists(layout.consumed_marker_key(c.shard)) and _still_names(run, c.shard, c.data_key):
+                if not run.exists(layout.consumed_marker_key(c.shard)) and still_committed(run, c.shard, c.data_key):
                     raise InputError(  # lost: an export without it would pass for the whole run
                         f"committed shard {c.shard}'s data ({run.uri.rstrip('/')}/{c.data_key}) is missing, and no "
                         f"trainer consumed it: run `layertap verify {run.uri}` (it withdraws the shard), then "
@@ -156,15 +157,6 @@ def _write_samples(run: ObjectStore, commits: list, fmt: str, order: list[int], 
                 bar.update(1)
     out.close()
     return written, sources, gone
-
-
-def _still_names(run: ObjectStore, shard: int, data_key: str) -> bool:
-    """Whether the shard's commit still names `data_key` (withdrawn, or redone into another object,
-    since the export listed it: not lost)."""
-    try:
-        return decode_commit(run.get(layout.commit_key(shard)), layout.commit_key(shard)).data_key == data_key
-    except ObjectNotFound:
-        return False
 
 
 class ExportFailed(UserError):

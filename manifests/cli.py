@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -74,7 +75,7 @@ def run_status(args: argparse.Namespace) -> int:
             from layertap.manifests.manifest import refuse_leftovers
 
             refuse_leftovers(store)  # a run's records without its manifest: a delete while a worker still wrote
-            if jobs := _slurm_jobs(store):  # submitted, its first task not yet at work: work to come, not an error
+            if jobs := _slurm_jobs(store.uri):  # submitted, its first task not yet at work: work to come, not an error
                 coming = {"prefix": store.uri, "complete": False, "slurm_jobs": [t.job for t in jobs]}
                 print(json.dumps(coming, indent=2) if args.json else _coming(store.uri, jobs))
                 return EXIT_INCOMPLETE
@@ -88,21 +89,22 @@ def run_status(args: argparse.Namespace) -> int:
                   + (f" (`layertap status {data} --shards`: the run it trained on)" if data else ""), file=sys.stderr)
         if r is not None:
             if not r["complete"] and not r["tasks_running"]:
-                r["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "regenerate"]
+                r["slurm_jobs"] = [t.job for t in _slurm_jobs(store.uri) if t.kind == "regenerate"]
             print(json.dumps(r, indent=2) if args.json else format_regeneration(r))
             return EXIT_COMPLETE if r["complete"] else EXIT_INCOMPLETE
         if not t["complete"] and t["trainer"] is None:  # stopped: a Slurm job of it queued again resumes it
-            t["slurm_jobs"] = [j.job for j in _slurm_jobs(store) if j.kind == "train"]
+            t["slurm_jobs"] = [j.job for j in _slurm_jobs(store.uri) if j.kind == "train"]
         print(json.dumps(t, indent=2) if args.json else format_training(t))
         return EXIT_COMPLETE if t["complete"] else EXIT_INCOMPLETE
+    queue = functools.cache(_squeue)  # asked once, where one of the looks below needs it
     if s.get("waiting_tasks"):
-        _without_dead_tasks(s)
+        _without_dead_tasks(s, queue())
     if not s["complete"] and s["shards_running"] == s.get("shards_running_exited_here", 0):  # none at work
-        s["slurm_jobs"] = [t.job for t in _slurm_jobs(store) if t.kind == "extract"]
+        s["slurm_jobs"] = [t.job for t in _slurm_jobs(store.uri, queue()) if t.kind == "extract"]
     # the --window run's --delete-consumed trainer: "running", "stopped", "finished" or "none" (null: no window)
     s["deleting_trainer"] = _deleting(store, s)
     if s["deleting_trainer"] == "stopped" and not s["complete"]:  # requeued (preempted, time limit) or resubmitted
-        s["trainer_jobs"] = _trainer_jobs(store)
+        s["trainer_jobs"] = _trainer_jobs(store, queue())
     if s["deleting_trainer"] == "stopped" and s.get("stalled") is None and not s["complete"]:
         # its STALLED report however old: a trainer that gave up on a stall renews it no more, and the advice
         # to start the same commands again stalls them again
@@ -119,26 +121,26 @@ def run_status(args: argparse.Namespace) -> int:
         and not s.get("workers_waiting") and not s.get("slurm_jobs") else EXIT_INCOMPLETE
 
 
-def _trainer_jobs(store) -> list[str]:
-    """The Slurm training jobs queued or running (squeue) for the output of the run's --delete-consumed
-    trainer: one queued again resumes it, and the advice to start it by hand started a second."""
+def _trainer_jobs(store, listing: str | None) -> list[str]:
+    """The Slurm training jobs queued or running (squeue's `listing`) for the output of the run's
+    --delete-consumed trainer: one queued again resumes it, and the advice to start it by hand
+    started a second."""
     from layertap.manifests.consumption import consumer_of
     from layertap.manifests.manifest import ManifestError
-    from layertap.slurm.queued import jobs_naming
 
     try:
         output = consumer_of(store)
     except ManifestError:
         return []
-    return [j.job for j in jobs_naming(output, quiet=True) if j.kind == "train" and j.starts] if output else []
+    return [j.job for j in _slurm_jobs(output, listing) if j.kind == "train"] if output else []
 
 
-def _without_dead_tasks(s: dict) -> None:
-    """Leave out of `workers_waiting` the Slurm tasks squeue no longer shows (killed while they waited:
-    their records outlive them by minutes), where squeue is here; as `submit extract` counts them."""
-    from layertap.slurm.queued import listed_jobs, squeue_listing
+def _without_dead_tasks(s: dict, listing: str | None) -> None:
+    """Leave out of `workers_waiting` the Slurm tasks squeue's `listing` no longer shows (killed while
+    they waited: their records outlive them by minutes), where squeue is here (`listing` not None);
+    as `submit extract` counts them."""
+    from layertap.slurm.queued import listed_jobs
 
-    listing = squeue_listing(level=logging.DEBUG)
     if listing is not None:
         alive = listed_jobs(listing)
         gone = [t for t in s["waiting_tasks"] if t not in alive]
@@ -146,14 +148,22 @@ def _without_dead_tasks(s: dict) -> None:
         s["waiting_tasks"] = [t for t in s["waiting_tasks"] if t in alive]
 
 
-def _slurm_jobs(store) -> list:
-    """The Slurm jobs of `layertap submit` queued or running for the prefix that will start
-    (squeue's, where this host has it; `slurm.queued.jobs_naming`, the one place that reads their
-    comments): a run with none of its shards running may still have tasks coming, and a rerun by
-    hand beside them started a second extractor."""
+def _squeue() -> str | None:
+    """squeue's listing for `status` (None where squeue is not here, or fails: said at debug level)."""
+    from layertap.slurm.queued import squeue_listing
+
+    return squeue_listing("Slurm jobs queued for it are not looked for", logging.DEBUG)
+
+
+def _slurm_jobs(uri: str, listing: str | None = None) -> list:
+    """The Slurm jobs of `layertap submit` queued or running for the prefix at `uri` that will start
+    (of squeue's `listing`, asked now where not given; `slurm.queued.jobs_naming`, the one place that
+    reads their comments): a run with none of its shards running may still have tasks coming, and a
+    rerun by hand beside them started a second extractor."""
     from layertap.slurm.queued import jobs_naming
 
-    return [t for t in jobs_naming(store.uri, quiet=True) if t.starts]
+    listing = (_squeue() or "") if listing is None else listing
+    return [t for t in jobs_naming(uri, listing) if t.starts]
 
 
 def _coming(uri: str, jobs: list) -> str:
@@ -569,8 +579,9 @@ def format_training(t: dict) -> str:
     elif t.get("checkpoint_incomplete"):
         lines.append("  drafter     not exported yet: training stopped, and its checkpoint is incomplete (above)")
     elif t.get("slurm_jobs"):
-        lines.append(f"  drafter     not exported yet: training stopped, and Slurm job(s) {listing(t['slurm_jobs'], 10)} "
-                     "for this output are queued or running (squeue): training goes on when it starts")
+        lines.append("  drafter     not exported yet: training stopped, and Slurm job(s) "
+                     f"{listing(t['slurm_jobs'], 10)} for this output are queued or running (squeue): training goes "
+                     "on when it starts")
     elif not t["checkpoint"]:
         lines.append("  drafter     not exported yet: training stopped before its first checkpoint (killed, or it "
                      "failed: its log says why); the same `layertap train` command starts it again")

@@ -447,10 +447,10 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
     consumed = consumed_shards(store)
     feed = _FeedKeys(store)
 
-    halted = threading.Event()  # the store failed past its retries: the shards not yet read are left unchecked
+    lock = threading.Lock()
 
     def check(shard: int) -> tuple[int, str | None, str | None]:
-        if halted.is_set():
+        if result.failure is not None:  # the store failed past its retries: the shards not yet read are unchecked
             return shard, UNCHECKED, None
         try:
             return checked_one(shard)
@@ -461,7 +461,6 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
     def fail(e: StoreError) -> None:
         with lock:
             result.failure = result.failure or e
-        halted.set()
 
     def checked_one(shard: int) -> tuple[int, str | None, str | None]:
         ckey = layout.commit_key(shard)
@@ -514,7 +513,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
             progress(1)
         return done
 
-    result.consumed, lock = len(st.committed & consumed), threading.Lock()
+    result.consumed = len(st.committed & consumed)
     with ThreadPoolExecutor(threads) as pool:  # every shard checked before any is withdrawn: a shard of another
         checked = list(pool.map(counted, sorted(st.committed - consumed)))  # run raises while nothing was
     stopped: list[StoreError] = []  # a write-phase call failed past its retries: nothing more is asked of the store
@@ -580,9 +579,9 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
 
 def _still_committed_or_fail(store: ObjectStore, shard: int, data_key: str | None,
                              fail: Callable[[StoreError], None]) -> bool:
-    """`_still_committed`, with a store failing past its retries said (`fail`) and answered False."""
+    """`still_committed`, with a store failing past its retries said (`fail`) and answered False."""
     try:
-        return _still_committed(store, shard, data_key)
+        return still_committed(store, shard, data_key)
     except TransientStoreError as e:
         fail(e)
         return False
@@ -619,15 +618,16 @@ def _settle_tally(store: ObjectStore, keys: list[str], commit: CommitRecord) -> 
     want = _commit_tally(commit)
     numbers = layout.parse_tally(want)
     kept = [k for k in keys if layout.parse_tally(k) == numbers][:1]  # an older marker without `.c` may match
-    if not kept and _still_committed(store, commit.shard, commit.data_key):  # not withdrawn and redone meanwhile
+    if not kept and still_committed(store, commit.shard, commit.data_key):  # not withdrawn and redone meanwhile
         store.put(want, b"")
     store.delete_many([k for k in keys if k not in kept])
 
 
-def _still_committed(store: ObjectStore, shard: int, data_key: str | None) -> bool:
-    """Whether the shard's commit is still the one found bad (`data_key`; None: unreadable). Another
+def still_committed(store: ObjectStore, shard: int, data_key: str | None) -> bool:
+    """Whether the shard's commit is still the one read before (`data_key`; None: unreadable). Another
     verify may have withdrawn it meanwhile, and an extraction committed the shard anew: that
-    commit, its tally and its data must not be withdrawn in its place."""
+    commit, its tally and its data must not be withdrawn in its place (nor, by `export`, its
+    missing object taken for lost)."""
     key = layout.commit_key(shard)
     try:
         return decode_commit(store.get(key), key).data_key == data_key
