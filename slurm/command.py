@@ -849,12 +849,12 @@ def _check_resumable_here(out, cfg) -> None:
     """A job resumes --out's latest checkpoint (its script passes --resume): settings that differ from
     it are refused here, as the job would refuse them in the queue (its extraction array, started
     beside it, then filled its window and waited for good)."""
-    from layertap.manifests.train_output import EXPORT_CONFIG, LATEST
+    from layertap.manifests.train_output import EXPORT_CONFIG
 
-    if not out.exists(LATEST) and next(iter(out.list("checkpoints/")), None) is None:
-        return  # a fresh output (the usual case): torch not imported
-    if out.exists(EXPORT_CONFIG):
-        return  # complete: nothing is submitted (`_no_trainer_needed` says so)
+    # a fresh output (the usual case: torch not imported), or a complete one (nothing is submitted:
+    # `_no_trainer_needed` says so); checkpoints/ holds latest.json too
+    if next(iter(out.list("checkpoints/")), None) is None or out.exists(EXPORT_CONFIG):
+        return
     from layertap.train.checkpoint import load_latest
     from layertap.train.trainer import check_resume_settings
 

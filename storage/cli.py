@@ -34,9 +34,9 @@ def _committed_hash(root: str, key: str) -> str | None:
     found = re.fullmatch(r"(.+)/(shards/(\d{6})-[^/]+)", f"{root.rstrip('/')}/{key}")
     if found is None:
         return None
-    run = open_store(found[1])
+    run, commit_key = open_store(found[1]), layout.commit_key(int(found[3]))
     try:
-        commit = decode_commit(run.get(layout.commit_key(int(found[3]))), layout.commit_key(int(found[3])))
+        commit = decode_commit(run.get(commit_key), commit_key)
     except Exception:  # noqa: BLE001 - none, or unreadable: the shard is inspected on its own
         return None
     return commit.xxh3_128 if commit.data_key == found[2] else None
