@@ -103,7 +103,7 @@ def run_status(args: argparse.Namespace) -> int:
         s["slurm_jobs"] = [t.job for t in _slurm_jobs(store.uri, queue()) if t.kind == "extract"]
     # the --window run's --delete-consumed trainer: "running", "stopped", "finished" or "none" (null: no window)
     s["deleting_trainer"] = _deleting(store, s)
-    if s["deleting_trainer"] == "stopped" and not s["complete"]:  # requeued (preempted, time limit) or resubmitted
+    if s["deleting_trainer"] in ("none", "stopped") and not s["complete"]:  # queued, or requeued or resubmitted
         s["trainer_jobs"] = _trainer_jobs(store, queue())
     if s["deleting_trainer"] == "stopped" and s.get("stalled") is None and not s["complete"]:
         # its STALLED report however old: a trainer that gave up on a stall renews it no more, and the advice
@@ -122,17 +122,22 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def _trainer_jobs(store, listing: str | None) -> list[str]:
-    """The Slurm training jobs queued or running (squeue's `listing`) for the output of the run's
-    --delete-consumed trainer: one queued again resumes it, and the advice to start it by hand
+    """The Slurm training jobs queued or running (squeue's `listing`) that will consume the run: those
+    for the output of its --delete-consumed trainer (one queued again resumes it), and those whose tag
+    names the run (a trainer not started yet has not claimed it). The advice to start one by hand
     started a second."""
     from layertap.manifests.consumption import consumer_of
     from layertap.manifests.manifest import ManifestError
+    from layertap.slurm.queued import consuming_trainers, store_location
 
+    if listing is None:
+        return []
     try:
         output = consumer_of(store)
     except ManifestError:
-        return []
-    return [j.job for j in _slurm_jobs(output, listing) if j.kind == "train"] if output else []
+        output = None
+    jobs = [j.job for j in _slurm_jobs(output, listing) if j.kind == "train"] if output else []
+    return sorted({*jobs, *consuming_trainers(store_location(store.uri), listing)})
 
 
 def _without_dead_tasks(s: dict, listing: str | None) -> None:
@@ -360,7 +365,11 @@ def format_status(s: dict, deleting: str | None = None, rerun: str | None = None
         lines.append(f"  window   {size(rest)} at rest of a {size(window)} --window"
                      + (": full, extraction waits for training to consume" if rest >= window and not s["complete"]
                         else ""))
-        if deleting == "none" and not s["complete"]:
+        if deleting == "none" and not s["complete"] and s.get("trainer_jobs"):
+            lines.append(f"  THE TRAINER IS QUEUED: no --delete-consumed trainer has claimed this run yet, and Slurm "
+                         f"job(s) {listing(s['trainer_jobs'], 10)} that consume it are queued or running (squeue): the "
+                         "trainer claims the run as it starts, and the window opens as it consumes; start no other")
+        elif deleting == "none" and not s["complete"]:
             lines.append("  NO TRAINER DELETES: no `layertap train --delete-consumed` has claimed this run, so nothing "
                          "trained on is deleted and a full window never opens: restart the trainer with "
                          "--delete-consumed (--resume continues it), or extract without --window")

@@ -586,8 +586,9 @@ class WindowGate:
             return
         if state == "none":
             log.warning("no `layertap train --delete-consumed` has claimed this run: nothing trained on is deleted, so "
-                        "the window opens only once one does (start the trainer with --follow --delete-consumed, or "
-                        "restart the extraction without --window)")
+                        "the window opens only once one does (a trainer job still queued claims it as it starts: "
+                        "`layertap status` of the run names one; else start the trainer with --follow "
+                        "--delete-consumed, or restart the extraction without --window)")
         elif state == "finished":
             log.warning("the run's --delete-consumed trainer has finished (its drafter is exported to %s): nothing "
                         "consumes what this extraction adds, so the window does not open; train on the rest with "

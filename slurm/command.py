@@ -699,7 +699,7 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     topts = _train_options(args, gpus, train_cfg, nodes, job_name="layertap-train")
     if follow and extraction.window is not None:
         _check_window(extraction, train_cfg, args.train_nodes * topts.procs)
-    tag = training_tag(where, train_cfg.follow, train_cfg.delete_consumed)
+    tag = training_tag(where, train_cfg.follow, train_cfg.delete_consumed, store_location(train_cfg.data))
     return (topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions),
                                 tag)), queued, None
 
@@ -901,7 +901,7 @@ def _submit_train(args: argparse.Namespace) -> int:
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions),
-                          training_tag(where, cfg.follow, cfg.delete_consumed))
+                          training_tag(where, cfg.follow, cfg.delete_consumed, store_location(cfg.data)))
     if args.dry_run:
         _show(f"{opts.job_name}.sbatch", dependency_options(args.after), script)
         return 0

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import subprocess
+from urllib.parse import quote, unquote
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -39,7 +40,9 @@ T = TypeVar("T")
 
 _TAG = re.compile(r"layertap-extract k=(\d+) shards=(\S+) out=(.+)")
 _REGENERATION_TAG = re.compile(r"layertap-regenerate tasks=(\d+) out=(.+)")
-_TRAINING_TAG = re.compile(r"layertap-train follow=([01]) delete=([01]) out=(.+)")
+# data= (percent-encoded: no space) names the run a --delete-consumed trainer consumes, which `status`
+# of the run reads before the trainer claims it; absent from the tags of layertap before 2026-12
+_TRAINING_TAG = re.compile(r"layertap-train follow=([01]) delete=([01])(?: data=(\S+))? out=(.+)")
 
 
 SQUEUE_TIMEOUT_S = 30.0  # squeue waits this long at most: past it, the command goes on without the queue
@@ -251,10 +254,12 @@ class QueuedTrainer:
     deletes: bool  # --delete-consumed: opens a --window extraction waits on
 
 
-def training_tag(location: str, follow: bool, deletes: bool) -> str | None:
-    """The comment a training job carries: its output (`location`, one text per store place) and
-    its kind; None where too long for Slurm."""
-    text = f"layertap-train follow={int(follow)} delete={int(deletes)} out={location}"
+def training_tag(location: str, follow: bool, deletes: bool, data: str | None = None) -> str | None:
+    """The comment a training job carries: its output (`location`, one text per store place), its
+    kind and, for a --delete-consumed trainer, the run it consumes (`data`, a `store_location`);
+    None where too long for Slurm."""
+    named = f" data={quote(data, safe='/:')}" if deletes and data else ""
+    text = f"layertap-train follow={int(follow)} delete={int(deletes)}{named} out={location}"
     return text if len(text) <= MAX_TAG else None
 
 
@@ -264,8 +269,16 @@ def queued_training(location: str, listing: str | None = None) -> list[QueuedTra
     beside one still waiting for its extraction."""
     tagged = [(t, QueuedTrainer(t.job, m[1] == "1", m[2] == "1"))
               for t in _listed(_pending() if listing is None else listing)
-              if (m := _TRAINING_TAG.fullmatch(t.comment)) is not None and m[3] == location]
+              if (m := _TRAINING_TAG.fullmatch(t.comment)) is not None and m[4] == location]
     return _will_start(tagged, f"the training output at {location}")
+
+
+def consuming_trainers(run: str, listing: str) -> list[str]:
+    """The --delete-consumed training jobs of squeue's `listing` that will start and consume the run
+    at `run` (a `store_location`; their tag's data=): queued, or started and not yet claimed, they
+    are the trainer a --window run waits on, though the run names no consumer yet."""
+    return [t.job for t in _listed(listing) if _starts(t) and (m := _TRAINING_TAG.fullmatch(t.comment)) is not None
+            and m[2] == "1" and m[3] is not None and unquote(m[3]) == run]
 
 
 def store_location(uri: str) -> str:

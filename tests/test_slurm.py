@@ -492,6 +492,43 @@ def test_a_queued_trainer_is_named_not_started_again_by_hand(tmp_path, capsys, m
         in capsys.readouterr().out
 
 
+def test_a_trainer_queued_before_its_claim_is_named_by_the_run(tmp_path, capsys, monkeypatch):
+    """`submit extract --train-while-extracting --window` queues the trainer, whose job may wait for
+    nodes while the array fills the window: the run names no consumer until the trainer starts, and
+    `status` said NO TRAINER DELETES, restart the trainer (a second one beside the queued job). The
+    trainer's Slurm comment names the run it consumes (data=, a path with a space kept whole), and
+    `status` of the run names the job."""
+    import fake_worker
+
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+    fake_squeue(bin_, [])
+    run = str(tmp_path / "the run")
+    assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "0", "--out", run, "--window", "1GB",
+                  "--train-while-extracting", "--model m --out d --delete-consumed") == 0
+    script = dry_run_scripts(capsys.readouterr().out)["layertap-train"]
+    comment = next(line.split("--comment=", 1)[1] for line in script.splitlines() if "--comment=" in line)
+    comment = shlex.split(comment)[0] if comment.startswith(("'", '"')) else comment
+    fake_worker.work(run, shards=[0, 1])
+    open_store(run).put(layout.CONSUMED_WINDOW, json.dumps({"window": 1000, "time": time.time()}).encode())
+    assert cli(["status", run]) == 3
+    assert "NO TRAINER DELETES" in capsys.readouterr().out  # no job queued: start one
+    fake_squeue(bin_, [("93", "PENDING", "Resources", comment)])
+    assert cli(["status", run]) == 3
+    said = capsys.readouterr().out
+    assert "THE TRAINER IS QUEUED: no --delete-consumed trainer has claimed this run yet, and Slurm job(s) 93 " \
+        "that consume it are queued or running (squeue)" in said and "NO TRAINER DELETES" not in said, said
+    assert cli(["status", run, "--json"]) == 3 and json.loads(capsys.readouterr().out)["trainer_jobs"] == ["93"]
+    # a trainer of another run, or one that does not delete, opens no window of this one
+    others = [("94", "PENDING", "Resources", comment.replace("the%20run", "other")),
+              ("95", "RUNNING", "None", comment.replace("delete=1", "delete=0"))]
+    fake_squeue(bin_, others)
+    assert cli(["status", run]) == 3
+    assert "NO TRAINER DELETES" in capsys.readouterr().out
+
+
 def test_a_shard_under_the_live_lease_of_a_job_gone_from_squeue_is_submitted(tmp_path, capsys, monkeypatch):
     """Job 70 was cancelled (or killed) with its lease on shard 2 not yet stale: `submit` took the
     shard for running and left it to no one ("nothing to submit: shards 2 are running under live
