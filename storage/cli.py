@@ -7,6 +7,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import posixpath
 import re
 from dataclasses import asdict
@@ -31,6 +32,8 @@ def _committed_hash(root: str, key: str) -> str | None:
     from layertap.manifests.records import decode_commit
     from layertap.storage.store import open_store
 
+    if "://" not in root:  # a local path: `shards/...` given from inside the run names no run above it
+        root = os.path.abspath(os.path.expanduser(root))
     found = re.fullmatch(r"(.+)/(shards/(\d{6})-[^/]+)", f"{root.rstrip('/')}/{key}")
     if found is None:
         return None

@@ -320,7 +320,7 @@ def test_version(layertap_script):
     assert p.returncode == 0 and p.stdout == f"layertap {version('layertap')}\n"
 
 
-def test_a_committed_shard_whose_version_field_is_damaged_is_corrupt_not_newer(tmp_path, capsys):
+def test_a_committed_shard_whose_version_field_is_damaged_is_corrupt_not_newer(tmp_path, capsys, monkeypatch):
     """A flipped byte in the preamble's version field (no frame hash covers it): `inspect` said "shard
     format version 16711681 is not supported ... upgrade layertap" (exit 2). Under a run, the commit's
     object hash tells a damaged shard from a newer layertap's, as `verify` tells them."""
@@ -344,6 +344,9 @@ def test_a_committed_shard_whose_version_field_is_damaged_is_corrupt_not_newer(t
     assert main(["inspect", f"{run}/{key}"]) == 1
     out = capsys.readouterr().out
     assert "CORRUPT" in out and "it is corrupt, not newer" in out, out
+    monkeypatch.chdir(run)  # the shard named from inside its run: its commit is found all the same
+    assert main(["inspect", key]) == 1
+    assert "it is corrupt, not newer" in capsys.readouterr().out
     store.put("loose.lts", bytes(data))  # no commit names it: a newer layertap's, or corrupt, cannot be told
     assert main(["inspect", f"{run}/loose.lts"]) == 2
     assert "upgrade layertap to read it" in capsys.readouterr().err
