@@ -141,8 +141,8 @@ def _add_slurm_options(p: argparse.ArgumentParser, job_name: str) -> None:
     g.add_argument("--procs-per-node", type=int, help="worker processes per node (default: one per GPU, else 1)")
     g.add_argument("--cpus-per-task", type=int,
                    help="CPUs of each node's task (default: sized from the job: extract, per worker, its encode "
-                        "threads (8 at most) + 2; train, per rank, 4 + 4 per DataLoader process: --num-workers, "
-                        "at least 1, as with 0 the rank loads itself; at most a node's)")
+                        "threads (--encode-threads, default 8) + 2; train, per rank, 4 + 4 per DataLoader process: "
+                        "--num-workers, at least 1, as with 0 the rank loads itself; at most a node's)")
     g.add_argument("--mem", help="memory per node, Slurm's units (G = GiB), e.g. 200G; 0 = all of the node's; "
                                  "none = ask for none (the site's default). Default: sized from the job (docs/SLURM.md)")
     g.add_argument("--job-name", default=job_name, help=f"(default {job_name})")

@@ -1,7 +1,7 @@
 """The CPUs and memory a job asks for, sized from what its workers run, unless given.
 
 Per worker process (one per GPU, or one on CPU):
-- extraction: its encode threads (`--encode-threads`, default 8 at most) + 2 (the forward's
+- extraction: its encode threads (`--encode-threads`, default 8) + 2 (the forward's
   thread, the writer and S3 client); 16 GiB (the CUDA context, pinned staging, the encode queue,
   upload parts), plus for a GGUF target 8x the file (dequantized in host memory, fp32 on the
   way), and once per node the safetensors weights (read through the page cache, which Slurm's

@@ -119,6 +119,19 @@ def test_flex_attention_block_mask_equals_the_dense_mask():
     assert torch.allclose(d(states, anchors, tokens), dense, atol=1e-5)
 
 
+def test_the_attention_path_follows_the_tensors_device_not_the_host(monkeypatch):
+    """A drafter built on a CUDA host took the flex path for good: `eval --device cpu` there ran
+    flex-attention on CPU (eager, no backward). The path follows each forward's tensors."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, tensors on CPU
+    head = toy_head()
+    torch.manual_seed(0)
+    d = DFlashDrafter(default_config(head, [1, 2], mask_token_id=49, block_size=4), head)
+    states = torch.randn(2, 20, 2, 32)
+    anchors, tokens = torch.tensor([[5, 12, 0], [3, 9, 17]]), torch.tensor([[3, 4, 5], [6, 7, 8]])
+    d(states, anchors, tokens).square().mean().backward()  # flex on CPU: no backward
+    assert d.layers[0].q_proj.weight.grad is not None
+
+
 @torch.no_grad()
 def test_context_under_autocast_skips_the_fp32_copy_and_matches():
     """Under autocast the stored bf16 states go to fc as they are (no fp32 temporary); the result is

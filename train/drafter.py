@@ -239,7 +239,8 @@ class DFlashDrafter(nn.Module):
                                                                  requires_grad=False)
         # "sdpa": a dense boolean mask (CPU, small shapes); "flex": flex-attention block masks,
         # compiled on GPU, where the dense mask of a 4K-token, 512-anchor sample would not fit.
-        self.attention = "flex" if torch.cuda.is_available() else "sdpa"
+        # None: by the device of each forward's tensors (a CUDA host's `eval --device cpu` runs on CPU)
+        self.attention: str | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -319,7 +320,8 @@ class DFlashDrafter(nn.Module):
         offsets = torch.arange(bs, device=device)
         q_pos = (anchors[:, :, None] + offsets).reshape(b, a * bs)
         kv_pos = torch.cat((torch.arange(t, device=device).expand(b, t), q_pos), dim=1)
-        mask = (self._block_mask if self.attention == "flex" else self._dense_mask)(anchors, t)
+        flex = (self.attention or ("flex" if device.type == "cuda" else "sdpa")) == "flex"
+        mask = (self._block_mask if flex else self._dense_mask)(anchors, t)
         x = self.block_inputs(anchor_tokens).to(context.dtype)
         for layer in self.layers:
             x = layer(x, context, q_pos, kv_pos, mask)
