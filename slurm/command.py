@@ -15,7 +15,7 @@ import os
 import re
 import shlex
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from layertap.slurm.queued import store_location
 from layertap.storage.errors import ConfigError
@@ -690,8 +690,10 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     if extra:
         raise ConfigError(f"{flag} {given!r}: `layertap train` does not take {' '.join(extra)}")
     _read_the_extraction(targs, extraction, f"{flag} {given!r}")
-    train_cfg = _follow_the_extraction(targs, extraction, given) if follow else \
-        _train_config(targs, f"{flag} {given!r}: ")
+    _fits_the_partition("--train-nodes", args.train_nodes, nodes)
+    ranks = _Ranks("--train-nodes", args.train_nodes, args.procs_per_node or max(gpus, 1))
+    train_cfg = _follow_the_extraction(targs, extraction, given, ranks) if follow else \
+        _train_config(targs, f"{flag} {given!r}: ", ranks)
     where = store_location(train_cfg.out)
     queued = queued_training(where, listing or "")
     if (why := _no_trainer_needed(train_cfg, queued)) is not None:
@@ -811,12 +813,12 @@ def _largest_planned_shard(cfg) -> int | None:
         return None
 
 
-def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
+def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str, ranks: _Ranks):
     """`--train-while-extracting`'s trainer: --follow, and, when the extraction holds to a
     --window, --delete-consumed (else the window never opens again and the extraction waits
     forever). Checked as `layertap train` will check it; its settings."""
     targs.follow = True
-    train_cfg = _train_config(targs, f"--train-while-extracting {given!r}: ")
+    train_cfg = _train_config(targs, f"--train-while-extracting {given!r}: ", ranks)
     if cfg.window is not None and not train_cfg.delete_consumed:
         raise ConfigError(f"--window with --train-while-extracting {given!r}: the trainer must delete what it has "
                           "consumed, or the window never opens again and the extraction waits forever; add "
@@ -824,10 +826,28 @@ def _follow_the_extraction(targs: argparse.Namespace, cfg, given: str):
     return train_cfg
 
 
-def _train_config(targs: argparse.Namespace, context: str = ""):
+class _Ranks(NamedTuple):
+    """A training job's processes: `nodes` (given as `flag`) x `procs` per node."""
+    flag: str
+    nodes: int
+    procs: int
+
+
+def _fits_the_partition(flag: str, nodes: int, shapes: list[NodeShape]) -> None:
+    """A training job runs on all of its nodes at once: one asking more than its partition has (sinfo)
+    waited in the queue for good (PartitionConfig), and a resubmission was told it was queued."""
+    counts = [s.nodes for s in shapes]
+    if shapes and None not in counts and nodes > max(counts):
+        have = ", ".join(f"partition {s.partition} has {s.nodes}" for s in shapes)
+        raise ConfigError(f"{flag} {nodes}: {have} node(s) in all (sinfo), and a training job runs on all of its "
+                          f"nodes at once: it would wait in the queue for good; give {flag} {max(counts)} or fewer")
+
+
+def _train_config(targs: argparse.Namespace, context: str = "", ranks: _Ranks | None = None):
     """The trainer's settings, checked now as `layertap train` will check them in the job: a bad
     one fails here, not in the queue after the extraction it waits for. `context` prefixes the
-    error (which of this command's flags holds the arguments)."""
+    error (which of this command's flags holds the arguments); `ranks`: the job's processes, which
+    a resumed checkpoint must have been written by."""
     from layertap.manifests.train_output import check_apart
     from layertap.storage.store import StoreError, open_configured_store
     from layertap.train.config import load_train_config
@@ -837,7 +857,7 @@ def _train_config(targs: argparse.Namespace, context: str = ""):
         out = open_configured_store(cfg.out, cfg.s3)
         if cfg.data is not None:  # an --out that holds a run, or overlaps it: refused by the job, in the queue
             check_apart(out, open_configured_store(cfg.data, cfg.s3))
-        _check_resumable_here(out, cfg)
+        _check_resumable_here(out, cfg, ranks)
     except ConfigError as e:
         raise ConfigError(f"{context}{e}") from None
     except StoreError as e:
@@ -845,10 +865,10 @@ def _train_config(targs: argparse.Namespace, context: str = ""):
     return cfg
 
 
-def _check_resumable_here(out, cfg) -> None:
+def _check_resumable_here(out, cfg, ranks: _Ranks | None) -> None:
     """A job resumes --out's latest checkpoint (its script passes --resume): settings that differ from
-    it are refused here, as the job would refuse them in the queue (its extraction array, started
-    beside it, then filled its window and waited for good)."""
+    it, or another number of processes (`ranks`), are refused here, as the job would refuse them in the
+    queue (its extraction array, started beside it, then filled its window and waited for good)."""
     from layertap.manifests.train_output import EXPORT_CONFIG
 
     # a fresh output (the usual case: torch not imported), or a complete one (nothing is submitted:
@@ -859,8 +879,15 @@ def _check_resumable_here(out, cfg) -> None:
     from layertap.train.trainer import check_resume_settings
 
     ckpt = load_latest(out, tensors=False)
-    if ckpt is not None:
-        check_resume_settings(ckpt.state, cfg)
+    if ckpt is None:
+        return
+    check_resume_settings(ckpt.state, cfg)
+    world = ckpt.state.get("world_size")
+    if ranks is not None and world != ranks.nodes * ranks.procs:
+        raise ConfigError(f"--out {cfg.out} holds a checkpoint written by {world} process(es), which the job "
+                          f"resumes, and it would run {ranks.nodes * ranks.procs} ({ranks.flag} {ranks.nodes} x "
+                          f"{ranks.procs} per node): the data order depends on it; give a node and process count "
+                          "(--procs-per-node) that make the checkpoint's, or train anew into another --out")
 
 
 def _at_least_one(args: argparse.Namespace, *names: str) -> None:
@@ -891,13 +918,15 @@ def _submit_train(args: argparse.Namespace) -> int:
                           "ago than the cluster's MinJobAge, which Slurm then forgets): sbatch would drop the "
                           "dependency and start the training at once; check the id with squeue or sacct, and leave "
                           "--after out for a job that has finished")
-    cfg = _train_config(args)
+    nodes = partition_shapes(_job_partition(args))
+    gpus = _gpus_per_node(args, nodes)
+    _fits_the_partition("--nodes", args.nodes, nodes)
+    cfg = _train_config(args, ranks=_Ranks("--nodes", args.nodes, args.procs_per_node or max(gpus, 1)))
     where = store_location(cfg.out)
     if (why := _no_trainer_needed(cfg, queued_training(where))) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0
-    nodes = partition_shapes(_job_partition(args))
-    opts = _train_options(args, _gpus_per_node(args, nodes), cfg, nodes)
+    opts = _train_options(args, gpus, cfg, nodes)
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions),

@@ -44,13 +44,14 @@ class Resources:
 
 @dataclass(frozen=True)
 class NodeShape:
-    """The smallest node of a partition, as `sinfo` reports it, and its largest GPU count."""
+    """The smallest node of a partition, as `sinfo` reports it, its largest GPU count and its nodes."""
 
     partition: str
     cpus: int
     mem_mb: int  # Slurm's MB: 2^20 bytes
     gpus: int
     gres: str
+    nodes: int | None = None  # in every state: a job asking more waits in the queue for good
 
 
 def weight_bytes(model: str | None, gguf_file: str | None) -> tuple[int, bool]:

@@ -140,7 +140,7 @@ def extract_script(opts: JobOptions, plan: ArrayPlan, extract_args: list[str], t
         args.append('--shards "$FIRST-$LAST"')
     step = [*_srun(opts, "--nodes=1", "--ntasks=1"), *_STEP_SHELL]
     if opts.procs > 1:
-        lines.append("PORT=$((20000 + SLURM_JOB_ID % 20000))  # array tasks may share a node")
+        lines.append(f"PORT={JOB_PORT}  # array tasks may share a node")
         launch = [*step, shlex.quote(opts.python), "-m", "accelerate.commands.launch", "--multi_gpu",
                   "--num_processes", str(opts.procs), "--num_machines", "1", "--main_process_port", '"$PORT"',
                   "--mixed_precision", "no", "--dynamo_backend", "no", "-m", EXTRACT_MODULE]
@@ -162,7 +162,7 @@ def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: 
     launch = [*_srun(opts, "--nodes=1", "--ntasks=1"), *_STEP_SHELL, shlex.quote(opts.python), "-m", CLI_MODULE, "regenerate",
               *map(shlex.quote, regenerate_args), "--task", f'"$SLURM_ARRAY_TASK_ID/{tasks}"']
     # Array tasks may share a node: a port of the task's own for --serve and --endpoint to name.
-    lines = ["export LAYERTAP_TASK_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
+    lines = [f"export LAYERTAP_TASK_PORT={JOB_PORT}"]
     about = [f"# layertap regeneration: {tasks} array task(s), each its share of the output's parts.",
              "# Resubmit with the same `layertap submit regenerate` command: it starts tasks only for unfinished parts."]
     return _script(about, header, opts, lines, launch, regenerate_args, requeue_on_timeout=True)
@@ -175,6 +175,11 @@ def regenerate_script(opts: JobOptions, spec: str, tasks: int, regenerate_args: 
 # heap; up to 1 GiB of freed memory kept. Values set before submitting win (sbatch exports them).
 MALLOC_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
                    "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+# A port of the job's own (tasks and jobs may share a node), below Linux's ephemeral ports (32768-60999),
+# which the node's outgoing connections take: one of them could hold it
+JOB_PORT = "$((20000 + SLURM_JOB_ID % 12000))"
 
 
 def slurm_seconds(text: str) -> int | None:
@@ -214,8 +219,13 @@ def train_script(opts: JobOptions, nodes: int, train_args: list[str], resume_fla
     header = _header(opts, [f"--nodes={nodes}", "--ntasks-per-node=1", _output(opts, "%x-%j.out"),
                             *([f"--comment={tag}"] if tag else [])])
     total = '"$((SLURM_NNODES * ' + str(opts.procs) + '))"'
-    lines = ['MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-             "PORT=$((20000 + SLURM_JOB_ID % 20000))",
+    lines = ['FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             "# the first node's address: a NodeName need not be a host name (NodeAddr), and an unresolved one",
+             "# held every node in the rendezvous until its timeout",
+             "MASTER_ADDR=$(scontrol show node \"$FIRST_NODE\" 2>/dev/null | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' "
+             "| head -n 1)",
+             'MASTER_ADDR="${MASTER_ADDR:-$FIRST_NODE}"',
+             f"PORT={JOB_PORT}",
              "RESUME=()", *(f'export {k}="${{{k}:-{v}}}"' for k, v in MALLOC_SETTINGS.items())]
     if resume_flag:  # a requeued job, and one resubmitted after a failure: a fresh --out starts from scratch
         lines.append(f"RESUME=({resume_flag})  # continues from --out's latest checkpoint when it holds one")

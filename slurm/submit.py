@@ -164,7 +164,7 @@ def partition_shapes(partition: str | None) -> list[NodeShape]:
     if shutil.which("sinfo") is None:
         return []
     try:
-        out = _run(["sinfo", "-h", "-o", "%P|%c|%m|%G"])
+        out = _run(["sinfo", "-h", "-o", "%P|%c|%m|%G|%D"])
     except SlurmError as e:
         log.debug("sinfo failed (%s); sizing without the partition's nodes", e)
         return []
@@ -184,22 +184,25 @@ def parse_partitions(out: str, partition: str | None) -> list[NodeShape]:
 
 
 def parse_sinfo(out: str, partition: str | None) -> NodeShape | None:
-    """`sinfo -h -o '%P|%c|%m|%G'` lines, e.g. `gpu*|96|1000000|gpu:h100:8(S:0-1)` (`*` marks the
-    default partition; `48+` a partition of mixed nodes, at least 48)."""
+    """`sinfo -h -o '%P|%c|%m|%G|%D'` lines, e.g. `gpu*|96|1000000|gpu:h100:8(S:0-1)|16` (`*` marks
+    the default partition; `48+` a partition of mixed nodes, at least 48; the node count, a line for
+    each kind of node, may be absent)."""
     rows = []
     for line in out.splitlines():
         parts = line.strip().split("|")
-        if len(parts) != 4:
+        if len(parts) not in (4, 5):
             continue
-        name, cpus, mem, gres = parts
+        name, cpus, mem, gres, count = (parts + [""])[:5]
         if (partition is None and name.endswith("*")) or name.rstrip("*") == partition:
             gpus = [int(n) for n in _GPUS.findall(gres)]
-            rows.append((name.rstrip("*"), _leading_int(cpus), _leading_int(mem), max(gpus, default=0), gres))
+            rows.append((name.rstrip("*"), _leading_int(cpus), _leading_int(mem), max(gpus, default=0), gres,
+                         int(count) if count.strip().isdigit() else None))
     if not rows:
         return None
     best = max(rows, key=lambda r: r[3])
+    counts = [r[5] for r in rows]
     return NodeShape(partition=rows[0][0], cpus=min(r[1] for r in rows), mem_mb=min(r[2] for r in rows),
-                     gpus=best[3], gres=best[4] if best[3] else "")
+                     gpus=best[3], gres=best[4] if best[3] else "", nodes=None if None in counts else sum(counts))
 
 
 def _leading_int(text: str) -> int:

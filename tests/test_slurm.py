@@ -490,6 +490,11 @@ def test_a_queued_trainer_is_named_not_started_again_by_hand(tmp_path, capsys, m
     assert cli(["status", out]) == 3
     assert "training stopped, and Slurm job(s) 91 for this output are queued or running (squeue)" \
         in capsys.readouterr().out
+    fake_squeue(bin_, [])  # none queued: a trainer by hand resumes with --resume, a job by the same submit command
+    assert cli(["status", out]) == 3
+    assert "training stopped (the same `layertap train` command with --resume continues from the checkpoint; as a " \
+        "Slurm job of `layertap submit train`: the same submit command, which passes --resume)" \
+        in capsys.readouterr().out
 
 
 def test_a_trainer_queued_before_its_claim_is_named_by_the_run(tmp_path, capsys, monkeypatch):
@@ -676,7 +681,7 @@ def test_extract_script_dynamic_on_gpu_nodes(tmp_path):
     assert script.index("module load cuda/12.4") < script.index("source /shared/venv/bin/activate") \
         < script.index("set -uo pipefail") < script.index(f"command -v {sys.executable} ")
     assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( SLURM_CPUS_PER_TASK > 8 ? SLURM_CPUS_PER_TASK / 8 : 1 ))}"' in script
-    assert '--main_process_port "$PORT"' in flat and "PORT=$((20000 + SLURM_JOB_ID % 20000))" in script
+    assert '--main_process_port "$PORT"' in flat and "PORT=$((20000 + SLURM_JOB_ID % 12000))" in script
     assert "-m layertap.extract --out 's3://b/run 1' --model /m --log-dir \"$LOG_DIR\"" in flat
     assert f'LOG_DIR={tmp_path}/logs/"${{SLURM_JOB_NAME}}-${{TASK}}"' in script  # one log folder per task
     assert "--shards" not in flat  # dynamic: any free shard
@@ -710,7 +715,20 @@ def test_train_script_rendezvous_from_the_slurm_environment(tmp_path):
     bash_syntax_ok(script, tmp_path)
     assert "--nodes=3" in sbatch_options(script) and "--gpus-per-node=4" in sbatch_options(script)
     flat = " ".join(script.split())
-    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    # the first node's NodeAddr (its NodeName need not resolve: every node waited out the rendezvous's
+    # timeout), else its name; run here with a stand-in scontrol
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text('#!/bin/sh\ncase "$2" in hostnames) printf "gpu-a\\ngpu-b\\n";; '
+                                   'node) [ -n "$ADDR" ] || exit 1; echo "NodeName=$3 Arch=x86_64"; '
+                                   'echo "   NodeAddr=$ADDR NodeHostName=$3";; esac\n')
+    (bin_ / "scontrol").chmod(0o755)
+    lines = "\n".join(line for line in script.splitlines() if line.startswith(("FIRST_NODE=", "MASTER_ADDR=", "PORT=")))
+    for addr, want in (("10.1.2.3", "10.1.2.3 20077"), ("", "gpu-a 20077")):
+        p = subprocess.run(["bash", "-c", lines + '\necho "$MASTER_ADDR $PORT"'], capture_output=True, text=True,
+                           env={"PATH": f"{bin_}:/usr/bin:/bin", "ADDR": addr, "SLURM_JOB_NODELIST": "gpu-[a-b]",
+                                "SLURM_JOB_ID": str(12000 * 3 + 77)})
+        assert p.stdout.strip() == want, (p.stdout, p.stderr)
     assert "srun --nodes=3 --ntasks-per-node=1 --kill-on-bad-exit=1 bash" in flat  # no --cpus-per-task given
     assert '--machine_rank "$SLURM_NODEID"' in flat and '--num_machines "$SLURM_NNODES"' in flat
     assert '--num_processes "$((SLURM_NNODES * 4))" --main_process_ip "$MASTER_ADDR"' in flat
@@ -925,6 +943,37 @@ def test_a_trainer_resubmitted_with_settings_its_checkpoint_refuses_is_refused_b
     assert "cannot resume: settings differ from the checkpoint's: batch_size: checkpoint 2, now 4" in err, err
     assert cli(["train", *args, "--steps", "4", "--batch-size", "4", "--resume"]) == 2
     assert "batch_size: checkpoint 2, now 4" in capsys.readouterr().err  # what the job would have said
+    # another number of processes: the job's ranks refused it in the queue, the job then FAILED
+    assert submit("train", "--dry-run", *args, "--steps", "4", "--nodes", "2") == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds a checkpoint written by 1 process(es), which the job resumes, and it would run 2 " \
+        "(--nodes 2 x 1 per node)" in err, err
+    assert submit("train", "--dry-run", *args, "--steps", "4", "--procs-per-node", "2") == 2
+    assert "it would run 2 (--nodes 1 x 2 per node)" in capsys.readouterr().err
+    assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "0", "--out", run,
+                  "--then-train", " ".join(args[2:]) + " --steps 4", "--train-nodes", "2") == 2
+    assert "it would run 2 (--train-nodes 2 x 1 per node)" in capsys.readouterr().err
+
+
+def test_a_training_job_on_more_nodes_than_its_partition_has_is_refused(tmp_path, capsys, monkeypatch):
+    """`submit train --nodes 3` on a 2-node partition was queued, waited for good (PartitionConfig), and
+    `status` of its output and a resubmission both took it for queued. sinfo counts the nodes."""
+    monkeypatch.chdir(tmp_path)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    monkeypatch.setenv("PATH", str(bin_))
+    (bin_ / "sinfo").write_text("#!/bin/sh\nprintf 'cpu*|4|8000|(null)|1\\ncpu*|8|16000|(null)|1\\n'\n")
+    (bin_ / "sinfo").chmod(0o755)
+    planned_run(str(tmp_path / "run"), 2)
+    argv = ("train", "--dry-run", "--gpus-per-node", "0", "--data", str(tmp_path / "run"), "--model", "/m", "--out",
+            str(tmp_path / "d"))
+    assert submit(*argv, "--nodes", "3") == 2
+    assert "--nodes 3: partition cpu has 2 node(s) in all (sinfo), and a training job runs on all of its nodes at " \
+        "once: it would wait in the queue for good; give --nodes 2 or fewer" in capsys.readouterr().err
+    assert submit(*argv, "--nodes", "2") == 0 and "#SBATCH --nodes=2" in capsys.readouterr().out
+    assert submit("extract", "--dry-run", "--nodes", "1", "--gpus-per-node", "0", "--out", str(tmp_path / "run"),
+                  "--then-train", "--model /m --out d2", "--train-nodes", "3") == 2
+    assert "--train-nodes 3: partition cpu has 2 node(s)" in capsys.readouterr().err
 
 
 def test_no_trainer_is_submitted_for_an_output_a_trainer_holds(tmp_path, capsys, monkeypatch):
@@ -1341,6 +1390,9 @@ def test_sinfo_is_read_for_gpus_and_node_sizes():
     assert parse_sinfo(out, None) == NodeShape("gpu", cpus=96, mem_mb=1000000, gpus=8, gres="gpu:h100:8(S:0-1)")
     assert parse_sinfo(out, "cpu") == NodeShape("cpu", cpus=64, mem_mb=256000, gpus=0, gres="")
     assert parse_sinfo(out, "nope") is None
+    assert parse_sinfo(out, "cpu").nodes is None  # no node count: none compared
+    counted = "gpu*|96|1000000|gpu:h100:8(S:0-1)|12\ngpu*|64|500000|gpu:h100:4|4\n"
+    assert parse_sinfo(counted, None).nodes == 16 and parse_sinfo(counted, None).gpus == 8
     fitted, notes = fit(Resources(200, 2000), [parse_sinfo(out, "cpu")])
     assert fitted == Resources(64, 250) and len(notes) == 2 and "asking 64" in notes[0]
 
