@@ -190,8 +190,12 @@ def _stacks_on_sigusr2() -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
+    # one process of several (a launcher's: torchrun, accelerate, across nodes) names its rank: their
+    # lines meet in one job log, where the same warning from each rank told nothing of which one said it
+    world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+    who = f"rank {rank}/{world} " if world.isdigit() and int(world) > 1 and rank.isdigit() else ""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s {who}%(levelname)s %(name)s: %(message)s")
     # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request
     # headers, the access key id and a session token among them, into consoles and log files.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "openai"):

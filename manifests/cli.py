@@ -535,7 +535,21 @@ def train_hint(data: str, s3: Any = None) -> str:
             f"--data {data} --out {out}-2")
 
 
+SILENT_STEP_S = 600.0  # a trainer whose last step ended longer ago, not waiting for extraction, is named hung
+
+
+def _last_step_text(h: dict) -> str:
+    """The running trainer's last step, from its lease's beat (`train_output._last_step`)."""
+    if h.get("last_step") is None:
+        return ""
+    ago = duration(h["last_step_s_ago"])
+    text = f"; step {h['last_step']:,} ended {ago} ago" if h["last_step"] else f"; no step yet ({ago} into the loop)"
+    return text + ("; it waits for extraction" if h.get("waiting_for_data") else "")
+
+
 def format_training(t: dict) -> str:
+    from layertap.manifests.train_output import RESUBMIT
+
     of = f" of {t['steps_total']:,}" if t["steps_total"] else ""
     lines = [f"training output at {t['prefix']}" + (f"  (data {t['data']})" if t["data"] else "")]
     if t["step"] is not None:
@@ -573,7 +587,12 @@ def format_training(t: dict) -> str:
         from layertap.manifests.output_lease import holder_text
 
         lines.append(f"  trainer     running: {holder_text(h)} (its lease on the output renewed "
-                     f"{duration(h['lease_renewed_s_ago'])} ago)")
+                     f"{duration(h['lease_renewed_s_ago'])} ago)" + _last_step_text(h))
+        if h.get("last_step_s_ago", 0) >= SILENT_STEP_S and not h.get("waiting_for_data"):
+            signal = f"scancel --signal=USR2 {h['slurm_job']}" if h.get("slurm_job") else f"kill -USR2 {h.get('pid')}"
+            lines.append(f"  NO STEP FOR {duration(h['last_step_s_ago'])}: its ranks may hang (in a collective, "
+                         "waiting on a rank that stopped or hangs, until the backend's timeout); `" + signal
+                         + "` prints each process's stacks to its log (docs/TRAINING.md)")
     if (gone := t["trainer_exited"]) is not None:
         from layertap.manifests.output_lease import holder_text
 
@@ -596,7 +615,7 @@ def format_training(t: dict) -> str:
                      "failed: its log says why); the same `layertap train` command starts it again")
     else:
         lines.append("  drafter     not exported yet: training stopped (the same `layertap train` command with "
-                     "--resume continues from the checkpoint)")
+                     f"--resume continues from the checkpoint; {RESUBMIT})")
     return "\n".join(lines)
 
 

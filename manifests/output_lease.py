@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -126,6 +126,13 @@ def held_by(store: ObjectStore, found: tuple[int, ObjectInfo, float] | None) -> 
     return Held(info.key, generation, ttl, info.modified, _payload(store, info.key))
 
 
+def beat_progress(store: ObjectStore, held: Held) -> dict[str, Any]:
+    """What the holder's last beat said of its work (`OutputLease.progress`); {} before its first beat,
+    or for a holder that says nothing."""
+    token = held.holder.get("token")
+    return _payload(store, layout.beat_key(held.key, token)) if isinstance(token, str) else {}
+
+
 def _payload(store: ObjectStore, key: str) -> dict[str, Any]:
     try:
         body = json.loads(store.get(key))
@@ -146,6 +153,9 @@ class OutputLease:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.token = uuid.uuid4().hex  # tells this holder's lease from a later one under a reused key
+        # what each beat says of the holder's work (the trainer's last step): its lease is renewed by a
+        # thread of its own, which went on while every rank hung in a collective
+        self.progress: Callable[[], dict[str, Any]] | None = None
         self._body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": pid_namespace(),
                                  "slurm_job": slurm_job(), "started": time.time(),
                                  "token": self.token}).encode()
@@ -279,6 +289,6 @@ class OutputLease:
                 self._look()
                 if self.lost.is_set():
                     return
-                self.store.put(beat, b"")
+                self.store.put(beat, json.dumps(self.progress()).encode() if self.progress is not None else b"")
             except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
                 log.warning("output lease heartbeat failed: %s", e)

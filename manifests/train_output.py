@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from layertap.manifests.liveness import gone_from_here
-from layertap.manifests.output_lease import Held, held_by
+from layertap.manifests.output_lease import Held, beat_progress, held_by
 from layertap.manifests.output_lease import latest as latest_lease
 from layertap.manifests.layout import MANIFEST
 from layertap.storage.errors import ConfigError, InputError
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"  # one JSON line per step, rewritten whole with each checkpoint
 LATEST = "checkpoints/latest.json"  # {"step", "prefix"}: the checkpoint that counts
 EXPORT_CONFIG = "drafter/config.json"  # written with the weights once training finished
+# where the trainer ran as a job of `layertap submit train`, whose script passes --resume itself
+RESUBMIT = "as a Slurm job of `layertap submit train`: the same submit command, which passes --resume"
 TAIL_BYTES = 64 << 10  # the last metrics line is in the file's last 64 KiB (a line is ~0.5 KiB)
 
 
@@ -84,7 +86,7 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
         "checkpoint_incomplete": bool(latest and latest.get("prefix")) and state is None,
         "checkpoint_age_s": round(max(0.0, now - written), 1) if written is not None else None,
         "drafter_exported": exported,
-        "trainer": None if held is None or exited else _trainer(held, now),
+        "trainer": None if held is None or exited else {**_trainer(held, now), **_last_step(store, held, now)},
         "trainer_exited": _trainer(held, now) if exited else None,
         "complete": exported,
     }
@@ -93,6 +95,17 @@ def training_status(store: ObjectStore) -> dict[str, Any] | None:
 def _trainer(held: Held, now: float) -> dict[str, Any]:
     return {"host": held.holder.get("host"), "pid": held.holder.get("pid"), "slurm_job": held.holder.get("slurm_job"),
             "lease_renewed_s_ago": round(max(0.0, now - held.modified), 1)}
+
+
+def _last_step(store: ObjectStore, held: Held, now: float) -> dict[str, Any]:
+    """The running trainer's last step and how long ago it ended, and whether it waits for extraction
+    now, from its lease's last beat: its lease alone said "running" of ranks hung for good."""
+    said = beat_progress(store, held)
+    step, age = said.get("step"), said.get("step_age_s")
+    if type(step) is not int or not isinstance(age, (int, float)) or isinstance(age, bool):
+        return {}
+    return {"last_step": step, "last_step_s_ago": round(max(0.0, age + now - held.modified), 1),
+            "waiting_for_data": said.get("waiting_for_data") is True}
 
 
 def step_prefix(step: int) -> str:

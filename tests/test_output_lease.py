@@ -363,3 +363,36 @@ def test_a_trainer_taken_over_while_it_writes_a_checkpoint_neither_commits_it_no
     assert len(saves) == 2 and json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == saves[0]
     assert sorted(consumed_shards(open_store(uri))) == consumed  # nothing consumed (or deleted) past the first
     assert not (out / "drafter").exists()
+
+
+def test_status_names_the_running_trainers_last_step_and_a_trainer_that_no_longer_steps(tmp_path, capsys):
+    """Every rank hung in a collective (one stopped, SIGSTOP, a dead NIC): rank 0's lease thread kept
+    renewing, and `status` said "trainer running ... renewed 1 s ago" for the backend's whole timeout.
+    Each beat says the last step and how long ago it ended; past 10 minutes without one (and not
+    waiting for extraction) status says so, and how to see where the ranks are."""
+    from layertap.cli import main as cli
+    from layertap.storage.store import open_store
+
+    out = open_store(str(tmp_path / "drafter"))
+    said = {"step": 7, "step_age_s": 2.0, "waiting_for_data": False}
+    lease = OutputLease(out, ttl_s=0.4, poll_s=0.05)
+    lease.progress = lambda: dict(said)
+    with lease:
+        def shown() -> str:
+            time.sleep(0.3)  # a beat or more since `said` changed
+            assert cli(["status", out.uri]) == 3
+            return capsys.readouterr().out
+
+        text = shown()
+        assert "trainer     running: pid" in text and "; step 7 ended 2 s ago" in text, text
+        assert "NO STEP" not in text
+        said.update(step_age_s=700.0)
+        text = shown()
+        assert "; step 7 ended 12 min ago" in text and "NO STEP FOR 12 min: its ranks may hang" in text, text
+        assert f"`kill -USR2 {os.getpid()}` prints each process's stacks" in text
+        said.update(waiting_for_data=True)  # a follow trainer waiting for extraction is not hung
+        text = shown()
+        assert "it waits for extraction" in text and "NO STEP" not in text, text
+        assert cli(["status", out.uri, "--json"]) == 3
+        trainer = json.loads(capsys.readouterr().out)["trainer"]
+        assert trainer["last_step"] == 7 and trainer["last_step_s_ago"] >= 700 and trainer["waiting_for_data"]

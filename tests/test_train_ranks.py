@@ -103,6 +103,7 @@ def test_a_resume_reads_the_checkpoint_on_rank_0_alone_and_goes_on_as_before(ext
     p = subprocess.run([*launch, "-m", "layertap", "train", *args, "--out", str(whole)], capture_output=True,
                        text=True, timeout=600, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"^\S+ \S+ rank 0/2 INFO layertap\.", p.stderr, re.M), p.stderr[-3000:]  # which rank said it
     shutil.copytree(whole, resumed)  # as a run stopped after its checkpoint at step 4 left it
     shutil.rmtree(resumed / "checkpoints" / "step-00000008")
     shutil.rmtree(resumed / "drafter")

@@ -8,12 +8,14 @@ other values as JSON bytes (no pickle). With one process each returns at once.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from layertap.manifests.train_output import RESUBMIT
 from layertap.storage.errors import InputError, UserError
 from layertap.storage.units import id_ranges
 
@@ -129,7 +131,8 @@ def ranks_lost(acc: Any, e: BaseException, latest_step: int | None, out: str) ->
     said = text.splitlines()[0] if text else type(e).__name__
     said = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", said).split(". ")[0][:200]  # less gloo's source position
     then = (f"the latest checkpoint in {out} is step {latest_step}: once the cause is fixed, the same command with "
-            "--resume continues from there") if latest_step is not None else \
+            "--resume continues from there" + (f" ({RESUBMIT})" if os.environ.get("SLURM_JOB_ID") else "")) \
+        if latest_step is not None else \
         f"{out} holds no checkpoint yet: once the cause is fixed, the same command starts again"
     return RanksLost(f"rank {acc.process_index} of {acc.num_processes}: a collective between the ranks failed "
                      f"({said}): most likely another rank stopped, and its own error, above, says why (killed, out "

@@ -36,7 +36,7 @@ from layertap.manifests.consumption import prefetch_depth
 from layertap.manifests.manifest import Manifest, NoRun, load_manifest
 from layertap.manifests.output_lease import OutputLease, taken_over
 from layertap.manifests.preemption import Preempted, StopSignals
-from layertap.manifests.train_output import check_apart, padding_only
+from layertap.manifests.train_output import RESUBMIT, check_apart, padding_only
 from layertap.storage.errors import ConfigError, InputError, UserError
 from layertap.storage.identity import RunConfig
 from layertap.storage.store import ObjectStore, StoreError, open_configured_store, open_store
@@ -739,9 +739,15 @@ def _loop(run: _Run, start: int) -> int:
         # without --delete-consumed) may have none yet, and a full window would then wait for good.
         _delete_consumed(run, start)
     nonfinite = 0  # steps in a row whose loss or gradient was NaN or infinite
+    last = {"step": step, "at": time.monotonic(), "waiting_for_data": False}
+    if run.lease is not None:  # its beats say how long ago the last step ended: `status` of the output shows it
+        run.lease.progress = lambda: {"step": last["step"], "step_age_s": round(time.monotonic() - last["at"], 1),
+                                      "waiting_for_data": last["waiting_for_data"]}
     while step < run.total:
         awaited = time.perf_counter()  # follow mode waits for the step's batches here, not in `train_step`
+        last["waiting_for_data"] = cfg.follow
         stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
+        last["waiting_for_data"] = False
         awaited = time.perf_counter() - awaited
         if not stopped:
             epoch = run.batches.epoch  # the step's: once it has taken an epoch's last batch, the next
@@ -764,6 +770,7 @@ def _loop(run: _Run, start: int) -> int:
                 if first and acc.is_main_process:
                     log.info("step %d took %.1f s", stats.step, stats.seconds)
                 step, stopped = stats.step, stats.stop
+                last.update(step=step, at=time.monotonic())
                 nonfinite = _check_finite(run, stats, nonfinite)
                 wait = run.batches.pop_wait_s()
                 if run.metrics is not None:
@@ -778,7 +785,8 @@ def _loop(run: _Run, start: int) -> int:
             elif acc.is_main_process:
                 log.warning("stopped at step %d by a signal; the same `layertap train` command with --resume "
                             "continues (the same options, --steps among them: another --steps plans the schedule "
-                            "anew)", step)
+                            "anew)%s", step, f"; {RESUBMIT} (a requeued job resumes on its own)"
+                            if os.environ.get("SLURM_JOB_ID") else "")
             progress.close()
             return run.stop.requested.exit_code if run.stop.requested is not None else 143  # another rank's signal
     progress.close()
