@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A single-node Slurm cluster on localhost for the tests: munge, slurmctld and slurmd, no
-# accounting database (scontrol keeps finished jobs for MinJobAge, which is all the tests read).
+# A Slurm cluster on localhost for the tests: munge, slurmctld and slurmd, no accounting database
+# (scontrol keeps finished jobs for MinJobAge, which is all the tests read). One node; SLURM_NODES=N
+# starts N, each a slurmd of its own (`slurmd -N NAME`, its own port) on this host: multi-node jobs.
 #
 #   .ci/slurm.sh install          apt-get the Debian packages if missing (root; ~15 s)
 #   .ci/slurm.sh start DIR        start a cluster whose state, logs and slurm.conf live in DIR;
@@ -22,8 +23,8 @@ install() {
 }
 
 start() {
-  local S HOST CPUS MEM
-  S=$(realpath -m "$1"); HOST=$(hostname -s)
+  local S HOST CPUS MEM NODES NAMES SPOOL PIDS LOGS NODELINES
+  S=$(realpath -m "$1"); HOST=$(hostname -s); NODES=${SLURM_NODES:-1}
   mkdir -p "$S"/{state,spool,log}
   # munge: the Debian package generated /etc/munge/munge.key; a daemon already running is reused.
   # Clusters of parallel test workers share it: each is on record under $USERS while it runs, and
@@ -42,7 +43,18 @@ start() {
   ) 9>"$LOCK"
   CPUS=$(nproc); MEM=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 2048 ))
   # Ports of our own, so a cluster already on this host (or one a crashed run left) is no obstacle.
-  read -r CTLD_PORT SLURMD_PORT < <(free_ports 2)
+  read -r CTLD_PORT SLURMD_PORT PORTS < <(free_ports $((2 + NODES)))
+  NAMES=$HOST; SPOOL=$S/spool; PIDS=$S/slurmd.pid; LOGS=$S/log/slurmd.log
+  NODELINES="NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN"
+  if [ "$NODES" -gt 1 ]; then  # node i beside this host's name: HOSTn2, ...; none of them resolves but the first
+    read -ra PORTS <<< "$PORTS"
+    NAMES="$HOST $(seq -f "${HOST}n%g" 2 "$NODES" | tr '\n' ' ')"; SPOOL=$S/spool/%n; PIDS=$S/slurmd-%n.pid
+    LOGS=$S/log/slurmd-%n.log; NODELINES=""; i=0
+    for name in $NAMES; do
+      NODELINES+="NodeName=$name NodeHostname=$HOST NodeAddr=127.0.0.1 Port=${PORTS[$i]} CPUs=$CPUS"
+      NODELINES+=" RealMemory=$((MEM / NODES)) State=UNKNOWN"$'\n'; i=$((i + 1)); mkdir -p "$S/spool/$name"
+    done
+  fi
   cat > "$S/slurm.conf" <<EOF
 ClusterName=layertapci
 SlurmctldHost=$HOST(127.0.0.1)
@@ -52,11 +64,11 @@ AuthType=auth/munge
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$S/state
-SlurmdSpoolDir=$S/spool
+SlurmdSpoolDir=$SPOOL
 SlurmctldPidFile=$S/slurmctld.pid
-SlurmdPidFile=$S/slurmd.pid
+SlurmdPidFile=$PIDS
 SlurmctldLogFile=$S/log/slurmctld.log
-SlurmdLogFile=$S/log/slurmd.log
+SlurmdLogFile=$LOGS
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -70,21 +82,21 @@ MinJobAge=600
 SchedulerParameters=defer_batch
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
+$NODELINES
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
   export SLURM_CONF=$S/slurm.conf
   /usr/sbin/slurmctld
-  /usr/sbin/slurmd
-  for _ in $(seq 1 100); do sinfo -h -o %T 2>/dev/null | grep -qx idle && break; sleep 0.1; done
-  sinfo -h -o %T | grep -qx idle || { echo "slurm did not come up; logs in $S/log" >&2; exit 1; }
+  if [ "$NODES" -gt 1 ]; then for name in $NAMES; do /usr/sbin/slurmd -N "$name"; done; else /usr/sbin/slurmd; fi
+  for _ in $(seq 1 100); do [ "$(sinfo -h -o '%T %D' 2>/dev/null)" = "idle $NODES" ] && break; sleep 0.1; done
+  [ "$(sinfo -h -o '%T %D')" = "idle $NODES" ] || { echo "slurm did not come up; logs in $S/log" >&2; exit 1; }
   echo "export SLURM_CONF=$SLURM_CONF"
 }
 
 stop() {
   local S
   S=$(realpath -m "$1")
-  stop_pidfiles "$S/slurmd.pid" "$S/slurmctld.pid"
+  stop_pidfiles "$S"/slurmd*.pid "$S/slurmctld.pid"
   [ -d "$USERS" ] || return 0
   (
     flock 9
