@@ -447,6 +447,31 @@ def test_a_stream_waiting_beside_runs_warns_so_a_caller_without_logging_sees_it(
         assert (said in err and "waiting for extraction: no run at" in err) if said else err == ""
 
 
+def test_ranks_but_the_first_wait_for_the_manifest_quietly_and_seldom(tmp_path, monkeypatch, caplog):
+    """Every rank of a follow trainer looked for the manifest every 0.5-2 s and listed the runs beside
+    it (a LIST and up to 50 HEADs) to warn of them: a thousand ranks, a thousand times rank 0's cost.
+    The other ranks say nothing, look no more often than every 30 s, and still find the run."""
+    import logging
+
+    from layertap.train import follow
+
+    store = _store(str(tmp_path / "run-1"))
+    fake_worker.plan(_store(str(tmp_path / "run1")))  # beside it: rank 0 names it
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        if len(sleeps) == 8:
+            fake_worker.plan(store)  # extraction starts
+
+    monkeypatch.setattr(follow.time, "sleep", sleep)
+    monkeypatch.setattr(follow, "_runs_beside", lambda _: pytest.fail("a quiet rank listed the runs beside it"))
+    with caplog.at_level(logging.INFO, logger="layertap"):
+        manifest = follow.wait_for_manifest(store, poll_s=2.0, quiet=True)
+    assert len(manifest.shards) > 0 and len(sleeps) == 8 and not caplog.records
+    assert max(sleeps) > 10  # backing off towards 30 s, not capped at --follow-poll-s (2 s here)
+
+
 def test_follow_with_several_epochs_ends_with_the_last_one(tmp_path):
     """--follow --epochs 2 counts its steps as two follow epochs, padded to the plan; the second
     holds only the committed samples (a shard was given up), so it ends sooner: training ends

@@ -77,15 +77,21 @@ def _looks(poll_s: float) -> Backoff:
     return Backoff(FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s))
 
 
-def wait_for_manifest(store: ObjectStore, poll_s: float) -> Manifest:
+QUIET_POLL_S = 30.0  # the least wait between a quiet waiter's looks for the manifest
+
+
+def wait_for_manifest(store: ObjectStore, poll_s: float, quiet: bool = False) -> Manifest:
     """The run's manifest, waiting while extraction has not written it yet (`layertap extract`
-    writes it when it starts)."""
-    backoff, logged, hint = _looks(poll_s), 0.0, None
+    writes it when it starts). `quiet`: the ranks but the first of a trainer, which say nothing
+    and look at most every QUIET_POLL_S (a thousand ranks each looking every `poll_s`, and each
+    listing the runs beside it to name them, cost a thousand times what rank 0 alone does). Not a
+    barrier behind rank 0: a collective times out (30 min) long before a queued extraction starts."""
+    backoff, logged, hint = _looks(max(poll_s, QUIET_POLL_S) if quiet else poll_s), 0.0, None
     while True:
         try:
             return load_manifest(store)
         except NoRun:
-            if time.monotonic() - logged >= LOG_EVERY_S:
+            if not quiet and time.monotonic() - logged >= LOG_EVERY_S:
                 # Runs beside it may mean a typo: a warning the first time (a Python caller who set up no
                 # logging sees warnings alone), then INFO (beside other runs is also where a queued one starts)
                 level = logging.WARNING if hint is None and (hint := _runs_beside(store)) else logging.INFO

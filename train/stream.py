@@ -287,7 +287,7 @@ class ShardStream(IterableDataset):
             raise ConfigError("committed= needs a stream that is not in follow mode: the follow epoch takes shards "
                               "as they are committed")
         if c.follow:  # the run may not exist yet; its shards are found while iterating
-            manifest = wait_for_manifest(self._store(), c.follow_poll_s)
+            manifest = wait_for_manifest(self._store(), c.follow_poll_s, quiet=self.rank > 0)
             self.shards, self._new_index, self._settled = [], None, False
             follow = ([p.planned_records for p in manifest.shards], self.world_size)
         else:

@@ -395,7 +395,7 @@ def _train(cfg: TrainConfig, acc: Any, precision: str, out: ObjectStore, data: O
     """`train` once rank 0 holds the output; `run`: the data's manifest, None for a follow trainer."""
     cuda = torch.cuda.is_available()
     rank, world = acc.process_index, acc.num_processes
-    run = run if run is not None else wait_for_manifest(data, cfg.follow_poll_s)
+    run = run if run is not None else wait_for_manifest(data, cfg.follow_poll_s, quiet=rank > 0)
     if cfg.model is None:
         cfg.model, cfg.gguf_file = recorded_target(run.config, f"the run at {cfg.data} was extracted from",
                                                    "the run's manifest")
