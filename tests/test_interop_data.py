@@ -122,6 +122,29 @@ def test_speculators_reads_the_export_and_import_gives_the_run_back(prenorm_run,
                 "--block-size", "4", "--max-anchors", "8", "--mask-token-id", "3"]) == 0
 
 
+def test_a_byte_flipped_on_its_way_from_the_store_is_read_again_not_imported(prenorm_run, target, tmp_path, s3_endpoint,
+                                                                             s3_bucket, monkeypatch):
+    """safetensors files carry no hash, and radosgw 16 (as moto here, with checksum validation off)
+    sends no checksum header for a plain PUT: a byte flipped in transit was imported as it arrived,
+    and the run's own hashes then covered it (`verify` passed). A whole-object GET is checked against
+    the object's ETag, its MD5, and read again."""
+    from faultproxy import FaultProxy
+
+    monkeypatch.setenv("LAYERTAP_S3_CHECKSUM_MODE", "when_required")  # files PUT with no checksum: none kept
+    dest = f"s3://{s3_bucket}/spec-flip"
+    assert cli(["export", prenorm_run, "--to", "speculators", dest]) == 0
+    states = lambda method, path: method == "GET" and "/hidden_states/hs_" in path  # noqa: E731
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("flip",), match=states, limit=3) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        back = str(tmp_path / "back")
+        assert cli(["import", dest, "--from", "speculators", "--out", back, "--layers", "2,4", "--model", target]) == 0
+        assert proxy.counts["flip"] == 3
+    got, ours = samples(back), in_order(prenorm_run)
+    assert len(got) == len(ours)
+    for i, s in enumerate(ours):
+        assert_same(got[str(i)], ascending(s))
+
+
 def test_specforge_reads_the_export_and_import_gives_the_run_back(prenorm_run, target, tmp_path):
     dest, back = str(tmp_path / "sf"), str(tmp_path / "back")
     assert cli(["export", prenorm_run, "--to", "specforge", dest, "--limit", "7"]) == 0
