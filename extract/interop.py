@@ -290,6 +290,37 @@ def _token_counts(files: list[ForeignFile], first_tokens: int, values_per_token:
     return [max(1, f.num_tokens if f.num_tokens is not None else round(f.size * per_byte)) for f in files]
 
 
+PROBE_FILES = 8  # files the plan tries, in order, for one that reads: its shapes are checked for all
+
+
+def _probe(rd: ForeignReader, files: list[ForeignFile], src: ObjectStore,
+           check: Callable[[tuple, str], None]) -> tuple[ForeignFile, tuple, Sample]:
+    """The first file that reads of the first PROBE_FILES, its capture values and its sample: `check`
+    judges the arguments by the capture values (and raises what refuses them) before it is read. A
+    first file cut short or damaged refused the whole import, every other file sound; none reading,
+    the first one's error is raised."""
+    errors: list[tuple[ForeignFile, InputError]] = []
+    for f in files[:PROBE_FILES]:
+        where = f"{src.uri.rstrip('/')}/{printable(f.key)}"
+        try:
+            values = rd.capture_values(f)
+        except InputError as e:
+            errors.append((f, e))
+            continue
+        check(values, where)  # the arguments against a file that reads: refused, for every file
+        try:
+            sample = rd.read(f)
+        except InputError as e:
+            errors.append((f, e))
+            continue
+        if errors:
+            log.warning("%s of %s do not read (%s: %s): the plan checks the arguments against %s, and the import "
+                        "skips them as unreadable", counted(len(errors), "file"), src.uri, printable(errors[0][0].key),
+                        errors[0][1], printable(f.key))
+        return f, values, sample
+    raise errors[0][1]
+
+
 def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[int], model: str, codec: str,
                 gguf_file: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES, limit: int | None = None,
                 final_state: str | None = None) -> tuple[Manifest, ForeignReader, list[ForeignFile], Target]:
@@ -309,22 +340,22 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
     files = rd.files()[:limit] if limit is not None else rd.files()
     if not files:
         raise InputError(f"no samples in the {fmt} data at {src.uri}")
-    where = f"{src.uri.rstrip('/')}/{printable(files[0].key)}"
     note = export_note(src, fmt)
     if note is not None and note.get("rows_only") is True:  # the states were never written: hs_0 is "missing"
         raise InputError(f"{src.uri} is a `layertap export --rows-only` of the run at {note.get('source')}: it holds "
                          "the rows alone (speculators reads their states from that run), so there is nothing to "
                          "import; use that run itself (`layertap train --data` it, or export it without --rows-only)")
     _warn_of_another_model(note, model, src)
-    values = rd.capture_values(files[0])
-    check_layer_count(values, fmt, layers, target.hidden_size, facts_from, where, note, src.uri)
+    probe, values, first = _probe(rd, files, src, lambda values, where: check_layer_count(
+        values, fmt, layers, target.hidden_size, facts_from, where, note, src.uri))
+    where = f"{src.uri.rstrip('/')}/{printable(probe.key)}"
     check_target_layers(fmt, layers, ours, target.num_layers, facts_from)
-    first = rd.read(files[0])
     try:
         check_trainable(first, target.vocab_size, where)
     except BadSample as e:  # another model's tokens: every sample would be skipped, the run empty
         if e.reason == BAD_TOKEN_ID:
-            raise
+            raise BadSample(e.reason, f"{e} (the file the plan reads first: its checks stand for every file's)"
+                            ) from None
     identity = RunConfig(model=model, gguf_file=gguf_file, layers=ours, final_state=rd.final_state,
                          hidden_size=target.hidden_size, codec=codec)
     counts = _token_counts(files, first.num_tokens, values[0])
@@ -511,13 +542,18 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
         log.info("nothing to do: every shard of the run at %s is committed", out.uri)
         return manifest
     renamed = rd.renamed  # the plan read the first file
+    told: dict[str, int] = {}  # files skipped, by reason
     # A stop ends a wait for work at once, but never breaks into a shard's work (its writer's threads,
     # the commit, the lease's release: see StopSignals.deferred): it is taken at the next file.
-    with StopSignals(at_once=True) as stops, progress(len(files), desc="import", unit="sample") as bar:
+    # a resumed import's bar starts at the files of its committed shards (one listing of the commits)
+    done = {layout.shard_of(o.key, layout.COMMITS) for o in out.list(layout.COMMITS)}
+    initial = sum(p.end - p.start for p in manifest.shards if p.id in done)
+    with StopSignals(at_once=True) as stops, progress(len(files), initial=initial, desc="import",
+                                                      unit="sample") as bar:
         for claim in queue:
             try:
                 with stops.deferred(), claim:
-                    _import_shard(claim, manifest, rd, files, fmt, src.uri, target.vocab_size, bar,
+                    _import_shard(claim, manifest, rd, files, fmt, src.uri, target.vocab_size, bar, told,
                                   stops.raise_if_requested)
             except Preempted:
                 claim.release()
@@ -525,6 +561,9 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
             except Exception as e:  # recorded by the claim; go on with the next shard
                 if not claim.superseded:  # else another attempt's commit counts it
                     log.error("shard %d failed: %s: %s", claim.shard, type(e).__name__, e)
+    if (unshown := sum(told.values()) - sum(min(n, SKIPS_SHOWN) for n in told.values())) > 0:
+        log.warning("%d more file(s) skipped than shown above (%d a reason at most): `layertap status %s` counts them "
+                    "by reason, and their commit records name each", unshown, SKIPS_SHOWN, out.uri)
     if rd.renamed > renamed:
         log.warning("%d sample(s) imported now have their file's name for id, not the id inside the file, which "
                     "is not their file's name or is another file's (a run's sample ids are unique)",
@@ -532,25 +571,59 @@ def import_run(src: ObjectStore, fmt: str, out: ObjectStore, **options: Any) -> 
     return manifest
 
 
+SKIPS_SHOWN = 5  # skipped files warned of, a reason at most (a run of bad files logged a line each)
+
+
+def _read(rd: ForeignReader, f: ForeignFile, where: str, again: bool) -> Sample:
+    """`rd.read(f)`; with `again` (a file on S3), a file that does not read is read once more before it
+    is skipped: a read damaged on its way (a zip CRC error in a .ckpt, a multipart object no ETag
+    checks) left the sample out for good, as the run's shard was committed. A file gone since the plan
+    (deleted meanwhile) is a skipped one, not a failed shard: it failed every retry, and the run then
+    refused the same command (its files' fingerprint had changed)."""
+    try:
+        try:
+            return rd.read(f)
+        except InputError as e:
+            if not again or isinstance(e, BadSample):
+                raise
+            log.info("%s did not read (%s): reading it again, in case it was damaged on its way", where, e)
+            return rd.read(f)
+    except ObjectNotFound:
+        raise InputError(f"{where} is missing: deleted since the import was planned") from None
+
+
 def _import_shard(claim: Claim, manifest: Manifest, rd: ForeignReader, files: list[ForeignFile], fmt: str,
-                  source: str, vocab_size: int, bar, check_stop: Callable[[], None] = lambda: None) -> None:
-    """Write and commit one shard of the import; `check_stop` raises a stop asked for meanwhile,
-    before each file (the shard is then aborted, nothing of it visible)."""
+                  source: str, vocab_size: int, bar, told: dict[str, int],
+                  check_stop: Callable[[], None] = lambda: None) -> None:
+    """Write and commit one shard of the import; `told` counts the files skipped by reason (the first
+    SKIPS_SHOWN of each are warned of); `check_stop` raises a stop asked for meanwhile, before each
+    file (the shard is then aborted, nothing of it visible)."""
     plan = claim.plan
     meta = ShardMeta.of(manifest.identity, run_id=manifest.run_id, shard_id=plan.id,
                         extra={"imported_from": fmt, "source": source})
     skipped: list[dict[str, str]] = []
-    with ShardWriter(claim.queue.store.open_writer(claim.data_key), meta) as w:
-        for f in files[plan.start:plan.end]:
-            check_stop()
-            try:
-                w.write_sample(check_trainable(rd.read(f), vocab_size, f"{source.rstrip('/')}/{printable(f.key)}"))
-            except (InputError, ValueError) as e:  # a bad file, one of another shape than the run's, or untrainable
-                reason = e.reason if isinstance(e, BadSample) else UNREADABLE
-                skipped.append({"sample_id": f.sample_id, "reason": reason, "detail": str(e)[:500]})
-                log.warning("skipped %s: %s", printable(f.key), e)
-            bar.update(1)
-        info = w.close()
-    if claim.commit(info, skipped=skipped):
+    read = 0  # files counted on the bar, taken back if the shard fails (its retry counts them again)
+    try:
+        with ShardWriter(claim.queue.store.open_writer(claim.data_key), meta) as w:
+            for f in files[plan.start:plan.end]:
+                check_stop()
+                where = f"{source.rstrip('/')}/{printable(f.key)}"
+                try:
+                    w.write_sample(check_trainable(_read(rd, f, where, again=source.startswith("s3://")), vocab_size,
+                                                   where))
+                except (InputError, ValueError) as e:  # a bad file, of another shape than the run's, or untrainable
+                    reason = e.reason if isinstance(e, BadSample) else UNREADABLE
+                    skipped.append({"sample_id": f.sample_id, "reason": reason, "detail": str(e)[:500]})
+                    told[reason] = told.get(reason, 0) + 1
+                    log.log(logging.WARNING if told[reason] <= SKIPS_SHOWN else logging.DEBUG, "skipped %s: %s",
+                            printable(f.key), e)
+                bar.update(1)
+                read += 1
+            info = w.close()
+        committed = claim.commit(info, skipped=skipped)
+    except BaseException:
+        bar.update(-read)
+        raise
+    if committed:
         log.info("shard %d committed: %s, %s (%d skipped)", plan.id, counted(info.num_records, "sample"),
                  counted(info.num_tokens, "token"), len(skipped))

@@ -120,13 +120,13 @@ def _from_export_note(args: argparse.Namespace) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     from layertap.extract.config import parse_ids
-    from layertap.extract.interop import import_run
+    from layertap.extract.interop import UNREADABLE, import_run
     from layertap.manifests.cli import format_status, train_hint
     from layertap.manifests.preemption import Preempted
     from layertap.manifests.status import run_status
     from layertap.storage.errors import ConfigError
     from layertap.storage.store import open_store
-    from layertap.storage.units import parse_size
+    from layertap.storage.units import counted, parse_size
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
@@ -153,5 +153,10 @@ def run_import(args: argparse.Namespace) -> int:
               f"on; fix the source or the import's arguments, then `layertap delete {args.out}` and import again",
               file=sys.stderr)
         return 1
+    if unread := ((status.get("skipped_by_reason") or {}).get("counts") or {}).get(UNREADABLE):
+        print(f"\nwarning: {counted(unread, 'file')} of {args.src} could not be read and "
+              f"{'is' if unread == 1 else 'are'} left out of the run (the reasons above; `layertap status {args.out}` "
+              f"counts them): to include them, repair them, then `layertap delete {args.out}` and import again",
+              file=sys.stderr)
     print(f"\n{train_hint(args.out)}")
     return 0

@@ -413,6 +413,7 @@ class VerifyResult:
     not_withdrawn: list[int] = field(default_factory=list)  # bad, left: --dry-run, or its withdrawal failed
     failure: StoreError | None = None  # what stopped the reads (`unchecked`) or the withdrawals
     withdraw_failed: bool = False
+    imported_from: dict[str, Any] | None = None  # a run `layertap import` made: its import redoes a withdrawn shard
 
     def to_json(self) -> dict[str, Any]:
         return {"checked": self.checked, "ok": self.ok, "bad": self.bad,
@@ -443,7 +444,7 @@ def verify_run(store: ObjectStore, threads: int = 4, progress=None, dry_run: boo
     manifest = load_manifest(store)
     st = scan(store, manifest, with_data=True)
     st.raise_if_replaced(store.uri)  # commits of another plan: nothing here is to be withdrawn
-    result = VerifyResult()
+    result = VerifyResult(imported_from=_imported_from(manifest))
     consumed = consumed_shards(store)
     feed = _FeedKeys(store)
 

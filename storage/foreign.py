@@ -238,10 +238,12 @@ def save_torch(obj: dict[str, Any]) -> bytes:
 
 
 def printable(text: str) -> str:
-    """A file name with its bytes that are not UTF-8 (surrogate escapes) written as \\xNN: sample ids
-    and messages go into JSON, log files and a stdout that take only UTF-8 (printed as it was, a
-    status line would fail on it)."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """A file name with its bytes that are not UTF-8 (surrogate escapes) and its control characters
+    (a newline, an escape) written as \\xNN: sample ids and messages go into JSON, log files and a
+    stdout that take only UTF-8 (printed as it was, a status line would fail on it), and a newline
+    in a name split a log line in two."""
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\x{ord(m[0]):02x}", text)
 
 
 def natural_key(text: str) -> list[Any]:

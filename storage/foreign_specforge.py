@@ -72,12 +72,23 @@ class SpecForgeReader:
         self._files = sorted((o for o in listed if o.key not in skip), key=lambda o: natural_key(o.key))
         if not self._files:
             raise InputError(f"no SpecForge files at {store.uri}: expected data_*.ckpt or .ckpt.gz files")
-        first = load_torch(store.get(self._files[0].key), self._where(self._files[0].key))
+        first = self._first_readable()
         self.eagle3 = "aux_hidden_state" in first and "hidden_states" not in first
         self.final_state = "postnorm" if self.eagle3 else "none"
 
     def _where(self, key: str) -> str:
         return f"{self.store.uri.rstrip('/')}/{printable(key)}"
+
+    def _first_readable(self, tries: int = 8) -> dict:
+        """The first file that loads, of the first `tries`, which says DFlash or EAGLE-3 for all: a first
+        file cut short refused the whole import (the import skips it, as any file that does not read)."""
+        error = None
+        for o in self._files[:tries]:
+            try:
+                return load_torch(self.store.get(o.key), self._where(o.key))
+            except InputError as e:
+                error = error or e
+        raise error
 
     def files(self) -> list[ForeignFile]:
         return [ForeignFile(printable(_stem(o.key)), o.key, o.size) for o in self._files]

@@ -11,6 +11,7 @@ since `datasets` reads and writes only local paths. The states go straight to an
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 
@@ -23,6 +24,8 @@ from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.foreign import ForeignFile, as_bf16, as_mask, check_lengths
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
 
 HIDDEN = "hidden_states/"
 
@@ -142,12 +145,21 @@ class SpeculatorsReader:
 
     def files(self) -> list[ForeignFile]:
         sizes = {o.key: o.size for o in self.store.list(HIDDEN)}
-        lengths = (self.rows["seq_len"] if "seq_len" in self.rows.column_names
-                   else [0 if x is None else len(x) for x in self.rows["input_ids"]])
-        bad = next((i for i, n in enumerate(lengths) if n is None or int(n) < 0), None)
-        if bad is not None:
-            raise InputError(f"the speculators dataset at {self.store.uri}: row {bad}'s seq_len is "
-                             f"{lengths[bad]!r}, not a number of tokens")
+        # The plan counts tokens by the ids the import reads, from Arrow's list lengths (no row is decoded): a
+        # seq_len column that disagreed (stale, or edited) planned its tokens into one shard of all
+        import pyarrow.compute as pc
+
+        ids = self.rows.data.column("input_ids")
+        lengths = pc.fill_null(pc.list_value_length(ids), 0).to_pylist()
+        if "seq_len" in self.rows.column_names:
+            stated = self.rows.data.column("seq_len").to_pylist()
+            if off := [i for i, (n, m) in enumerate(zip(lengths, stated)) if n != m]:
+                log.warning("the speculators dataset at %s: %d row(s) hold another number of input_ids than their "
+                            "seq_len (row %d: %d ids, seq_len %r): planned by their input_ids, which are imported",
+                            self.store.uri, len(off), off[0], lengths[off[0]], stated[off[0]])
+        if extra := len(set(sizes) - {hs_key(i) for i in range(len(lengths))}):
+            log.warning("%s holds %d file(s) beside the hidden states of the dataset's %d rows: no row names them, so "
+                        "they are not imported", f"{self.store.uri.rstrip('/')}/{HIDDEN}", extra, len(lengths))
         return [ForeignFile(str(i), hs_key(i), sizes.get(hs_key(i), 0), int(n)) for i, n in enumerate(lengths)]
 
     def _load(self, f: ForeignFile) -> tuple[dict[str, torch.Tensor], str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -366,9 +367,10 @@ def test_an_import_with_another_model_than_the_export_records_warns(prenorm_run,
     assert not [r for r in caplog.records if "records that these states are of" in r.getMessage()]
 
 
-def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, tmp_path):
+def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, tmp_path, capsys):
     """A file cut short (a .ckpt.gz, an hs_{i}.safetensors) is one bad sample, skipped and named in
-    its shard's commit, not a failure of the whole shard on every rerun."""
+    its shard's commit, not a failure of the whole shard on every rerun; the import's end says that
+    files were left out (it said COMPLETE alone, as of a whole import)."""
     import gzip
 
     sf, spec = tmp_path / "sf", tmp_path / "spec"
@@ -387,6 +389,33 @@ def test_an_import_skips_truncated_files_with_their_reason(prenorm_run, target, 
         skipped = [s for c in commits for s in c.skipped]
         assert sum(c.num_records for c in commits) == 3 and len(skipped) == 1
         assert skipped[0]["reason"] == "unreadable" and "cut short" in skipped[0]["detail"]
+        assert f"warning: 1 file of {src} could not be read and is left out of the run" in capsys.readouterr().err
+
+
+def test_a_file_deleted_after_the_plan_is_a_skipped_sample_not_a_failed_shard(prenorm_run, target, tmp_path,
+                                                                               monkeypatch, capsys):
+    """A SpecForge file removed while the import ran failed its whole shard on every retry ("ObjectNotFound"),
+    and the same command was then refused (the files' fingerprint had changed): a run left at 596/600."""
+    from layertap.extract import interop
+
+    sf = tmp_path / "sf"
+    assert cli(["export", prenorm_run, "--to", "specforge", str(sf), "--limit", "4"]) == 0
+    gone = sorted(sf.rglob("data_*.ckpt"))[2]
+    planned = interop.plan_import
+
+    def then_deleted(*args, **kwargs):
+        result = planned(*args, **kwargs)
+        gone.unlink()
+        return result
+
+    monkeypatch.setattr(interop, "plan_import", then_deleted)
+    back = str(tmp_path / "back")
+    assert cli(["import", str(sf), "--from", "specforge", "--out", back, "--layers", "1,3", "--model", target]) == 0
+    out = capsys.readouterr().out
+    assert "COMPLETE" in out and "3/4 stored, 1 skipped: unreadable 1" in out, out
+    store = open_store(back)
+    [skip] = [s for o in store.list(layout.COMMITS) for s in decode_commit(store.get(o.key), o.key).skipped]
+    assert skip["reason"] == "unreadable" and "is missing: deleted since the import was planned" in skip["detail"]
 
 
 def test_an_import_with_too_many_layers_for_the_targets_width_is_refused(prenorm_run, target, tmp_path, capsys):
@@ -781,3 +810,69 @@ def test_the_layertap_transfer_reads_each_row_with_one_get_in_any_order(target, 
         first = [transfer.get_cached(i) for i in order]
         assert all(first)
     assert len(gets) == len(order)  # the second pass: one ranged GET a row, every index read already
+
+
+def test_a_file_on_s3_that_does_not_read_is_read_again_before_it_is_skipped():
+    """A .ckpt read with a byte flipped on its way fails its zip CRC (a multipart object, which no
+    ETag's MD5 checks): it was skipped as unreadable, and the committed shard kept it out for good.
+    On S3 a file is read twice before it is skipped; a local file, and a sample that reads but cannot
+    be trained on, once."""
+    from layertap.extract.interop import BadSample, _read
+    from layertap.storage.errors import InputError
+    from layertap.storage.foreign import ForeignFile
+
+    class Reader:
+        def __init__(self, fails: int, error=InputError("bad CRC-32 for file 'data_0/data.pkl'")):
+            self.fails, self.reads, self.error = fails, 0, error
+
+        def read(self, f):
+            self.reads += 1
+            if self.reads <= self.fails:
+                raise self.error
+            return "sample"
+
+    f = ForeignFile("0", "rows_0-2000/data_0.ckpt", 100)
+    once = Reader(1)
+    assert _read(once, f, "s3://b/x", again=True) == "sample" and once.reads == 2
+    for reader, again in ((Reader(9), True), (Reader(1), False), (Reader(1, BadSample("non_finite", "NaN")), True)):
+        with pytest.raises(InputError):
+            _read(reader, f, "x", again=again)
+        assert reader.reads == (2 if again and reader.fails == 9 else 1)
+
+
+def test_an_import_of_many_bad_files_warns_of_a_few_and_counts_the_rest(prenorm_run, target, tmp_path, caplog):
+    """A source of bad files logged a warning each (39 lines for 40 files): the first few of a reason,
+    then how many more, where `status` counts them."""
+    import logging
+
+    sf = tmp_path / "sf"
+    assert cli(["export", prenorm_run, "--to", "specforge", str(sf), "--limit", "8"]) == 0
+    for f in sorted(sf.rglob("data_*.ckpt"))[1:]:  # the first one is read to plan
+        f.write_bytes(f.read_bytes()[:100])
+    back = str(tmp_path / "back")
+    with caplog.at_level(logging.INFO, logger="layertap"):
+        assert cli(["import", str(sf), "--from", "specforge", "--out", back, "--layers", "1,3", "--model", target]) == 0
+    shown = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage().startswith("skipped ")]
+    assert len(shown) == 5, [r.getMessage() for r in shown]
+    assert f"2 more file(s) skipped than shown above (5 a reason at most): `layertap status {back}` counts them" \
+        in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators", "modelopt"])
+def test_a_first_file_that_does_not_read_is_skipped_not_the_whole_import(prenorm_run, s3_postnorm_run, target,
+                                                                         tmp_path, capsys, caplog, fmt):
+    """The plan checked the arguments against the first file alone: one cut short refused the whole
+    import, every other file sound. It checks the first that reads, and the import skips the rest."""
+    src = tmp_path / fmt
+    run = s3_postnorm_run if fmt == "modelopt" else prenorm_run
+    assert cli(["export", run, "--to", fmt, str(src), "--limit", "4"]) == 0
+    pattern = "hs_*.safetensors" if fmt == "speculators" else "*.ckpt" if fmt == "specforge" else "*.pt"
+    files = sorted(src.rglob(pattern),
+                   key=lambda p: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", p.name)])
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    back = str(tmp_path / "back")
+    layers = "2,4" if fmt == "speculators" else "1,3"
+    assert cli(["import", str(src), "--from", fmt, "--out", back, "--layers", layers, "--model", target]) == 0, \
+        capsys.readouterr().err[-3000:]
+    assert "3/4 stored, 1 skipped: unreadable 1" in capsys.readouterr().out
+    assert "the plan checks the arguments against" in caplog.text

@@ -162,10 +162,12 @@ def test_an_empty_first_file_does_not_plan_the_import_as_one_shard(qwen3, tmp_pa
     assert len(json.loads((out / "manifest.json").read_text())["shards"]) > 5
 
 
-@pytest.mark.parametrize("damage", ["null row", "string ids", "seq_len 0"])
-def test_a_malformed_speculators_dataset_names_its_row_or_column(qwen3, tmp_path, capsys, damage):
-    """"seq_len 0": the column the plan counts tokens by, beside token ids the import reads: planned as
-    a row the import skips, its record made the commit hold more than the plan, refused on every retry."""
+@pytest.mark.parametrize("damage", ["null row", "string ids", "seq_len 0", "a row less"])
+def test_a_malformed_speculators_dataset_names_its_row_or_column(qwen3, tmp_path, capsys, caplog, damage):
+    """"seq_len 0": the column the plan counted tokens by, beside token ids the import reads: planned as
+    a row the import skips, its record made the commit hold more than the plan, refused on every retry;
+    a wrong seq_len everywhere planned all rows into one shard. The plan counts the ids, and says so.
+    "a row less": a hidden-state file no row names was left out without a word."""
     src = write_files(tmp_path / "src", "speculators", [sample(i) for i in range(3)])
     rows = datasets.load_from_disk(src)
     rows = rows.to_list()
@@ -174,6 +176,8 @@ def test_a_malformed_speculators_dataset_names_its_row_or_column(qwen3, tmp_path
     elif damage == "seq_len 0":
         assert rows[1]["seq_len"] > 0
         rows[1]["seq_len"] = 0
+    elif damage == "a row less":
+        rows = rows[:2]
     else:
         for r in rows:
             r["input_ids"] = [str(i) for i in r["input_ids"]]
@@ -191,6 +195,10 @@ def test_a_malformed_speculators_dataset_names_its_row_or_column(qwen3, tmp_path
     elif damage == "seq_len 0":  # the import reads the ids: every row imported
         assert code == 0, capsys.readouterr().err[-3000:]
         assert len(imported(out)[0]) == 3
+        assert "1 row(s) hold another number of input_ids than their seq_len (row 1: " in caplog.text
+    elif damage == "a row less":
+        assert code == 0 and len(imported(out)[0]) == 2
+        assert "holds 1 file(s) beside the hidden states of the dataset's 2 rows: no row names them" in caplog.text
     else:  # every row: the import is refused before anything is written
         assert code == 2 and "its column input_ids is List(Value('string'))" in capsys.readouterr().err
         assert not os.path.exists(out)
