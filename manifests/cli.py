@@ -136,8 +136,9 @@ def _trainer_jobs(store, listing: str | None) -> list[str]:
         output = consumer_of(store)
     except ManifestError:
         output = None
-    jobs = [j.job for j in _slurm_jobs(output, listing) if j.kind == "train"] if output else []
-    return sorted({*jobs, *consuming_trainers(store_location(store.uri), listing)})
+    if output is not None:  # the trainer that claimed it resumes; another --delete-consumed one is refused the run
+        return [j.job for j in _slurm_jobs(output, listing) if j.kind == "train"]
+    return consuming_trainers(store_location(store.uri), listing)
 
 
 def _without_dead_tasks(s: dict, listing: str | None) -> None:
@@ -641,13 +642,14 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"verified {counted(result.checked, 'committed shard')}: {result.ok} ok, {len(result.bad)} bad"
               + (f"; {result.consumed} more consumed by training (data deleted, as intended; not read)"
                  if result.consumed else ""))
+        redo = "import" if result.imported_from else "extract"  # the command that redoes a withdrawn shard
         for b in result.bad:
             if b["shard"] in result.not_withdrawn:
                 print(f"  BAD shard {b['shard']}: {b['error']} (not withdrawn"
-                      + ("; `layertap verify` without --dry-run withdraws it, then `layertap extract` redoes it)"
+                      + (f"; `layertap verify` without --dry-run withdraws it, then `layertap {redo}` redoes it)"
                          if args.dry_run else ")"))
             else:
-                print(f"  WITHDRAWN shard {b['shard']}: {b['error']} (the next `layertap extract` redoes it)")
+                print(f"  WITHDRAWN shard {b['shard']}: {b['error']} (the next `layertap {redo}` redoes it)")
         if result.orphans_deleted:
             print(f"  deleted {result.orphans_deleted} data objects of crashed attempts that no commit names")
         if result.gone:

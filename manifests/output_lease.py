@@ -279,6 +279,14 @@ class OutputLease:
             self.store.delete_many(others)
         return True
 
+    def _progress_said(self) -> bytes:
+        """The beat's body: what `progress` says, or nothing where it fails (the beat must go on)."""
+        try:
+            return json.dumps(self.progress()).encode() if self.progress is not None else b""
+        except Exception as e:  # noqa: BLE001 - a report, never the lease's end
+            log.debug("the output lease's progress report failed: %s", e)
+            return b""
+
     def _renew(self) -> None:
         """Beat every ttl/4 while the lease is ours: a PUT of this holder's own beat key, which a
         PUT landing late cannot turn into anyone else's lease (it only refreshes a lease under
@@ -289,6 +297,6 @@ class OutputLease:
                 self._look()
                 if self.lost.is_set():
                     return
-                self.store.put(beat, json.dumps(self.progress()).encode() if self.progress is not None else b"")
+                self.store.put(beat, self._progress_said())
             except StoreError as e:  # keep trying: the lease only goes stale after ttl_s
                 log.warning("output lease heartbeat failed: %s", e)

@@ -27,7 +27,7 @@ METRICS = "metrics.jsonl"  # one JSON line per step, rewritten whole with each c
 LATEST = "checkpoints/latest.json"  # {"step", "prefix"}: the checkpoint that counts
 EXPORT_CONFIG = "drafter/config.json"  # written with the weights once training finished
 # where the trainer ran as a job of `layertap submit train`, whose script passes --resume itself
-RESUBMIT = "as a Slurm job of `layertap submit train`: the same submit command, which passes --resume"
+RESUBMIT = "as a Slurm job of `layertap submit`: the same submit command, which passes --resume"
 TAIL_BYTES = 64 << 10  # the last metrics line is in the file's last 64 KiB (a line is ~0.5 KiB)
 
 

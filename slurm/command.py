@@ -838,8 +838,8 @@ def _fits_the_partition(flag: str, nodes: int, shapes: list[NodeShape]) -> None:
     waited in the queue for good (PartitionConfig), and a resubmission was told it was queued."""
     counts = [s.nodes for s in shapes]
     if shapes and None not in counts and nodes > max(counts):
-        have = ", ".join(f"partition {s.partition} has {s.nodes}" for s in shapes)
-        raise ConfigError(f"{flag} {nodes}: {have} node(s) in all (sinfo), and a training job runs on all of its "
+        have = ", ".join(f"partition {s.partition} has {s.nodes} node(s)" for s in shapes)
+        raise ConfigError(f"{flag} {nodes}: {have} in all (sinfo), and a training job runs on all of its "
                           f"nodes at once: it would wait in the queue for good; give {flag} {max(counts)} or fewer")
 
 
@@ -883,7 +883,7 @@ def _check_resumable_here(out, cfg, ranks: _Ranks | None) -> None:
         return
     check_resume_settings(ckpt.state, cfg)
     world = ckpt.state.get("world_size")
-    if ranks is not None and world != ranks.nodes * ranks.procs:
+    if ranks is not None and ranks.nodes > 0 and ranks.procs > 0 and world != ranks.nodes * ranks.procs:
         raise ConfigError(f"--out {cfg.out} holds a checkpoint written by {world} process(es), which the job "
                           f"resumes, and it would run {ranks.nodes * ranks.procs} ({ranks.flag} {ranks.nodes} x "
                           f"{ranks.procs} per node): the data order depends on it; give a node and process count "
@@ -919,14 +919,17 @@ def _submit_train(args: argparse.Namespace) -> int:
                           "dependency and start the training at once; check the id with squeue or sacct, and leave "
                           "--after out for a job that has finished")
     nodes = partition_shapes(_job_partition(args))
-    gpus = _gpus_per_node(args, nodes)
     _fits_the_partition("--nodes", args.nodes, nodes)
-    cfg = _train_config(args, ranks=_Ranks("--nodes", args.nodes, args.procs_per_node or max(gpus, 1)))
+    # the processes a checkpoint is checked against, where known before `_gpus_per_node`, whose refusal of a
+    # GPU partition without --gpus-per-node comes after "nothing to submit" (a finished training's)
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else None if any(n.gpus for n in nodes) else 0
+    ranks = _Ranks("--nodes", args.nodes, args.procs_per_node or max(gpus, 1)) if gpus is not None else None
+    cfg = _train_config(args, ranks=ranks)
     where = store_location(cfg.out)
     if (why := _no_trainer_needed(cfg, queued_training(where))) is not None:
         _say(args, f"nothing to submit: {why}")
         return 0
-    opts = _train_options(args, gpus, cfg, nodes)
+    opts = _train_options(args, _gpus_per_node(args, nodes), cfg, nodes)
     if not cfg.follow and not args.after:
         _data_is_a_run(cfg)
     script = train_script(opts, args.nodes, tool_argv(args, args._tool_actions), _resume_flag(args._tool_actions),

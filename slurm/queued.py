@@ -259,8 +259,11 @@ def training_tag(location: str, follow: bool, deletes: bool, data: str | None = 
     kind and, for a --delete-consumed trainer, the run it consumes (`data`, a `store_location`);
     None where too long for Slurm."""
     named = f" data={quote(data, safe='/:')}" if deletes and data else ""
-    text = f"layertap-train follow={int(follow)} delete={int(deletes)}{named} out={location}"
-    return text if len(text) <= MAX_TAG else None
+    for text in (f"layertap-train follow={int(follow)} delete={int(deletes)}{named} out={location}",
+                 f"layertap-train follow={int(follow)} delete={int(deletes)} out={location}"):  # data= too long
+        if len(text) <= MAX_TAG:
+            return text
+    return None
 
 
 def queued_training(location: str, listing: str | None = None) -> list[QueuedTrainer]:

@@ -229,9 +229,9 @@ def test_a_resumed_delete_consumed_trainer_records_what_its_checkpoint_consumed(
     store, seen = _store(uri), []
     await_data = trainer._await_data
 
-    def first_wait(run, step, saved):
+    def first_wait(run, step, saved, *rest):
         seen.append((step, consumed_shards(store), watermarks(store)))
-        return await_data(run, step, saved)
+        return await_data(run, step, saved, *rest)
 
     monkeypatch.setattr(trainer, "_await_data", first_wait)
     assert cli([*base, "--delete-consumed", "--resume"]) == 0
@@ -448,9 +448,9 @@ def test_a_stream_waiting_beside_runs_warns_so_a_caller_without_logging_sees_it(
 
 
 def test_ranks_but_the_first_wait_for_the_manifest_quietly_and_seldom(tmp_path, monkeypatch, caplog):
-    """Every rank of a follow trainer looked for the manifest every 0.5-2 s and listed the runs beside
-    it (a LIST and up to 50 HEADs) to warn of them: a thousand ranks, a thousand times rank 0's cost.
-    The other ranks say nothing, look no more often than every 30 s, and still find the run."""
+    """Every rank of a follow trainer listed the runs beside the prefix (a LIST and up to 50 HEADs) to
+    warn of them, and looked as often as rank 0 (--follow-poll-s): a thousand ranks, a thousand times
+    rank 0's cost. The other ranks say nothing, back off to 30 s at least, and still find the run."""
     import logging
 
     from layertap.train import follow

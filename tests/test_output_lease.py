@@ -396,3 +396,29 @@ def test_status_names_the_running_trainers_last_step_and_a_trainer_that_no_longe
         assert cli(["status", out.uri, "--json"]) == 3
         trainer = json.loads(capsys.readouterr().out)["trainer"]
         assert trainer["last_step"] == 7 and trainer["last_step_s_ago"] >= 700 and trainer["waiting_for_data"]
+
+
+def test_the_trainer_tells_its_lease_its_last_step(tmp_path, monkeypatch):
+    """What each beat says comes from the training loop: the last step, how long ago it ended, and no
+    wait for data outside follow mode (the lease test above sets `progress` by hand)."""
+    sys.path.insert(0, str(HERE))
+    import fake_worker
+    from layertap.cli import main as cli
+    from layertap.train import trainer
+    from tiny_models import tiny_model_dir
+
+    said = []
+
+    class Recording(OutputLease):
+        def release(self) -> None:
+            said.append(self.progress() if self.progress is not None else None)
+            super().release()
+
+    monkeypatch.setattr(trainer, "OutputLease", Recording)
+    run = str(tmp_path / "run")
+    fake_worker.work(run)
+    model = tiny_model_dir(tmp_path / "models", "qwen3", hidden_size=fake_worker.HIDDEN)
+    assert cli(["train", "--data", run, "--model", model, "--out", str(tmp_path / "d"), "--steps", "3",
+                "--batch-size", "2", "--block-size", "4", "--max-anchors", "8"]) == 0
+    [last] = said
+    assert last["step"] == 3 and 0 <= last["step_age_s"] < 60 and last["waiting_for_data"] is False, last

@@ -481,6 +481,11 @@ def test_a_queued_trainer_is_named_not_started_again_by_hand(tmp_path, capsys, m
     fake_squeue(bin_, [])
     assert cli(["status", run]) == 3
     assert "THE TRAINER IS NOT RUNNING" in capsys.readouterr().out
+    # another --delete-consumed trainer of the run, for another output: the run refuses it at its start
+    other = training_tag(store_location(str(tmp_path / "other")), True, True, store_location(run))
+    fake_squeue(bin_, [("90", "PENDING", "Resources", other)])
+    assert cli(["status", run]) == 3
+    assert "THE TRAINER IS NOT RUNNING" in capsys.readouterr().out
     fake_squeue(bin_, [("91", "PENDING", "BeginTime", training_tag(store_location(out), True, True))])
     assert cli(["status", run]) == 3
     said = capsys.readouterr().out
@@ -493,7 +498,7 @@ def test_a_queued_trainer_is_named_not_started_again_by_hand(tmp_path, capsys, m
     fake_squeue(bin_, [])  # none queued: a trainer by hand resumes with --resume, a job by the same submit command
     assert cli(["status", out]) == 3
     assert "training stopped (the same `layertap train` command with --resume continues from the checkpoint; as a " \
-        "Slurm job of `layertap submit train`: the same submit command, which passes --resume)" \
+        "Slurm job of `layertap submit`: the same submit command, which passes --resume)" \
         in capsys.readouterr().out
 
 
@@ -526,6 +531,10 @@ def test_a_trainer_queued_before_its_claim_is_named_by_the_run(tmp_path, capsys,
     assert "THE TRAINER IS QUEUED: no --delete-consumed trainer has claimed this run yet, and Slurm job(s) 93 " \
         "that consume it are queued or running (squeue)" in said and "NO TRAINER DELETES" not in said, said
     assert cli(["status", run, "--json"]) == 3 and json.loads(capsys.readouterr().out)["trainer_jobs"] == ["93"]
+    # a data= that does not fit Slurm's comment leaves the tag without it, not the job without a tag
+    from layertap.slurm.queued import training_tag
+
+    assert training_tag("/o", True, True, "/" + "\u30c7" * 400) == "layertap-train follow=1 delete=1 out=/o"
     # a trainer of another run, or one that does not delete, opens no window of this one
     others = [("94", "PENDING", "Resources", comment.replace("the%20run", "other")),
               ("95", "RUNNING", "None", comment.replace("delete=1", "delete=0"))]

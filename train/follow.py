@@ -77,16 +77,18 @@ def _looks(poll_s: float) -> Backoff:
     return Backoff(FIRST_DELAY_S, max(FIRST_DELAY_S, poll_s))
 
 
-QUIET_POLL_S = 30.0  # the least wait between a quiet waiter's looks for the manifest
+QUIET_POLL_S = 30.0  # a quiet waiter's looks for the manifest back off to every 30 s at least (`wait_for_manifest`)
 
 
 def wait_for_manifest(store: ObjectStore, poll_s: float, quiet: bool = False) -> Manifest:
     """The run's manifest, waiting while extraction has not written it yet (`layertap extract`
     writes it when it starts). `quiet`: the ranks but the first of a trainer, which say nothing
-    and look at most every QUIET_POLL_S (a thousand ranks each looking every `poll_s`, and each
-    listing the runs beside it to name them, cost a thousand times what rank 0 alone does). Not a
-    barrier behind rank 0: a collective times out (30 min) long before a queued extraction starts."""
-    backoff, logged, hint = _looks(max(poll_s, QUIET_POLL_S) if quiet else poll_s), 0.0, None
+    (each listed the runs beside the prefix, a LIST and up to 50 HEADs, to name them: a thousand
+    ranks, a thousand times rank 0's cost), back off to every QUIET_POLL_S at least and spread their
+    looks (jittered: not all in step). Not a barrier behind rank 0: a collective times out (30
+    min) long before a queued extraction starts."""
+    backoff = Backoff(FIRST_DELAY_S, max(poll_s, QUIET_POLL_S), jitter=0.25) if quiet else _looks(poll_s)
+    logged, hint = 0.0, None
     while True:
         try:
             return load_manifest(store)

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -739,15 +740,20 @@ def _loop(run: _Run, start: int) -> int:
         # without --delete-consumed) may have none yet, and a full window would then wait for good.
         _delete_consumed(run, start)
     nonfinite = 0  # steps in a row whose loss or gradient was NaN or infinite
-    last = {"step": step, "at": time.monotonic(), "waiting_for_data": False}
-    if run.lease is not None:  # its beats say how long ago the last step ended: `status` of the output shows it
-        run.lease.progress = lambda: {"step": last["step"], "step_age_s": round(time.monotonic() - last["at"], 1),
-                                      "waiting_for_data": last["waiting_for_data"]}
+    # its lease's beats say how long ago the last step ended (`status` of the output shows it), and whether
+    # the ranks wait for data: in the wait, with a reduce of the ranks' flags returned lately (a rank that
+    # hangs holds the others in that reduce, which is no wait for data)
+    last = {"step": step, "at": time.monotonic(), "in_wait": False, "agreed": 0.0}
+    if run.lease is not None:
+        run.lease.progress = lambda: {
+            "step": last["step"], "step_age_s": round(time.monotonic() - last["at"], 1),
+            "waiting_for_data": last["in_wait"] and time.monotonic() - last["agreed"] < WAIT_AGREED_S}
     while step < run.total:
         awaited = time.perf_counter()  # follow mode waits for the step's batches here, not in `train_step`
-        last["waiting_for_data"] = cfg.follow
-        stopped, saved = _await_data(run, step, saved) if cfg.follow else (False, saved)
-        last["waiting_for_data"] = False
+        last["in_wait"] = cfg.follow
+        stopped, saved = _await_data(run, step, saved, lambda: last.update(agreed=time.monotonic())) \
+            if cfg.follow else (False, saved)
+        last["in_wait"] = False
         awaited = time.perf_counter() - awaited
         if not stopped:
             epoch = run.batches.epoch  # the step's: once it has taken an epoch's last batch, the next
@@ -867,7 +873,10 @@ def _check_finite(run: _Run, stats: StepStats, before: int) -> int:
                     "--stats` shows max |x| per layer), or a --lr that diverged")
 
 
-def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
+WAIT_AGREED_S = 120.0  # a wait for data whose ranks last agreed longer ago is taken for a hang (`_loop`)
+
+
+def _await_data(run: _Run, step: int, saved: int, agreed: Callable[[], None] = lambda: None) -> tuple[bool, int]:
     """Follow mode, before step `step`: wait until every rank has the step's batches (all
     --grad-accum of them, or those to its epoch's end: a wait inside the step could neither stop
     nor checkpoint). Returns whether a stop signal came first (the caller then exits as after a
@@ -880,7 +889,8 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
     window opens. Ranks decide together, by one small reduce per step and per `STALL_CHECK_S`
     seconds of waiting (none on one rank while its batch is there), and while any rank waits, rank 0
     looks for the stall and tells the others (a second reduce): whichever rank lacks its batch,
-    not only rank 0 (ranks' shares of a follow run differ by a few samples at a stall)."""
+    not only rank 0 (ranks' shares of a follow run differ by a few samples at a stall). `agreed` is
+    called as each reduce returns: the ranks are alive and waiting."""
     acc, world = run.acc, run.acc.num_processes
 
     def any_rank(*values: bool) -> list[bool]:
@@ -892,6 +902,7 @@ def _await_data(run: _Run, step: int, saved: int) -> tuple[bool, int]:
         if world == 1 and have:
             return False, saved
         missing, stop = any_rank(not have, run.stop.requested is not None)
+        agreed()
         if stop or not missing:
             return stop, saved
         if not (run.cfg.delete_consumed and step > saved):
