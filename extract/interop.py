@@ -278,15 +278,15 @@ def check_trainable(sample: Sample, vocab_size: int, where: str) -> Sample:
     return sample
 
 
-def _token_counts(files: list[ForeignFile], first_tokens: int, values_per_token: int) -> list[int]:
+def _token_counts(files: list[ForeignFile], probe: ForeignFile, probe_tokens: int, values_per_token: int) -> list[int]:
     """Each file's tokens for the plan: exact where the layout lists them, else estimated from
-    its size at the first file's tokens per byte (opening every file twice would double the I/O).
-    A first file of no tokens gives no rate (every file was planned as one token: one giant shard):
+    its size at the tokens per byte of the file the plan read (`probe`; opening every file twice
+    would double the I/O). One of no tokens gives no rate (every file was planned as one token: one giant shard):
     then a token is taken for its capture values at 2 bytes each, the most tokens a file can hold.
     At least 1 each: a count of 0 plans the row as one the import skips (`plan_shards`), and its
     commit may then hold no record of it, but a listed count is not what the import reads (a
     speculators `seq_len` of 0 beside token ids it imports)."""
-    per_byte = first_tokens / files[0].size if first_tokens and files[0].size else 1 / (2 * max(values_per_token, 1))
+    per_byte = probe_tokens / probe.size if probe_tokens and probe.size else 1 / (2 * max(values_per_token, 1))
     return [max(1, f.num_tokens if f.num_tokens is not None else round(f.size * per_byte)) for f in files]
 
 
@@ -307,11 +307,16 @@ def _probe(rd: ForeignReader, files: list[ForeignFile], src: ObjectStore,
         except InputError as e:
             errors.append((f, e))
             continue
+        except ObjectNotFound:  # deleted since the listing: skipped by the import too
+            errors.append((f, InputError(f"{where} is missing: deleted since it was listed")))
+            continue
         check(values, where)  # the arguments against a file that reads: refused, for every file
+        kind = getattr(rd, "final_state", None)  # a ModelOpt read takes the run's from the first file it reads
         try:
             sample = rd.read(f)
-        except InputError as e:
-            errors.append((f, e))
+        except (InputError, ObjectNotFound) as e:
+            errors.append((f, e if isinstance(e, InputError) else InputError(f"{where} is missing")))
+            rd.final_state = kind  # not decided by a file that failed
             continue
         if errors:
             log.warning("%s of %s do not read (%s: %s): the plan checks the arguments against %s, and the import "
@@ -358,7 +363,7 @@ def plan_import(src: ObjectStore, fmt: str, out: ObjectStore, *, layers: list[in
                             ) from None
     identity = RunConfig(model=model, gguf_file=gguf_file, layers=ours, final_state=rd.final_state,
                          hidden_size=target.hidden_size, codec=codec)
-    counts = _token_counts(files, first.num_tokens, values[0])
+    counts = _token_counts(files, probe, first.num_tokens, values[0])
     manifest, created = create_or_resume(
         out, config=identity, dataset={"fingerprint": _fingerprint(fmt, files), "path": src.uri, "format": fmt},
         token_counts=counts, shard_bytes=shard_bytes,

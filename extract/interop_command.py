@@ -153,8 +153,10 @@ def run_import(args: argparse.Namespace) -> int:
               f"on; fix the source or the import's arguments, then `layertap delete {args.out}` and import again",
               file=sys.stderr)
         return 1
-    if unread := ((status.get("skipped_by_reason") or {}).get("counts") or {}).get(UNREADABLE):
-        print(f"\nwarning: {counted(unread, 'file')} of {args.src} could not be read and "
+    reasons = status.get("skipped_by_reason") or {}
+    if unread := (reasons.get("counts") or {}).get(UNREADABLE):
+        least = "at least " if reasons.get("shards_read", 0) < reasons.get("shards_with_skips", 0) else ""
+        print(f"\nwarning: {least}{counted(unread, 'file')} of {args.src} could not be read and "
               f"{'is' if unread == 1 else 'are'} left out of the run (the reasons above; `layertap status {args.out}` "
               f"counts them): to include them, repair them, then `layertap delete {args.out}` and import again",
               file=sys.stderr)

@@ -545,7 +545,8 @@ def _last_step_text(h: dict) -> str:
         return ""
     ago = duration(h["last_step_s_ago"])
     text = f"; step {h['last_step']:,} ended {ago} ago" if h["last_step"] else f"; no step yet ({ago} into the loop)"
-    return text + ("; it waits for extraction" if h.get("waiting_for_data") else "")
+    return text + ("; it waits for extraction" if h.get("waiting_for_data") else "") \
+        + ("; it writes a checkpoint" if h.get("saving_checkpoint") else "")
 
 
 def format_training(t: dict) -> str:
@@ -589,7 +590,8 @@ def format_training(t: dict) -> str:
 
         lines.append(f"  trainer     running: {holder_text(h)} (its lease on the output renewed "
                      f"{duration(h['lease_renewed_s_ago'])} ago)" + _last_step_text(h))
-        if h.get("last_step_s_ago", 0) >= SILENT_STEP_S and not h.get("waiting_for_data"):
+        if h.get("last_step_s_ago", 0) >= SILENT_STEP_S and not h.get("waiting_for_data") \
+                and not h.get("saving_checkpoint"):
             signal = f"scancel --signal=USR2 {h['slurm_job']}" if h.get("slurm_job") else f"kill -USR2 {h.get('pid')}"
             lines.append(f"  NO STEP FOR {duration(h['last_step_s_ago'])}: its ranks may hang (in a collective, "
                          "waiting on a rank that stopped or hangs, until the backend's timeout); `" + signal

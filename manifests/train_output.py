@@ -105,7 +105,8 @@ def _last_step(store: ObjectStore, held: Held, now: float) -> dict[str, Any]:
     if type(step) is not int or not isinstance(age, (int, float)) or isinstance(age, bool):
         return {}
     return {"last_step": step, "last_step_s_ago": round(max(0.0, age + now - held.modified), 1),
-            "waiting_for_data": said.get("waiting_for_data") is True}
+            "waiting_for_data": said.get("waiting_for_data") is True,
+            "saving_checkpoint": said.get("saving_checkpoint") is True}
 
 
 def step_prefix(step: int) -> str:

@@ -876,3 +876,7 @@ def test_a_first_file_that_does_not_read_is_skipped_not_the_whole_import(prenorm
         capsys.readouterr().err[-3000:]
     assert "3/4 stored, 1 skipped: unreadable 1" in capsys.readouterr().out
     assert "the plan checks the arguments against" in caplog.text
+    # the plan's tokens per byte are the file it read's (the first file's size beside them planned ~100x)
+    assert cli(["status", back, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["tokens_total_est"] < 3 * s["tokens_done"], s

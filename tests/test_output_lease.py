@@ -393,6 +393,11 @@ def test_status_names_the_running_trainers_last_step_and_a_trainer_that_no_longe
         said.update(waiting_for_data=True)  # a follow trainer waiting for extraction is not hung
         text = shown()
         assert "it waits for extraction" in text and "NO STEP" not in text, text
+        said.update(waiting_for_data=False, saving_checkpoint=True)  # nor one writing a long checkpoint
+        text = shown()
+        assert "it writes a checkpoint" in text and "NO STEP" not in text, text
+        said.update(saving_checkpoint=False, waiting_for_data=True)
+        time.sleep(0.3)
         assert cli(["status", out.uri, "--json"]) == 3
         trainer = json.loads(capsys.readouterr().out)["trainer"]
         assert trainer["last_step"] == 7 and trainer["last_step_s_ago"] >= 700 and trainer["waiting_for_data"]
@@ -422,3 +427,4 @@ def test_the_trainer_tells_its_lease_its_last_step(tmp_path, monkeypatch):
                 "--batch-size", "2", "--block-size", "4", "--max-anchors", "8"]) == 0
     [last] = said
     assert last["step"] == 3 and 0 <= last["step_age_s"] < 60 and last["waiting_for_data"] is False, last
+    assert last["saving_checkpoint"] is False

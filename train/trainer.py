@@ -628,6 +628,7 @@ class _Run:
     data: ObjectStore  # the run being trained on
     distill: Distill | None = None  # --objective kl|ce+kl: the teacher side
     lease: OutputLease | None = None  # rank 0's hold on --out
+    saving: bool = False  # a checkpoint is being written: its lease's beats say so (a long save is no hang)
 
 
 @dataclass
@@ -747,7 +748,8 @@ def _loop(run: _Run, start: int) -> int:
     if run.lease is not None:
         run.lease.progress = lambda: {
             "step": last["step"], "step_age_s": round(time.monotonic() - last["at"], 1),
-            "waiting_for_data": last["in_wait"] and time.monotonic() - last["agreed"] < WAIT_AGREED_S}
+            "waiting_for_data": last["in_wait"] and time.monotonic() - last["agreed"] < WAIT_AGREED_S,
+            "saving_checkpoint": run.saving}
     while step < run.total:
         awaited = time.perf_counter()  # follow mode waits for the step's batches here, not in `train_step`
         last["in_wait"] = cfg.follow
@@ -973,6 +975,14 @@ def _record(stats: StepStats, epoch: int, bs: int, wait: float, kl: bool = False
 
 
 def _save(run: _Run, step: int) -> None:
+    run.saving = True
+    try:
+        _write_checkpoint(run, step)
+    finally:
+        run.saving = False
+
+
+def _write_checkpoint(run: _Run, step: int) -> None:
     acc = run.acc
     # DDP keeps replicas equal by construction; a checkpoint is where a silent divergence
     # (a rank that skipped a step, a non-deterministic kernel) would be frozen in: refuse it.
