@@ -40,8 +40,9 @@ from layertap.manifests.records import Producer
 from layertap.manifests.status import still_committed
 from layertap.manifests.work import Claim, WorkQueue
 from layertap.storage.errors import ConfigError, InputError, MissingInput, UserError
-from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, ForeignFile, ForeignReader, ForeignWriter,
-                                      foreign_layers, layer_order, printable, reader, unservable_layer, writer)
+from layertap.storage.foreign import (FINAL_STATE, LAYER_OFFSET, PROBE_FILES, ForeignFile, ForeignReader,
+                                      ForeignWriter, foreign_layers, layer_order, printable, reader,
+                                      unservable_layer, writer)
 from layertap.storage.format import ShardError, ShardMeta, UnsupportedShard
 from layertap.storage.identity import RunConfig
 from layertap.storage.reader import ShardReader, object_xxh3_128
@@ -288,9 +289,6 @@ def _token_counts(files: list[ForeignFile], probe: ForeignFile, probe_tokens: in
     speculators `seq_len` of 0 beside token ids it imports)."""
     per_byte = probe_tokens / probe.size if probe_tokens and probe.size else 1 / (2 * max(values_per_token, 1))
     return [max(1, f.num_tokens if f.num_tokens is not None else round(f.size * per_byte)) for f in files]
-
-
-PROBE_FILES = 8  # files the plan tries, in order, for one that reads: its shapes are checked for all
 
 
 def _probe(rd: ForeignReader, files: list[ForeignFile], src: ObjectStore,

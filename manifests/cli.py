@@ -123,9 +123,9 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _trainer_jobs(store, listing: str | None) -> list[str]:
     """The Slurm training jobs queued or running (squeue's `listing`) that will consume the run: those
-    for the output of its --delete-consumed trainer (one queued again resumes it), and those whose tag
-    names the run (a trainer not started yet has not claimed it). The advice to start one by hand
-    started a second."""
+    for the output of the --delete-consumed trainer that claimed it (one queued again resumes it), or,
+    before any claim, those whose tag names the run (`consuming_trainers`). The advice to start one by
+    hand started a second."""
     from layertap.manifests.consumption import consumer_of
     from layertap.manifests.manifest import ManifestError
     from layertap.slurm.queued import consuming_trainers, store_location
@@ -536,7 +536,7 @@ def train_hint(data: str, s3: Any = None) -> str:
             f"--data {data} --out {out}-2")
 
 
-SILENT_STEP_S = 600.0  # a trainer whose last step ended longer ago, not waiting for extraction, is named hung
+SILENT_STEP_S = 600.0  # a trainer whose last step ended longer ago, neither waiting for data nor saving, is named hung
 
 
 def _last_step_text(h: dict) -> str:

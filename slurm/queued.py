@@ -24,10 +24,10 @@ import os
 import re
 import shutil
 import subprocess
-from urllib.parse import quote, unquote
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
+from urllib.parse import quote, unquote
 
 from layertap.extract.config import parse_ids
 from layertap.manifests.work import read_lease

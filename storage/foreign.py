@@ -65,6 +65,9 @@ def unservable_layer(layers: list[int], num_layers: int, remedy: str | None = No
 
 
 # The final state each format carries beside the capture layers ("none": it carries none).
+# files an import tries, in order, for one that reads: the arguments are checked, and the layout's kind
+# told, by the first that does (a first file cut short refused the whole import)
+PROBE_FILES = 8
 FINAL_STATE = {"speculators": "prenorm", "specforge": "none", "modelopt": "postnorm"}
 
 

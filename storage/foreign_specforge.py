@@ -15,8 +15,9 @@ import posixpath
 import torch
 
 from layertap.storage.errors import InputError
-from layertap.storage.foreign import (ForeignFile, as_bf16, as_mask, check_lengths, load_torch, natural_key,
-                                      one_state, printable, save_torch, split_layers, tensor_of, tokens_of)
+from layertap.storage.foreign import (PROBE_FILES, ForeignFile, as_bf16, as_mask, check_lengths, load_torch,
+                                      natural_key, one_state, printable, save_torch, split_layers, tensor_of,
+                                      tokens_of)
 from layertap.storage.records import Sample
 from layertap.storage.store import ObjectStore
 
@@ -79,11 +80,11 @@ class SpecForgeReader:
     def _where(self, key: str) -> str:
         return f"{self.store.uri.rstrip('/')}/{printable(key)}"
 
-    def _first_readable(self, tries: int = 8) -> dict:
-        """The first file that loads, of the first `tries`, which says DFlash or EAGLE-3 for all: a first
-        file cut short refused the whole import (the import skips it, as any file that does not read)."""
+    def _first_readable(self) -> dict:
+        """The first file that loads, of the first PROBE_FILES, which says DFlash or EAGLE-3 for all: a
+        first file cut short refused the whole import (the import skips it, as any file that does not read)."""
         error = None
-        for o in self._files[:tries]:
+        for o in self._files[:PROBE_FILES]:
             try:
                 return load_torch(self.store.get(o.key), self._where(o.key))
             except InputError as e:

@@ -1648,15 +1648,16 @@ def _have_slurm() -> bool:
     return all(shutil.which(b) or os.path.exists(f"/usr/sbin/{b}") for b in ("sbatch", "slurmctld", "slurmd", "munged"))
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """A single-node cluster on localhost, started for these tests and stopped after them."""
+def running_cluster(tmp_path_factory, nodes: int = 1):
+    """A cluster of `nodes` slurmds on localhost (`.ci/slurm.sh`), SLURM_CONF pointing at it while
+    the caller's tests run, then stopped: the body of a module's cluster fixture."""
     if not _have_slurm() and os.geteuid() == 0:
         subprocess.run(["bash", str(SLURM_SH), "install"], check=False)
     if not _have_slurm():
         pytest.skip("Slurm is not installed and cannot be here (needs root and apt: `.ci/slurm.sh install`)")
-    folder = tmp_path_factory.mktemp("slurm")
-    p = subprocess.run(["bash", str(SLURM_SH), "start", str(folder)], capture_output=True, text=True, timeout=120)
+    folder = tmp_path_factory.mktemp(f"slurm{nodes}")
+    p = subprocess.run(["bash", str(SLURM_SH), "start", str(folder)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "SLURM_NODES": str(nodes)})
     assert p.returncode == 0, p.stdout + p.stderr
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(folder / "slurm.conf")
@@ -1666,6 +1667,12 @@ def slurm_cluster(tmp_path_factory):
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A single-node cluster on localhost, started for these tests and stopped after them."""
+    yield from running_cluster(tmp_path_factory)
 
 
 def scontrol_jobs(job: str) -> list[dict[str, str]]:

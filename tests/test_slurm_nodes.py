@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_slurm import SLURM_SH, _have_slurm, job_done, scontrol_jobs, submit, wait_for
+from test_slurm import job_done, running_cluster, scontrol_jobs, submit, wait_for
 from tiny_models import tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -23,20 +23,7 @@ pytestmark = pytest.mark.slow  # starts a two-node Slurm cluster and runs a real
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    if not _have_slurm():
-        pytest.skip("Slurm is not installed (`.ci/slurm.sh install`, as root)")
-    folder = tmp_path_factory.mktemp("slurm2")
-    p = subprocess.run(["bash", str(SLURM_SH), "start", str(folder)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "SLURM_NODES": "2"})
-    assert p.returncode == 0, p.stdout + p.stderr
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(folder / "slurm.conf")
-    yield folder
-    subprocess.run(["bash", str(SLURM_SH), "stop", str(folder)], check=False)
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
+    yield from running_cluster(tmp_path_factory, nodes=2)
 
 
 def test_a_training_job_runs_on_two_nodes_and_a_resubmission_keeps_its_process_count(two_nodes, tmp_path, capsys,
