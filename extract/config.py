@@ -75,8 +75,9 @@ class ExtractConfig:
     out: str = setting(help="run prefix: s3://bucket/prefix or a local folder (required)")
     model: str | None = setting(None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     gguf_file: str | None = setting(None, help="GGUF file inside --model to load")
-    dataset: str | None = setting(None, help="saved dataset folder or .jsonl/.json/.parquet file (default: the "
-                                             "embedded ShareGPT conversations)")
+    dataset: str | None = setting(None, help=".jsonl/.json/.parquet file, a folder of them (a Hub download: "
+                                             "its train split) or a quoted glob of them, or a saved dataset folder "
+                                             "(default: the embedded ShareGPT conversations)")
     layers: list[int] | None = setting(None, parse=parse_ids, help="capture layers, e.g. 1,16,31,46,61 (default: "
                                        "DFlash's spacing); layer k = output of decoder layer k")
     codec: str = setting(DEFAULT_CODEC, choices=CODEC_NAMES, help="hidden-state codec")

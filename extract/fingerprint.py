@@ -9,7 +9,7 @@ import os
 
 import xxhash
 
-from layertap.storage.errors import InputError, MissingInput
+from layertap.storage.errors import InputError
 
 
 def load_saved(path: str):
@@ -43,19 +43,27 @@ def dataset_fingerprint(path: str, limit: int | None = None) -> str:
     an edited file of the same size. A saved dataset folder already carries a content
     fingerprint that ``datasets`` maintains through every transform.
     """
+    from layertap.extract.dataset_files import data_files
     from layertap.extract.regenerated import is_regenerated, regenerated_fingerprint
 
     if is_regenerated(path):
         return regenerated_fingerprint(path, limit)
-    if not os.path.exists(path):
-        raise MissingInput(f"dataset {path!r} does not exist")
-    if os.path.isdir(path):
+    source = data_files(path)
+    if source is None:
         ds = load_saved(path)
         content = f"saved:{ds._fingerprint}:{len(ds)}"
-    else:
-        h = xxhash.xxh3_128()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 23):
-                h.update(chunk)
-        content = f"file:{os.path.getsize(path)}:{h.hexdigest()}"
+    elif source.single:
+        content = f"file:{_file_hash(source.files[0])}"
+    else:  # each file's size and hash in order: not their names (a copied folder is the same data)
+        content = f"files:{len(source.files)}:" + xxhash.xxh3_128(
+            "|".join(_file_hash(f) for f in source.files).encode()).hexdigest()
     return xxhash.xxh3_128(f"v1|{content}|limit={limit}".encode()).hexdigest()
+
+
+def _file_hash(path: str) -> str:
+    """'SIZE:XXH3' of a file's bytes."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return f"{os.path.getsize(path)}:{h.hexdigest()}"

@@ -23,7 +23,6 @@ reason, so a run can account for all of its input.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import json
@@ -37,8 +36,11 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from layertap.extract.dataset_files import DataFiles, data_files, quiet
 from layertap.extract.fingerprint import load_saved
-from layertap.storage.errors import ConfigError, InputError, MissingInput
+from layertap.storage.errors import ConfigError, InputError
+
+log = logging.getLogger(__name__)
 
 USER_ROLES = {"human": "user", "user": "user"}
 ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -47,7 +49,6 @@ SYSTEM_ROLES = {"system": "system", "developer": "system"}  # OpenAI renamed sys
 _ROLES = {**USER_ROLES, **ASSISTANT_ROLES, **SYSTEM_ROLES}
 TOOL_ROLES = {"tool": "tool"}  # tool results; accepted where `normalize_chat` is asked to
 
-_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _MAX_ID_CHARS = 40
 # A string no chat template or dataset produces, standing in for assistant content in the probe.
 _SENTINEL = "\uE000layertap-probe\uE001"
@@ -117,8 +118,9 @@ class TokenizeStats:
 
 
 def load_rows(path: str, limit: int | None = None):
-    """Open ``path`` as a ``datasets.Dataset``: a ``save_to_disk`` folder, a .jsonl/.json/.parquet file,
-    or the output of `layertap regenerate` (a local folder or an S3 prefix).
+    """Open ``path`` as a ``datasets.Dataset``: a .jsonl/.json/.parquet file, a folder or glob of
+    such files (`dataset_files`), a ``save_to_disk`` folder, or the output of `layertap regenerate`
+    (a local folder or an S3 prefix).
 
     ``limit`` keeps the first ``limit`` rows, so a small run sees the same rows as the start of
     a big one.
@@ -131,26 +133,20 @@ def load_rows(path: str, limit: int | None = None):
         raise ConfigError(f"limit must be a positive number of rows, got {limit}")
     if is_regenerated(path):
         return load_regenerated(path, limit)
-    if not os.path.exists(path):
-        raise MissingInput(f"dataset {path!r} does not exist")
-    if os.path.isdir(path):
+    source = data_files(path)
+    if source is None:
         ds = load_saved(path)
     else:
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in _FILE_FORMATS:
-            raise InputError(f"dataset {path!r}: unsupported file type {ext or '(none)'!r}; "
-                             f"use a .jsonl, .json or .parquet file or a datasets save_to_disk folder")
-        if _file_has_no_rows(path, ext):
+        files = [f for f in source.files if not _file_has_no_rows(f)]
+        if not files:
             raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
         try:
-            with _quiet("datasets.packaged_modules"):  # it logs the error it raises, twice over
-                ds = datasets.load_dataset(_FILE_FORMATS[ext], data_files=path, split="train")
+            with quiet("datasets.packaged_modules"):  # it logs the error it raises, twice over
+                ds = datasets.load_dataset(source.builder, data_files=files, split="train")
         except Exception as e:  # datasets wraps parse errors in its own, path-less, exceptions
-            cause = e.__cause__ or e
-            bad = _first_bad_line(path) if ext == ".jsonl" else None
-            raise InputError(f"dataset {path!r} could not be read as {ext}: "
-                             + (bad or f"{type(cause).__name__}: {cause}")
-                             + (_cut_short(path) if ext == ".json" else "")) from e
+            raise InputError(_unreadable(source, files, e)) from e
+        if not source.single:
+            log.info("dataset %s: %d %s files, %d rows", path, len(files), source.builder, len(ds))
     if len(ds) == 0:
         raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
     if limit is not None and limit < len(ds):
@@ -158,16 +154,16 @@ def load_rows(path: str, limit: int | None = None):
     return ds
 
 
-@contextlib.contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    """`logger`'s records below CRITICAL dropped for the block."""
-    log_ = logging.getLogger(logger)
-    level = log_.level
-    log_.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log_.setLevel(level)
+def _unreadable(source: DataFiles, files: list[str], e: Exception) -> str:
+    """Why `datasets` could not read `files`, naming the file and line where a JSON Lines file has
+    a bad one."""
+    cause = e.__cause__ or e
+    kind = os.path.splitext(files[0])[1].lower() if source.single else f"{source.builder} files"
+    said = f"dataset {source.given!r} could not be read as {kind}: "
+    for f in files:
+        if f.lower().endswith(".jsonl") and (bad := _first_bad_line(f)):
+            return said + (bad if source.single else f"{f}: {bad}")
+    return said + f"{type(cause).__name__}: {cause}" + (_cut_short(files[0]) if kind == ".json" else "")
 
 
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -210,9 +206,9 @@ def _cut_short(path: str) -> str:
             f"{reprlib.repr(tail[-40:].decode('utf-8', 'replace'))}): it looks cut short; fetch it again whole")
 
 
-def _file_has_no_rows(path: str, ext: str) -> bool:
+def _file_has_no_rows(path: str) -> bool:
     """Empty inputs make ``datasets`` fail with misleading errors, so spot them first."""
-    if ext == ".parquet":
+    if path.lower().endswith(".parquet"):
         import pyarrow.parquet as pq
 
         try:

@@ -34,7 +34,7 @@ def _complete(path: str) -> tuple[ObjectStore, Recipe, list[Any]]:
     recipe = read_recipe(store)
     if recipe is None:
         raise MissingInput(f"dataset {path!r}: no {RECIPE} there; an S3 dataset must be the output of "
-                           f"`layertap regenerate` (local datasets: a .jsonl/.json/.parquet file or a saved folder)")
+                           f"`layertap regenerate` (local datasets: .jsonl/.json/.parquet files or a saved folder)")
     parts = done_parts(store)
     missing = [p for p in range(recipe.parts) if p not in parts]
     if missing:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import importlib
 import json
 import os
@@ -988,11 +989,18 @@ def _check_inputs_here(cfg) -> None:
     --data); capture layers past the model's decoder layers (its config.json, read here) are
     refused. A missing dataset was submitted, and every task failed on it in the queue."""
     from layertap.extract.config import check_layers
+    from layertap.extract.dataset_files import is_pattern
 
-    # a --dataset is a file, a folder or a store URI, never a hub id: any other path missing here is noted
+    # a --dataset is a file, a folder, a glob of files or a store URI, never a hub id: any other path missing here
+    # is noted
     for flag, path, local in (("--model", cfg.model, _local_path(cfg.model or "")),
                               ("--dataset", cfg.dataset, not (cfg.dataset or "").startswith("s3://"))):
-        if path and local and not os.path.exists(os.path.expanduser(path)):
+        if not path or not local:
+            continue
+        if flag == "--dataset" and is_pattern(path) and not glob.glob(os.path.expanduser(path), recursive=True):
+            _note(f"{flag} {path} matches no file on this host: every task fails at its start unless it matches "
+                  "files on the nodes")
+        elif not is_pattern(path) and not os.path.exists(os.path.expanduser(path)):
             _note(f"{flag} {path} does not exist on this host: every task fails at its start unless it exists on "
                   "the nodes")
     config = os.path.join(os.path.expanduser(cfg.model or ""), "config.json")

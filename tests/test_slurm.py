@@ -881,6 +881,14 @@ def test_dry_run_prints_the_scripts_sized_to_the_run(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert "note: --dataset chatz.jsonl does not exist on this host" in err  # relative (the cwd): a typo
     assert f"note: --model {tmp_path / 'no-model'} does not exist on this host" in err
+    # a glob of data files: noted where it matches none here, not where it matches (it does not "exist" as a path)
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "a.jsonl").write_text("{}\n")
+    for pattern, noted in (("parts/*.jsonl", False), ("parts/*.parquet", True)):
+        assert submit("extract", "--dry-run", "--out", str(tmp_path / "new"), "--dataset", str(tmp_path / pattern),
+                      "--model", str(tmp_path / "no-model"), "--nodes", "1") == 0
+        err = capsys.readouterr().err
+        assert ("note: --dataset" in err) == noted and ("matches no file on this host" in err) == noted, err
     # another dataset than the planned run's: its fingerprint differs, which every task would refuse
     other = tmp_path / "other.jsonl"
     other.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')

@@ -1,0 +1,136 @@
+"""`--dataset` as a folder of data files (a Hugging Face Hub download) or a glob of them: which
+files a run reads, in which order, what pins them, and what is refused with the glob to give."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from layertap.cli import main as cli
+from layertap.extract.fingerprint import dataset_fingerprint
+from layertap.extract.inputs import load_rows
+from layertap.storage.errors import InputError, MissingInput
+
+
+def _chats(start: int, n: int) -> pa.Table:
+    return pa.Table.from_pylist([{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}?"},
+                                                             {"role": "assistant", "content": f"answer {i} " * 3}]}
+                                 for i in range(start, start + n)])
+
+
+def hub_download(root: Path) -> Path:
+    """A dataset as `hf download --repo-type dataset ... --local-dir` leaves it: two splits in the
+    Hub's shard names, a README, .gitattributes and hf's .cache/ of download metadata (with a stray
+    parquet file that is no part of the dataset)."""
+    (root / "data").mkdir(parents=True)
+    pq.write_table(_chats(0, 6), root / "data" / "train_sft-00000-of-00002.parquet")
+    pq.write_table(_chats(6, 5), root / "data" / "train_sft-00001-of-00002.parquet")
+    pq.write_table(_chats(100, 4), root / "data" / "test_sft-00000-of-00001.parquet")
+    (root / "README.md").write_text("# chats\n")
+    (root / ".gitattributes").write_text("*.parquet filter=lfs diff=lfs merge=lfs -text\n")
+    meta = root / ".cache" / "huggingface" / "download" / "data"
+    meta.mkdir(parents=True)
+    (meta / "train_sft-00000-of-00002.parquet.metadata").write_text("abc\n")
+    pq.write_table(_chats(200, 1), meta.parent / "stray.parquet")
+    return root
+
+
+def test_a_hub_download_with_several_splits_is_refused_naming_the_glob_of_its_train_split(tmp_path):
+    root = hub_download(tmp_path / "ultrachat")
+    with pytest.raises(InputError) as e:
+        load_rows(str(root))
+    glob = f"{root}/data/train_sft-*.parquet"
+    assert "holds the splits test_sft, train_sft" in str(e.value) and f"--dataset '{glob}'" in str(e.value)
+    rows = load_rows(glob)  # the glob it names: that split's two files, in name order, nothing else
+    assert rows["id"] == [f"c{i}" for i in range(11)]
+    assert len(load_rows(glob, 4)) == 4
+
+
+def test_a_folder_of_one_split_is_read_whole_in_name_order(tmp_path):
+    root = tmp_path / "chats"
+    (root / "part").mkdir(parents=True)
+    pq.write_table(_chats(5, 3), root / "part" / "b.parquet")
+    pq.write_table(_chats(0, 5), root / "part" / "a.parquet")
+    (root / ".cache").mkdir()
+    pq.write_table(_chats(99, 1), root / ".cache" / "c.parquet")  # a hidden folder's file: not data
+    assert load_rows(str(root))["id"] == [f"c{i}" for i in range(8)]
+    with open(root / "extra.jsonl", "w") as f:  # a file of another kind beside them: refused, not left out
+        f.write(json.dumps({"messages": []}) + "\n")
+    with pytest.raises(InputError, match=r"holds parquet files and also 1 other data file.*extra\.jsonl.*give a glob"):
+        load_rows(str(root))
+    with pytest.raises(InputError, match=r"mixes \.jsonl and \.parquet files"):
+        load_rows(str(root / "**" / "*.*"))
+
+
+def test_a_folder_declaring_several_configs_is_refused_naming_them(tmp_path):
+    root = tmp_path / "multi"
+    for config in ("sft", "dpo"):
+        (root / config).mkdir(parents=True)
+        pq.write_table(_chats(0, 2), root / config / "train-00000-of-00001.parquet")
+    (root / "README.md").write_text("---\nconfigs:\n- config_name: sft\n  data_files:\n  - split: train\n    path: "
+                                    "sft/train-*\n- config_name: dpo\n  data_files:\n  - split: train\n    path: "
+                                    "dpo/train-*\n---\n")
+    with pytest.raises(InputError, match=r"declares 2 configs in its README.md \(sft, dpo\).*"
+                                         rf"--dataset '{root}/sft/train-\*\.parquet'"):
+        load_rows(str(root))
+
+
+def test_what_a_dataset_path_does_not_name_is_said(tmp_path):
+    with pytest.raises(MissingInput, match=r"glob that matches no file; quote it"):
+        load_rows(str(tmp_path / "nothing-*.jsonl"))
+    with pytest.raises(MissingInput, match=r"does not exist; layertap reads local data: .*hf download --repo-type "
+                                           r"dataset HuggingFaceH4/ultrachat_200k --local-dir DIR"):
+        load_rows("HuggingFaceH4/ultrachat_200k")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("hello\n")
+    with pytest.raises(InputError, match=r"folder of \.txt files: layertap reads \.jsonl, \.json and \.parquet"):
+        load_rows(str(tmp_path / "notes"))
+    (tmp_path / "rows.csv").write_text("a\n1\n")
+    with pytest.raises(InputError, match=r"rows\.\*': unsupported file type '\.csv'"):
+        load_rows(str(tmp_path / "rows.*"))
+
+
+def test_a_bad_line_in_one_of_several_files_names_the_file_and_line(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(good) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(InputError, match=rf"could not be read as json files: {tmp_path}/b\.jsonl: line 2 is not JSON"):
+        load_rows(str(tmp_path / "*.jsonl"))
+
+
+def test_the_fingerprint_pins_every_files_bytes_and_their_order_not_their_place(tmp_path):
+    root = hub_download(tmp_path / "a")
+    glob = str(root / "data" / "train_sft-*.parquet")
+    before = dataset_fingerprint(glob)
+    copy = shutil.copytree(root, tmp_path / "b")
+    assert dataset_fingerprint(str(copy / "data" / "train_sft-*.parquet")) == before  # moved: the same data
+    assert dataset_fingerprint(glob, 5) != before
+    one = root / "data" / "train_sft-00000-of-00002.parquet"
+    assert dataset_fingerprint(str(root / "data" / "train_sft-00000-*")) == dataset_fingerprint(str(one))
+    (root / "data" / "train_sft-00001-of-00002.parquet").rename(root / "data" / "train_sft-0000.parquet")
+    assert dataset_fingerprint(glob) != before  # the same files in another order: other rows at each index
+    pq.write_table(_chats(0, 6).slice(1), one)
+    assert dataset_fingerprint(str(copy / "data" / "train_sft-*.parquet")) == before
+
+
+def test_extract_reads_a_glob_of_a_hub_downloads_split_and_a_resume_refuses_changed_files(tmp_path):
+    from tiny_models import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "models", "qwen3")
+    root = hub_download(tmp_path / "ultrachat")
+    out = tmp_path / "run"
+    args = ["extract", "--model", model, "--dataset", f"{root}/data/train_sft-*.parquet", "--out", str(out),
+            "--layers", "1,3", "--max-length", "64", "--log-dir", str(tmp_path / "logs")]
+    assert cli(args) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dataset"]["path"] == f"{root}/data/train_sft-*.parquet"
+    ids = [s for c in sorted((out / "commits").glob("*.json")) for s in json.loads(c.read_text())["sample_ids"]]
+    assert sorted(ids, key=lambda i: int(i.split("-")[0])) == [f"{i}-c{i}" for i in range(11)]
+    assert cli(args) == 0  # nothing left to do
+    pq.write_table(_chats(0, 6).slice(1), root / "data" / "train_sft-00000-of-00002.parquet")
+    assert cli(args) == 2  # the same glob, other rows: the run's fingerprint is not theirs
