@@ -1342,7 +1342,8 @@ def test_the_epochs_after_the_follow_epoch_stream_rank_0s_shards_on_every_rank(t
     own when its epoch 1 began, and the shard redone between two ranks' reads gave them epochs of
     different sizes (9 and 10 batches: the last reduce hangs) and samples trained twice. With
     `agree` (the trainer's broadcast; here rank 0's list handed over in-process) both stream rank
-    0's list, read before the redo or after it, and every sample once."""
+    0's list, read before the redo or after it, and every sample once. Rank 1 reads no commit:
+    each rank read them all, 20 M GETs at 1,000 ranks of 20,000 shards."""
     uri = str(tmp_path / "run")
     fake_worker.work(uri, shards=[0, 1, 2, 3, 4, 5])
     give_up(uri, 6)
@@ -1350,26 +1351,46 @@ def test_the_epochs_after_the_follow_epoch_stream_rank_0s_shards_on_every_rank(t
     loaders = [StreamLoader(s, batch_size=2) for s in streams]
     for loader in loaders:
         assert _real_ids(loader)  # the follow epoch
-    rank_0_keys = []
-    streams[0].agree = lambda keys: rank_0_keys.append(keys) or keys
+    rank_0_records = []
+    streams[0].agree = lambda records: rank_0_records.append(records) or records
 
-    def from_rank_0(keys):
-        if rank_0_reads == "last":  # rank 1 read before the redo, rank 0 after it
+    def from_rank_0(records):
+        assert records is None  # rank 1 read nothing to offer
+        if rank_0_reads == "last":  # rank 0 reads after the redo
             assert fake_worker.work(uri, shards=[6]) == [6]
             streams[0]._settle()
-        return rank_0_keys[-1]
+        return rank_0_records[-1]
 
     streams[1].agree = from_rank_0
+    streams[1]._readable_shards = lambda: pytest.fail("rank 1 read the run's commits")
     if rank_0_reads == "first":
         ids = {0: _real_ids(loaders[0])}
         assert fake_worker.work(uri, shards=[6]) == [6]  # extraction restarted: the given-up shard committed
         ids[1] = _real_ids(loaders[1])
     else:
         ids = {1: _real_ids(loaders[1]), 0: _real_ids(loaders[0])}
-    assert streams[0].shard_keys == streams[1].shard_keys
+    assert streams[0].shard_records == streams[1].shard_records
     assert len(loaders[0]) == len(loaders[1])
     want = SAMPLES - (0 if rank_0_reads == "last" else fake_worker.plan(_store(uri)).shards[6].num_samples)
     assert sorted(ids[0] + ids[1]) == sorted(set(ids[0] + ids[1])) and len(ids[0] + ids[1]) == want
+
+
+def test_rank_0_stores_the_commit_index_a_follow_run_lacked_when_the_later_epochs_read_the_run(tmp_path):
+    """A follow trainer's later epochs (and every resume into them) read each commit with a GET of
+    its own: the run's commit index was never written, as a follow run's start writes none."""
+    from layertap.manifests.commit_index import read_commits
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    assert read_commits(_store(uri)).new_index is not None  # the extraction wrote no index
+    streams = [ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=2) for r in range(2)]
+    for s in streams:
+        s.agree = lambda records: records if records is not None else streams[0].shard_records
+    for loader in [StreamLoader(s, batch_size=2) for s in streams]:
+        assert _real_ids(loader)  # the follow epoch
+    streams[0]._settle()
+    streams[1]._settle()
+    assert read_commits(_store(uri)).new_index is None  # stored: a resume lists commits/ and GETs the index
 
 
 def test_a_delete_consumed_trainers_ranks_need_not_agree_on_a_later_epoch_its_deletions_race(tmp_path):
@@ -1385,8 +1406,8 @@ def test_a_delete_consumed_trainers_ranks_need_not_agree_on_a_later_epoch_its_de
     streams = [ShardStream(uri, config=cfg, rank=r, world_size=2) for r in range(2)]
     for loader in [StreamLoader(s, batch_size=2) for s in streams]:
         assert _real_ids(loader)  # the follow epoch
-    streams[0].agree = lambda keys: keys  # the trainer's broadcast: rank 0's list, on every rank
-    streams[1].agree = lambda keys: streams[0].shard_keys
+    streams[0].agree = lambda records: records  # the trainer's broadcast: rank 0's list, on every rank
+    streams[1].agree = lambda records: streams[0].shard_records
     streams[0]._settle()
     record_consumed(_store(uri), rank=0, world_size=1, shards=[3], step=9)
     assert delete_consumed(_store(uri)) == [3]
@@ -1395,9 +1416,9 @@ def test_a_delete_consumed_trainers_ranks_need_not_agree_on_a_later_epoch_its_de
     plain = ShardStream(uri, config=StreamConfig(**CFG), rank=1, world_size=2)  # a trainer that reads later epochs
     for _ in StreamLoader(plain, batch_size=2):
         pass
-    plain.agree = lambda keys: streams[0].shard_keys
-    with pytest.raises(InputError, match=r"rank 1 cannot find committed shard\(s\) 3 that rank 0 streams"):
-        plain._settle()  # still refused: its ranks must stream one list
+    plain.agree = lambda records: streams[0].shard_records
+    plain._settle()  # its ranks stream one list: rank 0's (whose shard 3 is gone, as a read of it will say)
+    assert plain.shard_records == streams[0].shard_records
 
 
 def test_the_epochs_after_the_follow_epoch_leave_out_what_a_delete_consumed_trainer_deleted(tmp_path, caplog):

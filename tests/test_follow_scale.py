@@ -271,6 +271,44 @@ def test_a_consumer_low_on_work_looks_less_often_while_looks_find_nothing(tmp_pa
     assert store.take()["GET", layout.COMMITS] == 1
 
 
+def _looks_while_commits_land(tmp_path, monkeypatch, every_s: float, **watcher) -> tuple[int, list[int], list[int]]:
+    """A consumer low on work looking ahead every 0.1 s (its clock's) while the run's last 20
+    shards commit one every `every_s`: (looks, shards committed, shards it found)."""
+    clock = Clock()
+    monkeypatch.setattr(follow, "time", types.SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep))
+    uri, m = run(tmp_path, LARGE, "run", leave=20)
+    watcher = CommitWatcher(open_store(uri), m, poll_s=30.0, **watcher)
+    watcher.poll()
+    looks, poll = [], watcher.poll
+    watcher.poll = lambda: looks.append(clock.t) or poll()
+    left, found, step = [p.id for p in m.shards[-20:]], [], 0.1
+    for n in range(int(20 * every_s / step) + int(10 / step)):  # the commits, then 10 s more
+        if n % round(every_s / step) == 0 and left:
+            fake_worker.work(uri, samples=LARGE, shards=[left.pop(0)])
+        clock.t += step
+        found += [r.shard for r in watcher.poll_if_due(low=True)]
+    return len(looks), [p.id for p in m.shards[-20:]], found
+
+
+def test_a_consumer_low_on_work_backs_off_while_commits_bring_it_none(tmp_path, monkeypatch):
+    """Others' shares reset a consumer's look-ahead to 0.5 s as its own did: at 1,000 consumers
+    one has a share of ~1 shard in 20, so it was low on work and looked every 0.5 s for good. It
+    backs off while looks bring it nothing (0.5, 1, 2, then every 4 s), and still takes every
+    commit, as a FeedCommit."""
+    looks, committed, found = _looks_while_commits_land(tmp_path, monkeypatch, 2.0, wants=lambda shard, n: False)
+    assert found == committed
+    assert looks <= 50 / follow.LOW_POLL_MAX_S + 4, looks  # was 30: 3 looks (0.5 + 1 + 2 s) per commit
+
+
+def test_a_consumer_of_many_looks_no_more_often_than_their_number_allows(tmp_path, monkeypatch):
+    """A consumer of 4,000 (1,000 ranks x 4 workers) whose every look finds work of its own looked
+    every 0.5 s: 8,000 listings a second for the trainer, past what an S3 prefix serves. It looks
+    every 4,000 / RUN_LOOKS_PER_S = 4 s (+-20%), each look taking every commit since the last."""
+    looks, committed, found = _looks_while_commits_land(tmp_path, monkeypatch, 1.0, consumers=4000)
+    assert sorted(found) == committed
+    assert looks <= 30 / (0.8 * 4000 / follow.RUN_LOOKS_PER_S) + 1, looks  # was 60: one every 0.5 s
+
+
 def test_consumers_seeded_alike_still_spread_their_full_listings(tmp_path):
     """DataLoader workers seed Python's `random` alike on every rank: a phase drawn from it gave
     worker w the same one on all ranks, and the herd came back (review finding)."""

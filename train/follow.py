@@ -14,7 +14,12 @@ one appears. A consumer with plenty of work in hand looks ahead ever more rarely
 (0.5 s doubling up to `poll_s`, new commits or not): with commits landing all the time, thousands
 of consumers each listing `commits/` every 0.5 s would ask S3 for far more than a prefix serves.
 One whose known work runs low looks ahead every 0.5 s, so its fetcher does not starve, backing
-off to LOW_POLL_MAX_S while its looks find nothing new.
+off to LOW_POLL_MAX_S while its looks find nothing new of its own (another consumer's share is no
+work for it). However short of work, a consumer of many looks no more often than their number over
+RUN_LOOKS_PER_S: at 1,000 ranks and a few dozen samples a shard, a consumer has a share of ~1 shard
+in 20, so it is low on work nearly always, and 1,000 ranks x 4 workers looking every 0.5 s listed
+the feed 8,000 times a second, past the 5,500 a prefix serves. A look takes everything committed
+since the one before, so the wait costs latency, not data.
 The first look reads the commit index with the listing when it needs many records
 (`manifests.commit_index.read_commits`); later looks GET only commits not seen before. Either
 reads only the records of shards the consumer has a share of (`wants`): the counts that decide
@@ -64,6 +69,7 @@ STALL_GIVE_UP_S = 600.0
 IDLE_CHECKS = 4  # at most this many uncommitted shards nothing works on: a waiting consumer HEADs their commits
 IDLE_CHECK_S = 60.0  # ... each at most this often
 OVER_CHECK_AFTER = 3  # empty looks in a row (0.5 + 1 + 2 s) before a wait asks whether extraction is over
+RUN_LOOKS_PER_S = 1000.0  # the looks a run's consumers make together at most, each at most consumers / this apart
 
 
 def _outage_pause() -> float:
@@ -166,11 +172,15 @@ class CommitWatcher:
     """The commits of a run being extracted, as they appear. `complete` turns True once
     extraction is over (see the module's docstring). `wants(shard, records)`: whether the
     consumer needs the commit record of a shard of `records` records; a commit the feed shows
-    that it does not need comes as a `FeedCommit` (counts only), without a GET. None: every record."""
+    that it does not need comes as a `FeedCommit` (counts only), without a GET. None: every record.
+    `consumers`: how many watch the run (a trainer's ranks x workers), which spaces the looks."""
 
     def __init__(self, store: ObjectStore, manifest: Manifest, poll_s: float, who: str = "ShardStream",
-                 wants: Callable[[int, int], bool] | None = None, deletes_consumed: bool = False):
+                 wants: Callable[[int, int], bool] | None = None, deletes_consumed: bool = False,
+                 consumers: int = 1):
         self.store, self.manifest, self.who, self._wants = store, manifest, who, wants
+        self._min_gap = max(FIRST_DELAY_S, consumers / RUN_LOOKS_PER_S)  # between looks, however low on work
+        self._gap = self._min_gap  # this look's: jittered, so that many consumers do not look in step
         self.deletes_consumed = deletes_consumed  # its trainer opens a full window (StreamConfig's)
         self.known: dict[int, CommitRecord | FeedCommit] = {}
         self.complete = False
@@ -212,8 +222,10 @@ class CommitWatcher:
             raise over_plan_error(self.store.uri, over)
         new = sorted({r.shard: r for r in records if r.shard not in self.known}.values(), key=lambda r: r.shard)
         self.known.update((r.shard, r) for r in new)
-        if new:  # extraction moved: a stall seen before is over, and a consumer low on work looks promptly
+        self._gap = self._min_gap * SPREAD.uniform(0.8, 1.2) if self._min_gap > FIRST_DELAY_S else FIRST_DELAY_S
+        if new:  # extraction moved: a stall seen before is over
             self._stalled_looks = 0
+        if any(isinstance(r, CommitRecord) for r in new):  # work of its own: a consumer low on it looks promptly
             self._low.reset()
         if len(self.known) >= len(self.manifest.shards):
             self.complete = True
@@ -291,7 +303,8 @@ class CommitWatcher:
         find commits: they land all the time in a large extraction); with its known work `low`,
         every 0.5 s while looks find commits, doubling up to LOW_POLL_MAX_S while they find none
         (a caught-up consumer in a quiet spell; once its work runs out, `wait()` takes over)."""
-        if self.complete or time.monotonic() - self._last_look < (self._low.delay if low else self._ahead.delay):
+        due = max(self._gap, self._low.delay if low else self._ahead.delay)
+        if self.complete or time.monotonic() - self._last_look < due:
             return []
         if not low:
             self._ahead.sleep()
@@ -301,7 +314,7 @@ class CommitWatcher:
             log.warning("%s: a look for new commits failed (%s); training goes on with the data in hand", self.who, e)
             self._last_look = time.monotonic()
             return []
-        if low and not new:
+        if low and not any(isinstance(r, CommitRecord) for r in new):  # others' shares are no work for it
             self._low.sleep()
         return new
 
@@ -314,7 +327,7 @@ class CommitWatcher:
         the trainer, its steps since the last checkpoint lost."""
         empty = 0
         while True:
-            if (gap := FIRST_DELAY_S - (time.monotonic() - self._last_look)) > 0:
+            if (gap := self._gap - (time.monotonic() - self._last_look)) > 0:
                 time.sleep(gap)
             new = patiently(self.poll, _outage_pause)
             if new or self.complete:

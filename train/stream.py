@@ -223,6 +223,15 @@ def _committed(c: CommitRecord) -> CommittedShard:
     return CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids))
 
 
+def _record_of(s: CommittedShard) -> list:
+    """[id, object key, bytes, object hash, sample ids]: a shard as the ranks exchange it (JSON)."""
+    return [s.shard, s.key, s.bytes, s.xxh3_128, list(s.sample_ids)]
+
+
+def _of_records(records: Sequence[Sequence]) -> list[CommittedShard]:
+    return [CommittedShard(int(s), key, int(size), digest, tuple(ids)) for s, key, size, digest, ids in records]
+
+
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     if rank is None or world is None:
         import torch.distributed as dist
@@ -253,10 +262,13 @@ class ShardStream(IterableDataset):
     still being extracted at different times would find different shards, and so epochs of
     different sizes and orders. Opening reads the run and writes nothing.
 
-    `agree` (follow mode, several ranks): given this rank's `shard_keys` when the epochs after the
-    follow epoch read the run's committed shards, returns rank 0's (a broadcast: `layertap train`
-    sets it); the stream then streams those. Without it each rank reads them on its own, and a
-    commit landing between two ranks' reads (a given-up shard redone) gives them different epochs.
+    `agree` (follow mode, several ranks): when the epochs after the follow epoch read the run's
+    committed shards, rank 0 reads them and calls it with its `shard_records`, the others with
+    None; it returns rank 0's on every rank (a broadcast: `layertap train` sets it), and the
+    stream streams those. Without it each rank reads them on its own: a commit landing between
+    two ranks' reads (a given-up shard redone) gave them different epochs, and at 1,000 ranks of
+    a 20,000-shard run the reads were 20 M GETs of commits, at the follow epoch's end and again at
+    every resume after it.
     """
 
     def __init__(self, prefix: str | ObjectStore, *, config: StreamConfig | None = None, rank: int | None = None,
@@ -295,8 +307,7 @@ class ShardStream(IterableDataset):
                 manifest, self.shards, self._new_index = load_index(self._store(), unfinished_warning=self.rank == 0)
             else:
                 manifest, self._new_index = load_manifest(self._store()), None
-                self.shards = [CommittedShard(int(s), key, int(size), digest, tuple(ids))
-                               for s, key, size, digest, ids in committed]
+                self.shards = _of_records(committed)
             self._settled, follow = True, None
         self._manifest = manifest
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
@@ -305,31 +316,16 @@ class ShardStream(IterableDataset):
         self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow,
                                  rank=self.rank)
 
-    def _only(self, keys: Sequence[Sequence]) -> list[CommittedShard]:
-        """The committed shards `keys` name ([shard id, object hash] pairs), every one of them."""
-        found = {(s.shard, s.xxh3_128): s for s in self.shards}
-        missing = sorted(int(shard) for shard, digest in keys if (int(shard), digest) not in found)
-        if missing:
-            raise InputError(f"{self.uri}: rank {self.rank} cannot find committed shard(s) {id_ranges(missing, 10)} that "
-                             "rank 0 streams: withdrawn (`layertap verify`), redone or consumed since rank 0 read "
-                             "the commits; start the training again")
-        return sorted((found[int(shard), digest] for shard, digest in keys), key=lambda s: s.shard)
-
     @property
     def manifest(self) -> Manifest:
         """The run's manifest, as this stream read it when it started."""
         return self._manifest
 
     @property
-    def shard_keys(self) -> list[list]:
-        """[shard id, object hash] of every shard streamed: JSON-ready, what `agree` exchanges."""
-        return [[s.shard, s.xxh3_128] for s in self.shards]
-
-    @property
     def shard_records(self) -> list[list]:
         """Every shard streamed as [id, object key, bytes, object hash, sample ids]: JSON-ready,
         what `committed=` takes."""
-        return [[s.shard, s.key, s.bytes, s.xxh3_128, list(s.sample_ids)] for s in self.shards]
+        return [_record_of(s) for s in self.shards]
 
     def refresh_index(self) -> bool:
         """Store the run's commit index if this stream had to read commits it lacked, so that
@@ -401,14 +397,12 @@ class ShardStream(IterableDataset):
         end settles too, and a trainer may never read a later epoch (`__iter__` says it)."""
         if self._settled or (not force and (self.position.in_follow_epoch)):
             return
-        self.shards = self._readable_shards()
         # A --delete-consumed trainer trains the follow epoch alone (--epochs 1): no later epoch for its
         # ranks to agree on, and its own deletions (a checkpoint at a wait) raced their reads of the run
         if self.agree is not None and not self.config.deletes_consumed:
-            keys = self.agree(self.shard_keys)
-            if not {(int(k), d) for k, d in keys} <= {(s.shard, s.xxh3_128) for s in self.shards}:
-                self.shards = self._readable_shards()  # rank 0 read after a commit this rank missed
-            self.shards = self._only(keys)
+            self.shards = _of_records(self.agree(self._readable_shards_records() if self.rank == 0 else None))
+        else:
+            self.shards = self._readable_shards()
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
         self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
         self._settled = True
@@ -418,11 +412,19 @@ class ShardStream(IterableDataset):
                      len(self.shards))
 
     def _readable_shards(self) -> list[CommittedShard]:
-        """The committed shards with data (`load_index` without its error when none is left)."""
-        _, shards, _ = load_index(self._store(), consumed="keep")
+        """The committed shards with data (`load_index` without its error when none is left). Rank
+        0 stores the commit index where it lacked commits (a follow run's never had them all): a
+        resume then reads one listing and one GET, not a GET per commit."""
+        _, shards, new_index = load_index(self._store(), consumed="keep")
+        if new_index is not None and self.rank == 0:
+            write_index(self._store(), new_index)
         gone = consumed_shards(self._store())
         self._left_out = sorted(s.shard for s in shards if s.shard in gone)
         return [s for s in shards if s.shard not in gone]
+
+    def _readable_shards_records(self) -> list[list]:
+        """`_readable_shards` as `shard_records` (what `agree` hands over)."""
+        return [_record_of(s) for s in self._readable_shards()]
 
     def _identity(self, follow_epoch: bool = False) -> dict[str, Any]:
         c = self.config
@@ -679,7 +681,7 @@ class ShardStream(IterableDataset):
         target = position.counts(workers)[worker]
         who = f"rank {self.rank}" + (f" worker {worker}" if workers > 1 else "")
         watcher = CommitWatcher(self._store(), self._manifest, c.follow_poll_s, who, deletes_consumed=c.deletes_consumed,
-                                wants=lambda shard, n: follow_share(n, shard, consumers, me)[1] > 0)
+                                wants=lambda shard, n: follow_share(n, shard, consumers, me)[1] > 0, consumers=consumers)
         mine: list[CommittedShard] = []  # shards taken, in order: the fetcher's shard indices
         inputs: list[tuple[int, int]] = []  # this consumer's input sequence: (index into mine, record)
         ends: list[int] = []  # where each taken shard's inputs end in `inputs`, for shards with some

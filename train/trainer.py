@@ -579,8 +579,9 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
     Ranks that each read the commits of a run still being extracted would see different shards
     (one committed in between): epochs of different sizes and orders, samples trained twice or
     never, step counts that differ and hang the last reduce. So rank 0 reads them and refreshes
-    the commit index (the others then read one listing and one GET), and hands its list to the
-    others. Follow mode's first epoch finds shards as it goes; later epochs read the complete run."""
+    the commit index (a restart then reads one listing and one GET), and hands its list to the
+    others, which read no commit. Follow mode's first epoch finds shards as it goes; later epochs
+    read the complete run, rank 0 alone again (`ShardStream.agree`)."""
     rank, world = acc.process_index, acc.num_processes
     config = StreamConfig(seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, memory_budget=cfg.memory_budget,
                           fetch_threads=cfg.fetch_threads, follow=cfg.follow, follow_poll_s=cfg.follow_poll_s,
@@ -605,7 +606,7 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
         # reaches them (or at a resume into one): rank 0's list, handed over as above. Through a group
         # of its own: that thread must not interleave NCCL calls with the training thread's.
         group = host_group(acc)
-        stream.agree = lambda keys: from_rank_0(acc, keys, group)
+        stream.agree = lambda records: from_rank_0(acc, records, group)
     return stream
 
 
