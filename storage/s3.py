@@ -79,6 +79,8 @@ _TRANSIENT = (bexc.ConnectionError, bexc.HTTPClientError, bexc.IncompleteReadErr
               OSError, http.client.HTTPException, urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)
 # No connection at all: a server that is down, an endpoint URL that is wrong, a proxy or TLS setup that fails.
 _BUCKET = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")  # what botocore sends (S3's own rules are stricter)
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")  # S3's (other stores allow more: named, not refused)
+_S3_BUCKET_RULE = "S3 bucket names are 3-63 lowercase letters, digits, '.' and '-'"
 _UNREACHABLE = (bexc.EndpointConnectionError, bexc.ProxyConnectionError, bexc.SSLError)
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
                     "PriorRequestNotComplete", "Throttling", "ThrottlingException", "ThrottledException",
@@ -304,7 +306,12 @@ class S3Store(ObjectStore):
         if code == "InvalidRange" or status == 416:
             return RangeNotSatisfiable(f"{what} of {where}: the range starts at or past the object's end")
         if code == "NoSuchBucket":
-            return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}: create it or fix the URI")
+            named = "" if _S3_BUCKET.match(self.bucket) else \
+                f" (nor can it be: {_S3_BUCKET_RULE}, and {self.bucket!r} is not one)"
+            return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}{named}: create it or fix the URI")
+        if code == "InvalidBucketName":  # radosgw: a name under 3 characters, or one its rules refuse
+            return StoreError(f"{self.endpoint} refuses {self.bucket!r} as a bucket name ({code}): {_S3_BUCKET_RULE}; "
+                              "fix the URI")
         if code == "NoSuchUpload":  # not a missing object: the upload under way is gone
             return StoreError(f"{what} of {where}: its multipart upload was aborted meanwhile (a bucket lifecycle "
                               "rule, or another process cleaning up pending uploads): the object was not written")

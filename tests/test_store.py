@@ -598,8 +598,13 @@ def test_a_stop_signal_while_abort_waits_for_a_part_is_raised_once_the_upload_is
 
 def test_missing_bucket_is_a_clear_error(s3_endpoint):
     store = open_store("s3://no-such-bucket-layertap/p")
-    with pytest.raises(StoreError, match="bucket 'no-such-bucket-layertap' does not exist"):
+    with pytest.raises(StoreError, match="bucket 'no-such-bucket-layertap' does not exist") as e:
         store.put("x", b"y")
+    assert "nor can it be" not in str(e.value)
+    # a name S3 cannot have (radosgw refuses it as InvalidBucketName, moto says NoSuchBucket): said, so no one goes
+    # to create it
+    with pytest.raises(StoreError, match=r"'ab'.*S3 bucket names are 3-63 lowercase letters, digits, '\.' and '-'"):
+        open_store("s3://ab/p").put("x", b"y")
 
 
 def test_a_uri_that_names_no_bucket_is_a_clear_error(capsys):
