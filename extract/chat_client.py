@@ -54,7 +54,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from layertap.storage.errors import ConfigError, UserError
-from layertap.storage.redact import public_url
+from layertap.storage.redact import public_url, scrubbed
 from layertap.storage.retry import SPREAD
 
 log = logging.getLogger(__name__)
@@ -444,14 +444,19 @@ def _reasoning(message: Any) -> str | None:
 
 
 def _reason(e: Any) -> str:
-    """The server's message in an error body (vLLM and OpenAI: {"error": {"message"}}, FastAPI: {"detail"})."""
+    """The server's message in an error body (vLLM and OpenAI: {"error": {"message"}}, FastAPI: {"detail"}),
+    `scrubbed`: a proxy may quote the request's key or URL back, and the message reaches logs and stats."""
+    return scrubbed(_said(e))[:500]
+
+
+def _said(e: Any) -> str:
     body = getattr(e, "body", None)
     if isinstance(body, dict):
         inner = body.get("error", body)
         if isinstance(inner, dict):
             for key in ("message", "detail"):
                 if inner.get(key):
-                    return str(inner[key])[:500]
+                    return str(inner[key])[:2000]
         elif isinstance(inner, str):
-            return inner[:500]
-    return str(getattr(e, "message", e))[:500]
+            return inner[:2000]
+    return str(getattr(e, "message", e))[:2000]

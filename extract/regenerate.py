@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -97,6 +98,10 @@ class RegenerateConfig:
             raise ConfigError(f"--request-timeout must be a number of seconds > 0, got {self.request_timeout_s}")
         if not 0 <= self.retry_for_s < math.inf:
             raise ConfigError(f"--retry-for must be a number of seconds >= 0, got {self.retry_for_s}")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):  # not shown: it may be the key itself
+            raise ConfigError("--api-key-env takes the name of the environment variable that holds the server's API "
+                              "key (OPENAI_API_KEY by default), not the key: the value given is no variable name (not "
+                              "shown, as it may be the key); export the key in a variable and name that")
 
     def resolved_endpoint(self) -> str:
         """--endpoint with its $VARIABLES expanded (a Slurm task's own port), checked."""

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(args._module)
         return int(getattr(module, f"run_{args.command.replace('-', '_')}")(args) or 0)
     except UserError as e:  # the one place user errors are reported (storage/errors.py); bugs keep a traceback
-        print(f"error: {e}", file=sys.stderr)
+        from layertap.storage.redact import scrubbed
+
+        print(f"error: {scrubbed(str(e))}", file=sys.stderr)  # it may quote a library's text: a URL, a header
         from layertap.storage.store import TransientStoreError  # loaded already by whatever raised it
 
         # a script must tell an outage it can wait out from a wrong prefix or flag
@@ -196,6 +198,9 @@ def _setup_logging(verbose: bool) -> None:
     who = f"rank {rank}/{world} " if world.isdigit() and int(world) > 1 and rank.isdigit() else ""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format=f"%(asctime)s {who}%(levelname)s %(name)s: %(message)s")
+    from layertap.storage.redact import scrub_log_records
+
+    scrub_log_records()
     # Never DEBUG for these, even with -v: botocore's and urllib3's debug records carry request
     # headers, the access key id and a session token among them, into consoles and log files.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "filelock", "datasets", "openai"):

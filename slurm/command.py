@@ -695,6 +695,7 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     ranks = _Ranks("--train-nodes", args.train_nodes, args.procs_per_node or max(gpus, 1))
     train_cfg = _follow_the_extraction(targs, extraction, given, ranks) if follow else \
         _train_config(targs, f"{flag} {given!r}: ", ranks)
+    _check_s3_reaches_the_trainer(extraction, train_cfg, flag)
     where = store_location(train_cfg.out)
     queued = queued_training(where, listing or "")
     if (why := _no_trainer_needed(train_cfg, queued)) is not None:
@@ -705,6 +706,22 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
     tag = training_tag(where, train_cfg.follow, train_cfg.delete_consumed, store_location(train_cfg.data))
     return (topts, train_script(topts, args.train_nodes, tool_argv(targs, fwd.actions), _resume_flag(fwd.actions),
                                 tag)), queued, None
+
+
+REACH_SETTINGS = ("endpoint_url", "region", "addressing_style", "checksum_mode")  # which S3 server, and how to talk
+
+
+def _check_s3_reaches_the_trainer(extraction, train_cfg, flag: str) -> None:
+    """Refuse a chained trainer that would not reach the run's S3 server as the extraction does: the
+    extraction's --config "s3" settings are its own (the trainer takes only what --then-train gives;
+    an extraction's config file holds settings `layertap train` refuses), and a trainer without them
+    failed in the queue, unable to read the run."""
+    missing = sorted(k for k in REACH_SETTINGS if k in extraction.s3 and extraction.s3[k] != train_cfg.s3.get(k))
+    if missing and any(str(p).startswith("s3://") for p in (train_cfg.data, train_cfg.out)):
+        raise ConfigError(f"{flag}: this command's --config sets the S3 {', '.join(missing)}, which the training job "
+                          f"does not get (it reads {train_cfg.data} with its own settings): give it a --config of its "
+                          f"own in {flag} (e.g. --config train.json, holding {{\"s3\": {{...}}}}), or set the "
+                          "server in the environment (AWS_ENDPOINT_URL, AWS_REGION) for both")
 
 
 def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeShape], **job: Any):
@@ -974,8 +991,14 @@ def _note(text: str) -> None:
 
 
 def _show(title: str, options: list[str], script: str) -> None:
-    print(f"\n----- {title} (dry run: not submitted; {' '.join(['sbatch --parsable', *options])} <script>)")
-    print(script)
+    """A dry run's script, with keys typed on the command line masked (a dry run's output is pasted into
+    tickets and chats); a real submission saves it whole, readable by its owner alone (`save_script`)."""
+    from layertap.storage.redact import redacted
+
+    shown = redacted(script)
+    masked = " (keys given on the command line shown as ***; the job gets them as typed)" if shown != script else ""
+    print(f"\n----- {title} (dry run: not submitted; {' '.join(['sbatch --parsable', *options])} <script>){masked}")
+    print(shown)
 
 
 def _local_path(path: str) -> bool:

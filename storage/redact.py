@@ -5,6 +5,7 @@ a URL in an sbatch script's echo are scrubbed alike."""
 
 from __future__ import annotations
 
+import logging
 import re
 import urllib.parse
 
@@ -14,19 +15,29 @@ _USERINFO = re.compile(r"(?<=://)[^/\s\"'`]*@")
 _QUERY = re.compile(r"(://[^\s\"'`?#]*)([?#])[^\s\"'`]*")
 # A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
 # not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
-_SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd)"
+_SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd|auth|credentials?|access[-_]key[-_]id)"
 # the value: a quoted string as a whole (a key with a space showed its rest), else up to a space; after
 # a space, every word up to the next option or shell operator too (vLLM's --api-key takes several keys)
 _VALUE = r"""(?:"[^"]*"|'[^']*'|\S+)"""
 _MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|[^\s;&|<>()]+))*"""
-_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(?:(=){_VALUE}|(\s+){_VALUE}{_MORE_VALUES})""",
-                            re.IGNORECASE)
+_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(?:(=){_VALUE}|(\s+)(?!-){_VALUE}{_MORE_VALUES})""",
+                            re.IGNORECASE)  # (?!-): a flag without a value (--no-auth) keeps the next option shown
+# one in JSON, as in `--hf-overrides '{"hf_token": "hf_..."}'`
+_SECRET_PAIR = re.compile(rf"""(["'](?:[\w-]*[-_])?{_SECRET_WORD}["']\s*:\s*)(?:"[^"]*"|'[^']*'|[^\s,}}]+)""",
+                          re.IGNORECASE)
 # an Authorization header's credentials (`--header "Authorization: Bearer sk-..."`)
 _CREDENTIALS = re.compile(r"\b((?:Bearer|Basic|Token)\s+)(?:\"[^\"]*\"|'[^']*'|[^\s\"']+)", re.IGNORECASE)
 # a shell assignment of one, as in `HF_TOKEN=hf_... vllm serve ...` (not an option's `--hf-token=`)
 _SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|\S*)""",
                                 re.IGNORECASE)
 MASK = "***"
+# credentials as a server echoes a request's Authorization header: scheme-cased, a token-like value (in prose,
+# "token" and "basic" are words)
+_SENT_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic)\s+)[A-Za-z0-9._~+/=-]{8,}")
+_SENT_QUERY = re.compile(r"(://[^\s\"'`?#]*)\?[^\s\"'`#]*")
+# ... and a request's secret headers as a server or proxy quotes them back (Authorization: to the line's end)
+_KEY_HEADERS = re.compile(r"""\b((?:X-Amz-Security-Token|X-Api-Key|Api-Key)\s*[:=]\s*)[^\s,;'"]+""", re.IGNORECASE)
+_AUTH_HEADER = re.compile(r"""\b(Authorization\s*:\s*)[^\n'"]+""", re.IGNORECASE)
 
 
 def urls_scrubbed(text: str, mask: str = "") -> str:
@@ -63,9 +74,47 @@ def stray_at(url: str) -> bool:
 
 
 def redacted(command: str) -> str:
-    """`command` with the values of its --api-key, --hf-token, ... options and of its HF_TOKEN=,
-    API_KEY=, ... assignments masked, and its URLs' user:password and query and its Authorization
-    credentials: a --serve line may carry a key, and keys are never logged."""
+    """`command` with the values of its --api-key, --hf-token, --auth, ... options, of its HF_TOKEN=,
+    AWS_ACCESS_KEY_ID=, ... assignments and of JSON "hf_token": pairs masked, and its URLs'
+    user:password and query, its Authorization credentials and X-Api-Key-style headers: a --serve
+    line may carry a key, and keys are never logged. A secret passed as a plain option of no such
+    name (a server's `-p PASSWORD`) cannot be told from any other value: pass it in a variable."""
     masked = _SECRET_OPTION.sub(lambda m: f"{m[1]}{m[2] or m[3]}{MASK}", command)
     masked = _SECRET_ASSIGNMENT.sub(lambda m: f"{m[1]}={MASK}", masked)
+    masked = _SECRET_PAIR.sub(rf"\1{MASK}", masked)
+    masked = _KEY_HEADERS.sub(rf"\1{MASK}", masked)  # an Authorization header's: `_CREDENTIALS`
     return _CREDENTIALS.sub(rf"\1{MASK}", urls_scrubbed(masked, MASK))
+
+
+def scrubbed(text: str) -> str:
+    """`text` with its URLs' user:password and query and its sent credentials masked:
+    for what other code wrote (a library's log record, a server's error message, an exception's
+    text), where only a URL or a header can carry a secret, and command-line masking would also
+    hide ordinary words."""
+    text = _USERINFO.sub(f"{MASK}@", text)
+    text = _SENT_QUERY.sub(rf"\1?{MASK}", text)  # a fragment is never sent: a doc link's #section stays
+    text = _AUTH_HEADER.sub(rf"\1{MASK}", _KEY_HEADERS.sub(rf"\1{MASK}", text))
+    return _SENT_CREDENTIALS.sub(rf"\1{MASK}", text)
+
+
+_record_factory = None
+
+
+def scrub_log_records() -> None:
+    """Every log record from here on, whoever logs it, with `scrubbed` text: huggingface_hub's
+    warnings quote HF_ENDPOINT whole, user:password and all, into consoles and --log-dir files.
+    Scrubbed as the record is made, so each handler (the console's, each log file's, a progress
+    bar's stand-in) gets it so; once per process."""
+    global _record_factory
+    if _record_factory is not None:
+        return
+    _record_factory = make = logging.getLogRecordFactory()
+
+    def record(*args, **kwargs) -> logging.LogRecord:
+        r = make(*args, **kwargs)
+        text = r.getMessage()
+        if "://" in text or "Basic" in text or "Bearer" in text:
+            r.msg, r.args = scrubbed(text), ()
+        return r
+
+    logging.setLogRecordFactory(record)

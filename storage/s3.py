@@ -44,7 +44,7 @@ from botocore.response import StreamingBody
 from botocore.utils import parse_timestamp
 
 from layertap.storage.errors import ConfigError
-from layertap.storage.redact import public_url, stray_at, urls_scrubbed
+from layertap.storage.redact import public_url, scrubbed, stray_at, urls_scrubbed
 from layertap.storage.retry import RetryPolicy
 from layertap.storage.store import (
     WRITE_PROBE,
@@ -191,7 +191,10 @@ class S3Store(ObjectStore):
             session._session.get_component("response_parser_factory").set_parser_defaults(
                 timestamp_parser=_parse_timestamp)
             region = o.region or session.region_name or "us-east-1"
-            self.client = session.client("s3", endpoint_url=o.endpoint_url, region_name=region, config=config)
+            # an endpoint's user:password is never sent: S3 signs with the keys, and botocore put it in the request
+            # line and Host header, which an HTTP(S)_PROXY in between logs
+            endpoint = public_url(given) if _plain_userinfo(given) else o.endpoint_url
+            self.client = session.client("s3", endpoint_url=endpoint, region_name=region, config=config)
         except bexc.InvalidRegionError:
             raise ConfigError(f"the S3 region {region!r} is not a region name: give one like us-east-1 "
                               "(AWS_REGION or AWS_DEFAULT_REGION, or region in --config)") from None
@@ -333,7 +336,8 @@ class S3Store(ObjectStore):
             return StoreError(
                 f"access denied for {what} of {where} ({code}): check the credentials and their permissions"
             )
-        message = f"{what} of {where} failed: {code or status} {e.response.get('Error', {}).get('Message', '')}"
+        said = scrubbed(str(e.response.get("Error", {}).get("Message", "")))  # a proxy may quote headers back
+        message = f"{what} of {where} failed: {code or status} {said}"
         if _not_implemented(e):  # a 5xx, but the server will never do it: retrying only delays the error
             return StoreError(message)
         if (status or 0) >= 500 or status == 429 or code in _TRANSIENT_CODES:
@@ -900,6 +904,16 @@ def _create_conflict(e: bexc.ClientError) -> bool:
     """A conditional create answered "another create of the key is in flight" (409)."""
     code = e.response.get("Error", {}).get("Code", "")
     return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409 or code == "ConditionalRequestConflict"
+
+
+def _plain_userinfo(url: str) -> bool:
+    """Whether `url` is a well-formed endpoint with a user:password before its host (a malformed one
+    goes to botocore as given, which refuses it)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        return "@" in parts.netloc and not stray_at(url) and not parts.query and not parts.fragment
+    except ValueError:
+        return False
 
 
 def _parse_timestamp(value: str) -> datetime:

@@ -25,6 +25,7 @@ from layertap.extract.chat_client import EndpointError, ServerGone
 from layertap.extract.regenerate import RegenerateConfig, _Part, _write_part, Totals, regenerate
 from layertap.extract.regenerated import iter_rows
 from layertap.extract.served import ServerFailed, serving
+from layertap.storage.errors import ConfigError
 from layertap.storage.redact import redacted
 from layertap.manifests.regeneration import done_parts, read_stats, stats_key
 from layertap.storage.store import open_store
@@ -188,6 +189,43 @@ def test_every_key_of_an_option_that_takes_several_is_masked():
     assert redacted("vllm serve /m --api-key sk-1 'sk 2' sk-3 --port 8000") == "vllm serve /m --api-key *** --port 8000"
     assert redacted("vllm serve /m --api-key sk-1 sk-2&& echo up") == "vllm serve /m --api-key ***&& echo up"
     assert redacted("vllm serve /m --api-key=sk-1 --port 8") == "vllm serve /m --api-key=*** --port 8"
+
+
+def test_keys_a_server_command_passes_by_other_names_are_masked():
+    """A secrets walk: --auth, a JSON override's "hf_token", an X-Api-Key header and an
+    AWS_ACCESS_KEY_ID= assignment were logged (and echoed in each Slurm task's log) as typed. A
+    flag without a value (--no-auth) keeps the option after it shown."""
+    line = ("AWS_ACCESS_KEY_ID=AKIAEXAMPLE python srv.py --auth ruser:PW1 --hf-overrides '{\"hf_token\": \"hf_T0K\"}' "
+            "--header 'X-Api-Key: sk-K3Y' --no-auth --port 8000 --max-tokens 512")
+    assert redacted(line) == ("AWS_ACCESS_KEY_ID=*** python srv.py --auth *** --hf-overrides '{\"hf_token\": ***}' "
+                              "--header 'X-Api-Key: ***' --no-auth --port 8000 --max-tokens 512")
+
+
+def test_an_api_key_given_as_api_key_env_is_refused_without_showing_it(tmp_path, capsys):
+    """`--api-key-env sk-...` (the key where its variable's name goes) ran with no key, and `submit
+    regenerate` wrote the key into the job's script and each task's log."""
+    args = ["--dataset", "d.jsonl", "--out", str(tmp_path / "o"), "--endpoint", "http://127.0.0.1:9/v1", "--model",
+            "m", "--api-key-env", "sk-LEAK-k3y"]
+    for command in (["regenerate"], ["submit", "regenerate", "--dry-run", "--gpus-per-node", "0"]):
+        assert cli([*command, *args]) == 2
+        said = capsys.readouterr()
+        assert "--api-key-env takes the name of the environment variable" in said.err
+        assert "LEAK" not in said.err + said.out
+    with pytest.raises(ConfigError):
+        config(tmp_path, api_key_env="MY KEY")
+    assert config(tmp_path, api_key_env="VLLM_API_KEY").api_key_env == "VLLM_API_KEY"
+
+
+def test_a_servers_error_that_quotes_the_request_back_is_recorded_scrubbed(tmp_path, fake):
+    """A proxy that quotes the request in its 400s (the Authorization header, a URL with a
+    password and a query) had them written into the output's stats/ and logged."""
+    fake.refuse = lambda body: ("bad request from http://user:PASSWD99@proxy:8/v1?token=T0KEN99 (Authorization: "
+                                "Bearer sk-LEAKED0000)") if body["messages"][-1]["content"] == "q1" else None
+    cfg = config(tmp_path, fake, rows=2)
+    regenerate(cfg)
+    stats = "".join(p.read_text() for p in (tmp_path / "out").rglob("*.json"))
+    assert "bad request" in stats and "proxy:8/v1" in stats
+    assert not any(secret in stats for secret in ("LEAKED", "PASSWD99", "T0KEN99"))
 
 
 def _racing_parts() -> tuple[_Part, _Part]:

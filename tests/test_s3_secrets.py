@@ -121,3 +121,46 @@ def test_an_at_sign_in_an_endpoints_path_keeps_its_host_in_messages(s3_bucket):
         open_store(f"s3://{s3_bucket}/run", endpoint_url="https://s3.example.com/team@x")
     assert public_url(f"http://u:{SECRET}@h:9000/team@x") == "http://h:9000/team@x"
     assert urls_scrubbed("GET http://host:9000/bucket/a@b/x failed") == "GET http://host:9000/bucket/a@b/x failed"
+
+
+def test_an_endpoints_password_is_not_sent_and_the_store_still_works(s3_bucket, s3_endpoint):
+    """botocore put the endpoint's user:password in each request line and Host header, which an
+    HTTP(S)_PROXY in between sees and logs; S3 signs with the keys, and never needs them."""
+    store = open_store(f"s3://{s3_bucket}/run", endpoint_url=with_password(s3_endpoint))
+    assert SECRET not in store.client.meta.endpoint_url and "someone" not in store.client.meta.endpoint_url
+    store.put("x", b"y")
+    assert store.get("x") == b"y"
+
+
+def test_what_a_server_quotes_back_of_a_request_is_scrubbed_from_s3_errors():
+    """A proxy's error body quoting the request's headers (its session token, a key) went into the
+    error as S3 sent it."""
+    from botocore.exceptions import ClientError
+
+    answer = {"Error": {"Code": "InvalidHeader", "Message": "bad header X-Amz-Security-Token: T0KENsecret, "
+                                                            "Authorization: AWS4-HMAC-SHA256 Credential=AKIA1/x"},
+              "ResponseMetadata": {"HTTPStatusCode": 400}}
+    err = str(open_store("s3://b/p")._translate(ClientError(answer, "GetObject"), "get", "k"))
+    assert "InvalidHeader" in err and "X-Amz-Security-Token: ***" in err
+    assert "T0KENsecret" not in err and "AKIA1" not in err
+
+
+def test_a_librarys_log_record_and_the_cli_error_show_no_urls_password(tmp_path):
+    """HF_ENDPOINT=http://user:pw@mirror: huggingface_hub's warnings ("... thrown while requesting
+    HEAD http://user:pw@...") reached the console and --log-dir files whole, and the error that
+    ended the run quoted it too (25 lines in a walk). Every record is scrubbed as it is made."""
+    code = ("import logging, sys\n"
+            "from layertap.cli import _setup_logging\n"
+            "_setup_logging(False)\n"
+            "logging.getLogger('huggingface_hub.utils._http').warning("
+            "'%r thrown while requesting HEAD %s', 'refused', 'http://hfu:PASSWDleak789@127.0.0.1:9/m/config.json')\n"
+            "from layertap.cli import main\n"
+            "sys.exit(main(['extract', '--model', 'https://u:PASSWDleak789@h.example/m', '--out', sys.argv[1], "
+            "'--log-dir', sys.argv[2], '--limit', '2']))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out"), str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "thrown while requesting HEAD http://***@127.0.0.1:9/m/config.json" in r.stderr
+    assert "error: target model 'https://***@h.example/m' does not exist" in r.stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
+    assert "PASSWDleak789" not in r.stderr + r.stdout + logs

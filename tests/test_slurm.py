@@ -1599,6 +1599,38 @@ def test_counts_of_nodes_tasks_and_shards_must_be_at_least_one(tmp_path, capsys,
     assert _nothing_left(args, None, None, []) == 0  # no run: no running shards to name
 
 
+def test_a_chained_trainer_must_be_given_the_s3_server_the_extractions_config_names(tmp_path, capsys, monkeypatch,
+                                                                                    s3_bucket, s3_endpoint):
+    """`submit extract --config cfg.json --then-train ...`, the S3 endpoint in cfg.json alone: the
+    training job got none of it, and failed in the queue unable to read the run (a secrets walk)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    server = {"s3": {"endpoint_url": s3_endpoint, "addressing_style": "path"}}
+    (tmp_path / "cfg.json").write_text(json.dumps({**server, "max_length": 64}))
+    (tmp_path / "train.json").write_text(json.dumps(server))
+    base = ("extract", "--dry-run", "--nodes", "1", "--config", "cfg.json", "--out", f"s3://{s3_bucket}/chained")
+    assert submit(*base, "--then-train", f"--out s3://{s3_bucket}/drafter") == 2
+    assert ("--then-train: this command's --config sets the S3 addressing_style, endpoint_url, which the training job "
+            "does not get") in capsys.readouterr().err
+    assert submit(*base, "--then-train", f"--config train.json --out s3://{s3_bucket}/drafter") == 0
+    assert "--config train.json" in capsys.readouterr().out
+
+
+def test_a_dry_run_shows_keys_typed_on_the_command_line_masked(tmp_path, capsys, monkeypatch):
+    """A dry run's scripts (pasted into tickets and chats) showed a --serve line's key and an
+    --sbatch=--export's secret as typed; the job itself still gets them."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    assert submit("regenerate", "--dry-run", "--gpus-per-node", "0", "--dataset", "d.jsonl", "--out",
+                  str(tmp_path / "regen"), "--endpoint", "http://127.0.0.1:$LAYERTAP_TASK_PORT/v1", "--model", "m",
+                  "--serve", "vllm serve m --port $LAYERTAP_TASK_PORT --api-key sk-LEAK1",
+                  "--sbatch=--export=ALL,HF_TOKEN=hf_LEAK2") == 0
+    out = capsys.readouterr().out
+    assert "keys given on the command line shown as ***" in out and "--api-key ***" in out and "HF_TOKEN=***" in out
+    assert "LEAK" not in out
+
+
 def test_secrets_in_the_command_are_masked_in_the_tasks_log(tmp_path, caplog):
     """The script must run the real command (the server needs its key), but the line each task
     echoes into its Slurm log masks what layertap's own logs mask. The saved script that holds
