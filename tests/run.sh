@@ -23,6 +23,7 @@ if [ "$(id -u)" = 0 ] && ! command -v radosgw >/dev/null; then bash .ci/rgw.sh i
 # processes and polls), and took 52 min on CI's 2-core Xeon; in 3 workers, 35 min. LAYERTAP_TEST_WORKERS=0: serial.
 # A child process that dies of a fatal signal (SIGABRT, SIGSEGV) prints every thread's Python stack:
 # a 2-rank training test once aborted at exit ("terminate called without an active exception", 1 of
-# 5 full runs, never alone), and its stderr tail is what the next look has to go on.
+# 5 full runs, never alone; since, a finished rank of several leaves by os._exit, train/command.py),
+# and its stderr tail is what the next look has to go on.
 export PYTHONFAULTHANDLER=1
 exec python -m pytest -n "${LAYERTAP_TEST_WORKERS:-3}" "$@"
