@@ -56,21 +56,33 @@ def data_files(path: str) -> DataFiles | None:
     Raises `MissingInput` for a path that does not exist or a glob that matches no file, and
     `InputError` for a folder or glob whose files layertap would not read whole and alone."""
     if is_pattern(path):
-        matched = sorted(p for p in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(p))
+        matched = pattern_files(path)
         if not matched:
             raise MissingInput(f"dataset {path!r} is a glob that matches no file; quote it on the command line "
                                "(the shell expands an unquoted glob) and check its folder")
         return _of_one_kind(path, matched)
-    if not os.path.exists(path):
+    if not os.path.exists(local := os.path.expanduser(path)):
         hint = ""
-        if _HUB_ID.fullmatch(path):
+        if _HUB_ID.fullmatch(path) and not os.path.isdir(path.split("/")[0]):  # not a typo in a folder here
             hint = (f"; layertap reads local data: for the Hugging Face Hub dataset {path!r}, download it first "
                     f"(`hf download --repo-type dataset {path} --local-dir DIR`) and give --dataset DIR (its train "
                     "split) or a glob of one split's files")
         raise MissingInput(f"dataset {path!r} does not exist{hint}")
-    if os.path.isdir(path):
-        return None if is_saved_folder(path) else _folder(path)
-    return _of_one_kind(path, [path])
+    if os.path.isdir(local):
+        return None if is_saved_folder(local) else _folder(local)
+    return _of_one_kind(path, [local])
+
+
+def pattern_files(pattern: str) -> list[str]:
+    """The files a glob matches (folders it matches are not data), in name order."""
+    return sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+
+
+def recorded_path(path: str) -> str:
+    """`path` as a manifest or recipe records it: absolute (a glob too: "data/*.jsonl" said nothing
+    of where it was read), with `~` expanded and an existing path's links resolved."""
+    local = os.path.expanduser(path)
+    return os.path.realpath(local) if os.path.exists(local) else os.path.abspath(local) if is_pattern(path) else path
 
 
 def _of_one_kind(given: str, files: list[str]) -> DataFiles:
@@ -90,6 +102,11 @@ def _of_one_kind(given: str, files: list[str]) -> DataFiles:
 def _folder(path: str) -> DataFiles:
     """A folder of data files: its split's files as `datasets` resolves a Hub dataset's."""
     import datasets
+
+    if _GLOB.search(path):  # `datasets` takes the folder's path for a pattern, and reads another folder
+        raise InputError(f"dataset folder {path!r} has glob characters (*, ?, [) in its path, which the Hub dataset "
+                         f"reader takes for a pattern: give a glob of its files instead, e.g. --dataset "
+                         f"'{os.path.join(glob.escape(path), '**', '*.parquet')}', or rename it")
 
     try:
         with quiet("datasets", "huggingface_hub"):

@@ -9,6 +9,7 @@ import os
 
 import xxhash
 
+from layertap.extract.dataset_files import DataFiles, data_files
 from layertap.storage.errors import InputError
 
 
@@ -43,14 +44,17 @@ def dataset_fingerprint(path: str, limit: int | None = None) -> str:
     an edited file of the same size. A saved dataset folder already carries a content
     fingerprint that ``datasets`` maintains through every transform.
     """
-    from layertap.extract.dataset_files import data_files
     from layertap.extract.regenerated import is_regenerated, regenerated_fingerprint
 
     if is_regenerated(path):
         return regenerated_fingerprint(path, limit)
-    source = data_files(path)
+    return fingerprint_of(path, data_files(path), limit)
+
+
+def fingerprint_of(path: str, source: DataFiles | None, limit: int | None) -> str:
+    """`dataset_fingerprint` of the files `source` names (None: `path` is a save_to_disk folder)."""
     if source is None:
-        ds = load_saved(path)
+        ds = load_saved(os.path.expanduser(path))
         content = f"saved:{ds._fingerprint}:{len(ds)}"
     elif source.single:
         content = f"file:{_file_hash(source.files[0])}"

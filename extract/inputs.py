@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import glob
 import json
 import logging
 import os
@@ -125,24 +126,46 @@ def load_rows(path: str, limit: int | None = None):
     ``limit`` keeps the first ``limit`` rows, so a small run sees the same rows as the start of
     a big one.
     """
-    import datasets
-
     from layertap.extract.regenerated import is_regenerated, load_regenerated
 
-    if limit is not None and limit <= 0:
-        raise ConfigError(f"limit must be a positive number of rows, got {limit}")
+    _check_limit(limit)
     if is_regenerated(path):
         return load_regenerated(path, limit)
+    return _rows(path, data_files(path), limit)
+
+
+def load_pinned_rows(path: str, limit: int | None = None):
+    """(`load_rows`, `dataset_fingerprint`) of one resolution of `path`'s files: resolved once for
+    each, a folder a download was still filling gave the rows of N files and pinned N+1."""
+    from layertap.extract.fingerprint import fingerprint_of
+    from layertap.extract.regenerated import is_regenerated, load_regenerated, regenerated_fingerprint
+
+    _check_limit(limit)
+    if is_regenerated(path):
+        return load_regenerated(path, limit), regenerated_fingerprint(path, limit)
     source = data_files(path)
+    return _rows(path, source, limit), fingerprint_of(path, source, limit)
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and limit <= 0:
+        raise ConfigError(f"limit must be a positive number of rows, got {limit}")
+
+
+def _rows(path: str, source: DataFiles | None, limit: int | None):
+    """The rows of `source` (None: `path` is a save_to_disk folder), the first `limit` of them."""
+    import datasets
+
     if source is None:
-        ds = load_saved(path)
+        ds = load_saved(os.path.expanduser(path))
     else:
         files = [f for f in source.files if not _file_has_no_rows(f)]
         if not files:
             raise InputError(f"dataset {path!r} has no rows; give a dataset with at least one row")
         try:
             with quiet("datasets.packaged_modules"):  # it logs the error it raises, twice over
-                ds = datasets.load_dataset(source.builder, data_files=files, split="train")
+                # escaped: `datasets` takes each path for a pattern ('only[1]/a.jsonl' read only1/a.jsonl)
+                ds = datasets.load_dataset(source.builder, data_files=[glob.escape(f) for f in files], split="train")
         except Exception as e:  # datasets wraps parse errors in its own, path-less, exceptions
             raise InputError(_unreadable(source, files, e)) from e
         if not source.single:

@@ -147,17 +147,16 @@ class Totals:
 
 def regenerate(cfg: RegenerateConfig) -> Totals:
     """Regenerate the parts of `cfg.task` not yet done at `cfg.out`; returns what was done now."""
-    from layertap.extract.fingerprint import dataset_fingerprint
-    from layertap.extract.inputs import RowShape, detect_row_shape, load_rows
+    from layertap.extract.dataset_files import recorded_path
+    from layertap.extract.inputs import RowShape, detect_row_shape, load_pinned_rows
 
     cfg.endpoint = cfg.resolved_endpoint()
-    rows = load_rows(cfg.dataset, cfg.limit)
+    rows, fingerprint = load_pinned_rows(cfg.dataset, cfg.limit)
     if detect_row_shape(rows.column_names) == RowShape.PRETOKENIZED:
         raise InputError(f"dataset {cfg.dataset!r} is pre-tokenized (input_ids): regeneration needs the chats' "
                          f"text; give the ShareGPT or messages version")
     store = open_store(cfg.out)
-    path = os.path.realpath(cfg.dataset)
-    recipe = Recipe(dataset={"path": path, "fingerprint": dataset_fingerprint(cfg.dataset, cfg.limit),
+    recipe = Recipe(dataset={"path": recorded_path(cfg.dataset), "fingerprint": fingerprint,
                              "rows": len(rows), "limit": cfg.limit},
                     model=cfg.model, sampling=cfg.sampling(), rows_per_part=cfg.rows_per_part,
                     endpoint=public_url(cfg.endpoint))

@@ -27,8 +27,8 @@ from layertap.extract.config import ExtractConfig, as_run_recorded, resolve_dtyp
 from layertap.extract.console import pause, progress, quiet_library_bars
 from layertap.extract.estimate import fmt_bytes, planned_bytes_per_token
 from layertap.extract.kernels import provenance
-from layertap.extract.fingerprint import dataset_fingerprint
-from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, load_rows, tokenize_rows
+from layertap.extract.dataset_files import recorded_path
+from layertap.extract.inputs import Skipped, TokenizedSample, TokenizeStats, load_pinned_rows, tokenize_rows
 from layertap.extract.measure import require_samples, token_statistics
 from layertap.extract.model import Capture, Target, default_layers, load_target, padding_id
 from layertap.extract.pipeline import HostStaging, PipelineStats, start_shard
@@ -355,7 +355,7 @@ def dataset_rows(cfg: ExtractConfig):
     is given, None for none), before the model loads."""
     cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
     if cfg.dataset is not None:
-        return load_rows(cfg.dataset, cfg.limit), dataset_fingerprint(cfg.dataset, cfg.limit)
+        return load_pinned_rows(cfg.dataset, cfg.limit)
     import datasets
 
     from layertap.extract.embedded import sharegpt_conversations
@@ -396,7 +396,7 @@ def write_plan(store: ObjectStore, cfg: ExtractConfig, identity: RunConfig, fing
                counts: list[int] | None, existing: Manifest | None = None) -> tuple[Manifest, bool]:
     """The run's manifest, created from `counts` if there is none yet (see `create_or_resume`;
     `existing`: the run's manifest, if the caller read it already)."""
-    path = os.path.realpath(cfg.dataset) if cfg.dataset and os.path.exists(cfg.dataset) else cfg.dataset
+    path = recorded_path(cfg.dataset) if cfg.dataset else None
     dataset = {"fingerprint": fingerprint} if counts is None else {"fingerprint": fingerprint,
                                                                     "path": path or "embedded", "limit": cfg.limit}
     dataset.update(pinned_template(cfg, existing))

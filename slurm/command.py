@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import importlib
 import json
 import os
@@ -716,8 +715,11 @@ def _check_s3_reaches_the_trainer(extraction, train_cfg, flag: str) -> None:
     extraction's --config "s3" settings are its own (the trainer takes only what --then-train gives;
     an extraction's config file holds settings `layertap train` refuses), and a trainer without them
     failed in the queue, unable to read the run."""
-    missing = sorted(k for k in REACH_SETTINGS if k in extraction.s3 and extraction.s3[k] != train_cfg.s3.get(k))
-    if missing and any(str(p).startswith("s3://") for p in (train_cfg.data, train_cfg.out)):
+    env = {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+           "region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")}  # the job inherits these
+    missing = sorted(k for k in REACH_SETTINGS
+                     if k in extraction.s3 and extraction.s3[k] != train_cfg.s3.get(k, env.get(k)))
+    if missing and str(train_cfg.data).startswith("s3://"):
         raise ConfigError(f"{flag}: this command's --config sets the S3 {', '.join(missing)}, which the training job "
                           f"does not get (it reads {train_cfg.data} with its own settings): give it a --config of its "
                           f"own in {flag} (e.g. --config train.json, holding {{\"s3\": {{...}}}}), or set the "
@@ -1012,7 +1014,7 @@ def _check_inputs_here(cfg) -> None:
     --data); capture layers past the model's decoder layers (its config.json, read here) are
     refused. A missing dataset was submitted, and every task failed on it in the queue."""
     from layertap.extract.config import check_layers
-    from layertap.extract.dataset_files import is_pattern
+    from layertap.extract.dataset_files import is_pattern, pattern_files
 
     # a --dataset is a file, a folder, a glob of files or a store URI, never a hub id: any other path missing here
     # is noted
@@ -1020,7 +1022,7 @@ def _check_inputs_here(cfg) -> None:
                               ("--dataset", cfg.dataset, not (cfg.dataset or "").startswith("s3://"))):
         if not path or not local:
             continue
-        if flag == "--dataset" and is_pattern(path) and not glob.glob(os.path.expanduser(path), recursive=True):
+        if flag == "--dataset" and is_pattern(path) and not pattern_files(path):
             _note(f"{flag} {path} matches no file on this host: every task fails at its start unless it matches "
                   "files on the nodes")
         elif not is_pattern(path) and not os.path.exists(os.path.expanduser(path)):

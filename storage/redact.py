@@ -12,7 +12,8 @@ import urllib.parse
 # A URL's user:password, to the last "@" before its path (a password may hold one), and its query
 # and fragment (the delimiter kept in group 2, so a masked copy shows where it was)
 _USERINFO = re.compile(r"(?<=://)[^/\s\"'`]*@")
-_QUERY = re.compile(r"(://[^\s\"'`?#]*)([?#])[^\s\"'`]*")
+# (not a store location's: `#` and `?` are plain characters in an s3:// or file:// prefix, `s3://b/run#1`)
+_QUERY = re.compile(r"(?<!s3)(?<!file)(://[^\s\"'`?#]*)([?#])[^\s\"'`]*")
 # A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
 # not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
 _SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd|auth|credentials?|access[-_]key[-_]id)"
@@ -33,8 +34,10 @@ _SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD
 MASK = "***"
 # credentials as a server echoes a request's Authorization header: scheme-cased, a token-like value (in prose,
 # "token" and "basic" are words)
-_SENT_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic)\s+)[A-Za-z0-9._~+/=-]{8,}")
-_SENT_QUERY = re.compile(r"(://[^\s\"'`?#]*)\?[^\s\"'`#]*")
+# a credential holds a digit, a sign or a capital after a small letter ("Basic authentication required" is prose)
+_SENT_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic)\s+)(?=[A-Za-z]*(?:[0-9._~+/=-]|[a-z][A-Za-z]*[A-Z]))"
+                               r"[A-Za-z0-9._~+/=-]{8,}")
+_SENT_QUERY = re.compile(r"(?<!s3)(?<!file)(://[^\s\"'`?#]*)\?[^\s\"'`#]*")
 # ... and a request's secret headers as a server or proxy quotes them back (Authorization: to the line's end)
 _KEY_HEADERS = re.compile(r"""\b((?:X-Amz-Security-Token|X-Api-Key|Api-Key)\s*[:=]\s*)[^\s,;'"]+""", re.IGNORECASE)
 _AUTH_HEADER = re.compile(r"""\b(Authorization\s*:\s*)[^\n'"]+""", re.IGNORECASE)
@@ -112,9 +115,14 @@ def scrub_log_records() -> None:
 
     def record(*args, **kwargs) -> logging.LogRecord:
         r = make(*args, **kwargs)
-        text = r.getMessage()
-        if "://" in text or "Basic" in text or "Bearer" in text:
-            r.msg, r.args = scrubbed(text), ()
+        try:
+            text = r.getMessage()
+        except Exception:  # a bad call's record, as logging reports it when it is emitted: not raised here
+            return r
+        if (clean := scrubbed(text)) != text:
+            r.msg, r.args = clean, ()
+        if r.exc_info and r.exc_info[1] is not None:  # its traceback, which a handler's formatter would cache
+            r.exc_text = scrubbed(logging.Formatter().formatException(r.exc_info))
         return r
 
     logging.setLogRecordFactory(record)

@@ -95,6 +95,23 @@ def test_what_a_dataset_path_does_not_name_is_said(tmp_path):
         load_rows(str(tmp_path / "rows.*"))
 
 
+def test_a_review_s_paths_a_typo_in_a_folder_and_a_folder_named_like_a_glob(tmp_path, monkeypatch):
+    """A missing 'a/part9.jsonl' (the folder a/ here) was called a Hugging Face Hub dataset to
+    download; a folder 'only[1]' was read from only1/ (the Hub reader takes its path for a pattern)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(MissingInput) as e:
+        load_rows("a/part9.jsonl")
+    assert str(e.value) == "dataset 'a/part9.jsonl' does not exist"
+    for name in ("only[1]", "only1"):
+        (tmp_path / name).mkdir()
+        pq.write_table(_chats(0 if name == "only1" else 10, 2), tmp_path / name / "part.parquet")
+    with pytest.raises(InputError, match=r"dataset folder 'only\[1\]' has glob characters .* --dataset "
+                                         r"'only\[\[\]1\]/\*\*/\*\.parquet'"):
+        load_rows("only[1]")
+    assert load_rows("only[[]1]/**/*.parquet")["id"] == ["c10", "c11"]  # the glob it names: that folder's
+
+
 def test_a_bad_line_in_one_of_several_files_names_the_file_and_line(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     (tmp_path / "a.jsonl").write_text(json.dumps(good) + "\n")

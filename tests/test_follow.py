@@ -1351,15 +1351,15 @@ def test_the_epochs_after_the_follow_epoch_stream_rank_0s_shards_on_every_rank(t
     loaders = [StreamLoader(s, batch_size=2) for s in streams]
     for loader in loaders:
         assert _real_ids(loader)  # the follow epoch
-    rank_0_records = []
-    streams[0].agree = lambda records: rank_0_records.append(records) or records
+    rank_0_read = []
+    streams[0].agree = lambda mine: rank_0_read.append(mine) or mine
 
-    def from_rank_0(records):
-        assert records is None  # rank 1 read nothing to offer
+    def from_rank_0(mine):
+        assert mine is None  # rank 1 read nothing to offer
         if rank_0_reads == "last":  # rank 0 reads after the redo
             assert fake_worker.work(uri, shards=[6]) == [6]
             streams[0]._settle()
-        return rank_0_records[-1]
+        return rank_0_read[-1]
 
     streams[1].agree = from_rank_0
     streams[1]._readable_shards = lambda: pytest.fail("rank 1 read the run's commits")
@@ -1384,8 +1384,9 @@ def test_rank_0_stores_the_commit_index_a_follow_run_lacked_when_the_later_epoch
     fake_worker.work(uri)
     assert read_commits(_store(uri)).new_index is not None  # the extraction wrote no index
     streams = [ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=2) for r in range(2)]
-    for s in streams:
-        s.agree = lambda records: records if records is not None else streams[0].shard_records
+    rank_0_read = []
+    streams[0].agree = lambda mine: rank_0_read.append(mine) or mine
+    streams[1].agree = lambda mine: rank_0_read[-1]
     for loader in [StreamLoader(s, batch_size=2) for s in streams]:
         assert _real_ids(loader)  # the follow epoch
     streams[0]._settle()
@@ -1406,8 +1407,8 @@ def test_a_delete_consumed_trainers_ranks_need_not_agree_on_a_later_epoch_its_de
     streams = [ShardStream(uri, config=cfg, rank=r, world_size=2) for r in range(2)]
     for loader in [StreamLoader(s, batch_size=2) for s in streams]:
         assert _real_ids(loader)  # the follow epoch
-    streams[0].agree = lambda records: records  # the trainer's broadcast: rank 0's list, on every rank
-    streams[1].agree = lambda records: streams[0].shard_records
+    streams[0].agree = lambda mine: mine  # the trainer's broadcast: rank 0's list, on every rank
+    streams[1].agree = lambda mine: pytest.fail("a --delete-consumed trainer's ranks agree on no later epoch")
     streams[0]._settle()
     record_consumed(_store(uri), rank=0, world_size=1, shards=[3], step=9)
     assert delete_consumed(_store(uri)) == [3]
@@ -1416,7 +1417,7 @@ def test_a_delete_consumed_trainers_ranks_need_not_agree_on_a_later_epoch_its_de
     plain = ShardStream(uri, config=StreamConfig(**CFG), rank=1, world_size=2)  # a trainer that reads later epochs
     for _ in StreamLoader(plain, batch_size=2):
         pass
-    plain.agree = lambda records: streams[0].shard_records
+    plain.agree = lambda mine: {"shards": streams[0].shard_records, "left_out": []}
     plain._settle()  # its ranks stream one list: rank 0's (whose shard 3 is gone, as a read of it will say)
     assert plain.shard_records == streams[0].shard_records
 
@@ -1439,6 +1440,30 @@ def test_the_epochs_after_the_follow_epoch_leave_out_what_a_delete_consumed_trai
         assert len(_real_ids(loader)) == want, epoch
     assert [s.shard for s in stream.shards] == [1, 2, 3, 4, 5, 6]
     assert "1 committed shard(s) were consumed and deleted by a --delete-consumed trainer" in caplog.text
+
+
+def test_every_rank_says_why_a_later_epoch_has_nothing_when_every_shard_was_consumed(tmp_path):
+    """Rank 0 alone reads the run for the epochs after the follow epoch: the others said "no
+    committed shard holds a sample", not that a --delete-consumed trainer consumed them all (a review
+    found it): rank 0's count of consumed shards comes with its list."""
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    streams = [ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=2) for r in range(2)]
+    loaders = [StreamLoader(s, batch_size=2) for s in streams]
+    for loader in loaders:
+        assert _real_ids(loader)  # the follow epoch
+    shards = [p.id for p in fake_worker.plan(_store(uri)).shards]
+    record_consumed(_store(uri), rank=0, world_size=1, shards=shards, step=9)
+    assert delete_consumed(_store(uri)) == shards
+    rank_0_read = []
+    streams[0].agree = lambda mine: rank_0_read.append(mine) or mine
+    streams[1].agree = lambda mine: rank_0_read[-1]
+    for loader in loaders:
+        with pytest.raises(InputError, match="every committed shard of .* was consumed and deleted by a "
+                                             "--delete-consumed trainer: epoch"):
+            _real_ids(loader)
 
 
 def test_a_consumed_shard_is_warned_of_only_by_the_consumers_with_a_share_of_it(tmp_path, caplog):

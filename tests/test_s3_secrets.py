@@ -164,3 +164,37 @@ def test_a_librarys_log_record_and_the_cli_error_show_no_urls_password(tmp_path)
     assert "error: target model 'https://***@h.example/m' does not exist" in r.stderr
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
     assert "PASSWDleak789" not in r.stderr + r.stdout + logs
+
+
+def test_scrubbing_log_records_breaks_no_logging_call_and_reaches_tracebacks():
+    """A review of the record factory: a bad call's formatting error was raised at the call (logging
+    itself reports it when the record is emitted, and goes on); a traceback's text went unscrubbed;
+    "Basic authentication required" lost its last word; and headers were scrubbed only in records
+    holding "://"."""
+    code = ("import logging, sys\n"
+            "from layertap.storage.redact import scrub_log_records\n"
+            "logging.basicConfig(level=logging.INFO, format='%(message)s', stream=sys.stdout)\n"
+            "scrub_log_records()\n"
+            "log = logging.getLogger('x')\n"
+            "log.info('count %d', 'not a number')\n"
+            "log.info('X-Api-Key: sk-s3cret-1 sent; Basic authentication required')\n"
+            "try:\n"
+            "    raise ValueError('http://user:PASSWD9@host:9000/x')\n"
+            "except ValueError:\n"
+            "    log.exception('failed')\n"
+            "print('went on')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "went on" in r.stdout, r.stderr[-2000:]
+    assert "--- Logging error ---" in r.stderr  # reported as logging reports it, not raised
+    assert "X-Api-Key: *** sent; Basic authentication required" in r.stdout
+    assert "ValueError: http://***@host:9000/x" in r.stdout and "PASSWD9" not in r.stdout + r.stderr
+
+
+def test_a_dry_run_shows_a_store_location_whole():
+    """`#` and `?` are plain characters of an s3:// prefix: the dry run's masking showed
+    `--out 's3://bkt/run#***'` and said keys had been masked."""
+    from layertap.storage.redact import redacted, scrubbed
+
+    text = "--out 's3://bkt/run#1?x' --data file:///r/a?b --endpoint http://h:1/v1?token=T0K"
+    assert redacted(text) == "--out 's3://bkt/run#1?x' --data file:///r/a?b --endpoint http://h:1/v1?***"
+    assert scrubbed(text) == "--out 's3://bkt/run#1?x' --data file:///r/a?b --endpoint http://h:1/v1?***"

@@ -1615,6 +1615,9 @@ def test_a_chained_trainer_must_be_given_the_s3_server_the_extractions_config_na
             "does not get") in capsys.readouterr().err
     assert submit(*base, "--then-train", f"--config train.json --out s3://{s3_bucket}/drafter") == 0
     assert "--config train.json" in capsys.readouterr().out
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the job inherits it: the same server (path style: any)
+    (tmp_path / "cfg.json").write_text(json.dumps({"s3": {"endpoint_url": s3_endpoint}, "max_length": 64}))
+    assert submit(*base, "--then-train", f"--out s3://{s3_bucket}/drafter") == 0
 
 
 def test_a_dry_run_shows_keys_typed_on_the_command_line_masked(tmp_path, capsys, monkeypatch):

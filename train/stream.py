@@ -263,9 +263,9 @@ class ShardStream(IterableDataset):
     different sizes and orders. Opening reads the run and writes nothing.
 
     `agree` (follow mode, several ranks): when the epochs after the follow epoch read the run's
-    committed shards, rank 0 reads them and calls it with its `shard_records`, the others with
-    None; it returns rank 0's on every rank (a broadcast: `layertap train` sets it), and the
-    stream streams those. Without it each rank reads them on its own: a commit landing between
+    committed shards, rank 0 reads them and calls it with {"shards": its `shard_records`,
+    "left_out": the shards consumed and deleted}, the others with None; it returns rank 0's on
+    every rank (a broadcast: `layertap train` sets it), and the stream streams those. Without it each rank reads them on its own: a commit landing between
     two ranks' reads (a given-up shard redone) gave them different epochs, and at 1,000 ranks of
     a 20,000-shard run the reads were 20 M GETs of commits, at the follow epoch's end and again at
     every resume after it.
@@ -400,7 +400,9 @@ class ShardStream(IterableDataset):
         # A --delete-consumed trainer trains the follow epoch alone (--epochs 1): no later epoch for its
         # ranks to agree on, and its own deletions (a checkpoint at a wait) raced their reads of the run
         if self.agree is not None and not self.config.deletes_consumed:
-            self.shards = _of_records(self.agree(self._readable_shards_records() if self.rank == 0 else None))
+            mine = {"shards": self._readable_shards_records(), "left_out": self._left_out} if self.rank == 0 else None
+            got = self.agree(mine)
+            self.shards, self._left_out = _of_records(got["shards"]), [int(s) for s in got["left_out"]]
         else:
             self.shards = self._readable_shards()
         self.total_samples = sum(len(s.sample_ids) for s in self.shards)
@@ -423,7 +425,7 @@ class ShardStream(IterableDataset):
         return [s for s in shards if s.shard not in gone]
 
     def _readable_shards_records(self) -> list[list]:
-        """`_readable_shards` as `shard_records` (what `agree` hands over)."""
+        """`_readable_shards` as `shard_records` (what `agree` hands over, with `_left_out`)."""
         return [_record_of(s) for s in self._readable_shards()]
 
     def _identity(self, follow_epoch: bool = False) -> dict[str, Any]:

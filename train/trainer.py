@@ -606,7 +606,7 @@ def open_stream(cfg: TrainConfig, acc: Any) -> ShardStream:
         # reaches them (or at a resume into one): rank 0's list, handed over as above. Through a group
         # of its own: that thread must not interleave NCCL calls with the training thread's.
         group = host_group(acc)
-        stream.agree = lambda records: from_rank_0(acc, records, group)
+        stream.agree = lambda mine: from_rank_0(acc, mine, group)
     return stream
 
 
