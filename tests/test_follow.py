@@ -613,7 +613,8 @@ def test_consumed_shards_come_from_the_checkpointed_state_without_reading_the_co
     loader = StreamLoader(stream, batch_size=3, num_workers=2)
     read = stream_module.read_commits
     reads: list[str] = []
-    monkeypatch.setattr(stream_module, "read_commits", lambda store, *a: reads.append(store.uri) or read(store, *a))
+    monkeypatch.setattr(stream_module, "read_commits",
+                        lambda store, *a, **kw: reads.append(store.uri) or read(store, *a, **kw))
     seen: set[str] = set()
     checked = 0
     for batch in loader:

@@ -309,6 +309,23 @@ def test_a_consumer_of_many_looks_no_more_often_than_their_number_allows(tmp_pat
     assert looks <= 30 / (0.8 * 4000 / follow.RUN_LOOKS_PER_S) + 1, looks  # was 60: one every 0.5 s
 
 
+def test_the_consumed_shards_commits_are_not_read_when_a_stream_settles(tmp_path):
+    """A window run's trainer (--delete-consumed) consumes every shard: when its state at the follow
+    epoch's end settled, each of its ranks still read every commit, a GET apiece (no index: a
+    follow run writes none), to leave them all out. Only the commits of shards with data are read."""
+    from layertap.manifests.consumption import consumed_shards, delete_consumed, record_consumed
+    from layertap.train.stream import load_index
+
+    uri, m = run(tmp_path, LARGE, "run")
+    ids = [p.id for p in m.shards]
+    record_consumed(open_store(uri), rank=0, world_size=1, shards=ids[:-2], step=9)
+    assert delete_consumed(open_store(uri)) == ids[:-2]
+    store = Counting(open_store(uri))
+    _, shards, _ = load_index(store, consumed="keep", skip=frozenset(consumed_shards(open_store(uri))))
+    assert [s.shard for s in shards] == ids[-2:]
+    assert store.take()["GET", layout.COMMITS] == 2  # was one for each of the 54
+
+
 def test_consumers_seeded_alike_still_spread_their_full_listings(tmp_path):
     """DataLoader workers seed Python's `random` alike on every rank: a phase drawn from it gave
     worker w the same one on all ranks, and the herd came back (review finding)."""

@@ -167,7 +167,8 @@ def _cores() -> int:
 
 
 def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leave out", "keep"] = "leave out",
-               unfinished_warning: bool = True) -> tuple[Manifest, list[CommittedShard], bytes | None]:
+               unfinished_warning: bool = True, skip: frozenset[int] = frozenset()
+               ) -> tuple[Manifest, list[CommittedShard], bytes | None]:
     """(the run's manifest, its committed shards sorted by id, the commit index to store when the
     stored one lacked some: `manifests.commit_index.Commits.new_index`): one listing of
     `commits/` and the commit index, plus a GET per commit the index lacks, and one listing of
@@ -181,10 +182,13 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
     fail where nothing is left: it may never be read, and a follow epoch whose every committed
     shard holds no samples, all skipped by extraction, ends there).
     A run whose extraction is unfinished is streamed as far as it goes, with a warning
-    (`unfinished_warning`: one rank of many says it)."""
+    (`unfinished_warning`: one rank of many says it). The commits of shards in `skip` are not
+    read, nor returned (the consumed shards, which a caller leaves out: a window run's are all of
+    them, a GET each on every rank of its trainer)."""
     manifest = load_manifest(store)
-    read = read_commits(store, threads)
-    commits = read.records
+    read = read_commits(store, threads, instead=(lambda shard: FeedCommit(shard, 0, 0) if shard in skip else None)
+                        if skip else None)
+    commits = [c for c in read.records if isinstance(c, CommitRecord)]
     root = store.uri.rstrip("/")
     foreign = sorted(c.shard for c in commits if not fits_plan(c, manifest))
     if foreign:
@@ -417,12 +421,12 @@ class ShardStream(IterableDataset):
         """The committed shards with data (`load_index` without its error when none is left). Rank
         0 stores the commit index where it lacked commits (a follow run's never had them all): a
         resume then reads one listing and one GET, not a GET per commit."""
-        _, shards, new_index = load_index(self._store(), consumed="keep")
+        gone = frozenset(consumed_shards(self._store()))  # their commits are not read (a window run's: all)
+        _, shards, new_index = load_index(self._store(), consumed="keep", skip=gone)
         if new_index is not None and self.rank == 0:
             write_index(self._store(), new_index)
-        gone = consumed_shards(self._store())
-        self._left_out = sorted(s.shard for s in shards if s.shard in gone)
-        return [s for s in shards if s.shard not in gone]
+        self._left_out = sorted(gone)
+        return shards
 
     def _readable_shards_records(self) -> list[list]:
         """`_readable_shards` as `shard_records` (what `agree` hands over, with `_left_out`)."""
