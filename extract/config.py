@@ -76,8 +76,9 @@ class ExtractConfig:
     model: str | None = setting(None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     gguf_file: str | None = setting(None, help="GGUF file inside --model to load")
     dataset: str | None = setting(None, help=".jsonl/.json/.parquet file, a folder of them (a Hub download: "
-                                             "its train split) or a quoted glob of them, or a saved dataset folder "
-                                             "(default: the embedded ShareGPT conversations)")
+                                             "its train split), a quoted glob of them (also s3://bucket/data/*.parquet)"
+                                             ", or a saved dataset folder (default: the embedded ShareGPT "
+                                             "conversations)")
     layers: list[int] | None = setting(None, parse=parse_ids, help="capture layers, e.g. 1,16,31,46,61 (default: "
                                        "DFlash's spacing); layer k = output of decoder layer k")
     codec: str = setting(DEFAULT_CODEC, choices=CODEC_NAMES, help="hidden-state codec")

@@ -1,7 +1,8 @@
-"""Which data a local `--dataset` names: one .jsonl/.json/.parquet file, a `datasets`
+"""Which data a `--dataset` names: one .jsonl/.json/.parquet file, a `datasets`
 save_to_disk folder, or several data files, given as a folder of them (a Hugging Face Hub
 dataset as `hf download --repo-type dataset ... --local-dir DIR` writes it: its train split) or
-as a glob (one split's files, e.g. 'ultrachat/data/train_sft-*.parquet').
+as a glob (one split's files, e.g. 'ultrachat/data/train_sft-*.parquet'); or such files on S3
+(an object or a glob of them, read from local copies: `dataset_download`).
 
 Loading (`inputs.load_rows`) and pinning (`fingerprint.dataset_fingerprint`) both start here,
 so a run reads exactly the files its manifest's fingerprint hashed. A folder's splits are found
@@ -20,6 +21,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from layertap.extract.dataset_download import fetch_s3_data, is_s3_data
 from layertap.storage.errors import InputError, MissingInput
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> `datasets` builder
@@ -42,8 +44,8 @@ class DataFiles:
 
 
 def is_pattern(path: str) -> bool:
-    """Whether `path` is a glob: it has glob characters and names no existing file or folder."""
-    return bool(_GLOB.search(path)) and not os.path.exists(path)
+    """Whether `path` is a local glob: it has glob characters and names no existing file or folder."""
+    return bool(_GLOB.search(path)) and not path.startswith("s3://") and not os.path.exists(path)
 
 
 def is_saved_folder(path: str) -> bool:
@@ -54,7 +56,10 @@ def data_files(path: str) -> DataFiles | None:
     """The data files `path` names; None for a save_to_disk folder (`fingerprint.load_saved`).
 
     Raises `MissingInput` for a path that does not exist or a glob that matches no file, and
-    `InputError` for a folder or glob whose files layertap would not read whole and alone."""
+    `InputError` for a folder or glob whose files layertap would not read whole and alone. Data
+    files on S3 (an object or a glob of them) are read from local copies (`dataset_download`)."""
+    if is_s3_data(path):
+        return _of_one_kind(path, fetch_s3_data(path))
     if is_pattern(path):
         matched = pattern_files(path)
         if not matched:
@@ -89,10 +94,10 @@ def _of_one_kind(given: str, files: list[str]) -> DataFiles:
     kinds = {os.path.splitext(f)[1].lower() for f in files}
     other = sorted(kinds - FILE_FORMATS.keys())
     if other:
-        where = f"file type {other[0] or '(none)'!r}" if len(files) == 1 else \
-            f"matches files of type {', '.join(repr(k or '(none)') for k in other)}"
-        raise InputError(f"dataset {given!r}: unsupported {where}; use .jsonl, .json or .parquet files (one file, a "
-                         "folder of them, or a glob) or a datasets save_to_disk folder")
+        what = f"unsupported file type {other[0] or '(none)'!r}" if len(files) == 1 else \
+            f"matches files of unsupported types ({', '.join(repr(k or '(none)') for k in other)})"
+        raise InputError(f"dataset {given!r}: {what}; use .jsonl, .json or .parquet files (one file, a folder of "
+                         "them, or a glob) or a datasets save_to_disk folder")
     builders = {FILE_FORMATS[k] for k in kinds}
     if len(builders) > 1:
         raise InputError(f"dataset {given!r} mixes {' and '.join(sorted(kinds))} files: give a glob of one kind")

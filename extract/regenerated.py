@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
 def is_regenerated(path: str) -> bool:
     """Whether `path` (a local folder or s3:// prefix) holds a regenerated dataset."""
-    if path.startswith("s3://"):
-        return True  # extraction reads datasets from S3 only in this form; load_regenerated says if not
+    if path.startswith("s3://"):  # a prefix, not data files (`dataset_download`): load_regenerated says if not
+        from layertap.extract.dataset_download import is_s3_data
+
+        return not is_s3_data(path)
     import os
 
     return os.path.isfile(os.path.join(path, RECIPE))
@@ -33,8 +35,8 @@ def _complete(path: str) -> tuple[ObjectStore, Recipe, list[Any]]:
     store = open_store(path)
     recipe = read_recipe(store)
     if recipe is None:
-        raise MissingInput(f"dataset {path!r}: no {RECIPE} there; an S3 dataset must be the output of "
-                           f"`layertap regenerate` (local datasets: .jsonl/.json/.parquet files or a saved folder)")
+        raise MissingInput(f"dataset {path!r}: no {RECIPE} there; an S3 dataset is the output of "
+                           f"`layertap regenerate`, or .jsonl/.json/.parquet objects (s3://bucket/data/*.parquet)")
     parts = done_parts(store)
     missing = [p for p in range(recipe.parts) if p not in parts]
     if missing:

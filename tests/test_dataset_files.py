@@ -15,6 +15,7 @@ from layertap.cli import main as cli
 from layertap.extract.fingerprint import dataset_fingerprint
 from layertap.extract.inputs import load_rows
 from layertap.storage.errors import InputError, MissingInput
+from layertap.storage.store import open_store
 
 
 def _chats(start: int, n: int) -> pa.Table:
@@ -151,3 +152,51 @@ def test_extract_reads_a_glob_of_a_hub_downloads_split_and_a_resume_refuses_chan
     assert cli(args) == 0  # nothing left to do
     pq.write_table(_chats(0, 6).slice(1), root / "data" / "train_sft-00000-of-00002.parquet")
     assert cli(args) == 2  # the same glob, other rows: the run's fingerprint is not theirs
+
+
+def _upload(root: Path, bucket: str, prefix: str) -> None:
+    store = open_store(f"s3://{bucket}/{prefix}")
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and ".cache" not in f.parts:
+            store.put(str(f.relative_to(root)), f.read_bytes())
+
+
+def test_data_files_on_s3_are_read_as_the_same_files_on_disk_and_fetched_once(tmp_path, s3_bucket, monkeypatch):
+    """`--dataset 's3://bucket/ultrachat/data/train_sft-*.parquet'`: an S3 dataset had to be a
+    `layertap regenerate` output. Its objects are fetched once into the local cache, read in key
+    order, pinned by the same fingerprint as the same files on a disk, and fetched again once
+    written again."""
+    monkeypatch.setenv("LAYERTAP_DATA_CACHE", str(tmp_path / "cache"))
+    root = hub_download(tmp_path / "ultrachat")
+    _upload(root, s3_bucket, "ultrachat")
+    remote = f"s3://{s3_bucket}/ultrachat/data/train_sft-*.parquet"
+    assert load_rows(remote)["id"] == [f"c{i}" for i in range(11)]
+    assert dataset_fingerprint(remote) == dataset_fingerprint(f"{root}/data/train_sft-*.parquet")
+    cached = sorted((tmp_path / "cache").rglob("*.parquet"), key=lambda p: p.name)
+    assert [p.name for p in cached] == ["train_sft-00000-of-00002.parquet", "train_sft-00001-of-00002.parquet"]
+    stamps = [p.stat().st_mtime_ns for p in cached]
+    assert len(load_rows(remote)) == 11 and [p.stat().st_mtime_ns for p in cached] == stamps  # not fetched again
+    assert len(load_rows(f"s3://{s3_bucket}/ultrachat/**/*.parquet")) == 15  # both splits, ** across folders
+    open_store(f"s3://{s3_bucket}/ultrachat").put("data/train_sft-00001-of-00002.parquet",
+                                                   (root / "data" / "test_sft-00000-of-00001.parquet").read_bytes())
+    assert load_rows(remote)["id"] == [f"c{i}" for i in range(6)] + [f"c{i}" for i in range(100, 104)]
+    with pytest.raises(MissingInput, match="names no object on S3 \\(a glob that matches none\\)"):
+        load_rows(f"s3://{s3_bucket}/ultrachat/data/validation-*.parquet")
+    with pytest.raises(InputError, match=r"matches files of unsupported types \('\(none\)', '\.md'\)"):
+        load_rows(f"s3://{s3_bucket}/ultrachat/*")
+
+
+def test_extract_reads_a_jsonl_object_on_s3(tmp_path, s3_bucket, monkeypatch):
+    from test_extract import write_chats
+    from tiny_models import tiny_model_dir
+
+    monkeypatch.setenv("LAYERTAP_DATA_CACHE", str(tmp_path / "cache"))
+    chats = write_chats(tmp_path / "chats.jsonl", 6)
+    open_store(f"s3://{s3_bucket}/data").put("chats.jsonl", Path(chats).read_bytes())
+    out = tmp_path / "run"
+    assert cli(["extract", "--model", tiny_model_dir(tmp_path / "models", "qwen3"), "--dataset",
+                f"s3://{s3_bucket}/data/chats.jsonl", "--out", str(out), "--layers", "1,3", "--max-length", "64",
+                "--log-dir", str(tmp_path / "logs")]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dataset"]["path"] == f"s3://{s3_bucket}/data/chats.jsonl"
+    assert manifest["dataset"]["fingerprint"] == dataset_fingerprint(chats)
