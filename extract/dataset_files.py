@@ -45,7 +45,7 @@ class DataFiles:
 
 def is_pattern(path: str) -> bool:
     """Whether `path` is a local glob: it has glob characters and names no existing file or folder."""
-    return bool(_GLOB.search(path)) and not path.startswith("s3://") and not os.path.exists(path)
+    return bool(_GLOB.search(path)) and not path.startswith("s3://") and not os.path.exists(os.path.expanduser(path))
 
 
 def is_saved_folder(path: str) -> bool:

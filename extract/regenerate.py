@@ -49,8 +49,9 @@ def parse_task(text: str) -> tuple[int, int]:
 
 @dataclass(kw_only=True)
 class RegenerateConfig:
-    dataset: str = setting(help="input chats: a .jsonl/.json/.parquet file, a folder or quoted glob of them, or a "
-                                "saved dataset folder (ShareGPT 'conversations' or OpenAI 'messages' rows) (required)")
+    dataset: str = setting(help="input chats: a .jsonl/.json/.parquet file, a folder or quoted glob of them (also on "
+                                "S3), or a saved dataset folder (ShareGPT 'conversations' or OpenAI 'messages' rows) "
+                                "(required)")
     out: str = setting(help="output prefix: s3://bucket/prefix or a local folder; `layertap extract --dataset` "
                             "reads it (required)")
     endpoint: str = setting(help="OpenAI-compatible server, e.g. http://localhost:8000/v1 (vLLM, SGLang, "

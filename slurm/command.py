@@ -707,23 +707,24 @@ def _then_train(args: argparse.Namespace, gpus: int, nodes: list[NodeShape], ext
                                 tag)), queued, None
 
 
-REACH_SETTINGS = ("endpoint_url", "region", "addressing_style", "checksum_mode")  # which S3 server, and how to talk
-
-
 def _check_s3_reaches_the_trainer(extraction, train_cfg, flag: str) -> None:
     """Refuse a chained trainer that would not reach the run's S3 server as the extraction does: the
     extraction's --config "s3" settings are its own (the trainer takes only what --then-train gives;
     an extraction's config file holds settings `layertap train` refuses), and a trainer without them
-    failed in the queue, unable to read the run."""
-    env = {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
-           "region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")}  # the job inherits these
-    missing = sorted(k for k in REACH_SETTINGS
-                     if k in extraction.s3 and extraction.s3[k] != train_cfg.s3.get(k, env.get(k)))
-    if missing and str(train_cfg.data).startswith("s3://"):
-        raise ConfigError(f"{flag}: this command's --config sets the S3 {', '.join(missing)}, which the training job "
-                          f"does not get (it reads {train_cfg.data} with its own settings): give it a --config of its "
-                          f"own in {flag} (e.g. --config train.json, holding {{\"s3\": {{...}}}}), or set the "
-                          "server in the environment (AWS_ENDPOINT_URL, AWS_REGION) for both")
+    failed in the queue, unable to read the run. Both sides resolved as their stores will (`server_of`:
+    the LAYERTAP_S3_* and AWS_* variables the job inherits too)."""
+    from layertap.storage.s3 import server_of
+    from layertap.storage.store import s3_options
+
+    if not str(train_cfg.data).startswith("s3://"):
+        return
+    ours, theirs = server_of(s3_options(extraction.s3)), server_of(s3_options(train_cfg.s3))
+    differ = sorted(k for k in ours if ours[k] != theirs[k])
+    if differ:  # values not shown: an endpoint may hold a password
+        raise ConfigError(f"{flag}: this command's --config sets the S3 {', '.join(differ)} otherwise than the "
+                          f"training job would have it (it reads {train_cfg.data} with its own --config and the "
+                          f"environment): give it a --config of its own with the same \"s3\" settings in {flag} "
+                          "(e.g. --config train.json)")
 
 
 def _train_options(args: argparse.Namespace, gpus: int, cfg, nodes: list[NodeShape], **job: Any):
@@ -1014,10 +1015,17 @@ def _check_inputs_here(cfg) -> None:
     --data); capture layers past the model's decoder layers (its config.json, read here) are
     refused. A missing dataset was submitted, and every task failed on it in the queue."""
     from layertap.extract.config import check_layers
+    from layertap.extract.dataset_download import is_s3_data, listed_s3_data
     from layertap.extract.dataset_files import is_pattern, pattern_files
+    from layertap.storage.store import StoreError
 
     # a --dataset is a file, a folder, a glob of files or a store URI, never a hub id: any other path missing here
     # is noted
+    if cfg.dataset and is_s3_data(cfg.dataset):  # objects on S3: a glob that names none refused, as every task would
+        try:
+            listed_s3_data(cfg.dataset)
+        except StoreError as e:
+            _note(f"--dataset {cfg.dataset} cannot be listed here ({e}): each task reads it at its start")
     for flag, path, local in (("--model", cfg.model, _local_path(cfg.model or "")),
                               ("--dataset", cfg.dataset, not (cfg.dataset or "").startswith("s3://"))):
         if not path or not local:
@@ -1044,12 +1052,15 @@ def _dataset_fingerprint(cfg) -> str | None:
     """The fingerprint a task would compare with a planned run's (`dataset_fingerprint`: the file
     hashed, at disk speed), where this host has the dataset; None where it cannot tell (the
     embedded data, a path that is on the nodes alone)."""
+    from layertap.extract.dataset_download import is_s3_data
     from layertap.extract.fingerprint import dataset_fingerprint
     from layertap.storage.errors import MissingInput
     from layertap.storage.store import StoreError
 
     if not cfg.dataset:
         return None
+    if is_s3_data(cfg.dataset):  # objects each task fetches whole: not fetched onto this host (listed by
+        return None              # `_check_inputs_here`)
     try:
         return dataset_fingerprint(cfg.dataset, cfg.limit)
     except MissingInput:  # noted already (`_check_inputs_here`)

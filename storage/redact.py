@@ -13,7 +13,7 @@ import urllib.parse
 # and fragment (the delimiter kept in group 2, so a masked copy shows where it was)
 _USERINFO = re.compile(r"(?<=://)[^/\s\"'`]*@")
 # (not a store location's: `#` and `?` are plain characters in an s3:// or file:// prefix, `s3://b/run#1`)
-_QUERY = re.compile(r"(?<!s3)(?<!file)(://[^\s\"'`?#]*)([?#])[^\s\"'`]*")
+_QUERY = re.compile(r"((?<![\w+.-])(?!s3://|file://)[A-Za-z][\w+.-]*://[^\s\"'`?#]*)([?#])[^\s\"'`]*")
 # A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
 # not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
 _SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd|auth|credentials?|access[-_]key[-_]id)"
@@ -21,8 +21,9 @@ _SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd|auth|credenti
 # a space, every word up to the next option or shell operator too (vLLM's --api-key takes several keys)
 _VALUE = r"""(?:"[^"]*"|'[^']*'|\S+)"""
 _MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|[^\s;&|<>()]+))*"""
-_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])(?:(=){_VALUE}|(\s+)(?!-){_VALUE}{_MORE_VALUES})""",
-                            re.IGNORECASE)  # (?!-): a flag without a value (--no-auth) keeps the next option shown
+# (?!-): a flag without a value (--no-auth) keeps the next option shown
+_SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])"""
+                            rf"""(?:(=){_VALUE}|(\s+)(?!-){_VALUE}{_MORE_VALUES})""", re.IGNORECASE)
 # one in JSON, as in `--hf-overrides '{"hf_token": "hf_..."}'`
 _SECRET_PAIR = re.compile(rf"""(["'](?:[\w-]*[-_])?{_SECRET_WORD}["']\s*:\s*)(?:"[^"]*"|'[^']*'|[^\s,}}]+)""",
                           re.IGNORECASE)
@@ -34,10 +35,11 @@ _SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD
 MASK = "***"
 # credentials as a server echoes a request's Authorization header: scheme-cased, a token-like value (in prose,
 # "token" and "basic" are words)
-# a credential holds a digit, a sign or a capital after a small letter ("Basic authentication required" is prose)
-_SENT_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic)\s+)(?=[A-Za-z]*(?:[0-9._~+/=-]|[a-z][A-Za-z]*[A-Z]))"
+# a credential holds a digit or a capital after a small letter ("Basic authentication." and "Bearer token-based"
+# are prose)
+_SENT_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic)\s+)(?=[A-Za-z._~+/=-]*(?:[0-9]|[a-z][A-Za-z._~+/=-]*[A-Z]))"
                                r"[A-Za-z0-9._~+/=-]{8,}")
-_SENT_QUERY = re.compile(r"(?<!s3)(?<!file)(://[^\s\"'`?#]*)\?[^\s\"'`#]*")
+_SENT_QUERY = re.compile(r"((?<![\w+.-])(?!s3://|file://)[A-Za-z][\w+.-]*://[^\s\"'`?#]*)\?[^\s\"'`#]*")
 # ... and a request's secret headers as a server or proxy quotes them back (Authorization: to the line's end)
 _KEY_HEADERS = re.compile(r"""\b((?:X-Amz-Security-Token|X-Api-Key|Api-Key)\s*[:=]\s*)[^\s,;'"]+""", re.IGNORECASE)
 _AUTH_HEADER = re.compile(r"""\b(Authorization\s*:\s*)[^\n'"]+""", re.IGNORECASE)

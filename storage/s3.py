@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import boto3
 import botocore
@@ -311,7 +311,8 @@ class S3Store(ObjectStore):
         if code == "NoSuchBucket":
             named = "" if _S3_BUCKET.match(self.bucket) else \
                 f" (nor can it be: {_S3_BUCKET_RULE}, and {self.bucket!r} is not one)"
-            return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}{named}: create it or fix the URI")
+            return StoreError(f"bucket {self.bucket!r} does not exist at {self.endpoint}{named}: create it or fix "
+                              "the URI")
         if code == "InvalidBucketName":  # radosgw: a name under 3 characters, or one its rules refuse
             return StoreError(f"{self.endpoint} refuses {self.bucket!r} as a bucket name ({code}): {_S3_BUCKET_RULE}; "
                               "fix the URI")
@@ -904,6 +905,15 @@ def _create_conflict(e: bexc.ClientError) -> bool:
     """A conditional create answered "another create of the key is in flight" (409)."""
     code = e.response.get("Error", {}).get("Code", "")
     return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409 or code == "ConditionalRequestConflict"
+
+
+def server_of(o: S3Options) -> dict[str, Any]:
+    """Which S3 server a store with options `o` talks to, and how, as `S3Store` resolves them here
+    (the endpoint and region from AWS_* variables or ~/.aws/config where `o` names none): for
+    comparing two commands' settings (a chained trainer's with its extraction's)."""
+    endpoint = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return {"endpoint_url": endpoint, "region": o.region or boto3.session.Session().region_name or "us-east-1",
+            "addressing_style": o.addressing_style, "checksum_mode": o.checksum_mode}
 
 
 def _plain_userinfo(url: str) -> bool:

@@ -180,10 +180,28 @@ def test_data_files_on_s3_are_read_as_the_same_files_on_disk_and_fetched_once(tm
     open_store(f"s3://{s3_bucket}/ultrachat").put("data/train_sft-00001-of-00002.parquet",
                                                    (root / "data" / "test_sft-00000-of-00001.parquet").read_bytes())
     assert load_rows(remote)["id"] == [f"c{i}" for i in range(6)] + [f"c{i}" for i in range(100, 104)]
+    # written again in as many bytes: its ETag names another copy
+    bucket = open_store(f"s3://{s3_bucket}")
+    for text in ('{"id": "a", "messages": []}\n', '{"id": "b", "messages": []}\n'):
+        bucket.put("same/size.jsonl", text.encode())
+        assert load_rows(f"s3://{s3_bucket}/same/size.jsonl")["id"] == [text[8]]
+    # a character class, a range among them (re.escape took "[0-2]" for the characters 0, - and 2)
+    for i in range(4):
+        bucket.put(f"parts/train-0000{i}.jsonl", f'{{"id": "p{i}", "messages": []}}\n'.encode())
+    assert load_rows(f"s3://{s3_bucket}/parts/train-0000[0-2].jsonl")["id"] == ["p0", "p1", "p2"]
+    assert load_rows(f"s3://{s3_bucket}/parts/train-0000[!0-2].jsonl")["id"] == ["p3"]
     with pytest.raises(MissingInput, match="names no object on S3 \\(a glob that matches none\\)"):
         load_rows(f"s3://{s3_bucket}/ultrachat/data/validation-*.parquet")
     with pytest.raises(InputError, match=r"matches files of unsupported types \('\(none\)', '\.md'\)"):
         load_rows(f"s3://{s3_bucket}/ultrachat/*")
+
+
+def test_a_glob_under_home_reads_the_file_it_names(tmp_path, monkeypatch):
+    """'~/a[1].jsonl' was taken for a glob (its ~ not expanded to find the file) and read ~/a1.jsonl."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name, row in (("a[1].jsonl", "x"), ("a1.jsonl", "y")):
+        (tmp_path / name).write_text(json.dumps({"id": row, "messages": []}) + "\n")
+    assert load_rows("~/a[1].jsonl")["id"] == ["x"]
 
 
 def test_extract_reads_a_jsonl_object_on_s3(tmp_path, s3_bucket, monkeypatch):

@@ -1337,6 +1337,20 @@ def _real_ids(batches) -> list[str]:
     return [i for b in batches for i, p in zip(b["sample_id"], b["padding"]) if not p]
 
 
+def _settled_ranks(uri: str) -> list[ShardStream]:
+    """Two ranks of a follow trainer past their follow epoch, settled over rank 0's reading of the
+    run (`agree`: the trainer's broadcast, here handed over in-process)."""
+    streams = [ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=2) for r in range(2)]
+    rank_0_read = []
+    streams[0].agree = lambda mine: rank_0_read.append(mine) or mine
+    streams[1].agree = lambda mine: rank_0_read[-1]
+    for loader in [StreamLoader(s, batch_size=2) for s in streams]:
+        assert _real_ids(loader)  # the follow epoch
+    for stream in streams:
+        stream._settle()
+    return streams
+
+
 @pytest.mark.parametrize("rank_0_reads", ["first", "last"])
 def test_the_epochs_after_the_follow_epoch_stream_rank_0s_shards_on_every_rank(tmp_path, rank_0_reads):
     """The follow epoch ends on a given-up shard; each rank read the committed shards again on its
@@ -1384,15 +1398,37 @@ def test_rank_0_stores_the_commit_index_a_follow_run_lacked_when_the_later_epoch
     uri = str(tmp_path / "run")
     fake_worker.work(uri)
     assert read_commits(_store(uri)).new_index is not None  # the extraction wrote no index
-    streams = [ShardStream(uri, config=StreamConfig(**CFG), rank=r, world_size=2) for r in range(2)]
-    rank_0_read = []
-    streams[0].agree = lambda mine: rank_0_read.append(mine) or mine
-    streams[1].agree = lambda mine: rank_0_read[-1]
-    for loader in [StreamLoader(s, batch_size=2) for s in streams]:
-        assert _real_ids(loader)  # the follow epoch
-    streams[0]._settle()
-    streams[1]._settle()
+    _settled_ranks(uri)
     assert read_commits(_store(uri)).new_index is None  # stored: a resume lists commits/ and GETs the index
+
+
+def test_the_commit_index_is_stored_also_where_some_shards_were_consumed_and_a_deleting_trainer_reads_none(tmp_path):
+    """Skipping the commits of consumed shards (a deleting trainer's end) kept rank 0 of any other
+    follow trainer from storing the index where a shard was consumed (a review found it): every
+    resume then read every commit again. A --delete-consumed trainer's settle reads no commit of a
+    consumed shard; another's reads them all, and stores the index."""
+    from layertap.manifests import layout
+    from layertap.manifests.commit_index import read_commits
+    from layertap.manifests.consumption import delete_consumed, record_consumed
+
+    uri = str(tmp_path / "run")
+    fake_worker.work(uri)
+    shards = [p.id for p in fake_worker.plan(_store(uri)).shards]
+    record_consumed(_store(uri), rank=0, world_size=1, shards=shards[:3], step=9)
+    assert delete_consumed(_store(uri)) == shards[:3]
+    deleting = ShardStream(uri, config=StreamConfig(**CFG, deletes_consumed=True), rank=0, world_size=1)
+    for _ in StreamLoader(deleting, batch_size=2):
+        pass
+    got, get = [], deleting._store().get
+    deleting._store().get = lambda key: got.append(key) or get(key)
+    deleting._settle()
+    assert [s.shard for s in deleting.shards] == shards[3:]
+    assert {layout.commit_key(s) for s in shards[3:]} <= set(got)  # read through the patched store
+    assert not {layout.commit_key(s) for s in shards[:3]} & set(got)
+    assert read_commits(_store(uri)).new_index is not None  # it stores none: it read only some
+    streams = _settled_ranks(uri)
+    assert [s.shard for s in streams[1].shards] == shards[3:] and streams[1]._left_out == shards[:3]
+    assert read_commits(_store(uri)).new_index is None  # stored
 
 
 def test_a_delete_consumed_trainers_ranks_need_not_agree_on_a_later_epoch_its_deletions_race(tmp_path):

@@ -1611,12 +1611,23 @@ def test_a_chained_trainer_must_be_given_the_s3_server_the_extractions_config_na
     (tmp_path / "train.json").write_text(json.dumps(server))
     base = ("extract", "--dry-run", "--nodes", "1", "--config", "cfg.json", "--out", f"s3://{s3_bucket}/chained")
     assert submit(*base, "--then-train", f"--out s3://{s3_bucket}/drafter") == 2
-    assert ("--then-train: this command's --config sets the S3 addressing_style, endpoint_url, which the training job "
-            "does not get") in capsys.readouterr().err
+    assert ("--then-train: this command's --config sets the S3 addressing_style, endpoint_url otherwise than the "
+            "training job would have it") in capsys.readouterr().err
     assert submit(*base, "--then-train", f"--config train.json --out s3://{s3_bucket}/drafter") == 0
     assert "--config train.json" in capsys.readouterr().out
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the job inherits it: the same server (path style: any)
-    (tmp_path / "cfg.json").write_text(json.dumps({"s3": {"endpoint_url": s3_endpoint}, "max_length": 64}))
+    # what the job inherits counts as the trainer's store resolves it: the same endpoint and addressing style
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("LAYERTAP_S3_ADDRESSING_STYLE", "path")
+    assert submit(*base, "--then-train", f"--out s3://{s3_bucket}/drafter") == 0
+    # ... and a region: botocore reads AWS_DEFAULT_REGION (not AWS_REGION), as the trainer's store would
+    (tmp_path / "cfg.json").write_text(json.dumps({"s3": {**server["s3"], "region": "eu-west-3"}, "max_length": 64}))
+    # a dataset of S3 objects that names none: refused here, as every task would refuse it (none is fetched here)
+    assert submit(*base, "--dataset", f"s3://{s3_bucket}/data/train-*.parquet") == 2
+    assert "names no object on S3 (a glob that matches none)" in capsys.readouterr().err
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    assert submit(*base, "--then-train", f"--out s3://{s3_bucket}/drafter") == 2
+    assert "sets the S3 region otherwise" in capsys.readouterr().err
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
     assert submit(*base, "--then-train", f"--out s3://{s3_bucket}/drafter") == 0
 
 

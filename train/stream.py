@@ -421,12 +421,15 @@ class ShardStream(IterableDataset):
         """The committed shards with data (`load_index` without its error when none is left). Rank
         0 stores the commit index where it lacked commits (a follow run's never had them all): a
         resume then reads one listing and one GET, not a GET per commit."""
-        gone = frozenset(consumed_shards(self._store()))  # their commits are not read (a window run's: all)
-        _, shards, new_index = load_index(self._store(), consumed="keep", skip=gone)
+        gone = frozenset(consumed_shards(self._store()))
+        # A --delete-consumed trainer (its ranks each read here) reads no commit of a consumed shard: a window
+        # run's are all consumed by its end. Another reads them all, so that rank 0 stores a whole index.
+        skip = gone if self.config.deletes_consumed else frozenset()
+        _, shards, new_index = load_index(self._store(), consumed="keep", skip=skip)
         if new_index is not None and self.rank == 0:
             write_index(self._store(), new_index)
-        self._left_out = sorted(gone)
-        return shards
+        self._left_out = sorted(gone) if skip else sorted(s.shard for s in shards if s.shard in gone)
+        return [s for s in shards if s.shard not in gone]
 
     def _readable_shards_records(self) -> list[list]:
         """`_readable_shards` as `shard_records` (what `agree` hands over, with `_left_out`)."""

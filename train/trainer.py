@@ -275,6 +275,13 @@ class _Metrics:
                     "under --log-dir %s (the metrics are in metrics.jsonl of --out; `pip install tensorboard` "
                     "mirrors them there)", log_dir)
 
+    def close(self) -> None:
+        """TensorBoard's last events written out (its writer flushes every 120 s from a thread; a
+        finished rank of several leaves by os._exit, train/command.py)."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
     def add(self, record: dict[str, Any]) -> None:
         # Strict JSON: a NaN or infinite value (a step of padding alone has no loss; a diverged
         # one) is written as null, which jq, JavaScript and other languages' parsers read.
@@ -797,6 +804,8 @@ def _loop(run: _Run, start: int) -> int:
                             "anew)%s", step, f"; {RESUBMIT} (a requeued job resumes on its own)"
                             if os.environ.get("SLURM_JOB_ID") else "")
             progress.close()
+            if run.metrics is not None:
+                run.metrics.close()
             return run.stop.requested.exit_code if run.stop.requested is not None else 143  # another rank's signal
     progress.close()
     if acc.is_main_process:
@@ -825,6 +834,8 @@ def _loop(run: _Run, start: int) -> int:
               f"{f' ({cfg.gguf_file})' if cfg.gguf_file else ''}):\n"
               f"  layertap eval --drafter {run.out.uri} "
               + ("--prompts embedded --limit 32" if embedded else "--prompts HELD_OUT.jsonl"))
+    if run.metrics is not None:
+        run.metrics.close()
     # The prefetch thread ended before the process groups go (`end_training` destroys them, the thread's
     # gloo group among them): a 2-rank follow run aborted at exit ("terminate called without an active
     # exception") now and then. Closing twice (the `with` block's) does nothing more.
