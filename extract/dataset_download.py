@@ -19,11 +19,11 @@ import fcntl
 import fnmatch
 import logging
 import os
-import re
 import tempfile
 
 import xxhash
 
+from layertap.extract.dataset_files import FILE_FORMATS, GLOB_CHARS
 from layertap.storage.errors import InputError, MissingInput
 from layertap.storage.store import ObjectInfo, ObjectStore, open_store
 from layertap.storage.units import size
@@ -31,14 +31,12 @@ from layertap.storage.units import size
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "LAYERTAP_DATA_CACHE"
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-_GLOB = re.compile(r"[*?[]")
 
 
 def is_s3_data(path: str) -> bool:
     """Whether `path` names S3 data files (an object of a data file's type, or a glob), not a
     `layertap regenerate` output (a prefix)."""
-    return path.startswith("s3://") and (bool(_GLOB.search(path)) or path.lower().endswith(DATA_SUFFIXES))
+    return path.startswith("s3://") and (bool(GLOB_CHARS.search(path)) or path.lower().endswith(tuple(FILE_FORMATS)))
 
 
 def listed_s3_data(path: str) -> tuple[ObjectStore, list[ObjectInfo]]:
@@ -48,7 +46,7 @@ def listed_s3_data(path: str) -> tuple[ObjectStore, list[ObjectInfo]]:
     if not bucket or not pattern or pattern.endswith("/"):
         raise InputError(f"dataset {path!r}: give the objects' bucket and key, e.g. s3://bucket/data/train-*.parquet")
     store = open_store(f"s3://{bucket}")
-    glob_at = m.start() if (m := _GLOB.search(pattern)) else len(pattern)
+    glob_at = m.start() if (m := GLOB_CHARS.search(pattern)) else len(pattern)
     wanted = pattern.split("/")
     listed = [o for o in store.list(pattern[:glob_at]) if _matches(wanted, o.key.split("/"))]
     if not listed:

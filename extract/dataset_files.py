@@ -21,12 +21,11 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from layertap.extract.dataset_download import fetch_s3_data, is_s3_data
 from layertap.storage.errors import InputError, MissingInput
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> `datasets` builder
 SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what save_to_disk writes (a Dataset's, a DatasetDict's)
-_GLOB = re.compile(r"[*?[]")
+GLOB_CHARS = re.compile(r"[*?[]")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -45,7 +44,7 @@ class DataFiles:
 
 def is_pattern(path: str) -> bool:
     """Whether `path` is a local glob: it has glob characters and names no existing file or folder."""
-    return bool(_GLOB.search(path)) and not path.startswith("s3://") and not os.path.exists(os.path.expanduser(path))
+    return bool(GLOB_CHARS.search(path)) and not path.startswith("s3://") and not os.path.exists(os.path.expanduser(path))
 
 
 def is_saved_folder(path: str) -> bool:
@@ -58,6 +57,8 @@ def data_files(path: str) -> DataFiles | None:
     Raises `MissingInput` for a path that does not exist or a glob that matches no file, and
     `InputError` for a folder or glob whose files layertap would not read whole and alone. Data
     files on S3 (an object or a glob of them) are read from local copies (`dataset_download`)."""
+    from layertap.extract.dataset_download import fetch_s3_data, is_s3_data
+
     if is_s3_data(path):
         return _of_one_kind(path, fetch_s3_data(path))
     if is_pattern(path):
@@ -108,7 +109,7 @@ def _folder(path: str) -> DataFiles:
     """A folder of data files: its split's files as `datasets` resolves a Hub dataset's."""
     import datasets
 
-    if _GLOB.search(path):  # `datasets` takes the folder's path for a pattern, and reads another folder
+    if GLOB_CHARS.search(path):  # `datasets` takes the folder's path for a pattern, and reads another folder
         raise InputError(f"dataset folder {path!r} has glob characters (*, ?, [) in its path, which the Hub dataset "
                          f"reader takes for a pattern: give a glob of its files instead, e.g. --dataset "
                          f"'{os.path.join(glob.escape(path), '**', '*.parquet')}', or rename it")

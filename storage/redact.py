@@ -13,7 +13,8 @@ import urllib.parse
 # and fragment (the delimiter kept in group 2, so a masked copy shows where it was)
 _USERINFO = re.compile(r"(?<=://)[^/\s\"'`]*@")
 # (not a store location's: `#` and `?` are plain characters in an s3:// or file:// prefix, `s3://b/run#1`)
-_QUERY = re.compile(r"((?<![\w+.-])(?!s3://|file://)[A-Za-z][\w+.-]*://[^\s\"'`?#]*)([?#])[^\s\"'`]*")
+_URL_HEAD = r"((?<![\w+.-])(?!s3://|file://)[A-Za-z][\w+.-]*://[^\s\"'`?#]*)"  # a URL to its query, not a store's
+_QUERY = re.compile(_URL_HEAD + r"([?#])[^\s\"'`]*")
 # A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
 # not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
 _SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd|auth|credentials?|access[-_]key[-_]id)"
@@ -33,13 +34,11 @@ _CREDENTIALS = re.compile(r"\b((?:Bearer|Basic|Token)\s+)(?:\"[^\"]*\"|'[^']*'|[
 _SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|\S*)""",
                                 re.IGNORECASE)
 MASK = "***"
-# credentials as a server echoes a request's Authorization header: scheme-cased, a token-like value (in prose,
-# "token" and "basic" are words)
-# a credential holds a digit or a capital after a small letter ("Basic authentication." and "Bearer token-based"
-# are prose)
+# credentials as a server echoes a request's Authorization header: scheme-cased, holding a digit or a capital
+# after a small letter ("Basic authentication." and "Bearer token-based" are prose)
 _SENT_CREDENTIALS = re.compile(r"\b((?:Bearer|Basic)\s+)(?=[A-Za-z._~+/=-]*(?:[0-9]|[a-z][A-Za-z._~+/=-]*[A-Z]))"
                                r"[A-Za-z0-9._~+/=-]{8,}")
-_SENT_QUERY = re.compile(r"((?<![\w+.-])(?!s3://|file://)[A-Za-z][\w+.-]*://[^\s\"'`?#]*)\?[^\s\"'`#]*")
+_SENT_QUERY = re.compile(_URL_HEAD + r"\?[^\s\"'`#]*")
 # ... and a request's secret headers as a server or proxy quotes them back (Authorization: to the line's end)
 _KEY_HEADERS = re.compile(r"""\b((?:X-Amz-Security-Token|X-Api-Key|Api-Key)\s*[:=]\s*)[^\s,;'"]+""", re.IGNORECASE)
 _AUTH_HEADER = re.compile(r"""\b(Authorization\s*:\s*)[^\n'"]+""", re.IGNORECASE)

@@ -181,7 +181,7 @@ class S3Store(ObjectStore):
             response_checksum_validation="when_required",  # `get` asks for it per request
             **({"request_checksum_calculation": o.checksum_mode} if o.checksum_mode else {}),
         )
-        given = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        given = _endpoint(o) or ""
         not_a_url = (f"the S3 endpoint URL {public_url(given)!r} is not a URL: give one like "
                      "https://s3.example.com or http://host:9000 (AWS_ENDPOINT_URL, or endpoint_url in --config)")
         try:
@@ -190,7 +190,7 @@ class S3Store(ObjectStore):
             # time on a 1,000-key page. S3 sends ISO 8601 there, which fromisoformat reads ~50x faster.
             session._session.get_component("response_parser_factory").set_parser_defaults(
                 timestamp_parser=_parse_timestamp)
-            region = o.region or session.region_name or "us-east-1"
+            region = _region(o, session)
             # an endpoint's user:password is never sent: S3 signs with the keys, and botocore put it in the request
             # line and Host header, which an HTTP(S)_PROXY in between logs
             endpoint = public_url(given) if _plain_userinfo(given) else o.endpoint_url
@@ -911,9 +911,17 @@ def server_of(o: S3Options) -> dict[str, Any]:
     """Which S3 server a store with options `o` talks to, and how, as `S3Store` resolves them here
     (the endpoint and region from AWS_* variables or ~/.aws/config where `o` names none): for
     comparing two commands' settings (a chained trainer's with its extraction's)."""
-    endpoint = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    return {"endpoint_url": endpoint, "region": o.region or boto3.session.Session().region_name or "us-east-1",
+    return {"endpoint_url": _endpoint(o), "region": _region(o, boto3.session.Session()),
             "addressing_style": o.addressing_style, "checksum_mode": o.checksum_mode}
+
+
+def _endpoint(o: S3Options) -> str | None:
+    """The endpoint a store with options `o` talks to: its own, else AWS_ENDPOINT_URL(_S3); None: AWS's."""
+    return o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def _region(o: S3Options, session: boto3.session.Session) -> str:
+    return o.region or session.region_name or "us-east-1"
 
 
 def _plain_userinfo(url: str) -> bool:

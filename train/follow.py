@@ -198,6 +198,7 @@ class CommitWatcher:
         self._logged = 0.0
         self._given_up_once = False
         self._stalled_looks = 0  # looks in a row that found extraction held by its window
+        self._found_own = False  # the last look found a commit with a share for this consumer
         self._stall_reported = False  # this watcher's STALLED report is on the store (`record_stall`)
         self._idle_checked: dict[int, float] = {}  # shards `_idle_ones_committed` looked at, and when
         self._stalled_since: float | None = None  # when those looks began (our monotonic clock)
@@ -225,7 +226,9 @@ class CommitWatcher:
         self._gap = self._min_gap * SPREAD.uniform(0.8, 1.2) if self._min_gap > FIRST_DELAY_S else FIRST_DELAY_S
         if new:  # extraction moved: a stall seen before is over
             self._stalled_looks = 0
-        if any(isinstance(r, CommitRecord) for r in new):  # work of its own: a consumer low on it looks promptly
+        # work of its own (a read record; a FeedCommit is another consumer's share): a consumer low on it looks promptly
+        self._found_own = any(isinstance(r, CommitRecord) for r in new)
+        if self._found_own:
             self._low.reset()
         if len(self.known) >= len(self.manifest.shards):
             self.complete = True
@@ -314,7 +317,7 @@ class CommitWatcher:
             log.warning("%s: a look for new commits failed (%s); training goes on with the data in hand", self.who, e)
             self._last_look = time.monotonic()
             return []
-        if low and not any(isinstance(r, CommitRecord) for r in new):  # others' shares are no work for it
+        if low and not self._found_own:  # others' shares are no work for it
             self._low.sleep()
         return new
 
