@@ -180,7 +180,7 @@ def open_fetcher(uri: str, threads: int, budget: int) -> Callable[[], tuple[Fetc
     starts it. What a pass costs without decoding: GETs, object and record hashes, hand-off."""
     store = open_store(uri)
     manifest, shards, _ = load_index(store)
-    where = [(s, r) for s, shard in enumerate(shards) for r in range(len(shard.sample_ids))]
+    where = [(s, r) for s, shard in enumerate(shards) for r in range(shard.records)]
     c = StreamConfig(fetch_threads=threads, memory_budget=budget)  # the loader rows' settings
     pool = BufferPool()  # kept from pass to pass, as a stream keeps it from epoch to epoch
     return lambda: (Fetcher(store, shards, manifest.run_id, positions=[(p, s, r) for p, (s, r) in enumerate(where)],

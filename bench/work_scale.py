@@ -7,9 +7,12 @@ serve them (1,000 keys a page). Measured side by side:
 - a worker's pass: the full scan every pass made before `CommitView` vs its look between full
   looks (the feed keys since the last pass);
 - a trainer rank's start: reading the commits itself vs taking rank 0's (`committed=`);
+- what a rank holds of the run's shards (every rank holds them all): each shard's sample ids
+  (before) vs their digest, as JSON handed over and as Python objects (tracemalloc);
 - `submit extract`: matching queued static tasks to the remaining shards by range vs shard by shard.
 
     python bench/work_scale.py --shards 20000 --json docs/bench/work_scale.json
+    python bench/work_scale.py --shards 20000 --samples-per-shard 45  # 900K samples, the BRIEF's dataset
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import tempfile
 import threading
 import time
+import tracemalloc
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -27,16 +31,15 @@ from dataclasses import asdict
 
 from layertap.manifests import layout
 from layertap.manifests.manifest import create_or_resume
-from layertap.manifests.records import CommitRecord, Producer, encode
+from layertap.manifests.records import CommitRecord, Producer, decode_commit, encode
 from layertap.manifests.state import scan
 from layertap.manifests.work import CommitView
 from layertap.slurm.queued import QueuedTask, leave_to_queued
 from layertap.slurm.work import Remaining
 from layertap.storage.local import LocalStore
 from layertap.storage.store import open_store
+from layertap.train.fetch import CommittedShard
 from layertap.train.stream import ShardStream
-
-SAMPLES_PER_SHARD = 9
 
 
 class Counted:
@@ -68,12 +71,12 @@ class Counted:
         return {"s": round(time.perf_counter() - t, 3), **self.calls}
 
 
-def make_run(uri: str, shards: int, done: float, leased: int) -> None:
+def make_run(uri: str, shards: int, done: float, leased: int, per_shard: int) -> None:
     store = open_store(uri)
     manifest, _ = create_or_resume(store, config={"model": "synthetic", "layers": [1, 2], "codec": "bf16-zstd",
                                                   "max_length": 64, "final_state": "none"},
-                                   dataset={"fingerprint": "f"}, token_counts=[100] * (shards * SAMPLES_PER_SHARD),
-                                   bytes_per_token=1.0, shard_bytes=100 * SAMPLES_PER_SHARD)
+                                   dataset={"fingerprint": "f"}, token_counts=[100] * (shards * per_shard),
+                                   bytes_per_token=1.0, shard_bytes=100 * per_shard)
     producer = asdict(Producer.current(0))
     committed = int(shards * done)
     now = int(time.time() * 1000)
@@ -95,18 +98,33 @@ def make_run(uri: str, shards: int, done: float, leased: int) -> None:
         list(pool.map(lambda s: store.put(layout.lease_key(s, 1, 600), b"{}"), range(committed, committed + leased)))
 
 
+def held(records_json: str, build) -> dict:
+    """A rank's shard list built from the JSON handed to it: the JSON's MiB and the list's (traced
+    Python allocations that outlive the parse)."""
+    def make():
+        return [build(r) for r in json.loads(records_json)]
+
+    tracemalloc.start()
+    shards = make()
+    kept = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del shards
+    return {"json_MiB": round(len(records_json) / 2**20, 2), "held_MiB": round(kept / 2**20, 2)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shards", type=int, default=20_000)
     p.add_argument("--done", type=float, default=0.9, help="fraction of the shards committed")
     p.add_argument("--leased", type=int, default=500, help="shards under other workers' live leases")
     p.add_argument("--tasks", type=int, default=1000, help="static tasks queued, for submit's matching")
+    p.add_argument("--samples-per-shard", type=int, default=9)
     p.add_argument("--json", help="write the result here")
     args = p.parse_args()
     counted = Counted()
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        make_run(tmp, args.shards, args.done, args.leased)
+        make_run(tmp, args.shards, args.done, args.leased, args.samples_per_shard)
         built = time.perf_counter() - t
         store = open_store(tmp)
         from layertap.manifests.manifest import load_manifest
@@ -115,7 +133,8 @@ def main() -> None:
         view = CommitView(store, manifest)
         view.scan()
         result = {
-            "shards": args.shards, "committed": int(args.shards * args.done), "leased": args.leased,
+            "shards": args.shards, "samples_per_shard": args.samples_per_shard,
+            "committed": int(args.shards * args.done), "leased": args.leased,
             "built_s": round(built, 1),
             "worker_pass": {"full scan (every pass before)": counted.measure(
                                 lambda: scan(store, manifest, with_tallies=False)),
@@ -128,6 +147,14 @@ def main() -> None:
             "reads the commits itself (before)": counted.measure(lambda: ShardStream(tmp, rank=1, world_size=2)),
             "takes rank 0's (committed=)": counted.measure(
                 lambda: ShardStream(tmp, rank=1, world_size=2, committed=records)),
+        }
+        ids = {c.shard: c.sample_ids for c in (decode_commit(store.get(o.key), o.key)
+                                                for o in store.list(layout.COMMITS))}
+        with_ids = json.dumps([[*r[:4], ids[r[0]]] for r in records])  # what ranks were handed before
+        result["rank_holds"] = {
+            "every sample id (before)": held(with_ids, lambda r: (int(r[0]), r[1], int(r[2]), r[3], tuple(r[4]))),
+            "a digest of each shard's ids": held(json.dumps(records), lambda r: CommittedShard(
+                int(r[0]), r[1], int(r[2]), r[3], int(r[4]), r[5])),
         }
     todo = list(range(args.shards))
     per_task = max(1, args.shards // args.tasks)
@@ -148,7 +175,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "command": "python bench/work_scale.py "
-                       f"--shards {args.shards} --done {args.done} --leased {args.leased} --tasks {args.tasks}",
+                       f"--shards {args.shards} --samples-per-shard {args.samples_per_shard} --done {args.done} "
+                       f"--leased {args.leased} --tasks {args.tasks}",
                        **result}, f, indent=2)
             f.write("\n")
 

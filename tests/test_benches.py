@@ -244,3 +244,5 @@ def test_work_scale_bench_counts_each_pair_side_by_side(tmp_path):
     assert rank["takes rank 0's (committed=)"] == {"s": rank["takes rank 0's (committed=)"]["s"], "GET": 1}
     assert rank["reads the commits itself (before)"]["LIST pages"] >= 3
     assert r["submit_queued_static"]["tasks"] == 50 and r["command"].startswith("python bench/work_scale.py")
+    ids, digests = r["rank_holds"]["every sample id (before)"], r["rank_holds"]["a digest of each shard's ids"]
+    assert 0 < digests["json_MiB"] < ids["json_MiB"] and 0 < digests["held_MiB"] < ids["held_MiB"]

@@ -47,7 +47,7 @@ from layertap.storage.records import Sample, decode_record
 from layertap.storage.store import ObjectStore, open_configured_store
 from layertap.storage.units import id_ranges, id_runs, listing, parse_size, size
 from layertap.train.buffers import BufferPool
-from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record
+from layertap.train.fetch import CommittedShard, Fetcher, Metrics, Record, ids_digest
 from layertap.train.follow import CommitWatcher, wait_for_manifest
 from layertap.train.order import StreamingShuffle, buffer_shuffle, follow_share, plan_consumer, rank_count
 from layertap.train.position import Position
@@ -126,11 +126,7 @@ def _in_ranges(shard: int, runs: Sequence[Sequence[int]]) -> bool:
 def _order_digest(shards: Sequence[CommittedShard]) -> str:
     """What an epoch's order depends on: the shards' ids and their samples, not their bytes (a
     shard redone after `verify` withdrew it holds the same samples in another object)."""
-    h = xxhash.xxh3_64()
-    for s in shards:
-        h.update(f"{s.shard}:{len(s.sample_ids)}:".encode())
-        h.update("\0".join(s.sample_ids).encode())
-    return h.hexdigest()
+    return xxhash.xxh3_64_hexdigest("\n".join(f"{s.shard}:{s.records}:{s.ids}" for s in shards).encode())
 
 
 def buffer_footprint(shuffle_buffer: int, sample_bytes: float, range_bytes: int) -> float:
@@ -224,16 +220,17 @@ def load_index(store: ObjectStore, threads: int = 16, *, consumed: Literal["leav
 
 
 def _committed(c: CommitRecord) -> CommittedShard:
-    return CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, tuple(c.sample_ids))
+    return CommittedShard(c.shard, c.data_key, c.bytes, c.xxh3_128, c.num_records, ids_digest(c.sample_ids))
 
 
 def _record_of(s: CommittedShard) -> list:
-    """[id, object key, bytes, object hash, sample ids]: a shard as the ranks exchange it (JSON)."""
-    return [s.shard, s.key, s.bytes, s.xxh3_128, list(s.sample_ids)]
+    """[id, object key, bytes, object hash, records, sample ids' digest]: a shard as the ranks
+    exchange it (JSON)."""
+    return [s.shard, s.key, s.bytes, s.xxh3_128, s.records, s.ids]
 
 
 def _of_records(records: Sequence[Sequence]) -> list[CommittedShard]:
-    return [CommittedShard(int(s), key, int(size), digest, tuple(ids)) for s, key, size, digest, ids in records]
+    return [CommittedShard(int(s), key, int(size), digest, int(n), ids) for s, key, size, digest, n, ids in records]
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -316,7 +313,7 @@ class ShardStream(IterableDataset):
         self._manifest = manifest
         self.run_id, self.planned_shards = manifest.run_id, len(manifest.shards)
         self.codec, self._run = manifest.identity.codec, manifest.identity
-        self.total_samples = sum(len(s.sample_ids) for s in self.shards)
+        self.total_samples = sum(s.records for s in self.shards)
         self.position = Position(rank_count(self.total_samples, self.world_size, c.uneven), follow=follow,
                                  rank=self.rank)
 
@@ -327,8 +324,8 @@ class ShardStream(IterableDataset):
 
     @property
     def shard_records(self) -> list[list]:
-        """Every shard streamed as [id, object key, bytes, object hash, sample ids]: JSON-ready,
-        what `committed=` takes."""
+        """Every shard streamed as [id, object key, bytes, object hash, records, sample ids'
+        digest]: JSON-ready, what `committed=` takes."""
         return [_record_of(s) for s in self.shards]
 
     def refresh_index(self) -> bool:
@@ -409,7 +406,7 @@ class ShardStream(IterableDataset):
             self.shards, self._left_out = _of_records(got["shards"]), [int(s) for s in got["left_out"]]
         else:
             self.shards = self._readable_shards()
-        self.total_samples = sum(len(s.sample_ids) for s in self.shards)
+        self.total_samples = sum(s.records for s in self.shards)
         self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
         self._settled = True
         if self._left_out:  # info: the --delete-consumed trainer's own state at its end settles too
@@ -485,6 +482,8 @@ class ShardStream(IterableDataset):
         differ = [k for k, v in mine.items() if saved.get(k) != v]
         if "order" in saved and "order" not in differ and "settled" not in differ:
             differ = [k for k in differ if k != "shards"]  # redone shards, the same samples: the same order
+        elif "shards" not in differ:  # the same objects, so the same samples and order: a state saved while
+            differ = [k for k in differ if k != "order"]  # the digest hashed the ids themselves resumes
         self.shards_changed = None
         if differ and set(differ) <= set(SHARD_SET):
             # more shards committed (or some withdrawn) since: an epoch not begun takes today's set; one
@@ -527,7 +526,7 @@ class ShardStream(IterableDataset):
                  "(its epochs stream the set they started with)", self.uri, len(self.shards) - len(pinned),
                  len(pinned))
         self.shards = pinned
-        self.total_samples = sum(len(s.sample_ids) for s in self.shards)
+        self.total_samples = sum(s.records for s in self.shards)
         self.position.per_rank = rank_count(self.total_samples, self.world_size, self.config.uneven)
 
     # -- iteration -------------------------------------------------------------------------------
@@ -580,7 +579,7 @@ class ShardStream(IterableDataset):
             raise InputError(f"no committed shard of {self.uri} holds a sample (its extraction skipped them all: "
                              f"`layertap status` counts the reasons): epoch {self.position.epoch} (counted from 0) has "
                              "nothing to read after the follow epoch; train one epoch")
-        plan = plan_consumer([len(s.sample_ids) for s in self.shards], seed=c.seed, epoch=self.position.epoch,
+        plan = plan_consumer([s.records for s in self.shards], seed=c.seed, epoch=self.position.epoch,
                              shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer, rank=self.rank,
                              world=self.world_size, worker=worker, workers=workers, uneven=c.uneven)
         self._metrics = Metrics()
@@ -917,7 +916,7 @@ class ShardStream(IterableDataset):
         if not mine:  # it holds only shards it has a share of, so samples; else the run's
             mine = [_committed(r) for r in read_commits(self._store()).records if r.shard not in gone]
         for i, shard in enumerate(mine):
-            if not shard.sample_ids:
+            if not shard.records:
                 continue
             fetcher = Fetcher(self._store(), mine, self.run_id, positions=[(0, i, 0)], budget=c.memory_budget,
                               range_bytes=c.range_bytes, prefetch_shards=1, threads=1, on_corrupt=c.on_corrupt,
