@@ -296,6 +296,15 @@ def load_config(args: Any, **given: Any) -> ExtractConfig:
     return build(ExtractConfig, values, args)
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config: a multimodal wrapper's `text_config` (Qwen3.5/3.6 ship one),
+    else `config` itself; of a parsed config.json (a dict) or a transformers config object."""
+    if isinstance(config, Mapping):
+        inner = config.get("text_config")
+        return inner if isinstance(inner, Mapping) else config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def check_layers(layers: list[int], num_layers: int) -> list[int]:
     """`layers` as ints, each a decoder layer of a model of `num_layers` (ids 0..num_layers-1), none
     repeated. Torch-free: `layertap submit extract` checks them against the model's config.json."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import xxhash
 
+from layertap.extract.config import check_layers, text_config
 from layertap.extract.console import progress
 from layertap.extract.estimate import planned_bytes_per_token
 from layertap.extract.inputs import NO_SUPERVISED_PAIR
@@ -402,8 +403,6 @@ def check_target_layers(fmt: str, layers: list[int], ours: list[int], num_layers
     """Refuse capture layers the target does not have, or repeated, with extraction's own check
     and words (extract/model.py); warn, as extraction does, of the last layer, which no server
     gathers for a drafter."""
-    from layertap.extract.config import check_layers
-
     try:
         check_layers(ours, num_layers)
     except ConfigError as e:
@@ -444,7 +443,7 @@ def read_target(model: str, gguf_file: str | None) -> Target:
     try:
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
-        text = config.get("text_config") or config
+        text = text_config(config)
         facts = {k: text.get(k, config.get(k)) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
     except (ValueError, AttributeError) as e:
         raise InputError(f"{model}/config.json is not a model config: {e}") from None

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layertap.extract.config import text_config
 from layertap.extract.fused_norms import norm_choice
 from layertap.extract.fused_projections import projection_choice
 from layertap.extract.split_conv import is_split
@@ -299,6 +300,6 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 def _layer_types(model: nn.Module) -> list[str]:
     """Each decoder layer's type: the config's ``layer_types``, or "attention" for models without."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     n = len(_layers(model))
     return list(getattr(config, "layer_types", None) or [])[:n] or ["attention"] * n

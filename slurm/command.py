@@ -1014,7 +1014,7 @@ def _check_inputs_here(cfg) -> None:
     --dataset path missing here is noted (it may exist on the nodes alone, as for `submit train`'s
     --data); capture layers past the model's decoder layers (its config.json, read here) are
     refused. A missing dataset was submitted, and every task failed on it in the queue."""
-    from layertap.extract.config import check_layers
+    from layertap.extract.config import check_layers, text_config
     from layertap.extract.dataset_download import is_s3_data, listed_s3_data
     from layertap.extract.dataset_files import is_pattern, pattern_files
     from layertap.storage.store import StoreError
@@ -1041,7 +1041,7 @@ def _check_inputs_here(cfg) -> None:
         try:
             with open(config) as f:
                 doc = json.load(f)
-            text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+            text = text_config(doc)
             layers = int(text.get("num_hidden_layers", doc.get("num_hidden_layers")))
         except (OSError, ValueError, TypeError, AttributeError):
             return  # the tasks say what is wrong with it, as they load the model

@@ -55,6 +55,30 @@ def _expected(hidden_states, prenorm, layers, num_layers):
     return torch.stack([prenorm if k == num_layers - 1 else hidden_states[k + 1] for k in layers], dim=2)
 
 
+def test_the_language_models_config_is_read_inside_a_multimodal_wrapper(tmp_path, capsys):
+    """Qwen3.5/3.6 (the 27B target) ship a multimodal config.json: the language model's sizes sit
+    in its `text_config`, none at the top. Every reader of them (submit's layer check, import's,
+    export's verifier check, the target head, the kernel report) takes them from there."""
+    import json
+
+    import transformers
+    from layertap.cli import main as cli
+    from layertap.extract.config import text_config
+
+    wrapper = transformers.Qwen3_5Config(text_config={"num_hidden_layers": 12, "hidden_size": 64})
+    doc = wrapper.to_dict()
+    assert "num_hidden_layers" not in doc and text_config(doc)["num_hidden_layers"] == 12
+    assert text_config(wrapper).num_hidden_layers == 12 and text_config(wrapper.get_text_config()) is \
+        wrapper.get_text_config()
+    assert text_config({"num_hidden_layers": 4, "text_config": None}) == {"num_hidden_layers": 4, "text_config": None}
+    model = tmp_path / "qwen3.6"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(doc))
+    assert cli(["submit", "extract", "--dry-run", "--out", str(tmp_path / "run"), "--model", str(model),
+                "--layers", "1,12"]) == 2
+    assert "capture layer 12 is out of range: the model has 12 decoder layers" in capsys.readouterr().err
+
+
 def test_default_layers_match_dflash():
     assert default_layers(64) == [1, 16, 31, 46, 61]  # Qwen3.6-27B
     assert default_layers(36) == [1, 9, 17, 25, 33]

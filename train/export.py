@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from layertap.extract.config import text_config
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 from layertap.storage.foreign import foreign_layers, layer_order, unservable_layer
 from layertap.storage.store import ObjectStore
@@ -83,7 +84,7 @@ def speculators_config(config: DrafterConfig, verifier: str, verifier_config: di
     """speculators' config.json for the drafter. `verifier_config` is the target's config.json
     when it is at hand (its architectures and max_position_embeddings), else None."""
     target = verifier_config or {}
-    text = target.get("text_config") or target
+    text = text_config(target)
     layer = {
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
@@ -238,7 +239,7 @@ def export_speculators(source: ObjectStore, dest: ObjectStore, *, verifier: str 
     config, weights = trained_drafter(source)
     renamed = speculators_weights(config, weights)
     name, verifier_config = _verifier(config, verifier)
-    text = (verifier_config or {}).get("text_config") or verifier_config or {}
+    text = text_config(verifier_config or {})
     if bad := [key for key in ("hidden_size", "vocab_size", "num_hidden_layers")
                if text.get(key) is not None and (isinstance(text[key], bool) or not isinstance(text[key], int))]:
         raise InputError(f"the verifier {name}'s config.json gives {', '.join(f'{k} {text[k]!r}' for k in bad)}, not "

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layertap.extract.config import text_config
 from layertap.extract.embedded import checkpoint
 from layertap.storage.errors import ConfigError, InputError, MissingInput
 
@@ -72,7 +73,7 @@ def load_target_head(path: str, gguf_file: str | None = None) -> TargetHead:
 
 def _from_safetensors(folder: str) -> TargetHead:
     config = _read_json(os.path.join(folder, "config.json"), "the target's config.json")
-    text = config.get("text_config") or config  # multimodal wrappers keep the LM's config inside
+    text = text_config(config)
     weight_map = _weight_map(folder)
     embed_key = next((k for k in _EMBED_KEYS if k in weight_map), None)
     if embed_key is None:
@@ -192,7 +193,7 @@ def head_transform(path: str, gguf_file: str | None = None) -> LogitTransform:
     scale = float((out * raw).sum() / (raw * raw).sum())
     if torch.allclose(out, raw * scale, rtol=1e-4, atol=1e-5):
         return LogitTransform(scale=scale)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     cap = getattr(config, "final_logit_softcapping", None)
     if cap and torch.allclose(out, cap * torch.tanh(raw / cap), rtol=1e-4, atol=1e-5):
         return LogitTransform(softcap=float(cap))
