@@ -9,8 +9,8 @@ file): the ranks and tasks on one node fetch it once, and an object written agai
 again. The cache is `$LAYERTAP_DATA_CACHE`, else ~/.cache/layertap/datasets; it holds the
 dataset's size (a Hub chat dataset: a few GB), never activations, and is never pruned. `*`, `?`
 and `[...]` match within a key's folder, `**` across folders, as a local glob does. The S3 server
-and its settings come from the environment (AWS_*, LAYERTAP_S3_*), as for a `layertap regenerate`
-output on S3, not from --config.
+and its settings are the command's: the "s3" settings of its --config over the environment's
+(AWS_*, LAYERTAP_S3_*), as for its --out.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import fnmatch
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
+from typing import Any
 
 import xxhash
 
 from layertap.extract.dataset_files import FILE_FORMATS, GLOB_CHARS
 from layertap.storage.errors import InputError, MissingInput
-from layertap.storage.store import ObjectInfo, ObjectStore, open_store
+from layertap.storage.store import ObjectInfo, ObjectStore, open_configured_store
 from layertap.storage.units import size
 
 log = logging.getLogger(__name__)
@@ -39,13 +41,14 @@ def is_s3_data(path: str) -> bool:
     return path.startswith("s3://") and (bool(GLOB_CHARS.search(path)) or path.lower().endswith(tuple(FILE_FORMATS)))
 
 
-def listed_s3_data(path: str) -> tuple[ObjectStore, list[ObjectInfo]]:
+def listed_s3_data(path: str, s3: Mapping[str, Any] | None = None) -> tuple[ObjectStore, list[ObjectInfo]]:
     """The bucket's store and the objects `path` names, in key order: one listing, of the keys that
-    begin as the glob's literal start does (not the whole folder, nor the bucket)."""
+    begin as the glob's literal start does (not the whole folder, nor the bucket). `s3`: the "s3"
+    settings of the command's --config."""
     bucket, _, pattern = path[len("s3://"):].partition("/")
     if not bucket or not pattern or pattern.endswith("/"):
         raise InputError(f"dataset {path!r}: give the objects' bucket and key, e.g. s3://bucket/data/train-*.parquet")
-    store = open_store(f"s3://{bucket}")
+    store = open_configured_store(f"s3://{bucket}", s3)
     glob_at = m.start() if (m := GLOB_CHARS.search(pattern)) else len(pattern)
     wanted = pattern.split("/")
     listed = [o for o in store.list(pattern[:glob_at]) if _matches(wanted, o.key.split("/"))]
@@ -54,9 +57,9 @@ def listed_s3_data(path: str) -> tuple[ObjectStore, list[ObjectInfo]]:
     return store, sorted(listed, key=lambda o: o.key)
 
 
-def fetch_s3_data(path: str) -> list[str]:
+def fetch_s3_data(path: str, s3: Mapping[str, Any] | None = None) -> list[str]:
     """The local copies of the objects `path` names, in key order (fetched where the cache lacks them)."""
-    store, listed = listed_s3_data(path)
+    store, listed = listed_s3_data(path, s3)
     return [_fetched(store, o) for o in listed]
 
 

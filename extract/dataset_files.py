@@ -18,8 +18,9 @@ import glob
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from layertap.storage.errors import InputError, MissingInput
 
@@ -51,16 +52,17 @@ def is_saved_folder(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, name)) for name in SAVED_MARKERS)
 
 
-def data_files(path: str) -> DataFiles | None:
+def data_files(path: str, s3: Mapping[str, Any] | None = None) -> DataFiles | None:
     """The data files `path` names; None for a save_to_disk folder (`fingerprint.load_saved`).
 
     Raises `MissingInput` for a path that does not exist or a glob that matches no file, and
     `InputError` for a folder or glob whose files layertap would not read whole and alone. Data
-    files on S3 (an object or a glob of them) are read from local copies (`dataset_download`)."""
+    files on S3 (an object or a glob of them) are read from local copies (`dataset_download`;
+    `s3`: the "s3" settings of the command's --config)."""
     from layertap.extract.dataset_download import fetch_s3_data, is_s3_data
 
     if is_s3_data(path):
-        return _of_one_kind(path, fetch_s3_data(path))
+        return _of_one_kind(path, fetch_s3_data(path, s3))
     if is_pattern(path):
         matched = pattern_files(path)
         if not matched:

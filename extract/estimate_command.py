@@ -199,7 +199,7 @@ def _estimate(args: argparse.Namespace) -> _Report:
         from layertap.extract.run import prepare_target
 
         if not stated_data or args.measure:  # the dataset's chats are rendered: settings refused before the load
-            cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
+            cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs, cfg.s3)
         target, capture, identity = prepare_target(cfg, _device(), weights=args.measure)
         sources = {"dtype": target.info["dtype"]}  # the forward's: --dtype auto chose it for this device
         shape = dict(hidden_size=identity.hidden_size, layers=identity.layers,

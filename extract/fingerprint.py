@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import xxhash
 
@@ -37,7 +39,7 @@ def load_saved(path: str):
     return ds
 
 
-def dataset_fingerprint(path: str, limit: int | None = None) -> str:
+def dataset_fingerprint(path: str, limit: int | None = None, s3: Mapping[str, Any] | None = None) -> str:
     """A hex id of the rows :func:`load_rows` would return, for a manifest to pin its input.
 
     Files are hashed in full (xxh3-128 runs at disk speed): a size+mtime shortcut would miss
@@ -47,8 +49,8 @@ def dataset_fingerprint(path: str, limit: int | None = None) -> str:
     from layertap.extract.regenerated import is_regenerated, regenerated_fingerprint
 
     if is_regenerated(path):
-        return regenerated_fingerprint(path, limit)
-    return fingerprint_of(path, data_files(path), limit)
+        return regenerated_fingerprint(path, limit, s3)
+    return fingerprint_of(path, data_files(path, s3), limit)
 
 
 def fingerprint_of(path: str, source: DataFiles | None, limit: int | None) -> str:

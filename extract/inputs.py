@@ -118,23 +118,23 @@ class TokenizeStats:
 # Loading
 
 
-def load_rows(path: str, limit: int | None = None):
+def load_rows(path: str, limit: int | None = None, s3: Mapping[str, Any] | None = None):
     """Open ``path`` as a ``datasets.Dataset``: a .jsonl/.json/.parquet file, a folder or glob of
     such files (`dataset_files`), a ``save_to_disk`` folder, or the output of `layertap regenerate`
     (a local folder or an S3 prefix).
 
     ``limit`` keeps the first ``limit`` rows, so a small run sees the same rows as the start of
-    a big one.
+    a big one. ``s3``: the "s3" settings of the command's --config, for data on S3.
     """
     from layertap.extract.regenerated import is_regenerated, load_regenerated
 
     _check_limit(limit)
     if is_regenerated(path):
-        return load_regenerated(path, limit)
-    return _rows(path, data_files(path), limit)
+        return load_regenerated(path, limit, s3)
+    return _rows(path, data_files(path, s3), limit)
 
 
-def load_pinned_rows(path: str, limit: int | None = None):
+def load_pinned_rows(path: str, limit: int | None = None, s3: Mapping[str, Any] | None = None):
     """(`load_rows`, `dataset_fingerprint`) of one resolution of `path`'s files: resolved once for
     each, a folder a download was still filling gave the rows of N files and pinned N+1."""
     from layertap.extract.fingerprint import fingerprint_of
@@ -142,8 +142,8 @@ def load_pinned_rows(path: str, limit: int | None = None):
 
     _check_limit(limit)
     if is_regenerated(path):
-        return load_regenerated(path, limit), regenerated_fingerprint(path, limit)
-    source = data_files(path)
+        return load_regenerated(path, limit, s3), regenerated_fingerprint(path, limit, s3)
+    source = data_files(path, s3)
     return _rows(path, source, limit), fingerprint_of(path, source, limit)
 
 

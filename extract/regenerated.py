@@ -1,18 +1,20 @@
 """A finished regeneration (`layertap regenerate`'s output, manifests/regeneration.py has its
 layout) read back as extraction input: `layertap extract --dataset PREFIX` takes a local folder or
-an S3 prefix (`is_regenerated`, `load_regenerated`), in source-row order."""
+an S3 prefix (`is_regenerated`, `load_regenerated`), in source-row order. `s3`, where a function
+takes it: the "s3" settings of the command's --config, for an S3 prefix."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from layertap.manifests.manifest import TEMPLATE_KWARGS
 from layertap.manifests.regeneration import RECIPE, Recipe, done_parts, read_recipe
 from layertap.storage.errors import ConfigError, InputError, MissingInput
-from layertap.storage.store import ObjectStore, open_store
+from layertap.storage.store import ObjectStore, open_configured_store
 
 if TYPE_CHECKING:
     from layertap.extract.config import ExtractConfig
@@ -30,9 +32,9 @@ def is_regenerated(path: str) -> bool:
     return os.path.isfile(os.path.join(path, RECIPE))
 
 
-def _complete(path: str) -> tuple[ObjectStore, Recipe, list[Any]]:
+def _complete(path: str, s3: Mapping[str, Any] | None) -> tuple[ObjectStore, Recipe, list[Any]]:
     """The store, recipe and committed parts of a finished regeneration at `path`, else a clear error."""
-    store = open_store(path)
+    store = open_configured_store(path, s3)
     recipe = read_recipe(store)
     if recipe is None:
         raise MissingInput(f"dataset {path!r}: no {RECIPE} there; an S3 dataset is the output of "
@@ -46,7 +48,8 @@ def _complete(path: str) -> tuple[ObjectStore, Recipe, list[Any]]:
     return store, recipe, [parts[p] for p in range(recipe.parts)]
 
 
-def template_kwargs(path: str | None, given: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def template_kwargs(path: str | None, given: dict[str, Any] | None = None,
+                    s3: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The chat-template settings extraction renders chats with (None: none): `given`
     (--chat-template-kwargs; {} for none), else a finished regeneration's, whose prompts the server
     rendered so (its recipe's --chat-template-kwargs, part of the dataset's fingerprint): extraction
@@ -54,7 +57,7 @@ def template_kwargs(path: str | None, given: dict[str, Any] | None = None) -> di
     template's `enable_thinking is false`, 0 is not false)."""
     recorded = None
     if path and is_regenerated(path):
-        _, recipe, _ = _complete(path)
+        _, recipe, _ = _complete(path, s3)
         recorded = recipe.sampling.get("chat_template_kwargs") or None
         if given is not None and json.dumps(given, sort_keys=True) != json.dumps(recorded or {}, sort_keys=True):
             raise ConfigError(f"--chat-template-kwargs {json.dumps(given)}: the regenerated dataset {path!r} had its "
@@ -75,9 +78,9 @@ def pinned_template(cfg: ExtractConfig, run: Manifest | None) -> dict[str, Any]:
     return {TEMPLATE_KWARGS: cfg.chat_template_kwargs}
 
 
-def regenerated_fingerprint(path: str, limit: int | None = None) -> str:
+def regenerated_fingerprint(path: str, limit: int | None = None, s3: Mapping[str, Any] | None = None) -> str:
     """A hex id of a finished regeneration's rows: its recipe and every part's size and version."""
-    _, recipe, parts = _complete(path)
+    _, recipe, parts = _complete(path, s3)
     return _fingerprint(recipe, parts, limit)
 
 
@@ -87,14 +90,14 @@ def _fingerprint(recipe: Recipe, parts: list[Any], limit: int | None) -> str:
     return xxhash.xxh3_128(f"v2|regenerated|{content}|limit={limit}".encode()).hexdigest()  # v2: tools
 
 
-def iter_rows(path: str, keys: list[str] | None = None) -> Iterator[dict[str, Any]]:
+def iter_rows(path: str, keys: list[str] | None = None, s3: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Every regenerated row of a finished regeneration, in source-row order (of the parts `keys`,
     when the caller has listed them)."""
     if keys is None:
-        store, _, parts = _complete(path)
+        store, _, parts = _complete(path, s3)
         keys = [o.key for o in parts]
     else:
-        store = open_store(path)
+        store = open_configured_store(path, s3)
     for key in keys:
         # "\n" only: str.splitlines() also splits at U+2028, U+0085 ..., which real chats hold and
         # json.dumps(ensure_ascii=False) leaves unescaped inside strings.
@@ -103,14 +106,15 @@ def iter_rows(path: str, keys: list[str] | None = None) -> Iterator[dict[str, An
                 yield json.loads(line)
 
 
-def load_regenerated(path: str, limit: int | None = None):
+def load_regenerated(path: str, limit: int | None = None, s3: Mapping[str, Any] | None = None):
     """A finished regeneration as a ``datasets.Dataset`` of OpenAI-style chats (``messages``):
     exactly the parts that were checked complete and fingerprinted (one listing). `limit` is
     checked by the caller, `inputs.load_rows`."""
     import datasets
 
-    _, recipe, parts = _complete(path)
-    gen_kwargs = {"path": path, "keys": [o.key for o in parts], "fingerprint": _fingerprint(recipe, parts, None)}
+    _, recipe, parts = _complete(path, s3)
+    gen_kwargs = {"path": path, "keys": [o.key for o in parts], "fingerprint": _fingerprint(recipe, parts, None),
+                  "s3": dict(s3 or {})}
     ds = datasets.Dataset.from_generator(_rows, features=_features(), gen_kwargs=gen_kwargs)
     if len(ds) == 0:
         raise InputError(f"dataset {path!r} has no rows: every row of the regeneration was refused "
@@ -120,9 +124,9 @@ def load_regenerated(path: str, limit: int | None = None):
     return ds
 
 
-def _rows(path: str, keys: list[str], fingerprint: str) -> Iterator[dict[str, Any]]:
+def _rows(path: str, keys: list[str], fingerprint: str, s3: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """`datasets`' generator; `fingerprint` keys its cache to this exact output."""
-    for row in iter_rows(path, keys):
+    for row in iter_rows(path, keys, s3):
         yield {"id": row["id"], "messages": [{k: m.get(k) for k in MESSAGE_KEYS} for m in row["messages"]],
                "tools": row.get("tools") or "", "regenerated": row["regenerated"]}
 

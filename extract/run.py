@@ -353,9 +353,9 @@ def dataset_rows(cfg: ExtractConfig):
     """The run's rows (a ``datasets.Dataset``) and the fingerprint its manifest pins; and
     `cfg.chat_template_kwargs` resolved (`template_kwargs`: a regenerated dataset's own where none
     is given, None for none), before the model loads."""
-    cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
+    cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs, cfg.s3)
     if cfg.dataset is not None:
-        return load_pinned_rows(cfg.dataset, cfg.limit)
+        return load_pinned_rows(cfg.dataset, cfg.limit, cfg.s3)
     import datasets
 
     from layertap.extract.embedded import sharegpt_conversations

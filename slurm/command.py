@@ -303,14 +303,14 @@ def _submit_extract(args: argparse.Namespace) -> int:
         _then_train(args, gpus, nodes, cfg, listing, follow=True) if args.train_while_extracting is not None else \
         (None, [], None)
     # the chat-template settings its tasks render with: one a task would refuse is refused here
-    cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs)
+    cfg.chat_template_kwargs = template_kwargs(cfg.dataset, cfg.chat_template_kwargs, cfg.s3)
     _check_template_settings(cfg)
     store = open_configured_store(cfg.out, cfg.s3)
     location = store_location(cfg.out)
     queued = queued_tasks(location, listing or "")
     try:
         remaining = remaining_work(store, cfg.shards, _pinned_settings(cfg), lambda run: pinned_template(cfg, run),
-                                   lambda: _dataset_fingerprint(cfg),
+                                   lambda: _dataset_fingerprint(cfg, cfg.s3),
                                    slurm_jobs=listed_jobs(listing) if listing is not None else None)
         jobs = lease_jobs(store, remaining) if listing is not None else {}  # no squeue: no task queued either
         if listing is not None:
@@ -1023,7 +1023,7 @@ def _check_inputs_here(cfg) -> None:
     # is noted
     if cfg.dataset and is_s3_data(cfg.dataset):  # objects on S3: a glob that names none refused, as every task would
         try:
-            listed_s3_data(cfg.dataset)
+            listed_s3_data(cfg.dataset, cfg.s3)
         except StoreError as e:
             _note(f"--dataset {cfg.dataset} cannot be listed here ({e}): each task reads it at its start")
     for flag, path, local in (("--model", cfg.model, _local_path(cfg.model or "")),
@@ -1048,10 +1048,11 @@ def _check_inputs_here(cfg) -> None:
         check_layers(cfg.layers, layers)
 
 
-def _dataset_fingerprint(cfg) -> str | None:
+def _dataset_fingerprint(cfg, s3: dict[str, Any] | None = None) -> str | None:
     """The fingerprint a task would compare with a planned run's (`dataset_fingerprint`: the file
     hashed, at disk speed), where this host has the dataset; None where it cannot tell (the
-    embedded data, a path that is on the nodes alone)."""
+    embedded data, a path that is on the nodes alone). `s3`: the "s3" settings of extract's
+    --config (a regeneration's command takes none)."""
     from layertap.extract.dataset_download import is_s3_data
     from layertap.extract.fingerprint import dataset_fingerprint
     from layertap.storage.errors import MissingInput
@@ -1062,7 +1063,7 @@ def _dataset_fingerprint(cfg) -> str | None:
     if is_s3_data(cfg.dataset):  # objects each task fetches whole: not fetched onto this host (listed by
         return None              # `_check_inputs_here`)
     try:
-        return dataset_fingerprint(cfg.dataset, cfg.limit)
+        return dataset_fingerprint(cfg.dataset, cfg.limit, s3)
     except MissingInput:  # noted already (`_check_inputs_here`)
         return None
     except (StoreError, OSError) as e:  # a store or file this host cannot read: the tasks compare it

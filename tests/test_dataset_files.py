@@ -4,6 +4,7 @@ files a run reads, in which order, what pins them, and what is refused with the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -218,3 +219,14 @@ def test_extract_reads_a_jsonl_object_on_s3(tmp_path, s3_bucket, monkeypatch):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dataset"]["path"] == f"s3://{s3_bucket}/data/chats.jsonl"
     assert manifest["dataset"]["fingerprint"] == dataset_fingerprint(chats)
+    # The "s3" settings of --config are the command's, its dataset's store's too: a server given there alone
+    # (the environment's endpoint answers nothing) was never asked for the dataset
+    settings = tmp_path / "layertap.json"
+    settings.write_text(json.dumps({"s3": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}}))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("LAYERTAP_S3_UNREACHABLE_ATTEMPTS", "1")
+    monkeypatch.setenv("LAYERTAP_DATA_CACHE", str(tmp_path / "cache2"))
+    assert cli(["extract", "--model", tiny_model_dir(tmp_path / "models", "qwen3"), "--dataset",
+                f"s3://{s3_bucket}/data/chats.jsonl", "--out", str(tmp_path / "run2"), "--layers", "1,3",
+                "--max-length", "64", "--config", str(settings), "--log-dir", str(tmp_path / "logs")]) == 0
+    assert json.loads((tmp_path / "run2" / "manifest.json").read_text())["dataset"] == manifest["dataset"]

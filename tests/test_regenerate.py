@@ -134,7 +134,8 @@ def assert_every_row_once(out: str, n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_regenerates_sharegpt_turn_by_turn_and_extract_reads_it(where, server, model, tmp_path, s3_bucket, capsys):
+def test_regenerates_sharegpt_turn_by_turn_and_extract_reads_it(where, server, model, tmp_path, s3_bucket, capsys,
+                                                                 monkeypatch):
     data = write_sharegpt(tmp_path / "chats.jsonl", 24, refuse=(5,))
     out = str(tmp_path / "regen") if where == "local" else f"s3://{s3_bucket}/regen"
     assert cli(regenerate_args(data, out, server)) == 0
@@ -177,6 +178,15 @@ def test_regenerates_sharegpt_turn_by_turn_and_extract_reads_it(where, server, m
                 "--dtype", "float32", "--max-length", "64"]) == 0
     manifest = json.loads(open_store(str(tmp_path / "run")).get("manifest.json"))
     assert manifest["dataset"]["num_samples"] == 23 and manifest["dataset"]["path"] == out
+    if where == "s3":  # the "s3" settings of extract's --config reach the dataset's store, as they reach --out's
+        settings = tmp_path / "layertap.json"
+        settings.write_text(json.dumps({"s3": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}}))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # answers nothing
+        monkeypatch.setenv("LAYERTAP_S3_UNREACHABLE_ATTEMPTS", "1")
+        assert cli(["extract", "--model", model, "--dataset", out, "--out", str(tmp_path / "run2"), "--layers", "0,1",
+                    "--dtype", "float32", "--max-length", "64", "--config", str(settings)]) == 0
+        again = json.loads(open_store(str(tmp_path / "run2")).get("manifest.json"))
+        assert again["dataset"]["fingerprint"] == manifest["dataset"]["fingerprint"]
     capsys.readouterr()
 
 

@@ -1615,6 +1615,9 @@ def test_a_chained_trainer_must_be_given_the_s3_server_the_extractions_config_na
             "training job would have it") in capsys.readouterr().err
     assert submit(*base, "--then-train", f"--config train.json --out s3://{s3_bucket}/drafter") == 0
     assert "--config train.json" in capsys.readouterr().out
+    # the dataset's objects are listed on that server too (--config's): a glob naming none is refused here
+    assert submit(*base, "--dataset", f"s3://{s3_bucket}/data/train-*.parquet") == 2
+    assert "names no object on S3 (a glob that matches none)" in capsys.readouterr().err
     # what the job inherits counts as the trainer's store resolves it: the same endpoint and addressing style
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
     monkeypatch.setenv("LAYERTAP_S3_ADDRESSING_STYLE", "path")
