@@ -467,7 +467,8 @@ def format_report(est: Estimate, alts: list[Alternative], work: Workload, storag
                               "not given: add --tokens-per-s N or --measure for time, bandwidth and GPU-hours"),
         f"  layout       shards of ~{storage.shard_bytes:,} B stored, upload parts of {fmt_bytes(storage.part_bytes)}, "
         f"loader ranges of {fmt_bytes(storage.range_bytes)}; format overhead {storage.record_overhead:,.0f} B "
-        f"per sample, {storage.shard_overhead:,.0f} B per shard{src.get('overhead', '')}",
+        f"per sample, {storage.shard_overhead:,.0f} B per shard"
+        + (f"  (overheads: {sources['overhead']})" if sources.get("overhead") else ""),
         "",
         f"{'size':<26}{'raw':>22}{'stored':>22}",
         f"{'  per token':<26}{fmt_bytes(est.bytes_per_token_raw, 'B'):>22}"

@@ -52,6 +52,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     from layertap.storage.store import ObjectNotFound, StoreError, open_store, split_object_uri
     from layertap.storage.units import counted
 
+    if args.records < -1:
+        raise InputError(f"--records must be a count of records, or -1 for all of them; got {args.records}")
     root, key = split_object_uri(args.uri)
     store = open_store(root)
     try:

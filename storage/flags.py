@@ -158,7 +158,7 @@ def typed_values(cls: type, values: dict[str, Any], where: str) -> dict[str, Any
     values = {aliases.get(k, k): v for k, v in values.items()}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{where} has unknown settings {unknown}; known: {sorted(fields)}")
+        raise ConfigError(f"{where}: unknown settings {unknown}; known: {sorted(fields)}")
     hints = typing.get_type_hints(cls)
     return {k: _typed(fields[k], hints[k], v, where) for k, v in values.items()}
 

@@ -18,10 +18,12 @@ _QUERY = re.compile(_URL_HEAD + r"([?#])[^\s\"'`]*")
 # A secret's name ends with one of these words (--api-key, --hf-token, AWS_SECRET_ACCESS_KEY, db_password):
 # not --tokenizer, --max-num-batched-tokens or TOKENIZERS_PARALLELISM, whose values a log must show.
 _SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd|auth|credentials?|access[-_]key[-_]id)"
-# the value: a quoted string as a whole (a key with a space showed its rest), else up to a space; after
-# a space, every word up to the next option or shell operator too (vLLM's --api-key takes several keys)
-_VALUE = r"""(?:"[^"]*"|'[^']*'|\S+)"""
-_MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|[^\s;&|<>()]+))*"""
+# the value: a quoted string as a whole (a key with a space showed its rest), else up to a space, a quote
+# that ends it left (`--serve 'vllm serve m --api-key sk-1'` lost its closing quote, and a dry run printed
+# a script bash refused); after a space, every word up to the next option or shell operator too (vLLM's
+# --api-key takes several keys)
+_VALUE = r"""(?:"[^"]*"|'[^']*'|(?:[^\s"']|["'](?=[^\s"']))+)"""
+_MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|(?:[^\s;&|<>()"']|["'](?=[^\s;&|<>()"']))+))*"""
 # (?!-): a flag without a value (--no-auth) keeps the next option shown
 _SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])"""
                             rf"""(?:(=){_VALUE}|(\s+)(?!-){_VALUE}{_MORE_VALUES})""", re.IGNORECASE)

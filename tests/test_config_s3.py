@@ -103,7 +103,7 @@ def test_layertap_s3_variables_set_the_commands_without_a_config_file(tmp_path, 
     assert (configured.options.unreachable_attempts, configured.options.read_timeout_s) == (4, 7)
     monkeypatch.setenv("LAYERTAP_S3_READ_TIMEOUT", "10")
     assert cli(["status", "s3://bucket/run"]) == 2
-    assert "the environment (LAYERTAP_S3_* variables) has unknown settings ['read_timeout']" in capsys.readouterr().err
+    assert "the environment (LAYERTAP_S3_* variables): unknown settings ['read_timeout']" in capsys.readouterr().err
     monkeypatch.delenv("LAYERTAP_S3_READ_TIMEOUT")
     monkeypatch.setenv("LAYERTAP_S3_MAX_ATTEMPTS", "many")
     assert cli(["status", "s3://bucket/run"]) == 2

@@ -97,6 +97,8 @@ def test_records_limit(store, store_uri, capsys):
     assert "... 3 more (--records -1 lists all)" in out
     rc, out, _ = inspect(capsys, uri(store_uri), "--records", "-1")
     assert rc == 0 and all(f"conv-{i}" in out for i in range(5)) and "more" not in out
+    rc, out, err = inspect(capsys, uri(store_uri), "--records", "-2")  # listed them all, as -1 does
+    assert rc == 2 and "--records must be a count of records, or -1 for all of them; got -2" in err and not out
 
 
 def test_good_shard_json(store, store_uri, capsys):

@@ -191,6 +191,18 @@ def test_every_key_of_an_option_that_takes_several_is_masked():
     assert redacted("vllm serve /m --api-key=sk-1 --port 8") == "vllm serve /m --api-key=*** --port 8"
 
 
+def test_a_key_at_the_end_of_a_quoted_serve_command_keeps_the_closing_quote(tmp_path):
+    """`submit regenerate --dry-run --serve '... --api-key sk-1'` printed `--api-key ***` without
+    the closing quote: a script bash refuses (a user walk). The key is masked, the quote kept."""
+    line = "--serve 'vllm serve m --port $LAYERTAP_TASK_PORT --api-key sk-SECRET' --tasks 2"
+    assert redacted(line) == "--serve 'vllm serve m --port $LAYERTAP_TASK_PORT --api-key ***' --tasks 2"
+    assert redacted('--serve "vllm serve m --api-key sk-1 sk-2"') == '--serve "vllm serve m --api-key ***"'
+    assert redacted("--api-key ab'c --port 8") == "--api-key *** --port 8"  # a quote inside a value: masked with it
+    script = tmp_path / "shown.sh"
+    script.write_text(f"cmd=(layertap regenerate {redacted(line)})\n")
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
 def test_keys_a_server_command_passes_by_other_names_are_masked():
     """A secrets walk: --auth, a JSON override's "hf_token", an X-Api-Key header and an
     AWS_ACCESS_KEY_ID= assignment were logged (and echoed in each Slurm task's log) as typed. A

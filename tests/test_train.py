@@ -989,6 +989,15 @@ def test_bad_arguments_are_clear_errors(run, target, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert train_cli("--data", run, "--model", target, "--out", str(tmp_path / "o"), "--fetch-threads", "0") == 2
     assert "error: --fetch-threads must be >= 1, got 0" in capsys.readouterr().err
+    # named as the flags are (a user walk: "block_size must be >= 2" after "--block-size must be >= 1" took 1,
+    # "shuffle_buffer must be >= 1 sample", "drafter num_layers must be >= 1")
+    for flag, value, said in (("--block-size", "1", "--block-size must be >= 2 (the anchor and at least one drafted "
+                                                    "token), got 1"),
+                              ("--shuffle-buffer", "0", "--shuffle-buffer must be >= 1, got 0"),
+                              ("--drafter-layers", "0", "--drafter-layers must be >= 1, got 0")):
+        assert train_cli("--data", run, "--model", target, "--out", str(tmp_path / "o"), flag, value) == 2
+        assert f"error: {said}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_training_output_and_a_run_never_share_a_prefix(run, target, tmp_path, capsys):

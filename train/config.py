@@ -78,10 +78,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
-        for name in ("epochs", "batch_size", "grad_accum", "save_every", "log_every", "block_size", "max_anchors",
-                     "fetch_threads"):
+        for name in ("epochs", "batch_size", "grad_accum", "save_every", "log_every", "max_anchors", "fetch_threads",
+                     "shuffle_buffer"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:  # the drafter's own check, worded for the flag
+            raise ConfigError(f"--block-size must be >= 2 (the anchor and at least one drafted token), got "
+                              f"{self.block_size}")
+        if self.drafter_layers is not None and self.drafter_layers < 1:
+            raise ConfigError(f"--drafter-layers must be >= 1, got {self.drafter_layers}")
         for name in ("num_workers", "keep_checkpoints"):  # 0: no DataLoader workers; keep every checkpoint
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
