@@ -103,7 +103,12 @@ def _of_one_kind(given: str, files: list[str]) -> DataFiles:
                          "them, or a glob) or a datasets save_to_disk folder")
     builders = {FILE_FORMATS[k] for k in kinds}
     if len(builders) > 1:
-        raise InputError(f"dataset {given!r} mixes {' and '.join(sorted(kinds))} files: give a glob of one kind")
+        most = max(sorted(kinds), key=lambda k: sum(os.path.splitext(f)[1].lower() == k for f in files))
+        head, slash, name = given.rstrip("/").rpartition("/")
+        name = name.rpartition(".")[0] or name if GLOB_CHARS.search(name) else f"{name}/**/*"  # 'data*.*': 'data*'
+        example = f"{head}{slash}{name}{most}"
+        raise InputError(f"dataset {given!r} mixes {' and '.join(sorted(kinds))} files: give a glob of one kind, "
+                         f"e.g. --dataset '{example}'")
     return DataFiles(given, tuple(files), builders.pop())
 
 

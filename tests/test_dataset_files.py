@@ -65,7 +65,8 @@ def test_a_folder_of_one_split_is_read_whole_in_name_order(tmp_path):
         f.write(json.dumps({"messages": []}) + "\n")
     with pytest.raises(InputError, match=r"holds parquet files and also 1 other data file.*extra\.jsonl.*give a glob"):
         load_rows(str(root))
-    with pytest.raises(InputError, match=r"mixes \.jsonl and \.parquet files"):
+    with pytest.raises(InputError, match=r"mixes \.jsonl and \.parquet files: give a glob of one kind, e\.g\. "
+                                         rf"--dataset '{root}/\*\*/\*\.parquet'"):
         load_rows(str(root / "**" / "*.*"))
 
 
