@@ -3,8 +3,8 @@ them (`s3://bucket/ultrachat/data/train_sft-*.parquet`), fetched once per machin
 cache that `datasets` then reads as it reads local files (the same rows, and the same fingerprint
 as the same bytes on a local disk).
 
-Each object is fetched whole (`S3Store.get`: its MD5 ETag checked where it is one, a single
-PUT's) under a name made of its URI, size and ETag, by one process of a machine at a time (a lock
+Each object is fetched whole, streamed to disk (`S3Store.get_to_file`: its MD5 ETag checked where it
+is one, a single PUT's) under a name made of its URI, size and ETag, by one process of a machine at a time (a lock
 file): the ranks and tasks on one node fetch it once, and an object written again is fetched
 again. The cache is `$LAYERTAP_DATA_CACHE`, else ~/.cache/layertap/datasets; it holds the
 dataset's size (a Hub chat dataset: a few GB), never activations, and is never pruned. `*`, `?`
@@ -21,14 +21,17 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from layertap.extract.dataset_files import FILE_FORMATS, GLOB_CHARS
 from layertap.storage.errors import InputError, MissingInput
-from layertap.storage.store import ObjectInfo, ObjectStore, open_configured_store
+from layertap.storage.store import ObjectInfo, open_configured_store
 from layertap.storage.units import size
+
+if TYPE_CHECKING:
+    from layertap.storage.s3 import S3Store
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ def is_s3_data(path: str) -> bool:
     return path.startswith("s3://") and (bool(GLOB_CHARS.search(path)) or path.lower().endswith(tuple(FILE_FORMATS)))
 
 
-def listed_s3_data(path: str, s3: Mapping[str, Any] | None = None) -> tuple[ObjectStore, list[ObjectInfo]]:
+def listed_s3_data(path: str, s3: Mapping[str, Any] | None = None) -> tuple[S3Store, list[ObjectInfo]]:
     """The bucket's store and the objects `path` names, in key order: one listing, of the keys that
     begin as the glob's literal start does (not the whole folder, nor the bucket). `s3`: the "s3"
     settings of the command's --config."""
@@ -73,7 +76,7 @@ def _matches(pattern: list[str], key: list[str]) -> bool:
     return bool(key) and fnmatch.fnmatchcase(key[0], pattern[0]) and _matches(pattern[1:], key[1:])
 
 
-def _fetched(store: ObjectStore, o: ObjectInfo) -> str:
+def _fetched(store: S3Store, o: ObjectInfo) -> str:
     """The local copy of object `o` of `store`, fetched now if the cache lacks this version of it:
     by one process of a machine at a time (a lock per object; the others then find it fetched)."""
     root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "layertap", "datasets")
@@ -88,11 +91,13 @@ def _fetched(store: ObjectStore, o: ObjectInfo) -> str:
         if os.path.isfile(local) and os.path.getsize(local) == o.size:  # fetched while this process waited
             return local
         log.info("dataset: fetching %s (%s) into %s", uri, size(o.size), root)
-        data = store.get(o.key)  # whole: its MD5 ETag checked where it is one (a single PUT's)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".part-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                got = store.get_to_file(o.key, f)  # its MD5 ETag checked where it is one (a single PUT's)
+            if got != o.size:  # written again since it was listed: the next fetch takes its new version
+                raise InputError(f"dataset object {uri} changed while it was fetched ({size(o.size)} listed, "
+                                 f"{size(got)} read); run the command again")
             os.chmod(tmp, 0o666 & ~_umask())  # as a plain file would be: a cache shared by a node's users
             os.replace(tmp, local)  # whole or not at all
         except BaseException:

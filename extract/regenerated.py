@@ -90,7 +90,8 @@ def _fingerprint(recipe: Recipe, parts: list[Any], limit: int | None) -> str:
     return xxhash.xxh3_128(f"v2|regenerated|{content}|limit={limit}".encode()).hexdigest()  # v2: tools
 
 
-def iter_rows(path: str, keys: list[str] | None = None, s3: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+def iter_rows(path: str, keys: list[str] | None = None,
+              s3: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Every regenerated row of a finished regeneration, in source-row order (of the parts `keys`,
     when the caller has listed them)."""
     if keys is None:

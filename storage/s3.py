@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, BinaryIO, Literal, TypeVar
 
 import boto3
 import botocore
@@ -431,30 +431,56 @@ class S3Store(ObjectStore):
                         self._where(key), e)
 
     def get(self, key: str) -> bytes:
-        """The whole object, checked against its ETag where that is its MD5 (`_md5_etag`): botocore
-        checks a body only where the server sends a checksum header, which radosgw 16 and moto do not
-        for a plain PUT, and a file of another tool's with no hash of its own (a safetensors file) was
-        imported with a byte flipped on its way. A body that differs is read again at once: the same
-        bytes under the same ETag twice are what the store holds (a store whose ETag is no MD5: not
-        compared again), else the try failed (retried)."""
-        def read() -> bytes:
+        """The whole object, checked against its ETag where that is its MD5 (`_md5_etag`,
+        `_read_checked`): botocore checks a body only where the server sends a checksum header, which
+        radosgw 16 and moto do not for a plain PUT, and a file of another tool's with no hash of its
+        own (a safetensors file) was imported with a byte flipped on its way."""
+        def once() -> tuple[bytes, str | None, str]:
             body, etag = self._get_whole(key)
-            if etag is None or not self._etags_are_md5 or _md5(body) == etag:
-                return body
-            again, etag_again = self._get_whole(key)
-            if etag_again == etag and _md5(again) == _md5(body):  # what the store holds, its ETag no MD5
-                self._not_md5.add(key)
-                if len(self._not_md5) >= NOT_MD5_KEYS:
-                    log.info("%s: the ETags of %d objects are not the MD5 of their bytes (each read twice alike): "
-                             "ETags are not compared with bodies on this store", self.endpoint, len(self._not_md5))
-                    self._etags_are_md5 = False
-                return again
-            if etag_again is not None and _md5(again) == etag_again:  # the first read was damaged on its way
-                return again
-            raise TransientStoreError(f"get of {self._where(key)}: the body read differs from the object's ETag "
-                                      "(its MD5), twice: damaged on its way")
+            return body, etag, _md5(body) if etag is not None and self._etags_are_md5 else ""
 
-        return self._call("get", key, read)
+        return self._call("get", key, lambda: self._read_checked(key, once))
+
+    def get_to_file(self, key: str, f: BinaryIO) -> int:
+        """The whole object written to `f` (a file open for writing, from its start) a slice at a
+        time: a dataset object of several GB held whole in memory as `get` holds it. Checked as
+        `get` checks (`_read_checked`); each read starts `f` over. Returns the bytes written."""
+        def once() -> tuple[int, str | None, str]:
+            f.seek(0)
+            f.truncate()
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+            body, md5 = resp["Body"], hashlib.md5(usedforsecurity=False)
+            try:
+                for chunk in iter(lambda: body.read(READ_SLICE), b""):
+                    f.write(chunk)
+                    md5.update(chunk)
+            except BaseException:
+                body.close()
+                raise
+            return f.tell(), _md5_etag(resp), md5.hexdigest()
+
+        return self._call("get", key, lambda: self._read_checked(key, once))
+
+    def _read_checked(self, key: str, once: Callable[[], tuple[T, str | None, str]]) -> T:
+        """What `once()` read (it returns that, the object's ETag where it is an MD5, and the MD5
+        of the bytes read), checked against that ETag. A body that differs is read again at once:
+        the same bytes under the same ETag twice are what the store holds (a store whose ETag is no
+        MD5: not compared again), else the try failed (retried)."""
+        got, etag, md5 = once()
+        if etag is None or not self._etags_are_md5 or md5 == etag:
+            return got
+        again, etag_again, md5_again = once()
+        if etag_again == etag and md5_again == md5:  # what the store holds, its ETag no MD5
+            self._not_md5.add(key)
+            if len(self._not_md5) >= NOT_MD5_KEYS:
+                log.info("%s: the ETags of %d objects are not the MD5 of their bytes (each read twice alike): "
+                         "ETags are not compared with bodies on this store", self.endpoint, len(self._not_md5))
+                self._etags_are_md5 = False
+            return again
+        if etag_again is not None and md5_again == etag_again:  # the first read was damaged on its way
+            return again
+        raise TransientStoreError(f"get of {self._where(key)}: the body read differs from the object's ETag "
+                                  "(its MD5), twice: damaged on its way")
 
     def _get_whole(self, key: str) -> tuple[bytes, str | None]:
         """One GET: the body, and the ETag where it is the body's MD5 (`_md5_etag`)."""

@@ -180,6 +180,46 @@ def test_a_get_whose_etag_is_no_md5_is_taken_once_two_reads_agree(s3_bucket):
     assert kms.get("x.bin") == b"0123456789" and kms.retries == 0
 
 
+def test_an_object_is_read_to_a_file_a_slice_at_a_time_and_checked_as_get_checks(s3_bucket, s3_endpoint, tmp_path,
+                                                                                 monkeypatch):
+    """An S3 --dataset's objects (several GB) were held whole in memory by `get` before they were
+    written to the local cache: `get_to_file` writes them a slice at a time, its MD5 checked
+    against the ETag as `get` checks it: a body damaged on its way is read again, a store whose
+    ETags are no MD5 reads alike twice at once, and bodies that never match are refused."""
+    from layertap.storage.s3 import READ_SLICE
+    from layertap.storage.store import open_configured_store
+
+    monkeypatch.setenv("LAYERTAP_S3_CHECKSUM_MODE", "when_required")  # a PUT with no checksum: none sent back
+    data = os.urandom(3 * READ_SLICE + 5)
+    open_store(f"s3://{s3_bucket}/f").put("big.bin", data)
+    dest = tmp_path / "big.bin"
+    dest.write_bytes(b"x" * (5 * READ_SLICE))  # a file holding more, from an earlier try: written over whole
+    with FaultProxy(s3_endpoint, rate=1.0, faults=("flip",), match=lambda method, path: method == "GET",
+                    limit=1) as proxy:
+        store = open_configured_store(f"s3://{s3_bucket}/f", {"endpoint_url": proxy.url})
+        with open(dest, "r+b") as f:
+            assert store.get_to_file("big.bin", f) == len(data)
+        assert proxy.counts["flip"] == 1 and dest.read_bytes() == data and store.retries == 0  # read again at once
+    answers = []
+
+    def other_etag(parsed, **_):
+        answers.append(parsed.get("ETag"))
+        parsed["ETag"] = '"' + str(len(answers) % 10) * 32 + '"'
+
+    for same in (True, False):
+        store = open_configured_store(f"s3://{s3_bucket}/f", {"max_attempts": 2})
+        store.client.meta.events.register("after-call.s3.GetObject", (lambda parsed, **_: parsed.update(
+            ETag='"' + "0" * 32 + '"')) if same else other_etag)
+        with open(dest, "wb") as f:
+            if same:  # what the store holds: taken, no try spent
+                assert store.get_to_file("big.bin", f) == len(data) and store.retries == 0
+            else:
+                with pytest.raises(StoreError, match="the body read differs from the object's ETag"):
+                    store.get_to_file("big.bin", f)
+        assert dest.read_bytes() == data  # each read started the file over
+    assert len(answers) == 4  # 2 tries of 2 reads each
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "fallback"])
 def test_a_ranged_read_survives_a_connection_reset_mid_body(s3_bucket, s3_endpoint, monkeypatch, direct):
     """On both read paths: from the socket into the buffer, and botocore's readinto (versions
