@@ -301,7 +301,7 @@ def text_config(config: Any) -> Any:
     else `config` itself; of a parsed config.json (a dict) or a transformers config object."""
     if isinstance(config, Mapping):
         inner = config.get("text_config")
-        return inner if isinstance(inner, Mapping) else config
+        return inner if isinstance(inner, Mapping) and inner else config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 

@@ -105,7 +105,10 @@ def _of_one_kind(given: str, files: list[str]) -> DataFiles:
     if len(builders) > 1:
         most = max(sorted(kinds), key=lambda k: sum(os.path.splitext(f)[1].lower() == k for f in files))
         head, slash, name = given.rstrip("/").rpartition("/")
-        name = name.rpartition(".")[0] or name if GLOB_CHARS.search(name) else f"{name}/**/*"  # 'data*.*': 'data*'
+        if name == "**" or not GLOB_CHARS.search(name):  # 'data/**', or a folder: the files under it
+            name = "**/*" if name == "**" else f"{name}/**/*"
+        else:  # 'data*.*': 'data*'
+            name = name.rpartition(".")[0] or name
         example = f"{head}{slash}{name}{most}"
         raise InputError(f"dataset {given!r} mixes {' and '.join(sorted(kinds))} files: give a glob of one kind, "
                          f"e.g. --dataset '{example}'")

@@ -20,10 +20,11 @@ _QUERY = re.compile(_URL_HEAD + r"([?#])[^\s\"'`]*")
 _SECRET_WORD = r"(?:api[-_]?key|keys?|token|secret|password|passwd|auth|credentials?|access[-_]key[-_]id)"
 # the value: a quoted string as a whole (a key with a space showed its rest), else up to a space, a quote
 # that ends it left (`--serve 'vllm serve m --api-key sk-1'` lost its closing quote, and a dry run printed
-# a script bash refused); after a space, every word up to the next option or shell operator too (vLLM's
-# --api-key takes several keys)
-_VALUE = r"""(?:"[^"]*"|'[^']*'|(?:[^\s"']|["'](?=[^\s"']))+)"""
-_MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|(?:[^\s;&|<>()"']|["'](?=[^\s;&|<>()"']))+))*"""
+# a script bash refused) and one inside it taken (shlex writes a key's ' as '"'"'); after a space, every
+# word up to the next option or shell operator too (vLLM's --api-key takes several keys)
+_BARE = r"""(?:[^\s"']|["'](?=\S))+"""
+_VALUE = rf"""(?:"[^"]*"|'[^']*'|{_BARE})"""
+_MORE_VALUES = r"""(?:\s+(?![-;&|<>()])(?:"[^"]*"|'[^']*'|(?:[^\s;&|<>()"']|["'](?=[^\s;&|<>()]))+))*"""
 # (?!-): a flag without a value (--no-auth) keeps the next option shown
 _SECRET_OPTION = re.compile(rf"""(--?(?:[\w-]*[-_])?{_SECRET_WORD})(?![\w-])"""
                             rf"""(?:(=){_VALUE}|(\s+)(?!-){_VALUE}{_MORE_VALUES})""", re.IGNORECASE)
@@ -33,7 +34,7 @@ _SECRET_PAIR = re.compile(rf"""(["'](?:[\w-]*[-_])?{_SECRET_WORD}["']\s*:\s*)(?:
 # an Authorization header's credentials (`--header "Authorization: Bearer sk-..."`)
 _CREDENTIALS = re.compile(r"\b((?:Bearer|Basic|Token)\s+)(?:\"[^\"]*\"|'[^']*'|[^\s\"']+)", re.IGNORECASE)
 # a shell assignment of one, as in `HF_TOKEN=hf_... vllm serve ...` (not an option's `--hf-token=`)
-_SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|\S*)""",
+_SECRET_ASSIGNMENT = re.compile(rf"""(?<![\w$-])((?:[A-Za-z_]\w*_)?{_SECRET_WORD})=("[^"]*"|'[^']*'|{_BARE}|)""",
                                 re.IGNORECASE)
 MASK = "***"
 # credentials as a server echoes a request's Authorization header: scheme-cased, holding a digit or a capital

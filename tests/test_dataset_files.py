@@ -68,6 +68,8 @@ def test_a_folder_of_one_split_is_read_whole_in_name_order(tmp_path):
     with pytest.raises(InputError, match=r"mixes \.jsonl and \.parquet files: give a glob of one kind, e\.g\. "
                                          rf"--dataset '{root}/\*\*/\*\.parquet'"):
         load_rows(str(root / "**" / "*.*"))
+    with pytest.raises(InputError, match=rf"e\.g\. --dataset '{root}/\*\*/\*\.parquet'"):  # not '**.parquet'
+        load_rows(str(root / "**"))
 
 
 def test_a_folder_declaring_several_configs_is_refused_naming_them(tmp_path):

@@ -503,8 +503,8 @@ def test_skip_pads_with_zeros_a_consumer_none_of_whose_samples_is_readable(tmp_p
 
 
 def test_ranks_hold_a_digest_of_each_shards_sample_ids_and_still_check_them(tmp_path):
-    """Every rank holds every shard of the run, and held every sample id too: ~78 MiB in each rank
-    and DataLoader worker at 900K samples, 19 MiB of JSON in rank 0's broadcast. A shard record
+    """Every rank holds every shard of the run, and held every sample id too: 57 MiB in each rank
+    and DataLoader worker at 810K samples, 12 MiB of JSON in rank 0's hand-over. A shard record
     carries their digest; the object's footer must still list the commit's samples, in order."""
     uri = str(tmp_path / "run")
     make_run(uri)

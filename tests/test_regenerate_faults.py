@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import socket
+import shlex
 import subprocess
 import sys
 import threading
@@ -198,6 +199,12 @@ def test_a_key_at_the_end_of_a_quoted_serve_command_keeps_the_closing_quote(tmp_
     assert redacted(line) == "--serve 'vllm serve m --port $LAYERTAP_TASK_PORT --api-key ***' --tasks 2"
     assert redacted('--serve "vllm serve m --api-key sk-1 sk-2"') == '--serve "vllm serve m --api-key ***"'
     assert redacted("--api-key ab'c --port 8") == "--api-key *** --port 8"  # a quote inside a value: masked with it
+    # ... as shlex writes a key's quote inside a quoted --serve (a review: the key's rest was shown)
+    serve = shlex.quote("vllm serve m --api-key sk'abcdef")
+    assert redacted(f"--serve {serve}") == "--serve 'vllm serve m --api-key ***'"
+    for value in ("ab''cd", 'abc""def', "a'\"b"):
+        assert redacted(f"--token={value} --port 8") == "--token=*** --port 8"
+    assert redacted("bash -c 'HF_TOKEN=hf_1'") == "bash -c 'HF_TOKEN=***'"  # an assignment's closing quote kept
     script = tmp_path / "shown.sh"
     script.write_text(f"cmd=(layertap regenerate {redacted(line)})\n")
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

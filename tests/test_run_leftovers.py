@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import xxhash
 
 import fake_worker
 from layertap.cli import main as cli
@@ -322,20 +323,38 @@ def test_a_plain_stream_resumes_mid_epoch_over_a_shard_withdrawn_and_redone_with
     resumed = ShardStream(uri, config=config)
     resumed.load_state_dict(older)
     assert [s["sample_id"] for s in resumed] == rest
-    # a release whose order digest hashed the sample ids themselves (ranks now hold a digest of each
-    # shard's): the same objects are the same samples, so the same order
-    earlier = ShardStream(uri, config=config)
-    earlier.load_state_dict(dict(state, order="0123456789abcdef"))
-    assert [s["sample_id"] for s in earlier] == rest
+    # the release before hashed the sample ids themselves into the order (ranks now hold a digest of each
+    # shard's): its states resume over the same samples, and are refused over others
+    earlier = dict(state, order=order_by_ids(uri))
+    assert not state["order"].startswith(earlier["order"][:3]) and earlier["order"] != state["order"]
+    resumed = ShardStream(uri, config=config)
+    resumed.load_state_dict(earlier)
+    assert [s["sample_id"] for s in resumed] == rest
     withdraw(uri, 2)
     redo(uri, 2, other_bytes=True)
-    again = ShardStream(uri, config=config)
-    again.load_state_dict(state)
-    assert [s["sample_id"] for s in again] == rest and len(set(head + rest)) == 40
+    for saved in (state, earlier):
+        again = ShardStream(uri, config=config)
+        again.load_state_dict(saved)
+        assert [s["sample_id"] for s in again] == rest and len(set(head + rest)) == 40
     withdraw(uri, 2)
     redo(uri, 2, skip=1)  # other samples: another order, which a resume mid-epoch cannot continue
-    with pytest.raises(InputError, match="cannot resume this ShardStream mid-epoch"):
-        ShardStream(uri, config=config).load_state_dict(state)
+    for saved in (state, earlier):
+        with pytest.raises(InputError, match="cannot resume this ShardStream mid-epoch"):
+            ShardStream(uri, config=config).load_state_dict(saved)
+
+
+def order_by_ids(uri: str) -> str:
+    """The order digest a state of the release before recorded: each committed shard's id, count and
+    sample ids, hashed end to end."""
+    store = open_store(uri)
+    commits = sorted((decode_commit(store.get(o.key), o.key) for o in store.list(layout.COMMITS)),
+                     key=lambda c: c.shard)
+    h = xxhash.xxh3_64()
+    for c in commits:
+        if c.num_records:
+            h.update(f"{c.shard}:{len(c.sample_ids)}:".encode())
+            h.update("\0".join(c.sample_ids).encode())
+    return h.hexdigest()
 
 
 def test_a_later_epoch_resumes_over_the_set_it_settled_on_though_a_given_up_shard_came_since(tmp_path):

@@ -123,10 +123,25 @@ def _in_ranges(shard: int, runs: Sequence[Sequence[int]]) -> bool:
     return i >= 0 and runs[i][0] <= shard <= runs[i][1]
 
 
+ORDER_BY_DIGESTS = "v2:"  # begins an order digest made of each shard's ids digest (`_order_digest`)
+
+
 def _order_digest(shards: Sequence[CommittedShard]) -> str:
     """What an epoch's order depends on: the shards' ids and their samples, not their bytes (a
     shard redone after `verify` withdrew it holds the same samples in another object)."""
-    return xxhash.xxh3_64_hexdigest("\n".join(f"{s.shard}:{s.records}:{s.ids}" for s in shards).encode())
+    text = "\n".join(f"{s.shard}:{s.records}:{s.ids}" for s in shards)
+    return ORDER_BY_DIGESTS + xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def _order_by_ids(shards: Sequence[CommittedShard], commits: Sequence[CommitRecord]) -> str:
+    """The order digest of a state saved before `ORDER_BY_DIGESTS`: the sample ids themselves hashed,
+    as their commits list them (a shard whose commit is gone hashed as holding none)."""
+    ids = {c.shard: c.sample_ids for c in commits}
+    h = xxhash.xxh3_64()
+    for s in shards:
+        h.update(f"{s.shard}:{len(ids.get(s.shard, ()))}:".encode())
+        h.update("\0".join(ids.get(s.shard, ())).encode())
+    return h.hexdigest()
 
 
 def buffer_footprint(shuffle_buffer: int, sample_bytes: float, range_bytes: int) -> float:
@@ -478,12 +493,13 @@ class ShardStream(IterableDataset):
         mine.setdefault("follow", False)
         if "order" not in state:  # saved before a plain stream recorded its order: judged by the rest, as then
             mine.pop("order", None)
+        elif "order" in mine and not str(state["order"]).startswith(ORDER_BY_DIGESTS):  # by the release before:
+            commits = read_commits(self._store()).records  # its ids, read this once (the ranks hold digests)
+            mine["order"] = _order_by_ids(self.shards, [c for c in commits if isinstance(c, CommitRecord)])
         saved = dict(state, follow=bool(state.get("follow")))
         differ = [k for k, v in mine.items() if saved.get(k) != v]
         if "order" in saved and "order" not in differ and "settled" not in differ:
             differ = [k for k in differ if k != "shards"]  # redone shards, the same samples: the same order
-        elif "shards" not in differ:  # the same objects, so the same samples and order: a state saved while
-            differ = [k for k in differ if k != "order"]  # the digest hashed the ids themselves resumes
         self.shards_changed = None
         if differ and set(differ) <= set(SHARD_SET):
             # more shards committed (or some withdrawn) since: an epoch not begun takes today's set; one
