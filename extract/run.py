@@ -148,8 +148,8 @@ def _extract(cfg: ExtractConfig, state, stops: StopSignals | None = None, at_sto
         log.info("nothing to do: %s committed", "every shard of the run is" if cfg.shards is None
                  else f"each of the {len(queue.candidates)} shard(s) of --shards is")
         return _summary(store, cfg, queue) if rank == 0 else 0
-    if target is None:
-        target, capture, _ = prepare_target(cfg, state.device)
+    if target is None:  # a rerun's weights, or another dtype's: its capture layers were warned of
+        target, capture, _ = prepare_target(cfg, state.device, warn_layers=False)
     totals = PipelineStats()
     pad_id = padding_id(target)
     staging = HostStaging() if next(capture.decoder.parameters()).is_cuda else None  # pinned once, reused
@@ -275,14 +275,16 @@ def _setup_logging(log_dir: str, rank: int) -> None:
                 h.setLevel(logging.WARNING)
 
 
-def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
-                   weights: bool = True) -> tuple[Target, Capture, RunConfig]:
+def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu", weights: bool = True,
+                   warn_layers: bool = True) -> tuple[Target, Capture, RunConfig]:
     """The target (cut, with capture hooks), and the run identity its manifest pins.
 
     The one place that resolves the embedded default model, a local model folder (to its real
     path: the same folder however it is named) and the default layers, so that `layertap plan`
     (``weights=False``: a meta-device model, from the config and tokenizer alone) writes the very
     manifest that `layertap extract` resumes. Sets ``cfg.gguf_file`` when the embedded model is used.
+    ``warn_layers=False``: the capture layers were warned of already (the weights of a rerun load
+    after its model's config was checked).
     """
     model_path, gguf_file = cfg.model, cfg.gguf_file
     if model_path is None:
@@ -306,7 +308,7 @@ def prepare_target(cfg: ExtractConfig, device: str | torch.device = "cpu",
     capture = Capture(target.model, layers, cfg.final_state)  # validates layers before any work
     if weights:  # once per extraction, as the states are about to be computed
         _warn_past_context(cfg.max_length, capture.decoder.config)
-    if (why := unservable_layer(capture.layers, capture.num_layers)) is not None:
+    if warn_layers and (why := unservable_layer(capture.layers, capture.num_layers)) is not None:
         log.warning(why)
     cfg.gguf_file = gguf_file
     identity = cfg.identity(dict(target.info, model=f"embedded:{gguf_file}" if embedded else model_path),

@@ -160,7 +160,7 @@ def run_status(store: ObjectStore, manifest: Manifest | None = None, shards: boo
         "tokens_per_s": round(rate, 1) if rate else None,
         "rate_until": None if rate is None else "now" if counts["running"] else "last commit",
         # the span the rate is over: RATE_WINDOW_S, or less in a run younger than that
-        "rate_over_s": round(end - recent[0][0]) if rate else None,
+        "rate_over_s": round(max(end - recent[0][0], 1.0)) if rate else None,  # as `_rate` divides
         "tokens_per_s_average": _average_rate(manifest.created_at, last, tokens),
         "last_commit_age_s": round(max(0.0, st.now - last), 1) if last is not None else None,  # clocks a second apart
         # Only while workers hold shards, at the rate they are going at now: a remaining time

@@ -166,6 +166,14 @@ def test_the_last_decoder_layer_as_a_capture_layer_is_warned_of_at_extraction_an
                     "--max-length", "64", "--log-dir", str(tmp_path / "logs")]) == 0
     warned = [r.getMessage() for r in caplog.records if "last decoder layer" in r.getMessage()]
     assert len(warned) == 1 and "capture layer 5" in warned[0] and "HF hidden_states index 6" in warned[0]
+    # a rerun with shards left: said once too (twice: as its model's config was checked, then as its weights loaded)
+    caplog.clear()
+    first = sorted(Path(run, "commits").glob("*.json"))[0]
+    first.unlink()
+    with caplog.at_level("WARNING"):
+        assert cli(["extract", "--model", target, "--dataset", chats, "--out", run, "--layers", "1,5",
+                    "--max-length", "64", "--log-dir", str(tmp_path / "logs")]) == 0
+    assert len([r for r in caplog.records if "last decoder layer" in r.getMessage()]) == 1
     assert cli(["train", "--data", run, "--model", target, "--out", out, "--steps", "2",
                 "--mask-token-id", str(MASK_ID), *FAST]) == 0
     caplog.clear()

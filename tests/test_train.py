@@ -876,6 +876,32 @@ def test_resume_at_an_epoch_end_takes_shards_committed_since_and_mid_epoch_says_
     assert "train from the start on all of them (another --out" in err
 
 
+def test_a_resume_over_another_run_at_the_same_data_says_so_in_a_line(run, prenorm_run, target, tmp_path, capsys):
+    """--data deleted and extracted anew after training began: the resume printed the stream's
+    library error, seven lines of "run_id: state has ..., this stream has ..." and advice to
+    "construct the stream with the saved settings" (a user walk)."""
+    from layertap.train import ShardStream
+
+    data = open_store(str(tmp_path / "run"))
+    for source in (run, prenorm_run):
+        for o in data.list():
+            data.delete(o.key)
+        src = open_store(source)
+        for o in src.list():
+            data.put(o.key, src.get(o.key))
+        if source == run:
+            first = ShardStream(data.uri).run_id
+            out = str(tmp_path / "out")
+            assert train_cli("--data", data.uri, "--model", target, "--out", out, "--steps", "2", "--save-every", "1",
+                             *FAST) == 0
+    capsys.readouterr()
+    assert train_cli("--data", data.uri, "--model", target, "--out", out, "--steps", "4", "--resume", *FAST) == 2
+    err = capsys.readouterr().err
+    assert (f"error: cannot resume {out} from its checkpoint at step 2: it trained on run {first} at {data.uri}, "
+            f"which now holds another run ({ShardStream(data.uri).run_id}, extracted since)") in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_a_checkpoint_keeps_each_ranks_loader_position_apart_and_one_written_before_resumes(run, target, tmp_path,
                                                                                            capsys):
     """Gathered to rank 0 and kept in state.json, the positions (in the follow epoch every shard

@@ -521,6 +521,11 @@ def _resume_loader(cfg: TrainConfig, loader: StreamLoader, state: dict[str, Any]
     order is computed afresh), and with --epochs the steps left are those of the epochs left at
     today's size (its shards and --num-workers); an epoch begun cannot continue over another set
     (the stream refuses it)."""
+    saved_run = state.get("run_id")
+    if saved_run is not None and saved_run != loader.stream.run_id:  # deleted and extracted anew since
+        raise InputError(f"cannot resume {cfg.out} from its checkpoint at step {step}: it trained on run {saved_run} "
+                         f"at {cfg.data}, which now holds another run ({loader.stream.run_id}, extracted since): "
+                         f"train on it from the start into another --out (or delete {cfg.out}/checkpoints)")
     try:
         loader.load_state_dict(state)
     except ShardsChanged as e:
