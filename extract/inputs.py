@@ -130,7 +130,7 @@ def load_rows(path: str, limit: int | None = None, s3: Mapping[str, Any] | None 
 
     _check_limit(limit)
     if is_regenerated(path):
-        return load_regenerated(path, limit, s3)
+        return load_regenerated(path, limit, s3)[0]
     return _rows(path, data_files(path, s3), limit)
 
 
@@ -138,11 +138,11 @@ def load_pinned_rows(path: str, limit: int | None = None, s3: Mapping[str, Any] 
     """(`load_rows`, `dataset_fingerprint`) of one resolution of `path`'s files: resolved once for
     each, a folder a download was still filling gave the rows of N files and pinned N+1."""
     from layertap.extract.fingerprint import fingerprint_of
-    from layertap.extract.regenerated import is_regenerated, load_regenerated, regenerated_fingerprint
+    from layertap.extract.regenerated import is_regenerated, load_regenerated
 
     _check_limit(limit)
     if is_regenerated(path):
-        return load_regenerated(path, limit, s3), regenerated_fingerprint(path, limit, s3)
+        return load_regenerated(path, limit, s3)
     source = data_files(path, s3)
     return _rows(path, source, limit), fingerprint_of(path, source, limit)
 

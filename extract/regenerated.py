@@ -108,9 +108,9 @@ def iter_rows(path: str, keys: list[str] | None = None,
 
 
 def load_regenerated(path: str, limit: int | None = None, s3: Mapping[str, Any] | None = None):
-    """A finished regeneration as a ``datasets.Dataset`` of OpenAI-style chats (``messages``):
-    exactly the parts that were checked complete and fingerprinted (one listing). `limit` is
-    checked by the caller, `inputs.load_rows`."""
+    """A finished regeneration as a ``datasets.Dataset`` of OpenAI-style chats (``messages``), and
+    its `regenerated_fingerprint`: exactly the parts that were checked complete and fingerprinted
+    (one listing, one recipe read). `limit` is checked by the caller, `inputs.load_rows`."""
     import datasets
 
     _, recipe, parts = _complete(path, s3)
@@ -122,7 +122,7 @@ def load_regenerated(path: str, limit: int | None = None, s3: Mapping[str, Any] 
                          f"(see its stats/ for the reasons)")
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
-    return ds
+    return ds, _fingerprint(recipe, parts, limit)
 
 
 def _rows(path: str, keys: list[str], fingerprint: str, s3: dict[str, Any]) -> Iterator[dict[str, Any]]:
